@@ -1,0 +1,77 @@
+"""Small helpers shared by Tempo's ops: input checks, compute dtypes, bit packing, RNG seeds."""
+
+from __future__ import annotations
+
+import torch
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_BIT_WEIGHTS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
+
+
+def check_float(name: str, t: torch.Tensor) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in FLOAT_DTYPES:
+        raise TypeError(
+            f"{name} has dtype {t.dtype}; Tempo's ops accept floating tensors only: "
+            f"{', '.join(str(d) for d in FLOAT_DTYPES)}"
+        )
+
+
+def check_probability(p: float) -> None:
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"dropout probability must be in [0, 1), got {p}")
+
+
+def opmath(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the math runs in: float32 for half types and float32, float64 for float64."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def pack_bits(mask: torch.Tensor) -> torch.Tensor:
+    """Pack a bool tensor (any shape) into uint8, 8 elements per byte, element i -> bit i % 8."""
+    flat = mask.reshape(-1)
+    pad = (-flat.numel()) % 8
+    if pad:
+        flat = torch.cat([flat, flat.new_zeros(pad)])
+    weights = _BIT_WEIGHTS.to(mask.device)
+    return (flat.view(-1, 8).to(torch.uint8) * weights).sum(dim=1, dtype=torch.uint8)
+
+
+def unpack_bits(packed: torch.Tensor, numel: int) -> torch.Tensor:
+    """Inverse of pack_bits: a flat bool tensor of ``numel`` elements."""
+    weights = _BIT_WEIGHTS.to(packed.device)
+    bits = (packed.view(-1, 1) & weights) != 0
+    return bits.view(-1)[:numel]
+
+
+def packed_numel(numel: int) -> int:
+    return (numel + 7) // 8
+
+
+def new_seed() -> torch.Tensor:
+    """A dropout seed drawn from torch's default CPU generator (so torch.manual_seed governs it).
+
+    It lives on the CPU so reading it in a kernel launch never synchronises a GPU.
+    """
+    return torch.randint(0, 2**31 - 1, (), dtype=torch.int64)
+
+
+def dropout_keep_mask(seed: torch.Tensor, shape: torch.Size, p: float, device: torch.device) -> torch.Tensor:
+    """The keep-mask for (seed, shape, p): regenerated bit-for-bit in backward, so it is never stored.
+
+    PyTorch path (CPU, or CUDA without Triton). The Triton kernels use their own counter-based
+    generator (Philox via tl.rand); each path regenerates its own mask consistently.
+    """
+    gen = torch.Generator(device=device)
+    gen.manual_seed(int(seed))
+    return torch.rand(shape, generator=gen, device=device, dtype=torch.float32) >= p
+
+
+def use_triton(*tensors: torch.Tensor) -> bool:
+    """Run the fused Triton kernels? On CUDA tensors when triton imports (never on CPU)."""
+    if not all(t.is_cuda for t in tensors):
+        return False
+    from .kernels import TRITON_AVAILABLE
+
+    return TRITON_AVAILABLE

@@ -1,0 +1,83 @@
+"""Sessions: tests, lint, figures, gpu_check, and one per experiment.
+
+All sessions share one virtualenv (``.nox/shared``), installed from ``pyproject.toml`` and
+re-installed only when that file changes, so a second run starts in seconds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import nox
+
+ROOT = Path(__file__).parent
+VENV = ROOT / ".nox" / "shared"
+STAMP = VENV / "installed-from.sha256"
+
+nox.options.default_venv_backend = "none"
+nox.options.sessions = ["tests"]
+
+
+def _venv_python() -> str:
+    """Create/refresh the shared env when pyproject.toml changed; return its python."""
+    digest = hashlib.sha256((ROOT / "pyproject.toml").read_bytes()).hexdigest()
+    py = VENV / "bin" / "python"
+    if not py.exists():
+        subprocess.run([sys.executable, "-m", "venv", str(VENV)], check=True)
+    if not STAMP.exists() or STAMP.read_text().strip() != digest:
+        subprocess.run([str(py), "-m", "pip", "install", "-q", "-e", f"{ROOT}[test,lint]"], check=True)
+        STAMP.write_text(digest)
+    return str(py)
+
+
+def _run(session: nox.Session, *args: str, env: dict[str, str] | None = None) -> None:
+    session.run(_venv_python(), *args, external=True, env=env or {})
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """Whole CPU test suite (Triton kernels run under TRITON_INTERPRET=1)."""
+    _run(session, "-m", "pytest", "-m", "not gpu", *session.posargs)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff over everything."""
+    _run(session, "-m", "ruff", "check", ".")
+    _run(session, "-m", "ruff", "format", "--check", ".")
+
+
+@nox.session
+def figures(session: nox.Session) -> None:
+    """Regenerate every figure from result files only (no experiment is re-run)."""
+    for script in sorted((ROOT / "figures").glob("plot_*.py")):
+        _run(session, str(script))
+
+
+@nox.session
+def gpu_check(session: nox.Session) -> None:
+    """Every GPU test and micro-benchmark in one run (needs CUDA)."""
+    _run(session, "-m", "pytest", "-m", "gpu", "-x", "--benchmark-enable", "-q", *session.posargs)
+
+
+@nox.session
+def tempo_demo(session: nox.Session) -> None:
+    """Tempo's layers on one BERT-Large encoder layer: saved-for-backward bytes, HF eager vs Tempo."""
+    _run(session, "-m", "tempo.demo", *session.posargs)
+
+
+@nox.session
+def tempo_bert(session: nox.Session) -> None:
+    """Tempo's evaluation (issue #3). Until its driver lands this runs the layer demo."""
+    driver = ROOT / "artifacts" / "tempo_bert" / "run.py"
+    if driver.exists():
+        _run(session, "-m", "artifacts.tempo_bert.run", *session.posargs)
+    else:
+        session.log("artifacts/tempo_bert/run.py not written yet: running the Tempo layer demo instead")
+        _run(session, "-m", "tempo.demo", *session.posargs)
+
+
