@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..gelu import NEWTON_STEPS, branch_point, branch_threshold
+from ..ops.gelu import NEWTON_STEPS, branch_point, branch_threshold
 
 BLOCK = 1024  # elements per program; a multiple of 8 so each program owns whole mask bytes
 _K = tl.constexpr(math.sqrt(2.0 / math.pi))

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..layernorm import _rows, gamma_floor
+from ..ops.layernorm import _rows, gamma_floor
 
 ROWS_PER_PROGRAM = 16
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._common import check_float, check_probability, dropout_keep_mask, new_seed, opmath, use_triton
+from .._common import check_float, check_probability, dropout_keep_mask, new_seed, opmath, use_triton
 
 
 def _keep_scale(probs: Tensor, p: float, seed: Tensor) -> Tensor | None:
@@ -60,7 +60,7 @@ def attention_core_bwd_torch(
 def attention_core_op(scores: Tensor, value: Tensor, p: float, seed: Tensor) -> tuple[Tensor, Tensor]:
     """(dropout(softmax(scores)) @ value, softmax(scores)); P in value's dtype."""
     if use_triton(scores, value):
-        from .kernels.attention import attention_core_fwd_triton
+        from ..kernels.attention import attention_core_fwd_triton
 
         return attention_core_fwd_triton(scores, value, p, int(seed))
     return attention_core_fwd_torch(scores, value, p, seed)
@@ -78,7 +78,7 @@ def attention_core_bwd(
     scores_dtype: torch.dtype,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     if use_triton(grad_out, probs, value):
-        from .kernels.attention import attention_core_bwd_triton
+        from ..kernels.attention import attention_core_bwd_triton
 
         return attention_core_bwd_triton(grad_out, grad_probs, probs, value, p, int(seed), scores_dtype)
     return attention_core_bwd_torch(grad_out, grad_probs, probs, value, p, seed, scores_dtype)

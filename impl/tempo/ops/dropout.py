@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from ._common import check_float, check_probability, dropout_keep_mask, new_seed, use_triton
+from .._common import check_float, check_probability, dropout_keep_mask, new_seed, use_triton
 
 
 def dropout_apply_torch(x: Tensor, p: float, seed: Tensor) -> Tensor:
@@ -22,7 +22,7 @@ def dropout_apply_torch(x: Tensor, p: float, seed: Tensor) -> Tensor:
 def dropout_op(x: Tensor, p: float, seed: Tensor) -> Tensor:
     """Dropout of a contiguous x with the mask of ``seed`` (a CPU int64 scalar)."""
     if use_triton(x):
-        from .kernels.dropout import dropout_triton
+        from ..kernels.dropout import dropout_triton
 
         return dropout_triton(x, p, int(seed))
     return dropout_apply_torch(x, p, seed)

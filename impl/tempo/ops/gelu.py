@@ -41,7 +41,7 @@ import math
 import torch
 from torch import Tensor, nn
 
-from ._common import check_float, opmath, pack_bits, packed_numel, unpack_bits, use_triton
+from .._common import check_float, opmath, pack_bits, packed_numel, unpack_bits, use_triton
 
 APPROXIMATIONS = ("none", "tanh")
 NEWTON_STEPS = 4  # enough for float64 from the starting points above (tests check it)
@@ -79,20 +79,28 @@ def _log_neg_gelu_and_derivative(x: Tensor, approximate: str) -> tuple[Tensor, T
     return torch.log(-x) + log_cdf, 1.0 / x + torch.exp(-0.5 * x * x - _HALF_LOG_2PI - log_cdf)
 
 
+def _second_derivative(x: float, approximate: str) -> float:
+    """GELU''(x) in closed form (Python floats)."""
+    if approximate == "tanh":
+        u = _SQRT_2_OVER_PI * (x + _TANH_CUBIC * x**3)
+        du = _SQRT_2_OVER_PI * (1.0 + 3.0 * _TANH_CUBIC * x * x)
+        d2u = _SQRT_2_OVER_PI * 6.0 * _TANH_CUBIC * x
+        sech2 = 1.0 - math.tanh(u) ** 2
+        # GELU = x (1 + tanh u) / 2  =>  GELU'' = sech^2(u) (u' + x u''/2 - x u'^2 tanh u)
+        return sech2 * (du + 0.5 * x * d2u - x * du * du * math.tanh(u))
+    return math.exp(-0.5 * x * x - _HALF_LOG_2PI) * (2.0 - x * x)
+
+
 @functools.cache
 def branch_point(approximate: str) -> tuple[float, float, float]:
     """(x_min, GELU(x_min), GELU''(x_min)) in float64, found by Newton on GELU' = 0."""
     _check_approximate(approximate)
-    x = torch.tensor(-0.75, dtype=torch.float64)
-    for _ in range(50):
-        xr = x.clone().requires_grad_()
-        _, d = gelu_and_derivative(xr, approximate)
-        (dd,) = torch.autograd.grad(d, xr)
-        x = (x - d / dd).detach()
-    xr = x.clone().requires_grad_()
-    y, d = gelu_and_derivative(xr, approximate)
-    (dd,) = torch.autograd.grad(d, xr)
-    return x.item(), y.item(), dd.item()
+    x = -0.75
+    for _ in range(30):
+        _, d = gelu_and_derivative(torch.tensor(x, dtype=torch.float64), approximate)
+        x -= d.item() / _second_derivative(x, approximate)
+    y, _ = gelu_and_derivative(torch.tensor(x, dtype=torch.float64), approximate)
+    return x, y.item(), _second_derivative(x, approximate)
 
 
 def branch_threshold(dtype: torch.dtype, approximate: str) -> tuple[float, bool]:
@@ -155,7 +163,7 @@ def gelu_backward_torch(grad: Tensor, y: Tensor, packed: Tensor, approximate: st
 def gelu_fwd(x: Tensor, approximate: str) -> tuple[Tensor, Tensor]:
     """GELU(x) and the bit-packed branch mask. ``x`` must be contiguous."""
     if use_triton(x):
-        from .kernels.gelu import gelu_fwd_triton
+        from ..kernels.gelu import gelu_fwd_triton
 
         return gelu_fwd_triton(x, approximate)
     return nn.functional.gelu(x, approximate=approximate), pack_bits(left_of_minimum(x, approximate))
@@ -170,7 +178,7 @@ def _(x: Tensor, approximate: str) -> tuple[Tensor, Tensor]:
 def gelu_bwd(grad: Tensor, y: Tensor, packed: Tensor, approximate: str) -> Tensor:
     grad = grad.contiguous()
     if use_triton(grad, y):
-        from .kernels.gelu import gelu_bwd_triton
+        from ..kernels.gelu import gelu_bwd_triton
 
         return gelu_bwd_triton(grad, y, packed, approximate)
     return gelu_backward_torch(grad, y, packed, approximate)

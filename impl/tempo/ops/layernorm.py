@@ -26,7 +26,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from ._common import check_float, opmath, use_triton
+from .._common import check_float, opmath, use_triton
 
 
 def gamma_floor(dtype: torch.dtype) -> float:
@@ -68,7 +68,7 @@ def layer_norm_backward_torch(
 def layer_norm_fwd(x: Tensor, weight: Tensor, bias: Tensor, normalized_ndim: int, eps: float) -> tuple[Tensor, Tensor]:
     """LayerNorm over the last ``normalized_ndim`` dims; returns (y, rstd[rows] in float32/64)."""
     if use_triton(x, weight, bias):
-        from .kernels.layernorm import layer_norm_fwd_triton
+        from ..kernels.layernorm import layer_norm_fwd_triton
 
         return layer_norm_fwd_triton(x, weight, bias, normalized_ndim, eps)
     shape = x.shape[x.dim() - normalized_ndim :]
@@ -91,7 +91,7 @@ def layer_norm_bwd(
 ) -> tuple[Tensor, Tensor, Tensor]:
     grad = grad.contiguous()
     if use_triton(grad, y, rstd, weight, bias):
-        from .kernels.layernorm import layer_norm_bwd_triton
+        from ..kernels.layernorm import layer_norm_bwd_triton
 
         return layer_norm_bwd_triton(grad, y, rstd, weight, bias, normalized_ndim)
     return layer_norm_backward_torch(grad, y, rstd, weight, bias, normalized_ndim)

@@ -1,0 +1,119 @@
+"""Exact bytes kept for backward, via ``torch.autograd.graph.saved_tensors_hooks``.
+
+Every tensor autograd saves passes through the pack hook. We count each *storage* once: a
+tensor saved by two ops, or two views of one buffer (Q, K, V as views of one projection),
+cost memory once. Storages of the model's parameters and buffers are reported apart (they
+exist anyway), as are storages that existed before the measured region (e.g. the input).
+Each new storage is attributed to the innermost module running when it was first saved, which
+tells where the bytes went.
+
+Works on real tensors and on FakeTensor/meta tensors (storages are told apart by their C++
+identity, not their address).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+
+def storage_key(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+@dataclass
+class SavedTensorsReport:
+    activation_bytes: int  # storages first created for, and saved by, the measured region
+    parameter_bytes: int  # saved storages that are the model's parameters or buffers
+    input_bytes: int  # saved storages that existed before the region (inputs)
+    by_module: dict[str, int] = field(default_factory=dict)  # qualified name -> activation bytes
+    by_module_type: dict[str, int] = field(default_factory=dict)  # class name -> activation bytes
+    by_dtype: dict[str, int] = field(default_factory=dict)
+    storages: int = 0
+
+    @property
+    def total_bytes(self) -> int:
+        """Everything the backward keeps alive except the parameters."""
+        return self.activation_bytes + self.input_bytes
+
+
+class SavedTensorsMeter:
+    """Context manager: ``with SavedTensorsMeter(model, inputs=(x,)) as m: loss = model(x)``."""
+
+    def __init__(self, model: nn.Module | None = None, inputs: tuple[torch.Tensor, ...] = ()) -> None:
+        self._model = model
+        self._param_keys: set[int] = set()
+        if model is not None:
+            for t in [*model.parameters(), *model.buffers()]:
+                self._param_keys.add(storage_key(t))
+        self._input_keys = {storage_key(t) for t in inputs}
+        self._seen: dict[int, tuple[int, str, str, str]] = {}  # key -> (bytes, module, type, dtype)
+        self._module_stack: list[tuple[str, str]] = [("<top>", "<top>")]
+        self._handles: list = []
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    # A tensor with no storage (e.g. a sparse or nested one) cannot be counted honestly.
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        key = storage_key(t)
+        if key not in self._seen:
+            name, kind = self._module_stack[-1]
+            self._seen[key] = (t.untyped_storage().nbytes(), name, kind, str(t.dtype).removeprefix("torch."))
+        return t
+
+    @staticmethod
+    def _unpack(t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    def __enter__(self) -> SavedTensorsMeter:
+        if self._model is not None:
+            for name, module in self._model.named_modules():
+                self._handles.append(module.register_forward_pre_hook(self._push(name or "<model>", module)))
+                self._handles.append(module.register_forward_hook(self._pop))
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def _push(self, name: str, module: nn.Module):
+        kind = type(module).__name__
+
+        def hook(_module, _args):
+            self._module_stack.append((name, kind))
+
+        return hook
+
+    def _pop(self, _module, _args, _out) -> None:
+        self._module_stack.pop()
+
+    def report(self) -> SavedTensorsReport:
+        by_module: dict[str, int] = defaultdict(int)
+        by_type: dict[str, int] = defaultdict(int)
+        by_dtype: dict[str, int] = defaultdict(int)
+        act = params = inputs = 0
+        for key, (nbytes, name, kind, dtype) in self._seen.items():
+            if key in self._param_keys:
+                params += nbytes
+            elif key in self._input_keys:
+                inputs += nbytes
+            else:
+                act += nbytes
+                by_module[name] += nbytes
+                by_type[kind] += nbytes
+                by_dtype[dtype] += nbytes
+        return SavedTensorsReport(act, params, inputs, dict(by_module), dict(by_type), dict(by_dtype), len(self._seen))
+
+
+def saved_bytes(model: nn.Module, *inputs: torch.Tensor, **kwargs) -> SavedTensorsReport:
+    """Bytes ``model(*inputs, **kwargs)`` keeps for backward (one forward, graph then dropped)."""
+    tensor_inputs = tuple(t for t in (*inputs, *kwargs.values()) if isinstance(t, torch.Tensor))
+    with SavedTensorsMeter(model, tensor_inputs) as meter:
+        out = model(*inputs, **kwargs)
+    del out
+    return meter.report()
