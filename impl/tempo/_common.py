@@ -57,14 +57,30 @@ def new_seed() -> torch.Tensor:
     return torch.randint(0, 2**31 - 1, (), dtype=torch.int64)
 
 
-def dropout_keep_mask(seed: torch.Tensor, shape: torch.Size, p: float, device: torch.device) -> torch.Tensor:
-    """The keep-mask for (seed, shape, p): regenerated bit-for-bit in backward, so it is never stored.
+# The PyTorch paths work through big tensors in chunks of this many elements, so their
+# temporaries (float32 upcasts, Newton iterates, masks) stay a few MB whatever the tensor size,
+# as in the fused Triton kernels, which need none. A multiple of 8 (whole mask bytes).
+CHUNK_ELEMS = 1 << 15
 
-    PyTorch path (CPU, or CUDA without Triton). The Triton kernels use their own counter-based
-    generator (Philox via tl.rand); each path regenerates its own mask consistently.
+
+def chunks(n: int, size: int = CHUNK_ELEMS):
+    """(index, slice) pairs covering range(n) in pieces of ``size``."""
+    for i, start in enumerate(range(0, n, size)):
+        yield i, slice(start, min(start + size, n))
+
+
+def dropout_keep_mask(
+    seed: torch.Tensor | int, chunk_index: int, shape: torch.Size | tuple[int, ...], p: float, device: torch.device
+) -> torch.Tensor:
+    """The keep-mask of chunk ``chunk_index`` of a dropout with ``seed``: a pure function of its
+    arguments, regenerated bit-for-bit in backward, so it is never stored.
+
+    PyTorch path (CPU, or CUDA without Triton). The Triton kernels use a counter-based generator
+    (Philox via tl.rand); each path regenerates its own mask consistently.
     """
     gen = torch.Generator(device=device)
-    gen.manual_seed(int(seed))
+    # Distinct, well-mixed seeds per chunk (golden-ratio increment, as in SplitMix64).
+    gen.manual_seed((int(seed) + chunk_index * 0x9E3779B97F4A7C15) % (1 << 63))
     return torch.rand(shape, generator=gen, device=device, dtype=torch.float32) >= p
 
 

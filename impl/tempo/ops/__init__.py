@@ -1,1 +1,52 @@
-"""Tempo's ops: one file each (math, custom op, autograd); kernels live in tempo/kernels."""
+"""Tempo's ops: one file each (math, custom op, autograd); kernels live in tempo/kernels.
+
+``workspace_bytes`` says how much transient memory an op call needs besides its inputs and
+outputs, so the fake-tensor memory estimator (measure/memory.py), which cannot see inside a
+custom op, can add it. On CUDA (Triton kernels) that is what the kernels' wrappers allocate;
+on CPU it is the chunked PyTorch path's bound (chunks of CHUNK_ELEMS elements, at most
+CPU_BYTES_PER_CHUNK_ELEM bytes of temporaries per element of a chunk).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .._common import CHUNK_ELEMS
+
+# Upper bound on the PyTorch path's live temporaries per element of a chunk (measured with the
+# profiler in tests/test_workspace.py; the worst case, the bf16 GELU backward's Newton solve with
+# both branches alive, needs ~190).
+CPU_BYTES_PER_CHUNK_ELEM = 192
+
+
+def _cpu_chunk_bytes(numel: int) -> int:
+    return min(numel, CHUNK_ELEMS) * CPU_BYTES_PER_CHUNK_ELEM
+
+
+def workspace_bytes(op_name: str, args: tuple, kwargs: dict, target: str) -> int:
+    """Transient bytes of one call of ``op_name`` when it runs on ``target`` ('cuda' or 'cpu')."""
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    if not tensors:
+        return 0
+    first = tensors[0]
+    on_cuda = target == "cuda"
+    if op_name.startswith("tempo::attention_core"):
+        # probs-sized buffers for cuBLAS: the dropped-out P (forward), and dP_dropped + P (backward).
+        probs_numel = first.numel() if op_name == "tempo::attention_core" else args[2].numel()
+        value = args[1] if op_name == "tempo::attention_core" else args[3]
+        if on_cuda:
+            n_buffers = 1 if op_name == "tempo::attention_core" else 2
+            return n_buffers * probs_numel * value.element_size()
+        probs_like = first if op_name == "tempo::attention_core" else args[2]
+        per_head = probs_like.shape[-1] * probs_like.shape[-2]
+        heads_per_chunk = max(1, CHUNK_ELEMS // max(per_head, 1))
+        return _cpu_chunk_bytes(min(probs_numel, heads_per_chunk * per_head))
+    if op_name == "tempo::layer_norm_bwd" and on_cuda:
+        d = args[3].numel()
+        rows = first.numel() // max(d, 1)
+        return 2 * math.ceil(rows / 16) * d * 4  # per-program dgamma/dbeta partials (float32)
+    if on_cuda:
+        return 0
+    return _cpu_chunk_bytes(first.numel())

@@ -17,40 +17,61 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .._common import check_float, check_probability, dropout_keep_mask, new_seed, opmath, use_triton
+from .._common import CHUNK_ELEMS, check_float, check_probability, chunks, dropout_keep_mask, new_seed, opmath, use_triton
 
 
-def _keep_scale(probs: Tensor, p: float, seed: Tensor) -> Tensor | None:
-    """keep / (1 - p) as a float mask, or None without dropout."""
+def _rows_per_chunk(probs_shape: torch.Size) -> int:
+    """Heads (leading rows of the flattened (N, Sq, Sk) scores) per chunk of the PyTorch path."""
+    per_head = probs_shape[-1] * probs_shape[-2]
+    return max(1, CHUNK_ELEMS // max(per_head, 1))
+
+
+def _keep_scale(p: float, seed: Tensor, chunk_index: int, shape: torch.Size, device, dtype) -> Tensor | None:
+    """keep / (1 - p) as a float mask for one chunk, or None without dropout."""
     if p == 0.0:
         return None
-    keep = dropout_keep_mask(seed, probs.shape, p, probs.device)
-    return keep.to(opmath(probs.dtype)) * (1.0 / (1.0 - p))
+    keep = dropout_keep_mask(seed, chunk_index, shape, p, device)
+    return keep.to(dtype) * (1.0 / (1.0 - p))
 
 
 def attention_core_fwd_torch(scores: Tensor, value: Tensor, p: float, seed: Tensor) -> tuple[Tensor, Tensor]:
-    probs = torch.softmax(scores.to(opmath(scores.dtype)), dim=-1).to(value.dtype)
-    scale = _keep_scale(probs, p, seed)
-    dropped = probs if scale is None else (probs.to(scale.dtype) * scale).to(value.dtype)
-    return torch.matmul(dropped, value), probs
+    """Chunks of heads at a time, so the float32 softmax and the dropped-out P stay small."""
+    sq, sk, dv = scores.shape[-2], scores.shape[-1], value.shape[-1]
+    s3, v3 = scores.reshape(-1, sq, sk), value.reshape(-1, sk, dv)
+    f = opmath(scores.dtype)
+    probs = torch.empty(s3.shape, dtype=value.dtype, device=scores.device)
+    out = torch.empty((s3.shape[0], sq, dv), dtype=value.dtype, device=scores.device)
+    for i, part in chunks(s3.shape[0], _rows_per_chunk(scores.shape)):
+        pc = torch.softmax(s3[part].to(f), dim=-1).to(value.dtype)
+        probs[part] = pc
+        scale = _keep_scale(p, seed, i, pc.shape, pc.device, f)
+        dropped = pc if scale is None else (pc.to(f) * scale).to(value.dtype)
+        torch.matmul(dropped, v3[part], out=out[part])
+    return out.view(*scores.shape[:-1], dv), probs.view(scores.shape)
 
 
 def attention_core_bwd_torch(
     grad_out: Tensor, grad_probs: Tensor | None, probs: Tensor, value: Tensor, p: float, seed: Tensor,
     scores_dtype: torch.dtype,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
+    sq, sk, dv = probs.shape[-2], probs.shape[-1], value.shape[-1]
+    p3, v3, go3 = probs.reshape(-1, sq, sk), value.reshape(-1, sk, dv), grad_out.reshape(-1, sq, dv)
+    gp3 = grad_probs.reshape(-1, sq, sk) if grad_probs is not None else None
     f = opmath(probs.dtype)
-    scale = _keep_scale(probs, p, seed)
-    dropped = probs if scale is None else (probs.to(f) * scale).to(value.dtype)
-    grad_value = torch.matmul(dropped.transpose(-1, -2), grad_out)
-    grad_p = torch.matmul(grad_out, value.transpose(-1, -2)).to(f)
-    if scale is not None:
-        grad_p = grad_p * scale
-    if grad_probs is not None:
-        grad_p = grad_p + grad_probs.to(f)
-    pf = probs.to(f)
-    grad_scores = pf * (grad_p - (grad_p * pf).sum(dim=-1, keepdim=True))
-    return grad_scores.to(scores_dtype), grad_value
+    grad_scores = torch.empty(p3.shape, dtype=scores_dtype, device=probs.device)
+    grad_value = torch.empty(v3.shape, dtype=value.dtype, device=value.device)
+    for i, part in chunks(p3.shape[0], _rows_per_chunk(probs.shape)):
+        pf = p3[part].to(f)
+        scale = _keep_scale(p, seed, i, pf.shape, pf.device, f)
+        dropped = p3[part] if scale is None else (pf * scale).to(value.dtype)
+        torch.matmul(dropped.transpose(-1, -2), go3[part], out=grad_value[part])
+        grad_p = torch.matmul(go3[part], v3[part].transpose(-1, -2)).to(f)
+        if scale is not None:
+            grad_p = grad_p * scale
+        if gp3 is not None:
+            grad_p = grad_p + gp3[part].to(f)
+        grad_scores[part] = pf * (grad_p - (grad_p * pf).sum(dim=-1, keepdim=True))
+    return grad_scores.view(probs.shape), grad_value.view(value.shape)
 
 
 # ---------------------------------------------------------------- custom ops
@@ -68,8 +89,7 @@ def attention_core_op(scores: Tensor, value: Tensor, p: float, seed: Tensor) -> 
 
 @attention_core_op.register_fake
 def _(scores, value, p, seed):
-    out_shape = (*torch.broadcast_shapes(scores.shape[:-2], value.shape[:-2]), scores.shape[-2], value.shape[-1])
-    return value.new_empty(out_shape), scores.new_empty(scores.shape, dtype=value.dtype)
+    return value.new_empty((*scores.shape[:-1], value.shape[-1])), scores.new_empty(scores.shape, dtype=value.dtype)
 
 
 @torch.library.custom_op("tempo::attention_core_bwd", mutates_args=())
@@ -119,6 +139,11 @@ def attention_core(scores: Tensor, value: Tensor, dropout_p: float = 0.0, traini
     check_float("attention scores", scores)
     check_float("attention value", value)
     check_probability(dropout_p)
+    if scores.shape[:-2] != value.shape[:-2]:
+        raise ValueError(
+            f"scores (..., Sq, Sk) and value (..., Sk, Dv) must have the same leading dims (no "
+            f"broadcasting): {list(scores.shape)} vs {list(value.shape)}"
+        )
     if scores.shape[-1] != value.shape[-2]:
         raise ValueError(
             f"scores (..., Sq, Sk) and value (..., Sk, Dv) disagree on Sk: {list(scores.shape)} vs {list(value.shape)}"

@@ -9,13 +9,17 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from .._common import check_float, check_probability, dropout_keep_mask, new_seed, use_triton
+from .._common import check_float, check_probability, chunks, dropout_keep_mask, new_seed, use_triton
 
 
 def dropout_apply_torch(x: Tensor, p: float, seed: Tensor) -> Tensor:
-    """x * keep / (1 - p) with the keep-mask of (seed, x.shape, p) (PyTorch path)."""
-    keep = dropout_keep_mask(seed, x.shape, p, x.device)
-    return x * keep.to(x.dtype) * (1.0 / (1.0 - p))
+    """x * keep / (1 - p) with the keep-mask of (seed, p), chunk by chunk (PyTorch path)."""
+    x_flat = x.reshape(-1)
+    y = torch.empty_like(x_flat)
+    for i, part in chunks(x_flat.numel()):
+        keep = dropout_keep_mask(seed, i, (part.stop - part.start,), p, x.device)
+        y[part] = x_flat[part] * keep * (1.0 / (1.0 - p))
+    return y.view(x.shape)
 
 
 @torch.library.custom_op("tempo::dropout", mutates_args=())

@@ -41,7 +41,7 @@ import math
 import torch
 from torch import Tensor, nn
 
-from .._common import check_float, opmath, pack_bits, packed_numel, unpack_bits, use_triton
+from .._common import check_float, chunks, opmath, pack_bits, packed_numel, unpack_bits, use_triton
 
 APPROXIMATIONS = ("none", "tanh")
 NEWTON_STEPS = 4  # enough for float64 from the starting points above (tests check it)
@@ -147,13 +147,24 @@ def recover_input(y: Tensor, left: Tensor, approximate: str, steps: int = NEWTON
 def gelu_backward_torch(grad: Tensor, y: Tensor, packed: Tensor, approximate: str) -> Tensor:
     """PyTorch implementation of the backward (CPU; the reference for the Triton kernel)."""
     math_dtype = opmath(y.dtype)
-    yf = y.reshape(-1).to(math_dtype)
-    left = unpack_bits(packed, yf.numel())
-    x = recover_input(yf, left, approximate)
-    _, dgelu = gelu_and_derivative(x, approximate)
-    # Left branch with y == 0: GELU underflowed, so |GELU'| < |x| * tiny; torch's backward gives 0 too.
-    dgelu = torch.where(left & (yf == 0), 0.0, dgelu)
-    return (grad.reshape(-1).to(math_dtype) * dgelu).to(grad.dtype).view(y.shape)
+    y_flat, g_flat = y.reshape(-1), grad.reshape(-1)
+    dx = torch.empty_like(g_flat)
+    for _, part in chunks(y_flat.numel()):
+        yf = y_flat[part].to(math_dtype)
+        left = unpack_bits(packed[part.start // 8 : (part.stop + 7) // 8], yf.numel())
+        _, dgelu = gelu_and_derivative(recover_input(yf, left, approximate), approximate)
+        # Left branch with y == 0: GELU underflowed, |GELU'| < |x| * tiny; torch's backward gives 0 too.
+        dgelu = torch.where(left & (yf == 0), 0.0, dgelu)
+        dx[part] = g_flat[part].to(math_dtype) * dgelu
+    return dx.view(y.shape)
+
+
+def gelu_forward_torch(x: Tensor, approximate: str) -> tuple[Tensor, Tensor]:
+    x_flat = x.reshape(-1)
+    packed = torch.empty(packed_numel(x_flat.numel()), dtype=torch.uint8, device=x.device)
+    for _, part in chunks(x_flat.numel()):
+        packed[part.start // 8 : (part.stop + 7) // 8] = pack_bits(left_of_minimum(x_flat[part], approximate))
+    return nn.functional.gelu(x, approximate=approximate), packed
 
 
 # ---------------------------------------------------------------- custom ops
@@ -166,7 +177,7 @@ def gelu_fwd(x: Tensor, approximate: str) -> tuple[Tensor, Tensor]:
         from ..kernels.gelu import gelu_fwd_triton
 
         return gelu_fwd_triton(x, approximate)
-    return nn.functional.gelu(x, approximate=approximate), pack_bits(left_of_minimum(x, approximate))
+    return gelu_forward_torch(x, approximate)
 
 
 @gelu_fwd.register_fake

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from .._common import check_float, opmath, use_triton
+from .._common import CHUNK_ELEMS, check_float, chunks, opmath, use_triton
 
 
 def gamma_floor(dtype: torch.dtype) -> float:
@@ -44,21 +44,41 @@ def layer_norm_backward_torch(
     """PyTorch implementation of the backward (CPU; the reference for the Triton kernel)."""
     rows, d = _rows(y, normalized_ndim)
     f = opmath(y.dtype)
-    g = grad.reshape(rows, d).to(f)
-    yf = y.reshape(rows, d).to(f)
+    g_all, y_all, rstd_all = grad.reshape(rows, d), y.reshape(rows, d), rstd.reshape(rows, 1)
     w = weight.reshape(d).to(f)
     b = bias.reshape(d).to(f)
     floor = gamma_floor(y.dtype)
     w_safe = torch.where(w.abs() < floor, torch.where(w < 0, -floor, floor), w)
-    centred = yf - b  # = gamma * x_hat, exact even where gamma ~ 0
-    x_hat = torch.clamp(centred / w_safe, -math.sqrt(d), math.sqrt(d))
-    gw = g * w
-    mean_gw = gw.mean(dim=1, keepdim=True)
-    mean_gwx = (g * centred).mean(dim=1, keepdim=True)
-    dx = rstd.reshape(rows, 1).to(f) * (gw - mean_gw - x_hat * mean_gwx)
-    dw = (g * x_hat).sum(dim=0)
-    db = g.sum(dim=0)
-    return dx.to(grad.dtype).view(y.shape), dw.to(weight.dtype).view(weight.shape), db.to(bias.dtype).view(bias.shape)
+    dx = torch.empty_like(g_all)
+    dw = torch.zeros(d, dtype=f, device=y.device)
+    db = torch.zeros(d, dtype=f, device=y.device)
+    for _, part in chunks(rows, max(1, CHUNK_ELEMS // max(d, 1))):
+        g = g_all[part].to(f)
+        centred = y_all[part].to(f) - b  # = gamma * x_hat, exact even where gamma ~ 0
+        x_hat = torch.clamp(centred / w_safe, -math.sqrt(d), math.sqrt(d))
+        gw = g * w
+        mean_gw = gw.mean(dim=1, keepdim=True)
+        mean_gwx = (g * centred).mean(dim=1, keepdim=True)
+        dx[part] = rstd_all[part].to(f) * (gw - mean_gw - x_hat * mean_gwx)
+        dw += (g * x_hat).sum(dim=0)
+        db += g.sum(dim=0)
+    return dx.view(y.shape), dw.to(weight.dtype).view(weight.shape), db.to(bias.dtype).view(bias.shape)
+
+
+def layer_norm_forward_torch(
+    x: Tensor, weight: Tensor, bias: Tensor, normalized_ndim: int, eps: float
+) -> tuple[Tensor, Tensor]:
+    shape = x.shape[x.dim() - normalized_ndim :]
+    y, _mean, rstd = torch.native_layer_norm(x, shape, weight, bias, eps)
+    if rstd.dtype == opmath(x.dtype):
+        return y, rstd.reshape(-1)
+    # CPU kernels return a half rstd for half inputs; recompute it in float32, row chunk by chunk.
+    rows, d = _rows(x, normalized_ndim)
+    x2 = x.reshape(rows, d)
+    rstd = torch.empty(rows, dtype=opmath(x.dtype), device=x.device)
+    for _, part in chunks(rows, max(1, CHUNK_ELEMS // max(d, 1))):
+        rstd[part] = torch.rsqrt(x2[part].to(rstd.dtype).var(dim=1, correction=0) + eps)
+    return y, rstd
 
 
 # ---------------------------------------------------------------- custom ops
@@ -71,12 +91,7 @@ def layer_norm_fwd(x: Tensor, weight: Tensor, bias: Tensor, normalized_ndim: int
         from ..kernels.layernorm import layer_norm_fwd_triton
 
         return layer_norm_fwd_triton(x, weight, bias, normalized_ndim, eps)
-    shape = x.shape[x.dim() - normalized_ndim :]
-    y, _mean, rstd = torch.native_layer_norm(x, shape, weight, bias, eps)
-    if rstd.dtype != opmath(x.dtype):  # CPU kernels return a half rstd for half inputs: redo it
-        dims = tuple(range(x.dim() - normalized_ndim, x.dim()))
-        rstd = torch.rsqrt(x.to(opmath(x.dtype)).var(dim=dims, correction=0) + eps)
-    return y, rstd.reshape(-1)
+    return layer_norm_forward_torch(x, weight, bias, normalized_ndim, eps)
 
 
 @layer_norm_fwd.register_fake

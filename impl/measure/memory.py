@@ -1,0 +1,290 @@
+"""Peak memory of a whole training step, estimated without using the memory: run the step on
+FakeTensors and follow every storage's life.
+
+``LiveMemoryTracker`` is a TorchDispatchMode: each storage an op creates is added to the live
+total (rounded up to the CUDA caching allocator's 512-byte granularity) and removed when its
+last tensor dies (a weakref finaliser on the storage). The peak of that total over a step, plus
+what was live before it (weights, optimizer state), is the estimate; at the peak we also record
+what the live bytes were: parameters, master weights, optimizer state, gradients, activations
+saved for backward, and everything else (temporaries, inputs).
+
+Custom ops are opaque to the tracker (their fake kernels allocate only outputs), so Tempo's ops
+declare the transient workspace they need on the *target* device (tempo.ops.workspace_bytes);
+the fake tensors themselves live on the CPU whatever the target.
+
+``StepMemoryEstimator`` builds the model once under FakeTensorMode, takes one warm-up step (so
+the optimizer state exists, as in every step after the first) and then estimates any batch
+size; ``max_batch`` finds the largest batch under a memory budget.
+
+What it does not see: the CUDA context and cuBLAS/cuDNN workspaces (outside torch's
+allocator) and allocator fragmentation. ``GpuBudget`` subtracts a documented reserve for them.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from .saved import storage_key
+from .training import Precision, make_optimizer, optimizer_state_tensors, train_step
+
+GiB = 1024**3
+ALLOC_GRANULARITY = 512  # bytes; the CUDA caching allocator rounds every block up to this
+CATEGORIES = ("parameters", "master_weights", "optimizer_state", "gradients", "activations", "other", "workspace")
+
+
+def round_alloc(nbytes: int, granularity: int = ALLOC_GRANULARITY) -> int:
+    return -(-nbytes // granularity) * granularity if nbytes else 0
+
+
+class LiveMemoryTracker(TorchDispatchMode):
+    """Follows the bytes held by live storages through every dispatched op."""
+
+    def __init__(
+        self, granularity: int = ALLOC_GRANULARITY, snapshot_tolerance: float = 1e-3, target: str = "cuda"
+    ) -> None:
+        super().__init__()
+        self.target = target
+        self.granularity = granularity
+        self.live: dict[int, int] = {}
+        self.current = 0
+        self.peak = 0
+        self.phase = "setup"
+        self.peak_phase = "setup"
+        self.peak_breakdown: dict[str, int] = {}
+        self._snapshot_at = 0
+        self._tolerance = snapshot_tolerance
+        self._classify: Callable[[], dict[str, int]] | None = None
+
+    def track(self, t: torch.Tensor) -> None:
+        st = t.untyped_storage()
+        key = st._cdata
+        if key in self.live:
+            return
+        nbytes = round_alloc(st.nbytes(), self.granularity)
+        self.live[key] = nbytes
+        self.current += nbytes
+        weakref.finalize(st, self._free, key)
+        if self.current > self.peak:
+            self.peak = self.current
+            self.peak_phase = self.phase
+            # A breakdown costs a pass over live storages: refresh it only when the peak moved
+            # by more than the tolerance (the peak value itself is always exact).
+            if self._classify is not None and self.current > self._snapshot_at * (1 + self._tolerance):
+                self._snapshot_at = self.current
+                self.peak_breakdown = self._classify()
+
+    def _free(self, key: int) -> None:
+        self.current -= self.live.pop(key, 0)
+
+    def reset_peak(self) -> None:
+        self.peak = self.current
+        self._snapshot_at = 0
+        self.peak_breakdown = self._classify() if self._classify else {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.track(t)
+        # Custom ops run opaquely (their fake kernels allocate only outputs): add the workspace
+        # they declare for the duration of the call, on top of inputs and outputs.
+        workspace = _declared_workspace(func, args, kwargs, self.target)
+        if workspace and self.current + workspace > self.peak:
+            self.peak = self.current + workspace
+            self.peak_phase = self.phase
+            if self._classify is not None:
+                self.peak_breakdown = {**self._classify(), "workspace": workspace}
+        return out
+
+
+def _declared_workspace(func, args, kwargs, target: str) -> int:
+    """Transient bytes a custom op declares via ``workspace_bytes`` (see tempo/ops/*)."""
+    try:
+        name = func.name()
+    except AttributeError:
+        return 0
+    if not name.startswith("tempo::"):
+        return 0
+    from tempo.ops import workspace_bytes
+
+    return workspace_bytes(name, args, kwargs, target)
+
+
+@dataclass
+class PeakReport:
+    batch_size: int
+    peak_bytes: int
+    peak_phase: str  # forward / backward / optimizer
+    breakdown: dict[str, int] = field(default_factory=dict)  # at the peak, by CATEGORIES
+
+    @property
+    def peak_gib(self) -> float:
+        return self.peak_bytes / GiB
+
+
+@dataclass(frozen=True)
+class GpuBudget:
+    """Usable allocator bytes on a GPU of ``capacity_bytes``.
+
+    reserve = CUDA context + library workspaces (``context_bytes``, default 0.75 GiB; an
+    H100/H200 context with cuBLAS takes ~0.5-0.7 GiB) + fragmentation slack
+    (``fragmentation`` of what is left, default 5%).
+    """
+
+    capacity_bytes: int
+    context_bytes: int = int(0.75 * GiB)
+    fragmentation: float = 0.05
+
+    @property
+    def usable_bytes(self) -> int:
+        return int((self.capacity_bytes - self.context_bytes) * (1.0 - self.fragmentation))
+
+    @classmethod
+    def parse(cls, text: str, **kwargs) -> GpuBudget:
+        """'16GB' / '16GiB' / '11g' (all binary GiB, as GPUs are sold) or a byte count."""
+        s = text.strip().lower().replace(" ", "")
+        for suffix in ("gib", "gb", "g"):
+            if s.endswith(suffix):
+                return cls(int(float(s[: -len(suffix)]) * GiB), **kwargs)
+        if s.isdigit():
+            return cls(int(s), **kwargs)
+        raise ValueError(f"GPU memory {text!r} not understood: use e.g. '16GB', '80GiB' or a byte count")
+
+
+@contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+class StepMemoryEstimator:
+    """Peak memory of ``train_step`` for any batch size, on fake tensors."""
+
+    def __init__(
+        self,
+        build_model: Callable[[], nn.Module],
+        make_batch: Callable[[int], dict[str, torch.Tensor]],
+        precision: Precision | str,
+        device: str = "cpu",
+        granularity: int = ALLOC_GRANULARITY,
+        target: str = "cuda",
+    ) -> None:
+        if target not in ("cuda", "cpu"):
+            raise ValueError(f"target must be 'cuda' or 'cpu', got {target!r}")
+        self.granularity = granularity
+        self.target = target
+        self.precision = precision if isinstance(precision, Precision) else Precision(precision)
+        self.make_batch = make_batch
+        self.device = device
+        self.fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
+        with self.fake_mode, default_dtype(self.precision.model_dtype), torch.device(device):
+            # Built directly in its dtype and device: Module.to() cannot swap fake parameters.
+            self.model = build_model().train()
+            self.optimizer = make_optimizer(self.model, self.precision)
+            # Warm-up step at batch 1: creates the optimizer state that every later step has.
+            train_step(self.model, make_batch(1), self.optimizer, self.precision)
+
+    def _classifier(self, saved_keys: set[int]) -> Callable[[], dict[str, int]]:
+        params = {storage_key(p) for p in self.model.parameters()} | {storage_key(b) for b in self.model.buffers()}
+        master = {storage_key(p) for p in getattr(self.optimizer, "master_params", [])}
+        state = {storage_key(t) for t in optimizer_state_tensors(self.optimizer)} - master
+
+        def classify() -> dict[str, int]:
+            grads = {storage_key(p.grad) for p in self.model.parameters() if p.grad is not None}
+            grads |= {storage_key(p.grad) for p in getattr(self.optimizer, "master_params", []) if p.grad is not None}
+            out = dict.fromkeys(CATEGORIES, 0)
+            for key, nbytes in self._tracker.live.items():
+                if key in params:
+                    out["parameters"] += nbytes
+                elif key in master:
+                    out["master_weights"] += nbytes
+                elif key in state:
+                    out["optimizer_state"] += nbytes
+                elif key in grads:
+                    out["gradients"] += nbytes
+                elif key in saved_keys:
+                    out["activations"] += nbytes
+                else:
+                    out["other"] += nbytes
+            return out
+
+        return classify
+
+    def peak(self, batch_size: int) -> PeakReport:
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        saved_keys: set[int] = set()
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            saved_keys.add(storage_key(t))
+            return t
+
+        with self.fake_mode:
+            batch = self.make_batch(batch_size)
+            tracker = self._tracker = LiveMemoryTracker(self.granularity, target=self.target)
+            persistent = [*self.model.parameters(), *self.model.buffers(), *optimizer_state_tensors(self.optimizer)]
+            for t in [*persistent, *tree_leaves(batch)]:
+                if isinstance(t, torch.Tensor):
+                    tracker.track(t)
+            tracker._classify = self._classifier(saved_keys)
+            tracker.reset_peak()
+            with tracker, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                train_step(
+                    self.model, batch, self.optimizer, self.precision, on_phase=lambda p: setattr(tracker, "phase", p)
+                )
+            report = PeakReport(batch_size, tracker.peak, tracker.peak_phase, dict(tracker.peak_breakdown))
+            del batch
+        self._tracker = None
+        return report
+
+    def max_batch(self, usable_bytes: int, limit: int = 1 << 16) -> tuple[int, PeakReport | None]:
+        """Largest batch whose estimated peak fits ``usable_bytes`` (0 if even batch 1 does not).
+
+        Peak memory is affine in the batch size, so two estimates predict the boundary; the
+        estimator is then run at the prediction and stepped until the exact boundary is found
+        (the answer never rests on the extrapolation alone).
+        """
+        cache: dict[int, PeakReport] = {}
+
+        def fits(b: int) -> bool:
+            if b not in cache:
+                cache[b] = self.peak(b)
+            return cache[b].peak_bytes <= usable_bytes
+
+        if not fits(1):
+            return 0, cache[1]
+        fits(2)
+        p1, p2 = cache[1].peak_bytes, cache[2].peak_bytes
+        slope = max(p2 - p1, 1)
+        guess = max(1, min(limit, 1 + math.floor((usable_bytes - p1) / slope)))
+        lo, hi = (guess, None) if fits(guess) else (None, guess)
+        step = 1
+        while lo is None or hi is None:  # bracket: lo fits, hi does not
+            if lo is None:
+                b = max(1, hi - step)
+                lo, hi = (b, hi) if fits(b) else (None, b)
+            else:
+                b = lo + step
+                if b > limit:
+                    return lo, cache[lo]
+                lo, hi = (b, None) if fits(b) else (lo, b)
+            step *= 2
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+        return lo, cache[lo]

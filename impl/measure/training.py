@@ -1,0 +1,155 @@
+"""One training step in each precision the experiments use, with the optimizer that goes with it.
+
+* ``fp32``      : float32 model, float32 AdamW.
+* ``fp16``/``bf16``: the model itself in half precision; AdamW on float32 master weights
+  (NVIDIA's BERT recipe). fp16 uses dynamic loss scaling.
+* ``amp-fp16``/``amp-bf16``: float32 model under ``torch.autocast``; float32 AdamW.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+PRECISIONS = ("fp32", "fp16", "bf16", "amp-fp16", "amp-bf16")
+
+
+@dataclass(frozen=True)
+class Precision:
+    name: str
+
+    def __post_init__(self) -> None:
+        if self.name not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {self.name!r}")
+
+    @property
+    def model_dtype(self) -> torch.dtype:
+        return {"fp16": torch.float16, "bf16": torch.bfloat16}.get(self.name, torch.float32)
+
+    @property
+    def autocast_dtype(self) -> torch.dtype | None:
+        return {"amp-fp16": torch.float16, "amp-bf16": torch.bfloat16}.get(self.name)
+
+    @property
+    def master_weights(self) -> bool:
+        return self.name in ("fp16", "bf16")
+
+    def autocast(self, device_type: str):
+        if self.autocast_dtype is None:
+            return nullcontext()
+        return torch.autocast(device_type, dtype=self.autocast_dtype)
+
+
+class MasterWeightAdamW:
+    """AdamW on float32 copies of half-precision parameters; the model keeps only half weights.
+
+    step(): half grads -> float32 master grads, AdamW on the masters, masters copied back.
+    With ``loss_scale`` (fp16), grads are unscaled and a step with inf/NaN grads is skipped
+    and the scale halved; the scale doubles after ``growth_interval`` clean steps.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[nn.Parameter],
+        lr: float = 1e-4,
+        weight_decay: float = 0.01,
+        dynamic_loss_scale: bool = False,
+        init_scale: float = 2.0**16,
+        growth_interval: int = 1000,
+    ) -> None:
+        self.model_params = [p for p in params if p.requires_grad]
+        self.master_params = [p.detach().float().clone().requires_grad_(True) for p in self.model_params]
+        self.inner = torch.optim.AdamW(self.master_params, lr=lr, weight_decay=weight_decay)
+        self.loss_scale = init_scale if dynamic_loss_scale else 1.0
+        self.dynamic = dynamic_loss_scale
+        self.growth_interval = growth_interval
+        self._clean_steps = 0
+        self.skipped_steps = 0
+
+    @property
+    def state(self):
+        return self.inner.state
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss * self.loss_scale if self.dynamic else loss
+
+    @torch.no_grad()
+    def step(self) -> bool:
+        """Returns False when the step was skipped (fp16 overflow)."""
+        for master, p in zip(self.master_params, self.model_params, strict=True):
+            master.grad = None if p.grad is None else p.grad.float()
+        if self.dynamic:
+            grads = [m.grad for m in self.master_params if m.grad is not None]
+            finite = all(torch.isfinite(g).all() for g in grads)
+            if not finite:
+                self.loss_scale /= 2.0
+                self._clean_steps = 0
+                self.skipped_steps += 1
+                self._drop_master_grads()
+                return False
+            torch._foreach_mul_(grads, 1.0 / self.loss_scale)
+            self._clean_steps += 1
+            if self._clean_steps % self.growth_interval == 0:
+                self.loss_scale *= 2.0
+        self.inner.step()
+        for master, p in zip(self.master_params, self.model_params, strict=True):
+            p.copy_(master)
+        self._drop_master_grads()
+        return True
+
+    def _drop_master_grads(self) -> None:
+        for master in self.master_params:
+            master.grad = None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.model_params:
+            p.grad = None
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        out = list(self.master_params)
+        for st in self.inner.state.values():
+            out.extend(v for v in st.values() if isinstance(v, torch.Tensor))
+        return out
+
+
+def make_optimizer(model: nn.Module, precision: Precision, lr: float = 1e-4):
+    if precision.master_weights:
+        return MasterWeightAdamW(model.parameters(), lr=lr, dynamic_loss_scale=precision.name == "fp16")
+    return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+
+
+def optimizer_state_tensors(optimizer) -> list[torch.Tensor]:
+    """Every tensor the optimizer holds between steps (states, master weights)."""
+    if isinstance(optimizer, MasterWeightAdamW):
+        return optimizer.state_tensors()
+    out: list[torch.Tensor] = []
+    for st in optimizer.state.values():
+        out.extend(v for v in st.values() if isinstance(v, torch.Tensor))
+    return out
+
+
+def train_step(
+    model: nn.Module,
+    batch: dict[str, torch.Tensor],
+    optimizer,
+    precision: Precision,
+    on_phase: Callable[[str], None] | None = None,
+) -> torch.Tensor:
+    """forward -> backward -> optimizer step -> grads freed. Returns the (detached) loss."""
+    device_type = next(model.parameters()).device.type
+    phase = on_phase or (lambda _name: None)
+    phase("forward")
+    with precision.autocast(device_type):
+        loss = model(**batch).loss
+    phase("backward")
+    scaled = optimizer.scale(loss) if isinstance(optimizer, MasterWeightAdamW) else loss
+    scaled.backward()
+    phase("optimizer")
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    phase("done")
+    return loss.detach()
