@@ -65,19 +65,16 @@ def gpu_check(session: nox.Session) -> None:
 
 
 @nox.session
-def tempo_demo(session: nox.Session) -> None:
-    """Tempo's layers on one BERT-Large encoder layer: saved-for-backward bytes, HF eager vs Tempo."""
-    _run(session, "-m", "tempo.demo", *session.posargs)
+def tempo_layer(session: nox.Session) -> None:
+    """Saved-for-backward bytes of one BERT-Large encoder layer: HF eager vs Tempo and each technique."""
+    _run(session, "-m", "artifacts.tempo_layer.run", *session.posargs)
 
 
 @nox.session
 def tempo_bert(session: nox.Session) -> None:
-    """Tempo's evaluation (issue #3). Until its driver lands this runs the layer demo."""
-    driver = ROOT / "artifacts" / "tempo_bert" / "run.py"
-    if driver.exists():
+    """Tempo's evaluation (issue #3). Until its driver lands this runs the layer comparison."""
+    if (ROOT / "artifacts" / "tempo_bert" / "run.py").exists():
         _run(session, "-m", "artifacts.tempo_bert.run", *session.posargs)
     else:
-        session.log("artifacts/tempo_bert/run.py not written yet: running the Tempo layer demo instead")
-        _run(session, "-m", "tempo.demo", *session.posargs)
-
-
+        session.log("artifacts/tempo_bert/run.py is not written yet: running the Tempo layer comparison")
+        _run(session, "-m", "artifacts.tempo_layer.run", *session.posargs)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 
 def storage_key(t: torch.Tensor) -> int:
@@ -108,6 +109,28 @@ class SavedTensorsMeter:
                 by_type[kind] += nbytes
                 by_dtype[dtype] += nbytes
         return SavedTensorsReport(act, params, inputs, dict(by_module), dict(by_type), dict(by_dtype), len(self._seen))
+
+
+class CudaLikeDropout(TorchFunctionMode):
+    """Make ``F.dropout`` on CPU keep what it keeps on CUDA.
+
+    On CUDA, F.dropout runs the fused ``native_dropout`` and keeps a bool mask (1 byte per
+    element). On CPU it is composed as ``x * noise`` and keeps ``noise`` in x's dtype (2-4 bytes),
+    which would inflate any CPU measurement of a baseline. Inside this mode F.dropout calls
+    ``native_dropout``, the very op CUDA uses (it has a CPU kernel), so bytes measured on CPU are
+    the bytes the model keeps on a GPU.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is nn.functional.dropout:
+            x = args[0]
+            p = kwargs.get("p", args[1] if len(args) > 1 else 0.5)
+            training = kwargs.get("training", args[2] if len(args) > 2 else True)
+            inplace = kwargs.get("inplace", args[3] if len(args) > 3 else False)
+            if training and p > 0 and not inplace:
+                return torch.native_dropout(x, p, True)[0]
+        return func(*args, **kwargs)
 
 
 def saved_bytes(model: nn.Module, *inputs: torch.Tensor, **kwargs) -> SavedTensorsReport:

@@ -1,0 +1,43 @@
+"""Wall-clock timing of a callable on CPU (perf_counter) or CUDA (events), for benchmarks only."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Timing:
+    median_s: float
+    mean_s: float
+    stdev_s: float
+    repeats: int
+
+
+def time_fn(fn: Callable[[], object], device: str = "cpu", warmup: int = 2, repeats: int = 5) -> Timing:
+    for _ in range(warmup):
+        fn()
+    samples: list[float] = []
+    cuda = device.startswith("cuda")
+    for _ in range(repeats):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            samples.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            samples.append(time.perf_counter() - t0)
+    return Timing(
+        statistics.median(samples),
+        statistics.fmean(samples),
+        statistics.stdev(samples) if len(samples) > 1 else 0.0,
+        len(samples),
+    )
