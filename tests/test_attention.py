@@ -108,3 +108,10 @@ def test_opcheck():
         A.attention_core_op,
         (torch.randn(2, 2, 5, 5, requires_grad=True), torch.randn(2, 2, 5, 3, requires_grad=True), 0.2, torch.tensor(5)),
     )
+
+
+def test_opcheck_backward_with_a_transposed_value_view():
+    """HF passes V as a transposed view; the fake kernel must promise the real strides."""
+    v = torch.randn(2, 5, 2, 3).transpose(1, 2)  # (B, H, S, D) view of (B, S, H, D)
+    out, probs = A.attention_core_op(torch.randn(2, 2, 5, 5), v, 0.1, torch.tensor(5))
+    torch.library.opcheck(A.attention_core_bwd, (torch.randn_like(out), None, probs, v, 0.1, torch.tensor(5), torch.float32))

@@ -106,7 +106,8 @@ def attention_core_bwd(
 
 @attention_core_bwd.register_fake
 def _(grad_out, grad_probs, probs, value, p, seed, scores_dtype):
-    return probs.new_empty(probs.shape, dtype=scores_dtype), torch.empty_like(value)
+    # Both real kernels return contiguous tensors, whatever V's strides (HF passes a transposed view).
+    return probs.new_empty(probs.shape, dtype=scores_dtype), value.new_empty(value.shape)
 
 
 def _setup_context(ctx, inputs, output) -> None:

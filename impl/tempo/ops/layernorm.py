@@ -114,7 +114,7 @@ def layer_norm_bwd(
 
 @layer_norm_bwd.register_fake
 def _(grad, y, rstd, weight, bias, normalized_ndim):
-    return torch.empty_like(y), torch.empty_like(weight), torch.empty_like(bias)
+    return y.new_empty(y.shape), weight.new_empty(weight.shape), bias.new_empty(bias.shape)
 
 
 def _setup_context(ctx, inputs, output) -> None:
