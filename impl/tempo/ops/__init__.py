@@ -4,7 +4,7 @@
 outputs, so the fake-tensor memory estimator (measure/memory.py), which cannot see inside a
 custom op, can add it. On CUDA (Triton kernels) that is what the kernels' wrappers allocate;
 on CPU it is the chunked PyTorch path's bound (chunks of CHUNK_ELEMS elements, at most
-CPU_BYTES_PER_CHUNK_ELEM bytes of temporaries per element of a chunk).
+cpu_bytes_per_chunk_elem(op) bytes of temporaries per element of a chunk).
 """
 
 from __future__ import annotations
@@ -15,14 +15,19 @@ import torch
 
 from .._common import CHUNK_ELEMS
 
-# Upper bound on the PyTorch path's live temporaries per element of a chunk (measured with the
-# profiler in tests/test_workspace.py; the worst case, the bf16 GELU backward's Newton solve with
-# both branches alive, needs ~190).
-CPU_BYTES_PER_CHUNK_ELEM = 192
+# Upper bounds on the PyTorch path's live temporaries per element of a chunk, measured with the
+# profiler and checked in tests/test_measure.py (largest: the GELU backward's Newton solve with
+# both branches alive, ~77 B; every other op stays under 35 B).
+CPU_BYTES_PER_CHUNK_ELEM = {"tempo::gelu_bwd": 96}
+CPU_BYTES_PER_CHUNK_ELEM_DEFAULT = 40
 
 
-def _cpu_chunk_bytes(numel: int) -> int:
-    return min(numel, CHUNK_ELEMS) * CPU_BYTES_PER_CHUNK_ELEM
+def cpu_bytes_per_chunk_elem(op_name: str) -> int:
+    return CPU_BYTES_PER_CHUNK_ELEM.get(op_name, CPU_BYTES_PER_CHUNK_ELEM_DEFAULT)
+
+
+def _cpu_chunk_bytes(op_name: str, numel: int) -> int:
+    return min(numel, CHUNK_ELEMS) * cpu_bytes_per_chunk_elem(op_name)
 
 
 def workspace_bytes(op_name: str, args: tuple, kwargs: dict, target: str) -> int:
@@ -42,11 +47,11 @@ def workspace_bytes(op_name: str, args: tuple, kwargs: dict, target: str) -> int
         probs_like = first if op_name == "tempo::attention_core" else args[2]
         per_head = probs_like.shape[-1] * probs_like.shape[-2]
         heads_per_chunk = max(1, CHUNK_ELEMS // max(per_head, 1))
-        return _cpu_chunk_bytes(min(probs_numel, heads_per_chunk * per_head))
+        return _cpu_chunk_bytes(op_name, min(probs_numel, heads_per_chunk * per_head))
     if op_name == "tempo::layer_norm_bwd" and on_cuda:
         d = args[3].numel()
         rows = first.numel() // max(d, 1)
         return 2 * math.ceil(rows / 16) * d * 4  # per-program dgamma/dbeta partials (float32)
     if on_cuda:
         return 0
-    return _cpu_chunk_bytes(first.numel())
+    return _cpu_chunk_bytes(op_name, first.numel())
