@@ -7,7 +7,6 @@ re-installed only when that file changes, so a second run starts in seconds.
 from __future__ import annotations
 
 import hashlib
-import os
 import subprocess
 import sys
 from pathlib import Path

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import pytest
-import torch
-
 import tempo
+import torch
 from measure.saved import saved_bytes
 from tempo.ops import attention as A
 
@@ -29,7 +28,9 @@ def test_no_dropout_matches_eager_and_gradcheck():
     q, k, v, mask = qkv(s=12)
     out, _ = tempo.scaled_dot_product_attention(q, k, v, mask, dropout_p=0.0)
     torch.testing.assert_close(out, reference(q, k, v, mask))
-    assert torch.autograd.gradcheck(lambda q, k, v: tempo.scaled_dot_product_attention(q, k, v, mask)[0], (q, k, v))
+    assert torch.autograd.gradcheck(
+        lambda q, k, v: tempo.scaled_dot_product_attention(q, k, v, mask)[0], (q, k, v)
+    )
 
 
 def test_dropout_gradcheck_fixed_seed():
@@ -48,7 +49,9 @@ def test_dropout_backward_matches_autograd_through_the_same_mask():
     b, h, s = 2, 2, 300  # several chunks of heads
     scores = torch.randn(b, h, s, s, dtype=torch.float64)
     seed = torch.tensor(99)
-    dropped, probs = A.attention_core_op(scores, torch.eye(s, dtype=torch.float64).expand(b, h, s, s), 0.2, seed)
+    dropped, probs = A.attention_core_op(
+        scores, torch.eye(s, dtype=torch.float64).expand(b, h, s, s), 0.2, seed
+    )
     keep = (dropped != 0).double()
     v = torch.randn(b, h, s, 16, dtype=torch.float64)
     go = torch.randn(b, h, s, 16, dtype=torch.float64)
@@ -106,7 +109,12 @@ def test_bad_shapes_are_refused_clearly():
 def test_opcheck():
     torch.library.opcheck(
         A.attention_core_op,
-        (torch.randn(2, 2, 5, 5, requires_grad=True), torch.randn(2, 2, 5, 3, requires_grad=True), 0.2, torch.tensor(5)),
+        (
+            torch.randn(2, 2, 5, 5, requires_grad=True),
+            torch.randn(2, 2, 5, 3, requires_grad=True),
+            0.2,
+            torch.tensor(5),
+        ),
     )
 
 
@@ -114,4 +122,6 @@ def test_opcheck_backward_with_a_transposed_value_view():
     """HF passes V as a transposed view; the fake kernel must promise the real strides."""
     v = torch.randn(2, 5, 2, 3).transpose(1, 2)  # (B, H, S, D) view of (B, S, H, D)
     out, probs = A.attention_core_op(torch.randn(2, 2, 5, 5), v, 0.1, torch.tensor(5))
-    torch.library.opcheck(A.attention_core_bwd, (torch.randn_like(out), None, probs, v, 0.1, torch.tensor(5), torch.float32))
+    torch.library.opcheck(
+        A.attention_core_bwd, (torch.randn_like(out), None, probs, v, 0.1, torch.tensor(5), torch.float32)
+    )

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import pytest
-import torch
-
 import tempo
+import torch
 from measure.saved import saved_bytes
 from tempo.ops import dropout as D
 

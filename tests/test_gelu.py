@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import pytest
+import tempo
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-import tempo
 from measure.saved import saved_bytes
 from tempo._common import pack_bits, unpack_bits
 from tempo.ops import gelu as G
@@ -49,9 +48,15 @@ def grads(x: torch.Tensor, approximate: str, fn) -> tuple[torch.Tensor, torch.Te
 @pytest.mark.parametrize("dtype", FLOATS)
 def test_forward_is_torch_gelu(approximate, dtype):
     x = mixed_inputs(approximate, 20_000).to(dtype)
-    assert torch.equal(tempo.gelu(x, approximate).isnan(), torch.nn.functional.gelu(x, approximate=approximate).isnan())
+    assert torch.equal(
+        tempo.gelu(x, approximate).isnan(), torch.nn.functional.gelu(x, approximate=approximate).isnan()
+    )
     torch.testing.assert_close(
-        tempo.gelu(x, approximate), torch.nn.functional.gelu(x, approximate=approximate), rtol=0, atol=0, equal_nan=True
+        tempo.gelu(x, approximate),
+        torch.nn.functional.gelu(x, approximate=approximate),
+        rtol=0,
+        atol=0,
+        equal_nan=True,
     )
 
 

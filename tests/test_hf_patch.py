@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import tempo
 import torch
 from torch import nn
 from transformers import (
@@ -15,20 +16,23 @@ from transformers import (
 )
 from transformers.utils import logging as hf_logging
 
-import tempo
-
 hf_logging.set_verbosity_error()
 
 
 def tiny(kind: str, dropout: float = 0.0):
+    encoder = dict(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        vocab_size=120,
+        hidden_dropout_prob=dropout,
+        attention_probs_dropout_prob=dropout,
+    )
     if kind == "bert":
-        cfg = BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
-                         vocab_size=120, hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout)  # fmt: skip
-        return BertForPreTraining(cfg)
+        return BertForPreTraining(BertConfig(**encoder))
     if kind == "roberta":
-        cfg = RobertaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
-                            vocab_size=120, hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout)  # fmt: skip
-        return RobertaForMaskedLM(cfg)
+        return RobertaForMaskedLM(RobertaConfig(**encoder))
     cfg = GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=120, bos_token_id=1, eos_token_id=2,
                      resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout)  # fmt: skip
     return GPT2LMHeadModel(cfg)
@@ -51,7 +55,12 @@ def test_bert_large_every_layer_is_replaced():
     with torch.device("meta"):
         model = BertForPreTraining(cfg)
     report = tempo.patch(model)
-    assert report.counts() == {"layernorm": 24 * 2 + 2, "gelu": 24 + 1, "attention": 24, "dropout": 24 * 3 + 1}
+    assert report.counts() == {
+        "layernorm": 24 * 2 + 2,
+        "gelu": 24 + 1,
+        "attention": 24,
+        "dropout": 24 * 3 + 1,
+    }
     for layer in model.bert.encoder.layer:
         assert isinstance(layer.attention.output.LayerNorm, tempo.TempoLayerNorm)
         assert isinstance(layer.output.LayerNorm, tempo.TempoLayerNorm)

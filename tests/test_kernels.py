@@ -5,16 +5,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from tempo.ops import attention as A
 from tempo.ops import gelu as G
 from tempo.ops import layernorm as L
 
 pytest.importorskip("triton")
-from tempo.kernels.attention import attention_core_bwd_triton, attention_core_fwd_triton  # noqa: E402
-from tempo.kernels.dropout import dropout_triton  # noqa: E402
-from tempo.kernels.gelu import gelu_bwd_triton, gelu_fwd_triton  # noqa: E402
-from tempo.kernels.layernorm import layer_norm_bwd_triton, layer_norm_fwd_triton  # noqa: E402
+from tempo.kernels.attention import attention_core_bwd_triton, attention_core_fwd_triton
+from tempo.kernels.dropout import dropout_triton
+from tempo.kernels.gelu import gelu_bwd_triton, gelu_fwd_triton
+from tempo.kernels.layernorm import layer_norm_bwd_triton, layer_norm_fwd_triton
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.timeout(300)
@@ -25,7 +24,11 @@ def assert_within_ulps(a: torch.Tensor, b: torch.Tensor) -> None:
     float32 -> bfloat16 by truncation, the GPU and torch round to nearest), plus a few float32
     ulps for float32 math done in another order or with another erf."""
     torch.testing.assert_close(
-        a.float(), b.float(), rtol=torch.finfo(b.dtype).eps, atol=16 * torch.finfo(torch.float32).eps, equal_nan=True
+        a.float(),
+        b.float(),
+        rtol=torch.finfo(b.dtype).eps,
+        atol=16 * torch.finfo(torch.float32).eps,
+        equal_nan=True,
     )
 
 
@@ -35,7 +38,9 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("approximate", ["none", "tanh"])
-@pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 2e-5), (torch.float16, 2e-3), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize(
+    ("dtype", "tol"), [(torch.float32, 2e-5), (torch.float16, 2e-3), (torch.bfloat16, 1e-2)]
+)
 def test_gelu_kernels(approximate, dtype, tol):
     x_min = G.branch_point(approximate)[0]
     x = torch.cat([
@@ -103,7 +108,9 @@ def test_attention_kernels(p):
     torch.testing.assert_close(gs.cpu().double(), gs_ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(gv.cpu().double(), gv_ref, rtol=1e-5, atol=1e-5)
     if p > 0:  # negative control: the backward with another seed must not pass the same check
-        gs_wrong, _ = attention_core_bwd_triton(go.to(DEVICE), None, probs, v.to(DEVICE), p, seed + 1, torch.float32)
+        gs_wrong, _ = attention_core_bwd_triton(
+            go.to(DEVICE), None, probs, v.to(DEVICE), p, seed + 1, torch.float32
+        )
         assert not torch.allclose(gs_wrong.cpu().double(), gs_ref, rtol=1e-5, atol=1e-5)
 
 

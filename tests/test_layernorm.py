@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import pytest
-import torch
-
 import tempo
+import torch
 from measure.saved import saved_bytes
 from tempo.ops import layernorm as L
 
@@ -22,7 +21,9 @@ def ours_grads(x, w, b, gy, eps=1e-5, shape=None):
     return y.detach(), torch.autograd.grad(y, xs, gy)
 
 
-@pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-5), (torch.float64, 1e-12), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize(
+    ("dtype", "tol"), [(torch.float32, 1e-5), (torch.float64, 1e-12), (torch.bfloat16, 3e-2)]
+)
 def test_matches_torch(dtype, tol):
     d = 96
     x = (torch.randn(3, 50, d) * 2 + 0.5).to(dtype)
@@ -97,7 +98,11 @@ def test_autocast_keeps_only_the_half_copy():
 
 def test_non_contiguous_input():
     x = torch.randn(16, 10, dtype=torch.float64).t()
-    w, b, gy = torch.randn(16, dtype=torch.float64), torch.randn(16, dtype=torch.float64), torch.randn(10, 16, dtype=torch.float64)
+    w, b, gy = (
+        torch.randn(16, dtype=torch.float64),
+        torch.randn(16, dtype=torch.float64),
+        torch.randn(10, 16, dtype=torch.float64),
+    )
     _, g = ours_grads(x, w, b, gy)
     _, g_ref = ref_grads(x, w, b, gy)
     for a, r in zip(g, g_ref, strict=True):
@@ -105,7 +110,11 @@ def test_non_contiguous_input():
 
 
 def test_opcheck():
-    x, w, b = torch.randn(7, 16, requires_grad=True), torch.randn(16, requires_grad=True), torch.randn(16, requires_grad=True)
+    x, w, b = (
+        torch.randn(7, 16, requires_grad=True),
+        torch.randn(16, requires_grad=True),
+        torch.randn(16, requires_grad=True),
+    )
     torch.library.opcheck(L.layer_norm_fwd, (x, w, b, 1, 1e-5))
 
 

@@ -6,17 +6,16 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
-from torch import nn
-from transformers import BertConfig, BertForPreTraining
-from transformers.utils import logging as hf_logging
-
 import tempo
+import torch
 from measure.cpu_peak import cpu_peak_bytes
 from measure.memory import GiB, GpuBudget, LiveMemoryTracker, StepMemoryEstimator
 from measure.results import ResultFile, load_results, provenance, write_json_atomic
 from measure.saved import CudaLikeDropout, saved_bytes
 from measure.training import Precision, make_optimizer, optimizer_state_tensors, train_step
+from torch import nn
+from transformers import BertConfig, BertForPreTraining
+from transformers.utils import logging as hf_logging
 
 hf_logging.set_verbosity_error()
 
@@ -125,7 +124,9 @@ def test_step_estimate_against_real_cpu_run(precision, with_tempo):
     from tempo._common import CHUNK_ELEMS
     from tempo.ops import cpu_bytes_per_chunk_elem
 
-    est = StepMemoryEstimator(small_bert(with_tempo), bert_batch, precision, granularity=1, target="cpu").peak(8)
+    est = StepMemoryEstimator(
+        small_bert(with_tempo), bert_batch, precision, granularity=1, target="cpu"
+    ).peak(8)
     real = real_cpu_peak(small_bert(with_tempo), precision, 8)
     if not with_tempo:
         assert abs(est.peak_bytes - real) <= 0.002 * real, (est.peak_bytes, real)
@@ -152,47 +153,52 @@ def test_gpu_budget_parsing():
         GpuBudget.parse("lots")
 
 
-OP_NAMES = {
-    "gelu_fwd": "tempo::gelu_fwd", "gelu_bwd": "tempo::gelu_bwd", "ln_fwd": "tempo::layer_norm_fwd",
-    "ln_bwd": "tempo::layer_norm_bwd", "dropout": "tempo::dropout", "attn_fwd": "tempo::attention_core",
-    "attn_bwd": "tempo::attention_core_bwd",
-}  # fmt: skip
-
-
-def test_declared_cpu_workspace_bounds_the_real_one():
-    """The CPU workspace bound the estimator adds must hold for every op (profiler-measured)."""
+def op_calls(dt: torch.dtype) -> dict[str, tuple[str, object]]:
+    """Each Tempo op's name and a call of it on inputs spanning several chunks."""
     from tempo._common import CHUNK_ELEMS
     from tempo.ops import attention as A
-    from tempo.ops import cpu_bytes_per_chunk_elem
     from tempo.ops import dropout as D
     from tempo.ops import gelu as G
     from tempo.ops import layernorm as L
 
     n = 3 * CHUNK_ELEMS
-    for dt in (torch.float32, torch.bfloat16):
-        x = torch.randn(n, dtype=dt)
-        g = torch.randn(n, dtype=dt)
-        y, bits = G.gelu_fwd(x, "none")
-        w, b = torch.ones(512, dtype=dt), torch.zeros(512, dtype=dt)
-        y2, rstd = L.layer_norm_fwd(x.view(-1, 512), w, b, 1, 1e-5)
-        s, v = torch.randn(12, 128, 128, dtype=dt), torch.randn(12, 128, 64, dtype=dt)
-        out, probs = A.attention_core_op(s, v, 0.1, torch.tensor(1))
-        calls = {  # op -> a call of it
-            "gelu_fwd": lambda: G.gelu_fwd(x, "none"),
-            "gelu_bwd": lambda: G.gelu_bwd(g, y, bits, "none"),
-            "ln_fwd": lambda: L.layer_norm_fwd(x.view(-1, 512), w, b, 1, 1e-5),
-            "ln_bwd": lambda: L.layer_norm_bwd(g.view(-1, 512), y2, rstd, w, b, 1),
-            "dropout": lambda: D.dropout_op(x, 0.1, torch.tensor(3)),
-            "attn_fwd": lambda: A.attention_core_op(s, v, 0.1, torch.tensor(1)),
-            "attn_bwd": lambda: A.attention_core_bwd(torch.randn_like(out), None, probs, v, 0.1, torch.tensor(1), dt),
-        }
-        for name, call in calls.items():
-            call()  # first call: lazy one-time allocations
-            peak, result = cpu_peak_bytes(call)
-            outputs = result if isinstance(result, tuple) else (result,)
-            workspace = peak - sum(t.untyped_storage().nbytes() for t in outputs)
-            bound = CHUNK_ELEMS * cpu_bytes_per_chunk_elem(OP_NAMES[name])
-            assert workspace <= bound, f"{name} {dt}: {workspace} B > {bound} B"
+    x, g = torch.randn(n, dtype=dt), torch.randn(n, dtype=dt)
+    y, bits = G.gelu_fwd(x, "none")
+    w, b = torch.ones(512, dtype=dt), torch.zeros(512, dtype=dt)
+    y2, rstd = L.layer_norm_fwd(x.view(-1, 512), w, b, 1, 1e-5)
+    s, v = torch.randn(12, 128, 128, dtype=dt), torch.randn(12, 128, 64, dtype=dt)
+    out, probs = A.attention_core_op(s, v, 0.1, torch.tensor(1))
+    go, seed = torch.randn_like(out), torch.tensor(1)
+    return {
+        "gelu_fwd": ("tempo::gelu_fwd", lambda: G.gelu_fwd(x, "none")),
+        "gelu_bwd": ("tempo::gelu_bwd", lambda: G.gelu_bwd(g, y, bits, "none")),
+        "ln_fwd": ("tempo::layer_norm_fwd", lambda: L.layer_norm_fwd(x.view(-1, 512), w, b, 1, 1e-5)),
+        "ln_bwd": ("tempo::layer_norm_bwd", lambda: L.layer_norm_bwd(g.view(-1, 512), y2, rstd, w, b, 1)),
+        "dropout": ("tempo::dropout", lambda: D.dropout_op(x, 0.1, seed)),
+        "attn_fwd": ("tempo::attention_core", lambda: A.attention_core_op(s, v, 0.1, seed)),
+        "attn_bwd": (
+            "tempo::attention_core_bwd",
+            lambda: A.attention_core_bwd(go, None, probs, v, 0.1, seed, dt),
+        ),
+    }
+
+
+@pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "op", ["gelu_fwd", "gelu_bwd", "ln_fwd", "ln_bwd", "dropout", "attn_fwd", "attn_bwd"]
+)
+def test_declared_cpu_workspace_bounds_the_real_one(op, dt):
+    """The CPU workspace bound the estimator adds must hold for every op (profiler-measured)."""
+    from tempo._common import CHUNK_ELEMS
+    from tempo.ops import cpu_bytes_per_chunk_elem
+
+    name, call = op_calls(dt)[op]
+    call()  # first call: lazy one-time allocations
+    peak, result = cpu_peak_bytes(call)
+    outputs = result if isinstance(result, tuple) else (result,)
+    workspace = peak - sum(t.untyped_storage().nbytes() for t in outputs)
+    bound = CHUNK_ELEMS * cpu_bytes_per_chunk_elem(name)
+    assert workspace <= bound, f"{op} {dt}: {workspace} B > {bound} B"
 
 
 # ---------------------------------------------------------------- result files

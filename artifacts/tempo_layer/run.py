@@ -12,14 +12,13 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+import tempo
 import torch
+from measure.results import ResultFile, provenance
+from measure.saved import CudaLikeDropout, saved_bytes
 from transformers import BertConfig
 from transformers.models.bert.modeling_bert import BertLayer
 from transformers.utils import logging as hf_logging
-
-import tempo
-from measure.results import ResultFile, provenance
-from measure.saved import CudaLikeDropout, saved_bytes
 
 RESULTS = Path(__file__).parent / "results" / "layer_saved_bytes.json"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -46,7 +45,9 @@ CLOSED_FORMS = {
 }
 
 
-def measure_layer(variant: str, seq: int, batch: int, dtype: torch.dtype, hidden: int = 1024, heads: int = 16) -> dict:
+def measure_layer(
+    variant: str, seq: int, batch: int, dtype: torch.dtype, hidden: int = 1024, heads: int = 16
+) -> dict:
     cfg = BertConfig(
         hidden_size=hidden,
         num_attention_heads=heads,
@@ -85,18 +86,33 @@ def main(argv: list[str] | None = None) -> dict:
     hf_logging.set_verbosity_error()
     torch.manual_seed(0)
 
-    config = {"seq": args.seq, "batch": args.batch, "dtype": args.dtype, "model": "bert-large layer (h1024, a16)"}
+    config = {
+        "seq": args.seq,
+        "batch": args.batch,
+        "dtype": args.dtype,
+        "model": "bert-large layer (h1024, a16)",
+    }
     store = ResultFile(args.out, provenance(config), force=args.force)
     dtype = DTYPES[args.dtype]
     print(f"Saved-for-backward bytes of one BERT-Large encoder layer, {args.dtype}, batch {args.batch}")
     print(f"{'seq':>5} {'variant':<15} {'bytes':>12} {'= x sbh':>8} {'closed form':>18} {'vs HF eager':>12}")
     for seq in args.seq:
-        base = store.compute(f"seq{seq}/hf-eager", lambda s=seq: measure_layer("hf-eager", s, args.batch, dtype))
+        base = store.compute(
+            f"seq{seq}/hf-eager", lambda s=seq: measure_layer("hf-eager", s, args.batch, dtype)
+        )
         for variant in VARIANTS:
-            res = store.compute(f"seq{seq}/{variant}", lambda s=seq, v=variant: measure_layer(v, s, args.batch, dtype))
+            res = store.compute(
+                f"seq{seq}/{variant}", lambda s=seq, v=variant: measure_layer(v, s, args.batch, dtype)
+            )
             saving = 1 - res["bytes"] / base["bytes"]
-            match = "" if res["closed_form_bytes"] is None else (
-                "  (=)" if abs(res["bytes"] - res["closed_form_bytes"]) <= 0.001 * res["bytes"] else "  (!=)"
+            match = (
+                ""
+                if res["closed_form_bytes"] is None
+                else (
+                    "  (=)"
+                    if abs(res["bytes"] - res["closed_form_bytes"]) <= 0.001 * res["bytes"]
+                    else "  (!=)"
+                )
             )
             print(
                 f"{seq:>5} {variant:<15} {res['bytes']:>12,} {res['bytes_per_sbh']:>8.2f} "

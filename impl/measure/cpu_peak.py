@@ -22,7 +22,8 @@ def cpu_peak_bytes(fn: Callable[[], Any]) -> tuple[int, Any]:
         result = fn()
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
-        events = json.load(open(f.name))["traceEvents"]
+        with open(f.name) as trace:
+            events = json.load(trace)["traceEvents"]
     mem = sorted((e for e in events if e.get("name") == "[memory]" and e["args"].get("Device Type") == 0),
                  key=lambda e: e["ts"])  # fmt: skip
     if not mem:

@@ -39,7 +39,15 @@ from .training import Precision, make_optimizer, optimizer_state_tensors, train_
 
 GiB = 1024**3
 ALLOC_GRANULARITY = 512  # bytes; the CUDA caching allocator rounds every block up to this
-CATEGORIES = ("parameters", "master_weights", "optimizer_state", "gradients", "activations", "other", "workspace")
+CATEGORIES = (
+    "parameters",
+    "master_weights",
+    "optimizer_state",
+    "gradients",
+    "activations",
+    "other",
+    "workspace",
+)
 
 
 def round_alloc(nbytes: int, granularity: int = ALLOC_GRANULARITY) -> int:
@@ -200,13 +208,19 @@ class StepMemoryEstimator:
             train_step(self.model, make_batch(1), self.optimizer, self.precision)
 
     def _classifier(self, saved_keys: set[int]) -> Callable[[], dict[str, int]]:
-        params = {storage_key(p) for p in self.model.parameters()} | {storage_key(b) for b in self.model.buffers()}
+        params = {storage_key(p) for p in self.model.parameters()} | {
+            storage_key(b) for b in self.model.buffers()
+        }
         master = {storage_key(p) for p in getattr(self.optimizer, "master_params", [])}
         state = {storage_key(t) for t in optimizer_state_tensors(self.optimizer)} - master
 
         def classify() -> dict[str, int]:
             grads = {storage_key(p.grad) for p in self.model.parameters() if p.grad is not None}
-            grads |= {storage_key(p.grad) for p in getattr(self.optimizer, "master_params", []) if p.grad is not None}
+            grads |= {
+                storage_key(p.grad)
+                for p in getattr(self.optimizer, "master_params", [])
+                if p.grad is not None
+            }
             out = dict.fromkeys(CATEGORIES, 0)
             for key, nbytes in self._tracker.live.items():
                 if key in params:
@@ -237,7 +251,11 @@ class StepMemoryEstimator:
         with self.fake_mode:
             batch = self.make_batch(batch_size)
             tracker = self._tracker = LiveMemoryTracker(self.granularity, target=self.target)
-            persistent = [*self.model.parameters(), *self.model.buffers(), *optimizer_state_tensors(self.optimizer)]
+            persistent = [
+                *self.model.parameters(),
+                *self.model.buffers(),
+                *optimizer_state_tensors(self.optimizer),
+            ]
             for t in [*persistent, *tree_leaves(batch)]:
                 if isinstance(t, torch.Tensor):
                     tracker.track(t)
@@ -245,7 +263,11 @@ class StepMemoryEstimator:
             tracker.reset_peak()
             with tracker, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 train_step(
-                    self.model, batch, self.optimizer, self.precision, on_phase=lambda p: setattr(tracker, "phase", p)
+                    self.model,
+                    batch,
+                    self.optimizer,
+                    self.precision,
+                    on_phase=lambda p: setattr(tracker, "phase", p),
                 )
             report = PeakReport(batch_size, tracker.peak, tracker.peak_phase, dict(tracker.peak_breakdown))
             del batch

@@ -24,10 +24,15 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 def git_state(root: Path = REPO_ROOT) -> dict[str, Any]:
     def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, check=True).stdout.strip()
+        return subprocess.run(
+            ["git", *args], cwd=root, capture_output=True, text=True, check=True
+        ).stdout.strip()
 
     try:
-        return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
+        return {
+            "commit": git("rev-parse", "HEAD"),
+            "dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
+        }
     except (OSError, subprocess.CalledProcessError):
         return {"commit": None, "dirty": None}
 
@@ -35,7 +40,11 @@ def git_state(root: Path = REPO_ROOT) -> dict[str, Any]:
 def device_description(device: str = "cpu") -> dict[str, Any]:
     import torch
 
-    out: dict[str, Any] = {"device": device, "cpu": platform.processor() or platform.machine(), "cpus": os.cpu_count()}
+    out: dict[str, Any] = {
+        "device": device,
+        "cpu": platform.processor() or platform.machine(),
+        "cpus": os.cpu_count(),
+    }
     if device.startswith("cuda") and torch.cuda.is_available():
         props = torch.cuda.get_device_properties(torch.device(device))
         out.update(gpu=props.name, gpu_memory_bytes=props.total_memory, cuda=torch.version.cuda)

@@ -108,7 +108,9 @@ class SavedTensorsMeter:
                 by_module[name] += nbytes
                 by_type[kind] += nbytes
                 by_dtype[dtype] += nbytes
-        return SavedTensorsReport(act, params, inputs, dict(by_module), dict(by_type), dict(by_dtype), len(self._seen))
+        return SavedTensorsReport(
+            act, params, inputs, dict(by_module), dict(by_type), dict(by_dtype), len(self._seen)
+        )
 
 
 class CudaLikeDropout(TorchFunctionMode):

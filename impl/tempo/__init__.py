@@ -1,11 +1,11 @@
 """Tempo (Andoorveedu et al., NeurIPS 2022, arXiv 2210.10246): Transformer layers that keep less
 for the backward pass, so larger batches fit. Drop-in ops, modules and a HuggingFace patcher."""
 
+from .hf import SUPPORTED_MODEL_TYPES, PatchReport, is_patched, patch, unpatch
 from .ops.attention import attention_core, scaled_dot_product_attention
 from .ops.dropout import TempoDropout, dropout
 from .ops.gelu import TempoGELU, gelu
 from .ops.layernorm import TempoLayerNorm, layer_norm
-from .hf import SUPPORTED_MODEL_TYPES, PatchReport, is_patched, patch, unpatch
 
 __all__ = [
     "SUPPORTED_MODEL_TYPES",

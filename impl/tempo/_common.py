@@ -70,7 +70,11 @@ def chunks(n: int, size: int = CHUNK_ELEMS):
 
 
 def dropout_keep_mask(
-    seed: torch.Tensor | int, chunk_index: int, shape: torch.Size | tuple[int, ...], p: float, device: torch.device
+    seed: torch.Tensor | int,
+    chunk_index: int,
+    shape: torch.Size | tuple[int, ...],
+    p: float,
+    device: torch.device,
 ) -> torch.Tensor:
     """The keep-mask of chunk ``chunk_index`` of a dropout with ``seed``: a pure function of its
     arguments, regenerated bit-for-bit in backward, so it is never stored.

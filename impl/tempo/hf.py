@@ -88,7 +88,9 @@ class PatchReport:
 
 
 def _attention_modules(model: nn.Module) -> list[str]:
-    return [n for n, m in model.named_modules() if type(m).__name__.endswith(("SelfAttention", "GPT2Attention"))]
+    return [
+        n for n, m in model.named_modules() if type(m).__name__.endswith(("SelfAttention", "GPT2Attention"))
+    ]
 
 
 def _find_config(model: nn.Module):
@@ -128,7 +130,9 @@ def patch(
     if getattr(model, "_tempo_originals", None) is not None:
         raise RuntimeError("model is already patched by tempo; call tempo.unpatch(model) first")
     if attention and model_type == "gpt2" and getattr(config, "reorder_and_upcast_attn", False):
-        raise ValueError("GPT-2 with reorder_and_upcast_attn=True bypasses the attention registry; set it False")
+        raise ValueError(
+            "GPT-2 with reorder_and_upcast_attn=True bypasses the attention registry; set it False"
+        )
 
     report = PatchReport(model_type=model_type)
     originals: list[tuple[nn.Module, str, nn.Module]] = []

@@ -123,7 +123,9 @@ def gelu_fwd_triton(x: torch.Tensor, approximate: str) -> tuple[torch.Tensor, to
     return y, bits
 
 
-def gelu_bwd_triton(grad: torch.Tensor, y: torch.Tensor, bits: torch.Tensor, approximate: str) -> torch.Tensor:
+def gelu_bwd_triton(
+    grad: torch.Tensor, y: torch.Tensor, bits: torch.Tensor, approximate: str
+) -> torch.Tensor:
     n = y.numel()
     dx = torch.empty_like(y)
     x_min, y_min, curv = branch_point(approximate)

@@ -17,7 +17,16 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .._common import CHUNK_ELEMS, check_float, check_probability, chunks, dropout_keep_mask, new_seed, opmath, use_triton
+from .._common import (
+    CHUNK_ELEMS,
+    check_float,
+    check_probability,
+    chunks,
+    dropout_keep_mask,
+    new_seed,
+    opmath,
+    use_triton,
+)
 
 
 def _rows_per_chunk(probs_shape: torch.Size) -> int:
@@ -89,7 +98,9 @@ def attention_core_op(scores: Tensor, value: Tensor, p: float, seed: Tensor) -> 
 
 @attention_core_op.register_fake
 def _(scores, value, p, seed):
-    return value.new_empty((*scores.shape[:-1], value.shape[-1])), scores.new_empty(scores.shape, dtype=value.dtype)
+    return value.new_empty((*scores.shape[:-1], value.shape[-1])), scores.new_empty(
+        scores.shape, dtype=value.dtype
+    )
 
 
 @torch.library.custom_op("tempo::attention_core_bwd", mutates_args=())
@@ -132,7 +143,9 @@ attention_core_op.register_autograd(_backward, setup_context=_setup_context)
 # ---------------------------------------------------------------- public API
 
 
-def attention_core(scores: Tensor, value: Tensor, dropout_p: float = 0.0, training: bool = True) -> tuple[Tensor, Tensor]:
+def attention_core(
+    scores: Tensor, value: Tensor, dropout_p: float = 0.0, training: bool = True
+) -> tuple[Tensor, Tensor]:
     """``dropout(softmax(scores, -1)) @ value`` keeping only P and V; returns (out, P).
 
     scores: (..., Sq, Sk), already scaled and masked; value: (..., Sk, Dv).
@@ -147,7 +160,8 @@ def attention_core(scores: Tensor, value: Tensor, dropout_p: float = 0.0, traini
         )
     if scores.shape[-1] != value.shape[-2]:
         raise ValueError(
-            f"scores (..., Sq, Sk) and value (..., Sk, Dv) disagree on Sk: {list(scores.shape)} vs {list(value.shape)}"
+            "scores (..., Sq, Sk) and value (..., Sk, Dv) disagree on Sk: "
+            f"{list(scores.shape)} vs {list(value.shape)}"
         )
     if torch.is_autocast_enabled(value.device.type):
         value = value.to(torch.get_autocast_dtype(value.device.type))

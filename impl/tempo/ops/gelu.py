@@ -134,7 +134,9 @@ def recover_input(y: Tensor, left: Tensor, approximate: str, steps: int = NEWTON
     x_tail = -torch.sqrt(torch.clamp(-2.0 * (log_neg_y + _HALF_LOG_2PI), min=0.0))
     x_parab = x_min - half_width
     # Start from whichever guess fits log(-y) better (the two regimes cross near x ~ -1.5).
-    r_parab = (_log_neg_gelu_and_derivative(torch.clamp(x_parab, max=-1e-3), approximate)[0] - log_neg_y).abs()
+    r_parab = (
+        _log_neg_gelu_and_derivative(torch.clamp(x_parab, max=-1e-3), approximate)[0] - log_neg_y
+    ).abs()
     r_tail = (_log_neg_gelu_and_derivative(torch.clamp(x_tail, max=-1e-3), approximate)[0] - log_neg_y).abs()
     x_left = torch.where(r_parab <= r_tail, x_parab, x_tail)
     for _ in range(steps):

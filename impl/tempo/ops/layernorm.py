@@ -85,7 +85,9 @@ def layer_norm_forward_torch(
 
 
 @torch.library.custom_op("tempo::layer_norm_fwd", mutates_args=())
-def layer_norm_fwd(x: Tensor, weight: Tensor, bias: Tensor, normalized_ndim: int, eps: float) -> tuple[Tensor, Tensor]:
+def layer_norm_fwd(
+    x: Tensor, weight: Tensor, bias: Tensor, normalized_ndim: int, eps: float
+) -> tuple[Tensor, Tensor]:
     """LayerNorm over the last ``normalized_ndim`` dims; returns (y, rstd[rows] in float32/64)."""
     if use_triton(x, weight, bias):
         from ..kernels.layernorm import layer_norm_fwd_triton
@@ -146,7 +148,9 @@ def layer_norm(
     """Drop-in for ``torch.nn.functional.layer_norm`` that keeps its output, not its input."""
     check_float("layer_norm input", x)
     normalized_shape = tuple(normalized_shape)
-    if tuple(x.shape[x.dim() - len(normalized_shape) :]) != normalized_shape or x.dim() < len(normalized_shape):
+    if tuple(x.shape[x.dim() - len(normalized_shape) :]) != normalized_shape or x.dim() < len(
+        normalized_shape
+    ):
         raise ValueError(
             f"normalized_shape {list(normalized_shape)} must equal the trailing dims of the input, "
             f"whose shape is {list(x.shape)}"
@@ -155,7 +159,9 @@ def layer_norm(
         if p is not None:
             check_float(f"layer_norm {name}", p)
             if tuple(p.shape) != normalized_shape:
-                raise ValueError(f"{name} has shape {list(p.shape)}, expected normalized_shape {list(normalized_shape)}")
+                raise ValueError(
+                    f"{name} has shape {list(p.shape)}, expected normalized_shape {list(normalized_shape)}"
+                )
     dtype = x.dtype
     if torch.is_autocast_enabled(x.device.type):
         dtype = torch.get_autocast_dtype(x.device.type)  # see the module docstring
