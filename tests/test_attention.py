@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import pytest
-import tempo
 import torch
+
+import tempo
 from measure.saved import saved_bytes
 from tempo.ops import attention as A
 

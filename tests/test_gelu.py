@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import pytest
-import tempo
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+import tempo
 from measure.saved import saved_bytes
 from tempo._common import pack_bits, unpack_bits
 from tempo.ops import gelu as G

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import tempo
 import torch
 from torch import nn
 from transformers import (
@@ -15,6 +14,8 @@ from transformers import (
     RobertaForMaskedLM,
 )
 from transformers.utils import logging as hf_logging
+
+import tempo
 
 hf_logging.set_verbosity_error()
 

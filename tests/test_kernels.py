@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from tempo.ops import attention as A
 from tempo.ops import gelu as G
 from tempo.ops import layernorm as L

@@ -6,16 +6,17 @@ from __future__ import annotations
 import json
 
 import pytest
-import tempo
 import torch
+from torch import nn
+from transformers import BertConfig, BertForPreTraining
+from transformers.utils import logging as hf_logging
+
+import tempo
 from measure.cpu_peak import cpu_peak_bytes
 from measure.memory import GiB, GpuBudget, LiveMemoryTracker, StepMemoryEstimator
 from measure.results import ResultFile, load_results, provenance, write_json_atomic
 from measure.saved import CudaLikeDropout, saved_bytes
 from measure.training import Precision, make_optimizer, optimizer_state_tensors, train_step
-from torch import nn
-from transformers import BertConfig, BertForPreTraining
-from transformers.utils import logging as hf_logging
 
 hf_logging.set_verbosity_error()
 

@@ -12,13 +12,14 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-import tempo
 import torch
-from measure.results import ResultFile, provenance
-from measure.saved import CudaLikeDropout, saved_bytes
 from transformers import BertConfig
 from transformers.models.bert.modeling_bert import BertLayer
 from transformers.utils import logging as hf_logging
+
+import tempo
+from measure.results import ResultFile, provenance
+from measure.saved import CudaLikeDropout, saved_bytes
 
 RESULTS = Path(__file__).parent / "results" / "layer_saved_bytes.json"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

@@ -77,6 +77,9 @@ def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; a result file is for everyone to read
     try:
         with os.fdopen(fd, "w") as f:
             json.dump(obj, f, indent=1, sort_keys=True, default=str)
