@@ -13,7 +13,7 @@ from transformers.utils import logging as hf_logging
 
 import tempo
 from measure.cpu_peak import cpu_peak_bytes
-from measure.memory import GiB, GpuBudget, LiveMemoryTracker, StepMemoryEstimator
+from measure.memory import DepthExtrapolatedEstimator, GiB, GpuBudget, LiveMemoryTracker, StepMemoryEstimator
 from measure.results import ResultFile, load_results, provenance, write_json_atomic
 from measure.saved import CudaLikeDropout, saved_bytes
 from measure.training import Precision, make_optimizer, optimizer_state_tensors, train_step
@@ -145,6 +145,25 @@ def test_max_batch_is_the_boundary():
     b, report = est.max_batch(budget)
     assert b == 5 and report.peak_bytes <= budget
     assert est.peak(6).peak_bytes > budget
+
+
+@pytest.mark.parametrize("with_tempo", [False, True], ids=["hf-eager", "tempo"])
+def test_depth_extrapolation_is_exact(with_tempo):
+    def build(n_layers: int):
+        cfg = BertConfig(
+            hidden_size=128, num_hidden_layers=n_layers, num_attention_heads=4, intermediate_size=512,
+            vocab_size=500, attn_implementation="eager",
+        )  # fmt: skip
+        m = BertForPreTraining(cfg)
+        if with_tempo:
+            tempo.patch(m)
+        return m
+
+    batch = lambda b: bert_batch(b, 64)
+    full = StepMemoryEstimator(lambda: build(7), batch, "amp-bf16").peak(6)
+    extrapolated = DepthExtrapolatedEstimator(build, batch, "amp-bf16", num_layers=7).peak(6)
+    assert extrapolated.phase_peaks == full.phase_peaks
+    assert extrapolated.peak_bytes == full.peak_bytes and extrapolated.peak_phase == full.peak_phase
 
 
 def test_gpu_budget_parsing():

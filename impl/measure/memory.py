@@ -22,7 +22,6 @@ allocator) and allocator fragmentation. ``GpuBudget`` subtracts a documented res
 
 from __future__ import annotations
 
-import math
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -39,6 +38,7 @@ from .training import Precision, make_optimizer, optimizer_state_tensors, train_
 
 GiB = 1024**3
 ALLOC_GRANULARITY = 512  # bytes; the CUDA caching allocator rounds every block up to this
+PHASES = ("forward", "backward", "optimizer")
 CATEGORIES = (
     "parameters",
     "master_weights",
@@ -69,7 +69,10 @@ class LiveMemoryTracker(TorchDispatchMode):
         self.phase = "setup"
         self.peak_phase = "setup"
         self.peak_breakdown: dict[str, int] = {}
+        self.phase_peaks: dict[str, int] = {}
+        self.phase_breakdowns: dict[str, dict[str, int]] = {}
         self._snapshot_at = 0
+        self._phase_snapshot_at: dict[str, int] = {}
         self._tolerance = snapshot_tolerance
         self._classify: Callable[[], dict[str, int]] | None = None
 
@@ -82,14 +85,26 @@ class LiveMemoryTracker(TorchDispatchMode):
         self.live[key] = nbytes
         self.current += nbytes
         weakref.finalize(st, self._free, key)
-        if self.current > self.peak:
-            self.peak = self.current
-            self.peak_phase = self.phase
-            # A breakdown costs a pass over live storages: refresh it only when the peak moved
-            # by more than the tolerance (the peak value itself is always exact).
-            if self._classify is not None and self.current > self._snapshot_at * (1 + self._tolerance):
-                self._snapshot_at = self.current
-                self.peak_breakdown = self._classify()
+        self._observe(self.current)
+
+    def _observe(self, level: int, workspace: int = 0) -> None:
+        """Record ``level`` (live bytes + a call's workspace) as a candidate peak, overall and
+        for the current phase. A breakdown costs a pass over live storages: it is refreshed only
+        when a peak moved by more than the tolerance (peak values themselves are exact)."""
+        phase = self.phase
+        if level > self.phase_peaks.get(phase, -1):
+            self.phase_peaks[phase] = level
+            if self._classify is not None and level > self._phase_snapshot_at.get(phase, 0) * (
+                1 + self._tolerance
+            ):
+                self._phase_snapshot_at[phase] = level
+                self.phase_breakdowns[phase] = {**self._classify(), "workspace": workspace}
+        if level > self.peak:
+            self.peak = level
+            self.peak_phase = phase
+            if self._classify is not None and level > self._snapshot_at * (1 + self._tolerance):
+                self._snapshot_at = level
+                self.peak_breakdown = {**self._classify(), "workspace": workspace}
 
     def _free(self, key: int) -> None:
         self.current -= self.live.pop(key, 0)
@@ -97,7 +112,8 @@ class LiveMemoryTracker(TorchDispatchMode):
     def reset_peak(self) -> None:
         self.peak = self.current
         self._snapshot_at = 0
-        self.peak_breakdown = self._classify() if self._classify else {}
+        self.peak_breakdown = {**self._classify(), "workspace": 0} if self._classify else {}
+        self.phase_peaks, self.phase_breakdowns, self._phase_snapshot_at = {}, {}, {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -108,11 +124,8 @@ class LiveMemoryTracker(TorchDispatchMode):
         # Custom ops run opaquely (their fake kernels allocate only outputs): add the workspace
         # they declare for the duration of the call, on top of inputs and outputs.
         workspace = _declared_workspace(func, args, kwargs, self.target)
-        if workspace and self.current + workspace > self.peak:
-            self.peak = self.current + workspace
-            self.peak_phase = self.phase
-            if self._classify is not None:
-                self.peak_breakdown = {**self._classify(), "workspace": workspace}
+        if workspace:
+            self._observe(self.current + workspace, workspace)
         return out
 
 
@@ -135,6 +148,8 @@ class PeakReport:
     peak_bytes: int
     peak_phase: str  # forward / backward / optimizer
     breakdown: dict[str, int] = field(default_factory=dict)  # at the peak, by CATEGORIES
+    phase_peaks: dict[str, int] = field(default_factory=dict)  # the peak within each phase
+    phase_breakdowns: dict[str, dict[str, int]] = field(default_factory=dict)
 
     @property
     def peak_gib(self) -> float:
@@ -269,44 +284,114 @@ class StepMemoryEstimator:
                     self.precision,
                     on_phase=lambda p: setattr(tracker, "phase", p),
                 )
-            report = PeakReport(batch_size, tracker.peak, tracker.peak_phase, dict(tracker.peak_breakdown))
+            report = PeakReport(
+                batch_size,
+                tracker.peak,
+                tracker.peak_phase,
+                dict(tracker.peak_breakdown),
+                {k: v for k, v in tracker.phase_peaks.items() if k in PHASES},
+                {k: v for k, v in tracker.phase_breakdowns.items() if k in PHASES},
+            )
             del batch
         self._tracker = None
         return report
 
     def max_batch(self, usable_bytes: int, limit: int = 1 << 16) -> tuple[int, PeakReport | None]:
-        """Largest batch whose estimated peak fits ``usable_bytes`` (0 if even batch 1 does not).
+        """Largest batch whose estimated peak fits ``usable_bytes`` (0 if even batch 1 does not)."""
+        return search_max_batch(self.peak, usable_bytes, limit)
 
-        Peak memory is affine in the batch size, so two estimates predict the boundary; the
-        estimator is then run at the prediction and stepped until the exact boundary is found
-        (the answer never rests on the extrapolation alone).
-        """
-        cache: dict[int, PeakReport] = {}
 
-        def fits(b: int) -> bool:
-            if b not in cache:
-                cache[b] = self.peak(b)
-            return cache[b].peak_bytes <= usable_bytes
+def search_max_batch(
+    peak: Callable[[int], PeakReport], usable_bytes: int, limit: int = 1 << 16
+) -> tuple[int, PeakReport | None]:
+    """Largest b with peak(b) <= usable_bytes, for a peak non-decreasing in b.
 
-        if not fits(1):
-            return 0, cache[1]
-        fits(2)
-        p1, p2 = cache[1].peak_bytes, cache[2].peak_bytes
-        slope = max(p2 - p1, 1)
-        guess = max(1, min(limit, 1 + math.floor((usable_bytes - p1) / slope)))
-        lo, hi = (guess, None) if fits(guess) else (None, guess)
-        step = 1
-        while lo is None or hi is None:  # bracket: lo fits, hi does not
-            if lo is None:
-                b = max(1, hi - step)
-                lo, hi = (b, hi) if fits(b) else (None, b)
-            else:
-                b = lo + step
-                if b > limit:
-                    return lo, cache[lo]
-                lo, hi = (b, None) if fits(b) else (lo, b)
-            step *= 2
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    Brackets the boundary by doubling, then narrows it by interpolating between the bracket's
+    ends (peak memory is nearly affine in b once activations dominate), falling back to
+    bisection; every answer is an evaluated point, never an extrapolation.
+    """
+    cache: dict[int, PeakReport] = {}
+
+    def fits(b: int) -> bool:
+        if b not in cache:
+            cache[b] = peak(b)
+        return cache[b].peak_bytes <= usable_bytes
+
+    if not fits(1):
+        return 0, cache[1]
+    lo = 1
+    while lo < limit and fits(min(2 * lo, limit)):
+        lo = min(2 * lo, limit)
+    if lo == limit:
         return lo, cache[lo]
+    hi = min(2 * lo, limit)  # does not fit
+    while hi - lo > 1:
+        p_lo, p_hi = cache[lo].peak_bytes, cache[hi].peak_bytes
+        guess = lo + int((usable_bytes - p_lo) * (hi - lo) / max(p_hi - p_lo, 1))
+        mid = min(max(guess, lo + 1), hi - 1)
+        if fits(mid):
+            lo = mid
+            if mid + 1 < hi and not fits(mid + 1):
+                hi = mid + 1
+        else:
+            hi = mid
+            if mid - 1 > lo and fits(mid - 1):
+                lo = mid - 1
+    return lo, cache[lo]
+
+
+class DepthExtrapolatedEstimator:
+    """The same estimate for an N-layer model from two shallow copies of it (full width).
+
+    Every layer of a Transformer stack holds the same bytes, so within each phase (forward,
+    backward, optimizer) the peak is affine in the number of layers: estimating models of
+    ``probe_layers`` = (n1, n2) layers and extrapolating each phase's peak (and its breakdown)
+    to N is exact up to allocator rounding, at a fraction of the cost. The overall peak is the
+    largest extrapolated phase peak. ``tests/test_measure.py`` checks it against full depth.
+    """
+
+    def __init__(
+        self,
+        build_model: Callable[[int], nn.Module],
+        make_batch: Callable[[int], dict[str, torch.Tensor]],
+        precision: Precision | str,
+        num_layers: int,
+        probe_layers: tuple[int, int] = (2, 3),
+        **kwargs,
+    ) -> None:
+        n1, n2 = probe_layers
+        if not 1 <= n1 < n2 <= num_layers:
+            raise ValueError(
+                f"probe_layers {probe_layers} must satisfy 1 <= n1 < n2 <= num_layers={num_layers}"
+            )
+        self.num_layers, self.probe_layers = num_layers, probe_layers
+        self._shallow = [
+            StepMemoryEstimator(lambda n=n: build_model(n), make_batch, precision, **kwargs) for n in (n1, n2)
+        ]
+
+    def peak(self, batch_size: int) -> PeakReport:
+        (n1, n2), n = self.probe_layers, self.num_layers
+        r1, r2 = (e.peak(batch_size) for e in self._shallow)
+        t = (n - n1) / (n2 - n1)
+
+        def extrapolate(a: int, b: int) -> int:
+            return round(a + t * (b - a))
+
+        phases = {
+            p: extrapolate(r1.phase_peaks[p], r2.phase_peaks[p])
+            for p in r1.phase_peaks
+            if p in r2.phase_peaks
+        }
+        breakdowns = {
+            p: {
+                k: extrapolate(r1.phase_breakdowns[p].get(k, 0), r2.phase_breakdowns[p].get(k, 0))
+                for k in CATEGORIES
+            }
+            for p in phases
+            if p in r1.phase_breakdowns and p in r2.phase_breakdowns
+        }
+        top = max(phases, key=phases.__getitem__)
+        return PeakReport(batch_size, phases[top], top, breakdowns.get(top, {}), phases, breakdowns)
+
+    def max_batch(self, usable_bytes: int, limit: int = 1 << 16) -> tuple[int, PeakReport | None]:
+        return search_max_batch(self.peak, usable_bytes, limit)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 PRECISIONS = ("fp32", "fp16", "bf16", "amp-fp16", "amp-bf16")
 
@@ -84,14 +85,17 @@ class MasterWeightAdamW:
             master.grad = None if p.grad is None else p.grad.float()
         if self.dynamic:
             grads = [m.grad for m in self.master_params if m.grad is not None]
-            finite = all(torch.isfinite(g).all() for g in grads)
-            if not finite:
+            found_inf = torch.zeros(1, device=grads[0].device)
+            inv_scale = torch.full((1,), 1.0 / self.loss_scale, device=grads[0].device)
+            # Unscale in place and flag inf/NaN in one fused pass, as torch's GradScaler does.
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
+            # On fake tensors (memory estimation) the flag has no value: take the common path.
+            if not is_fake(found_inf) and found_inf.item() > 0:
                 self.loss_scale /= 2.0
                 self._clean_steps = 0
                 self.skipped_steps += 1
                 self._drop_master_grads()
                 return False
-            torch._foreach_mul_(grads, 1.0 / self.loss_scale)
             self._clean_steps += 1
             if self._clean_steps % self.growth_interval == 0:
                 self.loss_scale *= 2.0
