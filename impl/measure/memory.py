@@ -22,6 +22,7 @@ allocator) and allocator fragmentation. ``GpuBudget`` subtracts a documented res
 
 from __future__ import annotations
 
+import gc
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -206,7 +207,9 @@ class StepMemoryEstimator:
         device: str = "cpu",
         granularity: int = ALLOC_GRANULARITY,
         target: str = "cuda",
+        snapshot_tolerance: float = 1e-3,
     ) -> None:
+        self.snapshot_tolerance = snapshot_tolerance
         if target not in ("cuda", "cpu"):
             raise ValueError(f"target must be 'cuda' or 'cpu', got {target!r}")
         self.granularity = granularity
@@ -265,7 +268,9 @@ class StepMemoryEstimator:
 
         with self.fake_mode:
             batch = self.make_batch(batch_size)
-            tracker = self._tracker = LiveMemoryTracker(self.granularity, target=self.target)
+            tracker = self._tracker = LiveMemoryTracker(
+                self.granularity, snapshot_tolerance=self.snapshot_tolerance, target=self.target
+            )
             persistent = [
                 *self.model.parameters(),
                 *self.model.buffers(),
@@ -276,14 +281,21 @@ class StepMemoryEstimator:
                     tracker.track(t)
             tracker._classify = self._classifier(saved_keys)
             tracker.reset_peak()
-            with tracker, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                train_step(
-                    self.model,
-                    batch,
-                    self.optimizer,
-                    self.precision,
-                    on_phase=lambda p: setattr(tracker, "phase", p),
-                )
+            # Deterministic and conservative: garbage from earlier steps is collected first, and
+            # none is collected mid-step (storages in reference cycles then die late, not early).
+            gc.collect()
+            gc.disable()
+            try:
+                with tracker, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                    train_step(
+                        self.model,
+                        batch,
+                        self.optimizer,
+                        self.precision,
+                        on_phase=lambda p: setattr(tracker, "phase", p),
+                    )
+            finally:
+                gc.enable()
             report = PeakReport(
                 batch_size,
                 tracker.peak,
@@ -365,6 +377,9 @@ class DepthExtrapolatedEstimator:
                 f"probe_layers {probe_layers} must satisfy 1 <= n1 < n2 <= num_layers={num_layers}"
             )
         self.num_layers, self.probe_layers = num_layers, probe_layers
+        # Breakdowns are extrapolated too, so they must be taken exactly at each phase's peak
+        # (snapshot_tolerance 0): cheap on shallow models.
+        kwargs.setdefault("snapshot_tolerance", 0.0)
         self._shallow = [
             StepMemoryEstimator(lambda n=n: build_model(n), make_batch, precision, **kwargs) for n in (n1, n2)
         ]

@@ -1,0 +1,89 @@
+"""Largest training batch that fits a GPU, estimated without a GPU.
+
+    python -m tempo.maxbatch --model bert-large --head qa --seq 384 --precision fp32 --gpu-mem 11GB [--tempo]
+
+One whole training step (forward, backward, AdamW step; fp32 master weights for fp16/bf16) is
+run on fake tensors and every storage is followed (measure/memory.py); depth is extrapolated
+exactly from two shallow copies of the model. Usable memory = GPU memory - reserve, where the
+reserve covers what torch's allocator does not see: the CUDA context and library workspaces
+(--context-gb, default 0.75) and fragmentation (--fragmentation, default 5% of the rest).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from measure.memory import DepthExtrapolatedEstimator, GiB, GpuBudget, StepMemoryEstimator
+from measure.training import PRECISIONS
+
+from .models import CONFIGURATIONS, HEADS, MODELS, build_model, make_batch
+
+
+def estimator(
+    model: str, head: str, seq: int, precision: str, configuration: str
+) -> DepthExtrapolatedEstimator:
+    return DepthExtrapolatedEstimator(
+        lambda n: build_model(model, head, configuration, num_layers=n),
+        lambda b: make_batch(model, head, b, seq),
+        precision,
+        num_layers=MODELS[model].layers,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m tempo.maxbatch", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    ap.add_argument("--model", required=True, choices=list(MODELS))
+    ap.add_argument("--head", default="pretraining", choices=HEADS)
+    ap.add_argument("--seq", type=int, required=True)
+    ap.add_argument("--precision", default="fp16", choices=PRECISIONS,
+                    help="fp32 | fp16/bf16 (half model, fp32 master weights) | amp-fp16/amp-bf16 (autocast)")  # fmt: skip
+    ap.add_argument("--gpu-mem", required=True, help="GPU memory, e.g. 11GB, 16GB, 80GB, 141GB")
+    ap.add_argument("--tempo", action="store_true", help="shorthand for --config tempo")
+    ap.add_argument("--config", default=None, choices=list(CONFIGURATIONS), help="default: hf-eager")
+    ap.add_argument("--context-gb", type=float, default=0.75)
+    ap.add_argument("--fragmentation", type=float, default=0.05)
+    ap.add_argument("--no-verify", action="store_true", help="skip the full-depth estimate at the answer")
+    args = ap.parse_args(argv)
+    if args.tempo and args.config not in (None, "tempo"):
+        ap.error("--tempo and --config disagree; give one")
+    configuration = "tempo" if args.tempo else (args.config or "hf-eager")
+    try:
+        budget = GpuBudget.parse(
+            args.gpu_mem, context_bytes=int(args.context_gb * GiB), fragmentation=args.fragmentation
+        )
+        make_batch(args.model, args.head, 1, args.seq)  # validates seq against the model
+    except ValueError as e:
+        ap.error(str(e))
+    if budget.usable_bytes <= 0:
+        ap.error(f"--gpu-mem {args.gpu_mem} leaves nothing after the reserve")
+
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    print(f"{args.model} ({args.head} head), seq {args.seq}, {args.precision}, {configuration}; "
+          f"{args.gpu_mem} GPU: {budget.usable_bytes / GiB:.2f} GiB usable after the reserve", flush=True)  # fmt: skip
+    est = estimator(args.model, args.head, args.seq, args.precision, configuration)
+    b, report = est.max_batch(budget.usable_bytes)
+    if b == 0:
+        print(f"even batch 1 does not fit: it needs {report.peak_gib:.2f} GiB")
+        return 1
+    if not args.no_verify:  # one full-depth estimate at the answer: exact breakdown + a cross-check
+        full = StepMemoryEstimator(
+            lambda: build_model(args.model, args.head, configuration),
+            lambda n: make_batch(args.model, args.head, n, args.seq),
+            args.precision,
+        ).peak(b)
+        if full.peak_bytes != report.peak_bytes:
+            print(f"note: full-depth estimate {full.peak_gib:.3f} GiB differs from the extrapolated one")
+        report = full
+    print(f"max batch: {b}  (estimated peak {report.peak_gib:.2f} GiB, in {report.peak_phase})")
+    for category, nbytes in report.breakdown.items():
+        if nbytes:
+            print(f"  {category:<16} {nbytes / GiB:8.2f} GiB")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,145 @@
+"""The models, task heads and configurations Tempo is evaluated on, in one place.
+
+A ``ModelSpec`` names a HF architecture and its shape; ``build_model`` makes it with a task
+head, an attention implementation and (optionally) Tempo patched in; ``make_batch`` makes a
+matching random batch (token ids and labels); ``CONFIGURATIONS`` are the paper's side-by-side
+variants (baselines, Tempo, each Tempo technique alone, activation checkpointing).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from .hf import patch
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    family: str  # bert | roberta | gpt2
+    hidden: int
+    layers: int
+    heads: int
+    vocab: int
+    max_positions: int
+
+    def config(self, num_layers: int | None = None, attn: str = "eager", dropout: float = 0.1):
+        layers = self.layers if num_layers is None else num_layers
+        if self.family == "gpt2":
+            from transformers import GPT2Config
+
+            return GPT2Config(
+                n_embd=self.hidden, n_layer=layers, n_head=self.heads, vocab_size=self.vocab,
+                n_positions=self.max_positions, resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout,
+                bos_token_id=0, eos_token_id=0, pad_token_id=0, attn_implementation=attn,
+            )  # fmt: skip
+        from transformers import BertConfig, RobertaConfig
+
+        cls = BertConfig if self.family == "bert" else RobertaConfig
+        extra = {"pad_token_id": 1} if self.family == "roberta" else {}
+        return cls(
+            hidden_size=self.hidden, num_hidden_layers=layers, num_attention_heads=self.heads,
+            intermediate_size=4 * self.hidden, vocab_size=self.vocab, max_position_embeddings=self.max_positions,
+            hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout, attn_implementation=attn, **extra,
+        )  # fmt: skip
+
+
+MODELS: dict[str, ModelSpec] = {
+    "bert-base": ModelSpec("bert", 768, 12, 12, 30522, 512),
+    "bert-large": ModelSpec("bert", 1024, 24, 16, 30522, 512),
+    "roberta-base": ModelSpec("roberta", 768, 12, 12, 50265, 514),
+    "roberta-large": ModelSpec("roberta", 1024, 24, 16, 50265, 514),
+    "gpt2": ModelSpec("gpt2", 768, 12, 12, 50257, 1024),
+    "gpt2-medium": ModelSpec("gpt2", 1024, 24, 16, 50257, 1024),
+    "gpt2-large": ModelSpec("gpt2", 1280, 36, 20, 50257, 1024),
+    "gpt2-xl": ModelSpec("gpt2", 1600, 48, 25, 50257, 1024),
+}
+HEADS = ("pretraining", "classification", "qa")
+
+
+@dataclass(frozen=True)
+class Configuration:
+    """One side-by-side variant: attention implementation, Tempo techniques, checkpointing."""
+
+    attn: str = "eager"
+    tempo: dict[str, bool] = field(default_factory=dict)  # tempo.patch switches; empty: unpatched
+    checkpointing: bool = False
+
+
+_ALL = dict(layernorm=True, gelu=True, attention=True, dropout=True)
+_NONE = dict.fromkeys(_ALL, False)
+CONFIGURATIONS: dict[str, Configuration] = {
+    "hf-eager": Configuration("eager"),
+    "hf-sdpa": Configuration("sdpa"),
+    "tempo": Configuration("eager", _ALL),
+    "tempo+sdpa": Configuration("sdpa", {**_ALL, "attention": False}),
+    "tempo-gelu": Configuration("eager", {**_NONE, "gelu": True}),
+    "tempo-layernorm": Configuration("eager", {**_NONE, "layernorm": True}),
+    "tempo-attention": Configuration("eager", {**_NONE, "attention": True}),
+    "tempo-dropout": Configuration("eager", {**_NONE, "dropout": True}),
+    "checkpointing": Configuration("eager", checkpointing=True),
+}
+
+
+def _check(name: str, table: dict, what: str) -> None:
+    if name not in table:
+        raise ValueError(f"unknown {what} {name!r}; choose one of: {', '.join(table)}")
+
+
+def build_model(
+    model: str,
+    head: str = "pretraining",
+    configuration: str = "hf-eager",
+    num_layers: int | None = None,
+    dropout: float = 0.1,
+) -> nn.Module:
+    """A freshly initialised HF model (no download) with the head and configuration asked for."""
+    _check(model, MODELS, "model")
+    _check(configuration, CONFIGURATIONS, "configuration")
+    if head not in HEADS:
+        raise ValueError(f"unknown head {head!r}; choose one of: {', '.join(HEADS)}")
+    spec, conf = MODELS[model], CONFIGURATIONS[configuration]
+    cfg = spec.config(num_layers, conf.attn, dropout)
+    import transformers as tf
+
+    classes = {
+        ("bert", "pretraining"): tf.BertForPreTraining,
+        ("roberta", "pretraining"): tf.RobertaForMaskedLM,
+        ("gpt2", "pretraining"): tf.GPT2LMHeadModel,
+        ("bert", "classification"): tf.BertForSequenceClassification,
+        ("roberta", "classification"): tf.RobertaForSequenceClassification,
+        ("gpt2", "classification"): tf.GPT2ForSequenceClassification,
+        ("bert", "qa"): tf.BertForQuestionAnswering,
+        ("roberta", "qa"): tf.RobertaForQuestionAnswering,
+        ("gpt2", "qa"): tf.GPT2ForQuestionAnswering,
+    }
+    m = classes[(spec.family, head)](cfg)
+    if conf.tempo:
+        patch(m, **conf.tempo)
+    if conf.checkpointing:
+        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return m
+
+
+def make_batch(
+    model: str, head: str, batch: int, seq: int, device: str | torch.device = "cpu"
+) -> dict[str, torch.Tensor]:
+    """Random token ids and labels for ``head`` (every position labelled for LM/MLM: worst case)."""
+    _check(model, MODELS, "model")
+    spec = MODELS[model]
+    if seq > spec.max_positions:
+        raise ValueError(f"{model} takes at most {spec.max_positions} positions, got seq={seq}")
+    ids = torch.randint(0, spec.vocab, (batch, seq), device=device)
+    out = {"input_ids": ids}
+    if head == "pretraining":
+        out["labels"] = torch.randint(0, spec.vocab, (batch, seq), device=device)
+        if spec.family == "bert":
+            out["next_sentence_label"] = torch.randint(0, 2, (batch,), device=device)
+    elif head == "classification":
+        out["labels"] = torch.randint(0, 2, (batch,), device=device)
+    else:
+        out["start_positions"] = torch.randint(0, seq, (batch,), device=device)
+        out["end_positions"] = torch.randint(0, seq, (batch,), device=device)
+    return out
