@@ -32,13 +32,20 @@ def estimator(
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m tempo.maxbatch", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    ap = argparse.ArgumentParser(
+        prog="python -m tempo.maxbatch",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--model", required=True, choices=list(MODELS))
     ap.add_argument("--head", default="pretraining", choices=HEADS)
     ap.add_argument("--seq", type=int, required=True)
-    ap.add_argument("--precision", default="fp16", choices=PRECISIONS,
-                    help="fp32 | fp16/bf16 (half model, fp32 master weights) | amp-fp16/amp-bf16 (autocast)")  # fmt: skip
+    ap.add_argument(
+        "--precision",
+        default="fp16",
+        choices=PRECISIONS,
+        help="fp32 | fp16/bf16 (half model, fp32 master weights) | amp-fp16/amp-bf16 (autocast)",
+    )
     ap.add_argument("--gpu-mem", required=True, help="GPU memory, e.g. 11GB, 16GB, 80GB, 141GB")
     ap.add_argument("--tempo", action="store_true", help="shorthand for --config tempo")
     ap.add_argument("--config", default=None, choices=list(CONFIGURATIONS), help="default: hf-eager")
@@ -62,8 +69,11 @@ def main(argv: list[str] | None = None) -> int:
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
-    print(f"{args.model} ({args.head} head), seq {args.seq}, {args.precision}, {configuration}; "
-          f"{args.gpu_mem} GPU: {budget.usable_bytes / GiB:.2f} GiB usable after the reserve", flush=True)  # fmt: skip
+    print(
+        f"{args.model} ({args.head} head), seq {args.seq}, {args.precision}, {configuration}; "
+        f"{args.gpu_mem} GPU: {budget.usable_bytes / GiB:.2f} GiB usable after the reserve",
+        flush=True,
+    )
     est = estimator(args.model, args.head, args.seq, args.precision, configuration)
     b, report = est.max_batch(budget.usable_bytes)
     if b == 0:

@@ -31,19 +31,35 @@ class ModelSpec:
             from transformers import GPT2Config
 
             return GPT2Config(
-                n_embd=self.hidden, n_layer=layers, n_head=self.heads, vocab_size=self.vocab,
-                n_positions=self.max_positions, resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout,
-                bos_token_id=0, eos_token_id=0, pad_token_id=0, attn_implementation=attn,
-            )  # fmt: skip
+                n_embd=self.hidden,
+                n_layer=layers,
+                n_head=self.heads,
+                vocab_size=self.vocab,
+                n_positions=self.max_positions,
+                resid_pdrop=dropout,
+                embd_pdrop=dropout,
+                attn_pdrop=dropout,
+                bos_token_id=0,
+                eos_token_id=0,
+                pad_token_id=0,
+                attn_implementation=attn,
+            )
         from transformers import BertConfig, RobertaConfig
 
         cls = BertConfig if self.family == "bert" else RobertaConfig
         extra = {"pad_token_id": 1} if self.family == "roberta" else {}
         return cls(
-            hidden_size=self.hidden, num_hidden_layers=layers, num_attention_heads=self.heads,
-            intermediate_size=4 * self.hidden, vocab_size=self.vocab, max_position_embeddings=self.max_positions,
-            hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout, attn_implementation=attn, **extra,
-        )  # fmt: skip
+            hidden_size=self.hidden,
+            num_hidden_layers=layers,
+            num_attention_heads=self.heads,
+            intermediate_size=4 * self.hidden,
+            vocab_size=self.vocab,
+            max_position_embeddings=self.max_positions,
+            hidden_dropout_prob=dropout,
+            attention_probs_dropout_prob=dropout,
+            attn_implementation=attn,
+            **extra,
+        )
 
 
 MODELS: dict[str, ModelSpec] = {
