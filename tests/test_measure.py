@@ -250,3 +250,22 @@ def test_write_json_atomic_leaves_no_partial_file(tmp_path):
         write_json_atomic(path, {"bad": object.__new__(type("X", (), {"__str__": None}))})
     assert json.loads(path.read_text()) == {"ok": 1}
     assert not list(tmp_path.glob(".*.tmp"))
+
+
+def test_cuda_like_attention_keeps_no_square_matrix():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from measure.saved import cuda_like
+
+    class Attn(nn.Module):
+        def forward(self, q, k, v):
+            return nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=0.1)
+
+    b, h, s, d = 2, 4, 256, 32
+    with FakeTensorMode():
+        q, k, v = (torch.randn(b, h, s, d, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+        with cuda_like():
+            r = saved_bytes(Attn(), q, k, v)
+    # output (bf16) + logsumexp (float32 per row); Q, K, V are inputs
+    assert r.activation_bytes == b * h * s * d * 2 + b * h * s * 4
+    assert r.input_bytes == 3 * b * h * s * d * 2

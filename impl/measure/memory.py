@@ -25,7 +25,7 @@ from __future__ import annotations
 import gc
 import weakref
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -34,7 +34,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from .saved import storage_key
+from .saved import cuda_like, storage_key
 from .training import Precision, make_optimizer, optimizer_state_tensors, train_step
 
 GiB = 1024**3
@@ -286,7 +286,9 @@ class StepMemoryEstimator:
             gc.collect()
             gc.disable()
             try:
-                with tracker, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                # On the CUDA target, dropout and SDPA keep what their CUDA kernels keep.
+                cuda_ops = cuda_like() if self.target == "cuda" else nullcontext()
+                with tracker, cuda_ops, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                     train_step(
                         self.model,
                         batch,

@@ -14,10 +14,13 @@ identity, not their address).
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 from torch.overrides import TorchFunctionMode
 
 
@@ -133,6 +136,40 @@ class CudaLikeDropout(TorchFunctionMode):
             if training and p > 0 and not inplace:
                 return torch.native_dropout(x, p, True)[0]
         return func(*args, **kwargs)
+
+
+class CudaLikeAttention(TorchFunctionMode):
+    """Make ``F.scaled_dot_product_attention`` on *fake* CPU tensors keep what CUDA's fused
+    kernels keep: Q, K, V, the output, a float32 logsumexp per row (and the mask, if one is
+    given, as the memory-efficient kernel does) - never an s x s matrix.
+
+    On CPU, SDPA with dropout falls back to the math path and keeps several s x s tensors, so a
+    CPU measurement would misstate what SDPA costs on a GPU. Inside this mode, SDPA on fake
+    tensors runs ``_scaled_dot_product_flash_attention_for_cpu``, whose saved tensors are those
+    of CUDA flash attention; dropout changes no saved bytes there (CUDA keeps an RNG seed and
+    offset). Real tensors are left alone: the substitute ignores dropout, so it is only fit for
+    memory accounting.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is nn.functional.scaled_dot_product_attention and is_fake(args[0]):
+            names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+            bound = {**dict(zip(names, args, strict=False)), **kwargs}
+            if not bound.get("enable_gqa", False):
+                out, _lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                    bound["query"], bound["key"], bound["value"], 0.0, bool(bound.get("is_causal", False)),
+                    attn_mask=bound.get("attn_mask"), scale=bound.get("scale"),
+                )  # fmt: skip
+                return out
+        return func(*args, **kwargs)
+
+
+@contextmanager
+def cuda_like() -> Iterator[None]:
+    """Both substitutions: CPU measurements of what a model keeps on a CUDA GPU."""
+    with CudaLikeDropout(), CudaLikeAttention():
+        yield
 
 
 def saved_bytes(model: nn.Module, *inputs: torch.Tensor, **kwargs) -> SavedTensorsReport:
