@@ -226,17 +226,17 @@ def test_declared_cpu_workspace_bounds_the_real_one(op, dt):
 
 def test_atomic_write_and_resume(tmp_path):
     path = tmp_path / "r.json"
-    prov = provenance({"x": 1})
+    prov = provenance({"x": 1, "cases": [("bert", 128)]})  # tuples must survive the JSON round trip
     assert {"git", "packages", "device", "date_utc", "config"} <= set(prov)
     store = ResultFile(path, prov)
     calls = []
     store.compute("a", lambda: calls.append("a") or 1)
-    store2 = ResultFile(path, provenance({"x": 1}))  # an interrupted run, restarted
+    store2 = ResultFile(path, provenance({"x": 1, "cases": [("bert", 128)]}))  # interrupted, restarted
     store2.compute("a", lambda: calls.append("again") or 2)
     store2.compute("b", lambda: calls.append("b") or 3)
     assert calls == ["a", "b"]
     assert load_results(path)["points"] == {"a": 1, "b": 3}
-    forced = ResultFile(path, provenance({"x": 1}), force=True)
+    forced = ResultFile(path, provenance({"x": 1, "cases": [("bert", 128)]}), force=True)
     assert forced.points == {}
     other_config = ResultFile(path, provenance({"x": 2}))
     assert other_config.points == {}  # results of another config are never mixed in

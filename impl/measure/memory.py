@@ -316,13 +316,19 @@ class StepMemoryEstimator:
 
 
 def search_max_batch(
-    peak: Callable[[int], PeakReport], usable_bytes: int, limit: int = 1 << 16
+    peak: Callable[[int], PeakReport],
+    usable_bytes: int,
+    limit: int = 1 << 16,
+    probes: tuple[int, int] = (8, 16),
 ) -> tuple[int, PeakReport | None]:
     """Largest b with peak(b) <= usable_bytes, for a peak non-decreasing in b.
 
-    Brackets the boundary by doubling, then narrows it by interpolating between the bracket's
-    ends (peak memory is nearly affine in b once activations dominate), falling back to
-    bisection; every answer is an evaluated point, never an extrapolation.
+    Within each phase the peak is affine in b, so two probes predict the boundary: b* = the
+    smallest over phases of (usable - A_p) / B_p. b* and b* + 1 are then evaluated; if the
+    prediction was off (allocator rounding, a phase changing shape), a local bracket grown from
+    b* by doubling steps and bisection finds the exact boundary. Every answer is an evaluated
+    point, never an extrapolation. ``peak`` should be memoised by the caller when several
+    budgets are searched (the probes are then shared).
     """
     cache: dict[int, PeakReport] = {}
 
@@ -333,35 +339,56 @@ def search_max_batch(
 
     if not fits(1):
         return 0, cache[1]
-    lo = 1
-    while lo < limit and fits(min(2 * lo, limit)):
-        lo = min(2 * lo, limit)
-    if lo == limit:
-        return lo, cache[lo]
-    hi = min(2 * lo, limit)  # does not fit
+    b1, b2 = probes
+    fits(b1), fits(b2)
+    r1, r2 = cache[b1], cache[b2]
+    phases = (set(r1.phase_peaks) & set(r2.phase_peaks)) or {"all"}
+    predictions = []
+    for ph in phases:
+        p1 = r1.phase_peaks.get(ph, r1.peak_bytes)
+        p2 = r2.phase_peaks.get(ph, r2.peak_bytes)
+        slope = (p2 - p1) / (b2 - b1)
+        if slope > 0:
+            predictions.append(b1 + (usable_bytes - p1) / slope)
+        elif p1 > usable_bytes:
+            predictions.append(0)
+    guess = int(min(predictions)) if predictions else limit
+    guess = min(max(guess, 1), limit)
+
+    if fits(guess):  # grow a bracket upwards from the guess
+        lo, hi, step = guess, None, 1
+        while hi is None:
+            b = lo + step
+            if b > limit:
+                return lo, cache[lo]
+            if fits(b):
+                lo, step = b, step * 2
+            else:
+                hi = b
+    else:  # grow it downwards
+        hi, lo, step = guess, None, 1
+        while lo is None:
+            b = max(1, hi - step)
+            if fits(b):
+                lo = b
+            else:
+                hi, step = b, step * 2
     while hi - lo > 1:
-        p_lo, p_hi = cache[lo].peak_bytes, cache[hi].peak_bytes
-        guess = lo + int((usable_bytes - p_lo) * (hi - lo) / max(p_hi - p_lo, 1))
-        mid = min(max(guess, lo + 1), hi - 1)
-        if fits(mid):
-            lo = mid
-            if mid + 1 < hi and not fits(mid + 1):
-                hi = mid + 1
-        else:
-            hi = mid
-            if mid - 1 > lo and fits(mid - 1):
-                lo = mid - 1
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
     return lo, cache[lo]
 
 
 class DepthExtrapolatedEstimator:
-    """The same estimate for an N-layer model from two shallow copies of it (full width).
+    """The same peak estimate for an N-layer model from two shallow copies of it (full width).
 
     Every layer of a Transformer stack holds the same bytes, so within each phase (forward,
     backward, optimizer) the peak is affine in the number of layers: estimating models of
-    ``probe_layers`` = (n1, n2) layers and extrapolating each phase's peak (and its breakdown)
-    to N is exact up to allocator rounding, at a fraction of the cost. The overall peak is the
-    largest extrapolated phase peak. ``tests/test_measure.py`` checks it against full depth.
+    ``probe_layers`` = (n1, n2) layers and extrapolating each phase's peak to N is exact up to
+    allocator rounding (byte-identical in tests/test_measure.py and for BERT-Large), at a
+    fraction of the cost. The overall peak is the largest extrapolated phase peak.
+    Breakdowns are *not* extrapolated (the category a storage falls in at the peak does not
+    scale with depth); take them from a full-depth ``StepMemoryEstimator`` when needed.
     """
 
     def __init__(
@@ -370,18 +397,13 @@ class DepthExtrapolatedEstimator:
         make_batch: Callable[[int], dict[str, torch.Tensor]],
         precision: Precision | str,
         num_layers: int,
-        probe_layers: tuple[int, int] = (2, 3),
+        probe_layers: tuple[int, int] = (1, 2),
         **kwargs,
     ) -> None:
         n1, n2 = probe_layers
         if not 1 <= n1 < n2 <= num_layers:
-            raise ValueError(
-                f"probe_layers {probe_layers} must satisfy 1 <= n1 < n2 <= num_layers={num_layers}"
-            )
+            raise ValueError(f"probe_layers {probe_layers}: need 1 <= n1 < n2 <= num_layers ({num_layers})")
         self.num_layers, self.probe_layers = num_layers, probe_layers
-        # Breakdowns are extrapolated too, so they must be taken exactly at each phase's peak
-        # (snapshot_tolerance 0): cheap on shallow models.
-        kwargs.setdefault("snapshot_tolerance", 0.0)
         self._shallow = [
             StepMemoryEstimator(lambda n=n: build_model(n), make_batch, precision, **kwargs) for n in (n1, n2)
         ]
@@ -390,25 +412,13 @@ class DepthExtrapolatedEstimator:
         (n1, n2), n = self.probe_layers, self.num_layers
         r1, r2 = (e.peak(batch_size) for e in self._shallow)
         t = (n - n1) / (n2 - n1)
-
-        def extrapolate(a: int, b: int) -> int:
-            return round(a + t * (b - a))
-
         phases = {
-            p: extrapolate(r1.phase_peaks[p], r2.phase_peaks[p])
+            p: round(r1.phase_peaks[p] + t * (r2.phase_peaks[p] - r1.phase_peaks[p]))
             for p in r1.phase_peaks
             if p in r2.phase_peaks
         }
-        breakdowns = {
-            p: {
-                k: extrapolate(r1.phase_breakdowns[p].get(k, 0), r2.phase_breakdowns[p].get(k, 0))
-                for k in CATEGORIES
-            }
-            for p in phases
-            if p in r1.phase_breakdowns and p in r2.phase_breakdowns
-        }
         top = max(phases, key=phases.__getitem__)
-        return PeakReport(batch_size, phases[top], top, breakdowns.get(top, {}), phases, breakdowns)
+        return PeakReport(batch_size, phases[top], top, {}, phases, {})
 
     def max_batch(self, usable_bytes: int, limit: int = 1 << 16) -> tuple[int, PeakReport | None]:
         return search_max_batch(self.peak, usable_bytes, limit)

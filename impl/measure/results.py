@@ -103,6 +103,8 @@ class ResultFile:
     def __init__(self, path: str | os.PathLike, prov: dict[str, Any], force: bool = False) -> None:
         self.path = Path(path)
         self.points: dict[str, Any] = {}
+        # Compare configs as they are stored (tuples become lists in JSON).
+        prov = json.loads(json.dumps(prov, default=str))
         if self.path.exists() and not force:
             old = json.loads(self.path.read_text())
             if old.get("provenance", {}).get("config") == prov.get("config"):

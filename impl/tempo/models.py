@@ -135,7 +135,7 @@ def build_model(
     if conf.tempo:
         patch(m, **conf.tempo)
     if conf.checkpointing:
-        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        m.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     return m
 
 

@@ -1,0 +1,218 @@
+"""Tempo's evaluation: activation memory and maximum batch size of BERT-Large, RoBERTa-large and
+GPT-2, every configuration side by side.
+
+    python -m artifacts.tempo_bert.run [--parts activation maxbatch] [--scale cpu|paper] [--force]
+
+Parts (each resumable; results in artifacts/tempo_bert/results/):
+* activation: bytes kept for backward, exact (measure.saved), per layer inside the model and per
+  model, at batch 1 in bf16, with dropout and SDPA kept as their CUDA kernels keep them
+  (measure.saved.cuda_like). The closed form a*sbh + b*as^2b of each configuration is solved
+  from two sequence lengths and verified at a third.
+* maxbatch: the largest batch that fits 11/16/40/80/141 GB GPUs, from the fake-tensor estimate
+  of a whole AdamW step (measure.memory; CUDA target, documented reserve).
+Throughput and training-equivalence parts are tracked in issue #3 (not yet implemented).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+from pathlib import Path
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from tqdm import tqdm
+from transformers.utils import logging as hf_logging
+
+from measure.memory import GiB, GpuBudget, PeakReport, default_dtype, search_max_batch
+from measure.results import ResultFile, provenance
+from measure.saved import cuda_like, saved_bytes
+from tempo.maxbatch import estimator
+from tempo.models import MODELS, build_model, make_batch
+
+RESULTS = Path(__file__).parent / "results"
+GPUS = {
+    "2080Ti-11GB": "11GB",
+    "V100-16GB": "16GB",
+    "A100-40GB": "40GB",
+    "A100-80GB": "80GB",
+    "H200-141GB": "141GB",
+}
+MAIN_CONFIGS = ["hf-eager", "hf-sdpa", "tempo", "tempo+sdpa", "checkpointing"]
+ABLATION_CONFIGS = ["tempo-gelu", "tempo-layernorm", "tempo-attention", "tempo-dropout"]
+# (model, seq): the paper's settings. At --scale cpu, GPT-2 is its XL shape only (the largest).
+CASES = {
+    "cpu": [("bert-large", 128), ("bert-large", 512), ("roberta-large", 512), ("gpt2-xl", 1024)],
+    "paper": [
+        ("bert-large", 128),
+        ("bert-large", 512),
+        ("roberta-large", 512),
+        ("gpt2-medium", 1024),
+        ("gpt2-large", 1024),
+        ("gpt2-xl", 1024),
+    ],
+}
+ABLATION_CASE = ("bert-large", 512)
+PRECISIONS = {"cpu": ["fp16"], "paper": ["fp16", "fp32", "amp-fp16"]}
+
+
+# ---------------------------------------------------------------- activation memory
+
+
+def model_saved_bytes(model: str, configuration: str, seq: int, layers: int) -> tuple[int, dict[str, int]]:
+    """Exact bytes a ``layers``-deep copy of ``model`` keeps for backward at batch 1 (bf16)."""
+    with FakeTensorMode(), default_dtype(torch.bfloat16):
+        m = build_model(model, "pretraining", configuration, num_layers=layers).train()
+        batch = make_batch(model, "pretraining", 1, seq)
+        with cuda_like():
+            r = saved_bytes(m, **batch)
+    return r.total_bytes, r.by_module_type
+
+
+def activation_point(model: str, configuration: str, seq: int) -> dict:
+    spec = MODELS[model]
+    h, a = spec.hidden, spec.heads
+
+    def per_layer(s: int) -> tuple[int, dict[str, int]]:
+        one, by1 = model_saved_bytes(model, configuration, s, 1)
+        two, by2 = model_saved_bytes(model, configuration, s, 2)
+        return two - one, {k: by2.get(k, 0) - by1.get(k, 0) for k in by2 if by2.get(k, 0) != by1.get(k, 0)}
+
+    layer, by_type = per_layer(seq)
+    # Solve bytes = x*s*h + y*a*s^2 (b = 1) from two lengths; check the third.
+    s2, s3 = seq // 2, seq // 4
+    l2, _ = per_layer(s2)
+    det = seq * h * a * s2 * s2 - s2 * h * a * seq * seq
+    x = (layer * a * s2 * s2 - l2 * a * seq * seq) / det
+    y = (seq * h * l2 - s2 * h * layer) / det
+    l3, _ = per_layer(s3)
+    predicted = x * s3 * h + y * a * s3 * s3
+    first, _ = model_saved_bytes(model, configuration, seq, 1)
+    return {
+        "per_layer_bytes": layer,
+        "per_layer_by_module_type": by_type,
+        "closed_form_bytes": {"sbh": round(x, 3), "as2b": round(y, 3)},
+        "closed_form_checked_at_seq": s3,
+        "closed_form_error": abs(predicted - l3) / l3,
+        "per_model_bytes": first + (spec.layers - 1) * layer,  # every layer keeps the same bytes
+    }
+
+
+def run_activation(cases, configs, force: bool) -> ResultFile:
+    store = ResultFile(
+        RESULTS / "activation_memory.json",
+        provenance({"part": "activation", "cases": cases, "configs": configs, "batch": 1, "dtype": "bf16"}),
+        force,
+    )
+    todo = list(itertools.product(cases, configs))
+    for (model, seq), conf in tqdm(todo, desc="activation memory", unit="point"):
+        store.compute(f"{model}/s{seq}/{conf}", lambda m=model, s=seq, c=conf: activation_point(m, c, s))
+    return store
+
+
+# ---------------------------------------------------------------- maximum batch
+
+
+def maxbatch_point(model: str, seq: int, precision: str, configuration: str) -> dict:
+    est = estimator(model, "pretraining", seq, precision, configuration)
+    memo: dict[int, PeakReport] = {}
+
+    def peak(b: int) -> PeakReport:
+        if b not in memo:
+            memo[b] = est.peak(b)
+        return memo[b]
+
+    out = {}
+    for gpu, mem in GPUS.items():
+        budget = GpuBudget.parse(mem)
+        b, report = search_max_batch(peak, budget.usable_bytes)
+        out[gpu] = {
+            "max_batch": b,
+            "peak_gib": round(report.peak_gib, 3),
+            "phase": report.peak_phase,
+            "usable_gib": round(budget.usable_bytes / GiB, 3),
+        }
+    return out
+
+
+def run_maxbatch(cases, configs, precisions, force: bool) -> ResultFile:
+    store = ResultFile(
+        RESULTS / "max_batch.json",
+        provenance(
+            {
+                "part": "maxbatch",
+                "cases": cases,
+                "configs": configs,
+                "precisions": precisions,
+                "gpus": GPUS,
+                "reserve": "0.75 GiB context + 5% fragmentation",
+                "optimizer": "AdamW",
+            }
+        ),
+        force,
+    )
+    todo = [(m, s, p, c) for (m, s), p, c in itertools.product(cases, precisions, configs)]
+    todo = [t for t in todo if t[3] in MAIN_CONFIGS or (t[0], t[1]) == ABLATION_CASE]
+    for model, seq, prec, conf in tqdm(todo, desc="max batch", unit="config"):
+        key = f"{model}/s{seq}/{prec}/{conf}"
+        store.compute(key, lambda m=model, s=seq, p=prec, c=conf: maxbatch_point(m, s, p, c))
+    return store
+
+
+# ---------------------------------------------------------------- report
+
+
+def print_summary(act: ResultFile | None, mb: ResultFile | None) -> None:
+    if act is not None:
+        print("\nActivation memory per layer (batch 1, bf16): bytes = a*sbh + b*as^2b")
+        for key, r in act.points.items():
+            model, seq, conf = key.split("/")
+            base = act.points.get(f"{model}/{seq}/hf-eager")
+            saving = "" if base is None else f"{1 - r['per_layer_bytes'] / base['per_layer_bytes']:+.1%}"
+            cf = r["closed_form_bytes"]
+            print(
+                f"  {model:<14} {seq:<5} {conf:<16} {r['per_layer_bytes'] / 2**20:9.2f} MiB  "
+                f"= {cf['sbh']:6.2f}sbh + {cf['as2b']:5.2f}as^2b  {saving:>7}"
+            )
+    if mb is not None:
+        print("\nMax batch per GPU (AdamW step; fp16 = half model + fp32 master weights)")
+        print(f"  {'case':<32} {'config':<16} " + " ".join(f"{g:>11}" for g in GPUS))
+        for key, r in mb.points.items():
+            model, seq, prec, conf = key.split("/")
+            print(
+                f"  {model + ' ' + seq + ' ' + prec:<32} {conf:<16} "
+                + " ".join(f"{r[g]['max_batch']:>11}" for g in GPUS)
+            )
+        base = mb.points.get("bert-large/s512/fp16/hf-eager")
+        ours = mb.points.get("bert-large/s512/fp16/tempo")
+        if base and ours and base["V100-16GB"]["max_batch"]:
+            ratio = ours["V100-16GB"]["max_batch"] / base["V100-16GB"]["max_batch"]
+            ours_b, base_b = ours["V100-16GB"]["max_batch"], base["V100-16GB"]["max_batch"]
+            print(
+                f"\nBERT-Large seq 512, fp16 + fp32 Adam, 16 GB: Tempo fits {ratio:.2f}x the batch of "
+                f"HF eager ({ours_b} vs {base_b}; paper: up to 2x)"
+            )
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parts = ["activation", "maxbatch"]
+    ap.add_argument("--parts", nargs="+", default=parts, choices=parts)
+    ap.add_argument("--scale", choices=["cpu", "paper"], default="cpu")
+    ap.add_argument("--device", default="cpu", help="accepted for symmetry; both parts need no GPU")
+    ap.add_argument("--force", action="store_true", help="recompute points already in the result files")
+    args = ap.parse_args(argv)
+    hf_logging.set_verbosity_error()
+    torch.manual_seed(0)
+    cases = CASES[args.scale]
+    act = mb = None
+    if "activation" in args.parts:
+        act = run_activation(cases, MAIN_CONFIGS + ABLATION_CONFIGS, args.force)
+    if "maxbatch" in args.parts:
+        mb = run_maxbatch(cases, MAIN_CONFIGS + ABLATION_CONFIGS, PRECISIONS[args.scale], args.force)
+    print_summary(act, mb)
+    print(f"\nresults in {RESULTS}; figures: nox -s figures")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,125 @@
+"""Figures of Tempo's evaluation, made only from artifacts/tempo_bert/results/*.json.
+
+python figures/plot_tempo_bert.py
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "impl"))
+from measure.results import load_results  # noqa: E402
+
+RESULTS = ROOT / "artifacts" / "tempo_bert" / "results"
+OUT = Path(__file__).parent
+MAIN = ["hf-eager", "hf-sdpa", "tempo", "tempo+sdpa", "checkpointing"]
+
+
+def _source_note(prov: dict) -> str:
+    commit = (prov.get("git", {}).get("commit") or "?")[:10]
+    device = prov.get("device", {}).get("device", "?")
+    return f"from {commit} on {device}, {prov.get('date_utc', '')}"
+
+
+COMPONENTS = {  # module class name -> component, first match wins
+    "Attention": "attention core (Q, K, V, P)",
+    "GELU": "GELU",
+    "LayerNorm": "LayerNorm",
+    "Linear": "Linear/Conv1D inputs",
+    "Conv1D": "Linear/Conv1D inputs",
+    "Dropout": "dropout",
+}
+COMPONENT_ORDER = [*dict.fromkeys(COMPONENTS.values()), "other (layer input, checkpoints)"]
+CONFIG_ORDER = [*MAIN, "tempo-gelu", "tempo-layernorm", "tempo-attention", "tempo-dropout"]
+
+
+def _component(module_type: str) -> str:
+    return next((c for key, c in COMPONENTS.items() if key in module_type), COMPONENT_ORDER[-1])
+
+
+def _component_bytes(point: dict, component: str) -> int:
+    return sum(v for k, v in point["per_layer_by_module_type"].items() if _component(k) == component)
+
+
+def plot_activation() -> Path | None:
+    path = RESULTS / "activation_memory.json"
+    if not path.exists():
+        return None
+    data = load_results(path)
+    cases = sorted({tuple(k.split("/")[:2]) for k in data["points"]}, key=lambda c: (c[0], int(c[1][1:])))
+    fig, axes = plt.subplots(1, len(cases), figsize=(4.0 * len(cases), 4.8), squeeze=False)
+    colors = dict(zip(COMPONENT_ORDER, plt.cm.tab10.colors, strict=False))
+    for ax, (model, seq) in zip(axes[0], cases, strict=True):
+        names = [c for c in CONFIG_ORDER if f"{model}/{seq}/{c}" in data["points"]]
+        points = [data["points"][f"{model}/{seq}/{c}"] for c in names]
+        bottom = [0.0] * len(names)
+        for comp in COMPONENT_ORDER:
+            vals = [max(_component_bytes(p, comp), 0) / 2**20 for p in points]
+            ax.bar(names, vals, bottom=bottom, color=colors[comp], label=comp)
+            bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
+        for i, p in enumerate(points):
+            cf = p["closed_form_bytes"]
+            label = f"{cf['sbh']:.1f}sbh" + (f"\n+{cf['as2b']:.0f}as²b" if cf["as2b"] > 0.01 else "")
+            ax.text(i, bottom[i], label, ha="center", va="bottom", fontsize=5.5)
+        ax.set_title(f"{model}, seq {seq[1:]}", fontsize=10)
+        ax.set_ylabel("kept for backward per layer, MiB")
+        ax.set_ylim(0, max(bottom) * 1.18)
+        ax.tick_params(axis="x", rotation=70, labelsize=7)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(COMPONENT_ORDER), fontsize=7, frameon=False)
+    fig.suptitle(
+        "Activation memory per layer inside the model (batch 1, bf16; exact bytes; dropout and SDPA "
+        "as their CUDA kernels keep them)\n" + _source_note(data["provenance"]),
+        fontsize=9,
+    )
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    out = OUT / "tempo_bert_activation.png"
+    fig.savefig(out, dpi=130)
+    plt.close(fig)
+    return out
+
+
+def plot_maxbatch() -> Path | None:
+    path = RESULTS / "max_batch.json"
+    if not path.exists():
+        return None
+    data = load_results(path)
+    gpus = list(data["provenance"]["config"]["gpus"])
+    cases = sorted({tuple(k.split("/")[:3]) for k in data["points"]}, key=lambda c: (c[0], int(c[1][1:])))
+    fig, axes = plt.subplots(1, len(cases), figsize=(4.4 * len(cases), 4.4), squeeze=False)
+    width = 0.8 / len(MAIN)
+    for ax, (model, seq, prec) in zip(axes[0], cases, strict=True):
+        for i, conf in enumerate(MAIN):
+            r = data["points"].get(f"{model}/{seq}/{prec}/{conf}")
+            if r is None:
+                continue
+            xs = [g + (i - len(MAIN) / 2 + 0.5) * width for g in range(len(gpus))]
+            ax.bar(xs, [r[g]["max_batch"] for g in gpus], width, label=conf)
+        ax.set_xticks(range(len(gpus)), [g.split("-")[-1] for g in gpus])
+        ax.set_yscale("log")
+        ax.set_title(f"{model}, seq {seq[1:]}, {prec}", fontsize=10)
+        ax.set_ylabel("largest batch that fits (estimated)")
+        ax.legend(fontsize=7)
+    fig.suptitle(
+        "Max batch per GPU memory: fake-tensor estimate of a whole AdamW step "
+        "(reserve 0.75 GiB + 5%)\n" + _source_note(data["provenance"]),
+        fontsize=9,
+    )
+    fig.tight_layout()
+    out = OUT / "tempo_bert_max_batch.png"
+    fig.savefig(out, dpi=130)
+    plt.close(fig)
+    return out
+
+
+if __name__ == "__main__":
+    for made in (plot_activation(), plot_maxbatch()):
+        if made is not None:
+            print(f"wrote {made}")

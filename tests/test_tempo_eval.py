@@ -1,0 +1,69 @@
+"""Tempo's evaluation pieces: model presets and heads, the max-batch command, the closed forms."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.utils import logging as hf_logging
+
+from tempo import maxbatch
+from tempo.models import CONFIGURATIONS, HEADS, MODELS, build_model, make_batch
+
+hf_logging.set_verbosity_error()
+
+
+@pytest.mark.parametrize("family_model", ["bert-base", "roberta-base", "gpt2"])
+@pytest.mark.parametrize("head", HEADS)
+def test_every_head_trains_one_step(family_model, head):
+    m = build_model(family_model, head, "tempo", num_layers=1).train()
+    loss = m(**make_batch(family_model, head, 2, 16)).loss
+    loss.backward()
+    assert torch.isfinite(loss)
+    assert all(p.grad is not None for p in m.parameters() if p.requires_grad and p.grad is not None)
+
+
+def test_configurations_are_what_they_say():
+    with torch.device("meta"):
+        eager = build_model("bert-large", configuration="hf-eager")
+        ours = build_model("bert-large", configuration="tempo+sdpa")
+        ckpt = build_model("bert-large", configuration="checkpointing")
+    assert eager.config._attn_implementation == "eager"
+    assert ours.config._attn_implementation == "sdpa" and ours._tempo_report.counts()["attention"] == 0
+    assert ours._tempo_report.counts()["gelu"] == 25
+    assert ckpt.is_activation_checkpointing and not eager.is_activation_checkpointing
+    assert set(CONFIGURATIONS) >= {"hf-eager", "hf-sdpa", "tempo", "tempo+sdpa", "checkpointing"}
+
+
+def test_bad_names_list_the_choices():
+    with pytest.raises(ValueError, match="bert-large"):
+        build_model("bert-huge")
+    with pytest.raises(ValueError, match="pretraining, classification, qa"):
+        build_model("bert-base", "ner")
+    with pytest.raises(ValueError, match="at most 512 positions"):
+        make_batch("bert-base", "qa", 1, 1024)
+
+
+def test_maxbatch_command(capsys):
+    assert maxbatch.main(["--model", "bert-base", "--seq", "64", "--precision", "fp16", "--gpu-mem", "4GB",
+                          "--tempo", "--no-verify"]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert "max batch:" in out and "tempo" in out
+    assert (
+        maxbatch.main(["--model", "gpt2-xl", "--seq", "1024", "--precision", "fp32", "--gpu-mem", "2GB"]) == 1
+    )
+    assert "does not fit" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        maxbatch.main(["--model", "bert-base", "--seq", "64", "--gpu-mem", "lots"])
+
+
+@pytest.mark.parametrize(
+    ("configuration", "sbh", "as2b"), [("hf-eager", 34, 5), ("tempo", 20.5, 2), ("checkpointing", 2, 0)]
+)
+def test_closed_forms_per_layer_inside_the_model(configuration, sbh, as2b):
+    from artifacts.tempo_bert.run import activation_point
+
+    r = activation_point("bert-base", configuration, 128)
+    assert r["closed_form_bytes"]["sbh"] == pytest.approx(sbh, abs=0.02)
+    assert r["closed_form_bytes"]["as2b"] == pytest.approx(as2b, abs=0.01)
+    assert r["closed_form_error"] < 1e-3
+    assert MODELS["bert-base"].layers * r["per_layer_bytes"] < r["per_model_bytes"]
