@@ -87,9 +87,8 @@ def tempo_layer(session: nox.Session) -> None:
 
 @nox.session
 def tempo_bert(session: nox.Session) -> None:
-    """Tempo's evaluation (issue #3). Until its driver lands this runs the layer comparison."""
-    if (ROOT / "artifacts" / "tempo_bert" / "run.py").exists():
-        _run(session, "-m", "artifacts.tempo_bert.run", *session.posargs)
-    else:
-        session.log("artifacts/tempo_bert/run.py is not written yet: running the Tempo layer comparison")
-        _run(session, "-m", "artifacts.tempo_layer.run", *session.posargs)
+    """Tempo's evaluation: the layer comparison, activation memory and max batch of BERT-Large,
+    RoBERTa-large and GPT-2 per configuration and GPU size, and their figures."""
+    _run(session, "-m", "artifacts.tempo_layer.run")
+    _run(session, "-m", "artifacts.tempo_bert.run", *session.posargs)
+    _run(session, "figures/plot_tempo_bert.py")

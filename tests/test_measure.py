@@ -15,7 +15,7 @@ import tempo
 from measure.cpu_peak import cpu_peak_bytes
 from measure.memory import DepthExtrapolatedEstimator, GiB, GpuBudget, LiveMemoryTracker, StepMemoryEstimator
 from measure.results import ResultFile, load_results, provenance, write_json_atomic
-from measure.saved import CudaLikeDropout, saved_bytes
+from measure.saved import cuda_like_dropout, saved_bytes
 from measure.training import Precision, make_optimizer, optimizer_state_tensors, train_step
 
 hf_logging.set_verbosity_error()
@@ -49,7 +49,7 @@ def test_cuda_like_dropout_keeps_a_bool_mask():
     x = torch.randn(10, 100, dtype=torch.bfloat16, requires_grad=True)
     drop = nn.Dropout(0.1)
     assert saved_bytes(drop, x).activation_bytes == 1000 * 2  # CPU: mask in x's dtype
-    with CudaLikeDropout():
+    with cuda_like_dropout():
         assert saved_bytes(drop, x).activation_bytes == 1000  # CUDA: bool mask
 
 

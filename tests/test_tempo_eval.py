@@ -67,3 +67,18 @@ def test_closed_forms_per_layer_inside_the_model(configuration, sbh, as2b):
     assert r["closed_form_bytes"]["as2b"] == pytest.approx(as2b, abs=0.01)
     assert r["closed_form_error"] < 1e-3
     assert MODELS["bert-base"].layers * r["per_layer_bytes"] < r["per_model_bytes"]
+
+
+@pytest.mark.parametrize("configuration", ["checkpointing", "hf-sdpa", "tempo+sdpa"])
+def test_estimator_runs_every_configuration(configuration):
+    """Checkpointing recomputes the forward inside backward: the CUDA-like substitutions must hold
+    there too (checkpoint checks that recomputed tensors match the saved ones)."""
+    from measure.memory import DepthExtrapolatedEstimator
+
+    est = DepthExtrapolatedEstimator(
+        lambda n: build_model("bert-base", "pretraining", configuration, num_layers=n),
+        lambda b: make_batch("bert-base", "pretraining", b, 64),
+        "fp16",
+        num_layers=12,
+    )
+    assert est.peak(4).peak_bytes < est.peak(8).peak_bytes

@@ -17,6 +17,9 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import multiprocessing
+import os
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
 import torch
@@ -135,27 +138,30 @@ def maxbatch_point(model: str, seq: int, precision: str, configuration: str) -> 
     return out
 
 
-def run_maxbatch(cases, configs, precisions, force: bool) -> ResultFile:
+def _init_worker() -> None:
+    torch.set_num_threads(1)  # the estimator is Python-bound: one process per core instead
+    hf_logging.set_verbosity_error()
+
+
+def run_maxbatch(cases, configs, precisions, force: bool, jobs: int) -> ResultFile:
     store = ResultFile(
         RESULTS / "max_batch.json",
-        provenance(
-            {
-                "part": "maxbatch",
-                "cases": cases,
-                "configs": configs,
-                "precisions": precisions,
-                "gpus": GPUS,
-                "reserve": "0.75 GiB context + 5% fragmentation",
-                "optimizer": "AdamW",
-            }
-        ),
+        provenance({"part": "maxbatch", "cases": cases, "configs": configs, "precisions": precisions,
+                    "gpus": GPUS, "reserve": "0.75 GiB context + 5% fragmentation", "optimizer": "AdamW"}),
         force,
-    )
+    )  # fmt: skip
     todo = [(m, s, p, c) for (m, s), p, c in itertools.product(cases, precisions, configs)]
     todo = [t for t in todo if t[3] in MAIN_CONFIGS or (t[0], t[1]) == ABLATION_CASE]
-    for model, seq, prec, conf in tqdm(todo, desc="max batch", unit="config"):
-        key = f"{model}/s{seq}/{prec}/{conf}"
-        store.compute(key, lambda m=model, s=seq, p=prec, c=conf: maxbatch_point(m, s, p, c))
+    todo = [t for t in todo if not store.done("{}/s{}/{}/{}".format(*t))]
+    ctx = multiprocessing.get_context("spawn")  # no fork after torch has started threads
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx, initializer=_init_worker) as pool:
+        futures = {pool.submit(maxbatch_point, *t): "{}/s{}/{}/{}".format(*t) for t in todo}
+        try:
+            for fut in tqdm(as_completed(futures), total=len(futures), desc="max batch", unit="config"):
+                store.add(futures[fut], fut.result())  # each finished point is on disk at once
+        except BaseException:
+            pool.shutdown(cancel_futures=True)  # fail fast: do not run the queue before reporting
+            raise
     return store
 
 
@@ -201,6 +207,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--scale", choices=["cpu", "paper"], default="cpu")
     ap.add_argument("--device", default="cpu", help="accepted for symmetry; both parts need no GPU")
     ap.add_argument("--force", action="store_true", help="recompute points already in the result files")
+    ap.add_argument(
+        "--jobs", type=int, default=os.cpu_count() or 1, help="worker processes (default: all cores)"
+    )
     args = ap.parse_args(argv)
     hf_logging.set_verbosity_error()
     torch.manual_seed(0)
@@ -209,7 +218,9 @@ def main(argv: list[str] | None = None) -> None:
     if "activation" in args.parts:
         act = run_activation(cases, MAIN_CONFIGS + ABLATION_CONFIGS, args.force)
     if "maxbatch" in args.parts:
-        mb = run_maxbatch(cases, MAIN_CONFIGS + ABLATION_CONFIGS, PRECISIONS[args.scale], args.force)
+        mb = run_maxbatch(
+            cases, MAIN_CONFIGS + ABLATION_CONFIGS, PRECISIONS[args.scale], args.force, args.jobs
+        )
     print_summary(act, mb)
     print(f"\nresults in {RESULTS}; figures: nox -s figures")
 

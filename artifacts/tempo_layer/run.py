@@ -3,8 +3,8 @@ technique alone), measured exactly with measure.saved, next to the closed forms.
 
     python -m artifacts.tempo_layer.run [--seq 128 512] [--dtype bf16] [--batch 1]
 
-Baseline dropouts run as on CUDA (fused native_dropout, bool mask; see CudaLikeDropout), so the
-bytes are those the layer keeps on a GPU.
+Baseline dropouts run as on CUDA (fused native_dropout, bool mask; see
+measure.saved.cuda_like_dropout), so the bytes are those the layer keeps on a GPU.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from transformers.utils import logging as hf_logging
 
 import tempo
 from measure.results import ResultFile, provenance
-from measure.saved import CudaLikeDropout, saved_bytes
+from measure.saved import cuda_like_dropout, saved_bytes
 
 RESULTS = Path(__file__).parent / "results" / "layer_saved_bytes.json"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -61,7 +61,7 @@ def measure_layer(
     switches = VARIANTS[variant]
     report = str(tempo.patch(layer, **switches)) if switches is not None else "HF eager (unpatched)"
     x = torch.randn(batch, seq, hidden, dtype=dtype, requires_grad=True)
-    with CudaLikeDropout():
+    with cuda_like_dropout():
         r = saved_bytes(layer, x)
     sbh, as2b = seq * batch * hidden, heads * seq * seq * batch
     c_sbh, c_as2b = CLOSED_FORMS[variant]

@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
-from torch.overrides import TorchFunctionMode
 
 
 def storage_key(t: torch.Tensor) -> int:
@@ -116,59 +115,74 @@ class SavedTensorsMeter:
         )
 
 
-class CudaLikeDropout(TorchFunctionMode):
+def _cuda_like_dropout(x, p=0.5, training=True, inplace=False):
+    if training and p > 0 and not inplace:
+        return torch.native_dropout(x, p, True)[0]
+    return _TORCH_DROPOUT(x, p, training, inplace)
+
+
+def _cuda_like_sdpa(
+    query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False
+):
+    if is_fake(query) and not enable_gqa:
+        out, _logsumexp = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            query, key, value, 0.0, bool(is_causal), attn_mask=attn_mask, scale=scale
+        )
+        return out
+    return _TORCH_SDPA(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+
+
+_TORCH_DROPOUT = nn.functional.dropout
+_TORCH_SDPA = nn.functional.scaled_dot_product_attention
+
+
+@contextmanager
+def _swapped(name: str, replacement) -> Iterator[None]:
+    # Swapped on the module (not a TorchFunctionMode) so that activation checkpointing's
+    # recomputation inside backward runs the very same function as the forward did.
+    original = getattr(nn.functional, name)
+    setattr(nn.functional, name, replacement)
+    try:
+        yield
+    finally:
+        setattr(nn.functional, name, original)
+
+
+@contextmanager
+def cuda_like_dropout() -> Iterator[None]:
     """Make ``F.dropout`` on CPU keep what it keeps on CUDA.
 
     On CUDA, F.dropout runs the fused ``native_dropout`` and keeps a bool mask (1 byte per
     element). On CPU it is composed as ``x * noise`` and keeps ``noise`` in x's dtype (2-4 bytes),
-    which would inflate any CPU measurement of a baseline. Inside this mode F.dropout calls
+    which would inflate any CPU measurement of a baseline. Here F.dropout calls
     ``native_dropout``, the very op CUDA uses (it has a CPU kernel), so bytes measured on CPU are
     the bytes the model keeps on a GPU.
     """
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is nn.functional.dropout:
-            x = args[0]
-            p = kwargs.get("p", args[1] if len(args) > 1 else 0.5)
-            training = kwargs.get("training", args[2] if len(args) > 2 else True)
-            inplace = kwargs.get("inplace", args[3] if len(args) > 3 else False)
-            if training and p > 0 and not inplace:
-                return torch.native_dropout(x, p, True)[0]
-        return func(*args, **kwargs)
+    with _swapped("dropout", _cuda_like_dropout):
+        yield
 
 
-class CudaLikeAttention(TorchFunctionMode):
+@contextmanager
+def cuda_like_attention() -> Iterator[None]:
     """Make ``F.scaled_dot_product_attention`` on *fake* CPU tensors keep what CUDA's fused
     kernels keep: Q, K, V, the output, a float32 logsumexp per row (and the mask, if one is
-    given, as the memory-efficient kernel does) - never an s x s matrix.
+    given, as the memory-efficient kernel does), never an s x s matrix.
 
     On CPU, SDPA with dropout falls back to the math path and keeps several s x s tensors, so a
-    CPU measurement would misstate what SDPA costs on a GPU. Inside this mode, SDPA on fake
-    tensors runs ``_scaled_dot_product_flash_attention_for_cpu``, whose saved tensors are those
-    of CUDA flash attention; dropout changes no saved bytes there (CUDA keeps an RNG seed and
-    offset). Real tensors are left alone: the substitute ignores dropout, so it is only fit for
-    memory accounting.
+    CPU measurement would misstate what SDPA costs on a GPU. Here SDPA on fake tensors runs
+    ``_scaled_dot_product_flash_attention_for_cpu``, whose saved tensors are those of CUDA flash
+    attention; dropout changes no saved bytes there (CUDA keeps an RNG seed and offset). Real
+    tensors are left alone: the substitute ignores dropout, so it is fit for memory accounting
+    only.
     """
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is nn.functional.scaled_dot_product_attention and is_fake(args[0]):
-            names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
-            bound = {**dict(zip(names, args, strict=False)), **kwargs}
-            if not bound.get("enable_gqa", False):
-                out, _lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                    bound["query"], bound["key"], bound["value"], 0.0, bool(bound.get("is_causal", False)),
-                    attn_mask=bound.get("attn_mask"), scale=bound.get("scale"),
-                )  # fmt: skip
-                return out
-        return func(*args, **kwargs)
+    with _swapped("scaled_dot_product_attention", _cuda_like_sdpa):
+        yield
 
 
 @contextmanager
 def cuda_like() -> Iterator[None]:
     """Both substitutions: CPU measurements of what a model keeps on a CUDA GPU."""
-    with CudaLikeDropout(), CudaLikeAttention():
+    with cuda_like_dropout(), cuda_like_attention():
         yield
 
 
