@@ -91,7 +91,8 @@ def plot_maxbatch() -> Path | None:
     if not path.exists():
         return None
     data = load_results(path)
-    gpus = list(data["provenance"]["config"]["gpus"])
+    gpu_mem = data["provenance"]["config"]["gpus"]  # name -> "16GB"; result files sort keys
+    gpus = sorted(gpu_mem, key=lambda g: float(gpu_mem[g].lower().removesuffix("gb")))
     cases = sorted({tuple(k.split("/")[:3]) for k in data["points"]}, key=lambda c: (c[0], int(c[1][1:])))
     fig, axes = plt.subplots(1, len(cases), figsize=(4.4 * len(cases), 4.4), squeeze=False)
     width = 0.8 / len(MAIN)
@@ -102,7 +103,10 @@ def plot_maxbatch() -> Path | None:
                 continue
             xs = [g + (i - len(MAIN) / 2 + 0.5) * width for g in range(len(gpus))]
             ax.bar(xs, [r[g]["max_batch"] for g in gpus], width, label=conf)
-        ax.set_xticks(range(len(gpus)), [g.split("-")[-1] for g in gpus])
+            for x, g in zip(xs, gpus, strict=True):
+                if r[g]["max_batch"] == 0:  # invisible on a log axis: say it
+                    ax.text(x, 1, "0", ha="center", va="bottom", fontsize=6)
+        ax.set_xticks(range(len(gpus)), [gpu_mem[g] for g in gpus])
         ax.set_yscale("log")
         ax.set_title(f"{model}, seq {seq[1:]}, {prec}", fontsize=10)
         ax.set_ylabel("largest batch that fits (estimated)")

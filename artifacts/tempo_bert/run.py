@@ -175,7 +175,7 @@ def print_summary(act: ResultFile | None, mb: ResultFile | None) -> None:
             model, seq, conf = key.split("/")
             base = act.points.get(f"{model}/{seq}/hf-eager")
             saving = "" if base is None else f"{1 - r['per_layer_bytes'] / base['per_layer_bytes']:+.1%}"
-            cf = r["closed_form_bytes"]
+            cf = {k: (0.0 if abs(v) < 5e-3 else v) for k, v in r["closed_form_bytes"].items()}
             print(
                 f"  {model:<14} {seq:<5} {conf:<16} {r['per_layer_bytes'] / 2**20:9.2f} MiB  "
                 f"= {cf['sbh']:6.2f}sbh + {cf['as2b']:5.2f}as^2b  {saving:>7}"
@@ -183,7 +183,10 @@ def print_summary(act: ResultFile | None, mb: ResultFile | None) -> None:
     if mb is not None:
         print("\nMax batch per GPU (AdamW step; fp16 = half model + fp32 master weights)")
         print(f"  {'case':<32} {'config':<16} " + " ".join(f"{g:>11}" for g in GPUS))
-        for key, r in mb.points.items():
+        order = MAIN_CONFIGS + ABLATION_CONFIGS
+        keys = sorted(mb.points, key=lambda k: (*k.split("/")[:3], order.index(k.split("/")[3])))
+        for key in keys:
+            r = mb.points[key]
             model, seq, prec, conf = key.split("/")
             print(
                 f"  {model + ' ' + seq + ' ' + prec:<32} {conf:<16} "
