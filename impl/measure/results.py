@@ -28,10 +28,12 @@ def git_state(root: Path = REPO_ROOT) -> dict[str, Any]:
             ["git", *args], cwd=root, capture_output=True, text=True, check=True
         ).stdout.strip()
 
+    # Experiment outputs (result files, figures) do not make the code dirty: runs rewrite them.
+    outputs = (":(exclude)artifacts/*/results/*", ":(exclude)figures/*.png")
     try:
         return {
             "commit": git("rev-parse", "HEAD"),
-            "dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
+            "dirty": bool(git("status", "--porcelain", "--untracked-files=no", "--", ".", *outputs)),
         }
     except (OSError, subprocess.CalledProcessError):
         return {"commit": None, "dirty": None}
