@@ -123,7 +123,50 @@ def plot_maxbatch() -> Path | None:
     return out
 
 
+def plot_training() -> Path | None:
+    path = RESULTS / "training.json"
+    if not path.exists():
+        return None
+    data = load_results(path)
+    pts = data["points"]
+    panels = [
+        (
+            "bert-mini (MLM + NSP), dropout off",
+            ["bert-mini/hf-eager/p0.0/seed1", "bert-mini/tempo/p0.0/seed1"],
+        ),
+        ("gpt2-mini (LM), dropout off", ["gpt2-mini/hf-eager/p0.0/seed1", "gpt2-mini/tempo/p0.0/seed1"]),
+        (
+            "bert-mini, dropout 0.1",
+            ["bert-mini/hf-eager/p0.1/seed1", "bert-mini/hf-eager/p0.1/seed2", "bert-mini/tempo/p0.1/seed1"],
+        ),
+    ]
+    fig, axes = plt.subplots(1, len(panels), figsize=(15, 4.2))
+    for ax, (title, keys) in zip(axes, panels, strict=True):
+        keys = [k for k in keys if k in pts]
+        for k in keys:
+            _, conf, _, seed = k.split("/")
+            ax.plot(pts[k]["losses"], label=f"{conf} (dropout {seed})", linewidth=1)
+        if len(keys) == 2:  # dropout off: show the difference too
+            a, b = (pts[k]["losses"] for k in keys)
+            diff = [abs(x - y) for x, y in zip(a, b, strict=True)]
+            twin = ax.twinx()
+            twin.semilogy([max(d, 1e-9) for d in diff], color="gray", linewidth=0.8, label="|difference|")
+            twin.set_ylabel("|loss difference| (gray)")
+            twin.axhline(1e-3, color="gray", linestyle=":", linewidth=0.8)
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("step")
+        ax.set_ylabel("training loss")
+        ax.legend(fontsize=7)
+    title = "Same training with and without Tempo (fp32, one seed for weights and data; offline corpus)"
+    fig.suptitle(title + "\n" + _source_note(data["provenance"]), fontsize=9)
+    fig.tight_layout()
+    out = OUT / "tempo_bert_loss_curves.png"
+    fig.savefig(out, dpi=130)
+    plt.close(fig)
+    return out
+
+
 if __name__ == "__main__":
-    for made in (plot_activation(), plot_maxbatch()):
+    for made in (plot_activation(), plot_maxbatch(), plot_training()):
         if made is not None:
             print(f"wrote {made}")

@@ -82,3 +82,23 @@ def test_estimator_runs_every_configuration(configuration):
         num_layers=12,
     )
     assert est.peak(4).peak_bytes < est.peak(8).peak_bytes
+
+
+@pytest.mark.slow
+def test_offline_corpus_and_pretraining_batches(tmp_path):
+    from artifacts.tempo_bert import data
+
+    docs = data.corpus(tmp_path)
+    assert len(docs) > 1000 and all(len(d) >= 2 for d in docs)
+    batches = data.bert_batches(3, 8, 64, seed=1, cache_dir=tmp_path)
+    tok = data.tokenizer("wordpiece", cache_dir=tmp_path)
+    cls_id, sep_id = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
+    for b in batches:
+        assert (b["input_ids"][:, 0] == cls_id).all()
+        assert ((b["input_ids"] == sep_id).sum(1) == 2).all()  # [CLS] A [SEP] B [SEP]
+        real = b["attention_mask"].bool() & (b["input_ids"] != cls_id) & (b["input_ids"] != sep_id)
+        rate = ((b["labels"] != -100) & real).sum() / real.sum()
+        assert 0.05 < rate < 0.30  # 15% masked, on a small sample
+        assert ((b["labels"] == -100) | real).all()  # never a label on special or padding tokens
+    lm = data.gpt2_batches(2, 4, 32, seed=0, cache_dir=tmp_path)
+    assert lm[0]["input_ids"].shape == (4, 32) and lm[0]["labels"].equal(lm[0]["input_ids"])

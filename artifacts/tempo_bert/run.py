@@ -10,7 +10,9 @@ Parts (each resumable; results in artifacts/tempo_bert/results/):
   from two sequence lengths and verified at a third.
 * maxbatch: the largest batch that fits 11/16/40/80/141 GB GPUs, from the fake-tensor estimate
   of a whole AdamW step (measure.memory; CUDA target, documented reserve).
-Throughput and training-equivalence parts are tracked in issue #3 (not yet implemented).
+* training: a small BERT (MLM + NSP) and a small GPT-2 (LM) trained from one seed on an offline
+  corpus (artifacts/tempo_bert/data.py) with and without Tempo, dropout off and on.
+The throughput part is tracked in issue #3 (not yet implemented).
 """
 
 from __future__ import annotations
@@ -143,15 +145,30 @@ def _init_worker() -> None:
     hf_logging.set_verbosity_error()
 
 
-def run_maxbatch(cases, configs, precisions, force: bool, jobs: int) -> ResultFile:
+def run_maxbatch(cases, configs, precisions, force: bool, jobs: int, scale: str) -> ResultFile:
     store = ResultFile(
         RESULTS / "max_batch.json",
-        provenance({"part": "maxbatch", "cases": cases, "configs": configs, "precisions": precisions,
-                    "gpus": GPUS, "reserve": "0.75 GiB context + 5% fragmentation", "optimizer": "AdamW"}),
+        provenance(
+            {
+                "part": "maxbatch",
+                "scale": scale,
+                "cases": cases,
+                "configs": configs,
+                "precisions": precisions,
+                "gpus": GPUS,
+                "reserve": "0.75 GiB context + 5% fragmentation",
+                "optimizer": "AdamW",
+            }
+        ),
         force,
-    )  # fmt: skip
+    )
     todo = [(m, s, p, c) for (m, s), p, c in itertools.product(cases, precisions, configs)]
-    todo = [t for t in todo if t[3] in MAIN_CONFIGS or (t[0], t[1]) == ABLATION_CASE]
+    if scale == "cpu":  # reduced: checkpointing and the ablations on the headline case only
+        todo = [
+            t
+            for t in todo
+            if t[3] in MAIN_CONFIGS[:4] or ((t[0], t[1]) == ABLATION_CASE and t[3] in MAIN_CONFIGS)
+        ]
     todo = [t for t in todo if not store.done("{}/s{}/{}/{}".format(*t))]
     ctx = multiprocessing.get_context("spawn")  # no fork after torch has started threads
     with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx, initializer=_init_worker) as pool:
@@ -165,10 +182,90 @@ def run_maxbatch(cases, configs, precisions, force: bool, jobs: int) -> ResultFi
     return store
 
 
+# ---------------------------------------------------------------- same training
+
+
+TRAIN = {  # model -> (steps, batch, seq)
+    "bert-mini": (150, 8, 64),
+    "gpt2-mini": (150, 8, 64),
+}
+# (model, configuration, dropout, dropout seed): dropout off must give the same losses; with
+# dropout on, Tempo draws other masks, so compare its distance from the baseline with the
+# distance between two baseline runs that differ only in their dropout seed.
+TRAIN_RUNS = [
+    ("bert-mini", "hf-eager", 0.0, 1),
+    ("bert-mini", "tempo", 0.0, 1),
+    ("bert-mini", "hf-eager", 0.1, 1),
+    ("bert-mini", "hf-eager", 0.1, 2),
+    ("bert-mini", "tempo", 0.1, 1),
+    ("gpt2-mini", "hf-eager", 0.0, 1),
+    ("gpt2-mini", "tempo", 0.0, 1),
+]
+
+
+def training_run(model: str, configuration: str, dropout: float, dropout_seed: int) -> dict:
+    from measure.training import Precision, make_optimizer, train_step
+
+    from .data import bert_batches, gpt2_batches
+
+    steps, batch, seq = TRAIN[model]
+    make = bert_batches if model.startswith("bert") else gpt2_batches
+    batches = make(steps, batch, seq, seed=0)  # the same data for every run
+    torch.manual_seed(0)  # the same initial weights for every run
+    m = build_model(model, "pretraining", configuration, dropout=dropout).train()
+    precision = Precision("fp32")
+    opt = make_optimizer(m, precision, lr=1e-3)
+    torch.manual_seed(dropout_seed)  # only dropout draws from here on
+    losses = [train_step(m, b, opt, precision).item() for b in batches]
+    return {"losses": losses, "steps": steps, "batch": batch, "seq": seq}
+
+
+def run_training(force: bool) -> ResultFile:
+    store = ResultFile(
+        RESULTS / "training.json",
+        provenance(
+            {
+                "part": "training",
+                "runs": TRAIN_RUNS,
+                "shapes": TRAIN,
+                "precision": "fp32",
+                "lr": 1e-3,
+                "corpus": "stdlib docstrings (artifacts/tempo_bert/data.py)",
+            }
+        ),
+        force,
+    )
+    for model, conf, p, seed in tqdm(TRAIN_RUNS, desc="training runs", unit="run"):
+        store.compute(f"{model}/{conf}/p{p}/seed{seed}", lambda a=(model, conf, p, seed): training_run(*a))
+    return store
+
+
+def training_summary(tr: ResultFile) -> dict:
+    def curve(key):
+        return torch.tensor(tr.points[key]["losses"])
+
+    out = {}
+    for model in TRAIN:
+        off = (curve(f"{model}/tempo/p0.0/seed1") - curve(f"{model}/hf-eager/p0.0/seed1")).abs()
+        out[f"{model} dropout off: max |loss difference|"] = off.max().item()
+    base, other, ours = (
+        curve(f"bert-mini/{c}/p0.1/seed{s}") for c, s in (("hf-eager", 1), ("hf-eager", 2), ("tempo", 1))
+    )
+    out["bert-mini dropout 0.1: mean |tempo - baseline|"] = (ours - base).abs().mean().item()
+    out["bert-mini dropout 0.1: mean |baseline seed 2 - baseline seed 1|"] = (
+        (other - base).abs().mean().item()
+    )
+    out["bert-mini dropout 0.1: last-50 mean loss baseline / tempo"] = (
+        base[-50:].mean().item(),
+        ours[-50:].mean().item(),
+    )
+    return out
+
+
 # ---------------------------------------------------------------- report
 
 
-def print_summary(act: ResultFile | None, mb: ResultFile | None) -> None:
+def print_summary(act: ResultFile | None, mb: ResultFile | None, tr: ResultFile | None = None) -> None:
     if act is not None:
         print("\nActivation memory per layer (batch 1, bf16): bytes = a*sbh + b*as^2b")
         for key, r in act.points.items():
@@ -180,6 +277,10 @@ def print_summary(act: ResultFile | None, mb: ResultFile | None) -> None:
                 f"  {model:<14} {seq:<5} {conf:<16} {r['per_layer_bytes'] / 2**20:9.2f} MiB  "
                 f"= {cf['sbh']:6.2f}sbh + {cf['as2b']:5.2f}as^2b  {saving:>7}"
             )
+    if tr is not None:
+        print("\nSame training (fp32, one seed for weights and data):")
+        for name, value in training_summary(tr).items():
+            print(f"  {name}: {value}")
     if mb is not None:
         print("\nMax batch per GPU (AdamW step; fp16 = half model + fp32 master weights)")
         print(f"  {'case':<32} {'config':<16} " + " ".join(f"{g:>11}" for g in GPUS))
@@ -205,7 +306,7 @@ def print_summary(act: ResultFile | None, mb: ResultFile | None) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parts = ["activation", "maxbatch"]
+    parts = ["activation", "maxbatch", "training"]
     ap.add_argument("--parts", nargs="+", default=parts, choices=parts)
     ap.add_argument("--scale", choices=["cpu", "paper"], default="cpu")
     ap.add_argument("--device", default="cpu", help="accepted for symmetry; both parts need no GPU")
@@ -224,7 +325,8 @@ def main(argv: list[str] | None = None) -> None:
         mb = run_maxbatch(
             cases, MAIN_CONFIGS + ABLATION_CONFIGS, PRECISIONS[args.scale], args.force, args.jobs
         )
-    print_summary(act, mb)
+    tr = run_training(args.force) if "training" in args.parts else None
+    print_summary(act, mb, tr)
     print(f"\nresults in {RESULTS}; figures: nox -s figures")
 
 

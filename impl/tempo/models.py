@@ -71,6 +71,9 @@ MODELS: dict[str, ModelSpec] = {
     "gpt2-medium": ModelSpec("gpt2", 1024, 24, 16, 50257, 1024),
     "gpt2-large": ModelSpec("gpt2", 1280, 36, 20, 50257, 1024),
     "gpt2-xl": ModelSpec("gpt2", 1600, 48, 25, 50257, 1024),
+    # small shapes for training runs on a CPU (vocabulary of the offline corpus's tokenizers)
+    "bert-mini": ModelSpec("bert", 128, 2, 4, 8192, 512),
+    "gpt2-mini": ModelSpec("gpt2", 128, 2, 4, 8192, 1024),
 }
 HEADS = ("pretraining", "classification", "qa")
 
