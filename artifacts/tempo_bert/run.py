@@ -323,7 +323,7 @@ def main(argv: list[str] | None = None) -> None:
         act = run_activation(cases, MAIN_CONFIGS + ABLATION_CONFIGS, args.force)
     if "maxbatch" in args.parts:
         mb = run_maxbatch(
-            cases, MAIN_CONFIGS + ABLATION_CONFIGS, PRECISIONS[args.scale], args.force, args.jobs
+            cases, MAIN_CONFIGS + ABLATION_CONFIGS, PRECISIONS[args.scale], args.force, args.jobs, args.scale
         )
     tr = run_training(args.force) if "training" in args.parts else None
     print_summary(act, mb, tr)
