@@ -1,7 +1,7 @@
-"""Tempo's evaluation: activation memory and maximum batch size of BERT-Large, RoBERTa-large and
-GPT-2, every configuration side by side.
+"""Tempo's evaluation: activation memory, maximum batch size and same-training runs of BERT-Large,
+RoBERTa-large and GPT-2, every configuration side by side.
 
-    python -m artifacts.tempo_bert.run [--parts activation maxbatch] [--scale cpu|paper] [--force]
+    python -m artifacts.tempo_bert.run [--parts activation maxbatch training] [--scale cpu|paper] [--force]
 
 Parts (each resumable; results in artifacts/tempo_bert/results/):
 * activation: bytes kept for backward, exact (measure.saved), per layer inside the model and per
