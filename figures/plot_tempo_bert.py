@@ -22,6 +22,16 @@ OUT = Path(__file__).parent
 MAIN = ["hf-eager", "hf-sdpa", "tempo", "tempo+sdpa", "checkpointing"]
 
 
+def _finish(fig, title: str, prov: dict, name: str, rect=(0, 0, 1, 1)) -> Path:
+    """Title with the results' provenance, tight layout, save under figures/, close."""
+    fig.suptitle(f"{title}\n{_source_note(prov)}", fontsize=9)
+    fig.tight_layout(rect=rect)
+    out = OUT / name
+    fig.savefig(out, dpi=130)
+    plt.close(fig)
+    return out
+
+
 def _source_note(prov: dict) -> str:
     commit = (prov.get("git", {}).get("commit") or "?")[:10]
     device = prov.get("device", {}).get("device", "?")
@@ -74,16 +84,11 @@ def plot_activation() -> Path | None:
         ax.tick_params(axis="x", rotation=70, labelsize=7)
     handles, labels = axes[0][0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=len(COMPONENT_ORDER), fontsize=7, frameon=False)
-    fig.suptitle(
+    title = (
         "Activation memory per layer inside the model (batch 1, bf16; exact bytes; dropout and SDPA "
-        "as their CUDA kernels keep them)\n" + _source_note(data["provenance"]),
-        fontsize=9,
+        "as their CUDA kernels keep them)"
     )
-    fig.tight_layout(rect=(0, 0.06, 1, 1))
-    out = OUT / "tempo_bert_activation.png"
-    fig.savefig(out, dpi=130)
-    plt.close(fig)
-    return out
+    return _finish(fig, title, data["provenance"], "tempo_bert_activation.png", rect=(0, 0.06, 1, 1))
 
 
 def plot_maxbatch() -> Path | None:
@@ -111,16 +116,8 @@ def plot_maxbatch() -> Path | None:
         ax.set_title(f"{model}, seq {seq[1:]}, {prec}", fontsize=10)
         ax.set_ylabel("largest batch that fits (estimated)")
         ax.legend(fontsize=7)
-    fig.suptitle(
-        "Max batch per GPU memory: fake-tensor estimate of a whole AdamW step "
-        "(reserve 0.75 GiB + 5%)\n" + _source_note(data["provenance"]),
-        fontsize=9,
-    )
-    fig.tight_layout()
-    out = OUT / "tempo_bert_max_batch.png"
-    fig.savefig(out, dpi=130)
-    plt.close(fig)
-    return out
+    title = "Max batch per GPU memory: fake-tensor estimate of a whole AdamW step (reserve 0.75 GiB + 5%)"
+    return _finish(fig, title, data["provenance"], "tempo_bert_max_batch.png")
 
 
 def plot_training() -> Path | None:
@@ -158,12 +155,7 @@ def plot_training() -> Path | None:
         ax.set_ylabel("training loss")
         ax.legend(fontsize=7)
     title = "Same training with and without Tempo (fp32, one seed for weights and data; offline corpus)"
-    fig.suptitle(title + "\n" + _source_note(data["provenance"]), fontsize=9)
-    fig.tight_layout()
-    out = OUT / "tempo_bert_loss_curves.png"
-    fig.savefig(out, dpi=130)
-    plt.close(fig)
-    return out
+    return _finish(fig, title, data["provenance"], "tempo_bert_loss_curves.png")
 
 
 if __name__ == "__main__":

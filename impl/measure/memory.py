@@ -71,9 +71,7 @@ class LiveMemoryTracker(TorchDispatchMode):
         self.peak_phase = "setup"
         self.peak_breakdown: dict[str, int] = {}
         self.phase_peaks: dict[str, int] = {}
-        self.phase_breakdowns: dict[str, dict[str, int]] = {}
         self._snapshot_at = 0
-        self._phase_snapshot_at: dict[str, int] = {}
         self._tolerance = snapshot_tolerance
         self._classify: Callable[[], dict[str, int]] | None = None
 
@@ -90,16 +88,10 @@ class LiveMemoryTracker(TorchDispatchMode):
 
     def _observe(self, level: int, workspace: int = 0) -> None:
         """Record ``level`` (live bytes + a call's workspace) as a candidate peak, overall and
-        for the current phase. A breakdown costs a pass over live storages: it is refreshed only
-        when a peak moved by more than the tolerance (peak values themselves are exact)."""
+        for the current phase. The overall peak's breakdown costs a pass over live storages: it
+        is refreshed only when the peak moved by more than the tolerance (peaks are exact)."""
         phase = self.phase
-        if level > self.phase_peaks.get(phase, -1):
-            self.phase_peaks[phase] = level
-            if self._classify is not None and level > self._phase_snapshot_at.get(phase, 0) * (
-                1 + self._tolerance
-            ):
-                self._phase_snapshot_at[phase] = level
-                self.phase_breakdowns[phase] = {**self._classify(), "workspace": workspace}
+        self.phase_peaks[phase] = max(level, self.phase_peaks.get(phase, -1))
         if level > self.peak:
             self.peak = level
             self.peak_phase = phase
@@ -114,7 +106,7 @@ class LiveMemoryTracker(TorchDispatchMode):
         self.peak = self.current
         self._snapshot_at = 0
         self.peak_breakdown = {**self._classify(), "workspace": 0} if self._classify else {}
-        self.phase_peaks, self.phase_breakdowns, self._phase_snapshot_at = {}, {}, {}
+        self.phase_peaks = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -150,7 +142,6 @@ class PeakReport:
     peak_phase: str  # forward / backward / optimizer
     breakdown: dict[str, int] = field(default_factory=dict)  # at the peak, by CATEGORIES
     phase_peaks: dict[str, int] = field(default_factory=dict)  # the peak within each phase
-    phase_breakdowns: dict[str, dict[str, int]] = field(default_factory=dict)
 
     @property
     def peak_gib(self) -> float:
@@ -207,9 +198,7 @@ class StepMemoryEstimator:
         device: str = "cpu",
         granularity: int = ALLOC_GRANULARITY,
         target: str = "cuda",
-        snapshot_tolerance: float = 1e-3,
     ) -> None:
-        self.snapshot_tolerance = snapshot_tolerance
         if target not in ("cuda", "cpu"):
             raise ValueError(f"target must be 'cuda' or 'cpu', got {target!r}")
         self.granularity = granularity
@@ -268,9 +257,7 @@ class StepMemoryEstimator:
 
         with self.fake_mode:
             batch = self.make_batch(batch_size)
-            tracker = self._tracker = LiveMemoryTracker(
-                self.granularity, snapshot_tolerance=self.snapshot_tolerance, target=self.target
-            )
+            tracker = self._tracker = LiveMemoryTracker(self.granularity, target=self.target)
             persistent = [
                 *self.model.parameters(),
                 *self.model.buffers(),
@@ -304,7 +291,6 @@ class StepMemoryEstimator:
                 tracker.peak_phase,
                 dict(tracker.peak_breakdown),
                 {k: v for k, v in tracker.phase_peaks.items() if k in PHASES},
-                {k: v for k, v in tracker.phase_breakdowns.items() if k in PHASES},
             )
             del batch
         self._tracker = None
@@ -418,7 +404,7 @@ class DepthExtrapolatedEstimator:
             if p in r2.phase_peaks
         }
         top = max(phases, key=phases.__getitem__)
-        return PeakReport(batch_size, phases[top], top, {}, phases, {})
+        return PeakReport(batch_size, phases[top], top, {}, phases)
 
     def max_batch(self, usable_bytes: int, limit: int = 1 << 16) -> tuple[int, PeakReport | None]:
         return search_max_batch(self.peak, usable_bytes, limit)

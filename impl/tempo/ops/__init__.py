@@ -38,16 +38,14 @@ def workspace_bytes(op_name: str, args: tuple, kwargs: dict, target: str) -> int
     first = tensors[0]
     on_cuda = target == "cuda"
     if op_name.startswith("tempo::attention_core"):
-        # probs-sized buffers for cuBLAS: the dropped-out P (forward), and dP_dropped + P (backward).
-        probs_numel = first.numel() if op_name == "tempo::attention_core" else args[2].numel()
-        value = args[1] if op_name == "tempo::attention_core" else args[3]
-        if on_cuda:
-            n_buffers = 1 if op_name == "tempo::attention_core" else 2
-            return n_buffers * probs_numel * value.element_size()
-        probs_like = first if op_name == "tempo::attention_core" else args[2]
-        per_head = probs_like.shape[-1] * probs_like.shape[-2]
+        forward = op_name == "tempo::attention_core"
+        # forward: (scores, value, ...); backward: (grad_out, grad_probs, probs, value, ...)
+        probs, value = (args[0], args[1]) if forward else (args[2], args[3])
+        if on_cuda:  # probs-sized buffers for cuBLAS: dropped P (forward); dP_dropped and P (backward)
+            return (1 if forward else 2) * probs.numel() * value.element_size()
+        per_head = probs.shape[-1] * probs.shape[-2]
         heads_per_chunk = max(1, CHUNK_ELEMS // max(per_head, 1))
-        return _cpu_chunk_bytes(op_name, min(probs_numel, heads_per_chunk * per_head))
+        return _cpu_chunk_bytes(op_name, min(probs.numel(), heads_per_chunk * per_head))
     if op_name == "tempo::layer_norm_bwd" and on_cuda:
         d = args[3].numel()
         rows = first.numel() // max(d, 1)

@@ -103,6 +103,7 @@ def branch_point(approximate: str) -> tuple[float, float, float]:
     return x, y.item(), _second_derivative(x, approximate)
 
 
+@functools.cache  # called per chunk of every forward: depends on (dtype, approximate) only
 def branch_threshold(dtype: torch.dtype, approximate: str) -> tuple[float, bool]:
     """(t, inclusive) such that, for x of ``dtype``, x < x_min  <=>  x <= t (or x < t).
 
