@@ -59,23 +59,41 @@ def figures(session: nox.Session) -> None:
         _run(session, str(script))
 
 
+# The GPU part of tempo_bert that fits gpu_check's time: three models on an emulated 16 GB GPU.
+GPU_THROUGHPUT = (
+    "--parts", "throughput", "--scale", "paper",
+    "--cases", "bert-large/512", "roberta-large/512", "gpt2-medium/1024",
+    "--configs", "hf-eager", "hf-sdpa", "tempo", "tempo+sdpa",
+)  # fmt: skip
+
+
 @nox.session
 def gpu_check(session: nox.Session) -> None:
-    """Every GPU test and micro-benchmark in one run (needs CUDA); timings kept as JSON with
-    machine and commit info under artifacts/tempo_layer/results/."""
+    """Every GPU test and micro-benchmark, then Tempo's measured max batch and throughput, in
+    one run (needs CUDA). Results with machine and commit info go under artifacts/*/results/.
+    GPU_CHECK_DRY_RUN=1: the same on CPU at tiny scale, results to a temp dir."""
     probe = "import sys, torch; sys.exit(not torch.cuda.is_available())"
     if subprocess.run([_venv_python(), "-c", probe]).returncode != 0:
         if not os.environ.get("GPU_CHECK_DRY_RUN"):
             session.error(
                 "gpu_check needs a CUDA device (GPU_CHECK_DRY_RUN=1: a CPU dry run, results to a temp dir)"
             )
-        out = Path(tempfile.mkdtemp()) / "gpu_benchmarks.json"
+        tmp = Path(tempfile.mkdtemp())
+        bench, tempo_results, device = tmp / "gpu_benchmarks.json", tmp, "cpu"
+        throughput = ("--parts", "throughput", "--cases", "bert-mini/32", "--configs", "hf-eager", "tempo",
+                      "--gpu-mem", "48MiB")  # fmt: skip
     else:
-        out = ROOT / "artifacts" / "tempo_layer" / "results" / "gpu_benchmarks.json"
+        bench = ROOT / "artifacts" / "tempo_layer" / "results" / "gpu_benchmarks.json"
+        tempo_results = ROOT / "artifacts" / "tempo_bert" / "results"
+        device, throughput = "cuda", GPU_THROUGHPUT
     _run(
         session, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-        "tests/test_gpu.py", "tests/test_kernels.py", "tests/test_bench_ops.py",
-        "--benchmark-enable", f"--benchmark-json={out}", *session.posargs,
+        "tests/test_gpu.py", "tests/test_oom.py", "tests/test_kernels.py", "tests/test_bench_ops.py",
+        "--benchmark-enable", f"--benchmark-json={bench}", *session.posargs,
+    )  # fmt: skip
+    _run(
+        session, "-m", "artifacts.tempo_bert.run", *throughput,
+        "--device", device, "--results", str(tempo_results),
     )  # fmt: skip
 
 

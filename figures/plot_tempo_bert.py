@@ -158,7 +158,47 @@ def plot_training() -> Path | None:
     return _finish(fig, title, data["provenance"], "tempo_bert_loss_curves.png")
 
 
+def plot_throughput(device: str) -> Path | None:
+    """Sequences/s against batch, one line per configuration; the marker is each one's maximum."""
+    path = RESULTS / f"throughput_{device}.json"
+    if not path.exists():
+        return None
+    data = load_results(path)
+    cases = sorted({tuple(k.split("/")[:3]) for k in data["points"]}, key=lambda c: (c[0], int(c[1][1:])))
+    fig, axes = plt.subplots(1, len(cases), figsize=(max(7.0, 4.6 * len(cases)), 4.6), squeeze=False)
+    for ax, (model, seq, prec) in zip(axes[0], cases, strict=True):
+        for conf in CONFIG_ORDER:
+            r = data["points"].get(f"{model}/{seq}/{prec}/{conf}")
+            if r is None or not r["seqs_per_s"]:
+                continue
+            batches = sorted(map(int, r["seqs_per_s"]))
+            (line,) = ax.plot(batches, [r["seqs_per_s"][str(b)] for b in batches], marker=".", label=conf)
+            ax.plot(
+                r["max_batch"], r["seqs_per_s_at_max_batch"], "o", ms=8, mfc="none", color=line.get_color()
+            )
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"{model}, seq {seq[1:]}, {prec}", fontsize=10)
+        ax.set_xlabel("batch size (circle: the configuration's maximum)")
+        ax.set_ylabel("training throughput, sequences/s")
+        ax.legend(fontsize=7)
+    cfg = data["provenance"]["config"]
+    budget = cfg["gpu"] + (
+        " GPU (less the 0.75 GiB + 5% reserve)" if cfg["reserve"] else " of memory (stated budget)"
+    )
+    where = (
+        "measured max batch, allocator capped" if device == "cuda" else "estimated max batch; no memory wall"
+    )
+    title = f"Throughput vs batch on {device}: AdamW steps under a {budget};\n{where}"
+    return _finish(fig, title, data["provenance"], f"tempo_bert_throughput_{device}.png")
+
+
 if __name__ == "__main__":
-    for made in (plot_activation(), plot_maxbatch(), plot_training()):
+    for made in (
+        plot_activation(),
+        plot_maxbatch(),
+        plot_training(),
+        plot_throughput("cpu"),
+        plot_throughput("cuda"),
+    ):
         if made is not None:
             print(f"wrote {made}")

@@ -169,8 +169,10 @@ def test_depth_extrapolation_is_exact(with_tempo):
 def test_gpu_budget_parsing():
     assert GpuBudget.parse("16GB").capacity_bytes == 16 * GiB
     assert GpuBudget.parse("80gib").usable_bytes < 80 * GiB
-    with pytest.raises(ValueError, match="not understood"):
-        GpuBudget.parse("lots")
+    assert GpuBudget.parse("512MiB").capacity_bytes == 512 * 2**20
+    for bad in ("lots", "GB", "1.5.0GB"):
+        with pytest.raises(ValueError, match="not understood"):
+            GpuBudget.parse(bad)
 
 
 def op_calls(dt: torch.dtype) -> dict[str, tuple[str, object]]:

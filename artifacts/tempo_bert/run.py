@@ -19,9 +19,8 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import multiprocessing
 import os
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -30,10 +29,13 @@ from tqdm import tqdm
 from transformers.utils import logging as hf_logging
 
 from measure.memory import GiB, GpuBudget, PeakReport, default_dtype, search_max_batch
+from measure.parallel import map_points
 from measure.results import ResultFile, provenance
 from measure.saved import cuda_like, saved_bytes
 from tempo.maxbatch import estimator
 from tempo.models import MODELS, build_model, make_batch
+
+from .throughput import ThroughputSetup, headline, run_throughput
 
 RESULTS = Path(__file__).parent / "results"
 GPUS = {
@@ -58,6 +60,29 @@ CASES = {
     ],
 }
 ABLATION_CASE = ("bert-large", 512)
+# Throughput: at --scale cpu a 4-layer BERT whose encoder (not its vocabulary head) holds most
+# of the activation memory, under a stated budget, fp32 (the CPU's fast dtype); at paper scale
+# the paper's models in half precision with fp32 Adam on an emulated 16 GB GPU (V100).
+THROUGHPUT = {
+    "cpu": ThroughputSetup(
+        cases=(("bert-l4h256", 256),),
+        configs=tuple(MAIN_CONFIGS),
+        precision="fp32",
+        gpu="512MiB",
+        reserve=False,
+        warmup=1,
+        repeats=2,
+    ),
+    "paper": ThroughputSetup(
+        cases=tuple(CASES["paper"]),
+        configs=tuple(MAIN_CONFIGS + ABLATION_CONFIGS),
+        precision="fp16",
+        gpu="16GB",
+        reserve=True,
+        warmup=2,
+        repeats=5,
+    ),
+}
 PRECISIONS = {"cpu": ["fp16"], "paper": ["fp16", "fp32", "amp-fp16"]}
 
 
@@ -103,9 +128,9 @@ def activation_point(model: str, configuration: str, seq: int) -> dict:
     }
 
 
-def run_activation(cases, configs, force: bool) -> ResultFile:
+def run_activation(cases, configs, results: Path, force: bool) -> ResultFile:
     store = ResultFile(
-        RESULTS / "activation_memory.json",
+        results / "activation_memory.json",
         provenance({"part": "activation", "cases": cases, "configs": configs, "batch": 1, "dtype": "bf16"}),
         force,
     )
@@ -140,14 +165,9 @@ def maxbatch_point(model: str, seq: int, precision: str, configuration: str) -> 
     return out
 
 
-def _init_worker() -> None:
-    torch.set_num_threads(1)  # the estimator is Python-bound: one process per core instead
-    hf_logging.set_verbosity_error()
-
-
-def run_maxbatch(cases, configs, precisions, force: bool, jobs: int, scale: str) -> ResultFile:
+def run_maxbatch(cases, configs, precisions, results: Path, force: bool, jobs: int, scale: str) -> ResultFile:
     store = ResultFile(
-        RESULTS / "max_batch.json",
+        results / "max_batch.json",
         provenance(
             {
                 "part": "maxbatch",
@@ -170,15 +190,8 @@ def run_maxbatch(cases, configs, precisions, force: bool, jobs: int, scale: str)
             if t[3] in MAIN_CONFIGS[:4] or ((t[0], t[1]) == ABLATION_CASE and t[3] in MAIN_CONFIGS)
         ]
     todo = [t for t in todo if not store.done("{}/s{}/{}/{}".format(*t))]
-    ctx = multiprocessing.get_context("spawn")  # no fork after torch has started threads
-    with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx, initializer=_init_worker) as pool:
-        futures = {pool.submit(maxbatch_point, *t): "{}/s{}/{}/{}".format(*t) for t in todo}
-        try:
-            for fut in tqdm(as_completed(futures), total=len(futures), desc="max batch", unit="config"):
-                store.add(futures[fut], fut.result())  # each finished point is on disk at once
-        except BaseException:
-            pool.shutdown(cancel_futures=True)  # fail fast: do not run the queue before reporting
-            raise
+    for args, result in map_points(maxbatch_point, todo, jobs, "max batch"):
+        store.add("{}/s{}/{}/{}".format(*args), result)  # each finished point is on disk at once
     return store
 
 
@@ -220,9 +233,9 @@ def training_run(model: str, configuration: str, dropout: float, dropout_seed: i
     return {"losses": losses, "steps": steps, "batch": batch, "seq": seq}
 
 
-def run_training(force: bool) -> ResultFile:
+def run_training(results: Path, force: bool) -> ResultFile:
     store = ResultFile(
-        RESULTS / "training.json",
+        results / "training.json",
         provenance(
             {
                 "part": "training",
@@ -265,7 +278,17 @@ def training_summary(tr: ResultFile) -> dict:
 # ---------------------------------------------------------------- report
 
 
-def print_summary(act: ResultFile | None, mb: ResultFile | None, tr: ResultFile | None = None) -> None:
+def print_summary(
+    act: ResultFile | None, mb: ResultFile | None, tr: ResultFile | None, tp: ResultFile | None
+) -> None:
+    if tp is not None:
+        setup = tp.provenance["config"]
+        print(
+            f"\nThroughput at each configuration's own maximum batch ({setup['precision']}, budget "
+            f"{setup['gpu']}{' less the reserve' if setup['reserve'] else ''}; "
+            f"on {tp.provenance['device']['device']}):"
+        )
+        print("\n".join(headline(tp)))
     if act is not None:
         print("\nActivation memory per layer (batch 1, bf16): bytes = a*sbh + b*as^2b")
         for key, r in act.points.items():
@@ -304,30 +327,62 @@ def print_summary(act: ResultFile | None, mb: ResultFile | None, tr: ResultFile 
             )
 
 
+def _case(text: str) -> tuple[str, int]:
+    model, _, seq = text.partition("/")
+    if model not in MODELS or not seq.isdigit():
+        models = ", ".join(MODELS)
+        raise argparse.ArgumentTypeError(f"a case is MODEL/SEQ with MODEL one of {models}; got {text!r}")
+    return model, int(seq)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parts = ["activation", "maxbatch", "training"]
+    parts = ["activation", "maxbatch", "training", "throughput"]
     ap.add_argument("--parts", nargs="+", default=parts, choices=parts)
     ap.add_argument("--scale", choices=["cpu", "paper"], default="cpu")
-    ap.add_argument("--device", default="cpu", help="accepted for symmetry; both parts need no GPU")
+    ap.add_argument("--device", default="cpu", help="where the throughput part trains (cpu, cuda, cuda:1)")
     ap.add_argument("--force", action="store_true", help="recompute points already in the result files")
+    ap.add_argument("--results", type=Path, default=RESULTS, help=f"result directory (default: {RESULTS})")
     ap.add_argument(
         "--jobs", type=int, default=os.cpu_count() or 1, help="worker processes (default: all cores)"
     )
+    ap.add_argument("--cases", nargs="+", type=_case, help="throughput: only these MODEL/SEQ cases")
+    every_config = MAIN_CONFIGS + ABLATION_CONFIGS
+    ap.add_argument("--configs", nargs="+", choices=every_config, help="throughput: these only")
+    ap.add_argument("--gpu-mem", help="throughput: the memory budget (default: 16GB at paper scale)")
     args = ap.parse_args(argv)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        ap.error(f"--device {args.device}: no CUDA device here (use --device cpu)")
+    if not args.device.startswith(("cpu", "cuda")):
+        ap.error(f"--device must be cpu or cuda[:N], got {args.device!r}")
     hf_logging.set_verbosity_error()
     torch.manual_seed(0)
     cases = CASES[args.scale]
-    act = mb = None
+    act = mb = tp = None
     if "activation" in args.parts:
-        act = run_activation(cases, MAIN_CONFIGS + ABLATION_CONFIGS, args.force)
+        act = run_activation(cases, MAIN_CONFIGS + ABLATION_CONFIGS, args.results, args.force)
     if "maxbatch" in args.parts:
         mb = run_maxbatch(
-            cases, MAIN_CONFIGS + ABLATION_CONFIGS, PRECISIONS[args.scale], args.force, args.jobs, args.scale
+            cases,
+            MAIN_CONFIGS + ABLATION_CONFIGS,
+            PRECISIONS[args.scale],
+            args.results,
+            args.force,
+            args.jobs,
+            args.scale,
         )
-    tr = run_training(args.force) if "training" in args.parts else None
-    print_summary(act, mb, tr)
-    print(f"\nresults in {RESULTS}; figures: nox -s figures")
+    tr = run_training(args.results, args.force) if "training" in args.parts else None
+    if "throughput" in args.parts:
+        setup = THROUGHPUT[args.scale]
+        setup = replace(
+            setup,
+            cases=tuple(args.cases or setup.cases),
+            configs=tuple(args.configs or setup.configs),
+            gpu=args.gpu_mem or setup.gpu,
+        )
+        tp = run_throughput(setup, args.scale, args.device, args.results, args.force, args.jobs)
+    print_summary(act, mb, tr, tp)
+    print(f"\nresults in {args.results}; figures: nox -s figures")
 
 
 if __name__ == "__main__":

@@ -167,14 +167,21 @@ class GpuBudget:
 
     @classmethod
     def parse(cls, text: str, **kwargs) -> GpuBudget:
-        """'16GB' / '16GiB' / '11g' (all binary GiB, as GPUs are sold) or a byte count."""
+        """'16GB' / '16GiB' / '11g' (binary GiB, as GPUs are sold), '512MiB', or a byte count."""
         s = text.strip().lower().replace(" ", "")
-        for suffix in ("gib", "gb", "g"):
-            if s.endswith(suffix):
-                return cls(int(float(s[: -len(suffix)]) * GiB), **kwargs)
+        units = {"gib": GiB, "gb": GiB, "g": GiB, "mib": 2**20, "mb": 2**20, "m": 2**20}
+        for suffix, unit in units.items():
+            number = s.removesuffix(suffix)
+            if number != s:
+                try:
+                    return cls(int(float(number) * unit), **kwargs)
+                except ValueError:
+                    break
         if s.isdigit():
             return cls(int(s), **kwargs)
-        raise ValueError(f"GPU memory {text!r} not understood: use e.g. '16GB', '80GiB' or a byte count")
+        raise ValueError(
+            f"memory size {text!r} not understood: use e.g. '16GB', '80GiB', '512MiB' or a byte count"
+        )
 
 
 @contextmanager

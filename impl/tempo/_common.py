@@ -60,7 +60,7 @@ def new_seed() -> torch.Tensor:
 # The PyTorch paths work through big tensors in chunks of this many elements, so their
 # temporaries (float32 upcasts, Newton iterates, masks) stay a few MB whatever the tensor size,
 # as in the fused Triton kernels, which need none. A multiple of 8 (whole mask bytes).
-CHUNK_ELEMS = 1 << 15
+CHUNK_ELEMS = 1 << 17
 
 
 def chunks(n: int, size: int = CHUNK_ELEMS):
