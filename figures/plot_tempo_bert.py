@@ -147,8 +147,15 @@ def plot_training() -> Path | None:
             a, b = (pts[k]["losses"] for k in keys)
             diff = [abs(x - y) for x, y in zip(a, b, strict=True)]
             twin = ax.twinx()
-            twin.semilogy([max(d, 1e-9) for d in diff], color="gray", linewidth=0.8, label="|difference|")
-            twin.set_ylabel("|loss difference| (gray)")
+            twin.semilogy([max(d, 1e-16) for d in diff], color="gray", linewidth=0.8)
+            control = [f"{k}/fp64" for k in keys]
+            if all(k in pts for k in control):  # the float64 control: rounding alone parts the fp32 runs
+                a64, b64 = (pts[k]["losses"] for k in control)
+                diff64 = [max(abs(x - y), 1e-16) for x, y in zip(a64, b64, strict=True)]
+                twin.semilogy(diff64, color="black", linestyle="--", linewidth=0.8)
+                twin.set_ylabel("|loss difference|: fp32 (gray), fp64 (black dashed)")
+            else:
+                twin.set_ylabel("|loss difference| (gray)")
             twin.axhline(1e-3, color="gray", linestyle=":", linewidth=0.8)
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("step")

@@ -102,3 +102,35 @@ def test_offline_corpus_and_pretraining_batches(tmp_path):
         assert ((b["labels"] == -100) | real).all()  # never a label on special or padding tokens
     lm = data.gpt2_batches(2, 4, 32, seed=0, cache_dir=tmp_path)
     assert lm[0]["input_ids"].shape == (4, 32) and lm[0]["labels"].equal(lm[0]["input_ids"])
+
+
+def test_hf_corpus_option_parses_wikitext_and_explains_failures(monkeypatch, tmp_path):
+    import sys
+    import types
+
+    from artifacts.tempo_bert import data
+
+    lines = [" = Alpha = ", " The first sentence is here. The second one follows it. ", " = = Part = = ",
+             " A third sentence talks on. ", " = Beta = ", " Only one short sentence here. ", " = Gamma = ",
+             " Gamma has two sentences now. And this is the other one. "]  # fmt: skip
+    fake = types.ModuleType("datasets")
+    fake.load_dataset = lambda path, config, split: {"text": lines}
+    monkeypatch.setitem(sys.modules, "datasets", fake)
+    docs = data.corpus(tmp_path, "wikitext-2")
+    assert docs == [  # Beta has one sentence: not a pair for NSP, dropped
+        ["The first sentence is here.", "The second one follows it.", "A third sentence talks on."],
+        ["Gamma has two sentences now.", "And this is the other one."],
+    ]
+    assert (tmp_path / "wikitext-2.json").exists()
+
+    def offline(*args, **kwargs):
+        raise ConnectionError("Couldn't reach 'Salesforce/wikitext' on the Hub")
+
+    fake.load_dataset = offline
+    with pytest.raises(RuntimeError, match=r"needs network access.*--corpus stdlib"):
+        data.corpus(tmp_path, "wikitext-103")
+    monkeypatch.setitem(sys.modules, "datasets", None)  # not installed
+    with pytest.raises(RuntimeError, match=r"pip install -e '\.\[data\]'"):
+        data.corpus(tmp_path, "wikitext-103")
+    with pytest.raises(ValueError, match="corpus must be one of"):
+        data.corpus(tmp_path, "c4")

@@ -6,6 +6,10 @@ tokenizer (BERT) and a byte-level BPE (GPT-2) are trained on it with the ``token
 BERT batches are sentence pairs for next-sentence prediction (half true successors, half random)
 with the standard MLM masking (15% of tokens: 80% [MASK], 10% random, 10% kept); GPT-2 batches
 are contiguous blocks of the token stream. Everything built is cached under ``cache_dir``.
+
+``source`` picks another corpus: a HuggingFace ``datasets`` one (wikitext-103, wikitext-2;
+optional extra ``[data]``, network needed the first time), with a clear error when it cannot
+be had.
 """
 
 from __future__ import annotations
@@ -53,23 +57,72 @@ def stdlib_documents(min_sentences: int = 2) -> list[list[str]]:
     return docs
 
 
-def corpus(cache_dir: Path = DEFAULT_CACHE) -> list[list[str]]:
-    path = cache_dir / "stdlib_docstrings.json"
+# Hugging Face ``datasets`` corpora the --corpus option accepts: name -> (path, config).
+HF_CORPORA = {
+    "wikitext-103": ("Salesforce/wikitext", "wikitext-103-raw-v1"),
+    "wikitext-2": ("Salesforce/wikitext", "wikitext-2-raw-v1"),
+}
+CORPORA = ("stdlib", *HF_CORPORA)
+HF_MAX_DOCUMENTS = 20_000  # plenty for a few hundred steps; keeps the cache small
+
+
+def hf_documents(name: str, max_documents: int = HF_MAX_DOCUMENTS) -> list[list[str]]:
+    """Documents (lists of sentences) of a wikitext corpus's train split, via ``datasets``."""
+    try:
+        import datasets
+    except ImportError:
+        raise RuntimeError(
+            f"--corpus {name} needs the `datasets` library: pip install -e '.[data]' "
+            "(or use the default offline corpus, --corpus stdlib)"
+        ) from None
+    path, config = HF_CORPORA[name]
+    try:
+        rows = datasets.load_dataset(path, config, split="train")
+    except Exception as e:  # no network, hub down, offline mode: all end here
+        raise RuntimeError(
+            f"could not load {name} ({path}, {config}) with `datasets`: {type(e).__name__}: {e}. "
+            "It needs network access the first time (then it is cached); without it use the "
+            "default offline corpus (--corpus stdlib)."
+        ) from e
+    docs: list[list[str]] = []
+    current: list[str] = []
+    for line in rows["text"]:
+        line = line.strip()
+        if line.startswith("= ") and not line.startswith("= = "):  # a new article's title
+            if len(current) >= 2:
+                docs.append(current)
+                if len(docs) >= max_documents:
+                    break
+            current = []
+        elif line and not line.startswith("="):
+            current.extend(s for s in _SENTENCE_END.split(line) if len(s.split()) >= 3)
+    if len(current) >= 2 and len(docs) < max_documents:
+        docs.append(current)
+    return docs
+
+
+def corpus(cache_dir: Path = DEFAULT_CACHE, source: str = "stdlib") -> list[list[str]]:
+    """The documents of ``source`` ('stdlib', offline; or a HF_CORPORA name), built once and cached."""
+    if source not in CORPORA:
+        raise ValueError(f"corpus must be one of {CORPORA}, got {source!r}")
+    path = cache_dir / ("stdlib_docstrings.json" if source == "stdlib" else f"{source}.json")
     if not path.exists():
+        docs = stdlib_documents() if source == "stdlib" else hf_documents(source)
         cache_dir.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(stdlib_documents()))
+        path.write_text(json.dumps(docs))
     return json.loads(path.read_text())
 
 
-def tokenizer(kind: str, vocab_size: int = 8192, cache_dir: Path = DEFAULT_CACHE):
+def tokenizer(kind: str, vocab_size: int = 8192, cache_dir: Path = DEFAULT_CACHE, source: str = "stdlib"):
     """A trained (and cached) ``tokenizers`` tokenizer: kind 'wordpiece' (BERT) or 'bpe' (GPT-2)."""
     from tokenizers import ByteLevelBPETokenizer, Tokenizer
     from tokenizers.implementations import BertWordPieceTokenizer
 
-    path = cache_dir / f"{kind}-{vocab_size}.json"
+    prefix = "" if source == "stdlib" else f"{source}-"  # the stdlib names predate --corpus
+    path = cache_dir / f"{prefix}{kind}-{vocab_size}.json"
     if path.exists():
         return Tokenizer.from_file(str(path))
-    texts = (" ".join(doc) for doc in corpus(cache_dir))
+    texts = (" ".join(doc) for doc in corpus(cache_dir, source))
     if kind == "wordpiece":
         tok = BertWordPieceTokenizer(lowercase=True)
         tok.train_from_iterator(texts, vocab_size=vocab_size, min_frequency=2)
@@ -86,13 +139,13 @@ def tokenizer(kind: str, vocab_size: int = 8192, cache_dir: Path = DEFAULT_CACHE
 
 
 def bert_batches(
-    n_batches: int, batch: int, seq: int, seed: int, cache_dir: Path = DEFAULT_CACHE
+    n_batches: int, batch: int, seq: int, seed: int, cache_dir: Path = DEFAULT_CACHE, source: str = "stdlib"
 ) -> list[dict]:
     """MLM + NSP batches for BertForPreTraining, deterministic in ``seed``."""
-    tok = tokenizer("wordpiece", cache_dir=cache_dir)
+    tok = tokenizer("wordpiece", cache_dir=cache_dir, source=source)
     cls_id, sep_id, mask_id, pad_id = (tok.token_to_id(t) for t in ("[CLS]", "[SEP]", "[MASK]", "[PAD]"))
     vocab = tok.get_vocab_size()
-    docs = corpus(cache_dir)
+    docs = corpus(cache_dir, source)
     g = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(n_batches):
@@ -139,13 +192,13 @@ def bert_batches(
 
 
 def gpt2_batches(
-    n_batches: int, batch: int, seq: int, seed: int, cache_dir: Path = DEFAULT_CACHE
+    n_batches: int, batch: int, seq: int, seed: int, cache_dir: Path = DEFAULT_CACHE, source: str = "stdlib"
 ) -> list[dict]:
     """Language-modelling blocks of the BPE token stream, deterministic in ``seed``."""
-    tok = tokenizer("bpe", cache_dir=cache_dir)
+    tok = tokenizer("bpe", cache_dir=cache_dir, source=source)
     eot = tok.token_to_id("<|endoftext|>")
     stream: list[int] = []
-    for doc in corpus(cache_dir):
+    for doc in corpus(cache_dir, source):
         stream.extend(tok.encode(" ".join(doc)).ids)
         stream.append(eot)
         if len(stream) > 4 * n_batches * batch * seq:

@@ -35,6 +35,7 @@ from measure.saved import cuda_like, saved_bytes
 from tempo.maxbatch import estimator
 from tempo.models import MODELS, build_model, make_batch
 
+from .data import CORPORA
 from .throughput import ThroughputSetup, headline, run_throughput
 
 RESULTS = Path(__file__).parent / "results"
@@ -202,30 +203,42 @@ TRAIN = {  # model -> (steps, batch, seq)
     "bert-mini": (150, 8, 64),
     "gpt2-mini": (150, 8, 64),
 }
-# (model, configuration, dropout, dropout seed): dropout off must give the same losses; with
-# dropout on, Tempo draws other masks, so compare its distance from the baseline with the
-# distance between two baseline runs that differ only in their dropout seed.
+# (model, configuration, dropout, dropout seed, dtype): dropout off must give the same losses;
+# with dropout on, Tempo draws other masks, so compare its distance from the baseline with the
+# distance between two baseline runs that differ only in their dropout seed. The float64 pair
+# is the control for the fp32 drift: if the fp32 runs part through rounding alone, the same
+# runs in float64 must agree ~1e9 times more closely.
 TRAIN_RUNS = [
-    ("bert-mini", "hf-eager", 0.0, 1),
-    ("bert-mini", "tempo", 0.0, 1),
-    ("bert-mini", "hf-eager", 0.1, 1),
-    ("bert-mini", "hf-eager", 0.1, 2),
-    ("bert-mini", "tempo", 0.1, 1),
-    ("gpt2-mini", "hf-eager", 0.0, 1),
-    ("gpt2-mini", "tempo", 0.0, 1),
+    ("bert-mini", "hf-eager", 0.0, 1, "fp32"),
+    ("bert-mini", "tempo", 0.0, 1, "fp32"),
+    ("bert-mini", "hf-eager", 0.1, 1, "fp32"),
+    ("bert-mini", "hf-eager", 0.1, 2, "fp32"),
+    ("bert-mini", "tempo", 0.1, 1, "fp32"),
+    ("gpt2-mini", "hf-eager", 0.0, 1, "fp32"),
+    ("gpt2-mini", "tempo", 0.0, 1, "fp32"),
+    ("gpt2-mini", "hf-eager", 0.0, 1, "fp64"),
+    ("gpt2-mini", "tempo", 0.0, 1, "fp64"),
 ]
 
 
-def training_run(model: str, configuration: str, dropout: float, dropout_seed: int) -> dict:
+def train_key(model: str, configuration: str, dropout: float, seed: int, dtype: str) -> str:
+    return f"{model}/{configuration}/p{dropout}/seed{seed}" + ("" if dtype == "fp32" else f"/{dtype}")
+
+
+def training_run(
+    model: str, configuration: str, dropout: float, dropout_seed: int, dtype: str, corpus: str
+) -> dict:
     from measure.training import Precision, make_optimizer, train_step
 
     from .data import bert_batches, gpt2_batches
 
     steps, batch, seq = TRAIN[model]
     make = bert_batches if model.startswith("bert") else gpt2_batches
-    batches = make(steps, batch, seq, seed=0)  # the same data for every run
-    torch.manual_seed(0)  # the same initial weights for every run
+    batches = make(steps, batch, seq, seed=0, source=corpus)  # the same data for every run
+    torch.manual_seed(0)  # the same initial weights for every run (drawn in fp32, then cast)
     m = build_model(model, "pretraining", configuration, dropout=dropout).train()
+    if dtype == "fp64":
+        m = m.double()  # AdamW follows the parameters' dtype
     precision = Precision("fp32")
     opt = make_optimizer(m, precision, lr=1e-3)
     torch.manual_seed(dropout_seed)  # only dropout draws from here on
@@ -233,7 +246,7 @@ def training_run(model: str, configuration: str, dropout: float, dropout_seed: i
     return {"losses": losses, "steps": steps, "batch": batch, "seq": seq}
 
 
-def run_training(results: Path, force: bool) -> ResultFile:
+def run_training(results: Path, force: bool, corpus: str = "stdlib") -> ResultFile:
     store = ResultFile(
         results / "training.json",
         provenance(
@@ -243,13 +256,13 @@ def run_training(results: Path, force: bool) -> ResultFile:
                 "shapes": TRAIN,
                 "precision": "fp32",
                 "lr": 1e-3,
-                "corpus": "stdlib docstrings (artifacts/tempo_bert/data.py)",
+                "corpus": corpus,
             }
         ),
         force,
     )
-    for model, conf, p, seed in tqdm(TRAIN_RUNS, desc="training runs", unit="run"):
-        store.compute(f"{model}/{conf}/p{p}/seed{seed}", lambda a=(model, conf, p, seed): training_run(*a))
+    for run in tqdm(TRAIN_RUNS, desc="training runs", unit="run"):
+        store.compute(train_key(*run), lambda a=run: training_run(*a, corpus))
     return store
 
 
@@ -261,6 +274,11 @@ def training_summary(tr: ResultFile) -> dict:
     for model in TRAIN:
         off = (curve(f"{model}/tempo/p0.0/seed1") - curve(f"{model}/hf-eager/p0.0/seed1")).abs()
         out[f"{model} dropout off: max |loss difference|"] = off.max().item()
+        if f"{model}/tempo/p0.0/seed1/fp64" in tr.points:
+            off64 = (
+                curve(f"{model}/tempo/p0.0/seed1/fp64") - curve(f"{model}/hf-eager/p0.0/seed1/fp64")
+            ).abs()
+            out[f"{model} dropout off, float64 control: max |loss difference|"] = off64.max().item()
     base, other, ours = (
         curve(f"bert-mini/{c}/p0.1/seed{s}") for c, s in (("hf-eager", 1), ("hf-eager", 2), ("tempo", 1))
     )
@@ -346,6 +364,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--jobs", type=int, default=os.cpu_count() or 1, help="worker processes (default: all cores)"
     )
+    ap.add_argument(
+        "--corpus",
+        choices=CORPORA,
+        default="stdlib",
+        help="training text: stdlib docstrings (offline, default) or a HF datasets corpus (network once)",
+    )
     ap.add_argument("--cases", nargs="+", type=_case, help="throughput: only these MODEL/SEQ cases")
     every_config = MAIN_CONFIGS + ABLATION_CONFIGS
     ap.add_argument("--configs", nargs="+", choices=every_config, help="throughput: these only")
@@ -371,7 +395,7 @@ def main(argv: list[str] | None = None) -> None:
             args.jobs,
             args.scale,
         )
-    tr = run_training(args.results, args.force) if "training" in args.parts else None
+    tr = run_training(args.results, args.force, args.corpus) if "training" in args.parts else None
     if "throughput" in args.parts:
         setup = THROUGHPUT[args.scale]
         setup = replace(
