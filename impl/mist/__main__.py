@@ -1,0 +1,194 @@
+"""Mist from the command line.
+
+python -m mist plan --model gpt3-7b --gpus 8 --gpu l4 --global-batch 128 [--out plan.yaml] [--explain]
+python -m mist predict plan.yaml
+python -m mist calibrate ../shared/data [--write]
+python -m mist list
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from .specs import GPUS, MODELS, cluster, model
+
+
+def _model_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--model", required=True, help=f"a preset: {', '.join(MODELS)}")
+    ap.add_argument("--seq", type=int, help="sequence length (default: the preset's, 2048)")
+    ap.add_argument("--no-flash", action="store_true", help="attention without FlashAttention")
+
+
+def _build_model(args):
+    overrides = {}
+    if args.seq:
+        overrides["seq"] = args.seq
+    if args.no_flash:
+        overrides["flash"] = False
+    return model(args.model, **overrides)
+
+
+def cmd_plan(args) -> int:
+    from .planner import NoFeasiblePlan, PlannerOptions, search
+    from .schedule import SearchSpace
+
+    m = _build_model(args)
+    c = cluster(args.gpu, args.gpus, args.gpus_per_node)
+    space = SearchSpace(offload=not args.no_offload, recompute=not args.no_recompute)
+    options = PlannerOptions(space=space, imbalance_aware=not args.no_imbalance)
+
+    def progress(line: str) -> None:
+        if not args.quiet:
+            print("  " + line, file=sys.stderr, flush=True)
+
+    try:
+        plan = search(m, c, args.global_batch, options, progress=progress)
+    except NoFeasiblePlan as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    plan.model_overrides = {
+        k: v for k, v in (("seq", args.seq), ("flash", False if args.no_flash else None)) if v
+    }
+    print(plan.table())
+    if args.explain:
+        print(explain(plan))
+    if args.out:
+        plan.save(args.out)
+        print(f"plan written to {args.out}")
+    return 0
+
+
+def explain(plan) -> str:
+    b = plan.breakdown
+    lines = [
+        "why this plan:",
+        f"  one layer: forward {b['layer_fwd_ms']:.1f} ms, backward {b['layer_bwd_ms']:.1f} ms, "
+        f"keeps {b['layer_saved_mib']:.0f} MiB for backward; {b['usable_memory_gib']:.1f} GiB usable per GPU",
+    ]
+    slowest = max(range(len(plan.stages)), key=lambda i: plan.stages[i].steady_s)
+    lines.append(
+        f"  stage {slowest} paces the pipeline ({plan.stages[slowest].steady_s * 1e3:.1f} ms a micro-batch); "
+        f"{plan.grad_accum} micro-batches per iteration"
+    )
+    for i, s in enumerate(plan.stages):
+        parts = []
+        if s.recompute:
+            parts.append(f"recomputes {s.recompute}/{s.layers} layers")
+        if s.zero:
+            parts.append(f"ZeRO-{s.zero}")
+        for name in ("weights", "grads", "optimizer", "activations"):
+            r = getattr(s, f"offload_{name}")
+            if r:
+                parts.append(f"offloads {r:.0%} of its {name}")
+        lines.append(
+            f"  stage {i}: {', '.join(parts) or 'no memory saving needed'} -> {s.memory_gib:.1f} GiB"
+        )
+    lines.append(f"  models: {b['runtime_model']}; interference: {b['interference_model']}")
+    return "\n".join(lines)
+
+
+def cmd_predict(args) -> int:
+    from .plan import Plan
+    from .planner import predict
+
+    try:
+        plan = Plan.load(args.plan)
+        m = model(plan.model, **plan.model_overrides)
+        c = cluster(plan.gpu, plan.gpus, plan.gpus_per_node)
+        predict(plan, m, c)
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(plan.table())
+    if not plan.breakdown["fits"]:
+        print("warning: a stage needs more memory than the GPU has usable", file=sys.stderr)
+    print(json.dumps(plan.breakdown, indent=1))
+    return 0
+
+
+def cmd_calibrate(args) -> int:
+    from .costs import PRESETS, calibrate
+    from .interference import fit_interference
+    from .profiles import PROFILE_GPU
+
+    data = Path(args.data)
+    profiles = data / "gpu-op-profiles"
+    if not profiles.is_dir():
+        print(f"error: {profiles} not found (expected the layout of ../shared/data)", file=sys.stderr)
+        return 2
+    report = calibrate(profiles)
+    written = set()
+    for name, r in report.items():
+        print(
+            f"{name}: per-layer error, {r['held_out_cases']} held-out cases: "
+            f"mean {r['mean_abs_error']:.1%}, median {r['median_abs_error']:.1%}, "
+            f"max {r['max_abs_error']:.1%}"
+        )
+        gpu = PROFILE_GPU[name]
+        if args.write and gpu not in written:  # the first directory per GPU type (sorted) is the preset
+            PRESETS.mkdir(exist_ok=True)
+            (PRESETS / f"runtime_{gpu}.json").write_text(json.dumps(r["model"].to_json(), indent=1) + "\n")
+            written.add(gpu)
+    for path in sorted((data / "gpu-bandwidth").glob("*.json")):
+        gpu = {"l4": "l4", "a100": "a100-40gb"}.get(path.name.split("-")[0])
+        inter, rep = fit_interference(path)
+        print(
+            f"{path.name}: overlapped runs {rep['runs']}, error without interference "
+            f"{rep['no_interference_mean_abs_error']:.1%}, fitted {rep['fitted_mean_abs_error']:.1%} "
+            f"(held out: {rep['held_out_mean_abs_error']:.1%})"
+        )
+        if args.write and gpu:
+            (PRESETS / f"interference_{gpu}.json").write_text(json.dumps(inter.to_json(), indent=1) + "\n")
+    if args.write:
+        print(f"presets written to {PRESETS}")
+    return 0
+
+
+def cmd_list(_args) -> int:
+    print("models:", ", ".join(MODELS))
+    print("GPUs:  ", ", ".join(GPUS))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m mist", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = ap.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("plan", help="find the fastest plan")
+    _model_args(p)
+    p.add_argument("--gpus", type=int, required=True)
+    p.add_argument("--gpu", required=True, help=f"one of: {', '.join(GPUS)}")
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--global-batch", type=int, required=True)
+    p.add_argument("--out", help="write the plan (.yaml or .json)")
+    p.add_argument("--explain", action="store_true", help="say why the plan wins")
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
+    p.add_argument("--no-offload", action="store_true", help="search without CPU offloading")
+    p.add_argument("--no-recompute", action="store_true", help="search without activation recomputation")
+    p.add_argument(
+        "--no-imbalance", action="store_true", help="ignore first/last micro-batch extras (ablation)"
+    )
+    p.set_defaults(fn=cmd_plan)
+    p = sub.add_parser("predict", help="predict a plan's iteration time and memory")
+    p.add_argument("plan")
+    p.set_defaults(fn=cmd_predict)
+    p = sub.add_parser("calibrate", help="refit the runtime and interference presets from measured data")
+    p.add_argument("data", help="a directory laid out like ../shared/data")
+    p.add_argument("--write", action="store_true", help="write the presets shipped in impl/mist/presets/")
+    p.set_defaults(fn=cmd_calibrate)
+    p = sub.add_parser("list", help="list the model and GPU presets")
+    p.set_defaults(fn=cmd_list)
+    args = ap.parse_args(argv)
+    try:
+        return args.fn(args)
+    except ValueError as e:
+        ap.error(str(e))
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,263 @@
+"""Runtime model: per-op compute time, collectives, and their fits to measurements.
+
+Every op class (GEMM, batched GEMM, norm, softmax, dropout, ...) and direction gets a fitted
+efficiency curve ``time = c0 + work / rate``: ``work`` is the op's FLOPs (GEMMs) or bytes moved
+(memory-bound ops) from the symbolic trace, ``rate`` the sustained FLOP/s or bytes/s, ``c0``
+the launch and ramp cost; achieved efficiency ``work / (time * peak)`` rises with size towards
+``rate / peak``, as measured GPU kernels do. Collectives are alpha-beta lines per GPU count.
+Fits are weighted least squares on relative error. Without measurements for a GPU, a roofline
+from its data sheet with stated default efficiencies is used.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import sympy as sp
+
+from .profiles import LAYER_OPS, PROFILE_GPU, LayerProfile, best_algo, read_collectives, read_layer_profiles
+from .specs import GPUS, ClusterSpec, ModelSpec
+from .symbolic import b, numeric, s, t, trace_layer
+
+PRESETS = Path(__file__).parent / "presets"
+COMPUTE_KINDS = ("gemm", "bmm", "attention")
+# Profile op -> class of its fitted curve.
+OP_CLASS = {
+    "enc-1st-layernorm": "norm",
+    "enc-2nd-layernorm": "norm",
+    "enc-attention-qkv": "gemm",
+    "enc-attention-dense": "gemm",
+    "enc-MLP-GEMM-1": "gemm",
+    "enc-MLP-GEMM-2": "gemm",
+    "enc-attention-score": "bmm",
+    "enc-attention-context": "bmm",
+    "enc-attention-softmax": "softmax",
+    "enc-attention-dropout": "dropout",
+    "enc-post-attention-dropout": "dropout_add",
+    "enc-post-MLP-dropout": "dropout_add",
+    "enc-MLP-gelu": "act",
+}
+# With TP > 1 these measured op times include Megatron's all-reduce: the forward of a
+# row-parallel GEMM and the backward of a column-parallel one. Not used to fit compute.
+COMM_INSIDE = {
+    ("enc-attention-dense", 0),
+    ("enc-MLP-GEMM-2", 0),
+    ("enc-attention-qkv", 1),
+    ("enc-MLP-GEMM-1", 1),
+}
+DEFAULT_EFFICIENCY = {"gemm": 0.7, "bmm": 0.5, "attention": 0.5, "memory": 0.7}  # roofline fallback
+
+
+@dataclass(frozen=True)
+class Line:
+    """time = c0 + work / rate."""
+
+    c0: float
+    rate: float
+
+    def __call__(self, work):
+        return self.c0 + np.asarray(work, float) / self.rate
+
+
+def fit_line(work: np.ndarray, seconds: np.ndarray) -> Line:
+    """Least squares on relative error, c0 >= 0 and rate > 0."""
+    from scipy.optimize import nnls
+
+    work, seconds = np.asarray(work, float), np.asarray(seconds, float)
+    a = np.stack([np.ones_like(work), work], axis=1) / seconds[:, None]
+    (c0, inv_rate), _ = nnls(a, np.ones_like(work))
+    if inv_rate <= 0:
+        raise ValueError("cannot fit a rate: the times do not grow with the work")
+    return Line(float(c0), float(1.0 / inv_rate))
+
+
+@functools.lru_cache(maxsize=128)
+def op_features(model: ModelSpec, sequence_parallel: bool = False):
+    """Per traced op: (name, kind, f(b, s, t) -> (flops, fwd_bytes, bwd_bytes)) with numbers in."""
+    fixed = numeric(model)
+    out = []
+    for op in trace_layer(model, sequence_parallel):
+        if op.kind == "comm" or (op.flops == 0 and op.fwd_bytes == 0):
+            continue
+        fn = sp.lambdify(
+            (b, s, t), [sp.sympify(x).subs(fixed) for x in (op.flops, op.fwd_bytes, op.bwd_bytes)]
+        )
+        out.append((op.name, op.kind, fn))
+    return tuple(out)
+
+
+def _profile_op_work(model: ModelSpec, profile_op: str, mbs: int, seq: int, tp: int) -> tuple[float, float]:
+    """Work of a profiled op: FLOPs for GEMMs, bytes otherwise; (forward, backward)."""
+    names = LAYER_OPS[profile_op]
+    fwd = bwd = 0.0
+    for name, kind, fn in op_features(model):
+        if name in names:
+            flops, fb, bb = fn(mbs, seq, tp)
+            compute = kind in COMPUTE_KINDS
+            fwd += flops if compute else fb
+            bwd += 2 * flops if compute else bb
+    return fwd, bwd
+
+
+@dataclass
+class RuntimeModel:
+    gpu: str
+    curves: dict[str, tuple[Line, Line]]  # class -> (forward, backward)
+    collectives: dict[str, Line] = field(default_factory=dict)  # "all_reduce/4" -> line
+    source: str = "roofline"
+
+    # ---- per-layer times
+
+    def layer_times(self, model: ModelSpec, mbs, seq, tp, sequence_parallel: bool = False):
+        """Forward and backward compute seconds of one layer on one TP rank (no communication)."""
+        fwd = bwd = 0.0
+        kinds = {n: c for op, c in OP_CLASS.items() for n in LAYER_OPS[op]}
+        for name, kind, fn in op_features(model, sequence_parallel):
+            flops, fb, bb = fn(mbs, seq, tp)
+            cls = kinds.get(name, "gemm" if kind in COMPUTE_KINDS else _memory_class(kind))
+            f_line, b_line = self.curve(cls)
+            compute = kind in COMPUTE_KINDS
+            bwd_work = flops * (2.5 if kind == "attention" else 2.0) if compute else bb
+            fwd = fwd + f_line(flops if compute else fb)
+            bwd = bwd + b_line(bwd_work)
+        return fwd, bwd
+
+    def curve(self, cls: str) -> tuple[Line, Line]:
+        if cls in self.curves:
+            return self.curves[cls]
+        if cls == "attention" and "bmm" in self.curves:  # fused attention: as fast as its GEMMs
+            return self.curves["gemm"]
+        return _roofline(GPUS[self.gpu], cls)
+
+    def collective(
+        self, kind: str, nbytes, n: int, cluster: ClusterSpec | None = None, inter_node: bool | None = None
+    ):
+        """Seconds of a collective over ``n`` GPUs on a ``nbytes`` tensor (ring algorithm).
+
+        Within a node: the fitted alpha-beta line when there is one. Across nodes (``inter_node``,
+        default: n exceeds a node) the ring is bound by the inter-node link.
+        """
+        if n <= 1:
+            return np.zeros_like(np.asarray(nbytes, float))
+        if inter_node is None:
+            inter_node = cluster is not None and n > cluster.gpus_per_node
+        key = f"{kind}/{n}"
+        if key in self.collectives and not inter_node:
+            return self.collectives[key](nbytes)
+        if cluster is None:
+            raise ValueError(f"no fitted {key} for {self.gpu} and no cluster to estimate it from")
+        link = cluster.inter if inter_node else cluster.intra
+        steps = 2 * (n - 1) if kind == "all_reduce" else (n - 1)
+        return steps * link.latency + np.asarray(nbytes, float) * steps / n / link.bw
+
+    # ---- persistence
+
+    def to_json(self) -> dict:
+        return {
+            "gpu": self.gpu,
+            "source": self.source,
+            "curves": {k: [asdict(f), asdict(bw)] for k, (f, bw) in self.curves.items()},
+            "collectives": {k: asdict(v) for k, v in self.collectives.items()},
+        }
+
+    @classmethod
+    def from_json(cls, d: dict) -> RuntimeModel:
+        return cls(
+            d["gpu"],
+            {k: (Line(**f), Line(**bw)) for k, (f, bw) in d["curves"].items()},
+            {k: Line(**v) for k, v in d["collectives"].items()},
+            d["source"],
+        )
+
+
+def _memory_class(kind: str) -> str:
+    return {"add": "dropout_add", "norm": "norm", "softmax": "softmax", "dropout": "dropout"}.get(kind, "act")
+
+
+def _roofline(gpu, cls: str) -> tuple[Line, Line]:
+    if cls in COMPUTE_KINDS:
+        rate = gpu.flops * DEFAULT_EFFICIENCY[cls]
+    else:
+        rate = gpu.hbm_bw * DEFAULT_EFFICIENCY["memory"]
+    line = Line(10e-6, rate)
+    return line, line
+
+
+def roofline_model(gpu: str) -> RuntimeModel:
+    if gpu not in GPUS:
+        raise ValueError(f"unknown GPU {gpu!r}; presets: {', '.join(GPUS)}")
+    return RuntimeModel(gpu, {}, {}, "roofline from the data sheet (default efficiencies)")
+
+
+def fit_runtime_model(profiles: list[LayerProfile], collectives: dict, gpu: str, source: str) -> RuntimeModel:
+    """Fit every op class's curves (forward and backward) and every collective's line."""
+    samples: dict[tuple[str, int], tuple[list[float], list[float]]] = {}
+    for p in best_algo(profiles):
+        model = p.model
+        for op, (fwd_s, bwd_s) in p.ops.items():
+            if op not in OP_CLASS:
+                continue
+            work = _profile_op_work(model, op, p.mbs, model.seq, p.tp)
+            for direction, seconds in enumerate((fwd_s, bwd_s)):
+                if p.tp > 1 and (op, direction) in COMM_INSIDE:
+                    continue
+                xs, ys = samples.setdefault((OP_CLASS[op], direction), ([], []))
+                xs.append(work[direction])
+                ys.append(seconds)
+    curves = {}
+    for cls in sorted({c for c, _ in samples}):
+        curves[cls] = tuple(fit_line(*samples[(cls, d)]) for d in (0, 1))
+    lines = {f"{kind}/{n}": fit_line(*zip(*rows, strict=True)) for (kind, n), rows in collectives.items()}
+    return RuntimeModel(gpu, curves, lines, source)
+
+
+def predicted_layer_seconds(rm: RuntimeModel, p: LayerProfile) -> float:
+    """A profiled layer's forward + backward as the model predicts it, TP all-reduces included."""
+    model = p.model
+    fwd, bwd = rm.layer_times(model, p.mbs, model.seq, p.tp)
+    comm = 0.0
+    if p.tp > 1:
+        message = p.mbs * model.seq * model.hidden * 2
+        comm = 4 * float(rm.collective("all_reduce", message, p.tp))  # 2 forward + 2 backward
+    return float(fwd + bwd) + comm
+
+
+def calibrate(data_dir: Path, held_out: tuple[str, ...] = ("2_6B", "13B")) -> dict[str, dict]:
+    """Fit a runtime model per GPU directory in ``data_dir`` on all but ``held_out`` model sizes,
+    and report the per-layer error on the held-out ones. Returns {gpu: {"model", "error"}}."""
+    out = {}
+    for gpu_dir in sorted(p for p in Path(data_dir).iterdir() if p.is_dir()):
+        if gpu_dir.name not in PROFILE_GPU:
+            continue
+        profiles = read_layer_profiles(gpu_dir)
+        if not profiles:
+            continue
+        train = [p for p in profiles if p.size not in held_out]
+        test = best_algo([p for p in profiles if p.size in held_out])
+        rm = fit_runtime_model(
+            train,
+            read_collectives(gpu_dir),
+            PROFILE_GPU[gpu_dir.name],
+            f"fitted to {gpu_dir.name} profiles of the Mist artifact, sizes other than {', '.join(held_out)}",
+        )
+        errors = [abs(predicted_layer_seconds(rm, p) / p.layer_seconds - 1) for p in test]
+        out[gpu_dir.name] = {
+            "model": rm,
+            "held_out_cases": len(errors),
+            "mean_abs_error": float(np.mean(errors)) if errors else None,
+            "median_abs_error": float(np.median(errors)) if errors else None,
+            "max_abs_error": float(np.max(errors)) if errors else None,
+        }
+    return out
+
+
+def load_runtime_model(gpu: str) -> RuntimeModel:
+    """The shipped fitted preset for ``gpu`` if there is one, else the data-sheet roofline."""
+    path = PRESETS / f"runtime_{gpu}.json"
+    if path.exists():
+        return RuntimeModel.from_json(json.loads(path.read_text()))
+    return roofline_model(gpu)

@@ -1,0 +1,162 @@
+"""Interference of overlapped channels: compute, GPU<->GPU, host->device and device->host traffic.
+
+Four channels started together each run at their solo speed divided by a slowdown factor that
+depends on which channels are active at the moment; when one finishes the others speed up. The
+factors (one per channel and set of active channels) are fitted to the concurrency
+micro-benchmarks in ../shared/data/gpu-bandwidth, where GEMMs, NCCL all-gathers and both copy
+directions were launched together and the wall time of the group measured.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+CHANNELS = ("compute", "g2g", "h2d", "d2h")
+_MASKS = range(1, 1 << len(CHANNELS))
+
+
+def _members(mask: int) -> list[int]:
+    return [c for c in range(len(CHANNELS)) if mask >> c & 1]
+
+
+@dataclass
+class Interference:
+    """factors[c][mask]: slowdown of channel c while the channels in ``mask`` run (1 when alone)."""
+
+    factors: np.ndarray = field(default_factory=lambda: np.ones((len(CHANNELS), 1 << len(CHANNELS))))
+    source: str = "none (overlapped channels do not slow each other)"
+    host_rates: dict[str, float] = field(default_factory=dict)  # measured h2d/d2h bytes/s per GPU
+
+    def host_rate(self, direction: str, default: float) -> float:
+        """Host<->device bytes/s per GPU with all GPUs of a node copying (measured when known)."""
+        return self.host_rates.get(direction, default)
+
+    def overlap(self, *times) -> np.ndarray:
+        """Wall time of channels started together with these solo times (broadcast arrays)."""
+        remaining = np.stack(np.broadcast_arrays(*[np.asarray(x, float) for x in times])).astype(float)
+        if np.all(self.factors == 1.0):
+            return remaining.max(axis=0)
+        bits = (1 << np.arange(len(CHANNELS)))[:, None]
+        elapsed = np.zeros(remaining.shape[1:])
+        for _ in range(len(CHANNELS)):  # each round one channel (at least) finishes
+            active = remaining > 0
+            mask = (active * bits.reshape((-1,) + (1,) * (remaining.ndim - 1))).sum(axis=0)
+            if not mask.any():
+                break
+            slowed = self.factors[np.arange(len(CHANNELS)).reshape((-1,) + (1,) * mask.ndim), mask]
+            finish = np.where(active, remaining * slowed, np.inf)
+            step = finish.min(axis=0)
+            step = np.where(np.isfinite(step), step, 0.0)
+            remaining = np.where(active & (finish > step), np.maximum(remaining - step / slowed, 0.0), 0.0)
+            elapsed = elapsed + step
+        return elapsed
+
+    def to_json(self) -> dict:
+        table = {
+            CHANNELS[c]: {
+                "+".join(CHANNELS[k] for k in _members(m)): float(self.factors[c][m])
+                for m in _MASKS
+                if m >> c & 1
+            }
+            for c in range(len(CHANNELS))
+        }
+        return {"source": self.source, "factors": table, "host_rates": self.host_rates}
+
+    @classmethod
+    def from_json(cls, d: dict) -> Interference:
+        factors = np.ones((len(CHANNELS), 1 << len(CHANNELS)))
+        for c, name in enumerate(CHANNELS):
+            for combo, value in d["factors"][name].items():
+                mask = sum(1 << CHANNELS.index(x) for x in combo.split("+"))
+                factors[c][mask] = value
+        return cls(factors, d["source"], d.get("host_rates", {}))
+
+
+def _runs(path: Path) -> list[dict]:
+    data = json.loads(Path(path).read_text())
+    (entries,) = data.values()
+    out = []
+    for run in entries.values():
+        out.append(
+            {
+                "flops": 2.0 * float(run["compute_n"]) * float(run["compute_m"]) * float(run["compute_k"]),
+                "g2g": float(run["gpu_to_gpu_mbytes"]) * 2**20,
+                "h2d": float(run["cpu_to_gpu_mbytes"]) * 2**20,
+                "d2h": float(run["gpu_to_cpu_mbytes"]) * 2**20,
+                "group": (run["world_size"], run["intra_group_size"], run["inter_group_size"]),
+                "seconds": float(run["latency"].split()[0]) * 1e-3,
+            }
+        )
+    return out
+
+
+def fit_interference(path: Path) -> tuple[Interference, dict]:
+    """Fit solo lines per channel (per process-group shape for g2g) and the slowdown factors."""
+    from scipy.optimize import least_squares
+
+    from .costs import fit_line
+
+    runs = _runs(path)
+    work_keys = ("flops", "g2g", "h2d", "d2h")
+    solo: dict[tuple, object] = {}
+    for c, key in enumerate(work_keys):
+        groups = sorted({r["group"] for r in runs}) if key == "g2g" else [None]
+        for g in groups:
+            alone = [
+                r
+                for r in runs
+                if r[key] > 0
+                and all(r[k] == 0 for k in work_keys if k != key)
+                and (g is None or r["group"] == g)
+            ]
+            if len(alone) >= 2:
+                solo[(c, g)] = fit_line([r[key] for r in alone], [r["seconds"] for r in alone])
+    usable = []
+    for r in runs:
+        times = []
+        for c, key in enumerate(work_keys):
+            line = solo.get((c, r["group"] if key == "g2g" else None))
+            times.append(0.0 if r[key] == 0 else (None if line is None else float(line(r[key]))))
+        if None not in times and sum(t > 0 for t in times) >= 2:
+            usable.append((times, r["seconds"]))
+    params = [(c, m) for m in _MASKS for c in _members(m) if len(_members(m)) >= 2]
+    held_out = np.arange(len(usable)) % 5 == 4  # every fifth run checks the fit
+    all_times = np.array([u[0] for u in usable]).T
+    all_measured = np.array([u[1] for u in usable])
+    times, measured = all_times[:, ~held_out], all_measured[~held_out]
+
+    def model(x):
+        inter = Interference()
+        for (c, m), value in zip(params, x, strict=True):
+            inter.factors[c][m] = value
+        return inter
+
+    def residual(x):
+        return np.log(model(x).overlap(*times)) - np.log(measured)
+
+    fit = least_squares(residual, np.full(len(params), 1.2), bounds=(1.0, 20.0))
+    inter = model(fit.x)
+    inter.source = f"fitted to {Path(path).name} ({int((~held_out).sum())} overlapped runs)"
+    inter.host_rates = {
+        name: solo[(c, None)].rate for c, name in ((2, "h2d"), (3, "d2h")) if (c, None) in solo
+    }
+    test_t, test_m = all_times[:, held_out], all_measured[held_out]
+    before = np.abs(Interference().overlap(*test_t) / test_m - 1)
+    after = np.abs(inter.overlap(*test_t) / test_m - 1)
+    report = {
+        "runs": len(usable),
+        "no_interference_mean_abs_error": float(before.mean()),
+        "fitted_mean_abs_error": float(np.abs(inter.overlap(*times) / measured - 1).mean()),
+        "held_out_mean_abs_error": float(after.mean()),
+        "held_out_max_abs_error": float(after.max()),
+    }
+    return inter, report
+
+
+def all_subsets() -> list[tuple[str, ...]]:
+    return [c for n in range(1, 5) for c in itertools.combinations(CHANNELS, n)]

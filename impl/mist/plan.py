@@ -1,0 +1,147 @@
+"""A training plan: what the planner outputs and ``mist predict`` evaluates (YAML or JSON)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import yaml
+
+
+@dataclass
+class StagePlan:
+    layers: int
+    recompute: int = 0  # layers of this stage that recompute their forward in backward
+    zero: int = 0  # 0: none, 1: optimizer state, 2: + gradients, 3: + weights sharded over DP
+    offload_weights: float = 0.0  # fractions kept on the host
+    offload_grads: float = 0.0
+    offload_optimizer: float = 0.0
+    offload_activations: float = 0.0
+    # predictions (filled by predict)
+    steady_s: float | None = None
+    extra_s: float | None = None
+    memory_gib: float | None = None
+
+    def check(self, i: int) -> None:
+        if self.layers < 1:
+            raise ValueError(f"stage {i}: layers must be >= 1, got {self.layers}")
+        if not 0 <= self.recompute <= self.layers:
+            raise ValueError(
+                f"stage {i}: recompute must be in [0, layers={self.layers}], got {self.recompute}"
+            )
+        if self.zero not in (0, 1, 2, 3):
+            raise ValueError(f"stage {i}: zero must be 0, 1, 2 or 3, got {self.zero}")
+        for name in ("offload_weights", "offload_grads", "offload_optimizer", "offload_activations"):
+            value = getattr(self, name)
+            if not 0.0 <= value <= 1.0:
+                raise ValueError(f"stage {i}: {name} is a fraction in [0, 1], got {value}")
+
+
+@dataclass
+class Plan:
+    model: str
+    gpu: str
+    gpus: int
+    gpus_per_node: int
+    global_batch: int
+    tp: int
+    dp: int
+    micro_batch: int
+    stages: list[StagePlan]
+    model_overrides: dict = field(default_factory=dict)  # e.g. {"flash": false, "seq": 4096}
+    predicted_iteration_s: float | None = None
+    simulated_iteration_s: float | None = None
+    tuning_s: float | None = None
+    breakdown: dict = field(default_factory=dict)
+
+    @property
+    def grad_accum(self) -> int:
+        return self.global_batch // (self.dp * self.micro_batch)
+
+    def check(self) -> None:
+        if self.tp < 1 or self.dp < 1 or self.micro_batch < 1:
+            raise ValueError("tp, dp and micro_batch must be >= 1")
+        used = self.tp * self.dp * len(self.stages)
+        if used != self.gpus:
+            raise ValueError(
+                f"tp x dp x stages = {self.tp} x {self.dp} x {len(self.stages)} = {used}, "
+                f"but gpus = {self.gpus}"
+            )
+        if self.tp > self.gpus_per_node:
+            raise ValueError(f"tp ({self.tp}) larger than GPUs per node ({self.gpus_per_node})")
+        if self.global_batch % (self.dp * self.micro_batch):
+            raise ValueError(
+                f"global batch {self.global_batch} is not a multiple of "
+                f"dp x micro_batch = {self.dp * self.micro_batch}"
+            )
+        for i, stage in enumerate(self.stages):
+            stage.check(i)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Plan:
+        d = dict(d)
+        d["stages"] = [StagePlan(**s) for s in d["stages"]]
+        plan = cls(**d)
+        plan.check()
+        return plan
+
+    def save(self, path: str | Path) -> None:
+        path = Path(path)
+        text = (
+            json.dumps(self.to_dict(), indent=1)
+            if path.suffix == ".json"
+            else yaml.safe_dump(self.to_dict(), sort_keys=False)
+        )
+        path.write_text(text)
+
+    @classmethod
+    def load(cls, path: str | Path) -> Plan:
+        path = Path(path)
+        data = json.loads(path.read_text()) if path.suffix == ".json" else yaml.safe_load(path.read_text())
+        if not isinstance(data, dict) or "stages" not in data:
+            raise ValueError(f"{path}: not a plan (expected a mapping with 'stages')")
+        try:
+            return cls.from_dict(data)
+        except TypeError as e:
+            raise ValueError(f"{path}: {e}") from None
+
+    def table(self) -> str:
+        head = (
+            f"{self.model} on {self.gpus} x {self.gpu} ({self.gpus // self.gpus_per_node or 1} node(s)), "
+            f"global batch {self.global_batch}: TP {self.tp} x DP {self.dp} x PP {len(self.stages)}, "
+            f"micro-batch {self.micro_batch}, {self.grad_accum} micro-batches"
+        )
+        rows = [
+            head,
+            " ".join(f"{c:>{w}}" for c, w in COLUMNS),
+        ]
+        for i, s in enumerate(self.stages):
+            cells = [i, s.layers, s.recompute, s.zero]
+            cells += [
+                f"{getattr(s, 'offload_' + k):.2f}" for k in ("weights", "grads", "optimizer", "activations")
+            ]
+            cells += [_ms(s.steady_s), _ms(s.extra_s), _num(s.memory_gib)]
+            rows.append(" ".join(f"{c:>{w}}" for c, (_, w) in zip(cells, COLUMNS, strict=True)))
+        if self.predicted_iteration_s is not None:
+            rows.append(
+                f"predicted iteration: {self.predicted_iteration_s:.3f} s (1F1B simulation: "
+                f"{_num(self.simulated_iteration_s, 3)} s)"
+                + (f"; tuned in {self.tuning_s:.1f} s" if self.tuning_s is not None else "")
+            )
+        return "\n".join(rows)
+
+
+COLUMNS = [("stage", 5), ("layers", 6), ("recomp", 6), ("ZeRO", 4), ("off W", 5), ("off G", 5), ("off O", 5),
+           ("off A", 5), ("T (ms)", 8), ("D (ms)", 8), ("mem GiB", 8)]  # fmt: skip
+
+
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{x * 1e3:.1f}"
+
+
+def _num(x: float | None, digits: int = 2) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"

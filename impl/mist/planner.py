@@ -1,0 +1,251 @@
+"""The planner: search TP, pipeline stages, micro-batch size and every stage's strategy.
+
+Outer loops over TP t (powers of two within a node, dividing the heads), pipeline stages S and
+micro-batch size b (DP d = GPUs / (t S), G = global batch / (d b) micro-batches); a lower bound
+(perfectly balanced compute, nothing else) prunes settings that cannot beat the best plan so
+far. For each setting the stage strategies are evaluated once per stage kind (first / middle /
+last) and layer count, Pareto-filtered per in-flight depth, and the MILP of tune.py places the
+layers and picks the strategies.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from measure.memory import GpuBudget
+
+from .costs import RuntimeModel, load_runtime_model
+from .interference import Interference
+from .pipeline_sim import pipeline_objective, simulate_1f1b
+from .plan import Plan, StagePlan
+from .schedule import SearchSpace, Setting, evaluate_stage, layer_numbers, strategy_grid
+from .specs import ClusterSpec, ModelSpec
+from .tune import Frontier, frontier_for, solve_inter_stage
+
+GRID_KEYS = (
+    "recompute",
+    "zero",
+    "offload_weights",
+    "offload_grads",
+    "offload_optimizer",
+    "offload_activations",
+)
+
+
+class NoFeasiblePlan(RuntimeError):
+    pass
+
+
+@dataclass
+class PlannerOptions:
+    space: SearchSpace = field(default_factory=SearchSpace)
+    micro_batches: tuple[int, ...] = (1, 2, 4, 8, 16)
+    milp_time_limit: float = 5.0
+    imbalance_aware: bool = True  # False: extras ignored when choosing (the ablation)
+
+
+def budget_bytes(cluster: ClusterSpec) -> int:
+    return GpuBudget(cluster.gpu.memory).usable_bytes
+
+
+def settings(model: ModelSpec, cluster: ClusterSpec, global_batch: int, options: PlannerOptions):
+    """Every (tp, stages, dp, micro_batch) the search considers."""
+    tp = 1
+    while tp <= cluster.gpus_per_node:
+        if model.heads % tp == 0 and model.kv % tp == 0 and cluster.gpus % tp == 0:
+            for stages in range(1, min(model.layers, cluster.gpus // tp) + 1):
+                if (cluster.gpus // tp) % stages:
+                    continue
+                dp = cluster.gpus // (tp * stages)
+                if global_batch % dp:
+                    continue
+                for mb in options.micro_batches:
+                    if (global_batch // dp) % mb == 0:
+                        yield tp, stages, dp, mb
+        tp *= 2
+
+
+def _stage_values(st: Setting, ln, layers: int, first: bool, last: bool, space: SearchSpace, grad_accum: int):
+    grid = strategy_grid(layers, space)
+    one = evaluate_stage(st, ln, layers, 1, first, last, grid, grad_accum)
+    return grid, one, one["per_flight"]
+
+
+def tune_setting(st: Setting, grad_accum: int, options: PlannerOptions, best_so_far: float) -> Plan | None:
+    ln = layer_numbers(st)
+    L, S = st.model.layers, st.stages
+    lower = (grad_accum - 1) * L * (ln.fwd + ln.bwd) / S + L * (ln.fwd + ln.bwd)
+    if lower >= best_so_far:
+        return None
+    frontiers: list[dict[int, Frontier]] = [dict() for _ in range(S)]
+    grids: dict[tuple[int, bool, bool], dict] = {}
+    budget = float(st.memory_budget)
+    for i in range(S):
+        first, last = i == 0, i == S - 1
+        in_flight = min(S - i, grad_accum)
+        for layers in range(1, L - S + 2):
+            key = (layers, first, last)
+            if key not in grids:
+                grids[key] = _stage_values(st, ln, layers, first, last, options.space, grad_accum)
+            grid, values, per_flight = grids[key]
+            if not options.imbalance_aware:
+                values = {**values, "extra": np.zeros_like(values["extra"])}
+            fr = frontier_for(values, in_flight, budget, per_flight)
+            if len(fr):
+                frontiers[i][layers] = fr
+    if any(not f for f in frontiers):
+        return None
+    sol = solve_inter_stage(frontiers, L, grad_accum, options.milp_time_limit)
+    if sol is None:
+        return None
+    stages = []
+    for i, (layers, p) in enumerate(zip(sol.layers, sol.points, strict=True)):
+        grid = grids[(layers, i == 0, i == S - 1)][0]
+        j = frontiers[i][layers].index[p]
+        values = {k: grid[k][j] for k in GRID_KEYS}
+        stages.append(
+            StagePlan(
+                layers=layers,
+                recompute=int(values["recompute"]),
+                zero=int(values["zero"]),
+                offload_weights=float(values["offload_weights"]),
+                offload_grads=float(values["offload_grads"]),
+                offload_optimizer=float(values["offload_optimizer"]),
+                offload_activations=float(values["offload_activations"]),
+            )
+        )
+    return Plan(
+        model=st.model.name,
+        gpu=st.cluster.gpu.name,
+        gpus=st.cluster.gpus,
+        gpus_per_node=st.cluster.gpus_per_node,
+        global_batch=grad_accum * st.dp * st.micro_batch,
+        tp=st.tp,
+        dp=st.dp,
+        micro_batch=st.micro_batch,
+        stages=stages,
+    )
+
+
+def search(
+    model: ModelSpec,
+    cluster: ClusterSpec,
+    global_batch: int,
+    options: PlannerOptions | None = None,
+    runtime: RuntimeModel | None = None,
+    interference: Interference | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> Plan:
+    """The fastest plan found; raises NoFeasiblePlan (with the memory the best try needs)."""
+    options = options or PlannerOptions()
+    runtime = runtime or load_runtime_model(cluster.gpu.name)
+    interference = interference or load_interference(cluster.gpu.name)
+    if global_batch < 1:
+        raise ValueError(f"global batch must be >= 1, got {global_batch}")
+    start = time.perf_counter()
+    best: Plan | None = None
+    best_time = float("inf")
+    candidates = list(settings(model, cluster, global_batch, options))
+    if not candidates:
+        raise ValueError(
+            f"no parallel setting divides global batch {global_batch} over {cluster.gpus} GPUs "
+            f"(DP must divide the global batch; micro-batches tried: {options.micro_batches})"
+        )
+    for n, (tp, stages, dp, mb) in enumerate(candidates):
+        st = Setting(model, cluster, runtime, interference, tp, dp, mb, budget_bytes(cluster), stages)
+        grad_accum = global_batch // (dp * mb)
+        plan = tune_setting(st, grad_accum, options, best_time)
+        if plan is not None:
+            predict(plan, model, cluster, runtime, interference)
+            if plan.predicted_iteration_s < best_time:
+                best, best_time = plan, plan.predicted_iteration_s
+        if progress:
+            progress(
+                f"[{n + 1}/{len(candidates)}] tp {tp} pp {stages} dp {dp} mb {mb}: best {best_time:.3f} s"
+            )
+    if best is None:
+        need = min_memory_needed(model, cluster, global_batch, options, runtime, interference)
+        raise NoFeasiblePlan(
+            f"no plan for {model.name} on {cluster.gpus} x {cluster.gpu.name} fits: the leanest candidate "
+            f"needs {need / 2**30:.1f} GiB per GPU, {budget_bytes(cluster) / 2**30:.1f} GiB usable"
+        )
+    best.tuning_s = time.perf_counter() - start
+    return best
+
+
+def min_memory_needed(model, cluster, global_batch, options, runtime, interference) -> float:
+    """The smallest per-GPU peak any candidate reaches (for the no-feasible-plan message)."""
+    lowest = float("inf")
+    for tp, stages, dp, mb in settings(model, cluster, global_batch, options):
+        st = Setting(model, cluster, runtime, interference, tp, dp, mb, budget_bytes(cluster), stages)
+        ln = layer_numbers(st)
+        layers = -(-model.layers // stages)
+        _, values, per_flight = _stage_values(st, ln, layers, stages == 1, True, options.space, 1)
+        lowest = min(lowest, float(np.min(values["memory"] + (min(stages, global_batch) - 1) * per_flight)))
+    return lowest
+
+
+def predict(
+    plan: Plan,
+    model: ModelSpec,
+    cluster: ClusterSpec,
+    runtime: RuntimeModel | None = None,
+    interference: Interference | None = None,
+) -> Plan:
+    """Fill in the plan's per-stage times and memory and its iteration time (closed form and
+    1F1B simulation)."""
+    plan.check()
+    if sum(s.layers for s in plan.stages) != model.layers:
+        raise ValueError(
+            f"the stages hold {sum(s.layers for s in plan.stages)} layers, the model has {model.layers}"
+        )
+    runtime = runtime or load_runtime_model(cluster.gpu.name)
+    interference = interference or load_interference(cluster.gpu.name)
+    S = len(plan.stages)
+    st = Setting(
+        model, cluster, runtime, interference, plan.tp, plan.dp, plan.micro_batch, budget_bytes(cluster), S
+    )
+    ln = layer_numbers(st)
+    G = plan.grad_accum
+    steady, extra, fwd, bwd = [], [], [], []
+    for i, s in enumerate(plan.stages):
+        grid = {k: np.array([float(getattr(s, k))]) for k in GRID_KEYS}
+        v = evaluate_stage(st, ln, s.layers, min(S - i, G), i == 0, i == S - 1, grid, G)
+        s.steady_s, s.extra_s = float(v["steady"][0]), float(v["extra"][0])
+        s.memory_gib = float(v["memory"][0]) / 2**30
+        steady.append(s.steady_s)
+        extra.append(s.extra_s)
+        share = ln.fwd / (ln.fwd + ln.bwd)
+        fwd.append(s.steady_s * share)
+        bwd.append(s.steady_s * (1 - share))
+    plan.predicted_iteration_s = pipeline_objective(steady, extra, G)
+    plan.simulated_iteration_s = simulate_1f1b(fwd, bwd, G, last=extra)
+    plan.breakdown = {
+        "usable_memory_gib": budget_bytes(cluster) / 2**30,
+        "fits": all(s.memory_gib * 2**30 <= budget_bytes(cluster) for s in plan.stages),
+        "layer_fwd_ms": ln.fwd * 1e3,
+        "layer_bwd_ms": ln.bwd * 1e3,
+        "layer_saved_mib": ln.saved / 2**20,
+        "runtime_model": runtime.source,
+        "interference_model": interference.source,
+    }
+    return plan
+
+
+def load_interference(gpu: str) -> Interference:
+    import json
+
+    from .costs import PRESETS
+
+    path = PRESETS / f"interference_{gpu}.json"
+    if path.exists():
+        return Interference.from_json(json.loads(path.read_text()))
+    return Interference()
+
+
+def with_model(plan: Plan, model: ModelSpec) -> Plan:
+    return replace(plan, model=model.name)

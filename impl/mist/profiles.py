@@ -1,0 +1,133 @@
+"""Reading measured GPU data: per-op layer profiles and collective micro-benchmarks.
+
+The format is the Mist artifact's (see ../shared/data/README.md): per GPU a directory with
+``gpt_<size>_mbs<b>_tp<t>_algo<k>.csv`` (one row per op of one layer, plus embedding and head;
+times in microseconds) and ``prim_gpt_<size>_<collective>_<n>gpus.csv`` (message MB, time ms).
+"""
+
+from __future__ import annotations
+
+import csv
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from .specs import ModelSpec
+
+# The profiled models' shapes by file-name size (GPT-3 style, vocab 50304, no bias).
+PROFILED_SIZES = {
+    "1_3B": (2048, 24, 16),
+    "2_6B": (2560, 32, 32),
+    "6_7B": (4096, 32, 32),
+    "13B": (5120, 40, 40),
+    "22B": (6144, 48, 64),
+    "40B": (8192, 48, 64),
+}
+# Sequence length each profile directory was taken at.
+PROFILE_SEQ = {
+    "l4": 2048,
+    "a10g": 2048,
+    "a100-sxm4-40gb": 4096,
+    "a100-sxm4-40gb-larger-model": 4096,
+    "v100-sxm2-32gb-seq2048": 2048,
+}
+# Which planner GPU preset a profile directory measures.
+PROFILE_GPU = {
+    "l4": "l4",
+    "a10g": "a10g",
+    "a100-sxm4-40gb": "a100-40gb",
+    "a100-sxm4-40gb-larger-model": "a100-40gb",
+    "v100-sxm2-32gb-seq2048": "v100",
+}
+# Profile op name -> the symbolic tracer's op names whose work it measures (Megatron fuses the
+# residual add into the dropout before it).
+LAYER_OPS = {
+    "enc-1st-layernorm": ("layernorm-1",),
+    "enc-attention-qkv": ("attention-qkv",),
+    "enc-attention-score": ("attention-score",),
+    "enc-attention-softmax": ("attention-softmax",),
+    "enc-attention-dropout": ("attention-dropout",),
+    "enc-attention-context": ("attention-context",),
+    "enc-attention-dense": ("attention-dense",),
+    "enc-post-attention-dropout": ("post-attention-dropout", "residual-1"),
+    "enc-2nd-layernorm": ("layernorm-2",),
+    "enc-MLP-GEMM-1": ("mlp-gemm-1",),
+    "enc-MLP-gelu": ("mlp-gelu",),
+    "enc-MLP-GEMM-2": ("mlp-gemm-2",),
+    "enc-post-MLP-dropout": ("post-mlp-dropout", "residual-2"),
+}
+_LAYER_FILE = re.compile(r"gpt_(?P<size>[0-9_]+B)_mbs(?P<mbs>\d+)_tp(?P<tp>\d+)_algo(?P<algo>\d+)\.csv")
+_PRIM_FILE = re.compile(r"prim_gpt_(?P<size>[0-9_]+B)_(?P<coll>[a-z_]+?)_(?P<n>\d+)gpus\.csv")
+
+
+@dataclass(frozen=True)
+class LayerProfile:
+    gpu_dir: str
+    size: str
+    mbs: int
+    tp: int
+    algo: int
+    ops: dict[str, tuple[float, float]]  # op -> (forward s, backward s)
+
+    @property
+    def model(self) -> ModelSpec:
+        hidden, layers, heads = PROFILED_SIZES[self.size]
+        return ModelSpec(
+            f"gpt3-{self.size}", "gpt3", hidden, layers, heads, seq=PROFILE_SEQ[self.gpu_dir], flash=False
+        )
+
+    @property
+    def layer_seconds(self) -> float:
+        """Forward + backward of one transformer layer (TP communication included, as measured)."""
+        return sum(fwd + bwd for op, (fwd, bwd) in self.ops.items() if op in LAYER_OPS)
+
+
+def read_layer_profiles(gpu_dir: Path) -> list[LayerProfile]:
+    out = []
+    for path in sorted(gpu_dir.glob("gpt_*.csv")):
+        m = _LAYER_FILE.fullmatch(path.name)
+        if m is None or m["size"] not in PROFILED_SIZES:
+            continue
+        with path.open() as fh:
+            ops = {
+                row["op_name"]: (float(row["forward-compute"]) * 1e-6, float(row["backward-compute"]) * 1e-6)
+                for row in csv.DictReader(fh)
+            }
+        out.append(LayerProfile(gpu_dir.name, m["size"], int(m["mbs"]), int(m["tp"]), int(m["algo"]), ops))
+    return out
+
+
+def best_algo(profiles: list[LayerProfile]) -> list[LayerProfile]:
+    """Of the two implementations profiled per case, the faster layer (as Mist picks)."""
+    best: dict[tuple, LayerProfile] = {}
+    for p in profiles:
+        key = (p.gpu_dir, p.size, p.mbs, p.tp)
+        if key not in best or p.layer_seconds < best[key].layer_seconds:
+            best[key] = p
+    return list(best.values())
+
+
+def read_collectives(gpu_dir: Path) -> dict[tuple[str, int], list[tuple[float, float]]]:
+    """(collective, gpus) -> [(bytes, seconds)], all profiled model sizes pooled."""
+    out: dict[tuple[str, int], list[tuple[float, float]]] = {}
+    for path in sorted(gpu_dir.glob("prim_gpt_*.csv")):
+        m = _PRIM_FILE.fullmatch(path.name)
+        if m is None:
+            continue
+        with path.open() as fh:
+            rows = [
+                (float(r["data_size(MB)"]) * 2**20, float(r["time(ms)"]) * 1e-3) for r in csv.DictReader(fh)
+            ]
+        out.setdefault((m["coll"], int(m["n"])), []).extend(rows)
+    return out
+
+
+def read_p2p(gpu_dir: Path) -> dict[str, list[tuple[float, float]]]:
+    """'intra'/'inter' -> [(bytes, bytes/s)]."""
+    out = {}
+    for where in ("intra", "inter"):
+        path = gpu_dir / f"p2p_{where}_node.csv"
+        if path.exists():
+            sizes, rates = (line.split(",") for line in path.read_text().split())
+            out[where] = [(float(a) * 2**20, float(r) * 1e9) for a, r in zip(sizes, rates, strict=True)]
+    return out

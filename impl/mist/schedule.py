@@ -1,0 +1,207 @@
+"""Overlap-centric schedule model of one pipeline stage, vectorised over strategies.
+
+For a stage (its layers, whether it holds the embedding or the head, how many micro-batches are
+in flight under 1F1B) and a parallel setting (TP t, DP d, micro-batch b), every per-stage
+strategy -- recomputed layers r, ZeRO stage z, offloaded fractions of weights, gradients,
+optimizer state and activations -- is evaluated at once as numpy arrays:
+
+* steady: one micro-batch's forward + backward. Compute (with TP collectives and recompute) runs
+  on the compute stream; per layer, the prefetch of sharded (ZeRO-3) or offloaded weights for
+  the next layer, activation swap-out/in and per-micro-batch gradient traffic run on the
+  GPU<->GPU, device->host and host->device channels behind it. The stage takes the longest of
+  the four, each slowed by the others running at the same time (``Interference``).
+* extra: the work only the first and last micro-batch do: gradient synchronisation across DP
+  (all-reduce, or reduce-scatter + all-gather under ZeRO), the optimizer step on GPU and, for
+  offloaded optimizer state, on the CPU (with the copies it needs).
+* memory: peak bytes per GPU (weights, gradients, optimizer state, in-flight activations,
+  prefetch/swap buffers, one layer's backward working set, the head's logits).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .costs import RuntimeModel
+from .interference import Interference
+from .specs import ClusterSpec, ModelSpec
+from .symbolic import head_costs, layer_costs, value
+
+ADAM_BYTES_PER_PARAM = 12  # fp32 master weight + two moments
+CPU_ADAM_PARAMS_PER_S = 1.0e9  # a fused multi-threaded CPU Adam (DeepSpeed reports ~1e9/s)
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    zero_stages: tuple[int, ...] = (0, 1, 2, 3)
+    offload_ratios: tuple[float, ...] = (0.0, 0.5, 1.0)
+    offload: bool = True  # weights/grads/optimizer/activations offloading considered at all
+    recompute: bool = True  # per-stage recompute counts (else none)
+
+
+@dataclass(frozen=True)
+class Setting:
+    """The parallel setting shared by all stages."""
+
+    model: ModelSpec
+    cluster: ClusterSpec
+    runtime: RuntimeModel
+    interference: Interference
+    tp: int
+    dp: int
+    micro_batch: int
+    memory_budget: int  # usable bytes per GPU
+    stages: int
+
+    @property
+    def sequence_parallel(self) -> bool:
+        return self.tp > 1
+
+
+@dataclass
+class LayerNumbers:
+    """Per-layer numbers for a Setting (scalars)."""
+
+    fwd: float  # compute s, TP collectives included
+    bwd: float
+    saved: float  # bytes kept for backward per micro-batch
+    layer_input: float  # bytes a recomputed layer keeps (its input)
+    params: float  # per TP rank
+    tp_comm_fwd: float
+    p2p_bytes: float  # activation sent to the next stage per micro-batch
+    head_fwd: float = 0.0
+    head_bwd: float = 0.0
+    head_saved: float = 0.0
+    embed_params: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+
+def layer_numbers(st: Setting) -> LayerNumbers:
+    m, b, t = st.model, st.micro_batch, st.tp
+    costs = layer_costs(m, st.sequence_parallel)
+    c = costs.compiled(m)(b, m.seq, t)
+    fwd, bwd = st.runtime.layer_times(m, b, m.seq, t, st.sequence_parallel)
+    coll = st.runtime.collective
+    # forward collectives; backward mirrors them, plus SP's re-gather of the kept input shards
+    comm_f = (
+        coll("all_reduce", float(c["tp_all_reduce"]) / 2, t, st.cluster) * 2
+        + coll("all_gather", float(c["tp_all_gather"]) / 2, t, st.cluster) * 2
+        + coll("reduce_scatter", float(c["tp_reduce_scatter"]) / 2, t, st.cluster) * 2
+    )
+    comm_b = comm_f + coll("all_gather", float(c["tp_all_gather"]) / 2, t, st.cluster) * 2
+    head = {k: value(expr, m, b, m.seq, t) for k, expr in head_costs(m).items()}
+    gemm_f, gemm_b = st.runtime.curve("gemm")
+    tokens = b * m.seq
+    return LayerNumbers(
+        fwd=float(fwd) + float(comm_f),
+        bwd=float(bwd) + float(comm_b),
+        saved=float(c["saved_bytes"]),
+        layer_input=2.0 * tokens * m.hidden / (t if st.sequence_parallel else 1),
+        params=float(c["params"]),
+        tp_comm_fwd=float(comm_f),
+        p2p_bytes=2.0 * tokens * m.hidden / (t if st.sequence_parallel else 1),
+        head_fwd=float(gemm_f(head["head_flops_fwd"])),
+        head_bwd=float(gemm_b(head["head_flops_bwd"])),
+        head_saved=head["head_saved_bytes"],
+        embed_params=head["embed_params"],
+    )
+
+
+@functools.lru_cache(maxsize=512)
+def strategy_grid(layers: int, space: SearchSpace) -> dict[str, np.ndarray]:
+    """Every (recompute, zero, offload ratios) combination for a stage of ``layers`` layers (read-only)."""
+    ratios = space.offload_ratios if space.offload else (0.0,)
+    recompute = range(layers + 1) if space.recompute else (0,)
+    combos = np.array(
+        list(itertools.product(recompute, space.zero_stages, ratios, ratios, ratios, ratios)), float
+    )
+    names = (
+        "recompute",
+        "zero",
+        "offload_weights",
+        "offload_grads",
+        "offload_optimizer",
+        "offload_activations",
+    )
+    return {n: combos[:, i] for i, n in enumerate(names)}
+
+
+def evaluate_stage(
+    st: Setting,
+    ln: LayerNumbers,
+    layers: int,
+    in_flight: int,
+    first: bool,
+    last: bool,
+    grid: dict[str, np.ndarray],
+    grad_accum: int,
+) -> dict[str, np.ndarray]:
+    """steady, extra and memory (arrays over ``grid``) of a stage, plus their parts."""
+    r, z = grid["recompute"], grid["zero"]
+    wo, go, oo, ao = (
+        grid[k] for k in ("offload_weights", "offload_grads", "offload_optimizer", "offload_activations")
+    )
+    d, cl, rt = st.dp, st.cluster, st.runtime
+    params = layers * ln.params + (ln.embed_params if first else 0.0) + (ln.embed_params if last else 0.0)
+    shard_w = np.where(z >= 3, 1.0 / d, 1.0)
+    shard_g = np.where(z >= 2, 1.0 / d, 1.0)
+    shard_o = np.where(z >= 1, 1.0 / d, 1.0)
+    w_bytes = 2.0 * params * shard_w
+    g_bytes = 2.0 * params * shard_g
+    o_bytes = ADAM_BYTES_PER_PARAM * params * shard_o
+
+    # ---- time of one micro-batch, by channel
+    compute = layers * (ln.fwd + ln.bwd) + r * ln.fwd
+    if last:
+        compute = compute + ln.head_fwd + ln.head_bwd
+    across = st.tp * d > cl.gpus_per_node  # DP groups (stride t) leave the node
+    layer_w_full = 2.0 * ln.params
+    gather = rt.collective("all_gather", layer_w_full, d, cl, across) if d > 1 else 0.0
+    g2g = np.where(z >= 3, 2 * layers * gather, 0.0)  # forward and backward gathers
+    if d > 1:  # ZeRO-2/3 reduce-scatter each micro-batch's gradients
+        g2g = g2g + np.where(
+            z >= 2, layers * rt.collective("reduce_scatter", layer_w_full, d, cl, across), 0.0
+        )
+    act_swapped = ao * ((layers - r) * ln.saved + r * ln.layer_input)
+    h2d_bw = st.interference.host_rate("h2d", cl.gpu.host_bw)
+    d2h_bw = st.interference.host_rate("d2h", cl.gpu.host_bw)
+    d2h = (act_swapped + go * g_bytes) / d2h_bw  # swap-out; offloaded grads accumulate on the host
+    h2d = (act_swapped + 2 * wo * w_bytes) / h2d_bw  # swap-in; offloaded weights for fwd and bwd
+    steady = st.interference.overlap(compute, g2g, h2d, d2h)
+
+    # ---- first / last micro-batch extras
+    grads_full = 2.0 * params
+    sync = 0.0
+    if d > 1:
+        allreduce = rt.collective("all_reduce", grads_full, d, cl, across)
+        rs = rt.collective("reduce_scatter", grads_full, d, cl, across)
+        ag = rt.collective("all_gather", grads_full, d, cl, across)
+        sync = np.where(z >= 2, 0.0, np.where(z == 1, rs, allreduce)) + np.where((z >= 1) & (z <= 2), ag, 0.0)
+    opt_params = params * shard_o
+    gpu_step = (1 - oo) * opt_params * (ADAM_BYTES_PER_PARAM + 4) * 2 / (cl.gpu.hbm_bw * 0.7)
+    cpu_step = oo * opt_params / CPU_ADAM_PARAMS_PER_S
+    cpu_copies = oo * opt_params * (2 / d2h_bw + 2 / h2d_bw)  # fp16 grads down, fp16 weights up
+    extra = sync + gpu_step + cpu_step + cpu_copies
+
+    # ---- memory per GPU
+    per_flight = (1 - ao) * ((layers - r) * ln.saved + r * ln.layer_input) + (ln.head_saved if last else 0.0)
+    activations = in_flight * per_flight
+    buffers = np.where((z >= 3) | (wo > 0), 2 * layer_w_full, 0.0) + np.where(ao > 0, 2 * ln.saved, 0.0)
+    working = ln.saved + np.where(r > 0, ln.saved, 0.0)  # one layer's backward (+ its recompute)
+    head = ln.head_saved if last else 0.0  # the logits' gradient while the loss backpropagates
+    memory = (
+        (1 - wo) * w_bytes + (1 - go) * g_bytes + (1 - oo) * o_bytes + activations + buffers + working + head
+    )
+    if grad_accum < 1:
+        raise ValueError("grad_accum must be >= 1")
+    return {
+        "steady": np.broadcast_to(steady, r.shape),
+        "extra": np.broadcast_to(extra, r.shape),
+        "memory": np.broadcast_to(memory, r.shape),
+        "compute": np.broadcast_to(compute, r.shape),
+        # what one more in-flight micro-batch adds to memory (memory is affine in in_flight)
+        "per_flight": np.broadcast_to(per_flight, r.shape),
+    }

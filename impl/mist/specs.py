@@ -1,0 +1,151 @@
+"""What the planner plans for: the model, the GPU, the cluster. Presets for the Mist paper's cases.
+
+Every size here is in elements or bytes, every rate in per-second units; one dataclass each is
+the single source of shapes and hardware numbers for the whole planner.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+ARCHS = ("gpt3", "llama", "falcon")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A decoder-only transformer.
+
+    gpt3: LayerNorm, GELU MLP (ffn = 4h), learned positions; llama: RMSNorm, SwiGLU MLP,
+    rotary, grouped-query attention; falcon: LayerNorm, parallel attention + MLP (one shared
+    norm), rotary, multi-query/grouped attention. No biases (as in the profiled Megatron runs).
+    """
+
+    name: str
+    arch: str
+    hidden: int
+    layers: int
+    heads: int
+    vocab: int = 50304
+    seq: int = 2048
+    ffn: int | None = None  # default: 4h (gpt3, falcon); 8h/3 rounded up to 256 (llama)
+    kv_heads: int | None = None  # default: heads (multi-head attention)
+    flash: bool = True  # FlashAttention: no s x s matrices kept or materialised
+
+    def __post_init__(self) -> None:
+        if self.arch not in ARCHS:
+            raise ValueError(f"arch must be one of {ARCHS}, got {self.arch!r}")
+        for field in ("hidden", "layers", "heads", "vocab", "seq"):
+            if getattr(self, field) <= 0:
+                raise ValueError(f"{field} must be positive, got {getattr(self, field)}")
+        if self.hidden % self.heads:
+            raise ValueError(f"hidden ({self.hidden}) must be a multiple of heads ({self.heads})")
+        if self.heads % self.kv:
+            raise ValueError(f"heads ({self.heads}) must be a multiple of kv_heads ({self.kv})")
+
+    @property
+    def ffn_hidden(self) -> int:
+        if self.ffn is not None:
+            return self.ffn
+        if self.arch == "llama":
+            return -(-(8 * self.hidden // 3) // 256) * 256
+        return 4 * self.hidden
+
+    @property
+    def kv(self) -> int:
+        return self.kv_heads or self.heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    def with_(self, **changes) -> ModelSpec:
+        return replace(self, **changes)
+
+
+_SIZES = {  # the Mist paper's model sizes: hidden, layers, heads
+    "1.3b": (2048, 24, 16),
+    "2.7b": (2560, 32, 32),
+    "7b": (4096, 32, 32),
+    "13b": (5120, 40, 40),
+    "22b": (6144, 48, 64),
+}
+MODELS: dict[str, ModelSpec] = {
+    f"{arch}-{size}": ModelSpec(f"{arch}-{size}", arch, h, n, a)
+    for arch in ARCHS
+    for size, (h, n, a) in _SIZES.items()
+}
+
+
+@dataclass(frozen=True)
+class GpuSpec:
+    name: str
+    flops: float  # dense fp16/bf16 tensor-core peak, FLOP/s
+    memory: int  # bytes
+    hbm_bw: float  # bytes/s
+    host_bw: float  # host <-> device (PCIe) bytes/s per direction, spec
+
+
+@dataclass(frozen=True)
+class LinkSpec:
+    bw: float  # bytes/s per GPU (bus bandwidth, as NCCL reports it)
+    latency: float  # s
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    gpu: GpuSpec
+    nodes: int
+    gpus_per_node: int
+    intra: LinkSpec
+    inter: LinkSpec
+
+    def __post_init__(self) -> None:
+        if self.nodes < 1 or self.gpus_per_node < 1:
+            raise ValueError(
+                f"need at least one node and one GPU per node, got {self.nodes} x {self.gpus_per_node}"
+            )
+
+    @property
+    def gpus(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+
+GiB = 1 << 30
+GB = 1e9
+# Peak numbers are the vendors' data-sheet values (dense, no sparsity).
+GPUS: dict[str, GpuSpec] = {
+    "l4": GpuSpec("l4", 121e12, 24 * GiB, 300 * GB, 32 * GB),
+    "a10g": GpuSpec("a10g", 125e12, 24 * GiB, 600 * GB, 32 * GB),
+    "v100": GpuSpec("v100", 125e12, 32 * GiB, 900 * GB, 16 * GB),
+    "a100-40gb": GpuSpec("a100-40gb", 312e12, 40 * GiB, 1555 * GB, 32 * GB),
+    "h100": GpuSpec("h100", 989e12, 80 * GiB, 3350 * GB, 64 * GB),
+    "h200": GpuSpec("h200", 989e12, 141 * GB, 4800 * GB, 64 * GB),
+}
+# Links: NVLink bus bandwidth per GPU, or PCIe where a GPU has no NVLink; inter-node by NIC.
+_LINKS = {
+    "l4": (LinkSpec(16 * GB, 10e-6), LinkSpec(6.25 * GB, 20e-6)),  # PCIe 4.0 x16; 50 Gb/s
+    "a10g": (LinkSpec(16 * GB, 10e-6), LinkSpec(12.5 * GB, 20e-6)),  # PCIe; 100 Gb/s
+    "v100": (LinkSpec(150 * GB, 5e-6), LinkSpec(12.5 * GB, 10e-6)),  # NVLink 2; 100 Gb/s
+    "a100-40gb": (LinkSpec(300 * GB, 5e-6), LinkSpec(50 * GB, 10e-6)),  # NVLink 3; 4x100 Gb/s
+    "h100": (LinkSpec(450 * GB, 5e-6), LinkSpec(100 * GB, 10e-6)),  # NVLink 4; 8x100 Gb/s
+    "h200": (LinkSpec(450 * GB, 5e-6), LinkSpec(100 * GB, 10e-6)),
+}
+
+
+def cluster(gpu: str, gpus: int, gpus_per_node: int = 8) -> ClusterSpec:
+    """A cluster of ``gpus`` GPUs of type ``gpu``, filled node by node."""
+    if gpu not in GPUS:
+        raise ValueError(f"unknown GPU {gpu!r}; presets: {', '.join(GPUS)}")
+    if gpus < 1:
+        raise ValueError(f"need at least one GPU, got {gpus}")
+    per_node = min(gpus, gpus_per_node)
+    if gpus % per_node:
+        raise ValueError(f"{gpus} GPUs do not fill nodes of {gpus_per_node} evenly")
+    intra, inter = _LINKS[gpu]
+    return ClusterSpec(GPUS[gpu], gpus // per_node, per_node, intra, inter)
+
+
+def model(name: str, **overrides) -> ModelSpec:
+    if name not in MODELS:
+        raise ValueError(f"unknown model {name!r}; presets: {', '.join(MODELS)}")
+    return MODELS[name].with_(**overrides) if overrides else MODELS[name]

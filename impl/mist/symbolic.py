@@ -1,0 +1,293 @@
+"""Symbolic analysis: trace one transformer layer (and the embedding and head) once into sympy.
+
+A ``Sym`` is a tensor with a symbolic shape (sympy expressions of the micro-batch b, sequence s,
+tensor-parallel size t and the model's h, a, kv, f, v). Running the layer's code on Syms
+records, per op, its FLOPs, the bytes it moves, what it keeps for backward and its
+temporaries. Kept tensors are counted once by identity (a tensor the next op keeps too costs
+nothing more), as autograd does. Sums over ops become a ``LayerCosts`` of sympy expressions,
+compiled with ``lambdify`` so thousands of candidate strategies evaluate as numpy arrays.
+
+Megatron-style tensor parallelism: QKV and the first MLP GEMM are column-parallel, the output
+projection and the second MLP GEMM row-parallel; with sequence parallelism the residual stream
+(norms, dropouts, residual adds) is split along the sequence too.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import sympy as sp
+
+from .specs import ModelSpec
+
+b, s, t, h, a, kv, f, v = sp.symbols("b s t h a kv f v", positive=True)
+SYMBOLS = (b, s, t, h, a, kv, f, v)
+HALF, FP32, MASK = 2, 4, 1  # bytes per element: activations/weights, statistics, dropout masks
+_ids = itertools.count()
+
+
+@dataclass(eq=False)
+class Sym:
+    shape: tuple[sp.Expr, ...]
+    itemsize: int = HALF
+    uid: int = field(default_factory=lambda: next(_ids))
+    shard: Sym | None = None  # for a sequence-parallel all-gather's output: the shard it came from
+
+    @property
+    def numel(self) -> sp.Expr:
+        return sp.Mul(*self.shape)
+
+    @property
+    def nbytes(self) -> sp.Expr:
+        return self.numel * self.itemsize
+
+
+@dataclass
+class Op:
+    name: str
+    kind: str  # gemm | bmm | norm | softmax | dropout | act | add | attention | comm | loss | embed
+    flops: sp.Expr  # forward FLOPs (backward: 2x for GEMMs, see LayerCosts)
+    fwd_bytes: sp.Expr  # bytes read + written by the forward
+    bwd_bytes: sp.Expr
+    saved: list[Sym]
+    collective: str | None = None  # comm ops: all_reduce | all_gather | reduce_scatter
+    message: sp.Expr = sp.S.Zero  # comm ops: bytes of the full (gathered) tensor
+
+
+class Tracer:
+    """Records the ops of one code path run on Syms."""
+
+    def __init__(self, tp: bool = True, sp_: bool = False) -> None:
+        self.ops: list[Op] = []
+        self.tp, self.sp = tp, sp_
+
+    def op(self, name, kind, flops, ins: list[Sym], outs: list[Sym], saved: list[Sym], bwd_scale=2.0):
+        moved = sum((x.nbytes for x in ins + outs), sp.Integer(0))
+        self.ops.append(Op(name, kind, sp.sympify(flops), moved, sp.nsimplify(bwd_scale) * moved, saved))
+
+    def comm(self, name: str, collective: str, x: Sym, y: Sym) -> None:
+        self.op(name, "comm", 0, [x], [y], [])
+        self.ops[-1].collective = collective
+        self.ops[-1].message = b * s * h * HALF
+
+    # ---- building blocks (shapes are per tensor-parallel rank)
+
+    def stream(self) -> Sym:
+        """A residual-stream tensor: (b, s, h), split along s under sequence parallelism."""
+        return Sym((b, s / t if self.sp else s, h))
+
+    def gathered(self, name: str, x: Sym) -> Sym:
+        """Sequence-parallel all-gather before a column-parallel GEMM (identity without SP)."""
+        if not self.sp:
+            return x
+        y = Sym((b, s, h), shard=x)  # a GEMM that keeps y keeps the shard and re-gathers it
+        self.comm(name, "all_gather", x, y)
+        return y
+
+    def norm(self, name: str, x: Sym, rms: bool) -> Sym:
+        y = Sym(x.shape)
+        stats = Sym(x.shape[:-1], FP32)  # rstd (and mean for LayerNorm), kept for backward
+        self.op(name, "norm", (4 if rms else 7) * x.numel, [x], [y], [x, stats])
+        if not rms:
+            self.ops[-1].saved.append(Sym(x.shape[:-1], FP32))
+        return y
+
+    def linear(self, name: str, x: Sym, out_features: sp.Expr) -> Sym:
+        y = Sym((*x.shape[:-1], out_features))
+        w = Sym((x.shape[-1], out_features))
+        self.op(name, "gemm", 2 * x.numel * out_features, [x, w], [y], [x.shard or x])
+        return y
+
+    def dropout(self, name: str, x: Sym, enabled: bool) -> Sym:
+        if not enabled:
+            return x
+        y = Sym(x.shape)
+        mask = Sym(x.shape, MASK)
+        self.op(name, "dropout", 2 * x.numel, [x], [y, mask], [mask], bwd_scale=1.0)
+        return y
+
+    def add(self, name: str, x: Sym, y: Sym) -> Sym:
+        z = Sym(x.shape)
+        self.op(name, "add", x.numel, [x, y], [z], [], bwd_scale=1)
+        return z
+
+    def reduce_out(self, name: str, x: Sym) -> Sym:
+        """Row-parallel output: all-reduce (or reduce-scatter under SP) across the TP group."""
+        y = self.stream()
+        self.comm(name, "reduce_scatter" if self.sp else "all_reduce", x, y)
+        return y
+
+    def attention(self, q: Sym, k: Sym, vv: Sym, flash: bool, dropout: bool) -> Sym:
+        bb, ss, heads, d = q.shape
+        out = Sym((bb, ss, heads * d))
+        core_flops = 4 * bb * heads * ss * ss * d  # QK^T and PV
+        if flash:  # keeps q, k, v, the output and the row log-sum-exp; recomputes P in backward
+            lse = Sym((bb, heads, ss), FP32)
+            self.op("attention-core", "attention", core_flops, [q, k, vv], [out], [q, k, vv, out, lse], 2.5)
+            return out
+        scores = Sym((bb, heads, ss, ss))
+        self.op("attention-score", "bmm", 2 * bb * heads * ss * ss * d, [q, k], [scores], [q, k])
+        probs = Sym(scores.shape)
+        self.op("attention-softmax", "softmax", 5 * scores.numel, [scores], [probs], [probs], bwd_scale=1.5)
+        dropped = self.dropout("attention-dropout", probs, dropout)
+        self.op("attention-context", "bmm", 2 * bb * heads * ss * ss * d, [dropped, vv], [out], [dropped, vv])
+        return out
+
+    def mlp(self, x: Sym, arch: str, dropout: bool) -> Sym:
+        if arch == "llama":  # SwiGLU: down(silu(gate(x)) * up(x))
+            gate = self.linear("mlp-gate", x, f / t)
+            up = self.linear("mlp-up", x, f / t)
+            act = Sym(gate.shape)
+            self.op("mlp-silu", "act", 5 * gate.numel, [gate], [act], [gate])
+            prod = Sym(gate.shape)
+            self.op("mlp-mul", "act", gate.numel, [act, up], [prod], [act, up])
+            y = self.linear("mlp-down", prod, h)
+        else:
+            up = self.linear("mlp-gemm-1", x, f / t)
+            act = Sym(up.shape)
+            self.op("mlp-gelu", "act", 8 * up.numel, [up], [act], [up])
+            y = self.linear("mlp-gemm-2", act, h)
+        return y
+
+
+def trace_layer(model: ModelSpec, sequence_parallel: bool = False) -> list[Op]:
+    """The ops of one transformer layer of ``model`` on one TP rank, symbolic in (b, s, t, ...)."""
+    tr = Tracer(sp_=sequence_parallel)
+    rms = model.arch == "llama"
+    dropout = model.arch != "llama"
+    d = h / a
+    x = tr.stream()
+
+    def attention_block(y: Sym) -> Sym:
+        y = tr.gathered("attention-gather", y)
+        qkv = tr.linear("attention-qkv", y, (a + 2 * kv) * d / t)
+        q = Sym((b, s, a / t, d))
+        k, vv = Sym((b, s, kv / t, d)), Sym((b, s, kv / t, d))
+        if model.arch in ("llama", "falcon"):  # rotary on q and k: reads and writes them
+            tr.op("attention-rotary", "act", 6 * (q.numel + k.numel), [qkv], [q, k], [], bwd_scale=1)
+        else:
+            tr.op("attention-split", "add", 0, [], [], [])
+        ctx = tr.attention(q, k, vv, model.flash, dropout)
+        return tr.linear("attention-dense", ctx, h)
+
+    if model.arch == "falcon":  # parallel attention and MLP on one shared norm
+        y = tr.norm("layernorm-1", x, rms)
+        attn = attention_block(y)
+        y2 = tr.gathered("mlp-gather", y)
+        mlp = tr.mlp(y2, model.arch, dropout)
+        z = tr.add("attention-mlp-add", attn, mlp)
+        z = tr.reduce_out("mlp-reduce", z)
+        z = tr.dropout("post-mlp-dropout", z, dropout)
+        tr.add("residual-2", x, z)
+        return tr.ops
+    y = tr.norm("layernorm-1", x, rms)
+    attn = tr.reduce_out("attention-reduce", attention_block(y))
+    attn = tr.dropout("post-attention-dropout", attn, dropout)
+    x = tr.add("residual-1", x, attn)
+    y = tr.norm("layernorm-2", x, rms)
+    y = tr.gathered("mlp-gather", y)
+    out = tr.reduce_out("mlp-reduce", tr.mlp(y, model.arch, dropout))
+    out = tr.dropout("post-mlp-dropout", out, dropout)
+    tr.add("residual-2", x, out)
+    return tr.ops
+
+
+@dataclass(frozen=True)
+class LayerCosts:
+    """Per-layer, per-TP-rank costs as sympy expressions in SYMBOLS."""
+
+    flops_fwd: sp.Expr
+    flops_bwd: sp.Expr
+    saved_bytes: sp.Expr  # kept for backward per micro-batch (no recompute)
+    params: sp.Expr  # parameter count per rank
+    # TP collectives per forward, bytes of the full tensor each; backward mirrors them (an
+    # all-reduce for each all-reduce; under SP a reduce-scatter per all-gather and vice versa,
+    # plus an all-gather per kept shard to rebuild the GEMM input)
+    tp_all_reduce: sp.Expr
+    tp_all_gather: sp.Expr
+    tp_reduce_scatter: sp.Expr
+
+    def compiled(self, model: ModelSpec) -> Callable[..., dict[str, np.ndarray]]:
+        return _compile(self, model)
+
+
+def _unique_saved(ops: list[Op]) -> sp.Expr:
+    seen: dict[int, Sym] = {}
+    for op in ops:
+        for x in op.saved:
+            seen.setdefault(x.uid, x)
+    return sum((x.nbytes for x in seen.values()), sp.Integer(0))
+
+
+@functools.lru_cache(maxsize=64)
+def layer_costs(model: ModelSpec, sequence_parallel: bool = False) -> LayerCosts:
+    ops = trace_layer(model, sequence_parallel)
+    gemm_flops = sum((op.flops for op in ops if op.kind in ("gemm", "bmm", "attention")), sp.Integer(0))
+    other_flops = sum((op.flops for op in ops if op.kind not in ("gemm", "bmm", "attention")), sp.Integer(0))
+    flash_recompute = sum((op.flops / 2 for op in ops if op.kind == "attention"), sp.Integer(0))
+    d = h / a
+    norms = 1 if model.arch == "falcon" else 2
+    norm_params = norms * h * (1 if model.arch == "llama" else 2)
+    mlp_params = (3 if model.arch == "llama" else 2) * h * f
+    params = (h * (a + 2 * kv) * d + h * h + mlp_params) / t + norm_params
+
+    def comm(kind: str) -> sp.Expr:
+        return sum((op.message for op in ops if op.collective == kind), sp.Integer(0))
+
+    return LayerCosts(
+        flops_fwd=sp.expand(gemm_flops + other_flops),
+        flops_bwd=sp.expand(2 * gemm_flops + flash_recompute + other_flops),
+        saved_bytes=sp.expand(_unique_saved(ops)),
+        params=sp.expand(params),
+        tp_all_reduce=comm("all_reduce"),
+        tp_all_gather=comm("all_gather"),
+        tp_reduce_scatter=comm("reduce_scatter"),
+    )
+
+
+def head_costs(model: ModelSpec) -> dict[str, sp.Expr]:
+    """Embedding (vocab-parallel) and the final norm + LM head with cross-entropy, per TP rank."""
+    logits = b * s * v / t
+    return {
+        "embed_params": v * h / t + (h * s if model.arch == "gpt3" else 0),
+        "head_flops_fwd": 2 * b * s * h * v / t,
+        "head_flops_bwd": 4 * b * s * h * v / t,
+        # final-norm input, head input, fp32 logits for the loss (Megatron's vocab-parallel CE)
+        "head_saved_bytes": 2 * b * s * h * HALF + logits * FP32,
+    }
+
+
+def numeric(model: ModelSpec) -> dict[sp.Symbol, int]:
+    return {h: model.hidden, a: model.heads, kv: model.kv, f: model.ffn_hidden, v: model.vocab}
+
+
+def value(expr: sp.Expr, model: ModelSpec, batch: int, seq: int, tp: int) -> float:
+    """One expression at one point (for scalars; use LayerCosts.compiled for arrays)."""
+    return float(sp.sympify(expr).subs({**numeric(model), b: batch, s: seq, t: tp}))
+
+
+@functools.lru_cache(maxsize=64)
+def _compile(costs: LayerCosts, model: ModelSpec) -> Callable[..., dict[str, np.ndarray]]:
+    fixed = numeric(model)
+    names = [
+        "flops_fwd",
+        "flops_bwd",
+        "saved_bytes",
+        "params",
+        "tp_all_reduce",
+        "tp_all_gather",
+        "tp_reduce_scatter",
+    ]
+    exprs = [getattr(costs, n).subs(fixed) for n in names]
+    fn = sp.lambdify((b, s, t), exprs, "numpy")
+
+    def evaluate(batch, seq, tp) -> dict[str, np.ndarray]:
+        values = fn(np.asarray(batch, float), np.asarray(seq, float), np.asarray(tp, float))
+        shape = np.broadcast(np.asarray(batch), np.asarray(seq), np.asarray(tp)).shape
+        return {n: np.broadcast_to(np.asarray(x, float), shape) for n, x in zip(names, values, strict=True)}
+
+    return evaluate

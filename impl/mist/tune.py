@@ -1,0 +1,133 @@
+"""Imbalance-aware hierarchical tuning (Mist §5): intra-stage Pareto frontiers, inter-stage MILP.
+
+Intra-stage: for a stage of l layers with k micro-batches in flight, every strategy is evaluated
+at once (schedule.evaluate_stage); those over the memory budget are dropped and the exact
+Pareto frontier of (steady micro-batch time T, first+last extra time D) is kept.
+
+Inter-stage: a mixed-integer linear program picks each stage's layer count and one frontier
+point per stage to minimise the 1F1B iteration time
+
+    (G - 1) * max_i T_i  +  sum_i T_i  +  max_i (D_i - sum_{j<i} T_j)
+
+(the slowest stage paces the steady state; the first micro-batch crosses every stage; a
+stage's extra work is hidden behind the stages before it finishing their last backward).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+def pareto_frontier(steady: np.ndarray, extra: np.ndarray) -> np.ndarray:
+    """Indices of the exact non-dominated points (minimising both), sorted by steady time.
+
+    A point is kept unless another is no worse in both and better in one; of exact
+    duplicates one is kept.
+    """
+    order = np.lexsort((extra, steady))
+    e = extra[order]
+    best_before = np.minimum.accumulate(np.concatenate([[np.inf], e[:-1]]))
+    return order[e < best_before]
+
+
+@dataclass(frozen=True)
+class Frontier:
+    steady: np.ndarray
+    extra: np.ndarray
+    index: np.ndarray  # into the strategy grid it came from
+    memory: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.steady)
+
+
+def frontier_for(
+    values: dict[str, np.ndarray], in_flight: int, budget: float, act_per_flight: np.ndarray
+) -> Frontier:
+    """Frontier of a stage whose memory is values['memory'] at ``in_flight`` = 1 plus
+    (in_flight - 1) * act_per_flight (activations of the extra in-flight micro-batches)."""
+    memory = values["memory"] + (in_flight - 1) * act_per_flight
+    ok = np.flatnonzero(memory <= budget)
+    if ok.size == 0:
+        return Frontier(np.empty(0), np.empty(0), np.empty(0, int), np.empty(0))
+    keep = ok[pareto_frontier(values["steady"][ok], values["extra"][ok])]
+    return Frontier(values["steady"][keep], values["extra"][keep], keep, memory[keep])
+
+
+@dataclass(frozen=True)
+class InterStageSolution:
+    objective: float
+    layers: tuple[int, ...]
+    points: tuple[int, ...]  # chosen frontier point per stage
+    optimal: bool
+
+
+def pipeline_time(steady, extra, micro_batches: int) -> float:
+    from .pipeline_sim import pipeline_objective
+
+    return pipeline_objective(steady, extra, micro_batches)
+
+
+def solve_inter_stage(
+    frontiers: list[dict[int, Frontier]], total_layers: int, micro_batches: int, time_limit: float = 10.0
+) -> InterStageSolution | None:
+    """frontiers[i][l]: stage i's frontier when it holds l layers. None when nothing fits."""
+    from scipy.optimize import Bounds, LinearConstraint, milp
+
+    stages = len(frontiers)
+    cols: list[tuple[int, int, int]] = []  # (stage, layers, point)
+    for i, per_l in enumerate(frontiers):
+        for layers, fr in per_l.items():
+            cols.extend((i, layers, p) for p in range(len(fr)))
+    if not cols:
+        return None
+    n = len(cols) + 2  # + M (max steady) + E (max exposed extra)
+    m_col, e_col = len(cols), len(cols) + 1
+    steady = np.array([frontiers[i][layers].steady[p] for i, layers, p in cols])
+    extra = np.array([frontiers[i][layers].extra[p] for i, layers, p in cols])
+    stage_of = np.array([c[0] for c in cols])
+    layers_of = np.array([c[1] for c in cols])
+
+    rows, lo, hi = [], [], []
+
+    def row() -> np.ndarray:
+        return np.zeros(n)
+
+    for i in range(stages):  # one choice per stage
+        r = row()
+        r[:m_col] = stage_of == i
+        rows.append(r), lo.append(1), hi.append(1)
+    r = row()  # layers add up
+    r[:m_col] = layers_of
+    rows.append(r), lo.append(total_layers), hi.append(total_layers)
+    for i in range(stages):  # M >= T_i
+        r = row()
+        r[:m_col] = np.where(stage_of == i, steady, 0.0)
+        r[m_col] = -1
+        rows.append(r), lo.append(-np.inf), hi.append(0)
+    for i in range(stages):  # E >= D_i - sum_{j<i} T_j
+        r = row()
+        r[:m_col] = np.where(stage_of == i, extra, 0.0) - np.where(stage_of < i, steady, 0.0)
+        r[e_col] = -1
+        rows.append(r), lo.append(-np.inf), hi.append(0)
+    c = np.concatenate([steady, [micro_batches - 1, 1.0]])
+    integrality = np.concatenate([np.ones(len(cols)), [0, 0]])
+    bounds = Bounds(np.zeros(n), np.concatenate([np.ones(len(cols)), [np.inf, np.inf]]))
+    res = milp(
+        c,
+        constraints=LinearConstraint(np.array(rows), lo, hi),
+        integrality=integrality,
+        bounds=bounds,
+        options={"time_limit": time_limit, "disp": False},
+    )
+    if res.x is None:
+        return None
+    chosen = [cols[j] for j in np.flatnonzero(res.x[:m_col] > 0.5)]
+    chosen.sort()
+    layers = tuple(cl for _, cl, _ in chosen)
+    points = tuple(p for _, _, p in chosen)
+    t = [frontiers[i][cl].steady[p] for i, cl, p in chosen]
+    d = [frontiers[i][cl].extra[p] for i, cl, p in chosen]
+    return InterStageSolution(pipeline_time(t, d, micro_batches), layers, points, res.status == 0)

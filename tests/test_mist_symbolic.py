@@ -1,0 +1,101 @@
+"""Mist's symbolic analysis against the literature's closed forms and against autograd."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import sympy as sp
+import torch
+from torch import nn
+
+from measure.saved import cuda_like_dropout, saved_bytes
+from mist.specs import ModelSpec, model
+from mist.symbolic import a, b, f, h, head_costs, kv, layer_costs, s, t, v, value
+
+GPT3 = {f: 4 * h, kv: a}  # GPT-3 shapes: ffn 4h, multi-head attention
+LN_STATS = 2 * 2 * 4 * s * b  # two LayerNorms keep mean and rstd in fp32 (below the closed forms)
+
+
+def test_korthikanti_activation_memory():
+    """Per layer, half precision: 34sbh + 5as^2b; with TP t: sbh(10 + 24/t) + 5as^2b/t; with
+    sequence parallelism (34sbh + 5as^2b)/t (Korthikanti et al. 2022, Eqs. 1-3)."""
+    gpt = model("gpt3-1.3b", flash=False)
+    plain = layer_costs(gpt).saved_bytes.subs(GPT3)
+    assert sp.simplify(plain.subs(t, 1) - (34 * s * b * h + 5 * a * s**2 * b) - LN_STATS) == 0
+    assert sp.simplify(plain - (s * b * h * (10 + 24 / t) + 5 * a * s**2 * b / t) - LN_STATS) == 0
+    seq_par = layer_costs(gpt, sequence_parallel=True).saved_bytes.subs(GPT3)
+    assert sp.simplify(seq_par - (34 * s * b * h + 5 * a * s**2 * b) / t - LN_STATS / t) == 0
+
+
+def test_flash_attention_keeps_no_s_squared_term():
+    saved = layer_costs(model("gpt3-1.3b", flash=True)).saved_bytes.subs(GPT3)
+    lse = 4 * a * s * b / t  # FlashAttention keeps the fp32 row log-sum-exp
+    assert sp.simplify(saved - s * b * h * (10 + 24 / t) - lse - LN_STATS) == 0
+
+
+def test_narayanan_flops():
+    """Forward FLOPs of a layer: 24bsh^2 + 4bs^2h (Narayanan et al. 2021) plus elementwise
+    terms of lower order; the LM head 2bshV; backward twice the GEMMs."""
+    c = layer_costs(model("gpt3-1.3b", flash=False))
+    fwd = sp.expand(c.flops_fwd.subs(GPT3).subs(t, 1))
+    poly = sp.Poly(fwd, b, s, h, a)
+    assert poly.coeff_monomial(b * s * h**2) == 24
+    assert poly.coeff_monomial(b * s**2 * h) == 4
+    lower = sp.expand(fwd - 24 * b * s * h**2 - 4 * b * s**2 * h)
+    assert all(sp.Poly(term, h).degree() <= 1 for term in lower.as_ordered_terms())  # O(bsh), O(as^2b)
+    gemm_fwd = 24 * b * s * h**2 + 4 * b * s**2 * h
+    assert sp.expand(c.flops_bwd.subs(GPT3).subs(t, 1) - 2 * gemm_fwd).subs(
+        {h: 4096, s: 2048, a: 32, b: 1}
+    ) < (0.01 * 2 * gemm_fwd.subs({h: 4096, s: 2048, b: 1}))
+    assert head_costs(model("gpt3-1.3b"))["head_flops_fwd"] == 2 * b * s * h * v / t
+
+
+def test_parameter_counts_match_the_presets_names():
+    """12h^2 per GPT-3 layer: the presets come out at their nominal sizes."""
+    for name, nominal in [("gpt3-1.3b", 1.3e9), ("gpt3-2.7b", 2.7e9), ("gpt3-7b", 6.7e9), ("gpt3-13b", 13e9)]:
+        m = model(name)
+        per_layer = value(layer_costs(m).params, m, 1, m.seq, 1)
+        total = m.layers * per_layer + value(head_costs(m)["embed_params"], m, 1, m.seq, 1)
+        assert total == pytest.approx(nominal, rel=0.06), name
+    assert sp.simplify(layer_costs(model("gpt3-1.3b")).params.subs(GPT3) - (12 * h**2 / t + 4 * h)) == 0
+
+
+class MegatronStyleLayer(nn.Module):
+    """A GPT-3 layer written as Megatron writes it (no biases), to measure with autograd."""
+
+    def __init__(self, hidden: int, heads: int, p: float = 0.1) -> None:
+        super().__init__()
+        self.heads, self.p = heads, p
+        self.ln1, self.ln2 = nn.LayerNorm(hidden), nn.LayerNorm(hidden)
+        self.qkv = nn.Linear(hidden, 3 * hidden, bias=False)
+        self.dense = nn.Linear(hidden, hidden, bias=False)
+        self.fc1 = nn.Linear(hidden, 4 * hidden, bias=False)
+        self.fc2 = nn.Linear(4 * hidden, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bsz, seq, hid = x.shape
+        d = hid // self.heads
+        q, k, v = self.qkv(self.ln1(x)).view(bsz, seq, 3, self.heads, d).unbind(2)
+        q, k, v = (y.transpose(1, 2) for y in (q, k, v))
+        scores = torch.matmul(q, k.transpose(-1, -2)) * (1 / math.sqrt(d))
+        probs = nn.functional.dropout(scores.softmax(-1), self.p, self.training)
+        ctx = torch.matmul(probs, v).transpose(1, 2).reshape(bsz, seq, hid)
+        x = x + nn.functional.dropout(self.dense(ctx), self.p, self.training)
+        y = self.fc2(nn.functional.gelu(self.fc1(self.ln2(x))))
+        return x + nn.functional.dropout(y, self.p, self.training)
+
+
+@pytest.mark.parametrize("shape", [(2, 16, 64, 4), (3, 24, 96, 6)])
+def test_saved_bytes_match_autograd_on_a_real_layer(shape):
+    """The symbolic count equals what autograd keeps for a real layer (bf16, CPU; dropout masks
+    as the CUDA kernel keeps them), up to the score scaling: the real layer keeps the scaled
+    scores' softmax input path the same way, so the bytes agree exactly."""
+    bsz, seq, hidden, heads = shape
+    layer = MegatronStyleLayer(hidden, heads).to(torch.bfloat16).train()
+    x = torch.randn(bsz, seq, hidden, dtype=torch.bfloat16, requires_grad=True)
+    with cuda_like_dropout():
+        measured = saved_bytes(layer, x)
+    spec = ModelSpec("tiny", "gpt3", hidden, 1, heads, vocab=128, seq=seq, flash=False)
+    predicted = value(layer_costs(spec).saved_bytes, spec, bsz, seq, 1)
+    assert measured.total_bytes == predicted
