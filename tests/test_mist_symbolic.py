@@ -88,9 +88,9 @@ class MegatronStyleLayer(nn.Module):
 
 @pytest.mark.parametrize("shape", [(2, 16, 64, 4), (3, 24, 96, 6)])
 def test_saved_bytes_match_autograd_on_a_real_layer(shape):
-    """The symbolic count equals what autograd keeps for a real layer (bf16, CPU; dropout masks
-    as the CUDA kernel keeps them), up to the score scaling: the real layer keeps the scaled
-    scores' softmax input path the same way, so the bytes agree exactly."""
+    """The symbolic count equals, byte for byte, what autograd keeps for a real layer (bf16 on
+    CPU, dropout masks as the CUDA kernel keeps them). One CPU difference remains: CPU LayerNorm
+    keeps its mean and rstd in the input dtype, CUDA (and the symbolic count) in fp32."""
     bsz, seq, hidden, heads = shape
     layer = MegatronStyleLayer(hidden, heads).to(torch.bfloat16).train()
     x = torch.randn(bsz, seq, hidden, dtype=torch.bfloat16, requires_grad=True)
@@ -98,4 +98,5 @@ def test_saved_bytes_match_autograd_on_a_real_layer(shape):
         measured = saved_bytes(layer, x)
     spec = ModelSpec("tiny", "gpt3", hidden, 1, heads, vocab=128, seq=seq, flash=False)
     predicted = value(layer_costs(spec).saved_bytes, spec, bsz, seq, 1)
-    assert measured.total_bytes == predicted
+    ln_stats_cpu_vs_cuda = 2 * 2 * (4 - 2) * bsz * seq  # two LayerNorms, mean and rstd
+    assert measured.total_bytes == predicted - ln_stats_cpu_vs_cuda

@@ -1,0 +1,75 @@
+"""`python -m mist`: plan, predict, errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from mist.__main__ import main
+from mist.plan import Plan
+from mist.planner import predict
+from mist.specs import cluster, model
+
+
+def test_plan_then_predict_round_trip(tmp_path, capsys):
+    out = tmp_path / "plan.yaml"
+    assert main(["plan", "--model", "gpt3-1.3b", "--gpus", "4", "--gpu", "l4", "--global-batch", "16",
+                 "--quiet", "--explain", "--out", str(out)]) == 0  # fmt: skip
+    text = capsys.readouterr().out
+    assert "predicted iteration" in text and "why this plan" in text
+    plan = Plan.load(out)
+    assert sum(s.layers for s in plan.stages) == 24 and plan.tp * plan.dp * len(plan.stages) == 4
+    assert main(["predict", str(out)]) == 0
+    again = predict(Plan.load(out), model("gpt3-1.3b"), cluster("l4", 4))
+    assert again.predicted_iteration_s == pytest.approx(plan.predicted_iteration_s)
+    assert again.breakdown["fits"]
+
+
+def test_predict_a_hand_written_plan(tmp_path, capsys):
+    path = tmp_path / "mine.json"
+    Plan.from_dict(
+        {
+            "model": "llama-7b", "gpu": "a100-40gb", "gpus": 8, "gpus_per_node": 8, "global_batch": 64,
+            "tp": 2, "dp": 2, "micro_batch": 2,
+            "stages": [{"layers": 15, "recompute": 15}, {"layers": 17, "recompute": 4, "zero": 1,
+                                                          "offload_optimizer": 0.5}],
+        }
+    ).save(path)  # fmt: skip
+    assert main(["predict", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "TP 2 x DP 2 x PP 2" in out and "predicted iteration" in out
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"tp": 16, "dp": 1, "gpus": 32}, "larger than GPUs per node"),
+        ({"global_batch": 30}, "not a multiple"),
+        ({"stages": [{"layers": 24, "recompute": 30}, {"layers": 0}]}, "recompute must be in"),
+        ({"stages": [{"layers": 12, "zero": 4}, {"layers": 12}]}, "zero must be"),
+    ],
+)
+def test_bad_plans_are_refused_clearly(change, message):
+    base = {"model": "gpt3-1.3b", "gpu": "l4", "gpus": 4, "gpus_per_node": 8, "global_batch": 32, "tp": 1,
+            "dp": 2, "micro_batch": 2, "stages": [{"layers": 12}, {"layers": 12}]}  # fmt: skip
+    with pytest.raises(ValueError, match=message):
+        Plan.from_dict({**base, **change})
+
+
+def test_bad_commands_say_what_is_accepted(capsys):
+    with pytest.raises(SystemExit):
+        main(["plan", "--model", "gpt3-99b", "--gpus", "8", "--gpu", "l4", "--global-batch", "8"])
+    assert "presets: gpt3-1.3b" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["plan", "--model", "gpt3-1.3b", "--gpus", "12", "--gpu", "l4", "--global-batch", "8"])
+    assert "do not fill nodes" in capsys.readouterr().err
+    # 256 GPUs, TP <= 8 (16 heads, 8 per node), at most 24 stages: DP >= 2 cannot divide 7
+    with pytest.raises(SystemExit):
+        main(["plan", "--model", "gpt3-1.3b", "--gpus", "256", "--gpu", "l4", "--global-batch", "7"])
+    assert "divides global batch 7" in capsys.readouterr().err
+
+
+def test_no_feasible_plan_says_how_much_memory(capsys):
+    args = ["plan", "--model", "gpt3-22b", "--gpus", "1", "--gpu", "l4", "--global-batch", "8"]
+    assert main([*args, "--quiet", "--no-offload"]) == 2
+    err = capsys.readouterr().err
+    assert "needs" in err and "GiB per GPU" in err and "usable" in err

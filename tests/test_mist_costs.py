@@ -1,0 +1,90 @@
+"""Mist's runtime and interference models: fits, held-out error, fallbacks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mist.costs import Line, fit_line, load_runtime_model, roofline_model
+from mist.interference import Interference
+from mist.specs import cluster, model
+
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+needs_data = pytest.mark.skipif(not DATA.is_dir(), reason="../shared/data not present")
+
+
+def test_fit_line_recovers_a_known_line():
+    rng = np.random.default_rng()
+    c0, rate = rng.uniform(1e-5, 1e-4), rng.uniform(1e11, 1e13)
+    work = rng.uniform(1e8, 1e11, 50)
+    seconds = (c0 + work / rate) * rng.normal(1, 0.01, 50)
+    line = fit_line(work, seconds)
+    assert line.rate == pytest.approx(rate, rel=0.05)
+    assert np.abs(line(work) / seconds - 1).mean() < 0.02
+    with pytest.raises(ValueError, match="do not grow"):
+        fit_line(work, 1.0 / work)
+
+
+def test_overlap_semantics():
+    none = Interference()
+    assert none.overlap(3.0, 1.0, 2.0, 0.0) == 3.0  # no interference: the longest channel
+    slow = Interference()
+    slow.factors[:, :] = 1.0
+    slow.factors[0, 0b11] = slow.factors[1, 0b11] = 2.0  # compute and g2g halve each other
+    # g2g (1 s alone) takes 2 s while compute runs; compute then has 3 - 1 = 2 s of work left
+    assert slow.overlap(3.0, 1.0, 0.0, 0.0) == pytest.approx(4.0)
+    assert slow.overlap(3.0, 0.0, 0.0, 0.0) == pytest.approx(3.0)  # alone: no slowdown
+    rt = Interference.from_json(slow.to_json())
+    assert np.array_equal(rt.factors, slow.factors)
+
+
+def test_roofline_fallback_for_gpus_without_data():
+    rm = load_runtime_model("h200")
+    assert "roofline" in rm.source
+    fwd, bwd = rm.layer_times(model("gpt3-7b"), 1, 2048, 1)
+    flops = 24 * 2048 * 4096**2 + 4 * 2048**2 * 4096
+    assert flops / 989e12 < fwd < 3 * flops / 989e12  # between peak and a third of it
+    assert bwd > fwd
+    with pytest.raises(ValueError, match="presets"):
+        roofline_model("tpu")
+
+
+def test_collectives_across_nodes_use_the_inter_node_link():
+    rm = load_runtime_model("a100-40gb")
+    c = cluster("a100-40gb", 32)
+    nbytes = 1 << 30
+    intra = rm.collective("all_reduce", nbytes, 8, c)
+    inter = rm.collective("all_reduce", nbytes, 8, c, inter_node=True)
+    assert inter > 3 * intra  # 50 GB/s NICs against NVLink
+    assert rm.collective("all_reduce", nbytes, 1, c) == 0
+
+
+@needs_data
+def test_runtime_model_held_out_error():
+    """Fitted on three model sizes, checked on the two it never saw (2.6B, 13B): per-layer
+    forward+backward against the profiled per-op sums, TP communication included."""
+    from mist.costs import calibrate
+
+    report = calibrate(DATA / "gpu-op-profiles")
+    assert {"l4", "a10g", "v100-sxm2-32gb-seq2048", "a100-sxm4-40gb"} <= set(report)
+    for name, r in report.items():
+        assert r["held_out_cases"] >= 16
+        assert r["median_abs_error"] < 0.10, name
+        assert r["mean_abs_error"] < 0.15, name
+
+
+@needs_data
+def test_interference_fit_beats_no_interference_on_held_out_runs():
+    from mist.interference import fit_interference
+
+    for path in sorted((DATA / "gpu-bandwidth").glob("*.json")):
+        inter, rep = fit_interference(path)
+        assert rep["held_out_mean_abs_error"] < 0.5 * rep["no_interference_mean_abs_error"], path.name
+        assert set(inter.host_rates) == {"h2d", "d2h"}
+        assert 1e9 < inter.host_rates["h2d"] < 64e9
+
+
+def test_line_is_a_plain_record():
+    assert Line(1.0, 2.0)(4.0) == 3.0
