@@ -23,8 +23,10 @@ def test_fit_line_recovers_a_known_line():
     line = fit_line(work, seconds)
     assert line.rate == pytest.approx(rate, rel=0.05)
     assert np.abs(line(work) / seconds - 1).mean() < 0.02
-    with pytest.raises(ValueError, match="do not grow"):
-        fit_line(work, 1.0 / work)
+    flat = fit_line(work, np.full_like(work, 2e-5) * rng.normal(1, 0.01, 50))  # overhead-bound op
+    assert np.allclose(flat(work), 2e-5, rtol=0.05)
+    with pytest.raises(ValueError, match="fewer than two"):
+        fit_line(work[:3], np.array([1.0, 0.0, 0.0]))
 
 
 def test_overlap_semantics():
@@ -88,3 +90,22 @@ def test_interference_fit_beats_no_interference_on_held_out_runs():
 
 def test_line_is_a_plain_record():
     assert Line(1.0, 2.0)(4.0) == 3.0
+
+
+def test_profile_command_writes_what_calibrate_fits(tmp_path):
+    """`mist profile` on this CPU at tiny scale: the artifact's CSV format, then a fit of it."""
+    import torch
+
+    from mist.costs import calibrate
+    from mist.profiles import read_layer_profiles
+
+    write = __import__("mist.profile", fromlist=["write_profiles"]).write_profiles
+    files = write(tmp_path, "cpu", 64, 4, 32, [1, 2, 4], [1, 2], torch.float32, "cpu", repeats=2)
+    assert len(files) == 6
+    profiles = read_layer_profiles(tmp_path)
+    assert {(p.mbs, p.tp) for p in profiles} == {(b, t) for b in (1, 2, 4) for t in (1, 2)}
+    assert all(p.layer_seconds > 0 and not p.tp_comm_inside for p in profiles)
+    report = calibrate(tmp_path)
+    (r,) = report.values()
+    assert r["gpu"] == "cpu" and r["held_out_cases"] == 2  # the largest micro-batch, both TP sizes
+    assert r["mean_abs_error"] is not None

@@ -112,14 +112,14 @@ def cmd_predict(args) -> int:
 def cmd_calibrate(args) -> int:
     from .costs import PRESETS, calibrate
     from .interference import fit_interference
-    from .profiles import PROFILE_GPU
 
     data = Path(args.data)
-    profiles = data / "gpu-op-profiles"
-    if not profiles.is_dir():
-        print(f"error: {profiles} not found (expected the layout of ../shared/data)", file=sys.stderr)
+    profiles = data / "gpu-op-profiles" if (data / "gpu-op-profiles").is_dir() else data
+    report = calibrate(profiles) if profiles.is_dir() else {}
+    if not report:
+        layouts = "the layout of ../shared/data, or `mist profile` output"
+        print(f"error: no layer profiles under {data} ({layouts})", file=sys.stderr)
         return 2
-    report = calibrate(profiles)
     written = set()
     for name, r in report.items():
         print(
@@ -127,11 +127,12 @@ def cmd_calibrate(args) -> int:
             f"mean {r['mean_abs_error']:.1%}, median {r['median_abs_error']:.1%}, "
             f"max {r['max_abs_error']:.1%}"
         )
-        gpu = PROFILE_GPU[name]
-        if args.write and gpu not in written:  # the first directory per GPU type (sorted) is the preset
+        if args.write and r["gpu"] not in written:  # the first directory per GPU type (sorted) is the preset
             PRESETS.mkdir(exist_ok=True)
-            (PRESETS / f"runtime_{gpu}.json").write_text(json.dumps(r["model"].to_json(), indent=1) + "\n")
-            written.add(gpu)
+            (PRESETS / f"runtime_{r['gpu']}.json").write_text(
+                json.dumps(r["model"].to_json(), indent=1) + "\n"
+            )
+            written.add(r["gpu"])
     for path in sorted((data / "gpu-bandwidth").glob("*.json")):
         gpu = {"l4": "l4", "a100": "a100-40gb"}.get(path.name.split("-")[0])
         inter, rep = fit_interference(path)
@@ -144,6 +145,23 @@ def cmd_calibrate(args) -> int:
             (PRESETS / f"interference_{gpu}.json").write_text(json.dumps(inter.to_json(), indent=1) + "\n")
     if args.write:
         print(f"presets written to {PRESETS}")
+    return 0
+
+
+def cmd_profile(args) -> int:
+    import torch
+
+    from .profile import write_profiles
+
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print(f"error: --device {args.device}: no CUDA device here", file=sys.stderr)
+        return 2
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
+    files = write_profiles(
+        Path(args.out), args.device, args.hidden, args.heads, args.seq, args.micro_batches, args.tp, dtype,
+        args.name, args.repeats, progress=lambda line: print("  " + line, flush=True),
+    )  # fmt: skip
+    print(f"{len(files)} profiles in {args.out}; fit them with: python -m mist calibrate {args.out}")
     return 0
 
 
@@ -180,6 +198,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("data", help="a directory laid out like ../shared/data")
     p.add_argument("--write", action="store_true", help="write the presets shipped in impl/mist/presets/")
     p.set_defaults(fn=cmd_calibrate)
+    p = sub.add_parser("profile", help="measure a GPT-3-style layer op by op on this machine")
+    p.add_argument("--out", required=True, help="profile directory to write")
+    p.add_argument("--name", required=True, help="the GPU preset these profiles calibrate (e.g. l4, cpu)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="fp32", choices=["fp16", "bf16", "fp32"])
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--seq", type=int, default=512)
+    p.add_argument("--micro-batches", type=int, nargs="+", default=[1, 2, 4])
+    p.add_argument("--tp", type=int, nargs="+", default=[1])
+    p.add_argument("--repeats", type=int, default=5)
+    p.set_defaults(fn=cmd_profile)
     p = sub.add_parser("list", help="list the model and GPU presets")
     p.set_defaults(fn=cmd_list)
     args = ap.parse_args(argv)

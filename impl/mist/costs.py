@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import sympy as sp
 
-from .profiles import LAYER_OPS, PROFILE_GPU, LayerProfile, best_algo, read_collectives, read_layer_profiles
+from .profiles import LAYER_OPS, LayerProfile, best_algo, profile_meta, read_collectives, read_layer_profiles
 from .specs import GPUS, ClusterSpec, ModelSpec
 from .symbolic import b, numeric, s, t, trace_layer
 
@@ -64,14 +64,18 @@ class Line:
 
 
 def fit_line(work: np.ndarray, seconds: np.ndarray) -> Line:
-    """Least squares on relative error, c0 >= 0 and rate > 0."""
+    """Least squares on relative error, c0 >= 0 and rate > 0 (inf: the time does not grow)."""
     from scipy.optimize import nnls
 
     work, seconds = np.asarray(work, float), np.asarray(seconds, float)
+    keep = seconds > 0  # a backward measured as (forward + backward) - forward can round to 0
+    if keep.sum() < 2:
+        raise ValueError("cannot fit a line to fewer than two positive times")
+    work, seconds = work[keep], seconds[keep]
     a = np.stack([np.ones_like(work), work], axis=1) / seconds[:, None]
     (c0, inv_rate), _ = nnls(a, np.ones_like(work))
-    if inv_rate <= 0:
-        raise ValueError("cannot fit a rate: the times do not grow with the work")
+    if inv_rate <= 0:  # no growth with the work in the measured range: a constant (overhead-bound op)
+        return Line(float(c0), float("inf"))
     return Line(float(c0), float(1.0 / inv_rate))
 
 
@@ -203,7 +207,7 @@ def fit_runtime_model(profiles: list[LayerProfile], collectives: dict, gpu: str,
                 continue
             work = _profile_op_work(model, op, p.mbs, model.seq, p.tp)
             for direction, seconds in enumerate((fwd_s, bwd_s)):
-                if p.tp > 1 and (op, direction) in COMM_INSIDE:
+                if p.tp > 1 and p.tp_comm_inside and (op, direction) in COMM_INSIDE:
                     continue
                 xs, ys = samples.setdefault((OP_CLASS[op], direction), ([], []))
                 xs.append(work[direction])
@@ -220,7 +224,7 @@ def predicted_layer_seconds(rm: RuntimeModel, p: LayerProfile) -> float:
     model = p.model
     fwd, bwd = rm.layer_times(model, p.mbs, model.seq, p.tp)
     comm = 0.0
-    if p.tp > 1:
+    if p.tp > 1 and p.tp_comm_inside:
         message = p.mbs * model.seq * model.hidden * 2
         comm = 4 * float(rm.collective("all_reduce", message, p.tp))  # 2 forward + 2 backward
     return float(fwd + bwd) + comm
@@ -230,22 +234,30 @@ def calibrate(data_dir: Path, held_out: tuple[str, ...] = ("2_6B", "13B")) -> di
     """Fit a runtime model per GPU directory in ``data_dir`` on all but ``held_out`` model sizes,
     and report the per-layer error on the held-out ones. Returns {gpu: {"model", "error"}}."""
     out = {}
-    for gpu_dir in sorted(p for p in Path(data_dir).iterdir() if p.is_dir()):
-        if gpu_dir.name not in PROFILE_GPU:
-            continue
+    root = Path(data_dir)
+    dirs = [root] if profile_meta(root) else sorted(p for p in root.iterdir() if p.is_dir())
+    for gpu_dir in dirs:
         profiles = read_layer_profiles(gpu_dir)
         if not profiles:
             continue
-        train = [p for p in profiles if p.size not in held_out]
-        test = best_algo([p for p in profiles if p.size in held_out])
+        if {p.size for p in profiles} & set(held_out):
+            kept_out = f"sizes {', '.join(held_out)} held out"
+            is_test = {id(p): p.size in held_out for p in profiles}
+        else:  # one profiled size (e.g. from `mist profile`): hold out the largest micro-batch
+            largest = max(p.mbs for p in profiles)
+            kept_out = f"micro-batch {largest} held out"
+            is_test = {id(p): p.mbs == largest for p in profiles}
+        train = [p for p in profiles if not is_test[id(p)]]
+        test = best_algo([p for p in profiles if is_test[id(p)]])
         rm = fit_runtime_model(
             train,
             read_collectives(gpu_dir),
-            PROFILE_GPU[gpu_dir.name],
-            f"fitted to {gpu_dir.name} profiles of the Mist artifact, sizes other than {', '.join(held_out)}",
+            profile_meta(gpu_dir)["gpu"],
+            f"fitted to {gpu_dir.name} profiles ({kept_out})",
         )
         errors = [abs(predicted_layer_seconds(rm, p) / p.layer_seconds - 1) for p in test]
         out[gpu_dir.name] = {
+            "gpu": rm.gpu,
             "model": rm,
             "held_out_cases": len(errors),
             "mean_abs_error": float(np.mean(errors)) if errors else None,

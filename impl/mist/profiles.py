@@ -8,6 +8,7 @@ times in microseconds) and ``prim_gpt_<size>_<collective>_<n>gpus.csv`` (message
 from __future__ import annotations
 
 import csv
+import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,7 +57,7 @@ LAYER_OPS = {
     "enc-MLP-GEMM-2": ("mlp-gemm-2",),
     "enc-post-MLP-dropout": ("post-mlp-dropout", "residual-2"),
 }
-_LAYER_FILE = re.compile(r"gpt_(?P<size>[0-9_]+B)_mbs(?P<mbs>\d+)_tp(?P<tp>\d+)_algo(?P<algo>\d+)\.csv")
+_LAYER_FILE = re.compile(r"gpt_(?P<size>[0-9_]+B|h\d+)_mbs(?P<mbs>\d+)_tp(?P<tp>\d+)_algo(?P<algo>\d+)\.csv")
 _PRIM_FILE = re.compile(r"prim_gpt_(?P<size>[0-9_]+B)_(?P<coll>[a-z_]+?)_(?P<n>\d+)gpus\.csv")
 
 
@@ -68,13 +69,14 @@ class LayerProfile:
     tp: int
     algo: int
     ops: dict[str, tuple[float, float]]  # op -> (forward s, backward s)
+    shape: tuple[int, int, int]  # hidden, layers, heads
+    seq: int
+    tp_comm_inside: bool = True  # TP all-reduces measured inside the ops (Megatron runs; not `mist profile`)
 
     @property
     def model(self) -> ModelSpec:
-        hidden, layers, heads = PROFILED_SIZES[self.size]
-        return ModelSpec(
-            f"gpt3-{self.size}", "gpt3", hidden, layers, heads, seq=PROFILE_SEQ[self.gpu_dir], flash=False
-        )
+        hidden, layers, heads = self.shape
+        return ModelSpec(f"gpt3-{self.size}", "gpt3", hidden, layers, heads, seq=self.seq, flash=False)
 
     @property
     def layer_seconds(self) -> float:
@@ -82,18 +84,51 @@ class LayerProfile:
         return sum(fwd + bwd for op, (fwd, bwd) in self.ops.items() if op in LAYER_OPS)
 
 
+def profile_meta(gpu_dir: Path) -> dict:
+    """What a profile directory measured: {"gpu", "seq", "sizes"}. ``mist profile`` writes it
+    as profile.json; the artifact's directories are known by name."""
+    meta = gpu_dir / "profile.json"
+    if meta.exists():
+        d = json.loads(meta.read_text())
+        sizes = {k: tuple(v) for k, v in d["sizes"].items()}
+        return {
+            "gpu": d["gpu"],
+            "seq": d["seq"],
+            "sizes": sizes,
+            "tp_comm_inside": d.get("tp_comm_inside", False),
+        }
+    if gpu_dir.name in PROFILE_GPU:
+        return {"gpu": PROFILE_GPU[gpu_dir.name], "seq": PROFILE_SEQ[gpu_dir.name], "sizes": PROFILED_SIZES,
+                "tp_comm_inside": True}  # fmt: skip
+    return {}
+
+
 def read_layer_profiles(gpu_dir: Path) -> list[LayerProfile]:
+    meta = profile_meta(gpu_dir)
     out = []
     for path in sorted(gpu_dir.glob("gpt_*.csv")):
         m = _LAYER_FILE.fullmatch(path.name)
-        if m is None or m["size"] not in PROFILED_SIZES:
+        if not meta or m is None or m["size"] not in meta["sizes"]:
             continue
         with path.open() as fh:
             ops = {
                 row["op_name"]: (float(row["forward-compute"]) * 1e-6, float(row["backward-compute"]) * 1e-6)
                 for row in csv.DictReader(fh)
             }
-        out.append(LayerProfile(gpu_dir.name, m["size"], int(m["mbs"]), int(m["tp"]), int(m["algo"]), ops))
+        shape = meta["sizes"][m["size"]]
+        out.append(
+            LayerProfile(
+                gpu_dir.name,
+                m["size"],
+                int(m["mbs"]),
+                int(m["tp"]),
+                int(m["algo"]),
+                ops,
+                shape,
+                meta["seq"],
+                meta["tp_comm_inside"],
+            )
+        )
     return out
 
 

@@ -1,0 +1,136 @@
+"""``mist profile``: measure one GPT-3-style layer op by op on this machine's device.
+
+Writes a profile directory in the Mist artifact's format (see profiles.py), so ``mist
+calibrate`` fits a runtime model for this device exactly as for the shipped GPU data:
+
+    python -m mist profile --out profiles/mygpu --device cuda --hidden 2048 --heads 16 --seq 2048 \
+        --micro-batches 1 2 4 --tp 1 2
+
+TP is emulated on one device by giving the layer one rank's share (heads / t, ffn / t); its
+collectives are not included (they come from the collective benchmarks). Every op is timed in
+isolation, forward and backward, on fresh random inputs, median of several repeats.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from measure.timing import time_fn
+
+MiB = float(1 << 20)
+
+
+def _ops(b: int, s: int, h: int, heads: int, ffn: int, dtype, device) -> list[tuple[str, Callable, list]]:
+    """(profile op name, fn, input shapes); fn takes the inputs, returns the output."""
+    d = h // heads
+    p = 0.1
+    ln = nn.LayerNorm(h, device=device, dtype=dtype)
+    qkv = nn.Linear(h, 3 * heads * d, bias=False, device=device, dtype=dtype)
+    dense = nn.Linear(heads * d, h, bias=False, device=device, dtype=dtype)
+    fc1 = nn.Linear(h, ffn, bias=False, device=device, dtype=dtype)
+    fc2 = nn.Linear(ffn, h, bias=False, device=device, dtype=dtype)
+    scale = 1 / math.sqrt(d)
+    stream, scores = (b, s, h), (b, heads, s, s)
+    return [
+        ("enc-1st-layernorm", ln, [stream]),
+        ("enc-attention-qkv", qkv, [stream]),
+        (
+            "enc-attention-score",
+            lambda q, k: torch.matmul(q, k.transpose(-1, -2)) * scale,
+            [(b, heads, s, d)] * 2,
+        ),
+        ("enc-attention-softmax", lambda x: x.softmax(-1), [scores]),
+        ("enc-attention-dropout", lambda x: nn.functional.dropout(x, p), [scores]),
+        ("enc-attention-context", torch.matmul, [scores, (b, heads, s, d)]),
+        ("enc-attention-dense", dense, [(b, s, heads * d)]),
+        ("enc-post-attention-dropout", lambda x, r: r + nn.functional.dropout(x, p), [stream, stream]),
+        ("enc-2nd-layernorm", ln, [stream]),
+        ("enc-MLP-GEMM-1", fc1, [stream]),
+        ("enc-MLP-gelu", nn.functional.gelu, [(b, s, ffn)]),
+        ("enc-MLP-GEMM-2", fc2, [(b, s, ffn)]),
+        ("enc-post-MLP-dropout", lambda x, r: r + nn.functional.dropout(x, p), [stream, stream]),
+    ]
+
+
+def profile_layer(
+    b: int, s: int, h: int, heads: int, ffn: int, dtype: torch.dtype, device: str, repeats: int = 5
+) -> list[dict]:
+    """Per op: forward and backward microseconds and tensor sizes (MiB), as the artifact's CSVs."""
+    rows = []
+    for name, fn, shapes in _ops(b, s, h, heads, ffn, dtype, device):
+        inputs = [torch.randn(shape, device=device, dtype=dtype, requires_grad=True) for shape in shapes]
+        out = fn(*inputs)
+        grad = torch.randn_like(out)
+        params = list(fn.parameters()) if isinstance(fn, nn.Module) else []
+        fwd = time_fn(lambda f=fn, x=inputs: f(*x), device, warmup=1, repeats=repeats)
+
+        def backward(f=fn, x=inputs, g=grad, w=params):
+            y = f(*x)
+            torch.autograd.grad(y, [*x, *w], g)
+
+        both = time_fn(backward, device, warmup=1, repeats=repeats)
+        rows.append(
+            {
+                "op_name": name,
+                "forward-compute": fwd.median_s * 1e6,
+                "backward-compute": max(both.median_s - fwd.median_s, 0.0) * 1e6,
+                "input_size": sum(x.numel() * x.element_size() for x in inputs) / MiB,
+                "output_size": out.numel() * out.element_size() / MiB,
+                "weights": sum(w.numel() * w.element_size() for w in params) / MiB,
+                "activations": 0.0,
+                "fwd_reserved": 0.0,
+                "bwd_reserved": 0.0,
+            }
+        )
+    return rows
+
+
+def write_profiles(
+    out: Path,
+    device: str,
+    hidden: int,
+    heads: int,
+    seq: int,
+    micro_batches: list[int],
+    tps: list[int],
+    dtype: torch.dtype,
+    gpu: str,
+    repeats: int = 5,
+    progress: Callable[[str], None] | None = None,
+) -> list[Path]:
+    """Profile every (micro-batch, TP) pair; returns the CSV files written."""
+    out.mkdir(parents=True, exist_ok=True)
+    size = f"h{hidden}"
+    meta = {
+        "gpu": gpu,
+        "seq": seq,
+        "sizes": {size: [hidden, 1, heads]},
+        "device": device,
+        "dtype": str(dtype),
+    }
+    (out / "profile.json").write_text(json.dumps(meta, indent=1))
+    written = []
+    for tp in tps:
+        if heads % tp:
+            raise ValueError(f"tp {tp} does not divide heads {heads}")
+        for b in micro_batches:
+            rows = profile_layer(b, seq, hidden, heads // tp, 4 * hidden // tp, dtype, device, repeats)
+            path = out / f"gpt_{size}_mbs{b}_tp{tp}_algo0.csv"
+            with path.open("w", newline="") as fh:
+                w = csv.DictWriter(fh, fieldnames=list(rows[0]))
+                w.writeheader()
+                w.writerows(
+                    {k: (f"{v:.3f}" if isinstance(v, float) else v) for k, v in r.items()} for r in rows
+                )
+            written.append(path)
+            if progress:
+                layer_ms = sum(r["forward-compute"] + r["backward-compute"] for r in rows) / 1e3
+                progress(f"tp {tp} micro-batch {b}: {layer_ms:.2f} ms a layer")
+    return written
