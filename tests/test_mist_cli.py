@@ -73,3 +73,18 @@ def test_no_feasible_plan_says_how_much_memory(capsys):
     assert main([*args, "--quiet", "--no-offload"]) == 2
     err = capsys.readouterr().err
     assert "needs" in err and "GiB per GPU" in err and "usable" in err
+
+
+def test_stages_with_their_own_tp_and_dp():
+    """An Aceso-style plan: stage 0 on TP 2 x DP 2, stage 1 on TP 1 x DP 4 (each of the 16
+    micro-batches split over the stage's own replicas)."""
+    d = {"model": "gpt3-1.3b", "gpu": "a100-40gb", "gpus": 8, "gpus_per_node": 8, "global_batch": 64, "tp": 2,
+         "dp": 2, "micro_batch": 2, "stages": [{"layers": 10}, {"layers": 14, "tp": 1, "dp": 4}]}  # fmt: skip
+    plan = predict(Plan.from_dict(d), model("gpt3-1.3b"), cluster("a100-40gb", 8))
+    assert plan.stage_parallelism(1) == (1, 4, 1) and plan.grad_accum == 16
+    uniform = predict(Plan.from_dict({**d, "stages": [{"layers": 10}, {"layers": 14}]}), model("gpt3-1.3b"),
+                      cluster("a100-40gb", 8))  # fmt: skip
+    assert plan.stages[1].steady_s != pytest.approx(uniform.stages[1].steady_s)
+    assert "1x4" in plan.table()
+    with pytest.raises(ValueError, match="use 2x2 \\+ 1x2 = 6 GPUs"):
+        Plan.from_dict({**d, "stages": [{"layers": 10}, {"layers": 14, "tp": 1, "dp": 2}]})

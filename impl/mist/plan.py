@@ -18,6 +18,8 @@ class StagePlan:
     offload_grads: float = 0.0
     offload_optimizer: float = 0.0
     offload_activations: float = 0.0
+    tp: int | None = None  # this stage's own TP / DP (default: the plan's), e.g. from Aceso
+    dp: int | None = None
     # predictions (filled by predict)
     steady_s: float | None = None
     extra_s: float | None = None
@@ -59,24 +61,40 @@ class Plan:
     def grad_accum(self) -> int:
         return self.global_batch // (self.dp * self.micro_batch)
 
+    def stage_parallelism(self, i: int) -> tuple[int, int, int]:
+        """(tp, dp, micro-batch) of stage i. A stage with its own DP splits each of the G
+        micro-batches of the pipeline over its own replicas: micro-batch = global / (G dp_i)."""
+        stage = self.stages[i]
+        tp, dp = stage.tp or self.tp, stage.dp or self.dp
+        return tp, dp, self.global_batch // (self.grad_accum * dp)
+
     def check(self) -> None:
         if self.tp < 1 or self.dp < 1 or self.micro_batch < 1:
             raise ValueError("tp, dp and micro_batch must be >= 1")
-        used = self.tp * self.dp * len(self.stages)
-        if used != self.gpus:
-            raise ValueError(
-                f"tp x dp x stages = {self.tp} x {self.dp} x {len(self.stages)} = {used}, "
-                f"but gpus = {self.gpus}"
-            )
-        if self.tp > self.gpus_per_node:
-            raise ValueError(f"tp ({self.tp}) larger than GPUs per node ({self.gpus_per_node})")
         if self.global_batch % (self.dp * self.micro_batch):
             raise ValueError(
                 f"global batch {self.global_batch} is not a multiple of "
                 f"dp x micro_batch = {self.dp * self.micro_batch}"
             )
+        used = 0
         for i, stage in enumerate(self.stages):
             stage.check(i)
+            tp, dp = stage.tp or self.tp, stage.dp or self.dp
+            if tp < 1 or dp < 1:
+                raise ValueError(f"stage {i}: tp and dp must be >= 1")
+            if tp > self.gpus_per_node:
+                raise ValueError(f"stage {i}: tp ({tp}) larger than GPUs per node ({self.gpus_per_node})")
+            if self.global_batch % (self.grad_accum * dp):
+                raise ValueError(
+                    f"stage {i}: its {dp} replicas cannot split micro-batches of "
+                    f"{self.global_batch // self.grad_accum} sequences evenly"
+                )
+            used += tp * dp
+        if used != self.gpus:
+            shapes = " + ".join(
+                f"{t}x{d}" for t, d, _ in map(self.stage_parallelism, range(len(self.stages)))
+            )
+            raise ValueError(f"the stages use {shapes} = {used} GPUs (tp x dp each), but gpus = {self.gpus}")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -120,7 +138,8 @@ class Plan:
             " ".join(f"{c:>{w}}" for c, w in COLUMNS),
         ]
         for i, s in enumerate(self.stages):
-            cells = [i, s.layers, s.recompute, s.zero]
+            tp, dp, _ = self.stage_parallelism(i)
+            cells = [i, f"{tp}x{dp}", s.layers, s.recompute, s.zero]
             cells += [
                 f"{getattr(s, 'offload_' + k):.2f}" for k in ("weights", "grads", "optimizer", "activations")
             ]
@@ -135,8 +154,10 @@ class Plan:
         return "\n".join(rows)
 
 
-COLUMNS = [("stage", 5), ("layers", 6), ("recomp", 6), ("ZeRO", 4), ("off W", 5), ("off G", 5), ("off O", 5),
-           ("off A", 5), ("T (ms)", 8), ("D (ms)", 8), ("mem GiB", 8)]  # fmt: skip
+COLUMNS = [
+    ("stage", 5), ("TPxDP", 6), ("layers", 6), ("recomp", 6), ("ZeRO", 4), ("off W", 5), ("off G", 5),
+    ("off O", 5), ("off A", 5), ("T (ms)", 8), ("D (ms)", 8), ("mem GiB", 8),
+]  # fmt: skip
 
 
 def _ms(x: float | None) -> str:

@@ -206,13 +206,12 @@ def predict(
     runtime = runtime or load_runtime_model(cluster.gpu.name)
     interference = interference or load_interference(cluster.gpu.name)
     S = len(plan.stages)
-    st = Setting(
-        model, cluster, runtime, interference, plan.tp, plan.dp, plan.micro_batch, budget_bytes(cluster), S
-    )
-    ln = layer_numbers(st)
     G = plan.grad_accum
     steady, extra, fwd, bwd = [], [], [], []
     for i, s in enumerate(plan.stages):
+        tp, dp, mb = plan.stage_parallelism(i)
+        st = Setting(model, cluster, runtime, interference, tp, dp, mb, budget_bytes(cluster), S)
+        ln = layer_numbers(st)
         grid = {k: np.array([float(getattr(s, k))]) for k in GRID_KEYS}
         v = evaluate_stage(st, ln, s.layers, min(S - i, G), i == 0, i == S - 1, grid, G)
         s.steady_s, s.extra_s = float(v["steady"][0]), float(v["extra"][0])
@@ -222,6 +221,9 @@ def predict(
         share = ln.fwd / (ln.fwd + ln.bwd)
         fwd.append(s.steady_s * share)
         bwd.append(s.steady_s * (1 - share))
+        if i == 0:
+            first_ln = ln
+    ln = first_ln
     plan.predicted_iteration_s = pipeline_objective(steady, extra, G)
     plan.simulated_iteration_s = simulate_1f1b(fwd, bwd, G, last=extra)
     plan.breakdown = {
