@@ -100,3 +100,14 @@ def test_saved_bytes_match_autograd_on_a_real_layer(shape):
     predicted = value(layer_costs(spec).saved_bytes, spec, bsz, seq, 1)
     ln_stats_cpu_vs_cuda = 2 * 2 * (4 - 2) * bsz * seq  # two LayerNorms, mean and rstd
     assert measured.total_bytes == predicted - ln_stats_cpu_vs_cuda
+
+
+def test_transient_peak_is_the_largest_working_set():
+    """Without FlashAttention the softmax/dropout on the s x s scores dominates (4as^2b bytes:
+    input and output in half precision); with it, the GELU on the 4h-wide activation (16sbh)."""
+    eager = layer_costs(model("gpt3-1.3b", flash=False)).transient_bytes.subs(GPT3).subs(t, 1)
+    flash = layer_costs(model("gpt3-1.3b", flash=True)).transient_bytes.subs(GPT3).subs(t, 1)
+    assert sp.simplify(flash - 16 * b * s * h) == 0
+    point = {a: 16, b: 2, s: 2048, h: 2048}
+    assert eager.subs(point) == 4 * 16 * 2 * 2048**2
+    assert eager.subs({**point, s: 64}) == 16 * 2 * 64 * 2048  # short sequences: the MLP again

@@ -68,6 +68,7 @@ class LayerNumbers:
     fwd: float  # compute s, TP collectives included
     bwd: float
     saved: float  # bytes kept for backward per micro-batch
+    transient: float  # one op's working set (symbolic analysis)
     layer_input: float  # bytes a recomputed layer keeps (its input)
     params: float  # per TP rank
     tp_comm_fwd: float
@@ -99,6 +100,7 @@ def layer_numbers(st: Setting) -> LayerNumbers:
         fwd=float(fwd) + float(comm_f),
         bwd=float(bwd) + float(comm_b),
         saved=float(c["saved_bytes"]),
+        transient=float(c["transient_bytes"]),
         layer_input=2.0 * tokens * m.hidden / (t if st.sequence_parallel else 1),
         params=float(c["params"]),
         tp_comm_fwd=float(comm_f),
@@ -190,7 +192,8 @@ def evaluate_stage(
     per_flight = (1 - ao) * ((layers - r) * ln.saved + r * ln.layer_input) + (ln.head_saved if last else 0.0)
     activations = in_flight * per_flight
     buffers = np.where((z >= 3) | (wo > 0), 2 * layer_w_full, 0.0) + np.where(ao > 0, 2 * ln.saved, 0.0)
-    working = ln.saved + np.where(r > 0, ln.saved, 0.0)  # one layer's backward (+ its recompute)
+    # backward of one op: gradients of its inputs and outputs (+ a recomputed layer's activations)
+    working = 2 * ln.transient + np.where(r > 0, ln.saved, 0.0)
     head = ln.head_saved if last else 0.0  # the logits' gradient while the loss backpropagates
     memory = (
         (1 - wo) * w_bytes + (1 - go) * g_bytes + (1 - oo) * o_bytes + activations + buffers + working + head

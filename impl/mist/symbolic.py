@@ -36,6 +36,7 @@ class Sym:
     itemsize: int = HALF
     uid: int = field(default_factory=lambda: next(_ids))
     shard: Sym | None = None  # for a sequence-parallel all-gather's output: the shard it came from
+    weight: bool = False
 
     @property
     def numel(self) -> sp.Expr:
@@ -54,6 +55,7 @@ class Op:
     fwd_bytes: sp.Expr  # bytes read + written by the forward
     bwd_bytes: sp.Expr
     saved: list[Sym]
+    working: sp.Expr = sp.S.Zero  # activation bytes the op touches (inputs + outputs, no masks)
     collective: str | None = None  # comm ops: all_reduce | all_gather | reduce_scatter
     message: sp.Expr = sp.S.Zero  # comm ops: bytes of the full (gathered) tensor
 
@@ -67,7 +69,10 @@ class Tracer:
 
     def op(self, name, kind, flops, ins: list[Sym], outs: list[Sym], saved: list[Sym], bwd_scale=2.0):
         moved = sum((x.nbytes for x in ins + outs), sp.Integer(0))
-        self.ops.append(Op(name, kind, sp.sympify(flops), moved, sp.nsimplify(bwd_scale) * moved, saved))
+        working = sum((x.nbytes for x in ins + outs if not x.weight and x.itemsize != MASK), sp.Integer(0))
+        self.ops.append(
+            Op(name, kind, sp.sympify(flops), moved, sp.nsimplify(bwd_scale) * moved, saved, working)
+        )
 
     def comm(self, name: str, collective: str, x: Sym, y: Sym) -> None:
         self.op(name, "comm", 0, [x], [y], [])
@@ -98,7 +103,7 @@ class Tracer:
 
     def linear(self, name: str, x: Sym, out_features: sp.Expr) -> Sym:
         y = Sym((*x.shape[:-1], out_features))
-        w = Sym((x.shape[-1], out_features))
+        w = Sym((x.shape[-1], out_features), weight=True)
         self.op(name, "gemm", 2 * x.numel * out_features, [x, w], [y], [x.shard or x])
         return y
 
@@ -203,6 +208,9 @@ class LayerCosts:
     flops_fwd: sp.Expr
     flops_bwd: sp.Expr
     saved_bytes: sp.Expr  # kept for backward per micro-batch (no recompute)
+    # transient peak above what is kept: the largest working set of one op, which its backward
+    # doubles (the gradients of its inputs and outputs live at once)
+    transient_bytes: sp.Expr
     params: sp.Expr  # parameter count per rank
     # TP collectives per forward, bytes of the full tensor each; backward mirrors them (an
     # all-reduce for each all-reduce; under SP a reduce-scatter per all-gather and vice versa,
@@ -242,6 +250,7 @@ def layer_costs(model: ModelSpec, sequence_parallel: bool = False) -> LayerCosts
         flops_fwd=sp.expand(gemm_flops + other_flops),
         flops_bwd=sp.expand(2 * gemm_flops + flash_recompute + other_flops),
         saved_bytes=sp.expand(_unique_saved(ops)),
+        transient_bytes=sp.Max(*(op.working for op in ops if op.working != 0)),
         params=sp.expand(params),
         tp_all_reduce=comm("all_reduce"),
         tp_all_gather=comm("all_gather"),
@@ -277,6 +286,7 @@ def _compile(costs: LayerCosts, model: ModelSpec) -> Callable[..., dict[str, np.
         "flops_fwd",
         "flops_bwd",
         "saved_bytes",
+        "transient_bytes",
         "params",
         "tp_all_reduce",
         "tp_all_gather",
