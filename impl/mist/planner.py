@@ -99,7 +99,12 @@ def tune_setting(st: Setting, grad_accum: int, options: PlannerOptions, best_so_
                 frontiers[i][layers] = fr
     if any(not f for f in frontiers):
         return None
-    sol = solve_inter_stage(frontiers, L, grad_accum, options.milp_time_limit)
+    # Cheaper bound before the MILP: every layer costs at least the cheapest per-layer steady
+    # time any stage offers, and the slowest stage is at least the average.
+    per_layer = min(float(fr.steady.min()) / layers for per_l in frontiers for layers, fr in per_l.items())
+    if ((grad_accum - 1) / S + 1) * L * per_layer >= best_so_far:
+        return None
+    sol = solve_inter_stage(frontiers, L, grad_accum, options.milp_time_limit, cutoff=best_so_far)
     if sol is None:
         return None
     stages = []

@@ -71,10 +71,15 @@ def pipeline_time(steady, extra, micro_batches: int) -> float:
 
 
 def solve_inter_stage(
-    frontiers: list[dict[int, Frontier]], total_layers: int, micro_batches: int, time_limit: float = 10.0
+    frontiers: list[dict[int, Frontier]],
+    total_layers: int,
+    micro_batches: int,
+    time_limit: float = 10.0,
+    cutoff: float = float("inf"),
 ) -> InterStageSolution | None:
-    """frontiers[i][l]: stage i's frontier when it holds l layers. None when nothing fits."""
-    from scipy.optimize import Bounds, LinearConstraint, milp
+    """frontiers[i][l]: stage i's frontier when it holds l layers. None when nothing fits, or
+    when HiGHS proves that no solution beats ``cutoff`` (a plan already found elsewhere)."""
+    import highspy
 
     stages = len(frontiers)
     cols: list[tuple[int, int, int]] = []  # (stage, layers, point)
@@ -113,21 +118,41 @@ def solve_inter_stage(
         r[e_col] = -1
         rows.append(r), lo.append(-np.inf), hi.append(0)
     c = np.concatenate([steady, [micro_batches - 1, 1.0]])
-    integrality = np.concatenate([np.ones(len(cols)), [0, 0]])
-    bounds = Bounds(np.zeros(n), np.concatenate([np.ones(len(cols)), [np.inf, np.inf]]))
-    res = milp(
-        c,
-        constraints=LinearConstraint(np.array(rows), lo, hi),
-        integrality=integrality,
-        bounds=bounds,
-        options={"time_limit": time_limit, "disp": False},
-    )
-    if res.x is None:
+    a = np.array(rows)
+    lp = highspy.HighsLp()
+    lp.num_col_, lp.num_row_ = n, len(rows)
+    lp.col_cost_ = c
+    lp.col_lower_ = np.zeros(n)
+    lp.col_upper_ = np.concatenate([np.ones(len(cols)), [highspy.kHighsInf] * 2])
+    lp.row_lower_ = np.where(np.isinf(lo), -highspy.kHighsInf, lo)
+    lp.row_upper_ = np.array(hi, float)
+    lp.a_matrix_.format_ = highspy.MatrixFormat.kRowwise
+    lp.a_matrix_.start_ = np.concatenate([[0], np.cumsum((a != 0).sum(axis=1))]).astype(np.int32)
+    nz_rows, nz_cols = np.nonzero(a)
+    lp.a_matrix_.index_ = nz_cols.astype(np.int32)
+    lp.a_matrix_.value_ = a[nz_rows, nz_cols]
+    lp.integrality_ = [highspy.HighsVarType.kInteger] * len(cols) + [highspy.HighsVarType.kContinuous] * 2
+    solver = highspy.Highs()
+    solver.setOptionValue("output_flag", False)
+    solver.setOptionValue("time_limit", float(time_limit))
+    solver.setOptionValue("threads", 1)
+    if np.isfinite(cutoff):
+        solver.setOptionValue("objective_bound", float(cutoff))
+    solver.passModel(lp)
+    solver.run()
+    status = solver.getModelStatus()
+    if status not in (highspy.HighsModelStatus.kOptimal, highspy.HighsModelStatus.kTimeLimit):
+        return None  # infeasible, or cut off by the bound
+    x = np.array(solver.getSolution().col_value)
+    if x.size != n or not np.isfinite(x).all():
         return None
-    chosen = [cols[j] for j in np.flatnonzero(res.x[:m_col] > 0.5)]
+    chosen = [cols[j] for j in np.flatnonzero(x[:m_col] > 0.5)]
     chosen.sort()
     layers = tuple(cl for _, cl, _ in chosen)
     points = tuple(p for _, _, p in chosen)
     t = [frontiers[i][cl].steady[p] for i, cl, p in chosen]
     d = [frontiers[i][cl].extra[p] for i, cl, p in chosen]
-    return InterStageSolution(pipeline_time(t, d, micro_batches), layers, points, res.status == 0)
+    if len(chosen) != stages:
+        return None
+    optimal = status == highspy.HighsModelStatus.kOptimal
+    return InterStageSolution(pipeline_time(t, d, micro_batches), layers, points, optimal)
