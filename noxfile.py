@@ -98,6 +98,14 @@ def gpu_check(session: nox.Session) -> None:
 
 
 @nox.session
+def mist_vs_megatron(session: nox.Session) -> None:
+    """Mist vs Megatron-LM grid, Aceso-style search and ZeRO-3 on the paper's cases, the ablation,
+    and their figures."""
+    _run(session, "-m", "artifacts.mist_vs_megatron.run", *session.posargs)
+    _run(session, "figures/plot_mist_vs_megatron.py")
+
+
+@nox.session
 def tempo_layer(session: nox.Session) -> None:
     """Saved-for-backward bytes of one BERT-Large encoder layer: HF eager vs Tempo and each technique."""
     _run(session, "-m", "artifacts.tempo_layer.run", *session.posargs)

@@ -1,0 +1,175 @@
+"""Aceso-style search (Liu et al., EuroSys 2024): iterative bottleneck alleviation.
+
+From a balanced start (even layers, one TP x DP shape for all stages) the search finds the
+bottleneck -- a stage out of memory, else the slowest stage -- and tries the actions that can
+relieve it: move a layer to a neighbour, recompute one layer more or less, trade TP for DP
+inside the stage, move devices between the stage and a neighbour, change the micro-batch size.
+It takes the best improving action; when none improves, the best two-action sequence
+(multi-hop). It stops when nothing improves or the time budget is spent. Aceso's own space: no
+ZeRO-2/3, no offloading. Every candidate is priced with Mist's model.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Iterator
+
+from mist.costs import RuntimeModel, load_runtime_model
+from mist.interference import Interference
+from mist.plan import Plan, StagePlan
+from mist.planner import NoFeasiblePlan, load_interference, predict
+from mist.specs import ClusterSpec, ModelSpec
+
+from .grid import powers_of_two
+
+
+def _key(plan: Plan) -> tuple:
+    stages = tuple((s.layers, s.recompute, s.tp or plan.tp, s.dp or plan.dp) for s in plan.stages)
+    return (plan.micro_batch, plan.dp, *stages)
+
+
+def _score(plan: Plan) -> tuple[float, float]:
+    """(memory excess in GiB, iteration seconds): feasible plans first, then faster."""
+    over = max(s.memory_gib for s in plan.stages) - plan.breakdown["usable_memory_gib"]
+    return (max(over, 0.0), plan.predicted_iteration_s)
+
+
+class _Pricer:
+    def __init__(self, model, cluster, runtime, interference) -> None:
+        self.args = (model, cluster, runtime, interference)
+        self.cache: dict[tuple, Plan | None] = {}
+
+    def __call__(self, plan: Plan) -> Plan | None:
+        key = _key(plan)
+        if key not in self.cache:
+            try:
+                self.cache[key] = predict(plan, *self.args)
+            except ValueError:  # an action produced a plan that cannot exist (e.g. uneven DP split)
+                self.cache[key] = None
+        return self.cache[key]
+
+
+def _actions(plan: Plan, i: int, cluster: ClusterSpec) -> Iterator[Plan]:
+    """Plans one action away that change the bottleneck stage i."""
+    stages = plan.stages
+    for j in (i - 1, i + 1):  # move a layer to a neighbour
+        if 0 <= j < len(stages) and stages[i].layers > 1:
+            new = copy.deepcopy(plan)
+            new.stages[i].layers -= 1
+            new.stages[j].layers += 1
+            new.stages[i].recompute = min(new.stages[i].recompute, new.stages[i].layers)
+            yield new
+    for delta in (-1, 1):  # recompute one layer more or less
+        r = stages[i].recompute + delta
+        if 0 <= r <= stages[i].layers:
+            new = copy.deepcopy(plan)
+            new.stages[i].recompute = r
+            yield new
+    tp, dp, _ = plan.stage_parallelism(i)
+    for new_tp, new_dp in ((tp * 2, dp // 2), (tp // 2, dp * 2)):  # trade TP for DP in the stage
+        if new_tp >= 1 and new_dp >= 1 and new_tp * new_dp == tp * dp and new_tp <= cluster.gpus_per_node:
+            new = copy.deepcopy(plan)
+            new.stages[i].tp, new.stages[i].dp = new_tp, new_dp
+            yield new
+    for j in (i - 1, i + 1):  # take half a neighbour's replicas
+        if 0 <= j < len(stages):
+            tp_j, dp_j, _ = plan.stage_parallelism(j)
+            if dp_j >= 2 and tp_j == tp:
+                new = copy.deepcopy(plan)
+                new.stages[j].tp, new.stages[j].dp = tp_j, dp_j // 2
+                new.stages[i].tp, new.stages[i].dp = tp, dp + dp_j // 2
+                yield new
+    for mb in (plan.micro_batch * 2, plan.micro_batch // 2):  # micro-batch size
+        if mb >= 1 and plan.global_batch % (plan.dp * mb) == 0:
+            new = copy.deepcopy(plan)
+            new.micro_batch = mb
+            yield new
+
+
+def _bottleneck(plan: Plan) -> int:
+    usable = plan.breakdown["usable_memory_gib"]
+    over = [s.memory_gib - usable for s in plan.stages]
+    if max(over) > 0:
+        return max(range(len(over)), key=over.__getitem__)
+    return max(range(len(plan.stages)), key=lambda i: plan.stages[i].steady_s)
+
+
+def alleviate(start: Plan, price: _Pricer, cluster: ClusterSpec, deadline: float) -> Plan | None:
+    current = price(start)
+    if current is None:
+        return None
+    while time.perf_counter() < deadline:
+        i = _bottleneck(current)
+        one_hop = [p for p in (price(a) for a in _actions(current, i, cluster)) if p is not None]
+        better = [p for p in one_hop if _score(p) < _score(current)]
+        if not better:  # multi-hop: the best two-action sequence from the three best first actions
+            for first in sorted(one_hop, key=_score)[:3]:
+                j = _bottleneck(first)
+                better += [p for p in (price(a) for a in _actions(first, j, cluster)) if p is not None]
+                if time.perf_counter() > deadline:
+                    break
+            better = [p for p in better if _score(p) < _score(current)]
+        if not better:
+            break
+        current = min(better, key=_score)
+    return current
+
+
+def search_aceso(
+    model: ModelSpec,
+    cluster: ClusterSpec,
+    global_batch: int,
+    time_budget: float = 10.0,
+    runtime: RuntimeModel | None = None,
+    interference: Interference | None = None,
+) -> Plan:
+    """The best plan found from balanced starts (one per pipeline depth), within ``time_budget``."""
+    runtime = runtime or load_runtime_model(cluster.gpu.name)
+    interference = interference or load_interference(cluster.gpu.name)
+    price = _Pricer(model, cluster, runtime, interference)
+    start_time = time.perf_counter()
+    starts = []
+    for pp in powers_of_two(min(cluster.gpus, model.layers)):
+        if cluster.gpus % pp:
+            continue
+        per_stage = cluster.gpus // pp
+        tp = min(per_stage, cluster.gpus_per_node)
+        while tp > 1 and (model.heads % tp or global_batch % (per_stage // tp)):
+            tp //= 2
+        dp = per_stage // tp
+        if global_batch % dp:
+            continue
+        base, extra = divmod(model.layers, pp)
+        stages = [StagePlan(layers=base + (k < extra), recompute=base + (k < extra)) for k in range(pp)]
+        starts.append(
+            Plan(
+                model.name,
+                cluster.gpu.name,
+                cluster.gpus,
+                cluster.gpus_per_node,
+                global_batch,
+                tp,
+                dp,
+                1,
+                stages,
+            )
+        )
+    if not starts:
+        raise NoFeasiblePlan(
+            f"no balanced start for {model.name} on {cluster.gpus} GPUs with global batch {global_batch}"
+        )
+    best = None
+    for k, plan in enumerate(starts):  # share the budget among the starts
+        deadline = start_time + time_budget * (k + 1) / len(starts)
+        found = alleviate(plan, price, cluster, deadline)
+        if found is not None and found.breakdown["fits"] and (best is None or _score(found) < _score(best)):
+            best = found
+    if best is None:
+        raise NoFeasiblePlan(
+            f"the Aceso-style search found no plan of {model.name} that fits "
+            f"{cluster.gpus} x {cluster.gpu.name}"
+        )
+    best = copy.deepcopy(best)
+    best.tuning_s = time.perf_counter() - start_time
+    return best

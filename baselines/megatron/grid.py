@@ -1,0 +1,143 @@
+"""Megatron-LM practice: a grid over what its users tune, costed with Mist's own model.
+
+dp x tp x pp = GPUs (powers of two, TP within a node), micro-batch {1, 2, 4, 8}, full
+recomputation on or off for every layer, the distributed optimizer (ZeRO-1) on or off, layers
+split evenly over the stages. The fastest plan that fits memory wins. The same cost model
+prices every system, so a speedup over this baseline comes from the plan, not the model.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+from mist.costs import RuntimeModel, load_runtime_model
+from mist.interference import Interference
+from mist.plan import Plan, StagePlan
+from mist.planner import NoFeasiblePlan, load_interference, predict
+from mist.specs import ClusterSpec, ModelSpec
+
+MICRO_BATCHES = (1, 2, 4, 8)
+
+
+def powers_of_two(limit: int) -> list[int]:
+    out, p = [], 1
+    while p <= limit:
+        out.append(p)
+        p *= 2
+    return out
+
+
+def grid_plans(model: ModelSpec, cluster: ClusterSpec, global_batch: int):
+    """Every configuration the grid considers (unpriced)."""
+    n = cluster.gpus
+    for tp, pp in itertools.product(powers_of_two(cluster.gpus_per_node), powers_of_two(n)):
+        if n % (tp * pp) or model.heads % tp or model.kv % tp or model.layers % pp:
+            continue
+        dp = n // (tp * pp)
+        for mb, recompute, zero in itertools.product(MICRO_BATCHES, (False, True), (0, 1)):
+            if global_batch % (dp * mb) or (zero and dp == 1):
+                continue
+            per = model.layers // pp
+            stages = [StagePlan(layers=per, recompute=per if recompute else 0, zero=zero) for _ in range(pp)]
+            yield Plan(
+                model.name, cluster.gpu.name, n, cluster.gpus_per_node, global_batch, tp, dp, mb, stages
+            )
+
+
+def search_grid(
+    model: ModelSpec,
+    cluster: ClusterSpec,
+    global_batch: int,
+    runtime: RuntimeModel | None = None,
+    interference: Interference | None = None,
+) -> Plan:
+    runtime = runtime or load_runtime_model(cluster.gpu.name)
+    interference = interference or load_interference(cluster.gpu.name)
+    start = time.perf_counter()
+    best, tried, lowest = None, 0, float("inf")
+    for plan in grid_plans(model, cluster, global_batch):
+        predict(plan, model, cluster, runtime, interference)
+        tried += 1
+        lowest = min(lowest, max(s.memory_gib for s in plan.stages))
+        if plan.breakdown["fits"] and (
+            best is None or plan.predicted_iteration_s < best.predicted_iteration_s
+        ):
+            best = plan
+    if best is None:
+        raise NoFeasiblePlan(
+            f"no Megatron-LM grid configuration of {model.name} fits {cluster.gpus} x {cluster.gpu.name} "
+            f"({tried} tried; the leanest needs {lowest:.1f} GiB per GPU)"
+        )
+    best.tuning_s = time.perf_counter() - start
+    return best
+
+
+def megatron_args(plan: Plan, model: ModelSpec) -> tuple[list[str], list[str]]:
+    """Megatron-LM command-line arguments for ``plan``, and the plan's choices it cannot express."""
+    args = [
+        f"--tensor-model-parallel-size {plan.tp}",
+        f"--pipeline-model-parallel-size {len(plan.stages)}",
+        f"--micro-batch-size {plan.micro_batch}",
+        f"--global-batch-size {plan.global_batch}",
+        f"--num-layers {model.layers}",
+        f"--hidden-size {model.hidden}",
+        f"--num-attention-heads {model.heads}",
+        f"--seq-length {model.seq}",
+        f"--max-position-embeddings {model.seq}",
+        "--bf16",
+    ]
+    if plan.tp > 1:
+        args.append("--sequence-parallel")
+    if model.flash:
+        args.append("--use-flash-attn")
+    if model.arch == "llama":
+        args += [
+            "--normalization RMSNorm", "--swiglu", "--position-embedding-type rope",
+            f"--ffn-hidden-size {model.ffn_hidden}", "--disable-bias-linear",
+        ]  # fmt: skip
+        if model.kv != model.heads:
+            args += ["--group-query-attention", f"--num-query-groups {model.kv}"]
+    cannot: list[str] = []
+    stages = plan.stages
+    if any((s.tp or plan.tp, s.dp or plan.dp) != (plan.tp, plan.dp) for s in stages):
+        cannot.append("stages with their own TP/DP (Megatron-LM uses one TP and DP for all stages)")
+    layers = [s.layers for s in stages]
+    middle = layers[1:-1] if len(layers) > 2 else []
+    if len(set(middle)) > 1:
+        cannot.append(
+            f"uneven layers in the middle stages {layers} (only the first and last stage may differ)"
+        )
+    elif len(layers) > 1 and len(set(layers)) > 1:
+        args += [
+            f"--decoder-first-pipeline-num-layers {layers[0]}",
+            f"--decoder-last-pipeline-num-layers {layers[-1]}",
+        ]
+    recompute = {s.recompute for s in stages}
+    if recompute == {0}:
+        pass
+    elif all(s.recompute == s.layers for s in stages):
+        args += ["--recompute-granularity full", "--recompute-method uniform", "--recompute-num-layers 1"]
+    elif len(recompute) == 1:
+        args += [
+            "--recompute-granularity full",
+            "--recompute-method block",
+            f"--recompute-num-layers {recompute.pop()}",
+        ]
+    else:
+        cannot.append(f"a different number of recomputed layers per stage {[s.recompute for s in stages]}")
+    zero = {s.zero for s in stages}
+    if zero - {0, 1}:
+        cannot.append("ZeRO stage 2/3 (Megatron-LM's distributed optimizer shards optimizer state only)")
+    elif zero == {1}:
+        args.append("--use-distributed-optimizer")
+    elif len(zero) > 1:
+        cannot.append("the distributed optimizer on some stages only")
+    offload = {s.offload_optimizer for s in stages}
+    if len(offload) == 1 and offload != {0.0}:
+        args += ["--optimizer-cpu-offload", f"--optimizer-offload-fraction {offload.pop()}"]
+    elif len(offload) > 1:
+        cannot.append("a different optimizer offload fraction per stage")
+    if any(s.offload_weights or s.offload_grads or s.offload_activations for s in stages):
+        cannot.append("offloading weights, gradients or activations to the CPU")
+    return args, cannot

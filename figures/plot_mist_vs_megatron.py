@@ -1,0 +1,120 @@
+"""Figures of the Mist comparison, made only from artifacts/mist_vs_megatron/results/*.json.
+
+python figures/plot_mist_vs_megatron.py
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "impl"))
+from measure.results import load_results  # noqa: E402
+
+RESULTS = ROOT / "artifacts" / "mist_vs_megatron" / "results"
+OUT = Path(__file__).parent
+SYSTEMS = {"mist": "Mist", "aceso": "Aceso-style", "zero3": "ZeRO-3"}
+
+
+def _finish(fig, title: str, prov: dict, name: str) -> Path:
+    commit = (prov.get("git", {}).get("commit") or "?")[:10]
+    fig.suptitle(
+        f"{title}\nfrom {commit}, {prov.get('date_utc', '')}; predicted by Mist's cost model", fontsize=9
+    )
+    fig.tight_layout()
+    out = OUT / name
+    fig.savefig(out, dpi=130)
+    plt.close(fig)
+    return out
+
+
+def _cases(points: dict, gpu: str, flash: str = "flash") -> list[str]:
+    keys = [k for k in points if k.startswith(gpu + "/") and k.endswith("/" + flash)]
+    order = ["1.3b", "2.7b", "7b", "13b", "22b"]
+    return sorted(
+        keys, key=lambda k: (k.split("/")[1].split("-")[0], order.index(k.split("/")[1].split("-")[1]))
+    )
+
+
+def plot_speedup() -> Path | None:
+    path = RESULTS / "comparison.json"
+    if not path.exists():
+        return None
+    data = load_results(path)
+    gpus = sorted({k.split("/")[0] for k in data["points"]})
+    fig, axes = plt.subplots(len(gpus), 1, figsize=(13, 3.6 * len(gpus)), squeeze=False)
+    width = 0.8 / len(SYSTEMS)
+    for ax, gpu in zip(axes[:, 0], gpus, strict=True):
+        keys = _cases(data["points"], gpu)
+        for j, (system, label) in enumerate(SYSTEMS.items()):
+            values = []
+            for k in keys:
+                r = data["points"][k]
+                ok = "iteration_s" in r.get(system, {}) and "iteration_s" in r.get("megatron", {})
+                values.append(r["megatron"]["iteration_s"] / r[system]["iteration_s"] if ok else 0.0)
+            ax.bar([i + (j - 1) * width for i in range(len(keys))], values, width, label=label)
+        ax.axhline(1.0, color="gray", linewidth=0.8)
+        ax.set_xticks(range(len(keys)), [k.split("/")[1] for k in keys], rotation=45, fontsize=7)
+        ax.set_ylabel("speedup over Megatron-LM grid")
+        ax.set_title(f"{gpu} cluster (0: no plan fits)", fontsize=10)
+        ax.legend(fontsize=7, ncol=3)
+    return _finish(fig, "Mist vs Megatron-LM, Aceso-style and ZeRO-3", data["provenance"], "mist_speedup.png")
+
+
+def plot_tuning_time() -> Path | None:
+    path = RESULTS / "comparison.json"
+    if not path.exists():
+        return None
+    data = load_results(path)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for system, label in {**SYSTEMS, "megatron": "Megatron-LM grid"}.items():
+        pts = [
+            (r["gpus"], r[system]["tuning_s"])
+            for r in data["points"].values()
+            if "tuning_s" in r.get(system, {})
+        ]
+        if pts:
+            ax.scatter(*zip(*pts, strict=True), label=label, s=14)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("GPUs")
+    ax.set_ylabel("tuning time on this machine, s")
+    ax.legend(fontsize=7)
+    return _finish(fig, "Tuning time per case", data["provenance"], "mist_tuning_time.png")
+
+
+def plot_ablation() -> Path | None:
+    path = RESULTS / "ablation.json"
+    if not path.exists():
+        return None
+    data = load_results(path)
+    variants = data["provenance"]["config"]["variants"]
+    keys = sorted(
+        data["points"],
+        key=lambda k: (k.split("/")[0], ["1.3b", "2.7b", "7b", "13b", "22b"].index(k.split("-")[-1])),
+    )
+    fig, ax = plt.subplots(figsize=(11, 4))
+    width = 0.8 / len(variants)
+    for j, variant in enumerate(variants):
+        values = []
+        for k in keys:
+            r = data["points"][k]
+            values.append(r["megatron"] / r[variant] if r.get("megatron") and r.get(variant) else 0.0)
+        ax.bar([i + (j - 1.5) * width for i in range(len(keys))], values, width, label=variant)
+    ax.axhline(1.0, color="gray", linewidth=0.8)
+    ax.set_xticks(range(len(keys)), keys, rotation=45, fontsize=7)
+    ax.set_ylabel("speedup over Megatron-LM grid")
+    ax.legend(fontsize=7, ncol=4)
+    return _finish(fig, "Where Mist's gain comes from (GPT-3)", data["provenance"], "mist_ablation.png")
+
+
+if __name__ == "__main__":
+    for made in (plot_speedup(), plot_tuning_time(), plot_ablation()):
+        if made is not None:
+            print(f"wrote {made}")

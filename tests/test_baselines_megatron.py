@@ -1,0 +1,80 @@
+"""Mist's baselines: the Megatron-LM grid, the Aceso-style search, ZeRO-3; and Mist against them."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from baselines.megatron.aceso import search_aceso
+from baselines.megatron.grid import grid_plans, megatron_args, search_grid
+from baselines.megatron.zero3 import search_zero3
+from mist import Plan, StagePlan, cluster, model, search
+
+CASES = [("gpt3-1.3b", "l4", 4, 32, 2048), ("llama-2.7b", "a100-40gb", 8, 64, 4096)]
+
+
+def test_grid_is_megatron_practice():
+    m, c = model("gpt3-7b"), cluster("a100-40gb", 16)
+    plans = list(grid_plans(m, c, 128))
+    assert plans
+    for p in plans:
+        assert p.tp * p.dp * len(p.stages) == 16 and p.tp <= 8 and p.micro_batch in (1, 2, 4, 8)
+        assert len({s.layers for s in p.stages}) == 1  # uniform split
+        assert {s.recompute for s in p.stages} <= {0, p.stages[0].layers}  # all or nothing
+        assert {s.zero for s in p.stages} <= {0, 1}
+        _, cannot = megatron_args(p, m)
+        assert cannot == []  # everything the grid makes, Megatron-LM can run
+
+
+def test_megatron_args_name_what_megatron_cannot_do():
+    m = model("gpt3-1.3b")
+    plan = Plan("gpt3-1.3b", "l4", 8, 8, 64, 1, 2, 2, [
+        StagePlan(layers=5, recompute=2, zero=3), StagePlan(layers=7, recompute=0, offload_activations=0.5),
+        StagePlan(layers=6), StagePlan(layers=6, tp=2, dp=1),
+    ])  # fmt: skip
+    args, cannot = megatron_args(plan, m)
+    text = " | ".join(cannot)
+    for reason in (
+        "own TP/DP",
+        "uneven layers",
+        "recomputed layers per stage",
+        "ZeRO stage 2/3",
+        "offloading",
+    ):
+        assert reason in text
+    assert "--pipeline-model-parallel-size 4" in args and "--micro-batch-size 2" in args
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_mist_is_never_slower_than_the_grid(case):
+    """Mist's space contains every grid configuration and both are priced by one model, so
+    the planner must match or beat the grid."""
+    name, gpu, gpus, batch, seq = case
+    m, c = model(name, seq=seq), cluster(gpu, gpus)
+    ours, grid = search(m, c, batch), search_grid(m, c, batch)
+    assert ours.predicted_iteration_s <= grid.predicted_iteration_s * (1 + 1e-9)
+    assert ours.breakdown["fits"] and grid.breakdown["fits"]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_aceso_stays_in_its_space_and_budget(case):
+    name, gpu, gpus, batch, seq = case
+    m, c = model(name, seq=seq), cluster(gpu, gpus)
+    t0 = time.perf_counter()
+    plan = search_aceso(m, c, batch, time_budget=2.0)
+    assert time.perf_counter() - t0 < 2.0 + 3.0  # the last step may finish after the budget
+    assert plan.breakdown["fits"]
+    assert all(s.zero == 0 and not (s.offload_weights or s.offload_grads or s.offload_optimizer or
+                                    s.offload_activations) for s in plan.stages)  # fmt: skip
+    assert (
+        sum(plan.stage_parallelism(i)[0] * plan.stage_parallelism(i)[1] for i in range(len(plan.stages)))
+        == gpus
+    )
+
+
+def test_zero3_is_pure_data_parallelism():
+    m, c = model("gpt3-1.3b"), cluster("l4", 8)
+    plan = search_zero3(m, c, 64)
+    assert plan.dp == 8 and plan.tp == 1 and len(plan.stages) == 1 and plan.stages[0].zero == 3
+    assert plan.breakdown["fits"]
