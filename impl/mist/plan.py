@@ -52,6 +52,7 @@ class Plan:
     micro_batch: int
     stages: list[StagePlan]
     model_overrides: dict = field(default_factory=dict)  # e.g. {"flash": false, "seq": 4096}
+    sequence_parallel: bool = True  # with TP > 1
     predicted_iteration_s: float | None = None
     simulated_iteration_s: float | None = None
     tuning_s: float | None = None

@@ -215,7 +215,8 @@ def predict(
     steady, extra, fwd, bwd = [], [], [], []
     for i, s in enumerate(plan.stages):
         tp, dp, mb = plan.stage_parallelism(i)
-        st = Setting(model, cluster, runtime, interference, tp, dp, mb, budget_bytes(cluster), S)
+        budget = budget_bytes(cluster)
+        st = Setting(model, cluster, runtime, interference, tp, dp, mb, budget, S, sp=plan.sequence_parallel)
         ln = layer_numbers(st)
         grid = {k: np.array([float(getattr(s, k))]) for k in GRID_KEYS}
         v = evaluate_stage(st, ln, s.layers, min(S - i, G), i == 0, i == S - 1, grid, G)

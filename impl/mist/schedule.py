@@ -55,10 +55,11 @@ class Setting:
     micro_batch: int
     memory_budget: int  # usable bytes per GPU
     stages: int
+    sp: bool = True  # sequence parallelism with TP (Megatron's default with TP)
 
     @property
     def sequence_parallel(self) -> bool:
-        return self.tp > 1
+        return self.sp and self.tp > 1
 
 
 @dataclass

@@ -74,6 +74,10 @@ MODELS: dict[str, ModelSpec] = {
     for arch in ARCHS
     for size, (h, n, a) in _SIZES.items()
 }
+# Tiny shapes that megatron-core trains on a CPU in seconds (mist.run tests, CPU checks)
+MODELS.update(
+    {f"{arch}-tiny": ModelSpec(f"{arch}-tiny", arch, 64, 4, 4, vocab=256, seq=32) for arch in ARCHS}
+)
 
 
 @dataclass(frozen=True)
@@ -120,6 +124,8 @@ GPUS: dict[str, GpuSpec] = {
     "a100-40gb": GpuSpec("a100-40gb", 312e12, 40 * GiB, 1555 * GB, 32 * GB),
     "h100": GpuSpec("h100", 989e12, 80 * GiB, 3350 * GB, 64 * GB),
     "h200": GpuSpec("h200", 989e12, 141 * GB, 4800 * GB, 64 * GB),
+    # this machine's CPU as a "device" for mist.run checks: nominal rates (use `mist profile`)
+    "cpu": GpuSpec("cpu", 1e11, 16 * GiB, 20 * GB, 20 * GB),
 }
 # Links: NVLink bus bandwidth per GPU, or PCIe where a GPU has no NVLink; inter-node by NIC.
 _LINKS = {
@@ -129,6 +135,7 @@ _LINKS = {
     "a100-40gb": (LinkSpec(300 * GB, 5e-6), LinkSpec(50 * GB, 10e-6)),  # NVLink 3; 4x100 Gb/s
     "h100": (LinkSpec(450 * GB, 5e-6), LinkSpec(100 * GB, 10e-6)),  # NVLink 4; 8x100 Gb/s
     "h200": (LinkSpec(450 * GB, 5e-6), LinkSpec(100 * GB, 10e-6)),
+    "cpu": (LinkSpec(5 * GB, 50e-6), LinkSpec(1 * GB, 100e-6)),  # gloo over shared memory / TCP
 }
 
 

@@ -1,0 +1,302 @@
+"""Train with megatron-core as a plan says: ``torchrun --nproc-per-node N -m mist.run --plan plan.yaml``.
+
+megatron-core provides the model (GPTModel: tensor-parallel layers, sequence parallelism,
+pipeline stages); around its modules this file runs the plan's parts it has no switch for:
+
+* a 1F1B executor over the plan's micro-batches with point-to-point sends between stages
+  (megatron-core's own schedules assume CUDA), non-blocking sends so 1F1B cannot deadlock;
+* a different number of recomputed layers per stage (the first r layers of each stage
+  checkpointed);
+* data-parallel gradient averaging, and the all-reduce of sequence-parallel parameters' grads
+  across the TP group;
+* half-precision weights with fp32 master weights and AdamW (measure.training).
+
+Refused with a message naming the part: stages with their own TP/DP, uneven middle stages,
+ZeRO 1-3 and CPU offloading (not implemented here yet). On a CPU it runs with gloo and the
+CUDA stand-ins of cpu_shim; on GPUs with NCCL. Each rank reports its losses, step times and
+memory (exact tensor bytes held + the allocator peak of a step), rank 0 gathers them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .plan import Plan
+
+
+def unsupported(plan: Plan) -> list[str]:
+    """The plan's parts mist.run cannot execute yet (empty: it can)."""
+    reasons = []
+    if any((s.tp or plan.tp, s.dp or plan.dp) != (plan.tp, plan.dp) for s in plan.stages):
+        reasons.append("stages with their own TP/DP")
+    middle = [s.layers for s in plan.stages[1:-1]]
+    if len(set(middle)) > 1:
+        reasons.append(
+            f"uneven middle stages {[s.layers for s in plan.stages]} (megatron-core: first/last only)"
+        )
+    if any(s.zero for s in plan.stages):
+        reasons.append("ZeRO (stage 1-3)")
+    if any(
+        s.offload_weights or s.offload_grads or s.offload_optimizer or s.offload_activations
+        for s in plan.stages
+    ):
+        reasons.append("CPU offloading")
+    if plan.sequence_parallel and plan.tp > 1 and not _fused_norm_available():
+        reasons.append(
+            "sequence parallelism: megatron-core's torch LayerNorm refuses it (needs Transformer Engine or "
+            "Apex); set `sequence_parallel: false` in the plan"
+        )
+    return reasons
+
+
+def _fused_norm_available() -> bool:
+    import importlib.util
+
+    return any(importlib.util.find_spec(m) is not None for m in ("transformer_engine", "apex"))
+
+
+def _config(spec, plan: Plan, dtype: torch.dtype):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    layers = [s.layers for s in plan.stages]
+    uneven = len(layers) > 1 and len(set(layers)) > 1
+    kwargs = {}
+    if spec.arch == "llama":
+        kwargs.update(normalization="RMSNorm", gated_linear_unit=True, activation_func=nn.functional.silu)
+    return TransformerConfig(
+        num_layers=spec.layers,
+        hidden_size=spec.hidden,
+        num_attention_heads=spec.heads,
+        num_query_groups=spec.kv,
+        ffn_hidden_size=spec.ffn_hidden,
+        add_bias_linear=False,
+        use_cpu_initialization=True,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        tensor_model_parallel_size=plan.tp,
+        pipeline_model_parallel_size=len(plan.stages),
+        sequence_parallel=plan.sequence_parallel and plan.tp > 1,
+        hidden_dropout=0.0 if spec.arch == "llama" else 0.1,
+        attention_dropout=0.0 if spec.arch == "llama" else 0.1,
+        num_layers_in_first_pipeline_stage=layers[0] if uneven else None,
+        num_layers_in_last_pipeline_stage=layers[-1] if uneven else None,
+        **kwargs,
+    )
+
+
+def _checkpoint_first_layers(model, count: int) -> None:
+    """Recompute the first ``count`` local layers in backward (activation checkpointing)."""
+    from torch.utils.checkpoint import checkpoint
+
+    for layer in list(model.decoder.layers)[:count]:
+        forward = layer.forward
+
+        def wrapped(*args, _forward=forward, **kwargs):
+            return checkpoint(_forward, *args, use_reentrant=False, **kwargs)
+
+        layer.forward = wrapped
+
+
+class _Pipeline:
+    """One rank's part of a 1F1B iteration over G micro-batches."""
+
+    def __init__(self, model, spec, plan: Plan, batches: list[torch.Tensor]) -> None:
+        from megatron.core import parallel_state as ps
+
+        self.model, self.spec, self.plan, self.batches = model, spec, plan, batches
+        self.stage, self.stages = ps.get_pipeline_model_parallel_rank(), len(plan.stages)
+        self.first, self.last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
+        self.next = None if self.last else ps.get_pipeline_model_parallel_next_rank()
+        self.prev = None if self.first else ps.get_pipeline_model_parallel_prev_rank()
+        seq = spec.seq // plan.tp if plan.tp > 1 else spec.seq
+        self.shape = (seq, plan.micro_batch, spec.hidden)  # megatron's [s, b, h] between stages
+        self.mask = torch.ones(1, 1, spec.seq, spec.seq, dtype=torch.bool).tril().logical_not()
+
+    def forward(self, m: int, pending: list):
+        tokens = self.batches[m]
+        ids, labels = tokens[:, :-1], tokens[:, 1:]
+        pos = torch.arange(self.spec.seq).expand(ids.shape[0], -1)
+        received = None
+        if not self.first:
+            received = torch.empty(self.shape, dtype=self.dtype)
+            dist.recv(received, self.prev)
+            received.requires_grad_(True)
+        self.model.set_input_tensor(received)
+        out = self.model(ids, pos, self.mask, labels=labels if self.last else None)
+        if self.last:
+            out = out.float().mean() / len(self.batches)
+        else:
+            pending.append(dist.isend(out.detach().contiguous(), self.next))
+        return received, out
+
+    def backward(self, received, out, pending: list) -> None:
+        if self.last:
+            out.backward()
+        else:
+            grad = torch.empty(self.shape, dtype=out.dtype)
+            dist.recv(grad, self.next)
+            torch.autograd.backward(out, grad)
+        if received is not None:
+            pending.append(dist.isend(received.grad.contiguous(), self.prev))
+
+    def iteration(self) -> float:
+        from .pipeline_sim import one_f_one_b_order
+
+        self.dtype = next(self.model.parameters()).dtype
+        saved, pending, loss = {}, [], 0.0
+        for kind, m in one_f_one_b_order(self.stage, self.stages, len(self.batches)):
+            if kind == "F":
+                saved[m] = self.forward(m, pending)
+            else:
+                received, out = saved.pop(m)
+                if self.last:
+                    loss += float(out.detach()) * len(self.batches)
+                self.backward(received, out, pending)
+        for work in pending:
+            work.wait()
+        return loss / len(self.batches)
+
+
+def _tensor_bytes(tensors) -> int:
+    seen, total = set(), 0
+    for t in tensors:
+        key = t.untyped_storage().data_ptr()
+        if key not in seen:
+            seen.add(key)
+            total += t.untyped_storage().nbytes()
+    return total
+
+
+def run(plan: Plan, steps: int = 5, seed: int = 0, lr: float = 1e-2) -> dict:
+    """Train ``steps`` iterations of ``plan`` on this process group; the report of this rank."""
+    from measure.cpu_peak import cpu_peak_bytes
+    from measure.training import MasterWeightAdamW
+
+    from . import cpu_shim
+    from .specs import model as model_spec
+
+    reasons = unsupported(plan)
+    if reasons:
+        raise ValueError("mist.run cannot execute this plan yet: " + "; ".join(reasons))
+    cpu_shim.install()
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    if dist.get_world_size() != plan.gpus:
+        raise ValueError(f"the plan is for {plan.gpus} processes, this run has {dist.get_world_size()}")
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.module import Float16Module
+
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=plan.tp, pipeline_model_parallel_size=len(plan.stages)
+    )
+    model_parallel_cuda_manual_seed(seed)
+    spec = model_spec(plan.model, **plan.model_overrides)
+    dtype = torch.bfloat16
+    model = GPTModel(
+        config=_config(spec, plan, dtype),
+        transformer_layer_spec=get_gpt_layer_local_spec(
+            normalization="RMSNorm" if spec.arch == "llama" else None
+        ),
+        vocab_size=spec.vocab,
+        max_sequence_length=spec.seq,
+        pre_process=ps.is_pipeline_first_stage(),
+        post_process=ps.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=False,
+        position_embedding_type="rope" if spec.arch in ("llama", "falcon") else "learned_absolute",
+    ).train()
+    stage = ps.get_pipeline_model_parallel_rank()
+    _checkpoint_first_layers(model, plan.stages[stage].recompute)
+    model = Float16Module(model.config, model)  # megatron's half-precision wrapper: casts inputs and outputs
+    optimizer = MasterWeightAdamW(model.parameters(), lr=lr)
+    # The same few sequences every step: a decreasing loss shows the whole pipeline learns.
+    g = torch.Generator().manual_seed(seed + ps.get_data_parallel_rank())
+    batches = [
+        torch.randint(0, spec.vocab, (plan.micro_batch, spec.seq + 1), generator=g)
+        for _ in range(plan.grad_accum)
+    ]
+    pipeline = _Pipeline(model, spec, plan, batches)
+    dp_group, tp_group = ps.get_data_parallel_group(), ps.get_tensor_model_parallel_group()
+
+    def step() -> float:
+        loss = pipeline.iteration()
+        for p in model.parameters():
+            if p.grad is None:
+                continue
+            if getattr(p, "sequence_parallel", False) and plan.tp > 1:
+                dist.all_reduce(p.grad, group=tp_group)  # partial sums over the sequence shards
+            if plan.dp > 1:
+                dist.all_reduce(p.grad, group=dp_group)
+                p.grad /= plan.dp
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss
+
+    losses, times, peak = [], [], 0
+    for i in range(steps):
+        t0 = time.perf_counter()
+        if i == 1:  # the optimizer state exists from step 0 on: measure a steady step
+            peak, loss = cpu_peak_bytes(step)
+        else:
+            loss = step()
+        times.append(time.perf_counter() - t0)
+        losses.append(loss)
+    held = _tensor_bytes([*model.parameters(), *optimizer.state_tensors()])
+    report = {
+        "rank": dist.get_rank(),
+        "stage": stage,
+        "tp_rank": ps.get_tensor_model_parallel_rank(),
+        "losses": losses if ps.is_pipeline_last_stage() else None,
+        "step_s": times,
+        "held_bytes": held,
+        "step_peak_bytes": peak,
+        "memory_bytes": held + peak,
+    }
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, report)
+    ps.destroy_model_parallel()
+    return {"ranks": gathered}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="torchrun ... -m mist.run", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    ap.add_argument("--plan", required=True)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--out", help="write rank 0's gathered report (JSON)")
+    args = ap.parse_args(argv)
+    try:
+        plan = Plan.load(args.plan)
+        report = run(plan, args.steps)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if dist.get_rank() == 0:
+        losses = next(r["losses"] for r in report["ranks"] if r["losses"] is not None)
+        print("losses:", " ".join(f"{x:.4f}" for x in losses))
+        for r in report["ranks"]:
+            print(
+                f"rank {r['rank']} (stage {r['stage']}, tp {r['tp_rank']}): "
+                f"{r['memory_bytes'] / 2**20:.1f} MiB"
+            )
+        if args.out:
+            Path(args.out).write_text(json.dumps(report, indent=1))
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    sys.exit(main())
