@@ -31,6 +31,8 @@ from .specs import ClusterSpec, ModelSpec
 from .symbolic import head_costs, layer_costs, value
 
 ADAM_BYTES_PER_PARAM = 12  # fp32 master weight + two moments
+OPTIMIZER_STEP_BYTES_PER_PARAM = 4  # fp32 gradients during the step (fused Adam; torch's foreach
+# AdamW adds up to ~4 more for its temporaries)
 CPU_ADAM_PARAMS_PER_S = 1.0e9  # a fused multi-threaded CPU Adam (DeepSpeed reports ~1e9/s)
 
 
@@ -196,9 +198,11 @@ def evaluate_stage(
     # backward of one op: gradients of its inputs and outputs (+ a recomputed layer's activations)
     working = 2 * ln.transient + np.where(r > 0, ln.saved, 0.0)
     head = ln.head_saved if last else 0.0  # the logits' gradient while the loss backpropagates
-    memory = (
-        (1 - wo) * w_bytes + (1 - go) * g_bytes + (1 - oo) * o_bytes + activations + buffers + working + head
-    )
+    # Two peaks: the last backward (activations, buffers, one op's working set) and the optimizer
+    # step, where mixed-precision Adam holds an fp32 copy of the gradients it steps on the GPU.
+    static = (1 - wo) * w_bytes + (1 - go) * g_bytes + (1 - oo) * o_bytes
+    step_peak = OPTIMIZER_STEP_BYTES_PER_PARAM * (1 - oo) * opt_params
+    memory = static + np.maximum(activations + buffers + working + head, step_peak)
     if grad_accum < 1:
         raise ValueError("grad_accum must be >= 1")
     return {
