@@ -32,7 +32,7 @@ CLUSTERS = {"l4": 2048, "a100-40gb": 4096}  # GPU -> sequence length (the paper'
 ARCHS = ("gpt3", "llama", "falcon")
 FLASH = {"cpu": (True,), "paper": (True, False)}
 SYSTEMS = ("mist", "megatron", "aceso", "zero3")
-ACESO_BUDGET_S = {"cpu": 5.0, "paper": 30.0}
+ACESO_BUDGET_S = {"cpu": 10.0, "paper": 60.0}
 ABLATION = ("megatron", "+checkpointing", "+offloading", "+imbalance")
 
 

@@ -29,10 +29,13 @@ def _key(plan: Plan) -> tuple:
     return (plan.micro_batch, plan.dp, *stages)
 
 
-def _score(plan: Plan) -> tuple[float, float]:
-    """(memory excess in GiB, iteration seconds): feasible plans first, then faster."""
+def _score(plan: Plan) -> tuple:
+    """Feasible plans first (memory excess in GiB), then faster; among equally fast plans the
+    one whose slowest stages are faster (so relieving one of several equal bottlenecks counts
+    as progress, as in Aceso)."""
     over = max(s.memory_gib for s in plan.stages) - plan.breakdown["usable_memory_gib"]
-    return (max(over, 0.0), plan.predicted_iteration_s)
+    stage_times = tuple(sorted((s.steady_s for s in plan.stages), reverse=True))
+    return (max(over, 0.0), plan.predicted_iteration_s, stage_times)
 
 
 class _Pricer:
@@ -44,7 +47,7 @@ class _Pricer:
         key = _key(plan)
         if key not in self.cache:
             try:
-                self.cache[key] = predict(plan, *self.args)
+                self.cache[key] = predict(plan, *self.args, simulate=False)
             except ValueError:  # an action produced a plan that cannot exist (e.g. uneven DP split)
                 self.cache[key] = None
         return self.cache[key]
@@ -55,6 +58,20 @@ def _actions(plan: Plan, i: int, cluster: ClusterSpec) -> Iterator[Plan]:
     stages = plan.stages
     for j in (i - 1, i + 1):  # move a layer to a neighbour
         if 0 <= j < len(stages) and stages[i].layers > 1:
+            new = copy.deepcopy(plan)
+            new.stages[i].layers -= 1
+            new.stages[j].layers += 1
+            new.stages[i].recompute = min(new.stages[i].recompute, new.stages[i].layers)
+            yield new
+    if len(stages) > 2 and stages[i].layers > 1:  # multi-hop: pass a layer down the pipeline to the
+        # least-loaded stage, every stage in between handing one on (their counts stay the same)
+        load = (
+            [s.memory_gib for s in stages]
+            if plan.breakdown.get("fits") is False
+            else [s.steady_s for s in stages]
+        )
+        j = min((k for k in range(len(stages)) if abs(k - i) > 1), key=lambda k: load[k], default=None)
+        if j is not None:
             new = copy.deepcopy(plan)
             new.stages[i].layers -= 1
             new.stages[j].layers += 1

@@ -57,7 +57,7 @@ def search_grid(
     start = time.perf_counter()
     best, tried, lowest = None, 0, float("inf")
     for plan in grid_plans(model, cluster, global_batch):
-        predict(plan, model, cluster, runtime, interference)
+        predict(plan, model, cluster, runtime, interference, simulate=False)
         tried += 1
         lowest = min(lowest, max(s.memory_gib for s in plan.stages))
         if plan.breakdown["fits"] and (

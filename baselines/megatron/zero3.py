@@ -35,7 +35,7 @@ def search_zero3(
             plan = Plan(
                 model.name, cluster.gpu.name, dp, cluster.gpus_per_node, global_batch, 1, dp, mb, [stage]
             )
-            predict(plan, model, cluster, runtime, interference)
+            predict(plan, model, cluster, runtime, interference, simulate=False)
             lowest = min(lowest, stage.memory_gib)
             if plan.breakdown["fits"] and (
                 best is None or plan.predicted_iteration_s < best.predicted_iteration_s

@@ -200,9 +200,10 @@ def predict(
     cluster: ClusterSpec,
     runtime: RuntimeModel | None = None,
     interference: Interference | None = None,
+    simulate: bool = True,
 ) -> Plan:
-    """Fill in the plan's per-stage times and memory and its iteration time (closed form and
-    1F1B simulation)."""
+    """Fill in the plan's per-stage times and memory and its iteration time (closed form and,
+    with ``simulate``, the 1F1B simulation; searches that price many plans skip it)."""
     plan.check()
     if sum(s.layers for s in plan.stages) != model.layers:
         raise ValueError(
@@ -231,7 +232,7 @@ def predict(
             first_ln = ln
     ln = first_ln
     plan.predicted_iteration_s = pipeline_objective(steady, extra, G)
-    plan.simulated_iteration_s = simulate_1f1b(fwd, bwd, G, last=extra)
+    plan.simulated_iteration_s = simulate_1f1b(fwd, bwd, G, last=extra) if simulate else None
     plan.breakdown = {
         "usable_memory_gib": budget_bytes(cluster) / 2**30,
         "fits": all(s.memory_gib * 2**30 <= budget_bytes(cluster) for s in plan.stages),

@@ -83,7 +83,20 @@ class LayerNumbers:
     extra: dict = field(default_factory=dict)
 
 
+_LAYER_NUMBERS: dict[tuple, LayerNumbers] = {}
+
+
 def layer_numbers(st: Setting) -> LayerNumbers:
+    """Per-layer numbers of a setting, memoised (searches price thousands of plans)."""
+    key = (st.model, st.cluster, id(st.runtime), id(st.interference), st.tp, st.dp, st.micro_batch, st.sp)
+    if key not in _LAYER_NUMBERS:
+        if len(_LAYER_NUMBERS) > 4096:
+            _LAYER_NUMBERS.clear()
+        _LAYER_NUMBERS[key] = _layer_numbers(st)
+    return _LAYER_NUMBERS[key]
+
+
+def _layer_numbers(st: Setting) -> LayerNumbers:
     m, b, t = st.model, st.micro_batch, st.tp
     costs = layer_costs(m, st.sequence_parallel)
     c = costs.compiled(m)(b, m.seq, t)
