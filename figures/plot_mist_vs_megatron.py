@@ -47,11 +47,11 @@ def plot_speedup() -> Path | None:
     if not path.exists():
         return None
     data = load_results(path)
-    gpus = sorted({k.split("/")[0] for k in data["points"]})
-    fig, axes = plt.subplots(len(gpus), 1, figsize=(13, 3.6 * len(gpus)), squeeze=False)
+    panels = sorted({(k.split("/")[0], k.split("/")[2]) for k in data["points"]})
+    fig, axes = plt.subplots(len(panels), 1, figsize=(13, 3.6 * len(panels)), squeeze=False)
     width = 0.8 / len(SYSTEMS)
-    for ax, gpu in zip(axes[:, 0], gpus, strict=True):
-        keys = _cases(data["points"], gpu)
+    for ax, (gpu, flash) in zip(axes[:, 0], panels, strict=True):
+        keys = _cases(data["points"], gpu, flash)
         for j, (system, label) in enumerate(SYSTEMS.items()):
             values = []
             for k in keys:
@@ -62,7 +62,8 @@ def plot_speedup() -> Path | None:
         ax.axhline(1.0, color="gray", linewidth=0.8)
         ax.set_xticks(range(len(keys)), [k.split("/")[1] for k in keys], rotation=45, fontsize=7)
         ax.set_ylabel("speedup over Megatron-LM grid")
-        ax.set_title(f"{gpu} cluster (0: no plan fits)", fontsize=10)
+        attention = "FlashAttention" if flash == "flash" else "no FlashAttention"
+        ax.set_title(f"{gpu} cluster, {attention} (0: no plan fits)", fontsize=10)
         ax.legend(fontsize=7, ncol=3)
     return _finish(fig, "Mist vs Megatron-LM, Aceso-style and ZeRO-3", data["provenance"], "mist_speedup.png")
 

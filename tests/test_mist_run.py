@@ -35,17 +35,19 @@ def _torchrun(plan: Plan, tmp_path: Path, steps: int = 5) -> dict:
     return json.loads(out.read_text())
 
 
-def _plan(tp: int, layers: list[int], recompute: list[int]) -> Plan:
-    stages = [StagePlan(layers=n, recompute=r) for n, r in zip(layers, recompute, strict=True)]
-    return Plan("gpt3-tiny", "cpu", 2, 8, 8, tp, 1, 2, stages, sequence_parallel=False)
+def _plan(tp: int, layers: list[int], recompute: list[int], dp: int = 1, zero: int = 0) -> Plan:
+    stages = [StagePlan(layers=n, recompute=r, zero=zero) for n, r in zip(layers, recompute, strict=True)]
+    return Plan("gpt3-tiny", "cpu", 2, 8, 8, tp, dp, 2, stages, sequence_parallel=False)
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
-    ("tp", "layers", "recompute"), [(2, [4], [1]), (1, [1, 3], [1, 0])], ids=["tp2", "pp2"]
+    ("tp", "layers", "recompute", "dp", "zero"),
+    [(2, [4], [1], 1, 0), (1, [1, 3], [1, 0], 1, 0), (1, [4], [2], 2, 1)],
+    ids=["tp2", "pp2", "dp2-zero1"],
 )
-def test_plan_trains_on_megatron_core_and_memory_matches(tmp_path, tp, layers, recompute):
-    plan = _plan(tp, layers, recompute)
+def test_plan_trains_on_megatron_core_and_memory_matches(tmp_path, tp, layers, recompute, dp, zero):
+    plan = _plan(tp, layers, recompute, dp, zero)
     report = _torchrun(plan, tmp_path)
     losses = next(r["losses"] for r in report["ranks"] if r["losses"] is not None)
     assert losses[-1] < losses[0] - 0.5  # the same few sequences every step: it must learn them
@@ -84,4 +86,4 @@ def test_unsupported_parts_are_named():
         [StagePlan(layers=2, zero=2), StagePlan(layers=2, offload_grads=0.5)],
     )
     reasons = " | ".join(unsupported(plan))
-    assert "ZeRO" in reasons and "offloading" in reasons and "sequence parallelism" in reasons
+    assert "ZeRO stage 2/3" in reasons and "offloading" in reasons and "sequence parallelism" in reasons

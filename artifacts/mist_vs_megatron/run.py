@@ -131,6 +131,7 @@ ENGINE_PLANS = {
     "tp2": {"tp": 2, "dp": 1, "stages": [{"layers": 4, "recompute": 1}]},
     "pp2": {"tp": 1, "dp": 1, "stages": [{"layers": 1, "recompute": 1}, {"layers": 3}]},
     "dp2": {"tp": 1, "dp": 2, "stages": [{"layers": 4, "recompute": 2}]},
+    "dp2-zero1": {"tp": 1, "dp": 2, "stages": [{"layers": 4, "recompute": 2, "zero": 1}]},
 }
 ENGINE_STEPS = 6
 

@@ -12,7 +12,8 @@ pipeline stages); around its modules this file runs the plan's parts it has no s
 * half-precision weights with fp32 master weights and AdamW (measure.training).
 
 Refused with a message naming the part: stages with their own TP/DP, uneven middle stages,
-ZeRO 1-3 and CPU offloading (not implemented here yet). On a CPU it runs with gloo and the
+ZeRO-2/3 and CPU offloading (not implemented here yet). ZeRO-1 shards fp32 master weights and
+Adam state over the DP replicas (ShardedMasterAdamW). On a CPU it runs with gloo and the
 CUDA stand-ins of cpu_shim; on GPUs with NCCL. Each rank reports its losses, step times and
 memory (exact tensor bytes held + the allocator peak of a step), rank 0 gathers them.
 """
@@ -43,8 +44,8 @@ def unsupported(plan: Plan) -> list[str]:
         reasons.append(
             f"uneven middle stages {[s.layers for s in plan.stages]} (megatron-core: first/last only)"
         )
-    if any(s.zero for s in plan.stages):
-        reasons.append("ZeRO (stage 1-3)")
+    if any(s.zero >= 2 for s in plan.stages):
+        reasons.append("ZeRO stage 2/3")
     if any(
         s.offload_weights or s.offload_grads or s.offload_optimizer or s.offload_activations
         for s in plan.stages
@@ -167,6 +168,44 @@ class _Pipeline:
         return loss / len(self.batches)
 
 
+class ShardedMasterAdamW:
+    """ZeRO-1 around megatron-core's modules: each DP rank keeps the fp32 master weights and
+    Adam state of its share of the parameters only (greedy by size), steps them, and broadcasts
+    the updated half-precision weights to the other replicas."""
+
+    def __init__(self, params, group, lr: float) -> None:
+        from measure.training import MasterWeightAdamW
+
+        self.params = [p for p in params if p.requires_grad]
+        self.group = group
+        ranks = dist.get_process_group_ranks(group)
+        load = [0] * len(ranks)
+        self.owner: dict[int, int] = {}
+        for p in sorted(self.params, key=lambda q: q.numel(), reverse=True):
+            k = min(range(len(ranks)), key=load.__getitem__)
+            self.owner[id(p)] = ranks[k]
+            load[k] += p.numel()
+        me = dist.get_rank()
+        self.inner = MasterWeightAdamW([p for p in self.params if self.owner[id(p)] == me], lr=lr)
+
+    @property
+    def state(self):
+        return self.inner.state
+
+    def step(self) -> None:
+        if self.inner.model_params:
+            self.inner.step()
+        for p in self.params:
+            dist.broadcast(p.data, src=self.owner[id(p)], group=self.group)
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        return self.inner.state_tensors()
+
+
 def _tensor_bytes(tensors) -> int:
     seen, total = set(), 0
     for t in tensors:
@@ -220,7 +259,11 @@ def run(plan: Plan, steps: int = 5, seed: int = 0, lr: float = 1e-2) -> dict:
     stage = ps.get_pipeline_model_parallel_rank()
     _checkpoint_first_layers(model, plan.stages[stage].recompute)
     model = Float16Module(model.config, model)  # megatron's half-precision wrapper: casts inputs and outputs
-    optimizer = MasterWeightAdamW(model.parameters(), lr=lr)
+    zero = plan.stages[stage].zero
+    if zero == 1 and plan.dp > 1:
+        optimizer = ShardedMasterAdamW(model.parameters(), ps.get_data_parallel_group(), lr)
+    else:
+        optimizer = MasterWeightAdamW(model.parameters(), lr=lr)
     # The same few sequences every step: a decreasing loss shows the whole pipeline learns.
     g = torch.Generator().manual_seed(seed + ps.get_data_parallel_rank())
     batches = [
