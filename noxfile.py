@@ -69,8 +69,9 @@ GPU_THROUGHPUT = (
 
 @nox.session
 def gpu_check(session: nox.Session) -> None:
-    """Every GPU test and micro-benchmark, then Tempo's measured max batch and throughput, in
-    one run (needs CUDA). Results with machine and commit info go under artifacts/*/results/.
+    """Every GPU test and micro-benchmark, then Tempo's measured max batch and throughput and
+    Mist's single-GPU engine check, in one run (needs CUDA). Results with machine and commit
+    info go under artifacts/*/results/.
     GPU_CHECK_DRY_RUN=1: the same on CPU at tiny scale, results to a temp dir."""
     probe = "import sys, torch; sys.exit(not torch.cuda.is_available())"
     if subprocess.run([_venv_python(), "-c", probe]).returncode != 0:
@@ -95,6 +96,10 @@ def gpu_check(session: nox.Session) -> None:
         session, "-m", "artifacts.tempo_bert.run", *throughput,
         "--device", device, "--results", str(tempo_results),
     )  # fmt: skip
+    # Mist: `mist profile` on the device, then single-GPU plans (no/half/full recompute) trained
+    # by megatron-core, memory and time against the prediction.
+    engine = ["--cpu-dry-run", "--results", str(tempo_results)] if device == "cpu" else []
+    _run(session, "-m", "artifacts.mist_vs_megatron.engine", *engine)
 
 
 @nox.session

@@ -18,13 +18,14 @@ FlashAttention on and off; --scale paper gives the Aceso-style search a longer b
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 from pathlib import Path
 
 from measure.parallel import map_points
 from measure.results import ResultFile, provenance
+
+from .engine import CPU_ENGINE, run_engine
 
 RESULTS = Path(__file__).parent / "results"
 SIZES = [("1.3b", 2, 32), ("2.7b", 4, 64), ("7b", 8, 128), ("13b", 16, 256), ("22b", 32, 512)]  # GPUs, batch
@@ -126,107 +127,6 @@ def ablation_point(gpu: str, arch: str, size: str) -> dict:
     return out
 
 
-# Plans run for real: megatron-core on 2 gloo processes (torchrun), tiny GPT-3 (h 64, 4 layers).
-ENGINE_PLANS = {
-    "tp2": {"tp": 2, "dp": 1, "stages": [{"layers": 4, "recompute": 1}]},
-    "pp2": {"tp": 1, "dp": 1, "stages": [{"layers": 1, "recompute": 1}, {"layers": 3}]},
-    "dp2": {"tp": 1, "dp": 2, "stages": [{"layers": 4, "recompute": 2}]},
-    "dp2-zero1": {"tp": 1, "dp": 2, "stages": [{"layers": 4, "recompute": 2, "zero": 1}]},
-}
-ENGINE_STEPS = 6
-
-
-def engine_point(name: str, profile_dir: Path, work: Path) -> dict:
-    """Train one plan with megatron-core under torchrun; measured vs predicted memory and time,
-    the time predicted with a runtime model fitted to `mist profile` of this CPU."""
-    import socket
-    import subprocess
-    import sys
-
-    from mist import Plan, cluster, model, predict
-    from mist.costs import calibrate
-
-    fit = next(iter(calibrate(profile_dir).values()))
-    base = {
-        "model": "gpt3-tiny",
-        "gpu": "cpu",
-        "gpus": 2,
-        "gpus_per_node": 8,
-        "global_batch": 8,
-        "micro_batch": 2,
-    }
-    plan = Plan.from_dict({**base, "sequence_parallel": False, **ENGINE_PLANS[name]})
-    predict(plan, model("gpt3-tiny"), cluster("cpu", 2), runtime=fit["model"])
-    path, out = work / f"{name}.yaml", work / f"{name}.json"
-    plan.save(path)
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    launch = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        "2",
-        "--master-port",
-        str(port),
-    ]
-    cmd = [*launch, "-m", "mist.run", "--plan", str(path), "--steps", str(ENGINE_STEPS), "--out", str(out)]
-    subprocess.run(
-        cmd, check=True, capture_output=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"}
-    )
-    report = json.loads(out.read_text())
-    ranks = []
-    for r in report["ranks"]:
-        predicted = plan.stages[r["stage"]].memory_gib * 2**30
-        measured = r["memory_bytes"]
-        ranks.append({"rank": r["rank"], "stage": r["stage"], "measured_bytes": measured,
-                      "predicted_bytes": predicted, "memory_error": predicted / measured - 1})  # fmt: skip
-    step_s = statistics.median(x for r in report["ranks"] for x in r["step_s"][2:])
-    losses = next(r["losses"] for r in report["ranks"] if r["losses"] is not None)
-    return {
-        "plan": ENGINE_PLANS[name],
-        "losses": losses,
-        "ranks": ranks,
-        "measured_step_s": step_s,
-        "predicted_step_s": plan.predicted_iteration_s,
-        "time_error": plan.predicted_iteration_s / step_s - 1,
-        "runtime_model": fit["model"].source,
-        "runtime_model_held_out_error": fit["mean_abs_error"],
-    }
-
-
-def run_engine(results: Path, force: bool) -> ResultFile:
-    import tempfile
-
-    import torch
-
-    from mist.profile import write_profiles
-
-    store = ResultFile(
-        results / "engine.json",
-        provenance(
-            {
-                "part": "engine",
-                "plans": ENGINE_PLANS,
-                "steps": ENGINE_STEPS,
-                "model": "gpt3-tiny",
-                "backend": "gloo",
-                "processes": 2,
-            }
-        ),
-        force,
-    )
-    todo = [n for n in ENGINE_PLANS if not store.done(n)]
-    if todo:
-        with tempfile.TemporaryDirectory() as tmp:
-            profiles = Path(tmp) / "profiles"
-            write_profiles(profiles, "cpu", 64, 4, 32, [1, 2, 4], [1, 2], torch.bfloat16, "cpu", repeats=5)
-            for name in todo:
-                store.add(name, engine_point(name, profiles, Path(tmp)))
-    return store
-
-
 def speedups(store: ResultFile, versus: str) -> dict[str, list[float]]:
     """Per GPU: Mist's speedup over ``versus`` on every case both could plan."""
     out: dict[str, list[float]] = {}
@@ -284,7 +184,7 @@ def main(argv: list[str] | None = None) -> None:
     for (gpu, arch, size), result in map_points(ablation_point, todo, args.jobs, "ablation"):
         abl_store.add(f"{gpu}/{arch}-{size}", result)
 
-    engine = run_engine(args.results, args.force)
+    engine = run_engine(CPU_ENGINE, args.results, args.force)
     print("\nPlans trained by megatron-core (2 gloo processes), measured vs predicted:")
     for name, r in engine.points.items():
         worst = max(r["ranks"], key=lambda x: abs(x["memory_error"]))

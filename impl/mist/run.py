@@ -80,7 +80,7 @@ def _config(spec, plan: Plan, dtype: torch.dtype):
         num_query_groups=spec.kv,
         ffn_hidden_size=spec.ffn_hidden,
         add_bias_linear=False,
-        use_cpu_initialization=True,
+        use_cpu_initialization=not torch.cuda.is_available(),  # on a GPU: initialise there (fast)
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
@@ -121,15 +121,18 @@ class _Pipeline:
         self.prev = None if self.first else ps.get_pipeline_model_parallel_prev_rank()
         seq = spec.seq // plan.tp if plan.tp > 1 else spec.seq
         self.shape = (seq, plan.micro_batch, spec.hidden)  # megatron's [s, b, h] between stages
-        self.mask = torch.ones(1, 1, spec.seq, spec.seq, dtype=torch.bool).tril().logical_not()
+        self.device = batches[0].device
+        self.mask = (
+            torch.ones(1, 1, spec.seq, spec.seq, dtype=torch.bool, device=self.device).tril().logical_not()
+        )
 
     def forward(self, m: int, pending: list):
         tokens = self.batches[m]
         ids, labels = tokens[:, :-1], tokens[:, 1:]
-        pos = torch.arange(self.spec.seq).expand(ids.shape[0], -1)
+        pos = torch.arange(self.spec.seq, device=self.device).expand(ids.shape[0], -1)
         received = None
         if not self.first:
-            received = torch.empty(self.shape, dtype=self.dtype)
+            received = torch.empty(self.shape, dtype=self.dtype, device=self.device)
             dist.recv(received, self.prev)
             received.requires_grad_(True)
         self.model.set_input_tensor(received)
@@ -144,7 +147,7 @@ class _Pipeline:
         if self.last:
             out.backward()
         else:
-            grad = torch.empty(self.shape, dtype=out.dtype)
+            grad = torch.empty(self.shape, dtype=out.dtype, device=self.device)
             dist.recv(grad, self.next)
             torch.autograd.backward(out, grad)
         if received is not None:
@@ -206,6 +209,20 @@ class ShardedMasterAdamW:
         return self.inner.state_tensors()
 
 
+def _step_peak(step, device: torch.device) -> tuple[int, float]:
+    """(peak bytes allocated above the level at the step's start, the step's loss)."""
+    if device.type != "cuda":
+        from measure.cpu_peak import cpu_peak_bytes
+
+        return cpu_peak_bytes(step)
+    torch.cuda.synchronize(device)
+    start = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    loss = step()
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - start, loss
+
+
 def _tensor_bytes(tensors) -> int:
     seen, total = set(), 0
     for t in tensors:
@@ -218,7 +235,6 @@ def _tensor_bytes(tensors) -> int:
 
 def run(plan: Plan, steps: int = 5, seed: int = 0, lr: float = 1e-2) -> dict:
     """Train ``steps`` iterations of ``plan`` on this process group; the report of this rank."""
-    from measure.cpu_peak import cpu_peak_bytes
     from measure.training import MasterWeightAdamW
 
     from . import cpu_shim
@@ -228,6 +244,8 @@ def run(plan: Plan, steps: int = 5, seed: int = 0, lr: float = 1e-2) -> dict:
     if reasons:
         raise ValueError("mist.run cannot execute this plan yet: " + "; ".join(reasons))
     cpu_shim.install()
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     if not dist.is_initialized():
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     if dist.get_world_size() != plan.gpus:
@@ -256,6 +274,12 @@ def run(plan: Plan, steps: int = 5, seed: int = 0, lr: float = 1e-2) -> dict:
         share_embeddings_and_output_weights=False,
         position_embedding_type="rope" if spec.arch in ("llama", "falcon") else "learned_absolute",
     ).train()
+    device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if torch.cuda.is_available()
+        else torch.device("cpu")
+    )
+    model = model.to(device)
     stage = ps.get_pipeline_model_parallel_rank()
     _checkpoint_first_layers(model, plan.stages[stage].recompute)
     model = Float16Module(model.config, model)  # megatron's half-precision wrapper: casts inputs and outputs
@@ -267,7 +291,7 @@ def run(plan: Plan, steps: int = 5, seed: int = 0, lr: float = 1e-2) -> dict:
     # The same few sequences every step: a decreasing loss shows the whole pipeline learns.
     g = torch.Generator().manual_seed(seed + ps.get_data_parallel_rank())
     batches = [
-        torch.randint(0, spec.vocab, (plan.micro_batch, spec.seq + 1), generator=g)
+        torch.randint(0, spec.vocab, (plan.micro_batch, spec.seq + 1), generator=g).to(device)
         for _ in range(plan.grad_accum)
     ]
     pipeline = _Pipeline(model, spec, plan, batches)
@@ -291,7 +315,7 @@ def run(plan: Plan, steps: int = 5, seed: int = 0, lr: float = 1e-2) -> dict:
     for i in range(steps):
         t0 = time.perf_counter()
         if i == 1:  # the optimizer state exists from step 0 on: measure a steady step
-            peak, loss = cpu_peak_bytes(step)
+            peak, loss = _step_peak(step, device)
         else:
             loss = step()
         times.append(time.perf_counter() - t0)

@@ -1,0 +1,147 @@
+"""Plans run for real: megatron-core under torchrun (mist.run), measured against the prediction.
+
+Per plan: per-rank memory (exact tensor bytes held + the allocator peak of a step) and the
+step time, next to what Mist predicts; the time with a runtime model fitted to ``mist profile``
+of the device the plans run on (made first, held-out error reported).
+
+    CPU_ENGINE: a tiny GPT-3 on 2 gloo processes (TP=2, PP=2, DP=2, DP=2 + ZeRO-1)
+    GPU_ENGINE: GPT-3 1.3B on one GPU with no, half and full recomputation (nox -s gpu_check)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from measure.results import ResultFile, provenance
+
+
+@dataclass(frozen=True)
+class EngineSetup:
+    name: str  # result file stem
+    model: str
+    gpu: str  # the device preset predictions are made for
+    processes: int
+    global_batch: int
+    micro_batch: int
+    plans: dict  # name -> plan fields (tp, dp, stages)
+    profile: dict  # `mist profile` arguments: hidden, heads, seq, micro_batches, tps, dtype
+    device: str
+    steps: int = 6
+
+
+CPU_ENGINE = EngineSetup(
+    name="engine", model="gpt3-tiny", gpu="cpu", processes=2, global_batch=8, micro_batch=2,
+    plans={
+        "tp2": {"tp": 2, "dp": 1, "stages": [{"layers": 4, "recompute": 1}]},
+        "pp2": {"tp": 1, "dp": 1, "stages": [{"layers": 1, "recompute": 1}, {"layers": 3}]},
+        "dp2": {"tp": 1, "dp": 2, "stages": [{"layers": 4, "recompute": 2}]},
+        "dp2-zero1": {"tp": 1, "dp": 2, "stages": [{"layers": 4, "recompute": 2, "zero": 1}]},
+    },
+    profile={"hidden": 64, "heads": 4, "seq": 32, "micro_batches": [1, 2, 4], "tps": [1, 2], "dtype": "bf16"},
+    device="cpu",
+)  # fmt: skip
+GPU_ENGINE = EngineSetup(
+    name="gpu_engine", model="gpt3-1.3b", gpu="h200", processes=1, global_batch=8, micro_batch=2,
+    plans={
+        f"recompute-{r}": {"tp": 1, "dp": 1, "stages": [{"layers": 24, "recompute": r}]} for r in (0, 12, 24)
+    },
+    profile={"hidden": 2048, "heads": 16, "seq": 2048, "micro_batches": [1, 2, 4], "tps": [1],
+             "dtype": "bf16"},
+    device="cuda",
+    steps=5,
+)  # fmt: skip
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def engine_point(setup: EngineSetup, name: str, fit: dict, work: Path) -> dict:
+    from mist import Plan, cluster, model, predict
+
+    base = {"model": setup.model, "gpu": setup.gpu, "gpus": setup.processes, "gpus_per_node": 8,
+            "global_batch": setup.global_batch, "micro_batch": setup.micro_batch,
+            "sequence_parallel": False}  # fmt: skip
+    plan = Plan.from_dict({**base, **setup.plans[name]})
+    predict(plan, model(setup.model), cluster(setup.gpu, setup.processes), runtime=fit["model"])
+    path, out = work / f"{name}.yaml", work / f"{name}.json"
+    plan.save(path)
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(setup.processes),
+              "--master-port", str(_free_port())]  # fmt: skip
+    cmd = [*launch, "-m", "mist.run", "--plan", str(path), "--steps", str(setup.steps), "--out", str(out)]
+    done = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"mist.run failed for {name}:\n{done.stderr[-3000:]}")
+    report = json.loads(out.read_text())
+    ranks = []
+    for r in report["ranks"]:
+        predicted, measured = plan.stages[r["stage"]].memory_gib * 2**30, r["memory_bytes"]
+        ranks.append({"rank": r["rank"], "stage": r["stage"], "measured_bytes": measured,
+                      "predicted_bytes": predicted, "memory_error": predicted / measured - 1})  # fmt: skip
+    step_s = statistics.median(x for r in report["ranks"] for x in r["step_s"][2:])
+    return {
+        "plan": setup.plans[name],
+        "losses": next(r["losses"] for r in report["ranks"] if r["losses"] is not None),
+        "ranks": ranks,
+        "measured_step_s": step_s,
+        "predicted_step_s": plan.predicted_iteration_s,
+        "time_error": plan.predicted_iteration_s / step_s - 1,
+        "runtime_model": fit["model"].source,
+        "runtime_model_held_out_error": fit["mean_abs_error"],
+    }
+
+
+def run_engine(setup: EngineSetup, results: Path, force: bool) -> ResultFile:
+    import torch
+
+    from mist.costs import calibrate
+    from mist.profile import write_profiles
+
+    store = ResultFile(
+        results / f"{setup.name}.json", provenance({"part": "engine", **asdict(setup)}, setup.device), force
+    )
+    todo = [n for n in setup.plans if not store.done(n)]
+    if todo:
+        with tempfile.TemporaryDirectory() as tmp:
+            profiles, prof = Path(tmp) / "profiles", setup.profile
+            dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[prof["dtype"]]
+            shape = (prof["hidden"], prof["heads"], prof["seq"], prof["micro_batches"], prof["tps"])
+            write_profiles(profiles, setup.device, *shape, dtype, setup.gpu, repeats=5)
+            fit = next(iter(calibrate(profiles).values()))
+            for name in todo:
+                store.add(name, engine_point(setup, name, fit, Path(tmp)))
+    return store
+
+
+def main(argv: list[str] | None = None) -> None:
+    """The GPU engine check (nox -s gpu_check): ``python -m artifacts.mist_vs_megatron.engine``."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--results", type=Path, default=Path(__file__).parent / "results")
+    ap.add_argument("--cpu-dry-run", action="store_true", help="the CPU setup instead (tests this script)")
+    ap.add_argument("--force", action="store_true")
+    args = ap.parse_args(argv)
+    setup = CPU_ENGINE if args.cpu_dry_run else GPU_ENGINE
+    store = run_engine(setup, args.results, args.force)
+    for name, r in store.points.items():
+        worst = max(r["ranks"], key=lambda x: abs(x["memory_error"]))
+        measured, predicted = r["measured_step_s"] * 1e3, r["predicted_step_s"] * 1e3
+        print(f"{name}: memory {worst['memory_error']:+.1%}, step {measured:.1f} ms measured, "
+              f"{predicted:.1f} ms predicted ({r['time_error']:+.0%})")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
