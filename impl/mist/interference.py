@@ -9,7 +9,6 @@ directions were launched together and the wall time of the group measured.
 
 from __future__ import annotations
 
-import itertools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -156,7 +155,3 @@ def fit_interference(path: Path) -> tuple[Interference, dict]:
         "held_out_max_abs_error": float(after.max()),
     }
     return inter, report
-
-
-def all_subsets() -> list[tuple[str, ...]]:
-    return [c for n in range(1, 5) for c in itertools.combinations(CHANNELS, n)]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -254,7 +254,3 @@ def load_interference(gpu: str) -> Interference:
     if path.exists():
         return Interference.from_json(json.loads(path.read_text()))
     return Interference()
-
-
-def with_model(plan: Plan, model: ModelSpec) -> Plan:
-    return replace(plan, model=model.name)

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .pipeline_sim import pipeline_objective
+
 
 def pareto_frontier(steady: np.ndarray, extra: np.ndarray) -> np.ndarray:
     """Indices of the exact non-dominated points (minimising both), sorted by steady time.
@@ -62,12 +64,6 @@ class InterStageSolution:
     layers: tuple[int, ...]
     points: tuple[int, ...]  # chosen frontier point per stage
     optimal: bool
-
-
-def pipeline_time(steady, extra, micro_batches: int) -> float:
-    from .pipeline_sim import pipeline_objective
-
-    return pipeline_objective(steady, extra, micro_batches)
 
 
 def solve_inter_stage(
@@ -155,4 +151,4 @@ def solve_inter_stage(
     if len(chosen) != stages:
         return None
     optimal = status == highspy.HighsModelStatus.kOptimal
-    return InterStageSolution(pipeline_time(t, d, micro_batches), layers, points, optimal)
+    return InterStageSolution(pipeline_objective(t, d, micro_batches), layers, points, optimal)
