@@ -4,7 +4,7 @@ Per plan: per-rank memory (exact tensor bytes held + the allocator peak of a ste
 step time, next to what Mist predicts; the time with a runtime model fitted to ``mist profile``
 of the device the plans run on (made first, held-out error reported).
 
-    CPU_ENGINE: a tiny GPT-3 on 2 gloo processes (TP=2, PP=2, DP=2, DP=2 + ZeRO-1)
+    CPU_ENGINE: a tiny GPT-3 on 2 gloo processes (TP=2, PP=2, DP=2, DP=2 + ZeRO-1, + ZeRO-2)
     GPU_ENGINE: GPT-3 1.3B on one GPU with no, half and full recomputation (nox -s gpu_check)
 """
 
@@ -44,6 +44,7 @@ CPU_ENGINE = EngineSetup(
         "pp2": {"tp": 1, "dp": 1, "stages": [{"layers": 1, "recompute": 1}, {"layers": 3}]},
         "dp2": {"tp": 1, "dp": 2, "stages": [{"layers": 4, "recompute": 2}]},
         "dp2-zero1": {"tp": 1, "dp": 2, "stages": [{"layers": 4, "recompute": 2, "zero": 1}]},
+        "dp2-zero2": {"tp": 1, "dp": 2, "stages": [{"layers": 4, "recompute": 2, "zero": 2}]},
     },
     profile={"hidden": 64, "heads": 4, "seq": 32, "micro_batches": [1, 2, 4], "tps": [1, 2], "dtype": "bf16"},
     device="cpu",

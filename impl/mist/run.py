@@ -12,10 +12,11 @@ pipeline stages); around its modules this file runs the plan's parts it has no s
 * half-precision weights with fp32 master weights and AdamW (measure.training).
 
 Refused with a message naming the part: stages with their own TP/DP, uneven middle stages,
-ZeRO-2/3 and CPU offloading (not implemented here yet). ZeRO-1 shards fp32 master weights and
-Adam state over the DP replicas (ShardedMasterAdamW). On a CPU it runs with gloo and the
-CUDA stand-ins of cpu_shim; on GPUs with NCCL. Each rank reports its losses, step times and
-memory (exact tensor bytes held + the allocator peak of a step), rank 0 gathers them.
+ZeRO-3 and CPU offloading (not implemented here yet). ZeRO-1 shards fp32 master weights and
+Adam state over the DP replicas, ZeRO-2 the gradients too (ShardedMasterAdamW). On a CPU it
+runs with gloo and the CUDA stand-ins of cpu_shim; on GPUs with NCCL. Each rank reports its
+losses, step times and memory (exact tensor bytes held + the allocator peak of a step); rank 0
+gathers them.
 """
 
 from __future__ import annotations
@@ -44,8 +45,10 @@ def unsupported(plan: Plan) -> list[str]:
         reasons.append(
             f"uneven middle stages {[s.layers for s in plan.stages]} (megatron-core: first/last only)"
         )
-    if any(s.zero >= 2 for s in plan.stages):
-        reasons.append("ZeRO stage 2/3")
+    if any(s.zero >= 3 for s in plan.stages):
+        reasons.append("ZeRO stage 3")
+    if any(s.zero == 2 for s in plan.stages) and plan.sequence_parallel and plan.tp > 1:
+        reasons.append("ZeRO-2 with sequence parallelism (its TP gradient sums are not wired in)")
     if any(
         s.offload_weights or s.offload_grads or s.offload_optimizer or s.offload_activations
         for s in plan.stages
@@ -172,11 +175,13 @@ class _Pipeline:
 
 
 class ShardedMasterAdamW:
-    """ZeRO-1 around megatron-core's modules: each DP rank keeps the fp32 master weights and
+    """ZeRO-1/2 around megatron-core's modules: each DP rank keeps the fp32 master weights and
     Adam state of its share of the parameters only (greedy by size), steps them, and broadcasts
-    the updated half-precision weights to the other replicas."""
+    the updated half-precision weights to the other replicas. With ``shard_grads`` (ZeRO-2) each
+    gradient is reduced to its owner as soon as a micro-batch's backward produces it and freed
+    elsewhere, so no rank holds the full gradients."""
 
-    def __init__(self, params, group, lr: float) -> None:
+    def __init__(self, params, group, lr: float, shard_grads: bool = False) -> None:
         from measure.training import MasterWeightAdamW
 
         self.params = [p for p in params if p.requires_grad]
@@ -189,13 +194,31 @@ class ShardedMasterAdamW:
             self.owner[id(p)] = ranks[k]
             load[k] += p.numel()
         me = dist.get_rank()
+        self.dp = len(ranks)
         self.inner = MasterWeightAdamW([p for p in self.params if self.owner[id(p)] == me], lr=lr)
+        self.reduced: dict[int, torch.Tensor] = {}  # owned parameters' summed gradients (ZeRO-2)
+        self.shard_grads = shard_grads
+        if shard_grads:
+            for p in self.params:
+                p.register_post_accumulate_grad_hook(self._reduce_to_owner)
+
+    def _reduce_to_owner(self, p: torch.Tensor) -> None:
+        grad, p.grad = p.grad, None
+        owner = self.owner[id(p)]
+        dist.reduce(grad, dst=owner, group=self.group)
+        if owner == dist.get_rank():
+            so_far = self.reduced.get(id(p))
+            self.reduced[id(p)] = grad if so_far is None else so_far.add_(grad)
 
     @property
     def state(self):
         return self.inner.state
 
     def step(self) -> None:
+        if self.shard_grads:  # the owner's averaged gradients, for the master-weight step
+            for p in self.inner.model_params:
+                summed = self.reduced.pop(id(p), None)
+                p.grad = None if summed is None else summed.div_(self.dp)
         if self.inner.model_params:
             self.inner.step()
         for p in self.params:
@@ -284,8 +307,10 @@ def run(plan: Plan, steps: int = 5, seed: int = 0, lr: float = 1e-2) -> dict:
     _checkpoint_first_layers(model, plan.stages[stage].recompute)
     model = Float16Module(model.config, model)  # megatron's half-precision wrapper: casts inputs and outputs
     zero = plan.stages[stage].zero
-    if zero == 1 and plan.dp > 1:
-        optimizer = ShardedMasterAdamW(model.parameters(), ps.get_data_parallel_group(), lr)
+    if zero in (1, 2) and plan.dp > 1:
+        optimizer = ShardedMasterAdamW(
+            model.parameters(), ps.get_data_parallel_group(), lr, shard_grads=zero == 2
+        )
     else:
         optimizer = MasterWeightAdamW(model.parameters(), lr=lr)
     # The same few sequences every step: a decreasing loss shows the whole pipeline learns.
@@ -304,7 +329,7 @@ def run(plan: Plan, steps: int = 5, seed: int = 0, lr: float = 1e-2) -> dict:
                 continue
             if getattr(p, "sequence_parallel", False) and plan.tp > 1:
                 dist.all_reduce(p.grad, group=tp_group)  # partial sums over the sequence shards
-            if plan.dp > 1:
+            if plan.dp > 1 and zero != 2:  # ZeRO-2 reduced each gradient to its owner already
                 dist.all_reduce(p.grad, group=dp_group)
                 p.grad /= plan.dp
         optimizer.step()
