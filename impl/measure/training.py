@@ -61,10 +61,12 @@ class MasterWeightAdamW:
         dynamic_loss_scale: bool = False,
         init_scale: float = 2.0**16,
         growth_interval: int = 1000,
+        foreach: bool | None = None,
     ) -> None:
         self.model_params = [p for p in params if p.requires_grad]
         self.master_params = [p.detach().float().clone().requires_grad_(True) for p in self.model_params]
-        self.inner = torch.optim.AdamW(self.master_params, lr=lr, weight_decay=weight_decay)
+        # foreach=False steps one tensor at a time: no full-size temporaries, like a fused Adam
+        self.inner = torch.optim.AdamW(self.master_params, lr=lr, weight_decay=weight_decay, foreach=foreach)
         self.loss_scale = init_scale if dynamic_loss_scale else 1.0
         self.dynamic = dynamic_loss_scale
         self.growth_interval = growth_interval

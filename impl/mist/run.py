@@ -9,7 +9,8 @@ pipeline stages); around its modules this file runs the plan's parts it has no s
   checkpointed);
 * data-parallel gradient averaging, and the all-reduce of sequence-parallel parameters' grads
   across the TP group;
-* half-precision weights with fp32 master weights and AdamW (measure.training).
+* half-precision weights with fp32 master weights and AdamW (measure.training), stepped one
+  tensor at a time as a fused Adam (Megatron's) does, without full-size temporaries.
 
 Refused with a message naming the part: stages with their own TP/DP, uneven middle stages,
 ZeRO-3 and CPU offloading (not implemented here yet). ZeRO-1 shards fp32 master weights and
@@ -195,7 +196,9 @@ class ShardedMasterAdamW:
             load[k] += p.numel()
         me = dist.get_rank()
         self.dp = len(ranks)
-        self.inner = MasterWeightAdamW([p for p in self.params if self.owner[id(p)] == me], lr=lr)
+        self.inner = MasterWeightAdamW(
+            [p for p in self.params if self.owner[id(p)] == me], lr=lr, foreach=False
+        )
         self.reduced: dict[int, torch.Tensor] = {}  # owned parameters' summed gradients (ZeRO-2)
         self.shard_grads = shard_grads
         if shard_grads:
@@ -312,7 +315,7 @@ def run(plan: Plan, steps: int = 5, seed: int = 0, lr: float = 1e-2) -> dict:
             model.parameters(), ps.get_data_parallel_group(), lr, shard_grads=zero == 2
         )
     else:
-        optimizer = MasterWeightAdamW(model.parameters(), lr=lr)
+        optimizer = MasterWeightAdamW(model.parameters(), lr=lr, foreach=False)
     # The same few sequences every step: a decreasing loss shows the whole pipeline learns.
     g = torch.Generator().manual_seed(seed + ps.get_data_parallel_rank())
     batches = [
