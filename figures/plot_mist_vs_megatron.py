@@ -5,33 +5,15 @@ python figures/plot_mist_vs_megatron.py
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
-import matplotlib
+from _common import ROOT, finish, plt  # first: sets the headless backend and the import path
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "impl"))
-from measure.results import load_results  # noqa: E402
+from measure.results import load_results
 
 RESULTS = ROOT / "artifacts" / "mist_vs_megatron" / "results"
-OUT = Path(__file__).parent
+PREDICTED = "; predicted by Mist's cost model"
 SYSTEMS = {"mist": "Mist", "aceso": "Aceso-style", "zero3": "ZeRO-3"}
-
-
-def _finish(fig, title: str, prov: dict, name: str) -> Path:
-    commit = (prov.get("git", {}).get("commit") or "?")[:10]
-    fig.suptitle(
-        f"{title}\nfrom {commit}, {prov.get('date_utc', '')}; predicted by Mist's cost model", fontsize=9
-    )
-    fig.tight_layout()
-    out = OUT / name
-    fig.savefig(out, dpi=130)
-    plt.close(fig)
-    return out
 
 
 def _cases(points: dict, gpu: str, flash: str = "flash") -> list[str]:
@@ -65,7 +47,13 @@ def plot_speedup() -> Path | None:
         attention = "FlashAttention" if flash == "flash" else "no FlashAttention"
         ax.set_title(f"{gpu} cluster, {attention} (0: no plan fits)", fontsize=10)
         ax.legend(fontsize=7, ncol=3)
-    return _finish(fig, "Mist vs Megatron-LM, Aceso-style and ZeRO-3", data["provenance"], "mist_speedup.png")
+    return finish(
+        fig,
+        "Mist vs Megatron-LM, Aceso-style and ZeRO-3",
+        data["provenance"],
+        "mist_speedup.png",
+        note=PREDICTED,
+    )
 
 
 def plot_tuning_time() -> Path | None:
@@ -87,7 +75,7 @@ def plot_tuning_time() -> Path | None:
     ax.set_xlabel("GPUs")
     ax.set_ylabel("tuning time on this machine, s")
     ax.legend(fontsize=7)
-    return _finish(fig, "Tuning time per case", data["provenance"], "mist_tuning_time.png")
+    return finish(fig, "Tuning time per case", data["provenance"], "mist_tuning_time.png")
 
 
 def plot_ablation() -> Path | None:
@@ -112,7 +100,9 @@ def plot_ablation() -> Path | None:
     ax.set_xticks(range(len(keys)), keys, rotation=45, fontsize=7)
     ax.set_ylabel("speedup over Megatron-LM grid")
     ax.legend(fontsize=7, ncol=4)
-    return _finish(fig, "Where Mist's gain comes from (GPT-3)", data["provenance"], "mist_ablation.png")
+    return finish(
+        fig, "Where Mist's gain comes from (GPT-3)", data["provenance"], "mist_ablation.png", note=PREDICTED
+    )
 
 
 if __name__ == "__main__":

@@ -5,37 +5,14 @@ python figures/plot_tempo_bert.py
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
-import matplotlib
+from _common import ROOT, finish, plt  # first: sets the headless backend and the import path
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "impl"))
-from measure.results import load_results  # noqa: E402
+from measure.results import load_results
 
 RESULTS = ROOT / "artifacts" / "tempo_bert" / "results"
-OUT = Path(__file__).parent
 MAIN = ["hf-eager", "hf-sdpa", "tempo", "tempo+sdpa", "checkpointing"]
-
-
-def _finish(fig, title: str, prov: dict, name: str, rect=(0, 0, 1, 1)) -> Path:
-    """Title with the results' provenance, tight layout, save under figures/, close."""
-    fig.suptitle(f"{title}\n{_source_note(prov)}", fontsize=9)
-    fig.tight_layout(rect=rect)
-    out = OUT / name
-    fig.savefig(out, dpi=130)
-    plt.close(fig)
-    return out
-
-
-def _source_note(prov: dict) -> str:
-    commit = (prov.get("git", {}).get("commit") or "?")[:10]
-    device = prov.get("device", {}).get("device", "?")
-    return f"from {commit} on {device}, {prov.get('date_utc', '')}"
 
 
 COMPONENTS = {  # module class name -> component, first match wins
@@ -88,7 +65,7 @@ def plot_activation() -> Path | None:
         "Activation memory per layer inside the model (batch 1, bf16; exact bytes; dropout and SDPA "
         "as their CUDA kernels keep them)"
     )
-    return _finish(fig, title, data["provenance"], "tempo_bert_activation.png", rect=(0, 0.06, 1, 1))
+    return finish(fig, title, data["provenance"], "tempo_bert_activation.png", rect=(0, 0.06, 1, 1))
 
 
 def plot_maxbatch() -> Path | None:
@@ -117,7 +94,7 @@ def plot_maxbatch() -> Path | None:
         ax.set_ylabel("largest batch that fits (estimated)")
         ax.legend(fontsize=7)
     title = "Max batch per GPU memory: fake-tensor estimate of a whole AdamW step (reserve 0.75 GiB + 5%)"
-    return _finish(fig, title, data["provenance"], "tempo_bert_max_batch.png")
+    return finish(fig, title, data["provenance"], "tempo_bert_max_batch.png")
 
 
 def plot_training() -> Path | None:
@@ -162,7 +139,7 @@ def plot_training() -> Path | None:
         ax.set_ylabel("training loss")
         ax.legend(fontsize=7)
     title = "Same training with and without Tempo (fp32, one seed for weights and data; offline corpus)"
-    return _finish(fig, title, data["provenance"], "tempo_bert_loss_curves.png")
+    return finish(fig, title, data["provenance"], "tempo_bert_loss_curves.png")
 
 
 def plot_throughput(device: str) -> Path | None:
@@ -196,7 +173,7 @@ def plot_throughput(device: str) -> Path | None:
         "measured max batch, allocator capped" if device == "cuda" else "estimated max batch; no memory wall"
     )
     title = f"Throughput vs batch on {device}: AdamW steps under a {budget};\n{where}"
-    return _finish(fig, title, data["provenance"], f"tempo_bert_throughput_{device}.png")
+    return finish(fig, title, data["provenance"], f"tempo_bert_throughput_{device}.png")
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from measure.parallel import map_points
 from measure.results import ResultFile, provenance
+from mist.schedule import STRATEGY_FIELDS
 
 from .engine import CPU_ENGINE, run_engine
 
@@ -46,21 +47,7 @@ def _summary(plan) -> dict:
         "dp": plan.dp,
         "micro_batch": plan.micro_batch,
         "stages": [
-            {
-                k: getattr(s, k)
-                for k in (
-                    "layers",
-                    "recompute",
-                    "zero",
-                    "offload_weights",
-                    "offload_grads",
-                    "offload_optimizer",
-                    "offload_activations",
-                    "tp",
-                    "dp",
-                    "memory_gib",
-                )
-            }
+            {k: getattr(s, k) for k in ("layers", *STRATEGY_FIELDS, "tp", "dp", "memory_gib")}
             for s in plan.stages
         ],
     }

@@ -54,9 +54,18 @@ def search_grid(
 ) -> Plan:
     runtime = runtime or load_runtime_model(cluster.gpu.name)
     interference = interference or load_interference(cluster.gpu.name)
+    what = f"no Megatron-LM grid configuration of {model.name} fits {cluster.gpus} x {cluster.gpu.name}"
+    return cheapest_fitting(
+        grid_plans(model, cluster, global_batch), model, cluster, runtime, interference, what
+    )
+
+
+def cheapest_fitting(plans, model, cluster, runtime, interference, what: str) -> Plan:
+    """Price every plan (closed form); the fastest that fits memory, timed as the search.
+    Raises NoFeasiblePlan with ``what`` and the memory the leanest plan needs."""
     start = time.perf_counter()
     best, tried, lowest = None, 0, float("inf")
-    for plan in grid_plans(model, cluster, global_batch):
+    for plan in plans:
         predict(plan, model, cluster, runtime, interference, simulate=False)
         tried += 1
         lowest = min(lowest, max(s.memory_gib for s in plan.stages))
@@ -65,10 +74,7 @@ def search_grid(
         ):
             best = plan
     if best is None:
-        raise NoFeasiblePlan(
-            f"no Megatron-LM grid configuration of {model.name} fits {cluster.gpus} x {cluster.gpu.name} "
-            f"({tried} tried; the leanest needs {lowest:.1f} GiB per GPU)"
-        )
+        raise NoFeasiblePlan(f"{what} ({tried} tried; the leanest needs {lowest:.1f} GiB per GPU)")
     best.tuning_s = time.perf_counter() - start
     return best
 

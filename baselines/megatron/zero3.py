@@ -4,13 +4,13 @@ with Mist's model (a one-stage plan with ZeRO stage 3)."""
 
 from __future__ import annotations
 
-import time
-
 from mist.costs import RuntimeModel, load_runtime_model
 from mist.interference import Interference
 from mist.plan import Plan, StagePlan
-from mist.planner import NoFeasiblePlan, load_interference, predict
+from mist.planner import load_interference
 from mist.specs import ClusterSpec, ModelSpec
+
+from .grid import cheapest_fitting
 
 MICRO_BATCHES = (1, 2, 4, 8, 16)
 
@@ -24,27 +24,24 @@ def search_zero3(
 ) -> Plan:
     runtime = runtime or load_runtime_model(cluster.gpu.name)
     interference = interference or load_interference(cluster.gpu.name)
-    start = time.perf_counter()
     dp = cluster.gpus
-    best, lowest = None, float("inf")
-    for mb in MICRO_BATCHES:
-        if global_batch % (dp * mb):
-            continue
-        for recompute in (0, model.layers):
-            stage = StagePlan(layers=model.layers, recompute=recompute, zero=3)
-            plan = Plan(
-                model.name, cluster.gpu.name, dp, cluster.gpus_per_node, global_batch, 1, dp, mb, [stage]
-            )
-            predict(plan, model, cluster, runtime, interference, simulate=False)
-            lowest = min(lowest, stage.memory_gib)
-            if plan.breakdown["fits"] and (
-                best is None or plan.predicted_iteration_s < best.predicted_iteration_s
-            ):
-                best = plan
-    if best is None:
-        raise NoFeasiblePlan(
-            f"ZeRO-3 over {dp} GPUs does not fit {model.name} (global batch {global_batch}; "
-            f"the leanest needs {lowest:.1f} GiB per GPU)"
-        )
-    best.tuning_s = time.perf_counter() - start
-    return best
+
+    def plans():
+        for mb in MICRO_BATCHES:
+            if global_batch % (dp * mb) == 0:
+                for recompute in (0, model.layers):
+                    stage = StagePlan(layers=model.layers, recompute=recompute, zero=3)
+                    yield Plan(
+                        model.name,
+                        cluster.gpu.name,
+                        dp,
+                        cluster.gpus_per_node,
+                        global_batch,
+                        1,
+                        dp,
+                        mb,
+                        [stage],
+                    )
+
+    what = f"ZeRO-3 over {dp} GPUs does not fit {model.name} (global batch {global_batch})"
+    return cheapest_fitting(plans(), model, cluster, runtime, interference, what)

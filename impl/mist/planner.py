@@ -22,18 +22,9 @@ from .costs import RuntimeModel, load_runtime_model
 from .interference import Interference
 from .pipeline_sim import pipeline_objective, simulate_1f1b
 from .plan import Plan, StagePlan
-from .schedule import SearchSpace, Setting, evaluate_stage, layer_numbers, strategy_grid
+from .schedule import STRATEGY_FIELDS, SearchSpace, Setting, evaluate_stage, layer_numbers, strategy_grid
 from .specs import ClusterSpec, ModelSpec
 from .tune import Frontier, frontier_for, solve_inter_stage
-
-GRID_KEYS = (
-    "recompute",
-    "zero",
-    "offload_weights",
-    "offload_grads",
-    "offload_optimizer",
-    "offload_activations",
-)
 
 
 class NoFeasiblePlan(RuntimeError):
@@ -111,7 +102,7 @@ def tune_setting(st: Setting, grad_accum: int, options: PlannerOptions, best_so_
     for i, (layers, p) in enumerate(zip(sol.layers, sol.points, strict=True)):
         grid = grids[(layers, i == 0, i == S - 1)][0]
         j = frontiers[i][layers].index[p]
-        values = {k: grid[k][j] for k in GRID_KEYS}
+        values = {k: grid[k][j] for k in STRATEGY_FIELDS}
         stages.append(
             StagePlan(
                 layers=layers,
@@ -219,7 +210,7 @@ def predict(
         budget = budget_bytes(cluster)
         st = Setting(model, cluster, runtime, interference, tp, dp, mb, budget, S, sp=plan.sequence_parallel)
         ln = layer_numbers(st)
-        grid = {k: np.array([float(getattr(s, k))]) for k in GRID_KEYS}
+        grid = {k: np.array([float(getattr(s, k))]) for k in STRATEGY_FIELDS}
         v = evaluate_stage(st, ln, s.layers, min(S - i, G), i == 0, i == S - 1, grid, G)
         s.steady_s, s.extra_s = float(v["steady"][0]), float(v["extra"][0])
         s.memory_gib = float(v["memory"][0]) / 2**30

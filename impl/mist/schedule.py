@@ -30,6 +30,10 @@ from .interference import Interference
 from .specs import ClusterSpec, ModelSpec
 from .symbolic import head_costs, layer_costs, value
 
+# A stage's strategy, as StagePlan fields and strategy_grid columns
+STRATEGY_FIELDS = (
+    "recompute", "zero", "offload_weights", "offload_grads", "offload_optimizer", "offload_activations"
+)  # fmt: skip
 ADAM_BYTES_PER_PARAM = 12  # fp32 master weight + two moments
 OPTIMIZER_STEP_BYTES_PER_PARAM = 4  # fp32 gradients during the step (fused Adam; torch's foreach
 # AdamW adds up to ~4 more for its temporaries)
@@ -136,15 +140,7 @@ def strategy_grid(layers: int, space: SearchSpace) -> dict[str, np.ndarray]:
     combos = np.array(
         list(itertools.product(recompute, space.zero_stages, ratios, ratios, ratios, ratios)), float
     )
-    names = (
-        "recompute",
-        "zero",
-        "offload_weights",
-        "offload_grads",
-        "offload_optimizer",
-        "offload_activations",
-    )
-    return {n: combos[:, i] for i, n in enumerate(names)}
+    return {n: combos[:, i] for i, n in enumerate(STRATEGY_FIELDS)}
 
 
 def evaluate_stage(
