@@ -109,3 +109,23 @@ def test_profile_command_writes_what_calibrate_fits(tmp_path):
     (r,) = report.values()
     assert r["gpu"] == "cpu" and r["held_out_cases"] == 2  # the largest micro-batch, both TP sizes
     assert r["mean_abs_error"] is not None
+
+
+def test_collective_benchmark_feeds_the_runtime_model(tmp_path):
+    """`mist profile --collectives 2`: gloo among 2 local processes, in the artifact's format;
+    the fitted model then prices a 2-way all-reduce from those measurements, not the preset link."""
+    from mist.costs import fit_runtime_model
+    from mist.profile import profile_collectives, write_collectives
+    from mist.profiles import read_collectives
+
+    rows = profile_collectives(2, "cpu", sizes=[4096, 1 << 20], repeats=3)
+    assert set(rows) == {"all_reduce", "all_gather", "reduce_scatter"}
+    assert all(len(r) == 2 and all(sec > 0 for _, sec in r) for r in rows.values())
+    write_collectives(tmp_path, 2, "cpu", repeats=3)
+    measured = read_collectives(tmp_path)
+    assert set(measured) == {(c, 2) for c in rows}
+    rm = fit_runtime_model([], measured, "cpu", "test")
+    line = rm.collectives["all_reduce/2"]
+    assert float(rm.collective("all_reduce", 1 << 20, 2)) == pytest.approx(float(line(1 << 20)))
+    with pytest.raises(ValueError, match="at least 2"):
+        profile_collectives(1, "cpu")

@@ -2,7 +2,8 @@
 
 Per plan: per-rank memory (exact tensor bytes held + the allocator peak of a step) and the
 step time, next to what Mist predicts; the time with a runtime model fitted to ``mist profile``
-of the device the plans run on (made first, held-out error reported).
+of the device the plans run on (layer ops and, with several processes, the collectives; made
+first, held-out error reported).
 
     CPU_ENGINE: a tiny GPT-3 on 2 gloo processes (TP=2, PP=2, DP=2, DP=2 + ZeRO-1, + ZeRO-2)
     GPU_ENGINE: GPT-3 1.3B on one GPU with no, half and full recomputation (nox -s gpu_check)
@@ -92,6 +93,12 @@ def engine_point(setup: EngineSetup, name: str, fit: dict, work: Path) -> dict:
         ranks.append({"rank": r["rank"], "stage": r["stage"], "measured_bytes": measured,
                       "predicted_bytes": predicted, "memory_error": predicted / measured - 1})  # fmt: skip
     step_s = statistics.median(x for r in report["ranks"] for x in r["step_s"][2:])
+    # where the time went (median over ranks and steady steps) next to the model's parts: the
+    # pipeline is G micro-batches of `steady` (+ the bubble), sync + optimizer is `extra`
+    phases = {
+        k: statistics.median(ph[k] for r in report["ranks"] for ph in r["phases"][2:])
+        for k in ("pipeline_s", "grad_sync_s", "optimizer_s")
+    }
     return {
         "plan": setup.plans[name],
         "losses": next(r["losses"] for r in report["ranks"] if r["losses"] is not None),
@@ -99,6 +106,9 @@ def engine_point(setup: EngineSetup, name: str, fit: dict, work: Path) -> dict:
         "measured_step_s": step_s,
         "predicted_step_s": plan.predicted_iteration_s,
         "time_error": plan.predicted_iteration_s / step_s - 1,
+        "measured_phases_s": phases,
+        "predicted_stages": [{"steady_s": st.steady_s, "extra_s": st.extra_s} for st in plan.stages],
+        "micro_batches": plan.grad_accum,
         "runtime_model": fit["model"].source,
         "runtime_model_held_out_error": fit["mean_abs_error"],
     }
@@ -108,7 +118,7 @@ def run_engine(setup: EngineSetup, results: Path, force: bool) -> ResultFile:
     import torch
 
     from mist.costs import calibrate
-    from mist.profile import write_profiles
+    from mist.profile import write_collectives, write_profiles
 
     store = ResultFile(
         results / f"{setup.name}.json", provenance({"part": "engine", **asdict(setup)}, setup.device), force
@@ -120,6 +130,8 @@ def run_engine(setup: EngineSetup, results: Path, force: bool) -> ResultFile:
             dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[prof["dtype"]]
             shape = (prof["hidden"], prof["heads"], prof["seq"], prof["micro_batches"], prof["tps"])
             write_profiles(profiles, setup.device, *shape, dtype, setup.gpu, repeats=5)
+            if setup.processes > 1:  # this machine's collectives, measured (gloo on a CPU)
+                write_collectives(profiles, setup.processes, setup.device)
             fit = next(iter(calibrate(profiles).values()))
             for name in todo:
                 store.add(name, engine_point(setup, name, fit, Path(tmp)))
@@ -142,6 +154,11 @@ def main(argv: list[str] | None = None) -> None:
         measured, predicted = r["measured_step_s"] * 1e3, r["predicted_step_s"] * 1e3
         print(f"{name}: memory {worst['memory_error']:+.1%}, step {measured:.1f} ms measured, "
               f"{predicted:.1f} ms predicted ({r['time_error']:+.0%})")  # fmt: skip
+        ph, st = r["measured_phases_s"], max(r["predicted_stages"], key=lambda x: x["steady_s"])
+        print(f"  measured: pipeline {ph['pipeline_s'] * 1e3:.1f} ms, gradient sync "
+              f"{ph['grad_sync_s'] * 1e3:.1f} ms, optimizer {ph['optimizer_s'] * 1e3:.1f} ms; predicted: "
+              f"{r['micro_batches']} x {st['steady_s'] * 1e3:.1f} ms a micro-batch, "
+              f"{st['extra_s'] * 1e3:.1f} ms sync + optimizer")  # fmt: skip
 
 
 if __name__ == "__main__":

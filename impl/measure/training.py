@@ -62,11 +62,15 @@ class MasterWeightAdamW:
         init_scale: float = 2.0**16,
         growth_interval: int = 1000,
         foreach: bool | None = None,
+        fused: bool | None = None,
     ) -> None:
         self.model_params = [p for p in params if p.requires_grad]
         self.master_params = [p.detach().float().clone().requires_grad_(True) for p in self.model_params]
-        # foreach=False steps one tensor at a time: no full-size temporaries, like a fused Adam
-        self.inner = torch.optim.AdamW(self.master_params, lr=lr, weight_decay=weight_decay, foreach=foreach)
+        # fused=True (as Megatron's fused Adam) steps without temporaries; foreach=False one tensor
+        # at a time, holding a few temporaries of the largest tensor
+        self.inner = torch.optim.AdamW(
+            self.master_params, lr=lr, weight_decay=weight_decay, foreach=foreach, fused=fused
+        )
         self.loss_scale = init_scale if dynamic_loss_scale else 1.0
         self.dynamic = dynamic_loss_scale
         self.growth_interval = growth_interval

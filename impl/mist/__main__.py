@@ -151,7 +151,7 @@ def cmd_calibrate(args) -> int:
 def cmd_profile(args) -> int:
     import torch
 
-    from .profile import write_profiles
+    from .profile import write_collectives, write_profiles
 
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print(f"error: --device {args.device}: no CUDA device here", file=sys.stderr)
@@ -161,6 +161,9 @@ def cmd_profile(args) -> int:
         Path(args.out), args.device, args.hidden, args.heads, args.seq, args.micro_batches, args.tp, dtype,
         args.name, args.repeats, progress=lambda line: print("  " + line, flush=True),
     )  # fmt: skip
+    for n in args.collectives:
+        written = write_collectives(Path(args.out), n, args.device, args.repeats)
+        print(f"  collectives among {n} processes: {len(written)} files", flush=True)
     print(f"{len(files)} profiles in {args.out}; fit them with: python -m mist calibrate {args.out}")
     return 0
 
@@ -209,6 +212,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--micro-batches", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--tp", type=int, nargs="+", default=[1])
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument(
+        "--collectives", type=int, nargs="*", default=[], metavar="N",
+        help="also benchmark all-reduce/all-gather/reduce-scatter among N local processes",
+    )  # fmt: skip
     p.set_defaults(fn=cmd_profile)
     p = sub.add_parser("list", help="list the model and GPU presets")
     p.set_defaults(fn=cmd_list)

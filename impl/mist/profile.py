@@ -9,6 +9,10 @@ calibrate`` fits a runtime model for this device exactly as for the shipped GPU 
 TP is emulated on one device by giving the layer one rank's share (heads / t, ffn / t); its
 collectives are not included (they come from the collective benchmarks). Every op is timed in
 isolation, forward and backward, on fresh random inputs, median of several repeats.
+
+``--collectives 2 4`` also benchmarks all-reduce, all-gather and reduce-scatter among that many
+local processes (gloo on a CPU, NCCL on GPUs), written as the artifact's ``prim_gpt_*`` files,
+so collectives are priced by this machine's measured lines rather than the preset's link.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -90,6 +95,90 @@ def profile_layer(
             }
         )
     return rows
+
+
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
+
+
+def _collective_worker(
+    rank: int, n: int, port: int, device: str, sizes: list[int], repeats: int, out
+) -> None:
+    import os
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    cuda = device.startswith("cuda")
+    if cuda:
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=n)
+    dev = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    rows: dict[str, list[tuple[float, float]]] = {c: [] for c in COLLECTIVES}
+    try:
+        for nbytes in sizes:
+            # data_size is the full tensor (all-reduce's, all-gather's output, reduce-scatter's input),
+            # as in the artifact's files and RuntimeModel.collective
+            full = torch.randn(nbytes // 2, dtype=torch.bfloat16, device=dev)
+            shard = torch.empty(nbytes // 2 // n, dtype=torch.bfloat16, device=dev)
+            calls = {
+                "all_reduce": lambda full=full: dist.all_reduce(full),
+                "all_gather": lambda full=full, shard=shard: dist.all_gather_single(full, shard),
+                "reduce_scatter": lambda full=full, shard=shard: dist.reduce_scatter_single(shard, full),
+            }
+            for name, call in calls.items():
+                call(), call()  # warm-up (connections, NCCL communicators)
+                # back-to-back calls, averaged (as nccl-tests): one rank's late start is spread thin
+                dist.barrier()
+                if cuda:
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                for _ in range(repeats):
+                    call()
+                if cuda:
+                    torch.cuda.synchronize()
+                mean = torch.tensor([(time.perf_counter() - t0) / repeats], dtype=torch.float64, device=dev)
+                dist.all_reduce(mean, op=dist.ReduceOp.MAX)  # the slowest rank finishes the collective
+                rows[name].append((nbytes, float(mean)))
+    finally:
+        dist.destroy_process_group()
+    if rank == 0:
+        out.put(rows)
+
+
+def profile_collectives(
+    n: int, device: str, sizes: list[int] | None = None, repeats: int = 10
+) -> dict[str, list[tuple[float, float]]]:
+    """Median seconds of each collective among ``n`` local processes: {name: [(bytes, seconds)]}."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    if n < 2:
+        raise ValueError(f"collectives need at least 2 processes, got {n}")
+    if device.startswith("cuda") and n > torch.cuda.device_count():
+        raise ValueError(f"{n} processes need {n} GPUs; this machine has {torch.cuda.device_count()}")
+    if sizes is None:  # small messages on a CPU, Megatron-sized ones on GPUs
+        sizes = [2**k for k in (range(20, 29, 2) if device.startswith("cuda") else range(12, 23, 2))]
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    out = ctx.SimpleQueue()
+    mp.start_processes(_collective_worker, (n, port, device, sizes, repeats, out), nprocs=n,
+                       start_method="spawn")  # fmt: skip
+    return out.get()
+
+
+def write_collectives(out: Path, n: int, device: str, repeats: int = 10) -> list[Path]:
+    """Benchmark the collectives among ``n`` processes into ``out`` (the artifact's CSV format)."""
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, rows in profile_collectives(n, device, repeats=repeats).items():
+        path = out / f"prim_gpt_local_{name}_{n}gpus.csv"
+        lines = ["data_size(MB),time(ms)"] + [f"{b / MiB:.6f},{sec * 1e3:.4f}" for b, sec in rows]
+        path.write_text("\n".join(lines) + "\n")
+        written.append(path)
+    return written
 
 
 def write_profiles(

@@ -58,7 +58,7 @@ LAYER_OPS = {
     "enc-post-MLP-dropout": ("post-mlp-dropout", "residual-2"),
 }
 _LAYER_FILE = re.compile(r"gpt_(?P<size>[0-9_]+B|h\d+)_mbs(?P<mbs>\d+)_tp(?P<tp>\d+)_algo(?P<algo>\d+)\.csv")
-_PRIM_FILE = re.compile(r"prim_gpt_(?P<size>[0-9_]+B)_(?P<coll>[a-z_]+?)_(?P<n>\d+)gpus\.csv")
+_PRIM_FILE = re.compile(r"prim_gpt_(?P<size>[0-9_]+B|local)_(?P<coll>[a-z_]+?)_(?P<n>\d+)gpus\.csv")
 
 
 @dataclass(frozen=True)

@@ -7,10 +7,11 @@ pipeline stages); around its modules this file runs the plan's parts it has no s
   (megatron-core's own schedules assume CUDA), non-blocking sends so 1F1B cannot deadlock;
 * a different number of recomputed layers per stage (the first r layers of each stage
   checkpointed);
-* data-parallel gradient averaging, and the all-reduce of sequence-parallel parameters' grads
+* gradients in one contiguous buffer per dtype (ContiguousGrads, as Megatron's DDP), averaged
+  across DP by one in-place all-reduce; the all-reduce of sequence-parallel parameters' grads
   across the TP group;
-* half-precision weights with fp32 master weights and AdamW (measure.training), stepped one
-  tensor at a time as a fused Adam (Megatron's) does, without full-size temporaries.
+* half-precision weights with fp32 master weights and torch's fused AdamW (measure.training):
+  like Megatron's fused Adam it steps without temporaries, so the step holds only the fp32 grads.
 
 Refused with a message naming the part: stages with their own TP/DP, uneven middle stages,
 ZeRO-3 and CPU offloading (not implemented here yet). ZeRO-1 shards fp32 master weights and
@@ -196,9 +197,7 @@ class ShardedMasterAdamW:
             load[k] += p.numel()
         me = dist.get_rank()
         self.dp = len(ranks)
-        self.inner = MasterWeightAdamW(
-            [p for p in self.params if self.owner[id(p)] == me], lr=lr, foreach=False
-        )
+        self.inner = MasterWeightAdamW([p for p in self.params if self.owner[id(p)] == me], lr=lr, fused=True)
         self.reduced: dict[int, torch.Tensor] = {}  # owned parameters' summed gradients (ZeRO-2)
         self.shard_grads = shard_grads
         if shard_grads:
@@ -224,8 +223,8 @@ class ShardedMasterAdamW:
                 p.grad = None if summed is None else summed.div_(self.dp)
         if self.inner.model_params:
             self.inner.step()
-        for p in self.params:
-            dist.broadcast(p.data, src=self.owner[id(p)], group=self.group)
+        for owner in sorted(set(self.owner.values())):  # one broadcast per owner, of all its weights
+            _broadcast_flat([p.data for p in self.params if self.owner[id(p)] == owner], owner, self.group)
 
     def zero_grad(self) -> None:
         for p in self.params:
@@ -233,6 +232,72 @@ class ShardedMasterAdamW:
 
     def state_tensors(self) -> list[torch.Tensor]:
         return self.inner.state_tensors()
+
+
+def _wait(work) -> None:
+    """Wait, then drop the work handle here: the buffer is then freed by this thread, where the
+    CPU memory profiler sees it (a free on gloo's thread is missed and would inflate the peak)."""
+    work.wait()
+    del work
+
+
+class ContiguousGrads:
+    """Gradients as Megatron's DDP keeps them: every parameter's ``.grad`` is a view into one flat
+    buffer per dtype, allocated once. Backward accumulates into it in place, the data-parallel
+    sum is one in-place all-reduce per buffer (no per-tensor latency, no flattening copy)."""
+
+    def __init__(self, params) -> None:
+        self.buffers: list[torch.Tensor] = []
+        params = [p for p in params if p.requires_grad]
+        for dtype in sorted({p.dtype for p in params}, key=str):  # same order on every rank
+            group = [p for p in params if p.dtype == dtype]
+            flat = torch.zeros(sum(p.numel() for p in group), dtype=dtype, device=group[0].device)
+            offset = 0
+            for p in group:
+                p.grad = flat[offset : offset + p.numel()].view_as(p)
+                offset += p.numel()
+            self.buffers.append(flat)
+
+    def all_reduce(self, group, divide_by: int) -> None:
+        for flat in self.buffers:
+            dist.all_reduce(flat, group=group)
+            flat /= divide_by
+
+    def zero(self) -> None:
+        for flat in self.buffers:
+            flat.zero_()
+
+
+def _all_reduce_flat(tensors: list[torch.Tensor], group, divide_by: int = 1) -> None:
+    """Sum ``tensors`` across ``group`` in one collective (a flat bucket, as Megatron's DDP does):
+    a collective per tensor pays the latency per tensor."""
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    for dtype in sorted({t.dtype for t in tensors}, key=str):  # one bucket per dtype, same order on all ranks
+        bucket = [t for t in tensors if t.dtype == dtype]
+        flat = _flatten_dense_tensors(bucket)
+        _wait(dist.all_reduce(flat, group=group, async_op=True))
+        if divide_by > 1:
+            flat /= divide_by
+        for t, synced in zip(bucket, _unflatten_dense_tensors(flat, bucket), strict=True):
+            t.copy_(synced)
+
+
+def _broadcast_flat(tensors: list[torch.Tensor], src: int, group) -> None:
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    for dtype in sorted({t.dtype for t in tensors}, key=str):
+        bucket = [t for t in tensors if t.dtype == dtype]
+        flat = _flatten_dense_tensors(bucket)
+        _wait(dist.broadcast(flat, src=src, group=group, async_op=True))
+        for t, synced in zip(bucket, _unflatten_dense_tensors(flat, bucket), strict=True):
+            t.copy_(synced)
+
+
+def _now(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
 
 
 def _step_peak(step, device: torch.device) -> tuple[int, float]:
@@ -315,28 +380,36 @@ def run(plan: Plan, steps: int = 5, seed: int = 0, lr: float = 1e-2) -> dict:
             model.parameters(), ps.get_data_parallel_group(), lr, shard_grads=zero == 2
         )
     else:
-        optimizer = MasterWeightAdamW(model.parameters(), lr=lr, foreach=False)
+        optimizer = MasterWeightAdamW(model.parameters(), lr=lr, fused=True)
     # The same few sequences every step: a decreasing loss shows the whole pipeline learns.
     g = torch.Generator().manual_seed(seed + ps.get_data_parallel_rank())
     batches = [
         torch.randint(0, spec.vocab, (plan.micro_batch, spec.seq + 1), generator=g).to(device)
         for _ in range(plan.grad_accum)
     ]
+    # ZeRO-2 reduces each gradient to its owner as backward makes it: no full gradient buffer
+    grads = None if zero == 2 and plan.dp > 1 else ContiguousGrads(model.parameters())
     pipeline = _Pipeline(model, spec, plan, batches)
     dp_group, tp_group = ps.get_data_parallel_group(), ps.get_tensor_model_parallel_group()
 
+    phases: list[dict[str, float]] = []  # per step: where the time went
+
     def step() -> float:
+        t0 = _now(device)
         loss = pipeline.iteration()
-        for p in model.parameters():
-            if p.grad is None:
-                continue
-            if getattr(p, "sequence_parallel", False) and plan.tp > 1:
-                dist.all_reduce(p.grad, group=tp_group)  # partial sums over the sequence shards
-            if plan.dp > 1 and zero != 2:  # ZeRO-2 reduced each gradient to its owner already
-                dist.all_reduce(p.grad, group=dp_group)
-                p.grad /= plan.dp
+        t1 = _now(device)
+        if plan.tp > 1:  # sequence-parallel weights hold partial sums over the sequence shards
+            sp = [p.grad for p in model.parameters() if getattr(p, "sequence_parallel", False)]
+            _all_reduce_flat([g for g in sp if g is not None], tp_group)
+        if grads is not None and plan.dp > 1:
+            grads.all_reduce(dp_group, divide_by=plan.dp)
+        t2 = _now(device)
         optimizer.step()
-        optimizer.zero_grad()
+        if grads is None:  # ZeRO-2: the owners' reduced gradients are dropped after the step
+            optimizer.zero_grad()
+        else:
+            grads.zero()
+        phases.append({"pipeline_s": t1 - t0, "grad_sync_s": t2 - t1, "optimizer_s": _now(device) - t2})
         return loss
 
     losses, times, peak = [], [], 0
@@ -348,13 +421,16 @@ def run(plan: Plan, steps: int = 5, seed: int = 0, lr: float = 1e-2) -> dict:
             loss = step()
         times.append(time.perf_counter() - t0)
         losses.append(loss)
-    held = _tensor_bytes([*model.parameters(), *optimizer.state_tensors()])
+    held = _tensor_bytes(
+        [*model.parameters(), *optimizer.state_tensors(), *(grads.buffers if grads is not None else [])]
+    )
     report = {
         "rank": dist.get_rank(),
         "stage": stage,
         "tp_rank": ps.get_tensor_model_parallel_rank(),
         "losses": losses if ps.is_pipeline_last_stage() else None,
         "step_s": times,
+        "phases": phases,
         "held_bytes": held,
         "step_peak_bytes": peak,
         "memory_bytes": held + peak,
