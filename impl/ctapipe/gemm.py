@@ -1,0 +1,176 @@
+"""Thin Python interface to the kernels: checked launches of one stage, and the single-GPU
+ticketed MLP (kernels.py says how the pipelining works)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from .kernels import ACTIVATIONS, stage_kernel, ticket_mlp_kernel
+
+
+@dataclass(frozen=True)
+class Tiling:
+    """Tile shape of every kernel. GPU default: 128 x 128 x 64 (H100/H200-class tensor cores)."""
+
+    block_m: int = 128
+    block_n: int = 128
+    block_k: int = 64
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n", "block_k"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"{name} must be a power of two >= 16 (tl.dot), got {v}")
+
+    def tiles(self, m: int, n: int) -> tuple[int, int]:
+        return triton.cdiv(m, self.block_m), triton.cdiv(n, self.block_n)
+
+
+DEFAULT_TILING = Tiling()
+INTERPRETER_TILING = Tiling(16, 16, 16)  # small tiles: many CTAs even at test sizes
+
+
+def _check_act(act: str) -> int:
+    if act not in ACTIVATIONS:
+        raise ValueError(f"activation {act!r} unknown; accepted: {', '.join(ACTIVATIONS)}")
+    return ACTIVATIONS[act]
+
+
+def _check_matmul(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> None:
+    if a.dim() != 2 or b.dim() != 2 or c.dim() != 2:
+        raise ValueError(f"a, b, c must be matrices, got {a.dim()}-d, {b.dim()}-d, {c.dim()}-d")
+    if a.shape[1] != b.shape[0] or c.shape != (a.shape[0], b.shape[1]):
+        raise ValueError(
+            f"shapes do not chain: a {tuple(a.shape)} @ b {tuple(b.shape)} -> c {tuple(c.shape)}"
+        )
+    if not (a.dtype == b.dtype == c.dtype):
+        raise ValueError(f"a, b, c must share a dtype, got {a.dtype}, {b.dtype}, {c.dtype}")
+
+
+def _counter(t: torch.Tensor | None, rows: int, name: str, device: torch.device) -> torch.Tensor:
+    if t is None:  # an unused pointer argument still needs a tensor
+        return torch.zeros(1, dtype=torch.int32, device=device)
+    if t.dtype != torch.int32 or t.numel() < rows:
+        raise ValueError(
+            f"{name} must be int32 with one counter per row block ({rows}), got {t.dtype} {t.numel()}"
+        )
+    return t
+
+
+def launch_stage(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor,
+    *,
+    ready_in: torch.Tensor | None = None,
+    ready_out: torch.Tensor | None = None,
+    wait_target: int = 0,
+    act: str = "none",
+    status: torch.Tensor | None = None,
+    max_spins: int = 0,
+    tiling: Tiling = DEFAULT_TILING,
+    wait: bool | None = None,
+) -> None:
+    """C = act(A @ B) as one stage of a CTA pipeline.
+
+    ``ready_in``: wait, per row block of A, for the counter to reach ``wait_target`` before reading
+    it (the upstream stage signals it). ``ready_out``: signal C's row blocks as their tiles are
+    stored (C may live on another GPU). ``wait=False`` with ``ready_in`` given launches the same
+    stage without its wait (tests' negative control only).
+    """
+    _check_matmul(a, b, c)
+    act_id = _check_act(act)
+    m, n = c.shape
+    tiles_m, tiles_n = tiling.tiles(m, n)
+    do_wait = ready_in is not None if wait is None else wait
+    if do_wait and ready_in is None:
+        raise ValueError("wait=True needs ready_in")
+    signal = ready_out is not None
+    ready_in = _counter(ready_in, tiles_m, "ready_in", a.device)
+    ready_out = _counter(ready_out, tiles_m, "ready_out", c.device)
+    if status is None:
+        status = torch.zeros(1, dtype=torch.int32, device=a.device)
+    stage_kernel[(tiles_m * tiles_n,)](
+        a, b, c, ready_in, ready_out, status, wait_target, max_spins, m, n, a.shape[1],
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
+        WAIT=do_wait, SIGNAL=signal, ACT=act_id,
+        BLOCK_M=tiling.block_m, BLOCK_N=tiling.block_n, BLOCK_K=tiling.block_k,
+    )  # fmt: skip
+
+
+def ticket_schedule(tiles_m: int, tiles_n1: int, tiles_n2: int, lag: int = 1) -> torch.Tensor:
+    """Work tickets (layer, row block, column block) for the ticketed MLP, int32 [n, 3].
+
+    Row block i's layer-0 tiles come before row block (i - lag)'s layer-1 tiles: every consumer
+    tile depends only on earlier tickets, and a lag of one row block gives the producers of the
+    block it reads time to finish before it is taken.
+    """
+    if lag < 0:
+        raise ValueError(f"lag must be >= 0, got {lag}")
+    rows = []
+    for i in range(tiles_m + lag):
+        if i < tiles_m:
+            rows += [(0, i, j) for j in range(tiles_n1)]
+        if i >= lag:
+            rows += [(1, i - lag, j) for j in range(tiles_n2)]
+    return torch.tensor(rows, dtype=torch.int32)
+
+
+class TicketMLP:
+    """Y = act(X W1) W2 on one GPU, both GEMMs in one persistent kernel (CTA-pipelined).
+
+    Holds the ready counters across calls (epoch counters: never reset) and the schedule per M.
+    ``programs``: the persistent grid size (default: the GPU's SM count; 4 under the interpreter).
+    """
+
+    def __init__(self, act: str = "gelu", tiling: Tiling = DEFAULT_TILING, programs: int | None = None,
+                 lag: int = 1, max_spins: int = 0) -> None:  # fmt: skip
+        self.act = _check_act(act)
+        self.tiling, self.lag, self.max_spins = tiling, lag, max_spins
+        self.programs = programs
+        self.epoch = 0
+        self._ready: torch.Tensor | None = None
+        self._schedules: dict[tuple, torch.Tensor] = {}
+
+    def __call__(
+        self, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, wait: bool = True
+    ) -> torch.Tensor:
+        m, d = x.shape
+        f = w1.shape[1]
+        if w1.shape != (d, f) or w2.shape != (f, d):
+            raise ValueError(f"need x [M, D], w1 [D, F], w2 [F, D]; got {tuple(x.shape)}, {tuple(w1.shape)}, "
+                             f"{tuple(w2.shape)}")  # fmt: skip
+        if not (x.dtype == w1.dtype == w2.dtype):
+            raise ValueError(f"x, w1, w2 must share a dtype, got {x.dtype}, {w1.dtype}, {w2.dtype}")
+        x, w1, w2 = x.contiguous(), w1.contiguous(), w2.contiguous()
+        tiles_m, tiles_n1 = self.tiling.tiles(m, f)
+        _, tiles_n2 = self.tiling.tiles(m, d)
+        key = (tiles_m, tiles_n1, tiles_n2, x.device)
+        if key not in self._schedules:
+            self._schedules[key] = ticket_schedule(tiles_m, tiles_n1, tiles_n2, self.lag).to(x.device)
+        schedule = self._schedules[key]
+        if self._ready is None or self._ready.numel() < tiles_m or self._ready.device != x.device:
+            self._ready, self.epoch = torch.zeros(tiles_m, dtype=torch.int32, device=x.device), 0
+        self.epoch += 1
+        h = torch.empty(m, f, dtype=x.dtype, device=x.device)
+        y = torch.empty(m, d, dtype=x.dtype, device=x.device)
+        status = torch.zeros(1, dtype=torch.int32, device=x.device)
+        ticket = torch.zeros(1, dtype=torch.int32, device=x.device)
+        programs = self.programs or _default_programs(x.device)
+        ticket_mlp_kernel[(programs,)](
+            x, w1, h, w2, y, self._ready, status, ticket, schedule, schedule.shape[0],
+            self.epoch * tiles_n1, self.max_spins, m, d, f,
+            ACT=self.act, WAIT=wait, BLOCK_M=self.tiling.block_m, BLOCK_N=self.tiling.block_n,
+            BLOCK_K=self.tiling.block_k,
+        )  # fmt: skip
+        self.status = status
+        return y
+
+
+def _default_programs(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4

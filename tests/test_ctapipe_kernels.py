@@ -1,0 +1,136 @@
+"""CTA-pipelined GEMM kernels against torch.matmul (under TRITON_INTERPRET=1 without a GPU).
+
+Every test that could spin has a timeout, and every wait is bounded (max_spins) so a lost
+signal fails instead of hanging. The negative control runs the consumer without its wait while
+the producer is late, in a really concurrent process pair, and checks the test catches it.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from ctapipe import INTERPRETER_TILING, TicketMLP, Tiling, launch_stage, ticket_schedule
+from ctapipe.emulate import run_chain_processes
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TILING = Tiling(32, 32, 32) if DEVICE == "cuda" else INTERPRETER_TILING
+ATOL = 2e-2 if DEVICE == "cuda" else 1e-5  # GPU fp32 tl.dot runs in TF32
+
+
+def _act(x: torch.Tensor, act: str) -> torch.Tensor:
+    return {"none": x, "relu": x.relu(), "gelu": torch.nn.functional.gelu(x, approximate="tanh")}[act]
+
+
+def _mlp(m: int, d: int, f: int):
+    x = torch.randn(m, d, device=DEVICE)
+    w1 = torch.randn(d, f, device=DEVICE) / d**0.5
+    w2 = torch.randn(f, d, device=DEVICE) / f**0.5
+    return x, w1, w2
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("act", ["none", "relu", "gelu"])
+def test_producer_consumer_stages_match_matmul(act):
+    m, d, f = (int(v) for v in torch.randint(17, 70, (3,)))  # edges not multiples of the tile
+    x, w1, w2 = _mlp(m, d, f)
+    rows = TILING.tiles(m, f)[0]
+    ready = torch.zeros(rows, dtype=torch.int32, device=DEVICE)
+    h = torch.empty(m, f, device=DEVICE)
+    y = torch.empty(m, d, device=DEVICE)
+    tiles_n = TILING.tiles(m, f)[1]
+    for epoch in (1, 2):  # the counters are never reset: the second pass waits for epoch 2
+        launch_stage(x, w1, h, ready_out=ready, act=act, tiling=TILING)
+        assert ready.tolist() == [epoch * tiles_n] * rows
+        status = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+        launch_stage(h, w2, y, ready_in=ready, wait_target=epoch * tiles_n, status=status,
+                     max_spins=10_000, tiling=TILING)  # fmt: skip
+        assert status.item() == 0
+        torch.testing.assert_close(y, _act(x @ w1, act) @ w2, atol=ATOL, rtol=ATOL)
+
+
+@pytest.mark.timeout(120)
+def test_consumer_without_its_signal_gives_up_and_writes_nothing():
+    """The wait really gates the read: no producer ran, so no tile may be computed."""
+    x, w1, _ = _mlp(40, 24, 40)
+    ready = torch.zeros(TILING.tiles(40, 40)[0], dtype=torch.int32, device=DEVICE)
+    out = torch.full((40, 40), float("nan"), device=DEVICE)
+    status = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    launch_stage(x, w1, out, ready_in=ready, wait_target=1, status=status, max_spins=50, tiling=TILING)
+    assert status.item() == 1
+    assert out.isnan().all()
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("programs,lag", [(1, 0), (3, 1), (7, 2)])
+def test_ticketed_mlp_matches_matmul(programs, lag):
+    m, d, f = (int(v) for v in torch.randint(17, 60, (3,)))
+    x, w1, w2 = _mlp(m, d, f)
+    mlp = TicketMLP("gelu", TILING, programs=programs, lag=lag, max_spins=100_000)
+    for _ in range(2):  # second call: epoch 2 on the same counters
+        y = mlp(x, w1, w2)
+        assert mlp.status.item() == 0
+        torch.testing.assert_close(y, _act(x @ w1, "gelu") @ w2, atol=ATOL, rtol=ATOL)
+
+
+def test_ticket_schedule_puts_every_consumer_tile_after_its_producers():
+    tiles_m, n1, n2 = (int(v) for v in torch.randint(1, 9, (3,)))
+    for lag in range(4):
+        order = ticket_schedule(tiles_m, n1, n2, lag).tolist()
+        assert sorted(map(tuple, order)) == sorted(
+            [(0, i, j) for i in range(tiles_m) for j in range(n1)]
+            + [(1, i, j) for i in range(tiles_m) for j in range(n2)]
+        )
+        produced = [0] * tiles_m  # layer-0 tiles of each row block handed out so far
+        for layer, i, _ in order:
+            if layer == 0:
+                produced[i] += 1
+            else:
+                assert produced[i] == n1, f"lag {lag}: a consumer tile of row block {i} before its producers"
+
+
+@pytest.mark.timeout(240)
+def test_chain_across_processes_and_the_negative_control():
+    """Two concurrent 'devices' (processes), the producer 1 s late. With the wait the consumer's
+    tiles match matmul; the same kernel without its wait reads the unwritten inbox, and the
+    comparison must catch it."""
+    m, d, f = 48, 32, 48
+    x, w1, w2 = (t.cpu() for t in _mlp(m, d, f))
+    ref = _act(x @ w1, "gelu") @ w2
+    y, status = run_chain_processes(x, [w1, w2], ["gelu", "none"], INTERPRETER_TILING, delays=[1.0, 0.0])
+    assert status == [0, 0]
+    torch.testing.assert_close(y, ref, atol=1e-5, rtol=1e-5)
+    y_bad, _ = run_chain_processes(x, [w1, w2], ["gelu", "none"], INTERPRETER_TILING, wait=False,
+                                   delays=[1.0, 0.0])  # fmt: skip
+    assert not torch.allclose(y_bad, ref, atol=1e-3), "the missing wait went unnoticed"
+
+
+@pytest.mark.timeout(240)
+def test_three_stage_chain_across_processes():
+    m = int(torch.randint(20, 50, ()))
+    dims = [int(v) for v in torch.randint(16, 48, (4,))]
+    x = torch.randn(m, dims[0])
+    weights = [torch.randn(a, b) / a**0.5 for a, b in itertools.pairwise(dims)]
+    acts = ["relu", "gelu", "none"]
+    ref = x
+    for w, a in zip(weights, acts, strict=True):
+        ref = _act(ref @ w, a)
+    y, status = run_chain_processes(x, weights, acts, INTERPRETER_TILING, delays=[0.5, 0.0, 0.0])
+    assert status == [0, 0, 0]
+    torch.testing.assert_close(y, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_bad_input_is_refused_with_what_is_accepted():
+    x, w1, _ = _mlp(8, 16, 16)
+    with pytest.raises(ValueError, match="activation 'swish' unknown; accepted: none, relu, gelu"):
+        launch_stage(x, w1, torch.empty(8, 16, device=DEVICE), act="swish", tiling=TILING)
+    with pytest.raises(ValueError, match="shapes do not chain"):
+        launch_stage(x, w1, torch.empty(8, 8, device=DEVICE), tiling=TILING)
+    with pytest.raises(ValueError, match="power of two"):
+        Tiling(24, 32, 32)
+    with pytest.raises(ValueError, match=r"need x \[M, D\]"):
+        TicketMLP("gelu", TILING)(x, w1, w1.T[:4])
+    with pytest.raises(ValueError, match="int32 with one counter per row block"):
+        launch_stage(x, w1, torch.empty(8, 16, device=DEVICE), ready_in=torch.zeros(1), tiling=TILING)
