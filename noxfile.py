@@ -69,9 +69,9 @@ GPU_THROUGHPUT = (
 
 @nox.session
 def gpu_check(session: nox.Session) -> None:
-    """Every GPU test and micro-benchmark, then Tempo's measured max batch and throughput and
-    Mist's single-GPU engine check, in one run (needs CUDA). Results with machine and commit
-    info go under artifacts/*/results/.
+    """Every GPU test and micro-benchmark, then Tempo's measured max batch and throughput,
+    Mist's single-GPU engine check and CTA-pipelining's single-GPU part, in one run (needs CUDA).
+    Results with machine and commit info go under artifacts/*/results/.
     GPU_CHECK_DRY_RUN=1: the same on CPU at tiny scale, results to a temp dir."""
     probe = "import sys, torch; sys.exit(not torch.cuda.is_available())"
     if subprocess.run([_venv_python(), "-c", probe]).returncode != 0:
@@ -90,6 +90,7 @@ def gpu_check(session: nox.Session) -> None:
     _run(
         session, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
         "tests/test_gpu.py", "tests/test_oom.py", "tests/test_kernels.py", "tests/test_bench_ops.py",
+        "tests/test_ctapipe_kernels.py",
         "--benchmark-enable", f"--benchmark-json={bench}", *session.posargs,
     )  # fmt: skip
     _run(
@@ -100,6 +101,10 @@ def gpu_check(session: nox.Session) -> None:
     # by megatron-core, memory and time against the prediction.
     engine = ["--cpu-dry-run", "--results", str(tempo_results)] if device == "cpu" else []
     _run(session, "-m", "artifacts.mist_vs_megatron.engine", *engine)
+    # CTA-pipelining: kernels at GPU sizes, single-GPU emulation, throughput vs cuBLAS, measured
+    # simulator parameters (their test file ran above with the other kernel tests).
+    cta = ["--gpu-dry-run", "--results", str(tempo_results)] if device == "cpu" else []
+    _run(session, "-m", "artifacts.cta_mlp.run", "--parts", "kernels", "gpu", "--device", device, *cta)
 
 
 @nox.session
@@ -108,6 +113,15 @@ def mist_vs_megatron(session: nox.Session) -> None:
     and their figures."""
     _run(session, "-m", "artifacts.mist_vs_megatron.run", *session.posargs)
     _run(session, "figures/plot_mist_vs_megatron.py")
+
+
+@nox.session
+def cta_mlp(session: nox.Session) -> None:
+    """CTA-pipelining: the latency model's sweep (H200/B200, 2/4/8 GPUs), the kernels under the
+    interpreter with the concurrent negative control, the distributed baselines on gloo, figures.
+    ``-- --device cuda --parts kernels gpu`` measures on a GPU."""
+    _run(session, "-m", "artifacts.cta_mlp.run", *session.posargs)
+    _run(session, "figures/plot_cta_mlp.py")
 
 
 @nox.session

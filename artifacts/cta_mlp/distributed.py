@@ -1,0 +1,119 @@
+"""A chain of GEMMs, one layer per rank, by every method on real devices:
+
+    torchrun --nproc-per-node N -m artifacts.cta_mlp.distributed --rows 8192 --width 8192 --out r.json
+
+Back-to-back GEMMs, micro-batching (every chunk of the sweep), Megatron TP, and on GPUs
+CTA-pipelining through symmetric memory. Every output is checked against a plain PyTorch chain;
+latency is the slowest rank's, median of ``--repeats``. On a CPU (gloo) only the torch.distributed
+baselines run (CTA-pipelining there: ctapipe.emulate); CPU latencies say nothing about GPUs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from baselines.cta.microbatch import candidate_chunks, pipelined_chain
+from baselines.cta.tensor_parallel import shard_chain, tp_chain
+from ctapipe.reference import chain as reference_chain
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def _timed(fn, device: torch.device, repeats: int) -> tuple[float, object]:
+    """Median over repeats of the slowest rank's time (every rank starts at a barrier)."""
+    out, samples = None, []
+    for i in range(repeats + 1):
+        dist.barrier()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        out = fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        took = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=device)
+        dist.all_reduce(took, op=dist.ReduceOp.MAX)
+        if i:  # the first call warms up (compiles, connects)
+            samples.append(float(took))
+    return statistics.median(samples), out
+
+
+def run(m: int, width: int, dtype: torch.dtype, repeats: int, smallest_chunk: int, seed: int = 0) -> dict:
+    rank, ranks = dist.get_rank(), dist.get_world_size()
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    g = torch.Generator().manual_seed(seed)  # every rank draws the same weights and input
+    x = torch.randn(m, width, generator=g).to(device, dtype)
+    weights = [(torch.randn(width, width, generator=g) / width**0.5).to(device, dtype) for _ in range(ranks)]
+    acts = ["gelu"] * (ranks - 1) + ["none"]
+    ref = reference_chain(x.float(), [w.float() for w in weights], acts)
+    last = rank == ranks - 1
+    tol = 5e-2 if dtype != torch.float32 else 1e-4
+
+    def error(y) -> float | None:
+        return float((y.float() - ref).abs().max() / ref.abs().max()) if y is not None else None
+
+    results: dict[str, dict] = {}
+    for chunk in candidate_chunks(m, smallest_chunk):
+        name = "back_to_back" if chunk == m else f"microbatch_{chunk}"
+        mine = x if rank == 0 else None
+        latency, y = _timed(
+            lambda c=chunk, a=mine: pipelined_chain(a, weights[rank], acts[rank], m, c), device, repeats
+        )
+        results[name] = {"latency_s": latency, "chunk": chunk, "error": error(y if last else None)}
+    shards = shard_chain(weights, rank, ranks)
+    latency, y = _timed(lambda: tp_chain(x, shards, acts), device, repeats)
+    results["tp"] = {"latency_s": latency, "error": error(y if last else None)}
+    if cuda:
+        from ctapipe import Tiling
+        from ctapipe.chain import ChainStage, symmetric_buffers
+
+        tiling = Tiling()
+        buffers = symmetric_buffers(m, [width] * (ranks + 1), dtype, tiling)
+        stage = ChainStage(rank, ranks, weights[rank], acts[rank], buffers, tiling)
+        stage.warm_up(m)
+        torch.cuda.synchronize()
+        latency, y = _timed(lambda: stage(x if rank == 0 else None), device, repeats)
+        results["cta"] = {"latency_s": latency, "error": error(y if last else None)}
+    gathered = [None] * ranks
+    dist.all_gather_object(gathered, results)
+    final = gathered[-1]  # the last rank holds the outputs (TP: every rank; all checked there)
+    bad = {k: v["error"] for k, v in final.items() if v["error"] is None or v["error"] > tol}
+    if bad:
+        raise RuntimeError(f"outputs differ from the reference chain (relative max error > {tol}): {bad}")
+    micro = {k: v for k, v in final.items() if k.startswith("microbatch_") or k == "back_to_back"}
+    best = min(micro, key=lambda k: micro[k]["latency_s"])
+    return {"methods": final, "best_microbatch": best, "gpus": ranks, "m": m, "width": width,
+            "dtype": str(dtype), "device": device.type}  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", type=int, default=8192, help="M, the rows of X")
+    ap.add_argument("--width", type=int, default=8192)
+    ap.add_argument("--dtype", choices=list(DTYPES), default="bf16")
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--smallest-chunk", type=int, default=128)
+    ap.add_argument("--out", type=Path, help="write rank 0's report (JSON)")
+    args = ap.parse_args(argv)
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    report = run(args.rows, args.width, DTYPES[args.dtype], args.repeats, args.smallest_chunk)
+    if dist.get_rank() == 0:
+        for name, r in report["methods"].items():
+            print(f"{name:>16}: {r['latency_s'] * 1e3:8.3f} ms  (max rel. error {r['error']:.1e})")
+        if args.out:
+            args.out.write_text(json.dumps(report, indent=1))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

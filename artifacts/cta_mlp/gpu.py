@@ -1,0 +1,131 @@
+"""The GPU part of ``cta_mlp`` (in ``nox -s gpu_check``): measured on one GPU, all ratios from one run.
+
+* single-GPU emulation of Y = gelu(X W1) W2 (W 8192 x 8192, bf16), the whole GPU for every method:
+  back-to-back cuBLAS GEMMs, the best micro-batched pair on two streams, the two Triton stage
+  kernels back to back (no waits), and the ticketed CTA-pipelined kernel;
+* the stage kernel's throughput against torch.matmul (cuBLAS) on 8192^3;
+* the simulator's single-GPU parameters measured here: GEMM efficiency (cuBLAS 8192^3 over the
+  data-sheet peak) and the gap between dependent kernels; the simulator rerun with them.
+
+``--device cpu`` (GPU_CHECK_DRY_RUN) runs the same code at toy sizes under the interpreter.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import torch
+
+from measure.results import ResultFile, provenance
+from measure.timing import time_fn
+
+GPU_ROWS = [1024, 4096, 16384]
+DRY_ROWS = [64]
+
+
+def _mlp_methods(m: int, d: int, device: str, dtype: torch.dtype, tiling) -> dict:
+    from baselines.cta.single_gpu import MicrobatchedMLP, back_to_back_mlp
+    from ctapipe import TicketMLP, launch_stage
+
+    g = torch.Generator().manual_seed(m)
+    x = torch.randn(m, d, generator=g).to(device, dtype)
+    w1 = (torch.randn(d, d, generator=g) / d**0.5).to(device, dtype)
+    w2 = (torch.randn(d, d, generator=g) / d**0.5).to(device, dtype)
+    ref = back_to_back_mlp(x.float(), w1.float(), w2.float(), "gelu")
+    h = torch.empty(m, d, dtype=dtype, device=device)
+    y = torch.empty(m, d, dtype=dtype, device=device)
+    ticketed = TicketMLP("gelu", tiling)
+
+    def triton_pair():
+        launch_stage(x, w1, h, act="gelu", tiling=tiling)
+        launch_stage(h, w2, y, tiling=tiling)
+        return y
+
+    methods = {"cublas_back_to_back": lambda: back_to_back_mlp(x, w1, w2, "gelu"),
+               "triton_back_to_back": triton_pair, "cta_ticketed": lambda: ticketed(x, w1, w2)}  # fmt: skip
+    chunks = [c for c in (m // 2, m // 4, m // 8) if c >= tiling.block_m and m % c == 0]
+    for c in chunks:
+        pipelined = MicrobatchedMLP(c, "gelu")
+        methods[f"microbatch_{c}"] = lambda mb=pipelined: mb(x, w1, w2)
+    out = {}
+    repeats = 20 if device == "cuda" else 1
+    for name, fn in methods.items():
+        err = float((fn().float() - ref).abs().max() / ref.abs().max())
+        out[name] = {"median_s": time_fn(fn, device, warmup=3, repeats=repeats).median_s, "rel_error": err}
+    micro = {k: v["median_s"] for k, v in out.items() if k.startswith("microbatch_")}
+    best = min(micro, key=micro.get) if micro else None
+    out["summary"] = {
+        "best_microbatch": best,
+        "cta_vs_cublas_back_to_back": 1
+        - out["cta_ticketed"]["median_s"] / out["cublas_back_to_back"]["median_s"],
+        "cta_vs_triton_back_to_back": 1
+        - out["cta_ticketed"]["median_s"] / out["triton_back_to_back"]["median_s"],
+        "cta_vs_best_microbatch": (1 - out["cta_ticketed"]["median_s"] / micro[best]) if best else None,
+    }
+    return out
+
+
+def _kernel_throughput(n: int, device: str, dtype: torch.dtype, tiling) -> dict:
+    from ctapipe import launch_stage
+
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    c = torch.empty(n, n, device=device, dtype=dtype)
+    repeats = 20 if device == "cuda" else 1
+    t_triton = time_fn(
+        lambda: launch_stage(a, b, c, tiling=tiling), device, warmup=3, repeats=repeats
+    ).median_s
+    t_cublas = time_fn(lambda: a @ b, device, warmup=3, repeats=repeats).median_s
+    flops = 2.0 * n**3
+    return {"n": n, "triton_tflops": flops / t_triton / 1e12, "cublas_tflops": flops / t_cublas / 1e12,
+            "triton_over_cublas": t_cublas / t_triton}  # fmt: skip
+
+
+def _kernel_gap(device: str) -> float:
+    """Per-kernel cost of a chain of dependent tiny kernels (launch + ramp + tail)."""
+    x = torch.zeros(1, device=device)
+    count = 200
+
+    def chain():
+        for _ in range(count):
+            x.add_(1.0)
+
+    return time_fn(chain, device, warmup=2, repeats=5 if device == "cuda" else 1).median_s / count
+
+
+def part_gpu(results: Path, force: bool, device: str = "cuda") -> ResultFile:
+    from ctapipe import INTERPRETER_TILING, Tiling, sim
+
+    cuda = device == "cuda"
+    tiling = Tiling() if cuda else INTERPRETER_TILING
+    d = 8192 if cuda else 32
+    rows = GPU_ROWS if cuda else DRY_ROWS
+    dtype = torch.bfloat16 if cuda else torch.float32
+    config = {"part": "gpu", "rows": rows, "width": d, "dtype": str(dtype), "tiling": vars(tiling)}
+    store = ResultFile(results / f"gpu_{device}.json", provenance(config, device), force)
+    for m in rows:
+        r = store.compute(f"mlp/m{m}", lambda m=m: _mlp_methods(m, d, device, dtype, tiling))
+        s = r["summary"]
+        print(
+            f"single GPU, M={m}: CTA ticketed vs cuBLAS back-to-back {s['cta_vs_cublas_back_to_back']:+.1%}, "
+            f"vs Triton back-to-back {s['cta_vs_triton_back_to_back']:+.1%}, vs best micro-batching "
+            f"({s['best_microbatch']}) {s['cta_vs_best_microbatch'] or 0:+.1%}"
+        )
+    k = store.compute("kernel_throughput", lambda: _kernel_throughput(d, device, dtype, tiling))
+    print(f"stage kernel {k['triton_tflops']:.1f} TFLOP/s vs cuBLAS {k['cublas_tflops']:.1f} TFLOP/s")
+    gap = store.compute("kernel_gap_s", lambda: _kernel_gap(device))
+    if cuda:  # the simulator with this GPU's measured single-GPU parameters
+        name = torch.cuda.get_device_name().lower()
+        base = sim.B200 if "b200" in name else sim.H200
+        measured = dataclasses.replace(
+            base,
+            name=f"{base.name}-measured",
+            gemm_efficiency=k["cublas_tflops"] * 1e12 / base.flops,
+            kernel_gap_s=gap,
+            source=f"{base.source}; GEMM efficiency and kernel gap measured on {name}",
+        )
+        from .run import part_sim
+
+        part_sim(results, force, {measured.name: measured}, name="sim_measured")
+    return store

@@ -1,0 +1,215 @@
+"""CTA-pipelining's evaluation: ``nox -s cta_mlp`` (CPU), ``--device cuda`` adds the GPU part.
+
+Parts (``--parts``):
+  sim        latency model sweep: chain of 8192 x 8192 GEMMs, one layer per GPU, M = 1k..32k,
+             H200 and B200, 2/4/8 GPUs: back-to-back, best micro-batching, TP, CTA-pipelining,
+             CTA + TP; the assumptions are stored with the results
+  kernels    the Triton kernels against torch.matmul (under TRITON_INTERPRET=1 on a CPU),
+             including two concurrent processes with a late producer and the negative control
+  baselines  the torch.distributed baselines on 2 processes (gloo on a CPU), outputs checked
+  gpu        (cuda) single-GPU emulation: ticketed MLP vs back-to-back vs micro-batched on two
+             streams, the kernel's throughput vs cuBLAS, and the simulator's single-GPU
+             parameters measured here (GEMM efficiency, kernel gap), re-simulated with them
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from measure.results import ResultFile, provenance
+
+RESULTS = Path(__file__).parent / "results"
+SIM_ROWS = [1024, 2048, 4096, 8192, 16384, 32768]
+SIM_GPUS = [2, 4, 8]
+PAPER_2GPU = {"cta_vs_microbatch": 0.318, "cta_vs_tp": 0.296}  # "up to", arXiv 2607.07862
+
+
+def part_sim(results: Path, force: bool, hardware: dict | None = None, name: str = "sim") -> ResultFile:
+    from ctapipe import sim
+
+    hardware = hardware or sim.HARDWARE
+    config = {"part": "sim", "rows": SIM_ROWS, "gpus": SIM_GPUS, "width": 8192,
+              "hardware": {k: sim.assumptions(h) for k, h in hardware.items()}}  # fmt: skip
+    store = ResultFile(results / f"{name}.json", provenance(config), force)
+    for hw in hardware.values():
+        for n in SIM_GPUS:
+            for m in SIM_ROWS:
+                store.compute(f"{hw.name}/n{n}/m{m}", lambda hw=hw, n=n, m=m: sim.compare(hw, m, n))
+    _print_sim(store, hardware)
+    return store
+
+
+def _print_sim(store: ResultFile, hardware: dict) -> None:
+    us = 1e6
+    for hw in hardware.values():
+        print(f"\n{hw.name}: {hw.source}")
+        print(
+            f"  assumed: GEMM efficiency {hw.gemm_efficiency:.0%}, link efficiency {hw.link_efficiency:.0%}, "
+            f"kernel gap {hw.kernel_gap_s * us:.1f} us, p2p latency {hw.p2p_latency_s * us:.1f} us, "
+            f"flag latency {hw.flag_latency_s * us:.1f} us, all-reduce: ring or NVLS, the faster"
+        )
+        for n in SIM_GPUS:
+            print(f"  {n} GPUs, latency in us:")
+            print(
+                "        M  back-to-back  micro-batch (chunk)     TP    CTA  CTA+TP   CTA vs mb   CTA vs TP"
+            )
+            for m in SIM_ROWS:
+                r = store.points[f"{hw.name}/n{n}/m{m}"]
+                ctatp = f"{r['cta_tp_s'] * us:6.0f}" if "cta_tp_s" in r else "     -"
+                print(
+                    f"  {m:>7}  {r['back_to_back_s'] * us:12.0f}  {r['microbatch_s'] * us:11.0f} "
+                    f"({r['microbatch_chunk']:>5})  {r['tp_s'] * us:5.0f}  {r['cta_s'] * us:5.0f}  {ctatp}"
+                    f"  {r['cta_vs_microbatch']:+10.1%}  {r['cta_vs_tp']:+10.1%}"
+                )
+    for hw in hardware.values():
+        two = [store.points[f"{hw.name}/n2/m{m}"] for m in SIM_ROWS]
+        best_mb, best_tp = max(r["cta_vs_microbatch"] for r in two), max(r["cta_vs_tp"] for r in two)
+        print(
+            f"{hw.name}, 2 GPUs, best over M: CTA {best_mb:.1%} below the best micro-batching (paper: up "
+            f"to {PAPER_2GPU['cta_vs_microbatch']:.1%}), {best_tp:.1%} below TP (paper: up to "
+            f"{PAPER_2GPU['cta_vs_tp']:.1%})"
+        )
+
+
+def part_kernels(results: Path, force: bool, device: str) -> ResultFile:
+    from ctapipe import INTERPRETER_TILING, TicketMLP, Tiling, launch_stage
+    from ctapipe.emulate import run_chain_processes
+    from ctapipe.reference import chain
+
+    cuda = device == "cuda"
+    tiling = Tiling() if cuda else INTERPRETER_TILING
+    shapes = [(4096, 8192, 8192), (1000, 4096, 11008)] if cuda else [(64, 32, 48), (37, 24, 56)]
+    config = {"part": "kernels", "device": device, "tiling": vars(tiling), "shapes": shapes,
+              "interpreter": os.environ.get("TRITON_INTERPRET") == "1"}  # fmt: skip
+    store = ResultFile(results / f"kernels_{device}.json", provenance(config, device), force)
+    dtype = torch.bfloat16 if cuda else torch.float32
+    for m, d, f in shapes:
+
+        def check(m=m, d=d, f=f) -> dict:
+            g = torch.Generator().manual_seed(m + d + f)
+            x = torch.randn(m, d, generator=g).to(device, dtype)
+            w1 = (torch.randn(d, f, generator=g) / d**0.5).to(device, dtype)
+            w2 = (torch.randn(f, d, generator=g) / f**0.5).to(device, dtype)
+            ref = chain(x.float(), [w1.float(), w2.float()], ["gelu", "none"])
+            rows = tiling.tiles(m, f)[0]
+            ready = torch.zeros(rows, dtype=torch.int32, device=device)
+            h, y = (
+                torch.empty(m, f, dtype=dtype, device=device),
+                torch.empty(m, d, dtype=dtype, device=device),
+            )
+            launch_stage(x, w1, h, ready_out=ready, act="gelu", tiling=tiling)
+            launch_stage(h, w2, y, ready_in=ready, wait_target=tiling.tiles(m, f)[1], tiling=tiling,
+                         max_spins=1_000_000)  # fmt: skip
+            mlp = TicketMLP("gelu", tiling, max_spins=1_000_000)
+            y_ticket = mlp(x, w1, w2)
+            scale = float(ref.abs().max())
+            return {"stages_rel_error": float((y.float() - ref).abs().max()) / scale,
+                    "ticket_rel_error": float((y_ticket.float() - ref).abs().max()) / scale,
+                    "ticket_status": int(mlp.status.item())}  # fmt: skip
+
+        r = store.compute(f"mlp/{m}x{d}x{f}", check)
+        print(
+            f"kernels {m}x{d}x{f}: stages {r['stages_rel_error']:.1e}, ticketed {r['ticket_rel_error']:.1e} "
+            "relative max error vs torch.matmul"
+        )
+
+    def concurrent() -> dict:
+        g = torch.Generator().manual_seed(1)
+        m, d, f = 48, 32, 48
+        x, w1, w2 = (
+            torch.randn(m, d, generator=g),
+            torch.randn(d, f, generator=g) / 6,
+            torch.randn(f, d, generator=g) / 7,
+        )
+        ref = chain(x, [w1, w2], ["gelu", "none"])
+        out = {}
+        for wait in (True, False):
+            t0 = time.perf_counter()
+            y, status = run_chain_processes(x, [w1, w2], ["gelu", "none"], INTERPRETER_TILING, wait=wait,
+                                            delays=[1.0, 0.0])  # fmt: skip
+            out["with_wait" if wait else "negative_control_no_wait"] = {
+                "max_abs_error": float((y - ref).abs().max()), "status": status,
+                "seconds": time.perf_counter() - t0}  # fmt: skip
+        return out
+
+    r = store.compute("chain/2-processes-producer-late", concurrent)
+    print(
+        "2 concurrent processes, producer 1 s late: with the wait max error "
+        f"{r['with_wait']['max_abs_error']:.1e}; without it (negative control) "
+        f"{r['negative_control_no_wait']['max_abs_error']:.2f}"
+    )
+    return store
+
+
+def part_baselines(results: Path, force: bool) -> ResultFile:
+    args = {"rows": 512, "width": 64, "dtype": "fp32", "repeats": 3, "smallest_chunk": 64}
+    store = ResultFile(results / "baselines_cpu.json", provenance({"part": "baselines", **args}), force)
+
+    def launch() -> dict:
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "r.json"
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                   str(_free_port()), "-m", "artifacts.cta_mlp.distributed", "--rows", str(args["rows"]),
+                   "--width", str(args["width"]), "--dtype", args["dtype"], "--repeats", str(args["repeats"]),
+                   "--smallest-chunk", str(args["smallest_chunk"]), "--out", str(out)]  # fmt: skip
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
+                                  env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+            if done.returncode:
+                raise RuntimeError(f"distributed baselines failed:\n{done.stderr[-3000:]}")
+            return json.loads(out.read_text())
+
+    r = store.compute("chain/2-gloo", launch)
+    errors = {k: v["error"] for k, v in r["methods"].items()}
+    print(f"baselines on 2 gloo processes, max relative error vs the reference chain: {errors}")
+    return store
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--parts", nargs="+", default=["sim", "kernels", "baselines"],
+                    choices=["sim", "kernels", "baselines", "gpu"])  # fmt: skip
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--results", type=Path, default=RESULTS)
+    ap.add_argument("--force", action="store_true", help="recompute points already in the result files")
+    ap.add_argument(
+        "--gpu-dry-run", action="store_true", help="the gpu part on a CPU at toy sizes (tests it)"
+    )
+    args = ap.parse_args(argv)
+    if args.device == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel is defined
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: no CUDA device here")
+    if args.device == "cpu" and "gpu" in args.parts and not args.gpu_dry_run:
+        ap.error("the gpu part needs --device cuda (or --gpu-dry-run)")
+    if "sim" in args.parts:
+        part_sim(args.results, args.force)
+    if "kernels" in args.parts:
+        part_kernels(args.results, args.force, args.device)
+    if "baselines" in args.parts:
+        part_baselines(args.results, args.force)
+    if "gpu" in args.parts:
+        from .gpu import part_gpu
+
+        part_gpu(args.results, args.force, args.device)
+    print(f"\nresults in {args.results}; figures: nox -s figures")
+
+
+if __name__ == "__main__":
+    main()

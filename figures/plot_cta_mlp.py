@@ -1,0 +1,89 @@
+"""Figures of the CTA-pipelining evaluation, made only from artifacts/cta_mlp/results/*.json.
+
+python figures/plot_cta_mlp.py
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from _common import ROOT, finish, plt  # first: sets the headless backend and the import path
+
+from measure.results import load_results
+
+RESULTS = ROOT / "artifacts" / "cta_mlp" / "results"
+METHODS = {"back_to_back_s": "back-to-back", "microbatch_s": "best micro-batching", "tp_s": "tensor parallel",
+           "cta_s": "CTA-pipelining", "cta_tp_s": "CTA + TP"}  # fmt: skip
+MODELLED = "; latency model (impl/ctapipe/sim.py)"
+
+
+def _grid(points: dict) -> tuple[list[str], list[int], list[int]]:
+    gpus = sorted({k.split("/")[0] for k in points})
+    ns = sorted({int(k.split("/")[1][1:]) for k in points})
+    ms = sorted({int(k.split("/")[2][1:]) for k in points})
+    return gpus, ns, ms
+
+
+def plot_latency(name: str = "sim") -> Path | None:
+    path = RESULTS / f"{name}.json"
+    if not path.exists():
+        return None
+    data = load_results(path)
+    points = data["points"]
+    gpus, ns, ms = _grid(points)
+    fig, axes = plt.subplots(len(gpus), len(ns), figsize=(4.2 * len(ns), 3.4 * len(gpus)), squeeze=False)
+    for row, gpu in zip(axes, gpus, strict=True):
+        for ax, n in zip(row, ns, strict=True):
+            for key, label in METHODS.items():
+                xs = [m for m in ms if key in points[f"{gpu}/n{n}/m{m}"]]
+                if xs:
+                    ys = [points[f"{gpu}/n{n}/m{m}"][key] * 1e3 for m in xs]
+                    ax.plot(xs, ys, marker="o", markersize=3, label=label)
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xlabel("M (rows)")
+            ax.set_ylabel("latency (ms)")
+            ax.set_title(f"{gpu}, {n} GPUs: chain of {n} GEMMs 8192x8192", fontsize=9)
+            ax.grid(alpha=0.3)
+    axes[0][-1].legend(fontsize=7)  # the panel with every method
+    title, out = "Chain-of-GEMMs latency per method", f"cta_latency{_suffix(name)}.png"
+    return finish(fig, title, data["provenance"], out, note=MODELLED)
+
+
+def plot_reduction(name: str = "sim") -> Path | None:
+    path = RESULTS / f"{name}.json"
+    if not path.exists():
+        return None
+    data = load_results(path)
+    points = data["points"]
+    gpus, ns, ms = _grid(points)
+    fig, axes = plt.subplots(1, len(gpus), figsize=(5.5 * len(gpus), 3.8), squeeze=False)
+    for ax, gpu in zip(axes[0], gpus, strict=True):
+        for color, m in enumerate((ms[0], ms[len(ms) // 2], ms[-1])):  # one colour per M
+            for key, style, label in (
+                ("cta_vs_microbatch", "-", "vs best micro-batching"),
+                ("cta_vs_tp", "--", "vs TP"),
+            ):
+                ax.plot(ns, [100 * points[f"{gpu}/n{n}/m{m}"][key] for n in ns], style, marker="o",
+                        color=f"C{color}", label=f"M={m} {label}")  # fmt: skip
+        ax.axhline(0, color="gray", linewidth=0.8)
+        ax.set_xticks(ns)
+        ax.set_xlabel("GPUs (= layers of the chain)")
+        ax.set_ylabel("latency reduction of CTA-pipelining (%)")
+        ax.set_title(f"{gpu} (paper, 2 GPUs: up to 31.8% vs micro-batching, 29.6% vs TP)", fontsize=8)
+        ax.legend(fontsize=6, ncol=2)
+        ax.grid(alpha=0.3)
+    return finish(fig, "Latency reduction of CTA-pipelining vs the number of GPUs", data["provenance"],
+                  f"cta_reduction{_suffix(name)}.png", note=MODELLED)  # fmt: skip
+
+
+def _suffix(name: str) -> str:
+    return "" if name == "sim" else "_" + name.removeprefix("sim_")
+
+
+if __name__ == "__main__":
+    for name in ("sim", "sim_measured"):
+        for plot in (plot_latency, plot_reduction):
+            out = plot(name)
+            if out:
+                print(f"wrote {out}")

@@ -1,0 +1,251 @@
+"""Discrete-event latency model of a chain of GEMMs on N GPUs: CTA-pipelining against
+back-to-back GEMMs, micro-batching and tensor parallelism.
+
+The workload (CTA-pipelining's): L layers Y_{l+1} = Y_l W_l with D x D weights, M rows, one
+layer per GPU (L = N). A GEMM is tiles of BLOCK_M x BLOCK_N; a tile with K-deep inputs takes
+2 BLOCK_M BLOCK_N K / (peak x efficiency / SMs) on one SM, and a kernel runs its tiles in waves
+over the SMs (wave and tile quantisation included).
+
+* back-to-back: GPU l starts its whole GEMM after GPU l-1's output has arrived (one message).
+* micro-batching: the rows in chunks; GPU l runs chunk j after it arrived and after its own
+  chunk j-1 (one kernel per chunk, stream order); messages on a link queue. Best chunk swept.
+* tensor parallelism: every GPU holds 1/N of every layer (column- then row-parallel pairs, as
+  Megatron), one all-reduce per pair (ring or NVLS, whichever is faster, as NCCL picks).
+* CTA-pipelining: one persistent kernel per GPU, launched together; an SM takes the next tile in
+  row-block order and spins until the upstream row block it reads is complete and visible
+  (its tiles' bytes through the link queue, then the flag latency).
+* CTA + TP (N >= 4): N/2 pipeline stages of 2 GPUs; each stage holds a Megatron pair of layers
+  sharded over its 2 GPUs and all-reduces each finished row block, which the next stage's
+  tiles wait for.
+
+Parameters come from data sheets (SMs, peak FLOP/s, NVLink bandwidth) and stated
+micro-benchmark-level assumptions (GEMM efficiency, latencies) in ``Hardware``; none is fitted to
+the paper's speed-ups. ``nox -s gpu_check`` measures the single-GPU ones when a GPU is lent.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import asdict, dataclass, field
+
+US = 1e-6
+
+
+@dataclass(frozen=True)
+class Hardware:
+    name: str
+    sms: int
+    flops: float  # dense BF16 peak per GPU, FLOP/s (data sheet)
+    link_bw: float  # NVLink bytes/s per direction per GPU (data sheet)
+    gemm_efficiency: float = 0.7  # sustained fraction of peak of a full wave of large tiles
+    link_efficiency: float = 0.8  # achieved fraction of link bandwidth (NCCL p2p / all-reduce)
+    kernel_gap_s: float = 4 * US  # between dependent kernels on a stream: launch, ramp, tail
+    launch_s: float = 5 * US  # first kernel's launch to first tile
+    p2p_latency_s: float = 6 * US  # one NCCL send/recv, small message
+    flag_latency_s: float = 1.5 * US  # a release on one GPU seen by an acquire-poll on a peer
+    ring_step_latency_s: float = 2.5 * US  # per ring step of an all-reduce
+    nvls_latency_s: float = 10 * US  # NVLink SHARP all-reduce fixed cost (NVSwitch systems)
+    nvls: bool = True
+    source: str = ""
+
+    def tile_s(self, k: int, block_m: int, block_n: int) -> float:
+        return 2.0 * block_m * block_n * k / (self.flops * self.gemm_efficiency / self.sms)
+
+    def transfer_s(self, nbytes: float) -> float:
+        return nbytes / (self.link_bw * self.link_efficiency)
+
+    def all_reduce_s(self, nbytes: float, n: int) -> float:
+        if n <= 1:
+            return 0.0
+        ring = 2 * (n - 1) * self.ring_step_latency_s + 2 * (n - 1) / n * self.transfer_s(nbytes)
+        nvls = self.nvls_latency_s + self.transfer_s(nbytes) if self.nvls else math.inf
+        return min(ring, nvls)
+
+    def all_gather_s(self, nbytes: float, n: int) -> float:
+        return (n - 1) * self.ring_step_latency_s + (n - 1) / n * self.transfer_s(nbytes) if n > 1 else 0.0
+
+
+H200 = Hardware(
+    "h200", sms=132, flops=989e12, link_bw=450e9,
+    source="H200 SXM data sheet: 132 SMs, 989 TFLOP/s dense BF16, NVLink 900 GB/s (450 each way)",
+)  # fmt: skip
+B200 = Hardware(
+    "b200", sms=148, flops=2.25e15, link_bw=900e9,
+    source="HGX B200 data sheet: 148 SMs, 2.25 PFLOP/s dense BF16, NVLink 5 1.8 TB/s (900 each way)",
+)  # fmt: skip
+HARDWARE = {h.name: h for h in (H200, B200)}
+
+
+@dataclass(frozen=True)
+class Chain:
+    m: int
+    width: int = 8192
+    layers: int = 2
+    dtype_bytes: int = 2
+    block_m: int = 128
+    block_n: int = 256
+
+    def __post_init__(self) -> None:
+        if self.m < 1 or self.width < 1 or self.layers < 1:
+            raise ValueError(f"m, width and layers must be >= 1, got {self.m}, {self.width}, {self.layers}")
+
+    @property
+    def row_blocks(self) -> int:
+        return -(-self.m // self.block_m)
+
+    def col_tiles(self, n: int) -> int:
+        return -(-n // self.block_n)
+
+
+def _kernel_s(hw: Hardware, rows: int, n: int, k: int, chain: Chain) -> float:
+    """A whole GEMM kernel whose inputs are ready: waves of tiles over the SMs."""
+    tiles = -(-rows // chain.block_m) * chain.col_tiles(n)
+    return math.ceil(tiles / hw.sms) * hw.tile_s(k, chain.block_m, chain.block_n)
+
+
+def microbatched(hw: Hardware, chain: Chain, chunk: int) -> float:
+    """Latency with row chunks of ``chunk`` pipelined across the chain's GPUs (chunk = M: back-to-back)."""
+    if chunk < 1:
+        raise ValueError(f"chunk must be >= 1, got {chunk}")
+    d, b = chain.width, chain.dtype_bytes
+    sizes = [min(chunk, chain.m - s) for s in range(0, chain.m, chunk)]
+    arrive = [hw.launch_s - hw.kernel_gap_s] * len(sizes)  # layer 0's input is there at t=0
+    for _layer in range(chain.layers):
+        done, busy, link, sent = [], 0.0, 0.0, []
+        for j, rows in enumerate(sizes):
+            start = max(arrive[j], busy) + hw.kernel_gap_s
+            busy = start + _kernel_s(hw, rows, d, d, chain)
+            done.append(busy)
+            link = max(link, busy) + hw.transfer_s(rows * d * b)  # the chunk's message, link queue
+            sent.append(link + hw.p2p_latency_s)
+        arrive = sent
+    return done[-1]
+
+
+def candidate_chunks(m: int, block_m: int) -> list[int]:
+    chunks, c = [], m
+    while c >= block_m:
+        chunks.append(c)
+        c = -(-c // 2)
+    return chunks
+
+
+def best_microbatched(hw: Hardware, chain: Chain) -> tuple[float, int]:
+    """(latency, chunk) of the best chunk size: powers-of-two fractions of M down to one row block."""
+    return min((microbatched(hw, chain, c), c) for c in candidate_chunks(chain.m, chain.block_m))
+
+
+def tensor_parallel(hw: Hardware, chain: Chain, n: int) -> float:
+    """Every layer over ``n`` GPUs: column/row pairs, one all-reduce per pair (odd tail: all-gather)."""
+    d, m, b = chain.width, chain.m, chain.dtype_bytes
+    if d % n:
+        raise ValueError(f"width {d} does not split over {n} GPUs")
+    t = hw.launch_s - hw.kernel_gap_s
+    for layer in range(chain.layers):
+        if layer % 2 == 0:
+            t += hw.kernel_gap_s + _kernel_s(hw, m, d // n, d, chain)
+            if layer == chain.layers - 1:
+                t += hw.all_gather_s(m * d * b, n)
+        else:
+            t += hw.kernel_gap_s + _kernel_s(hw, m, d, d // n, chain)
+            t += hw.all_reduce_s(m * d * b, n)
+    return t
+
+
+@dataclass
+class _Gpu:
+    """In-order tile dispatch over the SMs; a tile holds its SM while it waits for its input."""
+
+    sms: int
+    start: float
+    free: list[float] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.free = [self.start] * self.sms
+
+    def run(self, ready: float, duration: float) -> float:
+        sm_free = heapq.heappop(self.free)
+        end = max(sm_free, ready) + duration
+        heapq.heappush(self.free, end)
+        return end
+
+
+def _visible(hw: Hardware, tile_ends: dict[int, list[float]], tile_bytes: float) -> dict[int, float]:
+    """When each row block is readable on the next GPU: its tiles' bytes through the link (FIFO in
+    completion order), then the flag."""
+    order = sorted((end, i) for i, ends in tile_ends.items() for end in ends)
+    link, last = 0.0, {}
+    for end, i in order:
+        link = max(link, end) + hw.transfer_s(tile_bytes)
+        last[i] = link
+    return {i: t + hw.flag_latency_s for i, t in last.items()}
+
+
+def cta_pipelined(hw: Hardware, chain: Chain) -> float:
+    """One layer per GPU, every kernel launched at once, tiles waiting on upstream row blocks."""
+    d = chain.width
+    ready = dict.fromkeys(range(chain.row_blocks), 0.0)  # layer 0 reads X: ready at once
+    tile = hw.tile_s(d, chain.block_m, chain.block_n)
+    tile_bytes = chain.block_m * chain.block_n * chain.dtype_bytes
+    end = 0.0
+    for _layer in range(chain.layers):
+        gpu = _Gpu(hw.sms, hw.launch_s)
+        ends: dict[int, list[float]] = {}
+        for i in range(chain.row_blocks):
+            ends[i] = [gpu.run(ready[i], tile) for _ in range(chain.col_tiles(d))]
+        end = max(max(e) for e in ends.values())
+        ready = _visible(hw, ends, tile_bytes)
+    return end
+
+
+def cta_with_tp(hw: Hardware, chain: Chain, tp: int = 2) -> float:
+    """``layers / tp`` CTA-pipelined stages; each stage a Megatron pair of layers over ``tp`` GPUs
+    (column then row parallel), all-reducing each finished row block for the next stage."""
+    d, b = chain.width, chain.dtype_bytes
+    if tp != 2 or chain.layers % 2 or d % tp:
+        raise ValueError(f"CTA + TP models pairs of layers on 2 GPUs; got tp={tp}, {chain.layers} layers")
+    col_tile = hw.tile_s(d, chain.block_m, chain.block_n)
+    row_tile = hw.tile_s(d // tp, chain.block_m, chain.block_n)
+    ready = dict.fromkeys(range(chain.row_blocks), 0.0)
+    end = 0.0
+    for _stage in range(chain.layers // 2):
+        gpu = _Gpu(hw.sms, hw.launch_s)  # both GPUs of the stage do the same work: simulate one
+        col_done, out_done = {}, {}
+        # ticket order: row block i's column tiles, then row block i-1's row tiles (local dependency)
+        for i in range(chain.row_blocks + 1):
+            if i < chain.row_blocks:
+                col_done[i] = max(gpu.run(ready[i], col_tile) for _ in range(chain.col_tiles(d // tp)))
+            if i >= 1:
+                r = i - 1
+                out_done[r] = max(gpu.run(col_done[r], row_tile) for _ in range(chain.col_tiles(d)))
+        # each row block's partial sums all-reduced over the pair, as its tiles finish (link queue)
+        link = 0.0
+        for r in sorted(out_done, key=out_done.get):
+            link = max(link, out_done[r]) + hw.all_reduce_s(chain.block_m * d * b, tp)
+            out_done[r] = link
+        end = max(out_done.values())
+        ready = {r: t + hw.flag_latency_s for r, t in out_done.items()}
+    return end
+
+
+def compare(hw: Hardware, m: int, gpus: int, width: int = 8192) -> dict:
+    """Every method's latency for the chain of ``gpus`` layers on ``gpus`` GPUs."""
+    chain = Chain(m, width, layers=gpus)
+    mb, chunk = best_microbatched(hw, chain)
+    out = {
+        "gpu": hw.name, "gpus": gpus, "m": m, "width": width,
+        "back_to_back_s": microbatched(hw, chain, m),
+        "microbatch_s": mb, "microbatch_chunk": chunk,
+        "tp_s": tensor_parallel(hw, chain, gpus),
+        "cta_s": cta_pipelined(hw, chain),
+    }  # fmt: skip
+    if gpus >= 4:
+        out["cta_tp_s"] = cta_with_tp(hw, chain)
+    out["cta_vs_microbatch"] = 1 - out["cta_s"] / mb
+    out["cta_vs_tp"] = 1 - out["cta_s"] / out["tp_s"]
+    return out
+
+
+def assumptions(hw: Hardware) -> dict:
+    return asdict(hw)
