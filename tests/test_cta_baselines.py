@@ -1,0 +1,64 @@
+"""The baselines CTA-pipelining is compared against compute the same chain as plain PyTorch."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from baselines.cta.microbatch import candidate_chunks
+from baselines.cta.single_gpu import MicrobatchedMLP, back_to_back_mlp
+from baselines.cta.tensor_parallel import shard_chain
+from ctapipe.reference import activation, chain
+
+
+def test_single_device_baselines_match_the_reference():
+    m, d, f = 64, int(torch.randint(8, 40, ())), int(torch.randint(8, 40, ()))
+    x, w1, w2 = torch.randn(m, d), torch.randn(d, f), torch.randn(f, d)
+    ref = chain(x, [w1, w2], ["gelu", "none"])
+    torch.testing.assert_close(back_to_back_mlp(x, w1, w2, "gelu"), ref)
+    for c in (64, 32, 16):
+        torch.testing.assert_close(MicrobatchedMLP(c, "gelu")(x, w1, w2), ref)
+    with pytest.raises(ValueError, match="must divide M=64"):
+        MicrobatchedMLP(24, "gelu")(x, w1, w2)
+
+
+def test_tp_shards_rebuild_the_layers():
+    weights = [torch.randn(8, 12), torch.randn(12, 8), torch.randn(8, 16)]
+    shards = [shard_chain(weights, r, 4) for r in range(4)]
+    for i, w in enumerate(weights):
+        torch.testing.assert_close(torch.cat([s[i] for s in shards], dim=1 if i % 2 == 0 else 0), w)
+    with pytest.raises(ValueError, match="must divide by TP size 5"):
+        shard_chain(weights, 0, 5)
+    with pytest.raises(ValueError, match="activation 'tanh' unknown"):
+        activation(torch.zeros(1), "tanh")
+
+
+def test_candidate_chunks():
+    assert candidate_chunks(1024, 128) == [1024, 512, 256, 128]
+    assert candidate_chunks(96, 128) == [96]
+
+
+@pytest.mark.timeout(300)
+def test_distributed_baselines_on_two_gloo_processes(tmp_path):
+    """The torchrun driver: back-to-back, every micro-batch chunk and TP over a 2-layer chain;
+    it raises when any output differs from the reference, so a clean exit is the check."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "r.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port),
+           "-m", "artifacts.cta_mlp.distributed", "--rows", "256", "--width", "32", "--dtype", "fp32",
+           "--repeats", "1", "--smallest-chunk", "64", "--out", str(out)]  # fmt: skip
+    done = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=280, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert set(report["methods"]) == {"back_to_back", "microbatch_128", "microbatch_64", "tp"}
+    assert all(r["error"] < 1e-5 and r["latency_s"] > 0 for r in report["methods"].values())

@@ -1,0 +1,112 @@
+"""The latency model: closed forms where there are any, orderings that must hold, and a control
+showing the CTA schedule really waits on the upstream row blocks."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from ctapipe import sim
+from ctapipe.sim import B200, H200, Chain
+
+
+def _draw() -> tuple[sim.Hardware, Chain]:
+    hw = (H200, B200)[int(torch.randint(0, 2, ()))]
+    m = 128 * int(torch.randint(1, 80, ()))
+    layers = int(torch.randint(1, 5, ()))
+    return hw, Chain(m, width=1024 * int(torch.randint(1, 9, ())), layers=layers)
+
+
+def test_back_to_back_closed_form():
+    hw, chain = _draw()
+    d, b = chain.width, chain.dtype_bytes
+    kernel = math.ceil(chain.row_blocks * chain.col_tiles(d) / hw.sms) * hw.tile_s(
+        d, chain.block_m, chain.block_n
+    )
+    hop = hw.transfer_s(chain.m * d * b) + hw.p2p_latency_s + hw.kernel_gap_s
+    expected = hw.launch_s + chain.layers * kernel + (chain.layers - 1) * hop
+    assert sim.microbatched(hw, chain, chain.m) == pytest.approx(expected, rel=1e-12)
+
+
+def test_one_layer_cta_is_one_kernel_in_waves():
+    """With nothing to wait for, the event engine must reduce to waves of tiles over the SMs."""
+    hw, chain = _draw()
+    chain = dataclasses.replace(chain, layers=1)
+    d = chain.width
+    waves = math.ceil(chain.row_blocks * chain.col_tiles(d) / hw.sms)
+    expected = hw.launch_s + waves * hw.tile_s(d, chain.block_m, chain.block_n)
+    assert sim.cta_pipelined(hw, chain) == pytest.approx(expected, rel=1e-12)
+
+
+def test_orderings_that_must_hold():
+    hw, chain = _draw()
+    chain = dataclasses.replace(chain, layers=max(2, chain.layers))
+    back_to_back = sim.microbatched(hw, chain, chain.m)
+    best, chunk = sim.best_microbatched(hw, chain)
+    assert best <= back_to_back and chunk in sim.candidate_chunks(chain.m, chain.block_m)
+    assert all(best <= sim.microbatched(hw, chain, c) for c in sim.candidate_chunks(chain.m, chain.block_m))
+    cta = sim.cta_pipelined(hw, chain)
+    assert cta < back_to_back  # overlap can only help when every layer has the same shape
+    # no schedule beats the busiest GPU's own work
+    per_gpu = math.ceil(chain.row_blocks * chain.col_tiles(chain.width) / hw.sms)
+    assert cta >= per_gpu * hw.tile_s(chain.width, chain.block_m, chain.block_n)
+
+
+def test_cta_waits_for_upstream_row_blocks():
+    """Control: a slower signal must delay the consumer (a model that ignored the dependency
+    would not notice), by at least the extra latency once per layer boundary."""
+    hw, chain = _draw()
+    chain = dataclasses.replace(chain, layers=max(2, chain.layers))
+    slow = dataclasses.replace(hw, flag_latency_s=1e-3)
+    base = sim.cta_pipelined(hw, chain)
+    delayed = sim.cta_pipelined(slow, chain)
+    assert delayed >= base + (chain.layers - 1) * (1e-3 - hw.flag_latency_s) * 0.999
+
+
+def test_latency_grows_with_rows():
+    hw, chain = _draw()
+    chain = dataclasses.replace(chain, layers=2)
+    bigger = dataclasses.replace(chain, m=chain.m * 2)
+    assert sim.cta_pipelined(hw, bigger) >= sim.cta_pipelined(hw, chain)
+    assert sim.tensor_parallel(hw, bigger, 2) >= sim.tensor_parallel(hw, chain, 2)
+    assert sim.best_microbatched(hw, bigger)[0] >= sim.best_microbatched(hw, chain)[0]
+
+
+def test_tensor_parallel_closed_form_and_all_reduce_choice():
+    hw = H200
+    chain = Chain(4096, 8192, layers=2)
+    d, m = 8192, 4096
+    col = math.ceil(32 * 16 / hw.sms) * hw.tile_s(d, 128, 256)
+    row = math.ceil(32 * 32 / hw.sms) * hw.tile_s(d // 2, 128, 256)
+    ar = hw.all_reduce_s(m * d * 2, 2)
+    expected = hw.launch_s + hw.kernel_gap_s + col + row + ar
+    assert sim.tensor_parallel(hw, chain, 2) == pytest.approx(expected, rel=1e-12)
+    ring_only = dataclasses.replace(hw, nvls=False)
+    nbytes = float(torch.randint(1, 1 << 30, ()))
+    for n in (2, 4, 8):
+        ring = 2 * (n - 1) * hw.ring_step_latency_s + 2 * (n - 1) / n * hw.transfer_s(nbytes)
+        assert ring_only.all_reduce_s(nbytes, n) == pytest.approx(ring)
+        assert hw.all_reduce_s(nbytes, n) == pytest.approx(
+            min(ring, hw.nvls_latency_s + hw.transfer_s(nbytes))
+        )
+
+
+def test_cta_with_tp_is_between_bounds():
+    chain = Chain(8192, 8192, layers=4)
+    for hw in (H200, B200):
+        both = sim.cta_with_tp(hw, chain)
+        assert 0 < both < sim.microbatched(hw, chain, chain.m)
+
+
+def test_bad_input():
+    with pytest.raises(ValueError, match="must be >= 1"):
+        Chain(0)
+    with pytest.raises(ValueError, match="does not split over 3 GPUs"):
+        sim.tensor_parallel(H200, Chain(1024, 8192, 2), 3)
+    with pytest.raises(ValueError, match="pairs of layers on 2 GPUs"):
+        sim.cta_with_tp(H200, Chain(1024, 8192, 3))
+    with pytest.raises(ValueError, match="chunk must be >= 1"):
+        sim.microbatched(H200, Chain(1024), 0)
