@@ -12,7 +12,7 @@ import itertools
 import pytest
 import torch
 
-from ctapipe import INTERPRETER_TILING, TicketMLP, Tiling, launch_stage, ticket_schedule
+from ctapipe import INTERPRETER_TILING, PartitionedMLP, TicketMLP, Tiling, launch_stage, ticket_schedule
 from ctapipe.emulate import run_chain_processes
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -49,6 +49,27 @@ def test_producer_consumer_stages_match_matmul(act):
                      max_spins=10_000, tiling=TILING)  # fmt: skip
         assert status.item() == 0
         torch.testing.assert_close(y, _act(x @ w1, act) @ w2, atol=ATOL, rtol=ATOL)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("programs", [1, 3])
+def test_persistent_stages_and_the_sm_partitioned_mlp(programs):
+    """Fewer programs than tiles (each loops over tiles in order), and the two-'device' MLP built
+    on it; on a GPU the two persistent kernels really run at once on their SM shares."""
+    m, d, f = (int(v) for v in torch.randint(17, 60, (3,)))
+    x, w1, w2 = _mlp(m, d, f)
+    h = torch.empty(m, f, device=DEVICE)
+    launch_stage(x, w1, h, act="relu", tiling=TILING, programs=programs)
+    torch.testing.assert_close(h, _act(x @ w1, "relu"), atol=ATOL, rtol=ATOL)
+    mlp = PartitionedMLP("gelu", TILING, max_spins=1_000_000)
+    for _ in range(2):
+        y = mlp(x, w1, w2)
+        assert mlp.status.item() == 0
+        torch.testing.assert_close(y, _act(x @ w1, "gelu") @ w2, atol=ATOL, rtol=ATOL)
+    with pytest.raises(ValueError, match="programs must be >= 1"):
+        launch_stage(x, w1, h, tiling=TILING, programs=0)
+    with pytest.raises(ValueError, match=r"producer_share must be in \(0, 1\)"):
+        PartitionedMLP(producer_share=1.0)
 
 
 @pytest.mark.timeout(120)

@@ -2,7 +2,8 @@
 
 * single-GPU emulation of Y = gelu(X W1) W2 (W 8192 x 8192, bf16), the whole GPU for every method:
   back-to-back cuBLAS GEMMs, the best micro-batched pair on two streams, the two Triton stage
-  kernels back to back (no waits), and the ticketed CTA-pipelined kernel;
+  kernels back to back (no waits), the ticketed CTA-pipelined kernel, and the two stage kernels
+  as two 'devices' on halves of the SMs linked by ready counters (the multi-GPU mechanism);
 * the stage kernel's throughput against torch.matmul (cuBLAS) on 8192^3;
 * the simulator's single-GPU parameters measured here: GEMM efficiency (cuBLAS 8192^3 over the
   data-sheet peak) and the gap between dependent kernels; the simulator rerun with them.
@@ -26,7 +27,7 @@ DRY_ROWS = [64]
 
 def _mlp_methods(m: int, d: int, device: str, dtype: torch.dtype, tiling) -> dict:
     from baselines.cta.single_gpu import MicrobatchedMLP, back_to_back_mlp
-    from ctapipe import TicketMLP, launch_stage
+    from ctapipe import PartitionedMLP, TicketMLP, launch_stage
 
     g = torch.Generator().manual_seed(m)
     x = torch.randn(m, d, generator=g).to(device, dtype)
@@ -36,6 +37,7 @@ def _mlp_methods(m: int, d: int, device: str, dtype: torch.dtype, tiling) -> dic
     h = torch.empty(m, d, dtype=dtype, device=device)
     y = torch.empty(m, d, dtype=dtype, device=device)
     ticketed = TicketMLP("gelu", tiling)
+    partitioned = PartitionedMLP("gelu", tiling, max_spins=10_000_000)  # bounded: a hang becomes an error
 
     def triton_pair():
         launch_stage(x, w1, h, act="gelu", tiling=tiling)
@@ -43,7 +45,8 @@ def _mlp_methods(m: int, d: int, device: str, dtype: torch.dtype, tiling) -> dic
         return y
 
     methods = {"cublas_back_to_back": lambda: back_to_back_mlp(x, w1, w2, "gelu"),
-               "triton_back_to_back": triton_pair, "cta_ticketed": lambda: ticketed(x, w1, w2)}  # fmt: skip
+               "triton_back_to_back": triton_pair, "cta_ticketed": lambda: ticketed(x, w1, w2),
+               "cta_sm_partitions": lambda: partitioned(x, w1, w2)}  # fmt: skip
     chunks = [c for c in (m // 2, m // 4, m // 8) if c >= tiling.block_m and m % c == 0]
     for c in chunks:
         pipelined = MicrobatchedMLP(c, "gelu")
@@ -53,6 +56,8 @@ def _mlp_methods(m: int, d: int, device: str, dtype: torch.dtype, tiling) -> dic
     for name, fn in methods.items():
         err = float((fn().float() - ref).abs().max() / ref.abs().max())
         out[name] = {"median_s": time_fn(fn, device, warmup=3, repeats=repeats).median_s, "rel_error": err}
+    if partitioned.status.item():
+        raise RuntimeError("the SM-partitioned consumer gave up waiting: its producer never signalled")
     micro = {k: v["median_s"] for k, v in out.items() if k.startswith("microbatch_")}
     best = min(micro, key=micro.get) if micro else None
     out["summary"] = {
@@ -62,6 +67,8 @@ def _mlp_methods(m: int, d: int, device: str, dtype: torch.dtype, tiling) -> dic
         "cta_vs_triton_back_to_back": 1
         - out["cta_ticketed"]["median_s"] / out["triton_back_to_back"]["median_s"],
         "cta_vs_best_microbatch": (1 - out["cta_ticketed"]["median_s"] / micro[best]) if best else None,
+        "sm_partitions_vs_triton_back_to_back": 1
+        - out["cta_sm_partitions"]["median_s"] / out["triton_back_to_back"]["median_s"],
     }
     return out
 
@@ -110,7 +117,8 @@ def part_gpu(results: Path, force: bool, device: str = "cuda") -> ResultFile:
         print(
             f"single GPU, M={m}: CTA ticketed vs cuBLAS back-to-back {s['cta_vs_cublas_back_to_back']:+.1%}, "
             f"vs Triton back-to-back {s['cta_vs_triton_back_to_back']:+.1%}, vs best micro-batching "
-            f"({s['best_microbatch']}) {s['cta_vs_best_microbatch'] or 0:+.1%}"
+            f"({s['best_microbatch']}) {s['cta_vs_best_microbatch'] or 0:+.1%}; SM partitions vs Triton "
+            f"back-to-back {s['sm_partitions_vs_triton_back_to_back']:+.1%}"
         )
     k = store.compute("kernel_throughput", lambda: _kernel_throughput(d, device, dtype, tiling))
     print(f"stage kernel {k['triton_tflops']:.1f} TFLOP/s vs cuBLAS {k['cublas_tflops']:.1f} TFLOP/s")

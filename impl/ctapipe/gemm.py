@@ -25,6 +25,10 @@ class Tiling:
             if v < 16 or v & (v - 1):
                 raise ValueError(f"{name} must be a power of two >= 16 (tl.dot), got {v}")
 
+    def launch_options(self) -> dict:
+        """Warps and pipeline stages: 8 warps for 128 x 128 tiles and up (tensor-core GEMM practice)."""
+        return {"num_warps": 8 if self.block_m * self.block_n >= 128 * 128 else 4, "num_stages": 3}
+
     def tiles(self, m: int, n: int) -> tuple[int, int]:
         return triton.cdiv(m, self.block_m), triton.cdiv(n, self.block_n)
 
@@ -73,13 +77,15 @@ def launch_stage(
     max_spins: int = 0,
     tiling: Tiling = DEFAULT_TILING,
     wait: bool | None = None,
+    programs: int | None = None,
 ) -> None:
     """C = act(A @ B) as one stage of a CTA pipeline.
 
     ``ready_in``: wait, per row block of A, for the counter to reach ``wait_target`` before reading
     it (the upstream stage signals it). ``ready_out``: signal C's row blocks as their tiles are
     stored (C may live on another GPU). ``wait=False`` with ``ready_in`` given launches the same
-    stage without its wait (tests' negative control only).
+    stage without its wait (tests' negative control only). ``programs``: a persistent grid of that
+    many programs instead of one per tile.
     """
     _check_matmul(a, b, c)
     act_id = _check_act(act)
@@ -93,11 +99,13 @@ def launch_stage(
     ready_out = _counter(ready_out, tiles_m, "ready_out", c.device)
     if status is None:
         status = torch.zeros(1, dtype=torch.int32, device=a.device)
-    stage_kernel[(tiles_m * tiles_n,)](
+    if programs is not None and programs < 1:
+        raise ValueError(f"programs must be >= 1, got {programs}")
+    stage_kernel[(min(programs or tiles_m * tiles_n, tiles_m * tiles_n),)](
         a, b, c, ready_in, ready_out, status, wait_target, max_spins, m, n, a.shape[1],
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
         WAIT=do_wait, SIGNAL=signal, ACT=act_id,
-        BLOCK_M=tiling.block_m, BLOCK_N=tiling.block_n, BLOCK_K=tiling.block_k,
+        BLOCK_M=tiling.block_m, BLOCK_N=tiling.block_n, BLOCK_K=tiling.block_k, **tiling.launch_options(),
     )  # fmt: skip
 
 
@@ -164,7 +172,7 @@ class TicketMLP:
             x, w1, h, w2, y, self._ready, status, ticket, schedule, schedule.shape[0],
             self.epoch * tiles_n1, self.max_spins, m, d, f,
             ACT=self.act, WAIT=wait, BLOCK_M=self.tiling.block_m, BLOCK_N=self.tiling.block_n,
-            BLOCK_K=self.tiling.block_k,
+            BLOCK_K=self.tiling.block_k, **self.tiling.launch_options(),
         )  # fmt: skip
         self.status = status
         return y
@@ -174,3 +182,50 @@ def _default_programs(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 4
+
+
+class PartitionedMLP:
+    """Y = act(X W1) W2 with the GPU's SMs split in two 'devices': the producer stage kernel
+    persistent on ``producer_sms`` programs on one stream, the consumer on the rest on another,
+    linked by ready counters exactly as across GPUs. On a CPU the two run one after the other."""
+
+    def __init__(self, act: str = "gelu", tiling: Tiling = DEFAULT_TILING, producer_share: float = 0.5,
+                 max_spins: int = 0) -> None:  # fmt: skip
+        if not 0 < producer_share < 1:
+            raise ValueError(f"producer_share must be in (0, 1), got {producer_share}")
+        self.act, self.tiling, self.share, self.max_spins = act, tiling, producer_share, max_spins
+        self.epoch = 0
+        self._ready: torch.Tensor | None = None
+        self._streams = None
+
+    def __call__(self, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+        m, f = x.shape[0], w1.shape[1]
+        tiles_m, tiles_n1 = self.tiling.tiles(m, f)
+        if self._ready is None or self._ready.numel() < tiles_m or self._ready.device != x.device:
+            self._ready, self.epoch = torch.zeros(tiles_m, dtype=torch.int32, device=x.device), 0
+        self.epoch += 1
+        h = torch.empty(m, f, dtype=x.dtype, device=x.device)
+        y = torch.empty(m, w2.shape[1], dtype=x.dtype, device=x.device)
+        self.status = torch.zeros(1, dtype=torch.int32, device=x.device)
+        sms = _default_programs(x.device)
+        producer = max(1, int(sms * self.share))
+        consumer = max(1, sms - producer)
+        produce = dict(ready_out=self._ready, act=self.act, tiling=self.tiling, programs=producer)
+        consume = dict(ready_in=self._ready, wait_target=self.epoch * tiles_n1, status=self.status,
+                       max_spins=self.max_spins, tiling=self.tiling, programs=consumer)  # fmt: skip
+        if x.device.type != "cuda":
+            launch_stage(x, w1, h, **produce)
+            launch_stage(h, w2, y, **consume)
+            return y
+        if self._streams is None:
+            self._streams = (torch.cuda.Stream(x.device), torch.cuda.Stream(x.device))
+        main = torch.cuda.current_stream(x.device)
+        for s in self._streams:
+            s.wait_stream(main)
+        with torch.cuda.stream(self._streams[0]):  # the producer first: it never waits
+            launch_stage(x, w1, h, **produce)
+        with torch.cuda.stream(self._streams[1]):
+            launch_stage(h, w2, y, **consume)
+        for s in self._streams:
+            main.wait_stream(s)
+        return y

@@ -12,7 +12,9 @@ pipelining lives in two per-row-block counters:
   signal: each call of a pipeline raises the epoch instead.
 
 ``stage_kernel`` is one stage (one GEMM, one device); tiles are ordered row block by row block,
-so the consumer's first CTAs wait on the producer's first row blocks. Waiting is bounded by
+so the consumer's first CTAs wait on the producer's first row blocks. With fewer programs than
+tiles it is persistent: two such kernels on two streams, each on its share of the SMs, emulate
+two devices on one GPU (neither can take the SMs the other needs to make progress). Waiting is bounded by
 ``max_spins`` (0: unbounded): a tile that gives up sets ``status[0]`` and writes nothing, which
 turns a lost signal into an error instead of a hang.
 
@@ -98,20 +100,23 @@ def stage_kernel(
     WAIT: tl.constexpr, SIGNAL: tl.constexpr, ACT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    pid = tl.program_id(0)
     tiles_n = tl.cdiv(N, BLOCK_N)
-    pid_m = pid // tiles_n  # row-major tile order: row block 0 first
-    pid_n = pid % tiles_n
-    ready = True
-    if WAIT:
-        ready = _acquire(ready_in + pid_m, wait_target, max_spins)
-    if ready:
-        _tile(a_ptr, b_ptr, c_ptr, pid_m, pid_n, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
-              stride_cm, stride_cn, ACT, BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
-        if SIGNAL:
-            _release(ready_out + pid_m)
-    else:
-        tl.atomic_xchg(status, 1)  # gave up waiting: report, write nothing
+    tiles = tl.cdiv(M, BLOCK_M) * tiles_n
+    # One tile per program, or persistent (fewer programs than tiles, e.g. an SM partition):
+    # either way tiles go in row-major order, row block 0 first.
+    for tile in range(tl.program_id(0), tiles, tl.num_programs(0)):
+        pid_m = tile // tiles_n
+        pid_n = tile % tiles_n
+        ready = True
+        if WAIT:
+            ready = _acquire(ready_in + pid_m, wait_target, max_spins)
+        if ready:
+            _tile(a_ptr, b_ptr, c_ptr, pid_m, pid_n, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
+                  stride_cm, stride_cn, ACT, BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
+            if SIGNAL:
+                _release(ready_out + pid_m)
+        else:
+            tl.atomic_xchg(status, 1)  # gave up waiting: report, write nothing
 
 
 @triton.jit
