@@ -97,7 +97,7 @@ def test_profile_command_writes_what_calibrate_fits(tmp_path):
     import torch
 
     from mist.costs import calibrate
-    from mist.profiles import read_layer_profiles
+    from mist.profiles import FRAMEWORK_OP, read_layer_profiles
 
     write = __import__("mist.profile", fromlist=["write_profiles"]).write_profiles
     files = write(tmp_path, "cpu", 64, 4, 32, [1, 2, 4], [1, 2], torch.float32, "cpu", repeats=2)
@@ -105,10 +105,18 @@ def test_profile_command_writes_what_calibrate_fits(tmp_path):
     profiles = read_layer_profiles(tmp_path)
     assert {(p.mbs, p.tp) for p in profiles} == {(b, t) for b in (1, 2, 4) for t in (1, 2)}
     assert all(p.layer_seconds > 0 and not p.tp_comm_inside for p in profiles)
+    # megatron-core's whole layer was timed too: its excess over the ops is a row, and a curve
+    assert all(FRAMEWORK_OP in p.ops and min(p.ops[FRAMEWORK_OP]) >= 0 for p in profiles)
     report = calibrate(tmp_path)
     (r,) = report.values()
     assert r["gpu"] == "cpu" and r["held_out_cases"] == 2  # the largest micro-batch, both TP sizes
     assert r["mean_abs_error"] is not None
+    rm = r["model"]
+    assert "framework" in rm.curves
+    spec = profiles[0].model
+    with_overhead = sum(rm.layer_times(spec, 2, spec.seq, 1))
+    rm.curves.pop("framework")
+    assert with_overhead >= sum(rm.layer_times(spec, 2, spec.seq, 1))
 
 
 def test_collective_benchmark_feeds_the_runtime_model(tmp_path):

@@ -19,7 +19,15 @@ from pathlib import Path
 import numpy as np
 import sympy as sp
 
-from .profiles import LAYER_OPS, LayerProfile, best_algo, profile_meta, read_collectives, read_layer_profiles
+from .profiles import (
+    FRAMEWORK_OP,
+    LAYER_OPS,
+    LayerProfile,
+    best_algo,
+    profile_meta,
+    read_collectives,
+    read_layer_profiles,
+)
 from .specs import GPUS, ClusterSpec, ModelSpec
 from .symbolic import b, numeric, s, t, trace_layer
 
@@ -40,6 +48,7 @@ OP_CLASS = {
     "enc-post-attention-dropout": "dropout_add",
     "enc-post-MLP-dropout": "dropout_add",
     "enc-MLP-gelu": "act",
+    FRAMEWORK_OP: "framework",  # only in `mist profile` output: megatron-core's layer beyond its ops
 }
 # With TP > 1 these measured op times include Megatron's all-reduce: the forward of a
 # row-parallel GEMM and the backward of a column-parallel one. Not used to fit compute.
@@ -94,8 +103,15 @@ def op_features(model: ModelSpec, sequence_parallel: bool = False):
     return tuple(out)
 
 
+def _stream_bytes(model: ModelSpec, mbs, seq) -> float:
+    """The layer's residual stream in half precision: what the framework-overhead line scales with."""
+    return 2.0 * mbs * seq * model.hidden
+
+
 def _profile_op_work(model: ModelSpec, profile_op: str, mbs: int, seq: int, tp: int) -> tuple[float, float]:
     """Work of a profiled op: FLOPs for GEMMs, bytes otherwise; (forward, backward)."""
+    if profile_op == FRAMEWORK_OP:
+        return _stream_bytes(model, mbs, seq), _stream_bytes(model, mbs, seq)
     names = LAYER_OPS[profile_op]
     fwd = bwd = 0.0
     for name, kind, fn in op_features(model):
@@ -119,7 +135,7 @@ class RuntimeModel:
     def layer_times(self, model: ModelSpec, mbs, seq, tp, sequence_parallel: bool = False):
         """Forward and backward compute seconds of one layer on one TP rank (no communication)."""
         fwd = bwd = 0.0
-        kinds = {n: c for op, c in OP_CLASS.items() for n in LAYER_OPS[op]}
+        kinds = {n: c for op, c in OP_CLASS.items() for n in LAYER_OPS.get(op, ())}
         for name, kind, fn in op_features(model, sequence_parallel):
             flops, fb, bb = fn(mbs, seq, tp)
             cls = kinds.get(name, "gemm" if kind in COMPUTE_KINDS else _memory_class(kind))
@@ -128,6 +144,12 @@ class RuntimeModel:
             bwd_work = flops * (2.5 if kind == "attention" else 2.0) if compute else bb
             fwd = fwd + f_line(flops if compute else fb)
             bwd = bwd + b_line(bwd_work)
+        if "framework" in self.curves:  # measured by `mist profile` only (none for the shipped GPUs)
+            f_line, b_line = self.curves["framework"]
+            fwd, bwd = (
+                fwd + f_line(_stream_bytes(model, mbs, seq)),
+                bwd + b_line(_stream_bytes(model, mbs, seq)),
+            )
         return fwd, bwd
 
     def curve(self, cls: str) -> tuple[Line, Line]:
@@ -143,20 +165,24 @@ class RuntimeModel:
         """Seconds of a collective over ``n`` GPUs on a ``nbytes`` tensor (ring algorithm).
 
         Within a node: the fitted alpha-beta line when there is one. Across nodes (``inter_node``,
-        default: n exceeds a node) the ring is bound by the inter-node link.
+        default: n exceeds a node) the ring is bound by the inter-node link. No bytes: no collective
+        (its fixed latency is not paid).
         """
+        nbytes = np.asarray(nbytes, float)
         if n <= 1:
-            return np.zeros_like(np.asarray(nbytes, float))
+            return np.zeros_like(nbytes)
         if inter_node is None:
             inter_node = cluster is not None and n > cluster.gpus_per_node
         key = f"{kind}/{n}"
         if key in self.collectives and not inter_node:
-            return self.collectives[key](nbytes)
-        if cluster is None:
+            seconds = self.collectives[key](nbytes)
+        elif cluster is None:
             raise ValueError(f"no fitted {key} for {self.gpu} and no cluster to estimate it from")
-        link = cluster.inter if inter_node else cluster.intra
-        steps = 2 * (n - 1) if kind == "all_reduce" else (n - 1)
-        return steps * link.latency + np.asarray(nbytes, float) * steps / n / link.bw
+        else:
+            link = cluster.inter if inter_node else cluster.intra
+            steps = 2 * (n - 1) if kind == "all_reduce" else (n - 1)
+            seconds = steps * link.latency + nbytes * steps / n / link.bw
+        return np.where(nbytes > 0, seconds, 0.0)
 
     # ---- persistence
 
@@ -214,9 +240,17 @@ def fit_runtime_model(profiles: list[LayerProfile], collectives: dict, gpu: str,
                 ys.append(seconds)
     curves = {}
     for cls in sorted({c for c, _ in samples}):
-        curves[cls] = tuple(fit_line(*samples[(cls, d)]) for d in (0, 1))
+        curves[cls] = tuple(_fit_or_constant(*samples[(cls, d)]) for d in (0, 1))
     lines = {f"{kind}/{n}": fit_line(*zip(*rows, strict=True)) for (kind, n), rows in collectives.items()}
     return RuntimeModel(gpu, curves, lines, source)
+
+
+def _fit_or_constant(work, seconds) -> Line:
+    """A line, or a constant where fewer than two times are positive (e.g. a framework overhead
+    that rounds to zero on some micro-batches)."""
+    if sum(x > 0 for x in seconds) >= 2:
+        return fit_line(work, seconds)
+    return Line(float(np.mean(np.maximum(seconds, 0.0))), float("inf"))
 
 
 def predicted_layer_seconds(rm: RuntimeModel, p: LayerProfile) -> float:

@@ -6,9 +6,11 @@ calibrate`` fits a runtime model for this device exactly as for the shipped GPU 
     python -m mist profile --out profiles/mygpu --device cuda --hidden 2048 --heads 16 --seq 2048 \
         --micro-batches 1 2 4 --tp 1 2
 
-TP is emulated on one device by giving the layer one rank's share (heads / t, ffn / t); its
-collectives are not included (they come from the collective benchmarks). Every op is timed in
-isolation, forward and backward, on fresh random inputs, median of several repeats.
+TP is emulated on one device by giving the layer one rank's share (heads / t of the model's head
+size, ffn / t); its collectives are not included (they come from the collective benchmarks).
+Every op is timed in isolation, forward and backward, on fresh random inputs, median of several
+repeats. Then megatron-core's own layer (the one mist.run trains) is timed whole, and what it
+costs beyond the sum of its ops (framework overhead) is written as one more row.
 
 ``--collectives 2 4`` also benchmarks all-reduce, all-gather and reduce-scatter among that many
 local processes (gloo on a CPU, NCCL on GPUs), written as the artifact's ``prim_gpt_*`` files,
@@ -29,12 +31,15 @@ from torch import nn
 
 from measure.timing import time_fn
 
+from .profiles import FRAMEWORK_OP
+
 MiB = float(1 << 20)
 
 
-def _ops(b: int, s: int, h: int, heads: int, ffn: int, dtype, device) -> list[tuple[str, Callable, list]]:
-    """(profile op name, fn, input shapes); fn takes the inputs, returns the output."""
-    d = h // heads
+def _ops(b: int, s: int, h: int, heads: int, tp: int, dtype, device) -> list[tuple[str, Callable, list]]:
+    """(profile op name, fn, input shapes) of one TP rank's share of the layer (heads / tp heads of
+    the model's head size, ffn 4h / tp); fn takes the inputs, returns the output."""
+    d, heads, ffn = h // heads, heads // tp, 4 * h // tp
     p = 0.1
     ln = nn.LayerNorm(h, device=device, dtype=dtype)
     qkv = nn.Linear(h, 3 * heads * d, bias=False, device=device, dtype=dtype)
@@ -65,11 +70,11 @@ def _ops(b: int, s: int, h: int, heads: int, ffn: int, dtype, device) -> list[tu
 
 
 def profile_layer(
-    b: int, s: int, h: int, heads: int, ffn: int, dtype: torch.dtype, device: str, repeats: int = 5
+    b: int, s: int, h: int, heads: int, tp: int, dtype: torch.dtype, device: str, repeats: int = 5
 ) -> list[dict]:
     """Per op: forward and backward microseconds and tensor sizes (MiB), as the artifact's CSVs."""
     rows = []
-    for name, fn, shapes in _ops(b, s, h, heads, ffn, dtype, device):
+    for name, fn, shapes in _ops(b, s, h, heads, tp, dtype, device):
         inputs = [torch.randn(shape, device=device, dtype=dtype, requires_grad=True) for shape in shapes]
         out = fn(*inputs)
         grad = torch.randn_like(out)
@@ -181,6 +186,63 @@ def write_collectives(out: Path, n: int, device: str, repeats: int = 10) -> list
     return written
 
 
+def megatron_layer_seconds(
+    b: int, s: int, h: int, heads: int, tp: int, dtype: torch.dtype, device: str, repeats: int = 5
+) -> tuple[float, float]:
+    """(forward, backward) seconds of megatron-core's own GPT layer (local spec, the layer
+    mist.run trains) at one rank's share; timed like the ops, so the difference is the framework."""
+    import socket
+
+    import torch.distributed as dist
+
+    from . import cpu_shim
+
+    cpu_shim.install()
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.spec_utils import build_module
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    own_group = not dist.is_initialized()
+    if own_group:  # a one-process group: megatron-core's layers need its parallel state
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    own_state = not ps.model_parallel_is_initialized()
+    try:
+        if own_state:
+            ps.initialize_model_parallel(1, 1)
+            model_parallel_cuda_manual_seed(0)
+        config = TransformerConfig(
+            num_layers=1, hidden_size=h, num_attention_heads=heads // tp, ffn_hidden_size=4 * h // tp,
+            kv_channels=h // heads, add_bias_linear=False, use_cpu_initialization=True,
+            params_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
+            hidden_dropout=0.1, attention_dropout=0.1,
+        )  # fmt: skip
+        layer = build_module(get_gpt_layer_local_spec(), config=config, layer_number=1).to(device).train()
+        x = torch.randn(s, b, h, dtype=dtype, device=device, requires_grad=True)  # megatron's [s, b, h]
+        mask = torch.ones(1, 1, s, s, dtype=torch.bool, device=device).tril().logical_not()
+        grad = torch.randn(s, b, h, dtype=dtype, device=device)
+
+        def forward():
+            out = layer(x, attention_mask=mask)
+            return out[0] if isinstance(out, tuple) else out
+
+        def forward_backward():
+            forward().backward(grad)
+
+        fwd = time_fn(forward, device, warmup=1, repeats=repeats).median_s
+        both = time_fn(forward_backward, device, warmup=1, repeats=repeats).median_s
+    finally:
+        if own_state:
+            ps.destroy_model_parallel()
+        if own_group:
+            dist.destroy_process_group()
+    return fwd, max(both - fwd, 0.0)
+
+
 def write_profiles(
     out: Path,
     device: str,
@@ -193,8 +255,10 @@ def write_profiles(
     gpu: str,
     repeats: int = 5,
     progress: Callable[[str], None] | None = None,
+    framework: bool = True,
 ) -> list[Path]:
-    """Profile every (micro-batch, TP) pair; returns the CSV files written."""
+    """Profile every (micro-batch, TP) pair; returns the CSV files written. With ``framework``,
+    megatron-core's whole layer is timed too and its excess over the ops is one more row."""
     out.mkdir(parents=True, exist_ok=True)
     size = f"h{hidden}"
     meta = {
@@ -210,7 +274,13 @@ def write_profiles(
         if heads % tp:
             raise ValueError(f"tp {tp} does not divide heads {heads}")
         for b in micro_batches:
-            rows = profile_layer(b, seq, hidden, heads // tp, 4 * hidden // tp, dtype, device, repeats)
+            rows = profile_layer(b, seq, hidden, heads, tp, dtype, device, repeats)
+            if framework:
+                whole = megatron_layer_seconds(b, seq, hidden, heads, tp, dtype, device, repeats)
+                ops = [sum(r[k] for r in rows) * 1e-6 for k in ("forward-compute", "backward-compute")]
+                rows.append({**dict.fromkeys(rows[0], 0.0), "op_name": FRAMEWORK_OP,
+                             "forward-compute": max(whole[0] - ops[0], 0.0) * 1e6,
+                             "backward-compute": max(whole[1] - ops[1], 0.0) * 1e6})  # fmt: skip
             path = out / f"gpt_{size}_mbs{b}_tp{tp}_algo0.csv"
             with path.open("w", newline="") as fh:
                 w = csv.DictWriter(fh, fieldnames=list(rows[0]))

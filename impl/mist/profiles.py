@@ -57,6 +57,9 @@ LAYER_OPS = {
     "enc-MLP-GEMM-2": ("mlp-gemm-2",),
     "enc-post-MLP-dropout": ("post-mlp-dropout", "residual-2"),
 }
+# `mist profile` also times megatron-core's whole layer; what it costs beyond the sum of its ops
+# (Python and framework overhead, casts, extra copies) is stored as one more row.
+FRAMEWORK_OP = "layer-framework-overhead"
 _LAYER_FILE = re.compile(r"gpt_(?P<size>[0-9_]+B|h\d+)_mbs(?P<mbs>\d+)_tp(?P<tp>\d+)_algo(?P<algo>\d+)\.csv")
 _PRIM_FILE = re.compile(r"prim_gpt_(?P<size>[0-9_]+B|local)_(?P<coll>[a-z_]+?)_(?P<n>\d+)gpus\.csv")
 
@@ -81,7 +84,7 @@ class LayerProfile:
     @property
     def layer_seconds(self) -> float:
         """Forward + backward of one transformer layer (TP communication included, as measured)."""
-        return sum(fwd + bwd for op, (fwd, bwd) in self.ops.items() if op in LAYER_OPS)
+        return sum(fwd + bwd for op, (fwd, bwd) in self.ops.items() if op in LAYER_OPS or op == FRAMEWORK_OP)
 
 
 def profile_meta(gpu_dir: Path) -> dict:
