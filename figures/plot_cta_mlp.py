@@ -17,20 +17,24 @@ METHODS = {"back_to_back_s": "back-to-back", "microbatch_s": "best micro-batchin
 MODELLED = "; latency model (impl/ctapipe/sim.py)"
 
 
-def _grid(points: dict) -> tuple[list[str], list[int], list[int]]:
-    gpus = sorted({k.split("/")[0] for k in points})
-    ns = sorted({int(k.split("/")[1][1:]) for k in points})
-    ms = sorted({int(k.split("/")[2][1:]) for k in points})
-    return gpus, ns, ms
-
-
-def plot_latency(name: str = "sim") -> Path | None:
+def _load(name: str):
+    """(provenance, points, GPUs, GPU counts, row counts) of a latency-model result file, or None."""
     path = RESULTS / f"{name}.json"
     if not path.exists():
         return None
     data = load_results(path)
     points = data["points"]
-    gpus, ns, ms = _grid(points)
+    gpus = sorted({k.split("/")[0] for k in points})
+    ns = sorted({int(k.split("/")[1][1:]) for k in points})
+    ms = sorted({int(k.split("/")[2][1:]) for k in points})
+    return data["provenance"], points, gpus, ns, ms
+
+
+def plot_latency(name: str = "sim") -> Path | None:
+    loaded = _load(name)
+    if loaded is None:
+        return None
+    prov, points, gpus, ns, ms = loaded
     fig, axes = plt.subplots(len(gpus), len(ns), figsize=(4.2 * len(ns), 3.4 * len(gpus)), squeeze=False)
     for row, gpu in zip(axes, gpus, strict=True):
         for ax, n in zip(row, ns, strict=True):
@@ -47,16 +51,14 @@ def plot_latency(name: str = "sim") -> Path | None:
             ax.grid(alpha=0.3)
     axes[0][-1].legend(fontsize=7)  # the panel with every method
     title, out = "Chain-of-GEMMs latency per method", f"cta_latency{_suffix(name)}.png"
-    return finish(fig, title, data["provenance"], out, note=MODELLED)
+    return finish(fig, title, prov, out, note=MODELLED)
 
 
 def plot_reduction(name: str = "sim") -> Path | None:
-    path = RESULTS / f"{name}.json"
-    if not path.exists():
+    loaded = _load(name)
+    if loaded is None:
         return None
-    data = load_results(path)
-    points = data["points"]
-    gpus, ns, ms = _grid(points)
+    prov, points, gpus, ns, ms = loaded
     fig, axes = plt.subplots(1, len(gpus), figsize=(5.5 * len(gpus), 3.8), squeeze=False)
     for ax, gpu in zip(axes[0], gpus, strict=True):
         for color, m in enumerate((ms[0], ms[len(ms) // 2], ms[-1])):  # one colour per M
@@ -73,7 +75,7 @@ def plot_reduction(name: str = "sim") -> Path | None:
         ax.set_title(f"{gpu} (paper, 2 GPUs: up to 31.8% vs micro-batching, 29.6% vs TP)", fontsize=8)
         ax.legend(fontsize=6, ncol=2)
         ax.grid(alpha=0.3)
-    return finish(fig, "Latency reduction of CTA-pipelining vs the number of GPUs", data["provenance"],
+    return finish(fig, "Latency reduction of CTA-pipelining vs the number of GPUs", prov,
                   f"cta_reduction{_suffix(name)}.png", note=MODELLED)  # fmt: skip
 
 
