@@ -6,7 +6,10 @@ of the device the plans run on (layer ops and, with several processes, the colle
 first, held-out error reported).
 
     CPU_ENGINE: a tiny GPT-3 on 2 gloo processes (TP=2, PP=2, DP=2, DP=2 + ZeRO-1, + ZeRO-2)
-    GPU_ENGINE: GPT-3 1.3B on one GPU with no, half and full recomputation (nox -s gpu_check)
+    GPU_ENGINE: GPT-3 1.3B on one GPU with no, half and full recomputation, and with half
+                recomputation plus the optimizer state, or half the other layers' activations,
+                offloaded to the host (nox -s gpu_check)
+    (Offloading is not in the CPU setup: on a CPU host and device are one memory.)
 """
 
 from __future__ import annotations
@@ -50,10 +53,18 @@ CPU_ENGINE = EngineSetup(
     profile={"hidden": 64, "heads": 4, "seq": 32, "micro_batches": [1, 2, 4], "tps": [1, 2], "dtype": "bf16"},
     device="cpu",
 )  # fmt: skip
+
+
+def _one_gpu(**stage) -> dict:
+    return {"tp": 1, "dp": 1, "stages": [{"layers": 24, **stage}]}
+
+
 GPU_ENGINE = EngineSetup(
     name="gpu_engine", model="gpt3-1.3b", gpu="h200", processes=1, global_batch=8, micro_batch=2,
     plans={
-        f"recompute-{r}": {"tp": 1, "dp": 1, "stages": [{"layers": 24, "recompute": r}]} for r in (0, 12, 24)
+        **{f"recompute-{r}": _one_gpu(recompute=r) for r in (0, 12, 24)},
+        "offload-optimizer": _one_gpu(recompute=12, offload_optimizer=1.0),
+        "offload-activations": _one_gpu(recompute=12, offload_activations=0.5),
     },
     profile={"hidden": 2048, "heads": 16, "seq": 2048, "micro_batches": [1, 2, 4], "tps": [1],
              "dtype": "bf16"},

@@ -14,8 +14,9 @@ pipeline stages); around its modules this file runs the plan's parts it has no s
   like Megatron's fused Adam it steps without temporaries, so the step holds only the fp32 grads.
 
 Refused with a message naming the part: stages with their own TP/DP, uneven middle stages,
-ZeRO-3 and CPU offloading (not implemented here yet). ZeRO-1 shards fp32 master weights and
-Adam state over the DP replicas, ZeRO-2 the gradients too (ShardedMasterAdamW). On a CPU it
+ZeRO-3, and offloading of weights or gradients (not implemented here yet). ZeRO-1 shards fp32
+master weights and Adam state over the DP replicas, ZeRO-2 the gradients too
+(ShardedMasterAdamW). Optimizer-state and activation offloading are in offload.py. On a CPU it
 runs with gloo and the CUDA stand-ins of cpu_shim; on GPUs with NCCL. Each rank reports its
 losses, step times and memory (exact tensor bytes held + the allocator peak of a step); rank 0
 gathers them.
@@ -34,6 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .offload import OffloadedMasterAdamW, offload_layer_activations
 from .plan import Plan
 
 
@@ -51,11 +53,10 @@ def unsupported(plan: Plan) -> list[str]:
         reasons.append("ZeRO stage 3")
     if any(s.zero == 2 for s in plan.stages) and plan.sequence_parallel and plan.tp > 1:
         reasons.append("ZeRO-2 with sequence parallelism (its TP gradient sums are not wired in)")
-    if any(
-        s.offload_weights or s.offload_grads or s.offload_optimizer or s.offload_activations
-        for s in plan.stages
-    ):
-        reasons.append("CPU offloading")
+    if any(s.offload_weights or s.offload_grads for s in plan.stages):
+        reasons.append("CPU offloading of weights or gradients (optimizer state and activations: supported)")
+    if any(s.offload_optimizer and s.zero >= 1 for s in plan.stages) and plan.dp > 1:
+        reasons.append("optimizer offloading together with ZeRO sharding")
     if plan.sequence_parallel and plan.tp > 1 and not _fused_norm_available():
         reasons.append(
             "sequence parallelism: megatron-core's torch LayerNorm refuses it (needs Transformer Engine or "
@@ -372,13 +373,17 @@ def run(plan: Plan, steps: int = 5, seed: int = 0, lr: float = 1e-2) -> dict:
     )
     model = model.to(device)
     stage = ps.get_pipeline_model_parallel_rank()
-    _checkpoint_first_layers(model, plan.stages[stage].recompute)
+    mine = plan.stages[stage]
+    _checkpoint_first_layers(model, mine.recompute)
+    offloaded_layers = offload_layer_activations(model, mine.recompute, mine.offload_activations)
     model = Float16Module(model.config, model)  # megatron's half-precision wrapper: casts inputs and outputs
     zero = plan.stages[stage].zero
     if zero in (1, 2) and plan.dp > 1:
         optimizer = ShardedMasterAdamW(
             model.parameters(), ps.get_data_parallel_group(), lr, shard_grads=zero == 2
         )
+    elif mine.offload_optimizer > 0:
+        optimizer = OffloadedMasterAdamW(model.parameters(), mine.offload_optimizer, lr)
     else:
         optimizer = MasterWeightAdamW(model.parameters(), lr=lr, fused=True)
     # The same few sequences every step: a decreasing loss shows the whole pipeline learns.
@@ -434,6 +439,12 @@ def run(plan: Plan, steps: int = 5, seed: int = 0, lr: float = 1e-2) -> dict:
         "held_bytes": held,
         "step_peak_bytes": peak,
         "memory_bytes": held + peak,
+        # offloaded: optimizer tensors kept on the host (not in held_bytes), layers whose saved
+        # activations wait on the host
+        "host_optimizer_bytes": _tensor_bytes(optimizer.host_tensors())
+        if hasattr(optimizer, "host_tensors")
+        else 0,
+        "activation_offloaded_layers": offloaded_layers,
     }
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, report)

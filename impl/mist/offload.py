@@ -1,0 +1,105 @@
+"""CPU offloading for mist.run, around megatron-core's modules.
+
+* Optimizer state (``offload_optimizer``, ZeRO-Offload, Ren et al. 2021): the fp32 master weights
+  and Adam moments of that fraction of the parameters (largest first) live on the host. Their
+  gradients go down, the host steps them (torch's fused CPU AdamW), and the new half-precision
+  weights come back up. The rest step on the device as usual.
+* Activations (``offload_activations``): the tensors that layers keep for backward are moved to
+  the host as they are saved and brought back when backward needs them
+  (``torch.autograd.graph.save_on_cpu``). This covers that fraction of the stage's layers that
+  are not recomputed, rounded to whole layers.
+
+On a CPU-only machine "host" and "device" are the same memory, so only the mechanics and the
+training run there (tests). What they save is measured on a GPU (the engine check).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from measure.training import MasterWeightAdamW
+
+
+def split_by_fraction(params: list[nn.Parameter], fraction: float) -> tuple[list, list]:
+    """(host, device): the largest parameters go to the host until ``fraction`` of the elements."""
+    if not 0.0 <= fraction <= 1.0:
+        raise ValueError(f"the offloaded fraction must be in [0, 1], got {fraction}")
+    total = sum(p.numel() for p in params)
+    host, moved = [], 0
+    for p in sorted(params, key=lambda q: q.numel(), reverse=True):
+        if moved + p.numel() <= fraction * total + 0.5:
+            host.append(p)
+            moved += p.numel()
+    chosen = {id(p) for p in host}
+    return host, [p for p in params if id(p) not in chosen]
+
+
+class OffloadedMasterAdamW:
+    """Mixed-precision AdamW with the optimizer of a fraction of the parameters on the host."""
+
+    def __init__(self, params, fraction: float, lr: float, weight_decay: float = 0.01) -> None:
+        params = [p for p in params if p.requires_grad]
+        host, device = split_by_fraction(params, fraction)
+        self.device_opt = (
+            MasterWeightAdamW(device, lr=lr, weight_decay=weight_decay, fused=True) if device else None
+        )
+        self.host_params = host
+        pin = torch.cuda.is_available()
+        self.host_master = [p.detach().to("cpu", torch.float32, copy=True) for p in host]
+        if pin:
+            self.host_master = [m.pin_memory() for m in self.host_master]
+        for m in self.host_master:
+            m.requires_grad_(True)
+        self.host_opt = (
+            torch.optim.AdamW(self.host_master, lr=lr, weight_decay=weight_decay, fused=True)
+            if host
+            else None
+        )
+        self.host_fraction = sum(p.numel() for p in host) / max(1, sum(p.numel() for p in params))
+
+    @torch.no_grad()
+    def step(self) -> None:
+        if self.device_opt is not None:
+            self.device_opt.step()
+        if self.host_opt is None:
+            return
+        for p, master in zip(self.host_params, self.host_master, strict=True):
+            master.grad = None if p.grad is None else p.grad.to("cpu", torch.float32)  # down
+        self.host_opt.step()
+        for p, master in zip(self.host_params, self.host_master, strict=True):
+            p.copy_(master, non_blocking=True)  # up, cast to the model's dtype
+            master.grad = None
+
+    def zero_grad(self) -> None:
+        if self.device_opt is not None:
+            self.device_opt.zero_grad()
+        for p in self.host_params:
+            p.grad = None
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        """The optimizer tensors on the device (the host ones are in host_tensors)."""
+        return self.device_opt.state_tensors() if self.device_opt is not None else []
+
+    def host_tensors(self) -> list[torch.Tensor]:
+        state = [t for s in (self.host_opt.state.values() if self.host_opt else []) for t in s.values()]
+        return [*self.host_master, *(t for t in state if isinstance(t, torch.Tensor))]
+
+
+def offload_layer_activations(model, recompute: int, fraction: float) -> int:
+    """Wrap round(fraction x non-recomputed layers) layers (those after the recomputed ones) so
+    what they save for backward waits on the host; returns how many layers were wrapped."""
+    if not 0.0 <= fraction <= 1.0:
+        raise ValueError(f"offload_activations must be in [0, 1], got {fraction}")
+    layers = list(model.decoder.layers)
+    count = round(fraction * (len(layers) - recompute))
+    pin = torch.cuda.is_available()
+    for layer in layers[recompute : recompute + count]:
+        forward = layer.forward
+
+        def wrapped(*args, _forward=forward, **kwargs):
+            with torch.autograd.graph.save_on_cpu(pin_memory=pin):
+                return _forward(*args, **kwargs)
+
+        layer.forward = wrapped
+    return count
