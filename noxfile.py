@@ -71,8 +71,14 @@ GPU_THROUGHPUT = (
 def gpu_check(session: nox.Session) -> None:
     """Every GPU test and micro-benchmark, then Tempo's measured max batch and throughput,
     Mist's single-GPU engine check and CTA-pipelining's single-GPU part, in one run (needs CUDA).
-    Results with machine and commit info go under artifacts/*/results/.
-    GPU_CHECK_DRY_RUN=1: the same on CPU at tiny scale, results to a temp dir."""
+    Results with machine and commit info go under artifacts/*/results/, resumable: a rerun
+    skips the points already measured. GPU_CHECK_PARTS=tests,tempo,mist,cta (default: all) runs
+    some of them, to split the check over calls. GPU_CHECK_DRY_RUN=1: the same on CPU at tiny
+    scale, results to a temp dir."""
+    parts = set(os.environ.get("GPU_CHECK_PARTS", "tests,tempo,mist,cta").split(","))
+    if parts - {"tests", "tempo", "mist", "cta"}:
+        session.error(f"GPU_CHECK_PARTS: unknown {sorted(parts - {'tests', 'tempo', 'mist', 'cta'})}; "
+                      "accepted: tests, tempo, mist, cta")  # fmt: skip
     probe = "import sys, torch; sys.exit(not torch.cuda.is_available())"
     if subprocess.run([_venv_python(), "-c", probe]).returncode != 0:
         if not os.environ.get("GPU_CHECK_DRY_RUN"):
@@ -87,24 +93,28 @@ def gpu_check(session: nox.Session) -> None:
         bench = ROOT / "artifacts" / "tempo_layer" / "results" / "gpu_benchmarks.json"
         tempo_results = ROOT / "artifacts" / "tempo_bert" / "results"
         device, throughput = "cuda", GPU_THROUGHPUT
-    _run(
-        session, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-        "tests/test_gpu.py", "tests/test_oom.py", "tests/test_kernels.py", "tests/test_bench_ops.py",
-        "tests/test_ctapipe_kernels.py",
-        "--benchmark-enable", f"--benchmark-json={bench}", *session.posargs,
-    )  # fmt: skip
-    _run(
-        session, "-m", "artifacts.tempo_bert.run", *throughput,
-        "--device", device, "--results", str(tempo_results),
-    )  # fmt: skip
-    # Mist: `mist profile` on the device, then single-GPU plans (no/half/full recompute) trained
-    # by megatron-core, memory and time against the prediction.
-    engine = ["--cpu-dry-run", "--results", str(tempo_results)] if device == "cpu" else []
-    _run(session, "-m", "artifacts.mist_vs_megatron.engine", *engine)
-    # CTA-pipelining: kernels at GPU sizes, single-GPU emulation, throughput vs cuBLAS, measured
-    # simulator parameters (their test file ran above with the other kernel tests).
-    cta = ["--gpu-dry-run", "--results", str(tempo_results)] if device == "cpu" else []
-    _run(session, "-m", "artifacts.cta_mlp.run", "--parts", "kernels", "gpu", "--device", device, *cta)
+    if "tests" in parts:
+        _run(
+            session, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+            "tests/test_gpu.py", "tests/test_oom.py", "tests/test_kernels.py", "tests/test_bench_ops.py",
+            "tests/test_ctapipe_kernels.py",
+            "--benchmark-enable", f"--benchmark-json={bench}", *session.posargs,
+        )  # fmt: skip
+    if "tempo" in parts:
+        _run(
+            session, "-m", "artifacts.tempo_bert.run", *throughput,
+            "--device", device, "--results", str(tempo_results),
+        )  # fmt: skip
+    if "mist" in parts:
+        # `mist profile` on the device, then single-GPU plans (no/half/full recompute, optimizer or
+        # activation offloading) trained by megatron-core, memory and time against the prediction.
+        engine = ["--cpu-dry-run", "--results", str(tempo_results)] if device == "cpu" else []
+        _run(session, "-m", "artifacts.mist_vs_megatron.engine", *engine)
+    if "cta" in parts:
+        # CTA-pipelining: kernels at GPU sizes, single-GPU emulation, throughput vs cuBLAS, measured
+        # simulator parameters (its kernel tests ran with the other tests).
+        cta = ["--gpu-dry-run", "--results", str(tempo_results)] if device == "cpu" else []
+        _run(session, "-m", "artifacts.cta_mlp.run", "--parts", "kernels", "gpu", "--device", device, *cta)
 
 
 @nox.session
