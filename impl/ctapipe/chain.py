@@ -85,7 +85,12 @@ def symmetric_buffers(m: int, dims: list[int], dtype: torch.dtype, tiling: Tilin
 
 
 class ChainStage:
-    """Rank ``rank``'s layer of a CTA-pipelined chain."""
+    """Rank ``rank``'s layer of a CTA-pipelined chain.
+
+    One inbox per rank: before a rank starts pass e+1 its consumer must be done reading pass e
+    (the counters order writes after reads only within a pass). Drivers therefore separate
+    passes with a barrier, as artifacts/cta_mlp/distributed.py does.
+    """
 
     def __init__(self, rank: int, ranks: int, weight: torch.Tensor, act: str, buffers: PeerBuffers,
                  tiling: Tiling = DEFAULT_TILING, max_spins: int = 0) -> None:  # fmt: skip
