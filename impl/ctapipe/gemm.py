@@ -1,5 +1,6 @@
-"""Thin Python interface to the kernels: checked launches of one stage, and the single-GPU
-ticketed MLP (kernels.py says how the pipelining works)."""
+"""Thin Python interface to the kernels: checked launches of one stage, and the two single-GPU
+MLPs, ticketed (one persistent kernel) and SM-partitioned (two kernels as two devices).
+kernels.py says how the pipelining works."""
 
 from __future__ import annotations
 

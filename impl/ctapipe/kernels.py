@@ -93,7 +93,9 @@ def _release(counter_ptr):
     tl.atomic_add(counter_ptr, 1, sem="release", scope="sys")
 
 
-@triton.jit
+# Per-call values are not specialised on: a warm-up launch compiles exactly what the pipelined
+# launches run (Triton would otherwise compile again for, e.g., a target of 1 or a multiple of 16).
+@triton.jit(do_not_specialize=["wait_target", "max_spins"])
 def stage_kernel(
     a_ptr, b_ptr, c_ptr, ready_in, ready_out, status, wait_target, max_spins, M, N, K,
     stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
@@ -119,7 +121,7 @@ def stage_kernel(
             tl.atomic_xchg(status, 1)  # gave up waiting: report, write nothing
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_tickets", "wait_target", "max_spins"])
 def ticket_mlp_kernel(
     x_ptr, w1_ptr, h_ptr, w2_ptr, y_ptr, ready, status, ticket, schedule, n_tickets, wait_target,
     max_spins, M, D, F,
