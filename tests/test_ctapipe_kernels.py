@@ -116,16 +116,20 @@ def test_ticket_schedule_puts_every_consumer_tile_after_its_producers():
 def test_chain_across_processes_and_the_negative_control():
     """Two concurrent 'devices' (processes), the producer 1 s late. With the wait the consumer's
     tiles match matmul; the same kernel without its wait reads the unwritten inbox, and the
-    comparison must catch it."""
+    comparison must catch it. A waiting consumer refuses the order that would deadlock it."""
     m, d, f = 48, 32, 48
     x, w1, w2 = (t.cpu() for t in _mlp(m, d, f))
     ref = _act(x @ w1, "gelu") @ w2
     y, status = run_chain_processes(x, [w1, w2], ["gelu", "none"], INTERPRETER_TILING, delays=[1.0, 0.0])
     assert status == [0, 0]
     torch.testing.assert_close(y, ref, atol=1e-5, rtol=1e-5)
+    # Without the wait the consumer must be caught; the producer starts only after it finished,
+    # so the control cannot pass by luck of scheduling.
     y_bad, _ = run_chain_processes(x, [w1, w2], ["gelu", "none"], INTERPRETER_TILING, wait=False,
-                                   delays=[1.0, 0.0])  # fmt: skip
+                                   producer_last=True)  # fmt: skip
     assert not torch.allclose(y_bad, ref, atol=1e-3), "the missing wait went unnoticed"
+    with pytest.raises(ValueError, match="producer_last needs wait=False"):
+        run_chain_processes(x, [w1, w2], ["gelu", "none"], INTERPRETER_TILING, producer_last=True)
 
 
 @pytest.mark.timeout(240)

@@ -15,16 +15,33 @@ from .gemm import Tiling
 
 
 def _rank_main(
-    rank, ranks, x, weight, act, buffers: PeerBuffers, tiling, wait, delay, max_spins, y, status, done
+    rank,
+    ranks,
+    x,
+    weight,
+    act,
+    buffers: PeerBuffers,
+    tiling,
+    wait,
+    delay,
+    max_spins,
+    y,
+    status,
+    start,
+    last_done,
 ):
     stage = ChainStage(rank, ranks, weight, act, buffers, tiling, max_spins)
     stage.warm_up(x.shape[0])
-    done.wait()  # every rank compiled: start together (the pipelined launch)
+    start.wait()  # every rank compiled: start together (the pipelined launch)
     time.sleep(delay)
+    if rank == 0 and last_done is not None:
+        last_done.wait()  # the producer only after the consumers finished (negative control)
     out = stage(x if rank == 0 else None, wait=wait)
     if out is not None:
         y.copy_(out)
     status[rank] = stage.status[0]
+    if rank == ranks - 1 and last_done is not None:
+        last_done.set()
 
 
 def run_chain_processes(
@@ -36,11 +53,16 @@ def run_chain_processes(
     delays: list[float] | None = None,
     max_spins: int = 2_000_000,
     timeout_s: float = 120.0,
+    producer_last: bool = False,
 ) -> tuple[torch.Tensor, list[int]]:
     """Y of the chain and each rank's status (1: a tile gave up waiting). ``delays[r]``: seconds rank r
-    sleeps before its launch (to make a producer late on purpose). Raises TimeoutError past
-    ``timeout_s`` (the processes are killed)."""
+    sleeps before its launch (to make a producer late on purpose). ``producer_last`` (only without
+    the wait, else it would deadlock): rank 0 starts after the last rank finished, so a consumer
+    that does not wait surely reads an unwritten inbox. Raises TimeoutError past ``timeout_s``
+    (the processes are killed)."""
     ranks = len(weights)
+    if producer_last and wait:
+        raise ValueError("producer_last needs wait=False: a waiting consumer would wait forever")
     if len(acts) != ranks:
         raise ValueError(f"{ranks} weights need {ranks} activations, got {len(acts)}")
     dims = [x.shape[1]] + [w.shape[1] for w in weights]
@@ -53,11 +75,12 @@ def run_chain_processes(
     os.environ["TRITON_INTERPRET"] = "1"  # inherited by the spawned processes
     ctx = mp.get_context("spawn")
     barrier = ctx.Barrier(ranks)
+    last_done = ctx.Event() if producer_last else None
     x.share_memory_()
     procs = []
     for r in range(ranks):
         args = (r, ranks, x, weights[r].share_memory_(), acts[r], buffers[r], tiling, wait, delays[r],
-                max_spins, y, status, barrier)  # fmt: skip
+                max_spins, y, status, barrier, last_done)  # fmt: skip
         procs.append(ctx.Process(target=_rank_main, args=args))
     for p in procs:
         p.start()
