@@ -5,7 +5,7 @@ step time, next to what Mist predicts; the time with a runtime model fitted to `
 of the device the plans run on (layer ops and, with several processes, the collectives; made
 first, held-out error reported).
 
-    CPU_ENGINE: a tiny GPT-3 on 2 gloo processes (TP=2, PP=2, DP=2, DP=2 + ZeRO-1, + ZeRO-2)
+    CPU_ENGINE: a tiny GPT-3 on 2 gloo processes (TP=2, PP=2, DP=2, DP=2 + ZeRO-1, -2, -3)
     GPU_ENGINE: GPT-3 1.3B on one GPU with no, half and full recomputation, and with half
                 recomputation plus the optimizer state, or half the other layers' activations,
                 offloaded to the host (nox -s gpu_check)
@@ -49,6 +49,7 @@ CPU_ENGINE = EngineSetup(
         "dp2": {"tp": 1, "dp": 2, "stages": [{"layers": 4, "recompute": 2}]},
         "dp2-zero1": {"tp": 1, "dp": 2, "stages": [{"layers": 4, "recompute": 2, "zero": 1}]},
         "dp2-zero2": {"tp": 1, "dp": 2, "stages": [{"layers": 4, "recompute": 2, "zero": 2}]},
+        "dp2-zero3": {"tp": 1, "dp": 2, "stages": [{"layers": 4, "recompute": 2, "zero": 3}]},
     },
     profile={"hidden": 64, "heads": 4, "seq": 32, "micro_batches": [1, 2, 4], "tps": [1, 2], "dtype": "bf16"},
     device="cpu",

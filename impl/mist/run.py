@@ -14,9 +14,10 @@ pipeline stages); around its modules this file runs the plan's parts it has no s
   like Megatron's fused Adam it steps without temporaries, so the step holds only the fp32 grads.
 
 Refused with a message naming the part: stages with their own TP/DP, uneven middle stages,
-ZeRO-3, and offloading of weights or gradients (not implemented here yet). ZeRO-1 shards fp32
-master weights and Adam state over the DP replicas, ZeRO-2 the gradients too
-(ShardedMasterAdamW). Optimizer-state and activation offloading are in offload.py. On a CPU it
+ZeRO-3 with TP > 1, and offloading of weights or gradients (not implemented here yet). ZeRO-1
+shards fp32 master weights and Adam state over the DP replicas, ZeRO-2 the gradients too
+(ShardedMasterAdamW), ZeRO-3 the weights too (torch's FSDP2 around megatron-core's layers).
+Optimizer-state and activation offloading are in offload.py. On a CPU it
 runs with gloo and the CUDA stand-ins of cpu_shim; on GPUs with NCCL. Each rank reports its
 losses, step times and memory (exact tensor bytes held + the allocator peak of a step); rank 0
 gathers them.
@@ -49,8 +50,10 @@ def unsupported(plan: Plan) -> list[str]:
         reasons.append(
             f"uneven middle stages {[s.layers for s in plan.stages]} (megatron-core: first/last only)"
         )
-    if any(s.zero >= 3 for s in plan.stages):
-        reasons.append("ZeRO stage 3")
+    if any(s.zero >= 3 for s in plan.stages) and plan.dp > 1 and plan.tp > 1:
+        reasons.append(
+            "ZeRO-3 with TP > 1 (FSDP over megatron-core's tensor-parallel layers is not wired in)"
+        )
     if any(s.zero == 2 for s in plan.stages) and plan.sequence_parallel and plan.tp > 1:
         reasons.append("ZeRO-2 with sequence parallelism (its TP gradient sums are not wired in)")
     if any(s.offload_weights or s.offload_grads for s in plan.stages):
@@ -235,6 +238,19 @@ class ShardedMasterAdamW:
         return self.inner.state_tensors()
 
 
+def _shard_parameters(model, dp_group, device: torch.device) -> None:
+    """ZeRO-3 with torch's FSDP2 (``fully_shard``) over the DP group: each layer's weights are
+    sharded, gathered before its forward and its backward, freed after; its gradients are
+    reduce-scattered (averaged) as backward makes them. The root takes the embedding and head."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = DeviceMesh.from_group(dp_group, device.type)
+    for layer in model.module.decoder.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
 def _wait(work) -> None:
     """Wait, then drop the work handle here: the buffer is then freed by this thread, where the
     CPU memory profiler sees it (a free on gloo's thread is missed and would inflate the peak)."""
@@ -316,8 +332,12 @@ def _step_peak(step, device: torch.device) -> tuple[int, float]:
 
 
 def _tensor_bytes(tensors) -> int:
+    from torch.distributed.tensor import DTensor
+
     seen, total = set(), 0
     for t in tensors:
+        if isinstance(t, DTensor):  # ZeRO-3 (FSDP2) parameters and their optimizer state: this rank's shard
+            t = t.to_local()
         key = t.untyped_storage().data_ptr()
         if key not in seen:
             seen.add(key)
@@ -378,6 +398,8 @@ def run(plan: Plan, steps: int = 5, seed: int = 0, lr: float = 1e-2) -> dict:
     offloaded_layers = offload_layer_activations(model, mine.recompute, mine.offload_activations)
     model = Float16Module(model.config, model)  # megatron's half-precision wrapper: casts inputs and outputs
     zero = plan.stages[stage].zero
+    if zero == 3 and plan.dp > 1:
+        _shard_parameters(model, ps.get_data_parallel_group(), device)
     if zero in (1, 2) and plan.dp > 1:
         optimizer = ShardedMasterAdamW(
             model.parameters(), ps.get_data_parallel_group(), lr, shard_grads=zero == 2
@@ -392,8 +414,8 @@ def run(plan: Plan, steps: int = 5, seed: int = 0, lr: float = 1e-2) -> dict:
         torch.randint(0, spec.vocab, (plan.micro_batch, spec.seq + 1), generator=g).to(device)
         for _ in range(plan.grad_accum)
     ]
-    # ZeRO-2 reduces each gradient to its owner as backward makes it: no full gradient buffer
-    grads = None if zero == 2 and plan.dp > 1 else ContiguousGrads(model.parameters())
+    # ZeRO-2/3 reduce each gradient (to its owner, or scattered) as backward makes it: no full buffer
+    grads = None if zero >= 2 and plan.dp > 1 else ContiguousGrads(model.parameters())
     pipeline = _Pipeline(model, spec, plan, batches)
     dp_group, tp_group = ps.get_data_parallel_group(), ps.get_tensor_model_parallel_group()
 
@@ -410,7 +432,7 @@ def run(plan: Plan, steps: int = 5, seed: int = 0, lr: float = 1e-2) -> dict:
             grads.all_reduce(dp_group, divide_by=plan.dp)
         t2 = _now(device)
         optimizer.step()
-        if grads is None:  # ZeRO-2: the owners' reduced gradients are dropped after the step
+        if grads is None:  # ZeRO-2/3: the reduced gradient shards are dropped after the step
             optimizer.zero_grad()
         else:
             grads.zero()
