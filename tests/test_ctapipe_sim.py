@@ -110,3 +110,20 @@ def test_bad_input():
         sim.cta_with_tp(H200, Chain(1024, 8192, 3))
     with pytest.raises(ValueError, match="chunk must be >= 1"):
         sim.microbatched(H200, Chain(1024), 0)
+
+
+def test_measured_efficiency_by_rows():
+    """Interpolated in log2(rows) and clamped; a flat curve at gemm_efficiency changes nothing;
+    a curve that is worse for small kernels slows micro-batching but not one full-size kernel."""
+    hw = dataclasses.replace(H200, efficiency_by_rows=((128, 0.4), (512, 0.6), (8192, 0.8)))
+    assert hw.efficiency(64) == 0.4 and hw.efficiency(16384) == 0.8
+    assert hw.efficiency(256) == pytest.approx(0.5) and hw.efficiency(None) == H200.gemm_efficiency
+    _, chain = _draw()
+    chain = dataclasses.replace(chain, layers=2, m=4096)
+    flat = dataclasses.replace(H200, efficiency_by_rows=((128, 0.7), (8192, 0.7)))
+    assert sim.compare(flat, chain.m, 2, chain.width) == sim.compare(H200, chain.m, 2, chain.width)
+    small_worse = dataclasses.replace(H200, efficiency_by_rows=((128, 0.35), (4096, 0.7)))
+    assert sim.microbatched(small_worse, chain, 512) > sim.microbatched(H200, chain, 512)
+    assert sim.microbatched(small_worse, chain, chain.m) == pytest.approx(
+        sim.microbatched(H200, chain, chain.m)
+    )

@@ -6,7 +6,8 @@
   as two 'devices' on halves of the SMs linked by ready counters (the multi-GPU mechanism);
 * the stage kernel's throughput against torch.matmul (cuBLAS) on 8192^3;
 * the simulator's single-GPU parameters measured here: GEMM efficiency (cuBLAS 8192^3 over the
-  data-sheet peak) and the gap between dependent kernels; the simulator rerun with them.
+  data-sheet peak), cuBLAS's tile efficiency by rows (128 ... 16384 rows of 8192 x 8192) and the
+  gap between dependent kernels; the simulator rerun with them.
 
 ``--device cpu`` (GPU_CHECK_DRY_RUN) runs the same code at toy sizes under the interpreter.
 """
@@ -89,6 +90,24 @@ def _kernel_throughput(n: int, device: str, dtype: torch.dtype, tiling) -> dict:
             "triton_over_cublas": t_cublas / t_triton}  # fmt: skip
 
 
+def _efficiency_by_rows(d: int, device: str, dtype: torch.dtype, hw, block_m: int, block_n: int) -> list:
+    """[(rows, tile efficiency)] of cuBLAS on [rows, d] @ [d, d]: the efficiency that makes the
+    model's wave count reproduce the measured time (its wave quantisation divided out)."""
+    import math
+
+    out = []
+    cuda = device == "cuda"
+    rows = 128 if cuda else 16  # (toy sizes in the CPU dry run)
+    b = torch.randn(d, d, device=device, dtype=dtype)
+    while rows <= (16384 if cuda else 64):
+        a = torch.randn(rows, d, device=device, dtype=dtype)
+        seconds = time_fn(lambda a=a: a @ b, device, warmup=3, repeats=20 if cuda else 1).median_s
+        waves = math.ceil(math.ceil(rows / block_m) * math.ceil(d / block_n) / hw.sms)
+        out.append((rows, waves * 2.0 * block_m * block_n * d * hw.sms / (hw.flops * seconds)))
+        rows *= 2
+    return out
+
+
 def _kernel_gap(device: str) -> float:
     """Per-kernel cost of a chain of dependent tiny kernels (launch + ramp + tail)."""
     x = torch.zeros(1, device=device)
@@ -123,15 +142,22 @@ def part_gpu(results: Path, force: bool, device: str = "cuda") -> ResultFile:
     k = store.compute("kernel_throughput", lambda: _kernel_throughput(d, device, dtype, tiling))
     print(f"stage kernel {k['triton_tflops']:.1f} TFLOP/s vs cuBLAS {k['cublas_tflops']:.1f} TFLOP/s")
     gap = store.compute("kernel_gap_s", lambda: _kernel_gap(device))
+    name = torch.cuda.get_device_name().lower() if cuda else "cpu"
+    base = sim.B200 if "b200" in name else sim.H200
+    chain = sim.Chain(1024)  # the model's tile shape
+    curve = store.compute(
+        "efficiency_by_rows",
+        lambda: _efficiency_by_rows(d, device, dtype, base, chain.block_m, chain.block_n),
+    )
+    print("cuBLAS tile efficiency by rows: " + ", ".join(f"{r}: {e:.0%}" for r, e in curve))
     if cuda:  # the simulator with this GPU's measured single-GPU parameters
-        name = torch.cuda.get_device_name().lower()
-        base = sim.B200 if "b200" in name else sim.H200
         measured = dataclasses.replace(
             base,
             name=f"{base.name}-measured",
             gemm_efficiency=k["cublas_tflops"] * 1e12 / base.flops,
             kernel_gap_s=gap,
-            source=f"{base.source}; GEMM efficiency and kernel gap measured on {name}",
+            efficiency_by_rows=tuple((int(r), float(e)) for r, e in curve),
+            source=f"{base.source}; GEMM efficiency by rows and kernel gap measured on {name}",
         )
         from .run import part_sim
 

@@ -20,12 +20,15 @@ over the SMs (wave and tile quantisation included).
 
 Parameters come from data sheets (SMs, peak FLOP/s, NVLink bandwidth) and stated
 micro-benchmark-level assumptions (GEMM efficiency, latencies) in ``Hardware``; none is fitted to
-the paper's speed-ups. ``nox -s gpu_check`` measures the single-GPU ones when a GPU is lent.
+the paper's speed-ups. ``nox -s gpu_check`` measures the single-GPU ones when a GPU is lent: the
+gap between kernels, and cuBLAS's efficiency by rows (a small micro-batch's GEMM runs less
+efficiently than its wave count says), which the model then uses per kernel.
 """
 
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 from dataclasses import asdict, dataclass, field
 
@@ -48,9 +51,26 @@ class Hardware:
     nvls_latency_s: float = 10 * US  # NVLink SHARP all-reduce fixed cost (NVSwitch systems)
     nvls: bool = True
     source: str = ""
+    # measured (gpu_check): a kernel's tile efficiency by its rows, ((rows, efficiency), ...);
+    # empty: gemm_efficiency at every size
+    efficiency_by_rows: tuple[tuple[int, float], ...] = ()
 
-    def tile_s(self, k: int, block_m: int, block_n: int) -> float:
-        return 2.0 * block_m * block_n * k / (self.flops * self.gemm_efficiency / self.sms)
+    def efficiency(self, rows: int | None = None) -> float:
+        """Tile efficiency of a kernel over ``rows`` rows: interpolated in log2(rows) on the
+        measured points, clamped at their ends."""
+        if rows is None or not self.efficiency_by_rows:
+            return self.gemm_efficiency
+        pts = sorted(self.efficiency_by_rows)
+        if rows <= pts[0][0]:
+            return pts[0][1]
+        for (r0, e0), (r1, e1) in itertools.pairwise(pts):
+            if rows <= r1:
+                w = (math.log2(rows) - math.log2(r0)) / (math.log2(r1) - math.log2(r0))
+                return e0 + w * (e1 - e0)
+        return pts[-1][1]
+
+    def tile_s(self, k: int, block_m: int, block_n: int, rows: int | None = None) -> float:
+        return 2.0 * block_m * block_n * k / (self.flops * self.efficiency(rows) / self.sms)
 
     def transfer_s(self, nbytes: float) -> float:
         return nbytes / (self.link_bw * self.link_efficiency)
@@ -101,7 +121,7 @@ class Chain:
 def _kernel_s(hw: Hardware, rows: int, n: int, k: int, chain: Chain) -> float:
     """A whole GEMM kernel whose inputs are ready: waves of tiles over the SMs."""
     tiles = -(-rows // chain.block_m) * chain.col_tiles(n)
-    return math.ceil(tiles / hw.sms) * hw.tile_s(k, chain.block_m, chain.block_n)
+    return math.ceil(tiles / hw.sms) * hw.tile_s(k, chain.block_m, chain.block_n, rows)
 
 
 def microbatched(hw: Hardware, chain: Chain, chunk: int) -> float:
@@ -186,7 +206,7 @@ def cta_pipelined(hw: Hardware, chain: Chain) -> float:
     """One layer per GPU, every kernel launched at once, tiles waiting on upstream row blocks."""
     d = chain.width
     ready = dict.fromkeys(range(chain.row_blocks), 0.0)  # layer 0 reads X: ready at once
-    tile = hw.tile_s(d, chain.block_m, chain.block_n)
+    tile = hw.tile_s(d, chain.block_m, chain.block_n, chain.m)  # one persistent kernel over all M rows
     tile_bytes = chain.block_m * chain.block_n * chain.dtype_bytes
     end = 0.0
     for _layer in range(chain.layers):
@@ -205,8 +225,8 @@ def cta_with_tp(hw: Hardware, chain: Chain, tp: int = 2) -> float:
     d, b = chain.width, chain.dtype_bytes
     if tp != 2 or chain.layers % 2 or d % tp:
         raise ValueError(f"CTA + TP models pairs of layers on 2 GPUs; got tp={tp}, {chain.layers} layers")
-    col_tile = hw.tile_s(d, chain.block_m, chain.block_n)
-    row_tile = hw.tile_s(d // tp, chain.block_m, chain.block_n)
+    col_tile = hw.tile_s(d, chain.block_m, chain.block_n, chain.m)
+    row_tile = hw.tile_s(d // tp, chain.block_m, chain.block_n, chain.m)
     ready = dict.fromkeys(range(chain.row_blocks), 0.0)
     end = 0.0
     for _stage in range(chain.layers // 2):
