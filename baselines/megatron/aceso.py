@@ -15,10 +15,10 @@ import copy
 import time
 from collections.abc import Iterator
 
-from mist.costs import RuntimeModel, load_runtime_model
+from mist.costs import RuntimeModel
 from mist.interference import Interference
 from mist.plan import Plan, StagePlan
-from mist.planner import NoFeasiblePlan, load_interference, predict
+from mist.planner import NoFeasiblePlan, cost_models, predict
 from mist.specs import ClusterSpec, ModelSpec
 
 from .grid import powers_of_two
@@ -142,8 +142,7 @@ def search_aceso(
     interference: Interference | None = None,
 ) -> Plan:
     """The best plan found from balanced starts (one per pipeline depth), within ``time_budget``."""
-    runtime = runtime or load_runtime_model(cluster.gpu.name)
-    interference = interference or load_interference(cluster.gpu.name)
+    runtime, interference = cost_models(cluster, runtime, interference)
     price = _Pricer(model, cluster, runtime, interference)
     start_time = time.perf_counter()
     starts = []

@@ -11,10 +11,10 @@ from __future__ import annotations
 import itertools
 import time
 
-from mist.costs import RuntimeModel, load_runtime_model
+from mist.costs import RuntimeModel
 from mist.interference import Interference
 from mist.plan import Plan, StagePlan
-from mist.planner import NoFeasiblePlan, load_interference, predict
+from mist.planner import NoFeasiblePlan, cost_models, predict
 from mist.specs import ClusterSpec, ModelSpec
 
 MICRO_BATCHES = (1, 2, 4, 8)
@@ -52,8 +52,7 @@ def search_grid(
     runtime: RuntimeModel | None = None,
     interference: Interference | None = None,
 ) -> Plan:
-    runtime = runtime or load_runtime_model(cluster.gpu.name)
-    interference = interference or load_interference(cluster.gpu.name)
+    runtime, interference = cost_models(cluster, runtime, interference)
     what = f"no Megatron-LM grid configuration of {model.name} fits {cluster.gpus} x {cluster.gpu.name}"
     return cheapest_fitting(
         grid_plans(model, cluster, global_batch), model, cluster, runtime, interference, what

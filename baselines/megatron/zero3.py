@@ -4,10 +4,10 @@ with Mist's model (a one-stage plan with ZeRO stage 3)."""
 
 from __future__ import annotations
 
-from mist.costs import RuntimeModel, load_runtime_model
+from mist.costs import RuntimeModel
 from mist.interference import Interference
 from mist.plan import Plan, StagePlan
-from mist.planner import load_interference
+from mist.planner import cost_models
 from mist.specs import ClusterSpec, ModelSpec
 
 from .grid import cheapest_fitting
@@ -22,8 +22,7 @@ def search_zero3(
     runtime: RuntimeModel | None = None,
     interference: Interference | None = None,
 ) -> Plan:
-    runtime = runtime or load_runtime_model(cluster.gpu.name)
-    interference = interference or load_interference(cluster.gpu.name)
+    runtime, interference = cost_models(cluster, runtime, interference)
     dp = cluster.gpus
 
     def plans():

@@ -138,8 +138,7 @@ def search(
 ) -> Plan:
     """The fastest plan found; raises NoFeasiblePlan (with the memory the best try needs)."""
     options = options or PlannerOptions()
-    runtime = runtime or load_runtime_model(cluster.gpu.name)
-    interference = interference or load_interference(cluster.gpu.name)
+    runtime, interference = cost_models(cluster, runtime, interference)
     if global_batch < 1:
         raise ValueError(f"global batch must be >= 1, got {global_batch}")
     start = time.perf_counter()
@@ -200,8 +199,7 @@ def predict(
         raise ValueError(
             f"the stages hold {sum(s.layers for s in plan.stages)} layers, the model has {model.layers}"
         )
-    runtime = runtime or load_runtime_model(cluster.gpu.name)
-    interference = interference or load_interference(cluster.gpu.name)
+    runtime, interference = cost_models(cluster, runtime, interference)
     S = len(plan.stages)
     G = plan.grad_accum
     steady, extra, fwd, bwd = [], [], [], []
@@ -234,6 +232,16 @@ def predict(
         "interference_model": interference.source,
     }
     return plan
+
+
+def cost_models(
+    cluster: ClusterSpec, runtime: RuntimeModel | None = None, interference: Interference | None = None
+) -> tuple[RuntimeModel, Interference]:
+    """The given runtime and interference models, or the shipped presets for the cluster's GPU."""
+    return (
+        runtime or load_runtime_model(cluster.gpu.name),
+        interference or load_interference(cluster.gpu.name),
+    )
 
 
 def load_interference(gpu: str) -> Interference:
