@@ -90,11 +90,12 @@ def _kernel_throughput(n: int, device: str, dtype: torch.dtype, tiling) -> dict:
             "triton_over_cublas": t_cublas / t_triton}  # fmt: skip
 
 
-def _efficiency_by_rows(d: int, device: str, dtype: torch.dtype, hw, block_m: int, block_n: int) -> list:
+def _efficiency_by_rows(d: int, device: str, dtype: torch.dtype, hw) -> list:
     """[(rows, tile efficiency)] of cuBLAS on [rows, d] @ [d, d]: the efficiency that makes the
-    model's wave count reproduce the measured time (its wave quantisation divided out)."""
-    import math
+    model's kernel time (its waves of tiles) reproduce the measured time."""
+    from ctapipe import sim
 
+    at_peak = dataclasses.replace(hw, gemm_efficiency=1.0, efficiency_by_rows=())
     out = []
     cuda = device == "cuda"
     rows = 128 if cuda else 16  # (toy sizes in the CPU dry run)
@@ -102,8 +103,7 @@ def _efficiency_by_rows(d: int, device: str, dtype: torch.dtype, hw, block_m: in
     while rows <= (16384 if cuda else 64):
         a = torch.randn(rows, d, device=device, dtype=dtype)
         seconds = time_fn(lambda a=a: a @ b, device, warmup=3, repeats=20 if cuda else 1).median_s
-        waves = math.ceil(math.ceil(rows / block_m) * math.ceil(d / block_n) / hw.sms)
-        out.append((rows, waves * 2.0 * block_m * block_n * d * hw.sms / (hw.flops * seconds)))
+        out.append((rows, sim.kernel_s(at_peak, rows, d, d, sim.Chain(rows, d)) / seconds))
         rows *= 2
     return out
 
@@ -144,11 +144,7 @@ def part_gpu(results: Path, force: bool, device: str = "cuda") -> ResultFile:
     gap = store.compute("kernel_gap_s", lambda: _kernel_gap(device))
     name = torch.cuda.get_device_name().lower() if cuda else "cpu"
     base = sim.B200 if "b200" in name else sim.H200
-    chain = sim.Chain(1024)  # the model's tile shape
-    curve = store.compute(
-        "efficiency_by_rows",
-        lambda: _efficiency_by_rows(d, device, dtype, base, chain.block_m, chain.block_n),
-    )
+    curve = store.compute("efficiency_by_rows", lambda: _efficiency_by_rows(d, device, dtype, base))
     print("cuBLAS tile efficiency by rows: " + ", ".join(f"{r}: {e:.0%}" for r, e in curve))
     if cuda:  # the simulator with this GPU's measured single-GPU parameters
         measured = dataclasses.replace(

@@ -128,6 +128,22 @@ def ticket_schedule(tiles_m: int, tiles_n1: int, tiles_n2: int, lag: int = 1) ->
     return torch.tensor(rows, dtype=torch.int32)
 
 
+class ReadyCounters:
+    """One ready counter per row block, kept across passes: each pass raises the epoch instead of
+    resetting them (a peer may still be signalling). New counters only for a new shape or device."""
+
+    def __init__(self) -> None:
+        self.counters: torch.Tensor | None = None
+        self.epoch = 0
+
+    def next_pass(self, rows: int, device: torch.device) -> tuple[torch.Tensor, int]:
+        c = self.counters
+        if c is None or c.numel() < rows or c.device != device:
+            self.counters, self.epoch = torch.zeros(rows, dtype=torch.int32, device=device), 0
+        self.epoch += 1
+        return self.counters, self.epoch
+
+
 class TicketMLP:
     """Y = act(X W1) W2 on one GPU, both GEMMs in one persistent kernel (CTA-pipelined).
 
@@ -140,8 +156,7 @@ class TicketMLP:
         self.act = _check_act(act)
         self.tiling, self.lag, self.max_spins = tiling, lag, max_spins
         self.programs = programs
-        self.epoch = 0
-        self._ready: torch.Tensor | None = None
+        self.ready = ReadyCounters()
         self._schedules: dict[tuple, torch.Tensor] = {}
 
     def __call__(
@@ -161,17 +176,15 @@ class TicketMLP:
         if key not in self._schedules:
             self._schedules[key] = ticket_schedule(tiles_m, tiles_n1, tiles_n2, self.lag).to(x.device)
         schedule = self._schedules[key]
-        if self._ready is None or self._ready.numel() < tiles_m or self._ready.device != x.device:
-            self._ready, self.epoch = torch.zeros(tiles_m, dtype=torch.int32, device=x.device), 0
-        self.epoch += 1
+        ready, epoch = self.ready.next_pass(tiles_m, x.device)
         h = torch.empty(m, f, dtype=x.dtype, device=x.device)
         y = torch.empty(m, d, dtype=x.dtype, device=x.device)
         status = torch.zeros(1, dtype=torch.int32, device=x.device)
         ticket = torch.zeros(1, dtype=torch.int32, device=x.device)
         programs = self.programs or _default_programs(x.device)
         ticket_mlp_kernel[(programs,)](
-            x, w1, h, w2, y, self._ready, status, ticket, schedule, schedule.shape[0],
-            self.epoch * tiles_n1, self.max_spins, m, d, f,
+            x, w1, h, w2, y, ready, status, ticket, schedule, schedule.shape[0],
+            epoch * tiles_n1, self.max_spins, m, d, f,
             ACT=self.act, WAIT=wait, BLOCK_M=self.tiling.block_m, BLOCK_N=self.tiling.block_n,
             BLOCK_K=self.tiling.block_k, **self.tiling.launch_options(),
         )  # fmt: skip
@@ -195,24 +208,21 @@ class PartitionedMLP:
         if not 0 < producer_share < 1:
             raise ValueError(f"producer_share must be in (0, 1), got {producer_share}")
         self.act, self.tiling, self.share, self.max_spins = act, tiling, producer_share, max_spins
-        self.epoch = 0
-        self._ready: torch.Tensor | None = None
+        self.ready = ReadyCounters()
         self._streams = None
 
     def __call__(self, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
         m, f = x.shape[0], w1.shape[1]
         tiles_m, tiles_n1 = self.tiling.tiles(m, f)
-        if self._ready is None or self._ready.numel() < tiles_m or self._ready.device != x.device:
-            self._ready, self.epoch = torch.zeros(tiles_m, dtype=torch.int32, device=x.device), 0
-        self.epoch += 1
+        ready, epoch = self.ready.next_pass(tiles_m, x.device)
         h = torch.empty(m, f, dtype=x.dtype, device=x.device)
         y = torch.empty(m, w2.shape[1], dtype=x.dtype, device=x.device)
         self.status = torch.zeros(1, dtype=torch.int32, device=x.device)
         sms = _default_programs(x.device)
         producer = max(1, int(sms * self.share))
         consumer = max(1, sms - producer)
-        produce = dict(ready_out=self._ready, act=self.act, tiling=self.tiling, programs=producer)
-        consume = dict(ready_in=self._ready, wait_target=self.epoch * tiles_n1, status=self.status,
+        produce = dict(ready_out=ready, act=self.act, tiling=self.tiling, programs=producer)
+        consume = dict(ready_in=ready, wait_target=epoch * tiles_n1, status=self.status,
                        max_spins=self.max_spins, tiling=self.tiling, programs=consumer)  # fmt: skip
         if x.device.type != "cuda":
             launch_stage(x, w1, h, **produce)

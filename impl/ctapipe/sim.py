@@ -118,7 +118,7 @@ class Chain:
         return -(-n // self.block_n)
 
 
-def _kernel_s(hw: Hardware, rows: int, n: int, k: int, chain: Chain) -> float:
+def kernel_s(hw: Hardware, rows: int, n: int, k: int, chain: Chain) -> float:
     """A whole GEMM kernel whose inputs are ready: waves of tiles over the SMs."""
     tiles = -(-rows // chain.block_m) * chain.col_tiles(n)
     return math.ceil(tiles / hw.sms) * hw.tile_s(k, chain.block_m, chain.block_n, rows)
@@ -135,7 +135,7 @@ def microbatched(hw: Hardware, chain: Chain, chunk: int) -> float:
         done, busy, link, sent = [], 0.0, 0.0, []
         for j, rows in enumerate(sizes):
             start = max(arrive[j], busy) + hw.kernel_gap_s
-            busy = start + _kernel_s(hw, rows, d, d, chain)
+            busy = start + kernel_s(hw, rows, d, d, chain)
             done.append(busy)
             link = max(link, busy) + hw.transfer_s(rows * d * b)  # the chunk's message, link queue
             sent.append(link + hw.p2p_latency_s)
@@ -164,11 +164,11 @@ def tensor_parallel(hw: Hardware, chain: Chain, n: int) -> float:
     t = hw.launch_s - hw.kernel_gap_s
     for layer in range(chain.layers):
         if layer % 2 == 0:
-            t += hw.kernel_gap_s + _kernel_s(hw, m, d // n, d, chain)
+            t += hw.kernel_gap_s + kernel_s(hw, m, d // n, d, chain)
             if layer == chain.layers - 1:
                 t += hw.all_gather_s(m * d * b, n)
         else:
-            t += hw.kernel_gap_s + _kernel_s(hw, m, d, d // n, chain)
+            t += hw.kernel_gap_s + kernel_s(hw, m, d, d // n, chain)
             t += hw.all_reduce_s(m * d * b, n)
     return t
 

@@ -228,7 +228,10 @@ class ShardedMasterAdamW:
         if self.inner.model_params:
             self.inner.step()
         for owner in sorted(set(self.owner.values())):  # one broadcast per owner, of all its weights
-            _broadcast_flat([p.data for p in self.params if self.owner[id(p)] == owner], owner, self.group)
+            mine = [p.data for p in self.params if self.owner[id(p)] == owner]
+            _flat_collective(
+                mine, lambda flat, src=owner: dist.broadcast(flat, src, self.group, async_op=True)
+            )
 
     def zero_grad(self) -> None:
         for p in self.params:
@@ -249,13 +252,6 @@ def _shard_parameters(model, dp_group, device: torch.device) -> None:
     for layer in model.module.decoder.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-
-
-def _wait(work) -> None:
-    """Wait, then drop the work handle here: the buffer is then freed by this thread, where the
-    CPU memory profiler sees it (a free on gloo's thread is missed and would inflate the peak)."""
-    work.wait()
-    del work
 
 
 class ContiguousGrads:
@@ -285,28 +281,17 @@ class ContiguousGrads:
             flat.zero_()
 
 
-def _all_reduce_flat(tensors: list[torch.Tensor], group, divide_by: int = 1) -> None:
-    """Sum ``tensors`` across ``group`` in one collective (a flat bucket, as Megatron's DDP does):
-    a collective per tensor pays the latency per tensor."""
+def _flat_collective(tensors: list[torch.Tensor], collective) -> None:
+    """Run ``collective(flat)`` (async, returns its work) once per dtype on a flat copy of
+    ``tensors``, then copy the result back: a collective per tensor pays its latency per tensor."""
     from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-    for dtype in sorted({t.dtype for t in tensors}, key=str):  # one bucket per dtype, same order on all ranks
+    for dtype in sorted({t.dtype for t in tensors}, key=str):  # same order on every rank
         bucket = [t for t in tensors if t.dtype == dtype]
         flat = _flatten_dense_tensors(bucket)
-        _wait(dist.all_reduce(flat, group=group, async_op=True))
-        if divide_by > 1:
-            flat /= divide_by
-        for t, synced in zip(bucket, _unflatten_dense_tensors(flat, bucket), strict=True):
-            t.copy_(synced)
-
-
-def _broadcast_flat(tensors: list[torch.Tensor], src: int, group) -> None:
-    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-
-    for dtype in sorted({t.dtype for t in tensors}, key=str):
-        bucket = [t for t in tensors if t.dtype == dtype]
-        flat = _flatten_dense_tensors(bucket)
-        _wait(dist.broadcast(flat, src=src, group=group, async_op=True))
+        work = collective(flat)
+        work.wait()
+        del work  # the buffer is then freed by this thread, where the CPU memory profiler sees it
         for t, synced in zip(bucket, _unflatten_dense_tensors(flat, bucket), strict=True):
             t.copy_(synced)
 
@@ -427,7 +412,8 @@ def run(plan: Plan, steps: int = 5, seed: int = 0, lr: float = 1e-2) -> dict:
         t1 = _now(device)
         if plan.tp > 1:  # sequence-parallel weights hold partial sums over the sequence shards
             sp = [p.grad for p in model.parameters() if getattr(p, "sequence_parallel", False)]
-            _all_reduce_flat([g for g in sp if g is not None], tp_group)
+            sp = [g for g in sp if g is not None]
+            _flat_collective(sp, lambda flat: dist.all_reduce(flat, group=tp_group, async_op=True))
         if grads is not None and plan.dp > 1:
             grads.all_reduce(dp_group, divide_by=plan.dp)
         t2 = _now(device)
