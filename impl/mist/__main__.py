@@ -2,7 +2,7 @@
 
 python -m mist plan --model gpt3-7b --gpus 8 --gpu l4 --global-batch 128 [--out plan.yaml] [--explain]
 python -m mist predict plan.yaml
-python -m mist calibrate ../shared/data [--write]
+python -m mist calibrate [DATA] [--write]      (default DATA: the vendored data/mist-artifact)
 python -m mist list
 """
 
@@ -13,6 +13,7 @@ import json
 import sys
 from pathlib import Path
 
+from .profiles import ARTIFACT_DATA
 from .specs import GPUS, MODELS, cluster, model
 
 
@@ -117,7 +118,7 @@ def cmd_calibrate(args) -> int:
     profiles = data / "gpu-op-profiles" if (data / "gpu-op-profiles").is_dir() else data
     report = calibrate(profiles) if profiles.is_dir() else {}
     if not report:
-        layouts = "the layout of ../shared/data, or `mist profile` output"
+        layouts = "the layout of data/mist-artifact, or `mist profile` output"
         print(f"error: no layer profiles under {data} ({layouts})", file=sys.stderr)
         return 2
     written = set()
@@ -198,7 +199,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("plan")
     p.set_defaults(fn=cmd_predict)
     p = sub.add_parser("calibrate", help="refit the runtime and interference presets from measured data")
-    p.add_argument("data", help="a directory laid out like ../shared/data")
+    p.add_argument(
+        "data",
+        nargs="?",
+        default=str(ARTIFACT_DATA),
+        help="a directory laid out like data/mist-artifact (default: that vendored copy)",
+    )
     p.add_argument("--write", action="store_true", help="write the presets shipped in impl/mist/presets/")
     p.set_defaults(fn=cmd_calibrate)
     p = sub.add_parser("profile", help="measure a GPT-3-style layer op by op on this machine")

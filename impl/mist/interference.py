@@ -3,7 +3,7 @@
 Four channels started together each run at their solo speed divided by a slowdown factor that
 depends on which channels are active at the moment; when one finishes the others speed up. The
 factors (one per channel and set of active channels) are fitted to the concurrency
-micro-benchmarks in ../shared/data/gpu-bandwidth, where GEMMs, NCCL all-gathers and both copy
+micro-benchmarks in data/mist-artifact/gpu-bandwidth, where GEMMs, NCCL all-gathers and both copy
 directions were launched together and the wall time of the group measured.
 """
 

@@ -1,6 +1,6 @@
 """Reading measured GPU data: per-op layer profiles and collective micro-benchmarks.
 
-The format is the Mist artifact's (see ../shared/data/README.md): per GPU a directory with
+The format is the Mist artifact's (see data/mist-artifact/README.md): per GPU a directory with
 ``gpt_<size>_mbs<b>_tp<t>_algo<k>.csv`` (one row per op of one layer, plus embedding and head;
 times in microseconds) and ``prim_gpt_<size>_<collective>_<n>gpus.csv`` (message MB, time ms).
 """
@@ -14,6 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .specs import ModelSpec
+
+# The Mist artifact's measured GPU data, vendored in the repository (see data/README.md).
+ARTIFACT_DATA = Path(__file__).resolve().parents[2] / "data" / "mist-artifact"
 
 # The profiled models' shapes by file-name size (GPT-3 style, vocab 50304, no bias).
 PROFILED_SIZES = {
