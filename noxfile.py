@@ -1,7 +1,12 @@
-"""Sessions: tests, lint, figures, gpu_check, and one per experiment.
+"""Sessions: tests, smoke, claims, lint, figures, gpu_check, and one per experiment.
 
 All sessions share one virtualenv (``.nox/shared``), installed from ``pyproject.toml`` and
 re-installed only when that file changes, so a second run starts in seconds.
+
+An experiment session computes every point into ``artifacts/<experiment>/results/`` (git-ignored;
+an interrupted run resumes when rerun), draws its figures into ``figures/results/`` and ends with
+its slice of the claims table (paper | reference | this run | verdict); it fails if a claim is
+outside its tolerance. ``-- --update-reference`` makes the run the committed reference.
 """
 
 from __future__ import annotations
@@ -39,10 +44,41 @@ def _run(session: nox.Session, *args: str, env: dict[str, str] | None = None) ->
     session.run(_venv_python(), *args, external=True, env=env or {})
 
 
+def _claims(session: nox.Session, *experiments: str) -> None:
+    """The experiment's slice of the claims table; fails if a claim that ran is outside its tolerance."""
+    _run(session, "-m", "artifacts.claims", *experiments)
+
+
+def _figures(session: nox.Session, experiment: str, reference: bool = False) -> None:
+    _run(session, f"figures/plot_{experiment}.py", *(["--reference"] if reference else []))
+
+
 @nox.session
 def tests(session: nox.Session) -> None:
-    """Whole CPU test suite (Triton kernels run under TRITON_INTERPRET=1)."""
-    _run(session, "-m", "pytest", "-m", "not gpu", *session.posargs)
+    """Whole CPU test suite (Triton kernels run under TRITON_INTERPRET=1).
+    ``-- -m "not slow"``: the quick part (no processes started, no test over ~10 s)."""
+    args = list(session.posargs)
+    marks = "not gpu"
+    if "-m" in args:  # combine with the caller's marker expression instead of replacing it
+        i = args.index("-m")
+        marks = f"({args[i + 1]}) and not gpu"
+        del args[i : i + 2]
+    _run(session, "-m", "pytest", "-m", marks, *args)
+
+
+@nox.session
+def smoke(session: nox.Session) -> None:
+    """Kick the tires in a few minutes: a Tempo-patched model's training step, a Mist plan and its
+    prediction, a CTA kernel and the latency model; fails loudly if anything is off."""
+    _run(session, "-m", "artifacts.smoke")
+
+
+@nox.session
+def claims(session: nox.Session) -> None:
+    """Every claim: paper | reference | this machine's run | verdict. Fails if a claim that ran is
+    outside its tolerance. ``-- --against reference`` checks the committed reference itself;
+    ``-- tempo_bert`` one experiment's slice."""
+    _run(session, "-m", "artifacts.claims", *session.posargs)
 
 
 @nox.session
@@ -54,9 +90,10 @@ def lint(session: nox.Session) -> None:
 
 @nox.session
 def figures(session: nox.Session) -> None:
-    """Regenerate every figure from result files only (no experiment is re-run)."""
+    """Every figure from result files only (no experiment is re-run): this machine's results into
+    figures/results/, or with ``-- --reference`` the committed reference into figures/reference/."""
     for script in sorted((ROOT / "figures").glob("plot_*.py")):
-        _run(session, str(script))
+        _run(session, str(script), *session.posargs)
 
 
 # The GPU part of tempo_bert that fits gpu_check's time: three models on an emulated 16 GB GPU.
@@ -86,11 +123,12 @@ def gpu_check(session: nox.Session) -> None:
                 "gpu_check needs a CUDA device (GPU_CHECK_DRY_RUN=1: a CPU dry run, results to a temp dir)"
             )
         tmp = Path(tempfile.mkdtemp())
-        bench, tempo_results, device = tmp / "gpu_benchmarks.json", tmp, "cpu"
+        bench, tempo_results, device = tmp / "pytest-benchmark" / "gpu.json", tmp, "cpu"
         throughput = ("--parts", "throughput", "--cases", "bert-mini/32", "--configs", "hf-eager", "tempo",
                       "--gpu-mem", "48MiB")  # fmt: skip
     else:
-        bench = ROOT / "artifacts" / "tempo_layer" / "results" / "gpu_benchmarks.json"
+        # git-ignored; in a subfolder: pytest-benchmark's format is not a result file's
+        bench = ROOT / "artifacts" / "tempo_layer" / "results" / "pytest-benchmark" / "gpu.json"
         tempo_results = ROOT / "artifacts" / "tempo_bert" / "results"
         device, throughput = "cuda", GPU_THROUGHPUT
     if "tests" in parts:
@@ -117,33 +155,44 @@ def gpu_check(session: nox.Session) -> None:
         _run(session, "-m", "artifacts.cta_mlp.run", "--parts", "kernels", "gpu", "--device", device, *cta)
 
 
+def _updating_reference(session: nox.Session) -> bool:
+    return "--update-reference" in session.posargs
+
+
 @nox.session
 def mist_vs_megatron(session: nox.Session) -> None:
     """Mist vs Megatron-LM grid, Aceso-style search and ZeRO-3 on the paper's cases, the ablation,
-    and their figures."""
+    the cost models' held-out errors, plans trained by megatron-core; figures; claims."""
     _run(session, "-m", "artifacts.mist_vs_megatron.run", *session.posargs)
-    _run(session, "figures/plot_mist_vs_megatron.py")
+    _figures(session, "mist_vs_megatron", _updating_reference(session))
+    _claims(session, "mist_vs_megatron")
 
 
 @nox.session
 def cta_mlp(session: nox.Session) -> None:
     """CTA-pipelining: the latency model's sweep (H200/B200, 2/4/8 GPUs), the kernels under the
-    interpreter with the concurrent negative control, the distributed baselines on gloo, figures.
-    ``-- --device cuda --parts kernels gpu`` measures on a GPU."""
+    interpreter with the concurrent negative control, the distributed baselines on gloo; figures;
+    claims. ``-- --device cuda --parts kernels gpu`` measures on a GPU."""
     _run(session, "-m", "artifacts.cta_mlp.run", *session.posargs)
-    _run(session, "figures/plot_cta_mlp.py")
+    _figures(session, "cta_mlp", _updating_reference(session))
+    _claims(session, "cta_mlp")
 
 
 @nox.session
 def tempo_layer(session: nox.Session) -> None:
-    """Saved-for-backward bytes of one BERT-Large encoder layer: HF eager vs Tempo and each technique."""
+    """Saved-for-backward bytes of one BERT-Large encoder layer: HF eager vs Tempo and each
+    technique; the GELU backward against autograd; claims."""
     _run(session, "-m", "artifacts.tempo_layer.run", *session.posargs)
+    _claims(session, "tempo_layer")
 
 
 @nox.session
 def tempo_bert(session: nox.Session) -> None:
     """Tempo's evaluation: the layer comparison, activation memory and max batch of BERT-Large,
-    RoBERTa-large and GPT-2 per configuration and GPU size, and their figures."""
-    _run(session, "-m", "artifacts.tempo_layer.run")
+    RoBERTa-large and GPT-2 per configuration and GPU size, same training, CPU throughput; figures;
+    claims. Options after ``--`` go to artifacts.tempo_bert.run (``--update-reference`` to both)."""
+    layer = ["--fresh", "--update-reference"]
+    _run(session, "-m", "artifacts.tempo_layer.run", *[a for a in session.posargs if a in layer])
     _run(session, "-m", "artifacts.tempo_bert.run", *session.posargs)
-    _run(session, "figures/plot_tempo_bert.py")
+    _figures(session, "tempo_bert", _updating_reference(session))
+    _claims(session, "tempo_layer", "tempo_bert")

@@ -1,8 +1,13 @@
-"""What every figure script shares: where results and figures live, and how a figure is titled
-with the provenance of the result file it came from and saved."""
+"""What every figure script shares: which results it draws (this machine's, or the committed
+reference), where the figure goes, and a title that says where its numbers came from.
+
+    python figures/plot_<exp>.py               this machine's results -> figures/results/ (git-ignored)
+    python figures/plot_<exp>.py --reference   committed reference    -> figures/reference/ (committed)
+"""
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -12,21 +17,50 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 ROOT = Path(__file__).resolve().parents[1]
-OUT = Path(__file__).parent
 sys.path.insert(0, str(ROOT / "impl"))  # measure.results without installing the package
+sys.path.insert(0, str(ROOT))
+
+from measure.results import Results  # noqa: E402
+
+_SOURCE = {"reference": False}
 
 
-def source_note(prov: dict) -> str:
-    commit = (prov.get("git", {}).get("commit") or "?")[:10]
-    device = prov.get("device", {}).get("device", "?")
-    return f"from {commit} on {device}, {prov.get('date_utc', '')}"
+def parse_source(description: str) -> None:
+    """Read --reference from the command line (once, in each script's main)."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--reference", action="store_true", help="draw the committed reference results")
+    _SOURCE["reference"] = ap.parse_args().reference
 
 
-def finish(fig, title: str, prov: dict, name: str, rect=(0, 0, 1, 1), note: str = "") -> Path:
-    """Title with the results' provenance, tight layout, save under figures/, close."""
-    fig.suptitle(f"{title}\n{source_note(prov)}{note}", fontsize=9)
+def source_name() -> str:
+    return "reference" if _SOURCE["reference"] else "results"
+
+
+def load(experiment: str, name: str) -> Results | None:
+    """The result file ``name`` of ``experiment`` from the chosen source; None if it has no points."""
+    found = Results.load(ROOT / "artifacts" / experiment / source_name() / name)
+    return found if len(found) else None
+
+
+def source_note(results: Results) -> str:
+    """Which results, from which commits, devices and dates (each point carries its own)."""
+    provs = [p.provenance for p in results]
+    commits = sorted(
+        {(p["git"]["commit"] or "?")[:10] + ("+dirty" if p["git"]["dirty"] else "") for p in provs}
+    )
+    devices = sorted({p["device"].get("gpu") or p["device"]["device"] for p in provs})
+    dates = sorted(p["finished_utc"][:10] for p in provs)
+    when = dates[0] if dates[0] == dates[-1] else f"{dates[0]} to {dates[-1]}"
+    which = "reference results" if _SOURCE["reference"] else "this machine's results"
+    return f"{which}: {', '.join(commits)} on {', '.join(devices)}, {when}"
+
+
+def finish(fig, title: str, results: Results, name: str, rect=(0, 0, 1, 1), note: str = "") -> Path:
+    """Title with the results' provenance, tight layout, save under figures/<source>/, close."""
+    fig.suptitle(f"{title}\n{source_note(results)}{note}", fontsize=9)
     fig.tight_layout(rect=rect)
-    out = OUT / name
+    out = Path(__file__).parent / source_name() / name
+    out.parent.mkdir(exist_ok=True)
     fig.savefig(out, dpi=130)
     plt.close(fig)
     return out

@@ -1,33 +1,31 @@
-"""Figures of the CTA-pipelining evaluation, made only from artifacts/cta_mlp/results/*.json.
+"""Figures of the CTA-pipelining evaluation, made only from artifacts/cta_mlp/{results,reference}/*.json.
 
-python figures/plot_cta_mlp.py
+python figures/plot_cta_mlp.py [--reference]
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from _common import ROOT, finish, plt  # first: sets the headless backend and the import path
+from _common import finish, load, parse_source, plt  # first: the headless backend and import path
 
-from measure.results import load_results
-
-RESULTS = ROOT / "artifacts" / "cta_mlp" / "results"
+EXPERIMENT = "cta_mlp"
 METHODS = {"back_to_back_s": "back-to-back", "microbatch_s": "best micro-batching", "tp_s": "tensor parallel",
            "cta_s": "CTA-pipelining", "cta_tp_s": "CTA + TP"}  # fmt: skip
 MODELLED = "; latency model (impl/ctapipe/sim.py)"
 
 
 def _load(name: str):
-    """(provenance, points, GPUs, GPU counts, row counts) of a latency-model result file, or None."""
-    path = RESULTS / f"{name}.json"
-    if not path.exists():
+    """(results, {(hardware, GPUs, rows): result}, GPUs, GPU counts, row counts) of a latency-model
+    result file, or None."""
+    data = load(EXPERIMENT, f"{name}.json")
+    if data is None:
         return None
-    data = load_results(path)
-    points = data["points"]
-    gpus = sorted({k.split("/")[0] for k in points})
-    ns = sorted({int(k.split("/")[1][1:]) for k in points})
-    ms = sorted({int(k.split("/")[2][1:]) for k in points})
-    return data["provenance"], points, gpus, ns, ms
+    points = {(p.key["hardware"], p.key["gpus"], p.key["rows"]): p.result for p in data}
+    gpus = sorted({k[0] for k in points})
+    ns = sorted({k[1] for k in points})
+    ms = sorted({k[2] for k in points})
+    return data, points, gpus, ns, ms
 
 
 def plot_latency(name: str = "sim") -> Path | None:
@@ -39,9 +37,9 @@ def plot_latency(name: str = "sim") -> Path | None:
     for row, gpu in zip(axes, gpus, strict=True):
         for ax, n in zip(row, ns, strict=True):
             for key, label in METHODS.items():
-                xs = [m for m in ms if key in points[f"{gpu}/n{n}/m{m}"]]
+                xs = [m for m in ms if key in points[gpu, n, m]]
                 if xs:
-                    ys = [points[f"{gpu}/n{n}/m{m}"][key] * 1e3 for m in xs]
+                    ys = [points[gpu, n, m][key] * 1e3 for m in xs]
                     ax.plot(xs, ys, marker="o", markersize=3, label=label)
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
@@ -66,7 +64,7 @@ def plot_reduction(name: str = "sim") -> Path | None:
                 ("cta_vs_microbatch", "-", "vs best micro-batching"),
                 ("cta_vs_tp", "--", "vs TP"),
             ):
-                ax.plot(ns, [100 * points[f"{gpu}/n{n}/m{m}"][key] for n in ns], style, marker="o",
+                ax.plot(ns, [100 * points[gpu, n, m][key] for n in ns], style, marker="o",
                         color=f"C{color}", label=f"M={m} {label}")  # fmt: skip
         ax.axhline(0, color="gray", linewidth=0.8)
         ax.set_xticks(ns)
@@ -84,6 +82,7 @@ def _suffix(name: str) -> str:
 
 
 if __name__ == "__main__":
+    parse_source(__doc__)
     for name in ("sim", "sim_measured"):
         for plot in (plot_latency, plot_reduction):
             out = plot(name)

@@ -1,72 +1,68 @@
-"""Figures of the Mist comparison, made only from artifacts/mist_vs_megatron/results/*.json.
+"""Figures of the Mist comparison, made only from artifacts/mist_vs_megatron/{results,reference}/*.json.
 
-python figures/plot_mist_vs_megatron.py
+python figures/plot_mist_vs_megatron.py [--reference]
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from _common import ROOT, finish, plt  # first: sets the headless backend and the import path
+from _common import finish, load, parse_source, plt  # first: the headless backend and import path
 
-from measure.results import load_results
-
-RESULTS = ROOT / "artifacts" / "mist_vs_megatron" / "results"
+EXPERIMENT = "mist_vs_megatron"
 PREDICTED = "; predicted by Mist's cost model"
 SYSTEMS = {"mist": "Mist", "aceso": "Aceso-style", "zero3": "ZeRO-3"}
 
 
-def _cases(points: dict, gpu: str, flash: str = "flash") -> list[str]:
-    keys = [k for k in points if k.startswith(gpu + "/") and k.endswith("/" + flash)]
-    order = ["1.3b", "2.7b", "7b", "13b", "22b"]
-    return sorted(
-        keys, key=lambda k: (k.split("/")[1].split("-")[0], order.index(k.split("/")[1].split("-")[1]))
-    )
+SIZES = ["1.3b", "2.7b", "7b", "13b", "22b"]
+
+
+def _order(p) -> tuple:
+    arch, size = p.key["model"].split("-", 1)  # preset names: <arch>-<size>
+    return arch, SIZES.index(size)
 
 
 def plot_speedup() -> Path | None:
-    path = RESULTS / "comparison.json"
-    if not path.exists():
+    data = load(EXPERIMENT, "comparison.json")
+    if data is None:
         return None
-    data = load_results(path)
-    panels = sorted({(k.split("/")[0], k.split("/")[2]) for k in data["points"]})
+    panels = sorted({(p.key["gpu"], p.key["flash"]) for p in data}, key=lambda x: (x[0], not x[1]))
     fig, axes = plt.subplots(len(panels), 1, figsize=(13, 3.6 * len(panels)), squeeze=False)
     width = 0.8 / len(SYSTEMS)
     for ax, (gpu, flash) in zip(axes[:, 0], panels, strict=True):
-        keys = _cases(data["points"], gpu, flash)
+        cases = sorted(data.select(gpu=gpu, flash=flash), key=_order)
         for j, (system, label) in enumerate(SYSTEMS.items()):
             values = []
-            for k in keys:
-                r = data["points"][k]
+            for p in cases:
+                r = p.result
                 ok = "iteration_s" in r.get(system, {}) and "iteration_s" in r.get("megatron", {})
                 values.append(r["megatron"]["iteration_s"] / r[system]["iteration_s"] if ok else 0.0)
-            ax.bar([i + (j - 1) * width for i in range(len(keys))], values, width, label=label)
+            ax.bar([i + (j - 1) * width for i in range(len(cases))], values, width, label=label)
         ax.axhline(1.0, color="gray", linewidth=0.8)
-        ax.set_xticks(range(len(keys)), [k.split("/")[1] for k in keys], rotation=45, fontsize=7)
+        ax.set_xticks(range(len(cases)), [p.key["model"] for p in cases], rotation=45, fontsize=7)
         ax.set_ylabel("speedup over Megatron-LM grid")
-        attention = "FlashAttention" if flash == "flash" else "no FlashAttention"
+        attention = "FlashAttention" if flash else "no FlashAttention"
         ax.set_title(f"{gpu} cluster, {attention} (0: no plan fits)", fontsize=10)
         ax.legend(fontsize=7, ncol=3)
     return finish(
         fig,
         "Mist vs Megatron-LM, Aceso-style and ZeRO-3",
-        data["provenance"],
+        data,
         "mist_speedup.png",
         note=PREDICTED,
     )
 
 
 def plot_tuning_time() -> Path | None:
-    path = RESULTS / "comparison.json"
-    if not path.exists():
+    data = load(EXPERIMENT, "comparison.json")
+    if data is None:
         return None
-    data = load_results(path)
     fig, ax = plt.subplots(figsize=(7, 4))
     for system, label in {**SYSTEMS, "megatron": "Megatron-LM grid"}.items():
         pts = [
-            (r["gpus"], r[system]["tuning_s"])
-            for r in data["points"].values()
-            if "tuning_s" in r.get(system, {})
+            (p.key["gpus"], p.result[system]["tuning_s"])
+            for p in data
+            if "tuning_s" in p.result.get(system, {})
         ]
         if pts:
             ax.scatter(*zip(*pts, strict=True), label=label, s=14)
@@ -75,37 +71,33 @@ def plot_tuning_time() -> Path | None:
     ax.set_xlabel("GPUs")
     ax.set_ylabel("tuning time on this machine, s")
     ax.legend(fontsize=7)
-    return finish(fig, "Tuning time per case", data["provenance"], "mist_tuning_time.png")
+    return finish(fig, "Tuning time per case", data, "mist_tuning_time.png")
 
 
 def plot_ablation() -> Path | None:
-    path = RESULTS / "ablation.json"
-    if not path.exists():
+    data = load(EXPERIMENT, "ablation.json")
+    if data is None:
         return None
-    data = load_results(path)
-    variants = data["provenance"]["config"]["variants"]
-    keys = sorted(
-        data["points"],
-        key=lambda k: (k.split("/")[0], ["1.3b", "2.7b", "7b", "13b", "22b"].index(k.split("-")[-1])),
-    )
+    cases = sorted(data, key=lambda p: (p.key["gpu"], *_order(p)))
+    variants = cases[0].provenance["config"]["variants"]
     fig, ax = plt.subplots(figsize=(11, 4))
     width = 0.8 / len(variants)
     for j, variant in enumerate(variants):
         values = []
-        for k in keys:
-            r = data["points"][k]
+        for p in cases:
+            r = p.result
             values.append(r["megatron"] / r[variant] if r.get("megatron") and r.get(variant) else 0.0)
-        ax.bar([i + (j - 1.5) * width for i in range(len(keys))], values, width, label=variant)
+        ax.bar([i + (j - 1.5) * width for i in range(len(cases))], values, width, label=variant)
     ax.axhline(1.0, color="gray", linewidth=0.8)
-    ax.set_xticks(range(len(keys)), keys, rotation=45, fontsize=7)
+    labels = [f"{p.key['gpu']}/{p.key['model']}" for p in cases]
+    ax.set_xticks(range(len(cases)), labels, rotation=45, fontsize=7)
     ax.set_ylabel("speedup over Megatron-LM grid")
     ax.legend(fontsize=7, ncol=4)
-    return finish(
-        fig, "Where Mist's gain comes from (GPT-3)", data["provenance"], "mist_ablation.png", note=PREDICTED
-    )
+    return finish(fig, "Where Mist's gain comes from (GPT-3)", data, "mist_ablation.png", note=PREDICTED)
 
 
 if __name__ == "__main__":
+    parse_source(__doc__)
     for made in (plot_speedup(), plot_tuning_time(), plot_ablation()):
         if made is not None:
             print(f"wrote {made}")

@@ -1,17 +1,15 @@
-"""Figures of Tempo's evaluation, made only from artifacts/tempo_bert/results/*.json.
+"""Figures of Tempo's evaluation, made only from artifacts/tempo_bert/{results,reference}/*.json.
 
-python figures/plot_tempo_bert.py
+python figures/plot_tempo_bert.py [--reference]
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from _common import ROOT, finish, plt  # first: sets the headless backend and the import path
+from _common import finish, load, parse_source, plt  # first: the headless backend and import path
 
-from measure.results import load_results
-
-RESULTS = ROOT / "artifacts" / "tempo_bert" / "results"
+EXPERIMENT = "tempo_bert"
 MAIN = ["hf-eager", "hf-sdpa", "tempo", "tempo+sdpa", "checkpointing"]
 
 
@@ -36,16 +34,16 @@ def _component_bytes(point: dict, component: str) -> int:
 
 
 def plot_activation() -> Path | None:
-    path = RESULTS / "activation_memory.json"
-    if not path.exists():
+    data = load(EXPERIMENT, "activation_memory.json")
+    if data is None:
         return None
-    data = load_results(path)
-    cases = sorted({tuple(k.split("/")[:2]) for k in data["points"]}, key=lambda c: (c[0], int(c[1][1:])))
+    cases = sorted({(p.key["model"], p.key["seq"]) for p in data})
     fig, axes = plt.subplots(1, len(cases), figsize=(4.0 * len(cases), 4.8), squeeze=False)
     colors = dict(zip(COMPONENT_ORDER, plt.cm.tab10.colors, strict=False))
     for ax, (model, seq) in zip(axes[0], cases, strict=True):
-        names = [c for c in CONFIG_ORDER if f"{model}/{seq}/{c}" in data["points"]]
-        points = [data["points"][f"{model}/{seq}/{c}"] for c in names]
+        found = {p.key["configuration"]: p.result for p in data.select(model=model, seq=seq)}
+        names = [c for c in CONFIG_ORDER if c in found]
+        points = [found[c] for c in names]
         bottom = [0.0] * len(names)
         for comp in COMPONENT_ORDER:
             vals = [max(_component_bytes(p, comp), 0) / 2**20 for p in points]
@@ -55,7 +53,7 @@ def plot_activation() -> Path | None:
             cf = p["closed_form_bytes"]
             label = f"{cf['sbh']:.1f}sbh" + (f"\n+{cf['as2b']:.0f}as²b" if cf["as2b"] > 0.01 else "")
             ax.text(i, bottom[i], label, ha="center", va="bottom", fontsize=5.5)
-        ax.set_title(f"{model}, seq {seq[1:]}", fontsize=10)
+        ax.set_title(f"{model}, seq {seq}", fontsize=10)
         ax.set_ylabel("kept for backward per layer, MiB")
         ax.set_ylim(0, max(bottom) * 1.18)
         ax.tick_params(axis="x", rotation=70, labelsize=7)
@@ -65,24 +63,27 @@ def plot_activation() -> Path | None:
         "Activation memory per layer inside the model (batch 1, bf16; exact bytes; dropout and SDPA "
         "as their CUDA kernels keep them)"
     )
-    return finish(fig, title, data["provenance"], "tempo_bert_activation.png", rect=(0, 0.06, 1, 1))
+    return finish(fig, title, data, "tempo_bert_activation.png", rect=(0, 0.06, 1, 1))
 
 
 def plot_maxbatch() -> Path | None:
-    path = RESULTS / "max_batch.json"
-    if not path.exists():
+    data = load(EXPERIMENT, "max_batch.json")
+    if data is None:
         return None
-    data = load_results(path)
-    gpu_mem = data["provenance"]["config"]["gpus"]  # name -> "16GB"; result files sort keys
+    first = next(iter(data))
+    gpu_mem = first.provenance["config"]["gpus"]  # name -> "16GB"; result files sort keys
     gpus = sorted(gpu_mem, key=lambda g: float(gpu_mem[g].lower().removesuffix("gb")))
-    cases = sorted({tuple(k.split("/")[:3]) for k in data["points"]}, key=lambda c: (c[0], int(c[1][1:])))
+    cases = sorted(
+        {(p.key["model"], p.key["seq"], p.key["precision"]) for p in data.select(head="pretraining")}
+    )
     fig, axes = plt.subplots(1, len(cases), figsize=(4.4 * len(cases), 4.4), squeeze=False)
     width = 0.8 / len(MAIN)
     for ax, (model, seq, prec) in zip(axes[0], cases, strict=True):
         for i, conf in enumerate(MAIN):
-            r = data["points"].get(f"{model}/{seq}/{prec}/{conf}")
-            if r is None:
+            point = data.one(model=model, head="pretraining", seq=seq, precision=prec, configuration=conf)
+            if point is None:
                 continue
+            r = point.result
             xs = [g + (i - len(MAIN) / 2 + 0.5) * width for g in range(len(gpus))]
             ax.bar(xs, [r[g]["max_batch"] for g in gpus], width, label=conf)
             for x, g in zip(xs, gpus, strict=True):
@@ -90,93 +91,103 @@ def plot_maxbatch() -> Path | None:
                     ax.text(x, 1, "0", ha="center", va="bottom", fontsize=6)
         ax.set_xticks(range(len(gpus)), [gpu_mem[g] for g in gpus])
         ax.set_yscale("log")
-        ax.set_title(f"{model}, seq {seq[1:]}, {prec}", fontsize=10)
+        ax.set_title(f"{model}, seq {seq}, {prec}", fontsize=10)
         ax.set_ylabel("largest batch that fits (estimated)")
         ax.legend(fontsize=7)
     title = "Max batch per GPU memory: fake-tensor estimate of a whole AdamW step (reserve 0.75 GiB + 5%)"
-    return finish(fig, title, data["provenance"], "tempo_bert_max_batch.png")
+    return finish(fig, title, data, "tempo_bert_max_batch.png")
 
 
 def plot_training() -> Path | None:
-    path = RESULTS / "training.json"
-    if not path.exists():
+    data = load(EXPERIMENT, "training.json")
+    if data is None:
         return None
-    data = load_results(path)
-    pts = data["points"]
-    panels = [
-        (
-            "bert-mini (MLM + NSP), dropout off",
-            ["bert-mini/hf-eager/p0.0/seed1", "bert-mini/tempo/p0.0/seed1"],
-        ),
-        ("gpt2-mini (LM), dropout off", ["gpt2-mini/hf-eager/p0.0/seed1", "gpt2-mini/tempo/p0.0/seed1"]),
-        (
-            "bert-mini, dropout 0.1",
-            ["bert-mini/hf-eager/p0.1/seed1", "bert-mini/hf-eager/p0.1/seed2", "bert-mini/tempo/p0.1/seed1"],
-        ),
-    ]
-    fig, axes = plt.subplots(1, len(panels), figsize=(15, 4.2))
-    for ax, (title, keys) in zip(axes, panels, strict=True):
-        keys = [k for k in keys if k in pts]
-        for k in keys:
-            _, conf, _, seed = k.split("/")
-            ax.plot(pts[k]["losses"], label=f"{conf} (dropout {seed})", linewidth=1)
-        if len(keys) == 2:  # dropout off: show the difference too
-            a, b = (pts[k]["losses"] for k in keys)
-            diff = [abs(x - y) for x, y in zip(a, b, strict=True)]
-            twin = ax.twinx()
-            twin.semilogy([max(d, 1e-16) for d in diff], color="gray", linewidth=0.8)
-            control = [f"{k}/fp64" for k in keys]
-            if all(k in pts for k in control):  # the float64 control: rounding alone parts the fp32 runs
-                a64, b64 = (pts[k]["losses"] for k in control)
-                diff64 = [max(abs(x - y), 1e-16) for x, y in zip(a64, b64, strict=True)]
-                twin.semilogy(diff64, color="black", linestyle="--", linewidth=0.8)
-                twin.set_ylabel("|loss difference|: fp32 (gray), fp64 (black dashed)")
-            else:
-                twin.set_ylabel("|loss difference| (gray)")
-            twin.axhline(1e-3, color="gray", linestyle=":", linewidth=0.8)
+
+    def losses(model, conf, dropout=0.0, seed=1, dtype="fp32"):
+        p = data.one(model=model, configuration=conf, dropout=dropout, dropout_seed=seed, dtype=dtype)
+        return None if p is None else p.result["losses"]
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    for ax, model, title in (
+        (axes[0], "bert-mini", "bert-mini (MLM + NSP), dropout off"),
+        (axes[1], "gpt2-mini", "gpt2-mini (LM), dropout off"),
+    ):
+        a, b = losses(model, "hf-eager"), losses(model, "tempo")
+        if a is None or b is None:
+            continue
+        ax.plot(a, label="hf-eager", linewidth=1)
+        ax.plot(b, label="tempo", linewidth=1)
+        twin = ax.twinx()
+        twin.semilogy(
+            [max(abs(x - y), 1e-16) for x, y in zip(a, b, strict=True)], color="gray", linewidth=0.8
+        )
+        a64, b64 = losses(model, "hf-eager", dtype="fp64"), losses(model, "tempo", dtype="fp64")
+        if a64 is not None and b64 is not None:  # the float64 control: rounding alone parts the fp32 runs
+            diff64 = [max(abs(x - y), 1e-16) for x, y in zip(a64, b64, strict=True)]
+            twin.semilogy(diff64, color="black", linestyle="--", linewidth=0.8)
+            twin.set_ylabel("|loss difference|: fp32 (gray), fp64 (black dashed)")
+        else:
+            twin.set_ylabel("|loss difference| (gray)")
+        twin.axhline(1e-3, color="gray", linestyle=":", linewidth=0.8)
         ax.set_title(title, fontsize=10)
+    ax = axes[2]  # dropout on: every seed of both, the mean of each as a thick line
+    for conf, color in (("hf-eager", "C0"), ("tempo", "C1")):
+        runs = [p.result["losses"] for p in data.select(model="bert-mini", configuration=conf, dropout=0.1)]
+        for curve in runs:
+            ax.plot(curve, color=color, linewidth=0.5, alpha=0.5)
+        if runs:
+            mean = [sum(v) / len(v) for v in zip(*runs, strict=True)]
+            ax.plot(
+                mean, color=color, linewidth=1.5, label=f"{conf}: {len(runs)} dropout seeds and their mean"
+            )
+    ax.set_title("bert-mini, dropout 0.1", fontsize=10)
+    for ax in axes:
         ax.set_xlabel("step")
         ax.set_ylabel("training loss")
         ax.legend(fontsize=7)
     title = "Same training with and without Tempo (fp32, one seed for weights and data; offline corpus)"
-    return finish(fig, title, data["provenance"], "tempo_bert_loss_curves.png")
+    return finish(fig, title, data, "tempo_bert_loss_curves.png")
 
 
 def plot_throughput(device: str) -> Path | None:
     """Sequences/s against batch, one line per configuration; the marker is each one's maximum."""
-    path = RESULTS / f"throughput_{device}.json"
-    if not path.exists():
+    data = load(EXPERIMENT, f"throughput_{device}.json")
+    if data is None:
         return None
-    data = load_results(path)
-    cases = sorted({tuple(k.split("/")[:3]) for k in data["points"]}, key=lambda c: (c[0], int(c[1][1:])))
+    setups = sorted({(p.key["gpu"], p.key["reserve"]) for p in data})
+    gpu, reserve = setups[-1]  # one budget per figure: the last (runs at other budgets stay in the file)
+    cases = sorted(
+        {(p.key["model"], p.key["seq"], p.key["precision"]) for p in data.select(gpu=gpu, reserve=reserve)}
+    )
     fig, axes = plt.subplots(1, len(cases), figsize=(max(7.0, 4.6 * len(cases)), 4.6), squeeze=False)
     for ax, (model, seq, prec) in zip(axes[0], cases, strict=True):
         for conf in CONFIG_ORDER:
-            r = data["points"].get(f"{model}/{seq}/{prec}/{conf}")
-            if r is None or not r["seqs_per_s"]:
+            found = data.one(
+                model=model, seq=seq, precision=prec, configuration=conf, gpu=gpu, reserve=reserve
+            )
+            if found is None or not found.result["seqs_per_s"]:
                 continue
+            r = found.result
             batches = sorted(map(int, r["seqs_per_s"]))
             (line,) = ax.plot(batches, [r["seqs_per_s"][str(b)] for b in batches], marker=".", label=conf)
             ax.plot(
                 r["max_batch"], r["seqs_per_s_at_max_batch"], "o", ms=8, mfc="none", color=line.get_color()
             )
         ax.set_xscale("log", base=2)
-        ax.set_title(f"{model}, seq {seq[1:]}, {prec}", fontsize=10)
+        ax.set_title(f"{model}, seq {seq}, {prec}", fontsize=10)
         ax.set_xlabel("batch size (circle: the configuration's maximum)")
         ax.set_ylabel("training throughput, sequences/s")
         ax.legend(fontsize=7)
-    cfg = data["provenance"]["config"]
-    budget = cfg["gpu"] + (
-        " GPU (less the 0.75 GiB + 5% reserve)" if cfg["reserve"] else " of memory (stated budget)"
-    )
+    budget = gpu + (" GPU (less the 0.75 GiB + 5% reserve)" if reserve else " of memory (stated budget)")
     where = (
         "measured max batch, allocator capped" if device == "cuda" else "estimated max batch; no memory wall"
     )
     title = f"Throughput vs batch on {device}: AdamW steps under a {budget};\n{where}"
-    return finish(fig, title, data["provenance"], f"tempo_bert_throughput_{device}.png")
+    return finish(fig, title, data, f"tempo_bert_throughput_{device}.png")
 
 
 if __name__ == "__main__":
+    parse_source(__doc__)
     for made in (
         plot_activation(),
         plot_maxbatch(),

@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 from torch import nn
@@ -14,7 +12,6 @@ from transformers.utils import logging as hf_logging
 import tempo
 from measure.cpu_peak import cpu_peak_bytes
 from measure.memory import DepthExtrapolatedEstimator, GiB, GpuBudget, LiveMemoryTracker, StepMemoryEstimator
-from measure.results import ResultFile, load_results, provenance, write_json_atomic
 from measure.saved import cuda_like_dropout, saved_bytes
 from measure.training import Precision, make_optimizer, optimizer_state_tensors, train_step
 
@@ -221,37 +218,6 @@ def test_declared_cpu_workspace_bounds_the_real_one(op, dt):
     workspace = peak - sum(t.untyped_storage().nbytes() for t in outputs)
     bound = CHUNK_ELEMS * cpu_bytes_per_chunk_elem(name)
     assert workspace <= bound, f"{op} {dt}: {workspace} B > {bound} B"
-
-
-# ---------------------------------------------------------------- result files
-
-
-def test_atomic_write_and_resume(tmp_path):
-    path = tmp_path / "r.json"
-    prov = provenance({"x": 1, "cases": [("bert", 128)]})  # tuples must survive the JSON round trip
-    assert {"git", "packages", "device", "date_utc", "config"} <= set(prov)
-    store = ResultFile(path, prov)
-    calls = []
-    store.compute("a", lambda: calls.append("a") or 1)
-    store2 = ResultFile(path, provenance({"x": 1, "cases": [("bert", 128)]}))  # interrupted, restarted
-    store2.compute("a", lambda: calls.append("again") or 2)
-    store2.compute("b", lambda: calls.append("b") or 3)
-    assert calls == ["a", "b"]
-    assert load_results(path)["points"] == {"a": 1, "b": 3}
-    forced = ResultFile(path, provenance({"x": 1, "cases": [("bert", 128)]}), force=True)
-    assert forced.points == {}
-    other_config = ResultFile(path, provenance({"x": 2}))
-    assert other_config.points == {}  # results of another config are never mixed in
-    assert not list(tmp_path.glob(".*.tmp"))
-
-
-def test_write_json_atomic_leaves_no_partial_file(tmp_path):
-    path = tmp_path / "out.json"
-    write_json_atomic(path, {"ok": 1})
-    with pytest.raises(TypeError):
-        write_json_atomic(path, {"bad": object.__new__(type("X", (), {"__str__": None}))})
-    assert json.loads(path.read_text()) == {"ok": 1}
-    assert not list(tmp_path.glob(".*.tmp"))
 
 
 def test_cuda_like_attention_keeps_no_square_matrix():

@@ -1,0 +1,5 @@
+"""cta_mlp experiment (driver: run.py)."""
+
+from ..experiment import Experiment
+
+EXPERIMENT = Experiment("cta_mlp")

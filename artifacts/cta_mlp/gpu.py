@@ -15,11 +15,10 @@
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
 import torch
 
-from measure.results import ResultFile, provenance
+from measure.results import Run
 from measure.timing import time_fn
 
 GPU_ROWS = [1024, 4096, 16384]
@@ -120,7 +119,9 @@ def _kernel_gap(device: str) -> float:
     return time_fn(chain, device, warmup=2, repeats=5 if device == "cuda" else 1).median_s / count
 
 
-def part_gpu(results: Path, force: bool, device: str = "cuda") -> ResultFile:
+def part_gpu(run: Run, device: str = "cuda"):
+    """Measure; on a GPU return the latency model's hardware with this GPU's measured single-GPU
+    parameters (None in the CPU dry run)."""
     from ctapipe import INTERPRETER_TILING, Tiling, sim
 
     cuda = device == "cuda"
@@ -128,10 +129,11 @@ def part_gpu(results: Path, force: bool, device: str = "cuda") -> ResultFile:
     d = 8192 if cuda else 32
     rows = GPU_ROWS if cuda else DRY_ROWS
     dtype = torch.bfloat16 if cuda else torch.float32
-    config = {"part": "gpu", "rows": rows, "width": d, "dtype": str(dtype), "tiling": vars(tiling)}
-    store = ResultFile(results / f"gpu_{device}.json", provenance(config, device), force)
+    base_key = {"width": d, "dtype": str(dtype), "tiling": vars(tiling)}
+    store = run.file(f"gpu_{device}.json", device)
     for m in rows:
-        r = store.compute(f"mlp/m{m}", lambda m=m: _mlp_methods(m, d, device, dtype, tiling))
+        r = store.compute({"measure": "mlp", "rows": m, **base_key},
+                          lambda m=m: _mlp_methods(m, d, device, dtype, tiling))  # fmt: skip
         s = r["summary"]
         print(
             f"single GPU, M={m}: CTA ticketed vs cuBLAS back-to-back {s['cta_vs_cublas_back_to_back']:+.1%}, "
@@ -139,23 +141,22 @@ def part_gpu(results: Path, force: bool, device: str = "cuda") -> ResultFile:
             f"({s['best_microbatch']}) {s['cta_vs_best_microbatch'] or 0:+.1%}; SM partitions vs Triton "
             f"back-to-back {s['sm_partitions_vs_triton_back_to_back']:+.1%}"
         )
-    k = store.compute("kernel_throughput", lambda: _kernel_throughput(d, device, dtype, tiling))
+    k = store.compute({"measure": "kernel_throughput", **base_key},
+                      lambda: _kernel_throughput(d, device, dtype, tiling))  # fmt: skip
     print(f"stage kernel {k['triton_tflops']:.1f} TFLOP/s vs cuBLAS {k['cublas_tflops']:.1f} TFLOP/s")
-    gap = store.compute("kernel_gap_s", lambda: _kernel_gap(device))
+    gap = store.compute({"measure": "kernel_gap_s"}, lambda: _kernel_gap(device))
     name = torch.cuda.get_device_name().lower() if cuda else "cpu"
     base = sim.B200 if "b200" in name else sim.H200
-    curve = store.compute("efficiency_by_rows", lambda: _efficiency_by_rows(d, device, dtype, base))
+    curve = store.compute({"measure": "efficiency_by_rows", "width": d, "dtype": str(dtype)},
+                          lambda: _efficiency_by_rows(d, device, dtype, base))  # fmt: skip
     print("cuBLAS tile efficiency by rows: " + ", ".join(f"{r}: {e:.0%}" for r, e in curve))
-    if cuda:  # the simulator with this GPU's measured single-GPU parameters
-        measured = dataclasses.replace(
-            base,
-            name=f"{base.name}-measured",
-            gemm_efficiency=k["cublas_tflops"] * 1e12 / base.flops,
-            kernel_gap_s=gap,
-            efficiency_by_rows=tuple((int(r), float(e)) for r, e in curve),
-            source=f"{base.source}; GEMM efficiency by rows and kernel gap measured on {name}",
-        )
-        from .run import part_sim
-
-        part_sim(results, force, {measured.name: measured}, name="sim_measured")
-    return store
+    if not cuda:
+        return None
+    return dataclasses.replace(
+        base,
+        name=f"{base.name}-measured",
+        gemm_efficiency=k["cublas_tflops"] * 1e12 / base.flops,
+        kernel_gap_s=gap,
+        efficiency_by_rows=tuple((int(r), float(e)) for r, e in curve),
+        source=f"{base.source}; GEMM efficiency by rows and kernel gap measured on {name}",
+    )

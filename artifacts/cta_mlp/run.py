@@ -25,25 +25,33 @@ from pathlib import Path
 
 import torch
 
-from measure.results import ResultFile, provenance
+from measure.results import ResultFile, Run
 
-RESULTS = Path(__file__).parent / "results"
+from ..experiment import add_run_arguments, experiment_run
+from . import EXPERIMENT
+
 SIM_ROWS = [1024, 2048, 4096, 8192, 16384, 32768]
 SIM_GPUS = [2, 4, 8]
 PAPER_2GPU = {"cta_vs_microbatch": 0.318, "cta_vs_tp": 0.296}  # "up to", arXiv 2607.07862
 
 
-def part_sim(results: Path, force: bool, hardware: dict | None = None, name: str = "sim") -> ResultFile:
+SIM_WIDTH = 8192
+
+
+def sim_key(hardware: str, gpus: int, rows: int) -> dict:
+    return {"hardware": hardware, "gpus": gpus, "rows": rows, "width": SIM_WIDTH}
+
+
+def part_sim(run: Run, hardware: dict | None = None, name: str = "sim") -> ResultFile:
     from ctapipe import sim
 
     hardware = hardware or sim.HARDWARE
-    config = {"part": "sim", "rows": SIM_ROWS, "gpus": SIM_GPUS, "width": 8192,
-              "hardware": {k: sim.assumptions(h) for k, h in hardware.items()}}  # fmt: skip
-    store = ResultFile(results / f"{name}.json", provenance(config), force)
+    config = {"hardware": {k: sim.assumptions(h) for k, h in hardware.items()}}
+    store = run.file(f"{name}.json", config=config)
     for hw in hardware.values():
         for n in SIM_GPUS:
             for m in SIM_ROWS:
-                store.compute(f"{hw.name}/n{n}/m{m}", lambda hw=hw, n=n, m=m: sim.compare(hw, m, n))
+                store.compute(sim_key(hw.name, n, m), lambda hw=hw, n=n, m=m: sim.compare(hw, m, n))
     _print_sim(store, hardware)
     return store
 
@@ -63,7 +71,7 @@ def _print_sim(store: ResultFile, hardware: dict) -> None:
                 "        M  back-to-back  micro-batch (chunk)     TP    CTA  CTA+TP   CTA vs mb   CTA vs TP"
             )
             for m in SIM_ROWS:
-                r = store.points[f"{hw.name}/n{n}/m{m}"]
+                r = store.get(sim_key(hw.name, n, m)).result
                 ctatp = f"{r['cta_tp_s'] * us:6.0f}" if "cta_tp_s" in r else "     -"
                 print(
                     f"  {m:>7}  {r['back_to_back_s'] * us:12.0f}  {r['microbatch_s'] * us:11.0f} "
@@ -71,7 +79,7 @@ def _print_sim(store: ResultFile, hardware: dict) -> None:
                     f"  {r['cta_vs_microbatch']:+10.1%}  {r['cta_vs_tp']:+10.1%}"
                 )
     for hw in hardware.values():
-        two = [store.points[f"{hw.name}/n2/m{m}"] for m in SIM_ROWS]
+        two = [store.get(sim_key(hw.name, 2, m)).result for m in SIM_ROWS]
         best_mb, best_tp = max(r["cta_vs_microbatch"] for r in two), max(r["cta_vs_tp"] for r in two)
         print(
             f"{hw.name}, 2 GPUs, best over M: CTA {best_mb:.1%} below the best micro-batching (paper: up "
@@ -80,7 +88,7 @@ def _print_sim(store: ResultFile, hardware: dict) -> None:
         )
 
 
-def part_kernels(results: Path, force: bool, device: str) -> ResultFile:
+def part_kernels(run: Run, device: str) -> ResultFile:
     from ctapipe import INTERPRETER_TILING, TicketMLP, Tiling, launch_stage
     from ctapipe.emulate import run_chain_processes
     from ctapipe.reference import chain
@@ -88,9 +96,8 @@ def part_kernels(results: Path, force: bool, device: str) -> ResultFile:
     cuda = device == "cuda"
     tiling = Tiling() if cuda else INTERPRETER_TILING
     shapes = [(4096, 8192, 8192), (1000, 4096, 11008)] if cuda else [(64, 32, 48), (37, 24, 56)]
-    config = {"part": "kernels", "device": device, "tiling": vars(tiling), "shapes": shapes,
-              "interpreter": os.environ.get("TRITON_INTERPRET") == "1"}  # fmt: skip
-    store = ResultFile(results / f"kernels_{device}.json", provenance(config, device), force)
+    interpreter = os.environ.get("TRITON_INTERPRET") == "1"
+    store = run.file(f"kernels_{device}.json", device, config={"interpreter": interpreter})
     dtype = torch.bfloat16 if cuda else torch.float32
     for m, d, f in shapes:
 
@@ -116,7 +123,7 @@ def part_kernels(results: Path, force: bool, device: str) -> ResultFile:
                     "ticket_rel_error": float((y_ticket.float() - ref).abs().max()) / scale,
                     "ticket_status": int(mlp.status.item())}  # fmt: skip
 
-        r = store.compute(f"mlp/{m}x{d}x{f}", check)
+        r = store.compute({"check": "mlp", "m": m, "d": d, "f": f, "tiling": vars(tiling)}, check)
         print(
             f"kernels {m}x{d}x{f}: stages {r['stages_rel_error']:.1e}, ticketed {r['ticket_rel_error']:.1e} "
             "relative max error vs torch.matmul"
@@ -142,7 +149,8 @@ def part_kernels(results: Path, force: bool, device: str) -> ResultFile:
                 "seconds": time.perf_counter() - t0}  # fmt: skip
         return out
 
-    r = store.compute("chain/2-processes-producer-late", concurrent)
+    key = {"check": "chain", "processes": 2, "producer_delay_s": 1.0, "tiling": vars(INTERPRETER_TILING)}
+    r = store.compute(key, concurrent)
     print(
         "2 concurrent processes, producer 1 s late: with the wait max error "
         f"{r['with_wait']['max_abs_error']:.1e}; without it, producer after the consumer (negative control) "
@@ -151,9 +159,9 @@ def part_kernels(results: Path, force: bool, device: str) -> ResultFile:
     return store
 
 
-def part_baselines(results: Path, force: bool) -> ResultFile:
+def part_baselines(run: Run) -> ResultFile:
     args = {"rows": 512, "width": 64, "dtype": "fp32", "repeats": 3, "smallest_chunk": 64}
-    store = ResultFile(results / "baselines_cpu.json", provenance({"part": "baselines", **args}), force)
+    store = run.file("baselines_cpu.json")
 
     def launch() -> dict:
         with tempfile.TemporaryDirectory() as tmp:
@@ -168,7 +176,7 @@ def part_baselines(results: Path, force: bool) -> ResultFile:
                 raise RuntimeError(f"distributed baselines failed:\n{done.stderr[-3000:]}")
             return json.loads(out.read_text())
 
-    r = store.compute("chain/2-gloo", launch)
+    r = store.compute({"chain": "2 gloo processes", **args}, launch)
     errors = {k: v["error"] for k, v in r["methods"].items()}
     print(f"baselines on 2 gloo processes, max relative error vs the reference chain: {errors}")
     return store
@@ -187,11 +195,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--parts", nargs="+", default=["sim", "kernels", "baselines"],
                     choices=["sim", "kernels", "baselines", "gpu"])  # fmt: skip
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    ap.add_argument("--results", type=Path, default=RESULTS)
-    ap.add_argument("--force", action="store_true", help="recompute points already in the result files")
     ap.add_argument(
         "--gpu-dry-run", action="store_true", help="the gpu part on a CPU at toy sizes (tests it)"
     )
+    add_run_arguments(ap, EXPERIMENT)
     args = ap.parse_args(argv)
     if args.device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel is defined
@@ -199,16 +206,19 @@ def main(argv: list[str] | None = None) -> None:
         ap.error("--device cuda: no CUDA device here")
     if args.device == "cpu" and "gpu" in args.parts and not args.gpu_dry_run:
         ap.error("the gpu part needs --device cuda (or --gpu-dry-run)")
-    if "sim" in args.parts:
-        part_sim(args.results, args.force)
-    if "kernels" in args.parts:
-        part_kernels(args.results, args.force, args.device)
-    if "baselines" in args.parts:
-        part_baselines(args.results, args.force)
-    if "gpu" in args.parts:
-        from .gpu import part_gpu
+    with experiment_run(args, EXPERIMENT) as run:
+        if "sim" in args.parts:
+            part_sim(run)
+        if "kernels" in args.parts:
+            part_kernels(run, args.device)
+        if "baselines" in args.parts:
+            part_baselines(run)
+        if "gpu" in args.parts:
+            from .gpu import part_gpu
 
-        part_gpu(args.results, args.force, args.device)
+            measured = part_gpu(run, args.device)
+            if measured is not None:  # the latency model with this GPU's measured parameters
+                part_sim(run, {measured.name: measured}, name="sim_measured")
     print(f"\nresults in {args.results}; figures: nox -s figures")
 
 

@@ -21,10 +21,13 @@ import statistics
 import subprocess
 import sys
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
-from measure.results import ResultFile, provenance
+from measure.results import ResultFile, Results, Run
+
+from ..experiment import add_run_arguments, experiment_run
+from . import EXPERIMENT
 
 
 @dataclass(frozen=True)
@@ -126,16 +129,20 @@ def engine_point(setup: EngineSetup, name: str, fit: dict, work: Path) -> dict:
     }
 
 
-def run_engine(setup: EngineSetup, results: Path, force: bool) -> ResultFile:
+def engine_key(setup: EngineSetup, name: str) -> dict:
+    fields = ("model", "gpu", "processes", "global_batch", "micro_batch", "steps")
+    return {"setup": setup.name, "plan": name, **{f: getattr(setup, f) for f in fields},
+            "plan_fields": setup.plans[name]}  # fmt: skip
+
+
+def run_engine(run: Run, setup: EngineSetup) -> ResultFile:
     import torch
 
     from mist.costs import calibrate
     from mist.profile import write_collectives, write_profiles
 
-    store = ResultFile(
-        results / f"{setup.name}.json", provenance({"part": "engine", **asdict(setup)}, setup.device), force
-    )
-    todo = [n for n in setup.plans if not store.done(n)]
+    store = run.file(f"{setup.name}.json", setup.device, config={"profile": setup.profile})
+    todo = [n for n in setup.plans if not store.done(engine_key(setup, n))]
     if todo:
         with tempfile.TemporaryDirectory() as tmp:
             profiles, prof = Path(tmp) / "profiles", setup.profile
@@ -146,8 +153,23 @@ def run_engine(setup: EngineSetup, results: Path, force: bool) -> ResultFile:
                 write_collectives(profiles, setup.processes, setup.device)
             fit = next(iter(calibrate(profiles).values()))
             for name in todo:
-                store.add(name, engine_point(setup, name, fit, Path(tmp)))
+                store.compute(engine_key(setup, name), lambda n=name: engine_point(setup, n, fit, Path(tmp)))
     return store
+
+
+def print_engine(store: Results) -> None:
+    for p in store:
+        r = p.result
+        worst = max(r["ranks"], key=lambda x: abs(x["memory_error"]))
+        measured, predicted = r["measured_step_s"] * 1e3, r["predicted_step_s"] * 1e3
+        print(f"  {p.key['plan']}: loss {r['losses'][0]:.2f} -> {r['losses'][-1]:.2f}; memory error worst "
+              f"rank {worst['memory_error']:+.1%}; step {measured:.1f} ms measured, {predicted:.1f} ms "
+              f"predicted ({r['time_error']:+.0%})")  # fmt: skip
+        ph, st = r["measured_phases_s"], max(r["predicted_stages"], key=lambda x: x["steady_s"])
+        print(f"    measured: pipeline {ph['pipeline_s'] * 1e3:.1f} ms, gradient sync "
+              f"{ph['grad_sync_s'] * 1e3:.1f} ms, optimizer {ph['optimizer_s'] * 1e3:.1f} ms; predicted: "
+              f"{r['micro_batches']} x {st['steady_s'] * 1e3:.1f} ms a micro-batch, "
+              f"{st['extra_s'] * 1e3:.1f} ms sync + optimizer")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -155,22 +177,13 @@ def main(argv: list[str] | None = None) -> None:
     import argparse
 
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--results", type=Path, default=Path(__file__).parent / "results")
     ap.add_argument("--cpu-dry-run", action="store_true", help="the CPU setup instead (tests this script)")
-    ap.add_argument("--force", action="store_true")
+    add_run_arguments(ap, EXPERIMENT)
     args = ap.parse_args(argv)
     setup = CPU_ENGINE if args.cpu_dry_run else GPU_ENGINE
-    store = run_engine(setup, args.results, args.force)
-    for name, r in store.points.items():
-        worst = max(r["ranks"], key=lambda x: abs(x["memory_error"]))
-        measured, predicted = r["measured_step_s"] * 1e3, r["predicted_step_s"] * 1e3
-        print(f"{name}: memory {worst['memory_error']:+.1%}, step {measured:.1f} ms measured, "
-              f"{predicted:.1f} ms predicted ({r['time_error']:+.0%})")  # fmt: skip
-        ph, st = r["measured_phases_s"], max(r["predicted_stages"], key=lambda x: x["steady_s"])
-        print(f"  measured: pipeline {ph['pipeline_s'] * 1e3:.1f} ms, gradient sync "
-              f"{ph['grad_sync_s'] * 1e3:.1f} ms, optimizer {ph['optimizer_s'] * 1e3:.1f} ms; predicted: "
-              f"{r['micro_batches']} x {st['steady_s'] * 1e3:.1f} ms a micro-batch, "
-              f"{st['extra_s'] * 1e3:.1f} ms sync + optimizer")  # fmt: skip
+    with experiment_run(args, EXPERIMENT) as run:
+        store = run_engine(run, setup)
+    print_engine(store.this_run())
 
 
 if __name__ == "__main__":

@@ -1,15 +1,19 @@
 """Mist's main comparison: the best plan of Mist, Megatron-LM (grid), an Aceso-style search
 and ZeRO-3 for GPT-3, Llama and Falcon at 1.3B-22B on 2-32 GPUs, all priced by one model.
 
-    python -m artifacts.mist_vs_megatron.run [--scale cpu|paper] [--force] [--jobs N]
+    python -m artifacts.mist_vs_megatron.run [--parts ...] [--scale cpu|paper] [--jobs N]
+                                             [--fresh] [--update-reference]
 
-Parts (resumable; results in artifacts/mist_vs_megatron/results/):
+Parts (results in artifacts/mist_vs_megatron/results/, git-ignored; the committed reference is in
+reference/; an interrupted run resumes when rerun):
+* calibration: the runtime model's held-out per-layer error on the Mist artifact's per-op
+  profiles (data/mist-artifact), and the interference model's on its overlap benchmarks.
 * comparison: per case (cluster, model, FlashAttention) each system's plan, predicted
   iteration time, memory per stage and tuning time; Mist's plan also as Megatron-LM arguments
   with what Megatron-LM cannot express.
 * ablation (GPT-3): from the Megatron-LM grid, Mist's search with checkpoint tuning only, then
   + offloading (and ZeRO), then + imbalance awareness (the full planner).
-* engine: plans (TP=2, PP=2, DP=2) trained by megatron-core on 2 gloo processes; measured
+* engine: plans (TP=2, PP=2, DP=2, ZeRO-1/2/3) trained by megatron-core on 2 gloo processes; measured
   per-rank memory and step time against the prediction (time from a runtime model fitted to
   `mist profile` of this CPU).
 FlashAttention on and off; --scale paper gives the Aceso-style search a longer budget.
@@ -20,15 +24,16 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-from pathlib import Path
 
 from measure.parallel import map_points
-from measure.results import ResultFile, provenance
+from measure.results import Results, Run
 from mist.schedule import STRATEGY_FIELDS
 
-from .engine import CPU_ENGINE, run_engine
+from ..experiment import add_run_arguments, experiment_run
+from . import EXPERIMENT
+from .engine import CPU_ENGINE, print_engine, run_engine
 
-RESULTS = Path(__file__).parent / "results"
+PARTS = ("calibration", "comparison", "ablation", "engine")
 SIZES = [("1.3b", 2, 32), ("2.7b", 4, 64), ("7b", 8, 128), ("13b", 16, 256), ("22b", 32, 512)]  # GPUs, batch
 CLUSTERS = {"l4": 2048, "a100-40gb": 4096}  # GPU -> sequence length (the paper's settings)
 ARCHS = ("gpt3", "llama", "falcon")
@@ -114,81 +119,135 @@ def ablation_point(gpu: str, arch: str, size: str) -> dict:
     return out
 
 
-def speedups(store: ResultFile, versus: str) -> dict[str, list[float]]:
-    """Per GPU: Mist's speedup over ``versus`` on every case both could plan."""
-    out: dict[str, list[float]] = {}
-    for key, r in store.points.items():
-        a, b = r.get("mist", {}), r.get(versus, {})
-        if "iteration_s" in a and "iteration_s" in b:
-            out.setdefault(key.split("/")[0], []).append(b["iteration_s"] / a["iteration_s"])
-    return out
+def comparison_key(gpu: str, arch: str, size: str, flash: bool, aceso_budget: float) -> dict:
+    gpus, batch = next((g, b) for s, g, b in SIZES if s == size)
+    return {
+        "gpu": gpu,
+        "model": f"{arch}-{size}",
+        "flash": flash,
+        "gpus": gpus,
+        "global_batch": batch,
+        "seq": CLUSTERS[gpu],
+        "aceso_budget_s": aceso_budget,
+        "cost_model": "shipped presets",
+    }
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--scale", choices=["cpu", "paper"], default="cpu")
-    ap.add_argument("--force", action="store_true")
-    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
-    ap.add_argument("--results", type=Path, default=RESULTS)
-    args = ap.parse_args(argv)
-    budget = ACESO_BUDGET_S[args.scale]
-    cmp_store = ResultFile(
-        args.results / "comparison.json",
-        provenance(
-            {
-                "part": "comparison",
-                "scale": args.scale,
-                "sizes": SIZES,
-                "clusters": CLUSTERS,
-                "archs": ARCHS,
-                "flash": FLASH[args.scale],
-                "aceso_budget_s": budget,
-                "cost_model": "mist (shipped presets)",
-            }
-        ),
-        args.force,
-    )
+def ablation_key(gpu: str, arch: str, size: str) -> dict:
+    return {k: v for k, v in comparison_key(gpu, arch, size, True, 0.0).items() if k != "aceso_budget_s"}
+
+
+def run_comparison(run: Run, flash: tuple[bool, ...], budget: float, jobs: int) -> Results:
+    store = run.file("comparison.json", config={"systems": SYSTEMS})
     todo = [
-        (gpu, arch, size, flash, budget)
-        for gpu in CLUSTERS for arch in ARCHS for size, _, _ in SIZES for flash in FLASH[args.scale]
-        if not cmp_store.done(f"{gpu}/{arch}-{size}/{'flash' if flash else 'noflash'}")
+        (gpu, arch, size, f, budget)
+        for gpu in CLUSTERS for arch in ARCHS for size, _, _ in SIZES for f in flash
+        if not store.done(comparison_key(gpu, arch, size, f, budget))
     ]  # fmt: skip
-    for (gpu, arch, size, flash, _), result in map_points(comparison_point, todo, args.jobs, "cases"):
-        cmp_store.add(f"{gpu}/{arch}-{size}/{'flash' if flash else 'noflash'}", result)
-    abl_store = ResultFile(
-        args.results / "ablation.json",
-        provenance(
-            {"part": "ablation", "sizes": SIZES, "clusters": CLUSTERS, "arch": "gpt3", "variants": ABLATION}
-        ),
-        args.force,
-    )
+    for args, result, seconds in map_points(comparison_point, todo, jobs, "cases"):
+        store.add(comparison_key(*args), result, seconds)
+    return store.this_run()
+
+
+def run_ablation(run: Run, jobs: int) -> Results:
+    store = run.file("ablation.json", config={"arch": "gpt3", "variants": ABLATION})
     todo = [
         (gpu, "gpt3", size)
         for gpu in CLUSTERS
         for size, _, _ in SIZES
-        if not abl_store.done(f"{gpu}/gpt3-{size}")
+        if not store.done(ablation_key(gpu, "gpt3", size))
     ]
-    for (gpu, arch, size), result in map_points(ablation_point, todo, args.jobs, "ablation"):
-        abl_store.add(f"{gpu}/{arch}-{size}", result)
+    for args, result, seconds in map_points(ablation_point, todo, jobs, "ablation"):
+        store.add(ablation_key(*args), result, seconds)
+    return store.this_run()
 
-    engine = run_engine(CPU_ENGINE, args.results, args.force)
-    print("\nPlans trained by megatron-core (2 gloo processes), measured vs predicted:")
-    for name, r in engine.points.items():
-        worst = max(r["ranks"], key=lambda x: abs(x["memory_error"]))
+
+def calibration_point(profiles: str) -> dict:
+    from mist.costs import calibrate
+    from mist.profiles import ARTIFACT_DATA
+
+    r = calibrate(ARTIFACT_DATA / "gpu-op-profiles" / profiles)[profiles]
+    keep = ("gpu", "held_out_cases", "mean_abs_error", "median_abs_error", "max_abs_error")
+    return {k: r[k] for k in keep}
+
+
+def interference_point(benchmarks: str) -> dict:
+    from mist.interference import fit_interference
+    from mist.profiles import ARTIFACT_DATA
+
+    _, report = fit_interference(ARTIFACT_DATA / "gpu-bandwidth" / benchmarks)
+    return report
+
+
+def run_calibration(run: Run) -> Results:
+    from mist.profiles import ARTIFACT_DATA
+
+    store = run.file("calibration.json", config={"data": "data/mist-artifact"})
+    for d in sorted(p.name for p in (ARTIFACT_DATA / "gpu-op-profiles").iterdir() if p.is_dir()):
+        r = store.compute({"model": "runtime", "profiles": d}, lambda d=d: calibration_point(d))
         print(
-            f"  {name}: loss {r['losses'][0]:.2f} -> {r['losses'][-1]:.2f}; memory error worst rank "
-            f"{worst['memory_error']:+.1%}; step {r['measured_step_s'] * 1e3:.1f} ms measured, "
-            f"{r['predicted_step_s'] * 1e3:.1f} ms predicted ({r['time_error']:+.0%})"
+            f"  runtime model, {d}: held-out per-layer error mean {r['mean_abs_error']:.1%}, median "
+            f"{r['median_abs_error']:.1%}, max {r['max_abs_error']:.1%} ({r['held_out_cases']} cases)"
         )
-    print("\nMist's speedup (predicted iteration time, same cost model for every system):")
-    for versus, paper in (("megatron", "1.28x mean, up to 1.73x"), ("aceso", "1.27x mean, up to 2.04x")):
-        for gpu, values in speedups(cmp_store, versus).items():
-            print(
-                f"  over {versus:<9} on {gpu:<10}: mean {statistics.geometric_mean(values):.2f}x, "
-                f"max {max(values):.2f}x, min {min(values):.2f}x over {len(values)} cases (paper: {paper})"
-            )
-    times = [r["mist"]["tuning_s"] for r in cmp_store.points.values() if "tuning_s" in r.get("mist", {})]
-    print(f"  Mist tuning time: median {statistics.median(times):.1f} s, max {max(times):.1f} s")
+    for f in sorted(p.name for p in (ARTIFACT_DATA / "gpu-bandwidth").glob("*.json")):
+        r = store.compute({"model": "interference", "benchmarks": f}, lambda f=f: interference_point(f))
+        before, after = r["no_interference_mean_abs_error"], r["held_out_mean_abs_error"]
+        print(f"  interference, {f}: held-out error {before:.1%} without the model, {after:.1%} with it")
+    return store.this_run()
+
+
+def speedups(store: Results, versus: str) -> dict[str, list[float]]:
+    """Per GPU: Mist's speedup over ``versus`` on every case both could plan."""
+    out: dict[str, list[float]] = {}
+    for p in store:
+        a, b = p.result.get("mist", {}), p.result.get(versus, {})
+        if "iteration_s" in a and "iteration_s" in b:
+            out.setdefault(p.key["gpu"], []).append(b["iteration_s"] / a["iteration_s"])
+    return out
+
+
+def _jobs(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"--jobs takes a positive integer, got {text!r}")
+    return int(text)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--parts", nargs="+", default=list(PARTS), choices=PARTS)
+    ap.add_argument("--scale", choices=["cpu", "paper"], default="cpu")
+    ap.add_argument("--jobs", type=_jobs, default=os.cpu_count() or 1)
+    add_run_arguments(ap, EXPERIMENT)
+    args = ap.parse_args(argv)
+    budget = ACESO_BUDGET_S[args.scale]
+    cmp = abl = engine = None
+    with experiment_run(args, EXPERIMENT) as run:
+        if "calibration" in args.parts:
+            print("Runtime and interference models, held out:")
+            run_calibration(run)
+        if "comparison" in args.parts:
+            cmp = run_comparison(run, FLASH[args.scale], budget, args.jobs)
+        if "ablation" in args.parts:
+            abl = run_ablation(run, args.jobs)
+        if "engine" in args.parts:
+            engine = run_engine(run, CPU_ENGINE).this_run()
+    if engine is not None:
+        print("\nPlans trained by megatron-core (2 gloo processes), measured vs predicted:")
+        print_engine(engine)
+    if cmp is not None:
+        print("\nMist's speedup (predicted iteration time, same cost model for every system):")
+        for versus, paper in (("megatron", "1.28x mean, up to 1.73x"), ("aceso", "1.27x mean, up to 2.04x")):
+            for gpu, values in speedups(cmp, versus).items():
+                mean = statistics.geometric_mean(values)
+                print(
+                    f"  over {versus:<9} on {gpu:<10}: mean {mean:.2f}x, max {max(values):.2f}x, "
+                    f"min {min(values):.2f}x over {len(values)} cases (paper: {paper})"
+                )
+        times = [p.result["mist"]["tuning_s"] for p in cmp if "tuning_s" in p.result.get("mist", {})]
+        if times:
+            print(f"  Mist tuning time: median {statistics.median(times):.1f} s, max {max(times):.1f} s")
+    if abl is not None:
+        print(f"\nablation: {len(abl)} GPT-3 cases")
     print(f"\nresults in {args.results}; figures: nox -s figures")
 
 

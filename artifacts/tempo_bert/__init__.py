@@ -1,0 +1,5 @@
+"""tempo_bert experiment (driver: run.py)."""
+
+from ..experiment import Experiment
+
+EXPERIMENT = Experiment("tempo_bert")

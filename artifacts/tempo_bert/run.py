@@ -1,18 +1,22 @@
 """Tempo's evaluation: activation memory, maximum batch size and same-training runs of BERT-Large,
 RoBERTa-large and GPT-2, every configuration side by side.
 
-    python -m artifacts.tempo_bert.run [--parts activation maxbatch training] [--scale cpu|paper] [--force]
+    python -m artifacts.tempo_bert.run [--parts activation maxbatch training throughput]
+                                       [--scale cpu|paper] [--fresh] [--update-reference]
 
-Parts (each resumable; results in artifacts/tempo_bert/results/):
+Parts (results in artifacts/tempo_bert/results/, git-ignored; the committed reference is in
+artifacts/tempo_bert/reference/; an interrupted run resumes when rerun):
 * activation: bytes kept for backward, exact (measure.saved), per layer inside the model and per
   model, at batch 1 in bf16, with dropout and SDPA kept as their CUDA kernels keep them
   (measure.saved.cuda_like). The closed form a*sbh + b*as^2b of each configuration is solved
   from two sequence lengths and verified at a third.
 * maxbatch: the largest batch that fits 11/16/40/80/141 GB GPUs, from the fake-tensor estimate
   of a whole AdamW step (measure.memory; CUDA target, documented reserve).
+  Also the ``python -m tempo.maxbatch`` example (BERT-Large QA head, seq 384, fp32).
 * training: a small BERT (MLM + NSP) and a small GPT-2 (LM) trained from one seed on an offline
-  corpus (artifacts/tempo_bert/data.py) with and without Tempo, dropout off and on.
-The throughput part is tracked in issue #3 (not yet implemented).
+  corpus (artifacts/tempo_bert/data.py) with and without Tempo, dropout off (and a float64
+  control) and on (three dropout seeds each, against the baseline's own seed-to-seed band).
+* throughput: sequences/s against batch size up to each configuration's maximum batch.
 """
 
 from __future__ import annotations
@@ -21,7 +25,6 @@ import argparse
 import itertools
 import os
 from dataclasses import replace
-from pathlib import Path
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -30,15 +33,17 @@ from transformers.utils import logging as hf_logging
 
 from measure.memory import GiB, GpuBudget, PeakReport, default_dtype, search_max_batch
 from measure.parallel import map_points
-from measure.results import ResultFile, provenance
+from measure.results import ResultFile, Results, Run
 from measure.saved import cuda_like, saved_bytes
 from tempo.maxbatch import estimator
 from tempo.models import MODELS, build_model, make_batch
 
+from ..experiment import add_run_arguments, experiment_run
+from . import EXPERIMENT
 from .data import CORPORA
+from .summary import TRAIN, TRAIN_LR, TRAIN_RUNS, train_key, training_summary
 from .throughput import ThroughputSetup, headline, run_throughput
 
-RESULTS = Path(__file__).parent / "results"
 GPUS = {
     "2080Ti-11GB": "11GB",
     "V100-16GB": "16GB",
@@ -85,6 +90,8 @@ THROUGHPUT = {
     ),
 }
 PRECISIONS = {"cpu": ["fp16"], "paper": ["fp16", "fp32", "amp-fp16"]}
+# The README's `python -m tempo.maxbatch` example: (model, head, seq, precision), HF eager and Tempo.
+MAXBATCH_EXAMPLE = ("bert-large", "qa", 384, "fp32")
 
 
 # ---------------------------------------------------------------- activation memory
@@ -129,23 +136,25 @@ def activation_point(model: str, configuration: str, seq: int) -> dict:
     }
 
 
-def run_activation(cases, configs, results: Path, force: bool) -> ResultFile:
-    store = ResultFile(
-        results / "activation_memory.json",
-        provenance({"part": "activation", "cases": cases, "configs": configs, "batch": 1, "dtype": "bf16"}),
-        force,
-    )
+def activation_key(model: str, seq: int, configuration: str) -> dict:
+    return {"model": model, "seq": seq, "configuration": configuration, "batch": 1, "dtype": "bf16"}
+
+
+def run_activation(run: Run, cases, configs) -> ResultFile:
+    store = run.file("activation_memory.json", config={"dropout": "as on CUDA (bool mask)"})
     todo = list(itertools.product(cases, configs))
     for (model, seq), conf in tqdm(todo, desc="activation memory", unit="point"):
-        store.compute(f"{model}/s{seq}/{conf}", lambda m=model, s=seq, c=conf: activation_point(m, c, s))
+        store.compute(
+            activation_key(model, seq, conf), lambda m=model, s=seq, c=conf: activation_point(m, c, s)
+        )
     return store
 
 
 # ---------------------------------------------------------------- maximum batch
 
 
-def maxbatch_point(model: str, seq: int, precision: str, configuration: str) -> dict:
-    est = estimator(model, "pretraining", seq, precision, configuration)
+def maxbatch_point(model: str, head: str, seq: int, precision: str, configuration: str) -> dict:
+    est = estimator(model, head, seq, precision, configuration)
     memo: dict[int, PeakReport] = {}
 
     def peak(b: int) -> PeakReport:
@@ -166,63 +175,31 @@ def maxbatch_point(model: str, seq: int, precision: str, configuration: str) -> 
     return out
 
 
-def run_maxbatch(cases, configs, precisions, results: Path, force: bool, jobs: int, scale: str) -> ResultFile:
-    store = ResultFile(
-        results / "max_batch.json",
-        provenance(
-            {
-                "part": "maxbatch",
-                "scale": scale,
-                "cases": cases,
-                "configs": configs,
-                "precisions": precisions,
-                "gpus": GPUS,
-                "reserve": "0.75 GiB context + 5% fragmentation",
-                "optimizer": "AdamW",
-            }
-        ),
-        force,
-    )
-    todo = [(m, s, p, c) for (m, s), p, c in itertools.product(cases, precisions, configs)]
+MAXBATCH_FIELDS = ("model", "head", "seq", "precision", "configuration")
+
+
+def maxbatch_key(model: str, head: str, seq: int, precision: str, configuration: str) -> dict:
+    fields = dict(zip(MAXBATCH_FIELDS, (model, head, seq, precision, configuration), strict=True))
+    return {**fields, "optimizer": "AdamW", "reserve": "0.75 GiB + 5%"}
+
+
+def run_maxbatch(run: Run, cases, configs, precisions, jobs: int, scale: str) -> ResultFile:
+    store = run.file("max_batch.json", config={"gpus": GPUS, "target": "cuda (fake tensors)"})
+    todo = [(m, "pretraining", s, p, c) for (m, s), p, c in itertools.product(cases, precisions, configs)]
     if scale == "cpu":  # reduced: checkpointing and the ablations on the headline case only
         todo = [
             t
             for t in todo
-            if t[3] in MAIN_CONFIGS[:4] or ((t[0], t[1]) == ABLATION_CASE and t[3] in MAIN_CONFIGS)
+            if t[4] in MAIN_CONFIGS[:4] or ((t[0], t[2]) == ABLATION_CASE and t[4] in MAIN_CONFIGS)
         ]
-    todo = [t for t in todo if not store.done("{}/s{}/{}/{}".format(*t))]
-    for args, result in map_points(maxbatch_point, todo, jobs, "max batch"):
-        store.add("{}/s{}/{}/{}".format(*args), result)  # each finished point is on disk at once
+    todo += [(*MAXBATCH_EXAMPLE, c) for c in ("hf-eager", "tempo")]
+    todo = [t for t in todo if not store.done(maxbatch_key(*t))]
+    for args, result, seconds in map_points(maxbatch_point, todo, jobs, "max batch"):
+        store.add(maxbatch_key(*args), result, seconds)  # each finished point is on disk at once
     return store
 
 
 # ---------------------------------------------------------------- same training
-
-
-TRAIN = {  # model -> (steps, batch, seq)
-    "bert-mini": (150, 8, 64),
-    "gpt2-mini": (150, 8, 64),
-}
-# (model, configuration, dropout, dropout seed, dtype): dropout off must give the same losses;
-# with dropout on, Tempo draws other masks, so compare its distance from the baseline with the
-# distance between two baseline runs that differ only in their dropout seed. The float64 pair
-# is the control for the fp32 drift: if the fp32 runs part through rounding alone, the same
-# runs in float64 must agree ~1e9 times more closely.
-TRAIN_RUNS = [
-    ("bert-mini", "hf-eager", 0.0, 1, "fp32"),
-    ("bert-mini", "tempo", 0.0, 1, "fp32"),
-    ("bert-mini", "hf-eager", 0.1, 1, "fp32"),
-    ("bert-mini", "hf-eager", 0.1, 2, "fp32"),
-    ("bert-mini", "tempo", 0.1, 1, "fp32"),
-    ("gpt2-mini", "hf-eager", 0.0, 1, "fp32"),
-    ("gpt2-mini", "tempo", 0.0, 1, "fp32"),
-    ("gpt2-mini", "hf-eager", 0.0, 1, "fp64"),
-    ("gpt2-mini", "tempo", 0.0, 1, "fp64"),
-]
-
-
-def train_key(model: str, configuration: str, dropout: float, seed: int, dtype: str) -> str:
-    return f"{model}/{configuration}/p{dropout}/seed{seed}" + ("" if dtype == "fp32" else f"/{dtype}")
 
 
 def training_run(
@@ -240,117 +217,80 @@ def training_run(
     if dtype == "fp64":
         m = m.double()  # AdamW follows the parameters' dtype
     precision = Precision("fp32")
-    opt = make_optimizer(m, precision, lr=1e-3)
+    opt = make_optimizer(m, precision, lr=TRAIN_LR)
     torch.manual_seed(dropout_seed)  # only dropout draws from here on
     losses = [train_step(m, b, opt, precision).item() for b in batches]
-    return {"losses": losses, "steps": steps, "batch": batch, "seq": seq}
+    return {"losses": losses}
 
 
-def run_training(results: Path, force: bool, corpus: str = "stdlib") -> ResultFile:
-    store = ResultFile(
-        results / "training.json",
-        provenance(
-            {
-                "part": "training",
-                "runs": TRAIN_RUNS,
-                "shapes": TRAIN,
-                "precision": "fp32",
-                "lr": 1e-3,
-                "corpus": corpus,
-            }
-        ),
-        force,
-    )
-    for run in tqdm(TRAIN_RUNS, desc="training runs", unit="run"):
-        store.compute(train_key(*run), lambda a=run: training_run(*a, corpus))
+def run_training(run: Run, corpus: str) -> ResultFile:
+    store = run.file("training.json", config={"precision": "fp32", "optimizer": "AdamW"})
+    for args in tqdm(TRAIN_RUNS, desc="training runs", unit="run"):
+        store.compute(train_key(*args, corpus), lambda a=args: training_run(*a, corpus))
     return store
-
-
-def training_summary(tr: ResultFile) -> dict:
-    def curve(key):
-        return torch.tensor(tr.points[key]["losses"])
-
-    out = {}
-    for model in TRAIN:
-        off = (curve(f"{model}/tempo/p0.0/seed1") - curve(f"{model}/hf-eager/p0.0/seed1")).abs()
-        out[f"{model} dropout off: max |loss difference|"] = off.max().item()
-        if f"{model}/tempo/p0.0/seed1/fp64" in tr.points:
-            off64 = (
-                curve(f"{model}/tempo/p0.0/seed1/fp64") - curve(f"{model}/hf-eager/p0.0/seed1/fp64")
-            ).abs()
-            out[f"{model} dropout off, float64 control: max |loss difference|"] = off64.max().item()
-    base, other, ours = (
-        curve(f"bert-mini/{c}/p0.1/seed{s}") for c, s in (("hf-eager", 1), ("hf-eager", 2), ("tempo", 1))
-    )
-    out["bert-mini dropout 0.1: mean |tempo - baseline|"] = (ours - base).abs().mean().item()
-    out["bert-mini dropout 0.1: mean |baseline seed 2 - baseline seed 1|"] = (
-        (other - base).abs().mean().item()
-    )
-    out["bert-mini dropout 0.1: last-50 mean loss baseline / tempo"] = (
-        base[-50:].mean().item(),
-        ours[-50:].mean().item(),
-    )
-    return out
 
 
 # ---------------------------------------------------------------- report
 
 
 def print_summary(
-    act: ResultFile | None, mb: ResultFile | None, tr: ResultFile | None, tp: ResultFile | None
+    act: Results | None, mb: Results | None, tr: Results | None, tp: Results | None, corpus: str
 ) -> None:
-    if tp is not None:
-        setup = tp.provenance["config"]
-        print(
-            f"\nThroughput at each configuration's own maximum batch ({setup['precision']}, budget "
-            f"{setup['gpu']}{' less the reserve' if setup['reserve'] else ''}; "
-            f"on {tp.provenance['device']['device']}):"
-        )
+    if tp is not None and len(tp):
+        print("\nThroughput at each configuration's own maximum batch:")
         print("\n".join(headline(tp)))
     if act is not None:
         print("\nActivation memory per layer (batch 1, bf16): bytes = a*sbh + b*as^2b")
-        for key, r in act.points.items():
-            model, seq, conf = key.split("/")
-            base = act.points.get(f"{model}/{seq}/hf-eager")
-            saving = "" if base is None else f"{1 - r['per_layer_bytes'] / base['per_layer_bytes']:+.1%}"
-            cf = {k: (0.0 if abs(v) < 5e-3 else v) for k, v in r["closed_form_bytes"].items()}
+        for p in act:
+            k, r = p.key, p.result
+            base = act.get(activation_key(k["model"], k["seq"], "hf-eager"))
+            saving = (
+                "" if base is None else f"{1 - r['per_layer_bytes'] / base.result['per_layer_bytes']:+.1%}"
+            )
+            cf = {name: (0.0 if abs(v) < 5e-3 else v) for name, v in r["closed_form_bytes"].items()}
             print(
-                f"  {model:<14} {seq:<5} {conf:<16} {r['per_layer_bytes'] / 2**20:9.2f} MiB  "
-                f"= {cf['sbh']:6.2f}sbh + {cf['as2b']:5.2f}as^2b  {saving:>7}"
+                f"  {k['model']:<14} {k['seq']:<5} {k['configuration']:<16} "
+                f"{r['per_layer_bytes'] / 2**20:9.2f} MiB  = {cf['sbh']:6.2f}sbh + {cf['as2b']:5.2f}as^2b  "
+                f"{saving:>7}"
             )
     if tr is not None:
         print("\nSame training (fp32, one seed for weights and data):")
-        for name, value in training_summary(tr).items():
-            print(f"  {name}: {value}")
+        for name, value in training_summary(tr, corpus).items():
+            print(f"  {name}: {value:.3g}")
     if mb is not None:
         print("\nMax batch per GPU (AdamW step; fp16 = half model + fp32 master weights)")
-        print(f"  {'case':<32} {'config':<16} " + " ".join(f"{g:>11}" for g in GPUS))
+        print(f"  {'case':<36} {'config':<16} " + " ".join(f"{g:>11}" for g in GPUS))
         order = MAIN_CONFIGS + ABLATION_CONFIGS
-        keys = sorted(mb.points, key=lambda k: (*k.split("/")[:3], order.index(k.split("/")[3])))
-        for key in keys:
-            r = mb.points[key]
-            model, seq, prec, conf = key.split("/")
+        for p in sorted(mb, key=lambda p: (*(str(p.key[f]) for f in MAXBATCH_FIELDS[:4]),
+                                            order.index(p.key["configuration"]))):  # fmt: skip
+            k = p.key
+            case = f"{k['model']} {k['head']} {k['seq']} {k['precision']}"
             print(
-                f"  {model + ' ' + seq + ' ' + prec:<32} {conf:<16} "
-                + " ".join(f"{r[g]['max_batch']:>11}" for g in GPUS)
+                f"  {case:<36} {k['configuration']:<16} "
+                + " ".join(f"{p.result[g]['max_batch']:>11}" for g in GPUS)
             )
-        base = mb.points.get("bert-large/s512/fp16/hf-eager")
-        ours = mb.points.get("bert-large/s512/fp16/tempo")
-        if base and ours and base["V100-16GB"]["max_batch"]:
-            ratio = ours["V100-16GB"]["max_batch"] / base["V100-16GB"]["max_batch"]
-            ours_b, base_b = ours["V100-16GB"]["max_batch"], base["V100-16GB"]["max_batch"]
+        base = mb.get(maxbatch_key("bert-large", "pretraining", 512, "fp16", "hf-eager"))
+        ours = mb.get(maxbatch_key("bert-large", "pretraining", 512, "fp16", "tempo"))
+        if base and ours and base.result["V100-16GB"]["max_batch"]:
+            ours_b, base_b = ours.result["V100-16GB"]["max_batch"], base.result["V100-16GB"]["max_batch"]
             print(
-                f"\nBERT-Large seq 512, fp16 + fp32 Adam, 16 GB: Tempo fits {ratio:.2f}x the batch of "
-                f"HF eager ({ours_b} vs {base_b}; paper: up to 2x)"
+                f"\nBERT-Large seq 512, fp16 + fp32 Adam, 16 GB: Tempo fits {ours_b / base_b:.2f}x the batch "
+                f"of HF eager ({ours_b} vs {base_b}; paper: up to 2x)"
             )
 
 
 def _case(text: str) -> tuple[str, int]:
     model, _, seq = text.partition("/")
-    if model not in MODELS or not seq.isdigit():
+    if model not in MODELS or not seq.isdigit() or int(seq) < 1:
         models = ", ".join(MODELS)
         raise argparse.ArgumentTypeError(f"a case is MODEL/SEQ with MODEL one of {models}; got {text!r}")
     return model, int(seq)
+
+
+def _jobs(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"--jobs takes a positive integer, got {text!r}")
+    return int(text)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -359,10 +299,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--parts", nargs="+", default=parts, choices=parts)
     ap.add_argument("--scale", choices=["cpu", "paper"], default="cpu")
     ap.add_argument("--device", default="cpu", help="where the throughput part trains (cpu, cuda, cuda:1)")
-    ap.add_argument("--force", action="store_true", help="recompute points already in the result files")
-    ap.add_argument("--results", type=Path, default=RESULTS, help=f"result directory (default: {RESULTS})")
     ap.add_argument(
-        "--jobs", type=int, default=os.cpu_count() or 1, help="worker processes (default: all cores)"
+        "--jobs", type=_jobs, default=os.cpu_count() or 1, help="worker processes (default: all cores)"
     )
     ap.add_argument(
         "--corpus",
@@ -374,38 +312,39 @@ def main(argv: list[str] | None = None) -> None:
     every_config = MAIN_CONFIGS + ABLATION_CONFIGS
     ap.add_argument("--configs", nargs="+", choices=every_config, help="throughput: these only")
     ap.add_argument("--gpu-mem", help="throughput: the memory budget (default: 16GB at paper scale)")
+    add_run_arguments(ap, EXPERIMENT)
     args = ap.parse_args(argv)
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        ap.error(f"--device {args.device}: no CUDA device here (use --device cpu)")
     if not args.device.startswith(("cpu", "cuda")):
         ap.error(f"--device must be cpu or cuda[:N], got {args.device!r}")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        ap.error(f"--device {args.device}: no CUDA device here (use --device cpu)")
+    setup = THROUGHPUT[args.scale]
+    setup = replace(
+        setup,
+        cases=tuple(args.cases or setup.cases),
+        configs=tuple(args.configs or setup.configs),
+        gpu=args.gpu_mem or setup.gpu,
+    )
+    if "throughput" in args.parts:
+        try:
+            setup.budget  # noqa: B018 (validates --gpu-mem before any work)
+        except ValueError as e:
+            ap.error(f"--gpu-mem: {e}")
     hf_logging.set_verbosity_error()
     torch.manual_seed(0)
     cases = CASES[args.scale]
-    act = mb = tp = None
-    if "activation" in args.parts:
-        act = run_activation(cases, MAIN_CONFIGS + ABLATION_CONFIGS, args.results, args.force)
-    if "maxbatch" in args.parts:
-        mb = run_maxbatch(
-            cases,
-            MAIN_CONFIGS + ABLATION_CONFIGS,
-            PRECISIONS[args.scale],
-            args.results,
-            args.force,
-            args.jobs,
-            args.scale,
-        )
-    tr = run_training(args.results, args.force, args.corpus) if "training" in args.parts else None
-    if "throughput" in args.parts:
-        setup = THROUGHPUT[args.scale]
-        setup = replace(
-            setup,
-            cases=tuple(args.cases or setup.cases),
-            configs=tuple(args.configs or setup.configs),
-            gpu=args.gpu_mem or setup.gpu,
-        )
-        tp = run_throughput(setup, args.scale, args.device, args.results, args.force, args.jobs)
-    print_summary(act, mb, tr, tp)
+    act = mb = tr = tp = None
+    with experiment_run(args, EXPERIMENT) as run:
+        if "activation" in args.parts:
+            act = run_activation(run, cases, MAIN_CONFIGS + ABLATION_CONFIGS).this_run()
+        if "maxbatch" in args.parts:
+            configs, precisions = MAIN_CONFIGS + ABLATION_CONFIGS, PRECISIONS[args.scale]
+            mb = run_maxbatch(run, cases, configs, precisions, args.jobs, args.scale).this_run()
+        if "training" in args.parts:
+            tr = run_training(run, args.corpus).this_run()
+        if "throughput" in args.parts:
+            tp = run_throughput(run, setup, args.device, args.jobs).this_run()
+    print_summary(act, mb, tr, tp, args.corpus)
     print(f"\nresults in {args.results}; figures: nox -s figures")
 
 

@@ -14,8 +14,7 @@ whether the larger batch pays off there is reported as measured.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from dataclasses import dataclass
 
 import torch
 from tqdm import tqdm
@@ -23,7 +22,7 @@ from tqdm import tqdm
 from measure.memory import GiB, GpuBudget, default_dtype
 from measure.oom import device_fits, emulate_gpu_memory, largest_fitting
 from measure.parallel import map_points
-from measure.results import ResultFile, provenance
+from measure.results import ResultFile, Results, Run
 from measure.timing import time_fn
 from measure.training import Precision, make_optimizer, train_step
 from tempo.maxbatch import estimator
@@ -120,45 +119,55 @@ def throughput_point(
     return out
 
 
-def run_throughput(
-    setup: ThroughputSetup, scale: str, device: str, results_dir: Path, force: bool, jobs: int
-) -> ResultFile:
+def throughput_key(model: str, seq: int, configuration: str, setup: ThroughputSetup) -> dict:
+    """Everything that decides a point's result; the device is in its provenance (one file per type)."""
+    return {
+        "model": model,
+        "seq": seq,
+        "configuration": configuration,
+        "precision": setup.precision,
+        "gpu": setup.gpu,
+        "reserve": setup.reserve,
+        "warmup": setup.warmup,
+        "repeats": setup.repeats,
+    }
+
+
+def run_throughput(run: Run, setup: ThroughputSetup, device: str, jobs: int) -> ResultFile:
     """One result file per device type; each (model, seq, precision, configuration) is a point.
     The estimates (CPU-bound) run first in worker processes, then the device measurements."""
-    config = {k: v for k, v in asdict(setup).items() if k not in ("cases", "configs")}  # subsets resume
-    store = ResultFile(
-        results_dir / f"throughput_{torch.device(device).type}.json",
-        provenance({"part": "throughput", "scale": scale, **config}, device),
-        force,
-    )
-
-    def key(model: str, seq: int, conf: str) -> str:
-        return f"{model}/s{seq}/{setup.precision}/{conf}"
-
-    todo = [(m, s, c) for m, s in setup.cases for c in setup.configs if not store.done(key(m, s, c))]
-    estimates = dict(map_points(estimate_point, [(*t, setup) for t in todo], jobs, "max-batch estimates"))
+    store = run.file(f"throughput_{torch.device(device).type}.json", device)
+    todo = [(m, s, c) for m, s in setup.cases for c in setup.configs
+            if not store.done(throughput_key(m, s, c, setup))]  # fmt: skip
+    estimates = {args: r for args, r, _ in map_points(estimate_point, [(*t, setup) for t in todo], jobs,
+                                                      "max-batch estimates")}  # fmt: skip
     for model, seq, conf in tqdm(todo, desc=f"throughput on {device}", unit="config"):
         est = estimates[(model, seq, conf, setup)]
-        store.add(key(model, seq, conf), throughput_point(model, seq, conf, setup, device, est))
+        key = throughput_key(model, seq, conf, setup)
+        store.compute(key, lambda m=model, s=seq, c=conf, e=est: throughput_point(m, s, c, setup, device, e))
     return store
 
 
-def headline(store: ResultFile) -> list[str]:
+def headline(store: Results) -> list[str]:
     """Each configuration's throughput at its own maximum batch, against HF eager at its own."""
     lines = []
-    for key in sorted(store.points):
-        model, seq, prec, conf = key.split("/")
-        r = store.points[key]
-        base = store.points.get(f"{model}/{seq}/{prec}/hf-eager")
+    for p in store:
+        k, r = p.key, p.result
+        base = store.get({**k, "configuration": "hf-eager"})
         ratio = (
-            f"{r['seqs_per_s_at_max_batch'] / base['seqs_per_s_at_max_batch'] - 1:+.1%}"
-            if base and base["seqs_per_s_at_max_batch"]
+            f"{r['seqs_per_s_at_max_batch'] / base.result['seqs_per_s_at_max_batch'] - 1:+.1%}"
+            if base and base.result["seqs_per_s_at_max_batch"]
             else ""
         )
         measured = r.get("measured_max_batch")
+        budget = (
+            f"{k['gpu']}{' less the reserve' if k['reserve'] else ''} on {p.provenance['device']['device']}"
+        )
         lines.append(
-            f"  {model + ' ' + seq + ' ' + prec:<28} {conf:<16} est. max {r['estimated_max_batch']:>4}"
+            f"  {k['model'] + ' ' + str(k['seq']) + ' ' + k['precision']:<28} {k['configuration']:<16} "
+            f"est. max {r['estimated_max_batch']:>4}"
             + (f"  measured max {measured:>4}" if measured is not None else "")
             + f"  {r['seqs_per_s_at_max_batch']:9.2f} seq/s at batch {r['max_batch']:<4} {ratio:>7}"
+            + f"  ({budget})"
         )
     return lines

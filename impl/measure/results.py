@@ -1,55 +1,97 @@
-"""Result files for every experiment: provenance, atomic writes, resume.
+"""Result files for every experiment: per-point provenance, atomic writes, resumable runs.
 
-A result file is one JSON object ``{"provenance": {...}, "points": {key: result, ...}}``.
-Each finished point is written at once (temp file + fsync + rename, so an interrupted run never
-leaves a torn file); a rerun skips keys already present unless asked to recompute (``force``).
+Each experiment keeps two folders of result files in the same format:
+
+* ``results/``: what runs on this machine compute (git-ignored). A run computes every point it
+  is asked for from scratch; only a run that was interrupted is resumed, by the same command at
+  the same commit (``Run``).
+* ``reference/``: committed reference results, changed only deliberately (``update_reference``).
+
+A result file is one JSON object::
+
+    {"format": 2, "points": [{"key": {...}, "result": ..., "provenance": {...}}, ...]}
+
+A point's ``key`` is the full configuration that determines its result (model, sequence length,
+dtype, budget, ...), so a run with other options adds points beside the others and never drops
+any. Its ``provenance`` is its own: the run that computed it (commit, dirty flag, package
+versions, device, host, when, how long), so a resumed or later run never relabels a point.
+Each finished point is written at once (temp file + fsync + rename: never a torn file).
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
+import fcntl
 import json
 import os
 import platform
+import secrets
 import subprocess
 import tempfile
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 PACKAGES = ("torch", "triton", "transformers", "megatron-core", "numpy", "scipy", "sympy", "highspy")
 REPO_ROOT = Path(__file__).resolve().parents[2]
+FORMAT = 2
+RUN_MANIFEST = "run.json"
+
+Key = dict[str, Any]
+
+
+class ResultFileError(ValueError):
+    """A result file that cannot be read as one; the message names the file and what to do."""
+
+
+class RunLockedError(RuntimeError):
+    """Another run is writing to the same results folder."""
+
+
+# ---------------------------------------------------------------- provenance
 
 
 def git_state(root: Path = REPO_ROOT) -> dict[str, Any]:
     def git(*args: str) -> str:
         return subprocess.run(
-            ["git", *args], cwd=root, capture_output=True, text=True, check=True
+            ["git", *args], cwd=root, capture_output=True, text=True, check=True, timeout=30
         ).stdout.strip()
 
-    # Experiment outputs (result files, figures) do not make the code dirty: runs rewrite them.
-    outputs = (":(exclude)artifacts/*/results/*", ":(exclude)figures/*.png")
+    # Committed reference results and figures are outputs, not code: updating them does not make
+    # the code that computes the next point dirty.
+    outputs = (":(exclude)artifacts/*/reference/*", ":(exclude)figures/reference/*")
     try:
         return {
             "commit": git("rev-parse", "HEAD"),
             "dirty": bool(git("status", "--porcelain", "--untracked-files=no", "--", ".", *outputs)),
         }
-    except (OSError, subprocess.CalledProcessError):
+    except (OSError, subprocess.SubprocessError):
         return {"commit": None, "dirty": None}
 
 
-def device_description(device: str = "cpu") -> dict[str, Any]:
-    import torch
+def cpu_model() -> str:
+    """The processor's model name (results can depend on it: floating-point kernels differ)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
-    out: dict[str, Any] = {
-        "device": device,
-        "cpu": platform.processor() or platform.machine(),
-        "cpus": os.cpu_count(),
-    }
-    if device.startswith("cuda") and torch.cuda.is_available():
-        props = torch.cuda.get_device_properties(torch.device(device))
-        out.update(gpu=props.name, gpu_memory_bytes=props.total_memory, cuda=torch.version.cuda)
+
+def device_description(device: str = "cpu") -> dict[str, Any]:
+    out: dict[str, Any] = {"device": device, "cpu": cpu_model(), "cpus": os.cpu_count()}
+    if device.startswith("cuda"):
+        import torch  # only here: reading a result file must not load torch
+
+        if torch.cuda.is_available():
+            props = torch.cuda.get_device_properties(torch.device(device))
+            out.update(gpu=props.name, gpu_memory_bytes=props.total_memory, cuda=torch.version.cuda)
     return out
 
 
@@ -63,16 +105,21 @@ def package_versions() -> dict[str, str | None]:
     return versions
 
 
-def provenance(config: dict[str, Any], device: str = "cpu") -> dict[str, Any]:
-    """Everything needed to tell where a result came from."""
-    return {
-        "git": git_state(),
-        "packages": package_versions(),
-        "device": device_description(device),
-        "date_utc": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
-        "host": platform.node(),
-        "config": config,
-    }
+def _utc_now() -> str:
+    return _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
+
+
+def _canonical(obj: Any) -> Any:
+    """``obj`` as it reads back from JSON (tuples become lists), so configs compare as stored."""
+    return json.loads(json.dumps(obj, default=str))
+
+
+def key_id(key: Key) -> str:
+    """A point's identity: its key serialised canonically (never parsed back)."""
+    return json.dumps(_canonical(key), sort_keys=True)
+
+
+# ---------------------------------------------------------------- files
 
 
 def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
@@ -94,38 +141,253 @@ def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
         raise
 
 
-class ResultFile:
-    """Resumable set of result points with provenance, e.g.
+@dataclass(frozen=True)
+class Point:
+    key: Key
+    result: Any
+    provenance: dict[str, Any]
 
-    >>> store = ResultFile(path, provenance(config))
-    >>> for key in keys:
-    ...     store.compute(key, lambda: measure(key))   # skipped when already done
+
+class Results:
+    """The points of one result file, read-only: what figures, summaries and claims read."""
+
+    def __init__(self, path: str | os.PathLike, points: list[Point] | None = None) -> None:
+        self.path = Path(path)
+        self._points: dict[str, Point] = {key_id(p.key): p for p in points or []}
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> Results:
+        """Read ``path``; a missing file is an empty set, a broken one a clear error."""
+        path = Path(path)
+        if not path.exists():
+            return cls(path)
+        advice = (
+            "move it aside (or delete it) to start afresh; results/ holds only this machine's runs, "
+            "the committed reference is in reference/"
+        )
+        try:
+            data = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ResultFileError(f"{path}: not a readable result file ({e}); {advice}") from None
+        if (
+            not isinstance(data, dict)
+            or data.get("format") != FORMAT
+            or not isinstance(data.get("points"), list)
+        ):
+            raise ResultFileError(
+                f"{path}: not a result file of format {FORMAT} (a truncated file, or one from an older "
+                f"version of this repository); {advice}"
+            )
+        try:
+            points = [Point(p["key"], p["result"], p["provenance"]) for p in data["points"]]
+        except (KeyError, TypeError) as e:
+            raise ResultFileError(
+                f"{path}: a point lacks key, result or provenance ({e!r}); {advice}"
+            ) from None
+        return cls(path, points)
+
+    def __len__(self) -> int:
+        return len(self._points)
+
+    def __iter__(self) -> Iterator[Point]:
+        return iter(self._points.values())
+
+    def get(self, key: Key) -> Point | None:
+        return self._points.get(key_id(key))
+
+    def select(self, **fields: Any) -> list[Point]:
+        """Every point whose key has these values (in the order they were first added)."""
+        want = _canonical(fields)
+        return [p for p in self._points.values() if all(p.key.get(k) == v for k, v in want.items())]
+
+    def one(self, **fields: Any) -> Point | None:
+        """The point matching ``fields``, None if none; several matching is an error."""
+        found = self.select(**fields)
+        if len(found) > 1:
+            keys = ", ".join(key_id(p.key) for p in found[:3])
+            raise LookupError(f"{self.path}: {len(found)} points match {fields}: {keys} ...")
+        return found[0] if found else None
+
+    def _write(self) -> None:
+        points = [
+            {"key": p.key, "result": p.result, "provenance": p.provenance} for p in self._points.values()
+        ]
+        write_json_atomic(self.path, {"format": FORMAT, "points": points})
+
+
+# ---------------------------------------------------------------- runs
+
+
+class Run:
+    """One invocation of an experiment, writing into ``results_dir``.
+
+    ``config`` is the command's options. A run starts from scratch unless the previous run in
+    the folder was the same command at the same commit and did not finish: then it resumes it,
+    skipping the points it already computed. Points of earlier runs stay in the files (with
+    their own provenance) until this run recomputes them. One run writes a folder at a time.
     """
 
-    def __init__(self, path: str | os.PathLike, prov: dict[str, Any], force: bool = False) -> None:
-        self.path = Path(path)
-        self.points: dict[str, Any] = {}
-        # Compare configs as they are stored (tuples become lists in JSON).
-        prov = json.loads(json.dumps(prov, default=str))
-        if self.path.exists() and not force:
-            old = json.loads(self.path.read_text())
-            if old.get("provenance", {}).get("config") == prov.get("config"):
-                self.points = old.get("points", {})
-        self.provenance = prov
+    def __init__(self, results_dir: str | os.PathLike, config: dict[str, Any], fresh: bool = False) -> None:
+        self.dir = Path(results_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self._lock = open(self.dir / ".lock", "w")  # noqa: SIM115 (held for the run's lifetime)
+        try:
+            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._lock.close()
+            raise RunLockedError(
+                f"another run is writing to {self.dir}; wait for it to end or use another --results folder"
+            ) from None
+        try:
+            self._start(config, fresh)
+        except BaseException:
+            self.close()
+            raise
 
-    def done(self, key: str) -> bool:
-        return key in self.points
+    def _start(self, config: dict[str, Any], fresh: bool) -> None:
+        for existing in sorted(self.dir.glob("*.json")):  # a broken file stops the run before any work
+            if existing.name != RUN_MANIFEST:
+                Results.load(existing)
+        self.config = _canonical(config)
+        git = git_state()
+        manifest_path = self.dir / RUN_MANIFEST
+        previous = self._read_manifest(manifest_path)
+        self.resumed = (
+            not fresh
+            and previous is not None
+            and previous.get("finished_utc") is None
+            and previous.get("config") == self.config
+            and previous.get("git", {}).get("commit") == git["commit"]
+            and git["commit"] is not None
+        )
+        if self.resumed:
+            self.run_id, started = previous["run_id"], previous["started_utc"]
+        else:
+            self.run_id, started = f"{time.strftime('%Y%m%dT%H%M%S')}-{secrets.token_hex(3)}", _utc_now()
+        self.manifest = {
+            "run_id": self.run_id,
+            "config": self.config,
+            "git": git,
+            "started_utc": started,
+            "finished_utc": None,
+        }
+        write_json_atomic(manifest_path, self.manifest)
+        self._common = {
+            "run_id": self.run_id,
+            "git": git,
+            "packages": package_versions(),
+            "host": platform.node(),
+        }
+        self._devices: dict[str, dict[str, Any]] = {}
 
-    def add(self, key: str, result: Any) -> None:
-        self.points[key] = result
-        write_json_atomic(self.path, {"provenance": self.provenance, "points": self.points})
+    @staticmethod
+    def _read_manifest(path: Path) -> dict[str, Any] | None:
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+            return None  # no (readable) manifest: nothing to resume
+        return data if isinstance(data, dict) else None
 
-    def compute(self, key: str, fn: Callable[[], Any]) -> Any:
-        if key not in self.points:
-            self.add(key, fn())
-        return self.points[key]
+    def status_line(self) -> str:
+        if self.resumed:
+            return (
+                f"resuming run {self.run_id} (interrupted; started {self.manifest['started_utc']}) "
+                f"in {self.dir}; --fresh starts over"
+            )
+        return f"run {self.run_id}: computing into {self.dir}"
+
+    def provenance(self, device: str) -> dict[str, Any]:
+        if device not in self._devices:
+            self._devices[device] = device_description(device)
+        return {**self._common, "device": self._devices[device]}
+
+    def file(self, name: str, device: str = "cpu", config: dict[str, Any] | None = None) -> ResultFile:
+        """The result file ``name`` (e.g. "max_batch.json") in this run's folder."""
+        return ResultFile(self.dir / name, self, device, config)
+
+    def finish(self) -> None:
+        self.manifest["finished_utc"] = _utc_now()
+        write_json_atomic(self.dir / RUN_MANIFEST, self.manifest)
+        self.close()
+
+    def close(self) -> None:
+        if not self._lock.closed:
+            fcntl.flock(self._lock, fcntl.LOCK_UN)
+            self._lock.close()
 
 
-def load_results(path: str | os.PathLike) -> dict[str, Any]:
-    """A result file's content; figures are made only from these."""
-    return json.loads(Path(path).read_text())
+class ResultFile(Results):
+    """A result file written by a run, e.g.
+
+    >>> store = run.file("max_batch.json")
+    >>> for key in keys:
+    ...     store.compute(key, lambda: measure(key))   # skipped only if this run already did it
+    """
+
+    def __init__(
+        self, path: Path, run: Run, device: str = "cpu", config: dict[str, Any] | None = None
+    ) -> None:
+        super().__init__(path, list(Results.load(path)))
+        self.run = run
+        self.device = device
+        self.config = _canonical(config or {})  # the part's settings, stored with each point
+
+    def done(self, key: Key) -> bool:
+        """Computed by this run (a point of an earlier run is recomputed)."""
+        point = self.get(key)
+        return point is not None and point.provenance.get("run_id") == self.run.run_id
+
+    def add(self, key: Key, result: Any, seconds: float | None = None) -> None:
+        provenance = {
+            **self.run.provenance(self.device),
+            "finished_utc": _utc_now(),
+            "seconds": None if seconds is None else round(seconds, 3),
+            "config": self.config,
+        }
+        key = _canonical(key)
+        self._points[key_id(key)] = Point(key, _canonical(result), provenance)
+        self._write()
+
+    def compute(self, key: Key, fn: Callable[[], Any]) -> Any:
+        if not self.done(key):
+            t0 = time.perf_counter()
+            result = fn()
+            self.add(key, result, time.perf_counter() - t0)
+        return self.get(key).result
+
+    def this_run(self) -> Results:
+        """Only the points this run computed (what its summary prints)."""
+        return Results(self.path, [p for p in self if p.provenance.get("run_id") == self.run.run_id])
+
+
+@contextlib.contextmanager
+def open_run(results_dir: str | os.PathLike, config: dict[str, Any], fresh: bool = False) -> Iterator[Run]:
+    """A ``Run`` marked finished only if the body completes (an interrupted one can resume)."""
+    run = Run(results_dir, config, fresh)
+    print(run.status_line(), flush=True)
+    try:
+        yield run
+    except BaseException:
+        run.close()
+        raise
+    run.finish()
+
+
+def update_reference(
+    results_dir: str | os.PathLike, reference_dir: str | os.PathLike, run_id: str
+) -> list[Path]:
+    """Make run ``run_id``'s points the reference: each replaces the reference point with the same
+    key; reference points of other keys stay. Returns the reference files written."""
+    written = []
+    for path in sorted(Path(results_dir).glob("*.json")):
+        if path.name == RUN_MANIFEST:
+            continue
+        new = [p for p in Results.load(path) if p.provenance.get("run_id") == run_id]
+        if not new:
+            continue
+        ref = Results.load(Path(reference_dir) / path.name)
+        for p in new:
+            ref._points[key_id(p.key)] = p
+        ref._write()
+        written.append(ref.path)
+    return written

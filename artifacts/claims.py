@@ -1,0 +1,510 @@
+"""Every claim the README's claims table states, in one registry, checked against result files.
+
+    python -m artifacts.claims [EXPERIMENT ...]      paper | reference | this run | verdict
+    python -m artifacts.claims --markdown            the README's claims table (generated from here)
+
+Each claim names the paper's number, where our number comes from (an experiment's result file
+and how it is read off its points), a tolerance, the command that produces it and whether it
+needs a GPU. "Reference" is the committed ``artifacts/<experiment>/reference/`` result, "this run"
+the git-ignored ``artifacts/<experiment>/results/`` of this machine. A claim is within its
+tolerance, outside it, or not run (no result yet); timings are shown but never judged. The command
+exits non-zero if any claim that was run is outside its tolerance.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from measure.results import Results
+
+from .experiment import ARTIFACTS
+from .tempo_bert.summary import training_summary
+
+SOURCES = ("reference", "results")
+
+
+class Missing(LookupError):
+    """A point a claim reads is not in the result file (the claim was not run)."""
+
+
+# ---------------------------------------------------------------- checks
+
+
+@dataclass(frozen=True)
+class Near:
+    """This run within ``abs`` (+ ``rel`` x |reference|) of the reference."""
+
+    abs: float = 0.0
+    rel: float = 0.0
+
+    def ok(self, value: float, reference: float | None) -> bool | None:
+        if reference is None:
+            return None
+        return abs(value - reference) <= self.abs + self.rel * abs(reference)
+
+    def describe(self, unit: str) -> str:
+        if self.abs == 0 and self.rel == 0:
+            return "= reference"
+        step = f"{self.abs * 100:g} pt" if unit == "%" else _format(self.abs, unit, signed=False)
+        parts = [step] if self.abs else []
+        parts += [f"{self.rel:.0%} of it"] if self.rel else []
+        return "reference ± " + " + ".join(parts)
+
+
+@dataclass(frozen=True)
+class AtMost:
+    bound: float
+
+    def ok(self, value: float, reference: float | None) -> bool:
+        return value <= self.bound
+
+    def describe(self, unit: str) -> str:
+        return f"≤ {_format(self.bound, unit, signed=False)}"
+
+
+@dataclass(frozen=True)
+class AtLeast:
+    bound: float
+
+    def ok(self, value: float, reference: float | None) -> bool:
+        return value >= self.bound
+
+    def describe(self, unit: str) -> str:
+        return f"≥ {_format(self.bound, unit, signed=False)}"
+
+
+@dataclass(frozen=True)
+class Timing:
+    """A timing: shown next to the reference, never judged (timings are benchmarks, not tests)."""
+
+    def ok(self, value: float, reference: float | None) -> None:
+        return None
+
+    def describe(self, unit: str) -> str:
+        return "timing: not judged"
+
+
+Check = Near | AtMost | AtLeast | Timing
+
+
+def _format(value: float | None, unit: str, signed: bool = True) -> str:
+    if value is None:
+        return "-"
+    if unit == "%":
+        return f"{value:+.1%}" if signed else f"{value:.1%}"
+    if unit == "x":
+        return f"{value:.2f}×"
+    if unit == "e":
+        return f"{value:.1e}"
+    if unit == "int":
+        return f"{value:.0f}"
+    return f"{value:.3g}"
+
+
+# ---------------------------------------------------------------- claims
+
+
+@dataclass(frozen=True)
+class Claim:
+    id: str
+    system: str  # Tempo | Mist | CTA-pipelining
+    claim: str  # what the paper claims, briefly
+    paper: str  # the paper's number, as it states it
+    measure: str  # what our number is
+    experiment: str  # artifacts/<experiment>
+    file: str  # the result file our number is read from
+    value: Callable[[Results], float]  # raises Missing when a point it needs is absent
+    check: Check
+    command: str
+    gpu: bool = False
+    unit: str = ""
+
+    def read(self, source: str) -> float | None:
+        results = Results.load(ARTIFACTS / self.experiment / source / self.file)
+        try:
+            value = self.value(results)
+        except Missing:
+            return None
+        return None if value is None or (isinstance(value, float) and math.isnan(value)) else float(value)
+
+
+def _one(results: Results, **fields) -> dict:
+    point = results.one(**fields)
+    if point is None:
+        raise Missing(fields)
+    return point.result
+
+
+def _layer_saving(seq: int, variant: str) -> Callable[[Results], float]:
+    def value(r: Results) -> float:
+        ours = _one(r, seq=seq, variant=variant, dtype="bf16", batch=1)["bytes"]
+        return 1 - ours / _one(r, seq=seq, variant="hf-eager", dtype="bf16", batch=1)["bytes"]
+
+    return value
+
+
+def _gelu_error(dtype: str) -> Callable[[Results], float]:
+    def value(r: Results) -> float:
+        found = [p.result["relative_error"] for p in r.select(op="gelu_backward", dtype=dtype)]
+        if not found:
+            raise Missing(dtype)
+        return max(found)
+
+    return value
+
+
+def _per_layer_saving(model: str, seq: int, ours: str, base: str) -> Callable[[Results], float]:
+    def value(r: Results) -> float:
+        mine = _one(r, model=model, seq=seq, configuration=ours)["per_layer_bytes"]
+        return 1 - mine / _one(r, model=model, seq=seq, configuration=base)["per_layer_bytes"]
+
+    return value
+
+
+def _batch_ratio(model: str, seq: int, ours: str, base: str, gpu: str, head: str = "pretraining",
+                 precision: str = "fp16") -> Callable[[Results], float]:  # fmt: skip
+    def value(r: Results) -> float:
+        fields = {"model": model, "head": head, "seq": seq, "precision": precision}
+        mine = _one(r, **fields, configuration=ours)[gpu]["max_batch"]
+        theirs = _one(r, **fields, configuration=base)[gpu]["max_batch"]
+        return mine / theirs if theirs else math.inf
+
+    return value
+
+
+def _training(key: str) -> Callable[[Results], float]:
+    def value(r: Results) -> float:
+        summary = training_summary(r)
+        if key not in summary:
+            raise Missing(key)
+        return summary[key]
+
+    return value
+
+
+def _throughput_gain(model: str, seq: int) -> Callable[[Results], float]:
+    def value(r: Results) -> float:
+        found = {p.key["configuration"]: p.result for p in r.select(model=model, seq=seq)}
+        if "tempo" not in found or "hf-eager" not in found:
+            raise Missing(model)
+        return found["tempo"]["seqs_per_s_at_max_batch"] / found["hf-eager"]["seqs_per_s_at_max_batch"] - 1
+
+    return value
+
+
+def _calibration(r: Results) -> float:
+    found = [p.result["mean_abs_error"] for p in r.select(model="runtime")]
+    if not found:
+        raise Missing("runtime")
+    return max(found)
+
+
+def _interference(r: Results) -> float:
+    found = [p.result["held_out_mean_abs_error"] for p in r.select(model="interference")]
+    if not found:
+        raise Missing("interference")
+    return max(found)
+
+
+def _speedup(gpu: str, versus: str) -> Callable[[Results], float]:
+    def value(r: Results) -> float:
+        ratios = [
+            p.result[versus]["iteration_s"] / p.result["mist"]["iteration_s"]
+            for p in r.select(gpu=gpu)
+            if "iteration_s" in p.result.get("mist", {}) and "iteration_s" in p.result.get(versus, {})
+        ]
+        if not ratios:
+            raise Missing(gpu)
+        return statistics.geometric_mean(ratios)
+
+    return value
+
+
+def _tuning_time(r: Results) -> float:
+    return _one(r, gpu="a100-40gb", model="gpt3-22b", flash=True)["mist"]["tuning_s"]
+
+
+def _engine(field: str) -> Callable[[Results], float]:
+    def value(r: Results) -> float:
+        runs = [p.result for p in r.select(setup="engine")]
+        if not runs:
+            raise Missing("engine")
+        if field == "memory_error":
+            return max(abs(rank["memory_error"]) for x in runs for rank in x["ranks"])
+        return statistics.median(abs(x["time_error"]) for x in runs)
+
+    return value
+
+
+def _kernels(r: Results) -> float:
+    found = [p.result for p in r.select(check="mlp")]
+    if not found:
+        raise Missing("mlp")
+    return max(max(x["stages_rel_error"], x["ticket_rel_error"]) for x in found)
+
+
+def _negative_control(with_wait: bool) -> Callable[[Results], float]:
+    def value(r: Results) -> float:
+        x = _one(r, check="chain")
+        return x["with_wait" if with_wait else "negative_control_no_wait"]["max_abs_error"]
+
+    return value
+
+
+def _cta_reduction(hardware: str, versus: str) -> Callable[[Results], float]:
+    def value(r: Results) -> float:
+        found = [p.result[f"cta_vs_{versus}"] for p in r.select(hardware=hardware, gpus=2)]
+        if not found:
+            raise Missing(hardware)
+        return max(found)
+
+    return value
+
+
+def _cta_gpu(r: Results) -> float:
+    found = [p.result["summary"]["cta_vs_cublas_back_to_back"] for p in r.select(measure="mlp")]
+    if not found:
+        raise Missing("mlp")
+    return max(found)
+
+
+T, M, C = "Tempo", "Mist", "CTA-pipelining"
+LAYER = "nox -s tempo_layer"
+BERT = "nox -s tempo_bert"
+MIST = "nox -s mist_vs_megatron"
+CTA = "nox -s cta_mlp"
+GPU_CHECK = "nox -s gpu_check"
+EXACT = Near(abs=0.001)  # exact byte counts: only a change of code moves them
+
+CLAIMS: tuple[Claim, ...] = (
+    Claim("tempo-layer-512", T, "keeps less for backward: one BERT-Large layer",
+          "26sbh + 3as²b vs 34sbh + 5as²b",
+          "saved bytes, Tempo vs HF eager, seq 512 (bf16, batch 1, dropout 0.1)", "tempo_layer",
+          "layer_saved_bytes.json", _layer_saving(512, "tempo"), EXACT, LAYER, unit="%"),
+    Claim("tempo-layer-128", T, "...at seq 128", "-", "the same at seq 128", "tempo_layer",
+          "layer_saved_bytes.json", _layer_saving(128, "tempo"), EXACT, LAYER, unit="%"),
+    *(Claim(f"tempo-layer-{v}", T, f"...{name} alone", "-", f"the same, {name} technique alone, seq 512",
+            "tempo_layer", "layer_saved_bytes.json", _layer_saving(512, f"{v}-only"), EXACT, LAYER, unit="%")
+      for v, name in (("attention", "attention"), ("gelu", "GELU"), ("layernorm", "LayerNorm"),
+                      ("dropout", "dropout"))),
+    Claim("gelu-backward-fp32", T, "in-place GELU: backward from the output", "polynomial fit (approximate)",
+          "GELU backward vs autograd, relative error, fp32 (1M fresh inputs)", "tempo_layer",
+          "gelu_backward.json", _gelu_error("fp32"), AtMost(1e-5), LAYER, unit="e"),
+    Claim("gelu-backward-fp64", T, "...in float64", "-", "the same in float64", "tempo_layer",
+          "gelu_backward.json", _gelu_error("fp64"), AtMost(1e-10), LAYER, unit="e"),
+    Claim("tempo-in-model-bert", T, "per layer inside BERT-Large", "-",
+          "bytes kept per layer inside the model, Tempo vs HF eager, seq 512", "tempo_bert",
+          "activation_memory.json", _per_layer_saving("bert-large", 512, "tempo", "hf-eager"), EXACT, BERT,
+          unit="%"),
+    Claim("tempo-in-model-gpt2", T, "...inside GPT-2 XL", "-", "the same, GPT-2 XL, seq 1024", "tempo_bert",
+          "activation_memory.json", _per_layer_saving("gpt2-xl", 1024, "tempo", "hf-eager"), EXACT, BERT,
+          unit="%"),
+    Claim("tempo-sdpa-in-model-bert", T, "...composes with SDPA", "-",
+          "the same, Tempo + SDPA vs HF SDPA, BERT-Large seq 512", "tempo_bert", "activation_memory.json",
+          _per_layer_saving("bert-large", 512, "tempo+sdpa", "hf-sdpa"), EXACT, BERT, unit="%"),
+    Claim("maxbatch-bert", T, "larger batches fit", "up to 2×",
+          "max batch, Tempo / HF eager, BERT-Large seq 512, fp16 + fp32 AdamW, 16 GB (estimated)",
+          "tempo_bert", "max_batch.json", _batch_ratio("bert-large", 512, "tempo", "hf-eager", "V100-16GB"),
+          Near(), BERT, unit="x"),
+    Claim("maxbatch-roberta", T, "...RoBERTa-large", "up to 2×", "the same, RoBERTa-large seq 512",
+          "tempo_bert", "max_batch.json",
+          _batch_ratio("roberta-large", 512, "tempo", "hf-eager", "V100-16GB"),
+          Near(), BERT, unit="x"),
+    Claim("maxbatch-gpt2", T, "...GPT-2 XL", "up to 2×", "the same, GPT-2 XL seq 1024, 80 GB", "tempo_bert",
+          "max_batch.json", _batch_ratio("gpt2-xl", 1024, "tempo", "hf-eager", "A100-80GB"), Near(), BERT,
+          unit="x"),
+    Claim("maxbatch-sdpa", T, "...composes with SDPA", "-",
+          "max batch, Tempo + SDPA / HF SDPA, BERT-Large seq 512, 16 GB", "tempo_bert", "max_batch.json",
+          _batch_ratio("bert-large", 512, "tempo+sdpa", "hf-sdpa", "V100-16GB"), Near(), BERT, unit="x"),
+    Claim("maxbatch-cli-example", T, "...for any model and head", "-",
+          "`python -m tempo.maxbatch --model bert-large --head qa --seq 384 --precision fp32 "
+          "--gpu-mem 11GB`: "
+          "Tempo / HF eager", "tempo_bert", "max_batch.json",
+          _batch_ratio("bert-large", 384, "tempo", "hf-eager", "2080Ti-11GB", "qa", "fp32"), Near(), BERT,
+          unit="x"),
+    Claim("same-training-bert", T, "trains the same model", "same accuracy",
+          "BERT (MLM + NSP), dropout off, fp32, 150 steps: max |loss difference| vs HF", "tempo_bert",
+          "training.json", _training("bert-mini dropout off: max |loss difference|"), AtMost(1e-3), BERT,
+          unit="e"),
+    Claim("same-training-gpt2-fp64", T, "...exactly, up to rounding", "-",
+          "GPT-2 (LM), dropout off, float64: max |loss difference| vs HF", "tempo_bert", "training.json",
+          _training("gpt2-mini dropout off, float64 control: max |loss difference|"), AtMost(1e-5), BERT,
+          unit="e"),
+    Claim("same-training-dropout", T, "...with dropout on (other masks, same distribution)", "-",
+          "BERT, dropout 0.1, 3 seeds each: mean |loss difference| Tempo-to-baseline over the baseline's "
+          "seed-to-seed one", "tempo_bert", "training.json",
+          _training("bert-mini dropout 0.1: Tempo-to-baseline over baseline seed-to-seed (mean over pairs)"),
+          AtMost(1.5), BERT, unit="x"),
+    Claim("throughput-bert-gpu", T, "larger batch trains faster", "+16% (BERT-Large)",
+          "sequences/s at each one's measured max batch, Tempo vs HF eager, BERT-Large seq 512, 16 GB",
+          "tempo_bert", "throughput_cuda.json", _throughput_gain("bert-large", 512), Timing(), GPU_CHECK,
+          gpu=True, unit="%"),
+    Claim("throughput-gpt2-gpu", T, "...GPT-2", "+19%", "the same, GPT-2 medium seq 1024", "tempo_bert",
+          "throughput_cuda.json", _throughput_gain("gpt2-medium", 1024), Timing(), GPU_CHECK, gpu=True,
+          unit="%"),
+    Claim("throughput-roberta-gpu", T, "...RoBERTa", "+26%", "the same, RoBERTa-large seq 512", "tempo_bert",
+          "throughput_cuda.json", _throughput_gain("roberta-large", 512), Timing(), GPU_CHECK, gpu=True,
+          unit="%"),
+    Claim("throughput-cpu", T, "...on a CPU (no memory wall: not expected)", "-",
+          "the same on a CPU: 4-layer BERT (h 256, seq 256, fp32) under a stated 512 MiB budget",
+          "tempo_bert",
+          "throughput_cpu.json", _throughput_gain("bert-l4h256", 256), Timing(), BERT, unit="%"),
+    Claim("mist-runtime-model", M, "the runtime model predicts a layer closely", "-",
+          "per-layer time vs the profiled per-op sums, held-out model sizes: worst mean error over the "
+          "five GPU profile sets", "mist_vs_megatron", "calibration.json", _calibration, Near(abs=0.005),
+          MIST,
+          unit="%"),
+    Claim("mist-interference", M, "overlap interference is modelled", "-",
+          "overlapped GEMM/NCCL/copy runs held out: worst mean error (L4, A100)", "mist_vs_megatron",
+          "calibration.json", _interference, Near(abs=0.005), MIST, unit="%"),
+    Claim("mist-tuning-time", M, "tunes fast", "tens of s to >1,000 s",
+          "tuning time, GPT-3 22B on 32 A100-40GB, seq 4096, batch 512, 2 CPU cores (s)", "mist_vs_megatron",
+          "comparison.json", _tuning_time, Timing(), MIST),
+    Claim("mist-vs-megatron-l4", M, "beats Megatron-LM", "1.28× mean (up to 1.73×)",
+          "predicted speedup over the Megatron-LM grid, geometric mean, L4 cases", "mist_vs_megatron",
+          "comparison.json", _speedup("l4", "megatron"), Near(abs=0.01), MIST, unit="x"),
+    Claim("mist-vs-megatron-a100", M, "...", "1.28× mean (up to 1.73×)", "the same, A100 cases",
+          "mist_vs_megatron", "comparison.json", _speedup("a100-40gb", "megatron"), Near(abs=0.01), MIST,
+          unit="x"),
+    Claim("mist-vs-aceso-l4", M, "beats Aceso", "1.27× mean (up to 2.04×)",
+          "predicted speedup over the Aceso-style search (10 s budget), geometric mean, L4",
+          "mist_vs_megatron",
+          "comparison.json", _speedup("l4", "aceso"), Near(abs=0.05), MIST, unit="x"),
+    Claim("mist-vs-aceso-a100", M, "...", "1.27× mean (up to 2.04×)", "the same, A100", "mist_vs_megatron",
+          "comparison.json", _speedup("a100-40gb", "aceso"), Near(abs=0.05), MIST, unit="x"),
+    Claim("mist-engine-memory", M, "plans run; the memory model is right", "-",
+          "megatron-core on 2 gloo processes, 6 plans: worst |predicted / measured memory - 1|",
+          "mist_vs_megatron", "engine.json", _engine("memory_error"), AtMost(0.10), MIST, unit="%"),
+    Claim("mist-engine-time", M, "...and the time model", "-",
+          "the same plans: median |predicted / measured step time - 1| (CPU runtime model)",
+          "mist_vs_megatron",
+          "engine.json", _engine("time_error"), Timing(), MIST, unit="%"),
+    Claim("cta-kernels", C, "CTA-pipelined GEMM kernels are correct", "-",
+          "stage and ticketed kernels vs torch.matmul, max relative error (interpreter)", "cta_mlp",
+          "kernels_cpu.json", _kernels, AtMost(1e-5), CTA, unit="e"),
+    Claim("cta-wait", C, "...and the wait is what makes them so", "-",
+          "two concurrent processes, producer 1 s late: max error with the wait", "cta_mlp",
+          "kernels_cpu.json",
+          _negative_control(True), AtMost(1e-5), CTA, unit="e"),
+    Claim("cta-negative-control", C, "...", "-",
+          "the same without the wait, producer after the consumer (negative control): max error", "cta_mlp",
+          "kernels_cpu.json", _negative_control(False), AtLeast(0.1), CTA),
+    *(Claim(f"cta-{hw}-vs-{vs}", C, f"cuts a 2-GEMM chain's latency vs {name}", paper,
+            f"latency model, {hw.upper()}, 2 GPUs, best over M = 1k-32k, vs {name}", "cta_mlp", "sim.json",
+            _cta_reduction(hw, vs), Near(abs=0.001), CTA, unit="%")
+      for hw in ("h200", "b200")
+      for vs, name, paper in (("microbatch", "the best micro-batching", "up to 31.8%"),
+                              ("tp", "TP", "up to 29.6%"))),
+    Claim("cta-single-gpu", C, "...measured (one GPU as the chain)", "-",
+          "ticketed one-kernel MLP vs cuBLAS back to back, H200, best over M", "cta_mlp", "gpu_cuda.json",
+          _cta_gpu, Timing(), GPU_CHECK, gpu=True, unit="%"),
+)  # fmt: skip
+
+
+# ---------------------------------------------------------------- verdicts and tables
+
+
+@dataclass(frozen=True)
+class Row:
+    claim: Claim
+    reference: float | None
+    this_run: float | None
+    verdict: str  # within tolerance | outside | not run | not judged
+
+
+def evaluate(claims: tuple[Claim, ...] = CLAIMS, run_source: str = "results") -> list[Row]:
+    rows = []
+    for c in claims:
+        reference, value = c.read("reference"), c.read(run_source)
+        if value is None:
+            verdict = "not run"
+        else:
+            ok = c.check.ok(value, reference)
+            verdict = {True: "within tolerance", False: "OUTSIDE", None: "not judged"}[ok]
+            if ok is None and not isinstance(c.check, Timing):
+                verdict = "no reference"
+        rows.append(Row(c, reference, value, verdict))
+    return rows
+
+
+def print_table(rows: list[Row], file=sys.stdout) -> None:
+    header = f"{'claim':<26} {'paper':<24} {'reference':>10} {'this run':>10}  {'tolerance':<24} verdict"
+    print(header, file=file)
+    for r in rows:
+        c = r.claim
+        ref, this = _format(r.reference, c.unit), _format(r.this_run, c.unit)
+        print(f"{c.id:<26} {c.paper[:24]:<24} {ref:>10} {this:>10}  "
+              f"{c.check.describe(c.unit)[:24]:<24} {r.verdict}", file=file)  # fmt: skip
+
+
+def markdown(claims: tuple[Claim, ...] = CLAIMS) -> str:
+    """The README's claims table: one row per claim, our number from the reference results."""
+    lines = [
+        "| claim | system | paper claim | paper | our measure | reference | tolerance | command | needs |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for c in claims:
+        ref = _format(c.read("reference"), c.unit)
+        ref = "not yet run" if ref == "-" else f"**{ref}**"
+        cells = [f"`{c.id}`", c.system, c.claim, c.paper, c.measure, ref, c.check.describe(c.unit),
+                 f"`{c.command}`", "GPU" if c.gpu else "CPU"]  # fmt: skip
+        lines.append("| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+README = ARTIFACTS.parent / "README.md"
+BEGIN, END = (
+    "<!-- claims table: generated by `python -m artifacts.claims --markdown` -->",
+    "<!-- end of claims table -->",
+)
+
+
+def readme_table(readme: Path = README) -> str:
+    text = readme.read_text()
+    start, stop = text.index(BEGIN) + len(BEGIN) + 1, text.index(END)
+    return text[start:stop]
+
+
+def write_readme(readme: Path = README) -> None:
+    text = readme.read_text()
+    start, stop = text.index(BEGIN) + len(BEGIN) + 1, text.index(END)
+    readme.write_text(text[:start] + markdown() + text[stop:])
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    experiments = sorted({c.experiment for c in CLAIMS})
+    ap.add_argument("experiments", nargs="*", metavar="EXPERIMENT",
+                    help=f"only these ({', '.join(experiments)}); default: all")  # fmt: skip
+    ap.add_argument("--against", choices=SOURCES, default="results",
+                    help="'this run': this machine's results (default) or the reference itself")  # fmt: skip
+    ap.add_argument("--markdown", action="store_true", help="print the README's claims table")
+    ap.add_argument("--write-readme", action="store_true", help="rewrite the README's claims table")
+    args = ap.parse_args(argv)
+    if unknown := sorted(set(args.experiments) - set(experiments)):
+        ap.error(f"unknown experiment {', '.join(unknown)}; accepted: {', '.join(experiments)}")
+    if args.markdown:
+        print(markdown(), end="")
+        return 0
+    if args.write_readme:
+        write_readme()
+        print(f"claims table written to {README}")
+        return 0
+    chosen = tuple(c for c in CLAIMS if not args.experiments or c.experiment in args.experiments)
+    rows = evaluate(chosen, args.against)
+    print_table(rows)
+    outside = [r.claim.id for r in rows if r.verdict == "OUTSIDE"]
+    ran = sum(r.verdict != "not run" for r in rows)
+    print(f"\n{len(rows)} claims: {ran} run, {len(outside)} outside their tolerance"
+          + (f" ({', '.join(outside)})" if outside else ""))  # fmt: skip
+    return 1 if outside else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,78 @@
+"""What every experiment driver shares: its folders, the run flags, and the run's life.
+
+artifacts/<name>/results/     this machine's runs (git-ignored; a run never touches a tracked file)
+artifacts/<name>/reference/   the committed reference results, changed only by --update-reference
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from measure.results import ResultFileError, Run, RunLockedError, open_run, update_reference
+
+ARTIFACTS = Path(__file__).resolve().parent
+# Options that say where or how a run writes, not what it computes: a resumed run may differ in them.
+RUN_FLAGS = ("results", "fresh", "update_reference", "jobs")
+
+
+@dataclass(frozen=True)
+class Experiment:
+    name: str
+
+    @property
+    def results_dir(self) -> Path:
+        return ARTIFACTS / self.name / "results"
+
+    @property
+    def reference_dir(self) -> Path:
+        return ARTIFACTS / self.name / "reference"
+
+
+def add_run_arguments(ap: argparse.ArgumentParser, experiment: Experiment) -> None:
+    ap.add_argument(
+        "--results",
+        type=Path,
+        default=experiment.results_dir,
+        help=f"where this run writes (default: {experiment.results_dir}, git-ignored)",
+    )
+    ap.add_argument(
+        "--fresh",
+        action="store_true",
+        help="start over even if the last run in --results was this command and was interrupted",
+    )
+    ap.add_argument(
+        "--update-reference",
+        action="store_true",
+        help=f"after the run, make its points the committed reference ({experiment.reference_dir})",
+    )
+
+
+@contextlib.contextmanager
+def experiment_run(args: argparse.Namespace, experiment: Experiment) -> Iterator[Run]:
+    """The run of one command: resumed only if the same command was interrupted here; on success,
+    optionally promoted to the reference."""
+    config = {"experiment": experiment.name} | {
+        k: v for k, v in sorted(vars(args).items()) if k not in RUN_FLAGS
+    }
+    try:
+        with open_run(args.results, _plain(config), args.fresh) as run:
+            yield run
+    except (ResultFileError, RunLockedError) as e:  # say which file and what to do, no traceback
+        raise SystemExit(f"error: {e}") from None
+    if args.update_reference:
+        for path in update_reference(args.results, experiment.reference_dir, run.run_id):
+            print(f"reference updated: {path}")
+
+
+def _plain(obj: Any) -> Any:
+    """argparse values as JSON values (paths and tuples included)."""
+    if isinstance(obj, dict):
+        return {k: _plain(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_plain(v) for v in obj]
+    return str(obj) if isinstance(obj, Path) else obj

@@ -1,0 +1,216 @@
+"""Result files and runs: nothing lost, nothing relabelled, broken files refused clearly, a run
+resumed only when it is the same interrupted command, never a tracked file written."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from measure.results import (
+    FORMAT,
+    REPO_ROOT,
+    ResultFileError,
+    Results,
+    Run,
+    RunLockedError,
+    open_run,
+    update_reference,
+    write_json_atomic,
+)
+
+
+def _random_keys(n: int) -> list[dict]:
+    """Fresh keys each run, with the value types keys hold (tuples become lists in JSON)."""
+    tag = os.urandom(3).hex()
+    return [
+        {"case": f"{tag}-{i}", "seq": 2 ** (i % 9), "shape": (i, i + 1), "flag": i % 2 == 0} for i in range(n)
+    ]
+
+
+def test_points_keep_their_key_result_and_provenance(tmp_path):
+    keys = _random_keys(5)
+    with open_run(tmp_path, {"x": 1}) as run:
+        store = run.file("r.json", config={"part": "setting"})
+        for i, key in enumerate(keys):
+            assert store.compute(key, lambda i=i: {"value": i}) == {"value": i}
+    loaded = Results.load(tmp_path / "r.json")
+    assert len(loaded) == len(keys)
+    for i, key in enumerate(keys):
+        point = loaded.get(key)  # the tuple in the key finds the list it became
+        assert point.result == {"value": i}
+        prov = point.provenance
+        assert prov["run_id"] == run.run_id and prov["config"] == {"part": "setting"}
+        assert {"git", "packages", "device", "host", "finished_utc", "seconds"} <= set(prov)
+        assert prov["packages"]["python"] and prov["device"]["device"] == "cpu"
+    assert loaded.select(flag=True) == [loaded.get(k) for k in keys if k["flag"]]
+    assert json.loads((tmp_path / "run.json").read_text())["finished_utc"] is not None
+    assert not list(tmp_path.glob(".*.tmp"))
+
+
+def test_other_options_add_points_and_drop_none(tmp_path):
+    first, second = _random_keys(3), _random_keys(2)
+    with open_run(tmp_path, {"scale": "cpu"}) as run_a:
+        store = run_a.file("r.json")
+        for key in first:
+            store.add(key, 1)
+    before = {json.dumps(p.key, sort_keys=True): p.provenance for p in Results.load(tmp_path / "r.json")}
+    with open_run(tmp_path, {"scale": "paper"}) as run_b:
+        store = run_b.file("r.json")
+        for key in second:
+            store.add(key, 2)
+    after = Results.load(tmp_path / "r.json")
+    assert len(after) == len(first) + len(second)
+    for key in first:  # the earlier run's points: untouched, with their own provenance
+        point = after.get(key)
+        assert point.result == 1 and point.provenance == before[json.dumps(point.key, sort_keys=True)]
+        assert point.provenance["run_id"] == run_a.run_id != run_b.run_id
+    assert all(after.get(k).provenance["run_id"] == run_b.run_id for k in second)
+
+
+def test_a_new_run_recomputes_and_an_interrupted_one_resumes(tmp_path):
+    keys = _random_keys(4)
+    calls = []
+
+    def measure(key):
+        calls.append(key["case"])
+        return len(calls)
+
+    with open_run(tmp_path, {"x": 1}) as run:  # a finished run
+        store = run.file("r.json")
+        for key in keys:
+            store.compute(key, lambda k=key: measure(k))
+    assert len(calls) == 4
+    with pytest.raises(KeyboardInterrupt), open_run(tmp_path, {"x": 1}) as run:  # the same command again:
+        store = run.file("r.json")  # from scratch, interrupted after two points
+        store.compute(keys[0], lambda: measure(keys[0]))
+        store.compute(keys[1], lambda: measure(keys[1]))
+        raise KeyboardInterrupt
+    interrupted = run.run_id
+    done_before = {k["case"]: Results.load(tmp_path / "r.json").get(k).provenance for k in keys[:2]}
+    assert len(calls) == 6
+    with open_run(tmp_path, {"x": 1}) as run:  # resumes: only the two points it had not done
+        assert run.resumed and run.run_id == interrupted
+        store = run.file("r.json")
+        for key in keys:
+            store.compute(key, lambda k=key: measure(k))
+    assert calls[6:] == [keys[2]["case"], keys[3]["case"]]
+    after = Results.load(tmp_path / "r.json")
+    for key in keys[:2]:  # the resumed points were not recomputed, nor relabelled
+        assert after.get(key).provenance == done_before[key["case"]]
+    with open_run(tmp_path, {"x": 2}) as run:  # another command never resumes another's run
+        assert not run.resumed
+
+
+def test_interrupted_run_of_another_command_is_not_resumed(tmp_path):
+    with pytest.raises(RuntimeError), open_run(tmp_path, {"x": 1}):
+        raise RuntimeError("killed")
+    with open_run(tmp_path, {"x": 1}, fresh=True) as run:
+        assert not run.resumed
+    with pytest.raises(RuntimeError), open_run(tmp_path, {"x": 1}):
+        raise RuntimeError("killed")
+    with open_run(tmp_path, {"x": 3}) as run:
+        assert not run.resumed
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        '{"format": 2, "points": [{"key": {"a": 1}, "result": 1, "provenance"',  # truncated mid-write
+        "",  # empty
+        "\x00\x01garbage",
+        '{"provenance": {}, "points": {"a/s1": 1}}',  # the old format (string keys, one provenance)
+        '{"format": 2, "points": [{"key": {"a": 1}}]}',  # a point without result and provenance
+        "[1, 2]",
+    ],
+)
+def test_broken_result_file_is_refused_naming_it_and_what_to_do(tmp_path, content):
+    path = tmp_path / "max_batch.json"
+    path.write_text(content)
+    with pytest.raises(ResultFileError) as e:
+        Results.load(path)
+    message = str(e.value)
+    assert str(path) in message and "move it aside" in message and "\n" not in message
+    with pytest.raises(ResultFileError):  # a run refuses before any work, not when it reaches the file
+        Run(tmp_path, {"x": 1})
+    assert path.read_text() == content  # never overwritten or dropped
+
+
+@pytest.mark.slow
+def test_driver_reports_a_broken_file_in_one_line_before_any_work(tmp_path):
+    (tmp_path / "layer_saved_bytes.json").write_text('{"format": 2, "points": [')
+    done = subprocess.run(
+        [sys.executable, "-m", "artifacts.tempo_layer.run", "--seq", "16", "--results", str(tmp_path)],
+        capture_output=True, text=True, timeout=120, cwd=REPO_ROOT,
+    )  # fmt: skip
+    assert done.returncode != 0
+    assert done.stderr.strip().startswith("error: ") and "Traceback" not in done.stderr
+    assert str(tmp_path / "layer_saved_bytes.json") in done.stderr
+    assert "Saved-for-backward" not in done.stdout  # refused before measuring anything
+
+
+def test_one_run_writes_a_folder_at_a_time(tmp_path):
+    with open_run(tmp_path, {"x": 1}), pytest.raises(RunLockedError, match="another run"):
+        Run(tmp_path, {"x": 1})
+    with open_run(tmp_path, {"x": 1}):  # released when the first ended
+        pass
+
+
+def test_update_reference_takes_this_runs_points_and_keeps_the_others(tmp_path):
+    results, reference = tmp_path / "results", tmp_path / "reference"
+    old, shared, new = _random_keys(2), _random_keys(2), _random_keys(1)
+    with open_run(reference, {"x": 0}) as run:  # the committed reference, made earlier
+        store = run.file("r.json")
+        for key in old + shared:
+            store.add(key, "old")
+    with open_run(results, {"x": 0}) as earlier:  # a point of an earlier run in results/
+        earlier.file("r.json").add(_random_keys(1)[0], "not this run")
+    with open_run(results, {"x": 1}) as run:
+        store = run.file("r.json")
+        for key in shared + new:
+            store.add(key, "new")
+    assert update_reference(results, reference, run.run_id) == [reference / "r.json"]
+    ref = Results.load(reference / "r.json")
+    assert {p.result for p in ref} == {"old", "new"} and len(ref) == 5
+    assert all(ref.get(k).result == "old" for k in old)
+    assert all(
+        ref.get(k).result == "new" and ref.get(k).provenance["run_id"] == run.run_id for k in shared + new
+    )
+
+
+def test_write_json_atomic_leaves_no_partial_file(tmp_path):
+    path = tmp_path / "out.json"
+    write_json_atomic(path, {"ok": 1})
+    with pytest.raises(TypeError):
+        write_json_atomic(path, {"bad": object.__new__(type("X", (), {"__str__": None}))})
+    assert json.loads(path.read_text()) == {"ok": 1}
+    assert not list(tmp_path.glob(".*.tmp"))
+
+
+def test_runs_write_only_ignored_paths():
+    """Every experiment writes under artifacts/<experiment>/results/ and figures/results/ by
+    default: both git-ignored, so a run never modifies a tracked file."""
+    from artifacts import claims
+    from artifacts.experiment import Experiment
+
+    paths = [Experiment(c.experiment).results_dir / c.file for c in claims.CLAIMS]
+    paths += [
+        REPO_ROOT / "figures" / "results" / "x.png",
+        REPO_ROOT / "artifacts" / "tempo_bert" / "results" / "run.json",
+    ]
+    rel = [str(p.relative_to(REPO_ROOT)) for p in paths]
+    done = subprocess.run(
+        ["git", "check-ignore", *rel], cwd=REPO_ROOT, capture_output=True, text=True, timeout=30
+    )
+    assert sorted(set(done.stdout.split())) == sorted(set(rel))
+    reference = [
+        str((Experiment(c.experiment).reference_dir / c.file).relative_to(REPO_ROOT)) for c in claims.CLAIMS
+    ]
+    done = subprocess.run(
+        ["git", "check-ignore", *reference], cwd=REPO_ROOT, capture_output=True, text=True, timeout=30
+    )
+    assert done.stdout == "", "reference results must be committed, not ignored"
+    assert FORMAT == 2
