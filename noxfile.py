@@ -49,8 +49,11 @@ def _claims(session: nox.Session, *experiments: str) -> None:
     _run(session, "-m", "artifacts.claims", *experiments)
 
 
-def _figures(session: nox.Session, experiment: str, reference: bool = False) -> None:
-    _run(session, f"figures/plot_{experiment}.py", *(["--reference"] if reference else []))
+def _figures(session: nox.Session, experiment: str) -> None:
+    """This run's figures; with ``--update-reference`` also the committed reference figures."""
+    _run(session, f"figures/plot_{experiment}.py")
+    if "--update-reference" in session.posargs:
+        _run(session, f"figures/plot_{experiment}.py", "--reference")
 
 
 @nox.session
@@ -155,16 +158,12 @@ def gpu_check(session: nox.Session) -> None:
         _run(session, "-m", "artifacts.cta_mlp.run", "--parts", "kernels", "gpu", "--device", device, *cta)
 
 
-def _updating_reference(session: nox.Session) -> bool:
-    return "--update-reference" in session.posargs
-
-
 @nox.session
 def mist_vs_megatron(session: nox.Session) -> None:
     """Mist vs Megatron-LM grid, Aceso-style search and ZeRO-3 on the paper's cases, the ablation,
     the cost models' held-out errors, plans trained by megatron-core; figures; claims."""
     _run(session, "-m", "artifacts.mist_vs_megatron.run", *session.posargs)
-    _figures(session, "mist_vs_megatron", _updating_reference(session))
+    _figures(session, "mist_vs_megatron")
     _claims(session, "mist_vs_megatron")
 
 
@@ -174,7 +173,7 @@ def cta_mlp(session: nox.Session) -> None:
     interpreter with the concurrent negative control, the distributed baselines on gloo; figures;
     claims. ``-- --device cuda --parts kernels gpu`` measures on a GPU."""
     _run(session, "-m", "artifacts.cta_mlp.run", *session.posargs)
-    _figures(session, "cta_mlp", _updating_reference(session))
+    _figures(session, "cta_mlp")
     _claims(session, "cta_mlp")
 
 
@@ -194,5 +193,5 @@ def tempo_bert(session: nox.Session) -> None:
     layer = ["--fresh", "--update-reference"]
     _run(session, "-m", "artifacts.tempo_layer.run", *[a for a in session.posargs if a in layer])
     _run(session, "-m", "artifacts.tempo_bert.run", *session.posargs)
-    _figures(session, "tempo_bert", _updating_reference(session))
+    _figures(session, "tempo_bert")
     _claims(session, "tempo_layer", "tempo_bert")

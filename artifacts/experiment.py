@@ -60,10 +60,11 @@ def experiment_run(args: argparse.Namespace, experiment: Experiment) -> Iterator
         k: v for k, v in sorted(vars(args).items()) if k not in RUN_FLAGS
     }
     try:
-        with open_run(args.results, _plain(config), args.fresh) as run:
-            yield run
-    except (ResultFileError, RunLockedError) as e:  # say which file and what to do, no traceback
+        run = open_run(args.results, _plain(config), args.fresh)
+    except (OSError, ResultFileError, RunLockedError) as e:  # before any work: one line, no traceback
         raise SystemExit(f"error: {e}") from None
+    with run:
+        yield run
     if args.update_reference:
         for path in update_reference(args.results, experiment.reference_dir, run.run_id):
             print(f"reference updated: {path}")

@@ -214,3 +214,18 @@ def test_runs_write_only_ignored_paths():
     )
     assert done.stdout == "", "reference results must be committed, not ignored"
     assert FORMAT == 2
+
+
+def test_an_unwritable_results_folder_is_refused_before_any_work(tmp_path):
+    import argparse
+
+    from artifacts.experiment import Experiment, experiment_run
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    args = argparse.Namespace(results=blocker / "results", fresh=False, update_reference=False, seq=[1])
+    work = []
+    with pytest.raises(SystemExit) as e, experiment_run(args, Experiment("tempo_layer")):
+        work.append("measured")  # never reached
+    assert str(e.value).startswith("error: ") and "a-file" in str(e.value)
+    assert work == []

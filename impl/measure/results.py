@@ -20,7 +20,6 @@ Each finished point is written at once (temp file + fsync + rename: never a torn
 
 from __future__ import annotations
 
-import contextlib
 import datetime as _dt
 import fcntl
 import json
@@ -315,6 +314,15 @@ class Run:
             fcntl.flock(self._lock, fcntl.LOCK_UN)
             self._lock.close()
 
+    def __enter__(self) -> Run:
+        return self
+
+    def __exit__(self, kind, error, traceback) -> None:
+        if kind is None:
+            self.finish()
+        else:
+            self.close()  # unfinished: the same command resumes it
+
 
 class ResultFile(Results):
     """A result file written by a run, e.g.
@@ -360,17 +368,12 @@ class ResultFile(Results):
         return Results(self.path, [p for p in self if p.provenance.get("run_id") == self.run.run_id])
 
 
-@contextlib.contextmanager
-def open_run(results_dir: str | os.PathLike, config: dict[str, Any], fresh: bool = False) -> Iterator[Run]:
-    """A ``Run`` marked finished only if the body completes (an interrupted one can resume)."""
+def open_run(results_dir: str | os.PathLike, config: dict[str, Any], fresh: bool = False) -> Run:
+    """A ``Run`` to use in a ``with``: marked finished only if the body completes (an interrupted
+    one can resume); says whether it starts or resumes."""
     run = Run(results_dir, config, fresh)
     print(run.status_line(), flush=True)
-    try:
-        yield run
-    except BaseException:
-        run.close()
-        raise
-    run.finish()
+    return run
 
 
 def update_reference(
