@@ -44,19 +44,30 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 )
 def test_gelu_kernels(approximate, dtype, tol):
     x_min = G.branch_point(approximate)[0]
+    inf, big = float("inf"), torch.finfo(dtype).max
     x = torch.cat([
         torch.randn(6000) * 3, x_min + 0.05 * torch.randn(600), torch.empty(300).uniform_(-30, 30),
-        torch.tensor([float("inf"), -float("inf"), float("nan"), 0.0]),
+        torch.tensor([inf, -inf, float("nan"), 0.0, big, -big]),
     ]).to(dtype)  # fmt: skip
     y_ref, bits_ref = G.gelu_forward_torch(x, approximate)
     y, bits = gelu_fwd_triton(x.to(DEVICE), approximate)
+    y = y.cpu()
     assert torch.equal(bits.cpu(), bits_ref), "branch bits must be identical"
-    assert_within_ulps(y.cpu(), y_ref)
+    assert_within_ulps(y, y_ref)
     g = torch.randn_like(x)
     dx_ref = G.gelu_backward_torch(g, y_ref, bits_ref, approximate)
     dx = gelu_bwd_triton(g.to(DEVICE), y_ref.to(DEVICE), bits_ref.to(DEVICE), approximate).cpu()
     assert torch.equal(dx.isnan(), dx_ref.isnan())
     assert rel(dx, dx_ref) <= tol
+    # The decided special values (tempo/ops/gelu.py), asserted for both paths rather than taken
+    # from torch: GELU(+inf) = +inf, GELU(-inf) = 0, NaN -> NaN; GELU'(+inf) = 1, GELU'(-inf) = 0;
+    # and GELU(x) = x, GELU'(x) = 1 at the dtype's max, GELU = GELU' = 0 at -max.
+    for out, grad in ((y, dx), (y_ref, dx_ref)):
+        pos, neg, nan = (x == inf) | (x == big), (x == -inf) | (x == -big), x.isnan()
+        assert pos.sum() == 2 and neg.sum() == 2 and nan.sum() == 1
+        assert torch.equal(out[pos], x[pos]) and torch.all(out[neg] == 0) and out[nan].isnan().all()
+        assert torch.equal(grad[pos], g[pos]) and torch.all(grad[neg] == 0) and grad[nan].isnan().all()
+        assert torch.all(torch.isfinite(grad[~nan]))
 
 
 @pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
