@@ -14,7 +14,9 @@ import pytest
 from mist import Plan, StagePlan, cluster, model, predict
 from mist.run import unsupported
 
-TOLERANCE = 0.15  # predicted vs measured per-rank memory (the README reports the actual errors)
+# Predicted vs measured per-rank memory: the stated target (README: "target 10%"). Measured on
+# this 2-core machine over three runs: worst rank -7.7% (pipeline stage 0: -7.6% every run).
+TOLERANCE = 0.10
 
 
 def _free_port() -> int:
