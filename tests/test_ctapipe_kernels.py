@@ -150,6 +150,7 @@ def test_ticket_schedule_puts_every_consumer_tile_after_its_producers():
                 assert produced[i] == n1, f"lag {lag}: a consumer tile of row block {i} before its producers"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_chain_across_processes_and_the_negative_control():
     """Two concurrent 'devices' (processes), the producer 1 s late. With the wait the consumer's
@@ -170,6 +171,7 @@ def test_chain_across_processes_and_the_negative_control():
         run_chain_processes(x, [w1, w2], ["gelu", "none"], INTERPRETER_TILING, producer_last=True)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_three_stage_chain_across_processes():
     m = int(torch.randint(20, 50, ()))

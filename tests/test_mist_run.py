@@ -53,6 +53,7 @@ def _plan(tp: int, layers: list[int], recompute: list[int], dp: int = 1, zero: i
     return Plan("gpt3-tiny", "cpu", 2, 8, 8, tp, dp, 2, stages, sequence_parallel=False)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
     ("tp", "layers", "recompute", "dp", "zero"),
@@ -75,6 +76,7 @@ def test_plan_trains_on_megatron_core_and_memory_matches(tmp_path_factory, tp, l
         assert abs(predicted / r["memory_bytes"] - 1) < TOLERANCE, (r, predicted)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("zero", [1, 2, 3])
 def test_zero_sharding_trains_like_plain_data_parallelism(tmp_path_factory, zero):
@@ -92,6 +94,7 @@ def test_zero_sharding_trains_like_plain_data_parallelism(tmp_path_factory, zero
     assert held["zero"] < 0.75 * held["plain"]  # master weights and Adam state are split in two
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_offloading_optimizer_and_activations_trains_the_same(tmp_path, tmp_path_factory):
     """The second stage keeps its optimizer state on the host and moves its layers' saved
@@ -117,6 +120,7 @@ def test_offloading_optimizer_and_activations_trains_the_same(tmp_path, tmp_path
     assert before["held_bytes"] - last["held_bytes"] == pytest.approx(last["host_optimizer_bytes"], rel=0.02)
 
 
+@pytest.mark.slow
 def test_planner_plan_runs(tmp_path):
     """What `mist plan` makes for 2 CPU processes, with the parts mist.run cannot do yet removed."""
     from mist import search

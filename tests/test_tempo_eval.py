@@ -50,6 +50,7 @@ def test_bad_names_list_the_choices():
         make_batch("bert-base", "qa", 1, 1024)
 
 
+@pytest.mark.slow
 def test_maxbatch_command(capsys):
     assert maxbatch.main(["--model", "bert-base", "--seq", "64", "--precision", "fp16", "--gpu-mem", "4GB",
                           "--tempo", "--no-verify"]) == 0  # fmt: skip
