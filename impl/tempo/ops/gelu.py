@@ -65,8 +65,8 @@ _HALF_LOG_2PI = 0.5 * math.log(2.0 * math.pi)
 # max |GELU''| over the real line, attained at x = 0 for both forms: used by the error bound.
 GELU_CURVATURE_BOUND = _SQRT_2_OVER_PI
 # Beyond these GELU has reached its asymptotes to float64 precision, in both forms: for
-# x >= 10, GELU(x) = x and GELU'(x) = 1 (relative error < 1e-21); for x <= -40, GELU(x) and
-# GELU'(x) are below float64's smallest subnormal (~1e-340), i.e. 0. Evaluating at x clamped to
+# x >= 10, GELU(x) = x and GELU'(x) = 1 (relative error < 1e-21); for x <= -40, |GELU(x)| and
+# |GELU'(x)| are < 1e-340, below float64's smallest subnormal (4.9e-324): 0. Evaluating at x clamped to
 # [FLAT_BELOW, FLAT_ABOVE] keeps x^3 and x * pdf from overflowing into inf * 0 = NaN
 # (x = +-inf, or |x| > ~1e13 in the tanh form in float32).
 FLAT_ABOVE = 10.0
