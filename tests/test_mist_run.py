@@ -14,8 +14,11 @@ import pytest
 from mist import Plan, StagePlan, cluster, model, predict
 from mist.run import unsupported
 
-# Predicted vs measured per-rank memory: the stated target (README: "target 10%"). Measured on
-# this 2-core machine over three runs: worst rank -7.7% (pipeline stage 0: -7.6% every run).
+# Predicted vs measured per-rank memory: the stated target (README: "target 10%"), not loosened.
+# Measured here: tp2, pp2, zero1, zero2 within -7.6% .. +3.4% (four runs); dp2-zero3 -12.7% ..
+# +1.1% over ten runs, beyond 10% in two (-12.7%, -11.5%): its held bytes are constant, the
+# step's allocator peak varies by ~0.4 MB between runs and the model predicts below most of
+# them. So that case can fail: a miss of the model, reported, not hidden by a looser bound.
 TOLERANCE = 0.10
 
 
