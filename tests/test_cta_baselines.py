@@ -44,6 +44,7 @@ def test_candidate_chunks():
     assert candidate_chunks(96, 128) == [96]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_distributed_baselines_on_two_gloo_processes(tmp_path):
     """The torchrun driver: back-to-back, every micro-batch chunk and TP over a 2-layer chain;

@@ -3,6 +3,17 @@
 Every test that could spin has a timeout, and every wait is bounded (max_spins) so a lost
 signal fails instead of hanging. The negative control runs the consumer without its wait while
 the producer is late, in a really concurrent process pair, and checks the test catches it.
+
+What checks the wait (the spin on the ready counter in kernels._acquire): the interpreter runs
+a grid's programs, and launches, one after another, so in a single process a producer has always
+finished before its consumer reads, and the in-process pipelines below compute the right result
+with the wait removed (checked by making _acquire return True at once: the persistent/partitioned
+and ticketed tests still passed, the producer-consumer one failed only at its give-up check).
+They test tile arithmetic, counters, epochs and schedules. The wait's real checks are the
+cross-process tests (producer and consumer concurrent, the producer late on purpose: both failed
+without the wait) and the give-up checks (a consumer whose target is not reached must give up
+and write nothing: they failed too). On a GPU (`nox -s gpu_check`) the PartitionedMLP and
+TicketMLP programs do run concurrently.
 """
 
 from __future__ import annotations
@@ -34,6 +45,13 @@ def _mlp(m: int, d: int, f: int):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("act", ["none", "relu", "gelu"])
 def test_producer_consumer_stages_match_matmul(act):
+    """Proves: the tile arithmetic (edges not multiples of the tile, the activation) matches
+    matmul; the producer releases each row block's counter once per tile, and the counters keep
+    counting across passes (epochs); a consumer with the right epoch's target does not give up,
+    and one targeting the next epoch before the producer's next pass does give up and writes
+    nothing (old counts do not satisfy a new epoch). Does not prove that a consumer waits for a
+    producer still running: here the producer's launch is over before the consumer's starts
+    (see the module docstring; test_chain_across_processes_and_the_negative_control does)."""
     m, d, f = (int(v) for v in torch.randint(17, 70, (3,)))  # edges not multiples of the tile
     x, w1, w2 = _mlp(m, d, f)
     rows = TILING.tiles(m, f)[0]
@@ -42,6 +60,13 @@ def test_producer_consumer_stages_match_matmul(act):
     y = torch.empty(m, d, device=DEVICE)
     tiles_n = TILING.tiles(m, f)[1]
     for epoch in (1, 2):  # the counters are never reset: the second pass waits for epoch 2
+        # Before this pass's producer ran, the counters hold epoch - 1: a consumer of this epoch
+        # must give up (bounded spins) and leave its output untouched.
+        early = torch.full((m, d), float("nan"), device=DEVICE)
+        status = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+        launch_stage(h, w2, early, ready_in=ready, wait_target=epoch * tiles_n, status=status,
+                     max_spins=20, tiling=TILING)  # fmt: skip
+        assert status.item() == 1 and early.isnan().all()
         launch_stage(x, w1, h, ready_out=ready, act=act, tiling=TILING)
         assert ready.tolist() == [epoch * tiles_n] * rows
         status = torch.zeros(1, dtype=torch.int32, device=DEVICE)
@@ -55,7 +80,11 @@ def test_producer_consumer_stages_match_matmul(act):
 @pytest.mark.parametrize("programs", [1, 3])
 def test_persistent_stages_and_the_sm_partitioned_mlp(programs):
     """Fewer programs than tiles (each loops over tiles in order), and the two-'device' MLP built
-    on it; on a GPU the two persistent kernels really run at once on their SM shares."""
+    on it. Proves: the persistent loop computes every tile once and in place; PartitionedMLP
+    wires producer, counters and consumer right and its epoch target is met on every call (no
+    give-up, result equals matmul); its arguments are checked. Does not prove the consumer's
+    wait under the interpreter: the two stages run one after the other there. On a GPU the two
+    persistent kernels really run at once on their SM shares, and then it does."""
     m, d, f = (int(v) for v in torch.randint(17, 60, (3,)))
     x, w1, w2 = _mlp(m, d, f)
     h = torch.empty(m, f, device=DEVICE)
@@ -87,12 +116,21 @@ def test_consumer_without_its_signal_gives_up_and_writes_nothing():
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("programs,lag", [(1, 0), (3, 1), (7, 2)])
 def test_ticketed_mlp_matches_matmul(programs, lag):
+    """Proves: the kernel decodes tickets (layer, row block, column block) and computes both
+    layers' tiles right for any grid size and lag; every layer-0 tile releases its row block once
+    per call, and the second call's epoch target is met (no give-up). Does not prove the ticket
+    order or the wait keep a consumer tile from reading unfinished producers: the interpreter's
+    first program takes every ticket in schedule order before the next program starts, so each
+    layer-1 tile runs after its producers whatever the wait does. The order itself is checked by
+    test_ticket_schedule_puts_every_consumer_tile_after_its_producers; concurrency only on a GPU."""
     m, d, f = (int(v) for v in torch.randint(17, 60, (3,)))
     x, w1, w2 = _mlp(m, d, f)
+    tiles_m, tiles_n1 = TILING.tiles(m, f)
     mlp = TicketMLP("gelu", TILING, programs=programs, lag=lag, max_spins=100_000)
-    for _ in range(2):  # second call: epoch 2 on the same counters
+    for call in (1, 2):  # second call: epoch 2 on the same counters
         y = mlp(x, w1, w2)
         assert mlp.status.item() == 0
+        assert mlp.ready.counters.tolist() == [call * tiles_n1] * tiles_m
         torch.testing.assert_close(y, _act(x @ w1, "gelu") @ w2, atol=ATOL, rtol=ATOL)
 
 
@@ -112,6 +150,7 @@ def test_ticket_schedule_puts_every_consumer_tile_after_its_producers():
                 assert produced[i] == n1, f"lag {lag}: a consumer tile of row block {i} before its producers"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_chain_across_processes_and_the_negative_control():
     """Two concurrent 'devices' (processes), the producer 1 s late. With the wait the consumer's
@@ -132,6 +171,7 @@ def test_chain_across_processes_and_the_negative_control():
         run_chain_processes(x, [w1, w2], ["gelu", "none"], INTERPRETER_TILING, producer_last=True)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_three_stage_chain_across_processes():
     m = int(torch.randint(20, 50, ()))

@@ -10,23 +10,33 @@ from measure.saved import saved_bytes
 from tempo.ops import dropout as D
 
 
+def assert_gradient_uses_the_mask_of(x, y, gy, gx, p):
+    """y = x * keep / (1 - p) and gx = gy * keep / (1 - p), keep read off y (x has no zeros)."""
+    keep = y != 0
+    torch.testing.assert_close(y[keep], x[keep] / (1 - p))
+    torch.testing.assert_close(gx, gy * keep / (1 - p))
+
+
 def test_backward_uses_the_forward_mask():
     x = torch.randn(3, 70_000, requires_grad=True)  # spans several chunks
     y = tempo.dropout(x, 0.3)
     gy = torch.randn_like(y)
     (gx,) = torch.autograd.grad(y, x, gy)
-    keep = y != 0
-    torch.testing.assert_close(y[keep], x[keep] / 0.7)
-    torch.testing.assert_close(gx, gy * keep / 0.7)
+    assert_gradient_uses_the_mask_of(x.detach(), y.detach(), gy, gx, 0.3)
 
 
-def test_negative_control_wrong_seed_is_detected():
-    """The check above must be able to fail: a backward with another seed gives another mask."""
-    x = torch.randn(10_000)
-    seed = torch.tensor(1234)
+def test_negative_control_a_backward_with_another_seed_fails_the_check():
+    """The check above must be able to fail: the backward of a dropout with another seed (the
+    real autograd path, only the seed differs) against the forward output of this one."""
+    x = torch.randn(3, 70_000, requires_grad=True)
+    seed = torch.randint(0, 2**31 - 2, ())
     y = D.dropout_op(x, 0.3, seed)
-    g_wrong = D.dropout_op(torch.ones_like(x), 0.3, seed + 1)
-    assert not torch.equal(g_wrong != 0, y != 0)
+    gy = torch.randn_like(y)
+    (gx,) = torch.autograd.grad(y, x, gy)
+    assert_gradient_uses_the_mask_of(x.detach(), y.detach(), gy, gx, 0.3)  # the right seed passes
+    (gx_wrong,) = torch.autograd.grad(D.dropout_op(x, 0.3, seed + 1), x, gy)
+    with pytest.raises(AssertionError, match="not close"):
+        assert_gradient_uses_the_mask_of(x.detach(), y.detach(), gy, gx_wrong, 0.3)
 
 
 @pytest.mark.parametrize("p", [0.1, 0.5])

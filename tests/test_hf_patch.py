@@ -72,21 +72,49 @@ def test_bert_large_every_layer_is_replaced():
     assert "24 attention cores" in str(report)
 
 
+# Parameters the logits do not depend on (BERT's NSP head and pooler): no gradient in either model.
+UNUSED = {
+    "bert": {"bert.pooler.dense.weight", "bert.pooler.dense.bias", "cls.seq_relationship.weight",
+             "cls.seq_relationship.bias"},
+    "roberta": set(),
+    "gpt2": set(),
+}  # fmt: skip
+# Gradient exactly 0 in exact arithmetic: the key bias adds q . b_k to every score of a query, and
+# softmax ignores a shift common to a row. Both models give roundoff there, so no relative check.
+ZERO_GRADIENT_SUFFIX = "attention.self.key.bias"
+
+
 @pytest.mark.parametrize("kind", ["bert", "roberta", "gpt2"])
 def test_dropout_off_outputs_and_gradients_match(kind):
-    model = tiny(kind).train()  # training mode, dropout probabilities 0
+    """Each parameter's gradient against the unpatched model's, in float64. Tolerance 1e-6 per
+    parameter (norm-wise): every patched op but the GELU matches torch's to float64 roundoff
+    (~1e-15 seen); the GELU's recovered derivative is off by at most ~3e-8 (the conditioning
+    bound in tempo/ops/gelu.py for a float64 y), and only at inputs right at GELU's minimum,
+    where GELU' itself is ~0. (float32 is checked layer by layer in test_gelu.py & co.)"""
+    model = tiny(kind).train().double()  # training mode, dropout probabilities 0
     ids, mask = batch()
+    params = dict(model.named_parameters())
     ref = logits(model, ids, mask)
-    g_ref = torch.autograd.grad(ref.square().mean(), list(model.parameters()), allow_unused=True)
+    g_ref = torch.autograd.grad(ref.square().mean(), list(params.values()), allow_unused=True)
     report = tempo.patch(model)
     assert report.counts()["attention"] == 2
     out = logits(model, ids, mask)
-    g = torch.autograd.grad(out.square().mean(), list(model.parameters()), allow_unused=True)
-    assert ((out - ref).norm() / ref.norm()).item() <= 1e-6
-    pairs = [(a, b) for a, b in zip(g, g_ref, strict=True) if b is not None]
-    num = sum((a - b).square().sum() for a, b in pairs).sqrt()
-    den = sum(b.square().sum() for _, b in pairs).sqrt()
-    assert (num / den).item() <= 1e-5
+    g = torch.autograd.grad(out.square().mean(), list(params.values()), allow_unused=True)
+    assert ((out - ref).norm() / ref.norm()).item() <= 1e-12
+    assert {n for n, b in zip(params, g_ref, strict=True) if b is None} == UNUSED[kind]
+    assert {n for n, a in zip(params, g, strict=True) if a is None} == UNUSED[kind]
+    total = torch.stack([b.norm() for b in g_ref if b is not None]).norm()
+    checked = 0
+    for name, a, b in zip(params, g, g_ref, strict=True):
+        if b is None:
+            continue
+        if name.endswith(ZERO_GRADIENT_SUFFIX):
+            assert max(a.norm(), b.norm()) <= 1e-12 * total, name
+            continue
+        err = ((a - b).norm() / b.norm()).item()
+        assert err <= 1e-6, f"{name}: relative error {err:.2e}"
+        checked += 1
+    assert checked >= len(params) - len(UNUSED[kind]) - 2
 
 
 def test_gpt2_keeps_its_tanh_gelu_and_bert_its_erf_gelu():

@@ -26,20 +26,25 @@ def test_saved_bytes_hand_counted():
         def __init__(self):
             super().__init__()
             self.lin = nn.Linear(16, 32)
+            self.act = nn.ReLU()
 
         def forward(self, x):
-            h = self.lin(x)  # keeps x (an input) and the weight (a parameter)
-            r = torch.relu(h)  # keeps r
-            sq = r * r  # keeps r twice: counted once
+            h = self.lin(x)  # keeps x (an input) and the weight (a parameter), not its output h
+            r = self.act(h)  # keeps r, first saved inside the ReLU submodule
+            sq = r * r  # keeps r twice: counted once, still attributed to the ReLU
             a, b = h[:, :16], h[:, 16:]  # two views of h's storage
-            return sq.sum() + (a * b).sum()  # keeps both views: h counted once
+            return sq.sum() + (a * b).sum()  # keeps both views: h counted once, saved first here in M
 
     x = torch.randn(8, 16, requires_grad=True)
     r = saved_bytes(M(), x)
     assert r.input_bytes == 8 * 16 * 4
     assert r.parameter_bytes == 32 * 16 * 4
     assert r.activation_bytes == 2 * 8 * 32 * 4  # r and h
-    assert r.by_module_type == {"M": 8 * 32 * 4 * 2} or sum(r.by_module_type.values()) == r.activation_bytes
+    # Each storage goes to the innermost module running when it was first saved.
+    assert r.by_module == {"act": 8 * 32 * 4, "<model>": 8 * 32 * 4}
+    assert r.by_module_type == {"ReLU": 8 * 32 * 4, "M": 8 * 32 * 4}
+    assert r.by_dtype == {"float32": 2 * 8 * 32 * 4}
+    assert r.storages == 4  # x, the weight, r, h
 
 
 def test_cuda_like_dropout_keeps_a_bool_mask():

@@ -115,6 +115,7 @@ def test_profile_command_writes_what_calibrate_fits(tmp_path):
     assert with_overhead >= sum(rm.layer_times(spec, 2, spec.seq, 1))
 
 
+@pytest.mark.slow
 def test_collective_benchmark_feeds_the_runtime_model(tmp_path):
     """`mist profile --collectives 2`: gloo among 2 local processes, in the artifact's format;
     the fitted model then prices a 2-way all-reduce from those measurements, not the preset link."""

@@ -56,6 +56,7 @@ def test_emulating_gpu_memory_needs_cuda():
         pass
 
 
+@pytest.mark.slow
 def test_throughput_point_runs_on_cpu_at_tiny_scale():
     """The throughput part's code path (build on the device, ready the optimizer, time the ladder)."""
     from artifacts.tempo_bert.throughput import ThroughputSetup, estimate_point, ladder, throughput_point

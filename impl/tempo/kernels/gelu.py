@@ -4,6 +4,10 @@ Forward: y = GELU(x) and one bit per element (x < x_min), 8 elements packed per 
 Backward: recover x from (y, bit) by the same Newton iteration as the PyTorch path and multiply
 the incoming gradient by GELU'(x). libdevice's erfc is not available under TRITON_INTERPRET,
 so log Phi in the far left tail uses the Laplace continued fraction of Mills' ratio.
+
+Special values as decided in ops/gelu.py: GELU(+inf) = +inf, GELU(-inf) = -0.0, GELU(NaN) = NaN;
+GELU'(+inf) = 1, GELU'(-inf) = 0, NaN gives NaN. They are set by explicit selects, not left to
+how tl.maximum / tl.minimum treat NaN (which differs between the GPU and the interpreter).
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..ops.gelu import NEWTON_STEPS, branch_point, branch_threshold
+from ..ops.gelu import FLAT_ABOVE, FLAT_BELOW, NEWTON_STEPS, branch_point, branch_threshold
 
 BLOCK = 1024  # elements per program; a multiple of 8 so each program owns whole mask bytes
 _K = tl.constexpr(math.sqrt(2.0 / math.pi))
@@ -24,20 +28,29 @@ _HALF_LOG_2PI = tl.constexpr(0.5 * math.log(2.0 * math.pi))
 _TAIL_X = tl.constexpr(-2.5)  # below this log Phi(x) comes from the continued fraction (20 terms: ~1e-9 abs.)
 _TAIL_TERMS = tl.constexpr(20)
 _TINY = tl.constexpr(1.1754943508222875e-38)
+_INF = tl.constexpr(float("inf"))
+_FLAT_ABOVE = tl.constexpr(FLAT_ABOVE)  # GELU' = 1 above, 0 below, to float64 precision
+_FLAT_BELOW = tl.constexpr(FLAT_BELOW)
 # NB: write `tensor * CONST`, not `CONST * tensor`: under TRITON_INTERPRET the latter yields a
 # constexpr-wrapped tensor that tl.exp rejects.
 
 
 @triton.jit
 def _gelu_and_derivative(x, TANH: tl.constexpr):
+    """GELU(x) and GELU'(x) for every x, +-inf included: the math runs at x clamped to where GELU
+    has reached its asymptotes (by selects, so NaN stays NaN), so +-inf and huge |x| never make
+    inf * 0 = NaN; above the clamp GELU(x) = x, below it the clamped values are the limits."""
+    xc = tl.where(x > _FLAT_ABOVE, _FLAT_ABOVE, tl.where(x < _FLAT_BELOW, _FLAT_BELOW, x))
     if TANH:
-        du = (x * x * (3.0 * _A) + 1.0) * _K
-        s = 1.0 / (1.0 + tl.exp((x + x * x * x * _A) * (-2.0 * _K)))  # = (1 + tanh u) / 2
-        return x * s, s + 2.0 * x * s * (1.0 - s) * du
+        du = (xc * xc * (3.0 * _A) + 1.0) * _K
+        s = 1.0 / (1.0 + tl.exp((xc + xc * xc * xc * _A) * (-2.0 * _K)))  # = (1 + tanh u) / 2
+        y = xc * s
+        d = s + 2.0 * xc * s * (1.0 - s) * du
     else:
-        cdf = 0.5 * (1.0 + tl.erf(x * _INV_SQRT2))
-        pdf = tl.exp(-0.5 * x * x - _HALF_LOG_2PI)
-        return x * cdf, cdf + x * pdf
+        cdf = 0.5 * (1.0 + tl.erf(xc * _INV_SQRT2))
+        y = xc * cdf
+        d = cdf + xc * tl.exp(-0.5 * xc * xc - _HALF_LOG_2PI)
+    return tl.where(x > _FLAT_ABOVE, x, y), d
 
 
 @triton.jit
@@ -96,6 +109,7 @@ def _gelu_bwd_kernel(
     for _ in tl.static_range(STEPS):
         g, dg = _gelu_and_derivative(xr, TANH)
         xr = tl.maximum(xr - (g - y) / tl.maximum(dg, _TINY), x_min)
+    xr = tl.where(y == _INF, y, xr)  # GELU(+inf) = +inf; Newton would compute inf - inf = NaN
     # left branch: x < x_min, solved in log space
     log_neg_y = tl.log(-tl.minimum(y, -_TINY))
     x_tail = -tl.sqrt(tl.maximum(-2.0 * (log_neg_y + _HALF_LOG_2PI), 0.0))
@@ -109,7 +123,8 @@ def _gelu_bwd_kernel(
 
     x = tl.where(left, xl, xr)
     _, dgelu = _gelu_and_derivative(x, TANH)
-    dgelu = tl.where(left & (y == 0.0), 0.0, dgelu)
+    dgelu = tl.where(left & (y == 0.0), 0.0, dgelu)  # GELU underflowed (x = -inf included): 0
+    dgelu = tl.where(y != y, y, dgelu)  # NaN in, NaN out (on the GPU tl.maximum drops NaN)
     tl.store(dx_ptr + offs, (grad * dgelu).to(dx_ptr.dtype.element_ty), mask=inside)
 
 

@@ -31,6 +31,20 @@ Away from x_min that is ~|dy|; right at x_min it is the square-root term (about 
 float32 y, 3e-8 for float64): recovering x from a rounded y is ill-conditioned exactly where
 GELU' = 0. The tests check every element against this bound, and norm-wise agreement with
 autograd through torch's gelu (<= 1e-5 float32, <= 1e-10 float64).
+
+Special values are decided here, not inherited from torch, and every path (this PyTorch one,
+the Triton kernels, every dtype, both approximations) gives the same. They are the limits:
+
+    GELU(+inf) = +inf,   GELU(-inf) = 0 (-0.0),   GELU(NaN) = NaN,
+    GELU'(+inf) = 1,     GELU'(-inf) = 0,          GELU'(NaN) = NaN.
+
+torch's CPU kernel gives NaN for GELU(-inf), and for GELU(+inf) too on some CPUs and dtypes
+(float32 and bfloat16 with approximate='none' on an AMD EPYC, torch 2.13). More generally, outside
+[FLAT_BELOW, FLAT_ABOVE] = [-40, 10] GELU has reached its asymptotes to float64 precision (x above,
+-0.0 below), and that is what the forward returns there (torch's float32 erf form also overflows
+to inf for x > ~1.7e38); inside, it is exactly torch's GELU. The backward gives dx = grad where
+x = +inf (it sees y = +inf on the right branch), dx = 0 where x = -inf (y = 0 on the left branch,
+as for every input whose GELU underflows; for a finite grad), and NaN where x was NaN.
 """
 
 from __future__ import annotations
@@ -50,6 +64,13 @@ _TANH_CUBIC = 0.044715
 _HALF_LOG_2PI = 0.5 * math.log(2.0 * math.pi)
 # max |GELU''| over the real line, attained at x = 0 for both forms: used by the error bound.
 GELU_CURVATURE_BOUND = _SQRT_2_OVER_PI
+# Beyond these GELU has reached its asymptotes to float64 precision, in both forms: for
+# x >= 10, GELU(x) = x and GELU'(x) = 1 (relative error < 1e-21); for x <= -40, |GELU(x)| and
+# |GELU'(x)| are < 1e-340, below float64's smallest subnormal (4.9e-324): 0. Evaluating at x clamped to
+# [FLAT_BELOW, FLAT_ABOVE] keeps x^3 and x * pdf from overflowing into inf * 0 = NaN
+# (x = +-inf, or |x| > ~1e13 in the tanh form in float32).
+FLAT_ABOVE = 10.0
+FLAT_BELOW = -40.0
 
 
 def _check_approximate(approximate: str) -> None:
@@ -58,15 +79,17 @@ def _check_approximate(approximate: str) -> None:
 
 
 def gelu_and_derivative(x: Tensor, approximate: str) -> tuple[Tensor, Tensor]:
-    """GELU(x) and GELU'(x), evaluated in x's dtype."""
+    """GELU(x) and GELU'(x) in x's dtype, for every x: +-inf give their limits, NaN gives NaN."""
+    xc = torch.clamp(x, FLAT_BELOW, FLAT_ABOVE)  # NaN stays NaN
     if approximate == "tanh":
-        u = _SQRT_2_OVER_PI * (x + _TANH_CUBIC * x**3)
+        u = _SQRT_2_OVER_PI * (xc + _TANH_CUBIC * xc**3)
         t = torch.tanh(u)
-        du = _SQRT_2_OVER_PI * (1.0 + 3.0 * _TANH_CUBIC * x * x)
-        return 0.5 * x * (1.0 + t), 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * du
-    cdf = torch.special.ndtr(x)
-    pdf = torch.exp(-0.5 * x * x - _HALF_LOG_2PI)
-    return x * cdf, cdf + x * pdf
+        du = _SQRT_2_OVER_PI * (1.0 + 3.0 * _TANH_CUBIC * xc * xc)
+        y, d = 0.5 * xc * (1.0 + t), 0.5 * (1.0 + t) + 0.5 * xc * (1.0 - t * t) * du
+    else:
+        cdf = torch.special.ndtr(xc)
+        y, d = xc * cdf, cdf + xc * torch.exp(-0.5 * xc * xc - _HALF_LOG_2PI)
+    return torch.where(x > FLAT_ABOVE, x, y), d
 
 
 def _log_neg_gelu_and_derivative(x: Tensor, approximate: str) -> tuple[Tensor, Tensor]:
@@ -142,7 +165,8 @@ def _solve_right_branch(y: Tensor, approximate: str, steps: int) -> Tensor:
     for _ in range(steps):
         g, dg = gelu_and_derivative(x, approximate)
         x = torch.clamp(x - (g - y) / torch.clamp(dg, min=tiny), min=x_min)
-    return x
+    # GELU(+inf) = +inf; Newton would compute g - y = inf - inf = NaN there.
+    return torch.where(y == math.inf, y, x)
 
 
 def _solve_left_branch(y: Tensor, approximate: str, steps: int) -> Tensor:
@@ -173,18 +197,27 @@ def gelu_backward_torch(grad: Tensor, y: Tensor, packed: Tensor, approximate: st
         yf = y_flat[part].to(math_dtype)
         left = unpack_bits(packed[part.start // 8 : (part.stop + 7) // 8], yf.numel())
         _, dgelu = gelu_and_derivative(recover_input(yf, left, approximate), approximate)
-        # Left branch with y == 0: GELU underflowed, |GELU'| < |x| * tiny; torch's backward gives 0 too.
+        # Left branch with y == 0: GELU underflowed (or x = -inf), |GELU'| < |x| * tiny: 0, as
+        # torch's backward gives for finite such x.
         dgelu = torch.where(left & (yf == 0), 0.0, dgelu)
+        # NaN in, NaN out: said here rather than left to how the solver's clamps treat NaN.
+        dgelu = torch.where(yf.isnan(), yf, dgelu)
         dx[part] = g_flat[part].to(math_dtype) * dgelu
     return dx.view(y.shape)
 
 
 def gelu_forward_torch(x: Tensor, approximate: str) -> tuple[Tensor, Tensor]:
-    x_flat = x.reshape(-1)
+    """torch's GELU on [FLAT_BELOW, FLAT_ABOVE], the asymptotes outside (+-inf included; see the
+    module docstring). ``x`` must be contiguous."""
+    x_flat = x.view(-1)
+    y = nn.functional.gelu(x, approximate=approximate)
+    y_flat = y.view(-1)
     packed = torch.empty(packed_numel(x_flat.numel()), dtype=torch.uint8, device=x.device)
     for _, part in chunks(x_flat.numel()):
-        packed[part.start // 8 : (part.stop + 7) // 8] = pack_bits(left_of_minimum(x_flat[part], approximate))
-    return nn.functional.gelu(x, approximate=approximate), packed
+        xp = x_flat[part]
+        packed[part.start // 8 : (part.stop + 7) // 8] = pack_bits(left_of_minimum(xp, approximate))
+        y_flat[part] = torch.where(xp > FLAT_ABOVE, xp, torch.where(xp < FLAT_BELOW, -0.0, y_flat[part]))
+    return y, packed
 
 
 # ---------------------------------------------------------------- custom ops
