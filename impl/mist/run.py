@@ -19,7 +19,8 @@ shards fp32 master weights and Adam state over the DP replicas, ZeRO-2 the gradi
 (ShardedMasterAdamW), ZeRO-3 the weights too (torch's FSDP2 around megatron-core's layers).
 Optimizer-state and activation offloading are in offload.py. On a CPU it
 runs with gloo and the CUDA stand-ins of cpu_shim; on GPUs with NCCL. Each rank reports its
-losses, step times and memory (exact tensor bytes held + the allocator peak of a step); rank 0
+losses, the times of its timed steps, and memory (exact tensor bytes held + the allocator peak of
+a steady step: the median and the worst of a few, profiled before the timed ones); rank 0
 gathers them.
 """
 
@@ -28,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -302,6 +304,9 @@ def _now(device: torch.device) -> float:
     return time.perf_counter()
 
 
+MEMORY_STEPS = 5  # profiled steady steps before the timed ones: the median and the worst are reported
+
+
 def _step_peak(step, device: torch.device) -> tuple[int, float]:
     """(peak bytes allocated above the level at the step's start, the step's loss)."""
     if device.type != "cuda":
@@ -425,15 +430,23 @@ def run(plan: Plan, steps: int = 5, seed: int = 0, lr: float = 1e-2) -> dict:
         phases.append({"pipeline_s": t1 - t0, "grad_sync_s": t2 - t1, "optimizer_s": _now(device) - t2})
         return loss
 
-    losses, times, peak = [], [], 0
-    for i in range(steps):
-        t0 = time.perf_counter()
-        if i == 1:  # the optimizer state exists from step 0 on: measure a steady step
-            peak, loss = _step_peak(step, device)
-        else:
-            loss = step()
-        times.append(time.perf_counter() - t0)
+    losses = [step()]  # step 0 creates the optimizer state: held bytes afterwards, not a step peak
+    # Memory: the first steady steps, each under the allocator profiler. Their peaks vary (on a CPU
+    # by up to ~10% of the total at this tiny scale: gloo's threads and FSDP2's asynchronous
+    # gathers and reduce-scatters free buffers at varying times), so the typical step (the median)
+    # is compared with the model and the worst is reported beside it. Then the timed, unprofiled
+    # steps; the phases are theirs only.
+    step_peaks = []
+    for _ in range(MEMORY_STEPS):
+        step_peak, loss = _step_peak(step, device)
+        step_peaks.append(step_peak)
         losses.append(loss)
+    del phases[:]
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        losses.append(step())
+        times.append(time.perf_counter() - t0)
     held = _tensor_bytes(
         [*model.parameters(), *optimizer.state_tensors(), *(grads.buffers if grads is not None else [])]
     )
@@ -445,8 +458,9 @@ def run(plan: Plan, steps: int = 5, seed: int = 0, lr: float = 1e-2) -> dict:
         "step_s": times,
         "phases": phases,
         "held_bytes": held,
-        "step_peak_bytes": peak,
-        "memory_bytes": held + peak,
+        "step_peaks_bytes": step_peaks,
+        "memory_bytes": held + statistics.median_low(step_peaks),
+        "worst_memory_bytes": held + max(step_peaks),
         # offloaded: optimizer tensors kept on the host (not in held_bytes), layers whose saved
         # activations wait on the host
         "host_optimizer_bytes": _tensor_bytes(optimizer.host_tensors())
@@ -464,9 +478,13 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="torchrun ... -m mist.run", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     ap.add_argument("--plan", required=True)
-    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument(
+        "--steps", type=int, default=5, help="timed steps (after one warm-up and the memory steps)"
+    )
     ap.add_argument("--out", help="write rank 0's gathered report (JSON)")
     args = ap.parse_args(argv)
+    if args.steps < 1:
+        ap.error(f"--steps must be at least 1, got {args.steps}")
     try:
         plan = Plan.load(args.plan)
         report = run(plan, args.steps)
