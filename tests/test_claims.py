@@ -77,3 +77,17 @@ def test_unknown_experiment_is_refused(capsys):
     with pytest.raises(SystemExit):
         claims.main(["tempo_bertt"])
     assert "accepted: " in capsys.readouterr().err
+
+
+def test_welch_interval_matches_scipy():
+    from scipy import stats
+
+    from artifacts.tempo_bert.summary import welch_interval
+
+    a = [random.gauss(7.19, 0.01) for _ in range(random.randint(3, 20))]
+    b = [random.gauss(7.19 + random.uniform(-0.02, 0.02), random.uniform(0.005, 0.03)) for _ in range(10)]
+    low, high = welch_interval(a, b, 0.90)
+    ref = stats.ttest_ind(a, b, equal_var=False).confidence_interval(0.90)
+    assert low == pytest.approx(ref.low, rel=1e-9, abs=1e-12) and high == pytest.approx(
+        ref.high, rel=1e-9, abs=1e-12
+    )

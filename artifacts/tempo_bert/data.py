@@ -138,6 +138,21 @@ def tokenizer(kind: str, vocab_size: int = 8192, cache_dir: Path = DEFAULT_CACHE
     return Tokenizer.from_file(str(path))
 
 
+def fingerprint(kind: str, cache_dir: Path = DEFAULT_CACHE, source: str = "stdlib") -> dict[str, str]:
+    """sha256 of the corpus and the tokenizer a run trained on: both are built on this machine
+    (the stdlib's docstrings differ between Python versions, and training a WordPiece tokenizer
+    is not deterministic), so a result records which ones it used."""
+    import hashlib
+
+    tokenizer(kind, cache_dir=cache_dir, source=source)  # built (and cached) if it is not yet
+    prefix = "" if source == "stdlib" else f"{source}-"
+    files = {"corpus": cache_dir / ("stdlib_docstrings.json" if source == "stdlib" else f"{source}.json"),
+             "tokenizer": cache_dir / f"{prefix}{kind}-8192.json"}  # fmt: skip
+    return {
+        f"{name}_sha256": hashlib.sha256(path.read_bytes()).hexdigest()[:16] for name, path in files.items()
+    }
+
+
 def bert_batches(
     n_batches: int, batch: int, seq: int, seed: int, cache_dir: Path = DEFAULT_CACHE, source: str = "stdlib"
 ) -> list[dict]:

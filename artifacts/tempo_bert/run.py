@@ -205,6 +205,15 @@ def run_maxbatch(run: Run, cases, configs, precisions, jobs: int, scale: str) ->
 def training_run(
     model: str, configuration: str, dropout: float, dropout_seed: int, dtype: str, corpus: str
 ) -> dict:
+    from .data import fingerprint
+
+    _, losses = _train(model, configuration, dropout, dropout_seed, dtype, corpus)
+    kind = "wordpiece" if model.startswith("bert") else "bpe"
+    return {"losses": losses, **fingerprint(kind, source=corpus)}
+
+
+def _train(model: str, configuration: str, dropout: float, dropout_seed: int, dtype: str, corpus: str):
+    """(the trained model, its per-step losses): the same data and initial weights for every run."""
     from measure.training import Precision, make_optimizer, train_step
 
     from .data import bert_batches, gpt2_batches
@@ -219,14 +228,68 @@ def training_run(
     precision = Precision("fp32")
     opt = make_optimizer(m, precision, lr=TRAIN_LR)
     torch.manual_seed(dropout_seed)  # only dropout draws from here on
-    losses = [train_step(m, b, opt, precision).item() for b in batches]
-    return {"losses": losses}
+    return m, [train_step(m, b, opt, precision).item() for b in batches]
+
+
+def dropout_distribution_point(weights: str, draws: int, corpus: str) -> dict:
+    """Same weights, same batch, many dropout draws: the BERT encoder's output distribution under
+    Tempo's dropout against HF's (dropout 0.1). Tempo draws other masks, so its outputs can only
+    agree in distribution; the total variance over draws is what a wrong drop rate moves (about
+    ±2% per 0.01 of p here), and HF at p = 0.08 and 0.12 are the negative controls that must be
+    caught. ``weights``: "init" (the training runs' initial weights) or "trained" (after the
+    dropout-off baseline's 150 steps)."""
+    from .data import bert_batches
+
+    _, batch, seq = TRAIN["bert-mini"]
+    if weights == "trained":
+        state = _train("bert-mini", "hf-eager", 0.0, 1, "fp32", corpus)[0].state_dict()
+    else:
+        torch.manual_seed(0)
+        state = build_model("bert-mini", "pretraining", "hf-eager", dropout=0.0).state_dict()
+    inputs = {k: v for k, v in bert_batches(1, batch, seq, seed=0, source=corpus)[0].items()
+              if k not in ("labels", "next_sentence_label")}  # fmt: skip
+    seeds = [int.from_bytes(os.urandom(4), "little") for _ in DROPOUT_CANDIDATES]
+
+    def moments(configuration: str, p: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        m = build_model("bert-mini", "pretraining", configuration, dropout=p).train()
+        m.load_state_dict(state)
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            outs = torch.stack([m.bert(**inputs).last_hidden_state.double().flatten() for _ in range(draws)])
+        return outs.mean(0), outs.var(0)
+
+    ref_mean, ref_var = moments("hf-eager", 0.1, seeds[0])
+    out = {"draws": draws, "seeds": seeds}
+    for (name, configuration, p), seed in zip(DROPOUT_CANDIDATES[1:], seeds[1:], strict=True):
+        mean, var = moments(configuration, p, seed)
+        out[name] = {
+            "variance_ratio": (var.sum() / ref_var.sum()).item(),
+            # squared distance of the means over what sampling alone gives: ~1 when the same
+            "mean_distance_ratio": (((mean - ref_mean) ** 2).sum() / ((var + ref_var) / draws).sum()).item(),
+        }
+    return out
+
+
+# (name, configuration, dropout p); the first is the reference the others are compared with
+DROPOUT_CANDIDATES = [
+    ("reference", "hf-eager", 0.1),
+    ("hf-eager again", "hf-eager", 0.1),
+    ("tempo", "tempo", 0.1),
+    ("tempo again", "tempo", 0.1),
+    ("hf-eager p=0.08 (wrong)", "hf-eager", 0.08),
+    ("hf-eager p=0.12 (wrong)", "hf-eager", 0.12),
+]
+DISTRIBUTION_DRAWS = 400  # the HF-vs-HF null then stays within ~0.3% of 1: the 1% bound is ~4 sd
 
 
 def run_training(run: Run, corpus: str) -> ResultFile:
     store = run.file("training.json", config={"precision": "fp32", "optimizer": "AdamW"})
     for args in tqdm(TRAIN_RUNS, desc="training runs", unit="run"):
         store.compute(train_key(*args, corpus), lambda a=args: training_run(*a, corpus))
+    for weights in tqdm(("init", "trained"), desc="dropout distribution at fixed weights", unit="point"):
+        key = {"check": "dropout distribution", "weights": weights, "draws": DISTRIBUTION_DRAWS,
+               "corpus": corpus, "dropout": 0.1}  # fmt: skip
+        store.compute(key, lambda w=weights: dropout_distribution_point(w, DISTRIBUTION_DRAWS, corpus))
     return store
 
 

@@ -16,9 +16,13 @@ TRAIN_LR = 1e-3
 # (model, configuration, dropout, dropout seed, dtype). Dropout off must give the same losses;
 # the float64 pair is the control for the fp32 drift: if the fp32 runs part through rounding
 # alone, the same runs in float64 must agree ~1e9 times more closely. Dropout on: Tempo draws
-# other masks (same distribution), so its distance from the baseline is compared with the
-# baseline's own distance from itself under other dropout seeds, over every pair of seeds.
-DROPOUT_SEEDS = (1, 2, 3)
+# other masks (same distribution), so only statistics over dropout seeds can agree. Ten seeds
+# each: single pairs of runs part by one-step spikes of up to ~0.4 (Adam at a constant learning
+# rate on a plateau; both configurations have them), so a pair's max |loss difference| says
+# nothing. The training curves cannot tell dropout 0.08 from 0.12 at this scale either: the
+# distribution check at fixed weights (run.dropout_distribution_point) is what has that power.
+DROPOUT_SEEDS = tuple(range(1, 11))
+LAST_STEPS = 50  # a run's loss: the mean over its last 50 steps
 TRAIN_RUNS = [
     ("bert-mini", "hf-eager", 0.0, 1, "fp32"),
     ("bert-mini", "tempo", 0.0, 1, "fp32"),
@@ -77,20 +81,44 @@ def training_summary(tr: Results, corpus: str = "stdlib") -> dict[str, float]:
     }
     base = [c for (conf, _), c in runs.items() if conf == "hf-eager"]
     ours = [c for (conf, _), c in runs.items() if conf == "tempo"]
-    band = [_mean_gap(a, b) for a, b in itertools.combinations(base, 2)]
-    cross = [_mean_gap(a, b) for a in ours for b in base]
-    if not band or not cross:
-        return out
     prefix = "bert-mini dropout 0.1"
-    out[f"{prefix}: baseline seed-to-seed mean |loss difference|, lowest pair"] = min(band)
-    out[f"{prefix}: baseline seed-to-seed mean |loss difference|, highest pair"] = max(band)
-    out[f"{prefix}: Tempo-to-baseline mean |loss difference|, mean over pairs"] = statistics.fmean(cross)
-    out[f"{prefix}: Tempo-to-baseline mean |loss difference|, highest pair"] = max(cross)
-    out[f"{prefix}: Tempo-to-baseline over baseline seed-to-seed (mean over pairs)"] = statistics.fmean(
-        cross
-    ) / statistics.fmean(band)
-    for name, curves in (("baseline", base), ("Tempo", ours)):
-        out[f"{prefix}: last-50-step mean loss, {name}"] = statistics.fmean(
-            statistics.fmean(c[-50:]) for c in curves
+    if len(base) >= 2 and len(ours) >= 2:
+        band = [_mean_gap(a, b) for a, b in itertools.combinations(base, 2)]
+        cross = [_mean_gap(a, b) for a in ours for b in base]
+        out[f"{prefix}: median pairwise mean |loss difference|, Tempo-baseline over baseline-baseline"] = (
+            statistics.median(cross) / statistics.median(band)
+        )
+        late_base = [statistics.fmean(c[-LAST_STEPS:]) for c in base]
+        late_ours = [statistics.fmean(c[-LAST_STEPS:]) for c in ours]
+        low, high = welch_interval(late_ours, late_base, 0.90)
+        out[f"{prefix}: last-50-step loss, baseline mean"] = statistics.fmean(late_base)
+        out[f"{prefix}: last-50-step loss, Tempo mean"] = statistics.fmean(late_ours)
+        out[f"{prefix}: last-50-step loss, baseline sd over seeds"] = statistics.stdev(late_base)
+        out[f"{prefix}: last-50-step loss, Tempo - baseline, 90% interval low"] = low
+        out[f"{prefix}: last-50-step loss, Tempo - baseline, 90% interval high"] = high
+        out[f"{prefix}: last-50-step loss, Tempo - baseline, 90% interval bound"] = max(abs(low), abs(high))
+    checks = [p.result for p in tr.select(check="dropout distribution", corpus=corpus)]
+    if checks:
+
+        def worst(names):
+            return max(abs(r[n]["variance_ratio"] - 1) for r in checks for n in names)
+
+        out["dropout at fixed weights: |variance ratio - 1|, HF vs HF (null)"] = worst(["hf-eager again"])
+        out["dropout at fixed weights: |variance ratio - 1|, Tempo vs HF (worst)"] = worst(
+            ["tempo", "tempo again"]
+        )
+        out["dropout at fixed weights: |variance ratio - 1|, wrong rates vs HF (least)"] = min(
+            abs(r[n]["variance_ratio"] - 1) for r in checks for n in r if "wrong" in n
         )
     return out
+
+
+def welch_interval(a: list[float], b: list[float], level: float) -> tuple[float, float]:
+    """Confidence interval of mean(a) - mean(b), unequal variances (Welch)."""
+    from scipy import stats
+
+    va, vb = statistics.variance(a) / len(a), statistics.variance(b) / len(b)
+    dof = (va + vb) ** 2 / (va**2 / (len(a) - 1) + vb**2 / (len(b) - 1))
+    half = stats.t.ppf(0.5 + level / 2, dof) * (va + vb) ** 0.5
+    diff = statistics.fmean(a) - statistics.fmean(b)
+    return diff - half, diff + half
