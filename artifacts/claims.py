@@ -448,13 +448,15 @@ def evaluate(claims: tuple[Claim, ...] = CLAIMS, run_source: str = "results") ->
     return rows
 
 
-def print_table(rows: list[Row], file=sys.stdout) -> None:
-    header = f"{'claim':<26} {'paper':<24} {'reference':>10} {'this run':>10}  {'tolerance':<24} verdict"
+def print_table(rows: list[Row], file=None) -> None:
+    file = file or sys.stdout
+    w = max(len(r.claim.id) for r in rows) if rows else 5
+    header = f"{'claim':<{w}} {'paper':<24} {'reference':>10} {'this run':>10}  {'tolerance':<24} verdict"
     print(header, file=file)
     for r in rows:
         c = r.claim
         ref, this = _format(r.reference, c.unit), _format(r.this_run, c.unit)
-        print(f"{c.id:<26} {c.paper[:24]:<24} {ref:>10} {this:>10}  "
+        print(f"{c.id:<{w}} {c.paper[:24]:<24} {ref:>10} {this:>10}  "
               f"{c.check.describe(c.unit)[:24]:<24} {r.verdict}", file=file)  # fmt: skip
 
 
