@@ -74,6 +74,52 @@ def test_runtime_model_held_out_error():
         assert r["mean_abs_error"] < 0.15, name
 
 
+def test_every_fitted_rate_is_within_the_data_sheet_peak():
+    """Compute curves within the FLOP/s peak, memory-bound ones within the HBM bandwidth, for every
+    profile set (fitting checks it and fails loudly), and for the shipped presets."""
+    from mist.costs import PRESETS, RuntimeModel, calibrate, check_rates
+
+    for r in calibrate(DATA / "gpu-op-profiles").values():
+        check_rates(r["model"])  # raises on a rate above the peak
+    for path in sorted(PRESETS.glob("runtime_*.json")):
+        check_rates(RuntimeModel.from_json(__import__("json").loads(path.read_text())))
+
+
+def test_a_rate_above_the_peak_fails_loudly():
+    """Negative control: the L4 profiles read as if their weight GEMMs' backward timed both
+    gradients (it times the input gradient alone) need backward GEMMs faster than the GPU."""
+    from dataclasses import replace
+
+    from mist import costs, profiles
+
+    l4 = [
+        replace(p, weight_gradients=True)
+        for p in profiles.read_layer_profiles(DATA / "gpu-op-profiles" / "l4")
+    ]
+    with pytest.raises(costs.RateAbovePeakError, match=r"gemm backward .* above l4's data-sheet peak"):
+        costs.fit_runtime_model(l4, {}, "l4", "L4 misread")
+    costs.fit_runtime_model([replace(p, weight_gradients=False) for p in l4], {}, "l4", "L4")  # as measured
+
+
+def test_which_profiles_timed_the_weight_gradient():
+    """Decided from the data: a weight GEMM's backward is ~2x its forward when both gradients are
+    timed (A10G), ~1x when only the input gradient is (L4, A100, V100)."""
+    from mist.profiles import backward_has_weight_gradients, read_layer_profiles
+
+    found = {d.name: read_layer_profiles(d)[0].weight_gradients for d in (DATA / "gpu-op-profiles").iterdir()}
+    assert found == {"a10g": True, "l4": False, "v100-sxm2-32gb-seq2048": False, "a100-sxm4-40gb": False,
+                     "a100-sxm4-40gb-larger-model": False}  # fmt: skip
+    rng = np.random.default_rng()
+    fwd = rng.uniform(1e-4, 1e-2, 4)
+    from mist.profiles import WEIGHT_GEMMS
+
+    ops = {op: (f, f * rng.uniform(1.8, 2.2)) for op, f in zip(WEIGHT_GEMMS, fwd, strict=True)}
+    assert backward_has_weight_gradients([ops])
+    assert not backward_has_weight_gradients(
+        [{k: (f, f * rng.uniform(0.7, 1.1)) for k, (f, _) in ops.items()}]
+    )
+
+
 def test_interference_fit_beats_no_interference_on_held_out_runs():
     from mist.interference import fit_interference
 

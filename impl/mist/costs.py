@@ -4,9 +4,13 @@ Every op class (GEMM, batched GEMM, norm, softmax, dropout, ...) and direction g
 efficiency curve ``time = c0 + work / rate``: ``work`` is the op's FLOPs (GEMMs) or bytes moved
 (memory-bound ops) from the symbolic trace, ``rate`` the sustained FLOP/s or bytes/s, ``c0``
 the launch and ramp cost; achieved efficiency ``work / (time * peak)`` rises with size towards
-``rate / peak``, as measured GPU kernels do. Collectives are alpha-beta lines per GPU count.
-Fits are weighted least squares on relative error. Without measurements for a GPU, a roofline
-from its data sheet with stated default efficiencies is used.
+``rate / peak``, as measured GPU kernels do. A weight GEMM's backward is two GEMMs of its
+forward's FLOPs (input and weight gradient): its backward curve is that of one of them, fitted
+to whatever the profiles timed (both, or the input gradient alone: ``profiles.
+backward_has_weight_gradients``) and priced twice. No fitted rate may exceed the GPU's
+data-sheet peak (``check_rates``). Collectives are alpha-beta lines per GPU count. Fits are
+weighted least squares on relative error. Without measurements for a GPU, a roofline from its
+data sheet with stated default efficiencies is used.
 """
 
 from __future__ import annotations
@@ -109,7 +113,8 @@ def _stream_bytes(model: ModelSpec, mbs, seq) -> float:
 
 
 def _profile_op_work(model: ModelSpec, profile_op: str, mbs: int, seq: int, tp: int) -> tuple[float, float]:
-    """Work of a profiled op: FLOPs for GEMMs, bytes otherwise; (forward, backward)."""
+    """Work of a profiled op: FLOPs for GEMMs, bytes otherwise; (forward, backward). A weight
+    GEMM's backward work is one of its two backward GEMMs (the forward's FLOPs)."""
     if profile_op == FRAMEWORK_OP:
         return _stream_bytes(model, mbs, seq), _stream_bytes(model, mbs, seq)
     names = LAYER_OPS[profile_op]
@@ -119,7 +124,7 @@ def _profile_op_work(model: ModelSpec, profile_op: str, mbs: int, seq: int, tp: 
             flops, fb, bb = fn(mbs, seq, tp)
             compute = kind in COMPUTE_KINDS
             fwd += flops if compute else fb
-            bwd += 2 * flops if compute else bb
+            bwd += (flops if kind == "gemm" else 2 * flops) if compute else bb
     return fwd, bwd
 
 
@@ -132,18 +137,25 @@ class RuntimeModel:
 
     # ---- per-layer times
 
-    def layer_times(self, model: ModelSpec, mbs, seq, tp, sequence_parallel: bool = False):
-        """Forward and backward compute seconds of one layer on one TP rank (no communication)."""
+    def layer_times(
+        self, model: ModelSpec, mbs, seq, tp, sequence_parallel: bool = False, weight_gradients: bool = True
+    ):
+        """Forward and backward compute seconds of one layer on one TP rank (no communication).
+        ``weight_gradients=False``: without the weight-gradient GEMMs (to compare with profiles
+        that did not time them)."""
         fwd = bwd = 0.0
         kinds = {n: c for op, c in OP_CLASS.items() for n in LAYER_OPS.get(op, ())}
         for name, kind, fn in op_features(model, sequence_parallel):
             flops, fb, bb = fn(mbs, seq, tp)
             cls = kinds.get(name, "gemm" if kind in COMPUTE_KINDS else _memory_class(kind))
             f_line, b_line = self.curve(cls)
-            compute = kind in COMPUTE_KINDS
-            bwd_work = flops * (2.5 if kind == "attention" else 2.0) if compute else bb
-            fwd = fwd + f_line(flops if compute else fb)
-            bwd = bwd + b_line(bwd_work)
+            fwd = fwd + f_line(flops if kind in COMPUTE_KINDS else fb)
+            if kind == "gemm":  # input gradient, and weight gradient: each the forward's FLOPs
+                bwd = bwd + b_line(flops) * (2 if weight_gradients else 1)
+            elif kind in COMPUTE_KINDS:
+                bwd = bwd + b_line(flops * (2.5 if kind == "attention" else 2.0))
+            else:
+                bwd = bwd + b_line(bb)
         if "framework" in self.curves:  # measured by `mist profile` only (none for the shipped GPUs)
             f_line, b_line = self.curves["framework"]
             fwd, bwd = (
@@ -151,6 +163,10 @@ class RuntimeModel:
                 bwd + b_line(_stream_bytes(model, mbs, seq)),
             )
         return fwd, bwd
+
+    def gemm_backward(self, flops):
+        """Backward of a weight GEMM of ``flops`` forward FLOPs: input and weight gradients."""
+        return 2 * self.curve("gemm")[1](flops)
 
     def curve(self, cls: str) -> tuple[Line, Line]:
         if cls in self.curves:
@@ -226,12 +242,17 @@ def roofline_model(gpu: str) -> RuntimeModel:
 def fit_runtime_model(profiles: list[LayerProfile], collectives: dict, gpu: str, source: str) -> RuntimeModel:
     """Fit every op class's curves (forward and backward) and every collective's line."""
     samples: dict[tuple[str, int], tuple[list[float], list[float]]] = {}
+    l2 = GPUS[gpu].l2 if gpu in GPUS else 0
     for p in best_algo(profiles):
         model = p.model
         for op, (fwd_s, bwd_s) in p.ops.items():
             if op not in OP_CLASS:
                 continue
             work = _profile_op_work(model, op, p.mbs, model.seq, p.tp)
+            if OP_CLASS[op] not in COMPUTE_KINDS and OP_CLASS[op] != "framework" and work[0] <= l2:
+                continue  # its data fit in L2: it timed the cache, not the HBM a bandwidth line is for
+            if OP_CLASS[op] == "gemm" and p.weight_gradients:
+                bwd_s = bwd_s / 2  # the two backward GEMMs timed together: one of them
             for direction, seconds in enumerate((fwd_s, bwd_s)):
                 if p.tp > 1 and p.tp_comm_inside and (op, direction) in COMM_INSIDE:
                     continue
@@ -242,7 +263,31 @@ def fit_runtime_model(profiles: list[LayerProfile], collectives: dict, gpu: str,
     for cls in sorted({c for c, _ in samples}):
         curves[cls] = tuple(_fit_or_constant(*samples[(cls, d)]) for d in (0, 1))
     lines = {f"{kind}/{n}": fit_line(*zip(*rows, strict=True)) for (kind, n), rows in collectives.items()}
-    return RuntimeModel(gpu, curves, lines, source)
+    model = RuntimeModel(gpu, curves, lines, source)
+    check_rates(model)
+    return model
+
+
+class RateAbovePeakError(ValueError):
+    """A fitted rate the GPU cannot reach: the data or its reading is wrong."""
+
+
+def check_rates(model: RuntimeModel) -> None:
+    """Every fitted compute rate within the data-sheet FLOP/s peak, every memory-bound one within
+    the HBM bandwidth (the ``cpu`` device has nominal numbers only: not checked)."""
+    spec = GPUS.get(model.gpu)
+    if spec is None or model.gpu == "cpu":
+        return
+    for cls, lines in model.curves.items():
+        if cls == "framework":
+            continue
+        peak, unit = (spec.flops, "FLOP/s") if cls in COMPUTE_KINDS else (spec.hbm_bw, "B/s")
+        for direction, line in zip(("forward", "backward"), lines, strict=True):
+            if np.isfinite(line.rate) and line.rate > peak:
+                raise RateAbovePeakError(
+                    f"{model.source}: {cls} {direction} fitted at {line.rate:.3g} {unit}, above "
+                    f"{model.gpu}'s data-sheet peak {peak:.3g} {unit}"
+                )
 
 
 def _fit_or_constant(work, seconds) -> Line:
@@ -256,7 +301,7 @@ def _fit_or_constant(work, seconds) -> Line:
 def predicted_layer_seconds(rm: RuntimeModel, p: LayerProfile) -> float:
     """A profiled layer's forward + backward as the model predicts it, TP all-reduces included."""
     model = p.model
-    fwd, bwd = rm.layer_times(model, p.mbs, model.seq, p.tp)
+    fwd, bwd = rm.layer_times(model, p.mbs, model.seq, p.tp, weight_gradients=p.weight_gradients)
     comm = 0.0
     if p.tp > 1 and p.tp_comm_inside:
         message = p.mbs * model.seq * model.hidden * 2

@@ -267,6 +267,7 @@ def write_profiles(
         "sizes": {size: [hidden, 1, heads]},
         "device": device,
         "dtype": str(dtype),
+        "weight_gradients": True,  # autograd times a linear layer's input and weight gradients together
     }
     (out / "profile.json").write_text(json.dumps(meta, indent=1))
     written = []

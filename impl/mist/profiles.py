@@ -10,7 +10,7 @@ from __future__ import annotations
 import csv
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from .specs import ModelSpec
@@ -18,9 +18,11 @@ from .specs import ModelSpec
 # The Mist artifact's measured GPU data, vendored in the repository (see data/README.md).
 ARTIFACT_DATA = Path(__file__).resolve().parents[2] / "data" / "mist-artifact"
 
-# The profiled models' shapes by file-name size (GPT-3 style, vocab 50304, no bias).
+# The profiled models' shapes by file-name size (GPT-3 style, vocab 50304, no bias). The 1.3B
+# profiles are 32-head: their attention-score tensors are 256 MiB at micro-batch 1, seq 2048
+# (heads x seq^2 x 2 bytes), though Mist's own GPT-3 1.3B configuration has 16 heads.
 PROFILED_SIZES = {
-    "1_3B": (2048, 24, 16),
+    "1_3B": (2048, 24, 32),
     "2_6B": (2560, 32, 32),
     "6_7B": (4096, 32, 32),
     "13B": (5120, 40, 40),
@@ -78,6 +80,9 @@ class LayerProfile:
     shape: tuple[int, int, int]  # hidden, layers, heads
     seq: int
     tp_comm_inside: bool = True  # TP all-reduces measured inside the ops (Megatron runs; not `mist profile`)
+    # Whether a weight GEMM's backward column holds both of its GEMMs (input and weight gradient)
+    # or the input gradient's alone (backward_has_weight_gradients tells from the data).
+    weight_gradients: bool = True
 
     @property
     def model(self) -> ModelSpec:
@@ -102,11 +107,36 @@ def profile_meta(gpu_dir: Path) -> dict:
             "seq": d["seq"],
             "sizes": sizes,
             "tp_comm_inside": d.get("tp_comm_inside", False),
+            # autograd's backward of a linear layer computes both gradients
+            "weight_gradients": d.get("weight_gradients", True),
         }
     if gpu_dir.name in PROFILE_GPU:
         return {"gpu": PROFILE_GPU[gpu_dir.name], "seq": PROFILE_SEQ[gpu_dir.name], "sizes": PROFILED_SIZES,
                 "tp_comm_inside": True}  # fmt: skip
     return {}
+
+
+WEIGHT_GEMMS = ("enc-attention-qkv", "enc-attention-dense", "enc-MLP-GEMM-1", "enc-MLP-GEMM-2")
+
+
+def backward_has_weight_gradients(ops_per_profile: list[dict[str, tuple[float, float]]]) -> bool:
+    """Whether the backward times of weight GEMMs include the weight-gradient GEMM.
+
+    A weight GEMM's backward is two GEMMs of the forward's FLOPs (input gradient, weight
+    gradient), so it takes about twice the forward when both are timed. In the Mist artifact's
+    A10G profiles it does (median backward/forward 1.9-2.0); in the L4, A100 and V100 ones it is
+    0.7-0.9, which would need backward GEMMs faster than the data-sheet peak (A100: 555 TFLOP/s
+    against 312): those columns timed the input gradient alone (the weight gradient is computed
+    elsewhere, e.g. by Megatron's fused gradient accumulation). Decided from the median ratio over
+    every weight GEMM of every profile: above 1.4, both.
+    """
+    ratios = sorted(
+        ops[op][1] / ops[op][0]
+        for ops in ops_per_profile
+        for op in WEIGHT_GEMMS
+        if op in ops and ops[op][0] > 0
+    )
+    return not ratios or ratios[len(ratios) // 2] > 1.4
 
 
 def read_layer_profiles(gpu_dir: Path) -> list[LayerProfile]:
@@ -135,7 +165,11 @@ def read_layer_profiles(gpu_dir: Path) -> list[LayerProfile]:
                 meta["tp_comm_inside"],
             )
         )
-    return out
+    if "weight_gradients" in meta:  # `mist profile` says what it timed
+        wgrad = meta["weight_gradients"]
+    else:
+        wgrad = backward_has_weight_gradients([p.ops for p in out if p.tp == 1] or [p.ops for p in out])
+    return [replace(p, weight_gradients=wgrad) for p in out]
 
 
 def best_algo(profiles: list[LayerProfile]) -> list[LayerProfile]:

@@ -114,7 +114,7 @@ def _layer_numbers(st: Setting) -> LayerNumbers:
     )
     comm_b = comm_f + coll("all_gather", float(c["tp_all_gather"]) / 2, t, st.cluster) * 2
     head = {k: value(expr, m, b, m.seq, t) for k, expr in head_costs(m).items()}
-    gemm_f, gemm_b = st.runtime.curve("gemm")
+    gemm_f = st.runtime.curve("gemm")[0]
     tokens = b * m.seq
     return LayerNumbers(
         fwd=float(fwd) + float(comm_f),
@@ -126,7 +126,7 @@ def _layer_numbers(st: Setting) -> LayerNumbers:
         tp_comm_fwd=float(comm_f),
         p2p_bytes=2.0 * tokens * m.hidden / (t if st.sequence_parallel else 1),
         head_fwd=float(gemm_f(head["head_flops_fwd"])),
-        head_bwd=float(gemm_b(head["head_flops_bwd"])),
+        head_bwd=float(st.runtime.gemm_backward(head["head_flops_fwd"])),
         head_saved=head["head_saved_bytes"],
         embed_params=head["embed_params"],
     )

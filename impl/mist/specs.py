@@ -30,6 +30,7 @@ class ModelSpec:
     ffn: int | None = None  # default: 4h (gpt3, falcon); 8h/3 rounded up to 256 (llama)
     kv_heads: int | None = None  # default: heads (multi-head attention)
     flash: bool = True  # FlashAttention: no s x s matrices kept or materialised
+    dropout: float = 0.1  # hidden and attention dropout (Megatron's default); llama presets: 0
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHS:
@@ -41,6 +42,8 @@ class ModelSpec:
             raise ValueError(f"hidden ({self.hidden}) must be a multiple of heads ({self.heads})")
         if self.heads % self.kv:
             raise ValueError(f"heads ({self.heads}) must be a multiple of kv_heads ({self.kv})")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
 
     @property
     def ffn_hidden(self) -> int:
@@ -69,14 +72,19 @@ _SIZES = {  # the Mist paper's model sizes: hidden, layers, heads
     "13b": (5120, 40, 40),
     "22b": (6144, 48, 64),
 }
+# Llama trains without dropout; GPT-3 and Falcon presets keep Megatron's default 0.1.
+_DROPOUT = {"gpt3": 0.1, "llama": 0.0, "falcon": 0.1}
 MODELS: dict[str, ModelSpec] = {
-    f"{arch}-{size}": ModelSpec(f"{arch}-{size}", arch, h, n, a)
+    f"{arch}-{size}": ModelSpec(f"{arch}-{size}", arch, h, n, a, dropout=_DROPOUT[arch])
     for arch in ARCHS
     for size, (h, n, a) in _SIZES.items()
 }
 # Tiny shapes that megatron-core trains on a CPU in seconds (mist.run tests, CPU checks)
 MODELS.update(
-    {f"{arch}-tiny": ModelSpec(f"{arch}-tiny", arch, 64, 4, 4, vocab=256, seq=32) for arch in ARCHS}
+    {
+        f"{arch}-tiny": ModelSpec(f"{arch}-tiny", arch, 64, 4, 4, vocab=256, seq=32, dropout=_DROPOUT[arch])
+        for arch in ARCHS
+    }
 )
 
 
@@ -87,6 +95,7 @@ class GpuSpec:
     memory: int  # bytes
     hbm_bw: float  # bytes/s
     host_bw: float  # host <-> device (PCIe) bytes/s per direction, spec
+    l2: int  # bytes of L2 cache: memory-bound ops whose data fits there run faster than hbm_bw
 
 
 @dataclass(frozen=True)
@@ -115,17 +124,18 @@ class ClusterSpec:
 
 
 GiB = 1 << 30
+MiB = 1 << 20
 GB = 1e9
 # Peak numbers are the vendors' data-sheet values (dense, no sparsity).
 GPUS: dict[str, GpuSpec] = {
-    "l4": GpuSpec("l4", 121e12, 24 * GiB, 300 * GB, 32 * GB),
-    "a10g": GpuSpec("a10g", 125e12, 24 * GiB, 600 * GB, 32 * GB),
-    "v100": GpuSpec("v100", 125e12, 32 * GiB, 900 * GB, 16 * GB),
-    "a100-40gb": GpuSpec("a100-40gb", 312e12, 40 * GiB, 1555 * GB, 32 * GB),
-    "h100": GpuSpec("h100", 989e12, 80 * GiB, 3350 * GB, 64 * GB),
-    "h200": GpuSpec("h200", 989e12, 141 * GB, 4800 * GB, 64 * GB),
+    "l4": GpuSpec("l4", 121e12, 24 * GiB, 300 * GB, 32 * GB, 48 * MiB),
+    "a10g": GpuSpec("a10g", 125e12, 24 * GiB, 600 * GB, 32 * GB, 6 * MiB),
+    "v100": GpuSpec("v100", 125e12, 32 * GiB, 900 * GB, 16 * GB, 6 * MiB),
+    "a100-40gb": GpuSpec("a100-40gb", 312e12, 40 * GiB, 1555 * GB, 32 * GB, 40 * MiB),
+    "h100": GpuSpec("h100", 989e12, 80 * GiB, 3350 * GB, 64 * GB, 50 * MiB),
+    "h200": GpuSpec("h200", 989e12, 141 * GB, 4800 * GB, 64 * GB, 50 * MiB),
     # this machine's CPU as a "device" for mist.run checks: nominal rates (use `mist profile`)
-    "cpu": GpuSpec("cpu", 1e11, 16 * GiB, 20 * GB, 20 * GB),
+    "cpu": GpuSpec("cpu", 1e11, 16 * GiB, 20 * GB, 20 * GB, 32 * MiB),
 }
 # Links: NVLink bus bandwidth per GPU, or PCIe where a GPU has no NVLink; inter-node by NIC.
 _LINKS = {

@@ -67,12 +67,21 @@ class Tracer:
         self.ops: list[Op] = []
         self.tp, self.sp = tp, sp_
 
-    def op(self, name, kind, flops, ins: list[Sym], outs: list[Sym], saved: list[Sym], bwd_scale=2.0):
+    def op(self, name, kind, flops, ins: list[Sym], outs: list[Sym], saved: list[Sym], bwd_scale=2.0,
+           fwd_bytes=None, bwd_bytes=None):  # fmt: skip
+        """``fwd_bytes``/``bwd_bytes`` override what the op moves (default: its inputs and outputs
+        forward, ``bwd_scale`` times that backward) where its kernel is known to move otherwise."""
         moved = sum((x.nbytes for x in ins + outs), sp.Integer(0))
         working = sum((x.nbytes for x in ins + outs if not x.weight and x.itemsize != MASK), sp.Integer(0))
-        self.ops.append(
-            Op(name, kind, sp.sympify(flops), moved, sp.nsimplify(bwd_scale) * moved, saved, working)
-        )
+        fwd = moved if fwd_bytes is None else sp.sympify(fwd_bytes)
+        bwd = sp.nsimplify(bwd_scale) * moved if bwd_bytes is None else sp.sympify(bwd_bytes)
+        self.ops.append(Op(name, kind, sp.sympify(flops), fwd, bwd, saved, working))
+
+    def elementwise(self, name: str, flops, ins: list[Sym], outs: list[Sym], saved: list[Sym]) -> None:
+        """An activation-like op; its backward reads the outputs' gradients and what it saved and
+        writes the inputs' gradients."""
+        bwd = sum((x.nbytes for x in outs + saved + ins), sp.Integer(0))
+        self.op(name, "act", flops, ins, outs, saved, bwd_bytes=bwd)
 
     def comm(self, name: str, collective: str, x: Sym, y: Sym) -> None:
         self.op(name, "comm", 0, [x], [y], [])
@@ -117,7 +126,8 @@ class Tracer:
 
     def add(self, name: str, x: Sym, y: Sym) -> Sym:
         z = Sym(x.shape)
-        self.op(name, "add", x.numel, [x, y], [z], [], bwd_scale=1)
+        # backward moves nothing: both inputs receive the output's gradient tensor itself
+        self.op(name, "add", x.numel, [x, y], [z], [], bwd_scale=0)
         return z
 
     def reduce_out(self, name: str, x: Sym) -> Sym:
@@ -137,7 +147,12 @@ class Tracer:
         scores = Sym((bb, heads, ss, ss))
         self.op("attention-score", "bmm", 2 * bb * heads * ss * ss * d, [q, k], [scores], [q, k])
         probs = Sym(scores.shape)
-        self.op("attention-softmax", "softmax", 5 * scores.numel, [scores], [probs], [probs], bwd_scale=1.5)
+        # Causal: Megatron's fused upper-triangular softmax reads only the unmasked half of its
+        # input (and, backward, of the output's gradient and the probabilities) and writes all
+        # of its output (zeros above the diagonal).
+        half, full = scores.nbytes / 2, scores.nbytes
+        self.op("attention-softmax", "softmax", 5 * scores.numel, [scores], [probs], [probs],
+                fwd_bytes=half + full, bwd_bytes=half + half + full)  # fmt: skip
         dropped = self.dropout("attention-dropout", probs, dropout)
         self.op("attention-context", "bmm", 2 * bb * heads * ss * ss * d, [dropped, vv], [out], [dropped, vv])
         return out
@@ -147,14 +162,14 @@ class Tracer:
             gate = self.linear("mlp-gate", x, f / t)
             up = self.linear("mlp-up", x, f / t)
             act = Sym(gate.shape)
-            self.op("mlp-silu", "act", 5 * gate.numel, [gate], [act], [gate])
+            self.elementwise("mlp-silu", 5 * gate.numel, [gate], [act], [gate])
             prod = Sym(gate.shape)
-            self.op("mlp-mul", "act", gate.numel, [act, up], [prod], [act, up])
+            self.elementwise("mlp-mul", gate.numel, [act, up], [prod], [act, up])
             y = self.linear("mlp-down", prod, h)
         else:
             up = self.linear("mlp-gemm-1", x, f / t)
             act = Sym(up.shape)
-            self.op("mlp-gelu", "act", 8 * up.numel, [up], [act], [up])
+            self.elementwise("mlp-gelu", 8 * up.numel, [up], [act], [up])
             y = self.linear("mlp-gemm-2", act, h)
         return y
 
@@ -163,7 +178,7 @@ def trace_layer(model: ModelSpec, sequence_parallel: bool = False) -> list[Op]:
     """The ops of one transformer layer of ``model`` on one TP rank, symbolic in (b, s, t, ...)."""
     tr = Tracer(sp_=sequence_parallel)
     rms = model.arch == "llama"
-    dropout = model.arch != "llama"
+    dropout = model.dropout > 0
     d = h / a
     x = tr.stream()
 
@@ -264,7 +279,6 @@ def head_costs(model: ModelSpec) -> dict[str, sp.Expr]:
     return {
         "embed_params": v * h / t + (h * s if model.arch == "gpt3" else 0),
         "head_flops_fwd": 2 * b * s * h * v / t,
-        "head_flops_bwd": 4 * b * s * h * v / t,
         # final-norm input, head input, fp32 logits for the loss (Megatron's vocab-parallel CE)
         "head_saved_bytes": 2 * b * s * h * HALF + logits * FP32,
     }

@@ -1,0 +1,19 @@
+"""`nox -s smoke` in the suite: all three systems touched end to end in a few seconds."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from measure.results import REPO_ROOT
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_smoke_passes():
+    done = subprocess.run([sys.executable, "-m", "artifacts.smoke"], capture_output=True, text=True, timeout=280,
+                          cwd=REPO_ROOT)  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.count("\nok   ") + done.stdout.startswith("ok   ") == 3
