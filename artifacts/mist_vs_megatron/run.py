@@ -8,6 +8,8 @@ Parts (results in artifacts/mist_vs_megatron/results/, git-ignored; the committe
 reference/; an interrupted run resumes when rerun):
 * calibration: the runtime model's held-out per-layer error on the Mist artifact's per-op
   profiles (data/mist-artifact), and the interference model's on its overlap benchmarks.
+* validation: ``mist validate``: the measured end-to-end runs (data/mist-artifact/measured-runs)
+  predicted exactly as they ran; iteration time and per-stage memory errors.
 * comparison: per case (cluster, model, FlashAttention) each system's plan, predicted
   iteration time, memory per stage and tuning time; Mist's plan also as Megatron-LM arguments
   with what Megatron-LM cannot express.
@@ -33,7 +35,7 @@ from ..experiment import add_run_arguments, experiment_run
 from . import EXPERIMENT
 from .engine import CPU_ENGINE, print_engine, run_engine
 
-PARTS = ("calibration", "comparison", "ablation", "engine")
+PARTS = ("calibration", "validation", "comparison", "ablation", "engine")
 SIZES = [("1.3b", 2, 32), ("2.7b", 4, 64), ("7b", 8, 128), ("13b", 16, 256), ("22b", 32, 512)]  # GPUs, batch
 CLUSTERS = {"l4": 2048, "a100-40gb": 4096}  # GPU -> sequence length (the paper's settings)
 ARCHS = ("gpt3", "llama", "falcon")
@@ -196,6 +198,17 @@ def run_calibration(run: Run) -> Results:
     return store.this_run()
 
 
+def run_validation(run: Run) -> Results:
+    from mist.validate import load_measured_runs, report, validate
+
+    store = run.file("validation.json", config={"runs": "data/mist-artifact/measured-runs"})
+    for row in report(validate(load_measured_runs()))["runs"]:
+        store.compute({"run": row["run"], "source": row["source"]}, lambda row=row: row)
+        memory = ", ".join(f"{e:+.1%}" for e in row["memory_errors"]) or "not measured"
+        print(f"  {row['run']}: time {row['time_error']:+.1%}, memory per stage {memory}")
+    return store.this_run()
+
+
 def speedups(store: Results, versus: str) -> dict[str, list[float]]:
     """Per GPU: Mist's speedup over ``versus`` on every case both could plan."""
     out: dict[str, list[float]] = {}
@@ -225,6 +238,9 @@ def main(argv: list[str] | None = None) -> None:
         if "calibration" in args.parts:
             print("Runtime and interference models, held out:")
             run_calibration(run)
+        if "validation" in args.parts:
+            print("Measured end-to-end runs, predicted as they ran:")
+            run_validation(run)
         if "comparison" in args.parts:
             cmp = run_comparison(run, FLASH[args.scale], budget, args.jobs)
         if "ablation" in args.parts:

@@ -3,6 +3,7 @@
 python -m mist plan --model gpt3-7b --gpus 8 --gpu l4 --global-batch 128 [--out plan.yaml] [--explain]
 python -m mist predict plan.yaml
 python -m mist calibrate [DATA] [--write]      (default DATA: the vendored data/mist-artifact)
+python -m mist validate [RUNS]      (default RUNS: the vendored data/mist-artifact/measured-runs)
 python -m mist list
 """
 
@@ -169,6 +170,30 @@ def cmd_profile(args) -> int:
     return 0
 
 
+def cmd_validate(args) -> int:
+    from .validate import MEASURED_RUNS, load_measured_runs, report, summary, table, validate
+
+    try:
+        rows = validate(load_measured_runs(args.runs or MEASURED_RUNS))
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(report(rows), indent=1))
+        return 0
+    print(table(rows))
+    for source, r in summary(rows).items():
+        memory = ""
+        if "mean_abs_memory_error" in r:
+            worst = r["max_abs_memory_error"]
+            memory = f", memory mean |error| {r['mean_abs_memory_error']:.1%} (worst {worst:.1%})"
+        print(
+            f"{source}: {r['runs']} runs, time mean |error| {r['mean_abs_time_error']:.1%} "
+            f"(worst {r['max_abs_time_error']:.1%}, mean signed {r['mean_time_error']:+.1%}){memory}"
+        )
+    return 0
+
+
 def cmd_list(_args) -> int:
     print("models:", ", ".join(MODELS))
     print("GPUs:  ", ", ".join(GPUS))
@@ -223,6 +248,15 @@ def main(argv: list[str] | None = None) -> int:
         help="also benchmark all-reduce/all-gather/reduce-scatter among N local processes",
     )  # fmt: skip
     p.set_defaults(fn=cmd_profile)
+    p = sub.add_parser("validate", help="predict measured end-to-end runs and report the errors")
+    p.add_argument(
+        "runs",
+        nargs="?",
+        default=None,
+        help="a folder of measured runs (default: data/mist-artifact/measured-runs)",
+    )
+    p.add_argument("--json", action="store_true", help="the report as JSON")
+    p.set_defaults(fn=cmd_validate)
     p = sub.add_parser("list", help="list the model and GPU presets")
     p.set_defaults(fn=cmd_list)
     args = ap.parse_args(argv)

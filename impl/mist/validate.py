@@ -1,0 +1,226 @@
+"""Predictions against measured end-to-end runs: the accuracy report of the cost model.
+
+``python -m mist validate [DIR]`` reads every measured run in ``DIR`` (default: the vendored
+``data/mist-artifact/measured-runs``), rebuilds the exact plan that ran, predicts it with the
+shipped presets, and reports predicted vs measured iteration time and per-stage peak memory.
+Nothing is fitted to these runs: they only check the model (see data/README.md).
+
+Two formats are read (both described in the folder's README):
+
+* ``mist-*.json``: plans tuned by Mist (``cases``): layers, recomputed layers and the strategy
+  tuple (micro_batch, dp, tp, zero_weights, zero_grads, zero_opt, offload_w, offload_g,
+  offload_opt, offload_act) per stage, measured time and per-stage peak allocated MiB.
+* ``megatron-*.json``: Megatron-LM runs in Aceso's format (``runs``): operators per stage (13 per
+  layer, + the embedding on the first stage, + final norm and head on the last), full
+  recomputation per stage, measured time only. Megatron-LM's defaults apply where the record is
+  silent: dropout 0.1, no FlashAttention, 16-bit model with fp32 Adam.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+from .plan import Plan, StagePlan
+from .profiles import ARTIFACT_DATA
+from .specs import ClusterSpec, ModelSpec, cluster
+
+MEASURED_RUNS = ARTIFACT_DATA / "measured-runs"
+MiB = 1 << 20
+OPS_PER_LAYER = 13  # Aceso's operators of one transformer layer
+# The measured records name GPUs their own way.
+GPU_NAMES = {"L4-24GB": "l4", "l4": "l4", "A10G": "a10g", "a10g": "a10g"}
+
+
+@dataclass(frozen=True)
+class MeasuredRun:
+    name: str
+    source: str  # the file it came from
+    model: ModelSpec
+    cluster: ClusterSpec
+    plan: Plan
+    iteration_s: float
+    stage_memory_bytes: tuple[float, ...] | None  # peak allocated per stage, when measured
+    notes: str = ""
+
+
+@dataclass(frozen=True)
+class Validation:
+    run: MeasuredRun
+    predicted_s: float
+    simulated_s: float
+    predicted_memory_bytes: tuple[float, ...]
+
+    @property
+    def time_error(self) -> float:
+        return self.simulated_s / self.run.iteration_s - 1
+
+    @property
+    def memory_errors(self) -> tuple[float, ...]:
+        if self.run.stage_memory_bytes is None:
+            return ()
+        pairs = zip(self.predicted_memory_bytes, self.run.stage_memory_bytes, strict=True)
+        return tuple(p / m - 1 for p, m in pairs)
+
+
+def _gpu(name: str, path: Path) -> str:
+    if name not in GPU_NAMES:
+        raise ValueError(f"{path}: GPU {name!r} unknown; known: {', '.join(sorted(GPU_NAMES))}")
+    return GPU_NAMES[name]
+
+
+def _mist_cases(data: dict, path: Path) -> list[MeasuredRun]:
+    out = []
+    for case in data["cases"]:
+        m, plan, gpu = case["model"], case["plan"], _gpu(case["gpu"], path)
+        strategies = plan["stage_strategies"]
+        micro, dp, tp = strategies[0][:3]
+        if any(tuple(s[:3]) != (micro, dp, tp) for s in strategies) or tuple(plan["pre_post"][:3]) != (
+            micro,
+            dp,
+            tp,
+        ):
+            raise ValueError(
+                f"{path}: {case['case']}: stages with their own micro-batch/DP/TP are not read yet"
+            )
+        stages = []
+        for layers, recompute, s in zip(plan["layers_per_stage"], plan["checkpointed_layers_per_stage"],
+                                        strategies, strict=True):  # fmt: skip
+            zero = 3 if s[3] else 2 if s[4] else 1 if s[5] else 0
+            stages.append(StagePlan(layers, recompute, zero, *map(float, s[6:10])))
+        model = ModelSpec(
+            f"gpt3-{case['case']}", "gpt3", m["hidden"], m["layers"], m["heads"], m["vocab"], m["seq"],
+            ffn=m["ffn"], flash=m["flash_attn"], dropout=m["dropout"],
+        )  # fmt: skip
+        gpus = case["nodes"] * case["gpus_per_node"]
+        p = Plan(model.name, gpu, gpus, case["gpus_per_node"], case["global_batch"], tp, dp, micro, stages,
+                 sequence_parallel=False)  # fmt: skip
+        if p.grad_accum != plan["grad_accum_steps"]:
+            raise ValueError(
+                f"{path}: {case['case']}: gradient accumulation {plan['grad_accum_steps']} does not match "
+                f"global batch / (dp x micro-batch) = {p.grad_accum}"
+            )
+        memory = tuple(mib * MiB for mib in case["measured"]["stage_peak_allocated_MB"])
+        out.append(MeasuredRun(case["case"], path.name, model, cluster(gpu, gpus, case["gpus_per_node"]), p,
+                               case["measured"]["iteration_s"], memory))  # fmt: skip
+    return out
+
+
+def _megatron_runs(data: dict, path: Path) -> list[MeasuredRun]:
+    out = []
+    for run in data["runs"]:
+        gpu, stages_n = _gpu(run["gpu"], path), run["num_stages"]
+        if set(run["tp_first_op_per_stage"]) != {1} or set(run["dp_first_op_per_stage"]) != {1}:
+            raise ValueError(f"{path}: {run['config']}: TP/DP > 1 is not read yet")
+        stages = []
+        for i, (ops, ckpt) in enumerate(
+            zip(run["ops_per_stage"], run["checkpoint_activations"], strict=True)
+        ):
+            extra = (1 if i == 0 else 0) + (2 if i == stages_n - 1 else 0)  # embedding; final norm + head
+            layers, rest = divmod(ops - extra, OPS_PER_LAYER)
+            if rest:
+                raise ValueError(
+                    f"{path}: {run['config']}: stage {i} holds {ops} operators, not whole layers"
+                )
+            stages.append(StagePlan(layers, layers if ckpt else 0))
+        model = ModelSpec(
+            f"gpt3-{run['model_size']}", "gpt3", run["hidden_size"], run["num_layers"],
+            run["num_attention_heads"], seq=run["seq_length"], flash=False, dropout=0.1,
+        )  # fmt: skip
+        gpus = sum(run["num_gpus"])
+        plan = Plan(model.name, gpu, gpus, 8, run["global_batch_size"], 1, 1, run["micro_batch_size"], stages,
+                    sequence_parallel=False)  # fmt: skip
+        seconds = statistics.fmean(run["measured_iteration_ms"]) / 1e3
+        out.append(MeasuredRun(run["config"], path.name, model, cluster(gpu, gpus, 8), plan, seconds, None,
+                               "Megatron-LM defaults assumed: dropout 0.1, no FlashAttention"))  # fmt: skip
+    return out
+
+
+def load_measured_runs(folder: str | Path = MEASURED_RUNS) -> list[MeasuredRun]:
+    """Every measured run in ``folder``; a file that is neither format is a clear error."""
+    folder = Path(folder)
+    files = sorted(folder.glob("*.json"))
+    if not files:
+        raise ValueError(f"{folder}: no measured runs (*.json) here")
+    out = []
+    for path in files:
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"{path}: not readable as JSON ({e})") from None
+        if not isinstance(data, dict) or not ({"cases", "runs"} & set(data)):
+            raise ValueError(f"{path}: neither measured-run format (expected a 'cases' or 'runs' list)")
+        try:
+            out += _mist_cases(data, path) if "cases" in data else _megatron_runs(data, path)
+        except KeyError as e:
+            raise ValueError(
+                f"{path}: a record lacks {e} (see data/mist-artifact/measured-runs/README.md)"
+            ) from None
+        except (TypeError, IndexError) as e:
+            raise ValueError(f"{path}: a record is malformed ({e})") from None
+    return out
+
+
+def validate(runs: list[MeasuredRun]) -> list[Validation]:
+    from .planner import predict
+
+    out = []
+    for run in runs:
+        plan = predict(run.plan, run.model, run.cluster)
+        memory = tuple(s.memory_gib * 2**30 for s in plan.stages)
+        out.append(Validation(run, plan.predicted_iteration_s, plan.simulated_iteration_s, memory))
+    return out
+
+
+def summary(rows: list[Validation]) -> dict[str, dict[str, float]]:
+    """Per source file: mean and worst |time error|, mean |memory error| (where measured)."""
+    out = {}
+    for source in sorted({r.run.source for r in rows}):
+        mine = [r for r in rows if r.run.source == source]
+        times = [abs(r.time_error) for r in mine]
+        memory = [abs(e) for r in mine for e in r.memory_errors]
+        out[source] = {
+            "runs": len(mine),
+            "mean_abs_time_error": statistics.fmean(times),
+            "max_abs_time_error": max(times),
+            "mean_time_error": statistics.fmean(r.time_error for r in mine),
+        }
+        if memory:
+            out[source]["mean_abs_memory_error"] = statistics.fmean(memory)
+            out[source]["max_abs_memory_error"] = max(memory)
+    return out
+
+
+def report(rows: list[Validation]) -> dict:
+    """Every run's prediction and errors, and the summary: ``mist validate --json``'s schema."""
+    runs = [
+        {
+            "run": r.run.name,
+            "source": r.run.source,
+            "measured_s": r.run.iteration_s,
+            "predicted_s": r.simulated_s,
+            "time_error": r.time_error,
+            "measured_stage_memory_bytes": r.run.stage_memory_bytes,
+            "predicted_stage_memory_bytes": r.predicted_memory_bytes,
+            "memory_errors": r.memory_errors,
+            "notes": r.run.notes,
+        }
+        for r in rows
+    ]
+    return {"runs": runs, "summary": summary(rows)}
+
+
+def table(rows: list[Validation]) -> str:
+    head = f"{'run':<52} {'measured s':>10} {'predicted s':>11} {'error':>7}"
+    lines = [f"{head}  memory per stage: measured -> predicted GiB (error)"]
+    for r in rows:
+        measured = r.run.stage_memory_bytes
+        mem = "not measured"
+        if measured is not None:
+            pairs = zip(measured, r.predicted_memory_bytes, r.memory_errors, strict=True)
+            mem = ", ".join(f"{m / 2**30:.1f} -> {p / 2**30:.1f} ({e:+.0%})" for m, p, e in pairs)
+        row = f"{r.run.name[:52]:<52} {r.run.iteration_s:>10.2f} {r.simulated_s:>11.2f} {r.time_error:>+7.1%}"
+        lines.append(f"{row}  {mem}")
+    return "\n".join(lines)

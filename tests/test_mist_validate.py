@@ -1,0 +1,85 @@
+"""`mist validate`: the measured end-to-end runs read as the plans that ran, predicted, compared."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from mist.__main__ import main
+from mist.validate import MEASURED_RUNS, load_measured_runs, report, validate
+
+
+def test_measured_runs_are_read_as_the_plans_that_ran():
+    runs = load_measured_runs()
+    assert {r.source for r in runs} == {"mist-l4.json", "megatron-a10g.json"} and len(runs) == 5
+    for r in runs:
+        r.plan.check()
+        assert sum(s.layers for s in r.plan.stages) == r.model.layers
+        assert r.plan.gpus == r.cluster.gpus and r.iteration_s > 0
+    l4 = [r for r in runs if r.source == "mist-l4.json"]
+    assert all(r.model.dropout == 0.0 and r.model.heads == 16 and len(r.stage_memory_bytes) == 2 for r in l4)
+    assert [s.layers for s in l4[0].plan.stages] == [13, 11] and l4[0].plan.grad_accum == 32
+    a10g = next(r for r in runs if r.name.startswith("gpt_2_6B"))  # 105/104/104/106 operators: 8 layers each
+    assert [(s.layers, s.recompute) for s in a10g.plan.stages] == [(8, 8)] * 4
+
+
+def test_every_run_is_predicted_and_the_errors_are_what_they_say():
+    rows = validate(load_measured_runs())
+    for r in rows:
+        assert r.simulated_s > 0 and r.time_error == pytest.approx(r.simulated_s / r.run.iteration_s - 1)
+        if r.run.stage_memory_bytes:
+            for e, p, m in zip(
+                r.memory_errors, r.predicted_memory_bytes, r.run.stage_memory_bytes, strict=True
+            ):
+                assert e == pytest.approx(p / m - 1)
+    out = report(rows)
+    assert set(out["summary"]) == {"mist-l4.json", "megatron-a10g.json"}
+    assert "mean_abs_memory_error" in out["summary"]["mist-l4.json"]
+    assert "mean_abs_memory_error" not in out["summary"]["megatron-a10g.json"]  # not measured there
+
+
+def test_validate_command(capsys):
+    assert main(["validate", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert len(data["runs"]) == 5 and {"measured_s", "predicted_s", "time_error"} <= set(data["runs"][0])
+    assert main(["validate"]) == 0
+    assert "time mean |error|" in capsys.readouterr().out
+
+
+def _copy(tmp_path, name="megatron-a10g.json"):
+    data = json.loads((MEASURED_RUNS / name).read_text())
+    return data, tmp_path / name
+
+
+@pytest.mark.parametrize(
+    "fault", ["not json", "neither format", "missing field", "partial layer", "grad accum"]
+)
+def test_broken_measured_runs_are_refused_clearly(tmp_path, fault, capsys):
+    if fault == "not json":
+        (tmp_path / "runs.json").write_text("{" + "x" * random.randint(0, 20))
+        match = "not readable as JSON"
+    elif fault == "neither format":
+        (tmp_path / "runs.json").write_text(json.dumps({"points": []}))
+        match = "neither measured-run format"
+    elif fault == "missing field":
+        data, path = _copy(tmp_path)
+        del data["runs"][random.randrange(3)]["ops_per_stage"]
+        path.write_text(json.dumps(data))
+        match = "lacks 'ops_per_stage'"
+    elif fault == "partial layer":
+        data, path = _copy(tmp_path)
+        data["runs"][0]["ops_per_stage"][0] += random.randint(1, 12)
+        path.write_text(json.dumps(data))
+        match = "not whole layers"
+    else:
+        data, path = _copy(tmp_path, "mist-l4.json")
+        data["cases"][0]["plan"]["grad_accum_steps"] += 1
+        path.write_text(json.dumps(data))
+        match = "gradient accumulation"
+    with pytest.raises(ValueError, match=match):
+        load_measured_runs(tmp_path)
+    assert main(["validate", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and str(tmp_path) in err and err.count("\n") == 1
