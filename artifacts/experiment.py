@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,6 +50,19 @@ def add_run_arguments(ap: argparse.ArgumentParser, experiment: Experiment) -> No
         "--update-reference",
         action="store_true",
         help=f"after the run, make its points the committed reference ({experiment.reference_dir})",
+    )
+
+
+def add_jobs_argument(ap: argparse.ArgumentParser) -> None:
+    """--jobs: worker processes for points that run in parallel (default: every core)."""
+
+    def positive(text: str) -> int:
+        if not text.isdigit() or int(text) < 1:
+            raise argparse.ArgumentTypeError(f"--jobs takes a positive integer, got {text!r}")
+        return int(text)
+
+    ap.add_argument(
+        "--jobs", type=positive, default=os.cpu_count() or 1, help="worker processes (default: all cores)"
     )
 
 

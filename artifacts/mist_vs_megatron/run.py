@@ -24,14 +24,13 @@ FlashAttention on and off; --scale paper gives the Aceso-style search a longer b
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 
 from measure.parallel import map_points
 from measure.results import Results, Run
 from mist.schedule import STRATEGY_FIELDS
 
-from ..experiment import add_run_arguments, experiment_run
+from ..experiment import add_jobs_argument, add_run_arguments, experiment_run
 from . import EXPERIMENT
 from .engine import CPU_ENGINE, print_engine, run_engine
 
@@ -219,17 +218,11 @@ def speedups(store: Results, versus: str) -> dict[str, list[float]]:
     return out
 
 
-def _jobs(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"--jobs takes a positive integer, got {text!r}")
-    return int(text)
-
-
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--parts", nargs="+", default=list(PARTS), choices=PARTS)
     ap.add_argument("--scale", choices=["cpu", "paper"], default="cpu")
-    ap.add_argument("--jobs", type=_jobs, default=os.cpu_count() or 1)
+    add_jobs_argument(ap)
     add_run_arguments(ap, EXPERIMENT)
     args = ap.parse_args(argv)
     budget = ACESO_BUDGET_S[args.scale]

@@ -38,7 +38,7 @@ from measure.saved import cuda_like, saved_bytes
 from tempo.maxbatch import estimator
 from tempo.models import MODELS, build_model, make_batch
 
-from ..experiment import add_run_arguments, experiment_run
+from ..experiment import add_jobs_argument, add_run_arguments, experiment_run
 from . import EXPERIMENT
 from .data import CORPORA
 from .summary import TRAIN, TRAIN_LR, TRAIN_RUNS, train_key, training_summary
@@ -350,21 +350,13 @@ def _case(text: str) -> tuple[str, int]:
     return model, int(seq)
 
 
-def _jobs(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"--jobs takes a positive integer, got {text!r}")
-    return int(text)
-
-
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parts = ["activation", "maxbatch", "training", "throughput"]
     ap.add_argument("--parts", nargs="+", default=parts, choices=parts)
     ap.add_argument("--scale", choices=["cpu", "paper"], default="cpu")
     ap.add_argument("--device", default="cpu", help="where the throughput part trains (cpu, cuda, cuda:1)")
-    ap.add_argument(
-        "--jobs", type=_jobs, default=os.cpu_count() or 1, help="worker processes (default: all cores)"
-    )
+    add_jobs_argument(ap)
     ap.add_argument(
         "--corpus",
         choices=CORPORA,
