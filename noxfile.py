@@ -135,6 +135,7 @@ def gpu_check(session: nox.Session) -> None:
         tempo_results = ROOT / "artifacts" / "tempo_bert" / "results"
         device, throughput = "cuda", GPU_THROUGHPUT
     if "tests" in parts:
+        bench.parent.mkdir(parents=True, exist_ok=True)  # pytest-benchmark does not create it
         _run(
             session, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
             "tests/test_gpu.py", "tests/test_oom.py", "tests/test_kernels.py", "tests/test_bench_ops.py",
