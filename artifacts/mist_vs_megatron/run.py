@@ -168,7 +168,8 @@ def calibration_point(profiles: str) -> dict:
     from mist.profiles import ARTIFACT_DATA
 
     r = calibrate(ARTIFACT_DATA / "gpu-op-profiles" / profiles)[profiles]
-    keep = ("gpu", "held_out_cases", "mean_abs_error", "median_abs_error", "max_abs_error")
+    keep = ("gpu", "held_out_cases", "mean_abs_error", "median_abs_error", "max_abs_error",
+            "head_mean_abs_error", "head_max_abs_error")  # fmt: skip
     return {k: r[k] for k in keep}
 
 

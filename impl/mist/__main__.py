@@ -128,6 +128,7 @@ def cmd_calibrate(args) -> int:
             f"{name}: per-layer error, {r['held_out_cases']} held-out cases: "
             f"mean {r['mean_abs_error']:.1%}, median {r['median_abs_error']:.1%}, "
             f"max {r['max_abs_error']:.1%}"
+            + (f"; head + loss mean {r['head_mean_abs_error']:.1%}" if "head_mean_abs_error" in r else "")
         )
         if args.write and r["gpu"] not in written:  # the first directory per GPU type (sorted) is the preset
             PRESETS.mkdir(exist_ok=True)

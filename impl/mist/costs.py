@@ -24,7 +24,10 @@ import numpy as np
 import sympy as sp
 
 from .profiles import (
+    EMBEDDING_OP,
+    FINAL_NORM_OP,
     FRAMEWORK_OP,
+    HEAD_OP,
     LAYER_OPS,
     LayerProfile,
     best_algo,
@@ -33,7 +36,7 @@ from .profiles import (
     read_layer_profiles,
 )
 from .specs import GPUS, ClusterSpec, ModelSpec
-from .symbolic import b, numeric, s, t, trace_layer
+from .symbolic import b, head_costs, numeric, s, t, trace_layer, value
 
 PRESETS = Path(__file__).parent / "presets"
 COMPUTE_KINDS = ("gemm", "bmm", "attention")
@@ -164,9 +167,27 @@ class RuntimeModel:
             )
         return fwd, bwd
 
-    def gemm_backward(self, flops):
-        """Backward of a weight GEMM of ``flops`` forward FLOPs: input and weight gradients."""
-        return 2 * self.curve("gemm")[1](flops)
+    def head_times(
+        self, model: ModelSpec, mbs, seq, tp, weight_gradients: bool = True
+    ) -> tuple[float, float]:
+        """Final norm + LM head GEMM + cross-entropy over the vocabulary, per micro-batch and TP rank."""
+        hc = {k: value(e, model, mbs, seq, tp) for k, e in head_costs(model).items()}
+        gemm_f, gemm_b = self.curve("gemm")
+        norm_f, norm_b = self.curve("norm")
+        loss_f, loss_b = self.curve("loss")
+        fwd = norm_f(hc["final_norm_bytes"]) + gemm_f(hc["head_flops_fwd"]) + loss_f(hc["logits_fp32_bytes"])
+        bwd = (
+            norm_b(2 * hc["final_norm_bytes"])  # a norm's backward moves twice its forward's bytes
+            + gemm_b(hc["head_flops_fwd"]) * (2 if weight_gradients else 1)
+            + loss_b(hc["logits_fp32_bytes"])
+        )
+        return float(fwd), float(bwd)
+
+    def embedding_times(self, model: ModelSpec, mbs, seq, tp) -> tuple[float, float]:
+        """The (vocab-parallel) embedding lookup forward, its table gradient backward."""
+        hc = {k: value(e, model, mbs, seq, tp) for k, e in head_costs(model).items()}
+        f_line, b_line = self.curve("embedding")
+        return float(f_line(hc["embed_tokens_bytes"])), float(b_line(hc["embed_table_bytes"]))
 
     def curve(self, cls: str) -> tuple[Line, Line]:
         if cls in self.curves:
@@ -262,6 +283,7 @@ def fit_runtime_model(profiles: list[LayerProfile], collectives: dict, gpu: str,
     curves = {}
     for cls in sorted({c for c, _ in samples}):
         curves[cls] = tuple(_fit_or_constant(*samples[(cls, d)]) for d in (0, 1))
+    curves.update(_fit_outside_layer(profiles, curves))
     lines = {f"{kind}/{n}": fit_line(*zip(*rows, strict=True)) for (kind, n), rows in collectives.items()}
     model = RuntimeModel(gpu, curves, lines, source)
     check_rates(model)
@@ -288,6 +310,41 @@ def check_rates(model: RuntimeModel) -> None:
                     f"{model.source}: {cls} {direction} fitted at {line.rate:.3g} {unit}, above "
                     f"{model.gpu}'s data-sheet peak {peak:.3g} {unit}"
                 )
+
+
+def _fit_outside_layer(profiles: list[LayerProfile], curves: dict) -> dict[str, tuple[Line, Line]]:
+    """The "loss" and "embedding" curves from the profiles' post-process and embedding rows.
+
+    Post-process is the LM head's GEMM and the cross-entropy over the vocabulary: the GEMM is
+    priced by the fitted GEMM curves, the rest is the loss, memory-bound in the fp32 logits
+    (work: their bytes; the kernels pass over them a few times, so the rate is a fraction of the
+    bandwidth). The embedding row: the lookup forward (work: the rows read), the table's gradient
+    backward (work: the table's bytes)."""
+    if "gemm" not in curves:
+        return {}
+    gemm_f, gemm_b = curves["gemm"]
+    loss, embed = ([], [], [], []), ([], [], [], [])
+    for p in best_algo(profiles):
+        model = p.model
+        hc = {k: value(e, model, p.mbs, model.seq, p.tp) for k, e in head_costs(model).items()}
+        if HEAD_OP in p.ops:
+            fwd_s, bwd_s = p.ops[HEAD_OP]
+            gemms = 2 if p.weight_gradients else 1
+            loss[0].append(hc["logits_fp32_bytes"])
+            loss[1].append(fwd_s - float(gemm_f(hc["head_flops_fwd"])))
+            loss[2].append(hc["logits_fp32_bytes"])
+            loss[3].append(bwd_s - gemms * float(gemm_b(hc["head_flops_fwd"])))
+        if EMBEDDING_OP in p.ops:
+            fwd_s, bwd_s = p.ops[EMBEDDING_OP]
+            embed[0].append(hc["embed_tokens_bytes"])
+            embed[1].append(fwd_s)
+            embed[2].append(hc["embed_table_bytes"])
+            embed[3].append(bwd_s)
+    out = {}
+    for name, (wf, sf, wb, sb) in (("loss", loss), ("embedding", embed)):
+        if len(wf) >= 2:
+            out[name] = (_fit_or_constant(wf, sf), _fit_or_constant(wb, sb))
+    return out
 
 
 def _fit_or_constant(work, seconds) -> Line:
@@ -343,7 +400,21 @@ def calibrate(data_dir: Path, held_out: tuple[str, ...] = ("2_6B", "13B")) -> di
             "median_abs_error": float(np.median(errors)) if errors else None,
             "max_abs_error": float(np.max(errors)) if errors else None,
         }
+        head = [e for e in map(lambda p: _head_error(rm, p), test) if e is not None]
+        if head:  # the final norm + LM head + loss row, held out the same way
+            out[gpu_dir.name]["head_mean_abs_error"] = float(np.mean(head))
+            out[gpu_dir.name]["head_max_abs_error"] = float(np.max(head))
     return out
+
+
+def _head_error(rm: RuntimeModel, p: LayerProfile) -> float | None:
+    """|predicted / measured - 1| of the final norm + head + loss of a profiled case."""
+    if HEAD_OP not in p.ops:
+        return None
+    model = p.model
+    fwd, bwd = rm.head_times(model, p.mbs, model.seq, p.tp, weight_gradients=p.weight_gradients)
+    measured = sum(p.ops[HEAD_OP]) + sum(p.ops.get(FINAL_NORM_OP, (0.0, 0.0)))
+    return abs((fwd + bwd) / measured - 1)
 
 
 def load_runtime_model(gpu: str) -> RuntimeModel:

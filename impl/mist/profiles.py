@@ -62,6 +62,9 @@ LAYER_OPS = {
     "enc-MLP-GEMM-2": ("mlp-gemm-2",),
     "enc-post-MLP-dropout": ("post-mlp-dropout", "residual-2"),
 }
+# Rows of the artifact's profiles outside the layer: the embedding, and the final norm + LM head
+# with the loss ("post-process").
+EMBEDDING_OP, FINAL_NORM_OP, HEAD_OP = "encoder-embedding", "final-layernorm", "gpt-post-process"
 # `mist profile` also times megatron-core's whole layer; what it costs beyond the sum of its ops
 # (Python and framework overhead, casts, extra copies) is stored as one more row.
 FRAMEWORK_OP = "layer-framework-overhead"

@@ -80,8 +80,10 @@ class LayerNumbers:
     params: float  # per TP rank
     tp_comm_fwd: float
     p2p_bytes: float  # activation sent to the next stage per micro-batch
-    head_fwd: float = 0.0
+    head_fwd: float = 0.0  # final norm + LM head + loss, per micro-batch (last stage)
     head_bwd: float = 0.0
+    embed_fwd: float = 0.0  # the embedding, per micro-batch (first stage)
+    embed_bwd: float = 0.0
     head_saved: float = 0.0
     embed_params: float = 0.0
     extra: dict = field(default_factory=dict)
@@ -114,7 +116,8 @@ def _layer_numbers(st: Setting) -> LayerNumbers:
     )
     comm_b = comm_f + coll("all_gather", float(c["tp_all_gather"]) / 2, t, st.cluster) * 2
     head = {k: value(expr, m, b, m.seq, t) for k, expr in head_costs(m).items()}
-    gemm_f = st.runtime.curve("gemm")[0]
+    head_fwd, head_bwd = st.runtime.head_times(m, b, m.seq, t)
+    embed_fwd, embed_bwd = st.runtime.embedding_times(m, b, m.seq, t)
     tokens = b * m.seq
     return LayerNumbers(
         fwd=float(fwd) + float(comm_f),
@@ -125,8 +128,10 @@ def _layer_numbers(st: Setting) -> LayerNumbers:
         params=float(c["params"]),
         tp_comm_fwd=float(comm_f),
         p2p_bytes=2.0 * tokens * m.hidden / (t if st.sequence_parallel else 1),
-        head_fwd=float(gemm_f(head["head_flops_fwd"])),
-        head_bwd=float(st.runtime.gemm_backward(head["head_flops_fwd"])),
+        head_fwd=head_fwd,
+        head_bwd=head_bwd,
+        embed_fwd=embed_fwd,
+        embed_bwd=embed_bwd,
         head_saved=head["head_saved_bytes"],
         embed_params=head["embed_params"],
     )
@@ -171,6 +176,8 @@ def evaluate_stage(
     compute = layers * (ln.fwd + ln.bwd) + r * ln.fwd
     if last:
         compute = compute + ln.head_fwd + ln.head_bwd
+    if first:
+        compute = compute + ln.embed_fwd + ln.embed_bwd
     across = st.tp * d > cl.gpus_per_node  # DP groups (stride t) leave the node
     layer_w_full = 2.0 * ln.params
     gather = rt.collective("all_gather", layer_w_full, d, cl, across) if d > 1 else 0.0

@@ -281,6 +281,11 @@ def head_costs(model: ModelSpec) -> dict[str, sp.Expr]:
         "head_flops_fwd": 2 * b * s * h * v / t,
         # final-norm input, head input, fp32 logits for the loss (Megatron's vocab-parallel CE)
         "head_saved_bytes": 2 * b * s * h * HALF + logits * FP32,
+        # work units of the runtime model's "loss" and "embedding" curves
+        "logits_fp32_bytes": logits * FP32,
+        "embed_table_bytes": v * h / t * HALF,  # the table's gradient, zeroed and scattered into
+        "embed_tokens_bytes": b * s * h * HALF,  # the looked-up rows
+        "final_norm_bytes": 2 * b * s * h * HALF,  # input and output of the final norm
     }
 
 
