@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import time
 
 import pytest
@@ -20,8 +21,10 @@ def test_grid_is_megatron_practice():
     assert plans
     for p in plans:
         assert p.tp * p.dp * len(p.stages) == 16 and p.tp <= 8 and p.micro_batch in (1, 2, 4, 8)
-        assert len({s.layers for s in p.stages}) == 1  # uniform split
-        assert {s.recompute for s in p.stages} <= {0, p.stages[0].layers}  # all or nothing
+        middle = [s.layers for s in p.stages[1:-1]]
+        assert len(set(middle)) <= 1  # only the first and last stage may differ
+        k = max(s.recompute for s in p.stages)  # block recomputation: the first k layers of every stage
+        assert all(s.recompute == min(k, s.layers) for s in p.stages)
         assert {s.zero for s in p.stages} <= {0, 1}
         _, cannot = megatron_args(p, m)
         assert cannot == []  # everything the grid makes, Megatron-LM can run
@@ -78,3 +81,19 @@ def test_zero3_is_pure_data_parallelism():
     plan = search_zero3(m, c, 64)
     assert plan.dp == 8 and plan.tp == 1 and len(plan.stages) == 1 and plan.stages[0].zero == 3
     assert plan.breakdown["fits"]
+
+
+def test_grid_bisection_finds_the_exhaustive_best():
+    """The smallest block-recompute count that fits is each setting's fastest: bisection over it
+    gives what pricing every count gives."""
+    from baselines.megatron.grid import cheapest_fitting, layer_splits
+    from mist.planner import cost_models
+
+    name, gpu, gpus, batch, seq = random.choice(CASES)
+    m, c = model(name, seq=seq), cluster(gpu, gpus)
+    runtime, interference = cost_models(c, None, None)
+    exhaustive = cheapest_fitting(grid_plans(m, c, batch), m, c, runtime, interference, "none fits")
+    assert search_grid(m, c, batch).predicted_iteration_s == pytest.approx(exhaustive.predicted_iteration_s)
+    for layers, pp in ((24, 2), (32, 4), (40, 8), (48, 1)):
+        for split in layer_splits(layers, pp):
+            assert sum(split) == layers and len(split) == pp and len(set(split[1:-1])) <= 1

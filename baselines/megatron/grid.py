@@ -1,15 +1,20 @@
 """Megatron-LM practice: a grid over what its users tune, costed with Mist's own model.
 
-dp x tp x pp = GPUs (powers of two, TP within a node), micro-batch {1, 2, 4, 8}, full
-recomputation on or off for every layer, the distributed optimizer (ZeRO-1) on or off, layers
-split evenly over the stages. The fastest plan that fits memory wins. The same cost model
-prices every system, so a speedup over this baseline comes from the plan, not the model.
+dp x tp x pp = GPUs (powers of two, TP within a node), micro-batch {1, 2, 4, 8}, the
+distributed optimizer (ZeRO-1) on or off, layers split evenly over the stages or with the first
+and last stage uneven (``--decoder-first/last-pipeline-num-layers``, the middle ones even), and
+block recomputation (``--recompute-method block --recompute-num-layers k``: the first k layers
+of every stage recompute; k = all is full recomputation). For each setting the smallest k that
+fits memory is the fastest (recomputation only adds time), found by bisection. The fastest plan
+that fits wins. The same cost model prices every system, so a speedup over this baseline comes
+from the plan, not the model.
 """
 
 from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Iterator
 
 from mist.costs import RuntimeModel
 from mist.interference import Interference
@@ -18,6 +23,7 @@ from mist.planner import NoFeasiblePlan, cost_models, predict
 from mist.specs import ClusterSpec, ModelSpec
 
 MICRO_BATCHES = (1, 2, 4, 8)
+UNEVEN = 2  # the first and last stage may hold up to this many layers fewer or more than the rest
 
 
 def powers_of_two(limit: int) -> list[int]:
@@ -28,21 +34,51 @@ def powers_of_two(limit: int) -> list[int]:
     return out
 
 
-def grid_plans(model: ModelSpec, cluster: ClusterSpec, global_batch: int):
-    """Every configuration the grid considers (unpriced)."""
+def layer_splits(layers: int, pp: int) -> list[tuple[int, ...]]:
+    """Layers per stage as Megatron-LM can split them: even, or the first and last stage uneven
+    with the middle stages even."""
+    if pp == 1:
+        return [(layers,)]
+    out = []
+    per = layers // pp
+    for first, last in itertools.product(range(max(1, per - UNEVEN), per + UNEVEN + 1), repeat=2):
+        middle = layers - first - last
+        if pp == 2:
+            if middle == 0:
+                out.append((first, last))
+        elif middle > 0 and middle % (pp - 2) == 0:
+            out.append((first, *[middle // (pp - 2)] * (pp - 2), last))
+    return sorted(set(out), key=lambda split: (len(set(split)) > 1, split))
+
+
+def grid_settings(model: ModelSpec, cluster: ClusterSpec, global_batch: int) -> Iterator[tuple]:
+    """Every (tp, dp, micro-batch, layers per stage, zero) the grid considers."""
     n = cluster.gpus
     for tp, pp in itertools.product(powers_of_two(cluster.gpus_per_node), powers_of_two(n)):
-        if n % (tp * pp) or model.heads % tp or model.kv % tp or model.layers % pp:
+        if n % (tp * pp) or model.heads % tp or model.kv % tp or pp > model.layers:
             continue
         dp = n // (tp * pp)
-        for mb, recompute, zero in itertools.product(MICRO_BATCHES, (False, True), (0, 1)):
-            if global_batch % (dp * mb) or (zero and dp == 1):
-                continue
-            per = model.layers // pp
-            stages = [StagePlan(layers=per, recompute=per if recompute else 0, zero=zero) for _ in range(pp)]
-            yield Plan(
-                model.name, cluster.gpu.name, n, cluster.gpus_per_node, global_batch, tp, dp, mb, stages
-            )
+        for split in layer_splits(model.layers, pp):
+            for mb, zero in itertools.product(MICRO_BATCHES, (0, 1)):
+                if global_batch % (dp * mb) or (zero and dp == 1):
+                    continue
+                yield tp, dp, mb, split, zero
+
+
+def grid_plan(model, cluster, global_batch, setting: tuple, recompute: int) -> Plan:
+    """A grid setting with block recomputation of the first ``recompute`` layers of every stage."""
+    tp, dp, mb, split, zero = setting
+    stages = [StagePlan(layers=n, recompute=min(recompute, n), zero=zero) for n in split]
+    return Plan(
+        model.name, cluster.gpu.name, cluster.gpus, cluster.gpus_per_node, global_batch, tp, dp, mb, stages
+    )
+
+
+def grid_plans(model: ModelSpec, cluster: ClusterSpec, global_batch: int) -> Iterator[Plan]:
+    """Every configuration of the grid (unpriced): each setting with every block-recompute count."""
+    for setting in grid_settings(model, cluster, global_batch):
+        for k in range(max(setting[3]) + 1):
+            yield grid_plan(model, cluster, global_batch, setting, k)
 
 
 def search_grid(
@@ -54,9 +90,30 @@ def search_grid(
 ) -> Plan:
     runtime, interference = cost_models(cluster, runtime, interference)
     what = f"no Megatron-LM grid configuration of {model.name} fits {cluster.gpus} x {cluster.gpu.name}"
-    return cheapest_fitting(
-        grid_plans(model, cluster, global_batch), model, cluster, runtime, interference, what
-    )
+
+    def leanest_fitting() -> Iterator[Plan]:
+        """Per setting, the plan with the fewest recomputed layers that fits (bisection), or the
+        full-recompute plan when none fits (so the no-fit message can say what is needed)."""
+        for setting in grid_settings(model, cluster, global_batch):
+            lo, hi = 0, max(setting[3])
+
+            def priced(k: int, setting: tuple = setting) -> Plan:
+                plan = grid_plan(model, cluster, global_batch, setting, k)
+                return predict(plan, model, cluster, runtime, interference, simulate=False)
+
+            plan = priced(hi)
+            if not plan.breakdown["fits"]:
+                yield plan
+                continue
+            while lo < hi:  # memory falls as k grows: the smallest k that fits
+                mid = (lo + hi) // 2
+                if priced(mid).breakdown["fits"]:
+                    hi = mid
+                else:
+                    lo = mid + 1
+            yield priced(lo)
+
+    return cheapest_fitting(leanest_fitting(), model, cluster, runtime, interference, what)
 
 
 def cheapest_fitting(plans, model, cluster, runtime, interference, what: str) -> Plan:
@@ -118,16 +175,16 @@ def megatron_args(plan: Plan, model: ModelSpec) -> tuple[list[str], list[str]]:
             f"--decoder-first-pipeline-num-layers {layers[0]}",
             f"--decoder-last-pipeline-num-layers {layers[-1]}",
         ]
-    recompute = {s.recompute for s in stages}
-    if recompute == {0}:
+    block = max(s.recompute for s in stages)  # block recomputation: the first k layers of each stage
+    if block == 0:
         pass
     elif all(s.recompute == s.layers for s in stages):
         args += ["--recompute-granularity full", "--recompute-method uniform", "--recompute-num-layers 1"]
-    elif len(recompute) == 1:
+    elif all(s.recompute == min(block, s.layers) for s in stages):
         args += [
             "--recompute-granularity full",
             "--recompute-method block",
-            f"--recompute-num-layers {recompute.pop()}",
+            f"--recompute-num-layers {block}",
         ]
     else:
         cannot.append(f"a different number of recomputed layers per stage {[s.recompute for s in stages]}")
