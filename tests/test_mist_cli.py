@@ -88,3 +88,51 @@ def test_stages_with_their_own_tp_and_dp():
     assert "1x4" in plan.table()
     with pytest.raises(ValueError, match="use 2x2 \\+ 1x2 = 6 GPUs"):
         Plan.from_dict({**d, "stages": [{"layers": 10}, {"layers": 14, "tp": 1, "dp": 2}]})
+
+
+def test_model_fields_on_the_command_line_and_predict_json(tmp_path, capsys):
+    import json
+    import random
+
+    heads, seq = random.choice((16, 32)), random.choice((512, 1024))
+    out = tmp_path / "plan.json"
+    args = ["--heads", str(heads), "--seq", str(seq), "--dropout", "0", "--out", str(out), "--quiet"]
+    assert (
+        main(["plan", "--model", "gpt3-1.3b", "--gpus", "2", "--gpu", "l4", "--global-batch", "8", *args])
+        == 0
+    )
+    capsys.readouterr()
+    saved = json.loads(out.read_text())
+    assert saved["plan_format"] == 1 and saved["model_overrides"] == {
+        "heads": heads,
+        "seq": seq,
+        "dropout": 0.0,
+    }
+    assert main(["predict", str(out), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["prediction_format"] == 1 and doc["fits"] is True
+    assert {"iteration_s", "closed_form_s", "usable_memory_bytes", "stages", "breakdown", "plan"} <= set(doc)
+    assert [s["layers"] for s in doc["stages"]] == [s["layers"] for s in saved["stages"]]
+    assert all(0 < s["memory_bytes"] <= doc["usable_memory_bytes"] for s in doc["stages"])
+    # 0 is a value, not "unset": refused in one line, as is a plan of an unknown format
+    with pytest.raises(SystemExit):
+        main(
+            [
+                "plan",
+                "--model",
+                "gpt3-1.3b",
+                "--gpus",
+                "2",
+                "--gpu",
+                "l4",
+                "--global-batch",
+                "8",
+                "--seq",
+                "0",
+            ]
+        )
+    assert "seq must be positive" in capsys.readouterr().err
+    saved["plan_format"] = 2
+    out.write_text(json.dumps(saved))
+    assert main(["predict", str(out)]) == 2
+    assert "plan_format 2 is not supported" in capsys.readouterr().err

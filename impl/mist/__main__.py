@@ -17,27 +17,43 @@ from pathlib import Path
 from .profiles import ARTIFACT_DATA
 from .specs import GPUS, MODELS, cluster, model
 
+# ModelSpec fields `mist plan` can set over the preset: (flag, type, help)
+MODEL_FIELDS = (
+    ("seq", int, "sequence length (default: the preset's, 2048)"),
+    ("hidden", int, "hidden size"),
+    ("layers", int, "transformer layers"),
+    ("heads", int, "attention heads"),
+    ("kv_heads", int, "key/value heads (grouped-query attention; default: heads)"),
+    ("ffn", int, "MLP hidden size (default: 4h; Llama 8h/3 rounded up to 256)"),
+    ("vocab", int, "vocabulary size"),
+    ("dropout", float, "hidden and attention dropout (default: 0.1; Llama 0)"),
+)
+
 
 def _model_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--model", required=True, help=f"a preset: {', '.join(MODELS)}")
-    ap.add_argument("--seq", type=int, help="sequence length (default: the preset's, 2048)")
+    for name, kind, text in MODEL_FIELDS:
+        ap.add_argument(f"--{name.replace('_', '-')}", type=kind, help=text)
     ap.add_argument("--no-flash", action="store_true", help="attention without FlashAttention")
 
 
-def _build_model(args):
-    overrides = {}
-    if args.seq:
-        overrides["seq"] = args.seq
+def _overrides(args) -> dict:
+    """The model fields given on the command line (0 is a value, not 'unset')."""
+    out = {name: getattr(args, name) for name, _, _ in MODEL_FIELDS if getattr(args, name) is not None}
     if args.no_flash:
-        overrides["flash"] = False
-    return model(args.model, **overrides)
+        out["flash"] = False
+    return out
+
+
+def _build_model(args):
+    return model(args.model, **_overrides(args))
 
 
 def cmd_plan(args) -> int:
     from .planner import NoFeasiblePlan, PlannerOptions, search
     from .schedule import SearchSpace
 
-    m = _build_model(args)
+    m = _build_model(args)  # a bad value: main() reports it in one line
     c = cluster(args.gpu, args.gpus, args.gpus_per_node)
     space = SearchSpace(offload=not args.no_offload, recompute=not args.no_recompute)
     options = PlannerOptions(space=space, imbalance_aware=not args.no_imbalance)
@@ -51,9 +67,7 @@ def cmd_plan(args) -> int:
     except NoFeasiblePlan as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    plan.model_overrides = {
-        k: v for k, v in (("seq", args.seq), ("flash", False if args.no_flash else None)) if v
-    }
+    plan.model_overrides = _overrides(args)
     print(plan.table())
     if args.explain:
         print(explain(plan))
@@ -104,11 +118,41 @@ def cmd_predict(args) -> int:
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if args.json:
+        print(json.dumps(prediction_json(plan), indent=1))
+        return 0
     print(plan.table())
     if not plan.breakdown["fits"]:
         print("warning: a stage needs more memory than the GPU has usable", file=sys.stderr)
     print(json.dumps(plan.breakdown, indent=1))
     return 0
+
+
+PREDICTION_FORMAT = 1
+
+
+def prediction_json(plan) -> dict:
+    """``mist predict --json``: a stable document (``prediction_format`` 1). Times in seconds, memory
+    in bytes per GPU of each stage; ``iteration_s`` is the 1F1B simulator's, ``closed_form_s``
+    the objective the search ranks by; ``breakdown`` as in the text output."""
+    return {
+        "prediction_format": PREDICTION_FORMAT,
+        "iteration_s": plan.simulated_iteration_s,
+        "closed_form_s": plan.predicted_iteration_s,
+        "fits": plan.breakdown["fits"],
+        "usable_memory_bytes": plan.breakdown["usable_memory_gib"] * 2**30,
+        "stages": [
+            {
+                "layers": s.layers,
+                "memory_bytes": s.memory_gib * 2**30,
+                "steady_s": s.steady_s,
+                "extra_s": s.extra_s,
+            }
+            for s in plan.stages
+        ],
+        "breakdown": plan.breakdown,
+        "plan": plan.to_dict(),
+    }
 
 
 def cmd_calibrate(args) -> int:
@@ -223,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(fn=cmd_plan)
     p = sub.add_parser("predict", help="predict a plan's iteration time and memory")
     p.add_argument("plan")
+    p.add_argument("--json", action="store_true", help="one JSON document (prediction_format 1)")
     p.set_defaults(fn=cmd_predict)
     p = sub.add_parser("calibrate", help="refit the runtime and interference presets from measured data")
     p.add_argument(

@@ -1,4 +1,10 @@
-"""A training plan: what the planner outputs and ``mist predict`` evaluates (YAML or JSON)."""
+"""A training plan: what the planner outputs and ``mist predict`` evaluates (YAML or JSON).
+
+The file is the Plan's fields (below) plus ``plan_format``: 1 (files without it are read as 1).
+Stages list their layers, recomputed layers, ZeRO stage, offloaded fractions in [0, 1] and, for
+plans from other tools, their own TP/DP; ``model_overrides`` changes the named preset's fields
+(e.g. ``seq``, ``flash``, ``heads``, ``dropout``). Predictions are filled in by ``predict``.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +13,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import yaml
+
+PLAN_FORMAT = 1
 
 
 @dataclass
@@ -98,11 +106,14 @@ class Plan:
             raise ValueError(f"the stages use {shapes} = {used} GPUs (tp x dp each), but gpus = {self.gpus}")
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return {"plan_format": PLAN_FORMAT, **asdict(self)}
 
     @classmethod
     def from_dict(cls, d: dict) -> Plan:
         d = dict(d)
+        version = d.pop("plan_format", PLAN_FORMAT)
+        if version != PLAN_FORMAT:
+            raise ValueError(f"plan_format {version!r} is not supported (this version reads {PLAN_FORMAT})")
         d["stages"] = [StagePlan(**s) for s in d["stages"]]
         plan = cls(**d)
         plan.check()
