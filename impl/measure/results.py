@@ -207,6 +207,10 @@ class Results:
             raise LookupError(f"{self.path}: {len(found)} points match {fields}: {keys} ...")
         return found[0] if found else None
 
+    def _put(self, point: Point) -> None:
+        """Add ``point``, replacing the one with the same key (written by ``_write``)."""
+        self._points[key_id(point.key)] = point
+
     def _write(self) -> None:
         points = [
             {"key": p.key, "result": p.result, "provenance": p.provenance} for p in self._points.values()
@@ -353,7 +357,7 @@ class ResultFile(Results):
             "config": self.config,
         }
         key = _canonical(key)
-        self._points[key_id(key)] = Point(key, _canonical(result), provenance)
+        self._put(Point(key, _canonical(result), provenance))
         self._write()
 
     def compute(self, key: Key, fn: Callable[[], Any]) -> Any:
@@ -390,7 +394,7 @@ def update_reference(
             continue
         ref = Results.load(Path(reference_dir) / path.name)
         for p in new:
-            ref._points[key_id(p.key)] = p
+            ref._put(p)
         ref._write()
         written.append(ref.path)
     return written
