@@ -121,6 +121,26 @@ def test_which_profiles_timed_the_weight_gradient():
     )
 
 
+def test_weight_gradient_gemm_priced_as_what_timed_it():
+    """Where the profiles timed both backward GEMMs, each is half the backward column; where they
+    timed the input gradient alone, the untimed weight gradient is priced as a forward GEMM of the
+    same FLOPs, so a layer's backward is input gradient + forward-speed weight gradient."""
+    from mist import costs, profiles
+
+    for name, timed in (("a10g", True), ("l4", False)):
+        data = profiles.read_layer_profiles(DATA / "gpu-op-profiles" / name)
+        rm = costs.fit_runtime_model(data, {}, profiles.PROFILE_GPU[name], name)
+        gemm_f, gemm_b = rm.curves["gemm"]
+        assert rm.wgrad_line == (gemm_b if timed else gemm_f), name
+        m = model("gpt3-1.3b")
+        mbs = int(np.random.default_rng().integers(1, 9))
+        with_w = rm.layer_times(m, mbs, m.seq, 1)[1]
+        without = rm.layer_times(m, mbs, m.seq, 1, weight_gradients=False)[1]
+        per_op = [fn(mbs, m.seq, 1)[0] for _, kind, fn in costs.op_features(m) if kind == "gemm"]
+        assert len(per_op) == 4  # qkv, dense, two MLP GEMMs
+        assert with_w - without == pytest.approx(sum(float(rm.wgrad_line(f)) for f in per_op), rel=1e-9)
+
+
 def test_interference_fit_beats_no_interference_on_held_out_runs():
     from mist.interference import fit_interference
 

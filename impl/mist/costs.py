@@ -5,9 +5,13 @@ efficiency curve ``time = c0 + work / rate``: ``work`` is the op's FLOPs (GEMMs)
 (memory-bound ops) from the symbolic trace, ``rate`` the sustained FLOP/s or bytes/s, ``c0``
 the launch and ramp cost; achieved efficiency ``work / (time * peak)`` rises with size towards
 ``rate / peak``, as measured GPU kernels do. A weight GEMM's backward is two GEMMs of its
-forward's FLOPs (input and weight gradient): its backward curve is that of one of them, fitted
-to whatever the profiles timed (both, or the input gradient alone: ``profiles.
-backward_has_weight_gradients``) and priced twice. No fitted rate may exceed the GPU's
+forward's FLOPs: the input gradient (the ``gemm`` backward curve) and the weight gradient (the
+``wgrad`` curve). Where the profiles timed both (``profiles.backward_has_weight_gradients``)
+each is half the backward column. Where they timed the input gradient alone (L4, A100, V100 in
+the Mist artifact) nothing measured the weight gradient, and it is priced as a forward GEMM of
+the same FLOPs: where both were timed (A10G) each backward GEMM took the forward's time
+(median backward/forward 1.97), not the input gradient's (0.8-0.9 of the forward on the
+others, too few points to say the weight gradient shares that speed). No fitted rate may exceed the GPU's
 data-sheet peak (``check_rates``). Collectives are alpha-beta lines per GPU count. Fits are
 weighted least squares on relative error. Without measurements for a GPU, a roofline from its
 data sheet with stated default efficiencies is used.
@@ -154,7 +158,7 @@ class RuntimeModel:
             f_line, b_line = self.curve(cls)
             fwd = fwd + f_line(flops if kind in COMPUTE_KINDS else fb)
             if kind == "gemm":  # input gradient, and weight gradient: each the forward's FLOPs
-                bwd = bwd + b_line(flops) * (2 if weight_gradients else 1)
+                bwd = bwd + b_line(flops) + (self.wgrad_line(flops) if weight_gradients else 0.0)
             elif kind in COMPUTE_KINDS:
                 bwd = bwd + b_line(flops * (2.5 if kind == "attention" else 2.0))
             else:
@@ -178,7 +182,8 @@ class RuntimeModel:
         fwd = norm_f(hc["final_norm_bytes"]) + gemm_f(hc["head_flops_fwd"]) + loss_f(hc["logits_fp32_bytes"])
         bwd = (
             norm_b(2 * hc["final_norm_bytes"])  # a norm's backward moves twice its forward's bytes
-            + gemm_b(hc["head_flops_fwd"]) * (2 if weight_gradients else 1)
+            + gemm_b(hc["head_flops_fwd"])
+            + (self.wgrad_line(hc["head_flops_fwd"]) if weight_gradients else 0.0)
             + loss_b(hc["logits_fp32_bytes"])
         )
         return float(fwd), float(bwd)
@@ -188,6 +193,12 @@ class RuntimeModel:
         hc = {k: value(e, model, mbs, seq, tp) for k, e in head_costs(model).items()}
         f_line, b_line = self.curve("embedding")
         return float(f_line(hc["embed_tokens_bytes"])), float(b_line(hc["embed_table_bytes"]))
+
+    @property
+    def wgrad_line(self) -> Line:
+        """The weight-gradient GEMM's curve (see the module docstring); a preset without one
+        prices it as the input gradient."""
+        return self.curves["wgrad"][1] if "wgrad" in self.curves else self.curve("gemm")[1]
 
     def curve(self, cls: str) -> tuple[Line, Line]:
         if cls in self.curves:
@@ -283,6 +294,10 @@ def fit_runtime_model(profiles: list[LayerProfile], collectives: dict, gpu: str,
     curves = {}
     for cls in sorted({c for c, _ in samples}):
         curves[cls] = tuple(_fit_or_constant(*samples[(cls, d)]) for d in (0, 1))
+    if "gemm" in curves:  # the weight gradient: see the module docstring
+        timed = any(p.weight_gradients for p in profiles)
+        gemm_f, gemm_b = curves["gemm"]
+        curves["wgrad"] = (gemm_f, gemm_b if timed else gemm_f)
     curves.update(_fit_outside_layer(profiles, curves))
     lines = {f"{kind}/{n}": fit_line(*zip(*rows, strict=True)) for (kind, n), rows in collectives.items()}
     model = RuntimeModel(gpu, curves, lines, source)
@@ -303,7 +318,8 @@ def check_rates(model: RuntimeModel) -> None:
     for cls, lines in model.curves.items():
         if cls == "framework":
             continue
-        peak, unit = (spec.flops, "FLOP/s") if cls in COMPUTE_KINDS else (spec.hbm_bw, "B/s")
+        flop_rate = cls in COMPUTE_KINDS or cls == "wgrad"
+        peak, unit = (spec.flops, "FLOP/s") if flop_rate else (spec.hbm_bw, "B/s")
         for direction, line in zip(("forward", "backward"), lines, strict=True):
             if np.isfinite(line.rate) and line.rate > peak:
                 raise RateAbovePeakError(
@@ -329,11 +345,11 @@ def _fit_outside_layer(profiles: list[LayerProfile], curves: dict) -> dict[str, 
         hc = {k: value(e, model, p.mbs, model.seq, p.tp) for k, e in head_costs(model).items()}
         if HEAD_OP in p.ops:
             fwd_s, bwd_s = p.ops[HEAD_OP]
-            gemms = 2 if p.weight_gradients else 1
+            wgrad = float(curves["wgrad"][1](hc["head_flops_fwd"])) if p.weight_gradients else 0.0
             loss[0].append(hc["logits_fp32_bytes"])
             loss[1].append(fwd_s - float(gemm_f(hc["head_flops_fwd"])))
             loss[2].append(hc["logits_fp32_bytes"])
-            loss[3].append(bwd_s - gemms * float(gemm_b(hc["head_flops_fwd"])))
+            loss[3].append(bwd_s - float(gemm_b(hc["head_flops_fwd"])) - wgrad)
         if EMBEDDING_OP in p.ops:
             fwd_s, bwd_s = p.ops[EMBEDDING_OP]
             embed[0].append(hc["embed_tokens_bytes"])
