@@ -4,6 +4,7 @@ python -m mist plan --model gpt3-7b --gpus 8 --gpu l4 --global-batch 128 [--out 
 python -m mist predict plan.yaml
 python -m mist calibrate [DATA] [--write]      (default DATA: the vendored data/mist-artifact)
 python -m mist validate [RUNS]      (default RUNS: the vendored data/mist-artifact/measured-runs)
+python -m mist profile-host [--write]     (the host's CPU Adam step, for optimizer offloading)
 python -m mist list
 """
 
@@ -15,7 +16,7 @@ import sys
 from pathlib import Path
 
 from .profiles import ARTIFACT_DATA
-from .specs import GPUS, MODELS, cluster, model
+from .specs import GPUS, HOSTS, MODELS, cluster, model
 
 # ModelSpec fields `mist plan` can set over the preset: (flag, type, help)
 MODEL_FIELDS = (
@@ -49,12 +50,20 @@ def _build_model(args):
     return model(args.model, **_overrides(args))
 
 
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def cmd_plan(args) -> int:
     from .planner import NoFeasiblePlan, PlannerOptions, search
     from .schedule import SearchSpace
 
     m = _build_model(args)  # a bad value: main() reports it in one line
-    c = cluster(args.gpu, args.gpus, args.gpus_per_node)
+    host = None if args.host_mem is None else int(args.host_mem * 2**30)
+    c = cluster(args.gpu, args.gpus, args.gpus_per_node, host_memory=host)
     space = SearchSpace(offload=not args.no_offload, recompute=not args.no_recompute)
     options = PlannerOptions(space=space, imbalance_aware=not args.no_imbalance)
 
@@ -68,6 +77,7 @@ def cmd_plan(args) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     plan.model_overrides = _overrides(args)
+    plan.host_memory_per_node_gib = args.host_mem
     print(plan.table())
     if args.explain:
         print(explain(plan))
@@ -113,8 +123,7 @@ def cmd_predict(args) -> int:
     try:
         plan = Plan.load(args.plan)
         m = model(plan.model, **plan.model_overrides)
-        c = cluster(plan.gpu, plan.gpus, plan.gpus_per_node)
-        predict(plan, m, c)
+        predict(plan, m, plan.cluster())
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -133,18 +142,22 @@ PREDICTION_FORMAT = 1
 
 def prediction_json(plan) -> dict:
     """``mist predict --json``: a stable document (``prediction_format`` 1). Times in seconds, memory
-    in bytes per GPU of each stage; ``iteration_s`` is the 1F1B simulator's, ``closed_form_s``
-    the objective the search ranks by; ``breakdown`` as in the text output."""
+    in bytes per GPU of each stage (``host_memory_bytes``: what each of its GPUs offloads to the
+    host); ``iteration_s`` is the 1F1B simulator's, ``closed_form_s`` the objective the search
+    ranks by; ``fits``: every stage within the usable GPU and host memory; ``breakdown`` as in the
+    text output. Fields are only ever added within a format."""
     return {
         "prediction_format": PREDICTION_FORMAT,
         "iteration_s": plan.simulated_iteration_s,
         "closed_form_s": plan.predicted_iteration_s,
         "fits": plan.breakdown["fits"],
         "usable_memory_bytes": plan.breakdown["usable_memory_gib"] * 2**30,
+        "usable_host_memory_bytes_per_gpu": plan.breakdown["usable_host_memory_gib_per_gpu"] * 2**30,
         "stages": [
             {
                 "layers": s.layers,
                 "memory_bytes": s.memory_gib * 2**30,
+                "host_memory_bytes": s.host_memory_gib * 2**30,
                 "steady_s": s.steady_s,
                 "extra_s": s.extra_s,
             }
@@ -215,6 +228,24 @@ def cmd_profile(args) -> int:
     return 0
 
 
+def cmd_profile_host(args) -> int:
+    import os
+
+    from .costs import PRESETS
+    from .profile import profile_cpu_adam
+
+    threads = tuple(range(1, (os.cpu_count() or 1) + 1))[: args.max_threads]
+    d = profile_cpu_adam(args.params, threads, args.repeats)
+    for n, rate in zip(d["threads"], d["params_per_s"], strict=True):
+        moved = rate * d["bytes_moved_per_param"] / 1e9
+        print(f"{n} thread(s): {rate:.3g} parameters/s ({moved:.1f} GB/s moved)")
+    if args.write:
+        path = PRESETS / "host_cpu_adam.json"
+        path.write_text(json.dumps(d, indent=1) + "\n")
+        print(f"written to {path}")
+    return 0
+
+
 def cmd_validate(args) -> int:
     from .validate import MEASURED_RUNS, load_measured_runs, report, summary, table, validate
 
@@ -242,6 +273,10 @@ def cmd_validate(args) -> int:
 def cmd_list(_args) -> int:
     print("models:", ", ".join(MODELS))
     print("GPUs:  ", ", ".join(GPUS))
+    print("hosts (per node of that GPU type; --host-mem overrides the memory):")
+    for gpu, h in HOSTS.items():
+        dram = f"{h.memory / 2**30:.0f} GiB, {h.cores} cores, {h.mem_bw / 1e9:.0f} GB/s DRAM"
+        print(f"  {gpu}: {h.name}, {dram}")
     return 0
 
 
@@ -255,6 +290,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gpus", type=int, required=True)
     p.add_argument("--gpu", required=True, help=f"one of: {', '.join(GPUS)}")
     p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument(
+        "--host-mem", type=float, metavar="GIB",
+        help="DRAM per node; offloading may use 90%% (default: the GPU type's usual host, `mist list`)",
+    )  # fmt: skip
     p.add_argument("--global-batch", type=int, required=True)
     p.add_argument("--out", help="write the plan (.yaml or .json)")
     p.add_argument("--explain", action="store_true", help="say why the plan wins")
@@ -294,6 +333,12 @@ def main(argv: list[str] | None = None) -> int:
         help="also benchmark all-reduce/all-gather/reduce-scatter among N local processes",
     )  # fmt: skip
     p.set_defaults(fn=cmd_profile)
+    p = sub.add_parser("profile-host", help="measure this host's CPU Adam step (what offloading prices)")
+    p.add_argument("--params", type=_positive, default=1 << 24, help="parameters stepped (default 2^24)")
+    p.add_argument("--repeats", type=_positive, default=5)
+    p.add_argument("--max-threads", type=_positive, default=4, help="thread counts 1..this (and <= cores)")
+    p.add_argument("--write", action="store_true", help="write impl/mist/presets/host_cpu_adam.json")
+    p.set_defaults(fn=cmd_profile_host)
     p = sub.add_parser("validate", help="predict measured end-to-end runs and report the errors")
     p.add_argument(
         "runs",

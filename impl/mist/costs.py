@@ -433,6 +433,40 @@ def _head_error(rm: RuntimeModel, p: LayerProfile) -> float | None:
     return abs((fwd + bwd) / measured - 1)
 
 
+# Sustained / data-sheet DRAM bandwidth of a two-socket server (STREAM triad reaches about 3/4 of
+# the channels' peak): what bounds a memory-bound CPU optimizer step on a many-core host.
+HOST_STREAM_FRACTION = 0.75
+
+
+@dataclass(frozen=True)
+class CpuAdam:
+    """The host optimizer step as measured (``mist profile-host``): one core's rate, the bytes a
+    parameter's step moves, and where it was measured."""
+
+    per_core_params_per_s: float
+    bytes_moved_per_param: float
+    source: str
+
+
+@functools.lru_cache(maxsize=1)
+def load_cpu_adam() -> CpuAdam:
+    d = json.loads((PRESETS / "host_cpu_adam.json").read_text())
+    one = d["params_per_s"][d["threads"].index(1)]
+    return CpuAdam(float(one), float(d["bytes_moved_per_param"]),
+                   f"{d['optimizer']} measured on {d['cpu']} ({d['measured']})")  # fmt: skip
+
+
+def cpu_adam_params_per_s(cluster: ClusterSpec, adam: CpuAdam | None = None) -> float:
+    """Parameters per second one GPU's offloaded optimizer step gets from its host: the node's
+    rate (its cores at the measured per-core rate, at most what its sustained DRAM bandwidth
+    allows) shared by the node's GPUs, which all step at the end of the iteration."""
+    adam = adam or load_cpu_adam()
+    host = cluster.host
+    dram_bound = HOST_STREAM_FRACTION * host.mem_bw / adam.bytes_moved_per_param
+    node = min(host.cores * adam.per_core_params_per_s, dram_bound)
+    return node / cluster.gpus_per_node
+
+
 def load_runtime_model(gpu: str) -> RuntimeModel:
     """The shipped fitted preset for ``gpu`` if there is one, else the data-sheet roofline."""
     path = PRESETS / f"runtime_{gpu}.json"

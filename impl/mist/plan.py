@@ -3,7 +3,10 @@
 The file is the Plan's fields (below) plus ``plan_format``: 1 (files without it are read as 1).
 Stages list their layers, recomputed layers, ZeRO stage, offloaded fractions in [0, 1] and, for
 plans from other tools, their own TP/DP; ``model_overrides`` changes the named preset's fields
-(e.g. ``seq``, ``flash``, ``heads``, ``dropout``). Predictions are filled in by ``predict``.
+(e.g. ``seq``, ``flash``, ``heads``, ``dropout``); ``host_memory_per_node_gib`` the DRAM per node
+offloading may use (null: the GPU type's usual host). Predictions are filled in by ``predict``:
+per stage ``steady_s``, ``extra_s``, ``memory_gib`` (per GPU) and ``host_memory_gib`` (offloaded
+bytes per GPU).
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import yaml
+
+from .specs import ClusterSpec, cluster
 
 PLAN_FORMAT = 1
 
@@ -32,6 +37,7 @@ class StagePlan:
     steady_s: float | None = None
     extra_s: float | None = None
     memory_gib: float | None = None
+    host_memory_gib: float | None = None  # offloaded bytes this stage's GPUs each keep on the host
 
     def check(self, i: int) -> None:
         if self.layers < 1:
@@ -61,6 +67,7 @@ class Plan:
     stages: list[StagePlan]
     model_overrides: dict = field(default_factory=dict)  # e.g. {"flash": false, "seq": 4096}
     sequence_parallel: bool = True  # with TP > 1
+    host_memory_per_node_gib: float | None = None  # None: the GPU type's usual host (specs.HOSTS)
     predicted_iteration_s: float | None = None
     simulated_iteration_s: float | None = None
     tuning_s: float | None = None
@@ -80,6 +87,10 @@ class Plan:
     def check(self) -> None:
         if self.tp < 1 or self.dp < 1 or self.micro_batch < 1:
             raise ValueError("tp, dp and micro_batch must be >= 1")
+        if self.host_memory_per_node_gib is not None and not self.host_memory_per_node_gib > 0:
+            raise ValueError(
+                f"host_memory_per_node_gib must be positive, got {self.host_memory_per_node_gib}"
+            )
         if self.global_batch % (self.dp * self.micro_batch):
             raise ValueError(
                 f"global batch {self.global_batch} is not a multiple of "
@@ -104,6 +115,11 @@ class Plan:
                 f"{t}x{d}" for t, d, _ in map(self.stage_parallelism, range(len(self.stages)))
             )
             raise ValueError(f"the stages use {shapes} = {used} GPUs (tp x dp each), but gpus = {self.gpus}")
+
+    def cluster(self) -> ClusterSpec:
+        """The cluster this plan is for."""
+        host = None if self.host_memory_per_node_gib is None else int(self.host_memory_per_node_gib * 2**30)
+        return cluster(self.gpu, self.gpus, self.gpus_per_node, host_memory=host)
 
     def to_dict(self) -> dict:
         return {"plan_format": PLAN_FORMAT, **asdict(self)}
@@ -155,7 +171,7 @@ class Plan:
             cells += [
                 f"{getattr(s, 'offload_' + k):.2f}" for k in ("weights", "grads", "optimizer", "activations")
             ]
-            cells += [_ms(s.steady_s), _ms(s.extra_s), _num(s.memory_gib)]
+            cells += [_ms(s.steady_s), _ms(s.extra_s), _num(s.memory_gib), _num(s.host_memory_gib)]
             rows.append(" ".join(f"{c:>{w}}" for c, (_, w) in zip(cells, COLUMNS, strict=True)))
         if self.predicted_iteration_s is not None:
             rows.append(
@@ -168,7 +184,7 @@ class Plan:
 
 COLUMNS = [
     ("stage", 5), ("TPxDP", 6), ("layers", 6), ("recomp", 6), ("ZeRO", 4), ("off W", 5), ("off G", 5),
-    ("off O", 5), ("off A", 5), ("T (ms)", 8), ("D (ms)", 8), ("mem GiB", 8),
+    ("off O", 5), ("off A", 5), ("T (ms)", 8), ("D (ms)", 8), ("mem GiB", 8), ("host GiB", 8),
 ]  # fmt: skip
 
 

@@ -18,11 +18,19 @@ import numpy as np
 
 from measure.memory import GpuBudget
 
-from .costs import RuntimeModel, load_runtime_model
+from .costs import RuntimeModel, cpu_adam_params_per_s, load_runtime_model
 from .interference import Interference
 from .pipeline_sim import pipeline_objective, simulate_1f1b
 from .plan import Plan, StagePlan
-from .schedule import STRATEGY_FIELDS, SearchSpace, Setting, evaluate_stage, layer_numbers, strategy_grid
+from .schedule import (
+    STRATEGY_FIELDS,
+    SearchSpace,
+    Setting,
+    evaluate_stage,
+    host_budget_bytes,
+    layer_numbers,
+    strategy_grid,
+)
 from .specs import ClusterSpec, ModelSpec
 from .tune import Frontier, frontier_for, solve_inter_stage
 
@@ -85,7 +93,7 @@ def tune_setting(st: Setting, grad_accum: int, options: PlannerOptions, best_so_
             grid, values, per_flight = grids[key]
             if not options.imbalance_aware:
                 values = {**values, "extra": np.zeros_like(values["extra"])}
-            fr = frontier_for(values, in_flight, budget, per_flight)
+            fr = frontier_for(values, in_flight, budget, per_flight, host_budget_bytes(st.cluster))
             if len(fr):
                 frontiers[i][layers] = fr
     if any(not f for f in frontiers):
@@ -166,21 +174,26 @@ def search(
         need = min_memory_needed(model, cluster, global_batch, options, runtime, interference)
         raise NoFeasiblePlan(
             f"no plan for {model.name} on {cluster.gpus} x {cluster.gpu.name} fits: the leanest candidate "
-            f"needs {need / 2**30:.1f} GiB per GPU, {budget_bytes(cluster) / 2**30:.1f} GiB usable"
+            f"needs {need / 2**30:.1f} GiB per GPU, {budget_bytes(cluster) / 2**30:.1f} GiB usable "
+            f"(offloading at most {host_budget_bytes(cluster) / 2**30:.1f} GiB of host memory per GPU)"
         )
     best.tuning_s = time.perf_counter() - start
     return best
 
 
 def min_memory_needed(model, cluster, global_batch, options, runtime, interference) -> float:
-    """The smallest per-GPU peak any candidate reaches (for the no-feasible-plan message)."""
+    """The smallest per-GPU peak any candidate reaches within the host memory (for the
+    no-feasible-plan message)."""
     lowest = float("inf")
     for tp, stages, dp, mb in settings(model, cluster, global_batch, options):
         st = Setting(model, cluster, runtime, interference, tp, dp, mb, budget_bytes(cluster), stages)
         ln = layer_numbers(st)
         layers = -(-model.layers // stages)
         _, values, per_flight = _stage_values(st, ln, layers, stages == 1, True, options.space, 1)
-        lowest = min(lowest, float(np.min(values["memory"] + (min(stages, global_batch) - 1) * per_flight)))
+        in_flight = min(stages, global_batch)
+        host = values["host_memory"] + (in_flight - 1) * values["host_per_flight"]
+        memory = values["memory"] + (in_flight - 1) * per_flight
+        lowest = min(lowest, float(np.min(np.where(host <= host_budget_bytes(cluster), memory, np.inf))))
     return lowest
 
 
@@ -212,6 +225,7 @@ def predict(
         v = evaluate_stage(st, ln, s.layers, min(S - i, G), i == 0, i == S - 1, grid, G)
         s.steady_s, s.extra_s = float(v["steady"][0]), float(v["extra"][0])
         s.memory_gib = float(v["memory"][0]) / 2**30
+        s.host_memory_gib = float(v["host_memory"][0]) / 2**30
         steady.append(s.steady_s)
         extra.append(s.extra_s)
         share = ln.fwd / (ln.fwd + ln.bwd)
@@ -224,7 +238,11 @@ def predict(
     plan.simulated_iteration_s = simulate_1f1b(fwd, bwd, G, last=extra) if simulate else None
     plan.breakdown = {
         "usable_memory_gib": budget_bytes(cluster) / 2**30,
-        "fits": all(s.memory_gib * 2**30 <= budget_bytes(cluster) for s in plan.stages),
+        "fits": all(s.memory_gib * 2**30 <= budget_bytes(cluster) for s in plan.stages)
+        and all(s.host_memory_gib * 2**30 <= host_budget_bytes(cluster) for s in plan.stages),
+        "usable_host_memory_gib_per_gpu": host_budget_bytes(cluster) / 2**30,
+        "host": cluster.host.name,
+        "cpu_adam_params_per_s_per_gpu": cpu_adam_params_per_s(cluster),
         "layer_fwd_ms": ln.fwd * 1e3,
         "layer_bwd_ms": ln.bwd * 1e3,
         "layer_saved_mib": ln.saved / 2**20,

@@ -15,6 +15,8 @@ optimizer state and activations -- is evaluated at once as numpy arrays:
   offloaded optimizer state, on the CPU (with the copies it needs).
 * memory: peak bytes per GPU (weights, gradients, optimizer state, in-flight activations,
   prefetch/swap buffers, one layer's backward working set, the head's logits).
+* host memory: what this GPU keeps in its node's DRAM (offloaded weights, gradients, optimizer
+  state and activations); a node's GPUs share it (``host_budget_bytes``).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .costs import RuntimeModel
+from .costs import RuntimeModel, cpu_adam_params_per_s
 from .interference import Interference
 from .specs import ClusterSpec, ModelSpec
 from .symbolic import head_costs, layer_costs, value
@@ -37,7 +39,13 @@ STRATEGY_FIELDS = (
 ADAM_BYTES_PER_PARAM = 12  # fp32 master weight + two moments
 OPTIMIZER_STEP_BYTES_PER_PARAM = 4  # fp32 gradients during the step (fused Adam; torch's foreach
 # AdamW adds up to ~4 more for its temporaries)
-CPU_ADAM_PARAMS_PER_S = 1.0e9  # a fused multi-threaded CPU Adam (DeepSpeed reports ~1e9/s)
+# Of a node's DRAM, what offloading may use (the rest: the OS, the framework, data loading).
+HOST_USABLE_FRACTION = 0.9
+
+
+def host_budget_bytes(cluster: ClusterSpec) -> float:
+    """Host bytes one GPU may fill with offloaded state: its share of the node's usable DRAM."""
+    return HOST_USABLE_FRACTION * cluster.host.memory / cluster.gpus_per_node
 
 
 @dataclass(frozen=True)
@@ -203,7 +211,7 @@ def evaluate_stage(
         sync = np.where(z >= 2, 0.0, np.where(z == 1, rs, allreduce)) + np.where((z >= 1) & (z <= 2), ag, 0.0)
     opt_params = params * shard_o
     gpu_step = (1 - oo) * opt_params * (ADAM_BYTES_PER_PARAM + 4) * 2 / (cl.gpu.hbm_bw * 0.7)
-    cpu_step = oo * opt_params / CPU_ADAM_PARAMS_PER_S
+    cpu_step = oo * opt_params / cpu_adam_params_per_s(cl)
     cpu_copies = oo * opt_params * (2 / d2h_bw + 2 / h2d_bw)  # fp16 grads down, fp16 weights up
     extra = sync + gpu_step + cpu_step + cpu_copies
 
@@ -221,6 +229,9 @@ def evaluate_stage(
     memory = static + np.maximum(activations + buffers + working + head, step_peak)
     if grad_accum < 1:
         raise ValueError("grad_accum must be >= 1")
+    # host bytes: affine in in_flight too (offloaded activations of every in-flight micro-batch)
+    host_per_flight = ao * ((layers - r) * ln.saved + r * ln.layer_input)
+    host_static = wo * w_bytes + go * g_bytes + oo * o_bytes
     return {
         "steady": np.broadcast_to(steady, r.shape),
         "extra": np.broadcast_to(extra, r.shape),
@@ -228,4 +239,6 @@ def evaluate_stage(
         "compute": np.broadcast_to(compute, r.shape),
         # what one more in-flight micro-batch adds to memory (memory is affine in in_flight)
         "per_flight": np.broadcast_to(per_flight, r.shape),
+        "host_memory": np.broadcast_to(host_static + in_flight * host_per_flight, r.shape),
+        "host_per_flight": np.broadcast_to(host_per_flight, r.shape),
     }

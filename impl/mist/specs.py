@@ -105,12 +105,24 @@ class LinkSpec:
 
 
 @dataclass(frozen=True)
+class HostSpec:
+    """One node's host, what CPU offloading uses: its DRAM holds what is offloaded, its cores run
+    the offloaded optimizer step, shared by every GPU of the node."""
+
+    name: str
+    memory: int  # bytes of DRAM per node
+    cores: int  # physical cores per node
+    mem_bw: float  # data-sheet DRAM bandwidth per node (sockets x channels x transfer rate x 8 B), bytes/s
+
+
+@dataclass(frozen=True)
 class ClusterSpec:
     gpu: GpuSpec
     nodes: int
     gpus_per_node: int
     intra: LinkSpec
     inter: LinkSpec
+    host: HostSpec
 
     def __post_init__(self) -> None:
         if self.nodes < 1 or self.gpus_per_node < 1:
@@ -149,17 +161,42 @@ _LINKS = {
 }
 
 
-def cluster(gpu: str, gpus: int, gpus_per_node: int = 8) -> ClusterSpec:
-    """A cluster of ``gpus`` GPUs of type ``gpu``, filled node by node."""
+def _ddr(sockets: int, channels: int, mega_transfers: int) -> float:
+    return sockets * channels * mega_transfers * 1e6 * 8
+
+
+# Hosts: the cloud instance that holds eight such GPUs (its published vCPUs / 2 cores, memory,
+# and the DRAM of its processors). The CPU "device" (mist.run checks) is nominal.
+HOSTS: dict[str, HostSpec] = {
+    "l4": HostSpec("GCP g2-standard-96 (2x Xeon Cascade Lake)", 384 * GiB, 48, _ddr(2, 6, 2933)),
+    "a10g": HostSpec("AWS g5.48xlarge (2x EPYC 7R32)", 768 * GiB, 96, _ddr(2, 8, 3200)),
+    "v100": HostSpec("AWS p3dn.24xlarge (2x Xeon 8175M)", 768 * GiB, 48, _ddr(2, 6, 2666)),
+    "a100-40gb": HostSpec("AWS p4d.24xlarge (2x Xeon 8275CL)", 1152 * GiB, 48, _ddr(2, 6, 2933)),
+    "h100": HostSpec("AWS p5.48xlarge (2x EPYC 7R13)", 2048 * GiB, 96, _ddr(2, 8, 3200)),
+    "h200": HostSpec("AWS p5e.48xlarge (2x EPYC 7R13)", 2048 * GiB, 96, _ddr(2, 8, 3200)),
+    "cpu": HostSpec("this machine (nominal)", 16 * GiB, 2, 40 * GB),
+}
+
+
+def cluster(gpu: str, gpus: int, gpus_per_node: int = 8, host_memory: int | None = None) -> ClusterSpec:
+    """A cluster of ``gpus`` GPUs of type ``gpu``, filled node by node; ``host_memory``: bytes of
+    DRAM per node instead of the GPU type's usual host's."""
     if gpu not in GPUS:
         raise ValueError(f"unknown GPU {gpu!r}; presets: {', '.join(GPUS)}")
     if gpus < 1:
         raise ValueError(f"need at least one GPU, got {gpus}")
+    if gpus_per_node < 1:
+        raise ValueError(f"GPUs per node must be >= 1, got {gpus_per_node}")
     per_node = min(gpus, gpus_per_node)
     if gpus % per_node:
         raise ValueError(f"{gpus} GPUs do not fill nodes of {gpus_per_node} evenly")
+    host = HOSTS[gpu]
+    if host_memory is not None:
+        if host_memory <= 0:
+            raise ValueError(f"host memory must be positive, got {host_memory} bytes")
+        host = replace(host, memory=int(host_memory))
     intra, inter = _LINKS[gpu]
-    return ClusterSpec(GPUS[gpu], gpus // per_node, per_node, intra, inter)
+    return ClusterSpec(GPUS[gpu], gpus // per_node, per_node, intra, inter, host)
 
 
 def model(name: str, **overrides) -> ModelSpec:

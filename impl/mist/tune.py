@@ -46,12 +46,21 @@ class Frontier:
 
 
 def frontier_for(
-    values: dict[str, np.ndarray], in_flight: int, budget: float, act_per_flight: np.ndarray
+    values: dict[str, np.ndarray],
+    in_flight: int,
+    budget: float,
+    act_per_flight: np.ndarray,
+    host_budget: float = float("inf"),
 ) -> Frontier:
     """Frontier of a stage whose memory is values['memory'] at ``in_flight`` = 1 plus
-    (in_flight - 1) * act_per_flight (activations of the extra in-flight micro-batches)."""
+    (in_flight - 1) * act_per_flight (activations of the extra in-flight micro-batches), among
+    the strategies whose offloaded bytes (values['host_memory'], likewise affine) fit
+    ``host_budget``."""
     memory = values["memory"] + (in_flight - 1) * act_per_flight
-    ok = np.flatnonzero(memory <= budget)
+    fits = memory <= budget
+    if "host_memory" in values:
+        fits &= values["host_memory"] + (in_flight - 1) * values["host_per_flight"] <= host_budget
+    ok = np.flatnonzero(fits)
     if ok.size == 0:
         return Frontier(np.empty(0), np.empty(0), np.empty(0, int), np.empty(0))
     keep = ok[pareto_frontier(values["steady"][ok], values["extra"][ok])]

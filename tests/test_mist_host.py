@@ -1,0 +1,81 @@
+"""Mist's host model: the measured CPU Adam step shared by a node's GPUs, host memory as a capacity."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from mist.__main__ import main
+from mist.costs import HOST_STREAM_FRACTION, CpuAdam, cpu_adam_params_per_s, load_cpu_adam
+from mist.plan import Plan, StagePlan
+from mist.planner import predict
+from mist.schedule import HOST_USABLE_FRACTION
+from mist.specs import GiB, cluster, model
+
+
+def test_shipped_cpu_adam_is_a_measurement():
+    adam = load_cpu_adam()
+    assert 1e6 < adam.per_core_params_per_s < 1e11
+    assert adam.bytes_moved_per_param == 28 and "measured on" in adam.source
+
+
+def test_profile_cpu_adam_measures_this_host():
+    from mist.profile import profile_cpu_adam
+
+    d = profile_cpu_adam(params=1 << 16, threads=(1,), repeats=2)
+    assert d["threads"] == [1] and d["params_per_s"][0] > 1e5
+    with pytest.raises(ValueError, match=">= 1"):
+        profile_cpu_adam(params=0)
+
+
+def test_cpu_adam_is_shared_by_the_node_and_bound_by_its_dram():
+    rng = np.random.default_rng()
+    per_core = float(rng.uniform(1e7, 1e8))  # few cores' worth stays below the DRAM bound
+    adam = CpuAdam(per_core, 28.0, "test")
+    one, eight = cluster("l4", 1), cluster("l4", 8)
+    assert cpu_adam_params_per_s(eight, adam) == pytest.approx(cpu_adam_params_per_s(one, adam) / 8)
+    assert cpu_adam_params_per_s(one, adam) == pytest.approx(one.host.cores * per_core)
+    fast = CpuAdam(1e12, 28.0, "test")  # the cores could do more than the memory moves
+    bound = HOST_STREAM_FRACTION * one.host.mem_bw / 28.0
+    assert cpu_adam_params_per_s(one, fast) == pytest.approx(bound)
+    assert bound * 28.0 < one.host.mem_bw  # never above the data-sheet bandwidth
+
+
+def _offloading_plan(host_gib: float | None) -> Plan:
+    return Plan("gpt3-22b", "l4", 1, 8, 8, 1, 1, 8, [StagePlan(48, 48, 0, 1.0, 1.0, 1.0, 1.0)],
+                host_memory_per_node_gib=host_gib)  # fmt: skip
+
+
+def test_offloaded_bytes_must_fit_the_host():
+    """22B on one L4 offloads everything: it fits the usual 384 GiB host, not a 128 GiB one."""
+    m = model("gpt3-22b")
+    big = predict(_offloading_plan(None), m, _offloading_plan(None).cluster())
+    host = big.stages[0].host_memory_gib
+    assert 300 < host < HOST_USABLE_FRACTION * 384
+    assert big.breakdown["fits"]
+    small = predict(_offloading_plan(128.0), m, _offloading_plan(128.0).cluster())
+    assert small.stages[0].host_memory_gib == pytest.approx(host)
+    assert not small.breakdown["fits"]
+
+
+def test_search_respects_host_memory(capsys):
+    args = ["plan", "--model", "gpt3-22b", "--gpus", "1", "--gpu", "l4", "--global-batch", "8", "--quiet"]
+    assert main([*args, "--host-mem", "128"]) == 2
+    err = capsys.readouterr().err
+    assert "no plan" in err and "host memory" in err and err.count("\n") == 1
+    assert main(args) == 0
+    assert "host GiB" in capsys.readouterr().out
+
+
+def test_host_memory_travels_with_the_plan(tmp_path):
+    path = tmp_path / "p.yaml"
+    _offloading_plan(200.0).save(path)
+    plan = Plan.load(path)
+    assert plan.host_memory_per_node_gib == 200.0
+    assert plan.cluster().host.memory == 200 * GiB
+    with pytest.raises(ValueError, match="host_memory_per_node_gib must be positive"):
+        replace(plan, host_memory_per_node_gib=0.0).check()
+    with pytest.raises(ValueError, match="host memory must be positive"):
+        cluster("l4", 8, host_memory=-1)
