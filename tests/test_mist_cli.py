@@ -131,7 +131,7 @@ def test_model_fields_on_the_command_line_and_predict_json(tmp_path, capsys):
                 "0",
             ]
         )
-    assert "seq must be positive" in capsys.readouterr().err
+    assert "seq must be a positive integer" in capsys.readouterr().err
     saved["plan_format"] = 2
     out.write_text(json.dumps(saved))
     assert main(["predict", str(out)]) == 2

@@ -154,3 +154,25 @@ def test_unsupported_parts_are_named():
     reasons = " | ".join(unsupported(plan))
     assert "ZeRO-3 with TP > 1" in reasons and "offloading of weights or gradients" in reasons
     assert "sequence parallelism" in reasons
+
+
+def test_the_engine_refuses_a_layer_it_would_build_differently():
+    """Falcon is priced with attention and MLP in parallel; megatron-core builds them in sequence,
+    so mist.run refuses it by name, and runs the sequential variant it does build."""
+    falcon = Plan("falcon-tiny", "cpu", 1, 1, 2, 1, 1, 1, [StagePlan(layers=4)])
+    assert any("in parallel on one norm (Falcon)" in r for r in unsupported(falcon))
+    falcon.model_overrides = {"parallel_block": False}
+    assert not unsupported(falcon)
+
+
+def test_megatron_arguments_follow_the_model_fields():
+    from baselines.megatron.grid import megatron_args
+
+    plan = Plan("llama-7b", "l4", 8, 8, 64, 2, 1, 1, [StagePlan(layers=16), StagePlan(layers=16)])
+    args, cannot = megatron_args(plan, model("llama-7b", kv_heads=8))
+    assert {"--normalization RMSNorm", "--swiglu", "--position-embedding-type rope", "--sequence-parallel",
+            "--num-query-groups 8", "--hidden-dropout 0.0"} <= set(args) and not cannot  # fmt: skip
+    args, cannot = megatron_args(plan, model("falcon-7b"))
+    assert "--swiglu" not in args and any("Falcon" in c for c in cannot)
+    plan.sequence_parallel = False
+    assert "--sequence-parallel" not in megatron_args(plan, model("gpt3-7b"))[0]

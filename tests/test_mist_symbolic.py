@@ -96,7 +96,7 @@ def test_saved_bytes_match_autograd_on_a_real_layer(shape):
     x = torch.randn(bsz, seq, hidden, dtype=torch.bfloat16, requires_grad=True)
     with cuda_like_dropout():
         measured = saved_bytes(layer, x)
-    spec = ModelSpec("tiny", "gpt3", hidden, 1, heads, vocab=128, seq=seq, flash=False)
+    spec = ModelSpec("tiny", hidden, 1, heads, vocab=128, seq=seq, flash=False)
     predicted = value(layer_costs(spec).saved_bytes, spec, bsz, seq, 1)
     ln_stats_cpu_vs_cuda = 2 * 2 * (4 - 2) * bsz * seq  # two LayerNorms, mean and rstd
     assert measured.total_bytes == predicted - ln_stats_cpu_vs_cuda
@@ -111,3 +111,21 @@ def test_transient_peak_is_the_largest_working_set():
     point = {a: 16, b: 2, s: 2048, h: 2048}
     assert eager.subs(point) == 4 * 16 * 2 * 2048**2
     assert eager.subs({**point, s: 64}) == 16 * 2 * 64 * 2048  # short sequences: the MLP again
+
+
+def test_layer_choices_are_fields_not_names():
+    """A GPT-3 preset given Llama's layer choices costs exactly what the Llama preset does: the
+    fields decide, not the family in the name."""
+    llama = model("llama-7b")
+    assert (llama.norm, llama.gated_mlp, llama.positions, llama.dropout) == ("rmsnorm", True, "rotary", 0.0)
+    dressed = model("gpt3-7b", norm="rmsnorm", gated_mlp=True, positions="rotary", dropout=0.0)
+    assert dressed.ffn_hidden == llama.ffn_hidden != 4 * llama.hidden
+    assert layer_costs(dressed) == layer_costs(llama)
+    assert head_costs(dressed) == head_costs(llama)
+    falcon = model("falcon-7b")
+    sequential = model("falcon-7b", parallel_block=False)
+    assert falcon.parallel_block and layer_costs(falcon) != layer_costs(sequential)
+    with pytest.raises(ValueError, match="norm must be one of"):
+        model("gpt3-7b", norm="batchnorm")
+    with pytest.raises(ValueError, match="layers must be a positive integer"):
+        model("gpt3-7b", layers=12.5)

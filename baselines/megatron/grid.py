@@ -148,19 +148,26 @@ def megatron_args(plan: Plan, model: ModelSpec) -> tuple[list[str], list[str]]:
         f"--seq-length {model.seq}",
         f"--max-position-embeddings {model.seq}",
         "--bf16",
+        f"--ffn-hidden-size {model.ffn_hidden}",
+        "--disable-bias-linear",  # the priced layers have no biases
+        f"--hidden-dropout {model.dropout}",
+        f"--attention-dropout {model.dropout}",
     ]
-    if plan.tp > 1:
+    if plan.tp > 1 and plan.sequence_parallel:
         args.append("--sequence-parallel")
     if model.flash:
         args.append("--use-flash-attn")
-    if model.arch == "llama":
-        args += [
-            "--normalization RMSNorm", "--swiglu", "--position-embedding-type rope",
-            f"--ffn-hidden-size {model.ffn_hidden}", "--disable-bias-linear",
-        ]  # fmt: skip
-        if model.kv != model.heads:
-            args += ["--group-query-attention", f"--num-query-groups {model.kv}"]
+    if model.norm == "rmsnorm":
+        args.append("--normalization RMSNorm")
+    if model.gated_mlp:
+        args.append("--swiglu")
+    if model.positions == "rotary":
+        args.append("--position-embedding-type rope")
+    if model.kv != model.heads:
+        args += ["--group-query-attention", f"--num-query-groups {model.kv}"]
     cannot: list[str] = []
+    if model.parallel_block:
+        cannot.append("attention and MLP in parallel on one norm (Falcon): Megatron-LM runs them in sequence")
     stages = plan.stages
     if any((s.tp or plan.tp, s.dp or plan.dp) != (plan.tp, plan.dp) for s in stages):
         cannot.append("stages with their own TP/DP (Megatron-LM uses one TP and DP for all stages)")

@@ -28,6 +28,13 @@ MODEL_FIELDS = (
     ("ffn", int, "MLP hidden size (default: 4h; Llama 8h/3 rounded up to 256)"),
     ("vocab", int, "vocabulary size"),
     ("dropout", float, "hidden and attention dropout (default: 0.1; Llama 0)"),
+    ("norm", str, "layernorm or rmsnorm"),
+    ("positions", str, "learned or rotary"),
+)
+# Yes/no ModelSpec fields: --X / --no-X
+MODEL_SWITCHES = (
+    ("gated_mlp", "SwiGLU MLP (gate, up, down) instead of GELU (up, down)"),
+    ("parallel_block", "attention and MLP in parallel on one shared norm (Falcon)"),
 )
 
 
@@ -35,12 +42,15 @@ def _model_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--model", required=True, help=f"a preset: {', '.join(MODELS)}")
     for name, kind, text in MODEL_FIELDS:
         ap.add_argument(f"--{name.replace('_', '-')}", type=kind, help=text)
+    for name, text in MODEL_SWITCHES:
+        ap.add_argument(f"--{name.replace('_', '-')}", action=argparse.BooleanOptionalAction, help=text)
     ap.add_argument("--no-flash", action="store_true", help="attention without FlashAttention")
 
 
 def _overrides(args) -> dict:
     """The model fields given on the command line (0 is a value, not 'unset')."""
-    out = {name: getattr(args, name) for name, _, _ in MODEL_FIELDS if getattr(args, name) is not None}
+    names = [name for name, _, _ in MODEL_FIELDS] + [name for name, _ in MODEL_SWITCHES]
+    out = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
     if args.no_flash:
         out["flash"] = False
     return out

@@ -90,7 +90,7 @@ class LayerProfile:
     @property
     def model(self) -> ModelSpec:
         hidden, layers, heads = self.shape
-        return ModelSpec(f"gpt3-{self.size}", "gpt3", hidden, layers, heads, seq=self.seq, flash=False)
+        return ModelSpec(f"gpt3-{self.size}", hidden, layers, heads, seq=self.seq, flash=False)
 
     @property
     def layer_seconds(self) -> float:

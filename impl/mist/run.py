@@ -44,7 +44,15 @@ from .plan import Plan
 
 def unsupported(plan: Plan) -> list[str]:
     """The plan's parts mist.run cannot execute yet (empty: it can)."""
+    from .specs import model
+
     reasons = []
+    if model(plan.model, **plan.model_overrides).parallel_block:
+        reasons.append(
+            "attention and MLP in parallel on one norm (Falcon): megatron-core's layer runs them in "
+            "sequence, a different model from the one priced (set `parallel_block: false` in "
+            "model_overrides to plan and run the sequential one)"
+        )
     if any((s.tp or plan.tp, s.dp or plan.dp) != (plan.tp, plan.dp) for s in plan.stages):
         reasons.append("stages with their own TP/DP")
     middle = [s.layers for s in plan.stages[1:-1]]
@@ -82,8 +90,10 @@ def _config(spec, plan: Plan, dtype: torch.dtype):
     layers = [s.layers for s in plan.stages]
     uneven = len(layers) > 1 and len(set(layers)) > 1
     kwargs = {}
-    if spec.arch == "llama":
-        kwargs.update(normalization="RMSNorm", gated_linear_unit=True, activation_func=nn.functional.silu)
+    if spec.norm == "rmsnorm":
+        kwargs.update(normalization="RMSNorm")
+    if spec.gated_mlp:
+        kwargs.update(gated_linear_unit=True, activation_func=nn.functional.silu)
     return TransformerConfig(
         num_layers=spec.layers,
         hidden_size=spec.hidden,
@@ -367,14 +377,14 @@ def run(plan: Plan, steps: int = 5, seed: int = 0, lr: float = 1e-2) -> dict:
     model = GPTModel(
         config=_config(spec, plan, dtype),
         transformer_layer_spec=get_gpt_layer_local_spec(
-            normalization="RMSNorm" if spec.arch == "llama" else None
+            normalization="RMSNorm" if spec.norm == "rmsnorm" else None
         ),
         vocab_size=spec.vocab,
         max_sequence_length=spec.seq,
         pre_process=ps.is_pipeline_first_stage(),
         post_process=ps.is_pipeline_last_stage(),
         share_embeddings_and_output_weights=False,
-        position_embedding_type="rope" if spec.arch in ("llama", "falcon") else "learned_absolute",
+        position_embedding_type="rope" if spec.positions == "rotary" else "learned_absolute",
     ).train()
     device = (
         torch.device("cuda", torch.cuda.current_device())

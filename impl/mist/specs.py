@@ -6,50 +6,67 @@ the single source of shapes and hardware numbers for the whole planner.
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, replace
 
-ARCHS = ("gpt3", "llama", "falcon")
+NORMS = ("layernorm", "rmsnorm")
+POSITIONS = ("learned", "rotary")
+
+
+def _positive_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value > 0
 
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """A decoder-only transformer.
+    """A decoder-only transformer, every choice that changes its cost an explicit field.
 
-    gpt3: LayerNorm, GELU MLP (ffn = 4h), learned positions; llama: RMSNorm, SwiGLU MLP,
-    rotary, grouped-query attention; falcon: LayerNorm, parallel attention + MLP (one shared
-    norm), rotary, multi-query/grouped attention. No biases (as in the profiled Megatron runs).
+    The presets are three families: GPT-3 (LayerNorm, GELU MLP of 4h, learned positions), Llama
+    (RMSNorm, SwiGLU MLP, rotary, grouped-query attention, no dropout) and Falcon (LayerNorm,
+    attention and MLP in parallel on one shared norm, rotary). No biases (as in the profiled
+    Megatron runs).
     """
 
     name: str
-    arch: str
     hidden: int
     layers: int
     heads: int
     vocab: int = 50304
     seq: int = 2048
-    ffn: int | None = None  # default: 4h (gpt3, falcon); 8h/3 rounded up to 256 (llama)
+    ffn: int | None = None  # default: 4h; gated MLPs 8h/3 rounded up to 256
     kv_heads: int | None = None  # default: heads (multi-head attention)
     flash: bool = True  # FlashAttention: no s x s matrices kept or materialised
-    dropout: float = 0.1  # hidden and attention dropout (Megatron's default); llama presets: 0
+    dropout: float = 0.1  # hidden and attention dropout (Megatron's default)
+    norm: str = "layernorm"  # or "rmsnorm" (no mean, no bias: half the parameters)
+    gated_mlp: bool = False  # SwiGLU: down(silu(gate(x)) * up(x)) instead of down(gelu(up(x)))
+    positions: str = "learned"  # learned absolute embeddings, or "rotary" (applied to q and k)
+    parallel_block: bool = False  # attention and MLP side by side on one shared norm (Falcon)
 
     def __post_init__(self) -> None:
-        if self.arch not in ARCHS:
-            raise ValueError(f"arch must be one of {ARCHS}, got {self.arch!r}")
         for field in ("hidden", "layers", "heads", "vocab", "seq"):
-            if getattr(self, field) <= 0:
-                raise ValueError(f"{field} must be positive, got {getattr(self, field)}")
+            value = getattr(self, field)
+            if not _positive_int(value):
+                raise ValueError(f"{field} must be a positive integer, got {value!r}")
+        for field in ("ffn", "kv_heads"):
+            value = getattr(self, field)
+            if value is not None and not _positive_int(value):
+                raise ValueError(f"{field} must be a positive integer (or unset), got {value!r}")
         if self.hidden % self.heads:
             raise ValueError(f"hidden ({self.hidden}) must be a multiple of heads ({self.heads})")
         if self.heads % self.kv:
             raise ValueError(f"heads ({self.heads}) must be a multiple of kv_heads ({self.kv})")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        if self.norm not in NORMS:
+            raise ValueError(f"norm must be one of {NORMS}, got {self.norm!r}")
+        if self.positions not in POSITIONS:
+            raise ValueError(f"positions must be one of {POSITIONS}, got {self.positions!r}")
 
     @property
     def ffn_hidden(self) -> int:
         if self.ffn is not None:
             return self.ffn
-        if self.arch == "llama":
+        if self.gated_mlp:
             return -(-(8 * self.hidden // 3) // 256) * 256
         return 4 * self.hidden
 
@@ -72,18 +89,22 @@ _SIZES = {  # the Mist paper's model sizes: hidden, layers, heads
     "13b": (5120, 40, 40),
     "22b": (6144, 48, 64),
 }
-# Llama trains without dropout; GPT-3 and Falcon presets keep Megatron's default 0.1.
-_DROPOUT = {"gpt3": 0.1, "llama": 0.0, "falcon": 0.1}
+# The families' layer choices (Llama trains without dropout; GPT-3 and Falcon keep Megatron's 0.1).
+FAMILIES: dict[str, dict] = {
+    "gpt3": {},
+    "llama": {"norm": "rmsnorm", "gated_mlp": True, "positions": "rotary", "dropout": 0.0},
+    "falcon": {"positions": "rotary", "parallel_block": True},
+}
 MODELS: dict[str, ModelSpec] = {
-    f"{arch}-{size}": ModelSpec(f"{arch}-{size}", arch, h, n, a, dropout=_DROPOUT[arch])
-    for arch in ARCHS
+    f"{family}-{size}": ModelSpec(f"{family}-{size}", h, n, a, **choices)
+    for family, choices in FAMILIES.items()
     for size, (h, n, a) in _SIZES.items()
 }
 # Tiny shapes that megatron-core trains on a CPU in seconds (mist.run tests, CPU checks)
 MODELS.update(
     {
-        f"{arch}-tiny": ModelSpec(f"{arch}-tiny", arch, 64, 4, 4, vocab=256, seq=32, dropout=_DROPOUT[arch])
-        for arch in ARCHS
+        f"{family}-tiny": ModelSpec(f"{family}-tiny", 64, 4, 4, vocab=256, seq=32, **choices)
+        for family, choices in FAMILIES.items()
     }
 )
 

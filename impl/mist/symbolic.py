@@ -157,8 +157,8 @@ class Tracer:
         self.op("attention-context", "bmm", 2 * bb * heads * ss * ss * d, [dropped, vv], [out], [dropped, vv])
         return out
 
-    def mlp(self, x: Sym, arch: str, dropout: bool) -> Sym:
-        if arch == "llama":  # SwiGLU: down(silu(gate(x)) * up(x))
+    def mlp(self, x: Sym, gated: bool, dropout: bool) -> Sym:
+        if gated:  # SwiGLU: down(silu(gate(x)) * up(x))
             gate = self.linear("mlp-gate", x, f / t)
             up = self.linear("mlp-up", x, f / t)
             act = Sym(gate.shape)
@@ -177,7 +177,7 @@ class Tracer:
 def trace_layer(model: ModelSpec, sequence_parallel: bool = False) -> list[Op]:
     """The ops of one transformer layer of ``model`` on one TP rank, symbolic in (b, s, t, ...)."""
     tr = Tracer(sp_=sequence_parallel)
-    rms = model.arch == "llama"
+    rms = model.norm == "rmsnorm"
     dropout = model.dropout > 0
     d = h / a
     x = tr.stream()
@@ -187,18 +187,18 @@ def trace_layer(model: ModelSpec, sequence_parallel: bool = False) -> list[Op]:
         qkv = tr.linear("attention-qkv", y, (a + 2 * kv) * d / t)
         q = Sym((b, s, a / t, d))
         k, vv = Sym((b, s, kv / t, d)), Sym((b, s, kv / t, d))
-        if model.arch in ("llama", "falcon"):  # rotary on q and k: reads and writes them
+        if model.positions == "rotary":  # rotary on q and k: reads and writes them
             tr.op("attention-rotary", "act", 6 * (q.numel + k.numel), [qkv], [q, k], [], bwd_scale=1)
         else:
             tr.op("attention-split", "add", 0, [], [], [])
         ctx = tr.attention(q, k, vv, model.flash, dropout)
         return tr.linear("attention-dense", ctx, h)
 
-    if model.arch == "falcon":  # parallel attention and MLP on one shared norm
+    if model.parallel_block:  # parallel attention and MLP on one shared norm
         y = tr.norm("layernorm-1", x, rms)
         attn = attention_block(y)
         y2 = tr.gathered("mlp-gather", y)
-        mlp = tr.mlp(y2, model.arch, dropout)
+        mlp = tr.mlp(y2, model.gated_mlp, dropout)
         z = tr.add("attention-mlp-add", attn, mlp)
         z = tr.reduce_out("mlp-reduce", z)
         z = tr.dropout("post-mlp-dropout", z, dropout)
@@ -210,7 +210,7 @@ def trace_layer(model: ModelSpec, sequence_parallel: bool = False) -> list[Op]:
     x = tr.add("residual-1", x, attn)
     y = tr.norm("layernorm-2", x, rms)
     y = tr.gathered("mlp-gather", y)
-    out = tr.reduce_out("mlp-reduce", tr.mlp(y, model.arch, dropout))
+    out = tr.reduce_out("mlp-reduce", tr.mlp(y, model.gated_mlp, dropout))
     out = tr.dropout("post-mlp-dropout", out, dropout)
     tr.add("residual-2", x, out)
     return tr.ops
@@ -253,9 +253,9 @@ def layer_costs(model: ModelSpec, sequence_parallel: bool = False) -> LayerCosts
     other_flops = sum((op.flops for op in ops if op.kind not in ("gemm", "bmm", "attention")), sp.Integer(0))
     flash_recompute = sum((op.flops / 2 for op in ops if op.kind == "attention"), sp.Integer(0))
     d = h / a
-    norms = 1 if model.arch == "falcon" else 2
-    norm_params = norms * h * (1 if model.arch == "llama" else 2)
-    mlp_params = (3 if model.arch == "llama" else 2) * h * f
+    norms = 1 if model.parallel_block else 2
+    norm_params = norms * h * (1 if model.norm == "rmsnorm" else 2)
+    mlp_params = (3 if model.gated_mlp else 2) * h * f
     params = (h * (a + 2 * kv) * d + h * h + mlp_params) / t + norm_params
 
     def comm(kind: str) -> sp.Expr:
@@ -277,7 +277,7 @@ def head_costs(model: ModelSpec) -> dict[str, sp.Expr]:
     """Embedding (vocab-parallel) and the final norm + LM head with cross-entropy, per TP rank."""
     logits = b * s * v / t
     return {
-        "embed_params": v * h / t + (h * s if model.arch == "gpt3" else 0),
+        "embed_params": v * h / t + (h * s if model.positions == "learned" else 0),
         "head_flops_fwd": 2 * b * s * h * v / t,
         # final-norm input, head input, fp32 logits for the loss (Megatron's vocab-parallel CE)
         "head_saved_bytes": 2 * b * s * h * HALF + logits * FP32,

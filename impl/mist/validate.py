@@ -32,6 +32,8 @@ MiB = 1 << 20
 OPS_PER_LAYER = 13  # Aceso's operators of one transformer layer
 # The measured records name GPUs their own way.
 GPU_NAMES = {"L4-24GB": "l4", "l4": "l4", "A10G": "a10g", "a10g": "a10g"}
+# The records' MLP kinds: gated (SwiGLU) or not.
+GATED = {"mlp": False, "swiglu": True}
 
 
 @dataclass(frozen=True)
@@ -90,9 +92,15 @@ def _mist_cases(data: dict, path: Path) -> list[MeasuredRun]:
                                         strategies, strict=True):  # fmt: skip
             zero = 3 if s[3] else 2 if s[4] else 1 if s[5] else 0
             stages.append(StagePlan(layers, recompute, zero, *map(float, s[6:10])))
+        if m["mlp"] not in GATED or m["bias"]:
+            raise ValueError(
+                f"{path}: {case['case']}: mlp {m['mlp']!r} (known: {', '.join(GATED)}) with bias {m['bias']} "
+                "is not modelled (bias-free layers only)"
+            )
         model = ModelSpec(
-            f"gpt3-{case['case']}", "gpt3", m["hidden"], m["layers"], m["heads"], m["vocab"], m["seq"],
-            ffn=m["ffn"], flash=m["flash_attn"], dropout=m["dropout"],
+            f"gpt3-{case['case']}", m["hidden"], m["layers"], m["heads"], m["vocab"], m["seq"],
+            ffn=m["ffn"], flash=m["flash_attn"], dropout=m["dropout"], norm=m["norm"],
+            gated_mlp=GATED[m["mlp"]],
         )  # fmt: skip
         gpus = case["nodes"] * case["gpus_per_node"]
         p = Plan(model.name, gpu, gpus, case["gpus_per_node"], case["global_batch"], tp, dp, micro, stages,
@@ -126,7 +134,7 @@ def _megatron_runs(data: dict, path: Path) -> list[MeasuredRun]:
                 )
             stages.append(StagePlan(layers, layers if ckpt else 0))
         model = ModelSpec(
-            f"gpt3-{run['model_size']}", "gpt3", run["hidden_size"], run["num_layers"],
+            f"gpt3-{run['model_size']}", run["hidden_size"], run["num_layers"],
             run["num_attention_heads"], seq=run["seq_length"], flash=False, dropout=0.1,
         )  # fmt: skip
         gpus = sum(run["num_gpus"])
