@@ -37,17 +37,18 @@ from .engine import CPU_ENGINE, print_engine, run_engine
 PARTS = ("calibration", "validation", "comparison", "ablation", "engine")
 SIZES = [("1.3b", 2, 32), ("2.7b", 4, 64), ("7b", 8, 128), ("13b", 16, 256), ("22b", 32, 512)]  # GPUs, batch
 CLUSTERS = {"l4": 2048, "a100-40gb": 4096}  # GPU -> sequence length (the paper's settings)
-ARCHS = ("gpt3", "llama", "falcon")
+ARCHS = ("gpt3", "llama", "falcon")  # the model families of mist.specs.FAMILIES
 FLASH = {"cpu": (True, False), "paper": (True, False)}
 SYSTEMS = ("mist", "megatron", "aceso", "zero3")
 ACESO_BUDGET_S = {"cpu": 10.0, "paper": 60.0}
 # What each step adds, in order: Mist's search over recomputed layers per stage, the layer split
 # (MILP) and the micro-batch, without offloading or ZeRO-2/3 and blind to the first/last
-# micro-batch's extra work; then offloading and ZeRO-2/3; then imbalance awareness (the full planner).
+# micro-batch's extra work; then offloading (the MILP's halves, refined to eighths for the winner,
+# with the embedding/head's own strategy) and ZeRO-2/3; then imbalance awareness (the full planner).
 ABLATION = (
     "megatron",
     "+recompute, layer split, micro-batch",
-    "+offloading, ZeRO-2/3",
+    "+offloading (1/8 steps, embedding/head's own), ZeRO-2/3",
     "+imbalance awareness",
 )
 

@@ -168,6 +168,8 @@ def megatron_args(plan: Plan, model: ModelSpec) -> tuple[list[str], list[str]]:
     cannot: list[str] = []
     if model.parallel_block:
         cannot.append("attention and MLP in parallel on one norm (Falcon): Megatron-LM runs them in sequence")
+    if plan.pre_post is not None:
+        cannot.append("a strategy of its own for the embedding and head (they follow their stage's)")
     stages = plan.stages
     if any((s.tp or plan.tp, s.dp or plan.dp) != (plan.tp, plan.dp) for s in stages):
         cannot.append("stages with their own TP/DP (Megatron-LM uses one TP and DP for all stages)")

@@ -10,7 +10,10 @@ last backward (``last``: gradient synchronisation, optimizer step).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
+
+import numpy as np
 
 
 def one_f_one_b_order(stage: int, stages: int, micro_batches: int) -> list[tuple[str, int]]:
@@ -70,15 +73,17 @@ def simulate_1f1b(
     return max(c + extra for c, extra in zip(clock, last, strict=True))
 
 
-def pipeline_objective(steady: Sequence[float], extra: Sequence[float], micro_batches: int) -> float:
+def pipeline_objective(steady: Sequence, extra: Sequence, micro_batches: int):
     """The planner's closed form: (G-1) max_i T_i + sum_i T_i + max_i (D_i - sum_{j<i} T_j).
 
-    T_i = forward + backward of one micro-batch on stage i; D_i = its first + last extras.
+    T_i = forward + backward of one micro-batch on stage i; D_i = its first + last extras. Any
+    T_i or D_i may be an array (candidates for that stage): the result is then an array too.
     """
-    total = (micro_batches - 1) * max(steady) + sum(steady)
+    total = (micro_batches - 1) * functools.reduce(np.maximum, steady) + sum(steady)
     before = 0.0
-    worst_extra = float("-inf")
+    worst_extra = -np.inf
     for t_i, d_i in zip(steady, extra, strict=True):
-        worst_extra = max(worst_extra, d_i - before)
-        before += t_i
-    return total + max(worst_extra, 0.0)
+        worst_extra = np.maximum(worst_extra, d_i - before)
+        before = before + t_i
+    out = total + np.maximum(worst_extra, 0.0)
+    return float(out) if np.ndim(out) == 0 else out

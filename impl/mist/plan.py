@@ -4,9 +4,10 @@ The file is the Plan's fields (below) plus ``plan_format``: 1 (files without it 
 Stages list their layers, recomputed layers, ZeRO stage, offloaded fractions in [0, 1] and, for
 plans from other tools, their own TP/DP; ``model_overrides`` changes the named preset's fields
 (e.g. ``seq``, ``flash``, ``heads``, ``dropout``); ``host_memory_per_node_gib`` the DRAM per node
-offloading may use (null: the GPU type's usual host). Predictions are filled in by ``predict``:
-per stage ``steady_s``, ``extra_s``, ``memory_gib`` (per GPU) and ``host_memory_gib`` (offloaded
-bytes per GPU).
+offloading may use (null: the GPU type's usual host); ``pre_post`` the embedding's and head's
+own ZeRO stage and offloaded fractions (null: as their stage's other parameters). Predictions
+are filled in by ``predict``: per stage ``steady_s``, ``extra_s``, ``memory_gib`` (per GPU) and
+``host_memory_gib`` (offloaded bytes per GPU).
 """
 
 from __future__ import annotations
@@ -55,6 +56,24 @@ class StagePlan:
 
 
 @dataclass
+class PrePostPlan:
+    """The embedding's (first stage) and head's (last stage) own strategy; a plan without one
+    treats them as its stage's other parameters."""
+
+    zero: int = 0
+    offload_weights: float = 0.0
+    offload_grads: float = 0.0
+    offload_optimizer: float = 0.0
+
+    def check(self) -> None:
+        if self.zero not in (0, 1, 2, 3):
+            raise ValueError(f"pre_post: zero must be 0, 1, 2 or 3, got {self.zero}")
+        for name in ("offload_weights", "offload_grads", "offload_optimizer"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"pre_post: {name} is a fraction in [0, 1], got {getattr(self, name)}")
+
+
+@dataclass
 class Plan:
     model: str
     gpu: str
@@ -68,6 +87,7 @@ class Plan:
     model_overrides: dict = field(default_factory=dict)  # e.g. {"flash": false, "seq": 4096}
     sequence_parallel: bool = True  # with TP > 1
     host_memory_per_node_gib: float | None = None  # None: the GPU type's usual host (specs.HOSTS)
+    pre_post: PrePostPlan | None = None  # the embedding/head's own strategy (None: their stage's)
     predicted_iteration_s: float | None = None
     simulated_iteration_s: float | None = None
     tuning_s: float | None = None
@@ -96,6 +116,8 @@ class Plan:
                 f"global batch {self.global_batch} is not a multiple of "
                 f"dp x micro_batch = {self.dp * self.micro_batch}"
             )
+        if self.pre_post is not None:
+            self.pre_post.check()
         used = 0
         for i, stage in enumerate(self.stages):
             stage.check(i)
@@ -131,6 +153,8 @@ class Plan:
         if version != PLAN_FORMAT:
             raise ValueError(f"plan_format {version!r} is not supported (this version reads {PLAN_FORMAT})")
         d["stages"] = [StagePlan(**s) for s in d["stages"]]
+        if d.get("pre_post") is not None:
+            d["pre_post"] = PrePostPlan(**d["pre_post"])
         plan = cls(**d)
         plan.check()
         return plan
@@ -173,6 +197,12 @@ class Plan:
             ]
             cells += [_ms(s.steady_s), _ms(s.extra_s), _num(s.memory_gib), _num(s.host_memory_gib)]
             rows.append(" ".join(f"{c:>{w}}" for c, (_, w) in zip(cells, COLUMNS, strict=True)))
+        if self.pre_post is not None:
+            e = self.pre_post
+            rows.append(
+                f"embedding/head: ZeRO {e.zero}, offloaded weights {e.offload_weights:.3g}, "
+                f"grads {e.offload_grads:.3g}, optimizer {e.offload_optimizer:.3g}"
+            )
         if self.predicted_iteration_s is not None:
             rows.append(
                 f"predicted iteration: {self.predicted_iteration_s:.3f} s (1F1B simulation: "

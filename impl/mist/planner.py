@@ -21,8 +21,9 @@ from measure.memory import GpuBudget
 from .costs import RuntimeModel, cpu_adam_params_per_s, load_runtime_model
 from .interference import Interference
 from .pipeline_sim import pipeline_objective, simulate_1f1b
-from .plan import Plan, StagePlan
+from .plan import Plan, PrePostPlan, StagePlan
 from .schedule import (
+    EDGE_FIELDS,
     STRATEGY_FIELDS,
     SearchSpace,
     Setting,
@@ -45,6 +46,9 @@ class PlannerOptions:
     micro_batches: tuple[int, ...] = (1, 2, 4, 8, 16)
     milp_time_limit: float = 5.0
     imbalance_aware: bool = True  # False: extras ignored when choosing (the ablation)
+    # The second phase (``refine``): offloaded fractions of the winning plan in steps of 1/this
+    # (the MILP's grid is SearchSpace.offload_ratios); None: no second phase.
+    refine_offload_step: int | None = 8
 
 
 def budget_bytes(cluster: ClusterSpec) -> int:
@@ -177,8 +181,99 @@ def search(
             f"needs {need / 2**30:.1f} GiB per GPU, {budget_bytes(cluster) / 2**30:.1f} GiB usable "
             f"(offloading at most {host_budget_bytes(cluster) / 2**30:.1f} GiB of host memory per GPU)"
         )
+    if options.space.offload and options.refine_offload_step:
+        best = refine(best, model, cluster, options, runtime, interference)
+        predict(best, model, cluster, runtime, interference)
     best.tuning_s = time.perf_counter() - start
     return best
+
+
+def refine(
+    plan: Plan,
+    model: ModelSpec,
+    cluster: ClusterSpec,
+    options: PlannerOptions,
+    runtime: RuntimeModel,
+    interference: Interference,
+    passes: int = 3,
+) -> Plan:
+    """The search's second phase: the winning plan's offloaded fractions in steps of 1/k
+    (k = ``options.refine_offload_step``) where the MILP tried only SearchSpace.offload_ratios.
+
+    Coordinate descent on the closed-form objective: each stage in turn gets the best of all
+    (k+1)^4 combinations of its four fractions with the other stages fixed, then the embedding
+    and head get their own strategy (``Plan.pre_post``: ZeRO stage and three fractions) if one
+    beats treating them as their stages' parameters; every candidate within the GPU's and the
+    host's memory. Ranked as the search ranks (extras only when ``options.imbalance_aware``).
+    Layers, recomputation and ZeRO stages stay as the MILP placed them. Returns a new plan
+    (never slower than ``plan``)."""
+    import dataclasses
+    import itertools
+
+    k = options.refine_offload_step
+    steps = np.arange(k + 1) / k
+    combos = np.array(list(itertools.product(steps, repeat=4)))
+    plan = dataclasses.replace(plan, stages=[dataclasses.replace(s) for s in plan.stages])
+    S, G = len(plan.stages), plan.grad_accum
+    budget, host_budget = budget_bytes(cluster), host_budget_bytes(cluster)
+    numbers = []
+    for i in range(S):
+        tp, dp, mb = plan.stage_parallelism(i)
+        st = Setting(model, cluster, runtime, interference, tp, dp, mb, budget, S, sp=plan.sequence_parallel)
+        numbers.append((st, layer_numbers(st)))
+
+    def evaluate(i: int, grid: dict, edge: dict | None) -> dict:
+        st, ln = numbers[i]
+        return evaluate_stage(st, ln, plan.stages[i].layers, min(S - i, G), i == 0, i == S - 1, grid, G, edge)
+
+    def current(i: int) -> dict:
+        return {f: np.array([float(getattr(plan.stages[i], f))]) for f in STRATEGY_FIELDS}
+
+    def edge_now() -> dict | None:
+        return None if plan.pre_post is None else {f: float(getattr(plan.pre_post, f)) for f in EDGE_FIELDS}
+
+    def fits(v: dict) -> np.ndarray:
+        return (v["memory"] <= budget) & (v["host_memory"] <= host_budget)
+
+    def extra(v: dict):  # what the search ranks by: extras only when it is imbalance-aware
+        return v["extra"] if options.imbalance_aware else np.zeros_like(v["extra"])
+
+    values = [evaluate(i, current(i), edge_now()) for i in range(S)]
+    best = pipeline_objective([v["steady"][0] for v in values], [extra(v)[0] for v in values], G)
+    offload = ("offload_weights", "offload_grads", "offload_optimizer", "offload_activations")
+    for _ in range(passes):
+        improved = False
+        for i in range(S):
+            grid = {**current(i), **{f: combos[:, j] for j, f in enumerate(offload)}}
+            v = evaluate(i, grid, edge_now())
+            steady = [v["steady"] if j == i else values[j]["steady"][0] for j in range(S)]
+            extras = [extra(v) if j == i else extra(values[j])[0] for j in range(S)]
+            objective = np.where(fits(v), pipeline_objective(steady, extras, G), np.inf)
+            c = int(np.argmin(objective))
+            if objective[c] < best * (1 - 1e-9):
+                best, improved = float(objective[c]), True
+                for j, f in enumerate(offload):
+                    setattr(plan.stages[i], f, float(combos[c, j]))
+                values[i] = evaluate(i, current(i), edge_now())
+        # the embedding and head: every (ZeRO stage, three fractions), on the first and last stage
+        zeros = np.array(options.space.zero_stages, float)
+        edge_combos = np.array([(z, *c) for z in zeros for c in itertools.product(steps, repeat=3)])
+        edge = {f: edge_combos[:, j] for j, f in enumerate(EDGE_FIELDS)}
+        ends = sorted({0, S - 1})
+        ends_v = {i: evaluate(i, current(i), edge) for i in ends}
+        steady = [ends_v[j]["steady"] if j in ends_v else values[j]["steady"][0] for j in range(S)]
+        extras = [extra(ends_v[j]) if j in ends_v else extra(values[j])[0] for j in range(S)]
+        ok = np.logical_and.reduce([fits(v) for v in ends_v.values()])
+        objective = np.where(ok, pipeline_objective(steady, extras, G), np.inf)
+        c = int(np.argmin(objective))
+        if objective[c] < best * (1 - 1e-9):
+            best, improved = float(objective[c]), True
+            plan.pre_post = PrePostPlan(int(edge_combos[c, 0]), *map(float, edge_combos[c, 1:]))
+            for i in ends:
+                values[i] = evaluate(i, current(i), edge_now())
+        if not improved:
+            break
+    return plan
 
 
 def min_memory_needed(model, cluster, global_batch, options, runtime, interference) -> float:
@@ -222,7 +317,8 @@ def predict(
         st = Setting(model, cluster, runtime, interference, tp, dp, mb, budget, S, sp=plan.sequence_parallel)
         ln = layer_numbers(st)
         grid = {k: np.array([float(getattr(s, k))]) for k in STRATEGY_FIELDS}
-        v = evaluate_stage(st, ln, s.layers, min(S - i, G), i == 0, i == S - 1, grid, G)
+        edge = None if plan.pre_post is None else {k: float(getattr(plan.pre_post, k)) for k in EDGE_FIELDS}
+        v = evaluate_stage(st, ln, s.layers, min(S - i, G), i == 0, i == S - 1, grid, G, edge)
         s.steady_s, s.extra_s = float(v["steady"][0]), float(v["extra"][0])
         s.memory_gib = float(v["memory"][0]) / 2**30
         s.host_memory_gib = float(v["host_memory"][0]) / 2**30

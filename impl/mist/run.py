@@ -55,6 +55,8 @@ def unsupported(plan: Plan) -> list[str]:
         )
     if any((s.tp or plan.tp, s.dp or plan.dp) != (plan.tp, plan.dp) for s in plan.stages):
         reasons.append("stages with their own TP/DP")
+    if plan.pre_post is not None:
+        reasons.append("a strategy of the embedding/head's own (pre_post)")
     middle = [s.layers for s in plan.stages[1:-1]]
     if len(set(middle)) > 1:
         reasons.append(

@@ -156,6 +156,26 @@ def strategy_grid(layers: int, space: SearchSpace) -> dict[str, np.ndarray]:
     return {n: combos[:, i] for i, n in enumerate(STRATEGY_FIELDS)}
 
 
+# The embedding's and head's own strategy (``Plan.pre_post``): StagePlan fields it has
+EDGE_FIELDS = ("zero", "offload_weights", "offload_grads", "offload_optimizer")
+
+
+def _state_bytes(params: float, z, wo, go, oo, d: int) -> dict[str, np.ndarray]:
+    """Bytes per GPU of ``params`` parameters' weights, gradients and optimizer state (each on the
+    GPU or, the offloaded fraction, on the host), under ZeRO stage ``z`` over ``d`` replicas."""
+    w = 2.0 * params * np.where(z >= 3, 1.0 / d, 1.0)
+    g = 2.0 * params * np.where(z >= 2, 1.0 / d, 1.0)
+    opt_params = params * np.where(z >= 1, 1.0 / d, 1.0)
+    o = ADAM_BYTES_PER_PARAM * opt_params
+    return {
+        "gpu": (1 - wo) * w + (1 - go) * g + (1 - oo) * o,
+        "host": wo * w + go * g + oo * o,
+        "h2d": 2 * wo * w,  # offloaded weights come up for forward and backward
+        "d2h": go * g,  # offloaded gradients accumulate on the host
+        "opt_params": opt_params,
+    }
+
+
 def evaluate_stage(
     st: Setting,
     ln: LayerNumbers,
@@ -165,20 +185,25 @@ def evaluate_stage(
     last: bool,
     grid: dict[str, np.ndarray],
     grad_accum: int,
+    edge: dict[str, np.ndarray] | None = None,
 ) -> dict[str, np.ndarray]:
-    """steady, extra and memory (arrays over ``grid``) of a stage, plus their parts."""
+    """steady, extra and memory (arrays over ``grid``) of a stage, plus their parts.
+
+    ``edge``: the strategy (EDGE_FIELDS) of the embedding (first stage) and head (last stage)
+    parameters; None: the stage's own. Arrays broadcast against ``grid``'s."""
+    if grad_accum < 1:
+        raise ValueError("grad_accum must be >= 1")
     r, z = grid["recompute"], grid["zero"]
     wo, go, oo, ao = (
         grid[k] for k in ("offload_weights", "offload_grads", "offload_optimizer", "offload_activations")
     )
+    edge = edge or {k: grid[k] for k in EDGE_FIELDS}
+    ez, ewo, ego, eoo = (edge[k] for k in EDGE_FIELDS)
+    shape = np.broadcast_shapes(*(np.shape(x) for x in (*grid.values(), *edge.values())))
     d, cl, rt = st.dp, st.cluster, st.runtime
-    params = layers * ln.params + (ln.embed_params if first else 0.0) + (ln.embed_params if last else 0.0)
-    shard_w = np.where(z >= 3, 1.0 / d, 1.0)
-    shard_g = np.where(z >= 2, 1.0 / d, 1.0)
-    shard_o = np.where(z >= 1, 1.0 / d, 1.0)
-    w_bytes = 2.0 * params * shard_w
-    g_bytes = 2.0 * params * shard_g
-    o_bytes = ADAM_BYTES_PER_PARAM * params * shard_o
+    edge_params = (ln.embed_params if first else 0.0) + (ln.embed_params if last else 0.0)
+    mine = _state_bytes(layers * ln.params, z, wo, go, oo, d)
+    theirs = _state_bytes(edge_params, ez, ewo, ego, eoo, d)
 
     # ---- time of one micro-batch, by channel
     compute = layers * (ln.fwd + ln.bwd) + r * ln.fwd
@@ -187,58 +212,65 @@ def evaluate_stage(
     if first:
         compute = compute + ln.embed_fwd + ln.embed_bwd
     across = st.tp * d > cl.gpus_per_node  # DP groups (stride t) leave the node
-    layer_w_full = 2.0 * ln.params
-    gather = rt.collective("all_gather", layer_w_full, d, cl, across) if d > 1 else 0.0
-    g2g = np.where(z >= 3, 2 * layers * gather, 0.0)  # forward and backward gathers
-    if d > 1:  # ZeRO-2/3 reduce-scatter each micro-batch's gradients
-        g2g = g2g + np.where(
-            z >= 2, layers * rt.collective("reduce_scatter", layer_w_full, d, cl, across), 0.0
-        )
+    layer_w_full, edge_w_full = 2.0 * ln.params, 2.0 * edge_params
+    g2g = 0.0
+    if d > 1:  # ZeRO-3 gathers weights for forward and backward; ZeRO-2/3 reduce-scatter gradients
+        for count, full, zero in ((layers, layer_w_full, z), (1, edge_w_full, ez)):
+            gather = rt.collective("all_gather", full, d, cl, across)
+            scatter = rt.collective("reduce_scatter", full, d, cl, across)
+            g2g = g2g + count * (np.where(zero >= 3, 2 * gather, 0.0) + np.where(zero >= 2, scatter, 0.0))
     act_swapped = ao * ((layers - r) * ln.saved + r * ln.layer_input)
     h2d_bw = st.interference.host_rate("h2d", cl.gpu.host_bw)
     d2h_bw = st.interference.host_rate("d2h", cl.gpu.host_bw)
-    d2h = (act_swapped + go * g_bytes) / d2h_bw  # swap-out; offloaded grads accumulate on the host
-    h2d = (act_swapped + 2 * wo * w_bytes) / h2d_bw  # swap-in; offloaded weights for fwd and bwd
+    d2h = (act_swapped + mine["d2h"] + theirs["d2h"]) / d2h_bw  # swap-out, offloaded gradients
+    h2d = (act_swapped + mine["h2d"] + theirs["h2d"]) / h2d_bw  # swap-in, offloaded weights
     steady = st.interference.overlap(compute, g2g, h2d, d2h)
 
     # ---- first / last micro-batch extras
-    grads_full = 2.0 * params
     sync = 0.0
     if d > 1:
-        allreduce = rt.collective("all_reduce", grads_full, d, cl, across)
-        rs = rt.collective("reduce_scatter", grads_full, d, cl, across)
-        ag = rt.collective("all_gather", grads_full, d, cl, across)
-        sync = np.where(z >= 2, 0.0, np.where(z == 1, rs, allreduce)) + np.where((z >= 1) & (z <= 2), ag, 0.0)
-    opt_params = params * shard_o
-    gpu_step = (1 - oo) * opt_params * (ADAM_BYTES_PER_PARAM + 4) * 2 / (cl.gpu.hbm_bw * 0.7)
-    cpu_step = oo * opt_params / cpu_adam_params_per_s(cl)
-    cpu_copies = oo * opt_params * (2 / d2h_bw + 2 / h2d_bw)  # fp16 grads down, fp16 weights up
-    extra = sync + gpu_step + cpu_step + cpu_copies
+        for full, zero in ((layers * layer_w_full, z), (edge_w_full, ez)):
+            allreduce = rt.collective("all_reduce", full, d, cl, across)
+            rs = rt.collective("reduce_scatter", full, d, cl, across)
+            ag = rt.collective("all_gather", full, d, cl, across)
+            sync = sync + np.where(zero >= 2, 0.0, np.where(zero == 1, rs, allreduce))
+            sync = sync + np.where((zero >= 1) & (zero <= 2), ag, 0.0)
+    extra = sync
+    gpu_step_bytes = (ADAM_BYTES_PER_PARAM + 4) * 2  # state, weights and gradients read and written
+    for state, off in ((mine, oo), (theirs, eoo)):
+        n = state["opt_params"]
+        extra = extra + (1 - off) * n * gpu_step_bytes / (cl.gpu.hbm_bw * 0.7)
+        extra = extra + off * n / cpu_adam_params_per_s(cl)
+        extra = extra + off * n * (2 / d2h_bw + 2 / h2d_bw)  # fp16 gradients down, fp16 weights up
 
     # ---- memory per GPU
     per_flight = (1 - ao) * ((layers - r) * ln.saved + r * ln.layer_input) + (ln.head_saved if last else 0.0)
     activations = in_flight * per_flight
-    buffers = np.where((z >= 3) | (wo > 0), 2 * layer_w_full, 0.0) + np.where(ao > 0, 2 * ln.saved, 0.0)
+    buffers = (
+        np.where((z >= 3) | (wo > 0), 2 * layer_w_full, 0.0)
+        # the embedding's or the head's full weights, one at a time (they run at opposite ends)
+        + np.where((ez >= 3) | (ewo > 0), 2.0 * ln.embed_params if (first or last) else 0.0, 0.0)
+        + np.where(ao > 0, 2 * ln.saved, 0.0)
+    )
     # backward of one op: gradients of its inputs and outputs (+ a recomputed layer's activations)
     working = 2 * ln.transient + np.where(r > 0, ln.saved, 0.0)
     head = ln.head_saved if last else 0.0  # the logits' gradient while the loss backpropagates
     # Two peaks: the last backward (activations, buffers, one op's working set) and the optimizer
     # step, where mixed-precision Adam holds an fp32 copy of the gradients it steps on the GPU.
-    static = (1 - wo) * w_bytes + (1 - go) * g_bytes + (1 - oo) * o_bytes
-    step_peak = OPTIMIZER_STEP_BYTES_PER_PARAM * (1 - oo) * opt_params
+    static = mine["gpu"] + theirs["gpu"]
+    stepped_on_gpu = (1 - oo) * mine["opt_params"] + (1 - eoo) * theirs["opt_params"]
+    step_peak = OPTIMIZER_STEP_BYTES_PER_PARAM * stepped_on_gpu
     memory = static + np.maximum(activations + buffers + working + head, step_peak)
-    if grad_accum < 1:
-        raise ValueError("grad_accum must be >= 1")
     # host bytes: affine in in_flight too (offloaded activations of every in-flight micro-batch)
-    host_per_flight = ao * ((layers - r) * ln.saved + r * ln.layer_input)
-    host_static = wo * w_bytes + go * g_bytes + oo * o_bytes
+    host_per_flight = act_swapped
+    host_static = mine["host"] + theirs["host"]
     return {
-        "steady": np.broadcast_to(steady, r.shape),
-        "extra": np.broadcast_to(extra, r.shape),
-        "memory": np.broadcast_to(memory, r.shape),
-        "compute": np.broadcast_to(compute, r.shape),
+        "steady": np.broadcast_to(steady, shape),
+        "extra": np.broadcast_to(extra, shape),
+        "memory": np.broadcast_to(memory, shape),
+        "compute": np.broadcast_to(compute, shape),
         # what one more in-flight micro-batch adds to memory (memory is affine in in_flight)
-        "per_flight": np.broadcast_to(per_flight, r.shape),
-        "host_memory": np.broadcast_to(host_static + in_flight * host_per_flight, r.shape),
-        "host_per_flight": np.broadcast_to(host_per_flight, r.shape),
+        "per_flight": np.broadcast_to(per_flight, shape),
+        "host_memory": np.broadcast_to(host_static + in_flight * host_per_flight, shape),
+        "host_per_flight": np.broadcast_to(host_per_flight, shape),
     }

@@ -9,7 +9,8 @@ Two formats are read (both described in the folder's README):
 
 * ``mist-*.json``: plans tuned by Mist (``cases``): layers, recomputed layers and the strategy
   tuple (micro_batch, dp, tp, zero_weights, zero_grads, zero_opt, offload_w, offload_g,
-  offload_opt, offload_act) per stage, measured time and per-stage peak allocated MiB.
+  offload_opt, offload_act) per stage and of the embedding/head (``pre_post``: the plan's
+  ``pre_post``), measured time and per-stage peak allocated MiB.
 * ``megatron-*.json``: Megatron-LM runs in Aceso's format (``runs``): operators per stage (13 per
   layer, + the embedding on the first stage, + final norm and head on the last), full
   recomputation per stage, measured time only. Megatron-LM's defaults apply where the record is
@@ -23,7 +24,7 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from .plan import Plan, StagePlan
+from .plan import Plan, PrePostPlan, StagePlan
 from .profiles import ARTIFACT_DATA
 from .specs import ClusterSpec, ModelSpec, cluster
 
@@ -73,6 +74,11 @@ def _gpu(name: str, path: Path) -> str:
     return GPU_NAMES[name]
 
 
+def _zero(strategy: list) -> int:
+    """The ZeRO stage of a strategy tuple's (zero_weights, zero_grads, zero_opt) flags."""
+    return 3 if strategy[3] else 2 if strategy[4] else 1 if strategy[5] else 0
+
+
 def _mist_cases(data: dict, path: Path) -> list[MeasuredRun]:
     out = []
     for case in data["cases"]:
@@ -90,8 +96,9 @@ def _mist_cases(data: dict, path: Path) -> list[MeasuredRun]:
         stages = []
         for layers, recompute, s in zip(plan["layers_per_stage"], plan["checkpointed_layers_per_stage"],
                                         strategies, strict=True):  # fmt: skip
-            zero = 3 if s[3] else 2 if s[4] else 1 if s[5] else 0
-            stages.append(StagePlan(layers, recompute, zero, *map(float, s[6:10])))
+            stages.append(StagePlan(layers, recompute, _zero(s), *map(float, s[6:10])))
+        edge = plan["pre_post"]  # the embedding/head's strategy tuple; its activations offload is moot
+        pre_post = PrePostPlan(_zero(edge), *map(float, edge[6:9]))
         if m["mlp"] not in GATED or m["bias"]:
             raise ValueError(
                 f"{path}: {case['case']}: mlp {m['mlp']!r} (known: {', '.join(GATED)}) with bias {m['bias']} "
@@ -104,7 +111,7 @@ def _mist_cases(data: dict, path: Path) -> list[MeasuredRun]:
         )  # fmt: skip
         gpus = case["nodes"] * case["gpus_per_node"]
         p = Plan(model.name, gpu, gpus, case["gpus_per_node"], case["global_batch"], tp, dp, micro, stages,
-                 sequence_parallel=False)  # fmt: skip
+                 sequence_parallel=False, pre_post=pre_post)  # fmt: skip
         if p.grad_accum != plan["grad_accum_steps"]:
             raise ValueError(
                 f"{path}: {case['case']}: gradient accumulation {plan['grad_accum_steps']} does not match "

@@ -1,0 +1,89 @@
+"""The search's second phase: offloaded fractions in steps of 1/8 and the embedding/head's own strategy."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mist import Plan, cluster, model, predict, search
+from mist.pipeline_sim import pipeline_objective
+from mist.plan import PrePostPlan
+from mist.planner import PlannerOptions, budget_bytes, refine
+from mist.schedule import (
+    EDGE_FIELDS,
+    STRATEGY_FIELDS,
+    Setting,
+    evaluate_stage,
+    host_budget_bytes,
+    layer_numbers,
+)
+
+
+def test_objective_of_candidate_arrays_equals_each_scalar():
+    rng = np.random.default_rng()
+    stages, g = int(rng.integers(1, 6)), int(rng.integers(1, 40))
+    steady, extra = list(rng.uniform(0.1, 1, stages)), list(rng.uniform(0, 3, stages))
+    i = int(rng.integers(stages))
+    candidates = rng.uniform(0.1, 1, 7)
+    arrays = pipeline_objective([candidates if j == i else t for j, t in enumerate(steady)], extra, g)
+    for c, value in zip(candidates, arrays, strict=True):
+        one = [c if j == i else t for j, t in enumerate(steady)]
+        assert value == pytest.approx(pipeline_objective(one, extra, g))
+
+
+def test_embedding_strategy_equal_to_its_stage_changes_nothing():
+    """evaluate_stage with ``edge`` set to the stage's own strategy equals edge=None, for random
+    strategies on a first+last stage (embedding and head both there)."""
+    rng = np.random.default_rng()
+    m, c = model("gpt3-1.3b"), cluster("l4", 8)
+    st = Setting(m, c, *_models(c), 1, 4, 1, budget_bytes(c), 1)
+    ln = layer_numbers(st)
+    n = 32
+    grid = {
+        "recompute": rng.integers(0, 25, n).astype(float),
+        "zero": rng.integers(0, 4, n).astype(float),
+        **{f: rng.integers(0, 9, n) / 8 for f in STRATEGY_FIELDS[2:]},
+    }
+    tied = evaluate_stage(st, ln, 24, 1, True, True, grid, 8)
+    explicit = evaluate_stage(st, ln, 24, 1, True, True, grid, 8, {f: grid[f] for f in EDGE_FIELDS})
+    for key in ("steady", "extra", "memory", "host_memory"):
+        np.testing.assert_allclose(explicit[key], tied[key], rtol=1e-12)
+
+
+def _models(c):
+    from mist.planner import cost_models
+
+    return cost_models(c)
+
+
+def test_refine_is_never_slower_and_stays_in_eighths_within_memory():
+    m, c = model("gpt3-13b"), cluster("l4", 8)
+    coarse = search(m, c, 64, PlannerOptions(refine_offload_step=None))
+    fine = search(m, c, 64)
+    assert fine.predicted_iteration_s <= coarse.predicted_iteration_s * (1 + 1e-9)
+    for s in fine.stages:
+        for f in ("offload_weights", "offload_grads", "offload_optimizer", "offload_activations"):
+            assert (getattr(s, f) * 8) == pytest.approx(round(getattr(s, f) * 8))
+        assert s.memory_gib * 2**30 <= budget_bytes(c) and s.host_memory_gib * 2**30 <= host_budget_bytes(c)
+    # refining the refined plan finds nothing better: it stopped at a fixed point
+    again = refine(fine, m, c, PlannerOptions(), *_models(c))
+    assert predict(again, m, c).predicted_iteration_s == pytest.approx(fine.predicted_iteration_s)
+
+
+def test_pre_post_travels_with_the_plan(tmp_path):
+    plan = search(model("gpt3-1.3b"), cluster("l4", 2), 8, PlannerOptions(refine_offload_step=None))
+    plan.pre_post = PrePostPlan(zero=1, offload_optimizer=0.375)
+    path = tmp_path / "p.json"
+    plan.save(path)
+    loaded = Plan.load(path)
+    assert loaded.pre_post == plan.pre_post
+    with pytest.raises(ValueError, match="pre_post: offload_grads is a fraction"):
+        Plan.from_dict({**plan.to_dict(), "pre_post": {"offload_grads": 1.5}})
+    # offloading the embedding/head's optimizer frees GPU memory on the first and last stage only
+    m, c = model("gpt3-1.3b"), cluster("l4", 2)
+    memory = {}
+    for name, pre_post in (("tied", None), ("lean", PrePostPlan(offload_optimizer=1.0))):
+        variant = Plan.load(path)
+        variant.pre_post = pre_post
+        memory[name] = [s.memory_gib for s in predict(variant, m, c).stages]
+    assert all(x < y for x, y in zip(memory["lean"], memory["tied"], strict=True))
