@@ -35,10 +35,10 @@ def test_pareto_frontier_is_exactly_the_non_dominated_set(points):
 
 
 def test_1f1b_order_is_the_textbook_one():
-    assert one_f_one_b_order(0, 4, 6)[:5] == [("F", 0), ("F", 1), ("F", 2), ("F", 3), ("B", 0)]
-    assert one_f_one_b_order(3, 4, 3) == [("F", 0), ("B", 0), ("F", 1), ("B", 1), ("F", 2), ("B", 2)]
+    assert list(one_f_one_b_order(0, 4, 6))[:5] == [("F", 0), ("F", 1), ("F", 2), ("F", 3), ("B", 0)]
+    assert list(one_f_one_b_order(3, 4, 3)) == [("F", 0), ("B", 0), ("F", 1), ("B", 1), ("F", 2), ("B", 2)]
     for stage in range(4):
-        order = one_f_one_b_order(stage, 4, 5)
+        order = list(one_f_one_b_order(stage, 4, 5))
         assert sorted(order) == sorted([("F", m) for m in range(5)] + [("B", m) for m in range(5)])
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -60,6 +61,17 @@ def _build_model(args):
     return model(args.model, **_overrides(args))
 
 
+def _check_writable(path: Path) -> None:
+    """Before the search: the plan can be written where asked (a .yaml, .yml or .json file)."""
+    if path.suffix not in (".yaml", ".yml", ".json"):
+        raise ValueError(f"--out {path}: a plan is written as .yaml, .yml or .json")
+    folder = path.parent
+    if not folder.is_dir():
+        raise ValueError(f"--out {path}: folder {folder} does not exist")
+    if not os.access(folder, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise ValueError(f"--out {path}: not writable")
+
+
 def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -72,6 +84,8 @@ def cmd_plan(args) -> int:
     from .schedule import SearchSpace
 
     m = _build_model(args)  # a bad value: main() reports it in one line
+    if args.out:
+        _check_writable(Path(args.out))
     host = None if args.host_mem is None else int(args.host_mem * 2**30)
     c = cluster(args.gpu, args.gpus, args.gpus_per_node, host_memory=host)
     space = SearchSpace(offload=not args.no_offload, recompute=not args.no_recompute)
@@ -226,6 +240,19 @@ def cmd_profile(args) -> int:
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print(f"error: --device {args.device}: no CUDA device here", file=sys.stderr)
         return 2
+    sizes = {"hidden": args.hidden, "heads": args.heads, "seq": args.seq, "repeats": args.repeats}
+    bad = (
+        [f"--{k} {v}" for k, v in sizes.items() if v < 1]
+        + [f"--micro-batches {v}" for v in args.micro_batches if v < 1]
+        + [f"--tp {v}" for v in args.tp if v < 1]
+    )
+    if bad:
+        raise ValueError(f"{', '.join(bad)}: must be >= 1")
+    if args.hidden % args.heads:
+        raise ValueError(f"--hidden {args.hidden} must be a multiple of --heads {args.heads}")
+    for tp in args.tp:
+        if args.heads % tp:
+            raise ValueError(f"--tp {tp} must divide --heads {args.heads}")
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
     files = write_profiles(
         Path(args.out), args.device, args.hidden, args.heads, args.seq, args.micro_batches, args.tp, dtype,
@@ -363,8 +390,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         return args.fn(args)
-    except ValueError as e:
-        ap.error(str(e))
+    except ValueError as e:  # bad input: one line, no traceback
+        print(f"python -m mist {args.command}: error: {e}", file=sys.stderr)
         return 2
 
 

@@ -11,23 +11,25 @@ last backward (``last``: gradient synchronisation, optimizer step).
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 
+# The most micro-batches per iteration the simulator takes: its work is O(stages x micro-batches)
+# (memory O(stages)); 65536 is far beyond any real global batch split into micro-batches.
+MAX_MICRO_BATCHES = 1 << 16
 
-def one_f_one_b_order(stage: int, stages: int, micro_batches: int) -> list[tuple[str, int]]:
-    """The op order of ``stage``: [("F", m) | ("B", m)]."""
+
+def one_f_one_b_order(stage: int, stages: int, micro_batches: int) -> Iterator[tuple[str, int]]:
+    """The op order of ``stage``: ("F", m) or ("B", m), generated (not stored)."""
     warmup = min(stages - stage - 1, micro_batches)
-    order = [("F", m) for m in range(warmup)]
-    f, bwd = warmup, 0
-    while bwd < micro_batches:
+    yield from (("F", m) for m in range(warmup))
+    f = warmup
+    for bwd in range(micro_batches):
         if f < micro_batches:
-            order.append(("F", f))
+            yield ("F", f)
             f += 1
-        order.append(("B", bwd))
-        bwd += 1
-    return order
+        yield ("B", bwd)
 
 
 def simulate_1f1b(
@@ -38,34 +40,45 @@ def simulate_1f1b(
     last: Sequence[float] | None = None,
     p2p: float = 0.0,
 ) -> float:
-    """Makespan of one iteration; ``p2p`` is the send time between neighbouring stages."""
+    """Makespan of one iteration; ``p2p`` is the send time between neighbouring stages.
+
+    Each finish time is kept only until the one op that waits for it has read it, so memory is
+    O(stages) (a stage runs at most ``stages`` forwards ahead of its backwards), work
+    O(stages x micro-batches)."""
     stages = len(fwd)
-    if len(bwd) != stages or micro_batches < 1 or stages < 1:
-        raise ValueError("need one forward and one backward time per stage and >= 1 micro-batch")
+    if len(bwd) != stages or stages < 1:
+        raise ValueError("need one forward and one backward time per stage")
+    if not 1 <= micro_batches <= MAX_MICRO_BATCHES:
+        raise ValueError(
+            f"micro-batches per iteration must be in [1, {MAX_MICRO_BATCHES}], got {micro_batches}"
+        )
     first = first or [0.0] * stages
     last = last or [0.0] * stages
     orders = [one_f_one_b_order(i, stages, micro_batches) for i in range(stages)]
+    nxt = [next(o) for o in orders]  # every stage has at least one op
     done: dict[tuple[str, int, int], float] = {}
     clock = list(first)
-    position = [0] * stages
-    remaining = sum(len(o) for o in orders)
+    remaining = 2 * stages * micro_batches
     while remaining:
         progressed = False
         for i in range(stages):
-            while position[i] < len(orders[i]):
-                kind, m = orders[i][position[i]]
+            while nxt[i] is not None:
+                kind, m = nxt[i]
                 if kind == "F":
-                    dep = done.get(("F", i - 1, m)) if i > 0 else 0.0
-                    dep = None if dep is None else dep + (p2p if i > 0 else 0.0)
+                    key = ("F", i - 1, m) if i > 0 else None
+                    delay = p2p if i > 0 else 0.0
                 else:
-                    dep = done.get(("B", i + 1, m)) if i < stages - 1 else done.get(("F", i, m))
-                    dep = None if dep is None else dep + (p2p if i < stages - 1 else 0.0)
-                if dep is None:
+                    key = ("B", i + 1, m) if i < stages - 1 else ("F", i, m)
+                    delay = p2p if i < stages - 1 else 0.0
+                if key is not None and key not in done:
                     break
-                start = max(clock[i], dep)
-                clock[i] = start + (fwd[i] if kind == "F" else bwd[i])
-                done[(kind, i, m)] = clock[i]
-                position[i] += 1
+                dep = 0.0 if key is None else done.pop(key) + delay
+                clock[i] = max(clock[i], dep) + (fwd[i] if kind == "F" else bwd[i])
+                # keep what a later op waits for: the next stage's forward, the previous stage's
+                # backward, the last stage's own backward
+                if kind == "F" or i > 0:
+                    done[(kind, i, m)] = clock[i]
+                nxt[i] = next(orders[i], None)
                 remaining -= 1
                 progressed = True
         if not progressed:

@@ -13,14 +13,21 @@ are filled in by ``predict``: per stage ``steady_s``, ``extra_s``, ``memory_gib`
 from __future__ import annotations
 
 import json
+import numbers
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import yaml
 
+from .pipeline_sim import MAX_MICRO_BATCHES
 from .specs import ClusterSpec, cluster
 
 PLAN_FORMAT = 1
+MAX_GLOBAL_BATCH = MAX_MICRO_BATCHES  # sequences: bounds the pipeline simulator's work
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 @dataclass
@@ -41,6 +48,12 @@ class StagePlan:
     host_memory_gib: float | None = None  # offloaded bytes this stage's GPUs each keep on the host
 
     def check(self, i: int) -> None:
+        for name in ("layers", "recompute", "zero"):
+            if not _is_int(getattr(self, name)):
+                raise ValueError(f"stage {i}: {name} must be a whole number, got {getattr(self, name)!r}")
+        for name in ("tp", "dp"):
+            if getattr(self, name) is not None and not _is_int(getattr(self, name)):
+                raise ValueError(f"stage {i}: {name} must be a whole number, got {getattr(self, name)!r}")
         if self.layers < 1:
             raise ValueError(f"stage {i}: layers must be >= 1, got {self.layers}")
         if not 0 <= self.recompute <= self.layers:
@@ -105,8 +118,16 @@ class Plan:
         return tp, dp, self.global_batch // (self.grad_accum * dp)
 
     def check(self) -> None:
-        if self.tp < 1 or self.dp < 1 or self.micro_batch < 1:
-            raise ValueError("tp, dp and micro_batch must be >= 1")
+        for name in ("gpus", "gpus_per_node", "global_batch", "tp", "dp", "micro_batch"):
+            value = getattr(self, name)
+            if not _is_int(value) or value < 1:
+                raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")
+        if self.global_batch > MAX_GLOBAL_BATCH:
+            raise ValueError(
+                f"global_batch must be at most {MAX_GLOBAL_BATCH} sequences, got {self.global_batch}"
+            )
+        if not isinstance(self.stages, list) or not self.stages:
+            raise ValueError("stages must be a non-empty list")
         if self.host_memory_per_node_gib is not None and not self.host_memory_per_node_gib > 0:
             raise ValueError(
                 f"host_memory_per_node_gib must be positive, got {self.host_memory_per_node_gib}"
@@ -152,6 +173,10 @@ class Plan:
         version = d.pop("plan_format", PLAN_FORMAT)
         if version != PLAN_FORMAT:
             raise ValueError(f"plan_format {version!r} is not supported (this version reads {PLAN_FORMAT})")
+        if not isinstance(d.get("stages"), list) or not all(isinstance(s, dict) for s in d["stages"]):
+            raise ValueError("stages must be a list of mappings (one per pipeline stage)")
+        if not isinstance(d.get("model_overrides", {}), dict):
+            raise ValueError("model_overrides must be a mapping of model fields")
         d["stages"] = [StagePlan(**s) for s in d["stages"]]
         if d.get("pre_post") is not None:
             d["pre_post"] = PrePostPlan(**d["pre_post"])
@@ -171,12 +196,20 @@ class Plan:
     @classmethod
     def load(cls, path: str | Path) -> Plan:
         path = Path(path)
-        data = json.loads(path.read_text()) if path.suffix == ".json" else yaml.safe_load(path.read_text())
+        try:
+            text = path.read_text()
+            data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+        except (json.JSONDecodeError, yaml.YAMLError) as e:
+            where = str(e).replace("\n", " ")
+            kind = "JSON" if path.suffix == ".json" else "YAML"
+            raise ValueError(f"{path}: not valid {kind} ({where})") from None
+        except UnicodeDecodeError:
+            raise ValueError(f"{path}: not a text file") from None
         if not isinstance(data, dict) or "stages" not in data:
             raise ValueError(f"{path}: not a plan (expected a mapping with 'stages')")
         try:
             return cls.from_dict(data)
-        except TypeError as e:
+        except (TypeError, ValueError) as e:
             raise ValueError(f"{path}: {e}") from None
 
     def table(self) -> str:

@@ -21,7 +21,7 @@ from measure.memory import GpuBudget
 from .costs import RuntimeModel, cpu_adam_params_per_s, load_runtime_model
 from .interference import Interference
 from .pipeline_sim import pipeline_objective, simulate_1f1b
-from .plan import Plan, PrePostPlan, StagePlan
+from .plan import MAX_GLOBAL_BATCH, Plan, PrePostPlan, StagePlan
 from .schedule import (
     EDGE_FIELDS,
     STRATEGY_FIELDS,
@@ -149,10 +149,10 @@ def search(
     progress: Callable[[str], None] | None = None,
 ) -> Plan:
     """The fastest plan found; raises NoFeasiblePlan (with the memory the best try needs)."""
+    if not 1 <= global_batch <= MAX_GLOBAL_BATCH:
+        raise ValueError(f"global batch must be in [1, {MAX_GLOBAL_BATCH}] sequences, got {global_batch}")
     options = options or PlannerOptions()
     runtime, interference = cost_models(cluster, runtime, interference)
-    if global_batch < 1:
-        raise ValueError(f"global batch must be >= 1, got {global_batch}")
     start = time.perf_counter()
     best: Plan | None = None
     best_time = float("inf")
@@ -306,6 +306,16 @@ def predict(
     if sum(s.layers for s in plan.stages) != model.layers:
         raise ValueError(
             f"the stages hold {sum(s.layers for s in plan.stages)} layers, the model has {model.layers}"
+        )
+    for i in range(len(plan.stages)):
+        tp = plan.stage_parallelism(i)[0]
+        if model.heads % tp or model.kv % tp:
+            raise ValueError(
+                f"stage {i}: TP {tp} must divide the heads ({model.heads}) and key/value heads ({model.kv})"
+            )
+    if plan.gpu != cluster.gpu.name or plan.gpus != cluster.gpus:
+        raise ValueError(
+            f"the plan is for {plan.gpus} x {plan.gpu}, the cluster has {cluster.gpus} x {cluster.gpu.name}"
         )
     runtime, interference = cost_models(cluster, runtime, interference)
     S = len(plan.stages)

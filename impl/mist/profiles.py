@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import re
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -149,11 +150,22 @@ def read_layer_profiles(gpu_dir: Path) -> list[LayerProfile]:
         m = _LAYER_FILE.fullmatch(path.name)
         if not meta or m is None or m["size"] not in meta["sizes"]:
             continue
-        with path.open() as fh:
-            ops = {
-                row["op_name"]: (float(row["forward-compute"]) * 1e-6, float(row["backward-compute"]) * 1e-6)
-                for row in csv.DictReader(fh)
-            }
+        try:
+            with path.open() as fh:
+                ops = {
+                    r["op_name"]: (float(r["forward-compute"]) * 1e-6, float(r["backward-compute"]) * 1e-6)
+                    for r in csv.DictReader(fh)
+                }
+        except (KeyError, ValueError, TypeError, UnicodeDecodeError, csv.Error) as e:
+            raise ValueError(
+                f"{path}: not a layer profile (needs op_name, forward-compute, backward-compute in µs): {e!r}"
+            ) from None
+        missing = [op for op in LAYER_OPS if op not in ops]
+        if missing:
+            raise ValueError(f"{path}: not a layer profile: no row for {', '.join(missing)}")
+        bad = [op for op, times in ops.items() if not all(math.isfinite(x) and x >= 0 for x in times)]
+        if bad:
+            raise ValueError(f"{path}: negative or non-finite times for {', '.join(bad)}")
         shape = meta["sizes"][m["size"]]
         out.append(
             LayerProfile(
@@ -192,10 +204,13 @@ def read_collectives(gpu_dir: Path) -> dict[tuple[str, int], list[tuple[float, f
         m = _PRIM_FILE.fullmatch(path.name)
         if m is None:
             continue
-        with path.open() as fh:
-            rows = [
-                (float(r["data_size(MB)"]) * 2**20, float(r["time(ms)"]) * 1e-3) for r in csv.DictReader(fh)
-            ]
+        try:
+            with path.open() as fh:
+                reader = csv.DictReader(fh)
+                rows = [(float(r["data_size(MB)"]) * 2**20, float(r["time(ms)"]) * 1e-3) for r in reader]
+        except (KeyError, ValueError, TypeError, UnicodeDecodeError, csv.Error) as e:
+            needs = "needs data_size(MB), time(ms)"
+            raise ValueError(f"{path}: not a collective benchmark ({needs}): {e!r}") from None
         out.setdefault((m["coll"], int(m["n"])), []).extend(rows)
     return out
 

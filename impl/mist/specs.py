@@ -6,6 +6,7 @@ the single source of shapes and hardware numbers for the whole planner.
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 from dataclasses import dataclass, replace
 
@@ -55,8 +56,12 @@ class ModelSpec:
             raise ValueError(f"hidden ({self.hidden}) must be a multiple of heads ({self.heads})")
         if self.heads % self.kv:
             raise ValueError(f"heads ({self.heads}) must be a multiple of kv_heads ({self.kv})")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        for field in ("flash", "gated_mlp", "parallel_block"):
+            if not isinstance(getattr(self, field), bool):
+                raise ValueError(f"{field} must be true or false, got {getattr(self, field)!r}")
+        number = isinstance(self.dropout, numbers.Real) and not isinstance(self.dropout, bool)
+        if not number or not 0 <= self.dropout < 1:
+            raise ValueError(f"dropout must be a number in [0, 1), got {self.dropout!r}")
         if self.norm not in NORMS:
             raise ValueError(f"norm must be one of {NORMS}, got {self.norm!r}")
         if self.positions not in POSITIONS:
@@ -221,6 +226,11 @@ def cluster(gpu: str, gpus: int, gpus_per_node: int = 8, host_memory: int | None
 
 
 def model(name: str, **overrides) -> ModelSpec:
+    """A preset, with ``overrides`` of its fields (a plan's ``model_overrides``)."""
     if name not in MODELS:
         raise ValueError(f"unknown model {name!r}; presets: {', '.join(MODELS)}")
+    fields = [f.name for f in dataclasses.fields(ModelSpec) if f.name != "name"]
+    unknown = sorted(set(overrides) - set(fields))
+    if unknown:
+        raise ValueError(f"unknown model field(s) {', '.join(unknown)}; known: {', '.join(fields)}")
     return MODELS[name].with_(**overrides) if overrides else MODELS[name]
