@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from measure.parallel import sigterm_as_interrupt
 from measure.results import ResultFileError, Run, RunLockedError, open_run, update_reference
 
 ARTIFACTS = Path(__file__).resolve().parent
@@ -73,6 +74,7 @@ def experiment_run(args: argparse.Namespace, experiment: Experiment) -> Iterator
     config = {"experiment": experiment.name} | {
         k: v for k, v in sorted(vars(args).items()) if k not in RUN_FLAGS
     }
+    sigterm_as_interrupt()  # a killed run unwinds like Ctrl-C: workers stopped, resumable
     try:
         run = open_run(args.results, _plain(config), args.fresh)
     except (OSError, ResultFileError, RunLockedError) as e:  # before any work: one line, no traceback

@@ -15,6 +15,7 @@ first, held-out error reported).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import socket
@@ -25,6 +26,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from measure.parallel import die_with_parent
 from measure.results import ResultFile, Results, Run
 
 from ..experiment import add_run_arguments, experiment_run
@@ -98,8 +100,9 @@ def engine_point(setup: EngineSetup, name: str, fit: dict, work: Path) -> dict:
               "--master-port", str(_free_port())]  # fmt: skip
     cmd = [*launch, "-m", "mist.run", "--plan", str(path), "--steps", str(setup.steps), "--out", str(out)]
     done = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"}
-    )
+        cmd, capture_output=True, text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        preexec_fn=functools.partial(die_with_parent, os.getpid()),  # torchrun dies with this process
+    )  # fmt: skip
     if done.returncode != 0:
         raise RuntimeError(f"mist.run failed for {name}:\n{done.stderr[-3000:]}")
     report = json.loads(out.read_text())

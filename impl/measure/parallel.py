@@ -1,17 +1,49 @@
-"""Run independent, CPU-bound measurement points in worker processes, results as they finish."""
+"""Run independent, CPU-bound measurement points in worker processes, results as they finish.
+
+No process outlives the run: a worker asks the kernel to be killed when its parent dies (Linux
+``PR_SET_PDEATHSIG``), an interrupted or failing map terminates its workers at once, and
+``sigterm_as_interrupt`` makes SIGTERM unwind the parent like Ctrl-C (cleanup runs, a result
+file's run stays resumable) instead of killing it on the spot.
+"""
 
 from __future__ import annotations
 
+import ctypes
 import multiprocessing
+import os
+import signal
+import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 
-import torch
 from tqdm import tqdm
 
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
-def _init_worker() -> None:
+
+def die_with_parent(parent: int) -> None:
+    """Have the kernel SIGKILL this process when ``parent`` exits (Linux); exit now if it already has."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:  # the parent died before the request above took effect
+        os._exit(1)
+
+
+def sigterm_as_interrupt() -> None:
+    """SIGTERM raises KeyboardInterrupt in the main thread, as SIGINT does (cleanup then runs)."""
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, interrupt)
+
+
+def _init_worker(parent: int) -> None:
+    die_with_parent(parent)
+    import torch
+
     torch.set_num_threads(1)  # fake-tensor estimates are Python-bound: one process per core instead
     from transformers.utils import logging as hf_logging
 
@@ -28,16 +60,24 @@ def map_points(
 ) -> Iterator[tuple[tuple, object, float]]:
     """Yield (args, fn(*args), seconds) for each args in ``todo`` as soon as it is done (any order).
 
-    A failure cancels the queued points and is raised at once (not after the whole queue).
+    A failure or an interruption cancels the queued points, terminates the running ones and is
+    raised at once (not after the whole queue).
     """
     if not todo:
         return
     ctx = multiprocessing.get_context("spawn")  # no fork after torch has started threads
-    with ProcessPoolExecutor(max_workers=max(1, jobs), mp_context=ctx, initializer=_init_worker) as pool:
+    pool = ProcessPoolExecutor(
+        max_workers=max(1, jobs), mp_context=ctx, initializer=_init_worker, initargs=(os.getpid(),)
+    )
+    try:
         futures = {pool.submit(_timed, fn, *args): args for args in todo}
-        try:
-            for fut in tqdm(as_completed(futures), total=len(futures), desc=desc, unit="point"):
-                yield futures[fut], *fut.result()
-        except BaseException:
-            pool.shutdown(cancel_futures=True)
-            raise
+        for fut in tqdm(as_completed(futures), total=len(futures), desc=desc, unit="point"):
+            yield futures[fut], *fut.result()
+    except BaseException:
+        # A running point may take minutes: do not wait for it. The executor has no public way to
+        # stop its workers before Python 3.14 (terminate_workers), hence its process table.
+        for process in list(getattr(pool, "_processes", {}).values()):
+            process.terminate()
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    pool.shutdown()

@@ -38,6 +38,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from measure.parallel import die_with_parent
+
 from .offload import OffloadedMasterAdamW, offload_layer_activations
 from .plan import Plan
 
@@ -497,6 +499,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.steps < 1:
         ap.error(f"--steps must be at least 1, got {args.steps}")
+    die_with_parent(os.getppid())  # a rank never outlives its launcher (torchrun)
     try:
         plan = Plan.load(args.plan)
         report = run(plan, args.steps)
