@@ -151,6 +151,29 @@ def test_interference_fit_beats_no_interference_on_held_out_runs():
         assert 1e9 < inter.host_rates["h2d"] < 64e9
 
 
+def test_pipeline_messages_priced_from_the_measured_p2p_bandwidth():
+    """The shipped presets price a stage-to-stage message from the artifact's p2p benchmark (A10G
+    without NVLink or PCIe peer access: ~1.4 GB/s), and a stage pays two messages per neighbour
+    per micro-batch (activation forward, its gradient backward)."""
+    from mist.planner import budget_bytes, cost_models
+    from mist.profiles import read_p2p
+    from mist.schedule import SearchSpace, Setting, evaluate_stage, layer_numbers, strategy_grid
+
+    size, rate = max(read_p2p(DATA / "gpu-op-profiles" / "a10g")["intra"])
+    rm = load_runtime_model("a10g")
+    c = cluster("a10g", 8)
+    assert rm.p2p(size, c) == pytest.approx(size / rate, rel=0.1)
+    m = model("gpt3-1.3b")
+    st = Setting(m, c, *cost_models(c), 1, 1, 2, budget_bytes(c), 4)
+    ln = layer_numbers(st)
+    grid = strategy_grid(6, SearchSpace(offload=False, recompute=False, zero_stages=(0,)))
+    middle = evaluate_stage(st, ln, 6, 2, False, False, grid, 8)["compute"][0]
+    alone = evaluate_stage(st, ln, 6, 1, True, True, grid, 8)["compute"][0]
+    edges = ln.head_fwd + ln.head_bwd + ln.embed_fwd + ln.embed_bwd
+    assert middle - (alone - edges) == pytest.approx(4 * ln.p2p)
+    assert ln.p2p == pytest.approx(rm.p2p(2.0 * 2 * m.seq * m.hidden, c))
+
+
 def test_line_is_a_plain_record():
     assert Line(1.0, 2.0)(4.0) == 3.0
 
@@ -191,7 +214,7 @@ def test_collective_benchmark_feeds_the_runtime_model(tmp_path):
     from mist.profiles import read_collectives
 
     rows = profile_collectives(2, "cpu", sizes=[4096, 1 << 20], repeats=3)
-    assert set(rows) == {"all_reduce", "all_gather", "reduce_scatter"}
+    assert set(rows) == {"all_reduce", "all_gather", "reduce_scatter", "send_recv"}
     assert all(len(r) == 2 and all(sec > 0 for _, sec in r) for r in rows.values())
     write_collectives(tmp_path, 2, "cpu", repeats=3)
     measured = read_collectives(tmp_path)
@@ -199,5 +222,8 @@ def test_collective_benchmark_feeds_the_runtime_model(tmp_path):
     rm = fit_runtime_model([], measured, "cpu", "test")
     line = rm.collectives["all_reduce/2"]
     assert float(rm.collective("all_reduce", 1 << 20, 2)) == pytest.approx(float(line(1 << 20)))
+    # the pipeline message: written as the artifact's p2p file, priced by its own line
+    assert (tmp_path / "p2p_intra_node.csv").exists()
+    assert rm.p2p(1 << 20, cluster("cpu", 2)) == pytest.approx(float(rm.collectives["send_recv/2"](1 << 20)))
     with pytest.raises(ValueError, match="at least 2"):
         profile_collectives(1, "cpu")

@@ -232,6 +232,16 @@ class RuntimeModel:
             seconds = steps * link.latency + nbytes * steps / n / link.bw
         return np.where(nbytes > 0, seconds, 0.0)
 
+    def p2p(self, nbytes: float, cluster: ClusterSpec, inter_node: bool = False) -> float:
+        """Seconds of one point-to-point message between neighbouring pipeline stages: the fitted
+        send/recv line within a node where there is one, else the cluster's link."""
+        if nbytes <= 0:
+            return 0.0
+        if "send_recv/2" in self.collectives and not inter_node:
+            return float(self.collectives["send_recv/2"](nbytes))
+        link = cluster.inter if inter_node else cluster.intra
+        return link.latency + nbytes / link.bw
+
     # ---- persistence
 
     def to_json(self) -> dict:

@@ -102,7 +102,17 @@ def profile_layer(
     return rows
 
 
-COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
+
+
+def _pipeline_message(tensor: torch.Tensor, rank: int, n: int) -> None:
+    """One pipeline message: even ranks send the tensor to the next (odd) rank, which receives it."""
+    import torch.distributed as dist
+
+    if rank % 2 == 0 and rank + 1 < n:
+        dist.send(tensor, rank + 1)
+    elif rank % 2 == 1:
+        dist.recv(tensor, rank - 1)
 
 
 def _collective_worker(
@@ -129,6 +139,7 @@ def _collective_worker(
                 "all_reduce": lambda full=full: dist.all_reduce(full),
                 "all_gather": lambda full=full, shard=shard: dist.all_gather_single(full, shard),
                 "reduce_scatter": lambda full=full, shard=shard: dist.reduce_scatter_single(shard, full),
+                "send_recv": lambda full=full: _pipeline_message(full, rank, n),
             }
             for name, call in calls.items():
                 call(), call()  # warm-up (connections, NCCL communicators)
@@ -179,6 +190,13 @@ def write_collectives(out: Path, n: int, device: str, repeats: int = 10) -> list
     out.mkdir(parents=True, exist_ok=True)
     written = []
     for name, rows in profile_collectives(n, device, repeats=repeats).items():
+        if name == "send_recv":  # a message between two processes, whatever n: the artifact's p2p file
+            sizes = ",".join(f"{b / MiB:.6f}" for b, _ in rows)
+            rates = ",".join(f"{b / sec / 1e9:.6f}" for b, sec in rows)
+            path = out / "p2p_intra_node.csv"
+            path.write_text(f"{sizes}\n{rates}\n")
+            written.append(path)
+            continue
         path = out / f"prim_gpt_local_{name}_{n}gpus.csv"
         lines = ["data_size(MB),time(ms)"] + [f"{b / MiB:.6f},{sec * 1e3:.4f}" for b, sec in rows]
         path.write_text("\n".join(lines) + "\n")

@@ -198,8 +198,12 @@ def best_algo(profiles: list[LayerProfile]) -> list[LayerProfile]:
 
 
 def read_collectives(gpu_dir: Path) -> dict[tuple[str, int], list[tuple[float, float]]]:
-    """(collective, gpus) -> [(bytes, seconds)], all profiled model sizes pooled."""
+    """(collective, gpus) -> [(bytes, seconds)], all profiled model sizes pooled. Point-to-point
+    messages within a node (``p2p_intra_node.csv``, or ``mist profile``'s send_recv benchmark)
+    are ("send_recv", 2)."""
     out: dict[tuple[str, int], list[tuple[float, float]]] = {}
+    for size, rate in read_p2p(gpu_dir).get("intra", []):
+        out.setdefault(("send_recv", 2), []).append((size, size / rate))
     for path in sorted(gpu_dir.glob("prim_gpt_*.csv")):
         m = _PRIM_FILE.fullmatch(path.name)
         if m is None:
@@ -216,11 +220,22 @@ def read_collectives(gpu_dir: Path) -> dict[tuple[str, int], list[tuple[float, f
 
 
 def read_p2p(gpu_dir: Path) -> dict[str, list[tuple[float, float]]]:
-    """'intra'/'inter' -> [(bytes, bytes/s)]."""
+    """'intra'/'inter' -> [(bytes, bytes/s)]. A file is pairs of lines, message MB then GB/s (one
+    pair per repetition)."""
     out = {}
     for where in ("intra", "inter"):
         path = gpu_dir / f"p2p_{where}_node.csv"
-        if path.exists():
-            sizes, rates = (line.split(",") for line in path.read_text().split())
-            out[where] = [(float(a) * 2**20, float(r) * 1e9) for a, r in zip(sizes, rates, strict=True)]
+        if not path.exists():
+            continue
+        lines = path.read_text().split()
+        try:
+            if len(lines) % 2 or not lines:
+                raise ValueError("not pairs of lines")
+            out[where] = [
+                (float(a) * 2**20, float(r) * 1e9)
+                for sizes, rates in zip(lines[::2], lines[1::2], strict=True)
+                for a, r in zip(sizes.split(","), rates.split(","), strict=True)
+            ]
+        except ValueError as e:
+            raise ValueError(f"{path}: not a p2p benchmark (lines of message MB, then GB/s): {e}") from None
     return out

@@ -88,6 +88,7 @@ class LayerNumbers:
     params: float  # per TP rank
     tp_comm_fwd: float
     p2p_bytes: float  # activation sent to the next stage per micro-batch
+    p2p: float  # seconds of that message (and of its gradient coming back)
     head_fwd: float = 0.0  # final norm + LM head + loss, per micro-batch (last stage)
     head_bwd: float = 0.0
     embed_fwd: float = 0.0  # the embedding, per micro-batch (first stage)
@@ -126,7 +127,23 @@ def _layer_numbers(st: Setting) -> LayerNumbers:
     head = {k: value(expr, m, b, m.seq, t) for k, expr in head_costs(m).items()}
     head_fwd, head_bwd = st.runtime.head_times(m, b, m.seq, t)
     embed_fwd, embed_bwd = st.runtime.embedding_times(m, b, m.seq, t)
+    # Megatron's vocab-parallel embedding and head under TP: the embedding's output is summed over
+    # the ranks (reduce-scattered under SP); the head's input gradient likewise in backward (and
+    # its input gathered forward under SP); the cross-entropy sums three fp32 numbers per token
+    # (the logits' max, the target's logit, the sum of exponentials) over the ranks.
+    stream = 2.0 * b * m.seq * m.hidden
+    if st.sequence_parallel:
+        embed_fwd += float(coll("reduce_scatter", stream, t, st.cluster))
+        head_fwd += float(coll("all_gather", stream, t, st.cluster))
+        head_bwd += float(coll("reduce_scatter", stream, t, st.cluster))
+    else:
+        embed_fwd += float(coll("all_reduce", stream, t, st.cluster))
+        head_bwd += float(coll("all_reduce", stream, t, st.cluster))
+    head_fwd += 3 * float(coll("all_reduce", 4.0 * b * m.seq, t, st.cluster))
     tokens = b * m.seq
+    p2p_bytes = 2.0 * tokens * m.hidden / (t if st.sequence_parallel else 1)
+    # a stage that fills a node (or more) has its neighbours on other nodes
+    neighbours_across = st.cluster.nodes > 1 and st.tp * st.dp >= st.cluster.gpus_per_node
     return LayerNumbers(
         fwd=float(fwd) + float(comm_f),
         bwd=float(bwd) + float(comm_b),
@@ -135,7 +152,8 @@ def _layer_numbers(st: Setting) -> LayerNumbers:
         layer_input=2.0 * tokens * m.hidden / (t if st.sequence_parallel else 1),
         params=float(c["params"]),
         tp_comm_fwd=float(comm_f),
-        p2p_bytes=2.0 * tokens * m.hidden / (t if st.sequence_parallel else 1),
+        p2p_bytes=p2p_bytes,
+        p2p=st.runtime.p2p(p2p_bytes, st.cluster, inter_node=neighbours_across),
         head_fwd=head_fwd,
         head_bwd=head_bwd,
         embed_fwd=embed_fwd,
@@ -207,6 +225,10 @@ def evaluate_stage(
 
     # ---- time of one micro-batch, by channel
     compute = layers * (ln.fwd + ln.bwd) + r * ln.fwd
+    # the activation forward and its gradient backward, per neighbouring stage, on the critical
+    # path of 1F1B (a stage waits for what it receives)
+    neighbours = (0 if first else 1) + (0 if last else 1)
+    compute = compute + 2 * neighbours * ln.p2p
     if last:
         compute = compute + ln.head_fwd + ln.head_bwd
     if first:
