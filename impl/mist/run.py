@@ -198,39 +198,64 @@ class _Pipeline:
 
 class ShardedMasterAdamW:
     """ZeRO-1/2 around megatron-core's modules: each DP rank keeps the fp32 master weights and
-    Adam state of its share of the parameters only (greedy by size), steps them, and broadcasts
-    the updated half-precision weights to the other replicas. With ``shard_grads`` (ZeRO-2) each
-    gradient is reduced to its owner as soon as a micro-batch's backward produces it and freed
-    elsewhere, so no rank holds the full gradients."""
+    Adam state of its share of the parameters only, steps them, and broadcasts the updated
+    half-precision weights to the other replicas. Shares are whole buckets (a transformer layer,
+    the embedding, the head: what Mist's model prices one collective for), greedy by size. With
+    ``shard_grads`` (ZeRO-2) a bucket's gradients are reduced to its owner in one message as soon
+    as a micro-batch's backward has made them all, and freed elsewhere, so no rank holds the
+    full gradients."""
 
-    def __init__(self, params, group, lr: float, shard_grads: bool = False) -> None:
+    def __init__(
+        self, buckets: list[list[torch.Tensor]], group, lr: float, shard_grads: bool = False
+    ) -> None:
         from measure.training import MasterWeightAdamW
 
-        self.params = [p for p in params if p.requires_grad]
+        self.buckets = [[p for p in bucket if p.requires_grad] for bucket in buckets]
+        self.buckets = [b for b in self.buckets if b]
+        self.params = [p for bucket in self.buckets for p in bucket]
         self.group = group
         ranks = dist.get_process_group_ranks(group)
         load = [0] * len(ranks)
         self.owner: dict[int, int] = {}
-        for p in sorted(self.params, key=lambda q: q.numel(), reverse=True):
+        self.bucket_of: dict[int, int] = {}
+        by_size = sorted(range(len(self.buckets)), key=lambda i: -sum(p.numel() for p in self.buckets[i]))
+        for i in by_size:  # every rank walks the same order: the same owners everywhere
             k = min(range(len(ranks)), key=load.__getitem__)
-            self.owner[id(p)] = ranks[k]
-            load[k] += p.numel()
+            load[k] += sum(p.numel() for p in self.buckets[i])
+            for p in self.buckets[i]:
+                self.owner[id(p)] = ranks[k]
+                self.bucket_of[id(p)] = i
         me = dist.get_rank()
         self.dp = len(ranks)
         self.inner = MasterWeightAdamW([p for p in self.params if self.owner[id(p)] == me], lr=lr, fused=True)
         self.reduced: dict[int, torch.Tensor] = {}  # owned parameters' summed gradients (ZeRO-2)
+        self.pending: dict[int, list[torch.Tensor]] = {}  # bucket -> gradients made this micro-batch
         self.shard_grads = shard_grads
         if shard_grads:
             for p in self.params:
-                p.register_post_accumulate_grad_hook(self._reduce_to_owner)
+                p.register_post_accumulate_grad_hook(self._collect)
 
-    def _reduce_to_owner(self, p: torch.Tensor) -> None:
-        grad, p.grad = p.grad, None
-        owner = self.owner[id(p)]
-        dist.reduce(grad, dst=owner, group=self.group)
-        if owner == dist.get_rank():
-            so_far = self.reduced.get(id(p))
-            self.reduced[id(p)] = grad if so_far is None else so_far.add_(grad)
+    def _collect(self, p: torch.Tensor) -> None:
+        i = self.bucket_of[id(p)]
+        ready = self.pending.setdefault(i, [])
+        ready.append(p)
+        if len(ready) < len(self.buckets[i]):
+            return
+        del self.pending[i]
+        bucket = self.buckets[i]  # a fixed order: the same flat layout on every rank
+        flat = torch.cat([q.grad.reshape(-1) for q in bucket])
+        for q in bucket:
+            q.grad = None
+        owner = self.owner[id(bucket[0])]
+        dist.reduce(flat, dst=owner, group=self.group)
+        if owner != dist.get_rank():
+            return
+        offset = 0
+        for q in bucket:
+            summed = flat[offset : offset + q.numel()].view_as(q)
+            offset += q.numel()
+            so_far = self.reduced.get(id(q))  # (views into this bucket's message: all of it is mine)
+            self.reduced[id(q)] = summed if so_far is None else so_far.add_(summed)
 
     @property
     def state(self):
@@ -255,6 +280,18 @@ class ShardedMasterAdamW:
 
     def state_tensors(self) -> list[torch.Tensor]:
         return self.inner.state_tensors()
+
+
+def _buckets(model) -> list[list[torch.Tensor]]:
+    """The parameters in the groups Mist prices one collective for: each transformer layer, and
+    each other top-level module (embedding, final norm, output layer)."""
+    layers = list(model.module.decoder.layers)
+    in_layers = {id(p) for layer in layers for p in layer.parameters()}
+    rest: dict[str, list[torch.Tensor]] = {}
+    for name, p in model.named_parameters():
+        if id(p) not in in_layers:
+            rest.setdefault(name.rsplit(".", 1)[0], []).append(p)
+    return [list(layer.parameters()) for layer in layers] + list(rest.values())
 
 
 def _shard_parameters(model, dp_group, device: torch.device) -> None:
@@ -406,7 +443,7 @@ def run(plan: Plan, steps: int = 5, seed: int = 0, lr: float = 1e-2) -> dict:
         _shard_parameters(model, ps.get_data_parallel_group(), device)
     if zero in (1, 2) and plan.dp > 1:
         optimizer = ShardedMasterAdamW(
-            model.parameters(), ps.get_data_parallel_group(), lr, shard_grads=zero == 2
+            _buckets(model), ps.get_data_parallel_group(), lr, shard_grads=zero == 2
         )
     elif mine.offload_optimizer > 0:
         optimizer = OffloadedMasterAdamW(model.parameters(), mine.offload_optimizer, lr)
