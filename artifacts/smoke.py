@@ -101,7 +101,7 @@ def mist_plan() -> str:
 
 def cta_kernels() -> str:
     from ctapipe import INTERPRETER_TILING as tiling
-    from ctapipe import launch_stage, sim
+    from ctapipe import StageTimeout, launch_stage, sim
     from ctapipe.reference import chain
 
     m, d, f = (int(v) for v in torch.randint(17, 60, (3,)))  # edges not multiples of the tile
@@ -109,21 +109,19 @@ def cta_kernels() -> str:
     rows, tiles = tiling.tiles(m, f)
     ready = torch.zeros(rows, dtype=torch.int32)
     h, y = torch.empty(m, f), torch.empty(m, d)
-    status = torch.zeros(1, dtype=torch.int32)
     launch_stage(x, w1, h, ready_out=ready, act="gelu", tiling=tiling)
-    launch_stage(h, w2, y, ready_in=ready, wait_target=tiles, status=status, max_spins=10_000, tiling=tiling)
+    launch_stage(h, w2, y, ready_in=ready, wait_target=tiles, tiling=tiling)  # a give-up raises StageTimeout
     ref = chain(x, [w1, w2], ["gelu", "none"])
     error = ((y - ref).abs().max() / ref.abs().max()).item()
-    expect(
-        status.item() == 0 and error <= 1e-5, f"the stage kernels: status {status.item()}, error {error:.1e}"
-    )
+    expect(error <= 1e-5, f"the stage kernels: error {error:.1e}")
     blocked = torch.full((m, d), float("nan"))
-    status.zero_()
-    launch_stage(
-        h, w2, blocked, ready_in=ready, wait_target=tiles + 1, status=status, max_spins=20, tiling=tiling
-    )
-    expect(status.item() == 1 and bool(blocked.isnan().all()),
-           "a consumer whose producer never signalled computed tiles anyway")  # fmt: skip
+    try:
+        launch_stage(h, w2, blocked, ready_in=ready, wait_target=tiles + 1, timeout_s=0.1, tiling=tiling)
+        gave_up = False
+    except StageTimeout:
+        gave_up = True
+    expect(gave_up and bool(blocked.isnan().all()),
+           "a consumer whose producer never signalled did not raise, or computed tiles anyway")  # fmt: skip
     r = sim.compare(sim.H200, 16384, 2)
     expect(
         r["cta_s"] < r["back_to_back_s"], "the latency model puts CTA-pipelining behind back-to-back GEMMs"

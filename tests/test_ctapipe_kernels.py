@@ -1,8 +1,10 @@
 """CTA-pipelined GEMM kernels against torch.matmul (under TRITON_INTERPRET=1 without a GPU).
 
-Every test that could spin has a timeout, and every wait is bounded (max_spins) so a lost
-signal fails instead of hanging. The negative control runs the consumer without its wait while
-the producer is late, in a really concurrent process pair, and checks the test catches it.
+Every test that could spin has a timeout, and every wait is bounded (in time, by default
+ctapipe.WAIT_TIMEOUT_S) so a lost signal raises StageTimeout instead of hanging (the bounds
+themselves: tests/test_ctapipe_faults.py). The negative control runs the consumer without its
+wait while the producer is late, in a really concurrent process pair, and checks the test
+catches it.
 
 What checks the wait (the spin on the ready counter in kernels._acquire): the interpreter runs
 a grid's programs, and launches, one after another, so in a single process a producer has always
@@ -23,7 +25,16 @@ import itertools
 import pytest
 import torch
 
-from ctapipe import INTERPRETER_TILING, PartitionedMLP, TicketMLP, Tiling, launch_stage, ticket_schedule
+from ctapipe import (
+    INTERPRETER_TILING,
+    PartitionedMLP,
+    StageTimeout,
+    TicketMLP,
+    Tiling,
+    launch_stage,
+    new_status,
+    ticket_schedule,
+)
 from ctapipe.emulate import run_chain_processes
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -61,18 +72,18 @@ def test_producer_consumer_stages_match_matmul(act):
     tiles_n = TILING.tiles(m, f)[1]
     for epoch in (1, 2):  # the counters are never reset: the second pass waits for epoch 2
         # Before this pass's producer ran, the counters hold epoch - 1: a consumer of this epoch
-        # must give up (bounded spins) and leave its output untouched.
+        # must give up (bounded spins), raise and leave its output untouched.
         early = torch.full((m, d), float("nan"), device=DEVICE)
-        status = torch.zeros(1, dtype=torch.int32, device=DEVICE)
-        launch_stage(h, w2, early, ready_in=ready, wait_target=epoch * tiles_n, status=status,
-                     max_spins=20, tiling=TILING)  # fmt: skip
-        assert status.item() == 1 and early.isnan().all()
+        with pytest.raises(StageTimeout, match=f"saw {(epoch - 1) * tiles_n}, needed {epoch * tiles_n}"):
+            launch_stage(
+                h, w2, early, ready_in=ready, wait_target=epoch * tiles_n, max_spins=20, tiling=TILING
+            )
+        assert early.isnan().all()
         launch_stage(x, w1, h, ready_out=ready, act=act, tiling=TILING)
         assert ready.tolist() == [epoch * tiles_n] * rows
-        status = torch.zeros(1, dtype=torch.int32, device=DEVICE)
-        launch_stage(h, w2, y, ready_in=ready, wait_target=epoch * tiles_n, status=status,
-                     max_spins=10_000, tiling=TILING)  # fmt: skip
-        assert status.item() == 0
+        status = new_status(DEVICE)
+        launch_stage(h, w2, y, ready_in=ready, wait_target=epoch * tiles_n, status=status, tiling=TILING)
+        assert status.tolist() == [0] * 6
         torch.testing.assert_close(y, _act(x @ w1, act) @ w2, atol=ATOL, rtol=ATOL)
 
 
@@ -90,10 +101,10 @@ def test_persistent_stages_and_the_sm_partitioned_mlp(programs):
     h = torch.empty(m, f, device=DEVICE)
     launch_stage(x, w1, h, act="relu", tiling=TILING, programs=programs)
     torch.testing.assert_close(h, _act(x @ w1, "relu"), atol=ATOL, rtol=ATOL)
-    mlp = PartitionedMLP("gelu", TILING, max_spins=1_000_000)
+    mlp = PartitionedMLP("gelu", TILING)
     for _ in range(2):
-        y = mlp(x, w1, w2)
-        assert mlp.status.item() == 0
+        y = mlp(x, w1, w2)  # (a give-up would raise StageTimeout)
+        assert mlp.status.tolist() == [0] * 6
         torch.testing.assert_close(y, _act(x @ w1, "gelu") @ w2, atol=ATOL, rtol=ATOL)
     with pytest.raises(ValueError, match="programs must be >= 1"):
         launch_stage(x, w1, h, tiling=TILING, programs=0)
@@ -107,9 +118,8 @@ def test_consumer_without_its_signal_gives_up_and_writes_nothing():
     x, w1, _ = _mlp(40, 24, 40)
     ready = torch.zeros(TILING.tiles(40, 40)[0], dtype=torch.int32, device=DEVICE)
     out = torch.full((40, 40), float("nan"), device=DEVICE)
-    status = torch.zeros(1, dtype=torch.int32, device=DEVICE)
-    launch_stage(x, w1, out, ready_in=ready, wait_target=1, status=status, max_spins=50, tiling=TILING)
-    assert status.item() == 1
+    with pytest.raises(StageTimeout, match=r"tile 0 \(row block 0, column block 0\)"):
+        launch_stage(x, w1, out, ready_in=ready, wait_target=1, max_spins=50, tiling=TILING)
     assert out.isnan().all()
 
 
@@ -118,19 +128,20 @@ def test_consumer_without_its_signal_gives_up_and_writes_nothing():
 def test_ticketed_mlp_matches_matmul(programs, lag):
     """Proves: the kernel decodes tickets (layer, row block, column block) and computes both
     layers' tiles right for any grid size and lag; every layer-0 tile releases its row block once
-    per call, and the second call's epoch target is met (no give-up). Does not prove the ticket
-    order or the wait keep a consumer tile from reading unfinished producers: the interpreter's
+    per call (the counters are zeroed per call), and every call's target is met (no give-up).
+    Does not prove the ticket order or the wait keep a consumer tile from reading unfinished
+    producers: the interpreter's
     first program takes every ticket in schedule order before the next program starts, so each
     layer-1 tile runs after its producers whatever the wait does. The order itself is checked by
     test_ticket_schedule_puts_every_consumer_tile_after_its_producers; concurrency only on a GPU."""
     m, d, f = (int(v) for v in torch.randint(17, 60, (3,)))
     x, w1, w2 = _mlp(m, d, f)
     tiles_m, tiles_n1 = TILING.tiles(m, f)
-    mlp = TicketMLP("gelu", TILING, programs=programs, lag=lag, max_spins=100_000)
-    for call in (1, 2):  # second call: epoch 2 on the same counters
-        y = mlp(x, w1, w2)
-        assert mlp.status.item() == 0
-        assert mlp.ready.counters.tolist() == [call * tiles_n1] * tiles_m
+    mlp = TicketMLP("gelu", TILING, programs=programs, lag=lag)
+    for _ in (1, 2):  # the second call on the same counters, zeroed again
+        y = mlp(x, w1, w2)  # (a give-up would raise StageTimeout)
+        assert mlp.status.tolist() == [0] * 6
+        assert mlp.ready.buffer[:tiles_m].tolist() == [tiles_n1] * tiles_m
         torch.testing.assert_close(y, _act(x @ w1, "gelu") @ w2, atol=ATOL, rtol=ATOL)
 
 

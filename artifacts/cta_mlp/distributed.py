@@ -6,6 +6,10 @@ Back-to-back GEMMs, micro-batching (every chunk of the sweep), Megatron TP, and 
 CTA-pipelining through symmetric memory. Every output is checked against a plain PyTorch chain;
 latency is the slowest rank's, median of ``--repeats``. On a CPU (gloo) only the torch.distributed
 baselines run (CTA-pipelining there: ctapipe.emulate); CPU latencies say nothing about GPUs.
+
+The CTA chain's waits have the default bound (``ctapipe.WAIT_TIMEOUT_S``), checked after the timed
+passes: after a give-up a rank's later passes do not wait (one bound lost, not one a pass), and
+every rank then fails the run naming the ranks and tiles that gave up.
 """
 
 from __future__ import annotations
@@ -72,15 +76,26 @@ def run(m: int, width: int, dtype: torch.dtype, repeats: int, smallest_chunk: in
     latency, y = _timed(lambda: tp_chain(x, shards, acts), device, repeats)
     results["tp"] = {"latency_s": latency, "error": error(y if last else None)}
     if cuda:
-        from ctapipe import Tiling
+        from ctapipe import StageTimeout, Tiling
         from ctapipe.chain import ChainStage, symmetric_buffers
 
         tiling = Tiling()
         buffers = symmetric_buffers(m, [width] * (ranks + 1), dtype, tiling)
-        stage = ChainStage(rank, ranks, weights[rank], acts[rank], buffers, tiling)
+        stage = ChainStage(rank, ranks, weights[rank], acts[rank], buffers, tiling)  # default wait bound
         stage.warm_up(m)
         torch.cuda.synchronize()
-        latency, y = _timed(lambda: stage(x if rank == 0 else None), device, repeats)
+        # unchecked passes (a check waits for the GPU: not inside the timing), checked after them
+        latency, y = _timed(lambda: stage(x if rank == 0 else None, check=False), device, repeats)
+        failure = None
+        try:
+            stage.raise_if_gave_up()
+        except StageTimeout as e:
+            failure = str(e)
+        failures = [None] * ranks
+        dist.all_gather_object(failures, failure)
+        if any(failures):
+            raise RuntimeError("CTA-pipelining measurement failed: a bounded wait gave up (StageTimeout): "
+                               + "; ".join(f for f in failures if f))  # fmt: skip
         results["cta"] = {"latency_s": latency, "error": error(y if last else None)}
     gathered = [None] * ranks
     dist.all_gather_object(gathered, results)

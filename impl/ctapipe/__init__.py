@@ -1,6 +1,29 @@
 """CTA-pipelined GEMMs (arXiv 2607.07862): dependent GEMMs run concurrently, each consumer thread
-block starting as soon as the producer tiles it reads are written."""
+block starting as soon as the producer tiles it reads are written. Every wait is bounded in time
+(``WAIT_TIMEOUT_S`` by default); a tile that gives up makes the host raise ``StageTimeout``."""
 
-from .gemm import INTERPRETER_TILING, PartitionedMLP, TicketMLP, Tiling, launch_stage, ticket_schedule
+from .gemm import (
+    INTERPRETER_TILING,
+    WAIT_TIMEOUT_S,
+    PartitionedMLP,
+    StageTimeout,
+    TicketMLP,
+    Tiling,
+    launch_stage,
+    new_status,
+    raise_if_gave_up,
+    ticket_schedule,
+)
 
-__all__ = ["INTERPRETER_TILING", "PartitionedMLP", "TicketMLP", "Tiling", "launch_stage", "ticket_schedule"]
+__all__ = [
+    "INTERPRETER_TILING",
+    "WAIT_TIMEOUT_S",
+    "PartitionedMLP",
+    "StageTimeout",
+    "TicketMLP",
+    "Tiling",
+    "launch_stage",
+    "new_status",
+    "raise_if_gave_up",
+    "ticket_schedule",
+]

@@ -14,6 +14,13 @@ Buffers a rank sees (``PeerBuffers``): its own inbox and counters, and views of 
 
 Before the first pipelined call every rank compiles its kernel (``warm_up``): otherwise the
 consumer's JIT compile, not the producer, decides when it starts.
+
+Counters are never reset (a peer may still be signalling): pass e waits for e x the upstream
+rank's column tiles per row block. That stays in step because a chain's shapes are fixed by its
+buffers (M) and weights (the upstream width). Every wait is bounded in time (gemm.WAIT_TIMEOUT_S
+by default): a rank whose tile gave up raises ``StageTimeout`` naming the rank and the tile. Its
+tiles that gave up neither wrote nor signalled, so the ranks after it give up too, and the chain's
+counters are then out of step: build a new chain (new buffers) after a ``StageTimeout``.
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .gemm import DEFAULT_TILING, Tiling, launch_stage
+from .gemm import DEFAULT_TILING, Tiling, launch_stage, new_status, raise_if_gave_up
 
 
 @dataclass
@@ -90,18 +97,25 @@ class ChainStage:
     One inbox per rank: before a rank starts pass e+1 its consumer must be done reading pass e
     (the counters order writes after reads only within a pass). Drivers therefore separate
     passes with a barrier, as artifacts/cta_mlp/distributed.py does.
+
+    ``timeout_s`` / ``max_spins``: the wait bounds (gemm.launch_stage). A pass of a rank that waits
+    raises ``StageTimeout`` (stage ``chain rank r of n``) if one of its tiles gave up; with
+    ``check=False`` it does not wait for its kernel, and ``raise_if_gave_up()`` checks every pass
+    since the last check (after a give-up later passes do not wait: one bound lost, not one each).
     """
 
     def __init__(self, rank: int, ranks: int, weight: torch.Tensor, act: str, buffers: PeerBuffers,
-                 tiling: Tiling = DEFAULT_TILING, max_spins: int = 0) -> None:  # fmt: skip
+                 tiling: Tiling = DEFAULT_TILING, max_spins: int = 0,
+                 timeout_s: float | None = None) -> None:  # fmt: skip
         if (rank > 0) != (buffers.inbox is not None) or (rank < ranks - 1) != (
             buffers.next_inbox is not None
         ):
             raise ValueError(f"rank {rank} of {ranks}: buffers do not match its place in the chain")
         self.rank, self.ranks, self.weight, self.act = rank, ranks, weight, act
-        self.buffers, self.tiling, self.max_spins = buffers, tiling, max_spins
+        self.buffers, self.tiling, self.max_spins, self.timeout_s = buffers, tiling, max_spins, timeout_s
+        self.name = f"chain rank {rank} of {ranks}"
         self.epoch = 0
-        self.status = torch.zeros(1, dtype=torch.int32, device=weight.device)
+        self.status = new_status(weight.device)
 
     def _upstream_tiles_n(self) -> int:
         return -(-self.weight.shape[0] // self.tiling.block_n)  # rank r-1's column tiles = our K / block_n
@@ -115,10 +129,14 @@ class ChainStage:
         scratch = torch.zeros(rows, dtype=torch.int32, device=w.device)
         launch_stage(a, w, out, ready_in=scratch if b.inbox is not None else None,
                      ready_out=torch.zeros_like(scratch) if b.next_inbox is not None else None,
-                     wait_target=0, act=self.act, tiling=self.tiling, max_spins=self.max_spins)  # fmt: skip
+                     wait_target=0, act=self.act, tiling=self.tiling, timeout_s=self.timeout_s,
+                     max_spins=self.max_spins, name=f"{self.name} (warm-up)")  # fmt: skip
 
-    def __call__(self, x: torch.Tensor | None = None, wait: bool = True) -> torch.Tensor | None:
-        """One pipelined pass: rank 0 takes ``x``; the last rank returns Y, the others None."""
+    def __call__(
+        self, x: torch.Tensor | None = None, wait: bool = True, check: bool = True
+    ) -> torch.Tensor | None:
+        """One pipelined pass: rank 0 takes ``x``; the last rank returns Y, the others None. Raises
+        ``StageTimeout`` if a tile gave up waiting (after the pass's kernel finished; ``check``)."""
         b = self.buffers
         if (self.rank == 0) != (x is not None):
             raise ValueError("rank 0 takes the chain's input x; the other ranks read their inbox")
@@ -133,7 +151,15 @@ class ChainStage:
         launch_stage(
             a, self.weight, out,
             ready_in=b.ready, ready_out=b.next_ready, wait_target=self.epoch * self._upstream_tiles_n(),
-            act=self.act, status=self.status, max_spins=self.max_spins, tiling=self.tiling,
-            wait=None if wait else False,
+            act=self.act, status=self.status, timeout_s=self.timeout_s, max_spins=self.max_spins,
+            tiling=self.tiling, wait=None if wait else False, check=False,
         )  # fmt: skip
+        if check:
+            self.raise_if_gave_up()
         return out if last else None
+
+    def raise_if_gave_up(self) -> None:
+        """Raise ``StageTimeout`` if a pass since the last check gave up (naming its first tile that
+        did); waits for this rank's kernels."""
+        if self.rank > 0:  # rank 0 never waits
+            raise_if_gave_up(self.status, self.name, self.timeout_s, self.max_spins)

@@ -1,17 +1,50 @@
 """Run a CTA-pipelined chain on a CPU: one process per emulated device, kernels under the Triton
 interpreter, buffers and counters in shared memory. For correctness (tests, ``nox -s cta_mlp``),
-not speed: the processes run concurrently, so the consumer's waits are really exercised."""
+not speed: the processes run concurrently, so the consumer's waits are really exercised.
+
+Nothing here can hang or leak a process: every wait is bounded (the kernels' waits by
+``wait_timeout_s``, the start barrier and the whole run by ``timeout_s``), a rank whose tile gave
+up makes the parent raise ``StageTimeout``, and a rank never outlives the parent: on Linux the
+kernel kills it when the parent dies (``PR_SET_PDEATHSIG``), and on every platform a watchdog
+thread in the rank exits it once its parent is gone (polled every ``_WATCHDOG_S``)."""
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import os
+import signal
+import sys
+import threading
 import time
 
 import torch
 import torch.multiprocessing as mp
 
 from .chain import ChainStage, PeerBuffers, shared_buffers
-from .gemm import Tiling
+from .gemm import WAIT_TIMEOUT_S, StageTimeout, Tiling
+
+_WATCHDOG_S = 0.2
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+_REPORT = ("gave_up", "tile", "row_block", "column_block", "seen", "target")  # a rank's StageTimeout
+
+
+def _die_with_parent(parent: int) -> None:
+    """This process never outlives process ``parent`` (see the module docstring)."""
+    if sys.platform.startswith("linux"):
+        # SIGKILL on the death of the thread that started us (run_chain_processes' caller); if
+        # prctl is missing, the watchdog below still holds
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(_WATCHDOG_S)
+        os._exit(3)
+
+    if os.getppid() != parent:  # the parent died before the signal was armed
+        os._exit(3)
+    threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
 
 
 def _rank_main(
@@ -25,21 +58,28 @@ def _rank_main(
     wait,
     delay,
     max_spins,
+    wait_timeout_s,
+    timeout_s,
+    parent,
     y,
-    status,
+    reports,
     start,
     last_done,
 ):
-    stage = ChainStage(rank, ranks, weight, act, buffers, tiling, max_spins)
+    _die_with_parent(parent)
+    stage = ChainStage(rank, ranks, weight, act, buffers, tiling, max_spins, wait_timeout_s)
     stage.warm_up(x.shape[0])
-    start.wait()  # every rank compiled: start together (the pipelined launch)
+    start.wait(timeout_s)  # every rank compiled: start together (the pipelined launch)
     time.sleep(delay)
-    if rank == 0 and last_done is not None:
-        last_done.wait()  # the producer only after the consumers finished (negative control)
-    out = stage(x if rank == 0 else None, wait=wait)
+    if rank == 0 and last_done is not None and not last_done.wait(timeout_s):
+        raise TimeoutError("the last rank never finished")  # (negative control: producer after the consumer)
+    try:
+        out = stage(x if rank == 0 else None, wait=wait)
+    except StageTimeout as e:
+        reports[rank] = torch.tensor([getattr(e, k) for k in _REPORT], dtype=torch.int64)
+        out = None
     if out is not None:
         y.copy_(out)
-    status[rank] = stage.status[0]
     if rank == ranks - 1 and last_done is not None:
         last_done.set()
 
@@ -51,15 +91,20 @@ def run_chain_processes(
     tiling: Tiling,
     wait: bool = True,
     delays: list[float] | None = None,
-    max_spins: int = 2_000_000,
+    max_spins: int = 0,
     timeout_s: float = 120.0,
     producer_last: bool = False,
+    wait_timeout_s: float | None = None,
 ) -> tuple[torch.Tensor, list[int]]:
-    """Y of the chain and each rank's status (1: a tile gave up waiting). ``delays[r]``: seconds rank r
-    sleeps before its launch (to make a producer late on purpose). ``producer_last`` (only without
-    the wait, else it would deadlock): rank 0 starts after the last rank finished, so a consumer
-    that does not wait surely reads an unwritten inbox. Raises TimeoutError past ``timeout_s``
-    (the processes are killed)."""
+    """Y of the chain and each rank's count of tiles that gave up waiting (all 0: a give-up
+    raises). ``delays[r]``: seconds rank r sleeps before its launch (to make a producer late on
+    purpose). ``producer_last`` (only without the wait, else it would deadlock): rank 0 starts
+    after the last rank finished, so a consumer that does not wait surely reads an unwritten inbox.
+    ``wait_timeout_s`` / ``max_spins``: the kernels' wait bounds (None: gemm.WAIT_TIMEOUT_S).
+
+    Raises ``StageTimeout`` (the first rank whose tile gave up, named with the tile), TimeoutError
+    past ``timeout_s``, RuntimeError if a rank failed; the ranks still running are killed, and none
+    outlives this process."""
     ranks = len(weights)
     if producer_last and wait:
         raise ValueError("producer_last needs wait=False: a waiting consumer would wait forever")
@@ -71,28 +116,37 @@ def run_chain_processes(
     delays = delays or [0.0] * ranks
     buffers = shared_buffers(x.shape[0], dims, x.dtype, tiling)
     y = torch.zeros(x.shape[0], dims[-1], dtype=x.dtype).share_memory_()
-    status = torch.zeros(ranks, dtype=torch.int32).share_memory_()
+    reports = torch.zeros(ranks, len(_REPORT), dtype=torch.int64).share_memory_()
     os.environ["TRITON_INTERPRET"] = "1"  # inherited by the spawned processes
     ctx = mp.get_context("spawn")
     barrier = ctx.Barrier(ranks)
     last_done = ctx.Event() if producer_last else None
     x.share_memory_()
-    procs = []
-    for r in range(ranks):
-        args = (r, ranks, x, weights[r].share_memory_(), acts[r], buffers[r], tiling, wait, delays[r],
-                max_spins, y, status, barrier, last_done)  # fmt: skip
-        procs.append(ctx.Process(target=_rank_main, args=args))
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + timeout_s
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-    alive = [p for p in procs if p.is_alive()]
-    for p in alive:
-        p.kill()
+    procs, parent = [], os.getpid()
+    try:
+        for r in range(ranks):
+            args = (r, ranks, x, weights[r].share_memory_(), acts[r], buffers[r], tiling, wait, delays[r],
+                    max_spins, wait_timeout_s, timeout_s, parent, y, reports, barrier, last_done)  # fmt: skip
+            procs.append(ctx.Process(target=_rank_main, args=args))
+            procs[-1].start()
+        deadline = time.monotonic() + timeout_s
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+    finally:  # also on an interrupt or an error here: no rank outlives the call
+        alive = [p for p in procs if p.is_alive()]
+        for p in alive:
+            p.kill()
+        for p in alive:
+            p.join()
     if alive:
         raise TimeoutError(f"{len(alive)} of {ranks} ranks still running after {timeout_s:.0f} s (killed)")
     failed = [r for r, p in enumerate(procs) if p.exitcode != 0]
     if failed:
         raise RuntimeError(f"ranks {failed} failed (exit codes {[procs[r].exitcode for r in failed]})")
-    return y.clone(), status.tolist()
+    bound = WAIT_TIMEOUT_S if wait_timeout_s is None else wait_timeout_s
+    for r, report in enumerate(reports.tolist()):
+        if report[0]:  # the first rank that gave up (the ranks after it starve)
+            f = dict(zip(_REPORT, report, strict=True))
+            raise StageTimeout(f"chain rank {r} of {ranks}", f["tile"], f["row_block"], f["column_block"],
+                               f["seen"], f["target"], f["gave_up"], bound, max_spins)  # fmt: skip
+    return y.clone(), [int(g) for g in reports[:, 0]]

@@ -1,6 +1,14 @@
 """Thin Python interface to the kernels: checked launches of one stage, and the two single-GPU
 MLPs, ticketed (one persistent kernel) and SM-partitioned (two kernels as two devices).
-kernels.py says how the pipelining works."""
+kernels.py says how the pipelining works.
+
+Waits are bounded in time: a tile gives up after ``timeout_s`` seconds without its ready counter
+reaching the target (default ``WAIT_TIMEOUT_S``, overridable per call or object), and the host
+then raises ``StageTimeout`` naming the stage and the tile. ``max_spins`` (default 0: no bound on
+polls) adds a bound on the number of polls. The single-GPU MLPs zero their counters at the start
+of every call, so any sequence of shapes (M and the hidden width F changing between calls) keeps
+them in step: a wait target can only be met by the call's own producer tiles.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +17,67 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from .kernels import ACTIVATIONS, stage_kernel, ticket_mlp_kernel
+from .kernels import ACTIVATIONS, STATUS_WORDS, stage_kernel, ticket_mlp_kernel
+
+WAIT_TIMEOUT_S = 5.0
+"""Default bound, in seconds of wall-clock time, on one consumer tile's wait for its ready counter.
+On a GPU a legitimate wait lasts microseconds to milliseconds (a producer tile or a kernel launch);
+under the interpreter, a producer process's start-up and the tests' deliberate delays (<= 1 s).
+On a GPU it is measured by the kernel with the ``%globaltimer`` clock; under the interpreter with
+the host's ``time.monotonic_ns`` (kernels.py)."""
+
+_MAX_TIMEOUT_S = (2**31 - 1) / 1e6  # the kernels take the bound in int32 microseconds (~35 min)
+
+
+class StageTimeout(RuntimeError):
+    """A consumer tile gave up waiting for its ready counter (its producer never signalled, or not
+    within the bound). The tiles that gave up wrote nothing: the output is incomplete."""
+
+    def __init__(self, stage: str, tile: int, row_block: int, column_block: int, seen: int, target: int,
+                 gave_up: int, timeout_s: float, max_spins: int,
+                 tile_kind: str = "tile") -> None:  # fmt: skip
+        self.stage, self.tile, self.row_block, self.column_block = stage, tile, row_block, column_block
+        self.seen, self.target, self.gave_up = seen, target, gave_up
+        self.timeout_s, self.max_spins = timeout_s, max_spins
+        bound = f"{timeout_s:g} s" + (f" or {max_spins} polls" if max_spins else "")
+        super().__init__(
+            f"{stage}: {tile_kind} {tile} (row block {row_block}, column block {column_block}) gave up "
+            f"waiting for its ready counter (bound {bound}): it saw {seen}, needed {target}; {gave_up} "
+            "tile(s) gave up and wrote nothing"
+        )
+
+
+def _timeout_us(timeout_s: float | None) -> int:
+    t = WAIT_TIMEOUT_S if timeout_s is None else timeout_s
+    if not 1e-6 <= t <= _MAX_TIMEOUT_S:  # also refuses nan and inf: a wait is never unbounded
+        raise ValueError(f"timeout_s must be in [1e-6, {_MAX_TIMEOUT_S:.0f}] seconds, got {t}")
+    return round(t * 1e6)
+
+
+def _check_spins(max_spins: int) -> int:
+    if not 0 <= max_spins < 2**31:
+        raise ValueError(f"max_spins must be in [0, 2**31) (0: no bound on polls), got {max_spins}")
+    return max_spins
+
+
+def new_status(device: torch.device | str) -> torch.Tensor:
+    """A zeroed status buffer for the kernels (see kernels.py): int32 [6]."""
+    return torch.zeros(STATUS_WORDS, dtype=torch.int32, device=device)
+
+
+def raise_if_gave_up(
+    status: torch.Tensor, stage: str, timeout_s: float | None, max_spins: int, tile_kind: str = "tile"
+) -> None:
+    """Raise ``StageTimeout`` if the kernels reported a give-up in ``status`` since it was zeroed
+    (reading it waits for them), naming ``stage`` and the first tile that gave up; the buffer is
+    zeroed first, so the object that owns it can be called again. ``timeout_s``, ``max_spins``: the
+    bounds the launches had (for the message)."""
+    gave_up, tile, seen, target, row, col = status[:STATUS_WORDS].tolist()
+    if not gave_up:
+        return
+    status.zero_()
+    timeout = WAIT_TIMEOUT_S if timeout_s is None else timeout_s
+    raise StageTimeout(stage, tile - 1, row, col, seen, target, gave_up, timeout, max_spins, tile_kind)
 
 
 @dataclass(frozen=True)
@@ -65,6 +133,17 @@ def _counter(t: torch.Tensor | None, rows: int, name: str, device: torch.device)
     return t
 
 
+def _status(status: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    if status is None:
+        return new_status(device)
+    if status.dtype != torch.int32 or status.numel() < STATUS_WORDS or not status.is_contiguous():
+        raise ValueError(
+            f"status must be a contiguous int32 buffer of {STATUS_WORDS} (new_status), got {status.dtype} "
+            f"{status.numel()}"
+        )
+    return status
+
+
 def launch_stage(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -75,10 +154,13 @@ def launch_stage(
     wait_target: int = 0,
     act: str = "none",
     status: torch.Tensor | None = None,
+    timeout_s: float | None = None,
     max_spins: int = 0,
     tiling: Tiling = DEFAULT_TILING,
     wait: bool | None = None,
     programs: int | None = None,
+    check: bool = True,
+    name: str = "stage",
 ) -> None:
     """C = act(A @ B) as one stage of a CTA pipeline.
 
@@ -87,9 +169,17 @@ def launch_stage(
     stored (C may live on another GPU). ``wait=False`` with ``ready_in`` given launches the same
     stage without its wait (tests' negative control only). ``programs``: a persistent grid of that
     many programs instead of one per tile.
+
+    A wait gives up after ``timeout_s`` seconds (None: ``WAIT_TIMEOUT_S``) or ``max_spins`` polls
+    (0: no bound on polls); the tiles that gave up write nothing. ``check`` (default): wait for the
+    launch and raise ``StageTimeout`` (``name``, the tile) on a give-up. ``check=False`` returns at
+    once (asynchronous, e.g. the other stage must still be launched): the kernel reports in
+    ``status`` (``new_status``; a launch whose status already holds a give-up does not wait), and
+    the caller checks it with ``raise_if_gave_up``.
     """
     _check_matmul(a, b, c)
     act_id = _check_act(act)
+    timeout_us, max_spins = _timeout_us(timeout_s), _check_spins(max_spins)
     m, n = c.shape
     tiles_m, tiles_n = tiling.tiles(m, n)
     do_wait = ready_in is not None if wait is None else wait
@@ -98,16 +188,19 @@ def launch_stage(
     signal = ready_out is not None
     ready_in = _counter(ready_in, tiles_m, "ready_in", a.device)
     ready_out = _counter(ready_out, tiles_m, "ready_out", c.device)
-    if status is None:
-        status = torch.zeros(1, dtype=torch.int32, device=a.device)
+    status = _status(status, a.device)
     if programs is not None and programs < 1:
         raise ValueError(f"programs must be >= 1, got {programs}")
-    stage_kernel[(min(programs or tiles_m * tiles_n, tiles_m * tiles_n),)](
-        a, b, c, ready_in, ready_out, status, wait_target, max_spins, m, n, a.shape[1],
+    grid = min(programs or tiles_m * tiles_n, tiles_m * tiles_n)
+    clock = torch.empty(grid if do_wait else 1, dtype=torch.int64, device=a.device)
+    stage_kernel[(grid,)](
+        a, b, c, ready_in, ready_out, status, clock, wait_target, timeout_us, max_spins, m, n, a.shape[1],
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
         WAIT=do_wait, SIGNAL=signal, ACT=act_id,
         BLOCK_M=tiling.block_m, BLOCK_N=tiling.block_n, BLOCK_K=tiling.block_k, **tiling.launch_options(),
     )  # fmt: skip
+    if check and do_wait:  # (a stage that does not wait cannot give up: no sync for it)
+        raise_if_gave_up(status, name, timeout_s, max_spins)
 
 
 def ticket_schedule(tiles_m: int, tiles_n1: int, tiles_n2: int, lag: int = 1) -> torch.Tensor:
@@ -129,35 +222,68 @@ def ticket_schedule(tiles_m: int, tiles_n1: int, tiles_n2: int, lag: int = 1) ->
 
 
 class ReadyCounters:
-    """One ready counter per row block, kept across passes: each pass raises the epoch instead of
-    resetting them (a peer may still be signalling). New counters only for a new shape or device."""
+    """One ready counter per row block (plus ``extra`` int32 words after them, e.g. the ticket
+    counter), kept across calls and zeroed at the start of each: on one GPU the reset is
+    stream-ordered after every kernel of the previous call, so no late signal can land after it,
+    and the target is this call's producer tiles per row block whatever earlier calls' shapes were
+    (epoch counters fall out of step when M or the hidden width changes between calls)."""
 
-    def __init__(self) -> None:
-        self.counters: torch.Tensor | None = None
-        self.epoch = 0
+    def __init__(self, extra: int = 0) -> None:
+        self.extra = extra
+        self.buffer: torch.Tensor | None = None
 
-    def next_pass(self, rows: int, device: torch.device) -> tuple[torch.Tensor, int]:
-        c = self.counters
-        if c is None or c.numel() < rows or c.device != device:
-            self.counters, self.epoch = torch.zeros(rows, dtype=torch.int32, device=device), 0
-        self.epoch += 1
-        return self.counters, self.epoch
+    def next_pass(self, rows: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(counters [rows], the extra words), all zero, on the current stream."""
+        b = self.buffer
+        if b is None or b.numel() < rows + self.extra or b.device != device:
+            self.buffer = b = torch.zeros(rows + self.extra, dtype=torch.int32, device=device)
+        else:
+            b.zero_()  # one memset per call, counters and extra words together
+        return b[:rows], b[b.numel() - self.extra :]
+
+
+class _Waits:
+    """The wait bound, status buffer and give-up check an MLP object shares across its calls."""
+
+    def __init__(self, timeout_s: float | None, max_spins: int, check: bool) -> None:
+        _timeout_us(timeout_s)  # refuse a bad bound when the object is made
+        self.timeout_s, self.max_spins, self.check = timeout_s, _check_spins(max_spins), check
+        self.status: torch.Tensor | None = None
+
+    def status_on(self, device: torch.device) -> torch.Tensor:
+        if self.status is None or self.status.device != device:
+            self.status = new_status(device)
+        return self.status
+
+    def raise_if_gave_up(self, stage: str, tile_kind: str = "tile") -> None:
+        if self.status is not None:
+            raise_if_gave_up(self.status, stage, self.timeout_s, self.max_spins, tile_kind)
 
 
 class TicketMLP:
     """Y = act(X W1) W2 on one GPU, both GEMMs in one persistent kernel (CTA-pipelined).
 
-    Holds the ready counters across calls (epoch counters: never reset) and the schedule per M.
+    Holds the ready counters (zeroed per call: any sequence of shapes) and the schedule per shape.
     ``programs``: the persistent grid size (default: the GPU's SM count; 4 under the interpreter).
+    ``timeout_s`` / ``max_spins``: the wait bounds (launch_stage). ``check`` (default): every call
+    waits for its kernel and raises ``StageTimeout`` on a give-up; with ``check=False`` calls stay
+    asynchronous and ``raise_if_gave_up()`` checks every call since the last check (after a give-up
+    later calls do not wait, so a lost signal costs one timeout, not one per call).
     """
 
     def __init__(self, act: str = "gelu", tiling: Tiling = DEFAULT_TILING, programs: int | None = None,
-                 lag: int = 1, max_spins: int = 0) -> None:  # fmt: skip
+                 lag: int = 1, max_spins: int = 0, timeout_s: float | None = None,
+                 check: bool = True) -> None:  # fmt: skip
         self.act = _check_act(act)
-        self.tiling, self.lag, self.max_spins = tiling, lag, max_spins
+        self.tiling, self.lag = tiling, lag
         self.programs = programs
-        self.ready = ReadyCounters()
+        self.waits = _Waits(timeout_s, max_spins, check)
+        self.ready = ReadyCounters(extra=1)  # + the ticket counter
         self._schedules: dict[tuple, torch.Tensor] = {}
+
+    @property
+    def status(self) -> torch.Tensor | None:
+        return self.waits.status
 
     def __call__(
         self, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, wait: bool = True
@@ -176,20 +302,26 @@ class TicketMLP:
         if key not in self._schedules:
             self._schedules[key] = ticket_schedule(tiles_m, tiles_n1, tiles_n2, self.lag).to(x.device)
         schedule = self._schedules[key]
-        ready, epoch = self.ready.next_pass(tiles_m, x.device)
+        ready, ticket = self.ready.next_pass(tiles_m, x.device)
         h = torch.empty(m, f, dtype=x.dtype, device=x.device)
         y = torch.empty(m, d, dtype=x.dtype, device=x.device)
-        status = torch.zeros(1, dtype=torch.int32, device=x.device)
-        ticket = torch.zeros(1, dtype=torch.int32, device=x.device)
+        status = self.waits.status_on(x.device)
         programs = self.programs or _default_programs(x.device)
+        clock = torch.empty(programs, dtype=torch.int64, device=x.device)
         ticket_mlp_kernel[(programs,)](
-            x, w1, h, w2, y, ready, status, ticket, schedule, schedule.shape[0],
-            epoch * tiles_n1, self.max_spins, m, d, f,
+            x, w1, h, w2, y, ready, status, clock, ticket, schedule, schedule.shape[0],
+            tiles_n1, _timeout_us(self.waits.timeout_s), self.waits.max_spins, m, d, f,
             ACT=self.act, WAIT=wait, BLOCK_M=self.tiling.block_m, BLOCK_N=self.tiling.block_n,
             BLOCK_K=self.tiling.block_k, **self.tiling.launch_options(),
         )  # fmt: skip
-        self.status = status
+        if self.waits.check:
+            self.raise_if_gave_up()
         return y
+
+    def raise_if_gave_up(self) -> None:
+        """Raise ``StageTimeout`` if a call since the last check gave up (naming the first ticket
+        that did); then the object is usable again."""
+        self.waits.raise_if_gave_up("TicketMLP layer 1", "ticket")
 
 
 def _default_programs(device: torch.device) -> int:
@@ -201,42 +333,58 @@ def _default_programs(device: torch.device) -> int:
 class PartitionedMLP:
     """Y = act(X W1) W2 with the GPU's SMs split in two 'devices': the producer stage kernel
     persistent on ``producer_sms`` programs on one stream, the consumer on the rest on another,
-    linked by ready counters exactly as across GPUs. On a CPU the two run one after the other."""
+    linked by ready counters exactly as across GPUs (zeroed per call). On a CPU the two run one
+    after the other. ``timeout_s``, ``max_spins``, ``check``, ``raise_if_gave_up``: as TicketMLP."""
 
     def __init__(self, act: str = "gelu", tiling: Tiling = DEFAULT_TILING, producer_share: float = 0.5,
-                 max_spins: int = 0) -> None:  # fmt: skip
+                 max_spins: int = 0, timeout_s: float | None = None, check: bool = True) -> None:  # fmt: skip
         if not 0 < producer_share < 1:
             raise ValueError(f"producer_share must be in (0, 1), got {producer_share}")
-        self.act, self.tiling, self.share, self.max_spins = act, tiling, producer_share, max_spins
+        self.act, self.tiling, self.share = act, tiling, producer_share
+        self.waits = _Waits(timeout_s, max_spins, check)
         self.ready = ReadyCounters()
         self._streams = None
+
+    @property
+    def status(self) -> torch.Tensor | None:
+        return self.waits.status
 
     def __call__(self, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
         m, f = x.shape[0], w1.shape[1]
         tiles_m, tiles_n1 = self.tiling.tiles(m, f)
-        ready, epoch = self.ready.next_pass(tiles_m, x.device)
+        ready, _ = self.ready.next_pass(tiles_m, x.device)
         h = torch.empty(m, f, dtype=x.dtype, device=x.device)
         y = torch.empty(m, w2.shape[1], dtype=x.dtype, device=x.device)
-        self.status = torch.zeros(1, dtype=torch.int32, device=x.device)
+        status = self.waits.status_on(x.device)
         sms = _default_programs(x.device)
         producer = max(1, int(sms * self.share))
         consumer = max(1, sms - producer)
-        produce = dict(ready_out=ready, act=self.act, tiling=self.tiling, programs=producer)
-        consume = dict(ready_in=ready, wait_target=epoch * tiles_n1, status=self.status,
-                       max_spins=self.max_spins, tiling=self.tiling, programs=consumer)  # fmt: skip
+        # (the producer never waits: it gets the status buffer only to allocate none of its own)
+        produce = dict(
+            ready_out=ready, act=self.act, status=status, tiling=self.tiling, programs=producer, check=False
+        )
+        consume = dict(ready_in=ready, wait_target=tiles_n1, status=status, timeout_s=self.waits.timeout_s,
+                       max_spins=self.waits.max_spins, tiling=self.tiling, programs=consumer,
+                       check=False)  # fmt: skip
         if x.device.type != "cuda":
             launch_stage(x, w1, h, **produce)
             launch_stage(h, w2, y, **consume)
-            return y
-        if self._streams is None:
-            self._streams = (torch.cuda.Stream(x.device), torch.cuda.Stream(x.device))
-        main = torch.cuda.current_stream(x.device)
-        for s in self._streams:
-            s.wait_stream(main)
-        with torch.cuda.stream(self._streams[0]):  # the producer first: it never waits
-            launch_stage(x, w1, h, **produce)
-        with torch.cuda.stream(self._streams[1]):
-            launch_stage(h, w2, y, **consume)
-        for s in self._streams:
-            main.wait_stream(s)
+        else:
+            if self._streams is None:
+                self._streams = (torch.cuda.Stream(x.device), torch.cuda.Stream(x.device))
+            main = torch.cuda.current_stream(x.device)
+            for s in self._streams:
+                s.wait_stream(main)  # after the counters' reset
+            with torch.cuda.stream(self._streams[0]):  # the producer first: it never waits
+                launch_stage(x, w1, h, **produce)
+            with torch.cuda.stream(self._streams[1]):
+                launch_stage(h, w2, y, **consume)
+            for s in self._streams:
+                main.wait_stream(s)
+        if self.waits.check:
+            self.raise_if_gave_up()
         return y
+
+    def raise_if_gave_up(self) -> None:
+        """As TicketMLP.raise_if_gave_up: the consumer stage's first tile that gave up."""
+        self.waits.raise_if_gave_up("PartitionedMLP consumer")

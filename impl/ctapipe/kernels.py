@@ -7,16 +7,36 @@ pipelining lives in two per-row-block counters:
   threads' stores (barrier) and release-increments ``ready_out[row block]`` at system scope:
   whoever acquires the counter then sees the tile;
 * a consumer tile needs a whole row block of its input A (all of the producer's N tiles of
-  that row block), so it acquire-polls ``ready_in[row block]`` until it reaches ``wait_target``
-  = epoch x producer tiles per row block. Counters are never reset while a peer may still
-  signal: each call of a pipeline raises the epoch instead.
+  that row block), so it acquire-polls ``ready_in[row block]`` until it reaches ``wait_target``.
+  Who owns the counters picks the target: the single-GPU MLPs (gemm.py) zero theirs before each
+  call (stream-ordered, so no signal of an earlier call can land after it) and wait for this
+  call's producer tiles per row block; the multi-GPU chain (chain.py), whose peer may still be
+  signalling, never resets them and waits for epoch x producer tiles instead.
 
 ``stage_kernel`` is one stage (one GEMM, one device); tiles are ordered row block by row block,
 so the consumer's first CTAs wait on the producer's first row blocks. With fewer programs than
 tiles it is persistent: two such kernels on two streams, each on its share of the SMs, emulate
-two devices on one GPU (neither can take the SMs the other needs to make progress). Waiting is bounded by
-``max_spins`` (0: unbounded): a tile that gives up sets ``status[0]`` and writes nothing, which
-turns a lost signal into an error instead of a hang.
+two devices on one GPU (neither can take the SMs the other needs to make progress).
+
+Every wait is bounded (``_acquire``), so a lost signal is an error, never a hang. A wait gives up
+when, measured from its first poll,
+
+* ``timeout_us`` microseconds of wall-clock time have passed: on a GPU the clock is the
+  ``%globaltimer`` register (nanoseconds; ``tl.extra.cuda.globaltimer``), read by the CTA's
+  thread 0 and passed to the other threads through an atomic exchange on the program's slot of
+  ``clock`` (the loop's exit must be the same for every thread: each poll has a barrier); under
+  the interpreter the kernel is Python on the host and the clock is ``time.monotonic_ns``;
+* or ``max_spins`` polls were made (0: no bound on polls; the time bound always holds);
+* or another tile of the same launch already gave up (``status[0] != 0``): after one give-up
+  the others stop at once instead of each waiting out the bound.
+
+The clock and the status are read every ``CLOCK_EVERY`` polls (a poll is then one load of the
+counter), so a wait may overrun its bound by that many polls: microseconds on a GPU.
+
+A tile that gives up writes nothing and signals nothing; it counts itself in ``status[0]``, and
+the first one records itself in ``status[1:6]``: its tile (or ticket) index + 1, the counter value
+it saw, its target, its row block and column block. The host reads them after the launch and
+raises ``gemm.StageTimeout``.
 
 ``ticket_mlp_kernel`` is the single-GPU form for Y = act(X W1) W2: a persistent grid whose
 programs take work tickets in order from an atomic counter; ticket t names a tile of layer 0
@@ -27,10 +47,30 @@ deadlock whatever the number of programs.
 
 from __future__ import annotations
 
+import time
+
 import triton
 import triton.language as tl
 
 ACTIVATIONS = {"none": 0, "relu": 1, "gelu": 2}  # gelu: the tanh form
+# status: [tiles that gave up, then the first one's tile (or ticket) + 1, counter seen, target,
+# row block, column block]
+STATUS_WORDS = 6
+CLOCK_EVERY: tl.constexpr = tl.constexpr(8)  # a wait reads the clock and the status every 8 polls
+
+# The wait's clock, chosen as triton.jit chooses compiled or interpreted kernels (at definition).
+if triton.knobs.runtime.interpret:
+
+    def _now_ns():
+        """Interpreted kernels are Python on the host: the host's monotonic clock."""
+        return time.monotonic_ns()
+
+else:
+
+    @triton.jit
+    def _now_ns():
+        """The GPU's global nanosecond timer (per thread: broadcast it before branching on it)."""
+        return tl.extra.cuda.globaltimer()
 
 
 @triton.jit
@@ -76,15 +116,42 @@ def _tile(
 
 
 @triton.jit
-def _acquire(counter_ptr, target, max_spins):
-    """Poll ``counter_ptr`` (acquire, system scope) until it reaches ``target``; True if it did."""
+def _acquire(counter_ptr, target, status, clock_ptr, timeout_us, max_spins):
+    """Poll ``counter_ptr`` (acquire, system scope) until it reaches ``target``, or give up (see the
+    module docstring: time, polls, or another tile's give-up). Returns the last value seen: the
+    wait succeeded iff it is >= ``target``. ``clock_ptr``: this program's int64 scratch slot."""
     seen = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="sys")
-    spins = 0
-    while (seen < target) & ((max_spins == 0) | (spins < max_spins)):
-        seen = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="sys")
-        spins += 1
+    if seen < target:  # (a tile whose input is ready pays one load, not the clock's)
+        limit_ns = timeout_us.to(tl.int64) * 1000
+        # Thread 0's clock, the same for every thread: an exchange returns what the last one wrote.
+        tl.atomic_xchg(clock_ptr, _now_ns(), sem="relaxed")
+        start = tl.atomic_xchg(clock_ptr, _now_ns(), sem="relaxed")
+        elapsed = start - start
+        others = tl.atomic_add(status, 0, sem="relaxed")
+        spins = 0
+        waiting = others == 0
+        while waiting:
+            seen = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="sys")
+            spins += 1
+            if spins % CLOCK_EVERY == 0:  # the clock and the other tiles every few polls only
+                elapsed = tl.atomic_xchg(clock_ptr, _now_ns(), sem="relaxed") - start
+                others = tl.atomic_add(status, 0, sem="relaxed")
+            waiting = (seen < target) & (elapsed < limit_ns) & (others == 0)
+            waiting = waiting & ((max_spins == 0) | (spins < max_spins))
     tl.debug_barrier()  # every thread of the CTA reads A only after the acquire
-    return seen >= target
+    return seen
+
+
+@triton.jit
+def _give_up(status, tile, pid_m, pid_n, seen, target):
+    """Report a tile that gave up: the first one names itself, every one counts (and stops the rest)."""
+    first = tl.atomic_cas(status + 1, 0, tile + 1)
+    if first == 0:
+        tl.atomic_xchg(status + 2, seen)
+        tl.atomic_xchg(status + 3, target)
+        tl.atomic_xchg(status + 4, pid_m)
+        tl.atomic_xchg(status + 5, pid_n)
+    tl.atomic_add(status, 1)
 
 
 @triton.jit
@@ -95,9 +162,9 @@ def _release(counter_ptr):
 
 # Per-call values are not specialised on: a warm-up launch compiles exactly what the pipelined
 # launches run (Triton would otherwise compile again for, e.g., a target of 1 or a multiple of 16).
-@triton.jit(do_not_specialize=["wait_target", "max_spins"])
+@triton.jit(do_not_specialize=["wait_target", "timeout_us", "max_spins"])
 def stage_kernel(
-    a_ptr, b_ptr, c_ptr, ready_in, ready_out, status, wait_target, max_spins, M, N, K,
+    a_ptr, b_ptr, c_ptr, ready_in, ready_out, status, clock, wait_target, timeout_us, max_spins, M, N, K,
     stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
     WAIT: tl.constexpr, SIGNAL: tl.constexpr, ACT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -109,22 +176,23 @@ def stage_kernel(
     for tile in range(tl.program_id(0), tiles, tl.num_programs(0)):
         pid_m = tile // tiles_n
         pid_n = tile % tiles_n
-        ready = True
+        seen = wait_target
         if WAIT:
-            ready = _acquire(ready_in + pid_m, wait_target, max_spins)
-        if ready:
+            seen = _acquire(ready_in + pid_m, wait_target, status, clock + tl.program_id(0), timeout_us,
+                            max_spins)  # fmt: skip
+        if seen >= wait_target:
             _tile(a_ptr, b_ptr, c_ptr, pid_m, pid_n, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
                   stride_cm, stride_cn, ACT, BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
             if SIGNAL:
                 _release(ready_out + pid_m)
         else:
-            tl.atomic_xchg(status, 1)  # gave up waiting: report, write nothing
+            _give_up(status, tile, pid_m, pid_n, seen, wait_target)  # write nothing, signal nothing
 
 
-@triton.jit(do_not_specialize=["n_tickets", "wait_target", "max_spins"])
+@triton.jit(do_not_specialize=["n_tickets", "wait_target", "timeout_us", "max_spins"])
 def ticket_mlp_kernel(
-    x_ptr, w1_ptr, h_ptr, w2_ptr, y_ptr, ready, status, ticket, schedule, n_tickets, wait_target,
-    max_spins, M, D, F,
+    x_ptr, w1_ptr, h_ptr, w2_ptr, y_ptr, ready, status, clock, ticket, schedule, n_tickets, wait_target,
+    timeout_us, max_spins, M, D, F,
     ACT: tl.constexpr, WAIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
@@ -139,12 +207,13 @@ def ticket_mlp_kernel(
                   ACT, BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
             _release(ready + pid_m)
         else:
-            ok = True
+            seen = wait_target
             if WAIT:
-                ok = _acquire(ready + pid_m, wait_target, max_spins)
-            if ok:
+                seen = _acquire(ready + pid_m, wait_target, status, clock + tl.program_id(0), timeout_us,
+                                max_spins)  # fmt: skip
+            if seen >= wait_target:
                 _tile(h_ptr, w2_ptr, y_ptr, pid_m, pid_n, M, D, F, F, 1, D, 1, D, 1,
                       0, BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
             else:
-                tl.atomic_xchg(status, 1)
+                _give_up(status, t, pid_m, pid_n, seen, wait_target)
         t = tl.atomic_add(ticket, 1)

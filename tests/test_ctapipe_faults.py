@@ -1,0 +1,346 @@
+"""CTA-pipelining under faults (issue #13): every wait is bounded in time by default, a give-up
+raises StageTimeout naming the stage and the tile, the single-GPU MLPs' counters stay in step for
+any sequence of shapes, and an emulated chain's processes never outlive their parent.
+
+Under the interpreter a grid's programs run one after another, so in one process a wait is
+either met at its first poll or never: a give-up here always waits out its bound (the tests
+keep the bounds short, except the reported reproduction, which must use the default).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from ctapipe import (
+    INTERPRETER_TILING,
+    WAIT_TIMEOUT_S,
+    PartitionedMLP,
+    StageTimeout,
+    TicketMLP,
+    launch_stage,
+    ticket_schedule,
+)
+from ctapipe.chain import ChainStage, shared_buffers
+from ctapipe.emulate import run_chain_processes
+from measure.results import REPO_ROOT
+
+T = INTERPRETER_TILING
+LINUX = sys.platform.startswith("linux")
+
+
+def _gelu(x: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.gelu(x, approximate="tanh")
+
+
+def _mlp(m: int, d: int, f: int):
+    return torch.randn(m, d), torch.randn(d, f) / d**0.5, torch.randn(f, d) / f**0.5
+
+
+def _reference(x, w1, w2) -> torch.Tensor:
+    """float64: the kernels' fp32 error stays far below the tolerances used here."""
+    return _gelu(x.double() @ w1.double()) @ w2.double()
+
+
+# -- 1. bounded by default, a bound in time -----------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_the_reported_hang_raises_after_the_default_bound():
+    """The issue's reproduction, verbatim: a consumer whose producer never runs, no bound given.
+    It used to spin forever; now it raises after WAIT_TIMEOUT_S, naming the tile, and its second
+    tile gives up at once instead of waiting out the bound again."""
+    code = (
+        "import torch; from ctapipe import launch_stage, INTERPRETER_TILING; "
+        "launch_stage(torch.randn(32,16), torch.randn(16,16), torch.empty(32,16), "
+        "ready_in=torch.zeros(2, dtype=torch.int32), wait_target=1, tiling=INTERPRETER_TILING)"
+    )
+    t0 = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50,
+                          cwd=REPO_ROOT, env={**os.environ, "TRITON_INTERPRET": "1"})  # fmt: skip
+    took = time.monotonic() - t0
+    assert done.returncode != 0
+    assert (
+        "StageTimeout: stage: tile 0 (row block 0, column block 0) gave up waiting for its ready counter "
+        f"(bound {WAIT_TIMEOUT_S:g} s): it saw 0, needed 1; 2 tile(s) gave up" in done.stderr
+    ), done.stderr[-2000:]
+    assert WAIT_TIMEOUT_S <= took < 2 * WAIT_TIMEOUT_S + 10, took
+
+
+@pytest.mark.timeout(60)
+def test_a_wait_gives_up_after_its_time_bound_and_the_other_tiles_at_once():
+    """16 tiles, none of whose inputs is ever signalled, no bound on polls: the launch lasts one
+    time bound (not 16), every tile gives up, and none writes."""
+    a, b = torch.randn(64, 16), torch.randn(16, 64)
+    out = torch.full((64, 64), float("nan"))
+    t0 = time.monotonic()
+    with pytest.raises(StageTimeout) as e:
+        launch_stage(a, b, out, ready_in=torch.zeros(4, dtype=torch.int32), wait_target=1, timeout_s=0.3,
+                     tiling=T, name="lonely consumer")  # fmt: skip
+    took = time.monotonic() - t0
+    assert 0.3 <= took < 0.3 + 2.0, took  # one after the other, 16 waits would take 4.8 s
+    assert (e.value.stage, e.value.tile, e.value.gave_up, e.value.timeout_s) == (
+        "lonely consumer",
+        0,
+        16,
+        0.3,
+    )
+    assert out.isnan().all()
+
+
+@pytest.mark.timeout(60)
+def test_the_error_names_the_tile_that_gave_up_and_the_ready_tiles_are_computed():
+    """Row blocks 0 and 2 are complete, row block 1 has one of its two producer signals: exactly
+    row block 1's tiles give up (the first named, with the count it saw), the others are right."""
+    m, k, n = 48, int(torch.randint(8, 40, ())), 40  # 3 row blocks x 3 column blocks
+    a, b = torch.randn(m, k), torch.randn(k, n)
+    out = torch.full((m, n), float("nan"))
+    ready = torch.tensor([2, 1, 2], dtype=torch.int32)
+    with pytest.raises(
+        StageTimeout, match=r"stage: tile 3 \(row block 1, column block 0\).*saw 1, needed 2"
+    ) as e:
+        launch_stage(a, b, out, ready_in=ready, wait_target=2, timeout_s=0.2, tiling=T)
+    assert (e.value.row_block, e.value.column_block, e.value.seen, e.value.target, e.value.gave_up) == (
+        1,
+        0,
+        1,
+        2,
+        3,
+    )
+    ref = a.double() @ b.double()
+    for rows in (slice(0, 16), slice(32, 48)):
+        torch.testing.assert_close(out[rows].double(), ref[rows], atol=1e-4, rtol=1e-4)
+    assert out[16:32].isnan().all()
+
+
+@pytest.mark.timeout(60)
+def test_max_spins_still_bounds_polls_and_bad_bounds_are_refused():
+    a, b = torch.randn(16, 16), torch.randn(16, 16)
+    t0 = time.monotonic()
+    with pytest.raises(StageTimeout, match=r"bound 60 s or 5 polls"):
+        launch_stage(a, b, torch.empty(16, 16), ready_in=torch.zeros(1, dtype=torch.int32), wait_target=1,
+                     timeout_s=60, max_spins=5, tiling=T)  # fmt: skip
+    assert time.monotonic() - t0 < 10  # the polls' bound, not the minute's
+    ready = torch.zeros(1, dtype=torch.int32)
+    for bad in (0, -1.0, float("inf"), float("nan"), 1e4):
+        with pytest.raises(ValueError, match="timeout_s must be in"):
+            launch_stage(a, b, torch.empty(16, 16), ready_in=ready, wait_target=1, timeout_s=bad, tiling=T)
+        with pytest.raises(ValueError, match="timeout_s must be in"):
+            TicketMLP("gelu", T, timeout_s=bad)
+        with pytest.raises(ValueError, match="timeout_s must be in"):
+            PartitionedMLP("gelu", T, timeout_s=bad)
+    with pytest.raises(ValueError, match="max_spins must be in"):
+        launch_stage(a, b, torch.empty(16, 16), ready_in=ready, wait_target=1, max_spins=-1, tiling=T)
+    with pytest.raises(ValueError, match="status must be a contiguous int32 buffer of 6"):
+        launch_stage(a, b, torch.empty(16, 16), status=torch.zeros(1, dtype=torch.int32), tiling=T)
+
+
+# -- 2. counters in step for any sequence of shapes -------------------------------------------
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind", ["ticketed-1", "ticketed-3", "partitioned"])
+def test_mlps_stay_in_step_when_m_and_the_hidden_width_change(kind):
+    """The reported sequence M = 64, 16, 64 (it gave garbage at the third call), then the hidden
+    width F cut to fewer column tiles, and back: every call matches float64 with no give-up."""
+    mlp = {
+        "ticketed-1": lambda: TicketMLP("gelu", T, programs=1, max_spins=200),  # the reported object
+        "ticketed-3": lambda: TicketMLP("gelu", T, programs=3, timeout_s=2.0),
+        "partitioned": lambda: PartitionedMLP("gelu", T, timeout_s=2.0),
+    }[kind]()
+    d = int(torch.randint(17, 48, ()))
+    f_wide, f_narrow = int(torch.randint(49, 80, ())), int(torch.randint(8, 17, ()))  # 4-5 vs 1 column tiles
+    for m, f in [(64, f_wide), (16, f_wide), (64, f_wide), (64, f_narrow), (16, f_narrow), (64, f_wide)]:
+        x, w1, w2 = _mlp(m, d, f)
+        y = mlp(x, w1, w2)  # a give-up would raise StageTimeout
+        torch.testing.assert_close(y.double(), _reference(x, w1, w2), atol=1e-4, rtol=1e-4,
+                                   msg=lambda s, m=m, f=f: f"M={m}, F={f}: {s}")  # fmt: skip
+        assert mlp.status.tolist() == [0] * 6
+
+
+def _without_producers(mlp: TicketMLP, m: int, d: int, f: int) -> None:
+    """Make ``mlp``'s schedule for this shape keep only its layer-1 (consumer) tickets."""
+    tiles_m, n1 = T.tiles(m, f)
+    n2 = T.tiles(m, d)[1]
+    full = ticket_schedule(tiles_m, n1, n2, mlp.lag)
+    mlp._schedules[(tiles_m, n1, n2, torch.device("cpu"))] = full[full[:, 0] == 1].contiguous()
+
+
+@pytest.mark.timeout(60)
+def test_a_call_cannot_pass_on_an_earlier_calls_signals():
+    """Negative control of the counters: after a call with a wider hidden layer (4 signals per row
+    block), a call with 1 column tile whose producer tiles never run must give up, naming its
+    first ticket. With epoch counters (the old scheme) its target, 2 x 1, was already met by the
+    first call's 4 signals: it returned garbage without waiting (on a GPU: a race)."""
+    m, d = 32, int(torch.randint(16, 40, ()))
+    mlp = TicketMLP("gelu", T, programs=2, timeout_s=0.2)
+    x, w1, w2 = _mlp(m, d, 64)
+    torch.testing.assert_close(mlp(x, w1, w2).double(), _reference(x, w1, w2), atol=1e-4, rtol=1e-4)
+    _without_producers(mlp, m, d, 16)
+    with pytest.raises(
+        StageTimeout, match=r"TicketMLP layer 1: ticket 0 \(row block 0, column block 0\)"
+    ) as e:
+        mlp(*_mlp(m, d, 16))
+    assert (e.value.seen, e.value.target) == (0, 1)
+
+
+@pytest.mark.timeout(60)
+def test_unchecked_calls_fail_fast_after_a_give_up_and_the_check_reports_it():
+    """check=False (the GPU measurements' mode): a give-up costs one bound, later calls do not
+    wait, the deferred check raises, and then the object works again."""
+    m, d, f = 32, 24, 16
+    mlp = TicketMLP("gelu", T, programs=2, timeout_s=1.0, check=False)
+    _without_producers(mlp, m, d, f)
+    t0 = time.monotonic()
+    mlp(*_mlp(m, d, f))
+    assert time.monotonic() - t0 >= 1.0
+    t0 = time.monotonic()
+    mlp(*_mlp(m, d, f))
+    assert time.monotonic() - t0 < 0.9  # did not wait again
+    with pytest.raises(StageTimeout, match=r"ticket 0 \(row block 0, column block 0\)") as e:
+        mlp.raise_if_gave_up()
+    assert e.value.gave_up == 2 * 2 * 2  # 2 calls x 2 row blocks x 2 column tiles of Y, none computed
+    mlp._schedules.clear()  # producers back
+    x, w1, w2 = _mlp(m, d, f)
+    y = mlp(x, w1, w2)
+    mlp.raise_if_gave_up()
+    torch.testing.assert_close(y.double(), _reference(x, w1, w2), atol=1e-4, rtol=1e-4)
+
+
+# -- 3. the chain: a rank names itself, and no process outlives its parent -------------------
+
+
+@pytest.mark.timeout(60)
+def test_a_chain_rank_without_its_producer_raises_naming_the_rank():
+    """Checked passes raise at once; unchecked ones (distributed.py's timing) lose one bound, then
+    the deferred check raises with every give-up counted."""
+    m, dims = 32, [16, 24, 16]  # 2 row blocks x 1 column tile
+    buffers = shared_buffers(m, dims, torch.float32, T)
+    stage = ChainStage(1, 2, torch.randn(24, 16), "none", buffers[1], T, timeout_s=0.5)
+    with pytest.raises(StageTimeout, match=r"chain rank 1 of 2: tile 0 \(row block 0, column block 0\)"):
+        stage()
+    t0 = time.monotonic()
+    for _ in range(4):
+        stage(check=False)
+    assert time.monotonic() - t0 < 0.5 + 1.0  # the first pass waited, the others did not (4 x 0.5 s)
+    # named: pass 2's first tile (target 2 passes x 2 upstream tiles); counted: 4 passes x 2 tiles
+    with pytest.raises(StageTimeout, match=r"saw 0, needed 4; 8 tile\(s\) gave up"):
+        stage.raise_if_gave_up()
+
+
+@pytest.mark.timeout(120)
+def test_emulated_chain_give_up_raises_in_the_parent():
+    """Rank 0 starts 1.5 s late, rank 1 waits at most 0.3 s: the parent raises rank 1's StageTimeout."""
+    x, w1, w2 = _mlp(32, 16, 16)
+    with pytest.raises(StageTimeout, match=r"chain rank 1 of 2: tile 0 \(row block 0, column block 0\)"):
+        run_chain_processes(x, [w1, w2], ["gelu", "none"], T, delays=[1.5, 0.0], wait_timeout_s=0.3)
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as fh:
+                    stat = fh.read()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                kids.append(int(entry))
+    return kids
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            return fh.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (an orphan's zombie waits for whoever reaps it, and runs nothing)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+_WRAPPER = """
+import torch
+from ctapipe import INTERPRETER_TILING
+from ctapipe.emulate import run_chain_processes
+x, w1, w2 = torch.randn(32, 16), torch.randn(16, 16), torch.randn(16, 16)
+# rank 0 sleeps 2 min, rank 1 waits for it up to 2 min: both outlive the parent unless it takes them
+run_chain_processes(x, [w1, w2], ["gelu", "none"], INTERPRETER_TILING, delays=[120.0, 0.0],
+                    wait_timeout_s=120.0, timeout_s=300.0)
+"""
+
+
+@pytest.mark.skipif(not LINUX, reason="reads /proc")
+@pytest.mark.timeout(120)
+def test_no_rank_outlives_a_killed_parent():
+    """SIGKILL the process that runs a chain (nothing of it can clean up): its ranks, one asleep,
+    one spinning on its wait, must be gone within a few seconds."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    wrapper = subprocess.Popen([sys.executable, "-c", _WRAPPER], cwd=REPO_ROOT, env=env,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    kids: list[int] = []
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            ranks = [p for p in _children(wrapper.pid) if "spawn_main" in _cmdline(p)]
+            if len(ranks) == 2:
+                break
+            time.sleep(0.2)
+        assert len(ranks) == 2, "the chain's two ranks never started"
+        # Give them time to import and arm their guard (one not yet armed must exit on arming:
+        # it finds its parent gone), then kill the parent outright.
+        time.sleep(4.0)
+        kids = _children(wrapper.pid)  # the ranks and multiprocessing's resource tracker
+        assert all(_running(p) for p in ranks), "a rank ended before its parent was killed"
+        wrapper.send_signal(signal.SIGKILL)
+        wrapper.wait()
+        deadline = time.monotonic() + 10
+        while any(_running(p) for p in kids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        left = {p: _cmdline(p) for p in kids if _running(p)}
+        assert not left, f"still running 10 s after their parent died: {left}"
+    finally:
+        for p in [wrapper.pid, *kids]:  # only what this test started
+            if _running(p):
+                os.kill(p, signal.SIGKILL)
+        wrapper.wait()
+
+
+# -- 4. the GPU measurement turns a give-up into its own failure ------------------------------
+
+
+@pytest.mark.timeout(120)
+def test_the_gpu_measurement_fails_clearly_on_a_give_up(monkeypatch):
+    """artifacts/cta_mlp/gpu.py's single-GPU measurement at a toy size: it completes, and with
+    the SM-partitioned producer dropped it raises StageTimeout naming the measurement (with the
+    default bound shortened for the test) instead of hanging."""
+    import ctapipe.gemm
+    from artifacts.cta_mlp.gpu import _mlp_methods
+
+    r = _mlp_methods(32, 16, "cpu", torch.float32, T)
+    assert max(v["rel_error"] for k, v in r.items() if k != "summary") < 1e-5
+    real = ctapipe.gemm.launch_stage
+
+    def lossy(a, b, c, **kw):
+        if kw.get("ready_out") is None:  # the producer's launch is lost
+            real(a, b, c, **kw)
+
+    monkeypatch.setattr(ctapipe.gemm, "launch_stage", lossy)
+    monkeypatch.setattr(ctapipe.gemm, "WAIT_TIMEOUT_S", 0.3)
+    with pytest.raises(StageTimeout, match=r"PartitionedMLP consumer: tile 0 \(row block 0") as e:
+        _mlp_methods(32, 16, "cpu", torch.float32, T)
+    assert "method cta_sm_partitions" in "".join(e.value.__notes__)
