@@ -68,7 +68,9 @@ def test_bert_large_every_layer_is_replaced():
         assert isinstance(layer.intermediate.intermediate_act_fn, tempo.TempoGELU)
         assert isinstance(layer.output.dropout, tempo.TempoDropout)
         assert isinstance(layer.attention.output.dropout, tempo.TempoDropout)
-    assert model.config._attn_implementation == "tempo"
+        assert layer.attention.self.config._attn_implementation == "tempo"
+    # Each attention module gets its own config saying "tempo"; the model's own is left alone.
+    assert model.config._attn_implementation == "sdpa"
     assert "24 attention cores" in str(report)
 
 

@@ -343,10 +343,12 @@ def print_summary(
 
 
 def _case(text: str) -> tuple[str, int]:
+    """MODEL/SEQ, checked here in full: a bad case found in a worker process would surface there
+    as a traceback, after other work."""
     model, _, seq = text.partition("/")
-    if model not in MODELS or not seq.isdigit() or int(seq) < 1:
-        models = ", ".join(MODELS)
-        raise argparse.ArgumentTypeError(f"a case is MODEL/SEQ with MODEL one of {models}; got {text!r}")
+    if model not in MODELS or not seq.isdigit() or not 1 <= int(seq) <= MODELS[model].max_positions:
+        models = ", ".join(f"{name} (SEQ 1-{spec.max_positions})" for name, spec in MODELS.items())
+        raise argparse.ArgumentTypeError(f"a case is MODEL/SEQ, one of {models}; got {text!r}")
     return model, int(seq)
 
 
@@ -369,6 +371,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--gpu-mem", help="throughput: the memory budget (default: 16GB at paper scale)")
     add_run_arguments(ap, EXPERIMENT)
     args = ap.parse_args(argv)
+    if "throughput" not in args.parts:  # they would be ignored without a word
+        given = [flag for flag, value in (("--cases", args.cases), ("--configs", args.configs),
+                                          ("--gpu-mem", args.gpu_mem)) if value]  # fmt: skip
+        if given:
+            ap.error(f"{', '.join(given)} apply to the throughput part only; add throughput to --parts")
     if not args.device.startswith(("cpu", "cuda")):
         ap.error(f"--device must be cpu or cuda[:N], got {args.device!r}")
     if args.device.startswith("cuda") and not torch.cuda.is_available():

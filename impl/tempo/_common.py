@@ -89,8 +89,12 @@ def dropout_keep_mask(
 
 
 def use_triton(*tensors: torch.Tensor) -> bool:
-    """Run the fused Triton kernels? On CUDA tensors when triton imports (never on CPU)."""
-    if not all(t.is_cuda for t in tensors):
+    """Run the fused Triton kernels? On CUDA tensors when triton imports (never on CPU).
+
+    Not for empty tensors: the kernels' grids and row lengths assume at least one element, and the
+    PyTorch paths handle empty shapes as torch does, on any device.
+    """
+    if not all(t.is_cuda for t in tensors) or any(t.numel() == 0 for t in tensors):
         return False
     from .kernels import TRITON_AVAILABLE
 

@@ -4,16 +4,32 @@ What is replaced (each technique can be switched off, for ablations):
 * every ``nn.LayerNorm`` -> TempoLayerNorm (same parameter objects, same eps);
 * every GELU activation module -> TempoGELU, matched to its formula (BERT/RoBERTa ``gelu``: erf;
   GPT-2 ``gelu_new`` and ``gelu_pytorch_tanh``: tanh);
-* the attention core, through transformers' attention-implementation registry (``"tempo"``);
+* the attention core of each attention module, through transformers' attention-implementation
+  registry (``"tempo"``);
 * every ``nn.Dropout`` -> TempoDropout (the attention modules' own dropout is only read for p).
+
+Only the module given is changed, whatever else shares its HF config. HF attention modules
+read the implementation from ``self.config``, and one config object is shared by every layer of
+a model, so switching it would switch all of them. Instead each patched attention module gets its
+own shallow copy of the config that says ``"tempo"``, and ``unpatch`` gives the original back.
+The model's config, and the masks the model builds from it (eager: additive; SDPA: boolean or
+None with causality implied), are left alone; the Tempo core takes either kind.
+
+Patches of nested modules compose in any order: a layer is Tempo's while at least one live
+``patch`` covers it (a patch covers every layer of the switched-on kinds in its module, whether it
+replaced it or found it already replaced by another patch), and ``unpatch`` restores a layer when
+the last patch covering it goes. So the model's state depends only on which patches are live, and
+``is_patched(m)`` says whether ``m`` holds any layer a live patch put there.
 
 Parameters are shared, not copied, so an optimizer made before patching keeps working.
 """
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 
+import torch
 from torch import nn
 
 from .ops.attention import scaled_dot_product_attention
@@ -23,6 +39,12 @@ from .ops.layernorm import TempoLayerNorm
 
 SUPPORTED_MODEL_TYPES = ("bert", "roberta", "gpt2")
 ATTN_IMPLEMENTATION = "tempo"
+# Implementations whose masks the Tempo core understands: eager's additive float masks, SDPA's
+# boolean ones (or None, causality then implied by the module), and Tempo's own (eager masks).
+MASK_COMPATIBLE = ("eager", "sdpa", ATTN_IMPLEMENTATION)
+_TEMPO_MODULES = {"layernorm": TempoLayerNorm, "gelu": TempoGELU, "dropout": TempoDropout}
+_SLOT = "_tempo_slot"  # on every module a patch() put in, and on every attention module it switched
+_RECORD = "_tempo_patch"  # on the module patch() was called on
 
 
 def _gelu_kind(module: nn.Module) -> str | None:
@@ -40,10 +62,41 @@ def _gelu_kind(module: nn.Module) -> str | None:
     return None
 
 
-def _tempo_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+def _additive_mask(module, query, key, attention_mask, is_causal) -> torch.Tensor | None:
+    """The additive (B, 1|H, Sq, Sk) mask the Tempo core takes, from whatever mask the model made.
+
+    Only the patched modules run Tempo's core; the model keeps building masks for its own
+    implementation. SDPA's are boolean (True: attend), or None where SDPA would be told
+    ``is_causal`` instead; eager's are already additive.
+    """
+    if attention_mask is None:
+        causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+        sq, sk = query.shape[-2], key.shape[-2]
+        if causal and sq > 1:  # as HF's sdpa_attention_forward decides, with SDPA's top-left alignment
+            full = torch.full((sq, sk), torch.finfo(query.dtype).min, dtype=query.dtype, device=query.device)
+            return full.triu(1)
+        return None
+    if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 4:
+        raise ValueError(
+            f"Tempo's attention takes 4-D additive or boolean masks (those of the 'eager' and 'sdpa' "
+            f"implementations), got {type(attention_mask).__name__} "
+            f"{list(getattr(attention_mask, 'shape', []))}"
+        )
+    if attention_mask.dtype == torch.bool:  # as transformers' eager_mask converts SDPA's masks
+        zero = torch.zeros((), dtype=query.dtype, device=attention_mask.device)
+        return torch.where(attention_mask, zero, torch.finfo(query.dtype).min)
+    if not attention_mask.is_floating_point():
+        raise ValueError(f"Tempo's attention takes float or bool masks, got dtype {attention_mask.dtype}")
+    return attention_mask
+
+
+def _tempo_attention(
+    module, query, key, value, attention_mask, scaling=None, dropout=0.0, is_causal=None, **kwargs
+):
     """transformers AttentionInterface signature; returns (B, S, H, D) like eager."""
+    mask = _additive_mask(module, query, key, attention_mask, is_causal)
     out, probs = scaled_dot_product_attention(
-        query, key, value, attention_mask, scaling, dropout_p=dropout, training=module.training
+        query, key, value, mask, scaling, dropout_p=dropout, training=module.training
     )
     return out.transpose(1, 2).contiguous(), probs
 
@@ -53,6 +106,7 @@ def _register_attention() -> None:
     from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
     AttentionInterface.register(ATTN_IMPLEMENTATION, _tempo_attention)
+    # Only used by a model whose own config says "tempo" (set by hand); patch() never sets it.
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, eager_mask)
 
 
@@ -64,6 +118,9 @@ class PatchReport:
     dropouts: list[str] = field(default_factory=list)
     attention_modules: list[str] = field(default_factory=list)
     previous_attn_implementation: str | None = None
+    # Tempo layers found in place (put there by another live patch, or by hand): left as they are;
+    # those another patch put there are held by this one too (see the module docstring).
+    already_tempo: list[str] = field(default_factory=list)
 
     def counts(self) -> dict[str, int]:
         return {
@@ -81,16 +138,53 @@ class PatchReport:
             if self.attention_modules
             else "attention left as it was"
         )
+        n_already = len(self.already_tempo)
+        already = f"; {n_already} already Tempo's" if n_already else ""
         return (
             f"tempo.patch({self.model_type}): replaced {c['layernorm']} LayerNorms, {c['gelu']} GELUs, "
-            f"{c['dropout']} dropouts; {attn}"
+            f"{c['dropout']} dropouts; {attn}{already}"
         )
 
 
-def _attention_modules(model: nn.Module) -> list[str]:
-    return [
-        n for n, m in model.named_modules() if type(m).__name__.endswith(("SelfAttention", "GPT2Attention"))
-    ]
+@dataclass(eq=False)
+class _Record:
+    """What one patch() call holds (eq=False: records are compared by identity)."""
+
+    report: PatchReport
+    slots: list[_Slot]
+
+
+@dataclass(eq=False)
+class _Slot:
+    """One Tempo replacement (a module in ``parent.name``, or an attention module's own config) and
+    the live patches holding it; it is undone when the last of them unpatches."""
+
+    name: str
+    parent: nn.Module | None  # module slot: where the replacement sits; None for an attention slot
+    child_name: str
+    original: object  # the HF module, or the attention module's original (shared) config
+    replacement: object  # the Tempo module, or the attention module's own "tempo" config
+    attention_module: nn.Module | None = None
+    holders: list[_Record] = field(default_factory=list)
+
+    def in_place(self) -> bool:
+        if self.attention_module is not None:
+            return self.attention_module.config is self.replacement
+        return getattr(self.parent, self.child_name, None) is self.replacement
+
+    def undo(self) -> None:
+        if self.attention_module is not None:
+            self.attention_module.config = self.original
+            del self.attention_module.__dict__[_SLOT]
+        else:
+            self.original.train(self.replacement.training)
+            setattr(self.parent, self.child_name, self.original)
+            del self.replacement.__dict__[_SLOT]
+
+
+def _is_attention(module: nn.Module) -> bool:
+    name = type(module).__name__
+    return name.endswith(("SelfAttention", "CrossAttention", "GPT2Attention")) and hasattr(module, "config")
 
 
 def _find_config(model: nn.Module):
@@ -103,11 +197,16 @@ def _find_config(model: nn.Module):
     return None
 
 
-def _set_attn_implementation(model: nn.Module, config, name: str) -> None:
-    if hasattr(model, "set_attn_implementation"):
-        model.set_attn_implementation(name)
-    else:  # a bare submodule: its attention modules read the shared config at call time
-        config._attn_implementation = name
+def _check_module(fn: str, model) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"tempo.{fn} takes a HuggingFace model or one of its sub-modules (a torch.nn.Module; model "
+            f"types {', '.join(SUPPORTED_MODEL_TYPES)}), got {type(model).__name__} {model!r:.60}"
+        )
+
+
+def _qualified(parent_name: str, child_name: str) -> str:
+    return f"{parent_name}.{child_name}" if parent_name else child_name
 
 
 def patch(
@@ -119,67 +218,142 @@ def patch(
     dropout: bool = True,
 ) -> PatchReport:
     """Convert a HF BERT / RoBERTa / GPT-2 model (any size, any head), or a submodule of one such
-    as a single encoder layer, to Tempo's layers in place. Returns what was replaced."""
+    as a single encoder layer, to Tempo's layers in place. Only ``model`` changes (not the other
+    layers that share its config). Returns what was replaced."""
+    _check_module("patch", model)
     config = _find_config(model)
     model_type = getattr(config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(
-            f"tempo.patch supports HF models of type {', '.join(SUPPORTED_MODEL_TYPES)}; "
-            f"got {type(model).__name__} (model_type={model_type!r})"
+            f"tempo.patch supports HF models of type {', '.join(SUPPORTED_MODEL_TYPES)} (or their "
+            f"sub-modules); got {type(model).__name__} (model_type={model_type!r})"
         )
-    if getattr(model, "_tempo_originals", None) is not None:
+    if getattr(model, _RECORD, None) is not None:
         raise RuntimeError("model is already patched by tempo; call tempo.unpatch(model) first")
-    if attention and model_type == "gpt2" and getattr(config, "reorder_and_upcast_attn", False):
+    if not (layernorm or gelu or attention or dropout):
+        raise ValueError(
+            "every technique is switched off (layernorm, gelu, attention, dropout): nothing to patch"
+        )
+
+    # Plan everything first, so a refusal leaves the model untouched.
+    report = PatchReport(model_type=model_type)
+    lists = {"layernorm": report.layernorms, "gelu": report.gelus, "dropout": report.dropouts}
+    switched_on = {"layernorm": layernorm, "gelu": gelu, "dropout": dropout}
+    new_slots: list[_Slot] = []
+    joined: list[_Slot] = []
+    for parent_name, parent in list(model.named_modules()):
+        for child_name, child in list(parent.named_children()):
+            qualified = _qualified(parent_name, child_name)
+            kind = next((k for k, cls in _TEMPO_MODULES.items() if isinstance(child, cls)), None)
+            if kind is not None:  # already Tempo's: hold it too if another patch put it there
+                if switched_on[kind]:
+                    report.already_tempo.append(qualified)
+                    if (slot := child.__dict__.get(_SLOT)) is not None:
+                        joined.append(slot)
+                continue
+            new: nn.Module | None = None
+            if layernorm and type(child) is nn.LayerNorm:
+                new, kind = TempoLayerNorm.from_layernorm(child), "layernorm"
+            elif gelu and (approximate := _gelu_kind(child)) is not None:
+                new, kind = TempoGELU(approximate), "gelu"
+            elif dropout and type(child) is nn.Dropout:
+                new, kind = TempoDropout(child.p), "dropout"
+                new.train(child.training)
+            if new is not None:
+                lists[kind].append(qualified)
+                new_slots.append(_Slot(qualified, parent, child_name, child, new))
+    attention_targets: list[tuple[str, nn.Module]] = []
+    if attention:
+        for name, module in model.named_modules():
+            if not _is_attention(module):
+                continue
+            name = name or type(module).__name__
+            if (slot := module.__dict__.get(_SLOT)) is not None:
+                report.already_tempo.append(name)
+                joined.append(slot)
+            else:
+                attention_targets.append((name, module))
+    implementations = sorted({m.config._attn_implementation or "eager" for _, m in attention_targets})
+    if unsupported := [i for i in implementations if i not in MASK_COMPATIBLE]:
+        raise ValueError(
+            f"tempo.patch(attention=True) takes models whose attention implementation is one of "
+            f"{', '.join(MASK_COMPATIBLE)} (their masks are what Tempo's core reads); this one uses "
+            f"{', '.join(unsupported)}: set_attn_implementation('eager') first, or pass attention=False"
+        )
+    if any(getattr(m, "reorder_and_upcast_attn", False) for _, m in attention_targets):  # GPT-2 only
         raise ValueError(
             "GPT-2 with reorder_and_upcast_attn=True bypasses the attention registry; set it False"
         )
+    if not new_slots and not attention_targets and not joined:
+        raise ValueError(
+            f"found nothing to replace in {type(model).__name__} with the techniques switched on"
+        )
 
-    report = PatchReport(model_type=model_type)
-    originals: list[tuple[nn.Module, str, nn.Module]] = []
-    for parent_name, parent in list(model.named_modules()):
-        for child_name, child in list(parent.named_children()):
-            qualified = f"{parent_name}.{child_name}" if parent_name else child_name
-            new: nn.Module | None = None
-            if layernorm and type(child) is nn.LayerNorm:
-                new = TempoLayerNorm.from_layernorm(child)
-                report.layernorms.append(qualified)
-            elif gelu and (kind := _gelu_kind(child)) is not None:
-                new = TempoGELU(kind)
-                report.gelus.append(qualified)
-            elif dropout and type(child) is nn.Dropout:
-                new = TempoDropout(child.p)
-                new.train(child.training)
-                report.dropouts.append(qualified)
-            if new is not None:
-                originals.append((parent, child_name, child))
-                setattr(parent, child_name, new)
-
-    report.previous_attn_implementation = config._attn_implementation
-    if attention:
+    report.previous_attn_implementation = (
+        ", ".join(implementations) if attention_targets else getattr(config, "_attn_implementation", None)
+    )
+    if attention_targets:
         _register_attention()
-        _set_attn_implementation(model, config, ATTN_IMPLEMENTATION)
-        report.attention_modules = _attention_modules(model)
-    model._tempo_originals = originals
+    for name, module in attention_targets:
+        # A copy, not the shared object: only this module is to run Tempo's core.
+        own = copy.copy(module.config)
+        # The field itself, not the setter: that one also sets the (shared) sub-configs.
+        own._attn_implementation_internal = ATTN_IMPLEMENTATION
+        new_slots.append(_Slot(name, None, "config", module.config, own, attention_module=module))
+        report.attention_modules.append(name)
+    record = _Record(report, new_slots + joined)
+    for slot in new_slots:
+        if slot.attention_module is not None:
+            slot.attention_module.config = slot.replacement
+            slot.attention_module.__dict__[_SLOT] = slot
+        else:
+            setattr(slot.parent, slot.child_name, slot.replacement)
+            slot.replacement.__dict__[_SLOT] = slot
+    for slot in record.slots:
+        slot.holders.append(record)
+    setattr(model, _RECORD, record)
     model._tempo_report = report
     return report
 
 
 def unpatch(model: nn.Module) -> None:
-    """Restore the modules and attention implementation ``patch`` replaced (parameters kept)."""
-    originals = getattr(model, "_tempo_originals", None)
-    if originals is None:
-        raise RuntimeError("model is not patched by tempo")
-    for parent, name, original in originals:
-        original.train(getattr(parent, name).training)
-        setattr(parent, name, original)
-    report: PatchReport = model._tempo_report
-    if report.attention_modules:
-        _set_attn_implementation(model, _find_config(model), report.previous_attn_implementation)
-    del model._tempo_originals, model._tempo_report
+    """Undo this module's ``patch``: each layer it covered goes back to the HF module (parameters
+    kept) unless another live patch still covers it."""
+    _check_module("unpatch", model)
+    record: _Record | None = getattr(model, _RECORD, None)
+    if record is None:
+        if not is_patched(model):
+            raise RuntimeError(f"{type(model).__name__} is not patched by tempo")
+        inner = [n for n, m in model.named_modules() if n and getattr(m, _RECORD, None) is not None]
+        where = (
+            f"tempo.patch of its sub-module(s) {', '.join(inner)}: unpatch those"
+            if inner
+            else "tempo.patch of a module that contains it: unpatch that one"
+        )
+        raise RuntimeError(
+            f"{type(model).__name__} is not patched by tempo itself; its Tempo layers come from {where}"
+        )
+    last = [slot for slot in record.slots if all(h is record for h in slot.holders)]
+    # Check before undoing anything, so a refusal leaves the model as it was.
+    for slot in last:
+        if not slot.in_place():
+            raise RuntimeError(
+                f"cannot unpatch: {slot.name} is no longer what tempo.patch put there (replaced since); "
+                "nothing was restored"
+            )
+    for slot in record.slots:
+        slot.holders = [h for h in slot.holders if h is not record]
+    for slot in last:
+        slot.undo()
+    delattr(model, _RECORD)
+    del model._tempo_report
 
 
 def is_patched(model: nn.Module) -> bool:
-    return getattr(model, "_tempo_originals", None) is not None
+    """Does ``model`` hold any layer that a live ``tempo.patch`` (of it, of a sub-module, or of a
+    module containing it) put there?"""
+    _check_module("is_patched", model)
+    return any(_SLOT in m.__dict__ for m in model.modules())
 
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "PatchReport", "is_patched", "patch", "unpatch"]

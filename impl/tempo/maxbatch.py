@@ -12,12 +12,55 @@ reserve covers what torch's allocator does not see: the CUDA context and library
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
 from measure.memory import DepthExtrapolatedEstimator, GiB, GpuBudget, StepMemoryEstimator
 from measure.training import PRECISIONS
 
 from .models import CONFIGURATIONS, HEADS, MODELS, build_model, make_batch
+
+# The search tries batches up to this; an answer equal to it means "at least this many".
+SEARCH_CAP = 1 << 16
+
+
+def _positive_int(text: str) -> int:
+    if not text.strip().isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"takes a positive integer, got {text!r}")
+    return int(text)
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"takes a finite number >= 0, got {text!r}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    value = _non_negative_float(text)
+    if value >= 1:
+        raise argparse.ArgumentTypeError(f"takes a fraction in [0, 1), got {text!r}")
+    return value
+
+
+def _gpu_mem(text: str) -> str:
+    """Checked here, where argparse can name the flag; parsed again with the reserve later."""
+    try:
+        capacity = GpuBudget.parse(text).capacity_bytes
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    except OverflowError:  # int(inf * GiB)
+        capacity = -1
+    if capacity <= 0:
+        raise argparse.ArgumentTypeError(
+            f"takes a positive, finite memory size such as '16GB', '80GiB', '512MiB' or a byte count; "
+            f"got {text!r}"
+        )
+    return text
 
 
 def estimator(
@@ -39,18 +82,24 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--model", required=True, choices=list(MODELS))
     ap.add_argument("--head", default="pretraining", choices=HEADS)
-    ap.add_argument("--seq", type=int, required=True)
+    ap.add_argument(
+        "--seq", type=_positive_int, required=True, help="sequence length, 1 to the model's positions"
+    )
     ap.add_argument(
         "--precision",
         default="fp16",
         choices=PRECISIONS,
         help="fp32 | fp16/bf16 (half model, fp32 master weights) | amp-fp16/amp-bf16 (autocast)",
     )
-    ap.add_argument("--gpu-mem", required=True, help="GPU memory, e.g. 11GB, 16GB, 80GB, 141GB")
+    ap.add_argument(
+        "--gpu-mem", type=_gpu_mem, required=True, help="GPU memory, e.g. 11GB, 16GB, 80GB, 141GB"
+    )
     ap.add_argument("--tempo", action="store_true", help="shorthand for --config tempo")
     ap.add_argument("--config", default=None, choices=list(CONFIGURATIONS), help="default: hf-eager")
-    ap.add_argument("--context-gb", type=float, default=0.75)
-    ap.add_argument("--fragmentation", type=float, default=0.05)
+    ap.add_argument("--context-gb", type=_non_negative_float, default=0.75, help="reserve, GiB (>= 0)")
+    ap.add_argument(
+        "--fragmentation", type=_fraction, default=0.05, help="reserve, fraction of the rest, in [0, 1)"
+    )
     ap.add_argument("--no-verify", action="store_true", help="skip the full-depth estimate at the answer")
     args = ap.parse_args(argv)
     if args.tempo and args.config not in (None, "tempo"):
@@ -75,10 +124,16 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     est = estimator(args.model, args.head, args.seq, args.precision, configuration)
-    b, report = est.max_batch(budget.usable_bytes)
+    b, report = est.max_batch(budget.usable_bytes, limit=SEARCH_CAP)
     if b == 0:
         print(f"even batch 1 does not fit: it needs {report.peak_gib:.2f} GiB")
         return 1
+    if b == SEARCH_CAP:  # the search stopped at its cap: the true maximum is larger, and unknown
+        print(
+            f"max batch: at least {b}, the search's cap (batch {b} needs an estimated "
+            f"{report.peak_gib:.2f} GiB of the {budget.usable_bytes / GiB:.2f} usable; larger was not tried)"
+        )
+        return 0
     if not args.no_verify:  # one full-depth estimate at the answer: exact breakdown + a cross-check
         full = StepMemoryEstimator(
             lambda: build_model(args.model, args.head, configuration),

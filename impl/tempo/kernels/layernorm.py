@@ -2,7 +2,9 @@
 
 Forward: one program per row; writes y and rstd (float32). Backward: each program walks a
 group of rows, writes dx for each and accumulates its partial d_gamma / d_beta in registers;
-the partials (one row per program) are summed by torch afterwards.
+the partials (one row per program) are summed by torch afterwards. The backward reads either the
+output y (x_hat recovered as (y - beta) / gamma) or, for keep_input, the input x (x_hat from the
+row's mean, recomputed here, and the forward's rstd).
 """
 
 from __future__ import annotations
@@ -35,8 +37,8 @@ def _ln_fwd_kernel(x_ptr, w_ptr, b_ptr, y_ptr, rstd_ptr, D, eps, BLOCK_D: tl.con
 
 @triton.jit
 def _ln_bwd_kernel(
-    g_ptr, y_ptr, rstd_ptr, w_ptr, b_ptr, dx_ptr, dw_part_ptr, db_part_ptr,
-    rows, D, floor, xhat_max, ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
+    g_ptr, s_ptr, rstd_ptr, w_ptr, b_ptr, dx_ptr, dw_part_ptr, db_part_ptr,
+    rows, D, floor, xhat_max, FROM_INPUT: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_D)
@@ -51,10 +53,15 @@ def _ln_bwd_kernel(
         live = row < rows
         m = inside & live
         g = tl.load(g_ptr + row * D + cols, mask=m, other=0.0).to(tl.float32)
-        y = tl.load(y_ptr + row * D + cols, mask=m, other=0.0).to(tl.float32)
+        s = tl.load(s_ptr + row * D + cols, mask=m, other=0.0).to(tl.float32)
         rstd = tl.load(rstd_ptr + row, mask=live, other=0.0)
-        centred = tl.where(m, y - b, 0.0)
-        x_hat = tl.minimum(tl.maximum(centred / w_safe, -xhat_max), xhat_max)
+        if FROM_INPUT:
+            mean = tl.sum(s, axis=0) / D
+            x_hat = tl.where(m, (s - mean) * rstd, 0.0)
+            centred = x_hat * w
+        else:
+            centred = tl.where(m, s - b, 0.0)
+            x_hat = tl.minimum(tl.maximum(centred / w_safe, -xhat_max), xhat_max)
         gw = g * w
         mean_gw = tl.sum(gw, axis=0) / D
         mean_gwx = tl.sum(g * centred, axis=0) / D
@@ -77,18 +84,20 @@ def layer_norm_fwd_triton(
 
 
 def layer_norm_bwd_triton(
-    grad: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
-    normalized_ndim: int,
+    grad: torch.Tensor, src: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+    normalized_ndim: int, from_input: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    rows, d = _rows(y, normalized_ndim)
+    """``src``: the output y, or the input x with ``from_input``; both contiguous."""
+    rows, d = _rows(src, normalized_ndim)
     programs = triton.cdiv(rows, ROWS_PER_PROGRAM)
-    dx = torch.empty_like(y)
-    dw_part = torch.empty(programs, d, dtype=torch.float32, device=y.device)
-    db_part = torch.empty(programs, d, dtype=torch.float32, device=y.device)
+    dx = torch.empty(src.shape, dtype=src.dtype, device=src.device)
+    dw_part = torch.empty(programs, d, dtype=torch.float32, device=src.device)
+    db_part = torch.empty(programs, d, dtype=torch.float32, device=src.device)
     _ln_bwd_kernel[(programs,)](
-        grad, y, rstd, weight, bias, dx, dw_part, db_part, rows, d, gamma_floor(y.dtype), math.sqrt(d),
-        ROWS=ROWS_PER_PROGRAM, BLOCK_D=triton.next_power_of_2(d),
+        grad, src, rstd, weight, bias, dx, dw_part, db_part, rows, d, gamma_floor(src.dtype), math.sqrt(d),
+        FROM_INPUT=from_input, ROWS=ROWS_PER_PROGRAM, BLOCK_D=triton.next_power_of_2(d),
     )  # fmt: skip
-    dw = dw_part.sum(dim=0).to(weight.dtype).view(weight.shape)
-    db = db_part.sum(dim=0).to(bias.dtype).view(bias.shape)
+    # Fresh tensors, not views: a custom op's outputs must not be views.
+    dw = dw_part.sum(dim=0).to(weight.dtype).reshape(weight.shape).clone()
+    db = db_part.sum(dim=0).to(bias.dtype).reshape(bias.shape).clone()
     return dx, dw, db

@@ -14,6 +14,8 @@ P @ V matmul makes; here the only copy kept is the half one.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -46,17 +48,22 @@ def _keep_scale(p: float, seed: Tensor, chunk_index: int, shape: torch.Size, dev
 def attention_core_fwd_torch(scores: Tensor, value: Tensor, p: float, seed: Tensor) -> tuple[Tensor, Tensor]:
     """Chunks of heads at a time, so the float32 softmax and the dropped-out P stay small."""
     sq, sk, dv = scores.shape[-2], scores.shape[-1], value.shape[-1]
-    s3, v3 = scores.reshape(-1, sq, sk), value.reshape(-1, sk, dv)
+    n = math.prod(scores.shape[:-2])  # not -1 in reshape: any of Sq, Sk, Dv may be 0
+    s3, v3 = scores.reshape(n, sq, sk), value.reshape(n, sk, dv)
     f = opmath(scores.dtype)
-    probs = torch.empty(s3.shape, dtype=value.dtype, device=scores.device)
-    out = torch.empty((s3.shape[0], sq, dv), dtype=value.dtype, device=scores.device)
-    for i, part in chunks(s3.shape[0], _rows_per_chunk(scores.shape)):
+    # Allocated in their final shapes and filled through 3-D views: the op returns them, and a
+    # custom op's outputs must not be views (autograd would refuse in-place changes to `out`, which
+    # torch's matmul output allows).
+    probs = torch.empty(scores.shape, dtype=value.dtype, device=scores.device)
+    out = torch.empty((*scores.shape[:-1], dv), dtype=value.dtype, device=scores.device)
+    p3, o3 = probs.view(n, sq, sk), out.view(n, sq, dv)
+    for i, part in chunks(n, _rows_per_chunk(scores.shape)):
         pc = torch.softmax(s3[part].to(f), dim=-1).to(value.dtype)
-        probs[part] = pc
+        p3[part] = pc
         scale = _keep_scale(p, seed, i, pc.shape, pc.device, f)
         dropped = pc if scale is None else (pc.to(f) * scale).to(value.dtype)
-        torch.matmul(dropped, v3[part], out=out[part])
-    return out.view(*scores.shape[:-1], dv), probs.view(scores.shape)
+        o3[part] = torch.matmul(dropped, v3[part])
+    return out, probs
 
 
 def attention_core_bwd_torch(
@@ -64,23 +71,25 @@ def attention_core_bwd_torch(
     scores_dtype: torch.dtype,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     sq, sk, dv = probs.shape[-2], probs.shape[-1], value.shape[-1]
-    p3, v3, go3 = probs.reshape(-1, sq, sk), value.reshape(-1, sk, dv), grad_out.reshape(-1, sq, dv)
-    gp3 = grad_probs.reshape(-1, sq, sk) if grad_probs is not None else None
+    n = math.prod(probs.shape[:-2])
+    p3, v3, go3 = probs.reshape(n, sq, sk), value.reshape(n, sk, dv), grad_out.reshape(n, sq, dv)
+    gp3 = grad_probs.reshape(n, sq, sk) if grad_probs is not None else None
     f = opmath(probs.dtype)
-    grad_scores = torch.empty(p3.shape, dtype=scores_dtype, device=probs.device)
-    grad_value = torch.empty(v3.shape, dtype=value.dtype, device=value.device)
-    for i, part in chunks(p3.shape[0], _rows_per_chunk(probs.shape)):
+    grad_scores = torch.empty(probs.shape, dtype=scores_dtype, device=probs.device)
+    grad_value = torch.empty(value.shape, dtype=value.dtype, device=value.device)
+    gs3, gv3 = grad_scores.view(n, sq, sk), grad_value.view(n, sk, dv)
+    for i, part in chunks(n, _rows_per_chunk(probs.shape)):
         pf = p3[part].to(f)
         scale = _keep_scale(p, seed, i, pf.shape, pf.device, f)
         dropped = p3[part] if scale is None else (pf * scale).to(value.dtype)
-        torch.matmul(dropped.transpose(-1, -2), go3[part], out=grad_value[part])
+        gv3[part] = torch.matmul(dropped.transpose(-1, -2), go3[part])
         grad_p = torch.matmul(go3[part], v3[part].transpose(-1, -2)).to(f)
         if scale is not None:
             grad_p = grad_p * scale
         if gp3 is not None:
             grad_p = grad_p + gp3[part].to(f)
-        grad_scores[part] = pf * (grad_p - (grad_p * pf).sum(dim=-1, keepdim=True))
-    return grad_scores.view(probs.shape), grad_value.view(value.shape)
+        gs3[part] = pf * (grad_p - (grad_p * pf).sum(dim=-1, keepdim=True))
+    return grad_scores, grad_value
 
 
 # ---------------------------------------------------------------- custom ops
@@ -153,6 +162,11 @@ def attention_core(
     check_float("attention scores", scores)
     check_float("attention value", value)
     check_probability(dropout_p)
+    if scores.dim() < 2 or value.dim() < 2:
+        raise ValueError(
+            "attention_core takes scores (..., Sq, Sk) and value (..., Sk, Dv), at least 2-D each; got "
+            f"shapes {list(scores.shape)} and {list(value.shape)}"
+        )
     if scores.shape[:-2] != value.shape[:-2]:
         raise ValueError(
             f"scores (..., Sq, Sk) and value (..., Sk, Dv) must have the same leading dims (no "

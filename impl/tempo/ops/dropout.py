@@ -15,11 +15,15 @@ from .._common import check_float, check_probability, chunks, dropout_keep_mask,
 def dropout_apply_torch(x: Tensor, p: float, seed: Tensor) -> Tensor:
     """x * keep / (1 - p) with the keep-mask of (seed, p), chunk by chunk (PyTorch path)."""
     x_flat = x.reshape(-1)
-    y = torch.empty_like(x_flat)
+    # Allocated in x's shape and written through a flat view: the op must return a tensor that is
+    # not a view, or autograd refuses in-place changes to the output (which torch's dropout allows,
+    # and which are safe here: backward needs only the seed).
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    y_flat = y.view(-1)
     for i, part in chunks(x_flat.numel()):
         keep = dropout_keep_mask(seed, i, (part.stop - part.start,), p, x.device)
-        y[part] = x_flat[part] * keep * (1.0 / (1.0 - p))
-    return y.view(x.shape)
+        y_flat[part] = x_flat[part] * keep * (1.0 / (1.0 - p))
+    return y
 
 
 @torch.library.custom_op("tempo::dropout", mutates_args=())
@@ -34,7 +38,7 @@ def dropout_op(x: Tensor, p: float, seed: Tensor) -> Tensor:
 
 @dropout_op.register_fake
 def _(x: Tensor, p: float, seed: Tensor) -> Tensor:
-    return torch.empty_like(x)
+    return x.new_empty(x.shape)  # contiguous, as both real paths return
 
 
 def _setup_context(ctx, inputs, output) -> None:

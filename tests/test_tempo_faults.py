@@ -1,0 +1,360 @@
+"""Issue #13, Tempo's part: each reported fault, with a test that fails without its fix.
+
+(LayerNorm's gradient accuracy with small gamma, item 5, is in test_layernorm.py.)
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+
+import pytest
+import torch
+from torch import nn
+from transformers import BertConfig, BertForPreTraining, GPT2Config, GPT2LMHeadModel
+from transformers.utils import logging as hf_logging
+
+import tempo
+from measure.memory import PeakReport, search_max_batch
+from tempo import hf, maxbatch
+
+hf_logging.set_verbosity_error()
+
+
+def tiny_bert(attn: str = "sdpa", layers: int = 3) -> BertForPreTraining:
+    cfg = BertConfig(hidden_size=32, num_hidden_layers=layers, num_attention_heads=4, intermediate_size=64,
+                     vocab_size=50, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                     attn_implementation=attn)  # fmt: skip
+    return BertForPreTraining(cfg).double()
+
+
+def tiny_gpt2(attn: str = "sdpa") -> GPT2LMHeadModel:
+    cfg = GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=50, n_positions=64, bos_token_id=1,
+                     eos_token_id=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                     attn_implementation=attn)  # fmt: skip
+    return GPT2LMHeadModel(cfg).double()
+
+
+def batch(padded: bool = True):
+    ids = torch.randint(3, 50, (2, 12))
+    mask = torch.ones(2, 12, dtype=torch.long)
+    if padded:
+        mask[1, 9:] = 0
+    return ids, mask
+
+
+def logits(model, ids, mask):
+    out = model(input_ids=ids, attention_mask=mask)
+    return out.logits if hasattr(out, "logits") else out.prediction_logits
+
+
+@pytest.fixture
+def tempo_cores(monkeypatch):
+    """Counts the attention modules that run Tempo's core in a forward."""
+    calls = []
+    real = hf.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(hf, "scaled_dot_product_attention", spy)
+    return calls
+
+
+# ---------------------------------------------------------------- 1. patching a sub-module
+
+
+def tempo_layers(model) -> list[bool]:
+    """Per encoder layer: are its LayerNorms, GELU, dropouts and attention core all Tempo's? (None
+    where they disagree, which no patch sequence should produce.)"""
+    out = []
+    for layer in model.bert.encoder.layer:
+        kinds = [
+            isinstance(layer.attention.output.LayerNorm, tempo.TempoLayerNorm),
+            isinstance(layer.output.LayerNorm, tempo.TempoLayerNorm),
+            isinstance(layer.intermediate.intermediate_act_fn, tempo.TempoGELU),
+            isinstance(layer.output.dropout, tempo.TempoDropout),
+            layer.attention.self.config._attn_implementation == "tempo",
+        ]
+        out.append(kinds[0] if len(set(kinds)) == 1 else None)
+    return out
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_patching_one_layer_changes_that_layer_only(attn, tempo_cores):
+    model = tiny_bert(attn).eval()
+    ids, mask = batch()
+    with torch.no_grad():
+        ref = logits(model, ids, mask)
+    report = tempo.patch(model.bert.encoder.layer[0])
+    assert report.counts() == {"layernorm": 2, "gelu": 1, "attention": 1, "dropout": 3}
+    assert "1 attention cores" in str(report)
+    assert tempo_layers(model) == [True, False, False]
+    assert model.config._attn_implementation == attn  # the shared config is left alone
+    with torch.no_grad():
+        out = logits(model, ids, mask)
+    assert len(tempo_cores) == 1  # ...so only the patched layer runs Tempo's core
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)  # float64; padding mask used
+
+
+# Every order of patch/unpatch of the model (M) and of its first layer (L0), each unpatch after
+# its patch: the state must depend only on which patches are live.
+STEPS = ["patch L0", "patch M", "unpatch L0", "unpatch M"]
+ORDERS = [
+    o
+    for o in itertools.permutations(STEPS)
+    if o.index("patch L0") < o.index("unpatch L0") and o.index("patch M") < o.index("unpatch M")
+]
+
+
+@pytest.mark.parametrize("order", ORDERS, ids=[" / ".join(o) for o in ORDERS])
+def test_patch_and_unpatch_compose_in_any_order(order, tempo_cores):
+    model = tiny_bert().eval()
+    layers = model.bert.encoder.layer
+    ids, mask = batch()
+    modules_before = [(n, m) for n, m in model.named_modules()]
+    with torch.no_grad():
+        before = logits(model, ids, mask)
+    live = set()
+    for step in order:
+        verb, target = step.split()
+        (tempo.patch if verb == "patch" else tempo.unpatch)(model if target == "M" else layers[0])
+        (live.add if verb == "patch" else live.discard)(target)
+        expected = ["M" in live or ("L0" in live and i == 0) for i in range(3)]
+        assert tempo_layers(model) == expected, step
+        assert tempo.is_patched(model) == bool(live)
+        assert tempo.is_patched(layers[0]) == bool(live)
+        assert tempo.is_patched(layers[1]) == ("M" in live)
+        tempo_cores.clear()
+        with torch.no_grad():
+            out = logits(model, ids, mask)
+        assert len(tempo_cores) == sum(expected), step
+        torch.testing.assert_close(out, before, rtol=1e-12, atol=1e-12)
+    # Back to the very same modules and config objects.
+    assert [(n, m) for n, m in model.named_modules()] == modules_before
+    assert all(layer.attention.self.config is model.config for layer in layers)
+
+
+def test_patches_with_different_techniques_compose():
+    model = tiny_bert()
+    layers = model.bert.encoder.layer
+    tempo.patch(model, attention=False)
+    report = tempo.patch(layers[0])  # adds attention to layer 0, holds its other layers too
+    assert report.counts() == {"layernorm": 0, "gelu": 0, "attention": 1, "dropout": 0}
+    assert "6 already Tempo's" in str(report)
+    tempo.unpatch(model)
+    assert tempo_layers(model) == [True, False, False]
+    tempo.unpatch(layers[0])
+    assert tempo_layers(model) == [False, False, False] and not tempo.is_patched(model)
+
+
+def test_unpatch_of_a_module_patched_only_through_another_says_which():
+    model = tiny_bert()
+    tempo.patch(model.bert.encoder.layer[1])
+    with pytest.raises(RuntimeError, match=r"sub-module\(s\) bert\.encoder\.layer\.1"):
+        tempo.unpatch(model)
+    assert tempo_layers(model) == [False, True, False]
+
+
+def test_unpatch_refuses_when_a_patched_layer_was_replaced_since_and_changes_nothing():
+    model = tiny_bert()
+    tempo.patch(model)
+    layers = model.bert.encoder.layer
+    layers[2].output.LayerNorm = nn.LayerNorm(32)  # someone swapped a Tempo layer out
+    with pytest.raises(RuntimeError, match=r"bert\.encoder\.layer\.2\.output\.LayerNorm is no longer"):
+        tempo.unpatch(model)
+    assert tempo.is_patched(model) and tempo_layers(model)[:2] == [True, True]
+
+
+@pytest.mark.parametrize("target", ["model", "first block"])
+def test_gpt2_sdpa_without_padding_stays_causal(target, tempo_cores):
+    """HF's SDPA masks leave causality implicit (no mask, is_causal) when nothing is padded: the
+    Tempo core in a model built for SDPA must apply it itself."""
+    model = tiny_gpt2("sdpa").eval()
+    ids, mask = batch(padded=False)
+    with torch.no_grad():
+        ref = logits(model, ids, mask)
+    tempo.patch(model if target == "model" else model.transformer.h[0])
+    with torch.no_grad():
+        out = logits(model, ids, mask)
+    assert len(tempo_cores) == (2 if target == "model" else 1)
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+
+
+def test_attention_implementations_without_masks_tempo_reads_are_refused_before_any_change():
+    model = tiny_bert("eager")
+    model.bert.encoder.layer[0].attention.self.config = BertConfig(attn_implementation="flex_attention")
+    with pytest.raises(ValueError, match=r"one of eager, sdpa, tempo .* flex_attention"):
+        tempo.patch(model)
+    assert not tempo.is_patched(model)
+
+
+# ---------------------------------------------------------------- 2. not a model
+
+
+@pytest.mark.parametrize("fn", [tempo.patch, tempo.unpatch, tempo.is_patched])
+def test_a_non_module_is_refused_with_what_is_accepted(fn):
+    with pytest.raises(TypeError, match=r"takes a HuggingFace model .*torch\.nn\.Module.*got str 'bert'"):
+        fn("bert")
+
+
+def test_every_technique_off_is_refused():
+    with pytest.raises(ValueError, match="nothing to patch"):
+        tempo.patch(tiny_bert(), layernorm=False, gelu=False, attention=False, dropout=False)
+
+
+# ---------------------------------------------------------------- 3. empty shapes
+
+
+def grads(fn, *inputs):
+    xs = [t.detach().clone().requires_grad_() for t in inputs]
+    out = fn(*xs)
+    out = out[0] if isinstance(out, tuple) else out
+    return out, torch.autograd.grad(out, xs, torch.randn_like(out), allow_unused=True)
+
+
+def test_layer_norm_over_an_empty_last_dim_matches_torch():
+    x, w, b = torch.randn(3, 0, dtype=torch.float64), torch.randn(0, dtype=torch.float64), torch.randn(0)
+    y, g = grads(lambda x, w, b: tempo.layer_norm(x, (0,), w, b.double()), x, w, b)
+    y_ref, g_ref = grads(lambda x, w, b: nn.functional.layer_norm(x, (0,), w, b.double()), x, w, b)
+    assert y.shape == y_ref.shape == (3, 0)
+    assert [t.shape for t in g] == [t.shape for t in g_ref]
+    with pytest.raises(ValueError, match="at least one trailing dim"):
+        tempo.layer_norm(torch.randn(()), ())
+
+
+@pytest.mark.parametrize(("sq", "sk", "dv"), [(0, 5, 3), (4, 0, 3), (4, 5, 0), (0, 0, 3)])
+def test_attention_core_with_empty_sequences_matches_torch(sq, sk, dv):
+    scores, value = (
+        torch.randn(2, 3, sq, sk, dtype=torch.float64),
+        torch.randn(2, 3, sk, dv, dtype=torch.float64),
+    )
+    out, g = grads(lambda s, v: tempo.attention_core(s, v), scores, value)
+    out_ref, g_ref = grads(lambda s, v: torch.softmax(s, -1) @ v, scores, value)
+    torch.testing.assert_close(out, out_ref)  # Sk = 0: zeros, as torch's empty sum
+    for a, r in zip(g, g_ref, strict=True):
+        torch.testing.assert_close(a, torch.zeros_like(a) if r is None else r)
+
+
+def test_attention_core_refuses_one_dim_inputs_clearly():
+    with pytest.raises(ValueError, match=r"at least 2-D each; got shapes \[4\] and \[4, 2\]"):
+        tempo.attention_core(torch.randn(4), torch.randn(4, 2))
+
+
+# ---------------------------------------------------------------- 4. in-place changes to outputs
+
+
+def test_dropout_output_changed_in_place_then_backward_like_torch():
+    """torch's dropout keeps its mask, not its output, so its output may be changed in place before
+    backward; Tempo's keeps a seed only, so the same must hold, with the same gradient."""
+    p = 0.3
+    w = torch.randn(4, 300, dtype=torch.float64)
+    for fn in (nn.functional.dropout, tempo.dropout):
+        x = torch.randn(4, 300, dtype=torch.float64, requires_grad=True)
+        y = fn(x, p)
+        keep = (y != 0).detach()  # x has no zeros
+        y.mul_(3)
+        y[0].zero_()
+        (y * w).sum().backward()
+        expected = 3 * w * keep / (1 - p)
+        expected[0] = 0
+        torch.testing.assert_close(x.grad, expected, msg=fn.__module__)
+
+
+@pytest.mark.parametrize("p", [0.0, 0.2])
+def test_attention_output_changed_in_place_then_backward_like_torch(p):
+    """The core keeps P and V, not its output: out may change in place (as torch's matmul output
+    may); P may not (as torch's softmax output may not), and autograd says so."""
+    scores = torch.randn(2, 6, 6, dtype=torch.float64, requires_grad=True)
+    value = torch.randn(2, 6, 3, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(2, 6, 3, dtype=torch.float64)
+    torch.manual_seed(5)
+    out, probs = tempo.attention_core(scores, value, p)
+    out.mul_(2)
+    (out * w).sum().backward()
+    torch.manual_seed(5)
+    (ref,) = torch.autograd.grad((2 * tempo.attention_core(scores, value, p)[0] * w).sum(), scores)
+    torch.testing.assert_close(scores.grad, ref)
+    _, probs = tempo.attention_core(scores, value, p)
+    probs.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        probs.sum().backward()
+
+
+# ---------------------------------------------------------------- 6. python -m tempo.maxbatch
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--gpu-mem", "infGB"], "--gpu-mem: takes a positive, finite memory size"),
+        (["--gpu-mem=-4GB"], "--gpu-mem: takes a positive, finite memory size"),
+        (["--gpu-mem", "nanGB"], "--gpu-mem: memory size 'nanGB' not understood"),
+        (["--seq", "0"], "--seq: takes a positive integer, got '0'"),
+        (["--seq", "-3"], "--seq: takes a positive integer, got '-3'"),
+        (["--seq", "513"], "bert-mini takes at most 512 positions"),
+        (["--fragmentation", "-0.1"], "--fragmentation: takes a finite number >= 0"),
+        (["--fragmentation", "1"], r"--fragmentation: takes a fraction in \[0, 1\)"),
+        (["--context-gb", "-1"], "--context-gb: takes a finite number >= 0"),
+        (["--context-gb", "inf"], "--context-gb: takes a finite number >= 0"),
+    ],
+)
+def test_maxbatch_refuses_bad_values_before_any_work(flags, message, capsys, monkeypatch):
+    monkeypatch.setattr(maxbatch, "estimator", lambda *a: pytest.fail("work started"))
+    argv = ["--model", "bert-mini", "--seq", "16", "--gpu-mem", "4GB", *flags]
+    with pytest.raises(SystemExit) as e:
+        maxbatch.main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("python -m tempo.maxbatch: error: ")
+    assert re.search(message, err), err
+
+
+def peak_of(bytes_per_sequence: int):
+    return lambda b: PeakReport(
+        b, 1000 + b * bytes_per_sequence, "backward", {}, {"backward": 1000 + b * bytes_per_sequence}
+    )
+
+
+def test_search_stops_at_its_cap_and_says_so():
+    assert search_max_batch(peak_of(10), 10**12, limit=maxbatch.SEARCH_CAP)[0] == maxbatch.SEARCH_CAP
+    assert search_max_batch(peak_of(10), 1000 + 10 * 777, limit=maxbatch.SEARCH_CAP)[0] == 777
+
+
+def test_maxbatch_at_the_cap_says_the_cap_was_hit(capsys, monkeypatch):
+    class Stub:
+        def max_batch(self, usable, limit):
+            return search_max_batch(peak_of(10), usable, limit)
+
+    monkeypatch.setattr(maxbatch, "estimator", lambda *a: Stub())
+    assert maxbatch.main(["--model", "bert-mini", "--seq", "16", "--gpu-mem", "1e9GB"]) == 0
+    out = capsys.readouterr().out
+    assert f"max batch: at least {maxbatch.SEARCH_CAP}, the search's cap" in out
+    assert f"max batch: {maxbatch.SEARCH_CAP} " not in out
+
+
+# ---------------------------------------------------------------- 7. artifacts.tempo_bert.run --cases
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ["--cases", "bert-mini/1000"],
+            r"a case is MODEL/SEQ, one of .*bert-mini \(SEQ 1-512\).*'bert-mini/1000'",
+        ),
+        (["--cases", "bert-mini/0"], r"got 'bert-mini/0'"),
+        (["--cases", "bert-tiny/32"], r"got 'bert-tiny/32'"),
+        (["--parts", "activation", "--cases", "bert-mini/32"], "apply to the throughput part only"),
+    ],
+)
+def test_run_refuses_bad_cases_before_any_work(argv, message, capsys, monkeypatch, tmp_path):
+    from artifacts.tempo_bert import run
+
+    monkeypatch.setattr(run, "experiment_run", lambda *a: pytest.fail("work started"))
+    with pytest.raises(SystemExit) as e:
+        run.main([*argv, "--results", str(tmp_path)])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert re.search(message, err), err
