@@ -12,6 +12,7 @@ import tempo
 from measure.memory import StepMemoryEstimator
 from measure.saved import saved_bytes
 from measure.training import Precision, make_optimizer, train_step
+from tempo.ops import workspace_bytes
 
 hf_logging.set_verbosity_error()
 pytestmark = pytest.mark.gpu
@@ -74,7 +75,11 @@ def test_estimator_against_cuda_allocator(with_tempo):
             "next_sentence_label": torch.randint(0, 2, (b,), device=device),
         }
 
-    est = StepMemoryEstimator(build, batch, "bf16", target="cuda").peak(8).peak_bytes
+    est = (
+        StepMemoryEstimator(build, batch, "bf16", target="cuda", op_workspace=workspace_bytes)
+        .peak(8)
+        .peak_bytes
+    )
     p = Precision("bf16")
     torch.cuda.empty_cache()
     model = build().cuda().to(p.model_dtype)

@@ -14,6 +14,7 @@ from measure.cpu_peak import cpu_peak_bytes
 from measure.memory import DepthExtrapolatedEstimator, GiB, GpuBudget, LiveMemoryTracker, StepMemoryEstimator
 from measure.saved import cuda_like_dropout, saved_bytes
 from measure.training import Precision, make_optimizer, optimizer_state_tensors, train_step
+from tempo.ops import workspace_bytes
 
 hf_logging.set_verbosity_error()
 
@@ -128,7 +129,12 @@ def test_step_estimate_against_real_cpu_run(precision, with_tempo):
     from tempo.ops import cpu_bytes_per_chunk_elem
 
     est = StepMemoryEstimator(
-        small_bert(with_tempo), bert_batch, precision, granularity=1, target="cpu"
+        small_bert(with_tempo),
+        bert_batch,
+        precision,
+        granularity=1,
+        target="cpu",
+        op_workspace=workspace_bytes,
     ).peak(8)
     real = real_cpu_peak(small_bert(with_tempo), precision, 8)
     if not with_tempo:
@@ -142,7 +148,9 @@ def test_step_estimate_against_real_cpu_run(precision, with_tempo):
 
 
 def test_max_batch_is_the_boundary():
-    est = StepMemoryEstimator(small_bert(True), lambda b: bert_batch(b, 64), "bf16")
+    est = StepMemoryEstimator(
+        small_bert(True), lambda b: bert_batch(b, 64), "bf16", op_workspace=workspace_bytes
+    )
     budget = est.peak(5).peak_bytes + 1000
     b, report = est.max_batch(budget)
     assert b == 5 and report.peak_bytes <= budget
@@ -162,8 +170,10 @@ def test_depth_extrapolation_is_exact(with_tempo):
         return m
 
     batch = lambda b: bert_batch(b, 64)
-    full = StepMemoryEstimator(lambda: build(7), batch, "amp-bf16").peak(6)
-    extrapolated = DepthExtrapolatedEstimator(build, batch, "amp-bf16", num_layers=7).peak(6)
+    full = StepMemoryEstimator(lambda: build(7), batch, "amp-bf16", op_workspace=workspace_bytes).peak(6)
+    extrapolated = DepthExtrapolatedEstimator(
+        build, batch, "amp-bf16", num_layers=7, op_workspace=workspace_bytes
+    ).peak(6)
     assert extrapolated.phase_peaks == full.phase_peaks
     assert extrapolated.peak_bytes == full.peak_bytes and extrapolated.peak_phase == full.peak_phase
 

@@ -82,12 +82,14 @@ def test_estimator_runs_every_configuration(configuration):
     """Checkpointing recomputes the forward inside backward: the CUDA-like substitutions must hold
     there too (checkpoint checks that recomputed tensors match the saved ones)."""
     from measure.memory import DepthExtrapolatedEstimator
+    from tempo.ops import workspace_bytes
 
     est = DepthExtrapolatedEstimator(
         lambda n: build_model("bert-base", "pretraining", configuration, num_layers=n),
         lambda b: make_batch("bert-base", "pretraining", b, 64),
         "fp16",
         num_layers=12,
+        op_workspace=workspace_bytes,
     )
     assert est.peak(4).peak_bytes < est.peak(8).peak_bytes
 

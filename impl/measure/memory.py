@@ -8,9 +8,10 @@ what was live before it (weights, optimizer state), is the estimate; at the peak
 what the live bytes were: parameters, master weights, optimizer state, gradients, activations
 saved for backward, and everything else (temporaries, inputs).
 
-Custom ops are opaque to the tracker (their fake kernels allocate only outputs), so Tempo's ops
-declare the transient workspace they need on the *target* device (tempo.ops.workspace_bytes);
-the fake tensors themselves live on the CPU whatever the target.
+Custom ops are opaque to the tracker (their fake kernels allocate only outputs): a caller whose
+model runs custom ops passes ``op_workspace(op_name, args, kwargs, target) -> bytes``, the
+transient workspace each op needs on the *target* device (Tempo's is
+``tempo.ops.workspace_bytes``); the fake tensors themselves live on the CPU whatever the target.
 
 ``StepMemoryEstimator`` builds the model once under FakeTensorMode, takes one warm-up step (so
 the optimizer state exists, as in every step after the first) and then estimates any batch
@@ -34,10 +35,10 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from .budget import GiB, GpuBudget  # noqa: F401 (the budget's home is torch-free budget.py)
 from .saved import cuda_like, storage_key
 from .training import Precision, make_optimizer, optimizer_state_tensors, train_step
 
-GiB = 1024**3
 ALLOC_GRANULARITY = 512  # bytes; the CUDA caching allocator rounds every block up to this
 PHASES = ("forward", "backward", "optimizer")
 CATEGORIES = (
@@ -55,14 +56,24 @@ def round_alloc(nbytes: int, granularity: int = ALLOC_GRANULARITY) -> int:
     return -(-nbytes // granularity) * granularity if nbytes else 0
 
 
+# A custom op's transient bytes on a target: (op name, args, kwargs, 'cuda' | 'cpu') -> bytes
+OpWorkspace = Callable[[str, tuple, dict, str], int]
+
+
 class LiveMemoryTracker(TorchDispatchMode):
-    """Follows the bytes held by live storages through every dispatched op."""
+    """Follows the bytes held by live storages through every dispatched op (``op_workspace``: see
+    the module docstring)."""
 
     def __init__(
-        self, granularity: int = ALLOC_GRANULARITY, snapshot_tolerance: float = 1e-3, target: str = "cuda"
+        self,
+        granularity: int = ALLOC_GRANULARITY,
+        snapshot_tolerance: float = 1e-3,
+        target: str = "cuda",
+        op_workspace: OpWorkspace | None = None,
     ) -> None:
         super().__init__()
         self.target = target
+        self.op_workspace = op_workspace
         self.granularity = granularity
         self.live: dict[int, int] = {}
         self.current = 0
@@ -116,23 +127,21 @@ class LiveMemoryTracker(TorchDispatchMode):
                 self.track(t)
         # Custom ops run opaquely (their fake kernels allocate only outputs): add the workspace
         # they declare for the duration of the call, on top of inputs and outputs.
-        workspace = _declared_workspace(func, args, kwargs, self.target)
+        workspace = _declared_workspace(func, args, kwargs, self.target, self.op_workspace)
         if workspace:
             self._observe(self.current + workspace, workspace)
         return out
 
 
-def _declared_workspace(func, args, kwargs, target: str) -> int:
-    """Transient bytes a custom op declares via ``workspace_bytes`` (see tempo/ops/*)."""
+def _declared_workspace(func, args, kwargs, target: str, op_workspace: OpWorkspace | None) -> int:
+    """Transient bytes the caller's ``op_workspace`` declares for this op (0 without one)."""
+    if op_workspace is None:
+        return 0
     try:
         name = func.name()
     except AttributeError:
         return 0
-    if not name.startswith("tempo::"):
-        return 0
-    from tempo.ops import workspace_bytes
-
-    return workspace_bytes(name, args, kwargs, target)
+    return op_workspace(name, args, kwargs, target)
 
 
 @dataclass
@@ -146,42 +155,6 @@ class PeakReport:
     @property
     def peak_gib(self) -> float:
         return self.peak_bytes / GiB
-
-
-@dataclass(frozen=True)
-class GpuBudget:
-    """Usable allocator bytes on a GPU of ``capacity_bytes``.
-
-    reserve = CUDA context + library workspaces (``context_bytes``, default 0.75 GiB; an
-    H100/H200 context with cuBLAS takes ~0.5-0.7 GiB) + fragmentation slack
-    (``fragmentation`` of what is left, default 5%).
-    """
-
-    capacity_bytes: int
-    context_bytes: int = int(0.75 * GiB)
-    fragmentation: float = 0.05
-
-    @property
-    def usable_bytes(self) -> int:
-        return int((self.capacity_bytes - self.context_bytes) * (1.0 - self.fragmentation))
-
-    @classmethod
-    def parse(cls, text: str, **kwargs) -> GpuBudget:
-        """'16GB' / '16GiB' / '11g' (binary GiB, as GPUs are sold), '512MiB', or a byte count."""
-        s = text.strip().lower().replace(" ", "")
-        units = {"gib": GiB, "gb": GiB, "g": GiB, "mib": 2**20, "mb": 2**20, "m": 2**20}
-        for suffix, unit in units.items():
-            number = s.removesuffix(suffix)
-            if number != s:
-                try:
-                    return cls(int(float(number) * unit), **kwargs)
-                except ValueError:
-                    break
-        if s.isdigit():
-            return cls(int(s), **kwargs)
-        raise ValueError(
-            f"memory size {text!r} not understood: use e.g. '16GB', '80GiB', '512MiB' or a byte count"
-        )
 
 
 @contextmanager
@@ -205,11 +178,13 @@ class StepMemoryEstimator:
         device: str = "cpu",
         granularity: int = ALLOC_GRANULARITY,
         target: str = "cuda",
+        op_workspace: OpWorkspace | None = None,
     ) -> None:
         if target not in ("cuda", "cpu"):
             raise ValueError(f"target must be 'cuda' or 'cpu', got {target!r}")
         self.granularity = granularity
         self.target = target
+        self.op_workspace = op_workspace
         self.precision = precision if isinstance(precision, Precision) else Precision(precision)
         self.make_batch = make_batch
         self.device = device
@@ -264,7 +239,9 @@ class StepMemoryEstimator:
 
         with self.fake_mode:
             batch = self.make_batch(batch_size)
-            tracker = self._tracker = LiveMemoryTracker(self.granularity, target=self.target)
+            tracker = self._tracker = LiveMemoryTracker(
+                self.granularity, target=self.target, op_workspace=self.op_workspace
+            )
             persistent = [
                 *self.model.parameters(),
                 *self.model.buffers(),

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from measure.memory import GpuBudget
+from measure.budget import GpuBudget
 
 from .costs import RuntimeModel, cpu_adam_params_per_s, load_runtime_model
 from .interference import Interference

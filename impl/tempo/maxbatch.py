@@ -19,6 +19,7 @@ from measure.memory import DepthExtrapolatedEstimator, GiB, GpuBudget, StepMemor
 from measure.training import PRECISIONS
 
 from .models import CONFIGURATIONS, HEADS, MODELS, build_model, make_batch
+from .ops import workspace_bytes
 
 # The search tries batches up to this; an answer equal to it means "at least this many".
 SEARCH_CAP = 1 << 16
@@ -71,6 +72,7 @@ def estimator(
         lambda b: make_batch(model, head, b, seq),
         precision,
         num_layers=MODELS[model].layers,
+        op_workspace=workspace_bytes,
     )
 
 
@@ -139,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
             lambda: build_model(args.model, args.head, configuration),
             lambda n: make_batch(args.model, args.head, n, args.seq),
             args.precision,
+            op_workspace=workspace_bytes,
         ).peak(b)
         if full.peak_bytes != report.peak_bytes:
             print(f"note: full-depth estimate {full.peak_gib:.3f} GiB differs from the extrapolated one")

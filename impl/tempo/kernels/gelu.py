@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..ops.gelu import FLAT_ABOVE, FLAT_BELOW, NEWTON_STEPS, branch_point, branch_threshold
+from ..gelu_math import FLAT_ABOVE, FLAT_BELOW, NEWTON_STEPS, branch_point, branch_threshold
 
 BLOCK = 1024  # elements per program; a multiple of 8 so each program owns whole mask bytes
 _K = tl.constexpr(math.sqrt(2.0 / math.pi))

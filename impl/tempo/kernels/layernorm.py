@@ -15,9 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..ops.layernorm import _rows, gamma_floor
-
-ROWS_PER_PROGRAM = 16
+from ..layernorm_rows import ROWS_PER_PROGRAM, _rows, gamma_floor
 
 
 @triton.jit

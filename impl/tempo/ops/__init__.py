@@ -2,9 +2,10 @@
 
 ``workspace_bytes`` says how much transient memory an op call needs besides its inputs and
 outputs, so the fake-tensor memory estimator (measure/memory.py), which cannot see inside a
-custom op, can add it. On CUDA (Triton kernels) that is what the kernels' wrappers allocate;
-on CPU it is the chunked PyTorch path's bound (chunks of CHUNK_ELEMS elements, at most
-cpu_bytes_per_chunk_elem(op) bytes of temporaries per element of a chunk).
+custom op, can add it: pass it as the estimator's ``op_workspace``. On CUDA (Triton kernels)
+that is what the kernels' wrappers allocate; on CPU it is the chunked PyTorch path's bound
+(chunks of CHUNK_ELEMS elements, at most cpu_bytes_per_chunk_elem(op) bytes of temporaries per
+element of a chunk).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import math
 import torch
 
 from .._common import CHUNK_ELEMS
+from ..layernorm_rows import ROWS_PER_PROGRAM
 
 # Upper bounds on the PyTorch path's live temporaries per element of a chunk, measured with the
 # profiler and checked in tests/test_measure.py (largest: the GELU backward's Newton solve with
@@ -32,6 +34,8 @@ def _cpu_chunk_bytes(op_name: str, numel: int) -> int:
 
 def workspace_bytes(op_name: str, args: tuple, kwargs: dict, target: str) -> int:
     """Transient bytes of one call of ``op_name`` when it runs on ``target`` ('cuda' or 'cpu')."""
+    if not op_name.startswith("tempo::"):  # another library's op: not ours to price
+        return 0
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
     if not tensors:
         return 0
@@ -49,7 +53,7 @@ def workspace_bytes(op_name: str, args: tuple, kwargs: dict, target: str) -> int
     if op_name == "tempo::layer_norm_bwd" and on_cuda:
         d = args[3].numel()
         rows = first.numel() // max(d, 1)
-        return 2 * math.ceil(rows / 16) * d * 4  # per-program dgamma/dbeta partials (float32)
+        return 2 * math.ceil(rows / ROWS_PER_PROGRAM) * d * 4  # per-program dgamma/dbeta partials (float32)
     if on_cuda:
         return 0
     return _cpu_chunk_bytes(op_name, first.numel())

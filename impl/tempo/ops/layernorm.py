@@ -52,16 +52,7 @@ import torch
 from torch import Tensor, nn
 
 from .._common import CHUNK_ELEMS, check_float, chunks, opmath, use_triton
-
-
-def gamma_floor(dtype: torch.dtype) -> float:
-    return 1e-12 if dtype == torch.float64 else 1e-6
-
-
-def _rows(x: Tensor, normalized_ndim: int) -> tuple[int, int]:
-    # Counted from the shape, not as numel // D: D may be 0.
-    lead = x.dim() - normalized_ndim
-    return math.prod(x.shape[:lead]), math.prod(x.shape[lead:])
+from ..layernorm_rows import _rows, gamma_floor
 
 
 def unit_roundoff(dtype: torch.dtype) -> float:
