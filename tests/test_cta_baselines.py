@@ -3,10 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -15,6 +11,7 @@ from baselines.cta.microbatch import candidate_chunks
 from baselines.cta.single_gpu import MicrobatchedMLP, back_to_back_mlp
 from baselines.cta.tensor_parallel import shard_chain
 from ctapipe.reference import activation, chain
+from measure.launch import run_torchrun
 
 
 def test_single_device_baselines_match_the_reference():
@@ -49,16 +46,10 @@ def test_candidate_chunks():
 def test_distributed_baselines_on_two_gloo_processes(tmp_path):
     """The torchrun driver: back-to-back, every micro-batch chunk and TP over a 2-layer chain;
     it raises when any output differs from the reference, so a clean exit is the check."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     out = tmp_path / "r.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port),
-           "-m", "artifacts.cta_mlp.distributed", "--rows", "256", "--width", "32", "--dtype", "fp32",
-           "--repeats", "1", "--smallest-chunk", "64", "--out", str(out)]  # fmt: skip
-    done = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=280, env={**os.environ, "OMP_NUM_THREADS": "1"}
-    )
+    flags = ["--rows", "256", "--width", "32", "--dtype", "fp32", "--repeats", "1", "--smallest-chunk", "64",
+             "--out", str(out)]  # fmt: skip
+    done = run_torchrun(2, "artifacts.cta_mlp.distributed", flags, timeout=280)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(out.read_text())
     assert set(report["methods"]) == {"back_to_back", "microbatch_128", "microbatch_64", "tp"}

@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from measure.launch import run_torchrun
 from mist import Plan, StagePlan, cluster, model, predict
 from mist.run import unsupported
 
@@ -21,20 +18,11 @@ from mist.run import unsupported
 TOLERANCE = 0.10
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _torchrun(plan: Plan, tmp_path: Path, steps: int = 5) -> dict:
     path, out = tmp_path / "plan.yaml", tmp_path / "report.json"
     plan.save(path)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(plan.gpus),
-           "--master-port", str(_free_port()), "-m", "mist.run", "--plan", str(path), "--steps", str(steps),
-           "--out", str(out)]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    args = ["--plan", str(path), "--steps", str(steps), "--out", str(out)]
+    done = run_torchrun(plan.gpus, "mist.run", args, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(out.read_text())
 

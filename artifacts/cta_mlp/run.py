@@ -17,14 +17,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
+from measure.launch import run_torchrun
 from measure.results import ResultFile, Run
 
 from ..experiment import add_run_arguments, experiment_run
@@ -166,12 +165,10 @@ def part_baselines(run: Run) -> ResultFile:
     def launch() -> dict:
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "r.json"
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-                   str(_free_port()), "-m", "artifacts.cta_mlp.distributed", "--rows", str(args["rows"]),
-                   "--width", str(args["width"]), "--dtype", args["dtype"], "--repeats", str(args["repeats"]),
-                   "--smallest-chunk", str(args["smallest_chunk"]), "--out", str(out)]  # fmt: skip
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
-                                  env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+            flags = ["--rows", str(args["rows"]), "--width", str(args["width"]), "--dtype", args["dtype"],
+                     "--repeats", str(args["repeats"]), "--smallest-chunk", str(args["smallest_chunk"]),
+                     "--out", str(out)]  # fmt: skip
+            done = run_torchrun(2, "artifacts.cta_mlp.distributed", flags, timeout=600)
             if done.returncode:
                 raise RuntimeError(f"distributed baselines failed:\n{done.stderr[-3000:]}")
             return json.loads(out.read_text())
@@ -180,14 +177,6 @@ def part_baselines(run: Run) -> ResultFile:
     errors = {k: v["error"] for k, v in r["methods"].items()}
     print(f"baselines on 2 gloo processes, max relative error vs the reference chain: {errors}")
     return store
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main(argv: list[str] | None = None) -> None:

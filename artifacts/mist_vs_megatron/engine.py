@@ -15,18 +15,13 @@ first, held-out error reported).
 
 from __future__ import annotations
 
-import functools
 import json
-import os
-import socket
 import statistics
-import subprocess
-import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from measure.parallel import die_with_parent
+from measure.launch import run_torchrun
 from measure.results import ResultFile, Results, Run
 
 from ..experiment import add_run_arguments, experiment_run
@@ -80,12 +75,6 @@ GPU_ENGINE = EngineSetup(
 )  # fmt: skip
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def engine_point(setup: EngineSetup, name: str, fit: dict, work: Path) -> dict:
     from mist import Plan, cluster, model, predict
 
@@ -96,13 +85,8 @@ def engine_point(setup: EngineSetup, name: str, fit: dict, work: Path) -> dict:
     predict(plan, model(setup.model), cluster(setup.gpu, setup.processes), runtime=fit["model"])
     path, out = work / f"{name}.yaml", work / f"{name}.json"
     plan.save(path)
-    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(setup.processes),
-              "--master-port", str(_free_port())]  # fmt: skip
-    cmd = [*launch, "-m", "mist.run", "--plan", str(path), "--steps", str(setup.steps), "--out", str(out)]
-    done = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"},
-        preexec_fn=functools.partial(die_with_parent, os.getpid()),  # torchrun dies with this process
-    )  # fmt: skip
+    args = ["--plan", str(path), "--steps", str(setup.steps), "--out", str(out)]
+    done = run_torchrun(setup.processes, "mist.run", args, timeout=900)
     if done.returncode != 0:
         raise RuntimeError(f"mist.run failed for {name}:\n{done.stderr[-3000:]}")
     report = json.loads(out.read_text())

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-GiB = 1024**3
+from .units import GiB
 
 
 @dataclass(frozen=True)

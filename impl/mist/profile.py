@@ -29,11 +29,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from measure.launch import free_port
 from measure.timing import time_fn
+from measure.units import MiB
 
 from .profiles import FRAMEWORK_OP
-
-MiB = float(1 << 20)
 
 
 def _ops(b: int, s: int, h: int, heads: int, tp: int, dtype, device) -> list[tuple[str, Callable, list]]:
@@ -165,7 +165,6 @@ def profile_collectives(
     n: int, device: str, sizes: list[int] | None = None, repeats: int = 10
 ) -> dict[str, list[tuple[float, float]]]:
     """Median seconds of each collective among ``n`` local processes: {name: [(bytes, seconds)]}."""
-    import socket
 
     import torch.multiprocessing as mp
 
@@ -175,9 +174,7 @@ def profile_collectives(
         raise ValueError(f"{n} processes need {n} GPUs; this machine has {torch.cuda.device_count()}")
     if sizes is None:  # small messages on a CPU, Megatron-sized ones on GPUs
         sizes = [2**k for k in (range(20, 29, 2) if device.startswith("cuda") else range(12, 23, 2))]
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     ctx = mp.get_context("spawn")
     out = ctx.SimpleQueue()
     mp.start_processes(_collective_worker, (n, port, device, sizes, repeats, out), nprocs=n,
@@ -209,7 +206,6 @@ def megatron_layer_seconds(
 ) -> tuple[float, float]:
     """(forward, backward) seconds of megatron-core's own GPT layer (local spec, the layer
     mist.run trains) at one rank's share; timed like the ops, so the difference is the framework."""
-    import socket
 
     import torch.distributed as dist
 
@@ -224,10 +220,7 @@ def megatron_layer_seconds(
 
     own_group = not dist.is_initialized()
     if own_group:  # a one-process group: megatron-core's layers need its parallel state
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     own_state = not ps.model_parallel_is_initialized()
     try:
         if own_state:

@@ -10,6 +10,8 @@ import dataclasses
 import numbers
 from dataclasses import dataclass, replace
 
+from measure.units import GB, GiB, MiB
+
 NORMS = ("layernorm", "rmsnorm")
 POSITIONS = ("learned", "rotary")
 
@@ -161,9 +163,6 @@ class ClusterSpec:
         return self.nodes * self.gpus_per_node
 
 
-GiB = 1 << 30
-MiB = 1 << 20
-GB = 1e9
 # Peak numbers are the vendors' data-sheet values (dense, no sparsity).
 GPUS: dict[str, GpuSpec] = {
     "l4": GpuSpec("l4", 121e12, 24 * GiB, 300 * GB, 32 * GB, 48 * MiB),

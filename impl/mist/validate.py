@@ -24,12 +24,13 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
+from measure.units import MiB
+
 from .plan import Plan, PrePostPlan, StagePlan
 from .profiles import ARTIFACT_DATA
 from .specs import ClusterSpec, ModelSpec, cluster
 
 MEASURED_RUNS = ARTIFACT_DATA / "measured-runs"
-MiB = 1 << 20
 OPS_PER_LAYER = 13  # Aceso's operators of one transformer layer
 # The measured records name GPUs their own way.
 GPU_NAMES = {"L4-24GB": "l4", "l4": "l4", "A10G": "a10g", "a10g": "a10g"}
