@@ -24,6 +24,7 @@ FlashAttention on and off; --scale paper gives the Aceso-style search a longer b
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 
 from measure.parallel import map_points
@@ -63,6 +64,10 @@ def _simulated(plan, m, c):
     return plan
 
 
+# What a result keeps of each stage of a plan: the plan itself and the predicted memory
+STAGE_FIELDS = ("layers", *STRATEGY_FIELDS, "tp", "dp", "memory_gib", "host_memory_gib")
+
+
 def _summary(plan) -> dict:
     return {
         "iteration_s": plan.simulated_iteration_s,  # speedups are taken from the simulator
@@ -71,10 +76,9 @@ def _summary(plan) -> dict:
         "tp": plan.tp,
         "dp": plan.dp,
         "micro_batch": plan.micro_batch,
-        "stages": [
-            {k: getattr(s, k) for k in ("layers", *STRATEGY_FIELDS, "tp", "dp", "memory_gib")}
-            for s in plan.stages
-        ],
+        "stages": [{k: getattr(s, k) for k in STAGE_FIELDS} for s in plan.stages],
+        # the embedding/head's own strategy, if the plan has one: the plan is whole, re-priceable
+        "pre_post": None if plan.pre_post is None else dataclasses.asdict(plan.pre_post),
     }
 
 

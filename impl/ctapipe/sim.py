@@ -32,6 +32,8 @@ import itertools
 import math
 from dataclasses import asdict, dataclass, field
 
+from measure.datasheets import DATASHEETS
+
 US = 1e-6
 
 
@@ -86,14 +88,13 @@ class Hardware:
         return (n - 1) * self.ring_step_latency_s + (n - 1) / n * self.transfer_s(nbytes) if n > 1 else 0.0
 
 
-H200 = Hardware(
-    "h200", sms=132, flops=989e12, link_bw=450e9,
-    source="H200 SXM data sheet: 132 SMs, 989 TFLOP/s dense BF16, NVLink 900 GB/s (450 each way)",
-)  # fmt: skip
-B200 = Hardware(
-    "b200", sms=148, flops=2.25e15, link_bw=900e9,
-    source="HGX B200 data sheet: 148 SMs, 2.25 PFLOP/s dense BF16, NVLink 5 1.8 TB/s (900 each way)",
-)  # fmt: skip
+def _from_sheet(name: str) -> Hardware:
+    sheet = DATASHEETS[name]
+    return Hardware(name, sms=sheet.sms, flops=sheet.flops, link_bw=sheet.nvlink_bw, source=sheet.source)
+
+
+H200 = _from_sheet("h200")
+B200 = _from_sheet("b200")
 HARDWARE = {h.name: h for h in (H200, B200)}
 
 

@@ -10,6 +10,7 @@ import dataclasses
 import numbers
 from dataclasses import dataclass, replace
 
+from measure.datasheets import DATASHEETS
 from measure.units import GB, GiB, MiB
 
 NORMS = ("layernorm", "rmsnorm")
@@ -165,23 +166,20 @@ class ClusterSpec:
 
 # Peak numbers are the vendors' data-sheet values (dense, no sparsity).
 GPUS: dict[str, GpuSpec] = {
-    "l4": GpuSpec("l4", 121e12, 24 * GiB, 300 * GB, 32 * GB, 48 * MiB),
-    "a10g": GpuSpec("a10g", 125e12, 24 * GiB, 600 * GB, 32 * GB, 6 * MiB),
-    "v100": GpuSpec("v100", 125e12, 32 * GiB, 900 * GB, 16 * GB, 6 * MiB),
-    "a100-40gb": GpuSpec("a100-40gb", 312e12, 40 * GiB, 1555 * GB, 32 * GB, 40 * MiB),
-    "h100": GpuSpec("h100", 989e12, 80 * GiB, 3350 * GB, 64 * GB, 50 * MiB),
-    "h200": GpuSpec("h200", 989e12, 141 * GB, 4800 * GB, 64 * GB, 50 * MiB),
-    # this machine's CPU as a "device" for mist.run checks: nominal rates (use `mist profile`)
-    "cpu": GpuSpec("cpu", 1e11, 16 * GiB, 20 * GB, 20 * GB, 32 * MiB),
+    name: GpuSpec(name, d.flops, d.memory, d.hbm_bw, d.pcie_bw, d.l2)
+    for name, d in DATASHEETS.items()
+    if d.memory is not None  # the GPUs whose whole sheet is recorded (not the B200)
 }
+# this machine's CPU as a "device" for mist.run checks: nominal rates (use `mist profile`)
+GPUS["cpu"] = GpuSpec("cpu", 1e11, 16 * GiB, 20 * GB, 20 * GB, 32 * MiB)
 # Links: NVLink bus bandwidth per GPU, or PCIe where a GPU has no NVLink; inter-node by NIC.
 _LINKS = {
     "l4": (LinkSpec(16 * GB, 10e-6), LinkSpec(6.25 * GB, 20e-6)),  # PCIe 4.0 x16; 50 Gb/s
     "a10g": (LinkSpec(16 * GB, 10e-6), LinkSpec(12.5 * GB, 20e-6)),  # PCIe; 100 Gb/s
-    "v100": (LinkSpec(150 * GB, 5e-6), LinkSpec(12.5 * GB, 10e-6)),  # NVLink 2; 100 Gb/s
-    "a100-40gb": (LinkSpec(300 * GB, 5e-6), LinkSpec(50 * GB, 10e-6)),  # NVLink 3; 4x100 Gb/s
-    "h100": (LinkSpec(450 * GB, 5e-6), LinkSpec(100 * GB, 10e-6)),  # NVLink 4; 8x100 Gb/s
-    "h200": (LinkSpec(450 * GB, 5e-6), LinkSpec(100 * GB, 10e-6)),
+    "v100": (LinkSpec(DATASHEETS["v100"].nvlink_bw, 5e-6), LinkSpec(12.5 * GB, 10e-6)),  # 100 Gb/s NIC
+    "a100-40gb": (LinkSpec(DATASHEETS["a100-40gb"].nvlink_bw, 5e-6), LinkSpec(50 * GB, 10e-6)),  # 4x100 Gb/s
+    "h100": (LinkSpec(DATASHEETS["h100"].nvlink_bw, 5e-6), LinkSpec(100 * GB, 10e-6)),  # 8x100 Gb/s
+    "h200": (LinkSpec(DATASHEETS["h200"].nvlink_bw, 5e-6), LinkSpec(100 * GB, 10e-6)),
     "cpu": (LinkSpec(5 * GB, 50e-6), LinkSpec(1 * GB, 100e-6)),  # gloo over shared memory / TCP
 }
 
