@@ -87,3 +87,29 @@ def test_pre_post_travels_with_the_plan(tmp_path):
         variant.pre_post = pre_post
         memory[name] = [s.memory_gib for s in predict(variant, m, c).stages]
     assert all(x < y for x, y in zip(memory["lean"], memory["tied"], strict=True))
+
+
+def test_the_committed_comparison_reprices_to_its_numbers():
+    """Every stored plan of the reference comparison is whole (stages, embedding/head strategy):
+    re-priced by today's model it gives the stored iteration time (fresh random sample), so the
+    reference is the current model's and a model change cannot slip in without regenerating it."""
+    import json
+    import random
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "artifacts/mist_vs_megatron/reference/comparison.json"
+    points = json.loads(path.read_text())["points"]
+    plans = [
+        (p["key"], r) for p in points for r in p["result"].values() if isinstance(r, dict) and "stages" in r
+    ]
+    for key, r in random.sample(plans, 24):
+        overrides = {"seq": key["seq"], "flash": key["flash"]}
+        stages = [{f: v for f, v in s.items() if not f.endswith("memory_gib")} for s in r["stages"]]
+        plan = Plan.from_dict({
+            "model": key["model"], "gpu": key["gpu"], "gpus": key["gpus"], "gpus_per_node": 8,
+            "global_batch": key["global_batch"], "tp": r["tp"], "dp": r["dp"],
+            "micro_batch": r["micro_batch"],
+            "stages": stages, "model_overrides": overrides, "pre_post": r.get("pre_post"),
+        })  # fmt: skip
+        predict(plan, model(key["model"], **overrides), cluster(key["gpu"], key["gpus"]))
+        assert plan.simulated_iteration_s == pytest.approx(r["iteration_s"], rel=1e-9), key
