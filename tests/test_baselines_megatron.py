@@ -40,7 +40,7 @@ def test_megatron_args_name_what_megatron_cannot_do():
     text = " | ".join(cannot)
     for reason in (
         "own TP/DP",
-        "uneven layers",
+        "uneven middle stages",
         "recomputed layers per stage",
         "ZeRO stage 2/3",
         "offloading",
@@ -97,3 +97,29 @@ def test_grid_bisection_finds_the_exhaustive_best():
     for layers, pp in ((24, 2), (32, 4), (40, 8), (48, 1)):
         for split in layer_splits(layers, pp):
             assert sum(split) == layers and len(split) == pp and len(set(split[1:-1])) <= 1
+
+
+def test_one_translation_for_the_engine_and_the_baseline():
+    """mist.run's megatron-core config and the Megatron-LM command line come from the same
+    settings (mist.megatron), and both refuse what no Megatron model can be built as."""
+    import random
+
+    from mist.megatron import megatron_limits, model_settings
+    from mist.run import unsupported
+
+    name = random.choice(["gpt3-1.3b", "llama-7b", "gpt3-7b"])
+    m = model(name, dropout=random.choice([0.0, 0.1]))
+    quarter = m.layers // 4  # uneven first and last stages, even middle ones
+    layers = [quarter + 1, quarter, quarter, m.layers - 3 * quarter - 1]
+    plan = Plan(name, "l4", 8, 8, 64, 2, 1, 1, [StagePlan(layers=n) for n in layers])
+    settings = model_settings(plan, m)
+    args, cannot = megatron_args(plan, m)
+    pairs = [("num_layers", "--num-layers"), ("ffn_hidden_size", "--ffn-hidden-size"),
+             ("hidden_dropout", "--hidden-dropout"), ("max_sequence_length", "--seq-length"),
+             ("num_layers_in_first_pipeline_stage", "--decoder-first-pipeline-num-layers")]  # fmt: skip
+    for field, flag in pairs:
+        assert f"{flag} {settings[field]}" in args
+    assert cannot == [] and ("--swiglu" in args) == settings["gated_linear_unit"]
+    plan.stages[0].tp = 4  # a stage with its own TP: refused by both, in the same words
+    shared = megatron_limits(plan, m)
+    assert shared and set(shared) <= set(unsupported(plan)) and set(shared) <= set(megatron_args(plan, m)[1])

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 
 from mist.costs import RuntimeModel
 from mist.interference import Interference
+from mist.megatron import megatron_limits, model_settings
 from mist.plan import Plan, StagePlan
 from mist.planner import NoFeasiblePlan, cost_models, predict
 from mist.specs import ClusterSpec, ModelSpec
@@ -135,54 +136,51 @@ def cheapest_fitting(plans, model, cluster, runtime, interference, what: str) ->
     return best
 
 
+# Megatron-LM's flags for megatron-core's settings (mist.megatron.model_settings) that take a value
+MEGATRON_LM_FLAGS = (
+    ("tensor_model_parallel_size", "--tensor-model-parallel-size"),
+    ("pipeline_model_parallel_size", "--pipeline-model-parallel-size"),
+    ("num_layers", "--num-layers"),
+    ("hidden_size", "--hidden-size"),
+    ("num_attention_heads", "--num-attention-heads"),
+    ("max_sequence_length", "--seq-length"),
+    ("max_sequence_length", "--max-position-embeddings"),
+    ("ffn_hidden_size", "--ffn-hidden-size"),
+    ("hidden_dropout", "--hidden-dropout"),
+    ("attention_dropout", "--attention-dropout"),
+)
+
+
 def megatron_args(plan: Plan, model: ModelSpec) -> tuple[list[str], list[str]]:
     """Megatron-LM command-line arguments for ``plan``, and the plan's choices it cannot express."""
+    settings = model_settings(plan, model)
     args = [
-        f"--tensor-model-parallel-size {plan.tp}",
-        f"--pipeline-model-parallel-size {len(plan.stages)}",
         f"--micro-batch-size {plan.micro_batch}",
         f"--global-batch-size {plan.global_batch}",
-        f"--num-layers {model.layers}",
-        f"--hidden-size {model.hidden}",
-        f"--num-attention-heads {model.heads}",
-        f"--seq-length {model.seq}",
-        f"--max-position-embeddings {model.seq}",
         "--bf16",
-        f"--ffn-hidden-size {model.ffn_hidden}",
-        "--disable-bias-linear",  # the priced layers have no biases
-        f"--hidden-dropout {model.dropout}",
-        f"--attention-dropout {model.dropout}",
+        *(f"{flag} {settings[field]}" for field, flag in MEGATRON_LM_FLAGS),
     ]
-    if plan.tp > 1 and plan.sequence_parallel:
+    if not settings["add_bias_linear"]:
+        args.append("--disable-bias-linear")
+    if settings["sequence_parallel"]:
         args.append("--sequence-parallel")
     if model.flash:
         args.append("--use-flash-attn")
-    if model.norm == "rmsnorm":
-        args.append("--normalization RMSNorm")
-    if model.gated_mlp:
-        args.append("--swiglu")
-    if model.positions == "rotary":
-        args.append("--position-embedding-type rope")
-    if model.kv != model.heads:
-        args += ["--group-query-attention", f"--num-query-groups {model.kv}"]
-    cannot: list[str] = []
-    if model.parallel_block:
-        cannot.append("attention and MLP in parallel on one norm (Falcon): Megatron-LM runs them in sequence")
-    if plan.pre_post is not None:
-        cannot.append("a strategy of its own for the embedding and head (they follow their stage's)")
+    if settings["normalization"] != "LayerNorm":
+        args.append(f"--normalization {settings['normalization']}")
+    if settings["gated_linear_unit"]:
+        args.append("--swiglu")  # gated, SiLU: what --swiglu sets
+    if settings["position_embedding_type"] != "learned_absolute":
+        args.append(f"--position-embedding-type {settings['position_embedding_type']}")
+    if settings["num_query_groups"] != settings["num_attention_heads"]:
+        args += ["--group-query-attention", f"--num-query-groups {settings['num_query_groups']}"]
+    cannot = megatron_limits(plan, model)
     stages = plan.stages
-    if any((s.tp or plan.tp, s.dp or plan.dp) != (plan.tp, plan.dp) for s in stages):
-        cannot.append("stages with their own TP/DP (Megatron-LM uses one TP and DP for all stages)")
-    layers = [s.layers for s in stages]
-    middle = layers[1:-1] if len(layers) > 2 else []
-    if len(set(middle)) > 1:
-        cannot.append(
-            f"uneven layers in the middle stages {layers} (only the first and last stage may differ)"
-        )
-    elif len(layers) > 1 and len(set(layers)) > 1:
+    even_middle = len({s.layers for s in stages[1:-1]}) <= 1  # else refused in megatron_limits
+    if settings["num_layers_in_first_pipeline_stage"] is not None and even_middle:
         args += [
-            f"--decoder-first-pipeline-num-layers {layers[0]}",
-            f"--decoder-last-pipeline-num-layers {layers[-1]}",
+            f"--decoder-first-pipeline-num-layers {settings['num_layers_in_first_pipeline_stage']}",
+            f"--decoder-last-pipeline-num-layers {settings['num_layers_in_last_pipeline_stage']}",
         ]
     block = max(s.recompute for s in stages)  # block recomputation: the first k layers of each stage
     if block == 0:
@@ -209,6 +207,6 @@ def megatron_args(plan: Plan, model: ModelSpec) -> tuple[list[str], list[str]]:
         args += ["--optimizer-cpu-offload", f"--optimizer-offload-fraction {offload.pop()}"]
     elif len(offload) > 1:
         cannot.append("a different optimizer offload fraction per stage")
-    if any(s.offload_weights or s.offload_grads or s.offload_activations for s in stages):
-        cannot.append("offloading weights, gradients or activations to the CPU")
+    if any(s.offload_activations for s in stages):
+        cannot.append("offloading activations to the CPU")
     return args, cannot

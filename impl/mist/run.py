@@ -40,38 +40,23 @@ from torch import nn
 
 from measure.parallel import die_with_parent
 
+from .megatron import megatron_limits, model_settings
 from .offload import OffloadedMasterAdamW, offload_layer_activations
 from .plan import Plan
 
 
 def unsupported(plan: Plan) -> list[str]:
-    """The plan's parts mist.run cannot execute yet (empty: it can)."""
+    """The plan's parts mist.run cannot execute (empty: it can): what no Megatron model can be
+    built as (megatron.megatron_limits), and what this engine does not do around it."""
     from .specs import model
 
-    reasons = []
-    if model(plan.model, **plan.model_overrides).parallel_block:
-        reasons.append(
-            "attention and MLP in parallel on one norm (Falcon): megatron-core's layer runs them in "
-            "sequence, a different model from the one priced (set `parallel_block: false` in "
-            "model_overrides to plan and run the sequential one)"
-        )
-    if any((s.tp or plan.tp, s.dp or plan.dp) != (plan.tp, plan.dp) for s in plan.stages):
-        reasons.append("stages with their own TP/DP")
-    if plan.pre_post is not None:
-        reasons.append("a strategy of the embedding/head's own (pre_post)")
-    middle = [s.layers for s in plan.stages[1:-1]]
-    if len(set(middle)) > 1:
-        reasons.append(
-            f"uneven middle stages {[s.layers for s in plan.stages]} (megatron-core: first/last only)"
-        )
+    reasons = megatron_limits(plan, model(plan.model, **plan.model_overrides))
     if any(s.zero >= 3 for s in plan.stages) and plan.dp > 1 and plan.tp > 1:
         reasons.append(
             "ZeRO-3 with TP > 1 (FSDP over megatron-core's tensor-parallel layers is not wired in)"
         )
     if any(s.zero == 2 for s in plan.stages) and plan.sequence_parallel and plan.tp > 1:
         reasons.append("ZeRO-2 with sequence parallelism (its TP gradient sums are not wired in)")
-    if any(s.offload_weights or s.offload_grads for s in plan.stages):
-        reasons.append("CPU offloading of weights or gradients (optimizer state and activations: supported)")
     if any(s.offload_optimizer and s.zero >= 1 for s in plan.stages) and plan.dp > 1:
         reasons.append("optimizer offloading together with ZeRO sharding")
     if plan.sequence_parallel and plan.tp > 1 and not _fused_norm_available():
@@ -91,32 +76,17 @@ def _fused_norm_available() -> bool:
 def _config(spec, plan: Plan, dtype: torch.dtype):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    layers = [s.layers for s in plan.stages]
-    uneven = len(layers) > 1 and len(set(layers)) > 1
-    kwargs = {}
-    if spec.norm == "rmsnorm":
-        kwargs.update(normalization="RMSNorm")
-    if spec.gated_mlp:
-        kwargs.update(gated_linear_unit=True, activation_func=nn.functional.silu)
+    settings = model_settings(plan, spec)
+    for not_config in ("position_embedding_type", "max_sequence_length", "vocab_size"):  # GPTModel's
+        settings.pop(not_config)
+    activation = {"silu": nn.functional.silu, "gelu": nn.functional.gelu}[settings.pop("activation")]
     return TransformerConfig(
-        num_layers=spec.layers,
-        hidden_size=spec.hidden,
-        num_attention_heads=spec.heads,
-        num_query_groups=spec.kv,
-        ffn_hidden_size=spec.ffn_hidden,
-        add_bias_linear=False,
+        **settings,
+        activation_func=activation,
         use_cpu_initialization=not torch.cuda.is_available(),  # on a GPU: initialise there (fast)
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
-        tensor_model_parallel_size=plan.tp,
-        pipeline_model_parallel_size=len(plan.stages),
-        sequence_parallel=plan.sequence_parallel and plan.tp > 1,
-        hidden_dropout=spec.dropout,
-        attention_dropout=spec.dropout,
-        num_layers_in_first_pipeline_stage=layers[0] if uneven else None,
-        num_layers_in_last_pipeline_stage=layers[-1] if uneven else None,
-        **kwargs,
     )
 
 
@@ -414,18 +384,17 @@ def run(plan: Plan, steps: int = 5, seed: int = 0, lr: float = 1e-2) -> dict:
     )
     model_parallel_cuda_manual_seed(seed)
     spec = model_spec(plan.model, **plan.model_overrides)
+    settings = model_settings(plan, spec)
     dtype = torch.bfloat16
     model = GPTModel(
         config=_config(spec, plan, dtype),
-        transformer_layer_spec=get_gpt_layer_local_spec(
-            normalization="RMSNorm" if spec.norm == "rmsnorm" else None
-        ),
-        vocab_size=spec.vocab,
-        max_sequence_length=spec.seq,
+        transformer_layer_spec=get_gpt_layer_local_spec(normalization=settings["normalization"]),
+        vocab_size=settings["vocab_size"],
+        max_sequence_length=settings["max_sequence_length"],
         pre_process=ps.is_pipeline_first_stage(),
         post_process=ps.is_pipeline_last_stage(),
         share_embeddings_and_output_weights=False,
-        position_embedding_type="rope" if spec.positions == "rotary" else "learned_absolute",
+        position_embedding_type=settings["position_embedding_type"],
     ).train()
     device = (
         torch.device("cuda", torch.cuda.current_device())

@@ -1,0 +1,62 @@
+"""A plan in Megatron's terms: the one translation of a Plan and its ModelSpec into megatron-core's
+settings, and the one list of what a Megatron model cannot be built as.
+
+``mist.run`` (which builds megatron-core models) and the Megatron-LM baseline
+(``baselines.megatron.grid.megatron_args``, which writes Megatron-LM's command line from these
+settings) both read it, each adding only what its own runtime cannot do. Torch-free: the
+activation is named, not a function.
+"""
+
+from __future__ import annotations
+
+from .plan import Plan
+from .specs import ModelSpec
+
+
+def model_settings(plan: Plan, model: ModelSpec) -> dict[str, object]:
+    """megatron-core's settings (TransformerConfig fields, and GPTModel's ``vocab_size``,
+    ``max_sequence_length``, ``position_embedding_type``) that the plan and the model decide."""
+    layers = [s.layers for s in plan.stages]
+    uneven = len(layers) > 1 and len(set(layers)) > 1
+    return {
+        "num_layers": model.layers,
+        "hidden_size": model.hidden,
+        "num_attention_heads": model.heads,
+        "num_query_groups": model.kv,
+        "ffn_hidden_size": model.ffn_hidden,
+        "add_bias_linear": False,  # the priced layers have no biases
+        "normalization": "RMSNorm" if model.norm == "rmsnorm" else "LayerNorm",
+        "gated_linear_unit": model.gated_mlp,
+        "activation": "silu" if model.gated_mlp else "gelu",
+        "hidden_dropout": model.dropout,
+        "attention_dropout": model.dropout,
+        "tensor_model_parallel_size": plan.tp,
+        "pipeline_model_parallel_size": len(plan.stages),
+        "sequence_parallel": plan.sequence_parallel and plan.tp > 1,
+        "num_layers_in_first_pipeline_stage": layers[0] if uneven else None,
+        "num_layers_in_last_pipeline_stage": layers[-1] if uneven else None,
+        "position_embedding_type": "rope" if model.positions == "rotary" else "learned_absolute",
+        "max_sequence_length": model.seq,
+        "vocab_size": model.vocab,
+    }
+
+
+def megatron_limits(plan: Plan, model: ModelSpec) -> list[str]:
+    """What a Megatron GPT model cannot be built as for ``plan`` (empty: it can)."""
+    reasons = []
+    if model.parallel_block:
+        reasons.append(
+            "attention and MLP in parallel on one norm (Falcon): Megatron's layer runs them in sequence, "
+            "a different model from the one priced (`parallel_block: false` in model_overrides plans the "
+            "sequential one)"
+        )
+    if any((s.tp or plan.tp, s.dp or plan.dp) != (plan.tp, plan.dp) for s in plan.stages):
+        reasons.append("stages with their own TP/DP (Megatron uses one TP and DP for all stages)")
+    if plan.pre_post is not None:
+        reasons.append("a strategy of the embedding/head's own (pre_post; Megatron's follow their stage's)")
+    layers = [s.layers for s in plan.stages]
+    if len(set(layers[1:-1])) > 1:
+        reasons.append(f"uneven middle stages {layers} (Megatron: only the first and last may differ)")
+    if any(s.offload_weights or s.offload_grads for s in plan.stages):
+        reasons.append("CPU offloading of weights or gradients")
+    return reasons
