@@ -127,3 +127,19 @@ def test_measured_efficiency_by_rows():
     assert sim.microbatched(small_worse, chain, chain.m) == pytest.approx(
         sim.microbatched(H200, chain, chain.m)
     )
+
+
+def test_the_model_prices_the_chunkings_the_baseline_runs():
+    """One chunking rule: the latency model sweeps exactly the chunks the micro-batching baseline
+    can run (divisors of M), and falls back to back-to-back below one row block."""
+    import random
+
+    from baselines.cta import microbatch
+
+    assert microbatch.candidate_chunks is sim.candidate_chunks
+    m = random.choice([96, 384, 1000, 3 * 1024, 4096])
+    chunks = sim.candidate_chunks(m, 128)
+    assert all(m % c == 0 and (c >= 128 or c == m) for c in chunks) and chunks[0] == m
+    small = sim.Chain(m=64)
+    latency, chunk = sim.best_microbatched(sim.H200, small)
+    assert chunk == 64 and latency == sim.microbatched(sim.H200, small, 64)

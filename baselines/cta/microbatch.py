@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from ctapipe.reference import activation
+from ctapipe.sim import candidate_chunks  # the one chunking rule (the latency model prices it)
 
 
 def pipelined_chain(
@@ -42,15 +43,6 @@ def pipelined_chain(
     for s in sends:
         s.wait()
     return out
-
-
-def candidate_chunks(m: int, smallest: int = 128) -> list[int]:
-    """Powers-of-two fractions of M down to ``smallest`` rows (M itself: back-to-back)."""
-    chunks, c = [], m
-    while c >= smallest and m % c == 0:
-        chunks.append(c)
-        c //= 2
-    return chunks or [m]
 
 
 def best_chunk(

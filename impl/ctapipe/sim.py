@@ -144,16 +144,19 @@ def microbatched(hw: Hardware, chain: Chain, chunk: int) -> float:
     return done[-1]
 
 
-def candidate_chunks(m: int, block_m: int) -> list[int]:
+def candidate_chunks(m: int, smallest: int) -> list[int]:
+    """The chunkings micro-batching tries (the model prices them, ``baselines.cta.microbatch`` runs
+    them): M halved while the chunk divides M and is at least ``smallest`` rows; M itself
+    (back-to-back) when nothing smaller qualifies."""
     chunks, c = [], m
-    while c >= block_m:
+    while c >= smallest and m % c == 0:
         chunks.append(c)
-        c = -(-c // 2)
-    return chunks
+        c //= 2
+    return chunks or [m]
 
 
 def best_microbatched(hw: Hardware, chain: Chain) -> tuple[float, int]:
-    """(latency, chunk) of the best chunk size: powers-of-two fractions of M down to one row block."""
+    """(latency, chunk) of the best chunk size: ``candidate_chunks`` down to one row block."""
     return min((microbatched(hw, chain, c), c) for c in candidate_chunks(chain.m, chain.block_m))
 
 
