@@ -52,7 +52,12 @@ import time
 import triton
 import triton.language as tl
 
-ACTIVATIONS = {"none": 0, "relu": 1, "gelu": 2}  # gelu: the tanh form
+from .reference import ACTIVATION_NAMES
+
+# The kernels' activation codes (gelu: the tanh form), in the references' order: one list of names
+ACTIVATIONS = {name: code for code, name in enumerate(ACTIVATION_NAMES)}
+RELU: tl.constexpr = tl.constexpr(ACTIVATIONS["relu"])
+GELU: tl.constexpr = tl.constexpr(ACTIVATIONS["gelu"])
 # status: [tiles that gave up, then the first one's tile (or ticket) + 1, counter seen, target,
 # row block, column block]
 STATUS_WORDS = 6
@@ -75,9 +80,9 @@ else:
 
 @triton.jit
 def _activation(x, ACT: tl.constexpr):
-    if ACT == 1:
+    if ACT == RELU:
         x = tl.maximum(x, 0.0)
-    elif ACT == 2:  # 0.5 x (1 + tanh u) = x * sigmoid(2u), u = sqrt(2/pi) (x + 0.044715 x^3)
+    elif ACT == GELU:  # 0.5 x (1 + tanh u) = x * sigmoid(2u), u = sqrt(2/pi) (x + 0.044715 x^3)
         u = (x + x * x * x * 0.044715) * 1.5957691216057308
         x = x / (1.0 + tl.exp(-u))
     return x
