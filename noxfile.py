@@ -138,8 +138,8 @@ def gpu_check(session: nox.Session) -> None:
         bench.parent.mkdir(parents=True, exist_ok=True)  # pytest-benchmark does not create it
         _run(
             session, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-            "tests/test_gpu.py", "tests/test_oom.py", "tests/test_kernels.py", "tests/test_bench_ops.py",
-            "tests/test_ctapipe_kernels.py",
+            "tests/test_gpu.py", "tests/measure/test_oom.py", "tests/tempo/test_kernels.py",
+            "tests/tempo/test_bench_ops.py", "tests/ctapipe/test_ctapipe_kernels.py",
             "--benchmark-enable", f"--benchmark-json={bench}", *session.posargs,
         )  # fmt: skip
     if "tempo" in parts:

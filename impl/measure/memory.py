@@ -355,7 +355,7 @@ class DepthExtrapolatedEstimator:
     Every layer of a Transformer stack holds the same bytes, so within each phase (forward,
     backward, optimizer) the peak is affine in the number of layers: estimating models of
     ``probe_layers`` = (n1, n2) layers and extrapolating each phase's peak to N is exact up to
-    allocator rounding (byte-identical in tests/test_measure.py and for BERT-Large), at a
+    allocator rounding (byte-identical in tests/measure/test_measure.py and for BERT-Large), at a
     fraction of the cost. The overall peak is the largest extrapolated phase peak.
     Breakdowns are *not* extrapolated (the category a storage falls in at the peak does not
     scale with depth); take them from a full-depth ``StepMemoryEstimator`` when needed.

@@ -18,7 +18,7 @@ from .._common import CHUNK_ELEMS
 from ..layernorm_rows import ROWS_PER_PROGRAM
 
 # Upper bounds on the PyTorch path's live temporaries per element of a chunk, measured with the
-# profiler and checked in tests/test_measure.py (largest: the GELU backward's Newton solve with
+# profiler and checked in tests/measure/test_measure.py (largest: the GELU backward's Newton solve with
 # both branches alive, ~77 B; every other op stays under 35 B).
 CPU_BYTES_PER_CHUNK_ELEM = {"tempo::gelu_bwd": 96}
 CPU_BYTES_PER_CHUNK_ELEM_DEFAULT = 40

@@ -97,7 +97,7 @@ def test_the_committed_comparison_reprices_to_its_numbers():
     import random
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "artifacts/mist_vs_megatron/reference/comparison.json"
+    path = Path(__file__).resolve().parents[2] / "artifacts/mist_vs_megatron/reference/comparison.json"
     points = json.loads(path.read_text())["points"]
     plans = [
         (p["key"], r) for p in points for r in p["result"].values() if isinstance(r, dict) and "stages" in r

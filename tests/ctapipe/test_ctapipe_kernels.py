@@ -2,7 +2,7 @@
 
 Every test that could spin has a timeout, and every wait is bounded (in time, by default
 ctapipe.WAIT_TIMEOUT_S) so a lost signal raises StageTimeout instead of hanging (the bounds
-themselves: tests/test_ctapipe_faults.py). The negative control runs the consumer without its
+themselves: tests/ctapipe/test_ctapipe_faults.py). The negative control runs the consumer without its
 wait while the producer is late, in a really concurrent process pair, and checks the test
 catches it.
 
