@@ -10,41 +10,19 @@ thread in the rank exits it once its parent is gone (polled every ``_WATCHDOG_S`
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import os
-import signal
-import sys
-import threading
 import time
 
 import torch
 import torch.multiprocessing as mp
 
+from measure.parallel import die_with_parent
+
 from .chain import ChainStage, PeerBuffers, shared_buffers
 from .gemm import WAIT_TIMEOUT_S, StageTimeout, Tiling
 
 _WATCHDOG_S = 0.2
-_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 _REPORT = ("gave_up", "tile", "row_block", "column_block", "seen", "target")  # a rank's StageTimeout
-
-
-def _die_with_parent(parent: int) -> None:
-    """This process never outlives process ``parent`` (see the module docstring)."""
-    if sys.platform.startswith("linux"):
-        # SIGKILL on the death of the thread that started us (run_chain_processes' caller); if
-        # prctl is missing, the watchdog below still holds
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(_WATCHDOG_S)
-        os._exit(3)
-
-    if os.getppid() != parent:  # the parent died before the signal was armed
-        os._exit(3)
-    threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
 
 
 def _rank_main(
@@ -66,7 +44,7 @@ def _rank_main(
     start,
     last_done,
 ):
-    _die_with_parent(parent)
+    die_with_parent(parent, watchdog_s=_WATCHDOG_S)
     stage = ChainStage(rank, ranks, weight, act, buffers, tiling, max_spins, wait_timeout_s)
     stage.warm_up(x.shape[0])
     start.wait(timeout_s)  # every rank compiled: start together (the pipelined launch)

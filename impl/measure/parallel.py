@@ -8,11 +8,13 @@ file's run stays resumable) instead of killing it on the spot.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import multiprocessing
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -22,13 +24,23 @@ from tqdm import tqdm
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
-def die_with_parent(parent: int) -> None:
-    """Have the kernel SIGKILL this process when ``parent`` exits (Linux); exit now if it already has."""
+def die_with_parent(parent: int, watchdog_s: float | None = None) -> None:
+    """Have the kernel SIGKILL this process when ``parent`` exits (Linux); exit now if it already
+    has. ``watchdog_s``: also poll the parent every that many seconds from a daemon thread (for
+    platforms without the signal, or children started by a thread that may end first)."""
     if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        with contextlib.suppress(OSError, AttributeError):  # no prctl: the watchdog still holds
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
     if os.getppid() != parent:  # the parent died before the request above took effect
         os._exit(1)
+    if watchdog_s is not None:
+
+        def watch() -> None:
+            while os.getppid() == parent:
+                time.sleep(watchdog_s)
+            os._exit(1)
+
+        threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
 
 
 def sigterm_as_interrupt() -> None:
