@@ -31,10 +31,12 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from tqdm import tqdm
 from transformers.utils import logging as hf_logging
 
-from measure.memory import GiB, GpuBudget, PeakReport, default_dtype, search_max_batch
+from measure.budget import GpuBudget
+from measure.memory import PeakReport, default_dtype, search_max_batch
 from measure.parallel import map_points
 from measure.results import ResultFile, Results, Run
 from measure.saved import cuda_like, saved_bytes
+from measure.units import GiB
 from tempo.maxbatch import estimator
 from tempo.models import MODELS, build_model, make_batch
 

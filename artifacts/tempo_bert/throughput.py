@@ -19,12 +19,14 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
-from measure.memory import GiB, GpuBudget, default_dtype
+from measure.budget import GpuBudget
+from measure.memory import default_dtype
 from measure.oom import device_fits, emulate_gpu_memory, largest_fitting
 from measure.parallel import map_points
 from measure.results import ResultFile, Results, Run
 from measure.timing import time_fn
 from measure.training import Precision, make_optimizer, train_step
+from measure.units import GiB
 from tempo.maxbatch import estimator
 from tempo.models import build_model, make_batch
 

@@ -35,9 +35,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from .budget import GiB, GpuBudget  # noqa: F401 (the budget's home is torch-free budget.py)
 from .saved import cuda_like, storage_key
 from .training import Precision, make_optimizer, optimizer_state_tensors, train_step
+from .units import GiB
 
 ALLOC_GRANULARITY = 512  # bytes; the CUDA caching allocator rounds every block up to this
 PHASES = ("forward", "backward", "optimizer")

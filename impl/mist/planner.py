@@ -10,6 +10,8 @@ layers and picks the strategies.
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -207,9 +209,6 @@ def refine(
     host's memory. Ranked as the search ranks (extras only when ``options.imbalance_aware``).
     Layers, recomputation and ZeRO stages stay as the MILP placed them. Returns a new plan
     (never slower than ``plan``)."""
-    import dataclasses
-    import itertools
-
     k = options.refine_offload_step
     steps = np.arange(k + 1) / k
     combos = np.array(list(itertools.product(steps, repeat=4)))

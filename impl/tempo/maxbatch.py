@@ -15,8 +15,10 @@ import argparse
 import math
 import sys
 
-from measure.memory import DepthExtrapolatedEstimator, GiB, GpuBudget, StepMemoryEstimator
+from measure.budget import GpuBudget
+from measure.memory import DepthExtrapolatedEstimator, StepMemoryEstimator
 from measure.training import PRECISIONS
+from measure.units import GiB
 
 from .models import CONFIGURATIONS, HEADS, MODELS, build_model, make_batch
 from .ops import workspace_bytes

@@ -10,10 +10,12 @@ from transformers import BertConfig, BertForPreTraining
 from transformers.utils import logging as hf_logging
 
 import tempo
+from measure.budget import GpuBudget
 from measure.cpu_peak import cpu_peak_bytes
-from measure.memory import DepthExtrapolatedEstimator, GiB, GpuBudget, LiveMemoryTracker, StepMemoryEstimator
+from measure.memory import DepthExtrapolatedEstimator, LiveMemoryTracker, StepMemoryEstimator
 from measure.saved import cuda_like_dropout, saved_bytes
 from measure.training import Precision, make_optimizer, optimizer_state_tensors, train_step
+from measure.units import GiB
 from tempo.ops import workspace_bytes
 
 hf_logging.set_verbosity_error()
