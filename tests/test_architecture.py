@@ -123,3 +123,34 @@ def test_planning_loads_no_torch():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().splitlines()[-1] == "[]"
+
+
+# Mist's layers, lowest first: the cost model, the plan format, the search, the engine; the package
+# itself and its command line sit on top.
+MIST_LAYERS = ("mist.model", "mist.plan", "mist.tuning", "mist.engine", "mist")
+
+
+def _mist_layer(module: str) -> int:
+    return next(i for i, layer in enumerate(MIST_LAYERS) if module == layer or module.startswith(layer + "."))
+
+
+def _upward_mist_imports(graph: dict[str, set[str]]) -> dict[str, list[str]]:
+    out = {}
+    for name, targets in graph.items():
+        if name.split(".")[0] != "mist":
+            continue
+        up = sorted(t for t in targets if t.split(".")[0] == "mist" and _mist_layer(t) > _mist_layer(name))
+        if up:
+            out[name] = up
+    return out
+
+
+def test_mist_layers_import_only_downward():
+    assert _upward_mist_imports(_graph()) == {}
+
+
+def test_an_upward_mist_import_is_found():
+    """Negative control: the cost model importing the search is reported."""
+    graph = _graph()
+    graph["mist.model.runtime"] = graph["mist.model.runtime"] | {"mist.tuning.planner"}
+    assert _upward_mist_imports(graph) == {"mist.model.runtime": ["mist.tuning.planner"]}

@@ -1,4 +1,4 @@
-"""Plans run for real: megatron-core under torchrun (mist.run), measured against the prediction.
+"""Plans run for real: megatron-core under torchrun (mist.engine.run), measured against the prediction.
 
 Per plan: per-rank memory (exact tensor bytes held + the allocator peak of a steady step: the
 median of a few, the worst beside it) and the
@@ -86,9 +86,9 @@ def engine_point(setup: EngineSetup, name: str, fit: dict, work: Path) -> dict:
     path, out = work / f"{name}.yaml", work / f"{name}.json"
     plan.save(path)
     args = ["--plan", str(path), "--steps", str(setup.steps), "--out", str(out)]
-    done = run_torchrun(setup.processes, "mist.run", args, timeout=900)
+    done = run_torchrun(setup.processes, "mist.engine.run", args, timeout=900)
     if done.returncode != 0:
-        raise RuntimeError(f"mist.run failed for {name}:\n{done.stderr[-3000:]}")
+        raise RuntimeError(f"mist.engine.run failed for {name}:\n{done.stderr[-3000:]}")
     report = json.loads(out.read_text())
     ranks = []
     for r in report["ranks"]:
@@ -129,8 +129,8 @@ def engine_key(setup: EngineSetup, name: str) -> dict:
 def run_engine(run: Run, setup: EngineSetup) -> ResultFile:
     import torch
 
-    from mist.costs import calibrate
-    from mist.profile import write_collectives, write_profiles
+    from mist.engine.profiler import write_collectives, write_profiles
+    from mist.model.calibrate import calibrate
 
     store = run.file(f"{setup.name}.json", setup.device, config={"profile": setup.profile})
     todo = [n for n in setup.plans if not store.done(engine_key(setup, n))]

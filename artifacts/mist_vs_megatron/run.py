@@ -29,7 +29,7 @@ import statistics
 
 from measure.parallel import map_points
 from measure.results import Results, Run
-from mist.schedule import STRATEGY_FIELDS
+from mist.tuning.stage_cost import STRATEGY_FIELDS
 
 from ..experiment import add_jobs_argument, add_run_arguments, experiment_run
 from . import EXPERIMENT
@@ -120,7 +120,7 @@ def comparison_point(gpu: str, arch: str, size: str, flash: bool, aceso_budget: 
 def ablation_point(gpu: str, arch: str, size: str) -> dict:
     from baselines.megatron.grid import search_grid
     from mist import NoFeasiblePlan, PlannerOptions, search
-    from mist.schedule import SearchSpace
+    from mist.tuning.stage_cost import SearchSpace
 
     m, c, batch = _setup(gpu, arch, size, True)
     options = (
@@ -182,8 +182,8 @@ def run_ablation(run: Run, jobs: int) -> Results:
 
 
 def calibration_point(profiles: str) -> dict:
-    from mist.costs import calibrate
-    from mist.profiles import ARTIFACT_DATA
+    from mist.model.calibrate import calibrate
+    from mist.model.profile_data import ARTIFACT_DATA
 
     r = calibrate(ARTIFACT_DATA / "gpu-op-profiles" / profiles)[profiles]
     keep = ("gpu", "held_out_cases", "mean_abs_error", "median_abs_error", "max_abs_error",
@@ -192,15 +192,15 @@ def calibration_point(profiles: str) -> dict:
 
 
 def interference_point(benchmarks: str) -> dict:
-    from mist.interference import fit_interference
-    from mist.profiles import ARTIFACT_DATA
+    from mist.model.interference import fit_interference
+    from mist.model.profile_data import ARTIFACT_DATA
 
     _, report = fit_interference(ARTIFACT_DATA / "gpu-bandwidth" / benchmarks)
     return report
 
 
 def run_calibration(run: Run) -> Results:
-    from mist.profiles import ARTIFACT_DATA
+    from mist.model.profile_data import ARTIFACT_DATA
 
     store = run.file("calibration.json", config={"data": "data/mist-artifact"})
     for d in sorted(p.name for p in (ARTIFACT_DATA / "gpu-op-profiles").iterdir() if p.is_dir()):
@@ -217,7 +217,7 @@ def run_calibration(run: Run) -> Results:
 
 
 def run_validation(run: Run) -> Results:
-    from mist.validate import load_measured_runs, report, validate
+    from mist.tuning.validate import load_measured_runs, report, validate
 
     store = run.file("validation.json", config={"runs": "data/mist-artifact/measured-runs"})
     for row in report(validate(load_measured_runs()))["runs"]:

@@ -15,11 +15,11 @@ import copy
 import time
 from collections.abc import Iterator
 
-from mist.costs import RuntimeModel
-from mist.interference import Interference
+from mist.model.interference import Interference
+from mist.model.runtime import RuntimeModel
+from mist.model.specs import ClusterSpec, ModelSpec
 from mist.plan import Plan, StagePlan
-from mist.planner import NoFeasiblePlan, cost_models, predict
-from mist.specs import ClusterSpec, ModelSpec
+from mist.tuning.planner import NoFeasiblePlan, cost_models, predict
 
 from .grid import powers_of_two
 

@@ -16,12 +16,12 @@ import itertools
 import time
 from collections.abc import Iterator
 
-from mist.costs import RuntimeModel
-from mist.interference import Interference
-from mist.megatron import megatron_limits, model_settings
+from mist.engine.megatron import megatron_limits, model_settings
+from mist.model.interference import Interference
+from mist.model.runtime import RuntimeModel
+from mist.model.specs import ClusterSpec, ModelSpec
 from mist.plan import Plan, StagePlan
-from mist.planner import NoFeasiblePlan, cost_models, predict
-from mist.specs import ClusterSpec, ModelSpec
+from mist.tuning.planner import NoFeasiblePlan, cost_models, predict
 
 MICRO_BATCHES = (1, 2, 4, 8)
 UNEVEN = 2  # the first and last stage may hold up to this many layers fewer or more than the rest

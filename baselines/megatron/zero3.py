@@ -4,11 +4,11 @@ with Mist's model (a one-stage plan with ZeRO stage 3)."""
 
 from __future__ import annotations
 
-from mist.costs import RuntimeModel
-from mist.interference import Interference
+from mist.model.interference import Interference
+from mist.model.runtime import RuntimeModel
+from mist.model.specs import ClusterSpec, ModelSpec
 from mist.plan import Plan, StagePlan
-from mist.planner import cost_models
-from mist.specs import ClusterSpec, ModelSpec
+from mist.tuning.planner import cost_models
 
 from .grid import cheapest_fitting
 

@@ -7,9 +7,9 @@
 Command line: ``python -m mist plan|predict|calibrate|list``.
 """
 
+from .model.specs import GPUS, MODELS, ClusterSpec, GpuSpec, ModelSpec, cluster, model
 from .plan import Plan, StagePlan
-from .planner import NoFeasiblePlan, PlannerOptions, predict, search
-from .specs import GPUS, MODELS, ClusterSpec, GpuSpec, ModelSpec, cluster, model
+from .tuning.planner import NoFeasiblePlan, PlannerOptions, predict, search
 
 __all__ = [
     "GPUS",

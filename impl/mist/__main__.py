@@ -16,8 +16,8 @@ import os
 import sys
 from pathlib import Path
 
-from .profiles import ARTIFACT_DATA
-from .specs import GPUS, HOSTS, MODELS, cluster, model
+from .model.profile_data import ARTIFACT_DATA
+from .model.specs import GPUS, HOSTS, MODELS, cluster, model
 
 # ModelSpec fields `mist plan` can set over the preset: (flag, type, help)
 MODEL_FIELDS = (
@@ -80,8 +80,8 @@ def _positive(text: str) -> int:
 
 
 def cmd_plan(args) -> int:
-    from .planner import NoFeasiblePlan, PlannerOptions, search
-    from .schedule import SearchSpace
+    from .tuning.planner import NoFeasiblePlan, PlannerOptions, search
+    from .tuning.stage_cost import SearchSpace
 
     m = _build_model(args)  # a bad value: main() reports it in one line
     if args.out:
@@ -142,7 +142,7 @@ def explain(plan) -> str:
 
 def cmd_predict(args) -> int:
     from .plan import Plan
-    from .planner import predict
+    from .tuning.planner import predict
 
     try:
         plan = Plan.load(args.plan)
@@ -193,8 +193,9 @@ def prediction_json(plan) -> dict:
 
 
 def cmd_calibrate(args) -> int:
-    from .costs import PRESETS, calibrate
-    from .interference import fit_interference
+    from .model.calibrate import calibrate
+    from .model.interference import fit_interference
+    from .model.runtime import PRESETS
 
     data = Path(args.data)
     profiles = data / "gpu-op-profiles" if (data / "gpu-op-profiles").is_dir() else data
@@ -235,7 +236,7 @@ def cmd_calibrate(args) -> int:
 def cmd_profile(args) -> int:
     import torch
 
-    from .profile import write_collectives, write_profiles
+    from .engine.profiler import write_collectives, write_profiles
 
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print(f"error: --device {args.device}: no CUDA device here", file=sys.stderr)
@@ -268,8 +269,8 @@ def cmd_profile(args) -> int:
 def cmd_profile_host(args) -> int:
     import os
 
-    from .costs import PRESETS
-    from .profile import profile_cpu_adam
+    from .engine.profiler import profile_cpu_adam
+    from .model.runtime import PRESETS
 
     threads = tuple(range(1, (os.cpu_count() or 1) + 1))[: args.max_threads]
     d = profile_cpu_adam(args.params, threads, args.repeats)
@@ -284,7 +285,7 @@ def cmd_profile_host(args) -> int:
 
 
 def cmd_validate(args) -> int:
-    from .validate import MEASURED_RUNS, load_measured_runs, report, summary, table, validate
+    from .tuning.validate import MEASURED_RUNS, load_measured_runs, report, summary, table, validate
 
     try:
         rows = validate(load_measured_runs(args.runs or MEASURED_RUNS))
@@ -352,7 +353,9 @@ def main(argv: list[str] | None = None) -> int:
         default=str(ARTIFACT_DATA),
         help="a directory laid out like data/mist-artifact (default: that vendored copy)",
     )
-    p.add_argument("--write", action="store_true", help="write the presets shipped in impl/mist/presets/")
+    p.add_argument(
+        "--write", action="store_true", help="write the presets shipped in impl/mist/model/presets/"
+    )
     p.set_defaults(fn=cmd_calibrate)
     p = sub.add_parser("profile", help="measure a GPT-3-style layer op by op on this machine")
     p.add_argument("--out", required=True, help="profile directory to write")
@@ -374,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--params", type=_positive, default=1 << 24, help="parameters stepped (default 2^24)")
     p.add_argument("--repeats", type=_positive, default=5)
     p.add_argument("--max-threads", type=_positive, default=4, help="thread counts 1..this (and <= cores)")
-    p.add_argument("--write", action="store_true", help="write impl/mist/presets/host_cpu_adam.json")
+    p.add_argument("--write", action="store_true", help="write impl/mist/model/presets/host_cpu_adam.json")
     p.set_defaults(fn=cmd_profile_host)
     p = sub.add_parser("validate", help="predict measured end-to-end runs and report the errors")
     p.add_argument(

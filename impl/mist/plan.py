@@ -19,10 +19,12 @@ from pathlib import Path
 
 import yaml
 
-from .pipeline_sim import MAX_MICRO_BATCHES
-from .specs import ClusterSpec, cluster
+from .model.specs import ClusterSpec, cluster
 
 PLAN_FORMAT = 1
+# The most micro-batches per iteration the pipeline simulator takes: its work is O(stages x
+# micro-batches) (memory O(stages)); 65536 is far beyond any real global batch split into micro-batches.
+MAX_MICRO_BATCHES = 1 << 16
 MAX_GLOBAL_BATCH = MAX_MICRO_BATCHES  # sequences: bounds the pipeline simulator's work
 
 

@@ -87,7 +87,7 @@ def test_grid_bisection_finds_the_exhaustive_best():
     """The smallest block-recompute count that fits is each setting's fastest: bisection over it
     gives what pricing every count gives."""
     from baselines.megatron.grid import cheapest_fitting, layer_splits
-    from mist.planner import cost_models
+    from mist.tuning.planner import cost_models
 
     name, gpu, gpus, batch, seq = random.choice(CASES)
     m, c = model(name, seq=seq), cluster(gpu, gpus)
@@ -100,12 +100,12 @@ def test_grid_bisection_finds_the_exhaustive_best():
 
 
 def test_one_translation_for_the_engine_and_the_baseline():
-    """mist.run's megatron-core config and the Megatron-LM command line come from the same
+    """mist.engine.run's megatron-core config and the Megatron-LM command line come from the same
     settings (mist.megatron), and both refuse what no Megatron model can be built as."""
     import random
 
-    from mist.megatron import megatron_limits, model_settings
-    from mist.run import unsupported
+    from mist.engine.megatron import megatron_limits, model_settings
+    from mist.engine.run import unsupported
 
     name = random.choice(["gpt3-1.3b", "llama-7b", "gpt3-7b"])
     m = model(name, dropout=random.choice([0.0, 0.1]))

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from mist.__main__ import main
+from mist.model.specs import cluster, model
 from mist.plan import Plan
-from mist.planner import predict
-from mist.specs import cluster, model
+from mist.tuning.planner import predict
 
 
 def test_plan_then_predict_round_trip(tmp_path, capsys):

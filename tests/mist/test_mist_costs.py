@@ -5,10 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mist.costs import Line, fit_line, load_runtime_model, roofline_model
-from mist.interference import Interference
-from mist.profiles import ARTIFACT_DATA
-from mist.specs import cluster, model
+from mist.model.calibrate import fit_line
+from mist.model.interference import Interference
+from mist.model.profile_data import ARTIFACT_DATA
+from mist.model.runtime import Line, load_runtime_model, roofline_model
+from mist.model.specs import cluster, model
 
 DATA = ARTIFACT_DATA  # vendored in the repository: these tests never skip for missing data
 
@@ -64,7 +65,7 @@ def test_collectives_across_nodes_use_the_inter_node_link():
 def test_runtime_model_held_out_error():
     """Fitted on three model sizes, checked on the two it never saw (2.6B, 13B): per-layer
     forward+backward against the profiled per-op sums, TP communication included."""
-    from mist.costs import calibrate
+    from mist.model.calibrate import calibrate
 
     report = calibrate(DATA / "gpu-op-profiles")
     assert {"l4", "a10g", "v100-sxm2-32gb-seq2048", "a100-sxm4-40gb"} <= set(report)
@@ -78,7 +79,8 @@ def test_runtime_model_held_out_error():
 def test_every_fitted_rate_is_within_the_data_sheet_peak():
     """Compute curves within the FLOP/s peak, memory-bound ones within the HBM bandwidth, for every
     profile set (fitting checks it and fails loudly), and for the shipped presets."""
-    from mist.costs import PRESETS, RuntimeModel, calibrate, check_rates
+    from mist.model.calibrate import calibrate, check_rates
+    from mist.model.runtime import PRESETS, RuntimeModel
 
     for r in calibrate(DATA / "gpu-op-profiles").values():
         check_rates(r["model"])  # raises on a rate above the peak
@@ -91,28 +93,30 @@ def test_a_rate_above_the_peak_fails_loudly():
     gradients (it times the input gradient alone) need backward GEMMs faster than the GPU."""
     from dataclasses import replace
 
-    from mist import costs, profiles
+    from mist.model import calibrate, profile_data
 
     l4 = [
         replace(p, weight_gradients=True)
-        for p in profiles.read_layer_profiles(DATA / "gpu-op-profiles" / "l4")
+        for p in profile_data.read_layer_profiles(DATA / "gpu-op-profiles" / "l4")
     ]
-    with pytest.raises(costs.RateAbovePeakError, match=r"gemm backward .* above l4's data-sheet peak"):
-        costs.fit_runtime_model(l4, {}, "l4", "L4 misread")
-    costs.fit_runtime_model([replace(p, weight_gradients=False) for p in l4], {}, "l4", "L4")  # as measured
+    with pytest.raises(calibrate.RateAbovePeakError, match=r"gemm backward .* above l4's data-sheet peak"):
+        calibrate.fit_runtime_model(l4, {}, "l4", "L4 misread")
+    calibrate.fit_runtime_model(
+        [replace(p, weight_gradients=False) for p in l4], {}, "l4", "L4"
+    )  # as measured
 
 
 def test_which_profiles_timed_the_weight_gradient():
     """Decided from the data: a weight GEMM's backward is ~2x its forward when both gradients are
     timed (A10G), ~1x when only the input gradient is (L4, A100, V100)."""
-    from mist.profiles import backward_has_weight_gradients, read_layer_profiles
+    from mist.model.profile_data import backward_has_weight_gradients, read_layer_profiles
 
     found = {d.name: read_layer_profiles(d)[0].weight_gradients for d in (DATA / "gpu-op-profiles").iterdir()}
     assert found == {"a10g": True, "l4": False, "v100-sxm2-32gb-seq2048": False, "a100-sxm4-40gb": False,
                      "a100-sxm4-40gb-larger-model": False}  # fmt: skip
     rng = np.random.default_rng()
     fwd = rng.uniform(1e-4, 1e-2, 4)
-    from mist.profiles import WEIGHT_GEMMS
+    from mist.model.profile_data import WEIGHT_GEMMS
 
     ops = {op: (f, f * rng.uniform(1.8, 2.2)) for op, f in zip(WEIGHT_GEMMS, fwd, strict=True)}
     assert backward_has_weight_gradients([ops])
@@ -125,24 +129,24 @@ def test_weight_gradient_gemm_priced_as_what_timed_it():
     """Where the profiles timed both backward GEMMs, each is half the backward column; where they
     timed the input gradient alone, the untimed weight gradient is priced as a forward GEMM of the
     same FLOPs, so a layer's backward is input gradient + forward-speed weight gradient."""
-    from mist import costs, profiles
+    from mist.model import calibrate, profile_data, runtime
 
     for name, timed in (("a10g", True), ("l4", False)):
-        data = profiles.read_layer_profiles(DATA / "gpu-op-profiles" / name)
-        rm = costs.fit_runtime_model(data, {}, profiles.PROFILE_GPU[name], name)
+        data = profile_data.read_layer_profiles(DATA / "gpu-op-profiles" / name)
+        rm = calibrate.fit_runtime_model(data, {}, profile_data.PROFILE_GPU[name], name)
         gemm_f, gemm_b = rm.curves["gemm"]
         assert rm.wgrad_line == (gemm_b if timed else gemm_f), name
         m = model("gpt3-1.3b")
         mbs = int(np.random.default_rng().integers(1, 9))
         with_w = rm.layer_times(m, mbs, m.seq, 1)[1]
         without = rm.layer_times(m, mbs, m.seq, 1, weight_gradients=False)[1]
-        per_op = [fn(mbs, m.seq, 1)[0] for _, kind, fn in costs.op_features(m) if kind == "gemm"]
+        per_op = [fn(mbs, m.seq, 1)[0] for _, kind, fn in runtime.op_features(m) if kind == "gemm"]
         assert len(per_op) == 4  # qkv, dense, two MLP GEMMs
         assert with_w - without == pytest.approx(sum(float(rm.wgrad_line(f)) for f in per_op), rel=1e-9)
 
 
 def test_interference_fit_beats_no_interference_on_held_out_runs():
-    from mist.interference import fit_interference
+    from mist.model.interference import fit_interference
 
     for path in sorted((DATA / "gpu-bandwidth").glob("*.json")):
         inter, rep = fit_interference(path)
@@ -155,16 +159,17 @@ def test_pipeline_messages_priced_from_the_measured_p2p_bandwidth():
     """The shipped presets price a stage-to-stage message from the artifact's p2p benchmark (A10G
     without NVLink or PCIe peer access: ~1.4 GB/s), and a stage pays two messages per neighbour
     per micro-batch (activation forward, its gradient backward)."""
-    from mist.planner import budget_bytes, cost_models
-    from mist.profiles import read_p2p
-    from mist.schedule import SearchSpace, Setting, evaluate_stage, layer_numbers, strategy_grid
+    from mist.model.budget import gpu_budget_bytes
+    from mist.model.profile_data import read_p2p
+    from mist.tuning.planner import cost_models
+    from mist.tuning.stage_cost import SearchSpace, Setting, evaluate_stage, layer_numbers, strategy_grid
 
     size, rate = max(read_p2p(DATA / "gpu-op-profiles" / "a10g")["intra"])
     rm = load_runtime_model("a10g")
     c = cluster("a10g", 8)
     assert rm.p2p(size, c) == pytest.approx(size / rate, rel=0.1)
     m = model("gpt3-1.3b")
-    st = Setting(m, c, *cost_models(c), 1, 1, 2, budget_bytes(c), 4)
+    st = Setting(m, c, *cost_models(c), 1, 1, 2, gpu_budget_bytes(c), 4)
     ln = layer_numbers(st)
     grid = strategy_grid(6, SearchSpace(offload=False, recompute=False, zero_stages=(0,)))
     middle = evaluate_stage(st, ln, 6, 2, False, False, grid, 8)["compute"][0]
@@ -182,10 +187,10 @@ def test_profile_command_writes_what_calibrate_fits(tmp_path):
     """`mist profile` on this CPU at tiny scale: the artifact's CSV format, then a fit of it."""
     import torch
 
-    from mist.costs import calibrate
-    from mist.profiles import FRAMEWORK_OP, read_layer_profiles
+    from mist.engine.profiler import write_profiles as write
+    from mist.model.calibrate import calibrate
+    from mist.model.profile_data import FRAMEWORK_OP, read_layer_profiles
 
-    write = __import__("mist.profile", fromlist=["write_profiles"]).write_profiles
     files = write(tmp_path, "cpu", 64, 4, 32, [1, 2, 4], [1, 2], torch.float32, "cpu", repeats=2)
     assert len(files) == 6
     profiles = read_layer_profiles(tmp_path)
@@ -209,9 +214,9 @@ def test_profile_command_writes_what_calibrate_fits(tmp_path):
 def test_collective_benchmark_feeds_the_runtime_model(tmp_path):
     """`mist profile --collectives 2`: gloo among 2 local processes, in the artifact's format;
     the fitted model then prices a 2-way all-reduce from those measurements, not the preset link."""
-    from mist.costs import fit_runtime_model
-    from mist.profile import profile_collectives, write_collectives
-    from mist.profiles import read_collectives
+    from mist.engine.profiler import profile_collectives, write_collectives
+    from mist.model.calibrate import fit_runtime_model
+    from mist.model.profile_data import read_collectives
 
     rows = profile_collectives(2, "cpu", sizes=[4096, 1 << 20], repeats=3)
     assert set(rows) == {"all_reduce", "all_gather", "reduce_scatter", "send_recv"}

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from mist.__main__ import main
-from mist.pipeline_sim import MAX_MICRO_BATCHES, simulate_1f1b
+from mist.tuning.pipeline_sim import MAX_MICRO_BATCHES, simulate_1f1b
 
 PLAN = """model: gpt3-1.3b
 gpu: l4
@@ -123,7 +123,7 @@ def _reference_makespan(f: list[float], b: list[float], g: int) -> float:
     """1F1B as a recursion over its dependency graph (no event loop), for small g."""
     import functools
 
-    from mist.pipeline_sim import one_f_one_b_order
+    from mist.tuning.pipeline_sim import one_f_one_b_order
 
     stages = len(f)
     orders = [list(one_f_one_b_order(i, stages, g)) for i in range(stages)]

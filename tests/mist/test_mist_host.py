@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 
 from mist.__main__ import main
-from mist.costs import HOST_STREAM_FRACTION, CpuAdam, cpu_adam_params_per_s, load_cpu_adam
+from mist.model.budget import HOST_USABLE_FRACTION
+from mist.model.runtime import HOST_STREAM_FRACTION, CpuAdam, cpu_adam_params_per_s, load_cpu_adam
+from mist.model.specs import GiB, cluster, model
 from mist.plan import Plan, StagePlan
-from mist.planner import predict
-from mist.schedule import HOST_USABLE_FRACTION
-from mist.specs import GiB, cluster, model
+from mist.tuning.planner import predict
 
 
 def test_shipped_cpu_adam_is_a_measurement():
@@ -22,7 +22,7 @@ def test_shipped_cpu_adam_is_a_measurement():
 
 
 def test_profile_cpu_adam_measures_this_host():
-    from mist.profile import profile_cpu_adam
+    from mist.engine.profiler import profile_cpu_adam
 
     d = profile_cpu_adam(params=1 << 16, threads=(1,), repeats=2)
     assert d["threads"] == [1] and d["params_per_s"][0] > 1e5

@@ -6,15 +6,15 @@ import numpy as np
 import pytest
 
 from mist import Plan, cluster, model, predict, search
-from mist.pipeline_sim import pipeline_objective
+from mist.model.budget import gpu_budget_bytes, host_budget_bytes
 from mist.plan import PrePostPlan
-from mist.planner import PlannerOptions, budget_bytes, refine
-from mist.schedule import (
+from mist.tuning.pipeline_sim import pipeline_objective
+from mist.tuning.planner import PlannerOptions, refine
+from mist.tuning.stage_cost import (
     EDGE_FIELDS,
     STRATEGY_FIELDS,
     Setting,
     evaluate_stage,
-    host_budget_bytes,
     layer_numbers,
 )
 
@@ -36,7 +36,7 @@ def test_embedding_strategy_equal_to_its_stage_changes_nothing():
     strategies on a first+last stage (embedding and head both there)."""
     rng = np.random.default_rng()
     m, c = model("gpt3-1.3b"), cluster("l4", 8)
-    st = Setting(m, c, *_models(c), 1, 4, 1, budget_bytes(c), 1)
+    st = Setting(m, c, *_models(c), 1, 4, 1, gpu_budget_bytes(c), 1)
     ln = layer_numbers(st)
     n = 32
     grid = {
@@ -51,7 +51,7 @@ def test_embedding_strategy_equal_to_its_stage_changes_nothing():
 
 
 def _models(c):
-    from mist.planner import cost_models
+    from mist.tuning.planner import cost_models
 
     return cost_models(c)
 
@@ -64,7 +64,9 @@ def test_refine_is_never_slower_and_stays_in_eighths_within_memory():
     for s in fine.stages:
         for f in ("offload_weights", "offload_grads", "offload_optimizer", "offload_activations"):
             assert (getattr(s, f) * 8) == pytest.approx(round(getattr(s, f) * 8))
-        assert s.memory_gib * 2**30 <= budget_bytes(c) and s.host_memory_gib * 2**30 <= host_budget_bytes(c)
+        assert s.memory_gib * 2**30 <= gpu_budget_bytes(c) and s.host_memory_gib * 2**30 <= host_budget_bytes(
+            c
+        )
     # refining the refined plan finds nothing better: it stopped at a fixed point
     again = refine(fine, m, c, PlannerOptions(), *_models(c))
     assert predict(again, m, c).predicted_iteration_s == pytest.approx(fine.predicted_iteration_s)

@@ -9,7 +9,7 @@ import pytest
 
 from measure.launch import run_torchrun
 from mist import Plan, StagePlan, cluster, model, predict
-from mist.run import unsupported
+from mist.engine.run import unsupported
 
 # Predicted vs measured per-rank memory: the stated target (README: "target 10%"), not loosened.
 # Measured: held tensor bytes + the allocator peak of the typical steady step (the median of a
@@ -22,7 +22,7 @@ def _torchrun(plan: Plan, tmp_path: Path, steps: int = 5) -> dict:
     path, out = tmp_path / "plan.yaml", tmp_path / "report.json"
     plan.save(path)
     args = ["--plan", str(path), "--steps", str(steps), "--out", str(out)]
-    done = run_torchrun(plan.gpus, "mist.run", args, timeout=240)
+    done = run_torchrun(plan.gpus, "mist.engine.run", args, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(out.read_text())
 
@@ -112,10 +112,10 @@ def test_offloading_optimizer_and_activations_trains_the_same(tmp_path, tmp_path
 
 @pytest.mark.slow
 def test_planner_plan_runs(tmp_path):
-    """What `mist plan` makes for 2 CPU processes, with the parts mist.run cannot do yet removed."""
+    """What `mist plan` makes for 2 CPU processes, with the parts mist.engine.run cannot do yet removed."""
     from mist import search
-    from mist.planner import PlannerOptions
-    from mist.schedule import SearchSpace
+    from mist.tuning.planner import PlannerOptions
+    from mist.tuning.stage_cost import SearchSpace
 
     plan = search(
         model("gpt3-tiny"), cluster("cpu", 2), 8, PlannerOptions(SearchSpace(zero_stages=(0,), offload=False))
@@ -146,7 +146,7 @@ def test_unsupported_parts_are_named():
 
 def test_the_engine_refuses_a_layer_it_would_build_differently():
     """Falcon is priced with attention and MLP in parallel; megatron-core builds them in sequence,
-    so mist.run refuses it by name, and runs the sequential variant it does build."""
+    so mist.engine.run refuses it by name, and runs the sequential variant it does build."""
     falcon = Plan("falcon-tiny", "cpu", 1, 1, 2, 1, 1, 1, [StagePlan(layers=4)])
     assert any("in parallel on one norm (Falcon)" in r for r in unsupported(falcon))
     falcon.model_overrides = {"parallel_block": False}

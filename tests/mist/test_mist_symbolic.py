@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from measure.saved import cuda_like_dropout, saved_bytes
-from mist.specs import ModelSpec, model
-from mist.symbolic import a, b, f, h, head_costs, kv, layer_costs, s, t, v, value
+from mist.model.specs import ModelSpec, model
+from mist.model.symbolic import a, b, f, h, head_costs, kv, layer_costs, s, t, v, value
 
 GPT3 = {f: 4 * h, kv: a}  # GPT-3 shapes: ffn 4h, multi-head attention
 LN_STATS = 2 * 2 * 4 * s * b  # two LayerNorms keep mean and rstd in fp32 (below the closed forms)

@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mist.pipeline_sim import one_f_one_b_order, pipeline_objective, simulate_1f1b
-from mist.tune import Frontier, pareto_frontier, solve_inter_stage
+from mist.tuning.inter_stage import Frontier, pareto_frontier, solve_inter_stage
+from mist.tuning.pipeline_sim import one_f_one_b_order, pipeline_objective, simulate_1f1b
 
 
 def _dominated(i, steady, extra):

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from mist.__main__ import main
-from mist.validate import MEASURED_RUNS, load_measured_runs, report, validate
+from mist.tuning.validate import MEASURED_RUNS, load_measured_runs, report, validate
 
 
 def test_measured_runs_are_read_as_the_plans_that_ran():

@@ -4,7 +4,7 @@ Outer loops over TP t (powers of two within a node, dividing the heads), pipelin
 micro-batch size b (DP d = GPUs / (t S), G = global batch / (d b) micro-batches); a lower bound
 (perfectly balanced compute, nothing else) prunes settings that cannot beat the best plan so
 far. For each setting the stage strategies are evaluated once per stage kind (first / middle /
-last) and layer count, Pareto-filtered per in-flight depth, and the MILP of tune.py places the
+last) and layer count, Pareto-filtered per in-flight depth, and the MILP of inter_stage.py places the
 layers and picks the strategies.
 """
 
@@ -18,24 +18,22 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from measure.budget import GpuBudget
-
-from .costs import RuntimeModel, cpu_adam_params_per_s, load_runtime_model
-from .interference import Interference
+from ..model.budget import gpu_budget_bytes, host_budget_bytes
+from ..model.interference import Interference
+from ..model.runtime import RuntimeModel, cpu_adam_params_per_s, load_runtime_model
+from ..model.specs import ClusterSpec, ModelSpec
+from ..plan import MAX_GLOBAL_BATCH, Plan, PrePostPlan, StagePlan
+from .inter_stage import Frontier, frontier_for, solve_inter_stage
 from .pipeline_sim import pipeline_objective, simulate_1f1b
-from .plan import MAX_GLOBAL_BATCH, Plan, PrePostPlan, StagePlan
-from .schedule import (
+from .stage_cost import (
     EDGE_FIELDS,
     STRATEGY_FIELDS,
     SearchSpace,
     Setting,
     evaluate_stage,
-    host_budget_bytes,
     layer_numbers,
     strategy_grid,
 )
-from .specs import ClusterSpec, ModelSpec
-from .tune import Frontier, frontier_for, solve_inter_stage
 
 
 class NoFeasiblePlan(RuntimeError):
@@ -51,10 +49,6 @@ class PlannerOptions:
     # The second phase (``refine``): offloaded fractions of the winning plan in steps of 1/this
     # (the MILP's grid is SearchSpace.offload_ratios); None: no second phase.
     refine_offload_step: int | None = 8
-
-
-def budget_bytes(cluster: ClusterSpec) -> int:
-    return GpuBudget(cluster.gpu.memory).usable_bytes
 
 
 def settings(model: ModelSpec, cluster: ClusterSpec, global_batch: int, options: PlannerOptions):
@@ -165,7 +159,7 @@ def search(
             f"(DP must divide the global batch; micro-batches tried: {options.micro_batches})"
         )
     for n, (tp, stages, dp, mb) in enumerate(candidates):
-        st = Setting(model, cluster, runtime, interference, tp, dp, mb, budget_bytes(cluster), stages)
+        st = Setting(model, cluster, runtime, interference, tp, dp, mb, gpu_budget_bytes(cluster), stages)
         grad_accum = global_batch // (dp * mb)
         plan = tune_setting(st, grad_accum, options, best_time)
         if plan is not None:
@@ -180,7 +174,7 @@ def search(
         need = min_memory_needed(model, cluster, global_batch, options, runtime, interference)
         raise NoFeasiblePlan(
             f"no plan for {model.name} on {cluster.gpus} x {cluster.gpu.name} fits: the leanest candidate "
-            f"needs {need / 2**30:.1f} GiB per GPU, {budget_bytes(cluster) / 2**30:.1f} GiB usable "
+            f"needs {need / 2**30:.1f} GiB per GPU, {gpu_budget_bytes(cluster) / 2**30:.1f} GiB usable "
             f"(offloading at most {host_budget_bytes(cluster) / 2**30:.1f} GiB of host memory per GPU)"
         )
     if options.space.offload and options.refine_offload_step:
@@ -214,7 +208,7 @@ def refine(
     combos = np.array(list(itertools.product(steps, repeat=4)))
     plan = dataclasses.replace(plan, stages=[dataclasses.replace(s) for s in plan.stages])
     S, G = len(plan.stages), plan.grad_accum
-    budget, host_budget = budget_bytes(cluster), host_budget_bytes(cluster)
+    budget, host_budget = gpu_budget_bytes(cluster), host_budget_bytes(cluster)
     numbers = []
     for i in range(S):
         tp, dp, mb = plan.stage_parallelism(i)
@@ -280,7 +274,7 @@ def min_memory_needed(model, cluster, global_batch, options, runtime, interferen
     no-feasible-plan message)."""
     lowest = float("inf")
     for tp, stages, dp, mb in settings(model, cluster, global_batch, options):
-        st = Setting(model, cluster, runtime, interference, tp, dp, mb, budget_bytes(cluster), stages)
+        st = Setting(model, cluster, runtime, interference, tp, dp, mb, gpu_budget_bytes(cluster), stages)
         ln = layer_numbers(st)
         layers = -(-model.layers // stages)
         _, values, per_flight = _stage_values(st, ln, layers, stages == 1, True, options.space, 1)
@@ -322,7 +316,7 @@ def predict(
     steady, extra, fwd, bwd = [], [], [], []
     for i, s in enumerate(plan.stages):
         tp, dp, mb = plan.stage_parallelism(i)
-        budget = budget_bytes(cluster)
+        budget = gpu_budget_bytes(cluster)
         st = Setting(model, cluster, runtime, interference, tp, dp, mb, budget, S, sp=plan.sequence_parallel)
         ln = layer_numbers(st)
         grid = {k: np.array([float(getattr(s, k))]) for k in STRATEGY_FIELDS}
@@ -342,8 +336,8 @@ def predict(
     plan.predicted_iteration_s = pipeline_objective(steady, extra, G)
     plan.simulated_iteration_s = simulate_1f1b(fwd, bwd, G, last=extra) if simulate else None
     plan.breakdown = {
-        "usable_memory_gib": budget_bytes(cluster) / 2**30,
-        "fits": all(s.memory_gib * 2**30 <= budget_bytes(cluster) for s in plan.stages)
+        "usable_memory_gib": gpu_budget_bytes(cluster) / 2**30,
+        "fits": all(s.memory_gib * 2**30 <= gpu_budget_bytes(cluster) for s in plan.stages)
         and all(s.host_memory_gib * 2**30 <= host_budget_bytes(cluster) for s in plan.stages),
         "usable_host_memory_gib_per_gpu": host_budget_bytes(cluster) / 2**30,
         "host": cluster.host.name,
@@ -370,7 +364,7 @@ def cost_models(
 def load_interference(gpu: str) -> Interference:
     import json
 
-    from .costs import PRESETS
+    from ..model.runtime import PRESETS
 
     path = PRESETS / f"interference_{gpu}.json"
     if path.exists():

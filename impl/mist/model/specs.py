@@ -108,7 +108,7 @@ MODELS: dict[str, ModelSpec] = {
     for family, choices in FAMILIES.items()
     for size, (h, n, a) in _SIZES.items()
 }
-# Tiny shapes that megatron-core trains on a CPU in seconds (mist.run tests, CPU checks)
+# Tiny shapes that megatron-core trains on a CPU in seconds (mist.engine.run tests, CPU checks)
 MODELS.update(
     {
         f"{family}-tiny": ModelSpec(f"{family}-tiny", 64, 4, 4, vocab=256, seq=32, **choices)
@@ -170,7 +170,7 @@ GPUS: dict[str, GpuSpec] = {
     for name, d in DATASHEETS.items()
     if d.memory is not None  # the GPUs whose whole sheet is recorded (not the B200)
 }
-# this machine's CPU as a "device" for mist.run checks: nominal rates (use `mist profile`)
+# this machine's CPU as a "device" for mist.engine.run checks: nominal rates (use `mist profile`)
 GPUS["cpu"] = GpuSpec("cpu", 1e11, 16 * GiB, 20 * GB, 20 * GB, 32 * MiB)
 # Links: NVLink bus bandwidth per GPU, or PCIe where a GPU has no NVLink; inter-node by NIC.
 _LINKS = {
@@ -189,7 +189,7 @@ def _ddr(sockets: int, channels: int, mega_transfers: int) -> float:
 
 
 # Hosts: the cloud instance that holds eight such GPUs (its published vCPUs / 2 cores, memory,
-# and the DRAM of its processors). The CPU "device" (mist.run checks) is nominal.
+# and the DRAM of its processors). The CPU "device" (mist.engine.run checks) is nominal.
 HOSTS: dict[str, HostSpec] = {
     "l4": HostSpec("GCP g2-standard-96 (2x Xeon Cascade Lake)", 384 * GiB, 48, _ddr(2, 6, 2933)),
     "a10g": HostSpec("AWS g5.48xlarge (2x EPYC 7R32)", 768 * GiB, 96, _ddr(2, 8, 3200)),

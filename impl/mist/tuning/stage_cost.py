@@ -27,10 +27,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .costs import RuntimeModel, cpu_adam_params_per_s
-from .interference import Interference
-from .specs import ClusterSpec, ModelSpec
-from .symbolic import head_costs, layer_costs, value
+from ..model.interference import Interference
+from ..model.runtime import RuntimeModel, cpu_adam_params_per_s
+from ..model.specs import ClusterSpec, ModelSpec
+from ..model.symbolic import head_costs, layer_costs, value
 
 # A stage's strategy, as StagePlan fields and strategy_grid columns
 STRATEGY_FIELDS = (
@@ -38,16 +38,9 @@ STRATEGY_FIELDS = (
 )  # fmt: skip
 ADAM_BYTES_PER_PARAM = 12  # fp32 master weight + two moments
 OPTIMIZER_STEP_BYTES_PER_PARAM = 4  # fp32 gradients during the step (fused Adam; torch's foreach
+
+
 # AdamW adds up to ~4 more for its temporaries)
-# Of a node's DRAM, what offloading may use (the rest: the OS, the framework, data loading).
-HOST_USABLE_FRACTION = 0.9
-
-
-def host_budget_bytes(cluster: ClusterSpec) -> float:
-    """Host bytes one GPU may fill with offloaded state: its share of the node's usable DRAM."""
-    return HOST_USABLE_FRACTION * cluster.host.memory / cluster.gpus_per_node
-
-
 @dataclass(frozen=True)
 class SearchSpace:
     zero_stages: tuple[int, ...] = (0, 1, 2, 3)

@@ -26,9 +26,9 @@ from pathlib import Path
 
 from measure.units import MiB
 
-from .plan import Plan, PrePostPlan, StagePlan
-from .profiles import ARTIFACT_DATA
-from .specs import ClusterSpec, ModelSpec, cluster
+from ..model.profile_data import ARTIFACT_DATA
+from ..model.specs import ClusterSpec, ModelSpec, cluster
+from ..plan import Plan, PrePostPlan, StagePlan
 
 MEASURED_RUNS = ARTIFACT_DATA / "measured-runs"
 OPS_PER_LAYER = 13  # Aceso's operators of one transformer layer

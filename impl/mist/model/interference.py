@@ -98,7 +98,7 @@ def fit_interference(path: Path) -> tuple[Interference, dict]:
     """Fit solo lines per channel (per process-group shape for g2g) and the slowdown factors."""
     from scipy.optimize import least_squares
 
-    from .costs import fit_line
+    from .calibrate import fit_line
 
     runs = _runs(path)
     work_keys = ("flops", "g2g", "h2d", "d2h")

@@ -15,9 +15,7 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
-# The most micro-batches per iteration the simulator takes: its work is O(stages x micro-batches)
-# (memory O(stages)); 65536 is far beyond any real global batch split into micro-batches.
-MAX_MICRO_BATCHES = 1 << 16
+from ..plan import MAX_MICRO_BATCHES
 
 
 def one_f_one_b_order(stage: int, stages: int, micro_batches: int) -> Iterator[tuple[str, int]]:

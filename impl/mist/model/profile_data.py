@@ -17,7 +17,7 @@ from pathlib import Path
 from .specs import ModelSpec
 
 # The Mist artifact's measured GPU data, vendored in the repository (see data/README.md).
-ARTIFACT_DATA = Path(__file__).resolve().parents[2] / "data" / "mist-artifact"
+ARTIFACT_DATA = Path(__file__).resolve().parents[3] / "data" / "mist-artifact"
 
 # The profiled models' shapes by file-name size (GPT-3 style, vocab 50304, no bias). The 1.3B
 # profiles are 32-head: their attention-score tensors are 256 MiB at micro-batch 1, seq 2048

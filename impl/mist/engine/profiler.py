@@ -1,6 +1,6 @@
 """``mist profile``: measure one GPT-3-style layer op by op on this machine's device.
 
-Writes a profile directory in the Mist artifact's format (see profiles.py), so ``mist
+Writes a profile directory in the Mist artifact's format (see model/profile_data.py), so ``mist
 calibrate`` fits a runtime model for this device exactly as for the shipped GPU data:
 
     python -m mist profile --out profiles/mygpu --device cuda --hidden 2048 --heads 16 --seq 2048 \
@@ -9,7 +9,7 @@ calibrate`` fits a runtime model for this device exactly as for the shipped GPU 
 TP is emulated on one device by giving the layer one rank's share (heads / t of the model's head
 size, ffn / t); its collectives are not included (they come from the collective benchmarks).
 Every op is timed in isolation, forward and backward, on fresh random inputs, median of several
-repeats. Then megatron-core's own layer (the one mist.run trains) is timed whole, and what it
+repeats. Then megatron-core's own layer (the one mist.engine.run trains) is timed whole, and what it
 costs beyond the sum of its ops (framework overhead) is written as one more row.
 
 ``--collectives 2 4`` also benchmarks all-reduce, all-gather and reduce-scatter among that many
@@ -33,7 +33,7 @@ from measure.launch import free_port
 from measure.timing import time_fn
 from measure.units import MiB
 
-from .profiles import FRAMEWORK_OP
+from ..model.profile_data import FRAMEWORK_OP
 
 
 def _ops(b: int, s: int, h: int, heads: int, tp: int, dtype, device) -> list[tuple[str, Callable, list]]:
@@ -205,7 +205,7 @@ def megatron_layer_seconds(
     b: int, s: int, h: int, heads: int, tp: int, dtype: torch.dtype, device: str, repeats: int = 5
 ) -> tuple[float, float]:
     """(forward, backward) seconds of megatron-core's own GPT layer (local spec, the layer
-    mist.run trains) at one rank's share; timed like the ops, so the difference is the framework."""
+    mist.engine.run trains) at one rank's share; timed like the ops, so the difference is the framework."""
 
     import torch.distributed as dist
 
@@ -313,9 +313,9 @@ ADAM_BYTES_MOVED = 28
 
 
 def profile_cpu_adam(params: int = 1 << 24, threads: tuple[int, ...] = (1,), repeats: int = 5) -> dict:
-    """Measure the host optimizer step mist.run uses when it offloads optimizer state (torch's
+    """Measure the host optimizer step mist.engine.run uses when it offloads optimizer state (torch's
     fused CPU AdamW on fp32 master weights): parameters per second with each thread count, median
-    of ``repeats`` steps after a warm-up step. What ``costs.cpu_adam_params_per_s`` prices from."""
+    of ``repeats`` steps after a warm-up step. What ``model.runtime.cpu_adam_params_per_s`` prices from."""
     from measure.results import cpu_model
 
     if params < 1 or repeats < 1 or not threads or min(threads) < 1:

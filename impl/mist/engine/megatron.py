@@ -1,7 +1,7 @@
 """A plan in Megatron's terms: the one translation of a Plan and its ModelSpec into megatron-core's
 settings, and the one list of what a Megatron model cannot be built as.
 
-``mist.run`` (which builds megatron-core models) and the Megatron-LM baseline
+``mist.engine.run`` (which builds megatron-core models) and the Megatron-LM baseline
 (``baselines.megatron.grid.megatron_args``, which writes Megatron-LM's command line from these
 settings) both read it, each adding only what its own runtime cannot do. Torch-free: the
 activation is named, not a function.
@@ -9,8 +9,8 @@ activation is named, not a function.
 
 from __future__ import annotations
 
-from .plan import Plan
-from .specs import ModelSpec
+from ..model.specs import ModelSpec
+from ..plan import Plan
 
 
 def model_settings(plan: Plan, model: ModelSpec) -> dict[str, object]:

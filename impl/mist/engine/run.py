@@ -1,4 +1,5 @@
-"""Train with megatron-core as a plan says: ``torchrun --nproc-per-node N -m mist.run --plan plan.yaml``.
+"""Train with megatron-core as a plan says:
+``torchrun --nproc-per-node N -m mist.engine.run --plan plan.yaml``.
 
 megatron-core provides the model (GPTModel: tensor-parallel layers, sequence parallelism,
 pipeline stages); around its modules this file runs the plan's parts it has no switch for:
@@ -40,15 +41,15 @@ from torch import nn
 
 from measure.parallel import die_with_parent
 
+from ..plan import Plan
 from .megatron import megatron_limits, model_settings
 from .offload import OffloadedMasterAdamW, offload_layer_activations
-from .plan import Plan
 
 
 def unsupported(plan: Plan) -> list[str]:
-    """The plan's parts mist.run cannot execute (empty: it can): what no Megatron model can be
+    """The plan's parts mist.engine.run cannot execute (empty: it can): what no Megatron model can be
     built as (megatron.megatron_limits), and what this engine does not do around it."""
-    from .specs import model
+    from ..model.specs import model
 
     reasons = megatron_limits(plan, model(plan.model, **plan.model_overrides))
     if any(s.zero >= 3 for s in plan.stages) and plan.dp > 1 and plan.tp > 1:
@@ -149,7 +150,7 @@ class _Pipeline:
             pending.append(dist.isend(received.grad.contiguous(), self.prev))
 
     def iteration(self) -> float:
-        from .pipeline_sim import one_f_one_b_order
+        from ..tuning.pipeline_sim import one_f_one_b_order
 
         self.dtype = next(self.model.parameters()).dtype
         saved, pending, loss = {}, [], 0.0
@@ -360,12 +361,12 @@ def run(plan: Plan, steps: int = 5, seed: int = 0, lr: float = 1e-2) -> dict:
     """Train ``steps`` iterations of ``plan`` on this process group; the report of this rank."""
     from measure.training import MasterWeightAdamW
 
+    from ..model.specs import model as model_spec
     from . import cpu_shim
-    from .specs import model as model_spec
 
     reasons = unsupported(plan)
     if reasons:
-        raise ValueError("mist.run cannot execute this plan yet: " + "; ".join(reasons))
+        raise ValueError("mist.engine.run cannot execute this plan yet: " + "; ".join(reasons))
     cpu_shim.install()
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
@@ -495,7 +496,7 @@ def run(plan: Plan, steps: int = 5, seed: int = 0, lr: float = 1e-2) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="torchrun ... -m mist.run", description=__doc__,
+    ap = argparse.ArgumentParser(prog="torchrun ... -m mist.engine.run", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     ap.add_argument("--plan", required=True)
     ap.add_argument(

@@ -1,4 +1,4 @@
-"""CPU offloading for mist.run, around megatron-core's modules.
+"""CPU offloading for mist.engine.run, around megatron-core's modules.
 
 * Optimizer state (``offload_optimizer``, ZeRO-Offload, Ren et al. 2021): the fp32 master weights
   and Adam moments of that fraction of the parameters (largest first) live on the host. Their
