@@ -160,15 +160,15 @@ def search_aceso(
         stages = [StagePlan(layers=base + (k < extra), recompute=base + (k < extra)) for k in range(pp)]
         starts.append(
             Plan(
-                model.name,
-                cluster.gpu.name,
-                cluster.gpus,
-                cluster.gpus_per_node,
-                global_batch,
-                tp,
-                dp,
-                1,
-                stages,
+                model=model.name,
+                gpu=cluster.gpu.name,
+                gpus=cluster.gpus,
+                gpus_per_node=cluster.gpus_per_node,
+                global_batch=global_batch,
+                tp=tp,
+                dp=dp,
+                micro_batch=1,
+                stages=stages,
             )
         )
     if not starts:

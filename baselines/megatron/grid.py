@@ -71,7 +71,15 @@ def grid_plan(model, cluster, global_batch, setting: tuple, recompute: int) -> P
     tp, dp, mb, split, zero = setting
     stages = [StagePlan(layers=n, recompute=min(recompute, n), zero=zero) for n in split]
     return Plan(
-        model.name, cluster.gpu.name, cluster.gpus, cluster.gpus_per_node, global_batch, tp, dp, mb, stages
+        model=model.name,
+        gpu=cluster.gpu.name,
+        gpus=cluster.gpus,
+        gpus_per_node=cluster.gpus_per_node,
+        global_batch=global_batch,
+        tp=tp,
+        dp=dp,
+        micro_batch=mb,
+        stages=stages,
     )
 
 

@@ -31,15 +31,15 @@ def search_zero3(
                 for recompute in (0, model.layers):
                     stage = StagePlan(layers=model.layers, recompute=recompute, zero=3)
                     yield Plan(
-                        model.name,
-                        cluster.gpu.name,
-                        dp,
-                        cluster.gpus_per_node,
-                        global_batch,
-                        1,
-                        dp,
-                        mb,
-                        [stage],
+                        model=model.name,
+                        gpu=cluster.gpu.name,
+                        gpus=dp,
+                        gpus_per_node=cluster.gpus_per_node,
+                        global_batch=global_batch,
+                        tp=1,
+                        dp=dp,
+                        micro_batch=mb,
+                        stages=[stage],
                     )
 
     what = f"ZeRO-3 over {dp} GPUs does not fit {model.name} (global batch {global_batch})"

@@ -88,7 +88,7 @@ class PrePostPlan:
                 raise ValueError(f"pre_post: {name} is a fraction in [0, 1], got {getattr(self, name)}")
 
 
-@dataclass
+@dataclass(kw_only=True)  # built by keyword: eight numbers in a row are easy to misorder
 class Plan:
     model: str
     gpu: str

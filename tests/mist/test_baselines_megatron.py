@@ -32,10 +32,22 @@ def test_grid_is_megatron_practice():
 
 def test_megatron_args_name_what_megatron_cannot_do():
     m = model("gpt3-1.3b")
-    plan = Plan("gpt3-1.3b", "l4", 8, 8, 64, 1, 2, 2, [
-        StagePlan(layers=5, recompute=2, zero=3), StagePlan(layers=7, recompute=0, offload_activations=0.5),
-        StagePlan(layers=6), StagePlan(layers=6, tp=2, dp=1),
-    ])  # fmt: skip
+    plan = Plan(
+        model="gpt3-1.3b",
+        gpu="l4",
+        gpus=8,
+        gpus_per_node=8,
+        global_batch=64,
+        tp=1,
+        dp=2,
+        micro_batch=2,
+        stages=[
+            StagePlan(layers=5, recompute=2, zero=3),
+            StagePlan(layers=7, recompute=0, offload_activations=0.5),
+            StagePlan(layers=6),
+            StagePlan(layers=6, tp=2, dp=1),
+        ],
+    )
     args, cannot = megatron_args(plan, m)
     text = " | ".join(cannot)
     for reason in (
@@ -111,7 +123,17 @@ def test_one_translation_for_the_engine_and_the_baseline():
     m = model(name, dropout=random.choice([0.0, 0.1]))
     quarter = m.layers // 4  # uneven first and last stages, even middle ones
     layers = [quarter + 1, quarter, quarter, m.layers - 3 * quarter - 1]
-    plan = Plan(name, "l4", 8, 8, 64, 2, 1, 1, [StagePlan(layers=n) for n in layers])
+    plan = Plan(
+        model=name,
+        gpu="l4",
+        gpus=8,
+        gpus_per_node=8,
+        global_batch=64,
+        tp=2,
+        dp=1,
+        micro_batch=1,
+        stages=[StagePlan(layers=n) for n in layers],
+    )
     settings = model_settings(plan, m)
     args, cannot = megatron_args(plan, m)
     pairs = [("num_layers", "--num-layers"), ("ffn_hidden_size", "--ffn-hidden-size"),

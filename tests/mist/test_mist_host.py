@@ -44,8 +44,18 @@ def test_cpu_adam_is_shared_by_the_node_and_bound_by_its_dram():
 
 
 def _offloading_plan(host_gib: float | None) -> Plan:
-    return Plan("gpt3-22b", "l4", 1, 8, 8, 1, 1, 8, [StagePlan(48, 48, 0, 1.0, 1.0, 1.0, 1.0)],
-                host_memory_per_node_gib=host_gib)  # fmt: skip
+    return Plan(
+        model="gpt3-22b",
+        gpu="l4",
+        gpus=1,
+        gpus_per_node=8,
+        global_batch=8,
+        tp=1,
+        dp=1,
+        micro_batch=8,
+        stages=[StagePlan(48, 48, 0, 1.0, 1.0, 1.0, 1.0)],
+        host_memory_per_node_gib=host_gib,
+    )
 
 
 def test_offloaded_bytes_must_fit_the_host():

@@ -40,7 +40,18 @@ def _report(plan_args: tuple, tmp_path_factory) -> tuple[Plan, dict]:
 
 def _plan(tp: int, layers: list[int], recompute: list[int], dp: int = 1, zero: int = 0) -> Plan:
     stages = [StagePlan(layers=n, recompute=r, zero=zero) for n, r in zip(layers, recompute, strict=True)]
-    return Plan("gpt3-tiny", "cpu", 2, 8, 8, tp, dp, 2, stages, sequence_parallel=False)
+    return Plan(
+        model="gpt3-tiny",
+        gpu="cpu",
+        gpus=2,
+        gpus_per_node=8,
+        global_batch=8,
+        tp=tp,
+        dp=dp,
+        micro_batch=2,
+        stages=stages,
+        sequence_parallel=False,
+    )
 
 
 @pytest.mark.slow
@@ -96,7 +107,18 @@ def test_offloading_optimizer_and_activations_trains_the_same(tmp_path, tmp_path
         StagePlan(layers=1, recompute=1),
         StagePlan(layers=3, offload_optimizer=1.0, offload_activations=1.0),
     ]
-    plan = Plan("gpt3-tiny", "cpu", 2, 8, 8, 1, 1, 2, stages, sequence_parallel=False)
+    plan = Plan(
+        model="gpt3-tiny",
+        gpu="cpu",
+        gpus=2,
+        gpus_per_node=8,
+        global_batch=8,
+        tp=1,
+        dp=1,
+        micro_batch=2,
+        stages=stages,
+        sequence_parallel=False,
+    )
     assert not unsupported(plan)
     offloaded = _torchrun(plan, tmp_path)
     a, b = (next(r["losses"] for r in rep["ranks"] if r["losses"] is not None) for rep in (plain, offloaded))
@@ -129,15 +151,15 @@ def test_planner_plan_runs(tmp_path):
 
 def test_unsupported_parts_are_named():
     plan = Plan(
-        "gpt3-tiny",
-        "cpu",
-        8,
-        8,
-        8,
-        2,
-        2,
-        2,
-        [StagePlan(layers=2, zero=3), StagePlan(layers=2, offload_grads=0.5)],
+        model="gpt3-tiny",
+        gpu="cpu",
+        gpus=8,
+        gpus_per_node=8,
+        global_batch=8,
+        tp=2,
+        dp=2,
+        micro_batch=2,
+        stages=[StagePlan(layers=2, zero=3), StagePlan(layers=2, offload_grads=0.5)],
     )
     reasons = " | ".join(unsupported(plan))
     assert "ZeRO-3 with TP > 1" in reasons and "offloading of weights or gradients" in reasons
@@ -147,7 +169,17 @@ def test_unsupported_parts_are_named():
 def test_the_engine_refuses_a_layer_it_would_build_differently():
     """Falcon is priced with attention and MLP in parallel; megatron-core builds them in sequence,
     so mist.engine.run refuses it by name, and runs the sequential variant it does build."""
-    falcon = Plan("falcon-tiny", "cpu", 1, 1, 2, 1, 1, 1, [StagePlan(layers=4)])
+    falcon = Plan(
+        model="falcon-tiny",
+        gpu="cpu",
+        gpus=1,
+        gpus_per_node=1,
+        global_batch=2,
+        tp=1,
+        dp=1,
+        micro_batch=1,
+        stages=[StagePlan(layers=4)],
+    )
     assert any("in parallel on one norm (Falcon)" in r for r in unsupported(falcon))
     falcon.model_overrides = {"parallel_block": False}
     assert not unsupported(falcon)
@@ -156,7 +188,17 @@ def test_the_engine_refuses_a_layer_it_would_build_differently():
 def test_megatron_arguments_follow_the_model_fields():
     from baselines.megatron.grid import megatron_args
 
-    plan = Plan("llama-7b", "l4", 8, 8, 64, 2, 1, 1, [StagePlan(layers=16), StagePlan(layers=16)])
+    plan = Plan(
+        model="llama-7b",
+        gpu="l4",
+        gpus=8,
+        gpus_per_node=8,
+        global_batch=64,
+        tp=2,
+        dp=1,
+        micro_batch=1,
+        stages=[StagePlan(layers=16), StagePlan(layers=16)],
+    )
     args, cannot = megatron_args(plan, model("llama-7b", kv_heads=8))
     assert {"--normalization RMSNorm", "--swiglu", "--position-embedding-type rope", "--sequence-parallel",
             "--num-query-groups 8", "--hidden-dropout 0.0"} <= set(args) and not cannot  # fmt: skip

@@ -111,8 +111,19 @@ def _mist_cases(data: dict, path: Path) -> list[MeasuredRun]:
             gated_mlp=GATED[m["mlp"]],
         )  # fmt: skip
         gpus = case["nodes"] * case["gpus_per_node"]
-        p = Plan(model.name, gpu, gpus, case["gpus_per_node"], case["global_batch"], tp, dp, micro, stages,
-                 sequence_parallel=False, pre_post=pre_post)  # fmt: skip
+        p = Plan(
+            model=model.name,
+            gpu=gpu,
+            gpus=gpus,
+            gpus_per_node=case["gpus_per_node"],
+            global_batch=case["global_batch"],
+            tp=tp,
+            dp=dp,
+            micro_batch=micro,
+            stages=stages,
+            sequence_parallel=False,
+            pre_post=pre_post,
+        )
         if p.grad_accum != plan["grad_accum_steps"]:
             raise ValueError(
                 f"{path}: {case['case']}: gradient accumulation {plan['grad_accum_steps']} does not match "
@@ -146,8 +157,18 @@ def _megatron_runs(data: dict, path: Path) -> list[MeasuredRun]:
             run["num_attention_heads"], seq=run["seq_length"], flash=False, dropout=0.1,
         )  # fmt: skip
         gpus = sum(run["num_gpus"])
-        plan = Plan(model.name, gpu, gpus, 8, run["global_batch_size"], 1, 1, run["micro_batch_size"], stages,
-                    sequence_parallel=False)  # fmt: skip
+        plan = Plan(
+            model=model.name,
+            gpu=gpu,
+            gpus=gpus,
+            gpus_per_node=8,
+            global_batch=run["global_batch_size"],
+            tp=1,
+            dp=1,
+            micro_batch=run["micro_batch_size"],
+            stages=stages,
+            sequence_parallel=False,
+        )
         seconds = statistics.fmean(run["measured_iteration_ms"]) / 1e3
         out.append(MeasuredRun(run["config"], path.name, model, cluster(gpu, gpus, 8), plan, seconds, None,
                                "Megatron-LM defaults assumed: dropout 0.1, no FlashAttention"))  # fmt: skip
