@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from .model.profile_data import ARTIFACT_DATA
-from .model.specs import GPUS, HOSTS, MODELS, cluster, model
+from .model.specs import GPUS, GRAD_ACCUMULATION, HOSTS, MODELS, cluster, model
 
 # ModelSpec fields `mist plan` can set over the preset: (flag, type, help)
 MODEL_FIELDS = (
@@ -72,6 +72,14 @@ def _check_writable(path: Path) -> None:
         raise ValueError(f"--out {path}: not writable")
 
 
+def _engine_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--engine", choices=list(GRAD_ACCUMULATION), default="megatron-core",
+        help="the engine that runs the plan, for how it accumulates gradients over micro-batches "
+        "(default: megatron-core, as mist.engine.run)",
+    )  # fmt: skip
+
+
 def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -89,7 +97,8 @@ def cmd_plan(args) -> int:
     host = None if args.host_mem is None else int(args.host_mem * 2**30)
     c = cluster(args.gpu, args.gpus, args.gpus_per_node, host_memory=host)
     space = SearchSpace(offload=not args.no_offload, recompute=not args.no_recompute)
-    options = PlannerOptions(space=space, imbalance_aware=not args.no_imbalance)
+    options = PlannerOptions(space=space, imbalance_aware=not args.no_imbalance,
+                             grad_accumulation=GRAD_ACCUMULATION[args.engine])  # fmt: skip
 
     def progress(line: str) -> None:
         if not args.quiet:
@@ -147,7 +156,7 @@ def cmd_predict(args) -> int:
     try:
         plan = Plan.load(args.plan)
         m = model(plan.model, **plan.model_overrides)
-        predict(plan, m, plan.cluster())
+        predict(plan, m, plan.cluster(), grad_accumulation=GRAD_ACCUMULATION[args.engine])
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -338,6 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     p.add_argument("--no-offload", action="store_true", help="search without CPU offloading")
     p.add_argument("--no-recompute", action="store_true", help="search without activation recomputation")
+    _engine_argument(p)
     p.add_argument(
         "--no-imbalance", action="store_true", help="ignore first/last micro-batch extras (ablation)"
     )
@@ -345,6 +355,7 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("predict", help="predict a plan's iteration time and memory")
     p.add_argument("plan")
     p.add_argument("--json", action="store_true", help="one JSON document (prediction_format 1)")
+    _engine_argument(p)
     p.set_defaults(fn=cmd_predict)
     p = sub.add_parser("calibrate", help="refit the runtime and interference presets from measured data")
     p.add_argument(

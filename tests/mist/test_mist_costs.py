@@ -161,6 +161,7 @@ def test_pipeline_messages_priced_from_the_measured_p2p_bandwidth():
     per micro-batch (activation forward, its gradient backward)."""
     from mist.model.budget import gpu_budget_bytes
     from mist.model.profile_data import read_p2p
+    from mist.model.specs import GradAccumulation
     from mist.tuning.planner import cost_models
     from mist.tuning.stage_cost import SearchSpace, Setting, evaluate_stage, layer_numbers, strategy_grid
 
@@ -169,7 +170,9 @@ def test_pipeline_messages_priced_from_the_measured_p2p_bandwidth():
     c = cluster("a10g", 8)
     assert rm.p2p(size, c) == pytest.approx(size / rate, rel=0.1)
     m = model("gpt3-1.3b")
-    st = Setting(m, c, *cost_models(c), 1, 1, 2, gpu_budget_bytes(c), 4)
+    # an engine without gradient accumulation cost: the edge stages' embedding/head gradients add nothing
+    free = GradAccumulation("none", 0.0, True)
+    st = Setting(m, c, *cost_models(c), 1, 1, 2, gpu_budget_bytes(c), 4, grad_accumulation=free)
     ln = layer_numbers(st)
     grid = strategy_grid(6, SearchSpace(offload=False, recompute=False, zero_stages=(0,)))
     middle = evaluate_stage(st, ln, 6, 2, False, False, grid, 8)["compute"][0]
@@ -232,3 +235,39 @@ def test_collective_benchmark_feeds_the_runtime_model(tmp_path):
     assert rm.p2p(1 << 20, cluster("cpu", 2)) == pytest.approx(float(rm.collectives["send_recv/2"](1 << 20)))
     with pytest.raises(ValueError, match="at least 2"):
         profile_collectives(1, "cpu")
+
+
+def test_gradient_accumulation_priced_as_the_engine_adds():
+    """Each micro-batch adds its weight gradients into the accumulated ones: a memory-bound add of
+    the stage's gradients (ZeRO-2/3: this rank's shard) at the fitted residual-add line; Mist's
+    runtime skips it on the first micro-batch, engines with a zeroed buffer (megatron-core) or an
+    fp32 main_grad hook (Megatron-LM) pay it every time. Negative control: an engine that adds
+    nothing costs nothing more."""
+    import dataclasses
+
+    from mist.model.budget import gpu_budget_bytes
+    from mist.model.specs import GRAD_ACCUMULATION, GradAccumulation
+    from mist.tuning.planner import cost_models
+    from mist.tuning.stage_cost import SearchSpace, Setting, evaluate_stage, layer_numbers, strategy_grid
+
+    rng = np.random.default_rng()
+    gpu = str(rng.choice(["l4", "a10g", "a100-40gb"]))
+    c, m = cluster(gpu, 8), model("gpt3-1.3b")
+    dp, layers, g = int(rng.choice([1, 2, 4])), int(rng.integers(1, 7)), int(rng.integers(2, 40))
+    free = GradAccumulation("none", 0.0, True)
+    st = Setting(m, c, *cost_models(c), 1, dp, 1, gpu_budget_bytes(c), 2, grad_accumulation=free)
+    ln = layer_numbers(st)
+    grid = strategy_grid(layers, SearchSpace(offload=False, recompute=False))
+    first, last = bool(rng.integers(2)), bool(rng.integers(2))
+    base = evaluate_stage(st, ln, layers, 1, first, last, grid, g)["compute"]
+    add = st.runtime.curve("dropout_add")[0]
+    edge = ln.embed_params * (first + last)
+    for acc in GRAD_ACCUMULATION.values():
+        priced_st = dataclasses.replace(st, grad_accumulation=acc)
+        priced = evaluate_stage(priced_st, ln, layers, 1, first, last, grid, g)["compute"]
+        shard = np.where(grid["zero"] >= 2, 1 / dp, 1.0)
+        grads = (layers * ln.params + edge) * shard
+        adds = 1.0 if acc.first_micro_batch else (g - 1) / g
+        np.testing.assert_allclose(priced - base, adds * add(acc.bytes_per_param * grads), rtol=1e-9)
+        assert np.all(priced > base)
+    assert GRAD_ACCUMULATION["mist"].adds_per_micro_batch(1) == 0.0  # one micro-batch: nothing to add

@@ -83,3 +83,23 @@ def test_broken_measured_runs_are_refused_clearly(tmp_path, fault, capsys):
     assert main(["validate", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and str(tmp_path) in err and err.count("\n") == 1
+
+
+def test_the_model_predicts_the_measured_runs_within_the_targets():
+    """The issue's targets on the shipped measured runs (the model is not fitted to them): Mist's
+    L4 plans within 10% in time and 5% in per-stage memory on average, the Megatron-LM A10G runs
+    within 10% in time."""
+    summary = report(validate(load_measured_runs()))["summary"]
+    assert summary["mist-l4.json"]["mean_abs_time_error"] <= 0.10
+    assert summary["mist-l4.json"]["mean_abs_memory_error"] <= 0.05
+    assert summary["megatron-a10g.json"]["mean_abs_time_error"] <= 0.10
+
+
+def test_each_run_is_priced_for_the_engine_that_ran_it():
+    from mist.model.specs import GRAD_ACCUMULATION
+
+    engines = {r.source: r.grad_accumulation for r in load_measured_runs()}
+    assert engines == {
+        "mist-l4.json": GRAD_ACCUMULATION["mist"],
+        "megatron-a10g.json": GRAD_ACCUMULATION["megatron-lm"],
+    }

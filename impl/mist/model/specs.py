@@ -231,3 +231,34 @@ def model(name: str, **overrides) -> ModelSpec:
     if unknown:
         raise ValueError(f"unknown model field(s) {', '.join(unknown)}; known: {', '.join(fields)}")
     return MODELS[name].with_(**overrides) if overrides else MODELS[name]
+
+
+@dataclass(frozen=True)
+class GradAccumulation:
+    """How a training engine adds each micro-batch's weight gradients into the accumulated ones:
+    an elementwise, memory-bound add over the stage's gradients on the GPU's compute stream. Per
+    parameter it reads the accumulated and the new gradient and writes the sum. Mist's own cost
+    model prices this add; it is what a sum of per-op profiles misses (they time no accumulation).
+    """
+
+    engine: str
+    bytes_per_param: float  # read accumulated + read new + write sum
+    first_micro_batch: bool  # the first micro-batch adds too (into a zeroed buffer), or writes
+
+    def adds_per_micro_batch(self, grad_accum: int) -> float:
+        """Adds per micro-batch, averaged over the iteration's ``grad_accum`` micro-batches."""
+        return 1.0 if self.first_micro_batch else (grad_accum - 1) / grad_accum
+
+
+# Half-precision gradients: 2 bytes each.
+GRAD_ACCUMULATION = {
+    # mist.engine.run: the gradients are views into one zeroed contiguous buffer (as megatron-core's
+    # DDP), so autograd adds every micro-batch's gradient in place, the first one too.
+    "megatron-core": GradAccumulation("megatron-core", 3 * 2, True),
+    # Mist's runtime: a persistent 16-bit gradient buffer the first micro-batch writes and the
+    # others add into (its cost model's (G-1)/G adds of the flattened parameters).
+    "mist": GradAccumulation("mist", 3 * 2, False),
+    # Megatron-LM's LocalDDP: a hook adds each micro-batch's 16-bit gradient into an fp32 main_grad
+    # (read 4 + read 2 + write 4 bytes), every micro-batch.
+    "megatron-lm": GradAccumulation("megatron-lm", 4 + 2 + 4, True),
+}

@@ -21,7 +21,7 @@ import numpy as np
 from ..model.budget import gpu_budget_bytes, host_budget_bytes
 from ..model.interference import Interference
 from ..model.runtime import RuntimeModel, cpu_adam_params_per_s, load_runtime_model
-from ..model.specs import ClusterSpec, ModelSpec
+from ..model.specs import GRAD_ACCUMULATION, ClusterSpec, GradAccumulation, ModelSpec
 from ..plan import MAX_GLOBAL_BATCH, Plan, PrePostPlan, StagePlan
 from .inter_stage import Frontier, frontier_for, solve_inter_stage
 from .pipeline_sim import pipeline_objective, simulate_1f1b
@@ -49,6 +49,8 @@ class PlannerOptions:
     # The second phase (``refine``): offloaded fractions of the winning plan in steps of 1/this
     # (the MILP's grid is SearchSpace.offload_ratios); None: no second phase.
     refine_offload_step: int | None = 8
+    # the engine the plans are for: how it accumulates gradients over micro-batches
+    grad_accumulation: GradAccumulation = GRAD_ACCUMULATION["megatron-core"]
 
 
 def settings(model: ModelSpec, cluster: ClusterSpec, global_batch: int, options: PlannerOptions):
@@ -159,11 +161,12 @@ def search(
             f"(DP must divide the global batch; micro-batches tried: {options.micro_batches})"
         )
     for n, (tp, stages, dp, mb) in enumerate(candidates):
-        st = Setting(model, cluster, runtime, interference, tp, dp, mb, gpu_budget_bytes(cluster), stages)
+        st = Setting(model, cluster, runtime, interference, tp, dp, mb, gpu_budget_bytes(cluster), stages,
+                     grad_accumulation=options.grad_accumulation)  # fmt: skip
         grad_accum = global_batch // (dp * mb)
         plan = tune_setting(st, grad_accum, options, best_time)
         if plan is not None:
-            predict(plan, model, cluster, runtime, interference)
+            predict(plan, model, cluster, runtime, interference, grad_accumulation=options.grad_accumulation)
             if plan.predicted_iteration_s < best_time:
                 best, best_time = plan, plan.predicted_iteration_s
         if progress:
@@ -179,7 +182,7 @@ def search(
         )
     if options.space.offload and options.refine_offload_step:
         best = refine(best, model, cluster, options, runtime, interference)
-        predict(best, model, cluster, runtime, interference)
+        predict(best, model, cluster, runtime, interference, grad_accumulation=options.grad_accumulation)
     best.tuning_s = time.perf_counter() - start
     return best
 
@@ -212,7 +215,8 @@ def refine(
     numbers = []
     for i in range(S):
         tp, dp, mb = plan.stage_parallelism(i)
-        st = Setting(model, cluster, runtime, interference, tp, dp, mb, budget, S, sp=plan.sequence_parallel)
+        st = Setting(model, cluster, runtime, interference, tp, dp, mb, budget, S, sp=plan.sequence_parallel,
+                     grad_accumulation=options.grad_accumulation)  # fmt: skip
         numbers.append((st, layer_numbers(st)))
 
     def evaluate(i: int, grid: dict, edge: dict | None) -> dict:
@@ -274,7 +278,8 @@ def min_memory_needed(model, cluster, global_batch, options, runtime, interferen
     no-feasible-plan message)."""
     lowest = float("inf")
     for tp, stages, dp, mb in settings(model, cluster, global_batch, options):
-        st = Setting(model, cluster, runtime, interference, tp, dp, mb, gpu_budget_bytes(cluster), stages)
+        st = Setting(model, cluster, runtime, interference, tp, dp, mb, gpu_budget_bytes(cluster), stages,
+                     grad_accumulation=options.grad_accumulation)  # fmt: skip
         ln = layer_numbers(st)
         layers = -(-model.layers // stages)
         _, values, per_flight = _stage_values(st, ln, layers, stages == 1, True, options.space, 1)
@@ -292,9 +297,11 @@ def predict(
     runtime: RuntimeModel | None = None,
     interference: Interference | None = None,
     simulate: bool = True,
+    grad_accumulation: GradAccumulation = GRAD_ACCUMULATION["megatron-core"],
 ) -> Plan:
     """Fill in the plan's per-stage times and memory and its iteration time (closed form and,
-    with ``simulate``, the 1F1B simulation; searches that price many plans skip it)."""
+    with ``simulate``, the 1F1B simulation; searches that price many plans skip it), for an
+    engine that accumulates gradients as ``grad_accumulation`` says."""
     plan.check()
     if sum(s.layers for s in plan.stages) != model.layers:
         raise ValueError(
@@ -317,7 +324,8 @@ def predict(
     for i, s in enumerate(plan.stages):
         tp, dp, mb = plan.stage_parallelism(i)
         budget = gpu_budget_bytes(cluster)
-        st = Setting(model, cluster, runtime, interference, tp, dp, mb, budget, S, sp=plan.sequence_parallel)
+        st = Setting(model, cluster, runtime, interference, tp, dp, mb, budget, S, sp=plan.sequence_parallel,
+                     grad_accumulation=grad_accumulation)  # fmt: skip
         ln = layer_numbers(st)
         grid = {k: np.array([float(getattr(s, k))]) for k in STRATEGY_FIELDS}
         edge = None if plan.pre_post is None else {k: float(getattr(plan.pre_post, k)) for k in EDGE_FIELDS}

@@ -29,7 +29,7 @@ import numpy as np
 
 from ..model.interference import Interference
 from ..model.runtime import RuntimeModel, cpu_adam_params_per_s
-from ..model.specs import ClusterSpec, ModelSpec
+from ..model.specs import GRAD_ACCUMULATION, ClusterSpec, GradAccumulation, ModelSpec
 from ..model.symbolic import head_costs, layer_costs, value
 
 # A stage's strategy, as StagePlan fields and strategy_grid columns
@@ -63,6 +63,8 @@ class Setting:
     memory_budget: int  # usable bytes per GPU
     stages: int
     sp: bool = True  # sequence parallelism with TP (Megatron's default with TP)
+    # how the engine running the plan accumulates gradients over micro-batches
+    grad_accumulation: GradAccumulation = GRAD_ACCUMULATION["megatron-core"]
 
     @property
     def sequence_parallel(self) -> bool:
@@ -226,6 +228,15 @@ def evaluate_stage(
         compute = compute + ln.head_fwd + ln.head_bwd
     if first:
         compute = compute + ln.embed_fwd + ln.embed_bwd
+    # adding the micro-batch's weight gradients into the accumulated ones (ZeRO-2/3: into this
+    # rank's shard), an elementwise add priced by the fitted residual-add line
+    local_grads = layers * ln.params * np.where(z >= 2, 1 / d, 1.0) + edge_params * np.where(
+        ez >= 2, 1 / d, 1.0
+    )
+    acc = st.grad_accumulation
+    add_line = st.runtime.curve("dropout_add")[0]
+    added = acc.bytes_per_param * local_grads
+    compute = compute + acc.adds_per_micro_batch(grad_accum) * np.where(added > 0, add_line(added), 0.0)
     across = st.tp * d > cl.gpus_per_node  # DP groups (stride t) leave the node
     layer_w_full, edge_w_full = 2.0 * ln.params, 2.0 * edge_params
     g2g = 0.0

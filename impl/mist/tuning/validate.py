@@ -27,7 +27,7 @@ from pathlib import Path
 from measure.units import MiB
 
 from ..model.profile_data import ARTIFACT_DATA
-from ..model.specs import ClusterSpec, ModelSpec, cluster
+from ..model.specs import GRAD_ACCUMULATION, ClusterSpec, GradAccumulation, ModelSpec, cluster
 from ..plan import Plan, PrePostPlan, StagePlan
 
 MEASURED_RUNS = ARTIFACT_DATA / "measured-runs"
@@ -47,6 +47,7 @@ class MeasuredRun:
     plan: Plan
     iteration_s: float
     stage_memory_bytes: tuple[float, ...] | None  # peak allocated per stage, when measured
+    grad_accumulation: GradAccumulation  # how the engine that ran it accumulates gradients
     notes: str = ""
 
 
@@ -131,7 +132,8 @@ def _mist_cases(data: dict, path: Path) -> list[MeasuredRun]:
             )
         memory = tuple(mib * MiB for mib in case["measured"]["stage_peak_allocated_MB"])
         out.append(MeasuredRun(case["case"], path.name, model, cluster(gpu, gpus, case["gpus_per_node"]), p,
-                               case["measured"]["iteration_s"], memory))  # fmt: skip
+                               case["measured"]["iteration_s"], memory,
+                               GRAD_ACCUMULATION["mist"]))  # fmt: skip
     return out
 
 
@@ -171,6 +173,7 @@ def _megatron_runs(data: dict, path: Path) -> list[MeasuredRun]:
         )
         seconds = statistics.fmean(run["measured_iteration_ms"]) / 1e3
         out.append(MeasuredRun(run["config"], path.name, model, cluster(gpu, gpus, 8), plan, seconds, None,
+                               GRAD_ACCUMULATION["megatron-lm"],
                                "Megatron-LM defaults assumed: dropout 0.1, no FlashAttention"))  # fmt: skip
     return out
 
@@ -205,7 +208,7 @@ def validate(runs: list[MeasuredRun]) -> list[Validation]:
 
     out = []
     for run in runs:
-        plan = predict(run.plan, run.model, run.cluster)
+        plan = predict(run.plan, run.model, run.cluster, grad_accumulation=run.grad_accumulation)
         memory = tuple(s.memory_gib * 2**30 for s in plan.stages)
         out.append(Validation(run, plan.predicted_iteration_s, plan.simulated_iteration_s, memory))
     return out
