@@ -29,7 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .gemm import DEFAULT_TILING, Tiling, launch_stage, new_status, raise_if_gave_up
+from .gemm import launch_stage, new_status, raise_if_gave_up
+from .tiling import DEFAULT_TILING, Tiling
 
 
 @dataclass

@@ -19,7 +19,8 @@ import torch.multiprocessing as mp
 from measure.parallel import die_with_parent
 
 from .chain import ChainStage, PeerBuffers, shared_buffers
-from .gemm import WAIT_TIMEOUT_S, StageTimeout, Tiling
+from .gemm import WAIT_TIMEOUT_S, StageTimeout
+from .tiling import Tiling
 
 _WATCHDOG_S = 0.2
 _REPORT = ("gave_up", "tile", "row_block", "column_block", "seen", "target")  # a rank's StageTimeout

@@ -12,12 +12,10 @@ them in step: a wait target can only be met by the call's own producer tiles.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
-import triton
 
 from .kernels import ACTIVATIONS, STATUS_WORDS, stage_kernel, ticket_mlp_kernel
+from .tiling import DEFAULT_TILING, Tiling
 
 WAIT_TIMEOUT_S = 5.0
 """Default bound, in seconds of wall-clock time, on one consumer tile's wait for its ready counter.
@@ -78,32 +76,6 @@ def raise_if_gave_up(
     status.zero_()
     timeout = WAIT_TIMEOUT_S if timeout_s is None else timeout_s
     raise StageTimeout(stage, tile - 1, row, col, seen, target, gave_up, timeout, max_spins, tile_kind)
-
-
-@dataclass(frozen=True)
-class Tiling:
-    """Tile shape of every kernel. GPU default: 128 x 128 x 64 (H100/H200-class tensor cores)."""
-
-    block_m: int = 128
-    block_n: int = 128
-    block_k: int = 64
-
-    def __post_init__(self) -> None:
-        for name in ("block_m", "block_n", "block_k"):
-            v = getattr(self, name)
-            if v < 16 or v & (v - 1):
-                raise ValueError(f"{name} must be a power of two >= 16 (tl.dot), got {v}")
-
-    def launch_options(self) -> dict:
-        """Warps and pipeline stages: 8 warps for 128 x 128 tiles and up (tensor-core GEMM practice)."""
-        return {"num_warps": 8 if self.block_m * self.block_n >= 128 * 128 else 4, "num_stages": 3}
-
-    def tiles(self, m: int, n: int) -> tuple[int, int]:
-        return triton.cdiv(m, self.block_m), triton.cdiv(n, self.block_n)
-
-
-DEFAULT_TILING = Tiling()
-INTERPRETER_TILING = Tiling(16, 16, 16)  # small tiles: many CTAs even at test sizes
 
 
 def _check_act(act: str) -> int:

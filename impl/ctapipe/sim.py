@@ -2,7 +2,8 @@
 back-to-back GEMMs, micro-batching and tensor parallelism.
 
 The workload (CTA-pipelining's): L layers Y_{l+1} = Y_l W_l with D x D weights, M rows, one
-layer per GPU (L = N). A GEMM is tiles of BLOCK_M x BLOCK_N; a tile with K-deep inputs takes
+layer per GPU (L = N). A GEMM is tiles of BLOCK_M x BLOCK_N (cuBLAS's for library GEMMs, the CTA
+kernels' own ``ctapipe.tiling`` for CTA tiles); a tile with K-deep inputs takes
 2 BLOCK_M BLOCK_N K / (peak x efficiency / SMs) on one SM, and a kernel runs its tiles in waves
 over the SMs (wave and tile quantisation included).
 
@@ -33,6 +34,8 @@ import math
 from dataclasses import asdict, dataclass, field
 
 from measure.datasheets import DATASHEETS
+
+from .tiling import DEFAULT_TILING, Tiling
 
 US = 1e-6
 
@@ -100,12 +103,17 @@ HARDWARE = {h.name: h for h in (H200, B200)}
 
 @dataclass(frozen=True)
 class Chain:
+    """The workload, and the tiles each kind of kernel runs: cuBLAS's (back-to-back, micro-batched
+    and tensor-parallel GEMMs; 128 x 256, the shape its Hopper BF16 kernels use for large GEMMs) and
+    the CTA kernels' own (``ctapipe.tiling``: what ``TicketMLP`` and the chain stages launch)."""
+
     m: int
     width: int = 8192
     layers: int = 2
     dtype_bytes: int = 2
-    block_m: int = 128
+    block_m: int = 128  # cuBLAS tile
     block_n: int = 256
+    cta: Tiling = DEFAULT_TILING
 
     def __post_init__(self) -> None:
         if self.m < 1 or self.width < 1 or self.layers < 1:
@@ -113,10 +121,16 @@ class Chain:
 
     @property
     def row_blocks(self) -> int:
-        return -(-self.m // self.block_m)
+        """Row blocks of a CTA kernel: the unit a consumer waits for."""
+        return self.cta.tiles(self.m, 1)[0]
 
     def col_tiles(self, n: int) -> int:
+        """Column tiles of a cuBLAS GEMM with n output columns."""
         return -(-n // self.block_n)
+
+    def cta_col_tiles(self, n: int) -> int:
+        """Column tiles of a CTA kernel with n output columns."""
+        return self.cta.tiles(1, n)[1]
 
 
 def kernel_s(hw: Hardware, rows: int, n: int, k: int, chain: Chain) -> float:
@@ -210,14 +224,15 @@ def cta_pipelined(hw: Hardware, chain: Chain) -> float:
     """One layer per GPU, every kernel launched at once, tiles waiting on upstream row blocks."""
     d = chain.width
     ready = dict.fromkeys(range(chain.row_blocks), 0.0)  # layer 0 reads X: ready at once
-    tile = hw.tile_s(d, chain.block_m, chain.block_n, chain.m)  # one persistent kernel over all M rows
-    tile_bytes = chain.block_m * chain.block_n * chain.dtype_bytes
+    cta = chain.cta
+    tile = hw.tile_s(d, cta.block_m, cta.block_n, chain.m)  # one persistent kernel over all M rows
+    tile_bytes = cta.block_m * cta.block_n * chain.dtype_bytes
     end = 0.0
     for _layer in range(chain.layers):
         gpu = _Gpu(hw.sms, hw.launch_s)
         ends: dict[int, list[float]] = {}
         for i in range(chain.row_blocks):
-            ends[i] = [gpu.run(ready[i], tile) for _ in range(chain.col_tiles(d))]
+            ends[i] = [gpu.run(ready[i], tile) for _ in range(chain.cta_col_tiles(d))]
         end = max(max(e) for e in ends.values())
         ready = _visible(hw, ends, tile_bytes)
     return end
@@ -229,8 +244,9 @@ def cta_with_tp(hw: Hardware, chain: Chain, tp: int = 2) -> float:
     d, b = chain.width, chain.dtype_bytes
     if tp != 2 or chain.layers % 2 or d % tp:
         raise ValueError(f"CTA + TP models pairs of layers on 2 GPUs; got tp={tp}, {chain.layers} layers")
-    col_tile = hw.tile_s(d, chain.block_m, chain.block_n, chain.m)
-    row_tile = hw.tile_s(d // tp, chain.block_m, chain.block_n, chain.m)
+    cta = chain.cta
+    col_tile = hw.tile_s(d, cta.block_m, cta.block_n, chain.m)
+    row_tile = hw.tile_s(d // tp, cta.block_m, cta.block_n, chain.m)
     ready = dict.fromkeys(range(chain.row_blocks), 0.0)
     end = 0.0
     for _stage in range(chain.layers // 2):
@@ -239,14 +255,14 @@ def cta_with_tp(hw: Hardware, chain: Chain, tp: int = 2) -> float:
         # ticket order: row block i's column tiles, then row block i-1's row tiles (local dependency)
         for i in range(chain.row_blocks + 1):
             if i < chain.row_blocks:
-                col_done[i] = max(gpu.run(ready[i], col_tile) for _ in range(chain.col_tiles(d // tp)))
+                col_done[i] = max(gpu.run(ready[i], col_tile) for _ in range(chain.cta_col_tiles(d // tp)))
             if i >= 1:
                 r = i - 1
-                out_done[r] = max(gpu.run(col_done[r], row_tile) for _ in range(chain.col_tiles(d)))
+                out_done[r] = max(gpu.run(col_done[r], row_tile) for _ in range(chain.cta_col_tiles(d)))
         # each row block's partial sums all-reduced over the pair, as its tiles finish (link queue)
         link = 0.0
         for r in sorted(out_done, key=out_done.get):
-            link = max(link, out_done[r]) + hw.all_reduce_s(chain.block_m * d * b, tp)
+            link = max(link, out_done[r]) + hw.all_reduce_s(cta.block_m * d * b, tp)
             out_done[r] = link
         end = max(out_done.values())
         ready = {r: t + hw.flag_latency_s for r, t in out_done.items()}

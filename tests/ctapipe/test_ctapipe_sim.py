@@ -36,8 +36,8 @@ def test_one_layer_cta_is_one_kernel_in_waves():
     hw, chain = _draw()
     chain = dataclasses.replace(chain, layers=1)
     d = chain.width
-    waves = math.ceil(chain.row_blocks * chain.col_tiles(d) / hw.sms)
-    expected = hw.launch_s + waves * hw.tile_s(d, chain.block_m, chain.block_n)
+    waves = math.ceil(chain.row_blocks * chain.cta_col_tiles(d) / hw.sms)
+    expected = hw.launch_s + waves * hw.tile_s(d, chain.cta.block_m, chain.cta.block_n)
     assert sim.cta_pipelined(hw, chain) == pytest.approx(expected, rel=1e-12)
 
 
@@ -143,3 +143,21 @@ def test_the_model_prices_the_chunkings_the_baseline_runs():
     small = sim.Chain(m=64)
     latency, chunk = sim.best_microbatched(sim.H200, small)
     assert chunk == 64 and latency == sim.microbatched(sim.H200, small, 64)
+
+
+def test_cta_tiles_are_priced_at_the_kernels_tile_size():
+    """One tile configuration: the latency model's CTA tiles are the kernels' (``ctapipe.tiling``),
+    library GEMMs keep cuBLAS's. Negative control: a model with another CTA tile prices otherwise."""
+    from ctapipe import Tiling
+    from ctapipe.tiling import DEFAULT_TILING
+
+    _, chain = _draw()
+    assert sim.Chain(chain.m).cta == DEFAULT_TILING
+    assert (chain.block_m, chain.block_n) == (128, 256)
+    # one row block, fewer tiles than SMs: one wave, so the latency is one tile's time
+    narrow = sim.Chain(128, 8192, layers=1)
+    wider = dataclasses.replace(narrow, cta=Tiling(128, 256, 64))
+    assert narrow.cta_col_tiles(8192) == 2 * wider.cta_col_tiles(8192) == 64 < sim.H200.sms
+    one_tile = sim.cta_pipelined(sim.H200, narrow) - sim.H200.launch_s
+    assert one_tile == pytest.approx(sim.H200.tile_s(8192, 128, 128, 128), rel=1e-12)
+    assert sim.cta_pipelined(sim.H200, wider) - sim.H200.launch_s == pytest.approx(2 * one_tile, rel=1e-12)
