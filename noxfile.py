@@ -11,11 +11,14 @@ outside its tolerance. ``-- --update-reference`` makes the run the committed ref
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import os
+import re
+import shutil
 import subprocess
 import sys
-import tempfile
+import urllib.request
 from pathlib import Path
 
 import nox
@@ -99,64 +102,85 @@ def figures(session: nox.Session) -> None:
         _run(session, str(script), *session.posargs)
 
 
-# The GPU part of tempo_bert that fits gpu_check's time: three models on an emulated 16 GB GPU.
-GPU_THROUGHPUT = (
-    "--parts", "throughput", "--scale", "paper",
-    "--cases", "bert-large/512", "roberta-large/512", "gpt2-medium/1024",
-    "--configs", "hf-eager", "hf-sdpa", "tempo", "tempo+sdpa",
-)  # fmt: skip
-
-
 @nox.session
 def gpu_check(session: nox.Session) -> None:
     """Every GPU test and micro-benchmark, then Tempo's measured max batch and throughput,
-    Mist's single-GPU engine check and CTA-pipelining's single-GPU part, in one run (needs CUDA).
-    Results with machine and commit info go under artifacts/*/results/, resumable: a rerun
-    skips the points already measured. GPU_CHECK_PARTS=tests,tempo,mist,cta (default: all) runs
-    some of them, to split the check over calls. GPU_CHECK_DRY_RUN=1: the same on CPU at tiny
-    scale, results to a temp dir."""
-    parts = set(os.environ.get("GPU_CHECK_PARTS", "tests,tempo,mist,cta").split(","))
-    if parts - {"tests", "tempo", "mist", "cta"}:
-        session.error(f"GPU_CHECK_PARTS: unknown {sorted(parts - {'tests', 'tempo', 'mist', 'cta'})}; "
-                      "accepted: tests, tempo, mist, cta")  # fmt: skip
-    probe = "import sys, torch; sys.exit(not torch.cuda.is_available())"
-    if subprocess.run([_venv_python(), "-c", probe]).returncode != 0:
-        if not os.environ.get("GPU_CHECK_DRY_RUN"):
-            session.error(
-                "gpu_check needs a CUDA device (GPU_CHECK_DRY_RUN=1: a CPU dry run, results to a temp dir)"
-            )
-        tmp = Path(tempfile.mkdtemp())
-        bench, tempo_results, device = tmp / "pytest-benchmark" / "gpu.json", tmp, "cpu"
-        throughput = ("--parts", "throughput", "--cases", "bert-mini/32", "--configs", "hf-eager", "tempo",
-                      "--gpu-mem", "48MiB")  # fmt: skip
-    else:
-        # git-ignored; in a subfolder: pytest-benchmark's format is not a result file's
-        bench = ROOT / "artifacts" / "tempo_layer" / "results" / "pytest-benchmark" / "gpu.json"
-        tempo_results = ROOT / "artifacts" / "tempo_bert" / "results"
-        device, throughput = "cuda", GPU_THROUGHPUT
-    if "tests" in parts:
-        bench.parent.mkdir(parents=True, exist_ok=True)  # pytest-benchmark does not create it
-        _run(
-            session, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-            "tests/test_gpu.py", "tests/measure/test_oom.py", "tests/tempo/test_kernels.py",
-            "tests/tempo/test_bench_ops.py", "tests/ctapipe/test_ctapipe_kernels.py",
-            "--benchmark-enable", f"--benchmark-json={bench}", *session.posargs,
-        )  # fmt: skip
-    if "tempo" in parts:
-        _run(
-            session, "-m", "artifacts.tempo_bert.run", *throughput,
-            "--device", device, "--results", str(tempo_results),
-        )  # fmt: skip
-    if "mist" in parts:
-        # `mist profile` on the device, then single-GPU plans (no/half/full recompute, optimizer or
-        # activation offloading) trained by megatron-core, memory and time against the prediction.
-        engine = ["--cpu-dry-run", "--results", str(tempo_results)] if device == "cpu" else []
-        _run(session, "-m", "artifacts.mist_vs_megatron.engine", *engine)
-    if "cta" in parts:
-        # CTA-pipelining: kernels at GPU sizes, single-GPU emulation, throughput vs cuBLAS, measured
-        # simulator parameters (its kernel tests ran with the other tests).
-        cta = ["--gpu-dry-run", "--results", str(tempo_results)] if device == "cpu" else []
-        _run(session, "-m", "artifacts.cta_mlp.run", "--parts", "kernels", "gpu", "--device", device, *cta)
+    CTA-pipelining's single-GPU part and Mist's single-GPU engine check, in one run of at most 9
+    minutes (needs CUDA): ``python -m artifacts.gpu_check``, which this wraps (it also runs
+    without nox: the GPU machine has none). Parts in priority order, each with its own time budget
+    and a hard timeout; a status file records each part's outcome and a rerun does the parts not
+    yet passed. ``-- --dry-run``: the same on CPU at tiny sizes, results to a temp dir;
+    ``-- --parts tempo mist``, ``-- --redo``, ``-- --help``."""
+    _run(session, "-m", "artifacts.gpu_check", *session.posargs)
+
+
+# What the lent GPU machine has (artifacts/gpu_check.py's docstring): the tests run against these
+# before a GPU round. The other pins come from pyproject.toml.
+COMPAT_PINS = {
+    "torch": "2.11.0", "triton": "3.6.0", "transformers": "5.17.0", "tokenizers": "0.23.2", "numpy": "2.5.2",
+}  # fmt: skip
+COMPAT_PYTHON = "3.12"  # the GPU machine's
+COMPAT_VENV = ROOT / ".nox" / "compat"
+TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
+
+
+def _compat_requirements() -> list[str]:
+    """pyproject.toml's pins (dependencies and the test extra), the GPU machine's versions instead
+    where they differ."""
+    import tomllib  # Python 3.11+, only here
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    out = []
+    for requirement in [*project["dependencies"], *project["optional-dependencies"]["test"]]:
+        spec, _, marker = requirement.partition(";")
+        name = re.split(r"[=<>!~\[ ]", spec, maxsplit=1)[0].strip().lower()
+        if name in COMPAT_PINS:
+            spec = f"{name}=={COMPAT_PINS[name]}"
+        out.append(f"{spec.strip()}; {marker.strip()}" if marker else spec.strip())
+    return out
+
+
+def _compat_interpreter(session: nox.Session) -> str:
+    """Python 3.12 as on the GPU machine (COMPAT_PYTHON_EXE=path to choose), else this one."""
+    pyenv = glob.glob(os.path.expanduser(f"~/.pyenv/versions/{COMPAT_PYTHON}*/bin/python3"))
+    candidates = [os.environ.get("COMPAT_PYTHON_EXE"), shutil.which(f"python{COMPAT_PYTHON}"), *sorted(pyenv)]
+    for exe in filter(None, candidates):
+        probe = subprocess.run([exe, "-c", "pass"], capture_output=True, timeout=60)
+        if probe.returncode == 0:
+            return exe
+    session.warn(f"no working python{COMPAT_PYTHON}: the compat venv uses {sys.executable} instead")
+    return sys.executable
+
+
+@nox.session
+def compat(session: nox.Session) -> None:
+    """The fast CPU tests (``-m "not gpu and not slow"``) against the GPU machine's versions
+    (torch 2.11.0, triton 3.6.0, transformers 5.17.0, ...; COMPAT_PINS), in their own venv
+    (.nox/compat, reinstalled only when the pins change). torch comes from its CPU index where that
+    is reachable, else from PyPI (a CUDA build: several GB, once). ``-- ARGS`` go to pytest."""
+    requirements = _compat_requirements()
+    python = COMPAT_VENV / "bin" / "python"
+    stamp = COMPAT_VENV / "installed-from.sha256"
+    if not python.exists():
+        session.run(_compat_interpreter(session), "-m", "venv", str(COMPAT_VENV), external=True)
+    digest = hashlib.sha256("\n".join(requirements).encode()).hexdigest()
+    if not stamp.exists() or stamp.read_text().strip() != digest:
+        try:
+            urllib.request.urlopen(f"{TORCH_CPU_INDEX}/torch/", timeout=15).close()
+            index = ["--extra-index-url", TORCH_CPU_INDEX]  # 2.11.0+cpu sorts above PyPI's 2.11.0
+        except OSError as e:
+            session.warn(f"{TORCH_CPU_INDEX} not reachable ({e}): torch from PyPI (a CUDA build)")
+            index = []
+        torch = next(r for r in requirements if r.startswith("torch=="))
+        session.run(str(python), "-m", "pip", "install", "-q", *index, torch, external=True)
+        session.run(str(python), "-m", "pip", "install", "-q", *requirements, external=True)
+        stamp.write_text(digest)
+    versions = "import sys, torch, triton, transformers as t, numpy as n; print('compat:', sys.version[:6], "
+    versions += "torch.__version__, triton.__version__, t.__version__, n.__version__)"
+    session.run(str(python), "-c", versions, external=True)
+    env = {"PYTHONPATH": f"{ROOT / 'impl'}{os.pathsep}{ROOT}"}  # the repo's packages, uninstalled, as there
+    session.run(str(python), "-m", "pytest", "-p", "no:cacheprovider", "-m", "not gpu and not slow",
+                *session.posargs, external=True, env=env)  # fmt: skip
 
 
 @nox.session

@@ -1,0 +1,532 @@
+"""The GPU check in one command of at most 9 minutes: ``python3 -m artifacts.gpu_check``.
+
+Parts, in priority order; each runs as its own process group with its own time budget (seconds
+on the GPU, in the dry run) and is killed at it, or when this process dies:
+
+  kernels  90 / 120  the GPU tests and micro-benchmarks: tests/test_gpu.py, the OOM detector, Tempo's
+                     kernels and op benchmarks (pytest-benchmark JSON), CTA-pipelining's kernels with
+                     the concurrent chain and its negative control
+  tempo   180 /  90  artifacts.tempo_bert.run throughput: BERT-Large/512, RoBERTa-large/512 and GPT-2
+                     medium/1024 under an emulated 16 GB, HF eager/SDPA vs Tempo(+SDPA), each at its
+                     measured max batch
+  cta     120 /  90  artifacts.cta_mlp.run --parts kernels gpu: the kernels at GPU sizes, the
+                     single-GPU emulation, throughput vs cuBLAS, the simulator's measured parameters
+  mist    150 / 150  artifacts.mist_vs_megatron.engine: `mist profile` on the device, then
+                     single-GPU plans trained by megatron-core, measured against the prediction
+
+It runs as it is on the lent GPU machine (python3 with torch, no nox, no network): the repo's
+packages are put on the path (impl/ and the root, here and in every subprocess), and the wheels in
+``.whl/`` (``python3 -m artifacts.gpu_wheels`` fetches them here) of packages not installed are
+installed into a temporary folder first, which the subprocesses also get on their path.
+
+Writes into ``--out`` (default artifacts/gpu_check/results/, git-ignored): ``status.json``, each
+part's outcome (passed, failed, timed_out, interrupted, not_run), seconds, time budget, command and
+the provenance (device, driver, package versions, commit, date), and ``logs/<part>.log``. The
+parts write their results where their experiments keep them (artifacts/<experiment>/results/,
+which ``nox -s claims`` reads). A second call does the parts not yet passed (``--redo``: all
+again); each experiment itself resumes an interrupted run point by point (where the commit is
+known). ``--archive FILE.tar.gz`` packs all of it after every part (to bring it back).
+``--dry-run``: the same on CPU at tiny sizes (CUDA hidden), results under
+``--out`` (default: a new temp dir).
+
+Exit status: 0 every selected part passed, 1 one did not, 2 bad input (one line, before any work),
+130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as _dt
+import fcntl
+import functools
+import json
+import os
+import platform
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+IMPL = ROOT / "impl"
+for _path in (IMPL, ROOT):  # the repo's packages, without installing it
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
+
+from artifacts import gpu_wheels  # noqa: E402
+from artifacts.experiment import Experiment  # noqa: E402
+from measure.parallel import die_with_parent, sigterm_as_interrupt  # noqa: E402
+from measure.results import git_state, write_json_atomic  # noqa: E402
+
+DEFAULT_OUT = ROOT / "artifacts" / "gpu_check" / "results"
+STATUS = "status.json"
+FORMAT = 1
+DEFAULT_BUDGET_S = 540.0
+KILL_GRACE_S = 10.0  # SIGTERM, then this long to unwind (results stay resumable), then SIGKILL
+MIN_PART_S = 5.0  # a part given less than this is not started (not_run: the next call does it)
+SETUP_TIMEOUT_S = 180.0  # installing the wheels; the probe
+DONE = "passed"
+
+TEST_FILES = ("tests/test_gpu.py", "tests/measure/test_oom.py", "tests/tempo/test_kernels.py",
+              "tests/tempo/test_bench_ops.py", "tests/ctapipe/test_ctapipe_kernels.py")  # fmt: skip
+# The GPU part of tempo_bert that fits the time: three models on an emulated 16 GB GPU.
+GPU_THROUGHPUT = (
+    "--parts", "throughput", "--scale", "paper",
+    "--cases", "bert-large/512", "roberta-large/512", "gpt2-medium/1024",
+    "--configs", "hf-eager", "hf-sdpa", "tempo", "tempo+sdpa",
+)  # fmt: skip
+DRY_THROUGHPUT = ("--parts", "throughput", "--cases", "bert-mini/32", "--configs", "hf-eager", "tempo",
+                  "--gpu-mem", "48MiB")  # fmt: skip
+# The packages the parts import, checked before any part runs (a missing one: fetch its wheel).
+IMPORTS = ("torch", "triton", "transformers", "numpy", "scipy", "sympy", "yaml", "tqdm", "megatron.core",
+           "highspy", "pytest", "pytest_benchmark", "hypothesis")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Part:
+    name: str
+    budget_s: float  # on the GPU
+    dry_budget_s: float  # in the dry run (2 CPU cores)
+    experiment: str  # where its results go
+
+    def budget(self, dry: bool) -> float:
+        return self.dry_budget_s if dry else self.budget_s
+
+
+PARTS = (
+    Part("kernels", 90, 120, "tempo_layer"),
+    Part("tempo", 180, 90, "tempo_bert"),
+    Part("cta", 120, 90, "cta_mlp"),
+    Part("mist", 150, 150, "mist_vs_megatron"),
+)
+BY_NAME = {p.name: p for p in PARTS}
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """Bad input: one line on stderr (no usage block), exit status 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _utc_now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def results_dir(part: Part, out: Path, dry: bool) -> Path:
+    """Where ``part`` writes: under --out in the dry run, else its experiment's results folder."""
+    return out / part.experiment if dry else Experiment(part.experiment).results_dir
+
+
+def command(part: Part, out: Path, dry: bool) -> list[str]:
+    """The part's command line (this interpreter)."""
+    results = results_dir(part, out, dry)
+    device = "cpu" if dry else "cuda"
+    if part.name == "kernels":
+        # pytest-benchmark's format is not a result file's: in a subfolder of its own
+        quick = (
+            ["--benchmark-min-rounds=1", "--benchmark-max-time=0", "--benchmark-warmup=off"] if dry else []
+        )
+        return [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *TEST_FILES,
+                "--benchmark-enable", f"--benchmark-json={results / 'pytest-benchmark' / 'gpu.json'}", *quick,
+                f"--junitxml={out / 'logs' / 'kernels.xml'}"]  # fmt: skip
+    if part.name == "tempo":
+        throughput = DRY_THROUGHPUT if dry else GPU_THROUGHPUT
+        return [sys.executable, "-m", "artifacts.tempo_bert.run", *throughput, "--device", device,
+                "--results", str(results)]  # fmt: skip
+    if part.name == "cta":
+        dry_flag = ["--gpu-dry-run"] if dry else []
+        return [sys.executable, "-m", "artifacts.cta_mlp.run", "--parts", "kernels", "gpu",
+                "--device", device, *dry_flag, "--results", str(results)]  # fmt: skip
+    assert part.name == "mist", part
+    dry_flag = ["--cpu-dry-run"] if dry else []
+    return [sys.executable, "-m", "artifacts.mist_vs_megatron.engine", *dry_flag, "--results", str(results)]
+
+
+# ---------------------------------------------------------------- processes
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """SIGTERM to the part's process group, KILL_GRACE_S to unwind, then SIGKILL to whatever is
+    left of it (also when the leader has already exited)."""
+    for sig, wait_s in ((signal.SIGTERM, KILL_GRACE_S), (signal.SIGKILL, None)):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, sig)
+        if wait_s is not None and proc.poll() is None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=wait_s)
+    proc.wait(timeout=60)  # SIGKILLed: bounded in practice, bounded here in any case
+
+
+def run_bounded(
+    cmd: list[str], env: dict[str, str], timeout_s: float, log: Path, echo: bool
+) -> tuple[str, int]:
+    """Run ``cmd`` in a process group of its own that dies with this process; output to ``log``
+    (and, with ``echo``, to stdout as it comes). Returns (outcome, return code); killed at
+    ``timeout_s`` ("timed_out"); an interruption kills it and is raised."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    start = time.monotonic()
+    with open(log, "wb") as sink:
+        proc = subprocess.Popen(
+            cmd, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=sink, stderr=subprocess.STDOUT,
+            start_new_session=True, preexec_fn=functools.partial(die_with_parent, os.getpid()),
+        )  # fmt: skip
+    try:
+        with open(log, "rb") as source:
+            while True:
+                try:
+                    proc.wait(timeout=0.5)
+                    finished = True
+                except subprocess.TimeoutExpired:
+                    finished = False
+                if echo:
+                    while chunk := source.read(1 << 16):
+                        sys.stdout.buffer.write(chunk)
+                    sys.stdout.flush()
+                if finished:
+                    _kill_group(proc)  # nothing it started outlives it
+                    return ("passed" if proc.returncode == 0 else "failed"), proc.returncode
+                if time.monotonic() - start > timeout_s:
+                    _kill_group(proc)
+                    return "timed_out", proc.returncode
+    except BaseException:
+        _kill_group(proc)
+        raise
+
+
+# ---------------------------------------------------------------- setup
+
+
+def install_wheels(folder: Path, deadline: float) -> tuple[str | None, list[str]]:
+    """Install the wheels in ``folder`` of distributions not installed at that version into a
+    temporary folder; returns (that folder or None, the wheels installed)."""
+    todo = []
+    for wheel in gpu_wheels.wheels_in(folder):
+        name, version = gpu_wheels.wheel_dist(wheel)
+        try:
+            have = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            have = None
+        if have != version:
+            todo.append(wheel)
+    if not todo:
+        return None, []
+    target = tempfile.mkdtemp(prefix="gpu_check_site_")
+    cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+           "--no-cache-dir", "--target", target, *map(str, todo)]  # fmt: skip
+    timeout = max(1.0, min(SETUP_TIMEOUT_S, deadline - time.monotonic()))
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                          preexec_fn=functools.partial(die_with_parent, os.getpid()))  # fmt: skip
+    if done.returncode:
+        shutil.rmtree(target, ignore_errors=True)
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise SetupError(f"installing the wheels in {folder} failed: {last}")
+    return target, [w.name for w in todo]
+
+
+class SetupError(RuntimeError):
+    """The machine cannot run the check (no CUDA, a package missing): one line, before any part."""
+
+
+PROBE = """
+import importlib, json, sys
+missing = {}
+for name in sys.argv[1].split(","):
+    try:
+        importlib.import_module(name)
+    except Exception as e:
+        missing[name] = f"{type(e).__name__}: {e}"
+import torch
+from measure.results import device_description, package_versions
+device = "cuda" if torch.cuda.is_available() else "cpu"
+described = device_description(device)
+if device == "cuda":
+    props = torch.cuda.get_device_properties(0)
+    described.update(sms=props.multi_processor_count, capability=list(torch.cuda.get_device_capability(0)))
+print(json.dumps({"missing": missing, "device": described, "packages": package_versions()}))
+"""
+
+
+def probe(env: dict[str, str], deadline: float) -> dict[str, Any]:
+    """What the parts will see: the device, the package versions, any package they import that is
+    missing (in a subprocess: this process loads no torch)."""
+    timeout = max(1.0, min(SETUP_TIMEOUT_S, deadline - time.monotonic()))
+    try:
+        done = subprocess.run([sys.executable, "-c", PROBE, ",".join(IMPORTS)], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=timeout,
+                              preexec_fn=functools.partial(die_with_parent, os.getpid()))  # fmt: skip
+    except subprocess.TimeoutExpired:
+        raise SetupError(f"probing the machine (import torch) took over {timeout:.0f} s") from None
+    if done.returncode:
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise SetupError(f"probing the machine failed: {last}")
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    try:
+        smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30)  # fmt: skip
+        found["device"]["driver"] = smi.stdout.strip().splitlines()[0] if smi.returncode == 0 else None
+    except (OSError, subprocess.TimeoutExpired, IndexError):
+        found["device"]["driver"] = None
+    return found
+
+
+# ---------------------------------------------------------------- status and archive
+
+
+def read_status(path: Path, mode: str) -> dict[str, Any]:
+    """The status of earlier calls in this folder; a fresh one if none or from the other mode."""
+    if not path.exists():
+        return {"format": FORMAT, "mode": mode, "parts": {}}
+    try:
+        status = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise SetupError(f"{path}: not readable ({e}); move it aside to start afresh") from None
+    if (
+        not isinstance(status, dict)
+        or status.get("format") != FORMAT
+        or not isinstance(status.get("parts"), dict)
+    ):
+        raise SetupError(f"{path}: not a gpu_check status of format {FORMAT}; move it aside to start afresh")
+    if status.get("mode") != mode:
+        print(f"{path} is from a {status.get('mode')} run: starting afresh for this {mode} run", flush=True)
+        return {"format": FORMAT, "mode": mode, "parts": {}}
+    return status
+
+
+def write_archive(archive: Path, out: Path, folders: list[Path]) -> None:
+    """``out`` and the parts' result folders as one .tar.gz (paths relative to the repo root, or
+    under gpu_check/ for an --out outside it), written atomically."""
+
+    def arcname(path: Path) -> str:
+        path = path.resolve()
+        if path.is_relative_to(ROOT):
+            return str(path.relative_to(ROOT))
+        return str(Path("gpu_check") / path.relative_to(out.resolve()))
+
+    def keep(info: tarfile.TarInfo) -> tarfile.TarInfo | None:
+        return None if Path(info.name).name == ".lock" else info
+
+    archive.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=archive.parent, prefix=f".{archive.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        with tarfile.open(tmp, "w:gz") as tar:
+            inside = [f for f in folders if f.resolve().is_relative_to(out.resolve())]
+            for folder in dict.fromkeys([out, *(f for f in folders if f not in inside)]):
+                if folder.exists():
+                    tar.add(folder, arcname=arcname(folder), filter=keep)
+        os.replace(tmp, archive)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+# ---------------------------------------------------------------- the check
+
+
+def _timeouts(items: list[str]) -> dict[str, float]:
+    out = {}
+    for item in items:
+        name, _, seconds = item.partition("=")
+        if name not in BY_NAME:
+            raise ValueError(f"--timeout {item!r}: unknown part {name!r}; parts: {', '.join(BY_NAME)}")
+        try:
+            value = float(seconds)
+        except ValueError:
+            value = -1.0
+        if not value > 0:
+            raise ValueError(f"--timeout {item!r}: PART=SECONDS with SECONDS > 0")
+        out[name] = value
+    return out
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = OneLineParser(
+        prog="gpu_check", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--parts", nargs="+", choices=list(BY_NAME), default=list(BY_NAME),
+                    help="these parts only (run in priority order; default: all)")  # fmt: skip
+    ap.add_argument("--dry-run", action="store_true", help="on CPU at tiny sizes, results to a temp dir")
+    ap.add_argument("--out", type=Path, help=f"status and logs (default: {DEFAULT_OUT}; dry run: a temp dir)")
+    ap.add_argument("--redo", action="store_true", help="run the selected parts even if they passed before")
+    ap.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S,
+                    help=f"the call's time, setup included (default: {DEFAULT_BUDGET_S:.0f})")  # fmt: skip
+    ap.add_argument("--timeout", action="append", default=[], metavar="PART=SECONDS",
+                    help="a part's own budget instead of its default (repeatable)")  # fmt: skip
+    ap.add_argument("--archive", type=Path, help="also pack --out and the results into this .tar.gz")
+    ap.add_argument("--wheels", type=Path, default=gpu_wheels.WHEELS_DIR,
+                    help=f"wheels of missing packages (default: {gpu_wheels.WHEELS_DIR})")  # fmt: skip
+    ap.add_argument("--quiet", action="store_true", help="parts' output to their logs only")
+    args = ap.parse_args(argv)
+    if not args.budget_s > 0:
+        ap.error(f"--budget-s must be > 0, got {args.budget_s}")
+    try:
+        args.timeouts = _timeouts(args.timeout)
+        gpu_wheels.wheels_in(args.wheels)  # two versions of one package: refused now, not there
+    except ValueError as e:
+        ap.error(str(e))
+    if args.archive is not None and not args.archive.name.endswith((".tar.gz", ".tgz")):
+        ap.error(f"--archive must name a .tar.gz or .tgz file, got {args.archive}")
+    if args.out is not None and args.out.exists() and not args.out.is_dir():
+        ap.error(f"--out {args.out}: not a folder")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    started = time.monotonic()
+    args = parse_args(argv)
+    deadline = started + args.budget_s
+    mode = "dry-run" if args.dry_run else "cuda"
+    out = args.out or (Path(tempfile.mkdtemp(prefix="gpu_check_dry_run_")) if args.dry_run else DEFAULT_OUT)
+    out = out.resolve()
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        lock = open(out / ".lock", "w")  # noqa: SIM115 (held for the call)
+    except OSError as e:
+        print(f"gpu_check: error: --out {out}: {e}", file=sys.stderr)
+        return 2
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.close()
+        print(f"gpu_check: error: another gpu_check is writing to {out}; wait for it or use another --out",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    sigterm_as_interrupt()
+    site = None
+    try:
+        status_path = out / STATUS
+        status = read_status(status_path, mode)
+        selected = [p for p in PARTS if p.name in args.parts]  # priority order
+        todo = [p for p in selected if args.redo or status["parts"].get(p.name, {}).get("outcome") != DONE]
+        for p in selected:
+            if p not in todo:
+                print(f"[gpu_check] {p.name}: passed earlier ({status['parts'][p.name]['finished_utc']}); "
+                      "--redo runs it again", flush=True)  # fmt: skip
+        if not todo:
+            if args.archive:
+                write_archive(args.archive, out, [results_dir(p, out, args.dry_run) for p in selected])
+            return _summary(status, selected, out)
+        site, installed = install_wheels(args.wheels, deadline)
+        env = dict(os.environ)
+        path = [site] if site else []
+        env["PYTHONPATH"] = os.pathsep.join(
+            [*path, str(IMPL), str(ROOT), *filter(None, [env.get("PYTHONPATH")])]
+        )
+        env["PYTHONUNBUFFERED"] = "1"
+        if args.dry_run:  # the CPU even where a GPU is (the parts then pick Triton's interpreter)
+            env["CUDA_VISIBLE_DEVICES"] = ""
+        found = probe(env, deadline)
+        if found["missing"]:
+            names = "; ".join(f"{k} ({v})" for k, v in found["missing"].items())
+            raise SetupError(f"missing here: {names}; python3 -m artifacts.gpu_wheels fetches the wheels")
+        if not args.dry_run and found["device"]["device"] != "cuda":
+            raise SetupError(
+                "no CUDA device here (torch sees none); --dry-run: the same on CPU at tiny sizes"
+            )
+        provenance = {
+            "date_utc": _utc_now(), "host": platform.node(), "python": sys.executable, "git": git_state(ROOT),
+            "device": found["device"], "packages": found["packages"], "wheels_installed": installed,
+        }  # fmt: skip
+        where = found["device"].get("gpu") or found["device"]["cpu"]
+        print(f"[gpu_check] {mode} on {where}, torch {found['packages'].get('torch')}, "
+              f"commit {provenance['git']['commit']}; out: {out}", flush=True)  # fmt: skip
+        return _run_parts(args, todo, selected, status, status_path, out, env, deadline, provenance)
+    except SetupError as e:
+        print(f"gpu_check: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("[gpu_check] interrupted: the parts not yet passed run on the next call", file=sys.stderr)
+        return 130
+    finally:
+        if site:
+            shutil.rmtree(site, ignore_errors=True)
+        lock.close()
+
+
+def _run_parts(args, todo, selected, status, status_path, out, env, deadline, provenance) -> int:
+    dry = args.dry_run
+    folders = [results_dir(p, out, dry) for p in selected]
+    try:
+        for part in todo:
+            budget = args.timeouts.get(part.name, part.budget(dry))
+            left = deadline - time.monotonic() - KILL_GRACE_S
+            timeout = min(budget, left)
+            cmd = command(part, out, dry)
+            record: dict[str, Any] = {
+                "outcome": "running", "budget_s": budget, "timeout_s": round(timeout, 1), "command": cmd,
+                "log": f"logs/{part.name}.log", "results": str(results_dir(part, out, dry)),
+                "started_utc": _utc_now(), "finished_utc": None, "seconds": None, "returncode": None,
+                "provenance": provenance,
+            }  # fmt: skip
+            if left < MIN_PART_S:
+                record.update(
+                    outcome="not_run", reason=f"{left:.0f} s left of --budget-s {args.budget_s:.0f}"
+                )
+                status["parts"][part.name] = record
+                write_json_atomic(status_path, status)
+                print(
+                    f"[gpu_check] {part.name}: not run ({record['reason']}); the next call does it",
+                    flush=True,
+                )
+                continue
+            status["parts"][part.name] = record
+            write_json_atomic(status_path, status)  # a killed call leaves "running": not done
+            if part.name == "kernels":  # pytest-benchmark does not create its folder; no stale counts
+                (results_dir(part, out, dry) / "pytest-benchmark").mkdir(parents=True, exist_ok=True)
+                (out / "logs" / "kernels.xml").unlink(missing_ok=True)
+            print(f"[gpu_check] {part.name}: up to {timeout:.0f} s: {' '.join(cmd[1:])}", flush=True)
+            t0 = time.monotonic()
+            outcome, rc = "interrupted", None  # unless it returns
+            try:
+                outcome, rc = run_bounded(cmd, env, timeout, out / record["log"], echo=not args.quiet)
+            finally:
+                record.update(outcome=outcome, returncode=rc, seconds=round(time.monotonic() - t0, 1),
+                              finished_utc=_utc_now())  # fmt: skip
+                if part.name == "kernels":
+                    record["tests"] = _junit_counts(out / "logs" / "kernels.xml")
+                write_json_atomic(status_path, status)
+                if args.archive:
+                    write_archive(args.archive, out, folders)
+            print(f"[gpu_check] {part.name}: {outcome} in {record['seconds']:.0f} s", flush=True)
+    finally:
+        if args.archive:
+            write_archive(args.archive, out, folders)
+    return _summary(status, selected, out)
+
+
+def _junit_counts(path: Path) -> dict[str, int] | None:
+    """pytest's counts from its JUnit XML (tests, failures, errors, skipped), None if unreadable."""
+    import xml.etree.ElementTree as ET
+
+    try:
+        root = ET.parse(path).getroot()
+    except (OSError, ET.ParseError):
+        return None
+    suite = root if root.tag == "testsuite" else root.find("testsuite")
+    if suite is None:
+        return None
+    return {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
+
+
+def _summary(status: dict[str, Any], selected: list[Part], out: Path) -> int:
+    print(f"\n[gpu_check] status: {out / STATUS}")
+    ok = True
+    for part in selected:
+        r = status["parts"].get(part.name, {})
+        seconds = "" if r.get("seconds") is None else f"{r['seconds']:7.1f} s of {r['timeout_s']:.0f} s"
+        print(f"  {part.name:8} {r.get('outcome', 'not_run'):12} {seconds}")
+        ok &= r.get("outcome") == DONE
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,188 @@
+"""``python -m artifacts.gpu_check``: bad input refused in one line before any work, the dry run
+passes every part, a second call resumes (skips the parts that passed), a part past its timeout is
+killed with everything it started and reported timed out; the wheels for the GPU machine."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import time
+import uuid
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from artifacts import gpu_check, gpu_wheels
+
+REPO = Path(__file__).resolve().parents[1]
+PARTS = [p.name for p in gpu_check.PARTS]
+
+
+def _run(*args: str, tag: str = "", timeout: float = 400) -> subprocess.CompletedProcess:
+    env = {**os.environ, "GPU_CHECK_TEST_TAG": tag}
+    env.pop("PYTHONPATH", None)  # the entry point finds the repo's packages itself
+    return subprocess.run([sys.executable, "-m", "artifacts.gpu_check", *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout)  # fmt: skip
+
+
+def _tagged(tag: str) -> list[int]:
+    """Processes whose environment carries ``tag`` (a call and everything it started)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if f"GPU_CHECK_TEST_TAG={tag}".encode() in (entry / "environ").read_bytes().split(b"\0"):
+                    pids.append(int(entry.name))
+            except OSError:
+                continue
+    return pids
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--parts", "kernels", "tempp"], "invalid choice: 'tempp'"),
+        (["--timeout", "cuda=10"], "unknown part 'cuda'"),
+        (["--timeout", "mist=0"], "SECONDS > 0"),
+        (["--budget-s", "-5"], "--budget-s must be > 0"),
+        (["--archive", "results.zip"], ".tar.gz"),
+    ],
+)
+def test_bad_input_one_line_before_any_work(tmp_path, capsys, args, expected):
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as exit_:
+        gpu_check.main(["--dry-run", "--out", str(out), *args])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1 and expected in err, err
+    assert not out.exists()  # nothing was started or written
+
+
+def test_two_versions_of_a_wheel_are_refused_before_any_work(tmp_path, capsys):
+    wheels = tmp_path / "whl"
+    wheels.mkdir()
+    for version in ("0.16.0", "0.16.1"):
+        (wheels / f"megatron_core-{version}-cp312-cp312-manylinux_2_28_x86_64.whl").write_bytes(b"")
+    with pytest.raises(SystemExit) as exit_:
+        gpu_check.main(["--dry-run", "--out", str(tmp_path / "out"), "--wheels", str(wheels)])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1 and "two wheels of megatron-core" in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_wheel_list_is_pinned_and_parsed():
+    for name in gpu_wheels.MISSING_ON_DEVICE:
+        assert gpu_wheels.pinned(name)  # raises if pyproject.toml does not pin it
+    name = "megatron_core-0.16.1-cp312-cp312-manylinux_2_24_x86_64.manylinux_2_28_x86_64.whl"
+    assert gpu_wheels.wheel_dist(Path(name)) == ("megatron-core", "0.16.1")
+    with pytest.raises(ValueError, match="not a wheel"):
+        gpu_wheels.wheel_dist(Path("megatron_core-0.16.1.tar.gz"))
+
+
+def _demo_wheel(folder: Path, name: str, version: str) -> Path:
+    """A minimal pure-Python wheel: ``import {name}`` gives VALUE = 42."""
+    path = folder / f"{name}-{version}-py3-none-any.whl"
+    info = f"{name}-{version}.dist-info"
+    files = {
+        f"{name}/__init__.py": "VALUE = 42\n",
+        f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
+        f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
+    with zipfile.ZipFile(path, "w") as z:
+        for arc, text in files.items():
+            z.writestr(arc, text)
+        z.writestr(f"{info}/RECORD", "".join(f"{arc},,\n" for arc in files) + f"{info}/RECORD,,\n")
+    return path
+
+
+@pytest.mark.slow
+def test_wheels_install_into_a_temp_folder_only_when_missing(tmp_path):
+    wheels = tmp_path / "whl"
+    wheels.mkdir()
+    _demo_wheel(wheels, "gpu_check_demo", "0.1")
+    (wheels / "highspy-1.16.0-cp312-cp312-manylinux_2_28_x86_64.whl").write_bytes(b"")  # installed here
+    site, installed = gpu_check.install_wheels(wheels, time.monotonic() + 120)
+    try:
+        assert installed == ["gpu_check_demo-0.1-py3-none-any.whl"]  # highspy 1.16.0 is there already
+        code = "import gpu_check_demo; print(gpu_check_demo.VALUE)"
+        done = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": site},
+                              capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert done.stdout.strip() == "42", done.stderr
+    finally:
+        import shutil
+
+        shutil.rmtree(site, ignore_errors=True)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_dry_run_passes_every_part_and_resumes(tmp_path):
+    out, archive = tmp_path / "out", tmp_path / "gpu_check.tar.gz"
+    t0 = time.monotonic()
+    first = _run("--dry-run", "--out", str(out), "--archive", str(archive), "--quiet")
+    wall = time.monotonic() - t0
+    status = json.loads((out / "status.json").read_text())
+    outcomes = {name: status["parts"].get(name, {}).get("outcome") for name in PARTS}
+    assert first.returncode == 0 and outcomes == dict.fromkeys(PARTS, "passed"), (
+        f"{outcomes}\n{first.stdout[-3000:]}\n{first.stderr[-3000:]}"
+    )
+    print(f"dry run: {wall:.0f} s")
+    kernels = status["parts"]["kernels"]
+    assert kernels["tests"]["tests"] > 20 and kernels["tests"]["failures"] == kernels["tests"]["errors"] == 0
+    provenance = kernels["provenance"]
+    assert provenance["device"]["device"] == "cpu" and provenance["packages"]["torch"]
+    assert {"commit", "dirty"} <= set(provenance["git"]) and provenance["date_utc"]
+    for path in ("tempo_layer/pytest-benchmark/gpu.json", "tempo_bert/throughput_cpu.json",
+                 "cta_mlp/gpu_cpu.json", "mist_vs_megatron/engine.json", "logs/mist.log"):  # fmt: skip
+        assert (out / path).is_file(), path
+    with tarfile.open(archive) as tar:
+        names = tar.getnames()
+    assert "gpu_check/status.json" in names and "gpu_check/mist_vs_megatron/engine.json" in names, names
+
+    # a second call does nothing: every part passed
+    t0 = time.monotonic()
+    second = _run("--dry-run", "--out", str(out))
+    assert second.returncode == 0, second.stderr[-2000:]
+    assert time.monotonic() - t0 < 60
+    assert all(f"[gpu_check] {name}: passed earlier" in second.stdout for name in PARTS), second.stdout
+    assert json.loads((out / "status.json").read_text()) == status
+
+    # --redo runs the named part again, and only it
+    third = _run("--dry-run", "--out", str(out), "--parts", "cta", "--redo", "--quiet")
+    assert third.returncode == 0, third.stderr[-2000:]
+    again = json.loads((out / "status.json").read_text())["parts"]
+    assert (
+        again["cta"]["outcome"] == "passed"
+        and again["cta"]["started_utc"] >= status["parts"]["cta"]["finished_utc"]
+    )
+    assert {k: again[k] for k in PARTS if k != "cta"} == {k: status["parts"][k] for k in PARTS if k != "cta"}
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_part_past_its_timeout_is_killed_and_reported(tmp_path):
+    """The kernels part takes ~30 s here; given 4 s it is killed (with everything it started), the
+    call goes on to the next part and says which timed out; the next call runs it again."""
+    tag, out = uuid.uuid4().hex, tmp_path / "out"
+    t0 = time.monotonic()
+    done = _run(
+        "--dry-run", "--out", str(out), "--parts", "kernels", "--timeout", "kernels=4", "--quiet", tag=tag
+    )
+    wall = time.monotonic() - t0
+    assert done.returncode == 1, done.stderr[-2000:]
+    record = json.loads((out / "status.json").read_text())["parts"]["kernels"]
+    assert record["outcome"] == "timed_out" and record["timeout_s"] == 4, record
+    assert record["seconds"] < 4 + gpu_check.KILL_GRACE_S + 5 and wall < 90, (record, wall)
+    assert "kernels  timed_out" in done.stdout
+    deadline = time.monotonic() + 20
+    while _tagged(tag) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _tagged(tag), f"left behind: {_tagged(tag)}"
+    # not done: the next call starts it again
+    again = _run("--dry-run", "--out", str(out), "--parts", "kernels", "--timeout", "kernels=3", "--quiet")
+    assert "passed earlier" not in again.stdout and again.returncode == 1
+    rerun = json.loads((out / "status.json").read_text())["parts"]["kernels"]
+    assert rerun["outcome"] == "timed_out" and rerun["started_utc"] >= record["finished_utc"], rerun
