@@ -9,7 +9,9 @@ optimizer state and activations -- is evaluated at once as numpy arrays:
   on the compute stream; per layer, the prefetch of sharded (ZeRO-3) or offloaded weights for
   the next layer, activation swap-out/in and per-micro-batch gradient traffic run on the
   GPU<->GPU, device->host and host->device channels behind it. The stage takes the longest of
-  the four, each slowed by the others running at the same time (``Interference``).
+  the four, each slowed by the others running at the same time (``Interference``). Compute
+  includes adding the micro-batch's weight gradients into the accumulated ones, as the engine
+  that runs the plan does it (``Setting.grad_accumulation``).
 * extra: the work only the first and last micro-batch do: gradient synchronisation across DP
   (all-reduce, or reduce-scatter + all-gather under ZeRO), the optimizer step on GPU and, for
   offloaded optimizer state, on the CPU (with the copies it needs).
