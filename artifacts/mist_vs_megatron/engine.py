@@ -129,6 +129,7 @@ def engine_key(setup: EngineSetup, name: str) -> dict:
 def run_engine(run: Run, setup: EngineSetup) -> ResultFile:
     import torch
 
+    from mist import model as model_spec
     from mist.engine.profiler import write_collectives, write_profiles
     from mist.model.calibrate import calibrate
 
@@ -139,7 +140,8 @@ def run_engine(run: Run, setup: EngineSetup) -> ResultFile:
             profiles, prof = Path(tmp) / "profiles", setup.profile
             dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[prof["dtype"]]
             shape = (prof["hidden"], prof["heads"], prof["seq"], prof["micro_batches"], prof["tps"])
-            write_profiles(profiles, setup.device, *shape, dtype, setup.gpu, repeats=5)
+            vocab = model_spec(setup.model).vocab  # the embedding and head rows at the model's vocabulary
+            write_profiles(profiles, setup.device, *shape, dtype, setup.gpu, repeats=5, vocab=vocab)
             if setup.processes > 1:  # this machine's collectives, measured (gloo on a CPU)
                 write_collectives(profiles, setup.processes, setup.device)
             fit = next(iter(calibrate(profiles).values()))

@@ -263,10 +263,12 @@ def cmd_profile(args) -> int:
     for tp in args.tp:
         if args.heads % tp:
             raise ValueError(f"--tp {tp} must divide --heads {args.heads}")
+        if args.vocab is not None and args.vocab % tp:
+            raise ValueError(f"--tp {tp} must divide --vocab {args.vocab}")
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
     files = write_profiles(
         Path(args.out), args.device, args.hidden, args.heads, args.seq, args.micro_batches, args.tp, dtype,
-        args.name, args.repeats, progress=lambda line: print("  " + line, flush=True),
+        args.name, args.repeats, progress=lambda line: print("  " + line, flush=True), vocab=args.vocab,
     )  # fmt: skip
     for n in args.collectives:
         written = write_collectives(Path(args.out), n, args.device, args.repeats)
@@ -378,6 +380,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq", type=int, default=512)
     p.add_argument("--micro-batches", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--tp", type=int, nargs="+", default=[1])
+    p.add_argument(
+        "--vocab", type=_positive,
+        help="also profile megatron-core's embedding, final norm and head + loss at this vocabulary "
+        "(what the embedding and loss curves are fitted to)",
+    )  # fmt: skip
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument(
         "--collectives", type=int, nargs="*", default=[], metavar="N",

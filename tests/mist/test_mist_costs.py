@@ -192,11 +192,24 @@ def test_profile_command_writes_what_calibrate_fits(tmp_path):
 
     from mist.engine.profiler import write_profiles as write
     from mist.model.calibrate import calibrate
-    from mist.model.profile_data import FRAMEWORK_OP, read_layer_profiles
+    from mist.model.profile_data import (
+        EMBEDDING_OP,
+        FINAL_NORM_OP,
+        FRAMEWORK_OP,
+        HEAD_OP,
+        read_layer_profiles,
+    )
 
-    files = write(tmp_path, "cpu", 64, 4, 32, [1, 2, 4], [1, 2], torch.float32, "cpu", repeats=2)
+    vocab = int(np.random.default_rng().choice([128, 256, 512]))
+    before = torch.get_num_threads()
+    files = write(tmp_path, "cpu", 64, 4, 32, [1, 2, 4], [1, 2], torch.float32, "cpu", repeats=2, vocab=vocab)
+    assert torch.get_num_threads() == before  # one thread while profiling (as each rank), restored after
     assert len(files) == 6
     profiles = read_layer_profiles(tmp_path)
+    # the rows outside the layer, at the profiled model's vocabulary: what the head and embedding cost
+    assert all(p.vocab == vocab and {EMBEDDING_OP, FINAL_NORM_OP, HEAD_OP} <= set(p.ops) for p in profiles)
+    # each is a difference of two timings (noisy at two repeats), together they measured the head
+    assert sum(p.ops[HEAD_OP][0] for p in profiles) > 0
     assert {(p.mbs, p.tp) for p in profiles} == {(b, t) for b in (1, 2, 4) for t in (1, 2)}
     assert all(p.layer_seconds > 0 and not p.tp_comm_inside for p in profiles)
     # megatron-core's whole layer was timed too: its excess over the ops is a row, and a curve
@@ -206,7 +219,7 @@ def test_profile_command_writes_what_calibrate_fits(tmp_path):
     assert r["gpu"] == "cpu" and r["held_out_cases"] == 2  # the largest micro-batch, both TP sizes
     assert r["mean_abs_error"] is not None
     rm = r["model"]
-    assert "framework" in rm.curves
+    assert "framework" in rm.curves and {"loss", "embedding"} <= set(rm.curves)
     spec = profiles[0].model
     with_overhead = sum(rm.layer_times(spec, 2, spec.seq, 1))
     rm.curves.pop("framework")
@@ -271,3 +284,17 @@ def test_gradient_accumulation_priced_as_the_engine_adds():
         np.testing.assert_allclose(priced - base, adds * add(acc.bytes_per_param * grads), rtol=1e-9)
         assert np.all(priced > base)
     assert GRAD_ACCUMULATION["mist"].adds_per_micro_batch(1) == 0.0  # one micro-batch: nothing to add
+
+
+def test_serial_channels_take_turns():
+    """The CPU device's interference: channels started together finish after the sum of their solo
+    times (one set of cores, synchronous collectives). Negative control: no interference, the max."""
+    from mist.model.interference import Interference
+    from mist.tuning.planner import load_interference
+
+    rng = np.random.default_rng()
+    times = rng.uniform(0, 1, (4, 5)) * (rng.uniform(size=(4, 5)) > 0.3)
+    np.testing.assert_allclose(Interference.serial("test").overlap(*times), times.sum(axis=0), rtol=1e-12)
+    np.testing.assert_allclose(Interference().overlap(*times), times.max(axis=0))
+    cpu = load_interference("cpu")
+    np.testing.assert_allclose(cpu.overlap(*times), times.sum(axis=0), rtol=1e-12)

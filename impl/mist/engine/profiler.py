@@ -19,6 +19,7 @@ so collectives are priced by this machine's measured lines rather than the prese
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import math
@@ -33,7 +34,7 @@ from measure.launch import free_port
 from measure.timing import time_fn
 from measure.units import MiB
 
-from ..model.profile_data import FRAMEWORK_OP
+from ..model.profile_data import EMBEDDING_OP, FINAL_NORM_OP, FRAMEWORK_OP, HEAD_OP
 
 
 def _ops(b: int, s: int, h: int, heads: int, tp: int, dtype, device) -> list[tuple[str, Callable, list]]:
@@ -201,37 +202,67 @@ def write_collectives(out: Path, n: int, device: str, repeats: int = 10) -> list
     return written
 
 
-def megatron_layer_seconds(
-    b: int, s: int, h: int, heads: int, tp: int, dtype: torch.dtype, device: str, repeats: int = 5
-) -> tuple[float, float]:
-    """(forward, backward) seconds of megatron-core's own GPT layer (local spec, the layer
-    mist.engine.run trains) at one rank's share; timed like the ops, so the difference is the framework."""
-
+@contextlib.contextmanager
+def _megatron_state():
+    """megatron-core's parallel state on a one-process group (its modules need one), torn down
+    after; an existing group or state is used as it is."""
     import torch.distributed as dist
 
     from . import cpu_shim
 
     cpu_shim.install()
     from megatron.core import parallel_state as ps
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-    from megatron.core.transformer.spec_utils import build_module
-    from megatron.core.transformer.transformer_config import TransformerConfig
 
     own_group = not dist.is_initialized()
-    if own_group:  # a one-process group: megatron-core's layers need its parallel state
+    if own_group:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     own_state = not ps.model_parallel_is_initialized()
     try:
         if own_state:
             ps.initialize_model_parallel(1, 1)
             model_parallel_cuda_manual_seed(0)
-        config = TransformerConfig(
-            num_layers=1, hidden_size=h, num_attention_heads=heads // tp, ffn_hidden_size=4 * h // tp,
-            kv_channels=h // heads, add_bias_linear=False, use_cpu_initialization=True,
-            params_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
-            hidden_dropout=0.1, attention_dropout=0.1,
-        )  # fmt: skip
+        yield
+    finally:
+        if own_state:
+            ps.destroy_model_parallel()
+        if own_group:
+            dist.destroy_process_group()
+
+
+def _megatron_config(h: int, heads: int, tp: int, dtype: torch.dtype):
+    """One TP rank's share of a GPT-3 layer as megatron-core configures it (as mist.engine.run's)."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=1, hidden_size=h, num_attention_heads=heads // tp, ffn_hidden_size=4 * h // tp,
+        kv_channels=h // heads, add_bias_linear=False, use_cpu_initialization=True,
+        params_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
+        hidden_dropout=0.1, attention_dropout=0.1,
+    )  # fmt: skip
+
+
+def _forward_backward_seconds(forward: Callable, backward_from: Callable, device: str, repeats: int):
+    """(forward, backward) seconds: the forward timed alone, the backward as (both) - forward."""
+
+    def both():
+        backward_from(forward())
+
+    fwd = time_fn(forward, device, warmup=1, repeats=repeats).median_s
+    total = time_fn(both, device, warmup=1, repeats=repeats).median_s
+    return fwd, max(total - fwd, 0.0)
+
+
+def megatron_layer_seconds(
+    b: int, s: int, h: int, heads: int, tp: int, dtype: torch.dtype, device: str, repeats: int = 5
+) -> tuple[float, float]:
+    """(forward, backward) seconds of megatron-core's own GPT layer (local spec, the layer
+    mist.engine.run trains) at one rank's share; timed like the ops, so the difference is the framework."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.spec_utils import build_module
+
+    with _megatron_state():
+        config = _megatron_config(h, heads, tp, dtype)
         layer = build_module(get_gpt_layer_local_spec(), config=config, layer_number=1).to(device).train()
         x = torch.randn(s, b, h, dtype=dtype, device=device, requires_grad=True)  # megatron's [s, b, h]
         mask = torch.ones(1, 1, s, s, dtype=torch.bool, device=device).tril().logical_not()
@@ -241,17 +272,64 @@ def megatron_layer_seconds(
             out = layer(x, attention_mask=mask)
             return out[0] if isinstance(out, tuple) else out
 
-        def forward_backward():
-            forward().backward(grad)
+        return _forward_backward_seconds(forward, lambda y: y.backward(grad), device, repeats)
 
-        fwd = time_fn(forward, device, warmup=1, repeats=repeats).median_s
-        both = time_fn(forward_backward, device, warmup=1, repeats=repeats).median_s
-    finally:
-        if own_state:
-            ps.destroy_model_parallel()
-        if own_group:
-            dist.destroy_process_group()
-    return fwd, max(both - fwd, 0.0)
+
+def megatron_edge_rows(
+    b: int, s: int, h: int, heads: int, vocab: int, tp: int, dtype: torch.dtype, device: str, repeats: int = 5
+) -> list[dict]:
+    """The rows outside the layer, as megatron-core's GPTModel runs them at one rank's share (the
+    model mist.engine.run trains, its vocabulary split over ``tp``): the embedding (token and
+    position lookup, and the tables' gradients), the final norm, and the post-process (output
+    layer, cross-entropy over the vocabulary, the mean the engine backpropagates from). Each is a
+    difference of whole one-layer models with and without it, so GPTModel's own work around
+    them is counted; the final norm is timed alone and taken out of the post-process."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.module import Float16Module
+
+    if vocab % tp:
+        raise ValueError(f"tp {tp} does not divide the vocabulary {vocab}")
+    seconds = {}
+    with _megatron_state():
+        config = _megatron_config(h, heads, tp, dtype)
+        tokens = torch.randint(0, vocab // tp, (b, s + 1), device=device)
+        ids, labels = tokens[:, :-1], tokens[:, 1:]
+        pos = torch.arange(s, device=device).expand(b, -1)
+        mask = torch.ones(1, 1, s, s, dtype=torch.bool, device=device).tril().logical_not()
+        grad = torch.randn(s, b, h, dtype=dtype, device=device)
+        for pre, post in ((False, False), (True, False), (True, True)):
+            model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(),
+                             vocab_size=vocab // tp, max_sequence_length=s, pre_process=pre,
+                             post_process=post, share_embeddings_and_output_weights=False)  # fmt: skip
+            if dtype != torch.float32:  # as mist.engine.run: megatron's wrapper casts inputs and outputs
+                model = Float16Module(config, model)
+            model = model.to(device).train()
+            hidden = torch.randn(s, b, h, dtype=dtype, device=device, requires_grad=True)
+
+            def forward(model=model, pre=pre, post=post, hidden=hidden):
+                if not pre:
+                    (model.module if hasattr(model, "module") else model).set_input_tensor(hidden)
+                out = model(ids, pos, mask, labels=labels if post else None)
+                return out.float().mean() if post else out
+
+            seconds[pre, post] = _forward_backward_seconds(
+                forward, (lambda y: y.backward()) if post else (lambda y: y.backward(grad)), device, repeats
+            )
+    norm = nn.LayerNorm(h, device=device, dtype=dtype)
+    x = torch.randn(b, s, h, dtype=dtype, device=device, requires_grad=True)
+    g = torch.randn(b, s, h, dtype=dtype, device=device)
+    final_norm = _forward_backward_seconds(lambda: norm(x), lambda y: y.backward(g), device, repeats)
+
+    def row(name: str, fwd: float, bwd: float) -> dict:
+        sizes = dict.fromkeys(("input_size", "output_size", "weights", "activations", "fwd_reserved",
+                               "bwd_reserved"), 0.0)  # fmt: skip
+        return {"op_name": name, "forward-compute": max(fwd, 0.0) * 1e6,
+                "backward-compute": max(bwd, 0.0) * 1e6, **sizes}  # fmt: skip
+
+    diff = [a - b for a, b in zip(seconds[True, False], seconds[False, False], strict=True)]
+    head = [a - b - n for a, b, n in zip(seconds[True, True], seconds[True, False], final_norm, strict=True)]
+    return [row(EMBEDDING_OP, *diff), row(FINAL_NORM_OP, *final_norm), row(HEAD_OP, *head)]
 
 
 def write_profiles(
@@ -267,9 +345,31 @@ def write_profiles(
     repeats: int = 5,
     progress: Callable[[str], None] | None = None,
     framework: bool = True,
+    cpu_threads: int = 1,
+    vocab: int | None = None,
 ) -> list[Path]:
     """Profile every (micro-batch, TP) pair; returns the CSV files written. With ``framework``,
-    megatron-core's whole layer is timed too and its excess over the ops is one more row."""
+    megatron-core's whole layer is timed too and its excess over the ops is one more row. With
+    ``vocab``, the embedding, final norm and post-process rows too (``megatron_edge_rows``).
+
+    On a CPU the ops run on ``cpu_threads`` threads: the device a plan's rank gets. Each rank of
+    ``mist.engine.run`` runs one (torchrun with OMP_NUM_THREADS=1, ``measure.launch``), so a
+    profile on every core would time a faster device than the one the plan runs on."""
+    if cpu_threads < 1:
+        raise ValueError(f"cpu_threads must be >= 1, got {cpu_threads}")
+    before = torch.get_num_threads()
+    if device == "cpu":
+        torch.set_num_threads(cpu_threads)
+    try:
+        threads = cpu_threads if device == "cpu" else None
+        shape = (hidden, heads, seq, micro_batches, tps)
+        return _write_profiles(out, device, *shape, dtype, gpu, repeats, progress, framework, threads, vocab)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _write_profiles(out, device, hidden, heads, seq, micro_batches, tps, dtype, gpu, repeats, progress,
+                    framework, threads, vocab) -> list[Path]:  # fmt: skip
     out.mkdir(parents=True, exist_ok=True)
     size = f"h{hidden}"
     meta = {
@@ -279,6 +379,8 @@ def write_profiles(
         "device": device,
         "dtype": str(dtype),
         "weight_gradients": True,  # autograd times a linear layer's input and weight gradients together
+        "cpu_threads": threads,  # None on a GPU
+        **({"vocab": vocab} if vocab else {}),  # the edge rows' vocabulary
     }
     (out / "profile.json").write_text(json.dumps(meta, indent=1))
     written = []
@@ -293,6 +395,8 @@ def write_profiles(
                 rows.append({**dict.fromkeys(rows[0], 0.0), "op_name": FRAMEWORK_OP,
                              "forward-compute": max(whole[0] - ops[0], 0.0) * 1e6,
                              "backward-compute": max(whole[1] - ops[1], 0.0) * 1e6})  # fmt: skip
+            if vocab:
+                rows += megatron_edge_rows(b, seq, hidden, heads, vocab, tp, dtype, device, repeats)
             path = out / f"gpt_{size}_mbs{b}_tp{tp}_algo0.csv"
             with path.open("w", newline="") as fh:
                 w = csv.DictWriter(fh, fieldnames=list(rows[0]))

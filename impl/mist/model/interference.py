@@ -31,6 +31,17 @@ class Interference:
     source: str = "none (overlapped channels do not slow each other)"
     host_rates: dict[str, float] = field(default_factory=dict)  # measured h2d/d2h bytes/s per GPU
 
+    @classmethod
+    def serial(cls, source: str) -> Interference:
+        """Channels that take turns: while k channels are active each runs k times slower, so
+        channels started together finish after the sum of their solo times (one processor doing
+        all of the work, and collectives issued synchronously)."""
+        factors = np.ones((len(CHANNELS), 1 << len(CHANNELS)))
+        for mask in _MASKS:
+            for c in _members(mask):
+                factors[c][mask] = len(_members(mask))
+        return cls(factors, source)
+
     def host_rate(self, direction: str, default: float) -> float:
         """Host<->device bytes/s per GPU with all GPUs of a node copying (measured when known)."""
         return self.host_rates.get(direction, default)

@@ -30,6 +30,7 @@ PROFILED_SIZES = {
     "22B": (6144, 48, 64),
     "40B": (8192, 48, 64),
 }
+ARTIFACT_VOCAB = 50304  # the profiled GPT-3 models' vocabulary
 # Sequence length each profile directory was taken at.
 PROFILE_SEQ = {
     "l4": 2048,
@@ -87,11 +88,14 @@ class LayerProfile:
     # Whether a weight GEMM's backward column holds both of its GEMMs (input and weight gradient)
     # or the input gradient's alone (backward_has_weight_gradients tells from the data).
     weight_gradients: bool = True
+    vocab: int = 50304  # the profiled model's (ARTIFACT_VOCAB; `mist profile` records its own)
 
     @property
     def model(self) -> ModelSpec:
         hidden, layers, heads = self.shape
-        return ModelSpec(f"gpt3-{self.size}", hidden, layers, heads, seq=self.seq, flash=False)
+        return ModelSpec(
+            f"gpt3-{self.size}", hidden, layers, heads, vocab=self.vocab, seq=self.seq, flash=False
+        )
 
     @property
     def layer_seconds(self) -> float:
@@ -113,10 +117,11 @@ def profile_meta(gpu_dir: Path) -> dict:
             "tp_comm_inside": d.get("tp_comm_inside", False),
             # autograd's backward of a linear layer computes both gradients
             "weight_gradients": d.get("weight_gradients", True),
+            "vocab": d.get("vocab", ARTIFACT_VOCAB),  # the embedding and head rows' vocabulary
         }
     if gpu_dir.name in PROFILE_GPU:
         return {"gpu": PROFILE_GPU[gpu_dir.name], "seq": PROFILE_SEQ[gpu_dir.name], "sizes": PROFILED_SIZES,
-                "tp_comm_inside": True}  # fmt: skip
+                "tp_comm_inside": True, "vocab": ARTIFACT_VOCAB}  # fmt: skip
     return {}
 
 
@@ -178,6 +183,7 @@ def read_layer_profiles(gpu_dir: Path) -> list[LayerProfile]:
                 shape,
                 meta["seq"],
                 meta["tp_comm_inside"],
+                vocab=meta["vocab"],
             )
         )
     if "weight_gradients" in meta:  # `mist profile` says what it timed

@@ -377,4 +377,9 @@ def load_interference(gpu: str) -> Interference:
     path = PRESETS / f"interference_{gpu}.json"
     if path.exists():
         return Interference.from_json(json.loads(path.read_text()))
+    if gpu == "cpu":  # the CPU "device" of mist.engine.run's checks
+        return Interference.serial(
+            "cpu: the same cores run compute and gloo's collectives, which mist.engine.run issues "
+            "synchronously (ZeRO-2's reductions in backward hooks, FSDP's gathers): they take turns"
+        )
     return Interference()
