@@ -141,7 +141,9 @@ def run_engine(run: Run, setup: EngineSetup) -> ResultFile:
             dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[prof["dtype"]]
             shape = (prof["hidden"], prof["heads"], prof["seq"], prof["micro_batches"], prof["tps"])
             vocab = model_spec(setup.model).vocab  # the embedding and head rows at the model's vocabulary
-            write_profiles(profiles, setup.device, *shape, dtype, setup.gpu, repeats=5, vocab=vocab)
+            # on a CPU, as many copies at once as the plans have ranks: they share the cores' caches
+            write_profiles(profiles, setup.device, *shape, dtype, setup.gpu, repeats=5, vocab=vocab,
+                           concurrent=setup.processes)  # fmt: skip
             if setup.processes > 1:  # this machine's collectives, measured (gloo on a CPU)
                 write_collectives(profiles, setup.processes, setup.device)
             fit = next(iter(calibrate(profiles).values()))

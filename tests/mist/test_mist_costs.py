@@ -298,3 +298,23 @@ def test_serial_channels_take_turns():
     np.testing.assert_allclose(Interference().overlap(*times), times.max(axis=0))
     cpu = load_interference("cpu")
     np.testing.assert_allclose(cpu.overlap(*times), times.sum(axis=0), rtol=1e-12)
+
+
+@pytest.mark.slow
+def test_profile_with_company_leaves_no_process(tmp_path):
+    """``concurrent=2`` on a CPU: a second copy of the profile competes for the cores while this
+    one is measured (as a plan's two ranks do), and is gone when the profile is written."""
+    import multiprocessing
+
+    import torch
+
+    from mist.engine.profiler import write_profiles
+    from mist.model.profile_data import read_layer_profiles
+
+    files = write_profiles(
+        tmp_path, "cpu", 64, 4, 32, [1], [1], torch.float32, "cpu", repeats=2, concurrent=2
+    )
+    assert len(files) == 1 and read_layer_profiles(tmp_path)[0].layer_seconds > 0
+    assert multiprocessing.active_children() == []
+    with pytest.raises(ValueError, match="concurrent must be >= 1"):
+        write_profiles(tmp_path, "cpu", 64, 4, 32, [1], [1], torch.float32, "cpu", concurrent=0)

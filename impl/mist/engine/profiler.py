@@ -347,6 +347,7 @@ def write_profiles(
     framework: bool = True,
     cpu_threads: int = 1,
     vocab: int | None = None,
+    concurrent: int = 1,
 ) -> list[Path]:
     """Profile every (micro-batch, TP) pair; returns the CSV files written. With ``framework``,
     megatron-core's whole layer is timed too and its excess over the ops is one more row. With
@@ -354,18 +355,65 @@ def write_profiles(
 
     On a CPU the ops run on ``cpu_threads`` threads: the device a plan's rank gets. Each rank of
     ``mist.engine.run`` runs one (torchrun with OMP_NUM_THREADS=1, ``measure.launch``), so a
-    profile on every core would time a faster device than the one the plan runs on."""
-    if cpu_threads < 1:
-        raise ValueError(f"cpu_threads must be >= 1, got {cpu_threads}")
+    profile on every core would time a faster device than the one the plan runs on. For the same
+    reason ``concurrent`` copies of the profile run at once on a CPU (the ranks of a plan that
+    share the machine's cores, caches and memory); this process's copy is the one written."""
+    if cpu_threads < 1 or concurrent < 1:
+        raise ValueError(f"cpu_threads and concurrent must be >= 1, got {cpu_threads}, {concurrent}")
     before = torch.get_num_threads()
     if device == "cpu":
         torch.set_num_threads(cpu_threads)
     try:
         threads = cpu_threads if device == "cpu" else None
-        shape = (hidden, heads, seq, micro_batches, tps)
-        return _write_profiles(out, device, *shape, dtype, gpu, repeats, progress, framework, threads, vocab)
+        args = (device, hidden, heads, seq, micro_batches, tps, dtype, gpu, repeats, None, framework, threads,
+                vocab)  # fmt: skip
+        copies = _start_copies(concurrent - 1, args) if device == "cpu" else []
+        try:
+            return _write_profiles(out, *args[:9], progress, *args[10:])
+        finally:
+            for copy in copies:  # they only kept this one company
+                copy.terminate()
+                copy.join(timeout=30)
     finally:
         torch.set_num_threads(before)
+
+
+def _profile_copy(parent: int, threads: int, args: tuple, started) -> None:
+    """A copy of the profile that only keeps the measured one company (its results dropped)."""
+    import tempfile
+
+    from measure.parallel import die_with_parent
+
+    die_with_parent(parent)
+    torch.set_num_threads(threads)
+    started.set()  # imports done: from here on it competes for the cores
+    with tempfile.TemporaryDirectory() as tmp:
+        while True:  # until the measured copy is done and terminates this one
+            _write_profiles(Path(tmp), *args)
+
+
+COPY_START_TIMEOUT_S = 120  # a copy's start: a fresh interpreter importing torch and megatron-core
+
+
+def _start_copies(n: int, args: tuple) -> list:
+    """``n`` running copies of the profile; returns once each has started (or raises)."""
+    import multiprocessing as mp
+    import os
+
+    ctx = mp.get_context("spawn")
+    events = [ctx.Event() for _ in range(n)]
+    copies = [ctx.Process(target=_profile_copy, args=(os.getpid(), args[11] or 1, args, e), daemon=True)
+              for e in events]  # fmt: skip
+    for copy in copies:
+        copy.start()
+    deadline = time.monotonic() + COPY_START_TIMEOUT_S
+    for copy, event in zip(copies, events, strict=True):
+        if not event.wait(max(deadline - time.monotonic(), 0.0)):
+            for c in copies:
+                c.terminate()
+            raise RuntimeError(f"a concurrent profile copy did not start within {COPY_START_TIMEOUT_S} s "
+                               f"(exit code {copy.exitcode})")  # fmt: skip
+    return copies
 
 
 def _write_profiles(out, device, hidden, heads, seq, micro_batches, tps, dtype, gpu, repeats, progress,
