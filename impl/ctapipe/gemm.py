@@ -16,6 +16,7 @@ import torch
 
 from .kernels import ACTIVATIONS, STATUS_WORDS, stage_kernel, ticket_mlp_kernel
 from .tiling import DEFAULT_TILING, Tiling
+from .triton_compat import interpreter_compat
 
 WAIT_TIMEOUT_S = 5.0
 """Default bound, in seconds of wall-clock time, on one consumer tile's wait for its ready counter.
@@ -165,6 +166,7 @@ def launch_stage(
         raise ValueError(f"programs must be >= 1, got {programs}")
     grid = min(programs or tiles_m * tiles_n, tiles_m * tiles_n)
     clock = torch.empty(grid if do_wait else 1, dtype=torch.int64, device=a.device)
+    interpreter_compat()
     stage_kernel[(grid,)](
         a, b, c, ready_in, ready_out, status, clock, wait_target, timeout_us, max_spins, m, n, a.shape[1],
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
@@ -280,6 +282,7 @@ class TicketMLP:
         status = self.waits.status_on(x.device)
         programs = self.programs or _default_programs(x.device)
         clock = torch.empty(programs, dtype=torch.int64, device=x.device)
+        interpreter_compat()
         ticket_mlp_kernel[(programs,)](
             x, w1, h, w2, y, ready, status, clock, ticket, schedule, schedule.shape[0],
             tiles_n1, _timeout_us(self.waits.timeout_s), self.waits.max_spins, m, d, f,

@@ -141,7 +141,11 @@ def build_model(
     if conf.tempo:
         patch(m, **conf.tempo)
     if conf.checkpointing:
-        m.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        kwargs = {"use_reentrant": False}
+        if hasattr(m, "activation_checkpointing_enable"):  # transformers >= 5.24
+            m.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:  # the name before (transformers 5.17 on the GPU machine)
+            m.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     return m
 
 

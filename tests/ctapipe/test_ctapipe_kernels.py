@@ -210,3 +210,16 @@ def test_bad_input_is_refused_with_what_is_accepted():
         TicketMLP("gelu", TILING)(x, w1, w1.T[:4])
     with pytest.raises(ValueError, match="int32 with one counter per row block"):
         launch_stage(x, w1, torch.empty(8, 16, device=DEVICE), ready_in=torch.zeros(1), tiling=TILING)
+
+
+def test_interpreter_fix_only_where_needed():
+    """Triton 3.6's interpreter needs the index fix (``nox -s compat`` runs these kernels on it);
+    later Triton and compiled kernels are left alone."""
+    import os
+
+    import triton
+
+    from ctapipe.triton_compat import interpreter_compat
+
+    old = tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 7)
+    assert interpreter_compat() == (old and os.environ.get("TRITON_INTERPRET") == "1")
