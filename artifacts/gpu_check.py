@@ -43,6 +43,7 @@ import functools
 import json
 import os
 import platform
+import re
 import shutil
 import signal
 import subprocess
@@ -64,7 +65,7 @@ for _path in (IMPL, ROOT):  # the repo's packages, without installing it
 from artifacts import gpu_wheels  # noqa: E402
 from artifacts.experiment import Experiment  # noqa: E402
 from measure.parallel import die_with_parent, sigterm_as_interrupt  # noqa: E402
-from measure.results import git_state, write_json_atomic  # noqa: E402
+from measure.results import SOURCE_COMMIT_ENV, git_state, write_json_atomic  # noqa: E402
 
 DEFAULT_OUT = ROOT / "artifacts" / "gpu_check" / "results"
 STATUS = "status.json"
@@ -365,6 +366,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--wheels", type=Path, default=gpu_wheels.WHEELS_DIR,
                     help=f"wheels of missing packages (default: {gpu_wheels.WHEELS_DIR})")  # fmt: skip
     ap.add_argument("--quiet", action="store_true", help="parts' output to their logs only")
+    ap.add_argument(
+        "--commit",
+        help="the commit this copy of the tree is at, where there is no git (the GPU machine): "
+        "recorded as the results' commit, so an interrupted experiment resumes",
+    )
     args = ap.parse_args(argv)
     if not args.budget_s > 0:
         ap.error(f"--budget-s must be > 0, got {args.budget_s}")
@@ -373,6 +379,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         gpu_wheels.wheels_in(args.wheels)  # two versions of one package: refused now, not there
     except ValueError as e:
         ap.error(str(e))
+    if args.commit is not None and not re.fullmatch(r"[0-9a-f]{40}", args.commit):
+        ap.error(f"--commit must be a full 40-digit hexadecimal commit id, got {args.commit!r}")
     if args.archive is not None and not args.archive.name.endswith((".tar.gz", ".tgz")):
         ap.error(f"--archive must name a .tar.gz or .tgz file, got {args.archive}")
     if args.out is not None and args.out.exists() and not args.out.is_dir():
@@ -422,6 +430,8 @@ def main(argv: list[str] | None = None) -> int:
             [*path, str(IMPL), str(ROOT), *filter(None, [env.get("PYTHONPATH")])]
         )
         env["PYTHONUNBUFFERED"] = "1"
+        if args.commit:
+            os.environ[SOURCE_COMMIT_ENV] = env[SOURCE_COMMIT_ENV] = args.commit
         if args.dry_run:  # the CPU even where a GPU is (the parts then pick Triton's interpreter)
             env["CUDA_VISIBLE_DEVICES"] = ""
         found = probe(env, deadline)

@@ -54,6 +54,10 @@ class RunLockedError(RuntimeError):
 # ---------------------------------------------------------------- provenance
 
 
+# Where git is missing, the commit a copied tree is at (``artifacts.gpu_check --commit``).
+SOURCE_COMMIT_ENV = "MEMTIME_SOURCE_COMMIT"
+
+
 def git_state(root: Path = REPO_ROOT) -> dict[str, Any]:
     def git(*args: str) -> str:
         return subprocess.run(
@@ -69,7 +73,9 @@ def git_state(root: Path = REPO_ROOT) -> dict[str, Any]:
             "dirty": bool(git("status", "--porcelain", "--untracked-files=no", "--", ".", *outputs)),
         }
     except (OSError, subprocess.SubprocessError):
-        return {"commit": None, "dirty": None}
+        # no git here (the GPU machine gets a copy of the tree without it): the commit its caller
+        # says the tree is at, or none; whether the tree differs from it is not known
+        return {"commit": os.environ.get(SOURCE_COMMIT_ENV) or None, "dirty": None}
 
 
 def cpu_model() -> str:
