@@ -2,27 +2,25 @@
 ``torchrun --nproc-per-node N -m mist.engine.run --plan plan.yaml``.
 
 megatron-core provides the model (GPTModel: tensor-parallel layers, sequence parallelism,
-pipeline stages); around its modules this file runs the plan's parts it has no switch for:
+pipeline stages); around its modules the engine runs the plan's parts it has no switch for:
 
-* a 1F1B executor over the plan's micro-batches with point-to-point sends between stages
-  (megatron-core's own schedules assume CUDA), non-blocking sends so 1F1B cannot deadlock;
+* the 1F1B executor over the plan's micro-batches (pipeline.py);
 * a different number of recomputed layers per stage (the first r layers of each stage
-  checkpointed);
-* gradients in one contiguous buffer per dtype (ContiguousGrads, as Megatron's DDP), averaged
-  across DP by one in-place all-reduce; the all-reduce of sequence-parallel parameters' grads
-  across the TP group;
+  checkpointed; here);
+* gradients in one contiguous buffer per dtype, ZeRO-1/2/3 (zero.py); the all-reduce of
+  sequence-parallel parameters' grads across the TP group (here);
 * half-precision weights with fp32 master weights and torch's fused AdamW (measure.training):
-  like Megatron's fused Adam it steps without temporaries, so the step holds only the fp32 grads.
+  like Megatron's fused Adam it steps without temporaries, so the step holds only the fp32 grads;
+* optimizer-state and activation offloading (offload.py).
 
 Refused with a message naming the part: stages with their own TP/DP, uneven middle stages,
 ZeRO-3 with TP > 1, and offloading of weights or gradients (not implemented here yet). ZeRO-1
 shards fp32 master weights and Adam state over the DP replicas, ZeRO-2 the gradients too
-(ShardedMasterAdamW), ZeRO-3 the weights too (torch's FSDP2 around megatron-core's layers).
-Optimizer-state and activation offloading are in offload.py. On a CPU it
-runs with gloo and the CUDA stand-ins of cpu_shim; on GPUs with NCCL. Each rank reports its
-losses, the times of its timed steps, and memory (exact tensor bytes held + the allocator peak of
-a steady step: the median and the worst of a few, profiled before the timed ones); rank 0
-gathers them.
+(ShardedMasterAdamW), ZeRO-3 the weights too (torch's FSDP2 around megatron-core's layers). On a
+CPU it runs with gloo and the CUDA stand-ins of cpu_shim; on GPUs with NCCL. Each rank reports
+its losses, the times of its timed steps, and memory (exact tensor bytes held + the allocator
+peak of a steady step: the median and the worst of a few, profiled before the timed ones); rank
+0 gathers them.
 """
 
 from __future__ import annotations
@@ -44,6 +42,8 @@ from measure.parallel import die_with_parent
 from ..plan import Plan
 from .megatron import megatron_limits, model_settings
 from .offload import OffloadedMasterAdamW, offload_layer_activations
+from .pipeline import Pipeline1F1B
+from .zero import ContiguousGrads, ShardedMasterAdamW, flat_collective, layer_buckets, shard_parameters
 
 
 def unsupported(plan: Plan) -> list[str]:
@@ -102,222 +102,6 @@ def _checkpoint_first_layers(model, count: int) -> None:
             return checkpoint(_forward, *args, use_reentrant=False, **kwargs)
 
         layer.forward = wrapped
-
-
-class _Pipeline:
-    """One rank's part of a 1F1B iteration over G micro-batches."""
-
-    def __init__(self, model, spec, plan: Plan, batches: list[torch.Tensor]) -> None:
-        from megatron.core import parallel_state as ps
-
-        self.model, self.spec, self.plan, self.batches = model, spec, plan, batches
-        self.stage, self.stages = ps.get_pipeline_model_parallel_rank(), len(plan.stages)
-        self.first, self.last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
-        self.next = None if self.last else ps.get_pipeline_model_parallel_next_rank()
-        self.prev = None if self.first else ps.get_pipeline_model_parallel_prev_rank()
-        seq = spec.seq // plan.tp if plan.tp > 1 else spec.seq
-        self.shape = (seq, plan.micro_batch, spec.hidden)  # megatron's [s, b, h] between stages
-        self.device = batches[0].device
-        self.mask = (
-            torch.ones(1, 1, spec.seq, spec.seq, dtype=torch.bool, device=self.device).tril().logical_not()
-        )
-
-    def forward(self, m: int, pending: list):
-        tokens = self.batches[m]
-        ids, labels = tokens[:, :-1], tokens[:, 1:]
-        pos = torch.arange(self.spec.seq, device=self.device).expand(ids.shape[0], -1)
-        received = None
-        if not self.first:
-            received = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-            dist.recv(received, self.prev)
-            received.requires_grad_(True)
-        self.model.set_input_tensor(received)
-        out = self.model(ids, pos, self.mask, labels=labels if self.last else None)
-        if self.last:
-            out = out.float().mean() / len(self.batches)
-        else:
-            pending.append(dist.isend(out.detach().contiguous(), self.next))
-        return received, out
-
-    def backward(self, received, out, pending: list) -> None:
-        if self.last:
-            out.backward()
-        else:
-            grad = torch.empty(self.shape, dtype=out.dtype, device=self.device)
-            dist.recv(grad, self.next)
-            torch.autograd.backward(out, grad)
-        if received is not None:
-            pending.append(dist.isend(received.grad.contiguous(), self.prev))
-
-    def iteration(self) -> float:
-        from ..tuning.pipeline_sim import one_f_one_b_order
-
-        self.dtype = next(self.model.parameters()).dtype
-        saved, pending, loss = {}, [], 0.0
-        for kind, m in one_f_one_b_order(self.stage, self.stages, len(self.batches)):
-            if kind == "F":
-                saved[m] = self.forward(m, pending)
-            else:
-                received, out = saved.pop(m)
-                if self.last:
-                    loss += float(out.detach()) * len(self.batches)
-                self.backward(received, out, pending)
-        for work in pending:
-            work.wait()
-        return loss / len(self.batches)
-
-
-class ShardedMasterAdamW:
-    """ZeRO-1/2 around megatron-core's modules: each DP rank keeps the fp32 master weights and
-    Adam state of its share of the parameters only, steps them, and broadcasts the updated
-    half-precision weights to the other replicas. Shares are whole buckets (a transformer layer,
-    the embedding, the head: what Mist's model prices one collective for), greedy by size. With
-    ``shard_grads`` (ZeRO-2) a bucket's gradients are reduced to its owner in one message as soon
-    as a micro-batch's backward has made them all, and freed elsewhere, so no rank holds the
-    full gradients."""
-
-    def __init__(
-        self, buckets: list[list[torch.Tensor]], group, lr: float, shard_grads: bool = False
-    ) -> None:
-        from measure.training import MasterWeightAdamW
-
-        self.buckets = [[p for p in bucket if p.requires_grad] for bucket in buckets]
-        self.buckets = [b for b in self.buckets if b]
-        self.params = [p for bucket in self.buckets for p in bucket]
-        self.group = group
-        ranks = dist.get_process_group_ranks(group)
-        load = [0] * len(ranks)
-        self.owner: dict[int, int] = {}
-        self.bucket_of: dict[int, int] = {}
-        by_size = sorted(range(len(self.buckets)), key=lambda i: -sum(p.numel() for p in self.buckets[i]))
-        for i in by_size:  # every rank walks the same order: the same owners everywhere
-            k = min(range(len(ranks)), key=load.__getitem__)
-            load[k] += sum(p.numel() for p in self.buckets[i])
-            for p in self.buckets[i]:
-                self.owner[id(p)] = ranks[k]
-                self.bucket_of[id(p)] = i
-        me = dist.get_rank()
-        self.dp = len(ranks)
-        self.inner = MasterWeightAdamW([p for p in self.params if self.owner[id(p)] == me], lr=lr, fused=True)
-        self.reduced: dict[int, torch.Tensor] = {}  # owned parameters' summed gradients (ZeRO-2)
-        self.pending: dict[int, list[torch.Tensor]] = {}  # bucket -> gradients made this micro-batch
-        self.shard_grads = shard_grads
-        if shard_grads:
-            for p in self.params:
-                p.register_post_accumulate_grad_hook(self._collect)
-
-    def _collect(self, p: torch.Tensor) -> None:
-        i = self.bucket_of[id(p)]
-        ready = self.pending.setdefault(i, [])
-        ready.append(p)
-        if len(ready) < len(self.buckets[i]):
-            return
-        del self.pending[i]
-        bucket = self.buckets[i]  # a fixed order: the same flat layout on every rank
-        flat = torch.cat([q.grad.reshape(-1) for q in bucket])
-        for q in bucket:
-            q.grad = None
-        owner = self.owner[id(bucket[0])]
-        dist.reduce(flat, dst=owner, group=self.group)
-        if owner != dist.get_rank():
-            return
-        offset = 0
-        for q in bucket:
-            summed = flat[offset : offset + q.numel()].view_as(q)
-            offset += q.numel()
-            so_far = self.reduced.get(id(q))  # (views into this bucket's message: all of it is mine)
-            self.reduced[id(q)] = summed if so_far is None else so_far.add_(summed)
-
-    @property
-    def state(self):
-        return self.inner.state
-
-    def step(self) -> None:
-        if self.shard_grads:  # the owner's averaged gradients, for the master-weight step
-            for p in self.inner.model_params:
-                summed = self.reduced.pop(id(p), None)
-                p.grad = None if summed is None else summed.div_(self.dp)
-        if self.inner.model_params:
-            self.inner.step()
-        for owner in sorted(set(self.owner.values())):  # one broadcast per owner, of all its weights
-            mine = [p.data for p in self.params if self.owner[id(p)] == owner]
-            _flat_collective(
-                mine, lambda flat, src=owner: dist.broadcast(flat, src, self.group, async_op=True)
-            )
-
-    def zero_grad(self) -> None:
-        for p in self.params:
-            p.grad = None
-
-    def state_tensors(self) -> list[torch.Tensor]:
-        return self.inner.state_tensors()
-
-
-def _buckets(model) -> list[list[torch.Tensor]]:
-    """The parameters in the groups Mist prices one collective for: each transformer layer, and
-    each other top-level module (embedding, final norm, output layer)."""
-    layers = list(model.module.decoder.layers)
-    in_layers = {id(p) for layer in layers for p in layer.parameters()}
-    rest: dict[str, list[torch.Tensor]] = {}
-    for name, p in model.named_parameters():
-        if id(p) not in in_layers:
-            rest.setdefault(name.rsplit(".", 1)[0], []).append(p)
-    return [list(layer.parameters()) for layer in layers] + list(rest.values())
-
-
-def _shard_parameters(model, dp_group, device: torch.device) -> None:
-    """ZeRO-3 with torch's FSDP2 (``fully_shard``) over the DP group: each layer's weights are
-    sharded, gathered before its forward and its backward, freed after; its gradients are
-    reduce-scattered (averaged) as backward makes them. The root takes the embedding and head."""
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.fsdp import fully_shard
-
-    mesh = DeviceMesh.from_group(dp_group, device.type)
-    for layer in model.module.decoder.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-
-
-class ContiguousGrads:
-    """Gradients as Megatron's DDP keeps them: every parameter's ``.grad`` is a view into one flat
-    buffer per dtype, allocated once. Backward accumulates into it in place, the data-parallel
-    sum is one in-place all-reduce per buffer (no per-tensor latency, no flattening copy)."""
-
-    def __init__(self, params) -> None:
-        self.buffers: list[torch.Tensor] = []
-        params = [p for p in params if p.requires_grad]
-        for dtype in sorted({p.dtype for p in params}, key=str):  # same order on every rank
-            group = [p for p in params if p.dtype == dtype]
-            flat = torch.zeros(sum(p.numel() for p in group), dtype=dtype, device=group[0].device)
-            offset = 0
-            for p in group:
-                p.grad = flat[offset : offset + p.numel()].view_as(p)
-                offset += p.numel()
-            self.buffers.append(flat)
-
-    def all_reduce(self, group, divide_by: int) -> None:
-        for flat in self.buffers:
-            dist.all_reduce(flat, group=group)
-            flat /= divide_by
-
-    def zero(self) -> None:
-        for flat in self.buffers:
-            flat.zero_()
-
-
-def _flat_collective(tensors: list[torch.Tensor], collective) -> None:
-    """Run ``collective(flat)`` (async, returns its work) once per dtype on a flat copy of
-    ``tensors``, then copy the result back: a collective per tensor pays its latency per tensor."""
-    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-
-    for dtype in sorted({t.dtype for t in tensors}, key=str):  # same order on every rank
-        bucket = [t for t in tensors if t.dtype == dtype]
-        flat = _flatten_dense_tensors(bucket)
-        work = collective(flat)
-        work.wait()
-        del work  # the buffer is then freed by this thread, where the CPU memory profiler sees it
-        for t, synced in zip(bucket, _unflatten_dense_tensors(flat, bucket), strict=True):
-            t.copy_(synced)
 
 
 def _now(device: torch.device) -> float:
@@ -410,10 +194,10 @@ def run(plan: Plan, steps: int = 5, seed: int = 0, lr: float = 1e-2) -> dict:
     model = Float16Module(model.config, model)  # megatron's half-precision wrapper: casts inputs and outputs
     zero = plan.stages[stage].zero
     if zero == 3 and plan.dp > 1:
-        _shard_parameters(model, ps.get_data_parallel_group(), device)
+        shard_parameters(model, ps.get_data_parallel_group(), device)
     if zero in (1, 2) and plan.dp > 1:
         optimizer = ShardedMasterAdamW(
-            _buckets(model), ps.get_data_parallel_group(), lr, shard_grads=zero == 2
+            layer_buckets(model), ps.get_data_parallel_group(), lr, shard_grads=zero == 2
         )
     elif mine.offload_optimizer > 0:
         optimizer = OffloadedMasterAdamW(model.parameters(), mine.offload_optimizer, lr)
@@ -427,7 +211,7 @@ def run(plan: Plan, steps: int = 5, seed: int = 0, lr: float = 1e-2) -> dict:
     ]
     # ZeRO-2/3 reduce each gradient (to its owner, or scattered) as backward makes it: no full buffer
     grads = None if zero >= 2 and plan.dp > 1 else ContiguousGrads(model.parameters())
-    pipeline = _Pipeline(model, spec, plan, batches)
+    pipeline = Pipeline1F1B(model, spec, plan, batches)
     dp_group, tp_group = ps.get_data_parallel_group(), ps.get_tensor_model_parallel_group()
 
     phases: list[dict[str, float]] = []  # per step: where the time went
@@ -439,7 +223,7 @@ def run(plan: Plan, steps: int = 5, seed: int = 0, lr: float = 1e-2) -> dict:
         if plan.tp > 1:  # sequence-parallel weights hold partial sums over the sequence shards
             sp = [p.grad for p in model.parameters() if getattr(p, "sequence_parallel", False)]
             sp = [g for g in sp if g is not None]
-            _flat_collective(sp, lambda flat: dist.all_reduce(flat, group=tp_group, async_op=True))
+            flat_collective(sp, lambda flat: dist.all_reduce(flat, group=tp_group, async_op=True))
         if grads is not None and plan.dp > 1:
             grads.all_reduce(dp_group, divide_by=plan.dp)
         t2 = _now(device)

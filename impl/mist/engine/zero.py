@@ -1,0 +1,163 @@
+"""Gradient and optimizer-state sharding for mist.engine.run, around megatron-core's modules:
+gradients in one contiguous buffer per dtype (``ContiguousGrads``, as Megatron's DDP), ZeRO-1/2
+(``ShardedMasterAdamW``: fp32 master weights and Adam state sharded over the DP replicas by
+buckets of one layer, and with ZeRO-2 the gradients too) and ZeRO-3 (``shard_parameters``:
+torch's FSDP2 per layer)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+class ShardedMasterAdamW:
+    """ZeRO-1/2 around megatron-core's modules: each DP rank keeps the fp32 master weights and
+    Adam state of its share of the parameters only, steps them, and broadcasts the updated
+    half-precision weights to the other replicas. Shares are whole buckets (a transformer layer,
+    the embedding, the head: what Mist's model prices one collective for), greedy by size. With
+    ``shard_grads`` (ZeRO-2) a bucket's gradients are reduced to its owner in one message as soon
+    as a micro-batch's backward has made them all, and freed elsewhere, so no rank holds the
+    full gradients."""
+
+    def __init__(
+        self, buckets: list[list[torch.Tensor]], group, lr: float, shard_grads: bool = False
+    ) -> None:
+        from measure.training import MasterWeightAdamW
+
+        self.buckets = [[p for p in bucket if p.requires_grad] for bucket in buckets]
+        self.buckets = [b for b in self.buckets if b]
+        self.params = [p for bucket in self.buckets for p in bucket]
+        self.group = group
+        ranks = dist.get_process_group_ranks(group)
+        load = [0] * len(ranks)
+        self.owner: dict[int, int] = {}
+        self.bucket_of: dict[int, int] = {}
+        by_size = sorted(range(len(self.buckets)), key=lambda i: -sum(p.numel() for p in self.buckets[i]))
+        for i in by_size:  # every rank walks the same order: the same owners everywhere
+            k = min(range(len(ranks)), key=load.__getitem__)
+            load[k] += sum(p.numel() for p in self.buckets[i])
+            for p in self.buckets[i]:
+                self.owner[id(p)] = ranks[k]
+                self.bucket_of[id(p)] = i
+        me = dist.get_rank()
+        self.dp = len(ranks)
+        self.inner = MasterWeightAdamW([p for p in self.params if self.owner[id(p)] == me], lr=lr, fused=True)
+        self.reduced: dict[int, torch.Tensor] = {}  # owned parameters' summed gradients (ZeRO-2)
+        self.pending: dict[int, list[torch.Tensor]] = {}  # bucket -> gradients made this micro-batch
+        self.shard_grads = shard_grads
+        if shard_grads:
+            for p in self.params:
+                p.register_post_accumulate_grad_hook(self._collect)
+
+    def _collect(self, p: torch.Tensor) -> None:
+        i = self.bucket_of[id(p)]
+        ready = self.pending.setdefault(i, [])
+        ready.append(p)
+        if len(ready) < len(self.buckets[i]):
+            return
+        del self.pending[i]
+        bucket = self.buckets[i]  # a fixed order: the same flat layout on every rank
+        flat = torch.cat([q.grad.reshape(-1) for q in bucket])
+        for q in bucket:
+            q.grad = None
+        owner = self.owner[id(bucket[0])]
+        dist.reduce(flat, dst=owner, group=self.group)
+        if owner != dist.get_rank():
+            return
+        offset = 0
+        for q in bucket:
+            summed = flat[offset : offset + q.numel()].view_as(q)
+            offset += q.numel()
+            so_far = self.reduced.get(id(q))  # (views into this bucket's message: all of it is mine)
+            self.reduced[id(q)] = summed if so_far is None else so_far.add_(summed)
+
+    @property
+    def state(self):
+        return self.inner.state
+
+    def step(self) -> None:
+        if self.shard_grads:  # the owner's averaged gradients, for the master-weight step
+            for p in self.inner.model_params:
+                summed = self.reduced.pop(id(p), None)
+                p.grad = None if summed is None else summed.div_(self.dp)
+        if self.inner.model_params:
+            self.inner.step()
+        for owner in sorted(set(self.owner.values())):  # one broadcast per owner, of all its weights
+            mine = [p.data for p in self.params if self.owner[id(p)] == owner]
+            flat_collective(
+                mine, lambda flat, src=owner: dist.broadcast(flat, src, self.group, async_op=True)
+            )
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        return self.inner.state_tensors()
+
+
+def layer_buckets(model) -> list[list[torch.Tensor]]:
+    """The parameters in the groups Mist prices one collective for: each transformer layer, and
+    each other top-level module (embedding, final norm, output layer)."""
+    layers = list(model.module.decoder.layers)
+    in_layers = {id(p) for layer in layers for p in layer.parameters()}
+    rest: dict[str, list[torch.Tensor]] = {}
+    for name, p in model.named_parameters():
+        if id(p) not in in_layers:
+            rest.setdefault(name.rsplit(".", 1)[0], []).append(p)
+    return [list(layer.parameters()) for layer in layers] + list(rest.values())
+
+
+def shard_parameters(model, dp_group, device: torch.device) -> None:
+    """ZeRO-3 with torch's FSDP2 (``fully_shard``) over the DP group: each layer's weights are
+    sharded, gathered before its forward and its backward, freed after; its gradients are
+    reduce-scattered (averaged) as backward makes them. The root takes the embedding and head."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = DeviceMesh.from_group(dp_group, device.type)
+    for layer in model.module.decoder.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
+class ContiguousGrads:
+    """Gradients as Megatron's DDP keeps them: every parameter's ``.grad`` is a view into one flat
+    buffer per dtype, allocated once. Backward accumulates into it in place, the data-parallel
+    sum is one in-place all-reduce per buffer (no per-tensor latency, no flattening copy)."""
+
+    def __init__(self, params) -> None:
+        self.buffers: list[torch.Tensor] = []
+        params = [p for p in params if p.requires_grad]
+        for dtype in sorted({p.dtype for p in params}, key=str):  # same order on every rank
+            group = [p for p in params if p.dtype == dtype]
+            flat = torch.zeros(sum(p.numel() for p in group), dtype=dtype, device=group[0].device)
+            offset = 0
+            for p in group:
+                p.grad = flat[offset : offset + p.numel()].view_as(p)
+                offset += p.numel()
+            self.buffers.append(flat)
+
+    def all_reduce(self, group, divide_by: int) -> None:
+        for flat in self.buffers:
+            dist.all_reduce(flat, group=group)
+            flat /= divide_by
+
+    def zero(self) -> None:
+        for flat in self.buffers:
+            flat.zero_()
+
+
+def flat_collective(tensors: list[torch.Tensor], collective) -> None:
+    """Run ``collective(flat)`` (async, returns its work) once per dtype on a flat copy of
+    ``tensors``, then copy the result back: a collective per tensor pays its latency per tensor."""
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    for dtype in sorted({t.dtype for t in tensors}, key=str):  # same order on every rank
+        bucket = [t for t in tensors if t.dtype == dtype]
+        flat = _flatten_dense_tensors(bucket)
+        work = collective(flat)
+        work.wait()
+        del work  # the buffer is then freed by this thread, where the CPU memory profiler sees it
+        for t, synced in zip(bucket, _unflatten_dense_tensors(flat, bucket), strict=True):
+            t.copy_(synced)
