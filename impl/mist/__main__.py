@@ -109,7 +109,6 @@ def cmd_plan(args) -> int:
     except NoFeasiblePlan as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    plan.model_overrides = _overrides(args)
     plan.host_memory_per_node_gib = args.host_mem
     print(plan.table())
     if args.explain:
@@ -155,8 +154,7 @@ def cmd_predict(args) -> int:
 
     try:
         plan = Plan.load(args.plan)
-        m = model(plan.model, **plan.model_overrides)
-        predict(plan, m, plan.cluster(), grad_accumulation=GRAD_ACCUMULATION[args.engine])
+        predict(plan, plan.model_spec(), plan.cluster(), grad_accumulation=GRAD_ACCUMULATION[args.engine])
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

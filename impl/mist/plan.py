@@ -19,7 +19,7 @@ from pathlib import Path
 
 import yaml
 
-from .model.specs import ClusterSpec, cluster
+from .model.specs import ClusterSpec, ModelSpec, cluster, model
 
 PLAN_FORMAT = 1
 # The most micro-batches per iteration the pipeline simulator takes: its work is O(stages x
@@ -160,6 +160,10 @@ class Plan:
                 f"{t}x{d}" for t, d, _ in map(self.stage_parallelism, range(len(self.stages)))
             )
             raise ValueError(f"the stages use {shapes} = {used} GPUs (tp x dp each), but gpus = {self.gpus}")
+
+    def model_spec(self) -> ModelSpec:
+        """The model this plan is for: the named preset with the plan's ``model_overrides``."""
+        return model(self.model, **self.model_overrides)
 
     def cluster(self) -> ClusterSpec:
         """The cluster this plan is for."""

@@ -100,11 +100,13 @@ def test_model_fields_on_the_command_line_and_predict_json(tmp_path, capsys):
     )
     capsys.readouterr()
     saved = json.loads(out.read_text())
-    assert saved["plan_format"] == 1 and saved["model_overrides"] == {
-        "heads": heads,
-        "seq": seq,
-        "dropout": 0.0,
-    }
+    # the plan names its model exactly: the fields that differ from the preset
+    asked = model("gpt3-1.3b", heads=heads, seq=seq, dropout=0.0)
+    preset = model("gpt3-1.3b")
+    wanted = {"heads": heads, "seq": seq, "dropout": 0.0}
+    differ = {k: v for k, v in wanted.items() if getattr(preset, k) != v}
+    assert saved["plan_format"] == 1 and saved["model_overrides"] == differ
+    assert Plan.load(out).model_spec() == asked
     assert main(["predict", str(out), "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["prediction_format"] == 1 and doc["fits"] is True

@@ -49,9 +49,8 @@ from .zero import ContiguousGrads, ShardedMasterAdamW, flat_collective, layer_bu
 def unsupported(plan: Plan) -> list[str]:
     """The plan's parts mist.engine.run cannot execute (empty: it can): what no Megatron model can be
     built as (megatron.megatron_limits), and what this engine does not do around it."""
-    from ..model.specs import model
 
-    reasons = megatron_limits(plan, model(plan.model, **plan.model_overrides))
+    reasons = megatron_limits(plan, plan.model_spec())
     if any(s.zero >= 3 for s in plan.stages) and plan.dp > 1 and plan.tp > 1:
         reasons.append(
             "ZeRO-3 with TP > 1 (FSDP over megatron-core's tensor-parallel layers is not wired in)"
@@ -145,7 +144,6 @@ def run(plan: Plan, steps: int = 5, seed: int = 0, lr: float = 1e-2) -> dict:
     """Train ``steps`` iterations of ``plan`` on this process group; the report of this rank."""
     from measure.training import MasterWeightAdamW
 
-    from ..model.specs import model as model_spec
     from . import cpu_shim
 
     reasons = unsupported(plan)
@@ -168,7 +166,7 @@ def run(plan: Plan, steps: int = 5, seed: int = 0, lr: float = 1e-2) -> dict:
         tensor_model_parallel_size=plan.tp, pipeline_model_parallel_size=len(plan.stages)
     )
     model_parallel_cuda_manual_seed(seed)
-    spec = model_spec(plan.model, **plan.model_overrides)
+    spec = plan.model_spec()
     settings = model_settings(plan, spec)
     dtype = torch.bfloat16
     model = GPTModel(

@@ -233,6 +233,17 @@ def model(name: str, **overrides) -> ModelSpec:
     return MODELS[name].with_(**overrides) if overrides else MODELS[name]
 
 
+def preset_overrides(spec: ModelSpec) -> dict:
+    """The fields in which ``spec`` differs from the preset it is named after: what a plan file
+    stores to name its model exactly (``model(spec.name, **preset_overrides(spec)) == spec``);
+    empty for a model that is no preset."""
+    preset = MODELS.get(spec.name)
+    if preset is None:
+        return {}
+    return {f.name: getattr(spec, f.name) for f in dataclasses.fields(ModelSpec)
+            if getattr(spec, f.name) != getattr(preset, f.name)}  # fmt: skip
+
+
 @dataclass(frozen=True)
 class GradAccumulation:
     """How a training engine adds each micro-batch's weight gradients into the accumulated ones:

@@ -21,7 +21,7 @@ import numpy as np
 from ..model.budget import gpu_budget_bytes, host_budget_bytes
 from ..model.interference import Interference
 from ..model.runtime import RuntimeModel, cpu_adam_params_per_s, load_runtime_model
-from ..model.specs import GRAD_ACCUMULATION, ClusterSpec, GradAccumulation, ModelSpec
+from ..model.specs import GRAD_ACCUMULATION, ClusterSpec, GradAccumulation, ModelSpec, preset_overrides
 from ..plan import MAX_GLOBAL_BATCH, Plan, PrePostPlan, StagePlan
 from .inter_stage import Frontier, frontier_for, solve_inter_stage
 from .pipeline_sim import pipeline_objective, simulate_1f1b
@@ -126,6 +126,7 @@ def tune_setting(st: Setting, grad_accum: int, options: PlannerOptions, best_so_
         )
     return Plan(
         model=st.model.name,
+        model_overrides=preset_overrides(st.model),  # the plan names its model exactly
         gpu=st.cluster.gpu.name,
         gpus=st.cluster.gpus,
         gpus_per_node=st.cluster.gpus_per_node,
