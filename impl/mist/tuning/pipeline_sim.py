@@ -18,6 +18,12 @@ import numpy as np
 from ..plan import MAX_MICRO_BATCHES
 
 
+def in_flight(stage: int, stages: int, micro_batches: int) -> int:
+    """Micro-batches whose activations stage ``stage`` of ``stages`` holds at once under 1F1B: its
+    warm-up forwards plus the one in steady state, at most the iteration's micro-batches."""
+    return min(stages - stage, micro_batches)
+
+
 def one_f_one_b_order(stage: int, stages: int, micro_batches: int) -> Iterator[tuple[str, int]]:
     """The op order of ``stage``: ("F", m) or ("B", m), generated (not stored)."""
     warmup = min(stages - stage - 1, micro_batches)

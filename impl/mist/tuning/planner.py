@@ -24,7 +24,7 @@ from ..model.runtime import RuntimeModel, cpu_adam_params_per_s, load_runtime_mo
 from ..model.specs import GRAD_ACCUMULATION, ClusterSpec, GradAccumulation, ModelSpec, preset_overrides
 from ..plan import MAX_GLOBAL_BATCH, Plan, PrePostPlan, StagePlan
 from .inter_stage import Frontier, frontier_for, solve_inter_stage
-from .pipeline_sim import pipeline_objective, simulate_1f1b
+from .pipeline_sim import in_flight, pipeline_objective, simulate_1f1b
 from .stage_cost import (
     EDGE_FIELDS,
     STRATEGY_FIELDS,
@@ -87,7 +87,7 @@ def tune_setting(st: Setting, grad_accum: int, options: PlannerOptions, best_so_
     budget = float(st.memory_budget)
     for i in range(S):
         first, last = i == 0, i == S - 1
-        in_flight = min(S - i, grad_accum)
+        flight = in_flight(i, S, grad_accum)
         for layers in range(1, L - S + 2):
             key = (layers, first, last)
             if key not in grids:
@@ -95,7 +95,7 @@ def tune_setting(st: Setting, grad_accum: int, options: PlannerOptions, best_so_
             grid, values, per_flight = grids[key]
             if not options.imbalance_aware:
                 values = {**values, "extra": np.zeros_like(values["extra"])}
-            fr = frontier_for(values, in_flight, budget, per_flight, host_budget_bytes(st.cluster))
+            fr = frontier_for(values, flight, budget, per_flight, host_budget_bytes(st.cluster))
             if len(fr):
                 frontiers[i][layers] = fr
     if any(not f for f in frontiers):
@@ -222,7 +222,9 @@ def refine(
 
     def evaluate(i: int, grid: dict, edge: dict | None) -> dict:
         st, ln = numbers[i]
-        return evaluate_stage(st, ln, plan.stages[i].layers, min(S - i, G), i == 0, i == S - 1, grid, G, edge)
+        return evaluate_stage(
+            st, ln, plan.stages[i].layers, in_flight(i, S, G), i == 0, i == S - 1, grid, G, edge
+        )
 
     def current(i: int) -> dict:
         return {f: np.array([float(getattr(plan.stages[i], f))]) for f in STRATEGY_FIELDS}
@@ -284,9 +286,9 @@ def min_memory_needed(model, cluster, global_batch, options, runtime, interferen
         ln = layer_numbers(st)
         layers = -(-model.layers // stages)
         _, values, per_flight = _stage_values(st, ln, layers, stages == 1, True, options.space, 1)
-        in_flight = min(stages, global_batch)
-        host = values["host_memory"] + (in_flight - 1) * values["host_per_flight"]
-        memory = values["memory"] + (in_flight - 1) * per_flight
+        flight = in_flight(0, stages, global_batch // (dp * mb))  # the first stage holds the most
+        host = values["host_memory"] + (flight - 1) * values["host_per_flight"]
+        memory = values["memory"] + (flight - 1) * per_flight
         lowest = min(lowest, float(np.min(np.where(host <= host_budget_bytes(cluster), memory, np.inf))))
     return lowest
 
@@ -330,7 +332,7 @@ def predict(
         ln = layer_numbers(st)
         grid = {k: np.array([float(getattr(s, k))]) for k in STRATEGY_FIELDS}
         edge = None if plan.pre_post is None else {k: float(getattr(plan.pre_post, k)) for k in EDGE_FIELDS}
-        v = evaluate_stage(st, ln, s.layers, min(S - i, G), i == 0, i == S - 1, grid, G, edge)
+        v = evaluate_stage(st, ln, s.layers, in_flight(i, S, G), i == 0, i == S - 1, grid, G, edge)
         s.steady_s, s.extra_s = float(v["steady"][0]), float(v["extra"][0])
         s.memory_gib = float(v["memory"][0]) / 2**30
         s.host_memory_gib = float(v["host_memory"][0]) / 2**30
