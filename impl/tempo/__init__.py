@@ -6,6 +6,7 @@ from .ops.attention import attention_core, scaled_dot_product_attention
 from .ops.dropout import TempoDropout, dropout
 from .ops.gelu import TempoGELU, gelu
 from .ops.layernorm import TempoLayerNorm, layer_norm
+from .ops.rmsnorm import TempoRMSNorm, rms_norm
 
 __all__ = [
     "SUPPORTED_MODEL_TYPES",
@@ -13,12 +14,14 @@ __all__ = [
     "TempoDropout",
     "TempoGELU",
     "TempoLayerNorm",
+    "TempoRMSNorm",
     "attention_core",
     "dropout",
     "gelu",
     "is_patched",
     "layer_norm",
     "patch",
+    "rms_norm",
     "scaled_dot_product_attention",
     "unpatch",
 ]
