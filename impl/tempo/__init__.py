@@ -7,6 +7,7 @@ from .ops.dropout import TempoDropout, dropout
 from .ops.gelu import TempoGELU, gelu
 from .ops.layernorm import TempoLayerNorm, layer_norm
 from .ops.rmsnorm import TempoRMSNorm, rms_norm
+from .ops.swiglu import swiglu_down
 
 __all__ = [
     "SUPPORTED_MODEL_TYPES",
@@ -23,5 +24,6 @@ __all__ = [
     "patch",
     "rms_norm",
     "scaled_dot_product_attention",
+    "swiglu_down",
     "unpatch",
 ]
