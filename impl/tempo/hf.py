@@ -6,7 +6,11 @@ What is replaced (each technique can be switched off, for ablations):
   GPT-2 ``gelu_new`` and ``gelu_pytorch_tanh``: tanh);
 * the attention core of each attention module, through transformers' attention-implementation
   registry (``"tempo"``);
-* every ``nn.Dropout`` -> TempoDropout (the attention modules' own dropout is only read for p).
+* every ``nn.Dropout`` -> TempoDropout (the attention modules' own dropout is only read for p);
+* Llama-family decoders (Llama, Mistral, Qwen2; beyond the paper): every RMSNorm -> TempoRMSNorm
+  (same weight, same epsilon) and every SiLU-gated MLP -> TempoSwiGLUMLP (the same projection
+  modules; its tail keeps gate and up only). Their attention is left to the model's own
+  implementation (SDPA), which keeps no probabilities.
 
 Only the module given is changed, whatever else shares its HF config. HF attention modules
 read the implementation from ``self.config``, and one config object is shared by every layer of
@@ -36,13 +40,19 @@ from .ops.attention import scaled_dot_product_attention
 from .ops.dropout import TempoDropout
 from .ops.gelu import TempoGELU
 from .ops.layernorm import TempoLayerNorm
+from .ops.rmsnorm import TempoRMSNorm
+from .ops.swiglu import TempoSwiGLUMLP
 
-SUPPORTED_MODEL_TYPES = ("bert", "roberta", "gpt2")
+SUPPORTED_MODEL_TYPES = ("bert", "roberta", "gpt2", "llama", "mistral", "qwen2")
+# The Llama-family modules patch() replaces (their forwards are LlamaRMSNorm's and LlamaMLP's).
+RMSNORM_CLASSES = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm")
+GATED_MLP_CLASSES = ("LlamaMLP", "MistralMLP", "Qwen2MLP")
 ATTN_IMPLEMENTATION = "tempo"
 # Implementations whose masks the Tempo core understands: eager's additive float masks, SDPA's
 # boolean ones (or None, causality then implied by the module), and Tempo's own (eager masks).
 MASK_COMPATIBLE = ("eager", "sdpa", ATTN_IMPLEMENTATION)
-_TEMPO_MODULES = {"layernorm": TempoLayerNorm, "gelu": TempoGELU, "dropout": TempoDropout}
+_TEMPO_MODULES = {"layernorm": TempoLayerNorm, "gelu": TempoGELU, "dropout": TempoDropout,
+                  "rmsnorm": TempoRMSNorm, "swiglu": TempoSwiGLUMLP}  # fmt: skip
 _SLOT = "_tempo_slot"  # on every module a patch() put in, and on every attention module it switched
 _RECORD = "_tempo_patch"  # on the module patch() was called on
 
@@ -60,6 +70,13 @@ def _gelu_kind(module: nn.Module) -> str | None:
     if any(type(module) is c for c in tanh):
         return "tanh"
     return None
+
+
+def _is_silu(module: nn.Module) -> bool:
+    from transformers import activations as act
+
+    silu = [nn.SiLU, *(getattr(act, n) for n in ("SiLUActivation",) if hasattr(act, n))]
+    return any(type(module) is c for c in silu)
 
 
 def _additive_mask(module, query, key, attention_mask, is_causal) -> torch.Tensor | None:
@@ -116,6 +133,8 @@ class PatchReport:
     layernorms: list[str] = field(default_factory=list)
     gelus: list[str] = field(default_factory=list)
     dropouts: list[str] = field(default_factory=list)
+    rmsnorms: list[str] = field(default_factory=list)
+    swiglus: list[str] = field(default_factory=list)
     attention_modules: list[str] = field(default_factory=list)
     previous_attn_implementation: str | None = None
     # Tempo layers found in place (put there by another live patch, or by hand): left as they are;
@@ -128,6 +147,8 @@ class PatchReport:
             "gelu": len(self.gelus),
             "attention": len(self.attention_modules),
             "dropout": len(self.dropouts),
+            "rmsnorm": len(self.rmsnorms),
+            "swiglu": len(self.swiglus),
         }
 
     def __str__(self) -> str:
@@ -142,7 +163,7 @@ class PatchReport:
         already = f"; {n_already} already Tempo's" if n_already else ""
         return (
             f"tempo.patch({self.model_type}): replaced {c['layernorm']} LayerNorms, {c['gelu']} GELUs, "
-            f"{c['dropout']} dropouts; {attn}{already}"
+            f"{c['dropout']} dropouts, {c['rmsnorm']} RMSNorms, {c['swiglu']} SwiGLU MLPs; {attn}{already}"
         )
 
 
@@ -216,10 +237,12 @@ def patch(
     gelu: bool = True,
     attention: bool = True,
     dropout: bool = True,
+    rmsnorm: bool = True,
+    swiglu: bool = True,
 ) -> PatchReport:
-    """Convert a HF BERT / RoBERTa / GPT-2 model (any size, any head), or a submodule of one such
-    as a single encoder layer, to Tempo's layers in place. Only ``model`` changes (not the other
-    layers that share its config). Returns what was replaced."""
+    """Convert a HF BERT / RoBERTa / GPT-2 or Llama / Mistral / Qwen2 model (any size, any head),
+    or a submodule of one such as a single layer, to Tempo's layers in place. Only ``model``
+    changes (not the other layers that share its config). Returns what was replaced."""
     _check_module("patch", model)
     config = _find_config(model)
     model_type = getattr(config, "model_type", None)
@@ -230,15 +253,23 @@ def patch(
         )
     if getattr(model, _RECORD, None) is not None:
         raise RuntimeError("model is already patched by tempo; call tempo.unpatch(model) first")
-    if not (layernorm or gelu or attention or dropout):
+    if not (layernorm or gelu or attention or dropout or rmsnorm or swiglu):
         raise ValueError(
-            "every technique is switched off (layernorm, gelu, attention, dropout): nothing to patch"
+            "every technique is switched off (layernorm, gelu, attention, dropout, rmsnorm, swiglu): "
+            "nothing to patch"
         )
 
     # Plan everything first, so a refusal leaves the model untouched.
     report = PatchReport(model_type=model_type)
-    lists = {"layernorm": report.layernorms, "gelu": report.gelus, "dropout": report.dropouts}
-    switched_on = {"layernorm": layernorm, "gelu": gelu, "dropout": dropout}
+    lists = {"layernorm": report.layernorms, "gelu": report.gelus, "dropout": report.dropouts,
+             "rmsnorm": report.rmsnorms, "swiglu": report.swiglus}  # fmt: skip
+    switched_on = {
+        "layernorm": layernorm,
+        "gelu": gelu,
+        "dropout": dropout,
+        "rmsnorm": rmsnorm,
+        "swiglu": swiglu,
+    }
     new_slots: list[_Slot] = []
     joined: list[_Slot] = []
     for parent_name, parent in list(model.named_modules()):
@@ -258,6 +289,11 @@ def patch(
                 new, kind = TempoGELU(approximate), "gelu"
             elif dropout and type(child) is nn.Dropout:
                 new, kind = TempoDropout(child.p), "dropout"
+                new.train(child.training)
+            elif rmsnorm and type(child).__name__ in RMSNORM_CLASSES:
+                new, kind = TempoRMSNorm.from_rmsnorm(child), "rmsnorm"
+            elif swiglu and type(child).__name__ in GATED_MLP_CLASSES and _is_silu(child.act_fn):
+                new, kind = TempoSwiGLUMLP(child.gate_proj, child.up_proj, child.down_proj), "swiglu"
                 new.train(child.training)
             if new is not None:
                 lists[kind].append(qualified)

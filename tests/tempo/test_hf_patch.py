@@ -61,6 +61,8 @@ def test_bert_large_every_layer_is_replaced():
         "gelu": 24 + 1,
         "attention": 24,
         "dropout": 24 * 3 + 1,
+        "rmsnorm": 0,
+        "swiglu": 0,
     }
     for layer in model.bert.encoder.layer:
         assert isinstance(layer.attention.output.LayerNorm, tempo.TempoLayerNorm)
@@ -172,7 +174,7 @@ def test_patch_twice_and_unpatch_unpatched_are_refused():
 
 
 def test_unsupported_model_lists_the_supported_ones():
-    with pytest.raises(ValueError, match="bert, roberta, gpt2"):
+    with pytest.raises(ValueError, match="bert, roberta, gpt2, llama, mistral, qwen2"):
         tempo.patch(nn.Sequential(nn.Linear(3, 3)))
 
 

@@ -97,3 +97,17 @@ def swiglu_down(gate: Tensor, up: Tensor, weight: Tensor, bias: Tensor | None = 
         )
     with torch.autocast(device, enabled=False):
         return swiglu_down_op(gate.contiguous(), up.contiguous(), weight, bias)
+
+
+class TempoSwiGLUMLP(torch.nn.Module):
+    """A Llama-family MLP (``down(silu(gate(x)) * up(x))``) whose tail is ``swiglu_down``: the same
+    three projection modules (parameters shared), two ffn-wide tensors kept instead of four."""
+
+    def __init__(
+        self, gate_proj: torch.nn.Linear, up_proj: torch.nn.Linear, down_proj: torch.nn.Linear
+    ) -> None:
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj = gate_proj, up_proj, down_proj
+
+    def forward(self, x: Tensor) -> Tensor:
+        return swiglu_down(self.gate_proj(x), self.up_proj(x), self.down_proj.weight, self.down_proj.bias)
