@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mist.tuning.inter_stage import Frontier, pareto_frontier, solve_inter_stage
+from mist.tuning.inter_stage import MIP_REL_GAP, Frontier, pareto_frontier, solve_inter_stage
 from mist.tuning.pipeline_sim import one_f_one_b_order, pipeline_objective, simulate_1f1b
 
 
@@ -97,7 +97,8 @@ def test_milp_matches_brute_force(trial):
     sol = solve_inter_stage(frontiers, layers, micro)
     assert sol is not None and sol.optimal
     assert sum(sol.layers) == layers
-    assert sol.objective == pytest.approx(best, rel=1e-6)
+    # optimal to the solver's stated gap, never below the true optimum
+    assert best * (1 - 1e-12) <= sol.objective <= best * (1 + MIP_REL_GAP)
 
 
 def test_milp_reports_infeasible_layer_counts():

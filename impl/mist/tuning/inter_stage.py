@@ -21,6 +21,10 @@ import numpy as np
 
 from .pipeline_sim import pipeline_objective
 
+# "Optimal" means within this relative gap of the best bound (HiGHS's default, stated here):
+# the objective is at most this far above the true optimum.
+MIP_REL_GAP = 1e-4
+
 
 def pareto_frontier(steady: np.ndarray, extra: np.ndarray) -> np.ndarray:
     """Indices of the exact non-dominated points (minimising both), sorted by steady time.
@@ -140,6 +144,7 @@ def solve_inter_stage(
     solver = highspy.Highs()
     solver.setOptionValue("output_flag", False)
     solver.setOptionValue("time_limit", float(time_limit))
+    solver.setOptionValue("mip_rel_gap", MIP_REL_GAP)
     solver.setOptionValue("threads", 1)
     if np.isfinite(cutoff):
         solver.setOptionValue("objective_bound", float(cutoff))
