@@ -159,17 +159,7 @@ def search_aceso(
         base, extra = divmod(model.layers, pp)
         stages = [StagePlan(layers=base + (k < extra), recompute=base + (k < extra)) for k in range(pp)]
         starts.append(
-            Plan(
-                model=model.name,
-                gpu=cluster.gpu.name,
-                gpus=cluster.gpus,
-                gpus_per_node=cluster.gpus_per_node,
-                global_batch=global_batch,
-                tp=tp,
-                dp=dp,
-                micro_batch=1,
-                stages=stages,
-            )
+            Plan.of(model, cluster, global_batch=global_batch, tp=tp, dp=dp, micro_batch=1, stages=stages)
         )
     if not starts:
         raise NoFeasiblePlan(

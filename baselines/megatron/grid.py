@@ -70,17 +70,7 @@ def grid_plan(model, cluster, global_batch, setting: tuple, recompute: int) -> P
     """A grid setting with block recomputation of the first ``recompute`` layers of every stage."""
     tp, dp, mb, split, zero = setting
     stages = [StagePlan(layers=n, recompute=min(recompute, n), zero=zero) for n in split]
-    return Plan(
-        model=model.name,
-        gpu=cluster.gpu.name,
-        gpus=cluster.gpus,
-        gpus_per_node=cluster.gpus_per_node,
-        global_batch=global_batch,
-        tp=tp,
-        dp=dp,
-        micro_batch=mb,
-        stages=stages,
-    )
+    return Plan.of(model, cluster, global_batch=global_batch, tp=tp, dp=dp, micro_batch=mb, stages=stages)
 
 
 def grid_plans(model: ModelSpec, cluster: ClusterSpec, global_batch: int) -> Iterator[Plan]:

@@ -30,17 +30,8 @@ def search_zero3(
             if global_batch % (dp * mb) == 0:
                 for recompute in (0, model.layers):
                     stage = StagePlan(layers=model.layers, recompute=recompute, zero=3)
-                    yield Plan(
-                        model=model.name,
-                        gpu=cluster.gpu.name,
-                        gpus=dp,
-                        gpus_per_node=cluster.gpus_per_node,
-                        global_batch=global_batch,
-                        tp=1,
-                        dp=dp,
-                        micro_batch=mb,
-                        stages=[stage],
-                    )
+                    fields = {"global_batch": global_batch, "tp": 1, "dp": dp, "micro_batch": mb}
+                    yield Plan.of(model, cluster, gpus=dp, stages=[stage], **fields)
 
     what = f"ZeRO-3 over {dp} GPUs does not fit {model.name} (global batch {global_batch})"
     return cheapest_fitting(plans(), model, cluster, runtime, interference, what)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import yaml
 
-from .model.specs import ClusterSpec, ModelSpec, cluster, model
+from .model.specs import ClusterSpec, ModelSpec, cluster, model, preset_overrides
 
 PLAN_FORMAT = 1
 # The most micro-batches per iteration the pipeline simulator takes: its work is O(stages x
@@ -160,6 +160,16 @@ class Plan:
                 f"{t}x{d}" for t, d, _ in map(self.stage_parallelism, range(len(self.stages)))
             )
             raise ValueError(f"the stages use {shapes} = {used} GPUs (tp x dp each), but gpus = {self.gpus}")
+
+    @classmethod
+    def of(cls, model_spec: ModelSpec, cluster_spec: ClusterSpec, **fields) -> Plan:
+        """A plan for ``model_spec`` on ``cluster_spec``: the model named exactly (its preset and the
+        fields it changes), the cluster's GPU type, GPUs and node size; ``fields`` give the rest
+        (and may narrow ``gpus``)."""
+        base = {"model": model_spec.name, "model_overrides": preset_overrides(model_spec),
+                "gpu": cluster_spec.gpu.name, "gpus": cluster_spec.gpus,
+                "gpus_per_node": cluster_spec.gpus_per_node}  # fmt: skip
+        return cls(**{**base, **fields})
 
     def model_spec(self) -> ModelSpec:
         """The model this plan is for: the named preset with the plan's ``model_overrides``."""

@@ -21,7 +21,7 @@ import numpy as np
 from ..model.budget import gpu_budget_bytes, host_budget_bytes
 from ..model.interference import Interference
 from ..model.runtime import RuntimeModel, cpu_adam_params_per_s, load_runtime_model
-from ..model.specs import GRAD_ACCUMULATION, ClusterSpec, GradAccumulation, ModelSpec, preset_overrides
+from ..model.specs import GRAD_ACCUMULATION, ClusterSpec, GradAccumulation, ModelSpec
 from ..plan import MAX_GLOBAL_BATCH, Plan, PrePostPlan, StagePlan
 from .inter_stage import Frontier, frontier_for, solve_inter_stage
 from .pipeline_sim import in_flight, pipeline_objective, simulate_1f1b
@@ -124,18 +124,8 @@ def tune_setting(st: Setting, grad_accum: int, options: PlannerOptions, best_so_
                 offload_activations=float(values["offload_activations"]),
             )
         )
-    return Plan(
-        model=st.model.name,
-        model_overrides=preset_overrides(st.model),  # the plan names its model exactly
-        gpu=st.cluster.gpu.name,
-        gpus=st.cluster.gpus,
-        gpus_per_node=st.cluster.gpus_per_node,
-        global_batch=grad_accum * st.dp * st.micro_batch,
-        tp=st.tp,
-        dp=st.dp,
-        micro_batch=st.micro_batch,
-        stages=stages,
-    )
+    return Plan.of(st.model, st.cluster, global_batch=grad_accum * st.dp * st.micro_batch, tp=st.tp, dp=st.dp,
+                   micro_batch=st.micro_batch, stages=stages)  # fmt: skip
 
 
 def search(
