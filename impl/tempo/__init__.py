@@ -6,6 +6,7 @@ from .ops.attention import attention_core, scaled_dot_product_attention
 from .ops.dropout import TempoDropout, dropout
 from .ops.gelu import TempoGELU, gelu
 from .ops.layernorm import TempoLayerNorm, layer_norm
+from .ops.linear_ce import linear_cross_entropy
 from .ops.rmsnorm import TempoRMSNorm, rms_norm
 from .ops.swiglu import swiglu_down
 
@@ -21,6 +22,7 @@ __all__ = [
     "gelu",
     "is_patched",
     "layer_norm",
+    "linear_cross_entropy",
     "patch",
     "rms_norm",
     "scaled_dot_product_attention",

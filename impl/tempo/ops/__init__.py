@@ -50,6 +50,11 @@ def workspace_bytes(op_name: str, args: tuple, kwargs: dict, target: str) -> int
         per_head = probs.shape[-1] * probs.shape[-2]
         heads_per_chunk = max(1, CHUNK_ELEMS // max(per_head, 1))
         return _cpu_chunk_bytes(op_name, min(probs.numel(), heads_per_chunk * per_head))
+    if op_name.startswith("tempo::linear_cross_entropy"):  # no kernel: chunk logits on either device
+        forward = op_name == "tempo::linear_cross_entropy"
+        h, weight, rows_per_chunk = (args[0], args[1], args[3]) if forward else (args[1], args[2], args[5])
+        chunk = min(h.shape[0], int(rows_per_chunk))
+        return 2 * chunk * weight.shape[0] * 4  # a chunk's float32 logits and one temporary of them
     if op_name == "tempo::layer_norm_bwd" and on_cuda:
         d = args[3].numel()
         rows = first.numel() // max(d, 1)
