@@ -32,22 +32,13 @@ def test_grid_is_megatron_practice():
 
 def test_megatron_args_name_what_megatron_cannot_do():
     m = model("gpt3-1.3b")
-    plan = Plan(
-        model="gpt3-1.3b",
-        gpu="l4",
-        gpus=8,
-        gpus_per_node=8,
-        global_batch=64,
-        tp=1,
-        dp=2,
-        micro_batch=2,
-        stages=[
-            StagePlan(layers=5, recompute=2, zero=3),
-            StagePlan(layers=7, recompute=0, offload_activations=0.5),
-            StagePlan(layers=6),
-            StagePlan(layers=6, tp=2, dp=1),
-        ],
-    )
+    stages = [
+        StagePlan(layers=5, recompute=2, zero=3),
+        StagePlan(layers=7, recompute=0, offload_activations=0.5),
+        StagePlan(layers=6),
+        StagePlan(layers=6, tp=2, dp=1),
+    ]
+    plan = Plan.of(m, cluster("l4", 8), global_batch=64, tp=1, dp=2, micro_batch=2, stages=stages)
     args, cannot = megatron_args(plan, m)
     text = " | ".join(cannot)
     for reason in (

@@ -38,20 +38,15 @@ def _report(plan_args: tuple, tmp_path_factory) -> tuple[Plan, dict]:
     return plan, _REPORTS[plan_args]
 
 
+def _tiny_plan(stages: list[StagePlan], tp: int = 1, dp: int = 1) -> Plan:
+    """A gpt3-tiny plan for 2 CPU processes, global batch 8 in micro-batches of 2, no SP."""
+    return Plan(model="gpt3-tiny", gpu="cpu", gpus=2, gpus_per_node=8, global_batch=8, tp=tp, dp=dp,
+                micro_batch=2, stages=stages, sequence_parallel=False)  # fmt: skip
+
+
 def _plan(tp: int, layers: list[int], recompute: list[int], dp: int = 1, zero: int = 0) -> Plan:
     stages = [StagePlan(layers=n, recompute=r, zero=zero) for n, r in zip(layers, recompute, strict=True)]
-    return Plan(
-        model="gpt3-tiny",
-        gpu="cpu",
-        gpus=2,
-        gpus_per_node=8,
-        global_batch=8,
-        tp=tp,
-        dp=dp,
-        micro_batch=2,
-        stages=stages,
-        sequence_parallel=False,
-    )
+    return _tiny_plan(stages, tp, dp)
 
 
 @pytest.mark.slow
@@ -107,18 +102,7 @@ def test_offloading_optimizer_and_activations_trains_the_same(tmp_path, tmp_path
         StagePlan(layers=1, recompute=1),
         StagePlan(layers=3, offload_optimizer=1.0, offload_activations=1.0),
     ]
-    plan = Plan(
-        model="gpt3-tiny",
-        gpu="cpu",
-        gpus=2,
-        gpus_per_node=8,
-        global_batch=8,
-        tp=1,
-        dp=1,
-        micro_batch=2,
-        stages=stages,
-        sequence_parallel=False,
-    )
+    plan = _tiny_plan(stages)
     assert not unsupported(plan)
     offloaded = _torchrun(plan, tmp_path)
     a, b = (next(r["losses"] for r in rep["ranks"] if r["losses"] is not None) for rep in (plain, offloaded))
@@ -150,16 +134,9 @@ def test_planner_plan_runs(tmp_path):
 
 
 def test_unsupported_parts_are_named():
-    plan = Plan(
-        model="gpt3-tiny",
-        gpu="cpu",
-        gpus=8,
-        gpus_per_node=8,
-        global_batch=8,
-        tp=2,
-        dp=2,
-        micro_batch=2,
-        stages=[StagePlan(layers=2, zero=3), StagePlan(layers=2, offload_grads=0.5)],
+    stages = [StagePlan(layers=2, zero=3), StagePlan(layers=2, offload_grads=0.5)]
+    plan = Plan.of(
+        model("gpt3-tiny"), cluster("cpu", 8), global_batch=8, tp=2, dp=2, micro_batch=2, stages=stages
     )
     reasons = " | ".join(unsupported(plan))
     assert "ZeRO-3 with TP > 1" in reasons and "offloading of weights or gradients" in reasons
@@ -169,17 +146,8 @@ def test_unsupported_parts_are_named():
 def test_the_engine_refuses_a_layer_it_would_build_differently():
     """Falcon is priced with attention and MLP in parallel; megatron-core builds them in sequence,
     so mist.engine.run refuses it by name, and runs the sequential variant it does build."""
-    falcon = Plan(
-        model="falcon-tiny",
-        gpu="cpu",
-        gpus=1,
-        gpus_per_node=1,
-        global_batch=2,
-        tp=1,
-        dp=1,
-        micro_batch=1,
-        stages=[StagePlan(layers=4)],
-    )
+    falcon = Plan.of(model("falcon-tiny"), cluster("cpu", 1, 1), global_batch=2, tp=1, dp=1, micro_batch=1,
+                     stages=[StagePlan(layers=4)])  # fmt: skip
     assert any("in parallel on one norm (Falcon)" in r for r in unsupported(falcon))
     falcon.model_overrides = {"parallel_block": False}
     assert not unsupported(falcon)
@@ -188,17 +156,8 @@ def test_the_engine_refuses_a_layer_it_would_build_differently():
 def test_megatron_arguments_follow_the_model_fields():
     from baselines.megatron.grid import megatron_args
 
-    plan = Plan(
-        model="llama-7b",
-        gpu="l4",
-        gpus=8,
-        gpus_per_node=8,
-        global_batch=64,
-        tp=2,
-        dp=1,
-        micro_batch=1,
-        stages=[StagePlan(layers=16), StagePlan(layers=16)],
-    )
+    plan = Plan.of(model("llama-7b"), cluster("l4", 8), global_batch=64, tp=2, dp=1, micro_batch=1,
+                   stages=[StagePlan(layers=16), StagePlan(layers=16)])  # fmt: skip
     args, cannot = megatron_args(plan, model("llama-7b", kv_heads=8))
     assert {"--normalization RMSNorm", "--swiglu", "--position-embedding-type rope", "--sequence-parallel",
             "--num-query-groups 8", "--hidden-dropout 0.0"} <= set(args) and not cannot  # fmt: skip
