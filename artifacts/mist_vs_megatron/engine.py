@@ -6,7 +6,9 @@ step time, next to what Mist predicts; the time with a runtime model fitted to `
 of the device the plans run on (layer ops and, with several processes, the collectives; made
 first, held-out error reported).
 
-    CPU_ENGINE: a tiny GPT-3 on 2 gloo processes (TP=2, PP=2, DP=2, DP=2 + ZeRO-1, -2, -3)
+    CPU_ENGINE: a small GPT-3 (hidden 256, seq 128, 4 layers) on 2 gloo processes (TP=2, PP=2, DP=2,
+                DP=2 + ZeRO-1, -2, -3); at the tiny preset's hidden 64 and seq 32 a micro-batch is
+                mostly Python dispatch and gloo latency, not the layer work a cost model prices
     GPU_ENGINE: GPT-3 1.3B on one GPU with no, half and full recomputation, and with half
                 recomputation plus the optimizer state, or half the other layers' activations,
                 offloaded to the host (nox -s gpu_check)
@@ -37,13 +39,15 @@ class EngineSetup:
     global_batch: int
     micro_batch: int
     plans: dict  # name -> plan fields (tp, dp, stages)
-    profile: dict  # `mist profile` arguments: hidden, heads, seq, micro_batches, tps, dtype
+    model_overrides: dict  # changes to the preset's fields (the plans' model_overrides)
+    profile: dict  # `mist profile` arguments besides the model's shape: micro_batches, tps, dtype
     device: str
     steps: int = 6
 
 
 CPU_ENGINE = EngineSetup(
     name="engine", model="gpt3-tiny", gpu="cpu", processes=2, global_batch=8, micro_batch=2,
+    model_overrides={"hidden": 256, "seq": 128},
     plans={
         "tp2": {"tp": 2, "dp": 1, "stages": [{"layers": 4, "recompute": 1}]},
         "pp2": {"tp": 1, "dp": 1, "stages": [{"layers": 1, "recompute": 1}, {"layers": 3}]},
@@ -52,7 +56,7 @@ CPU_ENGINE = EngineSetup(
         "dp2-zero2": {"tp": 1, "dp": 2, "stages": [{"layers": 4, "recompute": 2, "zero": 2}]},
         "dp2-zero3": {"tp": 1, "dp": 2, "stages": [{"layers": 4, "recompute": 2, "zero": 3}]},
     },
-    profile={"hidden": 64, "heads": 4, "seq": 32, "micro_batches": [1, 2, 4], "tps": [1, 2], "dtype": "bf16"},
+    profile={"micro_batches": [1, 2, 4], "tps": [1, 2], "dtype": "bf16"},
     device="cpu",
 )  # fmt: skip
 
@@ -63,26 +67,26 @@ def _one_gpu(**stage) -> dict:
 
 GPU_ENGINE = EngineSetup(
     name="gpu_engine", model="gpt3-1.3b", gpu="h200", processes=1, global_batch=8, micro_batch=2,
+    model_overrides={},
     plans={
         **{f"recompute-{r}": _one_gpu(recompute=r) for r in (0, 12, 24)},
         "offload-optimizer": _one_gpu(recompute=12, offload_optimizer=1.0),
         "offload-activations": _one_gpu(recompute=12, offload_activations=0.5),
     },
-    profile={"hidden": 2048, "heads": 16, "seq": 2048, "micro_batches": [1, 2, 4], "tps": [1],
-             "dtype": "bf16"},
+    profile={"micro_batches": [1, 2, 4], "tps": [1], "dtype": "bf16"},
     device="cuda",
     steps=5,
 )  # fmt: skip
 
 
 def engine_point(setup: EngineSetup, name: str, fit: dict, work: Path) -> dict:
-    from mist import Plan, cluster, model, predict
+    from mist import Plan, cluster, predict
 
     base = {"model": setup.model, "gpu": setup.gpu, "gpus": setup.processes, "gpus_per_node": 8,
             "global_batch": setup.global_batch, "micro_batch": setup.micro_batch,
-            "sequence_parallel": False}  # fmt: skip
+            "sequence_parallel": False, "model_overrides": setup.model_overrides}  # fmt: skip
     plan = Plan.from_dict({**base, **setup.plans[name]})
-    predict(plan, model(setup.model), cluster(setup.gpu, setup.processes), runtime=fit["model"])
+    predict(plan, plan.model_spec(), cluster(setup.gpu, setup.processes), runtime=fit["model"])
     path, out = work / f"{name}.yaml", work / f"{name}.json"
     plan.save(path)
     args = ["--plan", str(path), "--steps", str(setup.steps), "--out", str(out)]
@@ -121,7 +125,7 @@ def engine_point(setup: EngineSetup, name: str, fit: dict, work: Path) -> dict:
 
 
 def engine_key(setup: EngineSetup, name: str) -> dict:
-    fields = ("model", "gpu", "processes", "global_batch", "micro_batch", "steps")
+    fields = ("model", "model_overrides", "gpu", "processes", "global_batch", "micro_batch", "steps")
     return {"setup": setup.name, "plan": name, **{f: getattr(setup, f) for f in fields},
             "plan_fields": setup.plans[name]}  # fmt: skip
 
@@ -129,7 +133,7 @@ def engine_key(setup: EngineSetup, name: str) -> dict:
 def run_engine(run: Run, setup: EngineSetup) -> ResultFile:
     import torch
 
-    from mist import model as model_spec
+    from mist import model
     from mist.engine.profiler import write_collectives, write_profiles
     from mist.model.calibrate import calibrate
 
@@ -139,13 +143,15 @@ def run_engine(run: Run, setup: EngineSetup) -> ResultFile:
         with tempfile.TemporaryDirectory() as tmp:
             profiles, prof = Path(tmp) / "profiles", setup.profile
             dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[prof["dtype"]]
-            shape = (prof["hidden"], prof["heads"], prof["seq"], prof["micro_batches"], prof["tps"])
-            vocab = model_spec(setup.model).vocab  # the embedding and head rows at the model's vocabulary
+            spec = model(setup.model, **setup.model_overrides)  # the shapes the plans train
+            shape = (spec.hidden, spec.heads, spec.seq, prof["micro_batches"], prof["tps"])
+            vocab = spec.vocab  # the embedding and head rows at the model's vocabulary
             # on a CPU, as many copies at once as the plans have ranks: they share the cores' caches
             write_profiles(profiles, setup.device, *shape, dtype, setup.gpu, repeats=5, vocab=vocab,
                            concurrent=setup.processes)  # fmt: skip
             if setup.processes > 1:  # this machine's collectives, measured (gloo on a CPU)
-                write_collectives(profiles, setup.processes, setup.device)
+                # gloo's latency here is bimodal (~0.3 ms or ~4 ms a call): 40 calls a point, not 10
+                write_collectives(profiles, setup.processes, setup.device, repeats=40)
             fit = next(iter(calibrate(profiles).values()))
             for name in todo:
                 store.compute(engine_key(setup, name), lambda n=name: engine_point(setup, n, fit, Path(tmp)))

@@ -318,3 +318,35 @@ def test_profile_with_company_leaves_no_process(tmp_path):
     assert multiprocessing.active_children() == []
     with pytest.raises(ValueError, match="concurrent must be >= 1"):
         write_profiles(tmp_path, "cpu", 64, 4, 32, [1], [1], torch.float32, "cpu", concurrent=0)
+
+
+def test_memory_bound_classes_fitted_to_profiles_of_shapes_within_the_cache():
+    """A profile of small shapes only (`mist profile` on a CPU at the shapes its plans run) has no
+    op whose data exceeds the device's L2: its memory-bound classes are fitted to those times, not
+    left to the data sheet's roofline. Here dropout is RNG-bound, ~10x slower than the bandwidth
+    says, as on this project's CPU; where two ops exceed L2 (the GPU profiles) only they count."""
+    from mist.model.calibrate import _profile_op_work, fit_runtime_model
+    from mist.model.profile_data import LayerProfile
+    from mist.model.runtime import OP_CLASS
+    from mist.model.specs import GPUS
+
+    rng = np.random.default_rng()
+    seconds_per_byte = rng.uniform(2e-9, 6e-9)  # ~0.25 GB/s: far below the nominal 20 GB/s
+    profiles = []
+    for mbs in (1, 2, 4):
+        p = LayerProfile("cpu", "h256", mbs, 1, 0, {}, (256, 4, 4), 128, tp_comm_inside=False)
+        ops = {}
+        for op, cls in OP_CLASS.items():
+            fwd, bwd = _profile_op_work(p.model, op, mbs, 128, 1)
+            rate = seconds_per_byte if cls == "dropout" else 1e-11
+            ops[op] = (1e-5 + fwd * rate, 1e-5 + bwd * rate)
+        profiles.append(LayerProfile(**{**p.__dict__, "ops": ops}))
+    work = _profile_op_work(profiles[-1].model, "enc-attention-dropout", 4, 128, 1)[0]
+    assert work <= GPUS["cpu"].l2  # every sample within the cache: the case this covers
+    rm = fit_runtime_model(profiles, {}, "cpu", "small shapes")
+    fitted = float(rm.curve("dropout")[0](work))
+    assert fitted == pytest.approx(1e-5 + work * seconds_per_byte, rel=1e-6)
+    # negative control: the data sheet's roofline (what the class got before) is far off
+    from mist.model.runtime import _roofline
+
+    assert float(_roofline(GPUS["cpu"], "dropout")[0](work)) < 0.2 * fitted

@@ -72,7 +72,8 @@ def _profile_op_work(model: ModelSpec, profile_op: str, mbs: int, seq: int, tp: 
 
 def fit_runtime_model(profiles: list[LayerProfile], collectives: dict, gpu: str, source: str) -> RuntimeModel:
     """Fit every op class's curves (forward and backward) and every collective's line."""
-    samples: dict[tuple[str, int], tuple[list[float], list[float]]] = {}
+    # (class, direction) -> [(work, seconds, data fits in L2)]
+    samples: dict[tuple[str, int], list[tuple[float, float, bool]]] = {}
     l2 = GPUS[gpu].l2 if gpu in GPUS else 0
     for p in best_algo(profiles):
         model = p.model
@@ -80,19 +81,16 @@ def fit_runtime_model(profiles: list[LayerProfile], collectives: dict, gpu: str,
             if op not in OP_CLASS:
                 continue
             work = _profile_op_work(model, op, p.mbs, model.seq, p.tp)
-            if OP_CLASS[op] not in COMPUTE_KINDS and OP_CLASS[op] != "framework" and work[0] <= l2:
-                continue  # its data fit in L2: it timed the cache, not the HBM a bandwidth line is for
+            cached = OP_CLASS[op] not in COMPUTE_KINDS and OP_CLASS[op] != "framework" and work[0] <= l2
             if OP_CLASS[op] == "gemm" and p.weight_gradients:
                 bwd_s = bwd_s / 2  # the two backward GEMMs timed together: one of them
             for direction, seconds in enumerate((fwd_s, bwd_s)):
                 if p.tp > 1 and p.tp_comm_inside and (op, direction) in COMM_INSIDE:
                     continue
-                xs, ys = samples.setdefault((OP_CLASS[op], direction), ([], []))
-                xs.append(work[direction])
-                ys.append(seconds)
+                samples.setdefault((OP_CLASS[op], direction), []).append((work[direction], seconds, cached))
     curves = {}
     for cls in sorted({c for c, _ in samples}):
-        curves[cls] = tuple(_fit_or_constant(*samples[(cls, d)]) for d in (0, 1))
+        curves[cls] = tuple(_fit_or_constant(*_beyond_cache(samples[(cls, d)])) for d in (0, 1))
     if "gemm" in curves:  # the weight gradient: see the module docstring
         timed = any(p.weight_gradients for p in profiles)
         gemm_f, gemm_b = curves["gemm"]
@@ -160,6 +158,16 @@ def _fit_outside_layer(profiles: list[LayerProfile], curves: dict) -> dict[str, 
         if len(wf) >= 2:
             out[name] = (_fit_or_constant(wf, sf), _fit_or_constant(wb, sb))
     return out
+
+
+def _beyond_cache(rows: list[tuple[float, float, bool]]) -> tuple[list[float], list[float]]:
+    """(work, seconds) to fit a memory-bound class on: the ops whose data did not fit in L2, which
+    timed the HBM a bandwidth line is for. Where fewer than two did (a profile of small shapes only,
+    e.g. `mist profile` on a CPU at the very shapes its plans run), all of them: the cache is then
+    what the predicted ops will run from too, and the data sheet's roofline would be a guess."""
+    beyond = [(w, s) for w, s, cached in rows if not cached and s > 0]
+    kept = beyond if len(beyond) >= 2 else [(w, s) for w, s, _ in rows]
+    return [w for w, _ in kept], [s for _, s in kept]
 
 
 def _fit_or_constant(work, seconds) -> Line:
