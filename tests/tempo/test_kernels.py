@@ -134,3 +134,196 @@ def test_attention_kernel_matches_torch_path_without_dropout():
     out, probs = attention_core_fwd_triton(s.to(DEVICE), v.to(DEVICE), 0.0, 0)
     torch.testing.assert_close(out.cpu(), out_ref)
     torch.testing.assert_close(probs.cpu(), probs_ref)
+
+
+# ---------------------------------------------------------------- RMSNorm and SwiGLU kernels
+
+from tempo.kernels.rmsnorm import rms_norm_bwd_triton, rms_norm_fwd_triton  # noqa: E402
+from tempo.kernels.swiglu import swiglu_bwd_triton, swiglu_fwd_triton  # noqa: E402
+from tempo.layernorm_rows import ROWS_PER_PROGRAM, gamma_floor  # noqa: E402
+from tempo.ops import rmsnorm as R  # noqa: E402
+from tempo.ops import swiglu as S  # noqa: E402
+
+
+def assert_within_roundings(
+    a: torch.Tensor, b: torch.Tensor, roundings: int = 2, via: torch.dtype | None = None
+) -> None:
+    """Element-wise: ``roundings`` ulps of the coarser of b's dtype and ``via``, for results rounded
+    that many times on the way (HF's RMSNorm rounds x_hat to x's dtype, then y; SwiGLU rounds
+    silu(gate), then the product). Where the float32 values before the first rounding differ by a
+    few ulps (another exp, another summation order) that rounding can land one ulp apart, and the
+    next one can add another; the interpreter's bfloat16 truncation can lose one ulp at each.
+    Plus a few ulps of the math dtype, absolute, for results near 0."""
+    eps = max(torch.finfo(t).eps for t in (b.dtype, via or b.dtype))
+    # compared in float64 so that float64 results are checked to their own ulps, not float32's
+    math_eps = torch.finfo(torch.float64 if b.dtype == torch.float64 else torch.float32).eps
+    torch.testing.assert_close(
+        a.double(), b.double(), rtol=roundings * eps, atol=16 * math_eps, equal_nan=True
+    )
+
+
+# Norm-wise agreement of the RMSNorm backward with the PyTorch path: float32 and float64 differ by
+# summation order only (a few ulps); half types also by the output's rounding where the float32 dx
+# differ (one ulp each, under round to nearest; the interpreter truncates to bfloat16, a norm-wise
+# error of about one unit roundoff), hence one ulp (eps, two unit roundoffs) of the dtype.
+RMS_BWD_TOL = {torch.float64: 1e-13, torch.float32: 1e-6, torch.float16: 2**-10, torch.bfloat16: 2**-7}
+
+
+def _rms_inputs(dtype: torch.dtype, wdtype: torch.dtype, rows: int = 37, d: int = 200):
+    """rows not a multiple of ROWS_PER_PROGRAM, d not a power of two (masked lanes), and gamma with
+    a zero, entries below the floor of either sign and one just above it."""
+    assert rows % ROWS_PER_PROGRAM
+    x = (torch.randn(rows, d, dtype=torch.float64) * 2 + 0.3).to(dtype)
+    w = 1 + 0.3 * torch.randn(d, dtype=torch.float64)
+    w[:5] = torch.tensor([0.0, 1e-8, -3e-7, 2 * gamma_floor(dtype), -0.0])
+    return x, w.to(wdtype), torch.randn(rows, d, dtype=torch.float64).to(torch.promote_types(dtype, wdtype))
+
+
+@pytest.mark.parametrize(("dtype", "wdtype"), [
+    (torch.float32, torch.float32), (torch.float16, torch.float16), (torch.bfloat16, torch.bfloat16),
+    (torch.bfloat16, torch.float32), (torch.float64, torch.float64),
+])  # fmt: skip
+def test_rms_norm_kernels(dtype, wdtype):
+    x, w, g = _rms_inputs(dtype, wdtype)
+    eps = 1e-6
+    y_ref, rstd_ref = R.rms_norm_forward_torch(x, w, eps)
+    y, rstd = rms_norm_fwd_triton(x.to(DEVICE), w.to(DEVICE), eps)
+    assert y.dtype == y_ref.dtype and rstd.dtype == rstd_ref.dtype
+    assert_within_roundings(y.cpu(), y_ref, via=dtype)
+    torch.testing.assert_close(rstd.cpu(), rstd_ref, rtol=4 * torch.finfo(rstd.dtype).eps, atol=0)
+    # negative control: one gamma entry off by 5% (a few bfloat16 ulps) must fail the same check
+    w_wrong = w.clone()
+    w_wrong[7] *= 1.05
+    y_wrong, _ = rms_norm_fwd_triton(x.to(DEVICE), w_wrong.to(DEVICE), eps)
+    with pytest.raises(AssertionError, match="not close"):
+        assert_within_roundings(y_wrong.cpu(), y_ref, via=dtype)
+
+    # backward from the reference's (y, rstd), so it is checked on its own
+    tol = RMS_BWD_TOL[dtype]
+    dx_ref, dw_ref = R.rms_norm_backward_torch(g, y_ref, rstd_ref, w)
+    dx, dw = rms_norm_bwd_triton(*(t.to(DEVICE) for t in (g, y_ref, rstd_ref, w)))
+    assert dx.dtype == dx_ref.dtype and dw.dtype == dw_ref.dtype
+    assert torch.isfinite(dx).all() and torch.isfinite(dw).all()  # gamma = 0 and below the floor
+    assert rel(dx.cpu(), dx_ref) <= tol and rel(dw.cpu(), dw_ref) <= tol
+    # negative control: rstd 5% off must fail it
+    dx_wrong, _ = rms_norm_bwd_triton(*(t.to(DEVICE) for t in (g, y_ref, rstd_ref * 1.05, w)))
+    assert rel(dx_wrong.cpu(), dx_ref) > tol
+
+
+def test_rms_norm_kernels_propagate_nan_and_inf():
+    """As the PyTorch path defines them: a NaN makes its row NaN (rstd too); an inf makes rstd 0,
+    its own output NaN (inf * 0) and the row's others 0; the backward carries them on."""
+    x, w, g = _rms_inputs(torch.float32, torch.float32, rows=5, d=24)
+    x[1, 3], x[3, 7] = float("nan"), float("inf")
+    y_ref, rstd_ref = R.rms_norm_forward_torch(x, w, 1e-6)
+    y, rstd = rms_norm_fwd_triton(x.to(DEVICE), w.to(DEVICE), 1e-6)
+    assert rstd_ref[1].isnan() and rstd_ref[3] == 0 and y_ref[3, 7].isnan()
+    assert_within_roundings(y.cpu(), y_ref)
+    assert_within_roundings(rstd.cpu(), rstd_ref)
+    dx_ref, dw_ref = R.rms_norm_backward_torch(g, y_ref, rstd_ref, w)
+    dx, dw = rms_norm_bwd_triton(*(t.to(DEVICE) for t in (g, y_ref, rstd_ref, w)))
+    assert torch.equal(dx.cpu().isnan(), dx_ref.isnan()) and torch.equal(dw.cpu().isnan(), dw_ref.isnan())
+    assert dx_ref[0].isfinite().all() and dx_ref[1].isnan().all()
+    assert_within_roundings(dx.cpu(), dx_ref)
+
+
+def test_rms_norm_bwd_workspace_is_its_partials():
+    """The CUDA workspace the memory estimator adds for the backward is what its wrapper allocates
+    besides the outputs: the float32 per-program dgamma partials."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from tempo.ops import workspace_bytes
+
+    class Empties(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.nbytes = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func is torch.ops.aten.empty.memory_format:
+                self.nbytes.append(out.untyped_storage().nbytes())
+            return out
+
+    x, w, g = _rms_inputs(torch.bfloat16, torch.bfloat16, rows=40, d=24)
+    y, rstd = R.rms_norm_forward_torch(x, w, 1e-6)
+    args = tuple(t.to(DEVICE) for t in (g, y, rstd, w))
+    with Empties() as mode:
+        dx, _ = rms_norm_bwd_triton(*args)
+    partials = sum(mode.nbytes) - dx.untyped_storage().nbytes()
+    assert partials == 3 * 24 * 4  # ceil(40 / 16) programs, one float32 row each
+    assert workspace_bytes("tempo::rms_norm_bwd", args, {}, "cuda") == partials
+
+
+def _swiglu_inputs(dtype: torch.dtype):
+    """2100 elements: not a multiple of the block; both tails of silu, and +-inf, NaN, 0."""
+    special = torch.tensor([float("inf"), -float("inf"), float("nan"), 0.0, -0.0, 100.0, -100.0, 20.0, -20.0])
+    gate = torch.cat([torch.randn(2100 - 2 * special.numel()) * 3, special, torch.randn(special.numel())])
+    up = torch.cat([torch.randn(2100 - 2 * special.numel()), torch.randn(special.numel()), special])
+    dh = torch.randn(2100)
+    return (t.to(dtype).view(7, 300) for t in (gate, up, dh))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_swiglu_kernels(dtype):
+    gate, up, dh = _swiglu_inputs(dtype)
+    h_ref = S.swiglu_forward_torch(gate, up)
+    h = swiglu_fwd_triton(gate.to(DEVICE), up.to(DEVICE)).cpu()
+    assert h.dtype == dtype and h_ref.isnan().any() and h_ref.isinf().any()
+    assert_within_roundings(h, h_ref)  # equal_nan: NaN exactly where the PyTorch path has it
+    dgate_ref, dup_ref = S.swiglu_backward_torch(dh, gate, up)
+    dgate, dup = swiglu_bwd_triton(*(t.to(DEVICE) for t in (dh, gate, up)))
+    assert dgate_ref.isnan().any() and dup_ref.isnan().any()
+    assert_within_roundings(dgate.cpu(), dgate_ref)
+    assert_within_roundings(dup.cpu(), dup_ref)
+    # overwrite_dh: the same d_gate, written over dh's storage
+    dh_dev = dh.to(DEVICE)
+    dgate2, dup2 = swiglu_bwd_triton(dh_dev, gate.to(DEVICE), up.to(DEVICE), overwrite_dh=True)
+    assert dgate2.data_ptr() == dh_dev.data_ptr()
+    for again, first in ((dgate2, dgate), (dup2, dup)):
+        torch.testing.assert_close(again, first, rtol=0, atol=0, equal_nan=True)
+    # negative controls: gate and up swapped must fail both checks, on the rows of finite random
+    # values alone (the special values sit in the last row), so the values, not NaN placement, fail
+    h_swapped = swiglu_fwd_triton(up.to(DEVICE), gate.to(DEVICE)).cpu()
+    dgate_swapped, _ = swiglu_bwd_triton(*(t.to(DEVICE) for t in (dh, up, gate)))
+    for wrong, ref in ((h_swapped, h_ref), (dgate_swapped.cpu(), dgate_ref)):
+        assert wrong[:6].isfinite().all() and ref[:6].isfinite().all()
+        with pytest.raises(AssertionError, match="not close"):
+            assert_within_roundings(wrong[:6], ref[:6])
+
+
+def test_ops_dispatch_to_the_rms_norm_and_swiglu_kernels(monkeypatch):
+    """The custom ops' Triton branches (argument order, dtypes, d_gate over dh) against their
+    PyTorch paths on the CPU. Without a GPU ``use_triton`` is told to say yes, so the kernels run
+    in the interpreter on CPU tensors; each kernel wrapper counts its calls, proving it ran."""
+    import tempo.kernels.rmsnorm as KR
+    import tempo.kernels.swiglu as KS
+
+    x, w, gy = _rms_inputs(torch.float32, torch.float32, rows=18, d=40)
+    gate, up = torch.randn(2, 9, 40), torch.randn(2, 9, 40)
+    wd, bd, go = torch.randn(24, 40), torch.randn(24), torch.randn(2, 9, 24)
+
+    def run(device):
+        xs = [t.to(device).requires_grad_() for t in (x, w, gate, up, wd, bd)]
+        y = R.rms_norm(xs[0], xs[1])
+        out = S.swiglu_down(*xs[2:])
+        grads = torch.autograd.grad((y * gy.to(device)).sum() + (out * go.to(device)).sum(), xs)
+        return [t.detach().cpu() for t in (y, out, *grads)]
+
+    ref = run("cpu")
+    calls = []
+    for module in (KR, KS):
+        for name in [n for n in vars(module) if n.endswith("_triton")]:
+            fn = getattr(module, name)
+            monkeypatch.setattr(
+                module, name, lambda *a, _fn=fn, _n=name, **k: calls.append(_n) or _fn(*a, **k)
+            )
+    if DEVICE == "cpu":
+        for module in (R, S):
+            monkeypatch.setattr(module, "use_triton", lambda *ts: all(t.numel() for t in ts))
+    got = run(DEVICE)
+    # swiglu_fwd_triton twice: the backward recomputes h with it
+    expected = ["rms_norm_bwd_triton", "rms_norm_fwd_triton", "swiglu_bwd_triton", *["swiglu_fwd_triton"] * 2]
+    assert sorted(calls) == expected
+    for a, r in zip(got, ref, strict=True):
+        torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-5)

@@ -59,6 +59,19 @@ def workspace_bytes(op_name: str, args: tuple, kwargs: dict, target: str) -> int
         d = args[3].numel()
         rows = first.numel() // max(d, 1)
         return 2 * math.ceil(rows / ROWS_PER_PROGRAM) * d * 4  # per-program dgamma/dbeta partials (float32)
-    if on_cuda and not op_name.startswith("tempo::rms_norm"):  # RMSNorm has no kernel yet: chunked
+    if op_name == "tempo::rms_norm_bwd" and on_cuda:  # (grad, y, rstd, weight)
+        d = args[3].numel()
+        rows = first.numel() // max(d, 1)
+        math_bytes = 8 if args[1].dtype == torch.float64 else 4
+        return math.ceil(rows / ROWS_PER_PROGRAM) * d * math_bytes  # per-program dgamma partials
+    if op_name.startswith("tempo::swiglu_down"):  # not chunked: ffn-wide temporaries, gate = args[1] in bwd
+        gate = args[0] if op_name == "tempo::swiglu_down" else args[1]
+        ffn_bytes = gate.numel() * gate.element_size()
+        if not on_cuda:  # forward: silu(gate) and h; backward: dh and silu(gate) or dh * up
+            return 2 * ffn_bytes
+        # forward: h for the down projection; backward: h is dropped before dh exists and d_gate is
+        # written over dh, so nothing outlives what the outputs (d_gate, d_up) then occupy
+        return ffn_bytes if op_name == "tempo::swiglu_down" else 0
+    if on_cuda:
         return 0
     return _cpu_chunk_bytes(op_name, first.numel())

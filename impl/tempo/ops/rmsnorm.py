@@ -16,6 +16,9 @@ never exceeds it), so nothing becomes inf/NaN; channels at the floor get an appr
 (their dgamma, and their x_hat * mean(g y) part of dx). Without a bias there is no kappa
 (LayerNorm's |beta| / |gamma|): the recovered x_hat is off by the rounding of y alone, u |x_hat|.
 
+On CUDA the forward and backward run as Triton kernels (tempo/kernels/rmsnorm.py) with the same
+rounding, gamma floor and clamp; the PyTorch paths here are their reference (and run on the CPU).
+
 Autocast: as Tempo's LayerNorm, the math runs in float32 and y is returned (and kept) in the
 autocast dtype, the copy the next Linear keeps.
 """
@@ -27,7 +30,7 @@ import math
 import torch
 from torch import Tensor, nn
 
-from .._common import CHUNK_ELEMS, check_float, chunks, opmath
+from .._common import CHUNK_ELEMS, check_float, chunks, opmath, use_triton
 from ..layernorm_rows import _rows, gamma_floor
 
 
@@ -72,7 +75,11 @@ def rms_norm_backward_torch(grad: Tensor, y: Tensor, rstd: Tensor, weight: Tenso
 
 @torch.library.custom_op("tempo::rms_norm_fwd", mutates_args=())
 def rms_norm_fwd(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    """RMSNorm over the last dim; returns (y, rstd[rows] in float32/64)."""
+    """RMSNorm over the last dim; returns (y, rstd[rows] in float32/64). ``x`` must be contiguous."""
+    if use_triton(x, weight):
+        from ..kernels.rmsnorm import rms_norm_fwd_triton
+
+        return rms_norm_fwd_triton(x, weight, eps)
     return rms_norm_forward_torch(x, weight, eps)
 
 
@@ -85,7 +92,12 @@ def _(x, weight, eps):
 
 @torch.library.custom_op("tempo::rms_norm_bwd", mutates_args=())
 def rms_norm_bwd(grad: Tensor, y: Tensor, rstd: Tensor, weight: Tensor) -> tuple[Tensor, Tensor]:
-    return rms_norm_backward_torch(grad.contiguous(), y, rstd, weight)
+    grad = grad.contiguous()
+    if use_triton(grad, y, rstd, weight):
+        from ..kernels.rmsnorm import rms_norm_bwd_triton
+
+        return rms_norm_bwd_triton(grad, y, rstd, weight)
+    return rms_norm_backward_torch(grad, y, rstd, weight)
 
 
 @rms_norm_bwd.register_fake

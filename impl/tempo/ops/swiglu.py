@@ -11,6 +11,13 @@ with the same ops as HuggingFace's LlamaMLP, so its output is theirs bit for bit
 backward is autograd's ops on the recomputed tensors (``aten.silu_backward`` included), so the
 gradients are too. Under autocast the down projection's weight is cast to the autocast dtype, as
 F.linear does.
+
+On CUDA the elementwise parts (h = silu(gate) * up forward; d_gate, d_up from dh = grad @ W_down
+backward) run as Triton kernels (tempo/kernels/swiglu.py) that recompute silu in registers and
+round where these ops round; the matmuls stay with cuBLAS. The PyTorch path here is their reference.
+Backward in both: h is recomputed for the down weight's gradient and dropped before dh exists, so
+at most two ffn-wide temporaries live at once besides the outputs (on CUDA one: d_gate is written
+over dh).
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .._common import check_float
+from .._common import check_float, use_triton
 
 
 def _hidden(gate: Tensor, up: Tensor) -> tuple[Tensor, Tensor]:
@@ -28,9 +35,30 @@ def _hidden(gate: Tensor, up: Tensor) -> tuple[Tensor, Tensor]:
     return act, act * up
 
 
+def swiglu_forward_torch(gate: Tensor, up: Tensor) -> Tensor:
+    """h = silu(gate) * up with LlamaMLP's ops (PyTorch path; the reference for the kernel)."""
+    return _hidden(gate, up)[1]
+
+
+def swiglu_backward_torch(dh: Tensor, gate: Tensor, up: Tensor) -> tuple[Tensor, Tensor]:
+    """(d gate, d up) from dh = grad @ W_down with autograd's ops (PyTorch path; the reference for
+    the kernel). silu(gate) is dropped before dh * up is formed: two ffn-wide temporaries at most."""
+    dup = dh * F.silu(gate)
+    return torch.ops.aten.silu_backward(dh * up, gate), dup
+
+
+def swiglu_hidden(gate: Tensor, up: Tensor) -> Tensor:
+    """h = silu(gate) * up: the Triton kernel on CUDA, else the PyTorch path."""
+    if use_triton(gate, up):
+        from ..kernels.swiglu import swiglu_fwd_triton
+
+        return swiglu_fwd_triton(gate, up)
+    return swiglu_forward_torch(gate, up)
+
+
 @torch.library.custom_op("tempo::swiglu_down", mutates_args=())
 def swiglu_down_op(gate: Tensor, up: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    return F.linear(_hidden(gate, up)[1], weight, bias)
+    return F.linear(swiglu_hidden(gate, up), weight, bias)
 
 
 @swiglu_down_op.register_fake
@@ -41,11 +69,16 @@ def _(gate, up, weight, bias):
 @torch.library.custom_op("tempo::swiglu_down_bwd", mutates_args=())
 def swiglu_down_bwd(grad: Tensor, gate: Tensor, up: Tensor, weight: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """(d gate, d up, d weight) from the kept gate and up (silu(gate) and h recomputed)."""
-    act, h = _hidden(gate, up)
-    dh = grad.matmul(weight)  # the linear's input gradient
+    h = swiglu_hidden(gate, up)
     dweight = grad.reshape(-1, grad.shape[-1]).t().matmul(h.reshape(-1, h.shape[-1]))
-    dup = dh * act
-    dgate = torch.ops.aten.silu_backward(dh * up, gate)
+    del h  # dead before dh exists: one ffn-wide tensor fewer at the backward's peak
+    dh = grad.matmul(weight)  # the linear's input gradient
+    if use_triton(dh, gate, up):
+        from ..kernels.swiglu import swiglu_bwd_triton
+
+        dgate, dup = swiglu_bwd_triton(dh, gate, up, overwrite_dh=True)  # dh is ours, dead after
+        return dgate, dup, dweight
+    dgate, dup = swiglu_backward_torch(dh, gate, up)
     return dgate, dup, dweight
 
 
