@@ -11,6 +11,11 @@ What is replaced (each technique can be switched off, for ablations):
   (same weight, same epsilon) and every SiLU-gated MLP -> TempoSwiGLUMLP (the same projection
   modules; its tail keeps gate and up only). Their attention is left to the model's own
   implementation (SDPA), which keeps no probabilities.
+* ``loss=True`` (off by default: it changes the output): a ``*ForCausalLM`` called with labels
+  computes its loss with ``tempo.linear_cross_entropy`` (the head's matmul and the cross-entropy
+  a chunk of rows at a time) and returns ``logits=None``: the float32 logits of the whole batch,
+  4 x vocabulary bytes a token, are never made. The loss is HF's (labels shifted, -100 ignored,
+  ``num_items_in_batch`` honoured); without labels the model's own forward runs.
 
 Only the module given is changed, whatever else shares its HF config. HF attention modules
 read the implementation from ``self.config``, and one config object is shared by every layer of
@@ -47,6 +52,7 @@ SUPPORTED_MODEL_TYPES = ("bert", "roberta", "gpt2", "llama", "mistral", "qwen2")
 # The Llama-family modules patch() replaces (their forwards are LlamaRMSNorm's and LlamaMLP's).
 RMSNORM_CLASSES = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm")
 GATED_MLP_CLASSES = ("LlamaMLP", "MistralMLP", "Qwen2MLP")
+CAUSAL_LM_CLASSES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 ATTN_IMPLEMENTATION = "tempo"
 # Implementations whose masks the Tempo core understands: eager's additive float masks, SDPA's
 # boolean ones (or None, causality then implied by the module), and Tempo's own (eager masks).
@@ -135,6 +141,7 @@ class PatchReport:
     dropouts: list[str] = field(default_factory=list)
     rmsnorms: list[str] = field(default_factory=list)
     swiglus: list[str] = field(default_factory=list)
+    losses: list[str] = field(default_factory=list)  # causal LMs whose loss is linear_cross_entropy
     attention_modules: list[str] = field(default_factory=list)
     previous_attn_implementation: str | None = None
     # Tempo layers found in place (put there by another live patch, or by hand): left as they are;
@@ -149,6 +156,7 @@ class PatchReport:
             "dropout": len(self.dropouts),
             "rmsnorm": len(self.rmsnorms),
             "swiglu": len(self.swiglus),
+            "loss": len(self.losses),
         }
 
     def __str__(self) -> str:
@@ -163,7 +171,8 @@ class PatchReport:
         already = f"; {n_already} already Tempo's" if n_already else ""
         return (
             f"tempo.patch({self.model_type}): replaced {c['layernorm']} LayerNorms, {c['gelu']} GELUs, "
-            f"{c['dropout']} dropouts, {c['rmsnorm']} RMSNorms, {c['swiglu']} SwiGLU MLPs; {attn}{already}"
+            f"{c['dropout']} dropouts, {c['rmsnorm']} RMSNorms, {c['swiglu']} SwiGLU MLPs, "
+            f"{c['loss']} LM losses; {attn}{already}"
         )
 
 
@@ -177,8 +186,9 @@ class _Record:
 
 @dataclass(eq=False)
 class _Slot:
-    """One Tempo replacement (a module in ``parent.name``, or an attention module's own config) and
-    the live patches holding it; it is undone when the last of them unpatches."""
+    """One Tempo replacement (a module in ``parent.name``, an attention module's own config, or a
+    causal LM's own ``forward``) and the live patches holding it; it is undone when the last of them
+    unpatches."""
 
     name: str
     parent: nn.Module | None  # module slot: where the replacement sits; None for an attention slot
@@ -186,21 +196,69 @@ class _Slot:
     original: object  # the HF module, or the attention module's original (shared) config
     replacement: object  # the Tempo module, or the attention module's own "tempo" config
     attention_module: nn.Module | None = None
+    forward_of: nn.Module | None = None  # the causal LM whose instance forward is the replacement
     holders: list[_Record] = field(default_factory=list)
 
     def in_place(self) -> bool:
         if self.attention_module is not None:
             return self.attention_module.config is self.replacement
+        if self.forward_of is not None:
+            return self.forward_of.__dict__.get("forward") is self.replacement
         return getattr(self.parent, self.child_name, None) is self.replacement
 
     def undo(self) -> None:
         if self.attention_module is not None:
             self.attention_module.config = self.original
             del self.attention_module.__dict__[_SLOT]
+        elif self.forward_of is not None:
+            del self.forward_of.__dict__["forward"], self.forward_of.__dict__[_SLOT]
         else:
             self.original.train(self.replacement.training)
             setattr(self.parent, self.child_name, self.original)
             del self.replacement.__dict__[_SLOT]
+
+
+def _lean_loss_forward(lm: nn.Module):
+    """``lm``'s forward, computing the loss with linear_cross_entropy when labels are given."""
+    import inspect
+
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    from .ops.linear_ce import IGNORE_INDEX, linear_cross_entropy
+
+    original = type(lm).forward
+    signature = inspect.signature(original)
+
+    def forward(*args, **kwargs):
+        arguments = dict(signature.bind(lm, *args, **kwargs).arguments)
+        labels = arguments.get("labels")
+        if labels is None:
+            return original(lm, *args, **kwargs)
+        del arguments["self"], arguments["labels"]
+        arguments.pop("logits_to_keep", None)  # no logits are made
+        extra = arguments.pop("kwargs", {})
+        num_items = extra.pop("num_items_in_batch", None)
+        shift_labels = extra.pop("shift_labels", None)
+        out = lm.model(**arguments, **extra)
+        if shift_labels is None:  # as HF's ForCausalLMLoss: position t predicts label t + 1
+            shift_labels = nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
+        loss = linear_cross_entropy(out.last_hidden_state, lm.lm_head.weight, shift_labels)
+        if num_items is not None:  # HF's reduction then: the sum over counted tokens / num_items
+            loss = loss * (shift_labels != IGNORE_INDEX).sum() / num_items
+        # the base model's other outputs as they are (the cache's field name differs across versions)
+        rest = {k: v for k, v in out.items() if k != "last_hidden_state"}
+        return CausalLMOutputWithPast(loss=loss, logits=None, **rest)
+
+    return forward
+
+
+def _lean_loss_refusal(lm: nn.Module) -> str | None:
+    """Why ``lm``'s loss cannot be linear_cross_entropy (None: it can)."""
+    if getattr(lm.lm_head, "bias", None) is not None:
+        return "its LM head has a bias"
+    if getattr(lm.config, "final_logit_softcapping", None) is not None:
+        return "its logits are soft-capped"
+    return None
 
 
 def _is_attention(module: nn.Module) -> bool:
@@ -239,6 +297,7 @@ def patch(
     dropout: bool = True,
     rmsnorm: bool = True,
     swiglu: bool = True,
+    loss: bool = False,
 ) -> PatchReport:
     """Convert a HF BERT / RoBERTa / GPT-2 or Llama / Mistral / Qwen2 model (any size, any head),
     or a submodule of one such as a single layer, to Tempo's layers in place. Only ``model``
@@ -253,10 +312,10 @@ def patch(
         )
     if getattr(model, _RECORD, None) is not None:
         raise RuntimeError("model is already patched by tempo; call tempo.unpatch(model) first")
-    if not (layernorm or gelu or attention or dropout or rmsnorm or swiglu):
+    if not (layernorm or gelu or attention or dropout or rmsnorm or swiglu or loss):
         raise ValueError(
-            "every technique is switched off (layernorm, gelu, attention, dropout, rmsnorm, swiglu): "
-            "nothing to patch"
+            "every technique is switched off (layernorm, gelu, attention, dropout, rmsnorm, swiglu, "
+            "loss): nothing to patch"
         )
 
     # Plan everything first, so a refusal leaves the model untouched.
@@ -298,6 +357,20 @@ def patch(
             if new is not None:
                 lists[kind].append(qualified)
                 new_slots.append(_Slot(qualified, parent, child_name, child, new))
+    if loss:
+        for name, module in model.named_modules():
+            if type(module).__name__ not in CAUSAL_LM_CLASSES:
+                continue
+            name = name or type(module).__name__
+            if (slot := module.__dict__.get(_SLOT)) is not None:
+                report.already_tempo.append(name)
+                joined.append(slot)
+            elif (why := _lean_loss_refusal(module)) is not None:
+                raise ValueError(f"tempo.patch(loss=True) cannot take {name}: {why}; pass loss=False")
+            else:
+                lean = _lean_loss_forward(module)
+                new_slots.append(_Slot(name, None, "forward", None, lean, forward_of=module))
+                report.losses.append(name)
     attention_targets: list[tuple[str, nn.Module]] = []
     if attention:
         for name, module in model.named_modules():
@@ -342,6 +415,9 @@ def patch(
         if slot.attention_module is not None:
             slot.attention_module.config = slot.replacement
             slot.attention_module.__dict__[_SLOT] = slot
+        elif slot.forward_of is not None:
+            slot.forward_of.__dict__["forward"] = slot.replacement
+            slot.forward_of.__dict__[_SLOT] = slot
         else:
             setattr(slot.parent, slot.child_name, slot.replacement)
             slot.replacement.__dict__[_SLOT] = slot

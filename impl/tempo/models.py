@@ -18,15 +18,33 @@ from .hf import patch
 
 @dataclass(frozen=True)
 class ModelSpec:
-    family: str  # bert | roberta | gpt2
+    family: str  # bert | roberta | gpt2 | llama
     hidden: int
     layers: int
     heads: int
     vocab: int
     max_positions: int
+    ffn: int | None = None  # MLP width; default 4 x hidden (Llama presets give theirs)
+    kv_heads: int | None = None  # grouped-query attention (Llama); default: heads
+    tie_embeddings: bool = False  # Llama-3.2-1B shares the embedding with the LM head
 
     def config(self, num_layers: int | None = None, attn: str = "eager", dropout: float = 0.1):
+        """The HF config. Llama-family models train without dropout: ``dropout`` is not theirs."""
         layers = self.layers if num_layers is None else num_layers
+        if self.family == "llama":
+            from transformers import LlamaConfig
+
+            return LlamaConfig(
+                hidden_size=self.hidden,
+                intermediate_size=self.ffn or 4 * self.hidden,
+                num_hidden_layers=layers,
+                num_attention_heads=self.heads,
+                num_key_value_heads=self.kv_heads or self.heads,
+                vocab_size=self.vocab,
+                max_position_embeddings=self.max_positions,
+                tie_word_embeddings=self.tie_embeddings,
+                attn_implementation=attn,
+            )
         if self.family == "gpt2":
             from transformers import GPT2Config
 
@@ -77,6 +95,13 @@ MODELS: dict[str, ModelSpec] = {
     # CPU throughput runs: large enough that the encoder, not the vocabulary head, holds most
     # activation memory at seq 256 (the 4-layer, 256-wide shape Turc et al. call BERT-Mini)
     "bert-l4h256": ModelSpec("bert", 256, 4, 4, 8192, 512),
+    # Llama-family decoders (beyond the paper): Meta's published shapes
+    "llama-3.2-1b": ModelSpec(
+        "llama", 2048, 16, 32, 128256, 131072, ffn=8192, kv_heads=8, tie_embeddings=True
+    ),
+    "llama-3-8b": ModelSpec("llama", 4096, 32, 32, 128256, 8192, ffn=14336, kv_heads=8),
+    # small, for training runs on a CPU: SwiGLU, RMSNorm, grouped-query attention (2 query heads a KV head)
+    "llama-mini": ModelSpec("llama", 128, 2, 4, 8192, 1024, ffn=352, kv_heads=2),
 }
 HEADS = ("pretraining", "classification", "qa")
 
@@ -90,7 +115,7 @@ class Configuration:
     checkpointing: bool = False
 
 
-_ALL = dict(layernorm=True, gelu=True, attention=True, dropout=True)
+_ALL = dict(layernorm=True, gelu=True, attention=True, dropout=True, rmsnorm=True, swiglu=True)
 _NONE = dict.fromkeys(_ALL, False)
 CONFIGURATIONS: dict[str, Configuration] = {
     "hf-eager": Configuration("eager"),
@@ -102,6 +127,11 @@ CONFIGURATIONS: dict[str, Configuration] = {
     "tempo-attention": Configuration("eager", {**_NONE, "attention": True}),
     "tempo-dropout": Configuration("eager", {**_NONE, "dropout": True}),
     "checkpointing": Configuration("eager", checkpointing=True),
+    # Llama-family decoders: SDPA is their usual attention (Tempo's core is for eager attention)
+    "checkpointing+sdpa": Configuration("sdpa", checkpointing=True),
+    "tempo-rmsnorm": Configuration("sdpa", {**_NONE, "rmsnorm": True}),
+    "tempo-swiglu": Configuration("sdpa", {**_NONE, "swiglu": True}),
+    "tempo+sdpa+loss": Configuration("sdpa", {**_ALL, "attention": False, "loss": True}),
 }
 
 
@@ -136,6 +166,9 @@ def build_model(
         ("bert", "qa"): tf.BertForQuestionAnswering,
         ("roberta", "qa"): tf.RobertaForQuestionAnswering,
         ("gpt2", "qa"): tf.GPT2ForQuestionAnswering,
+        ("llama", "pretraining"): tf.LlamaForCausalLM,
+        ("llama", "classification"): tf.LlamaForSequenceClassification,
+        ("llama", "qa"): tf.LlamaForQuestionAnswering,
     }
     m = classes[(spec.family, head)](cfg)
     if conf.tempo:

@@ -63,6 +63,7 @@ def test_bert_large_every_layer_is_replaced():
         "dropout": 24 * 3 + 1,
         "rmsnorm": 0,
         "swiglu": 0,
+        "loss": 0,
     }
     for layer in model.bert.encoder.layer:
         assert isinstance(layer.attention.output.LayerNorm, tempo.TempoLayerNorm)

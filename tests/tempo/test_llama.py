@@ -84,12 +84,77 @@ def test_float64_gradients_equal_hf():
         assert ((g[name] - r).norm() / r.norm()).item() <= 1e-9, name
 
 
+def _hf_loss64(model, ids, labels):
+    """HF's causal-LM loss in float64 (HF's own casts the logits to float32)."""
+    logits = model(input_ids=ids).logits
+    shifted = torch.nn.functional.pad(labels, (0, 1), value=-100)[:, 1:]
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), shifted.flatten(), ignore_index=-100)
+
+
+def test_lean_loss_float64_equals_hf_and_never_makes_logits():
+    """patch(loss=True): the loss from linear_cross_entropy, HF's in float64 (1e-12), gradients of
+    every parameter to 1e-9, ignored labels as HF; no logits returned; without labels the logits
+    are HF's own."""
+    torch.manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    hf = _tiny(torch.float64)
+    ours = _tiny(torch.float64)
+    ours.load_state_dict(hf.state_dict())
+    report = tempo.patch(ours, rmsnorm=False, swiglu=False, loss=True)
+    assert report.counts()["loss"] == 1
+    ids = torch.randint(0, 96, (2, 16))
+    labels = ids.clone()
+    labels[0, : int(torch.randint(1, 10, ()))] = -100
+    hf.zero_grad(set_to_none=True)
+    ref = _hf_loss64(hf, ids, labels)
+    ref.backward()
+    out = ours(input_ids=ids, labels=labels)
+    assert out.logits is None
+    out.loss.backward()
+    assert abs(out.loss.item() - ref.item()) <= 1e-12 * ref.item()
+    for (name, p), q in zip(hf.named_parameters(), ours.parameters(), strict=True):
+        assert ((q.grad - p.grad).norm() / p.grad.norm()).item() <= 1e-9, name
+    assert torch.equal(ours(input_ids=ids).logits, hf(input_ids=ids).logits)
+    # HF's reduction with num_items_in_batch (gradient accumulation): the sum over that count
+    counted = int((labels[:, 1:] != -100).sum())
+    n = torch.tensor(counted + int(torch.randint(1, 50, ())))
+    hf_sum = hf(input_ids=ids, labels=labels, num_items_in_batch=n).loss
+    ours_sum = ours(input_ids=ids, labels=labels, num_items_in_batch=n).loss
+    assert abs(ours_sum.item() - hf_sum.item()) <= 1e-6 * hf_sum.item()  # HF's is float32
+    assert abs(ours_sum.item() - ref.item() * counted / n.item()) <= 1e-12 * ref.item()
+
+
+def test_lean_loss_unpatches_composes_and_refuses_what_it_cannot_compute():
+    model = _tiny()
+    inner = tempo.patch(model.model)  # RMSNorm and MLP of the decoder
+    outer = tempo.patch(model, loss=True)  # the loss; the decoder's layers found in place
+    assert outer.counts()["loss"] == 1 and "forward" in model.__dict__
+    tempo.unpatch(model)
+    assert "forward" not in model.__dict__ and tempo.is_patched(model)  # the inner patch still holds
+    assert inner.counts()["rmsnorm"] > 0
+    tempo.unpatch(model.model)
+    assert not tempo.is_patched(model)
+    biased = _tiny()
+    biased.lm_head = torch.nn.Linear(32, 96, bias=True)
+    with pytest.raises(ValueError, match=r"loss=True\) cannot take .*bias"):
+        tempo.patch(biased, loss=True)
+    assert not tempo.is_patched(biased)  # refused before anything changed
+
+
 def test_compiled_patched_llama_matches_eager():
     model = _tiny()
     tempo.patch(model)
     ids = torch.randint(0, 96, (2, 12))
     eager = model(input_ids=ids).logits
     compiled = torch.compile(model, backend="aot_eager")(input_ids=ids).logits
+    torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)
+
+
+def test_compiled_lean_loss_matches_eager():
+    model = _tiny()
+    tempo.patch(model, loss=True)
+    ids = torch.randint(0, 96, (2, 12))
+    eager = model(input_ids=ids, labels=ids).loss
+    compiled = torch.compile(model, backend="aot_eager")(input_ids=ids, labels=ids).loss
     torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)
 
 
@@ -113,3 +178,30 @@ def test_keeps_at_least_35_percent_less_per_decoder_layer_at_llama_3_2_1b_shapes
         assert r.input_bytes == 0
         per[patched] = r.activation_bytes / (s * h)
     assert per[True] <= 0.65 * per[False], per
+
+
+@pytest.mark.parametrize(
+    "configuration",
+    ["hf-eager", "hf-sdpa", "checkpointing+sdpa", "tempo+sdpa", "tempo+sdpa+loss", "tempo-rmsnorm",
+     "tempo-swiglu"],
+)  # fmt: skip
+def test_a_decoder_layer_keeps_its_closed_form(configuration, monkeypatch):
+    """What one decoder layer keeps inside the model (bf16, batch 1, SDPA as on CUDA) equals the
+    closed form tempo_llama states, byte for byte, at a fresh random shape (heads, KV heads, head
+    size, MLP width, vocabulary and sequence drawn each run)."""
+    from artifacts.tempo_bert.run import model_saved_bytes
+    from artifacts.tempo_llama.run import closed_form_bytes
+    from tempo.models import MODELS, ModelSpec
+
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+
+    def draw(lo: int, hi: int) -> int:
+        return int(torch.randint(lo, hi + 1, (), generator=g))
+
+    kv = draw(1, 3)
+    heads, head_dim, seq = kv * draw(1, 3), 8 * draw(1, 3), draw(8, 48)
+    spec = ModelSpec("llama", heads * head_dim, 2, heads, draw(64, 300), 64, ffn=8 * draw(2, 24), kv_heads=kv)
+    monkeypatch.setitem(MODELS, "llama-drawn", spec)
+    per_layer = model_saved_bytes("llama-drawn", configuration, seq, 2)[0]
+    per_layer -= model_saved_bytes("llama-drawn", configuration, seq, 1)[0]
+    assert per_layer == closed_form_bytes(spec, configuration, seq), (spec, seq)

@@ -95,6 +95,7 @@ def test_patching_one_layer_changes_that_layer_only(attn, tempo_cores):
         "dropout": 3,
         "rmsnorm": 0,
         "swiglu": 0,
+        "loss": 0,
     }
     assert "1 attention cores" in str(report)
     assert tempo_layers(model) == [True, False, False]
@@ -155,6 +156,7 @@ def test_patches_with_different_techniques_compose():
         "dropout": 0,
         "rmsnorm": 0,
         "swiglu": 0,
+        "loss": 0,
     }
     assert "6 already Tempo's" in str(report)
     tempo.unpatch(model)

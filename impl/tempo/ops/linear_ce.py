@@ -42,9 +42,12 @@ def linear_cross_entropy_op(
         part = slice(start, min(start + rows_per_chunk, n))
         logits = _chunk_logits(h[part], weight)
         lse[part] = torch.logsumexp(logits, dim=-1)
+        # torch's own log_softmax, as F.cross_entropy computes it: the same values, to the bit
+        logp = torch.log_softmax(logits, dim=-1)
+        del logits
         keep = counted[part]
-        target = logits.gather(1, labels[part].clamp_min(0)[:, None])[:, 0]
-        total += torch.where(keep, lse[part] - target, 0.0).sum()
+        target = logp.gather(1, labels[part].clamp_min(0)[:, None])[:, 0]
+        total -= torch.where(keep, target, 0.0).sum()
     return total / counted.sum(), lse  # every row ignored: NaN, as torch's mean cross-entropy
 
 
@@ -66,10 +69,14 @@ def linear_cross_entropy_bwd(
     dw = torch.zeros(weight.shape, dtype=lse.dtype, device=weight.device)
     for start in range(0, n, rows_per_chunk):
         part = slice(start, min(start + rows_per_chunk, n))
-        d_logits = _chunk_logits(h[part], weight).sub_(lse[part, None]).exp_()  # softmax, in place
-        rows = torch.arange(d_logits.shape[0], device=h.device)
-        d_logits[rows, labels[part].clamp_min(0)] -= 1.0
-        d_logits *= (scale * counted[part])[:, None]
+        # d logits = (softmax - one_hot) x scale, in the order torch's log_softmax backward takes
+        # (softmax x scale, then - scale at the label), from torch's log_softmax: F.cross_entropy's
+        # gradient to the bit, so training follows the unpatched model's (not only to rounding)
+        d_logits = torch.log_softmax(_chunk_logits(h[part], weight), dim=-1).exp_()
+        row_scale = (scale * counted[part])[:, None]
+        d_logits *= row_scale
+        target = labels[part].clamp_min(0)[:, None]
+        d_logits.scatter_(1, target, d_logits.gather(1, target) - row_scale)
         d_logits = d_logits.to(h.dtype)
         dh[part] = d_logits @ weight
         dw += (d_logits.t() @ h[part]).to(dw.dtype)
@@ -97,6 +104,12 @@ def _backward(ctx, grad_loss: Tensor, _grad_lse: Tensor | None):
 linear_cross_entropy_op.register_autograd(_backward, setup_context=_setup_context)
 
 
+def _has_values(t: Tensor) -> bool:
+    from torch._subclasses.fake_tensor import is_fake
+
+    return not (is_fake(t) or t.is_meta or torch.compiler.is_compiling())
+
+
 def linear_cross_entropy(
     h: Tensor, weight: Tensor, labels: Tensor, rows_per_chunk: int = ROWS_PER_CHUNK
 ) -> Tensor:
@@ -114,9 +127,10 @@ def linear_cross_entropy(
                          f"got {labels.dtype} {list(labels.shape)}")  # fmt: skip
     if rows_per_chunk < 1:
         raise ValueError(f"rows_per_chunk must be >= 1, got {rows_per_chunk}")
-    bad = (labels != IGNORE_INDEX) & ((labels < 0) | (labels >= weight.shape[0]))
-    if bool(bad.any()):
-        raise ValueError(f"labels must be in [0, {weight.shape[0]}) or {IGNORE_INDEX} (ignored)")
+    if _has_values(labels):  # fake tensors (memory estimates) and compiled graphs have no values to read
+        bad = (labels != IGNORE_INDEX) & ((labels < 0) | (labels >= weight.shape[0]))
+        if bool(bad.any()):
+            raise ValueError(f"labels must be in [0, {weight.shape[0]}) or {IGNORE_INDEX} (ignored)")
     flat = h.reshape(-1, h.shape[-1]).contiguous()
     loss, _ = linear_cross_entropy_op(flat, weight, labels.reshape(-1).long(), int(rows_per_chunk))
     return loss
