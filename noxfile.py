@@ -211,6 +211,16 @@ def tempo_layer(session: nox.Session) -> None:
 
 
 @nox.session
+def tempo_llama(session: nox.Session) -> None:
+    """Tempo on Llama-family decoders (beyond the paper): bytes a decoder layer keeps against their
+    closed forms, max batch of Llama-3.2-1B / Llama-3-8B at seq 4096 and 8192 on 80 / 141 GB, same
+    training of a small Llama; figures; claims. Liger-Kernel's row needs a GPU (nox -s gpu_check)."""
+    _run(session, "-m", "artifacts.tempo_llama.run", *session.posargs)
+    _figures(session, "tempo_llama")
+    _claims(session, "tempo_llama")
+
+
+@nox.session
 def tempo_bert(session: nox.Session) -> None:
     """Tempo's evaluation: the layer comparison, activation memory and max batch of BERT-Large,
     RoBERTa-large and GPT-2 per configuration and GPU size, same training, CPU throughput; figures;

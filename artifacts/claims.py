@@ -25,6 +25,7 @@ from measure.results import Results
 
 from .experiment import ARTIFACTS
 from .tempo_bert.summary import training_summary
+from .tempo_llama.summary import ROUNDING_CONTROL, training_gaps
 
 SOURCES = ("reference", "results")
 
@@ -188,6 +189,50 @@ def _training(key: str) -> Callable[[Results], float]:
     return value
 
 
+def _llama_saving(model: str, ours: str, base: str = "hf-sdpa") -> Callable[[Results], float]:
+    def value(r: Results) -> float:
+        mine = _one(r, model=model, configuration=ours)["per_layer_bytes"]
+        return 1 - mine / _one(r, model=model, configuration=base)["per_layer_bytes"]
+
+    return value
+
+
+def _llama_formula_error(r: Results) -> float:
+    """The largest |measured - closed form| / closed form over every layer point."""
+    if not len(r):
+        raise Missing("layer points")
+    return max(p.result["formula_error"] for p in r)
+
+
+def _llama_batch_ratio(model: str, seq: int, ours: str, gpu: str) -> Callable[[Results], float]:
+    def value(r: Results) -> float:
+        mine = _one(r, model=model, seq=seq, configuration=ours)[gpu]["max_batch"]
+        theirs = _one(r, model=model, seq=seq, configuration="hf-sdpa")[gpu]["max_batch"]
+        return mine / theirs if theirs else math.inf
+
+    return value
+
+
+def _llama_training(run: str, over_control: bool = False) -> Callable[[Results], float]:
+    """A run's max |loss difference| against HF SDPA (over that of the rounding control)."""
+
+    def value(r: Results) -> float:
+        gaps = training_gaps(r)
+        if run not in gaps or (over_control and ROUNDING_CONTROL not in gaps):
+            raise Missing(run)
+        return gaps[run] / gaps[ROUNDING_CONTROL] if over_control else gaps[run]
+
+    return value
+
+
+def _liger_vs_tempo(r: Results) -> float:
+    """1 - Tempo's per-layer bytes / Liger-Kernel's, Llama-3.2-1B (Tempo's from the layer part's
+    reference: exact bytes, the same on any machine)."""
+    liger = _one(r, model="llama-3.2-1b", configuration="liger")["per_layer_bytes"]
+    layer = Results.load(ARTIFACTS / "tempo_llama" / "reference" / "layer_saved_bytes.json")
+    return 1 - _one(layer, model="llama-3.2-1b", configuration="tempo+sdpa")["per_layer_bytes"] / liger
+
+
 def _throughput_gain(model: str, seq: int) -> Callable[[Results], float]:
     def value(r: Results) -> float:
         found = {p.key["configuration"]: p.result for p in r.select(model=model, seq=seq)}
@@ -288,6 +333,7 @@ def _cta_gpu(r: Results) -> float:
 
 T, M, C = "Tempo", "Mist", "CTA-pipelining"
 LAYER = "nox -s tempo_layer"
+LLAMA = "nox -s tempo_llama"
 BERT = "nox -s tempo_bert"
 MIST = "nox -s mist_vs_megatron"
 CTA = "nox -s cta_mlp"
@@ -382,6 +428,33 @@ CLAIMS: tuple[Claim, ...] = (
           "the same on a CPU: 4-layer BERT (h 256, seq 256, fp32) under a stated 512 MiB budget",
           "tempo_bert",
           "throughput_cpu.json", _throughput_gain("bert-l4h256", 256), Timing(), BERT, unit="%"),
+    Claim("llama-layer", T, "beyond the paper: a Llama decoder layer keeps less", "-",
+          "bytes one decoder layer keeps, Tempo (RMSNorm + SwiGLU) + SDPA vs HF SDPA, Llama-3.2-1B shapes, "
+          "seq 1024 (bf16, batch 1)", "tempo_llama", "layer_saved_bytes.json",
+          _llama_saving("llama-3.2-1b", "tempo+sdpa"), AtLeast(0.35), LLAMA, unit="%"),
+    Claim("llama-layer-8b", T, "...Llama-3-8B shapes", "-", "the same, Llama-3-8B shapes", "tempo_llama",
+          "layer_saved_bytes.json", _llama_saving("llama-3-8b", "tempo+sdpa"), EXACT, LLAMA, unit="%"),
+    Claim("llama-layer-formula", T, "...as its closed form says", "-",
+          "every configuration, both shapes: worst |measured / closed form - 1|", "tempo_llama",
+          "layer_saved_bytes.json", _llama_formula_error, AtMost(0.0), LLAMA, unit="e"),
+    Claim("llama-liger", T, "...less than Liger-Kernel keeps", "-",
+          "the same layer, Tempo + SDPA vs Liger-Kernel's RMSNorm, SwiGLU and rotary (Triton: GPU only)",
+          "tempo_llama", "peers.json", _liger_vs_tempo, Near(abs=0.001), GPU_CHECK, gpu=True, unit="%"),
+    Claim("llama-maxbatch", T, "...larger batches fit", "-",
+          "max batch, Tempo + SDPA / HF SDPA, Llama-3.2-1B seq 4096, bf16 + fp32 AdamW, 80 GB (estimated)",
+          "tempo_llama", "max_batch.json",
+          _llama_batch_ratio("llama-3.2-1b", 4096, "tempo+sdpa", "A100-80GB"), Near(), LLAMA, unit="x"),
+    Claim("llama-maxbatch-loss", T, "...more with the memory-lean loss", "-",
+          "the same, Tempo + SDPA + chunked linear cross-entropy / HF SDPA", "tempo_llama", "max_batch.json",
+          _llama_batch_ratio("llama-3.2-1b", 4096, "tempo+sdpa+loss", "A100-80GB"), Near(), LLAMA, unit="x"),
+    Claim("llama-same-training", T, "...and trains the same model", "-",
+          "small Llama, fp32, 150 steps: max |loss difference|, Tempo + SDPA vs HF SDPA", "tempo_llama",
+          "training.json", _llama_training("tempo+sdpa"), AtMost(1e-5), LLAMA, unit="e"),
+    Claim("llama-same-training-loss", T, "...also with the memory-lean loss", "-",
+          "the same, Tempo + SDPA + chunked linear cross-entropy, over the rounding band (HF with each "
+          "batch's rows reversed: the same math summed in another order, against HF)", "tempo_llama",
+          "training.json", _llama_training("tempo+sdpa+loss", over_control=True), AtMost(1.0), LLAMA,
+          unit="x"),
     Claim("mist-runtime-model", M, "the runtime model predicts a layer closely", "-",
           "per-layer time vs the profiled per-op sums, held-out model sizes: worst mean error over the "
           "five GPU profile sets", "mist_vs_megatron", "calibration.json", _calibration, Near(abs=0.005),

@@ -6,13 +6,16 @@ on the GPU, in the dry run) and is killed at it, or when this process dies:
   kernels  90 / 120  the GPU tests and micro-benchmarks: tests/test_gpu.py, the OOM detector, Tempo's
                      kernels and op benchmarks (pytest-benchmark JSON), CTA-pipelining's kernels with
                      the concurrent chain and its negative control
-  tempo   180 /  90  artifacts.tempo_bert.run throughput: BERT-Large/512, RoBERTa-large/512 and GPT-2
+  tempo   165 /  90  artifacts.tempo_bert.run throughput: BERT-Large/512, RoBERTa-large/512 and GPT-2
                      medium/1024 under an emulated 16 GB, HF eager/SDPA vs Tempo(+SDPA), each at its
                      measured max batch
   cta     120 /  90  artifacts.cta_mlp.run --parts kernels gpu: the kernels at GPU sizes, the
                      single-GPU emulation, throughput vs cuBLAS, the simulator's measured parameters
-  mist    150 / 150  artifacts.mist_vs_megatron.engine: `mist profile` on the device, then
+  mist    135 / 150  artifacts.mist_vs_megatron.engine: `mist profile` on the device, then
                      single-GPU plans trained by megatron-core, measured against the prediction
+  llama    30 /  30  artifacts.tempo_llama.run --parts peers: Liger-Kernel's RMSNorm, SwiGLU and rotary
+                     on a Llama decoder layer (Triton only: the one row tempo_llama cannot measure on
+                     a CPU; the dry run says why it did not run)
 
 It runs as it is on the lent GPU machine (python3 with torch, no nox, no network): the repo's
 packages are put on the path (impl/ and the root, here and in every subprocess), and the wheels in
@@ -104,9 +107,10 @@ class Part:
 
 PARTS = (
     Part("kernels", 90, 120, "tempo_layer"),
-    Part("tempo", 180, 90, "tempo_bert"),
+    Part("tempo", 165, 90, "tempo_bert"),
     Part("cta", 120, 90, "cta_mlp"),
-    Part("mist", 150, 150, "mist_vs_megatron"),
+    Part("mist", 135, 150, "mist_vs_megatron"),
+    Part("llama", 30, 30, "tempo_llama"),
 )
 BY_NAME = {p.name: p for p in PARTS}
 
@@ -147,6 +151,9 @@ def command(part: Part, out: Path, dry: bool) -> list[str]:
         dry_flag = ["--gpu-dry-run"] if dry else []
         return [sys.executable, "-m", "artifacts.cta_mlp.run", "--parts", "kernels", "gpu",
                 "--device", device, *dry_flag, "--results", str(results)]  # fmt: skip
+    if part.name == "llama":
+        peers = ["--parts", "peers", "--results", str(results)]
+        return [sys.executable, "-m", "artifacts.tempo_llama.run", *peers]
     assert part.name == "mist", part
     dry_flag = ["--cpu-dry-run"] if dry else []
     return [sys.executable, "-m", "artifacts.mist_vs_megatron.engine", *dry_flag, "--results", str(results)]

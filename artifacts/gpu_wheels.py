@@ -4,8 +4,9 @@ there (it has no network): ``python3 -m artifacts.gpu_wheels`` downloads them in
 
 That machine's Python 3.12 has torch 2.11, triton 3.6, transformers 5.17 (with tokenizers), numpy,
 scipy, sympy, matplotlib, PyYAML, tqdm, pytest, pytest-benchmark, pytest-timeout and hypothesis,
-but not megatron-core or highspy. Their own needs (megatron-core: torch, numpy, packaging; highspy:
-numpy) are all there, so these two are the whole list (about 6 MB).
+but not megatron-core, highspy or liger-kernel (the peer of tempo_llama's GPU row). Their own needs
+(megatron-core: torch, numpy, packaging; highspy: numpy; liger-kernel: torch, triton) are all there,
+so these three are the whole list (about 6 MB).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 WHEELS_DIR = ROOT / ".whl"
-MISSING_ON_DEVICE = ("megatron-core", "highspy")
+MISSING_ON_DEVICE = ("megatron-core", "highspy", "liger-kernel")
 PYTHON_VERSION = "3.12"  # the GPU machine's python3
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64",
              "manylinux2014_x86_64", "manylinux1_x86_64")  # fmt: skip

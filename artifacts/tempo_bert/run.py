@@ -155,7 +155,10 @@ def run_activation(run: Run, cases, configs) -> ResultFile:
 # ---------------------------------------------------------------- maximum batch
 
 
-def maxbatch_point(model: str, head: str, seq: int, precision: str, configuration: str) -> dict:
+def maxbatch_point(
+    model: str, head: str, seq: int, precision: str, configuration: str, gpus: dict[str, str] = GPUS
+) -> dict:
+    """The largest batch per GPU of ``gpus`` (name -> memory), and the estimated peak there."""
     est = estimator(model, head, seq, precision, configuration)
     memo: dict[int, PeakReport] = {}
 
@@ -165,7 +168,7 @@ def maxbatch_point(model: str, head: str, seq: int, precision: str, configuratio
         return memo[b]
 
     out = {}
-    for gpu, mem in GPUS.items():
+    for gpu, mem in gpus.items():
         budget = GpuBudget.parse(mem)
         b, report = search_max_batch(peak, budget.usable_bytes)
         out[gpu] = {

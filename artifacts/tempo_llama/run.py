@@ -1,0 +1,269 @@
+"""Tempo on Llama-family decoders (beyond the paper): what a decoder layer keeps for backward, the
+largest batch that fits a GPU, and the same training, HuggingFace and Tempo side by side.
+
+    python -m artifacts.tempo_llama.run [--parts layer maxbatch training peers] [--jobs N]
+                                        [--fresh] [--update-reference]
+
+Parts (results in artifacts/tempo_llama/results/, git-ignored; the committed reference is in
+artifacts/tempo_llama/reference/; an interrupted run resumes when rerun):
+* layer: bytes one decoder layer keeps for backward inside the model, exact (measure.saved on
+  fake tensors, SDPA keeping what its CUDA kernel keeps), batch 1, bf16, Llama-3.2-1B and
+  Llama-3-8B shapes: HF eager and SDPA, activation checkpointing, Tempo (RMSNorm + SwiGLU, SDPA),
+  each technique alone, and Tempo with the memory-lean loss (whose saving is in the head, so it
+  shows per sequence). Each is compared with its closed form (CLOSED_FORMS, from what each op
+  keeps); a*sbh + b*as^2b is also solved from two lengths and checked at a third, as for BERT.
+* maxbatch: the largest batch of Llama-3.2-1B and Llama-3-8B at seq 4096 and 8192 on 80 GB and
+  141 GB GPUs (a whole AdamW step, bf16 model + fp32 master weights; fake-tensor estimate).
+* training: a small Llama trained 150 steps in fp32 from one seed on the offline corpus, HF SDPA
+  against Tempo and Tempo + loss: the losses step by step.
+* peers: Liger-Kernel's patch (its RMSNorm, SwiGLU and rotary kernels) on the same layer. Its
+  kernels are Triton only and do not run under Triton's CPU interpreter (its RMSNorm kernel calls
+  ``.to`` on a Python float there), so this part needs a CUDA GPU and ``pip install liger-kernel``;
+  elsewhere it says why it did not run and writes nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import itertools
+
+import torch
+from tqdm import tqdm
+from transformers.utils import logging as hf_logging
+
+from measure.parallel import map_points
+from measure.results import ResultFile, Results, Run
+from tempo.models import MODELS, ModelSpec, build_model
+
+from ..experiment import add_jobs_argument, add_run_arguments, experiment_run
+from ..tempo_bert.run import activation_point, maxbatch_point
+from . import EXPERIMENT
+from .summary import TRAIN, TRAIN_RUNS, training_gaps, training_key
+
+LAYER_MODELS = ("llama-3.2-1b", "llama-3-8b")
+LAYER_SEQ = 1024
+CONFIGS = ["hf-eager", "hf-sdpa", "checkpointing+sdpa", "tempo+sdpa", "tempo+sdpa+loss"]
+ABLATIONS = ["tempo-rmsnorm", "tempo-swiglu"]
+# Bytes one bf16 decoder layer keeps per token (batch 1): coefficients of (h, f, k, a, 1, a*s) with
+# h hidden, f the MLP width, k the KV width (kv heads x head size), a heads, s the sequence.
+# HF SDPA: each RMSNorm keeps its float32 input and its bf16 normalised copy (6h) + rstd (4 bytes);
+# the q/k/v and gate/up inputs (2h each), the down projection's input (2f); SDPA keeps q, k, v,
+# its output (4h + 4k) and a float32 log-sum-exp per head (4a); SiLU its input (2f), the product
+# SiLU(gate) x up both factors (4f). Eager attention keeps K and V repeated to every head (2h
+# each), the float32 softmax and its bf16 copy (6 a s), no log-sum-exp. Tempo's RMSNorm keeps its
+# output (shared with the next Linear) + rstd; Tempo's SwiGLU keeps gate and up (4f), nothing for
+# the down projection. Checkpointing keeps each layer's input (2h).
+CLOSED_FORMS = {
+    "hf-eager": (24, 8, 0, 0, 8, 6),
+    "hf-sdpa": (20, 8, 4, 4, 8, 0),
+    "checkpointing+sdpa": (2, 0, 0, 0, 0, 0),
+    "tempo+sdpa": (8, 4, 4, 4, 8, 0),
+    "tempo+sdpa+loss": (8, 4, 4, 4, 8, 0),  # the loss changes the head, not the layers
+    "tempo-rmsnorm": (8, 8, 4, 4, 8, 0),
+    "tempo-swiglu": (20, 4, 4, 4, 8, 0),
+}
+MAXBATCH_MODELS = ("llama-3.2-1b", "llama-3-8b")
+MAXBATCH_SEQS = (4096, 8192)
+MAXBATCH_CONFIGS = ["hf-sdpa", "checkpointing+sdpa", "tempo+sdpa", "tempo+sdpa+loss"]
+GPUS = {"A100-80GB": "80GB", "H200-141GB": "141GB"}
+PRECISION = "bf16"  # bf16 model and gradients, fp32 master weights and AdamW state
+
+
+def closed_form_bytes(spec: ModelSpec, configuration: str, seq: int) -> int:
+    """The closed form's bytes for one decoder layer of ``spec`` at batch 1 (bf16)."""
+    h, a = spec.hidden, spec.heads
+    f, k = spec.ffn or 4 * h, (spec.kv_heads or a) * (h // a)
+    ch, cf, ck, ca, c1, cas = CLOSED_FORMS[configuration]
+    if configuration == "hf-eager" and (spec.kv_heads or a) == 1:
+        # one KV head: repeating it to every head is a view (stride 0), so K and V stay 2k each
+        ch, ck = ch - 4, ck + 4
+    return seq * (ch * h + cf * f + ck * k + ca * a + c1 + cas * a * seq)
+
+
+# ---------------------------------------------------------------- layer
+
+
+def layer_key(model: str, configuration: str) -> dict:
+    return {"model": model, "seq": LAYER_SEQ, "configuration": configuration, "batch": 1, "dtype": "bf16"}
+
+
+def layer_point(model: str, configuration: str) -> dict:
+    r = activation_point(model, configuration, LAYER_SEQ)
+    closed = closed_form_bytes(MODELS[model], configuration, LAYER_SEQ)
+    return {**r, "formula_bytes": closed, "formula_error": abs(r["per_layer_bytes"] - closed) / closed}
+
+
+def run_layer(run: Run) -> ResultFile:
+    store = run.file("layer_saved_bytes.json", config={"attention": "SDPA as on CUDA", "dropout": 0.0})
+    todo = list(itertools.product(LAYER_MODELS, CONFIGS + ABLATIONS))
+    for model, conf in tqdm(todo, desc="saved bytes per layer", unit="point"):
+        store.compute(layer_key(model, conf), lambda m=model, c=conf: layer_point(m, c))
+    return store
+
+
+# ---------------------------------------------------------------- maximum batch
+
+
+def maxbatch_key(model: str, seq: int, configuration: str) -> dict:
+    return {"model": model, "seq": seq, "configuration": configuration, "precision": PRECISION,
+            "optimizer": "AdamW", "reserve": "0.75 GiB + 5%"}  # fmt: skip
+
+
+def llama_maxbatch_point(model: str, seq: int, configuration: str) -> dict:
+    return maxbatch_point(model, "pretraining", seq, PRECISION, configuration, GPUS)
+
+
+def run_maxbatch(run: Run, jobs: int) -> ResultFile:
+    store = run.file("max_batch.json", config={"gpus": GPUS, "target": "cuda (fake tensors)"})
+    todo = [args for args in itertools.product(MAXBATCH_MODELS, MAXBATCH_SEQS, MAXBATCH_CONFIGS)
+            if not store.done(maxbatch_key(*args))]  # fmt: skip
+    for args, result, seconds in map_points(llama_maxbatch_point, todo, jobs, "max batch"):
+        store.add(maxbatch_key(*args), result, seconds)  # each finished point is on disk at once
+    return store
+
+
+# ---------------------------------------------------------------- same training
+
+
+def training_point(configuration: str, row_order: str) -> dict:
+    """Per-step losses of the small Llama: the same data and initial weights for every run."""
+    from measure.training import Precision, make_optimizer, train_step
+
+    from ..tempo_bert.data import fingerprint, gpt2_batches
+
+    batches = gpt2_batches(TRAIN["steps"], TRAIN["batch"], TRAIN["seq"], seed=0)  # BPE, vocab 8192
+    torch.manual_seed(0)
+    model = build_model(TRAIN["model"], "pretraining", configuration).train()
+    precision = Precision(TRAIN["dtype"])
+    opt = make_optimizer(model, precision, lr=TRAIN["lr"])
+    if row_order == "reversed":  # the rounding control: the same sequences, summed in another order
+        batches = [{k: v.flip(0) for k, v in b.items()} for b in batches]
+    losses = [train_step(model, b, opt, precision).item() for b in batches]
+    return {"losses": losses, **fingerprint("bpe")}
+
+
+def run_training(run: Run) -> ResultFile:
+    store = run.file("training.json", config={"optimizer": "AdamW"})
+    for run_args in tqdm(TRAIN_RUNS, desc="training runs", unit="run"):
+        store.compute(training_key(*run_args), lambda a=run_args: training_point(*a))
+    return store
+
+
+# ---------------------------------------------------------------- peers
+
+
+def peers_unavailable() -> str | None:
+    """Why Liger-Kernel cannot be measured here (None: it can)."""
+    if importlib.util.find_spec("liger_kernel") is None:
+        return "liger-kernel is not installed (pip install liger-kernel, or python -m artifacts.gpu_wheels)"
+    if not torch.cuda.is_available():
+        return "Liger-Kernel's kernels are Triton only and need a GPU (they fail under the CPU interpreter)"
+    return None
+
+
+def liger_layer_bytes(model: str, layers: int, seq: int) -> int:
+    """Bytes a ``layers``-deep copy of ``model`` with Liger-Kernel's RMSNorm, SwiGLU and rotary keeps
+    for backward at batch 1, bf16, on the GPU (real tensors: its kernels must run)."""
+    from liger_kernel.transformers import apply_liger_kernel_to_llama
+
+    from measure.saved import saved_bytes
+    from tempo.models import make_batch
+
+    torch.manual_seed(0)
+    m = build_model(model, "pretraining", "hf-sdpa", num_layers=layers).to("cuda", torch.bfloat16).train()
+    # the instance's modules; rotary is swapped module-wide (Liger patches the function)
+    apply_liger_kernel_to_llama(rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
+                                fused_linear_cross_entropy=False, model=m)  # fmt: skip
+    return saved_bytes(m, **make_batch(model, "pretraining", 1, seq, device="cuda")).total_bytes
+
+
+def run_peers(run: Run) -> ResultFile | None:
+    why = peers_unavailable()
+    if why is not None:
+        print(f"peers: Liger-Kernel not measured: {why}")
+        return None
+    import liger_kernel
+
+    store = run.file("peers.json", config={"device": torch.cuda.get_device_name()})
+    for model in LAYER_MODELS:
+        key = {**layer_key(model, "liger"), "liger_kernel": getattr(liger_kernel, "__version__", "?")}
+
+        def point(m: str = model) -> dict:  # what one more layer adds
+            return {
+                "per_layer_bytes": liger_layer_bytes(m, 2, LAYER_SEQ) - liger_layer_bytes(m, 1, LAYER_SEQ)
+            }
+
+        store.compute(key, point)
+    return store
+
+
+# ---------------------------------------------------------------- report
+
+
+def print_summary(
+    layer: Results | None, mb: Results | None, tr: Results | None, peers: Results | None
+) -> None:
+    if layer is not None:
+        where = f"batch 1, bf16, seq {LAYER_SEQ}"
+        print(f"\nBytes one decoder layer keeps for backward ({where}), per token x hidden:")
+        print(f"  {'model':<14} {'configuration':<20} {'measured':>9} {'formula':>9} {'vs HF SDPA':>11} "
+              f"{'per sequence (MiB)':>19}")  # fmt: skip
+        for p in layer:
+            k, r = p.key, p.result
+            sbh = LAYER_SEQ * MODELS[k["model"]].hidden
+            base = layer.get(layer_key(k["model"], "hf-sdpa"))
+            saving = (
+                "" if base is None else f"{r['per_layer_bytes'] / base.result['per_layer_bytes'] - 1:+.1%}"
+            )
+            per_seq = r["per_model_bytes"] / 2**20
+            print(f"  {k['model']:<14} {k['configuration']:<20} {r['per_layer_bytes'] / sbh:>9.3f} "
+                  f"{r['formula_bytes'] / sbh:>9.3f} {saving:>11} {per_seq:>19.1f}")  # fmt: skip
+    if peers is not None:
+        for p in peers:
+            sbh = LAYER_SEQ * MODELS[p.key["model"]].hidden
+            print(f"  {p.key['model']:<14} {'liger-kernel':<20} {p.result['per_layer_bytes'] / sbh:>9.3f}")
+    if mb is not None:
+        print(f"\nMax batch per GPU (AdamW step; {PRECISION} model + fp32 master weights):")
+        print(f"  {'model':<14} {'seq':>5} {'configuration':<20} " + " ".join(f"{g:>11}" for g in GPUS))
+        for p in mb:
+            k = p.key
+            row = " ".join(f"{p.result[g]['max_batch']:>11}" for g in GPUS)
+            note = ""
+            if all(p.result[g]["max_batch"] == 0 for g in GPUS):
+                note = f"  (batch 1 needs {max(p.result[g]['peak_gib'] for g in GPUS):.0f} GiB)"
+            print(f"  {k['model']:<14} {k['seq']:>5} {k['configuration']:<20} {row}{note}")
+    if tr is not None:
+        print(
+            f"\nSame training ({TRAIN['model']}, {TRAIN['steps']} steps, fp32), max |loss difference| "
+            "against HF SDPA:"
+        )
+        for name, gap in training_gaps(tr).items():
+            print(f"  {name:<32} {gap:.2e}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parts = ["layer", "maxbatch", "training", "peers"]
+    ap.add_argument("--parts", nargs="+", default=parts, choices=parts)
+    add_jobs_argument(ap)
+    add_run_arguments(ap, EXPERIMENT)
+    args = ap.parse_args(argv)
+    hf_logging.set_verbosity_error()
+    layer = mb = tr = peers = None
+    with experiment_run(args, EXPERIMENT) as run:
+        if "layer" in args.parts:
+            layer = run_layer(run).this_run()
+        if "maxbatch" in args.parts:
+            mb = run_maxbatch(run, args.jobs).this_run()
+        if "training" in args.parts:
+            tr = run_training(run).this_run()
+        if "peers" in args.parts:
+            store = run_peers(run)
+            peers = store.this_run() if store is not None else None
+    print_summary(layer, mb, tr, peers)
+    print(f"\nresults in {args.results}")
+
+
+if __name__ == "__main__":
+    main()
