@@ -226,7 +226,9 @@ def print_summary(
     if mb is not None:
         print(f"\nMax batch per GPU (AdamW step; {PRECISION} model + fp32 master weights):")
         print(f"  {'model':<14} {'seq':>5} {'configuration':<20} " + " ".join(f"{g:>11}" for g in GPUS))
-        for p in mb:
+        order = [*MAXBATCH_MODELS], [*MAXBATCH_CONFIGS]
+        for p in sorted(mb, key=lambda p: (order[0].index(p.key["model"]), p.key["seq"],
+                                            order[1].index(p.key["configuration"]))):  # fmt: skip
             k = p.key
             row = " ".join(f"{p.result[g]['max_batch']:>11}" for g in GPUS)
             note = ""
