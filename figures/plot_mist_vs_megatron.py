@@ -14,12 +14,29 @@ PREDICTED = "; predicted by Mist's cost model"
 SYSTEMS = {"mist": "Mist", "aceso": "Aceso-style", "zero3": "ZeRO-3"}
 
 
+# The comparison's model families and sizes (run.py's ARCHS and SIZES), sizes small to large
+FAMILIES = ("gpt3", "llama", "falcon")
 SIZES = ["1.3b", "2.7b", "7b", "13b", "22b"]
+# Reference points written before results had "family" and "size" name their model only by the
+# preset (the key's "model"). Their names are looked up whole in the names run.py composes from
+# family and size, never split: a preset's name is a label, not a format to parse.
+_PRESETS = {f"{family}-{size}": (family, size) for family in FAMILIES for size in SIZES}
+
+
+def _family_size(p) -> tuple[str, str | None]:
+    """The point's model family and size: its own fields, else (an older point) its preset's
+    from the table above; a model in neither is its own family of unknown size."""
+    r = p.result
+    if isinstance(r, dict) and "family" in r and "size" in r:
+        return r["family"], r["size"]
+    return _PRESETS.get(p.key["model"], (p.key["model"], None))
 
 
 def _order(p) -> tuple:
-    arch, size = p.key["model"].split("-", 1)  # preset names: <arch>-<size>
-    return arch, SIZES.index(size)
+    """Families alphabetically (as the figures have always been drawn), each small to large;
+    an unknown size after the known ones rather than no figure at all."""
+    family, size = _family_size(p)
+    return family, SIZES.index(size) if size in SIZES else len(SIZES), p.key["model"]
 
 
 def plot_speedup() -> Path | None:

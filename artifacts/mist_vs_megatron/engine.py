@@ -96,7 +96,7 @@ def engine_point(setup: EngineSetup, name: str, fit: dict, work: Path) -> dict:
     report = json.loads(out.read_text())
     ranks = []
     for r in report["ranks"]:
-        predicted, measured = plan.stages[r["stage"]].memory_gib * 2**30, r["memory_bytes"]
+        predicted, measured = plan.stages[r["stage"]].memory_bytes, r["memory_bytes"]
         ranks.append({"rank": r["rank"], "stage": r["stage"], "measured_bytes": measured,
                       "worst_measured_bytes": r["worst_memory_bytes"], "predicted_bytes": predicted,
                       "memory_error": predicted / measured - 1})  # fmt: skip

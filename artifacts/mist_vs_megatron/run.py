@@ -29,6 +29,7 @@ import statistics
 
 from measure.parallel import map_points
 from measure.results import Results, Run
+from mist.plan import bytes_needed
 from mist.tuning.stage_cost import STRATEGY_FIELDS
 
 from ..experiment import add_jobs_argument, add_run_arguments, experiment_run
@@ -64,8 +65,18 @@ def _simulated(plan, m, c):
     return plan
 
 
-# What a result keeps of each stage of a plan: the plan itself and the predicted memory
-STAGE_FIELDS = ("layers", *STRATEGY_FIELDS, "tp", "dp", "memory_gib", "host_memory_gib")
+# What a result keeps of each stage of a plan: the plan itself and the predicted memory (whole
+# bytes, as the plan has it; reference points from before plan_format 2 have memory_gib and
+# host_memory_gib instead: readers take either, see stage_memory_bytes)
+STAGE_FIELDS = ("layers", *STRATEGY_FIELDS, "tp", "dp", "memory_bytes", "host_memory_bytes")
+
+
+def stage_memory_bytes(stage: dict) -> tuple[int, int]:
+    """(memory, host memory) in bytes of a stage a result stores: ``memory_bytes`` and
+    ``host_memory_bytes``, or a reference point's GiB from before they were bytes."""
+    if "memory_bytes" in stage:
+        return stage["memory_bytes"], stage["host_memory_bytes"]
+    return bytes_needed(stage["memory_gib"] * 2**30), bytes_needed(stage["host_memory_gib"] * 2**30)
 
 
 def _summary(plan) -> dict:
@@ -102,7 +113,9 @@ def comparison_point(gpu: str, arch: str, size: str, flash: bool, aceso_budget: 
         "aceso": lambda: search_aceso(m, c, batch, aceso_budget),
         "zero3": lambda: search_zero3(m, c, batch),
     }
-    out: dict = {"gpus": c.gpus, "global_batch": batch, "seq": m.seq}
+    # the model's family and size as fields next to the preset's name (the key's "model"), so
+    # readers never take the name apart; not in the key, whose identity older points share
+    out: dict = {"family": arch, "size": size, "gpus": c.gpus, "global_batch": batch, "seq": m.seq}
     for name, run in runs.items():
         try:
             plan = run()
@@ -129,7 +142,7 @@ def ablation_point(gpu: str, arch: str, size: str) -> dict:
         PlannerOptions(SearchSpace(), imbalance_aware=True),
     )
     searches = [lambda: search_grid(m, c, batch), *(lambda o=o: search(m, c, batch, o) for o in options)]
-    out = {}
+    out: dict = {"family": arch, "size": size}  # as in comparison_point: the name is not parsed back
     for name, run in zip(ABLATION, searches, strict=True):
         try:
             out[name] = _simulated(run(), m, c).simulated_iteration_s

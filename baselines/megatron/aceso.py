@@ -30,12 +30,12 @@ def _key(plan: Plan) -> tuple:
 
 
 def _score(plan: Plan) -> tuple:
-    """Feasible plans first (memory excess in GiB), then faster; among equally fast plans the
+    """Feasible plans first (memory excess in bytes), then faster; among equally fast plans the
     one whose slowest stages are faster (so relieving one of several equal bottlenecks counts
     as progress, as in Aceso)."""
-    over = max(s.memory_gib for s in plan.stages) - plan.breakdown["usable_memory_gib"]
+    over = max(s.memory_bytes for s in plan.stages) - plan.breakdown["usable_memory_bytes"]
     stage_times = tuple(sorted((s.steady_s for s in plan.stages), reverse=True))
-    return (max(over, 0.0), plan.predicted_iteration_s, stage_times)
+    return (max(over, 0), plan.predicted_iteration_s, stage_times)
 
 
 class _Pricer:
@@ -66,7 +66,7 @@ def _actions(plan: Plan, i: int, cluster: ClusterSpec) -> Iterator[Plan]:
     if len(stages) > 2 and stages[i].layers > 1:  # multi-hop: pass a layer down the pipeline to the
         # least-loaded stage, every stage in between handing one on (their counts stay the same)
         load = (
-            [s.memory_gib for s in stages]
+            [s.memory_bytes for s in stages]
             if plan.breakdown.get("fits") is False
             else [s.steady_s for s in stages]
         )
@@ -105,8 +105,8 @@ def _actions(plan: Plan, i: int, cluster: ClusterSpec) -> Iterator[Plan]:
 
 
 def _bottleneck(plan: Plan) -> int:
-    usable = plan.breakdown["usable_memory_gib"]
-    over = [s.memory_gib - usable for s in plan.stages]
+    usable = plan.breakdown["usable_memory_bytes"]
+    over = [s.memory_bytes - usable for s in plan.stages]
     if max(over) > 0:
         return max(range(len(over)), key=over.__getitem__)
     return max(range(len(plan.stages)), key=lambda i: plan.stages[i].steady_s)

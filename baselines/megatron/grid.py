@@ -123,13 +123,13 @@ def cheapest_fitting(plans, model, cluster, runtime, interference, what: str) ->
     for plan in plans:
         predict(plan, model, cluster, runtime, interference, simulate=False)
         tried += 1
-        lowest = min(lowest, max(s.memory_gib for s in plan.stages))
+        lowest = min(lowest, max(s.memory_bytes for s in plan.stages))
         if plan.breakdown["fits"] and (
             best is None or plan.predicted_iteration_s < best.predicted_iteration_s
         ):
             best = plan
     if best is None:
-        raise NoFeasiblePlan(f"{what} ({tried} tried; the leanest needs {lowest:.1f} GiB per GPU)")
+        raise NoFeasiblePlan(f"{what} ({tried} tried; the leanest needs {lowest / 2**30:.1f} GiB per GPU)")
     best.tuning_s = time.perf_counter() - start
     return best
 

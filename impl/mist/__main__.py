@@ -12,12 +12,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .model.profile_data import ARTIFACT_DATA
 from .model.specs import GPUS, GRAD_ACCUMULATION, HOSTS, MODELS, cluster, model
+
+if TYPE_CHECKING:  # for the annotations only: each command imports what it uses when it runs
+    from .plan import Plan
 
 # ModelSpec fields `mist plan` can set over the preset: (flag, type, help)
 MODEL_FIELDS = (
@@ -87,6 +92,16 @@ def _positive(text: str) -> int:
     return value
 
 
+def host_memory_bytes(gib: float | None) -> int | None:
+    """``--host-mem`` (GiB, as people type it) in bytes: the one conversion, since the cluster and
+    the plan file hold bytes; whole bytes down, as a capacity. inf or nan: refused in one line."""
+    if gib is None:
+        return None
+    if not math.isfinite(gib):
+        raise ValueError(f"--host-mem must be a finite number of GiB, got {gib}")
+    return int(gib * 2**30)
+
+
 def cmd_plan(args) -> int:
     from .tuning.planner import NoFeasiblePlan, PlannerOptions, search
     from .tuning.stage_cost import SearchSpace
@@ -94,7 +109,7 @@ def cmd_plan(args) -> int:
     m = _build_model(args)  # a bad value: main() reports it in one line
     if args.out:
         _check_writable(Path(args.out))
-    host = None if args.host_mem is None else int(args.host_mem * 2**30)
+    host = host_memory_bytes(args.host_mem)  # GiB on the command line, bytes from here on
     c = cluster(args.gpu, args.gpus, args.gpus_per_node, host_memory=host)
     space = SearchSpace(offload=not args.no_offload, recompute=not args.no_recompute)
     options = PlannerOptions(space=space, imbalance_aware=not args.no_imbalance,
@@ -109,7 +124,7 @@ def cmd_plan(args) -> int:
     except NoFeasiblePlan as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    plan.host_memory_per_node_gib = args.host_mem
+    plan.host_memory_per_node_bytes = host
     print(plan.table())
     if args.explain:
         print(explain(plan))
@@ -119,12 +134,13 @@ def cmd_plan(args) -> int:
     return 0
 
 
-def explain(plan) -> str:
+def explain(plan: Plan) -> str:
     b = plan.breakdown
     lines = [
         "why this plan:",
         f"  one layer: forward {b['layer_fwd_ms']:.1f} ms, backward {b['layer_bwd_ms']:.1f} ms, "
-        f"keeps {b['layer_saved_mib']:.0f} MiB for backward; {b['usable_memory_gib']:.1f} GiB usable per GPU",
+        f"keeps {b['layer_saved_bytes'] / 2**20:.0f} MiB for backward; "
+        f"{b['usable_memory_bytes'] / 2**30:.1f} GiB usable per GPU",
     ]
     slowest = max(range(len(plan.stages)), key=lambda i: plan.stages[i].steady_s)
     lines.append(
@@ -141,9 +157,8 @@ def explain(plan) -> str:
             r = getattr(s, f"offload_{name}")
             if r:
                 parts.append(f"offloads {r:.0%} of its {name}")
-        lines.append(
-            f"  stage {i}: {', '.join(parts) or 'no memory saving needed'} -> {s.memory_gib:.1f} GiB"
-        )
+        gib = s.memory_bytes / 2**30  # shown in GiB, held in bytes
+        lines.append(f"  stage {i}: {', '.join(parts) or 'no memory saving needed'} -> {gib:.1f} GiB")
     lines.append(f"  models: {b['runtime_model']}; interference: {b['interference_model']}")
     return "\n".join(lines)
 
@@ -168,12 +183,12 @@ def cmd_predict(args) -> int:
     return 0
 
 
-PREDICTION_FORMAT = 1
+PREDICTION_FORMAT = 2  # 2: the breakdown's memory keys in bytes, the embedded plan format 2
 
 
-def prediction_json(plan) -> dict:
-    """``mist predict --json``: a stable document (``prediction_format`` 1). Times in seconds, memory
-    in bytes per GPU of each stage (``host_memory_bytes``: what each of its GPUs offloads to the
+def prediction_json(plan: Plan) -> dict:
+    """``mist predict --json``: a stable document (``prediction_format`` 2). Times in seconds, memory
+    in whole bytes per GPU of each stage (``host_memory_bytes``: what each of its GPUs offloads to the
     host); ``iteration_s`` is the 1F1B simulator's, ``closed_form_s`` the objective the search
     ranks by; ``fits``: every stage within the usable GPU and host memory; ``breakdown`` as in the
     text output. Fields are only ever added within a format."""
@@ -182,13 +197,13 @@ def prediction_json(plan) -> dict:
         "iteration_s": plan.simulated_iteration_s,
         "closed_form_s": plan.predicted_iteration_s,
         "fits": plan.breakdown["fits"],
-        "usable_memory_bytes": plan.breakdown["usable_memory_gib"] * 2**30,
-        "usable_host_memory_bytes_per_gpu": plan.breakdown["usable_host_memory_gib_per_gpu"] * 2**30,
+        "usable_memory_bytes": plan.breakdown["usable_memory_bytes"],
+        "usable_host_memory_bytes_per_gpu": plan.breakdown["usable_host_memory_bytes_per_gpu"],
         "stages": [
             {
                 "layers": s.layers,
-                "memory_bytes": s.memory_gib * 2**30,
-                "host_memory_bytes": s.host_memory_gib * 2**30,
+                "memory_bytes": s.memory_bytes,
+                "host_memory_bytes": s.host_memory_bytes,
                 "steady_s": s.steady_s,
                 "extra_s": s.extra_s,
             }
@@ -354,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(fn=cmd_plan)
     p = sub.add_parser("predict", help="predict a plan's iteration time and memory")
     p.add_argument("plan")
-    p.add_argument("--json", action="store_true", help="one JSON document (prediction_format 1)")
+    p.add_argument("--json", action="store_true", help="one JSON document (prediction_format 2)")
     _engine_argument(p)
     p.set_defaults(fn=cmd_predict)
     p = sub.add_parser("calibrate", help="refit the runtime and interference presets from measured data")

@@ -1,18 +1,30 @@
 """A training plan: what the planner outputs and ``mist predict`` evaluates (YAML or JSON).
 
-The file is the Plan's fields (below) plus ``plan_format``: 1 (files without it are read as 1).
-Stages list their layers, recomputed layers, ZeRO stage, offloaded fractions in [0, 1] and, for
-plans from other tools, their own TP/DP; ``model_overrides`` changes the named preset's fields
-(e.g. ``seq``, ``flash``, ``heads``, ``dropout``); ``host_memory_per_node_gib`` the DRAM per node
-offloading may use (null: the GPU type's usual host); ``pre_post`` the embedding's and head's
+The file is the Plan's fields (below) plus ``plan_format``, now 2. Stages list their layers,
+recomputed layers, ZeRO stage, offloaded fractions in [0, 1] and, for plans from other tools,
+their own TP/DP; ``model_overrides`` changes the named preset's fields (e.g. ``seq``, ``flash``,
+``heads``, ``dropout``); ``host_memory_per_node_bytes`` the DRAM per node offloading may use (a
+whole number of bytes; null: the GPU type's usual host); ``pre_post`` the embedding's and head's
 own ZeRO stage and offloaded fractions (null: as their stage's other parameters). Predictions
-are filled in by ``predict``: per stage ``steady_s``, ``extra_s``, ``memory_gib`` (per GPU) and
-``host_memory_gib`` (offloaded bytes per GPU).
+are filled in by ``predict``: per stage ``steady_s``, ``extra_s`` (seconds), ``memory_bytes``
+(per GPU) and ``host_memory_bytes`` (what each of its GPUs offloads to the host), and the
+plan's ``breakdown`` (``usable_memory_bytes``, ``usable_host_memory_bytes_per_gpu``,
+``layer_saved_bytes``, ``fits``, ...). Every amount of memory in format 2 is a whole number of
+bytes: predicted needs round up (``bytes_needed``), capacities round down (``bytes_available``).
+
+Format 1 (files without ``plan_format`` are read as 1) held the same fields in floating GiB
+(``memory_gib``, ``host_memory_gib``, ``host_memory_per_node_gib``, ``usable_memory_gib``,
+``usable_host_memory_gib_per_gpu``) and MiB (``layer_saved_mib``). ``Plan.from_dict`` reads it
+and converts those fields to bytes there, once, with the same rounding as ``predict``, so a
+format-1 file loads to the same plan as its format-2 twin; nothing else in Mist sees GiB.
+A file naming a field both ways (e.g. ``memory_gib`` and ``memory_bytes``) is refused, as is a
+format-2 file with a format-1 name. Plans are always written as format 2.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import numbers
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -21,7 +33,8 @@ import yaml
 
 from .model.specs import ClusterSpec, ModelSpec, cluster, model, preset_overrides
 
-PLAN_FORMAT = 1
+PLAN_FORMAT = 2  # what save() writes; from_dict() also reads 1 (memory in GiB)
+READABLE_FORMATS = (1, 2)
 # The most micro-batches per iteration the pipeline simulator takes: its work is O(stages x
 # micro-batches) (memory O(stages)); 65536 is far beyond any real global batch split into micro-batches.
 MAX_MICRO_BATCHES = 1 << 16
@@ -30,6 +43,59 @@ MAX_GLOBAL_BATCH = MAX_MICRO_BATCHES  # sequences: bounds the pipeline simulator
 
 def _is_int(value) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def bytes_needed(amount: float) -> int:
+    """Memory a plan needs, in whole bytes: rounded up, so a need is never understated and
+    ``bytes_needed(x) <= budget`` exactly when ``x <= budget`` for a whole-byte budget."""
+    return math.ceil(amount)
+
+
+def bytes_available(amount: float) -> int:
+    """Memory a plan may use, in whole bytes: rounded down, so a capacity is never overstated
+    (as the cluster has always taken a host size: ``int(GiB * 2**30)``)."""
+    return math.floor(amount)
+
+
+# Format 1's names of the memory fields and their format-2 names: the factor from the old unit
+# to bytes and the rounding (needs up, capacities down). Plan.from_dict, the one place that
+# reads format 1, converts them; nothing else in Mist sees GiB.
+_FORMAT_1_STAGE = {
+    "memory_gib": ("memory_bytes", 2**30, bytes_needed),
+    "host_memory_gib": ("host_memory_bytes", 2**30, bytes_needed),
+}
+_FORMAT_1_PLAN = {
+    "host_memory_per_node_gib": ("host_memory_per_node_bytes", 2**30, bytes_available),
+}
+_FORMAT_1_BREAKDOWN = {
+    "usable_memory_gib": ("usable_memory_bytes", 2**30, bytes_available),
+    "usable_host_memory_gib_per_gpu": ("usable_host_memory_bytes_per_gpu", 2**30, bytes_available),
+    "layer_saved_mib": ("layer_saved_bytes", 2**20, bytes_needed),
+}
+
+
+def _rename_format_1(d: dict, renames: dict, version: int, where: str) -> None:
+    """Format 1's memory fields of ``d`` (in place) as format 2's, in bytes. Refuses a field
+    named both ways (which one is meant?) and, in a format-2 file, a format-1 name (a file
+    either is format 1 or is not: no unit is guessed)."""
+    for old, (new, scale, rounding) in renames.items():
+        if old not in d:
+            continue
+        unit = {2**30: "GiB", 2**20: "MiB"}[scale]
+        if new in d:
+            raise ValueError(
+                f"{where}both {old} ({unit}, plan_format 1) and {new} (bytes) are given; keep one"
+            )
+        if version != 1:
+            raise ValueError(
+                f"{where}{old} is a plan_format 1 field ({unit}); plan_format {version} has {new}"
+            )
+        value = d.pop(old)
+        if value is not None:
+            if not isinstance(value, numbers.Real) or isinstance(value, bool) or not math.isfinite(value):
+                raise ValueError(f"{where}{old} must be a number, got {value!r}")
+            value = rounding(value * scale)
+        d[new] = value
 
 
 @dataclass
@@ -46,8 +112,8 @@ class StagePlan:
     # predictions (filled by predict)
     steady_s: float | None = None
     extra_s: float | None = None
-    memory_gib: float | None = None
-    host_memory_gib: float | None = None  # offloaded bytes this stage's GPUs each keep on the host
+    memory_bytes: int | None = None  # per GPU of this stage
+    host_memory_bytes: int | None = None  # offloaded bytes this stage's GPUs each keep on the host
 
     def check(self, i: int) -> None:
         for name in ("layers", "recompute", "zero"):
@@ -56,6 +122,10 @@ class StagePlan:
         for name in ("tp", "dp"):
             if getattr(self, name) is not None and not _is_int(getattr(self, name)):
                 raise ValueError(f"stage {i}: {name} must be a whole number, got {getattr(self, name)!r}")
+        for name in ("memory_bytes", "host_memory_bytes"):
+            value = getattr(self, name)
+            if value is not None and not (_is_int(value) and value >= 0):
+                raise ValueError(f"stage {i}: {name} must be a whole number of bytes >= 0, got {value!r}")
         if self.layers < 1:
             raise ValueError(f"stage {i}: layers must be >= 1, got {self.layers}")
         if not 0 <= self.recompute <= self.layers:
@@ -101,7 +171,7 @@ class Plan:
     stages: list[StagePlan]
     model_overrides: dict = field(default_factory=dict)  # e.g. {"flash": false, "seq": 4096}
     sequence_parallel: bool = True  # with TP > 1
-    host_memory_per_node_gib: float | None = None  # None: the GPU type's usual host (specs.HOSTS)
+    host_memory_per_node_bytes: int | None = None  # None: the GPU type's usual host (specs.HOSTS)
     pre_post: PrePostPlan | None = None  # the embedding/head's own strategy (None: their stage's)
     predicted_iteration_s: float | None = None
     simulated_iteration_s: float | None = None
@@ -130,9 +200,10 @@ class Plan:
             )
         if not isinstance(self.stages, list) or not self.stages:
             raise ValueError("stages must be a non-empty list")
-        if self.host_memory_per_node_gib is not None and not self.host_memory_per_node_gib > 0:
+        host = self.host_memory_per_node_bytes
+        if host is not None and not (_is_int(host) and host > 0):
             raise ValueError(
-                f"host_memory_per_node_gib must be positive, got {self.host_memory_per_node_gib}"
+                f"host_memory_per_node_bytes must be a positive whole number of bytes, got {host!r}"
             )
         if self.global_batch % (self.dp * self.micro_batch):
             raise ValueError(
@@ -177,22 +248,36 @@ class Plan:
 
     def cluster(self) -> ClusterSpec:
         """The cluster this plan is for."""
-        host = None if self.host_memory_per_node_gib is None else int(self.host_memory_per_node_gib * 2**30)
-        return cluster(self.gpu, self.gpus, self.gpus_per_node, host_memory=host)
+        return cluster(self.gpu, self.gpus, self.gpus_per_node, host_memory=self.host_memory_per_node_bytes)
 
     def to_dict(self) -> dict:
         return {"plan_format": PLAN_FORMAT, **asdict(self)}
 
     @classmethod
     def from_dict(cls, d: dict) -> Plan:
+        """The plan of a file's mapping, checked. Format 1 (no ``plan_format``, or 1) has its
+        memory in GiB: converted to bytes here, the only place that reads that format."""
         d = dict(d)
-        version = d.pop("plan_format", PLAN_FORMAT)
-        if version != PLAN_FORMAT:
-            raise ValueError(f"plan_format {version!r} is not supported (this version reads {PLAN_FORMAT})")
+        version = d.pop("plan_format", 1)  # files from before plan_format existed are format 1
+        if not _is_int(version) or version not in READABLE_FORMATS:
+            raise ValueError(
+                f"plan_format {version!r} is not supported (this version reads "
+                f"{' and '.join(map(str, READABLE_FORMATS))})"
+            )
         if not isinstance(d.get("stages"), list) or not all(isinstance(s, dict) for s in d["stages"]):
             raise ValueError("stages must be a list of mappings (one per pipeline stage)")
         if not isinstance(d.get("model_overrides", {}), dict):
             raise ValueError("model_overrides must be a mapping of model fields")
+        if not isinstance(d.get("breakdown", {}), dict):
+            raise ValueError("breakdown must be a mapping")
+        # copies: the caller's mapping stays as it was
+        d["stages"] = [dict(s) for s in d["stages"]]
+        _rename_format_1(d, _FORMAT_1_PLAN, version, "")
+        for i, s in enumerate(d["stages"]):
+            _rename_format_1(s, _FORMAT_1_STAGE, version, f"stage {i}: ")
+        if "breakdown" in d:
+            d["breakdown"] = dict(d["breakdown"])
+            _rename_format_1(d["breakdown"], _FORMAT_1_BREAKDOWN, version, "breakdown: ")
         d["stages"] = [StagePlan(**s) for s in d["stages"]]
         if d.get("pre_post") is not None:
             d["pre_post"] = PrePostPlan(**d["pre_post"])
@@ -244,7 +329,7 @@ class Plan:
             cells += [
                 f"{getattr(s, 'offload_' + k):.2f}" for k in ("weights", "grads", "optimizer", "activations")
             ]
-            cells += [_ms(s.steady_s), _ms(s.extra_s), _num(s.memory_gib), _num(s.host_memory_gib)]
+            cells += [_ms(s.steady_s), _ms(s.extra_s), _gib(s.memory_bytes), _gib(s.host_memory_bytes)]
             rows.append(" ".join(f"{c:>{w}}" for c, (_, w) in zip(cells, COLUMNS, strict=True)))
         if self.pre_post is not None:
             e = self.pre_post
@@ -273,3 +358,7 @@ def _ms(x: float | None) -> str:
 
 def _num(x: float | None, digits: int = 2) -> str:
     return "-" if x is None else f"{x:.{digits}f}"
+
+
+def _gib(x: int | None) -> str:  # the table shows GiB: bytes converted only here, for reading
+    return _num(None if x is None else x / 2**30)

@@ -105,11 +105,11 @@ def test_model_fields_on_the_command_line_and_predict_json(tmp_path, capsys):
     preset = model("gpt3-1.3b")
     wanted = {"heads": heads, "seq": seq, "dropout": 0.0}
     differ = {k: v for k, v in wanted.items() if getattr(preset, k) != v}
-    assert saved["plan_format"] == 1 and saved["model_overrides"] == differ
+    assert saved["plan_format"] == 2 and saved["model_overrides"] == differ
     assert Plan.load(out).model_spec() == asked
     assert main(["predict", str(out), "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert doc["prediction_format"] == 1 and doc["fits"] is True
+    assert doc["prediction_format"] == 2 and doc["fits"] is True
     assert {"iteration_s", "closed_form_s", "usable_memory_bytes", "stages", "breakdown", "plan"} <= set(doc)
     assert [s["layers"] for s in doc["stages"]] == [s["layers"] for s in saved["stages"]]
     assert all(0 < s["memory_bytes"] <= doc["usable_memory_bytes"] for s in doc["stages"])
@@ -117,7 +117,7 @@ def test_model_fields_on_the_command_line_and_predict_json(tmp_path, capsys):
     bad_seq = ["--gpus", "2", "--gpu", "l4", "--global-batch", "8", "--seq", "0"]
     assert main(["plan", "--model", "gpt3-1.3b", *bad_seq]) == 2
     assert "seq must be a positive integer" in capsys.readouterr().err
-    saved["plan_format"] = 2
+    saved["plan_format"] = 3
     out.write_text(json.dumps(saved))
     assert main(["predict", str(out)]) == 2
-    assert "plan_format 2 is not supported" in capsys.readouterr().err
+    assert "plan_format 3 is not supported" in capsys.readouterr().err

@@ -44,6 +44,8 @@ def _one_error_line(capsys, *expected: str) -> None:
         (["--norm", "batchnorm"], "norm must be one of"),
         (["--dropout", "1.5"], "dropout must be a number in [0, 1)"),
         (["--host-mem", "-1"], "host memory must be positive"),
+        (["--host-mem", "inf"], "--host-mem must be a finite number of GiB"),
+        (["--host-mem", "nan"], "--host-mem must be a finite number of GiB"),
     ],
 )
 def test_bad_plan_arguments(capsys, extra, expected):

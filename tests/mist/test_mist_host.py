@@ -43,7 +43,7 @@ def test_cpu_adam_is_shared_by_the_node_and_bound_by_its_dram():
     assert bound * 28.0 < one.host.mem_bw  # never above the data-sheet bandwidth
 
 
-def _offloading_plan(host_gib: float | None) -> Plan:
+def _offloading_plan(host_bytes: int | None) -> Plan:
     return Plan(
         model="gpt3-22b",
         gpu="l4",
@@ -54,7 +54,7 @@ def _offloading_plan(host_gib: float | None) -> Plan:
         dp=1,
         micro_batch=8,
         stages=[StagePlan(48, 48, 0, 1.0, 1.0, 1.0, 1.0)],
-        host_memory_per_node_gib=host_gib,
+        host_memory_per_node_bytes=host_bytes,
     )
 
 
@@ -62,11 +62,11 @@ def test_offloaded_bytes_must_fit_the_host():
     """22B on one L4 offloads everything: it fits the usual 384 GiB host, not a 128 GiB one."""
     m = model("gpt3-22b")
     big = predict(_offloading_plan(None), m, _offloading_plan(None).cluster())
-    host = big.stages[0].host_memory_gib
-    assert 300 < host < HOST_USABLE_FRACTION * 384
+    host = big.stages[0].host_memory_bytes
+    assert 300 * GiB < host < HOST_USABLE_FRACTION * 384 * GiB
     assert big.breakdown["fits"]
-    small = predict(_offloading_plan(128.0), m, _offloading_plan(128.0).cluster())
-    assert small.stages[0].host_memory_gib == pytest.approx(host)
+    small = predict(_offloading_plan(128 * GiB), m, _offloading_plan(128 * GiB).cluster())
+    assert small.stages[0].host_memory_bytes == host
     assert not small.breakdown["fits"]
 
 
@@ -81,11 +81,12 @@ def test_search_respects_host_memory(capsys):
 
 def test_host_memory_travels_with_the_plan(tmp_path):
     path = tmp_path / "p.yaml"
-    _offloading_plan(200.0).save(path)
+    _offloading_plan(200 * GiB).save(path)
     plan = Plan.load(path)
-    assert plan.host_memory_per_node_gib == 200.0
+    assert plan.host_memory_per_node_bytes == 200 * GiB
     assert plan.cluster().host.memory == 200 * GiB
-    with pytest.raises(ValueError, match="host_memory_per_node_gib must be positive"):
-        replace(plan, host_memory_per_node_gib=0.0).check()
+    for bad in (0, -1, 200.0 * GiB, True):  # a positive whole number of bytes, nothing else
+        with pytest.raises(ValueError, match="host_memory_per_node_bytes must be a positive whole number"):
+            replace(plan, host_memory_per_node_bytes=bad).check()
     with pytest.raises(ValueError, match="host memory must be positive"):
         cluster("l4", 8, host_memory=-1)

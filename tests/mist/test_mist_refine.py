@@ -64,9 +64,7 @@ def test_refine_is_never_slower_and_stays_in_eighths_within_memory():
     for s in fine.stages:
         for f in ("offload_weights", "offload_grads", "offload_optimizer", "offload_activations"):
             assert (getattr(s, f) * 8) == pytest.approx(round(getattr(s, f) * 8))
-        assert s.memory_gib * 2**30 <= gpu_budget_bytes(c) and s.host_memory_gib * 2**30 <= host_budget_bytes(
-            c
-        )
+        assert s.memory_bytes <= gpu_budget_bytes(c) and s.host_memory_bytes <= host_budget_bytes(c)
     # refining the refined plan finds nothing better: it stopped at a fixed point
     again = refine(fine, m, c, PlannerOptions(), *_models(c))
     assert predict(again, m, c).predicted_iteration_s == pytest.approx(fine.predicted_iteration_s)
@@ -87,17 +85,20 @@ def test_pre_post_travels_with_the_plan(tmp_path):
     for name, pre_post in (("tied", None), ("lean", PrePostPlan(offload_optimizer=1.0))):
         variant = Plan.load(path)
         variant.pre_post = pre_post
-        memory[name] = [s.memory_gib for s in predict(variant, m, c).stages]
+        memory[name] = [s.memory_bytes for s in predict(variant, m, c).stages]
     assert all(x < y for x, y in zip(memory["lean"], memory["tied"], strict=True))
 
 
 def test_the_committed_comparison_reprices_to_its_numbers():
     """Every stored plan of the reference comparison is whole (stages, embedding/head strategy):
     re-priced by today's model it gives the stored iteration time (fresh random sample), so the
-    reference is the current model's and a model change cannot slip in without regenerating it."""
+    reference is the current model's and a model change cannot slip in without regenerating it.
+    Its per-stage memory too, stored in GiB (before plan_format 2) or bytes: the same bytes."""
     import json
     import random
     from pathlib import Path
+
+    from artifacts.mist_vs_megatron.run import stage_memory_bytes
 
     path = Path(__file__).resolve().parents[2] / "artifacts/mist_vs_megatron/reference/comparison.json"
     points = json.loads(path.read_text())["points"]
@@ -106,7 +107,8 @@ def test_the_committed_comparison_reprices_to_its_numbers():
     ]
     for key, r in random.sample(plans, 24):
         overrides = {"seq": key["seq"], "flash": key["flash"]}
-        stages = [{f: v for f, v in s.items() if not f.endswith("memory_gib")} for s in r["stages"]]
+        # the stored predictions are dropped: re-pricing fills them in again
+        stages = [{f: v for f, v in s.items() if "memory" not in f} for s in r["stages"]]
         plan = Plan.from_dict({
             "model": key["model"], "gpu": key["gpu"], "gpus": key["gpus"], "gpus_per_node": 8,
             "global_batch": key["global_batch"], "tp": r["tp"], "dp": r["dp"],
@@ -115,3 +117,5 @@ def test_the_committed_comparison_reprices_to_its_numbers():
         })  # fmt: skip
         predict(plan, model(key["model"], **overrides), cluster(key["gpu"], key["gpus"]))
         assert plan.simulated_iteration_s == pytest.approx(r["iteration_s"], rel=1e-9), key
+        stored = [stage_memory_bytes(s) for s in r["stages"]]
+        assert [(s.memory_bytes, s.host_memory_bytes) for s in plan.stages] == stored, key

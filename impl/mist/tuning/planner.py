@@ -22,7 +22,7 @@ from ..model.budget import gpu_budget_bytes, host_budget_bytes
 from ..model.interference import Interference
 from ..model.runtime import RuntimeModel, cpu_adam_params_per_s, load_runtime_model
 from ..model.specs import GRAD_ACCUMULATION, ClusterSpec, GradAccumulation, ModelSpec
-from ..plan import MAX_GLOBAL_BATCH, Plan, PrePostPlan, StagePlan
+from ..plan import MAX_GLOBAL_BATCH, Plan, PrePostPlan, StagePlan, bytes_available, bytes_needed
 from .inter_stage import Frontier, frontier_for, solve_inter_stage
 from .pipeline_sim import in_flight, pipeline_objective, simulate_1f1b
 from .stage_cost import (
@@ -314,6 +314,7 @@ def predict(
     S = len(plan.stages)
     G = plan.grad_accum
     steady, extra, fwd, bwd = [], [], [], []
+    fits = True
     for i, s in enumerate(plan.stages):
         tp, dp, mb = plan.stage_parallelism(i)
         budget = gpu_budget_bytes(cluster)
@@ -324,8 +325,11 @@ def predict(
         edge = None if plan.pre_post is None else {k: float(getattr(plan.pre_post, k)) for k in EDGE_FIELDS}
         v = evaluate_stage(st, ln, s.layers, in_flight(i, S, G), i == 0, i == S - 1, grid, G, edge)
         s.steady_s, s.extra_s = float(v["steady"][0]), float(v["extra"][0])
-        s.memory_gib = float(v["memory"][0]) / 2**30
-        s.host_memory_gib = float(v["host_memory"][0]) / 2**30
+        memory, host_memory = float(v["memory"][0]), float(v["host_memory"][0])
+        s.memory_bytes, s.host_memory_bytes = bytes_needed(memory), bytes_needed(host_memory)
+        # judged on the model's own numbers, as the search judges its candidates (the whole bytes
+        # above agree for the GPU, whose budget is whole bytes, and within a byte for the host)
+        fits = fits and memory <= budget and host_memory <= host_budget_bytes(cluster)
         steady.append(s.steady_s)
         extra.append(s.extra_s)
         share = ln.fwd / (ln.fwd + ln.bwd)
@@ -337,15 +341,14 @@ def predict(
     plan.predicted_iteration_s = pipeline_objective(steady, extra, G)
     plan.simulated_iteration_s = simulate_1f1b(fwd, bwd, G, last=extra) if simulate else None
     plan.breakdown = {
-        "usable_memory_gib": gpu_budget_bytes(cluster) / 2**30,
-        "fits": all(s.memory_gib * 2**30 <= gpu_budget_bytes(cluster) for s in plan.stages)
-        and all(s.host_memory_gib * 2**30 <= host_budget_bytes(cluster) for s in plan.stages),
-        "usable_host_memory_gib_per_gpu": host_budget_bytes(cluster) / 2**30,
+        "usable_memory_bytes": gpu_budget_bytes(cluster),
+        "fits": fits,
+        "usable_host_memory_bytes_per_gpu": bytes_available(host_budget_bytes(cluster)),
         "host": cluster.host.name,
         "cpu_adam_params_per_s_per_gpu": cpu_adam_params_per_s(cluster),
         "layer_fwd_ms": ln.fwd * 1e3,
         "layer_bwd_ms": ln.bwd * 1e3,
-        "layer_saved_mib": ln.saved / 2**20,
+        "layer_saved_bytes": bytes_needed(ln.saved),
         "runtime_model": runtime.source,
         "interference_model": interference.source,
     }

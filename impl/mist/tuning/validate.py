@@ -56,7 +56,7 @@ class Validation:
     run: MeasuredRun
     predicted_s: float
     simulated_s: float
-    predicted_memory_bytes: tuple[float, ...]
+    predicted_memory_bytes: tuple[int, ...]  # the plan's, whole bytes
 
     @property
     def time_error(self) -> float:
@@ -209,7 +209,7 @@ def validate(runs: list[MeasuredRun]) -> list[Validation]:
     out = []
     for run in runs:
         plan = predict(run.plan, run.model, run.cluster, grad_accumulation=run.grad_accumulation)
-        memory = tuple(s.memory_gib * 2**30 for s in plan.stages)
+        memory = tuple(s.memory_bytes for s in plan.stages)
         out.append(Validation(run, plan.predicted_iteration_s, plan.simulated_iteration_s, memory))
     return out
 
