@@ -155,10 +155,7 @@ def run_activation(run: Run, cases, configs) -> ResultFile:
 # ---------------------------------------------------------------- maximum batch
 
 
-def maxbatch_point(
-    model: str, head: str, seq: int, precision: str, configuration: str, gpus: dict[str, str] = GPUS
-) -> dict:
-    """The largest batch per GPU of ``gpus`` (name -> memory), and the estimated peak there."""
+def maxbatch_point(model: str, head: str, seq: int, precision: str, configuration: str) -> dict:
     est = estimator(model, head, seq, precision, configuration)
     memo: dict[int, PeakReport] = {}
 
@@ -168,7 +165,7 @@ def maxbatch_point(
         return memo[b]
 
     out = {}
-    for gpu, mem in gpus.items():
+    for gpu, mem in GPUS.items():
         budget = GpuBudget.parse(mem)
         b, report = search_max_batch(peak, budget.usable_bytes)
         out[gpu] = {

@@ -349,6 +349,29 @@ def search_max_batch(
     return lo, cache[lo]
 
 
+def refine_max_batch(
+    peak: Callable[[int], PeakReport], usable_bytes: int, start: int, limit: int = 1 << 16
+) -> tuple[int, PeakReport]:
+    """The boundary nearest ``start`` under a more exact ``peak`` (e.g. the full-depth estimate after
+    a depth-extrapolated search): down while ``start`` does not fit, up while the next batch fits.
+    Every answer is an evaluated point; 0 if batch 1 does not fit."""
+    b = max(start, 1)
+    report = peak(b)
+    if report.peak_bytes > usable_bytes:
+        while b > 1:
+            b -= 1
+            report = peak(b)
+            if report.peak_bytes <= usable_bytes:
+                return b, report
+        return 0, report
+    while b < limit:
+        above = peak(b + 1)
+        if above.peak_bytes > usable_bytes:
+            break
+        b, report = b + 1, above
+    return b, report
+
+
 class DepthExtrapolatedEstimator:
     """The same peak estimate for an N-layer model from two shallow copies of it (full width).
 
@@ -358,7 +381,11 @@ class DepthExtrapolatedEstimator:
     allocator rounding (byte-identical in tests/measure/test_measure.py and for BERT-Large), at a
     fraction of the cost. The overall peak is the largest extrapolated phase peak.
     Breakdowns are *not* extrapolated (the category a storage falls in at the peak does not
-    scale with depth); take them from a full-depth ``StepMemoryEstimator`` when needed.
+    scale with depth); take them from a full-depth ``StepMemoryEstimator`` when needed. Nor is a
+    phase whose peak moves between parts of the model with depth (Tempo's chunked LM loss: the
+    forward's peak is in the head at two layers, in the layers at sixteen): a maximum of two
+    affine functions is not affine. ``refine_max_batch`` with the full-depth estimate fixes an
+    answer found with this one.
     """
 
     def __init__(

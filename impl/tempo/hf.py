@@ -371,6 +371,11 @@ def patch(
                 lean = _lean_loss_forward(module)
                 new_slots.append(_Slot(name, None, "forward", None, lean, forward_of=module))
                 report.losses.append(name)
+        if not report.losses and not any(s.forward_of is not None for s in joined):
+            raise ValueError(
+                f"tempo.patch(loss=True) takes a causal LM ({', '.join(CAUSAL_LM_CLASSES)}) or a module "
+                f"holding one; {type(model).__name__} holds none: pass loss=False"
+            )
     attention_targets: list[tuple[str, nn.Module]] = []
     if attention:
         for name, module in model.named_modules():

@@ -3,10 +3,12 @@
     python -m tempo.maxbatch --model bert-large --head qa --seq 384 --precision fp32 --gpu-mem 11GB [--tempo]
 
 One whole training step (forward, backward, AdamW step; fp32 master weights for fp16/bf16) is
-run on fake tensors and every storage is followed (measure/memory.py); depth is extrapolated
-exactly from two shallow copies of the model. Usable memory = GPU memory - reserve, where the
-reserve covers what torch's allocator does not see: the CUDA context and library workspaces
-(--context-gb, default 0.75) and fragmentation (--fragmentation, default 5% of the rest).
+run on fake tensors and every storage is followed (measure/memory.py); the search extrapolates
+depth from two shallow copies of the model, then the whole model is estimated at the answer and
+its neighbours (``--no-verify``: not), which settles it where the extrapolation is not exact.
+Usable memory = GPU memory - reserve, where the reserve covers what torch's allocator does not
+see: the CUDA context and library workspaces (--context-gb, default 0.75) and fragmentation
+(--fragmentation, default 5% of the rest).
 """
 
 from __future__ import annotations
@@ -16,11 +18,11 @@ import math
 import sys
 
 from measure.budget import GpuBudget
-from measure.memory import DepthExtrapolatedEstimator, StepMemoryEstimator
+from measure.memory import DepthExtrapolatedEstimator, StepMemoryEstimator, refine_max_batch
 from measure.training import PRECISIONS
 from measure.units import GiB
 
-from .models import CONFIGURATIONS, HEADS, MODELS, build_model, make_batch
+from .models import CONFIGURATIONS, HEADS, MODELS, build_model, check_configuration, make_batch
 from .ops import workspace_bytes
 
 # The search tries batches up to this; an answer equal to it means "at least this many".
@@ -114,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
             args.gpu_mem, context_bytes=int(args.context_gb * GiB), fragmentation=args.fragmentation
         )
         make_batch(args.model, args.head, 1, args.seq)  # validates seq against the model
+        check_configuration(args.model, configuration)
     except ValueError as e:
         ap.error(str(e))
     if budget.usable_bytes <= 0:
@@ -138,16 +141,20 @@ def main(argv: list[str] | None = None) -> int:
             f"{report.peak_gib:.2f} GiB of the {budget.usable_bytes / GiB:.2f} usable; larger was not tried)"
         )
         return 0
-    if not args.no_verify:  # one full-depth estimate at the answer: exact breakdown + a cross-check
+    if not args.no_verify:  # the whole model at the answer and its neighbours: exact, with a breakdown
         full = StepMemoryEstimator(
             lambda: build_model(args.model, args.head, configuration),
             lambda n: make_batch(args.model, args.head, n, args.seq),
             args.precision,
             op_workspace=workspace_bytes,
-        ).peak(b)
-        if full.peak_bytes != report.peak_bytes:
-            print(f"note: full-depth estimate {full.peak_gib:.3f} GiB differs from the extrapolated one")
-        report = full
+        )
+        exact, report = refine_max_batch(full.peak, budget.usable_bytes, b, limit=SEARCH_CAP)
+        if exact != b:
+            print(f"note: the depth-extrapolated search said {b}; the full-depth estimate says {exact}")
+        b = exact
+        if b == 0:
+            print(f"even batch 1 does not fit: it needs {report.peak_gib:.2f} GiB")
+            return 1
     print(f"max batch: {b}  (estimated peak {report.peak_gib:.2f} GiB, in {report.peak_phase})")
     for category, nbytes in report.breakdown.items():
         if nbytes:

@@ -113,31 +113,45 @@ class Configuration:
     attn: str = "eager"
     tempo: dict[str, bool] = field(default_factory=dict)  # tempo.patch switches; empty: unpatched
     checkpointing: bool = False
+    families: tuple[str, ...] = ("bert", "roberta", "gpt2", "llama")  # the models it applies to
 
 
 _ALL = dict(layernorm=True, gelu=True, attention=True, dropout=True, rmsnorm=True, swiglu=True)
 _NONE = dict.fromkeys(_ALL, False)
+_PAPER = ("bert", "roberta", "gpt2")  # the paper's techniques alone: nothing of theirs in a Llama
+_LLAMA = ("llama",)
 CONFIGURATIONS: dict[str, Configuration] = {
     "hf-eager": Configuration("eager"),
     "hf-sdpa": Configuration("sdpa"),
     "tempo": Configuration("eager", _ALL),
     "tempo+sdpa": Configuration("sdpa", {**_ALL, "attention": False}),
-    "tempo-gelu": Configuration("eager", {**_NONE, "gelu": True}),
-    "tempo-layernorm": Configuration("eager", {**_NONE, "layernorm": True}),
-    "tempo-attention": Configuration("eager", {**_NONE, "attention": True}),
-    "tempo-dropout": Configuration("eager", {**_NONE, "dropout": True}),
+    "tempo-gelu": Configuration("eager", {**_NONE, "gelu": True}, families=_PAPER),
+    "tempo-layernorm": Configuration("eager", {**_NONE, "layernorm": True}, families=_PAPER),
+    "tempo-attention": Configuration("eager", {**_NONE, "attention": True}, families=_PAPER),
+    "tempo-dropout": Configuration("eager", {**_NONE, "dropout": True}, families=_PAPER),
     "checkpointing": Configuration("eager", checkpointing=True),
     # Llama-family decoders: SDPA is their usual attention (Tempo's core is for eager attention)
     "checkpointing+sdpa": Configuration("sdpa", checkpointing=True),
-    "tempo-rmsnorm": Configuration("sdpa", {**_NONE, "rmsnorm": True}),
-    "tempo-swiglu": Configuration("sdpa", {**_NONE, "swiglu": True}),
-    "tempo+sdpa+loss": Configuration("sdpa", {**_ALL, "attention": False, "loss": True}),
+    "tempo-rmsnorm": Configuration("sdpa", {**_NONE, "rmsnorm": True}, families=_LLAMA),
+    "tempo-swiglu": Configuration("sdpa", {**_NONE, "swiglu": True}, families=_LLAMA),
+    "tempo+sdpa+loss": Configuration("sdpa", {**_ALL, "attention": False, "loss": True}, families=_LLAMA),
 }
 
 
 def _check(name: str, table: dict, what: str) -> None:
     if name not in table:
         raise ValueError(f"unknown {what} {name!r}; choose one of: {', '.join(table)}")
+
+
+def check_configuration(model: str, configuration: str) -> None:
+    """Refuse a configuration that has nothing to change in ``model`` (e.g. GELU alone in a Llama)."""
+    _check(model, MODELS, "model")
+    _check(configuration, CONFIGURATIONS, "configuration")
+    family = MODELS[model].family
+    if family not in CONFIGURATIONS[configuration].families:
+        fits = [name for name, c in CONFIGURATIONS.items() if family in c.families]
+        raise ValueError(f"configuration {configuration!r} does not apply to {model} ({family}); "
+                         f"for it choose one of: {', '.join(fits)}")  # fmt: skip
 
 
 def build_model(
@@ -153,6 +167,7 @@ def build_model(
     if head not in HEADS:
         raise ValueError(f"unknown head {head!r}; choose one of: {', '.join(HEADS)}")
     spec, conf = MODELS[model], CONFIGURATIONS[configuration]
+    check_configuration(model, configuration)
     cfg = spec.config(num_layers, conf.attn, dropout)
     import transformers as tf
 

@@ -159,6 +159,29 @@ def test_max_batch_is_the_boundary():
     assert est.peak(6).peak_bytes > budget
 
 
+def test_refine_max_batch_walks_to_the_exact_boundary():
+    """From any start, up or down, to the largest batch whose (exact) peak fits; 0 if none does;
+    every answer an evaluated point."""
+    import random
+
+    from measure.memory import PeakReport, refine_max_batch
+
+    static, per_seq = random.randint(1, 10**9), random.randint(1, 10**8)
+    calls = []
+
+    def peak(b: int) -> PeakReport:
+        calls.append(b)
+        return PeakReport(b, static + per_seq * b, "backward")
+
+    true_b = random.randint(1, 500)
+    usable = static + per_seq * true_b + random.randint(0, per_seq - 1)
+    for start in (1, true_b - random.randint(1, 5), true_b, true_b + random.randint(1, 5), 0):
+        b, report = refine_max_batch(peak, usable, start)
+        assert b == true_b and report.batch_size == b and report.peak_bytes <= usable, start
+    assert refine_max_batch(peak, static + per_seq - 1, random.randint(1, 50))[0] == 0
+    assert set(calls) <= set(range(1, 512))
+
+
 @pytest.mark.parametrize("with_tempo", [False, True], ids=["hf-eager", "tempo"])
 def test_depth_extrapolation_is_exact(with_tempo):
     def build(n_layers: int):

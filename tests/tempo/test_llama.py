@@ -140,6 +140,32 @@ def test_lean_loss_unpatches_composes_and_refuses_what_it_cannot_compute():
     assert not tempo.is_patched(biased)  # refused before anything changed
 
 
+def test_lean_loss_refused_where_there_is_no_causal_lm():
+    """loss=True asked of a module holding no causal LM (a decoder layer, a BERT) says so, rather
+    than patching the rest and leaving the loss as it was."""
+    from transformers import BertConfig, BertForPreTraining
+
+    layer = _tiny().model.layers[0]
+    with pytest.raises(ValueError, match=r"loss=True\) takes a causal LM"):
+        tempo.patch(layer, loss=True)
+    bert = BertForPreTraining(BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                         intermediate_size=64, vocab_size=50))  # fmt: skip
+    with pytest.raises(ValueError, match=r"loss=True\) takes a causal LM"):
+        tempo.patch(bert, loss=True)
+    assert not tempo.is_patched(layer) and not tempo.is_patched(bert)
+
+
+def test_configurations_refused_for_models_they_do_not_apply_to():
+    from tempo.models import build_model
+
+    with pytest.raises(
+        ValueError, match=r"'tempo-gelu' does not apply to llama-mini \(llama\); .*tempo-rmsnorm"
+    ):
+        build_model("llama-mini", "pretraining", "tempo-gelu")
+    with pytest.raises(ValueError, match=r"'tempo\+sdpa\+loss' does not apply to bert-mini"):
+        build_model("bert-mini", "pretraining", "tempo+sdpa+loss")
+
+
 def test_compiled_patched_llama_matches_eager():
     model = _tiny()
     tempo.patch(model)
