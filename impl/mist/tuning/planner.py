@@ -13,18 +13,18 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..model.budget import gpu_budget_bytes, host_budget_bytes
 from ..model.interference import Interference
-from ..model.runtime import RuntimeModel, cpu_adam_params_per_s, load_runtime_model
+from ..model.runtime import RuntimeModel, cpu_adam_params_per_s
 from ..model.specs import GRAD_ACCUMULATION, ClusterSpec, GradAccumulation, ModelSpec
 from ..plan import MAX_GLOBAL_BATCH, Plan, PrePostPlan, StagePlan, bytes_available, bytes_needed
 from .inter_stage import Frontier, frontier_for, solve_inter_stage
-from .pipeline_sim import in_flight, pipeline_objective, simulate_1f1b
+from .pipeline_sim import pipeline_objective, simulate_1f1b
+from .problem import Candidate, Problem, cost_models, load_interference
 from .stage_cost import (
     EDGE_FIELDS,
     STRATEGY_FIELDS,
@@ -34,6 +34,10 @@ from .stage_cost import (
     layer_numbers,
     strategy_grid,
 )
+
+# kept importable from here, where callers (baselines, tests) have always found them
+__all__ = ["Candidate", "NoFeasiblePlan", "PlannerOptions", "Problem", "cost_models", "load_interference",
+           "predict", "refine", "search"]  # fmt: skip
 
 
 class NoFeasiblePlan(RuntimeError):
@@ -53,8 +57,9 @@ class PlannerOptions:
     grad_accumulation: GradAccumulation = GRAD_ACCUMULATION["megatron-core"]
 
 
-def settings(model: ModelSpec, cluster: ClusterSpec, global_batch: int, options: PlannerOptions):
-    """Every (tp, stages, dp, micro_batch) the search considers."""
+def settings(problem: Problem, options: PlannerOptions) -> Iterator[Candidate]:
+    """Every candidate (tp, stages, dp, micro_batch) the search considers."""
+    model, cluster, global_batch = problem.model, problem.cluster, problem.global_batch
     tp = 1
     while tp <= cluster.gpus_per_node:
         if model.heads % tp == 0 and model.kv % tp == 0 and cluster.gpus % tp == 0:
@@ -66,7 +71,7 @@ def settings(model: ModelSpec, cluster: ClusterSpec, global_batch: int, options:
                     continue
                 for mb in options.micro_batches:
                     if (global_batch // dp) % mb == 0:
-                        yield tp, stages, dp, mb
+                        yield Candidate(tp, stages, dp, mb, global_batch)
         tp *= 2
 
 
@@ -76,7 +81,13 @@ def _stage_values(st: Setting, ln, layers: int, first: bool, last: bool, space: 
     return grid, one, one["per_flight"]
 
 
-def tune_setting(st: Setting, grad_accum: int, options: PlannerOptions, best_so_far: float) -> Plan | None:
+def tune_setting(
+    problem: Problem, candidate: Candidate, options: PlannerOptions, best_so_far: float
+) -> Plan | None:
+    """The best plan of one candidate (layers and stage strategies), or None when nothing fits or
+    it cannot beat ``best_so_far``."""
+    st = candidate.setting(problem)
+    grad_accum = candidate.grad_accum
     ln = layer_numbers(st)
     L, S = st.model.layers, st.stages
     lower = (grad_accum - 1) * L * (ln.fwd + ln.bwd) / S + L * (ln.fwd + ln.bwd)
@@ -84,10 +95,10 @@ def tune_setting(st: Setting, grad_accum: int, options: PlannerOptions, best_so_
         return None
     frontiers: list[dict[int, Frontier]] = [dict() for _ in range(S)]
     grids: dict[tuple[int, bool, bool], dict] = {}
-    budget = float(st.memory_budget)
+    budget = float(problem.gpu_budget)
     for i in range(S):
         first, last = i == 0, i == S - 1
-        flight = in_flight(i, S, grad_accum)
+        flight = candidate.in_flight(i)
         for layers in range(1, L - S + 2):
             key = (layers, first, last)
             if key not in grids:
@@ -95,7 +106,7 @@ def tune_setting(st: Setting, grad_accum: int, options: PlannerOptions, best_so_
             grid, values, per_flight = grids[key]
             if not options.imbalance_aware:
                 values = {**values, "extra": np.zeros_like(values["extra"])}
-            fr = frontier_for(values, flight, budget, per_flight, host_budget_bytes(st.cluster))
+            fr = frontier_for(values, flight, budget, per_flight, problem.host_budget)
             if len(fr):
                 frontiers[i][layers] = fr
     if any(not f for f in frontiers):
@@ -124,8 +135,9 @@ def tune_setting(st: Setting, grad_accum: int, options: PlannerOptions, best_so_
                 offload_activations=float(values["offload_activations"]),
             )
         )
-    return Plan.of(st.model, st.cluster, global_batch=grad_accum * st.dp * st.micro_batch, tp=st.tp, dp=st.dp,
-                   micro_batch=st.micro_batch, stages=stages)  # fmt: skip
+    return Plan.of(problem.model, problem.cluster, global_batch=grad_accum * st.dp * st.micro_batch, tp=st.tp,
+                   dp=st.dp, micro_batch=st.micro_batch, stages=stages,
+                   sequence_parallel=problem.sequence_parallel)  # fmt: skip
 
 
 def search(
@@ -141,39 +153,38 @@ def search(
     if not 1 <= global_batch <= MAX_GLOBAL_BATCH:
         raise ValueError(f"global batch must be in [1, {MAX_GLOBAL_BATCH}] sequences, got {global_batch}")
     options = options or PlannerOptions()
-    runtime, interference = cost_models(cluster, runtime, interference)
+    # resolved once: every candidate, prediction and the refinement share these numbers
+    problem = Problem.resolve(model, cluster, global_batch, runtime, interference, options.grad_accumulation)
     start = time.perf_counter()
     best: Plan | None = None
     best_time = float("inf")
-    candidates = list(settings(model, cluster, global_batch, options))
+    candidates = list(settings(problem, options))
     if not candidates:
         raise ValueError(
             f"no parallel setting divides global batch {global_batch} over {cluster.gpus} GPUs "
             f"(DP must divide the global batch; micro-batches tried: {options.micro_batches})"
         )
-    for n, (tp, stages, dp, mb) in enumerate(candidates):
-        st = Setting(model, cluster, runtime, interference, tp, dp, mb, gpu_budget_bytes(cluster), stages,
-                     grad_accumulation=options.grad_accumulation)  # fmt: skip
-        grad_accum = global_batch // (dp * mb)
-        plan = tune_setting(st, grad_accum, options, best_time)
+    for n, c in enumerate(candidates):
+        plan = tune_setting(problem, c, options, best_time)
         if plan is not None:
-            predict(plan, model, cluster, runtime, interference, grad_accumulation=options.grad_accumulation)
+            _predict(problem, plan)
             if plan.predicted_iteration_s < best_time:
                 best, best_time = plan, plan.predicted_iteration_s
         if progress:
             progress(
-                f"[{n + 1}/{len(candidates)}] tp {tp} pp {stages} dp {dp} mb {mb}: best {best_time:.3f} s"
+                f"[{n + 1}/{len(candidates)}] tp {c.tp} pp {c.stages} dp {c.dp} mb {c.micro_batch}: "
+                f"best {best_time:.3f} s"
             )
     if best is None:
-        need = min_memory_needed(model, cluster, global_batch, options, runtime, interference)
+        need = min_memory_needed(problem, options)
         raise NoFeasiblePlan(
             f"no plan for {model.name} on {cluster.gpus} x {cluster.gpu.name} fits: the leanest candidate "
-            f"needs {need / 2**30:.1f} GiB per GPU, {gpu_budget_bytes(cluster) / 2**30:.1f} GiB usable "
-            f"(offloading at most {host_budget_bytes(cluster) / 2**30:.1f} GiB of host memory per GPU)"
+            f"needs {need / 2**30:.1f} GiB per GPU, {problem.gpu_budget / 2**30:.1f} GiB usable "
+            f"(offloading at most {problem.host_budget / 2**30:.1f} GiB of host memory per GPU)"
         )
     if options.space.offload and options.refine_offload_step:
-        best = refine(best, model, cluster, options, runtime, interference)
-        predict(best, model, cluster, runtime, interference, grad_accumulation=options.grad_accumulation)
+        best = _refine(problem, best, options)
+        _predict(problem, best)
     best.tuning_s = time.perf_counter() - start
     return best
 
@@ -197,23 +208,29 @@ def refine(
     host's memory. Ranked as the search ranks (extras only when ``options.imbalance_aware``).
     Layers, recomputation and ZeRO stages stay as the MILP placed them. Returns a new plan
     (never slower than ``plan``)."""
+    problem = Problem.of_plan(plan, model, cluster, runtime, interference, options.grad_accumulation)
+    return _refine(problem, plan, options, passes)
+
+
+def _refine(problem: Problem, plan: Plan, options: PlannerOptions, passes: int = 3) -> Plan:
+    """``refine`` for a resolved problem (the search's own, so nothing is resolved again)."""
     k = options.refine_offload_step
     steps = np.arange(k + 1) / k
     combos = np.array(list(itertools.product(steps, repeat=4)))
     plan = dataclasses.replace(plan, stages=[dataclasses.replace(s) for s in plan.stages])
-    S, G = len(plan.stages), plan.grad_accum
-    budget, host_budget = gpu_budget_bytes(cluster), host_budget_bytes(cluster)
+    problem = _for_plan(problem, plan)
+    point = Candidate.of_plan(plan)
+    S, G = point.stages, point.grad_accum
+    budget, host_budget = problem.gpu_budget, problem.host_budget
     numbers = []
     for i in range(S):
-        tp, dp, mb = plan.stage_parallelism(i)
-        st = Setting(model, cluster, runtime, interference, tp, dp, mb, budget, S, sp=plan.sequence_parallel,
-                     grad_accumulation=options.grad_accumulation)  # fmt: skip
+        st = problem.setting(*plan.stage_parallelism(i), S)
         numbers.append((st, layer_numbers(st)))
 
     def evaluate(i: int, grid: dict, edge: dict | None) -> dict:
         st, ln = numbers[i]
         return evaluate_stage(
-            st, ln, plan.stages[i].layers, in_flight(i, S, G), i == 0, i == S - 1, grid, G, edge
+            st, ln, plan.stages[i].layers, point.in_flight(i), i == 0, i == S - 1, grid, G, edge
         )
 
     def current(i: int) -> dict:
@@ -266,20 +283,19 @@ def refine(
     return plan
 
 
-def min_memory_needed(model, cluster, global_batch, options, runtime, interference) -> float:
+def min_memory_needed(problem: Problem, options: PlannerOptions) -> float:
     """The smallest per-GPU peak any candidate reaches within the host memory (for the
     no-feasible-plan message)."""
     lowest = float("inf")
-    for tp, stages, dp, mb in settings(model, cluster, global_batch, options):
-        st = Setting(model, cluster, runtime, interference, tp, dp, mb, gpu_budget_bytes(cluster), stages,
-                     grad_accumulation=options.grad_accumulation)  # fmt: skip
+    for c in settings(problem, options):
+        st = c.setting(problem)
         ln = layer_numbers(st)
-        layers = -(-model.layers // stages)
-        _, values, per_flight = _stage_values(st, ln, layers, stages == 1, True, options.space, 1)
-        flight = in_flight(0, stages, global_batch // (dp * mb))  # the first stage holds the most
+        layers = -(-problem.model.layers // c.stages)
+        _, values, per_flight = _stage_values(st, ln, layers, c.stages == 1, True, options.space, 1)
+        flight = c.in_flight(0)  # the first stage holds the most
         host = values["host_memory"] + (flight - 1) * values["host_per_flight"]
         memory = values["memory"] + (flight - 1) * per_flight
-        lowest = min(lowest, float(np.min(np.where(host <= host_budget_bytes(cluster), memory, np.inf))))
+        lowest = min(lowest, float(np.min(np.where(host <= problem.host_budget, memory, np.inf))))
     return lowest
 
 
@@ -295,6 +311,27 @@ def predict(
     """Fill in the plan's per-stage times and memory and its iteration time (closed form and,
     with ``simulate``, the 1F1B simulation; searches that price many plans skip it), for an
     engine that accumulates gradients as ``grad_accumulation`` says."""
+    # the plan is checked against the model and cluster before any cost model is loaded for them
+    _check(plan, model, cluster)
+    problem = Problem.of_plan(plan, model, cluster, runtime, interference, grad_accumulation)
+    return _price(problem, plan, simulate)
+
+
+def _for_plan(problem: Problem, plan: Plan) -> Problem:
+    """``problem`` as ``plan`` poses it: a plan may switch sequence parallelism off."""
+    if plan.sequence_parallel == problem.sequence_parallel:
+        return problem
+    return dataclasses.replace(problem, sequence_parallel=plan.sequence_parallel)
+
+
+def _predict(problem: Problem, plan: Plan, simulate: bool = True) -> Plan:
+    """``predict`` for a resolved problem (the search prices every plan it finds against its own)."""
+    _check(plan, problem.model, problem.cluster)
+    return _price(problem, plan, simulate)
+
+
+def _check(plan: Plan, model: ModelSpec, cluster: ClusterSpec) -> None:
+    """Raises ValueError unless ``plan`` is well-formed and fits ``model`` and ``cluster``."""
     plan.check()
     if sum(s.layers for s in plan.stages) != model.layers:
         raise ValueError(
@@ -310,26 +347,28 @@ def predict(
         raise ValueError(
             f"the plan is for {plan.gpus} x {plan.gpu}, the cluster has {cluster.gpus} x {cluster.gpu.name}"
         )
-    runtime, interference = cost_models(cluster, runtime, interference)
-    S = len(plan.stages)
-    G = plan.grad_accum
+
+
+def _price(problem: Problem, plan: Plan, simulate: bool) -> Plan:
+    """Fill in a checked plan's predictions (``predict``'s work after its checks)."""
+    problem = _for_plan(problem, plan)
+    point = Candidate.of_plan(plan)
+    S, G = point.stages, point.grad_accum
+    budget = problem.gpu_budget
     steady, extra, fwd, bwd = [], [], [], []
     fits = True
     for i, s in enumerate(plan.stages):
-        tp, dp, mb = plan.stage_parallelism(i)
-        budget = gpu_budget_bytes(cluster)
-        st = Setting(model, cluster, runtime, interference, tp, dp, mb, budget, S, sp=plan.sequence_parallel,
-                     grad_accumulation=grad_accumulation)  # fmt: skip
+        st = problem.setting(*plan.stage_parallelism(i), S)
         ln = layer_numbers(st)
         grid = {k: np.array([float(getattr(s, k))]) for k in STRATEGY_FIELDS}
         edge = None if plan.pre_post is None else {k: float(getattr(plan.pre_post, k)) for k in EDGE_FIELDS}
-        v = evaluate_stage(st, ln, s.layers, in_flight(i, S, G), i == 0, i == S - 1, grid, G, edge)
+        v = evaluate_stage(st, ln, s.layers, point.in_flight(i), i == 0, i == S - 1, grid, G, edge)
         s.steady_s, s.extra_s = float(v["steady"][0]), float(v["extra"][0])
         memory, host_memory = float(v["memory"][0]), float(v["host_memory"][0])
         s.memory_bytes, s.host_memory_bytes = bytes_needed(memory), bytes_needed(host_memory)
         # judged on the model's own numbers, as the search judges its candidates (the whole bytes
         # above agree for the GPU, whose budget is whole bytes, and within a byte for the host)
-        fits = fits and memory <= budget and host_memory <= host_budget_bytes(cluster)
+        fits = fits and memory <= budget and host_memory <= problem.host_budget
         steady.append(s.steady_s)
         extra.append(s.extra_s)
         share = ln.fwd / (ln.fwd + ln.bwd)
@@ -341,41 +380,15 @@ def predict(
     plan.predicted_iteration_s = pipeline_objective(steady, extra, G)
     plan.simulated_iteration_s = simulate_1f1b(fwd, bwd, G, last=extra) if simulate else None
     plan.breakdown = {
-        "usable_memory_bytes": gpu_budget_bytes(cluster),
+        "usable_memory_bytes": problem.gpu_budget,
         "fits": fits,
-        "usable_host_memory_bytes_per_gpu": bytes_available(host_budget_bytes(cluster)),
-        "host": cluster.host.name,
-        "cpu_adam_params_per_s_per_gpu": cpu_adam_params_per_s(cluster),
+        "usable_host_memory_bytes_per_gpu": bytes_available(problem.host_budget),
+        "host": problem.cluster.host.name,
+        "cpu_adam_params_per_s_per_gpu": cpu_adam_params_per_s(problem.cluster),
         "layer_fwd_ms": ln.fwd * 1e3,
         "layer_bwd_ms": ln.bwd * 1e3,
         "layer_saved_bytes": bytes_needed(ln.saved),
-        "runtime_model": runtime.source,
-        "interference_model": interference.source,
+        "runtime_model": problem.runtime.source,
+        "interference_model": problem.interference.source,
     }
     return plan
-
-
-def cost_models(
-    cluster: ClusterSpec, runtime: RuntimeModel | None = None, interference: Interference | None = None
-) -> tuple[RuntimeModel, Interference]:
-    """The given runtime and interference models, or the shipped presets for the cluster's GPU."""
-    return (
-        runtime or load_runtime_model(cluster.gpu.name),
-        interference or load_interference(cluster.gpu.name),
-    )
-
-
-def load_interference(gpu: str) -> Interference:
-    import json
-
-    from ..model.runtime import PRESETS
-
-    path = PRESETS / f"interference_{gpu}.json"
-    if path.exists():
-        return Interference.from_json(json.loads(path.read_text()))
-    if gpu == "cpu":  # the CPU "device" of mist.engine.run's checks
-        return Interference.serial(
-            "cpu: the same cores run compute and gloo's collectives, which mist.engine.run issues "
-            "synchronously (ZeRO-2's reductions in backward hooks, FSDP's gathers): they take turns"
-        )
-    return Interference()

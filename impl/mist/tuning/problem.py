@@ -1,0 +1,139 @@
+"""What one search (or one prediction) is asked, resolved once, and the points it tries.
+
+``Problem`` holds every per-search constant: the model and cluster, the global batch, the cost
+models actually used (the given ones or the GPU's shipped presets), the memory budgets of one GPU
+and the engine's gradient accumulation. The planner resolved these per candidate setting and per
+stage before; resolving them here once keeps every candidate priced against the same numbers and
+the search's loops free of loose positional arguments.
+
+``Candidate`` is one point of the outer search (TP, pipeline stages, DP, micro-batch); the
+micro-batches per iteration and each stage's in-flight count are derived in it, nowhere else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..model.budget import gpu_budget_bytes, host_budget_bytes
+from ..model.interference import Interference
+from ..model.runtime import RuntimeModel, load_runtime_model
+from ..model.specs import GRAD_ACCUMULATION, ClusterSpec, GradAccumulation, ModelSpec
+from ..plan import Plan
+from .pipeline_sim import in_flight
+from .stage_cost import Setting
+
+
+def cost_models(
+    cluster: ClusterSpec, runtime: RuntimeModel | None = None, interference: Interference | None = None
+) -> tuple[RuntimeModel, Interference]:
+    """The given runtime and interference models, or the shipped presets for the cluster's GPU."""
+    return (
+        runtime or load_runtime_model(cluster.gpu.name),
+        interference or load_interference(cluster.gpu.name),
+    )
+
+
+def load_interference(gpu: str) -> Interference:
+    """The shipped interference preset of ``gpu`` (a serial model for the CPU "device"; none:
+    channels that do not slow each other)."""
+    import json
+
+    from ..model.runtime import PRESETS
+
+    path = PRESETS / f"interference_{gpu}.json"
+    if path.exists():
+        return Interference.from_json(json.loads(path.read_text()))
+    if gpu == "cpu":  # the CPU "device" of mist.engine.run's checks
+        return Interference.serial(
+            "cpu: the same cores run compute and gloo's collectives, which mist.engine.run issues "
+            "synchronously (ZeRO-2's reductions in backward hooks, FSDP's gathers): they take turns"
+        )
+    return Interference()
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Everything a search or a prediction is asked, resolved once (see the module's note)."""
+
+    model: ModelSpec
+    cluster: ClusterSpec
+    global_batch: int
+    runtime: RuntimeModel  # the model actually used: the caller's or the GPU's preset
+    interference: Interference
+    gpu_budget: int  # usable bytes per GPU (whole bytes)
+    host_budget: float  # host bytes one GPU may fill with offloaded state
+    grad_accumulation: GradAccumulation  # how the engine running the plans accumulates gradients
+    sequence_parallel: bool = True  # with TP > 1 (Megatron's default; what the search plans)
+
+    @classmethod
+    def resolve(
+        cls,
+        model: ModelSpec,
+        cluster: ClusterSpec,
+        global_batch: int,
+        runtime: RuntimeModel | None = None,
+        interference: Interference | None = None,
+        grad_accumulation: GradAccumulation = GRAD_ACCUMULATION["megatron-core"],
+        sequence_parallel: bool = True,
+    ) -> Problem:
+        """The problem ``search`` is given (cost models None: the presets of the cluster's GPU)."""
+        runtime, interference = cost_models(cluster, runtime, interference)
+        return cls(
+            model=model,
+            cluster=cluster,
+            global_batch=global_batch,
+            runtime=runtime,
+            interference=interference,
+            gpu_budget=gpu_budget_bytes(cluster),
+            host_budget=host_budget_bytes(cluster),
+            grad_accumulation=grad_accumulation,
+            sequence_parallel=sequence_parallel,
+        )
+
+    @classmethod
+    def of_plan(
+        cls,
+        plan: Plan,
+        model: ModelSpec,
+        cluster: ClusterSpec,
+        runtime: RuntimeModel | None = None,
+        interference: Interference | None = None,
+        grad_accumulation: GradAccumulation = GRAD_ACCUMULATION["megatron-core"],
+    ) -> Problem:
+        """The problem ``plan`` answers, as ``predict`` receives it."""
+        return cls.resolve(model, cluster, plan.global_batch, runtime, interference, grad_accumulation,
+                           sequence_parallel=plan.sequence_parallel)  # fmt: skip
+
+    def setting(self, tp: int, dp: int, micro_batch: int, stages: int) -> Setting:
+        """The stage-cost setting of a (tp, dp, micro-batch) stage in a pipeline of ``stages``."""
+        return Setting(self.model, self.cluster, self.runtime, self.interference, tp, dp, micro_batch,
+                       self.gpu_budget, stages, sp=self.sequence_parallel,
+                       grad_accumulation=self.grad_accumulation)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One point of the outer search: every stage has TP ``tp`` and DP ``dp``."""
+
+    tp: int
+    stages: int
+    dp: int
+    micro_batch: int
+    global_batch: int
+
+    @classmethod
+    def of_plan(cls, plan: Plan) -> Candidate:
+        """The plan's (uniform) point; per-stage TP/DP of a plan are not part of it."""
+        return cls(plan.tp, len(plan.stages), plan.dp, plan.micro_batch, plan.global_batch)
+
+    @property
+    def grad_accum(self) -> int:
+        """Micro-batches per iteration (G), as ``Plan.grad_accum`` counts them."""
+        return self.global_batch // (self.dp * self.micro_batch)
+
+    def in_flight(self, stage: int) -> int:
+        """Micro-batches whose activations ``stage`` holds at once under 1F1B."""
+        return in_flight(stage, self.stages, self.grad_accum)
+
+    def setting(self, problem: Problem) -> Setting:
+        return problem.setting(self.tp, self.dp, self.micro_batch, self.stages)
