@@ -134,7 +134,7 @@ def run_engine(run: Run, setup: EngineSetup) -> ResultFile:
     import torch
 
     from mist import model
-    from mist.engine.profiler import write_collectives, write_profiles
+    from mist.engine.profiler import write_collectives, write_fsdp_layers, write_profiles
     from mist.model.calibrate import calibrate
 
     store = run.file(f"{setup.name}.json", setup.device, config={"profile": setup.profile})
@@ -152,6 +152,10 @@ def run_engine(run: Run, setup: EngineSetup) -> ResultFile:
             if setup.processes > 1:  # this machine's collectives, measured (gloo on a CPU)
                 # gloo's latency here is bimodal (~0.3 ms or ~4 ms a call): 40 calls a point, not 10
                 write_collectives(profiles, setup.processes, setup.device, repeats=40)
+                if any(st.get("zero", 0) == 3 for plan in setup.plans.values() for st in plan["stages"]):
+                    # ZeRO-3 as the engine runs it: FSDP2 on the layer, not only its collectives
+                    write_fsdp_layers(profiles, setup.processes, setup.device, spec.hidden, spec.heads,
+                                      spec.seq, setup.micro_batch, dtype)  # fmt: skip
             fit = next(iter(calibrate(profiles).values()))
             for name in todo:
                 store.compute(engine_key(setup, name), lambda n=name: engine_point(setup, n, fit, Path(tmp)))

@@ -258,7 +258,7 @@ def cmd_calibrate(args) -> int:
 def cmd_profile(args) -> int:
     import torch
 
-    from .engine.profiler import write_collectives, write_profiles
+    from .engine.profiler import write_collectives, write_fsdp_layers, write_profiles
 
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print(f"error: --device {args.device}: no CUDA device here", file=sys.stderr)
@@ -286,6 +286,10 @@ def cmd_profile(args) -> int:
     for n in args.collectives:
         written = write_collectives(Path(args.out), n, args.device, args.repeats)
         print(f"  collectives among {n} processes: {len(written)} files", flush=True)
+        if args.heads % 2 == 0:  # ZeRO-3 as the engine runs it (FSDP2 on the layer), at two sizes
+            write_fsdp_layers(Path(args.out), n, args.device, args.hidden, args.heads, args.seq,
+                              min(args.micro_batches), dtype)  # fmt: skip
+            print(f"  ZeRO-3 (FSDP2) on the layer among {n} processes", flush=True)
     print(f"{len(files)} profiles in {args.out}; fit them with: python -m mist calibrate {args.out}")
     return 0
 

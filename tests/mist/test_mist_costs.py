@@ -350,3 +350,59 @@ def test_memory_bound_classes_fitted_to_profiles_of_shapes_within_the_cache():
     from mist.model.runtime import _roofline
 
     assert float(_roofline(GPUS["cpu"], "dropout")[0](work)) < 0.2 * fitted
+
+
+def test_zero3_priced_by_the_measured_fsdp_layer_where_profiled():
+    """Where `mist profile` measured ZeRO-3 as the engine runs it (FSDP2 on the layer, a line over
+    the layer's weight bytes), a ZeRO-3 stage's layers cost that, exposed (in compute), instead of
+    two gathers and a reduce-scatter each on the overlappable channel; ZeRO-0..2 and the embedding
+    and head are priced as before. Negative control: without the measured line nothing changes."""
+    import dataclasses
+
+    from mist.model.budget import gpu_budget_bytes
+    from mist.model.runtime import ZERO3_LAYER, Line
+    from mist.tuning.planner import cost_models
+    from mist.tuning.stage_cost import SearchSpace, Setting, evaluate_stage, layer_numbers, strategy_grid
+
+    rng = np.random.default_rng()
+    gpu = str(rng.choice(["l4", "a10g", "a100-40gb"]))
+    c, m = cluster(gpu, 8), model("gpt3-1.3b")
+    dp, layers, g = int(rng.choice([2, 4])), int(rng.integers(1, 7)), int(rng.integers(2, 40))
+    st = Setting(m, c, *cost_models(c), 1, dp, 1, gpu_budget_bytes(c), 2)
+    ln = layer_numbers(st)
+    grid = strategy_grid(layers, SearchSpace(offload=False, recompute=False))
+    first, last = bool(rng.integers(2)), bool(rng.integers(2))
+    base = evaluate_stage(st, ln, layers, 1, first, last, grid, g)
+    line = Line(float(rng.uniform(1e-4, 1e-2)), float(rng.uniform(1e9, 1e11)))
+    rt = dataclasses.replace(st.runtime, collectives={**st.runtime.collectives, f"{ZERO3_LAYER}/{dp}": line})
+    priced = evaluate_stage(dataclasses.replace(st, runtime=rt), ln, layers, 1, first, last, grid, g)
+    z3 = grid["zero"] >= 3
+    np.testing.assert_allclose(
+        priced["compute"] - base["compute"],
+        np.where(z3, layers * float(line(2.0 * ln.params)), 0.0),
+        rtol=1e-9,
+    )
+    np.testing.assert_array_equal(priced["steady"][~z3], base["steady"][~z3])
+    np.testing.assert_array_equal(priced["memory"], base["memory"])
+    assert rt.zero3_layer(1e6, dp, inter_node=True) is None and st.runtime.zero3_layer(1e6, dp) is None
+
+
+def test_zero3_benchmark_written_as_a_collective_and_fitted(tmp_path):
+    """`mist profile --collectives 2` also times ZeRO-3 as the engine runs it (FSDP2 on megatron-core's
+    layer, 2 gloo processes) at the layer's size and half of it, in the collectives' file format,
+    which calibrate fits into the line stage_cost prices ZeRO-3 layers by."""
+    import torch
+
+    from mist.engine.profiler import write_fsdp_layers
+    from mist.model.calibrate import fit_runtime_model
+    from mist.model.profile_data import read_collectives
+    from mist.model.runtime import ZERO3_LAYER
+
+    write_fsdp_layers(tmp_path, 2, "cpu", 64, 4, 16, 1, torch.bfloat16, repeats=3)
+    rows = read_collectives(tmp_path)[(ZERO3_LAYER, 2)]
+    (small, t_small), (large, t_large) = sorted(rows)
+    assert (
+        large == pytest.approx(2 * small, rel=0.05) and t_small >= 0 and t_large >= 0
+    )  # 12h^2 x 2 B, halved
+    rm = fit_runtime_model([], {(ZERO3_LAYER, 2): rows}, "cpu", "test")
+    assert rm.zero3_layer(large, 2) is not None and rm.zero3_layer(large, 1) is None

@@ -14,7 +14,9 @@ costs beyond the sum of its ops (framework overhead) is written as one more row.
 
 ``--collectives 2 4`` also benchmarks all-reduce, all-gather and reduce-scatter among that many
 local processes (gloo on a CPU, NCCL on GPUs), written as the artifact's ``prim_gpt_*`` files,
-so collectives are priced by this machine's measured lines rather than the preset's link.
+so collectives are priced by this machine's measured lines rather than the preset's link, and
+ZeRO-3 as the engine runs it (FSDP2 on the layer at two sizes, ``prim_gpt_local_fsdp_layer_*``),
+which prices a ZeRO-3 layer by what it measurably adds rather than by its collectives alone.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from measure.timing import time_fn
 from measure.units import MiB
 
 from ..model.profile_data import EMBEDDING_OP, FINAL_NORM_OP, FRAMEWORK_OP, HEAD_OP
+from ..model.runtime import ZERO3_LAYER
 
 
 def _ops(b: int, s: int, h: int, heads: int, tp: int, dtype, device) -> list[tuple[str, Callable, list]]:
@@ -200,6 +203,105 @@ def write_collectives(out: Path, n: int, device: str, repeats: int = 10) -> list
         path.write_text("\n".join(lines) + "\n")
         written.append(path)
     return written
+
+
+FSDP_LAYER = ZERO3_LAYER  # the ZeRO-3 benchmark: a collective's file, prim_gpt_local_fsdp_layer_<n>gpus.csv
+
+
+def _fsdp_worker(rank: int, n: int, port: int, device: str, shapes: list, dtype, repeats: int, out) -> None:
+    """One rank of ``profile_fsdp_layers``: per shape, megatron-core's layer timed forward +
+    backward plain and under FSDP2 (as mist.engine.run shards it), all ranks at once."""
+    import os
+
+    import torch.distributed as dist
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.spec_utils import build_module
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    cuda = device.startswith("cuda")
+    if cuda:
+        torch.cuda.set_device(rank)
+    else:
+        torch.set_num_threads(1)  # a rank of mist.engine.run: one thread (measure.launch)
+    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=n)
+    dev = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    rows = []
+    try:
+        with _megatron_state():  # DP = n: the group is this one
+            mesh = DeviceMesh.from_group(dist.group.WORLD, dev.type)
+            for b, s, h, heads, tp in shapes:
+                config = _megatron_config(h, heads, tp, dtype)
+                seconds = []
+                for sharded in (False, True):
+                    torch.manual_seed(0)
+                    layer = build_module(get_gpt_layer_local_spec(), config=config, layer_number=1)
+                    layer = layer.to(dev, dtype)  # every parameter in it, as megatron's Float16Module
+                    weight_bytes = sum(p.numel() * p.element_size() for p in layer.parameters())
+                    if sharded:
+                        fully_shard(layer, mesh=mesh)
+                    x = torch.randn(s, b, h, dtype=dtype, device=dev, requires_grad=True)
+                    mask = torch.ones(1, 1, s, s, dtype=torch.bool, device=dev).tril().logical_not()
+                    grad = torch.randn(s, b, h, dtype=dtype, device=dev)
+
+                    def step(layer=layer, x=x, mask=mask, grad=grad):
+                        y = layer(x, attention_mask=mask)
+                        (y[0] if isinstance(y, tuple) else y).backward(grad)
+
+                    step(), step()  # warm-up: FSDP2's lazy init, gloo's connections
+                    dist.barrier()
+                    if cuda:
+                        torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    for _ in range(repeats):
+                        step()
+                    if cuda:
+                        torch.cuda.synchronize()
+                    elapsed = (time.perf_counter() - t0) / repeats
+                    mean = torch.tensor([elapsed], dtype=torch.float64, device=dev)
+                    dist.all_reduce(mean, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
+                    seconds.append(float(mean))
+                rows.append((weight_bytes, seconds[1] - seconds[0]))
+    finally:
+        dist.destroy_process_group()
+    if rank == 0:
+        out.put(rows)
+
+
+def profile_fsdp_layers(
+    n: int, device: str, hidden: int, heads: int, seq: int, micro_batch: int, dtype: torch.dtype,
+    repeats: int = 20,
+) -> list[tuple[float, float]]:  # fmt: skip
+    """What ZeRO-3 adds to one layer's forward + backward among ``n`` processes, as mist.engine.run
+    runs it (FSDP2 over the data-parallel group: the weights gathered for forward and for backward,
+    the gradients reduce-scattered, its copies in and out): [(the layer's full weight bytes, seconds)]
+    for the layer and for one TP-2 rank's share of it (two sizes: a line can be fitted). A
+    micro-benchmark of the mechanism, like the collectives': on this project's 2-core CPU it costs
+    about twice the raw collectives it issues (FSDP2's copies, and waiting for the other rank)."""
+    import torch.multiprocessing as mp
+
+    if n < 2:
+        raise ValueError(f"ZeRO-3 needs at least 2 processes, got {n}")
+    if heads % 2:
+        raise ValueError(f"the ZeRO-3 benchmark halves the layer (heads / 2): heads {heads} is odd")
+    if device.startswith("cuda") and n > torch.cuda.device_count():
+        raise ValueError(f"{n} processes need {n} GPUs; this machine has {torch.cuda.device_count()}")
+    shapes = [(micro_batch, seq, hidden, heads, tp) for tp in (1, 2)]
+    ctx = mp.get_context("spawn")
+    out = ctx.SimpleQueue()
+    mp.start_processes(_fsdp_worker, (n, free_port(), device, shapes, dtype, repeats, out), nprocs=n,
+                       start_method="spawn")  # fmt: skip
+    return out.get()
+
+
+def write_fsdp_layers(out: Path, n: int, device: str, *args, **kwargs) -> Path:
+    """``profile_fsdp_layers`` into ``out`` as a collective's file (the layer's weights as the size)."""
+    rows = profile_fsdp_layers(n, device, *args, **kwargs)
+    path = out / f"prim_gpt_local_{FSDP_LAYER}_{n}gpus.csv"
+    lines = ["data_size(MB),time(ms)"] + [f"{b / MiB:.6f},{max(sec, 0.0) * 1e3:.4f}" for b, sec in rows]
+    path.write_text("\n".join(lines) + "\n")
+    return path
 
 
 @contextlib.contextmanager

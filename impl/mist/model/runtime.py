@@ -61,6 +61,8 @@ COMM_INSIDE = {
     ("enc-attention-qkv", 1),
     ("enc-MLP-GEMM-1", 1),
 }
+# The ZeRO-3 benchmark of `mist profile` (FSDP2 on one layer), filed with the collectives' lines
+ZERO3_LAYER = "fsdp_layer"
 DEFAULT_EFFICIENCY = {"gemm": 0.7, "bmm": 0.5, "attention": 0.5, "memory": 0.7}  # roofline fallback
 
 
@@ -191,6 +193,16 @@ class RuntimeModel:
             steps = 2 * (n - 1) if kind == "all_reduce" else (n - 1)
             seconds = steps * link.latency + nbytes * steps / n / link.bw
         return np.where(nbytes > 0, seconds, 0.0)
+
+    def zero3_layer(self, weight_bytes, n: int, inter_node: bool = False):
+        """Seconds ZeRO-3 adds to one layer's forward + backward among ``n`` GPUs where `mist
+        profile` measured the engine's mechanism itself (FSDP2 on megatron-core's layer: both
+        gathers, the reduce-scatter, its copies and waits, whatever it overlaps already taken out),
+        by the layer's full weight bytes; None where it did not (then the collectives price it)."""
+        key = f"{ZERO3_LAYER}/{n}"
+        if n <= 1 or inter_node or key not in self.collectives:
+            return None
+        return np.maximum(self.collectives[key](np.asarray(weight_bytes, float)), 0.0)
 
     def p2p(self, nbytes: float, cluster: ClusterSpec, inter_node: bool = False) -> float:
         """Seconds of one point-to-point message between neighbouring pipeline stages: the fitted

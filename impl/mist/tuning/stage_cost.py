@@ -243,9 +243,16 @@ def evaluate_stage(
     layer_w_full, edge_w_full = 2.0 * ln.params, 2.0 * edge_params
     g2g = 0.0
     if d > 1:  # ZeRO-3 gathers weights for forward and backward; ZeRO-2/3 reduce-scatter gradients
-        for count, full, zero in ((layers, layer_w_full, z), (1, edge_w_full, ez)):
+        measured = rt.zero3_layer(layer_w_full, d, across)
+        for count, full, zero, is_layer in ((layers, layer_w_full, z, True), (1, edge_w_full, ez, False)):
             gather = rt.collective("all_gather", full, d, cl, across)
             scatter = rt.collective("reduce_scatter", full, d, cl, across)
+            if is_layer and measured is not None:
+                # the engine's ZeRO-3 measured whole (FSDP2's collectives, copies and waits): time the
+                # layer is exposed for, so it adds to compute rather than overlapping with it again
+                compute = compute + count * np.where(zero >= 3, measured, 0.0)
+                g2g = g2g + count * np.where(zero == 2, scatter, 0.0)
+                continue
             g2g = g2g + count * (np.where(zero >= 3, 2 * gather, 0.0) + np.where(zero >= 2, scatter, 0.0))
     act_swapped = ao * ((layers - r) * ln.saved + r * ln.layer_input)
     h2d_bw = st.interference.host_rate("h2d", cl.gpu.host_bw)
