@@ -141,7 +141,7 @@ def run_engine(run: Run, setup: EngineSetup) -> ResultFile:
     todo = [n for n in setup.plans if not store.done(engine_key(setup, n))]
     if todo:
         with tempfile.TemporaryDirectory() as tmp:
-            profiles, prof = Path(tmp) / "profiles", setup.profile
+            profiles, prof = Path(tmp) / setup.gpu, setup.profile  # "fitted to cpu profiles"
             dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[prof["dtype"]]
             spec = model(setup.model, **setup.model_overrides)  # the shapes the plans train
             shape = (spec.hidden, spec.heads, spec.seq, prof["micro_batches"], prof["tps"])

@@ -47,6 +47,9 @@ from . import EXPERIMENT
 from .summary import TRAIN, TRAIN_RUNS, training_gaps, training_key
 
 LAYER_MODELS = ("llama-3.2-1b", "llama-3-8b")
+PEER_MODELS = LAYER_MODELS[
+    :1
+]  # on the GPU check's 30 s: the 1B shapes (8B's 2-layer copy is 1.5B parameters)
 LAYER_SEQ = 1024
 CONFIGS = ["hf-eager", "hf-sdpa", "checkpointing+sdpa", "tempo+sdpa", "tempo+sdpa+loss"]
 ABLATIONS = ["tempo-rmsnorm", "tempo-swiglu"]
@@ -68,7 +71,7 @@ CLOSED_FORMS = {
     "tempo-rmsnorm": (8, 8, 4, 4, 8, 0),
     "tempo-swiglu": (20, 4, 4, 4, 8, 0),
 }
-MAXBATCH_MODELS = ("llama-3.2-1b", "llama-3-8b")
+MAXBATCH_MODELS = LAYER_MODELS
 MAXBATCH_SEQS = (4096, 8192)
 MAXBATCH_CONFIGS = ["hf-sdpa", "checkpointing+sdpa", "tempo+sdpa", "tempo+sdpa+loss"]
 GPUS = {"A100-80GB": "80GB", "H200-141GB": "141GB"}
@@ -81,7 +84,8 @@ def closed_form_bytes(spec: ModelSpec, configuration: str, seq: int) -> int:
     f, k = spec.ffn or 4 * h, (spec.kv_heads or a) * (h // a)
     ch, cf, ck, ca, c1, cas = CLOSED_FORMS[configuration]
     if configuration == "hf-eager" and (spec.kv_heads or a) == 1:
-        # one KV head: repeating it to every head is a view (stride 0), so K and V stay 2k each
+        # one KV head at batch 1: repeat_kv's expand + reshape is then a view (stride 0), so K and V
+        # stay 2k each (at batch > 1 the reshape copies: the general form). The forms are batch 1's.
         ch, ck = ch - 4, ck + 4
     return seq * (ch * h + cf * f + ck * k + ca * a + c1 + cas * a * seq)
 
@@ -187,15 +191,24 @@ def liger_layer_bytes(model: str, layers: int, seq: int) -> int:
     """Bytes a ``layers``-deep copy of ``model`` with Liger-Kernel's RMSNorm, SwiGLU and rotary keeps
     for backward at batch 1, bf16, on the GPU (real tensors: its kernels must run)."""
     from liger_kernel.transformers import apply_liger_kernel_to_llama
+    from transformers.models.llama import modeling_llama
 
+    from measure.memory import default_dtype
     from measure.saved import saved_bytes
 
-    torch.manual_seed(0)
-    m = build_model(model, "pretraining", "hf-sdpa", num_layers=layers).to("cuda", torch.bfloat16).train()
-    # the instance's modules; rotary is swapped module-wide (Liger patches the function)
-    apply_liger_kernel_to_llama(rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
-                                fused_linear_cross_entropy=False, model=m)  # fmt: skip
-    return saved_bytes(m, **make_batch(model, "pretraining", 1, seq, device="cuda")).total_bytes
+    # Liger swaps these in transformers' module for the whole process: put them back after
+    swapped = ("LlamaRMSNorm", "LlamaMLP", "apply_rotary_pos_emb")
+    saved = {name: getattr(modeling_llama, name) for name in swapped}
+    try:
+        torch.manual_seed(0)
+        with torch.device("cuda"), default_dtype(torch.bfloat16):  # built where it runs, in bf16
+            m = build_model(model, "pretraining", "hf-sdpa", num_layers=layers).train()
+        apply_liger_kernel_to_llama(rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
+                                    fused_linear_cross_entropy=False, model=m)  # fmt: skip
+        return saved_bytes(m, **make_batch(model, "pretraining", 1, seq, device="cuda")).total_bytes
+    finally:
+        for name, value in saved.items():
+            setattr(modeling_llama, name, value)
 
 
 def run_peers(run: Run) -> ResultFile | None:
@@ -203,11 +216,11 @@ def run_peers(run: Run) -> ResultFile | None:
     if why is not None:
         print(f"peers: Liger-Kernel not measured: {why}")
         return None
-    import liger_kernel
+    from importlib.metadata import version
 
     store = run.file("peers.json", config={"device": torch.cuda.get_device_name()})
-    for model in LAYER_MODELS:
-        key = {**layer_key(model, "liger"), "liger_kernel": getattr(liger_kernel, "__version__", "?")}
+    for model in PEER_MODELS:
+        key = {**layer_key(model, "liger"), "liger_kernel": version("liger-kernel")}
 
         def point(m: str = model) -> dict:  # what one more layer adds
             return {

@@ -36,6 +36,8 @@ Parameters are shared, not copied, so an optimizer made before patching keeps wo
 from __future__ import annotations
 
 import copy
+import inspect
+import types
 from dataclasses import dataclass, field
 
 import torch
@@ -218,43 +220,56 @@ class _Slot:
             del self.replacement.__dict__[_SLOT]
 
 
-def _lean_loss_forward(lm: nn.Module):
-    """``lm``'s forward, computing the loss with linear_cross_entropy when labels are given."""
-    import inspect
+_SIGNATURES: dict[type, inspect.Signature] = {}  # a causal LM class's forward signature, read once
 
+
+def _forward_signature(cls: type) -> inspect.Signature:
+    if cls not in _SIGNATURES:
+        _SIGNATURES[cls] = inspect.signature(cls.forward)
+    return _SIGNATURES[cls]
+
+
+def _lean_loss_forward(self, *args, **kwargs):
+    """A causal LM's forward (bound to it as its own ``forward``, so copies re-bind to the copy)
+    that computes the loss with linear_cross_entropy when labels are given."""
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
     from .ops.linear_ce import IGNORE_INDEX, linear_cross_entropy
 
-    original = type(lm).forward
-    signature = inspect.signature(original)
-
-    def forward(*args, **kwargs):
-        arguments = dict(signature.bind(lm, *args, **kwargs).arguments)
-        labels = arguments.get("labels")
-        if labels is None:
-            return original(lm, *args, **kwargs)
-        del arguments["self"], arguments["labels"]
-        arguments.pop("logits_to_keep", None)  # no logits are made
-        extra = arguments.pop("kwargs", {})
-        num_items = extra.pop("num_items_in_batch", None)
-        shift_labels = extra.pop("shift_labels", None)
-        out = lm.model(**arguments, **extra)
-        if shift_labels is None:  # as HF's ForCausalLMLoss: position t predicts label t + 1
-            shift_labels = nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
-        loss = linear_cross_entropy(out.last_hidden_state, lm.lm_head.weight, shift_labels)
-        if num_items is not None:  # HF's reduction then: the sum over counted tokens / num_items
-            loss = loss * (shift_labels != IGNORE_INDEX).sum() / num_items
-        # the base model's other outputs as they are (the cache's field name differs across versions)
-        rest = {k: v for k, v in out.items() if k != "last_hidden_state"}
-        return CausalLMOutputWithPast(loss=loss, logits=None, **rest)
-
-    return forward
+    original = type(self).forward
+    arguments = dict(_forward_signature(type(self)).bind(self, *args, **kwargs).arguments)
+    labels = arguments.get("labels")
+    if labels is None:
+        return original(self, *args, **kwargs)
+    del arguments["self"], arguments["labels"]
+    arguments.pop("logits_to_keep", None)  # no logits are made
+    extra = arguments.pop("kwargs", {})
+    num_items = extra.pop("num_items_in_batch", None)
+    shift_labels = extra.pop("shift_labels", None)
+    as_tuple = extra.pop("return_dict", None) is False
+    out = self.model(**arguments, **extra, return_dict=True)
+    if shift_labels is None:  # as HF's ForCausalLMLoss: position t predicts label t + 1
+        shift_labels = nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
+    h, weight = out.last_hidden_state, self.lm_head.weight
+    device = h.device.type
+    if torch.is_autocast_enabled(device):  # the head's matmul in the autocast dtype, as F.linear's
+        dtype = torch.get_autocast_dtype(device)
+        h, weight = h.to(dtype), weight.to(dtype)
+    if num_items is None:
+        loss = linear_cross_entropy(h, weight, shift_labels)
+    else:  # HF's reduction then: the sum over counted tokens / num_items (no counted token: 0)
+        loss = linear_cross_entropy(h, weight, shift_labels, reduction="sum") / num_items
+    # the base model's other outputs as they are (the cache's field name differs across versions)
+    rest = {k: v for k, v in out.items() if k != "last_hidden_state"}
+    result = CausalLMOutputWithPast(loss=loss, logits=None, **rest)
+    return result.to_tuple() if as_tuple else result
 
 
 def _lean_loss_refusal(lm: nn.Module) -> str | None:
     """Why ``lm``'s loss cannot be linear_cross_entropy (None: it can)."""
-    if getattr(lm.lm_head, "bias", None) is not None:
+    if type(lm.lm_head) is not nn.Linear:  # e.g. a LoRA or quantised head: its weight is not the map
+        return f"its LM head is a {type(lm.lm_head).__name__}, not a plain nn.Linear"
+    if lm.lm_head.bias is not None:
         return "its LM head has a bias"
     if getattr(lm.config, "final_logit_softcapping", None) is not None:
         return "its logits are soft-capped"
@@ -368,7 +383,7 @@ def patch(
             elif (why := _lean_loss_refusal(module)) is not None:
                 raise ValueError(f"tempo.patch(loss=True) cannot take {name}: {why}; pass loss=False")
             else:
-                lean = _lean_loss_forward(module)
+                lean = types.MethodType(_lean_loss_forward, module)
                 new_slots.append(_Slot(name, None, "forward", None, lean, forward_of=module))
                 report.losses.append(name)
         if not report.losses and not any(s.forward_of is not None for s in joined):

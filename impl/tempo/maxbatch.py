@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
             args.gpu_mem, context_bytes=int(args.context_gb * GiB), fragmentation=args.fragmentation
         )
         make_batch(args.model, args.head, 1, args.seq)  # validates seq against the model
-        check_configuration(args.model, configuration)
+        check_configuration(args.model, configuration, args.head)
     except ValueError as e:
         ap.error(str(e))
     if budget.usable_bytes <= 0:

@@ -114,6 +114,7 @@ class Configuration:
     tempo: dict[str, bool] = field(default_factory=dict)  # tempo.patch switches; empty: unpatched
     checkpointing: bool = False
     families: tuple[str, ...] = ("bert", "roberta", "gpt2", "llama")  # the models it applies to
+    heads: tuple[str, ...] = ("pretraining", "classification", "qa")  # and the task heads
 
 
 _ALL = dict(layernorm=True, gelu=True, attention=True, dropout=True, rmsnorm=True, swiglu=True)
@@ -134,7 +135,9 @@ CONFIGURATIONS: dict[str, Configuration] = {
     "checkpointing+sdpa": Configuration("sdpa", checkpointing=True),
     "tempo-rmsnorm": Configuration("sdpa", {**_NONE, "rmsnorm": True}, families=_LLAMA),
     "tempo-swiglu": Configuration("sdpa", {**_NONE, "swiglu": True}, families=_LLAMA),
-    "tempo+sdpa+loss": Configuration("sdpa", {**_ALL, "attention": False, "loss": True}, families=_LLAMA),
+    "tempo+sdpa+loss": Configuration(  # the LM loss: a causal LM's own head only
+        "sdpa", {**_ALL, "attention": False, "loss": True}, families=_LLAMA, heads=("pretraining",)
+    ),
 }
 
 
@@ -143,15 +146,19 @@ def _check(name: str, table: dict, what: str) -> None:
         raise ValueError(f"unknown {what} {name!r}; choose one of: {', '.join(table)}")
 
 
-def check_configuration(model: str, configuration: str) -> None:
-    """Refuse a configuration that has nothing to change in ``model`` (e.g. GELU alone in a Llama)."""
+def check_configuration(model: str, configuration: str, head: str = "pretraining") -> None:
+    """Refuse a configuration that has nothing to change in ``model`` with ``head`` (e.g. GELU alone
+    in a Llama, the LM loss under a QA head)."""
     _check(model, MODELS, "model")
     _check(configuration, CONFIGURATIONS, "configuration")
     family = MODELS[model].family
-    if family not in CONFIGURATIONS[configuration].families:
-        fits = [name for name, c in CONFIGURATIONS.items() if family in c.families]
-        raise ValueError(f"configuration {configuration!r} does not apply to {model} ({family}); "
-                         f"for it choose one of: {', '.join(fits)}")  # fmt: skip
+    if (
+        family not in CONFIGURATIONS[configuration].families
+        or head not in CONFIGURATIONS[configuration].heads
+    ):
+        fits = [name for name, c in CONFIGURATIONS.items() if family in c.families and head in c.heads]
+        raise ValueError(f"configuration {configuration!r} does not apply to {model} ({family}) with the "
+                         f"{head} head; for it choose one of: {', '.join(fits)}")  # fmt: skip
 
 
 def build_model(
@@ -167,7 +174,7 @@ def build_model(
     if head not in HEADS:
         raise ValueError(f"unknown head {head!r}; choose one of: {', '.join(HEADS)}")
     spec, conf = MODELS[model], CONFIGURATIONS[configuration]
-    check_configuration(model, configuration)
+    check_configuration(model, configuration, head)
     cfg = spec.config(num_layers, conf.attn, dropout)
     import transformers as tf
 

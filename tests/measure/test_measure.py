@@ -260,6 +260,34 @@ def test_declared_cpu_workspace_bounds_the_real_one(op, dt):
     assert workspace <= bound, f"{op} {dt}: {workspace} B > {bound} B"
 
 
+@pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16])
+def test_declared_linear_cross_entropy_workspace_bounds_the_real_one(dt):
+    """The chunked loss's forward and backward (profiler-measured, several chunks and a remainder)
+    hold no more besides inputs and outputs than workspace_bytes declares for the estimator."""
+    from tempo.ops import linear_ce as C
+    from tempo.ops import workspace_bytes
+
+    n, hid, vocab, chunk = 3 * 256 + 77, 64, 4096, 256
+    h, w = torch.randn(n, hid, dtype=dt), torch.randn(vocab, hid, dtype=dt) * 0.1
+    labels = torch.randint(0, vocab, (n,))
+    grad = torch.tensor(1.0)
+    calls = {
+        "tempo::linear_cross_entropy": (h, w, labels, chunk, True),
+        "tempo::linear_cross_entropy_bwd": (grad, h, w, labels, chunk, True),
+    }
+    for name, args in calls.items():
+        op = (
+            C.linear_cross_entropy_op if name == "tempo::linear_cross_entropy" else C.linear_cross_entropy_bwd
+        )
+        op(*args)  # first call: lazy one-time allocations
+        peak, result = cpu_peak_bytes(lambda op=op, args=args: op(*args))
+        outputs = result if isinstance(result, tuple) else (result,)
+        workspace = peak - sum(t.untyped_storage().nbytes() for t in outputs)
+        declared = workspace_bytes(name, args, {}, "cpu")
+        assert workspace <= declared, f"{name} {dt}: {workspace} B > {declared} B"
+        assert workspace >= 0.5 * declared, f"{name} {dt}: the bound is loose ({workspace} of {declared} B)"
+
+
 def test_cuda_like_attention_keeps_no_square_matrix():
     from torch._subclasses.fake_tensor import FakeTensorMode
 

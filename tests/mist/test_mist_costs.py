@@ -350,6 +350,10 @@ def test_memory_bound_classes_fitted_to_profiles_of_shapes_within_the_cache():
     from mist.model.runtime import _roofline
 
     assert float(_roofline(GPUS["cpu"], "dropout")[0](work)) < 0.2 * fitted
+    # a GPU's profiles of small shapes: its plans run larger ones, so the class keeps the roofline
+    gpu_profiles = [LayerProfile(**{**p.__dict__, "gpu_dir": "l4"}) for p in profiles]
+    on_gpu = fit_runtime_model(gpu_profiles, {}, "l4", "small shapes on a GPU")
+    assert "dropout" not in on_gpu.curves
 
 
 def test_zero3_priced_by_the_measured_fsdp_layer_where_profiled():

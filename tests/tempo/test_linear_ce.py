@@ -79,15 +79,37 @@ def test_keeps_no_logits():
             return F.cross_entropy(head(h).float(), labels)
 
     ours, ref = saved_bytes(Ours(), h), saved_bytes(Reference(), h)
-    # the head's weight (not this module's parameter), the rows' log-sum-exp and the labels
-    assert ours.activation_bytes == vocab * hid * 4 + n * 4 + n * 8
+    # the head's weight (not this module's parameter) and the labels
+    assert ours.activation_bytes == vocab * hid * 4 + n * 8
     assert ref.activation_bytes >= n * vocab * 4  # negative control: the logits (and their softmax)
 
 
 def test_every_row_ignored_is_nan_as_torch():
-    h, w = torch.randn(3, 4), torch.randn(5, 4)
+    """Mean of no row: NaN, as torch's; its gradients zero, as torch's (not 0/0). The sum: 0."""
+    h, w = torch.randn(3, 4, requires_grad=True), torch.randn(5, 4, requires_grad=True)
     labels = torch.full((3,), C.IGNORE_INDEX)
-    assert C.linear_cross_entropy(h, w, labels).isnan() and _reference(h, w, labels).isnan()
+    ours, ref = C.linear_cross_entropy(h, w, labels), _reference(h, w, labels)
+    assert ours.isnan() and ref.isnan()
+    for mine, theirs in zip(torch.autograd.grad(ours, [h, w]), torch.autograd.grad(ref, [h, w]), strict=True):
+        assert torch.equal(mine, theirs) and not mine.any()
+    total = C.linear_cross_entropy(h, w, labels, reduction="sum")
+    assert total.item() == 0.0 and not any(g.any() for g in torch.autograd.grad(total, [h, w]))
+
+
+def test_sum_reduction_is_the_mean_times_the_counted_rows():
+    h, w = (
+        torch.randn(40, 8, dtype=torch.float64, requires_grad=True),
+        torch.randn(30, 8, dtype=torch.float64),
+    )
+    labels = torch.randint(0, 30, (40,))
+    labels[torch.randperm(40)[:7]] = C.IGNORE_INDEX
+    total = C.linear_cross_entropy(h, w, labels, 16, reduction="sum")
+    ref = F.cross_entropy(h @ w.T, labels, reduction="sum")
+    assert abs(total.item() - ref.item()) <= 1e-12 * abs(ref.item())
+    (g,), (g_ref,) = torch.autograd.grad(total, [h]), torch.autograd.grad(ref, [h])
+    assert ((g - g_ref).norm() / g_ref.norm()).item() <= 1e-12
+    with pytest.raises(ValueError, match="reduction must be 'mean' or 'sum'"):
+        C.linear_cross_entropy(h, w, labels, reduction="none")
 
 
 def test_bad_input_is_refused_clearly():

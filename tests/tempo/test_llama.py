@@ -3,6 +3,8 @@ MLP, trains as HuggingFace does, and keeps less per decoder layer."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -123,6 +125,35 @@ def test_lean_loss_float64_equals_hf_and_never_makes_logits():
     assert abs(ours_sum.item() - ref.item() * counted / n.item()) <= 1e-12 * ref.item()
 
 
+def test_lean_loss_under_autocast_copies_tuples_and_empty_batches():
+    """Mixed precision (fp32 weights, bf16 autocast, every technique on): HF's loss to bf16's
+    rounding. A deep copy computes with its own weights. return_dict=False gives HF's tuple. A
+    micro-batch with no counted label under num_items_in_batch: loss 0, gradients 0, as HF's."""
+    import copy
+
+    hf, ours = _tiny(), _tiny()
+    ours.load_state_dict(hf.state_dict())
+    tempo.patch(ours, loss=True)
+    ids = torch.randint(0, 96, (2, 16))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref, mine = hf(input_ids=ids, labels=ids).loss, ours(input_ids=ids, labels=ids).loss
+    assert abs(mine.item() - ref.item()) <= 0.02 * ref.item()
+    twin = copy.deepcopy(ours)
+    with torch.no_grad():
+        for p in twin.parameters():
+            p.zero_()  # uniform logits: log(vocab) whatever the labels
+    assert abs(twin(input_ids=ids, labels=ids).loss.item() - math.log(96)) <= 1e-5
+    assert abs(ours(input_ids=ids, labels=ids).loss.item() - ref.item()) <= 0.02 * ref.item()
+    as_tuple = ours(input_ids=ids, labels=ids, return_dict=False)
+    assert isinstance(as_tuple, tuple) and torch.equal(as_tuple[0], ours(input_ids=ids, labels=ids).loss)
+    ignored = torch.full_like(ids, -100)
+    for model in (hf, ours):
+        model.zero_grad(set_to_none=True)
+        loss = model(input_ids=ids, labels=ignored, num_items_in_batch=torch.tensor(7)).loss
+        loss.backward()
+        assert loss.item() == 0.0 and not any(p.grad.any() for p in model.parameters() if p.grad is not None)
+
+
 def test_lean_loss_unpatches_composes_and_refuses_what_it_cannot_compute():
     model = _tiny()
     inner = tempo.patch(model.model)  # RMSNorm and MLP of the decoder
@@ -138,6 +169,14 @@ def test_lean_loss_unpatches_composes_and_refuses_what_it_cannot_compute():
     with pytest.raises(ValueError, match=r"loss=True\) cannot take .*bias"):
         tempo.patch(biased, loss=True)
     assert not tempo.is_patched(biased)  # refused before anything changed
+
+    class Adapted(torch.nn.Linear):  # e.g. a LoRA head: its weight alone is not the map
+        pass
+
+    adapted = _tiny()
+    adapted.lm_head = Adapted(32, 96, bias=False)
+    with pytest.raises(ValueError, match=r"LM head is a Adapted, not a plain nn.Linear"):
+        tempo.patch(adapted, loss=True)
 
 
 def test_lean_loss_refused_where_there_is_no_causal_lm():
@@ -159,11 +198,13 @@ def test_configurations_refused_for_models_they_do_not_apply_to():
     from tempo.models import build_model
 
     with pytest.raises(
-        ValueError, match=r"'tempo-gelu' does not apply to llama-mini \(llama\); .*tempo-rmsnorm"
+        ValueError, match=r"'tempo-gelu' does not apply to llama-mini \(llama\).*tempo-rmsnorm"
     ):
         build_model("llama-mini", "pretraining", "tempo-gelu")
     with pytest.raises(ValueError, match=r"'tempo\+sdpa\+loss' does not apply to bert-mini"):
         build_model("bert-mini", "pretraining", "tempo+sdpa+loss")
+    with pytest.raises(ValueError, match=r"'tempo\+sdpa\+loss' does not apply to llama-mini .* the qa head"):
+        build_model("llama-mini", "qa", "tempo+sdpa+loss")
 
 
 def test_compiled_patched_llama_matches_eager():

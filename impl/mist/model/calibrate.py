@@ -89,8 +89,11 @@ def fit_runtime_model(profiles: list[LayerProfile], collectives: dict, gpu: str,
                     continue
                 samples.setdefault((OP_CLASS[op], direction), []).append((work[direction], seconds, cached))
     curves = {}
+    small_shapes_only = gpu == "cpu"  # `mist profile` on a CPU: at the very shapes its plans run
     for cls in sorted({c for c, _ in samples}):
-        curves[cls] = tuple(_fit_or_constant(*_beyond_cache(samples[(cls, d)])) for d in (0, 1))
+        fits = [_beyond_cache(samples[(cls, d)], small_shapes_only) for d in (0, 1)]
+        if all(work for work, _ in fits):  # a class with nothing to fit keeps the data sheet's roofline
+            curves[cls] = tuple(_fit_or_constant(*f) for f in fits)
     if "gemm" in curves:  # the weight gradient: see the module docstring
         timed = any(p.weight_gradients for p in profiles)
         gemm_f, gemm_b = curves["gemm"]
@@ -160,14 +163,18 @@ def _fit_outside_layer(profiles: list[LayerProfile], curves: dict) -> dict[str, 
     return out
 
 
-def _beyond_cache(rows: list[tuple[float, float, bool]]) -> tuple[list[float], list[float]]:
+def _beyond_cache(
+    rows: list[tuple[float, float, bool]], small_shapes_only: bool
+) -> tuple[list[float], list[float]]:
     """(work, seconds) to fit a memory-bound class on: the ops whose data did not fit in L2, which
-    timed the HBM a bandwidth line is for. Where fewer than two did (a profile of small shapes only,
-    e.g. `mist profile` on a CPU at the very shapes its plans run), all of them: the cache is then
-    what the predicted ops will run from too, and the data sheet's roofline would be a guess."""
-    beyond = [(w, s) for w, s, cached in rows if not cached and s > 0]
-    kept = beyond if len(beyond) >= 2 else [(w, s) for w, s, _ in rows]
-    return [w for w, _ in kept], [s for _, s in kept]
+    timed the HBM a bandwidth line is for (a GPU's profiles: its plans run larger shapes). With
+    ``small_shapes_only`` (the CPU engine's profile, taken at the very shapes its plans run) and
+    fewer than two such ops, all of them: the cache is then what the predicted ops run from too,
+    and the data sheet's roofline would be a guess."""
+    beyond = [(w, s) for w, s, cached in rows if not cached]
+    if small_shapes_only and sum(s > 0 for _, s in beyond) < 2:
+        beyond = [(w, s) for w, s, _ in rows]
+    return [w for w, _ in beyond], [s for _, s in beyond]
 
 
 def _fit_or_constant(work, seconds) -> Line:

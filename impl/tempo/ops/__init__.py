@@ -52,9 +52,12 @@ def workspace_bytes(op_name: str, args: tuple, kwargs: dict, target: str) -> int
         return _cpu_chunk_bytes(op_name, min(probs.numel(), heads_per_chunk * per_head))
     if op_name.startswith("tempo::linear_cross_entropy"):  # no kernel: chunk logits on either device
         forward = op_name == "tempo::linear_cross_entropy"
-        h, weight, rows_per_chunk = (args[0], args[1], args[3]) if forward else (args[1], args[2], args[5])
+        h, weight, rows_per_chunk = (args[0], args[1], args[3]) if forward else (args[1], args[2], args[4])
         chunk = min(h.shape[0], int(rows_per_chunk))
-        return 2 * chunk * weight.shape[0] * 4  # a chunk's float32 logits and one temporary of them
+        # a chunk's logits in h's dtype and in float32, and torch's log-softmax of them (float32);
+        # backward also its copy in h's dtype for the matmuls (checked by tests/measure)
+        per_logit = h.element_size() + 4 + 4 + (0 if forward else h.element_size())
+        return chunk * weight.shape[0] * per_logit
     if op_name == "tempo::layer_norm_bwd" and on_cuda:
         d = args[3].numel()
         rows = first.numel() // max(d, 1)

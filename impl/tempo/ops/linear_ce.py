@@ -4,10 +4,10 @@ cross-entropy over the vocabulary in row chunks, never holding the full logits.
 ``linear_cross_entropy(h, weight, labels)`` is ``F.cross_entropy(h @ weight.T, labels)`` (mean over
 the labels that are not ``ignore_index``, logits in float32 as HF's Llama computes its loss). For a
 128k vocabulary the float32 logits of a long sequence dominate memory (4 V bytes a token, plus
-their softmax); here a chunk of rows at a time is projected, its log-sum-exp and target logit
+their softmax); here a chunk of rows at a time is projected, its log-softmax at the target
 taken, and the chunk dropped. Backward recomputes each chunk's logits and turns them into
-d logits = (softmax - one_hot) / n in place, then dh and dW: only h, the weight, the labels and one
-float per row are kept. The idea is the fused linear cross-entropy of Liger-Kernel and of
+d logits = (softmax - one_hot) / n in place, then dh and (accumulated into the output) dW: only h,
+the weight and the labels are kept. The idea is the fused linear cross-entropy of Liger-Kernel and of
 Wijmans et al. (Cut Your Losses, arXiv 2411.09009); written here from the math.
 """
 
@@ -30,75 +30,69 @@ def _chunk_logits(h: Tensor, weight: Tensor) -> Tensor:
 
 @torch.library.custom_op("tempo::linear_cross_entropy", mutates_args=())
 def linear_cross_entropy_op(
-    h: Tensor, weight: Tensor, labels: Tensor, rows_per_chunk: int
-) -> tuple[Tensor, Tensor]:
-    """(mean loss over counted rows, per-row log-sum-exp); h [N, H], weight [V, H], labels [N]."""
-    n = h.shape[0]
+    h: Tensor, weight: Tensor, labels: Tensor, rows_per_chunk: int, mean: bool
+) -> Tensor:
+    """The loss over counted rows (their mean, or their sum); h [N, H], weight [V, H], labels [N]."""
     f = torch.float64 if h.dtype == torch.float64 else torch.float32
-    lse = torch.empty(n, dtype=f, device=h.device)
     total = torch.zeros((), dtype=f, device=h.device)
     counted = labels != IGNORE_INDEX
-    for start in range(0, n, rows_per_chunk):
-        part = slice(start, min(start + rows_per_chunk, n))
-        logits = _chunk_logits(h[part], weight)
-        lse[part] = torch.logsumexp(logits, dim=-1)
-        # torch's own log_softmax, as F.cross_entropy computes it: the same values, to the bit
-        logp = torch.log_softmax(logits, dim=-1)
-        del logits
-        keep = counted[part]
+    for start in range(0, h.shape[0], rows_per_chunk):
+        part = slice(start, min(start + rows_per_chunk, h.shape[0]))
+        # torch's own log_softmax, as F.cross_entropy takes it (its sum over the counted rows may
+        # still round differently from torch's reduction)
+        logp = torch.log_softmax(_chunk_logits(h[part], weight), dim=-1)
         target = logp.gather(1, labels[part].clamp_min(0)[:, None])[:, 0]
-        total -= torch.where(keep, target, 0.0).sum()
-    return total / counted.sum(), lse  # every row ignored: NaN, as torch's mean cross-entropy
+        del logp
+        total -= torch.where(counted[part], target, 0.0).sum()
+    return total / counted.sum() if mean else total  # mean of no row: NaN, as torch's cross-entropy
 
 
 @linear_cross_entropy_op.register_fake
-def _(h, weight, labels, rows_per_chunk):
-    f = torch.float64 if h.dtype == torch.float64 else torch.float32
-    return h.new_empty((), dtype=f), h.new_empty(h.shape[0], dtype=f)
+def _(h, weight, labels, rows_per_chunk, mean):
+    return h.new_empty((), dtype=torch.float64 if h.dtype == torch.float64 else torch.float32)
 
 
 @torch.library.custom_op("tempo::linear_cross_entropy_bwd", mutates_args=())
 def linear_cross_entropy_bwd(
-    grad: Tensor, h: Tensor, weight: Tensor, labels: Tensor, lse: Tensor, rows_per_chunk: int
+    grad: Tensor, h: Tensor, weight: Tensor, labels: Tensor, rows_per_chunk: int, mean: bool
 ) -> tuple[Tensor, Tensor]:
-    """(dh, dW) for the mean loss, scaled by ``grad``; each chunk's logits recomputed."""
-    n = h.shape[0]
+    """(dh, dW) of the loss, scaled by ``grad``; each chunk's logits recomputed. dW is accumulated
+    chunk by chunk in the weight's dtype (addmm into the output: no V x H temporary)."""
     counted = labels != IGNORE_INDEX
-    scale = grad / counted.sum()
+    # the mean's divisor; no counted row: zero gradients, as torch's (not 0/0)
+    scale = grad / counted.sum().clamp_min(1) if mean else grad
     dh = torch.empty_like(h)
-    dw = torch.zeros(weight.shape, dtype=lse.dtype, device=weight.device)
-    for start in range(0, n, rows_per_chunk):
-        part = slice(start, min(start + rows_per_chunk, n))
-        # d logits = (softmax - one_hot) x scale, in the order torch's log_softmax backward takes
-        # (softmax x scale, then - scale at the label), from torch's log_softmax: F.cross_entropy's
-        # gradient to the bit, so training follows the unpatched model's (not only to rounding)
+    dw = torch.zeros_like(weight)
+    for start in range(0, h.shape[0], rows_per_chunk):
+        part = slice(start, min(start + rows_per_chunk, h.shape[0]))
+        # d logits = (softmax - one_hot) x scale: softmax x scale, then - scale at the label, the
+        # order torch's log_softmax backward takes
         d_logits = torch.log_softmax(_chunk_logits(h[part], weight), dim=-1).exp_()
         row_scale = (scale * counted[part])[:, None]
         d_logits *= row_scale
         target = labels[part].clamp_min(0)[:, None]
         d_logits.scatter_(1, target, d_logits.gather(1, target) - row_scale)
         d_logits = d_logits.to(h.dtype)
-        dh[part] = d_logits @ weight
-        dw += (d_logits.t() @ h[part]).to(dw.dtype)
-    return dh, dw.to(weight.dtype)
+        torch.mm(d_logits, weight, out=dh[part])
+        dw.addmm_(d_logits.t(), h[part])
+    return dh, dw
 
 
 @linear_cross_entropy_bwd.register_fake
-def _(grad, h, weight, labels, lse, rows_per_chunk):
+def _(grad, h, weight, labels, rows_per_chunk, mean):
     return h.new_empty(h.shape), weight.new_empty(weight.shape)
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    h, weight, labels, rows_per_chunk = inputs
-    _loss, lse = output
-    ctx.save_for_backward(h, weight, labels, lse)
-    ctx.rows_per_chunk = rows_per_chunk
+    h, weight, labels, rows_per_chunk, mean = inputs
+    ctx.save_for_backward(h, weight, labels)
+    ctx.rows_per_chunk, ctx.mean = rows_per_chunk, mean
 
 
-def _backward(ctx, grad_loss: Tensor, _grad_lse: Tensor | None):
-    h, weight, labels, lse = ctx.saved_tensors
-    dh, dw = linear_cross_entropy_bwd(grad_loss, h, weight, labels, lse, ctx.rows_per_chunk)
-    return dh, dw, None, None
+def _backward(ctx, grad_loss: Tensor):
+    h, weight, labels = ctx.saved_tensors
+    dh, dw = linear_cross_entropy_bwd(grad_loss, h, weight, labels, ctx.rows_per_chunk, ctx.mean)
+    return dh, dw, None, None, None
 
 
 linear_cross_entropy_op.register_autograd(_backward, setup_context=_setup_context)
@@ -111,10 +105,11 @@ def _has_values(t: Tensor) -> bool:
 
 
 def linear_cross_entropy(
-    h: Tensor, weight: Tensor, labels: Tensor, rows_per_chunk: int = ROWS_PER_CHUNK
+    h: Tensor, weight: Tensor, labels: Tensor, rows_per_chunk: int = ROWS_PER_CHUNK, reduction: str = "mean"
 ) -> Tensor:
-    """Mean cross-entropy of ``h @ weight.T`` against ``labels`` (``IGNORE_INDEX`` rows not counted),
-    without the full logits. h: [..., H]; weight: [V, H]; labels: [...] (h's leading shape)."""
+    """Cross-entropy of ``h @ weight.T`` against ``labels`` (``IGNORE_INDEX`` rows not counted),
+    without the full logits: their mean (``reduction="mean"``) or sum ("sum"). h: [..., H]; weight:
+    [V, H]; labels: [...] (h's leading shape)."""
     check_float("linear_cross_entropy h", h)
     check_float("linear_cross_entropy weight", weight)
     if weight.dim() != 2 or h.shape[-1] != weight.shape[1]:
@@ -127,10 +122,13 @@ def linear_cross_entropy(
                          f"got {labels.dtype} {list(labels.shape)}")  # fmt: skip
     if rows_per_chunk < 1:
         raise ValueError(f"rows_per_chunk must be >= 1, got {rows_per_chunk}")
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
     if _has_values(labels):  # fake tensors (memory estimates) and compiled graphs have no values to read
         bad = (labels != IGNORE_INDEX) & ((labels < 0) | (labels >= weight.shape[0]))
         if bool(bad.any()):
             raise ValueError(f"labels must be in [0, {weight.shape[0]}) or {IGNORE_INDEX} (ignored)")
     flat = h.reshape(-1, h.shape[-1]).contiguous()
-    loss, _ = linear_cross_entropy_op(flat, weight, labels.reshape(-1).long(), int(rows_per_chunk))
-    return loss
+    return linear_cross_entropy_op(
+        flat, weight, labels.reshape(-1).long(), int(rows_per_chunk), reduction == "mean"
+    )
