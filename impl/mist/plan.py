@@ -41,6 +41,12 @@ MAX_MICRO_BATCHES = 1 << 16
 MAX_GLOBAL_BATCH = MAX_MICRO_BATCHES  # sequences: bounds the pipeline simulator's work
 
 
+def grad_accum(global_batch: int, dp: int, micro_batch: int) -> int:
+    """Micro-batches per iteration (G): the global batch over DP replicas of micro-batches (the one
+    place this is computed; the plan and the search's candidates both ask here)."""
+    return global_batch // (dp * micro_batch)
+
+
 def _is_int(value) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
@@ -180,7 +186,7 @@ class Plan:
 
     @property
     def grad_accum(self) -> int:
-        return self.global_batch // (self.dp * self.micro_batch)
+        return grad_accum(self.global_batch, self.dp, self.micro_batch)
 
     def stage_parallelism(self, i: int) -> tuple[int, int, int]:
         """(tp, dp, micro-batch) of stage i. A stage with its own DP splits each of the G

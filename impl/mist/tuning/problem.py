@@ -18,7 +18,7 @@ from ..model.budget import gpu_budget_bytes, host_budget_bytes
 from ..model.interference import Interference
 from ..model.runtime import RuntimeModel, load_runtime_model
 from ..model.specs import GRAD_ACCUMULATION, ClusterSpec, GradAccumulation, ModelSpec
-from ..plan import Plan
+from ..plan import Plan, grad_accum
 from .pipeline_sim import in_flight
 from .stage_cost import Setting
 
@@ -129,7 +129,7 @@ class Candidate:
     @property
     def grad_accum(self) -> int:
         """Micro-batches per iteration (G), as ``Plan.grad_accum`` counts them."""
-        return self.global_batch // (self.dp * self.micro_batch)
+        return grad_accum(self.global_batch, self.dp, self.micro_batch)
 
     def in_flight(self, stage: int) -> int:
         """Micro-batches whose activations ``stage`` holds at once under 1F1B."""
