@@ -130,6 +130,8 @@ def _collective_worker(
     cuda = device.startswith("cuda")
     if cuda:
         torch.cuda.set_device(rank)
+    else:
+        torch.set_num_threads(1)  # as a rank of mist.engine.run (measure.launch): one thread each
     dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=n)
     dev = torch.device("cuda", rank) if cuda else torch.device("cpu")
     rows: dict[str, list[tuple[float, float]]] = {c: [] for c in COLLECTIVES}
