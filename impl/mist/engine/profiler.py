@@ -119,6 +119,25 @@ def _pipeline_message(tensor: torch.Tensor, rank: int, n: int) -> None:
         dist.recv(tensor, rank - 1)
 
 
+def _mean_seconds_all_ranks(call: Callable[[], object], repeats: int, dev: torch.device) -> float:
+    """Mean seconds of ``repeats`` back-to-back calls started together on every rank (a barrier
+    first); the slowest rank's, which is what finishes a collective step."""
+    import torch.distributed as dist
+
+    cuda = dev.type == "cuda"
+    dist.barrier()
+    if cuda:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        call()
+    if cuda:
+        torch.cuda.synchronize()
+    mean = torch.tensor([(time.perf_counter() - t0) / repeats], dtype=torch.float64, device=dev)
+    dist.all_reduce(mean, op=dist.ReduceOp.MAX)
+    return float(mean)
+
+
 def _collective_worker(
     rank: int, n: int, port: int, device: str, sizes: list[int], repeats: int, out
 ) -> None:
@@ -150,17 +169,7 @@ def _collective_worker(
             for name, call in calls.items():
                 call(), call()  # warm-up (connections, NCCL communicators)
                 # back-to-back calls, averaged (as nccl-tests): one rank's late start is spread thin
-                dist.barrier()
-                if cuda:
-                    torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                for _ in range(repeats):
-                    call()
-                if cuda:
-                    torch.cuda.synchronize()
-                mean = torch.tensor([(time.perf_counter() - t0) / repeats], dtype=torch.float64, device=dev)
-                dist.all_reduce(mean, op=dist.ReduceOp.MAX)  # the slowest rank finishes the collective
-                rows[name].append((nbytes, float(mean)))
+                rows[name].append((nbytes, _mean_seconds_all_ranks(call, repeats, dev)))
     finally:
         dist.destroy_process_group()
     if rank == 0:
@@ -252,18 +261,7 @@ def _fsdp_worker(rank: int, n: int, port: int, device: str, shapes: list, dtype,
                         (y[0] if isinstance(y, tuple) else y).backward(grad)
 
                     step(), step()  # warm-up: FSDP2's lazy init, gloo's connections
-                    dist.barrier()
-                    if cuda:
-                        torch.cuda.synchronize()
-                    t0 = time.perf_counter()
-                    for _ in range(repeats):
-                        step()
-                    if cuda:
-                        torch.cuda.synchronize()
-                    elapsed = (time.perf_counter() - t0) / repeats
-                    mean = torch.tensor([elapsed], dtype=torch.float64, device=dev)
-                    dist.all_reduce(mean, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
-                    seconds.append(float(mean))
+                    seconds.append(_mean_seconds_all_ranks(step, repeats, dev))
                 rows.append((weight_bytes, seconds[1] - seconds[0]))
     finally:
         dist.destroy_process_group()

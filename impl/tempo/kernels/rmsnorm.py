@@ -24,15 +24,7 @@ import triton.language as tl
 
 from .._common import opmath
 from ..layernorm_rows import ROWS_PER_PROGRAM, _rows, gamma_floor
-
-
-@triton.jit
-def _div(a, b, F64: tl.constexpr):
-    """a / b rounded to nearest (float64's ``/`` already is; float32's is approximate on the GPU)."""
-    if F64:
-        return a / b
-    else:
-        return tl.div_rn(a, b)
+from .rounding import div_rn
 
 
 @triton.jit
@@ -53,8 +45,8 @@ def _rms_fwd_kernel(
     inside = cols < D
     f = rstd_ptr.dtype.element_ty
     x = tl.load(x_ptr + row * D + cols, mask=inside, other=0.0).to(f)
-    mean_sq = _div(tl.sum(x * x, axis=0), tl.full((), D, f), F64)
-    rstd = _div(tl.full((), 1.0, f), _sqrt(mean_sq + tl.full((), EPS, f), F64), F64)
+    mean_sq = div_rn(tl.sum(x * x, axis=0), tl.full((), D, f), F64)
+    rstd = div_rn(tl.full((), 1.0, f), _sqrt(mean_sq + tl.full((), EPS, f), F64), F64)
     # HF's rounding: x_hat to x's dtype first, then the product with gamma in y's dtype (float32
     # math for half types, whose product of two halves is exact before the final rounding).
     x_hat = (x * rstd).to(x_ptr.dtype.element_ty)
@@ -87,11 +79,11 @@ def _rms_bwd_kernel(
         g = tl.load(g_ptr + row * D + cols, mask=m, other=0.0).to(f)
         y = tl.load(y_ptr + row * D + cols, mask=m, other=0.0).to(f)
         rstd = tl.load(rstd_ptr + row, mask=live, other=0.0).to(f)
-        q = _div(y, w_safe, F64)
+        q = div_rn(y, w_safe, F64)
         # The clamp by selects, not tl.minimum / tl.maximum: a NaN y must stay NaN (as torch.clamp
         # keeps it), and those drop NaN on the GPU but not in the interpreter.
         x_hat = tl.where(q > xhat_max, xhat_max, tl.where(q < -xhat_max, -xhat_max, q))
-        mean_gy = _div(tl.sum(g * y, axis=0), d, F64)  # = mean(g gamma x_hat), exact whatever gamma
+        mean_gy = div_rn(tl.sum(g * y, axis=0), d, F64)  # = mean(g gamma x_hat), exact whatever gamma
         dx = rstd * (g * w - x_hat * mean_gy)
         tl.store(dx_ptr + row * D + cols, dx.to(dx_ptr.dtype.element_ty), mask=m)
         dw_acc += g * x_hat

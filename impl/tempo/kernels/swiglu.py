@@ -17,15 +17,9 @@ import torch
 import triton
 import triton.language as tl
 
+from .rounding import div_rn
+
 BLOCK = 1024  # elements per program
-
-
-@triton.jit
-def _div(a, b, F64: tl.constexpr):
-    if F64:
-        return a / b
-    else:
-        return tl.div_rn(a, b)
 
 
 @triton.jit
@@ -36,7 +30,7 @@ def _swiglu_fwd_kernel(gate_ptr, up_ptr, h_ptr, n, F64: tl.constexpr, BLOCK: tl.
     f = tl.float64 if F64 else tl.float32
     x = tl.load(gate_ptr + offs, mask=inside, other=0.0).to(f)
     u = tl.load(up_ptr + offs, mask=inside, other=0.0).to(f)
-    act = _div(x, 1.0 + tl.exp(-x), F64).to(gate_ptr.dtype.element_ty).to(f)
+    act = div_rn(x, 1.0 + tl.exp(-x), F64).to(gate_ptr.dtype.element_ty).to(f)
     tl.store(h_ptr + offs, (act * u).to(h_ptr.dtype.element_ty), mask=inside)
 
 
@@ -51,8 +45,8 @@ def _swiglu_bwd_kernel(
     dh = tl.load(dh_ptr + offs, mask=inside, other=0.0).to(f)
     x = tl.load(gate_ptr + offs, mask=inside, other=0.0).to(f)
     u = tl.load(up_ptr + offs, mask=inside, other=0.0).to(f)
-    s = _div(1.0, 1.0 + tl.exp(-x), F64)
-    act = _div(x, 1.0 + tl.exp(-x), F64).to(dt).to(f)  # F.silu's own formula, not x * s
+    s = div_rn(1.0, 1.0 + tl.exp(-x), F64)
+    act = div_rn(x, 1.0 + tl.exp(-x), F64).to(dt).to(f)  # F.silu's own formula, not x * s
     tl.store(dup_ptr + offs, (dh * act).to(dup_ptr.dtype.element_ty), mask=inside)
     dh_up = (dh * u).to(dt).to(f)
     tl.store(
