@@ -22,8 +22,10 @@ artifacts/tempo_bert/reference/; an interrupted run resumes when rerun):
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import os
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
@@ -155,17 +157,12 @@ def run_activation(run: Run, cases, configs) -> ResultFile:
 # ---------------------------------------------------------------- maximum batch
 
 
-def maxbatch_point(model: str, head: str, seq: int, precision: str, configuration: str) -> dict:
-    est = estimator(model, head, seq, precision, configuration)
-    memo: dict[int, PeakReport] = {}
-
-    def peak(b: int) -> PeakReport:
-        if b not in memo:
-            memo[b] = est.peak(b)
-        return memo[b]
-
+def max_batch_per_gpu(peak: Callable[[int], PeakReport], gpus: dict[str, str]) -> dict:
+    """The largest batch under each GPU's usable memory (name -> size, e.g. "16GB"), the peaks
+    memoised so that the budgets share their probes."""
+    peak = functools.cache(peak)
     out = {}
-    for gpu, mem in GPUS.items():
+    for gpu, mem in gpus.items():
         budget = GpuBudget.parse(mem)
         b, report = search_max_batch(peak, budget.usable_bytes)
         out[gpu] = {
@@ -175,6 +172,10 @@ def maxbatch_point(model: str, head: str, seq: int, precision: str, configuratio
             "usable_gib": round(budget.usable_bytes / GiB, 3),
         }
     return out
+
+
+def maxbatch_point(model: str, head: str, seq: int, precision: str, configuration: str) -> dict:
+    return max_batch_per_gpu(estimator(model, head, seq, precision, configuration).peak, GPUS)
 
 
 MAXBATCH_FIELDS = ("model", "head", "seq", "precision", "configuration")

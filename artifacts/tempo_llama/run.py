@@ -25,7 +25,6 @@ artifacts/tempo_llama/reference/; an interrupted run resumes when rerun):
 from __future__ import annotations
 
 import argparse
-import functools
 import importlib.util
 import itertools
 
@@ -33,16 +32,14 @@ import torch
 from tqdm import tqdm
 from transformers.utils import logging as hf_logging
 
-from measure.budget import GpuBudget
-from measure.memory import StepMemoryEstimator, search_max_batch
+from measure.memory import StepMemoryEstimator
 from measure.parallel import map_points
 from measure.results import ResultFile, Results, Run
-from measure.units import GiB
 from tempo.models import MODELS, ModelSpec, build_model, make_batch
 from tempo.ops import workspace_bytes
 
 from ..experiment import add_jobs_argument, add_run_arguments, experiment_run
-from ..tempo_bert.run import activation_point
+from ..tempo_bert.run import activation_point, max_batch_per_gpu
 from . import EXPERIMENT
 from .summary import TRAIN, TRAIN_RUNS, training_gaps, training_key
 
@@ -129,14 +126,7 @@ def llama_maxbatch_point(model: str, seq: int, configuration: str) -> dict:
         PRECISION,
         op_workspace=workspace_bytes,
     )
-    peak = functools.cache(est.peak)
-    out = {}
-    for gpu, mem in GPUS.items():
-        budget = GpuBudget.parse(mem)
-        b, report = search_max_batch(peak, budget.usable_bytes)
-        out[gpu] = {"max_batch": b, "peak_gib": round(report.peak_gib, 3), "phase": report.peak_phase,
-                    "usable_gib": round(budget.usable_bytes / GiB, 3)}  # fmt: skip
-    return out
+    return max_batch_per_gpu(est.peak, GPUS)
 
 
 def run_maxbatch(run: Run, jobs: int) -> ResultFile:
