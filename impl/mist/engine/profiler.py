@@ -216,9 +216,6 @@ def write_collectives(out: Path, n: int, device: str, repeats: int = 10) -> list
     return written
 
 
-FSDP_LAYER = ZERO3_LAYER  # the ZeRO-3 benchmark: a collective's file, prim_gpt_local_fsdp_layer_<n>gpus.csv
-
-
 def _fsdp_worker(rank: int, n: int, port: int, device: str, shapes: list, dtype, repeats: int, out) -> None:
     """One rank of ``profile_fsdp_layers``: per shape, megatron-core's layer timed forward +
     backward plain and under FSDP2 (as mist.engine.run shards it), all ranks at once."""
@@ -298,7 +295,7 @@ def profile_fsdp_layers(
 def write_fsdp_layers(out: Path, n: int, device: str, *args, **kwargs) -> Path:
     """``profile_fsdp_layers`` into ``out`` as a collective's file (the layer's weights as the size)."""
     rows = profile_fsdp_layers(n, device, *args, **kwargs)
-    path = out / f"prim_gpt_local_{FSDP_LAYER}_{n}gpus.csv"
+    path = out / f"prim_gpt_local_{ZERO3_LAYER}_{n}gpus.csv"  # read back as a collective's line
     lines = ["data_size(MB),time(ms)"] + [f"{b / MiB:.6f},{max(sec, 0.0) * 1e3:.4f}" for b, sec in rows]
     path.write_text("\n".join(lines) + "\n")
     return path
