@@ -134,7 +134,7 @@ def run_engine(run: Run, setup: EngineSetup) -> ResultFile:
     import torch
 
     from mist import model
-    from mist.engine.profiler import write_collectives, write_fsdp_layers, write_profiles
+    from mist.engine.profiler import write_collectives, write_fsdp_layers, write_profiles, write_tp_layers
     from mist.model.calibrate import calibrate
 
     store = run.file(f"{setup.name}.json", setup.device, config={"profile": setup.profile})
@@ -150,12 +150,16 @@ def run_engine(run: Run, setup: EngineSetup) -> ResultFile:
             write_profiles(profiles, setup.device, *shape, dtype, setup.gpu, repeats=5, vocab=vocab,
                            concurrent=setup.processes)  # fmt: skip
             if setup.processes > 1:  # this machine's collectives, measured (gloo on a CPU)
-                # gloo's latency here is bimodal (~0.3 ms or ~4 ms a call): 40 calls a point, not 10
-                write_collectives(profiles, setup.processes, setup.device, repeats=40)
+                # gloo's latency here drifts between modes (~0.3 ms or ~4 ms a call): the median of
+                # 8 interleaved windows of 10 calls a point
+                write_collectives(profiles, setup.processes, setup.device, repeats=10, rounds=8)
+                # ZeRO-3 and TP as the engine runs them, on one layer: not only their collectives
                 if any(st.get("zero", 0) == 3 for plan in setup.plans.values() for st in plan["stages"]):
-                    # ZeRO-3 as the engine runs it: FSDP2 on the layer, not only its collectives
                     write_fsdp_layers(profiles, setup.processes, setup.device, spec.hidden, spec.heads,
                                       spec.seq, setup.micro_batch, dtype)  # fmt: skip
+                if any(plan["tp"] == setup.processes for plan in setup.plans.values()):
+                    write_tp_layers(profiles, setup.processes, setup.device, spec.hidden, spec.heads,
+                                    spec.seq, prof["micro_batches"], dtype)  # fmt: skip
             fit = next(iter(calibrate(profiles).values()))
             for name in todo:
                 store.compute(engine_key(setup, name), lambda n=name: engine_point(setup, n, fit, Path(tmp)))

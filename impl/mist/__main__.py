@@ -258,7 +258,7 @@ def cmd_calibrate(args) -> int:
 def cmd_profile(args) -> int:
     import torch
 
-    from .engine.profiler import write_collectives, write_fsdp_layers, write_profiles
+    from .engine.profiler import write_collectives, write_fsdp_layers, write_profiles, write_tp_layers
 
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print(f"error: --device {args.device}: no CUDA device here", file=sys.stderr)
@@ -290,6 +290,10 @@ def cmd_profile(args) -> int:
             write_fsdp_layers(Path(args.out), n, args.device, args.hidden, args.heads, args.seq,
                               min(args.micro_batches), dtype)  # fmt: skip
             print(f"  ZeRO-3 (FSDP2) on the layer among {n} processes", flush=True)
+        if args.heads % n == 0:  # tensor parallelism as the engine runs it (the layer split n ways)
+            write_tp_layers(Path(args.out), n, args.device, args.hidden, args.heads, args.seq,
+                            args.micro_batches, dtype)  # fmt: skip
+            print(f"  tensor parallelism on the layer over {n} processes", flush=True)
     print(f"{len(files)} profiles in {args.out}; fit them with: python -m mist calibrate {args.out}")
     return 0
 
@@ -405,7 +409,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument(
         "--collectives", type=int, nargs="*", default=[], metavar="N",
-        help="also benchmark all-reduce/all-gather/reduce-scatter among N local processes",
+        help="also benchmark all-reduce/all-gather/reduce-scatter among N local processes, and ZeRO-3 "
+        "and TP on the layer as mist.engine.run runs them (where the heads split N ways)",
     )  # fmt: skip
     p.set_defaults(fn=cmd_profile)
     p = sub.add_parser("profile-host", help="measure this host's CPU Adam step (what offloading prices)")

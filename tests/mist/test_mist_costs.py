@@ -410,3 +410,71 @@ def test_zero3_benchmark_written_as_a_collective_and_fitted(tmp_path):
     )  # 12h^2 x 2 B, halved
     rm = fit_runtime_model([], {(ZERO3_LAYER, 2): rows}, "cpu", "test")
     assert rm.zero3_layer(large, 2) is not None and rm.zero3_layer(large, 1) is None
+
+
+def test_tp_priced_by_the_measured_tp_layer_where_profiled():
+    """Where `mist profile` measured tensor parallelism as the engine runs it (megatron-core's layer
+    split over the processes, a line over one all-reduce's bytes), a layer's TP communication is
+    that line, half forward (recomputation repeats it) and half backward, instead of four
+    back-to-back all-reduces; under sequence parallelism (other collectives) and for a parallel
+    block (one all-reduce each way: half of it) accordingly. Negative control: without the
+    measured line nothing changes."""
+    import dataclasses
+
+    from mist.model.budget import gpu_budget_bytes
+    from mist.model.runtime import TP_LAYER
+    from mist.tuning.planner import cost_models
+    from mist.tuning.stage_cost import Setting, layer_numbers
+
+    rng = np.random.default_rng()
+    gpu = str(rng.choice(["l4", "a10g", "a100-40gb"]))
+    c = cluster(gpu, 8)
+    tp, b = int(rng.choice([2, 4])), int(rng.integers(1, 5))
+    line = Line(float(rng.uniform(1e-4, 1e-2)), float(rng.uniform(1e9, 1e11)))
+    for name, parallel_block in (("gpt3-1.3b", False), ("falcon-7b", True)):
+        m = model(name)
+        assert m.parallel_block == parallel_block
+        for sp in (False, True):
+            st = Setting(m, c, *cost_models(c), tp, 1, b, gpu_budget_bytes(c), 2, sp=sp)
+            base = layer_numbers(st)
+            measured = {**st.runtime.collectives, f"{TP_LAYER}/{tp}": line}
+            rt = dataclasses.replace(st.runtime, collectives=measured)
+            priced = layer_numbers(dataclasses.replace(st, runtime=rt))
+            if sp:  # the benchmark's layer all-reduces: it does not price SP's collectives
+                assert priced == base
+                continue
+            messages = 1 if parallel_block else 2
+            message = 2.0 * b * m.seq * m.hidden  # the layer's [s, b, h] output, bf16
+            expected = messages * float(line(message)) / 4
+            assert priced.tp_comm_fwd == pytest.approx(expected, rel=1e-9)
+            assert priced.fwd - base.fwd == pytest.approx(expected - base.tp_comm_fwd, rel=1e-9, abs=1e-15)
+            assert priced.bwd - priced.fwd == pytest.approx(base.bwd - base.fwd, rel=1e-9, abs=1e-12)
+            assert priced.saved == base.saved and priced.params == base.params
+    # one process, or across nodes: not measured, so the collectives price it
+    assert rt.tp_layer(1e6, 1) is None and rt.tp_layer(1e6, tp, inter_node=True) is None
+
+
+def test_tp_benchmark_written_as_a_collective_and_fitted(tmp_path):
+    """`mist profile --collectives 2` also times TP as the engine runs it: megatron-core's layer
+    split over 2 gloo processes against one rank's share alone, per micro-batch, by one
+    all-reduce's bytes, in the collectives' file format, which calibrate fits into the line
+    layer_numbers prices TP layers by. Heads that do not split are refused before any process."""
+    import torch
+
+    from mist.engine.profiler import profile_tp_layers, write_tp_layers
+    from mist.model.calibrate import fit_runtime_model
+    from mist.model.profile_data import read_collectives
+    from mist.model.runtime import TP_LAYER
+
+    rng = np.random.default_rng()
+    seq = int(rng.choice([8, 16]))
+    micro_batches = sorted(rng.choice([1, 2, 3], size=2, replace=False).tolist())
+    write_tp_layers(tmp_path, 2, "cpu", 64, 4, seq, micro_batches, torch.bfloat16, repeats=2, rounds=2)
+    rows = sorted(read_collectives(tmp_path)[(TP_LAYER, 2)])
+    # (sizes are written in MB to 6 decimals)
+    assert [size for size, _ in rows] == pytest.approx([2.0 * b * seq * 64 for b in micro_batches], rel=1e-3)
+    assert all(sec >= 0 for _, sec in rows)
+    rm = fit_runtime_model([], {(TP_LAYER, 2): rows}, "cpu", "test")
+    assert rm.tp_layer(rows[-1][0], 2) is not None and rm.tp_layer(rows[-1][0], 1) is None
+    with pytest.raises(ValueError, match="not a multiple"):
+        profile_tp_layers(2, "cpu", 60, 3, seq, [1], torch.bfloat16)

@@ -15,8 +15,11 @@ costs beyond the sum of its ops (framework overhead) is written as one more row.
 ``--collectives 2 4`` also benchmarks all-reduce, all-gather and reduce-scatter among that many
 local processes (gloo on a CPU, NCCL on GPUs), written as the artifact's ``prim_gpt_*`` files,
 so collectives are priced by this machine's measured lines rather than the preset's link, and
-ZeRO-3 as the engine runs it (FSDP2 on the layer at two sizes, ``prim_gpt_local_fsdp_layer_*``),
-which prices a ZeRO-3 layer by what it measurably adds rather than by its collectives alone.
+two mechanisms as the engine runs them, on one whole layer: ZeRO-3 (FSDP2 on the layer at two
+sizes, ``prim_gpt_local_fsdp_layer_*``) and tensor parallelism (megatron-core's layer split over
+the processes, per micro-batch, ``prim_gpt_local_tp_layer_*``), which price a ZeRO-3 or TP layer
+by what it measurably adds rather than by its collectives timed back to back. Every such point is
+the median of interleaved rounds: on a CPU gloo's latency drifts between modes over seconds.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from measure.timing import time_fn
 from measure.units import MiB
 
 from ..model.profile_data import EMBEDDING_OP, FINAL_NORM_OP, FRAMEWORK_OP, HEAD_OP
-from ..model.runtime import ZERO3_LAYER
+from ..model.runtime import TP_LAYER, ZERO3_LAYER
 
 
 def _ops(b: int, s: int, h: int, heads: int, tp: int, dtype, device) -> list[tuple[str, Callable, list]]:
@@ -119,7 +122,7 @@ def _pipeline_message(tensor: torch.Tensor, rank: int, n: int) -> None:
         dist.recv(tensor, rank - 1)
 
 
-def _mean_seconds_all_ranks(call: Callable[[], object], repeats: int, dev: torch.device) -> float:
+def _window_seconds_all_ranks(call: Callable[[], object], repeats: int, dev: torch.device) -> float:
     """Mean seconds of ``repeats`` back-to-back calls started together on every rank (a barrier
     first); the slowest rank's, which is what finishes a collective step."""
     import torch.distributed as dist
@@ -138,9 +141,26 @@ def _mean_seconds_all_ranks(call: Callable[[], object], repeats: int, dev: torch
     return float(mean)
 
 
-def _collective_worker(
-    rank: int, n: int, port: int, device: str, sizes: list[int], repeats: int, out
-) -> None:
+def _interleaved_seconds_all_ranks(calls: dict, repeats: int, rounds: int, dev: torch.device) -> dict:
+    """{key: seconds} of each of ``calls`` ({key: call}): per round, one window of ``repeats``
+    back-to-back calls of each in turn (``_window_seconds_all_ranks``); the median window over
+    ``rounds``. On a CPU gloo's latency drifts between modes (~0.3 to ~4 ms a call) over seconds:
+    one window per point would catch one mode, and comparing two points (sharded against plain,
+    one size against another) would compare two modes; interleaved rounds see the same drift."""
+    import statistics
+
+    for call in calls.values():  # warm-up (connections, NCCL communicators, FSDP2's lazy init)
+        call(), call()
+    windows: dict = {key: [] for key in calls}
+    for _ in range(rounds):
+        for key, call in calls.items():
+            windows[key].append(_window_seconds_all_ranks(call, repeats, dev))
+    return {key: statistics.median(w) for key, w in windows.items()}
+
+
+def _init_rank(rank: int, n: int, port: int, device: str) -> torch.device:
+    """Join a benchmark's ``n``-process group as ``rank`` (NCCL on GPUs, gloo on a CPU) set up as a
+    rank of mist.engine.run: its own GPU, or one thread (measure.launch); the device to use."""
     import os
 
     import torch.distributed as dist
@@ -150,36 +170,41 @@ def _collective_worker(
     if cuda:
         torch.cuda.set_device(rank)
     else:
-        torch.set_num_threads(1)  # as a rank of mist.engine.run (measure.launch): one thread each
+        torch.set_num_threads(1)
     dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=n)
-    dev = torch.device("cuda", rank) if cuda else torch.device("cpu")
-    rows: dict[str, list[tuple[float, float]]] = {c: [] for c in COLLECTIVES}
+    return torch.device("cuda", rank) if cuda else torch.device("cpu")
+
+
+def _collective_worker(
+    rank: int, n: int, port: int, device: str, sizes: list[int], repeats: int, rounds: int, out
+) -> None:
+    import torch.distributed as dist
+
+    dev = _init_rank(rank, n, port, device)
+    calls = {}
     try:
         for nbytes in sizes:
             # data_size is the full tensor (all-reduce's, all-gather's output, reduce-scatter's input),
             # as in the artifact's files and RuntimeModel.collective
             full = torch.randn(nbytes // 2, dtype=torch.bfloat16, device=dev)
             shard = torch.empty(nbytes // 2 // n, dtype=torch.bfloat16, device=dev)
-            calls = {
-                "all_reduce": lambda full=full: dist.all_reduce(full),
-                "all_gather": lambda full=full, shard=shard: dist.all_gather_single(full, shard),
-                "reduce_scatter": lambda full=full, shard=shard: dist.reduce_scatter_single(shard, full),
-                "send_recv": lambda full=full: _pipeline_message(full, rank, n),
-            }
-            for name, call in calls.items():
-                call(), call()  # warm-up (connections, NCCL communicators)
-                # back-to-back calls, averaged (as nccl-tests): one rank's late start is spread thin
-                rows[name].append((nbytes, _mean_seconds_all_ranks(call, repeats, dev)))
+            calls[("all_reduce", nbytes)] = lambda full=full: dist.all_reduce(full)
+            calls[("all_gather", nbytes)] = lambda full=full, shard=shard: dist.all_gather_single(full, shard)
+            calls[("reduce_scatter", nbytes)] = lambda f=full, sh=shard: dist.reduce_scatter_single(sh, f)
+            calls[("send_recv", nbytes)] = lambda full=full: _pipeline_message(full, rank, n)
+        # back-to-back calls, averaged (as nccl-tests): one rank's late start is spread thin
+        seconds = _interleaved_seconds_all_ranks(calls, repeats, rounds, dev)
     finally:
         dist.destroy_process_group()
     if rank == 0:
-        out.put(rows)
+        out.put({c: [(b, sec) for (name, b), sec in seconds.items() if name == c] for c in COLLECTIVES})
 
 
 def profile_collectives(
-    n: int, device: str, sizes: list[int] | None = None, repeats: int = 10
+    n: int, device: str, sizes: list[int] | None = None, repeats: int = 10, rounds: int = 5
 ) -> dict[str, list[tuple[float, float]]]:
-    """Median seconds of each collective among ``n`` local processes: {name: [(bytes, seconds)]}."""
+    """Seconds of each collective among ``n`` local processes, {name: [(bytes, seconds)]}: the
+    median over ``rounds`` of a window of ``repeats`` calls, every point's window in each round."""
 
     import torch.multiprocessing as mp
 
@@ -192,16 +217,16 @@ def profile_collectives(
     port = free_port()
     ctx = mp.get_context("spawn")
     out = ctx.SimpleQueue()
-    mp.start_processes(_collective_worker, (n, port, device, sizes, repeats, out), nprocs=n,
+    mp.start_processes(_collective_worker, (n, port, device, sizes, repeats, rounds, out), nprocs=n,
                        start_method="spawn")  # fmt: skip
     return out.get()
 
 
-def write_collectives(out: Path, n: int, device: str, repeats: int = 10) -> list[Path]:
+def write_collectives(out: Path, n: int, device: str, repeats: int = 10, rounds: int = 5) -> list[Path]:
     """Benchmark the collectives among ``n`` processes into ``out`` (the artifact's CSV format)."""
     out.mkdir(parents=True, exist_ok=True)
     written = []
-    for name, rows in profile_collectives(n, device, repeats=repeats).items():
+    for name, rows in profile_collectives(n, device, repeats=repeats, rounds=rounds).items():
         if name == "send_recv":  # a message between two processes, whatever n: the artifact's p2p file
             sizes = ",".join(f"{b / MiB:.6f}" for b, _ in rows)
             rates = ",".join(f"{b / sec / 1e9:.6f}" for b, sec in rows)
@@ -216,66 +241,74 @@ def write_collectives(out: Path, n: int, device: str, repeats: int = 10) -> list
     return written
 
 
-def _fsdp_worker(rank: int, n: int, port: int, device: str, shapes: list, dtype, repeats: int, out) -> None:
+class _Root(nn.Module):
+    """The module FSDP2's root wraps in the ZeRO-3 benchmark, around the layer: in the engine the
+    root is the whole model (it holds the embedding and the head), and only a layer that is not
+    the root frees its gathered weights after forward and gathers them again for backward."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor):
+        return self.layer(x, attention_mask=attention_mask)
+
+
+def _fsdp_worker(
+    rank: int, n: int, port: int, device: str, shapes: list, dtype, repeats: int, rounds: int, out
+) -> None:
     """One rank of ``profile_fsdp_layers``: per shape, megatron-core's layer timed forward +
     backward plain and under FSDP2 (as mist.engine.run shards it), all ranks at once."""
-    import os
-
     import torch.distributed as dist
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.spec_utils import build_module
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    cuda = device.startswith("cuda")
-    if cuda:
-        torch.cuda.set_device(rank)
-    else:
-        torch.set_num_threads(1)  # a rank of mist.engine.run: one thread (measure.launch)
-    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=n)
-    dev = torch.device("cuda", rank) if cuda else torch.device("cpu")
-    rows = []
+    dev = _init_rank(rank, n, port, device)
+    calls, weight_bytes = {}, {}
     try:
         with _megatron_state():  # DP = n: the group is this one
             mesh = DeviceMesh.from_group(dist.group.WORLD, dev.type)
-            for b, s, h, heads, tp in shapes:
+            for shape in shapes:
+                b, s, h, heads, tp = shape
                 config = _megatron_config(h, heads, tp, dtype)
-                seconds = []
                 for sharded in (False, True):
                     torch.manual_seed(0)
                     layer = build_module(get_gpt_layer_local_spec(), config=config, layer_number=1)
                     layer = layer.to(dev, dtype)  # every parameter in it, as megatron's Float16Module
-                    weight_bytes = sum(p.numel() * p.element_size() for p in layer.parameters())
-                    if sharded:
+                    weight_bytes[shape] = sum(p.numel() * p.element_size() for p in layer.parameters())
+                    module = _Root(layer)
+                    if sharded:  # as shard_parameters: each layer, then the root
                         fully_shard(layer, mesh=mesh)
+                        fully_shard(module, mesh=mesh)
                     x = torch.randn(s, b, h, dtype=dtype, device=dev, requires_grad=True)
                     mask = torch.ones(1, 1, s, s, dtype=torch.bool, device=dev).tril().logical_not()
                     grad = torch.randn(s, b, h, dtype=dtype, device=dev)
 
-                    def step(layer=layer, x=x, mask=mask, grad=grad):
-                        y = layer(x, attention_mask=mask)
+                    def step(module=module, x=x, mask=mask, grad=grad):
+                        y = module(x, attention_mask=mask)
                         (y[0] if isinstance(y, tuple) else y).backward(grad)
 
-                    step(), step()  # warm-up: FSDP2's lazy init, gloo's connections
-                    seconds.append(_mean_seconds_all_ranks(step, repeats, dev))
-                rows.append((weight_bytes, seconds[1] - seconds[0]))
+                    calls[shape, sharded] = step
+            seconds = _interleaved_seconds_all_ranks(calls, repeats, rounds, dev)
     finally:
         dist.destroy_process_group()
     if rank == 0:
-        out.put(rows)
+        out.put([(weight_bytes[shape], seconds[shape, True] - seconds[shape, False]) for shape in shapes])
 
 
 def profile_fsdp_layers(
     n: int, device: str, hidden: int, heads: int, seq: int, micro_batch: int, dtype: torch.dtype,
-    repeats: int = 20,
+    repeats: int = 5, rounds: int = 10,
 ) -> list[tuple[float, float]]:  # fmt: skip
     """What ZeRO-3 adds to one layer's forward + backward among ``n`` processes, as mist.engine.run
-    runs it (FSDP2 over the data-parallel group: the weights gathered for forward and for backward,
-    the gradients reduce-scattered, its copies in and out): [(the layer's full weight bytes, seconds)]
-    for the layer and for one TP-2 rank's share of it (two sizes: a line can be fitted). A
+    runs it (FSDP2 over the data-parallel group, the layer not its root: the weights gathered for
+    forward and again for backward, the gradients reduce-scattered, its copies in and out):
+    [(the layer's full weight bytes, seconds)] for the layer and for one TP-2 rank's share of it
+    (two sizes: a line can be fitted). A
     micro-benchmark of the mechanism, like the collectives': on this project's 2-core CPU it costs
-    about twice the raw collectives it issues (FSDP2's copies, and waiting for the other rank)."""
+    about three times the raw collectives it issues (FSDP2's copies, and waiting for the other rank)."""
     import torch.multiprocessing as mp
 
     if n < 2:
@@ -287,24 +320,105 @@ def profile_fsdp_layers(
     shapes = [(micro_batch, seq, hidden, heads, tp) for tp in (1, 2)]
     ctx = mp.get_context("spawn")
     out = ctx.SimpleQueue()
-    mp.start_processes(_fsdp_worker, (n, free_port(), device, shapes, dtype, repeats, out), nprocs=n,
+    mp.start_processes(_fsdp_worker, (n, free_port(), device, shapes, dtype, repeats, rounds, out), nprocs=n,
                        start_method="spawn")  # fmt: skip
     return out.get()
 
 
 def write_fsdp_layers(out: Path, n: int, device: str, *args, **kwargs) -> Path:
     """``profile_fsdp_layers`` into ``out`` as a collective's file (the layer's weights as the size)."""
-    rows = profile_fsdp_layers(n, device, *args, **kwargs)
-    path = out / f"prim_gpt_local_{ZERO3_LAYER}_{n}gpus.csv"  # read back as a collective's line
+    return _write_layer_line(
+        out / f"prim_gpt_local_{ZERO3_LAYER}_{n}gpus.csv", profile_fsdp_layers(n, device, *args, **kwargs)
+    )
+
+
+def _tp_worker(rank: int, n: int, port: int, device: str, shapes: list, dtype, repeats: int, rounds: int,
+               out) -> None:  # fmt: skip
+    """One rank of ``profile_tp_layers``: per shape, megatron-core's layer split over the ``n``
+    ranks (its own tensor parallelism) and one rank's share of it built alone, timed forward +
+    backward, interleaved, all ranks at once."""
+    import torch.distributed as dist
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.spec_utils import build_module
+
+    dev = _init_rank(rank, n, port, device)
+
+    calls = {}
+    try:
+        for split in (False, True):  # one rank's share under TP 1, then the whole layer under TP n
+            with _megatron_state(tp=n if split else 1):
+                for shape in shapes:
+                    b, s, h, heads = shape
+                    torch.manual_seed(0)  # megatron splits a TP-n layer's heads itself; the layer
+                    # keeps the groups of the state it is built in
+                    config = _megatron_config(h, heads, 1 if split else n, dtype)
+                    module = build_module(get_gpt_layer_local_spec(), config=config, layer_number=1)
+                    module = module.to(dev, dtype)
+                    x = torch.randn(s, b, h, dtype=dtype, device=dev, requires_grad=True)
+                    mask = torch.ones(1, 1, s, s, dtype=torch.bool, device=dev).tril().logical_not()
+                    grad = torch.randn(s, b, h, dtype=dtype, device=dev)
+
+                    def step(module=module, x=x, mask=mask, grad=grad):
+                        y = module(x, attention_mask=mask)
+                        (y[0] if isinstance(y, tuple) else y).backward(grad)
+
+                    calls[shape, split] = step
+                if split:  # timed while TP n is the state (dropout's RNG tracker needs one)
+                    seconds = _interleaved_seconds_all_ranks(calls, repeats, rounds, dev)
+    finally:
+        dist.destroy_process_group()
+    if rank == 0:  # by one all-reduce's bytes: the layer's [s, b, h] output in the layer's dtype
+        item = torch.empty((), dtype=dtype).element_size()
+        out.put([(b * s * h * item, seconds[(b, s, h, heads), True] - seconds[(b, s, h, heads), False])
+                 for b, s, h, heads in shapes])  # fmt: skip
+
+
+def profile_tp_layers(
+    n: int, device: str, hidden: int, heads: int, seq: int, micro_batches: list[int], dtype: torch.dtype,
+    repeats: int = 5, rounds: int = 10,
+) -> list[tuple[float, float]]:  # fmt: skip
+    """What tensor parallelism over ``n`` processes adds to one layer's forward + backward as
+    mist.engine.run runs it (megatron-core's layer split over the ranks, against one rank's share
+    built alone and timed at the same time): [(bytes of one of its all-reduces, seconds)] per
+    micro-batch (a line can be fitted). A micro-benchmark of the mechanism, like ZeRO-3's: the
+    two all-reduces each way with the waits between the ranks' compute, which back-to-back
+    collectives do not have (on this project's 2-core CPU it costs less than four of them)."""
+    import torch.multiprocessing as mp
+
+    if n < 2:
+        raise ValueError(f"tensor parallelism needs at least 2 processes, got {n}")
+    if heads % n:
+        raise ValueError(
+            f"the TP benchmark splits the heads over {n} processes: heads {heads} is not a multiple"
+        )
+    if device.startswith("cuda") and n > torch.cuda.device_count():
+        raise ValueError(f"{n} processes need {n} GPUs; this machine has {torch.cuda.device_count()}")
+    shapes = [(b, seq, hidden, heads) for b in sorted(set(micro_batches))]
+    ctx = mp.get_context("spawn")
+    out = ctx.SimpleQueue()
+    mp.start_processes(_tp_worker, (n, free_port(), device, shapes, dtype, repeats, rounds, out), nprocs=n,
+                       start_method="spawn")  # fmt: skip
+    return out.get()
+
+
+def write_tp_layers(out: Path, n: int, device: str, *args, **kwargs) -> Path:
+    """``profile_tp_layers`` into ``out`` as a collective's file (one all-reduce's bytes as the size)."""
+    return _write_layer_line(
+        out / f"prim_gpt_local_{TP_LAYER}_{n}gpus.csv", profile_tp_layers(n, device, *args, **kwargs)
+    )
+
+
+def _write_layer_line(path: Path, rows: list[tuple[float, float]]) -> Path:
+    """A mechanism's (bytes, seconds) rows in the collectives' file format, read back as a line."""
     lines = ["data_size(MB),time(ms)"] + [f"{b / MiB:.6f},{max(sec, 0.0) * 1e3:.4f}" for b, sec in rows]
     path.write_text("\n".join(lines) + "\n")
     return path
 
 
 @contextlib.contextmanager
-def _megatron_state():
-    """megatron-core's parallel state on a one-process group (its modules need one), torn down
-    after; an existing group or state is used as it is."""
+def _megatron_state(tp: int = 1):
+    """megatron-core's parallel state (TP ``tp``; its modules need one), on a one-process group
+    where none is initialised, torn down after; an existing group or state is used as it is."""
     import torch.distributed as dist
 
     from . import cpu_shim
@@ -319,7 +433,7 @@ def _megatron_state():
     own_state = not ps.model_parallel_is_initialized()
     try:
         if own_state:
-            ps.initialize_model_parallel(1, 1)
+            ps.initialize_model_parallel(tp, 1)
             model_parallel_cuda_manual_seed(0)
         yield
     finally:

@@ -61,8 +61,10 @@ COMM_INSIDE = {
     ("enc-attention-qkv", 1),
     ("enc-MLP-GEMM-1", 1),
 }
-# The ZeRO-3 benchmark of `mist profile` (FSDP2 on one layer), filed with the collectives' lines
+# `mist profile`'s benchmarks of a mechanism on one whole layer, filed with the collectives' lines:
+# ZeRO-3 (FSDP2 on the layer) and tensor parallelism (megatron-core's TP layer)
 ZERO3_LAYER = "fsdp_layer"
+TP_LAYER = "tp_layer"
 DEFAULT_EFFICIENCY = {"gemm": 0.7, "bmm": 0.5, "attention": 0.5, "memory": 0.7}  # roofline fallback
 
 
@@ -199,10 +201,21 @@ class RuntimeModel:
         profile` measured the engine's mechanism itself (FSDP2 on megatron-core's layer: both
         gathers, the reduce-scatter, its copies and waits, whatever it overlaps already taken out),
         by the layer's full weight bytes; None where it did not (then the collectives price it)."""
-        key = f"{ZERO3_LAYER}/{n}"
+        return self._measured_layer(ZERO3_LAYER, weight_bytes, n, inter_node)
+
+    def tp_layer(self, message_bytes, n: int, inter_node: bool = False):
+        """Seconds tensor parallelism over ``n`` GPUs adds to one layer's forward + backward where
+        `mist profile` measured it as the engine runs it (megatron-core's layer split over ``n``
+        processes against one rank's share alone: its two all-reduces each way, and the waits
+        between the ranks' compute that back-to-back collectives do not have), by the bytes of one
+        of those all-reduces; None where it did not (then the collectives price it)."""
+        return self._measured_layer(TP_LAYER, message_bytes, n, inter_node)
+
+    def _measured_layer(self, mechanism: str, nbytes, n: int, inter_node: bool):
+        key = f"{mechanism}/{n}"
         if n <= 1 or inter_node or key not in self.collectives:
             return None
-        return np.maximum(self.collectives[key](np.asarray(weight_bytes, float)), 0.0)
+        return np.maximum(self.collectives[key](np.asarray(nbytes, float)), 0.0)
 
     def p2p(self, nbytes: float, cluster: ClusterSpec, inter_node: bool = False) -> float:
         """Seconds of one point-to-point message between neighbouring pipeline stages: the fitted

@@ -121,6 +121,13 @@ def _layer_numbers(st: Setting) -> LayerNumbers:
         + coll("reduce_scatter", float(c["tp_reduce_scatter"]) / 2, t, st.cluster) * 2
     )
     comm_b = comm_f + coll("all_gather", float(c["tp_all_gather"]) / 2, t, st.cluster) * 2
+    # Where the engine's TP layer was measured whole (four all-reduces, two each way, with the waits
+    # between them) that prices them; half forward, which recomputation repeats
+    messages = 1 if m.parallel_block else 2  # the forward's all-reduces (backward mirrors them)
+    message = float(c["tp_all_reduce"]) / messages
+    measured = None if st.sequence_parallel else st.runtime.tp_layer(message, t)
+    if measured is not None:
+        comm_f = comm_b = messages * float(measured) / 4
     head = {k: value(expr, m, b, m.seq, t) for k, expr in head_costs(m).items()}
     head_fwd, head_bwd = st.runtime.head_times(m, b, m.seq, t)
     embed_fwd, embed_bwd = st.runtime.embedding_times(m, b, m.seq, t)
