@@ -134,7 +134,7 @@ def run_engine(run: Run, setup: EngineSetup) -> ResultFile:
     import torch
 
     from mist import model
-    from mist.engine.profiler import write_collectives, write_fsdp_layers, write_profiles, write_tp_layers
+    from mist.engine.profiler import write_collectives, write_profiles, write_tp_layers, write_zero_layers
     from mist.model.calibrate import calibrate
 
     store = run.file(f"{setup.name}.json", setup.device, config={"profile": setup.profile})
@@ -153,10 +153,13 @@ def run_engine(run: Run, setup: EngineSetup) -> ResultFile:
                 # gloo's latency here drifts between modes (~0.3 ms or ~4 ms a call): the median of
                 # 8 interleaved windows of 10 calls a point
                 write_collectives(profiles, setup.processes, setup.device, repeats=10, rounds=8)
-                # ZeRO-3 and TP as the engine runs them, on one layer: not only their collectives
-                if any(st.get("zero", 0) == 3 for plan in setup.plans.values() for st in plan["stages"]):
-                    write_fsdp_layers(profiles, setup.processes, setup.device, spec.hidden, spec.heads,
-                                      spec.seq, setup.micro_batch, dtype)  # fmt: skip
+                # ZeRO-2, ZeRO-3 and TP as the engine runs them, on a layer: not only their collectives
+                for stage in sorted(
+                    {st.get("zero", 0) for plan in setup.plans.values() for st in plan["stages"]}
+                ):
+                    if stage >= 2:
+                        write_zero_layers(stage, profiles, setup.processes, setup.device, spec.hidden,
+                                          spec.heads, spec.seq, setup.micro_batch, dtype)  # fmt: skip
                 if any(plan["tp"] == setup.processes for plan in setup.plans.values()):
                     write_tp_layers(profiles, setup.processes, setup.device, spec.hidden, spec.heads,
                                     spec.seq, prof["micro_batches"], dtype)  # fmt: skip

@@ -258,7 +258,7 @@ def cmd_calibrate(args) -> int:
 def cmd_profile(args) -> int:
     import torch
 
-    from .engine.profiler import write_collectives, write_fsdp_layers, write_profiles, write_tp_layers
+    from .engine.profiler import write_collectives, write_profiles, write_tp_layers, write_zero_layers
 
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print(f"error: --device {args.device}: no CUDA device here", file=sys.stderr)
@@ -286,10 +286,11 @@ def cmd_profile(args) -> int:
     for n in args.collectives:
         written = write_collectives(Path(args.out), n, args.device, args.repeats)
         print(f"  collectives among {n} processes: {len(written)} files", flush=True)
-        if args.heads % 2 == 0:  # ZeRO-3 as the engine runs it (FSDP2 on the layer), at two sizes
-            write_fsdp_layers(Path(args.out), n, args.device, args.hidden, args.heads, args.seq,
-                              min(args.micro_batches), dtype)  # fmt: skip
-            print(f"  ZeRO-3 (FSDP2) on the layer among {n} processes", flush=True)
+        if args.heads % 2 == 0:  # ZeRO-2 and -3 as the engine runs them, on the layer at two sizes
+            for stage in (2, 3):
+                write_zero_layers(stage, Path(args.out), n, args.device, args.hidden, args.heads, args.seq,
+                                  min(args.micro_batches), dtype)  # fmt: skip
+            print(f"  ZeRO-2 and ZeRO-3 on the layer among {n} processes", flush=True)
         if args.heads % n == 0:  # tensor parallelism as the engine runs it (the layer split n ways)
             write_tp_layers(Path(args.out), n, args.device, args.hidden, args.heads, args.seq,
                             args.micro_batches, dtype)  # fmt: skip

@@ -356,15 +356,17 @@ def test_memory_bound_classes_fitted_to_profiles_of_shapes_within_the_cache():
     assert "dropout" not in on_gpu.curves
 
 
-def test_zero3_priced_by_the_measured_fsdp_layer_where_profiled():
-    """Where `mist profile` measured ZeRO-3 as the engine runs it (FSDP2 on the layer, a line over
-    the layer's weight bytes), a ZeRO-3 stage's layers cost that, exposed (in compute), instead of
-    two gathers and a reduce-scatter each on the overlappable channel; ZeRO-0..2 and the embedding
-    and head are priced as before. Negative control: without the measured line nothing changes."""
+@pytest.mark.parametrize("stage", [2, 3])
+def test_zero_priced_by_the_measured_layer_where_profiled(stage):
+    """Where `mist profile` measured ZeRO-2 or -3 as the engine runs it (on megatron-core's layer:
+    ZeRO-3 FSDP2, ZeRO-2 the engine's reductions to each layer's owner; a line over the layer's
+    weight bytes), a stage's layers at that ZeRO stage cost that, exposed (in compute), instead
+    of their collectives on the overlappable channel; other stages and the embedding and head are
+    priced as before. Negative control: without the measured line nothing changes."""
     import dataclasses
 
     from mist.model.budget import gpu_budget_bytes
-    from mist.model.runtime import ZERO3_LAYER, Line
+    from mist.model.runtime import ZERO2_LAYER, ZERO3_LAYER, Line
     from mist.tuning.planner import cost_models
     from mist.tuning.stage_cost import SearchSpace, Setting, evaluate_stage, layer_numbers, strategy_grid
 
@@ -378,38 +380,47 @@ def test_zero3_priced_by_the_measured_fsdp_layer_where_profiled():
     first, last = bool(rng.integers(2)), bool(rng.integers(2))
     base = evaluate_stage(st, ln, layers, 1, first, last, grid, g)
     line = Line(float(rng.uniform(1e-4, 1e-2)), float(rng.uniform(1e9, 1e11)))
-    rt = dataclasses.replace(st.runtime, collectives={**st.runtime.collectives, f"{ZERO3_LAYER}/{dp}": line})
+    key = f"{ZERO2_LAYER if stage == 2 else ZERO3_LAYER}/{dp}"
+    rt = dataclasses.replace(st.runtime, collectives={**st.runtime.collectives, key: line})
     priced = evaluate_stage(dataclasses.replace(st, runtime=rt), ln, layers, 1, first, last, grid, g)
-    z3 = grid["zero"] >= 3
+    at_stage = grid["zero"] == stage
     np.testing.assert_allclose(
         priced["compute"] - base["compute"],
-        np.where(z3, layers * float(line(2.0 * ln.params)), 0.0),
+        np.where(at_stage, layers * float(line(2.0 * ln.params)), 0.0),
         rtol=1e-9,
     )
-    np.testing.assert_array_equal(priced["steady"][~z3], base["steady"][~z3])
+    np.testing.assert_array_equal(priced["steady"][~at_stage], base["steady"][~at_stage])
     np.testing.assert_array_equal(priced["memory"], base["memory"])
-    assert rt.zero3_layer(1e6, dp, inter_node=True) is None and st.runtime.zero3_layer(1e6, dp) is None
+    measured = rt.zero2_layer if stage == 2 else rt.zero3_layer
+    assert measured(1e6, dp) is not None and measured(1e6, dp, inter_node=True) is None
+    assert st.runtime.zero2_layer(1e6, dp) is None and st.runtime.zero3_layer(1e6, dp) is None
 
 
-def test_zero3_benchmark_written_as_a_collective_and_fitted(tmp_path):
-    """`mist profile --collectives 2` also times ZeRO-3 as the engine runs it (FSDP2 on megatron-core's
-    layer, 2 gloo processes) at the layer's size and half of it, in the collectives' file format,
-    which calibrate fits into the line stage_cost prices ZeRO-3 layers by."""
+@pytest.mark.parametrize("stage", [2, 3])
+def test_zero_benchmark_written_as_a_collective_and_fitted(tmp_path, stage):
+    """`mist profile --collectives 2` also times ZeRO-2 and -3 as the engine runs them (on
+    megatron-core's layer, 2 gloo processes) at the layer's size and half of it, in the
+    collectives' file format, which calibrate fits into the line stage_cost prices such layers
+    by. Other stages are refused before any process starts."""
     import torch
 
-    from mist.engine.profiler import write_fsdp_layers
+    from mist.engine.profiler import profile_zero_layers, write_zero_layers
     from mist.model.calibrate import fit_runtime_model
     from mist.model.profile_data import read_collectives
-    from mist.model.runtime import ZERO3_LAYER
+    from mist.model.runtime import ZERO2_LAYER, ZERO3_LAYER
 
-    write_fsdp_layers(tmp_path, 2, "cpu", 64, 4, 16, 1, torch.bfloat16, repeats=3)
-    rows = read_collectives(tmp_path)[(ZERO3_LAYER, 2)]
+    write_zero_layers(stage, tmp_path, 2, "cpu", 64, 4, 16, 1, torch.bfloat16, repeats=2, rounds=2)
+    name = ZERO2_LAYER if stage == 2 else ZERO3_LAYER
+    rows = read_collectives(tmp_path)[(name, 2)]
     (small, t_small), (large, t_large) = sorted(rows)
     assert (
         large == pytest.approx(2 * small, rel=0.05) and t_small >= 0 and t_large >= 0
     )  # 12h^2 x 2 B, halved
-    rm = fit_runtime_model([], {(ZERO3_LAYER, 2): rows}, "cpu", "test")
-    assert rm.zero3_layer(large, 2) is not None and rm.zero3_layer(large, 1) is None
+    rm = fit_runtime_model([], {(name, 2): rows}, "cpu", "test")
+    measured = rm.zero2_layer if stage == 2 else rm.zero3_layer
+    assert measured(large, 2) is not None and measured(large, 1) is None
+    with pytest.raises(ValueError, match="stages 2 and 3"):
+        profile_zero_layers(1, 2, "cpu", 64, 4, 16, 1, torch.bfloat16)
 
 
 def test_tp_priced_by_the_measured_tp_layer_where_profiled():

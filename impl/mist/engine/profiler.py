@@ -40,7 +40,7 @@ from measure.timing import time_fn
 from measure.units import MiB
 
 from ..model.profile_data import EMBEDDING_OP, FINAL_NORM_OP, FRAMEWORK_OP, HEAD_OP
-from ..model.runtime import TP_LAYER, ZERO3_LAYER
+from ..model.runtime import TP_LAYER, ZERO2_LAYER, ZERO3_LAYER
 
 
 def _ops(b: int, s: int, h: int, heads: int, tp: int, dtype, device) -> list[tuple[str, Callable, list]]:
@@ -241,31 +241,41 @@ def write_collectives(out: Path, n: int, device: str, repeats: int = 10, rounds:
     return written
 
 
-class _Root(nn.Module):
-    """The module FSDP2's root wraps in the ZeRO-3 benchmark, around the layer: in the engine the
-    root is the whole model (it holds the embedding and the head), and only a layer that is not
-    the root frees its gathered weights after forward and gathers them again for backward."""
+class _Layers(nn.Module):
+    """The layers of a ZeRO benchmark in sequence, as one module: FSDP2's root in the ZeRO-3 one. In
+    the engine the root is the whole model (it holds the embedding and the head), and only a layer
+    that is not the root frees its gathered weights after forward and gathers them again for
+    backward."""
 
-    def __init__(self, layer: nn.Module) -> None:
+    def __init__(self, layers: list[nn.Module]) -> None:
         super().__init__()
-        self.layer = layer
+        self.layers = nn.ModuleList(layers)
 
-    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor):
-        return self.layer(x, attention_mask=attention_mask)
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x, attention_mask=attention_mask)
+            x = x[0] if isinstance(x, tuple) else x
+        return x
 
 
-def _fsdp_worker(
-    rank: int, n: int, port: int, device: str, shapes: list, dtype, repeats: int, rounds: int, out
-) -> None:
-    """One rank of ``profile_fsdp_layers``: per shape, megatron-core's layer timed forward +
-    backward plain and under FSDP2 (as mist.engine.run shards it), all ranks at once."""
+def _zero_worker(
+    rank: int, n: int, port: int, device: str, stage: int, shapes: list, dtype, repeats: int, rounds: int,
+    out,
+) -> None:  # fmt: skip
+    """One rank of ``profile_zero_layers``: per shape, megatron-core's layers timed forward +
+    backward plain and sharded as mist.engine.run shards them, interleaved, all ranks at once."""
     import torch.distributed as dist
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.spec_utils import build_module
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
 
+    from .zero import ShardedMasterAdamW
+
     dev = _init_rank(rank, n, port, device)
+    # ZeRO-2 reduces each layer's gradients to the layer's owner: n layers, one owned by each rank
+    # (as the engine's equal layers are shared out); ZeRO-3 is the same on every layer: one
+    count = n if stage == 2 else 1
     calls, weight_bytes = {}, {}
     try:
         with _megatron_state():  # DP = n: the group is this one
@@ -275,61 +285,79 @@ def _fsdp_worker(
                 config = _megatron_config(h, heads, tp, dtype)
                 for sharded in (False, True):
                     torch.manual_seed(0)
-                    layer = build_module(get_gpt_layer_local_spec(), config=config, layer_number=1)
-                    layer = layer.to(dev, dtype)  # every parameter in it, as megatron's Float16Module
-                    weight_bytes[shape] = sum(p.numel() * p.element_size() for p in layer.parameters())
-                    module = _Root(layer)
-                    if sharded:  # as shard_parameters: each layer, then the root
-                        fully_shard(layer, mesh=mesh)
+                    layers = [
+                        build_module(get_gpt_layer_local_spec(), config=config, layer_number=i + 1).to(
+                            dev, dtype
+                        )
+                        for i in range(count)
+                    ]  # every parameter in them in the layer's dtype, as megatron's Float16Module
+                    weight_bytes[shape] = sum(p.numel() * p.element_size() for p in layers[0].parameters())
+                    module, optimizer = _Layers(layers), None
+                    if sharded and stage == 3:  # as shard_parameters: each layer, then the root
+                        for layer in layers:
+                            fully_shard(layer, mesh=mesh)
                         fully_shard(module, mesh=mesh)
+                    if sharded and stage == 2:  # the engine's optimizer: its backward hooks reduce
+                        buckets = [list(layer.parameters()) for layer in layers]
+                        optimizer = ShardedMasterAdamW(buckets, dist.group.WORLD, 1e-3, shard_grads=True)
                     x = torch.randn(s, b, h, dtype=dtype, device=dev, requires_grad=True)
                     mask = torch.ones(1, 1, s, s, dtype=torch.bool, device=dev).tril().logical_not()
                     grad = torch.randn(s, b, h, dtype=dtype, device=dev)
 
-                    def step(module=module, x=x, mask=mask, grad=grad):
-                        y = module(x, attention_mask=mask)
-                        (y[0] if isinstance(y, tuple) else y).backward(grad)
+                    def step(module=module, optimizer=optimizer, x=x, mask=mask, grad=grad):
+                        module(x, attention_mask=mask).backward(grad)
+                        # every micro-batch as the first: accumulating into earlier gradients is
+                        # priced apart (stage_cost's gradient accumulation), for either variant
+                        module.zero_grad(set_to_none=True)
+                        if optimizer is not None:
+                            optimizer.reduced.clear()
 
                     calls[shape, sharded] = step
             seconds = _interleaved_seconds_all_ranks(calls, repeats, rounds, dev)
     finally:
         dist.destroy_process_group()
-    if rank == 0:
-        out.put([(weight_bytes[shape], seconds[shape, True] - seconds[shape, False]) for shape in shapes])
+    if rank == 0:  # a layer's share of what sharding added
+        out.put([(weight_bytes[sh], (seconds[sh, True] - seconds[sh, False]) / count) for sh in shapes])
 
 
-def profile_fsdp_layers(
-    n: int, device: str, hidden: int, heads: int, seq: int, micro_batch: int, dtype: torch.dtype,
+def profile_zero_layers(
+    stage: int, n: int, device: str, hidden: int, heads: int, seq: int, micro_batch: int, dtype: torch.dtype,
     repeats: int = 5, rounds: int = 10,
 ) -> list[tuple[float, float]]:  # fmt: skip
-    """What ZeRO-3 adds to one layer's forward + backward among ``n`` processes, as mist.engine.run
-    runs it (FSDP2 over the data-parallel group, the layer not its root: the weights gathered for
-    forward and again for backward, the gradients reduce-scattered, its copies in and out):
-    [(the layer's full weight bytes, seconds)] for the layer and for one TP-2 rank's share of it
-    (two sizes: a line can be fitted). A
-    micro-benchmark of the mechanism, like the collectives': on this project's 2-core CPU it costs
-    about three times the raw collectives it issues (FSDP2's copies, and waiting for the other rank)."""
+    """What ZeRO ``stage`` (2 or 3) adds to one layer's forward + backward among ``n`` processes,
+    as mist.engine.run runs it: [(the layer's full weight bytes, seconds)] for the layer and for
+    one TP-2 rank's share of it (two sizes: a line can be fitted). A micro-benchmark of the
+    mechanism, like the collectives', that prices what they miss (the copies, hooks, and waits
+    for the other ranks inside backward):
+
+    * ZeRO-3: FSDP2 over the data-parallel group, the layer not its root: the weights gathered
+      for forward and again for backward, the gradients reduce-scattered, its copies in and out
+      (on this project's 2-core CPU about three times the raw collectives it issues);
+    * ZeRO-2: the engine's ShardedMasterAdamW, whose backward hooks reduce each layer's gradients
+      to the layer's owner in one message as backward makes them, blocking."""
     import torch.multiprocessing as mp
 
+    if stage not in (2, 3):
+        raise ValueError(f"the ZeRO layer benchmark is for stages 2 and 3, got {stage}")
     if n < 2:
-        raise ValueError(f"ZeRO-3 needs at least 2 processes, got {n}")
+        raise ValueError(f"ZeRO-{stage} needs at least 2 processes, got {n}")
     if heads % 2:
-        raise ValueError(f"the ZeRO-3 benchmark halves the layer (heads / 2): heads {heads} is odd")
+        raise ValueError(f"the ZeRO-{stage} benchmark halves the layer (heads / 2): heads {heads} is odd")
     if device.startswith("cuda") and n > torch.cuda.device_count():
         raise ValueError(f"{n} processes need {n} GPUs; this machine has {torch.cuda.device_count()}")
     shapes = [(micro_batch, seq, hidden, heads, tp) for tp in (1, 2)]
     ctx = mp.get_context("spawn")
     out = ctx.SimpleQueue()
-    mp.start_processes(_fsdp_worker, (n, free_port(), device, shapes, dtype, repeats, rounds, out), nprocs=n,
-                       start_method="spawn")  # fmt: skip
+    args = (n, free_port(), device, stage, shapes, dtype, repeats, rounds, out)
+    mp.start_processes(_zero_worker, args, nprocs=n, start_method="spawn")
     return out.get()
 
 
-def write_fsdp_layers(out: Path, n: int, device: str, *args, **kwargs) -> Path:
-    """``profile_fsdp_layers`` into ``out`` as a collective's file (the layer's weights as the size)."""
-    return _write_layer_line(
-        out / f"prim_gpt_local_{ZERO3_LAYER}_{n}gpus.csv", profile_fsdp_layers(n, device, *args, **kwargs)
-    )
+def write_zero_layers(stage: int, out: Path, n: int, device: str, *args, **kwargs) -> Path:
+    """``profile_zero_layers`` into ``out`` as a collective's file (the layer's weights as the size)."""
+    name = {2: ZERO2_LAYER, 3: ZERO3_LAYER}.get(stage, f"zero{stage}")  # (other stages are refused)
+    rows = profile_zero_layers(stage, n, device, *args, **kwargs)
+    return _write_layer_line(out / f"prim_gpt_local_{name}_{n}gpus.csv", rows)
 
 
 def _tp_worker(rank: int, n: int, port: int, device: str, shapes: list, dtype, repeats: int, rounds: int,

@@ -62,7 +62,9 @@ COMM_INSIDE = {
     ("enc-MLP-GEMM-1", 1),
 }
 # `mist profile`'s benchmarks of a mechanism on one whole layer, filed with the collectives' lines:
-# ZeRO-3 (FSDP2 on the layer) and tensor parallelism (megatron-core's TP layer)
+# ZeRO-2 (the engine's gradient reductions to each layer's owner), ZeRO-3 (FSDP2 on the layer) and
+# tensor parallelism (megatron-core's TP layer)
+ZERO2_LAYER = "grad_shard_layer"
 ZERO3_LAYER = "fsdp_layer"
 TP_LAYER = "tp_layer"
 DEFAULT_EFFICIENCY = {"gemm": 0.7, "bmm": 0.5, "attention": 0.5, "memory": 0.7}  # roofline fallback
@@ -202,6 +204,13 @@ class RuntimeModel:
         gathers, the reduce-scatter, its copies and waits, whatever it overlaps already taken out),
         by the layer's full weight bytes; None where it did not (then the collectives price it)."""
         return self._measured_layer(ZERO3_LAYER, weight_bytes, n, inter_node)
+
+    def zero2_layer(self, weight_bytes, n: int, inter_node: bool = False):
+        """Seconds ZeRO-2 adds to one layer's backward among ``n`` GPUs where `mist profile`
+        measured the engine's mechanism (the layer's gradients reduced to its owner in one message
+        from a backward hook: the copy, the reduction, the wait for the other ranks), by the
+        layer's full weight bytes; None where it did not (then a reduce-scatter prices it)."""
+        return self._measured_layer(ZERO2_LAYER, weight_bytes, n, inter_node)
 
     def tp_layer(self, message_bytes, n: int, inter_node: bool = False):
         """Seconds tensor parallelism over ``n`` GPUs adds to one layer's forward + backward where

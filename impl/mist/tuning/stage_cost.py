@@ -250,17 +250,22 @@ def evaluate_stage(
     layer_w_full, edge_w_full = 2.0 * ln.params, 2.0 * edge_params
     g2g = 0.0
     if d > 1:  # ZeRO-3 gathers weights for forward and backward; ZeRO-2/3 reduce-scatter gradients
-        measured = rt.zero3_layer(layer_w_full, d, across)
+        # Where the engine's ZeRO-2 or -3 was measured whole on a layer (collectives, copies, waits)
+        # that prices a layer: time it is exposed for, added to compute rather than overlapped again
+        zero3 = rt.zero3_layer(layer_w_full, d, across)
+        zero2 = rt.zero2_layer(layer_w_full, d, across)
         for count, full, zero, is_layer in ((layers, layer_w_full, z, True), (1, edge_w_full, ez, False)):
             gather = rt.collective("all_gather", full, d, cl, across)
             scatter = rt.collective("reduce_scatter", full, d, cl, across)
-            if is_layer and measured is not None:
-                # the engine's ZeRO-3 measured whole (FSDP2's collectives, copies and waits): time the
-                # layer is exposed for, so it adds to compute rather than overlapping with it again
-                compute = compute + count * np.where(zero >= 3, measured, 0.0)
-                g2g = g2g + count * np.where(zero == 2, scatter, 0.0)
-                continue
-            g2g = g2g + count * (np.where(zero >= 3, 2 * gather, 0.0) + np.where(zero >= 2, scatter, 0.0))
+            z3 = zero >= 3
+            z2 = zero == 2
+            if is_layer and zero3 is not None:
+                compute = compute + count * np.where(z3, zero3, 0.0)
+                z3 = False
+            if is_layer and zero2 is not None:
+                compute = compute + count * np.where(z2, zero2, 0.0)
+                z2 = False
+            g2g = g2g + count * (np.where(z3, 2 * gather + scatter, 0.0) + np.where(z2, scatter, 0.0))
     act_swapped = ao * ((layers - r) * ln.saved + r * ln.layer_input)
     h2d_bw = st.interference.host_rate("h2d", cl.gpu.host_bw)
     d2h_bw = st.interference.host_rate("d2h", cl.gpu.host_bw)
