@@ -291,7 +291,7 @@ def cmd_profile(args) -> int:
                 write_zero_layers(stage, Path(args.out), n, args.device, args.hidden, args.heads, args.seq,
                                   min(args.micro_batches), dtype)  # fmt: skip
             print(f"  ZeRO-2 and ZeRO-3 on the layer among {n} processes", flush=True)
-        if args.heads % n == 0:  # tensor parallelism as the engine runs it (the layer split n ways)
+        if args.heads % n == 0 and len(set(args.micro_batches)) >= 2:  # TP as the engine runs it
             write_tp_layers(Path(args.out), n, args.device, args.hidden, args.heads, args.seq,
                             args.micro_batches, dtype)  # fmt: skip
             print(f"  tensor parallelism on the layer over {n} processes", flush=True)
@@ -410,8 +410,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument(
         "--collectives", type=int, nargs="*", default=[], metavar="N",
-        help="also benchmark all-reduce/all-gather/reduce-scatter among N local processes, and ZeRO-3 "
-        "and TP on the layer as mist.engine.run runs them (where the heads split N ways)",
+        help="also benchmark all-reduce/all-gather/reduce-scatter among N local processes, and ZeRO-2, "
+        "ZeRO-3 and TP on the layer as mist.engine.run runs them (TP: where the heads split N ways "
+        "and --micro-batches has two or more)",
     )  # fmt: skip
     p.set_defaults(fn=cmd_profile)
     p = sub.add_parser("profile-host", help="measure this host's CPU Adam step (what offloading prices)")

@@ -389,6 +389,17 @@ def test_zero_priced_by_the_measured_layer_where_profiled(stage):
         np.where(at_stage, layers * float(line(2.0 * ln.params)), 0.0),
         rtol=1e-9,
     )
+    # ...and their collectives leave the overlappable channel (priced once, not twice)
+    full = 2.0 * ln.params
+    collectives = rt.collective("reduce_scatter", full, dp, c)
+    if stage == 3:
+        collectives = collectives + 2 * rt.collective("all_gather", full, dp, c)
+    np.testing.assert_allclose(
+        base["g2g"] - priced["g2g"],
+        np.where(at_stage, layers * float(collectives), 0.0),
+        rtol=1e-9,
+        atol=1e-15,
+    )
     np.testing.assert_array_equal(priced["steady"][~at_stage], base["steady"][~at_stage])
     np.testing.assert_array_equal(priced["memory"], base["memory"])
     measured = rt.zero2_layer if stage == 2 else rt.zero3_layer
@@ -425,15 +436,15 @@ def test_zero_benchmark_written_as_a_collective_and_fitted(tmp_path, stage):
 
 def test_tp_priced_by_the_measured_tp_layer_where_profiled():
     """Where `mist profile` measured tensor parallelism as the engine runs it (megatron-core's layer
-    split over the processes, a line over one all-reduce's bytes), a layer's TP communication is
-    that line, half forward (recomputation repeats it) and half backward, instead of four
-    back-to-back all-reduces; under sequence parallelism (other collectives) and for a parallel
-    block (one all-reduce each way: half of it) accordingly. Negative control: without the
-    measured line nothing changes."""
+    split over the processes; lines over one all-reduce's bytes for the forward and for forward +
+    backward), a layer's TP communication is those lines, forward (which recomputation repeats)
+    and the rest backward, instead of back-to-back all-reduces; not under sequence parallelism
+    (other collectives); a parallel block (one all-reduce each way) pays half. Negative control:
+    lines measured for another TP size change nothing."""
     import dataclasses
 
     from mist.model.budget import gpu_budget_bytes
-    from mist.model.runtime import TP_LAYER
+    from mist.model.runtime import TP_LAYER, TP_LAYER_FORWARD
     from mist.tuning.planner import cost_models
     from mist.tuning.stage_cost import Setting, layer_numbers
 
@@ -441,26 +452,35 @@ def test_tp_priced_by_the_measured_tp_layer_where_profiled():
     gpu = str(rng.choice(["l4", "a10g", "a100-40gb"]))
     c = cluster(gpu, 8)
     tp, b = int(rng.choice([2, 4])), int(rng.integers(1, 5))
-    line = Line(float(rng.uniform(1e-4, 1e-2)), float(rng.uniform(1e9, 1e11)))
+    both = Line(float(rng.uniform(1e-3, 1e-2)), float(rng.uniform(1e9, 1e11)))
+    share = float(rng.uniform(0.2, 0.8))  # of forward + backward, the forward's
+    forward = Line(both.c0 * share, both.rate / share)
     for name, parallel_block in (("gpt3-1.3b", False), ("falcon-7b", True)):
         m = model(name)
         assert m.parallel_block == parallel_block
         for sp in (False, True):
             st = Setting(m, c, *cost_models(c), tp, 1, b, gpu_budget_bytes(c), 2, sp=sp)
             base = layer_numbers(st)
-            measured = {**st.runtime.collectives, f"{TP_LAYER}/{tp}": line}
-            rt = dataclasses.replace(st.runtime, collectives=measured)
-            priced = layer_numbers(dataclasses.replace(st, runtime=rt))
+
+            def priced(t: int, st=st):
+                lines = {f"{TP_LAYER}/{t}": both, f"{TP_LAYER_FORWARD}/{t}": forward}
+                rt = dataclasses.replace(st.runtime, collectives={**st.runtime.collectives, **lines})
+                return layer_numbers(dataclasses.replace(st, runtime=rt)), rt
+
+            assert priced(2 * tp)[0] == base  # measured for another TP size
+            with_lines, rt = priced(tp)
             if sp:  # the benchmark's layer all-reduces: it does not price SP's collectives
-                assert priced == base
+                assert with_lines == base
                 continue
             messages = 1 if parallel_block else 2
             message = 2.0 * b * m.seq * m.hidden  # the layer's [s, b, h] output, bf16
-            expected = messages * float(line(message)) / 4
-            assert priced.tp_comm_fwd == pytest.approx(expected, rel=1e-9)
-            assert priced.fwd - base.fwd == pytest.approx(expected - base.tp_comm_fwd, rel=1e-9, abs=1e-15)
-            assert priced.bwd - priced.fwd == pytest.approx(base.bwd - base.fwd, rel=1e-9, abs=1e-12)
-            assert priced.saved == base.saved and priced.params == base.params
+            comm_f = messages * float(forward(message)) / 2
+            comm_b = messages * (float(both(message)) - float(forward(message))) / 2
+            assert with_lines.tp_comm_fwd == pytest.approx(comm_f, rel=1e-9)
+            assert with_lines.fwd - base.fwd == pytest.approx(comm_f - base.tp_comm_fwd, rel=1e-9, abs=1e-15)
+            # backward's compute unchanged (without SP, backward's all-reduces mirror forward's)
+            assert with_lines.bwd - comm_b == pytest.approx(base.bwd - base.tp_comm_fwd, rel=1e-9)
+            assert with_lines.saved == base.saved and with_lines.params == base.params
     # one process, or across nodes: not measured, so the collectives price it
     assert rt.tp_layer(1e6, 1) is None and rt.tp_layer(1e6, tp, inter_node=True) is None
 
@@ -468,24 +488,30 @@ def test_tp_priced_by_the_measured_tp_layer_where_profiled():
 def test_tp_benchmark_written_as_a_collective_and_fitted(tmp_path):
     """`mist profile --collectives 2` also times TP as the engine runs it: megatron-core's layer
     split over 2 gloo processes against one rank's share alone, per micro-batch, by one
-    all-reduce's bytes, in the collectives' file format, which calibrate fits into the line
-    layer_numbers prices TP layers by. Heads that do not split are refused before any process."""
+    all-reduce's bytes, forward + backward and the forward alone, in the collectives' file format,
+    which calibrate fits into the lines layer_numbers prices TP layers by. Heads that do not split,
+    or a single micro-batch (no line to fit), are refused before any process starts."""
     import torch
 
     from mist.engine.profiler import profile_tp_layers, write_tp_layers
     from mist.model.calibrate import fit_runtime_model
     from mist.model.profile_data import read_collectives
-    from mist.model.runtime import TP_LAYER
+    from mist.model.runtime import TP_LAYER, TP_LAYER_FORWARD
 
     rng = np.random.default_rng()
     seq = int(rng.choice([8, 16]))
     micro_batches = sorted(rng.choice([1, 2, 3], size=2, replace=False).tolist())
-    write_tp_layers(tmp_path, 2, "cpu", 64, 4, seq, micro_batches, torch.bfloat16, repeats=2, rounds=2)
-    rows = sorted(read_collectives(tmp_path)[(TP_LAYER, 2)])
+    write_tp_layers(tmp_path, 2, "cpu", 64, 4, seq, micro_batches, torch.bfloat16, repeats=2, rounds=3)
+    measured = read_collectives(tmp_path)
+    rows = sorted(measured[(TP_LAYER, 2)])
     # (sizes are written in MB to 6 decimals)
     assert [size for size, _ in rows] == pytest.approx([2.0 * b * seq * 64 for b in micro_batches], rel=1e-3)
-    assert all(sec >= 0 for _, sec in rows)
-    rm = fit_runtime_model([], {(TP_LAYER, 2): rows}, "cpu", "test")
+    # four gloo all-reduces a layer cost something (~1 ms here) however small the layer
+    assert all(sec > 0 for _, sec in rows)
+    assert sorted(size for size, _ in measured[(TP_LAYER_FORWARD, 2)]) == [size for size, _ in rows]
+    rm = fit_runtime_model([], measured, "cpu", "test")
     assert rm.tp_layer(rows[-1][0], 2) is not None and rm.tp_layer(rows[-1][0], 1) is None
     with pytest.raises(ValueError, match="not a multiple"):
-        profile_tp_layers(2, "cpu", 60, 3, seq, [1], torch.bfloat16)
+        profile_tp_layers(2, "cpu", 60, 3, seq, [1, 2], torch.bfloat16)
+    with pytest.raises(ValueError, match="two or more"):
+        profile_tp_layers(2, "cpu", 64, 4, seq, [2, 2], torch.bfloat16)

@@ -15,10 +15,11 @@ costs beyond the sum of its ops (framework overhead) is written as one more row.
 ``--collectives 2 4`` also benchmarks all-reduce, all-gather and reduce-scatter among that many
 local processes (gloo on a CPU, NCCL on GPUs), written as the artifact's ``prim_gpt_*`` files,
 so collectives are priced by this machine's measured lines rather than the preset's link, and
-two mechanisms as the engine runs them, on one whole layer: ZeRO-3 (FSDP2 on the layer at two
-sizes, ``prim_gpt_local_fsdp_layer_*``) and tensor parallelism (megatron-core's layer split over
-the processes, per micro-batch, ``prim_gpt_local_tp_layer_*``), which price a ZeRO-3 or TP layer
-by what it measurably adds rather than by its collectives timed back to back. Every such point is
+three mechanisms as the engine runs them, on whole layers: ZeRO-2 (its reductions of each
+layer's gradients to the layer's owner, ``prim_gpt_local_grad_shard_layer_*``) and ZeRO-3 (FSDP2,
+``prim_gpt_local_fsdp_layer_*``) at two sizes, and tensor parallelism (megatron-core's layer split
+over the processes, per micro-batch, ``prim_gpt_local_tp_layer[_forward]_*``), which price such a
+layer by what it measurably adds rather than by its collectives timed back to back. Every such point is
 the median of interleaved rounds: on a CPU gloo's latency drifts between modes over seconds.
 """
 
@@ -29,7 +30,7 @@ import csv
 import json
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from pathlib import Path
 
 import torch
@@ -40,7 +41,7 @@ from measure.timing import time_fn
 from measure.units import MiB
 
 from ..model.profile_data import EMBEDDING_OP, FINAL_NORM_OP, FRAMEWORK_OP, HEAD_OP
-from ..model.runtime import TP_LAYER, ZERO2_LAYER, ZERO3_LAYER
+from ..model.runtime import TP_LAYER, TP_LAYER_FORWARD, ZERO2_LAYER, ZERO3_LAYER
 
 
 def _ops(b: int, s: int, h: int, heads: int, tp: int, dtype, device) -> list[tuple[str, Callable, list]]:
@@ -141,7 +142,9 @@ def _window_seconds_all_ranks(call: Callable[[], object], repeats: int, dev: tor
     return float(mean)
 
 
-def _interleaved_seconds_all_ranks(calls: dict, repeats: int, rounds: int, dev: torch.device) -> dict:
+def _interleaved_seconds_all_ranks(
+    calls: dict[Hashable, Callable[[], object]], repeats: int, rounds: int, dev: torch.device
+) -> dict[Hashable, float]:
     """{key: seconds} of each of ``calls`` ({key: call}): per round, one window of ``repeats``
     back-to-back calls of each in turn (``_window_seconds_all_ranks``); the median window over
     ``rounds``. On a CPU gloo's latency drifts between modes (~0.3 to ~4 ms a call) over seconds:
@@ -234,10 +237,7 @@ def write_collectives(out: Path, n: int, device: str, repeats: int = 10, rounds:
             path.write_text(f"{sizes}\n{rates}\n")
             written.append(path)
             continue
-        path = out / f"prim_gpt_local_{name}_{n}gpus.csv"
-        lines = ["data_size(MB),time(ms)"] + [f"{b / MiB:.6f},{sec * 1e3:.4f}" for b, sec in rows]
-        path.write_text("\n".join(lines) + "\n")
-        written.append(path)
+        written.append(_write_line_csv(out / f"prim_gpt_local_{name}_{n}gpus.csv", rows))
     return written
 
 
@@ -300,9 +300,7 @@ def _zero_worker(
                     if sharded and stage == 2:  # the engine's optimizer: its backward hooks reduce
                         buckets = [list(layer.parameters()) for layer in layers]
                         optimizer = ShardedMasterAdamW(buckets, dist.group.WORLD, 1e-3, shard_grads=True)
-                    x = torch.randn(s, b, h, dtype=dtype, device=dev, requires_grad=True)
-                    mask = torch.ones(1, 1, s, s, dtype=torch.bool, device=dev).tril().logical_not()
-                    grad = torch.randn(s, b, h, dtype=dtype, device=dev)
+                    x, mask, grad = _layer_inputs(b, s, h, dtype, dev)
 
                     def step(module=module, optimizer=optimizer, x=x, mask=mask, grad=grad):
                         module(x, attention_mask=mask).backward(grad)
@@ -355,16 +353,25 @@ def profile_zero_layers(
 
 def write_zero_layers(stage: int, out: Path, n: int, device: str, *args, **kwargs) -> Path:
     """``profile_zero_layers`` into ``out`` as a collective's file (the layer's weights as the size)."""
-    name = {2: ZERO2_LAYER, 3: ZERO3_LAYER}.get(stage, f"zero{stage}")  # (other stages are refused)
-    rows = profile_zero_layers(stage, n, device, *args, **kwargs)
-    return _write_layer_line(out / f"prim_gpt_local_{name}_{n}gpus.csv", rows)
+    rows = profile_zero_layers(stage, n, device, *args, **kwargs)  # refuses stages other than 2 and 3
+    name = {2: ZERO2_LAYER, 3: ZERO3_LAYER}[stage]
+    return _write_line_csv(out / f"prim_gpt_local_{name}_{n}gpus.csv", rows)
+
+
+def _layer_inputs(
+    b: int, s: int, h: int, dtype: torch.dtype, dev: torch.device | str
+) -> tuple[torch.Tensor, ...]:
+    """A megatron-core layer's input ([s, b, h], megatron's order), causal mask and output gradient."""
+    x = torch.randn(s, b, h, dtype=dtype, device=dev, requires_grad=True)
+    mask = torch.ones(1, 1, s, s, dtype=torch.bool, device=dev).tril().logical_not()
+    return x, mask, torch.randn(s, b, h, dtype=dtype, device=dev)
 
 
 def _tp_worker(rank: int, n: int, port: int, device: str, shapes: list, dtype, repeats: int, rounds: int,
                out) -> None:  # fmt: skip
     """One rank of ``profile_tp_layers``: per shape, megatron-core's layer split over the ``n``
-    ranks (its own tensor parallelism) and one rank's share of it built alone, timed forward +
-    backward, interleaved, all ranks at once."""
+    ranks (its own tensor parallelism) and one rank's share of it built alone, timed forward
+    alone and forward + backward, interleaved, all ranks at once."""
     import torch.distributed as dist
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.spec_utils import build_module
@@ -377,40 +384,50 @@ def _tp_worker(rank: int, n: int, port: int, device: str, shapes: list, dtype, r
             with _megatron_state(tp=n if split else 1):
                 for shape in shapes:
                     b, s, h, heads = shape
-                    torch.manual_seed(0)  # megatron splits a TP-n layer's heads itself; the layer
-                    # keeps the groups of the state it is built in
+                    # megatron splits a TP-n layer's heads itself; a layer keeps the groups of
+                    # the state it is built in
+                    torch.manual_seed(0)
                     config = _megatron_config(h, heads, 1 if split else n, dtype)
                     module = build_module(get_gpt_layer_local_spec(), config=config, layer_number=1)
                     module = module.to(dev, dtype)
-                    x = torch.randn(s, b, h, dtype=dtype, device=dev, requires_grad=True)
-                    mask = torch.ones(1, 1, s, s, dtype=torch.bool, device=dev).tril().logical_not()
-                    grad = torch.randn(s, b, h, dtype=dtype, device=dev)
+                    x, mask, grad = _layer_inputs(b, s, h, dtype, dev)
 
-                    def step(module=module, x=x, mask=mask, grad=grad):
+                    def forward(module=module, x=x, mask=mask) -> torch.Tensor:
                         y = module(x, attention_mask=mask)
-                        (y[0] if isinstance(y, tuple) else y).backward(grad)
+                        return y[0] if isinstance(y, tuple) else y
 
-                    calls[shape, split] = step
+                    def both(module=module, forward=forward, grad=grad) -> None:
+                        forward().backward(grad)
+                        module.zero_grad(set_to_none=True)  # every call as the first (as ZeRO's)
+
+                    calls["forward", shape, split] = forward
+                    calls["both", shape, split] = both
                 if split:  # timed while TP n is the state (dropout's RNG tracker needs one)
                     seconds = _interleaved_seconds_all_ranks(calls, repeats, rounds, dev)
     finally:
         dist.destroy_process_group()
     if rank == 0:  # by one all-reduce's bytes: the layer's [s, b, h] output in the layer's dtype
         item = torch.empty((), dtype=dtype).element_size()
-        out.put([(b * s * h * item, seconds[(b, s, h, heads), True] - seconds[(b, s, h, heads), False])
-                 for b, s, h, heads in shapes])  # fmt: skip
+        added = {
+            (part, shape): seconds[part, shape, True] - seconds[part, shape, False]
+            for part, shape, _ in calls
+        }
+        out.put([(b * s * h * item, added["forward", shape], added["both", shape])
+                 for shape in shapes for b, s, h, _ in [shape]])  # fmt: skip
 
 
 def profile_tp_layers(
     n: int, device: str, hidden: int, heads: int, seq: int, micro_batches: list[int], dtype: torch.dtype,
     repeats: int = 5, rounds: int = 10,
-) -> list[tuple[float, float]]:  # fmt: skip
-    """What tensor parallelism over ``n`` processes adds to one layer's forward + backward as
-    mist.engine.run runs it (megatron-core's layer split over the ranks, against one rank's share
-    built alone and timed at the same time): [(bytes of one of its all-reduces, seconds)] per
-    micro-batch (a line can be fitted). A micro-benchmark of the mechanism, like ZeRO-3's: the
-    two all-reduces each way with the waits between the ranks' compute, which back-to-back
-    collectives do not have (on this project's 2-core CPU it costs less than four of them)."""
+) -> list[tuple[float, float, float]]:  # fmt: skip
+    """What tensor parallelism over ``n`` processes adds to one layer as mist.engine.run runs it
+    (megatron-core's layer split over the ranks, against one rank's share built alone and timed
+    at the same time): [(bytes of one of its all-reduces, seconds added to the forward, to
+    forward + backward)] per micro-batch (at least two: a line is fitted). A micro-benchmark of
+    the mechanism, like ZeRO's: the two all-reduces each way with the waits between the ranks'
+    compute, which back-to-back collectives do not have (on this project's 2-core CPU four of
+    them cost less inside the layer than back to back); the forward's part apart, because
+    recomputation repeats it and backward's all-reduces can overlap the weight gradients."""
     import torch.multiprocessing as mp
 
     if n < 2:
@@ -419,6 +436,9 @@ def profile_tp_layers(
         raise ValueError(
             f"the TP benchmark splits the heads over {n} processes: heads {heads} is not a multiple"
         )
+    if len(set(micro_batches)) < 2:
+        got = sorted(set(micro_batches))
+        raise ValueError(f"the TP benchmark fits a line over micro-batches: needs two or more, got {got}")
     if device.startswith("cuda") and n > torch.cuda.device_count():
         raise ValueError(f"{n} processes need {n} GPUs; this machine has {torch.cuda.device_count()}")
     shapes = [(b, seq, hidden, heads) for b in sorted(set(micro_batches))]
@@ -429,15 +449,19 @@ def profile_tp_layers(
     return out.get()
 
 
-def write_tp_layers(out: Path, n: int, device: str, *args, **kwargs) -> Path:
-    """``profile_tp_layers`` into ``out`` as a collective's file (one all-reduce's bytes as the size)."""
-    return _write_layer_line(
-        out / f"prim_gpt_local_{TP_LAYER}_{n}gpus.csv", profile_tp_layers(n, device, *args, **kwargs)
-    )
+def write_tp_layers(out: Path, n: int, device: str, *args, **kwargs) -> list[Path]:
+    """``profile_tp_layers`` into ``out`` as two collectives' files (one all-reduce's bytes as the
+    size): what TP adds to forward + backward, and to the forward alone."""
+    rows = profile_tp_layers(n, device, *args, **kwargs)
+    return [
+        _write_line_csv(out / f"prim_gpt_local_{TP_LAYER}_{n}gpus.csv", [(b, both) for b, _, both in rows]),
+        _write_line_csv(out / f"prim_gpt_local_{TP_LAYER_FORWARD}_{n}gpus.csv", [(b, f) for b, f, _ in rows]),
+    ]
 
 
-def _write_layer_line(path: Path, rows: list[tuple[float, float]]) -> Path:
-    """A mechanism's (bytes, seconds) rows in the collectives' file format, read back as a line."""
+def _write_line_csv(path: Path, rows: list[tuple[float, float]]) -> Path:
+    """(bytes, seconds) rows in the artifact's collective file format (a negative difference of two
+    timings is written as 0)."""
     lines = ["data_size(MB),time(ms)"] + [f"{b / MiB:.6f},{max(sec, 0.0) * 1e3:.4f}" for b, sec in rows]
     path.write_text("\n".join(lines) + "\n")
     return path
@@ -505,9 +529,7 @@ def megatron_layer_seconds(
     with _megatron_state():
         config = _megatron_config(h, heads, tp, dtype)
         layer = build_module(get_gpt_layer_local_spec(), config=config, layer_number=1).to(device).train()
-        x = torch.randn(s, b, h, dtype=dtype, device=device, requires_grad=True)  # megatron's [s, b, h]
-        mask = torch.ones(1, 1, s, s, dtype=torch.bool, device=device).tril().logical_not()
-        grad = torch.randn(s, b, h, dtype=dtype, device=device)
+        x, mask, grad = _layer_inputs(b, s, h, dtype, device)
 
         def forward():
             out = layer(x, attention_mask=mask)

@@ -28,6 +28,7 @@ from .profile_data import (
 from .runtime import (
     COMM_INSIDE,
     COMPUTE_KINDS,
+    MEASURED_LAYERS,
     OP_CLASS,
     Line,
     RuntimeModel,
@@ -99,7 +100,12 @@ def fit_runtime_model(profiles: list[LayerProfile], collectives: dict, gpu: str,
         gemm_f, gemm_b = curves["gemm"]
         curves["wgrad"] = (gemm_f, gemm_b if timed else gemm_f)
     curves.update(_fit_outside_layer(profiles, curves))
-    lines = {f"{kind}/{n}": fit_line(*zip(*rows, strict=True)) for (kind, n), rows in collectives.items()}
+    # a mechanism measured on a layer is a difference of two timings: at small sizes it can round
+    # to nothing (written as 0), so it may be a constant rather than a line
+    lines = {
+        f"{kind}/{n}": (_fit_or_constant if kind in MEASURED_LAYERS else fit_line)(*zip(*rows, strict=True))
+        for (kind, n), rows in collectives.items()
+    }
     model = RuntimeModel(gpu, curves, lines, source)
     check_rates(model)
     return model

@@ -66,7 +66,9 @@ COMM_INSIDE = {
 # tensor parallelism (megatron-core's TP layer)
 ZERO2_LAYER = "grad_shard_layer"
 ZERO3_LAYER = "fsdp_layer"
-TP_LAYER = "tp_layer"
+TP_LAYER = "tp_layer"  # forward + backward
+TP_LAYER_FORWARD = "tp_layer_forward"  # the forward's part (recomputation repeats it)
+MEASURED_LAYERS = (ZERO2_LAYER, ZERO3_LAYER, TP_LAYER, TP_LAYER_FORWARD)
 DEFAULT_EFFICIENCY = {"gemm": 0.7, "bmm": 0.5, "attention": 0.5, "memory": 0.7}  # roofline fallback
 
 
@@ -198,29 +200,35 @@ class RuntimeModel:
             seconds = steps * link.latency + nbytes * steps / n / link.bw
         return np.where(nbytes > 0, seconds, 0.0)
 
-    def zero3_layer(self, weight_bytes, n: int, inter_node: bool = False):
+    def zero3_layer(self, weight_bytes: float, n: int, inter_node: bool = False) -> np.ndarray | None:
         """Seconds ZeRO-3 adds to one layer's forward + backward among ``n`` GPUs where `mist
         profile` measured the engine's mechanism itself (FSDP2 on megatron-core's layer: both
         gathers, the reduce-scatter, its copies and waits, whatever it overlaps already taken out),
         by the layer's full weight bytes; None where it did not (then the collectives price it)."""
         return self._measured_layer(ZERO3_LAYER, weight_bytes, n, inter_node)
 
-    def zero2_layer(self, weight_bytes, n: int, inter_node: bool = False):
+    def zero2_layer(self, weight_bytes: float, n: int, inter_node: bool = False) -> np.ndarray | None:
         """Seconds ZeRO-2 adds to one layer's backward among ``n`` GPUs where `mist profile`
         measured the engine's mechanism (the layer's gradients reduced to its owner in one message
         from a backward hook: the copy, the reduction, the wait for the other ranks), by the
         layer's full weight bytes; None where it did not (then a reduce-scatter prices it)."""
         return self._measured_layer(ZERO2_LAYER, weight_bytes, n, inter_node)
 
-    def tp_layer(self, message_bytes, n: int, inter_node: bool = False):
-        """Seconds tensor parallelism over ``n`` GPUs adds to one layer's forward + backward where
-        `mist profile` measured it as the engine runs it (megatron-core's layer split over ``n``
-        processes against one rank's share alone: its two all-reduces each way, and the waits
-        between the ranks' compute that back-to-back collectives do not have), by the bytes of one
-        of those all-reduces; None where it did not (then the collectives price it)."""
-        return self._measured_layer(TP_LAYER, message_bytes, n, inter_node)
+    def tp_layer(
+        self, message_bytes: float, n: int, inter_node: bool = False
+    ) -> tuple[np.ndarray, np.ndarray] | None:
+        """(forward, forward + backward) seconds tensor parallelism over ``n`` GPUs adds to one
+        layer where `mist profile` measured it as the engine runs it (megatron-core's layer split
+        over ``n`` processes against one rank's share alone: its two all-reduces each way, and the
+        waits between the ranks' compute that back-to-back collectives do not have), by the bytes
+        of one of those all-reduces; None where it did not (then the collectives price it)."""
+        both = self._measured_layer(TP_LAYER, message_bytes, n, inter_node)
+        forward = self._measured_layer(TP_LAYER_FORWARD, message_bytes, n, inter_node)
+        if both is None or forward is None:
+            return None
+        return np.minimum(forward, both), both
 
-    def _measured_layer(self, mechanism: str, nbytes, n: int, inter_node: bool):
+    def _measured_layer(self, mechanism: str, nbytes: float, n: int, inter_node: bool) -> np.ndarray | None:
         key = f"{mechanism}/{n}"
         if n <= 1 or inter_node or key not in self.collectives:
             return None

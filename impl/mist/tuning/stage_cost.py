@@ -121,13 +121,15 @@ def _layer_numbers(st: Setting) -> LayerNumbers:
         + coll("reduce_scatter", float(c["tp_reduce_scatter"]) / 2, t, st.cluster) * 2
     )
     comm_b = comm_f + coll("all_gather", float(c["tp_all_gather"]) / 2, t, st.cluster) * 2
-    # Where the engine's TP layer was measured whole (four all-reduces, two each way, with the waits
-    # between them) that prices them; half forward, which recomputation repeats
+    # Where the engine's TP layer was measured (its two all-reduces each way, with the waits between
+    # the ranks' compute) that prices them, forward (which recomputation repeats) and backward
     messages = 1 if m.parallel_block else 2  # the forward's all-reduces (backward mirrors them)
     message = float(c["tp_all_reduce"]) / messages
-    measured = None if st.sequence_parallel else st.runtime.tp_layer(message, t)
-    if measured is not None:
-        comm_f = comm_b = messages * float(measured) / 4
+    across_tp = t > st.cluster.gpus_per_node
+    measured = None if st.sequence_parallel else st.runtime.tp_layer(message, t, inter_node=across_tp)
+    if measured is not None:  # the benchmark's layer has two all-reduces a direction
+        forward, both = (float(x) for x in measured)
+        comm_f, comm_b = messages * forward / 2, messages * (both - forward) / 2
     head = {k: value(expr, m, b, m.seq, t) for k, expr in head_costs(m).items()}
     head_fwd, head_bwd = st.runtime.head_times(m, b, m.seq, t)
     embed_fwd, embed_bwd = st.runtime.embedding_times(m, b, m.seq, t)
@@ -316,6 +318,7 @@ def evaluate_stage(
         "extra": np.broadcast_to(extra, shape),
         "memory": np.broadcast_to(memory, shape),
         "compute": np.broadcast_to(compute, shape),
+        "g2g": np.broadcast_to(g2g, shape),  # the GPU-to-GPU channel (collectives that can overlap)
         # what one more in-flight micro-batch adds to memory (memory is affine in in_flight)
         "per_flight": np.broadcast_to(per_flight, shape),
         "host_memory": np.broadcast_to(host_static + in_flight * host_per_flight, shape),
