@@ -515,3 +515,28 @@ def test_tp_benchmark_written_as_a_collective_and_fitted(tmp_path):
         profile_tp_layers(2, "cpu", 60, 3, seq, [1, 2], torch.bfloat16)
     with pytest.raises(ValueError, match="two or more"):
         profile_tp_layers(2, "cpu", 64, 4, seq, [2, 2], torch.bfloat16)
+
+
+def test_benchmark_launches_combined_by_the_median_of_each_time():
+    """A benchmark repeated over launches (gloo's latency mode is set per launch on a CPU): each
+    row keeps its size and takes the median of each of its times across launches; rows of
+    different counts are refused, and so is no launch at all."""
+    from mist.engine.profiler import _median_rows, _run_ranks
+
+    rng = np.random.default_rng()
+    sizes = sorted(rng.choice(1 << 20, size=3, replace=False).tolist())
+    launches = [
+        [(b, *rng.uniform(1e-4, 1e-2, size=2)) for b in sizes] for _ in range(int(rng.choice([3, 5])))
+    ]
+    combined = _median_rows(launches)
+    assert [row[0] for row in combined] == sizes
+    for i, row in enumerate(combined):
+        for k in (1, 2):
+            assert row[k] == pytest.approx(float(np.median([launch[i][k] for launch in launches])))
+    # negative control: one launch far off moves a mean, not the median
+    launches[0][0] = (sizes[0], 1.0, 1.0)
+    assert _median_rows(launches)[0][1] < 0.1
+    with pytest.raises(ValueError):
+        _median_rows([launches[0], launches[1][:2]])
+    with pytest.raises(ValueError, match="at least 1"):
+        _run_ranks(print, 2, (), 0)

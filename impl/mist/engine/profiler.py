@@ -29,6 +29,7 @@ import contextlib
 import csv
 import json
 import math
+import statistics
 import time
 from collections.abc import Callable, Hashable
 from pathlib import Path
@@ -161,6 +162,33 @@ def _interleaved_seconds_all_ranks(
     return {key: statistics.median(w) for key, w in windows.items()}
 
 
+def _run_ranks(worker: Callable, n: int, args: tuple, launches: int) -> list:
+    """Rank 0's result of ``worker(rank, n, port, *args, out)`` on ``n`` spawned processes, for
+    each of ``launches`` launches (a fresh process group each). On a CPU gloo's latency settles
+    into a mode for a launch's whole life (the same all-reduce: ~0.4 ms a call in one launch,
+    ~1.7 ms in the next), so a benchmark point is the median over launches."""
+    import torch.multiprocessing as mp
+
+    if launches < 1:
+        raise ValueError(f"launches must be at least 1, got {launches}")
+    ctx = mp.get_context("spawn")
+    results = []
+    for _ in range(launches):
+        out = ctx.SimpleQueue()
+        mp.start_processes(worker, (n, free_port(), *args, out), nprocs=n, start_method="spawn")
+        results.append(out.get())
+    return results
+
+
+def _median_rows(launches: list[list[tuple]]) -> list[tuple]:
+    """Rows (size, seconds, ...) measured in several launches: each row's size and the median of
+    each of its times."""
+    return [
+        (rows[0][0], *(statistics.median(times) for times in list(zip(*rows, strict=True))[1:]))
+        for rows in zip(*launches, strict=True)
+    ]
+
+
 def _init_rank(rank: int, n: int, port: int, device: str) -> torch.device:
     """Join a benchmark's ``n``-process group as ``rank`` (NCCL on GPUs, gloo on a CPU) set up as a
     rank of mist.engine.run: its own GPU, or one thread (measure.launch); the device to use."""
@@ -204,12 +232,16 @@ def _collective_worker(
 
 
 def profile_collectives(
-    n: int, device: str, sizes: list[int] | None = None, repeats: int = 10, rounds: int = 5
+    n: int,
+    device: str,
+    sizes: list[int] | None = None,
+    repeats: int = 10,
+    rounds: int = 5,
+    launches: int = 1,
 ) -> dict[str, list[tuple[float, float]]]:
     """Seconds of each collective among ``n`` local processes, {name: [(bytes, seconds)]}: the
-    median over ``rounds`` of a window of ``repeats`` calls, every point's window in each round."""
-
-    import torch.multiprocessing as mp
+    median over ``rounds`` of a window of ``repeats`` calls, every point's window in each round,
+    and over ``launches`` (``_run_ranks``)."""
 
     if n < 2:
         raise ValueError(f"collectives need at least 2 processes, got {n}")
@@ -217,19 +249,19 @@ def profile_collectives(
         raise ValueError(f"{n} processes need {n} GPUs; this machine has {torch.cuda.device_count()}")
     if sizes is None:  # small messages on a CPU, Megatron-sized ones on GPUs
         sizes = [2**k for k in (range(20, 29, 2) if device.startswith("cuda") else range(12, 23, 2))]
-    port = free_port()
-    ctx = mp.get_context("spawn")
-    out = ctx.SimpleQueue()
-    mp.start_processes(_collective_worker, (n, port, device, sizes, repeats, rounds, out), nprocs=n,
-                       start_method="spawn")  # fmt: skip
-    return out.get()
+    results = _run_ranks(_collective_worker, n, (device, sizes, repeats, rounds), launches)
+    return {name: _median_rows([r[name] for r in results]) for name in results[0]}
 
 
-def write_collectives(out: Path, n: int, device: str, repeats: int = 10, rounds: int = 5) -> list[Path]:
+def write_collectives(
+    out: Path, n: int, device: str, repeats: int = 10, rounds: int = 5, launches: int = 1
+) -> list[Path]:
     """Benchmark the collectives among ``n`` processes into ``out`` (the artifact's CSV format)."""
     out.mkdir(parents=True, exist_ok=True)
     written = []
-    for name, rows in profile_collectives(n, device, repeats=repeats, rounds=rounds).items():
+    for name, rows in profile_collectives(
+        n, device, repeats=repeats, rounds=rounds, launches=launches
+    ).items():
         if name == "send_recv":  # a message between two processes, whatever n: the artifact's p2p file
             sizes = ",".join(f"{b / MiB:.6f}" for b, _ in rows)
             rates = ",".join(f"{b / sec / 1e9:.6f}" for b, sec in rows)
@@ -298,7 +330,7 @@ def _zero_worker(
                             fully_shard(layer, mesh=mesh)
                         fully_shard(module, mesh=mesh)
                     if sharded and stage == 2:  # the engine's optimizer: its backward hooks reduce
-                        buckets = [list(layer.parameters()) for layer in layers]
+                        buckets = [list(layer.parameters()) for layer in layers]  # as layer_buckets
                         optimizer = ShardedMasterAdamW(buckets, dist.group.WORLD, 1e-3, shard_grads=True)
                     x, mask, grad = _layer_inputs(b, s, h, dtype, dev)
 
@@ -320,21 +352,19 @@ def _zero_worker(
 
 def profile_zero_layers(
     stage: int, n: int, device: str, hidden: int, heads: int, seq: int, micro_batch: int, dtype: torch.dtype,
-    repeats: int = 5, rounds: int = 10,
+    repeats: int = 5, rounds: int = 10, launches: int = 1,
 ) -> list[tuple[float, float]]:  # fmt: skip
     """What ZeRO ``stage`` (2 or 3) adds to one layer's forward + backward among ``n`` processes,
     as mist.engine.run runs it: [(the layer's full weight bytes, seconds)] for the layer and for
-    one TP-2 rank's share of it (two sizes: a line can be fitted). A micro-benchmark of the
-    mechanism, like the collectives', that prices what they miss (the copies, hooks, and waits
-    for the other ranks inside backward):
+    one TP-2 rank's share of it (two sizes: a line can be fitted), the median over ``launches``.
+    A micro-benchmark of the mechanism, like the collectives', that prices what they miss (the
+    copies, hooks, and waits for the other ranks inside backward):
 
     * ZeRO-3: FSDP2 over the data-parallel group, the layer not its root: the weights gathered
       for forward and again for backward, the gradients reduce-scattered, its copies in and out
       (on this project's 2-core CPU about three times the raw collectives it issues);
     * ZeRO-2: the engine's ShardedMasterAdamW, whose backward hooks reduce each layer's gradients
       to the layer's owner in one message as backward makes them, blocking."""
-    import torch.multiprocessing as mp
-
     if stage not in (2, 3):
         raise ValueError(f"the ZeRO layer benchmark is for stages 2 and 3, got {stage}")
     if n < 2:
@@ -344,11 +374,9 @@ def profile_zero_layers(
     if device.startswith("cuda") and n > torch.cuda.device_count():
         raise ValueError(f"{n} processes need {n} GPUs; this machine has {torch.cuda.device_count()}")
     shapes = [(micro_batch, seq, hidden, heads, tp) for tp in (1, 2)]
-    ctx = mp.get_context("spawn")
-    out = ctx.SimpleQueue()
-    args = (n, free_port(), device, stage, shapes, dtype, repeats, rounds, out)
-    mp.start_processes(_zero_worker, args, nprocs=n, start_method="spawn")
-    return out.get()
+    return _median_rows(
+        _run_ranks(_zero_worker, n, (device, stage, shapes, dtype, repeats, rounds), launches)
+    )
 
 
 def write_zero_layers(stage: int, out: Path, n: int, device: str, *args, **kwargs) -> Path:
@@ -418,18 +446,17 @@ def _tp_worker(rank: int, n: int, port: int, device: str, shapes: list, dtype, r
 
 def profile_tp_layers(
     n: int, device: str, hidden: int, heads: int, seq: int, micro_batches: list[int], dtype: torch.dtype,
-    repeats: int = 5, rounds: int = 10,
+    repeats: int = 5, rounds: int = 10, launches: int = 1,
 ) -> list[tuple[float, float, float]]:  # fmt: skip
     """What tensor parallelism over ``n`` processes adds to one layer as mist.engine.run runs it
     (megatron-core's layer split over the ranks, against one rank's share built alone and timed
     at the same time): [(bytes of one of its all-reduces, seconds added to the forward, to
-    forward + backward)] per micro-batch (at least two: a line is fitted). A micro-benchmark of
-    the mechanism, like ZeRO's: the two all-reduces each way with the waits between the ranks'
-    compute, which back-to-back collectives do not have (on this project's 2-core CPU four of
-    them cost less inside the layer than back to back); the forward's part apart, because
-    recomputation repeats it and backward's all-reduces can overlap the weight gradients."""
-    import torch.multiprocessing as mp
-
+    forward + backward)] per micro-batch (at least two: a line is fitted), the median over
+    ``launches``. A micro-benchmark of the mechanism, like ZeRO's: the two all-reduces each way
+    with the waits between the ranks' compute, which back-to-back collectives do not have (on
+    this project's 2-core CPU four of them cost less inside the layer than back to back); the
+    forward's part apart, because recomputation repeats it and backward's all-reduces can
+    overlap the weight gradients."""
     if n < 2:
         raise ValueError(f"tensor parallelism needs at least 2 processes, got {n}")
     if heads % n:
@@ -442,11 +469,7 @@ def profile_tp_layers(
     if device.startswith("cuda") and n > torch.cuda.device_count():
         raise ValueError(f"{n} processes need {n} GPUs; this machine has {torch.cuda.device_count()}")
     shapes = [(b, seq, hidden, heads) for b in sorted(set(micro_batches))]
-    ctx = mp.get_context("spawn")
-    out = ctx.SimpleQueue()
-    mp.start_processes(_tp_worker, (n, free_port(), device, shapes, dtype, repeats, rounds, out), nprocs=n,
-                       start_method="spawn")  # fmt: skip
-    return out.get()
+    return _median_rows(_run_ranks(_tp_worker, n, (device, shapes, dtype, repeats, rounds), launches))
 
 
 def write_tp_layers(out: Path, n: int, device: str, *args, **kwargs) -> list[Path]:

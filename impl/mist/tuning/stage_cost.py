@@ -95,17 +95,18 @@ class LayerNumbers:
     extra: dict = field(default_factory=dict)
 
 
-_LAYER_NUMBERS: dict[tuple, LayerNumbers] = {}
+_LAYER_NUMBERS: dict[tuple, tuple] = {}
 
 
 def layer_numbers(st: Setting) -> LayerNumbers:
-    """Per-layer numbers of a setting, memoised (searches price thousands of plans)."""
+    """Per-layer numbers of a setting, memoised (searches price thousands of plans). Keyed by the
+    cost models' identity; an entry holds them, so a freed model's id cannot come back as another's."""
     key = (st.model, st.cluster, id(st.runtime), id(st.interference), st.tp, st.dp, st.micro_batch, st.sp)
     if key not in _LAYER_NUMBERS:
         if len(_LAYER_NUMBERS) > 4096:
             _LAYER_NUMBERS.clear()
-        _LAYER_NUMBERS[key] = _layer_numbers(st)
-    return _LAYER_NUMBERS[key]
+        _LAYER_NUMBERS[key] = (st.runtime, st.interference, _layer_numbers(st))
+    return _LAYER_NUMBERS[key][2]
 
 
 def _layer_numbers(st: Setting) -> LayerNumbers:
