@@ -19,8 +19,9 @@ three mechanisms as the engine runs them, on whole layers: ZeRO-2 (its reduction
 layer's gradients to the layer's owner, ``prim_gpt_local_grad_shard_layer_*``) and ZeRO-3 (FSDP2,
 ``prim_gpt_local_fsdp_layer_*``) at two sizes, and tensor parallelism (megatron-core's layer split
 over the processes, per micro-batch, ``prim_gpt_local_tp_layer[_forward]_*``), which price such a
-layer by what it measurably adds rather than by its collectives timed back to back. Every such point is
-the median of interleaved rounds: on a CPU gloo's latency drifts between modes over seconds.
+layer by what it measurably adds rather than by its collectives timed back to back. Every such
+point is the median of interleaved rounds (on a CPU gloo's latency drifts between modes over
+seconds), and with ``launches`` of several launches (it settles into a mode for a launch's life).
 """
 
 from __future__ import annotations
@@ -151,8 +152,6 @@ def _interleaved_seconds_all_ranks(
     ``rounds``. On a CPU gloo's latency drifts between modes (~0.3 to ~4 ms a call) over seconds:
     one window per point would catch one mode, and comparing two points (sharded against plain,
     one size against another) would compare two modes; interleaved rounds see the same drift."""
-    import statistics
-
     for call in calls.values():  # warm-up (connections, NCCL communicators, FSDP2's lazy init)
         call(), call()
     windows: dict = {key: [] for key in calls}
@@ -273,6 +272,15 @@ def write_collectives(
     return written
 
 
+def _layer_inputs(
+    b: int, s: int, h: int, dtype: torch.dtype, dev: torch.device | str
+) -> tuple[torch.Tensor, ...]:
+    """A megatron-core layer's input ([s, b, h], megatron's order), causal mask and output gradient."""
+    x = torch.randn(s, b, h, dtype=dtype, device=dev, requires_grad=True)
+    mask = torch.ones(1, 1, s, s, dtype=torch.bool, device=dev).tril().logical_not()
+    return x, mask, torch.randn(s, b, h, dtype=dtype, device=dev)
+
+
 class _Layers(nn.Module):
     """The layers of a ZeRO benchmark in sequence, as one module: FSDP2's root in the ZeRO-3 one. In
     the engine the root is the whole model (it holds the embedding and the head), and only a layer
@@ -362,7 +370,7 @@ def profile_zero_layers(
 
     * ZeRO-3: FSDP2 over the data-parallel group, the layer not its root: the weights gathered
       for forward and again for backward, the gradients reduce-scattered, its copies in and out
-      (on this project's 2-core CPU about three times the raw collectives it issues);
+      (on this project's 2-core CPU about twice the raw collectives it issues);
     * ZeRO-2: the engine's ShardedMasterAdamW, whose backward hooks reduce each layer's gradients
       to the layer's owner in one message as backward makes them, blocking."""
     if stage not in (2, 3):
@@ -384,15 +392,6 @@ def write_zero_layers(stage: int, out: Path, n: int, device: str, *args, **kwarg
     rows = profile_zero_layers(stage, n, device, *args, **kwargs)  # refuses stages other than 2 and 3
     name = {2: ZERO2_LAYER, 3: ZERO3_LAYER}[stage]
     return _write_line_csv(out / f"prim_gpt_local_{name}_{n}gpus.csv", rows)
-
-
-def _layer_inputs(
-    b: int, s: int, h: int, dtype: torch.dtype, dev: torch.device | str
-) -> tuple[torch.Tensor, ...]:
-    """A megatron-core layer's input ([s, b, h], megatron's order), causal mask and output gradient."""
-    x = torch.randn(s, b, h, dtype=dtype, device=dev, requires_grad=True)
-    mask = torch.ones(1, 1, s, s, dtype=torch.bool, device=dev).tril().logical_not()
-    return x, mask, torch.randn(s, b, h, dtype=dtype, device=dev)
 
 
 def _tp_worker(rank: int, n: int, port: int, device: str, shapes: list, dtype, repeats: int, rounds: int,
