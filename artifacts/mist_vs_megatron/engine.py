@@ -140,16 +140,8 @@ def engine_point(setup: EngineSetup, name: str, fit: dict, work: Path) -> dict:
 
 
 def engine_key(setup: EngineSetup, name: str) -> dict:
-    fields = (
-        "model",
-        "model_overrides",
-        "gpu",
-        "processes",
-        "global_batch",
-        "micro_batch",
-        "steps",
-        "launches",
-    )
+    fields = ("model", "model_overrides", "gpu", "processes", "global_batch", "micro_batch", "steps",
+              "launches")  # fmt: skip
     return {"setup": setup.name, "plan": name, **{f: getattr(setup, f) for f in fields},
             "plan_fields": setup.plans[name]}  # fmt: skip
 

@@ -115,13 +115,6 @@ def _layer_numbers(st: Setting) -> LayerNumbers:
     c = costs.compiled(m)(b, m.seq, t)
     fwd, bwd = st.runtime.layer_times(m, b, m.seq, t, st.sequence_parallel)
     coll = st.runtime.collective
-    # forward collectives; backward mirrors them, plus SP's re-gather of the kept input shards
-    comm_f = (
-        coll("all_reduce", float(c["tp_all_reduce"]) / 2, t, st.cluster) * 2
-        + coll("all_gather", float(c["tp_all_gather"]) / 2, t, st.cluster) * 2
-        + coll("reduce_scatter", float(c["tp_reduce_scatter"]) / 2, t, st.cluster) * 2
-    )
-    comm_b = comm_f + coll("all_gather", float(c["tp_all_gather"]) / 2, t, st.cluster) * 2
     # Where the engine's TP layer was measured (its two all-reduces each way, with the waits between
     # the ranks' compute) that prices them, forward (which recomputation repeats) and backward
     messages = 1 if m.parallel_block else 2  # the forward's all-reduces (backward mirrors them)
@@ -131,6 +124,13 @@ def _layer_numbers(st: Setting) -> LayerNumbers:
     if measured is not None:  # the benchmark's layer has two all-reduces a direction
         forward, both = (float(x) for x in measured)
         comm_f, comm_b = messages * forward / 2, messages * (both - forward) / 2
+    else:  # forward collectives; backward mirrors them, plus SP's re-gather of the kept input shards
+        comm_f = (
+            coll("all_reduce", float(c["tp_all_reduce"]) / 2, t, st.cluster) * 2
+            + coll("all_gather", float(c["tp_all_gather"]) / 2, t, st.cluster) * 2
+            + coll("reduce_scatter", float(c["tp_reduce_scatter"]) / 2, t, st.cluster) * 2
+        )
+        comm_b = comm_f + coll("all_gather", float(c["tp_all_gather"]) / 2, t, st.cluster) * 2
     head = {k: value(expr, m, b, m.seq, t) for k, expr in head_costs(m).items()}
     head_fwd, head_bwd = st.runtime.head_times(m, b, m.seq, t)
     embed_fwd, embed_bwd = st.runtime.embedding_times(m, b, m.seq, t)
