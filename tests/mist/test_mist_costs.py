@@ -14,8 +14,7 @@ from mist.model.specs import cluster, model
 DATA = ARTIFACT_DATA  # vendored in the repository: these tests never skip for missing data
 
 
-def test_fit_line_recovers_a_known_line():
-    rng = np.random.default_rng()
+def test_fit_line_recovers_a_known_line(rng):
     c0, rate = rng.uniform(1e-5, 1e-4), rng.uniform(1e11, 1e13)
     work = rng.uniform(1e8, 1e11, 50)
     seconds = (c0 + work / rate) * rng.normal(1, 0.01, 50)
@@ -106,7 +105,7 @@ def test_a_rate_above_the_peak_fails_loudly():
     )  # as measured
 
 
-def test_which_profiles_timed_the_weight_gradient():
+def test_which_profiles_timed_the_weight_gradient(rng):
     """Decided from the data: a weight GEMM's backward is ~2x its forward when both gradients are
     timed (A10G), ~1x when only the input gradient is (L4, A100, V100)."""
     from mist.model.profile_data import backward_has_weight_gradients, read_layer_profiles
@@ -114,7 +113,6 @@ def test_which_profiles_timed_the_weight_gradient():
     found = {d.name: read_layer_profiles(d)[0].weight_gradients for d in (DATA / "gpu-op-profiles").iterdir()}
     assert found == {"a10g": True, "l4": False, "v100-sxm2-32gb-seq2048": False, "a100-sxm4-40gb": False,
                      "a100-sxm4-40gb-larger-model": False}  # fmt: skip
-    rng = np.random.default_rng()
     fwd = rng.uniform(1e-4, 1e-2, 4)
     from mist.model.profile_data import WEIGHT_GEMMS
 
@@ -125,7 +123,7 @@ def test_which_profiles_timed_the_weight_gradient():
     )
 
 
-def test_weight_gradient_gemm_priced_as_what_timed_it():
+def test_weight_gradient_gemm_priced_as_what_timed_it(rng):
     """Where the profiles timed both backward GEMMs, each is half the backward column; where they
     timed the input gradient alone, the untimed weight gradient is priced as a forward GEMM of the
     same FLOPs, so a layer's backward is input gradient + forward-speed weight gradient."""
@@ -137,7 +135,7 @@ def test_weight_gradient_gemm_priced_as_what_timed_it():
         gemm_f, gemm_b = rm.curves["gemm"]
         assert rm.wgrad_line == (gemm_b if timed else gemm_f), name
         m = model("gpt3-1.3b")
-        mbs = int(np.random.default_rng().integers(1, 9))
+        mbs = int(rng.integers(1, 9))
         with_w = rm.layer_times(m, mbs, m.seq, 1)[1]
         without = rm.layer_times(m, mbs, m.seq, 1, weight_gradients=False)[1]
         per_op = [fn(mbs, m.seq, 1)[0] for _, kind, fn in runtime.op_features(m) if kind == "gemm"]
@@ -186,7 +184,7 @@ def test_line_is_a_plain_record():
     assert Line(1.0, 2.0)(4.0) == 3.0
 
 
-def test_profile_command_writes_what_calibrate_fits(tmp_path):
+def test_profile_command_writes_what_calibrate_fits(tmp_path, rng):
     """`mist profile` on this CPU at tiny scale: the artifact's CSV format, then a fit of it."""
     import torch
 
@@ -200,7 +198,7 @@ def test_profile_command_writes_what_calibrate_fits(tmp_path):
         read_layer_profiles,
     )
 
-    vocab = int(np.random.default_rng().choice([128, 256, 512]))
+    vocab = int(rng.choice([128, 256, 512]))
     before = torch.get_num_threads()
     files = write(tmp_path, "cpu", 64, 4, 32, [1, 2, 4], [1, 2], torch.float32, "cpu", repeats=2, vocab=vocab)
     assert torch.get_num_threads() == before  # one thread while profiling (as each rank), restored after
@@ -250,7 +248,7 @@ def test_collective_benchmark_feeds_the_runtime_model(tmp_path):
         profile_collectives(1, "cpu")
 
 
-def test_gradient_accumulation_priced_as_the_engine_adds():
+def test_gradient_accumulation_priced_as_the_engine_adds(rng):
     """Each micro-batch adds its weight gradients into the accumulated ones: a memory-bound add of
     the stage's gradients (ZeRO-2/3: this rank's shard) at the fitted residual-add line; Mist's
     runtime skips it on the first micro-batch, engines with a zeroed buffer (megatron-core) or an
@@ -263,7 +261,6 @@ def test_gradient_accumulation_priced_as_the_engine_adds():
     from mist.tuning.planner import cost_models
     from mist.tuning.stage_cost import SearchSpace, Setting, evaluate_stage, layer_numbers, strategy_grid
 
-    rng = np.random.default_rng()
     gpu = str(rng.choice(["l4", "a10g", "a100-40gb"]))
     c, m = cluster(gpu, 8), model("gpt3-1.3b")
     dp, layers, g = int(rng.choice([1, 2, 4])), int(rng.integers(1, 7)), int(rng.integers(2, 40))
@@ -286,13 +283,12 @@ def test_gradient_accumulation_priced_as_the_engine_adds():
     assert GRAD_ACCUMULATION["mist"].adds_per_micro_batch(1) == 0.0  # one micro-batch: nothing to add
 
 
-def test_serial_channels_take_turns():
+def test_serial_channels_take_turns(rng):
     """The CPU device's interference: channels started together finish after the sum of their solo
     times (one set of cores, synchronous collectives). Negative control: no interference, the max."""
     from mist.model.interference import Interference
     from mist.tuning.planner import load_interference
 
-    rng = np.random.default_rng()
     times = rng.uniform(0, 1, (4, 5)) * (rng.uniform(size=(4, 5)) > 0.3)
     np.testing.assert_allclose(Interference.serial("test").overlap(*times), times.sum(axis=0), rtol=1e-12)
     np.testing.assert_allclose(Interference().overlap(*times), times.max(axis=0))
@@ -320,7 +316,7 @@ def test_profile_with_company_leaves_no_process(tmp_path):
         write_profiles(tmp_path, "cpu", 64, 4, 32, [1], [1], torch.float32, "cpu", concurrent=0)
 
 
-def test_memory_bound_classes_fitted_to_profiles_of_shapes_within_the_cache():
+def test_memory_bound_classes_fitted_to_profiles_of_shapes_within_the_cache(rng):
     """A profile of small shapes only (`mist profile` on a CPU at the shapes its plans run) has no
     op whose data exceeds the device's L2: its memory-bound classes are fitted to those times, not
     left to the data sheet's roofline. Here dropout is RNG-bound, ~10x slower than the bandwidth
@@ -330,7 +326,6 @@ def test_memory_bound_classes_fitted_to_profiles_of_shapes_within_the_cache():
     from mist.model.runtime import OP_CLASS
     from mist.model.specs import GPUS
 
-    rng = np.random.default_rng()
     seconds_per_byte = rng.uniform(2e-9, 6e-9)  # ~0.25 GB/s: far below the nominal 20 GB/s
     profiles = []
     for mbs in (1, 2, 4):
@@ -357,7 +352,7 @@ def test_memory_bound_classes_fitted_to_profiles_of_shapes_within_the_cache():
 
 
 @pytest.mark.parametrize("stage", [2, 3])
-def test_zero_priced_by_the_measured_layer_where_profiled(stage):
+def test_zero_priced_by_the_measured_layer_where_profiled(stage, rng):
     """Where `mist profile` measured ZeRO-2 or -3 as the engine runs it (on megatron-core's layer:
     ZeRO-3 FSDP2, ZeRO-2 the engine's reductions to each layer's owner; a line over the layer's
     weight bytes), a stage's layers at that ZeRO stage cost that, exposed (in compute), instead
@@ -370,7 +365,6 @@ def test_zero_priced_by_the_measured_layer_where_profiled(stage):
     from mist.tuning.planner import cost_models
     from mist.tuning.stage_cost import SearchSpace, Setting, evaluate_stage, layer_numbers, strategy_grid
 
-    rng = np.random.default_rng()
     gpu = str(rng.choice(["l4", "a10g", "a100-40gb"]))
     c, m = cluster(gpu, 8), model("gpt3-1.3b")
     dp, layers, g = int(rng.choice([2, 4])), int(rng.integers(1, 7)), int(rng.integers(2, 40))
@@ -434,7 +428,7 @@ def test_zero_benchmark_written_as_a_collective_and_fitted(tmp_path, stage):
         profile_zero_layers(1, 2, "cpu", 64, 4, 16, 1, torch.bfloat16)
 
 
-def test_tp_priced_by_the_measured_tp_layer_where_profiled():
+def test_tp_priced_by_the_measured_tp_layer_where_profiled(rng):
     """Where `mist profile` measured tensor parallelism as the engine runs it (megatron-core's layer
     split over the processes; lines over one all-reduce's bytes for the forward and for forward +
     backward), a layer's TP communication is those lines, forward (which recomputation repeats)
@@ -448,7 +442,6 @@ def test_tp_priced_by_the_measured_tp_layer_where_profiled():
     from mist.tuning.planner import cost_models
     from mist.tuning.stage_cost import Setting, layer_numbers
 
-    rng = np.random.default_rng()
     gpu = str(rng.choice(["l4", "a10g", "a100-40gb"]))
     c = cluster(gpu, 8)
     tp, b = int(rng.choice([2, 4])), int(rng.integers(1, 5))
@@ -485,7 +478,8 @@ def test_tp_priced_by_the_measured_tp_layer_where_profiled():
     assert rt.tp_layer(1e6, 1) is None and rt.tp_layer(1e6, tp, inter_node=True) is None
 
 
-def test_tp_benchmark_written_as_a_collective_and_fitted(tmp_path):
+@pytest.mark.slow  # starts two gloo processes
+def test_tp_benchmark_written_as_a_collective_and_fitted(tmp_path, rng):
     """`mist profile --collectives 2` also times TP as the engine runs it: megatron-core's layer
     split over 2 gloo processes against one rank's share alone, per micro-batch, by one
     all-reduce's bytes, forward + backward and the forward alone, in the collectives' file format,
@@ -498,7 +492,6 @@ def test_tp_benchmark_written_as_a_collective_and_fitted(tmp_path):
     from mist.model.profile_data import read_collectives
     from mist.model.runtime import TP_LAYER, TP_LAYER_FORWARD
 
-    rng = np.random.default_rng()
     seq = int(rng.choice([8, 16]))
     micro_batches = sorted(rng.choice([1, 2, 3], size=2, replace=False).tolist())
     write_tp_layers(tmp_path, 2, "cpu", 64, 4, seq, micro_batches, torch.bfloat16, repeats=2, rounds=3)
@@ -517,13 +510,12 @@ def test_tp_benchmark_written_as_a_collective_and_fitted(tmp_path):
         profile_tp_layers(2, "cpu", 64, 4, seq, [2, 2], torch.bfloat16)
 
 
-def test_benchmark_launches_combined_by_the_median_of_each_time():
+def test_benchmark_launches_combined_by_the_median_of_each_time(rng):
     """A benchmark repeated over launches (gloo's latency mode is set per launch on a CPU): each
     row keeps its size and takes the median of each of its times across launches; rows of
     different counts are refused, and so is no launch at all."""
     from mist.engine.profiler import _median_rows, _run_ranks
 
-    rng = np.random.default_rng()
     sizes = sorted(rng.choice(1 << 20, size=3, replace=False).tolist())
     launches = [
         [(b, *rng.uniform(1e-4, 1e-2, size=2)) for b in sizes] for _ in range(int(rng.choice([3, 5])))

@@ -6,7 +6,6 @@ import subprocess
 import sys
 import time
 
-import numpy as np
 import pytest
 
 from mist.__main__ import main
@@ -100,12 +99,11 @@ def test_bad_profile_arguments_and_corrupt_profiles(tmp_path, capsys):
     _one_error_line(capsys, "gpt_1_3B_mbs1_tp1_algo0.csv", "not a layer profile")
 
 
-def test_simulator_memory_does_not_grow_with_micro_batches():
+def test_simulator_memory_does_not_grow_with_micro_batches(rng):
     """Each finish time is dropped once read: the live state stays O(stages) (tracemalloc peak
     the same for 64 and 4096 micro-batches), and the answer matches an independent recursion."""
     import tracemalloc
 
-    rng = np.random.default_rng()
     stages = int(rng.integers(2, 8))
     f, b = list(rng.uniform(0.1, 1, stages)), list(rng.uniform(0.1, 2, stages))
     peaks = []

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-import numpy as np
 import pytest
 
 from mist.__main__ import main
@@ -30,8 +29,7 @@ def test_profile_cpu_adam_measures_this_host():
         profile_cpu_adam(params=0)
 
 
-def test_cpu_adam_is_shared_by_the_node_and_bound_by_its_dram():
-    rng = np.random.default_rng()
+def test_cpu_adam_is_shared_by_the_node_and_bound_by_its_dram(rng):
     per_core = float(rng.uniform(1e7, 1e8))  # few cores' worth stays below the DRAM bound
     adam = CpuAdam(per_core, 28.0, "test")
     one, eight = cluster("l4", 1), cluster("l4", 8)

@@ -19,8 +19,7 @@ from mist.tuning.stage_cost import (
 )
 
 
-def test_objective_of_candidate_arrays_equals_each_scalar():
-    rng = np.random.default_rng()
+def test_objective_of_candidate_arrays_equals_each_scalar(rng):
     stages, g = int(rng.integers(1, 6)), int(rng.integers(1, 40))
     steady, extra = list(rng.uniform(0.1, 1, stages)), list(rng.uniform(0, 3, stages))
     i = int(rng.integers(stages))
@@ -31,10 +30,9 @@ def test_objective_of_candidate_arrays_equals_each_scalar():
         assert value == pytest.approx(pipeline_objective(one, extra, g))
 
 
-def test_embedding_strategy_equal_to_its_stage_changes_nothing():
+def test_embedding_strategy_equal_to_its_stage_changes_nothing(rng):
     """evaluate_stage with ``edge`` set to the stage's own strategy equals edge=None, for random
     strategies on a first+last stage (embedding and head both there)."""
-    rng = np.random.default_rng()
     m, c = model("gpt3-1.3b"), cluster("l4", 8)
     st = Setting(m, c, *_models(c), 1, 4, 1, gpu_budget_bytes(c), 1)
     ln = layer_numbers(st)

@@ -43,8 +43,7 @@ def test_1f1b_order_is_the_textbook_one():
 
 
 @pytest.mark.parametrize("stages,micro", [(1, 1), (1, 7), (4, 4), (4, 16), (8, 3)])
-def test_closed_form_equals_simulation_for_balanced_stages(stages, micro):
-    rng = np.random.default_rng()
+def test_closed_form_equals_simulation_for_balanced_stages(stages, micro, rng):
     fwd, bwd = rng.uniform(0.5, 2), rng.uniform(1, 4)
     sim = simulate_1f1b([fwd] * stages, [bwd] * stages, micro)
     assert sim == pytest.approx(pipeline_objective([fwd + bwd] * stages, [0.0] * stages, micro))
@@ -79,8 +78,7 @@ def _random_frontiers(rng, stages, layers):
 
 
 @pytest.mark.parametrize("trial", range(8))
-def test_milp_matches_brute_force(trial):
-    rng = np.random.default_rng()
+def test_milp_matches_brute_force(trial, rng):
     stages, layers, micro = int(rng.integers(1, 4)), int(rng.integers(3, 8)), int(rng.integers(1, 9))
     if layers < stages:
         layers = stages
