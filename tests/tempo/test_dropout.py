@@ -10,19 +10,41 @@ from measure.saved import saved_bytes
 from tempo.ops import dropout as D
 
 
-def assert_gradient_uses_the_mask_of(x, y, gy, gx, p):
-    """y = x * keep / (1 - p) and gx = gy * keep / (1 - p), keep read off y (x has no zeros)."""
-    keep = y != 0
-    torch.testing.assert_close(y[keep], x[keep] / (1 - p))
+def keep_mask_of(p: float, x: torch.Tensor, seed: torch.Tensor) -> torch.Tensor:
+    """The keep mask dropout_op draws from ``seed``, read off the op itself (on ones, so a zero in
+    the output means dropped: random inputs may hold exact zeros)."""
+    return D.dropout_op(torch.ones_like(x), p, seed) != 0
+
+
+def assert_gradient_uses_the_mask(x, y, gy, gx, p, keep):
+    """y = x * keep / (1 - p) and gx = gy * keep / (1 - p)."""
+    torch.testing.assert_close(y, x * keep / (1 - p))
     torch.testing.assert_close(gx, gy * keep / (1 - p))
 
 
 def test_backward_uses_the_forward_mask():
     x = torch.randn(3, 70_000, requires_grad=True)  # spans several chunks
+    rng_state = torch.get_rng_state()
     y = tempo.dropout(x, 0.3)
+    torch.set_rng_state(rng_state)  # the same draw again: the seed tempo.dropout took
+    keep = tempo.dropout(torch.ones_like(x), 0.3) != 0
     gy = torch.randn_like(y)
     (gx,) = torch.autograd.grad(y, x, gy)
-    assert_gradient_uses_the_mask_of(x.detach(), y.detach(), gy, gx, 0.3)
+    assert_gradient_uses_the_mask(x.detach(), y.detach(), gy, gx, 0.3, keep)
+
+
+def test_the_check_holds_where_the_input_is_zero():
+    """Zeros in x (randn draws them now and then) are kept or dropped as the mask says."""
+    x = torch.randn(4, 1000)
+    x[:, ::7] = 0.0
+    x.requires_grad_()
+    seed = torch.randint(0, 2**31 - 2, ())
+    y = D.dropout_op(x, 0.5, seed)
+    gy = torch.randn_like(y)
+    (gx,) = torch.autograd.grad(y, x, gy)
+    keep = keep_mask_of(0.5, x, seed)
+    assert_gradient_uses_the_mask(x.detach(), y.detach(), gy, gx, 0.5, keep)
+    assert (gx[:, ::7] != 0).any()  # a kept zero of x still passes its gradient
 
 
 def test_negative_control_a_backward_with_another_seed_fails_the_check():
@@ -33,10 +55,11 @@ def test_negative_control_a_backward_with_another_seed_fails_the_check():
     y = D.dropout_op(x, 0.3, seed)
     gy = torch.randn_like(y)
     (gx,) = torch.autograd.grad(y, x, gy)
-    assert_gradient_uses_the_mask_of(x.detach(), y.detach(), gy, gx, 0.3)  # the right seed passes
+    keep = keep_mask_of(0.3, x, seed)
+    assert_gradient_uses_the_mask(x.detach(), y.detach(), gy, gx, 0.3, keep)  # the right seed passes
     (gx_wrong,) = torch.autograd.grad(D.dropout_op(x, 0.3, seed + 1), x, gy)
     with pytest.raises(AssertionError, match="not close"):
-        assert_gradient_uses_the_mask_of(x.detach(), y.detach(), gy, gx_wrong, 0.3)
+        assert_gradient_uses_the_mask(x.detach(), y.detach(), gy, gx_wrong, 0.3, keep)
 
 
 @pytest.mark.parametrize("p", [0.1, 0.5])
