@@ -72,6 +72,36 @@ def tests(session: nox.Session) -> None:
     _run(session, "-m", "pytest", "-m", marks, *args)
 
 
+SWEEP_DIR = ROOT / ".sweep"  # the seed sweep's inventories and progress (git-ignored)
+
+
+def _sources_digest() -> str:
+    """Of every Python file the tests run (the tests and the code under them): a change starts a new
+    inventory, and so a new sweep."""
+    digest = hashlib.sha256()
+    for folder in ("impl", "baselines", "artifacts", "tests"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            digest.update(str(path.relative_to(ROOT)).encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:12]
+
+
+@nox.session
+def seed_sweep(session: nox.Session) -> None:
+    """Every test that draws random inputs, under many seeds (not in CI; hours on 2 cores: README).
+    First the suite once, writing which tests draw random inputs (tests/sweep.py), then each of
+    those under 200 seeds if it took under 1 s, else 20, one pytest worker a core (xdist; one
+    thread each). Rerun, it resumes where it stopped (for the same sources);
+    ``-- --sweep-restart`` starts again with fresh seeds; other arguments go to the sweep's pytest
+    (``-- --seeds 50 --slow-seeds 5``, ``-- tests/tempo``)."""
+    SWEEP_DIR.mkdir(exist_ok=True)
+    inventory = SWEEP_DIR / f"inventory-{_sources_digest()}.json"
+    pytest = ("-m", "pytest", "-q", "-p", "tests.sweep", "-m", "not gpu")
+    if not inventory.exists():
+        _run(session, *pytest, f"--random-inventory={inventory}")
+    workers = ("-n", str(os.cpu_count() or 1))
+    _run(session, *pytest, *workers, f"--sweep={inventory}", *session.posargs, env={"OMP_NUM_THREADS": "1"})
+
+
 @nox.session
 def smoke(session: nox.Session) -> None:
     """Kick the tires in a few minutes: a Tempo-patched model's training step, a Mist plan and its

@@ -2,8 +2,8 @@
 
 Fresh random inputs every run, all from one seed a test: torch's, numpy's and Python's global
 generators, the ``rng`` fixture (a numpy Generator) and Hypothesis are all seeded from it, and a
-failure prints it (replay with ``TEST_SEED=<seed>``). Each test also records whether it drew
-random inputs (``item.draws_random``), which the seed sweep (tests/sweep.py) reads. Triton kernels
+failure prints it (replay with ``TEST_SEED=<seed>``). Each test also records in its report whether
+it drew random inputs (``draws_random``), which the seed sweep (tests/sweep.py) reads. Triton kernels
 run in the interpreter when there is no GPU.
 """
 
@@ -67,7 +67,8 @@ def fresh_seed(request: pytest.FixtureRequest):
     # Runs after every other fixture's teardown (autouse fixtures are set up first): it sees them all.
     moved = not _same_states(before, _global_rng_states())
     asked = "rng" in request.fixturenames or "fresh_seed" in inspect.signature(test).parameters
-    request.node.draws_random = moved or asked or getattr(test, "is_hypothesis_test", False)
+    draws_random = moved or asked or getattr(test, "is_hypothesis_test", False)
+    request.node.user_properties.append(("draws_random", draws_random))  # reports carry it (xdist too)
 
 
 @pytest.fixture
