@@ -109,9 +109,9 @@ def _read_inventory(path: Path) -> tuple[dict, str]:
     return tests, hashlib.sha256(text.encode()).hexdigest()
 
 
-def _resume(progress: Path, header: dict, restart: bool) -> tuple[dict, set[str]]:
-    """The header and passed ids of a previous sweep with these options, else a fresh header
-    (written, with a fresh base unless one was given)."""
+def _resume(progress: Path, header: dict, restart: bool) -> tuple[dict, list[str]]:
+    """The header and passed ids (the file's lines) of a previous sweep with these options, else a
+    fresh header (written, with a fresh base unless one was given) and none."""
     if progress.exists() and not restart:
         lines = progress.read_text().splitlines()
         try:
@@ -120,25 +120,26 @@ def _resume(progress: Path, header: dict, restart: bool) -> tuple[dict, set[str]
             previous = None
         same = previous is not None and all(previous.get(k) == v for k, v in header.items() if k != "base")
         if same and header["base"] in (None, previous["base"]):
-            return previous, set(lines[1:])  # a torn last line names no test: harmless
+            return previous, lines[1:]  # a torn last line names no test: harmless
     if header["base"] is None:
         header = {**header, "base": int.from_bytes(os.urandom(4), "little")}
     progress.write_text(json.dumps(header) + "\n")
-    return header, set()
+    return header, []
 
 
 class Sweep:
     """Runs the inventory's random tests, each under its count of seeds, and records what passed."""
 
     def __init__(self, counts: dict[str, int], seconds: dict[str, float], seeds: list[int], header: dict,
-                 progress: Path, passed: set[str], writes: bool) -> None:  # fmt: skip
+                 progress: Path, passed: list[str], writes: bool) -> None:  # fmt: skip
         self.counts = counts  # inventory node id -> seeds it runs under
         self.seconds = seconds  # inventory node id -> its seconds in the inventory's run
         self.seeds = seeds
         self.header = header  # the progress file's first line: the options and the base
         self.base = header["base"]
         self.progress = progress
-        self.passed = passed  # instance node ids a previous run of this sweep passed
+        self.passed = set(passed)  # instance node ids a previous run of this sweep passed
+        self.passed_lines = len(passed)  # the progress file's lines after the header, at the start
         self.writes = writes  # the progress file: by one process (under xdist the controller)
         self.failed: set[str] = set()
         self.functions = {nodeid.split("[", 1)[0] for nodeid in counts}
@@ -153,8 +154,10 @@ class Sweep:
                   "base": config.getoption("sweep_base")}  # fmt: skip
         progress = path.with_name(path.name + ".progress")
         if _is_xdist_worker(config):  # the controller's sweep: same seeds, same instances left to run
-            header = config.workerinput["seed_sweep_header"]
-            passed = set(progress.read_text().splitlines()[1:])
+            header, known = config.workerinput["seed_sweep_header"], config.workerinput["seed_sweep_passed"]
+            # the controller's passed ids are the file's first lines (it only appends); a worker that
+            # replaces a crashed one must collect the same items as the others did
+            passed = progress.read_text().splitlines()[1 : 1 + known]
         else:
             header, passed = _resume(progress, header, config.getoption("sweep_restart"))
         counts, seconds = {}, {}
@@ -223,6 +226,7 @@ class Sweep:
     def pytest_configure_node(self, node) -> None:
         """xdist: each worker sweeps with the controller's header (its base)."""
         node.workerinput["seed_sweep_header"] = self.header
+        node.workerinput["seed_sweep_passed"] = self.passed_lines
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         if not self.writes:

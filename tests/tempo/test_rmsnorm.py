@@ -8,6 +8,8 @@ import torch
 from measure.saved import saved_bytes
 from tempo.ops import rmsnorm as R
 
+from .norm_bounds import assert_within, exact_and_bounds, unit
+
 
 def hf_rms_norm(x, weight, eps):
     """HuggingFace's LlamaRMSNorm.forward, written out (the reference)."""
@@ -34,53 +36,14 @@ def _draw(dtype, rows=None, d=None):
     return x, w, gy
 
 
-def exact_gradients(x, w, gy, eps):
-    """(dx, dgamma, scale_dx, scale_dw) in float64 from the inputs as given: the closed form
-    dx = r (gamma g - x_hat mean(g gamma x_hat)), dgamma = sum over rows of g x_hat, and the sums
-    of magnitudes its rounding errors scale with (r (|gamma g| + |x_hat| mean|g gamma x_hat|) for
-    dx, sum over rows of |g x_hat| for dgamma)."""
-    x, w, g = x.double(), w.double(), gy.double()
-    r = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    x_hat = x * r
-    m = (g * w * x_hat).mean(-1, keepdim=True)
-    big_m = (g * w * x_hat).abs().mean(-1, keepdim=True)
-    dx = r * (w * g - x_hat * m)
-    dw = (g * x_hat).reshape(-1, x.shape[-1]).sum(0)
-    scale_dx = r * ((w * g).abs() + x_hat.abs() * big_m)
-    scale_dw = (g * x_hat).abs().reshape(-1, x.shape[-1]).sum(0)
-    return dx, dw, scale_dx, scale_dw
-
-
-def unit(dtype: torch.dtype) -> float:
-    """The unit roundoff: half the distance from 1 to the next number."""
-    return torch.finfo(dtype).eps / 2
-
-
-def assert_within_rounding_bound(x, w, gy, eps, dx, dw, reference_rounds=False):
-    """Element by element, |ours - exact| <= u_out |exact| + K scale, K from a worst-case count of
-    the op's roundings (ops/rmsnorm.py): rstd = 1/sqrt(mean(x^2) + eps) to (d/2 + 3) u_c (a sum of
-    d positive terms), x_hat rounded to x's dtype, y to its own, x_hat = y / gamma, mean(g y) over d
-    terms, dgamma's sum over the rows; u_c the compute dtype's unit roundoff (float32, float64 for
-    float64), u_out the result's. ``reference_rounds``: the reference computed in the same dtype
-    (float64) errs as much again."""
-    d, rows = x.shape[-1], x.numel() // max(x.shape[-1], 1)
+def rms_bounds(x, w, gy, eps):
+    """{dx, dgamma: (exact float64, bound)} for Tempo's RMSNorm (tests/tempo/norm_bounds.py): y is
+    rounded twice (x_hat to x's dtype, then y, as HF's), dx to y's dtype then x's."""
     y_dtype = torch.promote_types(x.dtype, w.dtype)
     u_c = unit(torch.float64 if y_dtype == torch.float64 else torch.float32)
-    e_r = (d / 2 + 3) * u_c
-    e_y = e_r + u_c + unit(x.dtype) + unit(y_dtype)  # y against gamma * exact x_hat
-    e_xhat = e_y + 2 * u_c  # x_hat = y / gamma
-    k_dx = 2 * e_r + e_xhat + e_y + (d + 8) * u_c
-    k_dw = e_xhat + (rows + 2) * u_c
-    if reference_rounds:
-        k_dx, k_dw = 2 * k_dx, 2 * k_dw
-    rdx, rdw, scale_dx, scale_dw = exact_gradients(x, w, gy, eps)
-    for name, ours, exact, k, scale, out in (
-        ("dx", dx, rdx, k_dx, scale_dx, dx.dtype), ("dgamma", dw, rdw, k_dw, scale_dw, dw.dtype),
-    ):  # fmt: skip
-        u_out = unit(out) + unit(y_dtype)  # rounded to y's dtype, then to the result's
-        bound = u_out * exact.abs() + k * scale + torch.finfo(out).tiny
-        worst = ((ours.double() - exact).abs() / bound).max().item() if exact.numel() else 0.0
-        assert worst <= 1.0, f"{name}: an element exceeds its rounding bound by {worst:.2f}x"
+    u_y = unit(x.dtype) + unit(y_dtype)
+    u_out = {"dx": unit(x.dtype) + unit(y_dtype), "dgamma": unit(w.dtype)}
+    return exact_and_bounds(x, w, None, gy, eps, centred=False, u_y=u_y, u_c=u_c, u_out=u_out)
 
 
 def test_float64_gradients_equal_the_reference():
@@ -89,7 +52,7 @@ def test_float64_gradients_equal_the_reference():
     y, (dx, dw) = grads(R.rms_norm, x, w, gy, eps)
     y_ref, _ = grads(hf_rms_norm, x, w, gy, eps)
     torch.testing.assert_close(y, y_ref, rtol=1e-15, atol=0)
-    assert_within_rounding_bound(x, w, gy, eps, dx, dw, reference_rounds=True)
+    assert_within({"dx": dx, "dgamma": dw}, rms_bounds(x, w, gy, eps), factor=2)  # the reference errs too
 
 
 def test_gradcheck_float64():
@@ -109,31 +72,35 @@ def test_output_is_llamas_and_gradients_within_rounding(dtype, wdtype):
     y_ref, _ = grads(hf_rms_norm, x, w, gy, 1e-6)
     assert y.dtype == y_ref.dtype and torch.equal(y, y_ref)  # bit for bit, in HF's dtype
     assert dx.dtype == dtype and dw.dtype == wdtype
-    assert_within_rounding_bound(x, w, gy, 1e-6, dx, dw)
+    assert_within({"dx": dx, "dgamma": dw}, rms_bounds(x, w, gy, 1e-6))
 
 
 def test_the_rounding_bound_admits_hf_and_refuses_a_wrong_gradient():
     """The bound admits HF's own float32 autograd (it is as wide as it must be) and refuses an error
-    of 1e-3 of the scale in one element, and a gradient without the projection term
+    of 1e-3 of an element's magnitude scale, and a gradient without the projection term
     r x_hat mean(g gamma x_hat) (drawn with g along gamma x_hat, so that term is not ~0)."""
     x, w, gy = _draw(torch.float32)
     _, (hf_dx, hf_dw) = grads(hf_rms_norm, x, w, gy, 1e-6)
-    assert_within_rounding_bound(x, w, gy, 1e-6, hf_dx, hf_dw)
+    bounds = rms_bounds(x, w, gy, 1e-6)
+    assert_within({"dx": hf_dx, "dgamma": hf_dw}, bounds)
 
-    dx, dw, scale, _ = exact_gradients(x, w, gy, 1e-6)
+    (dx, _), (dw, _) = bounds["dx"], bounds["dgamma"]
+    xd, wd = x.double(), w.double()
+    r = torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-6)
+    x_hat = xd * r
+    gw = wd * gy.double()
+    scale = r * (gw.abs() + x_hat.abs() * (gw * x_hat).abs().mean(-1, keepdim=True))  # what dx sums
     one_element = dx.clone()
     i = int(torch.randint(0, dx.numel(), ()))
     one_element.view(-1)[i] += 1e-3 * scale.view(-1)[i]
     with pytest.raises(AssertionError, match="dx: an element exceeds"):
-        assert_within_rounding_bound(x, w, gy, 1e-6, one_element.float(), dw.float())
+        assert_within({"dx": one_element, "dgamma": dw}, bounds)
 
-    xd, wd = x.double(), w.double()
-    r = torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-6)
-    g_along = (wd * xd * r + 0.1 * gy.double()).float()  # mean(g gamma x_hat) ~ mean(gamma^2 x_hat^2)
-    dx, dw, _, _ = exact_gradients(x, w, g_along, 1e-6)
+    g_along = (wd * x_hat + 0.1 * gy.double()).float()  # mean(g gamma x_hat) ~ mean(gamma^2 x_hat^2)
+    bounds = rms_bounds(x, w, g_along, 1e-6)
     no_projection = r * wd * g_along.double()
     with pytest.raises(AssertionError, match="dx: an element exceeds"):
-        assert_within_rounding_bound(x, w, g_along, 1e-6, no_projection.float(), dw.float())
+        assert_within({"dx": no_projection, "dgamma": bounds["dgamma"][0]}, bounds)
 
 
 def test_keeps_output_not_input():
