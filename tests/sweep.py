@@ -19,6 +19,7 @@ the base and counts, then a node id a line), and a rerun with the same options s
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import os
@@ -127,6 +128,17 @@ def _resume(progress: Path, header: dict, restart: bool) -> tuple[dict, list[str
     return header, []
 
 
+GC_EVERY_BYTES = 1 << 30
+
+
+def _resident_bytes() -> int:
+    """This process's resident memory (Linux; 0 elsewhere, where the sweep then never collects)."""
+    try:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
 class Sweep:
     """Runs the inventory's random tests, each under its count of seeds, and records what passed."""
 
@@ -141,6 +153,7 @@ class Sweep:
         self.passed = set(passed)  # instance node ids a previous run of this sweep passed
         self.passed_lines = len(passed)  # the progress file's lines after the header, at the start
         self.writes = writes  # the progress file: by one process (under xdist the controller)
+        self.collected_at = _resident_bytes()
         self.failed: set[str] = set()
         self.functions = {nodeid.split("[", 1)[0] for nodeid in counts}
 
@@ -227,6 +240,16 @@ class Sweep:
         """xdist: each worker sweeps with the controller's header (its base)."""
         node.workerinput["seed_sweep_header"] = self.header
         node.workerinput["seed_sweep_passed"] = self.passed_lines
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_runtest_teardown(self) -> None:
+        """Collect cyclic garbage once this process has grown GC_EVERY_BYTES since it last did. HF
+        models hold reference cycles, which only the cyclic collector frees, and it counts objects,
+        not bytes: a worker that built a model 180 times grew to 20 GB and was killed for memory."""
+        rss = _resident_bytes()
+        if rss - self.collected_at > GC_EVERY_BYTES:
+            gc.collect()
+            self.collected_at = _resident_bytes()
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         if not self.writes:
