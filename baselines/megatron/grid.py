@@ -172,7 +172,7 @@ def megatron_args(plan: Plan, model: ModelSpec) -> tuple[list[str], list[str]]:
         args.append(f"--position-embedding-type {settings['position_embedding_type']}")
     if settings["num_query_groups"] != settings["num_attention_heads"]:
         args += ["--group-query-attention", f"--num-query-groups {settings['num_query_groups']}"]
-    cannot = megatron_limits(plan, model)
+    cannot = list(megatron_limits(plan, model).values())
     stages = plan.stages
     even_middle = len({s.layers for s in stages[1:-1]}) <= 1  # else refused in megatron_limits
     if settings["num_layers_in_first_pipeline_stage"] is not None and even_middle:

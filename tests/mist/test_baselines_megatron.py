@@ -134,5 +134,5 @@ def test_one_translation_for_the_engine_and_the_baseline():
         assert f"{flag} {settings[field]}" in args
     assert cannot == [] and ("--swiglu" in args) == settings["gated_linear_unit"]
     plan.stages[0].tp = 4  # a stage with its own TP: refused by both, in the same words
-    shared = megatron_limits(plan, m)
-    assert shared and set(shared) <= set(unsupported(plan)) and set(shared) <= set(megatron_args(plan, m)[1])
+    shared = set(megatron_limits(plan, m).values())
+    assert shared and shared <= set(unsupported(plan)) and shared <= set(megatron_args(plan, m)[1])

@@ -10,6 +10,7 @@ import pytest
 from measure.launch import run_torchrun
 from mist import Plan, StagePlan, cluster, model, predict
 from mist.engine.run import unsupported
+from mist.plan import PrePostPlan
 
 # Predicted vs measured per-rank memory: the stated target (README: "target 10%"), not loosened.
 # Measured: held tensor bytes + the allocator peak of the typical steady step (the median of a
@@ -19,6 +20,7 @@ TOLERANCE = 0.10
 
 
 def _torchrun(plan: Plan, tmp_path: Path, steps: int = 5) -> dict:
+    tmp_path.mkdir(parents=True, exist_ok=True)
     path, out = tmp_path / "plan.yaml", tmp_path / "report.json"
     plan.save(path)
     args = ["--plan", str(path), "--steps", str(steps), "--out", str(out)]
@@ -39,9 +41,10 @@ def _report(plan_args: tuple, tmp_path_factory) -> tuple[Plan, dict]:
 
 
 def _tiny_plan(stages: list[StagePlan], tp: int = 1, dp: int = 1) -> Plan:
-    """A gpt3-tiny plan for 2 CPU processes, global batch 8 in micro-batches of 2, no SP."""
-    return Plan(model="gpt3-tiny", gpu="cpu", gpus=2, gpus_per_node=8, global_batch=8, tp=tp, dp=dp,
-                micro_batch=2, stages=stages, sequence_parallel=False)  # fmt: skip
+    """A gpt3-tiny plan for tp x dp x stages CPU processes, global batch 8 in micro-batches of 2,
+    no SP."""
+    return Plan(model="gpt3-tiny", gpu="cpu", gpus=tp * dp * len(stages), gpus_per_node=8, global_batch=8,
+                tp=tp, dp=dp, micro_batch=2, stages=stages, sequence_parallel=False)  # fmt: skip
 
 
 def _plan(tp: int, layers: list[int], recompute: list[int], dp: int = 1, zero: int = 0) -> Plan:
@@ -117,8 +120,136 @@ def test_offloading_optimizer_and_activations_trains_the_same(tmp_path, tmp_path
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("zero", [1, 2, 3])
+def test_zero_with_optimizer_offload_trains_as_zero_alone(tmp_path, zero):
+    """ZeRO-Offload: each rank's share of the optimizer (ZeRO-3: of its weight shards) steps on the
+    host. The same losses as ZeRO alone (the same AdamW on the same share), its fp32 master weights
+    and two moments on the host (12 B a parameter, as predicted), and the device memory within the
+    tolerance of the prediction. Negative control: the memory the plan without offloading predicts
+    is outside it (the check would catch an offload that left the state on the device). One
+    micro-batch a step: with several, how many layers' gradients wait on gloo's asynchronous
+    reduce-scatter varies from step to step (ZeRO-3: 0 to 4 layers, +-7% of this total)."""
+    runs = {}
+    for fraction in (0.0, 1.0):
+        plan = _tiny_plan([StagePlan(layers=4, zero=zero, offload_optimizer=fraction)], dp=2)
+        plan.micro_batch = 4
+        assert not unsupported(plan), unsupported(plan)
+        predict(plan, plan.model_spec(), cluster("cpu", 2))
+        runs[fraction] = plan, _torchrun(plan, tmp_path / f"offload{fraction}")
+    (plain_plan, plain), (plan, offloaded) = runs[0.0], runs[1.0]
+    a, b = (next(r["losses"] for r in rep["ranks"] if r["losses"] is not None) for rep in (plain, offloaded))
+    assert a == pytest.approx(b, rel=1e-6)
+    for r in offloaded["ranks"]:
+        stage, without = plan.stages[r["stage"]], plain_plan.stages[r["stage"]]
+        assert r["host_optimizer_bytes"] == pytest.approx(stage.host_memory_bytes, rel=0.02), r
+        assert abs(stage.memory_bytes / r["memory_bytes"] - 1) < TOLERANCE, (r, stage.memory_bytes)
+        assert abs(without.memory_bytes / r["memory_bytes"] - 1) > TOLERANCE, (r, without.memory_bytes)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_sequence_parallelism_trains_as_tensor_parallelism_alone(tmp_path):
+    """TP 2 with sequence parallelism on a CPU (the engine's norms allow it; megatron-core's torch
+    norm does not): the same losses as TP 2 without it (no dropout, whose streams differ between
+    the two; bf16 sums over the TP group in another order), and each run's memory within the
+    tolerance of its prediction. At this size SP saves ~1% (weights dominate), so the negative
+    control is the mechanism itself: a layer's input holds half the sequence with it, all without."""
+    runs = {}
+    for sequence_parallel in (False, True):
+        plan = _tiny_plan([StagePlan(layers=4, recompute=1)], tp=2)
+        plan.model_overrides, plan.sequence_parallel = {"dropout": 0.0}, sequence_parallel
+        assert not unsupported(plan), unsupported(plan)
+        predict(plan, plan.model_spec(), cluster("cpu", 2))
+        runs[sequence_parallel] = plan, _torchrun(plan, tmp_path / f"sp{sequence_parallel}")
+    a, b = (next(r["losses"] for r in rep["ranks"] if r["losses"] is not None) for _, rep in runs.values())
+    assert a == pytest.approx(b, rel=2e-2, abs=0)
+    seq = model("gpt3-tiny").seq
+    for sequence_parallel, (plan, report) in runs.items():
+        for r in report["ranks"]:
+            predicted = plan.stages[r["stage"]].memory_bytes
+            assert abs(predicted / r["memory_bytes"] - 1) < TOLERANCE, (r, predicted)
+            assert r["layer_input_shape"][0] == (seq // 2 if sequence_parallel else seq), r
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_zero2_with_sequence_parallelism_trains_as_without_zero(tmp_path):
+    """4 processes, TP 2 with sequence parallelism x DP 2: ZeRO-2 (gradients reduced to their
+    owner as backward makes them; the norms' partial sums over the sequence shards summed over the
+    TP group first) trains as plain data parallelism does (no dropout; bf16 sums in another
+    order), and its memory is within the tolerance of the prediction."""
+    runs = {}
+    for zero in (0, 2):
+        plan = _tiny_plan([StagePlan(layers=4, recompute=1, zero=zero)], tp=2, dp=2)
+        plan.model_overrides, plan.sequence_parallel = {"dropout": 0.0}, True
+        assert not unsupported(plan), unsupported(plan)
+        runs[zero] = plan, _torchrun(plan, tmp_path / f"zero{zero}")
+    a, b = (next(r["losses"] for r in rep["ranks"] if r["losses"] is not None) for _, rep in runs.values())
+    assert a == pytest.approx(b, rel=2e-2, abs=0)
+    plan, report = runs[2]
+    predict(plan, plan.model_spec(), cluster("cpu", 4))
+    for r in report["ranks"]:
+        predicted = plan.stages[r["stage"]].memory_bytes
+        assert abs(predicted / r["memory_bytes"] - 1) < TOLERANCE, (r, predicted)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    ("stage_zero", "pre_post"),
+    [(2, PrePostPlan(zero=0)), (0, PrePostPlan(zero=1, offload_optimizer=1.0))],
+    ids=["layers-zero2-edges-zero0", "layers-zero0-edges-zero1-offloaded"],
+)
+def test_embedding_and_head_strategy_of_their_own(tmp_path, stage_zero, pre_post):
+    """``pre_post``: the embedding and head (a vocabulary of 4096: most of this model's
+    parameters) with their own ZeRO stage and optimizer offload, the layers with the stage's. The
+    same losses as the stage's strategy for everything (bf16 sums in another order), memory and
+    host bytes within the tolerance of the prediction. Negative control: the memory predicted
+    for the stage's strategy alone is outside it (an engine ignoring pre_post would match that)."""
+    runs = {}
+    for edge in (None, pre_post):
+        plan = _tiny_plan([StagePlan(layers=4, zero=stage_zero)], dp=2)
+        plan.micro_batch, plan.pre_post, plan.model_overrides = 4, edge, {"vocab": 4096}
+        assert not unsupported(plan), unsupported(plan)
+        predict(plan, plan.model_spec(), cluster("cpu", 2))
+        runs[edge is not None] = plan, _torchrun(plan, tmp_path / f"pre_post{edge is not None}")
+    a, b = (next(r["losses"] for r in rep["ranks"] if r["losses"] is not None) for _, rep in runs.values())
+    assert a == pytest.approx(b, rel=2e-2, abs=0)
+    (alone, _), (plan, report) = runs[False], runs[True]
+    for r in report["ranks"]:
+        stage = plan.stages[r["stage"]]
+        assert abs(stage.memory_bytes / r["memory_bytes"] - 1) < TOLERANCE, (r, stage.memory_bytes)
+        assert r["host_optimizer_bytes"] == pytest.approx(stage.host_memory_bytes, rel=0.02), r
+        assert abs(alone.stages[r["stage"]].memory_bytes / r["memory_bytes"] - 1) > TOLERANCE, r
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_uneven_stages_anywhere_train_and_memory_matches(tmp_path):
+    """Four stages of 1, 2, 1 and 2 layers (uneven in the middle, which Megatron's first/last-stage
+    settings cannot say; megatron-core's pipeline layout can): each stage builds the plan's count,
+    the model learns, and each rank's memory is within the tolerance of the prediction (measured:
+    +9.8%, +1.5%, +8.5%, -1.6% on stages 0-3, deterministic: the step peaks repeat to the byte;
+    without recomputation the first stages' four micro-batches in flight come out 13-19% above
+    the prediction, a gap of the memory model's at this size)."""
+    plan = _plan(1, [1, 2, 1, 2], [1, 2, 1, 2])
+    plan.model_overrides = {"layers": 6}
+    assert not unsupported(plan), unsupported(plan)
+    report = _torchrun(plan, tmp_path)
+    losses = next(r["losses"] for r in report["ranks"] if r["losses"] is not None)
+    assert losses[-1] < losses[0] - 0.5
+    predict(plan, plan.model_spec(), cluster("cpu", 4))
+    for r in report["ranks"]:
+        stage = plan.stages[r["stage"]]
+        assert r["layers"] == stage.layers, r
+        assert abs(stage.memory_bytes / r["memory_bytes"] - 1) < TOLERANCE, (r, stage.memory_bytes)
+
+
+@pytest.mark.slow
 def test_planner_plan_runs(tmp_path):
-    """What `mist plan` makes for 2 CPU processes, with the parts mist.engine.run cannot do yet removed."""
+    """What `mist plan` makes for 2 CPU processes (sequence parallelism as planned), with the parts
+    mist.engine.run cannot do yet (ZeRO, offloading) left out of its search."""
     from mist import search
     from mist.tuning.planner import PlannerOptions
     from mist.tuning.stage_cost import SearchSpace
@@ -126,11 +257,44 @@ def test_planner_plan_runs(tmp_path):
     plan = search(
         model("gpt3-tiny"), cluster("cpu", 2), 8, PlannerOptions(SearchSpace(zero_stages=(0,), offload=False))
     )
-    plan.sequence_parallel = False  # megatron-core's torch LayerNorm cannot do SP (see unsupported())
     assert not unsupported(plan), unsupported(plan)
     report = _torchrun(plan, tmp_path, steps=4)
     losses = next(r["losses"] for r in report["ranks"] if r["losses"] is not None)
     assert losses[-1] < losses[0]
+
+
+COMPARISON = Path(__file__).parents[2] / "artifacts/mist_vs_megatron/reference/comparison.json"
+NOT_YET = ("offloading of weights or gradients", "embedding/head's weights or gradients",
+           "ZeRO-3 for only part", "stages with their own TP/DP")  # fmt: skip
+
+
+def test_committed_comparison_plans_run_or_are_refused_for_parts_not_built_yet():
+    """Every plan of every system in the committed mist_vs_megatron comparison, rebuilt from its
+    summary: the engine accepts it or refuses it only for a part not built yet (NOT_YET; the
+    counts are printed: at 8f1b34b, 7 of 60 Mist plans were accepted)."""
+    from mist import cluster as cluster_of
+    from mist.plan import PrePostPlan
+
+    points = json.loads(COMPARISON.read_text())["points"]
+    accepted: dict[str, int] = {}
+    for point in points:
+        key = point["key"]
+        for system in ("mist", "megatron", "aceso", "zero3"):
+            summary = point["result"][system]
+            stages = [StagePlan(**{k: v for k, v in st.items() if not k.endswith("memory_bytes")})
+                      for st in summary["stages"]]  # fmt: skip
+            edge = summary["pre_post"]
+            plan = Plan.of(
+                model(key["model"], seq=key["seq"], flash=key["flash"]), cluster_of(key["gpu"], key["gpus"]),
+                global_batch=key["global_batch"], tp=summary["tp"], dp=summary["dp"],
+                micro_batch=summary["micro_batch"], stages=stages,
+                pre_post=None if edge is None else PrePostPlan(**edge),
+            )  # fmt: skip
+            reasons = unsupported(plan)
+            assert all(any(part in why for part in NOT_YET) for why in reasons), (system, key, reasons)
+            accepted[system] = accepted.get(system, 0) + (not reasons)
+    print(f"accepted of {len(points)} plans each:", accepted)
+    assert accepted["megatron"] == accepted["zero3"] == len(points)
 
 
 def test_unsupported_parts_are_named():
@@ -140,17 +304,39 @@ def test_unsupported_parts_are_named():
     )
     reasons = " | ".join(unsupported(plan))
     assert "ZeRO-3 with TP > 1" in reasons and "offloading of weights or gradients" in reasons
-    assert "sequence parallelism" in reasons
 
 
-def test_the_engine_refuses_a_layer_it_would_build_differently():
-    """Falcon is priced with attention and MLP in parallel; megatron-core builds them in sequence,
-    so mist.engine.run refuses it by name, and runs the sequential variant it does build."""
-    falcon = Plan.of(model("falcon-tiny"), cluster("cpu", 1, 1), global_batch=2, tp=1, dp=1, micro_batch=1,
-                     stages=[StagePlan(layers=4)])  # fmt: skip
-    assert any("in parallel on one norm (Falcon)" in r for r in unsupported(falcon))
-    falcon.model_overrides = {"parallel_block": False}
-    assert not unsupported(falcon)
+@pytest.mark.slow
+@pytest.mark.parametrize("normalization", ["LayerNorm", "RMSNorm"])
+def test_parallel_block_layer_is_attention_plus_mlp_on_one_norm(tmp_path, normalization):
+    """The engine's parallel block (Falcon, GPT-J): y = x + attention(norm(x)) + mlp(norm(x)) in
+    float64, its gradient too, with no second norm. Negative control: megatron-core's sequential
+    layer with the same weights is far from that formula."""
+    out = tmp_path / "check.json"
+    done = run_torchrun(1, "tests.mist.parallel_block_check", ["--out", str(out), "--normalization",
+                        normalization], timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["second_norm"] == "IdentityOp"
+    assert result["output_error"] <= 1e-12 and result["gradient_error"] <= 1e-12, result
+    assert result["sequential_differs_by"] > 1e-2, result
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_falcon_plan_trains_with_tp_and_memory_matches(tmp_path):
+    """A Falcon plan (the parallel block, priced with one norm and one all-reduce a layer) trains on
+    2 processes with TP 2, and each rank's memory is within the tolerance of the prediction."""
+    plan = _tiny_plan([StagePlan(layers=4, recompute=1)], tp=2)
+    plan.model = "falcon-tiny"
+    assert not unsupported(plan), unsupported(plan)
+    report = _torchrun(plan, tmp_path)
+    losses = next(r["losses"] for r in report["ranks"] if r["losses"] is not None)
+    assert losses[-1] < losses[0] - 0.5
+    predict(plan, model("falcon-tiny"), cluster("cpu", 2))
+    for r in report["ranks"]:
+        predicted = plan.stages[r["stage"]].memory_bytes
+        assert abs(predicted / r["memory_bytes"] - 1) < TOLERANCE, (r, predicted)
 
 
 def test_megatron_arguments_follow_the_model_fields():

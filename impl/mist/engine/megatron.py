@@ -41,22 +41,29 @@ def model_settings(plan: Plan, model: ModelSpec) -> dict[str, object]:
     }
 
 
-def megatron_limits(plan: Plan, model: ModelSpec) -> list[str]:
-    """What a Megatron GPT model cannot be built as for ``plan`` (empty: it can)."""
-    reasons = []
+def megatron_limits(plan: Plan, model: ModelSpec) -> dict[str, str]:
+    """What a Megatron GPT model cannot be built as for ``plan``, by name (empty: it can). The names
+    let a runtime that builds a part itself (mist.engine.run's parallel block) drop that one."""
+    limits = {}
     if model.parallel_block:
-        reasons.append(
+        limits["parallel_block"] = (
             "attention and MLP in parallel on one norm (Falcon): Megatron's layer runs them in sequence, "
             "a different model from the one priced (`parallel_block: false` in model_overrides plans the "
             "sequential one)"
         )
     if any((s.tp or plan.tp, s.dp or plan.dp) != (plan.tp, plan.dp) for s in plan.stages):
-        reasons.append("stages with their own TP/DP (Megatron uses one TP and DP for all stages)")
+        limits["stage_parallelism"] = (
+            "stages with their own TP/DP (Megatron uses one TP and DP for all stages)"
+        )
     if plan.pre_post is not None:
-        reasons.append("a strategy of the embedding/head's own (pre_post; Megatron's follow their stage's)")
+        limits["pre_post"] = (
+            "a strategy of the embedding/head's own (pre_post; Megatron's follow their stage's)"
+        )
     layers = [s.layers for s in plan.stages]
     if len(set(layers[1:-1])) > 1:
-        reasons.append(f"uneven middle stages {layers} (Megatron: only the first and last may differ)")
+        limits["uneven_middle_stages"] = (
+            f"uneven middle stages {layers} (Megatron: only the first and last may differ)"
+        )
     if any(s.offload_weights or s.offload_grads for s in plan.stages):
-        reasons.append("CPU offloading of weights or gradients")
-    return reasons
+        limits["offload_weights_grads"] = "CPU offloading of weights or gradients"
+    return limits

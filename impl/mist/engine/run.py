@@ -4,17 +4,23 @@
 megatron-core provides the model (GPTModel: tensor-parallel layers, sequence parallelism,
 pipeline stages); around its modules the engine runs the plan's parts it has no switch for:
 
-* the 1F1B executor over the plan's micro-batches (pipeline.py);
+* the parallel attention + MLP block (Falcon), and norms that allow sequence parallelism without
+  Transformer Engine or Apex: layer specs of its own (layers.py);
+* stages of any sizes (megatron-core's pipeline layout; its first/last-stage settings allow only
+  even middle stages) and the 1F1B executor over the plan's micro-batches (pipeline.py);
 * a different number of recomputed layers per stage (the first r layers of each stage
   checkpointed; here);
 * gradients in one contiguous buffer per dtype, ZeRO-1/2/3 (zero.py); the all-reduce of
-  sequence-parallel parameters' grads across the TP group (here);
+  sequence-parallel parameters' grads across the TP group (here; under ZeRO-2 in zero.py);
 * half-precision weights with fp32 master weights and torch's fused AdamW (measure.training):
   like Megatron's fused Adam it steps without temporaries, so the step holds only the fp32 grads;
-* optimizer-state and activation offloading (offload.py).
+* the embedding's and head's own ZeRO stage and optimizer offload (the plan's ``pre_post``: one
+  optimizer per part, here);
+* optimizer-state offloading, alone or of a rank's share under ZeRO-1/2/3, and activation
+  offloading (offload.py).
 
-Refused with a message naming the part: stages with their own TP/DP, uneven middle stages,
-ZeRO-3 with TP > 1, and offloading of weights or gradients (not implemented here yet). ZeRO-1
+Refused with a message naming the part: stages with their own TP/DP, ZeRO-3 with TP > 1, ZeRO-3
+for only part of a stage, and offloading of weights or gradients (not implemented here yet). ZeRO-1
 shards fp32 master weights and Adam state over the DP replicas, ZeRO-2 the gradients too
 (ShardedMasterAdamW), ZeRO-3 the weights too (torch's FSDP2 around megatron-core's layers). On a
 CPU it runs with gloo and the CUDA stand-ins of cpu_shim; on GPUs with NCCL. Each rank reports
@@ -38,8 +44,10 @@ import torch.distributed as dist
 from torch import nn
 
 from measure.parallel import die_with_parent
+from measure.training import MasterWeightAdamW
 
 from ..plan import Plan
+from .layers import block_spec
 from .megatron import megatron_limits, model_settings
 from .offload import OffloadedMasterAdamW, offload_layer_activations
 from .pipeline import Pipeline1F1B
@@ -50,27 +58,23 @@ def unsupported(plan: Plan) -> list[str]:
     """The plan's parts mist.engine.run cannot execute (empty: it can): what no Megatron model can be
     built as (megatron.megatron_limits), and what this engine does not do around it."""
 
-    reasons = megatron_limits(plan, plan.model_spec())
-    if any(s.zero >= 3 for s in plan.stages) and plan.dp > 1 and plan.tp > 1:
-        reasons.append(
-            "ZeRO-3 with TP > 1 (FSDP over megatron-core's tensor-parallel layers is not wired in)"
-        )
-    if any(s.zero == 2 for s in plan.stages) and plan.sequence_parallel and plan.tp > 1:
-        reasons.append("ZeRO-2 with sequence parallelism (its TP gradient sums are not wired in)")
-    if any(s.offload_optimizer and s.zero >= 1 for s in plan.stages) and plan.dp > 1:
-        reasons.append("optimizer offloading together with ZeRO sharding")
-    if plan.sequence_parallel and plan.tp > 1 and not _fused_norm_available():
-        reasons.append(
-            "sequence parallelism: megatron-core's torch LayerNorm refuses it (needs Transformer Engine or "
-            "Apex); set `sequence_parallel: false` in the plan"
-        )
-    return reasons
-
-
-def _fused_norm_available() -> bool:
-    import importlib.util
-
-    return any(importlib.util.find_spec(m) is not None for m in ("transformer_engine", "apex"))
+    built_here = ("parallel_block", "uneven_middle_stages", "pre_post")  # layers.py; _config; parts
+    limits = megatron_limits(plan, plan.model_spec())
+    reasons = [why for name, why in limits.items() if name not in built_here]
+    edge = plan.pre_post
+    if edge is not None and (edge.offload_weights or edge.offload_grads):
+        reasons.append("CPU offloading of the embedding/head's weights or gradients (pre_post)")
+    for i, s in enumerate(plan.stages):
+        zeros = {s.zero} | ({edge.zero} if edge is not None and i in (0, len(plan.stages) - 1) else set())
+        if plan.dp > 1 and 3 in zeros and len(zeros) > 1:
+            reasons.append(
+                f"stage {i}: ZeRO-3 for only part of it (pre_post's ZeRO against the stage's)"
+            )
+        if plan.dp > 1 and plan.tp > 1 and 3 in zeros:
+            reasons.append(
+                "ZeRO-3 with TP > 1 (FSDP over megatron-core's tensor-parallel layers: not wired in)"
+            )
+    return list(dict.fromkeys(reasons))  # each reason once
 
 
 def _config(spec, plan: Plan, dtype: torch.dtype):
@@ -80,6 +84,15 @@ def _config(spec, plan: Plan, dtype: torch.dtype):
     for not_config in ("position_embedding_type", "max_sequence_length", "vocab_size"):  # GPTModel's
         settings.pop(not_config)
     activation = {"silu": nn.functional.silu, "gelu": nn.functional.gelu}[settings.pop("activation")]
+    if len(plan.stages) > 1:
+        # megatron-core's own layout of layers over stages, any counts (its first/last-stage
+        # settings allow only even middle stages): the layer offsets follow it
+        settings["num_layers_in_first_pipeline_stage"] = settings["num_layers_in_last_pipeline_stage"] = None
+        last = len(plan.stages) - 1
+        settings["pipeline_model_parallel_layout"] = [
+            ["embedding"] * (i == 0) + ["decoder"] * s.layers + ["loss"] * (i == last)
+            for i, s in enumerate(plan.stages)
+        ]
     return TransformerConfig(
         **settings,
         activation_func=activation,
@@ -88,6 +101,60 @@ def _config(spec, plan: Plan, dtype: torch.dtype):
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
     )
+
+
+def _parameter_parts(model, plan: Plan, mine) -> list[tuple[list[nn.Parameter], int, float]]:
+    """(parameters, ZeRO stage, offloaded optimizer fraction) of each part of this stage that has
+    its own strategy: the embedding (first stage) and head (last stage) take the plan's
+    ``pre_post`` if it has one, everything else the stage's."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    edge = plan.pre_post
+    gpt = model.module
+    edge_modules = [m for m in (getattr(gpt, "embedding", None), getattr(gpt, "output_layer", None)) if m]
+    edge_ids = {id(p) for m in edge_modules for p in m.parameters()} if edge is not None else set()
+    rest = [p for p in params if id(p) not in edge_ids]
+    parts = [(rest, mine.zero, mine.offload_optimizer)]
+    if edge_ids:
+        parts.append(([p for p in params if id(p) in edge_ids], edge.zero, edge.offload_optimizer))
+    return [part for part in parts if part[0]]
+
+
+class PartOptimizers:
+    """The optimizers of a stage's parts (_parameter_parts), stepped as one."""
+
+    def __init__(self, parts: list) -> None:
+        self.parts = parts
+
+    def step(self) -> None:
+        for part in self.parts:
+            part.step()
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        return [t for part in self.parts for t in part.state_tensors()]
+
+    def host_tensors(self) -> list[torch.Tensor]:
+        return [t for part in self.parts if hasattr(part, "host_tensors") for t in part.host_tensors()]
+
+
+def _optimizer(params, zero: int, offload: float, dp: int, model, lr: float, sequence_parallel: bool):
+    """One part's optimizer: ZeRO-1/2 sharded over the DP group (its share optionally offloaded),
+    else (ZeRO-3 shards included) the whole part, that fraction stepping on the host."""
+    from megatron.core import parallel_state as ps
+
+    if zero in (1, 2) and dp > 1:
+        mine = {id(p) for p in params}
+        buckets = [[p for p in bucket if id(p) in mine] for bucket in layer_buckets(model)]
+        return ShardedMasterAdamW(
+            [b for b in buckets if b],
+            ps.get_data_parallel_group(),
+            lr,
+            shard_grads=zero == 2,
+            offload_fraction=offload,
+            sequence_parallel_group=ps.get_tensor_model_parallel_group() if sequence_parallel else None,
+        )
+    if offload > 0:  # of all the part's parameters, or with ZeRO-3 of this rank's shards
+        return OffloadedMasterAdamW(params, offload, lr)
+    return MasterWeightAdamW(params, lr=lr, fused=True)
 
 
 def _checkpoint_first_layers(model, count: int) -> None:
@@ -142,7 +209,6 @@ def _tensor_bytes(tensors) -> int:
 
 def run(plan: Plan, steps: int = 5, seed: int = 0, lr: float = 1e-2) -> dict:
     """Train ``steps`` iterations of ``plan`` on this process group; the report of this rank."""
-    from measure.training import MasterWeightAdamW
 
     from . import cpu_shim
 
@@ -158,7 +224,6 @@ def run(plan: Plan, steps: int = 5, seed: int = 0, lr: float = 1e-2) -> dict:
         raise ValueError(f"the plan is for {plan.gpus} processes, this run has {dist.get_world_size()}")
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
     from megatron.core.transformer.module import Float16Module
 
@@ -169,9 +234,11 @@ def run(plan: Plan, steps: int = 5, seed: int = 0, lr: float = 1e-2) -> dict:
     spec = plan.model_spec()
     settings = model_settings(plan, spec)
     dtype = torch.bfloat16
+    stage = ps.get_pipeline_model_parallel_rank()
+    mine = plan.stages[stage]
     model = GPTModel(
         config=_config(spec, plan, dtype),
-        transformer_layer_spec=get_gpt_layer_local_spec(normalization=settings["normalization"]),
+        transformer_layer_spec=block_spec(settings["normalization"], spec.parallel_block, mine.layers),
         vocab_size=settings["vocab_size"],
         max_sequence_length=settings["max_sequence_length"],
         pre_process=ps.is_pipeline_first_stage(),
@@ -185,22 +252,27 @@ def run(plan: Plan, steps: int = 5, seed: int = 0, lr: float = 1e-2) -> dict:
         else torch.device("cpu")
     )
     model = model.to(device)
-    stage = ps.get_pipeline_model_parallel_rank()
-    mine = plan.stages[stage]
     _checkpoint_first_layers(model, mine.recompute)
+    layer_input_shape: list[int] = []  # [tokens here, batch, hidden]: sequence parallelism shards them
+
+    def record_input_shape(_layer, args, kwargs) -> None:
+        if not layer_input_shape:
+            layer_input_shape.extend((args[0] if args else kwargs["hidden_states"]).shape)
+
+    if model.decoder.layers:
+        model.decoder.layers[0].register_forward_pre_hook(record_input_shape, with_kwargs=True)
     offloaded_layers = offload_layer_activations(model, mine.recompute, mine.offload_activations)
     model = Float16Module(model.config, model)  # megatron's half-precision wrapper: casts inputs and outputs
-    zero = plan.stages[stage].zero
-    if zero == 3 and plan.dp > 1:
+    sequence_parallel = plan.sequence_parallel and plan.tp > 1
+    if mine.zero == 3 and plan.dp > 1:  # the whole stage (unsupported() refuses ZeRO-3 for part of one)
         shard_parameters(model, ps.get_data_parallel_group(), device)
-    if zero in (1, 2) and plan.dp > 1:
-        optimizer = ShardedMasterAdamW(
-            layer_buckets(model), ps.get_data_parallel_group(), lr, shard_grads=zero == 2
-        )
-    elif mine.offload_optimizer > 0:
-        optimizer = OffloadedMasterAdamW(model.parameters(), mine.offload_optimizer, lr)
-    else:
-        optimizer = MasterWeightAdamW(model.parameters(), lr=lr, fused=True)
+    parts = _parameter_parts(model, plan, mine)  # after sharding: FSDP2 replaces the parameters
+    optimizer = PartOptimizers(
+        [
+            _optimizer(params, zero, offload, plan.dp, model, lr, sequence_parallel)
+            for params, zero, offload in parts
+        ]
+    )
     # The same few sequences every step: a decreasing loss shows the whole pipeline learns.
     g = torch.Generator().manual_seed(seed + ps.get_data_parallel_rank())
     batches = [
@@ -208,7 +280,9 @@ def run(plan: Plan, steps: int = 5, seed: int = 0, lr: float = 1e-2) -> dict:
         for _ in range(plan.grad_accum)
     ]
     # ZeRO-2/3 reduce each gradient (to its owner, or scattered) as backward makes it: no full buffer
-    grads = None if zero >= 2 and plan.dp > 1 else ContiguousGrads(model.parameters())
+    reduced_as_made = [zero >= 2 and plan.dp > 1 for _, zero, _ in parts]
+    kept = [p for (ps_, _, _), made in zip(parts, reduced_as_made, strict=True) if not made for p in ps_]
+    grads = ContiguousGrads(kept) if kept else None
     pipeline = Pipeline1F1B(model, spec, plan, batches)
     dp_group, tp_group = ps.get_data_parallel_group(), ps.get_tensor_model_parallel_group()
 
@@ -226,9 +300,10 @@ def run(plan: Plan, steps: int = 5, seed: int = 0, lr: float = 1e-2) -> dict:
             grads.all_reduce(dp_group, divide_by=plan.dp)
         t2 = _now(device)
         optimizer.step()
-        if grads is None:  # ZeRO-2/3: the reduced gradient shards are dropped after the step
-            optimizer.zero_grad()
-        else:
+        for part, made in zip(optimizer.parts, reduced_as_made, strict=True):
+            if made:  # ZeRO-2/3: the reduced gradient shards are dropped after the step
+                part.zero_grad()
+        if grads is not None:
             grads.zero()
         phases.append({"pipeline_s": t1 - t0, "grad_sync_s": t2 - t1, "optimizer_s": _now(device) - t2})
         return loss
@@ -270,6 +345,8 @@ def run(plan: Plan, steps: int = 5, seed: int = 0, lr: float = 1e-2) -> dict:
         if hasattr(optimizer, "host_tensors")
         else 0,
         "activation_offloaded_layers": offloaded_layers,
+        "layer_input_shape": layer_input_shape,
+        "layers": len(model.module.decoder.layers),  # built here: the plan's count for this stage
     }
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, report)

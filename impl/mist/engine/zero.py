@@ -13,16 +13,25 @@ import torch.distributed as dist
 class ShardedMasterAdamW:
     """ZeRO-1/2 around megatron-core's modules: each DP rank keeps the fp32 master weights and
     Adam state of its share of the parameters only, steps them, and broadcasts the updated
-    half-precision weights to the other replicas. Shares are whole buckets (a transformer layer,
+    half-precision weights to the other replicas (with ``offload_fraction``, that fraction of its
+    share steps on the host: OffloadedMasterAdamW). Shares are whole buckets (a transformer layer,
     the embedding, the head: what Mist's model prices one collective for), greedy by size. With
     ``shard_grads`` (ZeRO-2) a bucket's gradients are reduced to its owner in one message as soon
     as a micro-batch's backward has made them all, and freed elsewhere, so no rank holds the
     full gradients."""
 
     def __init__(
-        self, buckets: list[list[torch.Tensor]], group, lr: float, shard_grads: bool = False
+        self,
+        buckets: list[list[torch.Tensor]],
+        group,
+        lr: float,
+        shard_grads: bool = False,
+        offload_fraction: float = 0.0,
+        sequence_parallel_group=None,
     ) -> None:
         from measure.training import MasterWeightAdamW
+
+        from .offload import OffloadedMasterAdamW
 
         self.buckets = [[p for p in bucket if p.requires_grad] for bucket in buckets]
         self.buckets = [b for b in self.buckets if b]
@@ -41,10 +50,20 @@ class ShardedMasterAdamW:
                 self.bucket_of[id(p)] = i
         me = dist.get_rank()
         self.dp = len(ranks)
-        self.inner = MasterWeightAdamW([p for p in self.params if self.owner[id(p)] == me], lr=lr, fused=True)
+        owned = [p for p in self.params if self.owner[id(p)] == me]
+        # optimizer offload (ZeRO-Offload): that fraction of this rank's share steps on the host
+        self.inner = (
+            OffloadedMasterAdamW(owned, offload_fraction, lr)
+            if offload_fraction > 0
+            else MasterWeightAdamW(owned, lr=lr, fused=True)
+        )
         self.reduced: dict[int, torch.Tensor] = {}  # owned parameters' summed gradients (ZeRO-2)
         self.pending: dict[int, list[torch.Tensor]] = {}  # bucket -> gradients made this micro-batch
         self.shard_grads = shard_grads
+        # ZeRO-2 with sequence parallelism: the gradients of weights marked sequence_parallel (the
+        # norms) are partial sums over the sequence shards, summed over the TP group before the
+        # DP reduction (the engine does it after backward when gradients are not sharded)
+        self.sequence_parallel_group = sequence_parallel_group
         if shard_grads:
             for p in self.params:
                 p.register_post_accumulate_grad_hook(self._collect)
@@ -57,6 +76,10 @@ class ShardedMasterAdamW:
             return
         del self.pending[i]
         bucket = self.buckets[i]  # a fixed order: the same flat layout on every rank
+        partial = [q.grad for q in bucket if getattr(q, "sequence_parallel", False)]
+        if partial and self.sequence_parallel_group is not None:
+            group = self.sequence_parallel_group
+            flat_collective(partial, lambda flat: dist.all_reduce(flat, group=group, async_op=True))
         flat = torch.cat([q.grad.reshape(-1) for q in bucket])
         for q in bucket:
             q.grad = None
@@ -94,6 +117,10 @@ class ShardedMasterAdamW:
 
     def state_tensors(self) -> list[torch.Tensor]:
         return self.inner.state_tensors()
+
+    def host_tensors(self) -> list[torch.Tensor]:
+        """The offloaded share's optimizer tensors, on the host (none without offloading)."""
+        return self.inner.host_tensors() if hasattr(self.inner, "host_tensors") else []
 
 
 def layer_buckets(model) -> list[list[torch.Tensor]]:

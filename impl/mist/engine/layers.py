@@ -1,0 +1,92 @@
+"""megatron-core layer specs of the engine's own, for models megatron-core's specs do not build.
+
+* The parallel block (GPT-J, Falcon-7B; ``ModelSpec.parallel_block``): attention and MLP both read
+  one norm of the layer's input and both add to its residual,
+
+      y = x + dropout(attention(norm(x))) + dropout(mlp(norm(x))),
+
+  where megatron-core's layer runs them in sequence on two norms. The layer keeps megatron-core's
+  modules (so tensor and sequence parallelism, initialisation and the engine's recomputation and
+  offloading apply unchanged) and only wires them side by side; the spec has no second norm.
+* A norm that allows sequence parallelism without Transformer Engine or Apex (megatron-core's torch
+  norm refuses it): torch's LayerNorm or RMSNorm, run on this rank's sequence shard (a norm is per
+  token: nothing to communicate), its weights marked ``sequence_parallel`` so that their gradients,
+  partial sums over the shards, are summed over the TP group (mist.engine.run does, as
+  megatron-core's finalize_model_grads does for TE's norms). Used for every norm of the model, the
+  final one included.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import replace
+
+
+def layer_spec(normalization: str, parallel_block: bool):
+    """One decoder layer: megatron-core's local layer spec with the norm below and, for
+    ``parallel_block``, the parallel block (one norm; no pre-MLP norm)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.identity_op import IdentityOp
+
+    spec = get_gpt_layer_local_spec(normalization=normalization)
+    submodules = replace(spec.submodules, input_layernorm=SequenceParallelNorm)
+    if parallel_block:
+        submodules = replace(submodules, pre_mlp_layernorm=IdentityOp)
+        spec = replace(spec, module=_parallel_block_class())
+    else:
+        submodules = replace(submodules, pre_mlp_layernorm=SequenceParallelNorm)
+    return replace(spec, submodules=submodules)
+
+
+def block_spec(normalization: str, parallel_block: bool, layers: int):
+    """The decoder of one pipeline stage of ``layers`` layers (layer_spec's), final norm included."""
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    layer = layer_spec(normalization, parallel_block)
+    return TransformerBlockSubmodules(layer_specs=[layer] * layers, layer_norm=SequenceParallelNorm)
+
+
+class SequenceParallelNorm:
+    """torch's LayerNorm or RMSNorm (as the config says) whose weights are marked for the TP-group
+    sum of their gradients under sequence parallelism. Built by megatron-core's build_module with
+    its norms' arguments."""
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **_unused):
+        from torch import nn
+
+        kinds = {"LayerNorm": nn.LayerNorm, "RMSNorm": nn.RMSNorm}
+        if config.normalization not in kinds:
+            raise ValueError(f"normalization must be one of {sorted(kinds)}, got {config.normalization!r}")
+        norm = kinds[config.normalization](hidden_size, eps=eps, dtype=config.params_dtype)
+        for p in norm.parameters():
+            p.sequence_parallel = config.sequence_parallel
+        return norm
+
+
+@functools.cache
+def _parallel_block_class():
+    """The layer class, defined on first use: importing megatron-core is not import-time work."""
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+    from megatron.core.utils import make_viewless_tensor
+
+    class ParallelBlockLayer(TransformerLayer):
+        """y = x + dropout(attention(norm(x))) + dropout(mlp(norm(x))), one norm."""
+
+        def forward(self, hidden_states, attention_mask=None, rotary_pos_emb=None, **kwargs):
+            residual = hidden_states
+            normed = self.input_layernorm(hidden_states)
+            attention = self.self_attention(
+                normed,
+                attention_mask=attention_mask,
+                rotary_pos_emb=rotary_pos_emb,
+                packed_seq_params=kwargs.get("packed_seq_params"),
+            )
+            mlp = self.mlp(normed)
+            fused = self.config.bias_dropout_fusion
+            with self.bias_dropout_add_exec_handler():
+                hidden = self.self_attn_bda(self.training, fused)(attention, residual, self.hidden_dropout)
+                hidden = self.mlp_bda(self.training, fused)(mlp, hidden, self.hidden_dropout)
+            # as megatron-core's layer: a viewless output (pipeline sends and checkpoints need one)
+            return make_viewless_tensor(inp=hidden, requires_grad=hidden.requires_grad, keep_graph=True), None
+
+    return ParallelBlockLayer
