@@ -19,8 +19,8 @@ pipeline stages); around its modules the engine runs the plan's parts it has no 
 * optimizer-state offloading, alone or of a rank's share under ZeRO-1/2/3, and activation
   offloading (offload.py).
 
-Refused with a message naming the part: stages with their own TP/DP, ZeRO-3 with TP > 1, ZeRO-3
-for only part of a stage, and offloading of weights or gradients (not implemented here yet). ZeRO-1
+Refused with a message naming the part: stages with their own TP/DP, ZeRO-3 for only part of a
+stage, and offloading of weights or gradients (not implemented here yet). ZeRO-1
 shards fp32 master weights and Adam state over the DP replicas, ZeRO-2 the gradients too
 (ShardedMasterAdamW), ZeRO-3 the weights too (torch's FSDP2 around megatron-core's layers). On a
 CPU it runs with gloo and the CUDA stand-ins of cpu_shim; on GPUs with NCCL. Each rank reports
@@ -49,7 +49,7 @@ from measure.training import MasterWeightAdamW
 from ..plan import Plan
 from .layers import block_spec
 from .megatron import megatron_limits, model_settings
-from .offload import OffloadedMasterAdamW, offload_layer_activations
+from .offload import OffloadedMasterAdamW, local, offload_layer_activations
 from .pipeline import Pipeline1F1B
 from .zero import ContiguousGrads, ShardedMasterAdamW, flat_collective, layer_buckets, shard_parameters
 
@@ -67,13 +67,7 @@ def unsupported(plan: Plan) -> list[str]:
     for i, s in enumerate(plan.stages):
         zeros = {s.zero} | ({edge.zero} if edge is not None and i in (0, len(plan.stages) - 1) else set())
         if plan.dp > 1 and 3 in zeros and len(zeros) > 1:
-            reasons.append(
-                f"stage {i}: ZeRO-3 for only part of it (pre_post's ZeRO against the stage's)"
-            )
-        if plan.dp > 1 and plan.tp > 1 and 3 in zeros:
-            reasons.append(
-                "ZeRO-3 with TP > 1 (FSDP over megatron-core's tensor-parallel layers: not wired in)"
-            )
+            reasons.append(f"stage {i}: ZeRO-3 for only part of it (pre_post's ZeRO against the stage's)")
     return list(dict.fromkeys(reasons))  # each reason once
 
 
@@ -294,7 +288,7 @@ def run(plan: Plan, steps: int = 5, seed: int = 0, lr: float = 1e-2) -> dict:
         t1 = _now(device)
         if plan.tp > 1:  # sequence-parallel weights hold partial sums over the sequence shards
             sp = [p.grad for p in model.parameters() if getattr(p, "sequence_parallel", False)]
-            sp = [g for g in sp if g is not None]
+            sp = [local(g) for g in sp if g is not None]  # ZeRO-3: this rank's shard
             flat_collective(sp, lambda flat: dist.all_reduce(flat, group=tp_group, async_op=True))
         if grads is not None and plan.dp > 1:
             grads.all_reduce(dp_group, divide_by=plan.dp)
@@ -347,6 +341,8 @@ def run(plan: Plan, steps: int = 5, seed: int = 0, lr: float = 1e-2) -> dict:
         "activation_offloaded_layers": offloaded_layers,
         "layer_input_shape": layer_input_shape,
         "layers": len(model.module.decoder.layers),  # built here: the plan's count for this stage
+        # weights whose gradients are summed over the TP group (sequence parallelism's norms)
+        "sequence_parallel_params": sum(getattr(p, "sequence_parallel", False) for p in model.parameters()),
     }
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, report)

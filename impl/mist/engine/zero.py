@@ -138,14 +138,21 @@ def layer_buckets(model) -> list[list[torch.Tensor]]:
 def shard_parameters(model, dp_group, device: torch.device) -> None:
     """ZeRO-3 with torch's FSDP2 (``fully_shard``) over the DP group: each layer's weights are
     sharded, gathered before its forward and its backward, freed after; its gradients are
-    reduce-scattered (averaged) as backward makes them. The root takes the embedding and head."""
+    reduce-scattered (averaged) as backward makes them. The root takes the embedding and head.
+    With TP, each TP rank's DP group shards that rank's tensor-parallel part."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
 
+    # FSDP2 replaces the parameters by DTensors, dropping megatron-core's attributes: the one the
+    # engine reads (sequence_parallel: sum the gradient over the TP group) is put back by name
+    marked = {name for name, p in model.named_parameters() if getattr(p, "sequence_parallel", False)}
     mesh = DeviceMesh.from_group(dp_group, device.type)
     for layer in model.module.decoder.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
+    for name, p in model.named_parameters():
+        if name in marked:
+            p.sequence_parallel = True
 
 
 class ContiguousGrads:
