@@ -16,8 +16,11 @@ from typing import Any
 from torch.profiler import ProfilerActivity, profile
 
 
-def cpu_peak_bytes(fn: Callable[[], Any]) -> tuple[int, Any]:
-    """(peak bytes allocated above the level at the call's start, fn's result)."""
+def cpu_peak_bytes(fn: Callable[[], Any], exclude: str | None = None) -> tuple[int, Any]:
+    """(peak bytes allocated above the level at the call's start, fn's result). ``exclude``: the
+    name of ``torch.profiler.record_function`` ranges whose allocations are not counted while
+    they last (work that a GPU run does in host memory, such as an offloaded optimizer's step,
+    which on a CPU lands in the one memory there is)."""
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         result = fn()
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
@@ -28,5 +31,13 @@ def cpu_peak_bytes(fn: Callable[[], Any]) -> tuple[int, Any]:
                  key=lambda e: e["ts"])  # fmt: skip
     if not mem:
         return 0, result
+    windows = [
+        (e["ts"], e["ts"] + e["dur"]) for e in events if exclude and e.get("name") == exclude and "dur" in e
+    ]
     start = mem[0]["args"]["Total Allocated"] - mem[0]["args"]["Bytes"]
-    return max(e["args"]["Total Allocated"] for e in mem) - start, result
+    excluded, peak = 0, 0
+    for e in mem:
+        if any(lo <= e["ts"] <= hi for lo, hi in windows):
+            excluded += e["args"]["Bytes"]  # host work's allocations (and frees) while it runs
+        peak = max(peak, e["args"]["Total Allocated"] - excluded - start)
+    return peak, result

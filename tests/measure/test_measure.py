@@ -305,3 +305,20 @@ def test_cuda_like_attention_keeps_no_square_matrix():
     # output (bf16) + logsumexp (float32 per row); Q, K, V are inputs
     assert r.activation_bytes == b * h * s * d * 2 + b * h * s * 4
     assert r.input_bytes == 3 * b * h * s * d * 2
+
+
+def test_cpu_peak_leaves_out_the_named_host_work():
+    """Allocations inside a profiler range of the excluded name do not count while it lasts (the
+    offloaded optimizer's host step on a CPU); negative control: without ``exclude`` they do."""
+
+    def call() -> torch.Tensor:
+        kept = torch.ones(1 << 20, dtype=torch.uint8)  # 1 MiB, on the "device"
+        with torch.profiler.record_function("host work"):
+            host = torch.ones(4 << 20, dtype=torch.uint8)  # 4 MiB of host work, freed inside
+            del host
+        return kept
+
+    counted, _ = cpu_peak_bytes(call)
+    left_out, _ = cpu_peak_bytes(call, exclude="host work")
+    assert counted >= 5 << 20
+    assert 1 << 20 <= left_out < 2 << 20

@@ -16,11 +16,12 @@ pipeline stages); around its modules the engine runs the plan's parts it has no 
   like Megatron's fused Adam it steps without temporaries, so the step holds only the fp32 grads;
 * the embedding's and head's own ZeRO stage and optimizer offload (the plan's ``pre_post``: one
   optimizer per part, here);
-* optimizer-state offloading, alone or of a rank's share under ZeRO-1/2/3, and activation
-  offloading (offload.py).
+* optimizer-state offloading, alone or of a rank's share under ZeRO-1/2/3, activation and
+  weight offloading (offload.py).
 
 Refused with a message naming the part: stages with their own TP/DP, ZeRO-3 for only part of a
-stage, and offloading of weights or gradients (not implemented here yet). ZeRO-1
+stage, offloading of gradients, of weights under ZeRO-3, and the embedding/head's own weight or
+gradient offloading (not implemented here yet). ZeRO-1
 shards fp32 master weights and Adam state over the DP replicas, ZeRO-2 the gradients too
 (ShardedMasterAdamW), ZeRO-3 the weights too (torch's FSDP2 around megatron-core's layers). On a
 CPU it runs with gloo and the CUDA stand-ins of cpu_shim; on GPUs with NCCL. Each rank reports
@@ -49,7 +50,7 @@ from measure.training import MasterWeightAdamW
 from ..plan import Plan
 from .layers import block_spec
 from .megatron import megatron_limits, model_settings
-from .offload import OffloadedMasterAdamW, local, offload_layer_activations
+from .offload import HOST_WORK, OffloadedMasterAdamW, WeightOffload, local, offload_layer_activations
 from .pipeline import Pipeline1F1B
 from .zero import ContiguousGrads, ShardedMasterAdamW, flat_collective, layer_buckets, shard_parameters
 
@@ -58,9 +59,14 @@ def unsupported(plan: Plan) -> list[str]:
     """The plan's parts mist.engine.run cannot execute (empty: it can): what no Megatron model can be
     built as (megatron.megatron_limits), and what this engine does not do around it."""
 
-    built_here = ("parallel_block", "uneven_middle_stages", "pre_post")  # layers.py; _config; parts
+    # layers.py's spec; _config's layout; _parameter_parts; offload.py (checked below)
+    built_here = ("parallel_block", "uneven_middle_stages", "pre_post", "offload_weights_grads")
     limits = megatron_limits(plan, plan.model_spec())
     reasons = [why for name, why in limits.items() if name not in built_here]
+    if any(s.offload_grads for s in plan.stages):
+        reasons.append("CPU offloading of gradients")
+    if plan.dp > 1 and any(s.offload_weights and s.zero == 3 for s in plan.stages):
+        reasons.append("CPU offloading of weights with ZeRO-3 (FSDP2 owns the weights' storage)")
     edge = plan.pre_post
     if edge is not None and (edge.offload_weights or edge.offload_grads):
         reasons.append("CPU offloading of the embedding/head's weights or gradients (pre_post)")
@@ -111,6 +117,14 @@ def _parameter_parts(model, plan: Plan, mine) -> list[tuple[list[nn.Parameter], 
     if edge_ids:
         parts.append(([p for p in params if id(p) in edge_ids], edge.zero, edge.offload_optimizer))
     return [part for part in parts if part[0]]
+
+
+def _execution_order(gpt, with_edges: bool) -> list[nn.Module]:
+    """The stage's modules in the order forward runs them: its layers, and (``with_edges``: when
+    the plan gives them no strategy of their own) the embedding before and the head after."""
+    first = [gpt.embedding] if with_edges and hasattr(gpt, "embedding") else []
+    last = [gpt.output_layer] if with_edges and hasattr(gpt, "output_layer") else []
+    return [*first, *gpt.decoder.layers, *last]
 
 
 class PartOptimizers:
@@ -178,7 +192,7 @@ def _step_peak(step, device: torch.device) -> tuple[int, float]:
     if device.type != "cuda":
         from measure.cpu_peak import cpu_peak_bytes
 
-        return cpu_peak_bytes(step)
+        return cpu_peak_bytes(step, exclude=HOST_WORK)
     torch.cuda.synchronize(device)
     start = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
@@ -261,6 +275,11 @@ def run(plan: Plan, steps: int = 5, seed: int = 0, lr: float = 1e-2) -> dict:
     if mine.zero == 3 and plan.dp > 1:  # the whole stage (unsupported() refuses ZeRO-3 for part of one)
         shard_parameters(model, ps.get_data_parallel_group(), device)
     parts = _parameter_parts(model, plan, mine)  # after sharding: FSDP2 replaces the parameters
+    weights = (
+        WeightOffload(_execution_order(model.module, plan.pre_post is None), mine.offload_weights, device)
+        if mine.offload_weights > 0
+        else None
+    )
     optimizer = PartOptimizers(
         [
             _optimizer(params, zero, offload, plan.dp, model, lr, sequence_parallel)
@@ -319,8 +338,10 @@ def run(plan: Plan, steps: int = 5, seed: int = 0, lr: float = 1e-2) -> dict:
         t0 = time.perf_counter()
         losses.append(step())
         times.append(time.perf_counter() - t0)
+    at_rest_on_host = {t.data_ptr() for t in (weights.host_tensors() if weights is not None else [])}
+    on_device = [p for p in model.parameters() if p.data_ptr() not in at_rest_on_host]
     held = _tensor_bytes(
-        [*model.parameters(), *optimizer.state_tensors(), *(grads.buffers if grads is not None else [])]
+        [*on_device, *optimizer.state_tensors(), *(grads.buffers if grads is not None else [])]
     )
     report = {
         "rank": dist.get_rank(),
@@ -339,6 +360,10 @@ def run(plan: Plan, steps: int = 5, seed: int = 0, lr: float = 1e-2) -> dict:
         if hasattr(optimizer, "host_tensors")
         else 0,
         "activation_offloaded_layers": offloaded_layers,
+        # offloaded weights: bytes at rest on the host, and how many were left on the device
+        # after the step (none: each came down after its layer's backward)
+        "host_weight_bytes": _tensor_bytes(weights.host_tensors()) if weights is not None else 0,
+        "weights_left_on_device": weights.resident() if weights is not None else 0,
         "layer_input_shape": layer_input_shape,
         "layers": len(model.module.decoder.layers),  # built here: the plan's count for this stage
         # weights whose gradients are summed over the TP group (sequence parallelism's norms)
