@@ -102,6 +102,18 @@ def host_memory_bytes(gib: float | None) -> int | None:
     return int(gib * 2**30)
 
 
+def gpu_memory_bytes(size: str | None) -> int | None:
+    """``--gpu-mem`` ('24GiB', '40GB', '3MiB' or bytes; GB as GPUs are sold, binary) in bytes."""
+    if size is None:
+        return None
+    from measure.budget import GpuBudget
+
+    amount = GpuBudget.parse(size).capacity_bytes  # a bad size: one line saying what is accepted
+    if amount <= 0:
+        raise ValueError(f"--gpu-mem must be positive, got {size!r}")
+    return amount
+
+
 def cmd_plan(args) -> int:
     from .tuning.planner import NoFeasiblePlan, PlannerOptions, search
     from .tuning.stage_cost import SearchSpace
@@ -110,7 +122,8 @@ def cmd_plan(args) -> int:
     if args.out:
         _check_writable(Path(args.out))
     host = host_memory_bytes(args.host_mem)  # GiB on the command line, bytes from here on
-    c = cluster(args.gpu, args.gpus, args.gpus_per_node, host_memory=host)
+    device_cap = gpu_memory_bytes(args.gpu_mem)
+    c = cluster(args.gpu, args.gpus, args.gpus_per_node, host_memory=host, gpu_memory=device_cap)
     space = SearchSpace(offload=not args.no_offload, recompute=not args.no_recompute)
     options = PlannerOptions(space=space, imbalance_aware=not args.no_imbalance,
                              grad_accumulation=GRAD_ACCUMULATION[args.engine])  # fmt: skip
@@ -124,7 +137,7 @@ def cmd_plan(args) -> int:
     except NoFeasiblePlan as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    plan.host_memory_per_node_bytes = host
+    plan.host_memory_per_node_bytes, plan.gpu_memory_bytes = host, device_cap
     print(plan.table())
     if args.explain:
         print(explain(plan))
@@ -364,6 +377,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--host-mem", type=float, metavar="GIB",
         help="DRAM per node; offloading may use 90%% (default: the GPU type's usual host, `mist list`)",
+    )  # fmt: skip
+    p.add_argument(
+        "--gpu-mem", metavar="SIZE",
+        help="memory each device may use, e.g. 24GiB or, for cpu, 3MiB (default: its data sheet's); "
+        "written into the plan, mist.engine.run enforces it",
     )  # fmt: skip
     p.add_argument("--global-batch", type=int, required=True)
     p.add_argument("--out", help="write the plan (.yaml or .json)")

@@ -4,7 +4,8 @@ The file is the Plan's fields (below) plus ``plan_format``, now 2. Stages list t
 recomputed layers, ZeRO stage, offloaded fractions in [0, 1] and, for plans from other tools,
 their own TP/DP; ``model_overrides`` changes the named preset's fields (e.g. ``seq``, ``flash``,
 ``heads``, ``dropout``); ``host_memory_per_node_bytes`` the DRAM per node offloading may use (a
-whole number of bytes; null: the GPU type's usual host); ``pre_post`` the embedding's and head's
+whole number of bytes; null: the GPU type's usual host); ``gpu_memory_bytes`` a cap on each
+device's memory (null: its data sheet's; mist.engine.run enforces it); ``pre_post`` the embedding's and head's
 own ZeRO stage and offloaded fractions (null: as their stage's other parameters). Predictions
 are filled in by ``predict``: per stage ``steady_s``, ``extra_s`` (seconds), ``memory_bytes``
 (per GPU) and ``host_memory_bytes`` (what each of its GPUs offloads to the host), and the
@@ -178,6 +179,7 @@ class Plan:
     model_overrides: dict = field(default_factory=dict)  # e.g. {"flash": false, "seq": 4096}
     sequence_parallel: bool = True  # with TP > 1
     host_memory_per_node_bytes: int | None = None  # None: the GPU type's usual host (specs.HOSTS)
+    gpu_memory_bytes: int | None = None  # a cap per device (None: its data sheet's memory)
     pre_post: PrePostPlan | None = None  # the embedding/head's own strategy (None: their stage's)
     predicted_iteration_s: float | None = None
     simulated_iteration_s: float | None = None
@@ -206,11 +208,10 @@ class Plan:
             )
         if not isinstance(self.stages, list) or not self.stages:
             raise ValueError("stages must be a non-empty list")
-        host = self.host_memory_per_node_bytes
-        if host is not None and not (_is_int(host) and host > 0):
-            raise ValueError(
-                f"host_memory_per_node_bytes must be a positive whole number of bytes, got {host!r}"
-            )
+        for name in ("host_memory_per_node_bytes", "gpu_memory_bytes"):
+            amount = getattr(self, name)
+            if amount is not None and not (_is_int(amount) and amount > 0):
+                raise ValueError(f"{name} must be a positive whole number of bytes, got {amount!r}")
         if self.global_batch % (self.dp * self.micro_batch):
             raise ValueError(
                 f"global batch {self.global_batch} is not a multiple of "
@@ -254,7 +255,8 @@ class Plan:
 
     def cluster(self) -> ClusterSpec:
         """The cluster this plan is for."""
-        return cluster(self.gpu, self.gpus, self.gpus_per_node, host_memory=self.host_memory_per_node_bytes)
+        return cluster(self.gpu, self.gpus, self.gpus_per_node, host_memory=self.host_memory_per_node_bytes,
+                       gpu_memory=self.gpu_memory_bytes)  # fmt: skip
 
     def to_dict(self) -> dict:
         return {"plan_format": PLAN_FORMAT, **asdict(self)}

@@ -121,3 +121,24 @@ def test_model_fields_on_the_command_line_and_predict_json(tmp_path, capsys):
     out.write_text(json.dumps(saved))
     assert main(["predict", str(out)]) == 2
     assert "plan_format 3 is not supported" in capsys.readouterr().err
+
+
+def test_plan_under_a_device_memory_cap(tmp_path, capsys):
+    """`--gpu-mem` caps every device (the CPU "device" included: no CUDA reserve there): the plan
+    file carries the cap, the plan fits under it, and a tighter cap changes the plan (negative
+    control: the cap is used). A bad size: one line saying what is accepted."""
+    plans = {}
+    for cap in ("16GiB", "2MiB"):
+        out = tmp_path / f"{cap}.yaml"
+        assert main(["plan", "--model", "gpt3-tiny", "--gpus", "2", "--gpu", "cpu", "--global-batch", "8",
+                     "--gpu-mem", cap, "--quiet", "--out", str(out)]) == 0  # fmt: skip
+        plans[cap] = Plan.load(out)
+    tight = plans["2MiB"]
+    assert tight.gpu_memory_bytes == 2 * 2**20 and tight.breakdown["usable_memory_bytes"] == 2 * 2**20
+    assert all(s.memory_bytes <= 2 * 2**20 for s in tight.stages)
+    assert max(s.memory_bytes for s in plans["16GiB"].stages) > 2 * 2**20  # unconstrained, it uses more
+    capsys.readouterr()
+    assert main(["plan", "--model", "gpt3-tiny", "--gpus", "2", "--gpu", "cpu", "--global-batch", "8",
+                 "--gpu-mem", "lots"]) == 2  # fmt: skip
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "'16GB', '80GiB', '512MiB'" in err[0], err

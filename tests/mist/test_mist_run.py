@@ -309,6 +309,31 @@ def test_uneven_stages_anywhere_train_and_memory_matches(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_device_peak_above_the_plans_cap_ends_the_run_as_out_of_memory(tmp_path):
+    """The plan's per-device cap on a CPU: at half the predicted memory every rank stops before
+    the timed steps, the report says out of memory and has no time, the ranks exit with status 3
+    (torchrun's own: 1); at 1.5 times
+    the prediction (negative control: the cap is what stops it) the run is timed."""
+    outcomes = {}
+    for share in (0.5, 1.5):
+        plan = _plan(1, [4], [2], dp=2, zero=1)
+        predict(plan, plan.model_spec(), cluster("cpu", 2))
+        plan.gpu_memory_bytes = int(share * plan.stages[0].memory_bytes)
+        path, out = tmp_path / f"cap{share}.yaml", tmp_path / f"cap{share}.json"
+        plan.save(path)
+        args = ["--plan", str(path), "--steps", "2", "--out", str(out)]
+        done = run_torchrun(plan.gpus, "mist.engine.run", args, timeout=240)
+        outcomes[share] = done, json.loads(out.read_text())
+    done, report = outcomes[0.5]
+    assert done.returncode != 0 and "error: out of memory" in done.stderr, done.stderr[-2000:]
+    assert all(r["out_of_memory"] and r["step_s"] == [] for r in report["ranks"]), report
+    done, report = outcomes[1.5]
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert all(not r["out_of_memory"] and len(r["step_s"]) == 2 for r in report["ranks"]), report
+
+
+@pytest.mark.slow
 def test_planner_plan_runs(tmp_path):
     """What `mist plan` makes for 2 CPU processes (sequence parallelism as planned), with the parts
     mist.engine.run cannot do yet (ZeRO, offloading) left out of its search."""

@@ -239,6 +239,9 @@ def run(plan: Plan, steps: int = 5, seed: int = 0, lr: float = 1e-2) -> dict:
         tensor_model_parallel_size=plan.tp, pipeline_model_parallel_size=len(plan.stages)
     )
     model_parallel_cuda_manual_seed(seed)
+    if plan.gpu_memory_bytes is not None and torch.cuda.is_available():  # the allocator enforces the cap
+        total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, plan.gpu_memory_bytes / total))
     spec = plan.model_spec()
     settings = model_settings(plan, spec)
     dtype = torch.bfloat16
@@ -333,22 +336,31 @@ def run(plan: Plan, steps: int = 5, seed: int = 0, lr: float = 1e-2) -> dict:
         step_peaks.append(step_peak)
         losses.append(loss)
     del phases[:]
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        losses.append(step())
-        times.append(time.perf_counter() - t0)
     at_rest_on_host = {t.data_ptr() for t in (weights.host_tensors() if weights is not None else [])}
     on_device = [p for p in model.parameters() if p.data_ptr() not in at_rest_on_host]
     held = _tensor_bytes(
         [*on_device, *optimizer.state_tensors(), *(grads.buffers if grads is not None else [])]
     )
+    # The plan's cap on a CPU: a measured device peak above it ends the run as out of memory on
+    # every rank (they all stop before the timed steps, so none waits in a collective); on a GPU
+    # the allocator enforces it (above) and raises.
+    cap = plan.gpu_memory_bytes
+    over = torch.tensor([int(cap is not None and held + max(step_peaks) > cap)], device=device)
+    dist.all_reduce(over, op=dist.ReduceOp.MAX)
+    out_of_memory = bool(over.item())
+    times = []
+    for _ in range(0 if out_of_memory else steps):
+        t0 = time.perf_counter()
+        losses.append(step())
+        times.append(time.perf_counter() - t0)
     report = {
         "rank": dist.get_rank(),
         "stage": stage,
         "tp_rank": ps.get_tensor_model_parallel_rank(),
         "losses": losses if ps.is_pipeline_last_stage() else None,
-        "step_s": times,
+        "step_s": times,  # none when out of memory: an over-cap run has no time
+        "out_of_memory": out_of_memory,  # some rank's device peak went above the plan's cap
+        "memory_cap_bytes": cap,
         "phases": phases,
         "held_bytes": held,
         "step_peaks_bytes": step_peaks,
@@ -393,18 +405,26 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except torch.cuda.OutOfMemoryError:  # the allocator's cap (the plan's); torchrun stops the others
+        print(f"error: out of memory under the plan's cap of {plan.gpu_memory_bytes} bytes", file=sys.stderr)
+        return 3
+    out_of_memory = report["ranks"][0]["out_of_memory"]  # the same on every rank
     if dist.get_rank() == 0:
         losses = next(r["losses"] for r in report["ranks"] if r["losses"] is not None)
         print("losses:", " ".join(f"{x:.4f}" for x in losses))
         for r in report["ranks"]:
             print(
                 f"rank {r['rank']} (stage {r['stage']}, tp {r['tp_rank']}): "
-                f"{r['memory_bytes'] / 2**20:.1f} MiB"
+                f"{r['worst_memory_bytes'] / 2**20:.2f} MiB at the worst step"
             )
+        if out_of_memory:
+            cap = report["ranks"][0]["memory_cap_bytes"]
+            print(f"error: out of memory: a device peak went above the plan's cap of {cap / 2**20:.2f} MiB",
+                  file=sys.stderr)  # fmt: skip
         if args.out:
             Path(args.out).write_text(json.dumps(report, indent=1))
     dist.destroy_process_group()
-    return 0
+    return 3 if out_of_memory else 0
 
 
 if __name__ == "__main__":

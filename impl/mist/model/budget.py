@@ -11,7 +11,10 @@ HOST_USABLE_FRACTION = 0.9
 
 
 def gpu_budget_bytes(cluster: ClusterSpec) -> int:
-    """Bytes one GPU may fill: its memory less the framework's reserve (``measure.budget``)."""
+    """Bytes one GPU may fill: its memory less the framework's reserve (``measure.budget``). The
+    CPU "device" of mist.engine.run has no CUDA context or caching allocator: all of it."""
+    if cluster.gpu.name == "cpu":
+        return GpuBudget(cluster.gpu.memory, context_bytes=0, fragmentation=0.0).usable_bytes
     return GpuBudget(cluster.gpu.memory).usable_bytes
 
 

@@ -201,9 +201,12 @@ HOSTS: dict[str, HostSpec] = {
 }
 
 
-def cluster(gpu: str, gpus: int, gpus_per_node: int = 8, host_memory: int | None = None) -> ClusterSpec:
+def cluster(
+    gpu: str, gpus: int, gpus_per_node: int = 8, host_memory: int | None = None, gpu_memory: int | None = None
+) -> ClusterSpec:
     """A cluster of ``gpus`` GPUs of type ``gpu``, filled node by node; ``host_memory``: bytes of
-    DRAM per node instead of the GPU type's usual host's."""
+    DRAM per node instead of the GPU type's usual host's; ``gpu_memory``: bytes each device may
+    use instead of its data sheet's (a cap: mist.engine.run enforces it)."""
     if gpu not in GPUS:
         raise ValueError(f"unknown GPU {gpu!r}; presets: {', '.join(GPUS)}")
     if gpus < 1:
@@ -218,8 +221,13 @@ def cluster(gpu: str, gpus: int, gpus_per_node: int = 8, host_memory: int | None
         if host_memory <= 0:
             raise ValueError(f"host memory must be positive, got {host_memory} bytes")
         host = replace(host, memory=int(host_memory))
+    device = GPUS[gpu]
+    if gpu_memory is not None:
+        if gpu_memory <= 0:
+            raise ValueError(f"device memory must be positive, got {gpu_memory} bytes")
+        device = replace(device, memory=int(gpu_memory))
     intra, inter = _LINKS[gpu]
-    return ClusterSpec(GPUS[gpu], gpus // per_node, per_node, intra, inter, host)
+    return ClusterSpec(device, gpus // per_node, per_node, intra, inter, host)
 
 
 def model(name: str, **overrides) -> ModelSpec:
