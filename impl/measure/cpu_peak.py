@@ -18,9 +18,10 @@ from torch.profiler import ProfilerActivity, profile
 
 def cpu_peak_bytes(fn: Callable[[], Any], exclude: str | None = None) -> tuple[int, Any]:
     """(peak bytes allocated above the level at the call's start, fn's result). ``exclude``: the
-    name of ``torch.profiler.record_function`` ranges whose allocations are not counted while
-    they last (work that a GPU run does in host memory, such as an offloaded optimizer's step,
-    which on a CPU lands in the one memory there is)."""
+    name of ``torch.profiler.record_function`` ranges whose own allocations do not count, from
+    when they are made until they are freed (work a GPU run does in host memory, such as an
+    offloaded optimizer's step, which on a CPU lands in the one memory there is). Only the
+    range's thread's allocations are its own; frees of memory allocated before it still count."""
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         result = fn()
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
@@ -31,13 +32,17 @@ def cpu_peak_bytes(fn: Callable[[], Any], exclude: str | None = None) -> tuple[i
                  key=lambda e: e["ts"])  # fmt: skip
     if not mem:
         return 0, result
-    windows = [
-        (e["ts"], e["ts"] + e["dur"]) for e in events if exclude and e.get("name") == exclude and "dur" in e
-    ]
+    windows = [(e["tid"], e["ts"], e["ts"] + e["dur"]) for e in events
+               if exclude and e.get("name") == exclude and "dur" in e]  # fmt: skip
     start = mem[0]["args"]["Total Allocated"] - mem[0]["args"]["Bytes"]
-    excluded, peak = 0, 0
+    excluded, peak, excluded_addresses = 0, 0, set()
     for e in mem:
-        if any(lo <= e["ts"] <= hi for lo, hi in windows):
-            excluded += e["args"]["Bytes"]  # host work's allocations (and frees) while it runs
+        size, address = e["args"]["Bytes"], e["args"]["Addr"]
+        if size > 0 and any(tid == e["tid"] and lo <= e["ts"] <= hi for tid, lo, hi in windows):
+            excluded += size
+            excluded_addresses.add(address)
+        elif size < 0 and address in excluded_addresses:  # an excluded allocation freed
+            excluded += size
+            excluded_addresses.discard(address)
         peak = max(peak, e["args"]["Total Allocated"] - excluded - start)
     return peak, result

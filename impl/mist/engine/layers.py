@@ -70,16 +70,21 @@ def _parallel_block_class():
     from megatron.core.utils import make_viewless_tensor
 
     class ParallelBlockLayer(TransformerLayer):
-        """y = x + dropout(attention(norm(x))) + dropout(mlp(norm(x))), one norm."""
+        """y = x + dropout(attention(norm(x))) + dropout(mlp(norm(x))), one norm. Attention and
+        MLP each reduce their output over the TP group (two messages a layer, as megatron-core's
+        sequential layer; Mist's model prices the parallel block's one)."""
 
         def forward(self, hidden_states, attention_mask=None, rotary_pos_emb=None, **kwargs):
+            given = sorted(k for k, v in kwargs.items() if v is not None)
+            if given:  # cross-attention, inference, packed sequences, fused rotary: not trained here
+                raise ValueError(f"the parallel block does not take {', '.join(given)}")
             residual = hidden_states
             normed = self.input_layernorm(hidden_states)
             attention = self.self_attention(
                 normed,
                 attention_mask=attention_mask,
                 rotary_pos_emb=rotary_pos_emb,
-                packed_seq_params=kwargs.get("packed_seq_params"),
+                packed_seq_params=None,
             )
             mlp = self.mlp(normed)
             fused = self.config.bias_dropout_fusion

@@ -11,15 +11,13 @@
 
 * Weights (``offload_weights``, WeightOffload): that fraction of each layer's weights (largest
   first; the embedding and head count as layers) lives on the host and comes up for the layer's
-  forward and again for its backward, the next layer's prefetched while this one computes (the
-  two layers' buffers Mist's memory model prices), and is dropped from the device after the
-  forward and once backward has made the layer's gradients. A recomputed layer's second forward
-  runs inside backward and keeps them.
+  forward and again for its backward, the next layer's prefetched (the two layers' buffers
+  Mist's memory model prices), and is dropped from the device after the forward and once
+  backward has made the layer's gradients. CPU only so far.
 
 On a CPU-only machine "host" and "device" are the same memory: offloaded tensors are counted as
 host bytes and a weight's trip up is a real copy, so the device peak shows what offloading saves
-as a GPU would (the copies are not overlapped there). On a GPU the copies go on a stream of their
-own, from pinned memory.
+as a GPU would (the copies are not overlapped there).
 """
 
 from __future__ import annotations
@@ -134,16 +132,16 @@ def offload_layer_activations(model, recompute: int, fraction: float) -> int:
 class WeightOffload:
     """Weights of ``fraction`` of each of ``layers``' parameters at rest on the host (see the module
     docstring). The parameters keep their identity (optimizers and autograd hold them); only what
-    ``.data`` points at changes: the host copy at rest, a device copy while the layer runs. The
-    optimizer steps the host copy in place."""
+    ``.data`` points at changes: the host copy at rest, a copy of it while the layer runs. The
+    optimizer steps the host copy in place.
 
-    def __init__(self, layers: list[nn.Module], fraction: float, device: torch.device) -> None:
-        self.device = device
+    CPU only for now: on a GPU the gradients, master weights and ZeRO's broadcasts would meet
+    host-resident ``.data`` (mist.engine.run refuses it there)."""
+
+    def __init__(self, layers: list[nn.Module], fraction: float) -> None:
         self.layers = layers
         self.offloaded: list[list[nn.Parameter]] = []
         self.host: dict[int, torch.Tensor] = {}
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self.ready: dict[int, object] = {}  # layer -> the copy stream's event for its upload
         # layer -> offloaded gradients this backward has still to make (each makes each one once)
         self.pending = [0] * len(layers)
         self.up = [False] * len(layers)  # layer -> its offloaded weights are on the device
@@ -153,12 +151,13 @@ class WeightOffload:
             self.offloaded.append(host)
             self.pending[i] = len(host)
             for q in host:
-                copy = q.detach().to("cpu", copy=True)
-                self.host[id(q)] = copy.pin_memory() if self.stream is not None else copy
+                self.host[id(q)] = q.detach().to("cpu", copy=True)
                 q.data = self.host[id(q)]
                 q.register_post_accumulate_grad_hook(lambda _q, i=i: self._made_gradient(i))
             layer.register_forward_pre_hook(lambda _m, _a, i=i: self._before(i, step=1))
-            layer.register_forward_hook(lambda _m, _a, _o, i=i: self._after_forward(i))
+            layer.register_forward_hook(lambda _m, _a, _o, i=i: self._down(i))
+            # before the layer's backward and so before a recomputed layer's second forward (the
+            # checkpoint reruns the bare forward, which no module hook sees): it keeps them up
             layer.register_full_backward_pre_hook(lambda _m, _g, i=i: self._before(i, step=-1))
 
     def host_tensors(self) -> list[torch.Tensor]:
@@ -169,40 +168,23 @@ class WeightOffload:
         return sum(len(ps) for ps, up in zip(self.offloaded, self.up, strict=True) if up)
 
     def _before(self, i: int, step: int) -> None:
-        """Layer i is about to run (forward: step 1, backward: step -1): it must be up; start
-        bringing up the next one in that direction."""
+        """Layer i is about to run (forward: step 1, backward: step -1): bring it up, and the next
+        one in that direction (the prefetch the memory model prices as a second layer's buffer)."""
         self._up(i)
         if 0 <= i + step < len(self.layers):
             self._up(i + step)
-        if self.stream is not None and i in self.ready:
-            torch.cuda.current_stream(self.device).wait_event(self.ready.pop(i))
 
     def _up(self, i: int) -> None:
         if self.up[i]:
             return
-        self.up[i], params = True, self.offloaded[i]
-        if self.stream is None:  # a real copy on a CPU too: the device buffer the memory model prices
-            for q in params:
-                q.data = self.host[id(q)].clone()
-            return
-        with torch.cuda.stream(self.stream):
-            for q in params:
-                q.data = self.host[id(q)].to(self.device, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(self.stream)
-        self.ready[i] = event
-        for q in params:
-            q.data.record_stream(torch.cuda.current_stream(self.device))
+        self.up[i] = True
+        for q in self.offloaded[i]:  # a real copy: the device buffer the memory model prices
+            q.data = self.host[id(q)].clone()
 
     def _down(self, i: int) -> None:
         self.up[i] = False
         for q in self.offloaded[i]:
             q.data = self.host[id(q)]  # the device copy is freed (weights change only in the step)
-
-    def _after_forward(self, i: int) -> None:
-        if torch._C._current_graph_task_id() != -1:  # a recomputed forward, inside backward: keep
-            return
-        self._down(i)
 
     def _made_gradient(self, i: int) -> None:
         self.pending[i] -= 1

@@ -21,10 +21,10 @@ pipeline stages); around its modules the engine runs the plan's parts it has no 
 
 Refused with a message naming the part: stages with their own TP/DP, ZeRO-3 for only part of a
 stage, offloading of gradients, of weights under ZeRO-3, and the embedding/head's own weight or
-gradient offloading (not implemented here yet). ZeRO-1
-shards fp32 master weights and Adam state over the DP replicas, ZeRO-2 the gradients too
-(ShardedMasterAdamW), ZeRO-3 the weights too (torch's FSDP2 around megatron-core's layers). On a
-CPU it runs with gloo and the CUDA stand-ins of cpu_shim; on GPUs with NCCL. Each rank reports
+gradient offloading (not implemented here yet); weight offloading on a GPU is refused at launch
+(CPU only so far). ZeRO-1 shards fp32 master weights and Adam state over the DP replicas, ZeRO-2
+the gradients too (ShardedMasterAdamW), ZeRO-3 the weights too (torch's FSDP2 around megatron-core's
+layers). On a CPU it runs with gloo and the CUDA stand-ins of cpu_shim; on GPUs with NCCL. Each rank reports
 its losses, the times of its timed steps, and memory (exact tensor bytes held + the allocator
 peak of a steady step: the median and the worst of a few, profiled before the timed ones); rank
 0 gathers them.
@@ -202,12 +202,9 @@ def _step_peak(step, device: torch.device) -> tuple[int, float]:
 
 
 def _tensor_bytes(tensors) -> int:
-    from torch.distributed.tensor import DTensor
-
+    """Bytes of the storages under ``tensors``, each once (ZeRO-3's DTensors: this rank's shard)."""
     seen, total = set(), 0
-    for t in tensors:
-        if isinstance(t, DTensor):  # ZeRO-3 (FSDP2) parameters and their optimizer state: this rank's shard
-            t = t.to_local()
+    for t in map(local, tensors):
         key = t.untyped_storage().data_ptr()
         if key not in seen:
             seen.add(key)
@@ -239,9 +236,16 @@ def run(plan: Plan, steps: int = 5, seed: int = 0, lr: float = 1e-2) -> dict:
         tensor_model_parallel_size=plan.tp, pipeline_model_parallel_size=len(plan.stages)
     )
     model_parallel_cuda_manual_seed(seed)
-    if plan.gpu_memory_bytes is not None and torch.cuda.is_available():  # the allocator enforces the cap
+    if torch.cuda.is_available() and any(s.offload_weights for s in plan.stages):
+        raise ValueError("weight offloading runs on the CPU engine only so far (its GPU path is not built)")
+    if plan.gpu_memory_bytes is not None and torch.cuda.is_available():
+        # the allocator enforces the cap less the CUDA context, which lives outside it (the
+        # reserve the planner took off: measure.budget)
+        from measure.budget import GpuBudget
+
         total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, plan.gpu_memory_bytes / total))
+        allocator = plan.gpu_memory_bytes - GpuBudget(plan.gpu_memory_bytes).context_bytes
+        torch.cuda.set_per_process_memory_fraction(max(0.0, min(1.0, allocator / total)))
     spec = plan.model_spec()
     settings = model_settings(plan, spec)
     dtype = torch.bfloat16
@@ -278,11 +282,6 @@ def run(plan: Plan, steps: int = 5, seed: int = 0, lr: float = 1e-2) -> dict:
     if mine.zero == 3 and plan.dp > 1:  # the whole stage (unsupported() refuses ZeRO-3 for part of one)
         shard_parameters(model, ps.get_data_parallel_group(), device)
     parts = _parameter_parts(model, plan, mine)  # after sharding: FSDP2 replaces the parameters
-    weights = (
-        WeightOffload(_execution_order(model.module, plan.pre_post is None), mine.offload_weights, device)
-        if mine.offload_weights > 0
-        else None
-    )
     optimizer = PartOptimizers(
         [
             _optimizer(params, zero, offload, plan.dp, model, lr, sequence_parallel)
@@ -297,8 +296,14 @@ def run(plan: Plan, steps: int = 5, seed: int = 0, lr: float = 1e-2) -> dict:
     ]
     # ZeRO-2/3 reduce each gradient (to its owner, or scattered) as backward makes it: no full buffer
     reduced_as_made = [zero >= 2 and plan.dp > 1 for _, zero, _ in parts]
-    kept = [p for (ps_, _, _), made in zip(parts, reduced_as_made, strict=True) if not made for p in ps_]
+    kept = [p for (part, _, _), made in zip(parts, reduced_as_made, strict=True) if not made for p in part]
     grads = ContiguousGrads(kept) if kept else None
+    # after the optimizers and gradient buffers: they are made where the weights are, the device
+    weights = (
+        WeightOffload(_execution_order(model.module, plan.pre_post is None), mine.offload_weights)
+        if mine.offload_weights > 0
+        else None
+    )
     pipeline = Pipeline1F1B(model, spec, plan, batches)
     dp_group, tp_group = ps.get_data_parallel_group(), ps.get_tensor_model_parallel_group()
 
@@ -353,10 +358,12 @@ def run(plan: Plan, steps: int = 5, seed: int = 0, lr: float = 1e-2) -> dict:
         t0 = time.perf_counter()
         losses.append(step())
         times.append(time.perf_counter() - t0)
+    sequence_parallel_weights = [p for p in model.parameters() if getattr(p, "sequence_parallel", False)]
     report = {
         "rank": dist.get_rank(),
         "stage": stage,
         "tp_rank": ps.get_tensor_model_parallel_rank(),
+        "dp_rank": ps.get_data_parallel_rank(),
         "losses": losses if ps.is_pipeline_last_stage() else None,
         "step_s": times,  # none when out of memory: an over-cap run has no time
         "out_of_memory": out_of_memory,  # some rank's device peak went above the plan's cap
@@ -368,9 +375,7 @@ def run(plan: Plan, steps: int = 5, seed: int = 0, lr: float = 1e-2) -> dict:
         "worst_memory_bytes": held + max(step_peaks),
         # offloaded: optimizer tensors kept on the host (not in held_bytes), layers whose saved
         # activations wait on the host
-        "host_optimizer_bytes": _tensor_bytes(optimizer.host_tensors())
-        if hasattr(optimizer, "host_tensors")
-        else 0,
+        "host_optimizer_bytes": _tensor_bytes(optimizer.host_tensors()),
         "activation_offloaded_layers": offloaded_layers,
         # offloaded weights: bytes at rest on the host, and how many were left on the device
         # after the step (none: each came down after its layer's backward)
@@ -378,8 +383,10 @@ def run(plan: Plan, steps: int = 5, seed: int = 0, lr: float = 1e-2) -> dict:
         "weights_left_on_device": weights.resident() if weights is not None else 0,
         "layer_input_shape": layer_input_shape,
         "layers": len(model.module.decoder.layers),  # built here: the plan's count for this stage
-        # weights whose gradients are summed over the TP group (sequence parallelism's norms)
-        "sequence_parallel_params": sum(getattr(p, "sequence_parallel", False) for p in model.parameters()),
+        # weights whose gradients are summed over the TP group (sequence parallelism's norms), and
+        # the sum of their values: equal on every rank of a stage when their gradients were summed
+        "sequence_parallel_params": len(sequence_parallel_weights),
+        "sequence_parallel_checksum": sum(local(p).double().sum().item() for p in sequence_parallel_weights),
     }
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, report)

@@ -51,9 +51,13 @@ class ShardedMasterAdamW:
         me = dist.get_rank()
         self.dp = len(ranks)
         owned = [p for p in self.params if self.owner[id(p)] == me]
-        # optimizer offload (ZeRO-Offload): that fraction of this rank's share steps on the host
+        # optimizer offload (ZeRO-Offload): that fraction of this rank's share steps on the host.
+        # A part with fewer buckets than replicas (the head alone) leaves some rank nothing to step.
+        self.owned = owned
         self.inner = (
-            OffloadedMasterAdamW(owned, offload_fraction, lr)
+            None
+            if not owned
+            else OffloadedMasterAdamW(owned, offload_fraction, lr)
             if offload_fraction > 0
             else MasterWeightAdamW(owned, lr=lr, fused=True)
         )
@@ -94,16 +98,12 @@ class ShardedMasterAdamW:
             so_far = self.reduced.get(id(q))  # (views into this bucket's message: all of it is mine)
             self.reduced[id(q)] = summed if so_far is None else so_far.add_(summed)
 
-    @property
-    def state(self):
-        return self.inner.state
-
     def step(self) -> None:
         if self.shard_grads:  # the owner's averaged gradients, for the master-weight step
-            for p in self.inner.model_params:
+            for p in self.owned:
                 summed = self.reduced.pop(id(p), None)
                 p.grad = None if summed is None else summed.div_(self.dp)
-        if self.inner.model_params:
+        if self.inner is not None:
             self.inner.step()
         for owner in sorted(set(self.owner.values())):  # one broadcast per owner, of all its weights
             mine = [p.data for p in self.params if self.owner[id(p)] == owner]
@@ -116,7 +116,7 @@ class ShardedMasterAdamW:
             p.grad = None
 
     def state_tensors(self) -> list[torch.Tensor]:
-        return self.inner.state_tensors()
+        return self.inner.state_tensors() if self.inner is not None else []
 
     def host_tensors(self) -> list[torch.Tensor]:
         """The offloaded share's optimizer tensors, on the host (none without offloading)."""
@@ -125,7 +125,8 @@ class ShardedMasterAdamW:
 
 def layer_buckets(model) -> list[list[torch.Tensor]]:
     """The parameters in the groups Mist prices one collective for: each transformer layer, and
-    each other top-level module (embedding, final norm, output layer)."""
+    the others grouped by the module that holds them (word and position embeddings, final norm,
+    output layer)."""
     layers = list(model.module.decoder.layers)
     in_layers = {id(p) for layer in layers for p in layer.parameters()}
     rest: dict[str, list[torch.Tensor]] = {}

@@ -225,6 +225,10 @@ def cluster(
     if gpu_memory is not None:
         if gpu_memory <= 0:
             raise ValueError(f"device memory must be positive, got {gpu_memory} bytes")
+        if gpu != "cpu" and gpu_memory > device.memory:  # a cap, not more memory (cpu's is nominal)
+            raise ValueError(
+                f"device memory {gpu_memory / GiB:.1f} GiB is above the {gpu}'s {device.memory / GiB:.1f} GiB"
+            )
         device = replace(device, memory=int(gpu_memory))
     intra, inter = _LINKS[gpu]
     return ClusterSpec(device, gpus // per_node, per_node, intra, inter, host)
