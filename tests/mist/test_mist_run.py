@@ -325,6 +325,67 @@ def test_a_part_with_fewer_buckets_than_replicas_trains(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize(("dp", "zero"), [(1, 0), (2, 1), (2, 2)], ids=["dp1", "dp2-zero1", "dp2-zero2"])
+def test_gradient_offload_accumulates_on_the_host(tmp_path, dp, zero):
+    """Every gradient accumulates on the host (ZeRO-2: this rank's reduced share), the optimizer
+    offloaded too (micro-batches of 1, every layer recomputed): the same losses as without (the
+    same sums: 1e-6), the host buffers hold the bytes the model counts, and for ZeRO-0/1 the
+    device memory is within the tolerance of the prediction, the one without gradient offload
+    outside it (negative control). ZeRO-2's peaks vary by up to 50% from step to step at four
+    micro-batches here (gloo's reductions in backward hooks) and its memory model is 12-33% off
+    (README), so only its losses and host bytes are checked."""
+    runs = {}
+    for fraction in (0.0, 1.0):
+        stage = StagePlan(layers=4, recompute=4, zero=zero, offload_optimizer=1.0, offload_grads=fraction)
+        plan = _tiny_plan([stage], dp=dp)
+        plan.micro_batch = 1
+        assert not unsupported(plan), unsupported(plan)
+        predict(plan, plan.model_spec(), cluster("cpu", dp))
+        runs[fraction] = plan, _torchrun(plan, tmp_path / f"grads{fraction}")
+    (plain_plan, plain), (plan, report) = runs[0.0], runs[1.0]
+    a, b = (next(r["losses"] for r in rep["ranks"] if r["losses"] is not None) for rep in (plain, report))
+    assert a == pytest.approx(b, rel=1e-6)
+    for r in report["ranks"]:
+        stage, without = plan.stages[r["stage"]], plain_plan.stages[r["stage"]]
+        moved = stage.host_memory_bytes - without.host_memory_bytes  # the gradients' bf16 bytes
+        assert r["host_gradient_bytes"] == pytest.approx(moved, rel=0.03), (r, moved)
+        if zero < 2:
+            assert abs(stage.memory_bytes / r["memory_bytes"] - 1) < TOLERANCE, (r, stage.memory_bytes)
+            assert abs(without.memory_bytes / r["memory_bytes"] - 1) > TOLERANCE, (r, without.memory_bytes)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_embedding_and_head_offload_their_own_weights_and_gradients(tmp_path):
+    """pre_post with the embedding's and head's weights, gradients and optimizer on the host (a
+    vocabulary of 1024: 40% of the parameters), the layers keeping theirs: the same losses as
+    without, host weight and gradient bytes as the model counts, memory within the tolerance
+    (measured -1%), and the prediction without pre_post outside it (31% away: negative control).
+    The two are not prefetched together: they run at opposite ends, one at a time, as the model
+    prices them. At a vocabulary of 4096 the measured peak is 12% under the prediction, with or
+    without pre_post: the model over-prices the head's step peak by ~0.3 MB there."""
+    runs = {}
+    edges = PrePostPlan(zero=0, offload_weights=1.0, offload_grads=1.0, offload_optimizer=1.0)
+    for pre_post in (None, edges):
+        plan = _tiny_plan([StagePlan(layers=4, recompute=4, offload_optimizer=1.0)])
+        plan.micro_batch, plan.pre_post, plan.model_overrides = 1, pre_post, {"vocab": 1024}
+        assert not unsupported(plan), unsupported(plan)
+        predict(plan, plan.model_spec(), cluster("cpu", 1))
+        runs[pre_post is not None] = plan, _torchrun(plan, tmp_path / f"pre_post{pre_post is not None}")
+    (alone, plain), (plan, report) = runs[False], runs[True]
+    a, b = (next(r["losses"] for r in rep["ranks"] if r["losses"] is not None) for rep in (plain, report))
+    assert a == pytest.approx(b, rel=1e-6)
+    (r,) = report["ranks"]
+    stage = plan.stages[0]
+    moved = stage.host_memory_bytes - alone.stages[0].host_memory_bytes
+    assert r["host_weight_bytes"] + r["host_gradient_bytes"] == pytest.approx(moved, rel=0.02), (r, moved)
+    assert r["weights_left_on_device"] == 0
+    assert abs(stage.memory_bytes / r["memory_bytes"] - 1) < TOLERANCE, (r, stage.memory_bytes)
+    assert abs(alone.stages[0].memory_bytes / r["memory_bytes"] - 1) > TOLERANCE, r
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_uneven_stages_anywhere_train_and_memory_matches(tmp_path):
     """Four stages of 1, 2, 1 and 2 layers (uneven in the middle, which Megatron's first/last-stage
     settings cannot say; megatron-core's pipeline layout can): each stage builds the plan's count,
@@ -388,14 +449,13 @@ def test_planner_plan_runs(tmp_path):
 
 
 COMPARISON = Path(__file__).parents[2] / "artifacts/mist_vs_megatron/reference/comparison.json"
-NOT_YET = ("offloading of gradients", "offloading of weights with ZeRO-3", "ZeRO-3 for only part",
-           "embedding/head's weights or gradients", "stages with their own TP/DP")  # fmt: skip
+NOT_YET = ("weights or gradients with ZeRO-3", "ZeRO-3 for only part", "stages with their own TP/DP")
 
 
 def test_committed_comparison_plans_run_or_are_refused_for_parts_not_built_yet():
     """Every plan of every system in the committed mist_vs_megatron comparison, rebuilt from its
     summary: the engine accepts it or refuses it only for a part not built yet (NOT_YET; the
-    counts are printed: at 8f1b34b, 7 of 60 Mist plans were accepted; at b9482e5, 49)."""
+    counts are printed: at 8f1b34b, 7 of 60 Mist plans were accepted; now 57)."""
     points = json.loads(COMPARISON.read_text())["points"]
     accepted: dict[str, int] = {}
     for point in points:
@@ -416,19 +476,18 @@ def test_committed_comparison_plans_run_or_are_refused_for_parts_not_built_yet()
             accepted[system] = accepted.get(system, 0) + (not reasons)
     print(f"accepted of {len(points)} plans each:", accepted)
     assert accepted["megatron"] == accepted["zero3"] == len(points)
-    assert accepted["mist"] >= 49 and accepted["aceso"] >= 49  # at b9482e5: a regression pin
+    assert accepted["mist"] >= 57 and accepted["aceso"] >= 49  # a regression pin
 
 
 def test_unsupported_parts_are_named():
-    stages = [StagePlan(layers=2, zero=3), StagePlan(layers=2, offload_grads=0.5, tp=1, dp=4)]
+    stages = [StagePlan(layers=2, zero=3, offload_grads=0.5), StagePlan(layers=2, tp=1, dp=4)]
     plan = Plan.of(
         model("gpt3-tiny"), cluster("cpu", 8), global_batch=8, tp=2, dp=2, micro_batch=2, stages=stages,
-        pre_post=PrePostPlan(zero=1, offload_weights=0.5),
+        pre_post=PrePostPlan(zero=1),
     )  # fmt: skip
     reasons = unsupported(plan)
-    assert len(reasons) == 4, reasons
-    for part in ("offloading of gradients", "stage 0: ZeRO-3 for only part", "own TP/DP",
-                 "embedding/head's weights or gradients"):  # fmt: skip
+    assert len(reasons) == 3, reasons
+    for part in ("weights or gradients with ZeRO-3", "stage 0: ZeRO-3 for only part", "own TP/DP"):
         assert any(part in why for why in reasons), (part, reasons)
 
 

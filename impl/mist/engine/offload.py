@@ -9,6 +9,11 @@
   (``torch.autograd.graph.save_on_cpu``). This covers that fraction of the stage's layers that
   are not recomputed, rounded to whole layers.
 
+* Gradients (``offload_grads``, GradientOffload; under ZeRO-2 ShardedMasterAdamW): that
+  fraction of the part's gradients (largest first; under ZeRO-2 of the rank's reduced share)
+  accumulates on the host: each micro-batch's gradient is added into a host buffer as soon as
+  backward makes it (ZeRO-2: once reduced to its owner) and freed on the device; the DP sum and
+  the optimizer step read the host buffer. CPU only so far.
 * Weights (``offload_weights``, WeightOffload): that fraction of each layer's weights (largest
   first; the embedding and head count as layers) lives on the host and comes up for the layer's
   forward and again for its backward, the next layer's prefetched (the two layers' buffers
@@ -138,8 +143,9 @@ class WeightOffload:
     CPU only for now: on a GPU the gradients, master weights and ZeRO's broadcasts would meet
     host-resident ``.data`` (mist.engine.run refuses it there)."""
 
-    def __init__(self, layers: list[nn.Module], fraction: float) -> None:
+    def __init__(self, layers: list[nn.Module], fraction: float, prefetch: bool = True) -> None:
         self.layers = layers
+        self.prefetch = prefetch  # the next module's weights with this one's (off: they run apart)
         self.offloaded: list[list[nn.Parameter]] = []
         self.host: dict[int, torch.Tensor] = {}
         # layer -> offloaded gradients this backward has still to make (each makes each one once)
@@ -171,7 +177,7 @@ class WeightOffload:
         """Layer i is about to run (forward: step 1, backward: step -1): bring it up, and the next
         one in that direction (the prefetch the memory model prices as a second layer's buffer)."""
         self._up(i)
-        if 0 <= i + step < len(self.layers):
+        if self.prefetch and 0 <= i + step < len(self.layers):
             self._up(i + step)
 
     def _up(self, i: int) -> None:
@@ -191,3 +197,42 @@ class WeightOffload:
         if self.pending[i] == 0:  # this backward has made the layer's gradients: drop its weights
             self._down(i)
             self.pending[i] = len(self.offloaded[i])
+
+
+class GradientOffload:
+    """Gradients of ``fraction`` of ``params`` (largest first) accumulated on the host, for a part
+    whose gradients are otherwise all-reduced after backward (ZeRO-0/1). Sequence-parallel
+    weights stay on the device: their TP sum reads ``.grad`` (they are a norm's few elements)."""
+
+    def __init__(self, params: list[nn.Parameter], fraction: float) -> None:
+        candidates = [p for p in params if not getattr(p, "sequence_parallel", False)]
+        self.params, _ = split_by_fraction(candidates, fraction)
+        self.host = {id(p): torch.zeros_like(p, device="cpu") for p in self.params}
+        for p in self.params:
+            p.register_post_accumulate_grad_hook(self._drain)
+
+    def _drain(self, p: nn.Parameter) -> None:
+        with torch.profiler.record_function(HOST_WORK):  # down, added on the host
+            self.host[id(p)].add_(p.grad)
+        p.grad = None  # freed on the device
+
+    def all_reduce(self, group, divide_by: int) -> None:
+        """The DP sum of the host buffers (gloo), averaged."""
+        import torch.distributed as dist
+
+        for buffer in self.host.values():
+            dist.all_reduce(buffer, group=group)
+            buffer /= divide_by
+
+    def attach(self) -> None:
+        """The summed gradients where the optimizer reads them, for its step."""
+        for p in self.params:
+            p.grad = self.host[id(p)]
+
+    def zero(self) -> None:
+        for p in self.params:
+            p.grad = None
+            self.host[id(p)].zero_()
+
+    def host_tensors(self) -> list[torch.Tensor]:
+        return list(self.host.values())

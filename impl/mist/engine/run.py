@@ -14,20 +14,19 @@ pipeline stages); around its modules the engine runs the plan's parts it has no 
   sequence-parallel parameters' grads across the TP group (here; under ZeRO-2 in zero.py);
 * half-precision weights with fp32 master weights and torch's fused AdamW (measure.training):
   like Megatron's fused Adam it steps without temporaries, so the step holds only the fp32 grads;
-* the embedding's and head's own ZeRO stage and optimizer offload (the plan's ``pre_post``: one
+* the embedding's and head's own ZeRO stage and offloading (the plan's ``pre_post``: one
   optimizer per part, here);
-* optimizer-state offloading, alone or of a rank's share under ZeRO-1/2/3, activation and
-  weight offloading (offload.py).
+* optimizer-state offloading, alone or of a rank's share under ZeRO-1/2/3, activation, weight
+  and gradient offloading (offload.py; ZeRO-2's gradients in zero.py).
 
 Refused with a message naming the part: stages with their own TP/DP, ZeRO-3 for only part of a
-stage, offloading of gradients, of weights under ZeRO-3, and the embedding/head's own weight or
-gradient offloading (not implemented here yet); weight offloading on a GPU is refused at launch
-(CPU only so far). ZeRO-1 shards fp32 master weights and Adam state over the DP replicas, ZeRO-2
-the gradients too (ShardedMasterAdamW), ZeRO-3 the weights too (torch's FSDP2 around megatron-core's
-layers). On a CPU it runs with gloo and the CUDA stand-ins of cpu_shim; on GPUs with NCCL. Each rank reports
-its losses, the times of its timed steps, and memory (exact tensor bytes held + the allocator
-peak of a steady step: the median and the worst of a few, profiled before the timed ones); rank
-0 gathers them.
+stage, and offloading of weights or gradients under ZeRO-3 (not implemented here yet); weight and
+gradient offloading on a GPU are refused at launch (CPU only so far). ZeRO-1 shards fp32 master
+weights and Adam state over the DP replicas, ZeRO-2 the gradients too (ShardedMasterAdamW),
+ZeRO-3 the weights too (torch's FSDP2 around megatron-core's layers). On a CPU it runs with gloo
+and the CUDA stand-ins of cpu_shim; on GPUs with NCCL. Each rank reports its losses, the times of
+its timed steps, and memory (exact tensor bytes held + the allocator peak of a steady step: the
+median and the worst of a few, profiled before the timed ones); rank 0 gathers them.
 """
 
 from __future__ import annotations
@@ -38,6 +37,7 @@ import os
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -50,7 +50,14 @@ from measure.training import MasterWeightAdamW
 from ..plan import Plan
 from .layers import block_spec
 from .megatron import megatron_limits, model_settings
-from .offload import HOST_WORK, OffloadedMasterAdamW, WeightOffload, local, offload_layer_activations
+from .offload import (
+    HOST_WORK,
+    GradientOffload,
+    OffloadedMasterAdamW,
+    WeightOffload,
+    local,
+    offload_layer_activations,
+)
 from .pipeline import Pipeline1F1B
 from .zero import ContiguousGrads, ShardedMasterAdamW, flat_collective, layer_buckets, shard_parameters
 
@@ -63,13 +70,12 @@ def unsupported(plan: Plan) -> list[str]:
     built_here = ("parallel_block", "uneven_middle_stages", "pre_post", "offload_weights_grads")
     limits = megatron_limits(plan, plan.model_spec())
     reasons = [why for name, why in limits.items() if name not in built_here]
-    if any(s.offload_grads for s in plan.stages):
-        reasons.append("CPU offloading of gradients")
-    if plan.dp > 1 and any(s.offload_weights and s.zero == 3 for s in plan.stages):
-        reasons.append("CPU offloading of weights with ZeRO-3 (FSDP2 owns the weights' storage)")
     edge = plan.pre_post
-    if edge is not None and (edge.offload_weights or edge.offload_grads):
-        reasons.append("CPU offloading of the embedding/head's weights or gradients (pre_post)")
+    for zero, weights, grads in [(s.zero, s.offload_weights, s.offload_grads) for s in plan.stages] + (
+        [(edge.zero, edge.offload_weights, edge.offload_grads)] if edge is not None else []
+    ):
+        if plan.dp > 1 and zero == 3 and (weights or grads):
+            reasons.append("CPU offloading of weights or gradients with ZeRO-3 (FSDP2 owns their storage)")
     for i, s in enumerate(plan.stages):
         zeros = {s.zero} | ({edge.zero} if edge is not None and i in (0, len(plan.stages) - 1) else set())
         if plan.dp > 1 and 3 in zeros and len(zeros) > 1:
@@ -103,28 +109,51 @@ def _config(spec, plan: Plan, dtype: torch.dtype):
     )
 
 
-def _parameter_parts(model, plan: Plan, mine) -> list[tuple[list[nn.Parameter], int, float]]:
-    """(parameters, ZeRO stage, offloaded optimizer fraction) of each part of this stage that has
-    its own strategy: the embedding (first stage) and head (last stage) take the plan's
-    ``pre_post`` if it has one, everything else the stage's."""
+@dataclass
+class Part:
+    """Parameters of a stage that share a strategy, and that strategy."""
+
+    params: list[nn.Parameter]
+    zero: int
+    offload_optimizer: float
+    offload_grads: float
+
+
+def _parameter_parts(model, plan: Plan, mine) -> list[Part]:
+    """The parts of this stage with a strategy of their own: the embedding (first stage) and head
+    (last stage) take the plan's ``pre_post`` if it has one, everything else the stage's."""
     params = [p for p in model.parameters() if p.requires_grad]
     edge = plan.pre_post
-    gpt = model.module
-    edge_modules = [m for m in (getattr(gpt, "embedding", None), getattr(gpt, "output_layer", None)) if m]
-    edge_ids = {id(p) for m in edge_modules for p in m.parameters()} if edge is not None else set()
+    edge_ids = {id(p) for m in _edges(model.module) for p in m.parameters()} if edge is not None else set()
     rest = [p for p in params if id(p) not in edge_ids]
-    parts = [(rest, mine.zero, mine.offload_optimizer)]
+    parts = [Part(rest, mine.zero, mine.offload_optimizer, mine.offload_grads)]
     if edge_ids:
-        parts.append(([p for p in params if id(p) in edge_ids], edge.zero, edge.offload_optimizer))
-    return [part for part in parts if part[0]]
+        edges = [p for p in params if id(p) in edge_ids]
+        parts.append(Part(edges, edge.zero, edge.offload_optimizer, edge.offload_grads))
+    return [part for part in parts if part.params]
 
 
-def _execution_order(gpt, with_edges: bool) -> list[nn.Module]:
-    """The stage's modules in the order forward runs them: its layers, and (``with_edges``: when
-    the plan gives them no strategy of their own) the embedding before and the head after."""
-    first = [gpt.embedding] if with_edges and hasattr(gpt, "embedding") else []
-    last = [gpt.output_layer] if with_edges and hasattr(gpt, "output_layer") else []
-    return [*first, *gpt.decoder.layers, *last]
+def _edges(gpt) -> list[nn.Module]:
+    """The embedding (first stage) and the head (last stage) this stage holds."""
+    return [m for m in (getattr(gpt, "embedding", None), getattr(gpt, "output_layer", None)) if m is not None]
+
+
+def _weight_offloads(gpt, plan: Plan, mine) -> list[WeightOffload]:
+    """Weight offloading of the stage's modules, in the order forward runs them: its layers with
+    the stage's fraction, and the embedding before and the head after with the stage's too, or
+    with pre_post's if the plan has one (then without prefetch: they run at opposite ends, one at a
+    time, as the memory model prices them)."""
+    first = [gpt.embedding] if hasattr(gpt, "embedding") else []
+    last = [gpt.output_layer] if hasattr(gpt, "output_layer") else []
+    if plan.pre_post is None:
+        groups = [([*first, *gpt.decoder.layers, *last], mine.offload_weights, True)]
+    else:
+        groups = [
+            (list(gpt.decoder.layers), mine.offload_weights, True),
+            ([*first, *last], plan.pre_post.offload_weights, False),
+        ]
+    return [WeightOffload(modules, fraction, prefetch) for modules, fraction, prefetch in groups
+            if modules and fraction > 0]  # fmt: skip
 
 
 class PartOptimizers:
@@ -144,25 +173,27 @@ class PartOptimizers:
         return [t for part in self.parts if hasattr(part, "host_tensors") for t in part.host_tensors()]
 
 
-def _optimizer(params, zero: int, offload: float, dp: int, model, lr: float, sequence_parallel: bool):
-    """One part's optimizer: ZeRO-1/2 sharded over the DP group (its share optionally offloaded),
-    else (ZeRO-3 shards included) the whole part, that fraction stepping on the host."""
+def _optimizer(part: Part, dp: int, model, lr: float, sequence_parallel: bool):
+    """One part's optimizer: ZeRO-1/2 sharded over the DP group (its share optionally offloaded;
+    ZeRO-2: its share's gradients too), else (ZeRO-3 shards included) the whole part, that
+    fraction stepping on the host."""
     from megatron.core import parallel_state as ps
 
-    if zero in (1, 2) and dp > 1:
-        mine = {id(p) for p in params}
+    if part.zero in (1, 2) and dp > 1:
+        mine = {id(p) for p in part.params}
         buckets = [[p for p in bucket if id(p) in mine] for bucket in layer_buckets(model)]
         return ShardedMasterAdamW(
             [b for b in buckets if b],
             ps.get_data_parallel_group(),
             lr,
-            shard_grads=zero == 2,
-            offload_fraction=offload,
+            shard_grads=part.zero == 2,
+            offload_fraction=part.offload_optimizer,
             sequence_parallel_group=ps.get_tensor_model_parallel_group() if sequence_parallel else None,
+            offload_grads=part.offload_grads if part.zero == 2 else 0.0,
         )
-    if offload > 0:  # of all the part's parameters, or with ZeRO-3 of this rank's shards
-        return OffloadedMasterAdamW(params, offload, lr)
-    return MasterWeightAdamW(params, lr=lr, fused=True)
+    if part.offload_optimizer > 0:  # of all the part's parameters, or with ZeRO-3 of this rank's shards
+        return OffloadedMasterAdamW(part.params, part.offload_optimizer, lr)
+    return MasterWeightAdamW(part.params, lr=lr, fused=True)
 
 
 def _checkpoint_first_layers(model, count: int) -> None:
@@ -236,8 +267,11 @@ def run(plan: Plan, steps: int = 5, seed: int = 0, lr: float = 1e-2) -> dict:
         tensor_model_parallel_size=plan.tp, pipeline_model_parallel_size=len(plan.stages)
     )
     model_parallel_cuda_manual_seed(seed)
-    if torch.cuda.is_available() and any(s.offload_weights for s in plan.stages):
-        raise ValueError("weight offloading runs on the CPU engine only so far (its GPU path is not built)")
+    offloads = [(s.offload_weights, s.offload_grads) for s in plan.stages]
+    if plan.pre_post is not None:
+        offloads.append((plan.pre_post.offload_weights, plan.pre_post.offload_grads))
+    if torch.cuda.is_available() and any(w or g for w, g in offloads):
+        raise ValueError("weight and gradient offloading run on the CPU engine only so far (no GPU path yet)")
     if plan.gpu_memory_bytes is not None and torch.cuda.is_available():
         # the allocator enforces the cap less the CUDA context, which lives outside it (the
         # reserve the planner took off: measure.budget)
@@ -282,12 +316,7 @@ def run(plan: Plan, steps: int = 5, seed: int = 0, lr: float = 1e-2) -> dict:
     if mine.zero == 3 and plan.dp > 1:  # the whole stage (unsupported() refuses ZeRO-3 for part of one)
         shard_parameters(model, ps.get_data_parallel_group(), device)
     parts = _parameter_parts(model, plan, mine)  # after sharding: FSDP2 replaces the parameters
-    optimizer = PartOptimizers(
-        [
-            _optimizer(params, zero, offload, plan.dp, model, lr, sequence_parallel)
-            for params, zero, offload in parts
-        ]
-    )
+    optimizer = PartOptimizers([_optimizer(part, plan.dp, model, lr, sequence_parallel) for part in parts])
     # The same few sequences every step: a decreasing loss shows the whole pipeline learns.
     g = torch.Generator().manual_seed(seed + ps.get_data_parallel_rank())
     batches = [
@@ -295,15 +324,19 @@ def run(plan: Plan, steps: int = 5, seed: int = 0, lr: float = 1e-2) -> dict:
         for _ in range(plan.grad_accum)
     ]
     # ZeRO-2/3 reduce each gradient (to its owner, or scattered) as backward makes it: no full buffer
-    reduced_as_made = [zero >= 2 and plan.dp > 1 for _, zero, _ in parts]
-    kept = [p for (part, _, _), made in zip(parts, reduced_as_made, strict=True) if not made for p in part]
+    reduced_as_made = [part.zero >= 2 and plan.dp > 1 for part in parts]
+    # gradient offload where gradients are all-reduced after backward (ZeRO-2: ShardedMasterAdamW's)
+    drained = [
+        GradientOffload(part.params, part.offload_grads)
+        for part, made in zip(parts, reduced_as_made, strict=True)
+        if part.offload_grads > 0 and not made
+    ]
+    on_host = {id(p) for d in drained for p in d.params}
+    kept = [p for part, made in zip(parts, reduced_as_made, strict=True) if not made for p in part.params]
+    kept = [p for p in kept if id(p) not in on_host]
     grads = ContiguousGrads(kept) if kept else None
     # after the optimizers and gradient buffers: they are made where the weights are, the device
-    weights = (
-        WeightOffload(_execution_order(model.module, plan.pre_post is None), mine.offload_weights)
-        if mine.offload_weights > 0
-        else None
-    )
+    weights = _weight_offloads(model.module, plan, mine)
     pipeline = Pipeline1F1B(model, spec, plan, batches)
     dp_group, tp_group = ps.get_data_parallel_group(), ps.get_tensor_model_parallel_group()
 
@@ -319,8 +352,14 @@ def run(plan: Plan, steps: int = 5, seed: int = 0, lr: float = 1e-2) -> dict:
             flat_collective(sp, lambda flat: dist.all_reduce(flat, group=tp_group, async_op=True))
         if grads is not None and plan.dp > 1:
             grads.all_reduce(dp_group, divide_by=plan.dp)
+        for host_grads in drained:
+            if plan.dp > 1:
+                host_grads.all_reduce(dp_group, divide_by=plan.dp)
+            host_grads.attach()
         t2 = _now(device)
         optimizer.step()
+        for host_grads in drained:
+            host_grads.zero()
         for part, made in zip(optimizer.parts, reduced_as_made, strict=True):
             if made:  # ZeRO-2/3: the reduced gradient shards are dropped after the step
                 part.zero_grad()
@@ -341,7 +380,7 @@ def run(plan: Plan, steps: int = 5, seed: int = 0, lr: float = 1e-2) -> dict:
         step_peaks.append(step_peak)
         losses.append(loss)
     del phases[:]
-    at_rest_on_host = {t.data_ptr() for t in (weights.host_tensors() if weights is not None else [])}
+    at_rest_on_host = {t.data_ptr() for w in weights for t in w.host_tensors()}
     on_device = [p for p in model.parameters() if p.data_ptr() not in at_rest_on_host]
     held = _tensor_bytes(
         [*on_device, *optimizer.state_tensors(), *(grads.buffers if grads is not None else [])]
@@ -379,8 +418,13 @@ def run(plan: Plan, steps: int = 5, seed: int = 0, lr: float = 1e-2) -> dict:
         "activation_offloaded_layers": offloaded_layers,
         # offloaded weights: bytes at rest on the host, and how many were left on the device
         # after the step (none: each came down after its layer's backward)
-        "host_weight_bytes": _tensor_bytes(weights.host_tensors()) if weights is not None else 0,
-        "weights_left_on_device": weights.resident() if weights is not None else 0,
+        "host_weight_bytes": _tensor_bytes([t for w in weights for t in w.host_tensors()]),
+        "weights_left_on_device": sum(w.resident() for w in weights),
+        # offloaded gradients: the host buffers they accumulate in (ZeRO-2: of this rank's share)
+        "host_gradient_bytes": _tensor_bytes(
+            [t for d in drained for t in d.host_tensors()]
+            + [t for o in optimizer.parts if hasattr(o, "host_grads") for t in o.host_gradient_tensors()]
+        ),
         "layer_input_shape": layer_input_shape,
         "layers": len(model.module.decoder.layers),  # built here: the plan's count for this stage
         # weights whose gradients are summed over the TP group (sequence parallelism's norms), and

@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .offload import HOST_WORK
+
 
 class ShardedMasterAdamW:
     """ZeRO-1/2 around megatron-core's modules: each DP rank keeps the fp32 master weights and
@@ -28,10 +30,11 @@ class ShardedMasterAdamW:
         shard_grads: bool = False,
         offload_fraction: float = 0.0,
         sequence_parallel_group=None,
+        offload_grads: float = 0.0,
     ) -> None:
         from measure.training import MasterWeightAdamW
 
-        from .offload import OffloadedMasterAdamW
+        from .offload import OffloadedMasterAdamW, split_by_fraction
 
         self.buckets = [[p for p in bucket if p.requires_grad] for bucket in buckets]
         self.buckets = [b for b in self.buckets if b]
@@ -62,6 +65,13 @@ class ShardedMasterAdamW:
             else MasterWeightAdamW(owned, lr=lr, fused=True)
         )
         self.reduced: dict[int, torch.Tensor] = {}  # owned parameters' summed gradients (ZeRO-2)
+        # gradient offload under ZeRO-2: that fraction of this rank's share sums on the host
+        if offload_grads > 0 and not shard_grads:
+            raise ValueError(
+                "gradient offload of a ZeRO-1 part is GradientOffload's (its grads are all-reduced)"
+            )
+        on_host, _ = split_by_fraction(owned, offload_grads) if owned else ([], [])
+        self.host_grads = {id(p): torch.zeros_like(p, device="cpu") for p in on_host}
         self.pending: dict[int, list[torch.Tensor]] = {}  # bucket -> gradients made this micro-batch
         self.shard_grads = shard_grads
         # ZeRO-2 with sequence parallelism: the gradients of weights marked sequence_parallel (the
@@ -95,13 +105,18 @@ class ShardedMasterAdamW:
         for q in bucket:
             summed = flat[offset : offset + q.numel()].view_as(q)
             offset += q.numel()
+            if id(q) in self.host_grads:  # down, added on the host; the message is freed
+                with torch.profiler.record_function(HOST_WORK):
+                    self.host_grads[id(q)].add_(summed)
+                continue
             so_far = self.reduced.get(id(q))  # (views into this bucket's message: all of it is mine)
             self.reduced[id(q)] = summed if so_far is None else so_far.add_(summed)
 
     def step(self) -> None:
         if self.shard_grads:  # the owner's averaged gradients, for the master-weight step
             for p in self.owned:
-                summed = self.reduced.pop(id(p), None)
+                summed = self.host_grads.get(id(p))
+                summed = self.reduced.pop(id(p), None) if summed is None else summed
                 p.grad = None if summed is None else summed.div_(self.dp)
         if self.inner is not None:
             self.inner.step()
@@ -114,6 +129,8 @@ class ShardedMasterAdamW:
     def zero_grad(self) -> None:
         for p in self.params:
             p.grad = None
+        for buffer in self.host_grads.values():
+            buffer.zero_()
 
     def state_tensors(self) -> list[torch.Tensor]:
         return self.inner.state_tensors() if self.inner is not None else []
@@ -121,6 +138,9 @@ class ShardedMasterAdamW:
     def host_tensors(self) -> list[torch.Tensor]:
         """The offloaded share's optimizer tensors, on the host (none without offloading)."""
         return self.inner.host_tensors() if hasattr(self.inner, "host_tensors") else []
+
+    def host_gradient_tensors(self) -> list[torch.Tensor]:
+        return list(self.host_grads.values())
 
 
 def layer_buckets(model) -> list[list[torch.Tensor]]:
