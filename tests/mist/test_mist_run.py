@@ -169,8 +169,9 @@ def test_sequence_parallelism_trains_as_tensor_parallelism_alone(tmp_path):
     control is the mechanism itself: a layer's input holds half the sequence with it, all without."""
     runs = {}
     for sequence_parallel in (False, True):
-        plan = _tiny_plan([StagePlan(layers=4, recompute=1)], tp=2)
+        plan = _tiny_plan([StagePlan(layers=4, recompute=4)], tp=2)
         plan.model_overrides, plan.sequence_parallel = {"dropout": 0.0}, sequence_parallel
+        plan.micro_batch = 4  # two micro-batches: with four, SP's peaks varied by +-25% (gloo threads)
         assert not unsupported(plan), unsupported(plan)
         predict(plan, plan.model_spec(), cluster("cpu", 2))
         runs[sequence_parallel] = plan, _torchrun(plan, tmp_path / f"sp{sequence_parallel}")
@@ -194,8 +195,9 @@ def test_zero2_with_sequence_parallelism_trains_as_without_zero(tmp_path):
     order), and its memory is within the tolerance of the prediction."""
     runs = {}
     for zero in (0, 2):
-        plan = _tiny_plan([StagePlan(layers=4, recompute=1, zero=zero)], tp=2, dp=2)
+        plan = _tiny_plan([StagePlan(layers=4, zero=zero)], tp=2, dp=2)
         plan.model_overrides, plan.sequence_parallel = {"dropout": 0.0}, True
+        plan.micro_batch = 4  # one micro-batch a step: the reductions in backward hooks vary less
         assert not unsupported(plan), unsupported(plan)
         runs[zero] = plan, _torchrun(plan, tmp_path / f"zero{zero}")
     a, b = (next(r["losses"] for r in rep["ranks"] if r["losses"] is not None) for _, rep in runs.values())
@@ -303,13 +305,13 @@ def test_weight_offload_trains_the_same_and_frees_the_device(tmp_path, dp, zero)
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_part_with_fewer_buckets_than_replicas_trains(tmp_path):
-    """Two stages x DP 2, the embedding/head at ZeRO-1 of their own: the last stage's head is one
+    """Two stages x DP 2 at ZeRO-1, the embedding/head a part of their own: the last stage's head is one
     bucket for two replicas, so one rank steps none of that part (it must hold no optimizer for
     it, not fail). The model learns, and each stage's largest rank is within the tolerance of the
     prediction (what a plan must fit). The engine shards ZeRO by whole buckets where the model
     splits evenly, so the other last-stage rank comes out 17% under it: the head's optimizer
     state is all on one rank (Megatron's distributed optimizer splits elements, not buckets)."""
-    plan = _plan(1, [2, 2], [1, 1], dp=2, zero=2)
+    plan = _plan(1, [2, 2], [1, 1], dp=2, zero=1)
     plan.pre_post = PrePostPlan(zero=1)
     assert not unsupported(plan), unsupported(plan)
     report = _torchrun(plan, tmp_path)
