@@ -327,15 +327,19 @@ def test_a_part_with_fewer_buckets_than_replicas_trains(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize(("dp", "zero"), [(1, 0), (2, 1), (2, 2)], ids=["dp1", "dp2-zero1", "dp2-zero2"])
+@pytest.mark.parametrize(
+    ("dp", "zero"), [(1, 0), (2, 0), (2, 1), (2, 2)], ids=["dp1", "dp2", "dp2-zero1", "dp2-zero2"]
+)
 def test_gradient_offload_accumulates_on_the_host(tmp_path, dp, zero):
     """Every gradient accumulates on the host (ZeRO-2: this rank's reduced share), the optimizer
     offloaded too (micro-batches of 1, every layer recomputed): the same losses as without (the
-    same sums: 1e-6), the host buffers hold the bytes the model counts, and for ZeRO-0/1 the
-    device memory is within the tolerance of the prediction, the one without gradient offload
-    outside it (negative control). ZeRO-2's peaks vary by up to 50% from step to step at four
-    micro-batches here (gloo's reductions in backward hooks) and its memory model is 12-33% off
-    (README), so only its losses and host bytes are checked."""
+    same sums: 1e-6), the host buffers hold the bytes the model counts, and without ZeRO the
+    device memory is within the tolerance of the prediction (+1.8%, the same in every launch),
+    the one without gradient offload outside it (negative control). With ZeRO only the losses
+    and host bytes are checked: with nothing else left on the device, the peak is then ZeRO-1's
+    broadcast of the updated weights, whose flat buffers gloo frees at varying times (one or
+    both owners' at once: 0.70 or 0.93 MB, +24%, seen in a CI run), and ZeRO-2's reductions in
+    backward hooks vary by up to 50% (its model is 12-33% off besides; README)."""
     runs = {}
     for fraction in (0.0, 1.0):
         stage = StagePlan(layers=4, recompute=4, zero=zero, offload_optimizer=1.0, offload_grads=fraction)
@@ -351,7 +355,7 @@ def test_gradient_offload_accumulates_on_the_host(tmp_path, dp, zero):
         stage, without = plan.stages[r["stage"]], plain_plan.stages[r["stage"]]
         moved = stage.host_memory_bytes - without.host_memory_bytes  # the gradients' bf16 bytes
         assert r["host_gradient_bytes"] == pytest.approx(moved, rel=0.03), (r, moved)
-        if zero < 2:
+        if zero == 0:
             assert abs(stage.memory_bytes / r["memory_bytes"] - 1) < TOLERANCE, (r, stage.memory_bytes)
             assert abs(without.memory_bytes / r["memory_bytes"] - 1) > TOLERANCE, (r, without.memory_bytes)
 
