@@ -32,7 +32,7 @@ from pathlib import Path
 
 import yaml
 
-from .model.specs import ClusterSpec, ModelSpec, cluster, model, preset_overrides
+from .model.specs import GPUS, HOSTS, ClusterSpec, ModelSpec, cluster, model, preset_overrides
 
 PLAN_FORMAT = 2  # what save() writes; from_dict() also reads 1 (memory in GiB)
 READABLE_FORMATS = (1, 2)
@@ -243,10 +243,13 @@ class Plan:
     def of(cls, model_spec: ModelSpec, cluster_spec: ClusterSpec, **fields) -> Plan:
         """A plan for ``model_spec`` on ``cluster_spec``: the model named exactly (its preset and the
         fields it changes), the cluster's GPU type, GPUs and node size; ``fields`` give the rest
-        (and may narrow ``gpus``)."""
+        (and may narrow ``gpus``). A cluster's own device cap or host memory (``cluster(gpu_memory=,
+        host_memory=)``) is the plan's too, so that the engine enforces the cap it was planned for."""
+        gpu, host = cluster_spec.gpu, cluster_spec.host
         base = {"model": model_spec.name, "model_overrides": preset_overrides(model_spec),
-                "gpu": cluster_spec.gpu.name, "gpus": cluster_spec.gpus,
-                "gpus_per_node": cluster_spec.gpus_per_node}  # fmt: skip
+                "gpu": gpu.name, "gpus": cluster_spec.gpus, "gpus_per_node": cluster_spec.gpus_per_node,
+                "gpu_memory_bytes": None if gpu.memory == GPUS[gpu.name].memory else gpu.memory,
+                "host_memory_per_node_bytes": None if host == HOSTS[gpu.name] else host.memory}  # fmt: skip
         return cls(**{**base, **fields})
 
     def model_spec(self) -> ModelSpec:

@@ -216,3 +216,21 @@ def test_predict_fills_in_whole_bytes(fresh_seed):
         assert doc["usable_memory_bytes"] == b["usable_memory_bytes"]
         assert [s["memory_bytes"] for s in doc["stages"]] == [s.memory_bytes for s in plan.stages]
         assert all(isinstance(s["host_memory_bytes"], numbers.Integral) for s in doc["stages"])
+
+
+def test_a_plan_made_for_a_capped_cluster_keeps_its_cap(tmp_path):
+    """Plan.of takes a cluster's own device cap and host memory: a plan searched under a cap is
+    enforced at that cap by mist.engine.run, and re-priced against the same budget; a cluster at its
+    data sheet's memory leaves both unset."""
+    from mist import cluster, model, search
+
+    m = model("gpt3-tiny")
+    capped = cluster("cpu", 2, host_memory=3 * GiB, gpu_memory=40 * 2**20)
+    plan = search(m, capped, 8)
+    assert plan.gpu_memory_bytes == 40 * 2**20 and plan.host_memory_per_node_bytes == 3 * GiB
+    plan.save(tmp_path / "p.yaml")
+    back = Plan.load(tmp_path / "p.yaml")
+    assert back.cluster().gpu.memory == 40 * 2**20 and back.cluster().host.memory == 3 * GiB
+    plain = Plan.of(m, cluster("cpu", 2), global_batch=8, tp=1, dp=2, micro_batch=4,
+                    stages=[StagePlan(layers=m.layers)])  # fmt: skip
+    assert plain.gpu_memory_bytes is None and plain.host_memory_per_node_bytes is None
