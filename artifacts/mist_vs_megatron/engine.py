@@ -57,7 +57,9 @@ class EngineSetup:
 
 CPU_ENGINE = EngineSetup(
     name="engine", model="gpt3-tiny", gpu="cpu", processes=2, global_batch=8, micro_batch=2,
-    model_overrides={"hidden": 256, "seq": 128},
+    # flash off: the engine runs megatron-core's local (unfused) attention, which keeps the s x s
+    # scores; priced as FlashAttention, plans at micro-batch 4-8 measured 7-18% over the prediction
+    model_overrides={"hidden": 256, "seq": 128, "flash": False},
     plans={
         "tp2": {"tp": 2, "dp": 1, "stages": [{"layers": 4, "recompute": 1}]},
         "pp2": {"tp": 1, "dp": 1, "stages": [{"layers": 1, "recompute": 1}, {"layers": 3}]},
@@ -66,7 +68,9 @@ CPU_ENGINE = EngineSetup(
         "dp2-zero2": {"tp": 1, "dp": 2, "stages": [{"layers": 4, "recompute": 2, "zero": 2}]},
         "dp2-zero3": {"tp": 1, "dp": 2, "stages": [{"layers": 4, "recompute": 2, "zero": 3}]},
     },
-    profile={"micro_batches": [1, 2, 4], "tps": [1, 2], "dtype": "bf16"},
+    # every micro-batch the searches of the measured comparison reach (up to global batch 8 on one
+    # process): a line fitted to 1-4 put a micro-batch of 8 at 18-22% under its measured time
+    profile={"micro_batches": [1, 2, 4, 8], "tps": [1, 2], "dtype": "bf16"},
     device="cpu",
     launches=LAUNCHES,
 )  # fmt: skip
@@ -90,6 +94,45 @@ GPU_ENGINE = EngineSetup(
 )  # fmt: skip
 
 
+def train_plan(plan, processes: int, steps: int, launches: int, work: Path, name: str) -> dict:
+    """``plan`` trained by ``mist.engine.run`` from scratch in each of ``launches`` launches of
+    ``processes`` processes. Returns the median launch's report and step time (the median of its
+    ranks' steady steps) with every launch's step time; or, where some launch's device peak went
+    above the plan's cap, that launch's report with ``out_of_memory`` set and no time (a run that
+    may crash is not one a user can take; no further launches are made)."""
+    path, out = work / f"{name}.yaml", work / f"{name}.json"
+    plan.save(path)
+    args = ["--plan", str(path), "--steps", str(steps), "--out", str(out)]
+    done_launches = []  # (its median step, its report)
+    for _ in range(launches):
+        out.unlink(missing_ok=True)  # a report is this launch's
+        done = run_torchrun(processes, "mist.engine.run", args, timeout=900)
+        # over the cap, the ranks write their report and exit 3 (torchrun then exits 1)
+        report = json.loads(out.read_text()) if out.exists() else None
+        out_of_memory = report is not None and report["ranks"][0]["out_of_memory"]
+        if (done.returncode != 0 and not out_of_memory) or report is None:
+            raise RuntimeError(f"mist.engine.run failed for {name}:\n{done.stderr[-3000:]}")
+        if out_of_memory:
+            return {"out_of_memory": True, "step_s": None, "launches_step_s": [], "report": report}
+        # all steady: warm-up and memory steps come first
+        done_launches.append((statistics.median(x for r in report["ranks"] for x in r["step_s"]), report))
+    # the median launch, all of it (on a CPU gloo's latency settles into a mode for a launch's life)
+    step_s, report = sorted(done_launches, key=lambda x: x[0])[(len(done_launches) - 1) // 2]
+    return {"out_of_memory": False, "step_s": step_s, "launches_step_s": sorted(x for x, _ in done_launches),
+            "report": report}  # fmt: skip
+
+
+def rank_memory(plan, report: dict) -> list[dict]:
+    """Per rank: measured memory (the median and the worst steady step) against the prediction."""
+    ranks = []
+    for r in report["ranks"]:
+        predicted, measured = plan.stages[r["stage"]].memory_bytes, r["memory_bytes"]
+        ranks.append({"rank": r["rank"], "stage": r["stage"], "measured_bytes": measured,
+                      "worst_measured_bytes": r["worst_memory_bytes"], "predicted_bytes": predicted,
+                      "memory_error": predicted / measured - 1})  # fmt: skip
+    return ranks
+
+
 def engine_point(setup: EngineSetup, name: str, fit: dict, work: Path) -> dict:
     from mist import Plan, cluster, predict
 
@@ -98,25 +141,9 @@ def engine_point(setup: EngineSetup, name: str, fit: dict, work: Path) -> dict:
             "sequence_parallel": False, "model_overrides": setup.model_overrides}  # fmt: skip
     plan = Plan.from_dict({**base, **setup.plans[name]})
     predict(plan, plan.model_spec(), cluster(setup.gpu, setup.processes), runtime=fit["model"])
-    path, out = work / f"{name}.yaml", work / f"{name}.json"
-    plan.save(path)
-    args = ["--plan", str(path), "--steps", str(setup.steps), "--out", str(out)]
-    launches = []  # (its median step, its report): the plan trained from scratch in each launch
-    for _ in range(setup.launches):
-        done = run_torchrun(setup.processes, "mist.engine.run", args, timeout=900)
-        if done.returncode != 0:
-            raise RuntimeError(f"mist.engine.run failed for {name}:\n{done.stderr[-3000:]}")
-        report = json.loads(out.read_text())
-        # all steady: warm-up and memory steps come first
-        launches.append((statistics.median(x for r in report["ranks"] for x in r["step_s"]), report))
-    # the median launch, all of it (on a CPU gloo's latency settles into a mode for a launch's life)
-    step_s, report = sorted(launches, key=lambda x: x[0])[(len(launches) - 1) // 2]
-    ranks = []
-    for r in report["ranks"]:
-        predicted, measured = plan.stages[r["stage"]].memory_bytes, r["memory_bytes"]
-        ranks.append({"rank": r["rank"], "stage": r["stage"], "measured_bytes": measured,
-                      "worst_measured_bytes": r["worst_memory_bytes"], "predicted_bytes": predicted,
-                      "memory_error": predicted / measured - 1})  # fmt: skip
+    trained = train_plan(plan, setup.processes, setup.steps, setup.launches, work, name)
+    step_s, report = trained["step_s"], trained["report"]
+    ranks = rank_memory(plan, report)
     # where the time went (median over ranks and steady steps) next to the model's parts: the
     # pipeline is G micro-batches of `steady` (+ the bubble), sync + optimizer is `extra`
     phases = {
@@ -128,7 +155,7 @@ def engine_point(setup: EngineSetup, name: str, fit: dict, work: Path) -> dict:
         "losses": next(r["losses"] for r in report["ranks"] if r["losses"] is not None),
         "ranks": ranks,
         "measured_step_s": step_s,
-        "launches_step_s": sorted(x for x, _ in launches),  # each launch's median step
+        "launches_step_s": trained["launches_step_s"],  # each launch's median step
         "predicted_step_s": plan.predicted_iteration_s,
         "time_error": plan.predicted_iteration_s / step_s - 1,
         "measured_phases_s": phases,
@@ -146,42 +173,64 @@ def engine_key(setup: EngineSetup, name: str) -> dict:
             "plan_fields": setup.plans[name]}  # fmt: skip
 
 
-def run_engine(run: Run, setup: EngineSetup) -> ResultFile:
+def fit_runtime(setup: EngineSetup, work: Path, zero_stages: set[int], tp_layers: bool) -> dict:
+    """``mist profile`` of ``setup.device`` at the setup's model shape, as ``setup.processes`` ranks
+    run it, into ``work``, and the runtime model fitted to it (``calibrate``'s result). With several
+    processes, the collectives among them too, and the mechanisms as the engine runs them on a
+    layer: ZeRO-2/3 where ``zero_stages`` holds them, TP over all processes with ``tp_layers``."""
     import torch
 
     from mist import model
     from mist.engine.profiler import write_collectives, write_profiles, write_tp_layers, write_zero_layers
     from mist.model.calibrate import calibrate
 
+    profiles, prof = work / setup.gpu, setup.profile  # "fitted to cpu profiles"
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[prof["dtype"]]
+    spec = model(setup.model, **setup.model_overrides)  # the shapes the plans train
+    shape = (spec.hidden, spec.heads, spec.seq, prof["micro_batches"], prof["tps"])
+    # on a CPU, as many copies at once as the plans have ranks: they share the cores' caches; the
+    # embedding and head rows at the model's vocabulary
+    write_profiles(profiles, setup.device, *shape, dtype, setup.gpu, repeats=5, vocab=spec.vocab,
+                   concurrent=setup.processes)  # fmt: skip
+    if setup.processes > 1:  # this machine's collectives, measured (gloo on a CPU)
+        # gloo's latency here drifts between modes (~0.3 ms or ~4 ms a call) within a launch and
+        # settles into one for a launch: a point is the median of 8 interleaved windows of 10
+        # calls, then of the setup's launches
+        n, launches = setup.processes, setup.launches
+        write_collectives(profiles, n, setup.device, repeats=10, rounds=8, launches=launches)
+        for stage in sorted(zero_stages & {2, 3}):
+            write_zero_layers(stage, profiles, n, setup.device, spec.hidden, spec.heads, spec.seq,
+                              setup.micro_batch, dtype, launches=launches)  # fmt: skip
+        if tp_layers:
+            write_tp_layers(profiles, n, setup.device, spec.hidden, spec.heads, spec.seq,
+                            prof["micro_batches"], dtype, launches=launches)  # fmt: skip
+    return next(iter(calibrate(profiles).values()))
+
+
+class RuntimeFits:
+    """The runtime models fitted to ``base``'s device, one per process count, each made once (the
+    engine part and the measured comparison share them): ``base`` at that many processes, TP up
+    to it, with ZeRO-2/3 and TP over all processes as the engine runs them where there are several."""
+
+    def __init__(self, work: Path, base: EngineSetup) -> None:
+        self.work, self.base, self.fits = work, base, {}
+
+    def __call__(self, processes: int) -> dict:
+        if processes not in self.fits:
+            profile = {**self.base.profile, "tps": [t for t in (1, 2, 4, 8) if t <= processes]}
+            setup = dataclasses.replace(self.base, processes=processes, profile=profile)
+            out = self.work / f"profiles-{processes}"
+            self.fits[processes] = fit_runtime(setup, out, {2, 3}, tp_layers=processes > 1)
+        return self.fits[processes]
+
+
+def run_engine(run: Run, setup: EngineSetup, fits: RuntimeFits) -> ResultFile:
     store = run.file(f"{setup.name}.json", setup.device, config={"profile": setup.profile})
     todo = [n for n in setup.plans if not store.done(engine_key(setup, n))]
     if todo:
-        with tempfile.TemporaryDirectory() as tmp:
-            profiles, prof = Path(tmp) / setup.gpu, setup.profile  # "fitted to cpu profiles"
-            dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[prof["dtype"]]
-            spec = model(setup.model, **setup.model_overrides)  # the shapes the plans train
-            shape = (spec.hidden, spec.heads, spec.seq, prof["micro_batches"], prof["tps"])
-            vocab = spec.vocab  # the embedding and head rows at the model's vocabulary
-            # on a CPU, as many copies at once as the plans have ranks: they share the cores' caches
-            write_profiles(profiles, setup.device, *shape, dtype, setup.gpu, repeats=5, vocab=vocab,
-                           concurrent=setup.processes)  # fmt: skip
-            if setup.processes > 1:  # this machine's collectives, measured (gloo on a CPU)
-                # gloo's latency here drifts between modes (~0.3 ms or ~4 ms a call) within a launch
-                # and settles into one for a launch: a point is the median of 8 interleaved windows
-                # of 10 calls, then of the setup's launches
-                n, launches = setup.processes, setup.launches
-                write_collectives(profiles, n, setup.device, repeats=10, rounds=8, launches=launches)
-                # ZeRO-2, ZeRO-3 and TP as the engine runs them, on a layer: not only their collectives
-                zero_stages = {st.get("zero", 0) for plan in setup.plans.values() for st in plan["stages"]}
-                for stage in sorted(zero_stages & {2, 3}):
-                    write_zero_layers(stage, profiles, n, setup.device, spec.hidden, spec.heads, spec.seq,
-                                      setup.micro_batch, dtype, launches=launches)  # fmt: skip
-                if any(plan["tp"] == n for plan in setup.plans.values()):
-                    write_tp_layers(profiles, n, setup.device, spec.hidden, spec.heads, spec.seq,
-                                    prof["micro_batches"], dtype, launches=launches)  # fmt: skip
-            fit = next(iter(calibrate(profiles).values()))
-            for name in todo:
-                store.compute(engine_key(setup, name), lambda n=name: engine_point(setup, n, fit, Path(tmp)))
+        fit = fits(setup.processes)
+        for name in todo:
+            store.compute(engine_key(setup, name), lambda n=name: engine_point(setup, n, fit, fits.work))
     return store
 
 
@@ -211,8 +260,8 @@ def main(argv: list[str] | None = None) -> None:
     # the dry run tests this script (one launch each, within its part's budget); the CPU
     # engine's fidelity is measured by `nox -s mist_vs_megatron` (LAUNCHES launches)
     setup = dataclasses.replace(CPU_ENGINE, launches=1) if args.cpu_dry_run else GPU_ENGINE
-    with experiment_run(args, EXPERIMENT) as run:
-        store = run_engine(run, setup)
+    with experiment_run(args, EXPERIMENT) as run, tempfile.TemporaryDirectory() as tmp:
+        store = run_engine(run, setup, RuntimeFits(Path(tmp), setup))
     print_engine(store.this_run())
 
 

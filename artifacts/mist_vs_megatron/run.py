@@ -18,25 +18,29 @@ reference/; an interrupted run resumes when rerun):
 * engine: plans (TP=2, PP=2, DP=2, ZeRO-1/2/3) trained by megatron-core on 2 gloo processes; measured
   per-rank memory and step time against the prediction (time from a runtime model fitted to
   `mist profile` of this CPU).
+* measured: Mist, the grid, the Aceso-style search and ZeRO-3 each plan a small GPT-3 or Llama
+  on 1 or 2 gloo processes under a per-rank memory cap that the plain plan exceeds; every winner
+  trained (3 launches), measured step times and speedups beside the predicted ones (measured.py).
 FlashAttention on and off; --scale paper gives the Aceso-style search a longer budget.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import statistics
+import tempfile
+from pathlib import Path
 
 from measure.parallel import map_points
 from measure.results import Results, Run
-from mist.plan import bytes_needed
-from mist.tuning.stage_cost import STRATEGY_FIELDS
 
 from ..experiment import add_jobs_argument, add_run_arguments, experiment_run
 from . import EXPERIMENT
-from .engine import CPU_ENGINE, print_engine, run_engine
+from .engine import CPU_ENGINE, RuntimeFits, print_engine, run_engine
+from .measured import print_measured, run_measured
+from .plans import plan_summary
 
-PARTS = ("calibration", "validation", "comparison", "ablation", "engine")
+PARTS = ("calibration", "validation", "comparison", "ablation", "engine", "measured")
 SIZES = [("1.3b", 2, 32), ("2.7b", 4, 64), ("7b", 8, 128), ("13b", 16, 256), ("22b", 32, 512)]  # GPUs, batch
 CLUSTERS = {"l4": 2048, "a100-40gb": 4096}  # GPU -> sequence length (the paper's settings)
 ARCHS = ("gpt3", "llama", "falcon")  # the model families of mist.specs.FAMILIES
@@ -63,34 +67,6 @@ def _simulated(plan, m, c):
     if plan.simulated_iteration_s is None:
         predict(plan, m, c)
     return plan
-
-
-# What a result keeps of each stage of a plan: the plan itself and the predicted memory (whole
-# bytes, as the plan has it; reference points from before plan_format 2 have memory_gib and
-# host_memory_gib instead: readers take either, see stage_memory_bytes)
-STAGE_FIELDS = ("layers", *STRATEGY_FIELDS, "tp", "dp", "memory_bytes", "host_memory_bytes")
-
-
-def stage_memory_bytes(stage: dict) -> tuple[int, int]:
-    """(memory, host memory) in bytes of a stage a result stores: ``memory_bytes`` and
-    ``host_memory_bytes``, or a reference point's GiB from before they were bytes."""
-    if "memory_bytes" in stage:
-        return stage["memory_bytes"], stage["host_memory_bytes"]
-    return bytes_needed(stage["memory_gib"] * 2**30), bytes_needed(stage["host_memory_gib"] * 2**30)
-
-
-def _summary(plan) -> dict:
-    return {
-        "iteration_s": plan.simulated_iteration_s,  # speedups are taken from the simulator
-        "closed_form_s": plan.predicted_iteration_s,
-        "tuning_s": plan.tuning_s,
-        "tp": plan.tp,
-        "dp": plan.dp,
-        "micro_batch": plan.micro_batch,
-        "stages": [{k: getattr(s, k) for k in STAGE_FIELDS} for s in plan.stages],
-        # the embedding/head's own strategy, if the plan has one: the plan is whole, re-priceable
-        "pre_post": None if plan.pre_post is None else dataclasses.asdict(plan.pre_post),
-    }
 
 
 def _setup(gpu: str, arch: str, size: str, flash: bool):
@@ -122,7 +98,7 @@ def comparison_point(gpu: str, arch: str, size: str, flash: bool, aceso_budget: 
         except NoFeasiblePlan as e:
             out[name] = {"infeasible": str(e)}
             continue
-        out[name] = _summary(_simulated(plan, m, c))
+        out[name] = plan_summary(_simulated(plan, m, c))
         if name == "mist":
             args, cannot = megatron_args(plan, m)
             out[name]["megatron_args"] = args
@@ -258,8 +234,10 @@ def main(argv: list[str] | None = None) -> None:
     add_run_arguments(ap, EXPERIMENT)
     args = ap.parse_args(argv)
     budget = ACESO_BUDGET_S[args.scale]
-    cmp = abl = engine = None
-    with experiment_run(args, EXPERIMENT) as run:
+    cmp = abl = engine = measured = None
+    # the CPU's runtime models (a profile per process count): made once, for the engine and measured parts
+    with experiment_run(args, EXPERIMENT) as run, tempfile.TemporaryDirectory() as tmp:
+        fits = RuntimeFits(Path(tmp), CPU_ENGINE)
         if "calibration" in args.parts:
             print("Runtime and interference models, held out:")
             run_calibration(run)
@@ -271,10 +249,16 @@ def main(argv: list[str] | None = None) -> None:
         if "ablation" in args.parts:
             abl = run_ablation(run, args.jobs)
         if "engine" in args.parts:
-            engine = run_engine(run, CPU_ENGINE).this_run()
+            engine = run_engine(run, CPU_ENGINE, fits).this_run()
+        if "measured" in args.parts:
+            print("Mist vs the baselines under a memory cap, every winner trained (gloo processes):")
+            measured = run_measured(run, fits).this_run()
     if engine is not None:
         print("\nPlans trained by megatron-core (2 gloo processes), measured vs predicted:")
         print_engine(engine)
+    if measured is not None:
+        print("\nMist vs the baselines under a per-rank memory cap, trained by megatron-core on this CPU:")
+        print_measured(measured)
     if cmp is not None:
         print("\nMist's speedup (predicted iteration time, same cost model for every system):")
         for versus, paper in (("megatron", "1.28x mean, up to 1.73x"), ("aceso", "1.27x mean, up to 2.04x")):

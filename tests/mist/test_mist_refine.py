@@ -96,7 +96,7 @@ def test_the_committed_comparison_reprices_to_its_numbers():
     import random
     from pathlib import Path
 
-    from artifacts.mist_vs_megatron.run import stage_memory_bytes
+    from artifacts.mist_vs_megatron.plans import stage_memory_bytes
 
     path = Path(__file__).resolve().parents[2] / "artifacts/mist_vs_megatron/reference/comparison.json"
     points = json.loads(path.read_text())["points"]

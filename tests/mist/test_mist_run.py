@@ -492,6 +492,27 @@ def test_committed_comparison_plans_run_or_are_refused_for_parts_not_built_yet()
     assert accepted["mist"] >= 57 and accepted["aceso"] >= 49  # a regression pin
 
 
+def test_measured_comparison_cases_bind_and_every_plan_in_them_runs():
+    """The cases of mist_vs_megatron's measured part: the plain plan needs more than the cap (the
+    run also measures that it runs out of memory) and every system's plan under the cap is one the
+    engine accepts, carrying the cap it enforces (priced here by the CPU's nominal roofline; the
+    experiment prices with the fitted model and may pick others)."""
+    from artifacts.mist_vs_megatron.measured import CASES, plain_plan, plan_systems
+    from mist import predict
+
+    for case in CASES:
+        plain = plain_plan(case)
+        predict(plain, plain.model_spec(), plain.cluster())
+        assert plain.stages[0].memory_bytes > case.cap_bytes, case
+        plans = plan_systems(case, None, aceso_budget=1.0)
+        assert not isinstance(plans["mist"], str), (case, plans["mist"])
+        for system, plan in plans.items():
+            if isinstance(plan, str):
+                continue
+            assert plan.gpu_memory_bytes == case.cap_bytes and unsupported(plan) == [], (case, system)
+            assert max(s.memory_bytes for s in plan.stages) <= case.planning_bytes, (case, system)
+
+
 def test_unsupported_parts_are_named():
     stages = [StagePlan(layers=2, zero=3, offload_grads=0.5), StagePlan(layers=2, tp=1, dp=4)]
     plan = Plan.of(

@@ -1,0 +1,36 @@
+"""What the experiment's result files keep of a plan, and how readers take it back."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from mist.plan import bytes_needed
+from mist.tuning.stage_cost import STRATEGY_FIELDS
+
+# What a result keeps of each stage of a plan: the plan itself and the predicted memory (whole
+# bytes, as the plan has it; reference points from before plan_format 2 have memory_gib and
+# host_memory_gib instead: readers take either, see stage_memory_bytes)
+STAGE_FIELDS = ("layers", *STRATEGY_FIELDS, "tp", "dp", "memory_bytes", "host_memory_bytes")
+
+
+def stage_memory_bytes(stage: dict) -> tuple[int, int]:
+    """(memory, host memory) in bytes of a stage a result stores: ``memory_bytes`` and
+    ``host_memory_bytes``, or a reference point's GiB from before they were bytes."""
+    if "memory_bytes" in stage:
+        return stage["memory_bytes"], stage["host_memory_bytes"]
+    return bytes_needed(stage["memory_gib"] * 2**30), bytes_needed(stage["host_memory_gib"] * 2**30)
+
+
+def plan_summary(plan) -> dict:
+    """What a result keeps of a plan: its predictions, parallel sizes, stages and pre_post."""
+    return {
+        "iteration_s": plan.simulated_iteration_s,  # speedups are taken from the simulator
+        "closed_form_s": plan.predicted_iteration_s,
+        "tuning_s": plan.tuning_s,
+        "tp": plan.tp,
+        "dp": plan.dp,
+        "micro_batch": plan.micro_batch,
+        "stages": [{k: getattr(s, k) for k in STAGE_FIELDS} for s in plan.stages],
+        # the embedding/head's own strategy, if the plan has one: the plan is whole, re-priceable
+        "pre_post": None if plan.pre_post is None else dataclasses.asdict(plan.pre_post),
+    }
