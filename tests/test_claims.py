@@ -22,6 +22,8 @@ def test_every_cpu_claim_has_a_reference_and_the_reference_passes():
     missing = [r.claim.id for r in rows if not r.claim.gpu and r.reference is None]
     assert not missing, f"CPU claims without a committed reference result: {missing}"
     assert not [r.claim.id for r in rows if r.verdict == "OUTSIDE"]
+    # a claim marked as known to be outside is: the mark goes when its cause is fixed
+    assert not [r.claim.id for r in rows if r.claim.known_outside and r.verdict != "OUTSIDE (known)"]
     assert len({c.id for c in CLAIMS}) == len(CLAIMS), "claim ids must be unique"
 
 
