@@ -452,6 +452,12 @@ def main(argv: list[str] | None = None) -> int:
     die_with_parent(os.getppid())  # a rank never outlives its launcher (torchrun)
     try:
         plan = Plan.load(args.plan)
+        if plan.model_spec().flash and int(os.environ.get("RANK", "0")) == 0:
+            # said, not changed: the plan is run as written
+            print("note: the engine runs megatron-core's unfused attention, which keeps the s x s scores; "
+                  "this plan was priced with FlashAttention (model flash: true), which does not: its memory "
+                  "is under-predicted by them (model_overrides flash: false prices what runs)",
+                  file=sys.stderr)  # fmt: skip
         report = run(plan, args.steps)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
