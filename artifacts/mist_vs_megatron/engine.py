@@ -260,7 +260,8 @@ def main(argv: list[str] | None = None) -> None:
     # the dry run tests this script (one launch each, within its part's budget); the CPU
     # engine's fidelity is measured by `nox -s mist_vs_megatron` (LAUNCHES launches)
     # (and without micro-batch 8 in the profile, which only the measured comparison's plans reach)
-    dry = dataclasses.replace(CPU_ENGINE, launches=1, profile={**CPU_ENGINE.profile, "micro_batches": [1, 2, 4]})
+    profile = {**CPU_ENGINE.profile, "micro_batches": [1, 2, 4]}
+    dry = dataclasses.replace(CPU_ENGINE, launches=1, profile=profile)
     setup = dry if args.cpu_dry_run else GPU_ENGINE
     with experiment_run(args, EXPERIMENT) as run, tempfile.TemporaryDirectory() as tmp:
         store = run_engine(run, setup, RuntimeFits(Path(tmp), setup))
