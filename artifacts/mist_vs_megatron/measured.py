@@ -19,6 +19,7 @@ simulator's, as in the comparison part; measured ones are step-time ratios withi
 
 from __future__ import annotations
 
+import json
 import statistics
 from dataclasses import dataclass
 
@@ -117,18 +118,6 @@ def plan_systems(case: MeasuredCase, runtime, aceso_budget: float = ACESO_BUDGET
     return plans
 
 
-def _identity(plan) -> str:
-    """What makes two plans the same run: every field but the predictions and the tuning time."""
-    import json
-
-    d = plan.to_dict()
-    for s in d["stages"]:
-        for k in ("memory_bytes", "host_memory_bytes", "steady_s", "extra_s"):
-            s.pop(k, None)
-    keep = ("tp", "dp", "micro_batch", "stages", "pre_post", "sequence_parallel")
-    return json.dumps({k: d.get(k) for k in keep}, sort_keys=True)
-
-
 def _trained(plan, trained: dict) -> dict:
     r = {"out_of_memory": trained["out_of_memory"], "ranks": rank_memory(plan, trained["report"])}
     if trained["out_of_memory"]:
@@ -167,7 +156,7 @@ def measured_point(case: MeasuredCase, fits: RuntimeFits, launches: int) -> dict
         if isinstance(plan, str):
             out[system] = {"infeasible": plan}
             continue
-        same = trained_as.setdefault(_identity(plan), system)
+        same = trained_as.setdefault(json.dumps(plan.what_runs(), sort_keys=True), system)
         if same != system:  # the same plan as an earlier system's: one run, reported for both
             out[system] = {**out[same], "plan": plan_summary(plan), "same_plan_as": same}
             continue

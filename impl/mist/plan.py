@@ -165,6 +165,11 @@ class PrePostPlan:
                 raise ValueError(f"pre_post: {name} is a fraction in [0, 1], got {getattr(self, name)}")
 
 
+# What predict() (and a search) fills in, per stage and per plan
+STAGE_PREDICTIONS = ("steady_s", "extra_s", "memory_bytes", "host_memory_bytes")
+PLAN_PREDICTIONS = ("predicted_iteration_s", "simulated_iteration_s", "tuning_s", "breakdown")
+
+
 @dataclass(kw_only=True)  # built by keyword: eight numbers in a row are easy to misorder
 class Plan:
     model: str
@@ -263,6 +268,13 @@ class Plan:
 
     def to_dict(self) -> dict:
         return {"plan_format": PLAN_FORMAT, **asdict(self)}
+
+    def what_runs(self) -> dict:
+        """The plan's fields without what predict() and the searches fill in: two plans with the
+        same ``what_runs()`` are the same run."""
+        d = asdict(self)
+        d["stages"] = [{k: v for k, v in st.items() if k not in STAGE_PREDICTIONS} for st in d["stages"]]
+        return {k: v for k, v in d.items() if k not in PLAN_PREDICTIONS}
 
     @classmethod
     def from_dict(cls, d: dict) -> Plan:

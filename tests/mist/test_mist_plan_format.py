@@ -234,3 +234,16 @@ def test_a_plan_made_for_a_capped_cluster_keeps_its_cap(tmp_path):
     plain = Plan.of(m, cluster("cpu", 2), global_batch=8, tp=1, dp=2, micro_batch=4,
                     stages=[StagePlan(layers=m.layers)])  # fmt: skip
     assert plain.gpu_memory_bytes is None and plain.host_memory_per_node_bytes is None
+
+
+def test_what_runs_leaves_out_the_predictions():
+    """A plan priced and the same plan unpriced are the same run; another strategy is not."""
+    from mist import cluster, model
+
+    m, c = model("gpt3-tiny"), cluster("cpu", 2)
+    fields = {"global_batch": 8, "tp": 1, "dp": 2, "micro_batch": 2}
+    plain = Plan.of(m, c, stages=[StagePlan(layers=m.layers)], **fields)
+    priced = predict(Plan.of(m, c, stages=[StagePlan(layers=m.layers)], **fields), m, c)
+    assert priced.stages[0].memory_bytes is not None and plain.what_runs() == priced.what_runs()
+    other = Plan.of(m, c, stages=[StagePlan(layers=m.layers, recompute=1)], **fields)
+    assert other.what_runs() != plain.what_runs()

@@ -19,21 +19,10 @@ from mist.plan import PrePostPlan
 TOLERANCE = 0.10
 
 
-# What a plan's predictions fill in: not part of what runs
-_PREDICTED = {"predicted_iteration_s", "simulated_iteration_s", "tuning_s", "breakdown",
-              "steady_s", "extra_s", "memory_bytes", "host_memory_bytes"}  # fmt: skip
-
-
-def _what_runs(plan: Plan) -> str:
-    d = plan.to_dict()
-    d["stages"] = [{k: v for k, v in st.items() if k not in _PREDICTED} for st in d["stages"]]
-    return json.dumps({k: v for k, v in d.items() if k not in _PREDICTED}, sort_keys=True)
-
-
 def _torchrun(plan: Plan, tmp_path: Path, steps: int = 5) -> dict:
     """The engine's report for ``plan``; each distinct plan is launched once per test session
     (several tests compare against the same plain plan: each launch is ~10 s on 2 cores)."""
-    key = (_what_runs(plan), steps)
+    key = (json.dumps(plan.what_runs(), sort_keys=True), steps)
     if key in _REPORTS:
         return _REPORTS[key]
     tmp_path.mkdir(parents=True, exist_ok=True)
