@@ -173,11 +173,11 @@ def engine_key(setup: EngineSetup, name: str) -> dict:
             "plan_fields": setup.plans[name]}  # fmt: skip
 
 
-def fit_runtime(setup: EngineSetup, work: Path, zero_stages: set[int], tp_layers: bool) -> dict:
+def fit_runtime(setup: EngineSetup, work: Path) -> dict:
     """``mist profile`` of ``setup.device`` at the setup's model shape, as ``setup.processes`` ranks
     run it, into ``work``, and the runtime model fitted to it (``calibrate``'s result). With several
     processes, the collectives among them too, and the mechanisms as the engine runs them on a
-    layer: ZeRO-2/3 where ``zero_stages`` holds them, TP over all processes with ``tp_layers``."""
+    layer: ZeRO-2, ZeRO-3 and TP over all processes."""
     import torch
 
     from mist import model
@@ -198,12 +198,11 @@ def fit_runtime(setup: EngineSetup, work: Path, zero_stages: set[int], tp_layers
         # calls, then of the setup's launches
         n, launches = setup.processes, setup.launches
         write_collectives(profiles, n, setup.device, repeats=10, rounds=8, launches=launches)
-        for stage in sorted(zero_stages & {2, 3}):
+        for stage in (2, 3):
             write_zero_layers(stage, profiles, n, setup.device, spec.hidden, spec.heads, spec.seq,
                               setup.micro_batch, dtype, launches=launches)  # fmt: skip
-        if tp_layers:
-            write_tp_layers(profiles, n, setup.device, spec.hidden, spec.heads, spec.seq,
-                            prof["micro_batches"], dtype, launches=launches)  # fmt: skip
+        write_tp_layers(profiles, n, setup.device, spec.hidden, spec.heads, spec.seq,
+                        prof["micro_batches"], dtype, launches=launches)  # fmt: skip
     return next(iter(calibrate(profiles).values()))
 
 
@@ -220,7 +219,7 @@ class RuntimeFits:
             profile = {**self.base.profile, "tps": [t for t in (1, 2, 4, 8) if t <= processes]}
             setup = dataclasses.replace(self.base, processes=processes, profile=profile)
             out = self.work / f"profiles-{processes}"
-            self.fits[processes] = fit_runtime(setup, out, {2, 3}, tp_layers=processes > 1)
+            self.fits[processes] = fit_runtime(setup, out)
         return self.fits[processes]
 
 
