@@ -58,9 +58,10 @@ def _report(plan_args: tuple, tmp_path_factory) -> tuple[Plan, dict]:
 
 def _tiny_plan(stages: list[StagePlan], tp: int = 1, dp: int = 1) -> Plan:
     """A gpt3-tiny plan for tp x dp x stages CPU processes, global batch 8 in micro-batches of 2,
-    no SP."""
+    no SP, priced without FlashAttention (the engine runs megatron-core's unfused attention)."""
     return Plan(model="gpt3-tiny", gpu="cpu", gpus=tp * dp * len(stages), gpus_per_node=8, global_batch=8,
-                tp=tp, dp=dp, micro_batch=2, stages=stages, sequence_parallel=False)  # fmt: skip
+                tp=tp, dp=dp, micro_batch=2, stages=stages, sequence_parallel=False,
+                model_overrides={"flash": False})  # fmt: skip
 
 
 def _offload_pair(field: str, dp: int, zero: int, tmp_path: Path) -> tuple[Plan, dict, Plan, dict]:
@@ -190,7 +191,7 @@ def test_sequence_parallelism_trains_as_tensor_parallelism_alone(tmp_path):
     runs = {}
     for sequence_parallel in (False, True):
         plan = _tiny_plan([StagePlan(layers=4, recompute=4)], tp=2)
-        plan.model_overrides, plan.sequence_parallel = {"dropout": 0.0}, sequence_parallel
+        plan.model_overrides["dropout"], plan.sequence_parallel = 0.0, sequence_parallel
         plan.micro_batch = 4  # two micro-batches: with four, SP's peaks varied by +-25% (gloo threads)
         assert not unsupported(plan), unsupported(plan)
         predict(plan, plan.model_spec(), cluster("cpu", 2))
@@ -216,7 +217,7 @@ def test_zero2_with_sequence_parallelism_trains_as_without_zero(tmp_path):
     runs = {}
     for zero in (0, 2):
         plan = _tiny_plan([StagePlan(layers=4, zero=zero)], tp=2, dp=2)
-        plan.model_overrides, plan.sequence_parallel = {"dropout": 0.0}, True
+        plan.model_overrides["dropout"], plan.sequence_parallel = 0.0, True
         plan.micro_batch = 4  # one micro-batch a step: the reductions in backward hooks vary less
         assert not unsupported(plan), unsupported(plan)
         runs[zero] = plan, _torchrun(plan, tmp_path / f"zero{zero}")
@@ -246,7 +247,7 @@ def test_embedding_and_head_strategy_of_their_own(tmp_path, stage_zero, pre_post
     runs = {}
     for edge in (None, pre_post):
         plan = _tiny_plan([StagePlan(layers=4, zero=stage_zero)], dp=2)
-        plan.micro_batch, plan.pre_post, plan.model_overrides = 4, edge, {"vocab": 4096}
+        plan.micro_batch, plan.pre_post, plan.model_overrides["vocab"] = 4, edge, 4096
         assert not unsupported(plan), unsupported(plan)
         predict(plan, plan.model_spec(), cluster("cpu", 2))
         runs[edge is not None] = plan, _torchrun(plan, tmp_path / f"pre_post{edge is not None}")
@@ -271,7 +272,7 @@ def test_zero3_with_tensor_and_sequence_parallelism_trains_as_without_zero(tmp_p
     runs = {}
     for zero in (0, 3):
         plan = _tiny_plan([StagePlan(layers=4, zero=zero)], tp=2, dp=2)
-        plan.micro_batch, plan.sequence_parallel, plan.model_overrides = 4, True, {"dropout": 0.0}
+        plan.micro_batch, plan.sequence_parallel, plan.model_overrides["dropout"] = 4, True, 0.0
         assert not unsupported(plan), unsupported(plan)
         predict(plan, plan.model_spec(), cluster("cpu", 4))
         runs[zero] = plan, _torchrun(plan, tmp_path / f"zero{zero}")
@@ -378,7 +379,7 @@ def test_embedding_and_head_offload_their_own_weights_and_gradients(tmp_path):
     edges = PrePostPlan(zero=0, offload_weights=1.0, offload_grads=1.0, offload_optimizer=1.0)
     for pre_post in (None, edges):
         plan = _tiny_plan([StagePlan(layers=4, recompute=4, offload_optimizer=1.0)])
-        plan.micro_batch, plan.pre_post, plan.model_overrides = 1, pre_post, {"vocab": 1024}
+        plan.micro_batch, plan.pre_post, plan.model_overrides["vocab"] = 1, pre_post, 1024
         assert not unsupported(plan), unsupported(plan)
         predict(plan, plan.model_spec(), cluster("cpu", 1))
         runs[pre_post is not None] = plan, _torchrun(plan, tmp_path / f"pre_post{pre_post is not None}")
@@ -404,7 +405,7 @@ def test_uneven_stages_anywhere_train_and_memory_matches(tmp_path):
     without recomputation the first stages' four micro-batches in flight come out 13-19% above
     the prediction, a gap of the memory model's at this size)."""
     plan = _plan(1, [1, 2, 1, 2], [1, 2, 1, 2])
-    plan.model_overrides = {"layers": 6}
+    plan.model_overrides["layers"] = 6
     assert not unsupported(plan), unsupported(plan)
     report = _torchrun(plan, tmp_path)
     losses = next(r["losses"] for r in report["ranks"] if r["losses"] is not None)

@@ -38,6 +38,12 @@ def model_settings(plan: Plan, model: ModelSpec) -> dict[str, object]:
         "position_embedding_type": "rope" if model.positions == "rotary" else "learned_absolute",
         "max_sequence_length": model.seq,
         "vocab_size": model.vocab,
+        # Megatron-LM's defaults where megatron-core's dataclass has others (arguments.py lists
+        # them as "incompatible defaults"): the softmax in the activations' precision, and
+        # SwiGLU fused (--bias-swiglu-fusion; GeLU's fusion needs biases). Both change what
+        # a layer keeps for backward, and the memory model prices what Megatron-LM builds.
+        "attention_softmax_in_fp32": False,
+        "bias_activation_fusion": model.gated_mlp,
     }
 
 

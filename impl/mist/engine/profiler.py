@@ -526,6 +526,7 @@ def _megatron_config(h: int, heads: int, tp: int, dtype: torch.dtype):
         kv_channels=h // heads, add_bias_linear=False, use_cpu_initialization=True,
         params_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
         hidden_dropout=0.1, attention_dropout=0.1,
+        attention_softmax_in_fp32=False,  # Megatron-LM's default (mist.engine.megatron.model_settings)
     )  # fmt: skip
 
 

@@ -136,16 +136,18 @@ class Tracer:
         self.comm(name, "reduce_scatter" if self.sp else "all_reduce", x, y)
         return y
 
-    def attention(self, q: Sym, k: Sym, vv: Sym, flash: bool, dropout: bool) -> Sym:
+    def attention(self, q: Sym, k: Sym, vv: Sym, flash: bool, dropout: bool, qkv_kept: list[Sym]) -> Sym:
+        """``qkv_kept``: the tensors whose storage keeping q, k and v keeps alive (views of the
+        fused QKV projection's output, or the rotated copies of q and k)."""
         bb, ss, heads, d = q.shape
         out = Sym((bb, ss, heads * d))
         core_flops = 4 * bb * heads * ss * ss * d  # QK^T and PV
         if flash:  # keeps q, k, v, the output and the row log-sum-exp; recomputes P in backward
             lse = Sym((bb, heads, ss), FP32)
-            self.op("attention-core", "attention", core_flops, [q, k, vv], [out], [q, k, vv, out, lse], 2.5)
+            self.op("attention-core", "attention", core_flops, [q, k, vv], [out], [*qkv_kept, out, lse], 2.5)
             return out
         scores = Sym((bb, heads, ss, ss))
-        self.op("attention-score", "bmm", 2 * bb * heads * ss * ss * d, [q, k], [scores], [q, k])
+        self.op("attention-score", "bmm", 2 * bb * heads * ss * ss * d, [q, k], [scores], qkv_kept)
         probs = Sym(scores.shape)
         # Causal: Megatron's fused upper-triangular softmax reads only the unmasked half of its
         # input (and, backward, of the output's gradient and the probabilities) and writes all
@@ -154,7 +156,8 @@ class Tracer:
         self.op("attention-softmax", "softmax", 5 * scores.numel, [scores], [probs], [probs],
                 fwd_bytes=half + full, bwd_bytes=half + half + full)  # fmt: skip
         dropped = self.dropout("attention-dropout", probs, dropout)
-        self.op("attention-context", "bmm", 2 * bb * heads * ss * ss * d, [dropped, vv], [out], [dropped, vv])
+        context_flops = 2 * bb * heads * ss * ss * d
+        self.op("attention-context", "bmm", context_flops, [dropped, vv], [out], [dropped, *qkv_kept])
         return out
 
     def mlp(self, x: Sym, gated: bool, dropout: bool) -> Sym:
@@ -162,9 +165,12 @@ class Tracer:
             gate = self.linear("mlp-gate", x, f / t)
             up = self.linear("mlp-up", x, f / t)
             act = Sym(gate.shape)
+            # Fused, as Megatron-LM runs it (its default --bias-swiglu-fusion): one op keeps the
+            # gate and up projections and recomputes silu(gate) in backward, so silu's output
+            # is never kept.
             self.elementwise("mlp-silu", 5 * gate.numel, [gate], [act], [gate])
             prod = Sym(gate.shape)
-            self.elementwise("mlp-mul", gate.numel, [act, up], [prod], [act, up])
+            self.elementwise("mlp-mul", gate.numel, [act, up], [prod], [up])
             y = self.linear("mlp-down", prod, h)
         else:
             up = self.linear("mlp-gemm-1", x, f / t)
@@ -187,11 +193,14 @@ def trace_layer(model: ModelSpec, sequence_parallel: bool = False) -> list[Op]:
         qkv = tr.linear("attention-qkv", y, (a + 2 * kv) * d / t)
         q = Sym((b, s, a / t, d))
         k, vv = Sym((b, s, kv / t, d)), Sym((b, s, kv / t, d))
-        if model.positions == "rotary":  # rotary on q and k: reads and writes them
+        # q, k and v are views of the QKV projection's output: keeping v keeps all of it
+        if model.positions == "rotary":  # rotary on q and k: reads them and writes rotated copies
             tr.op("attention-rotary", "act", 6 * (q.numel + k.numel), [qkv], [q, k], [], bwd_scale=1)
+            qkv_kept = [q, k, qkv]
         else:
             tr.op("attention-split", "add", 0, [], [], [])
-        ctx = tr.attention(q, k, vv, model.flash, dropout)
+            qkv_kept = [qkv]
+        ctx = tr.attention(q, k, vv, model.flash, dropout, qkv_kept)
         return tr.linear("attention-dense", ctx, h)
 
     if model.parallel_block:  # parallel attention and MLP on one shared norm
@@ -223,8 +232,8 @@ class LayerCosts:
     flops_fwd: sp.Expr
     flops_bwd: sp.Expr
     saved_bytes: sp.Expr  # kept for backward per micro-batch (no recompute)
-    # transient peak above what is kept: the largest working set of one op, which its backward
-    # doubles (the gradients of its inputs and outputs live at once)
+    # transient peak above what is kept: the largest working set of one op (its inputs and
+    # outputs), the bytes of the gradients its backward holds at once
     transient_bytes: sp.Expr
     params: sp.Expr  # parameter count per rank
     # TP collectives per forward, bytes of the full tensor each; backward mirrors them (an

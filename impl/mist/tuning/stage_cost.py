@@ -91,6 +91,7 @@ class LayerNumbers:
     embed_fwd: float = 0.0  # the embedding, per micro-batch (first stage)
     embed_bwd: float = 0.0
     head_saved: float = 0.0
+    logits: float = 0.0  # the fp32 logits on this TP rank (their gradient: the loss's backward)
     embed_params: float = 0.0
     extra: dict = field(default_factory=dict)
 
@@ -166,6 +167,7 @@ def _layer_numbers(st: Setting) -> LayerNumbers:
         embed_fwd=embed_fwd,
         embed_bwd=embed_bwd,
         head_saved=head["head_saved_bytes"],
+        logits=head["logits_fp32_bytes"],
         embed_params=head["embed_params"],
     )
 
@@ -194,6 +196,9 @@ def _state_bytes(params: float, z, wo, go, oo, d: int) -> dict[str, np.ndarray]:
     o = ADAM_BYTES_PER_PARAM * opt_params
     return {
         "gpu": (1 - wo) * w + (1 - go) * g + (1 - oo) * o,
+        # ZeRO-2/3's gradient shards on the device: made by backward's reduce-scatters, freed after
+        # the step (no persistent buffer, unlike ZeRO-0/1's)
+        "sharded_grads": np.where(z >= 2, (1 - go) * g, 0.0),
         "host": wo * w + go * g + oo * o,
         "h2d": 2 * wo * w,  # offloaded weights come up for forward and backward
         "d2h": go * g,  # offloaded gradients accumulate on the host
@@ -302,14 +307,21 @@ def evaluate_stage(
         + np.where((ez >= 3) | (ewo > 0), 2.0 * ln.embed_params if (first or last) else 0.0, 0.0)
         + np.where(ao > 0, 2 * ln.saved, 0.0)
     )
-    # backward of one op: gradients of its inputs and outputs (+ a recomputed layer's activations)
-    working = 2 * ln.transient + np.where(r > 0, ln.saved, 0.0)
-    head = ln.head_saved if last else 0.0  # the logits' gradient while the loss backpropagates
+    # backward of one op: the gradients of its inputs and outputs (its working set's bytes; what
+    # it keeps is in the activations), the residual stream's gradient the layer's backward
+    # carries, and a recomputed layer's activations
+    working = ln.transient + ln.layer_input + np.where(r > 0, ln.saved, 0.0)
+    # the logits' gradient: megatron's vocab-parallel cross-entropy makes it in place in the fp32
+    # softmax it kept (in head_saved); what is new is its cast to the bf16 logits' dtype
+    head = ln.logits / 2 if last else 0.0
     # Two peaks: the last backward (activations, buffers, one op's working set) and the optimizer
     # step, where mixed-precision Adam holds an fp32 copy of the gradients it steps on the GPU.
-    static = mine["gpu"] + theirs["gpu"]
+    # With one micro-batch a step, ZeRO-2/3's gradient shards are made as backward frees the
+    # activations and live until the step: at the step's peak, not at backward's start
+    sharded_grads = mine["sharded_grads"] + theirs["sharded_grads"] if grad_accum == 1 else 0.0
+    static = mine["gpu"] + theirs["gpu"] - sharded_grads
     stepped_on_gpu = (1 - oo) * mine["opt_params"] + (1 - eoo) * theirs["opt_params"]
-    step_peak = OPTIMIZER_STEP_BYTES_PER_PARAM * stepped_on_gpu
+    step_peak = OPTIMIZER_STEP_BYTES_PER_PARAM * stepped_on_gpu + sharded_grads
     memory = static + np.maximum(activations + buffers + working + head, step_peak)
     # host bytes: affine in in_flight too (offloaded activations of every in-flight micro-batch)
     host_per_flight = act_swapped
