@@ -88,3 +88,29 @@ def test_host_memory_travels_with_the_plan(tmp_path):
             replace(plan, host_memory_per_node_bytes=bad).check()
     with pytest.raises(ValueError, match="host memory must be positive"):
         cluster("l4", 8, host_memory=-1)
+
+
+@pytest.mark.parametrize("offloadable", [("optimizer", "activations"), ("optimizer",), ()])
+def test_search_offloads_only_what_the_space_allows(offloadable):
+    """A runtime that offloads only some tensors (Megatron-LM: the optimizer; the engine on a GPU:
+    optimizer and activations) gets plans that offload nothing else, the embedding/head's own
+    strategy included. GPT-3 1.3B on one 32 GiB GPU: with everything allowed Mist offloads weights
+    and gradients (the negative control), and a plan is found either way."""
+    from mist.tuning.planner import PlannerOptions, search
+    from mist.tuning.stage_cost import SearchSpace
+
+    m, c = model("gpt3-1.3b", flash=False), cluster("h200", 1, gpu_memory=32 * GiB)
+    free = search(m, c, 8)
+    assert any(s.offload_weights or s.offload_grads for s in free.stages)
+    plan = search(m, c, 8, PlannerOptions(space=SearchSpace(offloadable=offloadable)))
+    parts = [*plan.stages, *([plan.pre_post] if plan.pre_post is not None else [])]
+    for kind in ("weights", "grads", "optimizer", "activations"):
+        if kind not in offloadable:
+            assert all(getattr(p, f"offload_{kind}", 0.0) == 0.0 for p in parts), (kind, plan)
+
+
+def test_an_unknown_offloadable_kind_is_refused():
+    from mist.tuning.stage_cost import SearchSpace
+
+    with pytest.raises(ValueError, match="accepted: weights, grads, optimizer, activations"):
+        SearchSpace(offloadable=("optimiser",))

@@ -216,7 +216,9 @@ def _refine(problem: Problem, plan: Plan, options: PlannerOptions, passes: int =
     """``refine`` for a resolved problem (the search's own, so nothing is resolved again)."""
     k = options.refine_offload_step
     steps = np.arange(k + 1) / k
-    combos = np.array(list(itertools.product(steps, repeat=4)))
+    space = options.space
+    offload = ("offload_weights", "offload_grads", "offload_optimizer", "offload_activations")
+    combos = np.array(list(itertools.product(*(space.offload_steps(f, steps) for f in offload))))
     plan = dataclasses.replace(plan, stages=[dataclasses.replace(s) for s in plan.stages])
     problem = _for_plan(problem, plan)
     point = Candidate.of_plan(plan)
@@ -247,7 +249,6 @@ def _refine(problem: Problem, plan: Plan, options: PlannerOptions, passes: int =
 
     values = [evaluate(i, current(i), edge_now()) for i in range(S)]
     best = pipeline_objective([v["steady"][0] for v in values], [extra(v)[0] for v in values], G)
-    offload = ("offload_weights", "offload_grads", "offload_optimizer", "offload_activations")
     for _ in range(passes):
         improved = False
         for i in range(S):
@@ -263,8 +264,9 @@ def _refine(problem: Problem, plan: Plan, options: PlannerOptions, passes: int =
                     setattr(plan.stages[i], f, float(combos[c, j]))
                 values[i] = evaluate(i, current(i), edge_now())
         # the embedding and head: every (ZeRO stage, three fractions), on the first and last stage
-        zeros = np.array(options.space.zero_stages, float)
-        edge_combos = np.array([(z, *c) for z in zeros for c in itertools.product(steps, repeat=3)])
+        zeros = np.array(space.zero_stages, float)
+        edge_steps = [space.offload_steps(f, steps) for f in EDGE_FIELDS[1:]]
+        edge_combos = np.array([(z, *c) for z in zeros for c in itertools.product(*edge_steps)])
         edge = {f: edge_combos[:, j] for j, f in enumerate(EDGE_FIELDS)}
         ends = sorted({0, S - 1})
         ends_v = {i: evaluate(i, current(i), edge) for i in ends}

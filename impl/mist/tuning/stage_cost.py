@@ -38,6 +38,7 @@ from ..model.symbolic import head_costs, layer_costs, value
 STRATEGY_FIELDS = (
     "recompute", "zero", "offload_weights", "offload_grads", "offload_optimizer", "offload_activations"
 )  # fmt: skip
+OFFLOADABLE = ("weights", "grads", "optimizer", "activations")  # SearchSpace.offloadable's kinds
 ADAM_BYTES_PER_PARAM = 12  # fp32 master weight + two moments
 OPTIMIZER_STEP_BYTES_PER_PARAM = 4  # fp32 gradients during the step (fused Adam; torch's foreach
 
@@ -49,6 +50,20 @@ class SearchSpace:
     offload_ratios: tuple[float, ...] = (0.0, 0.5, 1.0)
     offload: bool = True  # weights/grads/optimizer/activations offloading considered at all
     recompute: bool = True  # per-stage recompute counts (else none)
+    # what may be offloaded (the runtime the plans are for may offload only some: Megatron-LM
+    # only the optimizer; mist.engine.run on a GPU not yet weights or gradients)
+    offloadable: tuple[str, ...] = OFFLOADABLE
+
+    def __post_init__(self) -> None:
+        unknown = set(self.offloadable) - set(OFFLOADABLE)
+        if unknown:
+            raise ValueError(f"offloadable: unknown {sorted(unknown)}; accepted: {', '.join(OFFLOADABLE)}")
+
+    def offload_steps(self, field: str, steps) -> tuple[float, ...]:
+        """The fractions of ``field`` (offload_<kind>) the search tries: ``steps``, or only 0 where
+        that kind may not be offloaded."""
+        allowed = self.offload and field.removeprefix("offload_") in self.offloadable
+        return tuple(steps) if allowed else (0.0,)
 
 
 @dataclass(frozen=True)
@@ -175,11 +190,9 @@ def _layer_numbers(st: Setting) -> LayerNumbers:
 @functools.lru_cache(maxsize=512)
 def strategy_grid(layers: int, space: SearchSpace) -> dict[str, np.ndarray]:
     """Every (recompute, zero, offload ratios) combination for a stage of ``layers`` layers (read-only)."""
-    ratios = space.offload_ratios if space.offload else (0.0,)
+    offloads = [space.offload_steps(f, space.offload_ratios) for f in STRATEGY_FIELDS[2:]]
     recompute = range(layers + 1) if space.recompute else (0,)
-    combos = np.array(
-        list(itertools.product(recompute, space.zero_stages, ratios, ratios, ratios, ratios)), float
-    )
+    combos = np.array(list(itertools.product(recompute, space.zero_stages, *offloads)), float)
     return {n: combos[:, i] for i, n in enumerate(STRATEGY_FIELDS)}
 
 
