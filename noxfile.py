@@ -69,7 +69,7 @@ def tests(session: nox.Session) -> None:
         i = args.index("-m")
         marks = f"({args[i + 1]}) and not gpu"
         del args[i : i + 2]
-    _run(session, "-m", "pytest", "-m", marks, *args)
+    _run(session, "-m", "pytest", "-m", marks, "--durations=15", *args)  # the slowest, for the time budget
 
 
 SWEEP_DIR = ROOT / ".sweep"  # the seed sweep's inventories and progress (git-ignored)

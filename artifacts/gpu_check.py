@@ -1,7 +1,8 @@
-"""The GPU check in one command of at most 9 minutes: ``python3 -m artifacts.gpu_check``.
+"""The GPU check, each call at most 9 minutes: ``python3 -m artifacts.gpu_check``.
 
 Parts, in priority order; each runs as its own process group with its own time budget (seconds
-on the GPU, in the dry run) and is killed at it, or when this process dies:
+on the GPU, in the dry run) and is killed at it, or when this process dies. The first five fit
+one call; the last gets what they leave, and a second call finishes it:
 
   kernels  90 / 120  the GPU tests and micro-benchmarks: tests/test_gpu.py, the OOM detector, Tempo's
                      kernels and op benchmarks (pytest-benchmark JSON), CTA-pipelining's kernels with
@@ -16,6 +17,11 @@ on the GPU, in the dry run) and is killed at it, or when this process dies:
   llama    30 /  30  artifacts.tempo_llama.run --parts peers: Liger-Kernel's RMSNorm, SwiGLU and rotary
                      on a Llama decoder layer (Triton only: the one row tempo_llama cannot measure on
                      a CPU; the dry run says why it did not run)
+  mist_measured      artifacts.mist_vs_megatron.measured: Mist, the Megatron-LM grid, the Aceso-style
+          360 / 150  search and ZeRO-3 plan GPT-3 1.3B and 2.7B for one GPU under a memory cap (24 and
+                     40 GiB), every winner trained by megatron-core and measured. Last: within a 9-min
+                     call it gets what the others leave; a second call (--parts mist_measured) does
+                     the rest, resuming case by case
 
 It runs as it is on the lent GPU machine (python3 with torch, no nox, no network): the repo's
 packages are put on the path (impl/ and the root, here and in every subprocess), and the wheels in
@@ -111,6 +117,7 @@ PARTS = (
     Part("cta", 120, 90, "cta_mlp"),
     Part("mist", 135, 150, "mist_vs_megatron"),
     Part("llama", 30, 30, "tempo_llama"),
+    Part("mist_measured", 360, 150, "mist_vs_megatron"),
 )
 BY_NAME = {p.name: p for p in PARTS}
 
@@ -154,9 +161,11 @@ def command(part: Part, out: Path, dry: bool) -> list[str]:
     if part.name == "llama":
         peers = ["--parts", "peers", "--results", str(results)]
         return [sys.executable, "-m", "artifacts.tempo_llama.run", *peers]
-    assert part.name == "mist", part
+    assert part.name in ("mist", "mist_measured"), part
     dry_flag = ["--cpu-dry-run"] if dry else []
-    return [sys.executable, "-m", "artifacts.mist_vs_megatron.engine", *dry_flag, "--results", str(results)]
+    module = {"mist": "engine", "mist_measured": "measured"}[part.name]
+    script = f"artifacts.mist_vs_megatron.{module}"
+    return [sys.executable, "-m", script, *dry_flag, "--results", str(results)]
 
 
 # ---------------------------------------------------------------- processes

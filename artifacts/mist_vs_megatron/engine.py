@@ -99,7 +99,8 @@ def train_plan(plan, processes: int, steps: int, launches: int, work: Path, name
     ``processes`` processes. Returns the median launch's report and step time (the median of its
     ranks' steady steps) with every launch's step time; or, where some launch's device peak went
     above the plan's cap, that launch's report with ``out_of_memory`` set and no time (a run that
-    may crash is not one a user can take; no further launches are made)."""
+    may crash is not one a user can take; no further launches are made); or, where the engine
+    refuses the plan on this device (its exit status 2), ``refused`` with its reason."""
     path, out = work / f"{name}.yaml", work / f"{name}.json"
     plan.save(path)
     args = ["--plan", str(path), "--steps", str(steps), "--out", str(out)]
@@ -109,6 +110,10 @@ def train_plan(plan, processes: int, steps: int, launches: int, work: Path, name
         done = run_torchrun(processes, "mist.engine.run", args, timeout=900)
         # over the cap, the ranks write their report and exit 3 (torchrun then exits 1)
         report = json.loads(out.read_text()) if out.exists() else None
+        # refused before any work: a rank says "error: <why>" and exits 2 (torchrun then exits 1)
+        why = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
+        if done.returncode != 0 and report is None and why:
+            return {"refused": why[-1].removeprefix("error: "), "out_of_memory": False}
         out_of_memory = report is not None and report["ranks"][0]["out_of_memory"]
         if (done.returncode != 0 and not out_of_memory) or report is None:
             raise RuntimeError(f"mist.engine.run failed for {name}:\n{done.stderr[-3000:]}")

@@ -1,5 +1,12 @@
 """Mist vs Megatron-LM, measured: every system plans under a per-rank memory cap with the runtime
-model fitted to this CPU, and every winner is trained by megatron-core (``mist.engine.run``).
+model fitted to the device that runs the plans, and every winner is trained by megatron-core
+(``mist.engine.run``).
+
+    MEASURED (this CPU, part ``measured`` of ``nox -s mist_vs_megatron``): the cases below.
+    GPU_MEASURED (one GPU, ``python -m artifacts.mist_vs_megatron.measured``, part ``mist_measured``
+        of ``nox -s gpu_check``): GPT-3 1.3B under a 24 GiB cap and 2.7B under 40 GiB (seq 2048,
+        unfused attention): recomputation against offloading, as single-GPU users meet it. On the GPU
+        the cap is the allocator's per-process fraction, and a plan over it raises out of memory.
 
 Per case (a small GPT-3 or Llama, hidden 256, seq 128, 4 layers, global batch 8, on 1 or 2
 gloo processes): the cap is set below what the plain plan needs (data parallelism over every
@@ -19,19 +26,24 @@ simulator's, as in the comparison part; measured ones are step-time ratios withi
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import json
 import statistics
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 
 from measure.results import ResultFile, Results, Run
 
-from .engine import CPU_ENGINE, LAUNCHES, RuntimeFits, rank_memory, train_plan
+from ..experiment import add_run_arguments, experiment_run
+from . import EXPERIMENT
+from .engine import CPU_ENGINE, GPU_ENGINE, LAUNCHES, EngineSetup, RuntimeFits, rank_memory, train_plan
 from .plans import plan_summary
 
 SYSTEMS = ("mist", "megatron", "aceso", "zero3")
 MiB = 2**20
 ACESO_BUDGET_S = 10.0  # the comparison part's CPU-scale budget
-STEPS = 6  # timed steps per launch (after the warm-up and memory steps)
 # Every system plans to this fraction of the cap and runs under the whole cap. The memory model is
 # stated to be within 10% of what the engine measures (claim mist-engine-memory), and a steady
 # step's peak varies by up to ~10% at this scale (gloo's threads free buffers at varying times).
@@ -42,14 +54,15 @@ PLANNING_FRACTION = 0.9
 
 @dataclass(frozen=True)
 class MeasuredCase:
-    family: str  # gpt3 | llama: the "<family>-tiny" preset at CPU_ENGINE's hidden size and sequence
+    family: str  # gpt3 | llama: the "<family>-<size>" preset, with its setup's model overrides
     processes: int
     cap_mib: int  # each rank's device-memory cap
     global_batch: int = 8
+    size: str = "tiny"
 
     @property
     def model(self) -> str:
-        return f"{self.family}-tiny"
+        return f"{self.family}-{self.size}"
 
     @property
     def cap_bytes(self) -> int:
@@ -73,33 +86,64 @@ CASES = (
 )
 
 
-def plain_plan(case: MeasuredCase):
+@dataclass(frozen=True)
+class MeasuredSetup:
+    name: str  # the result file's stem
+    base: EngineSetup  # the device, its cost-model preset, the models' overrides, the profile fitted
+    cases: tuple[MeasuredCase, ...]
+    launches: int = LAUNCHES  # each winner's fresh launches, the median one reported
+    # what Mist may offload: what the engine runs on the setup's device
+    offloadable: tuple[str, ...] = ("weights", "grads", "optimizer", "activations")
+
+    @property
+    def steps(self) -> int:  # timed steps a launch (after the warm-up and memory steps)
+        return self.base.steps
+
+
+MEASURED = MeasuredSetup("measured", CPU_ENGINE, CASES)
+# One H200 (141 GB): caps at which the plain plan (one micro-batch of 8, nothing saved) does not fit,
+# the model's weights, gradients and Adam state (16 bytes a parameter: 21 GB at 1.3B, 43 GB at 2.7B)
+# leave the 1.3B model little room and exceed the 2.7B model's cap unless offloaded
+GPU_MEASURED = MeasuredSetup(
+    "gpu_measured", GPU_ENGINE,
+    (MeasuredCase("gpt3", 1, 32 * 1024, size="1.3b"), MeasuredCase("gpt3", 1, 64 * 1024, size="2.7b")),
+    # mist.engine.run offloads weights and gradients on a CPU only so far: Mist plans without them
+    offloadable=("optimizer", "activations"),
+    launches=2,  # a GPU's step time varies little between launches; the device time is short
+)  # fmt: skip
+
+
+def plain_plan(case: MeasuredCase, base: EngineSetup = CPU_ENGINE):
     """What a user tries first: data parallelism over every process, one micro-batch a step (no
     gradient accumulation), nothing recomputed, offloaded or sharded."""
     from mist import Plan, StagePlan, cluster, model
 
-    m = model(case.model, **CPU_ENGINE.model_overrides)
-    c = cluster("cpu", case.processes, gpu_memory=case.cap_bytes)
+    m = model(case.model, **base.model_overrides)
+    c = cluster(base.gpu, case.processes, gpu_memory=case.cap_bytes)
     stages = [StagePlan(layers=m.layers)]
     micro_batch = case.global_batch // case.processes
     fields = {"global_batch": case.global_batch, "tp": 1, "dp": case.processes, "micro_batch": micro_batch}
     return Plan.of(m, c, stages=stages, **fields)
 
 
-def plan_systems(case: MeasuredCase, runtime, aceso_budget: float = ACESO_BUDGET_S) -> dict:
+def plan_systems(
+    case: MeasuredCase, runtime, aceso_budget: float = ACESO_BUDGET_S, setup: MeasuredSetup = MEASURED
+) -> dict:
     """Each system's plan within ``PLANNING_FRACTION`` of the case's cap, to run under the whole
-    cap, priced by ``runtime`` (None: the CPU's nominal roofline); where a system finds none, the
-    reason instead."""
+    cap, priced by ``runtime`` (None: the device preset's nominal roofline); where a system finds
+    none, the reason instead."""
     from baselines.megatron.aceso import search_aceso
     from baselines.megatron.grid import search_grid
     from baselines.megatron.zero3 import search_zero3
-    from mist import NoFeasiblePlan, cluster, model, predict, search
+    from mist import NoFeasiblePlan, PlannerOptions, cluster, model, predict, search
+    from mist.tuning.stage_cost import SearchSpace
 
-    m = model(case.model, **CPU_ENGINE.model_overrides)
-    c = cluster("cpu", case.processes, gpu_memory=case.planning_bytes)
+    m = model(case.model, **setup.base.model_overrides)
+    c = cluster(setup.base.gpu, case.processes, gpu_memory=case.planning_bytes)
     gb = case.global_batch
+    options = PlannerOptions(space=SearchSpace(offloadable=setup.offloadable))
     searches = {
-        "mist": lambda: search(m, c, gb, runtime=runtime),
+        "mist": lambda: search(m, c, gb, options, runtime=runtime),
         "megatron": lambda: search_grid(m, c, gb, runtime),
         "aceso": lambda: search_aceso(m, c, gb, aceso_budget, runtime),
         "zero3": lambda: search_zero3(m, c, gb, runtime),
@@ -119,6 +163,8 @@ def plan_systems(case: MeasuredCase, runtime, aceso_budget: float = ACESO_BUDGET
 
 
 def _trained(plan, trained: dict) -> dict:
+    if "refused" in trained:  # the engine cannot run it on this device (its reason)
+        return {"refused": trained["refused"], "out_of_memory": False}
     r = {"out_of_memory": trained["out_of_memory"], "ranks": rank_memory(plan, trained["report"])}
     if trained["out_of_memory"]:
         return r
@@ -132,18 +178,18 @@ def _trained(plan, trained: dict) -> dict:
     }
 
 
-def measured_point(case: MeasuredCase, fits: RuntimeFits, launches: int) -> dict:
+def measured_point(case: MeasuredCase, setup: MeasuredSetup, fits: RuntimeFits) -> dict:
     from mist import predict
 
-    fit = fits(case.processes)  # the CPU engine's fit (its shape, profile and launches) at this size
+    fit = fits(case.processes)  # the base engine setup's fit (its shape, profile, launches) at this size
     runtime = fit["model"]
-    plain = plain_plan(case)
+    plain = plain_plan(case, setup.base)
     predict(plain, plain.model_spec(), plain.cluster(), runtime)
     if max(s.memory_bytes for s in plain.stages) <= case.cap_bytes:
         raise ValueError(f"{case}: the plain plan fits the cap; it must not (memory would not bind)")
     # the plain plan once: the cap binds when measured too (its run stops before the timed steps)
     name = f"{case.model}-{case.processes}-plain"
-    plain_run = train_plan(plain, case.processes, STEPS, 1, fits.work, name)
+    plain_run = train_plan(plain, case.processes, setup.steps, 1, fits.work, name)
     out: dict = {
         "family": case.family,
         "cap_bytes": case.cap_bytes,
@@ -152,7 +198,7 @@ def measured_point(case: MeasuredCase, fits: RuntimeFits, launches: int) -> dict
         "plain": {"plan": plan_summary(plain), **_trained(plain, plain_run)},
     }
     trained_as: dict[str, str] = {}  # a plan's identity -> the first system that trained it
-    for system, plan in plan_systems(case, runtime).items():
+    for system, plan in plan_systems(case, runtime, setup=setup).items():
         if isinstance(plan, str):
             out[system] = {"infeasible": plan}
             continue
@@ -161,36 +207,37 @@ def measured_point(case: MeasuredCase, fits: RuntimeFits, launches: int) -> dict
             out[system] = {**out[same], "plan": plan_summary(plan), "same_plan_as": same}
             continue
         name = f"{case.model}-{case.processes}-{system}"
-        trained = train_plan(plan, case.processes, STEPS, launches, fits.work, name)
+        trained = train_plan(plan, case.processes, setup.steps, setup.launches, fits.work, name)
         out[system] = {"plan": plan_summary(plan), **_trained(plan, trained)}
     return out
 
 
-def measured_key(case: MeasuredCase, launches: int) -> dict:
+def measured_key(case: MeasuredCase, setup: MeasuredSetup) -> dict:
+    device = "this CPU" if setup.base.device == "cpu" else "this GPU"
     return {
-        "setup": "measured",
+        "setup": setup.name,
         "model": case.model,
-        "model_overrides": CPU_ENGINE.model_overrides,
+        "model_overrides": setup.base.model_overrides,
         "processes": case.processes,
         "cap_bytes": case.cap_bytes,
         "global_batch": case.global_batch,
-        "steps": STEPS,
+        "steps": setup.steps,
         "planning_fraction": PLANNING_FRACTION,
-        "launches": launches,
+        "launches": setup.launches,
         "aceso_budget_s": ACESO_BUDGET_S,
-        "cost_model": "runtime model fitted to this CPU's profiles",
+        "cost_model": f"runtime model fitted to {device}'s profiles",
     }
 
 
-def run_measured(
-    run: Run, fits: RuntimeFits, cases: tuple[MeasuredCase, ...] = CASES, launches: int = LAUNCHES
-) -> ResultFile:
-    store = run.file("measured.json", "cpu", config={"systems": SYSTEMS, "profile": CPU_ENGINE.profile})
-    todo = [c for c in cases if not store.done(measured_key(c, launches))]
+def run_measured(run: Run, fits: RuntimeFits, setup: MeasuredSetup = MEASURED) -> ResultFile:
+    """``setup``'s cases, each a point of ``<setup.name>.json``; ``fits`` are of its base's device."""
+    config = {"systems": SYSTEMS, "profile": setup.base.profile}
+    store = run.file(f"{setup.name}.json", setup.base.device, config=config)
+    todo = [c for c in setup.cases if not store.done(measured_key(c, setup))]
     for k, case in enumerate(todo, 1):
         print(f"  [{k}/{len(todo)}] {case.model} on {case.processes} process(es), cap {case.cap_mib} MiB",
               flush=True)  # fmt: skip
-        store.compute(measured_key(case, launches), lambda c=case: measured_point(c, fits, launches))
+        store.compute(measured_key(case, setup), lambda c=case: measured_point(c, setup, fits))
     return store
 
 
@@ -224,6 +271,8 @@ def only_mist_ran(store: Results, versus: str) -> list[str]:
 def _status(r: dict) -> str:
     if "infeasible" in r:
         return "no plan fits"
+    if "refused" in r:
+        return f"refused by the engine here: {r['refused']}"
     if r["out_of_memory"]:
         worst = max(x["worst_measured_bytes"] for x in r["ranks"])
         return f"out of memory (measured {worst / MiB:.1f} MiB)"
@@ -265,3 +314,27 @@ def print_measured(store: Results) -> None:
             measured = [x["measured"] for x in rows]
             print(f"  Mist over {versus}: measured mean {statistics.mean(measured):.2f}x, max "
                   f"{max(measured):.2f}x; per case measured (predicted): {each}")  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> None:
+    """The GPU measured comparison (``nox -s gpu_check``'s part mist_measured):
+    ``python -m artifacts.mist_vs_megatron.measured [--cpu-dry-run]``."""
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cpu-dry-run", action="store_true",
+                    help="this script on the CPU (tests it): one CPU case, one launch each")  # fmt: skip
+    add_run_arguments(ap, EXPERIMENT)
+    args = ap.parse_args(argv)
+    # The dry run: the first CPU case (one process), one launch a plan, a profile without
+    # micro-batch 8, within the gpu_check part's dry budget; the CPU comparison is the
+    # `measured` part of `nox -s mist_vs_megatron`
+    profile = {**CPU_ENGINE.profile, "micro_batches": [1, 2, 4]}
+    base = dataclasses.replace(CPU_ENGINE, launches=1, profile=profile)
+    dry = MeasuredSetup("gpu_measured_dry_run", base, CASES[:1], launches=1)
+    setup = dry if args.cpu_dry_run else GPU_MEASURED
+    with experiment_run(args, EXPERIMENT) as run, tempfile.TemporaryDirectory() as tmp:
+        store = run_measured(run, RuntimeFits(Path(tmp), setup.base), setup)
+    print_measured(store.this_run())
+
+
+if __name__ == "__main__":
+    main()

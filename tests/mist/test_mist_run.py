@@ -490,19 +490,22 @@ def test_committed_comparison_plans_run_or_are_refused_for_parts_not_built_yet()
     assert accepted["mist"] >= 57 and accepted["aceso"] >= 49  # a regression pin
 
 
-def test_measured_comparison_cases_bind_and_every_plan_in_them_runs():
-    """The cases of mist_vs_megatron's measured part: the plain plan needs more than the cap (the
-    run also measures that it runs out of memory) and every system's plan under the cap is one the
-    engine accepts, carrying the cap it enforces (priced here by the CPU's nominal roofline; the
-    experiment prices with the fitted model and may pick others)."""
-    from artifacts.mist_vs_megatron.measured import CASES, plain_plan, plan_systems
+@pytest.mark.parametrize("setup", ["MEASURED", "GPU_MEASURED"])
+def test_measured_comparison_cases_bind_and_every_plan_in_them_runs(setup):
+    """The cases of mist_vs_megatron's measured part (this CPU) and of the GPU check's: the plain
+    plan needs more than the cap (the run also measures that it runs out of memory) and every
+    system's plan under the cap is one the engine accepts, carrying the cap it enforces (priced
+    here by the device preset's nominal roofline; the experiment prices with the fitted model and
+    may pick others)."""
+    from artifacts.mist_vs_megatron import measured
     from mist import predict
 
-    for case in CASES:
-        plain = plain_plan(case)
+    setup = getattr(measured, setup)
+    for case in setup.cases:
+        plain = measured.plain_plan(case, setup.base)
         predict(plain, plain.model_spec(), plain.cluster())
         assert plain.stages[0].memory_bytes > case.cap_bytes, case
-        plans = plan_systems(case, None, aceso_budget=1.0)
+        plans = measured.plan_systems(case, None, aceso_budget=1.0, setup=setup)
         assert not isinstance(plans["mist"], str), (case, plans["mist"])
         for system, plan in plans.items():
             if isinstance(plan, str):

@@ -438,6 +438,21 @@ def run(plan: Plan, steps: int = 5, seed: int = 0, lr: float = 1e-2) -> dict:
     return {"ranks": gathered}
 
 
+def _write_out_of_memory_report(path: Path, plan: Plan) -> None:
+    """A GPU rank that ran out of memory under the plan's cap: a report of that rank alone, with the
+    allocator's peak as its memory and no time (the form ``run``'s reports have)."""
+    from megatron.core import parallel_state as ps
+
+    from measure.results import write_json_atomic
+
+    peak = torch.cuda.max_memory_allocated()
+    stage = ps.get_pipeline_model_parallel_rank() if ps.model_parallel_is_initialized() else 0
+    rank = {"rank": int(os.environ.get("RANK", "0")), "stage": stage, "losses": None, "step_s": [],
+            "out_of_memory": True, "memory_cap_bytes": plan.gpu_memory_bytes, "memory_bytes": peak,
+            "worst_memory_bytes": peak, "phases": []}  # fmt: skip
+    write_json_atomic(path, {"ranks": [rank]})
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="torchrun ... -m mist.engine.run", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
@@ -464,6 +479,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except torch.cuda.OutOfMemoryError:  # the allocator's cap (the plan's); torchrun stops the others
         print(f"error: out of memory under the plan's cap of {plan.gpu_memory_bytes} bytes", file=sys.stderr)
+        if args.out:  # this rank's report of it (the others cannot gather: they wait in a collective)
+            _write_out_of_memory_report(Path(args.out), plan)
         return 3
     out_of_memory = report["ranks"][0]["out_of_memory"]  # the same on every rank
     if dist.get_rank() == 0:
