@@ -466,7 +466,9 @@ NOT_YET = ("weights or gradients with ZeRO-3", "ZeRO-3 for only part", "stages w
 def test_committed_comparison_plans_run_or_are_refused_for_parts_not_built_yet():
     """Every plan of every system in the committed mist_vs_megatron comparison, rebuilt from its
     summary: the engine accepts it or refuses it only for a part not built yet (NOT_YET; the
-    counts are printed: at 8f1b34b, 7 of 60 Mist plans were accepted; now 57)."""
+    counts are printed: at 8f1b34b, 7 of 60 Mist plans were accepted; 57 of the reference of
+    2026-12-01; 53 of the reference of 2026-12-02, whose memory model is the engine's and picks
+    offloading under ZeRO-3 more often)."""
     points = json.loads(COMPARISON.read_text())["points"]
     accepted: dict[str, int] = {}
     for point in points:
@@ -487,7 +489,7 @@ def test_committed_comparison_plans_run_or_are_refused_for_parts_not_built_yet()
             accepted[system] = accepted.get(system, 0) + (not reasons)
     print(f"accepted of {len(points)} plans each:", accepted)
     assert accepted["megatron"] == accepted["zero3"] == len(points)
-    assert accepted["mist"] >= 57 and accepted["aceso"] >= 49  # a regression pin
+    assert accepted["mist"] >= 53 and accepted["aceso"] >= 44  # a regression pin (the reference's)
 
 
 @pytest.mark.parametrize("setup", ["MEASURED", "GPU_MEASURED"])
