@@ -113,8 +113,42 @@ def plot_ablation() -> Path | None:
     return finish(fig, "Where Mist's gain comes from (GPT-3)", data, "mist_ablation.png", note=PREDICTED)
 
 
+MEASURED_SYSTEMS = {"mist": "Mist", "megatron": "Megatron-LM grid", "aceso": "Aceso-style", "zero3": "ZeRO-3"}
+
+
+def plot_measured() -> Path | None:
+    """Each system's winner trained under the cap: the measured step (bar) and the predicted one
+    (black tick) per case; a winner that ran out of memory, or was refused, is an X at the axis."""
+    data = load(EXPERIMENT, "measured.json")
+    if data is None:
+        return None
+    cases = sorted(data, key=lambda p: (p.key["model"], p.key["processes"]))
+    fig, ax = plt.subplots(figsize=(9, 4))
+    width = 0.8 / len(MEASURED_SYSTEMS)
+    for j, (system, label) in enumerate(MEASURED_SYSTEMS.items()):
+        xs = [i + (j - 1.5) * width for i in range(len(cases))]
+        runs = [p.result.get(system, {}) for p in cases]
+        bars = ax.bar(xs, [r.get("measured_step_s", 0.0) * 1e3 for r in runs], width, label=label)
+        color = bars.patches[0].get_facecolor()
+        for x, r in zip(xs, runs, strict=True):
+            if "measured_step_s" in r:
+                ax.plot([x - width / 2, x + width / 2], [r["plan"]["iteration_s"] * 1e3] * 2, color="black")
+            else:  # no plan fits, out of memory or refused: no time
+                ax.plot([x], [0], marker="x", color=color, markersize=9, clip_on=False)
+    ax.plot([], [], color="black", label="predicted")
+    labels = [f"{p.key['model']} x{p.key['processes']}\ncap {p.result['cap_bytes'] / 2**20:.0f} MiB"
+              for p in cases]  # fmt: skip
+    ax.set_xticks(range(len(cases)), labels, fontsize=8)
+    ax.set_ylabel("step time, ms (lower is better)")
+    ax.set_ylim(0, ax.get_ylim()[1] * 1.25)  # room for the legend above the bars
+    ax.legend(fontsize=7, ncol=5, loc="upper center")
+    title = "Mist vs the baselines under a memory cap, trained by megatron-core"
+    note = "; measured on this CPU (median of 3 launches), x: no time"
+    return finish(fig, title, data, "mist_measured.png", note=note)
+
+
 if __name__ == "__main__":
     parse_source(__doc__)
-    for made in (plot_speedup(), plot_tuning_time(), plot_ablation()):
+    for made in (plot_speedup(), plot_tuning_time(), plot_ablation(), plot_measured()):
         if made is not None:
             print(f"wrote {made}")
