@@ -4,7 +4,7 @@ model fitted to the device that runs the plans, and every winner is trained by m
 
     MEASURED (this CPU, part ``measured`` of ``nox -s mist_vs_megatron``): the cases below.
     GPU_MEASURED (one GPU, ``python -m artifacts.mist_vs_megatron.measured``, part ``mist_measured``
-        of ``nox -s gpu_check``): GPT-3 1.3B under a 24 GiB cap and 2.7B under 40 GiB (seq 2048,
+        of ``nox -s gpu_check``): GPT-3 1.3B under a 32 GiB cap and 2.7B under 64 GiB (seq 2048,
         unfused attention): recomputation against offloading, as single-GPU users meet it. On the GPU
         the cap is the allocator's per-process fraction, and a plan over it raises out of memory.
 
@@ -101,9 +101,10 @@ class MeasuredSetup:
 
 
 MEASURED = MeasuredSetup("measured", CPU_ENGINE, CASES)
-# One H200 (141 GB): caps at which the plain plan (one micro-batch of 8, nothing saved) does not fit,
-# the model's weights, gradients and Adam state (16 bytes a parameter: 21 GB at 1.3B, 43 GB at 2.7B)
-# leave the 1.3B model little room and exceed the 2.7B model's cap unless offloaded
+# One H200 (141 GB): caps far below the plain plans (one micro-batch of 8, nothing recomputed: 115
+# and 254 GiB predicted) and a little above what weights, gradients and Adam state take (16 bytes
+# a parameter: 21 GB at 1.3B, 43 GB at 2.7B), so that the grid's leanest plans (recomputing every
+# layer: 26.5 and 51.9 GiB with the nominal H200 model) fit within the planning fraction
 GPU_MEASURED = MeasuredSetup(
     "gpu_measured", GPU_ENGINE,
     (MeasuredCase("gpt3", 1, 32 * 1024, size="1.3b"), MeasuredCase("gpt3", 1, 64 * 1024, size="2.7b")),
