@@ -18,8 +18,8 @@ one call; the last gets what they leave, and a second call finishes it:
                      on a Llama decoder layer (Triton only: the one row tempo_llama cannot measure on
                      a CPU; the dry run says why it did not run)
   mist_measured      artifacts.mist_vs_megatron.measured: Mist, the Megatron-LM grid, the Aceso-style
-          360 / 150  search and ZeRO-3 plan GPT-3 1.3B and 2.7B for one GPU under a memory cap (24 and
-                     40 GiB), every winner trained by megatron-core and measured. Last: within a 9-min
+          360 / 150  search and ZeRO-3 plan GPT-3 1.3B and 2.7B for one GPU under a memory cap (32 and
+                     64 GiB), every winner trained by megatron-core and measured. Last: within a 9-min
                      call it gets what the others leave; a second call (--parts mist_measured) does
                      the rest, resuming case by case
 

@@ -134,7 +134,9 @@ def rank_memory(plan, report: dict) -> list[dict]:
         predicted, measured = plan.stages[r["stage"]].memory_bytes, r["memory_bytes"]
         ranks.append({"rank": r["rank"], "stage": r["stage"], "measured_bytes": measured,
                       "worst_measured_bytes": r["worst_memory_bytes"], "predicted_bytes": predicted,
-                      "memory_error": predicted / measured - 1})  # fmt: skip
+                      "memory_error": predicted / measured - 1,
+                      # a GPU allocation over the cap: the peak before it (below what it needed)
+                      "lower_bound": r.get("failed_allocation", False)})  # fmt: skip
     return ranks
 
 
@@ -147,6 +149,8 @@ def engine_point(setup: EngineSetup, name: str, fit: dict, work: Path) -> dict:
     plan = Plan.from_dict({**base, **setup.plans[name]})
     predict(plan, plan.model_spec(), cluster(setup.gpu, setup.processes), runtime=fit["model"])
     trained = train_plan(plan, setup.processes, setup.steps, setup.launches, work, name)
+    if "refused" in trained:  # the setup's plans are ones the engine runs: a refusal is a bug here
+        raise RuntimeError(f"mist.engine.run refused {name}: {trained['refused']}")
     step_s, report = trained["step_s"], trained["report"]
     ranks = rank_memory(plan, report)
     # where the time went (median over ranks and steady steps) next to the model's parts: the

@@ -17,10 +17,11 @@ trained in ``LAUNCHES`` fresh launches (the median launch's step reported, every
 and the plain plan once, to show that the cap binds when measured too. A plan whose device peak
 goes above the cap in any launch is recorded as out of memory, never as a time.
 
-The runtime model is fitted per process count to ``mist profile`` of this CPU at the GPT-3
-case's shape, with as many profile copies at once as the plans have ranks (they share the cores);
-the Llama cases are priced with the same fit (its op classes: GEMMs, norms, element-wise), so
-their errors show how the fit carries to other layers. Predicted speedups are the 1F1B
+The runtime model is fitted per process count to ``mist profile`` of the device at the base
+setup's model shape, with as many profile copies at once as the plans have ranks (they share
+the cores); the CPU's Llama cases and the GPU's 2.7B case are priced with the fit to GPT-3's
+shape (on the GPU 1.3B's; its op classes: GEMMs, norms, element-wise), so their errors show how
+the fit carries to other layers. Predicted speedups are the 1F1B
 simulator's, as in the comparison part; measured ones are step-time ratios within one run.
 """
 
@@ -276,7 +277,8 @@ def _status(r: dict) -> str:
         return f"refused by the engine here: {r['refused']}"
     if r["out_of_memory"]:
         worst = max(x["worst_measured_bytes"] for x in r["ranks"])
-        return f"out of memory (measured {worst / MiB:.1f} MiB)"
+        at_least = "at least " if any(x.get("lower_bound") for x in r["ranks"]) else ""
+        return f"out of memory (measured {at_least}{worst / MiB:.1f} MiB)"
     return (f"{r['measured_step_s'] * 1e3:6.1f} ms measured, {r['plan']['iteration_s'] * 1e3:6.1f} ms "
             f"predicted ({r['time_error']:+.0%}), spread {r['spread']:.0%}")  # fmt: skip
 
@@ -295,11 +297,14 @@ def print_measured(store: Results) -> None:
     for p in store:
         r = p.result
         plain = r["plain"]
-        worst = max(x["worst_measured_bytes"] for x in plain["ranks"]) / MiB
-        print(f"  {p.key['model']} on {p.key['processes']} process(es), cap {r['cap_bytes'] / MiB:.0f} MiB: "
-              f"the plain plan {'ran out of memory' if plain['out_of_memory'] else 'FITTED'} "
-              f"({worst:.1f} MiB measured, {max(x['predicted_bytes'] for x in plain['ranks']) / MiB:.1f} "
-              f"predicted)")  # fmt: skip
+        head = f"  {p.key['model']} on {p.key['processes']} process(es), cap {r['cap_bytes'] / MiB:.0f} MiB: "
+        if "refused" in plain:
+            print(f"{head}the plain plan was REFUSED by the engine: {plain['refused']}")
+        else:
+            worst = max(x["worst_measured_bytes"] for x in plain["ranks"]) / MiB
+            print(f"{head}the plain plan {'ran out of memory' if plain['out_of_memory'] else 'FITTED'} "
+                  f"({worst:.1f} MiB measured, {max(x['predicted_bytes'] for x in plain['ranks']) / MiB:.1f} "
+                  f"predicted)")  # fmt: skip
         for system in SYSTEMS:
             s = r[system]
             same = f" (= {s['same_plan_as']}'s)" if "same_plan_as" in s else ""

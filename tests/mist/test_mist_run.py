@@ -513,6 +513,9 @@ def test_measured_comparison_cases_bind_and_every_plan_in_them_runs(setup):
             if isinstance(plan, str):
                 continue
             assert plan.gpu_memory_bytes == case.cap_bytes and unsupported(plan) == [], (case, system)
+            if setup.base.device == "cuda":  # the engine offloads weights and gradients on a CPU only
+                parts = [*plan.stages, *([plan.pre_post] if plan.pre_post is not None else [])]
+                assert not any(x.offload_weights or x.offload_grads for x in parts), (case, system)
             assert max(s.memory_bytes for s in plan.stages) <= case.planning_bytes, (case, system)
 
 

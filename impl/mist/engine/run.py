@@ -440,7 +440,8 @@ def run(plan: Plan, steps: int = 5, seed: int = 0, lr: float = 1e-2) -> dict:
 
 def _write_out_of_memory_report(path: Path, plan: Plan) -> None:
     """A GPU rank that ran out of memory under the plan's cap: a report of that rank alone, with the
-    allocator's peak as its memory and no time (the form ``run``'s reports have)."""
+    allocator's peak as its memory (before the allocation that failed: a lower bound of what the
+    plan needs) and no time (the form ``run``'s reports have)."""
     from megatron.core import parallel_state as ps
 
     from measure.results import write_json_atomic
@@ -449,7 +450,7 @@ def _write_out_of_memory_report(path: Path, plan: Plan) -> None:
     stage = ps.get_pipeline_model_parallel_rank() if ps.model_parallel_is_initialized() else 0
     rank = {"rank": int(os.environ.get("RANK", "0")), "stage": stage, "losses": None, "step_s": [],
             "out_of_memory": True, "memory_cap_bytes": plan.gpu_memory_bytes, "memory_bytes": peak,
-            "worst_memory_bytes": peak, "phases": []}  # fmt: skip
+            "worst_memory_bytes": peak, "failed_allocation": True, "phases": []}  # fmt: skip
     write_json_atomic(path, {"ranks": [rank]})
 
 
