@@ -217,7 +217,7 @@ def _refine(problem: Problem, plan: Plan, options: PlannerOptions, passes: int =
     k = options.refine_offload_step
     steps = np.arange(k + 1) / k
     space = options.space
-    offload = ("offload_weights", "offload_grads", "offload_optimizer", "offload_activations")
+    offload = STRATEGY_FIELDS[2:]  # the four offloaded fractions
     combos = np.array(list(itertools.product(*(space.offload_steps(f, steps) for f in offload))))
     plan = dataclasses.replace(plan, stages=[dataclasses.replace(s) for s in plan.stages])
     problem = _for_plan(problem, plan)
