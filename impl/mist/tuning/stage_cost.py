@@ -219,6 +219,81 @@ def _state_bytes(params: float, z, wo, go, oo, d: int) -> dict[str, np.ndarray]:
     }
 
 
+def _zero_per_micro_batch(st: Setting, layers: int, layer_w_full: float, edge_w_full: float, z, ez,
+                          across: bool) -> tuple:  # fmt: skip
+    """(compute, GPU-to-GPU channel) seconds a micro-batch adds for ZeRO: ZeRO-3 gathers weights
+    for forward and backward, ZeRO-2/3 reduce-scatter gradients. Where the engine's ZeRO-2 or -3
+    was measured whole on a layer (collectives, copies, waits) that prices a layer: the time it
+    is exposed for, added to compute rather than overlapped again."""
+    d, cl, rt = st.dp, st.cluster, st.runtime
+    compute, g2g = 0.0, 0.0
+    if d == 1:
+        return compute, g2g
+    zero3 = rt.zero3_layer(layer_w_full, d, across)
+    zero2 = rt.zero2_layer(layer_w_full, d, across)
+    for count, full, zero, is_layer in ((layers, layer_w_full, z, True), (1, edge_w_full, ez, False)):
+        gather = rt.collective("all_gather", full, d, cl, across)
+        scatter = rt.collective("reduce_scatter", full, d, cl, across)
+        z3 = zero >= 3
+        z2 = zero == 2
+        if is_layer and zero3 is not None:
+            compute = compute + count * np.where(z3, zero3, 0.0)
+            z3 = False
+        if is_layer and zero2 is not None:
+            compute = compute + count * np.where(z2, zero2, 0.0)
+            z2 = False
+        g2g = g2g + count * (np.where(z3, 2 * gather + scatter, 0.0) + np.where(z2, scatter, 0.0))
+    return compute, g2g
+
+
+def _gradient_sync(st: Setting, stage_w_full: float, edge_w_full: float, z, ez, across: bool):
+    """Seconds of the step's gradient synchronisation over DP: an all-reduce (ZeRO-0), a
+    reduce-scatter then an all-gather of the updated weights (ZeRO-1), the all-gather alone
+    (ZeRO-2, whose gradients were scattered in backward), nothing more (ZeRO-3)."""
+    d, cl, rt = st.dp, st.cluster, st.runtime
+    sync = 0.0
+    if d > 1:
+        for full, zero in ((stage_w_full, z), (edge_w_full, ez)):
+            allreduce = rt.collective("all_reduce", full, d, cl, across)
+            rs = rt.collective("reduce_scatter", full, d, cl, across)
+            ag = rt.collective("all_gather", full, d, cl, across)
+            sync = sync + np.where(zero >= 2, 0.0, np.where(zero == 1, rs, allreduce))
+            sync = sync + np.where((zero >= 1) & (zero <= 2), ag, 0.0)
+    return sync
+
+
+def _device_memory(ln: LayerNumbers, grid: dict, edge: dict, activations, layer_w_full: float, first: bool,
+                   last: bool, mine: dict, theirs: dict, grad_accum: int):  # fmt: skip
+    """A stage's peak device bytes: its static state and the larger of two peaks, the last
+    backward (activations, buffers, one op's working set) and the optimizer step."""
+    r, z, wo, oo, ao = (grid[k] for k in ("recompute", "zero", "offload_weights", "offload_optimizer",
+                                          "offload_activations"))  # fmt: skip
+    ez, ewo, eoo = edge["zero"], edge["offload_weights"], edge["offload_optimizer"]
+    buffers = (
+        np.where((z >= 3) | (wo > 0), 2 * layer_w_full, 0.0)
+        # the embedding's or the head's full weights, one at a time (they run at opposite ends)
+        + np.where((ez >= 3) | (ewo > 0), 2.0 * ln.embed_params if (first or last) else 0.0, 0.0)
+        + np.where(ao > 0, 2 * ln.saved, 0.0)
+    )
+    # backward of one op: the gradients of its inputs and outputs (its working set's bytes; what
+    # it keeps is in the activations), the residual stream's gradient the layer's backward
+    # carries, and a recomputed layer's activations
+    working = ln.transient + ln.layer_input + np.where(r > 0, ln.saved, 0.0)
+    # the logits' gradient: megatron's vocab-parallel cross-entropy makes it in place in the fp32
+    # softmax it kept (in head_saved); what is new is its cast to the bf16 logits' dtype
+    head = ln.logits / 2 if last else 0.0
+    # Two peaks: the last backward (activations, buffers, one op's working set) and the optimizer
+    # step, where mixed-precision Adam holds an fp32 copy of the gradients it steps on the GPU.
+    # With one micro-batch a step, ZeRO-2/3's gradient shards are made as backward frees the
+    # activations and live until the step: at the step's peak, not at backward's start
+    sharded_grads = mine["sharded_grads"] + theirs["sharded_grads"] if grad_accum == 1 else 0.0
+    static = mine["gpu"] + theirs["gpu"] - sharded_grads
+    stepped_on_gpu = (1 - oo) * mine["opt_params"] + (1 - eoo) * theirs["opt_params"]
+    step_peak = OPTIMIZER_STEP_BYTES_PER_PARAM * stepped_on_gpu + sharded_grads
+    memory = static + np.maximum(activations + buffers + working + head, step_peak)
+    return memory
+
+
 def evaluate_stage(
     st: Setting,
     ln: LayerNumbers,
@@ -243,7 +318,7 @@ def evaluate_stage(
     edge = edge or {k: grid[k] for k in EDGE_FIELDS}
     ez, ewo, ego, eoo = (edge[k] for k in EDGE_FIELDS)
     shape = np.broadcast_shapes(*(np.shape(x) for x in (*grid.values(), *edge.values())))
-    d, cl, rt = st.dp, st.cluster, st.runtime
+    d, cl = st.dp, st.cluster
     edge_params = (ln.embed_params if first else 0.0) + (ln.embed_params if last else 0.0)
     mine = _state_bytes(layers * ln.params, z, wo, go, oo, d)
     theirs = _state_bytes(edge_params, ez, ewo, ego, eoo, d)
@@ -269,24 +344,8 @@ def evaluate_stage(
     compute = compute + acc.adds_per_micro_batch(grad_accum) * np.where(added > 0, add_line(added), 0.0)
     across = st.tp * d > cl.gpus_per_node  # DP groups (stride t) leave the node
     layer_w_full, edge_w_full = 2.0 * ln.params, 2.0 * edge_params
-    g2g = 0.0
-    if d > 1:  # ZeRO-3 gathers weights for forward and backward; ZeRO-2/3 reduce-scatter gradients
-        # Where the engine's ZeRO-2 or -3 was measured whole on a layer (collectives, copies, waits)
-        # that prices a layer: time it is exposed for, added to compute rather than overlapped again
-        zero3 = rt.zero3_layer(layer_w_full, d, across)
-        zero2 = rt.zero2_layer(layer_w_full, d, across)
-        for count, full, zero, is_layer in ((layers, layer_w_full, z, True), (1, edge_w_full, ez, False)):
-            gather = rt.collective("all_gather", full, d, cl, across)
-            scatter = rt.collective("reduce_scatter", full, d, cl, across)
-            z3 = zero >= 3
-            z2 = zero == 2
-            if is_layer and zero3 is not None:
-                compute = compute + count * np.where(z3, zero3, 0.0)
-                z3 = False
-            if is_layer and zero2 is not None:
-                compute = compute + count * np.where(z2, zero2, 0.0)
-                z2 = False
-            g2g = g2g + count * (np.where(z3, 2 * gather + scatter, 0.0) + np.where(z2, scatter, 0.0))
+    zero_compute, g2g = _zero_per_micro_batch(st, layers, layer_w_full, edge_w_full, z, ez, across)
+    compute = compute + zero_compute
     act_swapped = ao * ((layers - r) * ln.saved + r * ln.layer_input)
     h2d_bw = st.interference.host_rate("h2d", cl.gpu.host_bw)
     d2h_bw = st.interference.host_rate("d2h", cl.gpu.host_bw)
@@ -295,15 +354,7 @@ def evaluate_stage(
     steady = st.interference.overlap(compute, g2g, h2d, d2h)
 
     # ---- first / last micro-batch extras
-    sync = 0.0
-    if d > 1:
-        for full, zero in ((layers * layer_w_full, z), (edge_w_full, ez)):
-            allreduce = rt.collective("all_reduce", full, d, cl, across)
-            rs = rt.collective("reduce_scatter", full, d, cl, across)
-            ag = rt.collective("all_gather", full, d, cl, across)
-            sync = sync + np.where(zero >= 2, 0.0, np.where(zero == 1, rs, allreduce))
-            sync = sync + np.where((zero >= 1) & (zero <= 2), ag, 0.0)
-    extra = sync
+    extra = _gradient_sync(st, layers * layer_w_full, edge_w_full, z, ez, across)
     gpu_step_bytes = (ADAM_BYTES_PER_PARAM + 4) * 2  # state, weights and gradients read and written
     for state, off in ((mine, oo), (theirs, eoo)):
         n = state["opt_params"]
@@ -313,29 +364,8 @@ def evaluate_stage(
 
     # ---- memory per GPU
     per_flight = (1 - ao) * ((layers - r) * ln.saved + r * ln.layer_input) + (ln.head_saved if last else 0.0)
-    activations = in_flight * per_flight
-    buffers = (
-        np.where((z >= 3) | (wo > 0), 2 * layer_w_full, 0.0)
-        # the embedding's or the head's full weights, one at a time (they run at opposite ends)
-        + np.where((ez >= 3) | (ewo > 0), 2.0 * ln.embed_params if (first or last) else 0.0, 0.0)
-        + np.where(ao > 0, 2 * ln.saved, 0.0)
-    )
-    # backward of one op: the gradients of its inputs and outputs (its working set's bytes; what
-    # it keeps is in the activations), the residual stream's gradient the layer's backward
-    # carries, and a recomputed layer's activations
-    working = ln.transient + ln.layer_input + np.where(r > 0, ln.saved, 0.0)
-    # the logits' gradient: megatron's vocab-parallel cross-entropy makes it in place in the fp32
-    # softmax it kept (in head_saved); what is new is its cast to the bf16 logits' dtype
-    head = ln.logits / 2 if last else 0.0
-    # Two peaks: the last backward (activations, buffers, one op's working set) and the optimizer
-    # step, where mixed-precision Adam holds an fp32 copy of the gradients it steps on the GPU.
-    # With one micro-batch a step, ZeRO-2/3's gradient shards are made as backward frees the
-    # activations and live until the step: at the step's peak, not at backward's start
-    sharded_grads = mine["sharded_grads"] + theirs["sharded_grads"] if grad_accum == 1 else 0.0
-    static = mine["gpu"] + theirs["gpu"] - sharded_grads
-    stepped_on_gpu = (1 - oo) * mine["opt_params"] + (1 - eoo) * theirs["opt_params"]
-    step_peak = OPTIMIZER_STEP_BYTES_PER_PARAM * stepped_on_gpu + sharded_grads
-    memory = static + np.maximum(activations + buffers + working + head, step_peak)
+    memory = _device_memory(ln, grid, edge, in_flight * per_flight, layer_w_full, first, last,
+                            mine, theirs, grad_accum)  # fmt: skip
     # host bytes: affine in in_flight too (offloaded activations of every in-flight micro-batch)
     host_per_flight = act_swapped
     host_static = mine["host"] + theirs["host"]
