@@ -262,8 +262,8 @@ def _gradient_sync(st: Setting, stage_w_full: float, edge_w_full: float, z, ez, 
     return sync
 
 
-def _device_memory(ln: LayerNumbers, grid: dict, edge: dict, activations, layer_w_full: float, first: bool,
-                   last: bool, mine: dict, theirs: dict, grad_accum: int):  # fmt: skip
+def _device_memory(ln: LayerNumbers, grid: dict, edge: dict, activations, layers: int, layer_w_full: float,
+                   first: bool, last: bool, mine: dict, theirs: dict, grad_accum: int):  # fmt: skip
     """A stage's peak device bytes: its static state and the larger of two peaks, the last
     backward (activations, buffers, one op's working set) and the optimizer step."""
     r, z, wo, oo, ao = (grid[k] for k in ("recompute", "zero", "offload_weights", "offload_optimizer",
@@ -282,16 +282,32 @@ def _device_memory(ln: LayerNumbers, grid: dict, edge: dict, activations, layer_
     # the logits' gradient: megatron's vocab-parallel cross-entropy makes it in place in the fp32
     # softmax it kept (in head_saved); what is new is its cast to the bf16 logits' dtype
     head = ln.logits / 2 if last else 0.0
-    # Two peaks: the last backward (activations, buffers, one op's working set) and the optimizer
-    # step, where mixed-precision Adam holds an fp32 copy of the gradients it steps on the GPU.
-    # With one micro-batch a step, ZeRO-2/3's gradient shards are made as backward frees the
-    # activations and live until the step: at the step's peak, not at backward's start
+    # What ZeRO-3 (FSDP2) adds in backward: a module's gradients as backward makes them (whole:
+    # there is no persistent buffer to add them into), then its reduce-scatter input, which FSDP2
+    # keeps until the next module reduces (one in flight). At backward's start, every activation
+    # is held with the first layer's gradients; from the second layer on, the previous one's input
+    # too, as one layer's activations are freed. The head (made first) adds its gradients and then
+    # its input in flight; the embedding's, made last, come at backward's end.
+    W, E = layer_w_full, 2.0 * ln.embed_params if (first or last) else 0.0
+    z3, e3 = z >= 3, ez >= 3
+    freed = (1 - ao) * np.where(r < layers, ln.saved, ln.layer_input)  # the last layer's activations
+    start = activations + head + buffers + working
+    start = start + np.where(z3, W + np.maximum(0.0, W - freed), 0.0) + np.where(e3 & last, E, 0.0)
+    # Two peaks: backward and the optimizer step, where mixed-precision Adam holds an fp32 copy of
+    # the gradients it steps on the GPU. With one micro-batch a step, ZeRO-2/3's gradient shards
+    # are made as backward frees the activations and live until the step: backward also peaks at
+    # its end, the first layer's, with every other layer's shard made, one layer gathered (none
+    # to prefetch after it), its gradients and the previous one's input (ZeRO-3), and the
+    # embedding's gradients (ZeRO-3 of the edges)
     sharded_grads = mine["sharded_grads"] + theirs["sharded_grads"] if grad_accum == 1 else 0.0
+    made = sharded_grads - mine["sharded_grads"] / layers if grad_accum == 1 else 0.0
+    up = buffers - np.where(z3 | (wo > 0), W, 0.0)
+    end = up + working + made + np.where(z3, 2 * W, 0.0) + np.where(e3 & first, E, 0.0)
+    backward = np.maximum(start, end) if grad_accum == 1 else start
     static = mine["gpu"] + theirs["gpu"] - sharded_grads
     stepped_on_gpu = (1 - oo) * mine["opt_params"] + (1 - eoo) * theirs["opt_params"]
     step_peak = OPTIMIZER_STEP_BYTES_PER_PARAM * stepped_on_gpu + sharded_grads
-    memory = static + np.maximum(activations + buffers + working + head, step_peak)
-    return memory
+    return static + np.maximum(backward, step_peak)
 
 
 def evaluate_stage(
@@ -364,7 +380,7 @@ def evaluate_stage(
 
     # ---- memory per GPU
     per_flight = (1 - ao) * ((layers - r) * ln.saved + r * ln.layer_input) + (ln.head_saved if last else 0.0)
-    memory = _device_memory(ln, grid, edge, in_flight * per_flight, layer_w_full, first, last,
+    memory = _device_memory(ln, grid, edge, in_flight * per_flight, layers, layer_w_full, first, last,
                             mine, theirs, grad_accum)  # fmt: skip
     # host bytes: affine in in_flight too (offloaded activations of every in-flight micro-batch)
     host_per_flight = act_swapped
