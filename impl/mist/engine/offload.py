@@ -19,6 +19,10 @@
   forward and again for its backward, the next layer's prefetched (the two layers' buffers
   Mist's memory model prices), and is dropped from the device after the forward and once
   backward has made the layer's gradients. CPU only so far.
+* Under ZeRO-3 (FSDP2 gathers each layer's weights from the shards and reduce-scatters its
+  gradients): that fraction of each module's weight shards rests on the host and is what FSDP2's
+  all-gather reads (ShardedWeightOffload), and that fraction of its gradient shards is added
+  into host buffers as each reduce-scatter makes them (ShardedGradientOffload). CPU only so far.
 
 On a CPU-only machine "host" and "device" are the same memory: offloaded tensors are counted as
 host bytes and a weight's trip up is a real copy, so the device peak shows what offloading saves
@@ -236,3 +240,73 @@ class GradientOffload:
 
     def host_tensors(self) -> list[torch.Tensor]:
         return list(self.host.values())
+
+
+class ShardedWeightOffload:
+    """ZeRO-3's weights at rest on the host: of each of ``modules`` (FSDP2 groups), that fraction of
+    its parameters (largest first, by this rank's shard). FSDP2's all-gather reads the shard and
+    builds the full weights on the device, the buffers the memory model prices; the optimizer
+    steps the shard in place. On a CPU the shard's own trip up is that read, with no staging
+    copy (a GPU would copy one group's shard up before its all-gather: transient, unpriced), so
+    this is where the engine keeps the offloaded bytes: they are counted as host bytes, not
+    device ones, and a shard left out of ``host_tensors`` is counted on the device."""
+
+    def __init__(self, modules: list[nn.Module], fraction: float) -> None:
+        self.offloaded: list[nn.Parameter] = []
+        for m in modules:
+            host, _ = split_by_fraction([q for q in m.parameters() if q.requires_grad], fraction)
+            self.offloaded += host
+
+    def host_tensors(self) -> list[torch.Tensor]:
+        return [local(p) for p in self.offloaded]
+
+    def resident(self) -> int:
+        """Offloaded weights on the device between steps: none (FSDP2 frees what it gathered)."""
+        return 0
+
+
+class ShardedGradientOffload:
+    """ZeRO-3's gradients accumulated on the host: that fraction of ``modules``' (FSDP2 groups)
+    parameters, largest first by this rank's shard. As FSDP2's reduce-scatter makes a
+    micro-batch's gradient shard, it is added into a host buffer and dropped on the device (FSDP2
+    calls the shard's post-accumulate-grad hooks). A group's shards are views into one
+    reduce-scatter output, which one shard left on the device would keep whole: in a group with
+    some shards drained, those kept are copied out of it. Sequence-parallel weights (norms) stay
+    on the device: their TP sum reads ``.grad``. ``attach`` puts the host sums where the
+    optimizer reads them."""
+
+    def __init__(self, modules: list[nn.Module], fraction: float) -> None:
+        groups = [[q for q in m.parameters() if q.requires_grad] for m in modules]
+        candidates = [q for g in groups for q in g if not getattr(q, "sequence_parallel", False)]
+        self.params, _ = split_by_fraction(candidates, fraction)
+        chosen = {id(q) for q in self.params}
+        for group in groups:
+            if not any(id(q) in chosen for q in group):
+                continue
+            for q in group:
+                q.register_post_accumulate_grad_hook(self._drain if id(q) in chosen else self._own_storage)
+        # DTensors like the shards (same mesh and placements): the step reads them as gradients
+        self.host = {id(p): torch.zeros_like(p) for p in self.params}
+
+    def _drain(self, p: nn.Parameter) -> None:
+        with torch.profiler.record_function(HOST_WORK):  # down, added on the host
+            local(self.host[id(p)]).add_(local(p.grad))
+        p.grad = None  # the view into the reduce-scatter output is dropped
+
+    @staticmethod
+    def _own_storage(p: nn.Parameter) -> None:
+        g = local(p.grad)
+        if g.untyped_storage().nbytes() > g.numel() * g.element_size():  # a view into the group's output
+            p.grad = p.grad.clone()
+
+    def attach(self) -> None:
+        for p in self.params:
+            p.grad = self.host[id(p)]
+
+    def zero(self) -> None:
+        for p in self.params:
+            p.grad = None
+            local(self.host[id(p)]).zero_()
+
+    def host_tensors(self) -> list[torch.Tensor]:
+        return [local(t) for t in self.host.values()]

@@ -19,14 +19,15 @@ pipeline stages); around its modules the engine runs the plan's parts it has no 
 * optimizer-state offloading, alone or of a rank's share under ZeRO-1/2/3, activation, weight
   and gradient offloading (offload.py; ZeRO-2's gradients in zero.py).
 
-Refused with a message naming the part: stages with their own TP/DP, ZeRO-3 for only part of a
-stage, and offloading of weights or gradients under ZeRO-3 (not implemented here yet); weight and
-gradient offloading on a GPU are refused at launch (CPU only so far). ZeRO-1 shards fp32 master
-weights and Adam state over the DP replicas, ZeRO-2 the gradients too (ShardedMasterAdamW),
-ZeRO-3 the weights too (torch's FSDP2 around megatron-core's layers). On a CPU it runs with gloo
-and the CUDA stand-ins of cpu_shim; on GPUs with NCCL. Each rank reports its losses, the times of
-its timed steps, and memory (exact tensor bytes held + the allocator peak of a steady step: the
-median and the worst of a few, profiled before the timed ones); rank 0 gathers them.
+Refused with a message naming the part: stages with their own TP/DP (not implemented here yet);
+weight and gradient offloading on a GPU are refused at launch (CPU only so far). ZeRO-1 shards
+fp32 master weights and Adam state over the DP replicas, ZeRO-2 the gradients too
+(ShardedMasterAdamW), ZeRO-3 the weights too (torch's FSDP2 around megatron-core's layers, the
+embedding and the head, each a group: of the whole stage, or of the part whose strategy it is).
+On a CPU it runs with gloo and the CUDA stand-ins of cpu_shim; on GPUs with NCCL. Each rank
+reports its losses, the times of its timed steps, and memory (exact tensor bytes held + the
+allocator peak of a steady step: the median and the worst of a few, profiled before the timed
+ones); rank 0 gathers them.
 """
 
 from __future__ import annotations
@@ -54,6 +55,8 @@ from .offload import (
     HOST_WORK,
     GradientOffload,
     OffloadedMasterAdamW,
+    ShardedGradientOffload,
+    ShardedWeightOffload,
     WeightOffload,
     local,
     offload_layer_activations,
@@ -66,21 +69,10 @@ def unsupported(plan: Plan) -> list[str]:
     """The plan's parts mist.engine.run cannot execute (empty: it can): what no Megatron model can be
     built as (megatron.megatron_limits), and what this engine does not do around it."""
 
-    # layers.py's spec; _config's layout; _parameter_parts; offload.py (checked below)
+    # layers.py's spec; _config's layout; _parameter_parts; offload.py
     built_here = ("parallel_block", "uneven_middle_stages", "pre_post", "offload_weights_grads")
     limits = megatron_limits(plan, plan.model_spec())
-    reasons = [why for name, why in limits.items() if name not in built_here]
-    edge = plan.pre_post
-    for zero, weights, grads in [(s.zero, s.offload_weights, s.offload_grads) for s in plan.stages] + (
-        [(edge.zero, edge.offload_weights, edge.offload_grads)] if edge is not None else []
-    ):
-        if plan.dp > 1 and zero == 3 and (weights or grads):
-            reasons.append("CPU offloading of weights or gradients with ZeRO-3 (FSDP2 owns their storage)")
-    for i, s in enumerate(plan.stages):
-        zeros = {s.zero} | ({edge.zero} if edge is not None and i in (0, len(plan.stages) - 1) else set())
-        if plan.dp > 1 and 3 in zeros and len(zeros) > 1:
-            reasons.append(f"stage {i}: ZeRO-3 for only part of it (pre_post's ZeRO against the stage's)")
-    return list(dict.fromkeys(reasons))  # each reason once
+    return [why for name, why in limits.items() if name not in built_here]
 
 
 def _config(spec, plan: Plan, dtype: torch.dtype):
@@ -138,22 +130,42 @@ def _edges(gpt) -> list[nn.Module]:
     return [m for m in (getattr(gpt, "embedding", None), getattr(gpt, "output_layer", None)) if m is not None]
 
 
-def _weight_offloads(gpt, plan: Plan, mine) -> list[WeightOffload]:
-    """Weight offloading of the stage's modules, in the order forward runs them: its layers with
-    the stage's fraction, and the embedding before and the head after with the stage's too, or
-    with pre_post's if the plan has one (then without prefetch: they run at opposite ends, one at a
-    time, as the memory model prices them)."""
+@dataclass
+class ModuleGroup:
+    """Modules of a stage that share a strategy (what offloading and ZeRO-3 act on, module by
+    module), and that strategy: the stage's or the plan's ``pre_post``."""
+
+    modules: list[nn.Module]
+    zero: int
+    offload_weights: float
+    offload_grads: float
+    prefetch: bool  # the next module's weights brought up with this one's (forward order)
+
+
+def _module_groups(gpt, plan: Plan, mine) -> list[ModuleGroup]:
+    """The stage's modules in the order forward runs them: its layers, and the embedding before and
+    the head after with the stage's strategy, or with pre_post's if the plan has one (then not
+    prefetched: they run at opposite ends, one at a time, as the memory model prices them)."""
     first = [gpt.embedding] if hasattr(gpt, "embedding") else []
     last = [gpt.output_layer] if hasattr(gpt, "output_layer") else []
+    stage = (mine.zero, mine.offload_weights, mine.offload_grads)
     if plan.pre_post is None:
-        groups = [([*first, *gpt.decoder.layers, *last], mine.offload_weights, True)]
+        groups = [ModuleGroup([*first, *gpt.decoder.layers, *last], *stage, prefetch=True)]
     else:
+        edge = plan.pre_post
         groups = [
-            (list(gpt.decoder.layers), mine.offload_weights, True),
-            ([*first, *last], plan.pre_post.offload_weights, False),
+            ModuleGroup(list(gpt.decoder.layers), *stage, prefetch=True),
+            ModuleGroup([*first, *last], edge.zero, edge.offload_weights, edge.offload_grads, prefetch=False),
         ]
-    return [WeightOffload(modules, fraction, prefetch) for modules, fraction, prefetch in groups
-            if modules and fraction > 0]  # fmt: skip
+    return [g for g in groups if g.modules]
+
+
+def _weight_offloads(groups: list[ModuleGroup], dp: int) -> list:
+    """Weight offloading of each group with a fraction to offload: of its FSDP2 shards under ZeRO-3,
+    else of the weights themselves."""
+    return [ShardedWeightOffload(g.modules, g.offload_weights) if g.zero == 3 and dp > 1
+            else WeightOffload(g.modules, g.offload_weights, g.prefetch)
+            for g in groups if g.offload_weights > 0]  # fmt: skip
 
 
 class PartOptimizers:
@@ -313,8 +325,16 @@ def run(plan: Plan, steps: int = 5, seed: int = 0, lr: float = 1e-2) -> dict:
     offloaded_layers = offload_layer_activations(model, mine.recompute, mine.offload_activations)
     model = Float16Module(model.config, model)  # megatron's half-precision wrapper: casts inputs and outputs
     sequence_parallel = plan.sequence_parallel and plan.tp > 1
-    if mine.zero == 3 and plan.dp > 1:  # the whole stage (unsupported() refuses ZeRO-3 for part of one)
-        shard_parameters(model, ps.get_data_parallel_group(), device)
+    groups = _module_groups(model.module, plan, mine)
+    sharded = [g for g in groups if g.zero == 3 and plan.dp > 1]  # ZeRO-3: FSDP2 groups, module by module
+    if sharded:
+        stage_zero3 = mine.zero == 3  # the final norm (in no group) follows the stage
+        in_groups = {id(p) for g in groups for m in g.modules for p in m.parameters()}
+        zero3_ids = {id(p) for g in sharded for m in g.modules for p in m.parameters()}
+        whole = {p for p in model.parameters()
+                 if id(p) not in zero3_ids and (id(p) in in_groups or not stage_zero3)}  # fmt: skip
+        modules = [m for g in sharded for m in g.modules]
+        shard_parameters(model, ps.get_data_parallel_group(), device, modules, whole)
     parts = _parameter_parts(model, plan, mine)  # after sharding: FSDP2 replaces the parameters
     optimizer = PartOptimizers([_optimizer(part, plan.dp, model, lr, sequence_parallel) for part in parts])
     # The same few sequences every step: a decreasing loss shows the whole pipeline learns.
@@ -331,21 +351,27 @@ def run(plan: Plan, steps: int = 5, seed: int = 0, lr: float = 1e-2) -> dict:
         for part, made in zip(parts, reduced_as_made, strict=True)
         if part.offload_grads > 0 and not made
     ]
+    # ZeRO-3's gradient offload: the shards FSDP2's reduce-scatters make (after sharding, above)
+    drained_shards = [
+        ShardedGradientOffload(g.modules, g.offload_grads) for g in sharded if g.offload_grads > 0
+    ]
     on_host = {id(p) for d in drained for p in d.params}
     kept = [p for part, made in zip(parts, reduced_as_made, strict=True) if not made for p in part.params]
     kept = [p for p in kept if id(p) not in on_host]
     grads = ContiguousGrads(kept) if kept else None
     # after the optimizers and gradient buffers: they are made where the weights are, the device
-    weights = _weight_offloads(model.module, plan, mine)
+    weights = _weight_offloads(groups, plan.dp)
     pipeline = Pipeline1F1B(model, spec, plan, batches)
     dp_group, tp_group = ps.get_data_parallel_group(), ps.get_tensor_model_parallel_group()
 
     phases: list[dict[str, float]] = []  # per step: where the time went
+    grad_bytes: list[int] = []  # per step: the .grad tensors on the device when backward ends
 
     def step() -> float:
         t0 = _now(device)
         loss = pipeline.iteration()
         t1 = _now(device)
+        grad_bytes.append(_tensor_bytes(p.grad for p in model.parameters() if p.grad is not None))
         if plan.tp > 1:  # sequence-parallel weights hold partial sums over the sequence shards
             sp = [p.grad for p in model.parameters() if getattr(p, "sequence_parallel", False)]
             sp = [local(g) for g in sp if g is not None]  # ZeRO-3: this rank's shard
@@ -356,9 +382,11 @@ def run(plan: Plan, steps: int = 5, seed: int = 0, lr: float = 1e-2) -> dict:
             if plan.dp > 1:
                 host_grads.all_reduce(dp_group, divide_by=plan.dp)
             host_grads.attach()
+        for host_grads in drained_shards:  # FSDP2 averaged them over DP
+            host_grads.attach()
         t2 = _now(device)
         optimizer.step()
-        for host_grads in drained:
+        for host_grads in [*drained, *drained_shards]:
             host_grads.zero()
         for part, made in zip(optimizer.parts, reduced_as_made, strict=True):
             if made:  # ZeRO-2/3: the reduced gradient shards are dropped after the step
@@ -381,7 +409,7 @@ def run(plan: Plan, steps: int = 5, seed: int = 0, lr: float = 1e-2) -> dict:
         losses.append(loss)
     del phases[:]
     at_rest_on_host = {t.data_ptr() for w in weights for t in w.host_tensors()}
-    on_device = [p for p in model.parameters() if p.data_ptr() not in at_rest_on_host]
+    on_device = [p for p in model.parameters() if local(p).data_ptr() not in at_rest_on_host]
     held = _tensor_bytes(
         [*on_device, *optimizer.state_tensors(), *(grads.buffers if grads is not None else [])]
     )
@@ -409,6 +437,9 @@ def run(plan: Plan, steps: int = 5, seed: int = 0, lr: float = 1e-2) -> dict:
         "memory_cap_bytes": cap,
         "phases": phases,
         "held_bytes": held,
+        # the .grad tensors on the device as backward ends, each storage whole (ZeRO-3: FSDP2's
+        # gradient shards, less those offloaded; ZeRO-2 keeps its reduced share apart, uncounted)
+        "device_grad_bytes": grad_bytes[-1],
         "step_peaks_bytes": step_peaks,
         "memory_bytes": held + statistics.median_low(step_peaks),
         "worst_memory_bytes": held + max(step_peaks),
@@ -422,7 +453,7 @@ def run(plan: Plan, steps: int = 5, seed: int = 0, lr: float = 1e-2) -> dict:
         "weights_left_on_device": sum(w.resident() for w in weights),
         # offloaded gradients: the host buffers they accumulate in (ZeRO-2: of this rank's share)
         "host_gradient_bytes": _tensor_bytes(
-            [t for d in drained for t in d.host_tensors()]
+            [t for d in [*drained, *drained_shards] for t in d.host_tensors()]
             + [t for o in optimizer.parts if hasattr(o, "host_grads") for t in o.host_gradient_tensors()]
         ),
         "layer_input_shape": layer_input_shape,

@@ -2,7 +2,7 @@
 gradients in one contiguous buffer per dtype (``ContiguousGrads``, as Megatron's DDP), ZeRO-1/2
 (``ShardedMasterAdamW``: fp32 master weights and Adam state sharded over the DP replicas by
 buckets of one layer, and with ZeRO-2 the gradients too) and ZeRO-3 (``shard_parameters``:
-torch's FSDP2 per layer)."""
+torch's FSDP2 per layer, of the whole stage or of one of its parts)."""
 
 from __future__ import annotations
 
@@ -156,11 +156,13 @@ def layer_buckets(model) -> list[list[torch.Tensor]]:
     return [list(layer.parameters()) for layer in layers] + list(rest.values())
 
 
-def shard_parameters(model, dp_group, device: torch.device) -> None:
-    """ZeRO-3 with torch's FSDP2 (``fully_shard``) over the DP group: each layer's weights are
-    sharded, gathered before its forward and its backward, freed after; its gradients are
-    reduce-scattered (averaged) as backward makes them. The root takes the embedding and head.
-    With TP, each TP rank's DP group shards that rank's tensor-parallel part."""
+def shard_parameters(model, dp_group, device: torch.device, groups: list, whole: set) -> None:
+    """ZeRO-3 with torch's FSDP2 (``fully_shard``) over the DP group: each module of ``groups`` (a
+    layer, the embedding, the head) is a group whose weights are gathered before its forward and
+    its backward and freed after, its gradients reduce-scattered (averaged) as backward makes them.
+    The root (the whole model) takes what no group did (the final norm) but the parameters in
+    ``whole``: a part of the stage that is not ZeRO-3, whose gradients the engine reduces. With TP,
+    each TP rank's DP group shards that rank's tensor-parallel part."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
 
@@ -168,9 +170,12 @@ def shard_parameters(model, dp_group, device: torch.device) -> None:
     # engine reads (sequence_parallel: sum the gradient over the TP group) is put back by name
     marked = {name for name, p in model.named_parameters() if getattr(p, "sequence_parallel", False)}
     mesh = DeviceMesh.from_group(dp_group, device.type)
-    for layer in model.module.decoder.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    # reshard_after_forward given: a module FSDP2 takes as a root would otherwise stay gathered
+    # from its forward to its backward (the embedding and head: their own groups, so one at a time
+    # is gathered, as the memory model prices them)
+    for module in groups:
+        fully_shard(module, mesh=mesh, reshard_after_forward=True)
+    fully_shard(model, mesh=mesh, reshard_after_forward=True, ignored_params=whole)
     for name, p in model.named_parameters():
         if name in marked:
             p.sequence_parallel = True
