@@ -168,6 +168,22 @@ def _weight_offloads(groups: list[ModuleGroup], dp: int) -> list:
             for g in groups if g.offload_weights > 0]  # fmt: skip
 
 
+def _shard_zero3_groups(model, groups: list[ModuleGroup], mine, dp: int, device) -> list[ModuleGroup]:
+    """ZeRO-3 (FSDP2 over the DP group) of the groups whose strategy has it, module by module; the
+    final norm, in no group, follows the stage's. Returns those groups."""
+    from megatron.core import parallel_state as ps
+
+    sharded = [g for g in groups if g.zero == 3 and dp > 1]
+    if sharded:
+        in_groups = {id(p) for g in groups for m in g.modules for p in m.parameters()}
+        zero3 = {id(p) for g in sharded for m in g.modules for p in m.parameters()}
+        whole = {p for p in model.parameters()
+                 if id(p) not in zero3 and (id(p) in in_groups or mine.zero != 3)}  # fmt: skip
+        modules = [m for g in sharded for m in g.modules]
+        shard_parameters(model, ps.get_data_parallel_group(), device, modules, whole)
+    return sharded
+
+
 class PartOptimizers:
     """The optimizers of a stage's parts (_parameter_parts), stepped as one."""
 
@@ -206,6 +222,59 @@ def _optimizer(part: Part, dp: int, model, lr: float, sequence_parallel: bool):
     if part.offload_optimizer > 0:  # of all the part's parameters, or with ZeRO-3 of this rank's shards
         return OffloadedMasterAdamW(part.params, part.offload_optimizer, lr)
     return MasterWeightAdamW(part.params, lr=lr, fused=True)
+
+
+class StageGradients:
+    """Where a stage's gradients go between backward and the step, part by part: ZeRO-2/3 reduce
+    each (to its owner, or scattered) as backward makes it, so no full buffer (ZeRO-2's offload in
+    ShardedMasterAdamW, ZeRO-3's in ShardedGradientOffload over FSDP2's shards); the rest are
+    views into one contiguous buffer, all-reduced over DP after backward, less those accumulated
+    on the host (GradientOffload), all-reduced there."""
+
+    def __init__(self, parts: list[Part], sharded: list[ModuleGroup], optimizer: PartOptimizers,
+                 dp: int) -> None:  # fmt: skip
+        self.dp, self.optimizer = dp, optimizer
+        self.reduced_as_made = [part.zero >= 2 and dp > 1 for part in parts]
+        self.drained = [GradientOffload(part.params, part.offload_grads)
+                        for part, made in zip(parts, self.reduced_as_made, strict=True)
+                        if part.offload_grads > 0 and not made]  # fmt: skip
+        # after sharding: FSDP2's shards are the parameters
+        self.drained_shards = [ShardedGradientOffload(g.modules, g.offload_grads)
+                               for g in sharded if g.offload_grads > 0]  # fmt: skip
+        on_host = {id(p) for d in self.drained for p in d.params}
+        kept = [p for part, made in zip(parts, self.reduced_as_made, strict=True) if not made
+                for p in part.params if id(p) not in on_host]  # fmt: skip
+        self.buffer = ContiguousGrads(kept) if kept else None
+
+    def sync(self, dp_group) -> None:
+        """The DP averages, and the host sums where the optimizer reads them."""
+        if self.buffer is not None and self.dp > 1:
+            self.buffer.all_reduce(dp_group, divide_by=self.dp)
+        for host in self.drained:
+            if self.dp > 1:
+                host.all_reduce(dp_group, divide_by=self.dp)
+            host.attach()
+        for host in self.drained_shards:  # FSDP2 averaged them over DP
+            host.attach()
+
+    def zero(self) -> None:
+        """After the step: host sums zeroed, ZeRO-2/3's reduced shards dropped, the buffer zeroed."""
+        for host in [*self.drained, *self.drained_shards]:
+            host.zero()
+        for part, made in zip(self.optimizer.parts, self.reduced_as_made, strict=True):
+            if made:
+                part.zero_grad()
+        if self.buffer is not None:
+            self.buffer.zero()
+
+    def device_buffers(self) -> list[torch.Tensor]:
+        return self.buffer.buffers if self.buffer is not None else []
+
+    def host_tensors(self) -> list[torch.Tensor]:
+        """The host buffers gradients accumulate in (ZeRO-2: of this rank's share)."""
+        offloaded = [t for d in [*self.drained, *self.drained_shards] for t in d.host_tensors()]
+        zero2 = [o for o in self.optimizer.parts if isinstance(o, ShardedMasterAdamW)]
+        return offloaded + [t for o in zero2 for t in o.host_gradient_tensors()]
 
 
 def _checkpoint_first_layers(model, count: int) -> None:
@@ -326,15 +395,7 @@ def run(plan: Plan, steps: int = 5, seed: int = 0, lr: float = 1e-2) -> dict:
     model = Float16Module(model.config, model)  # megatron's half-precision wrapper: casts inputs and outputs
     sequence_parallel = plan.sequence_parallel and plan.tp > 1
     groups = _module_groups(model.module, plan, mine)
-    sharded = [g for g in groups if g.zero == 3 and plan.dp > 1]  # ZeRO-3: FSDP2 groups, module by module
-    if sharded:
-        stage_zero3 = mine.zero == 3  # the final norm (in no group) follows the stage
-        in_groups = {id(p) for g in groups for m in g.modules for p in m.parameters()}
-        zero3_ids = {id(p) for g in sharded for m in g.modules for p in m.parameters()}
-        whole = {p for p in model.parameters()
-                 if id(p) not in zero3_ids and (id(p) in in_groups or not stage_zero3)}  # fmt: skip
-        modules = [m for g in sharded for m in g.modules]
-        shard_parameters(model, ps.get_data_parallel_group(), device, modules, whole)
+    sharded = _shard_zero3_groups(model, groups, mine, plan.dp, device)
     parts = _parameter_parts(model, plan, mine)  # after sharding: FSDP2 replaces the parameters
     optimizer = PartOptimizers([_optimizer(part, plan.dp, model, lr, sequence_parallel) for part in parts])
     # The same few sequences every step: a decreasing loss shows the whole pipeline learns.
@@ -343,22 +404,7 @@ def run(plan: Plan, steps: int = 5, seed: int = 0, lr: float = 1e-2) -> dict:
         torch.randint(0, spec.vocab, (plan.micro_batch, spec.seq + 1), generator=g).to(device)
         for _ in range(plan.grad_accum)
     ]
-    # ZeRO-2/3 reduce each gradient (to its owner, or scattered) as backward makes it: no full buffer
-    reduced_as_made = [part.zero >= 2 and plan.dp > 1 for part in parts]
-    # gradient offload where gradients are all-reduced after backward (ZeRO-2: ShardedMasterAdamW's)
-    drained = [
-        GradientOffload(part.params, part.offload_grads)
-        for part, made in zip(parts, reduced_as_made, strict=True)
-        if part.offload_grads > 0 and not made
-    ]
-    # ZeRO-3's gradient offload: the shards FSDP2's reduce-scatters make (after sharding, above)
-    drained_shards = [
-        ShardedGradientOffload(g.modules, g.offload_grads) for g in sharded if g.offload_grads > 0
-    ]
-    on_host = {id(p) for d in drained for p in d.params}
-    kept = [p for part, made in zip(parts, reduced_as_made, strict=True) if not made for p in part.params]
-    kept = [p for p in kept if id(p) not in on_host]
-    grads = ContiguousGrads(kept) if kept else None
+    gradients = StageGradients(parts, sharded, optimizer, plan.dp)
     # after the optimizers and gradient buffers: they are made where the weights are, the device
     weights = _weight_offloads(groups, plan.dp)
     pipeline = Pipeline1F1B(model, spec, plan, batches)
@@ -376,23 +422,10 @@ def run(plan: Plan, steps: int = 5, seed: int = 0, lr: float = 1e-2) -> dict:
             sp = [p.grad for p in model.parameters() if getattr(p, "sequence_parallel", False)]
             sp = [local(g) for g in sp if g is not None]  # ZeRO-3: this rank's shard
             flat_collective(sp, lambda flat: dist.all_reduce(flat, group=tp_group, async_op=True))
-        if grads is not None and plan.dp > 1:
-            grads.all_reduce(dp_group, divide_by=plan.dp)
-        for host_grads in drained:
-            if plan.dp > 1:
-                host_grads.all_reduce(dp_group, divide_by=plan.dp)
-            host_grads.attach()
-        for host_grads in drained_shards:  # FSDP2 averaged them over DP
-            host_grads.attach()
+        gradients.sync(dp_group)
         t2 = _now(device)
         optimizer.step()
-        for host_grads in [*drained, *drained_shards]:
-            host_grads.zero()
-        for part, made in zip(optimizer.parts, reduced_as_made, strict=True):
-            if made:  # ZeRO-2/3: the reduced gradient shards are dropped after the step
-                part.zero_grad()
-        if grads is not None:
-            grads.zero()
+        gradients.zero()
         phases.append({"pipeline_s": t1 - t0, "grad_sync_s": t2 - t1, "optimizer_s": _now(device) - t2})
         return loss
 
@@ -410,9 +443,7 @@ def run(plan: Plan, steps: int = 5, seed: int = 0, lr: float = 1e-2) -> dict:
     del phases[:]
     at_rest_on_host = {t.data_ptr() for w in weights for t in w.host_tensors()}
     on_device = [p for p in model.parameters() if local(p).data_ptr() not in at_rest_on_host]
-    held = _tensor_bytes(
-        [*on_device, *optimizer.state_tensors(), *(grads.buffers if grads is not None else [])]
-    )
+    held = _tensor_bytes([*on_device, *optimizer.state_tensors(), *gradients.device_buffers()])
     # The plan's cap on a CPU: a measured device peak above it ends the run as out of memory on
     # every rank (they all stop before the timed steps, so none waits in a collective); on a GPU
     # the allocator enforces it (above) and raises.
@@ -452,10 +483,7 @@ def run(plan: Plan, steps: int = 5, seed: int = 0, lr: float = 1e-2) -> dict:
         "host_weight_bytes": _tensor_bytes([t for w in weights for t in w.host_tensors()]),
         "weights_left_on_device": sum(w.resident() for w in weights),
         # offloaded gradients: the host buffers they accumulate in (ZeRO-2: of this rank's share)
-        "host_gradient_bytes": _tensor_bytes(
-            [t for d in [*drained, *drained_shards] for t in d.host_tensors()]
-            + [t for o in optimizer.parts if hasattr(o, "host_grads") for t in o.host_gradient_tensors()]
-        ),
+        "host_gradient_bytes": _tensor_bytes(gradients.host_tensors()),
         "layer_input_shape": layer_input_shape,
         "layers": len(model.module.decoder.layers),  # built here: the plan's count for this stage
         # weights whose gradients are summed over the TP group (sequence parallelism's norms), and
