@@ -150,7 +150,9 @@ MEGATRON_LM_FLAGS = (
 
 
 def megatron_args(plan: Plan, model: ModelSpec) -> tuple[list[str], list[str]]:
-    """Megatron-LM command-line arguments for ``plan``, and the plan's choices it cannot express."""
+    """Megatron-LM command-line arguments for ``plan``, and the plan's choices it cannot express
+    (stages that all share a TP and DP other than the plan's: written at the plan's level)."""
+    plan = plan.with_stage_parallelism_lifted()
     settings = model_settings(plan, model)
     args = [
         f"--micro-batch-size {plan.micro_batch}",

@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 import math
 import numbers
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import yaml
@@ -201,6 +201,19 @@ class Plan:
         stage = self.stages[i]
         tp, dp = stage.tp or self.tp, stage.dp or self.dp
         return tp, dp, self.global_batch // (self.grad_accum * dp)
+
+    def with_stage_parallelism_lifted(self) -> Plan:
+        """This plan with its stages' TP and DP written at the plan's level, where every stage has
+        the same (an Aceso-style search trades TP for DP stage by stage and may end with all of
+        them alike): the same GPUs, micro-batches a step and sequences per replica, so the same
+        plan, in the form a runtime with one TP and DP for all stages (Megatron-LM, the engine)
+        takes. Stages that differ are left as they are; so is a plan already in that form."""
+        shapes = {self.stage_parallelism(i) for i in range(len(self.stages))}
+        if len(shapes) > 1 or all(s.tp is None and s.dp is None for s in self.stages):
+            return self
+        ((tp, dp, micro_batch),) = shapes
+        stages = [replace(s, tp=None, dp=None) for s in self.stages]
+        return replace(self, tp=tp, dp=dp, micro_batch=micro_batch, stages=stages)
 
     def check(self) -> None:
         for name in ("gpus", "gpus_per_node", "global_batch", "tp", "dp", "micro_batch"):

@@ -10,7 +10,7 @@ import pytest
 from baselines.megatron.aceso import search_aceso
 from baselines.megatron.grid import grid_plans, megatron_args, search_grid
 from baselines.megatron.zero3 import search_zero3
-from mist import Plan, StagePlan, cluster, model, search
+from mist import Plan, StagePlan, cluster, model, predict, search
 
 CASES = [("gpt3-1.3b", "l4", 4, 32, 2048), ("llama-2.7b", "a100-40gb", 8, 64, 4096)]
 
@@ -42,7 +42,7 @@ def test_megatron_args_name_what_megatron_cannot_do():
     args, cannot = megatron_args(plan, m)
     text = " | ".join(cannot)
     for reason in (
-        "own TP/DP",
+        "TP/DP of their own that differ",
         "uneven middle stages",
         "recomputed layers per stage",
         "ZeRO stage 2/3",
@@ -50,6 +50,33 @@ def test_megatron_args_name_what_megatron_cannot_do():
     ):
         assert reason in text
     assert "--pipeline-model-parallel-size 4" in args and "--micro-batch-size 2" in args
+
+
+def test_stages_sharing_a_tp_dp_of_their_own_are_that_plan_lifted():
+    """An Aceso-style search trades TP for DP stage by stage, and its plans may end with every stage
+    at TP 1 x DP 2 under a plan-level TP 2 x DP 1 (16 of the committed comparison's 60). Lifted,
+    that is the plan TP 1 x DP 2 with micro-batches of half the size: the same micro-batches a
+    step, the same predicted time and memory to the bit, and Megatron-LM (and the engine) can run
+    it. Stages whose TP/DP differ stay as they are (negative control), and are refused."""
+    m, c = model("gpt3-1.3b"), cluster("l4", 4)
+    stages = [StagePlan(layers=12, recompute=2, tp=1, dp=2), StagePlan(layers=12, tp=1, dp=2)]
+    plan = Plan.of(m, c, global_batch=32, tp=2, dp=1, micro_batch=2, stages=stages)
+    lifted = plan.with_stage_parallelism_lifted()
+    assert (lifted.tp, lifted.dp, lifted.micro_batch, lifted.grad_accum) == (1, 2, 1, plan.grad_accum)
+    assert all(s.tp is None and s.dp is None for s in lifted.stages)
+    assert [s.recompute for s in lifted.stages] == [2, 0] and plan.stages[0].tp == 1  # a copy
+    for p in (plan, lifted):
+        predict(p, m, c)
+    assert lifted.predicted_iteration_s == plan.predicted_iteration_s
+    assert [s.memory_bytes for s in lifted.stages] == [s.memory_bytes for s in plan.stages]
+    args, cannot = megatron_args(plan, m)
+    assert "--tensor-model-parallel-size 1" in args and "--micro-batch-size 1" in args, args
+    assert not any("TP/DP" in why for why in cannot), cannot
+    assert lifted.with_stage_parallelism_lifted() is lifted
+    differ = Plan.of(m, c, global_batch=32, tp=1, dp=2, micro_batch=1,
+                     stages=[StagePlan(layers=12, tp=1, dp=2), StagePlan(layers=12, tp=2, dp=1)])  # fmt: skip
+    assert differ.with_stage_parallelism_lifted() is differ
+    assert any("TP/DP of their own that differ" in why for why in megatron_args(differ, m)[1])
 
 
 @pytest.mark.parametrize("case", CASES)

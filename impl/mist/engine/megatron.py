@@ -15,7 +15,9 @@ from ..plan import Plan
 
 def model_settings(plan: Plan, model: ModelSpec) -> dict[str, object]:
     """megatron-core's settings (TransformerConfig fields, and GPTModel's ``vocab_size``,
-    ``max_sequence_length``, ``position_embedding_type``) that the plan and the model decide."""
+    ``max_sequence_length``, ``position_embedding_type``) that the plan and the model decide (its
+    stages' TP and DP lifted to the plan's level where all stages share them)."""
+    plan = plan.with_stage_parallelism_lifted()
     layers = [s.layers for s in plan.stages]
     uneven = len(layers) > 1 and len(set(layers)) > 1
     return {
@@ -49,7 +51,9 @@ def model_settings(plan: Plan, model: ModelSpec) -> dict[str, object]:
 
 def megatron_limits(plan: Plan, model: ModelSpec) -> dict[str, str]:
     """What a Megatron GPT model cannot be built as for ``plan``, by name (empty: it can). The names
-    let a runtime that builds a part itself (mist.engine.run's parallel block) drop that one."""
+    let a runtime that builds a part itself (mist.engine.run's parallel block) drop that one.
+    Stages that all share a TP and DP other than the plan's are that plan with them lifted."""
+    plan = plan.with_stage_parallelism_lifted()
     limits = {}
     if model.parallel_block:
         limits["parallel_block"] = (
@@ -59,7 +63,7 @@ def megatron_limits(plan: Plan, model: ModelSpec) -> dict[str, str]:
         )
     if any((s.tp or plan.tp, s.dp or plan.dp) != (plan.tp, plan.dp) for s in plan.stages):
         limits["stage_parallelism"] = (
-            "stages with their own TP/DP (Megatron uses one TP and DP for all stages)"
+            "stages with TP/DP of their own that differ (Megatron uses one TP and DP for all stages)"
         )
     if plan.pre_post is not None:
         limits["pre_post"] = (

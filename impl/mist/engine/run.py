@@ -19,7 +19,8 @@ pipeline stages); around its modules the engine runs the plan's parts it has no 
 * optimizer-state offloading, alone or of a rank's share under ZeRO-1/2/3, activation, weight
   and gradient offloading (offload.py; ZeRO-2's gradients in zero.py).
 
-Refused with a message naming the part: stages with their own TP/DP (not implemented here yet);
+Refused with a message naming the part: stages whose TP/DP differ (not implemented here yet;
+stages that all share a TP/DP other than the plan's are that plan, lifted, and run);
 weight and gradient offloading on a GPU are refused at launch (CPU only so far). ZeRO-1 shards
 fp32 master weights and Adam state over the DP replicas, ZeRO-2 the gradients too
 (ShardedMasterAdamW), ZeRO-3 the weights too (torch's FSDP2 around megatron-core's layers, the
@@ -329,6 +330,7 @@ def run(plan: Plan, steps: int = 5, seed: int = 0, lr: float = 1e-2) -> dict:
 
     from . import cpu_shim
 
+    plan = plan.with_stage_parallelism_lifted()  # the same plan, in the form megatron-core builds
     reasons = unsupported(plan)
     if reasons:
         raise ValueError("mist.engine.run cannot execute this plan yet: " + "; ".join(reasons))
