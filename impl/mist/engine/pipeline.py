@@ -8,25 +8,48 @@ import torch
 import torch.distributed as dist
 
 from ..plan import Plan
+from .layout import Message, RankLayout
 
 
 class Pipeline1F1B:
-    """One rank's part of a 1F1B iteration over G micro-batches."""
+    """One rank's part of a 1F1B iteration over G micro-batches. The activations between stages
+    go as the layout's messages say (layout.py: one message each way between ranks of stages of
+    the same shape; pieces of the micro-batch's sequences between stages whose TP/DP differ)."""
 
-    def __init__(self, model, spec, plan: Plan, batches: list[torch.Tensor]) -> None:
-        from megatron.core import parallel_state as ps
-
+    def __init__(self, model, spec, plan: Plan, batches: list[torch.Tensor], layout: RankLayout) -> None:
         self.model, self.spec, self.plan, self.batches = model, spec, plan, batches
-        self.stage, self.stages = ps.get_pipeline_model_parallel_rank(), len(plan.stages)
-        self.first, self.last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
-        self.next = None if self.last else ps.get_pipeline_model_parallel_next_rank()
-        self.prev = None if self.first else ps.get_pipeline_model_parallel_prev_rank()
-        seq = spec.seq // plan.tp if plan.tp > 1 else spec.seq
-        self.shape = (seq, plan.micro_batch, spec.hidden)  # megatron's [s, b, h] between stages
+        rank = dist.get_rank()
+        self.stage = layout.locate(rank)[0]
+        self.stages = len(plan.stages)
+        self.first, self.last = self.stage == 0, self.stage == self.stages - 1
+        self.sends, self.receives = layout.forward_sends(rank), layout.forward_receives(rank)
+        self.grad_sends, self.grad_receives = layout.backward_sends(rank), layout.backward_receives(rank)
+        self.grad_scale = 1.0 if self.last else layout.gradient_scale(self.stage)
+        tp, _, micro_batch = plan.stage_parallelism(self.stage)
+        seq = spec.seq // tp if plan.sequence_parallel and tp > 1 else spec.seq  # SP: this rank's shard
+        self.shape = (seq, micro_batch, spec.hidden)  # megatron's [s, b, h] between stages
         self.device = batches[0].device
         self.mask = (
             torch.ones(1, 1, spec.seq, spec.seq, dtype=torch.bool, device=self.device).tril().logical_not()
         )
+
+    def _receive(self, messages: list[Message]) -> torch.Tensor:
+        """This rank's [s, b, h] from its pieces (one message of all of it: received in place)."""
+        whole = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        for m in messages:
+            if (m.seq_lo, m.seq_hi, m.lo, m.hi) == (0, self.shape[0], 0, self.shape[1]):
+                dist.recv(whole, m.peer)
+                continue
+            size = (m.seq_hi - m.seq_lo, m.hi - m.lo, self.shape[2])
+            piece = torch.empty(size, dtype=self.dtype, device=self.device)
+            dist.recv(piece, m.peer)
+            whole[m.seq_lo : m.seq_hi, m.lo : m.hi] = piece
+        return whole
+
+    @staticmethod
+    def _send(t: torch.Tensor, messages: list[Message], pending: list) -> None:
+        for m in messages:
+            pending.append(dist.isend(t[m.seq_lo : m.seq_hi, m.lo : m.hi].contiguous(), m.peer))
 
     def forward(self, m: int, pending: list):
         tokens = self.batches[m]
@@ -34,26 +57,25 @@ class Pipeline1F1B:
         pos = torch.arange(self.spec.seq, device=self.device).expand(ids.shape[0], -1)
         received = None
         if not self.first:
-            received = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-            dist.recv(received, self.prev)
-            received.requires_grad_(True)
+            received = self._receive(self.receives).requires_grad_(True)
         self.model.set_input_tensor(received)
         out = self.model(ids, pos, self.mask, labels=labels if self.last else None)
         if self.last:
             out = out.float().mean() / len(self.batches)
         else:
-            pending.append(dist.isend(out.detach().contiguous(), self.next))
+            self._send(out.detach(), self.sends, pending)
         return received, out
 
     def backward(self, received, out, pending: list) -> None:
         if self.last:
             out.backward()
         else:
-            grad = torch.empty(self.shape, dtype=out.dtype, device=self.device)
-            dist.recv(grad, self.next)
+            grad = self._receive(self.grad_receives)
+            if self.grad_scale != 1.0:
+                grad *= self.grad_scale
             torch.autograd.backward(out, grad)
         if received is not None:
-            pending.append(dist.isend(received.grad.contiguous(), self.prev))
+            self._send(received.grad, self.grad_sends, pending)
 
     def iteration(self) -> float:
         from ..tuning.pipeline_sim import one_f_one_b_order

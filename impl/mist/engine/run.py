@@ -19,9 +19,11 @@ pipeline stages); around its modules the engine runs the plan's parts it has no 
 * optimizer-state offloading, alone or of a rank's share under ZeRO-1/2/3, activation, weight
   and gradient offloading (offload.py; ZeRO-2's gradients in zero.py).
 
-Refused with a message naming the part: stages whose TP/DP differ (not implemented here yet;
-stages that all share a TP/DP other than the plan's are that plan, lifted, and run);
-weight and gradient offloading on a GPU are refused at launch (CPU only so far). ZeRO-1 shards
+* stages with a TP and DP of their own (layout.py: megatron-core's state per stage, the pieces of
+  each micro-batch's sequences sent between stages whose shapes differ).
+
+Refused at launch with a message: weight and gradient offloading on a GPU (CPU only so far); a
+Megatron-LM limit the engine does not build around (none now: ``unsupported``). ZeRO-1 shards
 fp32 master weights and Adam state over the DP replicas, ZeRO-2 the gradients too
 (ShardedMasterAdamW), ZeRO-3 the weights too (torch's FSDP2 around megatron-core's layers, the
 embedding and the head, each a group: of the whole stage, or of the part whose strategy it is).
@@ -51,6 +53,7 @@ from measure.training import MasterWeightAdamW
 
 from ..plan import Plan
 from .layers import block_spec
+from .layout import RankLayout, init_megatron_state
 from .megatron import megatron_limits, model_settings
 from .offload import (
     HOST_WORK,
@@ -70,16 +73,20 @@ def unsupported(plan: Plan) -> list[str]:
     """The plan's parts mist.engine.run cannot execute (empty: it can): what no Megatron model can be
     built as (megatron.megatron_limits), and what this engine does not do around it."""
 
-    # layers.py's spec; _config's layout; _parameter_parts; offload.py
-    built_here = ("parallel_block", "uneven_middle_stages", "pre_post", "offload_weights_grads")
+    # layers.py's spec; _config's layout; layout.py; _parameter_parts; offload.py
+    built_here = ("parallel_block", "uneven_middle_stages", "stage_parallelism", "pre_post",
+                  "offload_weights_grads")  # fmt: skip
     limits = megatron_limits(plan, plan.model_spec())
     return [why for name, why in limits.items() if name not in built_here]
 
 
-def _config(spec, plan: Plan, dtype: torch.dtype):
+def _config(spec, plan: Plan, dtype: torch.dtype, tp: int):
+    """megatron-core's config of a stage whose TP is ``tp`` (the plan's, or the stage's own)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     settings = model_settings(plan, spec)
+    settings["tensor_model_parallel_size"] = tp
+    settings["sequence_parallel"] = plan.sequence_parallel and tp > 1
     for not_config in ("position_embedding_type", "max_sequence_length", "vocab_size"):  # GPTModel's
         settings.pop(not_config)
     activation = {"silu": nn.functional.silu, "gelu": nn.functional.gelu}[settings.pop("activation")]
@@ -346,10 +353,14 @@ def run(plan: Plan, steps: int = 5, seed: int = 0, lr: float = 1e-2) -> dict:
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
     from megatron.core.transformer.module import Float16Module
 
-    ps.initialize_model_parallel(
-        tensor_model_parallel_size=plan.tp, pipeline_model_parallel_size=len(plan.stages)
-    )
-    model_parallel_cuda_manual_seed(seed)
+    layout = RankLayout.of(plan)
+    if layout.uniform:
+        ps.initialize_model_parallel(
+            tensor_model_parallel_size=plan.tp, pipeline_model_parallel_size=len(plan.stages)
+        )
+        model_parallel_cuda_manual_seed(seed)
+    else:  # stages whose TP/DP differ: megatron-core's state for this rank's stage
+        init_megatron_state(layout, dist.get_rank(), seed)
     offloads = [(s.offload_weights, s.offload_grads) for s in plan.stages]
     if plan.pre_post is not None:
         offloads.append((plan.pre_post.offload_weights, plan.pre_post.offload_grads))
@@ -368,8 +379,9 @@ def run(plan: Plan, steps: int = 5, seed: int = 0, lr: float = 1e-2) -> dict:
     dtype = torch.bfloat16
     stage = ps.get_pipeline_model_parallel_rank()
     mine = plan.stages[stage]
+    tp, dp, micro_batch = plan.stage_parallelism(stage)  # this stage's (Plan.stage_parallelism)
     model = GPTModel(
-        config=_config(spec, plan, dtype),
+        config=_config(spec, plan, dtype, tp),
         transformer_layer_spec=block_spec(settings["normalization"], spec.parallel_block, mine.layers),
         vocab_size=settings["vocab_size"],
         max_sequence_length=settings["max_sequence_length"],
@@ -395,36 +407,43 @@ def run(plan: Plan, steps: int = 5, seed: int = 0, lr: float = 1e-2) -> dict:
         model.decoder.layers[0].register_forward_pre_hook(record_input_shape, with_kwargs=True)
     offloaded_layers = offload_layer_activations(model, mine.recompute, mine.offload_activations)
     model = Float16Module(model.config, model)  # megatron's half-precision wrapper: casts inputs and outputs
-    sequence_parallel = plan.sequence_parallel and plan.tp > 1
+    sequence_parallel = plan.sequence_parallel and tp > 1
     groups = _module_groups(model.module, plan, mine)
-    sharded = _shard_zero3_groups(model, groups, mine, plan.dp, device)
+    sharded = _shard_zero3_groups(model, groups, mine, dp, device)
     parts = _parameter_parts(model, plan, mine)  # after sharding: FSDP2 replaces the parameters
-    optimizer = PartOptimizers([_optimizer(part, plan.dp, model, lr, sequence_parallel) for part in parts])
-    # The same few sequences every step: a decreasing loss shows the whole pipeline learns.
-    g = torch.Generator().manual_seed(seed + ps.get_data_parallel_rank())
+    optimizer = PartOptimizers([_optimizer(part, dp, model, lr, sequence_parallel) for part in parts])
+    # The same few sequences every step: a decreasing loss shows the whole pipeline learns. Each
+    # pipeline micro-batch is drawn whole; this rank's replica takes its sequences of it.
+    g = torch.Generator().manual_seed(seed)
+    lo, hi = layout.rows(stage, ps.get_data_parallel_rank())
     batches = [
-        torch.randint(0, spec.vocab, (plan.micro_batch, spec.seq + 1), generator=g).to(device)
+        torch.randint(0, spec.vocab, (layout.sequences, spec.seq + 1), generator=g)[lo:hi].to(device)
         for _ in range(plan.grad_accum)
     ]
-    gradients = StageGradients(parts, sharded, optimizer, plan.dp)
+    assert hi - lo == micro_batch
+    gradients = StageGradients(parts, sharded, optimizer, dp)
     # after the optimizers and gradient buffers: they are made where the weights are, the device
-    weights = _weight_offloads(groups, plan.dp)
-    pipeline = Pipeline1F1B(model, spec, plan, batches)
+    weights = _weight_offloads(groups, dp)
+    pipeline = Pipeline1F1B(model, spec, plan, batches, layout)
     dp_group, tp_group = ps.get_data_parallel_group(), ps.get_tensor_model_parallel_group()
 
     phases: list[dict[str, float]] = []  # per step: where the time went
     grad_bytes: list[int] = []  # per step: the .grad tensors on the device when backward ends
+    first_grad_norm: list[float] = []
 
     def step() -> float:
         t0 = _now(device)
         loss = pipeline.iteration()
         t1 = _now(device)
         grad_bytes.append(_tensor_bytes(p.grad for p in model.parameters() if p.grad is not None))
-        if plan.tp > 1:  # sequence-parallel weights hold partial sums over the sequence shards
+        if tp > 1:  # sequence-parallel weights hold partial sums over the sequence shards
             sp = [p.grad for p in model.parameters() if getattr(p, "sequence_parallel", False)]
             sp = [local(g) for g in sp if g is not None]  # ZeRO-3: this rank's shard
             flat_collective(sp, lambda flat: dist.all_reduce(flat, group=tp_group, async_op=True))
         gradients.sync(dp_group)
+        if not first_grad_norm:  # the first step's, as the optimizer reads them
+            norms = [local(p.grad).double().norm() for p in model.parameters() if p.grad is not None]
+            first_grad_norm.append(float(torch.stack(norms).norm()) if norms else 0.0)
         t2 = _now(device)
         optimizer.step()
         gradients.zero()
@@ -473,6 +492,9 @@ def run(plan: Plan, steps: int = 5, seed: int = 0, lr: float = 1e-2) -> dict:
         # the .grad tensors on the device as backward ends, each storage whole (ZeRO-3: FSDP2's
         # gradient shards, less those offloaded; ZeRO-2 keeps its reduced share apart, uncounted)
         "device_grad_bytes": grad_bytes[-1],
+        # the L2 norm of this rank's .grad tensors in the first step, after the DP average (ZeRO-2/3
+        # parts hold theirs apart or sharded): equal across plans that train the same model
+        "first_grad_norm": first_grad_norm[0],
         "step_peaks_bytes": step_peaks,
         "memory_bytes": held + statistics.median_low(step_peaks),
         "worst_memory_bytes": held + max(step_peaks),
