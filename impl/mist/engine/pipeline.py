@@ -19,15 +19,15 @@ class Pipeline1F1B:
     def __init__(self, model, spec, plan: Plan, batches: list[torch.Tensor], layout: RankLayout) -> None:
         self.model, self.spec, self.plan, self.batches = model, spec, plan, batches
         rank = dist.get_rank()
-        self.stage = layout.locate(rank)[0]
+        self.stage, tp_rank, dp_rank = layout.locate(rank)
         self.stages = len(plan.stages)
         self.first, self.last = self.stage == 0, self.stage == self.stages - 1
         self.sends, self.receives = layout.forward_sends(rank), layout.forward_receives(rank)
         self.grad_sends, self.grad_receives = layout.backward_sends(rank), layout.backward_receives(rank)
         self.grad_scale = 1.0 if self.last else layout.gradient_scale(self.stage)
-        tp, _, micro_batch = plan.stage_parallelism(self.stage)
-        seq = spec.seq // tp if plan.sequence_parallel and tp > 1 else spec.seq  # SP: this rank's shard
-        self.shape = (seq, micro_batch, spec.hidden)  # megatron's [s, b, h] between stages
+        # megatron's [s, b, h] between stages: this rank's positions (SP: its shard) and sequences
+        (s0, s1), (b0, b1) = layout.positions(self.stage, tp_rank), layout.rows(self.stage, dp_rank)
+        self.shape = (s1 - s0, b1 - b0, spec.hidden)
         self.device = batches[0].device
         self.mask = (
             torch.ones(1, 1, spec.seq, spec.seq, dtype=torch.bool, device=self.device).tril().logical_not()
