@@ -80,13 +80,14 @@ def unsupported(plan: Plan) -> list[str]:
     return [why for name, why in limits.items() if name not in built_here]
 
 
-def _config(spec, plan: Plan, dtype: torch.dtype, tp: int):
-    """megatron-core's config of a stage whose TP is ``tp`` (the plan's, or the stage's own)."""
+def _config(spec, plan: Plan, dtype: torch.dtype, tp: int | None = None):
+    """megatron-core's config of a stage whose TP is ``tp`` (None: the plan's)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     settings = model_settings(plan, spec)
-    settings["tensor_model_parallel_size"] = tp
-    settings["sequence_parallel"] = plan.sequence_parallel and tp > 1
+    if tp is not None:  # a stage's own
+        settings["tensor_model_parallel_size"] = tp
+        settings["sequence_parallel"] = plan.sequence_parallel and tp > 1
     for not_config in ("position_embedding_type", "max_sequence_length", "vocab_size"):  # GPTModel's
         settings.pop(not_config)
     activation = {"silu": nn.functional.silu, "gelu": nn.functional.gelu}[settings.pop("activation")]
