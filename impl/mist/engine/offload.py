@@ -203,7 +203,35 @@ class WeightOffload:
             self.pending[i] = len(self.offloaded[i])
 
 
-class GradientOffload:
+class _HostGradients:
+    """Gradients of ``params`` added into host buffers (``host``: one per parameter, like it) as
+    backward makes them, and dropped on the device; ``attach`` puts the host sums where the
+    optimizer reads them. A ZeRO-3 parameter, its gradient and its buffer are DTensors: each
+    rank's shard is what is added."""
+
+    params: list[nn.Parameter]
+    host: dict[int, torch.Tensor]
+
+    def _drain(self, p: nn.Parameter) -> None:
+        with torch.profiler.record_function(HOST_WORK):  # down, added on the host
+            local(self.host[id(p)]).add_(local(p.grad))
+        p.grad = None  # freed on the device
+
+    def attach(self) -> None:
+        """The summed gradients where the optimizer reads them, for its step."""
+        for p in self.params:
+            p.grad = self.host[id(p)]
+
+    def zero(self) -> None:
+        for p in self.params:
+            p.grad = None
+            local(self.host[id(p)]).zero_()
+
+    def host_tensors(self) -> list[torch.Tensor]:
+        return [local(t) for t in self.host.values()]
+
+
+class GradientOffload(_HostGradients):
     """Gradients of ``fraction`` of ``params`` (largest first) accumulated on the host, for a part
     whose gradients are otherwise all-reduced after backward (ZeRO-0/1). Sequence-parallel
     weights stay on the device: their TP sum reads ``.grad`` (they are a norm's few elements)."""
@@ -215,11 +243,6 @@ class GradientOffload:
         for p in self.params:
             p.register_post_accumulate_grad_hook(self._drain)
 
-    def _drain(self, p: nn.Parameter) -> None:
-        with torch.profiler.record_function(HOST_WORK):  # down, added on the host
-            self.host[id(p)].add_(p.grad)
-        p.grad = None  # freed on the device
-
     def all_reduce(self, group, divide_by: int) -> None:
         """The DP sum of the host buffers (gloo), averaged."""
         import torch.distributed as dist
@@ -227,19 +250,6 @@ class GradientOffload:
         for buffer in self.host.values():
             dist.all_reduce(buffer, group=group)
             buffer /= divide_by
-
-    def attach(self) -> None:
-        """The summed gradients where the optimizer reads them, for its step."""
-        for p in self.params:
-            p.grad = self.host[id(p)]
-
-    def zero(self) -> None:
-        for p in self.params:
-            p.grad = None
-            self.host[id(p)].zero_()
-
-    def host_tensors(self) -> list[torch.Tensor]:
-        return list(self.host.values())
 
 
 class ShardedWeightOffload:
@@ -265,7 +275,7 @@ class ShardedWeightOffload:
         return 0
 
 
-class ShardedGradientOffload:
+class ShardedGradientOffload(_HostGradients):
     """ZeRO-3's gradients accumulated on the host: that fraction of ``modules``' (FSDP2 groups)
     parameters, largest first by this rank's shard. As FSDP2's reduce-scatter makes a
     micro-batch's gradient shard, it is added into a host buffer and dropped on the device (FSDP2
@@ -288,25 +298,8 @@ class ShardedGradientOffload:
         # DTensors like the shards (same mesh and placements): the step reads them as gradients
         self.host = {id(p): torch.zeros_like(p) for p in self.params}
 
-    def _drain(self, p: nn.Parameter) -> None:
-        with torch.profiler.record_function(HOST_WORK):  # down, added on the host
-            local(self.host[id(p)]).add_(local(p.grad))
-        p.grad = None  # the view into the reduce-scatter output is dropped
-
     @staticmethod
     def _own_storage(p: nn.Parameter) -> None:
         g = local(p.grad)
         if g.untyped_storage().nbytes() > g.numel() * g.element_size():  # a view into the group's output
             p.grad = p.grad.clone()
-
-    def attach(self) -> None:
-        for p in self.params:
-            p.grad = self.host[id(p)]
-
-    def zero(self) -> None:
-        for p in self.params:
-            p.grad = None
-            local(self.host[id(p)]).zero_()
-
-    def host_tensors(self) -> list[torch.Tensor]:
-        return [local(t) for t in self.host.values()]
