@@ -333,27 +333,21 @@ def _tensor_bytes(tensors) -> int:
     return total
 
 
-def run(plan: Plan, steps: int = 5, seed: int = 0, lr: float = 1e-2) -> dict:
-    """Train ``steps`` iterations of ``plan`` on this process group; the report of this rank."""
-
+def _start(plan: Plan, seed: int) -> RankLayout:
+    """This process in the plan: its process group, megatron-core's parallel state (one TP/DP for
+    all stages: megatron-core's own; stages that differ: each rank's stage's), the GPU cap."""
     from . import cpu_shim
 
-    plan = plan.with_stage_parallelism_lifted()  # the same plan, in the form megatron-core builds
-    reasons = unsupported(plan)
-    if reasons:
-        raise ValueError("mist.engine.run cannot execute this plan yet: " + "; ".join(reasons))
-    cpu_shim.install()
+    cpu_shim.install()  # first: the CUDA stand-ins megatron-core needs on a CPU
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     if not dist.is_initialized():
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     if dist.get_world_size() != plan.gpus:
         raise ValueError(f"the plan is for {plan.gpus} processes, this run has {dist.get_world_size()}")
-    from megatron.core import parallel_state as ps
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-    from megatron.core.transformer.module import Float16Module
-
     layout = RankLayout.of(plan)
     if layout.uniform:
         ps.initialize_model_parallel(
@@ -375,14 +369,23 @@ def run(plan: Plan, steps: int = 5, seed: int = 0, lr: float = 1e-2) -> dict:
         total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
         allocator = plan.gpu_memory_bytes - GpuBudget(plan.gpu_memory_bytes).context_bytes
         torch.cuda.set_per_process_memory_fraction(max(0.0, min(1.0, allocator / total)))
+    return layout
+
+
+def _build_stage(plan: Plan, stage: int, device: torch.device) -> tuple[nn.Module, list[int], int]:
+    """This rank's stage as megatron-core builds it, on ``device``, its first layers recomputed and
+    activations offloaded as the plan says, in megatron's half-precision wrapper; with the shape
+    of its first layer's input ([tokens here, batch, hidden], filled by the first forward) and
+    how many layers offload their activations."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer.module import Float16Module
+
     spec = plan.model_spec()
     settings = model_settings(plan, spec)
-    dtype = torch.bfloat16
-    stage = ps.get_pipeline_model_parallel_rank()
     mine = plan.stages[stage]
-    tp, dp, micro_batch = plan.stage_parallelism(stage)  # this stage's (Plan.stage_parallelism)
     model = GPTModel(
-        config=_config(spec, plan, dtype, tp),
+        config=_config(spec, plan, torch.bfloat16, plan.stage_parallelism(stage)[0]),
         transformer_layer_spec=block_spec(settings["normalization"], spec.parallel_block, mine.layers),
         vocab_size=settings["vocab_size"],
         max_sequence_length=settings["max_sequence_length"],
@@ -391,14 +394,9 @@ def run(plan: Plan, steps: int = 5, seed: int = 0, lr: float = 1e-2) -> dict:
         share_embeddings_and_output_weights=False,
         position_embedding_type=settings["position_embedding_type"],
     ).train()
-    device = (
-        torch.device("cuda", torch.cuda.current_device())
-        if torch.cuda.is_available()
-        else torch.device("cpu")
-    )
     model = model.to(device)
     _checkpoint_first_layers(model, mine.recompute)
-    layer_input_shape: list[int] = []  # [tokens here, batch, hidden]: sequence parallelism shards them
+    layer_input_shape: list[int] = []  # sequence parallelism shards the tokens
 
     def record_input_shape(_layer, args, kwargs) -> None:
         if not layer_input_shape:
@@ -407,25 +405,47 @@ def run(plan: Plan, steps: int = 5, seed: int = 0, lr: float = 1e-2) -> dict:
     if model.decoder.layers:
         model.decoder.layers[0].register_forward_pre_hook(record_input_shape, with_kwargs=True)
     offloaded_layers = offload_layer_activations(model, mine.recompute, mine.offload_activations)
-    model = Float16Module(model.config, model)  # megatron's half-precision wrapper: casts inputs and outputs
-    sequence_parallel = plan.sequence_parallel and tp > 1
+    # megatron's half-precision wrapper: casts inputs and outputs
+    return Float16Module(model.config, model), layer_input_shape, offloaded_layers
+
+
+def _batches(plan: Plan, layout: RankLayout, stage: int, seed: int, device: torch.device) -> list:
+    """The same few sequences every step (a decreasing loss shows the whole pipeline learns): each
+    pipeline micro-batch drawn whole, this rank's replica taking its sequences of it."""
+    from megatron.core import parallel_state as ps
+
+    spec = plan.model_spec()
+    g = torch.Generator().manual_seed(seed)
+    lo, hi = layout.rows(stage, ps.get_data_parallel_rank())
+    return [torch.randint(0, spec.vocab, (layout.sequences, spec.seq + 1), generator=g)[lo:hi].to(device)
+            for _ in range(plan.grad_accum)]  # fmt: skip
+
+
+def run(plan: Plan, steps: int = 5, seed: int = 0, lr: float = 1e-2) -> dict:
+    """Train ``steps`` iterations of ``plan`` on this process group; the report of this rank."""
+    plan = plan.with_stage_parallelism_lifted()  # the same plan, in the form megatron-core builds
+    reasons = unsupported(plan)
+    if reasons:
+        raise ValueError("mist.engine.run cannot execute this plan yet: " + "; ".join(reasons))
+    layout = _start(plan, seed)
+    from megatron.core import parallel_state as ps
+
+    stage = ps.get_pipeline_model_parallel_rank()
+    mine = plan.stages[stage]
+    tp, dp, _ = plan.stage_parallelism(stage)  # this stage's (Plan.stage_parallelism)
+    on_gpu = torch.cuda.is_available()
+    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+    model, layer_input_shape, offloaded_layers = _build_stage(plan, stage, device)
     groups = _module_groups(model.module, plan, mine)
     sharded = _shard_zero3_groups(model, groups, mine, dp, device)
     parts = _parameter_parts(model, plan, mine)  # after sharding: FSDP2 replaces the parameters
+    sequence_parallel = plan.sequence_parallel and tp > 1
     optimizer = PartOptimizers([_optimizer(part, dp, model, lr, sequence_parallel) for part in parts])
-    # The same few sequences every step: a decreasing loss shows the whole pipeline learns. Each
-    # pipeline micro-batch is drawn whole; this rank's replica takes its sequences of it.
-    g = torch.Generator().manual_seed(seed)
-    lo, hi = layout.rows(stage, ps.get_data_parallel_rank())
-    batches = [
-        torch.randint(0, spec.vocab, (layout.sequences, spec.seq + 1), generator=g)[lo:hi].to(device)
-        for _ in range(plan.grad_accum)
-    ]
-    assert hi - lo == micro_batch
     gradients = StageGradients(parts, sharded, optimizer, dp)
     # after the optimizers and gradient buffers: they are made where the weights are, the device
     weights = _weight_offloads(groups, dp)
-    pipeline = Pipeline1F1B(model, spec, plan, batches, layout)
+    batches = _batches(plan, layout, stage, seed, device)
+    pipeline = Pipeline1F1B(model, plan.model_spec(), plan, batches, layout)
     dp_group, tp_group = ps.get_data_parallel_group(), ps.get_tensor_model_parallel_group()
 
     phases: list[dict[str, float]] = []  # per step: where the time went
@@ -437,39 +457,102 @@ def run(plan: Plan, steps: int = 5, seed: int = 0, lr: float = 1e-2) -> dict:
         loss = pipeline.iteration()
         t1 = _now(device)
         grad_bytes.append(_tensor_bytes(p.grad for p in model.parameters() if p.grad is not None))
-        if tp > 1:  # sequence-parallel weights hold partial sums over the sequence shards
-            sp = [p.grad for p in model.parameters() if getattr(p, "sequence_parallel", False)]
-            sp = [local(g) for g in sp if g is not None]  # ZeRO-3: this rank's shard
-            flat_collective(sp, lambda flat: dist.all_reduce(flat, group=tp_group, async_op=True))
+        if tp > 1:
+            _sum_sequence_parallel_grads(model, tp_group)
         gradients.sync(dp_group)
         if not first_grad_norm:  # the first step's, as the optimizer reads them
-            norms = [local(p.grad).double().norm() for p in model.parameters() if p.grad is not None]
-            first_grad_norm.append(float(torch.stack(norms).norm()) if norms else 0.0)
+            first_grad_norm.append(_grad_norm(model))
         t2 = _now(device)
         optimizer.step()
         gradients.zero()
         phases.append({"pipeline_s": t1 - t0, "grad_sync_s": t2 - t1, "optimizer_s": _now(device) - t2})
         return loss
 
-    losses = [step()]  # step 0 creates the optimizer state: held bytes afterwards, not a step peak
-    # Memory: the first steady steps, each under the allocator profiler. Their peaks vary (on a CPU
-    # by up to ~10% of the total at this tiny scale: gloo's threads and FSDP2's asynchronous
-    # gathers and reduce-scatters free buffers at varying times), so the typical step (the median)
-    # is compared with the model and the worst is reported beside it. Then the timed, unprofiled
-    # steps; the phases are theirs only.
+    def held_bytes() -> int:
+        at_rest_on_host = {t.data_ptr() for w in weights for t in w.host_tensors()}
+        on_device = [p for p in model.parameters() if local(p).data_ptr() not in at_rest_on_host]
+        return _tensor_bytes([*on_device, *optimizer.state_tensors(), *gradients.device_buffers()])
+
+    measured = _measure(step, steps, held_bytes, plan.gpu_memory_bytes, device)
+    del phases[: MEMORY_STEPS + 1]  # the phases are the timed steps' only
+    report = {
+        "rank": dist.get_rank(),
+        "stage": stage,
+        "tp_rank": ps.get_tensor_model_parallel_rank(),
+        "dp_rank": ps.get_data_parallel_rank(),
+        **measured,
+        "losses": measured["losses"] if ps.is_pipeline_last_stage() else None,
+        "phases": phases,
+        # the .grad tensors on the device as backward ends, each storage whole (ZeRO-3: FSDP2's
+        # gradient shards, less those offloaded; ZeRO-2 keeps its reduced share apart, uncounted)
+        "device_grad_bytes": grad_bytes[-1],
+        # the L2 norm of this rank's .grad tensors in the first step, after the DP average (ZeRO-2/3
+        # parts hold theirs apart or sharded): equal across plans that train the same model
+        "first_grad_norm": first_grad_norm[0],
+        **_offload_report(optimizer, weights, gradients),
+        "activation_offloaded_layers": offloaded_layers,  # layers whose saved activations wait on the host
+        "layer_input_shape": layer_input_shape,
+        "layers": len(model.module.decoder.layers),  # built here: the plan's count for this stage
+        **_sequence_parallel_report(model),
+    }
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, report)
+    ps.destroy_model_parallel()
+    return {"ranks": gathered}
+
+
+def _sum_sequence_parallel_grads(model, tp_group) -> None:
+    """Sequence-parallel weights (the norms) hold partial sums over the sequence shards: summed
+    over the TP group (ZeRO-3: this rank's shard of them)."""
+    sp = [p.grad for p in model.parameters() if getattr(p, "sequence_parallel", False)]
+    sp = [local(g) for g in sp if g is not None]
+    flat_collective(sp, lambda flat: dist.all_reduce(flat, group=tp_group, async_op=True))
+
+
+def _sequence_parallel_report(model) -> dict:
+    """The weights whose gradients are summed over the TP group (sequence parallelism's norms), and
+    the sum of their values: equal on every rank of a stage when their gradients were summed."""
+    weights = [p for p in model.parameters() if getattr(p, "sequence_parallel", False)]
+    return {"sequence_parallel_params": len(weights),
+            "sequence_parallel_checksum": sum(local(p).double().sum().item() for p in weights)}  # fmt: skip
+
+
+def _grad_norm(model) -> float:
+    """The L2 norm of this rank's .grad tensors (ZeRO-3: its shards)."""
+    norms = [local(p.grad).double().norm() for p in model.parameters() if p.grad is not None]
+    return float(torch.stack(norms).norm()) if norms else 0.0
+
+
+def _offload_report(optimizer: PartOptimizers, weights: list, gradients: StageGradients) -> dict:
+    """What offloading keeps on the host, by kind (none of it in the held bytes)."""
+    return {
+        "host_optimizer_bytes": _tensor_bytes(optimizer.host_tensors()),
+        # weights at rest on the host, and how many were left on the device after the step
+        # (none: each came down after its layer's backward)
+        "host_weight_bytes": _tensor_bytes([t for w in weights for t in w.host_tensors()]),
+        "weights_left_on_device": sum(w.resident() for w in weights),
+        # the host buffers gradients accumulate in (ZeRO-2: of this rank's share)
+        "host_gradient_bytes": _tensor_bytes(gradients.host_tensors()),
+    }
+
+
+def _measure(step, steps: int, held_bytes, cap: int | None, device: torch.device) -> dict:
+    """Step 0 (it creates the optimizer state: held bytes afterwards, not a step peak), then the
+    memory steps, each under the allocator profiler, then ``steps`` timed, unprofiled ones, unless
+    a device peak went above the plan's cap on some rank: losses, times and memory. The memory
+    steps' peaks vary (on a CPU by up to ~10% of the total at this tiny scale: gloo's threads and
+    FSDP2's asynchronous gathers and reduce-scatters free buffers at varying times), so the
+    typical step (the median) is compared with the model and the worst reported beside it."""
+    losses = [step()]
     step_peaks = []
     for _ in range(MEMORY_STEPS):
         step_peak, loss = _step_peak(step, device)
         step_peaks.append(step_peak)
         losses.append(loss)
-    del phases[:]
-    at_rest_on_host = {t.data_ptr() for w in weights for t in w.host_tensors()}
-    on_device = [p for p in model.parameters() if local(p).data_ptr() not in at_rest_on_host]
-    held = _tensor_bytes([*on_device, *optimizer.state_tensors(), *gradients.device_buffers()])
+    held = held_bytes()
     # The plan's cap on a CPU: a measured device peak above it ends the run as out of memory on
     # every rank (they all stop before the timed steps, so none waits in a collective); on a GPU
-    # the allocator enforces it (above) and raises.
-    cap = plan.gpu_memory_bytes
+    # the allocator enforces it (_start) and raises.
     over = torch.tensor([int(cap is not None and held + max(step_peaks) > cap)], device=device)
     dist.all_reduce(over, op=dist.ReduceOp.MAX)
     out_of_memory = bool(over.item())
@@ -478,48 +561,16 @@ def run(plan: Plan, steps: int = 5, seed: int = 0, lr: float = 1e-2) -> dict:
         t0 = time.perf_counter()
         losses.append(step())
         times.append(time.perf_counter() - t0)
-    sequence_parallel_weights = [p for p in model.parameters() if getattr(p, "sequence_parallel", False)]
-    report = {
-        "rank": dist.get_rank(),
-        "stage": stage,
-        "tp_rank": ps.get_tensor_model_parallel_rank(),
-        "dp_rank": ps.get_data_parallel_rank(),
-        "losses": losses if ps.is_pipeline_last_stage() else None,
+    return {
+        "losses": losses,
         "step_s": times,  # none when out of memory: an over-cap run has no time
         "out_of_memory": out_of_memory,  # some rank's device peak went above the plan's cap
         "memory_cap_bytes": cap,
-        "phases": phases,
         "held_bytes": held,
-        # the .grad tensors on the device as backward ends, each storage whole (ZeRO-3: FSDP2's
-        # gradient shards, less those offloaded; ZeRO-2 keeps its reduced share apart, uncounted)
-        "device_grad_bytes": grad_bytes[-1],
-        # the L2 norm of this rank's .grad tensors in the first step, after the DP average (ZeRO-2/3
-        # parts hold theirs apart or sharded): equal across plans that train the same model
-        "first_grad_norm": first_grad_norm[0],
         "step_peaks_bytes": step_peaks,
         "memory_bytes": held + statistics.median_low(step_peaks),
         "worst_memory_bytes": held + max(step_peaks),
-        # offloaded: optimizer tensors kept on the host (not in held_bytes), layers whose saved
-        # activations wait on the host
-        "host_optimizer_bytes": _tensor_bytes(optimizer.host_tensors()),
-        "activation_offloaded_layers": offloaded_layers,
-        # offloaded weights: bytes at rest on the host, and how many were left on the device
-        # after the step (none: each came down after its layer's backward)
-        "host_weight_bytes": _tensor_bytes([t for w in weights for t in w.host_tensors()]),
-        "weights_left_on_device": sum(w.resident() for w in weights),
-        # offloaded gradients: the host buffers they accumulate in (ZeRO-2: of this rank's share)
-        "host_gradient_bytes": _tensor_bytes(gradients.host_tensors()),
-        "layer_input_shape": layer_input_shape,
-        "layers": len(model.module.decoder.layers),  # built here: the plan's count for this stage
-        # weights whose gradients are summed over the TP group (sequence parallelism's norms), and
-        # the sum of their values: equal on every rank of a stage when their gradients were summed
-        "sequence_parallel_params": len(sequence_parallel_weights),
-        "sequence_parallel_checksum": sum(local(p).double().sum().item() for p in sequence_parallel_weights),
     }
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, report)
-    ps.destroy_model_parallel()
-    return {"ranks": gathered}
 
 
 def _write_out_of_memory_report(path: Path, plan: Plan) -> None:
