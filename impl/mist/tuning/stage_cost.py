@@ -264,17 +264,16 @@ def _gradient_sync(st: Setting, stage_w_full: float, edge_w_full: float, z, ez, 
 
 def _device_memory(ln: LayerNumbers, grid: dict, edge: dict, activations, layers: int, layer_w_full: float,
                    first: bool, last: bool, mine: dict, theirs: dict, grad_accum: int):  # fmt: skip
-    """A stage's peak device bytes: its static state and the larger of two peaks, the last
-    backward (activations, buffers, one op's working set) and the optimizer step."""
+    """A stage's peak device bytes: its static state and the larger of two peaks, backward (its
+    start, and with one micro-batch a step its end) and the optimizer step."""
     r, z, wo, oo, ao = (grid[k] for k in ("recompute", "zero", "offload_weights", "offload_optimizer",
                                           "offload_activations"))  # fmt: skip
     ez, ewo, eoo = edge["zero"], edge["offload_weights"], edge["offload_optimizer"]
-    buffers = (
-        np.where((z >= 3) | (wo > 0), 2 * layer_w_full, 0.0)
-        # the embedding's or the head's full weights, one at a time (they run at opposite ends)
-        + np.where((ez >= 3) | (ewo > 0), 2.0 * ln.embed_params if (first or last) else 0.0, 0.0)
-        + np.where(ao > 0, 2 * ln.saved, 0.0)
-    )
+    # a layer's full weights; the embedding's or the head's (one at a time: opposite ends)
+    W, E = layer_w_full, 2.0 * ln.embed_params if (first or last) else 0.0
+    z3, e3 = z >= 3, ez >= 3
+    buffers = np.where(z3 | (wo > 0), 2 * W, 0.0) + np.where(e3 | (ewo > 0), E, 0.0)
+    buffers = buffers + np.where(ao > 0, 2 * ln.saved, 0.0)  # activations swapped out and in
     # backward of one op: the gradients of its inputs and outputs (its working set's bytes; what
     # it keeps is in the activations), the residual stream's gradient the layer's backward
     # carries, and a recomputed layer's activations
@@ -288,8 +287,6 @@ def _device_memory(ln: LayerNumbers, grid: dict, edge: dict, activations, layers
     # is held with the first layer's gradients; from the second layer on, the previous one's input
     # too, as one layer's activations are freed. The head (made first) adds its gradients and then
     # its input in flight; the embedding's, made last, come at backward's end.
-    W, E = layer_w_full, 2.0 * ln.embed_params if (first or last) else 0.0
-    z3, e3 = z >= 3, ez >= 3
     freed = (1 - ao) * np.where(r < layers, ln.saved, ln.layer_input)  # the last layer's activations
     start = activations + head + buffers + working
     start = start + np.where(z3, W + np.maximum(0.0, W - freed), 0.0) + np.where(e3 & last, E, 0.0)
