@@ -589,6 +589,16 @@ def _write_out_of_memory_report(path: Path, plan: Plan) -> None:
     write_json_atomic(path, {"ranks": [rank]})
 
 
+def preload() -> None:
+    """What a rank imports before it runs, CPU shim first: a launcher that forks its ranks from one
+    warm process (measure.fork_launch, the engine's tests) calls this there once."""
+    from . import cpu_shim
+
+    cpu_shim.install()
+    import megatron.core.models.gpt
+    import megatron.core.optimizer  # noqa: F401
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="torchrun ... -m mist.engine.run", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip

@@ -1,0 +1,169 @@
+"""Local multi-process runs forked from one warm process: torchrun's job without its start-up.
+
+``torchrun -m module`` starts every rank as a new Python that imports torch and the module's
+libraries again (megatron-core: ~3 s a process, ~5 s of a 6-7 s test run on 2 cores). A
+``ForkLauncher`` starts one server process that imports them once (``preload``), then forks each
+run's ranks from it: same environment variables as torchrun gives (RANK, LOCAL_RANK, WORLD_SIZE,
+LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), one thread a rank, output captured, and torchrun's
+rule that one failed rank stops the others. The server must not have started threads or run torch
+ops before forking (the preload only imports). Every process dies with its parent: ranks with the
+server, the server with its client; a run past its timeout is killed and raises TimeoutExpired.
+
+Used where the same module runs many times (the engine's tests); experiments launch with torchrun.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from .launch import free_port
+from .parallel import die_with_parent
+
+GRACE_S = 30  # what a run may take beyond its own timeout before the client gives up on the server
+
+
+class ForkLauncher:
+    """``run(nproc, module, args, timeout)`` as ``run_torchrun`` does it, forked from a process that
+    called ``preload`` ("package.module:function") once."""
+
+    def __init__(self, preload: str) -> None:
+        self._server = subprocess.Popen(
+            [sys.executable, "-m", "measure.fork_launch", preload],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+            preexec_fn=functools.partial(die_with_parent, os.getpid()),
+        )  # fmt: skip
+
+    def run(self, nproc: int, module: str, args: list[str], timeout: float) -> subprocess.CompletedProcess:
+        request = {"nproc": nproc, "module": module, "args": args, "timeout": timeout}
+        self._server.stdin.write(json.dumps(request) + "\n")
+        self._server.stdin.flush()
+        ready, _, _ = select.select([self._server.stdout], [], [], timeout + GRACE_S)
+        line = self._server.stdout.readline() if ready else ""
+        if not line:
+            self.close()
+            raise RuntimeError(f"the fork server gave no answer within {timeout + GRACE_S:.0f} s (it died?)")
+        reply = json.loads(line)
+        if reply["timed_out"]:
+            raise subprocess.TimeoutExpired([module, *args], timeout, reply["stdout"], reply["stderr"])
+        return subprocess.CompletedProcess(
+            [module, *args], reply["returncode"], reply["stdout"], reply["stderr"]
+        )
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self._server.stdin.close()
+        try:
+            self._server.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self._server.kill()
+            self._server.wait()
+
+
+def _rank(module: str, args: list[str], env: dict[str, str], out: Path, err: Path, server: int) -> None:
+    """A forked rank: never returns."""
+    code = 1
+    try:
+        die_with_parent(server)
+        os.environ.update(env)
+        with open(out, "w") as o, open(err, "w") as e:
+            os.dup2(o.fileno(), 1)
+            os.dup2(e.fileno(), 2)
+        import torch
+
+        torch.set_num_threads(1)  # what OMP_NUM_THREADS=1 gives a fresh process
+        code = importlib.import_module(module).main(args) or 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    except BaseException:  # what a rank raised: printed, as a fresh interpreter would
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(code)
+
+
+def _serve(request: dict) -> dict:
+    """Fork the request's ranks, wait for them (one failing stops the rest, as under torchrun),
+    and say what they printed and how they ended."""
+    nproc, port, server = request["nproc"], free_port(), os.getpid()
+    folder = Path(tempfile.mkdtemp(prefix="fork_launch_"))
+    pids: dict[int, int] = {}
+    sys.stdout.flush()
+    sys.stderr.flush()  # else a rank's copy of an unwritten buffer is written twice
+    for rank in range(nproc):
+        env = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
+               "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}  # fmt: skip
+        pid = os.fork()
+        if pid == 0:
+            _rank(
+                request["module"],
+                request["args"],
+                env,
+                folder / f"{rank}.out",
+                folder / f"{rank}.err",
+                server,
+            )
+        pids[pid] = rank
+    codes: dict[int, int] = {}
+    first_failure = 0  # the exit code of the rank that failed first (the rest were then killed)
+    deadline, timed_out = time.monotonic() + request["timeout"], False
+    while len(codes) < nproc:
+        pid, status = os.waitpid(-1, os.WNOHANG)
+        if pid == 0:
+            if time.monotonic() > deadline:
+                timed_out = True
+                _kill([p for p, r in pids.items() if r not in codes])
+            time.sleep(0.05)
+            continue
+        codes[pids[pid]] = os.waitstatus_to_exitcode(status)
+        if codes[pids[pid]] != 0 and not first_failure:  # the others would wait in a collective forever
+            first_failure = codes[pids[pid]]
+            _kill([p for p, r in pids.items() if r not in codes])
+    text = {
+        kind: "".join((folder / f"{r}.{kind}").read_text() for r in range(nproc)) for kind in ("out", "err")
+    }
+    for path in folder.iterdir():
+        path.unlink()
+    folder.rmdir()
+    return {"returncode": first_failure, "stdout": text["out"], "stderr": text["err"],
+            "timed_out": timed_out}  # fmt: skip
+
+
+def _kill(pids: list[int]) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The server: ``python -m measure.fork_launch package.module:function``; one JSON request a
+    line on stdin, one JSON reply a line on stdout; ends when stdin closes."""
+    (preload,) = argv if argv is not None else sys.argv[1:]
+    module, function = preload.split(":")
+    getattr(importlib.import_module(module), function)()
+    replies = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)  # what the preload or a rank prints must not mix into the replies
+    for line in sys.stdin:
+        replies.write(json.dumps(_serve(json.loads(line))) + "\n")
+        replies.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
