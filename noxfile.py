@@ -72,6 +72,21 @@ def tests(session: nox.Session) -> None:
     _run(session, "-m", "pytest", "-m", marks, "--durations=15", *args)  # the slowest, for the time budget
 
 
+@nox.session
+def megatron_lm_args(session: nox.Session) -> None:
+    """Megatron-LM's own parse_args/validate_args on every plan `mist export --to megatron-lm`
+    writes from the committed comparison and the grid (~2 min). Megatron-LM's training code is not
+    on PyPI: ``-- PATH`` (or MEGATRON_LM) names a checkout at tag core_v0.16.1, e.g.
+    ``git clone -b core_v0.16.1 --depth 1 https://github.com/NVIDIA/Megatron-LM``. Not in CI."""
+    checkout = session.posargs[0] if session.posargs else os.environ.get("MEGATRON_LM")
+    if not checkout:
+        session.error("needs a Megatron-LM checkout at core_v0.16.1: nox -s megatron_lm_args -- PATH")
+    python = _venv_python()
+    session.run(python, "-m", "pip", "install", "-q", "-e", f"{ROOT}[megatron-lm]", external=True)
+    _run(session, "-m", "pytest", "-q", "-s", "tests/mist/test_mist_export.py", "-k", "megatron_lm_accepts",
+         env={"MEGATRON_LM": str(Path(checkout).resolve())})  # fmt: skip
+
+
 SWEEP_DIR = ROOT / ".sweep"  # the seed sweep's inventories and progress (git-ignored)
 
 

@@ -34,3 +34,20 @@ def plan_summary(plan) -> dict:
         # the embedding/head's own strategy, if the plan has one: the plan is whole, re-priceable
         "pre_post": None if plan.pre_post is None else dataclasses.asdict(plan.pre_post),
     }
+
+
+def summary_plan(key: dict, summary: dict):
+    """The plan a comparison point's ``summary`` (plan_summary) keeps, for the case ``key``
+    (model, seq, flash, gpu, gpus, global_batch): whole again, unpriced."""
+    from mist import Plan, StagePlan, cluster, model
+    from mist.plan import PrePostPlan
+
+    stages = [StagePlan(**{k: v for k, v in st.items() if not k.endswith(("memory_bytes", "memory_gib"))})
+              for st in summary["stages"]]  # fmt: skip
+    edge = summary["pre_post"]
+    return Plan.of(
+        model(key["model"], seq=key["seq"], flash=key["flash"]), cluster(key["gpu"], key["gpus"]),
+        global_batch=key["global_batch"], tp=summary["tp"], dp=summary["dp"],
+        micro_batch=summary["micro_batch"], stages=stages,
+        pre_post=None if edge is None else PrePostPlan(**edge),
+    )  # fmt: skip

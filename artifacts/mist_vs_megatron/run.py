@@ -78,9 +78,10 @@ def _setup(gpu: str, arch: str, size: str, flash: bool):
 
 def comparison_point(gpu: str, arch: str, size: str, flash: bool, aceso_budget: float) -> dict:
     from baselines.megatron.aceso import search_aceso
-    from baselines.megatron.grid import megatron_args, search_grid
+    from baselines.megatron.grid import search_grid
     from baselines.megatron.zero3 import search_zero3
     from mist import NoFeasiblePlan, search
+    from mist.export import megatron_lm_arguments
 
     m, c, batch = _setup(gpu, arch, size, flash)
     runs = {
@@ -100,7 +101,7 @@ def comparison_point(gpu: str, arch: str, size: str, flash: bool, aceso_budget: 
             continue
         out[name] = plan_summary(_simulated(plan, m, c))
         if name == "mist":
-            args, cannot = megatron_args(plan, m)
+            args, cannot = megatron_lm_arguments(plan, m)
             out[name]["megatron_args"] = args
             out[name]["megatron_cannot_express"] = cannot
     return out

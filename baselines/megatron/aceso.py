@@ -19,9 +19,8 @@ from mist.model.interference import Interference
 from mist.model.runtime import RuntimeModel
 from mist.model.specs import ClusterSpec, ModelSpec
 from mist.plan import Plan, StagePlan
+from mist.tuning.megatron_lm import powers_of_two
 from mist.tuning.planner import NoFeasiblePlan, cost_models, predict
-
-from .grid import powers_of_two
 
 
 def _key(plan: Plan) -> tuple:

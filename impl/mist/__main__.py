@@ -2,6 +2,7 @@
 
 python -m mist plan --model gpt3-7b --gpus 8 --gpu l4 --global-batch 128 [--out plan.yaml] [--explain]
 python -m mist predict plan.yaml
+python -m mist export plan.yaml --to megatron-lm [--data-path P --tokenizer-type T ...]
 python -m mist calibrate [DATA] [--write]      (default DATA: the vendored data/mist-artifact)
 python -m mist validate [RUNS]      (default RUNS: the vendored data/mist-artifact/measured-runs)
 python -m mist profile-host [--write]     (the host's CPU Adam step, for optimizer offloading)
@@ -11,6 +12,7 @@ python -m mist list
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -114,6 +116,26 @@ def gpu_memory_bytes(size: str | None) -> int | None:
     return amount
 
 
+def _search_megatron_lm(args, m, c, progress) -> Plan:
+    """``mist plan --target megatron-lm``: only what Megatron-LM runs (every plan exports)."""
+    from .tuning.megatron_lm import MegatronLMSpace, check_model, search_megatron_lm
+    from .tuning.planner import predict
+
+    if args.engine != "megatron-core":
+        raise ValueError("--target megatron-lm: Megatron-LM accumulates gradients as megatron-core does")
+    if args.no_imbalance:
+        raise ValueError("--no-imbalance is an ablation of Mist's own search, not of --target megatron-lm")
+    check_model(m)
+    space = MegatronLMSpace(recompute=not args.no_recompute)
+    if args.no_offload:
+        space = dataclasses.replace(space, offload_fractions=(0.0,))
+    plan = search_megatron_lm(m, c, args.global_batch, space, progress=progress)
+    tuning_s = plan.tuning_s
+    predict(plan, m, c)  # the 1F1B simulation beside the closed form the search ranked by
+    plan.tuning_s = tuning_s
+    return plan
+
+
 def cmd_plan(args) -> int:
     from .tuning.planner import NoFeasiblePlan, PlannerOptions, search
     from .tuning.stage_cost import SearchSpace
@@ -133,7 +155,10 @@ def cmd_plan(args) -> int:
             print("  " + line, file=sys.stderr, flush=True)
 
     try:
-        plan = search(m, c, args.global_batch, options, progress=progress)
+        if args.target == "megatron-lm":
+            plan = _search_megatron_lm(args, m, c, progress)
+        else:
+            plan = search(m, c, args.global_batch, options, progress=progress)
     except NoFeasiblePlan as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -193,6 +218,33 @@ def cmd_predict(args) -> int:
     if not plan.breakdown["fits"]:
         print("warning: a stage needs more memory than the GPU has usable", file=sys.stderr)
     print(json.dumps(plan.breakdown, indent=1))
+    return 0
+
+
+def cmd_export(args) -> int:
+    from .export import CannotExport, JobInputs, megatron_lm_command
+    from .plan import Plan
+
+    try:
+        inputs = JobInputs(data_path=args.data_path, tokenizer_type=args.tokenizer_type,
+                           tokenizer_model=args.tokenizer_model, train_iters=args.train_iters, lr=args.lr,
+                           script=args.script, transformer_impl=args.transformer_impl)  # fmt: skip
+        plan = Plan.load(args.plan)
+        command = megatron_lm_command(plan, plan.model_spec(), inputs)
+    except CannotExport as e:  # one line per part, so a user sees each thing to change
+        for part in e.parts:
+            print(f"python -m mist export: {e.target} cannot express: {part}", file=sys.stderr)
+        return 2
+    except (ValueError, OSError) as e:
+        print(f"python -m mist export: error: {e}", file=sys.stderr)
+        return 2
+    print(command)
+    if inputs.data_path is None or inputs.tokenizer_type is None:
+        print("# placeholders: synthetic data (--mock-data) and a null tokenizer; --data-path and "
+              "--tokenizer-type/--tokenizer-model name real ones", file=sys.stderr)  # fmt: skip
+    if inputs.tokenizer_type is not None:
+        print(f"# the plan was priced at a vocabulary of {plan.model_spec().vocab}: a tokenizer whose padded "
+              "vocabulary differs changes the embedding's and head's memory", file=sys.stderr)  # fmt: skip
     return 0
 
 
@@ -387,6 +439,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", help="write the plan (.yaml or .json)")
     p.add_argument("--explain", action="store_true", help="say why the plan wins")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
+    p.add_argument(
+        "--target", choices=["mist", "megatron-lm"], default="mist",
+        help="mist: Mist's whole search (runs on mist.engine.run); megatron-lm: only plans Megatron-LM "
+        "runs (one recompute block and optimizer offload fraction for all stages, ZeRO 0/1, even middle "
+        "stages), each exportable with `mist export --to megatron-lm`",
+    )  # fmt: skip
     p.add_argument("--no-offload", action="store_true", help="search without CPU offloading")
     p.add_argument("--no-recompute", action="store_true", help="search without activation recomputation")
     _engine_argument(p)
@@ -399,6 +457,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="one JSON document (prediction_format 2)")
     _engine_argument(p)
     p.set_defaults(fn=cmd_predict)
+    p = sub.add_parser("export", help="a plan as a command that launches it on Megatron-LM")
+    p.add_argument("plan")
+    p.add_argument("--to", required=True, choices=["megatron-lm"], help="the trainer to launch it on")
+    p.add_argument("--data-path", help="Megatron-LM's --data-path (default: --mock-data, synthetic)")
+    p.add_argument(
+        "--tokenizer-type", help="e.g. GPT2BPETokenizer (default: a NullTokenizer of the priced vocab)"
+    )
+    p.add_argument("--tokenizer-model", help="the tokenizer's model file, for tokenizers that take one")
+    p.add_argument("--train-iters", type=_positive, default=100, help="placeholder (default 100)")
+    p.add_argument("--lr", type=float, default=1e-4, help="placeholder (default 1e-4)")
+    p.add_argument("--script", default="pretrain_gpt.py", help="Megatron-LM's training script")
+    p.add_argument(
+        "--transformer-impl", default="transformer_engine", choices=["transformer_engine", "local"],
+        help="Transformer Engine's layers (default; FlashAttention), or megatron-core's own "
+        "(as mist.engine.run builds them)",
+    )  # fmt: skip
+    p.set_defaults(fn=cmd_export)
     p = sub.add_parser("calibrate", help="refit the runtime and interference presets from measured data")
     p.add_argument(
         "data",

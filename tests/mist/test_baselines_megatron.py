@@ -8,9 +8,10 @@ import time
 import pytest
 
 from baselines.megatron.aceso import search_aceso
-from baselines.megatron.grid import grid_plans, megatron_args, search_grid
+from baselines.megatron.grid import grid_plans, search_grid
 from baselines.megatron.zero3 import search_zero3
 from mist import Plan, StagePlan, cluster, model, predict, search
+from mist.export import megatron_lm_arguments
 
 CASES = [("gpt3-1.3b", "l4", 4, 32, 2048), ("llama-2.7b", "a100-40gb", 8, 64, 4096)]
 
@@ -26,30 +27,8 @@ def test_grid_is_megatron_practice():
         k = max(s.recompute for s in p.stages)  # block recomputation: the first k layers of every stage
         assert all(s.recompute == min(k, s.layers) for s in p.stages)
         assert {s.zero for s in p.stages} <= {0, 1}
-        _, cannot = megatron_args(p, m)
+        _, cannot = megatron_lm_arguments(p, m)
         assert cannot == []  # everything the grid makes, Megatron-LM can run
-
-
-def test_megatron_args_name_what_megatron_cannot_do():
-    m = model("gpt3-1.3b")
-    stages = [
-        StagePlan(layers=5, recompute=2, zero=3),
-        StagePlan(layers=7, recompute=0, offload_activations=0.5),
-        StagePlan(layers=6),
-        StagePlan(layers=6, tp=2, dp=1),
-    ]
-    plan = Plan.of(m, cluster("l4", 8), global_batch=64, tp=1, dp=2, micro_batch=2, stages=stages)
-    args, cannot = megatron_args(plan, m)
-    text = " | ".join(cannot)
-    for reason in (
-        "TP/DP of their own that differ",
-        "uneven middle stages",
-        "recomputed layers per stage",
-        "ZeRO stage 2/3",
-        "offloading",
-    ):
-        assert reason in text
-    assert "--pipeline-model-parallel-size 4" in args and "--micro-batch-size 2" in args
 
 
 def test_stages_sharing_a_tp_dp_of_their_own_are_that_plan_lifted():
@@ -69,14 +48,17 @@ def test_stages_sharing_a_tp_dp_of_their_own_are_that_plan_lifted():
         predict(p, m, c)
     assert lifted.predicted_iteration_s == plan.predicted_iteration_s
     assert [s.memory_bytes for s in lifted.stages] == [s.memory_bytes for s in plan.stages]
-    args, cannot = megatron_args(plan, m)
-    assert "--tensor-model-parallel-size 1" in args and "--micro-batch-size 1" in args, args
+    args, cannot = megatron_lm_arguments(plan, m)
+    assert (
+        " --tensor-model-parallel-size 1 " in f" {' '.join(args)} "
+        and " --micro-batch-size 1 " in f" {' '.join(args)} "
+    )
     assert not any("TP/DP" in why for why in cannot), cannot
     assert lifted.with_stage_parallelism_lifted() is lifted
     differ = Plan.of(m, c, global_batch=32, tp=1, dp=2, micro_batch=1,
                      stages=[StagePlan(layers=12, tp=1, dp=2), StagePlan(layers=12, tp=2, dp=1)])  # fmt: skip
     assert differ.with_stage_parallelism_lifted() is differ
-    assert any("TP/DP of their own that differ" in why for why in megatron_args(differ, m)[1])
+    assert any("TP/DP of their own that differ" in why for why in megatron_lm_arguments(differ, m)[1])
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -116,7 +98,7 @@ def test_zero3_is_pure_data_parallelism():
 def test_grid_bisection_finds_the_exhaustive_best():
     """The smallest block-recompute count that fits is each setting's fastest: bisection over it
     gives what pricing every count gives."""
-    from baselines.megatron.grid import cheapest_fitting, layer_splits
+    from mist.tuning.megatron_lm import cheapest_fitting, layer_splits
     from mist.tuning.planner import cost_models
 
     name, gpu, gpus, batch, seq = random.choice(CASES)
@@ -127,41 +109,3 @@ def test_grid_bisection_finds_the_exhaustive_best():
     for layers, pp in ((24, 2), (32, 4), (40, 8), (48, 1)):
         for split in layer_splits(layers, pp):
             assert sum(split) == layers and len(split) == pp and len(set(split[1:-1])) <= 1
-
-
-def test_one_translation_for_the_engine_and_the_baseline():
-    """mist.engine.run's megatron-core config and the Megatron-LM command line come from the same
-    settings (mist.megatron); what no Megatron model can be built as, the command line names
-    and the engine builds around."""
-    import random
-
-    from mist.engine.megatron import megatron_limits, model_settings
-    from mist.engine.run import unsupported
-
-    name = random.choice(["gpt3-1.3b", "llama-7b", "gpt3-7b"])
-    m = model(name, dropout=random.choice([0.0, 0.1]))
-    quarter = m.layers // 4  # uneven first and last stages, even middle ones
-    layers = [quarter + 1, quarter, quarter, m.layers - 3 * quarter - 1]
-    plan = Plan(
-        model=name,
-        gpu="l4",
-        gpus=8,
-        gpus_per_node=8,
-        global_batch=64,
-        tp=2,
-        dp=1,
-        micro_batch=1,
-        stages=[StagePlan(layers=n) for n in layers],
-    )
-    settings = model_settings(plan, m)
-    args, cannot = megatron_args(plan, m)
-    pairs = [("num_layers", "--num-layers"), ("ffn_hidden_size", "--ffn-hidden-size"),
-             ("hidden_dropout", "--hidden-dropout"), ("max_sequence_length", "--seq-length"),
-             ("num_layers_in_first_pipeline_stage", "--decoder-first-pipeline-num-layers")]  # fmt: skip
-    for field, flag in pairs:
-        assert f"{flag} {settings[field]}" in args
-    assert cannot == [] and ("--swiglu" in args) == settings["gated_linear_unit"]
-    plan.stages[0].tp = 4  # a stage with its own TP: Megatron-LM's args refuse it in the shared words
-    shared = set(megatron_limits(plan, m).values())
-    assert shared and shared <= set(megatron_args(plan, m)[1])
-    assert unsupported(plan) == []  # the engine builds around what Megatron cannot (layout.py)

@@ -1,9 +1,9 @@
 """A plan in Megatron's terms: the one translation of a Plan and its ModelSpec into megatron-core's
 settings, and the one list of what a Megatron model cannot be built as.
 
-``mist.engine.run`` (which builds megatron-core models) and the Megatron-LM baseline
-(``baselines.megatron.grid.megatron_args``, which writes Megatron-LM's command line from these
-settings) both read it, each adding only what its own runtime cannot do. Torch-free: the
+``mist.engine.run`` (which builds megatron-core models) and ``mist.export`` (which writes
+Megatron-LM's command line from these settings) both read it, each adding only what its own
+runtime cannot do. Torch-free: the
 activation is named, not a function.
 """
 

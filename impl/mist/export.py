@@ -1,0 +1,223 @@
+"""A plan as a job Megatron-LM launches: ``python -m mist export PLAN --to megatron-lm``.
+
+The plan decides the model's shape, the parallel sizes, the batch, what recomputes and what the
+optimizer shards or offloads; the command says all of it in Megatron-LM's flags (``pretrain_gpt.py``
+at the release matching the pinned megatron-core, 0.16.1). What a plan does not decide (data,
+tokenizer, learning rate, iterations) is a placeholder the user fills: synthetic data and a null
+tokenizer sized to the priced vocabulary by default. A plan part Megatron-LM cannot express is
+refused by name (``CannotExport``), never dropped.
+
+What the command leaves at Megatron-LM's defaults, on purpose: gradient reduce and parameter
+gather not overlapped with backward (Mist prices the gradient synchronisation after the last
+micro-batch's backward, ``stage_cost._gradient_sync``), Adam, and the softmax in the activations'
+precision (``engine.megatron.model_settings``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import shlex
+from dataclasses import dataclass
+
+from .engine.megatron import megatron_limits, model_settings
+from .model.specs import ModelSpec
+from .plan import Plan
+
+# megatron-core settings (engine.megatron.model_settings) and the Megatron-LM flag that takes each
+VALUE_FLAGS = (
+    ("num_layers", "--num-layers"),
+    ("hidden_size", "--hidden-size"),
+    ("ffn_hidden_size", "--ffn-hidden-size"),
+    ("num_attention_heads", "--num-attention-heads"),
+    ("max_sequence_length", "--seq-length"),
+    ("max_sequence_length", "--max-position-embeddings"),
+    ("position_embedding_type", "--position-embedding-type"),
+    ("normalization", "--normalization"),
+    ("hidden_dropout", "--hidden-dropout"),
+    ("attention_dropout", "--attention-dropout"),
+    ("tensor_model_parallel_size", "--tensor-model-parallel-size"),
+    ("pipeline_model_parallel_size", "--pipeline-model-parallel-size"),
+)
+TRANSFORMER_IMPLS = ("transformer_engine", "local")
+# Megatron-LM's default vocabulary padding multiple (--make-vocab-size-divisible-by), per TP rank
+VOCAB_MULTIPLE = 128
+
+
+class CannotExport(ValueError):
+    """The plan holds parts the target cannot express: one line each in ``parts``."""
+
+    def __init__(self, target: str, parts: list[str]) -> None:
+        self.target, self.parts = target, parts
+        super().__init__(f"{target} cannot express: " + "; ".join(parts))
+
+
+@dataclass(frozen=True)
+class JobInputs:
+    """What a launch needs that a plan does not decide. The defaults are placeholders that let the
+    command start (synthetic data, a null tokenizer, a short run); fill them for real training."""
+
+    data_path: str | None = None  # None: Megatron-LM's synthetic data (--mock-data)
+    tokenizer_type: str | None = None  # None: NullTokenizer sized to the priced vocabulary
+    tokenizer_model: str | None = None
+    train_iters: int = 100
+    lr: float = 1e-4
+    script: str = "pretrain_gpt.py"
+    transformer_impl: str = "transformer_engine"  # or "local": megatron-core's own layers
+
+    def __post_init__(self) -> None:
+        if self.transformer_impl not in TRANSFORMER_IMPLS:
+            raise ValueError(
+                f"transformer_impl must be one of {TRANSFORMER_IMPLS}, got {self.transformer_impl!r}"
+            )
+        if not (isinstance(self.train_iters, int) and self.train_iters > 0):
+            raise ValueError(f"train_iters must be a whole number > 0, got {self.train_iters!r}")
+        if not (isinstance(self.lr, int | float) and math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"lr must be a number > 0, got {self.lr!r}")
+        if self.tokenizer_model is not None and self.tokenizer_type is None:
+            raise ValueError("a tokenizer model needs its --tokenizer-type")
+
+
+def _recompute_arguments(plan: Plan) -> tuple[list[str], list[str]]:
+    """Megatron-LM recomputes whole layers by block (the first k of every stage) or uniformly
+    (every layer); a plan's per-stage counts must be one of those."""
+    stages = plan.stages
+    block = max(s.recompute for s in stages)
+    method = "uniform" if all(s.recompute == s.layers for s in stages) else "block"
+    if block == 0:
+        return [], []
+    if method == "uniform" or all(s.recompute == min(block, s.layers) for s in stages):
+        count = "1" if method == "uniform" else str(block)
+        return [
+            "--recompute-granularity",
+            "full",
+            "--recompute-method",
+            method,
+            "--recompute-num-layers",
+            count,
+        ], []
+    return [], [f"a different number of recomputed layers per stage {[s.recompute for s in stages]}"]
+
+
+def _optimizer_arguments(plan: Plan) -> tuple[list[str], list[str]]:
+    """ZeRO-1 is Megatron-LM's distributed optimizer; optimizer offload needs that optimizer and the
+    precision-aware one (megatron-core's OptimizerConfig checks both)."""
+    args, cannot = [], []
+    zero = {s.zero for s in plan.stages}
+    offload = {s.offload_optimizer for s in plan.stages}
+    if zero - {0, 1}:
+        cannot.append("ZeRO stage 2/3 (Megatron-LM's distributed optimizer shards optimizer state only)")
+    elif len(zero) > 1:
+        cannot.append("the distributed optimizer on some stages only")
+    if len(offload) > 1:
+        cannot.append(f"a different optimizer offload fraction per stage {sorted(offload)}")
+    fraction = offload.pop() if len(offload) == 1 else 0.0
+    if fraction and zero == {0} and plan.dp > 1:
+        cannot.append(
+            "optimizer offload without ZeRO-1 at DP > 1 (Megatron-LM offloads only its distributed "
+            "optimizer, which shards the state: a different plan)"
+        )
+    if zero == {1} or (fraction and plan.dp == 1):  # at DP 1 the distributed optimizer shards nothing
+        args.append("--use-distributed-optimizer")
+    if fraction:
+        args += ["--optimizer-cpu-offload", "--optimizer-offload-fraction", f"{fraction:g}",
+                 "--use-precision-aware-optimizer"]  # fmt: skip
+    return args, cannot
+
+
+def megatron_lm_arguments(plan: Plan, model: ModelSpec) -> tuple[list[str], list[str]]:
+    """Megatron-LM's arguments (an argv) for what ``plan`` and ``model`` decide: the model, parallel
+    sizes, batch, recomputation, optimizer and precision; and one line per part it cannot express
+    (empty: it expresses the whole plan). Stages sharing a TP and DP of their own are lifted."""
+    plan = plan.with_stage_parallelism_lifted()
+    settings = model_settings(plan, model)
+    args = [
+        "--micro-batch-size",
+        str(plan.micro_batch),
+        "--global-batch-size",
+        str(plan.global_batch),
+        "--bf16",
+    ]
+    for field, flag in VALUE_FLAGS:
+        args += [flag, str(settings[field])]
+    switches = {
+        "--disable-bias-linear": not settings["add_bias_linear"],
+        "--swiglu": settings["gated_linear_unit"],  # gated, SiLU: what --swiglu sets
+        "--sequence-parallel": settings["sequence_parallel"],
+        "--untie-embeddings-and-output-weights": True,  # the priced head has weights of its own
+    }
+    args += [flag for flag, on in switches.items() if on]
+    if settings["num_query_groups"] != settings["num_attention_heads"]:
+        args += ["--group-query-attention", "--num-query-groups", str(settings["num_query_groups"])]
+    limits = megatron_limits(plan, model)
+    cannot = list(limits.values())
+    if settings["num_layers_in_first_pipeline_stage"] is not None and "uneven_middle_stages" not in limits:
+        first, last = (
+            settings["num_layers_in_first_pipeline_stage"],
+            settings["num_layers_in_last_pipeline_stage"],
+        )
+        args += [
+            "--decoder-first-pipeline-num-layers",
+            str(first),
+            "--decoder-last-pipeline-num-layers",
+            str(last),
+        ]
+    for part in (_recompute_arguments(plan), _optimizer_arguments(plan)):
+        args += part[0]
+        cannot += part[1]
+    if any(s.offload_activations for s in plan.stages):
+        cannot.append("offloading activations to the CPU")
+    return args, cannot
+
+
+def _null_tokenizer_arguments(vocab: int, tp: int) -> list[str]:
+    """A null tokenizer whose padded vocabulary is exactly ``vocab``: it adds one end-of-document
+    token, and Megatron-LM pads to a multiple of (divisible-by x TP); the largest divisor of
+    vocab / TP up to Megatron-LM's 128 keeps it at ``vocab``."""
+    divisible_by = math.gcd(vocab // tp, VOCAB_MULTIPLE)
+    return ["--tokenizer-type", "NullTokenizer", "--vocab-size", str(vocab - 1),
+            "--make-vocab-size-divisible-by", str(divisible_by)]  # fmt: skip
+
+
+def megatron_lm_command(plan: Plan, model: ModelSpec, inputs: JobInputs | None = None) -> str:
+    """One shell command that launches ``plan`` on Megatron-LM: torchrun on every node (NODE_RANK,
+    MASTER_ADDR and MASTER_PORT from the environment) running ``inputs.script`` with every argument
+    it needs. Raises CannotExport naming each part Megatron-LM cannot express."""
+    inputs = inputs or JobInputs()
+    args, cannot = megatron_lm_arguments(plan, model)
+    lifted = plan.with_stage_parallelism_lifted()
+    tp = lifted.tp
+    if inputs.transformer_impl == "local" and model.flash:
+        cannot.append(
+            "FlashAttention with --transformer-impl local (megatron-core's own attention is unfused; "
+            "use transformer_engine, or plan with --no-flash)"
+        )
+    if inputs.tokenizer_type is None and model.vocab % tp:
+        cannot.append(f"a vocabulary of {model.vocab} over TP {tp} (Megatron-LM pads it to a multiple of TP)")
+    nodes = math.ceil(plan.gpus / plan.gpus_per_node)
+    if plan.gpus % nodes:
+        cannot.append(f"{plan.gpus} GPUs over {nodes} nodes (torchrun starts as many on each node)")
+    if cannot:
+        raise CannotExport("Megatron-LM", cannot)
+    args += ["--transformer-impl", inputs.transformer_impl,
+             "--attention-backend", "flash" if model.flash else "unfused"]  # fmt: skip
+    args += ["--data-path", inputs.data_path] if inputs.data_path else ["--mock-data"]
+    if inputs.tokenizer_type is None:
+        args += _null_tokenizer_arguments(model.vocab, tp)
+    else:
+        args += ["--tokenizer-type", inputs.tokenizer_type]
+        args += ["--tokenizer-model", inputs.tokenizer_model] if inputs.tokenizer_model else []
+    args += ["--train-iters", str(inputs.train_iters), "--lr", f"{inputs.lr:g}"]
+    per_node = plan.gpus // nodes
+    # Megatron-LM requires one connection per device with TP on GPUs before Blackwell, so that its
+    # communication kernels run in the order they were issued
+    env = "CUDA_DEVICE_MAX_CONNECTIONS=1 " if tp > 1 else ""
+    launcher = (
+        f"{env}torchrun --nnodes {nodes} --nproc-per-node {per_node} --node-rank ${{NODE_RANK:-0}} "
+        "--master-addr ${MASTER_ADDR:-localhost} --master-port ${MASTER_PORT:-6000}"
+    )
+    lines = [f"{launcher} {shlex.quote(inputs.script)}"]
+    flags = [i for i, a in enumerate(args) if a.startswith("--")] + [len(args)]
+    for start, end in itertools.pairwise(flags):
+        lines.append("  " + shlex.join(args[start:end]))
+    return " \\\n".join(lines)

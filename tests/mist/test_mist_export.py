@@ -1,0 +1,241 @@
+"""``python -m mist export PLAN --to megatron-lm``: one command that launches the plan, every field
+of the priced model and plan in Megatron-LM's flags, and a refusal by part for what it cannot say.
+With a Megatron-LM checkout (MEGATRON_LM, tag core_v0.16.1; ``nox -s megatron_lm_args``), its own
+``parse_args``/``validate_args`` check every exported plan of the committed comparison."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from artifacts.mist_vs_megatron.plans import summary_plan
+from baselines.megatron.grid import grid_plans
+from mist import Plan, StagePlan, cluster, model
+from mist.engine.megatron import megatron_limits, model_settings
+from mist.engine.run import unsupported
+from mist.export import CannotExport, JobInputs, megatron_lm_arguments, megatron_lm_command
+
+from .megatron_lm_check import megatron_lm_checkout, split_command, validate
+
+REPO = Path(__file__).parents[2]
+COMPARISON = REPO / "artifacts/mist_vs_megatron/reference/comparison.json"
+
+
+def _flags(argv: list[str]) -> dict[str, str | bool]:
+    """{flag: its value, or True for a switch} of an argv; each flag at most once."""
+    out: dict[str, str | bool] = {}
+    for i, word in enumerate(argv):
+        if word.startswith("--"):
+            assert word not in out, f"{word} twice"
+            following = argv[i + 1] if i + 1 < len(argv) else "--"
+            out[word] = True if following.startswith("--") else following
+    return out
+
+
+def _plan(name: str, layers: list[int], tp: int = 2, dp: int = 1, **stage) -> Plan:
+    stages = [StagePlan(layers=n, **stage) for n in layers]
+    return Plan(model=name, gpu="l4", gpus=tp * dp * len(layers), gpus_per_node=8, global_batch=64,
+                tp=tp, dp=dp, micro_batch=1, stages=stages)  # fmt: skip
+
+
+def test_every_setting_of_the_priced_model_is_a_flag():
+    """The command line and mist.engine.run's megatron-core config come from the same settings
+    (engine.megatron.model_settings); what no Megatron model can be built as, the export names
+    and the engine builds around."""
+    name = random.choice(["gpt3-1.3b", "llama-7b", "gpt3-7b"])
+    m = model(name, dropout=random.choice([0.0, 0.1]))
+    quarter = m.layers // 4  # uneven first and last stages, even middle ones
+    plan = _plan(name, [quarter + 1, quarter, quarter, m.layers - 3 * quarter - 1])
+    settings = model_settings(plan, m)
+    args, cannot = megatron_lm_arguments(plan, m)
+    flags = _flags(args)
+    pairs = [("num_layers", "--num-layers"), ("hidden_size", "--hidden-size"),
+             ("ffn_hidden_size", "--ffn-hidden-size"), ("num_attention_heads", "--num-attention-heads"),
+             ("hidden_dropout", "--hidden-dropout"),
+             ("attention_dropout", "--attention-dropout"), ("max_sequence_length", "--seq-length"),
+             ("max_sequence_length", "--max-position-embeddings"), ("normalization", "--normalization"),
+             ("position_embedding_type", "--position-embedding-type"),
+             ("tensor_model_parallel_size", "--tensor-model-parallel-size"),
+             ("pipeline_model_parallel_size", "--pipeline-model-parallel-size"),
+             ("num_layers_in_first_pipeline_stage", "--decoder-first-pipeline-num-layers"),
+             ("num_layers_in_last_pipeline_stage", "--decoder-last-pipeline-num-layers")]  # fmt: skip
+    for field, flag in pairs:
+        assert flags[flag] == str(settings[field]), (flag, flags.get(flag), settings[field])
+    assert cannot == [] and flags.get("--swiglu", False) == settings["gated_linear_unit"]
+    assert (
+        flags["--untie-embeddings-and-output-weights"] and flags["--disable-bias-linear"] and flags["--bf16"]
+    )
+    assert flags["--micro-batch-size"] == "1" and flags["--global-batch-size"] == "64"
+    plan.stages[0].tp = 4  # a stage with its own TP: refused in the words the engine's list uses
+    shared = set(megatron_limits(plan, m).values())
+    assert shared and shared <= set(megatron_lm_arguments(plan, m)[1])
+    assert unsupported(plan) == []  # the engine builds around what Megatron cannot (layout.py)
+
+
+def test_model_families_become_their_flags():
+    plan = _plan("llama-7b", [16, 16])
+    flags = _flags(megatron_lm_arguments(plan, model("llama-7b", kv_heads=8))[0])
+    assert flags["--normalization"] == "RMSNorm" and flags["--swiglu"] and flags["--sequence-parallel"]
+    assert flags["--position-embedding-type"] == "rope" and flags["--num-query-groups"] == "8"
+    assert flags["--group-query-attention"] and flags["--hidden-dropout"] == "0.0"
+    args, cannot = megatron_lm_arguments(plan, model("falcon-7b"))
+    assert "--swiglu" not in args and any("Falcon" in c for c in cannot)
+    plan.sequence_parallel = False
+    assert "--sequence-parallel" not in megatron_lm_arguments(plan, model("gpt3-7b"))[0]
+
+
+def test_what_megatron_lm_cannot_express_is_named_part_by_part():
+    m = model("gpt3-1.3b")
+    stages = [
+        StagePlan(layers=5, recompute=2, zero=3),
+        StagePlan(layers=7, recompute=0, offload_activations=0.5),
+        StagePlan(layers=6),
+        StagePlan(layers=6, tp=2, dp=1),
+    ]
+    plan = Plan.of(m, cluster("l4", 8), global_batch=64, tp=1, dp=2, micro_batch=2, stages=stages)
+    args, cannot = megatron_lm_arguments(plan, m)
+    for reason in ("TP/DP of their own that differ", "uneven middle stages", "recomputed layers per stage",
+                   "ZeRO stage 2/3", "offloading activations"):  # fmt: skip
+        assert sum(reason in why for why in cannot) == 1, (reason, cannot)
+    assert _flags(args)["--pipeline-model-parallel-size"] == "4"
+    with pytest.raises(CannotExport) as refused:
+        megatron_lm_command(plan, m)
+    assert refused.value.parts == cannot
+
+
+@pytest.mark.parametrize(
+    ("dp", "zero", "expected"),
+    [(1, 0, "ok"), (2, 1, "ok"), (2, 0, "without ZeRO-1"), (2, 2, "ZeRO stage 2/3")],
+)
+def test_optimizer_offload_takes_the_distributed_and_precision_aware_optimizer(dp, zero, expected):
+    """Megatron-LM offloads only its distributed optimizer, through the precision-aware one
+    (megatron-core's OptimizerConfig asserts both); at DP 1 the distributed optimizer shards
+    nothing, so a ZeRO-0 plan is that plan; at DP 2 it would shard: refused."""
+    m = model("gpt3-1.3b")
+    plan = _plan("gpt3-1.3b", [24], tp=1, dp=dp, zero=zero, offload_optimizer=0.5)
+    args, cannot = megatron_lm_arguments(plan, m)
+    if expected != "ok":
+        assert len(cannot) == 1 and expected in cannot[0], cannot
+        return
+    flags = _flags(args)
+    assert cannot == [] and flags["--optimizer-offload-fraction"] == "0.5"
+    assert flags["--optimizer-cpu-offload"] and flags["--use-precision-aware-optimizer"]
+    assert flags["--use-distributed-optimizer"]
+
+
+def test_null_tokenizer_pads_to_the_priced_vocabulary():
+    """NullTokenizer adds an end-of-document token and Megatron-LM pads the vocabulary to a multiple
+    of --make-vocab-size-divisible-by x TP: the export lands on the priced size exactly, and says
+    so when no padding can (a vocabulary TP does not divide)."""
+    for vocab, tp in ((50304, 1), (50304, 8), (32000, 4), (51200, 2), (random.randrange(1000, 99999), 1)):
+        m = model("gpt3-1.3b", vocab=vocab)
+        flags = _flags(split_command(megatron_lm_command(_plan("gpt3-1.3b", [24], tp=tp), m))[2])
+        tokens = int(flags["--vocab-size"]) + 1
+        multiple = int(flags["--make-vocab-size-divisible-by"]) * tp
+        assert math.ceil(tokens / multiple) * multiple == vocab, (vocab, tp, flags)
+    with pytest.raises(CannotExport, match="over TP 4"):
+        megatron_lm_command(_plan("gpt3-1.3b", [24], tp=4), model("gpt3-1.3b", vocab=50258))
+
+
+def test_the_command_launches_every_node_and_fills_placeholders():
+    m = model("gpt3-7b")
+    plan = Plan.of(m, cluster("l4", 16), global_batch=64, tp=2, dp=2, micro_batch=1,
+                   stages=[StagePlan(layers=8, recompute=8) for _ in range(4)])  # fmt: skip
+    command = megatron_lm_command(plan, m, JobInputs(data_path="/data/web_text_document", train_iters=7))
+    env, world, argv = split_command(command)
+    assert env == {"CUDA_DEVICE_MAX_CONNECTIONS": "1"} and world == 16  # TP > 1 needs one connection
+    assert "--nnodes 2 --nproc-per-node 8" in command and "${NODE_RANK:-0}" in command
+    flags = _flags(argv)
+    assert flags["--data-path"] == "/data/web_text_document" and "--mock-data" not in flags
+    assert flags["--train-iters"] == "7" and flags["--recompute-method"] == "uniform"
+    assert flags["--attention-backend"] == "flash" and flags["--transformer-impl"] == "transformer_engine"
+    with pytest.raises(CannotExport, match="FlashAttention with --transformer-impl local"):
+        megatron_lm_command(plan, m, JobInputs(transformer_impl="local"))
+    unfused = model("gpt3-7b", flash=False)
+    plan.model_overrides = {"flash": False}
+    flags = _flags(split_command(megatron_lm_command(plan, unfused, JobInputs(transformer_impl="local")))[2])
+    assert flags["--attention-backend"] == "unfused" and flags["--transformer-impl"] == "local"
+
+
+def _export(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "mist", "export", *args], capture_output=True, text=True,
+                          cwd=REPO, env={"PYTHONPATH": str(REPO / "impl")}, timeout=120)  # fmt: skip
+
+
+def test_command_line_prints_a_command_or_one_line_per_part(tmp_path):
+    m = model("gpt3-1.3b")
+    good = _plan("gpt3-1.3b", [12, 12], tp=1, recompute=12)
+    good.save(tmp_path / "good.yaml")
+    done = _export(str(tmp_path / "good.yaml"), "--to", "megatron-lm")
+    assert done.returncode == 0 and done.stdout.startswith("torchrun ") and "--mock-data" in done.stdout
+    assert done.stdout.strip() == megatron_lm_command(good, m)
+    bad = _plan("gpt3-1.3b", [5, 7, 6, 6], recompute=0)
+    bad.stages[1].zero, bad.stages[2].offload_weights = 2, 0.5
+    bad.save(tmp_path / "bad.yaml")
+    done = _export(str(tmp_path / "bad.yaml"), "--to", "megatron-lm")
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and done.stdout == "" and len(lines) == 3, done.stderr
+    assert all(line.startswith("python -m mist export: Megatron-LM cannot express: ") for line in lines)
+    for args, says in (([str(tmp_path / "good.yaml"), "--to", "megatron-lm", "--lr", "-1"], "lr must be"),
+                       ([str(tmp_path / "none.yaml"), "--to", "megatron-lm"], "none.yaml")):  # fmt: skip
+        done = _export(*args)
+        assert done.returncode == 2 and done.stdout == "" and len(done.stderr.strip().splitlines()) == 1
+        assert says in done.stderr, done.stderr
+
+
+def _comparison_plans() -> list[tuple[str, Plan]]:
+    """Every plan of every system in the committed comparison, and every grid configuration of
+    its smallest GPT-3 and Llama cases (a spread of TP, PP, splits, micro-batches, ZeRO and recomputation)."""
+    points = json.loads(COMPARISON.read_text())["points"]
+    plans = [(f"{p['key']['model']}/{p['key']['gpus']}/{system}", summary_plan(p["key"], p["result"][system]))
+             for p in points for system in ("mist", "megatron", "aceso", "zero3")]  # fmt: skip
+    for family in ("gpt3", "llama"):  # Falcon's parallel block: no Megatron-LM model (refused)
+        small = min((p for p in points if p["result"]["family"] == family), key=lambda p: p["key"]["gpus"])[
+            "key"
+        ]
+        m, c = (
+            model(small["model"], seq=small["seq"], flash=small["flash"]),
+            cluster(small["gpu"], small["gpus"]),
+        )
+        plans += [
+            (f"grid/{small['model']}/{i}", p) for i, p in enumerate(grid_plans(m, c, small["global_batch"]))
+        ]
+    return plans
+
+
+@pytest.mark.slow
+def test_megatron_lm_accepts_every_plan_it_can_express():
+    """Megatron-LM's parse_args + validate_args (and megatron-core's configs built from them) on
+    every exportable plan; those export refuses are counted. Negative controls: a command missing
+    what a rule requires is refused by Megatron-LM itself."""
+    checkout = megatron_lm_checkout()
+    if checkout is None:
+        pytest.skip("needs a Megatron-LM checkout at core_v0.16.1 in MEGATRON_LM (nox -s megatron_lm_args)")
+    accepted, refused, failures = 0, 0, []
+    for name, plan in _comparison_plans():
+        try:
+            command = megatron_lm_command(plan, plan.model_spec())
+        except CannotExport:
+            refused += 1
+            continue
+        error = validate(command, plan.gpu, checkout)
+        accepted += error is None
+        failures += [(name, error)] if error else []
+    print(f"Megatron-LM accepted {accepted} exported plans; export refused {refused}")
+    assert not failures and accepted > 100, failures[:5]
+    offload = _plan("gpt3-1.3b", [12, 12], tp=2, dp=2, zero=1, offload_optimizer=1.0)
+    command = megatron_lm_command(offload, offload.model_spec())
+    assert validate(command, "l4", checkout) is None
+    for drop, says in (("--use-precision-aware-optimizer", "use-precision-aware-optimizer"),
+                       ("--use-distributed-optimizer", "distributed optimizer"),
+                       ("CUDA_DEVICE_MAX_CONNECTIONS=1 ", "CUDA_DEVICE_MAX_CONNECTIONS"),
+                       ("--tensor-model-parallel-size 2", "world size")):  # fmt: skip
+        instead = "--tensor-model-parallel-size 3" if "tensor" in drop else ""
+        error = validate(command.replace(drop, instead), "l4", checkout)
+        assert error is not None and says in error, (drop, error)
