@@ -239,3 +239,42 @@ def test_megatron_lm_accepts_every_plan_it_can_express():
         instead = "--tensor-model-parallel-size 3" if "tensor" in drop else ""
         error = validate(command.replace(drop, instead), "l4", checkout)
         assert error is not None and says in error, (drop, error)
+
+
+def test_the_megatron_lm_target_finds_the_exhaustive_best_and_every_plan_exports():
+    """``mist plan --target megatron-lm``'s search (pruned, bisected) gives what pricing every plan
+    of its space gives; its plan exports whole; it searches a superset of the grid, so it is never
+    predicted slower than the grid's plan."""
+    from baselines.megatron.grid import search_grid
+    from mist.tuning.megatron_lm import MegatronLMSpace, cheapest_fitting, search_megatron_lm, space_plans
+    from mist.tuning.planner import cost_models
+
+    name, gpus, batch = random.choice([("gpt3-1.3b", 4, 16), ("llama-1.3b", 4, 16), ("gpt3-2.7b", 2, 32)])
+    m, c = model(name, layers=8), cluster("l4", gpus)  # 8 layers: the exhaustive pricing takes seconds
+    space = MegatronLMSpace(offload_fractions=(0.0, 0.5, 1.0))
+    runtime, interference = cost_models(c, None, None)
+    exhaustive = cheapest_fitting(space_plans(m, c, batch, space), m, c, runtime, interference, "none fits")
+    found = search_megatron_lm(m, c, batch, space)
+    assert found.predicted_iteration_s == pytest.approx(exhaustive.predicted_iteration_s, rel=1e-12)
+    assert megatron_lm_arguments(found, m)[1] == []
+    assert (
+        search_megatron_lm(m, c, batch).predicted_iteration_s
+        <= search_grid(m, c, batch).predicted_iteration_s
+    )
+
+
+def test_plan_for_megatron_lm_then_export_is_two_commands(tmp_path):
+    plan = tmp_path / "plan.yaml"
+    base = [sys.executable, "-m", "mist", "plan", "--gpus", "4", "--gpu", "l4", "--global-batch", "16",
+            "--quiet", "--target", "megatron-lm"]  # fmt: skip
+    env = {"PYTHONPATH": str(REPO / "impl")}
+    done = subprocess.run([*base, "--model", "gpt3-1.3b", "--out", str(plan)], capture_output=True, text=True,
+                          env=env, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    exported = _export(str(plan), "--to", "megatron-lm")
+    assert exported.returncode == 0 and "pretrain_gpt.py" in exported.stdout, exported.stderr
+    refused = subprocess.run(
+        [*base, "--model", "falcon-7b"], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert refused.returncode == 2 and refused.stdout == "" and len(refused.stderr.strip().splitlines()) == 1
+    assert "parallel on one norm" in refused.stderr
