@@ -1,4 +1,4 @@
-"""Sessions: tests, smoke, claims, lint, figures, gpu_check, and one per experiment.
+"""Sessions: tests, smoke, claims, lint, figures, gpu_check, megatron_lm_args, and one per experiment.
 
 All sessions share one virtualenv (``.nox/shared``), installed from ``pyproject.toml`` and
 re-installed only when that file changes, so a second run starts in seconds.
@@ -31,14 +31,20 @@ nox.options.default_venv_backend = "none"
 nox.options.sessions = ["tests"]
 
 
+# Installed without their dependencies: the tests use torchtitan's config loader only (it needs
+# torch and tyro, both installed), not its datasets, tokenizers or TensorBoard
+NO_DEPS = ("torchtitan==0.2.2",)
+
+
 def _venv_python() -> str:
-    """Create/refresh the shared env when pyproject.toml changed; return its python."""
-    digest = hashlib.sha256((ROOT / "pyproject.toml").read_bytes()).hexdigest()
+    """Create/refresh the shared env when pyproject.toml (or NO_DEPS) changed; return its python."""
+    digest = hashlib.sha256((ROOT / "pyproject.toml").read_bytes() + " ".join(NO_DEPS).encode()).hexdigest()
     py = VENV / "bin" / "python"
     if not py.exists():
         subprocess.run([sys.executable, "-m", "venv", str(VENV)], check=True)
     if not STAMP.exists() or STAMP.read_text().strip() != digest:
         subprocess.run([str(py), "-m", "pip", "install", "-q", "-e", f"{ROOT}[test,lint]"], check=True)
+        subprocess.run([str(py), "-m", "pip", "install", "-q", "--no-deps", *NO_DEPS], check=True)
         STAMP.write_text(digest)
     return str(py)
 

@@ -222,7 +222,7 @@ def cmd_predict(args) -> int:
 
 
 def cmd_export(args) -> int:
-    from .export import CannotExport, JobInputs, megatron_lm_command
+    from .export import CannotExport, JobInputs, megatron_lm_command, toml_text, torchtitan_config
     from .plan import Plan
 
     try:
@@ -230,7 +230,10 @@ def cmd_export(args) -> int:
                            tokenizer_model=args.tokenizer_model, train_iters=args.train_iters, lr=args.lr,
                            script=args.script, transformer_impl=args.transformer_impl)  # fmt: skip
         plan = Plan.load(args.plan)
-        command = megatron_lm_command(plan, plan.model_spec(), inputs)
+        if args.to == "torchtitan":
+            text = toml_text(torchtitan_config(plan, plan.model_spec(), args.flavor, inputs))
+        else:
+            text = megatron_lm_command(plan, plan.model_spec(), inputs)
     except CannotExport as e:  # one line per part, so a user sees each thing to change
         for part in e.parts:
             print(f"python -m mist export: {e.target} cannot express: {part}", file=sys.stderr)
@@ -238,7 +241,13 @@ def cmd_export(args) -> int:
     except (ValueError, OSError) as e:
         print(f"python -m mist export: error: {e}", file=sys.stderr)
         return 2
-    print(command)
+    print(text)
+    if args.to == "torchtitan":
+        nodes = math.ceil(plan.gpus / plan.gpus_per_node)
+        print(f"# the plan was priced for {plan.model_spec().name}: flavor {args.flavor} must be its shape; "
+              f"launch: torchrun --nnodes {nodes} --nproc-per-node {plan.gpus // nodes} -m torchtitan.train "
+              "--job.config_file THIS.toml", file=sys.stderr)  # fmt: skip
+        return 0
     if inputs.data_path is None or inputs.tokenizer_type is None:
         print("# placeholders: synthetic data (--mock-data) and a null tokenizer; --data-path and "
               "--tokenizer-type/--tokenizer-model name real ones", file=sys.stderr)  # fmt: skip
@@ -457,14 +466,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="one JSON document (prediction_format 2)")
     _engine_argument(p)
     p.set_defaults(fn=cmd_predict)
-    p = sub.add_parser("export", help="a plan as a command that launches it on Megatron-LM")
+    p = sub.add_parser("export", help="a plan as Megatron-LM's command line or torchtitan's job config")
     p.add_argument("plan")
-    p.add_argument("--to", required=True, choices=["megatron-lm"], help="the trainer to launch it on")
-    p.add_argument("--data-path", help="Megatron-LM's --data-path (default: --mock-data, synthetic)")
+    p.add_argument(
+        "--to", required=True, choices=["megatron-lm", "torchtitan"],
+        help="megatron-lm: a shell command; torchtitan: a job config (TOML, torchtitan 0.2.2)",
+    )  # fmt: skip
+    p.add_argument("--flavor", help="torchtitan: the registered llama3 flavor of the plan's shape (e.g. 8B)")
+    p.add_argument(
+        "--data-path",
+        help="Megatron-LM's --data-path (default: --mock-data, synthetic); torchtitan's dataset_path",
+    )
     p.add_argument(
         "--tokenizer-type", help="e.g. GPT2BPETokenizer (default: a NullTokenizer of the priced vocab)"
     )
-    p.add_argument("--tokenizer-model", help="the tokenizer's model file, for tokenizers that take one")
+    p.add_argument("--tokenizer-model", help="the tokenizer's model file (torchtitan: model.hf_assets_path)")
     p.add_argument("--train-iters", type=_positive, default=100, help="placeholder (default 100)")
     p.add_argument("--lr", type=float, default=1e-4, help="placeholder (default 1e-4)")
     p.add_argument("--script", default="pretrain_gpt.py", help="Megatron-LM's training script")

@@ -1,5 +1,6 @@
-"""A plan as a job Megatron-LM launches: ``python -m mist export PLAN --to megatron-lm``.
+"""A plan as a job another trainer launches: ``python -m mist export PLAN --to megatron-lm|torchtitan``.
 
+**Megatron-LM.**
 The plan decides the model's shape, the parallel sizes, the batch, what recomputes and what the
 optimizer shards or offloads; the command says all of it in Megatron-LM's flags (``pretrain_gpt.py``
 at the release matching the pinned megatron-core, 0.16.1). What a plan does not decide (data,
@@ -11,11 +12,18 @@ What the command leaves at Megatron-LM's defaults, on purpose: gradient reduce a
 gather not overlapped with backward (Mist prices the gradient synchronisation after the last
 micro-batch's backward, ``stage_cost._gradient_sync``), Adam, and the softmax in the activations'
 precision (``engine.megatron.model_settings``).
+
+**torchtitan** (0.2.2, whose job config is a TOML file): the parallel degrees (FSDP2 for ZeRO-2/3,
+DDP for none), the pipeline's stages as explicit module lists and its 1F1B schedule, activation
+checkpointing (none or every layer), micro and global batch, FSDP's CPU offload. torchtitan builds
+a registered model flavor (``--flavor``), Llama-style only; the export cannot see its shape, so it
+says which shape the plan was priced for.
 """
 
 from __future__ import annotations
 
 import itertools
+import json
 import math
 import shlex
 from dataclasses import dataclass
@@ -221,3 +229,112 @@ def megatron_lm_command(plan: Plan, model: ModelSpec, inputs: JobInputs | None =
     for start, end in itertools.pairwise(flags):
         lines.append("  " + shlex.join(args[start:end]))
     return " \\\n".join(lines)
+
+
+def torchtitan_config(plan: Plan, model: ModelSpec, flavor: str, inputs: JobInputs | None = None) -> dict:
+    """torchtitan's job config (sections of JobConfig) for ``plan`` on its Llama 3 model ``flavor``.
+    Raises CannotExport naming each part torchtitan cannot express."""
+    inputs = inputs or JobInputs()
+    plan = plan.with_stage_parallelism_lifted()
+    cannot = []
+    if not flavor:
+        cannot.append(
+            f"no model flavor: torchtitan builds a registered one (--flavor) of the priced shape "
+            f"({_shape(model)})"
+        )
+    if any((s.tp or plan.tp, s.dp or plan.dp) != (plan.tp, plan.dp) for s in plan.stages):
+        cannot.append("stages with TP/DP of their own that differ (torchtitan: one TP and DP for all stages)")
+    if plan.pre_post is not None:
+        cannot.append("a strategy of the embedding/head's own (torchtitan's follow their stage's)")
+    llama_style = model.norm == "rmsnorm" and model.gated_mlp and model.positions == "rotary"
+    if not llama_style or model.dropout:
+        cannot.append(
+            f"{model.name}: torchtitan's models are Llama-style (RMSNorm, SwiGLU, rotary, no dropout)"
+        )
+    if not model.flash:
+        cannot.append("attention without FlashAttention (torchtitan's is PyTorch SDPA's fused kernel)")
+    if plan.tp > 1 and not plan.sequence_parallel:
+        cannot.append("TP without sequence parallelism (torchtitan's TP always shards the sequence)")
+    stages = plan.stages
+    zero = {s.zero for s in stages}
+    if len(zero) > 1 or zero == {1}:
+        cannot.append("ZeRO-1 or ZeRO per stage (torchtitan shards with FSDP2: gradients and weights too)")
+    elif zero == {0} and plan.dp > 1 and (plan.tp > 1 or len(stages) > 1):
+        cannot.append("DP without sharding beside TP or PP (torchtitan's DDP is for DP alone)")
+    offloads = {(s.offload_weights, s.offload_grads, s.offload_optimizer) for s in stages}
+    cpu_offload = offloads == {(1.0, 1.0, 1.0)} and zero == {3}
+    if offloads != {(0.0, 0.0, 0.0)} and not cpu_offload:
+        cannot.append(
+            "offloading other than all of ZeRO-3's weights, gradients and optimizer (FSDP's CPU offload)"
+        )
+    if any(s.offload_activations for s in stages):
+        cannot.append("offloading activations to the CPU")
+    if not (all(s.recompute == 0 for s in stages) or all(s.recompute == s.layers for s in stages)):
+        cannot.append(
+            f"recomputing some layers of a stage {[s.recompute for s in stages]} (torchtitan: none or all)"
+        )
+    if cannot:
+        raise CannotExport("torchtitan", cannot)
+    dp = plan.dp
+    sharded = zero & {2, 3}
+    parallelism = {
+        "data_parallel_replicate_degree": 1 if sharded else dp,
+        "data_parallel_shard_degree": dp if sharded else 1,
+        "tensor_parallel_degree": plan.tp,
+        "pipeline_parallel_degree": len(stages),
+    }
+    if sharded:  # ZeRO-3 frees each layer's weights after forward; ZeRO-2 keeps them to the step
+        parallelism["fsdp_reshard_after_forward"] = "always" if zero == {3} else "never"
+    pipelined = len(stages) > 1
+    if pipelined:
+        first, names = 0, []
+        for i, s in enumerate(stages):
+            part = ["tok_embeddings"] if i == 0 else []
+            part += [f"layers.{n}" for n in range(first, first + s.layers)]
+            part += ["norm", "output"] if i == len(stages) - 1 else []
+            names.append(part)
+            first += s.layers
+        parallelism["pipeline_parallel_schedule"] = "1F1B"
+        parallelism["pipeline_parallel_microbatch_size"] = plan.micro_batch
+        parallelism["module_fqns_per_model_part"] = names
+    training = {
+        # without PP each step accumulates micro-batches of local_batch_size; with PP one local batch
+        # per step is split into the pipeline's micro-batches
+        "local_batch_size": plan.global_batch // dp if pipelined else plan.micro_batch,
+        "global_batch_size": plan.global_batch,
+        "seq_len": model.seq,
+        "steps": inputs.train_iters,
+        "mixed_precision_param": "bfloat16",
+        "enable_cpu_offload": cpu_offload,
+    }
+    if inputs.data_path:
+        training["dataset_path"] = inputs.data_path
+    config = {
+        "job": {"description": f"Mist plan: {model.name} on {plan.gpus} x {plan.gpu}"},
+        "model": {"name": "llama3", "flavor": flavor},
+        "training": training,
+        "parallelism": parallelism,
+        "activation_checkpoint": {"mode": "full" if stages[0].recompute else "none"},
+        "optimizer": {"lr": inputs.lr},
+    }
+    if inputs.tokenizer_model:
+        config["model"]["hf_assets_path"] = inputs.tokenizer_model
+    return config
+
+
+def _shape(model: ModelSpec) -> str:
+    return (f"hidden {model.hidden}, {model.layers} layers, {model.heads} heads, {model.kv} KV heads, "
+            f"MLP {model.ffn_hidden}, vocabulary {model.vocab}")  # fmt: skip
+
+
+def toml_text(config: dict) -> str:
+    """``config`` (sections of scalars and lists) as TOML: JSON's strings, numbers and arrays are
+    TOML's; booleans are written lower-case."""
+    lines = []
+    for section, fields in config.items():
+        lines.append(f"[{section}]")
+        for key, value in fields.items():
+            text = ("true" if value else "false") if isinstance(value, bool) else json.dumps(value)
+            lines.append(f"{key} = {text}")
+        lines.append("")
+    return "\n".join(lines)

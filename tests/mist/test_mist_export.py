@@ -278,3 +278,89 @@ def test_plan_for_megatron_lm_then_export_is_two_commands(tmp_path):
     )
     assert refused.returncode == 2 and refused.stdout == "" and len(refused.stderr.strip().splitlines()) == 1
     assert "parallel on one norm" in refused.stderr
+
+
+def _llama_plan(tp: int, dp: int, layers: list[int], **stage) -> Plan:
+    m = model("llama-7b")
+    stages = [StagePlan(layers=n, **stage) for n in layers]
+    return Plan.of(m, cluster("a100-40gb", tp * dp * len(layers)), global_batch=64, tp=tp, dp=dp,
+                   micro_batch=2, stages=stages)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("tp", "dp", "layers", "stage"),
+    [
+        (2, 2, [15, 17], {"zero": 2, "recompute": None}),  # PP + TP + FSDP without resharding
+        (1, 8, [32], {"zero": 3, "offload_weights": 1.0, "offload_grads": 1.0, "offload_optimizer": 1.0}),
+        (1, 4, [32], {"zero": 0}),  # DDP alone
+        (4, 1, [8, 8, 8, 8], {"recompute": None}),  # TP + PP, every layer recomputed
+    ],
+    ids=["pp-tp-zero2", "zero3-offload", "ddp", "tp-pp"],
+)
+def test_torchtitan_loads_the_job_config_as_the_plan_says(tmp_path, tp, dp, layers, stage):
+    """The TOML of ``mist export --to torchtitan`` through torchtitan's own ConfigManager (the
+    loader ``torchtitan.train`` runs) and ParallelDims (which checks the degrees against the world
+    size): every field as the plan says, the pipeline's module lists covering the layers in order
+    with the plan's split, and the micro-batches a step what the plan has (torchtitan's batch rule:
+    global / (local x DP) accumulation steps, local / micro-batch pipeline micro-batches)."""
+    config_module = pytest.importorskip("torchtitan.config")
+    from torchtitan.distributed import ParallelDims
+
+    from mist.export import toml_text, torchtitan_config
+
+    per_stage = [dict(stage, recompute=n) if stage.get("recompute", 0) is None else stage for n in layers]
+    plan = _llama_plan(tp, dp, layers)
+    plan.stages = [StagePlan(layers=n, **s) for n, s in zip(layers, per_stage, strict=True)]
+    config = torchtitan_config(plan, plan.model_spec(), "8B", JobInputs(train_iters=11, lr=3e-4))
+    path = tmp_path / "job.toml"
+    path.write_text(toml_text(config))
+    job = config_module.ConfigManager().parse_args(["--job.config_file", str(path)])
+    for section, fields in config.items():
+        for key, value in fields.items():
+            assert getattr(getattr(job, section), key) == value, (section, key)
+    p = job.parallelism
+    ParallelDims(dp_replicate=p.data_parallel_replicate_degree, dp_shard=p.data_parallel_shard_degree, cp=1,
+                 tp=p.tensor_parallel_degree, pp=p.pipeline_parallel_degree, ep=1, etp=1,
+                 world_size=plan.gpus)  # fmt: skip
+    batch_degree = p.data_parallel_replicate_degree * p.data_parallel_shard_degree
+    steps = job.training.global_batch_size // (job.training.local_batch_size * batch_degree)
+    pipeline = job.training.local_batch_size // p.pipeline_parallel_microbatch_size if len(layers) > 1 else 1
+    assert steps * pipeline == plan.grad_accum and batch_degree == dp
+    if len(layers) > 1:
+        parts = p.module_fqns_per_model_part
+        assert [len([m for m in part if m.startswith("layers.")]) for part in parts] == layers
+        assert [m for part in parts for m in part] == ["tok_embeddings", *(f"layers.{i}" for i in range(32)),
+                                                        "norm", "output"]  # fmt: skip
+    assert job.activation_checkpoint.mode == ("full" if plan.stages[0].recompute else "none")
+    assert job.training.enable_cpu_offload == (plan.stages[0].offload_weights == 1.0)
+    config["parallelism"]["tensor_parallel"] = tp  # negative control: a key torchtitan has not
+    path.write_text(toml_text(config))
+    with pytest.raises(ValueError, match="tensor_parallel"):
+        config_module.ConfigManager().parse_args(["--job.config_file", str(path)])
+
+
+def test_torchtitan_names_what_it_cannot_express():
+    from mist.export import torchtitan_config
+
+    stages = [StagePlan(layers=12, recompute=3, zero=1), StagePlan(layers=12, zero=1)]
+    gpt = Plan.of(
+        model("gpt3-1.3b"), cluster("l4", 4), global_batch=16, tp=1, dp=2, micro_batch=1, stages=stages
+    )
+    with pytest.raises(CannotExport) as refused:
+        torchtitan_config(gpt, gpt.model_spec(), "")
+    text = " | ".join(refused.value.parts)
+    for reason in ("no model flavor", "Llama-style", "ZeRO-1", "recomputing some layers"):
+        assert sum(reason in part for part in refused.value.parts) == 1, (reason, text)
+    llama = _llama_plan(2, 2, [16, 16], zero=0)
+    with pytest.raises(CannotExport, match="DDP is for DP alone"):
+        torchtitan_config(llama, llama.model_spec(), "8B")
+
+
+def test_torchtitan_export_prints_the_toml_or_one_line_per_part(tmp_path):
+    plan = _llama_plan(1, 8, [32], zero=3)
+    plan.save(tmp_path / "plan.yaml")
+    done = _export(str(tmp_path / "plan.yaml"), "--to", "torchtitan", "--flavor", "8B")
+    assert done.returncode == 0 and done.stdout.startswith("[job]") and "torchtitan.train" in done.stderr
+    refused = _export(str(tmp_path / "plan.yaml"), "--to", "torchtitan")
+    lines = refused.stderr.strip().splitlines()
+    assert refused.returncode == 2 and refused.stdout == "" and len(lines) == 1 and "--flavor" in lines[0]
