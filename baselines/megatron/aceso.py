@@ -19,7 +19,7 @@ from mist.model.interference import Interference
 from mist.model.runtime import RuntimeModel
 from mist.model.specs import ClusterSpec, ModelSpec
 from mist.plan import Plan, StagePlan
-from mist.tuning.megatron_lm import powers_of_two
+from mist.tuning.exhaustive import powers_of_two
 from mist.tuning.planner import NoFeasiblePlan, cost_models, predict
 
 

@@ -8,7 +8,7 @@ from mist.model.interference import Interference
 from mist.model.runtime import RuntimeModel
 from mist.model.specs import ClusterSpec, ModelSpec
 from mist.plan import Plan, StagePlan
-from mist.tuning.megatron_lm import cheapest_fitting
+from mist.tuning.exhaustive import cheapest_fitting
 from mist.tuning.planner import cost_models
 
 MICRO_BATCHES = (1, 2, 4, 8, 16)

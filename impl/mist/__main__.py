@@ -116,20 +116,27 @@ def gpu_memory_bytes(size: str | None) -> int | None:
     return amount
 
 
-def _search_megatron_lm(args, m, c, progress) -> Plan:
-    """``mist plan --target megatron-lm``: only what Megatron-LM runs (every plan exports)."""
-    from .tuning.megatron_lm import MegatronLMSpace, check_model, search_megatron_lm
+def _search_target(args, m, c, progress) -> Plan:
+    """``mist plan --target megatron-lm|torchtitan``: only what that trainer runs (every plan exports)."""
+    from .tuning import megatron_lm, torchtitan
     from .tuning.planner import predict
 
     if args.engine != "megatron-core":
-        raise ValueError("--target megatron-lm: Megatron-LM accumulates gradients as megatron-core does")
+        raise ValueError(f"--target {args.target}: it accumulates gradients as megatron-core does (--engine)")
     if args.no_imbalance:
-        raise ValueError("--no-imbalance is an ablation of Mist's own search, not of --target megatron-lm")
-    check_model(m)
-    space = MegatronLMSpace(recompute=not args.no_recompute)
-    if args.no_offload:
-        space = dataclasses.replace(space, offload_fractions=(0.0,))
-    plan = search_megatron_lm(m, c, args.global_batch, space, progress=progress)
+        raise ValueError(f"--no-imbalance is an ablation of Mist's own search, not of --target {args.target}")
+    if args.target == "torchtitan":
+        if args.no_offload or args.no_recompute:
+            raise ValueError(
+                "--target torchtitan searches its own two choices of each: drop --no-offload/--no-recompute"
+            )
+        plan = torchtitan.search_torchtitan(m, c, args.global_batch, progress=progress)
+    else:
+        megatron_lm.check_model(m)
+        space = megatron_lm.MegatronLMSpace(recompute=not args.no_recompute)
+        if args.no_offload:
+            space = dataclasses.replace(space, offload_fractions=(0.0,))
+        plan = megatron_lm.search_megatron_lm(m, c, args.global_batch, space, progress=progress)
     tuning_s = plan.tuning_s
     predict(plan, m, c)  # the 1F1B simulation beside the closed form the search ranked by
     plan.tuning_s = tuning_s
@@ -155,8 +162,8 @@ def cmd_plan(args) -> int:
             print("  " + line, file=sys.stderr, flush=True)
 
     try:
-        if args.target == "megatron-lm":
-            plan = _search_megatron_lm(args, m, c, progress)
+        if args.target != "mist":
+            plan = _search_target(args, m, c, progress)
         else:
             plan = search(m, c, args.global_batch, options, progress=progress)
     except NoFeasiblePlan as e:
@@ -449,10 +456,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--explain", action="store_true", help="say why the plan wins")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     p.add_argument(
-        "--target", choices=["mist", "megatron-lm"], default="mist",
+        "--target", choices=["mist", "megatron-lm", "torchtitan"], default="mist",
         help="mist: Mist's whole search (runs on mist.engine.run); megatron-lm: only plans Megatron-LM "
         "runs (one recompute block and optimizer offload fraction for all stages, ZeRO 0/1, even middle "
-        "stages), each exportable with `mist export --to megatron-lm`",
+        "stages); torchtitan: only plans torchtitan runs (FSDP2 or DDP, recompute none or all, FSDP's "
+        "CPU offload); each exportable with `mist export --to TARGET`",
     )  # fmt: skip
     p.add_argument("--no-offload", action="store_true", help="search without CPU offloading")
     p.add_argument("--no-recompute", action="store_true", help="search without activation recomputation")

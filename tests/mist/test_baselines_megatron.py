@@ -98,7 +98,7 @@ def test_zero3_is_pure_data_parallelism():
 def test_grid_bisection_finds_the_exhaustive_best():
     """The smallest block-recompute count that fits is each setting's fastest: bisection over it
     gives what pricing every count gives."""
-    from mist.tuning.megatron_lm import cheapest_fitting, layer_splits
+    from mist.tuning.exhaustive import cheapest_fitting, layer_splits
     from mist.tuning.planner import cost_models
 
     name, gpu, gpus, batch, seq = random.choice(CASES)

@@ -246,7 +246,8 @@ def test_the_megatron_lm_target_finds_the_exhaustive_best_and_every_plan_exports
     of its space gives; its plan exports whole; it searches a superset of the grid, so it is never
     predicted slower than the grid's plan."""
     from baselines.megatron.grid import search_grid
-    from mist.tuning.megatron_lm import MegatronLMSpace, cheapest_fitting, search_megatron_lm, space_plans
+    from mist.tuning.exhaustive import cheapest_fitting
+    from mist.tuning.megatron_lm import MegatronLMSpace, search_megatron_lm, space_plans
     from mist.tuning.planner import cost_models
 
     name, gpus, batch = random.choice([("gpt3-1.3b", 4, 16), ("llama-1.3b", 4, 16), ("gpt3-2.7b", 2, 32)])
@@ -364,3 +365,26 @@ def test_torchtitan_export_prints_the_toml_or_one_line_per_part(tmp_path):
     refused = _export(str(tmp_path / "plan.yaml"), "--to", "torchtitan")
     lines = refused.stderr.strip().splitlines()
     assert refused.returncode == 2 and refused.stdout == "" and len(lines) == 1 and "--flavor" in lines[0]
+
+
+def test_the_torchtitan_target_finds_the_exhaustive_best_and_its_plan_exports():
+    from mist.export import torchtitan_config
+    from mist.tuning import torchtitan
+    from mist.tuning.exhaustive import cheapest_fitting
+    from mist.tuning.planner import cost_models
+
+    gpus, batch = random.choice([(4, 16), (2, 32)])
+    m, c = (
+        model("llama-1.3b", layers=8),
+        cluster("l4", gpus),
+    )  # 8 layers: the exhaustive pricing takes seconds
+    runtime, interference = cost_models(c, None, None)
+    every = (
+        torchtitan.setting_plan(m, c, batch, s, k) for s in torchtitan.settings(m, c, batch) for k in (0, 1)
+    )
+    exhaustive = cheapest_fitting(every, m, c, runtime, interference, "none fits")
+    found = torchtitan.search_torchtitan(m, c, batch)
+    assert found.predicted_iteration_s == pytest.approx(exhaustive.predicted_iteration_s, rel=1e-12)
+    torchtitan_config(found, m, "my-flavor")  # raises CannotExport if a part does not export
+    with pytest.raises(ValueError, match="Llama-style"):
+        torchtitan.search_torchtitan(model("gpt3-1.3b"), c, batch)

@@ -9,21 +9,20 @@ tries. Every plan it makes exports (``mist.export``): ``mist plan --target megat
 widest space, the Megatron-LM grid baseline (``baselines/megatron/grid.py``) the choices its users tune.
 
 For each setting (TP, DP, micro-batch, split, ZeRO, offload fraction) the smallest block k that fits
-is the fastest (recomputation only adds time), found by bisection; the fastest setting that fits wins.
+is the fastest (recomputation only adds time); ``exhaustive.fastest_fitting`` finds it.
 """
 
 from __future__ import annotations
 
 import itertools
-import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from ..model.interference import Interference
 from ..model.runtime import RuntimeModel
 from ..model.specs import ClusterSpec, ModelSpec
 from ..plan import Plan, StagePlan
-from .planner import NoFeasiblePlan, cost_models, predict
+from .exhaustive import divisors, fastest_fitting, layer_splits, powers_of_two
 
 
 @dataclass(frozen=True)
@@ -60,27 +59,6 @@ class MegatronLMSetting:
     offload_optimizer: float
 
 
-def powers_of_two(limit: int) -> list[int]:
-    return [1 << i for i in range(limit.bit_length()) if 1 << i <= limit]
-
-
-def layer_splits(layers: int, pp: int, uneven: int | None = None) -> list[tuple[int, ...]]:
-    """Layers per stage as Megatron-LM can split them: even, or the first and last stage uneven
-    (within ``uneven`` layers of the even share; None: any) with the middle stages even."""
-    if pp == 1:
-        return [(layers,)]
-    per = layers // pp
-    reach = per if uneven is None else uneven
-    out = set()
-    for first, last in itertools.product(range(max(1, per - reach), per + reach + 1), repeat=2):
-        middle = layers - first - last
-        if pp == 2 and middle == 0:
-            out.add((first, last))
-        elif pp > 2 and middle > 0 and middle % (pp - 2) == 0:
-            out.add((first, *[middle // (pp - 2)] * (pp - 2), last))
-    return sorted(out, key=lambda split: (len(set(split)) > 1, split))
-
-
 def settings(
     model: ModelSpec, cluster: ClusterSpec, global_batch: int, space: MegatronLMSpace
 ) -> Iterator[MegatronLMSetting]:
@@ -99,9 +77,7 @@ def settings(
             if global_batch % dp:
                 continue
             per_replica = global_batch // dp
-            micro_batches = space.micro_batches or [
-                b for b in range(1, per_replica + 1) if per_replica % b == 0
-            ]
+            micro_batches = space.micro_batches or divisors(per_replica)
             for split in layer_splits(model.layers, pp, space.uneven):
                 for mb, zero, offload in itertools.product(
                     micro_batches, space.zero, space.offload_fractions
@@ -153,69 +129,10 @@ def search_megatron_lm(
     prices Falcon's parallel block as if Megatron-LM had it, so that every system is priced on the
     same model, and ``mist.export`` refuses it."""
     space = space or MegatronLMSpace()
-    runtime, interference = cost_models(cluster, runtime, interference)
-    what = f"no Megatron-LM configuration of {model.name} fits {cluster.gpus} x {cluster.gpu.name}"
-
-    best = [float("inf")]  # the fastest fitting time so far, for pruning
-
-    def leanest_fitting() -> Iterator[Plan]:
-        """Per setting, the plan with the fewest recomputed layers that fits (bisection), or the
-        full-recompute plan when none fits (so the no-fit message can say what is needed).
-        Recomputation only adds time, so a setting whose plan without any is no faster than the
-        best so far is skipped unpriced further (the space is 10^4-10^5 settings)."""
-        # the most even splits first: they are usually near the best, which then prunes the rest
-        spread = lambda s: max(s.split) - min(s.split)
-        ordered = sorted(settings(model, cluster, global_batch, space), key=spread)
-        for n, setting in enumerate(ordered):
-            if progress and n % 5000 == 0:
-                progress(f"[{n}/{len(ordered)} settings] best {best[0]:.3f} s")
-            lo, hi = 0, max(setting.split) if space.recompute else 0
-
-            def priced(k: int, setting: MegatronLMSetting = setting) -> Plan:
-                plan = setting_plan(model, cluster, global_batch, setting, k)
-                return predict(plan, model, cluster, runtime, interference, simulate=False)
-
-            fastest = priced(lo)
-            if fastest.predicted_iteration_s >= best[0]:
-                continue
-            plan = fastest if fastest.breakdown["fits"] else priced(hi)
-            if not plan.breakdown["fits"]:
-                yield plan
-                continue
-            while lo < hi:  # memory falls as k grows: the smallest k that fits
-                mid = (lo + hi) // 2
-                if priced(mid).breakdown["fits"]:
-                    hi = mid
-                else:
-                    lo = mid + 1
-            plan = priced(lo)
-            best[0] = min(best[0], plan.predicted_iteration_s)
-            yield plan
-
-    return cheapest_fitting(leanest_fitting(), model, cluster, runtime, interference, what)
-
-
-def cheapest_fitting(
-    plans: Iterable[Plan],
-    model: ModelSpec,
-    cluster: ClusterSpec,
-    runtime: RuntimeModel,
-    interference: Interference,
-    what: str,
-) -> Plan:
-    """Price every plan (closed form); the fastest that fits memory, timed as the search.
-    Raises NoFeasiblePlan with ``what`` and the memory the leanest plan needs."""
-    start = time.perf_counter()
-    best, tried, lowest = None, 0, float("inf")
-    for plan in plans:
-        predict(plan, model, cluster, runtime, interference, simulate=False)
-        tried += 1
-        lowest = min(lowest, max(s.memory_bytes for s in plan.stages))
-        if plan.breakdown["fits"] and (
-            best is None or plan.predicted_iteration_s < best.predicted_iteration_s
-        ):
-            best = plan
-    if best is None:
-        raise NoFeasiblePlan(f"{what} ({tried} tried; the leanest needs {lowest / 2**30:.1f} GiB per GPU)")
-    best.tuning_s = time.perf_counter() - start
-    return best
+    return fastest_fitting(
+        sorted(settings(model, cluster, global_batch, space), key=lambda s: max(s.split) - min(s.split)),
+        lambda setting, k: setting_plan(model, cluster, global_batch, setting, k),
+        lambda setting: list(range(max(setting.split) + 1)) if space.recompute else [0],
+        model, cluster, runtime, interference, progress,
+        what=f"no Megatron-LM configuration of {model.name} fits {cluster.gpus} x {cluster.gpu.name}",
+    )  # fmt: skip

@@ -1,0 +1,123 @@
+"""Exhaustive searches of a trainer's space of plans (``megatron_lm``, ``torchtitan``): the sizes
+they enumerate, and the one pruned search over settings that each choose a recompute count.
+
+Each setting (parallel sizes, micro-batch, split, ZeRO, offloading) is priced with an ascending
+list of recompute counts; memory falls and time grows along it, so the smallest count that fits
+is the setting's fastest plan (bisection), and a setting whose plan without recomputation is no
+faster than the best so far is skipped (the spaces hold 10^4-10^5 settings). Every plan is priced
+by Mist's closed form, as Mist's own search ranks.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable, Iterable, Iterator
+from typing import TypeVar
+
+from ..model.interference import Interference
+from ..model.runtime import RuntimeModel
+from ..model.specs import ClusterSpec, ModelSpec
+from ..plan import Plan
+from .planner import NoFeasiblePlan, cost_models, predict
+
+S = TypeVar("S")
+
+
+def powers_of_two(limit: int) -> list[int]:
+    return [1 << i for i in range(limit.bit_length()) if 1 << i <= limit]
+
+
+def layer_splits(layers: int, pp: int, uneven: int | None = None) -> list[tuple[int, ...]]:
+    """Layers per stage as Megatron-LM can split them: even, or the first and last stage uneven
+    (within ``uneven`` layers of the even share; None: any) with the middle stages even."""
+    if pp == 1:
+        return [(layers,)]
+    per = layers // pp
+    reach = per if uneven is None else uneven
+    out = set()
+    for first, last in itertools.product(range(max(1, per - reach), per + reach + 1), repeat=2):
+        middle = layers - first - last
+        if pp == 2 and middle == 0:
+            out.add((first, last))
+        elif pp > 2 and middle > 0 and middle % (pp - 2) == 0:
+            out.add((first, *[middle // (pp - 2)] * (pp - 2), last))
+    return sorted(out, key=lambda split: (len(set(split)) > 1, split))
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def fastest_fitting(
+    settings: list[S],
+    plan_of: Callable[[S, int], Plan],
+    counts: Callable[[S], list[int]],
+    model: ModelSpec,
+    cluster: ClusterSpec,
+    runtime: RuntimeModel | None,
+    interference: Interference | None,
+    progress: Callable[[str], None] | None,
+    what: str,
+) -> Plan:
+    """The fastest plan that fits over ``settings`` (searched in that order: put likely winners
+    first), each with ``plan_of(setting, k)`` for k in ``counts(setting)`` (ascending recompute).
+    Raises NoFeasiblePlan with ``what`` and the memory the leanest plan needs."""
+    runtime, interference = cost_models(cluster, runtime, interference)
+    best = [float("inf")]
+
+    def priced(setting: S, k: int) -> Plan:
+        return predict(plan_of(setting, k), model, cluster, runtime, interference, simulate=False)
+
+    def leanest_fitting() -> Iterator[Plan]:
+        """Per setting, the plan with the fewest recomputed layers that fits, or the leanest plan
+        when none fits (so the no-fit message can say what is needed)."""
+        for n, setting in enumerate(settings):
+            if progress and n % 5000 == 0:
+                progress(f"[{n}/{len(settings)} settings] best {best[0]:.3f} s")
+            ks = counts(setting)
+            fastest = priced(setting, ks[0])
+            if fastest.predicted_iteration_s >= best[0]:
+                continue
+            plan = fastest if fastest.breakdown["fits"] else priced(setting, ks[-1])
+            if not plan.breakdown["fits"]:
+                yield plan
+                continue
+            lo, hi = 0, len(ks) - 1
+            while lo < hi:  # memory falls along ks: the first that fits
+                mid = (lo + hi) // 2
+                if priced(setting, ks[mid]).breakdown["fits"]:
+                    hi = mid
+                else:
+                    lo = mid + 1
+            plan = priced(setting, ks[lo])
+            best[0] = min(best[0], plan.predicted_iteration_s)
+            yield plan
+
+    return cheapest_fitting(leanest_fitting(), model, cluster, runtime, interference, what)
+
+
+def cheapest_fitting(
+    plans: Iterable[Plan],
+    model: ModelSpec,
+    cluster: ClusterSpec,
+    runtime: RuntimeModel,
+    interference: Interference,
+    what: str,
+) -> Plan:
+    """Price every plan (closed form); the fastest that fits memory, timed as the search.
+    Raises NoFeasiblePlan with ``what`` and the memory the leanest plan needs."""
+    start = time.perf_counter()
+    best, tried, lowest = None, 0, float("inf")
+    for plan in plans:
+        predict(plan, model, cluster, runtime, interference, simulate=False)
+        tried += 1
+        lowest = min(lowest, max(s.memory_bytes for s in plan.stages))
+        if plan.breakdown["fits"] and (
+            best is None or plan.predicted_iteration_s < best.predicted_iteration_s
+        ):
+            best = plan
+    if best is None:
+        raise NoFeasiblePlan(f"{what} ({tried} tried; the leanest needs {lowest / 2**30:.1f} GiB per GPU)")
+    best.tuning_s = time.perf_counter() - start
+    return best
