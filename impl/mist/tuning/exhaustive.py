@@ -4,24 +4,27 @@ they enumerate, and the one pruned search over settings that each choose a recom
 Each setting (parallel sizes, micro-batch, split, ZeRO, offloading) is priced with an ascending
 list of recompute counts; memory falls and time grows along it, so the smallest count that fits
 is the setting's fastest plan (bisection), and a setting whose plan without recomputation is no
-faster than the best so far is skipped (the spaces hold 10^4-10^5 settings). Every plan is priced
+faster than the best so far is skipped, as is one whose TP, DP, micro-batch and stage count cannot
+beat it by the planner's own lower bound (the spaces hold 10^4-10^5 settings). Every plan is priced
 by Mist's closed form, as Mist's own search ranks.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import time
 from collections.abc import Callable, Iterable, Iterator
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 from ..model.interference import Interference
 from ..model.runtime import RuntimeModel
 from ..model.specs import ClusterSpec, ModelSpec
 from ..plan import Plan
-from .planner import NoFeasiblePlan, cost_models, predict
+from .planner import NoFeasiblePlan, cost_models, lower_bound_s, predict
+from .problem import Candidate, Problem
 
-S = TypeVar("S")
+S = TypeVar("S", bound="Sizes")
 
 
 def powers_of_two(limit: int) -> list[int]:
@@ -49,7 +52,35 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+class Sizes(Protocol):
+    """What a setting has that bounds its time: its TP, DP, micro-batch and layers per stage."""
+
+    tp: int
+    dp: int
+    micro_batch: int
+    split: tuple[int, ...]
+
+
+def lower_bound(
+    model: ModelSpec,
+    cluster: ClusterSpec,
+    global_batch: int,
+    runtime: RuntimeModel,
+    interference: Interference,
+) -> Callable[[Sizes], float]:
+    """The planner's lower bound on a setting's iteration (``planner.lower_bound_s``), once per
+    TP, DP, micro-batch and stage count."""
+    problem = Problem.resolve(model, cluster, global_batch, runtime, interference)
+
+    @functools.cache
+    def of(tp: int, dp: int, micro_batch: int, stages: int) -> float:
+        return lower_bound_s(problem, Candidate(tp, stages, dp, micro_batch, global_batch))
+
+    return lambda s: of(s.tp, s.dp, s.micro_batch, len(s.split))
+
+
 def fastest_fitting(
+    global_batch: int,
     settings: list[S],
     plan_of: Callable[[S, int], Plan],
     counts: Callable[[S], list[int]],
@@ -62,9 +93,12 @@ def fastest_fitting(
 ) -> Plan:
     """The fastest plan that fits over ``settings`` (searched in that order: put likely winners
     first), each with ``plan_of(setting, k)`` for k in ``counts(setting)`` (ascending recompute).
-    Raises NoFeasiblePlan with ``what`` and the memory the leanest plan needs."""
+    A setting is skipped unpriced when the planner's lower bound for its TP, DP, micro-batch and
+    stage count is no faster than the best so far. Raises NoFeasiblePlan with ``what`` and the
+    memory the leanest plan needs."""
     runtime, interference = cost_models(cluster, runtime, interference)
     best = [float("inf")]
+    bound = lower_bound(model, cluster, global_batch, runtime, interference)
 
     def priced(setting: S, k: int) -> Plan:
         return predict(plan_of(setting, k), model, cluster, runtime, interference, simulate=False)
@@ -75,6 +109,8 @@ def fastest_fitting(
         for n, setting in enumerate(settings):
             if progress and n % 5000 == 0:
                 progress(f"[{n}/{len(settings)} settings] best {best[0]:.3f} s")
+            if bound(setting) >= best[0]:
+                continue
             ks = counts(setting)
             fastest = priced(setting, ks[0])
             if fastest.predicted_iteration_s >= best[0]:

@@ -130,6 +130,7 @@ def search_megatron_lm(
     same model, and ``mist.export`` refuses it."""
     space = space or MegatronLMSpace()
     return fastest_fitting(
+        global_batch,
         sorted(settings(model, cluster, global_batch, space), key=lambda s: max(s.split) - min(s.split)),
         lambda setting, k: setting_plan(model, cluster, global_batch, setting, k),
         lambda setting: list(range(max(setting.split) + 1)) if space.recompute else [0],

@@ -81,6 +81,14 @@ def _stage_values(st: Setting, ln, layers: int, first: bool, last: bool, space: 
     return grid, one, one["per_flight"]
 
 
+def lower_bound_s(problem: Problem, candidate: Candidate) -> float:
+    """No plan of ``candidate`` has a shorter iteration (closed form): each stage's micro-batch takes
+    at least its layers' forward and backward, and the slowest stage at least the average."""
+    ln = layer_numbers(candidate.setting(problem))
+    L, S, G = problem.model.layers, candidate.stages, candidate.grad_accum
+    return (G - 1) * L * (ln.fwd + ln.bwd) / S + L * (ln.fwd + ln.bwd)
+
+
 def tune_setting(
     problem: Problem, candidate: Candidate, options: PlannerOptions, best_so_far: float
 ) -> Plan | None:
@@ -90,8 +98,7 @@ def tune_setting(
     grad_accum = candidate.grad_accum
     ln = layer_numbers(st)
     L, S = st.model.layers, st.stages
-    lower = (grad_accum - 1) * L * (ln.fwd + ln.bwd) / S + L * (ln.fwd + ln.bwd)
-    if lower >= best_so_far:
+    if lower_bound_s(problem, candidate) >= best_so_far:
         return None
     frontiers: list[dict[int, Frontier]] = [dict() for _ in range(S)]
     grids: dict[tuple[int, bool, bool], dict] = {}

@@ -78,6 +78,7 @@ def search_torchtitan(
     """The fastest plan torchtitan can run that fits (NoFeasiblePlan if none does)."""
     check_model(model)
     return fastest_fitting(
+        global_batch,
         sorted(settings(model, cluster, global_batch), key=lambda s: max(s.split) - min(s.split)),
         lambda setting, k: setting_plan(model, cluster, global_batch, setting, bool(k)),
         lambda setting: [0, 1],  # checkpointing no layer, or every layer
