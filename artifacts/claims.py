@@ -24,6 +24,7 @@ from pathlib import Path
 from measure.results import Results
 
 from .experiment import ARTIFACTS
+from .mist_vs_megatron.measured import SYSTEMS as MEASURED_SYSTEMS
 from .mist_vs_megatron.measured import measured_speedups
 from .tempo_bert.summary import training_summary
 from .tempo_llama.summary import ROUNDING_CONTROL, training_gaps
@@ -331,7 +332,7 @@ def _measured_runs(r: Results) -> list[dict]:
 
 def _measured_time_error(r: Results) -> float:
     """Worst |predicted / measured step time - 1| over every plan a system chose and trained."""
-    runs = [x[s] for x in _measured_runs(r) for s in ("mist", "megatron", "aceso", "zero3")]
+    runs = [x[s] for x in _measured_runs(r) for s in MEASURED_SYSTEMS if s in x]
     return max(abs(x["time_error"]) for x in runs if "time_error" in x)
 
 

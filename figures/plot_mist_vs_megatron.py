@@ -11,7 +11,8 @@ from _common import finish, load, parse_source, plt  # first: the headless backe
 
 EXPERIMENT = "mist_vs_megatron"
 PREDICTED = "; predicted by Mist's cost model"
-SYSTEMS = {"mist": "Mist", "aceso": "Aceso-style", "zero3": "ZeRO-3"}
+SYSTEMS = {"mist": "Mist", "megatron_lm_target": "Megatron-LM's space searched (Mist's model)",
+           "aceso": "Aceso-style", "zero3": "ZeRO-3"}  # fmt: skip
 
 
 # The comparison's model families and sizes (run.py's ARCHS and SIZES), sizes small to large
@@ -54,7 +55,12 @@ def plot_speedup() -> Path | None:
                 r = p.result
                 ok = "iteration_s" in r.get(system, {}) and "iteration_s" in r.get("megatron", {})
                 values.append(r["megatron"]["iteration_s"] / r[system]["iteration_s"] if ok else 0.0)
-            ax.bar([i + (j - 1) * width for i in range(len(cases))], values, width, label=label)
+            ax.bar(
+                [i + (j - (len(SYSTEMS) - 1) / 2) * width for i in range(len(cases))],
+                values,
+                width,
+                label=label,
+            )
         ax.axhline(1.0, color="gray", linewidth=0.8)
         ax.set_xticks(range(len(cases)), [p.key["model"] for p in cases], rotation=45, fontsize=7)
         ax.set_ylabel("speedup over Megatron-LM grid")
@@ -113,7 +119,9 @@ def plot_ablation() -> Path | None:
     return finish(fig, "Where Mist's gain comes from (GPT-3)", data, "mist_ablation.png", note=PREDICTED)
 
 
-MEASURED_SYSTEMS = {"mist": "Mist", "megatron": "Megatron-LM grid", "aceso": "Aceso-style", "zero3": "ZeRO-3"}
+MEASURED_SYSTEMS = {"mist": "Mist", "megatron": "Megatron-LM grid",
+                    "megatron_lm_target": "Megatron-LM's space", "aceso": "Aceso-style",
+                    "zero3": "ZeRO-3"}  # fmt: skip
 
 
 def plot_measured() -> Path | None:
@@ -126,7 +134,7 @@ def plot_measured() -> Path | None:
     fig, ax = plt.subplots(figsize=(9, 4))
     width = 0.8 / len(MEASURED_SYSTEMS)
     for j, (system, label) in enumerate(MEASURED_SYSTEMS.items()):
-        xs = [i + (j - 1.5) * width for i in range(len(cases))]
+        xs = [i + (j - (len(MEASURED_SYSTEMS) - 1) / 2) * width for i in range(len(cases))]
         runs = [p.result.get(system, {}) for p in cases]
         bars = ax.bar(xs, [r.get("measured_step_s", 0.0) * 1e3 for r in runs], width, label=label)
         color = bars.patches[0].get_facecolor()

@@ -42,7 +42,7 @@ from . import EXPERIMENT
 from .engine import CPU_ENGINE, GPU_ENGINE, LAUNCHES, EngineSetup, RuntimeFits, rank_memory, train_plan
 from .plans import plan_summary
 
-SYSTEMS = ("mist", "megatron", "aceso", "zero3")
+SYSTEMS = ("mist", "megatron", "megatron_lm_target", "aceso", "zero3")
 MiB = 2**20
 ACESO_BUDGET_S = 10.0  # the comparison part's CPU-scale budget
 # Every system plans to this fraction of the cap and runs under the whole cap. The memory model is
@@ -138,6 +138,7 @@ def plan_systems(
     from baselines.megatron.grid import search_grid
     from baselines.megatron.zero3 import search_zero3
     from mist import NoFeasiblePlan, PlannerOptions, cluster, model, predict, search
+    from mist.tuning.megatron_lm import search_megatron_lm
     from mist.tuning.stage_cost import SearchSpace
 
     m = model(case.model, **setup.base.model_overrides)
@@ -147,6 +148,7 @@ def plan_systems(
     searches = {
         "mist": lambda: search(m, c, gb, options, runtime=runtime),
         "megatron": lambda: search_grid(m, c, gb, runtime),
+        "megatron_lm_target": lambda: search_megatron_lm(m, c, gb, runtime=runtime),
         "aceso": lambda: search_aceso(m, c, gb, aceso_budget, runtime),
         "zero3": lambda: search_zero3(m, c, gb, runtime),
     }
@@ -308,10 +310,10 @@ def print_measured(store: Results) -> None:
         for system in SYSTEMS:
             s = r[system]
             same = f" (= {s['same_plan_as']}'s)" if "same_plan_as" in s else ""
-            print(f"    {system:<9} {_status(s)}{same}")
+            print(f"    {system:<18} {_status(s)}{same}")
             if "plan" in s:
                 print(f"              {_plan_line(s['plan'])}")
-    for versus in ("megatron", "aceso", "zero3"):
+    for versus in SYSTEMS[1:]:
         rows, alone = measured_speedups(store, versus), only_mist_ran(store, versus)
         if alone:
             print(f"  only Mist's plan ran (not {versus}'s): {', '.join(alone)}")

@@ -9,7 +9,8 @@ rule that one failed rank stops the others. The server must not have started thr
 ops before forking (the preload only imports). Every process dies with its parent: ranks with the
 server, the server with its client; a run past its timeout is killed and raises TimeoutExpired.
 
-Used where the same module runs many times (the engine's tests); experiments launch with torchrun.
+Used where the same module runs many times on a CPU: the engine's tests and mist_vs_megatron's
+CPU launches; on a GPU the experiments launch with torchrun, as a user would.
 """
 
 from __future__ import annotations

@@ -47,7 +47,8 @@ class NoFeasiblePlan(RuntimeError):
 @dataclass
 class PlannerOptions:
     space: SearchSpace = field(default_factory=SearchSpace)
-    micro_batches: tuple[int, ...] = (1, 2, 4, 8, 16)
+    # None: every divisor of the sequences per replica, as Mist's paper searches them
+    micro_batches: tuple[int, ...] | None = None
     milp_time_limit: float = 5.0
     imbalance_aware: bool = True  # False: extras ignored when choosing (the ablation)
     # The second phase (``refine``): offloaded fractions of the winning plan in steps of 1/this
@@ -69,8 +70,9 @@ def settings(problem: Problem, options: PlannerOptions) -> Iterator[Candidate]:
                 dp = cluster.gpus // (tp * stages)
                 if global_batch % dp:
                     continue
-                for mb in options.micro_batches:
-                    if (global_batch // dp) % mb == 0:
+                per_replica = global_batch // dp
+                for mb in options.micro_batches or range(1, per_replica + 1):
+                    if per_replica % mb == 0:
                         yield Candidate(tp, stages, dp, mb, global_batch)
         tp *= 2
 
@@ -169,7 +171,7 @@ def search(
     if not candidates:
         raise ValueError(
             f"no parallel setting divides global batch {global_batch} over {cluster.gpus} GPUs "
-            f"(DP must divide the global batch; micro-batches tried: {options.micro_batches})"
+            f"(DP must divide the global batch; micro-batches: {options.micro_batches or 'every divisor'})"
         )
     for n, c in enumerate(candidates):
         plan = tune_setting(problem, c, options, best_time)
