@@ -65,7 +65,8 @@ def plot_speedup() -> Path | None:
         ax.set_xticks(range(len(cases)), [p.key["model"] for p in cases], rotation=45, fontsize=7)
         ax.set_ylabel("speedup over Megatron-LM grid")
         attention = "FlashAttention" if flash else "no FlashAttention"
-        ax.set_title(f"{gpu} cluster, {attention} (0: no plan fits)", fontsize=10)
+        note = "0: no plan fits; Megatron-LM builds no Falcon"
+        ax.set_title(f"{gpu} cluster, {attention} ({note})", fontsize=10)
         ax.legend(fontsize=7, ncol=3)
     return finish(
         fig,
