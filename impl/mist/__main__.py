@@ -232,6 +232,17 @@ def cmd_export(args) -> int:
     from .export import CannotExport, JobInputs, megatron_lm_command, toml_text, torchtitan_config
     from .plan import Plan
 
+    # options of the other target are refused, not ignored
+    other = {"torchtitan": {"--tokenizer-type": args.tokenizer_type,
+                            "--script": args.script != "pretrain_gpt.py",
+                            "--transformer-impl": args.transformer_impl != "transformer_engine"},
+             "megatron-lm": {"--flavor": args.flavor}}[args.to]  # fmt: skip
+    given = [flag for flag, value in other.items() if value]
+    if given:
+        print(
+            f"python -m mist export: error: {', '.join(given)} not taken by --to {args.to}", file=sys.stderr
+        )
+        return 2
     try:
         inputs = JobInputs(data_path=args.data_path, tokenizer_type=args.tokenizer_type,
                            tokenizer_model=args.tokenizer_model, train_iters=args.train_iters, lr=args.lr,
