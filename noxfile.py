@@ -81,7 +81,7 @@ def tests(session: nox.Session) -> None:
 @nox.session
 def megatron_lm_args(session: nox.Session) -> None:
     """Megatron-LM's own parse_args/validate_args on every plan `mist export --to megatron-lm`
-    writes from the committed comparison and the grid (~2 min). Megatron-LM's training code is not
+    writes from the committed comparison and the grid (~1.5 min). Megatron-LM's training code is not
     on PyPI: ``-- PATH`` (or MEGATRON_LM) names a checkout at tag core_v0.16.1, e.g.
     ``git clone -b core_v0.16.1 --depth 1 https://github.com/NVIDIA/Megatron-LM``. Not in CI."""
     checkout = session.posargs[0] if session.posargs else os.environ.get("MEGATRON_LM")

@@ -15,11 +15,12 @@ from pathlib import Path
 import pytest
 
 from artifacts.mist_vs_megatron.plans import summary_plan
-from baselines.megatron.grid import grid_plans
+from baselines.megatron.grid import GRID
 from mist import Plan, StagePlan, cluster, model
 from mist.engine.megatron import megatron_limits, model_settings
 from mist.engine.run import unsupported
 from mist.export import CannotExport, JobInputs, megatron_lm_arguments, megatron_lm_command
+from mist.tuning.megatron_lm import setting_plan, settings
 
 from .megatron_lm_check import megatron_lm_checkout, split_command, validate
 
@@ -190,9 +191,10 @@ def test_command_line_prints_a_command_or_one_line_per_part(tmp_path):
 
 
 def _comparison_plans() -> list[tuple[str, Plan]]:
-    """Every plan of every system in the committed comparison, and every grid configuration of
-    its smallest GPT-3 and Llama cases (a spread of TP, PP, splits, micro-batches, ZeRO, optimizer
-    offload and recomputation)."""
+    """Every plan of every system in the committed comparison, and every setting of the grid on its
+    smallest GPT-3 and Llama cases (a spread of TP, PP, splits, micro-batches, ZeRO and optimizer
+    offload) with no layer, one layer and every layer of a stage recomputed (what decides the
+    recompute flags: none, block, uniform)."""
     points = json.loads(COMPARISON.read_text())["points"]
     plans = [(f"{p['key']['model']}/{p['key']['gpus']}/{system}", summary_plan(p["key"], summary))
              for p in points for system, summary in p["result"].items()
@@ -205,9 +207,10 @@ def _comparison_plans() -> list[tuple[str, Plan]]:
             model(small["model"], seq=small["seq"], flash=small["flash"]),
             cluster(small["gpu"], small["gpus"]),
         )
-        plans += [
-            (f"grid/{small['model']}/{i}", p) for i, p in enumerate(grid_plans(m, c, small["global_batch"]))
-        ]
+        batch = small["global_batch"]
+        for i, setting in enumerate(settings(m, c, batch, GRID)):
+            plans += [(f"grid/{small['model']}/{i}/{k}", setting_plan(m, c, batch, setting, k))
+                      for k in (0, 1, max(setting.split))]  # fmt: skip
     return plans
 
 
