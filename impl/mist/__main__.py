@@ -443,11 +443,8 @@ def cmd_list(_args) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="python -m mist", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    sub = ap.add_subparsers(dest="command", required=True)
+def _plan_parser(sub) -> None:
+    """``mist plan``: the model, the cluster and the search."""
     p = sub.add_parser("plan", help="find the fastest plan")
     _model_args(p)
     p.add_argument("--gpus", type=int, required=True)
@@ -480,11 +477,10 @@ def main(argv: list[str] | None = None) -> int:
         "--no-imbalance", action="store_true", help="ignore first/last micro-batch extras (ablation)"
     )
     p.set_defaults(fn=cmd_plan)
-    p = sub.add_parser("predict", help="predict a plan's iteration time and memory")
-    p.add_argument("plan")
-    p.add_argument("--json", action="store_true", help="one JSON document (prediction_format 2)")
-    _engine_argument(p)
-    p.set_defaults(fn=cmd_predict)
+
+
+def _export_parser(sub) -> None:
+    """``mist export``: the target and what a launch needs that the plan does not decide."""
     p = sub.add_parser("export", help="a plan as Megatron-LM's command line or torchtitan's job config")
     p.add_argument("plan")
     p.add_argument(
@@ -509,17 +505,10 @@ def main(argv: list[str] | None = None) -> int:
         "(as mist.engine.run builds them)",
     )  # fmt: skip
     p.set_defaults(fn=cmd_export)
-    p = sub.add_parser("calibrate", help="refit the runtime and interference presets from measured data")
-    p.add_argument(
-        "data",
-        nargs="?",
-        default=str(ARTIFACT_DATA),
-        help="a directory laid out like data/mist-artifact (default: that vendored copy)",
-    )
-    p.add_argument(
-        "--write", action="store_true", help="write the presets shipped in impl/mist/model/presets/"
-    )
-    p.set_defaults(fn=cmd_calibrate)
+
+
+def _profile_parser(sub) -> None:
+    """``mist profile``: the layer to profile on this machine, and the benchmarks beside it."""
     p = sub.add_parser("profile", help="measure a GPT-3-style layer op by op on this machine")
     p.add_argument("--out", required=True, help="profile directory to write")
     p.add_argument("--name", required=True, help="the GPU preset these profiles calibrate (e.g. l4, cpu)")
@@ -543,6 +532,32 @@ def main(argv: list[str] | None = None) -> int:
         "and --micro-batches has two or more)",
     )  # fmt: skip
     p.set_defaults(fn=cmd_profile)
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="python -m mist", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = ap.add_subparsers(dest="command", required=True)
+    _plan_parser(sub)
+    p = sub.add_parser("predict", help="predict a plan's iteration time and memory")
+    p.add_argument("plan")
+    p.add_argument("--json", action="store_true", help="one JSON document (prediction_format 2)")
+    _engine_argument(p)
+    p.set_defaults(fn=cmd_predict)
+    _export_parser(sub)
+    p = sub.add_parser("calibrate", help="refit the runtime and interference presets from measured data")
+    p.add_argument(
+        "data",
+        nargs="?",
+        default=str(ARTIFACT_DATA),
+        help="a directory laid out like data/mist-artifact (default: that vendored copy)",
+    )
+    p.add_argument(
+        "--write", action="store_true", help="write the presets shipped in impl/mist/model/presets/"
+    )
+    p.set_defaults(fn=cmd_calibrate)
+    _profile_parser(sub)
     p = sub.add_parser("profile-host", help="measure this host's CPU Adam step (what offloading prices)")
     p.add_argument("--params", type=_positive, default=1 << 24, help="parameters stepped (default 2^24)")
     p.add_argument("--repeats", type=_positive, default=5)
@@ -560,7 +575,11 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(fn=cmd_validate)
     p = sub.add_parser("list", help="list the model and GPU presets")
     p.set_defaults(fn=cmd_list)
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     try:
         return args.fn(args)
     except ValueError as e:  # bad input: one line, no traceback
