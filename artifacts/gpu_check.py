@@ -73,6 +73,7 @@ for _path in (IMPL, ROOT):  # the repo's packages, without installing it
 
 from artifacts import gpu_wheels  # noqa: E402
 from artifacts.experiment import Experiment  # noqa: E402
+from measure.cli import OneLineParser  # noqa: E402
 from measure.parallel import die_with_parent, sigterm_as_interrupt  # noqa: E402
 from measure.results import SOURCE_COMMIT_ENV, git_state, write_json_atomic  # noqa: E402
 
@@ -120,13 +121,6 @@ PARTS = (
     Part("mist_measured", 360, 150, "mist_vs_megatron"),
 )
 BY_NAME = {p.name: p for p in PARTS}
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """Bad input: one line on stderr (no usage block), exit status 2."""
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def _utc_now() -> str:

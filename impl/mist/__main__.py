@@ -20,6 +20,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from measure.cli import OneLineParser
+
 from .model.profile_data import ARTIFACT_DATA
 from .model.specs import GPUS, GRAD_ACCUMULATION, HOSTS, MODELS, cluster, model
 
@@ -535,7 +537,7 @@ def _profile_parser(sub) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
+    ap = OneLineParser(
         prog="python -m mist", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     sub = ap.add_subparsers(dest="command", required=True)

@@ -407,3 +407,11 @@ def test_an_option_of_the_other_target_is_refused_not_ignored(tmp_path):
         done = _export(str(tmp_path / "plan.yaml"), *args)
         assert done.returncode == 2 and done.stdout == "" and len(done.stderr.strip().splitlines()) == 1
         assert flag in done.stderr, done.stderr
+
+
+def test_a_bad_option_is_one_line_before_any_work():
+    bad_iters = ["x.yaml", "--to", "megatron-lm", "--train-iters", "0"]
+    for args, says in ((["x.yaml", "--to", "slurm"], "invalid choice: 'slurm'"), (bad_iters, "must be >= 1")):
+        done = _export(*args)
+        assert done.returncode == 2 and done.stdout == "" and done.stderr.count("\n") == 1, done.stderr
+        assert says in done.stderr
