@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import re
 import shlex
 import sys
 from pathlib import Path
@@ -39,10 +40,12 @@ def megatron_lm_checkout() -> Path | None:
             f"MEGATRON_LM={root}: no megatron/training/arguments.py there (a Megatron-LM checkout)"
         )
     info = path / "megatron" / "core" / "package_info.py"
-    if info.is_file():
-        fields: dict = {}
-        exec(info.read_text(), fields)  # its MAJOR/MINOR/PATCH assignments only
-        version = f"{fields['MAJOR']}.{fields['MINOR']}.{fields['PATCH']}"
+    if info.is_file():  # read, not run: its MAJOR = 0, MINOR = 16, PATCH = 1 lines
+        text = info.read_text()
+        version = ".".join(
+            (re.search(rf"^{name} = (\d+)$", text, re.MULTILINE) or ["", "?"])[1]
+            for name in ("MAJOR", "MINOR", "PATCH")
+        )
         if version != PINNED_CORE:
             raise ValueError(f"MEGATRON_LM={root} is megatron-core {version}; the pin is {PINNED_CORE}")
     return path
