@@ -32,6 +32,7 @@ from .launch import free_port
 from .parallel import die_with_parent
 
 GRACE_S = 30  # what a run may take beyond its own timeout before the client gives up on the server
+FAILURE_GRACE_S = 10  # how long the other ranks may go on after one failed
 
 
 class ForkLauncher:
@@ -39,14 +40,20 @@ class ForkLauncher:
     called ``preload`` ("package.module:function") once."""
 
     def __init__(self, preload: str) -> None:
-        self._server = subprocess.Popen(
-            [sys.executable, "-m", "measure.fork_launch", preload],
+        self._preload = preload
+        self._server = self._start()
+
+    def _start(self) -> subprocess.Popen:
+        return subprocess.Popen(
+            [sys.executable, "-m", "measure.fork_launch", self._preload],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
             env={**os.environ, "OMP_NUM_THREADS": "1"},
             preexec_fn=functools.partial(die_with_parent, os.getpid()),
         )  # fmt: skip
 
     def run(self, nproc: int, module: str, args: list[str], timeout: float) -> subprocess.CompletedProcess:
+        if self._server.poll() is not None or self._server.stdin.closed:  # it died or gave up: a new one
+            self._server = self._start()
         request = {"nproc": nproc, "module": module, "args": args, "timeout": timeout}
         self._server.stdin.write(json.dumps(request) + "\n")
         self._server.stdin.flush()
@@ -85,8 +92,10 @@ def _rank(module: str, args: list[str], env: dict[str, str], out: Path, err: Pat
 
         torch.set_num_threads(1)  # what OMP_NUM_THREADS=1 gives a fresh process
         code = importlib.import_module(module).main(args) or 0
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 1
+    except SystemExit as e:  # as the interpreter ends: None is 0, a message is printed and 1
+        code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+        if not isinstance(e.code, int | None):
+            print(e.code, file=sys.stderr)
     except BaseException:  # what a rank raised: printed, as a fresh interpreter would
         import traceback
 
@@ -128,14 +137,16 @@ def _serve(request: dict) -> dict:
         pid, status = os.waitpid(-1, os.WNOHANG)
         if pid == 0:
             if time.monotonic() > deadline:
-                timed_out = True
+                timed_out = timed_out or not first_failure
                 _kill([p for p, r in pids.items() if r not in codes])
             time.sleep(0.05)
             continue
         codes[pids[pid]] = os.waitstatus_to_exitcode(status)
-        if codes[pids[pid]] != 0 and not first_failure:  # the others would wait in a collective forever
+        if codes[pids[pid]] != 0 and not first_failure:
+            # the others may wait in a collective forever, or be writing what they report on the way
+            # out (every rank of an over-the-cap run exits 3): they get a grace period, then are killed
             first_failure = codes[pids[pid]]
-            _kill([p for p, r in pids.items() if r not in codes])
+            deadline = min(deadline, time.monotonic() + FAILURE_GRACE_S)
     text = {
         kind: "".join((folder / f"{r}.{kind}").read_text() for r in range(nproc)) for kind in ("out", "err")
     }
@@ -157,9 +168,9 @@ def main(argv: list[str] | None = None) -> int:
     line on stdin, one JSON reply a line on stdout; ends when stdin closes."""
     (preload,) = argv if argv is not None else sys.argv[1:]
     module, function = preload.split(":")
-    getattr(importlib.import_module(module), function)()
     replies = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)  # what the preload or a rank prints must not mix into the replies
+    getattr(importlib.import_module(module), function)()
     for line in sys.stdin:
         replies.write(json.dumps(_serve(json.loads(line))) + "\n")
         replies.flush()

@@ -235,9 +235,8 @@ def cmd_export(args) -> int:
     from .plan import Plan
 
     # options of the other target are refused, not ignored
-    other = {"torchtitan": {"--tokenizer-type": args.tokenizer_type,
-                            "--script": args.script != "pretrain_gpt.py",
-                            "--transformer-impl": args.transformer_impl != "transformer_engine"},
+    other = {"torchtitan": {"--tokenizer-type": args.tokenizer_type, "--script": args.script,
+                            "--transformer-impl": args.transformer_impl},
              "megatron-lm": {"--flavor": args.flavor}}[args.to]  # fmt: skip
     given = [flag for flag, value in other.items() if value]
     if given:
@@ -246,9 +245,10 @@ def cmd_export(args) -> int:
         )
         return 2
     try:
+        megatron = {"script": args.script, "transformer_impl": args.transformer_impl}  # None: the default
         inputs = JobInputs(data_path=args.data_path, tokenizer_type=args.tokenizer_type,
                            tokenizer_model=args.tokenizer_model, train_iters=args.train_iters, lr=args.lr,
-                           script=args.script, transformer_impl=args.transformer_impl)  # fmt: skip
+                           **{k: v for k, v in megatron.items() if v is not None})  # fmt: skip
         plan = Plan.load(args.plan)
         if args.to == "torchtitan":
             text = toml_text(torchtitan_config(plan, plan.model_spec(), args.flavor, inputs))
@@ -500,9 +500,9 @@ def _export_parser(sub) -> None:
     p.add_argument("--tokenizer-model", help="the tokenizer's model file (torchtitan: model.hf_assets_path)")
     p.add_argument("--train-iters", type=_positive, default=100, help="placeholder (default 100)")
     p.add_argument("--lr", type=float, default=1e-4, help="placeholder (default 1e-4)")
-    p.add_argument("--script", default="pretrain_gpt.py", help="Megatron-LM's training script")
+    p.add_argument("--script", help="Megatron-LM's training script (default: pretrain_gpt.py)")
     p.add_argument(
-        "--transformer-impl", default="transformer_engine", choices=["transformer_engine", "local"],
+        "--transformer-impl", choices=["transformer_engine", "local"],
         help="Transformer Engine's layers (default; FlashAttention), or megatron-core's own "
         "(as mist.engine.run builds them)",
     )  # fmt: skip

@@ -82,8 +82,6 @@ class JobInputs:
             raise ValueError(f"train_iters must be a whole number > 0, got {self.train_iters!r}")
         if not (isinstance(self.lr, int | float) and math.isfinite(self.lr) and self.lr > 0):
             raise ValueError(f"lr must be a number > 0, got {self.lr!r}")
-        if self.tokenizer_model is not None and self.tokenizer_type is None:
-            raise ValueError("a tokenizer model needs its --tokenizer-type")
 
 
 def _recompute_arguments(plan: Plan) -> tuple[list[str], list[str]]:
@@ -128,7 +126,7 @@ def _optimizer_arguments(plan: Plan) -> tuple[list[str], list[str]]:
     if zero == {1} or (fraction and plan.dp == 1):  # at DP 1 the distributed optimizer shards nothing
         args.append("--use-distributed-optimizer")
     if fraction:
-        args += ["--optimizer-cpu-offload", "--optimizer-offload-fraction", f"{fraction:g}",
+        args += ["--optimizer-cpu-offload", "--optimizer-offload-fraction", repr(fraction),
                  "--use-precision-aware-optimizer"]  # fmt: skip
     return args, cannot
 
@@ -192,6 +190,8 @@ def megatron_lm_command(plan: Plan, model: ModelSpec, inputs: JobInputs | None =
     MASTER_ADDR and MASTER_PORT from the environment) running ``inputs.script`` with every argument
     it needs. Raises CannotExport naming each part Megatron-LM cannot express."""
     inputs = inputs or JobInputs()
+    if inputs.tokenizer_model is not None and inputs.tokenizer_type is None:
+        raise ValueError("a tokenizer model needs its --tokenizer-type (Megatron-LM's tokenizer class)")
     args, cannot = megatron_lm_arguments(plan, model)
     lifted = plan.with_stage_parallelism_lifted()
     tp = lifted.tp
@@ -215,7 +215,7 @@ def megatron_lm_command(plan: Plan, model: ModelSpec, inputs: JobInputs | None =
     else:
         args += ["--tokenizer-type", inputs.tokenizer_type]
         args += ["--tokenizer-model", inputs.tokenizer_model] if inputs.tokenizer_model else []
-    args += ["--train-iters", str(inputs.train_iters), "--lr", f"{inputs.lr:g}"]
+    args += ["--train-iters", str(inputs.train_iters), "--lr", repr(float(inputs.lr))]
     per_node = plan.gpus // nodes
     # Megatron-LM requires one connection per device with TP on GPUs before Blackwell, so that its
     # communication kernels run in the order they were issued
@@ -261,6 +261,15 @@ def torchtitan_config(plan: Plan, model: ModelSpec, flavor: str, inputs: JobInpu
         cannot.append("ZeRO-1 or ZeRO per stage (torchtitan shards with FSDP2: gradients and weights too)")
     elif zero == {0} and plan.dp > 1 and (plan.tp > 1 or len(stages) > 1):
         cannot.append("DP without sharding beside TP or PP (torchtitan's DDP is for DP alone)")
+    if plan.dp == 1 and (plan.tp > 1 or len(stages) > 1):
+        cannot.append(
+            "TP or PP without DP (torchtitan's mixed precision comes with FSDP: it would train in fp32)"
+        )
+    elif plan.dp == 1 and zero & {2, 3}:
+        cannot.append("ZeRO-2/3 over one replica (torchtitan applies no FSDP there, nor its CPU offload)")
+    nodes = math.ceil(plan.gpus / plan.gpus_per_node)
+    if plan.gpus % nodes:
+        cannot.append(f"{plan.gpus} GPUs over {nodes} nodes (torchrun starts as many on each node)")
     offloads = {(s.offload_weights, s.offload_grads, s.offload_optimizer) for s in stages}
     cpu_offload = offloads == {(1.0, 1.0, 1.0)} and zero == {3}
     if offloads != {(0.0, 0.0, 0.0)} and not cpu_offload:
@@ -334,7 +343,11 @@ def toml_text(config: dict) -> str:
     for section, fields in config.items():
         lines.append(f"[{section}]")
         for key, value in fields.items():
-            text = ("true" if value else "false") if isinstance(value, bool) else json.dumps(value)
+            text = (
+                ("true" if value else "false")
+                if isinstance(value, bool)
+                else json.dumps(value, ensure_ascii=False)
+            )
             lines.append(f"{key} = {text}")
         lines.append("")
     return "\n".join(lines)

@@ -2,10 +2,11 @@
 they enumerate, and the one pruned search over settings that each choose a recompute count.
 
 Each setting (parallel sizes, micro-batch, split, ZeRO, offloading) is priced with an ascending
-list of recompute counts; memory falls and time grows along it, so the smallest count that fits
-is the setting's fastest plan (bisection), and a setting whose plan without recomputation is no
-faster than the best so far is skipped, as is one whose TP, DP, micro-batch and stage count cannot
-beat it by the planner's own lower bound (the spaces hold 10^4-10^5 settings). Every plan is priced
+list of recompute counts; time grows along it and memory falls from its second count on, so the
+smallest count that fits is the setting's fastest plan (the first count, else bisection), and a
+setting whose plan without recomputation is no faster than the best so far is skipped, as is one
+whose TP, DP, micro-batch and stage count cannot beat it by the planner's own lower bound (the
+spaces hold 10^4-10^5 settings). Every plan is priced
 by Mist's closed form, as Mist's own search ranks.
 """
 
@@ -115,12 +116,19 @@ def fastest_fitting(
             fastest = priced(setting, ks[0])
             if fastest.predicted_iteration_s >= best[0]:
                 continue
-            plan = fastest if fastest.breakdown["fits"] else priced(setting, ks[-1])
+            if fastest.breakdown["fits"]:  # time grows along ks: nothing of this setting is faster
+                best[0] = min(best[0], fastest.predicted_iteration_s)
+                yield fastest
+                continue
+            plan = priced(setting, ks[-1])
             if not plan.breakdown["fits"]:
                 yield plan
                 continue
-            lo, hi = 0, len(ks) - 1
-            while lo < hi:  # memory falls along ks: the first that fits
+            # Memory falls along ks from the second count on; the first recomputed layer may add
+            # more to backward's peak (its recomputed activations) than it saves, so the first
+            # count is checked on its own (above) and the bisection starts after it.
+            lo, hi = 1, len(ks) - 1
+            while lo < hi:  # the first that fits
                 mid = (lo + hi) // 2
                 if priced(setting, ks[mid]).breakdown["fits"]:
                     hi = mid

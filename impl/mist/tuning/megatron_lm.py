@@ -62,12 +62,13 @@ class MegatronLMSetting:
 def settings(
     model: ModelSpec, cluster: ClusterSpec, global_batch: int, space: MegatronLMSpace
 ) -> Iterator[MegatronLMSetting]:
-    """Every setting of ``space``: TP a power of two within a node dividing the heads, stages
-    dividing the rest, DP what is left; the distributed optimizer only at DP > 1, optimizer offload
+    """Every setting of ``space``: TP a power of two within a node dividing the heads and the
+    vocabulary (Megatron-LM pads the vocabulary to a multiple of TP), stages dividing the rest, DP
+    what is left; the distributed optimizer only at DP > 1, optimizer offload
     only with it (at DP 1 it shards nothing, so ZeRO-0 there is the same plan)."""
     n = cluster.gpus
     for tp in powers_of_two(cluster.gpus_per_node):
-        if n % tp or model.heads % tp or model.kv % tp:
+        if n % tp or model.heads % tp or model.kv % tp or model.vocab % tp:
             continue
         stage_counts = powers_of_two(n // tp) if space.pipeline_powers_of_two else range(1, n // tp + 1)
         for pp in stage_counts:

@@ -3,6 +3,7 @@
 
 torchtitan (0.2.2) shards data-parallel replicas with FSDP2 (ZeRO-3; ZeRO-2 when it keeps the
 weights gathered from forward to the step) or replicates them with DDP (DP alone, no TP or PP);
+with TP or PP it trains in bf16 only through FSDP, so those need DP > 1;
 its TP always shards the sequence; it pipelines any split of the layers with 1F1B (searched here:
 even, or the first and last stage uneven); it checkpoints the activations of no layer or of every
 layer; and FSDP's CPU offload keeps all of the weights, gradients and optimizer on the host.
@@ -49,6 +50,8 @@ def settings(model: ModelSpec, cluster: ClusterSpec, global_batch: int) -> Itera
         for pp in divisors(n // tp):
             dp = n // (tp * pp)
             if pp > model.layers or global_batch % dp:
+                continue
+            if dp == 1 and (tp > 1 or pp > 1):  # torchtitan's mixed precision needs FSDP there
                 continue
             zeros = [0] if dp == 1 else [2, 3] if tp > 1 or pp > 1 else [0, 2, 3]
             for split in layer_splits(model.layers, pp):
