@@ -18,7 +18,6 @@ median of LAUNCHES launches (gloo's latency mode is set per launch).
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
 import json
 import statistics
@@ -27,7 +26,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from measure.fork_launch import ForkLauncher
+from measure import fork_launch
 from measure.launch import run_torchrun
 from measure.results import ResultFile, Results, Run
 
@@ -103,13 +102,7 @@ def _launch(plan, processes: int, args: list[str]) -> subprocess.CompletedProces
     cores); on a GPU torchrun starts them, as a user would."""
     if plan.gpu != "cpu":
         return run_torchrun(processes, "mist.engine.run", args, timeout=900)
-    if not _FORK_LAUNCHER:
-        _FORK_LAUNCHER.append(ForkLauncher("mist.engine.run:preload"))
-        atexit.register(_FORK_LAUNCHER[0].close)
-    return _FORK_LAUNCHER[0].run(processes, "mist.engine.run", args, timeout=900)
-
-
-_FORK_LAUNCHER: list[ForkLauncher] = []  # this process's, started on the first CPU launch
+    return fork_launch.shared("mist.engine.run:preload").run(processes, "mist.engine.run", args, timeout=900)
 
 
 def train_plan(plan, processes: int, steps: int, launches: int, work: Path, name: str) -> dict:

@@ -42,6 +42,7 @@ from . import EXPERIMENT
 from .engine import CPU_ENGINE, GPU_ENGINE, LAUNCHES, EngineSetup, RuntimeFits, rank_memory, train_plan
 from .plans import plan_summary
 
+# every system of the experiment, predicted (run.py's comparison) and measured here
 SYSTEMS = ("mist", "megatron", "megatron_lm_target", "aceso", "zero3")
 MiB = 2**20
 ACESO_BUDGET_S = 10.0  # the comparison part's CPU-scale budget

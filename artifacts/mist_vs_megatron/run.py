@@ -38,7 +38,7 @@ from measure.results import Results, Run
 from ..experiment import add_jobs_argument, add_run_arguments, experiment_run
 from . import EXPERIMENT
 from .engine import CPU_ENGINE, RuntimeFits, print_engine, run_engine
-from .measured import print_measured, run_measured
+from .measured import SYSTEMS, print_measured, run_measured
 from .plans import plan_summary
 
 PARTS = ("calibration", "validation", "comparison", "ablation", "engine", "measured")
@@ -46,7 +46,6 @@ SIZES = [("1.3b", 2, 32), ("2.7b", 4, 64), ("7b", 8, 128), ("13b", 16, 256), ("2
 CLUSTERS = {"l4": 2048, "a100-40gb": 4096}  # GPU -> sequence length (the paper's settings)
 ARCHS = ("gpt3", "llama", "falcon")  # the model families of mist.specs.FAMILIES
 FLASH = {"cpu": (True, False), "paper": (True, False)}
-SYSTEMS = ("mist", "megatron", "megatron_lm_target", "aceso", "zero3")
 ACESO_BUDGET_S = {"cpu": 10.0, "paper": 60.0}
 # What each step adds, in order: Mist's search over recomputed layers per stage, the layer split
 # (MILP) and the micro-batch, without offloading or ZeRO-2/3 and blind to the first/last

@@ -15,6 +15,7 @@ CPU launches; on a GPU the experiments launch with torchrun, as a user would.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import importlib
@@ -77,6 +78,18 @@ class ForkLauncher:
         except subprocess.TimeoutExpired:
             self._server.kill()
             self._server.wait()
+
+
+def shared(preload: str) -> ForkLauncher:
+    """This process's launcher for ``preload``, started on first use and closed at exit (several
+    callers in one process share one warm server)."""
+    if preload not in _SHARED:
+        _SHARED[preload] = ForkLauncher(preload)
+        atexit.register(_SHARED[preload].close)
+    return _SHARED[preload]
+
+
+_SHARED: dict[str, ForkLauncher] = {}
 
 
 def _rank(module: str, args: list[str], env: dict[str, str], out: Path, err: Path, server: int) -> None:

@@ -231,7 +231,14 @@ def cmd_predict(args) -> int:
 
 
 def cmd_export(args) -> int:
-    from .export import CannotExport, JobInputs, megatron_lm_command, toml_text, torchtitan_config
+    from .export import (
+        CannotExport,
+        JobInputs,
+        megatron_lm_command,
+        nodes_and_processes,
+        toml_text,
+        torchtitan_config,  # fmt: skip
+    )
     from .plan import Plan
 
     # options of the other target are refused, not ignored
@@ -263,9 +270,9 @@ def cmd_export(args) -> int:
         return 2
     print(text)
     if args.to == "torchtitan":
-        nodes = math.ceil(plan.gpus / plan.gpus_per_node)
+        nodes, per_node = nodes_and_processes(plan)
         print(f"# the plan was priced for {plan.model_spec().name}: flavor {args.flavor} must be its shape; "
-              f"launch: torchrun --nnodes {nodes} --nproc-per-node {plan.gpus // nodes} -m torchtitan.train "
+              f"launch: torchrun --nnodes {nodes} --nproc-per-node {per_node} -m torchtitan.train "
               "--job.config_file THIS.toml", file=sys.stderr)  # fmt: skip
         return 0
     if inputs.data_path is None or inputs.tokenizer_type is None:

@@ -202,9 +202,7 @@ def megatron_lm_command(plan: Plan, model: ModelSpec, inputs: JobInputs | None =
         )
     if inputs.tokenizer_type is None and model.vocab % tp:
         cannot.append(f"a vocabulary of {model.vocab} over TP {tp} (Megatron-LM pads it to a multiple of TP)")
-    nodes = math.ceil(plan.gpus / plan.gpus_per_node)
-    if plan.gpus % nodes:
-        cannot.append(f"{plan.gpus} GPUs over {nodes} nodes (torchrun starts as many on each node)")
+    cannot += _node_limits(plan)
     if cannot:
         raise CannotExport("Megatron-LM", cannot)
     args += ["--transformer-impl", inputs.transformer_impl,
@@ -216,7 +214,7 @@ def megatron_lm_command(plan: Plan, model: ModelSpec, inputs: JobInputs | None =
         args += ["--tokenizer-type", inputs.tokenizer_type]
         args += ["--tokenizer-model", inputs.tokenizer_model] if inputs.tokenizer_model else []
     args += ["--train-iters", str(inputs.train_iters), "--lr", repr(float(inputs.lr))]
-    per_node = plan.gpus // nodes
+    nodes, per_node = nodes_and_processes(plan)
     # Megatron-LM requires one connection per device with TP on GPUs before Blackwell, so that its
     # communication kernels run in the order they were issued
     env = "CUDA_DEVICE_MAX_CONNECTIONS=1 " if tp > 1 else ""
@@ -231,11 +229,8 @@ def megatron_lm_command(plan: Plan, model: ModelSpec, inputs: JobInputs | None =
     return " \\\n".join(lines)
 
 
-def torchtitan_config(plan: Plan, model: ModelSpec, flavor: str, inputs: JobInputs | None = None) -> dict:
-    """torchtitan's job config (sections of JobConfig) for ``plan`` on its Llama 3 model ``flavor``.
-    Raises CannotExport naming each part torchtitan cannot express."""
-    inputs = inputs or JobInputs()
-    plan = plan.with_stage_parallelism_lifted()
+def _torchtitan_limits(plan: Plan, model: ModelSpec, flavor: str) -> list[str]:
+    """What torchtitan cannot express of ``plan`` (lifted), one line each (empty: it can)."""
     cannot = []
     if not flavor:
         cannot.append(
@@ -267,12 +262,9 @@ def torchtitan_config(plan: Plan, model: ModelSpec, flavor: str, inputs: JobInpu
         )
     elif plan.dp == 1 and zero & {2, 3}:
         cannot.append("ZeRO-2/3 over one replica (torchtitan applies no FSDP there, nor its CPU offload)")
-    nodes = math.ceil(plan.gpus / plan.gpus_per_node)
-    if plan.gpus % nodes:
-        cannot.append(f"{plan.gpus} GPUs over {nodes} nodes (torchrun starts as many on each node)")
+    cannot += _node_limits(plan)
     offloads = {(s.offload_weights, s.offload_grads, s.offload_optimizer) for s in stages}
-    cpu_offload = offloads == {(1.0, 1.0, 1.0)} and zero == {3}
-    if offloads != {(0.0, 0.0, 0.0)} and not cpu_offload:
+    if offloads != {(0.0, 0.0, 0.0)} and not _fsdp_cpu_offload(plan):
         cannot.append(
             "offloading other than all of ZeRO-3's weights, gradients and optimizer (FSDP's CPU offload)"
         )
@@ -282,20 +274,28 @@ def torchtitan_config(plan: Plan, model: ModelSpec, flavor: str, inputs: JobInpu
         cannot.append(
             f"recomputing some layers of a stage {[s.recompute for s in stages]} (torchtitan: none or all)"
         )
-    if cannot:
-        raise CannotExport("torchtitan", cannot)
-    dp = plan.dp
-    sharded = zero & {2, 3}
+    return cannot
+
+
+def _fsdp_cpu_offload(plan: Plan) -> bool:
+    """A ZeRO-3 plan offloading all of its weights, gradients and optimizer: FSDP's CPU offload."""
+    return all(s.zero == 3 and (s.offload_weights, s.offload_grads, s.offload_optimizer) == (1.0, 1.0, 1.0)
+               for s in plan.stages)  # fmt: skip
+
+
+def _torchtitan_parallelism(plan: Plan) -> dict:
+    """[parallelism]: DP as FSDP2 shards (ZeRO-2/3) or DDP replicas, TP, and PP with each stage's
+    modules named (any split) under 1F1B."""
+    stages, sharded = plan.stages, {s.zero for s in plan.stages} & {2, 3}
     parallelism = {
-        "data_parallel_replicate_degree": 1 if sharded else dp,
-        "data_parallel_shard_degree": dp if sharded else 1,
+        "data_parallel_replicate_degree": 1 if sharded else plan.dp,
+        "data_parallel_shard_degree": plan.dp if sharded else 1,
         "tensor_parallel_degree": plan.tp,
         "pipeline_parallel_degree": len(stages),
     }
     if sharded:  # ZeRO-3 frees each layer's weights after forward; ZeRO-2 keeps them to the step
-        parallelism["fsdp_reshard_after_forward"] = "always" if zero == {3} else "never"
-    pipelined = len(stages) > 1
-    if pipelined:
+        parallelism["fsdp_reshard_after_forward"] = "always" if sharded == {3} else "never"
+    if len(stages) > 1:
         first, names = 0, []
         for i, s in enumerate(stages):
             part = ["tok_embeddings"] if i == 0 else []
@@ -306,15 +306,27 @@ def torchtitan_config(plan: Plan, model: ModelSpec, flavor: str, inputs: JobInpu
         parallelism["pipeline_parallel_schedule"] = "1F1B"
         parallelism["pipeline_parallel_microbatch_size"] = plan.micro_batch
         parallelism["module_fqns_per_model_part"] = names
+    return parallelism
+
+
+def torchtitan_config(plan: Plan, model: ModelSpec, flavor: str, inputs: JobInputs | None = None) -> dict:
+    """torchtitan's job config (sections of JobConfig) for ``plan`` on its Llama 3 model ``flavor``.
+    Raises CannotExport naming each part torchtitan cannot express."""
+    inputs = inputs or JobInputs()
+    plan = plan.with_stage_parallelism_lifted()
+    cannot = _torchtitan_limits(plan, model, flavor)
+    if cannot:
+        raise CannotExport("torchtitan", cannot)
+    pipelined = len(plan.stages) > 1
     training = {
         # without PP each step accumulates micro-batches of local_batch_size; with PP one local batch
         # per step is split into the pipeline's micro-batches
-        "local_batch_size": plan.global_batch // dp if pipelined else plan.micro_batch,
+        "local_batch_size": plan.global_batch // plan.dp if pipelined else plan.micro_batch,
         "global_batch_size": plan.global_batch,
         "seq_len": model.seq,
         "steps": inputs.train_iters,
         "mixed_precision_param": "bfloat16",
-        "enable_cpu_offload": cpu_offload,
+        "enable_cpu_offload": _fsdp_cpu_offload(plan),
     }
     if inputs.data_path:
         training["dataset_path"] = inputs.data_path
@@ -322,13 +334,25 @@ def torchtitan_config(plan: Plan, model: ModelSpec, flavor: str, inputs: JobInpu
         "job": {"description": f"Mist plan: {model.name} on {plan.gpus} x {plan.gpu}"},
         "model": {"name": "llama3", "flavor": flavor},
         "training": training,
-        "parallelism": parallelism,
-        "activation_checkpoint": {"mode": "full" if stages[0].recompute else "none"},
+        "parallelism": _torchtitan_parallelism(plan),
+        "activation_checkpoint": {"mode": "full" if plan.stages[0].recompute else "none"},
         "optimizer": {"lr": inputs.lr},
     }
     if inputs.tokenizer_model:
         config["model"]["hf_assets_path"] = inputs.tokenizer_model
     return config
+
+
+def nodes_and_processes(plan: Plan) -> tuple[int, int]:
+    """(nodes, processes a node) torchrun starts for ``plan``: its GPUs over the fewest nodes."""
+    nodes = math.ceil(plan.gpus / plan.gpus_per_node)
+    return nodes, plan.gpus // nodes
+
+
+def _node_limits(plan: Plan) -> list[str]:
+    nodes, per_node = nodes_and_processes(plan)
+    return [] if nodes * per_node == plan.gpus else [
+        f"{plan.gpus} GPUs over {nodes} nodes (torchrun starts as many on each node)"]  # fmt: skip
 
 
 def _shape(model: ModelSpec) -> str:

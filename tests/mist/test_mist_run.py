@@ -6,14 +6,13 @@ torchrun itself, the path every experiment takes."""
 
 from __future__ import annotations
 
-import atexit
 import json
 from pathlib import Path
 
 import pytest
 
 from artifacts.mist_vs_megatron.plans import summary_plan
-from measure.fork_launch import ForkLauncher
+from measure import fork_launch
 from measure.launch import run_torchrun
 from mist import Plan, StagePlan, cluster, model, predict
 from mist.engine.run import unsupported
@@ -26,17 +25,6 @@ from mist.plan import PrePostPlan
 TOLERANCE = 0.10
 
 
-def _launcher() -> ForkLauncher:
-    """The session's fork server (started on first use; it dies with the test process)."""
-    if not _LAUNCHER:
-        _LAUNCHER.append(ForkLauncher("mist.engine.run:preload"))
-        atexit.register(_LAUNCHER[0].close)
-    return _LAUNCHER[0]
-
-
-_LAUNCHER: list[ForkLauncher] = []
-
-
 def _torchrun(plan: Plan, tmp_path: Path, steps: int = 5) -> dict:
     """The engine's report for ``plan``; each distinct plan is launched once per test session
     (several tests compare against the same plain plan)."""
@@ -47,7 +35,7 @@ def _torchrun(plan: Plan, tmp_path: Path, steps: int = 5) -> dict:
     path, out = tmp_path / "plan.yaml", tmp_path / "report.json"
     plan.save(path)
     args = ["--plan", str(path), "--steps", str(steps), "--out", str(out)]
-    done = _launcher().run(plan.gpus, "mist.engine.run", args, timeout=240)
+    done = fork_launch.shared("mist.engine.run:preload").run(plan.gpus, "mist.engine.run", args, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     _REPORTS[key] = json.loads(out.read_text())
     return _REPORTS[key]
