@@ -307,6 +307,7 @@ def prediction_json(plan: Plan) -> dict:
                 "host_memory_bytes": s.host_memory_bytes,
                 "steady_s": s.steady_s,
                 "extra_s": s.extra_s,
+                "step_s": s.step_s,
             }
             for s in plan.stages
         ],

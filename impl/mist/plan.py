@@ -7,7 +7,8 @@ their own TP/DP; ``model_overrides`` changes the named preset's fields (e.g. ``s
 whole number of bytes; null: the GPU type's usual host); ``gpu_memory_bytes`` a cap on each
 device's memory (null: its data sheet's; mist.engine.run enforces it); ``pre_post`` the embedding's and head's
 own ZeRO stage and offloaded fractions (null: as their stage's other parameters). Predictions
-are filled in by ``predict``: per stage ``steady_s``, ``extra_s`` (seconds), ``memory_bytes``
+are filled in by ``predict``: per stage ``steady_s``, ``extra_s`` and, of it, ``step_s`` after the
+gradient-clipping barrier (seconds), ``memory_bytes``
 (per GPU) and ``host_memory_bytes`` (what each of its GPUs offloads to the host), and the
 plan's ``breakdown`` (``usable_memory_bytes``, ``usable_host_memory_bytes_per_gpu``,
 ``layer_saved_bytes``, ``fits``, ...). Every amount of memory in format 2 is a whole number of
@@ -118,7 +119,8 @@ class StagePlan:
     dp: int | None = None
     # predictions (filled by predict)
     steady_s: float | None = None
-    extra_s: float | None = None
+    extra_s: float | None = None  # after the last backward: gradient sync, clipping's norm, step
+    step_s: float | None = None  # of extra_s, after the gradient-clipping barrier: the optimizer step
     memory_bytes: int | None = None  # per GPU of this stage
     host_memory_bytes: int | None = None  # offloaded bytes this stage's GPUs each keep on the host
 
@@ -166,7 +168,7 @@ class PrePostPlan:
 
 
 # What predict() (and a search) fills in, per stage and per plan
-STAGE_PREDICTIONS = ("steady_s", "extra_s", "memory_bytes", "host_memory_bytes")
+STAGE_PREDICTIONS = ("steady_s", "extra_s", "step_s", "memory_bytes", "host_memory_bytes")
 PLAN_PREDICTIONS = ("predicted_iteration_s", "simulated_iteration_s", "tuning_s", "breakdown")
 
 

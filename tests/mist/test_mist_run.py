@@ -116,6 +116,42 @@ def test_plan_trains_on_megatron_core_and_memory_matches(tmp_path_factory, tp, l
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+def test_gradient_clipping_norm_is_the_whole_models_in_every_layout(tmp_path):
+    """The engine clips gradients to a global norm of 1.0 (Megatron-LM's default): every layout of
+    the same model, data and initial weights (no dropout) must find the same first-step norm, each
+    gradient counted once over the DP, TP and pipeline ranks, and that norm must be above 1 (else
+    clipping is never exercised). Within 0.1%: bf16 gradients summed in another order (measured:
+    2e-5). A pipeline's stages initialise their layers from their own random streams, so pipelines
+    are compared with a pipeline of the same split. Negative control: the ranks' own norms added
+    up (each replica's and TP-duplicated gradients counted again) are outside that tolerance. And
+    the gradients are scaled: on one process their norm after clipping is 1 (unscaled: 1.18)."""
+    layouts = {  # name: (tp, dp, stages' layers, zero)
+        "one": (1, 1, [4], 0), "tp2": (2, 1, [4], 0), "dp2": (1, 2, [4], 0), "dp2-zero2": (1, 2, [4], 2),
+        "dp2-zero3": (1, 2, [4], 3), "pp2": (1, 1, [2, 2], 0), "tp2-pp2": (2, 1, [2, 2], 0),
+    }  # fmt: skip
+    norms, naive = {}, {}
+    for name, (tp, dp, layers, zero) in layouts.items():
+        plan = _tiny_plan([StagePlan(layers=n, zero=zero) for n in layers], tp=tp, dp=dp)
+        plan.model_overrides["dropout"] = 0.0
+        report = _torchrun(plan, tmp_path / name, steps=1)
+        firsts = {r["global_grad_norms"][0] for r in report["ranks"]}
+        assert len(firsts) == 1, (name, firsts)  # every rank clips by the same norm
+        norms[name] = firsts.pop()
+        naive[name] = sum(r["first_grad_norm"] ** 2 for r in report["ranks"]) ** 0.5
+        if name == "one":
+            clipped = report["ranks"][0]["first_clipped_grad_norm"]
+    assert norms["one"] > 1.0 and norms["pp2"] > 1.0, norms
+    # one process: its gradients are all of them; each scaled in bf16, so rounded by up to 2^-9
+    assert clipped == pytest.approx(1.0, rel=2**-8)
+    same = {name: "pp2" if name.endswith("pp2") else "one" for name in layouts}
+    for name, norm in norms.items():
+        assert norm == pytest.approx(norms[same[name]], rel=1e-3), (name, norms)
+    for name in ("tp2", "dp2", "tp2-pp2"):
+        assert naive[name] != pytest.approx(norms[same[name]], rel=1e-3), (name, naive)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("zero", [1, 2, 3])
 def test_zero_sharding_trains_like_plain_data_parallelism(tmp_path_factory, zero):
     """Same data, same initial weights: sharding the optimizer (and gradients, and weights) over

@@ -10,7 +10,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mist.tuning.inter_stage import MIP_REL_GAP, Frontier, pareto_frontier, solve_inter_stage
+from mist.tuning.inter_stage import (
+    MIP_REL_GAP,
+    Frontier,
+    pareto_frontier,
+    pareto_frontier_3d,
+    solve_inter_stage,
+)
 from mist.tuning.pipeline_sim import one_f_one_b_order, pipeline_objective, simulate_1f1b
 
 
@@ -32,6 +38,29 @@ def test_pareto_frontier_is_exactly_the_non_dominated_set(points):
     assert kept == expected
     assert len(keep) == len(kept)  # one of each set of duplicates
     assert np.all(np.diff(steady[keep]) > 0) and np.all(np.diff(extra[keep]) < 0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 6), st.integers(0, 6), st.integers(0, 3)), min_size=1, max_size=60))
+def test_3d_pareto_frontier_is_exactly_the_non_dominated_set(points):
+    """Small integer coordinates: many ties and exact duplicates, which the staircase must keep apart."""
+    pts = np.array(points, float)
+    keep = pareto_frontier_3d(pts[:, 0], pts[:, 1], pts[:, 2])
+
+    def dominated(p):
+        return any(np.all(q <= p) and np.any(q < p) for q in pts)
+
+    assert {tuple(pts[i]) for i in keep} == {tuple(p) for p in pts if not dominated(p)}
+    assert len(keep) == len({tuple(pts[i]) for i in keep})  # one of each set of duplicates
+
+
+def test_3d_frontier_keeps_what_summing_the_extras_would_drop():
+    """The second point loses on (steady, sync + step) but has the least sync, which a stage whose
+    sync is exposed needs: the 2-D frontier of the sum (the MILP's before the clipping barrier)
+    drops it, the 3-D one keeps it."""
+    steady, sync, step = np.array([1.0, 2.0]), np.array([1.0, 0.0]), np.array([1.0, 3.0])
+    assert len(pareto_frontier(steady, sync + step)) == 1
+    assert sorted(pareto_frontier_3d(steady, sync, step)) == [0, 1]
 
 
 def test_1f1b_order_is_the_textbook_one():
@@ -57,11 +86,30 @@ def test_closed_form_bounds_the_simulation(stages, micro, rnd):
     fwd = [rnd.uniform(0.2, 2) for _ in range(stages)]
     bwd = [2 * x * rnd.uniform(0.8, 1.2) for x in fwd]
     last = [rnd.uniform(0, 3) for _ in range(stages)]
-    sim = simulate_1f1b(fwd, bwd, micro, last=last)
-    closed = pipeline_objective([x + y for x, y in zip(fwd, bwd, strict=True)], last, micro)
+    step = [x * rnd.uniform(0, 1) for x in last]
+    barrier = rnd.uniform(0, 0.5)
+    sim = simulate_1f1b(fwd, bwd, micro, last=last, step=step, barrier_s=barrier)
+    closed = pipeline_objective([x + y for x, y in zip(fwd, bwd, strict=True)], last, micro, step, barrier)
     steady = [x + y for x, y in zip(fwd, bwd, strict=True)]
     assert sim <= closed + 1e-9 + max(last)
     assert sim >= max(steady) * micro - 1e-9  # the slowest stage must run every micro-batch
+    # no step hides behind another stage's backward: after the barrier comes the slowest step
+    assert sim >= max(steady) * micro + barrier + max(step) - 1e-9
+
+
+def test_clipping_barrier_exposes_a_later_stages_step():
+    """Without the barrier the last stage's step hides behind the first stage's remaining
+    backwards; with it, every step waits for every stage's sync (the closed form and the
+    simulation agree on balanced stages)."""
+    fwd, bwd, micro = [1.0, 1.0], [2.0, 2.0], 4
+    last, step = [0.5, 2.5], [0.5, 2.5]
+    # the backwards end at 15 s (stage 0) and 12 s (stage 1): 3 x 3 s steady + 2 x 3 s crossing
+    hidden = simulate_1f1b(fwd, bwd, micro, last=last)
+    assert hidden == pytest.approx(max(15 + 0.5, 12 + 2.5))
+    clipped = simulate_1f1b(fwd, bwd, micro, last=last, step=step, barrier_s=0.1)
+    assert clipped == pytest.approx(15 + 0.1 + 2.5)
+    closed = pipeline_objective([3.0, 3.0], last, micro, step, 0.1)
+    assert closed == pytest.approx(clipped)
 
 
 def _random_frontiers(rng, stages, layers):
@@ -72,7 +120,8 @@ def _random_frontiers(rng, stages, layers):
             k = int(rng.integers(1, 4))
             steady = np.sort(rng.uniform(0.8, 1.2, k)) * n
             extra = np.sort(rng.uniform(0, 3, k))[::-1].copy()
-            per_l[n] = Frontier(steady, extra, np.arange(k), np.zeros(k))
+            step = extra * rng.uniform(0, 1, k)
+            per_l[n] = Frontier(steady, extra, step, np.arange(k), np.zeros(k))
         out.append(per_l)
     return out
 
@@ -83,6 +132,7 @@ def test_milp_matches_brute_force(trial, rng):
     if layers < stages:
         layers = stages
     frontiers = _random_frontiers(rng, stages, layers)
+    barrier = float(rng.uniform(0, 0.5))
     best = np.inf
     for split in itertools.product(range(1, layers + 1), repeat=stages):
         if sum(split) != layers:
@@ -91,8 +141,9 @@ def test_milp_matches_brute_force(trial, rng):
         for pts in itertools.product(*choices):
             t = [frontiers[i][n].steady[p] for i, (n, p) in enumerate(zip(split, pts, strict=True))]
             d = [frontiers[i][n].extra[p] for i, (n, p) in enumerate(zip(split, pts, strict=True))]
-            best = min(best, pipeline_objective(t, d, micro))
-    sol = solve_inter_stage(frontiers, layers, micro)
+            s = [frontiers[i][n].step[p] for i, (n, p) in enumerate(zip(split, pts, strict=True))]
+            best = min(best, pipeline_objective(t, d, micro, s, barrier))
+    sol = solve_inter_stage(frontiers, layers, micro, barrier_s=barrier)
     assert sol is not None and sol.optimal
     assert sum(sol.layers) == layers
     # optimal to the solver's stated gap, never below the true optimum
@@ -100,5 +151,6 @@ def test_milp_matches_brute_force(trial, rng):
 
 
 def test_milp_reports_infeasible_layer_counts():
-    fr = [{1: Frontier(np.array([1.0]), np.array([0.0]), np.array([0]), np.array([0.0]))}] * 2
+    one = np.array([1.0]), np.array([0.0]), np.array([0.0]), np.array([0]), np.array([0.0])
+    fr = [{1: Frontier(*one)}] * 2
     assert solve_inter_stage(fr, total_layers=5, micro_batches=2) is None

@@ -14,6 +14,8 @@ pipeline stages); around its modules the engine runs the plan's parts it has no 
   sequence-parallel parameters' grads across the TP group (here; under ZeRO-2 in zero.py);
 * half-precision weights with fp32 master weights and torch's fused AdamW (measure.training):
   like Megatron's fused Adam it steps without temporaries, so the step holds only the fp32 grads;
+  gradients clipped to a global norm of 1.0 first, as Megatron-LM and torchtitan do by default
+  (``clip_gradients``: one all-reduce over every rank, the barrier Mist's cost model prices);
 * the embedding's and head's own ZeRO stage and offloading (the plan's ``pre_post``: one
   optimizer per part, here);
 * optimizer-state offloading, alone or of a rank's share under ZeRO-1/2/3, activation, weight
@@ -208,6 +210,47 @@ class PartOptimizers:
 
     def host_tensors(self) -> list[torch.Tensor]:
         return [t for part in self.parts if hasattr(part, "host_tensors") for t in part.host_tensors()]
+
+
+# Megatron-LM's --clip-grad default (torchtitan's max_norm too): the global L2 norm gradients are
+# clipped to before every step
+CLIP_GRAD = 1.0
+
+
+def clip_gradients(optimizer: PartOptimizers, parts: list[Part], dp: int, tp_duplicates: set[int],
+                   max_norm: float, device: torch.device) -> float:  # fmt: skip
+    """Megatron-LM's gradient clipping: the L2 norm of the whole model's gradients as the
+    optimizers are about to read them (averaged over DP), each element counted once over the DP,
+    TP and pipeline ranks, summed by one all-reduce over every rank; every gradient scaled by
+    max_norm / (norm + 1e-6) where that is below 1. Returns the norm.
+
+    Counted once: a ZeRO-1/2 rank's share (each parameter stepped by one replica), FSDP2's shards
+    (ZeRO-3 over DP > 1), else only DP rank 0's copy; of the parameters every TP rank holds whole
+    (``tp_duplicates``: norms, biases of row-parallel layers), only TP rank 0's."""
+    from megatron.core import parallel_state as ps
+
+    dp_rank, tp_rank = ps.get_data_parallel_rank(), ps.get_tensor_model_parallel_rank()
+    grads, counted = [], []
+    for part, opt in zip(parts, optimizer.parts, strict=True):
+        if isinstance(opt, ShardedMasterAdamW):
+            pairs, sharded = opt.gradients_to_step(), True
+        else:
+            pairs = [(p, local(p.grad)) for p in part.params if p.grad is not None]
+            sharded = part.zero >= 3 and dp > 1
+        for p, g in pairs:
+            grads.append(local(g))
+            if (sharded or dp_rank == 0) and (id(p) not in tp_duplicates or tp_rank == 0):
+                counted.append(local(g))
+    squares = torch.zeros((), dtype=torch.float64, device=device)
+    for g in counted:  # accumulated in fp32 per tensor (fp64 for fp64 runs), no full-size copy
+        acc = torch.float64 if g.dtype == torch.float64 else torch.float32
+        squares += torch.linalg.vector_norm(g, dtype=acc).double().square().to(device)
+    dist.all_reduce(squares)
+    norm = float(squares.sqrt())
+    scale = max_norm / (norm + 1e-6)
+    if scale < 1.0:
+        torch._foreach_mul_(grads, scale)
+    return norm
 
 
 def _optimizer(part: Part, dp: int, model, lr: float, sequence_parallel: bool):
@@ -437,11 +480,14 @@ def run(plan: Plan, steps: int = 5, seed: int = 0, lr: float = 1e-2) -> dict:
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
     model, layer_input_shape, offloaded_layers = _build_stage(plan, stage, device)
     groups = _module_groups(model.module, plan, mine)
+    # every TP rank holds these whole (named now: FSDP2 drops megatron-core's attributes)
+    whole_on_tp = {n for n, p in model.named_parameters() if not getattr(p, "tensor_model_parallel", False)}
     sharded = _shard_zero3_groups(model, groups, mine, dp, device)
     parts = _parameter_parts(model, plan, mine)  # after sharding: FSDP2 replaces the parameters
     sequence_parallel = plan.sequence_parallel and tp > 1
     optimizer = PartOptimizers([_optimizer(part, dp, model, lr, sequence_parallel) for part in parts])
     gradients = StageGradients(parts, sharded, optimizer, dp)
+    tp_duplicates = {id(p) for n, p in model.named_parameters() if n in whole_on_tp}
     # after the optimizers and gradient buffers: they are made where the weights are, the device
     weights = _weight_offloads(groups, dp)
     batches = _batches(plan, layout, stage, seed, device)
@@ -451,6 +497,7 @@ def run(plan: Plan, steps: int = 5, seed: int = 0, lr: float = 1e-2) -> dict:
     phases: list[dict[str, float]] = []  # per step: where the time went
     grad_bytes: list[int] = []  # per step: the .grad tensors on the device when backward ends
     first_grad_norm: list[float] = []
+    clipped_norms: list[float] = []  # per step: the global gradient norm before clipping
 
     def step() -> float:
         t0 = _now(device)
@@ -462,6 +509,9 @@ def run(plan: Plan, steps: int = 5, seed: int = 0, lr: float = 1e-2) -> dict:
         gradients.sync(dp_group)
         if not first_grad_norm:  # the first step's, as the optimizer reads them
             first_grad_norm.append(_grad_norm(model))
+        clipped_norms.append(clip_gradients(optimizer, parts, dp, tp_duplicates, CLIP_GRAD, device))
+        if len(first_grad_norm) == 1:
+            first_grad_norm.append(_grad_norm(model))  # and after clipping
         t2 = _now(device)
         optimizer.step()
         gradients.zero()
@@ -489,6 +539,8 @@ def run(plan: Plan, steps: int = 5, seed: int = 0, lr: float = 1e-2) -> dict:
         # the L2 norm of this rank's .grad tensors in the first step, after the DP average (ZeRO-2/3
         # parts hold theirs apart or sharded): equal across plans that train the same model
         "first_grad_norm": first_grad_norm[0],
+        "first_clipped_grad_norm": first_grad_norm[1],  # the same after clipping
+        "global_grad_norms": clipped_norms,  # every step's, before clipping (the same on every rank)
         **_offload_report(optimizer, weights, gradients),
         "activation_offloaded_layers": offloaded_layers,  # layers whose saved activations wait on the host
         "layer_input_shape": layer_input_shape,

@@ -65,6 +65,7 @@ class ShardedMasterAdamW:
             else MasterWeightAdamW(owned, lr=lr, fused=True)
         )
         self.reduced: dict[int, torch.Tensor] = {}  # owned parameters' summed gradients (ZeRO-2)
+        self.averaged = False  # ZeRO-2: this step's sums are averaged and on .grad
         # gradient offload under ZeRO-2: that fraction of this rank's share sums on the host
         if offload_grads > 0 and not shard_grads:
             raise ValueError(
@@ -112,12 +113,20 @@ class ShardedMasterAdamW:
             so_far = self.reduced.get(id(q))  # (views into this bucket's message: all of it is mine)
             self.reduced[id(q)] = summed if so_far is None else so_far.add_(summed)
 
-    def step(self) -> None:
-        if self.shard_grads:  # the owner's averaged gradients, for the master-weight step
+    def gradients_to_step(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(parameter, gradient) of this rank's share as its step reads them (for clipping's norm):
+        under ZeRO-2 the reduced sums, averaged over DP and put on ``.grad`` once a step."""
+        if self.shard_grads and not self.averaged:
             for p in self.owned:
                 summed = self.host_grads.get(id(p))
                 summed = self.reduced.pop(id(p), None) if summed is None else summed
                 p.grad = None if summed is None else summed.div_(self.dp)
+            self.averaged = True
+        return [(p, p.grad) for p in self.owned if p.grad is not None]
+
+    def step(self) -> None:
+        self.gradients_to_step()
+        self.averaged = False
         if self.inner is not None:
             self.inner.step()
         for owner in sorted(set(self.owner.values())):  # one broadcast per owner, of all its weights

@@ -1,16 +1,18 @@
 """Imbalance-aware hierarchical tuning (Mist §5): intra-stage Pareto frontiers, inter-stage MILP.
 
 Intra-stage: for a stage of l layers with k micro-batches in flight, every strategy is evaluated
-at once (schedule.evaluate_stage); those over the memory budget are dropped and the exact
-Pareto frontier of (steady micro-batch time T, first+last extra time D) is kept.
+at once (stage_cost.evaluate_stage); those over the memory budget are dropped and the exact
+Pareto frontier of (steady micro-batch time T, extra time before the gradient-clipping barrier
+D - P, optimizer step after it P) is kept.
 
 Inter-stage: a mixed-integer linear program picks each stage's layer count and one frontier
 point per stage to minimise the 1F1B iteration time
 
-    (G - 1) * max_i T_i  +  sum_i T_i  +  max_i (D_i - sum_{j<i} T_j)
+    (G - 1) * max_i T_i  +  sum_i T_i  +  max(0, max_i (D_i - P_i - sum_{j<i} T_j))  +  B  +  max_i P_i
 
 (the slowest stage paces the steady state; the first micro-batch crosses every stage; a
-stage's extra work is hidden behind the stages before it finishing their last backward).
+stage's gradient sync is hidden behind the stages before it finishing their last backward; the
+clipping barrier B, then the slowest stage's step).
 """
 
 from __future__ import annotations
@@ -38,10 +40,35 @@ def pareto_frontier(steady: np.ndarray, extra: np.ndarray) -> np.ndarray:
     return order[e < best_before]
 
 
+def pareto_frontier_3d(steady: np.ndarray, sync: np.ndarray, step: np.ndarray) -> np.ndarray:
+    """Indices of the exact non-dominated points of three times minimised together.
+
+    By ``step`` value, ascending: a group's own 2-D frontier of (steady, sync), less the points
+    that an earlier group (a smaller step) matches or beats in both; the staircase of those
+    earlier points is kept sorted by steady (sync strictly falling), so each check is one binary
+    search. Few distinct steps (the optimizer's placement) make this a handful of passes."""
+    kept: list[np.ndarray] = []
+    stair_t, stair_s = np.empty(0), np.empty(0)
+    for value in np.unique(step):
+        group = np.flatnonzero(step == value)
+        group = group[pareto_frontier(steady[group], sync[group])]
+        # the earlier point with the largest steady <= each one's has the least sync among those
+        at = np.searchsorted(stair_t, steady[group], side="right")
+        beaten = np.concatenate([[np.inf], stair_s])[at] <= sync[group]
+        group = group[~beaten]
+        kept.append(group)
+        both_t, both_s = np.concatenate([stair_t, steady[group]]), np.concatenate([stair_s, sync[group]])
+        stair = pareto_frontier(both_t, both_s)
+        stair_t, stair_s = both_t[stair], both_s[stair]
+    out = np.concatenate(kept) if kept else np.empty(0, int)
+    return out[np.lexsort((sync[out], steady[out]))]
+
+
 @dataclass(frozen=True)
 class Frontier:
     steady: np.ndarray
-    extra: np.ndarray
+    extra: np.ndarray  # after the last backward: sync + step
+    step: np.ndarray  # of extra, the part after the gradient-clipping barrier
     index: np.ndarray  # into the strategy grid it came from
     memory: np.ndarray
 
@@ -66,9 +93,10 @@ def frontier_for(
         fits &= values["host_memory"] + (in_flight - 1) * values["host_per_flight"] <= host_budget
     ok = np.flatnonzero(fits)
     if ok.size == 0:
-        return Frontier(np.empty(0), np.empty(0), np.empty(0, int), np.empty(0))
-    keep = ok[pareto_frontier(values["steady"][ok], values["extra"][ok])]
-    return Frontier(values["steady"][keep], values["extra"][keep], keep, memory[keep])
+        return Frontier(np.empty(0), np.empty(0), np.empty(0), np.empty(0, int), np.empty(0))
+    steady, extra, step = (values[k][ok] for k in ("steady", "extra", "step"))
+    keep = ok[pareto_frontier_3d(steady, extra - step, step)]
+    return Frontier(values["steady"][keep], values["extra"][keep], values["step"][keep], keep, memory[keep])
 
 
 @dataclass(frozen=True)
@@ -85,9 +113,11 @@ def solve_inter_stage(
     micro_batches: int,
     time_limit: float = 10.0,
     cutoff: float = float("inf"),
+    barrier_s: float = 0.0,
 ) -> InterStageSolution | None:
-    """frontiers[i][l]: stage i's frontier when it holds l layers. None when nothing fits, or
-    when HiGHS proves that no solution beats ``cutoff`` (a plan already found elsewhere)."""
+    """frontiers[i][l]: stage i's frontier when it holds l layers; ``barrier_s``: the clipping
+    barrier's seconds. None when nothing fits, or when HiGHS proves that no solution beats
+    ``cutoff`` (a plan already found elsewhere)."""
     import highspy
 
     stages = len(frontiers)
@@ -97,10 +127,11 @@ def solve_inter_stage(
             cols.extend((i, layers, p) for p in range(len(fr)))
     if not cols:
         return None
-    n = len(cols) + 2  # + M (max steady) + E (max exposed extra)
-    m_col, e_col = len(cols), len(cols) + 1
+    n = len(cols) + 3  # + M (max steady) + E (max exposed sync) + P (max step)
+    m_col, e_col, p_col = len(cols), len(cols) + 1, len(cols) + 2
     steady = np.array([frontiers[i][layers].steady[p] for i, layers, p in cols])
-    extra = np.array([frontiers[i][layers].extra[p] for i, layers, p in cols])
+    step = np.array([frontiers[i][layers].step[p] for i, layers, p in cols])
+    sync = np.array([frontiers[i][layers].extra[p] for i, layers, p in cols]) - step
     stage_of = np.array([c[0] for c in cols])
     layers_of = np.array([c[1] for c in cols])
 
@@ -121,18 +152,23 @@ def solve_inter_stage(
         r[:m_col] = np.where(stage_of == i, steady, 0.0)
         r[m_col] = -1
         rows.append(r), lo.append(-np.inf), hi.append(0)
-    for i in range(stages):  # E >= D_i - sum_{j<i} T_j
+    for i in range(stages):  # E >= (D_i - P_i) - sum_{j<i} T_j
         r = row()
-        r[:m_col] = np.where(stage_of == i, extra, 0.0) - np.where(stage_of < i, steady, 0.0)
+        r[:m_col] = np.where(stage_of == i, sync, 0.0) - np.where(stage_of < i, steady, 0.0)
         r[e_col] = -1
         rows.append(r), lo.append(-np.inf), hi.append(0)
-    c = np.concatenate([steady, [micro_batches - 1, 1.0]])
+    for i in range(stages):  # P >= P_i
+        r = row()
+        r[:m_col] = np.where(stage_of == i, step, 0.0)
+        r[p_col] = -1
+        rows.append(r), lo.append(-np.inf), hi.append(0)
+    c = np.concatenate([steady, [micro_batches - 1, 1.0, 1.0]])
     a = np.array(rows)
     lp = highspy.HighsLp()
     lp.num_col_, lp.num_row_ = n, len(rows)
     lp.col_cost_ = c
     lp.col_lower_ = np.zeros(n)
-    lp.col_upper_ = np.concatenate([np.ones(len(cols)), [highspy.kHighsInf] * 2])
+    lp.col_upper_ = np.concatenate([np.ones(len(cols)), [highspy.kHighsInf] * 3])
     lp.row_lower_ = np.where(np.isinf(lo), -highspy.kHighsInf, lo)
     lp.row_upper_ = np.array(hi, float)
     lp.a_matrix_.format_ = highspy.MatrixFormat.kRowwise
@@ -140,14 +176,14 @@ def solve_inter_stage(
     nz_rows, nz_cols = np.nonzero(a)
     lp.a_matrix_.index_ = nz_cols.astype(np.int32)
     lp.a_matrix_.value_ = a[nz_rows, nz_cols]
-    lp.integrality_ = [highspy.HighsVarType.kInteger] * len(cols) + [highspy.HighsVarType.kContinuous] * 2
+    lp.integrality_ = [highspy.HighsVarType.kInteger] * len(cols) + [highspy.HighsVarType.kContinuous] * 3
     solver = highspy.Highs()
     solver.setOptionValue("output_flag", False)
     solver.setOptionValue("time_limit", float(time_limit))
     solver.setOptionValue("mip_rel_gap", MIP_REL_GAP)
     solver.setOptionValue("threads", 1)
-    if np.isfinite(cutoff):
-        solver.setOptionValue("objective_bound", float(cutoff))
+    if np.isfinite(cutoff):  # the barrier is a constant, left out of the program's objective
+        solver.setOptionValue("objective_bound", float(cutoff) - barrier_s)
     solver.passModel(lp)
     solver.run()
     status = solver.getModelStatus()
@@ -162,7 +198,9 @@ def solve_inter_stage(
     points = tuple(p for _, _, p in chosen)
     t = [frontiers[i][cl].steady[p] for i, cl, p in chosen]
     d = [frontiers[i][cl].extra[p] for i, cl, p in chosen]
+    ps = [frontiers[i][cl].step[p] for i, cl, p in chosen]
     if len(chosen) != stages:
         return None
     optimal = status == highspy.HighsModelStatus.kOptimal
-    return InterStageSolution(pipeline_objective(t, d, micro_batches), layers, points, optimal)
+    objective = pipeline_objective(t, d, micro_batches, ps, barrier_s)
+    return InterStageSolution(objective, layers, points, optimal)

@@ -6,6 +6,13 @@ its dependency is done: forward m on stage i needs forward m on stage i-1; backw
 i needs backward m on stage i+1 (the last stage's backward needs its own forward). Per-stage
 extras run before the first forward (``first``: e.g. gathering sharded weights) and after the
 last backward (``last``: gradient synchronisation, optimizer step).
+
+Gradient clipping (Megatron-LM's and torchtitan's default, and mist.engine.run's) puts a global
+barrier between the two halves of ``last``: the step needs the norm of every stage's gradients,
+an all-reduce over all ranks once each has synchronised its own. So each stage's ``last`` is
+split into the part before the barrier (``sync``: the DP gradient reduction, the local norm) and
+the ``step`` after it (the optimizer step, ZeRO's all-gather of the updated weights), and no
+stage's step hides behind another stage's backward any more.
 """
 
 from __future__ import annotations
@@ -43,8 +50,12 @@ def simulate_1f1b(
     first: Sequence[float] | None = None,
     last: Sequence[float] | None = None,
     p2p: float = 0.0,
+    step: Sequence[float] | None = None,
+    barrier_s: float = 0.0,
 ) -> float:
-    """Makespan of one iteration; ``p2p`` is the send time between neighbouring stages.
+    """Makespan of one iteration; ``p2p`` is the send time between neighbouring stages. ``last``:
+    each stage's work after its last backward; of it, ``step`` (default none) comes after the
+    gradient-clipping barrier, which itself takes ``barrier_s``.
 
     Each finish time is kept only until the one op that waits for it has read it, so memory is
     O(stages) (a stage runs at most ``stages`` forwards ahead of its backwards), work
@@ -87,20 +98,33 @@ def simulate_1f1b(
                 progressed = True
         if not progressed:
             raise RuntimeError("1F1B schedule deadlocked (a bug: the order is always feasible)")
-    return max(c + extra for c, extra in zip(clock, last, strict=True))
+    step = step or [0.0] * stages
+    synced = max(c + extra - s for c, extra, s in zip(clock, last, step, strict=True))
+    return synced + barrier_s + max(step)
 
 
-def pipeline_objective(steady: Sequence, extra: Sequence, micro_batches: int):
-    """The planner's closed form: (G-1) max_i T_i + sum_i T_i + max_i (D_i - sum_{j<i} T_j).
+def pipeline_objective(
+    steady: Sequence,
+    extra: Sequence,
+    micro_batches: int,
+    step: Sequence | None = None,
+    barrier_s: float = 0.0,
+):
+    """The planner's closed form:
 
-    T_i = forward + backward of one micro-batch on stage i; D_i = its first + last extras. Any
-    T_i or D_i may be an array (candidates for that stage): the result is then an array too.
+        (G-1) max_i T_i + sum_i T_i + max(0, max_i (D_i - P_i - sum_{j<i} T_j)) + B + max_i P_i
+
+    T_i = forward + backward of one micro-batch on stage i; D_i = its first + last extras, of which
+    P_i (``step``, default none) comes after the gradient-clipping barrier, which takes B
+    (``barrier_s``). Any T_i, D_i or P_i may be an array (candidates for that stage): the result
+    is then an array too.
     """
+    step = [0.0] * len(steady) if step is None else step
     total = (micro_batches - 1) * functools.reduce(np.maximum, steady) + sum(steady)
     before = 0.0
-    worst_extra = -np.inf
-    for t_i, d_i in zip(steady, extra, strict=True):
-        worst_extra = np.maximum(worst_extra, d_i - before)
+    worst_sync = -np.inf
+    for t_i, d_i, p_i in zip(steady, extra, step, strict=True):
+        worst_sync = np.maximum(worst_sync, d_i - p_i - before)
         before = before + t_i
-    out = total + np.maximum(worst_extra, 0.0)
+    out = total + np.maximum(worst_sync, 0.0) + barrier_s + functools.reduce(np.maximum, step)
     return float(out) if np.ndim(out) == 0 else out

@@ -30,6 +30,7 @@ from .stage_cost import (
     STRATEGY_FIELDS,
     SearchSpace,
     Setting,
+    clip_barrier_s,
     evaluate_stage,
     layer_numbers,
     strategy_grid,
@@ -114,7 +115,7 @@ def tune_setting(
                 grids[key] = _stage_values(st, ln, layers, first, last, options.space, grad_accum)
             grid, values, per_flight = grids[key]
             if not options.imbalance_aware:
-                values = {**values, "extra": np.zeros_like(values["extra"])}
+                values = {**values, **{k: np.zeros_like(values[k]) for k in ("extra", "step")}}
             fr = frontier_for(values, flight, budget, per_flight, problem.host_budget)
             if len(fr):
                 frontiers[i][layers] = fr
@@ -125,7 +126,8 @@ def tune_setting(
     per_layer = min(float(fr.steady.min()) / layers for per_l in frontiers for layers, fr in per_l.items())
     if ((grad_accum - 1) / S + 1) * L * per_layer >= best_so_far:
         return None
-    sol = solve_inter_stage(frontiers, L, grad_accum, options.milp_time_limit, cutoff=best_so_far)
+    barrier = clip_barrier_s(st)
+    sol = solve_inter_stage(frontiers, L, grad_accum, options.milp_time_limit, best_so_far, barrier)
     if sol is None:
         return None
     stages = []
@@ -253,22 +255,30 @@ def _refine(problem: Problem, plan: Plan, options: PlannerOptions, passes: int =
     def fits(v: dict) -> np.ndarray:
         return (v["memory"] <= budget) & (v["host_memory"] <= host_budget)
 
-    def extra(v: dict):  # what the search ranks by: extras only when it is imbalance-aware
-        return v["extra"] if options.imbalance_aware else np.zeros_like(v["extra"])
+    def ranked(v: dict, key: str):  # what the search ranks by: extras only when it is imbalance-aware
+        return v[key] if key == "steady" or options.imbalance_aware else np.zeros_like(v[key])
+
+    barrier = clip_barrier_s(numbers[0][0])
+
+    def objective(candidates: dict[int, dict]):
+        """The closed form with ``candidates``' stages (arrays) and the others as they are now."""
+        steady, extra, step = (
+            [ranked(candidates[j], key) if j in candidates else ranked(values[j], key)[0] for j in range(S)]
+            for key in ("steady", "extra", "step")
+        )
+        return pipeline_objective(steady, extra, G, step, barrier)
 
     values = [evaluate(i, current(i), edge_now()) for i in range(S)]
-    best = pipeline_objective([v["steady"][0] for v in values], [extra(v)[0] for v in values], G)
+    best = objective({})
     for _ in range(passes):
         improved = False
         for i in range(S):
             grid = {**current(i), **{f: combos[:, j] for j, f in enumerate(offload)}}
             v = evaluate(i, grid, edge_now())
-            steady = [v["steady"] if j == i else values[j]["steady"][0] for j in range(S)]
-            extras = [extra(v) if j == i else extra(values[j])[0] for j in range(S)]
-            objective = np.where(fits(v), pipeline_objective(steady, extras, G), np.inf)
-            c = int(np.argmin(objective))
-            if objective[c] < best * (1 - 1e-9):
-                best, improved = float(objective[c]), True
+            times = np.where(fits(v), objective({i: v}), np.inf)
+            c = int(np.argmin(times))
+            if times[c] < best * (1 - 1e-9):
+                best, improved = float(times[c]), True
                 for j, f in enumerate(offload):
                     setattr(plan.stages[i], f, float(combos[c, j]))
                 values[i] = evaluate(i, current(i), edge_now())
@@ -279,13 +289,11 @@ def _refine(problem: Problem, plan: Plan, options: PlannerOptions, passes: int =
         edge = {f: edge_combos[:, j] for j, f in enumerate(EDGE_FIELDS)}
         ends = sorted({0, S - 1})
         ends_v = {i: evaluate(i, current(i), edge) for i in ends}
-        steady = [ends_v[j]["steady"] if j in ends_v else values[j]["steady"][0] for j in range(S)]
-        extras = [extra(ends_v[j]) if j in ends_v else extra(values[j])[0] for j in range(S)]
         ok = np.logical_and.reduce([fits(v) for v in ends_v.values()])
-        objective = np.where(ok, pipeline_objective(steady, extras, G), np.inf)
-        c = int(np.argmin(objective))
-        if objective[c] < best * (1 - 1e-9):
-            best, improved = float(objective[c]), True
+        times = np.where(ok, objective(ends_v), np.inf)
+        c = int(np.argmin(times))
+        if times[c] < best * (1 - 1e-9):
+            best, improved = float(times[c]), True
             plan.pre_post = PrePostPlan(int(edge_combos[c, 0]), *map(float, edge_combos[c, 1:]))
             for i in ends:
                 values[i] = evaluate(i, current(i), edge_now())
@@ -366,7 +374,7 @@ def _price(problem: Problem, plan: Plan, simulate: bool) -> Plan:
     point = Candidate.of_plan(plan)
     S, G = point.stages, point.grad_accum
     budget = problem.gpu_budget
-    steady, extra, fwd, bwd = [], [], [], []
+    steady, extra, step, fwd, bwd = [], [], [], [], []
     fits = True
     for i, s in enumerate(plan.stages):
         st = problem.setting(*plan.stage_parallelism(i), S)
@@ -374,7 +382,7 @@ def _price(problem: Problem, plan: Plan, simulate: bool) -> Plan:
         grid = {k: np.array([float(getattr(s, k))]) for k in STRATEGY_FIELDS}
         edge = None if plan.pre_post is None else {k: float(getattr(plan.pre_post, k)) for k in EDGE_FIELDS}
         v = evaluate_stage(st, ln, s.layers, point.in_flight(i), i == 0, i == S - 1, grid, G, edge)
-        s.steady_s, s.extra_s = float(v["steady"][0]), float(v["extra"][0])
+        s.steady_s, s.extra_s, s.step_s = (float(v[k][0]) for k in ("steady", "extra", "step"))
         memory, host_memory = float(v["memory"][0]), float(v["host_memory"][0])
         s.memory_bytes, s.host_memory_bytes = bytes_needed(memory), bytes_needed(host_memory)
         # judged on the model's own numbers, as the search judges its candidates (the whole bytes
@@ -382,14 +390,18 @@ def _price(problem: Problem, plan: Plan, simulate: bool) -> Plan:
         fits = fits and memory <= budget and host_memory <= problem.host_budget
         steady.append(s.steady_s)
         extra.append(s.extra_s)
+        step.append(s.step_s)
         share = ln.fwd / (ln.fwd + ln.bwd)
         fwd.append(s.steady_s * share)
         bwd.append(s.steady_s * (1 - share))
         if i == 0:
             first_ln = ln
     ln = first_ln
-    plan.predicted_iteration_s = pipeline_objective(steady, extra, G)
-    plan.simulated_iteration_s = simulate_1f1b(fwd, bwd, G, last=extra) if simulate else None
+    barrier = clip_barrier_s(problem.setting(*plan.stage_parallelism(0), S))
+    plan.predicted_iteration_s = pipeline_objective(steady, extra, G, step, barrier)
+    plan.simulated_iteration_s = (
+        simulate_1f1b(fwd, bwd, G, last=extra, step=step, barrier_s=barrier) if simulate else None
+    )
     plan.breakdown = {
         "usable_memory_bytes": problem.gpu_budget,
         "fits": fits,
@@ -399,6 +411,7 @@ def _price(problem: Problem, plan: Plan, simulate: bool) -> Plan:
         "layer_fwd_ms": ln.fwd * 1e3,
         "layer_bwd_ms": ln.bwd * 1e3,
         "layer_saved_bytes": bytes_needed(ln.saved),
+        "clip_barrier_ms": barrier * 1e3,
         "runtime_model": problem.runtime.source,
         "interference_model": problem.interference.source,
     }

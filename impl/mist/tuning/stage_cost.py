@@ -12,9 +12,10 @@ optimizer state and activations -- is evaluated at once as numpy arrays:
   the four, each slowed by the others running at the same time (``Interference``). Compute
   includes adding the micro-batch's weight gradients into the accumulated ones, as the engine
   that runs the plan does it (``Setting.grad_accumulation``).
-* extra: the work only the first and last micro-batch do: gradient synchronisation across DP
+* extra: the work only the last micro-batch does: gradient synchronisation across DP
   (all-reduce, or reduce-scatter + all-gather under ZeRO), the optimizer step on GPU and, for
-  offloaded optimizer state, on the CPU (with the copies it needs).
+  offloaded optimizer state, on the CPU (with the copies it needs). Of it, ``step`` comes after
+  gradient clipping's global barrier (``clip_barrier_s``; pipeline_sim says how it is priced).
 * memory: peak bytes per GPU (weights, gradients, optimizer state, in-flight activations,
   prefetch/swap buffers, one layer's backward working set, the head's logits).
 * host memory: what this GPU keeps in its node's DRAM (offloaded weights, gradients, optimizer
@@ -98,6 +99,7 @@ class LayerNumbers:
     transient: float  # one op's working set (symbolic analysis)
     layer_input: float  # bytes a recomputed layer keeps (its input)
     params: float  # per TP rank
+    largest_weight: float  # bytes of the layer's largest weight matrix on one TP rank
     tp_comm_fwd: float
     p2p_bytes: float  # activation sent to the next stage per micro-batch
     p2p: float  # seconds of that message (and of its gradient coming back)
@@ -174,6 +176,7 @@ def _layer_numbers(st: Setting) -> LayerNumbers:
         transient=float(c["transient_bytes"]),
         layer_input=2.0 * tokens * m.hidden / (t if st.sequence_parallel else 1),
         params=float(c["params"]),
+        largest_weight=2.0 * _largest_weight(m) / t,
         tp_comm_fwd=float(comm_f),
         p2p_bytes=p2p_bytes,
         p2p=st.runtime.p2p(p2p_bytes, st.cluster, inter_node=neighbours_across),
@@ -185,6 +188,14 @@ def _layer_numbers(st: Setting) -> LayerNumbers:
         logits=head["logits_fp32_bytes"],
         embed_params=head["embed_params"],
     )
+
+
+def _largest_weight(m: ModelSpec) -> int:
+    """Elements of a layer's largest weight matrix: the MLP's (gated: the fused gate and up
+    projection) or attention's fused query/key/value projection."""
+    ffn = m.ffn_hidden
+    qkv = m.hidden * (m.heads + 2 * m.kv) * m.head_dim
+    return max(m.hidden * ffn * (2 if m.gated_mlp else 1), qkv)
 
 
 @functools.lru_cache(maxsize=512)
@@ -247,19 +258,28 @@ def _zero_per_micro_batch(st: Setting, layers: int, layer_w_full: float, edge_w_
 
 
 def _gradient_sync(st: Setting, stage_w_full: float, edge_w_full: float, z, ez, across: bool):
-    """Seconds of the step's gradient synchronisation over DP: an all-reduce (ZeRO-0), a
-    reduce-scatter then an all-gather of the updated weights (ZeRO-1), the all-gather alone
-    (ZeRO-2, whose gradients were scattered in backward), nothing more (ZeRO-3)."""
+    """(before, after) the gradient-clipping barrier: seconds of the step's gradient
+    synchronisation over DP, an all-reduce (ZeRO-0), a reduce-scatter (ZeRO-1) or nothing more
+    (ZeRO-2/3, whose gradients were scattered in backward); then, after the step, the all-gather of
+    the updated weights (ZeRO-1/2)."""
     d, cl, rt = st.dp, st.cluster, st.runtime
-    sync = 0.0
+    before = after = 0.0
     if d > 1:
         for full, zero in ((stage_w_full, z), (edge_w_full, ez)):
             allreduce = rt.collective("all_reduce", full, d, cl, across)
             rs = rt.collective("reduce_scatter", full, d, cl, across)
             ag = rt.collective("all_gather", full, d, cl, across)
-            sync = sync + np.where(zero >= 2, 0.0, np.where(zero == 1, rs, allreduce))
-            sync = sync + np.where((zero >= 1) & (zero <= 2), ag, 0.0)
-    return sync
+            before = before + np.where(zero >= 2, 0.0, np.where(zero == 1, rs, allreduce))
+            after = after + np.where((zero >= 1) & (zero <= 2), ag, 0.0)
+    return before, after
+
+
+def clip_barrier_s(st: Setting) -> float:
+    """Seconds of gradient clipping's global step: the all-reduce of one fp32 (the sum of squared
+    gradients) over every GPU of the plan, each stage's sync done (Megatron-LM reduces it over the
+    model-parallel and the data-parallel groups; one all-reduce over all prices both)."""
+    cl = st.cluster
+    return float(st.runtime.collective("all_reduce", 4.0, cl.gpus, cl, cl.gpus > cl.gpus_per_node))
 
 
 def _device_memory(ln: LayerNumbers, grid: dict, edge: dict, activations, layers: int, layer_w_full: float,
@@ -287,9 +307,14 @@ def _device_memory(ln: LayerNumbers, grid: dict, edge: dict, activations, layers
     # is held with the first layer's gradients; from the second layer on, the previous one's input
     # too, as one layer's activations are freed. The head (made first) adds its gradients and then
     # its input in flight; the embedding's, made last, come at backward's end.
+    # A ZeRO-3 layer's gradients are made op by op as its activations are freed: at its first op
+    # (the working set's peak) only that op's weight gradient exists, at its end all of them and
+    # the reduce-scatter's input, with the layer's activations gone. The logits' gradient is
+    # consumed by the head's backward, before the first layer's begins.
     freed = (1 - ao) * np.where(r < layers, ln.saved, ln.layer_input)  # the last layer's activations
-    start = activations + head + buffers + working
-    start = start + np.where(z3, W + np.maximum(0.0, W - freed), 0.0) + np.where(e3 & last, E, 0.0)
+    zero3_start = np.maximum(working + ln.largest_weight, working + 2 * W - freed)
+    first_layer = np.where(z3, zero3_start, working)
+    start = activations + buffers + np.maximum(head, first_layer) + np.where(e3 & last, E, 0.0)
     # Two peaks: backward and the optimizer step, where mixed-precision Adam holds an fp32 copy of
     # the gradients it steps on the GPU. With one micro-batch a step, ZeRO-2/3's gradient shards
     # are made as backward frees the activations and live until the step: backward also peaks at
@@ -366,14 +391,19 @@ def evaluate_stage(
     h2d = (act_swapped + mine["h2d"] + theirs["h2d"]) / h2d_bw  # swap-in, offloaded weights
     steady = st.interference.overlap(compute, g2g, h2d, d2h)
 
-    # ---- first / last micro-batch extras
-    extra = _gradient_sync(st, layers * layer_w_full, edge_w_full, z, ez, across)
+    # ---- last micro-batch extras: the gradient sync and clipping's local norm (before its
+    # global barrier, clip_barrier_s), then the optimizer step (after it)
+    sync, step = _gradient_sync(st, layers * layer_w_full, edge_w_full, z, ez, across)
     gpu_step_bytes = (ADAM_BYTES_PER_PARAM + 4) * 2  # state, weights and gradients read and written
     for state, off in ((mine, oo), (theirs, eoo)):
         n = state["opt_params"]
-        extra = extra + (1 - off) * n * gpu_step_bytes / (cl.gpu.hbm_bw * 0.7)
-        extra = extra + off * n / cpu_adam_params_per_s(cl)
-        extra = extra + off * n * (2 / d2h_bw + 2 / h2d_bw)  # fp16 gradients down, fp16 weights up
+        # the norm reads the fp16 gradients this rank steps (offloaded ones priced as if on the GPU:
+        # a few percent of the step either way)
+        sync = sync + n * 2 / (cl.gpu.hbm_bw * 0.7)
+        step = step + (1 - off) * n * gpu_step_bytes / (cl.gpu.hbm_bw * 0.7)
+        step = step + off * n / cpu_adam_params_per_s(cl)
+        step = step + off * n * (2 / d2h_bw + 2 / h2d_bw)  # fp16 gradients down, fp16 weights up
+    extra = sync + step
 
     # ---- memory per GPU
     per_flight = (1 - ao) * ((layers - r) * ln.saved + r * ln.layer_input) + (ln.head_saved if last else 0.0)
@@ -385,6 +415,7 @@ def evaluate_stage(
     return {
         "steady": np.broadcast_to(steady, shape),
         "extra": np.broadcast_to(extra, shape),
+        "step": np.broadcast_to(step, shape),  # the part of extra after the clipping barrier
         "memory": np.broadcast_to(memory, shape),
         "compute": np.broadcast_to(compute, shape),
         "g2g": np.broadcast_to(g2g, shape),  # the GPU-to-GPU channel (collectives that can overlap)
