@@ -86,8 +86,16 @@ class JobInputs:
 
 def _recompute_arguments(plan: Plan) -> tuple[list[str], list[str]]:
     """Megatron-LM recomputes whole layers by block (the first k of every stage) or uniformly
-    (every layer); a plan's per-stage counts must be one of those."""
+    (every layer), or every layer's core attention (selective); a plan's per-stage choices must
+    be one of those."""
     stages = plan.stages
+    if any(s.selective for s in stages):
+        if all(s.selective and s.recompute == 0 for s in stages):
+            return ["--recompute-granularity", "selective"], []  # its default module: core_attn
+        return [], [
+            "selective recomputation on some stages only, or with whole layers recomputed "
+            f"(selective {[s.selective for s in stages]}, layers {[s.recompute for s in stages]})"
+        ]
     block = max(s.recompute for s in stages)
     method = "uniform" if all(s.recompute == s.layers for s in stages) else "block"
     if block == 0:
@@ -270,6 +278,10 @@ def _torchtitan_limits(plan: Plan, model: ModelSpec, flavor: str) -> list[str]:
         )
     if any(s.offload_activations for s in stages):
         cannot.append("offloading activations to the CPU")
+    if any(s.selective for s in stages):
+        cannot.append(
+            "selective recomputation of the core attention (torchtitan's selective mode chooses ops)"
+        )
     if not (all(s.recompute == 0 for s in stages) or all(s.recompute == s.layers for s in stages)):
         cannot.append(
             f"recomputing some layers of a stage {[s.recompute for s in stages]} (torchtitan: none or all)"

@@ -1,8 +1,9 @@
 """A training plan: what the planner outputs and ``mist predict`` evaluates (YAML or JSON).
 
 The file is the Plan's fields (below) plus ``plan_format``, now 2. Stages list their layers,
-recomputed layers, ZeRO stage, offloaded fractions in [0, 1] and, for plans from other tools,
-their own TP/DP; ``model_overrides`` changes the named preset's fields (e.g. ``seq``, ``flash``,
+recomputed layers, whether the others recompute their core attention (``selective``), ZeRO
+stage, offloaded fractions in [0, 1] and, for plans from other tools, their own TP/DP;
+``model_overrides`` changes the named preset's fields (e.g. ``seq``, ``flash``,
 ``heads``, ``dropout``); ``host_memory_per_node_bytes`` the DRAM per node offloading may use (a
 whole number of bytes; null: the GPU type's usual host); ``gpu_memory_bytes`` a cap on each
 device's memory (null: its data sheet's; mist.engine.run enforces it); ``pre_post`` the embedding's and head's
@@ -115,6 +116,7 @@ class StagePlan:
     offload_grads: float = 0.0
     offload_optimizer: float = 0.0
     offload_activations: float = 0.0
+    selective: bool = False  # the other layers recompute their core attention (Megatron's selective)
     tp: int | None = None  # this stage's own TP / DP (default: the plan's), e.g. from Aceso
     dp: int | None = None
     # predictions (filled by predict)
@@ -143,6 +145,8 @@ class StagePlan:
             )
         if self.zero not in (0, 1, 2, 3):
             raise ValueError(f"stage {i}: zero must be 0, 1, 2 or 3, got {self.zero}")
+        if not isinstance(self.selective, bool):
+            raise ValueError(f"stage {i}: selective must be true or false, got {self.selective!r}")
         for name in ("offload_weights", "offload_grads", "offload_optimizer", "offload_activations"):
             value = getattr(self, name)
             if not 0.0 <= value <= 1.0:
@@ -363,7 +367,7 @@ class Plan:
         ]
         for i, s in enumerate(self.stages):
             tp, dp, _ = self.stage_parallelism(i)
-            cells = [i, f"{tp}x{dp}", s.layers, s.recompute, s.zero]
+            cells = [i, f"{tp}x{dp}", s.layers, s.recompute, "yes" if s.selective else "no", s.zero]
             cells += [
                 f"{getattr(s, 'offload_' + k):.2f}" for k in ("weights", "grads", "optimizer", "activations")
             ]
@@ -385,8 +389,8 @@ class Plan:
 
 
 COLUMNS = [
-    ("stage", 5), ("TPxDP", 6), ("layers", 6), ("recomp", 6), ("ZeRO", 4), ("off W", 5), ("off G", 5),
-    ("off O", 5), ("off A", 5), ("T (ms)", 8), ("D (ms)", 8), ("mem GiB", 8), ("host GiB", 8),
+    ("stage", 5), ("TPxDP", 6), ("layers", 6), ("recomp", 6), ("sel", 3), ("ZeRO", 4), ("off W", 5),
+    ("off G", 5), ("off O", 5), ("off A", 5), ("T (ms)", 8), ("D (ms)", 8), ("mem GiB", 8), ("host GiB", 8),
 ]  # fmt: skip
 
 

@@ -532,3 +532,33 @@ def test_benchmark_launches_combined_by_the_median_of_each_time(rng):
         _median_rows([launches[0], launches[1][:2]])
     with pytest.raises(ValueError, match="at least 1"):
         _run_ranks(print, 2, (), 0)
+
+
+@pytest.mark.parametrize("flash", [False, True])
+def test_selective_recomputation_keeps_less_and_repeats_the_core_attention(flash):
+    """What selective recomputation frees per layer and micro-batch is Korthikanti et al.'s
+    5 a s^2 b bytes (the softmax's output, the dropout's mask and output; TP 1), and with
+    FlashAttention, which keeps no scores, only its fp32 log-sum-exp (4 a s b). A stage keeps that
+    much less per layer not fully recomputed and micro-batch in flight, and each such layer repeats
+    its core attention's forward."""
+    from mist.model.budget import gpu_budget_bytes
+    from mist.tuning.planner import cost_models
+    from mist.tuning.stage_cost import Setting, evaluate_stage, layer_numbers
+
+    m, c = model("gpt3-1.3b", flash=flash), cluster("l4", 8)
+    b, s, a = 2, m.seq, m.heads
+    st = Setting(m, c, *cost_models(c), 1, 1, b, gpu_budget_bytes(c), 4)
+    ln = layer_numbers(st)
+    assert ln.saved - ln.selective_saved == (4 * a * s * b if flash else 5 * a * s * s * b)
+    assert ln.core_fwd > 0
+    layers, r = 6, 2
+    values = []
+    for selective in (0.0, 1.0):
+        grid = {k: np.array([0.0]) for k in ("zero", "offload_weights", "offload_grads", "offload_optimizer",
+                                             "offload_activations")}  # fmt: skip
+        grid.update(recompute=np.array([float(r)]), selective=np.array([selective]))
+        values.append(evaluate_stage(st, ln, layers, 3, False, False, grid, 8))
+    plain, selective = values
+    kept_less = (layers - r) * (ln.saved - ln.selective_saved)
+    assert plain["per_flight"][0] - selective["per_flight"][0] == pytest.approx(kept_less)
+    assert selective["compute"][0] - plain["compute"][0] == pytest.approx((layers - r) * ln.core_fwd)

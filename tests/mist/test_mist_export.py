@@ -110,6 +110,28 @@ def test_what_megatron_lm_cannot_express_is_named_part_by_part():
     assert refused.value.parts == cannot
 
 
+def test_selective_recomputation_is_megatron_lms_granularity_and_torchtitan_refuses_it():
+    """Every stage's core attention recomputed, no whole layer: ``--recompute-granularity selective``
+    (its default module, core_attn); selective on some stages only, or with whole layers, has no
+    Megatron-LM flag; torchtitan's selective mode picks ops, not the core attention."""
+    from mist.export import torchtitan_config
+
+    m = model("llama-1.3b")
+    every = [StagePlan(layers=12, selective=True), StagePlan(layers=12, selective=True)]
+    plan = Plan.of(m, cluster("l4", 4), global_batch=16, tp=1, dp=2, micro_batch=1, stages=every)
+    args, cannot = megatron_lm_arguments(plan, m)
+    assert not cannot and _flags(args)["--recompute-granularity"] == "selective", (args, cannot)
+    assert "--recompute-method" not in args
+    for stages in ([StagePlan(layers=12, selective=True), StagePlan(layers=12)],
+                   [StagePlan(layers=12, recompute=1, selective=True), StagePlan(layers=12, selective=True)]):  # fmt: skip
+        mixed = Plan.of(m, cluster("l4", 4), global_batch=16, tp=1, dp=2, micro_batch=1, stages=stages)
+        _, cannot = megatron_lm_arguments(mixed, m)
+        assert sum("selective recomputation on some stages only" in c for c in cannot) == 1, cannot
+    with pytest.raises(CannotExport) as refused:
+        torchtitan_config(plan, m, "")
+    assert sum("selective recomputation" in part for part in refused.value.parts) == 1, refused.value.parts
+
+
 @pytest.mark.parametrize(
     ("dp", "zero", "expected"),
     [(1, 0, "ok"), (2, 1, "ok"), (2, 0, "without ZeRO-1"), (2, 2, "ZeRO stage 2/3")],
@@ -421,37 +443,27 @@ def test_a_bad_option_is_one_line_before_any_work():
         assert says in done.stderr
 
 
-def test_the_first_recompute_count_that_fits_is_found_where_memory_is_not_monotone():
-    """One recomputed layer can need more memory than none (its recomputed activations in
-    backward's peak outweigh what it saves): on a GPU capped so that 0 fits and 1 does not (the
-    smallest memory where 0 fits), 2 does. The search must take the plan without recomputation,
-    not bisect past it (it did: a grid plan was priced 3.30 s, not 2.78 s)."""
-    import dataclasses
-
-    from mist.tuning.exhaustive import fastest_fitting
+def test_the_first_recompute_count_that_fits_is_found_where_memory_is_not_monotone(monkeypatch):
+    """One recomputed layer can need more memory than none (a one-layer stage with one micro-batch
+    in flight keeps its input and makes all its activations again): 0 fits, 1 does not, 2 does.
+    The search must take the plan without recomputation, not bisect past it (it did: a grid plan
+    was priced 3.30 s, not 2.78 s). The fit of each count is set here, so the search's logic is
+    tested whatever the memory model says of a real case."""
+    from mist.tuning import exhaustive
     from mist.tuning.megatron_lm import MegatronLMSetting, setting_plan
-    from mist.tuning.planner import predict
 
-    m, full = model("gpt3-1.3b", layers=8), cluster("l4", 4)
-    # the last stage holds one micro-batch and the head: one recomputed layer adds to its peak
-    setting = MegatronLMSetting(tp=1, dp=1, micro_batch=16, split=(4, 2, 1, 1), zero=0, offload_optimizer=0.0)
+    m, c = model("gpt3-1.3b", layers=8), cluster("l4", 4)
+    setting = MegatronLMSetting(tp=1, dp=1, micro_batch=16, split=(2, 2, 2, 2), zero=0, offload_optimizer=0.0)
+    priced = exhaustive.predict
 
-    def capped(memory: int):
-        return dataclasses.replace(full, gpu=dataclasses.replace(full.gpu, memory=memory))
+    def predict(plan, *args, **kwargs):
+        plan = priced(plan, *args, **kwargs)
+        plan.breakdown["fits"] = plan.stages[0].recompute != 1
+        return plan
 
-    def fits(c, k: int) -> bool:
-        return predict(setting_plan(m, c, 16, setting, k), m, c, simulate=False).breakdown["fits"]
-
-    lo, hi = 0, full.gpu.memory  # the smallest memory where no recomputation fits
-    while hi - lo > 1:
-        lo, hi = (lo, (lo + hi) // 2) if fits(capped((lo + hi) // 2), 0) else ((lo + hi) // 2, hi)
-    c = capped(hi)
-    assert [fits(c, k) for k in range(3)] == [True, False, True]  # the case this test is about
-
-    def plan_of(s, k):
-        return setting_plan(m, c, 16, s, k)
-
-    found = fastest_fitting(
-        16, [setting], plan_of, lambda s: list(range(5)), m, c, None, None, None, "none fits"
-    )
+    monkeypatch.setattr(exhaustive, "predict", predict)
+    found = exhaustive.fastest_fitting(
+        16, [setting], lambda s, k: setting_plan(m, c, 16, s, k), lambda s: list(range(3)), m, c, None, None,
+        None, "none fits",
+    )  # fmt: skip
     assert [s.recompute for s in found.stages] == [0, 0, 0, 0]

@@ -12,7 +12,7 @@ from mist.tuning.pipeline_sim import pipeline_objective
 from mist.tuning.planner import PlannerOptions, refine
 from mist.tuning.stage_cost import (
     EDGE_FIELDS,
-    STRATEGY_FIELDS,
+    OFFLOAD_FIELDS,
     Setting,
     evaluate_stage,
     layer_numbers,
@@ -39,8 +39,9 @@ def test_embedding_strategy_equal_to_its_stage_changes_nothing(rng):
     n = 32
     grid = {
         "recompute": rng.integers(0, 25, n).astype(float),
+        "selective": rng.integers(0, 2, n).astype(float),
         "zero": rng.integers(0, 4, n).astype(float),
-        **{f: rng.integers(0, 9, n) / 8 for f in STRATEGY_FIELDS[2:]},
+        **{f: rng.integers(0, 9, n) / 8 for f in OFFLOAD_FIELDS},
     }
     tied = evaluate_stage(st, ln, 24, 1, True, True, grid, 8)
     explicit = evaluate_stage(st, ln, 24, 1, True, True, grid, 8, {f: grid[f] for f in EDGE_FIELDS})

@@ -6,6 +6,7 @@ torchrun itself, the path every experiment takes."""
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -148,6 +149,30 @@ def test_gradient_clipping_norm_is_the_whole_models_in_every_layout(tmp_path):
         assert norm == pytest.approx(norms[same[name]], rel=1e-3), (name, norms)
     for name in ("tp2", "dp2", "tp2-pp2"):
         assert naive[name] != pytest.approx(norms[same[name]], rel=1e-3), (name, naive)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_selective_recomputation_trains_the_same_and_keeps_less(tmp_path):
+    """Selective recomputation (the core attention recomputed in backward, megatron-core's own),
+    alone and after one fully recomputed layer, on one process at sequence 128 (where the scores
+    are most of what a layer keeps): the same losses as the same plan without it (recomputation
+    repeats the same ops, dropout's random state restored; a fully recomputed layer draws its
+    dropout masks apart, so each is compared with its own plain plan), memory within the
+    tolerance of the prediction. Negative control: the prediction without it is outside."""
+    runs = {}
+    for recompute, selective in itertools.product((0, 1), (False, True)):
+        plan = _tiny_plan([StagePlan(layers=4, recompute=recompute, selective=selective)])
+        plan.model_overrides["seq"] = 128
+        assert not unsupported(plan), unsupported(plan)
+        predict(plan, plan.model_spec(), cluster("cpu", 1))
+        runs[recompute, selective] = plan, _torchrun(plan, tmp_path / f"r{recompute}-{selective}")
+    for recompute in (0, 1):
+        (plain_plan, plain), (plan, report) = runs[recompute, False], runs[recompute, True]
+        losses, measured = report["ranks"][0]["losses"], report["ranks"][0]["memory_bytes"]
+        assert losses == pytest.approx(plain["ranks"][0]["losses"], rel=1e-6), recompute
+        assert abs(plan.stages[0].memory_bytes / measured - 1) < TOLERANCE, (recompute, measured)
+        assert abs(plain_plan.stages[0].memory_bytes / measured - 1) > TOLERANCE, (recompute, measured)
 
 
 @pytest.mark.slow

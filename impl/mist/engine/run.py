@@ -9,7 +9,8 @@ pipeline stages); around its modules the engine runs the plan's parts it has no 
 * stages of any sizes (megatron-core's pipeline layout; its first/last-stage settings allow only
   even middle stages) and the 1F1B executor over the plan's micro-batches (pipeline.py);
 * a different number of recomputed layers per stage (the first r layers of each stage
-  checkpointed; here);
+  checkpointed; here), the others' core attention recomputed under selective recomputation
+  (megatron-core's own, per stage);
 * gradients in one contiguous buffer per dtype, ZeRO-1/2/3 (zero.py); the all-reduce of
   sequence-parallel parameters' grads across the TP group (here; under ZeRO-2 in zero.py);
 * half-precision weights with fp32 master weights and torch's fused AdamW (measure.training):
@@ -82,8 +83,9 @@ def unsupported(plan: Plan) -> list[str]:
     return [why for name, why in limits.items() if name not in built_here]
 
 
-def _config(spec, plan: Plan, dtype: torch.dtype, tp: int | None = None):
-    """megatron-core's config of a stage whose TP is ``tp`` (None: the plan's)."""
+def _config(spec, plan: Plan, dtype: torch.dtype, tp: int | None = None, selective: bool = False):
+    """megatron-core's config of a stage whose TP is ``tp`` (None: the plan's); ``selective``: its
+    layers recompute their core attention in backward (megatron-core's selective recomputation)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     settings = model_settings(plan, spec)
@@ -102,6 +104,8 @@ def _config(spec, plan: Plan, dtype: torch.dtype, tp: int | None = None):
             ["embedding"] * (i == 0) + ["decoder"] * s.layers + ["loss"] * (i == last)
             for i, s in enumerate(plan.stages)
         ]
+    if selective:  # its default module: the core attention
+        settings["recompute_granularity"] = "selective"
     return TransformerConfig(
         **settings,
         activation_func=activation,
@@ -330,10 +334,13 @@ class StageGradients:
 
 
 def _checkpoint_first_layers(model, count: int) -> None:
-    """Recompute the first ``count`` local layers in backward (activation checkpointing)."""
+    """Recompute the first ``count`` local layers in backward (activation checkpointing); under
+    selective recomputation the others alone recompute their core attention (a whole layer
+    recomputed keeps none of it already)."""
     from torch.utils.checkpoint import checkpoint
 
     for layer in list(model.decoder.layers)[:count]:
+        layer.self_attention.checkpoint_core_attention = False
         forward = layer.forward
 
         def wrapped(*args, _forward=forward, **kwargs):
@@ -428,7 +435,7 @@ def _build_stage(plan: Plan, stage: int, device: torch.device) -> tuple[nn.Modul
     settings = model_settings(plan, spec)
     mine = plan.stages[stage]
     model = GPTModel(
-        config=_config(spec, plan, torch.bfloat16, plan.stage_parallelism(stage)[0]),
+        config=_config(spec, plan, torch.bfloat16, plan.stage_parallelism(stage)[0], mine.selective),
         transformer_layer_spec=block_spec(settings["normalization"], spec.parallel_block, mine.layers),
         vocab_size=settings["vocab_size"],
         max_sequence_length=settings["max_sequence_length"],

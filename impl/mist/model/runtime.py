@@ -113,14 +113,23 @@ class RuntimeModel:
     # ---- per-layer times
 
     def layer_times(
-        self, model: ModelSpec, mbs, seq, tp, sequence_parallel: bool = False, weight_gradients: bool = True
+        self,
+        model: ModelSpec,
+        mbs,
+        seq,
+        tp,
+        sequence_parallel: bool = False,
+        weight_gradients: bool = True,
+        only: tuple[str, ...] | None = None,
     ):
         """Forward and backward compute seconds of one layer on one TP rank (no communication).
         ``weight_gradients=False``: without the weight-gradient GEMMs (to compare with profiles
-        that did not time them)."""
+        that did not time them). ``only``: of these traced ops alone (no framework overhead)."""
         fwd = bwd = 0.0
         kinds = {n: c for op, c in OP_CLASS.items() for n in LAYER_OPS.get(op, ())}
         for name, kind, fn in op_features(model, sequence_parallel):
+            if only is not None and name not in only:
+                continue
             flops, fb, bb = fn(mbs, seq, tp)
             cls = kinds.get(name, "gemm" if kind in COMPUTE_KINDS else _memory_class(kind))
             f_line, b_line = self.curve(cls)
@@ -131,7 +140,7 @@ class RuntimeModel:
                 bwd = bwd + b_line(flops * (2.5 if kind == "attention" else 2.0))
             else:
                 bwd = bwd + b_line(bb)
-        if "framework" in self.curves:  # measured by `mist profile` only (none for the shipped GPUs)
+        if "framework" in self.curves and only is None:  # measured by `mist profile` only (none shipped)
             f_line, b_line = self.curves["framework"]
             fwd, bwd = (
                 fwd + f_line(residual_stream_bytes(model, mbs, seq)),

@@ -58,6 +58,16 @@ class Op:
     working: sp.Expr = sp.S.Zero  # activation bytes the op touches (inputs + outputs, no masks)
     collective: str | None = None  # comm ops: all_reduce | all_gather | reduce_scatter
     message: sp.Expr = sp.S.Zero  # comm ops: bytes of the full (gathered) tensor
+    # core attention's first op: its inputs, which checkpointing the core attention keeps
+    checkpoint_inputs: tuple[Sym, ...] = ()
+
+
+# The ops inside Megatron's core attention (scores, softmax, dropout, context; fused: one op):
+# what selective recomputation (--recompute-granularity selective, its default core_attn)
+# recomputes in backward instead of keeping (Korthikanti et al. 2022, "Reducing Activation
+# Recomputation in Large Transformer Models")
+CORE_ATTENTION_OPS = ("attention-score", "attention-softmax", "attention-dropout", "attention-context",
+                      "attention-core")  # fmt: skip
 
 
 class Tracer:
@@ -145,9 +155,11 @@ class Tracer:
         if flash:  # keeps q, k, v, the output and the row log-sum-exp; recomputes P in backward
             lse = Sym((bb, heads, ss), FP32)
             self.op("attention-core", "attention", core_flops, [q, k, vv], [out], [*qkv_kept, out, lse], 2.5)
+            self.ops[-1].checkpoint_inputs = tuple(qkv_kept)
             return out
         scores = Sym((bb, heads, ss, ss))
         self.op("attention-score", "bmm", 2 * bb * heads * ss * ss * d, [q, k], [scores], qkv_kept)
+        self.ops[-1].checkpoint_inputs = tuple(qkv_kept)
         probs = Sym(scores.shape)
         # Causal: Megatron's fused upper-triangular softmax reads only the unmasked half of its
         # input (and, backward, of the output's gradient and the probabilities) and writes all
@@ -232,6 +244,12 @@ class LayerCosts:
     flops_fwd: sp.Expr
     flops_bwd: sp.Expr
     saved_bytes: sp.Expr  # kept for backward per micro-batch (no recompute)
+    # kept with the core attention recomputed in backward (selective recomputation): its inputs
+    # instead of its insides
+    selective_saved_bytes: sp.Expr
+    # the core attention's backward after its recomputation, above what the layer keeps: its
+    # remade insides still needed, with one op's working set, the largest over its ops
+    selective_backward_bytes: sp.Expr
     # transient peak above what is kept: the largest working set of one op (its inputs and
     # outputs), the bytes of the gradients its backward holds at once
     transient_bytes: sp.Expr
@@ -247,17 +265,30 @@ class LayerCosts:
         return _compile(self, model)
 
 
-def _unique_saved(ops: list[Op]) -> sp.Expr:
+def _recomputed_backward_peak(ops: list[Op], kept: tuple[Sym, ...]) -> sp.Expr:
+    """Backward through ``ops`` just recomputed: before op i's backward, what ops up to i saved
+    is alive (a tensor lives until the first op that saved it is done), less ``kept`` (held
+    anyway), with op i's working set; the largest over i."""
+    kept_ids = {x.uid for x in kept}
+    peaks = []
+    for i, op in enumerate(ops):
+        alive = {x.uid: x for o in ops[: i + 1] for x in o.saved if x.uid not in kept_ids}
+        peaks.append(sum((x.nbytes for x in alive.values()), sp.Integer(0)) + op.working)
+    return sp.Max(*peaks) if peaks else sp.Integer(0)
+
+
+def _unique_saved(ops: list[Op], also: tuple[Sym, ...] = ()) -> sp.Expr:
     seen: dict[int, Sym] = {}
-    for op in ops:
-        for x in op.saved:
-            seen.setdefault(x.uid, x)
+    for x in [*(x for op in ops for x in op.saved), *also]:
+        seen.setdefault(x.uid, x)
     return sum((x.nbytes for x in seen.values()), sp.Integer(0))
 
 
 @functools.lru_cache(maxsize=64)
 def layer_costs(model: ModelSpec, sequence_parallel: bool = False) -> LayerCosts:
     ops = trace_layer(model, sequence_parallel)
+    core = CORE_ATTENTION_OPS
+    core_inputs = tuple(x for op in ops for x in op.checkpoint_inputs)
     gemm_flops = sum((op.flops for op in ops if op.kind in ("gemm", "bmm", "attention")), sp.Integer(0))
     other_flops = sum((op.flops for op in ops if op.kind not in ("gemm", "bmm", "attention")), sp.Integer(0))
     flash_recompute = sum((op.flops / 2 for op in ops if op.kind == "attention"), sp.Integer(0))
@@ -274,6 +305,12 @@ def layer_costs(model: ModelSpec, sequence_parallel: bool = False) -> LayerCosts
         flops_fwd=sp.expand(gemm_flops + other_flops),
         flops_bwd=sp.expand(2 * gemm_flops + flash_recompute + other_flops),
         saved_bytes=sp.expand(_unique_saved(ops)),
+        selective_saved_bytes=sp.expand(
+            _unique_saved([op for op in ops if op.name not in core], core_inputs)
+        ),
+        selective_backward_bytes=_recomputed_backward_peak(
+            [op for op in ops if op.name in core], core_inputs
+        ),
         transient_bytes=sp.Max(*(op.working for op in ops if op.working != 0)),
         params=sp.expand(params),
         tp_all_reduce=comm("all_reduce"),
@@ -314,6 +351,8 @@ def _compile(costs: LayerCosts, model: ModelSpec) -> Callable[..., dict[str, np.
         "flops_fwd",
         "flops_bwd",
         "saved_bytes",
+        "selective_saved_bytes",
+        "selective_backward_bytes",
         "transient_bytes",
         "params",
         "tp_all_reduce",

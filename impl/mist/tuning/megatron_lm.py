@@ -2,7 +2,8 @@
 
 Megatron-LM (at the pinned megatron-core's release) gives every stage one TP and DP; splits the
 layers evenly or with the first and last stage uneven (``--decoder-first/last-pipeline-num-layers``);
-recomputes whole layers by block (the first k layers of every stage; k = all: every layer); shards
+recomputes whole layers by block (the first k layers of every stage; k = all: every layer) or
+every layer's core attention (selective: none of it kept where FlashAttention keeps none); shards
 the optimizer state with its distributed optimizer (ZeRO-1) or not at all; and offloads one fraction
 of the optimizer (only its distributed one). ``MegatronLMSpace`` says which of those choices a search
 tries. Every plan it makes exports (``mist.export``): ``mist plan --target megatron-lm`` searches the
@@ -35,6 +36,7 @@ class MegatronLMSpace:
     offload_fractions: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0)  # of the optimizer's state
     pipeline_powers_of_two: bool = False  # stages: powers of two only, or every divisor
     recompute: bool = True  # block recomputation tried (else none)
+    selective: bool = True  # selective recomputation tried (the core attention; not with FlashAttention)
 
     def __post_init__(self) -> None:
         if self.micro_batches is not None and not all(
@@ -57,6 +59,7 @@ class MegatronLMSetting:
     split: tuple[int, ...]  # layers per stage
     zero: int
     offload_optimizer: float
+    selective: bool = False  # every layer's core attention recomputed (then no whole layer is)
 
 
 def settings(
@@ -79,20 +82,22 @@ def settings(
                 continue
             per_replica = global_batch // dp
             micro_batches = space.micro_batches or divisors(per_replica)
+            # FlashAttention keeps no scores: selective recomputation would only add time
+            selective = (False, True) if space.selective and not model.flash else (False,)
             for split in layer_splits(model.layers, pp, space.uneven):
-                for mb, zero, offload in itertools.product(
-                    micro_batches, space.zero, space.offload_fractions
+                for mb, zero, offload, sel in itertools.product(
+                    micro_batches, space.zero, space.offload_fractions, selective
                 ):
                     if per_replica % mb or (zero and dp == 1) or (offload and not zero and dp > 1):
                         continue
-                    yield MegatronLMSetting(tp, dp, mb, split, zero, offload)
+                    yield MegatronLMSetting(tp, dp, mb, split, zero, offload, sel)
 
 
 def setting_plan(
     model: ModelSpec, cluster: ClusterSpec, global_batch: int, setting: MegatronLMSetting, recompute: int
 ) -> Plan:
     """``setting`` with block recomputation of the first ``recompute`` layers of every stage."""
-    stages = [StagePlan(layers=n, recompute=min(recompute, n), zero=setting.zero,
+    stages = [StagePlan(layers=n, recompute=min(recompute, n), selective=setting.selective, zero=setting.zero,
                         offload_optimizer=setting.offload_optimizer) for n in setting.split]  # fmt: skip
     return Plan.of(model, cluster, global_batch=global_batch, tp=setting.tp, dp=setting.dp,
                    micro_batch=setting.micro_batch, stages=stages)  # fmt: skip
@@ -103,8 +108,14 @@ def space_plans(
 ) -> Iterator[Plan]:
     """Every plan of ``space`` (unpriced): each setting with every block-recompute count."""
     for setting in settings(model, cluster, global_batch, space):
-        for k in range(max(setting.split) + 1):
+        for k in recompute_counts(setting, space):
             yield setting_plan(model, cluster, global_batch, setting, k)
+
+
+def recompute_counts(setting: MegatronLMSetting, space: MegatronLMSpace) -> list[int]:
+    """The block-recompute counts of a setting: none under selective recomputation (Megatron-LM
+    recomputes either whole layers or the core attention)."""
+    return list(range(max(setting.split) + 1)) if space.recompute and not setting.selective else [0]
 
 
 def check_model(model: ModelSpec) -> None:
@@ -134,7 +145,7 @@ def search_megatron_lm(
         global_batch,
         sorted(settings(model, cluster, global_batch, space), key=lambda s: max(s.split) - min(s.split)),
         lambda setting, k: setting_plan(model, cluster, global_batch, setting, k),
-        lambda setting: list(range(max(setting.split) + 1)) if space.recompute else [0],
+        lambda setting: recompute_counts(setting, space),
         model, cluster, runtime, interference, progress,
         what=f"no Megatron-LM configuration of {model.name} fits {cluster.gpus} x {cluster.gpu.name}",
     )  # fmt: skip

@@ -27,6 +27,7 @@ from .pipeline_sim import pipeline_objective, simulate_1f1b
 from .problem import Candidate, Problem, cost_models, load_interference
 from .stage_cost import (
     EDGE_FIELDS,
+    OFFLOAD_FIELDS,
     STRATEGY_FIELDS,
     SearchSpace,
     Setting,
@@ -79,6 +80,8 @@ def settings(problem: Problem, options: PlannerOptions) -> Iterator[Candidate]:
 
 
 def _stage_values(st: Setting, ln, layers: int, first: bool, last: bool, space: SearchSpace, grad_accum: int):
+    if st.model.flash and space.selective:  # FlashAttention keeps no scores: nothing to recompute
+        space = dataclasses.replace(space, selective=False)
     grid = strategy_grid(layers, space)
     one = evaluate_stage(st, ln, layers, 1, first, last, grid, grad_accum)
     return grid, one, one["per_flight"]
@@ -139,6 +142,7 @@ def tune_setting(
             StagePlan(
                 layers=layers,
                 recompute=int(values["recompute"]),
+                selective=bool(values["selective"]),
                 zero=int(values["zero"]),
                 offload_weights=float(values["offload_weights"]),
                 offload_grads=float(values["offload_grads"]),
@@ -228,7 +232,7 @@ def _refine(problem: Problem, plan: Plan, options: PlannerOptions, passes: int =
     k = options.refine_offload_step
     steps = np.arange(k + 1) / k
     space = options.space
-    offload = STRATEGY_FIELDS[2:]  # the four offloaded fractions
+    offload = OFFLOAD_FIELDS
     combos = np.array(list(itertools.product(*(space.offload_steps(f, steps) for f in offload))))
     plan = dataclasses.replace(plan, stages=[dataclasses.replace(s) for s in plan.stages])
     problem = _for_plan(problem, plan)

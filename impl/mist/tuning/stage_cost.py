@@ -2,8 +2,9 @@
 
 For a stage (its layers, whether it holds the embedding or the head, how many micro-batches are
 in flight under 1F1B) and a parallel setting (TP t, DP d, micro-batch b), every per-stage
-strategy -- recomputed layers r, ZeRO stage z, offloaded fractions of weights, gradients,
-optimizer state and activations -- is evaluated at once as numpy arrays:
+strategy -- recomputed layers r, the other layers' core attention recomputed or not (selective),
+ZeRO stage z, offloaded fractions of weights, gradients, optimizer state and activations -- is
+evaluated at once as numpy arrays:
 
 * steady: one micro-batch's forward + backward. Compute (with TP collectives and recompute) runs
   on the compute stream; per layer, the prefetch of sharded (ZeRO-3) or offloaded weights for
@@ -33,13 +34,15 @@ import numpy as np
 from ..model.interference import Interference
 from ..model.runtime import RuntimeModel, cpu_adam_params_per_s
 from ..model.specs import GRAD_ACCUMULATION, ClusterSpec, GradAccumulation, ModelSpec
-from ..model.symbolic import head_costs, layer_costs, value
+from ..model.symbolic import CORE_ATTENTION_OPS, head_costs, layer_costs, value
 
 # A stage's strategy, as StagePlan fields and strategy_grid columns
 STRATEGY_FIELDS = (
-    "recompute", "zero", "offload_weights", "offload_grads", "offload_optimizer", "offload_activations"
+    "recompute", "selective", "zero", "offload_weights", "offload_grads", "offload_optimizer",
+    "offload_activations",
 )  # fmt: skip
 OFFLOADABLE = ("weights", "grads", "optimizer", "activations")  # SearchSpace.offloadable's kinds
+OFFLOAD_FIELDS = tuple(f"offload_{kind}" for kind in OFFLOADABLE)  # their StagePlan fields
 ADAM_BYTES_PER_PARAM = 12  # fp32 master weight + two moments
 OPTIMIZER_STEP_BYTES_PER_PARAM = 4  # fp32 gradients during the step (fused Adam; torch's foreach
 
@@ -51,6 +54,7 @@ class SearchSpace:
     offload_ratios: tuple[float, ...] = (0.0, 0.5, 1.0)
     offload: bool = True  # weights/grads/optimizer/activations offloading considered at all
     recompute: bool = True  # per-stage recompute counts (else none)
+    selective: bool = True  # the other layers' core attention recomputed (Megatron's selective), or not
     # what may be offloaded (the runtime the plans are for may offload only some: Megatron-LM
     # only the optimizer; mist.engine.run on a GPU not yet weights or gradients)
     offloadable: tuple[str, ...] = OFFLOADABLE
@@ -96,6 +100,9 @@ class LayerNumbers:
     fwd: float  # compute s, TP collectives included
     bwd: float
     saved: float  # bytes kept for backward per micro-batch
+    selective_saved: float  # the same with the core attention recomputed (selective recomputation)
+    selective_backward: float  # the recomputed core attention's backward peak above what is kept
+    core_fwd: float  # seconds of the core attention's forward (what selective recomputation repeats)
     transient: float  # one op's working set (symbolic analysis)
     layer_input: float  # bytes a recomputed layer keeps (its input)
     params: float  # per TP rank
@@ -173,6 +180,11 @@ def _layer_numbers(st: Setting) -> LayerNumbers:
         fwd=float(fwd) + float(comm_f),
         bwd=float(bwd) + float(comm_b),
         saved=float(c["saved_bytes"]),
+        selective_saved=float(c["selective_saved_bytes"]),
+        selective_backward=float(c["selective_backward_bytes"]),
+        core_fwd=float(
+            st.runtime.layer_times(m, b, m.seq, t, st.sequence_parallel, only=CORE_ATTENTION_OPS)[0]
+        ),
         transient=float(c["transient_bytes"]),
         layer_input=2.0 * tokens * m.hidden / (t if st.sequence_parallel else 1),
         params=float(c["params"]),
@@ -200,15 +212,23 @@ def _largest_weight(m: ModelSpec) -> int:
 
 @functools.lru_cache(maxsize=512)
 def strategy_grid(layers: int, space: SearchSpace) -> dict[str, np.ndarray]:
-    """Every (recompute, zero, offload ratios) combination for a stage of ``layers`` layers (read-only)."""
-    offloads = [space.offload_steps(f, space.offload_ratios) for f in STRATEGY_FIELDS[2:]]
+    """Every (recompute, selective, zero, offload ratios) combination for a stage of ``layers``
+    layers (read-only)."""
+    offloads = [space.offload_steps(f, space.offload_ratios) for f in OFFLOAD_FIELDS]
     recompute = range(layers + 1) if space.recompute else (0,)
-    combos = np.array(list(itertools.product(recompute, space.zero_stages, *offloads)), float)
+    selective = (0, 1) if space.selective else (0,)
+    combos = np.array(list(itertools.product(recompute, selective, space.zero_stages, *offloads)), float)
     return {n: combos[:, i] for i, n in enumerate(STRATEGY_FIELDS)}
 
 
 # The embedding's and head's own strategy (``Plan.pre_post``): StagePlan fields it has
 EDGE_FIELDS = ("zero", "offload_weights", "offload_grads", "offload_optimizer")
+
+
+def _kept_per_layer(ln: LayerNumbers, grid: dict[str, np.ndarray]) -> np.ndarray:
+    """Bytes a layer that is not recomputed keeps for backward: all it saves, or under selective
+    recomputation all but its core attention's insides."""
+    return np.where(grid["selective"] > 0, ln.selective_saved, ln.saved)
 
 
 def _state_bytes(params: float, z, wo, go, oo, d: int) -> dict[str, np.ndarray]:
@@ -282,10 +302,12 @@ def clip_barrier_s(st: Setting) -> float:
     return float(st.runtime.collective("all_reduce", 4.0, cl.gpus, cl, cl.gpus > cl.gpus_per_node))
 
 
-def _device_memory(ln: LayerNumbers, grid: dict, edge: dict, activations, layers: int, layer_w_full: float,
-                   first: bool, last: bool, mine: dict, theirs: dict, grad_accum: int):  # fmt: skip
+def _device_memory(ln: LayerNumbers, grid: dict, edge: dict, activations, per_flight, layers: int,
+                   layer_w_full: float, first: bool, last: bool, mine: dict, theirs: dict,
+                   grad_accum: int):  # fmt: skip
     """A stage's peak device bytes: its static state and the larger of two peaks, backward (its
-    start, and with one micro-batch a step its end) and the optimizer step."""
+    start, its recomputed layers, and with one micro-batch a step its end) and the optimizer
+    step. ``activations``: every in-flight micro-batch's; ``per_flight``: one's."""
     r, z, wo, oo, ao = (grid[k] for k in ("recompute", "zero", "offload_weights", "offload_optimizer",
                                           "offload_activations"))  # fmt: skip
     ez, ewo, eoo = edge["zero"], edge["offload_weights"], edge["offload_optimizer"]
@@ -293,11 +315,17 @@ def _device_memory(ln: LayerNumbers, grid: dict, edge: dict, activations, layers
     W, E = layer_w_full, 2.0 * ln.embed_params if (first or last) else 0.0
     z3, e3 = z >= 3, ez >= 3
     buffers = np.where(z3 | (wo > 0), 2 * W, 0.0) + np.where(e3 | (ewo > 0), E, 0.0)
-    buffers = buffers + np.where(ao > 0, 2 * ln.saved, 0.0)  # activations swapped out and in
+    kept = _kept_per_layer(ln, grid)
+    buffers = buffers + np.where(ao > 0, 2 * kept, 0.0)  # activations swapped out and in
     # backward of one op: the gradients of its inputs and outputs (its working set's bytes; what
-    # it keeps is in the activations), the residual stream's gradient the layer's backward
-    # carries, and a recomputed layer's activations
-    working = ln.transient + ln.layer_input + np.where(r > 0, ln.saved, 0.0)
+    # it keeps is in the activations) and the residual stream's gradient the layer's backward
+    # carries; or, under selective recomputation, the core attention's backward over its remade
+    # insides; and a fully recomputed layer's activations, made again
+    working = ln.transient + ln.layer_input
+    selective = (grid["selective"] > 0) & (r < layers)
+    selective_remade = np.where(
+        selective, np.maximum(ln.transient, ln.selective_backward) - ln.transient, 0.0
+    )
     # the logits' gradient: megatron's vocab-parallel cross-entropy makes it in place in the fp32
     # softmax it kept (in head_saved); what is new is its cast to the bf16 logits' dtype
     head = ln.logits / 2 if last else 0.0
@@ -311,10 +339,20 @@ def _device_memory(ln: LayerNumbers, grid: dict, edge: dict, activations, layers
     # (the working set's peak) only that op's weight gradient exists, at its end all of them and
     # the reduce-scatter's input, with the layer's activations gone. The logits' gradient is
     # consumed by the head's backward, before the first layer's begins.
-    freed = (1 - ao) * np.where(r < layers, ln.saved, ln.layer_input)  # the last layer's activations
-    zero3_start = np.maximum(working + ln.largest_weight, working + 2 * W - freed)
-    first_layer = np.where(z3, zero3_start, working)
-    start = activations + buffers + np.maximum(head, first_layer) + np.where(e3 & last, E, 0.0)
+    freed = (1 - ao) * np.where(r < layers, kept, ln.layer_input)  # the last layer's activations
+
+    def layer_peak(remade):  # one layer's backward above what is held; ``remade``: its recomputed bytes
+        zero3 = np.maximum(working + remade + ln.largest_weight, working + remade + 2 * W - freed)
+        return np.where(z3, zero3, working + remade)
+
+    start = (
+        activations + buffers + np.maximum(head, layer_peak(selective_remade)) + np.where(e3 & last, E, 0.0)
+    )
+    # The fully recomputed layers are the stage's first: backward reaches them once this
+    # micro-batch's other layers have freed what they kept (the recomputed ones kept their inputs),
+    # and makes one layer's activations again
+    recompute = activations - per_flight + (1 - ao) * r * ln.layer_input + buffers + layer_peak(ln.saved)
+    start = np.where(r > 0, np.maximum(start, recompute), start)
     # Two peaks: backward and the optimizer step, where mixed-precision Adam holds an fp32 copy of
     # the gradients it steps on the GPU. With one micro-batch a step, ZeRO-2/3's gradient shards
     # are made as backward frees the activations and live until the step: backward also peaks at
@@ -324,7 +362,8 @@ def _device_memory(ln: LayerNumbers, grid: dict, edge: dict, activations, layers
     sharded_grads = mine["sharded_grads"] + theirs["sharded_grads"] if grad_accum == 1 else 0.0
     made = sharded_grads - mine["sharded_grads"] / layers if grad_accum == 1 else 0.0
     up = buffers - np.where(z3 | (wo > 0), W, 0.0)
-    end = up + working + made + np.where(z3, 2 * W, 0.0) + np.where(e3 & first, E, 0.0)
+    remade = np.where(r > 0, ln.saved, selective_remade)  # the first layer's
+    end = up + working + remade + made + np.where(z3, 2 * W, 0.0) + np.where(e3 & first, E, 0.0)
     backward = np.maximum(start, end) if grad_accum == 1 else start
     static = mine["gpu"] + theirs["gpu"] - sharded_grads
     stepped_on_gpu = (1 - oo) * mine["opt_params"] + (1 - eoo) * theirs["opt_params"]
@@ -362,7 +401,8 @@ def evaluate_stage(
     theirs = _state_bytes(edge_params, ez, ewo, ego, eoo, d)
 
     # ---- time of one micro-batch, by channel
-    compute = layers * (ln.fwd + ln.bwd) + r * ln.fwd
+    # recomputation: r layers' forward, and the others' core attention under selective
+    compute = layers * (ln.fwd + ln.bwd) + r * ln.fwd + (layers - r) * grid["selective"] * ln.core_fwd
     # the activation forward and its gradient backward, per neighbouring stage, on the critical
     # path of 1F1B (a stage waits for what it receives)
     neighbours = (0 if first else 1) + (0 if last else 1)
@@ -384,7 +424,8 @@ def evaluate_stage(
     layer_w_full, edge_w_full = 2.0 * ln.params, 2.0 * edge_params
     zero_compute, g2g = _zero_per_micro_batch(st, layers, layer_w_full, edge_w_full, z, ez, across)
     compute = compute + zero_compute
-    act_swapped = ao * ((layers - r) * ln.saved + r * ln.layer_input)
+    kept = _kept_per_layer(ln, grid)
+    act_swapped = ao * ((layers - r) * kept + r * ln.layer_input)
     h2d_bw = st.interference.host_rate("h2d", cl.gpu.host_bw)
     d2h_bw = st.interference.host_rate("d2h", cl.gpu.host_bw)
     d2h = (act_swapped + mine["d2h"] + theirs["d2h"]) / d2h_bw  # swap-out, offloaded gradients
@@ -406,9 +447,9 @@ def evaluate_stage(
     extra = sync + step
 
     # ---- memory per GPU
-    per_flight = (1 - ao) * ((layers - r) * ln.saved + r * ln.layer_input) + (ln.head_saved if last else 0.0)
-    memory = _device_memory(ln, grid, edge, in_flight * per_flight, layers, layer_w_full, first, last,
-                            mine, theirs, grad_accum)  # fmt: skip
+    per_flight = (1 - ao) * ((layers - r) * kept + r * ln.layer_input) + (ln.head_saved if last else 0.0)
+    memory = _device_memory(ln, grid, edge, in_flight * per_flight, per_flight, layers, layer_w_full,
+                            first, last, mine, theirs, grad_accum)  # fmt: skip
     # host bytes: affine in in_flight too (offloaded activations of every in-flight micro-batch)
     host_per_flight = act_swapped
     host_static = mine["host"] + theirs["host"]

@@ -98,7 +98,10 @@ def _mist_cases(data: dict, path: Path) -> list[MeasuredRun]:
         stages = []
         for layers, recompute, s in zip(plan["layers_per_stage"], plan["checkpointed_layers_per_stage"],
                                         strategies, strict=True):  # fmt: skip
-            stages.append(StagePlan(layers, recompute, _zero(s), *map(float, s[6:10])))
+            weights, grads, optimizer, activations = map(float, s[6:10])
+            stages.append(StagePlan(layers, recompute, _zero(s), offload_weights=weights,
+                                    offload_grads=grads, offload_optimizer=optimizer,
+                                    offload_activations=activations))  # fmt: skip
         edge = plan["pre_post"]  # the embedding/head's strategy tuple; its activations offload is moot
         pre_post = PrePostPlan(_zero(edge), *map(float, edge[6:9]))
         if m["mlp"] not in GATED or m["bias"]:
