@@ -20,7 +20,7 @@ from mist import Plan, StagePlan, cluster, model
 from mist.engine.megatron import megatron_limits, model_settings
 from mist.engine.run import unsupported
 from mist.export import CannotExport, JobInputs, megatron_lm_arguments, megatron_lm_command
-from mist.tuning.megatron_lm import setting_plan, settings
+from mist.tuning.megatron_lm import recompute_counts, setting_plan, settings
 
 from .megatron_lm_check import megatron_lm_checkout, split_command, validate
 
@@ -122,8 +122,9 @@ def test_selective_recomputation_is_megatron_lms_granularity_and_torchtitan_refu
     args, cannot = megatron_lm_arguments(plan, m)
     assert not cannot and _flags(args)["--recompute-granularity"] == "selective", (args, cannot)
     assert "--recompute-method" not in args
-    for stages in ([StagePlan(layers=12, selective=True), StagePlan(layers=12)],
-                   [StagePlan(layers=12, recompute=1, selective=True), StagePlan(layers=12, selective=True)]):  # fmt: skip
+    some = [StagePlan(layers=12, selective=True), StagePlan(layers=12)]
+    with_layers = [StagePlan(layers=12, recompute=1, selective=True), StagePlan(layers=12, selective=True)]
+    for stages in (some, with_layers):
         mixed = Plan.of(m, cluster("l4", 4), global_batch=16, tp=1, dp=2, micro_batch=1, stages=stages)
         _, cannot = megatron_lm_arguments(mixed, m)
         assert sum("selective recomputation on some stages only" in c for c in cannot) == 1, cannot
@@ -216,7 +217,7 @@ def _comparison_plans() -> list[tuple[str, Plan]]:
     """Every plan of every system in the committed comparison, and every setting of the grid on its
     smallest GPT-3 and Llama cases (a spread of TP, PP, splits, micro-batches, ZeRO and optimizer
     offload) with no layer, one layer and every layer of a stage recomputed (what decides the
-    recompute flags: none, block, uniform)."""
+    recompute flags: none, block, uniform), or selective recomputation alone."""
     points = json.loads(COMPARISON.read_text())["points"]
     plans = [(f"{p['key']['model']}/{p['key']['gpus']}/{system}", summary_plan(p["key"], summary))
              for p in points for system, summary in p["result"].items()
@@ -231,8 +232,9 @@ def _comparison_plans() -> list[tuple[str, Plan]]:
         )
         batch = small["global_batch"]
         for i, setting in enumerate(settings(m, c, batch, GRID)):
+            ks = recompute_counts(setting, GRID)
             plans += [(f"grid/{small['model']}/{i}/{k}", setting_plan(m, c, batch, setting, k))
-                      for k in (0, 1, max(setting.split))]  # fmt: skip
+                      for k in sorted({ks[0], ks[min(1, len(ks) - 1)], ks[-1]})]  # fmt: skip
     return plans
 
 
@@ -264,6 +266,9 @@ def test_megatron_lm_accepts_every_plan_it_can_express():
     offload = _plan("gpt3-1.3b", [12, 12], tp=2, dp=2, zero=1, offload_optimizer=1.0)
     command = megatron_lm_command(offload, offload.model_spec())
     assert validate(command, "l4", checkout) is None
+    selective = _plan("gpt3-1.3b", [12, 12], tp=2, dp=2, selective=True)
+    selective.model_overrides["flash"] = False
+    assert validate(megatron_lm_command(selective, selective.model_spec()), "l4", checkout) is None
     for drop, says in (("--use-precision-aware-optimizer", "use-precision-aware-optimizer"),
                        ("--use-distributed-optimizer", "distributed optimizer"),
                        ("CUDA_DEVICE_MAX_CONNECTIONS=1 ", "CUDA_DEVICE_MAX_CONNECTIONS"),

@@ -274,7 +274,8 @@ def _recomputed_backward_peak(ops: list[Op], kept: tuple[Sym, ...]) -> sp.Expr:
     for i, op in enumerate(ops):
         alive = {x.uid: x for o in ops[: i + 1] for x in o.saved if x.uid not in kept_ids}
         peaks.append(sum((x.nbytes for x in alive.values()), sp.Integer(0)) + op.working)
-    return sp.Max(*peaks) if peaks else sp.Integer(0)
+    # unevaluated: simplifying a Max of sympy sums takes seconds; numpy takes the maximum
+    return sp.Max(*peaks, evaluate=False) if len(peaks) > 1 else (peaks[0] if peaks else sp.Integer(0))
 
 
 def _unique_saved(ops: list[Op], also: tuple[Sym, ...] = ()) -> sp.Expr:
