@@ -39,7 +39,16 @@ from measure.results import ResultFile, Results, Run
 
 from ..experiment import add_run_arguments, experiment_run
 from . import EXPERIMENT
-from .engine import CPU_ENGINE, GPU_ENGINE, LAUNCHES, EngineSetup, RuntimeFits, rank_memory, train_plan
+from .engine import (
+    CPU_ENGINE,
+    DRY_RUN_OVERRIDES,
+    GPU_ENGINE,
+    LAUNCHES,
+    EngineSetup,
+    RuntimeFits,
+    rank_memory,
+    train_plan,
+)
 from .plans import plan_summary
 
 # every system of the experiment, predicted (run.py's comparison) and measured here
@@ -337,8 +346,10 @@ def main(argv: list[str] | None = None) -> None:
     # micro-batch 8, within the gpu_check part's dry budget; the CPU comparison is the
     # `measured` part of `nox -s mist_vs_megatron`
     profile = {**CPU_ENGINE.profile, "micro_batches": [1, 2, 4]}
-    base = dataclasses.replace(CPU_ENGINE, launches=1, profile=profile)
-    dry = MeasuredSetup("gpu_measured_dry_run", base, CASES[:1], launches=1)
+    base = dataclasses.replace(CPU_ENGINE, launches=1, profile=profile, model_overrides=DRY_RUN_OVERRIDES)
+    # the first case at the dry run's shape, its cap at the same share of the plain plan (11.6 MiB
+    # predicted there; 75 of 101.6 MiB at the full shape)
+    dry = MeasuredSetup("gpu_measured_dry_run", base, (MeasuredCase("gpt3", 1, 8),), launches=1)
     setup = dry if args.cpu_dry_run else GPU_MEASURED
     with experiment_run(args, EXPERIMENT) as run, tempfile.TemporaryDirectory() as tmp:
         store = run_measured(run, RuntimeFits(Path(tmp), setup.base), setup)

@@ -331,14 +331,13 @@ def _device_memory(ln: LayerNumbers, grid: dict, edge: dict, activations, per_fl
     head = ln.logits / 2 if last else 0.0
     # What ZeRO-3 (FSDP2) adds in backward: a module's gradients as backward makes them (whole:
     # there is no persistent buffer to add them into), then its reduce-scatter input, which FSDP2
-    # keeps until the next module reduces (one in flight). At backward's start, every activation
-    # is held with the first layer's gradients; from the second layer on, the previous one's input
-    # too, as one layer's activations are freed. The head (made first) adds its gradients and then
-    # its input in flight; the embedding's, made last, come at backward's end.
-    # A ZeRO-3 layer's gradients are made op by op as its activations are freed: at its first op
-    # (the working set's peak) only that op's weight gradient exists, at its end all of them and
-    # the reduce-scatter's input, with the layer's activations gone. The logits' gradient is
-    # consumed by the head's backward, before the first layer's begins.
+    # keeps until the next module reduces (one in flight). A layer's gradients are made op by op
+    # as its activations are freed: at its first op (the working set's peak) only that op's
+    # weight gradient exists, at its end all of them and the reduce-scatter's input, with the
+    # layer's activations gone (profiler traces of the engine, 2026-12-02). The head (made first)
+    # adds its gradients and then its input in flight; the embedding's, made last, come at
+    # backward's end. The logits' gradient is consumed by the head's backward, before the first
+    # layer's begins.
     freed = (1 - ao) * np.where(r < layers, kept, ln.layer_input)  # the last layer's activations
 
     def layer_peak(remade):  # one layer's backward above what is held; ``remade``: its recomputed bytes
