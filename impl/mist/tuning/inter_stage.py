@@ -147,21 +147,18 @@ def solve_inter_stage(
     r = row()  # layers add up
     r[:m_col] = layers_of
     rows.append(r), lo.append(total_layers), hi.append(total_layers)
-    for i in range(stages):  # M >= T_i
-        r = row()
-        r[:m_col] = np.where(stage_of == i, steady, 0.0)
-        r[m_col] = -1
-        rows.append(r), lo.append(-np.inf), hi.append(0)
-    for i in range(stages):  # E >= (D_i - P_i) - sum_{j<i} T_j
-        r = row()
-        r[:m_col] = np.where(stage_of == i, sync, 0.0) - np.where(stage_of < i, steady, 0.0)
-        r[e_col] = -1
-        rows.append(r), lo.append(-np.inf), hi.append(0)
-    for i in range(stages):  # P >= P_i
-        r = row()
-        r[:m_col] = np.where(stage_of == i, step, 0.0)
-        r[p_col] = -1
-        rows.append(r), lo.append(-np.inf), hi.append(0)
+    # the maxima over stages: M >= T_i, E >= (D_i - P_i) - sum_{j<i} T_j, P >= P_i
+    maxima = (
+        (m_col, lambda i: np.where(stage_of == i, steady, 0.0)),
+        (e_col, lambda i: np.where(stage_of == i, sync, 0.0) - np.where(stage_of < i, steady, 0.0)),
+        (p_col, lambda i: np.where(stage_of == i, step, 0.0)),
+    )
+    for col, per_stage in maxima:
+        for i in range(stages):
+            r = row()
+            r[:m_col] = per_stage(i)
+            r[col] = -1
+            rows.append(r), lo.append(-np.inf), hi.append(0)
     c = np.concatenate([steady, [micro_batches - 1, 1.0, 1.0]])
     a = np.array(rows)
     lp = highspy.HighsLp()
