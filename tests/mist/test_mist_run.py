@@ -26,9 +26,10 @@ from mist.plan import PrePostPlan
 TOLERANCE = 0.10
 
 
-def _torchrun(plan: Plan, tmp_path: Path, steps: int = 5) -> dict:
+def _torchrun(plan: Plan, tmp_path: Path, steps: int = 1) -> dict:
     """The engine's report for ``plan``; each distinct plan is launched once per test session
-    (several tests compare against the same plain plan)."""
+    (several tests compare against the same plain plan). One timed step after the warm-up and
+    the memory steps: the tests judge losses and memory; step times are the experiments'."""
     key = (json.dumps(plan.what_runs(), sort_keys=True), steps)
     if key in _REPORTS:
         return _REPORTS[key]
@@ -406,7 +407,7 @@ def test_a_part_with_fewer_buckets_than_replicas_trains(tmp_path):
     plan = _plan(1, [2, 2], [1, 1], dp=2, zero=1)
     plan.pre_post = PrePostPlan(zero=1)
     assert not unsupported(plan), unsupported(plan)
-    report = _torchrun(plan, tmp_path)
+    report = _torchrun(plan, tmp_path, steps=5)  # six layers learn slower: 0.26 in seven steps
     losses = next(r["losses"] for r in report["ranks"] if r["losses"] is not None)
     assert losses[-1] < losses[0] - 0.5
     predict(plan, plan.model_spec(), cluster("cpu", 4))
@@ -524,7 +525,7 @@ def test_uneven_stages_anywhere_train_and_memory_matches(tmp_path):
     plan = _plan(1, [1, 2, 1, 2], [1, 2, 1, 2])
     plan.model_overrides["layers"] = 6
     assert not unsupported(plan), unsupported(plan)
-    report = _torchrun(plan, tmp_path)
+    report = _torchrun(plan, tmp_path, steps=5)  # six layers learn slower: 0.26 in seven steps
     losses = next(r["losses"] for r in report["ranks"] if r["losses"] is not None)
     assert losses[-1] < losses[0] - 0.5
     predict(plan, plan.model_spec(), cluster("cpu", 4))

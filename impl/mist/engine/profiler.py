@@ -509,7 +509,8 @@ def _megatron_state(tp: int = 1):
         if own_state:
             ps.initialize_model_parallel(tp, 1)
             model_parallel_cuda_manual_seed(0)
-        yield
+        with cpu_shim.bf16_gemms_in_float32():  # as the engine runs them
+            yield
     finally:
         if own_state:
             ps.destroy_model_parallel()
@@ -717,6 +718,15 @@ def _write_profiles(out, device, hidden, heads, seq, micro_batches, tps, dtype, 
         **({"vocab": vocab} if vocab else {}),  # the edge rows' vocabulary
     }
     (out / "profile.json").write_text(json.dumps(meta, indent=1))
+    from . import cpu_shim
+
+    with cpu_shim.bf16_gemms_in_float32():  # the ops as the engine runs them (a no-op on a GPU)
+        return _write_layer_profiles(out, device, hidden, heads, seq, micro_batches, tps, dtype, repeats,
+                                     progress, framework, vocab, size)  # fmt: skip
+
+
+def _write_layer_profiles(out, device, hidden, heads, seq, micro_batches, tps, dtype, repeats, progress,
+                          framework, vocab, size) -> list[Path]:  # fmt: skip
     written = []
     for tp in tps:
         if heads % tp:

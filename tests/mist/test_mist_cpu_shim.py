@@ -1,0 +1,104 @@
+"""The CPU engine's stand-in for bf16 matrix units: bf16 GEMMs in float32, rounded once."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch._C._profiler import _EventType
+from torch.profiler import ProfilerActivity, profile
+
+from measure.cpu_peak import cpu_peak_bytes
+from mist.engine.cpu_shim import GEMM_SCRATCH, bf16_gemms_in_float32
+
+U_BF16 = 2.0**-8  # unit roundoff of bfloat16 (8 significand bits)
+U_FP32 = 2.0**-24
+
+
+def _bf16(rng: np.random.Generator, *shape: int) -> torch.Tensor:
+    return torch.from_numpy(rng.standard_normal(shape)).to(torch.bfloat16)
+
+
+def _within_rounding(got: torch.Tensor, exact: torch.Tensor, magnitude: torch.Tensor, k: int) -> None:
+    """``got`` is ``exact`` (computed in float64 from the bf16 operands) rounded to bf16 once,
+    after a float32 sum of ``k`` terms whose absolute values add up to ``magnitude``: each element
+    within u_bf16·|exact| + 2k·u_fp32·magnitude (the sum's error bound, doubled for its products)."""
+    bound = U_BF16 * exact.abs() + 2 * k * U_FP32 * magnitude
+    assert ((got.double() - exact).abs() <= bound).all(), ((got.double() - exact).abs() / bound).max()
+
+
+def _abs(t: torch.Tensor) -> torch.Tensor:
+    return t.double().abs()
+
+
+def test_products_are_the_float64_ones_rounded_once(rng):
+    a, b, c = _bf16(rng, 33, 70), _bf16(rng, 70, 21), _bf16(rng, 21)
+    x, y, z = _bf16(rng, 3, 17, 40), _bf16(rng, 3, 40, 9), _bf16(rng, 3, 17, 9)
+    with bf16_gemms_in_float32():
+        mm, addmm = a @ b, torch.addmm(c, a, b, beta=0.5, alpha=2.0)
+        bmm, baddbmm = x.bmm(y), torch.baddbmm(z, x, y, beta=0.5, alpha=2.0)
+    for got in (mm, addmm, bmm, baddbmm):
+        assert got.dtype == torch.bfloat16 and got.is_contiguous()
+    _within_rounding(mm, a.double() @ b.double(), _abs(a) @ _abs(b), 70)
+    _within_rounding(
+        addmm,
+        0.5 * c.double() + 2.0 * (a.double() @ b.double()),
+        0.5 * _abs(c) + 2.0 * (_abs(a) @ _abs(b)),
+        71,
+    )
+    _within_rounding(bmm, x.double().bmm(y.double()), _abs(x).bmm(_abs(y)), 40)
+    _within_rounding(
+        baddbmm,
+        0.5 * z.double() + 2.0 * x.double().bmm(y.double()),
+        0.5 * _abs(z) + 2.0 * _abs(x).bmm(_abs(y)),
+        41,
+    )
+
+
+def test_gradients_flow_through_it(rng):
+    a, b = _bf16(rng, 16, 24).requires_grad_(), _bf16(rng, 24, 8).requires_grad_()
+    g = _bf16(rng, 16, 8)
+    with bf16_gemms_in_float32():
+        (a @ b).backward(g)
+    _within_rounding(a.grad, g.double() @ b.double().t(), _abs(g) @ _abs(b).t(), 8)
+    _within_rounding(b.grad, a.double().t() @ g.double(), _abs(a).t() @ _abs(g), 16)
+
+
+def test_other_dtypes_and_errors_are_unchanged(rng):
+    a, b = (torch.from_numpy(rng.standard_normal(shape)).float() for shape in ((9, 5), (5, 7)))
+    outside = a @ b
+    with bf16_gemms_in_float32():
+        assert torch.equal(a @ b, outside)
+        with pytest.raises(RuntimeError):
+            a.to(torch.bfloat16) @ b  # mixed dtypes: refused as torch refuses them
+        with pytest.raises(RuntimeError):
+            a @ a  # shapes that do not chain
+
+
+def _scratch_ranges(call) -> int:
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        call()
+    stack, n = list(prof.profiler.kineto_results.experimental_event_tree()), 0
+    while stack:
+        e = stack.pop()
+        stack.extend(e.children)
+        n += e.tag == _EventType.TorchOp and e.name == GEMM_SCRATCH
+    return n
+
+
+def test_its_copies_are_left_out_of_the_memory_measured_and_it_ends_on_exit(rng):
+    """Inside, the float32 copies are made in GEMM_SCRATCH ranges: the peak measured without them
+    is the product's own bytes; with them counted (the negative control) the float32 copies of
+    both operands and of the product show. Nested use keeps it on; on exit torch's own kernels
+    are back (no scratch ranges)."""
+    a, b = _bf16(rng, 256, 128), _bf16(rng, 128, 64)
+    product = 256 * 64 * 2
+    with bf16_gemms_in_float32():
+        left_out, _ = cpu_peak_bytes(lambda: a @ b, exclude=(GEMM_SCRATCH,))
+        counted, _ = cpu_peak_bytes(lambda: a @ b)
+        with bf16_gemms_in_float32():
+            pass
+        assert _scratch_ranges(lambda: a @ b) == 1
+    assert left_out == product
+    assert counted >= product + 4 * (256 * 128 + 128 * 64)
+    assert _scratch_ranges(lambda: a @ b) == 0
