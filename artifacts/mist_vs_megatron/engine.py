@@ -23,6 +23,8 @@ import json
 import statistics
 import subprocess
 import tempfile
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -217,9 +219,11 @@ def fit_runtime(setup: EngineSetup, work: Path) -> dict:
     shape = (spec.hidden, spec.heads, spec.seq, prof["micro_batches"], prof["tps"])
     # on a CPU, as many copies at once as the plans have ranks: they share the cores' caches; the
     # embedding and head rows at the model's vocabulary
+    say = _progress(f"profile for {setup.processes} process(es)")
     write_profiles(profiles, setup.device, *shape, dtype, setup.gpu, repeats=5, vocab=spec.vocab,
-                   concurrent=setup.processes)  # fmt: skip
+                   concurrent=setup.processes, progress=say)  # fmt: skip
     if setup.processes > 1:  # this machine's collectives, measured (gloo on a CPU)
+        say("collectives, ZeRO-2/3 and TP layers")
         # gloo's latency here drifts between modes (~0.3 ms or ~4 ms a call) within a launch and
         # settles into one for a launch: a point is the median of 8 interleaved windows of 10
         # calls, then of the setup's launches
@@ -230,7 +234,19 @@ def fit_runtime(setup: EngineSetup, work: Path) -> dict:
                               setup.micro_batch, dtype, launches=launches)  # fmt: skip
         write_tp_layers(profiles, n, setup.device, spec.hidden, spec.heads, spec.seq,
                         prof["micro_batches"], dtype, launches=launches)  # fmt: skip
+    say("fitted")
     return next(iter(calibrate(profiles).values()))
+
+
+def _progress(what: str) -> Callable[[str], None]:
+    """A printer of ``what``'s steps with the seconds since it started (the profile takes minutes)."""
+    start = time.monotonic()
+
+    def say(step: str) -> None:
+        print(f"  [{what}, {time.monotonic() - start:.0f} s] {step}", flush=True)
+
+    say("started")
+    return say
 
 
 class RuntimeFits:
@@ -255,7 +271,8 @@ def run_engine(run: Run, setup: EngineSetup, fits: RuntimeFits) -> ResultFile:
     todo = [n for n in setup.plans if not store.done(engine_key(setup, n))]
     if todo:
         fit = fits(setup.processes)
-        for name in todo:
+        for k, name in enumerate(todo, 1):
+            print(f"  [{k}/{len(todo)}] {name}: {setup.launches} launch(es)", flush=True)
             store.compute(engine_key(setup, name), lambda n=name: engine_point(setup, n, fit, fits.work))
     return store
 
