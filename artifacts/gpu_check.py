@@ -6,7 +6,8 @@ one call; the last gets what they leave, and a second call finishes it:
 
   kernels  90 / 120  the GPU tests and micro-benchmarks: tests/test_gpu.py, the OOM detector, Tempo's
                      kernels and op benchmarks (pytest-benchmark JSON), CTA-pipelining's kernels with
-                     the concurrent chain and its negative control
+                     the concurrent chain and its negative control (the dry run leaves those
+                     multi-process tests to the suite)
   tempo   165 /  90  artifacts.tempo_bert.run throughput: BERT-Large/512, RoBERTa-large/512 and GPT-2
                      medium/1024 under an emulated 16 GB, HF eager/SDPA vs Tempo(+SDPA), each at its
                      measured max batch
@@ -137,9 +138,13 @@ def command(part: Part, out: Path, dry: bool) -> list[str]:
     results = results_dir(part, out, dry)
     device = "cpu" if dry else "cuda"
     if part.name == "kernels":
-        # pytest-benchmark's format is not a result file's: in a subfolder of its own
+        # pytest-benchmark's format is not a result file's: in a subfolder of its own. The dry run
+        # tests this command, not the kernels (the suite runs these files): its multi-process
+        # tests (`slow`, ~27 s on 2 cores) are left to the suite
         quick = (
-            ["--benchmark-min-rounds=1", "--benchmark-max-time=0", "--benchmark-warmup=off"] if dry else []
+            ["--benchmark-min-rounds=1", "--benchmark-max-time=0", "--benchmark-warmup=off", "-m", "not slow"]
+            if dry
+            else []
         )
         return [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *TEST_FILES,
                 "--benchmark-enable", f"--benchmark-json={results / 'pytest-benchmark' / 'gpu.json'}", *quick,
