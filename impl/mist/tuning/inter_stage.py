@@ -107,6 +107,8 @@ class InterStageSolution:
     optimal: bool
 
 
+# Over 80 lines: the MILP's variables, constraints and objective read as one formulation; its
+# per-stage maxima already come from one loop. Splitting it further is #29's.
 def solve_inter_stage(
     frontiers: list[dict[int, Frontier]],
     total_layers: int,

@@ -294,6 +294,36 @@ def _gradient_sync(st: Setting, stage_w_full: float, edge_w_full: float, z, ez, 
     return before, after
 
 
+def _accumulation_s(st: Setting, layer_params: float, edge_params: float, z, ez, grad_accum: int):
+    """Seconds a micro-batch spends adding its weight gradients into the accumulated ones (ZeRO-2/3:
+    into this rank's shard), an elementwise add priced by the fitted residual-add line."""
+    d = st.dp
+    local_grads = layer_params * np.where(z >= 2, 1 / d, 1.0) + edge_params * np.where(ez >= 2, 1 / d, 1.0)
+    acc = st.grad_accumulation
+    add_line = st.runtime.curve("dropout_add")[0]
+    added = acc.bytes_per_param * local_grads
+    return acc.adds_per_micro_batch(grad_accum) * np.where(added > 0, add_line(added), 0.0)
+
+
+def _sync_and_step(st: Setting, stage_w_full: float, edge_w_full: float, z, ez, across: bool,
+                   parts: tuple, d2h_bw: float, h2d_bw: float) -> tuple:  # fmt: skip
+    """(sync, step) seconds of the last micro-batch: the gradient sync and clipping's local norm
+    (before the global barrier), then the optimizer step (after it). ``parts``: (state bytes,
+    offloaded optimizer fraction) of the stage's layers and of its embedding/head."""
+    cl = st.cluster
+    sync, step = _gradient_sync(st, stage_w_full, edge_w_full, z, ez, across)
+    gpu_step_bytes = (ADAM_BYTES_PER_PARAM + 4) * 2  # state, weights and gradients read and written
+    for state, off in parts:
+        n = state["opt_params"]
+        # the norm reads the fp16 gradients this rank steps (offloaded ones priced as if on the GPU:
+        # a few percent of the step either way)
+        sync = sync + n * 2 / (cl.gpu.hbm_bw * 0.7)
+        step = step + (1 - off) * n * gpu_step_bytes / (cl.gpu.hbm_bw * 0.7)
+        step = step + off * n / cpu_adam_params_per_s(cl)
+        step = step + off * n * (2 / d2h_bw + 2 / h2d_bw)  # fp16 gradients down, fp16 weights up
+    return sync, step
+
+
 def clip_barrier_s(st: Setting) -> float:
     """Seconds of gradient clipping's global step: the all-reduce of one fp32 (the sum of squared
     gradients) over every GPU of the plan, each stage's sync done (Megatron-LM reduces it over the
@@ -410,15 +440,7 @@ def evaluate_stage(
         compute = compute + ln.head_fwd + ln.head_bwd
     if first:
         compute = compute + ln.embed_fwd + ln.embed_bwd
-    # adding the micro-batch's weight gradients into the accumulated ones (ZeRO-2/3: into this
-    # rank's shard), an elementwise add priced by the fitted residual-add line
-    local_grads = layers * ln.params * np.where(z >= 2, 1 / d, 1.0) + edge_params * np.where(
-        ez >= 2, 1 / d, 1.0
-    )
-    acc = st.grad_accumulation
-    add_line = st.runtime.curve("dropout_add")[0]
-    added = acc.bytes_per_param * local_grads
-    compute = compute + acc.adds_per_micro_batch(grad_accum) * np.where(added > 0, add_line(added), 0.0)
+    compute = compute + _accumulation_s(st, layers * ln.params, edge_params, z, ez, grad_accum)
     across = st.tp * d > cl.gpus_per_node  # DP groups (stride t) leave the node
     layer_w_full, edge_w_full = 2.0 * ln.params, 2.0 * edge_params
     zero_compute, g2g = _zero_per_micro_batch(st, layers, layer_w_full, edge_w_full, z, ez, across)
@@ -431,18 +453,9 @@ def evaluate_stage(
     h2d = (act_swapped + mine["h2d"] + theirs["h2d"]) / h2d_bw  # swap-in, offloaded weights
     steady = st.interference.overlap(compute, g2g, h2d, d2h)
 
-    # ---- last micro-batch extras: the gradient sync and clipping's local norm (before its
-    # global barrier, clip_barrier_s), then the optimizer step (after it)
-    sync, step = _gradient_sync(st, layers * layer_w_full, edge_w_full, z, ez, across)
-    gpu_step_bytes = (ADAM_BYTES_PER_PARAM + 4) * 2  # state, weights and gradients read and written
-    for state, off in ((mine, oo), (theirs, eoo)):
-        n = state["opt_params"]
-        # the norm reads the fp16 gradients this rank steps (offloaded ones priced as if on the GPU:
-        # a few percent of the step either way)
-        sync = sync + n * 2 / (cl.gpu.hbm_bw * 0.7)
-        step = step + (1 - off) * n * gpu_step_bytes / (cl.gpu.hbm_bw * 0.7)
-        step = step + off * n / cpu_adam_params_per_s(cl)
-        step = step + off * n * (2 / d2h_bw + 2 / h2d_bw)  # fp16 gradients down, fp16 weights up
+    # ---- last micro-batch extras: before clipping's global barrier (clip_barrier_s), then after
+    sync, step = _sync_and_step(st, layers * layer_w_full, edge_w_full, z, ez, across,
+                                ((mine, oo), (theirs, eoo)), d2h_bw, h2d_bw)  # fmt: skip
     extra = sync + step
 
     # ---- memory per GPU
