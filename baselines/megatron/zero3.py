@@ -9,7 +9,7 @@ from mist.model.runtime import RuntimeModel
 from mist.model.specs import ClusterSpec, ModelSpec
 from mist.plan import Plan, StagePlan
 from mist.tuning.exhaustive import cheapest_fitting
-from mist.tuning.planner import cost_models
+from mist.tuning.problem import Problem
 
 MICRO_BATCHES = (1, 2, 4, 8, 16)
 
@@ -21,7 +21,7 @@ def search_zero3(
     runtime: RuntimeModel | None = None,
     interference: Interference | None = None,
 ) -> Plan:
-    runtime, interference = cost_models(cluster, runtime, interference)
+    problem = Problem.resolve(model, cluster, global_batch, runtime, interference)
     dp = cluster.gpus
 
     def plans():
@@ -33,4 +33,4 @@ def search_zero3(
                     yield Plan.of(model, cluster, gpus=dp, stages=[stage], **fields)
 
     what = f"ZeRO-3 over {dp} GPUs does not fit {model.name} (global batch {global_batch})"
-    return cheapest_fitting(plans(), model, cluster, runtime, interference, what)
+    return cheapest_fitting(plans(), problem, what)

@@ -99,12 +99,12 @@ def test_grid_bisection_finds_the_exhaustive_best():
     """The smallest block-recompute count that fits is each setting's fastest: bisection over it
     gives what pricing every count gives."""
     from mist.tuning.exhaustive import cheapest_fitting, layer_splits
-    from mist.tuning.planner import cost_models
+    from mist.tuning.problem import Problem
 
     name, gpu, gpus, batch, seq = random.choice(CASES)
     m, c = model(name, seq=seq), cluster(gpu, gpus)
-    runtime, interference = cost_models(c, None, None)
-    exhaustive = cheapest_fitting(grid_plans(m, c, batch), m, c, runtime, interference, "none fits")
+    problem = Problem.resolve(m, c, batch)  # the presets, no memo: every plan priced afresh
+    exhaustive = cheapest_fitting(grid_plans(m, c, batch), problem, "none fits")
     assert search_grid(m, c, batch).predicted_iteration_s == pytest.approx(exhaustive.predicted_iteration_s)
     for layers, pp in ((24, 2), (32, 4), (40, 8), (48, 1)):
         for split in layer_splits(layers, pp):

@@ -288,12 +288,12 @@ def test_the_megatron_lm_target_finds_the_exhaustive_best_and_every_plan_exports
     from baselines.megatron.grid import search_grid
     from mist.tuning.exhaustive import cheapest_fitting
     from mist.tuning.megatron_lm import MegatronLMSpace, search_megatron_lm, space_plans
-    from mist.tuning.planner import cost_models
+    from mist.tuning.problem import Problem
 
     m, c = model(name, layers=8), cluster("l4", gpus)  # 8 layers: the exhaustive pricing takes seconds
     space = MegatronLMSpace(offload_fractions=(0.0, 0.5, 1.0))
-    runtime, interference = cost_models(c, None, None)
-    exhaustive = cheapest_fitting(space_plans(m, c, batch, space), m, c, runtime, interference, "none fits")
+    problem = Problem.resolve(m, c, batch)  # the presets, no memo: every plan priced afresh
+    exhaustive = cheapest_fitting(space_plans(m, c, batch, space), problem, "none fits")
     found = search_megatron_lm(m, c, batch, space)
     assert found.predicted_iteration_s == pytest.approx(exhaustive.predicted_iteration_s, rel=1e-12)
     assert megatron_lm_arguments(found, m)[1] == []
@@ -411,17 +411,17 @@ def test_the_torchtitan_target_finds_the_exhaustive_best_and_its_plan_exports(gp
     from mist.export import torchtitan_config
     from mist.tuning import torchtitan
     from mist.tuning.exhaustive import cheapest_fitting
-    from mist.tuning.planner import cost_models
+    from mist.tuning.problem import Problem
 
     m, c = (
         model("llama-1.3b", layers=8),
         cluster("l4", gpus),
     )  # 8 layers: the exhaustive pricing takes seconds
-    runtime, interference = cost_models(c, None, None)
+    problem = Problem.resolve(m, c, batch)  # the presets, no memo: every plan priced afresh
     every = (
         torchtitan.setting_plan(m, c, batch, s, k) for s in torchtitan.settings(m, c, batch) for k in (0, 1)
     )
-    exhaustive = cheapest_fitting(every, m, c, runtime, interference, "none fits")
+    exhaustive = cheapest_fitting(every, problem, "none fits")
     found = torchtitan.search_torchtitan(m, c, batch)
     assert found.predicted_iteration_s == pytest.approx(exhaustive.predicted_iteration_s, rel=1e-12)
     torchtitan_config(found, m, "my-flavor")  # raises CannotExport if a part does not export
@@ -459,14 +459,14 @@ def test_the_first_recompute_count_that_fits_is_found_where_memory_is_not_monoto
 
     m, c = model("gpt3-1.3b", layers=8), cluster("l4", 4)
     setting = MegatronLMSetting(tp=1, dp=1, micro_batch=16, split=(2, 2, 2, 2), zero=0, offload_optimizer=0.0)
-    priced = exhaustive.predict
+    priced = exhaustive.predict_for
 
-    def predict(plan, *args, **kwargs):
-        plan = priced(plan, *args, **kwargs)
+    def predict_for(problem, plan, *args, **kwargs):
+        plan = priced(problem, plan, *args, **kwargs)
         plan.breakdown["fits"] = plan.stages[0].recompute != 1
         return plan
 
-    monkeypatch.setattr(exhaustive, "predict", predict)
+    monkeypatch.setattr(exhaustive, "predict_for", predict_for)
     found = exhaustive.fastest_fitting(
         16, [setting], lambda s, k: setting_plan(m, c, 16, s, k), lambda s: list(range(3)), m, c, None, None,
         None, "none fits",

@@ -32,7 +32,7 @@ from .profile_data import (
     LAYER_OPS,
 )
 from .specs import GPUS, ClusterSpec, ModelSpec
-from .symbolic import b, head_costs, numeric, s, t, trace_layer, value
+from .symbolic import as_integers, b, head_costs, numeric, s, t, trace_layer, value
 
 PRESETS = Path(__file__).parent / "presets"
 COMPUTE_KINDS = ("gemm", "bmm", "attention")
@@ -86,13 +86,13 @@ class Line:
 @functools.lru_cache(maxsize=128)
 def op_features(model: ModelSpec, sequence_parallel: bool = False):
     """Per traced op: (name, kind, f(b, s, t) -> (flops, fwd_bytes, bwd_bytes)) with numbers in."""
-    fixed = numeric(model)
+    fixed = as_integers(numeric(model))
     out = []
     for op in trace_layer(model, sequence_parallel):
         if op.kind == "comm" or (op.flops == 0 and op.fwd_bytes == 0):
             continue
         fn = sp.lambdify(
-            (b, s, t), [sp.sympify(x).subs(fixed) for x in (op.flops, op.fwd_bytes, op.bwd_bytes)]
+            (b, s, t), [sp.sympify(x).xreplace(fixed) for x in (op.flops, op.fwd_bytes, op.bwd_bytes)]
         )
         out.append((op.name, op.kind, fn))
     return tuple(out)

@@ -22,7 +22,7 @@ from ..model.interference import Interference
 from ..model.runtime import RuntimeModel
 from ..model.specs import ClusterSpec, ModelSpec
 from ..plan import Plan
-from .planner import NoFeasiblePlan, cost_models, lower_bound_s, predict
+from .planner import NoFeasiblePlan, StageMemo, lower_bound_s, predict_for
 from .problem import Candidate, Problem
 
 S = TypeVar("S", bound="Sizes")
@@ -62,20 +62,13 @@ class Sizes(Protocol):
     split: tuple[int, ...]
 
 
-def lower_bound(
-    model: ModelSpec,
-    cluster: ClusterSpec,
-    global_batch: int,
-    runtime: RuntimeModel,
-    interference: Interference,
-) -> Callable[[Sizes], float]:
+def lower_bound(problem: Problem) -> Callable[[Sizes], float]:
     """The planner's lower bound on a setting's iteration (``planner.lower_bound_s``), once per
     TP, DP, micro-batch and stage count."""
-    problem = Problem.resolve(model, cluster, global_batch, runtime, interference)
 
     @functools.cache
     def of(tp: int, dp: int, micro_batch: int, stages: int) -> float:
-        return lower_bound_s(problem, Candidate(tp, stages, dp, micro_batch, global_batch))
+        return lower_bound_s(problem, Candidate(tp, stages, dp, micro_batch, problem.global_batch))
 
     return lambda s: of(s.tp, s.dp, s.micro_batch, len(s.split))
 
@@ -97,12 +90,13 @@ def fastest_fitting(
     A setting is skipped unpriced when the planner's lower bound for its TP, DP, micro-batch and
     stage count is no faster than the best so far. Raises NoFeasiblePlan with ``what`` and the
     memory the leanest plan needs."""
-    runtime, interference = cost_models(cluster, runtime, interference)
+    problem = Problem.resolve(model, cluster, global_batch, runtime, interference)
+    memo: StageMemo = {}  # the same stage recurs in many plans of a space
     best = [float("inf")]
-    bound = lower_bound(model, cluster, global_batch, runtime, interference)
+    bound = lower_bound(problem)
 
     def priced(setting: S, k: int) -> Plan:
-        return predict(plan_of(setting, k), model, cluster, runtime, interference, simulate=False)
+        return predict_for(problem, plan_of(setting, k), simulate=False, memo=memo)
 
     def leanest_fitting() -> Iterator[Plan]:
         """Per setting, the plan with the fewest recomputed layers that fits, or the leanest plan
@@ -138,23 +132,18 @@ def fastest_fitting(
             best[0] = min(best[0], plan.predicted_iteration_s)
             yield plan
 
-    return cheapest_fitting(leanest_fitting(), model, cluster, runtime, interference, what)
+    return cheapest_fitting(leanest_fitting(), problem, what, memo)
 
 
 def cheapest_fitting(
-    plans: Iterable[Plan],
-    model: ModelSpec,
-    cluster: ClusterSpec,
-    runtime: RuntimeModel,
-    interference: Interference,
-    what: str,
+    plans: Iterable[Plan], problem: Problem, what: str, memo: StageMemo | None = None
 ) -> Plan:
-    """Price every plan (closed form); the fastest that fits memory, timed as the search.
-    Raises NoFeasiblePlan with ``what`` and the memory the leanest plan needs."""
+    """Price every plan (closed form) against ``problem``; the fastest that fits memory, timed as
+    the search. Raises NoFeasiblePlan with ``what`` and the memory the leanest plan needs."""
     start = time.perf_counter()
     best, tried, lowest = None, 0, float("inf")
     for plan in plans:
-        predict(plan, model, cluster, runtime, interference, simulate=False)
+        predict_for(problem, plan, simulate=False, memo=memo)
         tried += 1
         lowest = min(lowest, max(s.memory_bytes for s in plan.stages))
         if plan.breakdown["fits"] and (
