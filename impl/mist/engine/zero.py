@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .offload import HOST_WORK
+from .offload import HOST_WORK, flat_views
 
 
 class ShardedMasterAdamW:
@@ -196,16 +196,10 @@ class ContiguousGrads:
     sum is one in-place all-reduce per buffer (no per-tensor latency, no flattening copy)."""
 
     def __init__(self, params) -> None:
-        self.buffers: list[torch.Tensor] = []
         params = [p for p in params if p.requires_grad]
-        for dtype in sorted({p.dtype for p in params}, key=str):  # same order on every rank
-            group = [p for p in params if p.dtype == dtype]
-            flat = torch.zeros(sum(p.numel() for p in group), dtype=dtype, device=group[0].device)
-            offset = 0
-            for p in group:
-                p.grad = flat[offset : offset + p.numel()].view_as(p)
-                offset += p.numel()
-            self.buffers.append(flat)
+        self.buffers, views = flat_views(params, params[0].device) if params else ([], {})
+        for p in params:
+            p.grad = views[id(p)]
 
     def all_reduce(self, group, divide_by: int) -> None:
         for flat in self.buffers:
