@@ -65,17 +65,30 @@ def _figures(session: nox.Session, experiment: str) -> None:
         _run(session, f"figures/plot_{experiment}.py", "--reference")
 
 
+# Test workers: one a core, at most 4 (each imports torch; the multi-process tests start up to 4 more)
+TEST_WORKERS = max(1, min(os.cpu_count() or 1, 4))
+
+
 @nox.session
 def tests(session: nox.Session) -> None:
-    """Whole CPU test suite (Triton kernels run under TRITON_INTERPRET=1).
-    ``-- -m "not slow"``: the quick part (no processes started, no test over ~10 s)."""
+    """Whole CPU test suite (Triton kernels run under TRITON_INTERPRET=1), one pytest worker a core
+    (at most 4; one thread each), the longest tests started first (tests/conftest.py).
+    ``-- -m "not slow"``: the quick part (no processes started, no test over ~10 s); ``-- -n 0``:
+    in this process, one test at a time."""
     args = list(session.posargs)
     marks = "not gpu"
     if "-m" in args:  # combine with the caller's marker expression instead of replacing it
         i = args.index("-m")
         marks = f"({args[i + 1]}) and not gpu"
         del args[i : i + 2]
-    _run(session, "-m", "pytest", "-m", marks, "--durations=15", *args)  # the slowest, for the time budget
+    chosen = any(a.startswith(("-n", "--numprocesses")) for a in args)  # the caller's worker count
+    # worksteal: a worker that runs out takes tests queued behind another's long one
+    workers = [] if chosen else ["-n", str(TEST_WORKERS), "--dist", "worksteal"]
+    # one thread a worker: two workers of two OpenMP threads on two cores spin against each other;
+    # --durations: the slowest tests, for the suite's time budget
+    _run(
+        session, "-m", "pytest", "-m", marks, *workers, "--durations=15", *args, env={"OMP_NUM_THREADS": "1"}
+    )
 
 
 @nox.session

@@ -77,7 +77,19 @@ def rng(fresh_seed: int) -> np.random.Generator:
     return np.random.default_rng(fresh_seed)
 
 
+def _start_order(item: pytest.Item) -> tuple[int, float]:
+    """Longest first: ``slow`` tests (processes, or > ~10 s), those allowed the longest timeout
+    first, then the rest, each group in collection order (the sort is stable)."""
+    timeout = item.get_closest_marker("timeout")
+    allowed = float(timeout.args[0]) if timeout and timeout.args else 0.0
+    return (0 if "slow" in item.keywords else 1, -allowed)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # The suite runs one xdist worker a core (nox -s tests); a long test started last would keep
+    # one worker busy while the others idle, so the long ones start first. Deterministic: every
+    # worker must collect the same order.
+    items.sort(key=_start_order)
     if HAS_CUDA:
         return
     skip = pytest.mark.skip(reason="needs a CUDA device (run by `nox -s gpu_check`)")
