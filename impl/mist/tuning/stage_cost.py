@@ -305,8 +305,17 @@ def _accumulation_s(st: Setting, layer_params: float, edge_params: float, z, ez,
     return acc.adds_per_micro_batch(grad_accum) * np.where(added > 0, add_line(added), 0.0)
 
 
-def _sync_and_step(st: Setting, stage_w_full: float, edge_w_full: float, z, ez, across: bool,
-                   parts: tuple, d2h_bw: float, h2d_bw: float) -> tuple:  # fmt: skip
+def _sync_and_step(
+    st: Setting,
+    stage_w_full: float,
+    edge_w_full: float,
+    z,
+    ez,
+    across: bool,
+    parts: tuple,
+    d2h_bw: float,
+    h2d_bw: float,
+) -> tuple:
     """(sync, step) seconds of the last micro-batch: the gradient sync and clipping's local norm
     (before the global barrier), then the optimizer step (after it). ``parts``: (state bytes,
     offloaded optimizer fraction) of the stage's layers and of its embedding/head."""
@@ -454,8 +463,8 @@ def evaluate_stage(
     steady = st.interference.overlap(compute, g2g, h2d, d2h)
 
     # ---- last micro-batch extras: before clipping's global barrier (clip_barrier_s), then after
-    sync, step = _sync_and_step(st, layers * layer_w_full, edge_w_full, z, ez, across,
-                                ((mine, oo), (theirs, eoo)), d2h_bw, h2d_bw)  # fmt: skip
+    parts = ((mine, oo), (theirs, eoo))  # (state bytes, offloaded optimizer fraction) of each
+    sync, step = _sync_and_step(st, layers * layer_w_full, edge_w_full, z, ez, across, parts, d2h_bw, h2d_bw)
     extra = sync + step
 
     # ---- memory per GPU
