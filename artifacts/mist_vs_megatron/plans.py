@@ -33,6 +33,7 @@ def plan_summary(plan) -> dict:
         "stages": [{k: getattr(s, k) for k in STAGE_FIELDS} for s in plan.stages],
         # the embedding/head's own strategy, if the plan has one: the plan is whole, re-priceable
         "pre_post": None if plan.pre_post is None else dataclasses.asdict(plan.pre_post),
+        "virtual_stages": plan.virtual_stages,  # model chunks a pipeline rank (interleaved 1F1B)
     }
 
 
@@ -50,4 +51,5 @@ def summary_plan(key: dict, summary: dict):
         global_batch=key["global_batch"], tp=summary["tp"], dp=summary["dp"],
         micro_batch=summary["micro_batch"], stages=stages,
         pre_post=None if edge is None else PrePostPlan(**edge),
+        virtual_stages=summary.get("virtual_stages", 1),  # points from before interleaving: plain 1F1B
     )  # fmt: skip

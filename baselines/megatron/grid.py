@@ -4,8 +4,10 @@ dp x tp x pp = GPUs (powers of two, TP within a node), micro-batch {1, 2, 4, 8},
 distributed optimizer (ZeRO-1) on or off, its state offloaded to the CPU by a fraction of 0, 1/4,
 1/2, 3/4 or 1 (``--optimizer-cpu-offload --optimizer-offload-fraction``, with the distributed
 optimizer), layers split evenly over the stages or with the first and last stage uneven by up to
-two layers (``--decoder-first/last-pipeline-num-layers``, the middle ones even), and block
-recomputation (``--recompute-method block --recompute-num-layers k``: the first k layers of every
+two layers (``--decoder-first/last-pipeline-num-layers``, the middle ones even), interleaved
+pipelines with the stages even (``--num-virtual-stages-per-pipeline-rank``: every number of
+chunks that divides a stage's layers, where the micro-batches are a multiple of the stages), and
+block recomputation (``--recompute-method block --recompute-num-layers k``: the first k layers of every
 stage recompute; k = all is full recomputation). The search is
 Mist's exhaustive search of Megatron-LM's space (``mist.tuning.megatron_lm``) over this part of
 it. The same cost model prices every system, so a speedup over this baseline comes from the plan,

@@ -101,7 +101,8 @@ def _recompute_arguments(plan: Plan) -> tuple[list[str], list[str]]:
     if block == 0:
         return [], []
     if method == "uniform" or all(s.recompute == min(block, s.layers) for s in stages):
-        count = "1" if method == "uniform" else str(block)
+        # Megatron-LM's block count is per model chunk: a stage of V chunks recomputes V times it
+        count = "1" if method == "uniform" else str(block // plan.virtual_stages)
         return [
             "--recompute-granularity",
             "full",
@@ -176,6 +177,8 @@ def megatron_lm_arguments(plan: Plan, model: ModelSpec) -> tuple[list[str], list
             "--decoder-last-pipeline-num-layers",
             str(last),
         ]
+    if plan.virtual_stages > 1:  # interleaved 1F1B (Plan.check: even stages, whole chunks)
+        args += ["--num-virtual-stages-per-pipeline-rank", str(plan.virtual_stages)]
     for part in (_recompute_arguments(plan), _optimizer_arguments(plan)):
         args += part[0]
         cannot += part[1]
@@ -249,6 +252,11 @@ def _torchtitan_limits(plan: Plan, model: ModelSpec, flavor: str) -> list[str]:
         cannot.append("stages with TP/DP of their own that differ (torchtitan: one TP and DP for all stages)")
     if plan.pre_post is not None:
         cannot.append("a strategy of the embedding/head's own (torchtitan's follow their stage's)")
+    if plan.virtual_stages > 1:
+        cannot.append(
+            f"{plan.virtual_stages} virtual stages a rank: the plan is priced in megatron-core's "
+            "interleaved order, which torchtitan's Interleaved1F1B schedule does not follow"
+        )
     llama_style = model.norm == "rmsnorm" and model.gated_mlp and model.positions == "rotary"
     if not llama_style or model.dropout:
         cannot.append(

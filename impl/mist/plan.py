@@ -7,7 +7,9 @@ stage, offloaded fractions in [0, 1] and, for plans from other tools, their own 
 ``heads``, ``dropout``); ``host_memory_per_node_bytes`` the DRAM per node offloading may use (a
 whole number of bytes; null: the GPU type's usual host); ``gpu_memory_bytes`` a cap on each
 device's memory (null: its data sheet's; mist.engine.run enforces it); ``pre_post`` the embedding's and head's
-own ZeRO stage and offloaded fractions (null: as their stage's other parameters). Predictions
+own ZeRO stage and offloaded fractions (null: as their stage's other parameters);
+``virtual_stages`` the model chunks each pipeline rank holds (Megatron-LM's interleaved 1F1B; 1,
+the default: plain 1F1B). Predictions
 are filled in by ``predict``: per stage ``steady_s``, ``extra_s`` and, of it, ``step_s`` after the
 gradient-clipping barrier (seconds), ``memory_bytes``
 (per GPU) and ``host_memory_bytes`` (what each of its GPUs offloads to the host), and the
@@ -48,6 +50,23 @@ def grad_accum(global_batch: int, dp: int, micro_batch: int) -> int:
     """Micro-batches per iteration (G): the global batch over DP replicas of micro-batches (the one
     place this is computed; the plan and the search's candidates both ask here)."""
     return global_batch // (dp * micro_batch)
+
+
+def check_interleaving(stages: int, micro_batches: int, virtual: int) -> None:
+    """Raises ValueError unless megatron-core's interleaved schedule runs ``virtual`` model chunks a
+    pipeline rank (1: plain 1F1B, always): at least 2 stages, and micro-batches a step a multiple
+    of the stages (its groups of S micro-batches; it refuses a short last group)."""
+    if not (_is_int(virtual) and virtual >= 1):
+        raise ValueError(f"virtual_stages must be a whole number >= 1, got {virtual!r}")
+    if virtual == 1:
+        return
+    if stages < 2:
+        raise ValueError(f"virtual_stages {virtual} needs at least 2 pipeline stages, got {stages}")
+    if micro_batches % stages:
+        raise ValueError(
+            f"virtual_stages {virtual}: the {micro_batches} micro-batches a step must be a multiple of "
+            f"the {stages} stages (megatron-core's interleaved schedule)"
+        )
 
 
 def _is_int(value) -> bool:
@@ -192,6 +211,9 @@ class Plan:
     host_memory_per_node_bytes: int | None = None  # None: the GPU type's usual host (specs.HOSTS)
     gpu_memory_bytes: int | None = None  # a cap per device (None: its data sheet's memory)
     pre_post: PrePostPlan | None = None  # the embedding/head's own strategy (None: their stage's)
+    # model chunks a pipeline rank holds (Megatron-LM's interleaved 1F1B; 1: plain 1F1B): every
+    # stage's layers and recomputed layers split evenly over them
+    virtual_stages: int = 1
     predicted_iteration_s: float | None = None
     simulated_iteration_s: float | None = None
     tuning_s: float | None = None
@@ -262,6 +284,29 @@ class Plan:
                 f"{t}x{d}" for t, d, _ in map(self.stage_parallelism, range(len(self.stages)))
             )
             raise ValueError(f"the stages use {shapes} = {used} GPUs (tp x dp each), but gpus = {self.gpus}")
+        self._check_interleaving()
+
+    def _check_interleaving(self) -> None:
+        """Virtual stages as megatron-core's interleaved schedule runs them and Megatron-LM's
+        ``--num-virtual-stages-per-pipeline-rank`` says them: every stage the same layers and
+        recomputed layers, each a multiple of the chunks, and one TP/DP for all stages."""
+        v = self.virtual_stages
+        check_interleaving(len(self.stages), self.grad_accum, v)
+        if v == 1:
+            return
+        layers = {s.layers for s in self.stages}
+        if len(layers) > 1 or next(iter(layers)) % v:
+            raise ValueError(
+                f"virtual_stages {v}: every stage must hold the same layers, a multiple of {v} "
+                f"(got {[s.layers for s in self.stages]})"
+            )
+        if any(s.recompute % v for s in self.stages):
+            raise ValueError(
+                f"virtual_stages {v}: each stage's recomputed layers must be a multiple of {v} (the "
+                f"first recompute / {v} layers of every chunk), got {[s.recompute for s in self.stages]}"
+            )
+        if len({self.stage_parallelism(i) for i in range(len(self.stages))}) > 1:
+            raise ValueError(f"virtual_stages {v}: every stage must have the plan's TP and DP")
 
     @classmethod
     def of(cls, model_spec: ModelSpec, cluster_spec: ClusterSpec, **fields) -> Plan:
@@ -360,6 +405,7 @@ class Plan:
             f"{self.model} on {self.gpus} x {self.gpu} ({self.gpus // self.gpus_per_node or 1} node(s)), "
             f"global batch {self.global_batch}: TP {self.tp} x DP {self.dp} x PP {len(self.stages)}, "
             f"micro-batch {self.micro_batch}, {self.grad_accum} micro-batches"
+            + (f", {self.virtual_stages} virtual stages a rank" if self.virtual_stages > 1 else "")
         )
         rows = [
             head,

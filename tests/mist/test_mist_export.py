@@ -266,6 +266,13 @@ def test_megatron_lm_accepts_every_plan_it_can_express():
     offload = _plan("gpt3-1.3b", [12, 12], tp=2, dp=2, zero=1, offload_optimizer=1.0)
     command = megatron_lm_command(offload, offload.model_spec())
     assert validate(command, "l4", checkout) is None
+    # interleaved: the chunks a rank and the block count per chunk (12 layers a stage in 3 chunks
+    # of 4, the first 2 of each recomputed), at 2 and at 4 stages
+    for layers in ([12, 12], [6, 6, 6, 6]):
+        interleaved = _plan("gpt3-1.3b", layers, tp=1, dp=2, zero=1, recompute=6 if len(layers) == 2 else 0)
+        interleaved.virtual_stages = 3 if len(layers) == 2 else 2
+        interleaved.check()
+        assert validate(megatron_lm_command(interleaved, interleaved.model_spec()), "l4", checkout) is None
     selective = _plan("gpt3-1.3b", [12, 12], tp=2, dp=2, selective=True)
     selective.model_overrides["flash"] = False
     assert validate(megatron_lm_command(selective, selective.model_spec()), "l4", checkout) is None

@@ -1,11 +1,13 @@
-"""The 1F1B executor of mist.engine.run: a plan's micro-batches through megatron-core's stages with
-point-to-point sends between them (megatron-core's own schedules assume CUDA); non-blocking
-sends, so 1F1B cannot deadlock. The op order is the simulator's (``tuning.pipeline_sim``)."""
+"""The pipeline executors of mist.engine.run: a plan's micro-batches through megatron-core's stages
+with point-to-point sends between them (megatron-core's own schedules assume CUDA); non-blocking
+sends, so neither schedule can deadlock. 1F1B, and interleaved 1F1B over a rank's model chunks
+(``Plan.virtual_stages``); the op order is the simulator's (``tuning.pipeline_sim``)."""
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from ..plan import Plan
 from .layout import Message, RankLayout
@@ -93,3 +95,101 @@ class Pipeline1F1B:
         for work in pending:
             work.wait()
         return loss / len(self.batches)
+
+
+class ModelChunks(nn.Module):
+    """A rank's model chunks under interleaved 1F1B (``Plan.virtual_stages``): chunk c of pipeline
+    rank i is virtual stage c S + i, each built as megatron-core builds a stage. One module, so
+    that the optimizer, gradient buffers and memory accounting see all of the rank's parameters."""
+
+    def __init__(self, chunks: list[nn.Module]) -> None:
+        super().__init__()
+        self.chunks = nn.ModuleList(chunks)
+
+
+def gpt_modules(model: nn.Module) -> list[nn.Module]:
+    """The megatron-core GPT models inside a rank's model (under their half-precision wrappers): its
+    chunks in order, or the one stage."""
+    return [c.module for c in model.chunks] if isinstance(model, ModelChunks) else [model.module]
+
+
+class PipelineInterleaved:
+    """One rank's part of an interleaved 1F1B iteration (Narayanan et al., SC'21) in megatron-core's
+    op order (``pipeline_sim.interleaved_order``): every stage with the plan's TP and DP (Plan.check),
+    so each activation goes whole to the rank at the same TP/DP place of the next pipeline rank,
+    the last rank's chunk c to rank 0's chunk c + 1. Forward activations and backward gradients go
+    with tags of their own: with two pipeline ranks both flow both ways between one pair, and each
+    stream is received in the order it is sent."""
+
+    FORWARD, BACKWARD = 0, 1  # message tags
+
+    def __init__(self, model: ModelChunks, spec, plan: Plan, batches: list[torch.Tensor],
+                 layout: RankLayout) -> None:  # fmt: skip
+        self.chunks, self.spec, self.batches = list(model.chunks), spec, batches
+        rank = dist.get_rank()
+        self.stage, tp_rank, dp_rank = layout.locate(rank)
+        self.stages, self.virtual = len(plan.stages), plan.virtual_stages
+        self.next = layout.rank((self.stage + 1) % self.stages, tp_rank, dp_rank)
+        self.previous = layout.rank((self.stage - 1) % self.stages, tp_rank, dp_rank)
+        (s0, s1), (b0, b1) = layout.positions(self.stage, tp_rank), layout.rows(self.stage, dp_rank)
+        self.shape = (s1 - s0, b1 - b0, spec.hidden)
+        self.device = batches[0].device
+        self.mask = (
+            torch.ones(1, 1, spec.seq, spec.seq, dtype=torch.bool, device=self.device).tril().logical_not()
+        )
+
+    def _first(self, chunk: int) -> bool:  # the model's first virtual stage
+        return self.stage == 0 and chunk == 0
+
+    def _last(self, chunk: int) -> bool:  # the model's last virtual stage
+        return self.stage == self.stages - 1 and chunk == self.virtual - 1
+
+    def _receive(self, peer: int, tag: int) -> torch.Tensor:
+        t = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        dist.recv(t, peer, tag=tag)
+        return t
+
+    def forward(self, chunk: int, m: int, pending: list):
+        tokens = self.batches[m]
+        ids, labels = tokens[:, :-1], tokens[:, 1:]
+        pos = torch.arange(self.spec.seq, device=self.device).expand(ids.shape[0], -1)
+        received = None
+        if not self._first(chunk):
+            received = self._receive(self.previous, self.FORWARD).requires_grad_(True)
+        model = self.chunks[chunk]
+        model.set_input_tensor(received)
+        last = self._last(chunk)
+        # megatron's wrapper upcasts the output of the last pipeline rank's every chunk unless told
+        # not to: only the model's last virtual stage's is the loss
+        out = model(ids, pos, self.mask, labels=labels if last else None, fp32_output=last)
+        if last:
+            out = out.float().mean() / len(self.batches)
+        else:
+            pending.append(dist.isend(out.detach().contiguous(), self.next, tag=self.FORWARD))
+        return received, out
+
+    def backward(self, chunk: int, received, out, pending: list) -> None:
+        if self._last(chunk):
+            out.backward()
+        else:
+            torch.autograd.backward(out, self._receive(self.next, self.BACKWARD))
+        if received is not None:
+            pending.append(dist.isend(received.grad, self.previous, tag=self.BACKWARD))
+
+    def iteration(self) -> float:
+        from ..tuning.pipeline_sim import interleaved_order
+
+        self.dtype = next(self.chunks[0].parameters()).dtype
+        saved, pending, loss = {}, [], 0.0
+        micro_batches = len(self.batches)
+        for kind, chunk, m in interleaved_order(self.stage, self.stages, micro_batches, self.virtual):
+            if kind == "F":
+                saved[chunk, m] = self.forward(chunk, m, pending)
+            else:
+                received, out = saved.pop((chunk, m))
+                if self._last(chunk):
+                    loss += float(out.detach()) * micro_batches
+                self.backward(chunk, received, out, pending)
+        for work in pending:
+            work.wait()
+        return loss / micro_batches

@@ -68,7 +68,7 @@ from .offload import (
     local,
     offload_layer_activations,
 )
-from .pipeline import Pipeline1F1B
+from .pipeline import ModelChunks, Pipeline1F1B, PipelineInterleaved, gpt_modules
 from .zero import ContiguousGrads, ShardedMasterAdamW, flat_collective, layer_buckets, shard_parameters
 
 
@@ -80,7 +80,18 @@ def unsupported(plan: Plan) -> list[str]:
     built_here = ("parallel_block", "uneven_middle_stages", "stage_parallelism", "pre_post",
                   "offload_weights_grads")  # fmt: skip
     limits = megatron_limits(plan, plan.model_spec())
-    return [why for name, why in limits.items() if name not in built_here]
+    reasons = [why for name, why in limits.items() if name not in built_here]
+    if plan.virtual_stages > 1:  # interleaved: what Megatron-LM's space holds (megatron_lm.py)
+        parts = [*plan.stages, *([plan.pre_post] if plan.pre_post is not None else [])]
+        if plan.pre_post is not None or any(
+            s.zero >= 2 or s.offload_weights or s.offload_grads or s.offload_activations for s in parts
+        ):
+            reasons.append(
+                "interleaved pipelines with ZeRO-2/3, weight, gradient or activation offloading, or "
+                "the embedding/head's own strategy (the engine interleaves Megatron-LM's plans: ZeRO "
+                "0/1 and optimizer offload)"
+            )
+    return reasons
 
 
 def _config(spec, plan: Plan, dtype: torch.dtype, tp: int | None = None, selective: bool = False):
@@ -131,7 +142,8 @@ def _parameter_parts(model, plan: Plan, mine) -> list[Part]:
     (last stage) take the plan's ``pre_post`` if it has one, everything else the stage's."""
     params = [p for p in model.parameters() if p.requires_grad]
     edge = plan.pre_post
-    edge_ids = {id(p) for m in _edges(model.module) for p in m.parameters()} if edge is not None else set()
+    edge_ids = ({id(p) for gpt in gpt_modules(model) for m in _edges(gpt) for p in m.parameters()}
+                if edge is not None else set())  # fmt: skip
     rest = [p for p in params if id(p) not in edge_ids]
     parts = [Part(rest, mine.zero, mine.offload_optimizer, mine.offload_grads)]
     if edge_ids:
@@ -424,12 +436,34 @@ def _start(plan: Plan, seed: int) -> RankLayout:
     return layout
 
 
-def _build_stage(plan: Plan, stage: int, device: torch.device) -> tuple[nn.Module, list[int], int]:
-    """This rank's stage as megatron-core builds it, on ``device``, its first layers recomputed and
-    activations offloaded as the plan says, in megatron's half-precision wrapper; with the shape
-    of its first layer's input ([tokens here, batch, hidden], filled by the first forward) and
-    how many layers offload their activations."""
+def _build_stage(plan: Plan, stage: int, device: torch.device, seed: int) -> tuple[nn.Module, list[int], int]:
+    """This rank's stage as megatron-core builds it, on ``device`` (``_build_chunk``). Interleaved,
+    its V chunks of 1/V of its layers and recomputed layers each, chunk c built from the seed as
+    the rank of virtual stage c S + i would build it alone: the model is the one a pipeline of
+    S V plain stages trains."""
     from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    mine, v = plan.stages[stage], plan.virtual_stages
+    first, last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
+    if v == 1:
+        return _build_chunk(plan, stage, device, mine.layers, mine.recompute, first, last)
+    built = []
+    for c in range(v):
+        model_parallel_cuda_manual_seed(seed)
+        built.append(_build_chunk(plan, stage, device, mine.layers // v, mine.recompute // v,
+                                  first and c == 0, last and c == v - 1))  # fmt: skip
+    chunks, shapes, offloaded = zip(*built, strict=True)
+    return ModelChunks(list(chunks)), shapes[0], sum(offloaded)
+
+
+def _build_chunk(plan: Plan, stage: int, device: torch.device, layers: int, recompute: int,
+                 pre_process: bool, post_process: bool) -> tuple[nn.Module, list[int], int]:  # fmt: skip
+    """``layers`` of the stage as megatron-core builds them (the embedding before them if
+    ``pre_process``, the final norm and head after if ``post_process``), on ``device``, the first
+    ``recompute`` recomputed and activations offloaded as the plan says, in megatron's
+    half-precision wrapper; with the shape of its first layer's input ([tokens here, batch,
+    hidden], filled by the first forward) and how many layers offload their activations."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.module import Float16Module
 
@@ -438,16 +472,16 @@ def _build_stage(plan: Plan, stage: int, device: torch.device) -> tuple[nn.Modul
     mine = plan.stages[stage]
     model = GPTModel(
         config=_config(spec, plan, torch.bfloat16, plan.stage_parallelism(stage)[0], mine.selective),
-        transformer_layer_spec=block_spec(settings["normalization"], spec.parallel_block, mine.layers),
+        transformer_layer_spec=block_spec(settings["normalization"], spec.parallel_block, layers),
         vocab_size=settings["vocab_size"],
         max_sequence_length=settings["max_sequence_length"],
-        pre_process=ps.is_pipeline_first_stage(),
-        post_process=ps.is_pipeline_last_stage(),
+        pre_process=pre_process,
+        post_process=post_process,
         share_embeddings_and_output_weights=False,
         position_embedding_type=settings["position_embedding_type"],
     ).train()
     model = model.to(device)
-    _checkpoint_first_layers(model, mine.recompute)
+    _checkpoint_first_layers(model, recompute)
     layer_input_shape: list[int] = []  # sequence parallelism shards the tokens
 
     def record_input_shape(_layer, args, kwargs) -> None:
@@ -456,7 +490,7 @@ def _build_stage(plan: Plan, stage: int, device: torch.device) -> tuple[nn.Modul
 
     if model.decoder.layers:
         model.decoder.layers[0].register_forward_pre_hook(record_input_shape, with_kwargs=True)
-    offloaded_layers = offload_layer_activations(model, mine.recompute, mine.offload_activations)
+    offloaded_layers = offload_layer_activations(model, recompute, mine.offload_activations)
     # megatron's half-precision wrapper: casts inputs and outputs
     return Float16Module(model.config, model), layer_input_shape, offloaded_layers
 
@@ -489,8 +523,8 @@ def run(plan: Plan, steps: int = 5, seed: int = 0, lr: float = 1e-2) -> dict:
     tp, dp, _ = plan.stage_parallelism(stage)  # this stage's (Plan.stage_parallelism)
     on_gpu = torch.cuda.is_available()
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
-    model, layer_input_shape, offloaded_layers = _build_stage(plan, stage, device)
-    groups = _module_groups(model.module, plan, mine)
+    model, layer_input_shape, offloaded_layers = _build_stage(plan, stage, device, seed)
+    groups = [g for gpt in gpt_modules(model) for g in _module_groups(gpt, plan, mine)]
     # every TP rank holds these whole (named now: FSDP2 drops megatron-core's attributes)
     whole_on_tp = {n for n, p in model.named_parameters() if not getattr(p, "tensor_model_parallel", False)}
     sharded = _shard_zero3_groups(model, groups, mine, dp, device)
@@ -502,7 +536,8 @@ def run(plan: Plan, steps: int = 5, seed: int = 0, lr: float = 1e-2) -> dict:
     # after the optimizers and gradient buffers: they are made where the weights are, the device
     weights = _weight_offloads(groups, dp)
     batches = _batches(plan, layout, stage, seed, device)
-    pipeline = Pipeline1F1B(model, plan.model_spec(), plan, batches, layout)
+    schedule = Pipeline1F1B if plan.virtual_stages == 1 else PipelineInterleaved
+    pipeline = schedule(model, plan.model_spec(), plan, batches, layout)
     dp_group, tp_group = ps.get_data_parallel_group(), ps.get_tensor_model_parallel_group()
 
     phases: list[dict[str, float]] = []  # per step: where the time went
@@ -555,7 +590,8 @@ def run(plan: Plan, steps: int = 5, seed: int = 0, lr: float = 1e-2) -> dict:
         **_offload_report(optimizer, weights, gradients),
         "activation_offloaded_layers": offloaded_layers,  # layers whose saved activations wait on the host
         "layer_input_shape": layer_input_shape,
-        "layers": len(model.module.decoder.layers),  # built here: the plan's count for this stage
+        # built here: the plan's count for this stage (interleaved: over its chunks)
+        "layers": sum(len(gpt.decoder.layers) for gpt in gpt_modules(model)),
         **_sequence_parallel_report(model),
     }
     gathered = [None] * dist.get_world_size()

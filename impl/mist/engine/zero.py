@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from .offload import HOST_WORK, flat_views
+from .pipeline import gpt_modules
 
 
 class ShardedMasterAdamW:
@@ -156,7 +157,7 @@ def layer_buckets(model) -> list[list[torch.Tensor]]:
     """The parameters in the groups Mist prices one collective for: each transformer layer, and
     the others grouped by the module that holds them (word and position embeddings, final norm,
     output layer)."""
-    layers = list(model.module.decoder.layers)
+    layers = [layer for gpt in gpt_modules(model) for layer in gpt.decoder.layers]
     in_layers = {id(p) for layer in layers for p in layer.parameters()}
     rest: dict[str, list[torch.Tensor]] = {}
     for name, p in model.named_parameters():

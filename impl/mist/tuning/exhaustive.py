@@ -54,7 +54,8 @@ def divisors(n: int) -> list[int]:
 
 
 class Sizes(Protocol):
-    """What a setting has that bounds its time: its TP, DP, micro-batch and layers per stage."""
+    """What a setting has that bounds its time: its TP, DP, micro-batch and layers per stage (and,
+    where it has them, its ``virtual`` chunks a rank)."""
 
     tp: int
     dp: int
@@ -67,10 +68,10 @@ def lower_bound(problem: Problem) -> Callable[[Sizes], float]:
     TP, DP, micro-batch and stage count."""
 
     @functools.cache
-    def of(tp: int, dp: int, micro_batch: int, stages: int) -> float:
-        return lower_bound_s(problem, Candidate(tp, stages, dp, micro_batch, problem.global_batch))
+    def of(tp: int, dp: int, micro_batch: int, stages: int, virtual: int) -> float:
+        return lower_bound_s(problem, Candidate(tp, stages, dp, micro_batch, problem.global_batch, virtual))
 
-    return lambda s: of(s.tp, s.dp, s.micro_batch, len(s.split))
+    return lambda s: of(s.tp, s.dp, s.micro_batch, len(s.split), getattr(s, "virtual", 1))
 
 
 def fastest_fitting(

@@ -2,7 +2,9 @@
 
 Megatron-LM (at the pinned megatron-core's release) gives every stage one TP and DP; splits the
 layers evenly or with the first and last stage uneven (``--decoder-first/last-pipeline-num-layers``);
-recomputes whole layers by block (the first k layers of every stage; k = all: every layer) or
+interleaves the pipeline (``--num-virtual-stages-per-pipeline-rank``: V model chunks a rank, the
+stages even, the micro-batches a multiple of the stages); recomputes whole layers by block (the
+first k layers of every stage, of every chunk when interleaved; k = all: every layer) or
 every layer's core attention (selective: none of it kept where FlashAttention keeps none); shards
 the optimizer state with its distributed optimizer (ZeRO-1) or not at all; and offloads one fraction
 of the optimizer (only its distributed one). ``MegatronLMSpace`` says which of those choices a search
@@ -37,6 +39,8 @@ class MegatronLMSpace:
     pipeline_powers_of_two: bool = False  # stages: powers of two only, or every divisor
     recompute: bool = True  # block recomputation tried (else none)
     selective: bool = True  # selective recomputation tried (the core attention; not with FlashAttention)
+    # virtual stages a rank tried besides 1 (None: every divisor > 1 of an even stage's layers)
+    virtual_stages: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.micro_batches is not None and not all(
@@ -47,6 +51,10 @@ class MegatronLMSpace:
             raise ValueError(f"Megatron-LM's ZeRO is 0 or 1 (its distributed optimizer), got {self.zero}")
         if not all(0.0 <= f <= 1.0 for f in self.offload_fractions):
             raise ValueError(f"offload fractions must be in [0, 1], got {self.offload_fractions}")
+        if self.virtual_stages is not None and not all(
+            isinstance(v, int) and v >= 1 for v in self.virtual_stages
+        ):
+            raise ValueError(f"virtual_stages must be whole numbers >= 1, got {self.virtual_stages}")
 
 
 @dataclass(frozen=True)
@@ -60,6 +68,7 @@ class MegatronLMSetting:
     zero: int
     offload_optimizer: float
     selective: bool = False  # every layer's core attention recomputed (then no whole layer is)
+    virtual: int = 1  # model chunks a rank (interleaved 1F1B)
 
 
 def settings(
@@ -90,7 +99,18 @@ def settings(
                 ):
                     if per_replica % mb or (zero and dp == 1) or (offload and not zero and dp > 1):
                         continue
-                    yield MegatronLMSetting(tp, dp, mb, split, zero, offload, sel)
+                    for v in _virtual_stages(split, per_replica // mb, space):
+                        yield MegatronLMSetting(tp, dp, mb, split, zero, offload, sel, v)
+
+
+def _virtual_stages(split: tuple[int, ...], micro_batches: int, space: MegatronLMSpace) -> list[int]:
+    """Model chunks a rank for a split: 1, and where the pipeline interleaves (Plan.check: 2 or more
+    even stages, micro-batches a multiple of them) each of the space's that divides a stage."""
+    stages, layers = len(split), split[0]
+    if stages < 2 or len(set(split)) > 1 or micro_batches % stages:
+        return [1]
+    tried = space.virtual_stages if space.virtual_stages is not None else range(2, layers + 1)
+    return [1, *(v for v in tried if v > 1 and layers % v == 0)]
 
 
 def setting_plan(
@@ -100,7 +120,8 @@ def setting_plan(
     stages = [StagePlan(layers=n, recompute=min(recompute, n), selective=setting.selective, zero=setting.zero,
                         offload_optimizer=setting.offload_optimizer) for n in setting.split]  # fmt: skip
     return Plan.of(model, cluster, global_batch=global_batch, tp=setting.tp, dp=setting.dp,
-                   micro_batch=setting.micro_batch, stages=stages)  # fmt: skip
+                   micro_batch=setting.micro_batch, stages=stages,
+                   virtual_stages=setting.virtual)  # fmt: skip
 
 
 def space_plans(
@@ -113,9 +134,13 @@ def space_plans(
 
 
 def recompute_counts(setting: MegatronLMSetting, space: MegatronLMSpace) -> list[int]:
-    """The block-recompute counts of a setting: none under selective recomputation (Megatron-LM
-    recomputes either whole layers or the core attention)."""
-    return list(range(max(setting.split) + 1)) if space.recompute and not setting.selective else [0]
+    """The block-recompute counts of a setting, a stage's layers: none under selective recomputation
+    (Megatron-LM recomputes either whole layers or the core attention); interleaved, whole blocks of
+    every chunk (multiples of the chunks)."""
+    if not space.recompute or setting.selective:
+        return [0]
+    v = setting.virtual
+    return list(range(0, max(setting.split) + 1, v))
 
 
 def check_model(model: ModelSpec) -> None:

@@ -7,6 +7,12 @@ i needs backward m on stage i+1 (the last stage's backward needs its own forward
 extras run before the first forward (``first``: e.g. gathering sharded weights) and after the
 last backward (``last``: gradient synchronisation, optimizer step).
 
+Interleaved 1F1B (Megatron-LM's virtual pipeline stages; Narayanan et al., SC'21): each of the
+S ranks holds V model chunks of L/(S V) layers, chunk c of rank i being virtual stage c S + i, so
+a micro-batch passes every rank V times. Its ops take 1/V of the stage's time and the fill and
+drain bubble shrinks V-fold; the price is V times the point-to-point messages and more
+micro-batches in flight. The op order is megatron-core's (``interleaved_order``).
+
 Gradient clipping (Megatron-LM's and torchtitan's default, and mist.engine.run's) puts a global
 barrier between the two halves of ``last``: the step needs the norm of every stage's gradients,
 an all-reduce over all ranks once each has synchronised its own. So each stage's ``last`` is
@@ -22,25 +28,59 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
-from ..plan import MAX_MICRO_BATCHES
+from ..plan import MAX_MICRO_BATCHES, check_interleaving
 
 
-def in_flight(stage: int, stages: int, micro_batches: int) -> int:
-    """Micro-batches whose activations stage ``stage`` of ``stages`` holds at once under 1F1B: its
-    warm-up forwards plus the one in steady state, at most the iteration's micro-batches."""
-    return min(stages - stage, micro_batches)
+def _warmup(stage: int, stages: int, micro_batches: int, virtual: int) -> int:
+    """Forward ops ``stage`` runs before its first backward: 1F1B's S - i - 1; interleaved,
+    megatron-core's 2 (S - i - 1) + (V - 1) S chunk-ops (with its default of S micro-batches a
+    group); at most every op of the iteration."""
+    if virtual == 1:
+        return min(stages - stage - 1, micro_batches)
+    return min(2 * (stages - stage - 1) + (virtual - 1) * stages, micro_batches * virtual)
+
+
+def in_flight(stage: int, stages: int, micro_batches: int, virtual: int = 1) -> float:
+    """Micro-batches' worth of activations stage ``stage`` of ``stages`` holds at once: under 1F1B
+    its warm-up forwards plus the one in steady state, at most the iteration's micro-batches (a
+    whole number); interleaved, that many chunk-ops of 1/V of the stage's layers each."""
+    held = _warmup(stage, stages, micro_batches, virtual) + 1
+    return min(held, micro_batches) if virtual == 1 else min(held, micro_batches * virtual) / virtual
 
 
 def one_f_one_b_order(stage: int, stages: int, micro_batches: int) -> Iterator[tuple[str, int]]:
     """The op order of ``stage``: ("F", m) or ("B", m), generated (not stored)."""
-    warmup = min(stages - stage - 1, micro_batches)
-    yield from (("F", m) for m in range(warmup))
+    for kind, _, m in interleaved_order(stage, stages, micro_batches, 1):
+        yield kind, m
+
+
+def interleaved_order(
+    stage: int, stages: int, micro_batches: int, virtual: int
+) -> Iterator[tuple[str, int, int]]:
+    """The op order of ``stage`` with ``virtual`` chunks a rank: ("F" or "B", chunk, micro-batch),
+    generated. Forwards go in megatron-core's table: groups of S micro-batches, each through chunk
+    0, then chunk 1, ...; backwards in the same table with the chunks reversed. Warm-up forwards
+    (``_warmup``), then one forward / one backward alternately, then the cool-down backwards. V = 1
+    is plain 1F1B (chunk always 0)."""
+    group = stages if virtual > 1 else micro_batches  # V = 1: one group, chunk 0
+
+    def op(k: int) -> tuple[int, int]:  # the k-th (chunk, micro-batch) of the table
+        start = (k // (group * virtual)) * group
+        size = min(group, micro_batches - start)  # the last group may be short (V = 1 only)
+        within = k - start * virtual
+        return within // size, start + within % size
+
+    total = micro_batches * virtual
+    warmup = _warmup(stage, stages, micro_batches, virtual)
+    for k in range(warmup):
+        yield ("F", *op(k))
     f = warmup
-    for bwd in range(micro_batches):
-        if f < micro_batches:
-            yield ("F", f)
+    for b in range(total):
+        if f < total:
+            yield ("F", *op(f))
             f += 1
-        yield ("B", bwd)
+        chunk, m = op(b)
+        yield ("B", virtual - 1 - chunk, m)
 
 
 def simulate_1f1b(
@@ -52,14 +92,16 @@ def simulate_1f1b(
     p2p: float = 0.0,
     step: Sequence[float] | None = None,
     barrier_s: float = 0.0,
+    virtual: int = 1,
 ) -> float:
     """Makespan of one iteration; ``p2p`` is the send time between neighbouring stages. ``last``:
     each stage's work after its last backward; of it, ``step`` (default none) comes after the
-    gradient-clipping barrier, which itself takes ``barrier_s``.
+    gradient-clipping barrier, which itself takes ``barrier_s``. ``virtual``: model chunks a rank
+    (interleaved 1F1B), each op taking 1/``virtual`` of the stage's forward or backward.
 
     Each finish time is kept only until the one op that waits for it has read it, so memory is
-    O(stages) (a stage runs at most ``stages`` forwards ahead of its backwards), work
-    O(stages x micro-batches)."""
+    O(stages x virtual) (a stage runs at most that many chunk-ops ahead of its backwards), work
+    O(stages x micro-batches x virtual)."""
     stages = len(fwd)
     if len(bwd) != stages or stages < 1:
         raise ValueError("need one forward and one backward time per stage")
@@ -67,32 +109,36 @@ def simulate_1f1b(
         raise ValueError(
             f"micro-batches per iteration must be in [1, {MAX_MICRO_BATCHES}], got {micro_batches}"
         )
+    check_interleaving(stages, micro_batches, virtual)
     first = first or [0.0] * stages
     last = last or [0.0] * stages
-    orders = [one_f_one_b_order(i, stages, micro_batches) for i in range(stages)]
+    top = virtual - 1  # the last chunk
+    orders = [interleaved_order(i, stages, micro_batches, virtual) for i in range(stages)]
     nxt = [next(o) for o in orders]  # every stage has at least one op
-    done: dict[tuple[str, int, int], float] = {}
+    done: dict[tuple[str, int, int, int], float] = {}
     clock = list(first)
-    remaining = 2 * stages * micro_batches
+    remaining = 2 * stages * micro_batches * virtual
     while remaining:
         progressed = False
         for i in range(stages):
             while nxt[i] is not None:
-                kind, m = nxt[i]
+                kind, c, m = nxt[i]
+                # what the op waits for: the previous virtual stage's forward (chunk c - 1 of the
+                # last rank before rank 0), the next one's backward, or the last one's own forward
                 if kind == "F":
-                    key = ("F", i - 1, m) if i > 0 else None
-                    delay = p2p if i > 0 else 0.0
+                    key = ("F", i - 1, c, m) if i > 0 else ("F", stages - 1, c - 1, m) if c > 0 else None
+                elif i < stages - 1:
+                    key = ("B", i + 1, c, m)
                 else:
-                    key = ("B", i + 1, m) if i < stages - 1 else ("F", i, m)
-                    delay = p2p if i < stages - 1 else 0.0
+                    key = ("B", 0, c + 1, m) if c < top else ("F", i, c, m)
                 if key is not None and key not in done:
                     break
-                dep = 0.0 if key is None else done.pop(key) + delay
-                clock[i] = max(clock[i], dep) + (fwd[i] if kind == "F" else bwd[i])
-                # keep what a later op waits for: the next stage's forward, the previous stage's
-                # backward, the last stage's own backward
-                if kind == "F" or i > 0:
-                    done[(kind, i, m)] = clock[i]
+                own = key is not None and key[:3] == ("F", i, c)
+                dep = 0.0 if key is None else done.pop(key) + (0.0 if own else p2p)
+                clock[i] = max(clock[i], dep) + (fwd[i] if kind == "F" else bwd[i]) / virtual
+                # keep what a later op waits for: every op but virtual stage 0's backward
+                if kind == "F" or i > 0 or c > 0:
+                    done[(kind, i, c, m)] = clock[i]
                 nxt[i] = next(orders[i], None)
                 remaining -= 1
                 progressed = True
@@ -109,6 +155,7 @@ def pipeline_objective(
     micro_batches: int,
     step: Sequence | None = None,
     barrier_s: float = 0.0,
+    virtual: int = 1,
 ):
     """The planner's closed form:
 
@@ -117,14 +164,17 @@ def pipeline_objective(
     T_i = forward + backward of one micro-batch on stage i; D_i = its first + last extras, of which
     P_i (``step``, default none) comes after the gradient-clipping barrier, which takes B
     (``barrier_s``). Any T_i, D_i or P_i may be an array (candidates for that stage): the result
-    is then an array too.
+    is then an array too. With V (``virtual``) chunks a rank the fill and drain shrink V-fold:
+    G max_i T_i + (sum_i T_i - max_i T_i) / V, and stage i's last backward ends sum_{j<i} T_j / V
+    before stage 0's (V = 1: the form above).
     """
     step = [0.0] * len(steady) if step is None else step
-    total = (micro_batches - 1) * functools.reduce(np.maximum, steady) + sum(steady)
+    slowest = functools.reduce(np.maximum, steady)
+    total = micro_batches * slowest + (sum(steady) - slowest) / virtual
     before = 0.0
     worst_sync = -np.inf
     for t_i, d_i, p_i in zip(steady, extra, step, strict=True):
         worst_sync = np.maximum(worst_sync, d_i - p_i - before)
-        before = before + t_i
+        before = before + t_i / virtual
     out = total + np.maximum(worst_sync, 0.0) + barrier_s + functools.reduce(np.maximum, step)
     return float(out) if np.ndim(out) == 0 else out

@@ -92,8 +92,9 @@ def lower_bound_s(problem: Problem, candidate: Candidate) -> float:
     """No plan of ``candidate`` has a shorter iteration (closed form): each stage's micro-batch takes
     at least its layers' forward and backward, and the slowest stage at least the average."""
     ln = layer_numbers(candidate.setting(problem))
-    L, S, G = problem.model.layers, candidate.stages, candidate.grad_accum
-    return (G - 1) * L * (ln.fwd + ln.bwd) / S + L * (ln.fwd + ln.bwd)
+    L, S, G, V = problem.model.layers, candidate.stages, candidate.grad_accum, candidate.virtual
+    per_stage = L * (ln.fwd + ln.bwd) / S
+    return G * per_stage + (S - 1) * per_stage / V  # (G - 1 + S) per_stage at V = 1
 
 
 def tune_setting(
@@ -384,7 +385,7 @@ def _evaluate(
     st: Setting,
     ln: LayerNumbers,
     stage: StagePlan,
-    in_flight: int,
+    in_flight: float,
     first: bool,
     last: bool,
     grad_accum: int,
@@ -396,7 +397,8 @@ def _evaluate(
     layers; the 13B Megatron-LM space priced 32768 stages, 7753 of them distinct)."""
     strategy = tuple(float(getattr(stage, k)) for k in STRATEGY_FIELDS)
     edge_key = None if edge is None else tuple(edge[k] for k in EDGE_FIELDS)
-    key = (st.tp, st.dp, st.micro_batch, st.stages, st.sp, stage.layers, in_flight, first, last)
+    key = (st.tp, st.dp, st.micro_batch, st.stages, st.virtual_stages, st.sp, stage.layers, in_flight, first,
+           last)  # fmt: skip
     key += (strategy, grad_accum, edge_key)
     if memo is not None and key in memo:
         return memo[key]
@@ -411,12 +413,12 @@ def _price(problem: Problem, plan: Plan, simulate: bool, memo: StageMemo | None 
     """Fill in a checked plan's predictions (``predict``'s work after its checks)."""
     problem = _for_plan(problem, plan)
     point = Candidate.of_plan(plan)
-    S, G = point.stages, point.grad_accum
+    S, G, V = point.stages, point.grad_accum, point.virtual
     budget = problem.gpu_budget
     steady, extra, step, fwd, bwd = [], [], [], [], []
     fits = True
     for i, s in enumerate(plan.stages):
-        st = problem.setting(*plan.stage_parallelism(i), S)
+        st = problem.setting(*plan.stage_parallelism(i), S, V)
         ln = layer_numbers(st)
         edge = None if plan.pre_post is None else {k: float(getattr(plan.pre_post, k)) for k in EDGE_FIELDS}
         v = _evaluate(st, ln, s, point.in_flight(i), i == 0, i == S - 1, G, edge, memo)
@@ -436,9 +438,9 @@ def _price(problem: Problem, plan: Plan, simulate: bool, memo: StageMemo | None 
             first_ln = ln
     ln = first_ln
     barrier = clip_barrier_s(problem.setting(*plan.stage_parallelism(0), S))
-    plan.predicted_iteration_s = pipeline_objective(steady, extra, G, step, barrier)
+    plan.predicted_iteration_s = pipeline_objective(steady, extra, G, step, barrier, V)
     plan.simulated_iteration_s = (
-        simulate_1f1b(fwd, bwd, G, last=extra, step=step, barrier_s=barrier) if simulate else None
+        simulate_1f1b(fwd, bwd, G, last=extra, step=step, barrier_s=barrier, virtual=V) if simulate else None
     )
     plan.breakdown = {
         "usable_memory_bytes": problem.gpu_budget,

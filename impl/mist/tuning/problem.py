@@ -104,11 +104,12 @@ class Problem:
         return cls.resolve(model, cluster, plan.global_batch, runtime, interference, grad_accumulation,
                            sequence_parallel=plan.sequence_parallel)  # fmt: skip
 
-    def setting(self, tp: int, dp: int, micro_batch: int, stages: int) -> Setting:
-        """The stage-cost setting of a (tp, dp, micro-batch) stage in a pipeline of ``stages``."""
+    def setting(self, tp: int, dp: int, micro_batch: int, stages: int, virtual: int = 1) -> Setting:
+        """The stage-cost setting of a (tp, dp, micro-batch) stage in a pipeline of ``stages``, with
+        ``virtual`` model chunks a rank."""
         return Setting(self.model, self.cluster, self.runtime, self.interference, tp, dp, micro_batch,
                        self.gpu_budget, stages, sp=self.sequence_parallel,
-                       grad_accumulation=self.grad_accumulation)  # fmt: skip
+                       grad_accumulation=self.grad_accumulation, virtual_stages=virtual)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -120,20 +121,22 @@ class Candidate:
     dp: int
     micro_batch: int
     global_batch: int
+    virtual: int = 1  # model chunks a pipeline rank (interleaved 1F1B)
 
     @classmethod
     def of_plan(cls, plan: Plan) -> Candidate:
         """The plan's (uniform) point; per-stage TP/DP of a plan are not part of it."""
-        return cls(plan.tp, len(plan.stages), plan.dp, plan.micro_batch, plan.global_batch)
+        return cls(plan.tp, len(plan.stages), plan.dp, plan.micro_batch, plan.global_batch,
+                   plan.virtual_stages)  # fmt: skip
 
     @property
     def grad_accum(self) -> int:
         """Micro-batches per iteration (G), as ``Plan.grad_accum`` counts them."""
         return grad_accum(self.global_batch, self.dp, self.micro_batch)
 
-    def in_flight(self, stage: int) -> int:
-        """Micro-batches whose activations ``stage`` holds at once under 1F1B."""
-        return in_flight(stage, self.stages, self.grad_accum)
+    def in_flight(self, stage: int) -> float:
+        """Micro-batches' worth of activations ``stage`` holds at once (``pipeline_sim.in_flight``)."""
+        return in_flight(stage, self.stages, self.grad_accum, self.virtual)
 
     def setting(self, problem: Problem) -> Setting:
-        return problem.setting(self.tp, self.dp, self.micro_batch, self.stages)
+        return problem.setting(self.tp, self.dp, self.micro_batch, self.stages, self.virtual)

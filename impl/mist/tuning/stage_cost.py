@@ -87,6 +87,7 @@ class Setting:
     sp: bool = True  # sequence parallelism with TP (Megatron's default with TP)
     # how the engine running the plan accumulates gradients over micro-batches
     grad_accumulation: GradAccumulation = GRAD_ACCUMULATION["megatron-core"]
+    virtual_stages: int = 1  # model chunks a pipeline rank (interleaved 1F1B)
 
     @property
     def sequence_parallel(self) -> bool:
@@ -413,7 +414,7 @@ def evaluate_stage(
     st: Setting,
     ln: LayerNumbers,
     layers: int,
-    in_flight: int,
+    in_flight: float,
     first: bool,
     last: bool,
     grid: dict[str, np.ndarray],
@@ -442,9 +443,14 @@ def evaluate_stage(
     # recomputation: r layers' forward, and the others' core attention under selective
     compute = layers * (ln.fwd + ln.bwd) + r * ln.fwd + (layers - r) * grid["selective"] * ln.core_fwd
     # the activation forward and its gradient backward, per neighbouring stage, on the critical
-    # path of 1F1B (a stage waits for what it receives)
-    neighbours = (0 if first else 1) + (0 if last else 1)
-    compute = compute + 2 * neighbours * ln.p2p
+    # path of 1F1B (a stage waits for what it receives). Interleaved, per chunk (a micro-batch
+    # enters and leaves every chunk of a rank but the model's first and last), and overlapped with
+    # the chunks' compute as Megatron-LM's interleaved schedule does by default (its
+    # --overlap-p2p-communication: sends and receives posted ahead, waited for later)
+    neighbours = 2 * st.virtual_stages - (1 if first else 0) - (1 if last else 0)
+    p2p = 2 * neighbours * ln.p2p
+    interleaved = st.virtual_stages > 1
+    compute = compute + (0.0 if interleaved else p2p)
     if last:
         compute = compute + ln.head_fwd + ln.head_bwd
     if first:
@@ -454,6 +460,7 @@ def evaluate_stage(
     layer_w_full, edge_w_full = 2.0 * ln.params, 2.0 * edge_params
     zero_compute, g2g = _zero_per_micro_batch(st, layers, layer_w_full, edge_w_full, z, ez, across)
     compute = compute + zero_compute
+    g2g = g2g + (p2p if interleaved else 0.0)
     kept = _kept_per_layer(ln, grid)
     act_swapped = ao * ((layers - r) * kept + r * ln.layer_input)
     h2d_bw = st.interference.host_rate("h2d", cl.gpu.host_bw)
