@@ -783,3 +783,36 @@ def test_interleaved_pipeline_trains_as_its_virtual_stages_on_a_process_each(tmp
         assert r["layers"] == 2
         stage = plans["interleaved"].stages[i]
         assert abs(stage.memory_bytes / r["memory_bytes"] - 1) < TOLERANCE, (r, stage.memory_bytes)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_interleaved_pipeline_with_the_distributed_optimizer_trains_as_without(tmp_path_factory):
+    """Interleaved 1F1B (2 ranks x 2 chunks of 2 layers, every layer recomputed) at DP 2 with ZeRO-1
+    and half of each rank's optimizer share offloaded (Megatron-LM's distributed optimizer with
+    --optimizer-offload-fraction 0.5) against the same pipeline at ZeRO-0 (4 processes each): the
+    same training (bf16 sums in another order: 2e-2, as ZeRO-1 without interleaving), the state
+    sharded over both chunks' layers (a rank holds less), and each rank's memory within the
+    tolerance of the prediction (measured: -4.2% to +2.8%). The engine's ZeRO-1 shares are whole
+    buckets (a layer, the embedding, the head) where the model prices an even share: with one
+    layer a chunk, DP rank 0's share came out 12% above it and its memory 10.7% above."""
+    reports, plans = {}, {}
+    for zero, fraction in ((0, 0.0), (1, 0.5)):
+        stages = [StagePlan(layers=4, recompute=4, zero=zero, offload_optimizer=fraction) for _ in range(2)]
+        plan = _tiny_plan(stages, dp=2)
+        plan.model_overrides["layers"] = 8
+        plan.virtual_stages = 2
+        plan.micro_batch = 1  # 4 micro-batches a step: a multiple of the 2 stages
+        plan.model_overrides["dropout"] = 0.0
+        plan.check()
+        assert not unsupported(plan), unsupported(plan)
+        predict(plan, plan.model_spec(), cluster("cpu", plan.gpus))
+        plans[zero], reports[zero] = plan, _torchrun(plan, tmp_path_factory.mktemp(f"zero{zero}"))
+    a, b = (next(r["losses"] for r in reports[z]["ranks"] if r["losses"] is not None) for z in (0, 1))
+    assert a == pytest.approx(b, rel=2e-2, abs=0)
+    for r in reports[1]["ranks"]:
+        plain = next(p for p in reports[0]["ranks"] if p["rank"] == r["rank"])
+        assert r["held_bytes"] < 0.75 * plain["held_bytes"], (r["held_bytes"], plain["held_bytes"])
+        assert r["host_optimizer_bytes"] > 0, r
+        stage = plans[1].stages[r["stage"]]
+        assert abs(stage.memory_bytes / r["memory_bytes"] - 1) < TOLERANCE, (r, stage.memory_bytes)
