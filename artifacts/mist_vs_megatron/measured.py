@@ -302,7 +302,10 @@ def _plan_line(plan: dict) -> str:
         for st in plan["stages"]
     )  # fmt: skip
     pre_post = "" if plan["pre_post"] is None else f"; embedding/head {plan['pre_post']}"
-    return f"TP {plan['tp']} DP {plan['dp']} micro-batch {plan['micro_batch']}: [{stages}]{pre_post}"
+    chunks = plan.get("virtual_stages", 1)  # results from before interleaving have none
+    shape = f"TP {plan['tp']} DP {plan['dp']} micro-batch {plan['micro_batch']}"
+    shape += f", {chunks} chunks a rank" if chunks > 1 else ""
+    return f"{shape}: [{stages}]{pre_post}"
 
 
 def print_measured(store: Results) -> None:
