@@ -19,6 +19,8 @@ from measure.launch import run_torchrun
 from mist import Plan, StagePlan, cluster, model, predict
 from mist.engine.run import unsupported
 from mist.plan import PrePostPlan
+from mist.tuning.problem import Problem
+from mist.tuning.stage_cost import layer_numbers
 
 # Predicted vs measured per-rank memory: the stated target (README: "target 10%"), not loosened.
 # Measured: held tensor bytes + the allocator peak of the typical steady step (the median of a
@@ -458,7 +460,9 @@ def test_zero3_offloads_weight_and_gradient_shards(tmp_path):
     pins its group's whole reduce-scatter output, and the sum comes out larger). Memory: on a
     CPU, ZeRO-3's step peak moves by a layer's full weights from step to step (gloo; at this
     size 8.4-11.5 MiB above 3.1 MiB held), so the prediction is checked against the range of the
-    profiled steps, widened by the tolerance."""
+    profiled steps, widened by the tolerance, its low end by one layer's full weights more: the
+    steps' peaks fall in modes a layer's weights apart (here 8.11 and 9.69 MB of the offloaded
+    run), and a CI run whose 5 profiled steps all fell in the upper one failed the plain range."""
     runs = {}
     for offloaded in (False, True):
         stage = StagePlan(layers=4, recompute=4, zero=3, offload_optimizer=1.0,
@@ -471,6 +475,8 @@ def test_zero3_offloads_weight_and_gradient_shards(tmp_path):
     (plain_plan, plain), (plan, report) = runs[False], runs[True]
     a, b = (next(r["losses"] for r in rep["ranks"] if r["losses"] is not None) for rep in (plain, report))
     assert a == pytest.approx(b, rel=1e-6)
+    problem = Problem.of_plan(plan, plan.model_spec(), cluster("cpu", 2))
+    layer_weights = 2 * layer_numbers(problem.setting(*plan.stage_parallelism(0), 1)).params  # bf16, whole
     for r, r0 in zip(report["ranks"], plain["ranks"], strict=True):
         stage, without = plan.stages[r["stage"]], plain_plan.stages[r["stage"]]
         moved = stage.host_memory_bytes - without.host_memory_bytes  # weight and gradient shards
@@ -480,7 +486,8 @@ def test_zero3_offloads_weight_and_gradient_shards(tmp_path):
         kept = r["device_grad_bytes"] + r["host_gradient_bytes"]
         assert kept == pytest.approx(r0["device_grad_bytes"], rel=1e-3), (r, r0)
         for rep, st in ((r, stage), (r0, without)):
-            lo, hi = rep["held_bytes"] + min(rep["step_peaks_bytes"]), rep["worst_memory_bytes"]
+            lo = rep["held_bytes"] + min(rep["step_peaks_bytes"]) - layer_weights
+            hi = rep["worst_memory_bytes"]
             assert lo * (1 - TOLERANCE) < st.memory_bytes < hi * (1 + TOLERANCE), (rep, st.memory_bytes)
 
 
