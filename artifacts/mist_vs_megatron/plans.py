@@ -34,6 +34,8 @@ def plan_summary(plan) -> dict:
         # the embedding/head's own strategy, if the plan has one: the plan is whole, re-priceable
         "pre_post": None if plan.pre_post is None else dataclasses.asdict(plan.pre_post),
         "virtual_stages": plan.virtual_stages,  # model chunks a pipeline rank (interleaved 1F1B)
+        "overlap_grad_reduce": plan.overlap_grad_reduce,  # DP reduction overlapped with backward
+        "grad_bucket_params": plan.grad_bucket_params,
     }
 
 
@@ -52,4 +54,7 @@ def summary_plan(key: dict, summary: dict):
         micro_batch=summary["micro_batch"], stages=stages,
         pre_post=None if edge is None else PrePostPlan(**edge),
         virtual_stages=summary.get("virtual_stages", 1),  # points from before interleaving: plain 1F1B
+        # points from before the reduction overlapped: after backward
+        overlap_grad_reduce=summary.get("overlap_grad_reduce", False),
+        grad_bucket_params=summary.get("grad_bucket_params"),
     )  # fmt: skip

@@ -158,7 +158,17 @@ def search_aceso(
         base, extra = divmod(model.layers, pp)
         stages = [StagePlan(layers=base + (k < extra), recompute=base + (k < extra)) for k in range(pp)]
         starts.append(
-            Plan.of(model, cluster, global_batch=global_batch, tp=tp, dp=dp, micro_batch=1, stages=stages)
+            # Aceso runs on Megatron-LM: the gradient reduction overlapped, as the grid's
+            Plan.of(
+                model,
+                cluster,
+                global_batch=global_batch,
+                tp=tp,
+                dp=dp,
+                micro_batch=1,
+                stages=stages,
+                overlap_grad_reduce=True,
+            )
         )
     if not starts:
         raise NoFeasiblePlan(

@@ -29,7 +29,14 @@ def search_zero3(
             if global_batch % (dp * mb) == 0:
                 for recompute in (0, model.layers):
                     stage = StagePlan(layers=model.layers, recompute=recompute, zero=3)
-                    fields = {"global_batch": global_batch, "tp": 1, "dp": dp, "micro_batch": mb}
+                    # (ZeRO-3 reduce-scatters by layer in backward: the flag changes nothing)
+                    fields = {
+                        "global_batch": global_batch,
+                        "tp": 1,
+                        "dp": dp,
+                        "micro_batch": mb,
+                        "overlap_grad_reduce": True,
+                    }
                     yield Plan.of(model, cluster, gpus=dp, stages=[stage], **fields)
 
     what = f"ZeRO-3 over {dp} GPUs does not fit {model.name} (global batch {global_batch})"

@@ -8,16 +8,18 @@ tokenizer, learning rate, iterations) is a placeholder the user fills: synthetic
 tokenizer sized to the priced vocabulary by default. A plan part Megatron-LM cannot express is
 refused by name (``CannotExport``), never dropped.
 
-What the command leaves at Megatron-LM's defaults, on purpose: gradient reduce and parameter
-gather not overlapped with backward (Mist prices the gradient synchronisation after the last
-micro-batch's backward, ``stage_cost._gradient_sync``), Adam, and the softmax in the activations'
-precision (``engine.megatron.model_settings``).
+The gradient reduction overlaps backward (``--overlap-grad-reduce``, with ``--ddp-bucket-size``
+where the plan gives one) when the plan says so (``Plan.overlap_grad_reduce``: what the searches
+plan, priced by ``stage_cost._hidden_reduction_s``). What the command leaves at Megatron-LM's
+defaults, on purpose: the parameter all-gather not overlapped with the next forward (priced after
+the step), Adam, and the softmax in the activations' precision (``engine.megatron.model_settings``).
 
 **torchtitan** (0.2.2, whose job config is a TOML file): the parallel degrees (FSDP2 for ZeRO-2/3,
-DDP for none), the pipeline's stages as explicit module lists and its 1F1B schedule, activation
-checkpointing (none or every layer), micro and global batch, FSDP's CPU offload. torchtitan builds
-a registered model flavor (``--flavor``), Llama-style only; the export cannot see its shape, so it
-says which shape the plan was priced for.
+DDP for none, its all-reduce overlapped with backward in torch's own 25 MiB buckets where the plan
+priced Megatron-LM's default buckets), the pipeline's stages as explicit module lists and its 1F1B
+schedule, activation checkpointing (none or every layer), micro and global batch, FSDP's CPU
+offload. torchtitan builds a registered model flavor (``--flavor``), Llama-style only; the export
+cannot see its shape, so it says which shape the plan was priced for.
 """
 
 from __future__ import annotations
@@ -179,6 +181,10 @@ def megatron_lm_arguments(plan: Plan, model: ModelSpec) -> tuple[list[str], list
         ]
     if plan.virtual_stages > 1:  # interleaved 1F1B (Plan.check: even stages, whole chunks)
         args += ["--num-virtual-stages-per-pipeline-rank", str(plan.virtual_stages)]
+    if plan.overlap_grad_reduce:
+        args.append("--overlap-grad-reduce")
+        if plan.grad_bucket_params is not None:
+            args += ["--ddp-bucket-size", str(plan.grad_bucket_params)]
     for part in (_recompute_arguments(plan), _optimizer_arguments(plan)):
         args += part[0]
         cannot += part[1]
@@ -278,6 +284,10 @@ def _torchtitan_limits(plan: Plan, model: ModelSpec, flavor: str) -> list[str]:
         )
     elif plan.dp == 1 and zero & {2, 3}:
         cannot.append("ZeRO-2/3 over one replica (torchtitan applies no FSDP there, nor its CPU offload)")
+    if zero == {0} and plan.dp > 1 and not plan.overlap_grad_reduce:
+        cannot.append("DDP's all-reduce after backward (torch's DDP always overlaps it with backward)")
+    if plan.overlap_grad_reduce and plan.grad_bucket_params is not None:
+        cannot.append(f"gradient buckets of {plan.grad_bucket_params} parameters (torchtitan has no option)")
     cannot += _node_limits(plan)
     offloads = {(s.offload_weights, s.offload_grads, s.offload_optimizer) for s in stages}
     if offloads != {(0.0, 0.0, 0.0)} and not _fsdp_cpu_offload(plan):

@@ -9,7 +9,10 @@ whole number of bytes; null: the GPU type's usual host); ``gpu_memory_bytes`` a 
 device's memory (null: its data sheet's; mist.engine.run enforces it); ``pre_post`` the embedding's and head's
 own ZeRO stage and offloaded fractions (null: as their stage's other parameters);
 ``virtual_stages`` the model chunks each pipeline rank holds (Megatron-LM's interleaved 1F1B; 1,
-the default: plain 1F1B). Predictions
+the default: plain 1F1B); ``overlap_grad_reduce`` whether the data-parallel gradient reduction
+runs bucket by bucket during the last micro-batch's backward (Megatron-LM's
+``--overlap-grad-reduce``; false, its default: after backward), in buckets of at least
+``grad_bucket_params`` parameters (null: Megatron-LM's default, max(40M, 1M x DP)). Predictions
 are filled in by ``predict``: per stage ``steady_s``, ``extra_s`` and, of it, ``step_s`` after the
 gradient-clipping barrier (seconds), ``memory_bytes``
 (per GPU) and ``host_memory_bytes`` (what each of its GPUs offloads to the host), and the
@@ -50,6 +53,12 @@ def grad_accum(global_batch: int, dp: int, micro_batch: int) -> int:
     """Micro-batches per iteration (G): the global batch over DP replicas of micro-batches (the one
     place this is computed; the plan and the search's candidates both ask here)."""
     return global_batch // (dp * micro_batch)
+
+
+def grad_bucket(bucket_params: int | None, dp: int) -> int:
+    """Parameters a gradient bucket holds at least: ``bucket_params``, or Megatron-LM's DDP default
+    (--ddp-bucket-size: max(40M, 1M x DP))."""
+    return bucket_params or max(40_000_000, 1_000_000 * dp)
 
 
 def check_interleaving(stages: int, micro_batches: int, virtual: int) -> None:
@@ -214,6 +223,10 @@ class Plan:
     # model chunks a pipeline rank holds (Megatron-LM's interleaved 1F1B; 1: plain 1F1B): every
     # stage's layers and recomputed layers split evenly over them
     virtual_stages: int = 1
+    # the DP gradient reduction overlapped with the last backward, by buckets (Megatron-LM's
+    # --overlap-grad-reduce and --ddp-bucket-size; None: its default bucket)
+    overlap_grad_reduce: bool = False
+    grad_bucket_params: int | None = None
     predicted_iteration_s: float | None = None
     simulated_iteration_s: float | None = None
     tuning_s: float | None = None
@@ -285,6 +298,11 @@ class Plan:
             )
             raise ValueError(f"the stages use {shapes} = {used} GPUs (tp x dp each), but gpus = {self.gpus}")
         self._check_interleaving()
+        if not isinstance(self.overlap_grad_reduce, bool):
+            raise ValueError(f"overlap_grad_reduce must be true or false, got {self.overlap_grad_reduce!r}")
+        bucket = self.grad_bucket_params
+        if bucket is not None and not (_is_int(bucket) and bucket >= 1):
+            raise ValueError(f"grad_bucket_params must be a whole number >= 1 or null, got {bucket!r}")
 
     def _check_interleaving(self) -> None:
         """Virtual stages as megatron-core's interleaved schedule runs them and Megatron-LM's
@@ -406,6 +424,7 @@ class Plan:
             f"global batch {self.global_batch}: TP {self.tp} x DP {self.dp} x PP {len(self.stages)}, "
             f"micro-batch {self.micro_batch}, {self.grad_accum} micro-batches"
             + (f", {self.virtual_stages} virtual stages a rank" if self.virtual_stages > 1 else "")
+            + (", gradient reduction overlapped with backward" if self.overlap_grad_reduce else "")
         )
         rows = [
             head,

@@ -90,7 +90,7 @@ def test_pre_post_travels_with_the_plan(tmp_path):
 
 def test_the_committed_comparison_reprices_to_its_numbers():
     """Every stored plan of the reference comparison is whole (stages, embedding/head strategy,
-    virtual stages):
+    virtual stages, gradient reduction):
     re-priced by today's model it gives the stored iteration time (fresh random sample), so the
     reference is the current model's and a model change cannot slip in without regenerating it.
     Its per-stage memory too, stored in GiB (before plan_format 2) or bytes: the same bytes."""
@@ -115,6 +115,8 @@ def test_the_committed_comparison_reprices_to_its_numbers():
             "micro_batch": r["micro_batch"],
             "stages": stages, "model_overrides": overrides, "pre_post": r.get("pre_post"),
             "virtual_stages": r.get("virtual_stages", 1),
+            "overlap_grad_reduce": r.get("overlap_grad_reduce", False),
+            "grad_bucket_params": r.get("grad_bucket_params"),
         })  # fmt: skip
         predict(plan, model(key["model"], **overrides), cluster(key["gpu"], key["gpus"]))
         assert plan.simulated_iteration_s == pytest.approx(r["iteration_s"], rel=1e-9), key

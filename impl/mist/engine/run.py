@@ -54,7 +54,7 @@ from torch import nn
 from measure.parallel import die_with_parent
 from measure.training import MasterWeightAdamW
 
-from ..plan import Plan
+from ..plan import Plan, grad_bucket
 from .layers import block_spec
 from .layout import RankLayout, init_megatron_state
 from .megatron import megatron_limits, model_settings
@@ -296,11 +296,12 @@ class StageGradients:
     """Where a stage's gradients go between backward and the step, part by part: ZeRO-2/3 reduce
     each (to its owner, or scattered) as backward makes it, so no full buffer (ZeRO-2's offload in
     ShardedMasterAdamW, ZeRO-3's in ShardedGradientOffload over FSDP2's shards); the rest are
-    views into one contiguous buffer, all-reduced over DP after backward, less those accumulated
-    on the host (GradientOffload), all-reduced there."""
+    views into one contiguous buffer, all-reduced over DP after backward (``overlap``: bucket by
+    bucket during the last micro-batch's backward, ContiguousGrads), less those accumulated on the
+    host (GradientOffload), all-reduced there. ``order``: the parameters in the model's order."""
 
     def __init__(self, parts: list[Part], sharded: list[ModuleGroup], optimizer: PartOptimizers,
-                 dp: int) -> None:  # fmt: skip
+                 dp: int, order: list[nn.Parameter], overlap: tuple | None = None) -> None:  # fmt: skip
         self.dp, self.optimizer = dp, optimizer
         self.reduced_as_made = [part.zero >= 2 and dp > 1 for part in parts]
         self.drained = [GradientOffload(part.params, part.offload_grads)
@@ -310,9 +311,10 @@ class StageGradients:
         self.drained_shards = [ShardedGradientOffload(g.modules, g.offload_grads)
                                for g in sharded if g.offload_grads > 0]  # fmt: skip
         on_host = {id(p) for d in self.drained for p in d.params}
-        kept = [p for part, made in zip(parts, self.reduced_as_made, strict=True) if not made
-                for p in part.params if id(p) not in on_host]  # fmt: skip
-        self.buffer = ContiguousGrads(kept) if kept else None
+        kept = {id(p) for part, made in zip(parts, self.reduced_as_made, strict=True) if not made
+                for p in part.params if id(p) not in on_host}  # fmt: skip
+        kept = [p for p in order if id(p) in kept]  # the model's order: backward runs it reversed
+        self.buffer = ContiguousGrads(kept, overlap) if kept else None
 
     def sync(self, dp_group) -> None:
         """The DP averages, and the host sums where the optimizer reads them."""
@@ -324,6 +326,11 @@ class StageGradients:
             host.attach()
         for host in self.drained_shards:  # FSDP2 averaged them over DP
             host.attach()
+
+    def wait_overlapped(self) -> None:
+        """The device buffer's bucket sums begun in backward done (before anything else writes it)."""
+        if self.buffer is not None:
+            self.buffer.wait()
 
     def zero(self) -> None:
         """After the step: host sums zeroed, ZeRO-2/3's reduced shards dropped, the buffer zeroed."""
@@ -531,25 +538,31 @@ def run(plan: Plan, steps: int = 5, seed: int = 0, lr: float = 1e-2) -> dict:
     parts = _parameter_parts(model, plan, mine)  # after sharding: FSDP2 replaces the parameters
     sequence_parallel = plan.sequence_parallel and tp > 1
     optimizer = PartOptimizers([_optimizer(part, dp, model, lr, sequence_parallel) for part in parts])
-    gradients = StageGradients(parts, sharded, optimizer, dp)
+    dp_group, tp_group = ps.get_data_parallel_group(), ps.get_tensor_model_parallel_group()
+    # Megatron-LM's --overlap-grad-reduce: the DP sum bucket by bucket during the last backward
+    overlap = ((dp_group, grad_bucket(plan.grad_bucket_params, dp), plan.grad_accum)
+               if plan.overlap_grad_reduce and dp > 1 else None)  # fmt: skip
+    gradients = StageGradients(parts, sharded, optimizer, dp, list(model.parameters()), overlap)
     tp_duplicates = {id(p) for n, p in model.named_parameters() if n in whole_on_tp}
     # after the optimizers and gradient buffers: they are made where the weights are, the device
     weights = _weight_offloads(groups, dp)
     batches = _batches(plan, layout, stage, seed, device)
     schedule = Pipeline1F1B if plan.virtual_stages == 1 else PipelineInterleaved
     pipeline = schedule(model, plan.model_spec(), plan, batches, layout)
-    dp_group, tp_group = ps.get_data_parallel_group(), ps.get_tensor_model_parallel_group()
 
     phases: list[dict[str, float]] = []  # per step: where the time went
     grad_bytes: list[int] = []  # per step: the .grad tensors on the device when backward ends
     first_grad_norm: list[float] = []
     clipped_norms: list[float] = []  # per step: the global gradient norm before clipping
+    in_backward: list[int] = []  # per step: buckets whose DP sum began during backward (overlap)
 
     def step() -> float:
         t0 = _now(device)
         loss = pipeline.iteration()
         t1 = _now(device)
         grad_bytes.append(_tensor_bytes(p.grad for p in model.parameters() if p.grad is not None))
+        gradients.wait_overlapped()  # before the TP sum writes the same gradients
+        in_backward.append(gradients.buffer.launched_in_backward if gradients.buffer is not None else 0)
         if tp > 1:
             _sum_sequence_parallel_grads(model, tp_group)
         gradients.sync(dp_group)
@@ -589,6 +602,10 @@ def run(plan: Plan, steps: int = 5, seed: int = 0, lr: float = 1e-2) -> dict:
         "global_grad_norms": clipped_norms,  # every step's, before clipping (the same on every rank)
         **_offload_report(optimizer, weights, gradients),
         "activation_offloaded_layers": offloaded_layers,  # layers whose saved activations wait on the host
+        # overlapped DP reduction: the device buffer's buckets, and of them those whose sum began
+        # during the last step's backward (not overlapping: 0 and 0)
+        "gradient_buckets": len(gradients.buffer.buckets) if gradients.buffer is not None else 0,
+        "buckets_reduced_in_backward": in_backward[-1],
         "layer_input_shape": layer_input_shape,
         # built here: the plan's count for this stage (interleaved: over its chunks)
         "layers": sum(len(gpt.decoder.layers) for gpt in gpt_modules(model)),

@@ -194,22 +194,85 @@ def shard_parameters(model, dp_group, device: torch.device, groups: list, whole:
 class ContiguousGrads:
     """Gradients as Megatron's DDP keeps them: every parameter's ``.grad`` is a view into one flat
     buffer per dtype, allocated once. Backward accumulates into it in place, the data-parallel
-    sum is one in-place all-reduce per buffer (no per-tensor latency, no flattening copy)."""
+    sum is one in-place all-reduce per buffer (no per-tensor latency, no flattening copy).
 
-    def __init__(self, params) -> None:
+    ``overlap``: (group, bucket parameters, micro-batches a step): the sum runs bucket by bucket
+    during the last micro-batch's backward instead (Megatron-LM's --overlap-grad-reduce). The
+    buffer is laid out in backward order (the parameters reversed, as Megatron's DDP does) and cut
+    into buckets of at least that many parameters; a bucket's all-reduce starts, asynchronously,
+    once every one of its parameters has had its gradient accumulated for every micro-batch."""
+
+    def __init__(self, params, overlap: tuple | None = None) -> None:
         params = [p for p in params if p.requires_grad]
+        if overlap is not None:
+            params = params[::-1]
         self.buffers, views = flat_views(params, params[0].device) if params else ([], {})
         for p in params:
             p.grad = views[id(p)]
+        self.works: list = []
+        self.buckets: list[list[torch.Tensor]] = []
+        self.launched_in_backward = 0  # this step's buckets whose sum began during backward
+        if overlap is not None and params:
+            self.group, bucket_params, micro_batches = overlap
+            current: list[torch.Tensor] = []
+            for p in params:
+                current.append(p)
+                if sum(q.numel() for q in current) >= bucket_params:
+                    self.buckets.append(current)
+                    current = []
+            self.buckets += [current] if current else []
+            self.bucket_of = {id(p): i for i, bucket in enumerate(self.buckets) for p in bucket}
+            self.needed = [len(bucket) * micro_batches for bucket in self.buckets]
+            self.made = [0] * len(self.buckets)
+            for p in params:
+                p.register_post_accumulate_grad_hook(self._accumulated)
+
+    def _slices(self, i: int) -> list[torch.Tensor]:
+        """Bucket i's part of each dtype's buffer (its parameters are consecutive in each)."""
+        out = []
+        for flat in self.buffers:
+            mine = [p.grad for p in self.buckets[i] if p.grad.dtype == flat.dtype]
+            if mine:
+                lo = min(g.storage_offset() for g in mine) - flat.storage_offset()
+                hi = max(g.storage_offset() + g.numel() for g in mine) - flat.storage_offset()
+                out.append(flat[lo:hi])
+        return out
+
+    def _launch(self, i: int) -> None:
+        self.works += [dist.all_reduce(part, group=self.group, async_op=True) for part in self._slices(i)]
+
+    def _accumulated(self, p: torch.Tensor) -> None:
+        i = self.bucket_of[id(p)]
+        self.made[i] += 1
+        if self.made[i] == self.needed[i]:
+            self._launch(i)
+            self.launched_in_backward += 1
+
+    def wait(self) -> None:
+        """Every bucket's sum done (a bucket some parameter of which made no gradient is summed
+        now), where overlapping; nothing otherwise."""
+        for i, made in enumerate(getattr(self, "made", [])):
+            if made < self.needed[i]:
+                self._launch(i)
+        for work in self.works:
+            work.wait()
+        self.works.clear()
 
     def all_reduce(self, group, divide_by: int) -> None:
+        if self.buckets:
+            self.wait()
+        else:
+            for flat in self.buffers:
+                dist.all_reduce(flat, group=group)
         for flat in self.buffers:
-            dist.all_reduce(flat, group=group)
             flat /= divide_by
 
     def zero(self) -> None:
         for flat in self.buffers:
             flat.zero_()
+        if self.buckets:
+            self.made = [0] * len(self.buckets)
+            self.launched_in_backward = 0
 
 
 def flat_collective(tensors: list[torch.Tensor], collective) -> None:

@@ -1,15 +1,18 @@
 """Plans Megatron-LM can run, searched exhaustively and priced by Mist's cost model.
 
 Megatron-LM (at the pinned megatron-core's release) gives every stage one TP and DP; splits the
-layers evenly or with the first and last stage uneven (``--decoder-first/last-pipeline-num-layers``);
-interleaves the pipeline (``--num-virtual-stages-per-pipeline-rank``: V model chunks a rank, the
-stages even, the micro-batches a multiple of the stages); recomputes whole layers by block (the
-first k layers of every stage, of every chunk when interleaved; k = all: every layer) or
-every layer's core attention (selective: none of it kept where FlashAttention keeps none); shards
-the optimizer state with its distributed optimizer (ZeRO-1) or not at all; and offloads one fraction
-of the optimizer (only its distributed one). ``MegatronLMSpace`` says which of those choices a search
-tries. Every plan it makes exports (``mist.export``): ``mist plan --target megatron-lm`` searches the
-widest space, the Megatron-LM grid baseline (``baselines/megatron/grid.py``) the choices its users tune.
+layers evenly or with the first and last stage uneven
+(``--decoder-first/last-pipeline-num-layers``); interleaves the pipeline
+(``--num-virtual-stages-per-pipeline-rank``: V model chunks a rank, the stages even, the
+micro-batches a multiple of the stages); recomputes whole layers by block (the first k layers of
+every stage, of every chunk when interleaved; k = all: every layer) or every layer's core attention
+(selective: none of it kept where FlashAttention keeps none); shards the optimizer state with its
+distributed optimizer (ZeRO-1) or not at all; and offloads one fraction of the optimizer (only its
+distributed one); its users overlap the gradient reduction with backward
+(``--overlap-grad-reduce``), which every plan here does. ``MegatronLMSpace`` says which of those
+choices a search tries. Every plan it makes exports (``mist.export``): ``mist plan --target
+megatron-lm`` searches the widest space, the Megatron-LM grid baseline
+(``baselines/megatron/grid.py``) the choices its users tune.
 
 For each setting (TP, DP, micro-batch, split, ZeRO, offload fraction) the smallest block k that fits
 is the fastest (recomputation only adds time); ``exhaustive.fastest_fitting`` finds it.
@@ -120,8 +123,8 @@ def setting_plan(
     stages = [StagePlan(layers=n, recompute=min(recompute, n), selective=setting.selective, zero=setting.zero,
                         offload_optimizer=setting.offload_optimizer) for n in setting.split]  # fmt: skip
     return Plan.of(model, cluster, global_batch=global_batch, tp=setting.tp, dp=setting.dp,
-                   micro_batch=setting.micro_batch, stages=stages,
-                   virtual_stages=setting.virtual)  # fmt: skip
+                   micro_batch=setting.micro_batch, stages=stages, virtual_stages=setting.virtual,
+                   overlap_grad_reduce=True)  # fmt: skip
 
 
 def space_plans(

@@ -154,7 +154,8 @@ def tune_setting(
         )
     return Plan.of(problem.model, problem.cluster, global_batch=grad_accum * st.dp * st.micro_batch, tp=st.tp,
                    dp=st.dp, micro_batch=st.micro_batch, stages=stages,
-                   sequence_parallel=problem.sequence_parallel)  # fmt: skip
+                   sequence_parallel=problem.sequence_parallel, overlap_grad_reduce=st.overlap_grad_reduce,
+                   grad_bucket_params=st.grad_bucket_params)  # fmt: skip
 
 
 def search(
@@ -243,7 +244,7 @@ def _refine(problem: Problem, plan: Plan, options: PlannerOptions, passes: int =
     budget, host_budget = problem.gpu_budget, problem.host_budget
     numbers = []
     for i in range(S):
-        st = problem.setting(*plan.stage_parallelism(i), S)
+        st = problem.plan_setting(plan, i)
         numbers.append((st, layer_numbers(st)))
 
     def evaluate(i: int, grid: dict, edge: dict | None) -> dict:
@@ -397,8 +398,8 @@ def _evaluate(
     layers; the 13B Megatron-LM space priced 32768 stages, 7753 of them distinct)."""
     strategy = tuple(float(getattr(stage, k)) for k in STRATEGY_FIELDS)
     edge_key = None if edge is None else tuple(edge[k] for k in EDGE_FIELDS)
-    key = (st.tp, st.dp, st.micro_batch, st.stages, st.virtual_stages, st.sp, stage.layers, in_flight, first,
-           last)  # fmt: skip
+    key = (st.tp, st.dp, st.micro_batch, st.stages, st.virtual_stages, st.overlap_grad_reduce,
+           st.grad_bucket_params, st.sp, stage.layers, in_flight, first, last)  # fmt: skip
     key += (strategy, grad_accum, edge_key)
     if memo is not None and key in memo:
         return memo[key]
@@ -418,7 +419,7 @@ def _price(problem: Problem, plan: Plan, simulate: bool, memo: StageMemo | None 
     steady, extra, step, fwd, bwd = [], [], [], [], []
     fits = True
     for i, s in enumerate(plan.stages):
-        st = problem.setting(*plan.stage_parallelism(i), S, V)
+        st = problem.plan_setting(plan, i)
         ln = layer_numbers(st)
         edge = None if plan.pre_post is None else {k: float(getattr(plan.pre_post, k)) for k in EDGE_FIELDS}
         v = _evaluate(st, ln, s, point.in_flight(i), i == 0, i == S - 1, G, edge, memo)
@@ -437,7 +438,7 @@ def _price(problem: Problem, plan: Plan, simulate: bool, memo: StageMemo | None 
         if i == 0:
             first_ln = ln
     ln = first_ln
-    barrier = clip_barrier_s(problem.setting(*plan.stage_parallelism(0), S))
+    barrier = clip_barrier_s(problem.plan_setting(plan, 0))
     plan.predicted_iteration_s = pipeline_objective(steady, extra, G, step, barrier, V)
     plan.simulated_iteration_s = (
         simulate_1f1b(fwd, bwd, G, last=extra, step=step, barrier_s=barrier, virtual=V) if simulate else None

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -35,6 +36,7 @@ from ..model.interference import Interference
 from ..model.runtime import RuntimeModel, cpu_adam_params_per_s
 from ..model.specs import GRAD_ACCUMULATION, ClusterSpec, GradAccumulation, ModelSpec
 from ..model.symbolic import CORE_ATTENTION_OPS, head_costs, layer_costs, value
+from ..plan import grad_bucket
 
 # A stage's strategy, as StagePlan fields and strategy_grid columns
 STRATEGY_FIELDS = (
@@ -88,6 +90,10 @@ class Setting:
     # how the engine running the plan accumulates gradients over micro-batches
     grad_accumulation: GradAccumulation = GRAD_ACCUMULATION["megatron-core"]
     virtual_stages: int = 1  # model chunks a pipeline rank (interleaved 1F1B)
+    # the DP gradient reduction overlapped with the last backward, in buckets of at least this many
+    # parameters (Plan.overlap_grad_reduce, Plan.grad_bucket_params; None: Megatron-LM's default)
+    overlap_grad_reduce: bool = False
+    grad_bucket_params: int | None = None
 
     @property
     def sequence_parallel(self) -> bool:
@@ -295,6 +301,37 @@ def _gradient_sync(st: Setting, stage_w_full: float, edge_w_full: float, z, ez, 
     return before, after
 
 
+def _hidden_reduction_s(st: Setting, ln: LayerNumbers, layers: int, r, z, across: bool):
+    """Seconds of a stage's DP gradient reduction that the last micro-batch's backward hides when it
+    runs bucket by bucket (Megatron-LM's --overlap-grad-reduce; Plan.overlap_grad_reduce), taken
+    off what ``_gradient_sync`` prices for the layers (one collective after backward). The layers'
+    gradients fill buckets of at least the bucket size in backward order; each bucket's collective
+    starts when backward has made it, one after another on the network, beside the backward of the
+    layers still to come (priced by the interference model); the last bucket's (the stage's first
+    layers) and the embedding/head's come after backward, as before. ZeRO-2/3 reduce as they make
+    their gradients already; one bucket hides nothing. Gradients accumulated on the host are
+    priced as the device's (as ``_gradient_sync`` prices them)."""
+    d, cl, rt = st.dp, st.cluster, st.runtime
+    if not st.overlap_grad_reduce or d == 1 or layers < 2:
+        return 0.0
+    per_bucket = max(1, math.ceil(grad_bucket(st.grad_bucket_params, d) / ln.params))  # layers a bucket
+    buckets = math.ceil(layers / per_bucket)
+    if buckets < 2:
+        return 0.0
+    stage_bytes = 2.0 * ln.params * layers
+    whole = np.where(z == 1, rt.collective("reduce_scatter", stage_bytes, d, cl, across),
+                     rt.collective("all_reduce", stage_bytes, d, cl, across))  # fmt: skip
+    bucket_bytes = stage_bytes / buckets
+    each = np.where(z == 1, rt.collective("reduce_scatter", bucket_bytes, d, cl, across),
+                    rt.collective("all_reduce", bucket_bytes, d, cl, across))  # fmt: skip
+    # the backward left once the first bucket is made: its other layers' (recomputation included)
+    backward = layers * ln.bwd + r * ln.fwd
+    window = backward * (layers - per_bucket) / layers
+    hidden_comm = (buckets - 1) * each
+    exposed = np.maximum(st.interference.overlap(window, hidden_comm, 0.0, 0.0) - window, 0.0) + each
+    return np.where(z >= 2, 0.0, whole - exposed)
+
+
 def _accumulation_s(st: Setting, layer_params: float, edge_params: float, z, ez, grad_accum: int):
     """Seconds a micro-batch spends adding its weight gradients into the accumulated ones (ZeRO-2/3:
     into this rank's shard), an elementwise add priced by the fitted residual-add line."""
@@ -472,6 +509,7 @@ def evaluate_stage(
     # ---- last micro-batch extras: before clipping's global barrier (clip_barrier_s), then after
     parts = ((mine, oo), (theirs, eoo))  # (state bytes, offloaded optimizer fraction) of each
     sync, step = _sync_and_step(st, layers * layer_w_full, edge_w_full, z, ez, across, parts, d2h_bw, h2d_bw)
+    sync = sync - _hidden_reduction_s(st, ln, layers, r, z, across)
     extra = sync + step
 
     # ---- memory per GPU
