@@ -210,16 +210,19 @@ class ContiguousGrads:
         for p in params:
             p.grad = views[id(p)]
         self.works: list = []
-        self.buckets: list[list[torch.Tensor]] = []
+        self.buckets: list[list[torch.Tensor]] = []  # none: the sum runs after backward
+        self.needed: list[int] = []  # gradient accumulations a bucket waits for
+        self.made: list[int] = []  # ...and has had this step
         self.launched_in_backward = 0  # this step's buckets whose sum began during backward
         if overlap is not None and params:
             self.group, bucket_params, micro_batches = overlap
-            current: list[torch.Tensor] = []
+            current, size = [], 0
             for p in params:
                 current.append(p)
-                if sum(q.numel() for q in current) >= bucket_params:
+                size += p.numel()
+                if size >= bucket_params:
                     self.buckets.append(current)
-                    current = []
+                    current, size = [], 0
             self.buckets += [current] if current else []
             self.bucket_of = {id(p): i for i, bucket in enumerate(self.buckets) for p in bucket}
             self.needed = [len(bucket) * micro_batches for bucket in self.buckets]
@@ -251,7 +254,7 @@ class ContiguousGrads:
     def wait(self) -> None:
         """Every bucket's sum done (a bucket some parameter of which made no gradient is summed
         now), where overlapping; nothing otherwise."""
-        for i, made in enumerate(getattr(self, "made", [])):
+        for i, made in enumerate(self.made):
             if made < self.needed[i]:
                 self._launch(i)
         for work in self.works:
