@@ -13,6 +13,20 @@ from ..plan import Plan
 from .layout import Message, RankLayout
 
 
+def _stage_io(layout: RankLayout, stage: int, tp_rank: int, dp_rank: int, spec, device) -> tuple:
+    """(megatron's [s, b, h] between stages on this rank: its positions (SP: its shard) and
+    sequences; the causal attention mask), shared by both executors."""
+    (s0, s1), (b0, b1) = layout.positions(stage, tp_rank), layout.rows(stage, dp_rank)
+    mask = torch.ones(1, 1, spec.seq, spec.seq, dtype=torch.bool, device=device).tril().logical_not()
+    return (s1 - s0, b1 - b0, spec.hidden), mask
+
+
+def _inputs(tokens: torch.Tensor, seq: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(token ids, positions, labels) of a micro-batch of sequences of seq + 1 tokens."""
+    ids, labels = tokens[:, :-1], tokens[:, 1:]
+    return ids, torch.arange(seq, device=tokens.device).expand(ids.shape[0], -1), labels
+
+
 class Pipeline1F1B:
     """One rank's part of a 1F1B iteration over G micro-batches. The activations between stages
     go as the layout's messages say (layout.py: one message each way between ranks of stages of
@@ -27,13 +41,8 @@ class Pipeline1F1B:
         self.sends, self.receives = layout.forward_sends(rank), layout.forward_receives(rank)
         self.grad_sends, self.grad_receives = layout.backward_sends(rank), layout.backward_receives(rank)
         self.grad_scale = 1.0 if self.last else layout.gradient_scale(self.stage)
-        # megatron's [s, b, h] between stages: this rank's positions (SP: its shard) and sequences
-        (s0, s1), (b0, b1) = layout.positions(self.stage, tp_rank), layout.rows(self.stage, dp_rank)
-        self.shape = (s1 - s0, b1 - b0, spec.hidden)
         self.device = batches[0].device
-        self.mask = (
-            torch.ones(1, 1, spec.seq, spec.seq, dtype=torch.bool, device=self.device).tril().logical_not()
-        )
+        self.shape, self.mask = _stage_io(layout, self.stage, tp_rank, dp_rank, spec, self.device)
 
     def _receive(self, messages: list[Message]) -> torch.Tensor:
         """This rank's [s, b, h] from its pieces (one message of all of it: received in place)."""
@@ -54,9 +63,7 @@ class Pipeline1F1B:
             pending.append(dist.isend(t[m.seq_lo : m.seq_hi, m.lo : m.hi].contiguous(), m.peer))
 
     def forward(self, m: int, pending: list):
-        tokens = self.batches[m]
-        ids, labels = tokens[:, :-1], tokens[:, 1:]
-        pos = torch.arange(self.spec.seq, device=self.device).expand(ids.shape[0], -1)
+        ids, pos, labels = _inputs(self.batches[m], self.spec.seq)
         received = None
         if not self.first:
             received = self._receive(self.receives).requires_grad_(True)
@@ -131,12 +138,8 @@ class PipelineInterleaved:
         self.stages, self.virtual = len(plan.stages), plan.virtual_stages
         self.next = layout.rank((self.stage + 1) % self.stages, tp_rank, dp_rank)
         self.previous = layout.rank((self.stage - 1) % self.stages, tp_rank, dp_rank)
-        (s0, s1), (b0, b1) = layout.positions(self.stage, tp_rank), layout.rows(self.stage, dp_rank)
-        self.shape = (s1 - s0, b1 - b0, spec.hidden)
         self.device = batches[0].device
-        self.mask = (
-            torch.ones(1, 1, spec.seq, spec.seq, dtype=torch.bool, device=self.device).tril().logical_not()
-        )
+        self.shape, self.mask = _stage_io(layout, self.stage, tp_rank, dp_rank, spec, self.device)
 
     def _first(self, chunk: int) -> bool:  # the model's first virtual stage
         return self.stage == 0 and chunk == 0
@@ -150,9 +153,7 @@ class PipelineInterleaved:
         return t
 
     def forward(self, chunk: int, m: int, pending: list):
-        tokens = self.batches[m]
-        ids, labels = tokens[:, :-1], tokens[:, 1:]
-        pos = torch.arange(self.spec.seq, device=self.device).expand(ids.shape[0], -1)
+        ids, pos, labels = _inputs(self.batches[m], self.spec.seq)
         received = None
         if not self._first(chunk):
             received = self._receive(self.previous, self.FORWARD).requires_grad_(True)

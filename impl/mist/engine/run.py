@@ -352,6 +352,14 @@ class StageGradients:
         return offloaded + [t for o in zero2 for t in o.host_gradient_tensors()]
 
 
+def _reduction_overlap(plan: Plan, dp: int, dp_group) -> tuple | None:
+    """ContiguousGrads' ``overlap`` for Megatron-LM's --overlap-grad-reduce (the DP sum bucket by
+    bucket during the last backward): (group, bucket parameters, micro-batches a step), or None."""
+    if not plan.overlap_grad_reduce or dp == 1:
+        return None
+    return dp_group, grad_bucket(plan.grad_bucket_params, dp), plan.grad_accum
+
+
 def _checkpoint_first_layers(model, count: int) -> None:
     """Recompute the first ``count`` local layers in backward (activation checkpointing); under
     selective recomputation the others alone recompute their core attention (a whole layer
@@ -539,10 +547,8 @@ def run(plan: Plan, steps: int = 5, seed: int = 0, lr: float = 1e-2) -> dict:
     sequence_parallel = plan.sequence_parallel and tp > 1
     optimizer = PartOptimizers([_optimizer(part, dp, model, lr, sequence_parallel) for part in parts])
     dp_group, tp_group = ps.get_data_parallel_group(), ps.get_tensor_model_parallel_group()
-    # Megatron-LM's --overlap-grad-reduce: the DP sum bucket by bucket during the last backward
-    overlap = ((dp_group, grad_bucket(plan.grad_bucket_params, dp), plan.grad_accum)
-               if plan.overlap_grad_reduce and dp > 1 else None)  # fmt: skip
-    gradients = StageGradients(parts, sharded, optimizer, dp, list(model.parameters()), overlap)
+    gradients = StageGradients(parts, sharded, optimizer, dp, list(model.parameters()),
+                               _reduction_overlap(plan, dp, dp_group))  # fmt: skip
     tp_duplicates = {id(p) for n, p in model.named_parameters() if n in whole_on_tp}
     # after the optimizers and gradient buffers: they are made where the weights are, the device
     weights = _weight_offloads(groups, dp)

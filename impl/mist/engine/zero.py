@@ -227,14 +227,15 @@ class ContiguousGrads:
             self.bucket_of = {id(p): i for i, bucket in enumerate(self.buckets) for p in bucket}
             self.needed = [len(bucket) * micro_batches for bucket in self.buckets]
             self.made = [0] * len(self.buckets)
+            self.slices = [self._slices(bucket) for bucket in self.buckets]
             for p in params:
                 p.register_post_accumulate_grad_hook(self._accumulated)
 
-    def _slices(self, i: int) -> list[torch.Tensor]:
-        """Bucket i's part of each dtype's buffer (its parameters are consecutive in each)."""
+    def _slices(self, bucket: list[torch.Tensor]) -> list[torch.Tensor]:
+        """A bucket's part of each dtype's buffer (its parameters are consecutive in each)."""
         out = []
         for flat in self.buffers:
-            mine = [p.grad for p in self.buckets[i] if p.grad.dtype == flat.dtype]
+            mine = [p.grad for p in bucket if p.grad.dtype == flat.dtype]
             if mine:
                 lo = min(g.storage_offset() for g in mine) - flat.storage_offset()
                 hi = max(g.storage_offset() + g.numel() for g in mine) - flat.storage_offset()
@@ -242,7 +243,7 @@ class ContiguousGrads:
         return out
 
     def _launch(self, i: int) -> None:
-        self.works += [dist.all_reduce(part, group=self.group, async_op=True) for part in self._slices(i)]
+        self.works += [dist.all_reduce(part, group=self.group, async_op=True) for part in self.slices[i]]
 
     def _accumulated(self, p: torch.Tensor) -> None:
         i = self.bucket_of[id(p)]

@@ -338,6 +338,18 @@ def _hidden_reduction_s(st: Setting, ln: LayerNumbers, layers: int, r, z, across
     return hidden[inverse.ravel()].reshape(zz.shape)
 
 
+def _p2p_s(st: Setting, ln: LayerNumbers, first: bool, last: bool) -> tuple[float, float]:
+    """(on the compute path, beside it) seconds a micro-batch's point-to-point messages take: the
+    activation forward and its gradient backward per neighbouring stage, on the critical path of
+    1F1B (a stage waits for what it receives). Interleaved, per chunk (a micro-batch enters and
+    leaves every chunk of a rank but the model's first and last), and overlapped with the chunks'
+    compute as Megatron-LM's interleaved schedule does by default (its
+    --overlap-p2p-communication: sends and receives posted ahead, waited for later)."""
+    neighbours = 2 * st.virtual_stages - (1 if first else 0) - (1 if last else 0)
+    seconds = 2 * neighbours * ln.p2p
+    return (0.0, seconds) if st.virtual_stages > 1 else (seconds, 0.0)
+
+
 def _accumulation_s(st: Setting, layer_params: float, edge_params: float, z, ez, grad_accum: int):
     """Seconds a micro-batch spends adding its weight gradients into the accumulated ones (ZeRO-2/3:
     into this rank's shard), an elementwise add priced by the fitted residual-add line."""
@@ -485,15 +497,8 @@ def evaluate_stage(
     # ---- time of one micro-batch, by channel
     # recomputation: r layers' forward, and the others' core attention under selective
     compute = layers * (ln.fwd + ln.bwd) + r * ln.fwd + (layers - r) * grid["selective"] * ln.core_fwd
-    # the activation forward and its gradient backward, per neighbouring stage, on the critical
-    # path of 1F1B (a stage waits for what it receives). Interleaved, per chunk (a micro-batch
-    # enters and leaves every chunk of a rank but the model's first and last), and overlapped with
-    # the chunks' compute as Megatron-LM's interleaved schedule does by default (its
-    # --overlap-p2p-communication: sends and receives posted ahead, waited for later)
-    neighbours = 2 * st.virtual_stages - (1 if first else 0) - (1 if last else 0)
-    p2p = 2 * neighbours * ln.p2p
-    interleaved = st.virtual_stages > 1
-    compute = compute + (0.0 if interleaved else p2p)
+    p2p_on_compute, p2p_beside = _p2p_s(st, ln, first, last)
+    compute = compute + p2p_on_compute
     if last:
         compute = compute + ln.head_fwd + ln.head_bwd
     if first:
@@ -503,7 +508,7 @@ def evaluate_stage(
     layer_w_full, edge_w_full = 2.0 * ln.params, 2.0 * edge_params
     zero_compute, g2g = _zero_per_micro_batch(st, layers, layer_w_full, edge_w_full, z, ez, across)
     compute = compute + zero_compute
-    g2g = g2g + (p2p if interleaved else 0.0)
+    g2g = g2g + p2p_beside
     kept = _kept_per_layer(ln, grid)
     act_swapped = ao * ((layers - r) * kept + r * ln.layer_input)
     h2d_bw = st.interference.host_rate("h2d", cl.gpu.host_bw)
