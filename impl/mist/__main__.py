@@ -127,6 +127,8 @@ def _search_target(args, m, c, progress) -> Plan:
         raise ValueError(f"--target {args.target}: it accumulates gradients as megatron-core does (--engine)")
     if args.no_imbalance:
         raise ValueError(f"--no-imbalance is an ablation of Mist's own search, not of --target {args.target}")
+    if args.stage_devices:
+        raise ValueError(f"--stage-devices: {args.target} runs one TP and DP for all stages (drop --target)")
     if args.target == "torchtitan":
         if args.no_offload or args.no_recompute:
             raise ValueError(
@@ -157,7 +159,8 @@ def cmd_plan(args) -> int:
     c = cluster(args.gpu, args.gpus, args.gpus_per_node, host_memory=host, gpu_memory=device_cap)
     space = SearchSpace(offload=not args.no_offload, recompute=not args.no_recompute)
     options = PlannerOptions(space=space, imbalance_aware=not args.no_imbalance,
-                             grad_accumulation=GRAD_ACCUMULATION[args.engine])  # fmt: skip
+                             grad_accumulation=GRAD_ACCUMULATION[args.engine],
+                             stage_devices=args.stage_devices)  # fmt: skip
 
     def progress(line: str) -> None:
         if not args.quiet:
@@ -486,6 +489,11 @@ def _plan_parser(sub) -> None:
     p.add_argument(
         "--no-imbalance", action="store_true", help="ignore first/last micro-batch extras (ablation)"
     )
+    p.add_argument(
+        "--stage-devices", action="store_true",
+        help="also search stages with their own device count and (TP, DP), as Mist's paper does (only "
+        "mist.engine.run runs such plans; the search takes ~10-40x longer)",
+    )  # fmt: skip
     p.set_defaults(fn=cmd_plan)
 
 

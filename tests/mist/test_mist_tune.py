@@ -112,16 +112,18 @@ def test_clipping_barrier_exposes_a_later_stages_step():
     assert closed == pytest.approx(clipped)
 
 
-def _random_frontiers(rng, stages, layers):
+def _random_frontiers(rng, stages, layers, device_counts=(1,)):
+    """Random frontiers keyed (layers, devices): more devices, faster (by a random factor)."""
     out = []
     for _ in range(stages):
         per_l = {}
         for n in range(1, layers - stages + 2):
-            k = int(rng.integers(1, 4))
-            steady = np.sort(rng.uniform(0.8, 1.2, k)) * n
-            extra = np.sort(rng.uniform(0, 3, k))[::-1].copy()
-            step = extra * rng.uniform(0, 1, k)
-            per_l[n] = Frontier(steady, extra, step, np.arange(k), np.zeros(k))
+            for devices in device_counts:
+                k = int(rng.integers(1, 4))
+                steady = np.sort(rng.uniform(0.8, 1.2, k)) * n / devices ** rng.uniform(0.5, 1)
+                extra = np.sort(rng.uniform(0, 3, k))[::-1].copy()
+                step = extra * rng.uniform(0, 1, k)
+                per_l[n, devices] = Frontier(steady, extra, step, np.arange(k), np.zeros(k))
         out.append(per_l)
     return out
 
@@ -137,11 +139,11 @@ def test_milp_matches_brute_force(trial, rng):
     for split in itertools.product(range(1, layers + 1), repeat=stages):
         if sum(split) != layers:
             continue
-        choices = [range(len(frontiers[i][n])) for i, n in enumerate(split)]
+        choices = [range(len(frontiers[i][n, 1])) for i, n in enumerate(split)]
         for pts in itertools.product(*choices):
-            t = [frontiers[i][n].steady[p] for i, (n, p) in enumerate(zip(split, pts, strict=True))]
-            d = [frontiers[i][n].extra[p] for i, (n, p) in enumerate(zip(split, pts, strict=True))]
-            s = [frontiers[i][n].step[p] for i, (n, p) in enumerate(zip(split, pts, strict=True))]
+            t = [frontiers[i][n, 1].steady[p] for i, (n, p) in enumerate(zip(split, pts, strict=True))]
+            d = [frontiers[i][n, 1].extra[p] for i, (n, p) in enumerate(zip(split, pts, strict=True))]
+            s = [frontiers[i][n, 1].step[p] for i, (n, p) in enumerate(zip(split, pts, strict=True))]
             best = min(best, pipeline_objective(t, d, micro, s, barrier))
     sol = solve_inter_stage(frontiers, layers, micro, barrier_s=barrier)
     assert sol is not None and sol.optimal
@@ -150,7 +152,44 @@ def test_milp_matches_brute_force(trial, rng):
     assert best * (1 - 1e-12) <= sol.objective <= best * (1 + MIP_REL_GAP)
 
 
+@pytest.mark.parametrize("trial", range(6))
+def test_milp_with_stage_devices_matches_brute_force(trial, rng):
+    """Stages choosing their own device counts: the program's optimum is the brute-force optimum
+    over every layer split, device split (adding up, never growing along the pipeline) and point."""
+    stages, layers, micro = int(rng.integers(2, 4)), int(rng.integers(3, 6)), int(rng.integers(1, 9))
+    counts = (1, 2, 4)
+    total = int(rng.choice([c for c in range(stages, 4 * stages + 1)]))
+    frontiers = _random_frontiers(rng, stages, layers, counts)
+    barrier = float(rng.uniform(0, 0.5))
+    best = np.inf
+    for split in itertools.product(range(1, layers + 1), repeat=stages):
+        if sum(split) != layers:
+            continue
+        for devices in itertools.product(counts, repeat=stages):
+            if sum(devices) != total or any(a < b for a, b in itertools.pairwise(devices)):
+                continue
+            keys = list(zip(split, devices, strict=True))
+            for pts in itertools.product(*(range(len(frontiers[i][k])) for i, k in enumerate(keys))):
+                at = [(frontiers[i][k], p) for i, (k, p) in enumerate(zip(keys, pts, strict=True))]
+                t, d, s = ([getattr(f, name)[p] for f, p in at] for name in ("steady", "extra", "step"))
+                best = min(best, pipeline_objective(t, d, micro, s, barrier))
+    sol = solve_inter_stage(frontiers, layers, micro, barrier_s=barrier, total_devices=total)
+    if not np.isfinite(best):
+        assert sol is None
+        return
+    assert sol is not None and sol.optimal
+    assert sum(sol.layers) == layers and sum(sol.devices) == total
+    assert list(sol.devices) == sorted(sol.devices, reverse=True)
+    assert best * (1 - 1e-12) <= sol.objective <= best * (1 + MIP_REL_GAP)
+
+
 def test_milp_reports_infeasible_layer_counts():
     one = np.array([1.0]), np.array([0.0]), np.array([0.0]), np.array([0]), np.array([0.0])
-    fr = [{1: Frontier(*one)}] * 2
+    fr = [{(1, 1): Frontier(*one)}] * 2
     assert solve_inter_stage(fr, total_layers=5, micro_batches=2) is None
+    # nor device counts that cannot add up to the devices there are, or that grow along the pipeline
+    fr = [{(1, 2): Frontier(*one)}] * 2
+    assert solve_inter_stage(fr, total_layers=2, micro_batches=2, total_devices=5) is None
+    fr = [{(1, 2): Frontier(*one)}, {(1, 4): Frontier(*one)}]
+    assert solve_inter_stage(fr, total_layers=2, micro_batches=2, total_devices=6) is None
+    assert solve_inter_stage(fr[::-1], total_layers=2, micro_batches=2, total_devices=6).devices == (4, 2)

@@ -13,6 +13,12 @@ point per stage to minimise the 1F1B iteration time
 (the slowest stage paces the steady state; the first micro-batch crosses every stage; a
 stage's gradient sync is hidden behind the stages before it finishing their last backward; the
 clipping barrier B, then the slowest stage's step).
+
+A stage's options are keyed by (layers, devices): with ``total_devices`` the program also picks
+each stage's device count (Mist §5.3: stages with their own devices and (TP, DP)), the counts
+adding up to the cluster's and never growing along the pipeline. That order is what lets stages
+placed in rank order keep each one inside an aligned block: with counts that are powers of two
+up to a node, or whole nodes, every stage then starts at a multiple of its own size.
 """
 
 from __future__ import annotations
@@ -103,6 +109,7 @@ def frontier_for(
 class InterStageSolution:
     objective: float
     layers: tuple[int, ...]
+    devices: tuple[int, ...]  # each stage's device count (its key's second part)
     points: tuple[int, ...]  # chosen frontier point per stage
     optimal: bool
 
@@ -110,32 +117,35 @@ class InterStageSolution:
 # Over 80 lines: the MILP's variables, constraints and objective read as one formulation; its
 # per-stage maxima already come from one loop. Splitting it further is #29's.
 def solve_inter_stage(
-    frontiers: list[dict[int, Frontier]],
+    frontiers: list[dict[tuple[int, int], Frontier]],
     total_layers: int,
     micro_batches: int,
     time_limit: float = 10.0,
     cutoff: float = float("inf"),
     barrier_s: float = 0.0,
+    total_devices: int | None = None,
 ) -> InterStageSolution | None:
-    """frontiers[i][l]: stage i's frontier when it holds l layers; ``barrier_s``: the clipping
-    barrier's seconds. None when nothing fits, or when HiGHS proves that no solution beats
-    ``cutoff`` (a plan already found elsewhere)."""
+    """frontiers[i][(l, n)]: stage i's frontier when it holds l layers on n devices;
+    ``barrier_s``: the clipping barrier's seconds; ``total_devices``: the devices the stages share
+    (None: each stage's count is fixed by its options, not chosen). None when nothing fits, or
+    when HiGHS proves that no solution beats ``cutoff`` (a plan already found elsewhere)."""
     import highspy
 
     stages = len(frontiers)
-    cols: list[tuple[int, int, int]] = []  # (stage, layers, point)
-    for i, per_l in enumerate(frontiers):
-        for layers, fr in per_l.items():
-            cols.extend((i, layers, p) for p in range(len(fr)))
+    cols: list[tuple[int, tuple[int, int], int]] = []  # (stage, (layers, devices), point)
+    for i, options in enumerate(frontiers):
+        for key, fr in options.items():
+            cols.extend((i, key, p) for p in range(len(fr)))
     if not cols:
         return None
     n = len(cols) + 3  # + M (max steady) + E (max exposed sync) + P (max step)
     m_col, e_col, p_col = len(cols), len(cols) + 1, len(cols) + 2
-    steady = np.array([frontiers[i][layers].steady[p] for i, layers, p in cols])
-    step = np.array([frontiers[i][layers].step[p] for i, layers, p in cols])
-    sync = np.array([frontiers[i][layers].extra[p] for i, layers, p in cols]) - step
+    steady = np.array([frontiers[i][key].steady[p] for i, key, p in cols])
+    step = np.array([frontiers[i][key].step[p] for i, key, p in cols])
+    sync = np.array([frontiers[i][key].extra[p] for i, key, p in cols]) - step
     stage_of = np.array([c[0] for c in cols])
-    layers_of = np.array([c[1] for c in cols])
+    layers_of = np.array([c[1][0] for c in cols])
+    devices_of = np.array([c[1][1] for c in cols])
 
     rows, lo, hi = [], [], []
 
@@ -149,6 +159,14 @@ def solve_inter_stage(
     r = row()  # layers add up
     r[:m_col] = layers_of
     rows.append(r), lo.append(total_layers), hi.append(total_layers)
+    if total_devices is not None:
+        r = row()  # devices add up
+        r[:m_col] = devices_of
+        rows.append(r), lo.append(total_devices), hi.append(total_devices)
+        for i in range(stages - 1):  # n_i >= n_{i+1}: stages placed in rank order stay aligned
+            r = row()
+            r[:m_col] = np.where(stage_of == i, devices_of, 0) - np.where(stage_of == i + 1, devices_of, 0)
+            rows.append(r), lo.append(0), hi.append(np.inf)
     # the maxima over stages: M >= T_i, E >= (D_i - P_i) - sum_{j<i} T_j, P >= P_i
     maxima = (
         (m_col, lambda i: np.where(stage_of == i, steady, 0.0)),
@@ -169,7 +187,7 @@ def solve_inter_stage(
     lp.col_lower_ = np.zeros(n)
     lp.col_upper_ = np.concatenate([np.ones(len(cols)), [highspy.kHighsInf] * 3])
     lp.row_lower_ = np.where(np.isinf(lo), -highspy.kHighsInf, lo)
-    lp.row_upper_ = np.array(hi, float)
+    lp.row_upper_ = np.where(np.isinf(hi), highspy.kHighsInf, hi)
     lp.a_matrix_.format_ = highspy.MatrixFormat.kRowwise
     lp.a_matrix_.start_ = np.concatenate([[0], np.cumsum((a != 0).sum(axis=1))]).astype(np.int32)
     nz_rows, nz_cols = np.nonzero(a)
@@ -193,13 +211,12 @@ def solve_inter_stage(
         return None
     chosen = [cols[j] for j in np.flatnonzero(x[:m_col] > 0.5)]
     chosen.sort()
-    layers = tuple(cl for _, cl, _ in chosen)
-    points = tuple(p for _, _, p in chosen)
-    t = [frontiers[i][cl].steady[p] for i, cl, p in chosen]
-    d = [frontiers[i][cl].extra[p] for i, cl, p in chosen]
-    ps = [frontiers[i][cl].step[p] for i, cl, p in chosen]
     if len(chosen) != stages:
         return None
+    t, d, ps = (
+        [getattr(frontiers[i][key], f)[p] for i, key, p in chosen] for f in ("steady", "extra", "step")
+    )
     optimal = status == highspy.HighsModelStatus.kOptimal
     objective = pipeline_objective(t, d, micro_batches, ps, barrier_s)
-    return InterStageSolution(objective, layers, points, optimal)
+    layers, devices = (tuple(key[k] for _, key, _ in chosen) for k in (0, 1))
+    return InterStageSolution(objective, layers, devices, tuple(p for _, _, p in chosen), optimal)

@@ -23,7 +23,7 @@ from ..model.runtime import RuntimeModel, cpu_adam_params_per_s
 from ..model.specs import GRAD_ACCUMULATION, ClusterSpec, GradAccumulation, ModelSpec
 from ..plan import MAX_GLOBAL_BATCH, Plan, PrePostPlan, StagePlan, bytes_available, bytes_needed
 from .inter_stage import Frontier, frontier_for, solve_inter_stage
-from .pipeline_sim import pipeline_objective, simulate_1f1b
+from .pipeline_sim import in_flight, pipeline_objective, simulate_1f1b
 from .problem import Candidate, Problem, cost_models, load_interference
 from .stage_cost import (
     EDGE_FIELDS,
@@ -59,6 +59,10 @@ class PlannerOptions:
     refine_offload_step: int | None = 8
     # the engine the plans are for: how it accumulates gradients over micro-batches
     grad_accumulation: GradAccumulation = GRAD_ACCUMULATION["megatron-core"]
+    # stages with their own device count and (TP, DP) (Mist §5.3), searched after the plans whose
+    # stages all have the same (what Megatron-LM and torchtitan can run, and all that is searched
+    # when False). Off by default: it multiplies the search's time (``tune_stage_devices``).
+    stage_devices: bool = False
 
 
 def settings(problem: Problem, options: PlannerOptions) -> Iterator[Candidate]:
@@ -78,6 +82,53 @@ def settings(problem: Problem, options: PlannerOptions) -> Iterator[Candidate]:
                     if per_replica % mb == 0:
                         yield Candidate(tp, stages, dp, mb, global_batch)
         tp *= 2
+
+
+def stage_device_counts(cluster: ClusterSpec, stages: int) -> tuple[int, ...]:
+    """The device counts a stage of a ``stages``-stage pipeline may have when stages have their
+    own: powers of two that divide a node, then whole nodes (the submesh shapes of Alpa, OSDI'22,
+    which Mist's search takes), leaving at least one device to every other stage. Placed in rank
+    order with counts that never grow along the pipeline (``solve_inter_stage``), each stage then
+    lies in an aligned block: its TP groups inside one node, as the cost model prices them."""
+    per_node, most = cluster.gpus_per_node, cluster.gpus - (stages - 1)
+    counts = [n for n in (2**k for k in range(per_node.bit_length())) if per_node % n == 0]
+    counts += [k * per_node for k in range(2, cluster.gpus // per_node + 1)]
+    return tuple(n for n in counts if n <= most)
+
+
+def stage_shapes(
+    problem: Problem, devices: int, micro_batches: int, allowed: tuple[int, ...] | None = None
+) -> list[tuple[int, int, int]]:
+    """(TP, DP, micro-batch) a stage of ``devices`` may take when the global batch is split into
+    ``micro_batches``: TP a power of two within a node dividing the devices and the (key/value)
+    heads, DP the rest, its replicas splitting each pipeline micro-batch evenly into micro-batches
+    of a size in ``allowed`` (None: any)."""
+    model, per = problem.model, problem.global_batch // micro_batches
+    out = []
+    tp = 1
+    while tp <= min(devices, problem.cluster.gpus_per_node):
+        dp = devices // tp
+        divides = devices % tp == 0 and model.heads % tp == 0 and model.kv % tp == 0 and per % dp == 0
+        if divides and (allowed is None or per // dp in allowed):
+            out.append((tp, dp, per // dp))
+        tp *= 2
+    return out
+
+
+def _stage_devices_settings(problem: Problem, options: PlannerOptions) -> list[tuple[float, int, int, dict]]:
+    """(bound, stages, micro-batches, {devices: shapes}) of every pipeline whose stages may take
+    their own devices, cheapest bound first: 2 to min(L, N) stages, every micro-batch count G
+    dividing the global batch."""
+    L, N, B = problem.model.layers, problem.cluster.gpus, problem.global_batch
+    out = []
+    for S in range(2, min(L, N) + 1):
+        for G in (g for g in range(1, B + 1) if B % g == 0):
+            shapes = {n: stage_shapes(problem, n, G, options.micro_batches)
+                      for n in stage_device_counts(problem.cluster, S)}  # fmt: skip
+            shapes = {n: opts for n, opts in shapes.items() if opts}
+            if shapes and max(shapes) * S >= N >= S * min(shapes):  # the counts can add up to N
+                out.append((_stage_devices_bound(problem, S, G, shapes), S, G, shapes))
+    return sorted(out, key=lambda x: x[:3])
 
 
 def _stage_values(st: Setting, ln, layers: int, first: bool, last: bool, space: SearchSpace, grad_accum: int):
@@ -108,8 +159,9 @@ def tune_setting(
     L, S = st.model.layers, st.stages
     if lower_bound_s(problem, candidate) >= best_so_far:
         return None
-    frontiers: list[dict[int, Frontier]] = [dict() for _ in range(S)]
+    frontiers: list[dict[tuple[int, int], Frontier]] = [dict() for _ in range(S)]
     grids: dict[tuple[int, bool, bool], dict] = {}
+    devices = st.tp * st.dp
     budget = float(problem.gpu_budget)
     for i in range(S):
         first, last = i == 0, i == S - 1
@@ -123,12 +175,14 @@ def tune_setting(
                 values = {**values, **{k: np.zeros_like(values[k]) for k in ("extra", "step")}}
             fr = frontier_for(values, flight, budget, per_flight, problem.host_budget)
             if len(fr):
-                frontiers[i][layers] = fr
+                frontiers[i][layers, devices] = fr
     if any(not f for f in frontiers):
         return None
     # Cheaper bound before the MILP: every layer costs at least the cheapest per-layer steady
     # time any stage offers, and the slowest stage is at least the average.
-    per_layer = min(float(fr.steady.min()) / layers for per_l in frontiers for layers, fr in per_l.items())
+    per_layer = min(
+        float(fr.steady.min()) / layers for per_l in frontiers for (layers, _), fr in per_l.items()
+    )
     if ((grad_accum - 1) / S + 1) * L * per_layer >= best_so_far:
         return None
     barrier = clip_barrier_s(st)
@@ -138,24 +192,133 @@ def tune_setting(
     stages = []
     for i, (layers, p) in enumerate(zip(sol.layers, sol.points, strict=True)):
         grid = grids[(layers, i == 0, i == S - 1)][0]
-        j = frontiers[i][layers].index[p]
-        values = {k: grid[k][j] for k in STRATEGY_FIELDS}
-        stages.append(
-            StagePlan(
-                layers=layers,
-                recompute=int(values["recompute"]),
-                selective=bool(values["selective"]),
-                zero=int(values["zero"]),
-                offload_weights=float(values["offload_weights"]),
-                offload_grads=float(values["offload_grads"]),
-                offload_optimizer=float(values["offload_optimizer"]),
-                offload_activations=float(values["offload_activations"]),
-            )
-        )
+        j = frontiers[i][layers, devices].index[p]
+        stages.append(_stage_plan({k: grid[k][j] for k in STRATEGY_FIELDS}, layers))
     return Plan.of(problem.model, problem.cluster, global_batch=grad_accum * st.dp * st.micro_batch, tp=st.tp,
                    dp=st.dp, micro_batch=st.micro_batch, stages=stages,
                    sequence_parallel=problem.sequence_parallel, overlap_grad_reduce=st.overlap_grad_reduce,
                    grad_bucket_params=st.grad_bucket_params)  # fmt: skip
+
+
+def _stage_plan(values: dict, layers: int, tp: int | None = None, dp: int | None = None) -> StagePlan:
+    """A stage's plan from one strategy (``values``: its STRATEGY_FIELDS)."""
+    return StagePlan(
+        layers=layers,
+        recompute=int(values["recompute"]),
+        selective=bool(values["selective"]),
+        zero=int(values["zero"]),
+        offload_weights=float(values["offload_weights"]),
+        offload_grads=float(values["offload_grads"]),
+        offload_optimizer=float(values["offload_optimizer"]),
+        offload_activations=float(values["offload_activations"]),
+        tp=tp,
+        dp=dp,
+    )
+
+
+def _stage_devices_bound(problem: Problem, stages: int, micro_batches: int, shapes: dict) -> float:
+    """No plan whose stages take their devices and (TP, DP) among ``shapes`` ({devices: [(tp, dp,
+    micro-batch)]}) beats this (closed form). With T_i >= l_i p (p: the least forward + backward a
+    layer takes on any shape) and, in device-seconds, n_i T_i >= l_i w (w: the least n p_n), the
+    slowest stage takes at least L p / S and L w / N, and every micro-batch crosses every stage:
+    (G - 1) max T + sum T >= (G - 1) max(L p / S, L w / N) + L p."""
+    L, N, G = problem.model.layers, problem.cluster.gpus, micro_batches
+    p = w = float("inf")
+    for devices, options in shapes.items():
+        for tp, dp, micro_batch in options:
+            ln = layer_numbers(problem.setting(tp, dp, micro_batch, stages))
+            p, w = min(p, ln.fwd + ln.bwd), min(w, devices * (ln.fwd + ln.bwd))
+    return (G - 1) * max(L * p / stages, L * w / N) + L * p
+
+
+def tune_stage_devices(
+    problem: Problem, stages: int, micro_batches: int, shapes: dict, options: PlannerOptions,
+    best_so_far: float,
+) -> Plan | None:  # fmt: skip
+    """The best plan of ``stages`` stages and ``micro_batches`` micro-batches whose stages each take
+    their own device count and (TP, DP) among ``shapes`` ({devices: [(tp, dp, micro-batch)]}), as
+    Mist's inter-stage tuning does; None when nothing fits or it cannot beat ``best_so_far``.
+
+    A stage's frontier at (layers, devices) is the Pareto frontier of every shape's strategies on
+    those devices together; the MILP then places layers and devices at once. Its columns are the
+    plain search's times the device counts, and HiGHS needs longer for them: with 5 s it stopped
+    at 83.5 s where the plain search had found 71.3 s (GPT-3 13B, 16 L4s, 4 stages, G = 64)."""
+    S, G, L, N = stages, micro_batches, problem.model.layers, problem.cluster.gpus
+    frontiers: list[dict[tuple[int, int], Frontier]] = [dict() for _ in range(S)]
+    merged: dict[tuple[int, int, int], _MergedStage] = {}  # (stage, layers, devices) -> its shapes
+    positions: dict[tuple[bool, bool], list[int]] = {}  # (first, last) -> the stages of that kind
+    for i in range(S):
+        positions.setdefault((i == 0, i == S - 1), []).append(i)
+    for n, opts in shapes.items():
+        for layers in range(1, L - S + 2):
+            for (first, last), stages_of_kind in positions.items():
+                stage = _MergedStage.evaluate(problem, S, G, opts, layers, first, last, options)
+                by_flight: dict[float, Frontier] = {}
+                for i in stages_of_kind:
+                    flight = in_flight(i, S, G)
+                    if flight not in by_flight:
+                        by_flight[flight] = stage.frontier(flight, problem)
+                    if len(by_flight[flight]):
+                        frontiers[i][layers, n] = by_flight[flight]
+                        merged[i, layers, n] = stage
+    if any(not f for f in frontiers):
+        return None
+    barrier = clip_barrier_s(problem.setting(*next(iter(shapes.values()))[0], S))
+    sol = solve_inter_stage(frontiers, L, G, options.milp_time_limit, best_so_far, barrier, total_devices=N)
+    if sol is None:
+        return None
+    stage_plans = []
+    for i, (layers, n, p) in enumerate(zip(sol.layers, sol.devices, sol.points, strict=True)):
+        tp, dp, strategy = merged[i, layers, n].strategy(int(frontiers[i][layers, n].index[p]))
+        stage_plans.append(_stage_plan(strategy, layers, tp, dp))
+    tp, dp = stage_plans[0].tp, stage_plans[0].dp
+    return Plan.of(problem.model, problem.cluster, global_batch=problem.global_batch, tp=tp, dp=dp,
+                   micro_batch=problem.global_batch // (G * dp), stages=stage_plans,
+                   sequence_parallel=problem.sequence_parallel,
+                   overlap_grad_reduce=True).with_stage_parallelism_lifted()  # fmt: skip
+
+
+@dataclass
+class _MergedStage:
+    """A stage's strategies on one device count, every (TP, DP) shape's grid one after another:
+    ``values`` concatenated, shape k's rows from ``starts[k]``."""
+
+    shapes: list[tuple[int, int, int]]  # (tp, dp, micro-batch)
+    grid: dict[str, np.ndarray]  # the strategy grid (the same for every shape)
+    values: dict[str, np.ndarray]
+    per_flight: np.ndarray
+    starts: np.ndarray
+
+    @classmethod
+    def evaluate(cls, problem: Problem, stages: int, micro_batches: int, shapes: list, layers: int,
+                 first: bool, last: bool, options: PlannerOptions) -> _MergedStage:  # fmt: skip
+        evaluated = []
+        for tp, dp, micro_batch in shapes:
+            st = problem.setting(tp, dp, micro_batch, stages, overlap_grad_reduce=True)
+            evaluated.append(
+                _stage_values(st, layer_numbers(st), layers, first, last, options.space, micro_batches)
+            )
+        values = {k: np.concatenate([v[k] for _, v, _ in evaluated]) for k in _FRONTIER_KEYS}
+        if not options.imbalance_aware:
+            values.update({k: np.zeros_like(values[k]) for k in ("extra", "step")})
+        starts = np.cumsum([0] + [len(v["steady"]) for _, v, _ in evaluated])
+        per_flight = np.concatenate([f for _, _, f in evaluated])
+        return cls(shapes, evaluated[0][0], values, per_flight, starts)
+
+    def frontier(self, flight: float, problem: Problem) -> Frontier:
+        return frontier_for(
+            self.values, flight, float(problem.gpu_budget), self.per_flight, problem.host_budget
+        )
+
+    def strategy(self, row: int) -> tuple[int, int, dict]:
+        """(tp, dp, strategy) of a row of ``values``."""
+        k = int(np.searchsorted(self.starts, row, side="right")) - 1
+        tp, dp, _ = self.shapes[k]
+        return tp, dp, {f: self.grid[f][row - self.starts[k]] for f in STRATEGY_FIELDS}
+
+
+# the arrays of a stage's evaluation that its frontier reads
+_FRONTIER_KEYS = ("steady", "extra", "step", "memory", "host_memory", "host_per_flight")
 
 
 def search(
@@ -193,6 +356,19 @@ def search(
                 f"[{n + 1}/{len(candidates)}] tp {c.tp} pp {c.stages} dp {c.dp} mb {c.micro_batch}: "
                 f"best {best_time:.3f} s"
             )
+    if options.stage_devices:
+        pipelines = _stage_devices_settings(problem, options)
+        for n, (bound, stages, micro_batches, shapes) in enumerate(pipelines):
+            if bound >= best_time:  # sorted by bound: no later one can win either
+                break
+            plan = tune_stage_devices(problem, stages, micro_batches, shapes, options, best_time)
+            if plan is not None:
+                predict_for(problem, plan)
+                if plan.predicted_iteration_s < best_time:
+                    best, best_time = plan, plan.predicted_iteration_s
+            if progress:
+                progress(f"[{n + 1}/{len(pipelines)}] pp {stages}, {micro_batches} micro-batches, stages "
+                         f"with their own devices: best {best_time:.3f} s")  # fmt: skip
     if best is None:
         need = min_memory_needed(problem, options)
         raise NoFeasiblePlan(
