@@ -5,7 +5,9 @@ micro-batch size b (DP d = GPUs / (t S), G = global batch / (d b) micro-batches)
 (perfectly balanced compute, nothing else) prunes settings that cannot beat the best plan so
 far. For each setting the stage strategies are evaluated once per stage kind (first / middle /
 last) and layer count, Pareto-filtered per in-flight depth, and the MILP of inter_stage.py places the
-layers and picks the strategies.
+layers and picks the strategies. With ``PlannerOptions.stage_devices`` a second phase
+(``tune_stage_devices``) lets every stage take its own device count and (TP, DP), as Mist's paper
+does, the MILP placing devices with the layers.
 """
 
 from __future__ import annotations
@@ -245,7 +247,9 @@ def tune_stage_devices(
     at 83.5 s where the plain search had found 71.3 s (GPT-3 13B, 16 L4s, 4 stages, G = 64)."""
     S, G, L, N = stages, micro_batches, problem.model.layers, problem.cluster.gpus
     frontiers: list[dict[tuple[int, int], Frontier]] = [dict() for _ in range(S)]
-    merged: dict[tuple[int, int, int], _MergedStage] = {}  # (stage, layers, devices) -> its shapes
+    # (stage, layers, devices) -> (tp, dp, strategy) of each frontier point (not the evaluated arrays:
+    # kept for every key until the MILP is solved, those took gigabytes)
+    points: dict[tuple[int, int, int], list[tuple[int, int, dict]]] = {}
     positions: dict[tuple[bool, bool], list[int]] = {}  # (first, last) -> the stages of that kind
     for i in range(S):
         positions.setdefault((i == 0, i == S - 1), []).append(i)
@@ -253,14 +257,15 @@ def tune_stage_devices(
         for layers in range(1, L - S + 2):
             for (first, last), stages_of_kind in positions.items():
                 stage = _MergedStage.evaluate(problem, S, G, opts, layers, first, last, options)
-                by_flight: dict[float, Frontier] = {}
+                by_flight: dict[float, tuple[Frontier, list]] = {}
                 for i in stages_of_kind:
                     flight = in_flight(i, S, G)
                     if flight not in by_flight:
-                        by_flight[flight] = stage.frontier(flight, problem)
-                    if len(by_flight[flight]):
-                        frontiers[i][layers, n] = by_flight[flight]
-                        merged[i, layers, n] = stage
+                        fr = stage.frontier(flight, problem)
+                        by_flight[flight] = fr, [stage.strategy(int(row)) for row in fr.index]
+                    fr, strategies = by_flight[flight]
+                    if len(fr):
+                        frontiers[i][layers, n], points[i, layers, n] = fr, strategies
     if any(not f for f in frontiers):
         return None
     barrier = clip_barrier_s(problem.setting(*next(iter(shapes.values()))[0], S))
@@ -269,7 +274,7 @@ def tune_stage_devices(
         return None
     stage_plans = []
     for i, (layers, n, p) in enumerate(zip(sol.layers, sol.devices, sol.points, strict=True)):
-        tp, dp, strategy = merged[i, layers, n].strategy(int(frontiers[i][layers, n].index[p]))
+        tp, dp, strategy = points[i, layers, n][p]
         stage_plans.append(_stage_plan(strategy, layers, tp, dp))
     tp, dp = stage_plans[0].tp, stage_plans[0].dp
     return Plan.of(problem.model, problem.cluster, global_batch=problem.global_batch, tp=tp, dp=dp,
