@@ -114,8 +114,31 @@ class InterStageSolution:
     optimal: bool
 
 
-# Over 80 lines: the MILP's variables, constraints and objective read as one formulation; its
-# per-stage maxima already come from one loop. Splitting it further is #29's.
+def _highs_model(cost: np.ndarray, a: np.ndarray, lo: np.ndarray, hi: np.ndarray, integers: int):
+    """HiGHS's model of: minimise cost . x subject to lo <= a x <= hi, x >= 0, the first
+    ``integers`` columns binary, the others continuous (a's rows stored sparse, row by row)."""
+    import highspy
+
+    n = len(cost)
+    lp = highspy.HighsLp()
+    lp.num_col_, lp.num_row_ = n, len(a)
+    lp.col_cost_ = cost
+    lp.col_lower_ = np.zeros(n)
+    lp.col_upper_ = np.concatenate([np.ones(integers), [highspy.kHighsInf] * (n - integers)])
+    lp.row_lower_ = np.where(np.isinf(lo), -highspy.kHighsInf, lo)
+    lp.row_upper_ = np.where(np.isinf(hi), highspy.kHighsInf, hi)
+    lp.a_matrix_.format_ = highspy.MatrixFormat.kRowwise
+    lp.a_matrix_.start_ = np.concatenate([[0], np.cumsum((a != 0).sum(axis=1))]).astype(np.int32)
+    nz_rows, nz_cols = np.nonzero(a)
+    lp.a_matrix_.index_ = nz_cols.astype(np.int32)
+    lp.a_matrix_.value_ = a[nz_rows, nz_cols]
+    kinds = highspy.HighsVarType
+    lp.integrality_ = [kinds.kInteger] * integers + [kinds.kContinuous] * (n - integers)
+    return lp
+
+
+# Over 80 lines (91): the MILP's variables, constraints and objective read as one formulation;
+# its per-stage maxima come from one loop, HiGHS's model from _highs_model. Splitting further: #29.
 def solve_inter_stage(
     frontiers: list[dict[tuple[int, int], Frontier]],
     total_layers: int,
@@ -180,20 +203,7 @@ def solve_inter_stage(
             r[col] = -1
             rows.append(r), lo.append(-np.inf), hi.append(0)
     c = np.concatenate([steady, [micro_batches - 1, 1.0, 1.0]])
-    a = np.array(rows)
-    lp = highspy.HighsLp()
-    lp.num_col_, lp.num_row_ = n, len(rows)
-    lp.col_cost_ = c
-    lp.col_lower_ = np.zeros(n)
-    lp.col_upper_ = np.concatenate([np.ones(len(cols)), [highspy.kHighsInf] * 3])
-    lp.row_lower_ = np.where(np.isinf(lo), -highspy.kHighsInf, lo)
-    lp.row_upper_ = np.where(np.isinf(hi), highspy.kHighsInf, hi)
-    lp.a_matrix_.format_ = highspy.MatrixFormat.kRowwise
-    lp.a_matrix_.start_ = np.concatenate([[0], np.cumsum((a != 0).sum(axis=1))]).astype(np.int32)
-    nz_rows, nz_cols = np.nonzero(a)
-    lp.a_matrix_.index_ = nz_cols.astype(np.int32)
-    lp.a_matrix_.value_ = a[nz_rows, nz_cols]
-    lp.integrality_ = [highspy.HighsVarType.kInteger] * len(cols) + [highspy.HighsVarType.kContinuous] * 3
+    lp = _highs_model(c, np.array(rows), np.array(lo, float), np.array(hi, float), integers=len(cols))
     solver = highspy.Highs()
     solver.setOptionValue("output_flag", False)
     solver.setOptionValue("time_limit", float(time_limit))
