@@ -6,8 +6,10 @@ libraries again (megatron-core: ~3 s a process, ~5 s of a 6-7 s test run on 2 co
 run's ranks from it: same environment variables as torchrun gives (RANK, LOCAL_RANK, WORLD_SIZE,
 LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), one thread a rank, output captured, and torchrun's
 rule that one failed rank stops the others. The server must not have started threads or run torch
-ops before forking (the preload only imports). Every process dies with its parent: ranks with the
-server, the server with its client; a run past its timeout is killed and raises TimeoutExpired.
+ops before forking (the preload only imports): it forks a run's ranks first, then serves their
+rendezvous store (a thread, gone when the run ends) and sends each rank the store's port. Every
+process dies with its parent: ranks with the server, the server with its client; a run past its
+timeout is killed and raises TimeoutExpired.
 
 Used where the same module runs many times on a CPU: the engine's tests and mist_vs_megatron's
 CPU launches; on a GPU the experiments launch with torchrun, as a user would.
@@ -29,7 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .launch import free_port
+from .launch import agent_store_env, serve_rendezvous
 from .parallel import die_with_parent
 
 GRACE_S = 30  # what a run may take beyond its own timeout before the client gives up on the server
@@ -92,12 +94,18 @@ def shared(preload: str) -> ForkLauncher:
 _SHARED: dict[str, ForkLauncher] = {}
 
 
-def _rank(module: str, args: list[str], env: dict[str, str], out: Path, err: Path, server: int) -> None:
-    """A forked rank: never returns."""
+def _rank(
+    module: str, args: list[str], env: dict[str, str], out: Path, err: Path, server: int, port_pipe: int
+) -> None:
+    """A forked rank: never returns. It reads the rendezvous store's port from ``port_pipe`` (nothing:
+    the server ended before it wrote one)."""
     code = 1
     try:
         die_with_parent(server)
-        os.environ.update(env)
+        port = os.read(port_pipe, 16).decode()
+        if not port:
+            os._exit(1)
+        os.environ.update(env, **agent_store_env(int(port)))
         with open(out, "w") as o, open(err, "w") as e:
             os.dup2(o.fileno(), 1)
             os.dup2(e.fileno(), 2)
@@ -123,26 +131,27 @@ def _rank(module: str, args: list[str], env: dict[str, str], out: Path, err: Pat
 def _serve(request: dict) -> dict:
     """Fork the request's ranks, wait for them (one failing stops the rest, as under torchrun),
     and say what they printed and how they ended."""
-    nproc, port, server = request["nproc"], free_port(), os.getpid()
+    nproc, server = request["nproc"], os.getpid()
     folder = Path(tempfile.mkdtemp(prefix="fork_launch_"))
     pids: dict[int, int] = {}
+    pipes = [os.pipe() for _ in range(nproc)]  # (read, write): each rank's store port
     sys.stdout.flush()
     sys.stderr.flush()  # else a rank's copy of an unwritten buffer is written twice
     for rank in range(nproc):
         env = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
-               "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0",
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}  # fmt: skip
+               "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0"}  # fmt: skip
         pid = os.fork()
         if pid == 0:
-            _rank(
-                request["module"],
-                request["args"],
-                env,
-                folder / f"{rank}.out",
-                folder / f"{rank}.err",
-                server,
-            )
+            for _, write in pipes:
+                os.close(write)
+            out, err = folder / f"{rank}.out", folder / f"{rank}.err"
+            _rank(request["module"], request["args"], env, out, err, server, pipes[rank][0])
         pids[pid] = rank
+    store = serve_rendezvous()  # only now: forking must not copy a process with the store's thread
+    for read, write in pipes:
+        os.close(read)
+        os.write(write, str(store.port).encode())
+        os.close(write)
     codes: dict[int, int] = {}
     first_failure = 0  # the exit code of the rank that failed first (the rest were then killed)
     deadline, timed_out = time.monotonic() + request["timeout"], False
@@ -166,6 +175,7 @@ def _serve(request: dict) -> dict:
     for path in folder.iterdir():
         path.unlink()
     folder.rmdir()
+    del store  # its thread ends before the next run forks
     return {"returncode": first_failure, "stdout": text["out"], "stderr": text["err"],
             "timed_out": timed_out}  # fmt: skip
 

@@ -1,29 +1,50 @@
-"""Launching local multi-process jobs: a free port, and torchrun as every experiment runs it."""
+"""Launching local multi-process jobs: torchrun as every experiment runs it, and a rendezvous store
+served by the launching process.
+
+No port is picked free and handed on to be bound later: in between, another process can take it
+(gloo's own connections use ephemeral ports), and a rank then fails with EADDRINUSE (a fresh CI run
+did). The store's socket is bound to a port the OS assigns as it binds (port 0), by the launcher,
+before any rank starts, and the ranks join it as clients.
+"""
 
 from __future__ import annotations
 
 import functools
 import os
-import socket
 import subprocess
 import sys
+from typing import TYPE_CHECKING
 
 from .parallel import die_with_parent
 
+if TYPE_CHECKING:
+    from torch.distributed import TCPStore
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 free right now (for a rendezvous)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+HOST = "127.0.0.1"
+
+
+def serve_rendezvous() -> TCPStore:
+    """A rendezvous store served by this process (a thread of its own) on a port the OS assigned as
+    it bound it (``.port``); it stops when the object is dropped."""
+    from torch.distributed import TCPStore
+
+    return TCPStore(HOST, 0, is_master=True, wait_for_workers=False)
+
+
+def agent_store_env(port: int) -> dict[str, str]:
+    """The environment under which a rank's ``init_process_group`` (env://) joins a store served on
+    ``port`` as a client instead of hosting one: torchrun's convention for its agent's store."""
+    return {"MASTER_ADDR": HOST, "MASTER_PORT": str(port),
+            "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "0"}  # fmt: skip
 
 
 def run_torchrun(nproc: int, module: str, args: list[str], timeout: float) -> subprocess.CompletedProcess:
-    """``torchrun --nproc-per-node N -m module args`` on this machine, one thread per process (the
-    processes share its cores), output captured, killed with the caller and after ``timeout``
-    seconds (subprocess.TimeoutExpired)."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-               "--master-port", str(free_port()), "-m", module, *args]  # fmt: skip
+    """``torchrun --standalone --nproc-per-node N -m module args`` on this machine, one thread per
+    process (the processes share its cores), output captured, killed with the caller and after
+    ``timeout`` seconds (subprocess.TimeoutExpired). ``--standalone``: torchrun's agent serves the
+    rendezvous on a port it binds as the OS assigns it (see the module's docstring)."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+               "-m", module, *args]  # fmt: skip
     return subprocess.run(
         command, capture_output=True, text=True, timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1"},
         preexec_fn=functools.partial(die_with_parent, os.getpid()),

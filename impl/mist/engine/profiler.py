@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from measure.launch import free_port
+from measure.launch import HOST, serve_rendezvous
 from measure.timing import time_fn
 from measure.units import MiB
 
@@ -163,7 +163,8 @@ def _interleaved_seconds_all_ranks(
 
 def _run_ranks(worker: Callable, n: int, args: tuple, launches: int) -> list:
     """Rank 0's result of ``worker(rank, n, port, *args, out)`` on ``n`` spawned processes, for
-    each of ``launches`` launches (a fresh process group each). On a CPU gloo's latency settles
+    each of ``launches`` launches (a fresh process group each, joining a store this process serves
+    on ``port``: measure.launch). On a CPU gloo's latency settles
     into a mode for a launch's whole life (the same all-reduce: ~0.4 ms a call in one launch,
     ~1.7 ms in the next), so a benchmark point is the median over launches."""
     import torch.multiprocessing as mp
@@ -173,9 +174,10 @@ def _run_ranks(worker: Callable, n: int, args: tuple, launches: int) -> list:
     ctx = mp.get_context("spawn")
     results = []
     for _ in range(launches):
-        out = ctx.SimpleQueue()
-        mp.start_processes(worker, (n, free_port(), *args, out), nprocs=n, start_method="spawn")
+        out, store = ctx.SimpleQueue(), serve_rendezvous()
+        mp.start_processes(worker, (n, store.port, *args, out), nprocs=n, start_method="spawn")
         results.append(out.get())
+        del store
     return results
 
 
@@ -190,18 +192,17 @@ def _median_rows(launches: list[list[tuple]]) -> list[tuple]:
 
 def _init_rank(rank: int, n: int, port: int, device: str) -> torch.device:
     """Join a benchmark's ``n``-process group as ``rank`` (NCCL on GPUs, gloo on a CPU) set up as a
-    rank of mist.engine.run: its own GPU, or one thread (measure.launch); the device to use."""
-    import os
-
+    rank of mist.engine.run: its own GPU, or one thread (measure.launch); the device to use. The
+    group's store is the launcher's, served on ``port``."""
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     cuda = device.startswith("cuda")
     if cuda:
         torch.cuda.set_device(rank)
     else:
         torch.set_num_threads(1)
-    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=n)
+    store = dist.TCPStore(HOST, port, n, is_master=False)
+    dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=rank, world_size=n)
     return torch.device("cuda", rank) if cuda else torch.device("cpu")
 
 
@@ -503,7 +504,7 @@ def _megatron_state(tp: int = 1):
 
     own_group = not dist.is_initialized()
     if own_group:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     own_state = not ps.model_parallel_is_initialized()
     try:
         if own_state:
