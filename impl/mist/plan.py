@@ -12,7 +12,11 @@ own ZeRO stage and offloaded fractions (null: as their stage's other parameters)
 the default: plain 1F1B); ``overlap_grad_reduce`` whether the data-parallel gradient reduction
 runs bucket by bucket during the last micro-batch's backward (Megatron-LM's
 ``--overlap-grad-reduce``; false, its default: after backward), in buckets of at least
-``grad_bucket_params`` parameters (null: Megatron-LM's default, max(40M, 1M x DP)). Predictions
+``grad_bucket_params`` parameters (null: Megatron-LM's default, max(40M, 1M x DP));
+``overlap_param_gather`` whether the ZeRO-1/2 parts' updated weights are gathered bucket by bucket
+during the next iteration's first forward, each bucket's gather waited for as its first layer
+starts and the next one's begun (Megatron-LM's ``--overlap-param-gather``, which needs
+``overlap_grad_reduce``; false: right after the step; no effect on other parts). Predictions
 are filled in by ``predict``: per stage ``steady_s``, ``extra_s`` and, of it, ``step_s`` after the
 gradient-clipping barrier (seconds), ``memory_bytes``
 (per GPU) and ``host_memory_bytes`` (what each of its GPUs offloads to the host), and the
@@ -227,6 +231,9 @@ class Plan:
     # --overlap-grad-reduce and --ddp-bucket-size; None: its default bucket)
     overlap_grad_reduce: bool = False
     grad_bucket_params: int | None = None
+    # ZeRO-1/2's all-gather of the updated weights overlapped with the next forward, by the same
+    # buckets (Megatron-LM's --overlap-param-gather)
+    overlap_param_gather: bool = False
     predicted_iteration_s: float | None = None
     simulated_iteration_s: float | None = None
     tuning_s: float | None = None
@@ -303,6 +310,10 @@ class Plan:
         bucket = self.grad_bucket_params
         if bucket is not None and not (_is_int(bucket) and bucket >= 1):
             raise ValueError(f"grad_bucket_params must be a whole number >= 1 or null, got {bucket!r}")
+        if not isinstance(self.overlap_param_gather, bool):
+            raise ValueError(f"overlap_param_gather must be true or false, got {self.overlap_param_gather!r}")
+        if self.overlap_param_gather and not self.overlap_grad_reduce:
+            raise ValueError("overlap_param_gather needs overlap_grad_reduce (as Megatron-LM's flags do)")
 
     def _check_interleaving(self) -> None:
         """Virtual stages as megatron-core's interleaved schedule runs them and Megatron-LM's
@@ -425,6 +436,7 @@ class Plan:
             f"micro-batch {self.micro_batch}, {self.grad_accum} micro-batches"
             + (f", {self.virtual_stages} virtual stages a rank" if self.virtual_stages > 1 else "")
             + (", gradient reduction overlapped with backward" if self.overlap_grad_reduce else "")
+            + (", weight gather overlapped with forward" if self.overlap_param_gather else "")
         )
         rows = [
             head,

@@ -330,9 +330,11 @@ def test_plan_for_megatron_lm_then_export_is_two_commands(tmp_path):
 def _llama_plan(tp: int, dp: int, layers: list[int], **stage) -> Plan:
     m = model("llama-7b")
     stages = [StagePlan(layers=n, **stage) for n in layers]
-    # torch's DDP overlaps its all-reduce with backward: the plan says so (export refuses otherwise)
+    # torch's DDP overlaps its all-reduce with backward, FSDP2 its gathers with forward: the plan
+    # says so (export refuses otherwise)
     return Plan.of(m, cluster("a100-40gb", tp * dp * len(layers)), global_batch=64, tp=tp, dp=dp,
-                   micro_batch=2, stages=stages, overlap_grad_reduce=True)  # fmt: skip
+                   micro_batch=2, stages=stages, overlap_grad_reduce=True,
+                   overlap_param_gather=True)  # fmt: skip
 
 
 @pytest.mark.parametrize(

@@ -1,6 +1,7 @@
 """The data-parallel gradient reduction overlapped with the last micro-batch's backward
-(Megatron-LM's --overlap-grad-reduce): what it hides in Mist's model, its flags, and that the
-searches plan it. The engine's side is in test_mist_run.py."""
+(Megatron-LM's --overlap-grad-reduce), and ZeRO-1/2's weight gather with the next forward
+(--overlap-param-gather): what they hide in Mist's model, their flags, and that the searches plan
+them. The engine's side is in test_mist_run.py."""
 
 from __future__ import annotations
 
@@ -11,13 +12,17 @@ import pytest
 from baselines.megatron.grid import search_grid
 from mist import Plan, StagePlan, cluster, model, predict, search
 from mist.export import CannotExport, megatron_lm_arguments, torchtitan_config
+from mist.tuning.megatron_lm import MegatronLMSpace, search_megatron_lm
+from mist.tuning.problem import Problem
+from mist.tuning.stage_cost import layer_numbers
 
 
-def _plan(overlap: bool, bucket: int | None = None, zero: int = 0) -> Plan:
+def _plan(overlap: bool, bucket: int | None = None, zero: int = 0, gather: bool = False, **stage) -> Plan:
     m = model("gpt3-13b", seq=2048)
-    stages = [StagePlan(layers=10, recompute=10, zero=zero) for _ in range(4)]
+    stages = [StagePlan(layers=10, recompute=10, zero=zero, **stage) for _ in range(4)]
     return Plan.of(m, cluster("a100-40gb", 16), global_batch=32, tp=1, dp=4, micro_batch=1, stages=stages,
-                   overlap_grad_reduce=overlap, grad_bucket_params=bucket)  # fmt: skip
+                   overlap_grad_reduce=overlap, grad_bucket_params=bucket,
+                   overlap_param_gather=gather)  # fmt: skip
 
 
 @pytest.mark.parametrize("zero", [0, 1])
@@ -38,6 +43,40 @@ def test_overlap_hides_all_but_the_last_bucket(zero):
     assert overlapped.predicted_iteration_s < after.predicted_iteration_s
 
 
+def _layers_gather_s(plan: Plan, i: int) -> float:
+    """Seconds of stage i's layers' weight all-gather, as the cost model prices it after the step."""
+    st = Problem.of_plan(plan, plan.model_spec(), plan.cluster()).plan_setting(plan, i)
+    stage_bytes = 2.0 * layer_numbers(st).params * plan.stages[i].layers
+    return float(st.runtime.collective("all_gather", stage_bytes, st.dp, st.cluster, False))
+
+
+@pytest.mark.parametrize("zero", [1, 2])
+def test_gather_overlap_hides_all_but_the_first_bucket(zero):
+    """The same 13B plans with ZeRO-1/2: gathering the weights bucket by bucket in the next forward
+    shortens the step after the clipping barrier by at most the gather of all the stage's layers
+    but one (the first bucket waits), and leaves what comes before the barrier as it was. Nothing
+    is hidden with one bucket a stage, with offloaded weights (gathered as before), under ZeRO-0
+    (nothing to gather) or ZeRO-3 (gathered per layer in forward already)."""
+    after, gathered = _plan(True, zero=zero), _plan(True, zero=zero, gather=True)
+    one_bucket = _plan(True, 10**12, zero=zero, gather=True)
+    offloaded = (
+        _plan(True, zero=zero, offload_weights=0.5),
+        _plan(True, zero=zero, gather=True, offload_weights=0.5),
+    )
+    other_zero = [(_plan(True, zero=z), _plan(True, zero=z, gather=True)) for z in (0, 3)]
+    for plan in (after, gathered, one_bucket, *offloaded, *(p for pair in other_zero for p in pair)):
+        predict(plan, plan.model_spec(), plan.cluster())
+    for i, (a, g, one) in enumerate(zip(after.stages, gathered.stages, one_bucket.stages, strict=True)):
+        hidden = a.step_s - g.step_s
+        assert 0 < hidden <= 0.9 * _layers_gather_s(after, i) + 1e-12
+        assert g.extra_s - g.step_s == pytest.approx(a.extra_s - a.step_s, rel=1e-12)
+        assert one.step_s == pytest.approx(a.step_s, rel=1e-12)
+    assert gathered.predicted_iteration_s < after.predicted_iteration_s
+    for plain, with_flag in (offloaded, *other_zero):
+        for a, g in zip(plain.stages, with_flag.stages, strict=True):
+            assert g.step_s == pytest.approx(a.step_s, rel=1e-12)
+
+
 def test_megatron_lm_flags_and_what_torchtitan_cannot_say():
     m = model("gpt3-13b", seq=2048)
     args, cannot = megatron_lm_arguments(_plan(True, 50_000_000), m)
@@ -56,10 +95,38 @@ def test_megatron_lm_flags_and_what_torchtitan_cannot_say():
                           llama, flavor="7B")  # fmt: skip
 
 
+def test_gather_flag_only_with_the_distributed_optimizer_and_fsdp2_always_gathers_ahead():
+    m = model("gpt3-13b", seq=2048)
+    args, cannot = megatron_lm_arguments(_plan(True, zero=1, gather=True), m)
+    assert not cannot and {"--use-distributed-optimizer", "--overlap-param-gather"} <= set(args)
+    plain, _ = megatron_lm_arguments(_plan(True, zero=1), m)
+    assert "--overlap-param-gather" not in plain
+    no_optimizer_sharding, _ = megatron_lm_arguments(_plan(True, zero=0, gather=True), m)  # nothing to gather
+    assert "--overlap-param-gather" not in no_optimizer_sharding
+    llama = model("llama-7b")
+    fsdp = Plan.of(llama, cluster("a100-40gb", 4), global_batch=8, tp=1, dp=4, micro_batch=1,
+                   stages=[StagePlan(layers=llama.layers, zero=2)], overlap_grad_reduce=True)  # fmt: skip
+    with pytest.raises(CannotExport, match="gathers ahead"):
+        torchtitan_config(fsdp, llama, flavor="7B")
+    torchtitan_config(dataclasses.replace(fsdp, overlap_param_gather=True), llama, flavor="7B")
+
+
 def test_the_searches_plan_the_overlap_their_trainers_run():
     m, c = model("gpt3-1.3b", seq=2048), cluster("a100-40gb", 4)
     for plan in (search(m, c, 16), search_grid(m, c, 16)):
         assert plan.overlap_grad_reduce and plan.grad_bucket_params is None
+    assert search(m, c, 16).overlap_param_gather
+    for zero in (0, 1):  # the grid's: Megatron-LM takes the flag with its distributed optimizer only
+        space = MegatronLMSpace(zero=(zero,))
+        plan = search_megatron_lm(m, c, 16, space=space)
+        assert plan.overlap_param_gather == (zero == 1), plan
+
+
+def test_gather_overlap_needs_the_reduction_overlapped():
+    with pytest.raises(ValueError, match="overlap_param_gather needs overlap_grad_reduce"):
+        _plan(False, zero=1, gather=True).check()
+    with pytest.raises(ValueError, match="overlap_param_gather must be"):
+        dataclasses.replace(_plan(True), overlap_param_gather="yes").check()
 
 
 @pytest.mark.parametrize("value", ["yes", 1.5, 0, -3])

@@ -874,3 +874,33 @@ def test_overlapped_gradient_reduction_trains_as_after_backward(tmp_path_factory
     for r in reports[True]["ranks"]:
         assert r["gradient_buckets"] >= 4 and r["buckets_reduced_in_backward"] == r["gradient_buckets"], r
     assert all(r["buckets_reduced_in_backward"] == 0 for r in reports[False]["ranks"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("zero", [1, 2])
+def test_weight_gather_in_forward_trains_as_after_the_step(tmp_path_factory, zero):
+    """Megatron-LM's --overlap-param-gather at DP 2 (ZeRO-1/2, buckets of at least 40k parameters:
+    about a layer of this model's 49k): each group's updated weights are broadcast as the next
+    forward reaches it. The same losses as broadcasting after the step (1e-6: the same weights),
+    and every group was waited for in forward; negative control: the run without it gathered none
+    in forward. A group never gathered would leave the replicas' weights apart (each steps only
+    its share), and the losses would differ."""
+    reports = {}
+    for overlap in (False, True):
+        plan = _tiny_plan([StagePlan(layers=4, zero=zero)], dp=2)
+        plan.micro_batch = 1
+        plan.overlap_grad_reduce, plan.grad_bucket_params = True, 40_000
+        plan.overlap_param_gather = overlap
+        plan.model_overrides["dropout"] = 0.0
+        plan.check()
+        assert not unsupported(plan), unsupported(plan)
+        reports[overlap] = _torchrun(plan, tmp_path_factory.mktemp(f"gather{overlap}"), steps=3)
+    a, b = (next(r["losses"] for r in reports[o]["ranks"] if r["losses"] is not None) for o in (False, True))
+    assert a == pytest.approx(b, rel=1e-6), (a, b)
+    assert len(set(a)) == len(a)  # the weights changed every step: a stale replica would show
+    for r in reports[True]["ranks"]:
+        assert r["weight_gather_groups"] >= 4, r
+        assert r["weight_gathers_in_forward"] == r["weight_gather_groups"], r
+    for r in reports[False]["ranks"]:
+        assert r["weight_gather_groups"] == r["weight_gathers_in_forward"] == 0, r

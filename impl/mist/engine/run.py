@@ -69,7 +69,14 @@ from .offload import (
     offload_layer_activations,
 )
 from .pipeline import ModelChunks, Pipeline1F1B, PipelineInterleaved, gpt_modules
-from .zero import ContiguousGrads, ShardedMasterAdamW, flat_collective, layer_buckets, shard_parameters
+from .zero import (
+    ContiguousGrads,
+    ShardedMasterAdamW,
+    bucket_modules,
+    flat_collective,
+    layer_buckets,
+    shard_parameters,
+)
 
 
 def unsupported(plan: Plan) -> list[str]:
@@ -269,10 +276,11 @@ def clip_gradients(optimizer: PartOptimizers, parts: list[Part], dp: int, tp_dup
     return norm
 
 
-def _optimizer(part: Part, dp: int, model, lr: float, sequence_parallel: bool):
+def _optimizer(part: Part, dp: int, model, lr: float, sequence_parallel: bool,
+               gather_in_forward: tuple | None = None):  # fmt: skip
     """One part's optimizer: ZeRO-1/2 sharded over the DP group (its share optionally offloaded;
-    ZeRO-2: its share's gradients too), else (ZeRO-3 shards included) the whole part, that
-    fraction stepping on the host."""
+    ZeRO-2: its share's gradients too; ``gather_in_forward``: ShardedMasterAdamW's), else (ZeRO-3
+    shards included) the whole part, that fraction stepping on the host."""
     from megatron.core import parallel_state as ps
 
     if part.zero in (1, 2) and dp > 1:
@@ -286,6 +294,7 @@ def _optimizer(part: Part, dp: int, model, lr: float, sequence_parallel: bool):
             offload_fraction=part.offload_optimizer,
             sequence_parallel_group=ps.get_tensor_model_parallel_group() if sequence_parallel else None,
             offload_grads=part.offload_grads if part.zero == 2 else 0.0,
+            gather_in_forward=gather_in_forward,
         )
     if part.offload_optimizer > 0:  # of all the part's parameters, or with ZeRO-3 of this rank's shards
         return OffloadedMasterAdamW(part.params, part.offload_optimizer, lr)
@@ -358,6 +367,17 @@ def _reduction_overlap(plan: Plan, dp: int, dp_group) -> tuple | None:
     if not plan.overlap_grad_reduce or dp == 1:
         return None
     return dp_group, grad_bucket(plan.grad_bucket_params, dp), plan.grad_accum
+
+
+def _gather_in_forward(plan: Plan, dp: int, model, groups: list[ModuleGroup]) -> tuple | None:
+    """ShardedMasterAdamW's ``gather_in_forward`` for Megatron-LM's --overlap-param-gather: the
+    stage's modules in forward order, less those whose weights are offloaded (their gather stays
+    after the step, as stage_cost prices it), and the plan's bucket size; or None."""
+    if not plan.overlap_param_gather or dp == 1:
+        return None
+    offloaded = {id(m) for g in groups if g.offload_weights > 0 for m in g.modules}
+    modules = [m for m in bucket_modules(model) if id(m) not in offloaded]
+    return modules, grad_bucket(plan.grad_bucket_params, dp)
 
 
 def _checkpoint_first_layers(model, count: int) -> None:
@@ -545,7 +565,9 @@ def run(plan: Plan, steps: int = 5, seed: int = 0, lr: float = 1e-2) -> dict:
     sharded = _shard_zero3_groups(model, groups, mine, dp, device)
     parts = _parameter_parts(model, plan, mine)  # after sharding: FSDP2 replaces the parameters
     sequence_parallel = plan.sequence_parallel and tp > 1
-    optimizer = PartOptimizers([_optimizer(part, dp, model, lr, sequence_parallel) for part in parts])
+    gather = _gather_in_forward(plan, dp, model, groups)
+    optimizer = PartOptimizers([_optimizer(part, dp, model, lr, sequence_parallel, gather) for part in parts])
+    zero12 = [o for o in optimizer.parts if isinstance(o, ShardedMasterAdamW)]
     dp_group, tp_group = ps.get_data_parallel_group(), ps.get_tensor_model_parallel_group()
     gradients = StageGradients(parts, sharded, optimizer, dp, list(model.parameters()),
                                _reduction_overlap(plan, dp, dp_group))  # fmt: skip
@@ -561,6 +583,7 @@ def run(plan: Plan, steps: int = 5, seed: int = 0, lr: float = 1e-2) -> dict:
     first_grad_norm: list[float] = []
     clipped_norms: list[float] = []  # per step: the global gradient norm before clipping
     in_backward: list[int] = []  # per step: buckets whose DP sum began during backward (overlap)
+    in_forward: list[int] = []  # per step: weight-gather groups the forward waited for (overlap)
 
     def step() -> float:
         t0 = _now(device)
@@ -578,6 +601,7 @@ def run(plan: Plan, steps: int = 5, seed: int = 0, lr: float = 1e-2) -> dict:
         if len(first_grad_norm) == 1:
             first_grad_norm.append(_grad_norm(model))  # and after clipping
         t2 = _now(device)
+        in_forward.append(sum(o.gathered_in_forward for o in zero12))
         optimizer.step()
         gradients.zero()
         phases.append({"pipeline_s": t1 - t0, "grad_sync_s": t2 - t1, "optimizer_s": _now(device) - t2})
@@ -589,6 +613,8 @@ def run(plan: Plan, steps: int = 5, seed: int = 0, lr: float = 1e-2) -> dict:
         return _tensor_bytes([*on_device, *optimizer.state_tensors(), *gradients.device_buffers()])
 
     measured = _measure(step, steps, held_bytes, plan.gpu_memory_bytes, device)
+    for o in zero12:  # the last step's weights, gathered (no forward came to wait for them)
+        o.finish_gathers()
     del phases[: MEMORY_STEPS + 1]  # the phases are the timed steps' only
     report = {
         "rank": dist.get_rank(),
@@ -612,6 +638,10 @@ def run(plan: Plan, steps: int = 5, seed: int = 0, lr: float = 1e-2) -> dict:
         # during the last step's backward (not overlapping: 0 and 0)
         "gradient_buckets": len(gradients.buffer.buckets) if gradients.buffer is not None else 0,
         "buckets_reduced_in_backward": in_backward[-1],
+        # overlapped ZeRO-1/2 weight gather: its groups, and those the last step's forward waited
+        # for (gathered after the previous step instead: 0 and 0)
+        "weight_gather_groups": sum(len(o.gather_groups) for o in zero12),
+        "weight_gathers_in_forward": in_forward[-1],
         "layer_input_shape": layer_input_shape,
         # built here: the plan's count for this stage (interleaved: over its chunks)
         "layers": sum(len(gpt.decoder.layers) for gpt in gpt_modules(model)),

@@ -21,7 +21,15 @@ class ShardedMasterAdamW:
     the embedding, the head: what Mist's model prices one collective for), greedy by size. With
     ``shard_grads`` (ZeRO-2) a bucket's gradients are reduced to its owner in one message as soon
     as a micro-batch's backward has made them all, and freed elsewhere, so no rank holds the
-    full gradients."""
+    full gradients.
+
+    ``gather_in_forward`` (Megatron-LM's --overlap-param-gather): (modules, bucket parameters). The
+    updated weights are not broadcast after the step but during the next forward, in groups of
+    consecutive buckets in the modules' (forward) order of at least that many parameters: as the
+    first module of a group starts, its group's broadcasts are waited for (begun then if not yet)
+    and the next group's begun, so they run beside this group's forward. Every DP replica runs the
+    same forward order, so the collectives match. Each group in flight is a flat copy (at most two
+    at a time; Megatron-LM gathers into its weight buffer in place)."""
 
     def __init__(
         self,
@@ -32,6 +40,7 @@ class ShardedMasterAdamW:
         offload_fraction: float = 0.0,
         sequence_parallel_group=None,
         offload_grads: float = 0.0,
+        gather_in_forward: tuple[list[torch.nn.Module], int] | None = None,
     ) -> None:
         from measure.training import MasterWeightAdamW
 
@@ -83,6 +92,60 @@ class ShardedMasterAdamW:
         if shard_grads:
             for p in self.params:
                 p.register_post_accumulate_grad_hook(self._collect)
+        self.gather_groups = [] if gather_in_forward is None else self._gather_groups(*gather_in_forward)
+        self.stale: set[int] = set()  # gather groups whose broadcasts this step has not yet begun
+        self.in_flight: dict[int, list] = {}  # group -> its broadcasts begun, not yet waited for
+        self.gathered_in_forward = 0  # groups a forward waited for since the last step
+
+    def _gather_groups(self, modules: list[torch.nn.Module], bucket_params: int) -> list[list[int]]:
+        """Buckets in groups of at least ``bucket_params`` parameters, in the order ``modules`` run
+        forward (each of its buckets in the first module holding one), each group's first module
+        hooked to wait for it. Buckets in no module (none here) stay broadcast after the step."""
+        groups: list[list[int]] = []
+        size, seen = bucket_params, set()
+        for module in modules:
+            mine = [self.bucket_of[id(p)] for p in module.parameters() if id(p) in self.bucket_of]
+            mine = sorted(set(mine) - seen, key=mine.index)
+            if not mine:
+                continue
+            seen.update(mine)
+            if size >= bucket_params:  # the group so far is full: this module starts the next
+                groups.append([])
+                size = 0
+                index = len(groups) - 1
+                module.register_forward_pre_hook(lambda *_, g=index: self._before_forward(g))
+            groups[-1] += mine
+            size += sum(p.numel() for i in mine for p in self.buckets[i])
+        return groups
+
+    def _begin_gather(self, g: int) -> None:
+        self.stale.discard(g)
+        works = []
+        for i in self.gather_groups[g]:
+            tensors = [p.data for p in self.buckets[i]]
+            owner = self.owner[id(self.buckets[i][0])]
+            works += broadcast_async(tensors, owner, self.group)
+        self.in_flight[g] = works
+
+    def _finish_gather(self, g: int) -> None:
+        if g in self.stale:
+            self._begin_gather(g)
+        for finish in self.in_flight.pop(g, []):
+            finish()
+
+    def _before_forward(self, g: int) -> None:
+        if g not in self.stale and g not in self.in_flight:  # gathered already this step
+            return
+        self._finish_gather(g)
+        self.gathered_in_forward += 1
+        if g + 1 < len(self.gather_groups) and g + 1 in self.stale:
+            self._begin_gather(g + 1)
+
+    def finish_gathers(self) -> None:
+        """Every weight as this step left it, on every replica (the groups no forward has waited
+        for yet gathered now, in order)."""
+        for g in range(len(self.gather_groups)):
+            self._finish_gather(g)
 
     def _collect(self, p: torch.Tensor) -> None:
         i = self.bucket_of[id(p)]
@@ -126,15 +189,21 @@ class ShardedMasterAdamW:
         return [(p, p.grad) for p in self.owned if p.grad is not None]
 
     def step(self) -> None:
+        self.finish_gathers()  # (a forward has waited for them all)
         self.gradients_to_step()
         self.averaged = False
+        self.gathered_in_forward = 0
         if self.inner is not None:
             self.inner.step()
+        in_forward = {i for group in self.gather_groups for i in group}
         for owner in sorted(set(self.owner.values())):  # one broadcast per owner, of all its weights
-            mine = [p.data for p in self.params if self.owner[id(p)] == owner]
-            flat_collective(
-                mine, lambda flat, src=owner: dist.broadcast(flat, src, self.group, async_op=True)
-            )
+            mine = [p.data for p in self.params if self.owner[id(p)] == owner and self.bucket_of[id(p)]
+                    not in in_forward]  # fmt: skip
+            if mine:
+                flat_collective(
+                    mine, lambda flat, src=owner: dist.broadcast(flat, src, self.group, async_op=True)
+                )
+        self.stale = set(range(len(self.gather_groups)))
 
     def zero_grad(self) -> None:
         for p in self.params:
@@ -164,6 +233,18 @@ def layer_buckets(model) -> list[list[torch.Tensor]]:
         if id(p) not in in_layers:
             rest.setdefault(name.rsplit(".", 1)[0], []).append(p)
     return [list(layer.parameters()) for layer in layers] + list(rest.values())
+
+
+def bucket_modules(model) -> list[torch.nn.Module]:
+    """The modules ``layer_buckets`` groups the parameters by, in the order forward runs them (the
+    model's parameter order: embedding, layers, final norm, head)."""
+    layer_of = {id(p): layer for gpt in gpt_modules(model) for layer in gpt.decoder.layers
+                for p in layer.parameters()}  # fmt: skip
+    modules: dict[int, torch.nn.Module] = {}
+    for name, p in model.named_parameters():
+        module = layer_of.get(id(p)) or model.get_submodule(name.rpartition(".")[0])
+        modules.setdefault(id(module), module)
+    return list(modules.values())
 
 
 def shard_parameters(model, dp_group, device: torch.device, groups: list, whole: set) -> None:
@@ -277,6 +358,26 @@ class ContiguousGrads:
         if self.buckets:
             self.made = [0] * len(self.buckets)
             self.launched_in_backward = 0
+
+
+def broadcast_async(tensors: list[torch.Tensor], src: int, group) -> list:
+    """Begin broadcasting ``tensors`` from ``src`` over ``group``, one message per dtype (a flat
+    copy); returns a call per message that waits for it and copies the result back."""
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    finishes = []
+    for dtype in sorted({t.dtype for t in tensors}, key=str):  # same order on every rank
+        bucket = [t for t in tensors if t.dtype == dtype]
+        flat = _flatten_dense_tensors(bucket)
+        work = dist.broadcast(flat, src, group, async_op=True)
+
+        def finish(work=work, flat=flat, bucket=bucket) -> None:
+            work.wait()
+            for t, synced in zip(bucket, _unflatten_dense_tensors(flat, bucket), strict=True):
+                t.copy_(synced)
+
+        finishes.append(finish)
+    return finishes
 
 
 def flat_collective(tensors: list[torch.Tensor], collective) -> None:

@@ -9,7 +9,8 @@ every stage, of every chunk when interleaved; k = all: every layer) or every lay
 (selective: none of it kept where FlashAttention keeps none); shards the optimizer state with its
 distributed optimizer (ZeRO-1) or not at all; and offloads one fraction of the optimizer (only its
 distributed one); its users overlap the gradient reduction with backward
-(``--overlap-grad-reduce``), which every plan here does. ``MegatronLMSpace`` says which of those
+(``--overlap-grad-reduce``) and, with the distributed optimizer, the weights' gather with the next
+forward (``--overlap-param-gather``), which every plan here does. ``MegatronLMSpace`` says which of those
 choices a search tries. Every plan it makes exports (``mist.export``): ``mist plan --target
 megatron-lm`` searches the widest space, the Megatron-LM grid baseline
 (``baselines/megatron/grid.py``) the choices its users tune.
@@ -124,7 +125,7 @@ def setting_plan(
                         offload_optimizer=setting.offload_optimizer) for n in setting.split]  # fmt: skip
     return Plan.of(model, cluster, global_batch=global_batch, tp=setting.tp, dp=setting.dp,
                    micro_batch=setting.micro_batch, stages=stages, virtual_stages=setting.virtual,
-                   overlap_grad_reduce=True)  # fmt: skip
+                   overlap_grad_reduce=True, overlap_param_gather=setting.zero == 1)  # fmt: skip
 
 
 def space_plans(

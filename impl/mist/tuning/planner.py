@@ -199,7 +199,8 @@ def tune_setting(
     return Plan.of(problem.model, problem.cluster, global_batch=grad_accum * st.dp * st.micro_batch, tp=st.tp,
                    dp=st.dp, micro_batch=st.micro_batch, stages=stages,
                    sequence_parallel=problem.sequence_parallel, overlap_grad_reduce=st.overlap_grad_reduce,
-                   grad_bucket_params=st.grad_bucket_params)  # fmt: skip
+                   grad_bucket_params=st.grad_bucket_params,
+                   overlap_param_gather=st.overlap_param_gather)  # fmt: skip
 
 
 def _stage_plan(values: dict, layers: int, tp: int | None = None, dp: int | None = None) -> StagePlan:
@@ -280,7 +281,8 @@ def tune_stage_devices(
     return Plan.of(problem.model, problem.cluster, global_batch=problem.global_batch, tp=tp, dp=dp,
                    micro_batch=problem.global_batch // (G * dp), stages=stage_plans,
                    sequence_parallel=problem.sequence_parallel,
-                   overlap_grad_reduce=True).with_stage_parallelism_lifted()  # fmt: skip
+                   overlap_grad_reduce=True,
+                   overlap_param_gather=True).with_stage_parallelism_lifted()  # fmt: skip
 
 
 @dataclass
@@ -299,7 +301,8 @@ class _MergedStage:
                  first: bool, last: bool, options: PlannerOptions) -> _MergedStage:  # fmt: skip
         evaluated = []
         for tp, dp, micro_batch in shapes:
-            st = problem.setting(tp, dp, micro_batch, stages, overlap_grad_reduce=True)
+            st = problem.setting(tp, dp, micro_batch, stages, overlap_grad_reduce=True,
+                                 overlap_param_gather=True)  # fmt: skip
             evaluated.append(
                 _stage_values(st, layer_numbers(st), layers, first, last, options.space, micro_batches)
             )
@@ -580,7 +583,8 @@ def _evaluate(
     strategy = tuple(float(getattr(stage, k)) for k in STRATEGY_FIELDS)
     edge_key = None if edge is None else tuple(edge[k] for k in EDGE_FIELDS)
     key = (st.tp, st.dp, st.micro_batch, st.stages, st.virtual_stages, st.overlap_grad_reduce,
-           st.grad_bucket_params, st.sp, stage.layers, in_flight, first, last)  # fmt: skip
+           st.grad_bucket_params, st.overlap_param_gather, st.sp, stage.layers, in_flight, first,
+           last)  # fmt: skip
     key += (strategy, grad_accum, edge_key)
     if memo is not None and key in memo:
         return memo[key]

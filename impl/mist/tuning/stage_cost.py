@@ -94,6 +94,9 @@ class Setting:
     # parameters (Plan.overlap_grad_reduce, Plan.grad_bucket_params; None: Megatron-LM's default)
     overlap_grad_reduce: bool = False
     grad_bucket_params: int | None = None
+    # ZeRO-1/2's gather of the updated weights overlapped with the next forward, by the same buckets
+    # (Plan.overlap_param_gather)
+    overlap_param_gather: bool = False
 
     @property
     def sequence_parallel(self) -> bool:
@@ -338,6 +341,29 @@ def _hidden_reduction_s(st: Setting, ln: LayerNumbers, layers: int, r, z, across
     return hidden[inverse.ravel()].reshape(zz.shape)
 
 
+def _hidden_gather_s(st: Setting, ln: LayerNumbers, layers: int, z, wo, across: bool):
+    """Seconds of a stage's ZeRO-1/2 weight all-gather that the next iteration's first forward hides
+    when it runs bucket by bucket (Megatron-LM's --overlap-param-gather; Plan.overlap_param_gather),
+    taken off what ``_gradient_sync`` prices for the layers (one all-gather after the step). The
+    buckets are the gradient reduction's; the first layer's forward waits for its bucket's gather
+    (begun then, so exposed) and begins the next one's, which runs beside the forward of the
+    layers before it (priced by the interference model); the embedding/head's gather stays after
+    the step. Weights offloaded to the host are gathered as before (nothing hidden)."""
+    d, cl, rt = st.dp, st.cluster, st.runtime
+    if not st.overlap_param_gather or d == 1 or layers < 2:
+        return 0.0
+    per_bucket = max(1, math.ceil(grad_bucket(st.grad_bucket_params, d) / ln.params))  # layers a bucket
+    buckets = math.ceil(layers / per_bucket)
+    if buckets < 2:
+        return 0.0
+    stage_bytes = 2.0 * ln.params * layers
+    whole = rt.collective("all_gather", stage_bytes, d, cl, across)
+    each = rt.collective("all_gather", stage_bytes / buckets, d, cl, across)
+    window = ln.fwd * (layers - per_bucket)  # the forward of every bucket's layers but the last's
+    exposed = max(st.interference.overlap(window, (buckets - 1) * each, 0.0, 0.0) - window, 0.0) + each
+    return np.where((z >= 1) & (z <= 2) & (np.asarray(wo) == 0), max(whole - exposed, 0.0), 0.0)
+
+
 def _p2p_s(st: Setting, ln: LayerNumbers, first: bool, last: bool) -> tuple[float, float]:
     """(on the compute path, beside it) seconds a micro-batch's point-to-point messages take: the
     activation forward and its gradient backward per neighbouring stage, on the critical path of
@@ -521,6 +547,7 @@ def evaluate_stage(
     parts = ((mine, oo), (theirs, eoo))  # (state bytes, offloaded optimizer fraction) of each
     sync, step = _sync_and_step(st, layers * layer_w_full, edge_w_full, z, ez, across, parts, d2h_bw, h2d_bw)
     sync = sync - _hidden_reduction_s(st, ln, layers, r, z, across)
+    step = step - _hidden_gather_s(st, ln, layers, z, wo, across)
     extra = sync + step
 
     # ---- memory per GPU
