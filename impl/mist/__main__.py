@@ -311,6 +311,7 @@ def prediction_json(plan: Plan) -> dict:
                 "steady_s": s.steady_s,
                 "extra_s": s.extra_s,
                 "step_s": s.step_s,
+                "wait_s": s.wait_s,
             }
             for s in plan.stages
         ],

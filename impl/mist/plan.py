@@ -18,7 +18,7 @@ during the next iteration's first forward, each bucket's gather waited for as it
 starts and the next one's begun (Megatron-LM's ``--overlap-param-gather``, which needs
 ``overlap_grad_reduce``; false: right after the step; no effect on other parts). Predictions
 are filled in by ``predict``: per stage ``steady_s``, ``extra_s`` and, of it, ``step_s`` after the
-gradient-clipping barrier (seconds), ``memory_bytes``
+gradient-clipping barrier, ``wait_s`` before its first forward (seconds), ``memory_bytes``
 (per GPU) and ``host_memory_bytes`` (what each of its GPUs offloads to the host), and the
 plan's ``breakdown`` (``usable_memory_bytes``, ``usable_host_memory_bytes_per_gpu``,
 ``layer_saved_bytes``, ``fits``, ...). Every amount of memory in format 2 is a whole number of
@@ -155,6 +155,8 @@ class StagePlan:
     steady_s: float | None = None
     extra_s: float | None = None  # after the last backward: gradient sync, clipping's norm, step
     step_s: float | None = None  # of extra_s, after the gradient-clipping barrier: the optimizer step
+    # what its first forward waits for its weights (overlap_param_gather), on the pipeline's fill path
+    wait_s: float | None = None
     memory_bytes: int | None = None  # per GPU of this stage
     host_memory_bytes: int | None = None  # offloaded bytes this stage's GPUs each keep on the host
 
@@ -204,7 +206,7 @@ class PrePostPlan:
 
 
 # What predict() (and a search) fills in, per stage and per plan
-STAGE_PREDICTIONS = ("steady_s", "extra_s", "step_s", "memory_bytes", "host_memory_bytes")
+STAGE_PREDICTIONS = ("steady_s", "extra_s", "step_s", "wait_s", "memory_bytes", "host_memory_bytes")
 PLAN_PREDICTIONS = ("predicted_iteration_s", "simulated_iteration_s", "tuning_s", "breakdown")
 
 

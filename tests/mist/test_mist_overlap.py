@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 
 from baselines.megatron.grid import search_grid
 from mist import Plan, StagePlan, cluster, model, predict, search
 from mist.export import CannotExport, megatron_lm_arguments, torchtitan_config
 from mist.tuning.megatron_lm import MegatronLMSpace, search_megatron_lm
+from mist.tuning.pipeline_sim import pipeline_objective, simulate_1f1b
 from mist.tuning.problem import Problem
 from mist.tuning.stage_cost import layer_numbers
 
@@ -51,12 +53,15 @@ def _layers_gather_s(plan: Plan, i: int) -> float:
 
 
 @pytest.mark.parametrize("zero", [1, 2])
-def test_gather_overlap_hides_all_but_the_first_bucket(zero):
+def test_gather_in_forward_leaves_the_step_and_waits_on_the_fill_path(zero):
     """The same 13B plans with ZeRO-1/2: gathering the weights bucket by bucket in the next forward
-    shortens the step after the clipping barrier by at most the gather of all the stage's layers
-    but one (the first bucket waits), and leaves what comes before the barrier as it was. Nothing
-    is hidden with one bucket a stage, with offloaded weights (gathered as before), under ZeRO-0
-    (nothing to gather) or ZeRO-3 (gathered per layer in forward already)."""
+    takes the layers' whole all-gather off the step after the clipping barrier, leaves what comes
+    before the barrier as it was, and makes each stage's first forward wait for at least the first
+    bucket's gather and at most the whole. One bucket a stage: the first forward waits for all of
+    it. Nothing moves with offloaded weights (gathered as before), under ZeRO-0 (nothing to
+    gather) or ZeRO-3 (gathered per layer in forward already). The iteration pays the waits one
+    stage after another on the fill path (simulated), so on these 4 stages, whose forward hides
+    little of the gather, gathering after the step is faster."""
     after, gathered = _plan(True, zero=zero), _plan(True, zero=zero, gather=True)
     one_bucket = _plan(True, 10**12, zero=zero, gather=True)
     offloaded = (
@@ -67,14 +72,39 @@ def test_gather_overlap_hides_all_but_the_first_bucket(zero):
     for plan in (after, gathered, one_bucket, *offloaded, *(p for pair in other_zero for p in pair)):
         predict(plan, plan.model_spec(), plan.cluster())
     for i, (a, g, one) in enumerate(zip(after.stages, gathered.stages, one_bucket.stages, strict=True)):
-        hidden = a.step_s - g.step_s
-        assert 0 < hidden <= 0.9 * _layers_gather_s(after, i) + 1e-12
+        whole = _layers_gather_s(after, i)
+        assert g.step_s == pytest.approx(a.step_s - whole, rel=1e-9)
         assert g.extra_s - g.step_s == pytest.approx(a.extra_s - a.step_s, rel=1e-12)
-        assert one.step_s == pytest.approx(a.step_s, rel=1e-12)
-    assert gathered.predicted_iteration_s < after.predicted_iteration_s
+        assert whole / 10 * (1 - 1e-9) <= g.wait_s <= whole * (1 + 1e-9)  # a bucket a layer here
+        assert one.wait_s == pytest.approx(whole, rel=1e-9) and one.step_s == pytest.approx(g.step_s)
+        assert a.wait_s == 0.0
+    waits = sum(s.wait_s for s in gathered.stages)
+    moved = max(a.step_s for a in after.stages) - max(g.step_s for g in gathered.stages)
+    assert gathered.simulated_iteration_s == pytest.approx(
+        after.simulated_iteration_s + waits - moved, rel=1e-9
+    )
+    assert gathered.simulated_iteration_s > after.simulated_iteration_s
     for plain, with_flag in (offloaded, *other_zero):
         for a, g in zip(plain.stages, with_flag.stages, strict=True):
-            assert g.step_s == pytest.approx(a.step_s, rel=1e-12)
+            assert g.step_s == pytest.approx(a.step_s, rel=1e-12) and g.wait_s == 0.0
+
+
+def test_the_simulated_pipeline_pays_each_stages_first_forward_wait():
+    """On random unbalanced stages the simulator's makespan grows by the sum of the waits (every
+    stage's first forward is on the fill path of the first micro-batch), as the closed form says."""
+    rng = np.random.default_rng()
+    for _ in range(20):
+        stages, micro = int(rng.integers(1, 6)), int(rng.integers(1, 17))
+        fwd = list(rng.uniform(0.5, 1.5, stages))
+        bwd = [2 * f for f in fwd]
+        wait = list(rng.uniform(0, 1, stages))
+        grown = simulate_1f1b(fwd, bwd, micro, wait=wait) - simulate_1f1b(fwd, bwd, micro)
+        assert grown == pytest.approx(sum(wait), rel=1e-9)
+        steady = [f + b for f, b in zip(fwd, bwd, strict=True)]
+        closed = pipeline_objective(steady, [0.0] * stages, micro, wait=wait)
+        assert closed - pipeline_objective(steady, [0.0] * stages, micro) == pytest.approx(
+            sum(wait), rel=1e-9
+        )
 
 
 def test_megatron_lm_flags_and_what_torchtitan_cannot_say():
@@ -115,11 +145,19 @@ def test_the_searches_plan_the_overlap_their_trainers_run():
     m, c = model("gpt3-1.3b", seq=2048), cluster("a100-40gb", 4)
     for plan in (search(m, c, 16), search_grid(m, c, 16)):
         assert plan.overlap_grad_reduce and plan.grad_bucket_params is None
-    assert search(m, c, 16).overlap_param_gather
-    for zero in (0, 1):  # the grid's: Megatron-LM takes the flag with its distributed optimizer only
-        space = MegatronLMSpace(zero=(zero,))
-        plan = search_megatron_lm(m, c, 16, space=space)
-        assert plan.overlap_param_gather == (zero == 1), plan
+    # the weights gathered in forward where that is faster: the winner priced both ways
+    plans = [
+        search(m, c, 16),
+        *(search_megatron_lm(m, c, 16, space=MegatronLMSpace(zero=(z,))) for z in (0, 1)),
+    ]
+    for plan in plans:
+        other = dataclasses.replace(plan, overlap_param_gather=not plan.overlap_param_gather,
+                                    stages=[dataclasses.replace(s) for s in plan.stages])  # fmt: skip
+        if other.overlap_param_gather and not other.overlap_grad_reduce:
+            continue
+        predict(other, m, c)
+        assert plan.predicted_iteration_s <= other.predicted_iteration_s
+    assert not plans[1].overlap_param_gather  # Megatron-LM takes the flag with its distributed optimizer only
 
 
 def test_gather_overlap_needs_the_reduction_overlapped():

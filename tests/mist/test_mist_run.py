@@ -878,18 +878,22 @@ def test_overlapped_gradient_reduction_trains_as_after_backward(tmp_path_factory
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("zero", [1, 2])
-def test_weight_gather_in_forward_trains_as_after_the_step(tmp_path_factory, zero):
-    """Megatron-LM's --overlap-param-gather at DP 2 (ZeRO-1/2, buckets of at least 40k parameters:
-    about a layer of this model's 49k): each group's updated weights are broadcast as the next
-    forward reaches it. The same losses as broadcasting after the step (1e-6: the same weights),
-    and every group was waited for in forward; negative control: the run without it gathered none
-    in forward. A group never gathered would leave the replicas' weights apart (each steps only
-    its share), and the losses would differ."""
+@pytest.mark.parametrize(("zero", "stages", "virtual"), [(1, 1, 1), (2, 1, 1), (1, 2, 2)],
+                         ids=["zero1", "zero2", "zero1-interleaved"])  # fmt: skip
+def test_weight_gather_in_forward_trains_as_after_the_step(tmp_path_factory, zero, stages, virtual):
+    """Megatron-LM's --overlap-param-gather at DP 2 (buckets of at least 40k parameters: about a
+    layer of this model's 49k), on one stage and on 2 ranks x 2 chunks of 2 layers, every layer
+    recomputed: each group's updated weights are broadcast as the next forward reaches it. The same
+    losses as broadcasting after the step (1e-6: the same weights), the DP replicas' weights equal
+    after the run, and every group was waited for in forward; without it none was. A group never
+    gathered would leave the replicas' weights apart (each steps only its share), and the losses
+    would differ (checked by hand: with the forward's wait switched off, 8 of 9 losses differ)."""
     reports = {}
     for overlap in (False, True):
-        plan = _tiny_plan([StagePlan(layers=4, zero=zero)], dp=2)
-        plan.micro_batch = 1
+        plan = _tiny_plan([StagePlan(layers=8 // stages, recompute=8 // stages, zero=zero)
+                           for _ in range(stages)], dp=2)  # fmt: skip
+        plan.model_overrides["layers"] = 8
+        plan.micro_batch, plan.virtual_stages = 1, virtual
         plan.overlap_grad_reduce, plan.grad_bucket_params = True, 40_000
         plan.overlap_param_gather = overlap
         plan.model_overrides["dropout"] = 0.0
@@ -900,7 +904,9 @@ def test_weight_gather_in_forward_trains_as_after_the_step(tmp_path_factory, zer
     assert a == pytest.approx(b, rel=1e-6), (a, b)
     assert len(set(a)) == len(a)  # the weights changed every step: a stale replica would show
     for r in reports[True]["ranks"]:
-        assert r["weight_gather_groups"] >= 4, r
+        assert r["weight_gather_groups"] >= 8 // stages, r
         assert r["weight_gathers_in_forward"] == r["weight_gather_groups"], r
+        twin = next(t for t in reports[True]["ranks"] if t["stage"] == r["stage"] and t["rank"] != r["rank"])
+        assert r["weight_sum"] == twin["weight_sum"], (r["weight_sum"], twin["weight_sum"])
     for r in reports[False]["ranks"]:
         assert r["weight_gather_groups"] == r["weight_gathers_in_forward"] == 0, r

@@ -113,7 +113,8 @@ def test_clipping_barrier_exposes_a_later_stages_step():
 
 
 def _random_frontiers(rng, stages, layers, device_counts=(1,)):
-    """Random frontiers keyed (layers, devices): more devices, faster (by a random factor)."""
+    """Random frontiers keyed (layers, devices): more devices, faster (by a random factor); a
+    random half of the points wait before their first forward (ZeRO-1/2 gathered in forward)."""
     out = []
     for _ in range(stages):
         per_l = {}
@@ -123,7 +124,8 @@ def _random_frontiers(rng, stages, layers, device_counts=(1,)):
                 steady = np.sort(rng.uniform(0.8, 1.2, k)) * n / devices ** rng.uniform(0.5, 1)
                 extra = np.sort(rng.uniform(0, 3, k))[::-1].copy()
                 step = extra * rng.uniform(0, 1, k)
-                per_l[n, devices] = Frontier(steady, extra, step, np.arange(k), np.zeros(k))
+                wait = rng.uniform(0, 0.5, k) * (rng.uniform(0, 1, k) < 0.5)
+                per_l[n, devices] = Frontier(steady, extra, step, wait, np.arange(k), np.zeros(k))
         out.append(per_l)
     return out
 
@@ -144,7 +146,8 @@ def test_milp_matches_brute_force(trial, rng):
             t = [frontiers[i][n, 1].steady[p] for i, (n, p) in enumerate(zip(split, pts, strict=True))]
             d = [frontiers[i][n, 1].extra[p] for i, (n, p) in enumerate(zip(split, pts, strict=True))]
             s = [frontiers[i][n, 1].step[p] for i, (n, p) in enumerate(zip(split, pts, strict=True))]
-            best = min(best, pipeline_objective(t, d, micro, s, barrier))
+            w = [frontiers[i][n, 1].wait[p] for i, (n, p) in enumerate(zip(split, pts, strict=True))]
+            best = min(best, pipeline_objective(t, d, micro, s, barrier, wait=w))
     sol = solve_inter_stage(frontiers, layers, micro, barrier_s=barrier)
     assert sol is not None and sol.optimal
     assert sum(sol.layers) == layers
@@ -171,8 +174,10 @@ def test_milp_with_stage_devices_matches_brute_force(trial, rng):
             keys = list(zip(split, devices, strict=True))
             for pts in itertools.product(*(range(len(frontiers[i][k])) for i, k in enumerate(keys))):
                 at = [(frontiers[i][k], p) for i, (k, p) in enumerate(zip(keys, pts, strict=True))]
-                t, d, s = ([getattr(f, name)[p] for f, p in at] for name in ("steady", "extra", "step"))
-                best = min(best, pipeline_objective(t, d, micro, s, barrier))
+                t, d, s, w = (
+                    [getattr(f, name)[p] for f, p in at] for name in ("steady", "extra", "step", "wait")
+                )
+                best = min(best, pipeline_objective(t, d, micro, s, barrier, wait=w))
     sol = solve_inter_stage(frontiers, layers, micro, barrier_s=barrier, total_devices=total)
     if not np.isfinite(best):
         assert sol is None
@@ -184,7 +189,7 @@ def test_milp_with_stage_devices_matches_brute_force(trial, rng):
 
 
 def test_milp_reports_infeasible_layer_counts():
-    one = np.array([1.0]), np.array([0.0]), np.array([0.0]), np.array([0]), np.array([0.0])
+    one = np.array([1.0]), np.array([0.0]), np.array([0.0]), np.array([0.0]), np.array([0]), np.array([0.0])
     fr = [{(1, 1): Frontier(*one)}] * 2
     assert solve_inter_stage(fr, total_layers=5, micro_batches=2) is None
     # nor device counts that cannot add up to the devices there are, or that grow along the pipeline

@@ -72,7 +72,6 @@ from .pipeline import ModelChunks, Pipeline1F1B, PipelineInterleaved, gpt_module
 from .zero import (
     ContiguousGrads,
     ShardedMasterAdamW,
-    bucket_modules,
     flat_collective,
     layer_buckets,
     shard_parameters,
@@ -371,13 +370,17 @@ def _reduction_overlap(plan: Plan, dp: int, dp_group) -> tuple | None:
 
 def _gather_in_forward(plan: Plan, dp: int, model, groups: list[ModuleGroup]) -> tuple | None:
     """ShardedMasterAdamW's ``gather_in_forward`` for Megatron-LM's --overlap-param-gather: the
-    stage's modules in forward order, less those whose weights are offloaded (their gather stays
-    after the step, as stage_cost prices it), and the plan's bucket size; or None."""
+    stage's transformer layers in forward order, less those whose weights are offloaded, and the
+    plan's bucket size; or None. The embedding, final norm and head, and offloaded layers, are
+    gathered after the step, as stage_cost prices them (Megatron-LM gathers its embedding and
+    head in forward too: their bytes are a layer's or two of a stage's)."""
     if not plan.overlap_param_gather or dp == 1:
         return None
     offloaded = {id(m) for g in groups if g.offload_weights > 0 for m in g.modules}
-    modules = [m for m in bucket_modules(model) if id(m) not in offloaded]
-    return modules, grad_bucket(plan.grad_bucket_params, dp)
+    layers = [
+        layer for gpt in gpt_modules(model) for layer in gpt.decoder.layers if id(layer) not in offloaded
+    ]
+    return layers, grad_bucket(plan.grad_bucket_params, dp)
 
 
 def _checkpoint_first_layers(model, count: int) -> None:
@@ -642,6 +645,9 @@ def run(plan: Plan, steps: int = 5, seed: int = 0, lr: float = 1e-2) -> dict:
         # for (gathered after the previous step instead: 0 and 0)
         "weight_gather_groups": sum(len(o.gather_groups) for o in zero12),
         "weight_gathers_in_forward": in_forward[-1],
+        # every weight this rank holds, summed in float64 after the run: equal across DP replicas
+        # unless their weights are sharded (ZeRO-3) or went apart
+        "weight_sum": float(sum(local(p).detach().double().sum() for p in model.parameters())),
         "layer_input_shape": layer_input_shape,
         # built here: the plan's count for this stage (interleaved: over its chunks)
         "layers": sum(len(gpt.decoder.layers) for gpt in gpt_modules(model)),

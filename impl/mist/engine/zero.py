@@ -100,7 +100,7 @@ class ShardedMasterAdamW:
     def _gather_groups(self, modules: list[torch.nn.Module], bucket_params: int) -> list[list[int]]:
         """Buckets in groups of at least ``bucket_params`` parameters, in the order ``modules`` run
         forward (each of its buckets in the first module holding one), each group's first module
-        hooked to wait for it. Buckets in no module (none here) stay broadcast after the step."""
+        hooked to wait for it. Buckets in no module stay broadcast after the step."""
         groups: list[list[int]] = []
         size, seen = bucket_params, set()
         for module in modules:
@@ -233,18 +233,6 @@ def layer_buckets(model) -> list[list[torch.Tensor]]:
         if id(p) not in in_layers:
             rest.setdefault(name.rsplit(".", 1)[0], []).append(p)
     return [list(layer.parameters()) for layer in layers] + list(rest.values())
-
-
-def bucket_modules(model) -> list[torch.nn.Module]:
-    """The modules ``layer_buckets`` groups the parameters by, in the order forward runs them (the
-    model's parameter order: embedding, layers, final norm, head)."""
-    layer_of = {id(p): layer for gpt in gpt_modules(model) for layer in gpt.decoder.layers
-                for p in layer.parameters()}  # fmt: skip
-    modules: dict[int, torch.nn.Module] = {}
-    for name, p in model.named_parameters():
-        module = layer_of.get(id(p)) or model.get_submodule(name.rpartition(".")[0])
-        modules.setdefault(id(module), module)
-    return list(modules.values())
 
 
 def shard_parameters(model, dp_group, device: torch.device, groups: list, whole: set) -> None:

@@ -3,14 +3,16 @@
 Intra-stage: for a stage of l layers with k micro-batches in flight, every strategy is evaluated
 at once (stage_cost.evaluate_stage); those over the memory budget are dropped and the exact
 Pareto frontier of (steady micro-batch time T, extra time before the gradient-clipping barrier
-D - P, optimizer step after it P) is kept.
+D - P, optimizer step after it P) is kept, for each first-forward wait W apart (ZeRO-1/2's
+weights gathered in forward: stage_cost's ``wait``, one value a stage or none).
 
 Inter-stage: a mixed-integer linear program picks each stage's layer count and one frontier
 point per stage to minimise the 1F1B iteration time
 
-    (G - 1) * max_i T_i  +  sum_i T_i  +  max(0, max_i (D_i - P_i - sum_{j<i} T_j))  +  B  +  max_i P_i
+    (G - 1) max_i T_i + sum_i (T_i + W_i) + max(0, max_i (D_i - P_i - sum_{j<i} T_j)) + B + max_i P_i
 
-(the slowest stage paces the steady state; the first micro-batch crosses every stage; a
+(the slowest stage paces the steady state; the first micro-batch crosses every stage, waiting
+at each for its weights where they are gathered in forward; a
 stage's gradient sync is hidden behind the stages before it finishing their last backward; the
 clipping barrier B, then the slowest stage's step).
 
@@ -75,6 +77,7 @@ class Frontier:
     steady: np.ndarray
     extra: np.ndarray  # after the last backward: sync + step
     step: np.ndarray  # of extra, the part after the gradient-clipping barrier
+    wait: np.ndarray  # before the first forward (on the pipeline's fill path)
     index: np.ndarray  # into the strategy grid it came from
     memory: np.ndarray
 
@@ -98,11 +101,15 @@ def frontier_for(
     if "host_memory" in values:
         fits &= values["host_memory"] + (in_flight - 1) * values["host_per_flight"] <= host_budget
     ok = np.flatnonzero(fits)
-    if ok.size == 0:
-        return Frontier(np.empty(0), np.empty(0), np.empty(0), np.empty(0, int), np.empty(0))
-    steady, extra, step = (values[k][ok] for k in ("steady", "extra", "step"))
-    keep = ok[pareto_frontier_3d(steady, extra - step, step)]
-    return Frontier(values["steady"][keep], values["extra"][keep], values["step"][keep], keep, memory[keep])
+    wait = values["wait"] if "wait" in values else np.zeros_like(values["steady"])
+    keep = []
+    for value in np.unique(wait[ok]):  # one or two (the gather in forward or not): a frontier each
+        group = ok[wait[ok] == value]
+        steady, extra, step = (values[k][group] for k in ("steady", "extra", "step"))
+        keep.append(group[pareto_frontier_3d(steady, extra - step, step)])
+    keep = np.concatenate(keep) if keep else np.empty(0, int)
+    return Frontier(values["steady"][keep], values["extra"][keep], values["step"][keep], wait[keep], keep,
+                    memory[keep])  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -165,6 +172,7 @@ def solve_inter_stage(
     m_col, e_col, p_col = len(cols), len(cols) + 1, len(cols) + 2
     steady = np.array([frontiers[i][key].steady[p] for i, key, p in cols])
     step = np.array([frontiers[i][key].step[p] for i, key, p in cols])
+    wait = np.array([frontiers[i][key].wait[p] for i, key, p in cols])
     sync = np.array([frontiers[i][key].extra[p] for i, key, p in cols]) - step
     stage_of = np.array([c[0] for c in cols])
     layers_of = np.array([c[1][0] for c in cols])
@@ -202,7 +210,7 @@ def solve_inter_stage(
             r[:m_col] = per_stage(i)
             r[col] = -1
             rows.append(r), lo.append(-np.inf), hi.append(0)
-    c = np.concatenate([steady, [micro_batches - 1, 1.0, 1.0]])
+    c = np.concatenate([steady + wait, [micro_batches - 1, 1.0, 1.0]])
     lp = _highs_model(c, np.array(rows), np.array(lo, float), np.array(hi, float), integers=len(cols))
     solver = highspy.Highs()
     solver.setOptionValue("output_flag", False)
@@ -223,10 +231,11 @@ def solve_inter_stage(
     chosen.sort()
     if len(chosen) != stages:
         return None
-    t, d, ps = (
-        [getattr(frontiers[i][key], f)[p] for i, key, p in chosen] for f in ("steady", "extra", "step")
+    t, d, ps, w = (
+        [getattr(frontiers[i][key], f)[p] for i, key, p in chosen]
+        for f in ("steady", "extra", "step", "wait")
     )
     optimal = status == highspy.HighsModelStatus.kOptimal
-    objective = pipeline_objective(t, d, micro_batches, ps, barrier_s)
+    objective = pipeline_objective(t, d, micro_batches, ps, barrier_s, wait=w)
     layers, devices = (tuple(key[k] for _, key, _ in chosen) for k in (0, 1))
     return InterStageSolution(objective, layers, devices, tuple(p for _, _, p in chosen), optimal)

@@ -9,8 +9,9 @@ every stage, of every chunk when interleaved; k = all: every layer) or every lay
 (selective: none of it kept where FlashAttention keeps none); shards the optimizer state with its
 distributed optimizer (ZeRO-1) or not at all; and offloads one fraction of the optimizer (only its
 distributed one); its users overlap the gradient reduction with backward
-(``--overlap-grad-reduce``) and, with the distributed optimizer, the weights' gather with the next
-forward (``--overlap-param-gather``), which every plan here does. ``MegatronLMSpace`` says which of those
+(``--overlap-grad-reduce``), which every plan here does, and with the distributed optimizer may
+gather the weights in the next forward (``--overlap-param-gather``): planned so, and the winner
+kept or switched to gathering after the step, whichever is faster (``planner.faster_gather``). ``MegatronLMSpace`` says which of those
 choices a search tries. Every plan it makes exports (``mist.export``): ``mist plan --target
 megatron-lm`` searches the widest space, the Megatron-LM grid baseline
 (``baselines/megatron/grid.py``) the choices its users tune.
@@ -30,6 +31,8 @@ from ..model.runtime import RuntimeModel
 from ..model.specs import ClusterSpec, ModelSpec
 from ..plan import Plan, StagePlan
 from .exhaustive import divisors, fastest_fitting, layer_splits, powers_of_two
+from .planner import faster_gather
+from .problem import Problem
 
 
 @dataclass(frozen=True)
@@ -170,7 +173,7 @@ def search_megatron_lm(
     prices Falcon's parallel block as if Megatron-LM had it, so that every system is priced on the
     same model, and ``mist.export`` refuses it."""
     space = space or MegatronLMSpace()
-    return fastest_fitting(
+    best = fastest_fitting(
         global_batch,
         sorted(settings(model, cluster, global_batch, space), key=lambda s: max(s.split) - min(s.split)),
         lambda setting, k: setting_plan(model, cluster, global_batch, setting, k),
@@ -178,3 +181,4 @@ def search_megatron_lm(
         model, cluster, runtime, interference, progress,
         what=f"no Megatron-LM configuration of {model.name} fits {cluster.gpus} x {cluster.gpu.name}",
     )  # fmt: skip
+    return faster_gather(Problem.resolve(model, cluster, global_batch, runtime, interference), best)

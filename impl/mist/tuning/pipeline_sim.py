@@ -4,8 +4,10 @@ Each stage runs its micro-batches in the 1F1B order (warm-up forwards, then one 
 backward alternately, then the cool-down backwards). An op starts when its stage is free and
 its dependency is done: forward m on stage i needs forward m on stage i-1; backward m on stage
 i needs backward m on stage i+1 (the last stage's backward needs its own forward). Per-stage
-extras run before the first forward (``first``: e.g. gathering sharded weights) and after the
-last backward (``last``: gradient synchronisation, optimizer step).
+extras run before the first forward (``first``: e.g. gathering sharded weights, from the
+iteration's start), at the first forward (``wait``: ZeRO-1/2's weights gathered as the forward
+reaches them, begun when the stage's input has arrived, so on the fill path) and after the last
+backward (``last``: gradient synchronisation, optimizer step).
 
 Interleaved 1F1B (Megatron-LM's virtual pipeline stages; Narayanan et al., SC'21): each of the
 S ranks holds V model chunks of L/(S V) layers, chunk c of rank i being virtual stage c S + i, so
@@ -93,11 +95,13 @@ def simulate_1f1b(
     step: Sequence[float] | None = None,
     barrier_s: float = 0.0,
     virtual: int = 1,
+    wait: Sequence[float] | None = None,
 ) -> float:
     """Makespan of one iteration; ``p2p`` is the send time between neighbouring stages. ``last``:
     each stage's work after its last backward; of it, ``step`` (default none) comes after the
     gradient-clipping barrier, which itself takes ``barrier_s``. ``virtual``: model chunks a rank
-    (interleaved 1F1B), each op taking 1/``virtual`` of the stage's forward or backward.
+    (interleaved 1F1B), each op taking 1/``virtual`` of the stage's forward or backward. ``wait``:
+    what each stage's first forward op takes longer (default none).
 
     Each finish time is kept only until the one op that waits for it has read it, so memory is
     O(stages x virtual) (a stage runs at most that many chunk-ops ahead of its backwards), work
@@ -112,6 +116,7 @@ def simulate_1f1b(
     check_interleaving(stages, micro_batches, virtual)
     first = first or [0.0] * stages
     last = last or [0.0] * stages
+    wait = list(wait or [0.0] * stages)
     top = virtual - 1  # the last chunk
     orders = [interleaved_order(i, stages, micro_batches, virtual) for i in range(stages)]
     nxt = [next(o) for o in orders]  # every stage has at least one op
@@ -136,6 +141,9 @@ def simulate_1f1b(
                 own = key is not None and key[:3] == ("F", i, c)
                 dep = 0.0 if key is None else done.pop(key) + (0.0 if own else p2p)
                 clock[i] = max(clock[i], dep) + (fwd[i] if kind == "F" else bwd[i]) / virtual
+                if kind == "F":
+                    clock[i] += wait[i]
+                    wait[i] = 0.0  # the first forward's only
                 # keep what a later op waits for: every op but virtual stage 0's backward
                 if kind == "F" or i > 0 or c > 0:
                     done[(kind, i, c, m)] = clock[i]
@@ -156,17 +164,19 @@ def pipeline_objective(
     step: Sequence | None = None,
     barrier_s: float = 0.0,
     virtual: int = 1,
+    wait: Sequence | None = None,
 ):
     """The planner's closed form:
 
-        (G-1) max_i T_i + sum_i T_i + max(0, max_i (D_i - P_i - sum_{j<i} T_j)) + B + max_i P_i
+        (G-1) max_i T_i + sum_i (T_i + W_i) + max(0, max_i (D_i - P_i - sum_{j<i} T_j)) + B + max_i P_i
 
     T_i = forward + backward of one micro-batch on stage i; D_i = its first + last extras, of which
     P_i (``step``, default none) comes after the gradient-clipping barrier, which takes B
-    (``barrier_s``). Any T_i, D_i or P_i may be an array (candidates for that stage): the result
-    is then an array too. With V (``virtual``) chunks a rank the fill and drain shrink V-fold:
-    G max_i T_i + (sum_i T_i - max_i T_i) / V, and stage i's last backward ends sum_{j<i} T_j / V
-    before stage 0's (V = 1: the form above).
+    (``barrier_s``); W_i (``wait``, default none) what stage i's first forward waits, on the fill
+    path the first micro-batch crosses. Any T_i, D_i, P_i or W_i may be an array (candidates for
+    that stage): the result is then an array too. With V (``virtual``) chunks a rank the fill and
+    drain shrink V-fold: G max_i T_i + (sum_i T_i - max_i T_i) / V, and stage i's last backward
+    ends sum_{j<i} T_j / V before stage 0's (V = 1: the form above).
     """
     step = [0.0] * len(steady) if step is None else step
     slowest = functools.reduce(np.maximum, steady)
@@ -177,4 +187,6 @@ def pipeline_objective(
         worst_sync = np.maximum(worst_sync, d_i - p_i - before)
         before = before + t_i / virtual
     out = total + np.maximum(worst_sync, 0.0) + barrier_s + functools.reduce(np.maximum, step)
+    if wait is not None:
+        out = out + sum(wait)
     return float(out) if np.ndim(out) == 0 else out

@@ -174,7 +174,7 @@ def tune_setting(
                 grids[key] = _stage_values(st, ln, layers, first, last, options.space, grad_accum)
             grid, values, per_flight = grids[key]
             if not options.imbalance_aware:
-                values = {**values, **{k: np.zeros_like(values[k]) for k in ("extra", "step")}}
+                values = {**values, **{k: np.zeros_like(values[k]) for k in BLIND_TO}}
             fr = frontier_for(values, flight, budget, per_flight, problem.host_budget)
             if len(fr):
                 frontiers[i][layers, devices] = fr
@@ -308,7 +308,7 @@ class _MergedStage:
             )
         values = {k: np.concatenate([v[k] for _, v, _ in evaluated]) for k in _FRONTIER_KEYS}
         if not options.imbalance_aware:
-            values.update({k: np.zeros_like(values[k]) for k in ("extra", "step")})
+            values.update({k: np.zeros_like(values[k]) for k in BLIND_TO})
         starts = np.cumsum([0] + [len(v["steady"]) for _, v, _ in evaluated])
         per_flight = np.concatenate([f for _, _, f in evaluated])
         return cls(shapes, evaluated[0][0], values, per_flight, starts)
@@ -326,7 +326,9 @@ class _MergedStage:
 
 
 # the arrays of a stage's evaluation that its frontier reads
-_FRONTIER_KEYS = ("steady", "extra", "step", "memory", "host_memory", "host_per_flight")
+_FRONTIER_KEYS = ("steady", "extra", "step", "wait", "memory", "host_memory", "host_per_flight")
+# what a search that is not imbalance-aware does not see: the first and last micro-batch's extras
+BLIND_TO = ("extra", "step", "wait")
 
 
 def search(
@@ -387,8 +389,23 @@ def search(
     if options.space.offload and options.refine_offload_step:
         best = _refine(problem, best, options)
         predict_for(problem, best)
+    best = faster_gather(problem, best)
     best.tuning_s = time.perf_counter() - start
     return best
+
+
+def faster_gather(problem: Problem, plan: Plan) -> Plan:
+    """``plan`` (priced), or the same plan with ZeRO-1/2's weights gathered after the step where
+    that is faster. The searches plan the gather in the next forward (``overlap_param_gather``):
+    what a stage's first forward then waits for is on the pipeline's fill path, one stage after
+    another, where after the step the stages gather side by side; a deep pipeline whose gather
+    the forward hides little of does better without it. Megatron-LM's users choose the flag too."""
+    if not plan.overlap_param_gather:
+        return plan
+    other = dataclasses.replace(plan, overlap_param_gather=False,
+                                stages=[dataclasses.replace(s) for s in plan.stages])  # fmt: skip
+    predict_for(problem, other)
+    return other if other.predicted_iteration_s < plan.predicted_iteration_s else plan
 
 
 def refine(
@@ -453,11 +470,11 @@ def _refine(problem: Problem, plan: Plan, options: PlannerOptions, passes: int =
 
     def objective(candidates: dict[int, dict]):
         """The closed form with ``candidates``' stages (arrays) and the others as they are now."""
-        steady, extra, step = (
+        steady, extra, step, wait = (
             [ranked(candidates[j], key) if j in candidates else ranked(values[j], key)[0] for j in range(S)]
-            for key in ("steady", "extra", "step")
+            for key in ("steady", "extra", "step", "wait")
         )
-        return pipeline_objective(steady, extra, G, step, barrier)
+        return pipeline_objective(steady, extra, G, step, barrier, wait=wait)
 
     values = [evaluate(i, current(i), edge_now()) for i in range(S)]
     best = objective({})
@@ -601,14 +618,16 @@ def _price(problem: Problem, plan: Plan, simulate: bool, memo: StageMemo | None 
     point = Candidate.of_plan(plan)
     S, G, V = point.stages, point.grad_accum, point.virtual
     budget = problem.gpu_budget
-    steady, extra, step, fwd, bwd = [], [], [], [], []
+    steady, extra, step, wait, fwd, bwd = [], [], [], [], [], []
     fits = True
     for i, s in enumerate(plan.stages):
         st = problem.plan_setting(plan, i)
         ln = layer_numbers(st)
         edge = None if plan.pre_post is None else {k: float(getattr(plan.pre_post, k)) for k in EDGE_FIELDS}
         v = _evaluate(st, ln, s, point.in_flight(i), i == 0, i == S - 1, G, edge, memo)
-        s.steady_s, s.extra_s, s.step_s = (float(v[k][0]) for k in ("steady", "extra", "step"))
+        s.steady_s, s.extra_s, s.step_s, s.wait_s = (
+            float(v[k][0]) for k in ("steady", "extra", "step", "wait")
+        )
         memory, host_memory = float(v["memory"][0]), float(v["host_memory"][0])
         s.memory_bytes, s.host_memory_bytes = bytes_needed(memory), bytes_needed(host_memory)
         # judged on the model's own numbers, as the search judges its candidates (the whole bytes
@@ -617,6 +636,7 @@ def _price(problem: Problem, plan: Plan, simulate: bool, memo: StageMemo | None 
         steady.append(s.steady_s)
         extra.append(s.extra_s)
         step.append(s.step_s)
+        wait.append(s.wait_s)
         share = ln.fwd / (ln.fwd + ln.bwd)
         fwd.append(s.steady_s * share)
         bwd.append(s.steady_s * (1 - share))
@@ -624,9 +644,11 @@ def _price(problem: Problem, plan: Plan, simulate: bool, memo: StageMemo | None 
             first_ln = ln
     ln = first_ln
     barrier = clip_barrier_s(problem.plan_setting(plan, 0))
-    plan.predicted_iteration_s = pipeline_objective(steady, extra, G, step, barrier, V)
+    plan.predicted_iteration_s = pipeline_objective(steady, extra, G, step, barrier, V, wait)
     plan.simulated_iteration_s = (
-        simulate_1f1b(fwd, bwd, G, last=extra, step=step, barrier_s=barrier, virtual=V) if simulate else None
+        simulate_1f1b(fwd, bwd, G, last=extra, step=step, barrier_s=barrier, virtual=V, wait=wait)
+        if simulate
+        else None
     )
     plan.breakdown = {
         "usable_memory_bytes": problem.gpu_budget,

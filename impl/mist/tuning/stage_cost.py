@@ -17,6 +17,8 @@ evaluated at once as numpy arrays:
   (all-reduce, or reduce-scatter + all-gather under ZeRO), the optimizer step on GPU and, for
   offloaded optimizer state, on the CPU (with the copies it needs). Of it, ``step`` comes after
   gradient clipping's global barrier (``clip_barrier_s``; pipeline_sim says how it is priced).
+* wait: what the stage's first forward waits for its weights when ZeRO-1/2's all-gather runs in
+  it (``Plan.overlap_param_gather``), on the pipeline's fill path instead of after the step.
 * memory: peak bytes per GPU (weights, gradients, optimizer state, in-flight activations,
   prefetch/swap buffers, one layer's backward working set, the head's logits).
 * host memory: what this GPU keeps in its node's DRAM (offloaded weights, gradients, optimizer
@@ -341,27 +343,31 @@ def _hidden_reduction_s(st: Setting, ln: LayerNumbers, layers: int, r, z, across
     return hidden[inverse.ravel()].reshape(zz.shape)
 
 
-def _hidden_gather_s(st: Setting, ln: LayerNumbers, layers: int, z, wo, across: bool):
-    """Seconds of a stage's ZeRO-1/2 weight all-gather that the next iteration's first forward hides
-    when it runs bucket by bucket (Megatron-LM's --overlap-param-gather; Plan.overlap_param_gather),
-    taken off what ``_gradient_sync`` prices for the layers (one all-gather after the step). The
-    buckets are the gradient reduction's; the first layer's forward waits for its bucket's gather
-    (begun then, so exposed) and begins the next one's, which runs beside the forward of the
-    layers before it (priced by the interference model); the embedding/head's gather stays after
-    the step. Weights offloaded to the host are gathered as before (nothing hidden)."""
+def _gather_in_forward_s(st: Setting, ln: LayerNumbers, layers: int, z, wo, across: bool) -> tuple:
+    """(moved, wait): seconds of a stage's ZeRO-1/2 weight all-gather that leave the step, and
+    seconds its next first forward then waits, when the gather runs bucket by bucket in that
+    forward (Megatron-LM's --overlap-param-gather; Plan.overlap_param_gather). ``moved`` is what
+    ``_gradient_sync`` prices for the layers (one all-gather after the step); the embedding/head's
+    stays there. The buckets are the gradient reduction's; the first layer's forward pre-hook
+    begins its bucket's gather and waits for it (exposed), and begins the next one's, which runs
+    beside the forward of the bucket before it (priced by the interference model): every bucket's
+    gather but the first is hidden behind the forward of the buckets before the last, as far as
+    that forward lasts. The wait is on the pipeline's fill path (a stage's first forward starts
+    when its input arrives; pipeline_sim), where the step's gather ran beside the other stages'.
+    Weights offloaded to the host are gathered after the step, as before (nothing moves)."""
     d, cl, rt = st.dp, st.cluster, st.runtime
-    if not st.overlap_param_gather or d == 1 or layers < 2:
-        return 0.0
-    per_bucket = max(1, math.ceil(grad_bucket(st.grad_bucket_params, d) / ln.params))  # layers a bucket
+    if not st.overlap_param_gather or d == 1:
+        return 0.0, 0.0
+    per_bucket = min(layers, max(1, math.ceil(grad_bucket(st.grad_bucket_params, d) / ln.params)))
     buckets = math.ceil(layers / per_bucket)
-    if buckets < 2:
-        return 0.0
     stage_bytes = 2.0 * ln.params * layers
     whole = rt.collective("all_gather", stage_bytes, d, cl, across)
     each = rt.collective("all_gather", stage_bytes / buckets, d, cl, across)
-    window = ln.fwd * (layers - per_bucket)  # the forward of every bucket's layers but the last's
-    exposed = max(st.interference.overlap(window, (buckets - 1) * each, 0.0, 0.0) - window, 0.0) + each
-    return np.where((z >= 1) & (z <= 2) & (np.asarray(wo) == 0), max(whole - exposed, 0.0), 0.0)
+    window = ln.fwd * (buckets - 1) * per_bucket  # the forward of every bucket but the last
+    rest = (buckets - 1) * each
+    wait = each + max(st.interference.overlap(window, rest, 0.0, 0.0) - window, 0.0)
+    moves = (z >= 1) & (z <= 2) & (np.asarray(wo) == 0)
+    return np.where(moves, whole, 0.0), np.where(moves, wait, 0.0)
 
 
 def _p2p_s(st: Setting, ln: LayerNumbers, first: bool, last: bool) -> tuple[float, float]:
@@ -547,7 +553,8 @@ def evaluate_stage(
     parts = ((mine, oo), (theirs, eoo))  # (state bytes, offloaded optimizer fraction) of each
     sync, step = _sync_and_step(st, layers * layer_w_full, edge_w_full, z, ez, across, parts, d2h_bw, h2d_bw)
     sync = sync - _hidden_reduction_s(st, ln, layers, r, z, across)
-    step = step - _hidden_gather_s(st, ln, layers, z, wo, across)
+    moved, wait = _gather_in_forward_s(st, ln, layers, z, wo, across)
+    step = step - moved
     extra = sync + step
 
     # ---- memory per GPU
@@ -561,6 +568,8 @@ def evaluate_stage(
         "steady": np.broadcast_to(steady, shape),
         "extra": np.broadcast_to(extra, shape),
         "step": np.broadcast_to(step, shape),  # the part of extra after the clipping barrier
+        # before the first forward of the next iteration: what it waits for its weights (on the fill path)
+        "wait": np.broadcast_to(wait, shape),
         "memory": np.broadcast_to(memory, shape),
         "compute": np.broadcast_to(compute, shape),
         "g2g": np.broadcast_to(g2g, shape),  # the GPU-to-GPU channel (collectives that can overlap)
