@@ -36,7 +36,6 @@ def plan_summary(plan) -> dict:
         "virtual_stages": plan.virtual_stages,  # model chunks a pipeline rank (interleaved 1F1B)
         "overlap_grad_reduce": plan.overlap_grad_reduce,  # DP reduction overlapped with backward
         "grad_bucket_params": plan.grad_bucket_params,
-        "overlap_param_gather": plan.overlap_param_gather,  # ZeRO-1/2's gather overlapped with forward
     }
 
 
@@ -58,6 +57,4 @@ def summary_plan(key: dict, summary: dict):
         # points from before the reduction overlapped: after backward
         overlap_grad_reduce=summary.get("overlap_grad_reduce", False),
         grad_bucket_params=summary.get("grad_bucket_params"),
-        # points from before the gather overlapped: after the step
-        overlap_param_gather=summary.get("overlap_param_gather", False),
     )  # fmt: skip

@@ -11,10 +11,10 @@ refused by name (``CannotExport``), never dropped.
 The gradient reduction overlaps backward (``--overlap-grad-reduce``, with ``--ddp-bucket-size``
 where the plan gives one) when the plan says so (``Plan.overlap_grad_reduce``: what the searches
 plan, priced by ``stage_cost._hidden_reduction_s``), and with the distributed optimizer the
-weights' all-gather overlaps the next forward (``--overlap-param-gather``) when the plan says so
-(``Plan.overlap_param_gather``, priced by ``stage_cost._hidden_gather_s``; it has no effect on a
-plan without ZeRO-1, and no flag). What the command leaves at Megatron-LM's defaults, on purpose:
-Adam, and the softmax in the activations' precision (``engine.megatron.model_settings``).
+weights' all-gather runs in the next forward (``--overlap-param-gather``) when the stages say so
+(``StagePlan.gather_in_forward``, priced by ``stage_cost._gather_in_forward_s``). What the
+command leaves at Megatron-LM's defaults, on purpose: Adam, and the softmax in the activations'
+precision (``engine.megatron.model_settings``).
 
 **torchtitan** (0.2.2, whose job config is a TOML file): the parallel degrees (FSDP2 for ZeRO-2/3,
 DDP for none, its all-reduce overlapped with backward in torch's own 25 MiB buckets where the plan
@@ -138,8 +138,17 @@ def _optimizer_arguments(plan: Plan) -> tuple[list[str], list[str]]:
         )
     if zero == {1} or (fraction and plan.dp == 1):  # at DP 1 the distributed optimizer shards nothing
         args.append("--use-distributed-optimizer")
-        if plan.overlap_param_gather:  # (Plan.check: with overlap_grad_reduce, as Megatron-LM needs)
+    gathers = {s.gather_in_forward for s in plan.stages}
+    if len(gathers) > 1:
+        cannot.append(
+            "the weights gathered in forward on some stages only (--overlap-param-gather is global)"
+        )
+    elif gathers == {True}:
+        if plan.overlap_grad_reduce:
             args.append("--overlap-param-gather")
+        else:
+            cannot.append("the weights gathered in forward without the gradient reduction overlapped "
+                          "(Megatron-LM's --overlap-param-gather needs --overlap-grad-reduce)")  # fmt: skip
     if fraction:
         args += ["--optimizer-cpu-offload", "--optimizer-offload-fraction", repr(fraction),
                  "--use-precision-aware-optimizer"]  # fmt: skip
@@ -292,7 +301,7 @@ def _torchtitan_limits(plan: Plan, model: ModelSpec, flavor: str) -> list[str]:
         cannot.append("DDP's all-reduce after backward (torch's DDP always overlaps it with backward)")
     if plan.overlap_grad_reduce and plan.grad_bucket_params is not None:
         cannot.append(f"gradient buckets of {plan.grad_bucket_params} parameters (torchtitan has no option)")
-    if zero == {2} and plan.dp > 1 and not plan.overlap_param_gather:
+    if any(s.zero == 2 and not s.gather_in_forward for s in stages) and plan.dp > 1:
         cannot.append("ZeRO-2's weight gather after the step (FSDP2 gathers ahead of each forward)")
     cannot += _node_limits(plan)
     offloads = {(s.offload_weights, s.offload_grads, s.offload_optimizer) for s in stages}

@@ -12,11 +12,11 @@ own ZeRO stage and offloaded fractions (null: as their stage's other parameters)
 the default: plain 1F1B); ``overlap_grad_reduce`` whether the data-parallel gradient reduction
 runs bucket by bucket during the last micro-batch's backward (Megatron-LM's
 ``--overlap-grad-reduce``; false, its default: after backward), in buckets of at least
-``grad_bucket_params`` parameters (null: Megatron-LM's default, max(40M, 1M x DP));
-``overlap_param_gather`` whether the ZeRO-1/2 parts' updated weights are gathered bucket by bucket
+``grad_bucket_params`` parameters (null: Megatron-LM's default, max(40M, 1M x DP)); a stage's
+``gather_in_forward`` whether its ZeRO-1/2 layers' updated weights are gathered bucket by bucket
 during the next iteration's first forward, each bucket's gather waited for as its first layer
-starts and the next one's begun (Megatron-LM's ``--overlap-param-gather``, which needs
-``overlap_grad_reduce``; false: right after the step; no effect on other parts). Predictions
+starts and the next one's begun (Megatron-LM's ``--overlap-param-gather``; false: right after
+the step; only for ZeRO-1/2 stages whose weights stay on the device). Predictions
 are filled in by ``predict``: per stage ``steady_s``, ``extra_s`` and, of it, ``step_s`` after the
 gradient-clipping barrier, ``wait_s`` before its first forward (seconds), ``memory_bytes``
 (per GPU) and ``host_memory_bytes`` (what each of its GPUs offloads to the host), and the
@@ -149,13 +149,16 @@ class StagePlan:
     offload_optimizer: float = 0.0
     offload_activations: float = 0.0
     selective: bool = False  # the other layers recompute their core attention (Megatron's selective)
+    # ZeRO-1/2: the layers' updated weights gathered in the next forward, not after the step
+    # (Megatron-LM's --overlap-param-gather)
+    gather_in_forward: bool = False
     tp: int | None = None  # this stage's own TP / DP (default: the plan's), e.g. from Aceso
     dp: int | None = None
     # predictions (filled by predict)
     steady_s: float | None = None
     extra_s: float | None = None  # after the last backward: gradient sync, clipping's norm, step
     step_s: float | None = None  # of extra_s, after the gradient-clipping barrier: the optimizer step
-    # what its first forward waits for its weights (overlap_param_gather), on the pipeline's fill path
+    # what its first forward waits for its weights (gather_in_forward), on the pipeline's fill path
     wait_s: float | None = None
     memory_bytes: int | None = None  # per GPU of this stage
     host_memory_bytes: int | None = None  # offloaded bytes this stage's GPUs each keep on the host
@@ -179,12 +182,18 @@ class StagePlan:
             )
         if self.zero not in (0, 1, 2, 3):
             raise ValueError(f"stage {i}: zero must be 0, 1, 2 or 3, got {self.zero}")
-        if not isinstance(self.selective, bool):
-            raise ValueError(f"stage {i}: selective must be true or false, got {self.selective!r}")
+        for name in ("selective", "gather_in_forward"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"stage {i}: {name} must be true or false, got {getattr(self, name)!r}")
         for name in ("offload_weights", "offload_grads", "offload_optimizer", "offload_activations"):
             value = getattr(self, name)
             if not 0.0 <= value <= 1.0:
                 raise ValueError(f"stage {i}: {name} is a fraction in [0, 1], got {value}")
+        if self.gather_in_forward and (self.zero not in (1, 2) or self.offload_weights > 0):
+            raise ValueError(
+                f"stage {i}: gather_in_forward is for ZeRO-1/2 weights kept on the device (got zero "
+                f"{self.zero}, offload_weights {self.offload_weights})"
+            )
 
 
 @dataclass
@@ -233,9 +242,6 @@ class Plan:
     # --overlap-grad-reduce and --ddp-bucket-size; None: its default bucket)
     overlap_grad_reduce: bool = False
     grad_bucket_params: int | None = None
-    # ZeRO-1/2's all-gather of the updated weights overlapped with the next forward, by the same
-    # buckets (Megatron-LM's --overlap-param-gather)
-    overlap_param_gather: bool = False
     predicted_iteration_s: float | None = None
     simulated_iteration_s: float | None = None
     tuning_s: float | None = None
@@ -312,10 +318,6 @@ class Plan:
         bucket = self.grad_bucket_params
         if bucket is not None and not (_is_int(bucket) and bucket >= 1):
             raise ValueError(f"grad_bucket_params must be a whole number >= 1 or null, got {bucket!r}")
-        if not isinstance(self.overlap_param_gather, bool):
-            raise ValueError(f"overlap_param_gather must be true or false, got {self.overlap_param_gather!r}")
-        if self.overlap_param_gather and not self.overlap_grad_reduce:
-            raise ValueError("overlap_param_gather needs overlap_grad_reduce (as Megatron-LM's flags do)")
 
     def _check_interleaving(self) -> None:
         """Virtual stages as megatron-core's interleaved schedule runs them and Megatron-LM's
@@ -438,7 +440,6 @@ class Plan:
             f"micro-batch {self.micro_batch}, {self.grad_accum} micro-batches"
             + (f", {self.virtual_stages} virtual stages a rank" if self.virtual_stages > 1 else "")
             + (", gradient reduction overlapped with backward" if self.overlap_grad_reduce else "")
-            + (", weight gather overlapped with forward" if self.overlap_param_gather else "")
         )
         rows = [
             head,
@@ -446,7 +447,8 @@ class Plan:
         ]
         for i, s in enumerate(self.stages):
             tp, dp, _ = self.stage_parallelism(i)
-            cells = [i, f"{tp}x{dp}", s.layers, s.recompute, "yes" if s.selective else "no", s.zero]
+            cells = [i, f"{tp}x{dp}", s.layers, s.recompute, "yes" if s.selective else "no", s.zero,
+                     "yes" if s.gather_in_forward else "no"]  # fmt: skip
             cells += [
                 f"{getattr(s, 'offload_' + k):.2f}" for k in ("weights", "grads", "optimizer", "activations")
             ]
@@ -467,9 +469,11 @@ class Plan:
         return "\n".join(rows)
 
 
+# "AG fwd": the ZeRO-1/2 weights' all-gather in the next forward (gather_in_forward)
 COLUMNS = [
-    ("stage", 5), ("TPxDP", 6), ("layers", 6), ("recomp", 6), ("sel", 3), ("ZeRO", 4), ("off W", 5),
-    ("off G", 5), ("off O", 5), ("off A", 5), ("T (ms)", 8), ("D (ms)", 8), ("mem GiB", 8), ("host GiB", 8),
+    ("stage", 5), ("TPxDP", 6), ("layers", 6), ("recomp", 6), ("sel", 3), ("ZeRO", 4), ("AG fwd", 6),
+    ("off W", 5), ("off G", 5), ("off O", 5), ("off A", 5), ("T (ms)", 8), ("D (ms)", 8), ("mem GiB", 8),
+    ("host GiB", 8),
 ]  # fmt: skip
 
 

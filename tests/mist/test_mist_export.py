@@ -330,17 +330,16 @@ def test_plan_for_megatron_lm_then_export_is_two_commands(tmp_path):
 def _llama_plan(tp: int, dp: int, layers: list[int], **stage) -> Plan:
     m = model("llama-7b")
     stages = [StagePlan(layers=n, **stage) for n in layers]
-    # torch's DDP overlaps its all-reduce with backward, FSDP2 its gathers with forward: the plan
-    # says so (export refuses otherwise)
+    # torch's DDP overlaps its all-reduce with backward: the plan says so (export refuses otherwise)
     return Plan.of(m, cluster("a100-40gb", tp * dp * len(layers)), global_batch=64, tp=tp, dp=dp,
-                   micro_batch=2, stages=stages, overlap_grad_reduce=True,
-                   overlap_param_gather=True)  # fmt: skip
+                   micro_batch=2, stages=stages, overlap_grad_reduce=True)  # fmt: skip
 
 
 @pytest.mark.parametrize(
     ("tp", "dp", "layers", "stage"),
     [
-        (2, 2, [15, 17], {"zero": 2, "recompute": None}),  # PP + TP + FSDP without resharding
+        # PP + TP + FSDP without resharding (which gathers the weights in the next forward)
+        (2, 2, [15, 17], {"zero": 2, "recompute": None, "gather_in_forward": True}),
         (1, 8, [32], {"zero": 3, "offload_weights": 1.0, "offload_grads": 1.0, "offload_optimizer": 1.0}),
         (1, 4, [32], {"zero": 0}),  # DDP alone
         (2, 2, [8, 8, 8, 8], {"zero": 3, "recompute": None}),  # TP + PP + ZeRO-3, every layer recomputed

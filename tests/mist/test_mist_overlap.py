@@ -1,7 +1,7 @@
 """The data-parallel gradient reduction overlapped with the last micro-batch's backward
 (Megatron-LM's --overlap-grad-reduce), and ZeRO-1/2's weight gather with the next forward
-(--overlap-param-gather): what they hide in Mist's model, their flags, and that the searches plan
-them. The engine's side is in test_mist_run.py."""
+(--overlap-param-gather, StagePlan.gather_in_forward): what they hide in Mist's model, their
+flags, and that the searches plan them. The engine's side is in test_mist_run.py."""
 
 from __future__ import annotations
 
@@ -13,18 +13,19 @@ import pytest
 from baselines.megatron.grid import search_grid
 from mist import Plan, StagePlan, cluster, model, predict, search
 from mist.export import CannotExport, megatron_lm_arguments, torchtitan_config
-from mist.tuning.megatron_lm import MegatronLMSpace, search_megatron_lm
+from mist.tuning.megatron_lm import MegatronLMSpace, search_megatron_lm, space_plans
 from mist.tuning.pipeline_sim import pipeline_objective, simulate_1f1b
 from mist.tuning.problem import Problem
-from mist.tuning.stage_cost import layer_numbers
+from mist.tuning.stage_cost import SearchSpace, layer_numbers, strategy_grid
 
 
 def _plan(overlap: bool, bucket: int | None = None, zero: int = 0, gather: bool = False, **stage) -> Plan:
     m = model("gpt3-13b", seq=2048)
-    stages = [StagePlan(layers=10, recompute=10, zero=zero, **stage) for _ in range(4)]
+    stages = [
+        StagePlan(layers=10, recompute=10, zero=zero, gather_in_forward=gather, **stage) for _ in range(4)
+    ]
     return Plan.of(m, cluster("a100-40gb", 16), global_batch=32, tp=1, dp=4, micro_batch=1, stages=stages,
-                   overlap_grad_reduce=overlap, grad_bucket_params=bucket,
-                   overlap_param_gather=gather)  # fmt: skip
+                   overlap_grad_reduce=overlap, grad_bucket_params=bucket)  # fmt: skip
 
 
 @pytest.mark.parametrize("zero", [0, 1])
@@ -58,18 +59,11 @@ def test_gather_in_forward_leaves_the_step_and_waits_on_the_fill_path(zero):
     takes the layers' whole all-gather off the step after the clipping barrier, leaves what comes
     before the barrier as it was, and makes each stage's first forward wait for at least the first
     bucket's gather and at most the whole. One bucket a stage: the first forward waits for all of
-    it. Nothing moves with offloaded weights (gathered as before), under ZeRO-0 (nothing to
-    gather) or ZeRO-3 (gathered per layer in forward already). The iteration pays the waits one
-    stage after another on the fill path (simulated), so on these 4 stages, whose forward hides
-    little of the gather, gathering after the step is faster."""
+    it. The iteration pays the waits one stage after another on the fill path (simulated), so on
+    these 4 stages, whose forward hides little of the gather, gathering after the step is faster."""
     after, gathered = _plan(True, zero=zero), _plan(True, zero=zero, gather=True)
     one_bucket = _plan(True, 10**12, zero=zero, gather=True)
-    offloaded = (
-        _plan(True, zero=zero, offload_weights=0.5),
-        _plan(True, zero=zero, gather=True, offload_weights=0.5),
-    )
-    other_zero = [(_plan(True, zero=z), _plan(True, zero=z, gather=True)) for z in (0, 3)]
-    for plan in (after, gathered, one_bucket, *offloaded, *(p for pair in other_zero for p in pair)):
+    for plan in (after, gathered, one_bucket):
         predict(plan, plan.model_spec(), plan.cluster())
     for i, (a, g, one) in enumerate(zip(after.stages, gathered.stages, one_bucket.stages, strict=True)):
         whole = _layers_gather_s(after, i)
@@ -84,9 +78,23 @@ def test_gather_in_forward_leaves_the_step_and_waits_on_the_fill_path(zero):
         after.simulated_iteration_s + waits - moved, rel=1e-9
     )
     assert gathered.simulated_iteration_s > after.simulated_iteration_s
-    for plain, with_flag in (offloaded, *other_zero):
-        for a, g in zip(plain.stages, with_flag.stages, strict=True):
-            assert g.step_s == pytest.approx(a.step_s, rel=1e-12) and g.wait_s == 0.0
+
+
+def test_only_zero12_weights_on_the_device_are_gathered_in_forward():
+    """ZeRO-0 has nothing to gather, ZeRO-3 gathers per layer in forward already, offloaded weights
+    are gathered after the step: plans saying otherwise are refused, and the searches' strategy
+    grid holds no such stage; a single GPU (DP 1) gathers nothing."""
+    for zero, offloaded in ((0, 0.0), (3, 0.0), (1, 0.5), (2, 1.0)):
+        with pytest.raises(ValueError, match="gather_in_forward is for ZeRO-1/2 weights kept on the device"):
+            _plan(True, zero=zero, gather=True, offload_weights=offloaded).check()
+    grid = strategy_grid(3, SearchSpace())
+    gathered = grid["gather_in_forward"] > 0
+    assert gathered.any() and (~gathered).any()
+    assert np.all(np.isin(grid["zero"][gathered], (1, 2))) and np.all(grid["offload_weights"][gathered] == 0)
+    m = model("gpt3-1.3b", seq=2048)
+    one = Plan.of(m, cluster("a100-40gb", 1), global_batch=4, tp=1, dp=1, micro_batch=1,
+                  stages=[StagePlan(layers=m.layers, zero=1, gather_in_forward=True)])  # fmt: skip
+    assert predict(one, m, one.cluster()).stages[0].wait_s == 0.0
 
 
 def test_the_simulated_pipeline_pays_each_stages_first_forward_wait():
@@ -125,46 +133,38 @@ def test_megatron_lm_flags_and_what_torchtitan_cannot_say():
                           llama, flavor="7B")  # fmt: skip
 
 
-def test_gather_flag_only_with_the_distributed_optimizer_and_fsdp2_always_gathers_ahead():
+def test_gather_flag_for_all_distributed_optimizer_stages_and_fsdp2_always_gathers_ahead():
     m = model("gpt3-13b", seq=2048)
     args, cannot = megatron_lm_arguments(_plan(True, zero=1, gather=True), m)
     assert not cannot and {"--use-distributed-optimizer", "--overlap-param-gather"} <= set(args)
     plain, _ = megatron_lm_arguments(_plan(True, zero=1), m)
     assert "--overlap-param-gather" not in plain
-    no_optimizer_sharding, _ = megatron_lm_arguments(_plan(True, zero=0, gather=True), m)  # nothing to gather
-    assert "--overlap-param-gather" not in no_optimizer_sharding
+    some = _plan(True, zero=1, gather=True)
+    some.stages[0].gather_in_forward = False
+    assert "some stages only" in " ".join(megatron_lm_arguments(some, m)[1])
+    _, cannot = megatron_lm_arguments(_plan(False, zero=1, gather=True), m)
+    assert any("needs --overlap-grad-reduce" in c for c in cannot)
     llama = model("llama-7b")
     fsdp = Plan.of(llama, cluster("a100-40gb", 4), global_batch=8, tp=1, dp=4, micro_batch=1,
                    stages=[StagePlan(layers=llama.layers, zero=2)], overlap_grad_reduce=True)  # fmt: skip
     with pytest.raises(CannotExport, match="gathers ahead"):
         torchtitan_config(fsdp, llama, flavor="7B")
-    torchtitan_config(dataclasses.replace(fsdp, overlap_param_gather=True), llama, flavor="7B")
+    fsdp.stages[0].gather_in_forward = True
+    torchtitan_config(fsdp, llama, flavor="7B")
 
 
 def test_the_searches_plan_the_overlap_their_trainers_run():
     m, c = model("gpt3-1.3b", seq=2048), cluster("a100-40gb", 4)
     for plan in (search(m, c, 16), search_grid(m, c, 16)):
         assert plan.overlap_grad_reduce and plan.grad_bucket_params is None
-    # the weights gathered in forward where that is faster: the winner priced both ways
-    plans = [
-        search(m, c, 16),
-        *(search_megatron_lm(m, c, 16, space=MegatronLMSpace(zero=(z,))) for z in (0, 1)),
-    ]
-    for plan in plans:
-        other = dataclasses.replace(plan, overlap_param_gather=not plan.overlap_param_gather,
-                                    stages=[dataclasses.replace(s) for s in plan.stages])  # fmt: skip
-        if other.overlap_param_gather and not other.overlap_grad_reduce:
-            continue
-        predict(other, m, c)
-        assert plan.predicted_iteration_s <= other.predicted_iteration_s
-    assert not plans[1].overlap_param_gather  # Megatron-LM takes the flag with its distributed optimizer only
-
-
-def test_gather_overlap_needs_the_reduction_overlapped():
-    with pytest.raises(ValueError, match="overlap_param_gather needs overlap_grad_reduce"):
-        _plan(False, zero=1, gather=True).check()
-    with pytest.raises(ValueError, match="overlap_param_gather must be"):
-        dataclasses.replace(_plan(True), overlap_param_gather="yes").check()
+    # with the distributed optimizer, the grid tries the weights gathered after the step and in
+    # forward: its winner is the faster, and its space holds both
+    space = MegatronLMSpace(zero=(1,))
+    best = search_megatron_lm(m, c, 16, space=space)
+    stages = [dataclasses.replace(s, gather_in_forward=not s.gather_in_forward) for s in best.stages]
+    flipped = dataclasses.replace(best, stages=stages)
+    assert best.predicted_iteration_s <= predict(flipped, m, c).predicted_iteration_s
+    assert {s.stages[0].gather_in_forward for s in space_plans(m, c, 16, space)} == {False, True}
 
 
 @pytest.mark.parametrize("value", ["yes", 1.5, 0, -3])
@@ -172,3 +172,6 @@ def test_bad_overlap_fields_are_refused(value):
     field = "overlap_grad_reduce" if isinstance(value, str) else "grad_bucket_params"
     with pytest.raises(ValueError, match=field):
         dataclasses.replace(_plan(True), **{field: value}).check()
+    if isinstance(value, str):
+        with pytest.raises(ValueError, match="gather_in_forward must be true or false"):
+            _plan(True, zero=1, gather=value).check()

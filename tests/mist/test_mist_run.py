@@ -890,12 +890,12 @@ def test_weight_gather_in_forward_trains_as_after_the_step(tmp_path_factory, zer
     would differ (checked by hand: with the forward's wait switched off, 8 of 9 losses differ)."""
     reports = {}
     for overlap in (False, True):
-        plan = _tiny_plan([StagePlan(layers=8 // stages, recompute=8 // stages, zero=zero)
+        layers = 8 // stages
+        plan = _tiny_plan([StagePlan(layers=layers, recompute=layers, zero=zero, gather_in_forward=overlap)
                            for _ in range(stages)], dp=2)  # fmt: skip
         plan.model_overrides["layers"] = 8
         plan.micro_batch, plan.virtual_stages = 1, virtual
         plan.overlap_grad_reduce, plan.grad_bucket_params = True, 40_000
-        plan.overlap_param_gather = overlap
         plan.model_overrides["dropout"] = 0.0
         plan.check()
         assert not unsupported(plan), unsupported(plan)

@@ -368,13 +368,13 @@ def _reduction_overlap(plan: Plan, dp: int, dp_group) -> tuple | None:
     return dp_group, grad_bucket(plan.grad_bucket_params, dp), plan.grad_accum
 
 
-def _gather_in_forward(plan: Plan, dp: int, model, groups: list[ModuleGroup]) -> tuple | None:
-    """ShardedMasterAdamW's ``gather_in_forward`` for Megatron-LM's --overlap-param-gather: the
-    stage's transformer layers in forward order, less those whose weights are offloaded, and the
-    plan's bucket size; or None. The embedding, final norm and head, and offloaded layers, are
-    gathered after the step, as stage_cost prices them (Megatron-LM gathers its embedding and
-    head in forward too: their bytes are a layer's or two of a stage's)."""
-    if not plan.overlap_param_gather or dp == 1:
+def _gather_in_forward(plan: Plan, mine, dp: int, model, groups: list[ModuleGroup]) -> tuple | None:
+    """ShardedMasterAdamW's ``gather_in_forward`` for the stage's ``gather_in_forward``
+    (Megatron-LM's --overlap-param-gather): the stage's transformer layers in forward order, less
+    those whose weights are offloaded, and the plan's bucket size; or None. The embedding, final
+    norm and head, and offloaded layers, are gathered after the step, as stage_cost prices them
+    (Megatron-LM gathers its embedding and head in forward too: a layer's bytes or two)."""
+    if not mine.gather_in_forward or dp == 1:
         return None
     offloaded = {id(m) for g in groups if g.offload_weights > 0 for m in g.modules}
     layers = [
@@ -568,7 +568,7 @@ def run(plan: Plan, steps: int = 5, seed: int = 0, lr: float = 1e-2) -> dict:
     sharded = _shard_zero3_groups(model, groups, mine, dp, device)
     parts = _parameter_parts(model, plan, mine)  # after sharding: FSDP2 replaces the parameters
     sequence_parallel = plan.sequence_parallel and tp > 1
-    gather = _gather_in_forward(plan, dp, model, groups)
+    gather = _gather_in_forward(plan, mine, dp, model, groups)
     optimizer = PartOptimizers([_optimizer(part, dp, model, lr, sequence_parallel, gather) for part in parts])
     zero12 = [o for o in optimizer.parts if isinstance(o, ShardedMasterAdamW)]
     dp_group, tp_group = ps.get_data_parallel_group(), ps.get_tensor_model_parallel_group()

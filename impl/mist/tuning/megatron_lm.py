@@ -9,12 +9,11 @@ every stage, of every chunk when interleaved; k = all: every layer) or every lay
 (selective: none of it kept where FlashAttention keeps none); shards the optimizer state with its
 distributed optimizer (ZeRO-1) or not at all; and offloads one fraction of the optimizer (only its
 distributed one); its users overlap the gradient reduction with backward
-(``--overlap-grad-reduce``), which every plan here does, and with the distributed optimizer may
-gather the weights in the next forward (``--overlap-param-gather``): planned so, and the winner
-kept or switched to gathering after the step, whichever is faster (``planner.faster_gather``). ``MegatronLMSpace`` says which of those
-choices a search tries. Every plan it makes exports (``mist.export``): ``mist plan --target
-megatron-lm`` searches the widest space, the Megatron-LM grid baseline
-(``baselines/megatron/grid.py``) the choices its users tune.
+(``--overlap-grad-reduce``), which every plan here does, and with the distributed optimizer
+gather the weights after the step or in the next forward (``--overlap-param-gather``).
+``MegatronLMSpace`` says which of those choices a search tries. Every plan it makes exports
+(``mist.export``): ``mist plan --target megatron-lm`` searches the widest space, the Megatron-LM
+grid baseline (``baselines/megatron/grid.py``) the choices its users tune.
 
 For each setting (TP, DP, micro-batch, split, ZeRO, offload fraction) the smallest block k that fits
 is the fastest (recomputation only adds time); ``exhaustive.fastest_fitting`` finds it.
@@ -31,8 +30,6 @@ from ..model.runtime import RuntimeModel
 from ..model.specs import ClusterSpec, ModelSpec
 from ..plan import Plan, StagePlan
 from .exhaustive import divisors, fastest_fitting, layer_splits, powers_of_two
-from .planner import faster_gather
-from .problem import Problem
 
 
 @dataclass(frozen=True)
@@ -48,6 +45,9 @@ class MegatronLMSpace:
     selective: bool = True  # selective recomputation tried (the core attention; not with FlashAttention)
     # virtual stages a rank tried besides 1 (None: every divisor > 1 of an even stage's layers)
     virtual_stages: tuple[int, ...] | None = None
+    # with the distributed optimizer: the weights gathered after the step, in the next forward
+    # (--overlap-param-gather), or both tried
+    gather_in_forward: tuple[bool, ...] = (False, True)
 
     def __post_init__(self) -> None:
         if self.micro_batches is not None and not all(
@@ -76,6 +76,7 @@ class MegatronLMSetting:
     offload_optimizer: float
     selective: bool = False  # every layer's core attention recomputed (then no whole layer is)
     virtual: int = 1  # model chunks a rank (interleaved 1F1B)
+    gather_in_forward: bool = False  # --overlap-param-gather (with the distributed optimizer)
 
 
 def settings(
@@ -106,8 +107,11 @@ def settings(
                 ):
                     if per_replica % mb or (zero and dp == 1) or (offload and not zero and dp > 1):
                         continue
-                    for v in _virtual_stages(split, per_replica // mb, space):
-                        yield MegatronLMSetting(tp, dp, mb, split, zero, offload, sel, v)
+                    gathers = space.gather_in_forward if zero else (False,)
+                    for v, gather in itertools.product(
+                        _virtual_stages(split, per_replica // mb, space), gathers
+                    ):
+                        yield MegatronLMSetting(tp, dp, mb, split, zero, offload, sel, v, gather)
 
 
 def _virtual_stages(split: tuple[int, ...], micro_batches: int, space: MegatronLMSpace) -> list[int]:
@@ -125,10 +129,11 @@ def setting_plan(
 ) -> Plan:
     """``setting`` with block recomputation of the first ``recompute`` layers of every stage."""
     stages = [StagePlan(layers=n, recompute=min(recompute, n), selective=setting.selective, zero=setting.zero,
-                        offload_optimizer=setting.offload_optimizer) for n in setting.split]  # fmt: skip
+                        offload_optimizer=setting.offload_optimizer,
+                        gather_in_forward=setting.gather_in_forward) for n in setting.split]  # fmt: skip
     return Plan.of(model, cluster, global_batch=global_batch, tp=setting.tp, dp=setting.dp,
                    micro_batch=setting.micro_batch, stages=stages, virtual_stages=setting.virtual,
-                   overlap_grad_reduce=True, overlap_param_gather=setting.zero == 1)  # fmt: skip
+                   overlap_grad_reduce=True)  # fmt: skip
 
 
 def space_plans(
@@ -173,7 +178,7 @@ def search_megatron_lm(
     prices Falcon's parallel block as if Megatron-LM had it, so that every system is priced on the
     same model, and ``mist.export`` refuses it."""
     space = space or MegatronLMSpace()
-    best = fastest_fitting(
+    return fastest_fitting(
         global_batch,
         sorted(settings(model, cluster, global_batch, space), key=lambda s: max(s.split) - min(s.split)),
         lambda setting, k: setting_plan(model, cluster, global_batch, setting, k),
@@ -181,4 +186,3 @@ def search_megatron_lm(
         model, cluster, runtime, interference, progress,
         what=f"no Megatron-LM configuration of {model.name} fits {cluster.gpus} x {cluster.gpu.name}",
     )  # fmt: skip
-    return faster_gather(Problem.resolve(model, cluster, global_batch, runtime, interference), best)

@@ -199,8 +199,7 @@ def tune_setting(
     return Plan.of(problem.model, problem.cluster, global_batch=grad_accum * st.dp * st.micro_batch, tp=st.tp,
                    dp=st.dp, micro_batch=st.micro_batch, stages=stages,
                    sequence_parallel=problem.sequence_parallel, overlap_grad_reduce=st.overlap_grad_reduce,
-                   grad_bucket_params=st.grad_bucket_params,
-                   overlap_param_gather=st.overlap_param_gather)  # fmt: skip
+                   grad_bucket_params=st.grad_bucket_params)  # fmt: skip
 
 
 def _stage_plan(values: dict, layers: int, tp: int | None = None, dp: int | None = None) -> StagePlan:
@@ -214,6 +213,7 @@ def _stage_plan(values: dict, layers: int, tp: int | None = None, dp: int | None
         offload_grads=float(values["offload_grads"]),
         offload_optimizer=float(values["offload_optimizer"]),
         offload_activations=float(values["offload_activations"]),
+        gather_in_forward=bool(values["gather_in_forward"]),
         tp=tp,
         dp=dp,
     )
@@ -281,8 +281,7 @@ def tune_stage_devices(
     return Plan.of(problem.model, problem.cluster, global_batch=problem.global_batch, tp=tp, dp=dp,
                    micro_batch=problem.global_batch // (G * dp), stages=stage_plans,
                    sequence_parallel=problem.sequence_parallel,
-                   overlap_grad_reduce=True,
-                   overlap_param_gather=True).with_stage_parallelism_lifted()  # fmt: skip
+                   overlap_grad_reduce=True).with_stage_parallelism_lifted()  # fmt: skip
 
 
 @dataclass
@@ -301,8 +300,7 @@ class _MergedStage:
                  first: bool, last: bool, options: PlannerOptions) -> _MergedStage:  # fmt: skip
         evaluated = []
         for tp, dp, micro_batch in shapes:
-            st = problem.setting(tp, dp, micro_batch, stages, overlap_grad_reduce=True,
-                                 overlap_param_gather=True)  # fmt: skip
+            st = problem.setting(tp, dp, micro_batch, stages, overlap_grad_reduce=True)
             evaluated.append(
                 _stage_values(st, layer_numbers(st), layers, first, last, options.space, micro_batches)
             )
@@ -389,23 +387,8 @@ def search(
     if options.space.offload and options.refine_offload_step:
         best = _refine(problem, best, options)
         predict_for(problem, best)
-    best = faster_gather(problem, best)
     best.tuning_s = time.perf_counter() - start
     return best
-
-
-def faster_gather(problem: Problem, plan: Plan) -> Plan:
-    """``plan`` (priced), or the same plan with ZeRO-1/2's weights gathered after the step where
-    that is faster. The searches plan the gather in the next forward (``overlap_param_gather``):
-    what a stage's first forward then waits for is on the pipeline's fill path, one stage after
-    another, where after the step the stages gather side by side; a deep pipeline whose gather
-    the forward hides little of does better without it. Megatron-LM's users choose the flag too."""
-    if not plan.overlap_param_gather:
-        return plan
-    other = dataclasses.replace(plan, overlap_param_gather=False,
-                                stages=[dataclasses.replace(s) for s in plan.stages])  # fmt: skip
-    predict_for(problem, other)
-    return other if other.predicted_iteration_s < plan.predicted_iteration_s else plan
 
 
 def refine(
@@ -482,6 +465,9 @@ def _refine(problem: Problem, plan: Plan, options: PlannerOptions, passes: int =
         improved = False
         for i in range(S):
             grid = {**current(i), **{f: combos[:, j] for j, f in enumerate(offload)}}
+            # weights on the host are gathered after the step (StagePlan.check)
+            gather = np.where(grid["offload_weights"] > 0, 0.0, grid["gather_in_forward"])
+            grid["gather_in_forward"] = np.broadcast_to(gather, (len(combos),))
             v = evaluate(i, grid, edge_now())
             times = np.where(fits(v), objective({i: v}), np.inf)
             c = int(np.argmin(times))
@@ -489,6 +475,7 @@ def _refine(problem: Problem, plan: Plan, options: PlannerOptions, passes: int =
                 best, improved = float(times[c]), True
                 for j, f in enumerate(offload):
                     setattr(plan.stages[i], f, float(combos[c, j]))
+                plan.stages[i].gather_in_forward = bool(grid["gather_in_forward"][c])
                 values[i] = evaluate(i, current(i), edge_now())
         # the embedding and head: every (ZeRO stage, three fractions), on the first and last stage
         zeros = np.array(space.zero_stages, float)
@@ -600,8 +587,7 @@ def _evaluate(
     strategy = tuple(float(getattr(stage, k)) for k in STRATEGY_FIELDS)
     edge_key = None if edge is None else tuple(edge[k] for k in EDGE_FIELDS)
     key = (st.tp, st.dp, st.micro_batch, st.stages, st.virtual_stages, st.overlap_grad_reduce,
-           st.grad_bucket_params, st.overlap_param_gather, st.sp, stage.layers, in_flight, first,
-           last)  # fmt: skip
+           st.grad_bucket_params, st.sp, stage.layers, in_flight, first, last)  # fmt: skip
     key += (strategy, grad_accum, edge_key)
     if memo is not None and key in memo:
         return memo[key]

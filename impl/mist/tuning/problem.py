@@ -105,21 +105,20 @@ class Problem:
                            sequence_parallel=plan.sequence_parallel)  # fmt: skip
 
     def setting(self, tp: int, dp: int, micro_batch: int, stages: int, virtual: int = 1,
-                overlap_grad_reduce: bool = False, grad_bucket_params: int | None = None,
-                overlap_param_gather: bool = False) -> Setting:  # fmt: skip
+                overlap_grad_reduce: bool = False,
+                grad_bucket_params: int | None = None) -> Setting:  # fmt: skip
         """The stage-cost setting of a (tp, dp, micro-batch) stage in a pipeline of ``stages``, with
-        ``virtual`` model chunks a rank and its DP collectives overlapped as the plan fields say."""
+        ``virtual`` model chunks a rank and its gradient reduction as the plan fields say."""
         return Setting(self.model, self.cluster, self.runtime, self.interference, tp, dp, micro_batch,
                        self.gpu_budget, stages, sp=self.sequence_parallel,
                        grad_accumulation=self.grad_accumulation, virtual_stages=virtual,
-                       overlap_grad_reduce=overlap_grad_reduce, grad_bucket_params=grad_bucket_params,
-                       overlap_param_gather=overlap_param_gather)  # fmt: skip
+                       overlap_grad_reduce=overlap_grad_reduce,
+                       grad_bucket_params=grad_bucket_params)  # fmt: skip
 
     def plan_setting(self, plan: Plan, stage: int) -> Setting:
         """The setting of ``plan``'s stage ``stage`` (its own TP/DP where it has them)."""
         return self.setting(*plan.stage_parallelism(stage), len(plan.stages), plan.virtual_stages,
-                            plan.overlap_grad_reduce, plan.grad_bucket_params,
-                            plan.overlap_param_gather)  # fmt: skip
+                            plan.overlap_grad_reduce, plan.grad_bucket_params)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -136,16 +135,12 @@ class Candidate:
     # do (Megatron-LM with --overlap-grad-reduce, torch DDP and FSDP by default)
     overlap_grad_reduce: bool = True
     grad_bucket_params: int | None = None
-    # and ZeRO-1/2's weight gather with the next forward (Megatron-LM's --overlap-param-gather;
-    # FSDP2 prefetches its gathers)
-    overlap_param_gather: bool = True
 
     @classmethod
     def of_plan(cls, plan: Plan) -> Candidate:
         """The plan's (uniform) point; per-stage TP/DP of a plan are not part of it."""
         return cls(plan.tp, len(plan.stages), plan.dp, plan.micro_batch, plan.global_batch,
-                   plan.virtual_stages, plan.overlap_grad_reduce, plan.grad_bucket_params,
-                   plan.overlap_param_gather)  # fmt: skip
+                   plan.virtual_stages, plan.overlap_grad_reduce, plan.grad_bucket_params)  # fmt: skip
 
     @property
     def grad_accum(self) -> int:
@@ -158,5 +153,4 @@ class Candidate:
 
     def setting(self, problem: Problem) -> Setting:
         return problem.setting(self.tp, self.dp, self.micro_batch, self.stages, self.virtual,
-                               self.overlap_grad_reduce, self.grad_bucket_params,
-                               self.overlap_param_gather)  # fmt: skip
+                               self.overlap_grad_reduce, self.grad_bucket_params)  # fmt: skip

@@ -18,7 +18,7 @@ evaluated at once as numpy arrays:
   offloaded optimizer state, on the CPU (with the copies it needs). Of it, ``step`` comes after
   gradient clipping's global barrier (``clip_barrier_s``; pipeline_sim says how it is priced).
 * wait: what the stage's first forward waits for its weights when ZeRO-1/2's all-gather runs in
-  it (``Plan.overlap_param_gather``), on the pipeline's fill path instead of after the step.
+  it (``StagePlan.gather_in_forward``), on the pipeline's fill path instead of after the step.
 * memory: peak bytes per GPU (weights, gradients, optimizer state, in-flight activations,
   prefetch/swap buffers, one layer's backward working set, the head's logits).
 * host memory: what this GPU keeps in its node's DRAM (offloaded weights, gradients, optimizer
@@ -43,7 +43,7 @@ from ..plan import grad_bucket
 # A stage's strategy, as StagePlan fields and strategy_grid columns
 STRATEGY_FIELDS = (
     "recompute", "selective", "zero", "offload_weights", "offload_grads", "offload_optimizer",
-    "offload_activations",
+    "offload_activations", "gather_in_forward",
 )  # fmt: skip
 OFFLOADABLE = ("weights", "grads", "optimizer", "activations")  # SearchSpace.offloadable's kinds
 OFFLOAD_FIELDS = tuple(f"offload_{kind}" for kind in OFFLOADABLE)  # their StagePlan fields
@@ -62,6 +62,8 @@ class SearchSpace:
     # what may be offloaded (the runtime the plans are for may offload only some: Megatron-LM
     # only the optimizer; mist.engine.run on a GPU not yet weights or gradients)
     offloadable: tuple[str, ...] = OFFLOADABLE
+    # ZeRO-1/2's updated weights gathered after the step, or in the next forward (a stage's choice)
+    gather_in_forward: tuple[bool, ...] = (False, True)
 
     def __post_init__(self) -> None:
         unknown = set(self.offloadable) - set(OFFLOADABLE)
@@ -96,9 +98,6 @@ class Setting:
     # parameters (Plan.overlap_grad_reduce, Plan.grad_bucket_params; None: Megatron-LM's default)
     overlap_grad_reduce: bool = False
     grad_bucket_params: int | None = None
-    # ZeRO-1/2's gather of the updated weights overlapped with the next forward, by the same buckets
-    # (Plan.overlap_param_gather)
-    overlap_param_gather: bool = False
 
     @property
     def sequence_parallel(self) -> bool:
@@ -229,7 +228,12 @@ def strategy_grid(layers: int, space: SearchSpace) -> dict[str, np.ndarray]:
     offloads = [space.offload_steps(f, space.offload_ratios) for f in OFFLOAD_FIELDS]
     recompute = range(layers + 1) if space.recompute else (0,)
     selective = (0, 1) if space.selective else (0,)
-    combos = np.array(list(itertools.product(recompute, selective, space.zero_stages, *offloads)), float)
+    combos = np.array(list(itertools.product(recompute, selective, space.zero_stages, *offloads,
+                                             space.gather_in_forward)), float)  # fmt: skip
+    # the weights gathered in forward: ZeRO-1/2's, on the device (StagePlan.check's rule)
+    gathers = combos[:, -1] > 0
+    zero, offload_weights = combos[:, 2], combos[:, 3]
+    combos = combos[~gathers | (((zero == 1) | (zero == 2)) & (offload_weights == 0))]
     return {n: combos[:, i] for i, n in enumerate(STRATEGY_FIELDS)}
 
 
@@ -343,10 +347,10 @@ def _hidden_reduction_s(st: Setting, ln: LayerNumbers, layers: int, r, z, across
     return hidden[inverse.ravel()].reshape(zz.shape)
 
 
-def _gather_in_forward_s(st: Setting, ln: LayerNumbers, layers: int, z, wo, across: bool) -> tuple:
+def _gather_in_forward_s(st: Setting, ln: LayerNumbers, layers: int, gather, z, wo, across: bool) -> tuple:
     """(moved, wait): seconds of a stage's ZeRO-1/2 weight all-gather that leave the step, and
     seconds its next first forward then waits, when the gather runs bucket by bucket in that
-    forward (Megatron-LM's --overlap-param-gather; Plan.overlap_param_gather). ``moved`` is what
+    forward (Megatron-LM's --overlap-param-gather; StagePlan.gather_in_forward). ``moved`` is what
     ``_gradient_sync`` prices for the layers (one all-gather after the step); the embedding/head's
     stays there. The buckets are the gradient reduction's; the first layer's forward pre-hook
     begins its bucket's gather and waits for it (exposed), and begins the next one's, which runs
@@ -356,7 +360,7 @@ def _gather_in_forward_s(st: Setting, ln: LayerNumbers, layers: int, z, wo, acro
     when its input arrives; pipeline_sim), where the step's gather ran beside the other stages'.
     Weights offloaded to the host are gathered after the step, as before (nothing moves)."""
     d, cl, rt = st.dp, st.cluster, st.runtime
-    if not st.overlap_param_gather or d == 1:
+    if d == 1:
         return 0.0, 0.0
     per_bucket = min(layers, max(1, math.ceil(grad_bucket(st.grad_bucket_params, d) / ln.params)))
     buckets = math.ceil(layers / per_bucket)
@@ -366,7 +370,7 @@ def _gather_in_forward_s(st: Setting, ln: LayerNumbers, layers: int, z, wo, acro
     window = ln.fwd * (buckets - 1) * per_bucket  # the forward of every bucket but the last
     rest = (buckets - 1) * each
     wait = each + max(st.interference.overlap(window, rest, 0.0, 0.0) - window, 0.0)
-    moves = (z >= 1) & (z <= 2) & (np.asarray(wo) == 0)
+    moves = (np.asarray(gather) > 0) & (z >= 1) & (z <= 2) & (np.asarray(wo) == 0)
     return np.where(moves, whole, 0.0), np.where(moves, wait, 0.0)
 
 
@@ -553,7 +557,8 @@ def evaluate_stage(
     parts = ((mine, oo), (theirs, eoo))  # (state bytes, offloaded optimizer fraction) of each
     sync, step = _sync_and_step(st, layers * layer_w_full, edge_w_full, z, ez, across, parts, d2h_bw, h2d_bw)
     sync = sync - _hidden_reduction_s(st, ln, layers, r, z, across)
-    moved, wait = _gather_in_forward_s(st, ln, layers, z, wo, across)
+    # a grid without the column gathers after the step
+    moved, wait = _gather_in_forward_s(st, ln, layers, grid.get("gather_in_forward", 0.0), z, wo, across)
     step = step - moved
     extra = sync + step
 

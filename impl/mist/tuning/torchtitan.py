@@ -64,13 +64,13 @@ def setting_plan(
     model: ModelSpec, cluster: ClusterSpec, global_batch: int, setting: TorchtitanSetting, recompute: bool
 ) -> Plan:
     offload = 1.0 if setting.cpu_offload else 0.0
+    # FSDP2 without resharding (ZeRO-2) gathers the weights ahead of the next forward's modules
     stages = [StagePlan(layers=n, recompute=n if recompute else 0, zero=setting.zero, offload_weights=offload,
-                        offload_grads=offload, offload_optimizer=offload) for n in setting.split]  # fmt: skip
-    # torch's DDP overlaps its gradient all-reduce with backward (FSDP2 reduce-scatters by layer,
-    # and gathers the next module's weights while one computes)
+                        offload_grads=offload, offload_optimizer=offload, gather_in_forward=setting.zero == 2)
+              for n in setting.split]  # fmt: skip
+    # torch's DDP overlaps its gradient all-reduce with backward (FSDP2 reduce-scatters by layer)
     return Plan.of(model, cluster, global_batch=global_batch, tp=setting.tp, dp=setting.dp,
-                   micro_batch=setting.micro_batch, stages=stages, overlap_grad_reduce=True,
-                   overlap_param_gather=True)  # fmt: skip
+                   micro_batch=setting.micro_batch, stages=stages, overlap_grad_reduce=True)  # fmt: skip
 
 
 def search_torchtitan(
