@@ -146,6 +146,8 @@ def _optimizer_arguments(plan: Plan) -> tuple[list[str], list[str]]:
     elif gathers == {True}:
         if plan.overlap_grad_reduce:
             args.append("--overlap-param-gather")
+            if plan.virtual_stages > 1:  # Megatron-LM would begin every rank's gather at the start
+                args.append("--no-align-param-gather")  # of the schedule: priced (and run) in forward
         else:
             cannot.append("the weights gathered in forward without the gradient reduction overlapped "
                           "(Megatron-LM's --overlap-param-gather needs --overlap-grad-reduce)")  # fmt: skip

@@ -102,14 +102,24 @@ def frontier_for(
         fits &= values["host_memory"] + (in_flight - 1) * values["host_per_flight"] <= host_budget
     ok = np.flatnonzero(fits)
     wait = values["wait"] if "wait" in values else np.zeros_like(values["steady"])
-    keep = []
+    keep: list[np.ndarray] = []
     for value in np.unique(wait[ok]):  # one or two (the gather in forward or not): a frontier each
         group = ok[wait[ok] == value]
         steady, extra, step = (values[k][group] for k in ("steady", "extra", "step"))
-        keep.append(group[pareto_frontier_3d(steady, extra - step, step)])
+        group = group[pareto_frontier_3d(steady, extra - step, step)]
+        if keep:  # less a point that an earlier group (waiting less) matches or beats in all three
+            group = group[~_dominated(values, group, np.concatenate(keep))]
+        keep.append(group)
     keep = np.concatenate(keep) if keep else np.empty(0, int)
     return Frontier(values["steady"][keep], values["extra"][keep], values["step"][keep], wait[keep], keep,
                     memory[keep])  # fmt: skip
+
+
+def _dominated(values: dict[str, np.ndarray], points: np.ndarray, by: np.ndarray) -> np.ndarray:
+    """Which of ``points`` one of ``by`` matches or beats in steady time, sync and step (both
+    frontiers: small)."""
+    times = [values["steady"], values["extra"] - values["step"], values["step"]]
+    return np.logical_and.reduce([t[by][None, :] <= t[points][:, None] for t in times]).any(axis=1)
 
 
 @dataclass(frozen=True)

@@ -62,10 +62,13 @@ class SearchSpace:
     # what may be offloaded (the runtime the plans are for may offload only some: Megatron-LM
     # only the optimizer; mist.engine.run on a GPU not yet weights or gradients)
     offloadable: tuple[str, ...] = OFFLOADABLE
-    # ZeRO-1/2's updated weights gathered after the step, or in the next forward (a stage's choice)
+    # ZeRO-1/2's updated weights gathered after the step, in the next forward where a stage may
+    # (StagePlan.check), or both tried (a stage's choice)
     gather_in_forward: tuple[bool, ...] = (False, True)
 
     def __post_init__(self) -> None:
+        if not self.gather_in_forward or not all(isinstance(g, bool) for g in self.gather_in_forward):
+            raise ValueError(f"gather_in_forward: one or both of False, True; got {self.gather_in_forward!r}")
         unknown = set(self.offloadable) - set(OFFLOADABLE)
         if unknown:
             raise ValueError(f"offloadable: unknown {sorted(unknown)}; accepted: {', '.join(OFFLOADABLE)}")
@@ -223,17 +226,19 @@ def _largest_weight(m: ModelSpec) -> int:
 
 @functools.lru_cache(maxsize=512)
 def strategy_grid(layers: int, space: SearchSpace) -> dict[str, np.ndarray]:
-    """Every (recompute, selective, zero, offload ratios) combination for a stage of ``layers``
-    layers (read-only)."""
+    """Every (recompute, selective, zero, offload ratios, weights gathered in forward) combination
+    for a stage of ``layers`` layers (read-only); the weights are gathered in forward only where a
+    stage may (ZeRO-1/2, kept on the device), each combination once."""
     offloads = [space.offload_steps(f, space.offload_ratios) for f in OFFLOAD_FIELDS]
     recompute = range(layers + 1) if space.recompute else (0,)
     selective = (0, 1) if space.selective else (0,)
     combos = np.array(list(itertools.product(recompute, selective, space.zero_stages, *offloads,
                                              space.gather_in_forward)), float)  # fmt: skip
     # the weights gathered in forward: ZeRO-1/2's, on the device (StagePlan.check's rule)
-    gathers = combos[:, -1] > 0
     zero, offload_weights = combos[:, 2], combos[:, 3]
-    combos = combos[~gathers | (((zero == 1) | (zero == 2)) & (offload_weights == 0))]
+    combos[~(((zero == 1) | (zero == 2)) & (offload_weights == 0)), -1] = 0.0
+    _, first = np.unique(combos, axis=0, return_index=True)
+    combos = combos[np.sort(first)]  # in the product's order
     return {n: combos[:, i] for i, n in enumerate(STRATEGY_FIELDS)}
 
 
