@@ -85,12 +85,15 @@ def fastest_fitting(
     interference: Interference | None,
     progress: Callable[[str], None] | None,
     what: str,
+    variants: Callable[[S], list[S]] = lambda setting: [],
 ) -> Plan:
     """The fastest plan that fits over ``settings`` (searched in that order: put likely winners
     first), each with ``plan_of(setting, k)`` for k in ``counts(setting)`` (ascending recompute).
     A setting is skipped unpriced when the planner's lower bound for its TP, DP, micro-batch and
-    stage count is no faster than the best so far. Raises NoFeasiblePlan with ``what`` and the
-    memory the leanest plan needs."""
+    stage count is no faster than the best so far. ``variants(setting)``: settings that differ
+    from it only in time, never in memory (e.g. where the weights are gathered): each is priced
+    at the count the setting needs, not searched again. Raises NoFeasiblePlan with ``what`` and
+    the memory the leanest plan needs."""
     problem = Problem.resolve(model, cluster, global_batch, runtime, interference)
     memo: StageMemo = {}  # the same stage recurs in many plans of a space
     best = [float("inf")]
@@ -99,21 +102,30 @@ def fastest_fitting(
     def priced(setting: S, k: int) -> Plan:
         return predict_for(problem, plan_of(setting, k), simulate=False, memo=memo)
 
+    def with_variants(setting: S, k: int) -> list[Plan]:
+        """The setting's plan at count k and its variants' (the same memory)."""
+        return [priced(s, k) for s in (setting, *variants(setting))]
+
+    def fitting(plans: list[Plan]) -> Iterator[Plan]:
+        for p in plans:
+            if p.breakdown["fits"]:
+                best[0] = min(best[0], p.predicted_iteration_s)
+                yield p
+
     def leanest_fitting() -> Iterator[Plan]:
-        """Per setting, the plan with the fewest recomputed layers that fits, or the leanest plan
-        when none fits (so the no-fit message can say what is needed)."""
+        """Per setting, the plan with the fewest recomputed layers that fits (and its variants'),
+        or the leanest plan when none fits (so the no-fit message can say what is needed)."""
         for n, setting in enumerate(settings):
             if progress and n % 5000 == 0:
                 progress(f"[{n}/{len(settings)} settings] best {best[0]:.3f} s")
             if bound(setting) >= best[0]:
                 continue
             ks = counts(setting)
-            fastest = priced(setting, ks[0])
-            if fastest.predicted_iteration_s >= best[0]:
+            fastest = with_variants(setting, ks[0])
+            if min(p.predicted_iteration_s for p in fastest) >= best[0]:
                 continue
-            if fastest.breakdown["fits"]:  # time grows along ks: nothing of this setting is faster
-                best[0] = min(best[0], fastest.predicted_iteration_s)
-                yield fastest
+            if fastest[0].breakdown["fits"]:  # time grows along ks: nothing of this setting is faster
+                yield from fitting(fastest)
                 continue
             plan = priced(setting, ks[-1])
             if not plan.breakdown["fits"]:
@@ -129,9 +141,7 @@ def fastest_fitting(
                     hi = mid
                 else:
                     lo = mid + 1
-            plan = priced(setting, ks[lo])
-            best[0] = min(best[0], plan.predicted_iteration_s)
-            yield plan
+            yield from fitting(with_variants(setting, ks[lo]))
 
     return cheapest_fitting(leanest_fitting(), problem, what, memo)
 

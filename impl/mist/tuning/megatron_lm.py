@@ -21,6 +21,7 @@ is the fastest (recomputation only adds time); ``exhaustive.fastest_fitting`` fi
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -50,6 +51,8 @@ class MegatronLMSpace:
     gather_in_forward: tuple[bool, ...] = (False, True)
 
     def __post_init__(self) -> None:
+        if not self.gather_in_forward or not all(isinstance(g, bool) for g in self.gather_in_forward):
+            raise ValueError(f"gather_in_forward: one or both of False, True; got {self.gather_in_forward!r}")
         if self.micro_batches is not None and not all(
             isinstance(b, int) and b > 0 for b in self.micro_batches
         ):
@@ -178,11 +181,18 @@ def search_megatron_lm(
     prices Falcon's parallel block as if Megatron-LM had it, so that every system is priced on the
     same model, and ``mist.export`` refuses it."""
     space = space or MegatronLMSpace()
+    # where the distributed optimizer gathers the weights changes time, not memory: the other
+    # choice is priced at the recomputation the first needs (fastest_fitting's variants)
+    first, *others = space.gather_in_forward
+    searched = [
+        s for s in settings(model, cluster, global_batch, space) if not s.zero or s.gather_in_forward == first
+    ]
     return fastest_fitting(
         global_batch,
-        sorted(settings(model, cluster, global_batch, space), key=lambda s: max(s.split) - min(s.split)),
+        sorted(searched, key=lambda s: max(s.split) - min(s.split)),
         lambda setting, k: setting_plan(model, cluster, global_batch, setting, k),
         lambda setting: recompute_counts(setting, space),
         model, cluster, runtime, interference, progress,
         what=f"no Megatron-LM configuration of {model.name} fits {cluster.gpus} x {cluster.gpu.name}",
+        variants=lambda s: [dataclasses.replace(s, gather_in_forward=g) for g in others] if s.zero else [],
     )  # fmt: skip
