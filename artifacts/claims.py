@@ -381,14 +381,6 @@ MIST = "nox -s mist_vs_megatron"
 CTA = "nox -s cta_mlp"
 GPU_CHECK = "nox -s gpu_check"
 EXACT = Near(abs=0.001)  # exact byte counts: only a change of code moves them
-# Measured 2026-12-03 at 9a86571 on this AMD Zen 3 (#24): the same plans as the run at 840c2a8, which
-# measured Mist 1.02x the grid with launch spreads of 1-4%; on a busier machine the Llama case's
-# spreads reached 16% (Mist) and 27% (grid) and Mist measured 0.92x there, 0.99x over the cases.
-MIST_MEASURED_IN_NOISE = (
-    "measured 0.99x in the reference run (Llama 0.92x with launch spreads of 16% and 27% on a busy "
-    "2-core VM); the same plans measured 1.02x at spreads of 1-4% the run before (840c2a8); #24"
-)
-
 CLAIMS: tuple[Claim, ...] = (
     Claim("tempo-layer-512", T, "keeps less for backward: one BERT-Large layer",
           "26sbh + 3as²b vs 34sbh + 5as²b",
@@ -554,8 +546,7 @@ CLAIMS: tuple[Claim, ...] = (
           "measured speedup over the Megatron-LM grid's plan, arithmetic mean over the cases both fit: "
           "GPT-3 and Llama (h 256, 4 layers) on 1 and 2 gloo processes under a per-rank memory cap, "
           "every winner trained by megatron-core (this CPU, 3 launches each)", "mist_vs_megatron",
-          "measured.json", _measured_speedup("megatron", "mean"), AtLeast(1.0), MIST, unit="x",
-          known_outside=MIST_MEASURED_IN_NOISE),
+          "measured.json", _measured_speedup("megatron", "mean"), AtLeast(1.0), MIST, unit="x"),
     Claim("mist-measured-vs-megatron-max", M, "...", "up to 1.73×", "the same, the largest case",
           "mist_vs_megatron", "measured.json", _measured_speedup("megatron", "max"), AtLeast(1.0), MIST,
           unit="x"),
