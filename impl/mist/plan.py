@@ -59,6 +59,12 @@ def grad_accum(global_batch: int, dp: int, micro_batch: int) -> int:
     return global_batch // (dp * micro_batch)
 
 
+def gather_allowed(zero, offload_weights):
+    """Whether a stage may gather its weights in the next forward (``StagePlan.gather_in_forward``):
+    ZeRO-1/2 weights kept on the device. Scalars or numpy arrays."""
+    return ((zero == 1) | (zero == 2)) & (offload_weights == 0)
+
+
 def grad_bucket(bucket_params: int | None, dp: int) -> int:
     """Parameters a gradient bucket holds at least: ``bucket_params``, or Megatron-LM's DDP default
     (--ddp-bucket-size: max(40M, 1M x DP))."""
@@ -189,7 +195,7 @@ class StagePlan:
             value = getattr(self, name)
             if not 0.0 <= value <= 1.0:
                 raise ValueError(f"stage {i}: {name} is a fraction in [0, 1], got {value}")
-        if self.gather_in_forward and (self.zero not in (1, 2) or self.offload_weights > 0):
+        if self.gather_in_forward and not gather_allowed(self.zero, self.offload_weights):
             raise ValueError(
                 f"stage {i}: gather_in_forward is for ZeRO-1/2 weights kept on the device (got zero "
                 f"{self.zero}, offload_weights {self.offload_weights})"

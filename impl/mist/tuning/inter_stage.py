@@ -154,7 +154,7 @@ def _highs_model(cost: np.ndarray, a: np.ndarray, lo: np.ndarray, hi: np.ndarray
     return lp
 
 
-# Over 80 lines (91): the MILP's variables, constraints and objective read as one formulation;
+# Over 80 lines (93): the MILP's variables, constraints and objective read as one formulation;
 # its per-stage maxima come from one loop, HiGHS's model from _highs_model. Splitting further: #29.
 def solve_inter_stage(
     frontiers: list[dict[tuple[int, int], Frontier]],

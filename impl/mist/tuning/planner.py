@@ -23,7 +23,15 @@ import numpy as np
 from ..model.interference import Interference
 from ..model.runtime import RuntimeModel, cpu_adam_params_per_s
 from ..model.specs import GRAD_ACCUMULATION, ClusterSpec, GradAccumulation, ModelSpec
-from ..plan import MAX_GLOBAL_BATCH, Plan, PrePostPlan, StagePlan, bytes_available, bytes_needed
+from ..plan import (
+    MAX_GLOBAL_BATCH,
+    Plan,
+    PrePostPlan,
+    StagePlan,
+    bytes_available,
+    bytes_needed,
+    gather_allowed,
+)
 from .inter_stage import Frontier, frontier_for, solve_inter_stage
 from .pipeline_sim import in_flight, pipeline_objective, simulate_1f1b
 from .problem import Candidate, Problem, cost_models, load_interference
@@ -459,15 +467,20 @@ def _refine(problem: Problem, plan: Plan, options: PlannerOptions, passes: int =
         )
         return pipeline_objective(steady, extra, G, step, barrier, wait=wait)
 
+    # the embedding and head: every (ZeRO stage, three fractions), on the first and last stage
+    edge_steps = [space.offload_steps(f, steps) for f in EDGE_FIELDS[1:]]
+    edge_combos = np.array([(z, *c) for z in space.zero_stages for c in itertools.product(*edge_steps)],
+                           float)  # fmt: skip
+    edge = {f: edge_combos[:, j] for j, f in enumerate(EDGE_FIELDS)}
+    ends = sorted({0, S - 1})
     values = [evaluate(i, current(i), edge_now()) for i in range(S)]
     best = objective({})
     for _ in range(passes):
         improved = False
         for i in range(S):
             grid = {**current(i), **{f: combos[:, j] for j, f in enumerate(offload)}}
-            # weights on the host are gathered after the step (StagePlan.check)
-            gather = np.where(grid["offload_weights"] > 0, 0.0, grid["gather_in_forward"])
-            grid["gather_in_forward"] = np.broadcast_to(gather, (len(combos),))
+            allowed = gather_allowed(grid["zero"], grid["offload_weights"])  # weights on the host: not
+            grid["gather_in_forward"] = np.broadcast_to(grid["gather_in_forward"] * allowed, (len(combos),))
             v = evaluate(i, grid, edge_now())
             times = np.where(fits(v), objective({i: v}), np.inf)
             c = int(np.argmin(times))
@@ -477,12 +490,6 @@ def _refine(problem: Problem, plan: Plan, options: PlannerOptions, passes: int =
                     setattr(plan.stages[i], f, float(combos[c, j]))
                 plan.stages[i].gather_in_forward = bool(grid["gather_in_forward"][c])
                 values[i] = evaluate(i, current(i), edge_now())
-        # the embedding and head: every (ZeRO stage, three fractions), on the first and last stage
-        zeros = np.array(space.zero_stages, float)
-        edge_steps = [space.offload_steps(f, steps) for f in EDGE_FIELDS[1:]]
-        edge_combos = np.array([(z, *c) for z in zeros for c in itertools.product(*edge_steps)])
-        edge = {f: edge_combos[:, j] for j, f in enumerate(EDGE_FIELDS)}
-        ends = sorted({0, S - 1})
         ends_v = {i: evaluate(i, current(i), edge) for i in ends}
         ok = np.logical_and.reduce([fits(v) for v in ends_v.values()])
         times = np.where(ok, objective(ends_v), np.inf)

@@ -38,7 +38,7 @@ from ..model.interference import Interference
 from ..model.runtime import RuntimeModel, cpu_adam_params_per_s
 from ..model.specs import GRAD_ACCUMULATION, ClusterSpec, GradAccumulation, ModelSpec
 from ..model.symbolic import CORE_ATTENTION_OPS, head_costs, layer_costs, value
-from ..plan import grad_bucket
+from ..plan import gather_allowed, grad_bucket
 
 # A stage's strategy, as StagePlan fields and strategy_grid columns
 STRATEGY_FIELDS = (
@@ -234,9 +234,7 @@ def strategy_grid(layers: int, space: SearchSpace) -> dict[str, np.ndarray]:
     selective = (0, 1) if space.selective else (0,)
     combos = np.array(list(itertools.product(recompute, selective, space.zero_stages, *offloads,
                                              space.gather_in_forward)), float)  # fmt: skip
-    # the weights gathered in forward: ZeRO-1/2's, on the device (StagePlan.check's rule)
-    zero, offload_weights = combos[:, 2], combos[:, 3]
-    combos[~(((zero == 1) | (zero == 2)) & (offload_weights == 0)), -1] = 0.0
+    combos[:, -1] *= gather_allowed(combos[:, 2], combos[:, 3])  # zero, offload_weights
     _, first = np.unique(combos, axis=0, return_index=True)
     combos = combos[np.sort(first)]  # in the product's order
     return {n: combos[:, i] for i, n in enumerate(STRATEGY_FIELDS)}
@@ -375,7 +373,7 @@ def _gather_in_forward_s(st: Setting, ln: LayerNumbers, layers: int, gather, z, 
     window = ln.fwd * (buckets - 1) * per_bucket  # the forward of every bucket but the last
     rest = (buckets - 1) * each
     wait = each + max(st.interference.overlap(window, rest, 0.0, 0.0) - window, 0.0)
-    moves = (np.asarray(gather) > 0) & (z >= 1) & (z <= 2) & (np.asarray(wo) == 0)
+    moves = (np.asarray(gather) > 0) & gather_allowed(z, np.asarray(wo))
     return np.where(moves, whole, 0.0), np.where(moves, wait, 0.0)
 
 
@@ -506,6 +504,20 @@ def _device_memory(ln: LayerNumbers, grid: dict, edge: dict, activations, per_fl
     return static + np.maximum(backward, step_peak)
 
 
+def _compute_s(st: Setting, ln: LayerNumbers, layers: int, grid: dict, first: bool, last: bool,
+               edge_params: float, ez, grad_accum: int):  # fmt: skip
+    """Seconds of a micro-batch's own compute on a stage: its layers' forward and backward, the
+    recomputation (r layers' forward, and under selective the others' core attention), the
+    embedding or head, and adding its weight gradients into the accumulated ones."""
+    r, z = grid["recompute"], grid["zero"]
+    compute = layers * (ln.fwd + ln.bwd) + r * ln.fwd + (layers - r) * grid["selective"] * ln.core_fwd
+    if last:
+        compute = compute + ln.head_fwd + ln.head_bwd
+    if first:
+        compute = compute + ln.embed_fwd + ln.embed_bwd
+    return compute + _accumulation_s(st, layers * ln.params, edge_params, z, ez, grad_accum)
+
+
 def evaluate_stage(
     st: Setting,
     ln: LayerNumbers,
@@ -536,15 +548,8 @@ def evaluate_stage(
     theirs = _state_bytes(edge_params, ez, ewo, ego, eoo, d)
 
     # ---- time of one micro-batch, by channel
-    # recomputation: r layers' forward, and the others' core attention under selective
-    compute = layers * (ln.fwd + ln.bwd) + r * ln.fwd + (layers - r) * grid["selective"] * ln.core_fwd
     p2p_on_compute, p2p_beside = _p2p_s(st, ln, first, last)
-    compute = compute + p2p_on_compute
-    if last:
-        compute = compute + ln.head_fwd + ln.head_bwd
-    if first:
-        compute = compute + ln.embed_fwd + ln.embed_bwd
-    compute = compute + _accumulation_s(st, layers * ln.params, edge_params, z, ez, grad_accum)
+    compute = _compute_s(st, ln, layers, grid, first, last, edge_params, ez, grad_accum) + p2p_on_compute
     across = st.tp * d > cl.gpus_per_node  # DP groups (stride t) leave the node
     layer_w_full, edge_w_full = 2.0 * ln.params, 2.0 * edge_params
     zero_compute, g2g = _zero_per_micro_batch(st, layers, layer_w_full, edge_w_full, z, ez, across)
