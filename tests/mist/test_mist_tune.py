@@ -198,3 +198,46 @@ def test_milp_reports_infeasible_layer_counts():
     fr = [{(1, 2): Frontier(*one)}, {(1, 4): Frontier(*one)}]
     assert solve_inter_stage(fr, total_layers=2, micro_batches=2, total_devices=6) is None
     assert solve_inter_stage(fr[::-1], total_layers=2, micro_batches=2, total_devices=6).devices == (4, 2)
+
+
+def test_stages_evaluated_together_price_as_each_alone(rng):
+    """``prime`` evaluates a batch of plans' stages in one array call per stage size and position
+    (the exhaustive searches' batches): every plan then prices exactly, bit for bit, as it does
+    alone with no memo. Plans share sizes and differ in every strategy field."""
+    import dataclasses
+
+    from mist.plan import gather_allowed
+    from mist.tuning.planner import predict, predict_for, prime
+    from mist.tuning.problem import Problem
+
+    from .test_mist_plan_format import _random_plan
+
+    def restrategised(plan):
+        stages = []
+        for s in plan.stages:
+            zero, wo = int(rng.integers(0, 4)), float(rng.choice((0.0, 0.5, 1.0)))
+            stages.append(dataclasses.replace(
+                s, recompute=int(rng.integers(0, s.layers + 1)), zero=zero, offload_weights=wo,
+                offload_grads=float(rng.random()), offload_optimizer=float(rng.random()),
+                offload_activations=float(rng.choice((0.0, rng.random()))),
+                selective=bool(rng.random() < 0.3),
+                gather_in_forward=bool(gather_allowed(zero, wo) and rng.random() < 0.5),
+            ))  # fmt: skip
+        return dataclasses.replace(plan, stages=stages)
+
+    for _ in range(4):
+        base = _random_plan(rng)
+        plans = [restrategised(base) for _ in range(12)]
+        m, c = base.model_spec(), base.cluster()
+        problem, memo = Problem.of_plan(base, m, c), {}
+        prime(problem, plans, memo)
+        primed = len(memo)
+        for plan in plans:
+            together = predict_for(problem, dataclasses.replace(plan), memo=memo)
+            alone = predict(dataclasses.replace(plan), m, c)
+            assert together.predicted_iteration_s == alone.predicted_iteration_s
+            assert together.simulated_iteration_s == alone.simulated_iteration_s
+            fields = ("steady_s", "extra_s", "step_s", "wait_s", "memory_bytes", "host_memory_bytes")
+            for a, b in zip(together.stages, alone.stages, strict=True):
+                assert [getattr(a, f) for f in fields] == [getattr(b, f) for f in fields]
+        assert len(memo) == primed  # every stage priced came from the batch

@@ -48,23 +48,31 @@ class Interference:
 
     def overlap(self, *times) -> np.ndarray:
         """Wall time of channels started together with these solo times (broadcast arrays)."""
-        remaining = np.stack(np.broadcast_arrays(*[np.asarray(x, float) for x in times])).astype(float)
+        solo = np.broadcast_arrays(*(np.asarray(t, dtype=float) for t in times))
+        shape = solo[0].shape
         if np.all(self.factors == 1.0):
-            return remaining.max(axis=0)
-        bits = (1 << np.arange(len(CHANNELS)))[:, None]
-        elapsed = np.zeros(remaining.shape[1:])
-        for _ in range(len(CHANNELS)):  # each round one channel (at least) finishes
+            return np.max(solo, axis=0)
+        # a channel with no work anywhere is never active and slows nothing: leaving it out
+        # changes no result and saves its rounds (the searches call this with idle copy
+        # channels more often than not)
+        live = [c for c, t in enumerate(solo) if t.any()]
+        if not live:
+            return np.zeros(shape)
+        remaining = np.stack([solo[c] for c in live]).reshape(len(live), -1)
+        rows = np.array(live)[:, None]
+        bits = 1 << rows
+        elapsed = np.zeros(remaining.shape[1])
+        for _ in live:  # each round one channel (at least) finishes
             active = remaining > 0
-            mask = (active * bits.reshape((-1,) + (1,) * (remaining.ndim - 1))).sum(axis=0)
-            if not mask.any():
+            if not active.any():
                 break
-            slowed = self.factors[np.arange(len(CHANNELS)).reshape((-1,) + (1,) * mask.ndim), mask]
+            slowed = self.factors[rows, (active * bits).sum(axis=0)]
             finish = np.where(active, remaining * slowed, np.inf)
             step = finish.min(axis=0)
             step = np.where(np.isfinite(step), step, 0.0)
             remaining = np.where(active & (finish > step), np.maximum(remaining - step / slowed, 0.0), 0.0)
             elapsed = elapsed + step
-        return elapsed
+        return elapsed.reshape(shape)
 
     def to_json(self) -> dict:
         table = {

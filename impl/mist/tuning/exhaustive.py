@@ -22,10 +22,14 @@ from ..model.interference import Interference
 from ..model.runtime import RuntimeModel
 from ..model.specs import ClusterSpec, ModelSpec
 from ..plan import Plan
-from .planner import NoFeasiblePlan, StageMemo, lower_bound_s, predict_for
+from .planner import NoFeasiblePlan, StageMemo, lower_bound_s, predict_for, prime
 from .problem import Candidate, Problem
 
 S = TypeVar("S", bound="Sizes")
+# settings whose stages are evaluated together (``prime``): consecutive settings of a space share
+# their stages' sizes, so a batch needs a few array calls; larger batches prune less (the best
+# plan so far is older), smaller ones call more
+BATCH = 256
 
 
 def powers_of_two(limit: int) -> list[int]:
@@ -114,34 +118,48 @@ def fastest_fitting(
 
     def leanest_fitting() -> Iterator[Plan]:
         """Per setting, the plan with the fewest recomputed layers that fits (and its variants'),
-        or the leanest plan when none fits (so the no-fit message can say what is needed)."""
-        for n, setting in enumerate(settings):
-            if progress and n % 5000 == 0:
+        or the leanest plan when none fits (so the no-fit message can say what is needed). The
+        settings go in batches, each batch's stages evaluated together (``prime``): first every
+        setting's first count, then every count of those that need a bisection."""
+        for n in range(0, len(settings), BATCH):
+            if progress and n % (20 * BATCH) == 0:
                 progress(f"[{n}/{len(settings)} settings] best {best[0]:.3f} s")
-            if bound(setting) >= best[0]:
-                continue
-            ks = counts(setting)
-            fastest = with_variants(setting, ks[0])
-            if min(p.predicted_iteration_s for p in fastest) >= best[0]:
-                continue
-            if fastest[0].breakdown["fits"]:  # time grows along ks: nothing of this setting is faster
-                yield from fitting(fastest)
-                continue
-            plan = priced(setting, ks[-1])
-            if not plan.breakdown["fits"]:
-                yield plan
-                continue
-            # Memory falls along ks from the second count on; the first recomputed layer may add
-            # more to backward's peak (its recomputed activations) than it saves, so the first
-            # count is checked on its own (above) and the bisection starts after it.
-            lo, hi = 1, len(ks) - 1
-            while lo < hi:  # the first that fits
-                mid = (lo + hi) // 2
-                if priced(setting, ks[mid]).breakdown["fits"]:
-                    hi = mid
+            batch = [s for s in settings[n : n + BATCH] if bound(s) < best[0]]
+            prime(problem, [plan_of(v, counts(s)[0]) for s in batch for v in (s, *variants(s))], memo)
+            bisect = []
+            for setting in batch:
+                if bound(setting) >= best[0]:
+                    continue
+                fastest = with_variants(setting, counts(setting)[0])
+                if min(p.predicted_iteration_s for p in fastest) >= best[0]:
+                    continue
+                if fastest[0].breakdown["fits"]:  # time grows along the counts: nothing faster
+                    yield from fitting(fastest)
                 else:
-                    lo = mid + 1
-            yield from fitting(with_variants(setting, ks[lo]))
+                    bisect.append(setting)
+            later = [plan_of(v, k) for s in bisect for k in counts(s)[1:] for v in (s, *variants(s))]
+            prime(problem, later, memo)
+            for setting in bisect:
+                yield from fitting_count(setting, counts(setting))
+
+    def fitting_count(setting: S, ks: list[int]) -> Iterator[Plan]:
+        """The setting's plan (and variants') at the smallest count after the first that fits, by
+        bisection; its leanest plan if none does."""
+        plan = priced(setting, ks[-1])
+        if not plan.breakdown["fits"]:
+            yield plan
+            return
+        # Memory falls along ks from the second count on; the first recomputed layer may add
+        # more to backward's peak (its recomputed activations) than it saves, so the first
+        # count is checked on its own (above) and the bisection starts after it.
+        lo, hi = 1, len(ks) - 1
+        while lo < hi:  # the first that fits
+            mid = (lo + hi) // 2
+            if priced(setting, ks[mid]).breakdown["fits"]:
+                hi = mid
+            else:
+                lo = mid + 1
+        yield from fitting(with_variants(setting, ks[lo]))
 
     return cheapest_fitting(leanest_fitting(), problem, what, memo)
 
