@@ -1,5 +1,6 @@
-"""The claims registry: the README's table is generated from it, the committed reference passes
-it, and a claim outside its tolerance fails the check."""
+"""The claims registry: the README's table is generated from it, every CPU claim has a committed
+reference, the verdict rules say what they are written to say, and each kind of check fails on a
+planted bad result."""
 
 from __future__ import annotations
 
@@ -10,41 +11,96 @@ import shutil
 import pytest
 
 from artifacts import claims
-from artifacts.claims import CLAIMS, AtLeast, AtMost, Near, Timing, evaluate, markdown, readme_table
+from artifacts.verdicts import (
+    NOT_REPRODUCED,
+    REPRODUCED,
+    REPRODUCED_FACTOR,
+    AtLeast,
+    AtMost,
+    Bound,
+    Near,
+    PaperClaim,
+    band_verdict,
+    paper_verdict,
+    verdict_class,
+)
 
 
-def test_readme_claims_table_is_the_registry():
-    assert readme_table() == markdown(), "README drifted: run `python -m artifacts.claims --write-readme`"
+def test_readme_claims_section_is_the_registry():
+    assert claims.readme_table() == claims.markdown(), (
+        "README drifted: run `python -m artifacts.claims --write-readme`"
+    )
 
 
-def test_every_cpu_claim_has_a_reference_and_the_reference_passes():
-    rows = evaluate(run_source="reference")
-    missing = [r.claim.id for r in rows if not r.claim.gpu and r.reference is None]
+def test_every_cpu_claim_has_a_reference_and_no_bound_is_broken_unexplained():
+    rows = claims.evaluate(source="reference")
+    missing = [r.claim.id for r in rows if not r.claim.source.gpu and r.verdict == "not yet run"]
     assert not missing, f"CPU claims without a committed reference result: {missing}"
-    assert not [r.claim.id for r in rows if r.verdict == "OUTSIDE"]
-    # a claim marked as known to be outside is: the mark goes when its cause is fixed
-    assert not [r.claim.id for r in rows if r.claim.known_outside and r.verdict != "OUTSIDE (known)"]
-    assert len({c.id for c in CLAIMS}) == len(CLAIMS), "claim ids must be unique"
+    assert not [r.claim.id for r in rows if r.verdict == claims.BROKEN]
+    # a bound marked as known to be broken is: the mark goes when its cause is fixed
+    marked = [r for r in rows if isinstance(r.claim, Bound) and r.claim.known_broken]
+    assert not [r.claim.id for r in marked if r.verdict != claims.KNOWN_BROKEN]
+    ids = [c.id for c in claims.claims()]
+    assert len(set(ids)) == len(ids), "claim ids must be unique"
+    pin_ids = [p.id for p in claims.pins()]
+    assert len(set(pin_ids)) == len(pin_ids), "pin ids must be unique"
+    # every pin reads its number off the committed reference
+    assert not [r.pin.id for r in claims.check_pins() if r.reference is None]
 
 
-def test_checks():
+def test_every_paper_claim_names_its_source_and_where_in_the_paper():
+    for c in claims.claims():
+        if isinstance(c, PaperClaim):
+            assert c.paper.where and "arXiv" in c.paper.where, c.id
+            assert c.paper.value != c.neutral, c.id
+        assert c.source.evidence in ("measured", "predicted") and c.source.basis, c.id
+
+
+def test_paper_verdict_rule():
+    paper = random.uniform(1.1, 3.0)  # a speedup: no effect at 1.0
+    effect = paper - 1
+    assert paper_verdict(
+        1 + effect * random.uniform(1 / REPRODUCED_FACTOR, REPRODUCED_FACTOR), paper, 1.0
+    ) == (REPRODUCED)
+    smaller = paper_verdict(1 + effect * random.uniform(0.01, 0.79), paper, 1.0)
+    larger = paper_verdict(1 + effect * random.uniform(1.26, 5.0), paper, 1.0)
+    assert smaller.startswith("direction only, smaller") and verdict_class(smaller) == "direction only"
+    assert larger.startswith("direction only, larger") and verdict_class(larger) == "direction only"
+    assert paper_verdict(random.uniform(0.5, 1.0), paper, 1.0) == NOT_REPRODUCED  # slower or equal
+    # an effect within the measurement's noise is none, whatever its size against the paper's
+    noise = random.uniform(0.05, 0.2)
+    assert paper_verdict(1 + noise * random.uniform(0, 1), paper, 1.0, noise).startswith(NOT_REPRODUCED)
+    # a saving (no effect at 0) judged the same way; the paper's neutral value has nothing to reproduce
+    assert paper_verdict(0.30, 0.318, 0.0) == REPRODUCED and paper_verdict(-0.1, 0.318, 0.0) == NOT_REPRODUCED
+    with pytest.raises(ValueError, match="neutral"):
+        paper_verdict(1.2, 1.0, 1.0)
+
+
+def test_band_verdict_rule():
+    paper = random.uniform(0.2, 0.4)
+    assert band_verdict(paper * 0.9, paper * 1.1, paper, 0.0) == REPRODUCED
+    assert band_verdict(-0.2, paper * 2, paper, 0.0).startswith(REPRODUCED)  # holds the paper's number
+    low = band_verdict(-0.2, paper * 0.5, paper, 0.0)
+    assert low.startswith(NOT_REPRODUCED) and "to direction only, smaller" in low
+    assert band_verdict(-0.3, -0.1, paper, 0.0) == NOT_REPRODUCED
+    with pytest.raises(ValueError):
+        band_verdict(0.3, 0.1, paper, 0.0)
+
+
+def test_bound_checks():
+    bound = random.uniform(0, 1)
+    assert AtMost(bound).ok(bound) and not AtMost(bound).ok(bound * 1.001 + 1e-12)
+    assert AtLeast(bound).ok(bound) and not AtLeast(bound).ok(bound * 0.999 - 1e-12)
     ref = random.uniform(-10, 10)
     near = Near(abs=0.5, rel=0.1)
     slack = 0.5 + 0.1 * abs(ref)
-    assert near.ok(ref + 0.99 * slack, ref) and near.ok(ref - 0.99 * slack, ref)
-    assert not near.ok(ref + 1.01 * slack, ref) and not near.ok(ref - 1.01 * slack, ref)
-    assert near.ok(ref, None) is None  # no reference: cannot be judged
-    assert Near().ok(ref, ref) and not Near().ok(ref + 1e-9, ref)
-    bound = random.uniform(0, 1)
-    assert AtMost(bound).ok(bound, None) and not AtMost(bound).ok(bound * 1.001 + 1e-12, None)
-    assert AtLeast(bound).ok(bound, None) and not AtLeast(bound).ok(bound * 0.999 - 1e-12, None)
-    assert Timing().ok(ref, ref) is None
+    assert near.ok(ref + 0.99 * slack, ref) and not near.ok(ref - 1.01 * slack, ref)
 
 
 @pytest.fixture
 def copied_artifacts(tmp_path, monkeypatch):
     """A copy of the committed references as both reference and this run's results."""
-    for experiment in {c.experiment for c in CLAIMS}:
+    for experiment in claims.EXPERIMENTS:
         ref = claims.ARTIFACTS / experiment / "reference"
         if ref.is_dir():
             shutil.copytree(ref, tmp_path / experiment / "reference")
@@ -53,26 +109,46 @@ def copied_artifacts(tmp_path, monkeypatch):
     return tmp_path
 
 
-def test_a_claim_outside_its_tolerance_fails_the_check(copied_artifacts, capsys):
-    assert claims.main([]) == 0
-    claim = next(c for c in CLAIMS if c.id == "tempo-layer-512")
-    path = copied_artifacts / claim.experiment / "results" / claim.file
-    path.write_text(path.read_text().replace('"variant": "tempo"', '"variant": "renamed"'))
-    assert claims.main(["tempo_layer"]) == 0  # a point missing: the claim was not run, not outside
-    assert "not run" in capsys.readouterr().out
-    shutil.copy(copied_artifacts / claim.experiment / "reference" / claim.file, path)
-    text = path.read_text()
-    before = claim.read("results")
-    # one byte count scaled up by a random factor: the saving moves well beyond its 0.1-point tolerance
-    factor = random.uniform(1.2, 1.5)
-    data = json.loads(text)
+def _edit(path, edit) -> None:
+    data = json.loads(path.read_text())
     for p in data["points"]:
-        if p["key"] == {"layer": "bert-large", "seq": 512, "batch": 1, "dtype": "bf16", "variant": "tempo"}:
-            p["result"]["bytes"] = int(p["result"]["bytes"] * factor)
+        edit(p)
     path.write_text(json.dumps(data))
-    assert claim.read("results") < before - 0.01
+
+
+def test_each_kind_fails_on_a_planted_bad_result(copied_artifacts, capsys):
+    assert claims.main([]) == 0 and claims.main(["--pins"]) == 0
+    results = copied_artifacts / "tempo_layer" / "results" / "layer_saved_bytes.json"
+
+    # a bound: one layer's bytes scaled off its closed form breaks tempo-layer-closed-form
+    factor = random.uniform(1.01, 1.5)
+
+    def scale(p):
+        if p["key"]["variant"] == "tempo" and p["key"]["seq"] == 512:
+            p["result"]["bytes"] = int(p["result"]["bytes"] * factor)
+
+    _edit(results, scale)
     assert claims.main(["tempo_layer"]) == 1
-    assert "OUTSIDE" in capsys.readouterr().out
+    assert "tempo-layer-closed-form" in capsys.readouterr().out.split("broken without a known cause")[-1]
+    # ...and the same change moves the pinned saving: the regression check fails too
+    assert claims.main(["--pins", "tempo_layer"]) == 1
+    assert "MOVED" in capsys.readouterr().out
+    # a point missing: not run, not broken
+    results.write_text(results.read_text().replace('"variant": "tempo"', '"variant": "renamed"'))
+    assert claims.main(["tempo_layer"]) == 0
+    assert "not yet run" in capsys.readouterr().out
+
+    # a paper claim: Mist's measured plans made slower than the grid's is "not reproduced"
+    measured = copied_artifacts / "mist_vs_megatron" / "results" / "measured.json"
+    claim = next(c for c in claims.claims() if c.id == "mist-measured-vs-aceso")
+    assert claims.judge(claim, "results").verdict == REPRODUCED  # as the committed reference has it
+
+    def slow_mist(p):
+        if "measured_step_s" in p["result"]["mist"]:
+            p["result"]["mist"]["measured_step_s"] *= 3.0
+
+    _edit(measured, slow_mist)
+    assert claims.judge(claim, "results").verdict == NOT_REPRODUCED
 
 
 def test_unknown_experiment_is_refused(capsys):

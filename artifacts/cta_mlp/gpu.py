@@ -158,6 +158,12 @@ def part_gpu(run: Run, device: str = "cuda"):
     k = store.compute({"measure": "kernel_throughput", **base_key},
                       lambda: _kernel_throughput(d, device, dtype, tiling))  # fmt: skip
     print(f"stage kernel {k['triton_tflops']:.1f} TFLOP/s vs cuBLAS {k['cublas_tflops']:.1f} TFLOP/s")
+    # the stage kernel's efficiency per tile shape: the latency model's CTA tiles (Hardware.cta_efficiency)
+    shapes = {}
+    for shape in [tiling, *(Tiling(128, 256, 64),) * cuda]:
+        key = {"measure": "kernel_throughput", **base_key, "tiling": vars(shape)}
+        r = shapes[shape] = store.compute(key, lambda s=shape: _kernel_throughput(d, device, dtype, s))
+        print(f"stage kernel, {shape.block_m} x {shape.block_n} tiles: {r['triton_tflops']:.1f} TFLOP/s")
     gap = store.compute({"measure": "kernel_gap_s"}, lambda: _kernel_gap(device))
     name = torch.cuda.get_device_name().lower() if cuda else "cpu"
     base = sim.B200 if "b200" in name else sim.H200
@@ -172,5 +178,9 @@ def part_gpu(run: Run, device: str = "cuda"):
         gemm_efficiency=k["cublas_tflops"] * 1e12 / base.flops,
         kernel_gap_s=gap,
         efficiency_by_rows=tuple((int(r), float(e)) for r, e in curve),
-        source=f"{base.source}; GEMM efficiency by rows and kernel gap measured on {name}",
+        cta_efficiency=tuple(
+            ((t.block_m, t.block_n), r["triton_tflops"] * 1e12 / base.flops) for t, r in shapes.items()
+        ),
+        source=f"{base.source}; GEMM efficiency by rows, the CTA kernel's by tile shape and kernel gap "
+        f"measured on {name}",
     )

@@ -3,7 +3,9 @@
 Parts (``--parts``):
   sim        latency model sweep: chain of 8192 x 8192 GEMMs, one layer per GPU, M = 1k..32k,
              H200 and B200, 2/4/8 GPUs: back-to-back, best micro-batching, TP, CTA-pipelining,
-             CTA + TP; the assumptions are stored with the results
+             CTA + TP; the assumptions are stored with the results; and the 2-GPU result at every
+             corner of the assumptions' band (ctapipe.sim.BAND: GEMM efficiency, the CTA kernels'
+             efficiency and tile shape, kernel gap, flag latency), into sim_band.json
   kernels    the Triton kernels against torch.matmul (under TRITON_INTERPRET=1 on a CPU),
              including two concurrent processes with a late producer and the negative control
   baselines  the torch.distributed baselines on 2 processes (gloo on a CPU), outputs checked
@@ -52,6 +54,20 @@ def part_sim(run: Run, hardware: dict | None = None, name: str = "sim") -> Resul
             for m in SIM_ROWS:
                 store.compute(sim_key(hw.name, n, m), lambda hw=hw, n=n, m=m: sim.compare(hw, m, n))
     _print_sim(store, hardware)
+    return store
+
+
+def part_band(run: Run) -> ResultFile:
+    """The latency model's 2-GPU result over the range of its assumptions (``sim.BAND``'s corners)."""
+    from ctapipe import sim
+
+    store = run.file("sim_band.json", config={"band": {k: list(v) for k, v in sim.BAND.items()}})
+    for hw in sim.HARDWARE.values():
+        r = store.compute({"hardware": hw.name, "gpus": 2, "rows": SIM_ROWS, "width": SIM_WIDTH},
+                          lambda hw=hw: sim.band(hw, 2, SIM_ROWS, SIM_WIDTH))  # fmt: skip
+        print(f"{hw.name}, 2 GPUs, over the assumptions' band: CTA {r['microbatch_low']:+.1%} .. "
+              f"{r['microbatch_high']:+.1%} against the best micro-batching, {r['tp_low']:+.1%} .. "
+              f"{r['tp_high']:+.1%} against TP")  # fmt: skip
     return store
 
 
@@ -198,6 +214,7 @@ def main(argv: list[str] | None = None) -> None:
     with experiment_run(args, EXPERIMENT) as run:
         if "sim" in args.parts:
             part_sim(run)
+            part_band(run)
         if "kernels" in args.parts:
             part_kernels(run, args.device)
         if "baselines" in args.parts:

@@ -45,7 +45,7 @@ from tempo.models import MODELS, build_model, make_batch
 from ..experiment import add_jobs_argument, add_run_arguments, experiment_run
 from . import EXPERIMENT
 from .data import CORPORA
-from .summary import TRAIN, TRAIN_LR, TRAIN_RUNS, train_key, training_summary
+from .summary import FLOAT64_LOSS, REVERSED, TRAIN, TRAIN_LR, TRAIN_RUNS, train_key, training_summary
 from .throughput import ThroughputSetup, headline, run_throughput
 
 GPUS = {
@@ -206,17 +206,38 @@ def run_maxbatch(run: Run, cases, configs, precisions, jobs: int, scale: str) ->
 
 
 def training_run(
-    model: str, configuration: str, dropout: float, dropout_seed: int, dtype: str, corpus: str
+    model: str,
+    configuration: str,
+    dropout: float,
+    dropout_seed: int,
+    dtype: str,
+    rows: str | None = None,
+    loss: str | None = None,
+    *,
+    corpus: str,
 ) -> dict:
     from .data import fingerprint
 
-    _, losses = _train(model, configuration, dropout, dropout_seed, dtype, corpus)
+    _, losses = _train(model, configuration, dropout, dropout_seed, dtype, corpus, rows, loss)
     kind = "wordpiece" if model.startswith("bert") else "bpe"
     return {"losses": losses, **fingerprint(kind, source=corpus)}
 
 
-def _train(model: str, configuration: str, dropout: float, dropout_seed: int, dtype: str, corpus: str):
-    """(the trained model, its per-step losses): the same data and initial weights for every run."""
+def causal_lm_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """A causal LM's loss in its logits' dtype: token t predicts token t + 1, the mean over every
+    position whose label is not -100 (as HF's loss, which would cast the logits to float32)."""
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    logits = model(**inputs).logits[:, :-1]
+    labels = batch["labels"][:, 1:]
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                                             ignore_index=-100)  # fmt: skip
+
+
+def _train(model: str, configuration: str, dropout: float, dropout_seed: int, dtype: str, corpus: str,
+           rows: str | None = None, loss: str | None = None):  # fmt: skip
+    """(the trained model, its per-step losses): the same data and initial weights for every run;
+    ``rows`` "reversed": each batch's rows reversed; ``loss`` "fp64": computed in float64 from the
+    logits (a causal LM's)."""
     from measure.training import Precision, make_optimizer, train_step
 
     from .data import bert_batches, gpt2_batches
@@ -224,14 +245,21 @@ def _train(model: str, configuration: str, dropout: float, dropout_seed: int, dt
     steps, batch, seq = TRAIN[model]
     make = bert_batches if model.startswith("bert") else gpt2_batches
     batches = make(steps, batch, seq, seed=0, source=corpus)  # the same data for every run
+    if rows == REVERSED:  # the rounding control: the same sequences, summed in another order
+        batches = [{k: v.flip(0) for k, v in b.items()} for b in batches]
     torch.manual_seed(0)  # the same initial weights for every run (drawn in fp32, then cast)
     m = build_model(model, "pretraining", configuration, dropout=dropout).train()
     if dtype == "fp64":
         m = m.double()  # AdamW follows the parameters' dtype
+    loss_of = None
+    if loss == FLOAT64_LOSS:
+        if dtype != "fp64" or model.startswith("bert"):
+            raise ValueError(f"a float64 loss is for float64 causal LMs, not {model} in {dtype}")
+        loss_of = causal_lm_loss
     precision = Precision("fp32")
     opt = make_optimizer(m, precision, lr=TRAIN_LR)
     torch.manual_seed(dropout_seed)  # only dropout draws from here on
-    return m, [train_step(m, b, opt, precision).item() for b in batches]
+    return m, [train_step(m, b, opt, precision, loss_of=loss_of).item() for b in batches]
 
 
 def dropout_distribution_point(weights: str, draws: int, corpus: str) -> dict:
@@ -288,7 +316,7 @@ DISTRIBUTION_DRAWS = 400  # the HF-vs-HF null then stays within ~0.3% of 1: the 
 def run_training(run: Run, corpus: str) -> ResultFile:
     store = run.file("training.json", config={"precision": "fp32", "optimizer": "AdamW"})
     for args in tqdm(TRAIN_RUNS, desc="training runs", unit="run"):
-        store.compute(train_key(*args, corpus), lambda a=args: training_run(*a, corpus))
+        store.compute(train_key(*args, corpus=corpus), lambda a=args: training_run(*a, corpus=corpus))
     for weights in tqdm(("init", "trained"), desc="dropout distribution at fixed weights", unit="point"):
         key = {"check": "dropout distribution", "weights": weights, "draws": DISTRIBUTION_DRAWS,
                "corpus": corpus, "dropout": 0.1}  # fmt: skip

@@ -13,9 +13,12 @@ TRAIN = {  # model -> (steps, batch, seq)
     "gpt2-mini": (150, 8, 64),
 }
 TRAIN_LR = 1e-3
-# (model, configuration, dropout, dropout seed, dtype). Dropout off must give the same losses;
-# the float64 pair is the control for the fp32 drift: if the fp32 runs part through rounding
-# alone, the same runs in float64 must agree ~1e9 times more closely. Dropout on: Tempo draws
+# (model, configuration, dropout, dropout seed, dtype[, rows, loss]). Dropout off must give the
+# same losses. Two controls say how close "the same" is. The float64 pair, its loss computed in
+# float64 too (HF's causal-LM loss casts the logits to float32, which made an earlier "float64"
+# pair agree only to float32's rounding): if the fp32 runs part through rounding alone, these must
+# agree ~1e9 times more closely. The rounding control: HF with every batch's rows reversed, the
+# same sums in another order, against HF: the fp32 gap Tempo may have. Dropout on: Tempo draws
 # other masks (same distribution), so only statistics over dropout seeds can agree. Ten seeds
 # each: single pairs of runs part by one-step spikes of up to ~0.4 (Adam at a constant learning
 # rate on a plateau; both configurations have them), so a pair's max |loss difference| says
@@ -23,20 +26,35 @@ TRAIN_LR = 1e-3
 # distribution check at fixed weights (run.dropout_distribution_point) is what has that power.
 DROPOUT_SEEDS = tuple(range(1, 11))
 LAST_STEPS = 50  # a run's loss: the mean over its last 50 steps
+REVERSED, FLOAT64_LOSS = "reversed", "fp64"
 TRAIN_RUNS = [
     ("bert-mini", "hf-eager", 0.0, 1, "fp32"),
     ("bert-mini", "tempo", 0.0, 1, "fp32"),
     *(("bert-mini", conf, 0.1, seed, "fp32") for conf in ("hf-eager", "tempo") for seed in DROPOUT_SEEDS),
     ("gpt2-mini", "hf-eager", 0.0, 1, "fp32"),
     ("gpt2-mini", "tempo", 0.0, 1, "fp32"),
-    ("gpt2-mini", "hf-eager", 0.0, 1, "fp64"),
-    ("gpt2-mini", "tempo", 0.0, 1, "fp64"),
+    ("gpt2-mini", "hf-eager", 0.0, 1, "fp32", REVERSED, None),
+    ("gpt2-mini", "hf-eager", 0.0, 1, "fp64", None, FLOAT64_LOSS),
+    ("gpt2-mini", "tempo", 0.0, 1, "fp64", None, FLOAT64_LOSS),
 ]
 
 
-def train_key(model: str, configuration: str, dropout: float, seed: int, dtype: str, corpus: str) -> dict:
+def train_key(
+    model: str,
+    configuration: str,
+    dropout: float,
+    seed: int,
+    dtype: str,
+    rows: str | None = None,
+    loss: str | None = None,
+    *,
+    corpus: str,
+) -> dict:
+    """A training run's key. ``rows`` ("reversed": each batch's rows reversed) and ``loss`` ("fp64":
+    computed in float64 from the logits) are in the key only when given: points from before they
+    existed had the rows as drawn and the model's own loss."""
     steps, batch, seq = TRAIN[model]
-    return {
+    key = {
         "model": model,
         "configuration": configuration,
         "dropout": dropout,
@@ -48,6 +66,11 @@ def train_key(model: str, configuration: str, dropout: float, seed: int, dtype: 
         "seq": seq,
         "lr": TRAIN_LR,
     }
+    if rows is not None:
+        key["rows"] = rows
+    if loss is not None:
+        key["loss"] = loss
+    return key
 
 
 def _mean_gap(a: list[float], b: list[float]) -> float:
@@ -63,16 +86,27 @@ def training_summary(tr: Results, corpus: str = "stdlib") -> dict[str, float]:
     the mean per-step |loss difference| of every Tempo-baseline pair of dropout seeds, against the
     baseline's own seed-to-seed band (every pair of baseline seeds)."""
 
-    def curve(model, conf, dropout=0.0, seed=1, dtype="fp32") -> list[float] | None:
-        point = tr.get(train_key(model, conf, dropout, seed, dtype, corpus))
+    def curve(model, conf, dropout=0.0, seed=1, dtype="fp32", rows=None, loss=None) -> list[float] | None:
+        point = tr.get(train_key(model, conf, dropout, seed, dtype, rows, loss, corpus=corpus))
         return None if point is None else point.result["losses"]
 
     out = {}
     for model in TRAIN:
-        for dtype, label in (("fp32", ""), ("fp64", ", float64 control")):
-            base, ours = curve(model, "hf-eager", dtype=dtype), curve(model, "tempo", dtype=dtype)
+        for dtype, loss, label in (("fp32", None, ""), ("fp64", FLOAT64_LOSS, ", float64 control")):
+            base, ours = (
+                curve(model, "hf-eager", dtype=dtype, loss=loss),
+                curve(model, "tempo", dtype=dtype, loss=loss),
+            )
             if base is not None and ours is not None:
                 out[f"{model} dropout off{label}: max |loss difference|"] = _max_gap(ours, base)
+        control = curve(model, "hf-eager", rows=REVERSED)
+        base, ours = curve(model, "hf-eager"), curve(model, "tempo")
+        if control is not None and base is not None and ours is not None:
+            gap = _max_gap(control, base)
+            out[f"{model} dropout off, rounding control: max |loss difference|"] = gap
+            out[f"{model} dropout off: max |loss difference| over the rounding control's"] = (
+                _max_gap(ours, base) / gap
+            )
     runs = {
         (conf, s): c
         for conf in ("hf-eager", "tempo")

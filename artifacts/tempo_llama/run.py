@@ -177,25 +177,35 @@ def peers_unavailable() -> str | None:
     return None
 
 
-def liger_layer_bytes(model: str, layers: int, seq: int) -> int:
-    """Bytes a ``layers``-deep copy of ``model`` with Liger-Kernel's RMSNorm, SwiGLU and rotary keeps
-    for backward at batch 1, bf16, on the GPU (real tensors: its kernels must run)."""
-    from liger_kernel.transformers import apply_liger_kernel_to_llama
+# measured in the same run on the same GPU: Liger-Kernel's patch, and what it is compared with
+PEER_CONFIGS = ("liger", "tempo+sdpa", "hf-sdpa")
+
+
+def peer_layer_bytes(model: str, configuration: str, layers: int, seq: int, device: str = "cuda") -> int:
+    """Bytes a ``layers``-deep copy of ``model`` keeps for backward at batch 1, bf16, on ``device``
+    (real tensors: Liger's kernels must run): ``configuration`` one of PEER_CONFIGS, "liger" being
+    HF SDPA with Liger-Kernel's RMSNorm, SwiGLU and rotary."""
     from transformers.models.llama import modeling_llama
 
     from measure.memory import default_dtype
     from measure.saved import saved_bytes
 
+    if configuration not in PEER_CONFIGS:
+        raise ValueError(f"configuration {configuration!r}: one of {', '.join(PEER_CONFIGS)}")
     # Liger swaps these in transformers' module for the whole process: put them back after
     swapped = ("LlamaRMSNorm", "LlamaMLP", "apply_rotary_pos_emb")
     saved = {name: getattr(modeling_llama, name) for name in swapped}
     try:
         torch.manual_seed(0)
-        with torch.device("cuda"), default_dtype(torch.bfloat16):  # built where it runs, in bf16
-            m = build_model(model, "pretraining", "hf-sdpa", num_layers=layers).train()
-        apply_liger_kernel_to_llama(rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
-                                    fused_linear_cross_entropy=False, model=m)  # fmt: skip
-        return saved_bytes(m, **make_batch(model, "pretraining", 1, seq, device="cuda")).total_bytes
+        base = "hf-sdpa" if configuration == "liger" else configuration
+        with torch.device(device), default_dtype(torch.bfloat16):  # built where it runs, in bf16
+            m = build_model(model, "pretraining", base, num_layers=layers).train()
+        if configuration == "liger":
+            from liger_kernel.transformers import apply_liger_kernel_to_llama
+
+            apply_liger_kernel_to_llama(rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
+                                        fused_linear_cross_entropy=False, model=m)  # fmt: skip
+        return saved_bytes(m, **make_batch(model, "pretraining", 1, seq, device=device)).total_bytes
     finally:
         for name, value in saved.items():
             setattr(modeling_llama, name, value)
@@ -209,12 +219,12 @@ def run_peers(run: Run) -> ResultFile | None:
     from importlib.metadata import version
 
     store = run.file("peers.json", config={"device": torch.cuda.get_device_name()})
-    for model in PEER_MODELS:
-        key = {**layer_key(model, "liger"), "liger_kernel": version("liger-kernel")}
+    for model, conf in itertools.product(PEER_MODELS, PEER_CONFIGS):
+        key = {**layer_key(model, conf), "liger_kernel": version("liger-kernel"), "measured_on": "cuda"}
 
-        def point(m: str = model) -> dict:  # what one more layer adds
+        def point(m: str = model, c: str = conf) -> dict:  # what one more layer adds
             return {
-                "per_layer_bytes": liger_layer_bytes(m, 2, LAYER_SEQ) - liger_layer_bytes(m, 1, LAYER_SEQ)
+                "per_layer_bytes": peer_layer_bytes(m, c, 2, LAYER_SEQ) - peer_layer_bytes(m, c, 1, LAYER_SEQ)
             }
 
         store.compute(key, point)
@@ -245,7 +255,10 @@ def print_summary(
     if peers is not None:
         for p in peers:
             sbh = LAYER_SEQ * MODELS[p.key["model"]].hidden
-            print(f"  {p.key['model']:<14} {'liger-kernel':<20} {p.result['per_layer_bytes'] / sbh:>9.3f}")
+            print(
+                f"  {p.key['model']:<14} {p.key['configuration'] + ' (GPU)':<20} "
+                f"{p.result['per_layer_bytes'] / sbh:>9.3f}"
+            )
     if mb is not None:
         print(f"\nMax batch per GPU (AdamW step; {PRECISION} model + fp32 master weights):")
         print(f"  {'model':<14} {'seq':>5} {'configuration':<20} " + " ".join(f"{g:>11}" for g in GPUS))

@@ -28,6 +28,7 @@ efficiently than its wave count says), which the model then uses per kernel.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
 import math
@@ -59,6 +60,9 @@ class Hardware:
     # measured (gpu_check): a kernel's tile efficiency by its rows, ((rows, efficiency), ...);
     # empty: gemm_efficiency at every size
     efficiency_by_rows: tuple[tuple[int, float], ...] = ()
+    # the CTA kernels' own tile efficiency by tile shape, (((block_m, block_n), efficiency), ...),
+    # measured by gpu_check or assumed (the band of sim_band); a shape not in it: cuBLAS's efficiency
+    cta_efficiency: tuple[tuple[tuple[int, int], float], ...] = ()
 
     def efficiency(self, rows: int | None = None) -> float:
         """Tile efficiency of a kernel over ``rows`` rows: interpolated in log2(rows) on the
@@ -76,6 +80,13 @@ class Hardware:
 
     def tile_s(self, k: int, block_m: int, block_n: int, rows: int | None = None) -> float:
         return 2.0 * block_m * block_n * k / (self.flops * self.efficiency(rows) / self.sms)
+
+    def cta_tile_s(self, k: int, tiling: Tiling, rows: int) -> float:
+        """A CTA kernel's tile: at its shape's own efficiency where known, else cuBLAS's."""
+        own = dict(self.cta_efficiency).get((tiling.block_m, tiling.block_n))
+        if own is None:
+            return self.tile_s(k, tiling.block_m, tiling.block_n, rows)
+        return 2.0 * tiling.block_m * tiling.block_n * k / (self.flops * own / self.sms)
 
     def transfer_s(self, nbytes: float) -> float:
         return nbytes / (self.link_bw * self.link_efficiency)
@@ -225,7 +236,7 @@ def cta_pipelined(hw: Hardware, chain: Chain) -> float:
     d = chain.width
     ready = dict.fromkeys(range(chain.row_blocks), 0.0)  # layer 0 reads X: ready at once
     cta = chain.cta
-    tile = hw.tile_s(d, cta.block_m, cta.block_n, chain.m)  # one persistent kernel over all M rows
+    tile = hw.cta_tile_s(d, cta, chain.m)  # one persistent kernel over all M rows
     tile_bytes = cta.block_m * cta.block_n * chain.dtype_bytes
     end = 0.0
     for _layer in range(chain.layers):
@@ -245,8 +256,8 @@ def cta_with_tp(hw: Hardware, chain: Chain, tp: int = 2) -> float:
     if tp != 2 or chain.layers % 2 or d % tp:
         raise ValueError(f"CTA + TP models pairs of layers on 2 GPUs; got tp={tp}, {chain.layers} layers")
     cta = chain.cta
-    col_tile = hw.tile_s(d, cta.block_m, cta.block_n, chain.m)
-    row_tile = hw.tile_s(d // tp, cta.block_m, cta.block_n, chain.m)
+    col_tile = hw.cta_tile_s(d, cta, chain.m)
+    row_tile = hw.cta_tile_s(d // tp, cta, chain.m)
     ready = dict.fromkeys(range(chain.row_blocks), 0.0)
     end = 0.0
     for _stage in range(chain.layers // 2):
@@ -269,9 +280,10 @@ def cta_with_tp(hw: Hardware, chain: Chain, tp: int = 2) -> float:
     return end
 
 
-def compare(hw: Hardware, m: int, gpus: int, width: int = 8192) -> dict:
-    """Every method's latency for the chain of ``gpus`` layers on ``gpus`` GPUs."""
-    chain = Chain(m, width, layers=gpus)
+def compare(hw: Hardware, m: int, gpus: int, width: int = 8192, cta: Tiling = DEFAULT_TILING) -> dict:
+    """Every method's latency for the chain of ``gpus`` layers on ``gpus`` GPUs (CTA kernels with
+    ``cta``'s tiles)."""
+    chain = Chain(m, width, layers=gpus, cta=cta)
     mb, chunk = best_microbatched(hw, chain)
     out = {
         "gpu": hw.name, "gpus": gpus, "m": m, "width": width,
@@ -284,6 +296,46 @@ def compare(hw: Hardware, m: int, gpus: int, width: int = 8192) -> dict:
         out["cta_tp_s"] = cta_with_tp(hw, chain)
     out["cta_vs_microbatch"] = 1 - out["cta_s"] / mb
     out["cta_vs_tp"] = 1 - out["cta_s"] / out["tp_s"]
+    return out
+
+
+# The assumptions the CTA result moves with most, each over a range a reader could defend: cuBLAS's
+# sustained fraction of peak on large bf16 GEMMs; the CTA kernels' tile efficiency as a fraction of
+# cuBLAS's (Triton-generated, one persistent kernel); their tile shape (the kernels' 128 x 128, or
+# cuBLAS's own 128 x 256); the gap between dependent kernels (launch, ramp, tail); the latency of a
+# flag released on one GPU and polled on another.
+BAND = {
+    "gemm_efficiency": (0.6, 0.8),
+    "cta_relative_efficiency": (0.8, 1.0),
+    "cta_tiles": ((128, 128), (128, 256)),
+    "kernel_gap_s": (2 * US, 8 * US),
+    "flag_latency_s": (1 * US, 3 * US),
+}
+
+
+def band(hw: Hardware, gpus: int, rows: list[int], width: int = 8192) -> dict:
+    """CTA's best reduction over ``rows`` against the best micro-batching and against TP, at every
+    corner of ``BAND`` (the data sheet's SMs, peak and links kept): the lowest and highest of each,
+    with the corner that gives it."""
+    out: dict = {}
+    names = list(BAND)
+    for values in itertools.product(*BAND.values()):
+        corner = dict(zip(names, values, strict=True))
+        tiles = Tiling(*corner["cta_tiles"])
+        at = dataclasses.replace(
+            hw, gemm_efficiency=corner["gemm_efficiency"], kernel_gap_s=corner["kernel_gap_s"],
+            flag_latency_s=corner["flag_latency_s"], efficiency_by_rows=(),
+            cta_efficiency=(((tiles.block_m, tiles.block_n),
+                             corner["gemm_efficiency"] * corner["cta_relative_efficiency"]),),
+        )  # fmt: skip
+        results = [compare(at, m, gpus, width, tiles) for m in rows]
+        for versus in ("microbatch", "tp"):
+            best = max(r[f"cta_vs_{versus}"] for r in results)
+            low, high = out.get(f"{versus}_low"), out.get(f"{versus}_high")
+            if low is None or best < low:
+                out[f"{versus}_low"], out[f"{versus}_low_at"] = best, corner
+            if high is None or best > high:
+                out[f"{versus}_high"], out[f"{versus}_high_at"] = best, corner
     return out
 
 

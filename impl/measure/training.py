@@ -148,13 +148,15 @@ def train_step(
     optimizer,
     precision: Precision,
     on_phase: Callable[[str], None] | None = None,
+    loss_of: Callable[[nn.Module, dict[str, torch.Tensor]], torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """forward -> backward -> optimizer step -> grads freed. Returns the (detached) loss."""
+    """forward -> backward -> optimizer step -> grads freed. Returns the (detached) loss: the
+    model's own (``model(**batch).loss``) or ``loss_of(model, batch)``."""
     device_type = next(model.parameters()).device.type
     phase = on_phase or (lambda _name: None)
     phase("forward")
     with precision.autocast(device_type):
-        loss = model(**batch).loss
+        loss = model(**batch).loss if loss_of is None else loss_of(model, batch)
     phase("backward")
     scaled = optimizer.scale(loss) if isinstance(optimizer, MasterWeightAdamW) else loss
     scaled.backward()

@@ -161,3 +161,33 @@ def test_cta_tiles_are_priced_at_the_kernels_tile_size():
     one_tile = sim.cta_pipelined(sim.H200, narrow) - sim.H200.launch_s
     assert one_tile == pytest.approx(sim.H200.tile_s(8192, 128, 128, 128), rel=1e-12)
     assert sim.cta_pipelined(sim.H200, wider) - sim.H200.launch_s == pytest.approx(2 * one_tile, rel=1e-12)
+
+
+def test_cta_tiles_priced_at_their_own_efficiency_where_known(rng):
+    """A CTA tile shape with a measured (or assumed) efficiency is priced at it, every other
+    shape and cuBLAS's kernels at the GEMM efficiency: halving the CTA tiles' efficiency slows
+    CTA-pipelining and nothing else (negative control: another shape's entry changes nothing)."""
+    from ctapipe.tiling import DEFAULT_TILING
+
+    m = int(rng.choice([1024, 4096, 16384]))
+    base = sim.compare(sim.H200, m, 2)
+    shape = (DEFAULT_TILING.block_m, DEFAULT_TILING.block_n)
+    slow = dataclasses.replace(sim.H200, cta_efficiency=((shape, sim.H200.gemm_efficiency / 2),))
+    other = dataclasses.replace(sim.H200, cta_efficiency=(((64, 64), sim.H200.gemm_efficiency / 2),))
+    slowed = sim.compare(slow, m, 2)
+    assert slowed["cta_s"] > base["cta_s"] * 1.2
+    assert (slowed["microbatch_s"], slowed["tp_s"], slowed["back_to_back_s"]) == (
+        base["microbatch_s"], base["tp_s"], base["back_to_back_s"])  # fmt: skip
+    assert sim.compare(other, m, 2) == base
+
+
+def test_band_spans_the_stated_assumptions():
+    """The band's ends hold the result at the model's stated assumptions when those are inside
+    the band's ranges, and each end names the corner that gives it."""
+    rows = [1024, 8192]
+    band = sim.band(sim.H200, 2, rows)
+    stated = max(sim.compare(sim.H200, m, 2)["cta_vs_microbatch"] for m in rows)
+    assert sim.BAND["gemm_efficiency"][0] <= sim.H200.gemm_efficiency <= sim.BAND["gemm_efficiency"][1]
+    assert band["microbatch_low"] <= stated <= band["microbatch_high"]
+    assert band["tp_low"] <= band["tp_high"]
+    assert set(band["microbatch_low_at"]) == set(sim.BAND)

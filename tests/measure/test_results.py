@@ -196,7 +196,8 @@ def test_runs_write_only_ignored_paths():
     from artifacts import claims
     from artifacts.experiment import Experiment
 
-    paths = [Experiment(c.experiment).results_dir / c.file for c in claims.CLAIMS]
+    sources = [c.source for c in claims.claims()]
+    paths = [Experiment(s.experiment).results_dir / s.file for s in sources]
     paths += [
         REPO_ROOT / "figures" / "results" / "x.png",
         REPO_ROOT / "artifacts" / "tempo_bert" / "results" / "run.json",
@@ -207,7 +208,7 @@ def test_runs_write_only_ignored_paths():
     )
     assert sorted(set(done.stdout.split())) == sorted(set(rel))
     reference = [
-        str((Experiment(c.experiment).reference_dir / c.file).relative_to(REPO_ROOT)) for c in claims.CLAIMS
+        str((Experiment(s.experiment).reference_dir / s.file).relative_to(REPO_ROOT)) for s in sources
     ]
     done = subprocess.run(
         ["git", "check-ignore", *reference], cwd=REPO_ROOT, capture_output=True, text=True, timeout=30

@@ -1,0 +1,283 @@
+"""The claims of ``nox -s mist_vs_megatron``.
+
+The paper's numbers are from its abstract (Mist, arXiv 2503.19050v1): "an average of 1.28 (up to
+1.73) and 1.27 (up to 2.04) speedup compared to ... Megatron-LM and ... Aceso", arithmetic means
+over its cases. Judged here: the speedups measured on this CPU (the ``measured`` part: every
+system's winner trained by megatron-core under a memory cap that binds) and on one GPU (the GPU
+check); the 60-case comparison's speedups are predictions of one cost model for every system and
+are shown against the paper as predicted. Mist's paper states no accuracy figure for its own cost
+model that is cited here; the time and memory targets below (20%, 10%) are this project's (issues
+#12 and #24). The two sets of measured end-to-end runs ``mist validate`` reads (Mist's plans on
+L4, Megatron-LM runs on A10G) guided changes to the model: they are development sets, not held
+out.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+
+from measure.results import Results
+
+from ..verdicts import AtLeast, AtMost, Bound, Missing, Near, Paper, PaperClaim, Pin, Shown, Source, one
+from .measured import SYSTEMS, measured_speedups
+
+EXPERIMENT = "mist_vs_megatron"
+COMMAND = "nox -s mist_vs_megatron"
+GPU_CHECK = "nox -s gpu_check"
+ABSTRACT = "Mist, arXiv 2503.19050v1, abstract"
+VERSUS = {  # baseline -> (name, paper's mean, paper's max)
+    "megatron": ("the Megatron-LM grid", 1.28, 1.73),
+    "aceso": ("the Aceso-style search (10 s budget)", 1.27, 2.04),
+}
+GPUS = {"l4": "L4", "a100-40gb": "A100-40GB"}
+PREDICTED = dict(experiment=EXPERIMENT, file="comparison.json", evidence="predicted",
+                 basis="Mist's cost model (shipped presets) for every system, 1F1B simulator",
+                 command=COMMAND)  # fmt: skip
+MEASURED = dict(experiment=EXPERIMENT, file="measured.json", evidence="measured",
+                basis="this CPU: megatron-core on 1-2 gloo processes, 3 launches each",
+                command=COMMAND)  # fmt: skip
+GPU_MEASURED = dict(experiment=EXPERIMENT, file="gpu_measured.json", evidence="measured",
+                    basis="one H200: megatron-core, 2 launches each", command=GPU_CHECK,
+                    gpu=True)  # fmt: skip
+ENGINE = dict(MEASURED, file="engine.json", basis="this CPU: megatron-core on 2 gloo processes")
+DEVELOPMENT = dict(experiment=EXPERIMENT, file="validation.json", evidence="predicted",
+                   basis="Mist's cost model (shipped presets), against runs measured on GPUs "
+                         "(development sets)",
+                   command=COMMAND)  # fmt: skip
+CALIBRATION = dict(
+    DEVELOPMENT,
+    file="calibration.json",
+    basis="Mist's runtime and interference models, against held-out GPU profiles",
+)
+TIME_TARGET = "#12's and #24's target for a step time predicted by the model fitted to the device"
+STAT = {"mean": statistics.mean, "max": max}
+STAT_WORDS = {"mean": "arithmetic mean over", "max": "the largest of"}
+
+
+def predicted_speedup(gpu: str, versus: str, stat: str) -> Callable[[Results], float]:
+    """Mist's predicted speedup over ``versus`` on ``gpu``'s cases, arithmetic mean or max (as the
+    paper states them)."""
+
+    def value(r: Results) -> float:
+        ratios = [
+            p.result[versus]["iteration_s"] / p.result["mist"]["iteration_s"]
+            for p in r.select(gpu=gpu)
+            if "iteration_s" in p.result.get("mist", {}) and "iteration_s" in p.result.get(versus, {})
+        ]
+        if not ratios:
+            raise Missing(gpu)
+        return STAT[stat](ratios)
+
+    return value
+
+
+def measured_speedup(versus: str, stat: str) -> Callable[[Results], float]:
+    """Mist's measured speedup over ``versus`` (the cap-bound cases trained on one device): the
+    arithmetic ``mean`` or the ``max`` over cases, or the ``worst`` case with the launch-to-launch
+    spread of the two runs added (a case within it of 1.0 is a tie)."""
+
+    def value(r: Results) -> float:
+        rows = measured_speedups(r, versus)
+        if not rows:
+            raise Missing(versus)
+        if stat == "worst":
+            return min(x["measured"] + x["spread"] for x in rows)
+        return STAT[stat](x["measured"] for x in rows)
+
+    return value
+
+
+def measured_noise(versus: str, stat: str) -> Callable[[Results], float]:
+    """The launch-to-launch spread behind ``measured_speedup``: the mean of the cases' (mean) or the
+    largest case's (max)."""
+
+    def value(r: Results) -> float:
+        rows = measured_speedups(r, versus)
+        if not rows:
+            raise Missing(versus)
+        if stat == "mean":
+            return statistics.mean(x["spread"] for x in rows)
+        return max(rows, key=lambda x: x["measured"])["spread"]
+
+    return value
+
+
+def _cases(r: Results) -> list[dict]:
+    cases = [p.result for p in r]  # measured.json: this CPU's cases; gpu_measured.json: the GPU's
+    if not cases:
+        raise Missing("measured")
+    return cases
+
+
+def measured_time_error(r: Results) -> float:
+    """Worst |predicted / measured step time - 1| over every plan a system chose and trained."""
+    runs = [x[s] for x in _cases(r) for s in SYSTEMS if s in x]
+    return max(abs(x["time_error"]) for x in runs if "time_error" in x)
+
+
+def plain_plans_that_fit(r: Results) -> float:
+    """The negative control: cases whose plain plan ran within the cap (each must not)."""
+    return sum("measured_step_s" in x["plain"] for x in _cases(r))  # ran, with a time
+
+
+def engine(field: str) -> Callable[[Results], float]:
+    def value(r: Results) -> float:
+        runs = [p.result for p in r.select(setup="engine")]
+        if not runs:
+            raise Missing("engine")
+        if field == "memory_error":
+            return max(abs(rank["memory_error"]) for x in runs for rank in x["ranks"])
+        if field == "worst_time_error":
+            return max(abs(x["time_error"]) for x in runs)
+        return statistics.median(abs(x["time_error"]) for x in runs)
+
+    return value
+
+
+def development(source: str, field: str) -> Callable[[Results], float]:
+    def value(r: Results) -> float:
+        rows = [p.result for p in r.select(source=source)]
+        if not rows:
+            raise Missing(source)
+        if field == "time":
+            return statistics.fmean(abs(x["time_error"]) for x in rows)
+        return statistics.fmean(abs(e) for x in rows for e in x["memory_errors"])
+
+    return value
+
+
+def calibration(r: Results) -> float:
+    found = [p.result["mean_abs_error"] for p in r.select(model="runtime")]
+    if not found:
+        raise Missing("runtime")
+    return max(found)
+
+
+def interference(r: Results) -> float:
+    found = [p.result["held_out_mean_abs_error"] for p in r.select(model="interference")]
+    if not found:
+        raise Missing("interference")
+    return max(found)
+
+
+def tuning_time(r: Results) -> float:
+    return one(r, gpu="a100-40gb", model="gpt3-22b", flash=True)["mist"]["tuning_s"]
+
+
+def _measured_claims(prefix: str, source: dict, where: str) -> tuple[PaperClaim, ...]:
+    out = []
+    for versus, (name, mean, top) in VERSUS.items():
+        for stat, paper, text in (("mean", mean, f"{mean}x mean"), ("max", top, f"up to {top}x")):
+            out.append(PaperClaim(
+                id=f"{prefix}-vs-{versus}" + ("-max" if stat == "max" else ""), system="Mist",
+                claim=f"beats {name.split(' (')[0]}, measured" + (f" {where}" if where else ""),
+                paper=Paper(text, paper, ABSTRACT),
+                measure=f"measured speedup over {name}'s plan, {STAT_WORDS[stat]} the cases both fit, "
+                        "every winner trained under a per-rank memory cap that binds",
+                source=Source(**source), neutral=1.0, unit="x", value=measured_speedup(versus, stat),
+                noise=measured_noise(versus, stat)))  # fmt: skip
+    return tuple(out)
+
+
+def _predicted_claims() -> tuple[PaperClaim, ...]:
+    out = []
+    for gpu, gpu_name in GPUS.items():
+        for versus, (name, mean, top) in VERSUS.items():
+            for stat, paper, text in (("mean", mean, f"{mean}x mean"), ("max", top, f"up to {top}x")):
+                out.append(PaperClaim(
+                    id=f"mist-vs-{versus}-{gpu.split('-')[0]}" + ("-max" if stat == "max" else ""),
+                    system="Mist", claim=f"beats {name.split(' (')[0]}, predicted ({gpu_name} cases)",
+                    paper=Paper(text, paper, ABSTRACT),
+                    measure=f"predicted speedup over {name}, {STAT_WORDS[stat]} the paper's {gpu_name} "
+                            "cases (GPT-3, Llama, Falcon 1.3B-22B on 2-32 GPUs)",
+                    source=Source(**PREDICTED), neutral=1.0, unit="x",
+                    value=predicted_speedup(gpu, versus, stat)))  # fmt: skip
+    return tuple(out)
+
+
+CLAIMS = (
+    *_measured_claims("mist-measured", MEASURED, "on this CPU"),
+    *(Bound(id=f"mist-measured-not-slower-{v}", system="Mist", claim="...and never loses when measured",
+            measure=f"the same cases: the worst measured speedup over {name.split(' (')[0]} plus the two "
+                    "runs' launch-to-launch spread", source=Source(**MEASURED),
+            value=measured_speedup(v, "worst"),
+            check=AtLeast(1.0), unit="x",
+            why="Mist searches a superset of the baseline's plans: measured slower beyond the noise is a "
+                "wrong prediction")
+      for v, (name, _, _) in VERSUS.items()),
+    Bound(id="mist-measured-time", system="Mist", claim="...and each winner runs as predicted",
+          measure="the same runs, every system's winner: worst |predicted / measured step time - 1| (CPU "
+                  "runtime model, 1F1B simulator)", source=Source(**MEASURED), value=measured_time_error,
+          check=AtMost(0.20), unit="%", why=TIME_TARGET,
+          known_broken="21.0%: the Aceso-style plan on GPT-3 at 2 processes, predicted 21% slow, with a 17% "
+                       "launch-to-launch spread; this 2-core VM's gloo latency settles into a mode for a "
+                       "process's life, and three launches do not always see the usual one"),
+    Bound(id="mist-measured-cap-binds", system="Mist", claim="...under a cap that binds",
+          measure="negative control: cases whose plain plan (DP over all, no accumulation, nothing saved) "
+                  "ran within the cap when measured", source=Source(**MEASURED), value=plain_plans_that_fit,
+          check=AtMost(0), unit="int", why="a negative control: each plain plan must run out of memory"),
+    *_measured_claims("mist-gpu-measured", GPU_MEASURED, "on a GPU"),
+    Bound(id="mist-gpu-measured-time", system="Mist", claim="...as predicted, on a GPU",
+          measure="the same runs: worst |predicted / measured step time - 1| (runtime model fitted to the "
+                  "GPU's `mist profile` at the 1.3B shape)", source=Source(**GPU_MEASURED),
+          value=measured_time_error, check=AtMost(0.20), unit="%", why=TIME_TARGET),
+    Bound(id="mist-gpu-measured-cap-binds", system="Mist", claim="...under a cap that binds, on a GPU",
+          measure="negative control: cases whose plain plan ran within the GPU cap",
+          source=Source(**GPU_MEASURED), value=plain_plans_that_fit, check=AtMost(0), unit="int",
+          why="a negative control: each plain plan must run out of memory"),
+    *_predicted_claims(),
+    Bound(id="mist-engine-memory", system="Mist", claim="plans run on megatron-core, memory as predicted",
+          measure="6 plans (TP, PP, DP, ZeRO-1/2/3) on 2 gloo processes, 2 setups: worst |predicted / "
+                  "measured memory - 1| per rank", source=Source(**ENGINE), value=engine("memory_error"),
+          check=AtMost(0.10), unit="%", why="#12's target for the memory model on the device it prices"),
+    Bound(id="mist-engine-time", system="Mist", claim="...and step time as predicted",
+          measure="the same plans: median |predicted / measured step time - 1| (CPU runtime model)",
+          source=Source(**ENGINE), value=engine("time_error"), check=AtMost(0.20), unit="%", why=TIME_TARGET),
+    Bound(id="mist-engine-time-worst", system="Mist", claim="...for every plan",
+          measure="the same plans: worst |predicted / measured step time - 1|", source=Source(**ENGINE),
+          value=engine("worst_time_error"), check=AtMost(0.20), unit="%", why=TIME_TARGET,
+          known_broken="22.9%: every data-parallel plan is predicted ~20% fast on this 2-core VM, where two "
+                       "ranks on two cores slow each other unevenly (a DP-2 rank's pipeline 406-477 ms where "
+                       "one process doing the same work takes 358 ms); the runtime model, fitted to profiles "
+                       "with as many copies as ranks, does not see it. The previous build machine's run had "
+                       "every plan within 19%"),
+    Bound(id="mist-validate-l4-time", system="Mist", claim="predicts real runs: Mist's plans on L4",
+          measure="`mist validate` (a development set): Mist-tuned plans measured on L4 (GPT-3 1.3B, "
+                  "2 stages), mean |iteration time error|", source=Source(**DEVELOPMENT),
+          value=development("mist-l4.json", "time"), check=AtMost(0.20), unit="%", why=TIME_TARGET),
+    Bound(id="mist-validate-l4-memory", system="Mist", claim="...and their memory",
+          measure="the same runs: mean |per-stage peak memory error|", source=Source(**DEVELOPMENT),
+          value=development("mist-l4.json", "memory"), check=AtMost(0.10), unit="%",
+          why="#12's target for the memory model"),
+    Bound(id="mist-validate-a10g-time", system="Mist", claim="...and Megatron-LM runs on A10G",
+          measure="`mist validate` (a development set): Megatron-LM runs on 8 A10G (GPT-3 1.3B-6.7B, "
+                  "2-8 stages), mean |iteration time error|", source=Source(**DEVELOPMENT),
+          value=development("megatron-a10g.json", "time"), check=AtMost(0.20), unit="%", why=TIME_TARGET),
+    Shown(id="mist-runtime-model", system="Mist", claim="the runtime model predicts a layer",
+          measure="per-layer time against the profiled per-op sums, held-out model sizes: worst mean error "
+                  "over the five GPU profile sets", source=Source(**CALIBRATION), value=calibration,
+          unit="%"),
+    Shown(id="mist-interference", system="Mist", claim="overlap interference is modelled",
+          measure="overlapped GEMM/NCCL/copy runs held out: worst mean error (L4, A100)",
+          source=Source(**CALIBRATION), value=interference, unit="%"),
+    Shown(id="mist-tuning-time", system="Mist", claim="tunes fast",
+          measure="Mist's tuning time, GPT-3 22B on 32 A100-40GB, seq 4096, batch 512, on this CPU (s)",
+          source=Source(**dict(PREDICTED, evidence="measured", basis="this CPU (2 cores)")),
+          value=tuning_time),
+)  # fmt: skip
+
+PINS = (
+    *(Pin(id=c.id, experiment=EXPERIMENT, file="comparison.json", value=c.value, near=Near(abs=0.01),
+          unit="x")
+      for c in CLAIMS if isinstance(c, PaperClaim) and c.source.file == "comparison.json"),
+    Pin(id="mist-runtime-model", experiment=EXPERIMENT, file="calibration.json", value=calibration,
+        near=Near(abs=0.005), unit="%"),
+    Pin(id="mist-interference", experiment=EXPERIMENT, file="calibration.json", value=interference,
+        near=Near(abs=0.005), unit="%"),
+    *(Pin(id=f"mist-validate-{name}", experiment=EXPERIMENT, file="validation.json", near=Near(abs=0.005),
+          unit="%", value=development(source, field))
+      for name, source, field in (("l4-time", "mist-l4.json", "time"),
+                                  ("l4-memory", "mist-l4.json", "memory"),
+                                  ("a10g-time", "megatron-a10g.json", "time"))),
+)  # fmt: skip

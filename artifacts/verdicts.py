@@ -1,0 +1,270 @@
+"""What the claims registry judges, and by which rule: three kinds kept apart.
+
+* ``PaperClaim``: a number a paper states (and where it states it) against ours, which is either
+  **measured** (on what) or **predicted** (by which model). Verdict against the paper, by
+  ``paper_verdict``'s written rule: reproduced / direction only, smaller or larger (with the ratio
+  of the effects) / not reproduced / not yet run.
+* ``Bound``: a principled target (exactness, an accuracy target, a negative control that must be
+  caught). Verdict: holds / BROKEN / not yet run.
+* ``Shown``: a number shown for context and never judged (a timing on this machine).
+
+Regression pins (this run against the committed reference) are not claims: ``Pin``, checked
+apart (``python -m artifacts.claims --pins``, each experiment's session, tests).
+
+The experiments' claims live beside them (``artifacts/<experiment>/claims.py``); this module
+imports none of them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+from measure.results import Results
+
+
+class Missing(LookupError):
+    """A point a claim reads is not in the result file (the claim was not run)."""
+
+
+def one(results: Results, **fields) -> dict:
+    """The result of the one point with these key fields; Missing if there is none."""
+    point = results.one(**fields)
+    if point is None:
+        raise Missing(fields)
+    return point.result
+
+
+# ---------------------------------------------------------------- verdicts against a paper
+
+# Ours reproduces a paper's number when its effect (its distance from "no effect": a speedup's
+# 1.0x, a saving's 0%) is within a factor of 1.25 of the paper's effect either way; a smaller or
+# larger effect in the same direction reproduces the direction only; an effect of the wrong sign,
+# none, or one within the measurement's own noise does not reproduce it.
+REPRODUCED_FACTOR = 1.25
+RULE = (
+    f"effect = distance from no effect; reproduced: ours within {REPRODUCED_FACTOR:g}x of the "
+    "paper's effect either way; direction only: same sign, smaller or larger; not reproduced: "
+    "no effect, the wrong sign, or within the measurement's noise"
+)
+REPRODUCED, NOT_REPRODUCED, NOT_RUN = "reproduced", "not reproduced", "not yet run"
+SMALLER, LARGER = "direction only, smaller", "direction only, larger"
+
+
+def paper_verdict(ours: float, paper: float, neutral: float, noise: float = 0.0) -> str:
+    """The verdict of ``ours`` against ``paper`` (the module's ``RULE``): ``neutral`` is the value
+    of no effect, ``noise`` the measurement's own spread (an effect within it is none)."""
+    if paper == neutral:
+        raise ValueError(f"the paper's number {paper} is the neutral value: there is no effect to reproduce")
+    effect = ours - neutral
+    if abs(effect) <= noise:
+        return f"{NOT_REPRODUCED} (within noise)"
+    ratio = effect / (paper - neutral)
+    if ratio <= 0:
+        return NOT_REPRODUCED
+    if ratio > REPRODUCED_FACTOR:
+        return f"{LARGER} ({ratio:.2f}x the paper's effect)"
+    if ratio < 1 / REPRODUCED_FACTOR:
+        return f"{SMALLER} ({ratio:.2f}x the paper's effect)"
+    return REPRODUCED
+
+
+def band_verdict(low: float, high: float, paper: float, neutral: float) -> str:
+    """A band of ours (a model's result over the range of its assumptions) against ``paper``:
+    the verdict of both ends when they agree, else reproduced if the band holds the paper's
+    number, else from one end's verdict to the other's."""
+    if low > high:
+        raise ValueError(f"band ({low}, {high}): low above high")
+    ends = paper_verdict(low, paper, neutral), paper_verdict(high, paper, neutral)
+    if ends[0].split(" (")[0] == ends[1].split(" (")[0]:
+        return ends[0] if ends[0] == ends[1] else f"{ends[0]} to {ends[1]}"
+    if min(low, high) <= paper <= max(low, high):
+        return f"{REPRODUCED} (within the band)"
+    return f"{ends[0]} to {ends[1]}"
+
+
+def verdict_class(verdict: str) -> str:
+    """The summary's class of a paper claim's verdict."""
+    for cls in (REPRODUCED, SMALLER, LARGER, NOT_REPRODUCED, NOT_RUN):
+        if verdict.startswith(cls):
+            return "direction only" if cls in (SMALLER, LARGER) else cls
+    return "direction only"  # a band from one end's verdict to another's
+
+
+# ---------------------------------------------------------------- the kinds
+
+Evidence = Literal["measured", "predicted"]
+Value = Callable[[Results], float]
+Band = Callable[[Results], tuple[float, float]]
+
+
+@dataclass(frozen=True)
+class Paper:
+    """A number a paper states: as it states it, the number ours is judged against, and where."""
+
+    text: str  # "1.28x mean (up to 1.73x)"
+    value: float
+    where: str  # "Mist, arXiv 2503.19050v1, abstract"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Source:
+    """Where a number of ours comes from: an experiment's result file, read by ``value``; how it was
+    obtained (``evidence`` on ``basis``: the machine it was measured on, or the model that predicted
+    it); the command that makes it and whether it needs a GPU."""
+
+    experiment: str
+    file: str
+    evidence: Evidence
+    basis: str  # "this CPU (gloo processes)", "an H200", "Mist's cost model (shipped presets)"
+    command: str
+    gpu: bool = False
+
+    def __post_init__(self) -> None:
+        if self.evidence not in ("measured", "predicted"):
+            raise ValueError(f"evidence must be 'measured' or 'predicted', got {self.evidence!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PaperClaim:
+    """A paper's number and ours, judged against the paper by ``paper_verdict``'s rule (``band``
+    instead of ``value``: ours is a model's range over its assumptions, judged by
+    ``band_verdict``)."""
+
+    id: str
+    system: str  # Tempo | Mist | CTA-pipelining
+    claim: str
+    paper: Paper
+    measure: str  # what our number is
+    source: Source
+    neutral: float  # the value of no effect (1.0 for a speedup or a ratio, 0.0 for a saving)
+    unit: str = ""
+    value: Value | None = None
+    band: Band | None = None
+    noise: Value | None = None  # the measurement's own spread (measured claims)
+
+    def __post_init__(self) -> None:
+        if (self.value is None) == (self.band is None):
+            raise ValueError(f"{self.id}: give exactly one of value and band")
+
+
+@dataclass(frozen=True)
+class AtMost:
+    bound: float
+
+    def ok(self, value: float) -> bool:
+        return value <= self.bound
+
+    def describe(self, unit: str) -> str:
+        return f"≤ {format_value(self.bound, unit, signed=False)}"
+
+
+@dataclass(frozen=True)
+class AtLeast:
+    bound: float
+
+    def ok(self, value: float) -> bool:
+        return value >= self.bound
+
+    def describe(self, unit: str) -> str:
+        return f"≥ {format_value(self.bound, unit, signed=False)}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Bound:
+    """A principled target: ``check`` on our number, ``why`` the target is what it is (exactness,
+    an accuracy target and whose, a negative control). ``known_broken``: why the committed
+    reference breaks it and what would mend it (shown with the verdict; a bound broken without it
+    fails, and one marked but holding fails the tests: the mark goes when the cause is fixed)."""
+
+    id: str
+    system: str
+    claim: str
+    measure: str
+    source: Source
+    value: Value
+    check: AtMost | AtLeast
+    why: str
+    unit: str = ""
+    known_broken: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Shown:
+    """A number shown for context, never judged (timings are benchmarks, not checks)."""
+
+    id: str
+    system: str
+    claim: str
+    measure: str
+    source: Source
+    value: Value
+    unit: str = ""
+    paper: Paper | None = None
+
+
+Claim = PaperClaim | Bound | Shown
+
+
+@dataclass(frozen=True)
+class Near:
+    """Within ``abs`` (+ ``rel`` x |reference|) of the reference."""
+
+    abs: float = 0.0
+    rel: float = 0.0
+
+    def ok(self, value: float, reference: float) -> bool:
+        return abs(value - reference) <= self.abs + self.rel * abs(reference)
+
+    def describe(self, unit: str) -> str:
+        if self.abs == 0 and self.rel == 0:
+            return "= reference"
+        step = f"{self.abs * 100:g} pt" if unit == "%" else format_value(self.abs, unit, signed=False)
+        parts = [step] if self.abs else []
+        parts += [f"{self.rel:.0%} of it"] if self.rel else []
+        return "reference ± " + " + ".join(parts)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Pin:
+    """A regression pin: this run's number against the committed reference's (code that changes a
+    pinned number changes the reference deliberately). Not a claim: never in a verdict."""
+
+    id: str
+    experiment: str
+    file: str
+    value: Value
+    near: Near
+    unit: str = ""
+
+
+EXACT = Near(abs=0.001)  # exact byte counts: only a change of code moves them
+
+
+def format_value(value: float | tuple[float, float] | None, unit: str, signed: bool = True) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, tuple):
+        return f"{format_value(value[0], unit, signed)} .. {format_value(value[1], unit, signed)}"
+    if unit == "%":
+        return f"{value:+.1%}" if signed else f"{value:.1%}"
+    if unit == "x":
+        return f"{value:.2f}×"
+    if unit == "e":
+        return f"{value:.1e}"
+    if unit == "int":
+        return f"{value:.0f}"
+    return f"{value:.3g}"
+
+
+def read(value: Callable[[Results], object], results: Results) -> float | tuple[float, float] | None:
+    """``value`` of ``results``: None when a point it needs is missing (not run) or it is NaN."""
+    try:
+        got = value(results)
+    except Missing:
+        return None
+    if isinstance(got, tuple):
+        return tuple(float(x) for x in got)
+    return None if got is None or (isinstance(got, float) and math.isnan(got)) else float(got)
