@@ -27,6 +27,7 @@ from measure.results import Results
 
 from .experiment import ARTIFACTS
 from .verdicts import (
+    DEPENDS,
     NOT_RUN,
     RULE,
     Bound,
@@ -104,14 +105,14 @@ def summary(rows: list[Row], system: str) -> str:
     counts: dict[str, int] = {}
     for r in paper:
         counts[verdict_class(r.verdict)] = counts.get(verdict_class(r.verdict), 0) + 1
-    order = ("reproduced", "direction only", "not reproduced", NOT_RUN)
+    order = ("reproduced", "direction only", DEPENDS, "not reproduced", NOT_RUN)
     judged = ", ".join(f"{counts[k]} {k}" for k in order if counts.get(k))
     ran = [r for r in paper if r.verdict != NOT_RUN]
     measured = sum(r.claim.source.evidence == "measured" for r in ran)
     bounds = [r for r in mine if isinstance(r.claim, Bound)]
     held = sum(r.verdict == HOLDS for r in bounds)
     broken = sum(r.verdict.startswith(BROKEN) for r in bounds)
-    return (f"{system}: {len(paper)} paper claims ({judged or 'none'}; of those run {measured} measured, "
+    return (f"{system}: {len(paper)} paper claims ({judged or 'none'}; {measured} of those run measured, "
             f"{len(ran) - measured} predicted); {len(bounds)} bounds ({held} hold, {broken} broken, "
             f"{len(bounds) - held - broken} not yet run)")  # fmt: skip
 

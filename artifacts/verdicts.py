@@ -3,7 +3,8 @@
 * ``PaperClaim``: a number a paper states (and where it states it) against ours, which is either
   **measured** (on what) or **predicted** (by which model). Verdict against the paper, by
   ``paper_verdict``'s written rule: reproduced / direction only, smaller or larger (with the ratio
-  of the effects) / not reproduced / not yet run.
+  of the effects) / not reproduced / not yet run; for a model's band over its assumptions, each
+  end's, or "depends on the assumptions" when they differ in kind (``band_verdict``).
 * ``Bound``: a principled target (exactness, an accuracy target, a negative control that must be
   caught). Verdict: holds / BROKEN / not yet run.
 * ``Shown``: a number shown for context and never judged (a timing on this machine).
@@ -71,26 +72,29 @@ def paper_verdict(ours: float, paper: float, neutral: float, noise: float = 0.0)
     return REPRODUCED
 
 
+DEPENDS = "depends on the assumptions"
+
+
 def band_verdict(low: float, high: float, paper: float, neutral: float) -> str:
-    """A band of ours (a model's result over the range of its assumptions) against ``paper``:
-    the verdict of both ends when they agree, else reproduced if the band holds the paper's
-    number, else from one end's verdict to the other's."""
+    """A band of ours (a model's result over the range of its assumptions) against ``paper``: the
+    verdict of each end; when the ends' verdicts differ in kind, the verdict depends on the
+    assumptions (and says how)."""
     if low > high:
         raise ValueError(f"band ({low}, {high}): low above high")
     ends = paper_verdict(low, paper, neutral), paper_verdict(high, paper, neutral)
-    if ends[0].split(" (")[0] == ends[1].split(" (")[0]:
-        return ends[0] if ends[0] == ends[1] else f"{ends[0]} to {ends[1]}"
-    if min(low, high) <= paper <= max(low, high):
-        return f"{REPRODUCED} (within the band)"
-    return f"{ends[0]} to {ends[1]}"
+    if ends[0] == ends[1]:
+        return ends[0]
+    if verdict_class(ends[0]) == verdict_class(ends[1]):
+        return f"{ends[0]} .. {ends[1]}"
+    return f"{DEPENDS}: {ends[0]} at the low end, {ends[1]} at the high end"
 
 
 def verdict_class(verdict: str) -> str:
     """The summary's class of a paper claim's verdict."""
-    for cls in (REPRODUCED, SMALLER, LARGER, NOT_REPRODUCED, NOT_RUN):
+    for cls in (REPRODUCED, SMALLER, LARGER, NOT_REPRODUCED, NOT_RUN, DEPENDS):
         if verdict.startswith(cls):
             return "direction only" if cls in (SMALLER, LARGER) else cls
-    return "direction only"  # a band from one end's verdict to another's
+    raise ValueError(f"not a verdict: {verdict!r}")
 
 
 # ---------------------------------------------------------------- the kinds

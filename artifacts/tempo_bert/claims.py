@@ -127,9 +127,11 @@ CLAIMS = (
                   "reversed (the same sums in another order) against HF",
           source=Source(**TRAINING), unit="x",
           value=training("gpt2-mini dropout off: max |loss difference| over the rounding control's"),
-          check=AtMost(3.0),
-          why="one summation order against another: the same size of gap; 3x allows for how unevenly "
-              "150 steps amplify a first difference"),
+          check=AtMost(10.0),
+          why="reordering's own gap varies from run to run by an order of magnitude (150 Adam steps "
+              "amplify a first difference chaotically: BERT's fp32 gap was 3.8e-6 in one run and 1.2e-4 "
+              "in the next); a math error parts the curves by 0.1 or more within the first steps. The "
+              "exact check is the float64 one above"),
     Bound(id="same-training-dropout", system="Tempo",
           claim="...with dropout on (other masks, the same distribution)",
           measure="BERT, dropout 0.1, 10 dropout seeds each: last-50-step loss, Tempo - baseline, the larger "

@@ -80,7 +80,8 @@ CLAIMS = (
     Bound(id="llama-liger", system="Tempo", claim="...less than Liger-Kernel keeps",
           measure="the same layer, Tempo + SDPA vs Liger-Kernel's RMSNorm, SwiGLU and rotary: saving",
           source=Source(**PEERS), value=liger_vs_tempo, check=AtLeast(0.0), unit="%",
-          why="Liger's kernels also recompute rather than keep: Tempo must keep no more"),
+          why="this project's claim (issue #16): on the same layer Tempo keeps no more than "
+              "Liger-Kernel, what Llama users reach for today"),
     Bound(id="llama-same-training", system="Tempo", claim="...and trains the same model",
           measure="small Llama, fp32, 150 steps: max |loss difference|, Tempo + SDPA vs HF SDPA",
           source=Source(**TRAINING), value=training("tempo+sdpa"), check=AtMost(1e-5), unit="e",

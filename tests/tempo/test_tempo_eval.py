@@ -154,3 +154,21 @@ def test_hf_corpus_option_parses_wikitext_and_explains_failures(monkeypatch, tmp
         data.corpus(tmp_path, "wikitext-103")
     with pytest.raises(ValueError, match="corpus must be one of"):
         data.corpus(tmp_path, "c4")
+
+
+def test_float64_control_loss_is_hf_loss_computed_in_the_logits_dtype(rng):
+    """The same-training float64 control computes the causal-LM loss itself: in float32 it equals
+    HF's (which casts the logits to float32), in float64 it stays float64 and agrees with HF's to
+    float32's rounding only (the reason it exists)."""
+    from artifacts.tempo_bert.run import causal_lm_loss
+
+    torch.manual_seed(int(rng.integers(2**31)))
+    model = build_model("gpt2-mini", "pretraining", "hf-eager", dropout=0.0).train()
+    batch = make_batch("gpt2-mini", "pretraining", 2, 32)
+    batch["labels"][0, int(rng.integers(1, 32))] = -100  # an ignored position counts nowhere
+    ours, hf = causal_lm_loss(model, batch), model(**batch).loss
+    assert ours.dtype == torch.float32 and torch.allclose(ours, hf, rtol=1e-6, atol=0)
+    model = model.double()
+    ours64 = causal_lm_loss(model, batch)
+    assert ours64.dtype == torch.float64 and model(**batch).loss.dtype == torch.float32
+    assert abs(ours64.item() - hf.item()) < 1e-4

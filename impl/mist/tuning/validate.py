@@ -3,7 +3,10 @@
 ``python -m mist validate [DIR]`` reads every measured run in ``DIR`` (default: the vendored
 ``data/mist-artifact/measured-runs``), rebuilds the exact plan that ran, predicts it with the
 shipped presets, and reports predicted vs measured iteration time and per-stage peak memory.
-Nothing is fitted to these runs: they only check the model (see data/README.md).
+Nothing is fitted to these runs, but the two vendored sets (Mist's L4 plans, the A10G Megatron-LM
+runs) guided changes to the model while it was developed: they are development sets, not held
+out. A model's generality is shown by runs it has never been checked against (see
+data/README.md).
 
 Two formats are read (both described in the folder's README):
 
