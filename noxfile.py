@@ -273,7 +273,8 @@ def cta_mlp(session: nox.Session) -> None:
 @nox.session
 def tempo_layer(session: nox.Session) -> None:
     """Saved-for-backward bytes of one BERT-Large encoder layer: HF eager vs Tempo and each
-    technique; the GELU backward against autograd; claims."""
+    technique, and against torch.compile (default, at Tempo's bytes, Tempo compiled; fp32, with a
+    step's time); the GELU backward against autograd; claims."""
     _run(session, "-m", "artifacts.tempo_layer.run", *session.posargs)
     _claims(session, "tempo_layer")
 

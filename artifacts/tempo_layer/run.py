@@ -1,8 +1,11 @@
 """Saved-for-backward bytes of one BERT-Large encoder layer: HF eager vs Tempo (and each
 technique alone), measured exactly with measure.saved, next to the closed forms.
 
-    python -m artifacts.tempo_layer.run [--seq 128 512] [--dtype bf16] [--batch 1]
+    python -m artifacts.tempo_layer.run [--seq 128 512] [--dtype bf16] [--batch 1] [--no-compile]
                                         [--fresh] [--update-reference]
+
+torch.compile's rows (HF compiled, Tempo compiled, HF compiled at the activation memory budget that
+aims at Tempo's bytes) are measured in float32 with one step's time each (COMPILED).
 
 Baseline dropouts run as on CUDA (fused native_dropout, bool mask; see
 measure.saved.cuda_like_dropout), so the bytes are those the layer keeps on a GPU.
@@ -20,6 +23,7 @@ from transformers.utils import logging as hf_logging
 
 import tempo
 from measure.saved import cuda_like_dropout, saved_bytes
+from measure.timing import time_fn
 from tempo.ops import gelu as tempo_gelu
 
 from ..experiment import add_run_arguments, experiment_run
@@ -49,9 +53,23 @@ CLOSED_FORMS = {
 }
 
 
-def measure_layer(
-    variant: str, seq: int, batch: int, dtype: torch.dtype, hidden: int = 1024, heads: int = 16
-) -> dict:
+# torch.compile, what a user who wants to keep less tries first: AOTAutograd's min-cut partitioner
+# recomputes cheap pointwise ops in backward instead of saving them, and its activation memory
+# budget trades more recomputation for memory. Each compiled variant: the variant compiled, and the
+# variant whose eager bytes its budget aims at (None: the default budget, 1.0). Measured in float32:
+# on a CPU inductor computes bfloat16 pointwise ops in float32 and the partitioner then keeps
+# those float32 values (a compiled bf16 layer kept 32% more than eager here), which a GPU would not.
+COMPILED = {
+    "hf-eager+compile": ("hf-eager", None),
+    "tempo+compile": ("tempo", None),
+    "hf-eager+compile-at-tempo": ("hf-eager", "tempo"),
+}
+COMPILE_DTYPE = "fp32"
+
+
+def build_layer(variant: str, dtype: torch.dtype, hidden: int = 1024, heads: int = 16) -> tuple:
+    """(a BERT-Large-shaped encoder layer in training mode, dropout 0.1, as ``variant`` patches it
+    (VARIANTS), the patch's report)."""
     cfg = BertConfig(
         hidden_size=hidden,
         num_attention_heads=heads,
@@ -63,6 +81,81 @@ def measure_layer(
     layer = BertLayer(cfg).to(dtype).train()
     switches = VARIANTS[variant]
     report = str(tempo.patch(layer, **switches)) if switches is not None else "HF eager (unpatched)"
+    return layer, report
+
+
+def compiled_layer(variant: str, dtype: torch.dtype, budget: float, hidden: int = 1024):
+    """(``variant``'s layer under ``torch.compile`` at the partitioner's ``budget``, its report):
+    compiled on its first call, which must come inside ``budget_context(budget)``."""
+    layer, report = build_layer(COMPILED[variant][0] if variant in COMPILED else variant, dtype, hidden)
+    torch._dynamo.reset()  # a fresh compile: the budget is read when the graph is partitioned
+    return torch.compile(layer), f"torch.compile of: {report}"
+
+
+def budget_context(budget: float):
+    import torch._functorch.config as functorch_config
+
+    return functorch_config.patch(activation_memory_budget=budget)
+
+
+def measure_compiled(variant: str, seq: int, batch: int, dtype: torch.dtype, budget: float = 1.0,
+                     hidden: int = 1024) -> dict:  # fmt: skip
+    """Bytes a ``torch.compile``d layer keeps (the saved-tensor hooks see its compiled graph's
+    saves) at the partitioner's ``budget``; and one training step's time (forward and backward),
+    the median of 5 after 2 warm-ups."""
+    compiled, report = compiled_layer(variant, dtype, budget, hidden)
+    x = torch.randn(batch, seq, hidden, dtype=dtype, requires_grad=True)
+    with cuda_like_dropout(), budget_context(budget):
+        nbytes = saved_bytes(compiled, x).total_bytes
+        step_s = time_fn(lambda: compiled(x)[0].sum().backward()).median_s
+    return {"bytes": nbytes, "bytes_per_sbh": nbytes / (seq * batch * hidden), "closed_form_bytes": None,
+            "closed_form": None, "activation_memory_budget": budget, "step_s": step_s,
+            "patch_report": report}  # fmt: skip
+
+
+def eager_step_s(variant: str, seq: int, batch: int, dtype: torch.dtype, hidden: int = 1024) -> float:
+    """One training step's time of ``variant``'s eager layer, as ``measure_compiled`` times it."""
+    layer, _ = build_layer(variant, dtype, hidden)
+    x = torch.randn(batch, seq, hidden, dtype=dtype, requires_grad=True)
+    with cuda_like_dropout():
+        return time_fn(lambda: layer(x)[0].sum().backward()).median_s
+
+
+def measure_compile(run, seqs: list[int], batch: int) -> None:
+    """HF eager and Tempo against torch.compile (default, Tempo compiled, and HF compiled with the
+    budget that aims at Tempo's bytes), float32: bytes kept and a step's time, in one run."""
+    store = run.file("layer_saved_bytes.json", config={"model": "bert-large layer", "hidden": 1024,
+                     "heads": 16, "intermediate": 4096, "dropout": 0.1})  # fmt: skip
+    dtype = DTYPES[COMPILE_DTYPE]
+
+    def key(seq: int, variant: str) -> dict:
+        return {"layer": "bert-large", "seq": seq, "batch": batch, "dtype": COMPILE_DTYPE, "variant": variant}
+
+    print(f"\ntorch.compile against Tempo, {COMPILE_DTYPE} (bytes kept, one step's time on this CPU):")
+    for seq in seqs:
+        eager = {}
+        for variant in ("hf-eager", "tempo"):
+            eager[variant] = store.compute(key(seq, variant), lambda s=seq, v=variant: {
+                **measure_layer(v, s, batch, dtype), "step_s": eager_step_s(v, s, batch, dtype)})  # fmt: skip
+        for variant, (_, aim) in COMPILED.items():
+            budget = 1.0  # the default; aimed at ``aim``'s bytes: its share of what the default keeps
+            if aim is not None:
+                default = store.get(key(seq, "hf-eager+compile")).result["bytes"]
+                budget = min(1.0, eager[aim]["bytes"] / default)
+            store.compute(key(seq, variant), lambda s=seq, v=variant, b=budget: measure_compiled(
+                v, s, batch, dtype, b))  # fmt: skip
+        base, tempo_ = eager["hf-eager"], eager["tempo"]
+        for variant in ("hf-eager", "tempo", *COMPILED):
+            r = store.get(key(seq, variant)).result
+            saving, slower = 1 - r["bytes"] / base["bytes"], r["step_s"] / tempo_["step_s"]
+            print(f"{seq:>5} {variant:<26} {r['bytes']:>12,} bytes ({saving:+.1%} vs HF eager)  "
+                  f"step {r['step_s'] * 1e3:7.1f} ms ({slower:.2f}x Tempo's)")  # fmt: skip
+
+
+def measure_layer(
+    variant: str, seq: int, batch: int, dtype: torch.dtype, hidden: int = 1024, heads: int = 16
+) -> dict:
+    layer, report = build_layer(variant, dtype, hidden, heads)
     x = torch.randn(batch, seq, hidden, dtype=dtype, requires_grad=True)
     with cuda_like_dropout():
         r = saved_bytes(layer, x)
@@ -147,6 +240,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seq", type=int, nargs="+", default=[128, 512])
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    ap.add_argument("--no-compile", action="store_true",
+                    help="leave out torch.compile's rows (each compiles for ~5-15 s a length)")  # fmt: skip
     add_run_arguments(ap, EXPERIMENT)
     args = ap.parse_args(argv)
     if min(args.seq) < 1 or args.batch < 1:
@@ -155,6 +250,8 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(0)
     with experiment_run(args, EXPERIMENT) as run:
         measure_layers(run, args.seq, args.batch, args.dtype)
+        if not args.no_compile:
+            measure_compile(run, args.seq, args.batch)
         measure_gelu_backward(run)
 
 

@@ -328,3 +328,29 @@ def test_cpu_peak_leaves_out_the_named_host_work():
     left_out, _ = cpu_peak_bytes(call, exclude=("host work",))
     assert counted >= 12 << 20  # kept + survivor + after
     assert 4 << 20 <= left_out < 5 << 20  # kept + after, or kept + before: 4 MiB and change
+
+
+def _bert_layer(hidden: int, heads: int):
+    from transformers.models.bert.modeling_bert import BertLayer
+
+    cfg = BertConfig(hidden_size=hidden, num_attention_heads=heads, intermediate_size=4 * hidden,
+                     hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1,
+                     attn_implementation="eager")  # fmt: skip
+    return BertLayer(cfg).train()
+
+
+@pytest.mark.slow
+def test_saved_bytes_see_what_torch_compile_keeps(rng):
+    """The saved-tensor hooks count a compiled layer's own saves: where eager keeps CPU dropout's
+    float noise, AOTAutograd keeps less (what it needs to remake it), and the meter sees it; under
+    CUDA-like dropout (bool masks) compile keeps what eager keeps, within 1%."""
+    torch.manual_seed(int(rng.integers(2**31)))
+    layer = _bert_layer(128, 2)
+    x = torch.randn(2, 64, 128, requires_grad=True)
+    torch._dynamo.reset()
+    eager, compiled = saved_bytes(layer, x).total_bytes, saved_bytes(torch.compile(layer), x).total_bytes
+    assert compiled < 0.95 * eager
+    torch._dynamo.reset()
+    with cuda_like_dropout():
+        eager, compiled = saved_bytes(layer, x).total_bytes, saved_bytes(torch.compile(layer), x).total_bytes
+    assert abs(compiled / eager - 1) < 0.01
