@@ -60,13 +60,42 @@ def training(run: str, over_control: bool = False) -> Callable[[Results], float]
     return value
 
 
+def compile_ratio(ours: str, base: str, field: str = "per_layer_bytes") -> Callable[[Results], float]:
+    """``ours``'s ``field`` over ``base``'s, the compile part's rows (run.COMPILE_ROWS)."""
+
+    def value(r: Results) -> float:
+        return one(r, configuration=ours)[field] / one(r, configuration=base)[field]
+
+    return value
+
+
 def liger_vs_tempo(r: Results) -> float:
     """1 - Tempo's per-layer bytes / Liger-Kernel's, Llama-3.2-1B, both measured in the same run."""
     liger = one(r, model="llama-3.2-1b", configuration="liger")["per_layer_bytes"]
     return 1 - one(r, model="llama-3.2-1b", configuration="tempo+sdpa")["per_layer_bytes"] / liger
 
 
+COMPILE = dict(experiment=EXPERIMENT, file="compile.json", evidence="measured",
+               basis="this CPU: torch.compile (inductor), fp32 on real tensors, the compiled graph's saves "
+                     "counted by the saved-tensor hooks", command=COMMAND)  # fmt: skip
 CLAIMS = (
+    Bound(id="llama-vs-compile", system="Tempo", claim="...and less than torch.compile keeps",
+          measure="one Llama-3.2-1B decoder layer, seq 1024, fp32: Tempo + SDPA's bytes against HF SDPA "
+                  "under torch.compile: saving", source=Source(**COMPILE), unit="%",
+          value=lambda r: 1 - compile_ratio("tempo+sdpa", "hf-sdpa+compile")(r), check=AtLeast(0.30),
+          why="issue #27's target for the Llama layer, where compile alone already saves ~25%"),
+    Bound(id="llama-compile-composes", system="Tempo", claim="...and composes with it",
+          measure="the same layer: Tempo + SDPA compiled over Tempo + SDPA alone (bytes)",
+          source=Source(**COMPILE), value=compile_ratio("tempo+sdpa+compile", "tempo+sdpa"),
+          check=AtMost(1.0), unit="x", why="compiling Tempo's layer must keep no more than Tempo does"),
+    Shown(id="llama-compile-saving", system="Tempo", claim="what torch.compile alone saves on a Llama layer",
+          measure="the same layer: HF SDPA compiled against HF SDPA (saving)", source=Source(**COMPILE),
+          value=lambda r: 1 - compile_ratio("hf-sdpa+compile", "hf-sdpa")(r), unit="%"),
+    Shown(id="llama-compile-at-tempo-time", system="Tempo",
+          claim="torch.compile at the budget aimed at Tempo's bytes: bytes, and a step's time",
+          measure="the same layer: its step time over Tempo + SDPA's (eager), on this CPU",
+          source=Source(**COMPILE), value=compile_ratio("hf-sdpa+compile-at-tempo", "tempo+sdpa", "step_s"),
+          unit="x"),
     Bound(id="llama-layer", system="Tempo", claim="beyond the paper: a Llama decoder layer keeps less",
           measure="bytes one decoder layer keeps, Tempo (RMSNorm + SwiGLU) + SDPA vs HF SDPA, Llama-3.2-1B "
                   "shapes, seq 1024 (bf16, batch 1): saving", source=Source(**LAYER),

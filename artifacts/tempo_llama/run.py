@@ -1,7 +1,7 @@
 """Tempo on Llama-family decoders (beyond the paper): what a decoder layer keeps for backward, the
 largest batch that fits a GPU, and the same training, HuggingFace and Tempo side by side.
 
-    python -m artifacts.tempo_llama.run [--parts layer maxbatch training peers] [--jobs N]
+    python -m artifacts.tempo_llama.run [--parts layer compile maxbatch training peers] [--jobs N]
                                         [--fresh] [--update-reference]
 
 Parts (results in artifacts/tempo_llama/results/, git-ignored; the committed reference is in
@@ -12,6 +12,10 @@ artifacts/tempo_llama/reference/; an interrupted run resumes when rerun):
   each technique alone, and Tempo with the memory-lean loss (whose saving is in the head, so it
   shows per sequence). Each is compared with its closed form (CLOSED_FORMS, from what each op
   keeps); a*sbh + b*as^2b is also solved from two lengths and checked at a third, as for BERT.
+* compile: one Llama-3.2-1B decoder layer, float32 on real tensors (as tempo_layer's BERT rows:
+  on a CPU inductor keeps bf16 values as float32), HF SDPA and Tempo + SDPA against torch.compile
+  (default, Tempo compiled, HF compiled at the activation memory budget aimed at Tempo's bytes):
+  bytes kept and one step's time each, in one run (COMPILE_ROWS).
 * maxbatch: the largest batch of Llama-3.2-1B and Llama-3-8B at seq 4096 and 8192 on 80 GB and
   141 GB GPUs (a whole AdamW step, bf16 model + fp32 master weights; fake-tensor estimate).
 * training: a small Llama trained 150 steps in fp32 from one seed on the offline corpus, HF SDPA
@@ -105,6 +109,80 @@ def run_layer(run: Run) -> ResultFile:
     todo = list(itertools.product(LAYER_MODELS, CONFIGS + ABLATIONS))
     for model, conf in tqdm(todo, desc="saved bytes per layer", unit="point"):
         store.compute(layer_key(model, conf), lambda m=model, c=conf: layer_point(m, c))
+    return store
+
+
+# ---------------------------------------------------------------- against torch.compile
+
+# HF SDPA and Tempo + SDPA against torch.compile, as tempo_layer does for BERT (there: why float32):
+# (configuration built, compiled, the configuration whose eager bytes the partitioner's budget aims at)
+COMPILE_ROWS = {
+    "hf-sdpa": ("hf-sdpa", False, None),
+    "tempo+sdpa": ("tempo+sdpa", False, None),
+    "hf-sdpa+compile": ("hf-sdpa", True, None),
+    "tempo+sdpa+compile": ("tempo+sdpa", True, None),
+    "hf-sdpa+compile-at-tempo": ("hf-sdpa", True, "tempo+sdpa"),
+}
+COMPILE_MODEL, COMPILE_DTYPE = "llama-3.2-1b", "fp32"
+
+
+def compile_key(row: str) -> dict:
+    return {
+        "model": COMPILE_MODEL,
+        "seq": LAYER_SEQ,
+        "configuration": row,
+        "batch": 1,
+        "dtype": COMPILE_DTYPE,
+    }
+
+
+def compile_point(row: str, budget: float) -> dict:
+    """One decoder layer of ``COMPILE_MODEL`` (float32, real tensors, batch 1, causal SDPA): the
+    bytes it keeps for backward (the saved-tensor hooks count a compiled graph's saves) and one
+    training step's time, compiled at the partitioner's ``budget`` where the row compiles."""
+    from measure.saved import saved_bytes
+    from measure.timing import time_fn
+
+    from ..tempo_layer.run import budget_context
+
+    configuration, compiled, _ = COMPILE_ROWS[row]
+    torch.manual_seed(0)
+    model = build_model(COMPILE_MODEL, "pretraining", configuration, num_layers=1).float().train()
+    layer = model.model.layers[0]
+    x = torch.randn(1, LAYER_SEQ, MODELS[COMPILE_MODEL].hidden, requires_grad=True)
+    rotary = model.model.rotary_emb(x, torch.arange(LAYER_SEQ)[None])
+    if compiled:
+        torch._dynamo.reset()  # a fresh compile: the budget is read when the graph is partitioned
+        layer = torch.compile(layer)
+
+    def step() -> None:
+        out = layer(x, position_embeddings=rotary)
+        (out[0] if isinstance(out, tuple) else out).sum().backward()
+
+    with budget_context(budget):
+        nbytes = saved_bytes(layer, x, position_embeddings=rotary).total_bytes
+        step_s = time_fn(step, warmup=2, repeats=5).median_s
+    return {"per_layer_bytes": nbytes, "step_s": step_s, "activation_memory_budget": budget}
+
+
+def run_compile(run: Run) -> ResultFile:
+    store = run.file("compile.json", config={"attention": "SDPA, causal", "dropout": 0.0})
+    for row, (_, _, aim) in tqdm(COMPILE_ROWS.items(), desc="against torch.compile", unit="row"):
+        budget = 1.0
+        if aim is not None:  # its share of what the default compile keeps
+            default = store.get(compile_key("hf-sdpa+compile")).result["per_layer_bytes"]
+            budget = min(1.0, store.get(compile_key(aim)).result["per_layer_bytes"] / default)
+        store.compute(compile_key(row), lambda r=row, b=budget: compile_point(r, b))
+    base = store.get(compile_key("hf-sdpa")).result
+    tempo_ = store.get(compile_key("tempo+sdpa")).result
+    print(
+        f"\n{COMPILE_MODEL} decoder layer against torch.compile ({COMPILE_DTYPE}, seq {LAYER_SEQ}, this CPU):"
+    )
+    for row in COMPILE_ROWS:
+        r = store.get(compile_key(row)).result
+        saving, slower = 1 - r["per_layer_bytes"] / base["per_layer_bytes"], r["step_s"] / tempo_["step_s"]
+        print(f"  {row:<26} {r['per_layer_bytes']:>12,} bytes ({saving:+.1%} vs HF SDPA)  "
+              f"step {r['step_s'] * 1e3:7.1f} ms ({slower:.2f}x Tempo's)")  # fmt: skip
     return store
 
 
@@ -282,7 +360,7 @@ def print_summary(
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parts = ["layer", "maxbatch", "training", "peers"]
+    parts = ["layer", "compile", "maxbatch", "training", "peers"]
     ap.add_argument("--parts", nargs="+", default=parts, choices=parts)
     add_jobs_argument(ap)
     add_run_arguments(ap, EXPERIMENT)
@@ -292,6 +370,8 @@ def main(argv: list[str] | None = None) -> None:
     with experiment_run(args, EXPERIMENT) as run:
         if "layer" in args.parts:
             layer = run_layer(run).this_run()
+        if "compile" in args.parts:
+            run_compile(run)
         if "maxbatch" in args.parts:
             mb = run_maxbatch(run, args.jobs).this_run()
         if "training" in args.parts:
