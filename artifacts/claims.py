@@ -23,7 +23,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from measure.results import Results
+from measure.results import ResultFileError, Results
 
 from .experiment import ARTIFACTS
 from .verdicts import (
@@ -258,7 +258,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"claims section written to {README}")
         return 0
     if args.pins:
-        rows = check_pins(pins(experiments))
+        try:
+            rows = check_pins(pins(experiments))
+        except ResultFileError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
         for r in rows:
             state = {None: "not compared", True: "MOVED", False: "as the reference"}[r.moved]
             print(f"  {r.pin.id:<36} reference {format_value(r.reference, r.pin.unit):>10}  this run "
@@ -270,7 +274,11 @@ def main(argv: list[str] | None = None) -> int:
               + (f" ({', '.join(moved)}): a deliberate change updates the reference"
                  if moved else ""))  # fmt: skip
         return 1 if moved else 0
-    rows = evaluate(claims(experiments), args.against)
+    try:
+        rows = evaluate(claims(experiments), args.against)
+    except ResultFileError as e:  # names the file and what to do
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     print_table(rows)
     broken = [r.claim.id for r in rows if r.verdict == BROKEN]
     if broken:

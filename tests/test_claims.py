@@ -155,6 +155,16 @@ def test_each_kind_fails_on_a_planted_bad_result(copied_artifacts, capsys):
     assert claims.judge(claim, "results").verdict == NOT_REPRODUCED
 
 
+def test_a_broken_result_file_is_one_line(copied_artifacts, capsys):
+    """The claims command on a broken result file: one line naming it, exit 2, no traceback."""
+    path = copied_artifacts / "tempo_layer" / "results" / "layer_saved_bytes.json"
+    path.write_text(path.read_text()[: len(path.read_text()) // 2])  # truncated mid-write
+    assert claims.main(["tempo_layer"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert str(path) in err and "\n" not in err and "Traceback" not in err
+    assert claims.main(["--pins", "tempo_layer"]) == 2
+
+
 def test_unknown_experiment_is_refused(capsys):
     with pytest.raises(SystemExit):
         claims.main(["tempo_bertt"])

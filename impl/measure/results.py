@@ -189,6 +189,14 @@ class Results:
             raise ResultFileError(
                 f"{path}: a point lacks key, result or provenance ({e!r}); {advice}"
             ) from None
+        seen: set[str] = set()
+        for n, p in enumerate(points):
+            if not isinstance(p.key, dict) or not isinstance(p.provenance, dict):
+                raise ResultFileError(f"{path}: point {n}: its key and provenance must be mappings; {advice}")
+            # two points of one key: which one a reader gets would be an accident of the file's order
+            if (k := key_id(p.key)) in seen:
+                raise ResultFileError(f"{path}: point {n} repeats the key {k}; {advice}")
+            seen.add(k)
         return cls(path, points)
 
     def __len__(self) -> int:

@@ -278,6 +278,12 @@ class Plan:
         return replace(self, tp=tp, dp=dp, micro_batch=micro_batch, stages=stages)
 
     def check(self) -> None:
+        for name in ("model", "gpu"):
+            if not isinstance(getattr(self, name), str):
+                raise ValueError(f"{name} must be a name (a string), got {getattr(self, name)!r}")
+        # a string is not a boolean: "false" would be truthy, and planned as on
+        if not isinstance(self.sequence_parallel, bool):
+            raise ValueError(f"sequence_parallel must be true or false, got {self.sequence_parallel!r}")
         for name in ("gpus", "gpus_per_node", "global_batch", "tp", "dp", "micro_batch"):
             value = getattr(self, name)
             if not _is_int(value) or value < 1:

@@ -125,6 +125,10 @@ def test_interrupted_run_of_another_command_is_not_resumed(tmp_path):
         '{"provenance": {}, "points": {"a/s1": 1}}',  # the old format (string keys, one provenance)
         '{"format": 2, "points": [{"key": {"a": 1}}]}',  # a point without result and provenance
         "[1, 2]",
+        '{"format": 2, "points": [{"key": 3, "result": 1, "provenance": {}}]}',  # a key that is no mapping
+        # one key twice with two values: "the last one wins" would decide a verdict by file order
+        '{"format": 2, "points": [{"key": {"a": 1}, "result": 1, "provenance": {}}, '
+        '{"key": {"a": 1}, "result": 2, "provenance": {}}]}',
     ],
 )
 def test_broken_result_file_is_refused_naming_it_and_what_to_do(tmp_path, content):
