@@ -54,8 +54,9 @@ def _copy(tmp_path, name="megatron-a10g.json"):
 
 
 @pytest.mark.parametrize(
-    "fault", ["not json", "neither format", "missing field", "partial layer", "grad accum"]
-)
+    "fault", ["not json", "neither format", "missing field", "partial layer", "grad accum", "zero time",
+              "negative time", "nan memory"]
+)  # fmt: skip
 def test_broken_measured_runs_are_refused_clearly(tmp_path, fault, capsys):
     if fault == "not json":
         (tmp_path / "runs.json").write_text("{" + "x" * random.randint(0, 20))
@@ -73,11 +74,21 @@ def test_broken_measured_runs_are_refused_clearly(tmp_path, fault, capsys):
         data["runs"][0]["ops_per_stage"][0] += random.randint(1, 12)
         path.write_text(json.dumps(data))
         match = "not whole layers"
-    else:
+    elif fault == "grad accum":
         data, path = _copy(tmp_path, "mist-l4.json")
         data["cases"][0]["plan"]["grad_accum_steps"] += 1
         path.write_text(json.dumps(data))
         match = "gradient accumulation"
+    elif fault in ("zero time", "negative time"):
+        data, path = _copy(tmp_path, "mist-l4.json")
+        data["cases"][0]["measured"]["iteration_s"] = 0 if fault == "zero time" else -random.uniform(0.1, 9)
+        path.write_text(json.dumps(data))
+        match = "measured iteration time must be a positive number"
+    else:
+        data, path = _copy(tmp_path, "mist-l4.json")
+        data["cases"][0]["measured"]["stage_peak_allocated_MB"][0] = float("nan")
+        path.write_text(json.dumps(data))
+        match = "stage 0 peak memory must be a positive number"
     with pytest.raises(ValueError, match=match):
         load_measured_runs(tmp_path)
     assert main(["validate", str(tmp_path)]) == 2

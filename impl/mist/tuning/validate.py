@@ -23,6 +23,7 @@ Two formats are read (both described in the folder's README):
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,6 +53,17 @@ class MeasuredRun:
     stage_memory_bytes: tuple[float, ...] | None  # peak allocated per stage, when measured
     grad_accumulation: GradAccumulation  # how the engine that ran it accumulates gradients
     notes: str = ""
+
+    def __post_init__(self) -> None:
+        # a measured time or peak of zero, below zero or not a number cannot be compared with
+        # (a zero one divided by zero; the others gave percentages that meant nothing)
+        measured = [("iteration time", self.iteration_s)]
+        measured += [(f"stage {i} peak memory", m) for i, m in enumerate(self.stage_memory_bytes or ())]
+        for what, value in measured:
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < math.inf:
+                raise ValueError(
+                    f"run {self.name}: its measured {what} must be a positive number, got {value!r}"
+                )
 
 
 @dataclass(frozen=True)
@@ -206,6 +218,8 @@ def load_measured_runs(folder: str | Path = MEASURED_RUNS) -> list[MeasuredRun]:
             ) from None
         except (TypeError, IndexError) as e:
             raise ValueError(f"{path}: a record is malformed ({e})") from None
+        except ValueError as e:  # a record's own check (MeasuredRun, the plan it rebuilds)
+            raise ValueError(str(e) if str(path) in str(e) else f"{path}: {e}") from None
     return out
 
 
