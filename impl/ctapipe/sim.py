@@ -64,6 +64,30 @@ class Hardware:
     # measured by gpu_check or assumed (the band of sim_band); a shape not in it: cuBLAS's efficiency
     cta_efficiency: tuple[tuple[tuple[int, int], float], ...] = ()
 
+    def __post_init__(self) -> None:
+        # the model divides by these: refuse what no GPU has, in one line, before any simulation
+        if not _whole(self.sms, 1):
+            raise ValueError(f"{self.name}: sms must be a whole number >= 1, got {self.sms!r}")
+        for name in ("flops", "link_bw"):
+            if not _positive(getattr(self, name)):
+                raise ValueError(
+                    f"{self.name}: {name} must be a positive number, got {getattr(self, name)!r}"
+                )
+        for name in ("gemm_efficiency", "link_efficiency"):
+            value = getattr(self, name)
+            if not (_positive(value) and value <= 1):
+                raise ValueError(f"{self.name}: {name} must be in (0, 1], got {value!r}")
+        for name in ("kernel_gap_s", "launch_s", "p2p_latency_s", "flag_latency_s", "ring_step_latency_s",
+                     "nvls_latency_s"):  # fmt: skip
+            value = getattr(self, name)
+            if not (_positive(value) or value == 0):
+                raise ValueError(f"{self.name}: {name} must be a number of seconds >= 0, got {value!r}")
+        # measured ones are the model's time at peak over the measured time: above 1 where a kernel
+        # beats the model's wave count (cuBLAS's own tile choice on a small GEMM), never 0 or below
+        measured = [e for _, e in self.efficiency_by_rows] + [e for _, e in self.cta_efficiency]
+        if not all(_positive(e) for e in measured):
+            raise ValueError(f"{self.name}: measured efficiencies must be positive numbers, got {measured}")
+
     def efficiency(self, rows: int | None = None) -> float:
         """Tile efficiency of a kernel over ``rows`` rows: interpolated in log2(rows) on the
         measured points, clamped at their ends."""
@@ -102,6 +126,14 @@ class Hardware:
         return (n - 1) * self.ring_step_latency_s + (n - 1) / n * self.transfer_s(nbytes) if n > 1 else 0.0
 
 
+def _whole(value, least: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+
+def _positive(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < math.inf
+
+
 def _from_sheet(name: str) -> Hardware:
     sheet = DATASHEETS[name]
     return Hardware(name, sms=sheet.sms, flops=sheet.flops, link_bw=sheet.nvlink_bw, source=sheet.source)
@@ -127,8 +159,9 @@ class Chain:
     cta: Tiling = DEFAULT_TILING
 
     def __post_init__(self) -> None:
-        if self.m < 1 or self.width < 1 or self.layers < 1:
-            raise ValueError(f"m, width and layers must be >= 1, got {self.m}, {self.width}, {self.layers}")
+        if not all(_whole(v, 1) for v in (self.m, self.width, self.layers)):
+            got = f"{self.m!r}, {self.width!r}, {self.layers!r}"
+            raise ValueError(f"m, width and layers must be whole numbers >= 1, got {got}")
 
     @property
     def row_blocks(self) -> int:
@@ -280,9 +313,18 @@ def cta_with_tp(hw: Hardware, chain: Chain, tp: int = 2) -> float:
     return end
 
 
+def hardware(name: str) -> Hardware:
+    """The data-sheet hardware of ``name`` (HARDWARE's keys); one line listing them otherwise."""
+    if name not in HARDWARE:
+        raise ValueError(f"unknown GPU {name!r}; the latency model has: {', '.join(sorted(HARDWARE))}")
+    return HARDWARE[name]
+
+
 def compare(hw: Hardware, m: int, gpus: int, width: int = 8192, cta: Tiling = DEFAULT_TILING) -> dict:
     """Every method's latency for the chain of ``gpus`` layers on ``gpus`` GPUs (CTA kernels with
     ``cta``'s tiles)."""
+    if not _whole(gpus, 1):
+        raise ValueError(f"gpus must be a whole number >= 1, got {gpus!r}")
     chain = Chain(m, width, layers=gpus, cta=cta)
     mb, chunk = best_microbatched(hw, chain)
     out = {

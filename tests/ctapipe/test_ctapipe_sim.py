@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 
 import pytest
 import torch
@@ -102,7 +103,7 @@ def test_cta_with_tp_is_between_bounds():
 
 
 def test_bad_input():
-    with pytest.raises(ValueError, match="must be >= 1"):
+    with pytest.raises(ValueError, match="must be whole numbers >= 1"):
         Chain(0)
     with pytest.raises(ValueError, match="does not split over 3 GPUs"):
         sim.tensor_parallel(H200, Chain(1024, 8192, 2), 3)
@@ -191,3 +192,32 @@ def test_band_spans_the_stated_assumptions():
     assert band["microbatch_low"] <= stated <= band["microbatch_high"]
     assert band["tp_low"] <= band["tp_high"]
     assert set(band["microbatch_low_at"]) == set(sim.BAND)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"sms": 0}, "sms must be a whole number >= 1"),
+        ({"sms": 132.5}, "sms must be a whole number >= 1"),
+        ({"link_bw": 0.0}, "link_bw must be a positive number"),
+        ({"flops": float("nan")}, "flops must be a positive number"),
+        ({"gemm_efficiency": 1.5}, "gemm_efficiency must be in (0, 1]"),
+        ({"flag_latency_s": -1e-6}, "flag_latency_s must be a number of seconds >= 0"),
+        ({"cta_efficiency": (((128, 128), 0.0),)}, "measured efficiencies must be positive numbers"),
+    ],
+)
+def test_impossible_hardware_is_refused_in_one_line(change, message):
+    """The latency model divides by SMs and bandwidths: what no GPU has is refused when the
+    hardware is made, before any simulation (it used to divide by zero)."""
+    with pytest.raises(ValueError, match=re.escape(message)):
+        dataclasses.replace(H200, **change)
+
+
+def test_bad_sizes_and_names_are_refused_in_one_line():
+    with pytest.raises(ValueError, match="whole numbers >= 1"):
+        Chain(1024.5)
+    with pytest.raises(ValueError, match="gpus must be a whole number >= 1"):
+        sim.compare(H200, 1024, 0)
+    with pytest.raises(ValueError, match="the latency model has: b200, h200"):
+        sim.hardware("a100")
+    assert sim.hardware("h200") is H200
