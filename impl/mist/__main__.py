@@ -604,6 +604,12 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:  # bad input: one line, no traceback
         print(f"python -m mist {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # the reader stopped early (``| head``): end quietly, as a shell tool does
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing left to flush at exit
+        return 141  # 128 + SIGPIPE, what the shell reports for such a pipeline
+    except KeyboardInterrupt:
+        print(f"python -m mist {args.command}: interrupted (what was already written stays)", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -160,3 +160,15 @@ def test_no_traceback_from_the_command_line(tmp_path):
     command = [sys.executable, "-m", "mist", "predict", str(path)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and done.stderr.count("\n") == 1 and "global_batch" in done.stderr
+
+
+def test_a_reader_that_stops_early_ends_it_quietly(tmp_path):
+    """``mist predict --json | head``: the reader gone before the output is written ends the
+    command quietly with the shell's status for it (141), never a BrokenPipeError traceback."""
+    path = tmp_path / "plan.yaml"
+    path.write_text(PLAN)
+    command = [sys.executable, "-m", "mist", "predict", str(path), "--json"]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()  # the reader stops before the command has imported anything
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 141 and err == "", err
