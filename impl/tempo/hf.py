@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import copy
 import inspect
-import types
 from dataclasses import dataclass, field
 
 import torch
@@ -229,6 +228,19 @@ def _forward_signature(cls: type) -> inspect.Signature:
     return _SIGNATURES[cls]
 
 
+class _LeanLossForward:
+    """A causal LM's instance ``forward`` under ``tempo.patch(loss=True)``: ``_lean_loss_forward``
+    bound to the module. A class rather than a bound method because pickle stores a bound method
+    by its name on the instance, which a loaded model does not have (torch.save worked, torch.load
+    failed); deepcopy and pickle re-bind this one to the copy."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+    def __call__(self, *args, **kwargs):
+        return _lean_loss_forward(self.module, *args, **kwargs)
+
+
 def _lean_loss_forward(self, *args, **kwargs):
     """A causal LM's forward (bound to it as its own ``forward``, so copies re-bind to the copy)
     that computes the loss with linear_cross_entropy when labels are given."""
@@ -384,7 +396,7 @@ def patch(
             elif (why := _lean_loss_refusal(module)) is not None:
                 raise ValueError(f"tempo.patch(loss=True) cannot take {name}: {why}; pass loss=False")
             else:
-                lean = types.MethodType(_lean_loss_forward, module)
+                lean = _LeanLossForward(module)
                 new_slots.append(_Slot(name, None, "forward", None, lean, forward_of=module))
                 report.losses.append(name)
         if not report.losses and not any(s.forward_of is not None for s in joined):

@@ -272,3 +272,32 @@ def test_a_decoder_layer_keeps_its_closed_form(configuration, monkeypatch):
     per_layer = model_saved_bytes("llama-drawn", configuration, seq, 2)[0]
     per_layer -= model_saved_bytes("llama-drawn", configuration, seq, 1)[0]
     assert per_layer == closed_form_bytes(spec, configuration, seq), (spec, seq)
+
+
+@pytest.mark.parametrize("how", ["torch.save", "pickle", "deepcopy"])
+def test_a_model_patched_with_the_lean_loss_survives_save_and_load(tmp_path, how):
+    """tempo.patch(loss=True) put a bound method on the model, which pickle stores by name and a
+    loaded model does not have: torch.save worked and torch.load failed. Now the copy computes
+    the original's loss and unpatches to HF's."""
+    import copy
+    import io
+    import pickle
+
+    ours = _tiny()
+    tempo.patch(ours, loss=True)
+    ids = torch.randint(0, 96, (2, 16))
+    if how == "deepcopy":
+        twin = copy.deepcopy(ours)
+    elif how == "pickle":
+        twin = pickle.loads(pickle.dumps(ours))
+    else:
+        buffer = io.BytesIO()
+        torch.save(ours, buffer)
+        buffer.seek(0)
+        twin = torch.load(buffer, weights_only=False)
+    with torch.no_grad():
+        assert torch.equal(twin(input_ids=ids, labels=ids).loss, ours(input_ids=ids, labels=ids).loss)
+        twin.model.embed_tokens.weight.zero_()  # the copy computes with its own weights
+        assert not torch.equal(twin(input_ids=ids, labels=ids).loss, ours(input_ids=ids, labels=ids).loss)
+    tempo.unpatch(twin)
+    assert "forward" not in twin.__dict__
