@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,8 +80,13 @@ def experiment_run(args: argparse.Namespace, experiment: Experiment) -> Iterator
         run = open_run(args.results, _plain(config), args.fresh)
     except (OSError, ResultFileError, RunLockedError) as e:  # before any work: one line, no traceback
         raise SystemExit(f"error: {e}") from None
-    with run:
-        yield run
+    try:
+        with run:
+            yield run
+    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM unwound as one: a line, not a traceback
+        print(f"interrupted: the points finished so far are kept in {args.results}; the same command "
+              "resumes the run", file=sys.stderr)  # fmt: skip
+        raise SystemExit(130) from None
     if args.update_reference:
         for path in update_reference(args.results, experiment.reference_dir, run.run_id):
             print(f"reference updated: {path}")
