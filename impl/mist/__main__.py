@@ -74,6 +74,8 @@ def _check_writable(path: Path) -> None:
     """Before the search: the plan can be written where asked (a .yaml, .yml or .json file)."""
     if path.suffix not in (".yaml", ".yml", ".json"):
         raise ValueError(f"--out {path}: a plan is written as .yaml, .yml or .json")
+    if path.is_dir():
+        raise ValueError(f"--out {path}: a folder; give the plan file's name")
     folder = path.parent
     if not folder.is_dir():
         raise ValueError(f"--out {path}: folder {folder} does not exist")
@@ -361,14 +363,41 @@ def cmd_calibrate(args) -> int:
     return 0
 
 
+PROFILE_FILES = ("profile.json", "*.csv", "collectives*.json", "zero*.json", "tp*.json")
+
+
+def _check_profile_folder(out: Path, replace: bool) -> None:
+    """Before any measurement: ``out`` can be a profile folder (a folder, or a new one in a folder
+    that exists and is writable), and holds no profile already unless ``replace`` (then its
+    profile's files go first: a new profile mixed with an old one would be fitted as one)."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out}: a file; a profile is written into a folder")
+    parent = out if out.exists() else out.parent
+    if not parent.is_dir():
+        raise ValueError(f"--out {out}: folder {parent} does not exist")
+    if not os.access(parent, os.W_OK):
+        raise ValueError(f"--out {out}: not writable")
+    old = sorted({f for pattern in PROFILE_FILES for f in out.glob(pattern)}) if out.is_dir() else []
+    if old and not replace:
+        raise ValueError(
+            f"--out {out}: holds a profile already ({len(old)} files); choose another folder, or pass "
+            "--replace to remove them first"
+        )
+    for f in old:
+        f.unlink()
+
+
 def cmd_profile(args) -> int:
     import torch
 
     from .engine.profiler import write_collectives, write_profiles, write_tp_layers, write_zero_layers
 
+    if args.device != "cpu" and not args.device.startswith("cuda"):
+        raise ValueError(f"--device {args.device}: the profiler runs on cpu or cuda[:N]")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print(f"error: --device {args.device}: no CUDA device here", file=sys.stderr)
         return 2
+    _check_profile_folder(Path(args.out), args.replace)
     sizes = {"hidden": args.hidden, "heads": args.heads, "seq": args.seq, "repeats": args.repeats}
     bad = (
         [f"--{k} {v}" for k, v in sizes.items() if v < 1]
@@ -530,6 +559,8 @@ def _profile_parser(sub) -> None:
     """``mist profile``: the layer to profile on this machine, and the benchmarks beside it."""
     p = sub.add_parser("profile", help="measure a GPT-3-style layer op by op on this machine")
     p.add_argument("--out", required=True, help="profile directory to write")
+    p.add_argument("--replace", action="store_true",
+                   help="remove the profile in --out first (else such a folder is refused)")  # fmt: skip
     p.add_argument("--name", required=True, help="the GPU preset these profiles calibrate (e.g. l4, cpu)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="fp32", choices=["fp16", "bf16", "fp32"])

@@ -109,6 +109,33 @@ def test_bad_profile_arguments_and_corrupt_profiles(tmp_path, capsys):
     _one_error_line(capsys, "gpt_1_3B_mbs1_tp1_algo0.csv", "not a layer profile")
 
 
+def test_outputs_are_checked_before_any_work(tmp_path, capsys):
+    """`mist plan --out` onto a folder, `mist profile --out` onto a file or into a folder that
+    holds a profile, `--device tpu`: one line each before any search or measurement (they used to
+    fail with a traceback after the work, or mix a new profile with an old one)."""
+    folder = tmp_path / "plan.yaml"
+    folder.mkdir()
+    assert main([*BASE, "--out", str(folder)]) == 2
+    _one_error_line(capsys, "a folder; give the plan file's name")
+    profile = ["profile", "--name", "cpu", "--hidden", "64", "--heads", "4", "--seq", "16",
+               "--micro-batches", "1", "--repeats", "1"]  # fmt: skip
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    start = time.perf_counter()
+    assert main([*profile, "--out", str(a_file)]) == 2
+    _one_error_line(capsys, "a file; a profile is written into a folder")
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "profile.json").write_text("{}")
+    (old / "gpt_x_mbs1_tp1_algo0.csv").write_text("")
+    assert main([*profile, "--out", str(old)]) == 2
+    _one_error_line(capsys, "holds a profile already (2 files)", "--replace")
+    assert main([*profile, "--out", str(tmp_path / "new"), "--device", "tpu"]) == 2
+    _one_error_line(capsys, "--device tpu: the profiler runs on cpu or cuda")
+    assert time.perf_counter() - start < 5 and not (tmp_path / "new").exists()  # refused before any work
+    assert (old / "profile.json").read_text() == "{}"  # nothing touched
+
+
 def test_simulator_memory_does_not_grow_with_micro_batches(rng):
     """Each finish time is dropped once read: the live state stays O(stages) (tracemalloc peak
     the same for 64 and 4096 micro-batches), and the answer matches an independent recursion."""
