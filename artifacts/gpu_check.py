@@ -450,13 +450,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.dry_run:  # the CPU even where a GPU is (the parts then pick Triton's interpreter)
             env["CUDA_VISIBLE_DEVICES"] = ""
         found = probe(env, deadline)
-        if found["missing"]:
-            names = "; ".join(f"{k} ({v})" for k, v in found["missing"].items())
-            raise SetupError(f"missing here: {names}; python3 -m artifacts.gpu_wheels fetches the wheels")
+        # no GPU first: on a machine without one, the missing packages are not what to fix
         if not args.dry_run and found["device"]["device"] != "cuda":
             raise SetupError(
                 "no CUDA device here (torch sees none); --dry-run: the same on CPU at tiny sizes"
             )
+        if found["missing"]:
+            names = "; ".join(f"{k} ({v})" for k, v in found["missing"].items())
+            raise SetupError(f"missing here: {names}; python3 -m artifacts.gpu_wheels fetches the wheels")
         provenance = {
             "date_utc": _utc_now(), "host": platform.node(), "python": sys.executable, "git": git_state(ROOT),
             "device": found["device"], "packages": found["packages"], "wheels_installed": installed,

@@ -15,6 +15,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+import torch
 
 from artifacts import gpu_check, gpu_wheels
 
@@ -59,6 +60,22 @@ def test_bad_input_one_line_before_any_work(tmp_path, capsys, args, expected):
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and err.count("\n") == 1 and expected in err, err
     assert not out.exists()  # nothing was started or written
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the check of a machine without a GPU")
+def test_no_gpu_is_the_one_line_whatever_else_is_missing(tmp_path, capsys, monkeypatch):
+    """Without a GPU the check says so first: a package missing too (a wheel not fetched) is not
+    what to fix on such a machine (it used to hide the no-CUDA line)."""
+    real = gpu_check.probe
+
+    def probe_missing_a_package(env, deadline):
+        found = real(env, deadline)
+        return {**found, "missing": {"liger_kernel": "ModuleNotFoundError: No module named 'liger_kernel'"}}
+
+    monkeypatch.setattr(gpu_check, "probe", probe_missing_a_package)
+    assert gpu_check.main(["--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no CUDA device here" in err and "missing" not in err, err
 
 
 def test_two_versions_of_a_wheel_are_refused_before_any_work(tmp_path, capsys):
