@@ -150,8 +150,11 @@ def print_table(rows: list[Row], file=None) -> None:
             print(f"{r.claim.id}: broken, known: {r.claim.known_broken}", file=file)
 
 
-def _cell(text: str) -> str:
-    return text.replace("|", "\\|")
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    """A markdown table (cells escaped), followed by a blank line."""
+    lines = ["| " + " | ".join(header) + " |", "| " + " | ".join("---" for _ in header) + " |"]
+    lines += ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in rows]
+    return [*lines, ""]
 
 
 def markdown(rows: list[Row] | None = None) -> str:
@@ -162,41 +165,28 @@ def markdown(rows: list[Row] | None = None) -> str:
     for system in SYSTEMS:
         mine = [r for r in rows if r.claim.system == system]
         out += [f"#### {system}", "", f"**{summary(rows, system)}.**", ""]
-        paper = [r for r in mine if isinstance(r.claim, PaperClaim)]
+
+        def ours(r: Row) -> str:
+            return f"**{format_value(r.value, r.claim.unit)}** ({r.claim.measure})"
+
+        paper = [[f"`{r.claim.id}`: {r.claim.claim}", r.claim.paper.text, r.claim.paper.where, ours(r),
+                  _evidence(r.claim), r.verdict, f"`{r.claim.source.command}`"]
+                 for r in mine if isinstance(r.claim, PaperClaim)]  # fmt: skip
+        bounds = [[f"`{r.claim.id}`: {r.claim.claim}", ours(r), r.claim.check.describe(r.claim.unit),
+                   r.claim.why, _evidence(r.claim),
+                   r.verdict + (f": {r.claim.known_broken}" if r.verdict == KNOWN_BROKEN else ""),
+                   f"`{r.claim.source.command}`"]
+                  for r in mine if isinstance(r.claim, Bound)]  # fmt: skip
+        shown = [[f"`{r.claim.id}`: {r.claim.claim}", ours(r), _evidence(r.claim),
+                  f"`{r.claim.source.command}`"] for r in mine if isinstance(r.claim, Shown)]  # fmt: skip
         if paper:
-            out += ["| claim | the paper | where | ours | measured or predicted | verdict | command |",
-                    "| --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
-            for r in paper:
-                c = r.claim
-                cells = [f"`{c.id}`: {c.claim}", c.paper.text, c.paper.where,
-                         f"**{format_value(r.value, c.unit)}** ({c.measure})", _evidence(c), r.verdict,
-                         f"`{c.source.command}`"]  # fmt: skip
-                out.append("| " + " | ".join(_cell(x) for x in cells) + " |")
-            out.append("")
-        bounds = [r for r in mine if isinstance(r.claim, Bound)]
+            out += _table(["claim", "the paper", "where", "ours", "measured or predicted", "verdict",
+                           "command"], paper)  # fmt: skip
         if bounds:
-            out += ["| bound | ours | target | why this target | measured or predicted | verdict | command |",
-                    "| --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
-            for r in bounds:
-                c = r.claim
-                verdict = r.verdict + (f": {c.known_broken}" if r.verdict == KNOWN_BROKEN else "")
-                cells = [f"`{c.id}`: {c.claim}", f"**{format_value(r.value, c.unit)}** ({c.measure})",
-                         c.check.describe(c.unit), c.why, _evidence(c), verdict,
-                         f"`{c.source.command}`"]  # fmt: skip
-                out.append("| " + " | ".join(_cell(x) for x in cells) + " |")
-            out.append("")
-        shown = [r for r in mine if isinstance(r.claim, Shown)]
+            out += _table(["bound", "ours", "target", "why this target", "measured or predicted", "verdict",
+                           "command"], bounds)  # fmt: skip
         if shown:
-            out += [
-                "| shown, not judged | ours | measured or predicted | command |",
-                "| --- | --- | --- | --- |",
-            ]
-            for r in shown:
-                c = r.claim
-                cells = [f"`{c.id}`: {c.claim}", f"**{format_value(r.value, c.unit)}** ({c.measure})",
-                         _evidence(c), f"`{c.source.command}`"]  # fmt: skip
-                out.append("| " + " | ".join(_cell(x) for x in cells) + " |")
-            out.append("")
+            out += _table(["shown, not judged", "ours", "measured or predicted", "command"], shown)
     return "\n".join(out)
 
 

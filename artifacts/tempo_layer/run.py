@@ -84,9 +84,9 @@ def build_layer(variant: str, dtype: torch.dtype, hidden: int = 1024, heads: int
     return layer, report
 
 
-def compiled_layer(variant: str, dtype: torch.dtype, budget: float, hidden: int = 1024):
-    """(``variant``'s layer under ``torch.compile`` at the partitioner's ``budget``, its report):
-    compiled on its first call, which must come inside ``budget_context(budget)``."""
+def compiled_layer(variant: str, dtype: torch.dtype, hidden: int = 1024):
+    """(``variant``'s layer under ``torch.compile``, its report): compiled on its first call, so
+    the partitioner's budget is the one that call runs under (``budget_context``)."""
     layer, report = build_layer(COMPILED[variant][0] if variant in COMPILED else variant, dtype, hidden)
     torch._dynamo.reset()  # a fresh compile: the budget is read when the graph is partitioned
     return torch.compile(layer), f"torch.compile of: {report}"
@@ -98,12 +98,18 @@ def budget_context(budget: float):
     return functorch_config.patch(activation_memory_budget=budget)
 
 
+def aimed_budget(aim_bytes: int, default_bytes: int) -> float:
+    """The partitioner's budget that aims at ``aim_bytes``: their share of what the default budget
+    keeps (at most 1, the default)."""
+    return min(1.0, aim_bytes / default_bytes)
+
+
 def measure_compiled(variant: str, seq: int, batch: int, dtype: torch.dtype, budget: float = 1.0,
                      hidden: int = 1024) -> dict:  # fmt: skip
     """Bytes a ``torch.compile``d layer keeps (the saved-tensor hooks see its compiled graph's
     saves) at the partitioner's ``budget``; and one training step's time (forward and backward),
     the median of 5 after 2 warm-ups."""
-    compiled, report = compiled_layer(variant, dtype, budget, hidden)
+    compiled, report = compiled_layer(variant, dtype, hidden)
     x = torch.randn(batch, seq, hidden, dtype=dtype, requires_grad=True)
     with cuda_like_dropout(), budget_context(budget):
         nbytes = saved_bytes(compiled, x).total_bytes
@@ -138,10 +144,11 @@ def measure_compile(run, seqs: list[int], batch: int) -> None:
             eager[variant] = store.compute(key(seq, variant), lambda s=seq, v=variant: {
                 **measure_layer(v, s, batch, dtype), "step_s": eager_step_s(v, s, batch, dtype)})  # fmt: skip
         for variant, (_, aim) in COMPILED.items():
-            budget = 1.0  # the default; aimed at ``aim``'s bytes: its share of what the default keeps
+            budget = 1.0  # the default
             if aim is not None:
-                default = store.get(key(seq, "hf-eager+compile")).result["bytes"]
-                budget = min(1.0, eager[aim]["bytes"] / default)
+                budget = aimed_budget(
+                    eager[aim]["bytes"], store.get(key(seq, "hf-eager+compile")).result["bytes"]
+                )
             store.compute(key(seq, variant), lambda s=seq, v=variant, b=budget: measure_compiled(
                 v, s, batch, dtype, b))  # fmt: skip
         base, tempo_ = eager["hf-eager"], eager["tempo"]

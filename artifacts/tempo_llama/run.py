@@ -44,6 +44,7 @@ from tempo.ops import workspace_bytes
 
 from ..experiment import add_jobs_argument, add_run_arguments, experiment_run
 from ..tempo_bert.run import activation_point, max_batch_per_gpu
+from ..tempo_layer.run import aimed_budget, budget_context
 from . import EXPERIMENT
 from .summary import TRAIN, TRAIN_RUNS, training_gaps, training_key
 
@@ -143,8 +144,6 @@ def compile_point(row: str, budget: float) -> dict:
     from measure.saved import saved_bytes
     from measure.timing import time_fn
 
-    from ..tempo_layer.run import budget_context
-
     configuration, compiled, _ = COMPILE_ROWS[row]
     torch.manual_seed(0)
     model = build_model(COMPILE_MODEL, "pretraining", configuration, num_layers=1).float().train()
@@ -168,10 +167,10 @@ def compile_point(row: str, budget: float) -> dict:
 def run_compile(run: Run) -> ResultFile:
     store = run.file("compile.json", config={"attention": "SDPA, causal", "dropout": 0.0})
     for row, (_, _, aim) in tqdm(COMPILE_ROWS.items(), desc="against torch.compile", unit="row"):
-        budget = 1.0
-        if aim is not None:  # its share of what the default compile keeps
+        budget = 1.0  # the default
+        if aim is not None:
             default = store.get(compile_key("hf-sdpa+compile")).result["per_layer_bytes"]
-            budget = min(1.0, store.get(compile_key(aim)).result["per_layer_bytes"] / default)
+            budget = aimed_budget(store.get(compile_key(aim)).result["per_layer_bytes"], default)
         store.compute(compile_key(row), lambda r=row, b=budget: compile_point(r, b))
     base = store.get(compile_key("hf-sdpa")).result
     tempo_ = store.get(compile_key("tempo+sdpa")).result

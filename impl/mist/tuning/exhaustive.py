@@ -149,19 +149,25 @@ def fastest_fitting(
         if not plan.breakdown["fits"]:
             yield plan
             return
-        # Memory falls along ks from the second count on; the first recomputed layer may add
-        # more to backward's peak (its recomputed activations) than it saves, so the first
-        # count is checked on its own (above) and the bisection starts after it.
-        lo, hi = 1, len(ks) - 1
-        while lo < hi:  # the first that fits
-            mid = (lo + hi) // 2
-            if priced(setting, ks[mid]).breakdown["fits"]:
-                hi = mid
-            else:
-                lo = mid + 1
-        yield from fitting(with_variants(setting, ks[lo]))
+        k = first_fitting(ks, lambda k: priced(setting, k).breakdown["fits"])
+        yield from fitting(with_variants(setting, k))
 
     return cheapest_fitting(leanest_fitting(), problem, what, memo)
+
+
+def first_fitting(ks: list[int], fits: Callable[[int], bool]) -> int:
+    """The smallest count of ``ks`` after the first for which ``fits``, by bisection, given that
+    the last one fits. Memory falls along ks from the second count on; the first recomputed layer
+    may add more to backward's peak (its recomputed activations) than it saves, so the first count
+    is checked on its own (by the caller) and the bisection starts after it."""
+    lo, hi = 1, len(ks) - 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if fits(ks[mid]):
+            hi = mid
+        else:
+            lo = mid + 1
+    return ks[lo]
 
 
 def cheapest_fitting(

@@ -657,10 +657,11 @@ def _price(problem: Problem, plan: Plan, simulate: bool, memo: StageMemo | None 
     budget = problem.gpu_budget
     steady, extra, step, wait, fwd, bwd = [], [], [], [], [], []
     fits = True
+    edge = _edge(plan)
     for i, s in enumerate(plan.stages):
         st = problem.plan_setting(plan, i)
         ln = layer_numbers(st)
-        v = _evaluate(st, ln, s, point.in_flight(i), i == 0, i == S - 1, G, _edge(plan), memo)
+        v = _evaluate(st, ln, s, point.in_flight(i), i == 0, i == S - 1, G, edge, memo)
         s.steady_s, s.extra_s, s.step_s, s.wait_s = (
             float(v[k][0]) for k in ("steady", "extra", "step", "wait")
         )
