@@ -282,8 +282,9 @@ def tempo_layer(session: nox.Session) -> None:
 @nox.session
 def tempo_llama(session: nox.Session) -> None:
     """Tempo on Llama-family decoders (beyond the paper): bytes a decoder layer keeps against their
-    closed forms and against torch.compile, max batch of Llama-3.2-1B / Llama-3-8B at seq 4096 and 8192 on 80 / 141 GB, same
-    training of a small Llama; figures; claims. Liger-Kernel's row needs a GPU (nox -s gpu_check)."""
+    closed forms and against torch.compile, max batch of Llama-3.2-1B / Llama-3-8B at seq 4096 and
+    8192 on 80 / 141 GB, same training of a small Llama; figures; claims. Liger-Kernel's row needs a
+    GPU (nox -s gpu_check)."""
     _run(session, "-m", "artifacts.tempo_llama.run", *session.posargs)
     _figures(session, "tempo_llama")
     _claims(session, "tempo_llama")

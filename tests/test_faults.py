@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -79,3 +80,82 @@ def test_killed_run_leaves_no_process_and_resumes(tmp_path, sig):
     again.send_signal(signal.SIGTERM)
     again.wait(timeout=60)
     assert _wait_until(lambda: not _tagged(tag), 20)
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return (Path("/proc") / str(pid) / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def _kill_tagged(tag: str) -> None:
+    for pid in _tagged(tag):  # only what the test started (its tag is in their environment)
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _kill_when_busy(tag: str, command: list[str], sig: signal.Signals, busy, settle_s: float = 0.0
+                    ) -> subprocess.Popen:  # fmt: skip
+    """Start ``command``, send it ``sig`` ``settle_s`` after ``busy(pids with their command lines)``
+    holds, and check that nothing it started is left 20 s later."""
+    env = {**os.environ, "FAULT_TEST_TAG": tag, "PYTHONPATH": f"{REPO}:{REPO / 'impl'}"}
+    proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        commands = lambda: {p: _cmdline(p) for p in _tagged(tag)}
+        started = _wait_until(lambda: proc.poll() is not None or busy(commands()), 120)
+        assert started, "its children never started"
+        assert proc.poll() is None, proc.communicate()[1][-2000:]
+        time.sleep(settle_s)
+        proc.send_signal(sig)
+        proc.wait(timeout=60)
+        left = {p: _cmdline(p) for p in _tagged(tag)}
+        assert _wait_until(lambda: not _tagged(tag), 20), f"left behind after {sig.name}: {left}"
+    finally:
+        _kill_tagged(tag)
+        if proc.poll() is None:
+            proc.kill()
+    return proc
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_killed_run_leaves_no_torchrun_rank(tmp_path, sig):
+    """cta_mlp's distributed baselines: the run starts torchrun, torchrun starts two ranks in
+    sessions of their own. Killed while both ranks exist (importing, or in their gloo group),
+    neither may outlive the run."""
+    command = [sys.executable, "-m", "artifacts.cta_mlp.run", "--parts", "baselines", "--results",
+               str(tmp_path / "results")]  # fmt: skip
+
+    # torchrun's command line names the module too: torchrun and its two ranks
+    def busy(cmds: dict[int, str]) -> bool:
+        return sum("artifacts.cta_mlp.distributed" in c for c in cmds.values()) >= 3
+
+    _kill_when_busy(uuid.uuid4().hex, command, sig, busy)
+
+
+_BENCHMARK = """
+from measure.parallel import sigterm_as_interrupt
+from mist.engine.profiler import profile_collectives
+sigterm_as_interrupt()  # as an experiment run: SIGTERM unwinds like Ctrl-C
+profile_collectives(2, "cpu", sizes=[4096], repeats=10, rounds=10**6)  # busy until killed
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_killed_benchmark_leaves_no_rank(sig):
+    """The engine's collective, ZeRO and TP benchmarks fork their ranks from a server process
+    (mist.engine.profiler): killed while the ranks are in their gloo group, no rank nor the server
+    may outlive the run (on SIGTERM the run ends at once, not after the ranks' work)."""
+    command = [sys.executable, "-c", _BENCHMARK]
+
+    # the server and the ranks it forked share its command line
+    def busy(cmds: dict[int, str]) -> bool:
+        return sum("forkserver" in c for c in cmds.values()) >= 3
+
+    proc = _kill_when_busy(uuid.uuid4().hex, command, sig, busy, settle_s=2.0)
+    if sig == signal.SIGTERM:
+        assert proc.returncode != 0

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from baselines.cta.microbatch import candidate_chunks, pipelined_chain
 from baselines.cta.tensor_parallel import shard_chain, tp_chain
 from ctapipe.reference import chain as reference_chain
+from measure.parallel import die_with_launcher
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -118,6 +119,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--smallest-chunk", type=int, default=128)
     ap.add_argument("--out", type=Path, help="write rank 0's report (JSON)")
     args = ap.parse_args(argv)
+    die_with_launcher()  # a rank never outlives torchrun, nor a killed run torchrun was started by
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))

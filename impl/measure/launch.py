@@ -15,7 +15,7 @@ import subprocess
 import sys
 from typing import TYPE_CHECKING
 
-from .parallel import die_with_parent
+from .parallel import LAUNCHER_PID_ENV, die_with_parent
 
 if TYPE_CHECKING:
     from torch.distributed import TCPStore
@@ -42,10 +42,12 @@ def run_torchrun(nproc: int, module: str, args: list[str], timeout: float) -> su
     """``torchrun --standalone --nproc-per-node N -m module args`` on this machine, one thread per
     process (the processes share its cores), output captured, killed with the caller and after
     ``timeout`` seconds (subprocess.TimeoutExpired). ``--standalone``: torchrun's agent serves the
-    rendezvous on a port it binds as the OS assigns it (see the module's docstring)."""
+    rendezvous on a port it binds as the OS assigns it (see the module's docstring). Ranks that call
+    ``measure.parallel.die_with_launcher`` die with it."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
                "-m", module, *args]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", LAUNCHER_PID_ENV: str(os.getpid())}
     return subprocess.run(
-        command, capture_output=True, text=True, timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        command, capture_output=True, text=True, timeout=timeout, env=env,
         preexec_fn=functools.partial(die_with_parent, os.getpid()),
     )  # fmt: skip

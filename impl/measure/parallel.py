@@ -12,6 +12,7 @@ import contextlib
 import ctypes
 import multiprocessing
 import os
+import select
 import signal
 import sys
 import threading
@@ -41,6 +42,58 @@ def die_with_parent(parent: int, watchdog_s: float | None = None) -> None:
             os._exit(1)
 
         threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
+
+
+# Set by a launcher (measure.launch.run_torchrun) for the ranks its launcher (torchrun) starts:
+# the launching process's pid, so that a rank that arms its guard after torchrun died can tell
+LAUNCHER_PID_ENV = "MEASURE_LAUNCHER_PID"
+
+
+def die_with_launcher(launcher: int | None = None) -> None:
+    """For a rank started by a launcher process (torchrun, a forkserver), first thing: die with its
+    parent, and with the process that started the launcher (``launcher``, or ``LAUNCHER_PID_ENV``
+    where set), now if that is already gone. torchrun starts its ranks in sessions of their own and
+    dies with its own parent (``run_torchrun``), so without this a killed run leaves its ranks
+    waiting for peers; a rank still importing torch when the run was killed finds its parent
+    replaced by init, which never dies; and multiprocessing's forkserver outlives its client for as
+    long as the ranks it forked live (they hold its liveness pipe), so only the client's end can
+    end them."""
+    die_with_parent(os.getppid())
+    if launcher is None and LAUNCHER_PID_ENV in os.environ:
+        launcher = int(os.environ[LAUNCHER_PID_ENV])
+    if launcher is not None:
+        _exit_when_gone(launcher)
+
+
+def _exit_when_gone(pid: int) -> None:
+    """Exit as soon as process ``pid`` has ended (a daemon thread waits on its pidfd, which cannot
+    name a later process that reuses the number; polled each second where Linux has no pidfd)."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        os._exit(1)
+    except (AttributeError, OSError):  # not Linux >= 5.3
+        fd = None
+
+    def watch() -> None:
+        if fd is not None:
+            select.select([fd], [], [])  # readable once the process has ended
+        else:
+            while _alive(pid):
+                time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="launcher-watchdog", daemon=True).start()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process under that pid: ours is gone
+        return False
+    return True
 
 
 def sigterm_as_interrupt() -> None:

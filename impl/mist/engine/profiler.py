@@ -30,6 +30,7 @@ import contextlib
 import csv
 import json
 import math
+import os
 import statistics
 import time
 from collections.abc import Callable, Hashable
@@ -161,8 +162,25 @@ def _interleaved_seconds_all_ranks(
     return {key: statistics.median(w) for key, w in windows.items()}
 
 
+# What a benchmark rank imports before it runs: its ranks are forked from one server process that
+# imported these once (multiprocessing's forkserver), not started as fresh interpreters (~5 s a
+# launch of 2 ranks on 2 cores, twelve launches a 2-process fit). The server has only imported
+# (no threads, no torch ops), as fork_launch's; it exits when this process does.
+_RANK_PRELOAD = ["torch.distributed", "torch.distributed.fsdp", "megatron.core.models.gpt.gpt_layer_specs",
+                 "megatron.core.transformer.spec_utils", "mist.engine.profiler"]  # fmt: skip
+
+
+def _rank_main(rank: int, launcher: int, worker: Callable, *args) -> None:
+    """A benchmark rank: dies with the server that forked it (which ends with ``launcher``), then
+    ``worker(rank, *args)``."""
+    from measure.parallel import die_with_launcher
+
+    die_with_launcher(launcher)
+    worker(rank, *args)
+
+
 def _run_ranks(worker: Callable, n: int, args: tuple, launches: int) -> list:
-    """Rank 0's result of ``worker(rank, n, port, *args, out)`` on ``n`` spawned processes, for
+    """Rank 0's result of ``worker(rank, n, port, *args, out)`` on ``n`` forked processes, for
     each of ``launches`` launches (a fresh process group each, joining a store this process serves
     on ``port``: measure.launch). On a CPU gloo's latency settles
     into a mode for a launch's whole life (the same all-reduce: ~0.4 ms a call in one launch,
@@ -171,11 +189,20 @@ def _run_ranks(worker: Callable, n: int, args: tuple, launches: int) -> list:
 
     if launches < 1:
         raise ValueError(f"launches must be at least 1, got {launches}")
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_RANK_PRELOAD)  # read when the server starts (the first launch)
     results = []
     for _ in range(launches):
         out, store = ctx.SimpleQueue(), serve_rendezvous()
-        mp.start_processes(worker, (n, store.port, *args, out), nprocs=n, start_method="spawn")
+        ranks = mp.start_processes(_rank_main, (os.getpid(), worker, n, store.port, *args, out), nprocs=n,
+                                   join=False, start_method="forkserver")  # fmt: skip
+        try:
+            while not ranks.join():
+                pass
+        except BaseException:  # a failed rank, or this run interrupted: the others go now, not at exit
+            for rank in ranks.processes:
+                rank.kill()
+            raise
         results.append(out.get())
         del store
     return results

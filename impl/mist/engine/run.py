@@ -51,7 +51,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from measure.parallel import die_with_parent
+from measure.parallel import die_with_launcher
 from measure.training import MasterWeightAdamW
 
 from ..plan import Plan, grad_bucket
@@ -768,7 +768,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.steps < 1:
         ap.error(f"--steps must be at least 1, got {args.steps}")
-    die_with_parent(os.getppid())  # a rank never outlives its launcher (torchrun)
+    die_with_launcher()  # a rank never outlives its launcher (torchrun, or fork_launch's server)
     try:
         plan = Plan.load(args.plan)
         if plan.model_spec().flash and int(os.environ.get("RANK", "0")) == 0:
