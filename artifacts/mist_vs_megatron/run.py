@@ -112,7 +112,9 @@ def comparison_point(gpu: str, arch: str, size: str, flash: bool, aceso_budget: 
     return out
 
 
-def ablation_point(gpu: str, arch: str, size: str) -> dict:
+def ablation_point(gpu: str, arch: str, size: str, known: dict[str, float | None]) -> dict:
+    """The ablation's iteration times; ``known``: variants already found by the comparison part
+    (the grid and the full planner are the same searches of the same case), taken from it."""
     from baselines.megatron.grid import search_grid
     from mist import NoFeasiblePlan, PlannerOptions, search
     from mist.tuning.stage_cost import SearchSpace
@@ -124,13 +126,32 @@ def ablation_point(gpu: str, arch: str, size: str) -> dict:
         PlannerOptions(SearchSpace(), imbalance_aware=True),
     )
     searches = [lambda: search_grid(m, c, batch), *(lambda o=o: search(m, c, batch, o) for o in options)]
-    out: dict = {"family": arch, "size": size}  # as in comparison_point: the name is not parsed back
+    # as in comparison_point: the name is not parsed back
+    out: dict = {"family": arch, "size": size, "from_comparison": sorted(known)}
     for name, run in zip(ABLATION, searches, strict=True):
+        if name in known:
+            out[name] = known[name]
+            continue
         try:
             out[name] = _simulated(run(), m, c).simulated_iteration_s
         except NoFeasiblePlan:
             out[name] = None
     return out
+
+
+def _known_from_comparison(comparison: Results | None, key: dict) -> dict[str, float | None]:
+    """The ablation's first and last variants (the grid, the full planner) as the comparison part
+    of this run found them for the same case (FlashAttention on), where it has it."""
+    point = None if comparison is None else next(
+        (p for p in comparison if {k: p.key.get(k) for k in key} == key), None)  # fmt: skip
+    if point is None:
+        return {}
+    found = {}
+    for variant, system in ((ABLATION[0], "megatron"), (ABLATION[-1], "mist")):
+        r = point.result[system]
+        if "iteration_s" in r or "infeasible" in r:
+            found[variant] = r.get("iteration_s")
+    return found
 
 
 def comparison_key(gpu: str, arch: str, size: str, flash: bool, aceso_budget: float) -> dict:
@@ -163,16 +184,18 @@ def run_comparison(run: Run, flash: tuple[bool, ...], budget: float, jobs: int) 
     return store.this_run()
 
 
-def run_ablation(run: Run, jobs: int) -> Results:
+def run_ablation(run: Run, jobs: int, comparison: Results | None = None) -> Results:
+    """The ablation's cases; where ``comparison`` (this run's) has a case, its grid and Mist plans
+    are the ablation's first and last variants, not searched again."""
     store = run.file("ablation.json", config={"arch": "gpt3", "variants": ABLATION})
     todo = [
-        (gpu, "gpt3", size)
+        (gpu, "gpt3", size, _known_from_comparison(comparison, ablation_key(gpu, "gpt3", size)))
         for gpu in CLUSTERS
         for size, _, _ in SIZES
         if not store.done(ablation_key(gpu, "gpt3", size))
     ]
     for args, result, seconds in map_points(ablation_point, todo, jobs, "ablation"):
-        store.add(ablation_key(*args), result, seconds)
+        store.add(ablation_key(*args[:3]), result, seconds)
     return store.this_run()
 
 
@@ -253,7 +276,7 @@ def main(argv: list[str] | None = None) -> None:
         if "comparison" in args.parts:
             cmp = run_comparison(run, FLASH[args.scale], budget, args.jobs)
         if "ablation" in args.parts:
-            abl = run_ablation(run, args.jobs)
+            abl = run_ablation(run, args.jobs, cmp)
         if "engine" in args.parts:
             engine = run_engine(run, CPU_ENGINE, fits).this_run()
         if "measured" in args.parts:
