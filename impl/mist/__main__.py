@@ -45,6 +45,7 @@ MODEL_FIELDS = (
 MODEL_SWITCHES = (
     ("gated_mlp", "SwiGLU MLP (gate, up, down) instead of GELU (up, down)"),
     ("parallel_block", "attention and MLP in parallel on one shared norm (Falcon)"),
+    ("tempo", "Tempo's layers (keep less for backward; mist.engine.run builds tempo.megatron's spec)"),
 )
 
 

@@ -910,3 +910,31 @@ def test_weight_gather_in_forward_trains_as_after_the_step(tmp_path_factory, zer
         assert r["weight_sum"] == twin["weight_sum"], (r["weight_sum"], twin["weight_sum"])
     for r in reports[False]["ranks"]:
         assert r["weight_gather_groups"] == r["weight_gathers_in_forward"] == 0, r
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_tempo_plan_trains_as_the_plain_plan_within_predicted_memory(tmp_path):
+    """``tempo: true`` in a plan's model_overrides (``mist plan --tempo``): the engine builds
+    tempo.megatron's layers (a Llama: RMSNorm, SwiGLU, no dropout; TP 2 with sequence parallelism,
+    at the experiments' engine shape). The same weights and data train as megatron-core's layers
+    do, up to bf16 rounding, and each rank's memory is within the tolerance of Mist's prediction,
+    which prices what Tempo's layers keep."""
+    runs = []
+    for tempo in (False, True):
+        plan = _tiny_plan([StagePlan(layers=4)], tp=2)
+        plan.model, plan.sequence_parallel = "llama-tiny", True
+        plan.model_overrides = {"flash": False, "tempo": tempo, "hidden": 256, "seq": 128}
+        assert not unsupported(plan), unsupported(plan)
+        predict(plan, plan.model_spec(), cluster("cpu", 2))
+        report = _torchrun(plan, tmp_path / f"tempo{tempo}", steps=3)
+        for r in report["ranks"]:
+            predicted = plan.stages[r["stage"]].memory_bytes
+            assert abs(predicted / r["memory_bytes"] - 1) < TOLERANCE, (tempo, r["memory_bytes"], predicted)
+        runs.append(next(r["losses"] for r in report["ranks"] if r["losses"] is not None))
+    plain, tempo = runs
+    # the first step's loss: the same weights and data through the same math, rounded differently
+    # (Tempo's softmax and norms in float32, megatron-core's softmax in bf16): within bf16's
+    # epsilon; later steps drift apart as any two roundings of training do
+    assert abs(tempo[0] / plain[0] - 1) < 2**-8, (plain[0], tempo[0])
+    assert tempo[0] != plain[0]  # bit-identical would mean the engine ran megatron-core's layers

@@ -41,10 +41,17 @@ def layer_spec(normalization: str, parallel_block: bool):
     return replace(spec, submodules=submodules)
 
 
-def block_spec(normalization: str, parallel_block: bool, layers: int):
-    """The decoder of one pipeline stage of ``layers`` layers (layer_spec's), final norm included."""
+def block_spec(normalization: str, parallel_block: bool, layers: int, tempo: bool = False):
+    """The decoder of one pipeline stage of ``layers`` layers (layer_spec's, or with ``tempo``
+    Tempo's: tempo.megatron), final norm included."""
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
+    if tempo:
+        if parallel_block:
+            raise ValueError("Tempo's layers are built as sequential layers, not the parallel block")
+        from tempo.megatron import tempo_block_spec
+
+        return tempo_block_spec(normalization, layers)
     layer = layer_spec(normalization, parallel_block)
     return TransformerBlockSubmodules(layer_specs=[layer] * layers, layer_norm=SequenceParallelNorm)
 

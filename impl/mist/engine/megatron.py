@@ -74,6 +74,8 @@ def megatron_limits(plan: Plan, model: ModelSpec) -> dict[str, str]:
         limits["uneven_middle_stages"] = (
             f"uneven middle stages {layers} (Megatron: only the first and last may differ)"
         )
+    if model.tempo:
+        limits["tempo"] = "Tempo's layers (tempo.megatron's spec; Megatron-LM builds its own layers)"
     if any(s.offload_weights or s.offload_grads for s in plan.stages):
         limits["offload_weights_grads"] = "CPU offloading of weights or gradients"
     return limits

@@ -84,9 +84,12 @@ def unsupported(plan: Plan) -> list[str]:
 
     # layers.py's spec; _config's layout; layout.py; _parameter_parts; offload.py
     built_here = ("parallel_block", "uneven_middle_stages", "stage_parallelism", "pre_post",
-                  "offload_weights_grads")  # fmt: skip
-    limits = megatron_limits(plan, plan.model_spec())
+                  "offload_weights_grads", "tempo")  # fmt: skip
+    spec = plan.model_spec()
+    limits = megatron_limits(plan, spec)
     reasons = [why for name, why in limits.items() if name not in built_here]
+    if spec.tempo and spec.parallel_block:
+        reasons.append("Tempo's layers in the parallel block (the engine builds Tempo's sequential layer)")
     if plan.virtual_stages > 1:  # interleaved: what Megatron-LM's space holds (megatron_lm.py)
         parts = [*plan.stages, *([plan.pre_post] if plan.pre_post is not None else [])]
         if plan.pre_post is not None or any(
@@ -510,7 +513,7 @@ def _build_chunk(plan: Plan, stage: int, device: torch.device, layers: int, reco
     mine = plan.stages[stage]
     model = GPTModel(
         config=_config(spec, plan, torch.bfloat16, plan.stage_parallelism(stage)[0], mine.selective),
-        transformer_layer_spec=block_spec(settings["normalization"], spec.parallel_block, layers),
+        transformer_layer_spec=block_spec(settings["normalization"], spec.parallel_block, layers, spec.tempo),
         vocab_size=settings["vocab_size"],
         max_sequence_length=settings["max_sequence_length"],
         pre_process=pre_process,

@@ -45,6 +45,9 @@ class ModelSpec:
     gated_mlp: bool = False  # SwiGLU: down(silu(gate(x)) * up(x)) instead of down(gelu(up(x)))
     positions: str = "learned"  # learned absolute embeddings, or "rotary" (applied to q and k)
     parallel_block: bool = False  # attention and MLP side by side on one shared norm (Falcon)
+    # Tempo's layers (arXiv 2210.10246; tempo.megatron): norms keep their output, GELU its output
+    # and a bit, SwiGLU gate and up, dropouts a seed, the unfused attention core P and V
+    tempo: bool = False
 
     def __post_init__(self) -> None:
         for field in ("hidden", "layers", "heads", "vocab", "seq"):
@@ -59,7 +62,7 @@ class ModelSpec:
             raise ValueError(f"hidden ({self.hidden}) must be a multiple of heads ({self.heads})")
         if self.heads % self.kv:
             raise ValueError(f"heads ({self.heads}) must be a multiple of kv_heads ({self.kv})")
-        for field in ("flash", "gated_mlp", "parallel_block"):
+        for field in ("flash", "gated_mlp", "parallel_block", "tempo"):
             if not isinstance(getattr(self, field), bool):
                 raise ValueError(f"{field} must be true or false, got {getattr(self, field)!r}")
         number = isinstance(self.dropout, numbers.Real) and not isinstance(self.dropout, bool)

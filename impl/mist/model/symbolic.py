@@ -73,9 +73,10 @@ CORE_ATTENTION_OPS = ("attention-score", "attention-softmax", "attention-dropout
 class Tracer:
     """Records the ops of one code path run on Syms."""
 
-    def __init__(self, tp: bool = True, sp_: bool = False) -> None:
+    def __init__(self, tp: bool = True, sp_: bool = False, tempo: bool = False) -> None:
         self.ops: list[Op] = []
         self.tp, self.sp = tp, sp_
+        self.tempo = tempo  # Tempo's layers: what each op keeps (ModelSpec.tempo)
 
     def op(self, name, kind, flops, ins: list[Sym], outs: list[Sym], saved: list[Sym], bwd_scale=2.0,
            fwd_bytes=None, bwd_bytes=None):  # fmt: skip
@@ -115,21 +116,28 @@ class Tracer:
     def norm(self, name: str, x: Sym, rms: bool) -> Sym:
         y = Sym(x.shape)
         stats = Sym(x.shape[:-1], FP32)  # rstd (and mean for LayerNorm), kept for backward
+        if self.tempo:  # its output (the next GEMM keeps it anyway) and rstd, not x nor the mean
+            self.op(name, "norm", (4 if rms else 7) * x.numel, [x], [y], [y, stats])
+            return y
         self.op(name, "norm", (4 if rms else 7) * x.numel, [x], [y], [x, stats])
         if not rms:
             self.ops[-1].saved.append(Sym(x.shape[:-1], FP32))
         return y
 
-    def linear(self, name: str, x: Sym, out_features: sp.Expr) -> Sym:
+    def linear(self, name: str, x: Sym, out_features: sp.Expr, keeps_input: bool = True) -> Sym:
+        """``keeps_input`` False: the input is recomputed for the weight gradient (Tempo's SwiGLU)."""
         y = Sym((*x.shape[:-1], out_features))
         w = Sym((x.shape[-1], out_features), weight=True)
-        self.op(name, "gemm", 2 * x.numel * out_features, [x, w], [y], [x.shard or x])
+        self.op(name, "gemm", 2 * x.numel * out_features, [x, w], [y], [x.shard or x] if keeps_input else [])
         return y
 
     def dropout(self, name: str, x: Sym, enabled: bool) -> Sym:
         if not enabled:
             return x
         y = Sym(x.shape)
+        if self.tempo:  # a seed (8 bytes), the mask regenerated in backward
+            self.op(name, "dropout", 2 * x.numel, [x], [y], [], bwd_scale=1.0)
+            return y
         mask = Sym(x.shape, MASK)
         self.op(name, "dropout", 2 * x.numel, [x], [y, mask], [mask], bwd_scale=1.0)
         return y
@@ -169,7 +177,9 @@ class Tracer:
                 fwd_bytes=half + full, bwd_bytes=half + half + full)  # fmt: skip
         dropped = self.dropout("attention-dropout", probs, dropout)
         context_flops = 2 * bb * heads * ss * ss * d
-        self.op("attention-context", "bmm", context_flops, [dropped, vv], [out], [dropped, *qkv_kept])
+        # Tempo: P, not the dropped-out probabilities (remade from P and the seed in backward)
+        kept = probs if self.tempo else dropped
+        self.op("attention-context", "bmm", context_flops, [dropped, vv], [out], [kept, *qkv_kept])
         return out
 
     def mlp(self, x: Sym, gated: bool, dropout: bool) -> Sym:
@@ -183,18 +193,22 @@ class Tracer:
             self.elementwise("mlp-silu", 5 * gate.numel, [gate], [act], [gate])
             prod = Sym(gate.shape)
             self.elementwise("mlp-mul", gate.numel, [act, up], [prod], [up])
-            y = self.linear("mlp-down", prod, h)
+            # Tempo's SwiGLU: the product is recomputed from gate and up for the down projection
+            y = self.linear("mlp-down", prod, h, keeps_input=not self.tempo)
         else:
             up = self.linear("mlp-gemm-1", x, f / t)
             act = Sym(up.shape)
-            self.elementwise("mlp-gelu", 8 * up.numel, [up], [act], [up])
+            # Tempo's GELU: its output (the next GEMM keeps it anyway) and one bit an element
+            # (which side of GELU's minimum), its input recovered in backward
+            keep = [act, Sym((*up.shape[:-1], up.shape[-1] / 8), MASK)] if self.tempo else [up]
+            self.elementwise("mlp-gelu", 8 * up.numel, [up], [act], keep)
             y = self.linear("mlp-gemm-2", act, h)
         return y
 
 
 def trace_layer(model: ModelSpec, sequence_parallel: bool = False) -> list[Op]:
     """The ops of one transformer layer of ``model`` on one TP rank, symbolic in (b, s, t, ...)."""
-    tr = Tracer(sp_=sequence_parallel)
+    tr = Tracer(sp_=sequence_parallel, tempo=model.tempo)
     rms = model.norm == "rmsnorm"
     dropout = model.dropout > 0
     d = h / a
