@@ -27,6 +27,13 @@ the host's ``time.monotonic_ns`` (kernels.py)."""
 
 _MAX_TIMEOUT_S = (2**31 - 1) / 1e6  # the kernels take the bound in int32 microseconds (~35 min)
 
+# What the kernels multiply (tl.dot, float32 accumulation, the output rounded to the inputs' dtype).
+# Under Triton's interpreter (CPU tensors) bfloat16 is read wrongly (relative errors ~1e9 measured:
+# numpy has no bfloat16) and float64 is not computed (the output is left unwritten), so the CPU
+# takes float16 and float32; a GPU bfloat16 too.
+GPU_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+INTERPRETER_DTYPES = (torch.float16, torch.float32)
+
 
 class StageTimeout(RuntimeError):
     """A consumer tile gave up waiting for its ready counter (its producer never signalled, or not
@@ -85,15 +92,49 @@ def _check_act(act: str) -> int:
     return ACTIVATIONS[act]
 
 
+def check_operands(**matrices: torch.Tensor) -> None:
+    """The kernels' operands, before any launch, each fault in one line saying what is accepted:
+    tensors, non-empty matrices on one device, of one dtype the kernels compute there
+    (``GPU_DTYPES`` on a GPU, ``INTERPRETER_DTYPES`` on the CPU)."""
+    names = ", ".join(matrices)
+    for name, t in matrices.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if any(t.dim() != 2 for t in matrices.values()):
+        got = ", ".join(f"{n} {t.dim()}-d" for n, t in matrices.items())
+        raise ValueError(f"{names} must be matrices (2-d), got {got}")
+    if any(t.numel() == 0 for t in matrices.values()):
+        got = ", ".join(f"{n} {tuple(t.shape)}" for n, t in matrices.items())
+        raise ValueError(f"{names} must not be empty, got {got}")
+    if len({t.device for t in matrices.values()}) > 1:
+        got = ", ".join(f"{n} on {t.device}" for n, t in matrices.items())
+        raise ValueError(f"{names} must be on one device, got {got}")
+    dtypes = {t.dtype for t in matrices.values()}
+    device = next(iter(matrices.values())).device
+    accepted = GPU_DTYPES if device.type == "cuda" else INTERPRETER_DTYPES
+    if len(dtypes) > 1 or not dtypes <= set(accepted):
+        where = "a GPU" if device.type == "cuda" else "the CPU (Triton's interpreter)"
+        got = ", ".join(f"{n} {t.dtype}" for n, t in matrices.items())
+        raise TypeError(
+            f"{names} must share one dtype of {', '.join(str(d) for d in accepted)} on {where}; got {got}"
+        )
+
+
 def _check_matmul(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> None:
-    if a.dim() != 2 or b.dim() != 2 or c.dim() != 2:
-        raise ValueError(f"a, b, c must be matrices, got {a.dim()}-d, {b.dim()}-d, {c.dim()}-d")
+    check_operands(a=a, b=b, c=c)
     if a.shape[1] != b.shape[0] or c.shape != (a.shape[0], b.shape[1]):
         raise ValueError(
             f"shapes do not chain: a {tuple(a.shape)} @ b {tuple(b.shape)} -> c {tuple(c.shape)}"
         )
-    if not (a.dtype == b.dtype == c.dtype):
-        raise ValueError(f"a, b, c must share a dtype, got {a.dtype}, {b.dtype}, {c.dtype}")
+
+
+def _check_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> None:
+    check_operands(x=x, w1=w1, w2=w2)
+    d, f = x.shape[1], w1.shape[1]
+    if w1.shape != (d, f) or w2.shape != (f, d):
+        raise ValueError(
+            f"need x [M, D], w1 [D, F], w2 [F, D]; got {tuple(x.shape)}, {tuple(w1.shape)}, {tuple(w2.shape)}"
+        )
 
 
 def _counter(t: torch.Tensor | None, rows: int, name: str, device: torch.device) -> torch.Tensor:
@@ -262,13 +303,9 @@ class TicketMLP:
     def __call__(
         self, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, wait: bool = True
     ) -> torch.Tensor:
+        _check_mlp(x, w1, w2)
         m, d = x.shape
         f = w1.shape[1]
-        if w1.shape != (d, f) or w2.shape != (f, d):
-            raise ValueError(f"need x [M, D], w1 [D, F], w2 [F, D]; got {tuple(x.shape)}, {tuple(w1.shape)}, "
-                             f"{tuple(w2.shape)}")  # fmt: skip
-        if not (x.dtype == w1.dtype == w2.dtype):
-            raise ValueError(f"x, w1, w2 must share a dtype, got {x.dtype}, {w1.dtype}, {w2.dtype}")
         x, w1, w2 = x.contiguous(), w1.contiguous(), w2.contiguous()
         tiles_m, tiles_n1 = self.tiling.tiles(m, f)
         _, tiles_n2 = self.tiling.tiles(m, d)
@@ -325,6 +362,7 @@ class PartitionedMLP:
         return self.waits.status
 
     def __call__(self, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+        _check_mlp(x, w1, w2)
         m, f = x.shape[0], w1.shape[1]
         tiles_m, tiles_n1 = self.tiling.tiles(m, f)
         ready, _ = self.ready.next_pass(tiles_m, x.device)

@@ -36,6 +36,7 @@ from ctapipe import (
     ticket_schedule,
 )
 from ctapipe.emulate import run_chain_processes
+from ctapipe.gemm import GPU_DTYPES, INTERPRETER_DTYPES
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TILING = Tiling(32, 32, 32) if DEVICE == "cuda" else INTERPRETER_TILING
@@ -210,16 +211,70 @@ def test_bad_input_is_refused_with_what_is_accepted():
         TicketMLP("gelu", TILING)(x, w1, w1.T[:4])
     with pytest.raises(ValueError, match="int32 with one counter per row block"):
         launch_stage(x, w1, torch.empty(8, 16, device=DEVICE), ready_in=torch.zeros(1), tiling=TILING)
+    # what the kernels cannot compute, refused before any launch, naming what is accepted
+    c = torch.empty(8, 16, device=DEVICE)
+    for dtype in (torch.float64, torch.int32, *([torch.bfloat16] if DEVICE == "cpu" else [])):
+        with pytest.raises(TypeError, match=r"must share one dtype of torch\.float16"):
+            launch_stage(x.to(dtype), w1.to(dtype), c.to(dtype), tiling=TILING)
+        with pytest.raises(TypeError, match="must share one dtype of"):
+            TicketMLP("gelu", TILING)(x.to(dtype), w1.to(dtype), w1.to(dtype))
+        with pytest.raises(TypeError, match="must share one dtype of"):
+            PartitionedMLP("gelu", TILING)(x.to(dtype), w1.to(dtype), w1.to(dtype))
+    with pytest.raises(TypeError, match="must share one dtype"):
+        launch_stage(x, w1.half(), c, tiling=TILING)
+    with pytest.raises(ValueError, match=r"must be matrices \(2-d\), got a 1-d"):
+        launch_stage(x[0], w1, c, tiling=TILING)
+    with pytest.raises(ValueError, match="must be matrices"):
+        PartitionedMLP("gelu", TILING)(x[0], w1, w1)
+    with pytest.raises(ValueError, match="must not be empty"):
+        launch_stage(x[:0], w1, c[:0], tiling=TILING)
+    with pytest.raises(TypeError, match=r"w1 must be a torch\.Tensor, got list"):
+        TicketMLP("gelu", TILING)(x, w1.tolist(), w1)
 
 
-def test_interpreter_fix_only_where_needed():
-    """Triton 3.6's interpreter needs the index fix (``nox -s compat`` runs these kernels on it);
-    later Triton and compiled kernels are left alone."""
-    import os
+ACCEPTED = GPU_DTYPES if DEVICE == "cuda" else INTERPRETER_DTYPES
 
-    import triton
 
-    from ctapipe.triton_compat import interpreter_compat
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("dtype", ACCEPTED, ids=str)
+def test_every_accepted_dtype_against_float64(dtype):
+    """C = A @ B by launch_stage and the MLP's first layer by both MLPs, in each dtype the kernels
+    accept on this device, against float64 from the same rounded inputs. The bound, per element:
+    float32 accumulation over K products (gamma_(K+1) ~ (K + 1) 2^-24; for float32 on a GPU also
+    TF32's rounding of both inputs, 2 x 2^-11) times sum_k |a_ik| |b_kj| (the product's
+    conditioning), then the output's rounding to its dtype, u times what was rounded."""
+    m, k, n = (int(v) for v in torch.randint(17, 70, (3,)))
+    a = torch.randn(m, k, device=DEVICE).to(dtype)
+    b = (torch.randn(k, n, device=DEVICE) / k**0.5).to(dtype)
+    u = torch.finfo(dtype).eps / 2
+    inputs = 2 * 2**-11 if (DEVICE == "cuda" and dtype == torch.float32) else 0.0
 
-    old = tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 7)
-    assert interpreter_compat() == (old and os.environ.get("TRITON_INTERPRET") == "1")
+    def rounded_bound(exact: torch.Tensor, accumulated: torch.Tensor) -> torch.Tensor:
+        return u * exact.abs() + (1 + u) * accumulated
+
+    exact = a.double() @ b.double()
+    bound = rounded_bound(exact, (inputs + 1.01 * (k + 1) * 2**-24) * (a.double().abs() @ b.double().abs()))
+    c = torch.empty(m, n, dtype=dtype, device=DEVICE)
+    launch_stage(a, b, c, tiling=TILING)
+    assert ((c.double() - exact).abs() <= bound).all(), ((c.double() - exact).abs() / bound).max()
+    # negative control: a tile-indexing fault (two rows of C exchanged) is far outside the bound
+    swapped = c[[1, 0, *range(2, m)]]
+    assert not ((swapped.double() - exact).abs() <= bound).all()
+    x, w1 = a, b  # the MLPs' first layer (relu: what the kernels apply to h) is the same GEMM
+    w2 = (torch.randn(n, k, device=DEVICE) / n**0.5).to(dtype)
+    for mlp in (TicketMLP("relu", TILING), PartitionedMLP("relu", TILING)):
+        y = mlp(x, w1, w2)
+        assert y.dtype == dtype and y.isfinite().all()
+        # y = relu(h) @ w2 with h rounded to dtype: bounded from the h the kernel could have made
+        h = exact.clamp_min(0)
+        h_bound = bound  # relu does not widen it
+        y_exact = h @ w2.double()
+        w2d = w2.double()
+        y_bound = rounded_bound(
+            y_exact,
+            (inputs + 1.01 * (n + 1) * 2**-24) * ((h.abs() + h_bound) @ w2d.abs()) + h_bound @ w2d.abs(),
+        )
+        assert ((y.double() - y_exact).abs() <= y_bound).all(), (
+            type(mlp).__name__,
+            ((y.double() - y_exact).abs() / y_bound).max(),
+        )
