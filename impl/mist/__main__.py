@@ -645,4 +645,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    from measure.parallel import sigterm_as_interrupt
+
+    sigterm_as_interrupt()  # `kill` ends a search as Ctrl-C does: one line, status 130
     sys.exit(main())

@@ -199,3 +199,23 @@ def test_a_reader_that_stops_early_ends_it_quietly(tmp_path):
     proc.stdout.close()  # the reader stops before the command has imported anything
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 141 and err == "", err
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_an_interrupted_search_ends_in_one_line(tmp_path, sig):
+    """Ctrl-C or ``kill`` during a search (GPT-3 22B on 32 L4: ~30 s): status 130 and one line
+    on stderr, never a KeyboardInterrupt traceback; no plan file is written."""
+    import signal
+
+    out = tmp_path / "plan.yaml"
+    command = [sys.executable, "-m", "mist", "plan", "--model", "gpt3-22b", "--gpus", "32", "--gpu", "l4",
+               "--global-batch", "512", "--quiet", "--out", str(out)]  # fmt: skip
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(4)  # imported, searching
+    assert proc.poll() is None, proc.communicate()
+    proc.send_signal(getattr(signal, sig))
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and err.strip().count("\n") == 0, err
+    assert "interrupted" in err and not out.exists(), err

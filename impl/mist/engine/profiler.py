@@ -165,14 +165,15 @@ def _interleaved_seconds_all_ranks(
 # What a benchmark rank imports before it runs: its ranks are forked from one server process that
 # imported these once (multiprocessing's forkserver), not started as fresh interpreters (~5 s a
 # launch of 2 ranks on 2 cores, twelve launches a 2-process fit). The server has only imported
-# (no threads, no torch ops), as fork_launch's; it exits when this process does.
+# (no threads, no torch ops), as fork_launch's; it exits once this process and its ranks have.
 _RANK_PRELOAD = ["torch.distributed", "torch.distributed.fsdp", "megatron.core.models.gpt.gpt_layer_specs",
                  "megatron.core.transformer.spec_utils", "mist.engine.profiler"]  # fmt: skip
 
 
 def _rank_main(rank: int, launcher: int, worker: Callable, *args) -> None:
-    """A benchmark rank: dies with the server that forked it (which ends with ``launcher``), then
-    ``worker(rank, *args)``."""
+    """A benchmark rank: dies with the server that forked it and with ``launcher``, the process
+    that launched it (the server outlives ``launcher`` while its ranks live: they hold its
+    liveness pipe), then ``worker(rank, *args)``."""
     from measure.parallel import die_with_launcher
 
     die_with_launcher(launcher)
