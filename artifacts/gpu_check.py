@@ -398,6 +398,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ap.error(f"--commit must be a full 40-digit hexadecimal commit id, got {args.commit!r}")
     if args.archive is not None and not args.archive.name.endswith((".tar.gz", ".tgz")):
         ap.error(f"--archive must name a .tar.gz or .tgz file, got {args.archive}")
+    if args.archive is not None:  # before any part runs: the archive is written after each
+        if args.archive.is_dir():
+            ap.error(f"--archive {args.archive}: a folder; give the archive file's name")
+        # written beside itself and renamed (write_archive), its folders made: the nearest existing
+        # one must be a writable folder
+        existing = next(p for p in [args.archive.parent.resolve(), *args.archive.parent.resolve().parents]
+                        if p.exists())  # fmt: skip
+        if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+            ap.error(f"--archive {args.archive}: {existing} is not a folder this user can write in")
     if args.out is not None and args.out.exists() and not args.out.is_dir():
         ap.error(f"--out {args.out}: not a folder")
     return args

@@ -62,6 +62,23 @@ def test_bad_input_one_line_before_any_work(tmp_path, capsys, args, expected):
     assert not out.exists()  # nothing was started or written
 
 
+def test_an_archive_that_cannot_be_written_is_refused_before_any_work(tmp_path, capsys):
+    """--archive is written after every part: a place it cannot be written is refused before the
+    first (the probe's: after a part had run and was recorded as passed)."""
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    (tmp_path / "folder.tar.gz").mkdir()
+    out = tmp_path / "out"
+    cases = [(afile / "gpu.tar.gz", "is not a folder this user can write in"),
+             (tmp_path / "folder.tar.gz", "a folder; give the archive file's name")]  # fmt: skip
+    for archive, expected in cases:
+        with pytest.raises(SystemExit) as exit_:
+            gpu_check.main(["--dry-run", "--out", str(out), "--archive", str(archive)])
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and err.count("\n") == 1 and expected in err, err
+        assert not out.exists()
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the check of a machine without a GPU")
 def test_no_gpu_is_the_one_line_whatever_else_is_missing(tmp_path, capsys, monkeypatch):
     """Without a GPU the check says so first: a package missing too (a wheel not fetched) is not
