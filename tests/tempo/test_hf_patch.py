@@ -193,3 +193,46 @@ def test_torch_compile_matches_eager():
     for a, b in zip(g, g_eager, strict=True):
         if b is not None:
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["bert", "roberta", "gpt2"])
+@pytest.mark.parametrize("how", ["torch.save", "pickle", "deepcopy"])
+def test_a_patched_model_survives_save_and_load(kind, how):
+    """Every technique on (LayerNorm, GELU, attention core, dropout): the copy computes what the
+    original does (eval and, with the same seed, training mode), is still patched, and unpatches to
+    HF's modules with its own parameters."""
+    import copy
+    import io
+    import pickle
+
+    ours = tiny(kind, dropout=0.1)
+    tempo.patch(ours)
+    if how == "deepcopy":
+        twin = copy.deepcopy(ours)
+    elif how == "pickle":
+        twin = pickle.loads(pickle.dumps(ours))
+    else:
+        buffer = io.BytesIO()
+        torch.save(ours, buffer)
+        buffer.seek(0)
+        twin = torch.load(buffer, weights_only=False)
+    ids, mask = batch()
+    assert tempo.is_patched(twin)
+    with torch.no_grad():
+        for model in (ours, twin):
+            model.eval()
+        assert torch.equal(logits(twin, ids, mask), logits(ours, ids, mask))
+        for model in (ours, twin):
+            model.train()
+        torch.manual_seed(0)
+        trained = logits(ours, ids, mask)
+        torch.manual_seed(0)
+        assert torch.equal(logits(twin, ids, mask), trained)  # the dropouts' seeds drawn alike
+    tempo.unpatch(twin)
+    assert not tempo.is_patched(twin) and tempo.is_patched(ours)
+    assert not any(
+        isinstance(m, tempo.TempoLayerNorm | tempo.TempoGELU | tempo.TempoDropout) for m in twin.modules()
+    )
+    with torch.no_grad():
+        next(twin.parameters()).zero_()  # the copy's parameters are its own
+        assert not torch.equal(next(twin.parameters()), next(ours.parameters()))
