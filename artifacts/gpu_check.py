@@ -297,13 +297,26 @@ def probe(env: dict[str, str], deadline: float) -> dict[str, Any]:
 # ---------------------------------------------------------------- status and archive
 
 
+# what a part's record may say (run_bounded's outcomes, and a part started or skipped)
+OUTCOMES = ("passed", "failed", "timed_out", "interrupted", "running", "not_run")
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    keys = [k for k, _ in pairs]
+    twice = sorted({k for k in keys if keys.count(k) > 1})
+    if twice:
+        raise ValueError(f"key {twice[0]!r} given twice")
+    return dict(pairs)
+
+
 def read_status(path: Path, mode: str) -> dict[str, Any]:
-    """The status of earlier calls in this folder; a fresh one if none or from the other mode."""
+    """The status of earlier calls in this folder; a fresh one if none or from the other mode.
+    Read strictly: one line naming the file and what is wrong, before any part runs."""
     if not path.exists():
         return {"format": FORMAT, "mode": mode, "parts": {}}
     try:
-        status = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        status = json.loads(path.read_text(), object_pairs_hook=_unique_keys)
+    except (OSError, ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
         raise SetupError(f"{path}: not readable ({e}); move it aside to start afresh") from None
     if (
         not isinstance(status, dict)
@@ -311,6 +324,15 @@ def read_status(path: Path, mode: str) -> dict[str, Any]:
         or not isinstance(status.get("parts"), dict)
     ):
         raise SetupError(f"{path}: not a gpu_check status of format {FORMAT}; move it aside to start afresh")
+    names = [p.name for p in PARTS]
+    for name, record in status["parts"].items():
+        if name not in names:
+            raise SetupError(f"{path}: unknown part {name!r} (parts: {', '.join(names)}); move it aside")
+        if not isinstance(record, dict) or record.get("outcome") not in OUTCOMES:
+            raise SetupError(f"{path}: part {name}'s record needs an outcome of {', '.join(OUTCOMES)}; "
+                             "move it aside to start afresh")  # fmt: skip
+        if record["outcome"] == DONE and not isinstance(record.get("finished_utc"), str):
+            raise SetupError(f"{path}: part {name} passed but has no finished_utc time; move it aside")
     if status.get("mode") != mode:
         print(f"{path} is from a {status.get('mode')} run: starting afresh for this {mode} run", flush=True)
         return {"format": FORMAT, "mode": mode, "parts": {}}

@@ -62,6 +62,32 @@ def test_bad_input_one_line_before_any_work(tmp_path, capsys, args, expected):
     assert not out.exists()  # nothing was started or written
 
 
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ('{"format": 1, "mode": "dry-run", "parts": {}, "parts": {}}', "key 'parts' given twice"),
+        (
+            '{"format": 1, "mode": "dry-run", "parts": {"kernel": {"outcome": "passed"}}}',
+            "unknown part 'kernel'",
+        ),
+        ('{"format": 1, "mode": "dry-run", "parts": {"kernels": {"outcome": "ok"}}}', "needs an outcome of"),
+        ('{"format": 1, "mode": "dry-run", "parts": {"kernels": ["passed"]}}', "needs an outcome of"),
+        ('{"format": 1, "mode": "dry-run", "parts": {"kernels": {"outcome": "passed"}}}', "no finished_utc"),
+    ],
+)
+def test_a_broken_status_file_is_refused_in_one_line_before_any_part(tmp_path, capsys, text, expected):
+    """status.json decides which parts are done: read strictly (no duplicate keys, known parts, a
+    known outcome, a time for a pass), it is refused naming the file before any part runs."""
+    out = tmp_path / "out"
+    out.mkdir()
+    text = text.replace('"format": 1', f'"format": {gpu_check.FORMAT}')
+    (out / gpu_check.STATUS).write_text(text)
+    code = gpu_check.main(["--dry-run", "--out", str(out), "--parts", "kernels"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and expected in err and str(out) in err, err
+    assert sorted(p.name for p in out.iterdir()) == [".lock", gpu_check.STATUS]  # nothing run
+
+
 def test_an_archive_that_cannot_be_written_is_refused_before_any_work(tmp_path, capsys):
     """--archive is written after every part: a place it cannot be written is refused before the
     first (the probe's: after a part had run and was recorded as passed)."""
