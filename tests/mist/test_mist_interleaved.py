@@ -73,9 +73,12 @@ def test_balanced_stages_take_the_textbook_time(stages, micro, virtual, rng):
 @settings(max_examples=60, deadline=None)
 @given(st.integers(2, 6), st.integers(1, 3), st.integers(2, 4), st.randoms(use_true_random=False))
 def test_closed_form_bounds_the_interleaved_simulation(stages, groups, virtual, rnd):
-    """Imbalanced stages, as for 1F1B: the simulation is never slower than the closed form by more
-    than the stages' extras, and never faster than the slowest stage running every micro-batch
-    followed by the barrier and the slowest step."""
+    """Imbalanced stages: the interleaved simulation is never slower than plain 1F1B's closed form
+    (V = 1) by more than the stages' extras, and never faster than the slowest stage running every
+    micro-batch followed by the barrier and the slowest step. The interleaved closed form itself is
+    no upper bound with imbalanced stages (a fresh CI run found one: 2.578 simulated against 2.570;
+    over 20,000 draws it was exceeded in 3%, by up to 8.7% of the stages' summed time): it ranks
+    candidates, and plans are predicted by the simulation."""
     micro = stages * groups
     fwd = [rnd.uniform(0.2, 2) for _ in range(stages)]
     bwd = [2 * x * rnd.uniform(0.8, 1.2) for x in fwd]
@@ -84,8 +87,8 @@ def test_closed_form_bounds_the_interleaved_simulation(stages, groups, virtual, 
     barrier = rnd.uniform(0, 0.5)
     steady = [x + y for x, y in zip(fwd, bwd, strict=True)]
     sim = simulate_1f1b(fwd, bwd, micro, last=last, step=step, barrier_s=barrier, virtual=virtual)
-    closed = pipeline_objective(steady, last, micro, step, barrier, virtual)
-    assert sim <= closed + 1e-9 + max(last)
+    plain_1f1b = pipeline_objective(steady, last, micro, step, barrier, virtual=1)
+    assert sim <= plain_1f1b + 1e-9 + max(last)
     assert sim >= max(steady) * micro + barrier + max(step) - 1e-9
 
 

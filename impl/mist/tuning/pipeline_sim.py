@@ -176,7 +176,9 @@ def pipeline_objective(
     path the first micro-batch crosses. Any T_i, D_i, P_i or W_i may be an array (candidates for
     that stage): the result is then an array too. With V (``virtual``) chunks a rank the fill and
     drain shrink V-fold: G max_i T_i + (sum_i T_i - max_i T_i) / V, and stage i's last backward
-    ends sum_{j<i} T_j / V before stage 0's (V = 1: the form above).
+    ends sum_{j<i} T_j / V before stage 0's (V = 1: the form above). With V > 1 and unequal stages
+    this is no upper bound (the simulation exceeded it in 3% of 20,000 random draws, by up to 8.7%
+    of sum_i T_i); it ranks candidates, and a plan's prediction is the simulation's.
     """
     step = [0.0] * len(steady) if step is None else step
     slowest = functools.reduce(np.maximum, steady)
