@@ -316,11 +316,13 @@ def read_status(path: Path, mode: str) -> dict[str, Any]:
         return {"format": FORMAT, "mode": mode, "parts": {}}
     try:
         status = json.loads(path.read_text(), object_pairs_hook=_unique_keys)
-    except (OSError, ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
+    except (OSError, ValueError, UnicodeDecodeError, RecursionError) as e:  # JSONDecodeError: a ValueError
         raise SetupError(f"{path}: not readable ({e}); move it aside to start afresh") from None
     if (
         not isinstance(status, dict)
+        or type(status.get("format")) is not int  # not true, not 1.0
         or status.get("format") != FORMAT
+        or status.get("mode") not in ("dry-run", "cuda")
         or not isinstance(status.get("parts"), dict)
     ):
         raise SetupError(f"{path}: not a gpu_check status of format {FORMAT}; move it aside to start afresh")
@@ -333,6 +335,11 @@ def read_status(path: Path, mode: str) -> dict[str, Any]:
                              "move it aside to start afresh")  # fmt: skip
         if record["outcome"] == DONE and not isinstance(record.get("finished_utc"), str):
             raise SetupError(f"{path}: part {name} passed but has no finished_utc time; move it aside")
+        number = (int, float)
+        seconds = record.get("seconds")
+        if seconds is not None and (isinstance(seconds, bool) or not isinstance(seconds, number)
+                                    or not isinstance(record.get("timeout_s"), number)):  # fmt: skip
+            raise SetupError(f"{path}: part {name}'s seconds and timeout_s must be numbers; move it aside")
     if status.get("mode") != mode:
         print(f"{path} is from a {status.get('mode')} run: starting afresh for this {mode} run", flush=True)
         return {"format": FORMAT, "mode": mode, "parts": {}}

@@ -73,6 +73,14 @@ def test_bad_input_one_line_before_any_work(tmp_path, capsys, args, expected):
         ('{"format": 1, "mode": "dry-run", "parts": {"kernels": {"outcome": "ok"}}}', "needs an outcome of"),
         ('{"format": 1, "mode": "dry-run", "parts": {"kernels": ["passed"]}}', "needs an outcome of"),
         ('{"format": 1, "mode": "dry-run", "parts": {"kernels": {"outcome": "passed"}}}', "no finished_utc"),
+        ('{"format": true, "mode": "dry-run", "parts": {}}', "not a gpu_check status of format"),
+        ('{"format": 1.0, "mode": "dry-run", "parts": {}}', "not a gpu_check status of format"),
+        ('{"format": 1, "parts": {}}', "not a gpu_check status of format"),
+        (
+            '{"format": 1, "mode": "dry-run", "parts": {"kernels": {"outcome": "failed", "seconds": "abc"}}}',
+            "must be numbers",
+        ),
+        ("[" * 100_000, "not readable"),
     ],
 )
 def test_a_broken_status_file_is_refused_in_one_line_before_any_part(tmp_path, capsys, text, expected):

@@ -285,6 +285,8 @@ def _torchtitan_limits(plan: Plan, model: ModelSpec, flavor: str) -> list[str]:
         )
     if not model.flash:
         cannot.append("attention without FlashAttention (torchtitan's is PyTorch SDPA's fused kernel)")
+    if model.tempo:
+        cannot.append("Tempo's layers (torchtitan builds its own)")
     if plan.tp > 1 and not plan.sequence_parallel:
         cannot.append("TP without sequence parallelism (torchtitan's TP always shards the sequence)")
     stages = plan.stages

@@ -59,12 +59,13 @@ def tempo_layer_spec(normalization: str = "LayerNorm"):
     attention = spec.submodules.self_attention
     core = replace(attention.submodules, core_attention=_attention_class())
     attention = replace(attention, submodules=core)
+    norm = _norm_spec(normalization)
     submodules = replace(
         spec.submodules,
-        input_layernorm=TempoNorm,
+        input_layernorm=norm,
         self_attention=attention,
         self_attn_bda=tempo_bias_dropout_add,
-        pre_mlp_layernorm=TempoNorm,
+        pre_mlp_layernorm=norm,
         mlp=replace(spec.submodules.mlp, module=_mlp_class()),
         mlp_bda=tempo_bias_dropout_add,
     )
@@ -77,7 +78,14 @@ def tempo_block_spec(normalization: str, layers: int):
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
     return TransformerBlockSubmodules(layer_specs=[tempo_layer_spec(normalization)] * layers,
-                                      layer_norm=TempoNorm)  # fmt: skip
+                                      layer_norm=_norm_spec(normalization))  # fmt: skip
+
+
+def _norm_spec(normalization: str):
+    """TempoNorm, told the spec's normalization (held against the config's when built)."""
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    return ModuleSpec(module=TempoNorm, params={"normalization": normalization})
 
 
 class TempoNorm:
@@ -85,7 +93,12 @@ class TempoNorm:
     TP-group sum of their gradients under sequence parallelism. Built by megatron-core's
     build_module with its norms' arguments."""
 
-    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **_unused):
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, normalization: str | None = None,
+                **_unused):  # fmt: skip
+        if normalization is not None and normalization != config.normalization:
+            raise ValueError(
+                f"the Tempo spec was made for {normalization}, the config says {config.normalization!r}"
+            )
         if config.normalization == "LayerNorm":
             norm = TempoLayerNorm(hidden_size, eps=eps, dtype=config.params_dtype)
         elif config.normalization == "RMSNorm":
@@ -126,6 +139,9 @@ def _attention_class():
             super().__init__(config, *args, **kwargs)
             if getattr(config, "window_size", None) is not None:
                 raise ValueError("the Tempo attention core takes full causal attention, not a sliding window")
+            if config.apply_query_key_layer_scaling:  # megatron-core rescales in its fp32 softmax
+                raise ValueError("the Tempo attention core takes no query-key layer scaling "
+                                 "(apply_query_key_layer_scaling=False)")  # fmt: skip
             if getattr(config, "softmax_type", "vanilla") != "vanilla":
                 raise ValueError(
                     f"the Tempo attention core takes the plain softmax, not {config.softmax_type!r}"
@@ -182,6 +198,9 @@ def _mlp_class():
                     "the Tempo MLP takes GELU (activation_func=F.gelu, not gated) or SwiGLU "
                     f"(activation_func=F.silu, gated_linear_unit=True), got {act} with gated={gated}"
                 )
+            if act is F.gelu and config.bias_activation_fusion:  # megatron-core's fused one is tanh's
+                raise ValueError("the Tempo MLP's GELU is exact: set bias_activation_fusion=False "
+                                 "(megatron-core's fused bias-GELU is the tanh approximation)")  # fmt: skip
             if config.activation_func_clamp_value is not None or config.glu_linear_offset != 0.0:
                 raise ValueError("the Tempo MLP's SwiGLU is silu(gate) * up: no clamp, no linear offset")
 

@@ -107,7 +107,7 @@ def test_persistent_stages_and_the_sm_partitioned_mlp(programs):
         y = mlp(x, w1, w2)  # (a give-up would raise StageTimeout)
         assert mlp.status.tolist() == [0] * 6
         torch.testing.assert_close(y, _act(x @ w1, "gelu") @ w2, atol=ATOL, rtol=ATOL)
-    with pytest.raises(ValueError, match="programs must be >= 1"):
+    with pytest.raises(ValueError, match="programs must be a whole number >= 1"):
         launch_stage(x, w1, h, tiling=TILING, programs=0)
     with pytest.raises(ValueError, match=r"producer_share must be in \(0, 1\)"):
         PartitionedMLP(producer_share=1.0)
@@ -230,6 +230,17 @@ def test_bad_input_is_refused_with_what_is_accepted():
         launch_stage(x[:0], w1, c[:0], tiling=TILING)
     with pytest.raises(TypeError, match=r"w1 must be a torch\.Tensor, got list"):
         TicketMLP("gelu", TILING)(x, w1.tolist(), w1)
+    # an output that overlaps an input or itself (the probe's: 11.8 and 1.45 relative errors)
+    square = torch.randn(16, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="c overlaps a in memory"):
+        launch_stage(square, torch.randn(16, 16, device=DEVICE), square, tiling=TILING)
+    with pytest.raises(ValueError, match="c must not overlap itself"):
+        launch_stage(x, w1, torch.empty(1, 16, device=DEVICE).expand(8, 16), tiling=TILING)
+    launch_stage(x, w1, torch.empty(8, 32, device=DEVICE)[:, :16], tiling=TILING)  # strided, not overlapping
+    with pytest.raises(ValueError, match="requires grad"):
+        launch_stage(x.requires_grad_(), w1, c, tiling=TILING)
+    with pytest.raises(ValueError, match="programs must be a whole number >= 1"):
+        TicketMLP("gelu", TILING, programs=0)
 
 
 ACCEPTED = GPU_DTYPES if DEVICE == "cuda" else INTERPRETER_DTYPES

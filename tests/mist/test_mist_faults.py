@@ -219,3 +219,17 @@ def test_an_interrupted_search_ends_in_one_line(tmp_path, sig):
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130 and err.strip().count("\n") == 0, err
     assert "interrupted" in err and not out.exists(), err
+
+
+def test_tempo_is_refused_where_it_cannot_be_built():
+    """The probe's: Tempo's layers with the parallel block, or for Megatron-LM / torchtitan targets
+    (which build their own layers), were planned and exported as if they could run."""
+    from mist import model
+    from mist.tuning import megatron_lm, torchtitan
+
+    with pytest.raises(ValueError, match="not the parallel block"):
+        model("falcon-1.3b", tempo=True)
+    with pytest.raises(ValueError, match="Megatron-LM builds its own layers"):
+        megatron_lm.check_model(model("gpt3-1.3b", tempo=True))
+    with pytest.raises(ValueError, match="torchtitan builds its own layers"):
+        torchtitan.check_model(model("llama-1.3b", tempo=True))

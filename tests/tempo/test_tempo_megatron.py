@@ -12,6 +12,7 @@ import math
 import random
 
 import pytest
+import torch
 
 from measure import fork_launch
 
@@ -92,3 +93,18 @@ def test_tempo_megatron_layer_is_the_plain_layer_keeping_less(
     assert r["tempo_dropout_bytes"] == tempo_bytes(tp, sequence_parallel, mlp, dropout=True), r
     assert r["plain_bytes"] == plain_bytes(tp, sequence_parallel, mlp, normalization), r
     assert r["tempo_bytes"] < 0.75 * r["plain_bytes"], r
+
+
+def test_a_norm_spec_for_one_normalization_refuses_a_config_of_another():
+    """The spec's normalization and the config's must agree (the probe's: a LayerNorm spec built
+    RMSNorms silently from an RMSNorm config)."""
+    from types import SimpleNamespace
+
+    from tempo.megatron import TempoNorm
+
+    config = SimpleNamespace(normalization="RMSNorm", params_dtype=None, sequence_parallel=False)
+    with pytest.raises(ValueError, match="made for LayerNorm, the config says 'RMSNorm'"):
+        TempoNorm(config, 8, normalization="LayerNorm")
+    config.params_dtype = torch.float32
+    norm = TempoNorm(config, 8, normalization="RMSNorm")
+    assert type(norm).__name__ == "TempoRMSNorm" and norm.weight.sequence_parallel is False

@@ -70,6 +70,8 @@ class ModelSpec:
             raise ValueError(f"dropout must be a number in [0, 1), got {self.dropout!r}")
         if self.norm not in NORMS:
             raise ValueError(f"norm must be one of {NORMS}, got {self.norm!r}")
+        if self.tempo and self.parallel_block:  # tempo.megatron builds the sequential layer only
+            raise ValueError("tempo: Tempo's layers are built as sequential layers, not the parallel block")
         if self.positions not in POSITIONS:
             raise ValueError(f"positions must be one of {POSITIONS}, got {self.positions!r}")
 

@@ -165,6 +165,8 @@ def check_model(model: ModelSpec) -> None:
             f"{model.name}: Megatron-LM has no layer with attention and MLP in parallel on one norm "
             "(Falcon); plan it with --no-parallel-block, or without --target"
         )
+    if model.tempo:
+        raise ValueError(f"{model.name}: Megatron-LM builds its own layers, not Tempo's; drop --tempo")
 
 
 def search_megatron_lm(

@@ -40,6 +40,8 @@ def check_model(model: ModelSpec) -> None:
         )
     if not model.flash:
         raise ValueError("torchtitan's attention is PyTorch SDPA's fused kernel: plan with FlashAttention")
+    if model.tempo:
+        raise ValueError(f"{model.name}: torchtitan builds its own layers, not Tempo's; plan without --tempo")
 
 
 def settings(model: ModelSpec, cluster: ClusterSpec, global_batch: int) -> Iterator[TorchtitanSetting]:
