@@ -15,7 +15,7 @@ from mist import Plan, StagePlan, cluster, model, predict, search
 from mist.export import megatron_lm_arguments
 from mist.tuning.megatron_lm import search_megatron_lm
 
-CASES = [("gpt3-1.3b", "l4", 4, 32, 2048), ("llama-2.7b", "a100-40gb", 8, 64, 4096)]
+CASES = [("gpt3-1.3b", "l4", 4, 32, 2048), ("llama-2.7b", "a100-40gb", 4, 32, 4096)]
 
 
 def test_grid_is_megatron_practice():
