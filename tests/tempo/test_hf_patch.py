@@ -17,6 +17,8 @@ from transformers.utils import logging as hf_logging
 
 import tempo
 
+from .copies import HOWS, copied
+
 hf_logging.set_verbosity_error()
 
 
@@ -196,26 +198,14 @@ def test_torch_compile_matches_eager():
 
 
 @pytest.mark.parametrize("kind", ["bert", "roberta", "gpt2"])
-@pytest.mark.parametrize("how", ["torch.save", "pickle", "deepcopy"])
+@pytest.mark.parametrize("how", HOWS)
 def test_a_patched_model_survives_save_and_load(kind, how):
     """Every technique on (LayerNorm, GELU, attention core, dropout): the copy computes what the
     original does (eval and, with the same seed, training mode), is still patched, and unpatches to
     HF's modules with its own parameters."""
-    import copy
-    import io
-    import pickle
-
     ours = tiny(kind, dropout=0.1)
     tempo.patch(ours)
-    if how == "deepcopy":
-        twin = copy.deepcopy(ours)
-    elif how == "pickle":
-        twin = pickle.loads(pickle.dumps(ours))
-    else:
-        buffer = io.BytesIO()
-        torch.save(ours, buffer)
-        buffer.seek(0)
-        twin = torch.load(buffer, weights_only=False)
+    twin = copied(ours, how)
     ids, mask = batch()
     assert tempo.is_patched(twin)
     with torch.no_grad():

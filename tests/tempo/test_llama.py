@@ -13,6 +13,8 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMS
 import tempo
 from measure.saved import saved_bytes
 
+from .copies import HOWS, copied
+
 
 def _tiny(dtype=torch.float32, layers=2, attn="sdpa") -> LlamaForCausalLM:
     cfg = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=88, num_hidden_layers=layers,
@@ -274,27 +276,15 @@ def test_a_decoder_layer_keeps_its_closed_form(configuration, monkeypatch):
     assert per_layer == closed_form_bytes(spec, configuration, seq), (spec, seq)
 
 
-@pytest.mark.parametrize("how", ["torch.save", "pickle", "deepcopy"])
+@pytest.mark.parametrize("how", HOWS)
 def test_a_model_patched_with_the_lean_loss_survives_save_and_load(tmp_path, how):
     """tempo.patch(loss=True) put a bound method on the model, which pickle stores by name and a
     loaded model does not have: torch.save worked and torch.load failed. Now the copy computes
     the original's loss and unpatches to HF's."""
-    import copy
-    import io
-    import pickle
-
     ours = _tiny()
     tempo.patch(ours, loss=True)
     ids = torch.randint(0, 96, (2, 16))
-    if how == "deepcopy":
-        twin = copy.deepcopy(ours)
-    elif how == "pickle":
-        twin = pickle.loads(pickle.dumps(ours))
-    else:
-        buffer = io.BytesIO()
-        torch.save(ours, buffer)
-        buffer.seek(0)
-        twin = torch.load(buffer, weights_only=False)
+    twin = copied(ours, how)
     with torch.no_grad():
         assert torch.equal(twin(input_ids=ids, labels=ids).loss, ours(input_ids=ids, labels=ids).loss)
         twin.model.embed_tokens.weight.zero_()  # the copy computes with its own weights
