@@ -28,7 +28,7 @@ GPU_CHECK = "nox -s gpu_check"
 ABSTRACT = "Mist, arXiv 2503.19050v1, abstract"
 VERSUS = {  # baseline -> (name, paper's mean, paper's max)
     "megatron": ("the Megatron-LM grid", 1.28, 1.73),
-    "aceso": ("the Aceso-style search (10 s budget)", 1.27, 2.04),
+    "aceso": ("the Aceso-style search (2,000 plans priced)", 1.27, 2.04),
 }
 GPUS = {"l4": "L4", "a100-40gb": "A100-40GB"}
 PREDICTED = dict(experiment=EXPERIMENT, file="comparison.json", evidence="predicted",

@@ -54,7 +54,7 @@ from .plans import plan_summary
 # every system of the experiment, predicted (run.py's comparison) and measured here
 SYSTEMS = ("mist", "megatron", "megatron_lm_target", "aceso", "zero3")
 MiB = 2**20
-ACESO_BUDGET_S = 10.0  # the comparison part's CPU-scale budget
+ACESO_MAX_PRICED = 2000  # plans priced: the comparison part's CPU-scale budget
 # Every system plans to this fraction of the cap and runs under the whole cap. The memory model is
 # stated to be within 10% of what the engine measures (claim mist-engine-memory), and a steady
 # step's peak varies by up to ~10% at this scale (gloo's threads free buffers at varying times).
@@ -139,7 +139,7 @@ def plain_plan(case: MeasuredCase, base: EngineSetup = CPU_ENGINE):
 
 
 def plan_systems(
-    case: MeasuredCase, runtime, aceso_budget: float = ACESO_BUDGET_S, setup: MeasuredSetup = MEASURED
+    case: MeasuredCase, runtime, aceso_budget: int = ACESO_MAX_PRICED, setup: MeasuredSetup = MEASURED
 ) -> dict:
     """Each system's plan within ``PLANNING_FRACTION`` of the case's cap, to run under the whole
     cap, priced by ``runtime`` (None: the device preset's nominal roofline); where a system finds
@@ -238,7 +238,7 @@ def measured_key(case: MeasuredCase, setup: MeasuredSetup) -> dict:
         "steps": setup.steps,
         "planning_fraction": PLANNING_FRACTION,
         "launches": setup.launches,
-        "aceso_budget_s": ACESO_BUDGET_S,
+        "aceso_max_priced": ACESO_MAX_PRICED,
         "cost_model": f"runtime model fitted to {device}'s profiles",
     }
 

@@ -22,7 +22,7 @@ reference/; an interrupted run resumes when rerun):
 * measured: Mist, the grid, the Aceso-style search and ZeRO-3 each plan a small GPT-3 or Llama
   on 1 or 2 gloo processes under a per-rank memory cap that the plain plan exceeds; every winner
   trained (3 launches), measured step times and speedups beside the predicted ones (measured.py).
-FlashAttention on and off; --scale paper gives the Aceso-style search a longer budget.
+FlashAttention on and off; --scale paper gives the Aceso-style search a larger budget.
 """
 
 from __future__ import annotations
@@ -46,7 +46,8 @@ SIZES = [("1.3b", 2, 32), ("2.7b", 4, 64), ("7b", 8, 128), ("13b", 16, 256), ("2
 CLUSTERS = {"l4": 2048, "a100-40gb": 4096}  # GPU -> sequence length (the paper's settings)
 ARCHS = ("gpt3", "llama", "falcon")  # the model families of mist.specs.FAMILIES
 FLASH = {"cpu": (True, False), "paper": (True, False)}
-ACESO_BUDGET_S = {"cpu": 10.0, "paper": 60.0}
+# the Aceso-style search's budget in distinct plans priced (not seconds: results independent of load)
+ACESO_MAX_PRICED = {"cpu": 2000, "paper": 12000}
 # What each step adds, in order: Mist's search over recomputed layers per stage, the layer split
 # (MILP) and the micro-batch, without offloading or ZeRO-2/3 and blind to the first/last
 # micro-batch's extra work; then offloading (the MILP's halves, refined to eighths for the winner,
@@ -76,8 +77,8 @@ def _setup(gpu: str, arch: str, size: str, flash: bool):
     return model(f"{arch}-{size}", seq=CLUSTERS[gpu], flash=flash), cluster(gpu, gpus), batch
 
 
-def comparison_point(gpu: str, arch: str, size: str, flash: bool, aceso_budget: float) -> dict:
-    from baselines.megatron.aceso import search_aceso
+def comparison_point(gpu: str, arch: str, size: str, flash: bool, aceso_budget: int) -> dict:
+    from baselines.megatron.aceso import run_aceso
     from baselines.megatron.grid import search_grid
     from baselines.megatron.zero3 import search_zero3
     from mist import NoFeasiblePlan, search
@@ -89,7 +90,7 @@ def comparison_point(gpu: str, arch: str, size: str, flash: bool, aceso_budget: 
         "mist": lambda: search(m, c, batch),
         "megatron": lambda: search_grid(m, c, batch),
         "megatron_lm_target": lambda: check_model(m) or search_megatron_lm(m, c, batch),
-        "aceso": lambda: search_aceso(m, c, batch, aceso_budget),
+        "aceso": lambda: run_aceso(m, c, batch, aceso_budget),
         "zero3": lambda: search_zero3(m, c, batch),
     }
     # the model's family and size as fields next to the preset's name (the key's "model"), so
@@ -97,14 +98,17 @@ def comparison_point(gpu: str, arch: str, size: str, flash: bool, aceso_budget: 
     out: dict = {"family": arch, "size": size, "gpus": c.gpus, "global_batch": batch, "seq": m.seq}
     for name, run in runs.items():
         try:
-            plan = run()
+            found = run()
         except NoFeasiblePlan as e:
             out[name] = {"infeasible": str(e)}
             continue
         except ValueError as e:  # a model the system cannot build (Falcon on Megatron-LM)
             out[name] = {"not_runnable": str(e)}
             continue
+        plan = getattr(found, "plan", found)  # the Aceso-style search also says how much budget it used
         out[name] = plan_summary(_simulated(plan, m, c))
+        if plan is not found:
+            out[name] |= {"priced_plans": found.priced, "converged": found.converged}
         if name == "mist":
             args, cannot = megatron_lm_arguments(plan, m)
             out[name]["megatron_args"] = args
@@ -154,7 +158,7 @@ def _known_from_comparison(comparison: Results | None, key: dict) -> dict[str, f
     return found
 
 
-def comparison_key(gpu: str, arch: str, size: str, flash: bool, aceso_budget: float) -> dict:
+def comparison_key(gpu: str, arch: str, size: str, flash: bool, aceso_budget: int) -> dict:
     gpus, batch = next((g, b) for s, g, b in SIZES if s == size)
     return {
         "gpu": gpu,
@@ -163,16 +167,16 @@ def comparison_key(gpu: str, arch: str, size: str, flash: bool, aceso_budget: fl
         "gpus": gpus,
         "global_batch": batch,
         "seq": CLUSTERS[gpu],
-        "aceso_budget_s": aceso_budget,
+        "aceso_max_priced": aceso_budget,
         "cost_model": "shipped presets",
     }
 
 
 def ablation_key(gpu: str, arch: str, size: str) -> dict:
-    return {k: v for k, v in comparison_key(gpu, arch, size, True, 0.0).items() if k != "aceso_budget_s"}
+    return {k: v for k, v in comparison_key(gpu, arch, size, True, 0).items() if k != "aceso_max_priced"}
 
 
-def run_comparison(run: Run, flash: tuple[bool, ...], budget: float, jobs: int) -> Results:
+def run_comparison(run: Run, flash: tuple[bool, ...], budget: int, jobs: int) -> Results:
     store = run.file("comparison.json", config={"systems": SYSTEMS})
     todo = [
         (gpu, arch, size, f, budget)
@@ -262,7 +266,7 @@ def main(argv: list[str] | None = None) -> None:
     add_jobs_argument(ap)
     add_run_arguments(ap, EXPERIMENT)
     args = ap.parse_args(argv)
-    budget = ACESO_BUDGET_S[args.scale]
+    budget = ACESO_MAX_PRICED[args.scale]
     cmp = abl = engine = measured = None
     # the CPU's runtime models (a profile per process count): made once, for the engine and measured parts
     with experiment_run(args, EXPERIMENT) as run, tempfile.TemporaryDirectory() as tmp:

@@ -5,8 +5,12 @@ bottleneck -- a stage out of memory, else the slowest stage -- and tries the act
 relieve it: move a layer to a neighbour, recompute one layer more or less, trade TP for DP
 inside the stage, move devices between the stage and a neighbour, change the micro-batch size.
 It takes the best improving action; when none improves, the best two-action sequence
-(multi-hop). It stops when nothing improves or the time budget is spent. Aceso's own space: no
+(multi-hop). It stops when nothing improves or its budget is spent. Aceso's own space: no
 ZeRO-2/3, no offloading. Every candidate is priced with Mist's model.
+
+Aceso gives its search a time budget; this one's is counted in plans priced, so that what it finds
+does not depend on the machine's speed or load (a wall-clock budget moved a committed result by
+2% between two runs on one machine). ``tuning_s`` still reports the seconds it took.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import copy
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 from mist.model.interference import Interference
 from mist.model.runtime import RuntimeModel
@@ -38,9 +43,15 @@ def _score(plan: Plan) -> tuple:
 
 
 class _Pricer:
+    """Prices plans once each; ``priced``: how many distinct plans it has priced (the budget's unit)."""
+
     def __init__(self, model, cluster, runtime, interference) -> None:
         self.args = (model, cluster, runtime, interference)
         self.cache: dict[tuple, Plan | None] = {}
+
+    @property
+    def priced(self) -> int:
+        return len(self.cache)
 
     def __call__(self, plan: Plan) -> Plan | None:
         key = _key(plan)
@@ -111,36 +122,66 @@ def _bottleneck(plan: Plan) -> int:
     return max(range(len(plan.stages)), key=lambda i: plan.stages[i].steady_s)
 
 
-def alleviate(start: Plan, price: _Pricer, cluster: ClusterSpec, deadline: float) -> Plan | None:
+def alleviate(start: Plan, price: _Pricer, cluster: ClusterSpec, max_priced: int) -> tuple[Plan | None, bool]:
+    """(the plan the bottleneck alleviation ends at, whether it ended because nothing improved)
+    from ``start``, stopping once ``price`` has priced ``max_priced`` plans in all."""
     current = price(start)
     if current is None:
-        return None
-    while time.perf_counter() < deadline:
+        return None, True
+    while price.priced < max_priced:
         i = _bottleneck(current)
         one_hop = [p for p in (price(a) for a in _actions(current, i, cluster)) if p is not None]
         better = [p for p in one_hop if _score(p) < _score(current)]
         if not better:  # multi-hop: the best two-action sequence from the three best first actions
             for first in sorted(one_hop, key=_score)[:3]:
+                if price.priced >= max_priced:
+                    break
                 j = _bottleneck(first)
                 better += [p for p in (price(a) for a in _actions(first, j, cluster)) if p is not None]
-                if time.perf_counter() > deadline:
-                    break
             better = [p for p in better if _score(p) < _score(current)]
         if not better:
-            break
+            return current, True
         current = min(better, key=_score)
-    return current
+    return current, False
+
+
+@dataclass(frozen=True)
+class AcesoSearch:
+    """What the search found: the plan, the distinct plans it priced, and whether every start's
+    alleviation ended because nothing improved (False: the budget stopped one)."""
+
+    plan: Plan
+    priced: int
+    converged: bool
+
+
+DEFAULT_MAX_PRICED = 2000  # more than any of the comparison's 60 cases prices to converge (at most 1,285)
 
 
 def search_aceso(
     model: ModelSpec,
     cluster: ClusterSpec,
     global_batch: int,
-    time_budget: float = 10.0,
+    max_priced: int = DEFAULT_MAX_PRICED,
     runtime: RuntimeModel | None = None,
     interference: Interference | None = None,
 ) -> Plan:
-    """The best plan found from balanced starts (one per pipeline depth), within ``time_budget``."""
+    """The best plan found from balanced starts (one per pipeline depth), pricing at most
+    ``max_priced`` distinct plans."""
+    return run_aceso(model, cluster, global_batch, max_priced, runtime, interference).plan
+
+
+def run_aceso(
+    model: ModelSpec,
+    cluster: ClusterSpec,
+    global_batch: int,
+    max_priced: int = DEFAULT_MAX_PRICED,
+    runtime: RuntimeModel | None = None,
+    interference: Interference | None = None,
+) -> AcesoSearch:
+    """search_aceso's plan with how much of the budget it used."""
+    if isinstance(max_priced, bool) or not isinstance(max_priced, int) or max_priced < 1:
+        raise ValueError(f"the Aceso-style search's budget is a positive number of plans, got {max_priced!r}")
     runtime, interference = cost_models(cluster, runtime, interference)
     price = _Pricer(model, cluster, runtime, interference)
     start_time = time.perf_counter()
@@ -174,10 +215,10 @@ def search_aceso(
         raise NoFeasiblePlan(
             f"no balanced start for {model.name} on {cluster.gpus} GPUs with global batch {global_batch}"
         )
-    best = None
-    for k, plan in enumerate(starts):  # share the budget among the starts
-        deadline = start_time + time_budget * (k + 1) / len(starts)
-        found = alleviate(plan, price, cluster, deadline)
+    best, converged = None, True
+    for k, plan in enumerate(starts):  # share the budget among the starts (what one leaves, the next may use)
+        found, done = alleviate(plan, price, cluster, max_priced * (k + 1) // len(starts))
+        converged = converged and done
         if found is not None and found.breakdown["fits"] and (best is None or _score(found) < _score(best)):
             best = found
     if best is None:
@@ -187,4 +228,4 @@ def search_aceso(
         )
     best = copy.deepcopy(best)
     best.tuning_s = time.perf_counter() - start_time
-    return best
+    return AcesoSearch(best, price.priced, converged)

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import random
-import time
 
 import pytest
 
-from baselines.megatron.aceso import search_aceso
+from baselines.megatron.aceso import run_aceso, search_aceso
 from baselines.megatron.grid import GRID, grid_plans, search_grid
 from baselines.megatron.zero3 import search_zero3
 from mist import Plan, StagePlan, cluster, model, predict, search
@@ -82,9 +81,14 @@ def test_mist_is_never_slower_than_the_grid_without_interleaving(case):
 def test_aceso_stays_in_its_space_and_budget(case):
     name, gpu, gpus, batch, seq = case
     m, c = model(name, seq=seq), cluster(gpu, gpus)
-    t0 = time.perf_counter()
-    plan = search_aceso(m, c, batch, time_budget=2.0)
-    assert time.perf_counter() - t0 < 2.0 + 3.0  # the last step may finish after the budget
+    found = run_aceso(m, c, batch, max_priced=60)
+    # the budget is checked before each step and each two-action try: past it, at most one plan's
+    # actions (11 kinds at most) twice, and each later start's own plan
+    assert found.priced <= 60 + 2 * 11 + 6
+    again = run_aceso(m, c, batch, max_priced=60)  # no clock: the same search every time
+    assert (again.priced, again.converged) == (found.priced, found.converged)
+    assert dataclasses.replace(again.plan, tuning_s=None) == dataclasses.replace(found.plan, tuning_s=None)
+    plan = found.plan
     assert plan.breakdown["fits"]
     assert all(s.zero == 0 and not (s.offload_weights or s.offload_grads or s.offload_optimizer or
                                     s.offload_activations) for s in plan.stages)  # fmt: skip
@@ -115,3 +119,9 @@ def test_grid_bisection_finds_the_exhaustive_best():
     for layers, pp in ((24, 2), (32, 4), (40, 8), (48, 1)):
         for split in layer_splits(layers, pp):
             assert sum(split) == layers and len(split) == pp and len(set(split[1:-1])) <= 1
+
+
+@pytest.mark.parametrize("budget", [0, -5, 2.5, True, "100"])
+def test_aceso_refuses_a_budget_that_is_not_a_count_of_plans(budget):
+    with pytest.raises(ValueError, match="positive number of plans"):
+        search_aceso(model("gpt3-1.3b"), cluster("l4", 2), 32, max_priced=budget)
