@@ -122,7 +122,7 @@ def plot_ablation() -> Path | None:
 
 MEASURED_SYSTEMS = {"mist": "Mist", "megatron": "Megatron-LM grid",
                     "megatron_lm_target": "Megatron-LM's space", "aceso": "Aceso-style",
-                    "zero3": "ZeRO-3"}  # fmt: skip
+                    "zero3": "ZeRO-3", "mist_tempo": "Mist + Tempo"}  # fmt: skip
 
 
 def plot_measured() -> Path | None:
@@ -133,13 +133,16 @@ def plot_measured() -> Path | None:
         return None
     cases = sorted(data, key=lambda p: (p.key["model"], p.key["processes"]))
     fig, ax = plt.subplots(figsize=(9, 4))
-    width = 0.8 / len(MEASURED_SYSTEMS)
-    for j, (system, label) in enumerate(MEASURED_SYSTEMS.items()):
-        xs = [i + (j - (len(MEASURED_SYSTEMS) - 1) / 2) * width for i in range(len(cases))]
+    systems = {k: v for k, v in MEASURED_SYSTEMS.items() if any(k in p.result for p in cases)}
+    width = 0.8 / len(systems)
+    for j, (system, label) in enumerate(systems.items()):
+        xs = [i + (j - (len(systems) - 1) / 2) * width for i in range(len(cases))]
         runs = [p.result.get(system, {}) for p in cases]
         bars = ax.bar(xs, [r.get("measured_step_s", 0.0) * 1e3 for r in runs], width, label=label)
         color = bars.patches[0].get_facecolor()
-        for x, r in zip(xs, runs, strict=True):
+        for x, r, p in zip(xs, runs, cases, strict=True):
+            if system not in p.result:  # a case this system did not plan
+                continue
             if "measured_step_s" in r:
                 ax.plot([x - width / 2, x + width / 2], [r["plan"]["iteration_s"] * 1e3] * 2, color="black")
             else:  # no plan fits, out of memory or refused: no time
@@ -150,14 +153,36 @@ def plot_measured() -> Path | None:
     ax.set_xticks(range(len(cases)), labels, fontsize=8)
     ax.set_ylabel("step time, ms (lower is better)")
     ax.set_ylim(0, ax.get_ylim()[1] * 1.25)  # room for the legend above the bars
-    ax.legend(fontsize=7, ncol=5, loc="upper center")
+    ax.legend(fontsize=7, ncol=len(systems) // 2 + 1, loc="upper center")
     title = "Mist vs the baselines under a memory cap, trained by megatron-core"
     note = "; measured on this CPU (median of 3 launches), x: no time"
     return finish(fig, title, data, "mist_measured.png", note=note)
 
 
+def plot_tempo() -> Path | None:
+    """Mist with Tempo's layers over Mist without, per case (predicted; 0: no plan with Tempo)."""
+    data = load(EXPERIMENT, "tempo.json")
+    if data is None:
+        return None
+    cases = sorted(data, key=lambda p: (p.key["gpu"], p.key["flash"], *_order(p)))
+    fig, ax = plt.subplots(figsize=(11, 4))
+    gains = [p.result.get("gain", 0.0) for p in cases]
+    changed = ["tab:blue" if p.result.get("changes") else "tab:gray" for p in cases]
+    ax.bar(range(len(cases)), gains, color=changed)
+    ax.axhline(1.0, color="gray", linewidth=0.8)
+    labels = [f"{p.key['gpu']}/{p.key['model']}/{'flash' if p.key['flash'] else 'unfused'}" for p in cases]
+    ax.set_xticks(range(len(cases)), labels, rotation=60, fontsize=6)
+    ax.set_ylabel("speedup of Mist with Tempo over Mist")
+    ax.set_ylim(min(0.95, *gains), max(gains) * 1.02)
+    ax.bar([], [], color="tab:blue", label="Tempo changed the plan")
+    ax.bar([], [], color="tab:gray", label="the same plan")
+    ax.legend(fontsize=7)
+    note = PREDICTED + "; Tempo's extra backward work unpriced"
+    return finish(fig, "What Tempo's layers buy Mist (GPT-3, Llama)", data, "mist_tempo.png", note=note)
+
+
 if __name__ == "__main__":
     parse_source(__doc__)
-    for made in (plot_speedup(), plot_tuning_time(), plot_ablation(), plot_measured()):
+    for made in (plot_speedup(), plot_tuning_time(), plot_ablation(), plot_measured(), plot_tempo()):
         if made is not None:
             print(f"wrote {made}")

@@ -49,10 +49,12 @@ from .engine import (
     rank_memory,
     train_plan,
 )
-from .plans import plan_summary
+from .plans import plan_changes, plan_summary
 
 # every system of the experiment, predicted (run.py's comparison) and measured here
 SYSTEMS = ("mist", "megatron", "megatron_lm_target", "aceso", "zero3")
+# Mist planning Tempo's layers (mist plan --tempo), where a setup asks for it: compared with Mist
+TEMPO = "mist_tempo"
 MiB = 2**20
 ACESO_MAX_PRICED = 2000  # plans priced: the comparison part's CPU-scale budget
 # Every system plans to this fraction of the cap and runs under the whole cap. The memory model is
@@ -70,6 +72,7 @@ class MeasuredCase:
     cap_mib: int  # each rank's device-memory cap
     global_batch: int = 8
     size: str = "tiny"
+    systems: tuple[str, ...] | None = None  # the systems that plan it (None: every one of its setup's)
 
     @property
     def model(self) -> str:
@@ -94,6 +97,10 @@ CASES = (
     MeasuredCase("gpt3", 1, 75),
     MeasuredCase("gpt3", 2, 40),
     MeasuredCase("llama", 2, 40),
+    # Tempo's case, planned by Mist with and without Tempo: with the CPU preset's nominal model,
+    # within 90% of this cap (49.5 MiB) Mist without Tempo halves the micro-batch to 4 (38.0 MiB
+    # predicted, the optimizer state on the host) and with Tempo keeps 8 (43.8 MiB; 63.3 without)
+    MeasuredCase("gpt3", 1, 55, systems=("mist", "mist_tempo")),
 )
 
 
@@ -105,13 +112,18 @@ class MeasuredSetup:
     launches: int = LAUNCHES  # each winner's fresh launches, the median one reported
     # what Mist may offload: what the engine runs on the setup's device
     offloadable: tuple[str, ...] = ("weights", "grads", "optimizer", "activations")
+    tempo: bool = False  # Mist also plans with Tempo's layers (TEMPO), its winner trained as the others
+
+    @property
+    def systems(self) -> tuple[str, ...]:
+        return (*SYSTEMS, TEMPO) if self.tempo else SYSTEMS
 
     @property
     def steps(self) -> int:  # timed steps a launch (after the warm-up and memory steps)
         return self.base.steps
 
 
-MEASURED = MeasuredSetup("measured", CPU_ENGINE, CASES)
+MEASURED = MeasuredSetup("measured", CPU_ENGINE, CASES, tempo=True)
 # One H200 (141 GB): caps far below the plain plans (one micro-batch of 8, nothing recomputed: 115
 # and 254 GiB predicted) and a little above what weights, gradients and Adam state take (16 bytes
 # a parameter: 21 GB at 1.3B, 43 GB at 2.7B), so that the grid's leanest plans (recomputing every
@@ -162,6 +174,10 @@ def plan_systems(
         "aceso": lambda: search_aceso(m, c, gb, aceso_budget, runtime),
         "zero3": lambda: search_zero3(m, c, gb, runtime),
     }
+    if setup.tempo:  # Tempo's layers priced as the plain ones in time, by what they keep in memory
+        searches[TEMPO] = lambda: search(m.with_(tempo=True), c, gb, options, runtime=runtime)
+    if case.systems is not None:
+        searches = {k: v for k, v in searches.items() if k in case.systems}
     plans = {}
     for name, find in searches.items():
         try:
@@ -170,7 +186,7 @@ def plan_systems(
             plans[name] = str(e)
             continue
         if plan.simulated_iteration_s is None:  # the searches that rank by the closed form
-            predict(plan, m, c, runtime)
+            predict(plan, plan.model_spec(), c, runtime)
         plan.gpu_memory_bytes = case.cap_bytes  # planned with headroom, run under the whole cap
         plans[name] = plan
     return plans
@@ -238,6 +254,7 @@ def measured_key(case: MeasuredCase, setup: MeasuredSetup) -> dict:
         "steps": setup.steps,
         "planning_fraction": PLANNING_FRACTION,
         "launches": setup.launches,
+        **({} if case.systems is None else {"systems": list(case.systems)}),
         "aceso_max_priced": ACESO_MAX_PRICED,
         "cost_model": f"runtime model fitted to {device}'s profiles",
     }
@@ -245,7 +262,7 @@ def measured_key(case: MeasuredCase, setup: MeasuredSetup) -> dict:
 
 def run_measured(run: Run, fits: RuntimeFits, setup: MeasuredSetup = MEASURED) -> ResultFile:
     """``setup``'s cases, each a point of ``<setup.name>.json``; ``fits`` are of its base's device."""
-    config = {"systems": SYSTEMS, "profile": setup.base.profile}
+    config = {"systems": setup.systems, "profile": setup.base.profile}
     store = run.file(f"{setup.name}.json", setup.base.device, config=config)
     todo = [c for c in setup.cases if not store.done(measured_key(c, setup))]
     for k, case in enumerate(todo, 1):
@@ -263,7 +280,7 @@ def measured_speedups(store: Results, versus: str) -> list[dict]:
     has no value; ``only_mist_ran`` counts them)."""
     rows = []
     for p in store:
-        a, b = p.result["mist"], p.result[versus]
+        a, b = p.result["mist"], p.result.get(versus, {})  # a case planned by some systems only: not in it
         if "measured_step_s" not in b:
             continue
         ran = "measured_step_s" in a
@@ -276,9 +293,31 @@ def measured_speedups(store: Results, versus: str) -> list[dict]:
     return rows
 
 
+def tempo_gains(store: Results) -> list[dict]:
+    """Per case where Mist's plan without Tempo ran: Mist with Tempo's measured gain over it (its
+    step over Tempo's; 0 where Tempo's plan ran out of memory), the predicted one, and the two
+    runs' launch-to-launch spread. Cases without a Tempo plan are not in it."""
+    rows = []
+    for p in store:
+        a, b = p.result["mist"], p.result.get(TEMPO, {})
+        if "measured_step_s" not in a or "plan" not in b:
+            continue
+        ran = "measured_step_s" in b
+        rows.append({
+            "case": f"{p.key['model']} x{p.key['processes']}",
+            "measured": a["measured_step_s"] / b["measured_step_s"] if ran else 0.0,
+            "predicted": a["plan"]["iteration_s"] / b["plan"]["iteration_s"],
+            "spread": max(a["spread"], b["spread"]) if ran else 0.0,
+            "time_error": b.get("time_error"),
+            "changes": plan_changes(a["plan"], b["plan"]),
+        })  # fmt: skip
+    return rows
+
+
 def only_mist_ran(store: Results, versus: str) -> list[str]:
     """Cases where Mist's plan ran and ``versus`` found none or its plan ran out of memory."""
-    ran = [(p, "measured_step_s" in p.result["mist"], "measured_step_s" in p.result[versus]) for p in store]
+    ran = [(p, "measured_step_s" in p.result["mist"], "measured_step_s" in p.result[versus])
+           for p in store if versus in p.result]  # fmt: skip
     return [f"{p.key['model']} x{p.key['processes']}" for p, mist, other in ran if mist and not other]
 
 
@@ -320,7 +359,9 @@ def print_measured(store: Results) -> None:
             print(f"{head}the plain plan {'ran out of memory' if plain['out_of_memory'] else 'FITTED'} "
                   f"({worst:.1f} MiB measured, {max(x['predicted_bytes'] for x in plain['ranks']) / MiB:.1f} "
                   f"predicted)")  # fmt: skip
-        for system in SYSTEMS:
+        for system in (*SYSTEMS, TEMPO):
+            if system not in r:  # TEMPO: where the setup plans with Tempo
+                continue
             s = r[system]
             same = f" (= {s['same_plan_as']}'s)" if "same_plan_as" in s else ""
             print(f"    {system:<18} {_status(s)}{same}")
@@ -335,6 +376,11 @@ def print_measured(store: Results) -> None:
             measured = [x["measured"] for x in rows]
             print(f"  Mist over {versus}: measured mean {statistics.mean(measured):.2f}x, max "
                   f"{max(measured):.2f}x; per case measured (predicted): {each}")  # fmt: skip
+    for x in tempo_gains(store):
+        what = ", ".join(x["changes"]) or "the same plan"
+        print(f"  Mist with Tempo over Mist, {x['case']}: {x['measured']:.2f}x measured "
+              f"({x['predicted']:.2f}x predicted, Tempo's extra backward unpriced; spread "
+              f"{x['spread']:.0%}): {what}")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:

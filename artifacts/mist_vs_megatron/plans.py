@@ -58,3 +58,33 @@ def summary_plan(key: dict, summary: dict):
         overlap_grad_reduce=summary.get("overlap_grad_reduce", False),
         grad_bucket_params=summary.get("grad_bucket_params"),
     )  # fmt: skip
+
+
+def plan_changes(before: dict, after: dict) -> list[str]:
+    """What differs between two plan summaries of one case, in words (empty: the same plan): the
+    parallel sizes, the micro-batch, the layers per stage, the layers recomputed, and each other
+    strategy field stage by stage."""
+    changes = [
+        f"{what} {before.get(k, 1)} -> {after.get(k, 1)}"
+        for k, what in (
+            ("tp", "TP"),
+            ("dp", "DP"),
+            ("micro_batch", "micro-batch"),
+            ("virtual_stages", "chunks"),
+        )
+        if before.get(k, 1) != after.get(k, 1)  # results from before interleaving have no chunks: 1
+    ]
+    fields = ("layers", *STRATEGY_FIELDS)
+    per_stage = {k: [[s[k] for s in p["stages"]] for p in (before, after)] for k in fields}
+    if per_stage["layers"][0] != per_stage["layers"][1]:
+        changes.append(f"layers per stage {per_stage['layers'][0]} -> {per_stage['layers'][1]}")
+    recomputed = [sum(r) for r in per_stage["recompute"]]
+    if recomputed[0] != recomputed[1]:
+        changes.append(f"layers recomputed {recomputed[0]} -> {recomputed[1]}")
+    for k, (a, b) in per_stage.items():
+        # stage by stage; where the stage count changed, the same set of values is no change
+        if k not in ("layers", "recompute") and (a != b if len(a) == len(b) else set(a) != set(b)):
+            changes.append(f"{k} {a} -> {b}")
+    if before["pre_post"] != after["pre_post"]:
+        changes.append(f"embedding/head {before['pre_post']} -> {after['pre_post']}")
+    return changes

@@ -16,6 +16,11 @@ reference/; an interrupted run resumes when rerun):
   with what Megatron-LM cannot express.
 * ablation (GPT-3): from the Megatron-LM grid, Mist's search with checkpoint tuning only, then
   + offloading (and ZeRO), then + imbalance awareness (the full planner).
+* tempo (GPT-3, Llama): Mist with Tempo's layers (``mist plan --tempo``: norms keep their output,
+  GELU its output and a bit, attention its probabilities, dropout a seed) against Mist without
+  them, per case: the predicted gain and what Tempo changed in the plan. Tempo's extra backward
+  work is priced as none (its layers are priced as the plain ones): a predicted gain is an upper
+  bound of what the memory saved buys. The measured part trains both where memory binds.
 * engine: plans (TP=2, PP=2, DP=2, ZeRO-1/2/3) trained by megatron-core on 2 gloo processes; measured
   per-rank memory and step time against the prediction (time from a runtime model fitted to
   `mist profile` of this CPU).
@@ -28,6 +33,7 @@ FlashAttention on and off; --scale paper gives the Aceso-style search a larger b
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import tempfile
 from pathlib import Path
@@ -39,12 +45,13 @@ from ..experiment import add_jobs_argument, add_run_arguments, experiment_run
 from . import EXPERIMENT
 from .engine import CPU_ENGINE, RuntimeFits, print_engine, run_engine
 from .measured import SYSTEMS, print_measured, run_measured
-from .plans import plan_summary
+from .plans import plan_changes, plan_summary
 
-PARTS = ("calibration", "validation", "comparison", "ablation", "engine", "measured")
+PARTS = ("calibration", "validation", "comparison", "ablation", "tempo", "engine", "measured")
 SIZES = [("1.3b", 2, 32), ("2.7b", 4, 64), ("7b", 8, 128), ("13b", 16, 256), ("22b", 32, 512)]  # GPUs, batch
 CLUSTERS = {"l4": 2048, "a100-40gb": 4096}  # GPU -> sequence length (the paper's settings)
 ARCHS = ("gpt3", "llama", "falcon")  # the model families of mist.specs.FAMILIES
+TEMPO_ARCHS = ("gpt3", "llama")  # Tempo's layers are built sequential: not Falcon's parallel block
 FLASH = {"cpu": (True, False), "paper": (True, False)}
 # the Aceso-style search's budget in distinct plans priced (not seconds: results independent of load)
 ACESO_MAX_PRICED = {"cpu": 2000, "paper": 12000}
@@ -143,6 +150,27 @@ def ablation_point(gpu: str, arch: str, size: str, known: dict[str, float | None
     return out
 
 
+def tempo_point(gpu: str, arch: str, size: str, flash: bool, known: dict | None) -> dict:
+    """Mist's plan with and without Tempo's layers; ``known``: the comparison part's Mist result
+    for the same case (this run's), taken as the plan without, not searched again."""
+    from mist import NoFeasiblePlan, search
+
+    m, c, batch = _setup(gpu, arch, size, flash)
+    out: dict = {"family": arch, "size": size, "from_comparison": known is not None}
+    for name, spec in (("mist", m), ("mist_tempo", m.with_(tempo=True))):
+        if name == "mist" and known is not None:
+            out[name] = known
+            continue
+        try:
+            out[name] = plan_summary(_simulated(search(spec, c, batch), spec, c))
+        except NoFeasiblePlan as e:
+            out[name] = {"infeasible": str(e)}
+    if "iteration_s" in out["mist"] and "iteration_s" in out["mist_tempo"]:
+        out["gain"] = out["mist"]["iteration_s"] / out["mist_tempo"]["iteration_s"]
+        out["changes"] = plan_changes(out["mist"], out["mist_tempo"])
+    return out
+
+
 def _known_from_comparison(comparison: Results | None, key: dict) -> dict[str, float | None]:
     """The ablation's first and last variants (the grid, the full planner) as the comparison part
     of this run found them for the same case (FlashAttention on), where it has it."""
@@ -172,6 +200,10 @@ def comparison_key(gpu: str, arch: str, size: str, flash: bool, aceso_budget: in
     }
 
 
+def tempo_key(gpu: str, arch: str, size: str, flash: bool) -> dict:
+    return {k: v for k, v in comparison_key(gpu, arch, size, flash, 0).items() if k != "aceso_max_priced"}
+
+
 def ablation_key(gpu: str, arch: str, size: str) -> dict:
     return {k: v for k, v in comparison_key(gpu, arch, size, True, 0).items() if k != "aceso_max_priced"}
 
@@ -186,6 +218,42 @@ def run_comparison(run: Run, flash: tuple[bool, ...], budget: int, jobs: int) ->
     for args, result, seconds in map_points(comparison_point, todo, jobs, "cases"):
         store.add(comparison_key(*args), result, seconds)
     return store.this_run()
+
+
+def run_tempo(run: Run, flash: tuple[bool, ...], jobs: int, comparison: Results | None = None) -> Results:
+    """Mist with and without Tempo per GPT-3 and Llama case; where ``comparison`` (this run's) has
+    the case, its Mist plan is the one without."""
+    store = run.file("tempo.json", config={"archs": TEMPO_ARCHS})
+    todo = []
+    for gpu, arch, (size, _, _), f in itertools.product(CLUSTERS, TEMPO_ARCHS, SIZES, flash):
+        key = tempo_key(gpu, arch, size, f)
+        if store.done(key):
+            continue
+        found = None if comparison is None else next(
+            (p for p in comparison if {k: p.key.get(k) for k in key} == key), None)  # fmt: skip
+        todo.append((gpu, arch, size, f, None if found is None else found.result["mist"]))
+    for args, result, seconds in map_points(tempo_point, todo, jobs, "tempo"):
+        store.add(tempo_key(*args[:4]), result, seconds)
+    return store.this_run()
+
+
+def print_tempo(store: Results) -> None:
+    """Per case, Tempo's predicted gain for Mist and what it changed in the plan."""
+    for p in store:
+        r = p.result
+        case = f"{p.key['model']:<11} {p.key['gpu']:<9} flash {'on ' if p.key['flash'] else 'off'}"
+        if "gain" not in r:
+            print(f"  {case}: " + "; ".join(f"{n}: {r[n]['infeasible']}" for n in ("mist", "mist_tempo")
+                                             if "infeasible" in r[n]))  # fmt: skip
+            continue
+        what = ", ".join(r["changes"]) or "the same plan"
+        print(f"  {case}: {r['gain']:.3f}x ({what})")
+    gains = [p.result["gain"] for p in store if "gain" in p.result]
+    if gains:
+        changed = sum(bool(p.result["changes"]) for p in store if "gain" in p.result)
+        print(f"  Tempo's predicted gain for Mist: mean {statistics.mean(gains):.3f}x, "
+              f"max {max(gains):.3f}x, min {min(gains):.3f}x; the plan changed in {changed} of "
+              f"{len(gains)} cases")  # fmt: skip
 
 
 def run_ablation(run: Run, jobs: int, comparison: Results | None = None) -> Results:
@@ -267,7 +335,7 @@ def main(argv: list[str] | None = None) -> None:
     add_run_arguments(ap, EXPERIMENT)
     args = ap.parse_args(argv)
     budget = ACESO_MAX_PRICED[args.scale]
-    cmp = abl = engine = measured = None
+    cmp = abl = tempo = engine = measured = None
     # the CPU's runtime models (a profile per process count): made once, for the engine and measured parts
     with experiment_run(args, EXPERIMENT) as run, tempfile.TemporaryDirectory() as tmp:
         fits = RuntimeFits(Path(tmp), CPU_ENGINE)
@@ -281,6 +349,8 @@ def main(argv: list[str] | None = None) -> None:
             cmp = run_comparison(run, FLASH[args.scale], budget, args.jobs)
         if "ablation" in args.parts:
             abl = run_ablation(run, args.jobs, cmp)
+        if "tempo" in args.parts:
+            tempo = run_tempo(run, FLASH[args.scale], args.jobs, cmp)
         if "engine" in args.parts:
             engine = run_engine(run, CPU_ENGINE, fits).this_run()
         if "measured" in args.parts:
@@ -309,6 +379,9 @@ def main(argv: list[str] | None = None) -> None:
             print(f"  Mist tuning time: median {statistics.median(times):.1f} s, max {max(times):.1f} s")
     if abl is not None:
         print(f"\nablation: {len(abl)} GPT-3 cases")
+    if tempo is not None:
+        print("\nMist with Tempo's layers over Mist without (predicted; Tempo's extra backward unpriced):")
+        print_tempo(tempo)
     print(f"\nresults in {args.results}; figures: nox -s figures")
 
 
