@@ -104,8 +104,8 @@ def host_memory_bytes(gib: float | None) -> int | None:
     the plan file hold bytes; whole bytes down, as a capacity. inf or nan: refused in one line."""
     if gib is None:
         return None
-    if not math.isfinite(gib):
-        raise ValueError(f"--host-mem must be a finite number of GiB, got {gib}")
+    if not math.isfinite(gib) or gib <= 0:
+        raise ValueError(f"--host-mem must be a finite number of GiB above 0, got {gib}")
     return int(gib * 2**30)
 
 

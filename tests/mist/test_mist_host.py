@@ -86,7 +86,7 @@ def test_host_memory_travels_with_the_plan(tmp_path):
     for bad in (0, -1, 200.0 * GiB, True):  # a positive whole number of bytes, nothing else
         with pytest.raises(ValueError, match="host_memory_per_node_bytes must be a positive whole number"):
             replace(plan, host_memory_per_node_bytes=bad).check()
-    with pytest.raises(ValueError, match="host memory must be positive"):
+    with pytest.raises(ValueError, match="host memory must be a positive whole number of bytes"):
         cluster("l4", 8, host_memory=-1)
 
 

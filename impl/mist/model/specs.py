@@ -212,24 +212,23 @@ def cluster(
     """A cluster of ``gpus`` GPUs of type ``gpu``, filled node by node; ``host_memory``: bytes of
     DRAM per node instead of the GPU type's usual host's; ``gpu_memory``: bytes each device may
     use instead of its data sheet's (a cap: mist.engine.run enforces it)."""
-    if gpu not in GPUS:
+    if not isinstance(gpu, str) or gpu not in GPUS:
         raise ValueError(f"unknown GPU {gpu!r}; presets: {', '.join(GPUS)}")
-    if gpus < 1:
-        raise ValueError(f"need at least one GPU, got {gpus}")
-    if gpus_per_node < 1:
-        raise ValueError(f"GPUs per node must be >= 1, got {gpus_per_node}")
+    if not _positive_int(gpus):
+        raise ValueError(f"need a whole number of GPUs >= 1, got {gpus!r}")
+    if not _positive_int(gpus_per_node):
+        raise ValueError(f"GPUs per node must be a whole number >= 1, got {gpus_per_node!r}")
+    for what, value in (("host memory", host_memory), ("device memory", gpu_memory)):
+        if value is not None and not _positive_int(value):
+            raise ValueError(f"{what} must be a positive whole number of bytes, got {value!r}")
     per_node = min(gpus, gpus_per_node)
     if gpus % per_node:
         raise ValueError(f"{gpus} GPUs do not fill nodes of {gpus_per_node} evenly")
     host = HOSTS[gpu]
     if host_memory is not None:
-        if host_memory <= 0:
-            raise ValueError(f"host memory must be positive, got {host_memory} bytes")
         host = replace(host, memory=int(host_memory))
     device = GPUS[gpu]
     if gpu_memory is not None:
-        if gpu_memory <= 0:
-            raise ValueError(f"device memory must be positive, got {gpu_memory} bytes")
         if gpu != "cpu" and gpu_memory > device.memory:  # a cap, not more memory (cpu's is nominal)
             raise ValueError(
                 f"device memory {gpu_memory / GiB:.1f} GiB is above the {gpu}'s {device.memory / GiB:.1f} GiB"
@@ -241,7 +240,7 @@ def cluster(
 
 def model(name: str, **overrides) -> ModelSpec:
     """A preset, with ``overrides`` of its fields (a plan's ``model_overrides``)."""
-    if name not in MODELS:
+    if not isinstance(name, str) or name not in MODELS:
         raise ValueError(f"unknown model {name!r}; presets: {', '.join(MODELS)}")
     fields = [f.name for f in dataclasses.fields(ModelSpec) if f.name != "name"]
     unknown = sorted(set(overrides) - set(fields))

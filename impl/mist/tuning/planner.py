@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import numbers
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -347,8 +348,7 @@ def search(
     progress: Callable[[str], None] | None = None,
 ) -> Plan:
     """The fastest plan found; raises NoFeasiblePlan (with the memory the best try needs)."""
-    if not 1 <= global_batch <= MAX_GLOBAL_BATCH:
-        raise ValueError(f"global batch must be in [1, {MAX_GLOBAL_BATCH}] sequences, got {global_batch}")
+    _check_inputs(model, cluster, global_batch)
     options = options or PlannerOptions()
     # resolved once: every candidate, prediction and the refinement share these numbers
     problem = Problem.resolve(model, cluster, global_batch, runtime, interference, options.grad_accumulation)
@@ -533,6 +533,11 @@ def predict(
     with ``simulate``, the 1F1B simulation; searches that price many plans skip it), for an
     engine that accumulates gradients as ``grad_accumulation`` says."""
     # the plan is checked against the model and cluster before any cost model is loaded for them
+    if not isinstance(plan, Plan):
+        raise ValueError(
+            f"predict prices a mist Plan (Plan.of, or a plan file by Plan.load), got {type(plan).__name__}"
+        )
+    _check_inputs(model, cluster)
     _check(plan, model, cluster)
     problem = Problem.of_plan(plan, model, cluster, runtime, interference, grad_accumulation)
     return _price(problem, plan, simulate)
@@ -550,6 +555,26 @@ def predict_for(problem: Problem, plan: Plan, simulate: bool = True, memo: Stage
     ``memo``: stage evaluations already made against this problem (``StageMemo``)."""
     _check(plan, problem.model, problem.cluster)
     return _price(problem, plan, simulate, memo)
+
+
+def _check_inputs(model: ModelSpec, cluster: ClusterSpec, global_batch: int | None = None) -> None:
+    """Raises ValueError unless the public functions' arguments are of the kinds they take (a
+    preset's name is not a model: ``mist.model(name)`` makes one)."""
+    if not isinstance(model, ModelSpec):
+        raise ValueError(
+            f"model: a ModelSpec (mist.model(name, **overrides)), got {type(model).__name__} {model!r}"
+        )
+    if not isinstance(cluster, ClusterSpec):
+        raise ValueError(
+            f"cluster: a ClusterSpec (mist.cluster(gpu, gpus)), got {type(cluster).__name__} {cluster!r}"
+        )
+    if global_batch is None:
+        return
+    whole = isinstance(global_batch, numbers.Integral) and not isinstance(global_batch, bool)
+    if not whole or not 1 <= global_batch <= MAX_GLOBAL_BATCH:
+        raise ValueError(
+            f"global batch must be a whole number in [1, {MAX_GLOBAL_BATCH}] sequences, got {global_batch!r}"
+        )
 
 
 def _check(plan: Plan, model: ModelSpec, cluster: ClusterSpec) -> None:
