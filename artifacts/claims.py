@@ -23,6 +23,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from measure.cli import OneLineParser
 from measure.results import ResultFileError, Results
 
 from .experiment import ARTIFACTS
@@ -228,17 +229,26 @@ def write_readme(readme: Path = README) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = OneLineParser(prog="python -m artifacts.claims", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     ap.add_argument("experiments", nargs="*", metavar="EXPERIMENT",
                     help=f"only these ({', '.join(EXPERIMENTS)}); default: all")  # fmt: skip
-    ap.add_argument("--against", choices=SOURCES, default="results",
+    ap.add_argument("--against", choices=SOURCES,
                     help="judge this run's results (default) or the committed reference")  # fmt: skip
-    ap.add_argument("--pins", action="store_true", help="regression pins: this run against the reference")
-    ap.add_argument("--markdown", action="store_true", help="print the README's claims section")
-    ap.add_argument("--write-readme", action="store_true", help="rewrite the README's claims section")
+    mode = ap.add_mutually_exclusive_group()  # each is its own job; none: judge the claims
+    mode.add_argument("--pins", action="store_true", help="regression pins: this run against the reference")
+    mode.add_argument("--markdown", action="store_true", help="print the README's claims section")
+    mode.add_argument("--write-readme", action="store_true", help="rewrite the README's claims section")
     args = ap.parse_args(argv)
     if unknown := sorted(set(args.experiments) - set(EXPERIMENTS)):
         ap.error(f"unknown experiment {', '.join(unknown)}; accepted: {', '.join(EXPERIMENTS)}")
+    # what the other modes do not take is refused, not ignored: the README's section is every
+    # experiment's, judged against the reference; pins always compare this run with the reference
+    if (args.markdown or args.write_readme) and (args.experiments or args.against):
+        ap.error("--markdown and --write-readme cover every experiment against the reference; "
+                 "drop EXPERIMENT and --against")  # fmt: skip
+    if args.pins and args.against:
+        ap.error("--pins compares this run with the reference; drop --against")
     experiments = tuple(args.experiments) or EXPERIMENTS
     if args.markdown:
         print(markdown(), end="")
@@ -265,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
                  if moved else ""))  # fmt: skip
         return 1 if moved else 0
     try:
-        rows = evaluate(claims(experiments), args.against)
+        rows = evaluate(claims(experiments), args.against or "results")
     except ResultFileError as e:  # names the file and what to do
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -7,7 +7,6 @@ reference), where the figure goes, and a title that says where its numbers came 
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -20,6 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "impl"))  # measure.results without installing the package
 sys.path.insert(0, str(ROOT))
 
+from measure.cli import OneLineParser  # noqa: E402
 from measure.results import Results  # noqa: E402
 
 _SOURCE = {"reference": False}
@@ -27,7 +27,7 @@ _SOURCE = {"reference": False}
 
 def parse_source(description: str) -> None:
     """Read --reference from the command line (once, in each script's main)."""
-    ap = argparse.ArgumentParser(description=description)
+    ap = OneLineParser(description=description)
     ap.add_argument("--reference", action="store_true", help="draw the committed reference results")
     _SOURCE["reference"] = ap.parse_args().reference
 

@@ -165,10 +165,24 @@ def test_a_broken_result_file_is_one_line(copied_artifacts, capsys):
     assert claims.main(["--pins", "tempo_layer"]) == 2
 
 
-def test_unknown_experiment_is_refused(capsys):
-    with pytest.raises(SystemExit):
-        claims.main(["tempo_bertt"])
-    assert "accepted: " in capsys.readouterr().err
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["tempo_bertt"], "accepted: "),
+        (["--markdown", "--pins"], "not allowed with"),
+        (["--write-readme", "--markdown"], "not allowed with"),
+        (["--markdown", "tempo_bert"], "drop EXPERIMENT and --against"),
+        (["--write-readme", "--against", "results"], "drop EXPERIMENT and --against"),
+        (["--pins", "--against", "reference"], "drop --against"),
+    ],
+)
+def test_what_a_mode_would_ignore_is_refused_in_one_line(argv, expected, capsys):
+    """Flags that a mode would not use are refused, never silently ignored (the README section
+    is always every experiment's against the reference; pins always this run's against it)."""
+    with pytest.raises(SystemExit) as e:
+        claims.main(argv)
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and "\n" not in err and expected in err, err
 
 
 def test_welch_interval_matches_scipy():

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from baselines.cta.microbatch import candidate_chunks, pipelined_chain
 from baselines.cta.tensor_parallel import shard_chain, tp_chain
 from ctapipe.reference import chain as reference_chain
+from measure.cli import OneLineParser
 from measure.parallel import die_with_launcher
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -111,7 +112,7 @@ def run(m: int, width: int, dtype: torch.dtype, repeats: int, smallest_chunk: in
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, default=8192, help="M, the rows of X")
     ap.add_argument("--width", type=int, default=8192)
     ap.add_argument("--dtype", choices=list(DTYPES), default="bf16")

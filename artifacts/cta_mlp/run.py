@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from measure.cli import OneLineParser
 from measure.launch import run_torchrun
 from measure.results import ResultFile, Run
 
@@ -196,7 +197,7 @@ def part_baselines(run: Run) -> ResultFile:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--parts", nargs="+", default=["sim", "kernels", "baselines"],
                     choices=["sim", "kernels", "baselines", "gpu"])  # fmt: skip
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from measure import fork_launch
+from measure.cli import OneLineParser
 from measure.launch import run_torchrun
 from measure.results import ResultFile, Results, Run
 
@@ -294,9 +295,8 @@ def print_engine(store: Results) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     """The GPU engine check (nox -s gpu_check): ``python -m artifacts.mist_vs_megatron.engine``."""
-    import argparse
 
-    ap = argparse.ArgumentParser(description=__doc__)
+    ap = OneLineParser(description=__doc__)
     ap.add_argument("--cpu-dry-run", action="store_true", help="the CPU setup instead (tests this script)")
     add_run_arguments(ap, EXPERIMENT)
     args = ap.parse_args(argv)

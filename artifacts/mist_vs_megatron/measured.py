@@ -35,6 +35,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from measure.cli import OneLineParser
 from measure.results import ResultFile, Results, Run
 
 from ..experiment import add_run_arguments, experiment_run
@@ -386,7 +387,7 @@ def print_measured(store: Results) -> None:
 def main(argv: list[str] | None = None) -> None:
     """The GPU measured comparison (``nox -s gpu_check``'s part mist_measured):
     ``python -m artifacts.mist_vs_megatron.measured [--cpu-dry-run]``."""
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cpu-dry-run", action="store_true",
                     help="this script on the CPU (tests it): one CPU case, one launch each")  # fmt: skip
     add_run_arguments(ap, EXPERIMENT)

@@ -38,6 +38,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
+from measure.cli import OneLineParser
 from measure.parallel import map_points
 from measure.results import Results, Run
 
@@ -328,7 +329,7 @@ def speedups(store: Results, versus: str, of: str = "mist") -> dict[str, list[fl
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--parts", nargs="+", default=list(PARTS), choices=PARTS)
     ap.add_argument("--scale", choices=["cpu", "paper"], default="cpu")
     add_jobs_argument(ap)

@@ -34,6 +34,7 @@ from tqdm import tqdm
 from transformers.utils import logging as hf_logging
 
 from measure.budget import GpuBudget
+from measure.cli import OneLineParser
 from measure.memory import PeakReport, default_dtype, search_max_batch
 from measure.parallel import map_points
 from measure.results import ResultFile, Results, Run
@@ -384,7 +385,7 @@ def _case(text: str) -> tuple[str, int]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parts = ["activation", "maxbatch", "training", "throughput"]
     ap.add_argument("--parts", nargs="+", default=parts, choices=parts)
     ap.add_argument("--scale", choices=["cpu", "paper"], default="cpu")

@@ -22,6 +22,7 @@ from transformers.models.bert.modeling_bert import BertLayer
 from transformers.utils import logging as hf_logging
 
 import tempo
+from measure.cli import OneLineParser
 from measure.saved import cuda_like_dropout, saved_bytes
 from measure.timing import time_fn
 from tempo.ops import gelu as tempo_gelu
@@ -243,7 +244,7 @@ def measure_gelu_backward(run) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seq", type=int, nargs="+", default=[128, 512])
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")

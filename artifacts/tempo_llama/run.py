@@ -36,6 +36,7 @@ import torch
 from tqdm import tqdm
 from transformers.utils import logging as hf_logging
 
+from measure.cli import OneLineParser
 from measure.memory import StepMemoryEstimator
 from measure.parallel import map_points
 from measure.results import ResultFile, Results, Run
@@ -358,7 +359,7 @@ def print_summary(
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parts = ["layer", "compile", "maxbatch", "training", "peers"]
     ap.add_argument("--parts", nargs="+", default=parts, choices=parts)
     add_jobs_argument(ap)

@@ -18,6 +18,7 @@ import math
 import sys
 
 from measure.budget import GpuBudget
+from measure.cli import OneLineParser
 from measure.memory import DepthExtrapolatedEstimator, StepMemoryEstimator, refine_max_batch
 from measure.training import PRECISIONS
 from measure.units import GiB
@@ -81,7 +82,7 @@ def estimator(
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
+    ap = OneLineParser(
         prog="python -m tempo.maxbatch",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,

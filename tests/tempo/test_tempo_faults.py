@@ -318,6 +318,8 @@ def test_attention_output_changed_in_place_then_backward_like_torch(p):
         (["--fragmentation", "1"], r"--fragmentation: takes a fraction in \[0, 1\)"),
         (["--context-gb", "-1"], "--context-gb: takes a finite number >= 0"),
         (["--context-gb", "inf"], "--context-gb: takes a finite number >= 0"),
+        (["--model", "nope"], "--model: invalid choice: 'nope'"),
+        (["--bogus"], "unrecognized arguments: --bogus"),
     ],
 )
 def test_maxbatch_refuses_bad_values_before_any_work(flags, message, capsys, monkeypatch):
@@ -326,7 +328,8 @@ def test_maxbatch_refuses_bad_values_before_any_work(flags, message, capsys, mon
     with pytest.raises(SystemExit) as e:
         maxbatch.main(argv)
     assert e.value.code == 2
-    err = capsys.readouterr().err.strip().splitlines()[-1]
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err, err  # one line: the error, no usage block above it
     assert err.startswith("python -m tempo.maxbatch: error: ")
     assert re.search(message, err), err
 

@@ -51,6 +51,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from measure.cli import OneLineParser
 from measure.parallel import die_with_launcher
 from measure.training import MasterWeightAdamW
 
@@ -761,7 +762,7 @@ def preload() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="torchrun ... -m mist.engine.run", description=__doc__,
+    ap = OneLineParser(prog="torchrun ... -m mist.engine.run", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     ap.add_argument("--plan", required=True)
     ap.add_argument(
