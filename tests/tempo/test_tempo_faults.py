@@ -381,3 +381,26 @@ def test_run_refuses_bad_cases_before_any_work(argv, message, capsys, monkeypatc
     assert e.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert re.search(message, err), err
+
+
+def _qkv(shape=(1, 2, 8, 16), dtype=torch.float32):
+    return torch.randn(shape, dtype=dtype)
+
+
+@pytest.mark.parametrize(
+    ("make", "error", "message"),
+    [
+        (lambda: (_qkv(), _qkv((1, 2, 8, 8)), _qkv()), ValueError, "must agree on the leading dims and D"),
+        (lambda: (_qkv(), _qkv((2, 2, 8, 16)), _qkv()), ValueError, "must agree on the leading dims and D"),
+        (lambda: (_qkv(), _qkv((2, 8, 16)), _qkv((2, 8, 16))), ValueError, "must agree on the leading dims"),
+        (lambda: (_qkv(), _qkv(dtype=torch.float64), _qkv()), TypeError, "must share a dtype"),
+        (lambda: (_qkv().int(), _qkv().int(), _qkv().int()), TypeError, "accept floating tensors only"),
+        (lambda: (_qkv(), _qkv(), _qkv(), torch.zeros(1, 1, 8, 9)), ValueError, "must broadcast to"),
+    ],
+)
+def test_attention_refuses_what_it_cannot_compute_in_one_line(make, error, message):
+    """tempo.scaled_dot_product_attention checks its operands as attention_core does: never a
+    matmul's error from inside, naming what it takes."""
+    with pytest.raises(error, match=message) as e:
+        tempo.scaled_dot_product_attention(*make())
+    assert "\n" not in str(e.value)

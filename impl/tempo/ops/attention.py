@@ -194,6 +194,28 @@ def scaled_dot_product_attention(
     training: bool = True,
 ) -> tuple[Tensor, Tensor]:
     """Eager attention with the lean core: (B, H, S, D) in, (out (B, H, Sq, D), P) out."""
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        check_float(f"attention {name}", t)
+    if len({query.dtype, key.dtype, value.dtype}) > 1:
+        raise TypeError(
+            f"query, key and value must share a dtype, got {query.dtype}, {key.dtype}, {value.dtype}"
+        )
+    dims_agree = query.dim() >= 2 and query.dim() == key.dim() == value.dim()
+    if not dims_agree or query.shape[:-2] != key.shape[:-2] or query.shape[-1] != key.shape[-1]:
+        raise ValueError(
+            "query (..., Sq, D), key (..., Sk, D) and value (..., Sk, Dv) must agree on the leading "
+            f"dims and D: got {list(query.shape)}, {list(key.shape)}, {list(value.shape)}"
+        )
+    if attention_mask is not None:
+        scores_shape = (*query.shape[:-1], key.shape[-2])
+        try:
+            if torch.broadcast_shapes(attention_mask.shape, scores_shape) != scores_shape:
+                raise RuntimeError
+        except RuntimeError:
+            raise ValueError(
+                f"attention_mask {list(attention_mask.shape)} must broadcast to the scores' "
+                f"{list(scores_shape)} (..., Sq, Sk)"
+            ) from None
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     scores = torch.matmul(query, key.transpose(-1, -2)) * scaling
