@@ -124,7 +124,7 @@ def _sources_digest() -> str:
 
 @nox.session
 def seed_sweep(session: nox.Session) -> None:
-    """Every test that draws random inputs, under many seeds (not in CI; hours on 2 cores: README).
+    """Every test that draws random inputs, under many seeds (not in CI; hours on 2 cores: docs/results.md).
     First the suite once, writing which tests draw random inputs (tests/sweep.py), then each of
     those under 200 seeds if it took under 1 s, else 20, one pytest worker a core (xdist; one
     thread each). Rerun, it resumes where it stopped (for the same sources);

@@ -28,9 +28,34 @@ from artifacts.verdicts import (
 
 
 def test_readme_claims_section_is_the_registry():
-    assert claims.readme_table() == claims.markdown(), (
-        "README drifted: run `python -m artifacts.claims --write-readme`"
+    rows = claims.evaluate(source="reference")
+    drifted = "drifted: run `python -m artifacts.claims --write-readme`"
+    assert claims.generated(claims.CLAIMS_DOC, claims.TABLE) == claims.markdown(rows), (
+        f"docs/claims.md {drifted}"
     )
+    assert claims.generated(claims.README, claims.SUMMARY) == claims.summary_markdown(rows), (
+        f"README {drifted}"
+    )
+
+
+def test_every_relative_link_in_the_docs_reaches_its_file_and_heading():
+    """The front page and docs/ link to one another: each relative link names a file that
+    exists and, with #anchor, a heading of that file (anchors as GitHub makes them)."""
+    import re
+
+    root = claims.README.parent
+    pages = [claims.README, *sorted((root / "docs").glob("*.md"))]
+    assert len(pages) >= 7, pages
+    for page in pages:
+        for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+            if re.match(r"[a-z]+://", target):
+                continue
+            path, _, anchor = target.partition("#")
+            file = (page.parent / path).resolve() if path else page
+            assert file.exists(), f"{page.name}: link to {target}: no such file"
+            if anchor:
+                headings = re.findall(r"^#+ (.+)$", file.read_text(), flags=re.M)
+                assert anchor in {claims._anchor(h) for h in headings}, f"{page.name}: no heading #{anchor}"
 
 
 def test_every_cpu_claim_has_a_reference_and_no_bound_is_broken_unexplained():

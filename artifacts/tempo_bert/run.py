@@ -95,7 +95,7 @@ THROUGHPUT = {
     ),
 }
 PRECISIONS = {"cpu": ["fp16"], "paper": ["fp16", "fp32", "amp-fp16"]}
-# The README's `python -m tempo.maxbatch` example: (model, head, seq, precision), HF eager and Tempo.
+# docs/tempo.md's `python -m tempo.maxbatch` example: (model, head, seq, precision), HF eager and Tempo.
 MAXBATCH_EXAMPLE = ("bert-large", "qa", 384, "fp32")
 
 

@@ -247,7 +247,7 @@ def test_megatron_lm_accepts_every_plan_it_can_express():
     checkout = megatron_lm_checkout()
     if checkout is None:
         # Megatron-LM's training code is not on PyPI, the only registry CI reaches, so CI skips
-        # this visibly; `nox -s megatron_lm_args -- PATH` runs it (README: its last counts)
+        # this visibly; `nox -s megatron_lm_args -- PATH` runs it (docs/mist.md: its last counts)
         pytest.skip("needs a Megatron-LM checkout at core_v0.16.1 in MEGATRON_LM (nox -s megatron_lm_args)")
     accepted, refused, failures = 0, 0, []
     for name, plan in _comparison_plans():

@@ -22,7 +22,7 @@ from mist.plan import PrePostPlan
 from mist.tuning.problem import Problem
 from mist.tuning.stage_cost import layer_numbers
 
-# Predicted vs measured per-rank memory: the stated target (README: "target 10%"), not loosened.
+# Predicted vs measured per-rank memory: the stated target (docs/mist.md: "target 10%"), not loosened.
 # Measured: held tensor bytes + the allocator peak of the typical steady step (the median of a
 # few: on a CPU the peaks vary by up to ~10% of the total at this tiny scale, as gloo's threads and
 # FSDP2's asynchronous collectives free buffers at varying times; the worst is reported too).
@@ -435,7 +435,7 @@ def test_gradient_offload_accumulates_on_the_host(tmp_path, dp, zero):
     and host bytes are checked: with nothing else left on the device, the peak is then ZeRO-1's
     broadcast of the updated weights, whose flat buffers gloo frees at varying times (one or
     both owners' at once: 0.70 or 0.93 MB, +24%, seen in a CI run), and ZeRO-2's reductions in
-    backward hooks vary by up to 50% (its model is 12-33% off besides; README)."""
+    backward hooks vary by up to 50% (its model is 12-33% off besides; docs/mist.md)."""
     plain_plan, plain, plan, report = _offload_pair("offload_grads", dp, zero, tmp_path)
     a, b = (next(r["losses"] for r in rep["ranks"] if r["losses"] is not None) for rep in (plain, report))
     assert a == pytest.approx(b, rel=1e-6)
