@@ -12,6 +12,8 @@ them in step: a wait target can only be met by the call's own producer tiles.
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 from .kernels import ACTIVATIONS, STATUS_WORDS, stage_kernel, ticket_mlp_kernel
@@ -60,10 +62,24 @@ def _timeout_us(timeout_s: float | None) -> int:
     return round(t * 1e6)
 
 
+def _whole(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
 def _check_spins(max_spins: int) -> int:
-    if not 0 <= max_spins < 2**31:
-        raise ValueError(f"max_spins must be in [0, 2**31) (0: no bound on polls), got {max_spins}")
-    return max_spins
+    if not _whole(max_spins) or not 0 <= max_spins < 2**31:
+        raise ValueError(
+            f"max_spins must be a whole number in [0, 2**31) (0: no bound on polls), got {max_spins!r}"
+        )
+    return int(max_spins)
+
+
+def _check_wait_target(wait_target: int) -> int:
+    """A count an int32 ready counter can reach: a float, a bool or a negative count would be
+    compared with it as something else inside the kernel, and a larger one never reached."""
+    if not _whole(wait_target) or not 0 <= wait_target < 2**31:
+        raise ValueError(f"wait_target must be a whole number of signals in [0, 2**31), got {wait_target!r}")
+    return int(wait_target)
 
 
 def new_status(device: torch.device | str) -> torch.Tensor:
@@ -224,6 +240,7 @@ def launch_stage(
     _check_matmul(a, b, c)
     act_id = _check_act(act)
     timeout_us, max_spins = _timeout_us(timeout_s), _check_spins(max_spins)
+    wait_target = _check_wait_target(wait_target)
     m, n = c.shape
     tiles_m, tiles_n = tiling.tiles(m, n)
     do_wait = ready_in is not None if wait is None else wait

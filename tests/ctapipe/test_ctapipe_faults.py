@@ -135,8 +135,12 @@ def test_max_spins_still_bounds_polls_and_bad_bounds_are_refused():
             TicketMLP("gelu", T, timeout_s=bad)
         with pytest.raises(ValueError, match="timeout_s must be in"):
             PartitionedMLP("gelu", T, timeout_s=bad)
-    with pytest.raises(ValueError, match="max_spins must be in"):
-        launch_stage(a, b, torch.empty(16, 16), ready_in=ready, wait_target=1, max_spins=-1, tiling=T)
+    for bad in (-1, 2**31, 5.0, True):
+        with pytest.raises(ValueError, match="max_spins must be a whole number in"):
+            launch_stage(a, b, torch.empty(16, 16), ready_in=ready, wait_target=1, max_spins=bad, tiling=T)
+    for bad in (-1, 2**31, 1.5, True, "1"):  # what an int32 counter cannot be compared with as a count
+        with pytest.raises(ValueError, match="wait_target must be a whole number of signals"):
+            launch_stage(a, b, torch.empty(16, 16), ready_in=ready, wait_target=bad, tiling=T)
     with pytest.raises(ValueError, match="status must be a contiguous int32 buffer of 6"):
         launch_stage(a, b, torch.empty(16, 16), status=torch.zeros(1, dtype=torch.int32), tiling=T)
 
