@@ -77,6 +77,7 @@ from artifacts.experiment import Experiment  # noqa: E402
 from measure.cli import OneLineParser  # noqa: E402
 from measure.parallel import die_with_parent, sigterm_as_interrupt  # noqa: E402
 from measure.results import SOURCE_COMMIT_ENV, git_state, write_json_atomic  # noqa: E402
+from measure.strict import loads_json  # noqa: E402
 
 DEFAULT_OUT = ROOT / "artifacts" / "gpu_check" / "results"
 STATUS = "status.json"
@@ -301,21 +302,13 @@ def probe(env: dict[str, str], deadline: float) -> dict[str, Any]:
 OUTCOMES = ("passed", "failed", "timed_out", "interrupted", "running", "not_run")
 
 
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    keys = [k for k, _ in pairs]
-    twice = sorted({k for k in keys if keys.count(k) > 1})
-    if twice:
-        raise ValueError(f"key {twice[0]!r} given twice")
-    return dict(pairs)
-
-
 def read_status(path: Path, mode: str) -> dict[str, Any]:
     """The status of earlier calls in this folder; a fresh one if none or from the other mode.
     Read strictly: one line naming the file and what is wrong, before any part runs."""
     if not path.exists():
         return {"format": FORMAT, "mode": mode, "parts": {}}
     try:
-        status = json.loads(path.read_text(), object_pairs_hook=_unique_keys)
+        status = loads_json(path.read_text())
     except (OSError, ValueError, UnicodeDecodeError, RecursionError) as e:  # JSONDecodeError: a ValueError
         raise SetupError(f"{path}: not readable ({e}); move it aside to start afresh") from None
     if (

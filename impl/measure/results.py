@@ -35,6 +35,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from .strict import DuplicateKeyError, loads_json
+
 PACKAGES = ("torch", "triton", "transformers", "megatron-core", "numpy", "scipy", "sympy", "highspy")
 REPO_ROOT = Path(__file__).resolve().parents[2]
 FORMAT = 2
@@ -171,8 +173,8 @@ class Results:
             "the committed reference is in reference/"
         )
         try:
-            data = json.loads(path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            data = loads_json(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError, DuplicateKeyError) as e:
             raise ResultFileError(f"{path}: not a readable result file ({e}); {advice}") from None
         if (
             not isinstance(data, dict)

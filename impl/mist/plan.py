@@ -43,6 +43,8 @@ from pathlib import Path
 
 import yaml
 
+from measure.strict import DuplicateKeyError, loads_json, loads_yaml
+
 from .model.specs import GPUS, HOSTS, ClusterSpec, ModelSpec, cluster, model, preset_overrides
 
 PLAN_FORMAT = 2  # what save() writes; from_dict() also reads 1 (memory in GiB)
@@ -431,8 +433,8 @@ class Plan:
         path = Path(path)
         try:
             text = path.read_text()
-            data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
-        except (json.JSONDecodeError, yaml.YAMLError) as e:
+            data = loads_json(text) if path.suffix == ".json" else loads_yaml(text)
+        except (json.JSONDecodeError, yaml.YAMLError, DuplicateKeyError) as e:
             where = str(e).replace("\n", " ")
             kind = "JSON" if path.suffix == ".json" else "YAML"
             raise ValueError(f"{path}: not valid {kind} ({where})") from None

@@ -129,6 +129,8 @@ def test_interrupted_run_of_another_command_is_not_resumed(tmp_path):
         # one key twice with two values: "the last one wins" would decide a verdict by file order
         '{"format": 2, "points": [{"key": {"a": 1}, "result": 1, "provenance": {}}, '
         '{"key": {"a": 1}, "result": 2, "provenance": {}}]}',
+        # one field twice inside a point's result: the same, within a point
+        '{"format": 2, "points": [{"key": {"a": 1}, "result": {"x": 1, "x": 2}, "provenance": {}}]}',
     ],
 )
 def test_broken_result_file_is_refused_naming_it_and_what_to_do(tmp_path, content):

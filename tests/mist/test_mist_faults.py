@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import time
@@ -82,6 +83,8 @@ def test_a_huge_global_batch_is_refused_before_any_work(capsys):
             "overlap_grad_reduce must be true or false",
         ),
         (("gpu: l4", "gpu: 4"), "gpu must be a name"),
+        # a key given twice was the last one's (YAML's and JSON's default): refused
+        (("tp: 1\ndp: 1", "tp: 1\ndp: 1\ntp: 2"), "key 'tp' given twice in one mapping"),
     ],
 )
 def test_bad_plan_files(tmp_path, capsys, edit, expected):
@@ -276,3 +279,71 @@ def test_library_functions_refuse_what_they_cannot_take_in_one_line(call, expect
     with pytest.raises(ValueError, match=expected) as e:
         call()
     assert "\n" not in str(e.value)
+
+
+def test_a_json_plan_with_a_key_twice_is_refused(tmp_path, capsys):
+    path = tmp_path / "plan.json"
+    path.write_text('{"model": "gpt3-1.3b", "gpu": "l4", "gpus": 2, "gpus_per_node": 8, "global_batch": 8, '
+                    '"tp": 1, "dp": 1, "dp": 2, "micro_batch": 1, "stages": [{"layers": 24}]}')  # fmt: skip
+    assert main(["predict", str(path)]) == 2
+    _one_error_line(capsys, "plan.json", "key 'dp' given twice")
+
+
+_META = '{"gpu": "l4", "seq": 2048, "sizes": {"1_3B": [2048, 24, 32]}}'
+
+
+@pytest.mark.parametrize(
+    "meta, expected",
+    [
+        ('{"gpu": "l4", "seq": "2048", "sizes": {"1_3B": [2048, 24, 32]}}', "seq must be a whole number > 0"),
+        ('{"gpu": "l4", "seq": 2048, "sizes": {"1_3B": [2048, 24]}}', "sizes must be {size name"),
+        ('{"gpu": "l4", "seq": 2048, "seq": 4096, "sizes": {}}', "key 'seq' given twice"),
+        ('{"gpu": "l4", "seq": 2048, "sizes": {"1_3B": [2048, 24, 32]}, "vocab": 0}', "vocab must be"),
+        (
+            '{"gpu": "l4", "seq": 2048, "sizes": {"1_3B": [2048, 24, 32]}, "tp_comm_inside": "no"}',
+            "tp_comm_inside must be true or false",
+        ),
+        ('{"gpu": "l4", "seq": 2048, "sizes": {"1_3B": [2048, 24, 32]}, "seqq": 1}', "unknown field(s) seqq"),
+        ('{"gpu": "l4", "sizes": {"1_3B": [2048, 24, 32]}}', "missing seq"),
+        ('{"gpu": "l4", ', "not a readable profile.json"),
+    ],
+)
+def test_a_profiles_description_is_read_strictly(tmp_path, capsys, meta, expected):
+    """profile.json (what `mist profile` measured): each field of its kind, no key twice, no field
+    it does not know; `mist calibrate` says which in one line before fitting anything."""
+    folder = tmp_path / "data" / "mine"
+    folder.mkdir(parents=True)
+    (folder / "profile.json").write_text(meta)
+    assert main(["calibrate", str(tmp_path / "data")]) == 2
+    _one_error_line(capsys, "profile.json", expected)
+
+
+def test_a_layer_profile_with_an_op_twice_is_refused(tmp_path, capsys):
+    """Two rows for one op: which one was measured is unknown; refused, naming the file."""
+    folder = tmp_path / "data" / "mine"
+    folder.mkdir(parents=True)
+    (folder / "profile.json").write_text(_META)
+    rows = "op_name,forward-compute,backward-compute\nenc-1st-layernorm,1,2\nenc-1st-layernorm,3,4\n"
+    (folder / "gpt_1_3B_mbs1_tp1_algo0.csv").write_text(rows)
+    assert main(["calibrate", str(tmp_path / "data")]) == 2
+    _one_error_line(capsys, "gpt_1_3B_mbs1_tp1_algo0.csv", "op 'enc-1st-layernorm' has two rows")
+
+
+@pytest.mark.parametrize(
+    "name, text, expected",
+    [
+        ("prim_gpt_1_3B_allreduce_2gpus.csv", "data_size(MB),time(ms)\n1,0.5\n2,-0.1\n", "times finite"),
+        ("prim_gpt_1_3B_allreduce_2gpus.csv", "data_size(MB),time(ms)\n1,inf\n", "times finite and >= 0"),
+        ("prim_gpt_1_3B_allreduce_2gpus.csv", "data_size(MB),time(ms)\n0,0.5\n", "sizes must be finite"),
+        ("p2p_intra_node.csv", "1,2\n10,0\n", "must be finite and > 0"),
+    ],
+)
+def test_collective_benchmarks_are_taken_at_face_value_no_more(tmp_path, name, text, expected):
+    """A collective's negative or infinite time, a zero size or a zero rate (a line through it
+    prices messages as free or as never ending): refused, naming the file."""
+    from mist.model.profile_data import read_collectives
+
+    (tmp_path / name).write_text(text)
+    with pytest.raises(ValueError, match=re.escape(expected)) as e:
+        read_collectives(tmp_path)
+    assert name in str(e.value) and "\n" not in str(e.value)

@@ -14,6 +14,8 @@ import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from measure.strict import DuplicateKeyError, loads_json
+
 from .specs import ModelSpec
 
 # The Mist artifact's measured GPU data, vendored in the repository (see data/README.md).
@@ -108,12 +110,11 @@ def profile_meta(gpu_dir: Path) -> dict:
     as profile.json; the artifact's directories are known by name."""
     meta = gpu_dir / "profile.json"
     if meta.exists():
-        d = json.loads(meta.read_text())
-        sizes = {k: tuple(v) for k, v in d["sizes"].items()}
+        d = _read_meta(meta)
         return {
             "gpu": d["gpu"],
             "seq": d["seq"],
-            "sizes": sizes,
+            "sizes": {k: tuple(v) for k, v in d["sizes"].items()},
             "tp_comm_inside": d.get("tp_comm_inside", False),
             # autograd's backward of a linear layer computes both gradients
             "weight_gradients": d.get("weight_gradients", True),
@@ -123,6 +124,55 @@ def profile_meta(gpu_dir: Path) -> dict:
         return {"gpu": PROFILE_GPU[gpu_dir.name], "seq": PROFILE_SEQ[gpu_dir.name], "sizes": PROFILED_SIZES,
                 "tp_comm_inside": True, "vocab": ARTIFACT_VOCAB}  # fmt: skip
     return {}
+
+
+def _whole(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+# profile.json's fields: (what it must be, the check); "sizes": {size name: [hidden, layers, heads]}
+_META_FIELDS = {
+    "gpu": ("a GPU preset's name", lambda v: isinstance(v, str) and v != ""),
+    "seq": ("a whole number > 0", _whole),
+    "sizes": (
+        "{size name: [hidden, layers, heads]}, whole numbers > 0",
+        lambda v: (
+            isinstance(v, dict)
+            and bool(v)
+            and all(isinstance(x, list) and len(x) == 3 and all(map(_whole, x)) for x in v.values())
+        ),
+    ),
+    "tp_comm_inside": ("true or false", lambda v: isinstance(v, bool)),
+    "weight_gradients": ("true or false", lambda v: isinstance(v, bool)),
+    "vocab": ("a whole number > 0", _whole),
+    # what `mist profile` also records (read by people, not by the model)
+    "device": ("a device name", lambda v: isinstance(v, str)),
+    "dtype": ("a dtype's name", lambda v: isinstance(v, str)),
+    "cpu_threads": ("a whole number > 0 or null", lambda v: v is None or _whole(v)),
+}
+_META_REQUIRED = ("gpu", "seq", "sizes")
+
+
+def _read_meta(path: Path) -> dict:
+    """profile.json, strictly: each field of its kind (a string is not a number), no key twice, no
+    field it does not know; one line naming the file and the field otherwise."""
+    try:
+        d = loads_json(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError, DuplicateKeyError) as e:
+        raise ValueError(f"{path}: not a readable profile.json ({e})") from None
+    if not isinstance(d, dict):
+        raise ValueError(f"{path}: a profile.json is a mapping of {', '.join(_META_FIELDS)}")
+    unknown = sorted(set(d) - set(_META_FIELDS))
+    missing = [k for k in _META_REQUIRED if k not in d]
+    if unknown or missing:
+        wrong = [f"unknown field(s) {', '.join(unknown)}"] if unknown else []
+        wrong += [f"missing {', '.join(missing)}"] if missing else []
+        raise ValueError(f"{path}: {'; '.join(wrong)} (fields: {', '.join(_META_FIELDS)})")
+    for key, value in d.items():
+        what, ok = _META_FIELDS[key]
+        if not ok(value):
+            raise ValueError(f"{path}: {key} must be {what}, got {value!r}")
+    return d
 
 
 WEIGHT_GEMMS = ("enc-attention-qkv", "enc-attention-dense", "enc-MLP-GEMM-1", "enc-MLP-GEMM-2")
@@ -148,6 +198,11 @@ def backward_has_weight_gradients(ops_per_profile: list[dict[str, tuple[float, f
     return not ratios or ratios[len(ratios) // 2] > 1.4
 
 
+def _us_pair(forward: str, backward: str) -> tuple[float, float]:
+    """A layer profile's (forward, backward) microseconds in seconds."""
+    return float(forward) * 1e-6, float(backward) * 1e-6
+
+
 def read_layer_profiles(gpu_dir: Path) -> list[LayerProfile]:
     meta = profile_meta(gpu_dir)
     out = []
@@ -157,14 +212,17 @@ def read_layer_profiles(gpu_dir: Path) -> list[LayerProfile]:
             continue
         try:
             with path.open() as fh:
-                ops = {
-                    r["op_name"]: (float(r["forward-compute"]) * 1e-6, float(r["backward-compute"]) * 1e-6)
-                    for r in csv.DictReader(fh)
-                }
+                rows = [(r["op_name"], _us_pair(r["forward-compute"], r["backward-compute"]))
+                        for r in csv.DictReader(fh)]  # fmt: skip
         except (KeyError, ValueError, TypeError, UnicodeDecodeError, csv.Error) as e:
             raise ValueError(
                 f"{path}: not a layer profile (needs op_name, forward-compute, backward-compute in µs): {e!r}"
             ) from None
+        ops = dict(rows)
+        if len(ops) < len(rows):  # two rows for one op: which one was measured is unknown
+            names = [name for name, _ in rows]
+            twice = sorted({n for n in names if names.count(n) > 1})
+            raise ValueError(f"{path}: op {twice[0]!r} has two rows; a layer profile has one per op")
         missing = [op for op in LAYER_OPS if op not in ops]
         if missing:
             raise ValueError(f"{path}: not a layer profile: no row for {', '.join(missing)}")
@@ -221,8 +279,18 @@ def read_collectives(gpu_dir: Path) -> dict[tuple[str, int], list[tuple[float, f
         except (KeyError, ValueError, TypeError, UnicodeDecodeError, csv.Error) as e:
             needs = "needs data_size(MB), time(ms)"
             raise ValueError(f"{path}: not a collective benchmark ({needs}): {e!r}") from None
+        # a size > 0 and a time >= 0 (a ZeRO benchmark's extra time may measure as none): a line
+        # fitted through a negative or infinite time would price collectives as free or as never ending
+        bad = next(((b, t) for b, t in rows if not (_positive_finite(b) and 0 <= t < math.inf)), None)
+        if bad is not None:
+            raise ValueError(f"{path}: sizes must be finite and > 0, times finite and >= 0; got "
+                             f"{bad[0] / 2**20:g} MB in {bad[1] * 1e3:g} ms")  # fmt: skip
         out.setdefault((m["coll"], int(m["n"])), []).extend(rows)
     return out
+
+
+def _positive_finite(*values: float) -> bool:
+    return all(math.isfinite(v) and v > 0 for v in values)
 
 
 def read_p2p(gpu_dir: Path) -> dict[str, list[tuple[float, float]]]:
@@ -242,6 +310,8 @@ def read_p2p(gpu_dir: Path) -> dict[str, list[tuple[float, float]]]:
                 for sizes, rates in zip(lines[::2], lines[1::2], strict=True)
                 for a, r in zip(sizes.split(","), rates.split(","), strict=True)
             ]
+            if not all(_positive_finite(b, r) for b, r in out[where]):
+                raise ValueError("message sizes and rates must be finite and > 0")
         except ValueError as e:
             raise ValueError(f"{path}: not a p2p benchmark (lines of message MB, then GB/s): {e}") from None
     return out
