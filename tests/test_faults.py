@@ -159,3 +159,52 @@ def test_killed_benchmark_leaves_no_rank(sig):
     proc = _kill_when_busy(uuid.uuid4().hex, command, sig, busy, settle_s=2.0)
     if sig == signal.SIGTERM:
         assert proc.returncode != 0
+
+
+_FORKED = """
+from measure.fork_launch import ForkLauncher
+from measure.parallel import sigterm_as_interrupt
+sigterm_as_interrupt()
+ForkLauncher("tests.measure.fork_target:preload").run(2, "tests.measure.fork_target", ["sleep"], timeout=600)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_killed_fork_launch_leaves_no_server_or_rank(sig):
+    """measure.fork_launch (the engine's CPU launches): its client killed while two forked ranks
+    run, neither the warm server nor a rank may outlive it."""
+    command = [sys.executable, "-c", _FORKED]
+
+    # the server and the ranks it forked share its command line
+    def busy(cmds: dict[int, str]) -> bool:
+        return sum("measure.fork_launch" in c for c in cmds.values()) >= 3
+
+    _kill_when_busy(uuid.uuid4().hex, command, sig, busy, settle_s=1.0)
+
+
+_PROFILE = """
+from measure.parallel import sigterm_as_interrupt
+from mist.engine.profiler import write_profiles
+import tempfile, torch
+sigterm_as_interrupt()
+with tempfile.TemporaryDirectory() as out:  # a profile that takes minutes, two copies beside it
+    write_profiles(out, "cpu", 256, 4, 128, [1, 2, 4, 8], [1], torch.bfloat16, "cpu", repeats=10**4,
+                   concurrent=3)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_killed_profile_leaves_no_concurrent_copy(sig):
+    """`mist profile` on a CPU runs copies of itself beside the measured one (a plan's ranks share
+    the cores): killed while they run, no copy may outlive it."""
+    command = [sys.executable, "-c", _PROFILE]
+
+    # the measured profile and its two copies (multiprocessing's spawned children)
+    def busy(cmds: dict[int, str]) -> bool:
+        return sum("multiprocessing.spawn" in c for c in cmds.values()) >= 2
+
+    _kill_when_busy(uuid.uuid4().hex, command, sig, busy, settle_s=2.0)
