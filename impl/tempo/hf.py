@@ -321,7 +321,169 @@ def _qualified(parent_name: str, child_name: str) -> str:
     return f"{parent_name}.{child_name}" if parent_name else child_name
 
 
-# Over 80 lines: per-family replacement tables (as Liger-Kernel's apply_*) are #29's item 2.
+# One function a technique: the Tempo module that replaces ``child``, or None when it is not that
+# technique's HF module (the patcher's table, as Liger-Kernel keeps one apply_* a model family).
+def _replace_layernorm(child: nn.Module) -> nn.Module | None:
+    return TempoLayerNorm.from_layernorm(child) if type(child) is nn.LayerNorm else None
+
+
+def _replace_gelu(child: nn.Module) -> nn.Module | None:
+    approximate = _gelu_kind(child)
+    return None if approximate is None else TempoGELU(approximate)
+
+
+def _replace_dropout(child: nn.Module) -> nn.Module | None:
+    if type(child) is not nn.Dropout:
+        return None
+    new = TempoDropout(child.p)
+    return new.train(child.training)
+
+
+def _replace_rmsnorm(child: nn.Module) -> nn.Module | None:
+    return TempoRMSNorm.from_rmsnorm(child) if type(child).__name__ in RMSNORM_CLASSES else None
+
+
+def _replace_swiglu(child: nn.Module) -> nn.Module | None:
+    if type(child).__name__ not in GATED_MLP_CLASSES or not _is_silu(child.act_fn):
+        return None
+    return TempoSwiGLUMLP(child.gate_proj, child.up_proj, child.down_proj).train(child.training)
+
+
+_Named = tuple[str, nn.Module]  # a module and its qualified name
+# tried in this order on each child module
+_REPLACEMENTS = {
+    "layernorm": _replace_layernorm,
+    "gelu": _replace_gelu,
+    "dropout": _replace_dropout,
+    "rmsnorm": _replace_rmsnorm,
+    "swiglu": _replace_swiglu,
+}
+
+
+def _check_patchable(model: nn.Module, switched_on: dict[str, bool]):
+    """(config, model_type) of a model ``patch`` can take; refuses one it cannot, before any change."""
+    _check_module("patch", model)
+    config = _find_config(model)
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"tempo.patch supports HF models of type {', '.join(SUPPORTED_MODEL_TYPES)} (or their "
+            f"sub-modules); got {type(model).__name__} (model_type={model_type!r})"
+        )
+    if getattr(model, _RECORD, None) is not None:
+        raise RuntimeError("model is already patched by tempo; call tempo.unpatch(model) first")
+    if not any(switched_on.values()):
+        raise ValueError(
+            "every technique is switched off (layernorm, gelu, attention, dropout, rmsnorm, swiglu, "
+            "loss): nothing to patch"
+        )
+    return config, model_type
+
+
+def _plan_modules(model: nn.Module, switched_on: dict[str, bool], report: PatchReport) -> tuple[list, list]:
+    """(new slots, slots of other patches this one joins) for the child modules Tempo replaces."""
+    lists = {"layernorm": report.layernorms, "gelu": report.gelus, "dropout": report.dropouts,
+             "rmsnorm": report.rmsnorms, "swiglu": report.swiglus}  # fmt: skip
+    new_slots: list[_Slot] = []
+    joined: list[_Slot] = []
+    for parent_name, parent in list(model.named_modules()):
+        for child_name, child in list(parent.named_children()):
+            qualified = _qualified(parent_name, child_name)
+            kind = next((k for k, cls in _TEMPO_MODULES.items() if isinstance(child, cls)), None)
+            if kind is not None:  # already Tempo's: hold it too if another patch put it there
+                if switched_on[kind]:
+                    report.already_tempo.append(qualified)
+                    if (slot := child.__dict__.get(_SLOT)) is not None:
+                        joined.append(slot)
+                continue
+            for kind, replace in _REPLACEMENTS.items():
+                new = replace(child) if switched_on[kind] else None
+                if new is not None:
+                    lists[kind].append(qualified)
+                    new_slots.append(_Slot(qualified, parent, child_name, child, new))
+                    break
+    return new_slots, joined
+
+
+def _plan_loss(model: nn.Module, report: PatchReport, joined: list[_Slot]) -> list[_Slot]:
+    """New slots for the causal LMs' lean loss forward (``loss=True``); appends to ``joined``."""
+    new_slots = []
+    for name, module in model.named_modules():
+        if type(module).__name__ not in CAUSAL_LM_CLASSES:
+            continue
+        name = name or type(module).__name__
+        if (slot := module.__dict__.get(_SLOT)) is not None:
+            report.already_tempo.append(name)
+            joined.append(slot)
+        elif (why := _lean_loss_refusal(module)) is not None:
+            raise ValueError(f"tempo.patch(loss=True) cannot take {name}: {why}; pass loss=False")
+        else:
+            lean = _LeanLossForward(module)
+            new_slots.append(_Slot(name, None, "forward", None, lean, forward_of=module))
+            report.losses.append(name)
+    if not report.losses and not any(s.forward_of is not None for s in joined):
+        raise ValueError(
+            f"tempo.patch(loss=True) takes a causal LM ({', '.join(CAUSAL_LM_CLASSES)}) or a module "
+            f"holding one; {type(model).__name__} holds none: pass loss=False"
+        )
+    return new_slots
+
+
+def _plan_attention(model: nn.Module, report: PatchReport, joined: list[_Slot]) -> list[_Named]:
+    """The attention modules whose core Tempo's replaces (appends those another patch holds to
+    ``joined``); refuses implementations and options whose masks Tempo's core cannot read."""
+    targets: list[_Named] = []
+    for name, module in model.named_modules():
+        if not _is_attention(module):
+            continue
+        name = name or type(module).__name__
+        if (slot := module.__dict__.get(_SLOT)) is not None:
+            report.already_tempo.append(name)
+            joined.append(slot)
+        else:
+            targets.append((name, module))
+    implementations = sorted({m.config._attn_implementation or "eager" for _, m in targets})
+    if unsupported := [i for i in implementations if i not in MASK_COMPATIBLE]:
+        raise ValueError(
+            f"tempo.patch(attention=True) takes models whose attention implementation is one of "
+            f"{', '.join(MASK_COMPATIBLE)} (their masks are what Tempo's core reads); this one uses "
+            f"{', '.join(unsupported)}: set_attn_implementation('eager') first, or pass attention=False"
+        )
+    if any(getattr(m, "reorder_and_upcast_attn", False) for _, m in targets):  # GPT-2 only
+        raise ValueError(
+            "GPT-2 with reorder_and_upcast_attn=True bypasses the attention registry; set it False"
+        )
+    return targets
+
+
+def _attention_slots(targets: list[_Named], report: PatchReport) -> list[_Slot]:
+    """A slot per attention module: its own copy of the config, naming Tempo's implementation."""
+    if targets:
+        _register_attention()
+    slots = []
+    for name, module in targets:
+        # A copy, not the shared object: only this module is to run Tempo's core.
+        own = copy.copy(module.config)
+        # The field itself, not the setter: that one also sets the (shared) sub-configs.
+        own._attn_implementation_internal = ATTN_IMPLEMENTATION
+        slots.append(_Slot(name, None, "config", module.config, own, attention_module=module))
+        report.attention_modules.append(name)
+    return slots
+
+
+def _install(slot: _Slot) -> None:
+    """Put a slot's replacement in place: a config, a forward or a child module."""
+    if slot.attention_module is not None:
+        slot.attention_module.config = slot.replacement
+        slot.attention_module.__dict__[_SLOT] = slot
+    elif slot.forward_of is not None:
+        slot.forward_of.__dict__["forward"] = slot.replacement
+        slot.forward_of.__dict__[_SLOT] = slot
+    else:
+        setattr(slot.parent, slot.child_name, slot.replacement)
+        slot.replacement.__dict__[_SLOT] = slot
+
+
 def patch(
     model: nn.Module,
     *,
@@ -336,130 +498,27 @@ def patch(
     """Convert a HF BERT / RoBERTa / GPT-2 or Llama / Mistral / Qwen2 model (any size, any head),
     or a submodule of one such as a single layer, to Tempo's layers in place. Only ``model``
     changes (not the other layers that share its config). Returns what was replaced."""
-    _check_module("patch", model)
-    config = _find_config(model)
-    model_type = getattr(config, "model_type", None)
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(
-            f"tempo.patch supports HF models of type {', '.join(SUPPORTED_MODEL_TYPES)} (or their "
-            f"sub-modules); got {type(model).__name__} (model_type={model_type!r})"
-        )
-    if getattr(model, _RECORD, None) is not None:
-        raise RuntimeError("model is already patched by tempo; call tempo.unpatch(model) first")
-    if not (layernorm or gelu or attention or dropout or rmsnorm or swiglu or loss):
-        raise ValueError(
-            "every technique is switched off (layernorm, gelu, attention, dropout, rmsnorm, swiglu, "
-            "loss): nothing to patch"
-        )
-
+    switched_on = {"layernorm": layernorm, "gelu": gelu, "dropout": dropout, "rmsnorm": rmsnorm,
+                   "swiglu": swiglu, "attention": attention, "loss": loss}  # fmt: skip
+    config, model_type = _check_patchable(model, switched_on)
     # Plan everything first, so a refusal leaves the model untouched.
     report = PatchReport(model_type=model_type)
-    lists = {"layernorm": report.layernorms, "gelu": report.gelus, "dropout": report.dropouts,
-             "rmsnorm": report.rmsnorms, "swiglu": report.swiglus}  # fmt: skip
-    switched_on = {
-        "layernorm": layernorm,
-        "gelu": gelu,
-        "dropout": dropout,
-        "rmsnorm": rmsnorm,
-        "swiglu": swiglu,
-    }
-    new_slots: list[_Slot] = []
-    joined: list[_Slot] = []
-    for parent_name, parent in list(model.named_modules()):
-        for child_name, child in list(parent.named_children()):
-            qualified = _qualified(parent_name, child_name)
-            kind = next((k for k, cls in _TEMPO_MODULES.items() if isinstance(child, cls)), None)
-            if kind is not None:  # already Tempo's: hold it too if another patch put it there
-                if switched_on[kind]:
-                    report.already_tempo.append(qualified)
-                    if (slot := child.__dict__.get(_SLOT)) is not None:
-                        joined.append(slot)
-                continue
-            new: nn.Module | None = None
-            if layernorm and type(child) is nn.LayerNorm:
-                new, kind = TempoLayerNorm.from_layernorm(child), "layernorm"
-            elif gelu and (approximate := _gelu_kind(child)) is not None:
-                new, kind = TempoGELU(approximate), "gelu"
-            elif dropout and type(child) is nn.Dropout:
-                new, kind = TempoDropout(child.p), "dropout"
-                new.train(child.training)
-            elif rmsnorm and type(child).__name__ in RMSNORM_CLASSES:
-                new, kind = TempoRMSNorm.from_rmsnorm(child), "rmsnorm"
-            elif swiglu and type(child).__name__ in GATED_MLP_CLASSES and _is_silu(child.act_fn):
-                new, kind = TempoSwiGLUMLP(child.gate_proj, child.up_proj, child.down_proj), "swiglu"
-                new.train(child.training)
-            if new is not None:
-                lists[kind].append(qualified)
-                new_slots.append(_Slot(qualified, parent, child_name, child, new))
+    new_slots, joined = _plan_modules(model, switched_on, report)
     if loss:
-        for name, module in model.named_modules():
-            if type(module).__name__ not in CAUSAL_LM_CLASSES:
-                continue
-            name = name or type(module).__name__
-            if (slot := module.__dict__.get(_SLOT)) is not None:
-                report.already_tempo.append(name)
-                joined.append(slot)
-            elif (why := _lean_loss_refusal(module)) is not None:
-                raise ValueError(f"tempo.patch(loss=True) cannot take {name}: {why}; pass loss=False")
-            else:
-                lean = _LeanLossForward(module)
-                new_slots.append(_Slot(name, None, "forward", None, lean, forward_of=module))
-                report.losses.append(name)
-        if not report.losses and not any(s.forward_of is not None for s in joined):
-            raise ValueError(
-                f"tempo.patch(loss=True) takes a causal LM ({', '.join(CAUSAL_LM_CLASSES)}) or a module "
-                f"holding one; {type(model).__name__} holds none: pass loss=False"
-            )
-    attention_targets: list[tuple[str, nn.Module]] = []
-    if attention:
-        for name, module in model.named_modules():
-            if not _is_attention(module):
-                continue
-            name = name or type(module).__name__
-            if (slot := module.__dict__.get(_SLOT)) is not None:
-                report.already_tempo.append(name)
-                joined.append(slot)
-            else:
-                attention_targets.append((name, module))
-    implementations = sorted({m.config._attn_implementation or "eager" for _, m in attention_targets})
-    if unsupported := [i for i in implementations if i not in MASK_COMPATIBLE]:
-        raise ValueError(
-            f"tempo.patch(attention=True) takes models whose attention implementation is one of "
-            f"{', '.join(MASK_COMPATIBLE)} (their masks are what Tempo's core reads); this one uses "
-            f"{', '.join(unsupported)}: set_attn_implementation('eager') first, or pass attention=False"
-        )
-    if any(getattr(m, "reorder_and_upcast_attn", False) for _, m in attention_targets):  # GPT-2 only
-        raise ValueError(
-            "GPT-2 with reorder_and_upcast_attn=True bypasses the attention registry; set it False"
-        )
-    if not new_slots and not attention_targets and not joined:
+        new_slots += _plan_loss(model, report, joined)
+    targets = _plan_attention(model, report, joined) if attention else []
+    if not new_slots and not targets and not joined:
         raise ValueError(
             f"found nothing to replace in {type(model).__name__} with the techniques switched on"
         )
-
+    implementations = sorted({m.config._attn_implementation or "eager" for _, m in targets})
     report.previous_attn_implementation = (
-        ", ".join(implementations) if attention_targets else getattr(config, "_attn_implementation", None)
+        ", ".join(implementations) if targets else getattr(config, "_attn_implementation", None)
     )
-    if attention_targets:
-        _register_attention()
-    for name, module in attention_targets:
-        # A copy, not the shared object: only this module is to run Tempo's core.
-        own = copy.copy(module.config)
-        # The field itself, not the setter: that one also sets the (shared) sub-configs.
-        own._attn_implementation_internal = ATTN_IMPLEMENTATION
-        new_slots.append(_Slot(name, None, "config", module.config, own, attention_module=module))
-        report.attention_modules.append(name)
+    new_slots += _attention_slots(targets, report)
     record = _Record(report, new_slots + joined)
     for slot in new_slots:
-        if slot.attention_module is not None:
-            slot.attention_module.config = slot.replacement
-            slot.attention_module.__dict__[_SLOT] = slot
-        elif slot.forward_of is not None:
-            slot.forward_of.__dict__["forward"] = slot.replacement
-            slot.forward_of.__dict__[_SLOT] = slot
-        else:
-            setattr(slot.parent, slot.child_name, slot.replacement)
-            slot.replacement.__dict__[_SLOT] = slot
+        _install(slot)
     for slot in record.slots:
         slot.holders.append(record)
     setattr(model, _RECORD, record)
