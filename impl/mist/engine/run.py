@@ -549,17 +549,31 @@ def _batches(plan: Plan, layout: RankLayout, stage: int, seed: int, device: torc
             for _ in range(plan.grad_accum)]  # fmt: skip
 
 
-# Over 80 lines: build, step and measure share a dozen locals (layout, parts, optimizer, hooks);
-# the split into named parts is #29's, to be checked by the engine's 5-minute training tests.
-def run(plan: Plan, steps: int = 5, seed: int = 0, lr: float = 1e-2) -> dict:
-    """Train ``steps`` iterations of ``plan`` on this process group; the report of this rank."""
-    plan = plan.with_stage_parallelism_lifted()  # the same plan, in the form megatron-core builds
-    reasons = unsupported(plan)
-    if reasons:
-        raise ValueError("mist.engine.run cannot execute this plan yet: " + "; ".join(reasons))
-    layout = _start(plan, seed)
+@dataclass
+class _BuiltStage:
+    """One rank's part of a plan, built: its stage of the model, optimizers, gradient buffers,
+    weight offloads and pipeline schedule (what a step and the report read)."""
+
+    stage: int
+    tp: int
+    device: torch.device
+    model: nn.Module
+    layer_input_shape: list[int]
+    offloaded_layers: int
+    parts: list
+    optimizer: PartOptimizers
+    zero12: list  # the ZeRO-1/2 parts' optimizers (their weight gathers)
+    gradients: StageGradients
+    tp_duplicates: set[int]  # parameters every TP rank holds whole (clipping counts them once)
+    weights: list  # weight offloads
+    pipeline: Pipeline1F1B | PipelineInterleaved
+
+
+def _build(plan: Plan, seed: int, lr: float) -> _BuiltStage:
+    """This rank's stage of ``plan``, built on this process group (the group started)."""
     from megatron.core import parallel_state as ps
 
+    layout = _start(plan, seed)
     stage = ps.get_pipeline_model_parallel_rank()
     mine = plan.stages[stage]
     tp, dp, _ = plan.stage_parallelism(stage)  # this stage's (Plan.stage_parallelism)
@@ -574,91 +588,123 @@ def run(plan: Plan, steps: int = 5, seed: int = 0, lr: float = 1e-2) -> dict:
     sequence_parallel = plan.sequence_parallel and tp > 1
     gather = _gather_in_forward(plan, mine, dp, model, groups)
     optimizer = PartOptimizers([_optimizer(part, dp, model, lr, sequence_parallel, gather) for part in parts])
-    zero12 = [o for o in optimizer.parts if isinstance(o, ShardedMasterAdamW)]
-    dp_group, tp_group = ps.get_data_parallel_group(), ps.get_tensor_model_parallel_group()
     gradients = StageGradients(parts, sharded, optimizer, dp, list(model.parameters()),
-                               _reduction_overlap(plan, dp, dp_group))  # fmt: skip
+                               _reduction_overlap(plan, dp, ps.get_data_parallel_group()))  # fmt: skip
     tp_duplicates = {id(p) for n, p in model.named_parameters() if n in whole_on_tp}
     # after the optimizers and gradient buffers: they are made where the weights are, the device
     weights = _weight_offloads(groups, dp)
     batches = _batches(plan, layout, stage, seed, device)
     schedule = Pipeline1F1B if plan.virtual_stages == 1 else PipelineInterleaved
-    pipeline = schedule(model, plan.model_spec(), plan, batches, layout)
+    return _BuiltStage(
+        stage, tp, device, model, layer_input_shape, offloaded_layers, parts, optimizer,
+        [o for o in optimizer.parts if isinstance(o, ShardedMasterAdamW)], gradients, tp_duplicates, weights,
+        schedule(model, plan.model_spec(), plan, batches, layout),
+    )  # fmt: skip
 
-    phases: list[dict[str, float]] = []  # per step: where the time went
-    grad_bytes: list[int] = []  # per step: the .grad tensors on the device when backward ends
-    first_grad_norm: list[float] = []
-    clipped_norms: list[float] = []  # per step: the global gradient norm before clipping
-    in_backward: list[int] = []  # per step: buckets whose DP sum began during backward (overlap)
-    in_forward: list[int] = []  # per step: weight-gather groups the forward waited for (overlap)
 
-    def step() -> float:
+class _Steps:
+    """A training step of a built stage, and what each step leaves to report."""
+
+    def __init__(self, built: _BuiltStage, dp: int) -> None:
+        self.built, self.dp = built, dp
+        self.phases: list[dict[str, float]] = []  # per step: where the time went
+        self.grad_bytes: list[int] = []  # per step: the .grad tensors on the device when backward ends
+        self.first_grad_norm: list[float] = []  # the first step's, before and after clipping
+        self.clipped_norms: list[float] = []  # per step: the global gradient norm before clipping
+        self.in_backward: list[int] = []  # per step: buckets whose DP sum began during backward (overlap)
+        self.in_forward: list[int] = []  # per step: weight-gather groups the forward waited for (overlap)
+
+    def step(self) -> float:
+        from megatron.core import parallel_state as ps
+
+        b, device = self.built, self.built.device
         t0 = _now(device)
-        loss = pipeline.iteration()
+        loss = b.pipeline.iteration()
         t1 = _now(device)
-        grad_bytes.append(_tensor_bytes(p.grad for p in model.parameters() if p.grad is not None))
-        gradients.wait_overlapped()  # before the TP sum writes the same gradients
-        in_backward.append(gradients.buffer.launched_in_backward if gradients.buffer is not None else 0)
-        if tp > 1:
-            _sum_sequence_parallel_grads(model, tp_group)
-        gradients.sync(dp_group)
-        if not first_grad_norm:  # the first step's, as the optimizer reads them
-            first_grad_norm.append(_grad_norm(model))
-        clipped_norms.append(clip_gradients(optimizer, parts, dp, tp_duplicates, CLIP_GRAD, device))
-        if len(first_grad_norm) == 1:
-            first_grad_norm.append(_grad_norm(model))  # and after clipping
+        self.grad_bytes.append(_tensor_bytes(p.grad for p in b.model.parameters() if p.grad is not None))
+        b.gradients.wait_overlapped()  # before the TP sum writes the same gradients
+        buffer = b.gradients.buffer
+        self.in_backward.append(buffer.launched_in_backward if buffer is not None else 0)
+        if b.tp > 1:
+            _sum_sequence_parallel_grads(b.model, ps.get_tensor_model_parallel_group())
+        b.gradients.sync(ps.get_data_parallel_group())
+        if not self.first_grad_norm:  # the first step's, as the optimizer reads them
+            self.first_grad_norm.append(_grad_norm(b.model))
+        self.clipped_norms.append(
+            clip_gradients(b.optimizer, b.parts, self.dp, b.tp_duplicates, CLIP_GRAD, device)
+        )
+        if len(self.first_grad_norm) == 1:
+            self.first_grad_norm.append(_grad_norm(b.model))  # and after clipping
         t2 = _now(device)
-        in_forward.append(sum(o.gathered_in_forward for o in zero12))
-        optimizer.step()
-        gradients.zero()
-        phases.append({"pipeline_s": t1 - t0, "grad_sync_s": t2 - t1, "optimizer_s": _now(device) - t2})
+        self.in_forward.append(sum(o.gathered_in_forward for o in b.zero12))
+        b.optimizer.step()
+        b.gradients.zero()
+        self.phases.append({"pipeline_s": t1 - t0, "grad_sync_s": t2 - t1, "optimizer_s": _now(device) - t2})
         return loss
 
-    def held_bytes() -> int:
-        at_rest_on_host = {t.data_ptr() for w in weights for t in w.host_tensors()}
-        on_device = [p for p in model.parameters() if local(p).data_ptr() not in at_rest_on_host]
-        return _tensor_bytes([*on_device, *optimizer.state_tensors(), *gradients.device_buffers()])
+    def held_bytes(self) -> int:
+        b = self.built
+        at_rest_on_host = {t.data_ptr() for w in b.weights for t in w.host_tensors()}
+        on_device = [p for p in b.model.parameters() if local(p).data_ptr() not in at_rest_on_host]
+        return _tensor_bytes([*on_device, *b.optimizer.state_tensors(), *b.gradients.device_buffers()])
 
-    measured = _measure(step, steps, held_bytes, plan.gpu_memory_bytes, device)
-    for o in zero12:  # the last step's weights, gathered (no forward came to wait for them)
-        o.finish_gathers()
-    del phases[: MEMORY_STEPS + 1]  # the phases are the timed steps' only
-    report = {
+
+def _report(built: _BuiltStage, steps: _Steps, measured: dict) -> dict:
+    """This rank's report of a run: what it measured, and what its stage holds and did."""
+    from megatron.core import parallel_state as ps
+
+    b, buffer = built, built.gradients.buffer
+    return {
         "rank": dist.get_rank(),
-        "stage": stage,
+        "stage": b.stage,
         "tp_rank": ps.get_tensor_model_parallel_rank(),
         "dp_rank": ps.get_data_parallel_rank(),
         **measured,
         "losses": measured["losses"] if ps.is_pipeline_last_stage() else None,
-        "phases": phases,
+        "phases": steps.phases[MEMORY_STEPS + 1 :],  # the timed steps' only
         # the .grad tensors on the device as backward ends, each storage whole (ZeRO-3: FSDP2's
         # gradient shards, less those offloaded; ZeRO-2 keeps its reduced share apart, uncounted)
-        "device_grad_bytes": grad_bytes[-1],
+        "device_grad_bytes": steps.grad_bytes[-1],
         # the L2 norm of this rank's .grad tensors in the first step, after the DP average (ZeRO-2/3
         # parts hold theirs apart or sharded): equal across plans that train the same model
-        "first_grad_norm": first_grad_norm[0],
-        "first_clipped_grad_norm": first_grad_norm[1],  # the same after clipping
-        "global_grad_norms": clipped_norms,  # every step's, before clipping (the same on every rank)
-        **_offload_report(optimizer, weights, gradients),
-        "activation_offloaded_layers": offloaded_layers,  # layers whose saved activations wait on the host
+        "first_grad_norm": steps.first_grad_norm[0],
+        "first_clipped_grad_norm": steps.first_grad_norm[1],  # the same after clipping
+        "global_grad_norms": steps.clipped_norms,  # every step's, before clipping (the same on every rank)
+        **_offload_report(b.optimizer, b.weights, b.gradients),
+        "activation_offloaded_layers": b.offloaded_layers,  # layers whose saved activations wait on the host
         # overlapped DP reduction: the device buffer's buckets, and of them those whose sum began
         # during the last step's backward (not overlapping: 0 and 0)
-        "gradient_buckets": len(gradients.buffer.buckets) if gradients.buffer is not None else 0,
-        "buckets_reduced_in_backward": in_backward[-1],
+        "gradient_buckets": len(buffer.buckets) if buffer is not None else 0,
+        "buckets_reduced_in_backward": steps.in_backward[-1],
         # overlapped ZeRO-1/2 weight gather: its groups, and those the last step's forward waited
         # for (gathered after the previous step instead: 0 and 0)
-        "weight_gather_groups": sum(len(o.gather_groups) for o in zero12),
-        "weight_gathers_in_forward": in_forward[-1],
+        "weight_gather_groups": sum(len(o.gather_groups) for o in b.zero12),
+        "weight_gathers_in_forward": steps.in_forward[-1],
         # every weight this rank holds, summed in float64 after the run: equal across DP replicas
         # unless their weights are sharded (ZeRO-3) or went apart
-        "weight_sum": float(sum(local(p).detach().double().sum() for p in model.parameters())),
-        "layer_input_shape": layer_input_shape,
+        "weight_sum": float(sum(local(p).detach().double().sum() for p in b.model.parameters())),
+        "layer_input_shape": b.layer_input_shape,
         # built here: the plan's count for this stage (interleaved: over its chunks)
-        "layers": sum(len(gpt.decoder.layers) for gpt in gpt_modules(model)),
-        **_sequence_parallel_report(model),
+        "layers": sum(len(gpt.decoder.layers) for gpt in gpt_modules(b.model)),
+        **_sequence_parallel_report(b.model),
     }
+
+
+def run(plan: Plan, steps: int = 5, seed: int = 0, lr: float = 1e-2) -> dict:
+    """Train ``steps`` iterations of ``plan`` on this process group; the report of this rank."""
+    plan = plan.with_stage_parallelism_lifted()  # the same plan, in the form megatron-core builds
+    reasons = unsupported(plan)
+    if reasons:
+        raise ValueError("mist.engine.run cannot execute this plan yet: " + "; ".join(reasons))
+    from megatron.core import parallel_state as ps
+
+    built = _build(plan, seed, lr)
+    training = _Steps(built, plan.stage_parallelism(built.stage)[1])
+    measured = _measure(training.step, steps, training.held_bytes, plan.gpu_memory_bytes, built.device)
+    for o in built.zero12:  # the last step's weights, gathered (no forward came to wait for them)
+        o.finish_gathers()
     gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, report)
+    dist.all_gather_object(gathered, _report(built, training, measured))
     ps.destroy_model_parallel()
     return {"ranks": gathered}
 

@@ -154,25 +154,26 @@ def _highs_model(cost: np.ndarray, a: np.ndarray, lo: np.ndarray, hi: np.ndarray
     return lp
 
 
-# Over 80 lines (93): the MILP's variables, constraints and objective read as one formulation;
-# its per-stage maxima come from one loop, HiGHS's model from _highs_model. Splitting further: #29.
-def solve_inter_stage(
-    frontiers: list[dict[tuple[int, int], Frontier]],
-    total_layers: int,
-    micro_batches: int,
-    time_limit: float = 10.0,
-    cutoff: float = float("inf"),
-    barrier_s: float = 0.0,
-    total_devices: int | None = None,
-) -> InterStageSolution | None:
-    """frontiers[i][(l, n)]: stage i's frontier when it holds l layers on n devices;
-    ``barrier_s``: the clipping barrier's seconds; ``total_devices``: the devices the stages share
-    (None: each stage's count is fixed by its options, not chosen). None when nothing fits, or
-    when HiGHS proves that no solution beats ``cutoff`` (a plan already found elsewhere)."""
-    import highspy
+@dataclass(frozen=True)
+class _Program:
+    """The inter-stage MILP: one binary column per (stage, (layers, devices), frontier point),
+    then M (the largest steady time), E (the largest exposed sync) and P (the largest step);
+    minimise cost . x subject to lo <= rows x <= hi."""
 
+    cols: list[tuple[int, tuple[int, int], int]]  # (stage, (layers, devices), point)
+    cost: np.ndarray
+    rows: np.ndarray
+    lo: np.ndarray
+    hi: np.ndarray
+
+
+def _formulate(
+    frontiers: list[dict[tuple[int, int], Frontier]], total_layers: int, micro_batches: int,
+    total_devices: int | None,
+) -> _Program | None:  # fmt: skip
+    """The MILP of ``solve_inter_stage`` (None: no stage has a point)."""
     stages = len(frontiers)
-    cols: list[tuple[int, tuple[int, int], int]] = []  # (stage, (layers, devices), point)
+    cols: list[tuple[int, tuple[int, int], int]] = []
     for i, options in enumerate(frontiers):
         for key, fr in options.items():
             cols.extend((i, key, p) for p in range(len(fr)))
@@ -190,38 +191,51 @@ def solve_inter_stage(
 
     rows, lo, hi = [], [], []
 
-    def row() -> np.ndarray:
-        return np.zeros(n)
+    def add(coefficients: np.ndarray, low: float, high: float, col: int | None = None) -> None:
+        r = np.zeros(n)
+        r[:m_col] = coefficients
+        if col is not None:
+            r[col] = -1
+        rows.append(r), lo.append(low), hi.append(high)
 
     for i in range(stages):  # one choice per stage
-        r = row()
-        r[:m_col] = stage_of == i
-        rows.append(r), lo.append(1), hi.append(1)
-    r = row()  # layers add up
-    r[:m_col] = layers_of
-    rows.append(r), lo.append(total_layers), hi.append(total_layers)
+        add(stage_of == i, 1, 1)
+    add(layers_of, total_layers, total_layers)  # layers add up
     if total_devices is not None:
-        r = row()  # devices add up
-        r[:m_col] = devices_of
-        rows.append(r), lo.append(total_devices), hi.append(total_devices)
+        add(devices_of, total_devices, total_devices)  # devices add up
         for i in range(stages - 1):  # n_i >= n_{i+1}: stages placed in rank order stay aligned
-            r = row()
-            r[:m_col] = np.where(stage_of == i, devices_of, 0) - np.where(stage_of == i + 1, devices_of, 0)
-            rows.append(r), lo.append(0), hi.append(np.inf)
+            on = np.where(stage_of == i, devices_of, 0) - np.where(stage_of == i + 1, devices_of, 0)
+            add(on, 0, np.inf)
     # the maxima over stages: M >= T_i, E >= (D_i - P_i) - sum_{j<i} T_j, P >= P_i
-    maxima = (
-        (m_col, lambda i: np.where(stage_of == i, steady, 0.0)),
-        (e_col, lambda i: np.where(stage_of == i, sync, 0.0) - np.where(stage_of < i, steady, 0.0)),
-        (p_col, lambda i: np.where(stage_of == i, step, 0.0)),
-    )
-    for col, per_stage in maxima:
-        for i in range(stages):
-            r = row()
-            r[:m_col] = per_stage(i)
-            r[col] = -1
-            rows.append(r), lo.append(-np.inf), hi.append(0)
-    c = np.concatenate([steady + wait, [micro_batches - 1, 1.0, 1.0]])
-    lp = _highs_model(c, np.array(rows), np.array(lo, float), np.array(hi, float), integers=len(cols))
+    for i in range(stages):
+        add(np.where(stage_of == i, steady, 0.0), -np.inf, 0, m_col)
+    for i in range(stages):
+        add(np.where(stage_of == i, sync, 0.0) - np.where(stage_of < i, steady, 0.0), -np.inf, 0, e_col)
+    for i in range(stages):
+        add(np.where(stage_of == i, step, 0.0), -np.inf, 0, p_col)
+    cost = np.concatenate([steady + wait, [micro_batches - 1, 1.0, 1.0]])
+    return _Program(cols, cost, np.array(rows), np.array(lo, float), np.array(hi, float))
+
+
+def solve_inter_stage(
+    frontiers: list[dict[tuple[int, int], Frontier]],
+    total_layers: int,
+    micro_batches: int,
+    time_limit: float = 10.0,
+    cutoff: float = float("inf"),
+    barrier_s: float = 0.0,
+    total_devices: int | None = None,
+) -> InterStageSolution | None:
+    """frontiers[i][(l, n)]: stage i's frontier when it holds l layers on n devices;
+    ``barrier_s``: the clipping barrier's seconds; ``total_devices``: the devices the stages share
+    (None: each stage's count is fixed by its options, not chosen). None when nothing fits, or
+    when HiGHS proves that no solution beats ``cutoff`` (a plan already found elsewhere)."""
+    import highspy
+
+    program = _formulate(frontiers, total_layers, micro_batches, total_devices)
+    if program is None:
+        return None
+    cols = program.cols
     solver = highspy.Highs()
     solver.setOptionValue("output_flag", False)
     solver.setOptionValue("time_limit", float(time_limit))
@@ -229,17 +243,16 @@ def solve_inter_stage(
     solver.setOptionValue("threads", 1)
     if np.isfinite(cutoff):  # the barrier is a constant, left out of the program's objective
         solver.setOptionValue("objective_bound", float(cutoff) - barrier_s)
-    solver.passModel(lp)
+    solver.passModel(_highs_model(program.cost, program.rows, program.lo, program.hi, integers=len(cols)))
     solver.run()
     status = solver.getModelStatus()
     if status not in (highspy.HighsModelStatus.kOptimal, highspy.HighsModelStatus.kTimeLimit):
         return None  # infeasible, or cut off by the bound
     x = np.array(solver.getSolution().col_value)
-    if x.size != n or not np.isfinite(x).all():
+    if x.size != len(cols) + 3 or not np.isfinite(x).all():
         return None
-    chosen = [cols[j] for j in np.flatnonzero(x[:m_col] > 0.5)]
-    chosen.sort()
-    if len(chosen) != stages:
+    chosen = sorted(cols[j] for j in np.flatnonzero(x[: len(cols)] > 0.5))
+    if len(chosen) != len(frontiers):
         return None
     t, d, ps, w = (
         [getattr(frontiers[i][key], f)[p] for i, key, p in chosen]
