@@ -254,7 +254,8 @@ def compat(session: nox.Session) -> None:
 @nox.session
 def mist_vs_megatron(session: nox.Session) -> None:
     """Mist vs Megatron-LM grid, Aceso-style search and ZeRO-3 on the paper's cases, the ablation,
-    the cost models' held-out errors, plans trained by megatron-core; figures; claims."""
+    Mist with and without Tempo's layers, the cost models' held-out errors, plans trained by
+    megatron-core, every winner trained under a memory cap; figures; claims."""
     _run(session, "-m", "artifacts.mist_vs_megatron.run", *session.posargs)
     _figures(session, "mist_vs_megatron")
     _claims(session, "mist_vs_megatron")
