@@ -10,15 +10,17 @@ import argparse
 import contextlib
 import os
 import sys
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
+from measure.cli import OneLineParser
 from measure.parallel import sigterm_as_interrupt
 from measure.results import ResultFileError, Run, RunLockedError, open_run, update_reference
 
 ARTIFACTS = Path(__file__).resolve().parent
+C = TypeVar("C")
 # Options that say where or how a run writes, not what it computes: a resumed run may differ in them.
 RUN_FLAGS = ("results", "fresh", "update_reference", "jobs")
 
@@ -53,6 +55,46 @@ def add_run_arguments(ap: argparse.ArgumentParser, experiment: Experiment) -> No
         action="store_true",
         help=f"after the run, make its points the committed reference ({experiment.reference_dir})",
     )
+
+
+def option(
+    default: Any = None,
+    help: str = "",
+    *,
+    choices: Sequence[str] | None = None,
+    parse: Callable[[str], Any] | None = None,
+    many: bool = False,
+) -> Any:
+    """A field of an experiment's config and its command-line form (``config_from_command_line``):
+    ``--field-name``; a tuple default or ``many``: one or more values; a False default: a switch;
+    ``parse``: text to value (default: the default's type), raising ArgumentTypeError on bad text."""
+    return field(default=default, metadata={"help": help, "choices": choices, "parse": parse, "many": many})
+
+
+def config_from_command_line(
+    cls: type[C], experiment: Experiment, argv: list[str] | None, description: str, jobs: bool = False
+) -> tuple[C, argparse.Namespace, argparse.ArgumentParser]:
+    """(``cls`` from the command line, the whole command line, its parser for later refusals): the
+    config's fields as options (``option``), with the run flags every experiment shares."""
+    ap = OneLineParser(prog=f"python -m artifacts.{experiment.name}.run", description=description,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    for f in fields(cls):
+        meta, flag = f.metadata, "--" + f.name.replace("_", "-")
+        if f.default is False:
+            ap.add_argument(flag, action="store_true", help=meta["help"])
+            continue
+        many = meta["many"] or isinstance(f.default, tuple)
+        sample = f.default[0] if many and f.default else f.default
+        parse = meta["parse"] or (type(sample) if sample is not None else str)
+        ap.add_argument(flag, type=parse, nargs="+" if many else None, choices=meta["choices"],
+                        default=f.default, help=meta["help"])  # fmt: skip
+    if jobs:
+        add_jobs_argument(ap)
+    add_run_arguments(ap, experiment)
+    args = ap.parse_args(argv)
+    values = {f.name: getattr(args, f.name) for f in fields(cls)}
+    config = cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in values.items()})
+    return config, args, ap
 
 
 def add_jobs_argument(ap: argparse.ArgumentParser) -> None:

@@ -16,20 +16,19 @@ Parts (``--parts``):
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from measure.cli import OneLineParser
 from measure.launch import run_torchrun
 from measure.results import ResultFile, Run
 
-from ..experiment import add_run_arguments, experiment_run
+from ..experiment import config_from_command_line, experiment_run, option
 from . import EXPERIMENT
 
 SIM_ROWS = [1024, 2048, 4096, 8192, 16384, 32768]
@@ -196,34 +195,36 @@ def part_baselines(run: Run) -> ResultFile:
     return store
 
 
+@dataclass(frozen=True)
+class CtaMlpConfig:
+    """What a run of this experiment computes (its command line: ``config_from_command_line``)."""
+
+    parts: tuple[str, ...] = option(("sim", "kernels", "baselines"), "the parts to run",
+                                    choices=("sim", "kernels", "baselines", "gpu"))  # fmt: skip
+    device: str = option("cpu", "where the kernels and the gpu part run", choices=("cpu", "cuda"))
+    gpu_dry_run: bool = option(False, "the gpu part on a CPU at toy sizes (tests it)")
+
+
 def main(argv: list[str] | None = None) -> None:
-    ap = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--parts", nargs="+", default=["sim", "kernels", "baselines"],
-                    choices=["sim", "kernels", "baselines", "gpu"])  # fmt: skip
-    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    ap.add_argument(
-        "--gpu-dry-run", action="store_true", help="the gpu part on a CPU at toy sizes (tests it)"
-    )
-    add_run_arguments(ap, EXPERIMENT)
-    args = ap.parse_args(argv)
-    if args.device == "cpu":
+    config, args, ap = config_from_command_line(CtaMlpConfig, EXPERIMENT, argv, __doc__)
+    if config.device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel is defined
-    if args.device == "cuda" and not torch.cuda.is_available():
+    if config.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: no CUDA device here")
-    if args.device == "cpu" and "gpu" in args.parts and not args.gpu_dry_run:
+    if config.device == "cpu" and "gpu" in config.parts and not config.gpu_dry_run:
         ap.error("the gpu part needs --device cuda (or --gpu-dry-run)")
     with experiment_run(args, EXPERIMENT) as run:
-        if "sim" in args.parts:
+        if "sim" in config.parts:
             part_sim(run)
             part_band(run)
-        if "kernels" in args.parts:
-            part_kernels(run, args.device)
-        if "baselines" in args.parts:
+        if "kernels" in config.parts:
+            part_kernels(run, config.device)
+        if "baselines" in config.parts:
             part_baselines(run)
-        if "gpu" in args.parts:
+        if "gpu" in config.parts:
             from .gpu import part_gpu
 
-            measured = part_gpu(run, args.device)
+            measured = part_gpu(run, config.device)
             if measured is not None:  # the latency model with this GPU's measured parameters
                 part_sim(run, {measured.name: measured}, name="sim_measured")
     print(f"\nresults in {args.results}; figures: nox -s figures")

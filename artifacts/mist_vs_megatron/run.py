@@ -32,17 +32,16 @@ FlashAttention on and off; --scale paper gives the Aceso-style search a larger b
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import statistics
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
-from measure.cli import OneLineParser
 from measure.parallel import map_points
 from measure.results import Results, Run
 
-from ..experiment import add_jobs_argument, add_run_arguments, experiment_run
+from ..experiment import config_from_command_line, experiment_run, option
 from . import EXPERIMENT
 from .engine import CPU_ENGINE, RuntimeFits, print_engine, run_engine
 from .measured import SYSTEMS, print_measured, run_measured
@@ -328,33 +327,36 @@ def speedups(store: Results, versus: str, of: str = "mist") -> dict[str, list[fl
     return out
 
 
+@dataclass(frozen=True)
+class MistVsMegatronConfig:
+    """What a run of this experiment computes (its command line: ``config_from_command_line``)."""
+
+    parts: tuple[str, ...] = option(PARTS, "the parts to run, in this order", choices=PARTS)
+    scale: str = option("cpu", "paper: the Aceso-style search's larger budget", choices=("cpu", "paper"))
+
+
 def main(argv: list[str] | None = None) -> None:
-    ap = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--parts", nargs="+", default=list(PARTS), choices=PARTS)
-    ap.add_argument("--scale", choices=["cpu", "paper"], default="cpu")
-    add_jobs_argument(ap)
-    add_run_arguments(ap, EXPERIMENT)
-    args = ap.parse_args(argv)
-    budget = ACESO_MAX_PRICED[args.scale]
+    config, args, _ = config_from_command_line(MistVsMegatronConfig, EXPERIMENT, argv, __doc__, jobs=True)
+    budget = ACESO_MAX_PRICED[config.scale]
     cmp = abl = tempo = engine = measured = None
     # the CPU's runtime models (a profile per process count): made once, for the engine and measured parts
     with experiment_run(args, EXPERIMENT) as run, tempfile.TemporaryDirectory() as tmp:
         fits = RuntimeFits(Path(tmp), CPU_ENGINE)
-        if "calibration" in args.parts:
+        if "calibration" in config.parts:
             print("Runtime and interference models, held out:")
             run_calibration(run)
-        if "validation" in args.parts:
+        if "validation" in config.parts:
             print("Measured end-to-end runs, predicted as they ran:")
             run_validation(run)
-        if "comparison" in args.parts:
-            cmp = run_comparison(run, FLASH[args.scale], budget, args.jobs)
-        if "ablation" in args.parts:
+        if "comparison" in config.parts:
+            cmp = run_comparison(run, FLASH[config.scale], budget, args.jobs)
+        if "ablation" in config.parts:
             abl = run_ablation(run, args.jobs, cmp)
-        if "tempo" in args.parts:
-            tempo = run_tempo(run, FLASH[args.scale], args.jobs, cmp)
-        if "engine" in args.parts:
+        if "tempo" in config.parts:
+            tempo = run_tempo(run, FLASH[config.scale], args.jobs, cmp)
+        if "engine" in config.parts:
             engine = run_engine(run, CPU_ENGINE, fits).this_run()
-        if "measured" in args.parts:
+        if "measured" in config.parts:
             print("Mist vs the baselines under a memory cap, every winner trained (gloo processes):")
             measured = run_measured(run, fits).this_run()
     if engine is not None:

@@ -26,7 +26,7 @@ import functools
 import itertools
 import os
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -34,7 +34,6 @@ from tqdm import tqdm
 from transformers.utils import logging as hf_logging
 
 from measure.budget import GpuBudget
-from measure.cli import OneLineParser
 from measure.memory import PeakReport, default_dtype, search_max_batch
 from measure.parallel import map_points
 from measure.results import ResultFile, Results, Run
@@ -43,7 +42,7 @@ from measure.units import GiB
 from tempo.maxbatch import estimator
 from tempo.models import MODELS, build_model, make_batch
 
-from ..experiment import add_jobs_argument, add_run_arguments, experiment_run
+from ..experiment import config_from_command_line, experiment_run, option
 from . import EXPERIMENT
 from .data import CORPORA
 from .summary import FLOAT64_LOSS, REVERSED, TRAIN, TRAIN_LR, TRAIN_RUNS, train_key, training_summary
@@ -384,61 +383,63 @@ def _case(text: str) -> tuple[str, int]:
     return model, int(seq)
 
 
+PARTS = ("activation", "maxbatch", "training", "throughput")
+
+
+@dataclass(frozen=True)
+class TempoBertConfig:
+    """What a run of this experiment computes (its command line: ``config_from_command_line``)."""
+
+    parts: tuple[str, ...] = option(PARTS, "the parts to run", choices=PARTS)
+    scale: str = option("cpu", "cpu: small cases; paper: the paper's", choices=("cpu", "paper"))
+    device: str = option("cpu", "where the throughput part trains (cpu, cuda, cuda:1)")
+    corpus: str = option("stdlib", "training text: stdlib docstrings (offline, default) or a HF datasets "
+                         "corpus (network once)", choices=CORPORA)  # fmt: skip
+    cases: tuple[tuple[str, int], ...] | None = option(None, "throughput: only these MODEL/SEQ cases",
+                                                       parse=_case, many=True)  # fmt: skip
+    configs: tuple[str, ...] | None = option(None, "throughput: these only", many=True,
+                                             choices=MAIN_CONFIGS + ABLATION_CONFIGS)  # fmt: skip
+    gpu_mem: str | None = option(None, "throughput: the memory budget (default: 16GB at paper scale)")
+
+
 def main(argv: list[str] | None = None) -> None:
-    ap = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parts = ["activation", "maxbatch", "training", "throughput"]
-    ap.add_argument("--parts", nargs="+", default=parts, choices=parts)
-    ap.add_argument("--scale", choices=["cpu", "paper"], default="cpu")
-    ap.add_argument("--device", default="cpu", help="where the throughput part trains (cpu, cuda, cuda:1)")
-    add_jobs_argument(ap)
-    ap.add_argument(
-        "--corpus",
-        choices=CORPORA,
-        default="stdlib",
-        help="training text: stdlib docstrings (offline, default) or a HF datasets corpus (network once)",
-    )
-    ap.add_argument("--cases", nargs="+", type=_case, help="throughput: only these MODEL/SEQ cases")
-    every_config = MAIN_CONFIGS + ABLATION_CONFIGS
-    ap.add_argument("--configs", nargs="+", choices=every_config, help="throughput: these only")
-    ap.add_argument("--gpu-mem", help="throughput: the memory budget (default: 16GB at paper scale)")
-    add_run_arguments(ap, EXPERIMENT)
-    args = ap.parse_args(argv)
-    if "throughput" not in args.parts:  # they would be ignored without a word
-        given = [flag for flag, value in (("--cases", args.cases), ("--configs", args.configs),
-                                          ("--gpu-mem", args.gpu_mem)) if value]  # fmt: skip
+    config, args, ap = config_from_command_line(TempoBertConfig, EXPERIMENT, argv, __doc__, jobs=True)
+    if "throughput" not in config.parts:  # they would be ignored without a word
+        given = [flag for flag, value in (("--cases", config.cases), ("--configs", config.configs),
+                                          ("--gpu-mem", config.gpu_mem)) if value]  # fmt: skip
         if given:
             ap.error(f"{', '.join(given)} apply to the throughput part only; add throughput to --parts")
-    if not args.device.startswith(("cpu", "cuda")):
-        ap.error(f"--device must be cpu or cuda[:N], got {args.device!r}")
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        ap.error(f"--device {args.device}: no CUDA device here (use --device cpu)")
-    setup = THROUGHPUT[args.scale]
+    if not config.device.startswith(("cpu", "cuda")):
+        ap.error(f"--device must be cpu or cuda[:N], got {config.device!r}")
+    if config.device.startswith("cuda") and not torch.cuda.is_available():
+        ap.error(f"--device {config.device}: no CUDA device here (use --device cpu)")
+    setup = THROUGHPUT[config.scale]
     setup = replace(
         setup,
-        cases=tuple(args.cases or setup.cases),
-        configs=tuple(args.configs or setup.configs),
-        gpu=args.gpu_mem or setup.gpu,
+        cases=tuple(config.cases or setup.cases),
+        configs=tuple(config.configs or setup.configs),
+        gpu=config.gpu_mem or setup.gpu,
     )
-    if "throughput" in args.parts:
+    if "throughput" in config.parts:
         try:
             setup.budget  # noqa: B018 (validates --gpu-mem before any work)
         except ValueError as e:
             ap.error(f"--gpu-mem: {e}")
     hf_logging.set_verbosity_error()
     torch.manual_seed(0)
-    cases = CASES[args.scale]
+    cases = CASES[config.scale]
     act = mb = tr = tp = None
     with experiment_run(args, EXPERIMENT) as run:
-        if "activation" in args.parts:
+        if "activation" in config.parts:
             act = run_activation(run, cases, MAIN_CONFIGS + ABLATION_CONFIGS).this_run()
-        if "maxbatch" in args.parts:
-            configs, precisions = MAIN_CONFIGS + ABLATION_CONFIGS, PRECISIONS[args.scale]
-            mb = run_maxbatch(run, cases, configs, precisions, args.jobs, args.scale).this_run()
-        if "training" in args.parts:
-            tr = run_training(run, args.corpus).this_run()
-        if "throughput" in args.parts:
-            tp = run_throughput(run, setup, args.device, args.jobs).this_run()
-    print_summary(act, mb, tr, tp, args.corpus)
+        if "maxbatch" in config.parts:
+            configs, precisions = MAIN_CONFIGS + ABLATION_CONFIGS, PRECISIONS[config.scale]
+            mb = run_maxbatch(run, cases, configs, precisions, args.jobs, config.scale).this_run()
+        if "training" in config.parts:
+            tr = run_training(run, config.corpus).this_run()
+        if "throughput" in config.parts:
+            tp = run_throughput(run, setup, config.device, args.jobs).this_run()
+    print_summary(act, mb, tr, tp, config.corpus)
     print(f"\nresults in {args.results}; figures: nox -s figures")
 
 

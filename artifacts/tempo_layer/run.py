@@ -13,8 +13,8 @@ measure.saved.cuda_like_dropout), so the bytes are those the layer keeps on a GP
 
 from __future__ import annotations
 
-import argparse
 import os
+from dataclasses import dataclass
 
 import torch
 from transformers import BertConfig
@@ -22,12 +22,11 @@ from transformers.models.bert.modeling_bert import BertLayer
 from transformers.utils import logging as hf_logging
 
 import tempo
-from measure.cli import OneLineParser
 from measure.saved import cuda_like_dropout, saved_bytes
 from measure.timing import time_fn
 from tempo.ops import gelu as tempo_gelu
 
-from ..experiment import add_run_arguments, experiment_run
+from ..experiment import config_from_command_line, experiment_run, option
 from . import EXPERIMENT
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -243,23 +242,28 @@ def measure_gelu_backward(run) -> None:
             )
 
 
+@dataclass(frozen=True)
+class TempoLayerConfig:
+    """What a run of this experiment computes (its command line: ``config_from_command_line``)."""
+
+    seq: tuple[int, ...] = option((128, 512), "sequence lengths")
+    batch: int = option(1, "sequences a batch")
+    dtype: str = option("bf16", "the layers' dtype", choices=sorted(DTYPES))
+    no_compile: bool = option(False, "leave out torch.compile's rows (each compiles for ~5-15 s a length)")
+
+
 def main(argv: list[str] | None = None) -> None:
-    ap = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--seq", type=int, nargs="+", default=[128, 512])
-    ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
-    ap.add_argument("--no-compile", action="store_true",
-                    help="leave out torch.compile's rows (each compiles for ~5-15 s a length)")  # fmt: skip
-    add_run_arguments(ap, EXPERIMENT)
-    args = ap.parse_args(argv)
-    if min(args.seq) < 1 or args.batch < 1:
-        ap.error(f"--seq and --batch must be positive integers, got --seq {args.seq} --batch {args.batch}")
+    config, args, ap = config_from_command_line(TempoLayerConfig, EXPERIMENT, argv, __doc__)
+    if min(config.seq) < 1 or config.batch < 1:
+        ap.error(
+            f"--seq and --batch must be positive integers, got --seq {config.seq} --batch {config.batch}"
+        )
     hf_logging.set_verbosity_error()
     torch.manual_seed(0)
     with experiment_run(args, EXPERIMENT) as run:
-        measure_layers(run, args.seq, args.batch, args.dtype)
-        if not args.no_compile:
-            measure_compile(run, args.seq, args.batch)
+        measure_layers(run, config.seq, config.batch, config.dtype)
+        if not config.no_compile:
+            measure_compile(run, config.seq, config.batch)
         measure_gelu_backward(run)
 
 

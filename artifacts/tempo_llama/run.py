@@ -28,22 +28,21 @@ artifacts/tempo_llama/reference/; an interrupted run resumes when rerun):
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import itertools
+from dataclasses import dataclass
 
 import torch
 from tqdm import tqdm
 from transformers.utils import logging as hf_logging
 
-from measure.cli import OneLineParser
 from measure.memory import StepMemoryEstimator
 from measure.parallel import map_points
 from measure.results import ResultFile, Results, Run
 from tempo.models import MODELS, ModelSpec, build_model, make_batch
 from tempo.ops import workspace_bytes
 
-from ..experiment import add_jobs_argument, add_run_arguments, experiment_run
+from ..experiment import config_from_command_line, experiment_run, option
 from ..tempo_bert.run import activation_point, max_batch_per_gpu
 from ..tempo_layer.run import aimed_budget, budget_context
 from . import EXPERIMENT
@@ -358,25 +357,30 @@ def print_summary(
             print(f"  {name:<32} {gap:.2e}")
 
 
+PARTS = ("layer", "compile", "maxbatch", "training", "peers")
+
+
+@dataclass(frozen=True)
+class TempoLlamaConfig:
+    """What a run of this experiment computes (its command line: ``config_from_command_line``)."""
+
+    parts: tuple[str, ...] = option(PARTS, "the parts to run", choices=PARTS)
+
+
 def main(argv: list[str] | None = None) -> None:
-    ap = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parts = ["layer", "compile", "maxbatch", "training", "peers"]
-    ap.add_argument("--parts", nargs="+", default=parts, choices=parts)
-    add_jobs_argument(ap)
-    add_run_arguments(ap, EXPERIMENT)
-    args = ap.parse_args(argv)
+    config, args, _ = config_from_command_line(TempoLlamaConfig, EXPERIMENT, argv, __doc__, jobs=True)
     hf_logging.set_verbosity_error()
     layer = mb = tr = peers = None
     with experiment_run(args, EXPERIMENT) as run:
-        if "layer" in args.parts:
+        if "layer" in config.parts:
             layer = run_layer(run).this_run()
-        if "compile" in args.parts:
+        if "compile" in config.parts:
             run_compile(run)
-        if "maxbatch" in args.parts:
+        if "maxbatch" in config.parts:
             mb = run_maxbatch(run, args.jobs).this_run()
-        if "training" in args.parts:
+        if "training" in config.parts:
             tr = run_training(run).this_run()
-        if "peers" in args.parts:
+        if "peers" in config.parts:
             store = run_peers(run)
             peers = store.this_run() if store is not None else None
     print_summary(layer, mb, tr, peers)
