@@ -5,9 +5,10 @@
   of its share) live on the host. Their gradients go down, the host steps them (torch's fused CPU
   AdamW), and the new half-precision weights come back up. The rest step on the device as usual.
 * Activations (``offload_activations``): the tensors that layers keep for backward are moved to
-  the host as they are saved and brought back when backward needs them
-  (``torch.autograd.graph.save_on_cpu``). This covers that fraction of the stage's layers that
-  are not recomputed, rounded to whole layers.
+  the host as they are saved and brought back when backward needs them (saved-tensor hooks, as
+  ``torch.autograd.graph.save_on_cpu``; on a CPU the host copies are host work, out of the device
+  peak). This covers that fraction of the stage's layers that are not recomputed, rounded to
+  whole layers.
 
 * Gradients (``offload_grads``, GradientOffload; under ZeRO-2 ShardedMasterAdamW): that
   fraction of the part's gradients (largest first; under ZeRO-2 of the rank's reduced share)
@@ -126,16 +127,33 @@ def offload_layer_activations(model, recompute: int, fraction: float) -> int:
         raise ValueError(f"offload_activations must be in [0, 1], got {fraction}")
     layers = list(model.decoder.layers)
     count = round(fraction * (len(layers) - recompute))
-    pin = torch.cuda.is_available()
     for layer in layers[recompute : recompute + count]:
         forward = layer.forward
 
         def wrapped(*args, _forward=forward, **kwargs):
-            with torch.autograd.graph.save_on_cpu(pin_memory=pin):
+            with torch.autograd.graph.saved_tensors_hooks(_to_host, _from_host):
                 return _forward(*args, **kwargs)
 
         layer.forward = wrapped
     return count
+
+
+def _to_host(tensor: torch.Tensor) -> tuple[torch.device, torch.Tensor]:
+    """A saved tensor's copy in host memory (pinned on a GPU machine, for an asynchronous copy
+    back). On a CPU, where host and device are one memory, the copy is made as host work so the
+    device peak leaves it out, as a GPU's would (torch's save_on_cpu keeps it in the peak there)."""
+    pin = tensor.device.type == "cuda"
+    with torch.profiler.record_function(HOST_WORK):
+        host = torch.empty(tensor.size(), dtype=tensor.dtype, layout=tensor.layout, pin_memory=pin)
+        host.copy_(tensor)
+    return tensor.device, host
+
+
+def _from_host(packed: tuple[torch.device, torch.Tensor]) -> torch.Tensor:
+    """The saved tensor back on its device for backward: a real copy on a CPU too, so the device
+    peak holds it while backward uses it, as a GPU holds the copy it brings up."""
+    device, host = packed
+    return host.to(device, non_blocking=True) if device.type != "cpu" else host.clone()
 
 
 class WeightOffload:
