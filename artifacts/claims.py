@@ -235,16 +235,21 @@ def _anchor(heading: str) -> str:
     return "".join(c for c in heading.lower().replace(" ", "-") if c.isalnum() or c in "-_")
 
 
+def _span(text: str, markers: tuple[str, str]) -> tuple[int, int]:
+    """Where the generated part between ``markers`` starts and stops in ``text``."""
+    return text.index(markers[0]) + len(markers[0]) + 1, text.index(markers[1])
+
+
 def generated(path: Path, markers: tuple[str, str]) -> str:
     """What ``path`` holds between ``markers`` (the generated part)."""
     text = path.read_text()
-    start, stop = text.index(markers[0]) + len(markers[0]) + 1, text.index(markers[1])
+    start, stop = _span(text, markers)
     return text[start:stop]
 
 
 def _write_generated(path: Path, markers: tuple[str, str], content: str) -> None:
     text = path.read_text()
-    start, stop = text.index(markers[0]) + len(markers[0]) + 1, text.index(markers[1])
+    start, stop = _span(text, markers)
     path.write_text(text[:start] + content + text[stop:])
 
 

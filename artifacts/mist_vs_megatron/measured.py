@@ -32,11 +32,12 @@ import dataclasses
 import json
 import statistics
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from measure.cli import OneLineParser
-from measure.results import ResultFile, Results, Run
+from measure.results import Point, ResultFile, Results, Run
 
 from ..experiment import add_run_arguments, experiment_run
 from . import EXPERIMENT
@@ -172,7 +173,7 @@ def plan_systems(
         "mist": lambda: search(m, c, gb, options, runtime=runtime),
         "megatron": lambda: search_grid(m, c, gb, runtime),
         "megatron_lm_target": lambda: search_megatron_lm(m, c, gb, runtime=runtime),
-        "aceso": lambda: search_aceso(m, c, gb, aceso_budget, runtime),
+        "aceso": lambda: search_aceso(m, c, gb, aceso_budget, runtime).plan,
         "zero3": lambda: search_zero3(m, c, gb, runtime),
     }
     if setup.tempo:  # Tempo's layers priced as the plain ones in time, by what they keep in memory
@@ -273,46 +274,38 @@ def run_measured(run: Run, fits: RuntimeFits, setup: MeasuredSetup = MEASURED) -
     return store
 
 
-def measured_speedups(store: Results, versus: str) -> list[dict]:
-    """Per case where ``versus``'s plan ran within the cap: Mist's measured speedup over it (its
-    step over Mist's; 0 where Mist's plan ran out of memory: a plan that cannot run loses), the
-    predicted one, and the launch-to-launch spread of the two runs (the larger): a measured
-    speedup within it of 1.0 is a tie. Cases where only Mist's plan ran are not in it (the speedup
-    has no value; ``only_mist_ran`` counts them)."""
-    rows = []
+def _speedups(store: Results, of: str, versus: str) -> Iterator[tuple[Point, dict]]:
+    """Per case where ``versus``'s plan ran within the cap and ``of`` has a plan: ``of``'s measured
+    speedup over it (its step over ``of``'s; 0 where ``of``'s plan ran out of memory: a plan that
+    cannot run loses), the predicted one, and the launch-to-launch spread of the two runs (the
+    larger): a measured speedup within it of 1.0 is a tie."""
     for p in store:
-        a, b = p.result["mist"], p.result.get(versus, {})  # a case planned by some systems only: not in it
-        if "measured_step_s" not in b:
+        a, b = p.result.get(of, {}), p.result.get(versus, {})  # a case some systems did not plan: not in it
+        if "plan" not in a or "measured_step_s" not in b:
             continue
         ran = "measured_step_s" in a
-        rows.append({
-            "case": f"{p.key['model']} x{p.key['processes']}",
-            "measured": b["measured_step_s"] / a["measured_step_s"] if ran else 0.0,
-            "predicted": b["plan"]["iteration_s"] / a["plan"]["iteration_s"],
-            "spread": max(a["spread"], b["spread"]) if ran else 0.0,
-        })  # fmt: skip
-    return rows
+        yield (
+            p,
+            {
+                "case": f"{p.key['model']} x{p.key['processes']}",
+                "measured": b["measured_step_s"] / a["measured_step_s"] if ran else 0.0,
+                "predicted": b["plan"]["iteration_s"] / a["plan"]["iteration_s"],
+                "spread": max(a["spread"], b["spread"]) if ran else 0.0,
+            },
+        )
+
+
+def measured_speedups(store: Results, versus: str) -> list[dict]:
+    """Mist's speedups over ``versus`` (``_speedups``). Cases where only Mist's plan ran are not in
+    it (the speedup has no value; ``only_mist_ran`` counts them)."""
+    return [row for _, row in _speedups(store, "mist", versus)]
 
 
 def tempo_gains(store: Results) -> list[dict]:
-    """Per case where Mist's plan without Tempo ran: Mist with Tempo's measured gain over it (its
-    step over Tempo's; 0 where Tempo's plan ran out of memory), the predicted one, and the two
-    runs' launch-to-launch spread. Cases without a Tempo plan are not in it."""
-    rows = []
-    for p in store:
-        a, b = p.result["mist"], p.result.get(TEMPO, {})
-        if "measured_step_s" not in a or "plan" not in b:
-            continue
-        ran = "measured_step_s" in b
-        rows.append({
-            "case": f"{p.key['model']} x{p.key['processes']}",
-            "measured": a["measured_step_s"] / b["measured_step_s"] if ran else 0.0,
-            "predicted": a["plan"]["iteration_s"] / b["plan"]["iteration_s"],
-            "spread": max(a["spread"], b["spread"]) if ran else 0.0,
-            "time_error": b.get("time_error"),
-            "changes": plan_changes(a["plan"], b["plan"]),
-        })  # fmt: skip
-    return rows
+    """Mist with Tempo's speedups over Mist without (``_speedups``), each with what Tempo changed in
+    the plan. Cases without a Tempo plan are not in it."""
+    return [row | {"changes": plan_changes(p.result["mist"]["plan"], p.result[TEMPO]["plan"])}
+            for p, row in _speedups(store, TEMPO, "mist")]  # fmt: skip
 
 
 def only_mist_ran(store: Results, versus: str) -> list[str]:

@@ -85,7 +85,7 @@ def _setup(gpu: str, arch: str, size: str, flash: bool):
 
 
 def comparison_point(gpu: str, arch: str, size: str, flash: bool, aceso_budget: int) -> dict:
-    from baselines.megatron.aceso import run_aceso
+    from baselines.megatron.aceso import search_aceso
     from baselines.megatron.grid import search_grid
     from baselines.megatron.zero3 import search_zero3
     from mist import NoFeasiblePlan, search
@@ -97,7 +97,7 @@ def comparison_point(gpu: str, arch: str, size: str, flash: bool, aceso_budget: 
         "mist": lambda: search(m, c, batch),
         "megatron": lambda: search_grid(m, c, batch),
         "megatron_lm_target": lambda: check_model(m) or search_megatron_lm(m, c, batch),
-        "aceso": lambda: run_aceso(m, c, batch, aceso_budget),
+        "aceso": lambda: search_aceso(m, c, batch, aceso_budget),
         "zero3": lambda: search_zero3(m, c, batch),
     }
     # the model's family and size as fields next to the preset's name (the key's "model"), so

@@ -165,21 +165,9 @@ def search_aceso(
     max_priced: int = DEFAULT_MAX_PRICED,
     runtime: RuntimeModel | None = None,
     interference: Interference | None = None,
-) -> Plan:
-    """The best plan found from balanced starts (one per pipeline depth), pricing at most
-    ``max_priced`` distinct plans."""
-    return run_aceso(model, cluster, global_batch, max_priced, runtime, interference).plan
-
-
-def run_aceso(
-    model: ModelSpec,
-    cluster: ClusterSpec,
-    global_batch: int,
-    max_priced: int = DEFAULT_MAX_PRICED,
-    runtime: RuntimeModel | None = None,
-    interference: Interference | None = None,
 ) -> AcesoSearch:
-    """search_aceso's plan with how much of the budget it used."""
+    """The best plan found from balanced starts (one per pipeline depth), pricing at most
+    ``max_priced`` distinct plans, with how much of that budget it used."""
     if isinstance(max_priced, bool) or not isinstance(max_priced, int) or max_priced < 1:
         raise ValueError(f"the Aceso-style search's budget is a positive number of plans, got {max_priced!r}")
     runtime, interference = cost_models(cluster, runtime, interference)

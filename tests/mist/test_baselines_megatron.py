@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from baselines.megatron.aceso import run_aceso, search_aceso
+from baselines.megatron.aceso import search_aceso
 from baselines.megatron.grid import GRID, grid_plans, search_grid
 from baselines.megatron.zero3 import search_zero3
 from mist import Plan, StagePlan, cluster, model, predict, search
@@ -81,11 +81,11 @@ def test_mist_is_never_slower_than_the_grid_without_interleaving(case):
 def test_aceso_stays_in_its_space_and_budget(case):
     name, gpu, gpus, batch, seq = case
     m, c = model(name, seq=seq), cluster(gpu, gpus)
-    found = run_aceso(m, c, batch, max_priced=60)
+    found = search_aceso(m, c, batch, max_priced=60)
     # the budget is checked before each step and each two-action try: past it, at most one plan's
     # actions (11 kinds at most) twice, and each later start's own plan
     assert found.priced <= 60 + 2 * 11 + 6
-    again = run_aceso(m, c, batch, max_priced=60)  # no clock: the same search every time
+    again = search_aceso(m, c, batch, max_priced=60)  # no clock: the same search every time
     assert (again.priced, again.converged) == (found.priced, found.converged)
     assert dataclasses.replace(again.plan, tuning_s=None) == dataclasses.replace(found.plan, tuning_s=None)
     plan = found.plan

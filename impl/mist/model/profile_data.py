@@ -16,7 +16,7 @@ from pathlib import Path
 
 from measure.strict import DuplicateKeyError, loads_json
 
-from .specs import ModelSpec
+from .specs import ModelSpec, positive_int
 
 # The Mist artifact's measured GPU data, vendored in the repository (see data/README.md).
 ARTIFACT_DATA = Path(__file__).resolve().parents[3] / "data" / "mist-artifact"
@@ -126,29 +126,25 @@ def profile_meta(gpu_dir: Path) -> dict:
     return {}
 
 
-def _whole(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value > 0
-
-
 # profile.json's fields: (what it must be, the check); "sizes": {size name: [hidden, layers, heads]}
 _META_FIELDS = {
     "gpu": ("a GPU preset's name", lambda v: isinstance(v, str) and v != ""),
-    "seq": ("a whole number > 0", _whole),
+    "seq": ("a whole number > 0", positive_int),
     "sizes": (
         "{size name: [hidden, layers, heads]}, whole numbers > 0",
         lambda v: (
             isinstance(v, dict)
             and bool(v)
-            and all(isinstance(x, list) and len(x) == 3 and all(map(_whole, x)) for x in v.values())
+            and all(isinstance(x, list) and len(x) == 3 and all(map(positive_int, x)) for x in v.values())
         ),
     ),
     "tp_comm_inside": ("true or false", lambda v: isinstance(v, bool)),
     "weight_gradients": ("true or false", lambda v: isinstance(v, bool)),
-    "vocab": ("a whole number > 0", _whole),
+    "vocab": ("a whole number > 0", positive_int),
     # what `mist profile` also records (read by people, not by the model)
     "device": ("a device name", lambda v: isinstance(v, str)),
     "dtype": ("a dtype's name", lambda v: isinstance(v, str)),
-    "cpu_threads": ("a whole number > 0 or null", lambda v: v is None or _whole(v)),
+    "cpu_threads": ("a whole number > 0 or null", lambda v: v is None or positive_int(v)),
 }
 _META_REQUIRED = ("gpu", "seq", "sizes")
 

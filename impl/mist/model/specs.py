@@ -17,7 +17,8 @@ NORMS = ("layernorm", "rmsnorm")
 POSITIONS = ("learned", "rotary")
 
 
-def _positive_int(value) -> bool:
+def positive_int(value) -> bool:
+    """A whole number above 0 (a bool is not one)."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value > 0
 
 
@@ -52,11 +53,11 @@ class ModelSpec:
     def __post_init__(self) -> None:
         for field in ("hidden", "layers", "heads", "vocab", "seq"):
             value = getattr(self, field)
-            if not _positive_int(value):
+            if not positive_int(value):
                 raise ValueError(f"{field} must be a positive integer, got {value!r}")
         for field in ("ffn", "kv_heads"):
             value = getattr(self, field)
-            if value is not None and not _positive_int(value):
+            if value is not None and not positive_int(value):
                 raise ValueError(f"{field} must be a positive integer (or unset), got {value!r}")
         if self.hidden % self.heads:
             raise ValueError(f"hidden ({self.hidden}) must be a multiple of heads ({self.heads})")
@@ -214,12 +215,12 @@ def cluster(
     use instead of its data sheet's (a cap: mist.engine.run enforces it)."""
     if not isinstance(gpu, str) or gpu not in GPUS:
         raise ValueError(f"unknown GPU {gpu!r}; presets: {', '.join(GPUS)}")
-    if not _positive_int(gpus):
+    if not positive_int(gpus):
         raise ValueError(f"need a whole number of GPUs >= 1, got {gpus!r}")
-    if not _positive_int(gpus_per_node):
+    if not positive_int(gpus_per_node):
         raise ValueError(f"GPUs per node must be a whole number >= 1, got {gpus_per_node!r}")
     for what, value in (("host memory", host_memory), ("device memory", gpu_memory)):
-        if value is not None and not _positive_int(value):
+        if value is not None and not positive_int(value):
             raise ValueError(f"{what} must be a positive whole number of bytes, got {value!r}")
     per_node = min(gpus, gpus_per_node)
     if gpus % per_node:
