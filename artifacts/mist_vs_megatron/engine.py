@@ -40,6 +40,10 @@ from . import EXPERIMENT
 # life: each collective and mechanism benchmark point, and each plan's measured step, is the
 # median over this many launches
 LAUNCHES = 3
+# Passes over the layer profile's points, each point the median (write_profiles): three
+# back-to-back one-pass profiles of this CPU put the 4-layer GPT-3's plans 11% apart, and one
+# session's fit priced every plan ~30% slow (its ZeRO-3 plan 963 ms predicted, 628 measured)
+PROFILE_ROUNDS = 3
 
 
 @dataclass(frozen=True)
@@ -219,10 +223,10 @@ def fit_runtime(setup: EngineSetup, work: Path) -> dict:
     spec = model(setup.model, **setup.model_overrides)  # the shapes the plans train
     shape = (spec.hidden, spec.heads, spec.seq, prof["micro_batches"], prof["tps"])
     # on a CPU, as many copies at once as the plans have ranks: they share the cores' caches; the
-    # embedding and head rows at the model's vocabulary
+    # embedding and head rows at the model's vocabulary; each point the median of PROFILE_ROUNDS passes
     say = _progress(f"profile for {setup.processes} process(es)")
     write_profiles(profiles, setup.device, *shape, dtype, setup.gpu, repeats=5, vocab=spec.vocab,
-                   concurrent=setup.processes, progress=say)  # fmt: skip
+                   concurrent=setup.processes, progress=say, rounds=PROFILE_ROUNDS)  # fmt: skip
     if setup.processes > 1:  # this machine's collectives, measured (gloo on a CPU)
         say("collectives, ZeRO-2/3 and TP layers")
         # gloo's latency here drifts between modes (~0.3 ms or ~4 ms a call) within a launch and

@@ -418,6 +418,7 @@ def cmd_profile(args) -> int:
     files = write_profiles(
         Path(args.out), args.device, args.hidden, args.heads, args.seq, args.micro_batches, args.tp, dtype,
         args.name, args.repeats, progress=lambda line: print("  " + line, flush=True), vocab=args.vocab,
+        rounds=args.rounds,
     )  # fmt: skip
     for n in args.collectives:
         written = write_collectives(Path(args.out), n, args.device, args.repeats)
@@ -576,6 +577,11 @@ def _profile_parser(sub) -> None:
         "(what the embedding and loss curves are fitted to)",
     )  # fmt: skip
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument(
+        "--rounds", type=_positive, default=1,
+        help="passes over every (TP, micro-batch) point, each point's times the median over them (on a "
+        "shared CPU, whose speed drifts over seconds: 3)",
+    )  # fmt: skip
     p.add_argument(
         "--collectives", type=int, nargs="*", default=[], metavar="N",
         help="also benchmark all-reduce/all-gather/reduce-scatter among N local processes, and ZeRO-2, "

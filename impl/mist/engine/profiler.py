@@ -664,6 +664,7 @@ def write_profiles(
     cpu_threads: int = 1,
     vocab: int | None = None,
     concurrent: int = 1,
+    rounds: int = 1,
 ) -> list[Path]:
     """Profile every (micro-batch, TP) pair; returns the CSV files written. With ``framework``,
     megatron-core's whole layer is timed too and its excess over the ops is one more row. With
@@ -673,16 +674,22 @@ def write_profiles(
     ``mist.engine.run`` runs one (torchrun with OMP_NUM_THREADS=1, ``measure.launch``), so a
     profile on every core would time a faster device than the one the plan runs on. For the same
     reason ``concurrent`` copies of the profile run at once on a CPU (the ranks of a plan that
-    share the machine's cores, caches and memory); this process's copy is the one written."""
-    if cpu_threads < 1 or concurrent < 1:
-        raise ValueError(f"cpu_threads and concurrent must be >= 1, got {cpu_threads}, {concurrent}")
+    share the machine's cores, caches and memory); this process's copy is the one written.
+
+    Each (TP, micro-batch) point's times are the medians over ``rounds`` passes over every point:
+    a CPU's speed drifts over seconds on a shared machine (the same layer measured 112-132 ms in
+    three back-to-back profiles here), and a pass spreads each point's repeats over the others'
+    time, so one slow stretch moves one pass of a point, not the point."""
+    if cpu_threads < 1 or concurrent < 1 or rounds < 1:
+        raise ValueError(f"cpu_threads, concurrent and rounds must be >= 1, got {cpu_threads}, {concurrent}, "
+                         f"{rounds}")  # fmt: skip
     before = torch.get_num_threads()
     if device == "cpu":
         torch.set_num_threads(cpu_threads)
     try:
         threads = cpu_threads if device == "cpu" else None
         args = (device, hidden, heads, seq, micro_batches, tps, dtype, gpu, repeats, None, framework, threads,
-                vocab)  # fmt: skip
+                vocab, rounds)  # fmt: skip
         copies = _start_copies(concurrent - 1, args) if device == "cpu" else []
         try:
             return _write_profiles(out, *args[:9], progress, *args[10:])
@@ -733,7 +740,7 @@ def _start_copies(n: int, args: tuple) -> list:
 
 
 def _write_profiles(out, device, hidden, heads, seq, micro_batches, tps, dtype, gpu, repeats, progress,
-                    framework, threads, vocab) -> list[Path]:  # fmt: skip
+                    framework, threads, vocab, rounds) -> list[Path]:  # fmt: skip
     out.mkdir(parents=True, exist_ok=True)
     size = f"h{hidden}"
     meta = {
@@ -751,36 +758,56 @@ def _write_profiles(out, device, hidden, heads, seq, micro_batches, tps, dtype, 
 
     with cpu_shim.bf16_gemms_in_float32():  # the ops as the engine runs them (a no-op on a GPU)
         return _write_layer_profiles(out, device, hidden, heads, seq, micro_batches, tps, dtype, repeats,
-                                     progress, framework, vocab, size)  # fmt: skip
+                                     progress, framework, vocab, size, rounds)  # fmt: skip
+
+
+def _point_rows(b, seq, hidden, heads, tp, dtype, device, repeats, framework, vocab) -> list[dict]:
+    """One (TP, micro-batch) point's rows: the layer's ops, the framework's excess, the edges."""
+    rows = profile_layer(b, seq, hidden, heads, tp, dtype, device, repeats)
+    if framework:
+        whole = megatron_layer_seconds(b, seq, hidden, heads, tp, dtype, device, repeats)
+        ops = [sum(r[k] for r in rows) * 1e-6 for k in ("forward-compute", "backward-compute")]
+        rows.append({**dict.fromkeys(rows[0], 0.0), "op_name": FRAMEWORK_OP,
+                     "forward-compute": max(whole[0] - ops[0], 0.0) * 1e6,
+                     "backward-compute": max(whole[1] - ops[1], 0.0) * 1e6})  # fmt: skip
+    if vocab:
+        rows += megatron_edge_rows(b, seq, hidden, heads, vocab, tp, dtype, device, repeats)
+    return rows
+
+
+def _median_passes(passes: list[list[dict]]) -> list[dict]:
+    """Rows measured in several passes: each row's sizes and the median of each of its times."""
+    timed = ("forward-compute", "backward-compute")
+    return [
+        {k: statistics.median(r[k] for r in rows) if k in timed else v for k, v in rows[0].items()}
+        for rows in zip(*passes, strict=True)
+    ]
 
 
 def _write_layer_profiles(out, device, hidden, heads, seq, micro_batches, tps, dtype, repeats, progress,
-                          framework, vocab, size) -> list[Path]:  # fmt: skip
-    written = []
+                          framework, vocab, size, rounds) -> list[Path]:  # fmt: skip
     for tp in tps:
         if heads % tp:
             raise ValueError(f"tp {tp} does not divide heads {heads}")
-        for b in micro_batches:
-            rows = profile_layer(b, seq, hidden, heads, tp, dtype, device, repeats)
-            if framework:
-                whole = megatron_layer_seconds(b, seq, hidden, heads, tp, dtype, device, repeats)
-                ops = [sum(r[k] for r in rows) * 1e-6 for k in ("forward-compute", "backward-compute")]
-                rows.append({**dict.fromkeys(rows[0], 0.0), "op_name": FRAMEWORK_OP,
-                             "forward-compute": max(whole[0] - ops[0], 0.0) * 1e6,
-                             "backward-compute": max(whole[1] - ops[1], 0.0) * 1e6})  # fmt: skip
-            if vocab:
-                rows += megatron_edge_rows(b, seq, hidden, heads, vocab, tp, dtype, device, repeats)
-            path = out / f"gpt_{size}_mbs{b}_tp{tp}_algo0.csv"
-            with path.open("w", newline="") as fh:
-                w = csv.DictWriter(fh, fieldnames=list(rows[0]))
-                w.writeheader()
-                w.writerows(
-                    {k: (f"{v:.3f}" if isinstance(v, float) else v) for k, v in r.items()} for r in rows
-                )
-            written.append(path)
+    points = [(tp, b) for tp in tps for b in micro_batches]
+    passes: dict[tuple[int, int], list[list[dict]]] = {point: [] for point in points}
+    for k in range(rounds):
+        for tp, b in points:
+            rows = _point_rows(b, seq, hidden, heads, tp, dtype, device, repeats, framework, vocab)
+            passes[tp, b].append(rows)
             if progress:
                 layer_ms = sum(r["forward-compute"] + r["backward-compute"] for r in rows) / 1e3
-                progress(f"tp {tp} micro-batch {b}: {layer_ms:.2f} ms a layer")
+                of = f" (pass {k + 1} of {rounds})" if rounds > 1 else ""
+                progress(f"tp {tp} micro-batch {b}: {layer_ms:.2f} ms a layer{of}")
+    written = []
+    for (tp, b), measured in passes.items():
+        rows = _median_passes(measured)
+        path = out / f"gpt_{size}_mbs{b}_tp{tp}_algo0.csv"
+        with path.open("w", newline="") as fh:
+            w = csv.DictWriter(fh, fieldnames=list(rows[0]))
+            w.writeheader()
+            w.writerows({k: (f"{v:.3f}" if isinstance(v, float) else v) for k, v in r.items()} for r in rows)
+        written.append(path)
     return written
 
 
