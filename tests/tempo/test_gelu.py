@@ -149,12 +149,39 @@ def assert_within_conditioning_bound(
 @pytest.mark.parametrize("approximate", APPROX)
 @pytest.mark.parametrize("dtype", FLOATS)
 def test_gradient_elementwise_within_conditioning_bound(approximate, dtype):
-    """Every element of the PyTorch backward within the derived conditioning bound."""
+    """Every element of the backward within the derived conditioning bound: the solve, and the
+    op as dispatched (a 16-bit y's looked up on a CPU)."""
     x = mixed_inputs(approximate, 50_000).to(dtype)
     x = x[torch.isfinite(x)]
     y, packed = G.gelu_fwd(x, approximate)
-    d_ours = G.gelu_backward_torch(torch.ones_like(y), y, packed, approximate)
-    assert_within_conditioning_bound(x, y, d_ours, approximate)
+    for backward in (G.gelu_backward_torch, G.gelu_bwd):
+        d_ours = backward(torch.ones_like(y), y, packed, approximate)
+        assert_within_conditioning_bound(x, y, d_ours, approximate)
+
+
+@pytest.mark.parametrize("approximate", APPROX)
+@pytest.mark.parametrize("dtype", G.TABLE_DTYPES)
+def test_table_backward_is_the_solve_for_every_16_bit_output(approximate, dtype):
+    """Exhaustive: every bit pattern of a 16-bit y (NaNs, infinities, subnormals, -0 included) on
+    both sides of the minimum, each with a random gradient: the looked-up backward is the solve,
+    bit for bit. Negative controls: the table read with the sides swapped, or indexed by y's bits
+    as a signed number (the negative half wrapped), differs."""
+    unsigned = torch.arange(1 << 16, dtype=torch.int32)
+    y = torch.where(unsigned >= 1 << 15, unsigned - (1 << 16), unsigned).to(torch.int16).view(dtype)
+    y = y.repeat(2)
+    left = torch.arange(2 << 16) >= 1 << 16
+    packed = pack_bits(left)
+    grad = torch.randn(y.shape).to(dtype)
+    solved = G.gelu_backward_torch(grad, y, packed, approximate)
+    looked_up = G.gelu_backward_table(grad, y, packed, approximate)
+    assert torch.equal(looked_up.isnan(), solved.isnan())
+    assert torch.equal(looked_up[~solved.isnan()], solved[~solved.isnan()])
+    table = G._derivative_table(dtype, approximate, y.device)
+    bits = y.view(torch.int16).to(torch.int32)
+    for wrong in ((bits & 0xFFFF) + (~left).to(torch.int32) * (1 << 16), bits.remainder(2 << 16)):
+        misread = grad.float() * table.index_select(0, wrong)
+        differs = (misread.to(dtype) != solved) & ~solved.isnan()
+        assert differs.sum() > 1000
 
 
 @pytest.mark.parametrize("approximate", APPROX)
