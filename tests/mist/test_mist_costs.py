@@ -367,6 +367,7 @@ def test_profile_point_is_the_median_of_its_passes(tmp_path, monkeypatch, rng):
     import torch
 
     from mist.engine import profiler
+    from mist.engine.profiler import layer
 
     times = {op: rng.uniform(100.0, 1000.0, size=2) for op in ("enc-MLP-GEMM-1", "enc-MLP-gelu")}  # µs
     calls, slow = [], {}
@@ -377,7 +378,7 @@ def test_profile_point_is_the_median_of_its_passes(tmp_path, monkeypatch, rng):
         return [{"op_name": op, "forward-compute": f * factor, "backward-compute": w * factor, "weights": 1.0}
                 for op, (f, w) in times.items()]  # fmt: skip
 
-    monkeypatch.setattr(profiler, "_point_rows", rows)
+    monkeypatch.setattr(layer, "_point_rows", rows)
     for rounds, slow["pass"] in ((3, int(rng.integers(3))), (1, 0)):
         calls.clear()
         out = tmp_path / f"rounds{rounds}"
@@ -591,24 +592,24 @@ def test_benchmark_launches_combined_by_the_median_of_each_time(rng):
     """A benchmark repeated over launches (gloo's latency mode is set per launch on a CPU): each
     row keeps its size and takes the median of each of its times across launches; rows of
     different counts are refused, and so is no launch at all."""
-    from mist.engine.profiler import _median_rows, _run_ranks
+    from mist.engine.profiler.ranks import median_rows, run_ranks
 
     sizes = sorted(rng.choice(1 << 20, size=3, replace=False).tolist())
     launches = [
         [(b, *rng.uniform(1e-4, 1e-2, size=2)) for b in sizes] for _ in range(int(rng.choice([3, 5])))
     ]
-    combined = _median_rows(launches)
+    combined = median_rows(launches)
     assert [row[0] for row in combined] == sizes
     for i, row in enumerate(combined):
         for k in (1, 2):
             assert row[k] == pytest.approx(float(np.median([launch[i][k] for launch in launches])))
     # negative control: one launch far off moves a mean, not the median
     launches[0][0] = (sizes[0], 1.0, 1.0)
-    assert _median_rows(launches)[0][1] < 0.1
+    assert median_rows(launches)[0][1] < 0.1
     with pytest.raises(ValueError):
-        _median_rows([launches[0], launches[1][:2]])
+        median_rows([launches[0], launches[1][:2]])
     with pytest.raises(ValueError, match="at least 1"):
-        _run_ranks(print, 2, (), 0)
+        run_ranks(print, 2, (), 0)
 
 
 @pytest.mark.parametrize("flash", [False, True])

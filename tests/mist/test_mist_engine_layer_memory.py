@@ -35,14 +35,14 @@ def _kept_bytes(name: str, overrides: dict, micro_batch: int, megatron_core_defa
 
     from mist.engine.layers import block_spec
     from mist.engine.megatron import model_settings
-    from mist.engine.profiler import _megatron_state
+    from mist.engine.profiler.megatron_layer import megatron_state
     from mist.engine.run import _config
 
     m = model(name, hidden=256, seq=128, flash=False, **overrides)
     plan = Plan.of(m, cluster("cpu", 1), stages=[StagePlan(layers=1)], global_batch=micro_batch,
                    tp=1, dp=1, micro_batch=micro_batch)  # fmt: skip
     settings = model_settings(plan, m)
-    with _megatron_state():
+    with megatron_state():
         config = _config(m, plan, torch.bfloat16)
         if megatron_core_defaults:
             config = dataclasses.replace(config, attention_softmax_in_fp32=True, bias_activation_fusion=False)

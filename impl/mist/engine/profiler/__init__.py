@@ -1,0 +1,50 @@
+"""``mist profile``: measure one GPT-3-style layer op by op on this machine's device.
+
+Writes a profile directory in the Mist artifact's format (see model/profile_data.py), so ``mist
+calibrate`` fits a runtime model for this device exactly as for the shipped GPU data:
+
+    python -m mist profile --out profiles/mygpu --device cuda --hidden 2048 --heads 16 --seq 2048 \
+        --micro-batches 1 2 4 --tp 1 2
+
+TP is emulated on one device by giving the layer one rank's share (heads / t of the model's head
+size, ffn / t); its collectives are not included (they come from the collective benchmarks).
+Every op is timed in isolation, forward and backward, on fresh random inputs, median of several
+repeats. Then megatron-core's own layer (the one mist.engine.run trains) is timed whole, and what it
+costs beyond the sum of its ops (framework overhead) is written as one more row.
+
+``--collectives 2 4`` also benchmarks all-reduce, all-gather and reduce-scatter among that many
+local processes (gloo on a CPU, NCCL on GPUs), written as the artifact's ``prim_gpt_*`` files,
+so collectives are priced by this machine's measured lines rather than the preset's link, and
+three mechanisms as the engine runs them, on whole layers: ZeRO-2 (its reductions of each
+layer's gradients to the layer's owner, ``prim_gpt_local_grad_shard_layer_*``) and ZeRO-3 (FSDP2,
+``prim_gpt_local_fsdp_layer_*``) at two sizes, and tensor parallelism (megatron-core's layer split
+over the processes, per micro-batch, ``prim_gpt_local_tp_layer[_forward]_*``), which price such a
+layer by what it measurably adds rather than by its collectives timed back to back. Every such
+point is the median of interleaved rounds (on a CPU gloo's latency drifts between modes over
+seconds), and with ``launches`` of several launches (it settles into a mode for a launch's life).
+
+One module per benchmark: ``layer`` (the per-op profile), ``collectives``, ``zero_layers``,
+``tp_layers``, ``host`` (the CPU Adam step); ``ranks`` (forked ranks, interleaved timing) and
+``megatron_layer`` (megatron-core's layer as they build it) are what they share.
+"""
+
+from .collectives import COLLECTIVES, profile_collectives, write_collectives
+from .host import profile_cpu_adam
+from .layer import megatron_edge_rows, megatron_layer_seconds, profile_layer, write_profiles
+from .tp_layers import profile_tp_layers, write_tp_layers
+from .zero_layers import profile_zero_layers, write_zero_layers
+
+__all__ = [
+    "COLLECTIVES",
+    "megatron_edge_rows",
+    "megatron_layer_seconds",
+    "profile_collectives",
+    "profile_cpu_adam",
+    "profile_layer",
+    "profile_tp_layers",
+    "profile_zero_layers",
+    "write_collectives",
+    "write_profiles",
+    "write_tp_layers",
+    "write_zero_layers",
+]

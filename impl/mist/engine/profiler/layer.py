@@ -1,0 +1,326 @@
+"""Per-op layer profiles (``mist profile``): each op, megatron-core's whole layer and its edges."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from measure.timing import time_fn
+from measure.units import MiB
+
+from ...model.profile_data import EMBEDDING_OP, FINAL_NORM_OP, FRAMEWORK_OP, HEAD_OP
+from .megatron_layer import forward_backward_seconds, layer_inputs, megatron_config, megatron_state
+
+
+def _ops(b: int, s: int, h: int, heads: int, tp: int, dtype, device) -> list[tuple[str, Callable, list]]:
+    """(profile op name, fn, input shapes) of one TP rank's share of the layer (heads / tp heads of
+    the model's head size, ffn 4h / tp); fn takes the inputs, returns the output."""
+    d, heads, ffn = h // heads, heads // tp, 4 * h // tp
+    p = 0.1
+    ln = nn.LayerNorm(h, device=device, dtype=dtype)
+    qkv = nn.Linear(h, 3 * heads * d, bias=False, device=device, dtype=dtype)
+    dense = nn.Linear(heads * d, h, bias=False, device=device, dtype=dtype)
+    fc1 = nn.Linear(h, ffn, bias=False, device=device, dtype=dtype)
+    fc2 = nn.Linear(ffn, h, bias=False, device=device, dtype=dtype)
+    scale = 1 / math.sqrt(d)
+    stream, scores = (b, s, h), (b, heads, s, s)
+    return [
+        ("enc-1st-layernorm", ln, [stream]),
+        ("enc-attention-qkv", qkv, [stream]),
+        (
+            "enc-attention-score",
+            lambda q, k: torch.matmul(q, k.transpose(-1, -2)) * scale,
+            [(b, heads, s, d)] * 2,
+        ),
+        ("enc-attention-softmax", lambda x: x.softmax(-1), [scores]),
+        ("enc-attention-dropout", lambda x: nn.functional.dropout(x, p), [scores]),
+        ("enc-attention-context", torch.matmul, [scores, (b, heads, s, d)]),
+        ("enc-attention-dense", dense, [(b, s, heads * d)]),
+        ("enc-post-attention-dropout", lambda x, r: r + nn.functional.dropout(x, p), [stream, stream]),
+        ("enc-2nd-layernorm", ln, [stream]),
+        ("enc-MLP-GEMM-1", fc1, [stream]),
+        ("enc-MLP-gelu", nn.functional.gelu, [(b, s, ffn)]),
+        ("enc-MLP-GEMM-2", fc2, [(b, s, ffn)]),
+        ("enc-post-MLP-dropout", lambda x, r: r + nn.functional.dropout(x, p), [stream, stream]),
+    ]
+
+
+def profile_layer(
+    b: int, s: int, h: int, heads: int, tp: int, dtype: torch.dtype, device: str, repeats: int = 5
+) -> list[dict]:
+    """Per op: forward and backward microseconds and tensor sizes (MiB), as the artifact's CSVs."""
+    rows = []
+    for name, fn, shapes in _ops(b, s, h, heads, tp, dtype, device):
+        inputs = [torch.randn(shape, device=device, dtype=dtype, requires_grad=True) for shape in shapes]
+        out = fn(*inputs)
+        grad = torch.randn_like(out)
+        params = list(fn.parameters()) if isinstance(fn, nn.Module) else []
+        fwd = time_fn(lambda f=fn, x=inputs: f(*x), device, warmup=1, repeats=repeats)
+
+        def backward(f=fn, x=inputs, g=grad, w=params):
+            y = f(*x)
+            torch.autograd.grad(y, [*x, *w], g)
+
+        both = time_fn(backward, device, warmup=1, repeats=repeats)
+        rows.append(
+            {
+                "op_name": name,
+                "forward-compute": fwd.median_s * 1e6,
+                "backward-compute": max(both.median_s - fwd.median_s, 0.0) * 1e6,
+                "input_size": sum(x.numel() * x.element_size() for x in inputs) / MiB,
+                "output_size": out.numel() * out.element_size() / MiB,
+                "weights": sum(w.numel() * w.element_size() for w in params) / MiB,
+                "activations": 0.0,
+                "fwd_reserved": 0.0,
+                "bwd_reserved": 0.0,
+            }
+        )
+    return rows
+
+
+def megatron_layer_seconds(
+    b: int, s: int, h: int, heads: int, tp: int, dtype: torch.dtype, device: str, repeats: int = 5
+) -> tuple[float, float]:
+    """(forward, backward) seconds of megatron-core's own GPT layer (local spec, the layer
+    mist.engine.run trains) at one rank's share; timed like the ops, so the difference is the framework."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.spec_utils import build_module
+
+    with megatron_state():
+        config = megatron_config(h, heads, tp, dtype)
+        layer = build_module(get_gpt_layer_local_spec(), config=config, layer_number=1).to(device).train()
+        x, mask, grad = layer_inputs(b, s, h, dtype, device)
+
+        def forward():
+            out = layer(x, attention_mask=mask)
+            return out[0] if isinstance(out, tuple) else out
+
+        return forward_backward_seconds(forward, lambda y: y.backward(grad), device, repeats)
+
+
+def megatron_edge_rows(
+    b: int, s: int, h: int, heads: int, vocab: int, tp: int, dtype: torch.dtype, device: str, repeats: int = 5
+) -> list[dict]:
+    """The rows outside the layer, as megatron-core's GPTModel runs them at one rank's share (the
+    model mist.engine.run trains, its vocabulary split over ``tp``): the embedding (token and
+    position lookup, and the tables' gradients), the final norm, and the post-process (output
+    layer, cross-entropy over the vocabulary, the mean the engine backpropagates from). Each is a
+    difference of whole one-layer models with and without it, so GPTModel's own work around
+    them is counted; the final norm is timed alone and taken out of the post-process."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.module import Float16Module
+
+    if vocab % tp:
+        raise ValueError(f"tp {tp} does not divide the vocabulary {vocab}")
+    seconds = {}
+    with megatron_state():
+        config = megatron_config(h, heads, tp, dtype)
+        tokens = torch.randint(0, vocab // tp, (b, s + 1), device=device)
+        ids, labels = tokens[:, :-1], tokens[:, 1:]
+        pos = torch.arange(s, device=device).expand(b, -1)
+        mask = torch.ones(1, 1, s, s, dtype=torch.bool, device=device).tril().logical_not()
+        grad = torch.randn(s, b, h, dtype=dtype, device=device)
+        for pre, post in ((False, False), (True, False), (True, True)):
+            model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(),
+                             vocab_size=vocab // tp, max_sequence_length=s, pre_process=pre,
+                             post_process=post, share_embeddings_and_output_weights=False)  # fmt: skip
+            if dtype != torch.float32:  # as mist.engine.run: megatron's wrapper casts inputs and outputs
+                model = Float16Module(config, model)
+            model = model.to(device).train()
+            hidden = torch.randn(s, b, h, dtype=dtype, device=device, requires_grad=True)
+
+            def forward(model=model, pre=pre, post=post, hidden=hidden):
+                if not pre:
+                    (model.module if hasattr(model, "module") else model).set_input_tensor(hidden)
+                out = model(ids, pos, mask, labels=labels if post else None)
+                return out.float().mean() if post else out
+
+            seconds[pre, post] = forward_backward_seconds(
+                forward, (lambda y: y.backward()) if post else (lambda y: y.backward(grad)), device, repeats
+            )
+    norm = nn.LayerNorm(h, device=device, dtype=dtype)
+    x = torch.randn(b, s, h, dtype=dtype, device=device, requires_grad=True)
+    g = torch.randn(b, s, h, dtype=dtype, device=device)
+    final_norm = forward_backward_seconds(lambda: norm(x), lambda y: y.backward(g), device, repeats)
+
+    def row(name: str, fwd: float, bwd: float) -> dict:
+        sizes = dict.fromkeys(("input_size", "output_size", "weights", "activations", "fwd_reserved",
+                               "bwd_reserved"), 0.0)  # fmt: skip
+        return {"op_name": name, "forward-compute": max(fwd, 0.0) * 1e6,
+                "backward-compute": max(bwd, 0.0) * 1e6, **sizes}  # fmt: skip
+
+    diff = [a - b for a, b in zip(seconds[True, False], seconds[False, False], strict=True)]
+    head = [a - b - n for a, b, n in zip(seconds[True, True], seconds[True, False], final_norm, strict=True)]
+    return [row(EMBEDDING_OP, *diff), row(FINAL_NORM_OP, *final_norm), row(HEAD_OP, *head)]
+
+
+def write_profiles(
+    out: Path,
+    device: str,
+    hidden: int,
+    heads: int,
+    seq: int,
+    micro_batches: list[int],
+    tps: list[int],
+    dtype: torch.dtype,
+    gpu: str,
+    repeats: int = 5,
+    progress: Callable[[str], None] | None = None,
+    framework: bool = True,
+    cpu_threads: int = 1,
+    vocab: int | None = None,
+    concurrent: int = 1,
+    rounds: int = 1,
+) -> list[Path]:
+    """Profile every (micro-batch, TP) pair; returns the CSV files written. With ``framework``,
+    megatron-core's whole layer is timed too and its excess over the ops is one more row. With
+    ``vocab``, the embedding, final norm and post-process rows too (``megatron_edge_rows``).
+
+    On a CPU the ops run on ``cpu_threads`` threads: the device a plan's rank gets. Each rank of
+    ``mist.engine.run`` runs one (torchrun with OMP_NUM_THREADS=1, ``measure.launch``), so a
+    profile on every core would time a faster device than the one the plan runs on. For the same
+    reason ``concurrent`` copies of the profile run at once on a CPU (the ranks of a plan that
+    share the machine's cores, caches and memory); this process's copy is the one written.
+
+    Each (TP, micro-batch) point's times are the medians over ``rounds`` passes over every point:
+    a CPU's speed drifts over seconds on a shared machine (the same layer measured 112-132 ms in
+    three back-to-back profiles here), and a pass spreads each point's repeats over the others'
+    time, so one slow stretch moves one pass of a point, not the point."""
+    if cpu_threads < 1 or concurrent < 1 or rounds < 1:
+        raise ValueError(f"cpu_threads, concurrent and rounds must be >= 1, got {cpu_threads}, {concurrent}, "
+                         f"{rounds}")  # fmt: skip
+    before = torch.get_num_threads()
+    if device == "cpu":
+        torch.set_num_threads(cpu_threads)
+    try:
+        threads = cpu_threads if device == "cpu" else None
+        args = (device, hidden, heads, seq, micro_batches, tps, dtype, gpu, repeats, None, framework, threads,
+                vocab, rounds)  # fmt: skip
+        copies = _start_copies(concurrent - 1, args) if device == "cpu" else []
+        try:
+            return _write_profiles(out, *args[:9], progress, *args[10:])
+        finally:
+            for copy in copies:  # they only kept this one company
+                copy.terminate()
+                copy.join(timeout=30)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _profile_copy(parent: int, threads: int, args: tuple, started) -> None:
+    """A copy of the profile that only keeps the measured one company (its results dropped)."""
+    import tempfile
+
+    from measure.parallel import die_with_parent
+
+    die_with_parent(parent)
+    torch.set_num_threads(threads)
+    started.set()  # imports done: from here on it competes for the cores
+    with tempfile.TemporaryDirectory() as tmp:
+        while True:  # until the measured copy is done and terminates this one
+            _write_profiles(Path(tmp), *args)
+
+
+COPY_START_TIMEOUT_S = 120  # a copy's start: a fresh interpreter importing torch and megatron-core
+
+
+def _start_copies(n: int, args: tuple) -> list:
+    """``n`` running copies of the profile; returns once each has started (or raises)."""
+    import multiprocessing as mp
+    import os
+
+    ctx = mp.get_context("spawn")
+    events = [ctx.Event() for _ in range(n)]
+    copies = [ctx.Process(target=_profile_copy, args=(os.getpid(), args[11] or 1, args, e), daemon=True)
+              for e in events]  # fmt: skip
+    for copy in copies:
+        copy.start()
+    deadline = time.monotonic() + COPY_START_TIMEOUT_S
+    for copy, event in zip(copies, events, strict=True):
+        if not event.wait(max(deadline - time.monotonic(), 0.0)):
+            for c in copies:
+                c.terminate()
+            raise RuntimeError(f"a concurrent profile copy did not start within {COPY_START_TIMEOUT_S} s "
+                               f"(exit code {copy.exitcode})")  # fmt: skip
+    return copies
+
+
+def _write_profiles(out, device, hidden, heads, seq, micro_batches, tps, dtype, gpu, repeats, progress,
+                    framework, threads, vocab, rounds) -> list[Path]:  # fmt: skip
+    out.mkdir(parents=True, exist_ok=True)
+    size = f"h{hidden}"
+    meta = {
+        "gpu": gpu,
+        "seq": seq,
+        "sizes": {size: [hidden, 1, heads]},
+        "device": device,
+        "dtype": str(dtype),
+        "weight_gradients": True,  # autograd times a linear layer's input and weight gradients together
+        "cpu_threads": threads,  # None on a GPU
+        **({"vocab": vocab} if vocab else {}),  # the edge rows' vocabulary
+    }
+    (out / "profile.json").write_text(json.dumps(meta, indent=1))
+    from .. import cpu_shim
+
+    with cpu_shim.bf16_gemms_in_float32():  # the ops as the engine runs them (a no-op on a GPU)
+        return _write_layer_profiles(out, device, hidden, heads, seq, micro_batches, tps, dtype, repeats,
+                                     progress, framework, vocab, size, rounds)  # fmt: skip
+
+
+def _point_rows(b, seq, hidden, heads, tp, dtype, device, repeats, framework, vocab) -> list[dict]:
+    """One (TP, micro-batch) point's rows: the layer's ops, the framework's excess, the edges."""
+    rows = profile_layer(b, seq, hidden, heads, tp, dtype, device, repeats)
+    if framework:
+        whole = megatron_layer_seconds(b, seq, hidden, heads, tp, dtype, device, repeats)
+        ops = [sum(r[k] for r in rows) * 1e-6 for k in ("forward-compute", "backward-compute")]
+        rows.append({**dict.fromkeys(rows[0], 0.0), "op_name": FRAMEWORK_OP,
+                     "forward-compute": max(whole[0] - ops[0], 0.0) * 1e6,
+                     "backward-compute": max(whole[1] - ops[1], 0.0) * 1e6})  # fmt: skip
+    if vocab:
+        rows += megatron_edge_rows(b, seq, hidden, heads, vocab, tp, dtype, device, repeats)
+    return rows
+
+
+def _median_passes(passes: list[list[dict]]) -> list[dict]:
+    """Rows measured in several passes: each row's sizes and the median of each of its times."""
+    timed = ("forward-compute", "backward-compute")
+    return [
+        {k: statistics.median(r[k] for r in rows) if k in timed else v for k, v in rows[0].items()}
+        for rows in zip(*passes, strict=True)
+    ]
+
+
+def _write_layer_profiles(out, device, hidden, heads, seq, micro_batches, tps, dtype, repeats, progress,
+                          framework, vocab, size, rounds) -> list[Path]:  # fmt: skip
+    for tp in tps:
+        if heads % tp:
+            raise ValueError(f"tp {tp} does not divide heads {heads}")
+    points = [(tp, b) for tp in tps for b in micro_batches]
+    passes: dict[tuple[int, int], list[list[dict]]] = {point: [] for point in points}
+    for k in range(rounds):
+        for tp, b in points:
+            rows = _point_rows(b, seq, hidden, heads, tp, dtype, device, repeats, framework, vocab)
+            passes[tp, b].append(rows)
+            if progress:
+                layer_ms = sum(r["forward-compute"] + r["backward-compute"] for r in rows) / 1e3
+                of = f" (pass {k + 1} of {rounds})" if rounds > 1 else ""
+                progress(f"tp {tp} micro-batch {b}: {layer_ms:.2f} ms a layer{of}")
+    written = []
+    for (tp, b), measured in passes.items():
+        rows = _median_passes(measured)
+        path = out / f"gpt_{size}_mbs{b}_tp{tp}_algo0.csv"
+        with path.open("w", newline="") as fh:
+            w = csv.DictWriter(fh, fieldnames=list(rows[0]))
+            w.writeheader()
+            w.writerows({k: (f"{v:.3f}" if isinstance(v, float) else v) for k, v in r.items()} for r in rows)
+        written.append(path)
+    return written
