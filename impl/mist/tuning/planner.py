@@ -142,20 +142,22 @@ def _stage_devices_settings(problem: Problem, options: PlannerOptions) -> list[t
     return sorted(out, key=lambda x: x[:3])
 
 
-def _stage_values(st: Setting, ln, layers: int, first: bool, last: bool, space: SearchSpace, grad_accum: int):
-    if st.model.flash and space.selective:  # FlashAttention keeps no scores: nothing to recompute
+def _stage_values(
+    setting: Setting, layer, layers: int, first: bool, last: bool, space: SearchSpace, grad_accum: int
+):
+    if setting.model.flash and space.selective:  # FlashAttention keeps no scores: nothing to recompute
         space = dataclasses.replace(space, selective=False)
     grid = strategy_grid(layers, space)
-    one = evaluate_stage(st, ln, layers, 1, first, last, grid, grad_accum)
+    one = evaluate_stage(setting, layer, layers, 1, first, last, grid, grad_accum)
     return grid, one, one["per_flight"]
 
 
 def lower_bound_s(problem: Problem, candidate: Candidate) -> float:
     """No plan of ``candidate`` has a shorter iteration (closed form): each stage's micro-batch takes
     at least its layers' forward and backward, and the slowest stage at least the average."""
-    ln = layer_numbers(candidate.setting(problem))
+    layer = layer_numbers(candidate.setting(problem))
     L, S, G, V = problem.model.layers, candidate.stages, candidate.grad_accum, candidate.virtual
-    per_stage = L * (ln.fwd + ln.bwd) / S
+    per_stage = L * (layer.fwd + layer.bwd) / S
     return G * per_stage + (S - 1) * per_stage / V  # (G - 1 + S) per_stage at V = 1
 
 
@@ -164,15 +166,15 @@ def tune_setting(
 ) -> Plan | None:
     """The best plan of one candidate (layers and stage strategies), or None when nothing fits or
     it cannot beat ``best_so_far``."""
-    st = candidate.setting(problem)
+    setting = candidate.setting(problem)
     grad_accum = candidate.grad_accum
-    ln = layer_numbers(st)
-    L, S = st.model.layers, st.stages
+    layer = layer_numbers(setting)
+    L, S = setting.model.layers, setting.stages
     if lower_bound_s(problem, candidate) >= best_so_far:
         return None
     frontiers: list[dict[tuple[int, int], Frontier]] = [dict() for _ in range(S)]
     grids: dict[tuple[int, bool, bool], dict] = {}
-    devices = st.tp * st.dp
+    devices = setting.tp * setting.dp
     budget = float(problem.gpu_budget)
     for i in range(S):
         first, last = i == 0, i == S - 1
@@ -180,7 +182,7 @@ def tune_setting(
         for layers in range(1, L - S + 2):
             key = (layers, first, last)
             if key not in grids:
-                grids[key] = _stage_values(st, ln, layers, first, last, options.space, grad_accum)
+                grids[key] = _stage_values(setting, layer, layers, first, last, options.space, grad_accum)
             grid, values, per_flight = grids[key]
             if not options.imbalance_aware:
                 values = {**values, **{k: np.zeros_like(values[k]) for k in BLIND_TO}}
@@ -196,7 +198,7 @@ def tune_setting(
     )
     if ((grad_accum - 1) / S + 1) * L * per_layer >= best_so_far:
         return None
-    barrier = clip_barrier_s(st)
+    barrier = clip_barrier_s(setting)
     sol = solve_inter_stage(frontiers, L, grad_accum, options.milp_time_limit, best_so_far, barrier)
     if sol is None:
         return None
@@ -205,10 +207,18 @@ def tune_setting(
         grid = grids[(layers, i == 0, i == S - 1)][0]
         j = frontiers[i][layers, devices].index[p]
         stages.append(_stage_plan({k: grid[k][j] for k in STRATEGY_FIELDS}, layers))
-    return Plan.of(problem.model, problem.cluster, global_batch=grad_accum * st.dp * st.micro_batch, tp=st.tp,
-                   dp=st.dp, micro_batch=st.micro_batch, stages=stages,
-                   sequence_parallel=problem.sequence_parallel, overlap_grad_reduce=st.overlap_grad_reduce,
-                   grad_bucket_params=st.grad_bucket_params)  # fmt: skip
+    return Plan.of(
+        problem.model,
+        problem.cluster,
+        global_batch=grad_accum * setting.dp * setting.micro_batch,
+        tp=setting.tp,
+        dp=setting.dp,
+        micro_batch=setting.micro_batch,
+        stages=stages,
+        sequence_parallel=problem.sequence_parallel,
+        overlap_grad_reduce=setting.overlap_grad_reduce,
+        grad_bucket_params=setting.grad_bucket_params,
+    )
 
 
 def _stage_plan(values: dict, layers: int, tp: int | None = None, dp: int | None = None) -> StagePlan:
@@ -238,8 +248,8 @@ def _stage_devices_bound(problem: Problem, stages: int, micro_batches: int, shap
     p = w = float("inf")
     for devices, options in shapes.items():
         for tp, dp, micro_batch in options:
-            ln = layer_numbers(problem.setting(tp, dp, micro_batch, stages))
-            p, w = min(p, ln.fwd + ln.bwd), min(w, devices * (ln.fwd + ln.bwd))
+            layer = layer_numbers(problem.setting(tp, dp, micro_batch, stages))
+            p, w = min(p, layer.fwd + layer.bwd), min(w, devices * (layer.fwd + layer.bwd))
     return (G - 1) * max(L * p / stages, L * w / N) + L * p
 
 
@@ -309,9 +319,11 @@ class _MergedStage:
                  first: bool, last: bool, options: PlannerOptions) -> _MergedStage:  # fmt: skip
         evaluated = []
         for tp, dp, micro_batch in shapes:
-            st = problem.setting(tp, dp, micro_batch, stages, overlap_grad_reduce=True)
+            setting = problem.setting(tp, dp, micro_batch, stages, overlap_grad_reduce=True)
             evaluated.append(
-                _stage_values(st, layer_numbers(st), layers, first, last, options.space, micro_batches)
+                _stage_values(
+                    setting, layer_numbers(setting), layers, first, last, options.space, micro_batches
+                )
             )
         values = {k: np.concatenate([v[k] for _, v, _ in evaluated]) for k in _FRONTIER_KEYS}
         if not options.imbalance_aware:
@@ -436,13 +448,13 @@ def _refine(problem: Problem, plan: Plan, options: PlannerOptions, passes: int =
     budget, host_budget = problem.gpu_budget, problem.host_budget
     numbers = []
     for i in range(S):
-        st = problem.plan_setting(plan, i)
-        numbers.append((st, layer_numbers(st)))
+        setting = problem.plan_setting(plan, i)
+        numbers.append((setting, layer_numbers(setting)))
 
     def evaluate(i: int, grid: dict, edge: dict | None) -> dict:
-        st, ln = numbers[i]
+        setting, layer = numbers[i]
         return evaluate_stage(
-            st, ln, plan.stages[i].layers, point.in_flight(i), i == 0, i == S - 1, grid, G, edge
+            setting, layer, plan.stages[i].layers, point.in_flight(i), i == 0, i == S - 1, grid, G, edge
         )
 
     def current(i: int) -> dict:
@@ -509,10 +521,10 @@ def min_memory_needed(problem: Problem, options: PlannerOptions) -> float:
     no-feasible-plan message)."""
     lowest = float("inf")
     for c in settings(problem, options):
-        st = c.setting(problem)
-        ln = layer_numbers(st)
+        setting = c.setting(problem)
+        layer = layer_numbers(setting)
         layers = -(-problem.model.layers // c.stages)
-        _, values, per_flight = _stage_values(st, ln, layers, c.stages == 1, True, options.space, 1)
+        _, values, per_flight = _stage_values(setting, layer, layers, c.stages == 1, True, options.space, 1)
         flight = c.in_flight(0)  # the first stage holds the most
         host = values["host_memory"] + (flight - 1) * values["host_per_flight"]
         memory = values["memory"] + (flight - 1) * per_flight
@@ -603,7 +615,7 @@ StageMemo = dict[tuple, dict[str, np.ndarray]]
 
 
 def _memo_key(
-    st: Setting,
+    setting: Setting,
     stage: StagePlan,
     in_flight: float,
     first: bool,
@@ -614,15 +626,24 @@ def _memo_key(
     """A StageMemo key in its two parts: what the evaluation depends on besides the stage's
     strategy, and the strategy."""
     edge_key = None if edge is None else tuple(edge[k] for k in EDGE_FIELDS)
-    sizes = (st.tp, st.dp, st.micro_batch, st.stages, st.virtual_stages, st.overlap_grad_reduce,
-             st.grad_bucket_params, st.sp)  # fmt: skip
+    s = setting
+    sizes = (
+        s.tp,
+        s.dp,
+        s.micro_batch,
+        s.stages,
+        s.virtual_stages,
+        s.overlap_grad_reduce,
+        s.grad_bucket_params,
+        s.sp,
+    )
     where = (*sizes, stage.layers, in_flight, first, last, grad_accum, edge_key)
     return where, tuple(float(getattr(stage, k)) for k in STRATEGY_FIELDS)
 
 
 def _evaluate(
-    st: Setting,
-    ln: LayerNumbers,
+    setting: Setting,
+    layer: LayerNumbers,
     stage: StagePlan,
     in_flight: float,
     first: bool,
@@ -634,11 +655,11 @@ def _evaluate(
     """evaluate_stage for one stage's strategy, memoised in ``memo`` (exhaustive searches price the
     same stage in many plans: an even split's middle stages, a recompute count beyond a stage's
     layers; the 13B Megatron-LM space priced 32768 stages, 7753 of them distinct)."""
-    where, strategy = _memo_key(st, stage, in_flight, first, last, grad_accum, edge)
+    where, strategy = _memo_key(setting, stage, in_flight, first, last, grad_accum, edge)
     if memo is not None and where + strategy in memo:
         return memo[where + strategy]
     grid = {k: np.array([v]) for k, v in zip(STRATEGY_FIELDS, strategy, strict=True)}
-    values = evaluate_stage(st, ln, stage.layers, in_flight, first, last, grid, grad_accum, edge)
+    values = evaluate_stage(setting, layer, stage.layers, in_flight, first, last, grid, grad_accum, edge)
     if memo is not None:
         memo[where + strategy] = values
     return values
@@ -662,14 +683,14 @@ def prime(problem: Problem, plans: Iterable[Plan], memo: StageMemo) -> None:
         point = Candidate.of_plan(plan)
         S, G, edge = point.stages, point.grad_accum, _edge(plan)
         for i, stage in enumerate(plan.stages):
-            st = posed.plan_setting(plan, i)
-            args = (st, stage.layers, point.in_flight(i), i == 0, i == S - 1, G, edge)
-            where, strategy = _memo_key(st, stage, *args[2:])
+            setting = posed.plan_setting(plan, i)
+            args = (setting, stage.layers, point.in_flight(i), i == 0, i == S - 1, G, edge)
+            where, strategy = _memo_key(setting, stage, *args[2:])
             if where + strategy not in memo:
                 todo.setdefault(where, (args, {}))[1][strategy] = None
-    for where, ((st, layers, flight, first, last, G, edge), strategies) in todo.items():
+    for where, ((setting, layers, flight, first, last, G, edge), strategies) in todo.items():
         grid = dict(zip(STRATEGY_FIELDS, np.array(list(strategies)).T, strict=True))
-        values = evaluate_stage(st, layer_numbers(st), layers, flight, first, last, grid, G, edge)
+        values = evaluate_stage(setting, layer_numbers(setting), layers, flight, first, last, grid, G, edge)
         for n, strategy in enumerate(strategies):
             memo[where + strategy] = {k: v[n : n + 1] for k, v in values.items()}
 
@@ -684,9 +705,9 @@ def _price(problem: Problem, plan: Plan, simulate: bool, memo: StageMemo | None 
     fits = True
     edge = _edge(plan)
     for i, s in enumerate(plan.stages):
-        st = problem.plan_setting(plan, i)
-        ln = layer_numbers(st)
-        v = _evaluate(st, ln, s, point.in_flight(i), i == 0, i == S - 1, G, edge, memo)
+        setting = problem.plan_setting(plan, i)
+        layer = layer_numbers(setting)
+        v = _evaluate(setting, layer, s, point.in_flight(i), i == 0, i == S - 1, G, edge, memo)
         s.steady_s, s.extra_s, s.step_s, s.wait_s = (
             float(v[k][0]) for k in ("steady", "extra", "step", "wait")
         )
@@ -699,12 +720,12 @@ def _price(problem: Problem, plan: Plan, simulate: bool, memo: StageMemo | None 
         extra.append(s.extra_s)
         step.append(s.step_s)
         wait.append(s.wait_s)
-        share = ln.fwd / (ln.fwd + ln.bwd)
+        share = layer.fwd / (layer.fwd + layer.bwd)
         fwd.append(s.steady_s * share)
         bwd.append(s.steady_s * (1 - share))
         if i == 0:
-            first_ln = ln
-    ln = first_ln
+            first_ln = layer
+    layer = first_ln
     barrier = clip_barrier_s(problem.plan_setting(plan, 0))
     plan.predicted_iteration_s = pipeline_objective(steady, extra, G, step, barrier, V, wait)
     plan.simulated_iteration_s = (
@@ -718,9 +739,9 @@ def _price(problem: Problem, plan: Plan, simulate: bool, memo: StageMemo | None 
         "usable_host_memory_bytes_per_gpu": bytes_available(problem.host_budget),
         "host": problem.cluster.host.name,
         "cpu_adam_params_per_s_per_gpu": cpu_adam_params_per_s(problem.cluster),
-        "layer_fwd_ms": ln.fwd * 1e3,
-        "layer_bwd_ms": ln.bwd * 1e3,
-        "layer_saved_bytes": bytes_needed(ln.saved),
+        "layer_fwd_ms": layer.fwd * 1e3,
+        "layer_bwd_ms": layer.bwd * 1e3,
+        "layer_saved_bytes": bytes_needed(layer.saved),
         "clip_barrier_ms": barrier * 1e3,
         "runtime_model": problem.runtime.source,
         "interference_model": problem.interference.source,

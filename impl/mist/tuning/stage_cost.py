@@ -42,9 +42,15 @@ from ..plan import gather_allowed, grad_bucket
 
 # A stage's strategy, as StagePlan fields and strategy_grid columns
 STRATEGY_FIELDS = (
-    "recompute", "selective", "zero", "offload_weights", "offload_grads", "offload_optimizer",
-    "offload_activations", "gather_in_forward",
-)  # fmt: skip
+    "recompute",
+    "selective",
+    "zero",
+    "offload_weights",
+    "offload_grads",
+    "offload_optimizer",
+    "offload_activations",
+    "gather_in_forward",
+)
 OFFLOADABLE = ("weights", "grads", "optimizer", "activations")  # SearchSpace.offloadable's kinds
 OFFLOAD_FIELDS = tuple(f"offload_{kind}" for kind in OFFLOADABLE)  # their StagePlan fields
 ADAM_BYTES_PER_PARAM = 12  # fp32 master weight + two moments
@@ -137,75 +143,90 @@ class LayerNumbers:
 _LAYER_NUMBERS: dict[tuple, tuple] = {}
 
 
-def layer_numbers(st: Setting) -> LayerNumbers:
+def layer_numbers(setting: Setting) -> LayerNumbers:
     """Per-layer numbers of a setting, memoised (searches price thousands of plans). Keyed by the
     cost models' identity; an entry holds them, so a freed model's id cannot come back as another's."""
-    key = (st.model, st.cluster, id(st.runtime), id(st.interference), st.tp, st.dp, st.micro_batch, st.sp)
+    key = (
+        setting.model,
+        setting.cluster,
+        id(setting.runtime),
+        id(setting.interference),
+        setting.tp,
+        setting.dp,
+        setting.micro_batch,
+        setting.sp,
+    )
     if key not in _LAYER_NUMBERS:
         if len(_LAYER_NUMBERS) > 4096:
             _LAYER_NUMBERS.clear()
-        _LAYER_NUMBERS[key] = (st.runtime, st.interference, _layer_numbers(st))
+        _LAYER_NUMBERS[key] = (setting.runtime, setting.interference, _layer_numbers(setting))
     return _LAYER_NUMBERS[key][2]
 
 
-def _layer_numbers(st: Setting) -> LayerNumbers:
-    m, b, t = st.model, st.micro_batch, st.tp
-    costs = layer_costs(m, st.sequence_parallel)
-    c = costs.compiled(m)(b, m.seq, t)
-    fwd, bwd = st.runtime.layer_times(m, b, m.seq, t, st.sequence_parallel)
-    coll = st.runtime.collective
+def _layer_numbers(setting: Setting) -> LayerNumbers:
+    model, micro_batch, tp = setting.model, setting.micro_batch, setting.tp
+    costs = layer_costs(model, setting.sequence_parallel)
+    traced = costs.compiled(model)(micro_batch, model.seq, tp)
+    fwd, bwd = setting.runtime.layer_times(model, micro_batch, model.seq, tp, setting.sequence_parallel)
+    collective = setting.runtime.collective
     # Where the engine's TP layer was measured (its two all-reduces each way, with the waits between
     # the ranks' compute) that prices them, forward (which recomputation repeats) and backward
-    messages = 1 if m.parallel_block else 2  # the forward's all-reduces (backward mirrors them)
-    message = float(c["tp_all_reduce"]) / messages
-    across_tp = t > st.cluster.gpus_per_node
-    measured = None if st.sequence_parallel else st.runtime.tp_layer(message, t, inter_node=across_tp)
+    messages = 1 if model.parallel_block else 2  # the forward's all-reduces (backward mirrors them)
+    message = float(traced["tp_all_reduce"]) / messages
+    across_tp = tp > setting.cluster.gpus_per_node
+    measured = (
+        None if setting.sequence_parallel else setting.runtime.tp_layer(message, tp, inter_node=across_tp)
+    )
     if measured is not None:  # the benchmark's layer has two all-reduces a direction
         forward, both = (float(x) for x in measured)
         comm_f, comm_b = messages * forward / 2, messages * (both - forward) / 2
     else:  # forward collectives; backward mirrors them, plus SP's re-gather of the kept input shards
         comm_f = (
-            coll("all_reduce", float(c["tp_all_reduce"]) / 2, t, st.cluster) * 2
-            + coll("all_gather", float(c["tp_all_gather"]) / 2, t, st.cluster) * 2
-            + coll("reduce_scatter", float(c["tp_reduce_scatter"]) / 2, t, st.cluster) * 2
+            collective("all_reduce", float(traced["tp_all_reduce"]) / 2, tp, setting.cluster) * 2
+            + collective("all_gather", float(traced["tp_all_gather"]) / 2, tp, setting.cluster) * 2
+            + collective("reduce_scatter", float(traced["tp_reduce_scatter"]) / 2, tp, setting.cluster) * 2
         )
-        comm_b = comm_f + coll("all_gather", float(c["tp_all_gather"]) / 2, t, st.cluster) * 2
-    head = {k: value(expr, m, b, m.seq, t) for k, expr in head_costs(m).items()}
-    head_fwd, head_bwd = st.runtime.head_times(m, b, m.seq, t)
-    embed_fwd, embed_bwd = st.runtime.embedding_times(m, b, m.seq, t)
+        comm_b = (
+            comm_f + collective("all_gather", float(traced["tp_all_gather"]) / 2, tp, setting.cluster) * 2
+        )
+    head = {k: value(expr, model, micro_batch, model.seq, tp) for k, expr in head_costs(model).items()}
+    head_fwd, head_bwd = setting.runtime.head_times(model, micro_batch, model.seq, tp)
+    embed_fwd, embed_bwd = setting.runtime.embedding_times(model, micro_batch, model.seq, tp)
     # Megatron's vocab-parallel embedding and head under TP: the embedding's output is summed over
     # the ranks (reduce-scattered under SP); the head's input gradient likewise in backward (and
     # its input gathered forward under SP); the cross-entropy sums three fp32 numbers per token
     # (the logits' max, the target's logit, the sum of exponentials) over the ranks.
-    stream = 2.0 * b * m.seq * m.hidden
-    if st.sequence_parallel:
-        embed_fwd += float(coll("reduce_scatter", stream, t, st.cluster))
-        head_fwd += float(coll("all_gather", stream, t, st.cluster))
-        head_bwd += float(coll("reduce_scatter", stream, t, st.cluster))
+    stream = 2.0 * micro_batch * model.seq * model.hidden
+    if setting.sequence_parallel:
+        embed_fwd += float(collective("reduce_scatter", stream, tp, setting.cluster))
+        head_fwd += float(collective("all_gather", stream, tp, setting.cluster))
+        head_bwd += float(collective("reduce_scatter", stream, tp, setting.cluster))
     else:
-        embed_fwd += float(coll("all_reduce", stream, t, st.cluster))
-        head_bwd += float(coll("all_reduce", stream, t, st.cluster))
-    head_fwd += 3 * float(coll("all_reduce", 4.0 * b * m.seq, t, st.cluster))
-    tokens = b * m.seq
-    p2p_bytes = 2.0 * tokens * m.hidden / (t if st.sequence_parallel else 1)
+        embed_fwd += float(collective("all_reduce", stream, tp, setting.cluster))
+        head_bwd += float(collective("all_reduce", stream, tp, setting.cluster))
+    head_fwd += 3 * float(collective("all_reduce", 4.0 * micro_batch * model.seq, tp, setting.cluster))
+    tokens = micro_batch * model.seq
+    p2p_bytes = 2.0 * tokens * model.hidden / (tp if setting.sequence_parallel else 1)
     # a stage that fills a node (or more) has its neighbours on other nodes
-    neighbours_across = st.cluster.nodes > 1 and st.tp * st.dp >= st.cluster.gpus_per_node
+    neighbours_across = setting.cluster.nodes > 1 and setting.tp * setting.dp >= setting.cluster.gpus_per_node
     return LayerNumbers(
         fwd=float(fwd) + float(comm_f),
         bwd=float(bwd) + float(comm_b),
-        saved=float(c["saved_bytes"]),
-        selective_saved=float(c["selective_saved_bytes"]),
-        selective_backward=float(c["selective_backward_bytes"]),
+        saved=float(traced["saved_bytes"]),
+        selective_saved=float(traced["selective_saved_bytes"]),
+        selective_backward=float(traced["selective_backward_bytes"]),
         core_fwd=float(
-            st.runtime.layer_times(m, b, m.seq, t, st.sequence_parallel, only=CORE_ATTENTION_OPS)[0]
+            setting.runtime.layer_times(
+                model, micro_batch, model.seq, tp, setting.sequence_parallel, only=CORE_ATTENTION_OPS
+            )[0]
         ),
-        transient=float(c["transient_bytes"]),
-        layer_input=2.0 * tokens * m.hidden / (t if st.sequence_parallel else 1),
-        params=float(c["params"]),
-        largest_weight=2.0 * _largest_weight(m) / t,
+        transient=float(traced["transient_bytes"]),
+        layer_input=2.0 * tokens * model.hidden / (tp if setting.sequence_parallel else 1),
+        params=float(traced["params"]),
+        largest_weight=2.0 * _largest_weight(model) / tp,
         tp_comm_fwd=float(comm_f),
         p2p_bytes=p2p_bytes,
-        p2p=st.runtime.p2p(p2p_bytes, st.cluster, inter_node=neighbours_across),
+        p2p=setting.runtime.p2p(p2p_bytes, setting.cluster, inter_node=neighbours_across),
         head_fwd=head_fwd,
         head_bwd=head_bwd,
         embed_fwd=embed_fwd,
@@ -216,12 +237,12 @@ def _layer_numbers(st: Setting) -> LayerNumbers:
     )
 
 
-def _largest_weight(m: ModelSpec) -> int:
+def _largest_weight(model: ModelSpec) -> int:
     """Elements of a layer's largest weight matrix: the MLP's (gated: the fused gate and up
     projection) or attention's fused query/key/value projection."""
-    ffn = m.ffn_hidden
-    qkv = m.hidden * (m.heads + 2 * m.kv) * m.head_dim
-    return max(m.hidden * ffn * (2 if m.gated_mlp else 1), qkv)
+    ffn = model.ffn_hidden
+    qkv = model.hidden * (model.heads + 2 * model.kv) * model.head_dim
+    return max(model.hidden * ffn * (2 if model.gated_mlp else 1), qkv)
 
 
 @functools.lru_cache(maxsize=512)
@@ -232,8 +253,10 @@ def strategy_grid(layers: int, space: SearchSpace) -> dict[str, np.ndarray]:
     offloads = [space.offload_steps(f, space.offload_ratios) for f in OFFLOAD_FIELDS]
     recompute = range(layers + 1) if space.recompute else (0,)
     selective = (0, 1) if space.selective else (0,)
-    combos = np.array(list(itertools.product(recompute, selective, space.zero_stages, *offloads,
-                                             space.gather_in_forward)), float)  # fmt: skip
+    combos = np.array(
+        list(itertools.product(recompute, selective, space.zero_stages, *offloads, space.gather_in_forward)),
+        float,
+    )
     combos[:, -1] *= gather_allowed(combos[:, 2], combos[:, 3])  # zero, offload_weights
     _, first = np.unique(combos, axis=0, return_index=True)
     combos = combos[np.sort(first)]  # in the product's order
@@ -244,48 +267,54 @@ def strategy_grid(layers: int, space: SearchSpace) -> dict[str, np.ndarray]:
 EDGE_FIELDS = ("zero", "offload_weights", "offload_grads", "offload_optimizer")
 
 
-def _kept_per_layer(ln: LayerNumbers, grid: dict[str, np.ndarray]) -> np.ndarray:
+def _kept_per_layer(layer: LayerNumbers, grid: dict[str, np.ndarray]) -> np.ndarray:
     """Bytes a layer that is not recomputed keeps for backward: all it saves, or under selective
     recomputation all but its core attention's insides."""
-    return np.where(grid["selective"] > 0, ln.selective_saved, ln.saved)
+    return np.where(grid["selective"] > 0, layer.selective_saved, layer.saved)
 
 
-def _state_bytes(params: float, z, wo, go, oo, d: int) -> dict[str, np.ndarray]:
+def _state_bytes(params: float, strategy: dict[str, np.ndarray], dp: int) -> dict[str, np.ndarray]:
     """Bytes per GPU of ``params`` parameters' weights, gradients and optimizer state (each on the
-    GPU or, the offloaded fraction, on the host), under ZeRO stage ``z`` over ``d`` replicas."""
-    w = 2.0 * params * np.where(z >= 3, 1.0 / d, 1.0)
-    g = 2.0 * params * np.where(z >= 2, 1.0 / d, 1.0)
-    opt_params = params * np.where(z >= 1, 1.0 / d, 1.0)
+    GPU or, the offloaded fraction, on the host), under ``strategy``'s ZeRO stage over ``dp``
+    replicas (its EDGE_FIELDS: a stage's grid or the embedding/head's own strategy)."""
+    zero, offload_weights, offload_grads, offload_optimizer = (strategy[k] for k in EDGE_FIELDS)
+    w = 2.0 * params * np.where(zero >= 3, 1.0 / dp, 1.0)
+    g = 2.0 * params * np.where(zero >= 2, 1.0 / dp, 1.0)
+    opt_params = params * np.where(zero >= 1, 1.0 / dp, 1.0)
     o = ADAM_BYTES_PER_PARAM * opt_params
     return {
-        "gpu": (1 - wo) * w + (1 - go) * g + (1 - oo) * o,
+        "gpu": (1 - offload_weights) * w + (1 - offload_grads) * g + (1 - offload_optimizer) * o,
         # ZeRO-2/3's gradient shards on the device: made by backward's reduce-scatters, freed after
         # the step (no persistent buffer, unlike ZeRO-0/1's)
-        "sharded_grads": np.where(z >= 2, (1 - go) * g, 0.0),
-        "host": wo * w + go * g + oo * o,
-        "h2d": 2 * wo * w,  # offloaded weights come up for forward and backward
-        "d2h": go * g,  # offloaded gradients accumulate on the host
+        "sharded_grads": np.where(zero >= 2, (1 - offload_grads) * g, 0.0),
+        "host": offload_weights * w + offload_grads * g + offload_optimizer * o,
+        "h2d": 2 * offload_weights * w,  # offloaded weights come up for forward and backward
+        "d2h": offload_grads * g,  # offloaded gradients accumulate on the host
         "opt_params": opt_params,
     }
 
 
-def _zero_per_micro_batch(st: Setting, layers: int, layer_w_full: float, edge_w_full: float, z, ez,
-                          across: bool) -> tuple:  # fmt: skip
+def _zero_per_micro_batch(
+    setting: Setting, layers: int, layer_w_full: float, edge_w_full: float, zero, edge_zero, across: bool
+) -> tuple:
     """(compute, GPU-to-GPU channel) seconds a micro-batch adds for ZeRO: ZeRO-3 gathers weights
     for forward and backward, ZeRO-2/3 reduce-scatter gradients. Where the engine's ZeRO-2 or -3
     was measured whole on a layer (collectives, copies, waits) that prices a layer: the time it
     is exposed for, added to compute rather than overlapped again."""
-    d, cl, rt = st.dp, st.cluster, st.runtime
+    dp, cluster, runtime = setting.dp, setting.cluster, setting.runtime
     compute, g2g = 0.0, 0.0
-    if d == 1:
+    if dp == 1:
         return compute, g2g
-    zero3 = rt.zero3_layer(layer_w_full, d, across)
-    zero2 = rt.zero2_layer(layer_w_full, d, across)
-    for count, full, zero, is_layer in ((layers, layer_w_full, z, True), (1, edge_w_full, ez, False)):
-        gather = rt.collective("all_gather", full, d, cl, across)
-        scatter = rt.collective("reduce_scatter", full, d, cl, across)
-        z3 = zero >= 3
-        z2 = zero == 2
+    zero3 = runtime.zero3_layer(layer_w_full, dp, across)
+    zero2 = runtime.zero2_layer(layer_w_full, dp, across)
+    for count, full, its_zero, is_layer in (
+        (layers, layer_w_full, zero, True),
+        (1, edge_w_full, edge_zero, False),
+    ):
+        gather = runtime.collective("all_gather", full, dp, cluster, across)
+        scatter = runtime.collective("reduce_scatter", full, dp, cluster, across)
+        z3 = its_zero >= 3
+        z2 = its_zero == 2
         if is_layer and zero3 is not None:
             compute = compute + count * np.where(z3, zero3, 0.0)
             z3 = False
@@ -296,24 +325,24 @@ def _zero_per_micro_batch(st: Setting, layers: int, layer_w_full: float, edge_w_
     return compute, g2g
 
 
-def _gradient_sync(st: Setting, stage_w_full: float, edge_w_full: float, z, ez, across: bool):
+def _gradient_sync(setting: Setting, stage_w_full: float, edge_w_full: float, zero, edge_zero, across: bool):
     """(before, after) the gradient-clipping barrier: seconds of the step's gradient
     synchronisation over DP, an all-reduce (ZeRO-0), a reduce-scatter (ZeRO-1) or nothing more
     (ZeRO-2/3, whose gradients were scattered in backward); then, after the step, the all-gather of
     the updated weights (ZeRO-1/2)."""
-    d, cl, rt = st.dp, st.cluster, st.runtime
+    dp, cluster, runtime = setting.dp, setting.cluster, setting.runtime
     before = after = 0.0
-    if d > 1:
-        for full, zero in ((stage_w_full, z), (edge_w_full, ez)):
-            allreduce = rt.collective("all_reduce", full, d, cl, across)
-            rs = rt.collective("reduce_scatter", full, d, cl, across)
-            ag = rt.collective("all_gather", full, d, cl, across)
-            before = before + np.where(zero >= 2, 0.0, np.where(zero == 1, rs, allreduce))
-            after = after + np.where((zero >= 1) & (zero <= 2), ag, 0.0)
+    if dp > 1:
+        for full, its_zero in ((stage_w_full, zero), (edge_w_full, edge_zero)):
+            allreduce = runtime.collective("all_reduce", full, dp, cluster, across)
+            rs = runtime.collective("reduce_scatter", full, dp, cluster, across)
+            ag = runtime.collective("all_gather", full, dp, cluster, across)
+            before = before + np.where(its_zero >= 2, 0.0, np.where(its_zero == 1, rs, allreduce))
+            after = after + np.where((its_zero >= 1) & (its_zero <= 2), ag, 0.0)
     return before, after
 
 
-def _hidden_reduction_s(st: Setting, ln: LayerNumbers, layers: int, r, z, across: bool):
+def _hidden_reduction_s(setting: Setting, layer: LayerNumbers, layers: int, recompute, zero, across: bool):
     """Seconds of a stage's DP gradient reduction that the last micro-batch's backward hides when it
     runs bucket by bucket (Megatron-LM's --overlap-grad-reduce; Plan.overlap_grad_reduce), taken
     off what ``_gradient_sync`` prices for the layers (one collective after backward). The layers'
@@ -323,34 +352,43 @@ def _hidden_reduction_s(st: Setting, ln: LayerNumbers, layers: int, r, z, across
     layers) and the embedding/head's come after backward, as before. ZeRO-2/3 reduce as they make
     their gradients already; one bucket hides nothing. Gradients accumulated on the host are
     priced as the device's (as ``_gradient_sync`` prices them)."""
-    d, cl, rt = st.dp, st.cluster, st.runtime
-    if not st.overlap_grad_reduce or d == 1 or layers < 2:
+    dp, cluster, runtime = setting.dp, setting.cluster, setting.runtime
+    if not setting.overlap_grad_reduce or dp == 1 or layers < 2:
         return 0.0
-    per_bucket = max(1, math.ceil(grad_bucket(st.grad_bucket_params, d) / ln.params))  # layers a bucket
+    # layers a bucket
+    per_bucket = max(1, math.ceil(grad_bucket(setting.grad_bucket_params, dp) / layer.params))
     buckets = math.ceil(layers / per_bucket)
     if buckets < 2:
         return 0.0
     # It depends on the ZeRO stage and the recompute count only: priced once per pair there is
     # (the grid holds every strategy; priced per strategy it took 13% of a search)
-    zz, rr = np.broadcast_arrays(np.asarray(z, float), np.asarray(r, float))
+    zz, rr = np.broadcast_arrays(np.asarray(zero, float), np.asarray(recompute, float))
     _, first, inverse = np.unique((zz * (layers + 1) + rr).ravel(), return_index=True, return_inverse=True)
-    z, r = zz.ravel()[first], rr.ravel()[first]
-    stage_bytes = 2.0 * ln.params * layers
-    whole = np.where(z == 1, rt.collective("reduce_scatter", stage_bytes, d, cl, across),
-                     rt.collective("all_reduce", stage_bytes, d, cl, across))  # fmt: skip
+    zero, recompute = zz.ravel()[first], rr.ravel()[first]
+    stage_bytes = 2.0 * layer.params * layers
+    whole = np.where(
+        zero == 1,
+        runtime.collective("reduce_scatter", stage_bytes, dp, cluster, across),
+        runtime.collective("all_reduce", stage_bytes, dp, cluster, across),
+    )
     bucket_bytes = stage_bytes / buckets
-    each = np.where(z == 1, rt.collective("reduce_scatter", bucket_bytes, d, cl, across),
-                    rt.collective("all_reduce", bucket_bytes, d, cl, across))  # fmt: skip
+    each = np.where(
+        zero == 1,
+        runtime.collective("reduce_scatter", bucket_bytes, dp, cluster, across),
+        runtime.collective("all_reduce", bucket_bytes, dp, cluster, across),
+    )
     # the backward left once the first bucket is made: its other layers' (recomputation included)
-    backward = layers * ln.bwd + r * ln.fwd
+    backward = layers * layer.bwd + recompute * layer.fwd
     window = backward * (layers - per_bucket) / layers
     hidden_comm = (buckets - 1) * each
-    exposed = np.maximum(st.interference.overlap(window, hidden_comm, 0.0, 0.0) - window, 0.0) + each
-    hidden = np.where(z >= 2, 0.0, whole - exposed)
+    exposed = np.maximum(setting.interference.overlap(window, hidden_comm, 0.0, 0.0) - window, 0.0) + each
+    hidden = np.where(zero >= 2, 0.0, whole - exposed)
     return hidden[inverse.ravel()].reshape(zz.shape)
 
 
-def _gather_in_forward_s(st: Setting, ln: LayerNumbers, layers: int, gather, z, wo, across: bool) -> tuple:
+def _gather_in_forward_s(
+    setting: Setting, layer: LayerNumbers, layers: int, gather, zero, offload_weights, across: bool
+) -> tuple:
     """(moved, wait): seconds of a stage's ZeRO-1/2 weight all-gather that leave the step, and
     seconds its next first forward then waits, when the gather runs bucket by bucket in that
     forward (Megatron-LM's --overlap-param-gather; StagePlan.gather_in_forward). ``moved`` is what
@@ -362,50 +400,54 @@ def _gather_in_forward_s(st: Setting, ln: LayerNumbers, layers: int, gather, z, 
     that forward lasts. The wait is on the pipeline's fill path (a stage's first forward starts
     when its input arrives; pipeline_sim), where the step's gather ran beside the other stages'.
     Weights offloaded to the host are gathered after the step, as before (nothing moves)."""
-    d, cl, rt = st.dp, st.cluster, st.runtime
-    if d == 1:
+    dp, cluster, runtime = setting.dp, setting.cluster, setting.runtime
+    if dp == 1:
         return 0.0, 0.0
-    per_bucket = min(layers, max(1, math.ceil(grad_bucket(st.grad_bucket_params, d) / ln.params)))
+    per_bucket = min(layers, max(1, math.ceil(grad_bucket(setting.grad_bucket_params, dp) / layer.params)))
     buckets = math.ceil(layers / per_bucket)
-    stage_bytes = 2.0 * ln.params * layers
-    whole = rt.collective("all_gather", stage_bytes, d, cl, across)
-    each = rt.collective("all_gather", stage_bytes / buckets, d, cl, across)
-    window = ln.fwd * (buckets - 1) * per_bucket  # the forward of every bucket but the last
+    stage_bytes = 2.0 * layer.params * layers
+    whole = runtime.collective("all_gather", stage_bytes, dp, cluster, across)
+    each = runtime.collective("all_gather", stage_bytes / buckets, dp, cluster, across)
+    window = layer.fwd * (buckets - 1) * per_bucket  # the forward of every bucket but the last
     rest = (buckets - 1) * each
-    wait = each + max(st.interference.overlap(window, rest, 0.0, 0.0) - window, 0.0)
-    moves = (np.asarray(gather) > 0) & gather_allowed(z, np.asarray(wo))
+    wait = each + max(setting.interference.overlap(window, rest, 0.0, 0.0) - window, 0.0)
+    moves = (np.asarray(gather) > 0) & gather_allowed(zero, np.asarray(offload_weights))
     return np.where(moves, whole, 0.0), np.where(moves, wait, 0.0)
 
 
-def _p2p_s(st: Setting, ln: LayerNumbers, first: bool, last: bool) -> tuple[float, float]:
+def _p2p_s(setting: Setting, layer: LayerNumbers, first: bool, last: bool) -> tuple[float, float]:
     """(on the compute path, beside it) seconds a micro-batch's point-to-point messages take: the
     activation forward and its gradient backward per neighbouring stage, on the critical path of
     1F1B (a stage waits for what it receives). Interleaved, per chunk (a micro-batch enters and
     leaves every chunk of a rank but the model's first and last), and overlapped with the chunks'
     compute as Megatron-LM's interleaved schedule does by default (its
     --overlap-p2p-communication: sends and receives posted ahead, waited for later)."""
-    neighbours = 2 * st.virtual_stages - (1 if first else 0) - (1 if last else 0)
-    seconds = 2 * neighbours * ln.p2p
-    return (0.0, seconds) if st.virtual_stages > 1 else (seconds, 0.0)
+    neighbours = 2 * setting.virtual_stages - (1 if first else 0) - (1 if last else 0)
+    seconds = 2 * neighbours * layer.p2p
+    return (0.0, seconds) if setting.virtual_stages > 1 else (seconds, 0.0)
 
 
-def _accumulation_s(st: Setting, layer_params: float, edge_params: float, z, ez, grad_accum: int):
+def _accumulation_s(
+    setting: Setting, layer_params: float, edge_params: float, zero, edge_zero, grad_accum: int
+):
     """Seconds a micro-batch spends adding its weight gradients into the accumulated ones (ZeRO-2/3:
     into this rank's shard), an elementwise add priced by the fitted residual-add line."""
-    d = st.dp
-    local_grads = layer_params * np.where(z >= 2, 1 / d, 1.0) + edge_params * np.where(ez >= 2, 1 / d, 1.0)
-    acc = st.grad_accumulation
-    add_line = st.runtime.curve("dropout_add")[0]
+    dp = setting.dp
+    local_grads = layer_params * np.where(zero >= 2, 1 / dp, 1.0) + edge_params * np.where(
+        edge_zero >= 2, 1 / dp, 1.0
+    )
+    acc = setting.grad_accumulation
+    add_line = setting.runtime.curve("dropout_add")[0]
     added = acc.bytes_per_param * local_grads
     return acc.adds_per_micro_batch(grad_accum) * np.where(added > 0, add_line(added), 0.0)
 
 
 def _sync_and_step(
-    st: Setting,
+    setting: Setting,
     stage_w_full: float,
     edge_w_full: float,
-    z,
-    ez,
+    zero,
+    edge_zero,
     across: bool,
     parts: tuple,
     d2h_bw: float,
@@ -414,55 +456,62 @@ def _sync_and_step(
     """(sync, step) seconds of the last micro-batch: the gradient sync and clipping's local norm
     (before the global barrier), then the optimizer step (after it). ``parts``: (state bytes,
     offloaded optimizer fraction) of the stage's layers and of its embedding/head."""
-    cl = st.cluster
-    sync, step = _gradient_sync(st, stage_w_full, edge_w_full, z, ez, across)
+    cluster = setting.cluster
+    sync, step = _gradient_sync(setting, stage_w_full, edge_w_full, zero, edge_zero, across)
     gpu_step_bytes = (ADAM_BYTES_PER_PARAM + 4) * 2  # state, weights and gradients read and written
     for state, off in parts:
         n = state["opt_params"]
         # the norm reads the fp16 gradients this rank steps (offloaded ones priced as if on the GPU:
         # a few percent of the step either way)
-        sync = sync + n * 2 / (cl.gpu.hbm_bw * 0.7)
-        step = step + (1 - off) * n * gpu_step_bytes / (cl.gpu.hbm_bw * 0.7)
-        step = step + off * n / cpu_adam_params_per_s(cl)
+        sync = sync + n * 2 / (cluster.gpu.hbm_bw * 0.7)
+        step = step + (1 - off) * n * gpu_step_bytes / (cluster.gpu.hbm_bw * 0.7)
+        step = step + off * n / cpu_adam_params_per_s(cluster)
         step = step + off * n * (2 / d2h_bw + 2 / h2d_bw)  # fp16 gradients down, fp16 weights up
     return sync, step
 
 
-def clip_barrier_s(st: Setting) -> float:
+def clip_barrier_s(setting: Setting) -> float:
     """Seconds of gradient clipping's global step: the all-reduce of one fp32 (the sum of squared
     gradients) over every GPU of the plan, each stage's sync done (Megatron-LM reduces it over the
     model-parallel and the data-parallel groups; one all-reduce over all prices both)."""
-    cl = st.cluster
-    return float(st.runtime.collective("all_reduce", 4.0, cl.gpus, cl, cl.gpus > cl.gpus_per_node))
+    cluster = setting.cluster
+    return float(
+        setting.runtime.collective(
+            "all_reduce", 4.0, cluster.gpus, cluster, cluster.gpus > cluster.gpus_per_node
+        )
+    )
 
 
-def _device_memory(ln: LayerNumbers, grid: dict, edge: dict, activations, per_flight, layers: int,
+def _device_memory(layer: LayerNumbers, grid: dict, edge: dict, activations, per_flight, layers: int,
                    layer_w_full: float, first: bool, last: bool, mine: dict, theirs: dict,
                    grad_accum: int):  # fmt: skip
     """A stage's peak device bytes: its static state and the larger of two peaks, backward (its
     start, its recomputed layers, and with one micro-batch a step its end) and the optimizer
     step. ``activations``: every in-flight micro-batch's; ``per_flight``: one's."""
-    r, z, wo, oo, ao = (grid[k] for k in ("recompute", "zero", "offload_weights", "offload_optimizer",
-                                          "offload_activations"))  # fmt: skip
-    ez, ewo, eoo = edge["zero"], edge["offload_weights"], edge["offload_optimizer"]
+    recompute, zero, offload_weights, offload_optimizer, offload_activations = (
+        grid[k] for k in ("recompute", "zero", "offload_weights", "offload_optimizer", "offload_activations")
+    )
+    edge_zero, edge_offload_weights, edge_offload_optimizer = (
+        edge[k] for k in ("zero", "offload_weights", "offload_optimizer")
+    )
     # a layer's full weights; the embedding's or the head's (one at a time: opposite ends)
-    W, E = layer_w_full, 2.0 * ln.embed_params if (first or last) else 0.0
-    z3, e3 = z >= 3, ez >= 3
-    buffers = np.where(z3 | (wo > 0), 2 * W, 0.0) + np.where(e3 | (ewo > 0), E, 0.0)
-    kept = _kept_per_layer(ln, grid)
-    buffers = buffers + np.where(ao > 0, 2 * kept, 0.0)  # activations swapped out and in
+    layer_weights, edge_weights = layer_w_full, 2.0 * layer.embed_params if (first or last) else 0.0
+    z3, e3 = zero >= 3, edge_zero >= 3
+    buffers = np.where(z3 | (offload_weights > 0), 2 * layer_weights, 0.0)
+    buffers = buffers + np.where(e3 | (edge_offload_weights > 0), edge_weights, 0.0)
+    kept = _kept_per_layer(layer, grid)
+    buffers = buffers + np.where(offload_activations > 0, 2 * kept, 0.0)  # activations swapped out and in
     # backward of one op: the gradients of its inputs and outputs (its working set's bytes; what
     # it keeps is in the activations) and the residual stream's gradient the layer's backward
     # carries; or, under selective recomputation, the core attention's backward over its remade
     # insides; and a fully recomputed layer's activations, made again
-    working = ln.transient + ln.layer_input
-    selective = (grid["selective"] > 0) & (r < layers)
-    selective_remade = np.where(
-        selective, np.maximum(ln.transient, ln.selective_backward) - ln.transient, 0.0
-    )
+    working = layer.transient + layer.layer_input
+    selective = (grid["selective"] > 0) & (recompute < layers)
+    core_remade = np.maximum(layer.transient, layer.selective_backward) - layer.transient
+    selective_remade = np.where(selective, core_remade, 0.0)
     # the logits' gradient: megatron's vocab-parallel cross-entropy makes it in place in the fp32
     # softmax it kept (in head_saved); what is new is its cast to the bf16 logits' dtype
-    head = ln.logits / 2 if last else 0.0
+    head = layer.logits / 2 if last else 0.0
     # What ZeRO-3 (FSDP2) adds in backward: a module's gradients as backward makes them (whole:
     # there is no persistent buffer to add them into), then its reduce-scatter input, which FSDP2
     # keeps until the next module reduces (one in flight). A layer's gradients are made op by op
@@ -471,21 +520,22 @@ def _device_memory(ln: LayerNumbers, grid: dict, edge: dict, activations, per_fl
     # layer's activations gone (profiler traces of the engine, 2026-12-02). The head (made first)
     # adds its gradients and then its input in flight; the embedding's, made last, come at
     # backward's end. The logits' gradient is consumed by the head's backward, before the first
-    # layer's begins.
-    freed = (1 - ao) * np.where(r < layers, kept, ln.layer_input)  # the last layer's activations
+    # layer's begins. ``freed``: the last layer's activations.
+    freed = (1 - offload_activations) * np.where(recompute < layers, kept, layer.layer_input)
 
     def layer_peak(remade):  # one layer's backward above what is held; ``remade``: its recomputed bytes
-        zero3 = np.maximum(working + remade + ln.largest_weight, working + remade + 2 * W - freed)
-        return np.where(z3, zero3, working + remade)
+        at_first_op = working + remade + layer.largest_weight
+        at_end = working + remade + 2 * layer_weights - freed
+        return np.where(z3, np.maximum(at_first_op, at_end), working + remade)
 
-    start = (
-        activations + buffers + np.maximum(head, layer_peak(selective_remade)) + np.where(e3 & last, E, 0.0)
-    )
+    start = activations + buffers + np.maximum(head, layer_peak(selective_remade))
+    start = start + np.where(e3 & last, edge_weights, 0.0)
     # The fully recomputed layers are the stage's first: backward reaches them once this
     # micro-batch's other layers have freed what they kept (the recomputed ones kept their inputs),
     # and makes one layer's activations again
-    recompute = activations - per_flight + (1 - ao) * r * ln.layer_input + buffers + layer_peak(ln.saved)
-    start = np.where(r > 0, np.maximum(start, recompute), start)
+    remade_inputs = (1 - offload_activations) * recompute * layer.layer_input
+    recomputing = activations - per_flight + remade_inputs + buffers + layer_peak(layer.saved)
+    start = np.where(recompute > 0, np.maximum(start, recomputing), start)
     # Two peaks: backward and the optimizer step, where mixed-precision Adam holds an fp32 copy of
     # the gradients it steps on the GPU. With one micro-batch a step, ZeRO-2/3's gradient shards
     # are made as backward frees the activations and live until the step: backward also peaks at
@@ -494,88 +544,104 @@ def _device_memory(ln: LayerNumbers, grid: dict, edge: dict, activations, per_fl
     # embedding's gradients (ZeRO-3 of the edges)
     sharded_grads = mine["sharded_grads"] + theirs["sharded_grads"] if grad_accum == 1 else 0.0
     made = sharded_grads - mine["sharded_grads"] / layers if grad_accum == 1 else 0.0
-    up = buffers - np.where(z3 | (wo > 0), W, 0.0)
-    remade = np.where(r > 0, ln.saved, selective_remade)  # the first layer's
-    end = up + working + remade + made + np.where(z3, 2 * W, 0.0) + np.where(e3 & first, E, 0.0)
+    up = buffers - np.where(z3 | (offload_weights > 0), layer_weights, 0.0)
+    remade = np.where(recompute > 0, layer.saved, selective_remade)  # the first layer's
+    end = up + working + remade + made + np.where(z3, 2 * layer_weights, 0.0)
+    end = end + np.where(e3 & first, edge_weights, 0.0)
     backward = np.maximum(start, end) if grad_accum == 1 else start
     static = mine["gpu"] + theirs["gpu"] - sharded_grads
-    stepped_on_gpu = (1 - oo) * mine["opt_params"] + (1 - eoo) * theirs["opt_params"]
+    stepped_on_gpu = (1 - offload_optimizer) * mine["opt_params"]
+    stepped_on_gpu = stepped_on_gpu + (1 - edge_offload_optimizer) * theirs["opt_params"]
     step_peak = OPTIMIZER_STEP_BYTES_PER_PARAM * stepped_on_gpu + sharded_grads
     return static + np.maximum(backward, step_peak)
 
 
-def _compute_s(st: Setting, ln: LayerNumbers, layers: int, grid: dict, first: bool, last: bool,
-               edge_params: float, ez, grad_accum: int):  # fmt: skip
+def _compute_s(
+    setting: Setting,
+    layer: LayerNumbers,
+    layers: int,
+    grid: dict,
+    first: bool,
+    last: bool,
+    edge_params: float,
+    edge_zero,
+    grad_accum: int,
+):
     """Seconds of a micro-batch's own compute on a stage: its layers' forward and backward, the
     recomputation (r layers' forward, and under selective the others' core attention), the
     embedding or head, and adding its weight gradients into the accumulated ones."""
-    r, z = grid["recompute"], grid["zero"]
-    compute = layers * (ln.fwd + ln.bwd) + r * ln.fwd + (layers - r) * grid["selective"] * ln.core_fwd
+    recompute, zero = grid["recompute"], grid["zero"]
+    compute = (
+        layers * (layer.fwd + layer.bwd)
+        + recompute * layer.fwd
+        + (layers - recompute) * grid["selective"] * layer.core_fwd
+    )
     if last:
-        compute = compute + ln.head_fwd + ln.head_bwd
+        compute = compute + layer.head_fwd + layer.head_bwd
     if first:
-        compute = compute + ln.embed_fwd + ln.embed_bwd
-    return compute + _accumulation_s(st, layers * ln.params, edge_params, z, ez, grad_accum)
+        compute = compute + layer.embed_fwd + layer.embed_bwd
+    return compute + _accumulation_s(setting, layers * layer.params, edge_params, zero, edge_zero, grad_accum)
 
 
-def evaluate_stage(
-    st: Setting,
-    ln: LayerNumbers,
-    layers: int,
-    in_flight: float,
-    first: bool,
-    last: bool,
-    grid: dict[str, np.ndarray],
-    grad_accum: int,
-    edge: dict[str, np.ndarray] | None = None,
-) -> dict[str, np.ndarray]:
+def evaluate_stage(setting: Setting, layer: LayerNumbers, layers: int, in_flight: float, first: bool,
+                   last: bool, grid: dict[str, np.ndarray], grad_accum: int,
+                   edge: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:  # fmt: skip
     """steady, extra and memory (arrays over ``grid``) of a stage, plus their parts.
 
     ``edge``: the strategy (EDGE_FIELDS) of the embedding (first stage) and head (last stage)
     parameters; None: the stage's own. Arrays broadcast against ``grid``'s."""
     if grad_accum < 1:
         raise ValueError("grad_accum must be >= 1")
-    r, z = grid["recompute"], grid["zero"]
-    wo, go, oo, ao = (
-        grid[k] for k in ("offload_weights", "offload_grads", "offload_optimizer", "offload_activations")
+    recompute, zero, offload_weights, offload_optimizer, offload_activations = (
+        grid[k] for k in ("recompute", "zero", "offload_weights", "offload_optimizer", "offload_activations")
     )
     edge = edge or {k: grid[k] for k in EDGE_FIELDS}
-    ez, ewo, ego, eoo = (edge[k] for k in EDGE_FIELDS)
+    edge_zero, edge_offload_optimizer = edge["zero"], edge["offload_optimizer"]
     shape = np.broadcast_shapes(*(np.shape(x) for x in (*grid.values(), *edge.values())))
-    d, cl = st.dp, st.cluster
-    edge_params = (ln.embed_params if first else 0.0) + (ln.embed_params if last else 0.0)
-    mine = _state_bytes(layers * ln.params, z, wo, go, oo, d)
-    theirs = _state_bytes(edge_params, ez, ewo, ego, eoo, d)
+    dp, cluster = setting.dp, setting.cluster
+    edge_params = (layer.embed_params if first else 0.0) + (layer.embed_params if last else 0.0)
+    mine = _state_bytes(layers * layer.params, grid, dp)  # the stage's layers'
+    theirs = _state_bytes(edge_params, edge, dp)  # the embedding's or head's, where the stage has one
 
     # ---- time of one micro-batch, by channel
-    p2p_on_compute, p2p_beside = _p2p_s(st, ln, first, last)
-    compute = _compute_s(st, ln, layers, grid, first, last, edge_params, ez, grad_accum) + p2p_on_compute
-    across = st.tp * d > cl.gpus_per_node  # DP groups (stride t) leave the node
-    layer_w_full, edge_w_full = 2.0 * ln.params, 2.0 * edge_params
-    zero_compute, g2g = _zero_per_micro_batch(st, layers, layer_w_full, edge_w_full, z, ez, across)
+    p2p_on_compute, p2p_beside = _p2p_s(setting, layer, first, last)
+    compute = _compute_s(setting, layer, layers, grid, first, last, edge_params, edge_zero, grad_accum)
+    compute = compute + p2p_on_compute
+    across = setting.tp * dp > cluster.gpus_per_node  # DP groups (stride t) leave the node
+    layer_w_full, edge_w_full = 2.0 * layer.params, 2.0 * edge_params
+    zero_compute, g2g = _zero_per_micro_batch(
+        setting, layers, layer_w_full, edge_w_full, zero, edge_zero, across
+    )
     compute = compute + zero_compute
     g2g = g2g + p2p_beside
-    kept = _kept_per_layer(ln, grid)
-    act_swapped = ao * ((layers - r) * kept + r * ln.layer_input)
-    h2d_bw = st.interference.host_rate("h2d", cl.gpu.host_bw)
-    d2h_bw = st.interference.host_rate("d2h", cl.gpu.host_bw)
+    kept = _kept_per_layer(layer, grid)
+    act_swapped = offload_activations * ((layers - recompute) * kept + recompute * layer.layer_input)
+    h2d_bw = setting.interference.host_rate("h2d", cluster.gpu.host_bw)
+    d2h_bw = setting.interference.host_rate("d2h", cluster.gpu.host_bw)
     d2h = (act_swapped + mine["d2h"] + theirs["d2h"]) / d2h_bw  # swap-out, offloaded gradients
     h2d = (act_swapped + mine["h2d"] + theirs["h2d"]) / h2d_bw  # swap-in, offloaded weights
-    steady = st.interference.overlap(compute, g2g, h2d, d2h)
+    steady = setting.interference.overlap(compute, g2g, h2d, d2h)
 
     # ---- last micro-batch extras: before clipping's global barrier (clip_barrier_s), then after
-    parts = ((mine, oo), (theirs, eoo))  # (state bytes, offloaded optimizer fraction) of each
-    sync, step = _sync_and_step(st, layers * layer_w_full, edge_w_full, z, ez, across, parts, d2h_bw, h2d_bw)
-    sync = sync - _hidden_reduction_s(st, ln, layers, r, z, across)
+    # (state bytes, offloaded optimizer fraction) of the stage's layers and of its embedding/head
+    parts = ((mine, offload_optimizer), (theirs, edge_offload_optimizer))
+    sync, step = _sync_and_step(
+        setting, layers * layer_w_full, edge_w_full, zero, edge_zero, across, parts, d2h_bw, h2d_bw
+    )
+    sync = sync - _hidden_reduction_s(setting, layer, layers, recompute, zero, across)
     # a grid without the column gathers after the step
-    moved, wait = _gather_in_forward_s(st, ln, layers, grid.get("gather_in_forward", 0.0), z, wo, across)
+    moved, wait = _gather_in_forward_s(
+        setting, layer, layers, grid.get("gather_in_forward", 0.0), zero, offload_weights, across
+    )
     step = step - moved
     extra = sync + step
 
     # ---- memory per GPU
-    per_flight = (1 - ao) * ((layers - r) * kept + r * ln.layer_input) + (ln.head_saved if last else 0.0)
-    memory = _device_memory(ln, grid, edge, in_flight * per_flight, per_flight, layers, layer_w_full,
-                            first, last, mine, theirs, grad_accum)  # fmt: skip
+    on_device = (1 - offload_activations) * ((layers - recompute) * kept + recompute * layer.layer_input)
+    per_flight = on_device + (layer.head_saved if last else 0.0)
+    in_flight_bytes = in_flight * per_flight
+    memory = _device_memory(layer, grid, edge, in_flight_bytes, per_flight, layers, layer_w_full, first, last,
+                            mine, theirs, grad_accum)  # fmt: skip
     # host bytes: affine in in_flight too (offloaded activations of every in-flight micro-batch)
     host_per_flight = act_swapped
     host_static = mine["host"] + theirs["host"]
