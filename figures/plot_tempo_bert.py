@@ -20,9 +20,12 @@ COMPONENTS = {  # module class name -> component, first match wins
     "Linear": "Linear/Conv1D inputs",
     "Conv1D": "Linear/Conv1D inputs",
     "Dropout": "dropout",
+    # a torch.compile row's partitioned graph runs as one function: its bytes are the top module's
+    "<top>": "torch.compile's graph (one function)",
 }
 COMPONENT_ORDER = [*dict.fromkeys(COMPONENTS.values()), "other (layer input, checkpoints)"]
-CONFIG_ORDER = [*MAIN, "tempo-gelu", "tempo-layernorm", "tempo-attention", "tempo-dropout"]
+COMPILED = ["hf-eager+compile", "tempo+compile", "hf-eager+compile-at-tempo"]
+CONFIG_ORDER = [*MAIN, *COMPILED, "tempo-gelu", "tempo-layernorm", "tempo-attention", "tempo-dropout"]
 
 
 def _component(module_type: str) -> str:

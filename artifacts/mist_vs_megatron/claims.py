@@ -258,12 +258,12 @@ CLAIMS = (
     Bound(id="mist-engine-time-worst", system="Mist", claim="...for every plan",
           measure="the same plans: worst |predicted / measured step time - 1|", source=Source(**ENGINE),
           value=engine("worst_time_error"), check=AtMost(0.20), unit="%", why=TIME_TARGET,
-          known_broken="20.0% (2026-12-03; 22.9% before): the plans whose two ranks both compute all the "
-                       "time (TP 2, DP 2, ZeRO-2) are predicted 19-20% fast on this 2-core VM, where two ranks "
-                       "on two cores slow each other unevenly (a DP-2 rank's pipeline 406-477 ms where one "
-                       "process doing the same work takes 358 ms); the runtime model, fitted to profiles with "
-                       "as many copies as ranks, does not see it. The previous build machine's run had every "
-                       "plan within 19%"),
+          known_broken="20.0% (2026-12-03; 22.9% before): the plans whose two ranks both compute all "
+                       "the time (TP 2, DP 2, ZeRO-2) are predicted 19-20% fast on this 2-core VM, where two "
+                       "ranks on two cores slow each other unevenly (a DP-2 rank's pipeline 406-477 ms where "
+                       "one process doing the same work takes 358 ms); the runtime model, fitted to profiles "
+                       "with as many copies as ranks, does not see it. The previous build machine's run had "
+                       "every plan within 19%"),
     Bound(id="mist-validate-l4-time", system="Mist", claim="predicts real runs: Mist's plans on L4",
           measure="`mist validate` (a development set): Mist-tuned plans measured on L4 (GPT-3 1.3B, "
                   "2 stages), mean |iteration time error|", source=Source(**DEVELOPMENT),

@@ -9,7 +9,12 @@ artifacts/tempo_bert/reference/; an interrupted run resumes when rerun):
 * activation: bytes kept for backward, exact (measure.saved), per layer inside the model and per
   model, at batch 1 in bf16, with dropout and SDPA kept as their CUDA kernels keep them
   (measure.saved.cuda_like). The closed form a*sbh + b*as^2b of each configuration is solved
-  from two sequence lengths and verified at a third.
+  from two sequence lengths and verified at a third. Also torch.compile's rows (HF eager
+  compiled, Tempo compiled, HF eager compiled at the activation memory budget aimed at Tempo's
+  bytes): the same bytes as torch.compile's partition keeps them (measure.compiled: AOTAutograd's
+  min-cut partitioner on fake tensors, checked against inductor on a real layer), in bf16 as a
+  GPU runs it. Their max batch is not estimated: the partitioned graphs run unfused on fake
+  tensors, and their transients (float32 s x s softmaxes) are not a compiled step's.
 * maxbatch: the largest batch that fits 11/16/40/80/141 GB GPUs, from the fake-tensor estimate
   of a whole AdamW step (measure.memory; CUDA target, documented reserve).
   Also the ``python -m tempo.maxbatch`` example (BERT-Large QA head, seq 384, fp32).
@@ -34,15 +39,17 @@ from tqdm import tqdm
 from transformers.utils import logging as hf_logging
 
 from measure.budget import GpuBudget
+from measure.compiled import compiled_loss
 from measure.memory import PeakReport, default_dtype, search_max_batch
 from measure.parallel import map_points
 from measure.results import ResultFile, Results, Run
-from measure.saved import cuda_like, saved_bytes
+from measure.saved import SavedTensorsMeter, cuda_like, saved_bytes
 from measure.units import GiB
 from tempo.maxbatch import estimator
 from tempo.models import MODELS, build_model, make_batch
 
 from ..experiment import config_from_command_line, experiment_run, option
+from ..tempo_layer.run import COMPILED, aimed_budget
 from . import EXPERIMENT
 from .data import CORPORA
 from .summary import FLOAT64_LOSS, REVERSED, TRAIN, TRAIN_LR, TRAIN_RUNS, train_key, training_summary
@@ -101,23 +108,34 @@ MAXBATCH_EXAMPLE = ("bert-large", "qa", 384, "fp32")
 # ---------------------------------------------------------------- activation memory
 
 
-def model_saved_bytes(model: str, configuration: str, seq: int, layers: int) -> tuple[int, dict[str, int]]:
-    """Exact bytes a ``layers``-deep copy of ``model`` keeps for backward at batch 1 (bf16)."""
+def model_saved_bytes(model: str, configuration: str, seq: int, layers: int,
+                      budget: float | None = None) -> tuple[int, dict[str, int]]:  # fmt: skip
+    """Exact bytes a ``layers``-deep copy of ``model`` keeps for backward at batch 1 (bf16). A
+    configuration of COMPILED: its model as ``torch.compile`` partitions it at the activation
+    memory ``budget`` (measure.compiled; the partitioned graph runs as one function, so every
+    byte is the top module's)."""
+    built, _ = COMPILED.get(configuration, (configuration, None))
     with FakeTensorMode(), default_dtype(torch.bfloat16):
-        m = build_model(model, "pretraining", configuration, num_layers=layers).train()
+        m = build_model(model, "pretraining", built, num_layers=layers).train()
         batch = make_batch(model, "pretraining", 1, seq)
         with cuda_like():
-            r = saved_bytes(m, **batch)
+            if configuration not in COMPILED:
+                r = saved_bytes(m, **batch)
+            else:
+                loss_of = compiled_loss(m, batch, budget)
+                with SavedTensorsMeter(m, tuple(batch.values())) as meter:
+                    loss_of(m, batch)
+                r = meter.report()
     return r.total_bytes, r.by_module_type
 
 
-def activation_point(model: str, configuration: str, seq: int) -> dict:
+def activation_point(model: str, configuration: str, seq: int, budget: float | None = None) -> dict:
     spec = MODELS[model]
     h, a = spec.hidden, spec.heads
 
     def per_layer(s: int) -> tuple[int, dict[str, int]]:
-        one, by1 = model_saved_bytes(model, configuration, s, 1)
-        two, by2 = model_saved_bytes(model, configuration, s, 2)
+        one, by1 = model_saved_bytes(model, configuration, s, 1, budget)
+        two, by2 = model_saved_bytes(model, configuration, s, 2, budget)
         return two - one, {k: by2.get(k, 0) - by1.get(k, 0) for k in by2 if by2.get(k, 0) != by1.get(k, 0)}
 
     layer, by_type = per_layer(seq)
@@ -129,7 +147,7 @@ def activation_point(model: str, configuration: str, seq: int) -> dict:
     y = (seq * h * l2 - s2 * h * layer) / det
     l3, _ = per_layer(s3)
     predicted = x * s3 * h + y * a * s3 * s3
-    first, _ = model_saved_bytes(model, configuration, seq, 1)
+    first, _ = model_saved_bytes(model, configuration, seq, 1, budget)
     return {
         "per_layer_bytes": layer,
         "per_layer_by_module_type": by_type,
@@ -137,6 +155,7 @@ def activation_point(model: str, configuration: str, seq: int) -> dict:
         "closed_form_checked_at_seq": s3,
         "closed_form_error": abs(predicted - l3) / l3,
         "per_model_bytes": first + (spec.layers - 1) * layer,  # every layer keeps the same bytes
+        **({} if configuration not in COMPILED else {"activation_memory_budget": budget}),
     }
 
 
@@ -145,12 +164,21 @@ def activation_key(model: str, seq: int, configuration: str) -> dict:
 
 
 def run_activation(run: Run, cases, configs) -> ResultFile:
+    """Every configuration's bytes per layer, then torch.compile's (COMPILED): HF eager compiled at
+    the default budget, Tempo compiled, and HF eager compiled at the budget aimed at Tempo's bytes
+    (aimed_budget: their share of what the default keeps, at the case's length)."""
     store = run.file("activation_memory.json", config={"dropout": "as on CUDA (bool mask)"})
-    todo = list(itertools.product(cases, configs))
+    todo = list(itertools.product(cases, [*configs, *COMPILED]))
     for (model, seq), conf in tqdm(todo, desc="activation memory", unit="point"):
-        store.compute(
-            activation_key(model, seq, conf), lambda m=model, s=seq, c=conf: activation_point(m, c, s)
-        )
+        budget = None
+        if conf in COMPILED:
+            aim = COMPILED[conf][1]
+            default = store.get(activation_key(model, seq, "hf-eager+compile"))
+            budget = 1.0 if aim is None else aimed_budget(
+                store.get(activation_key(model, seq, aim)).result["per_layer_bytes"],
+                default.result["per_layer_bytes"])  # fmt: skip
+        store.compute(activation_key(model, seq, conf),
+                      lambda m=model, s=seq, c=conf, b=budget: activation_point(m, c, s, b))  # fmt: skip
     return store
 
 
@@ -343,7 +371,7 @@ def print_summary(
             )
             cf = {name: (0.0 if abs(v) < 5e-3 else v) for name, v in r["closed_form_bytes"].items()}
             print(
-                f"  {k['model']:<14} {k['seq']:<5} {k['configuration']:<16} "
+                f"  {k['model']:<14} {k['seq']:<5} {k['configuration']:<26} "
                 f"{r['per_layer_bytes'] / 2**20:9.2f} MiB  = {cf['sbh']:6.2f}sbh + {cf['as2b']:5.2f}as^2b  "
                 f"{saving:>7}"
             )
