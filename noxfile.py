@@ -104,8 +104,17 @@ def megatron_lm_args(session: nox.Session) -> None:
         session.error("needs a Megatron-LM checkout at core_v0.16.1: nox -s megatron_lm_args -- PATH")
     python = _venv_python()
     session.run(python, "-m", "pip", "install", "-q", "-e", f"{ROOT}[megatron-lm]", external=True)
-    _run(session, "-m", "pytest", "-q", "-s", "tests/mist/test_mist_export.py", "-k", "megatron_lm_accepts",
-         env={"MEGATRON_LM": str(Path(checkout).resolve())})  # fmt: skip
+    _run(
+        session,
+        "-m",
+        "pytest",
+        "-q",
+        "-s",
+        "tests/mist/test_mist_export.py",
+        "-k",
+        "megatron_lm_accepts",
+        env={"MEGATRON_LM": str(Path(checkout).resolve())},
+    )
 
 
 SWEEP_DIR = ROOT / ".sweep"  # the seed sweep's inventories and progress (git-ignored)
@@ -185,8 +194,12 @@ def gpu_check(session: nox.Session) -> None:
 # What the lent GPU machine has (artifacts/gpu_check.py's docstring): the tests run against these
 # before a GPU round. The other pins come from pyproject.toml.
 COMPAT_PINS = {
-    "torch": "2.11.0", "triton": "3.6.0", "transformers": "5.17.0", "tokenizers": "0.23.2", "numpy": "2.5.2",
-}  # fmt: skip
+    "torch": "2.11.0",
+    "triton": "3.6.0",
+    "transformers": "5.17.0",
+    "tokenizers": "0.23.2",
+    "numpy": "2.5.2",
+}
 COMPAT_PYTHON = "3.12"  # the GPU machine's
 COMPAT_VENV = ROOT / ".nox" / "compat"
 TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
@@ -247,8 +260,18 @@ def compat(session: nox.Session) -> None:
     versions += "torch.__version__, triton.__version__, t.__version__, n.__version__)"
     session.run(str(python), "-c", versions, external=True)
     env = {"PYTHONPATH": f"{ROOT / 'impl'}{os.pathsep}{ROOT}"}  # the repo's packages, uninstalled, as there
-    session.run(str(python), "-m", "pytest", "-p", "no:cacheprovider", "-m", "not gpu and not slow",
-                *session.posargs, external=True, env=env)  # fmt: skip
+    session.run(
+        str(python),
+        "-m",
+        "pytest",
+        "-p",
+        "no:cacheprovider",
+        "-m",
+        "not gpu and not slow",
+        *session.posargs,
+        external=True,
+        env=env,
+    )
 
 
 @nox.session

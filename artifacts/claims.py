@@ -113,9 +113,11 @@ def summary(rows: list[Row], system: str) -> str:
     bounds = [r for r in mine if isinstance(r.claim, Bound)]
     held = sum(r.verdict == HOLDS for r in bounds)
     broken = sum(r.verdict.startswith(BROKEN) for r in bounds)
-    return (f"{system}: {len(paper)} paper claims ({judged or 'none'}; {measured} of those run measured, "
-            f"{len(ran) - measured} predicted); {len(bounds)} bounds ({held} hold, {broken} broken, "
-            f"{len(bounds) - held - broken} not yet run)")  # fmt: skip
+    return (
+        f"{system}: {len(paper)} paper claims ({judged or 'none'}; {measured} of those run measured, "
+        f"{len(ran) - measured} predicted); {len(bounds)} bounds ({held} hold, {broken} broken, "
+        f"{len(bounds) - held - broken} not yet run)"
+    )
 
 
 def _evidence(c: Claim) -> str:
@@ -134,12 +136,17 @@ def print_table(rows: list[Row], file=None) -> None:
             c = r.claim
             ours = format_value(r.value, c.unit)
             if isinstance(c, PaperClaim):
-                print(f"  {c.id:<{w}}  paper {c.paper.text:<24} ours {ours:>16} "
-                      f"({c.source.evidence})  {r.verdict}",
-                      file=file)  # fmt: skip
+                print(
+                    f"  {c.id:<{w}}  paper {c.paper.text:<24} ours {ours:>16} "
+                    f"({c.source.evidence})  {r.verdict}",
+                    file=file,
+                )
             elif isinstance(c, Bound):
-                print(f"  {c.id:<{w}}  bound {c.check.describe(c.unit):<24} ours {ours:>16} "
-                      f"({c.source.evidence})  {r.verdict}", file=file)  # fmt: skip
+                print(
+                    f"  {c.id:<{w}}  bound {c.check.describe(c.unit):<24} ours {ours:>16} "
+                    f"({c.source.evidence})  {r.verdict}",
+                    file=file,
+                )
             else:
                 print(
                     f"  {c.id:<{w}}  {'':<30} ours {ours:>16} ({c.source.evidence})  {r.verdict}", file=file
@@ -170,22 +177,46 @@ def markdown(rows: list[Row] | None = None) -> str:
         def ours(r: Row) -> str:
             return f"**{format_value(r.value, r.claim.unit)}** ({r.claim.measure})"
 
-        paper = [[f"`{r.claim.id}`: {r.claim.claim}", r.claim.paper.text, r.claim.paper.where, ours(r),
-                  _evidence(r.claim), r.verdict, f"`{r.claim.source.command}`"]
-                 for r in mine if isinstance(r.claim, PaperClaim)]  # fmt: skip
-        bounds = [[f"`{r.claim.id}`: {r.claim.claim}", ours(r), r.claim.check.describe(r.claim.unit),
-                   r.claim.why, _evidence(r.claim),
-                   r.verdict + (f": {r.claim.known_broken}" if r.verdict == KNOWN_BROKEN else ""),
-                   f"`{r.claim.source.command}`"]
-                  for r in mine if isinstance(r.claim, Bound)]  # fmt: skip
-        shown = [[f"`{r.claim.id}`: {r.claim.claim}", ours(r), _evidence(r.claim),
-                  f"`{r.claim.source.command}`"] for r in mine if isinstance(r.claim, Shown)]  # fmt: skip
+        paper = [
+            [
+                f"`{r.claim.id}`: {r.claim.claim}",
+                r.claim.paper.text,
+                r.claim.paper.where,
+                ours(r),
+                _evidence(r.claim),
+                r.verdict,
+                f"`{r.claim.source.command}`",
+            ]
+            for r in mine
+            if isinstance(r.claim, PaperClaim)
+        ]
+        bounds = [
+            [
+                f"`{r.claim.id}`: {r.claim.claim}",
+                ours(r),
+                r.claim.check.describe(r.claim.unit),
+                r.claim.why,
+                _evidence(r.claim),
+                r.verdict + (f": {r.claim.known_broken}" if r.verdict == KNOWN_BROKEN else ""),
+                f"`{r.claim.source.command}`",
+            ]
+            for r in mine
+            if isinstance(r.claim, Bound)
+        ]
+        shown = [
+            [f"`{r.claim.id}`: {r.claim.claim}", ours(r), _evidence(r.claim), f"`{r.claim.source.command}`"]
+            for r in mine
+            if isinstance(r.claim, Shown)
+        ]
         if paper:
-            out += _table(["claim", "the paper", "where", "ours", "measured or predicted", "verdict",
-                           "command"], paper)  # fmt: skip
+            out += _table(
+                ["claim", "the paper", "where", "ours", "measured or predicted", "verdict", "command"], paper
+            )
         if bounds:
-            out += _table(["bound", "ours", "target", "why this target", "measured or predicted", "verdict",
-                           "command"], bounds)  # fmt: skip
+            out += _table(
+                ["bound", "ours", "target", "why this target", "measured or predicted", "verdict", "command"],
+                bounds,
+            )
         if shown:
             out += _table(["shown, not judged", "ours", "measured or predicted", "command"], shown)
     return "\n".join(out)
@@ -225,8 +256,9 @@ SUMMARY = (
 def summary_markdown(rows: list[Row] | None = None) -> str:
     """The front page's claims: each system's summary line, linked to its tables."""
     rows = evaluate(source="reference") if rows is None else rows
-    return "".join(f"- **{summary(rows, system)}** ([tables](docs/claims.md#{_anchor(system)}))\n"
-                   for system in SYSTEMS)  # fmt: skip
+    return "".join(
+        f"- **{summary(rows, system)}** ([tables](docs/claims.md#{_anchor(system)}))\n" for system in SYSTEMS
+    )
 
 
 def _anchor(heading: str) -> str:
@@ -261,25 +293,38 @@ def write_readme() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = OneLineParser(prog="python -m artifacts.claims", description=__doc__,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    ap.add_argument("experiments", nargs="*", metavar="EXPERIMENT",
-                    help=f"only these ({', '.join(EXPERIMENTS)}); default: all")  # fmt: skip
-    ap.add_argument("--against", choices=SOURCES,
-                    help="judge this run's results (default) or the committed reference")  # fmt: skip
+    ap = OneLineParser(
+        prog="python -m artifacts.claims",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument(
+        "experiments",
+        nargs="*",
+        metavar="EXPERIMENT",
+        help=f"only these ({', '.join(EXPERIMENTS)}); default: all",
+    )
+    ap.add_argument(
+        "--against", choices=SOURCES, help="judge this run's results (default) or the committed reference"
+    )
     mode = ap.add_mutually_exclusive_group()  # each is its own job; none: judge the claims
     mode.add_argument("--pins", action="store_true", help="regression pins: this run against the reference")
     mode.add_argument("--markdown", action="store_true", help="print docs/claims.md's generated tables")
-    mode.add_argument("--write-readme", action="store_true",
-                      help="rewrite docs/claims.md's tables and the README's claims summary")  # fmt: skip
+    mode.add_argument(
+        "--write-readme",
+        action="store_true",
+        help="rewrite docs/claims.md's tables and the README's claims summary",
+    )
     args = ap.parse_args(argv)
     if unknown := sorted(set(args.experiments) - set(EXPERIMENTS)):
         ap.error(f"unknown experiment {', '.join(unknown)}; accepted: {', '.join(EXPERIMENTS)}")
     # what the other modes do not take is refused, not ignored: the generated tables are every
     # experiment's, judged against the reference; pins always compare this run with the reference
     if (args.markdown or args.write_readme) and (args.experiments or args.against):
-        ap.error("--markdown and --write-readme cover every experiment against the reference; "
-                 "drop EXPERIMENT and --against")  # fmt: skip
+        ap.error(
+            "--markdown and --write-readme cover every experiment against the reference; "
+            "drop EXPERIMENT and --against"
+        )
     if args.pins and args.against:
         ap.error("--pins compares this run with the reference; drop --against")
     experiments = tuple(args.experiments) or EXPERIMENTS
@@ -298,14 +343,17 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         for r in rows:
             state = {None: "not compared", True: "MOVED", False: "as the reference"}[r.moved]
-            print(f"  {r.pin.id:<36} reference {format_value(r.reference, r.pin.unit):>10}  this run "
-                  f"{format_value(r.this_run, r.pin.unit):>10}  "
-                  f"({r.pin.near.describe(r.pin.unit)})  {state}")  # fmt: skip
+            print(
+                f"  {r.pin.id:<36} reference {format_value(r.reference, r.pin.unit):>10}  this run "
+                f"{format_value(r.this_run, r.pin.unit):>10}  "
+                f"({r.pin.near.describe(r.pin.unit)})  {state}"
+            )
         moved = [r.pin.id for r in rows if r.moved]
         compared = sum(r.moved is not None for r in rows)
-        print(f"\n{len(rows)} regression pins: {compared} compared, {len(moved)} moved"
-              + (f" ({', '.join(moved)}): a deliberate change updates the reference"
-                 if moved else ""))  # fmt: skip
+        print(
+            f"\n{len(rows)} regression pins: {compared} compared, {len(moved)} moved"
+            + (f" ({', '.join(moved)}): a deliberate change updates the reference" if moved else "")
+        )
         return 1 if moved else 0
     try:
         rows = evaluate(claims(experiments), args.against or "results")

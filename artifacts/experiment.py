@@ -76,8 +76,11 @@ def config_from_command_line(
 ) -> tuple[C, argparse.Namespace, argparse.ArgumentParser]:
     """(``cls`` from the command line, the whole command line, its parser for later refusals): the
     config's fields as options (``option``), with the run flags every experiment shares."""
-    ap = OneLineParser(prog=f"python -m artifacts.{experiment.name}.run", description=description,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    ap = OneLineParser(
+        prog=f"python -m artifacts.{experiment.name}.run",
+        description=description,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     for f in fields(cls):
         meta, flag = f.metadata, "--" + f.name.replace("_", "-")
         if f.default is False:
@@ -86,8 +89,14 @@ def config_from_command_line(
         many = meta["many"] or isinstance(f.default, tuple)
         sample = f.default[0] if many and f.default else f.default
         parse = meta["parse"] or (type(sample) if sample is not None else str)
-        ap.add_argument(flag, type=parse, nargs="+" if many else None, choices=meta["choices"],
-                        default=f.default, help=meta["help"])  # fmt: skip
+        ap.add_argument(
+            flag,
+            type=parse,
+            nargs="+" if many else None,
+            choices=meta["choices"],
+            default=f.default,
+            help=meta["help"],
+        )
     if jobs:
         add_jobs_argument(ap)
     add_run_arguments(ap, experiment)
@@ -126,8 +135,11 @@ def experiment_run(args: argparse.Namespace, experiment: Experiment) -> Iterator
         with run:
             yield run
     except KeyboardInterrupt:  # Ctrl-C, or SIGTERM unwound as one: a line, not a traceback
-        print(f"interrupted: the points finished so far are kept in {args.results}; the same command "
-              "resumes the run", file=sys.stderr)  # fmt: skip
+        print(
+            f"interrupted: the points finished so far are kept in {args.results}; the same command "
+            "resumes the run",
+            file=sys.stderr,
+        )
         raise SystemExit(130) from None
     if args.update_reference:
         for path in update_reference(args.results, experiment.reference_dir, run.run_id):

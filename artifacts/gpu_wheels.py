@@ -21,8 +21,13 @@ ROOT = Path(__file__).resolve().parents[1]
 WHEELS_DIR = ROOT / ".whl"
 MISSING_ON_DEVICE = ("megatron-core", "highspy", "liger-kernel")
 PYTHON_VERSION = "3.12"  # the GPU machine's python3
-PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64",
-             "manylinux2014_x86_64", "manylinux1_x86_64")  # fmt: skip
+PLATFORMS = (
+    "manylinux_2_28_x86_64",
+    "manylinux_2_27_x86_64",
+    "manylinux_2_17_x86_64",
+    "manylinux2014_x86_64",
+    "manylinux1_x86_64",
+)
 DOWNLOAD_TIMEOUT_S = 600
 
 
@@ -65,9 +70,22 @@ def download(names: tuple[str, ...], dest: Path) -> list[Path]:
     dest.mkdir(parents=True, exist_ok=True)
     specs = [f"{name}=={pinned(name)}" for name in names]
     platforms = [arg for platform in PLATFORMS for arg in ("--platform", platform)]
-    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-               "--python-version", PYTHON_VERSION, "--implementation", "cp", *platforms, "-d", str(dest),
-               *specs]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--python-version",
+        PYTHON_VERSION,
+        "--implementation",
+        "cp",
+        *platforms,
+        "-d",
+        str(dest),
+        *specs,
+    ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=DOWNLOAD_TIMEOUT_S)
     if done.returncode:
         last = (done.stderr.strip().splitlines() or ["no output"])[-1]

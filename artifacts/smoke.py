@@ -78,8 +78,10 @@ def tempo_step() -> str:
     b, _ = estimator("bert-mini", "pretraining", 64, "fp16", "tempo").max_batch(256 * 2**20)
     expect(b > 0, "the max-batch estimator fits nothing in 256 MiB for a 2-layer BERT")
     saving = 1 - kept["tempo"] / kept["hf-eager"]
-    return (f"same loss and gradients (worst parameter {worst:.0e}), {saving:.0%} fewer bytes kept, "
-            f"a dropout step at loss {loss.item():.2f}, max batch {b} in 256 MiB")  # fmt: skip
+    return (
+        f"same loss and gradients (worst parameter {worst:.0e}), {saving:.0%} fewer bytes kept, "
+        f"a dropout step at loss {loss.item():.2f}, max batch {b} in 256 MiB"
+    )
 
 
 def mist_plan() -> str:
@@ -92,11 +94,15 @@ def mist_plan() -> str:
         path = Path(tmp) / "plan.yaml"
         plan.save(path)
         again = predict(Plan.load(path), m, c)
-    expect(abs(again.predicted_iteration_s - plan.predicted_iteration_s) <= 1e-9 * plan.predicted_iteration_s,
-           "the saved plan predicts another iteration time than the plan the search returned")  # fmt: skip
+    expect(
+        abs(again.predicted_iteration_s - plan.predicted_iteration_s) <= 1e-9 * plan.predicted_iteration_s,
+        "the saved plan predicts another iteration time than the plan the search returned",
+    )
     shape = f"tp {plan.tp} dp {plan.dp} pp {len(plan.stages)} micro-batch {plan.micro_batch}"
-    return (f"GPT-3 1.3B on 8 L4: {shape}, {plan.predicted_iteration_s:.2f} s an iteration (predicted), "
-            f"tuned in {plan.tuning_s:.1f} s")  # fmt: skip
+    return (
+        f"GPT-3 1.3B on 8 L4: {shape}, {plan.predicted_iteration_s:.2f} s an iteration (predicted), "
+        f"tuned in {plan.tuning_s:.1f} s"
+    )
 
 
 def cta_kernels() -> str:
@@ -120,14 +126,18 @@ def cta_kernels() -> str:
         gave_up = False
     except StageTimeout:
         gave_up = True
-    expect(gave_up and bool(blocked.isnan().all()),
-           "a consumer whose producer never signalled did not raise, or computed tiles anyway")  # fmt: skip
+    expect(
+        gave_up and bool(blocked.isnan().all()),
+        "a consumer whose producer never signalled did not raise, or computed tiles anyway",
+    )
     r = sim.compare(sim.H200, 16384, 2)
     expect(
         r["cta_s"] < r["back_to_back_s"], "the latency model puts CTA-pipelining behind back-to-back GEMMs"
     )
-    return (f"{m}x{d}x{f} MLP max relative error {error:.0e}; an unsignalled consumer gave up; latency "
-            f"model, H200, 2 GPUs, M=16k: CTA {r['cta_vs_microbatch']:+.1%} vs micro-batching")  # fmt: skip
+    return (
+        f"{m}x{d}x{f} MLP max relative error {error:.0e}; an unsignalled consumer gave up; latency "
+        f"model, H200, 2 GPUs, M=16k: CTA {r['cta_vs_microbatch']:+.1%} vs micro-batching"
+    )
 
 
 CHECKS: dict[str, Callable[[], str]] = {"Tempo": tempo_step, "Mist": mist_plan, "CTA-pipelining": cta_kernels}

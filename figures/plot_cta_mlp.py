@@ -10,8 +10,13 @@ from pathlib import Path
 from _common import finish, load, parse_source, plt  # first: the headless backend and import path
 
 EXPERIMENT = "cta_mlp"
-METHODS = {"back_to_back_s": "back-to-back", "microbatch_s": "best micro-batching", "tp_s": "tensor parallel",
-           "cta_s": "CTA-pipelining", "cta_tp_s": "CTA + TP"}  # fmt: skip
+METHODS = {
+    "back_to_back_s": "back-to-back",
+    "microbatch_s": "best micro-batching",
+    "tp_s": "tensor parallel",
+    "cta_s": "CTA-pipelining",
+    "cta_tp_s": "CTA + TP",
+}
 MODELLED = "; latency model (impl/ctapipe/sim.py)"
 
 
@@ -64,8 +69,14 @@ def plot_reduction(name: str = "sim") -> Path | None:
                 ("cta_vs_microbatch", "-", "vs best micro-batching"),
                 ("cta_vs_tp", "--", "vs TP"),
             ):
-                ax.plot(ns, [100 * points[gpu, n, m][key] for n in ns], style, marker="o",
-                        color=f"C{color}", label=f"M={m} {label}")  # fmt: skip
+                ax.plot(
+                    ns,
+                    [100 * points[gpu, n, m][key] for n in ns],
+                    style,
+                    marker="o",
+                    color=f"C{color}",
+                    label=f"M={m} {label}",
+                )
         ax.axhline(0, color="gray", linewidth=0.8)
         ax.set_xticks(ns)
         ax.set_xlabel("GPUs (= layers of the chain)")
@@ -73,8 +84,13 @@ def plot_reduction(name: str = "sim") -> Path | None:
         ax.set_title(f"{gpu} (paper, 2 GPUs: up to 31.8% vs micro-batching, 29.6% vs TP)", fontsize=8)
         ax.legend(fontsize=6, ncol=2)
         ax.grid(alpha=0.3)
-    return finish(fig, "Latency reduction of CTA-pipelining vs the number of GPUs", prov,
-                  f"cta_reduction{_suffix(name)}.png", note=MODELLED)  # fmt: skip
+    return finish(
+        fig,
+        "Latency reduction of CTA-pipelining vs the number of GPUs",
+        prov,
+        f"cta_reduction{_suffix(name)}.png",
+        note=MODELLED,
+    )
 
 
 def _suffix(name: str) -> str:

@@ -11,8 +11,12 @@ from _common import finish, load, parse_source, plt  # first: the headless backe
 
 EXPERIMENT = "mist_vs_megatron"
 PREDICTED = "; predicted by Mist's cost model"
-SYSTEMS = {"mist": "Mist", "megatron_lm_target": "Megatron-LM's space searched (Mist's model)",
-           "aceso": "Aceso-style", "zero3": "ZeRO-3"}  # fmt: skip
+SYSTEMS = {
+    "mist": "Mist",
+    "megatron_lm_target": "Megatron-LM's space searched (Mist's model)",
+    "aceso": "Aceso-style",
+    "zero3": "ZeRO-3",
+}
 
 
 # The comparison's model families and sizes (run.py's ARCHS and SIZES), sizes small to large
@@ -120,9 +124,14 @@ def plot_ablation() -> Path | None:
     return finish(fig, "Where Mist's gain comes from (GPT-3)", data, "mist_ablation.png", note=PREDICTED)
 
 
-MEASURED_SYSTEMS = {"mist": "Mist", "megatron": "Megatron-LM grid",
-                    "megatron_lm_target": "Megatron-LM's space", "aceso": "Aceso-style",
-                    "zero3": "ZeRO-3", "mist_tempo": "Mist + Tempo"}  # fmt: skip
+MEASURED_SYSTEMS = {
+    "mist": "Mist",
+    "megatron": "Megatron-LM grid",
+    "megatron_lm_target": "Megatron-LM's space",
+    "aceso": "Aceso-style",
+    "zero3": "ZeRO-3",
+    "mist_tempo": "Mist + Tempo",
+}
 
 
 def plot_measured() -> Path | None:
@@ -148,8 +157,9 @@ def plot_measured() -> Path | None:
             else:  # no plan fits, out of memory or refused: no time
                 ax.plot([x], [0], marker="x", color=color, markersize=9, clip_on=False)
     ax.plot([], [], color="black", label="predicted")
-    labels = [f"{p.key['model']} x{p.key['processes']}\ncap {p.result['cap_bytes'] / 2**20:.0f} MiB"
-              for p in cases]  # fmt: skip
+    labels = [
+        f"{p.key['model']} x{p.key['processes']}\ncap {p.result['cap_bytes'] / 2**20:.0f} MiB" for p in cases
+    ]
     ax.set_xticks(range(len(cases)), labels, fontsize=8)
     ax.set_ylabel("step time, ms (lower is better)")
     ax.set_ylim(0, ax.get_ylim()[1] * 1.25)  # room for the legend above the bars

@@ -108,8 +108,15 @@ def plot_training() -> Path | None:
 
     def losses(model, conf, dropout=0.0, seed=1, dtype="fp32"):
         # the plain run: not the rounding control (rows reversed) nor a float64 loss
-        p = data.one(model=model, configuration=conf, dropout=dropout, dropout_seed=seed, dtype=dtype,
-                     rows=None, loss=None)  # fmt: skip
+        p = data.one(
+            model=model,
+            configuration=conf,
+            dropout=dropout,
+            dropout_seed=seed,
+            dtype=dtype,
+            rows=None,
+            loss=None,
+        )
         return None if p is None else p.result["losses"]
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))

@@ -11,8 +11,15 @@ from _common import finish, load, parse_source, plt  # first: the headless backe
 
 EXPERIMENT = "tempo_llama"
 MODELS = ("llama-3.2-1b", "llama-3-8b")
-ORDER = ["hf-eager", "hf-sdpa", "checkpointing+sdpa", "tempo-rmsnorm", "tempo-swiglu", "tempo+sdpa",
-         "tempo+sdpa+loss"]  # fmt: skip
+ORDER = [
+    "hf-eager",
+    "hf-sdpa",
+    "checkpointing+sdpa",
+    "tempo-rmsnorm",
+    "tempo-swiglu",
+    "tempo+sdpa",
+    "tempo+sdpa+loss",
+]
 
 
 def plot_layer() -> Path | None:

@@ -142,8 +142,16 @@ def _resident_bytes() -> int:
 class Sweep:
     """Runs the inventory's random tests, each under its count of seeds, and records what passed."""
 
-    def __init__(self, counts: dict[str, int], seconds: dict[str, float], seeds: list[int], header: dict,
-                 progress: Path, passed: list[str], writes: bool) -> None:  # fmt: skip
+    def __init__(
+        self,
+        counts: dict[str, int],
+        seconds: dict[str, float],
+        seeds: list[int],
+        header: dict,
+        progress: Path,
+        passed: list[str],
+        writes: bool,
+    ) -> None:
         self.counts = counts  # inventory node id -> seeds it runs under
         self.seconds = seconds  # inventory node id -> its seconds in the inventory's run
         self.seeds = seeds
@@ -163,8 +171,13 @@ class Sweep:
         tests, digest = _read_inventory(path)
         fast, slow = int(_positive(config, "seeds")), int(_positive(config, "slow_seeds"))
         fast_under = _positive(config, "fast_under")
-        header = {"inventory": digest, "seeds": fast, "slow_seeds": slow, "fast_under": fast_under,
-                  "base": config.getoption("sweep_base")}  # fmt: skip
+        header = {
+            "inventory": digest,
+            "seeds": fast,
+            "slow_seeds": slow,
+            "fast_under": fast_under,
+            "base": config.getoption("sweep_base"),
+        }
         progress = path.with_name(path.name + ".progress")
         if _is_xdist_worker(config):  # the controller's sweep: same seeds, same instances left to run
             header, known = config.workerinput["seed_sweep_header"], config.workerinput["seed_sweep_passed"]

@@ -42,8 +42,17 @@ def _wait_until(condition, seconds: float) -> bool:
 
 
 def _start(tag: str, results: Path) -> subprocess.Popen:
-    command = [sys.executable, "-m", "artifacts.mist_vs_megatron.run", "--parts", "comparison", "--jobs", "2",
-               "--results", str(results)]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "artifacts.mist_vs_megatron.run",
+        "--parts",
+        "comparison",
+        "--jobs",
+        "2",
+        "--results",
+        str(results),
+    ]
     env = {**os.environ, "FAULT_TEST_TAG": tag, "PYTHONPATH": f"{REPO}:{REPO / 'impl'}"}
     return subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
@@ -95,8 +104,9 @@ def _kill_tagged(tag: str) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
-def _kill_when_busy(tag: str, command: list[str], sig: signal.Signals, busy, settle_s: float = 0.0
-                    ) -> subprocess.Popen:  # fmt: skip
+def _kill_when_busy(
+    tag: str, command: list[str], sig: signal.Signals, busy, settle_s: float = 0.0
+) -> subprocess.Popen:
     """Start ``command``, send it ``sig`` ``settle_s`` after ``busy(pids with their command lines)``
     holds, and check that nothing it started is left 20 s later."""
     env = {**os.environ, "FAULT_TEST_TAG": tag, "PYTHONPATH": f"{REPO}:{REPO / 'impl'}"}
@@ -125,8 +135,15 @@ def test_killed_run_leaves_no_torchrun_rank(tmp_path, sig):
     """cta_mlp's distributed baselines: the run starts torchrun, torchrun starts two ranks in
     sessions of their own. Killed while both ranks exist (importing, or in their gloo group),
     neither may outlive the run."""
-    command = [sys.executable, "-m", "artifacts.cta_mlp.run", "--parts", "baselines", "--results",
-               str(tmp_path / "results")]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "artifacts.cta_mlp.run",
+        "--parts",
+        "baselines",
+        "--results",
+        str(tmp_path / "results"),
+    ]
 
     # torchrun's command line names the module too: torchrun and its two ranks
     def busy(cmds: dict[int, str]) -> bool:

@@ -47,7 +47,7 @@ def test_patched_bert_matches_on_cuda():
 def test_bert_large_layer_saving_on_cuda(seq, least):
     cfg = BertConfig(
         hidden_size=1024, num_attention_heads=16, intermediate_size=4096, attn_implementation="eager"
-    )  # fmt: skip
+    )
     res = {}
     for variant in ("eager", "tempo"):
         layer = BertLayer(cfg).cuda().to(torch.bfloat16).train()

@@ -26,8 +26,14 @@ PARTS = [p.name for p in gpu_check.PARTS]
 def _run(*args: str, tag: str = "", timeout: float = 400) -> subprocess.CompletedProcess:
     env = {**os.environ, "GPU_CHECK_TEST_TAG": tag}
     env.pop("PYTHONPATH", None)  # the entry point finds the repo's packages itself
-    return subprocess.run([sys.executable, "-m", "artifacts.gpu_check", *args], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=timeout)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "artifacts.gpu_check", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def _tagged(tag: str) -> list[int]:
@@ -103,8 +109,10 @@ def test_an_archive_that_cannot_be_written_is_refused_before_any_work(tmp_path, 
     afile.write_text("")
     (tmp_path / "folder.tar.gz").mkdir()
     out = tmp_path / "out"
-    cases = [(afile / "gpu.tar.gz", "is not a folder this user can write in"),
-             (tmp_path / "folder.tar.gz", "a folder; give the archive file's name")]  # fmt: skip
+    cases = [
+        (afile / "gpu.tar.gz", "is not a folder this user can write in"),
+        (tmp_path / "folder.tar.gz", "a folder; give the archive file's name"),
+    ]
     for archive, expected in cases:
         with pytest.raises(SystemExit) as exit_:
             gpu_check.main(["--dry-run", "--out", str(out), "--archive", str(archive)])
@@ -176,8 +184,13 @@ def test_wheels_install_into_a_temp_folder_only_when_missing(tmp_path):
     try:
         assert installed == ["gpu_check_demo-0.1-py3-none-any.whl"]  # highspy 1.16.0 is there already
         code = "import gpu_check_demo; print(gpu_check_demo.VALUE)"
-        done = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": site},
-                              capture_output=True, text=True, timeout=60)  # fmt: skip
+        done = subprocess.run(
+            [sys.executable, "-c", code],
+            env={**os.environ, "PYTHONPATH": site},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert done.stdout.strip() == "42", done.stderr
     finally:
         import shutil
@@ -213,9 +226,14 @@ def test_dry_run_passes_every_part_and_resumes(tmp_path):
     provenance = kernels["provenance"]
     assert provenance["device"]["device"] == "cpu" and provenance["packages"]["torch"]
     assert {"commit", "dirty"} <= set(provenance["git"]) and provenance["date_utc"]
-    for path in ("tempo_layer/pytest-benchmark/gpu.json", "tempo_bert/throughput_cpu.json",
-                 "cta_mlp/gpu_cpu.json", "mist_vs_megatron/engine.json", "logs/mist.log",
-                 "mist_vs_megatron/gpu_measured_dry_run.json"):  # fmt: skip
+    for path in (
+        "tempo_layer/pytest-benchmark/gpu.json",
+        "tempo_bert/throughput_cpu.json",
+        "cta_mlp/gpu_cpu.json",
+        "mist_vs_megatron/engine.json",
+        "logs/mist.log",
+        "mist_vs_megatron/gpu_measured_dry_run.json",
+    ):
         assert (out / path).is_file(), path
     with tarfile.open(archive) as tar:
         names = tar.getnames()

@@ -22,11 +22,20 @@ EXPERIMENT = "cta_mlp"
 COMMAND = "nox -s cta_mlp"
 QUOTED = "CTA-pipelining, arXiv 2607.07862 (as quoted in issue #6; section not verified)"
 PAPER = {"microbatch": ("the best micro-batching", "up to 31.8%", 0.318), "tp": ("TP", "up to 29.6%", 0.296)}
-BAND = dict(experiment=EXPERIMENT, file="sim_band.json", evidence="predicted",
-            basis="the latency model (ctapipe.sim): data sheets, over the band of sim.BAND's assumptions",
-            command=COMMAND)  # fmt: skip
-KERNELS = dict(experiment=EXPERIMENT, file="kernels_cpu.json", evidence="measured",
-               basis="this CPU (Triton's interpreter)", command=COMMAND)  # fmt: skip
+BAND = dict(
+    experiment=EXPERIMENT,
+    file="sim_band.json",
+    evidence="predicted",
+    basis="the latency model (ctapipe.sim): data sheets, over the band of sim.BAND's assumptions",
+    command=COMMAND,
+)
+KERNELS = dict(
+    experiment=EXPERIMENT,
+    file="kernels_cpu.json",
+    evidence="measured",
+    basis="this CPU (Triton's interpreter)",
+    command=COMMAND,
+)
 
 
 def reduction_band(hardware: str, versus: str) -> Callable[[Results], tuple[float, float]]:
@@ -72,32 +81,81 @@ def single_gpu(r: Results) -> float:
 
 
 CLAIMS = (
-    *(PaperClaim(id=f"cta-{hw}-vs-{versus}", system="CTA-pipelining",
-                 claim=f"cuts a 2-GEMM chain's latency against {name}", paper=Paper(text, value, QUOTED),
-                 measure=f"latency model, {hw.upper()}, 2 GPUs, 8192 x 8192 weights, best over M = 1k-32k: "
-                         f"the lowest .. highest reduction against {name} over the assumptions' band",
-                 source=Source(**BAND), neutral=0.0, unit="%", band=reduction_band(hw, versus))
-      for hw in ("h200", "b200") for versus, (name, text, value) in PAPER.items()),
-    Bound(id="cta-kernels", system="CTA-pipelining", claim="the CTA-pipelined GEMM kernels are correct",
-          measure="stage and ticketed kernels against torch.matmul, max relative error",
-          source=Source(**KERNELS), value=kernels, check=AtMost(1e-5), unit="e",
-          why="float32 accumulation over K <= 256 at unit scale: ~1e-7; 1e-5 catches a wrong tile"),
-    Bound(id="cta-wait", system="CTA-pipelining", claim="...and the wait is what makes them so",
-          measure="two concurrent processes, the producer 1 s late: max error with the wait",
-          source=Source(**KERNELS), value=chain_error(True), check=AtMost(1e-5), unit="e",
-          why="the same arithmetic as above, whatever the timing"),
-    Bound(id="cta-negative-control", system="CTA-pipelining", claim="...",
-          measure="negative control: the same without the wait, producer after the consumer: max error",
-          source=Source(**KERNELS), value=chain_error(False), check=AtLeast(0.1),
-          why="a consumer that does not wait reads unwritten tiles: the check must see it"),
-    Shown(id="cta-single-gpu", system="CTA-pipelining", claim="measured on one GPU (one GPU as the chain)",
-          measure="ticketed one-kernel MLP against cuBLAS back to back, H200, best over M",
-          source=Source(experiment=EXPERIMENT, file="gpu_cuda.json", evidence="measured", basis="one H200",
-                        command="nox -s gpu_check", gpu=True), value=single_gpu, unit="%"),
-)  # fmt: skip
+    *(
+        PaperClaim(
+            id=f"cta-{hw}-vs-{versus}",
+            system="CTA-pipelining",
+            claim=f"cuts a 2-GEMM chain's latency against {name}",
+            paper=Paper(text, value, QUOTED),
+            measure=f"latency model, {hw.upper()}, 2 GPUs, 8192 x 8192 weights, best over M = 1k-32k: "
+            f"the lowest .. highest reduction against {name} over the assumptions' band",
+            source=Source(**BAND),
+            neutral=0.0,
+            unit="%",
+            band=reduction_band(hw, versus),
+        )
+        for hw in ("h200", "b200")
+        for versus, (name, text, value) in PAPER.items()
+    ),
+    Bound(
+        id="cta-kernels",
+        system="CTA-pipelining",
+        claim="the CTA-pipelined GEMM kernels are correct",
+        measure="stage and ticketed kernels against torch.matmul, max relative error",
+        source=Source(**KERNELS),
+        value=kernels,
+        check=AtMost(1e-5),
+        unit="e",
+        why="float32 accumulation over K <= 256 at unit scale: ~1e-7; 1e-5 catches a wrong tile",
+    ),
+    Bound(
+        id="cta-wait",
+        system="CTA-pipelining",
+        claim="...and the wait is what makes them so",
+        measure="two concurrent processes, the producer 1 s late: max error with the wait",
+        source=Source(**KERNELS),
+        value=chain_error(True),
+        check=AtMost(1e-5),
+        unit="e",
+        why="the same arithmetic as above, whatever the timing",
+    ),
+    Bound(
+        id="cta-negative-control",
+        system="CTA-pipelining",
+        claim="...",
+        measure="negative control: the same without the wait, producer after the consumer: max error",
+        source=Source(**KERNELS),
+        value=chain_error(False),
+        check=AtLeast(0.1),
+        why="a consumer that does not wait reads unwritten tiles: the check must see it",
+    ),
+    Shown(
+        id="cta-single-gpu",
+        system="CTA-pipelining",
+        claim="measured on one GPU (one GPU as the chain)",
+        measure="ticketed one-kernel MLP against cuBLAS back to back, H200, best over M",
+        source=Source(
+            experiment=EXPERIMENT,
+            file="gpu_cuda.json",
+            evidence="measured",
+            basis="one H200",
+            command="nox -s gpu_check",
+            gpu=True,
+        ),
+        value=single_gpu,
+        unit="%",
+    ),
+)
 
 PINS = tuple(
-    Pin(id=f"cta-{hw}-vs-{versus}-at-stated", experiment=EXPERIMENT, file="sim.json",
-        value=reduction(hw, versus), near=Near(abs=0.001), unit="%")
-    for hw in ("h200", "b200") for versus in PAPER
-)  # fmt: skip
+    Pin(
+        id=f"cta-{hw}-vs-{versus}-at-stated",
+        experiment=EXPERIMENT,
+        file="sim.json",
+        value=reduction(hw, versus),
+        near=Near(abs=0.001),
+        unit="%",
+    )
+    for hw in ("h200", "b200")
+    for versus in PAPER
+)

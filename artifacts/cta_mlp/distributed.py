@@ -96,8 +96,10 @@ def run(m: int, width: int, dtype: torch.dtype, repeats: int, smallest_chunk: in
         failures = [None] * ranks
         dist.all_gather_object(failures, failure)
         if any(failures):
-            raise RuntimeError("CTA-pipelining measurement failed: a bounded wait gave up (StageTimeout): "
-                               + "; ".join(f for f in failures if f))  # fmt: skip
+            raise RuntimeError(
+                "CTA-pipelining measurement failed: a bounded wait gave up (StageTimeout): "
+                + "; ".join(f for f in failures if f)
+            )
         results["cta"] = {"latency_s": latency, "error": error(y if last else None)}
     gathered = [None] * ranks
     dist.all_gather_object(gathered, results)
@@ -107,8 +109,15 @@ def run(m: int, width: int, dtype: torch.dtype, repeats: int, smallest_chunk: in
         raise RuntimeError(f"outputs differ from the reference chain (relative max error > {tol}): {bad}")
     micro = {k: v for k, v in final.items() if k.startswith("microbatch_") or k == "back_to_back"}
     best = min(micro, key=lambda k: micro[k]["latency_s"])
-    return {"methods": final, "best_microbatch": best, "gpus": ranks, "m": m, "width": width,
-            "dtype": str(dtype), "device": device.type}  # fmt: skip
+    return {
+        "methods": final,
+        "best_microbatch": best,
+        "gpus": ranks,
+        "m": m,
+        "width": width,
+        "dtype": str(dtype),
+        "device": device.type,
+    }
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -51,9 +51,12 @@ def _mlp_methods(m: int, d: int, device: str, dtype: torch.dtype, tiling) -> dic
         launch_stage(h, w2, y, tiling=tiling)
         return y
 
-    methods = {"cublas_back_to_back": lambda: back_to_back_mlp(x, w1, w2, "gelu"),
-               "triton_back_to_back": triton_pair, "cta_ticketed": lambda: ticketed(x, w1, w2),
-               "cta_sm_partitions": lambda: partitioned(x, w1, w2)}  # fmt: skip
+    methods = {
+        "cublas_back_to_back": lambda: back_to_back_mlp(x, w1, w2, "gelu"),
+        "triton_back_to_back": triton_pair,
+        "cta_ticketed": lambda: ticketed(x, w1, w2),
+        "cta_sm_partitions": lambda: partitioned(x, w1, w2),
+    }
     chunks = [c for c in (m // 2, m // 4, m // 8) if c >= tiling.block_m and m % c == 0]
     for c in chunks:
         pipelined = MicrobatchedMLP(c, "gelu")
@@ -99,8 +102,12 @@ def _kernel_throughput(n: int, device: str, dtype: torch.dtype, tiling) -> dict:
     ).median_s
     t_cublas = time_fn(lambda: a @ b, device, warmup=3, repeats=repeats).median_s
     flops = 2.0 * n**3
-    return {"n": n, "triton_tflops": flops / t_triton / 1e12, "cublas_tflops": flops / t_cublas / 1e12,
-            "triton_over_cublas": t_cublas / t_triton}  # fmt: skip
+    return {
+        "n": n,
+        "triton_tflops": flops / t_triton / 1e12,
+        "cublas_tflops": flops / t_cublas / 1e12,
+        "triton_over_cublas": t_cublas / t_triton,
+    }
 
 
 def _efficiency_by_rows(d: int, device: str, dtype: torch.dtype, hw) -> list:
@@ -146,8 +153,9 @@ def part_gpu(run: Run, device: str = "cuda"):
     base_key = {"width": d, "dtype": str(dtype), "tiling": vars(tiling)}
     store = run.file(f"gpu_{device}.json", device)
     for m in rows:
-        r = store.compute({"measure": "mlp", "rows": m, **base_key},
-                          lambda m=m: _mlp_methods(m, d, device, dtype, tiling))  # fmt: skip
+        r = store.compute(
+            {"measure": "mlp", "rows": m, **base_key}, lambda m=m: _mlp_methods(m, d, device, dtype, tiling)
+        )
         s = r["summary"]
         print(
             f"single GPU, M={m}: CTA ticketed vs cuBLAS back-to-back {s['cta_vs_cublas_back_to_back']:+.1%}, "
@@ -155,8 +163,9 @@ def part_gpu(run: Run, device: str = "cuda"):
             f"({s['best_microbatch']}) {s['cta_vs_best_microbatch'] or 0:+.1%}; SM partitions vs Triton "
             f"back-to-back {s['sm_partitions_vs_triton_back_to_back']:+.1%}"
         )
-    k = store.compute({"measure": "kernel_throughput", **base_key},
-                      lambda: _kernel_throughput(d, device, dtype, tiling))  # fmt: skip
+    k = store.compute(
+        {"measure": "kernel_throughput", **base_key}, lambda: _kernel_throughput(d, device, dtype, tiling)
+    )
     print(f"stage kernel {k['triton_tflops']:.1f} TFLOP/s vs cuBLAS {k['cublas_tflops']:.1f} TFLOP/s")
     # the stage kernel's efficiency per tile shape: the latency model's CTA tiles (Hardware.cta_efficiency)
     shapes = {}
@@ -167,8 +176,10 @@ def part_gpu(run: Run, device: str = "cuda"):
     gap = store.compute({"measure": "kernel_gap_s"}, lambda: _kernel_gap(device))
     name = torch.cuda.get_device_name().lower() if cuda else "cpu"
     base = sim.B200 if "b200" in name else sim.H200
-    curve = store.compute({"measure": "efficiency_by_rows", "width": d, "dtype": str(dtype)},
-                          lambda: _efficiency_by_rows(d, device, dtype, base))  # fmt: skip
+    curve = store.compute(
+        {"measure": "efficiency_by_rows", "width": d, "dtype": str(dtype)},
+        lambda: _efficiency_by_rows(d, device, dtype, base),
+    )
     print("cuBLAS tile efficiency by rows: " + ", ".join(f"{r}: {e:.0%}" for r, e in curve))
     if not cuda:
         return None

@@ -63,11 +63,15 @@ def part_band(run: Run) -> ResultFile:
 
     store = run.file("sim_band.json", config={"band": {k: list(v) for k, v in sim.BAND.items()}})
     for hw in sim.HARDWARE.values():
-        r = store.compute({"hardware": hw.name, "gpus": 2, "rows": SIM_ROWS, "width": SIM_WIDTH},
-                          lambda hw=hw: sim.band(hw, 2, SIM_ROWS, SIM_WIDTH))  # fmt: skip
-        print(f"{hw.name}, 2 GPUs, over the assumptions' band: CTA {r['microbatch_low']:+.1%} .. "
-              f"{r['microbatch_high']:+.1%} against the best micro-batching, {r['tp_low']:+.1%} .. "
-              f"{r['tp_high']:+.1%} against TP")  # fmt: skip
+        r = store.compute(
+            {"hardware": hw.name, "gpus": 2, "rows": SIM_ROWS, "width": SIM_WIDTH},
+            lambda hw=hw: sim.band(hw, 2, SIM_ROWS, SIM_WIDTH),
+        )
+        print(
+            f"{hw.name}, 2 GPUs, over the assumptions' band: CTA {r['microbatch_low']:+.1%} .. "
+            f"{r['microbatch_high']:+.1%} against the best micro-batching, {r['tp_low']:+.1%} .. "
+            f"{r['tp_high']:+.1%} against TP"
+        )
     return store
 
 
@@ -134,9 +138,11 @@ def part_kernels(run: Run, device: str) -> ResultFile:
             mlp = TicketMLP("gelu", tiling)
             y_ticket = mlp(x, w1, w2)
             scale = float(ref.abs().max())
-            return {"stages_rel_error": float((y.float() - ref).abs().max()) / scale,
-                    "ticket_rel_error": float((y_ticket.float() - ref).abs().max()) / scale,
-                    "ticket_status": int(mlp.status[0])}  # fmt: skip
+            return {
+                "stages_rel_error": float((y.float() - ref).abs().max()) / scale,
+                "ticket_rel_error": float((y_ticket.float() - ref).abs().max()) / scale,
+                "ticket_status": int(mlp.status[0]),
+            }
 
         r = store.compute({"check": "mlp", "m": m, "d": d, "f": f, "tiling": vars(tiling)}, check)
         print(
@@ -157,11 +163,20 @@ def part_kernels(run: Run, device: str) -> ResultFile:
         for wait in (True, False):
             t0 = time.perf_counter()
             # with the wait: the producer 1 s late; without (negative control): after the consumer
-            y, status = run_chain_processes(x, [w1, w2], ["gelu", "none"], INTERPRETER_TILING, wait=wait,
-                                            delays=[1.0, 0.0], producer_last=not wait)  # fmt: skip
+            y, status = run_chain_processes(
+                x,
+                [w1, w2],
+                ["gelu", "none"],
+                INTERPRETER_TILING,
+                wait=wait,
+                delays=[1.0, 0.0],
+                producer_last=not wait,
+            )
             out["with_wait" if wait else "negative_control_no_wait"] = {
-                "max_abs_error": float((y - ref).abs().max()), "status": status,
-                "seconds": time.perf_counter() - t0}  # fmt: skip
+                "max_abs_error": float((y - ref).abs().max()),
+                "status": status,
+                "seconds": time.perf_counter() - t0,
+            }
         return out
 
     key = {"check": "chain", "processes": 2, "producer_delay_s": 1.0, "tiling": vars(INTERPRETER_TILING)}
@@ -181,9 +196,20 @@ def part_baselines(run: Run) -> ResultFile:
     def launch() -> dict:
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "r.json"
-            flags = ["--rows", str(args["rows"]), "--width", str(args["width"]), "--dtype", args["dtype"],
-                     "--repeats", str(args["repeats"]), "--smallest-chunk", str(args["smallest_chunk"]),
-                     "--out", str(out)]  # fmt: skip
+            flags = [
+                "--rows",
+                str(args["rows"]),
+                "--width",
+                str(args["width"]),
+                "--dtype",
+                args["dtype"],
+                "--repeats",
+                str(args["repeats"]),
+                "--smallest-chunk",
+                str(args["smallest_chunk"]),
+                "--out",
+                str(out),
+            ]
             done = run_torchrun(2, "artifacts.cta_mlp.distributed", flags, timeout=600)
             if done.returncode:
                 raise RuntimeError(f"distributed baselines failed:\n{done.stderr[-3000:]}")
@@ -199,8 +225,9 @@ def part_baselines(run: Run) -> ResultFile:
 class CtaMlpConfig:
     """What a run of this experiment computes (its command line: ``config_from_command_line``)."""
 
-    parts: tuple[str, ...] = option(("sim", "kernels", "baselines"), "the parts to run",
-                                    choices=("sim", "kernels", "baselines", "gpu"))  # fmt: skip
+    parts: tuple[str, ...] = option(
+        ("sim", "kernels", "baselines"), "the parts to run", choices=("sim", "kernels", "baselines", "gpu")
+    )
     device: str = option("cpu", "where the kernels and the gpu part run", choices=("cpu", "cuda"))
     gpu_dry_run: bool = option(False, "the gpu part on a CPU at toy sizes (tests it)")
 

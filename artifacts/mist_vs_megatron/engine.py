@@ -65,7 +65,12 @@ class EngineSetup:
 
 
 CPU_ENGINE = EngineSetup(
-    name="engine", model="gpt3-tiny", gpu="cpu", processes=2, global_batch=8, micro_batch=2,
+    name="engine",
+    model="gpt3-tiny",
+    gpu="cpu",
+    processes=2,
+    global_batch=8,
+    micro_batch=2,
     # flash off: the engine runs megatron-core's local (unfused) attention, which keeps the s x s
     # scores; priced as FlashAttention, plans at micro-batch 4-8 measured 7-18% over the prediction
     model_overrides={"hidden": 256, "seq": 128, "flash": False},
@@ -82,7 +87,7 @@ CPU_ENGINE = EngineSetup(
     profile={"micro_batches": [1, 2, 4, 8], "tps": [1, 2], "dtype": "bf16"},
     device="cpu",
     launches=LAUNCHES,
-)  # fmt: skip
+)
 
 
 # The CPU dry runs (the GPU check's --dry-run) test the scripts, not the engine's fidelity: at a
@@ -97,7 +102,12 @@ def _one_gpu(**stage) -> dict:
 
 
 GPU_ENGINE = EngineSetup(
-    name="gpu_engine", model="gpt3-1.3b", gpu="h200", processes=1, global_batch=8, micro_batch=2,
+    name="gpu_engine",
+    model="gpt3-1.3b",
+    gpu="h200",
+    processes=1,
+    global_batch=8,
+    micro_batch=2,
     model_overrides={"flash": False},  # as CPU_ENGINE's: the engine runs megatron-core's unfused attention
     plans={
         **{f"recompute-{r}": _one_gpu(recompute=r) for r in (0, 12, 24)},
@@ -107,7 +117,7 @@ GPU_ENGINE = EngineSetup(
     profile={"micro_batches": [1, 2, 4], "tps": [1], "dtype": "bf16"},
     device="cuda",
     steps=5,
-)  # fmt: skip
+)
 
 
 def _launch(plan, processes: int, args: list[str]) -> subprocess.CompletedProcess:
@@ -148,8 +158,12 @@ def train_plan(plan, processes: int, steps: int, launches: int, work: Path, name
         done_launches.append((statistics.median(x for r in report["ranks"] for x in r["step_s"]), report))
     # the median launch, all of it (on a CPU gloo's latency settles into a mode for a launch's life)
     step_s, report = sorted(done_launches, key=lambda x: x[0])[(len(done_launches) - 1) // 2]
-    return {"out_of_memory": False, "step_s": step_s, "launches_step_s": sorted(x for x, _ in done_launches),
-            "report": report}  # fmt: skip
+    return {
+        "out_of_memory": False,
+        "step_s": step_s,
+        "launches_step_s": sorted(x for x, _ in done_launches),
+        "report": report,
+    }
 
 
 def rank_memory(plan, report: dict) -> list[dict]:
@@ -157,20 +171,34 @@ def rank_memory(plan, report: dict) -> list[dict]:
     ranks = []
     for r in report["ranks"]:
         predicted, measured = plan.stages[r["stage"]].memory_bytes, r["memory_bytes"]
-        ranks.append({"rank": r["rank"], "stage": r["stage"], "measured_bytes": measured,
-                      "worst_measured_bytes": r["worst_memory_bytes"], "predicted_bytes": predicted,
-                      "memory_error": predicted / measured - 1,
-                      # a GPU allocation over the cap: the peak before it (below what it needed)
-                      "lower_bound": r.get("failed_allocation", False)})  # fmt: skip
+        ranks.append(
+            {
+                "rank": r["rank"],
+                "stage": r["stage"],
+                "measured_bytes": measured,
+                "worst_measured_bytes": r["worst_memory_bytes"],
+                "predicted_bytes": predicted,
+                "memory_error": predicted / measured - 1,
+                # a GPU allocation over the cap: the peak before it (below what it needed)
+                "lower_bound": r.get("failed_allocation", False),
+            }
+        )
     return ranks
 
 
 def engine_point(setup: EngineSetup, name: str, fit: dict, work: Path) -> dict:
     from mist import Plan, cluster, predict
 
-    base = {"model": setup.model, "gpu": setup.gpu, "gpus": setup.processes, "gpus_per_node": 8,
-            "global_batch": setup.global_batch, "micro_batch": setup.micro_batch,
-            "sequence_parallel": False, "model_overrides": setup.model_overrides}  # fmt: skip
+    base = {
+        "model": setup.model,
+        "gpu": setup.gpu,
+        "gpus": setup.processes,
+        "gpus_per_node": 8,
+        "global_batch": setup.global_batch,
+        "micro_batch": setup.micro_batch,
+        "sequence_parallel": False,
+        "model_overrides": setup.model_overrides,
+    }
     plan = Plan.from_dict({**base, **setup.plans[name]})
     predict(plan, plan.model_spec(), cluster(setup.gpu, setup.processes), runtime=fit["model"])
     trained = train_plan(plan, setup.processes, setup.steps, setup.launches, work, name)
@@ -201,10 +229,22 @@ def engine_point(setup: EngineSetup, name: str, fit: dict, work: Path) -> dict:
 
 
 def engine_key(setup: EngineSetup, name: str) -> dict:
-    fields = ("model", "model_overrides", "gpu", "processes", "global_batch", "micro_batch", "steps",
-              "launches")  # fmt: skip
-    return {"setup": setup.name, "plan": name, **{f: getattr(setup, f) for f in fields},
-            "plan_fields": setup.plans[name]}  # fmt: skip
+    fields = (
+        "model",
+        "model_overrides",
+        "gpu",
+        "processes",
+        "global_batch",
+        "micro_batch",
+        "steps",
+        "launches",
+    )
+    return {
+        "setup": setup.name,
+        "plan": name,
+        **{f: getattr(setup, f) for f in fields},
+        "plan_fields": setup.plans[name],
+    }
 
 
 def fit_runtime(setup: EngineSetup, work: Path) -> dict:
@@ -225,8 +265,18 @@ def fit_runtime(setup: EngineSetup, work: Path) -> dict:
     # on a CPU, as many copies at once as the plans have ranks: they share the cores' caches; the
     # embedding and head rows at the model's vocabulary; each point the median of PROFILE_ROUNDS passes
     say = _progress(f"profile for {setup.processes} process(es)")
-    write_profiles(profiles, setup.device, *shape, dtype, setup.gpu, repeats=5, vocab=spec.vocab,
-                   concurrent=setup.processes, progress=say, rounds=PROFILE_ROUNDS)  # fmt: skip
+    write_profiles(
+        profiles,
+        setup.device,
+        *shape,
+        dtype,
+        setup.gpu,
+        repeats=5,
+        vocab=spec.vocab,
+        concurrent=setup.processes,
+        progress=say,
+        rounds=PROFILE_ROUNDS,
+    )
     if setup.processes > 1:  # this machine's collectives, measured (gloo on a CPU)
         say("collectives, ZeRO-2/3 and TP layers")
         # gloo's latency here drifts between modes (~0.3 ms or ~4 ms a call) within a launch and
@@ -235,10 +285,29 @@ def fit_runtime(setup: EngineSetup, work: Path) -> dict:
         n, launches = setup.processes, setup.launches
         write_collectives(profiles, n, setup.device, repeats=10, rounds=8, launches=launches)
         for stage in (2, 3):
-            write_zero_layers(stage, profiles, n, setup.device, spec.hidden, spec.heads, spec.seq,
-                              setup.micro_batch, dtype, launches=launches)  # fmt: skip
-        write_tp_layers(profiles, n, setup.device, spec.hidden, spec.heads, spec.seq,
-                        prof["micro_batches"], dtype, launches=launches)  # fmt: skip
+            write_zero_layers(
+                stage,
+                profiles,
+                n,
+                setup.device,
+                spec.hidden,
+                spec.heads,
+                spec.seq,
+                setup.micro_batch,
+                dtype,
+                launches=launches,
+            )
+        write_tp_layers(
+            profiles,
+            n,
+            setup.device,
+            spec.hidden,
+            spec.heads,
+            spec.seq,
+            prof["micro_batches"],
+            dtype,
+            launches=launches,
+        )
     say("fitted")
     return next(iter(calibrate(profiles).values()))
 
@@ -287,14 +356,18 @@ def print_engine(store: Results) -> None:
         r = p.result
         worst = max(r["ranks"], key=lambda x: abs(x["memory_error"]))
         measured, predicted = r["measured_step_s"] * 1e3, r["predicted_step_s"] * 1e3
-        print(f"  {p.key['plan']}: loss {r['losses'][0]:.2f} -> {r['losses'][-1]:.2f}; memory error worst "
-              f"rank {worst['memory_error']:+.1%}; step {measured:.1f} ms measured, {predicted:.1f} ms "
-              f"predicted ({r['time_error']:+.0%})")  # fmt: skip
+        print(
+            f"  {p.key['plan']}: loss {r['losses'][0]:.2f} -> {r['losses'][-1]:.2f}; memory error worst "
+            f"rank {worst['memory_error']:+.1%}; step {measured:.1f} ms measured, {predicted:.1f} ms "
+            f"predicted ({r['time_error']:+.0%})"
+        )
         ph, st = r["measured_phases_s"], max(r["predicted_stages"], key=lambda x: x["steady_s"])
-        print(f"    measured: pipeline {ph['pipeline_s'] * 1e3:.1f} ms, gradient sync "
-              f"{ph['grad_sync_s'] * 1e3:.1f} ms, optimizer {ph['optimizer_s'] * 1e3:.1f} ms; predicted: "
-              f"{r['micro_batches']} x {st['steady_s'] * 1e3:.1f} ms a micro-batch, "
-              f"{st['extra_s'] * 1e3:.1f} ms sync + optimizer")  # fmt: skip
+        print(
+            f"    measured: pipeline {ph['pipeline_s'] * 1e3:.1f} ms, gradient sync "
+            f"{ph['grad_sync_s'] * 1e3:.1f} ms, optimizer {ph['optimizer_s'] * 1e3:.1f} ms; predicted: "
+            f"{r['micro_batches']} x {st['steady_s'] * 1e3:.1f} ms a micro-batch, "
+            f"{st['extra_s'] * 1e3:.1f} ms sync + optimizer"
+        )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -310,8 +383,9 @@ def main(argv: list[str] | None = None) -> None:
     # it). The CPU engine's fidelity is measured by `nox -s mist_vs_megatron` (all six, LAUNCHES).
     plans = {name: CPU_ENGINE.plans[name] for name in ("tp2", "pp2", "dp2-zero3")}
     profile = {**CPU_ENGINE.profile, "micro_batches": [1, 2, 4]}
-    dry = dataclasses.replace(CPU_ENGINE, launches=1, profile=profile, plans=plans,
-                              model_overrides=DRY_RUN_OVERRIDES)  # fmt: skip
+    dry = dataclasses.replace(
+        CPU_ENGINE, launches=1, profile=profile, plans=plans, model_overrides=DRY_RUN_OVERRIDES
+    )
     setup = dry if args.cpu_dry_run else GPU_ENGINE
     with experiment_run(args, EXPERIMENT) as run, tempfile.TemporaryDirectory() as tmp:
         store = run_engine(run, setup, RuntimeFits(Path(tmp), setup))

@@ -131,12 +131,13 @@ MEASURED = MeasuredSetup("measured", CPU_ENGINE, CASES, tempo=True)
 # a parameter: 21 GB at 1.3B, 43 GB at 2.7B), so that the grid's leanest plans (recomputing every
 # layer: 26.5 and 51.9 GiB with the nominal H200 model) fit within the planning fraction
 GPU_MEASURED = MeasuredSetup(
-    "gpu_measured", GPU_ENGINE,
+    "gpu_measured",
+    GPU_ENGINE,
     (MeasuredCase("gpt3", 1, 32 * 1024, size="1.3b"), MeasuredCase("gpt3", 1, 64 * 1024, size="2.7b")),
     # mist.engine.run offloads weights and gradients on a CPU only so far: Mist plans without them
     offloadable=("optimizer", "activations"),
     launches=2,  # a GPU's step time varies little between launches; the device time is short
-)  # fmt: skip
+)
 
 
 def plain_plan(case: MeasuredCase, base: EngineSetup = CPU_ENGINE):
@@ -268,8 +269,10 @@ def run_measured(run: Run, fits: RuntimeFits, setup: MeasuredSetup = MEASURED) -
     store = run.file(f"{setup.name}.json", setup.base.device, config=config)
     todo = [c for c in setup.cases if not store.done(measured_key(c, setup))]
     for k, case in enumerate(todo, 1):
-        print(f"  [{k}/{len(todo)}] {case.model} on {case.processes} process(es), cap {case.cap_mib} MiB",
-              flush=True)  # fmt: skip
+        print(
+            f"  [{k}/{len(todo)}] {case.model} on {case.processes} process(es), cap {case.cap_mib} MiB",
+            flush=True,
+        )
         store.compute(measured_key(case, setup), lambda c=case: measured_point(c, setup, fits))
     return store
 
@@ -304,14 +307,19 @@ def measured_speedups(store: Results, versus: str) -> list[dict]:
 def tempo_gains(store: Results) -> list[dict]:
     """Mist with Tempo's speedups over Mist without (``_speedups``), each with what Tempo changed in
     the plan. Cases without a Tempo plan are not in it."""
-    return [row | {"changes": plan_changes(p.result["mist"]["plan"], p.result[TEMPO]["plan"])}
-            for p, row in _speedups(store, TEMPO, "mist")]  # fmt: skip
+    return [
+        row | {"changes": plan_changes(p.result["mist"]["plan"], p.result[TEMPO]["plan"])}
+        for p, row in _speedups(store, TEMPO, "mist")
+    ]
 
 
 def only_mist_ran(store: Results, versus: str) -> list[str]:
     """Cases where Mist's plan ran and ``versus`` found none or its plan ran out of memory."""
-    ran = [(p, "measured_step_s" in p.result["mist"], "measured_step_s" in p.result[versus])
-           for p in store if versus in p.result]  # fmt: skip
+    ran = [
+        (p, "measured_step_s" in p.result["mist"], "measured_step_s" in p.result[versus])
+        for p in store
+        if versus in p.result
+    ]
     return [f"{p.key['model']} x{p.key['processes']}" for p, mist, other in ran if mist and not other]
 
 
@@ -324,16 +332,21 @@ def _status(r: dict) -> str:
         worst = max(x["worst_measured_bytes"] for x in r["ranks"])
         at_least = "at least " if any(x.get("lower_bound") for x in r["ranks"]) else ""
         return f"out of memory (measured {at_least}{worst / MiB:.1f} MiB)"
-    return (f"{r['measured_step_s'] * 1e3:6.1f} ms measured, {r['plan']['iteration_s'] * 1e3:6.1f} ms "
-            f"predicted ({r['time_error']:+.0%}), spread {r['spread']:.0%}")  # fmt: skip
+    return (
+        f"{r['measured_step_s'] * 1e3:6.1f} ms measured, {r['plan']['iteration_s'] * 1e3:6.1f} ms "
+        f"predicted ({r['time_error']:+.0%}), spread {r['spread']:.0%}"
+    )
 
 
 def _plan_line(plan: dict) -> str:
     stages = "; ".join(
-        ", ".join(f"{k} {v:g}" for k, v in st.items() if k in ("layers", "recompute", "zero") or
-                  (k.startswith("offload") and v))
+        ", ".join(
+            f"{k} {v:g}"
+            for k, v in st.items()
+            if k in ("layers", "recompute", "zero") or (k.startswith("offload") and v)
+        )
         for st in plan["stages"]
-    )  # fmt: skip
+    )
     pre_post = "" if plan["pre_post"] is None else f"; embedding/head {plan['pre_post']}"
     chunks = plan.get("virtual_stages", 1)  # results from before interleaving have none
     shape = f"TP {plan['tp']} DP {plan['dp']} micro-batch {plan['micro_batch']}"
@@ -350,9 +363,11 @@ def print_measured(store: Results) -> None:
             print(f"{head}the plain plan was REFUSED by the engine: {plain['refused']}")
         else:
             worst = max(x["worst_measured_bytes"] for x in plain["ranks"]) / MiB
-            print(f"{head}the plain plan {'ran out of memory' if plain['out_of_memory'] else 'FITTED'} "
-                  f"({worst:.1f} MiB measured, {max(x['predicted_bytes'] for x in plain['ranks']) / MiB:.1f} "
-                  f"predicted)")  # fmt: skip
+            print(
+                f"{head}the plain plan {'ran out of memory' if plain['out_of_memory'] else 'FITTED'} "
+                f"({worst:.1f} MiB measured, {max(x['predicted_bytes'] for x in plain['ranks']) / MiB:.1f} "
+                f"predicted)"
+            )
         for system in (*SYSTEMS, TEMPO):
             if system not in r:  # TEMPO: where the setup plans with Tempo
                 continue
@@ -368,21 +383,28 @@ def print_measured(store: Results) -> None:
         if rows:
             each = ", ".join(f"{x['case']} {x['measured']:.2f}x ({x['predicted']:.2f}x)" for x in rows)
             measured = [x["measured"] for x in rows]
-            print(f"  Mist over {versus}: measured mean {statistics.mean(measured):.2f}x, max "
-                  f"{max(measured):.2f}x; per case measured (predicted): {each}")  # fmt: skip
+            print(
+                f"  Mist over {versus}: measured mean {statistics.mean(measured):.2f}x, max "
+                f"{max(measured):.2f}x; per case measured (predicted): {each}"
+            )
     for x in tempo_gains(store):
         what = ", ".join(x["changes"]) or "the same plan"
-        print(f"  Mist with Tempo over Mist, {x['case']}: {x['measured']:.2f}x measured "
-              f"({x['predicted']:.2f}x predicted, Tempo's extra backward unpriced; spread "
-              f"{x['spread']:.0%}): {what}")  # fmt: skip
+        print(
+            f"  Mist with Tempo over Mist, {x['case']}: {x['measured']:.2f}x measured "
+            f"({x['predicted']:.2f}x predicted, Tempo's extra backward unpriced; spread "
+            f"{x['spread']:.0%}): {what}"
+        )
 
 
 def main(argv: list[str] | None = None) -> None:
     """The GPU measured comparison (``nox -s gpu_check``'s part mist_measured):
     ``python -m artifacts.mist_vs_megatron.measured [--cpu-dry-run]``."""
     ap = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--cpu-dry-run", action="store_true",
-                    help="this script on the CPU (tests it): one CPU case, one launch each")  # fmt: skip
+    ap.add_argument(
+        "--cpu-dry-run",
+        action="store_true",
+        help="this script on the CPU (tests it): one CPU case, one launch each",
+    )
     add_run_arguments(ap, EXPERIMENT)
     args = ap.parse_args(argv)
     # The dry run: the first CPU case (one process), one launch a plan, a profile without

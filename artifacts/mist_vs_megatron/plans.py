@@ -45,19 +45,25 @@ def summary_plan(key: dict, summary: dict):
     from mist import Plan, StagePlan, cluster, model
     from mist.plan import PrePostPlan
 
-    stages = [StagePlan(**{k: v for k, v in st.items() if not k.endswith(("memory_bytes", "memory_gib"))})
-              for st in summary["stages"]]  # fmt: skip
+    stages = [
+        StagePlan(**{k: v for k, v in st.items() if not k.endswith(("memory_bytes", "memory_gib"))})
+        for st in summary["stages"]
+    ]
     edge = summary["pre_post"]
     return Plan.of(
-        model(key["model"], seq=key["seq"], flash=key["flash"]), cluster(key["gpu"], key["gpus"]),
-        global_batch=key["global_batch"], tp=summary["tp"], dp=summary["dp"],
-        micro_batch=summary["micro_batch"], stages=stages,
+        model(key["model"], seq=key["seq"], flash=key["flash"]),
+        cluster(key["gpu"], key["gpus"]),
+        global_batch=key["global_batch"],
+        tp=summary["tp"],
+        dp=summary["dp"],
+        micro_batch=summary["micro_batch"],
+        stages=stages,
         pre_post=None if edge is None else PrePostPlan(**edge),
         virtual_stages=summary.get("virtual_stages", 1),  # points from before interleaving: plain 1F1B
         # points from before the reduction overlapped: after backward
         overlap_grad_reduce=summary.get("overlap_grad_reduce", False),
         grad_bucket_params=summary.get("grad_bucket_params"),
-    )  # fmt: skip
+    )
 
 
 def plan_changes(before: dict, after: dict) -> list[str]:

@@ -174,8 +174,11 @@ def tempo_point(gpu: str, arch: str, size: str, flash: bool, known: dict | None)
 def _known_from_comparison(comparison: Results | None, key: dict) -> dict[str, float | None]:
     """The ablation's first and last variants (the grid, the full planner) as the comparison part
     of this run found them for the same case (FlashAttention on), where it has it."""
-    point = None if comparison is None else next(
-        (p for p in comparison if {k: p.key.get(k) for k in key} == key), None)  # fmt: skip
+    point = (
+        None
+        if comparison is None
+        else next((p for p in comparison if {k: p.key.get(k) for k in key} == key), None)
+    )
     if point is None:
         return {}
     found = {}
@@ -212,9 +215,12 @@ def run_comparison(run: Run, flash: tuple[bool, ...], budget: int, jobs: int) ->
     store = run.file("comparison.json", config={"systems": SYSTEMS})
     todo = [
         (gpu, arch, size, f, budget)
-        for gpu in CLUSTERS for arch in ARCHS for size, _, _ in SIZES for f in flash
+        for gpu in CLUSTERS
+        for arch in ARCHS
+        for size, _, _ in SIZES
+        for f in flash
         if not store.done(comparison_key(gpu, arch, size, f, budget))
-    ]  # fmt: skip
+    ]
     for args, result, seconds in map_points(comparison_point, todo, jobs, "cases"):
         store.add(comparison_key(*args), result, seconds)
     return store.this_run()
@@ -229,8 +235,11 @@ def run_tempo(run: Run, flash: tuple[bool, ...], jobs: int, comparison: Results 
         key = tempo_key(gpu, arch, size, f)
         if store.done(key):
             continue
-        found = None if comparison is None else next(
-            (p for p in comparison if {k: p.key.get(k) for k in key} == key), None)  # fmt: skip
+        found = (
+            None
+            if comparison is None
+            else next((p for p in comparison if {k: p.key.get(k) for k in key} == key), None)
+        )
         todo.append((gpu, arch, size, f, None if found is None else found.result["mist"]))
     for args, result, seconds in map_points(tempo_point, todo, jobs, "tempo"):
         store.add(tempo_key(*args[:4]), result, seconds)
@@ -243,17 +252,23 @@ def print_tempo(store: Results) -> None:
         r = p.result
         case = f"{p.key['model']:<11} {p.key['gpu']:<9} flash {'on ' if p.key['flash'] else 'off'}"
         if "gain" not in r:
-            print(f"  {case}: " + "; ".join(f"{n}: {r[n]['infeasible']}" for n in ("mist", "mist_tempo")
-                                             if "infeasible" in r[n]))  # fmt: skip
+            print(
+                f"  {case}: "
+                + "; ".join(
+                    f"{n}: {r[n]['infeasible']}" for n in ("mist", "mist_tempo") if "infeasible" in r[n]
+                )
+            )
             continue
         what = ", ".join(r["changes"]) or "the same plan"
         print(f"  {case}: {r['gain']:.3f}x ({what})")
     gains = [p.result["gain"] for p in store if "gain" in p.result]
     if gains:
         changed = sum(bool(p.result["changes"]) for p in store if "gain" in p.result)
-        print(f"  Tempo's predicted gain for Mist: mean {statistics.mean(gains):.3f}x, "
-              f"max {max(gains):.3f}x, min {min(gains):.3f}x; the plan changed in {changed} of "
-              f"{len(gains)} cases")  # fmt: skip
+        print(
+            f"  Tempo's predicted gain for Mist: mean {statistics.mean(gains):.3f}x, "
+            f"max {max(gains):.3f}x, min {min(gains):.3f}x; the plan changed in {changed} of "
+            f"{len(gains)} cases"
+        )
 
 
 def run_ablation(run: Run, jobs: int, comparison: Results | None = None) -> Results:
@@ -276,8 +291,15 @@ def calibration_point(profiles: str) -> dict:
     from mist.model.profile_data import ARTIFACT_DATA
 
     r = calibrate(ARTIFACT_DATA / "gpu-op-profiles" / profiles)[profiles]
-    keep = ("gpu", "held_out_cases", "mean_abs_error", "median_abs_error", "max_abs_error",
-            "head_mean_abs_error", "head_max_abs_error")  # fmt: skip
+    keep = (
+        "gpu",
+        "held_out_cases",
+        "mean_abs_error",
+        "median_abs_error",
+        "max_abs_error",
+        "head_mean_abs_error",
+        "head_max_abs_error",
+    )
     return {k: r[k] for k in keep}
 
 
@@ -367,9 +389,12 @@ def main(argv: list[str] | None = None) -> None:
         print_measured(measured)
     if cmp is not None:
         print("\nMist's speedup (predicted iteration time, same cost model for every system):")
-        pairs = (("mist", "megatron", "1.28x mean, up to 1.73x"),
-                 ("mist", "aceso", "1.27x mean, up to 2.04x"),
-                 ("mist", "megatron_lm_target", "-"), ("megatron_lm_target", "megatron", "-"))  # fmt: skip
+        pairs = (
+            ("mist", "megatron", "1.28x mean, up to 1.73x"),
+            ("mist", "aceso", "1.27x mean, up to 2.04x"),
+            ("mist", "megatron_lm_target", "-"),
+            ("megatron_lm_target", "megatron", "-"),
+        )
         for of, versus, paper in pairs:
             for gpu, values in speedups(cmp, versus, of).items():
                 mean = statistics.mean(values)

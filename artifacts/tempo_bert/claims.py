@@ -33,18 +33,38 @@ EXPERIMENT = "tempo_bert"
 COMMAND = "nox -s tempo_bert"
 GPU_CHECK = "nox -s gpu_check"
 ABSTRACT = "Tempo, arXiv 2210.10246, abstract"
-MAX_BATCH = dict(experiment=EXPERIMENT, file="max_batch.json", evidence="predicted",
-                 basis="the step's peak bytes counted on fake tensors (measure.memory.StepMemoryEstimator) "
-                       "against the GPU's capacity", command=COMMAND)  # fmt: skip
-TRAINING = dict(experiment=EXPERIMENT, file="training.json", evidence="measured", basis="this CPU",
-                command=COMMAND)  # fmt: skip
-THROUGHPUT_GPU = dict(experiment=EXPERIMENT, file="throughput_cuda.json", evidence="measured",
-                      basis="one GPU (the GPU check)", command=GPU_CHECK, gpu=True)  # fmt: skip
-ACTIVATION = dict(experiment=EXPERIMENT, file="activation_memory.json", evidence="measured",
-                  basis="this CPU (saved-tensor hooks: exact bytes)", command=COMMAND)  # fmt: skip
+MAX_BATCH = dict(
+    experiment=EXPERIMENT,
+    file="max_batch.json",
+    evidence="predicted",
+    basis="the step's peak bytes counted on fake tensors (measure.memory.StepMemoryEstimator) "
+    "against the GPU's capacity",
+    command=COMMAND,
+)
+TRAINING = dict(
+    experiment=EXPERIMENT, file="training.json", evidence="measured", basis="this CPU", command=COMMAND
+)
+THROUGHPUT_GPU = dict(
+    experiment=EXPERIMENT,
+    file="throughput_cuda.json",
+    evidence="measured",
+    basis="one GPU (the GPU check)",
+    command=GPU_CHECK,
+    gpu=True,
+)
+ACTIVATION = dict(
+    experiment=EXPERIMENT,
+    file="activation_memory.json",
+    evidence="measured",
+    basis="this CPU (saved-tensor hooks: exact bytes)",
+    command=COMMAND,
+)
 # the models the paper's batch claim covers, with the GPU each was sized for here
-MAX_BATCH_CASES = (("bert-large", 512, "V100-16GB"), ("roberta-large", 512, "V100-16GB"),
-                   ("gpt2-xl", 1024, "A100-80GB"))  # fmt: skip
+MAX_BATCH_CASES = (
+    ("bert-large", 512, "V100-16GB"),
+    ("roberta-large", 512, "V100-16GB"),
+    ("gpt2-xl", 1024, "A100-80GB"),
+)
 
 
 def per_layer_ratio(model: str, seq: int, ours: str, base: str) -> Callable[[Results], float]:
@@ -62,8 +82,9 @@ def per_layer_saving(model: str, seq: int, ours: str, base: str) -> Callable[[Re
     return lambda r: 1 - ratio(r)
 
 
-def batch_ratio(model: str, seq: int, ours: str, base: str, gpu: str, head: str = "pretraining",
-                precision: str = "fp16") -> Callable[[Results], float]:  # fmt: skip
+def batch_ratio(
+    model: str, seq: int, ours: str, base: str, gpu: str, head: str = "pretraining", precision: str = "fp16"
+) -> Callable[[Results], float]:
     def value(r: Results) -> float:
         fields = {"model": model, "head": head, "seq": seq, "precision": precision}
         mine = one(r, **fields, configuration=ours)[gpu]["max_batch"]
@@ -100,115 +121,238 @@ def throughput_gain(model: str, seq: int) -> Callable[[Results], float]:
 
 def _throughput(id_: str, model: str, seq: int, name: str, paper: str, value: float) -> PaperClaim:
     return PaperClaim(
-        id=id_, system="Tempo", claim=f"its larger batch trains {name} faster",
+        id=id_,
+        system="Tempo",
+        claim=f"its larger batch trains {name} faster",
         paper=Paper(paper, value, ABSTRACT),
         measure=f"sequences/s at each one's measured max batch, Tempo / HF eager - 1, {name} seq {seq}",
-        source=Source(**THROUGHPUT_GPU), neutral=0.0, unit="%", value=throughput_gain(model, seq),
-    )  # fmt: skip
+        source=Source(**THROUGHPUT_GPU),
+        neutral=0.0,
+        unit="%",
+        value=throughput_gain(model, seq),
+    )
 
 
 CLAIMS = (
-    PaperClaim(id="maxbatch", system="Tempo", claim="larger batches fit",
-               paper=Paper("up to 2x higher batch sizes", 2.0, ABSTRACT),
-               measure="the largest max-batch ratio, Tempo / HF eager, over BERT-Large and RoBERTa-large "
-                       "(seq 512, 16 GB) and GPT-2 XL (seq 1024, 80 GB); fp16 with fp32 AdamW",
-               source=Source(**MAX_BATCH), neutral=1.0, unit="x", value=largest_batch_ratio),
+    PaperClaim(
+        id="maxbatch",
+        system="Tempo",
+        claim="larger batches fit",
+        paper=Paper("up to 2x higher batch sizes", 2.0, ABSTRACT),
+        measure="the largest max-batch ratio, Tempo / HF eager, over BERT-Large and RoBERTa-large "
+        "(seq 512, 16 GB) and GPT-2 XL (seq 1024, 80 GB); fp16 with fp32 AdamW",
+        source=Source(**MAX_BATCH),
+        neutral=1.0,
+        unit="x",
+        value=largest_batch_ratio,
+    ),
     _throughput("throughput-bert-gpu", "bert-large", 512, "BERT-Large", "+16% (BERT-Large)", 0.16),
     _throughput("throughput-gpt2-gpu", "gpt2-medium", 1024, "GPT-2 medium", "+19% (GPT-2)", 0.19),
     _throughput("throughput-roberta-gpu", "roberta-large", 512, "RoBERTa-large", "+26% (RoBERTa)", 0.26),
-    Bound(id="same-training-bert", system="Tempo",
-          claim="trains the same model: dropout off, the same losses",
-          measure="BERT (MLM + NSP), fp32, 150 steps: max |loss difference| against HF eager",
-          source=Source(**TRAINING), value=training("bert-mini dropout off: max |loss difference|"),
-          check=AtMost(1e-3), unit="e",
-          why="the same math in another order: float32 rounding, amplified over 150 Adam steps, stays "
-              "far below a loss change a reader would see (losses near 7)"),
-    Bound(id="same-training-gpt2-fp64", system="Tempo", claim="...exactly, up to rounding",
-          measure="GPT-2 (LM), dropout off, weights, optimizer and loss in float64: max |loss difference|",
-          source=Source(**TRAINING), unit="e",
-          value=training("gpt2-mini dropout off, float64 control: max |loss difference|"), check=AtMost(1e-9),
-          why="float64 rounding (1.1e-16) amplified as the float32 runs amplify theirs (~10^5x over 150 "
-              "steps): about 1e-11; a real difference in the math shows at float32's size or more"),
-    Bound(id="same-training-gpt2", system="Tempo", claim="...and in float32, as close as rounding allows",
-          measure="GPT-2, fp32: max |loss difference| against HF, over that of HF with each batch's rows "
-                  "reversed (the same sums in another order) against HF",
-          source=Source(**TRAINING), unit="x",
-          value=training("gpt2-mini dropout off: max |loss difference| over the rounding control's"),
-          check=AtMost(10.0),
-          why="reordering's own gap varies from run to run by an order of magnitude (150 Adam steps "
-              "amplify a first difference chaotically: BERT's fp32 gap was 3.8e-6 in one run and 1.2e-4 "
-              "in the next); a math error parts the curves by 0.1 or more within the first steps. The "
-              "exact check is the float64 one above"),
-    Bound(id="same-training-dropout", system="Tempo",
-          claim="...with dropout on (other masks, the same distribution)",
-          measure="BERT, dropout 0.1, 10 dropout seeds each: last-50-step loss, Tempo - baseline, the larger "
-                  "end of its 90% interval (baseline sd over seeds ~0.01)",
-          source=Source(**TRAINING), check=AtMost(0.02),
-          value=training("bert-mini dropout 0.1: last-50-step loss, Tempo - baseline, 90% interval bound"),
-          why="twice the baseline's seed-to-seed sd (~0.01): a difference within it cannot be told "
-              "from the seeds'"),
-    Bound(id="same-training-dropout-band", system="Tempo", claim="...",
-          measure="the same runs: median pairwise mean |loss difference|, Tempo-baseline over "
-                  "baseline-baseline",
-          source=Source(**TRAINING), check=AtMost(1.25), unit="x",
-          value=training("bert-mini dropout 0.1: median pairwise mean |loss difference|, Tempo-baseline over "
-                         "baseline-baseline"),
-          why="equal in distribution gives 1.0; 1.25 allows the sampling spread of medians over 100 "
-              "and 45 pairs"),
-    Bound(id="dropout-distribution", system="Tempo",
-          claim="...dropout masks from a seed: the same distribution",
-          measure="BERT encoder output over 400 dropout draws at fixed weights (initial, trained): |total "
-                  "variance ratio - 1|, Tempo vs HF", source=Source(**TRAINING), check=AtMost(0.01), unit="%",
-          value=training("dropout at fixed weights: |variance ratio - 1|, Tempo vs HF (worst)"),
-          why="a drop rate off by 0.01 moves the variance ~2%; the null (HF against itself) is ~0.3%"),
-    Bound(id="dropout-distribution-control", system="Tempo", claim="...and the check can see a wrong rate",
-          measure="negative control: HF at dropout 0.08 and 0.12 against 0.1, |variance ratio - 1|",
-          source=Source(**TRAINING), check=AtLeast(0.1), unit="%",
-          value=training("dropout at fixed weights: |variance ratio - 1|, wrong rates vs HF (least)"),
-          why="a negative control: a rate 0.02 off must be caught, well beyond the 1% bound above"),
-    Shown(id="tempo-in-model-bert", system="Tempo", claim="bytes a layer keeps inside BERT-Large",
-          measure="per layer inside the model, Tempo vs HF eager, seq 512 (saving)",
-          source=Source(**ACTIVATION),
-          value=per_layer_saving("bert-large", 512, "tempo", "hf-eager"), unit="%"),
-    Shown(id="tempo-in-model-gpt2", system="Tempo", claim="...inside GPT-2 XL",
-          measure="the same, GPT-2 XL, seq 1024", source=Source(**ACTIVATION),
-          value=per_layer_saving("gpt2-xl", 1024, "tempo", "hf-eager"), unit="%"),
-    Bound(id="tempo-vs-compile-in-model", system="Tempo",
-          claim="beyond the paper: Tempo keeps less than torch.compile inside BERT-Large, in bf16",
-          measure="per layer inside the model, seq 512: Tempo against HF eager as torch.compile partitions "
-                  "it (AOTAutograd's min-cut partitioner, inductor's decompositions, traced on fake tensors: "
-                  "measure.compiled): saving", source=Source(**ACTIVATION),
-          value=per_layer_saving("bert-large", 512, "tempo", "hf-eager+compile"), check=AtLeast(0.35),
-          unit="%", why="issue #27's target, as tempo-vs-compile on the float32 layer alone"),
-    Shown(id="tempo-vs-compile-in-model-gpt2", system="Tempo", claim="...inside GPT-2 XL",
-          measure="the same, GPT-2 XL, seq 1024", source=Source(**ACTIVATION),
-          value=per_layer_saving("gpt2-xl", 1024, "tempo", "hf-eager+compile"), unit="%"),
-    Shown(id="compile-in-model-saving", system="Tempo",
-          claim="what torch.compile alone saves inside GPT-2 XL",
-          measure="per layer, GPT-2 XL seq 1024, bf16: HF eager compiled against HF eager (saving)",
-          source=Source(**ACTIVATION),
-          value=per_layer_saving("gpt2-xl", 1024, "hf-eager+compile", "hf-eager"), unit="%"),
-    Bound(id="tempo-compile-composes-in-model", system="Tempo", claim="...and composes with it",
-          measure="per layer inside BERT-Large, seq 512, bf16: Tempo compiled over Tempo (bytes)",
-          source=Source(**ACTIVATION), value=per_layer_ratio("bert-large", 512, "tempo+compile", "tempo"),
-          check=AtMost(1.0), unit="x", why="compiling must not undo what Tempo saves"),
-    Shown(id="tempo-sdpa-in-model-bert", system="Tempo", claim="...composed with SDPA",
-          measure="the same, Tempo + SDPA vs HF SDPA, BERT-Large seq 512", source=Source(**ACTIVATION),
-          value=per_layer_saving("bert-large", 512, "tempo+sdpa", "hf-sdpa"), unit="%"),
-    Shown(id="throughput-cpu", system="Tempo", claim="throughput on a CPU (no memory wall: no gain expected)",
-          measure="sequences/s at each one's max batch, 4-layer BERT (h 256, seq 256, fp32) under a stated "
-                  "512 MiB budget, Tempo / HF eager - 1",
-          source=Source(**dict(TRAINING, file="throughput_cpu.json")),
-          value=throughput_gain("bert-l4h256", 256), unit="%"),
-)  # fmt: skip
+    Bound(
+        id="same-training-bert",
+        system="Tempo",
+        claim="trains the same model: dropout off, the same losses",
+        measure="BERT (MLM + NSP), fp32, 150 steps: max |loss difference| against HF eager",
+        source=Source(**TRAINING),
+        value=training("bert-mini dropout off: max |loss difference|"),
+        check=AtMost(1e-3),
+        unit="e",
+        why="the same math in another order: float32 rounding, amplified over 150 Adam steps, stays "
+        "far below a loss change a reader would see (losses near 7)",
+    ),
+    Bound(
+        id="same-training-gpt2-fp64",
+        system="Tempo",
+        claim="...exactly, up to rounding",
+        measure="GPT-2 (LM), dropout off, weights, optimizer and loss in float64: max |loss difference|",
+        source=Source(**TRAINING),
+        unit="e",
+        value=training("gpt2-mini dropout off, float64 control: max |loss difference|"),
+        check=AtMost(1e-9),
+        why="float64 rounding (1.1e-16) amplified as the float32 runs amplify theirs (~10^5x over 150 "
+        "steps): about 1e-11; a real difference in the math shows at float32's size or more",
+    ),
+    Bound(
+        id="same-training-gpt2",
+        system="Tempo",
+        claim="...and in float32, as close as rounding allows",
+        measure="GPT-2, fp32: max |loss difference| against HF, over that of HF with each batch's rows "
+        "reversed (the same sums in another order) against HF",
+        source=Source(**TRAINING),
+        unit="x",
+        value=training("gpt2-mini dropout off: max |loss difference| over the rounding control's"),
+        check=AtMost(10.0),
+        why="reordering's own gap varies from run to run by an order of magnitude (150 Adam steps "
+        "amplify a first difference chaotically: BERT's fp32 gap was 3.8e-6 in one run and 1.2e-4 "
+        "in the next); a math error parts the curves by 0.1 or more within the first steps. The "
+        "exact check is the float64 one above",
+    ),
+    Bound(
+        id="same-training-dropout",
+        system="Tempo",
+        claim="...with dropout on (other masks, the same distribution)",
+        measure="BERT, dropout 0.1, 10 dropout seeds each: last-50-step loss, Tempo - baseline, the larger "
+        "end of its 90% interval (baseline sd over seeds ~0.01)",
+        source=Source(**TRAINING),
+        check=AtMost(0.02),
+        value=training("bert-mini dropout 0.1: last-50-step loss, Tempo - baseline, 90% interval bound"),
+        why="twice the baseline's seed-to-seed sd (~0.01): a difference within it cannot be told "
+        "from the seeds'",
+    ),
+    Bound(
+        id="same-training-dropout-band",
+        system="Tempo",
+        claim="...",
+        measure="the same runs: median pairwise mean |loss difference|, Tempo-baseline over "
+        "baseline-baseline",
+        source=Source(**TRAINING),
+        check=AtMost(1.25),
+        unit="x",
+        value=training(
+            "bert-mini dropout 0.1: median pairwise mean |loss difference|, Tempo-baseline over "
+            "baseline-baseline"
+        ),
+        why="equal in distribution gives 1.0; 1.25 allows the sampling spread of medians over 100 "
+        "and 45 pairs",
+    ),
+    Bound(
+        id="dropout-distribution",
+        system="Tempo",
+        claim="...dropout masks from a seed: the same distribution",
+        measure="BERT encoder output over 400 dropout draws at fixed weights (initial, trained): |total "
+        "variance ratio - 1|, Tempo vs HF",
+        source=Source(**TRAINING),
+        check=AtMost(0.01),
+        unit="%",
+        value=training("dropout at fixed weights: |variance ratio - 1|, Tempo vs HF (worst)"),
+        why="a drop rate off by 0.01 moves the variance ~2%; the null (HF against itself) is ~0.3%",
+    ),
+    Bound(
+        id="dropout-distribution-control",
+        system="Tempo",
+        claim="...and the check can see a wrong rate",
+        measure="negative control: HF at dropout 0.08 and 0.12 against 0.1, |variance ratio - 1|",
+        source=Source(**TRAINING),
+        check=AtLeast(0.1),
+        unit="%",
+        value=training("dropout at fixed weights: |variance ratio - 1|, wrong rates vs HF (least)"),
+        why="a negative control: a rate 0.02 off must be caught, well beyond the 1% bound above",
+    ),
+    Shown(
+        id="tempo-in-model-bert",
+        system="Tempo",
+        claim="bytes a layer keeps inside BERT-Large",
+        measure="per layer inside the model, Tempo vs HF eager, seq 512 (saving)",
+        source=Source(**ACTIVATION),
+        value=per_layer_saving("bert-large", 512, "tempo", "hf-eager"),
+        unit="%",
+    ),
+    Shown(
+        id="tempo-in-model-gpt2",
+        system="Tempo",
+        claim="...inside GPT-2 XL",
+        measure="the same, GPT-2 XL, seq 1024",
+        source=Source(**ACTIVATION),
+        value=per_layer_saving("gpt2-xl", 1024, "tempo", "hf-eager"),
+        unit="%",
+    ),
+    Bound(
+        id="tempo-vs-compile-in-model",
+        system="Tempo",
+        claim="beyond the paper: Tempo keeps less than torch.compile inside BERT-Large, in bf16",
+        measure="per layer inside the model, seq 512: Tempo against HF eager as torch.compile partitions "
+        "it (AOTAutograd's min-cut partitioner, inductor's decompositions, traced on fake tensors: "
+        "measure.compiled): saving",
+        source=Source(**ACTIVATION),
+        value=per_layer_saving("bert-large", 512, "tempo", "hf-eager+compile"),
+        check=AtLeast(0.35),
+        unit="%",
+        why="issue #27's target, as tempo-vs-compile on the float32 layer alone",
+    ),
+    Shown(
+        id="tempo-vs-compile-in-model-gpt2",
+        system="Tempo",
+        claim="...inside GPT-2 XL",
+        measure="the same, GPT-2 XL, seq 1024",
+        source=Source(**ACTIVATION),
+        value=per_layer_saving("gpt2-xl", 1024, "tempo", "hf-eager+compile"),
+        unit="%",
+    ),
+    Shown(
+        id="compile-in-model-saving",
+        system="Tempo",
+        claim="what torch.compile alone saves inside GPT-2 XL",
+        measure="per layer, GPT-2 XL seq 1024, bf16: HF eager compiled against HF eager (saving)",
+        source=Source(**ACTIVATION),
+        value=per_layer_saving("gpt2-xl", 1024, "hf-eager+compile", "hf-eager"),
+        unit="%",
+    ),
+    Bound(
+        id="tempo-compile-composes-in-model",
+        system="Tempo",
+        claim="...and composes with it",
+        measure="per layer inside BERT-Large, seq 512, bf16: Tempo compiled over Tempo (bytes)",
+        source=Source(**ACTIVATION),
+        value=per_layer_ratio("bert-large", 512, "tempo+compile", "tempo"),
+        check=AtMost(1.0),
+        unit="x",
+        why="compiling must not undo what Tempo saves",
+    ),
+    Shown(
+        id="tempo-sdpa-in-model-bert",
+        system="Tempo",
+        claim="...composed with SDPA",
+        measure="the same, Tempo + SDPA vs HF SDPA, BERT-Large seq 512",
+        source=Source(**ACTIVATION),
+        value=per_layer_saving("bert-large", 512, "tempo+sdpa", "hf-sdpa"),
+        unit="%",
+    ),
+    Shown(
+        id="throughput-cpu",
+        system="Tempo",
+        claim="throughput on a CPU (no memory wall: no gain expected)",
+        measure="sequences/s at each one's max batch, 4-layer BERT (h 256, seq 256, fp32) under a stated "
+        "512 MiB budget, Tempo / HF eager - 1",
+        source=Source(**dict(TRAINING, file="throughput_cpu.json")),
+        value=throughput_gain("bert-l4h256", 256),
+        unit="%",
+    ),
+)
 
 PINS = (
-    *(Pin(id=f"maxbatch-{model}", experiment=EXPERIMENT, file="max_batch.json", near=Near(), unit="x",
-          value=batch_ratio(model, seq, "tempo", "hf-eager", gpu)) for model, seq, gpu in MAX_BATCH_CASES),
-    Pin(id="maxbatch-sdpa", experiment=EXPERIMENT, file="max_batch.json", near=Near(), unit="x",
-        value=batch_ratio("bert-large", 512, "tempo+sdpa", "hf-sdpa", "V100-16GB")),
-    Pin(id="maxbatch-cli-example", experiment=EXPERIMENT, file="max_batch.json", near=Near(), unit="x",
-        value=batch_ratio("bert-large", 384, "tempo", "hf-eager", "2080Ti-11GB", "qa", "fp32")),
-    *(Pin(id=c.id, experiment=EXPERIMENT, file="activation_memory.json", value=c.value, near=EXACT, unit="%")
-      for c in CLAIMS if c.source.file == "activation_memory.json"),
-)  # fmt: skip
+    *(
+        Pin(
+            id=f"maxbatch-{model}",
+            experiment=EXPERIMENT,
+            file="max_batch.json",
+            near=Near(),
+            unit="x",
+            value=batch_ratio(model, seq, "tempo", "hf-eager", gpu),
+        )
+        for model, seq, gpu in MAX_BATCH_CASES
+    ),
+    Pin(
+        id="maxbatch-sdpa",
+        experiment=EXPERIMENT,
+        file="max_batch.json",
+        near=Near(),
+        unit="x",
+        value=batch_ratio("bert-large", 512, "tempo+sdpa", "hf-sdpa", "V100-16GB"),
+    ),
+    Pin(
+        id="maxbatch-cli-example",
+        experiment=EXPERIMENT,
+        file="max_batch.json",
+        near=Near(),
+        unit="x",
+        value=batch_ratio("bert-large", 384, "tempo", "hf-eager", "2080Ti-11GB", "qa", "fp32"),
+    ),
+    *(
+        Pin(
+            id=c.id, experiment=EXPERIMENT, file="activation_memory.json", value=c.value, near=EXACT, unit="%"
+        )
+        for c in CLAIMS
+        if c.source.file == "activation_memory.json"
+    ),
+)

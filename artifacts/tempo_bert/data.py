@@ -146,8 +146,10 @@ def fingerprint(kind: str, cache_dir: Path = DEFAULT_CACHE, source: str = "stdli
 
     tokenizer(kind, cache_dir=cache_dir, source=source)  # built (and cached) if it is not yet
     prefix = "" if source == "stdlib" else f"{source}-"
-    files = {"corpus": cache_dir / ("stdlib_docstrings.json" if source == "stdlib" else f"{source}.json"),
-             "tokenizer": cache_dir / f"{prefix}{kind}-8192.json"}  # fmt: skip
+    files = {
+        "corpus": cache_dir / ("stdlib_docstrings.json" if source == "stdlib" else f"{source}.json"),
+        "tokenizer": cache_dir / f"{prefix}{kind}-8192.json",
+    }
     return {
         f"{name}_sha256": hashlib.sha256(path.read_bytes()).hexdigest()[:16] for name, path in files.items()
     }

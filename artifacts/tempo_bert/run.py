@@ -110,8 +110,9 @@ MAXBATCH_EXAMPLE = ("bert-large", "qa", 384, "fp32")
 # ---------------------------------------------------------------- activation memory
 
 
-def model_saved_bytes(model: str, configuration: str, seq: int, layers: int,
-                      budget: float | None = None) -> tuple[int, dict[str, int]]:  # fmt: skip
+def model_saved_bytes(
+    model: str, configuration: str, seq: int, layers: int, budget: float | None = None
+) -> tuple[int, dict[str, int]]:
     """Exact bytes a ``layers``-deep copy of ``model`` keeps for backward at batch 1 (bf16). A
     configuration of COMPILED: its model as ``torch.compile`` partitions it at the activation
     memory ``budget`` (measure.compiled; the partitioned graph runs as one function, so every
@@ -176,11 +177,18 @@ def run_activation(run: Run, cases, configs) -> ResultFile:
         if conf in COMPILED:
             aim = COMPILED[conf][1]
             default = store.get(activation_key(model, seq, "hf-eager+compile"))
-            budget = 1.0 if aim is None else aimed_budget(
-                store.get(activation_key(model, seq, aim)).result["per_layer_bytes"],
-                default.result["per_layer_bytes"])  # fmt: skip
-        store.compute(activation_key(model, seq, conf),
-                      lambda m=model, s=seq, c=conf, b=budget: activation_point(m, c, s, b))  # fmt: skip
+            budget = (
+                1.0
+                if aim is None
+                else aimed_budget(
+                    store.get(activation_key(model, seq, aim)).result["per_layer_bytes"],
+                    default.result["per_layer_bytes"],
+                )
+            )
+        store.compute(
+            activation_key(model, seq, conf),
+            lambda m=model, s=seq, c=conf, b=budget: activation_point(m, c, s, b),
+        )
     return store
 
 
@@ -259,12 +267,21 @@ def causal_lm_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> to
     inputs = {k: v for k, v in batch.items() if k != "labels"}
     logits = model(**inputs).logits[:, :-1]
     labels = batch["labels"][:, 1:]
-    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
-                                             ignore_index=-100)  # fmt: skip
+    return torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100
+    )
 
 
-def _train(model: str, configuration: str, dropout: float, dropout_seed: int, dtype: str, corpus: str,
-           rows: str | None = None, loss: str | None = None):  # fmt: skip
+def _train(
+    model: str,
+    configuration: str,
+    dropout: float,
+    dropout_seed: int,
+    dtype: str,
+    corpus: str,
+    rows: str | None = None,
+    loss: str | None = None,
+):
     """(the trained model, its per-step losses): the same data and initial weights for every run;
     ``rows`` "reversed": each batch's rows reversed; ``loss`` "fp64": computed in float64 from the
     logits (a causal LM's)."""
@@ -307,8 +324,11 @@ def dropout_distribution_point(weights: str, draws: int, corpus: str) -> dict:
     else:
         torch.manual_seed(0)
         state = build_model("bert-mini", "pretraining", "hf-eager", dropout=0.0).state_dict()
-    inputs = {k: v for k, v in bert_batches(1, batch, seq, seed=0, source=corpus)[0].items()
-              if k not in ("labels", "next_sentence_label")}  # fmt: skip
+    inputs = {
+        k: v
+        for k, v in bert_batches(1, batch, seq, seed=0, source=corpus)[0].items()
+        if k not in ("labels", "next_sentence_label")
+    }
     seeds = [int.from_bytes(os.urandom(4), "little") for _ in DROPOUT_CANDIDATES]
 
     def moments(configuration: str, p: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -348,8 +368,13 @@ def run_training(run: Run, corpus: str) -> ResultFile:
     for args in tqdm(TRAIN_RUNS, desc="training runs", unit="run"):
         store.compute(train_key(*args, corpus=corpus), lambda a=args: training_run(*a, corpus=corpus))
     for weights in tqdm(("init", "trained"), desc="dropout distribution at fixed weights", unit="point"):
-        key = {"check": "dropout distribution", "weights": weights, "draws": DISTRIBUTION_DRAWS,
-               "corpus": corpus, "dropout": 0.1}  # fmt: skip
+        key = {
+            "check": "dropout distribution",
+            "weights": weights,
+            "draws": DISTRIBUTION_DRAWS,
+            "corpus": corpus,
+            "dropout": 0.1,
+        }
         store.compute(key, lambda w=weights: dropout_distribution_point(w, DISTRIBUTION_DRAWS, corpus))
     return store
 
@@ -393,8 +418,13 @@ def print_summary(
         print("\nMax batch per GPU (AdamW step; fp16 = half model + fp32 master weights)")
         print(f"  {'case':<36} {'config':<16} " + " ".join(f"{g:>11}" for g in GPUS))
         order = MAIN_CONFIGS + ABLATION_CONFIGS
-        for p in sorted(mb, key=lambda p: (*(str(p.key[f]) for f in MAXBATCH_FIELDS[:4]),
-                                            order.index(p.key["configuration"]))):  # fmt: skip
+        for p in sorted(
+            mb,
+            key=lambda p: (
+                *(str(p.key[f]) for f in MAXBATCH_FIELDS[:4]),
+                order.index(p.key["configuration"]),
+            ),
+        ):
             k = p.key
             case = f"{k['model']} {k['head']} {k['seq']} {k['precision']}"
             print(
@@ -431,20 +461,32 @@ class TempoBertConfig:
     parts: tuple[str, ...] = option(PARTS, "the parts to run", choices=PARTS)
     scale: str = option("cpu", "cpu: small cases; paper: the paper's", choices=("cpu", "paper"))
     device: str = option("cpu", "where the throughput part trains (cpu, cuda, cuda:1)")
-    corpus: str = option("stdlib", "training text: stdlib docstrings (offline, default) or a HF datasets "
-                         "corpus (network once)", choices=CORPORA)  # fmt: skip
-    cases: tuple[tuple[str, int], ...] | None = option(None, "throughput: only these MODEL/SEQ cases",
-                                                       parse=_case, many=True)  # fmt: skip
-    configs: tuple[str, ...] | None = option(None, "throughput: these only", many=True,
-                                             choices=MAIN_CONFIGS + ABLATION_CONFIGS)  # fmt: skip
+    corpus: str = option(
+        "stdlib",
+        "training text: stdlib docstrings (offline, default) or a HF datasets corpus (network once)",
+        choices=CORPORA,
+    )
+    cases: tuple[tuple[str, int], ...] | None = option(
+        None, "throughput: only these MODEL/SEQ cases", parse=_case, many=True
+    )
+    configs: tuple[str, ...] | None = option(
+        None, "throughput: these only", many=True, choices=MAIN_CONFIGS + ABLATION_CONFIGS
+    )
     gpu_mem: str | None = option(None, "throughput: the memory budget (default: 16GB at paper scale)")
 
 
 def main(argv: list[str] | None = None) -> None:
     config, args, ap = config_from_command_line(TempoBertConfig, EXPERIMENT, argv, __doc__, jobs=True)
     if "throughput" not in config.parts:  # they would be ignored without a word
-        given = [flag for flag, value in (("--cases", config.cases), ("--configs", config.configs),
-                                          ("--gpu-mem", config.gpu_mem)) if value]  # fmt: skip
+        given = [
+            flag
+            for flag, value in (
+                ("--cases", config.cases),
+                ("--configs", config.configs),
+                ("--gpu-mem", config.gpu_mem),
+            )
+            if value
+        ]
         if given:
             ap.error(f"{', '.join(given)} apply to the throughput part only; add throughput to --parts")
     if not config.device.startswith(("cpu", "cuda")):

@@ -139,10 +139,16 @@ def run_throughput(run: Run, setup: ThroughputSetup, device: str, jobs: int) -> 
     """One result file per device type; each (model, seq, precision, configuration) is a point.
     The estimates (CPU-bound) run first in worker processes, then the device measurements."""
     store = run.file(f"throughput_{torch.device(device).type}.json", device)
-    todo = [(m, s, c) for m, s in setup.cases for c in setup.configs
-            if not store.done(throughput_key(m, s, c, setup))]  # fmt: skip
-    estimates = {args: r for args, r, _ in map_points(estimate_point, [(*t, setup) for t in todo], jobs,
-                                                      "max-batch estimates")}  # fmt: skip
+    todo = [
+        (m, s, c)
+        for m, s in setup.cases
+        for c in setup.configs
+        if not store.done(throughput_key(m, s, c, setup))
+    ]
+    estimates = {
+        args: r
+        for args, r, _ in map_points(estimate_point, [(*t, setup) for t in todo], jobs, "max-batch estimates")
+    }
     for model, seq, conf in tqdm(todo, desc=f"throughput on {device}", unit="config"):
         est = estimates[(model, seq, conf, setup)]
         key = throughput_key(model, seq, conf, setup)

@@ -104,8 +104,9 @@ def aimed_budget(aim_bytes: int, default_bytes: int) -> float:
     return min(1.0, aim_bytes / default_bytes)
 
 
-def measure_compiled(variant: str, seq: int, batch: int, dtype: torch.dtype, budget: float = 1.0,
-                     hidden: int = 1024) -> dict:  # fmt: skip
+def measure_compiled(
+    variant: str, seq: int, batch: int, dtype: torch.dtype, budget: float = 1.0, hidden: int = 1024
+) -> dict:
     """Bytes a ``torch.compile``d layer keeps (the saved-tensor hooks see its compiled graph's
     saves) at the partitioner's ``budget``; and one training step's time (forward and backward),
     the median of 5 after 2 warm-ups."""
@@ -114,9 +115,15 @@ def measure_compiled(variant: str, seq: int, batch: int, dtype: torch.dtype, bud
     with cuda_like_dropout(), budget_context(budget):
         nbytes = saved_bytes(compiled, x).total_bytes
         step_s = time_fn(lambda: compiled(x)[0].sum().backward()).median_s
-    return {"bytes": nbytes, "bytes_per_sbh": nbytes / (seq * batch * hidden), "closed_form_bytes": None,
-            "closed_form": None, "activation_memory_budget": budget, "step_s": step_s,
-            "patch_report": report}  # fmt: skip
+    return {
+        "bytes": nbytes,
+        "bytes_per_sbh": nbytes / (seq * batch * hidden),
+        "closed_form_bytes": None,
+        "closed_form": None,
+        "activation_memory_budget": budget,
+        "step_s": step_s,
+        "patch_report": report,
+    }
 
 
 def eager_step_s(variant: str, seq: int, batch: int, dtype: torch.dtype, hidden: int = 1024) -> float:
@@ -130,8 +137,16 @@ def eager_step_s(variant: str, seq: int, batch: int, dtype: torch.dtype, hidden:
 def measure_compile(run, seqs: list[int], batch: int) -> None:
     """HF eager and Tempo against torch.compile (default, Tempo compiled, and HF compiled with the
     budget that aims at Tempo's bytes), float32: bytes kept and a step's time, in one run."""
-    store = run.file("layer_saved_bytes.json", config={"model": "bert-large layer", "hidden": 1024,
-                     "heads": 16, "intermediate": 4096, "dropout": 0.1})  # fmt: skip
+    store = run.file(
+        "layer_saved_bytes.json",
+        config={
+            "model": "bert-large layer",
+            "hidden": 1024,
+            "heads": 16,
+            "intermediate": 4096,
+            "dropout": 0.1,
+        },
+    )
     dtype = DTYPES[COMPILE_DTYPE]
 
     def key(seq: int, variant: str) -> dict:
@@ -141,22 +156,30 @@ def measure_compile(run, seqs: list[int], batch: int) -> None:
     for seq in seqs:
         eager = {}
         for variant in ("hf-eager", "tempo"):
-            eager[variant] = store.compute(key(seq, variant), lambda s=seq, v=variant: {
-                **measure_layer(v, s, batch, dtype), "step_s": eager_step_s(v, s, batch, dtype)})  # fmt: skip
+            eager[variant] = store.compute(
+                key(seq, variant),
+                lambda s=seq, v=variant: {
+                    **measure_layer(v, s, batch, dtype),
+                    "step_s": eager_step_s(v, s, batch, dtype),
+                },
+            )
         for variant, (_, aim) in COMPILED.items():
             budget = 1.0  # the default
             if aim is not None:
                 budget = aimed_budget(
                     eager[aim]["bytes"], store.get(key(seq, "hf-eager+compile")).result["bytes"]
                 )
-            store.compute(key(seq, variant), lambda s=seq, v=variant, b=budget: measure_compiled(
-                v, s, batch, dtype, b))  # fmt: skip
+            store.compute(
+                key(seq, variant), lambda s=seq, v=variant, b=budget: measure_compiled(v, s, batch, dtype, b)
+            )
         base, tempo_ = eager["hf-eager"], eager["tempo"]
         for variant in ("hf-eager", "tempo", *COMPILED):
             r = store.get(key(seq, variant)).result
             saving, slower = 1 - r["bytes"] / base["bytes"], r["step_s"] / tempo_["step_s"]
-            print(f"{seq:>5} {variant:<26} {r['bytes']:>12,} bytes ({saving:+.1%} vs HF eager)  "
-                  f"step {r['step_s'] * 1e3:7.1f} ms ({slower:.2f}x Tempo's)")  # fmt: skip
+            print(
+                f"{seq:>5} {variant:<26} {r['bytes']:>12,} bytes ({saving:+.1%} vs HF eager)  "
+                f"step {r['step_s'] * 1e3:7.1f} ms ({slower:.2f}x Tempo's)"
+            )
 
 
 def measure_layer(
@@ -235,8 +258,10 @@ def measure_gelu_backward(run) -> None:
     for dtype, name in GELU_CASES:
         for approximate in ("none", "tanh"):
             key = {"op": "gelu_backward", "dtype": name, "approximate": approximate, "elements": 1_000_000}
-            r = store.compute(key, lambda d=dtype, a=approximate: {
-                **gelu_backward_error(d, a, 1_000_000, seed), "seed": seed})  # fmt: skip
+            r = store.compute(
+                key,
+                lambda d=dtype, a=approximate: {**gelu_backward_error(d, a, 1_000_000, seed), "seed": seed},
+            )
             print(
                 f"GELU backward ({approximate}, {name}): relative error vs autograd {r['relative_error']:.1e}"
             )

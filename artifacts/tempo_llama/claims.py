@@ -14,14 +14,24 @@ from .summary import ROUNDING_CONTROL, training_gaps
 
 EXPERIMENT = "tempo_llama"
 COMMAND = "nox -s tempo_llama"
-LAYER = dict(experiment=EXPERIMENT, file="layer_saved_bytes.json", evidence="measured",
-             basis="this CPU (saved-tensor hooks on fake tensors, CUDA's SDPA choice: exact bytes)",
-             command=COMMAND)  # fmt: skip
-TRAINING = dict(experiment=EXPERIMENT, file="training.json", evidence="measured", basis="this CPU",
-                command=COMMAND)  # fmt: skip
-PEERS = dict(experiment=EXPERIMENT, file="peers.json", evidence="measured",
-             basis="one GPU: Liger-Kernel and Tempo in the same run (real tensors)",
-             command="nox -s gpu_check", gpu=True)  # fmt: skip
+LAYER = dict(
+    experiment=EXPERIMENT,
+    file="layer_saved_bytes.json",
+    evidence="measured",
+    basis="this CPU (saved-tensor hooks on fake tensors, CUDA's SDPA choice: exact bytes)",
+    command=COMMAND,
+)
+TRAINING = dict(
+    experiment=EXPERIMENT, file="training.json", evidence="measured", basis="this CPU", command=COMMAND
+)
+PEERS = dict(
+    experiment=EXPERIMENT,
+    file="peers.json",
+    evidence="measured",
+    basis="one GPU: Liger-Kernel and Tempo in the same run (real tensors)",
+    command="nox -s gpu_check",
+    gpu=True,
+)
 
 
 def saving(model: str, ours: str, base: str = "hf-sdpa") -> Callable[[Results], float]:
@@ -75,69 +85,172 @@ def liger_vs_tempo(r: Results) -> float:
     return 1 - one(r, model="llama-3.2-1b", configuration="tempo+sdpa")["per_layer_bytes"] / liger
 
 
-COMPILE = dict(experiment=EXPERIMENT, file="compile.json", evidence="measured",
-               basis="this CPU: torch.compile (inductor), fp32 on real tensors, the compiled graph's saves "
-                     "counted by the saved-tensor hooks", command=COMMAND)  # fmt: skip
+COMPILE = dict(
+    experiment=EXPERIMENT,
+    file="compile.json",
+    evidence="measured",
+    basis="this CPU: torch.compile (inductor), fp32 on real tensors, the compiled graph's saves "
+    "counted by the saved-tensor hooks",
+    command=COMMAND,
+)
 CLAIMS = (
-    Bound(id="llama-vs-compile", system="Tempo", claim="...and less than torch.compile keeps",
-          measure="one Llama-3.2-1B decoder layer, seq 1024, fp32: Tempo + SDPA's bytes against HF SDPA "
-                  "under torch.compile: saving", source=Source(**COMPILE), unit="%",
-          value=lambda r: 1 - compile_ratio("tempo+sdpa", "hf-sdpa+compile")(r), check=AtLeast(0.30),
-          why="issue #27's target for the Llama layer, where compile alone already saves ~25%"),
-    Bound(id="llama-compile-composes", system="Tempo", claim="...and composes with it",
-          measure="the same layer: Tempo + SDPA compiled over Tempo + SDPA alone (bytes)",
-          source=Source(**COMPILE), value=compile_ratio("tempo+sdpa+compile", "tempo+sdpa"),
-          check=AtMost(1.0), unit="x", why="compiling Tempo's layer must keep no more than Tempo does"),
-    Shown(id="llama-compile-saving", system="Tempo", claim="what torch.compile alone saves on a Llama layer",
-          measure="the same layer: HF SDPA compiled against HF SDPA (saving)", source=Source(**COMPILE),
-          value=lambda r: 1 - compile_ratio("hf-sdpa+compile", "hf-sdpa")(r), unit="%"),
-    Shown(id="llama-compile-at-tempo-time", system="Tempo",
-          claim="torch.compile at the budget aimed at Tempo's bytes: bytes, and a step's time",
-          measure="the same layer: its step time over Tempo + SDPA's (eager), on this CPU",
-          source=Source(**COMPILE), value=compile_ratio("hf-sdpa+compile-at-tempo", "tempo+sdpa", "step_s"),
-          unit="x"),
-    Bound(id="llama-layer", system="Tempo", claim="beyond the paper: a Llama decoder layer keeps less",
-          measure="bytes one decoder layer keeps, Tempo (RMSNorm + SwiGLU) + SDPA vs HF SDPA, Llama-3.2-1B "
-                  "shapes, seq 1024 (bf16, batch 1): saving", source=Source(**LAYER),
-          value=saving("llama-3.2-1b", "tempo+sdpa"), check=AtLeast(0.35), unit="%",
-          why="issue #16's target: what RMSNorm and SwiGLU keeping their outputs must save for Tempo to "
-              "matter on Llama"),
-    Bound(id="llama-layer-formula", system="Tempo", claim="...exactly as its closed form says",
-          measure="every configuration, both shapes: worst |measured / closed form - 1|",
-          source=Source(**LAYER), value=formula_error, check=AtMost(0.0), unit="e",
-          why="exact byte counts: the closed form counts every tensor kept"),
-    Bound(id="llama-liger", system="Tempo", claim="...less than Liger-Kernel keeps",
-          measure="the same layer, Tempo + SDPA vs Liger-Kernel's RMSNorm, SwiGLU and rotary: saving",
-          source=Source(**PEERS), value=liger_vs_tempo, check=AtLeast(0.0), unit="%",
-          why="this project's claim (issue #16): on the same layer Tempo keeps no more than "
-              "Liger-Kernel, what Llama users reach for today"),
-    Bound(id="llama-same-training", system="Tempo", claim="...and trains the same model",
-          measure="small Llama, fp32, 150 steps: max |loss difference|, Tempo + SDPA vs HF SDPA",
-          source=Source(**TRAINING), value=training("tempo+sdpa"), check=AtMost(1e-5), unit="e",
-          why="the same math in float32: rounding-sized differences after 150 steps"),
-    Bound(id="llama-same-training-loss", system="Tempo", claim="...also with the memory-lean loss",
-          measure="the same, Tempo + SDPA + chunked linear cross-entropy, over the rounding band (HF with "
-                  "each batch's rows reversed: the same math summed in another order, against HF)",
-          source=Source(**TRAINING), value=training("tempo+sdpa+loss", over_control=True),
-          check=AtMost(1.0), unit="x",
-          why="a chunked loss sums in another order: no further than reordering HF's own sums"),
-    Shown(id="llama-maxbatch", system="Tempo", claim="...larger batches fit",
-          measure="max batch, Tempo + SDPA / HF SDPA, Llama-3.2-1B seq 4096, bf16 + fp32 AdamW, 80 GB",
-          source=Source(**dict(LAYER, file="max_batch.json", evidence="predicted",
-                               basis="the step's peak bytes counted on fake tensors against 80 GB")),
-          value=batch_ratio("llama-3.2-1b", 4096, "tempo+sdpa", "A100-80GB"), unit="x"),
-    Shown(id="llama-maxbatch-loss", system="Tempo", claim="...more with the memory-lean loss",
-          measure="the same, Tempo + SDPA + chunked linear cross-entropy / HF SDPA",
-          source=Source(**dict(LAYER, file="max_batch.json", evidence="predicted",
-                               basis="the step's peak bytes counted on fake tensors against 80 GB")),
-          value=batch_ratio("llama-3.2-1b", 4096, "tempo+sdpa+loss", "A100-80GB"), unit="x"),
-)  # fmt: skip
+    Bound(
+        id="llama-vs-compile",
+        system="Tempo",
+        claim="...and less than torch.compile keeps",
+        measure="one Llama-3.2-1B decoder layer, seq 1024, fp32: Tempo + SDPA's bytes against HF SDPA "
+        "under torch.compile: saving",
+        source=Source(**COMPILE),
+        unit="%",
+        value=lambda r: 1 - compile_ratio("tempo+sdpa", "hf-sdpa+compile")(r),
+        check=AtLeast(0.30),
+        why="issue #27's target for the Llama layer, where compile alone already saves ~25%",
+    ),
+    Bound(
+        id="llama-compile-composes",
+        system="Tempo",
+        claim="...and composes with it",
+        measure="the same layer: Tempo + SDPA compiled over Tempo + SDPA alone (bytes)",
+        source=Source(**COMPILE),
+        value=compile_ratio("tempo+sdpa+compile", "tempo+sdpa"),
+        check=AtMost(1.0),
+        unit="x",
+        why="compiling Tempo's layer must keep no more than Tempo does",
+    ),
+    Shown(
+        id="llama-compile-saving",
+        system="Tempo",
+        claim="what torch.compile alone saves on a Llama layer",
+        measure="the same layer: HF SDPA compiled against HF SDPA (saving)",
+        source=Source(**COMPILE),
+        value=lambda r: 1 - compile_ratio("hf-sdpa+compile", "hf-sdpa")(r),
+        unit="%",
+    ),
+    Shown(
+        id="llama-compile-at-tempo-time",
+        system="Tempo",
+        claim="torch.compile at the budget aimed at Tempo's bytes: bytes, and a step's time",
+        measure="the same layer: its step time over Tempo + SDPA's (eager), on this CPU",
+        source=Source(**COMPILE),
+        value=compile_ratio("hf-sdpa+compile-at-tempo", "tempo+sdpa", "step_s"),
+        unit="x",
+    ),
+    Bound(
+        id="llama-layer",
+        system="Tempo",
+        claim="beyond the paper: a Llama decoder layer keeps less",
+        measure="bytes one decoder layer keeps, Tempo (RMSNorm + SwiGLU) + SDPA vs HF SDPA, Llama-3.2-1B "
+        "shapes, seq 1024 (bf16, batch 1): saving",
+        source=Source(**LAYER),
+        value=saving("llama-3.2-1b", "tempo+sdpa"),
+        check=AtLeast(0.35),
+        unit="%",
+        why="issue #16's target: what RMSNorm and SwiGLU keeping their outputs must save for Tempo to "
+        "matter on Llama",
+    ),
+    Bound(
+        id="llama-layer-formula",
+        system="Tempo",
+        claim="...exactly as its closed form says",
+        measure="every configuration, both shapes: worst |measured / closed form - 1|",
+        source=Source(**LAYER),
+        value=formula_error,
+        check=AtMost(0.0),
+        unit="e",
+        why="exact byte counts: the closed form counts every tensor kept",
+    ),
+    Bound(
+        id="llama-liger",
+        system="Tempo",
+        claim="...less than Liger-Kernel keeps",
+        measure="the same layer, Tempo + SDPA vs Liger-Kernel's RMSNorm, SwiGLU and rotary: saving",
+        source=Source(**PEERS),
+        value=liger_vs_tempo,
+        check=AtLeast(0.0),
+        unit="%",
+        why="this project's claim (issue #16): on the same layer Tempo keeps no more than "
+        "Liger-Kernel, what Llama users reach for today",
+    ),
+    Bound(
+        id="llama-same-training",
+        system="Tempo",
+        claim="...and trains the same model",
+        measure="small Llama, fp32, 150 steps: max |loss difference|, Tempo + SDPA vs HF SDPA",
+        source=Source(**TRAINING),
+        value=training("tempo+sdpa"),
+        check=AtMost(1e-5),
+        unit="e",
+        why="the same math in float32: rounding-sized differences after 150 steps",
+    ),
+    Bound(
+        id="llama-same-training-loss",
+        system="Tempo",
+        claim="...also with the memory-lean loss",
+        measure="the same, Tempo + SDPA + chunked linear cross-entropy, over the rounding band (HF with "
+        "each batch's rows reversed: the same math summed in another order, against HF)",
+        source=Source(**TRAINING),
+        value=training("tempo+sdpa+loss", over_control=True),
+        check=AtMost(1.0),
+        unit="x",
+        why="a chunked loss sums in another order: no further than reordering HF's own sums",
+    ),
+    Shown(
+        id="llama-maxbatch",
+        system="Tempo",
+        claim="...larger batches fit",
+        measure="max batch, Tempo + SDPA / HF SDPA, Llama-3.2-1B seq 4096, bf16 + fp32 AdamW, 80 GB",
+        source=Source(
+            **dict(
+                LAYER,
+                file="max_batch.json",
+                evidence="predicted",
+                basis="the step's peak bytes counted on fake tensors against 80 GB",
+            )
+        ),
+        value=batch_ratio("llama-3.2-1b", 4096, "tempo+sdpa", "A100-80GB"),
+        unit="x",
+    ),
+    Shown(
+        id="llama-maxbatch-loss",
+        system="Tempo",
+        claim="...more with the memory-lean loss",
+        measure="the same, Tempo + SDPA + chunked linear cross-entropy / HF SDPA",
+        source=Source(
+            **dict(
+                LAYER,
+                file="max_batch.json",
+                evidence="predicted",
+                basis="the step's peak bytes counted on fake tensors against 80 GB",
+            )
+        ),
+        value=batch_ratio("llama-3.2-1b", 4096, "tempo+sdpa+loss", "A100-80GB"),
+        unit="x",
+    ),
+)
 
 PINS = (
-    Pin(id="llama-layer-8b", experiment=EXPERIMENT, file="layer_saved_bytes.json",
-        value=saving("llama-3-8b", "tempo+sdpa"), near=EXACT, unit="%"),
-    Pin(id="llama-maxbatch", experiment=EXPERIMENT, file="max_batch.json", near=Near(), unit="x",
-        value=batch_ratio("llama-3.2-1b", 4096, "tempo+sdpa", "A100-80GB")),
-    Pin(id="llama-maxbatch-loss", experiment=EXPERIMENT, file="max_batch.json", near=Near(), unit="x",
-        value=batch_ratio("llama-3.2-1b", 4096, "tempo+sdpa+loss", "A100-80GB")),
-)  # fmt: skip
+    Pin(
+        id="llama-layer-8b",
+        experiment=EXPERIMENT,
+        file="layer_saved_bytes.json",
+        value=saving("llama-3-8b", "tempo+sdpa"),
+        near=EXACT,
+        unit="%",
+    ),
+    Pin(
+        id="llama-maxbatch",
+        experiment=EXPERIMENT,
+        file="max_batch.json",
+        near=Near(),
+        unit="x",
+        value=batch_ratio("llama-3.2-1b", 4096, "tempo+sdpa", "A100-80GB"),
+    ),
+    Pin(
+        id="llama-maxbatch-loss",
+        experiment=EXPERIMENT,
+        file="max_batch.json",
+        near=Near(),
+        unit="x",
+        value=batch_ratio("llama-3.2-1b", 4096, "tempo+sdpa+loss", "A100-80GB"),
+    ),
+)

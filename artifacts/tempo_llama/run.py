@@ -180,8 +180,10 @@ def run_compile(run: Run) -> ResultFile:
     for row in COMPILE_ROWS:
         r = store.get(compile_key(row)).result
         saving, slower = 1 - r["per_layer_bytes"] / base["per_layer_bytes"], r["step_s"] / tempo_["step_s"]
-        print(f"  {row:<26} {r['per_layer_bytes']:>12,} bytes ({saving:+.1%} vs HF SDPA)  "
-              f"step {r['step_s'] * 1e3:7.1f} ms ({slower:.2f}x Tempo's)")  # fmt: skip
+        print(
+            f"  {row:<26} {r['per_layer_bytes']:>12,} bytes ({saving:+.1%} vs HF SDPA)  "
+            f"step {r['step_s'] * 1e3:7.1f} ms ({slower:.2f}x Tempo's)"
+        )
     return store
 
 
@@ -189,8 +191,14 @@ def run_compile(run: Run) -> ResultFile:
 
 
 def maxbatch_key(model: str, seq: int, configuration: str) -> dict:
-    return {"model": model, "seq": seq, "configuration": configuration, "precision": PRECISION,
-            "optimizer": "AdamW", "reserve": "0.75 GiB + 5%"}  # fmt: skip
+    return {
+        "model": model,
+        "seq": seq,
+        "configuration": configuration,
+        "precision": PRECISION,
+        "optimizer": "AdamW",
+        "reserve": "0.75 GiB + 5%",
+    }
 
 
 def llama_maxbatch_point(model: str, seq: int, configuration: str) -> dict:
@@ -208,8 +216,11 @@ def llama_maxbatch_point(model: str, seq: int, configuration: str) -> dict:
 
 def run_maxbatch(run: Run, jobs: int) -> ResultFile:
     store = run.file("max_batch.json", config={"gpus": GPUS, "target": "cuda (fake tensors)"})
-    todo = [args for args in itertools.product(MAXBATCH_MODELS, MAXBATCH_SEQS, MAXBATCH_CONFIGS)
-            if not store.done(maxbatch_key(*args))]  # fmt: skip
+    todo = [
+        args
+        for args in itertools.product(MAXBATCH_MODELS, MAXBATCH_SEQS, MAXBATCH_CONFIGS)
+        if not store.done(maxbatch_key(*args))
+    ]
     for args, result, seconds in map_points(llama_maxbatch_point, todo, jobs, "max batch"):
         store.add(maxbatch_key(*args), result, seconds)  # each finished point is on disk at once
     return store
@@ -280,8 +291,14 @@ def peer_layer_bytes(model: str, configuration: str, layers: int, seq: int, devi
         if configuration == "liger":
             from liger_kernel.transformers import apply_liger_kernel_to_llama
 
-            apply_liger_kernel_to_llama(rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
-                                        fused_linear_cross_entropy=False, model=m)  # fmt: skip
+            apply_liger_kernel_to_llama(
+                rope=True,
+                rms_norm=True,
+                swiglu=True,
+                cross_entropy=False,
+                fused_linear_cross_entropy=False,
+                model=m,
+            )
         return saved_bytes(m, **make_batch(model, "pretraining", 1, seq, device=device)).total_bytes
     finally:
         for name, value in saved.items():
@@ -317,8 +334,10 @@ def print_summary(
     if layer is not None:
         where = f"batch 1, bf16, seq {LAYER_SEQ}"
         print(f"\nBytes one decoder layer keeps for backward ({where}), per token x hidden:")
-        print(f"  {'model':<14} {'configuration':<20} {'measured':>9} {'formula':>9} {'vs HF SDPA':>11} "
-              f"{'per sequence (MiB)':>19}")  # fmt: skip
+        print(
+            f"  {'model':<14} {'configuration':<20} {'measured':>9} {'formula':>9} {'vs HF SDPA':>11} "
+            f"{'per sequence (MiB)':>19}"
+        )
         for p in layer:
             k, r = p.key, p.result
             sbh = LAYER_SEQ * MODELS[k["model"]].hidden
@@ -327,8 +346,10 @@ def print_summary(
                 "" if base is None else f"{r['per_layer_bytes'] / base.result['per_layer_bytes'] - 1:+.1%}"
             )
             per_seq = r["per_model_bytes"] / 2**20
-            print(f"  {k['model']:<14} {k['configuration']:<20} {r['per_layer_bytes'] / sbh:>9.3f} "
-                  f"{r['formula_bytes'] / sbh:>9.3f} {saving:>11} {per_seq:>19.1f}")  # fmt: skip
+            print(
+                f"  {k['model']:<14} {k['configuration']:<20} {r['per_layer_bytes'] / sbh:>9.3f} "
+                f"{r['formula_bytes'] / sbh:>9.3f} {saving:>11} {per_seq:>19.1f}"
+            )
     if peers is not None:
         for p in peers:
             sbh = LAYER_SEQ * MODELS[p.key["model"]].hidden
@@ -340,8 +361,14 @@ def print_summary(
         print(f"\nMax batch per GPU (AdamW step; {PRECISION} model + fp32 master weights):")
         print(f"  {'model':<14} {'seq':>5} {'configuration':<20} " + " ".join(f"{g:>11}" for g in GPUS))
         order = [*MAXBATCH_MODELS], [*MAXBATCH_CONFIGS]
-        for p in sorted(mb, key=lambda p: (order[0].index(p.key["model"]), p.key["seq"],
-                                            order[1].index(p.key["configuration"]))):  # fmt: skip
+        for p in sorted(
+            mb,
+            key=lambda p: (
+                order[0].index(p.key["model"]),
+                p.key["seq"],
+                order[1].index(p.key["configuration"]),
+            ),
+        ):
             k = p.key
             row = " ".join(f"{p.result[g]['max_batch']:>11}" for g in GPUS)
             note = ""

@@ -9,8 +9,12 @@ TRAIN = {"model": "llama-mini", "steps": 150, "batch": 8, "seq": 64, "lr": 1e-3,
 # (configuration, row order); the first is the reference. The last is the control for rounding:
 # HF itself with each batch's rows reversed computes the same math, summed in another order, and
 # how far its losses drift from HF's over 150 steps is the band that rounding alone opens.
-TRAIN_RUNS = [("hf-sdpa", "as given"), ("tempo+sdpa", "as given"), ("tempo+sdpa+loss", "as given"),
-              ("hf-sdpa", "reversed")]  # fmt: skip
+TRAIN_RUNS = [
+    ("hf-sdpa", "as given"),
+    ("tempo+sdpa", "as given"),
+    ("tempo+sdpa+loss", "as given"),
+    ("hf-sdpa", "reversed"),
+]
 
 
 def training_key(configuration: str, row_order: str = "as given") -> dict:

@@ -105,9 +105,17 @@ class ChainStage:
     since the last check (after a give-up later passes do not wait: one bound lost, not one each).
     """
 
-    def __init__(self, rank: int, ranks: int, weight: torch.Tensor, act: str, buffers: PeerBuffers,
-                 tiling: Tiling = DEFAULT_TILING, max_spins: int = 0,
-                 timeout_s: float | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        rank: int,
+        ranks: int,
+        weight: torch.Tensor,
+        act: str,
+        buffers: PeerBuffers,
+        tiling: Tiling = DEFAULT_TILING,
+        max_spins: int = 0,
+        timeout_s: float | None = None,
+    ) -> None:
         if (rank > 0) != (buffers.inbox is not None) or (rank < ranks - 1) != (
             buffers.next_inbox is not None
         ):
@@ -128,10 +136,19 @@ class ChainStage:
         out = torch.empty(m, w.shape[1], dtype=w.dtype, device=w.device)
         rows = _row_blocks(m, self.tiling)
         scratch = torch.zeros(rows, dtype=torch.int32, device=w.device)
-        launch_stage(a, w, out, ready_in=scratch if b.inbox is not None else None,
-                     ready_out=torch.zeros_like(scratch) if b.next_inbox is not None else None,
-                     wait_target=0, act=self.act, tiling=self.tiling, timeout_s=self.timeout_s,
-                     max_spins=self.max_spins, name=f"{self.name} (warm-up)")  # fmt: skip
+        launch_stage(
+            a,
+            w,
+            out,
+            ready_in=scratch if b.inbox is not None else None,
+            ready_out=torch.zeros_like(scratch) if b.next_inbox is not None else None,
+            wait_target=0,
+            act=self.act,
+            tiling=self.tiling,
+            timeout_s=self.timeout_s,
+            max_spins=self.max_spins,
+            name=f"{self.name} (warm-up)",
+        )
 
     def __call__(
         self, x: torch.Tensor | None = None, wait: bool = True, check: bool = True
@@ -150,11 +167,20 @@ class ChainStage:
             else b.next_inbox
         )
         launch_stage(
-            a, self.weight, out,
-            ready_in=b.ready, ready_out=b.next_ready, wait_target=self.epoch * self._upstream_tiles_n(),
-            act=self.act, status=self.status, timeout_s=self.timeout_s, max_spins=self.max_spins,
-            tiling=self.tiling, wait=None if wait else False, check=False,
-        )  # fmt: skip
+            a,
+            self.weight,
+            out,
+            ready_in=b.ready,
+            ready_out=b.next_ready,
+            wait_target=self.epoch * self._upstream_tiles_n(),
+            act=self.act,
+            status=self.status,
+            timeout_s=self.timeout_s,
+            max_spins=self.max_spins,
+            tiling=self.tiling,
+            wait=None if wait else False,
+            check=False,
+        )
         if check:
             self.raise_if_gave_up()
         return out if last else None

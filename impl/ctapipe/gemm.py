@@ -41,9 +41,19 @@ class StageTimeout(RuntimeError):
     """A consumer tile gave up waiting for its ready counter (its producer never signalled, or not
     within the bound). The tiles that gave up wrote nothing: the output is incomplete."""
 
-    def __init__(self, stage: str, tile: int, row_block: int, column_block: int, seen: int, target: int,
-                 gave_up: int, timeout_s: float, max_spins: int,
-                 tile_kind: str = "tile") -> None:  # fmt: skip
+    def __init__(
+        self,
+        stage: str,
+        tile: int,
+        row_block: int,
+        column_block: int,
+        seen: int,
+        target: int,
+        gave_up: int,
+        timeout_s: float,
+        max_spins: int,
+        tile_kind: str = "tile",
+    ) -> None:
         self.stage, self.tile, self.row_block, self.column_block = stage, tile, row_block, column_block
         self.seen, self.target, self.gave_up = seen, target, gave_up
         self.timeout_s, self.max_spins = timeout_s, max_spins
@@ -255,11 +265,33 @@ def launch_stage(
     clock = torch.empty(grid if do_wait else 1, dtype=torch.int64, device=a.device)
     interpreter_compat()
     stage_kernel[(grid,)](
-        a, b, c, ready_in, ready_out, status, clock, wait_target, timeout_us, max_spins, m, n, a.shape[1],
-        a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
-        WAIT=do_wait, SIGNAL=signal, ACT=act_id,
-        BLOCK_M=tiling.block_m, BLOCK_N=tiling.block_n, BLOCK_K=tiling.block_k, **tiling.launch_options(),
-    )  # fmt: skip
+        a,
+        b,
+        c,
+        ready_in,
+        ready_out,
+        status,
+        clock,
+        wait_target,
+        timeout_us,
+        max_spins,
+        m,
+        n,
+        a.shape[1],
+        a.stride(0),
+        a.stride(1),
+        b.stride(0),
+        b.stride(1),
+        c.stride(0),
+        c.stride(1),
+        WAIT=do_wait,
+        SIGNAL=signal,
+        ACT=act_id,
+        BLOCK_M=tiling.block_m,
+        BLOCK_N=tiling.block_n,
+        BLOCK_K=tiling.block_k,
+        **tiling.launch_options(),
+    )
     if check and do_wait:  # (a stage that does not wait cannot give up: no sync for it)
         raise_if_gave_up(status, name, timeout_s, max_spins)
 
@@ -332,9 +364,16 @@ class TicketMLP:
     later calls do not wait, so a lost signal costs one timeout, not one per call).
     """
 
-    def __init__(self, act: str = "gelu", tiling: Tiling = DEFAULT_TILING, programs: int | None = None,
-                 lag: int = 1, max_spins: int = 0, timeout_s: float | None = None,
-                 check: bool = True) -> None:  # fmt: skip
+    def __init__(
+        self,
+        act: str = "gelu",
+        tiling: Tiling = DEFAULT_TILING,
+        programs: int | None = None,
+        lag: int = 1,
+        max_spins: int = 0,
+        timeout_s: float | None = None,
+        check: bool = True,
+    ) -> None:
         self.act = _check_act(act)
         self.tiling, self.lag = tiling, lag
         self.programs = _check_programs(programs)
@@ -367,11 +406,30 @@ class TicketMLP:
         clock = torch.empty(programs, dtype=torch.int64, device=x.device)
         interpreter_compat()
         ticket_mlp_kernel[(programs,)](
-            x, w1, h, w2, y, ready, status, clock, ticket, schedule, schedule.shape[0],
-            tiles_n1, _timeout_us(self.waits.timeout_s), self.waits.max_spins, m, d, f,
-            ACT=self.act, WAIT=wait, BLOCK_M=self.tiling.block_m, BLOCK_N=self.tiling.block_n,
-            BLOCK_K=self.tiling.block_k, **self.tiling.launch_options(),
-        )  # fmt: skip
+            x,
+            w1,
+            h,
+            w2,
+            y,
+            ready,
+            status,
+            clock,
+            ticket,
+            schedule,
+            schedule.shape[0],
+            tiles_n1,
+            _timeout_us(self.waits.timeout_s),
+            self.waits.max_spins,
+            m,
+            d,
+            f,
+            ACT=self.act,
+            WAIT=wait,
+            BLOCK_M=self.tiling.block_m,
+            BLOCK_N=self.tiling.block_n,
+            BLOCK_K=self.tiling.block_k,
+            **self.tiling.launch_options(),
+        )
         if self.waits.check:
             self.raise_if_gave_up()
         return y
@@ -394,8 +452,15 @@ class PartitionedMLP:
     linked by ready counters exactly as across GPUs (zeroed per call). On a CPU the two run one
     after the other. ``timeout_s``, ``max_spins``, ``check``, ``raise_if_gave_up``: as TicketMLP."""
 
-    def __init__(self, act: str = "gelu", tiling: Tiling = DEFAULT_TILING, producer_share: float = 0.5,
-                 max_spins: int = 0, timeout_s: float | None = None, check: bool = True) -> None:  # fmt: skip
+    def __init__(
+        self,
+        act: str = "gelu",
+        tiling: Tiling = DEFAULT_TILING,
+        producer_share: float = 0.5,
+        max_spins: int = 0,
+        timeout_s: float | None = None,
+        check: bool = True,
+    ) -> None:
         if not 0 < producer_share < 1:
             raise ValueError(f"producer_share must be in (0, 1), got {producer_share}")
         self.act, self.tiling, self.share = act, tiling, producer_share
@@ -422,9 +487,16 @@ class PartitionedMLP:
         produce = dict(
             ready_out=ready, act=self.act, status=status, tiling=self.tiling, programs=producer, check=False
         )
-        consume = dict(ready_in=ready, wait_target=tiles_n1, status=status, timeout_s=self.waits.timeout_s,
-                       max_spins=self.waits.max_spins, tiling=self.tiling, programs=consumer,
-                       check=False)  # fmt: skip
+        consume = dict(
+            ready_in=ready,
+            wait_target=tiles_n1,
+            status=status,
+            timeout_s=self.waits.timeout_s,
+            max_spins=self.waits.max_spins,
+            tiling=self.tiling,
+            programs=consumer,
+            check=False,
+        )
         if x.device.type != "cuda":
             launch_stage(x, w1, h, **produce)
             launch_stage(h, w2, y, **consume)

@@ -90,10 +90,25 @@ def _activation(x, ACT: tl.constexpr):
 
 @triton.jit
 def _tile(
-    a_ptr, b_ptr, c_ptr, pid_m, pid_n, M, N, K,
-    stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
-    ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):  # fmt: skip
+    a_ptr,
+    b_ptr,
+    c_ptr,
+    pid_m,
+    pid_n,
+    M,
+    N,
+    K,
+    stride_am,
+    stride_ak,
+    stride_bk,
+    stride_bn,
+    stride_cm,
+    stride_cn,
+    ACT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     """C[tile] = act(A[row block] @ B[:, column block]), masked at the edges."""
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -169,11 +184,32 @@ def _release(counter_ptr):
 # launches run (Triton would otherwise compile again for, e.g., a target of 1 or a multiple of 16).
 @triton.jit(do_not_specialize=["wait_target", "timeout_us", "max_spins"])
 def stage_kernel(
-    a_ptr, b_ptr, c_ptr, ready_in, ready_out, status, clock, wait_target, timeout_us, max_spins, M, N, K,
-    stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
-    WAIT: tl.constexpr, SIGNAL: tl.constexpr, ACT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):  # fmt: skip
+    a_ptr,
+    b_ptr,
+    c_ptr,
+    ready_in,
+    ready_out,
+    status,
+    clock,
+    wait_target,
+    timeout_us,
+    max_spins,
+    M,
+    N,
+    K,
+    stride_am,
+    stride_ak,
+    stride_bk,
+    stride_bn,
+    stride_cm,
+    stride_cn,
+    WAIT: tl.constexpr,
+    SIGNAL: tl.constexpr,
+    ACT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     tiles_n = tl.cdiv(N, BLOCK_N)
     tiles = tl.cdiv(M, BLOCK_M) * tiles_n
     # One tile per program, or persistent (fewer programs than tiles, e.g. an SM partition):
@@ -183,11 +219,30 @@ def stage_kernel(
         pid_n = tile % tiles_n
         seen = wait_target
         if WAIT:
-            seen = _acquire(ready_in + pid_m, wait_target, status, clock + tl.program_id(0), timeout_us,
-                            max_spins)  # fmt: skip
+            seen = _acquire(
+                ready_in + pid_m, wait_target, status, clock + tl.program_id(0), timeout_us, max_spins
+            )
         if seen >= wait_target:
-            _tile(a_ptr, b_ptr, c_ptr, pid_m, pid_n, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
-                  stride_cm, stride_cn, ACT, BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
+            _tile(
+                a_ptr,
+                b_ptr,
+                c_ptr,
+                pid_m,
+                pid_n,
+                M,
+                N,
+                K,
+                stride_am,
+                stride_ak,
+                stride_bk,
+                stride_bn,
+                stride_cm,
+                stride_cn,
+                ACT,
+                BLOCK_M,
+                BLOCK_N,
+                BLOCK_K,
+            )
             if SIGNAL:
                 _release(ready_out + pid_m)
         else:
@@ -196,11 +251,29 @@ def stage_kernel(
 
 @triton.jit(do_not_specialize=["n_tickets", "wait_target", "timeout_us", "max_spins"])
 def ticket_mlp_kernel(
-    x_ptr, w1_ptr, h_ptr, w2_ptr, y_ptr, ready, status, clock, ticket, schedule, n_tickets, wait_target,
-    timeout_us, max_spins, M, D, F,
-    ACT: tl.constexpr, WAIT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    w1_ptr,
+    h_ptr,
+    w2_ptr,
+    y_ptr,
+    ready,
+    status,
+    clock,
+    ticket,
+    schedule,
+    n_tickets,
+    wait_target,
+    timeout_us,
+    max_spins,
+    M,
+    D,
+    F,
+    ACT: tl.constexpr,
+    WAIT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     """Y = act(X W1) W2 with contiguous row-major X [M, D], W1 [D, F], H [M, F], W2 [F, D], Y [M, D]."""
     t = tl.atomic_add(ticket, 1)
     while t < n_tickets:
@@ -208,17 +281,37 @@ def ticket_mlp_kernel(
         pid_m = tl.load(schedule + 3 * t + 1)
         pid_n = tl.load(schedule + 3 * t + 2)
         if layer == 0:
-            _tile(x_ptr, w1_ptr, h_ptr, pid_m, pid_n, M, F, D, D, 1, F, 1, F, 1,
-                  ACT, BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
+            _tile(
+                x_ptr, w1_ptr, h_ptr, pid_m, pid_n, M, F, D, D, 1, F, 1, F, 1, ACT, BLOCK_M, BLOCK_N, BLOCK_K
+            )
             _release(ready + pid_m)
         else:
             seen = wait_target
             if WAIT:
-                seen = _acquire(ready + pid_m, wait_target, status, clock + tl.program_id(0), timeout_us,
-                                max_spins)  # fmt: skip
+                seen = _acquire(
+                    ready + pid_m, wait_target, status, clock + tl.program_id(0), timeout_us, max_spins
+                )
             if seen >= wait_target:
-                _tile(h_ptr, w2_ptr, y_ptr, pid_m, pid_n, M, D, F, F, 1, D, 1, D, 1,
-                      0, BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
+                _tile(
+                    h_ptr,
+                    w2_ptr,
+                    y_ptr,
+                    pid_m,
+                    pid_n,
+                    M,
+                    D,
+                    F,
+                    F,
+                    1,
+                    D,
+                    1,
+                    D,
+                    1,
+                    0,
+                    BLOCK_M,
+                    BLOCK_N,
+                    BLOCK_K,
+                )
             else:
                 _give_up(status, t, pid_m, pid_n, seen, wait_target)
         t = tl.atomic_add(ticket, 1)

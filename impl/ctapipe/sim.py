@@ -77,8 +77,14 @@ class Hardware:
             value = getattr(self, name)
             if not (_positive(value) and value <= 1):
                 raise ValueError(f"{self.name}: {name} must be in (0, 1], got {value!r}")
-        for name in ("kernel_gap_s", "launch_s", "p2p_latency_s", "flag_latency_s", "ring_step_latency_s",
-                     "nvls_latency_s"):  # fmt: skip
+        for name in (
+            "kernel_gap_s",
+            "launch_s",
+            "p2p_latency_s",
+            "flag_latency_s",
+            "ring_step_latency_s",
+            "nvls_latency_s",
+        ):
             value = getattr(self, name)
             if not (_positive(value) or value == 0):
                 raise ValueError(f"{self.name}: {name} must be a number of seconds >= 0, got {value!r}")
@@ -328,12 +334,16 @@ def compare(hw: Hardware, m: int, gpus: int, width: int = 8192, cta: Tiling = DE
     chain = Chain(m, width, layers=gpus, cta=cta)
     mb, chunk = best_microbatched(hw, chain)
     out = {
-        "gpu": hw.name, "gpus": gpus, "m": m, "width": width,
+        "gpu": hw.name,
+        "gpus": gpus,
+        "m": m,
+        "width": width,
         "back_to_back_s": microbatched(hw, chain, m),
-        "microbatch_s": mb, "microbatch_chunk": chunk,
+        "microbatch_s": mb,
+        "microbatch_chunk": chunk,
         "tp_s": tensor_parallel(hw, chain, gpus),
         "cta_s": cta_pipelined(hw, chain),
-    }  # fmt: skip
+    }
     if gpus >= 4:
         out["cta_tp_s"] = cta_with_tp(hw, chain)
     out["cta_vs_microbatch"] = 1 - out["cta_s"] / mb
@@ -365,11 +375,18 @@ def band(hw: Hardware, gpus: int, rows: list[int], width: int = 8192) -> dict:
         corner = dict(zip(names, values, strict=True))
         tiles = Tiling(*corner["cta_tiles"])
         at = dataclasses.replace(
-            hw, gemm_efficiency=corner["gemm_efficiency"], kernel_gap_s=corner["kernel_gap_s"],
-            flag_latency_s=corner["flag_latency_s"], efficiency_by_rows=(),
-            cta_efficiency=(((tiles.block_m, tiles.block_n),
-                             corner["gemm_efficiency"] * corner["cta_relative_efficiency"]),),
-        )  # fmt: skip
+            hw,
+            gemm_efficiency=corner["gemm_efficiency"],
+            kernel_gap_s=corner["kernel_gap_s"],
+            flag_latency_s=corner["flag_latency_s"],
+            efficiency_by_rows=(),
+            cta_efficiency=(
+                (
+                    (tiles.block_m, tiles.block_n),
+                    corner["gemm_efficiency"] * corner["cta_relative_efficiency"],
+                ),
+            ),
+        )
         results = [compare(at, m, gpus, width, tiles) for m in rows]
         for versus in ("microbatch", "tp"):
             best = max(r[f"cta_vs_{versus}"] for r in results)

@@ -49,10 +49,12 @@ class ForkLauncher:
     def _start(self) -> subprocess.Popen:
         return subprocess.Popen(
             [sys.executable, "-m", "measure.fork_launch", self._preload],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
             env={**os.environ, "OMP_NUM_THREADS": "1"},
             preexec_fn=functools.partial(die_with_parent, os.getpid()),
-        )  # fmt: skip
+        )
 
     def run(self, nproc: int, module: str, args: list[str], timeout: float) -> subprocess.CompletedProcess:
         if self._server.poll() is not None or self._server.stdin.closed:  # it died or gave up: a new one
@@ -138,8 +140,13 @@ def _serve(request: dict) -> dict:
     sys.stdout.flush()
     sys.stderr.flush()  # else a rank's copy of an unwritten buffer is written twice
     for rank in range(nproc):
-        env = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
-               "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0"}  # fmt: skip
+        env = {
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(nproc),
+            "LOCAL_WORLD_SIZE": str(nproc),
+            "GROUP_RANK": "0",
+        }
         pid = os.fork()
         if pid == 0:
             for _, write in pipes:
@@ -176,8 +183,7 @@ def _serve(request: dict) -> dict:
         path.unlink()
     folder.rmdir()
     del store  # its thread ends before the next run forks
-    return {"returncode": first_failure, "stdout": text["out"], "stderr": text["err"],
-            "timed_out": timed_out}  # fmt: skip
+    return {"returncode": first_failure, "stdout": text["out"], "stderr": text["err"], "timed_out": timed_out}
 
 
 def _kill(pids: list[int]) -> None:

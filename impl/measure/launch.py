@@ -34,8 +34,12 @@ def serve_rendezvous() -> TCPStore:
 def agent_store_env(port: int) -> dict[str, str]:
     """The environment under which a rank's ``init_process_group`` (env://) joins a store served on
     ``port`` as a client instead of hosting one: torchrun's convention for its agent's store."""
-    return {"MASTER_ADDR": HOST, "MASTER_PORT": str(port),
-            "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "0"}  # fmt: skip
+    return {
+        "MASTER_ADDR": HOST,
+        "MASTER_PORT": str(port),
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "TORCHELASTIC_RESTART_COUNT": "0",
+    }
 
 
 def run_torchrun(nproc: int, module: str, args: list[str], timeout: float) -> subprocess.CompletedProcess:
@@ -44,10 +48,23 @@ def run_torchrun(nproc: int, module: str, args: list[str], timeout: float) -> su
     ``timeout`` seconds (subprocess.TimeoutExpired). ``--standalone``: torchrun's agent serves the
     rendezvous on a port it binds as the OS assigns it (see the module's docstring). Ranks that call
     ``measure.parallel.die_with_launcher`` die with it."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-               "-m", module, *args]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(nproc),
+        "-m",
+        module,
+        *args,
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", LAUNCHER_PID_ENV: str(os.getpid())}
     return subprocess.run(
-        command, capture_output=True, text=True, timeout=timeout, env=env,
+        command,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
         preexec_fn=functools.partial(die_with_parent, os.getpid()),
-    )  # fmt: skip
+    )

@@ -149,11 +149,17 @@ def _optimizer_arguments(plan: Plan) -> tuple[list[str], list[str]]:
             if plan.virtual_stages > 1:  # Megatron-LM would begin every rank's gather at the start
                 args.append("--no-align-param-gather")  # of the schedule: priced (and run) in forward
         else:
-            cannot.append("the weights gathered in forward without the gradient reduction overlapped "
-                          "(Megatron-LM's --overlap-param-gather needs --overlap-grad-reduce)")  # fmt: skip
+            cannot.append(
+                "the weights gathered in forward without the gradient reduction overlapped "
+                "(Megatron-LM's --overlap-param-gather needs --overlap-grad-reduce)"
+            )
     if fraction:
-        args += ["--optimizer-cpu-offload", "--optimizer-offload-fraction", repr(fraction),
-                 "--use-precision-aware-optimizer"]  # fmt: skip
+        args += [
+            "--optimizer-cpu-offload",
+            "--optimizer-offload-fraction",
+            repr(fraction),
+            "--use-precision-aware-optimizer",
+        ]
     return args, cannot
 
 
@@ -213,8 +219,14 @@ def _null_tokenizer_arguments(vocab: int, tp: int) -> list[str]:
     token, and Megatron-LM pads to a multiple of (divisible-by x TP); the largest divisor of
     vocab / TP up to Megatron-LM's 128 keeps it at ``vocab``."""
     divisible_by = math.gcd(vocab // tp, VOCAB_MULTIPLE)
-    return ["--tokenizer-type", "NullTokenizer", "--vocab-size", str(vocab - 1),
-            "--make-vocab-size-divisible-by", str(divisible_by)]  # fmt: skip
+    return [
+        "--tokenizer-type",
+        "NullTokenizer",
+        "--vocab-size",
+        str(vocab - 1),
+        "--make-vocab-size-divisible-by",
+        str(divisible_by),
+    ]
 
 
 def megatron_lm_command(plan: Plan, model: ModelSpec, inputs: JobInputs | None = None) -> str:
@@ -237,8 +249,12 @@ def megatron_lm_command(plan: Plan, model: ModelSpec, inputs: JobInputs | None =
     cannot += _node_limits(plan)
     if cannot:
         raise CannotExport("Megatron-LM", cannot)
-    args += ["--transformer-impl", inputs.transformer_impl,
-             "--attention-backend", "flash" if model.flash else "unfused"]  # fmt: skip
+    args += [
+        "--transformer-impl",
+        inputs.transformer_impl,
+        "--attention-backend",
+        "flash" if model.flash else "unfused",
+    ]
     args += ["--data-path", inputs.data_path] if inputs.data_path else ["--mock-data"]
     if inputs.tokenizer_type is None:
         args += _null_tokenizer_arguments(model.vocab, tp)
@@ -328,8 +344,10 @@ def _torchtitan_limits(plan: Plan, model: ModelSpec, flavor: str) -> list[str]:
 
 def _fsdp_cpu_offload(plan: Plan) -> bool:
     """A ZeRO-3 plan offloading all of its weights, gradients and optimizer: FSDP's CPU offload."""
-    return all(s.zero == 3 and (s.offload_weights, s.offload_grads, s.offload_optimizer) == (1.0, 1.0, 1.0)
-               for s in plan.stages)  # fmt: skip
+    return all(
+        s.zero == 3 and (s.offload_weights, s.offload_grads, s.offload_optimizer) == (1.0, 1.0, 1.0)
+        for s in plan.stages
+    )
 
 
 def _torchtitan_parallelism(plan: Plan) -> dict:
@@ -400,13 +418,18 @@ def nodes_and_processes(plan: Plan) -> tuple[int, int]:
 
 def _node_limits(plan: Plan) -> list[str]:
     nodes, per_node = nodes_and_processes(plan)
-    return [] if nodes * per_node == plan.gpus else [
-        f"{plan.gpus} GPUs over {nodes} nodes (torchrun starts as many on each node)"]  # fmt: skip
+    return (
+        []
+        if nodes * per_node == plan.gpus
+        else [f"{plan.gpus} GPUs over {nodes} nodes (torchrun starts as many on each node)"]
+    )
 
 
 def _shape(model: ModelSpec) -> str:
-    return (f"hidden {model.hidden}, {model.layers} layers, {model.heads} heads, {model.kv} KV heads, "
-            f"MLP {model.ffn_hidden}, vocabulary {model.vocab}")  # fmt: skip
+    return (
+        f"hidden {model.hidden}, {model.layers} layers, {model.heads} heads, {model.kv} KV heads, "
+        f"MLP {model.ffn_hidden}, vocabulary {model.vocab}"
+    )
 
 
 def toml_text(config: dict) -> str:

@@ -362,10 +362,15 @@ class Plan:
         (and may narrow ``gpus``). A cluster's own device cap or host memory (``cluster(gpu_memory=,
         host_memory=)``) is the plan's too, so that the engine enforces the cap it was planned for."""
         gpu, host = cluster_spec.gpu, cluster_spec.host
-        base = {"model": model_spec.name, "model_overrides": preset_overrides(model_spec),
-                "gpu": gpu.name, "gpus": cluster_spec.gpus, "gpus_per_node": cluster_spec.gpus_per_node,
-                "gpu_memory_bytes": None if gpu.memory == GPUS[gpu.name].memory else gpu.memory,
-                "host_memory_per_node_bytes": None if host == HOSTS[gpu.name] else host.memory}  # fmt: skip
+        base = {
+            "model": model_spec.name,
+            "model_overrides": preset_overrides(model_spec),
+            "gpu": gpu.name,
+            "gpus": cluster_spec.gpus,
+            "gpus_per_node": cluster_spec.gpus_per_node,
+            "gpu_memory_bytes": None if gpu.memory == GPUS[gpu.name].memory else gpu.memory,
+            "host_memory_per_node_bytes": None if host == HOSTS[gpu.name] else host.memory,
+        }
         return cls(**{**base, **fields})
 
     def model_spec(self) -> ModelSpec:
@@ -374,8 +379,13 @@ class Plan:
 
     def cluster(self) -> ClusterSpec:
         """The cluster this plan is for."""
-        return cluster(self.gpu, self.gpus, self.gpus_per_node, host_memory=self.host_memory_per_node_bytes,
-                       gpu_memory=self.gpu_memory_bytes)  # fmt: skip
+        return cluster(
+            self.gpu,
+            self.gpus,
+            self.gpus_per_node,
+            host_memory=self.host_memory_per_node_bytes,
+            gpu_memory=self.gpu_memory_bytes,
+        )
 
     def to_dict(self) -> dict:
         return {"plan_format": PLAN_FORMAT, **asdict(self)}
@@ -461,8 +471,15 @@ class Plan:
         ]
         for i, s in enumerate(self.stages):
             tp, dp, _ = self.stage_parallelism(i)
-            cells = [i, f"{tp}x{dp}", s.layers, s.recompute, "yes" if s.selective else "no", s.zero,
-                     "yes" if s.gather_in_forward else "no"]  # fmt: skip
+            cells = [
+                i,
+                f"{tp}x{dp}",
+                s.layers,
+                s.recompute,
+                "yes" if s.selective else "no",
+                s.zero,
+                "yes" if s.gather_in_forward else "no",
+            ]
             cells += [
                 f"{getattr(s, 'offload_' + k):.2f}" for k in ("weights", "grads", "optimizer", "activations")
             ]
@@ -485,10 +502,22 @@ class Plan:
 
 # "AG fwd": the ZeRO-1/2 weights' all-gather in the next forward (gather_in_forward)
 COLUMNS = [
-    ("stage", 5), ("TPxDP", 6), ("layers", 6), ("recomp", 6), ("sel", 3), ("ZeRO", 4), ("AG fwd", 6),
-    ("off W", 5), ("off G", 5), ("off O", 5), ("off A", 5), ("T (ms)", 8), ("D (ms)", 8), ("mem GiB", 8),
+    ("stage", 5),
+    ("TPxDP", 6),
+    ("layers", 6),
+    ("recomp", 6),
+    ("sel", 3),
+    ("ZeRO", 4),
+    ("AG fwd", 6),
+    ("off W", 5),
+    ("off G", 5),
+    ("off O", 5),
+    ("off A", 5),
+    ("T (ms)", 8),
+    ("D (ms)", 8),
+    ("mem GiB", 8),
     ("host GiB", 8),
-]  # fmt: skip
+]
 
 
 def _ms(x: float | None) -> str:

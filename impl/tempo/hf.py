@@ -64,8 +64,13 @@ ATTN_IMPLEMENTATION = "tempo"
 # Implementations whose masks the Tempo core understands: eager's additive float masks, SDPA's
 # boolean ones (or None, causality then implied by the module), and Tempo's own (eager masks).
 MASK_COMPATIBLE = ("eager", "sdpa", ATTN_IMPLEMENTATION)
-_TEMPO_MODULES = {"layernorm": TempoLayerNorm, "gelu": TempoGELU, "dropout": TempoDropout,
-                  "rmsnorm": TempoRMSNorm, "swiglu": TempoSwiGLUMLP}  # fmt: skip
+_TEMPO_MODULES = {
+    "layernorm": TempoLayerNorm,
+    "gelu": TempoGELU,
+    "dropout": TempoDropout,
+    "rmsnorm": TempoRMSNorm,
+    "swiglu": TempoSwiGLUMLP,
+}
 _SLOT = "_tempo_slot"  # on every module a patch() put in, and on every attention module it switched
 _RECORD = "_tempo_patch"  # on the module patch() was called on
 
@@ -382,8 +387,13 @@ def _check_patchable(model: nn.Module, switched_on: dict[str, bool]):
 
 def _plan_modules(model: nn.Module, switched_on: dict[str, bool], report: PatchReport) -> tuple[list, list]:
     """(new slots, slots of other patches this one joins) for the child modules Tempo replaces."""
-    lists = {"layernorm": report.layernorms, "gelu": report.gelus, "dropout": report.dropouts,
-             "rmsnorm": report.rmsnorms, "swiglu": report.swiglus}  # fmt: skip
+    lists = {
+        "layernorm": report.layernorms,
+        "gelu": report.gelus,
+        "dropout": report.dropouts,
+        "rmsnorm": report.rmsnorms,
+        "swiglu": report.swiglus,
+    }
     new_slots: list[_Slot] = []
     joined: list[_Slot] = []
     for parent_name, parent in list(model.named_modules()):
@@ -498,8 +508,15 @@ def patch(
     """Convert a HF BERT / RoBERTa / GPT-2 or Llama / Mistral / Qwen2 model (any size, any head),
     or a submodule of one such as a single layer, to Tempo's layers in place. Only ``model``
     changes (not the other layers that share its config). Returns what was replaced."""
-    switched_on = {"layernorm": layernorm, "gelu": gelu, "dropout": dropout, "rmsnorm": rmsnorm,
-                   "swiglu": swiglu, "attention": attention, "loss": loss}  # fmt: skip
+    switched_on = {
+        "layernorm": layernorm,
+        "gelu": gelu,
+        "dropout": dropout,
+        "rmsnorm": rmsnorm,
+        "swiglu": swiglu,
+        "attention": attention,
+        "loss": loss,
+    }
     config, model_type = _check_patchable(model, switched_on)
     # Plan everything first, so a refusal leaves the model untouched.
     report = PatchReport(model_type=model_type)

@@ -77,8 +77,9 @@ def tempo_block_spec(normalization: str, layers: int):
     default final norm would keep its input and refuse sequence parallelism)."""
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-    return TransformerBlockSubmodules(layer_specs=[tempo_layer_spec(normalization)] * layers,
-                                      layer_norm=_norm_spec(normalization))  # fmt: skip
+    return TransformerBlockSubmodules(
+        layer_specs=[tempo_layer_spec(normalization)] * layers, layer_norm=_norm_spec(normalization)
+    )
 
 
 def _norm_spec(normalization: str):
@@ -93,8 +94,9 @@ class TempoNorm:
     TP-group sum of their gradients under sequence parallelism. Built by megatron-core's
     build_module with its norms' arguments."""
 
-    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, normalization: str | None = None,
-                **_unused):  # fmt: skip
+    def __new__(
+        cls, config, hidden_size: int, eps: float = 1e-5, normalization: str | None = None, **_unused
+    ):
         if normalization is not None and normalization != config.normalization:
             raise ValueError(
                 f"the Tempo spec was made for {normalization}, the config says {config.normalization!r}"
@@ -140,15 +142,25 @@ def _attention_class():
             if getattr(config, "window_size", None) is not None:
                 raise ValueError("the Tempo attention core takes full causal attention, not a sliding window")
             if config.apply_query_key_layer_scaling:  # megatron-core rescales in its fp32 softmax
-                raise ValueError("the Tempo attention core takes no query-key layer scaling "
-                                 "(apply_query_key_layer_scaling=False)")  # fmt: skip
+                raise ValueError(
+                    "the Tempo attention core takes no query-key layer scaling "
+                    "(apply_query_key_layer_scaling=False)"
+                )
             if getattr(config, "softmax_type", "vanilla") != "vanilla":
                 raise ValueError(
                     f"the Tempo attention core takes the plain softmax, not {config.softmax_type!r}"
                 )
 
-        def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
-                    packed_seq_params=None):  # fmt: skip
+        def forward(
+            self,
+            query,
+            key,
+            value,
+            attention_mask,
+            attn_mask_type=None,
+            attention_bias=None,
+            packed_seq_params=None,
+        ):
             if packed_seq_params is not None or attention_bias is not None:
                 raise ValueError("the Tempo attention core takes no packed sequences and no attention bias")
             groups = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
@@ -199,8 +211,10 @@ def _mlp_class():
                     f"(activation_func=F.silu, gated_linear_unit=True), got {act} with gated={gated}"
                 )
             if act is F.gelu and config.bias_activation_fusion:  # megatron-core's fused one is tanh's
-                raise ValueError("the Tempo MLP's GELU is exact: set bias_activation_fusion=False "
-                                 "(megatron-core's fused bias-GELU is the tanh approximation)")  # fmt: skip
+                raise ValueError(
+                    "the Tempo MLP's GELU is exact: set bias_activation_fusion=False "
+                    "(megatron-core's fused bias-GELU is the tanh approximation)"
+                )
             if config.activation_func_clamp_value is not None or config.glu_linear_offset != 0.0:
                 raise ValueError("the Tempo MLP's SwiGLU is silu(gate) * up: no clamp, no linear offset")
 

@@ -157,8 +157,10 @@ def check_configuration(model: str, configuration: str, head: str = "pretraining
         or head not in CONFIGURATIONS[configuration].heads
     ):
         fits = [name for name, c in CONFIGURATIONS.items() if family in c.families and head in c.heads]
-        raise ValueError(f"configuration {configuration!r} does not apply to {model} ({family}) with the "
-                         f"{head} head; for it choose one of: {', '.join(fits)}")  # fmt: skip
+        raise ValueError(
+            f"configuration {configuration!r} does not apply to {model} ({family}) with the "
+            f"{head} head; for it choose one of: {', '.join(fits)}"
+        )
 
 
 def build_model(

@@ -47,8 +47,20 @@ def test_distributed_baselines_on_two_gloo_processes(tmp_path):
     """The torchrun driver: back-to-back, every micro-batch chunk and TP over a 2-layer chain;
     it raises when any output differs from the reference, so a clean exit is the check."""
     out = tmp_path / "r.json"
-    flags = ["--rows", "256", "--width", "32", "--dtype", "fp32", "--repeats", "1", "--smallest-chunk", "64",
-             "--out", str(out)]  # fmt: skip
+    flags = [
+        "--rows",
+        "256",
+        "--width",
+        "32",
+        "--dtype",
+        "fp32",
+        "--repeats",
+        "1",
+        "--smallest-chunk",
+        "64",
+        "--out",
+        str(out),
+    ]
     done = run_torchrun(2, "artifacts.cta_mlp.distributed", flags, timeout=280)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(out.read_text())

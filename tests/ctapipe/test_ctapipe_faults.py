@@ -62,8 +62,14 @@ def test_the_reported_hang_raises_after_the_default_bound():
         "ready_in=torch.zeros(2, dtype=torch.int32), wait_target=1, tiling=INTERPRETER_TILING)"
     )
     t0 = time.monotonic()
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50,
-                          cwd=REPO_ROOT, env={**os.environ, "TRITON_INTERPRET": "1"})  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=50,
+        cwd=REPO_ROOT,
+        env={**os.environ, "TRITON_INTERPRET": "1"},
+    )
     took = time.monotonic() - t0
     assert done.returncode != 0
     assert (
@@ -81,8 +87,16 @@ def test_a_wait_gives_up_after_its_time_bound_and_the_other_tiles_at_once():
     out = torch.full((64, 64), float("nan"))
     t0 = time.monotonic()
     with pytest.raises(StageTimeout) as e:
-        launch_stage(a, b, out, ready_in=torch.zeros(4, dtype=torch.int32), wait_target=1, timeout_s=0.3,
-                     tiling=T, name="lonely consumer")  # fmt: skip
+        launch_stage(
+            a,
+            b,
+            out,
+            ready_in=torch.zeros(4, dtype=torch.int32),
+            wait_target=1,
+            timeout_s=0.3,
+            tiling=T,
+            name="lonely consumer",
+        )
     took = time.monotonic() - t0
     assert 0.3 <= took < 0.3 + 2.0, took  # one after the other, 16 waits would take 4.8 s
     assert (e.value.stage, e.value.tile, e.value.gave_up, e.value.timeout_s) == (
@@ -124,8 +138,16 @@ def test_max_spins_still_bounds_polls_and_bad_bounds_are_refused():
     a, b = torch.randn(16, 16), torch.randn(16, 16)
     t0 = time.monotonic()
     with pytest.raises(StageTimeout, match=r"bound 60 s or 5 polls"):
-        launch_stage(a, b, torch.empty(16, 16), ready_in=torch.zeros(1, dtype=torch.int32), wait_target=1,
-                     timeout_s=60, max_spins=5, tiling=T)  # fmt: skip
+        launch_stage(
+            a,
+            b,
+            torch.empty(16, 16),
+            ready_in=torch.zeros(1, dtype=torch.int32),
+            wait_target=1,
+            timeout_s=60,
+            max_spins=5,
+            tiling=T,
+        )
     assert time.monotonic() - t0 < 10  # the polls' bound, not the minute's
     ready = torch.zeros(1, dtype=torch.int32)
     for bad in (0, -1.0, float("inf"), float("nan"), 1e4):
@@ -163,8 +185,13 @@ def test_mlps_stay_in_step_when_m_and_the_hidden_width_change(kind):
     for m, f in [(64, f_wide), (16, f_wide), (64, f_wide), (64, f_narrow), (16, f_narrow), (64, f_wide)]:
         x, w1, w2 = _mlp(m, d, f)
         y = mlp(x, w1, w2)  # a give-up would raise StageTimeout
-        torch.testing.assert_close(y.double(), _reference(x, w1, w2), atol=1e-4, rtol=1e-4,
-                                   msg=lambda s, m=m, f=f: f"M={m}, F={f}: {s}")  # fmt: skip
+        torch.testing.assert_close(
+            y.double(),
+            _reference(x, w1, w2),
+            atol=1e-4,
+            rtol=1e-4,
+            msg=lambda s, m=m, f=f: f"M={m}, F={f}: {s}",
+        )
         assert mlp.status.tolist() == [0] * 6
 
 
@@ -294,8 +321,13 @@ def test_no_rank_outlives_a_killed_parent():
     """SIGKILL the process that runs a chain (nothing of it can clean up): its ranks, one asleep,
     one spinning on its wait, must be gone within a few seconds."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    wrapper = subprocess.Popen([sys.executable, "-c", _WRAPPER], cwd=REPO_ROOT, env=env,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    wrapper = subprocess.Popen(
+        [sys.executable, "-c", _WRAPPER],
+        cwd=REPO_ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     kids: list[int] = []
     try:
         deadline = time.monotonic() + 60

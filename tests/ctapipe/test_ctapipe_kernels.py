@@ -176,8 +176,9 @@ def test_chain_across_processes_and_the_negative_control():
     torch.testing.assert_close(y, ref, atol=1e-5, rtol=1e-5)
     # Without the wait the consumer must be caught; the producer starts only after it finished,
     # so the control cannot pass by luck of scheduling.
-    y_bad, _ = run_chain_processes(x, [w1, w2], ["gelu", "none"], INTERPRETER_TILING, wait=False,
-                                   producer_last=True)  # fmt: skip
+    y_bad, _ = run_chain_processes(
+        x, [w1, w2], ["gelu", "none"], INTERPRETER_TILING, wait=False, producer_last=True
+    )
     assert not torch.allclose(y_bad, ref, atol=1e-3), "the missing wait went unnoticed"
     with pytest.raises(ValueError, match="producer_last needs wait=False"):
         run_chain_processes(x, [w1, w2], ["gelu", "none"], INTERPRETER_TILING, producer_last=True)

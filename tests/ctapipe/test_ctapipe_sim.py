@@ -178,7 +178,10 @@ def test_cta_tiles_priced_at_their_own_efficiency_where_known(rng):
     slowed = sim.compare(slow, m, 2)
     assert slowed["cta_s"] > base["cta_s"] * 1.2
     assert (slowed["microbatch_s"], slowed["tp_s"], slowed["back_to_back_s"]) == (
-        base["microbatch_s"], base["tp_s"], base["back_to_back_s"])  # fmt: skip
+        base["microbatch_s"],
+        base["tp_s"],
+        base["back_to_back_s"],
+    )
     assert sim.compare(other, m, 2) == base
 
 

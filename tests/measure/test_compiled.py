@@ -25,9 +25,14 @@ def _bert_layer(hidden: int, tempo_patched: bool) -> nn.Module:
 
     import tempo
 
-    config = BertConfig(hidden_size=hidden, num_attention_heads=4, intermediate_size=4 * hidden,
-                        hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1,
-                        attn_implementation="eager")  # fmt: skip
+    config = BertConfig(
+        hidden_size=hidden,
+        num_attention_heads=4,
+        intermediate_size=4 * hidden,
+        hidden_dropout_prob=0.1,
+        attention_probs_dropout_prob=0.1,
+        attn_implementation="eager",
+    )
     layer = BertLayer(config).train()
     if tempo_patched:
         tempo.patch(layer)

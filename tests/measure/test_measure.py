@@ -91,8 +91,14 @@ def test_allocation_granularity_rounds_up():
 
 def small_bert(with_tempo: bool):
     def build():
-        cfg = BertConfig(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, intermediate_size=1024,
-                         vocab_size=1000, attn_implementation="eager")  # fmt: skip
+        cfg = BertConfig(
+            hidden_size=256,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=1024,
+            vocab_size=1000,
+            attn_implementation="eager",
+        )
         m = BertForPreTraining(cfg)
         if with_tempo:
             tempo.patch(m)
@@ -186,9 +192,13 @@ def test_refine_max_batch_walks_to_the_exact_boundary():
 def test_depth_extrapolation_is_exact(with_tempo):
     def build(n_layers: int):
         cfg = BertConfig(
-            hidden_size=128, num_hidden_layers=n_layers, num_attention_heads=4, intermediate_size=512,
-            vocab_size=500, attn_implementation="eager",
-        )  # fmt: skip
+            hidden_size=128,
+            num_hidden_layers=n_layers,
+            num_attention_heads=4,
+            intermediate_size=512,
+            vocab_size=500,
+            attn_implementation="eager",
+        )
         m = BertForPreTraining(cfg)
         if with_tempo:
             tempo.patch(m)
@@ -333,9 +343,14 @@ def test_cpu_peak_leaves_out_the_named_host_work():
 def _bert_layer(hidden: int, heads: int):
     from transformers.models.bert.modeling_bert import BertLayer
 
-    cfg = BertConfig(hidden_size=hidden, num_attention_heads=heads, intermediate_size=4 * hidden,
-                     hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1,
-                     attn_implementation="eager")  # fmt: skip
+    cfg = BertConfig(
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        intermediate_size=4 * hidden,
+        hidden_dropout_prob=0.1,
+        attention_probs_dropout_prob=0.1,
+        attn_implementation="eager",
+    )
     return BertLayer(cfg).train()
 
 

@@ -62,9 +62,14 @@ def test_throughput_point_runs_on_cpu_at_tiny_scale():
     from artifacts.tempo_bert.throughput import ThroughputSetup, estimate_point, ladder, throughput_point
 
     setup = ThroughputSetup(
-        cases=(("bert-mini", 32),), configs=("tempo",), precision="fp32", gpu="48MiB", reserve=False,
-        warmup=0, repeats=1,
-    )  # fmt: skip
+        cases=(("bert-mini", 32),),
+        configs=("tempo",),
+        precision="fp32",
+        gpu="48MiB",
+        reserve=False,
+        warmup=0,
+        repeats=1,
+    )
     est = estimate_point("bert-mini", 32, "tempo", setup)
     assert est["estimated_max_batch"] >= 2 and est["estimated_peak_gib"] * 2**30 <= 48 * 2**20
     r = throughput_point("bert-mini", 32, "tempo", setup, "cpu", est)

@@ -150,8 +150,11 @@ def test_driver_reports_a_broken_file_in_one_line_before_any_work(tmp_path):
     (tmp_path / "layer_saved_bytes.json").write_text('{"format": 2, "points": [')
     done = subprocess.run(
         [sys.executable, "-m", "artifacts.tempo_layer.run", "--seq", "16", "--results", str(tmp_path)],
-        capture_output=True, text=True, timeout=120, cwd=REPO_ROOT,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO_ROOT,
+    )
     assert done.returncode != 0
     assert done.stderr.strip().startswith("error: ") and "Traceback" not in done.stderr
     assert str(tmp_path / "layer_saved_bytes.json") in done.stderr

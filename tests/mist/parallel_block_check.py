@@ -41,10 +41,17 @@ def main() -> None:
     ps.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
     model_parallel_cuda_manual_seed(0)
     config = TransformerConfig(
-        num_layers=1, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, add_bias_linear=False,
-        hidden_dropout=0.0, attention_dropout=0.0, normalization=args.normalization,
-        params_dtype=torch.float64, use_cpu_initialization=True,
-    )  # fmt: skip
+        num_layers=1,
+        hidden_size=32,
+        num_attention_heads=4,
+        ffn_hidden_size=64,
+        add_bias_linear=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        normalization=args.normalization,
+        params_dtype=torch.float64,
+        use_cpu_initialization=True,
+    )
     layer = build_module(layer_spec(args.normalization, parallel_block=True), config=config, layer_number=1)
     sequential = build_module(
         get_gpt_layer_local_spec(normalization=args.normalization), config=config, layer_number=1

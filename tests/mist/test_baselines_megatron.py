@@ -56,8 +56,15 @@ def test_stages_sharing_a_tp_dp_of_their_own_are_that_plan_lifted():
     )
     assert not any("TP/DP" in why for why in cannot), cannot
     assert lifted.with_stage_parallelism_lifted() is lifted
-    differ = Plan.of(m, c, global_batch=32, tp=1, dp=2, micro_batch=1,
-                     stages=[StagePlan(layers=12, tp=1, dp=2), StagePlan(layers=12, tp=2, dp=1)])  # fmt: skip
+    differ = Plan.of(
+        m,
+        c,
+        global_batch=32,
+        tp=1,
+        dp=2,
+        micro_batch=1,
+        stages=[StagePlan(layers=12, tp=1, dp=2), StagePlan(layers=12, tp=2, dp=1)],
+    )
     assert differ.with_stage_parallelism_lifted() is differ
     assert any("TP/DP of their own that differ" in why for why in megatron_lm_arguments(differ, m)[1])
 
@@ -90,8 +97,11 @@ def test_aceso_stays_in_its_space_and_budget(case):
     assert dataclasses.replace(again.plan, tuning_s=None) == dataclasses.replace(found.plan, tuning_s=None)
     plan = found.plan
     assert plan.breakdown["fits"]
-    assert all(s.zero == 0 and not (s.offload_weights or s.offload_grads or s.offload_optimizer or
-                                    s.offload_activations) for s in plan.stages)  # fmt: skip
+    assert all(
+        s.zero == 0
+        and not (s.offload_weights or s.offload_grads or s.offload_optimizer or s.offload_activations)
+        for s in plan.stages
+    )
     assert (
         sum(plan.stage_parallelism(i)[0] * plan.stage_parallelism(i)[1] for i in range(len(plan.stages)))
         == gpus

@@ -12,8 +12,26 @@ from mist.tuning.planner import predict
 
 def test_plan_then_predict_round_trip(tmp_path, capsys):
     out = tmp_path / "plan.yaml"
-    assert main(["plan", "--model", "gpt3-1.3b", "--gpus", "4", "--gpu", "l4", "--global-batch", "16",
-                 "--quiet", "--explain", "--out", str(out)]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "plan",
+                "--model",
+                "gpt3-1.3b",
+                "--gpus",
+                "4",
+                "--gpu",
+                "l4",
+                "--global-batch",
+                "16",
+                "--quiet",
+                "--explain",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     text = capsys.readouterr().out
     assert "predicted iteration" in text and "why this plan" in text
     plan = Plan.load(out)
@@ -28,12 +46,20 @@ def test_predict_a_hand_written_plan(tmp_path, capsys):
     path = tmp_path / "mine.json"
     Plan.from_dict(
         {
-            "model": "llama-7b", "gpu": "a100-40gb", "gpus": 8, "gpus_per_node": 8, "global_batch": 64,
-            "tp": 2, "dp": 2, "micro_batch": 2,
-            "stages": [{"layers": 15, "recompute": 15}, {"layers": 17, "recompute": 4, "zero": 1,
-                                                          "offload_optimizer": 0.5}],
+            "model": "llama-7b",
+            "gpu": "a100-40gb",
+            "gpus": 8,
+            "gpus_per_node": 8,
+            "global_batch": 64,
+            "tp": 2,
+            "dp": 2,
+            "micro_batch": 2,
+            "stages": [
+                {"layers": 15, "recompute": 15},
+                {"layers": 17, "recompute": 4, "zero": 1, "offload_optimizer": 0.5},
+            ],
         }
-    ).save(path)  # fmt: skip
+    ).save(path)
     assert main(["predict", str(path)]) == 0
     out = capsys.readouterr().out
     assert "TP 2 x DP 2 x PP 2" in out and "predicted iteration" in out
@@ -49,8 +75,17 @@ def test_predict_a_hand_written_plan(tmp_path, capsys):
     ],
 )
 def test_bad_plans_are_refused_clearly(change, message):
-    base = {"model": "gpt3-1.3b", "gpu": "l4", "gpus": 4, "gpus_per_node": 8, "global_batch": 32, "tp": 1,
-            "dp": 2, "micro_batch": 2, "stages": [{"layers": 12}, {"layers": 12}]}  # fmt: skip
+    base = {
+        "model": "gpt3-1.3b",
+        "gpu": "l4",
+        "gpus": 4,
+        "gpus_per_node": 8,
+        "global_batch": 32,
+        "tp": 1,
+        "dp": 2,
+        "micro_batch": 2,
+        "stages": [{"layers": 12}, {"layers": 12}],
+    }
     with pytest.raises(ValueError, match=message):
         Plan.from_dict({**base, **change})
 
@@ -75,12 +110,24 @@ def test_no_feasible_plan_says_how_much_memory(capsys):
 def test_stages_with_their_own_tp_and_dp():
     """An Aceso-style plan: stage 0 on TP 2 x DP 2, stage 1 on TP 1 x DP 4 (each of the 16
     micro-batches split over the stage's own replicas)."""
-    d = {"model": "gpt3-1.3b", "gpu": "a100-40gb", "gpus": 8, "gpus_per_node": 8, "global_batch": 64, "tp": 2,
-         "dp": 2, "micro_batch": 2, "stages": [{"layers": 10}, {"layers": 14, "tp": 1, "dp": 4}]}  # fmt: skip
+    d = {
+        "model": "gpt3-1.3b",
+        "gpu": "a100-40gb",
+        "gpus": 8,
+        "gpus_per_node": 8,
+        "global_batch": 64,
+        "tp": 2,
+        "dp": 2,
+        "micro_batch": 2,
+        "stages": [{"layers": 10}, {"layers": 14, "tp": 1, "dp": 4}],
+    }
     plan = predict(Plan.from_dict(d), model("gpt3-1.3b"), cluster("a100-40gb", 8))
     assert plan.stage_parallelism(1) == (1, 4, 1) and plan.grad_accum == 16
-    uniform = predict(Plan.from_dict({**d, "stages": [{"layers": 10}, {"layers": 14}]}), model("gpt3-1.3b"),
-                      cluster("a100-40gb", 8))  # fmt: skip
+    uniform = predict(
+        Plan.from_dict({**d, "stages": [{"layers": 10}, {"layers": 14}]}),
+        model("gpt3-1.3b"),
+        cluster("a100-40gb", 8),
+    )
     assert plan.stages[1].steady_s != pytest.approx(uniform.stages[1].steady_s)
     assert "1x4" in plan.table()
     with pytest.raises(ValueError, match="use 2x2 \\+ 1x2 = 6 GPUs"):
@@ -130,15 +177,50 @@ def test_plan_under_a_device_memory_cap(tmp_path, capsys):
     plans = {}
     for cap in ("16GiB", "2MiB"):
         out = tmp_path / f"{cap}.yaml"
-        assert main(["plan", "--model", "gpt3-tiny", "--gpus", "2", "--gpu", "cpu", "--global-batch", "8",
-                     "--gpu-mem", cap, "--quiet", "--out", str(out)]) == 0  # fmt: skip
+        assert (
+            main(
+                [
+                    "plan",
+                    "--model",
+                    "gpt3-tiny",
+                    "--gpus",
+                    "2",
+                    "--gpu",
+                    "cpu",
+                    "--global-batch",
+                    "8",
+                    "--gpu-mem",
+                    cap,
+                    "--quiet",
+                    "--out",
+                    str(out),
+                ]
+            )
+            == 0
+        )
         plans[cap] = Plan.load(out)
     tight = plans["2MiB"]
     assert tight.gpu_memory_bytes == 2 * 2**20 and tight.breakdown["usable_memory_bytes"] == 2 * 2**20
     assert all(s.memory_bytes <= 2 * 2**20 for s in tight.stages)
     assert max(s.memory_bytes for s in plans["16GiB"].stages) > 2 * 2**20  # unconstrained, it uses more
     capsys.readouterr()
-    assert main(["plan", "--model", "gpt3-tiny", "--gpus", "2", "--gpu", "cpu", "--global-batch", "8",
-                 "--gpu-mem", "lots"]) == 2  # fmt: skip
+    assert (
+        main(
+            [
+                "plan",
+                "--model",
+                "gpt3-tiny",
+                "--gpus",
+                "2",
+                "--gpu",
+                "cpu",
+                "--global-batch",
+                "8",
+                "--gpu-mem",
+                "lots",
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "'16GB', '80GiB', '512MiB'" in err[0], err

@@ -152,8 +152,13 @@ def test_which_profiles_timed_the_weight_gradient(rng):
     from mist.model.profile_data import backward_has_weight_gradients, read_layer_profiles
 
     found = {d.name: read_layer_profiles(d)[0].weight_gradients for d in (DATA / "gpu-op-profiles").iterdir()}
-    assert found == {"a10g": True, "l4": False, "v100-sxm2-32gb-seq2048": False, "a100-sxm4-40gb": False,
-                     "a100-sxm4-40gb-larger-model": False}  # fmt: skip
+    assert found == {
+        "a10g": True,
+        "l4": False,
+        "v100-sxm2-32gb-seq2048": False,
+        "a100-sxm4-40gb": False,
+        "a100-sxm4-40gb-larger-model": False,
+    }
     fwd = rng.uniform(1e-4, 1e-2, 4)
     from mist.model.profile_data import WEIGHT_GEMMS
 
@@ -375,8 +380,10 @@ def test_profile_point_is_the_median_of_its_passes(tmp_path, monkeypatch, rng):
     def rows(b, *args):
         factor = rng.uniform(1.5, 3.0) if len(calls) == slow["pass"] else rng.uniform(0.99, 1.01)
         calls.append(b)
-        return [{"op_name": op, "forward-compute": f * factor, "backward-compute": w * factor, "weights": 1.0}
-                for op, (f, w) in times.items()]  # fmt: skip
+        return [
+            {"op_name": op, "forward-compute": f * factor, "backward-compute": w * factor, "weights": 1.0}
+            for op, (f, w) in times.items()
+        ]
 
     monkeypatch.setattr(layer, "_point_rows", rows)
     for rounds, slow["pass"] in ((3, int(rng.integers(3))), (1, 0)):
@@ -385,8 +392,10 @@ def test_profile_point_is_the_median_of_its_passes(tmp_path, monkeypatch, rng):
         profiler.write_profiles(out, "cpu", 64, 4, 32, [2], [1], torch.float32, "cpu", rounds=rounds)
         assert calls == [2] * rounds
         with (out / "gpt_h64_mbs2_tp1_algo0.csv").open() as fh:
-            written = {r["op_name"]: (float(r["forward-compute"]), float(r["backward-compute"]), r["weights"])
-                       for r in csv.DictReader(fh)}  # fmt: skip
+            written = {
+                r["op_name"]: (float(r["forward-compute"]), float(r["backward-compute"]), r["weights"])
+                for r in csv.DictReader(fh)
+            }
         for op, expected in times.items():
             assert written[op][2] == "1.000"  # sizes carried, not medianed into something else
             error = max(abs(w / e - 1) for w, e in zip(written[op][:2], expected, strict=True))
@@ -632,8 +641,10 @@ def test_selective_recomputation_keeps_less_and_repeats_the_core_attention(flash
     layers, r = 6, 2
     values = []
     for selective in (0.0, 1.0):
-        grid = {k: np.array([0.0]) for k in ("zero", "offload_weights", "offload_grads", "offload_optimizer",
-                                             "offload_activations")}  # fmt: skip
+        grid = {
+            k: np.array([0.0])
+            for k in ("zero", "offload_weights", "offload_grads", "offload_optimizer", "offload_activations")
+        }
         grid.update(recompute=np.array([float(r)]), selective=np.array([selective]))
         values.append(evaluate_stage(st, ln, layers, 3, False, False, grid, 8))
     plain, selective = values

@@ -39,18 +39,31 @@ def _kept_bytes(name: str, overrides: dict, micro_batch: int, megatron_core_defa
     from mist.engine.run import _config
 
     m = model(name, hidden=256, seq=128, flash=False, **overrides)
-    plan = Plan.of(m, cluster("cpu", 1), stages=[StagePlan(layers=1)], global_batch=micro_batch,
-                   tp=1, dp=1, micro_batch=micro_batch)  # fmt: skip
+    plan = Plan.of(
+        m,
+        cluster("cpu", 1),
+        stages=[StagePlan(layers=1)],
+        global_batch=micro_batch,
+        tp=1,
+        dp=1,
+        micro_batch=micro_batch,
+    )
     settings = model_settings(plan, m)
     with megatron_state():
         config = _config(m, plan, torch.bfloat16)
         if megatron_core_defaults:
             config = dataclasses.replace(config, attention_softmax_in_fp32=True, bias_activation_fusion=False)
         spec = block_spec(settings["normalization"], m.parallel_block, 1, m.tempo)
-        gpt = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=m.vocab,
-                       max_sequence_length=m.seq, pre_process=True, post_process=True,
-                       share_embeddings_and_output_weights=False,
-                       position_embedding_type=settings["position_embedding_type"]).train()  # fmt: skip
+        gpt = GPTModel(
+            config=config,
+            transformer_layer_spec=spec,
+            vocab_size=m.vocab,
+            max_sequence_length=m.seq,
+            pre_process=True,
+            post_process=True,
+            share_embeddings_and_output_weights=False,
+            position_embedding_type=settings["position_embedding_type"],
+        ).train()
         layer = gpt.decoder.layers[0]
         x = torch.randn(m.seq, micro_batch, m.hidden, dtype=torch.bfloat16, requires_grad=True)
         mask = torch.ones(1, 1, m.seq, m.seq, dtype=torch.bool).tril().logical_not()

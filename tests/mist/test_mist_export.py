@@ -41,8 +41,17 @@ def _flags(argv: list[str]) -> dict[str, str | bool]:
 
 def _plan(name: str, layers: list[int], tp: int = 2, dp: int = 1, **stage) -> Plan:
     stages = [StagePlan(layers=n, **stage) for n in layers]
-    return Plan(model=name, gpu="l4", gpus=tp * dp * len(layers), gpus_per_node=8, global_batch=64,
-                tp=tp, dp=dp, micro_batch=1, stages=stages)  # fmt: skip
+    return Plan(
+        model=name,
+        gpu="l4",
+        gpus=tp * dp * len(layers),
+        gpus_per_node=8,
+        global_batch=64,
+        tp=tp,
+        dp=dp,
+        micro_batch=1,
+        stages=stages,
+    )
 
 
 def test_every_setting_of_the_priced_model_is_a_flag():
@@ -56,16 +65,22 @@ def test_every_setting_of_the_priced_model_is_a_flag():
     settings = model_settings(plan, m)
     args, cannot = megatron_lm_arguments(plan, m)
     flags = _flags(args)
-    pairs = [("num_layers", "--num-layers"), ("hidden_size", "--hidden-size"),
-             ("ffn_hidden_size", "--ffn-hidden-size"), ("num_attention_heads", "--num-attention-heads"),
-             ("hidden_dropout", "--hidden-dropout"),
-             ("attention_dropout", "--attention-dropout"), ("max_sequence_length", "--seq-length"),
-             ("max_sequence_length", "--max-position-embeddings"), ("normalization", "--normalization"),
-             ("position_embedding_type", "--position-embedding-type"),
-             ("tensor_model_parallel_size", "--tensor-model-parallel-size"),
-             ("pipeline_model_parallel_size", "--pipeline-model-parallel-size"),
-             ("num_layers_in_first_pipeline_stage", "--decoder-first-pipeline-num-layers"),
-             ("num_layers_in_last_pipeline_stage", "--decoder-last-pipeline-num-layers")]  # fmt: skip
+    pairs = [
+        ("num_layers", "--num-layers"),
+        ("hidden_size", "--hidden-size"),
+        ("ffn_hidden_size", "--ffn-hidden-size"),
+        ("num_attention_heads", "--num-attention-heads"),
+        ("hidden_dropout", "--hidden-dropout"),
+        ("attention_dropout", "--attention-dropout"),
+        ("max_sequence_length", "--seq-length"),
+        ("max_sequence_length", "--max-position-embeddings"),
+        ("normalization", "--normalization"),
+        ("position_embedding_type", "--position-embedding-type"),
+        ("tensor_model_parallel_size", "--tensor-model-parallel-size"),
+        ("pipeline_model_parallel_size", "--pipeline-model-parallel-size"),
+        ("num_layers_in_first_pipeline_stage", "--decoder-first-pipeline-num-layers"),
+        ("num_layers_in_last_pipeline_stage", "--decoder-last-pipeline-num-layers"),
+    ]
     for field, flag in pairs:
         assert flags[flag] == str(settings[field]), (flag, flags.get(flag), settings[field])
     assert cannot == [] and flags.get("--swiglu", False) == settings["gated_linear_unit"]
@@ -101,8 +116,13 @@ def test_what_megatron_lm_cannot_express_is_named_part_by_part():
     ]
     plan = Plan.of(m, cluster("l4", 8), global_batch=64, tp=1, dp=2, micro_batch=2, stages=stages)
     args, cannot = megatron_lm_arguments(plan, m)
-    for reason in ("TP/DP of their own that differ", "uneven middle stages", "recomputed layers per stage",
-                   "ZeRO stage 2/3", "offloading activations"):  # fmt: skip
+    for reason in (
+        "TP/DP of their own that differ",
+        "uneven middle stages",
+        "recomputed layers per stage",
+        "ZeRO stage 2/3",
+        "offloading activations",
+    ):
         assert sum(reason in why for why in cannot) == 1, (reason, cannot)
     assert _flags(args)["--pipeline-model-parallel-size"] == "4"
     with pytest.raises(CannotExport) as refused:
@@ -169,8 +189,15 @@ def test_null_tokenizer_pads_to_the_priced_vocabulary():
 
 def test_the_command_launches_every_node_and_fills_placeholders():
     m = model("gpt3-7b")
-    plan = Plan.of(m, cluster("l4", 16), global_batch=64, tp=2, dp=2, micro_batch=1,
-                   stages=[StagePlan(layers=8, recompute=8) for _ in range(4)])  # fmt: skip
+    plan = Plan.of(
+        m,
+        cluster("l4", 16),
+        global_batch=64,
+        tp=2,
+        dp=2,
+        micro_batch=1,
+        stages=[StagePlan(layers=8, recompute=8) for _ in range(4)],
+    )
     command = megatron_lm_command(plan, m, JobInputs(data_path="/data/web_text_document", train_iters=7))
     env, world, argv = split_command(command)
     assert env == {"CUDA_DEVICE_MAX_CONNECTIONS": "1"} and world == 16  # TP > 1 needs one connection
@@ -188,8 +215,14 @@ def test_the_command_launches_every_node_and_fills_placeholders():
 
 
 def _export(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "mist", "export", *args], capture_output=True, text=True,
-                          cwd=REPO, env={"PYTHONPATH": str(REPO / "impl")}, timeout=120)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "mist", "export", *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={"PYTHONPATH": str(REPO / "impl")},
+        timeout=120,
+    )
 
 
 def test_command_line_prints_a_command_or_one_line_per_part(tmp_path):
@@ -206,8 +239,10 @@ def test_command_line_prints_a_command_or_one_line_per_part(tmp_path):
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 2 and done.stdout == "" and len(lines) == 3, done.stderr
     assert all(line.startswith("python -m mist export: Megatron-LM cannot express: ") for line in lines)
-    for args, says in (([str(tmp_path / "good.yaml"), "--to", "megatron-lm", "--lr", "-1"], "lr must be"),
-                       ([str(tmp_path / "none.yaml"), "--to", "megatron-lm"], "none.yaml")):  # fmt: skip
+    for args, says in (
+        ([str(tmp_path / "good.yaml"), "--to", "megatron-lm", "--lr", "-1"], "lr must be"),
+        ([str(tmp_path / "none.yaml"), "--to", "megatron-lm"], "none.yaml"),
+    ):
         done = _export(*args)
         assert done.returncode == 2 and done.stdout == "" and len(done.stderr.strip().splitlines()) == 1
         assert says in done.stderr, done.stderr
@@ -219,9 +254,12 @@ def _comparison_plans() -> list[tuple[str, Plan]]:
     offload) with no layer, one layer and every layer of a stage recomputed (what decides the
     recompute flags: none, block, uniform), or selective recomputation alone."""
     points = json.loads(COMPARISON.read_text())["points"]
-    plans = [(f"{p['key']['model']}/{p['key']['gpus']}/{system}", summary_plan(p["key"], summary))
-             for p in points for system, summary in p["result"].items()
-             if isinstance(summary, dict) and "stages" in summary]  # fmt: skip
+    plans = [
+        (f"{p['key']['model']}/{p['key']['gpus']}/{system}", summary_plan(p["key"], summary))
+        for p in points
+        for system, summary in p["result"].items()
+        if isinstance(summary, dict) and "stages" in summary
+    ]
     for family in ("gpt3", "llama"):  # Falcon's parallel block: no Megatron-LM model (refused)
         small = min((p for p in points if p["result"]["family"] == family), key=lambda p: p["key"]["gpus"])[
             "key"
@@ -233,8 +271,10 @@ def _comparison_plans() -> list[tuple[str, Plan]]:
         batch = small["global_batch"]
         for i, setting in enumerate(settings(m, c, batch, GRID)):
             ks = recompute_counts(setting, GRID)
-            plans += [(f"grid/{small['model']}/{i}/{k}", setting_plan(m, c, batch, setting, k))
-                      for k in sorted({ks[0], ks[min(1, len(ks) - 1)], ks[-1]})]  # fmt: skip
+            plans += [
+                (f"grid/{small['model']}/{i}/{k}", setting_plan(m, c, batch, setting, k))
+                for k in sorted({ks[0], ks[min(1, len(ks) - 1)], ks[-1]})
+            ]
     return plans
 
 
@@ -276,10 +316,12 @@ def test_megatron_lm_accepts_every_plan_it_can_express():
     selective = _plan("gpt3-1.3b", [12, 12], tp=2, dp=2, selective=True)
     selective.model_overrides["flash"] = False
     assert validate(megatron_lm_command(selective, selective.model_spec()), "l4", checkout) is None
-    for drop, says in (("--use-precision-aware-optimizer", "use-precision-aware-optimizer"),
-                       ("--use-distributed-optimizer", "distributed optimizer"),
-                       ("CUDA_DEVICE_MAX_CONNECTIONS=1 ", "CUDA_DEVICE_MAX_CONNECTIONS"),
-                       ("--tensor-model-parallel-size 2", "world size")):  # fmt: skip
+    for drop, says in (
+        ("--use-precision-aware-optimizer", "use-precision-aware-optimizer"),
+        ("--use-distributed-optimizer", "distributed optimizer"),
+        ("CUDA_DEVICE_MAX_CONNECTIONS=1 ", "CUDA_DEVICE_MAX_CONNECTIONS"),
+        ("--tensor-model-parallel-size 2", "world size"),
+    ):
         instead = "--tensor-model-parallel-size 3" if "tensor" in drop else ""
         error = validate(command.replace(drop, instead), "l4", checkout)
         assert error is not None and says in error, (drop, error)
@@ -312,11 +354,29 @@ def test_the_megatron_lm_target_finds_the_exhaustive_best_and_every_plan_exports
 
 def test_plan_for_megatron_lm_then_export_is_two_commands(tmp_path):
     plan = tmp_path / "plan.yaml"
-    base = [sys.executable, "-m", "mist", "plan", "--gpus", "4", "--gpu", "l4", "--global-batch", "16",
-            "--quiet", "--target", "megatron-lm"]  # fmt: skip
+    base = [
+        sys.executable,
+        "-m",
+        "mist",
+        "plan",
+        "--gpus",
+        "4",
+        "--gpu",
+        "l4",
+        "--global-batch",
+        "16",
+        "--quiet",
+        "--target",
+        "megatron-lm",
+    ]
     env = {"PYTHONPATH": str(REPO / "impl")}
-    done = subprocess.run([*base, "--model", "gpt3-1.3b", "--out", str(plan)], capture_output=True, text=True,
-                          env=env, timeout=300)  # fmt: skip
+    done = subprocess.run(
+        [*base, "--model", "gpt3-1.3b", "--out", str(plan)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr
     exported = _export(str(plan), "--to", "megatron-lm")
     assert exported.returncode == 0 and "pretrain_gpt.py" in exported.stdout, exported.stderr
@@ -331,8 +391,16 @@ def _llama_plan(tp: int, dp: int, layers: list[int], **stage) -> Plan:
     m = model("llama-7b")
     stages = [StagePlan(layers=n, **stage) for n in layers]
     # torch's DDP overlaps its all-reduce with backward: the plan says so (export refuses otherwise)
-    return Plan.of(m, cluster("a100-40gb", tp * dp * len(layers)), global_batch=64, tp=tp, dp=dp,
-                   micro_batch=2, stages=stages, overlap_grad_reduce=True)  # fmt: skip
+    return Plan.of(
+        m,
+        cluster("a100-40gb", tp * dp * len(layers)),
+        global_batch=64,
+        tp=tp,
+        dp=dp,
+        micro_batch=2,
+        stages=stages,
+        overlap_grad_reduce=True,
+    )
 
 
 @pytest.mark.parametrize(
@@ -368,9 +436,16 @@ def test_torchtitan_loads_the_job_config_as_the_plan_says(tmp_path, tp, dp, laye
         for key, value in fields.items():
             assert getattr(getattr(job, section), key) == value, (section, key)
     p = job.parallelism
-    ParallelDims(dp_replicate=p.data_parallel_replicate_degree, dp_shard=p.data_parallel_shard_degree, cp=1,
-                 tp=p.tensor_parallel_degree, pp=p.pipeline_parallel_degree, ep=1, etp=1,
-                 world_size=plan.gpus)  # fmt: skip
+    ParallelDims(
+        dp_replicate=p.data_parallel_replicate_degree,
+        dp_shard=p.data_parallel_shard_degree,
+        cp=1,
+        tp=p.tensor_parallel_degree,
+        pp=p.pipeline_parallel_degree,
+        ep=1,
+        etp=1,
+        world_size=plan.gpus,
+    )
     batch_degree = p.data_parallel_replicate_degree * p.data_parallel_shard_degree
     steps = job.training.global_batch_size // (job.training.local_batch_size * batch_degree)
     pipeline = job.training.local_batch_size // p.pipeline_parallel_microbatch_size if len(layers) > 1 else 1
@@ -378,8 +453,12 @@ def test_torchtitan_loads_the_job_config_as_the_plan_says(tmp_path, tp, dp, laye
     if len(layers) > 1:
         parts = p.module_fqns_per_model_part
         assert [len([m for m in part if m.startswith("layers.")]) for part in parts] == layers
-        assert [m for part in parts for m in part] == ["tok_embeddings", *(f"layers.{i}" for i in range(32)),
-                                                        "norm", "output"]  # fmt: skip
+        assert [m for part in parts for m in part] == [
+            "tok_embeddings",
+            *(f"layers.{i}" for i in range(32)),
+            "norm",
+            "output",
+        ]
     assert job.activation_checkpoint.mode == ("full" if plan.stages[0].recompute else "none")
     assert job.training.enable_cpu_offload == (plan.stages[0].offload_weights == 1.0)
     config["parallelism"]["tensor_parallel"] = tp  # negative control: a key torchtitan has not
@@ -442,8 +521,10 @@ def test_an_option_of_the_other_target_is_refused_not_ignored(tmp_path):
     plan = _llama_plan(1, 8, [32], zero=3)
     plan.save(tmp_path / "plan.yaml")
     torchtitan_with_megatron_option = ["--to", "torchtitan", "--flavor", "8B", "--tokenizer-type", "HF"]
-    for args, flag in ((torchtitan_with_megatron_option, "--tokenizer-type"),
-                       (["--to", "megatron-lm", "--flavor", "8B"], "--flavor")):  # fmt: skip
+    for args, flag in (
+        (torchtitan_with_megatron_option, "--tokenizer-type"),
+        (["--to", "megatron-lm", "--flavor", "8B"], "--flavor"),
+    ):
         done = _export(str(tmp_path / "plan.yaml"), *args)
         assert done.returncode == 2 and done.stdout == "" and len(done.stderr.strip().splitlines()) == 1
         assert flag in done.stderr, done.stderr
@@ -477,7 +558,15 @@ def test_the_first_recompute_count_that_fits_is_found_where_memory_is_not_monoto
 
     monkeypatch.setattr(exhaustive, "predict_for", predict_for)
     found = exhaustive.fastest_fitting(
-        16, [setting], lambda s, k: setting_plan(m, c, 16, s, k), lambda s: list(range(3)), m, c, None, None,
-        None, "none fits",
-    )  # fmt: skip
+        16,
+        [setting],
+        lambda s, k: setting_plan(m, c, 16, s, k),
+        lambda s: list(range(3)),
+        m,
+        c,
+        None,
+        None,
+        None,
+        "none fits",
+    )
     assert [s.recompute for s in found.stages] == [0, 0, 0, 0]

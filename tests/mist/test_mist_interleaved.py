@@ -112,8 +112,17 @@ def _plan(virtual: int, layers=(6, 6), recompute=(0, 0), global_batch=8, **field
     m = model("gpt3-1.3b", layers=sum(layers))
     c = cluster("h100", len(layers))
     stages = [StagePlan(layers=n, recompute=r) for n, r in zip(layers, recompute, strict=True)]
-    return Plan.of(m, c, global_batch=global_batch, tp=1, dp=1, micro_batch=1, stages=stages,
-                   virtual_stages=virtual, **fields)  # fmt: skip
+    return Plan.of(
+        m,
+        c,
+        global_batch=global_batch,
+        tp=1,
+        dp=1,
+        micro_batch=1,
+        stages=stages,
+        virtual_stages=virtual,
+        **fields,
+    )
 
 
 @pytest.mark.parametrize(

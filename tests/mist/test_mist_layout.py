@@ -15,9 +15,18 @@ def _plan(shapes: list[tuple[int, int]], sequences: int, sequence_parallel: bool
     stages = [StagePlan(layers=1, tp=tp, dp=dp) for tp, dp in shapes]
     g = 2  # micro-batches a step
     tp, dp = shapes[0]
-    return Plan(model="gpt3-tiny", gpu="cpu", gpus=sum(t * d for t, d in shapes), gpus_per_node=8,
-                global_batch=g * sequences, tp=tp, dp=dp, micro_batch=sequences // dp, stages=stages,
-                sequence_parallel=sequence_parallel)  # fmt: skip
+    return Plan(
+        model="gpt3-tiny",
+        gpu="cpu",
+        gpus=sum(t * d for t, d in shapes),
+        gpus_per_node=8,
+        global_batch=g * sequences,
+        tp=tp,
+        dp=dp,
+        micro_batch=sequences // dp,
+        stages=stages,
+        sequence_parallel=sequence_parallel,
+    )
 
 
 def _covered(layout: RankLayout, rank: int, messages) -> np.ndarray:
@@ -48,8 +57,10 @@ def test_every_rank_receives_its_whole_piece_once_and_each_send_has_its_receive(
                 assert (_covered(layout, rank, layout.forward_receives(rank)) == 1).all(), (shapes, rank)
             if stage < stages - 1:
                 assert (_covered(layout, rank, layout.backward_receives(rank)) == 1).all(), (shapes, rank)
-        for sends, receives in ((layout.forward_sends, layout.forward_receives),
-                                (layout.backward_sends, layout.backward_receives)):  # fmt: skip
+        for sends, receives in (
+            (layout.forward_sends, layout.forward_receives),
+            (layout.backward_sends, layout.backward_receives),
+        ):
             sent = {(a, m.peer): (m.seq_hi - m.seq_lo, m.hi - m.lo) for a in ranks for m in sends(a)}
             got = {(m.peer, b): (m.seq_hi - m.seq_lo, m.hi - m.lo) for b in ranks for m in receives(b)}
             assert sent == got, shapes

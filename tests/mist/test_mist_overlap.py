@@ -24,8 +24,17 @@ def _plan(overlap: bool, bucket: int | None = None, zero: int = 0, gather: bool 
     stages = [
         StagePlan(layers=10, recompute=10, zero=zero, gather_in_forward=gather, **stage) for _ in range(4)
     ]
-    return Plan.of(m, cluster("a100-40gb", 16), global_batch=32, tp=1, dp=4, micro_batch=1, stages=stages,
-                   overlap_grad_reduce=overlap, grad_bucket_params=bucket)  # fmt: skip
+    return Plan.of(
+        m,
+        cluster("a100-40gb", 16),
+        global_batch=32,
+        tp=1,
+        dp=4,
+        micro_batch=1,
+        stages=stages,
+        overlap_grad_reduce=overlap,
+        grad_bucket_params=bucket,
+    )
 
 
 @pytest.mark.parametrize("zero", [0, 1])
@@ -97,8 +106,15 @@ def test_only_zero12_weights_on_the_device_are_gathered_in_forward():
     only = strategy_grid(3, SearchSpace(gather_in_forward=(True,)))  # where a stage may: ZeRO-0/3 stay
     assert set(only["zero"]) == {0, 1, 2, 3} and len(only["zero"]) == (~gathered).sum()
     m = model("gpt3-1.3b", seq=2048)
-    one = Plan.of(m, cluster("a100-40gb", 1), global_batch=4, tp=1, dp=1, micro_batch=1,
-                  stages=[StagePlan(layers=m.layers, zero=1, gather_in_forward=True)])  # fmt: skip
+    one = Plan.of(
+        m,
+        cluster("a100-40gb", 1),
+        global_batch=4,
+        tp=1,
+        dp=1,
+        micro_batch=1,
+        stages=[StagePlan(layers=m.layers, zero=1, gather_in_forward=True)],
+    )
     assert predict(one, m, one.cluster()).stages[0].wait_s == 0.0
 
 
@@ -131,14 +147,22 @@ def test_megatron_lm_flags_and_what_torchtitan_cannot_say():
     plain, _ = megatron_lm_arguments(_plan(False), m)
     assert "--overlap-grad-reduce" not in plain and "--ddp-bucket-size" not in plain
     llama = model("llama-7b")
-    ddp = Plan.of(llama, cluster("a100-40gb", 4), global_batch=8, tp=1, dp=4, micro_batch=1,
-                  stages=[StagePlan(layers=llama.layers)])  # fmt: skip
+    ddp = Plan.of(
+        llama,
+        cluster("a100-40gb", 4),
+        global_batch=8,
+        tp=1,
+        dp=4,
+        micro_batch=1,
+        stages=[StagePlan(layers=llama.layers)],
+    )
     with pytest.raises(CannotExport, match="always overlaps"):
         torchtitan_config(ddp, llama, flavor="7B")
     torchtitan_config(dataclasses.replace(ddp, overlap_grad_reduce=True), llama, flavor="7B")
     with pytest.raises(CannotExport, match="gradient buckets"):
-        torchtitan_config(dataclasses.replace(ddp, overlap_grad_reduce=True, grad_bucket_params=10**6),
-                          llama, flavor="7B")  # fmt: skip
+        torchtitan_config(
+            dataclasses.replace(ddp, overlap_grad_reduce=True, grad_bucket_params=10**6), llama, flavor="7B"
+        )
 
 
 def test_gather_flag_for_all_distributed_optimizer_stages_and_fsdp2_always_gathers_ahead():
@@ -158,8 +182,16 @@ def test_gather_flag_for_all_distributed_optimizer_stages_and_fsdp2_always_gathe
     assert not cannot and {"--overlap-param-gather", "--no-align-param-gather"} <= set(args)
     assert "--no-align-param-gather" not in megatron_lm_arguments(_plan(True, zero=1, gather=True), m)[0]
     llama = model("llama-7b")
-    fsdp = Plan.of(llama, cluster("a100-40gb", 4), global_batch=8, tp=1, dp=4, micro_batch=1,
-                   stages=[StagePlan(layers=llama.layers, zero=2)], overlap_grad_reduce=True)  # fmt: skip
+    fsdp = Plan.of(
+        llama,
+        cluster("a100-40gb", 4),
+        global_batch=8,
+        tp=1,
+        dp=4,
+        micro_batch=1,
+        stages=[StagePlan(layers=llama.layers, zero=2)],
+        overlap_grad_reduce=True,
+    )
     with pytest.raises(CannotExport, match="gathers ahead"):
         torchtitan_config(fsdp, llama, flavor="7B")
     fsdp.stages[0].gather_in_forward = True

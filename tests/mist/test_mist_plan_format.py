@@ -58,12 +58,16 @@ def _random_plan(rng: np.random.Generator) -> Plan:
     micro_batch, grad_accum = int(rng.integers(1, 5)), int(rng.integers(1, 9))
     stages = [
         StagePlan(
-            layers=int(n), recompute=int(rng.integers(0, n + 1)), zero=int(rng.integers(0, 4)),
-            offload_weights=float(rng.random()), offload_grads=float(rng.random()),
-            offload_optimizer=float(rng.random()), offload_activations=float(rng.random()),
+            layers=int(n),
+            recompute=int(rng.integers(0, n + 1)),
+            zero=int(rng.integers(0, 4)),
+            offload_weights=float(rng.random()),
+            offload_grads=float(rng.random()),
+            offload_optimizer=float(rng.random()),
+            offload_activations=float(rng.random()),
         )
         for n in layers
-    ]  # fmt: skip
+    ]
     pre_post = None
     if rng.random() < 0.5:
         pre_post = PrePostPlan(int(rng.integers(0, 4)), *map(float, rng.random(3)))
@@ -71,11 +75,19 @@ def _random_plan(rng: np.random.Generator) -> Plan:
     gpus = tp * dp * n_stages
     per_node = 8 if gpus <= 8 or gpus % 8 == 0 else 4  # whole nodes (12 GPUs: three of four)
     return Plan(
-        model=name, gpu=str(rng.choice(("l4", "a100-40gb"))), gpus=gpus, gpus_per_node=per_node,
-        global_batch=grad_accum * dp * micro_batch, tp=tp, dp=dp, micro_batch=micro_batch, stages=stages,
+        model=name,
+        gpu=str(rng.choice(("l4", "a100-40gb"))),
+        gpus=gpus,
+        gpus_per_node=per_node,
+        global_batch=grad_accum * dp * micro_batch,
+        tp=tp,
+        dp=dp,
+        micro_batch=micro_batch,
+        stages=stages,
         model_overrides={"seq": int(rng.choice((1024, 2048))), "flash": bool(rng.random() < 0.5)},
-        host_memory_per_node_bytes=host, pre_post=pre_post,
-    )  # fmt: skip
+        host_memory_per_node_bytes=host,
+        pre_post=pre_post,
+    )
 
 
 def _predicted(plan: Plan) -> Plan:
@@ -148,24 +160,49 @@ breakdown: {usable_memory_gib: 22.087499999441206, usable_host_memory_gib_per_gp
     assert not any("gib" in k or "mib" in k for k in plan.to_dict()["breakdown"])
 
 
-BASE = {"model": "gpt3-1.3b", "gpu": "l4", "gpus": 2, "gpus_per_node": 8, "global_batch": 8, "tp": 1,
-        "dp": 1, "micro_batch": 1, "stages": [{"layers": 12}, {"layers": 12}]}  # fmt: skip
+BASE = {
+    "model": "gpt3-1.3b",
+    "gpu": "l4",
+    "gpus": 2,
+    "gpus_per_node": 8,
+    "global_batch": 8,
+    "tp": 1,
+    "dp": 1,
+    "micro_batch": 1,
+    "stages": [{"layers": 12}, {"layers": 12}],
+}
 
 
 @pytest.mark.parametrize("version", [None, 1, 2])
 @pytest.mark.parametrize(
     ("change", "where", "old", "new"),
     [
-        ({"host_memory_per_node_gib": 200, "host_memory_per_node_bytes": 200 * GiB}, "",
-         "host_memory_per_node_gib", "host_memory_per_node_bytes"),
-        ({"stages": [{"layers": 12}, {"layers": 12, "memory_gib": 9.5, "memory_bytes": 10200547328}]},
-         "stage 1: ", "memory_gib", "memory_bytes"),
-        ({"stages": [{"layers": 12, "host_memory_gib": 0.0, "host_memory_bytes": 0}, {"layers": 12}]},
-         "stage 0: ", "host_memory_gib", "host_memory_bytes"),
-        ({"breakdown": {"usable_memory_gib": 22.0, "usable_memory_bytes": 22 * GiB}}, "breakdown: ",
-         "usable_memory_gib", "usable_memory_bytes"),
+        (
+            {"host_memory_per_node_gib": 200, "host_memory_per_node_bytes": 200 * GiB},
+            "",
+            "host_memory_per_node_gib",
+            "host_memory_per_node_bytes",
+        ),
+        (
+            {"stages": [{"layers": 12}, {"layers": 12, "memory_gib": 9.5, "memory_bytes": 10200547328}]},
+            "stage 1: ",
+            "memory_gib",
+            "memory_bytes",
+        ),
+        (
+            {"stages": [{"layers": 12, "host_memory_gib": 0.0, "host_memory_bytes": 0}, {"layers": 12}]},
+            "stage 0: ",
+            "host_memory_gib",
+            "host_memory_bytes",
+        ),
+        (
+            {"breakdown": {"usable_memory_gib": 22.0, "usable_memory_bytes": 22 * GiB}},
+            "breakdown: ",
+            "usable_memory_gib",
+            "usable_memory_bytes",
+        ),
     ],
-)  # fmt: skip
+)
 def test_a_field_named_both_ways_is_refused(tmp_path, capsys, version, change, where, old, new):
     """GiB or bytes? Neither is guessed, in either format: the file is refused in one line."""
     from mist.__main__ import main
@@ -231,8 +268,9 @@ def test_a_plan_made_for_a_capped_cluster_keeps_its_cap(tmp_path):
     plan.save(tmp_path / "p.yaml")
     back = Plan.load(tmp_path / "p.yaml")
     assert back.cluster().gpu.memory == 40 * 2**20 and back.cluster().host.memory == 3 * GiB
-    plain = Plan.of(m, cluster("cpu", 2), global_batch=8, tp=1, dp=2, micro_batch=4,
-                    stages=[StagePlan(layers=m.layers)])  # fmt: skip
+    plain = Plan.of(
+        m, cluster("cpu", 2), global_batch=8, tp=1, dp=2, micro_batch=4, stages=[StagePlan(layers=m.layers)]
+    )
     assert plain.gpu_memory_bytes is None and plain.host_memory_per_node_bytes is None
 
 

@@ -82,9 +82,16 @@ def test_candidates_count_micro_batches_and_in_flight_as_the_plan_does():
     assert candidates and len(set(candidates)) == len(candidates)
     for cand in candidates:
         # the searches' candidates overlap the gradient reduction
-        plan = Plan.of(m, c, global_batch=64, tp=cand.tp, dp=cand.dp, micro_batch=cand.micro_batch,
-                       stages=[StagePlan(layers=1) for _ in range(cand.stages)],
-                       overlap_grad_reduce=True)  # fmt: skip
+        plan = Plan.of(
+            m,
+            c,
+            global_batch=64,
+            tp=cand.tp,
+            dp=cand.dp,
+            micro_batch=cand.micro_batch,
+            stages=[StagePlan(layers=1) for _ in range(cand.stages)],
+            overlap_grad_reduce=True,
+        )
         assert cand.tp * cand.dp * cand.stages == c.gpus
         assert cand.grad_accum == plan.grad_accum == 64 // (cand.dp * cand.micro_batch)
         assert cand.grad_accum * cand.dp * cand.micro_batch == 64

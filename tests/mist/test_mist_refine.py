@@ -109,15 +109,24 @@ def test_the_committed_comparison_reprices_to_its_numbers():
         overrides = {"seq": key["seq"], "flash": key["flash"]}
         # the stored predictions are dropped: re-pricing fills them in again
         stages = [{f: v for f, v in s.items() if "memory" not in f} for s in r["stages"]]
-        plan = Plan.from_dict({
-            "model": key["model"], "gpu": key["gpu"], "gpus": key["gpus"], "gpus_per_node": 8,
-            "global_batch": key["global_batch"], "tp": r["tp"], "dp": r["dp"],
-            "micro_batch": r["micro_batch"],
-            "stages": stages, "model_overrides": overrides, "pre_post": r.get("pre_post"),
-            "virtual_stages": r.get("virtual_stages", 1),
-            "overlap_grad_reduce": r.get("overlap_grad_reduce", False),
-            "grad_bucket_params": r.get("grad_bucket_params"),
-        })  # fmt: skip
+        plan = Plan.from_dict(
+            {
+                "model": key["model"],
+                "gpu": key["gpu"],
+                "gpus": key["gpus"],
+                "gpus_per_node": 8,
+                "global_batch": key["global_batch"],
+                "tp": r["tp"],
+                "dp": r["dp"],
+                "micro_batch": r["micro_batch"],
+                "stages": stages,
+                "model_overrides": overrides,
+                "pre_post": r.get("pre_post"),
+                "virtual_stages": r.get("virtual_stages", 1),
+                "overlap_grad_reduce": r.get("overlap_grad_reduce", False),
+                "grad_bucket_params": r.get("grad_bucket_params"),
+            }
+        )
         predict(plan, model(key["model"], **overrides), cluster(key["gpu"], key["gpus"]))
         assert plan.simulated_iteration_s == pytest.approx(r["iteration_s"], rel=1e-9), key
         stored = [stage_memory_bytes(s) for s in r["stages"]]

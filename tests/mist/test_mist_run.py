@@ -70,9 +70,19 @@ def _report(plan_args: tuple, tmp_path_factory) -> tuple[Plan, dict]:
 def _tiny_plan(stages: list[StagePlan], tp: int = 1, dp: int = 1) -> Plan:
     """A gpt3-tiny plan for tp x dp x stages CPU processes, global batch 8 in micro-batches of 2,
     no SP, priced without FlashAttention (the engine runs megatron-core's unfused attention)."""
-    return Plan(model="gpt3-tiny", gpu="cpu", gpus=tp * dp * len(stages), gpus_per_node=8, global_batch=8,
-                tp=tp, dp=dp, micro_batch=2, stages=stages, sequence_parallel=False,
-                model_overrides={"flash": False})  # fmt: skip
+    return Plan(
+        model="gpt3-tiny",
+        gpu="cpu",
+        gpus=tp * dp * len(stages),
+        gpus_per_node=8,
+        global_batch=8,
+        tp=tp,
+        dp=dp,
+        micro_batch=2,
+        stages=stages,
+        sequence_parallel=False,
+        model_overrides={"flash": False},
+    )
 
 
 def _offload_pair(field: str, dp: int, zero: int, tmp_path: Path) -> tuple[Plan, dict, Plan, dict]:
@@ -131,9 +141,14 @@ def test_gradient_clipping_norm_is_the_whole_models_in_every_layout(tmp_path):
     up (each replica's and TP-duplicated gradients counted again) are outside that tolerance. And
     the gradients are scaled: on one process their norm after clipping is 1 (unscaled: 1.18)."""
     layouts = {  # name: (tp, dp, stages' layers, zero)
-        "one": (1, 1, [4], 0), "tp2": (2, 1, [4], 0), "dp2": (1, 2, [4], 0), "dp2-zero2": (1, 2, [4], 2),
-        "dp2-zero3": (1, 2, [4], 3), "pp2": (1, 1, [2, 2], 0), "tp2-pp2": (2, 1, [2, 2], 0),
-    }  # fmt: skip
+        "one": (1, 1, [4], 0),
+        "tp2": (2, 1, [4], 0),
+        "dp2": (1, 2, [4], 0),
+        "dp2-zero2": (1, 2, [4], 2),
+        "dp2-zero3": (1, 2, [4], 3),
+        "pp2": (1, 1, [2, 2], 0),
+        "tp2-pp2": (2, 1, [2, 2], 0),
+    }
     norms, naive = {}, {}
     for name, (tp, dp, layers, zero) in layouts.items():
         plan = _tiny_plan([StagePlan(layers=n, zero=zero) for n in layers], tp=tp, dp=dp)
@@ -464,8 +479,14 @@ def test_zero3_offloads_weight_and_gradient_shards(tmp_path):
     run), and a CI run whose 5 profiled steps all fell in the upper one failed the plain range."""
     runs = {}
     for offloaded in (False, True):
-        stage = StagePlan(layers=4, recompute=4, zero=3, offload_optimizer=1.0,
-                          offload_weights=1.0 * offloaded, offload_grads=0.5 * offloaded)  # fmt: skip
+        stage = StagePlan(
+            layers=4,
+            recompute=4,
+            zero=3,
+            offload_optimizer=1.0,
+            offload_weights=1.0 * offloaded,
+            offload_grads=0.5 * offloaded,
+        )
         plan = _tiny_plan([stage], dp=2)
         plan.micro_batch, plan.model_overrides["hidden"] = 4, 256
         assert not unsupported(plan), unsupported(plan)
@@ -708,15 +729,31 @@ def test_every_part_a_plan_holds_is_built():
     a stage, pre_post, uneven middle stages and the parallel block, here in one plan."""
     from mist.engine.megatron import megatron_limits
 
-    stages = [StagePlan(layers=2, zero=3, offload_grads=0.5), StagePlan(layers=3, tp=1, dp=4),
-              StagePlan(layers=2, tp=1, dp=4), StagePlan(layers=2, offload_weights=1.0)]  # fmt: skip
+    stages = [
+        StagePlan(layers=2, zero=3, offload_grads=0.5),
+        StagePlan(layers=3, tp=1, dp=4),
+        StagePlan(layers=2, tp=1, dp=4),
+        StagePlan(layers=2, offload_weights=1.0),
+    ]
     plan = Plan.of(
-        model("falcon-tiny"), cluster("cpu", 16), global_batch=8, tp=2, dp=2, micro_batch=2, stages=stages,
-        pre_post=PrePostPlan(zero=1), sequence_parallel=True,
-    )  # fmt: skip
+        model("falcon-tiny"),
+        cluster("cpu", 16),
+        global_batch=8,
+        tp=2,
+        dp=2,
+        micro_batch=2,
+        stages=stages,
+        pre_post=PrePostPlan(zero=1),
+        sequence_parallel=True,
+    )
     limits = megatron_limits(plan, plan.model_spec())
-    assert set(limits) == {"parallel_block", "stage_parallelism", "pre_post", "uneven_middle_stages",
-                           "offload_weights_grads"}, limits  # fmt: skip
+    assert set(limits) == {
+        "parallel_block",
+        "stage_parallelism",
+        "pre_post",
+        "uneven_middle_stages",
+        "offload_weights_grads",
+    }, limits
     assert unsupported(plan) == []
 
 
@@ -727,8 +764,12 @@ def test_parallel_block_layer_is_attention_plus_mlp_on_one_norm(tmp_path, normal
     float64, its gradient too, with no second norm. Negative control: megatron-core's sequential
     layer with the same weights is far from that formula."""
     out = tmp_path / "check.json"
-    done = run_torchrun(1, "tests.mist.parallel_block_check", ["--out", str(out), "--normalization",
-                        normalization], timeout=120)  # fmt: skip
+    done = run_torchrun(
+        1,
+        "tests.mist.parallel_block_check",
+        ["--out", str(out), "--normalization", normalization],
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["second_norm"] == "IdentityOp"
@@ -777,8 +818,10 @@ def test_interleaved_pipeline_trains_as_its_virtual_stages_on_a_process_each(tmp
         assert not unsupported(plan), unsupported(plan)
         predict(plan, plan.model_spec(), cluster("cpu", plan.gpus))
         reports[name] = _torchrun(plan, tmp_path_factory.mktemp(name), steps=3)
-    losses = {name: next(r["losses"] for r in rep["ranks"] if r["losses"] is not None)
-              for name, rep in reports.items()}  # fmt: skip
+    losses = {
+        name: next(r["losses"] for r in rep["ranks"] if r["losses"] is not None)
+        for name, rep in reports.items()
+    }
     assert losses["interleaved"] == pytest.approx(losses["virtual"], rel=1e-6), losses
     assert losses["plain"] != pytest.approx(losses["virtual"], rel=1e-3), losses
     # rank i's first gradient norm covers virtual stages i and i + 2 of the 4-stage pipeline
@@ -877,8 +920,11 @@ def test_overlapped_gradient_reduction_trains_as_after_backward(tmp_path_factory
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize(("zero", "stages", "virtual"), [(1, 1, 1), (2, 1, 1), (1, 2, 2)],
-                         ids=["zero1", "zero2", "zero1-interleaved"])  # fmt: skip
+@pytest.mark.parametrize(
+    ("zero", "stages", "virtual"),
+    [(1, 1, 1), (2, 1, 1), (1, 2, 2)],
+    ids=["zero1", "zero2", "zero1-interleaved"],
+)
 def test_weight_gather_in_forward_trains_as_after_the_step(tmp_path_factory, zero, stages, virtual):
     """Megatron-LM's --overlap-param-gather at DP 2 (buckets of at least 40k parameters: about a
     layer of this model's 49k), on one stage and on 2 ranks x 2 chunks of 2 layers, every layer
@@ -890,8 +936,13 @@ def test_weight_gather_in_forward_trains_as_after_the_step(tmp_path_factory, zer
     reports = {}
     for overlap in (False, True):
         layers = 8 // stages
-        plan = _tiny_plan([StagePlan(layers=layers, recompute=layers, zero=zero, gather_in_forward=overlap)
-                           for _ in range(stages)], dp=2)  # fmt: skip
+        plan = _tiny_plan(
+            [
+                StagePlan(layers=layers, recompute=layers, zero=zero, gather_in_forward=overlap)
+                for _ in range(stages)
+            ],
+            dp=2,
+        )
         plan.model_overrides["layers"] = 8
         plan.micro_batch, plan.virtual_stages = 1, virtual
         plan.overlap_grad_reduce, plan.grad_bucket_params = True, 40_000
@@ -947,9 +998,18 @@ def test_offloaded_activations_leave_the_device_peak(tmp_path):
     offloading every layer's activations takes at least 3 layers' kept bytes off the measured peak
     (backward brings one layer's back at a time). Negative control: torch's save_on_cpu, whose
     copies stay in the one memory, took nothing off it (61.2 MiB with and without, 2026-12-03)."""
-    base = dict(model="gpt3-tiny", gpu="cpu", gpus=1, gpus_per_node=8, global_batch=8, tp=1, dp=1,
-                micro_batch=8, sequence_parallel=False,
-                model_overrides={"hidden": 256, "seq": 128, "flash": False})  # fmt: skip
+    base = dict(
+        model="gpt3-tiny",
+        gpu="cpu",
+        gpus=1,
+        gpus_per_node=8,
+        global_batch=8,
+        tp=1,
+        dp=1,
+        micro_batch=8,
+        sequence_parallel=False,
+        model_overrides={"hidden": 256, "seq": 128, "flash": False},
+    )
     peaks, predicted = [], []
     for fraction in (0.0, 1.0):
         plan = Plan(**base, stages=[StagePlan(layers=4, offload_optimizer=1.0, offload_activations=fraction)])

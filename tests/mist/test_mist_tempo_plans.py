@@ -26,10 +26,24 @@ def test_tempo_part_plans_with_and_without_and_never_ends_slower():
 
 
 def _summary(stages: list[dict], **shape) -> dict:
-    blank = {"recompute": 0, "selective": False, "zero": 0, "offload_weights": 0.0, "offload_grads": 0.0,
-             "offload_optimizer": 0.0, "offload_activations": 0.0, "gather_in_forward": False}  # fmt: skip
-    return {"tp": 1, "dp": 2, "micro_batch": 1, "pre_post": None, **shape,
-            "stages": [{**blank, **s} for s in stages]}  # fmt: skip
+    blank = {
+        "recompute": 0,
+        "selective": False,
+        "zero": 0,
+        "offload_weights": 0.0,
+        "offload_grads": 0.0,
+        "offload_optimizer": 0.0,
+        "offload_activations": 0.0,
+        "gather_in_forward": False,
+    }
+    return {
+        "tp": 1,
+        "dp": 2,
+        "micro_batch": 1,
+        "pre_post": None,
+        **shape,
+        "stages": [{**blank, **s} for s in stages],
+    }
 
 
 def test_plan_changes_names_each_difference_and_nothing_else():

@@ -216,13 +216,19 @@ def test_stages_evaluated_together_price_as_each_alone(rng):
         stages = []
         for s in plan.stages:
             zero, wo = int(rng.integers(0, 4)), float(rng.choice((0.0, 0.5, 1.0)))
-            stages.append(dataclasses.replace(
-                s, recompute=int(rng.integers(0, s.layers + 1)), zero=zero, offload_weights=wo,
-                offload_grads=float(rng.random()), offload_optimizer=float(rng.random()),
-                offload_activations=float(rng.choice((0.0, rng.random()))),
-                selective=bool(rng.random() < 0.3),
-                gather_in_forward=bool(gather_allowed(zero, wo) and rng.random() < 0.5),
-            ))  # fmt: skip
+            stages.append(
+                dataclasses.replace(
+                    s,
+                    recompute=int(rng.integers(0, s.layers + 1)),
+                    zero=zero,
+                    offload_weights=wo,
+                    offload_grads=float(rng.random()),
+                    offload_optimizer=float(rng.random()),
+                    offload_activations=float(rng.choice((0.0, rng.random()))),
+                    selective=bool(rng.random() < 0.3),
+                    gather_in_forward=bool(gather_allowed(zero, wo) and rng.random() < 0.5),
+                )
+            )
         return dataclasses.replace(plan, stages=stages)
 
     for _ in range(4):

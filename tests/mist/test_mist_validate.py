@@ -54,9 +54,18 @@ def _copy(tmp_path, name="megatron-a10g.json"):
 
 
 @pytest.mark.parametrize(
-    "fault", ["not json", "neither format", "missing field", "partial layer", "grad accum", "zero time",
-              "negative time", "nan memory"]
-)  # fmt: skip
+    "fault",
+    [
+        "not json",
+        "neither format",
+        "missing field",
+        "partial layer",
+        "grad accum",
+        "zero time",
+        "negative time",
+        "nan memory",
+    ],
+)
 def test_broken_measured_runs_are_refused_clearly(tmp_path, fault, capsys):
     if fault == "not json":
         (tmp_path / "runs.json").write_text("{" + "x" * random.randint(0, 20))

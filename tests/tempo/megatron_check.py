@@ -44,12 +44,21 @@ def _config(args, dropout: float):
 
     swiglu = args.mlp == "swiglu"
     return TransformerConfig(
-        num_layers=1, hidden_size=HIDDEN, num_attention_heads=HEADS, ffn_hidden_size=FFN,
-        add_bias_linear=args.bias, hidden_dropout=dropout, attention_dropout=dropout,
-        normalization=args.normalization, params_dtype=torch.float64, use_cpu_initialization=True,
-        tensor_model_parallel_size=dist.get_world_size(), sequence_parallel=args.sequence_parallel,
-        gated_linear_unit=swiglu, activation_func=F.silu if swiglu else F.gelu,
-    )  # fmt: skip
+        num_layers=1,
+        hidden_size=HIDDEN,
+        num_attention_heads=HEADS,
+        ffn_hidden_size=FFN,
+        add_bias_linear=args.bias,
+        hidden_dropout=dropout,
+        attention_dropout=dropout,
+        normalization=args.normalization,
+        params_dtype=torch.float64,
+        use_cpu_initialization=True,
+        tensor_model_parallel_size=dist.get_world_size(),
+        sequence_parallel=args.sequence_parallel,
+        gated_linear_unit=swiglu,
+        activation_func=F.silu if swiglu else F.gelu,
+    )
 
 
 def _layers(args, dropout: float):

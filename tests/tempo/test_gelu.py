@@ -23,12 +23,14 @@ INF = float("inf")
 def mixed_inputs(approximate: str, n: int = 200_000) -> torch.Tensor:
     """Broad values, a dense band around GELU's minimum, large |x|, and the specials."""
     x_min = G.branch_point(approximate)[0]
-    return torch.cat([
-        torch.randn(n, dtype=torch.float64) * 3,
-        x_min + 0.05 * torch.randn(n // 20, dtype=torch.float64),
-        torch.empty(n // 20, dtype=torch.float64).uniform_(-40, 40),
-        torch.tensor([float("inf"), -float("inf"), float("nan"), 0.0, -0.0, x_min], dtype=torch.float64),
-    ])  # fmt: skip
+    return torch.cat(
+        [
+            torch.randn(n, dtype=torch.float64) * 3,
+            x_min + 0.05 * torch.randn(n // 20, dtype=torch.float64),
+            torch.empty(n // 20, dtype=torch.float64).uniform_(-40, 40),
+            torch.tensor([float("inf"), -float("inf"), float("nan"), 0.0, -0.0, x_min], dtype=torch.float64),
+        ]
+    )
 
 
 def exact_gelu_and_derivative(x: torch.Tensor, approximate: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,10 +113,12 @@ def test_special_and_huge_inputs_get_the_decided_values(approximate, dtype):
     big = torch.finfo(dtype).max
     mag = torch.empty(500, dtype=torch.float64).uniform_(math.log(11.0), math.log(big)).exp()
     sign = torch.where(torch.rand(500) < 0.5, -1.0, 1.0).double()
-    x = torch.cat([
-        (sign * mag).clamp(-big, big),
-        torch.tensor([INF, -INF, float("nan"), big, -big, 11.0, -41.0], dtype=torch.float64),
-    ]).to(dtype)  # fmt: skip
+    x = torch.cat(
+        [
+            (sign * mag).clamp(-big, big),
+            torch.tensor([INF, -INF, float("nan"), big, -big, 11.0, -41.0], dtype=torch.float64),
+        ]
+    ).to(dtype)
     y, gy, gx = grads(x, approximate, tempo.gelu)
     assert_decided_forward(x, y)
     assert_decided_backward(x, gy, gx)

@@ -36,8 +36,17 @@ def tiny(kind: str, dropout: float = 0.0):
         return BertForPreTraining(BertConfig(**encoder))
     if kind == "roberta":
         return RobertaForMaskedLM(RobertaConfig(**encoder))
-    cfg = GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=120, bos_token_id=1, eos_token_id=2,
-                     resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout)  # fmt: skip
+    cfg = GPT2Config(
+        n_embd=64,
+        n_layer=2,
+        n_head=4,
+        vocab_size=120,
+        bos_token_id=1,
+        eos_token_id=2,
+        resid_pdrop=dropout,
+        embd_pdrop=dropout,
+        attn_pdrop=dropout,
+    )
     return GPT2LMHeadModel(cfg)
 
 
@@ -81,11 +90,15 @@ def test_bert_large_every_layer_is_replaced():
 
 # Parameters the logits do not depend on (BERT's NSP head and pooler): no gradient in either model.
 UNUSED = {
-    "bert": {"bert.pooler.dense.weight", "bert.pooler.dense.bias", "cls.seq_relationship.weight",
-             "cls.seq_relationship.bias"},
+    "bert": {
+        "bert.pooler.dense.weight",
+        "bert.pooler.dense.bias",
+        "cls.seq_relationship.weight",
+        "cls.seq_relationship.bias",
+    },
     "roberta": set(),
     "gpt2": set(),
-}  # fmt: skip
+}
 # Gradient exactly 0 in exact arithmetic: the key bias adds q . b_k to every score of a query, and
 # softmax ignores a shift common to a row. Both models give roundoff there, so no relative check.
 ZERO_GRADIENT_SUFFIX = "attention.self.key.bias"

@@ -45,10 +45,14 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def test_gelu_kernels(approximate, dtype, tol):
     x_min = G.branch_point(approximate)[0]
     inf, big = float("inf"), torch.finfo(dtype).max
-    x = torch.cat([
-        torch.randn(6000) * 3, x_min + 0.05 * torch.randn(600), torch.empty(300).uniform_(-30, 30),
-        torch.tensor([inf, -inf, float("nan"), 0.0, big, -big]),
-    ]).to(dtype)  # fmt: skip
+    x = torch.cat(
+        [
+            torch.randn(6000) * 3,
+            x_min + 0.05 * torch.randn(600),
+            torch.empty(300).uniform_(-30, 30),
+            torch.tensor([inf, -inf, float("nan"), 0.0, big, -big]),
+        ]
+    ).to(dtype)
     y_ref, bits_ref = G.gelu_forward_torch(x, approximate)
     y, bits = gelu_fwd_triton(x.to(DEVICE), approximate)
     y = y.cpu()
@@ -179,10 +183,16 @@ def _rms_inputs(dtype: torch.dtype, wdtype: torch.dtype, rows: int = 37, d: int 
     return x, w.to(wdtype), torch.randn(rows, d, dtype=torch.float64).to(torch.promote_types(dtype, wdtype))
 
 
-@pytest.mark.parametrize(("dtype", "wdtype"), [
-    (torch.float32, torch.float32), (torch.float16, torch.float16), (torch.bfloat16, torch.bfloat16),
-    (torch.bfloat16, torch.float32), (torch.float64, torch.float64),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("dtype", "wdtype"),
+    [
+        (torch.float32, torch.float32),
+        (torch.float16, torch.float16),
+        (torch.bfloat16, torch.bfloat16),
+        (torch.bfloat16, torch.float32),
+        (torch.float64, torch.float64),
+    ],
+)
 def test_rms_norm_kernels(dtype, wdtype):
     x, w, g = _rms_inputs(dtype, wdtype)
     eps = 1e-6

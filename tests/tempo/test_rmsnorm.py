@@ -61,9 +61,14 @@ def test_gradcheck_float64():
     assert torch.autograd.gradcheck(lambda x, w: R.rms_norm(x, w, 1e-6), (x, w))
 
 
-@pytest.mark.parametrize(("dtype", "wdtype"), [
-    (torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("dtype", "wdtype"),
+    [
+        (torch.float32, torch.float32),
+        (torch.bfloat16, torch.bfloat16),
+        (torch.bfloat16, torch.float32),
+    ],
+)
 def test_output_is_llamas_and_gradients_within_rounding(dtype, wdtype):
     x, w, gy = _draw(dtype)
     w = w.to(wdtype)

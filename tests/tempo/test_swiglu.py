@@ -27,8 +27,14 @@ class TempoMLP(torch.nn.Module):
 def _mlp(dtype, bias=False):
     gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
     h, f = 2 * int(torch.randint(4, 24, (), generator=gen)), int(torch.randint(16, 96, (), generator=gen))
-    config = LlamaConfig(hidden_size=h, intermediate_size=f, mlp_bias=bias, hidden_act="silu",
-                         num_attention_heads=1, num_key_value_heads=1)  # fmt: skip
+    config = LlamaConfig(
+        hidden_size=h,
+        intermediate_size=f,
+        mlp_bias=bias,
+        hidden_act="silu",
+        num_attention_heads=1,
+        num_key_value_heads=1,
+    )
     mlp = LlamaMLP(config)
     mlp = mlp.to(dtype)
     x = torch.randn(2, int(torch.randint(1, 40, (), generator=gen)), h, generator=gen).to(dtype)

@@ -62,8 +62,23 @@ def test_bad_names_list_the_choices():
 
 @pytest.mark.slow
 def test_maxbatch_command(capsys):
-    assert maxbatch.main(["--model", "bert-base", "--seq", "64", "--precision", "fp16", "--gpu-mem", "4GB",
-                          "--tempo", "--no-verify"]) == 0  # fmt: skip
+    assert (
+        maxbatch.main(
+            [
+                "--model",
+                "bert-base",
+                "--seq",
+                "64",
+                "--precision",
+                "fp16",
+                "--gpu-mem",
+                "4GB",
+                "--tempo",
+                "--no-verify",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "max batch:" in out and "tempo" in out
     assert (
@@ -130,9 +145,16 @@ def test_hf_corpus_option_parses_wikitext_and_explains_failures(monkeypatch, tmp
 
     from artifacts.tempo_bert import data
 
-    lines = [" = Alpha = ", " The first sentence is here. The second one follows it. ", " = = Part = = ",
-             " A third sentence talks on. ", " = Beta = ", " Only one short sentence here. ", " = Gamma = ",
-             " Gamma has two sentences now. And this is the other one. "]  # fmt: skip
+    lines = [
+        " = Alpha = ",
+        " The first sentence is here. The second one follows it. ",
+        " = = Part = = ",
+        " A third sentence talks on. ",
+        " = Beta = ",
+        " Only one short sentence here. ",
+        " = Gamma = ",
+        " Gamma has two sentences now. And this is the other one. ",
+    ]
     fake = types.ModuleType("datasets")
     fake.load_dataset = lambda path, config, split: {"text": lines}
     monkeypatch.setitem(sys.modules, "datasets", fake)

@@ -22,16 +22,33 @@ hf_logging.set_verbosity_error()
 
 
 def tiny_bert(attn: str = "sdpa", layers: int = 3) -> BertForPreTraining:
-    cfg = BertConfig(hidden_size=32, num_hidden_layers=layers, num_attention_heads=4, intermediate_size=64,
-                     vocab_size=50, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-                     attn_implementation=attn)  # fmt: skip
+    cfg = BertConfig(
+        hidden_size=32,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        intermediate_size=64,
+        vocab_size=50,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        attn_implementation=attn,
+    )
     return BertForPreTraining(cfg).double()
 
 
 def tiny_gpt2(attn: str = "sdpa") -> GPT2LMHeadModel:
-    cfg = GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=50, n_positions=64, bos_token_id=1,
-                     eos_token_id=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                     attn_implementation=attn)  # fmt: skip
+    cfg = GPT2Config(
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        vocab_size=50,
+        n_positions=64,
+        bos_token_id=1,
+        eos_token_id=2,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        attn_implementation=attn,
+    )
     return GPT2LMHeadModel(cfg).double()
 
 
@@ -217,8 +234,15 @@ def test_a_non_module_is_refused_with_what_is_accepted(fn):
 
 def test_every_technique_off_is_refused():
     with pytest.raises(ValueError, match="nothing to patch"):
-        tempo.patch(tiny_bert(), layernorm=False, gelu=False, attention=False, dropout=False, rmsnorm=False,
-                    swiglu=False)  # fmt: skip
+        tempo.patch(
+            tiny_bert(),
+            layernorm=False,
+            gelu=False,
+            attention=False,
+            dropout=False,
+            rmsnorm=False,
+            swiglu=False,
+        )
     # the Llama techniques alone find nothing in BERT: said, not silently done
     with pytest.raises(ValueError, match="found nothing to replace"):
         tempo.patch(tiny_bert(), layernorm=False, gelu=False, attention=False, dropout=False)

@@ -76,8 +76,18 @@ def test_tempo_megatron_layer_is_the_plain_layer_keeping_less(
     tmp_path, tp, sequence_parallel, mlp, normalization
 ):
     out = tmp_path / "check.json"
-    args = ["--out", str(out), "--seed", str(random.randrange(2**31)), "--mlp", mlp, "--normalization",
-            normalization, "--bias", *(["--sequence-parallel"] if sequence_parallel else [])]  # fmt: skip
+    args = [
+        "--out",
+        str(out),
+        "--seed",
+        str(random.randrange(2**31)),
+        "--mlp",
+        mlp,
+        "--normalization",
+        normalization,
+        "--bias",
+        *(["--sequence-parallel"] if sequence_parallel else []),
+    ]
     launcher = fork_launch.shared("mist.engine.run:preload")
     done = launcher.run(tp, "tests.tempo.megatron_check", args, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -130,8 +130,9 @@ class PipelineInterleaved:
 
     FORWARD, BACKWARD = 0, 1  # message tags
 
-    def __init__(self, model: ModelChunks, spec, plan: Plan, batches: list[torch.Tensor],
-                 layout: RankLayout) -> None:  # fmt: skip
+    def __init__(
+        self, model: ModelChunks, spec, plan: Plan, batches: list[torch.Tensor], layout: RankLayout
+    ) -> None:
         self.chunks, self.spec, self.batches = list(model.chunks), spec, batches
         rank = dist.get_rank()
         self.stage, tp_rank, dp_rank = layout.locate(rank)

@@ -84,8 +84,14 @@ def unsupported(plan: Plan) -> list[str]:
     built as (megatron.megatron_limits), and what this engine does not do around it."""
 
     # layers.py's spec; _config's layout; layout.py; _parameter_parts; offload.py
-    built_here = ("parallel_block", "uneven_middle_stages", "stage_parallelism", "pre_post",
-                  "offload_weights_grads", "tempo")  # fmt: skip
+    built_here = (
+        "parallel_block",
+        "uneven_middle_stages",
+        "stage_parallelism",
+        "pre_post",
+        "offload_weights_grads",
+        "tempo",
+    )
     spec = plan.model_spec()
     limits = megatron_limits(plan, spec)
     reasons = [why for name, why in limits.items() if name not in built_here]
@@ -152,8 +158,11 @@ def _parameter_parts(model, plan: Plan, mine) -> list[Part]:
     (last stage) take the plan's ``pre_post`` if it has one, everything else the stage's."""
     params = [p for p in model.parameters() if p.requires_grad]
     edge = plan.pre_post
-    edge_ids = ({id(p) for gpt in gpt_modules(model) for m in _edges(gpt) for p in m.parameters()}
-                if edge is not None else set())  # fmt: skip
+    edge_ids = (
+        {id(p) for gpt in gpt_modules(model) for m in _edges(gpt) for p in m.parameters()}
+        if edge is not None
+        else set()
+    )
     rest = [p for p in params if id(p) not in edge_ids]
     parts = [Part(rest, mine.zero, mine.offload_optimizer, mine.offload_grads)]
     if edge_ids:
@@ -200,9 +209,13 @@ def _module_groups(gpt, plan: Plan, mine) -> list[ModuleGroup]:
 def _weight_offloads(groups: list[ModuleGroup], dp: int) -> list:
     """Weight offloading of each group with a fraction to offload: of its FSDP2 shards under ZeRO-3,
     else of the weights themselves."""
-    return [ShardedWeightOffload(g.modules, g.offload_weights) if g.zero == 3 and dp > 1
-            else WeightOffload(g.modules, g.offload_weights, g.prefetch)
-            for g in groups if g.offload_weights > 0]  # fmt: skip
+    return [
+        ShardedWeightOffload(g.modules, g.offload_weights)
+        if g.zero == 3 and dp > 1
+        else WeightOffload(g.modules, g.offload_weights, g.prefetch)
+        for g in groups
+        if g.offload_weights > 0
+    ]
 
 
 def _shard_zero3_groups(model, groups: list[ModuleGroup], mine, dp: int, device) -> list[ModuleGroup]:
@@ -214,8 +227,9 @@ def _shard_zero3_groups(model, groups: list[ModuleGroup], mine, dp: int, device)
     if sharded:
         in_groups = {id(p) for g in groups for m in g.modules for p in m.parameters()}
         zero3 = {id(p) for g in sharded for m in g.modules for p in m.parameters()}
-        whole = {p for p in model.parameters()
-                 if id(p) not in zero3 and (id(p) in in_groups or mine.zero != 3)}  # fmt: skip
+        whole = {
+            p for p in model.parameters() if id(p) not in zero3 and (id(p) in in_groups or mine.zero != 3)
+        }
         modules = [m for g in sharded for m in g.modules]
         shard_parameters(model, ps.get_data_parallel_group(), device, modules, whole)
     return sharded
@@ -243,8 +257,14 @@ class PartOptimizers:
 CLIP_GRAD = 1.0
 
 
-def clip_gradients(optimizer: PartOptimizers, parts: list[Part], dp: int, tp_duplicates: set[int],
-                   max_norm: float, device: torch.device) -> float:  # fmt: skip
+def clip_gradients(
+    optimizer: PartOptimizers,
+    parts: list[Part],
+    dp: int,
+    tp_duplicates: set[int],
+    max_norm: float,
+    device: torch.device,
+) -> float:
     """Megatron-LM's gradient clipping: the L2 norm of the whole model's gradients as the
     optimizers are about to read them (averaged over DP), each element counted once over the DP,
     TP and pipeline ranks, summed by one all-reduce over every rank; every gradient scaled by
@@ -279,8 +299,9 @@ def clip_gradients(optimizer: PartOptimizers, parts: list[Part], dp: int, tp_dup
     return norm
 
 
-def _optimizer(part: Part, dp: int, model, lr: float, sequence_parallel: bool,
-               gather_in_forward: tuple | None = None):  # fmt: skip
+def _optimizer(
+    part: Part, dp: int, model, lr: float, sequence_parallel: bool, gather_in_forward: tuple | None = None
+):
     """One part's optimizer: ZeRO-1/2 sharded over the DP group (its share optionally offloaded;
     ZeRO-2: its share's gradients too; ``gather_in_forward``: ShardedMasterAdamW's), else (ZeRO-3
     shards included) the whole part, that fraction stepping on the host."""
@@ -312,19 +333,34 @@ class StageGradients:
     bucket during the last micro-batch's backward, ContiguousGrads), less those accumulated on the
     host (GradientOffload), all-reduced there. ``order``: the parameters in the model's order."""
 
-    def __init__(self, parts: list[Part], sharded: list[ModuleGroup], optimizer: PartOptimizers,
-                 dp: int, order: list[nn.Parameter], overlap: tuple | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        parts: list[Part],
+        sharded: list[ModuleGroup],
+        optimizer: PartOptimizers,
+        dp: int,
+        order: list[nn.Parameter],
+        overlap: tuple | None = None,
+    ) -> None:
         self.dp, self.optimizer = dp, optimizer
         self.reduced_as_made = [part.zero >= 2 and dp > 1 for part in parts]
-        self.drained = [GradientOffload(part.params, part.offload_grads)
-                        for part, made in zip(parts, self.reduced_as_made, strict=True)
-                        if part.offload_grads > 0 and not made]  # fmt: skip
+        self.drained = [
+            GradientOffload(part.params, part.offload_grads)
+            for part, made in zip(parts, self.reduced_as_made, strict=True)
+            if part.offload_grads > 0 and not made
+        ]
         # after sharding: FSDP2's shards are the parameters
-        self.drained_shards = [ShardedGradientOffload(g.modules, g.offload_grads)
-                               for g in sharded if g.offload_grads > 0]  # fmt: skip
+        self.drained_shards = [
+            ShardedGradientOffload(g.modules, g.offload_grads) for g in sharded if g.offload_grads > 0
+        ]
         on_host = {id(p) for d in self.drained for p in d.params}
-        kept = {id(p) for part, made in zip(parts, self.reduced_as_made, strict=True) if not made
-                for p in part.params if id(p) not in on_host}  # fmt: skip
+        kept = {
+            id(p)
+            for part, made in zip(parts, self.reduced_as_made, strict=True)
+            if not made
+            for p in part.params
+            if id(p) not in on_host
+        }
         kept = [p for p in order if id(p) in kept]  # the model's order: backward runs it reversed
         self.buffer = ContiguousGrads(kept, overlap) if kept else None
 
@@ -493,14 +529,30 @@ def _build_stage(plan: Plan, stage: int, device: torch.device, seed: int) -> tup
     built = []
     for c in range(v):
         model_parallel_cuda_manual_seed(seed)
-        built.append(_build_chunk(plan, stage, device, mine.layers // v, mine.recompute // v,
-                                  first and c == 0, last and c == v - 1))  # fmt: skip
+        built.append(
+            _build_chunk(
+                plan,
+                stage,
+                device,
+                mine.layers // v,
+                mine.recompute // v,
+                first and c == 0,
+                last and c == v - 1,
+            )
+        )
     chunks, shapes, offloaded = zip(*built, strict=True)
     return ModelChunks(list(chunks)), shapes[0], sum(offloaded)
 
 
-def _build_chunk(plan: Plan, stage: int, device: torch.device, layers: int, recompute: int,
-                 pre_process: bool, post_process: bool) -> tuple[nn.Module, list[int], int]:  # fmt: skip
+def _build_chunk(
+    plan: Plan,
+    stage: int,
+    device: torch.device,
+    layers: int,
+    recompute: int,
+    pre_process: bool,
+    post_process: bool,
+) -> tuple[nn.Module, list[int], int]:
     """``layers`` of the stage as megatron-core builds them (the embedding before them if
     ``pre_process``, the final norm and head after if ``post_process``), on ``device``, the first
     ``recompute`` recomputed and activations offloaded as the plan says, in megatron's
@@ -545,8 +597,10 @@ def _batches(plan: Plan, layout: RankLayout, stage: int, seed: int, device: torc
     spec = plan.model_spec()
     g = torch.Generator().manual_seed(seed)
     lo, hi = layout.rows(stage, ps.get_data_parallel_rank())
-    return [torch.randint(0, spec.vocab, (layout.sequences, spec.seq + 1), generator=g)[lo:hi].to(device)
-            for _ in range(plan.grad_accum)]  # fmt: skip
+    return [
+        torch.randint(0, spec.vocab, (layout.sequences, spec.seq + 1), generator=g)[lo:hi].to(device)
+        for _ in range(plan.grad_accum)
+    ]
 
 
 @dataclass
@@ -588,18 +642,34 @@ def _build(plan: Plan, seed: int, lr: float) -> _BuiltStage:
     sequence_parallel = plan.sequence_parallel and tp > 1
     gather = _gather_in_forward(plan, mine, dp, model, groups)
     optimizer = PartOptimizers([_optimizer(part, dp, model, lr, sequence_parallel, gather) for part in parts])
-    gradients = StageGradients(parts, sharded, optimizer, dp, list(model.parameters()),
-                               _reduction_overlap(plan, dp, ps.get_data_parallel_group()))  # fmt: skip
+    gradients = StageGradients(
+        parts,
+        sharded,
+        optimizer,
+        dp,
+        list(model.parameters()),
+        _reduction_overlap(plan, dp, ps.get_data_parallel_group()),
+    )
     tp_duplicates = {id(p) for n, p in model.named_parameters() if n in whole_on_tp}
     # after the optimizers and gradient buffers: they are made where the weights are, the device
     weights = _weight_offloads(groups, dp)
     batches = _batches(plan, layout, stage, seed, device)
     schedule = Pipeline1F1B if plan.virtual_stages == 1 else PipelineInterleaved
     return _BuiltStage(
-        stage, tp, device, model, layer_input_shape, offloaded_layers, parts, optimizer,
-        [o for o in optimizer.parts if isinstance(o, ShardedMasterAdamW)], gradients, tp_duplicates, weights,
+        stage,
+        tp,
+        device,
+        model,
+        layer_input_shape,
+        offloaded_layers,
+        parts,
+        optimizer,
+        [o for o in optimizer.parts if isinstance(o, ShardedMasterAdamW)],
+        gradients,
+        tp_duplicates,
+        weights,
         schedule(model, plan.model_spec(), plan, batches, layout),
-    )  # fmt: skip
+    )
 
 
 class _Steps:
@@ -721,8 +791,10 @@ def _sequence_parallel_report(model) -> dict:
     """The weights whose gradients are summed over the TP group (sequence parallelism's norms), and
     the sum of their values: equal on every rank of a stage when their gradients were summed."""
     weights = [p for p in model.parameters() if getattr(p, "sequence_parallel", False)]
-    return {"sequence_parallel_params": len(weights),
-            "sequence_parallel_checksum": sum(local(p).double().sum().item() for p in weights)}  # fmt: skip
+    return {
+        "sequence_parallel_params": len(weights),
+        "sequence_parallel_checksum": sum(local(p).double().sum().item() for p in weights),
+    }
 
 
 def _grad_norm(model) -> float:
@@ -791,9 +863,18 @@ def _write_out_of_memory_report(path: Path, plan: Plan) -> None:
 
     peak = torch.cuda.max_memory_allocated()
     stage = ps.get_pipeline_model_parallel_rank() if ps.model_parallel_is_initialized() else 0
-    rank = {"rank": int(os.environ.get("RANK", "0")), "stage": stage, "losses": None, "step_s": [],
-            "out_of_memory": True, "memory_cap_bytes": plan.gpu_memory_bytes, "memory_bytes": peak,
-            "worst_memory_bytes": peak, "failed_allocation": True, "phases": []}  # fmt: skip
+    rank = {
+        "rank": int(os.environ.get("RANK", "0")),
+        "stage": stage,
+        "losses": None,
+        "step_s": [],
+        "out_of_memory": True,
+        "memory_cap_bytes": plan.gpu_memory_bytes,
+        "memory_bytes": peak,
+        "worst_memory_bytes": peak,
+        "failed_allocation": True,
+        "phases": [],
+    }
     write_json_atomic(path, {"ranks": [rank]})
 
 
@@ -808,8 +889,11 @@ def preload() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = OneLineParser(prog="torchrun ... -m mist.engine.run", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    ap = OneLineParser(
+        prog="torchrun ... -m mist.engine.run",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--plan", required=True)
     ap.add_argument(
         "--steps", type=int, default=5, help="timed steps (after one warm-up and the memory steps)"
@@ -823,10 +907,12 @@ def main(argv: list[str] | None = None) -> int:
         plan = Plan.load(args.plan)
         if plan.model_spec().flash and int(os.environ.get("RANK", "0")) == 0:
             # said, not changed: the plan is run as written
-            print("note: the engine runs megatron-core's unfused attention, which keeps the s x s scores; "
-                  "this plan was priced with FlashAttention (model flash: true), which does not: its memory "
-                  "is under-predicted by them (model_overrides flash: false prices what runs)",
-                  file=sys.stderr)  # fmt: skip
+            print(
+                "note: the engine runs megatron-core's unfused attention, which keeps the s x s scores; "
+                "this plan was priced with FlashAttention (model flash: true), which does not: its memory "
+                "is under-predicted by them (model_overrides flash: false prices what runs)",
+                file=sys.stderr,
+            )
         from .cpu_shim import bf16_gemms_in_float32
 
         with bf16_gemms_in_float32():  # on a CPU: its stand-in for bf16 matrix units, as the profiles'
@@ -850,8 +936,10 @@ def main(argv: list[str] | None = None) -> int:
             )
         if out_of_memory:
             cap = report["ranks"][0]["memory_cap_bytes"]
-            print(f"error: out of memory: a device peak went above the plan's cap of {cap / 2**20:.2f} MiB",
-                  file=sys.stderr)  # fmt: skip
+            print(
+                f"error: out of memory: a device peak went above the plan's cap of {cap / 2**20:.2f} MiB",
+                file=sys.stderr,
+            )
         if args.out:
             Path(args.out).write_text(json.dumps(report, indent=1))
     dist.destroy_process_group()

@@ -197,8 +197,11 @@ class ShardedMasterAdamW:
             self.inner.step()
         in_forward = {i for group in self.gather_groups for i in group}
         for owner in sorted(set(self.owner.values())):  # one broadcast per owner, of all its weights
-            mine = [p.data for p in self.params if self.owner[id(p)] == owner and self.bucket_of[id(p)]
-                    not in in_forward]  # fmt: skip
+            mine = [
+                p.data
+                for p in self.params
+                if self.owner[id(p)] == owner and self.bucket_of[id(p)] not in in_forward
+            ]
             if mine:
                 flat_collective(
                     mine, lambda flat, src=owner: dist.broadcast(flat, src, self.group, async_op=True)

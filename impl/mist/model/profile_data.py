@@ -121,8 +121,13 @@ def profile_meta(gpu_dir: Path) -> dict:
             "vocab": d.get("vocab", ARTIFACT_VOCAB),  # the embedding and head rows' vocabulary
         }
     if gpu_dir.name in PROFILE_GPU:
-        return {"gpu": PROFILE_GPU[gpu_dir.name], "seq": PROFILE_SEQ[gpu_dir.name], "sizes": PROFILED_SIZES,
-                "tp_comm_inside": True, "vocab": ARTIFACT_VOCAB}  # fmt: skip
+        return {
+            "gpu": PROFILE_GPU[gpu_dir.name],
+            "seq": PROFILE_SEQ[gpu_dir.name],
+            "sizes": PROFILED_SIZES,
+            "tp_comm_inside": True,
+            "vocab": ARTIFACT_VOCAB,
+        }
     return {}
 
 
@@ -208,8 +213,10 @@ def read_layer_profiles(gpu_dir: Path) -> list[LayerProfile]:
             continue
         try:
             with path.open() as fh:
-                rows = [(r["op_name"], _us_pair(r["forward-compute"], r["backward-compute"]))
-                        for r in csv.DictReader(fh)]  # fmt: skip
+                rows = [
+                    (r["op_name"], _us_pair(r["forward-compute"], r["backward-compute"]))
+                    for r in csv.DictReader(fh)
+                ]
         except (KeyError, ValueError, TypeError, UnicodeDecodeError, csv.Error) as e:
             raise ValueError(
                 f"{path}: not a layer profile (needs op_name, forward-compute, backward-compute in µs): {e!r}"
@@ -279,8 +286,10 @@ def read_collectives(gpu_dir: Path) -> dict[tuple[str, int], list[tuple[float, f
         # fitted through a negative or infinite time would price collectives as free or as never ending
         bad = next(((b, t) for b, t in rows if not (_positive_finite(b) and 0 <= t < math.inf)), None)
         if bad is not None:
-            raise ValueError(f"{path}: sizes must be finite and > 0, times finite and >= 0; got "
-                             f"{bad[0] / 2**20:g} MB in {bad[1] * 1e3:g} ms")  # fmt: skip
+            raise ValueError(
+                f"{path}: sizes must be finite and > 0, times finite and >= 0; got "
+                f"{bad[0] / 2**20:g} MB in {bad[1] * 1e3:g} ms"
+            )
         out.setdefault((m["coll"], int(m["n"])), []).extend(rows)
     return out
 

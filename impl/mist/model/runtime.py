@@ -311,8 +311,11 @@ class CpuAdam:
 def load_cpu_adam() -> CpuAdam:
     d = json.loads((PRESETS / "host_cpu_adam.json").read_text())
     one = d["params_per_s"][d["threads"].index(1)]
-    return CpuAdam(float(one), float(d["bytes_moved_per_param"]),
-                   f"{d['optimizer']} measured on {d['cpu']} ({d['measured']})")  # fmt: skip
+    return CpuAdam(
+        float(one),
+        float(d["bytes_moved_per_param"]),
+        f"{d['optimizer']} measured on {d['cpu']} ({d['measured']})",
+    )
 
 
 def cpu_adam_params_per_s(cluster: ClusterSpec, adam: CpuAdam | None = None) -> float:

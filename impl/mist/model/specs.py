@@ -257,8 +257,11 @@ def preset_overrides(spec: ModelSpec) -> dict:
     preset = MODELS.get(spec.name)
     if preset is None:
         return {}
-    return {f.name: getattr(spec, f.name) for f in dataclasses.fields(ModelSpec)
-            if getattr(spec, f.name) != getattr(preset, f.name)}  # fmt: skip
+    return {
+        f.name: getattr(spec, f.name)
+        for f in dataclasses.fields(ModelSpec)
+        if getattr(spec, f.name) != getattr(preset, f.name)
+    }
 
 
 @dataclass(frozen=True)

@@ -66,8 +66,13 @@ class Op:
 # what selective recomputation (--recompute-granularity selective, its default core_attn)
 # recomputes in backward instead of keeping (Korthikanti et al. 2022, "Reducing Activation
 # Recomputation in Large Transformer Models")
-CORE_ATTENTION_OPS = ("attention-score", "attention-softmax", "attention-dropout", "attention-context",
-                      "attention-core")  # fmt: skip
+CORE_ATTENTION_OPS = (
+    "attention-score",
+    "attention-softmax",
+    "attention-dropout",
+    "attention-context",
+    "attention-core",
+)
 
 
 class Tracer:
@@ -78,8 +83,18 @@ class Tracer:
         self.tp, self.sp = tp, sp_
         self.tempo = tempo  # Tempo's layers: what each op keeps (ModelSpec.tempo)
 
-    def op(self, name, kind, flops, ins: list[Sym], outs: list[Sym], saved: list[Sym], bwd_scale=2.0,
-           fwd_bytes=None, bwd_bytes=None):  # fmt: skip
+    def op(
+        self,
+        name,
+        kind,
+        flops,
+        ins: list[Sym],
+        outs: list[Sym],
+        saved: list[Sym],
+        bwd_scale=2.0,
+        fwd_bytes=None,
+        bwd_bytes=None,
+    ):
         """``fwd_bytes``/``bwd_bytes`` override what the op moves (default: its inputs and outputs
         forward, ``bwd_scale`` times that backward) where its kernel is known to move otherwise."""
         moved = sum((x.nbytes for x in ins + outs), sp.Integer(0))
@@ -173,8 +188,16 @@ class Tracer:
         # input (and, backward, of the output's gradient and the probabilities) and writes all
         # of its output (zeros above the diagonal).
         half, full = scores.nbytes / 2, scores.nbytes
-        self.op("attention-softmax", "softmax", 5 * scores.numel, [scores], [probs], [probs],
-                fwd_bytes=half + full, bwd_bytes=half + half + full)  # fmt: skip
+        self.op(
+            "attention-softmax",
+            "softmax",
+            5 * scores.numel,
+            [scores],
+            [probs],
+            [probs],
+            fwd_bytes=half + full,
+            bwd_bytes=half + half + full,
+        )
         dropped = self.dropout("attention-dropout", probs, dropout)
         context_flops = 2 * bb * heads * ss * ss * d
         # Tempo: P, not the dropped-out probabilities (remade from P and the seed in backward)

@@ -111,8 +111,9 @@ def frontier_for(
             group = group[~_dominated(values, group, np.concatenate(keep))]
         keep.append(group)
     keep = np.concatenate(keep) if keep else np.empty(0, int)
-    return Frontier(values["steady"][keep], values["extra"][keep], values["step"][keep], wait[keep], keep,
-                    memory[keep])  # fmt: skip
+    return Frontier(
+        values["steady"][keep], values["extra"][keep], values["step"][keep], wait[keep], keep, memory[keep]
+    )
 
 
 def _dominated(values: dict[str, np.ndarray], points: np.ndarray, by: np.ndarray) -> np.ndarray:
@@ -168,9 +169,11 @@ class _Program:
 
 
 def _formulate(
-    frontiers: list[dict[tuple[int, int], Frontier]], total_layers: int, micro_batches: int,
+    frontiers: list[dict[tuple[int, int], Frontier]],
+    total_layers: int,
+    micro_batches: int,
     total_devices: int | None,
-) -> _Program | None:  # fmt: skip
+) -> _Program | None:
     """The MILP of ``solve_inter_stage`` (None: no stage has a point)."""
     stages = len(frontiers)
     cols: list[tuple[int, tuple[int, int], int]] = []

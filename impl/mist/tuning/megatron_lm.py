@@ -131,12 +131,28 @@ def setting_plan(
     model: ModelSpec, cluster: ClusterSpec, global_batch: int, setting: MegatronLMSetting, recompute: int
 ) -> Plan:
     """``setting`` with block recomputation of the first ``recompute`` layers of every stage."""
-    stages = [StagePlan(layers=n, recompute=min(recompute, n), selective=setting.selective, zero=setting.zero,
-                        offload_optimizer=setting.offload_optimizer,
-                        gather_in_forward=setting.gather_in_forward) for n in setting.split]  # fmt: skip
-    return Plan.of(model, cluster, global_batch=global_batch, tp=setting.tp, dp=setting.dp,
-                   micro_batch=setting.micro_batch, stages=stages, virtual_stages=setting.virtual,
-                   overlap_grad_reduce=True)  # fmt: skip
+    stages = [
+        StagePlan(
+            layers=n,
+            recompute=min(recompute, n),
+            selective=setting.selective,
+            zero=setting.zero,
+            offload_optimizer=setting.offload_optimizer,
+            gather_in_forward=setting.gather_in_forward,
+        )
+        for n in setting.split
+    ]
+    return Plan.of(
+        model,
+        cluster,
+        global_batch=global_batch,
+        tp=setting.tp,
+        dp=setting.dp,
+        micro_batch=setting.micro_batch,
+        stages=stages,
+        virtual_stages=setting.virtual,
+        overlap_grad_reduce=True,
+    )
 
 
 def space_plans(
@@ -194,7 +210,11 @@ def search_megatron_lm(
         sorted(searched, key=lambda s: max(s.split) - min(s.split)),
         lambda setting, k: setting_plan(model, cluster, global_batch, setting, k),
         lambda setting: recompute_counts(setting, space),
-        model, cluster, runtime, interference, progress,
+        model,
+        cluster,
+        runtime,
+        interference,
+        progress,
         what=f"no Megatron-LM configuration of {model.name} fits {cluster.gpus} x {cluster.gpu.name}",
         variants=lambda s: [dataclasses.replace(s, gather_in_forward=g) for g in others] if s.zero else [],
-    )  # fmt: skip
+    )

@@ -101,24 +101,54 @@ class Problem:
         grad_accumulation: GradAccumulation = GRAD_ACCUMULATION["megatron-core"],
     ) -> Problem:
         """The problem ``plan`` answers, as ``predict`` receives it."""
-        return cls.resolve(model, cluster, plan.global_batch, runtime, interference, grad_accumulation,
-                           sequence_parallel=plan.sequence_parallel)  # fmt: skip
+        return cls.resolve(
+            model,
+            cluster,
+            plan.global_batch,
+            runtime,
+            interference,
+            grad_accumulation,
+            sequence_parallel=plan.sequence_parallel,
+        )
 
-    def setting(self, tp: int, dp: int, micro_batch: int, stages: int, virtual: int = 1,
-                overlap_grad_reduce: bool = False,
-                grad_bucket_params: int | None = None) -> Setting:  # fmt: skip
+    def setting(
+        self,
+        tp: int,
+        dp: int,
+        micro_batch: int,
+        stages: int,
+        virtual: int = 1,
+        overlap_grad_reduce: bool = False,
+        grad_bucket_params: int | None = None,
+    ) -> Setting:
         """The stage-cost setting of a (tp, dp, micro-batch) stage in a pipeline of ``stages``, with
         ``virtual`` model chunks a rank and its gradient reduction as the plan fields say."""
-        return Setting(self.model, self.cluster, self.runtime, self.interference, tp, dp, micro_batch,
-                       self.gpu_budget, stages, sp=self.sequence_parallel,
-                       grad_accumulation=self.grad_accumulation, virtual_stages=virtual,
-                       overlap_grad_reduce=overlap_grad_reduce,
-                       grad_bucket_params=grad_bucket_params)  # fmt: skip
+        return Setting(
+            self.model,
+            self.cluster,
+            self.runtime,
+            self.interference,
+            tp,
+            dp,
+            micro_batch,
+            self.gpu_budget,
+            stages,
+            sp=self.sequence_parallel,
+            grad_accumulation=self.grad_accumulation,
+            virtual_stages=virtual,
+            overlap_grad_reduce=overlap_grad_reduce,
+            grad_bucket_params=grad_bucket_params,
+        )
 
     def plan_setting(self, plan: Plan, stage: int) -> Setting:
         """The setting of ``plan``'s stage ``stage`` (its own TP/DP where it has them)."""
-        return self.setting(*plan.stage_parallelism(stage), len(plan.stages), plan.virtual_stages,
-                            plan.overlap_grad_reduce, plan.grad_bucket_params)  # fmt: skip
+        return self.setting(
+            *plan.stage_parallelism(stage),
+            len(plan.stages),
+            plan.virtual_stages,
+            plan.overlap_grad_reduce,
+            plan.grad_bucket_params,
+        )
 
 
 @dataclass(frozen=True)
@@ -139,8 +169,16 @@ class Candidate:
     @classmethod
     def of_plan(cls, plan: Plan) -> Candidate:
         """The plan's (uniform) point; per-stage TP/DP of a plan are not part of it."""
-        return cls(plan.tp, len(plan.stages), plan.dp, plan.micro_batch, plan.global_batch,
-                   plan.virtual_stages, plan.overlap_grad_reduce, plan.grad_bucket_params)  # fmt: skip
+        return cls(
+            plan.tp,
+            len(plan.stages),
+            plan.dp,
+            plan.micro_batch,
+            plan.global_batch,
+            plan.virtual_stages,
+            plan.overlap_grad_reduce,
+            plan.grad_bucket_params,
+        )
 
     @property
     def grad_accum(self) -> int:
@@ -152,5 +190,12 @@ class Candidate:
         return in_flight(stage, self.stages, self.grad_accum, self.virtual)
 
     def setting(self, problem: Problem) -> Setting:
-        return problem.setting(self.tp, self.dp, self.micro_batch, self.stages, self.virtual,
-                               self.overlap_grad_reduce, self.grad_bucket_params)  # fmt: skip
+        return problem.setting(
+            self.tp,
+            self.dp,
+            self.micro_batch,
+            self.stages,
+            self.virtual,
+            self.overlap_grad_reduce,
+            self.grad_bucket_params,
+        )

@@ -67,12 +67,29 @@ def setting_plan(
 ) -> Plan:
     offload = 1.0 if setting.cpu_offload else 0.0
     # FSDP2 without resharding (ZeRO-2) gathers the weights ahead of the next forward's modules
-    stages = [StagePlan(layers=n, recompute=n if recompute else 0, zero=setting.zero, offload_weights=offload,
-                        offload_grads=offload, offload_optimizer=offload, gather_in_forward=setting.zero == 2)
-              for n in setting.split]  # fmt: skip
+    stages = [
+        StagePlan(
+            layers=n,
+            recompute=n if recompute else 0,
+            zero=setting.zero,
+            offload_weights=offload,
+            offload_grads=offload,
+            offload_optimizer=offload,
+            gather_in_forward=setting.zero == 2,
+        )
+        for n in setting.split
+    ]
     # torch's DDP overlaps its gradient all-reduce with backward (FSDP2 reduce-scatters by layer)
-    return Plan.of(model, cluster, global_batch=global_batch, tp=setting.tp, dp=setting.dp,
-                   micro_batch=setting.micro_batch, stages=stages, overlap_grad_reduce=True)  # fmt: skip
+    return Plan.of(
+        model,
+        cluster,
+        global_batch=global_batch,
+        tp=setting.tp,
+        dp=setting.dp,
+        micro_batch=setting.micro_batch,
+        stages=stages,
+        overlap_grad_reduce=True,
+    )
 
 
 def search_torchtitan(
@@ -90,6 +107,10 @@ def search_torchtitan(
         sorted(settings(model, cluster, global_batch), key=lambda s: max(s.split) - min(s.split)),
         lambda setting, k: setting_plan(model, cluster, global_batch, setting, bool(k)),
         lambda setting: [0, 1],  # checkpointing no layer, or every layer
-        model, cluster, runtime, interference, progress,
+        model,
+        cluster,
+        runtime,
+        interference,
+        progress,
         what=f"no torchtitan configuration of {model.name} fits {cluster.gpus} x {cluster.gpu.name}",
-    )  # fmt: skip
+    )

@@ -33,9 +33,18 @@ def _softmax_dropout_fwd_kernel(
 
 @triton.jit
 def _softmax_dropout_bwd_kernel(
-    dd_ptr, gp_ptr, p_ptr, ds_ptr, d_ptr, Sk, p_drop, seed,
-    HAS_DROPOUT: tl.constexpr, HAS_GRAD_PROBS: tl.constexpr, BLOCK: tl.constexpr,
-):  # fmt: skip
+    dd_ptr,
+    gp_ptr,
+    p_ptr,
+    ds_ptr,
+    d_ptr,
+    Sk,
+    p_drop,
+    seed,
+    HAS_DROPOUT: tl.constexpr,
+    HAS_GRAD_PROBS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     inside = cols < Sk
@@ -67,9 +76,14 @@ def attention_core_fwd_triton(
 
 
 def attention_core_bwd_triton(
-    grad_out: torch.Tensor, grad_probs: torch.Tensor | None, probs: torch.Tensor, value: torch.Tensor,
-    p: float, seed: int, scores_dtype: torch.dtype,
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    grad_out: torch.Tensor,
+    grad_probs: torch.Tensor | None,
+    probs: torch.Tensor,
+    value: torch.Tensor,
+    p: float,
+    seed: int,
+    scores_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
     sk = probs.shape[-1]
     rows = probs.numel() // sk
     grad_dropped = torch.matmul(grad_out, value.transpose(-1, -2)).contiguous()
@@ -77,7 +91,16 @@ def attention_core_bwd_triton(
     dropped = torch.empty_like(probs)
     gp = grad_probs.contiguous() if grad_probs is not None else probs  # dummy pointer when absent
     _softmax_dropout_bwd_kernel[(rows,)](
-        grad_dropped, gp, probs, grad_scores, dropped, sk, p, seed,
-        HAS_DROPOUT=p > 0.0, HAS_GRAD_PROBS=grad_probs is not None, BLOCK=triton.next_power_of_2(sk),
-    )  # fmt: skip
+        grad_dropped,
+        gp,
+        probs,
+        grad_scores,
+        dropped,
+        sk,
+        p,
+        seed,
+        HAS_DROPOUT=p > 0.0,
+        HAS_GRAD_PROBS=grad_probs is not None,
+        BLOCK=triton.next_power_of_2(sk),
+    )
     return grad_scores, torch.matmul(dropped.transpose(-1, -2), grad_out)

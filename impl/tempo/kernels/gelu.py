@@ -91,9 +91,18 @@ def _gelu_fwd_kernel(
 
 @triton.jit
 def _gelu_bwd_kernel(
-    g_ptr, y_ptr, bits_ptr, dx_ptr, n, x_min, y_min, curv,
-    TANH: tl.constexpr, STEPS: tl.constexpr, BLOCK: tl.constexpr,
-):  # fmt: skip
+    g_ptr,
+    y_ptr,
+    bits_ptr,
+    dx_ptr,
+    n,
+    x_min,
+    y_min,
+    curv,
+    TANH: tl.constexpr,
+    STEPS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     pid = tl.program_id(0)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     inside = offs < n
@@ -146,7 +155,16 @@ def gelu_bwd_triton(
     x_min, y_min, curv = branch_point(approximate)
     grid = (triton.cdiv(n, BLOCK),)
     _gelu_bwd_kernel[grid](
-        grad, y, bits, dx, n, x_min, y_min, curv,
-        TANH=approximate == "tanh", STEPS=NEWTON_STEPS, BLOCK=BLOCK,
-    )  # fmt: skip
+        grad,
+        y,
+        bits,
+        dx,
+        n,
+        x_min,
+        y_min,
+        curv,
+        TANH=approximate == "tanh",
+        STEPS=NEWTON_STEPS,
+        BLOCK=BLOCK,
+    )
     return dx

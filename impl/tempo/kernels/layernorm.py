@@ -35,9 +35,22 @@ def _ln_fwd_kernel(x_ptr, w_ptr, b_ptr, y_ptr, rstd_ptr, D, eps, BLOCK_D: tl.con
 
 @triton.jit
 def _ln_bwd_kernel(
-    g_ptr, s_ptr, rstd_ptr, w_ptr, b_ptr, dx_ptr, dw_part_ptr, db_part_ptr,
-    rows, D, floor, xhat_max, FROM_INPUT: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
-):  # fmt: skip
+    g_ptr,
+    s_ptr,
+    rstd_ptr,
+    w_ptr,
+    b_ptr,
+    dx_ptr,
+    dw_part_ptr,
+    db_part_ptr,
+    rows,
+    D,
+    floor,
+    xhat_max,
+    FROM_INPUT: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_D)
     inside = cols < D
@@ -82,9 +95,14 @@ def layer_norm_fwd_triton(
 
 
 def layer_norm_bwd_triton(
-    grad: torch.Tensor, src: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
-    normalized_ndim: int, from_input: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    grad: torch.Tensor,
+    src: torch.Tensor,
+    rstd: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    normalized_ndim: int,
+    from_input: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``src``: the output y, or the input x with ``from_input``; both contiguous."""
     rows, d = _rows(src, normalized_ndim)
     programs = triton.cdiv(rows, ROWS_PER_PROGRAM)
@@ -92,9 +110,22 @@ def layer_norm_bwd_triton(
     dw_part = torch.empty(programs, d, dtype=torch.float32, device=src.device)
     db_part = torch.empty(programs, d, dtype=torch.float32, device=src.device)
     _ln_bwd_kernel[(programs,)](
-        grad, src, rstd, weight, bias, dx, dw_part, db_part, rows, d, gamma_floor(src.dtype), math.sqrt(d),
-        FROM_INPUT=from_input, ROWS=ROWS_PER_PROGRAM, BLOCK_D=triton.next_power_of_2(d),
-    )  # fmt: skip
+        grad,
+        src,
+        rstd,
+        weight,
+        bias,
+        dx,
+        dw_part,
+        db_part,
+        rows,
+        d,
+        gamma_floor(src.dtype),
+        math.sqrt(d),
+        FROM_INPUT=from_input,
+        ROWS=ROWS_PER_PROGRAM,
+        BLOCK_D=triton.next_power_of_2(d),
+    )
     # Fresh tensors, not views: a custom op's outputs must not be views.
     dw = dw_part.sum(dim=0).to(weight.dtype).reshape(weight.shape).clone()
     db = db_part.sum(dim=0).to(bias.dtype).reshape(bias.shape).clone()

@@ -37,9 +37,16 @@ def _sqrt(a, F64: tl.constexpr):
 
 @triton.jit
 def _rms_fwd_kernel(
-    x_ptr, w_ptr, y_ptr, rstd_ptr, D,
-    EPS: tl.constexpr, F64: tl.constexpr, Y_F64: tl.constexpr, BLOCK_D: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    w_ptr,
+    y_ptr,
+    rstd_ptr,
+    D,
+    EPS: tl.constexpr,
+    F64: tl.constexpr,
+    Y_F64: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
     inside = cols < D
@@ -59,9 +66,19 @@ def _rms_fwd_kernel(
 
 @triton.jit
 def _rms_bwd_kernel(
-    g_ptr, y_ptr, rstd_ptr, w_ptr, dx_ptr, dw_part_ptr, rows, D,
-    FLOOR: tl.constexpr, F64: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
-):  # fmt: skip
+    g_ptr,
+    y_ptr,
+    rstd_ptr,
+    w_ptr,
+    dx_ptr,
+    dw_part_ptr,
+    rows,
+    D,
+    FLOOR: tl.constexpr,
+    F64: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_D)
     inside = cols < D
@@ -99,9 +116,16 @@ def rms_norm_fwd_triton(
     y = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
     rstd = torch.empty(rows, dtype=opmath(x.dtype), device=x.device)
     _rms_fwd_kernel[(rows,)](
-        x, weight.contiguous(), y, rstd, d, EPS=float(eps), F64=rstd.dtype == torch.float64,
-        Y_F64=y.dtype == torch.float64, BLOCK_D=triton.next_power_of_2(d),
-    )  # fmt: skip
+        x,
+        weight.contiguous(),
+        y,
+        rstd,
+        d,
+        EPS=float(eps),
+        F64=rstd.dtype == torch.float64,
+        Y_F64=y.dtype == torch.float64,
+        BLOCK_D=triton.next_power_of_2(d),
+    )
     return y, rstd
 
 
@@ -114,8 +138,18 @@ def rms_norm_bwd_triton(
     dx = torch.empty(y.shape, dtype=y.dtype, device=y.device)
     dw_part = torch.empty(programs, d, dtype=opmath(y.dtype), device=y.device)
     _rms_bwd_kernel[(programs,)](
-        grad, y, rstd, weight.contiguous(), dx, dw_part, rows, d, FLOOR=gamma_floor(y.dtype),
-        F64=dw_part.dtype == torch.float64, ROWS=ROWS_PER_PROGRAM, BLOCK_D=triton.next_power_of_2(d),
-    )  # fmt: skip
+        grad,
+        y,
+        rstd,
+        weight.contiguous(),
+        dx,
+        dw_part,
+        rows,
+        d,
+        FLOOR=gamma_floor(y.dtype),
+        F64=dw_part.dtype == torch.float64,
+        ROWS=ROWS_PER_PROGRAM,
+        BLOCK_D=triton.next_power_of_2(d),
+    )
     # Fresh tensor, not a view: a custom op's outputs must not be views.
     return dx, dw_part.sum(dim=0).to(weight.dtype).reshape(weight.shape).clone()

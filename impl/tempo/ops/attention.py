@@ -67,9 +67,14 @@ def attention_core_fwd_torch(scores: Tensor, value: Tensor, p: float, seed: Tens
 
 
 def attention_core_bwd_torch(
-    grad_out: Tensor, grad_probs: Tensor | None, probs: Tensor, value: Tensor, p: float, seed: Tensor,
+    grad_out: Tensor,
+    grad_probs: Tensor | None,
+    probs: Tensor,
+    value: Tensor,
+    p: float,
+    seed: Tensor,
     scores_dtype: torch.dtype,
-) -> tuple[Tensor, Tensor]:  # fmt: skip
+) -> tuple[Tensor, Tensor]:
     sq, sk, dv = probs.shape[-2], probs.shape[-1], value.shape[-1]
     n = math.prod(probs.shape[:-2])
     p3, v3, go3 = probs.reshape(n, sq, sk), value.reshape(n, sk, dv), grad_out.reshape(n, sq, dv)
@@ -114,9 +119,14 @@ def _(scores, value, p, seed):
 
 @torch.library.custom_op("tempo::attention_core_bwd", mutates_args=())
 def attention_core_bwd(
-    grad_out: Tensor, grad_probs: Tensor | None, probs: Tensor, value: Tensor, p: float, seed: Tensor,
+    grad_out: Tensor,
+    grad_probs: Tensor | None,
+    probs: Tensor,
+    value: Tensor,
+    p: float,
+    seed: Tensor,
     scores_dtype: torch.dtype,
-) -> tuple[Tensor, Tensor]:  # fmt: skip
+) -> tuple[Tensor, Tensor]:
     if use_triton(grad_out, probs, value):
         from ..kernels.attention import attention_core_bwd_triton
 

@@ -61,9 +61,14 @@ def unit_roundoff(dtype: torch.dtype) -> float:
 
 
 def layer_norm_backward_torch(
-    grad: Tensor, src: Tensor, rstd: Tensor, weight: Tensor, bias: Tensor, normalized_ndim: int,
+    grad: Tensor,
+    src: Tensor,
+    rstd: Tensor,
+    weight: Tensor,
+    bias: Tensor,
+    normalized_ndim: int,
     from_input: bool = False,
-) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+) -> tuple[Tensor, Tensor, Tensor]:
     """PyTorch implementation of the backward (CPU; the reference for the Triton kernel).
 
     ``src`` is the output y (x_hat recovered from it), or with ``from_input`` the input x
@@ -139,9 +144,14 @@ def _(x, weight, bias, normalized_ndim, eps, keep_input=False):
 
 @torch.library.custom_op("tempo::layer_norm_bwd", mutates_args=())
 def layer_norm_bwd(
-    grad: Tensor, src: Tensor, rstd: Tensor, weight: Tensor, bias: Tensor, normalized_ndim: int,
+    grad: Tensor,
+    src: Tensor,
+    rstd: Tensor,
+    weight: Tensor,
+    bias: Tensor,
+    normalized_ndim: int,
     from_input: bool = False,
-) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+) -> tuple[Tensor, Tensor, Tensor]:
     """``src``: y, or x with ``from_input``."""
     grad = grad.contiguous()
     if use_triton(grad, src, rstd, weight, bias):

@@ -113,13 +113,17 @@ def linear_cross_entropy(
     check_float("linear_cross_entropy h", h)
     check_float("linear_cross_entropy weight", weight)
     if weight.dim() != 2 or h.shape[-1] != weight.shape[1]:
-        raise ValueError(f"weight must be [vocab, hidden] with hidden = h's last dim {h.shape[-1]}, "
-                         f"got {list(weight.shape)}")  # fmt: skip
+        raise ValueError(
+            f"weight must be [vocab, hidden] with hidden = h's last dim {h.shape[-1]}, "
+            f"got {list(weight.shape)}"
+        )
     if h.dtype != weight.dtype:
         raise ValueError(f"h and weight must share a dtype, got {h.dtype} and {weight.dtype}")
     if labels.dtype not in (torch.int64, torch.int32) or tuple(labels.shape) != tuple(h.shape[:-1]):
-        raise ValueError(f"labels must be integers of h's leading shape {list(h.shape[:-1])}, "
-                         f"got {labels.dtype} {list(labels.shape)}")  # fmt: skip
+        raise ValueError(
+            f"labels must be integers of h's leading shape {list(h.shape[:-1])}, "
+            f"got {labels.dtype} {list(labels.shape)}"
+        )
     if rows_per_chunk < 1:
         raise ValueError(f"rows_per_chunk must be >= 1, got {rows_per_chunk}")
     if reduction not in ("mean", "sum"):

@@ -130,9 +130,15 @@ def megatron_edge_rows(
         mask = torch.ones(1, 1, s, s, dtype=torch.bool, device=device).tril().logical_not()
         grad = torch.randn(s, b, h, dtype=dtype, device=device)
         for pre, post in ((False, False), (True, False), (True, True)):
-            model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(),
-                             vocab_size=vocab // tp, max_sequence_length=s, pre_process=pre,
-                             post_process=post, share_embeddings_and_output_weights=False)  # fmt: skip
+            model = GPTModel(
+                config=config,
+                transformer_layer_spec=get_gpt_layer_local_spec(),
+                vocab_size=vocab // tp,
+                max_sequence_length=s,
+                pre_process=pre,
+                post_process=post,
+                share_embeddings_and_output_weights=False,
+            )
             if dtype != torch.float32:  # as mist.engine.run: megatron's wrapper casts inputs and outputs
                 model = Float16Module(config, model)
             model = model.to(device).train()
@@ -153,10 +159,15 @@ def megatron_edge_rows(
     final_norm = forward_backward_seconds(lambda: norm(x), lambda y: y.backward(g), device, repeats)
 
     def row(name: str, fwd: float, bwd: float) -> dict:
-        sizes = dict.fromkeys(("input_size", "output_size", "weights", "activations", "fwd_reserved",
-                               "bwd_reserved"), 0.0)  # fmt: skip
-        return {"op_name": name, "forward-compute": max(fwd, 0.0) * 1e6,
-                "backward-compute": max(bwd, 0.0) * 1e6, **sizes}  # fmt: skip
+        sizes = dict.fromkeys(
+            ("input_size", "output_size", "weights", "activations", "fwd_reserved", "bwd_reserved"), 0.0
+        )
+        return {
+            "op_name": name,
+            "forward-compute": max(fwd, 0.0) * 1e6,
+            "backward-compute": max(bwd, 0.0) * 1e6,
+            **sizes,
+        }
 
     diff = [a - b for a, b in zip(seconds[True, False], seconds[False, False], strict=True)]
     head = [a - b - n for a, b, n in zip(seconds[True, True], seconds[True, False], final_norm, strict=True)]
@@ -196,15 +207,30 @@ def write_profiles(
     three back-to-back profiles here), and a pass spreads each point's repeats over the others'
     time, so one slow stretch moves one pass of a point, not the point."""
     if cpu_threads < 1 or concurrent < 1 or rounds < 1:
-        raise ValueError(f"cpu_threads, concurrent and rounds must be >= 1, got {cpu_threads}, {concurrent}, "
-                         f"{rounds}")  # fmt: skip
+        raise ValueError(
+            f"cpu_threads, concurrent and rounds must be >= 1, got {cpu_threads}, {concurrent}, {rounds}"
+        )
     before = torch.get_num_threads()
     if device == "cpu":
         torch.set_num_threads(cpu_threads)
     try:
         threads = cpu_threads if device == "cpu" else None
-        args = (device, hidden, heads, seq, micro_batches, tps, dtype, gpu, repeats, None, framework, threads,
-                vocab, rounds)  # fmt: skip
+        args = (
+            device,
+            hidden,
+            heads,
+            seq,
+            micro_batches,
+            tps,
+            dtype,
+            gpu,
+            repeats,
+            None,
+            framework,
+            threads,
+            vocab,
+            rounds,
+        )
         copies = _start_copies(concurrent - 1, args) if device == "cpu" else []
         try:
             return _write_profiles(out, *args[:9], progress, *args[10:])
@@ -240,8 +266,10 @@ def _start_copies(n: int, args: tuple) -> list:
 
     ctx = mp.get_context("spawn")
     events = [ctx.Event() for _ in range(n)]
-    copies = [ctx.Process(target=_profile_copy, args=(os.getpid(), args[11] or 1, args, e), daemon=True)
-              for e in events]  # fmt: skip
+    copies = [
+        ctx.Process(target=_profile_copy, args=(os.getpid(), args[11] or 1, args, e), daemon=True)
+        for e in events
+    ]
     for copy in copies:
         copy.start()
     deadline = time.monotonic() + COPY_START_TIMEOUT_S
@@ -249,13 +277,30 @@ def _start_copies(n: int, args: tuple) -> list:
         if not event.wait(max(deadline - time.monotonic(), 0.0)):
             for c in copies:
                 c.terminate()
-            raise RuntimeError(f"a concurrent profile copy did not start within {COPY_START_TIMEOUT_S} s "
-                               f"(exit code {copy.exitcode})")  # fmt: skip
+            raise RuntimeError(
+                f"a concurrent profile copy did not start within {COPY_START_TIMEOUT_S} s "
+                f"(exit code {copy.exitcode})"
+            )
     return copies
 
 
-def _write_profiles(out, device, hidden, heads, seq, micro_batches, tps, dtype, gpu, repeats, progress,
-                    framework, threads, vocab, rounds) -> list[Path]:  # fmt: skip
+def _write_profiles(
+    out,
+    device,
+    hidden,
+    heads,
+    seq,
+    micro_batches,
+    tps,
+    dtype,
+    gpu,
+    repeats,
+    progress,
+    framework,
+    threads,
+    vocab,
+    rounds,
+) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     size = f"h{hidden}"
     meta = {
@@ -272,8 +317,22 @@ def _write_profiles(out, device, hidden, heads, seq, micro_batches, tps, dtype, 
     from .. import cpu_shim
 
     with cpu_shim.bf16_gemms_in_float32():  # the ops as the engine runs them (a no-op on a GPU)
-        return _write_layer_profiles(out, device, hidden, heads, seq, micro_batches, tps, dtype, repeats,
-                                     progress, framework, vocab, size, rounds)  # fmt: skip
+        return _write_layer_profiles(
+            out,
+            device,
+            hidden,
+            heads,
+            seq,
+            micro_batches,
+            tps,
+            dtype,
+            repeats,
+            progress,
+            framework,
+            vocab,
+            size,
+            rounds,
+        )
 
 
 def _point_rows(b, seq, hidden, heads, tp, dtype, device, repeats, framework, vocab) -> list[dict]:
@@ -282,9 +341,14 @@ def _point_rows(b, seq, hidden, heads, tp, dtype, device, repeats, framework, vo
     if framework:
         whole = megatron_layer_seconds(b, seq, hidden, heads, tp, dtype, device, repeats)
         ops = [sum(r[k] for r in rows) * 1e-6 for k in ("forward-compute", "backward-compute")]
-        rows.append({**dict.fromkeys(rows[0], 0.0), "op_name": FRAMEWORK_OP,
-                     "forward-compute": max(whole[0] - ops[0], 0.0) * 1e6,
-                     "backward-compute": max(whole[1] - ops[1], 0.0) * 1e6})  # fmt: skip
+        rows.append(
+            {
+                **dict.fromkeys(rows[0], 0.0),
+                "op_name": FRAMEWORK_OP,
+                "forward-compute": max(whole[0] - ops[0], 0.0) * 1e6,
+                "backward-compute": max(whole[1] - ops[1], 0.0) * 1e6,
+            }
+        )
     if vocab:
         rows += megatron_edge_rows(b, seq, hidden, heads, vocab, tp, dtype, device, repeats)
     return rows
@@ -299,8 +363,22 @@ def _median_passes(passes: list[list[dict]]) -> list[dict]:
     ]
 
 
-def _write_layer_profiles(out, device, hidden, heads, seq, micro_batches, tps, dtype, repeats, progress,
-                          framework, vocab, size, rounds) -> list[Path]:  # fmt: skip
+def _write_layer_profiles(
+    out,
+    device,
+    hidden,
+    heads,
+    seq,
+    micro_batches,
+    tps,
+    dtype,
+    repeats,
+    progress,
+    framework,
+    vocab,
+    size,
+    rounds,
+) -> list[Path]:
     for tp in tps:
         if heads % tp:
             raise ValueError(f"tp {tp} does not divide heads {heads}")

@@ -71,12 +71,20 @@ def megatron_config(h: int, heads: int, tp: int, dtype: torch.dtype):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     return TransformerConfig(
-        num_layers=1, hidden_size=h, num_attention_heads=heads // tp, ffn_hidden_size=4 * h // tp,
-        kv_channels=h // heads, add_bias_linear=False, use_cpu_initialization=True,
-        params_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
-        hidden_dropout=0.1, attention_dropout=0.1,
+        num_layers=1,
+        hidden_size=h,
+        num_attention_heads=heads // tp,
+        ffn_hidden_size=4 * h // tp,
+        kv_channels=h // heads,
+        add_bias_linear=False,
+        use_cpu_initialization=True,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        hidden_dropout=0.1,
+        attention_dropout=0.1,
         attention_softmax_in_fp32=False,  # Megatron-LM's default (mist.engine.megatron.model_settings)
-    )  # fmt: skip
+    )
 
 
 def forward_backward_seconds(forward: Callable, backward_from: Callable, device: str, repeats: int):

@@ -54,8 +54,13 @@ def interleaved_seconds_all_ranks(
 # imported these once (multiprocessing's forkserver), not started as fresh interpreters (~5 s a
 # launch of 2 ranks on 2 cores, twelve launches a 2-process fit). The server has only imported
 # (no threads, no torch ops), as fork_launch's; it exits once this process and its ranks have.
-_RANK_PRELOAD = ["torch.distributed", "torch.distributed.fsdp", "megatron.core.models.gpt.gpt_layer_specs",
-                 "megatron.core.transformer.spec_utils", "mist.engine.profiler"]  # fmt: skip
+_RANK_PRELOAD = [
+    "torch.distributed",
+    "torch.distributed.fsdp",
+    "megatron.core.models.gpt.gpt_layer_specs",
+    "megatron.core.transformer.spec_utils",
+    "mist.engine.profiler",
+]
 
 
 def _rank_main(rank: int, launcher: int, worker: Callable, *args) -> None:
@@ -83,8 +88,13 @@ def run_ranks(worker: Callable, n: int, args: tuple, launches: int) -> list:
     results = []
     for _ in range(launches):
         out, store = ctx.SimpleQueue(), serve_rendezvous()
-        ranks = mp.start_processes(_rank_main, (os.getpid(), worker, n, store.port, *args, out), nprocs=n,
-                                   join=False, start_method="forkserver")  # fmt: skip
+        ranks = mp.start_processes(
+            _rank_main,
+            (os.getpid(), worker, n, store.port, *args, out),
+            nprocs=n,
+            join=False,
+            start_method="forkserver",
+        )
         try:
             while not ranks.join():
                 pass

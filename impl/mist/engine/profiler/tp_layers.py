@@ -11,8 +11,9 @@ from .megatron_layer import layer_inputs, megatron_config, megatron_state
 from .ranks import init_rank, interleaved_seconds_all_ranks, median_rows, run_ranks, write_line_csv
 
 
-def _tp_worker(rank: int, n: int, port: int, device: str, shapes: list, dtype, repeats: int, rounds: int,
-               out) -> None:  # fmt: skip
+def _tp_worker(
+    rank: int, n: int, port: int, device: str, shapes: list, dtype, repeats: int, rounds: int, out
+) -> None:
     """One rank of ``profile_tp_layers``: per shape, megatron-core's layer split over the ``n``
     ranks (its own tensor parallelism) and one rank's share of it built alone, timed forward
     alone and forward + backward, interleaved, all ranks at once."""
@@ -56,14 +57,27 @@ def _tp_worker(rank: int, n: int, port: int, device: str, shapes: list, dtype, r
             (part, shape): seconds[part, shape, True] - seconds[part, shape, False]
             for part, shape, _ in calls
         }
-        out.put([(b * s * h * item, added["forward", shape], added["both", shape])
-                 for shape in shapes for b, s, h, _ in [shape]])  # fmt: skip
+        out.put(
+            [
+                (b * s * h * item, added["forward", shape], added["both", shape])
+                for shape in shapes
+                for b, s, h, _ in [shape]
+            ]
+        )
 
 
 def profile_tp_layers(
-    n: int, device: str, hidden: int, heads: int, seq: int, micro_batches: list[int], dtype: torch.dtype,
-    repeats: int = 5, rounds: int = 10, launches: int = 1,
-) -> list[tuple[float, float, float]]:  # fmt: skip
+    n: int,
+    device: str,
+    hidden: int,
+    heads: int,
+    seq: int,
+    micro_batches: list[int],
+    dtype: torch.dtype,
+    repeats: int = 5,
+    rounds: int = 10,
+    launches: int = 1,
+) -> list[tuple[float, float, float]]:
     """What tensor parallelism over ``n`` processes adds to one layer as mist.engine.run runs it
     (megatron-core's layer split over the ranks, against one rank's share built alone and timed
     at the same time): [(bytes of one of its all-reduces, seconds added to the forward, to

@@ -12,9 +12,17 @@ from .ranks import init_rank, interleaved_seconds_all_ranks, median_rows, run_ra
 
 
 def _zero_worker(
-    rank: int, n: int, port: int, device: str, stage: int, shapes: list, dtype, repeats: int, rounds: int,
+    rank: int,
+    n: int,
+    port: int,
+    device: str,
+    stage: int,
+    shapes: list,
+    dtype,
+    repeats: int,
+    rounds: int,
     out,
-) -> None:  # fmt: skip
+) -> None:
     """One rank of ``profile_zero_layers``: per shape, megatron-core's layers timed forward +
     backward plain and sharded as mist.engine.run shards them, interleaved, all ranks at once."""
     import torch.distributed as dist
@@ -72,9 +80,18 @@ def _zero_worker(
 
 
 def profile_zero_layers(
-    stage: int, n: int, device: str, hidden: int, heads: int, seq: int, micro_batch: int, dtype: torch.dtype,
-    repeats: int = 5, rounds: int = 10, launches: int = 1,
-) -> list[tuple[float, float]]:  # fmt: skip
+    stage: int,
+    n: int,
+    device: str,
+    hidden: int,
+    heads: int,
+    seq: int,
+    micro_batch: int,
+    dtype: torch.dtype,
+    repeats: int = 5,
+    rounds: int = 10,
+    launches: int = 1,
+) -> list[tuple[float, float]]:
     """What ZeRO ``stage`` (2 or 3) adds to one layer's forward + backward among ``n`` processes,
     as mist.engine.run runs it: [(the layer's full weight bytes, seconds)] for the layer and for
     one TP-2 rank's share of it (two sizes: a line can be fitted), the median over ``launches``.
