@@ -86,14 +86,19 @@ def _check_writable(path: Path) -> None:
 
 def _engine_argument(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "--engine", choices=list(GRAD_ACCUMULATION), default="megatron-core",
+        "--engine",
+        choices=list(GRAD_ACCUMULATION),
+        default="megatron-core",
         help="the engine that runs the plan, for how it accumulates gradients over micro-batches "
         "(default: megatron-core, as mist.engine.run)",
-    )  # fmt: skip
+    )
 
 
 def _positive(text: str) -> int:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a whole number >= 1, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value
@@ -161,9 +166,12 @@ def cmd_plan(args) -> int:
     device_cap = gpu_memory_bytes(args.gpu_mem)
     c = cluster(args.gpu, args.gpus, args.gpus_per_node, host_memory=host, gpu_memory=device_cap)
     space = SearchSpace(offload=not args.no_offload, recompute=not args.no_recompute)
-    options = PlannerOptions(space=space, imbalance_aware=not args.no_imbalance,
-                             grad_accumulation=GRAD_ACCUMULATION[args.engine],
-                             stage_devices=args.stage_devices)  # fmt: skip
+    options = PlannerOptions(
+        space=space,
+        imbalance_aware=not args.no_imbalance,
+        grad_accumulation=GRAD_ACCUMULATION[args.engine],
+        stage_devices=args.stage_devices,
+    )
 
     def progress(line: str) -> None:
         if not args.quiet:
@@ -243,14 +251,19 @@ def cmd_export(args) -> int:
         megatron_lm_command,
         nodes_and_processes,
         toml_text,
-        torchtitan_config,  # fmt: skip
+        torchtitan_config,
     )
     from .plan import Plan
 
     # options of the other target are refused, not ignored
-    other = {"torchtitan": {"--tokenizer-type": args.tokenizer_type, "--script": args.script,
-                            "--transformer-impl": args.transformer_impl},
-             "megatron-lm": {"--flavor": args.flavor}}[args.to]  # fmt: skip
+    other = {
+        "torchtitan": {
+            "--tokenizer-type": args.tokenizer_type,
+            "--script": args.script,
+            "--transformer-impl": args.transformer_impl,
+        },
+        "megatron-lm": {"--flavor": args.flavor},
+    }[args.to]
     given = [flag for flag, value in other.items() if value]
     if given:
         print(
@@ -259,9 +272,14 @@ def cmd_export(args) -> int:
         return 2
     try:
         megatron = {"script": args.script, "transformer_impl": args.transformer_impl}  # None: the default
-        inputs = JobInputs(data_path=args.data_path, tokenizer_type=args.tokenizer_type,
-                           tokenizer_model=args.tokenizer_model, train_iters=args.train_iters, lr=args.lr,
-                           **{k: v for k, v in megatron.items() if v is not None})  # fmt: skip
+        inputs = JobInputs(
+            data_path=args.data_path,
+            tokenizer_type=args.tokenizer_type,
+            tokenizer_model=args.tokenizer_model,
+            train_iters=args.train_iters,
+            lr=args.lr,
+            **{k: v for k, v in megatron.items() if v is not None},
+        )
         plan = Plan.load(args.plan)
         if args.to == "torchtitan":
             text = toml_text(torchtitan_config(plan, plan.model_spec(), args.flavor, inputs))
@@ -277,16 +295,25 @@ def cmd_export(args) -> int:
     print(text)
     if args.to == "torchtitan":
         nodes, per_node = nodes_and_processes(plan)
-        print(f"# the plan was priced for {plan.model_spec().name}: flavor {args.flavor} must be its shape; "
-              f"launch: torchrun --nnodes {nodes} --nproc-per-node {per_node} -m torchtitan.train "
-              "--job.config_file THIS.toml", file=sys.stderr)  # fmt: skip
+        print(
+            f"# the plan was priced for {plan.model_spec().name}: flavor {args.flavor} must be its shape; "
+            f"launch: torchrun --nnodes {nodes} --nproc-per-node {per_node} -m torchtitan.train "
+            "--job.config_file THIS.toml",
+            file=sys.stderr,
+        )
         return 0
     if inputs.data_path is None or inputs.tokenizer_type is None:
-        print("# placeholders: synthetic data (--mock-data) and a null tokenizer; --data-path and "
-              "--tokenizer-type/--tokenizer-model name real ones", file=sys.stderr)  # fmt: skip
+        print(
+            "# placeholders: synthetic data (--mock-data) and a null tokenizer; --data-path and "
+            "--tokenizer-type/--tokenizer-model name real ones",
+            file=sys.stderr,
+        )
     if inputs.tokenizer_type is not None:
-        print(f"# the plan was priced at a vocabulary of {plan.model_spec().vocab}: a tokenizer whose padded "
-              "vocabulary differs changes the embedding's and head's memory", file=sys.stderr)  # fmt: skip
+        print(
+            f"# the plan was priced at a vocabulary of {plan.model_spec().vocab}: a tokenizer whose padded "
+            "vocabulary differs changes the embedding's and head's memory",
+            file=sys.stderr,
+        )
     return 0
 
 
@@ -416,21 +443,41 @@ def cmd_profile(args) -> int:
             raise ValueError(f"--tp {tp} must divide --vocab {args.vocab}")
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
     files = write_profiles(
-        Path(args.out), args.device, args.hidden, args.heads, args.seq, args.micro_batches, args.tp, dtype,
-        args.name, args.repeats, progress=lambda line: print("  " + line, flush=True), vocab=args.vocab,
+        Path(args.out),
+        args.device,
+        args.hidden,
+        args.heads,
+        args.seq,
+        args.micro_batches,
+        args.tp,
+        dtype,
+        args.name,
+        args.repeats,
+        progress=lambda line: print("  " + line, flush=True),
+        vocab=args.vocab,
         rounds=args.rounds,
-    )  # fmt: skip
+    )
     for n in args.collectives:
         written = write_collectives(Path(args.out), n, args.device, args.repeats)
         print(f"  collectives among {n} processes: {len(written)} files", flush=True)
         if args.heads % 2 == 0:  # ZeRO-2 and -3 as the engine runs them, on the layer at two sizes
             for stage in (2, 3):
-                write_zero_layers(stage, Path(args.out), n, args.device, args.hidden, args.heads, args.seq,
-                                  min(args.micro_batches), dtype)  # fmt: skip
+                write_zero_layers(
+                    stage,
+                    Path(args.out),
+                    n,
+                    args.device,
+                    args.hidden,
+                    args.heads,
+                    args.seq,
+                    min(args.micro_batches),
+                    dtype,
+                )
             print(f"  ZeRO-2 and ZeRO-3 on the layer among {n} processes", flush=True)
         if args.heads % n == 0 and len(set(args.micro_batches)) >= 2:  # TP as the engine runs it
-            write_tp_layers(Path(args.out), n, args.device, args.hidden, args.heads, args.seq,
-                            args.micro_batches, dtype)  # fmt: skip
+            write_tp_layers(
+                Path(args.out), n, args.device, args.hidden, args.heads, args.seq, args.micro_batches, dtype
+            )
             print(f"  tensor parallelism on the layer over {n} processes", flush=True)
     print(f"{len(files)} profiles in {args.out}; fit them with: python -m mist calibrate {args.out}")
     return 0
@@ -496,25 +543,30 @@ def _plan_parser(sub) -> None:
     p.add_argument("--gpu", required=True, help=f"one of: {', '.join(GPUS)}")
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument(
-        "--host-mem", type=float, metavar="GIB",
+        "--host-mem",
+        type=float,
+        metavar="GIB",
         help="DRAM per node; offloading may use 90%% (default: the GPU type's usual host, `mist list`)",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--gpu-mem", metavar="SIZE",
+        "--gpu-mem",
+        metavar="SIZE",
         help="memory each device may use, e.g. 24GiB or, for cpu, 3MiB (default: its data sheet's); "
         "written into the plan, mist.engine.run enforces it",
-    )  # fmt: skip
+    )
     p.add_argument("--global-batch", type=int, required=True)
     p.add_argument("--out", help="write the plan (.yaml or .json)")
     p.add_argument("--explain", action="store_true", help="say why the plan wins")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     p.add_argument(
-        "--target", choices=["mist", "megatron-lm", "torchtitan"], default="mist",
+        "--target",
+        choices=["mist", "megatron-lm", "torchtitan"],
+        default="mist",
         help="mist: Mist's whole search (runs on mist.engine.run); megatron-lm: only plans Megatron-LM "
         "runs (one recompute block and optimizer offload fraction for all stages, ZeRO 0/1, even middle "
         "stages); torchtitan: only plans torchtitan runs (FSDP2 or DDP, recompute none or all, FSDP's "
         "CPU offload); each exportable with `mist export --to TARGET`",
-    )  # fmt: skip
+    )
     p.add_argument("--no-offload", action="store_true", help="search without CPU offloading")
     p.add_argument("--no-recompute", action="store_true", help="search without activation recomputation")
     _engine_argument(p)
@@ -522,10 +574,11 @@ def _plan_parser(sub) -> None:
         "--no-imbalance", action="store_true", help="ignore first/last micro-batch extras (ablation)"
     )
     p.add_argument(
-        "--stage-devices", action="store_true",
+        "--stage-devices",
+        action="store_true",
         help="also search stages with their own device count and (TP, DP), as Mist's paper does (only "
         "mist.engine.run runs such plans; the search takes ~10-40x longer)",
-    )  # fmt: skip
+    )
     p.set_defaults(fn=cmd_plan)
 
 
@@ -534,9 +587,11 @@ def _export_parser(sub) -> None:
     p = sub.add_parser("export", help="a plan as Megatron-LM's command line or torchtitan's job config")
     p.add_argument("plan")
     p.add_argument(
-        "--to", required=True, choices=["megatron-lm", "torchtitan"],
+        "--to",
+        required=True,
+        choices=["megatron-lm", "torchtitan"],
         help="megatron-lm: a shell command; torchtitan: a job config (TOML, torchtitan 0.2.2)",
-    )  # fmt: skip
+    )
     p.add_argument("--flavor", help="torchtitan: the registered llama3 flavor of the plan's shape (e.g. 8B)")
     p.add_argument(
         "--data-path",
@@ -550,10 +605,11 @@ def _export_parser(sub) -> None:
     p.add_argument("--lr", type=float, default=1e-4, help="placeholder (default 1e-4)")
     p.add_argument("--script", help="Megatron-LM's training script (default: pretrain_gpt.py)")
     p.add_argument(
-        "--transformer-impl", choices=["transformer_engine", "local"],
+        "--transformer-impl",
+        choices=["transformer_engine", "local"],
         help="Transformer Engine's layers (default; FlashAttention), or megatron-core's own "
         "(as mist.engine.run builds them)",
-    )  # fmt: skip
+    )
     p.set_defaults(fn=cmd_export)
 
 
@@ -561,8 +617,11 @@ def _profile_parser(sub) -> None:
     """``mist profile``: the layer to profile on this machine, and the benchmarks beside it."""
     p = sub.add_parser("profile", help="measure a GPT-3-style layer op by op on this machine")
     p.add_argument("--out", required=True, help="profile directory to write")
-    p.add_argument("--replace", action="store_true",
-                   help="remove the profile in --out first (else such a folder is refused)")  # fmt: skip
+    p.add_argument(
+        "--replace",
+        action="store_true",
+        help="remove the profile in --out first (else such a folder is refused)",
+    )
     p.add_argument("--name", required=True, help="the GPU preset these profiles calibrate (e.g. l4, cpu)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="fp32", choices=["fp16", "bf16", "fp32"])
@@ -572,22 +631,29 @@ def _profile_parser(sub) -> None:
     p.add_argument("--micro-batches", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--tp", type=int, nargs="+", default=[1])
     p.add_argument(
-        "--vocab", type=_positive,
+        "--vocab",
+        type=_positive,
         help="also profile megatron-core's embedding, final norm and head + loss at this vocabulary "
         "(what the embedding and loss curves are fitted to)",
-    )  # fmt: skip
+    )
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument(
-        "--rounds", type=_positive, default=1,
+        "--rounds",
+        type=_positive,
+        default=1,
         help="passes over every (TP, micro-batch) point, each point's times the median over them (on a "
         "shared CPU, whose speed drifts over seconds: 3)",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--collectives", type=int, nargs="*", default=[], metavar="N",
+        "--collectives",
+        type=int,
+        nargs="*",
+        default=[],
+        metavar="N",
         help="also benchmark all-reduce/all-gather/reduce-scatter among N local processes, and ZeRO-2, "
         "ZeRO-3 and TP on the layer as mist.engine.run runs them (TP: where the heads split N ways "
         "and --micro-batches has two or more)",
-    )  # fmt: skip
+    )
     p.set_defaults(fn=cmd_profile)
 
 
