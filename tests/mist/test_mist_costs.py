@@ -586,11 +586,13 @@ def test_tp_benchmark_written_as_a_collective_and_fitted(tmp_path, rng):
     rows = sorted(measured[(TP_LAYER, 2)])
     # (sizes are written in MB to 6 decimals)
     assert [size for size, _ in rows] == pytest.approx([2.0 * b * seq * 64 for b in micro_batches], rel=1e-3)
-    # four gloo all-reduces a layer cost something (~1 ms here) however small the layer
-    assert all(sec > 0 for _, sec in rows)
+    # a difference of two timings (~1 ms here), so its sign is the machine's load, not judged
+    # here: only that it is a time, and that the model never prices TP as a saving
+    assert all(np.isfinite(sec) for _, sec in rows)
     assert sorted(size for size, _ in measured[(TP_LAYER_FORWARD, 2)]) == [size for size, _ in rows]
     rm = fit_runtime_model([], measured, "cpu", "test")
     assert rm.tp_layer(rows[-1][0], 2) is not None and rm.tp_layer(rows[-1][0], 1) is None
+    assert all((part >= 0).all() for size, _ in rows for part in rm.tp_layer(size, 2))
     with pytest.raises(ValueError, match="not a multiple"):
         profile_tp_layers(2, "cpu", 60, 3, seq, [1, 2], torch.bfloat16)
     with pytest.raises(ValueError, match="two or more"):
