@@ -261,17 +261,6 @@ def training_run(
     return {"losses": losses, **fingerprint(kind, source=corpus)}
 
 
-def causal_lm_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """A causal LM's loss in its logits' dtype: token t predicts token t + 1, the mean over every
-    position whose label is not -100 (as HF's loss, which would cast the logits to float32)."""
-    inputs = {k: v for k, v in batch.items() if k != "labels"}
-    logits = model(**inputs).logits[:, :-1]
-    labels = batch["labels"][:, 1:]
-    return torch.nn.functional.cross_entropy(
-        logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100
-    )
-
-
 def _train(
     model: str,
     configuration: str,
@@ -285,7 +274,7 @@ def _train(
     """(the trained model, its per-step losses): the same data and initial weights for every run;
     ``rows`` "reversed": each batch's rows reversed; ``loss`` "fp64": computed in float64 from the
     logits (a causal LM's)."""
-    from measure.training import Precision, make_optimizer, train_step
+    from measure.training import Precision, causal_lm_loss, make_optimizer, train_step
 
     from .data import bert_batches, gpt2_batches
 

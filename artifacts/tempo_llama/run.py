@@ -28,6 +28,7 @@ artifacts/tempo_llama/reference/; an interrupted run resumes when rerun):
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import itertools
 from dataclasses import dataclass
@@ -229,20 +230,37 @@ def run_maxbatch(run: Run, jobs: int) -> ResultFile:
 # ---------------------------------------------------------------- same training
 
 
-def training_point(configuration: str, row_order: str) -> dict:
-    """Per-step losses of the small Llama: the same data and initial weights for every run."""
-    from measure.training import Precision, make_optimizer, train_step
+def _rms_norm_in_its_dtype(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """HF's LlamaRMSNorm without its cast to float32: that cast guards half precision, and in a
+    float64 run it rounds every norm to float32 (1.8e-9 apart from Tempo's at the first step)."""
+    return norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon))
+
+
+def training_point(configuration: str, row_order: str, dtype: str) -> dict:
+    """Per-step losses of the small Llama: the same data and initial weights for every run. In
+    float64 the model, AdamW and the loss are float64 (HF's loss would cast the logits to float32;
+    the chunked loss of ``+loss`` keeps its input's dtype)."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from measure.training import Precision, causal_lm_loss, make_optimizer, train_step
 
     from ..tempo_bert.data import fingerprint, gpt2_batches
 
     batches = gpt2_batches(TRAIN["steps"], TRAIN["batch"], TRAIN["seq"], seed=0)  # BPE, vocab 8192
-    torch.manual_seed(0)
+    torch.manual_seed(0)  # the same initial weights for every run (drawn in fp32, then cast)
     model = build_model(TRAIN["model"], "pretraining", configuration).train()
-    precision = Precision(TRAIN["dtype"])
+    loss_of = None
+    if dtype == "fp64":
+        model = model.double()  # AdamW follows the parameters' dtype
+        loss_of = None if configuration.endswith("+loss") else causal_lm_loss
+        for module in model.modules():  # HF's norms (Tempo's are no longer LlamaRMSNorm)
+            if isinstance(module, LlamaRMSNorm):
+                module.forward = functools.partial(_rms_norm_in_its_dtype, module)
+    precision = Precision("fp32")
     opt = make_optimizer(model, precision, lr=TRAIN["lr"])
     if row_order == "reversed":  # the rounding control: the same sequences, summed in another order
         batches = [{k: v.flip(0) for k, v in b.items()} for b in batches]
-    losses = [train_step(model, b, opt, precision).item() for b in batches]
+    losses = [train_step(model, b, opt, precision, loss_of=loss_of).item() for b in batches]
     return {"losses": losses, **fingerprint("bpe")}
 
 
@@ -377,8 +395,8 @@ def print_summary(
             print(f"  {k['model']:<14} {k['seq']:>5} {k['configuration']:<20} {row}{note}")
     if tr is not None:
         print(
-            f"\nSame training ({TRAIN['model']}, {TRAIN['steps']} steps, fp32), max |loss difference| "
-            "against HF SDPA:"
+            f"\nSame training ({TRAIN['model']}, {TRAIN['steps']} steps), max |loss difference| "
+            "against HF SDPA in the same dtype:"
         )
         for name, gap in training_gaps(tr).items():
             print(f"  {name:<32} {gap:.2e}")

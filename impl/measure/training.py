@@ -142,6 +142,17 @@ def optimizer_state_tensors(optimizer) -> list[torch.Tensor]:
     return out
 
 
+def causal_lm_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """A causal LM's loss in its logits' dtype: token t predicts token t + 1, the mean over every
+    position whose label is not -100 (as HF's loss, which would cast the logits to float32)."""
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    logits = model(**inputs).logits[:, :-1]
+    labels = batch["labels"][:, 1:]
+    return torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100
+    )
+
+
 def train_step(
     model: nn.Module,
     batch: dict[str, torch.Tensor],

@@ -182,7 +182,7 @@ def test_float64_control_loss_is_hf_loss_computed_in_the_logits_dtype(rng):
     """The same-training float64 control computes the causal-LM loss itself: in float32 it equals
     HF's (which casts the logits to float32), in float64 it stays float64 and agrees with HF's to
     float32's rounding only (the reason it exists)."""
-    from artifacts.tempo_bert.run import causal_lm_loss
+    from measure.training import causal_lm_loss
 
     torch.manual_seed(int(rng.integers(2**31)))
     model = build_model("gpt2-mini", "pretraining", "hf-eager", dropout=0.0).train()
