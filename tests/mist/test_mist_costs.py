@@ -377,7 +377,7 @@ def test_profile_point_is_the_median_of_its_passes(tmp_path, monkeypatch, rng):
     times = {op: rng.uniform(100.0, 1000.0, size=2) for op in ("enc-MLP-GEMM-1", "enc-MLP-gelu")}  # µs
     calls, slow = [], {}
 
-    def rows(b, *args):
+    def rows(job, tp, b):
         factor = rng.uniform(1.5, 3.0) if len(calls) == slow["pass"] else rng.uniform(0.99, 1.01)
         calls.append(b)
         return [

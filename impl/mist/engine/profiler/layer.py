@@ -8,6 +8,7 @@ import math
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -174,6 +175,30 @@ def megatron_edge_rows(
     return [row(EMBEDDING_OP, *diff), row(FINAL_NORM_OP, *final_norm), row(HEAD_OP, *head)]
 
 
+@dataclass(frozen=True, kw_only=True)
+class ProfileJob:
+    """What one profile measures: every (TP, micro-batch) point of one layer shape, on one device
+    (what ``write_profiles`` was asked for, handed whole to the concurrent copies)."""
+
+    device: str
+    hidden: int
+    heads: int
+    seq: int
+    micro_batches: tuple[int, ...]
+    tps: tuple[int, ...]
+    dtype: torch.dtype
+    gpu: str  # the profile's name in the data folder
+    repeats: int
+    framework: bool  # megatron-core's whole layer too: its excess over the ops is one more row
+    threads: int | None  # the CPU threads a point runs on; None on a GPU
+    vocab: int | None  # with it, the embedding, final norm and head rows too
+    rounds: int
+
+    @property
+    def size(self) -> str:
+        return f"h{self.hidden}"
+
+
 def write_profiles(
     out: Path,
     device: str,
@@ -214,26 +239,24 @@ def write_profiles(
     if device == "cpu":
         torch.set_num_threads(cpu_threads)
     try:
-        threads = cpu_threads if device == "cpu" else None
-        args = (
-            device,
-            hidden,
-            heads,
-            seq,
-            micro_batches,
-            tps,
-            dtype,
-            gpu,
-            repeats,
-            None,
-            framework,
-            threads,
-            vocab,
-            rounds,
+        job = ProfileJob(
+            device=device,
+            hidden=hidden,
+            heads=heads,
+            seq=seq,
+            micro_batches=tuple(micro_batches),
+            tps=tuple(tps),
+            dtype=dtype,
+            gpu=gpu,
+            repeats=repeats,
+            framework=framework,
+            threads=cpu_threads if device == "cpu" else None,
+            vocab=vocab,
+            rounds=rounds,
         )
-        copies = _start_copies(concurrent - 1, args) if device == "cpu" else []
+        copies = _start_copies(concurrent - 1, job) if device == "cpu" else []
         try:
-            return _write_profiles(out, *args[:9], progress, *args[10:])
+            return _write_profiles(out, job, progress)
         finally:
             for copy in copies:  # they only kept this one company
                 copy.terminate()
@@ -242,34 +265,31 @@ def write_profiles(
         torch.set_num_threads(before)
 
 
-def _profile_copy(parent: int, threads: int, args: tuple, started) -> None:
+def _profile_copy(parent: int, job: ProfileJob, started) -> None:
     """A copy of the profile that only keeps the measured one company (its results dropped)."""
     import tempfile
 
     from measure.parallel import die_with_parent
 
     die_with_parent(parent)
-    torch.set_num_threads(threads)
+    torch.set_num_threads(job.threads or 1)
     started.set()  # imports done: from here on it competes for the cores
     with tempfile.TemporaryDirectory() as tmp:
         while True:  # until the measured copy is done and terminates this one
-            _write_profiles(Path(tmp), *args)
+            _write_profiles(Path(tmp), job, None)
 
 
 COPY_START_TIMEOUT_S = 120  # a copy's start: a fresh interpreter importing torch and megatron-core
 
 
-def _start_copies(n: int, args: tuple) -> list:
+def _start_copies(n: int, job: ProfileJob) -> list:
     """``n`` running copies of the profile; returns once each has started (or raises)."""
     import multiprocessing as mp
     import os
 
     ctx = mp.get_context("spawn")
     events = [ctx.Event() for _ in range(n)]
-    copies = [
-        ctx.Process(target=_profile_copy, args=(os.getpid(), args[11] or 1, args, e), daemon=True)
-        for e in events
-    ]
+    copies = [ctx.Process(target=_profile_copy, args=(os.getpid(), job, e), daemon=True) for e in events]
     for copy in copies:
         copy.start()
     deadline = time.monotonic() + COPY_START_TIMEOUT_S
@@ -284,62 +304,31 @@ def _start_copies(n: int, args: tuple) -> list:
     return copies
 
 
-def _write_profiles(
-    out,
-    device,
-    hidden,
-    heads,
-    seq,
-    micro_batches,
-    tps,
-    dtype,
-    gpu,
-    repeats,
-    progress,
-    framework,
-    threads,
-    vocab,
-    rounds,
-) -> list[Path]:
+def _write_profiles(out: Path, job: ProfileJob, progress: Callable[[str], None] | None) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
-    size = f"h{hidden}"
     meta = {
-        "gpu": gpu,
-        "seq": seq,
-        "sizes": {size: [hidden, 1, heads]},
-        "device": device,
-        "dtype": str(dtype),
+        "gpu": job.gpu,
+        "seq": job.seq,
+        "sizes": {job.size: [job.hidden, 1, job.heads]},
+        "device": job.device,
+        "dtype": str(job.dtype),
         "weight_gradients": True,  # autograd times a linear layer's input and weight gradients together
-        "cpu_threads": threads,  # None on a GPU
-        **({"vocab": vocab} if vocab else {}),  # the edge rows' vocabulary
+        "cpu_threads": job.threads,  # None on a GPU
+        **({"vocab": job.vocab} if job.vocab else {}),  # the edge rows' vocabulary
     }
     (out / "profile.json").write_text(json.dumps(meta, indent=1))
     from .. import cpu_shim
 
     with cpu_shim.bf16_gemms_in_float32():  # the ops as the engine runs them (a no-op on a GPU)
-        return _write_layer_profiles(
-            out,
-            device,
-            hidden,
-            heads,
-            seq,
-            micro_batches,
-            tps,
-            dtype,
-            repeats,
-            progress,
-            framework,
-            vocab,
-            size,
-            rounds,
-        )
+        return _write_layer_profiles(out, job, progress)
 
 
-def _point_rows(b, seq, hidden, heads, tp, dtype, device, repeats, framework, vocab) -> list[dict]:
+def _point_rows(job: ProfileJob, tp: int, b: int) -> list[dict]:
     """One (TP, micro-batch) point's rows: the layer's ops, the framework's excess, the edges."""
-    rows = profile_layer(b, seq, hidden, heads, tp, dtype, device, repeats)
-    if framework:
-        whole = megatron_layer_seconds(b, seq, hidden, heads, tp, dtype, device, repeats)
+    shape = (b, job.seq, job.hidden, job.heads)
+    rows = profile_layer(*shape, tp, job.dtype, job.device, job.repeats)
+    if job.framework:
+        whole = megatron_layer_seconds(*shape, tp, job.dtype, job.device, job.repeats)
         ops = [sum(r[k] for r in rows) * 1e-6 for k in ("forward-compute", "backward-compute")]
         rows.append(
             {
@@ -349,8 +338,8 @@ def _point_rows(b, seq, hidden, heads, tp, dtype, device, repeats, framework, vo
                 "backward-compute": max(whole[1] - ops[1], 0.0) * 1e6,
             }
         )
-    if vocab:
-        rows += megatron_edge_rows(b, seq, hidden, heads, vocab, tp, dtype, device, repeats)
+    if job.vocab:
+        rows += megatron_edge_rows(*shape, job.vocab, tp, job.dtype, job.device, job.repeats)
     return rows
 
 
@@ -363,39 +352,24 @@ def _median_passes(passes: list[list[dict]]) -> list[dict]:
     ]
 
 
-def _write_layer_profiles(
-    out,
-    device,
-    hidden,
-    heads,
-    seq,
-    micro_batches,
-    tps,
-    dtype,
-    repeats,
-    progress,
-    framework,
-    vocab,
-    size,
-    rounds,
-) -> list[Path]:
-    for tp in tps:
-        if heads % tp:
-            raise ValueError(f"tp {tp} does not divide heads {heads}")
-    points = [(tp, b) for tp in tps for b in micro_batches]
+def _write_layer_profiles(out: Path, job: ProfileJob, progress: Callable[[str], None] | None) -> list[Path]:
+    for tp in job.tps:
+        if job.heads % tp:
+            raise ValueError(f"tp {tp} does not divide heads {job.heads}")
+    points = [(tp, b) for tp in job.tps for b in job.micro_batches]
     passes: dict[tuple[int, int], list[list[dict]]] = {point: [] for point in points}
-    for k in range(rounds):
+    for k in range(job.rounds):
         for tp, b in points:
-            rows = _point_rows(b, seq, hidden, heads, tp, dtype, device, repeats, framework, vocab)
+            rows = _point_rows(job, tp, b)
             passes[tp, b].append(rows)
             if progress:
                 layer_ms = sum(r["forward-compute"] + r["backward-compute"] for r in rows) / 1e3
-                of = f" (pass {k + 1} of {rounds})" if rounds > 1 else ""
+                of = f" (pass {k + 1} of {job.rounds})" if job.rounds > 1 else ""
                 progress(f"tp {tp} micro-batch {b}: {layer_ms:.2f} ms a layer{of}")
     written = []
     for (tp, b), measured in passes.items():
         rows = _median_passes(measured)
-        path = out / f"gpt_{size}_mbs{b}_tp{tp}_algo0.csv"
+        path = out / f"gpt_{job.size}_mbs{b}_tp{tp}_algo0.csv"
         with path.open("w", newline="") as fh:
             w = csv.DictWriter(fh, fieldnames=list(rows[0]))
             w.writeheader()
