@@ -400,7 +400,7 @@ def print_summary(
                 f"{saving:>7}" + _off_form(r)
             )
     if tr is not None:
-        print("\nSame training (fp32, one seed for weights and data):")
+        print("\nSame training (one seed for weights and data; fp32 unless it says float64):")
         for name, value in training_summary(tr, corpus).items():
             print(f"  {name}: {value:.3g}")
     if mb is not None:
