@@ -41,7 +41,9 @@ def test_dropout_gradcheck_fixed_seed():
         torch.manual_seed(3)
         return tempo.scaled_dot_product_attention(q, k, v, mask, dropout_p=0.3)[0]
 
-    assert torch.autograd.gradcheck(f, (q, k, v))
+    # fast mode (the Jacobian against random vectors): the full one took ~30 s of the suite, and
+    # the backward is checked element by element through the same mask in the test below
+    assert torch.autograd.gradcheck(f, (q, k, v), fast_mode=True)
 
 
 def test_dropout_backward_matches_autograd_through_the_same_mask():
