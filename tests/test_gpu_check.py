@@ -222,7 +222,9 @@ def test_dry_run_passes_every_part_and_resumes(tmp_path):
     )
     print(f"dry run: {wall:.0f} s")
     kernels = status["parts"]["kernels"]
-    assert kernels["tests"]["tests"] > 20 and kernels["tests"]["failures"] == kernels["tests"]["errors"] == 0
+    assert kernels["tests"]["tests"] >= 10 and kernels["tests"]["failures"] == kernels["tests"]["errors"] == 0
+    # the dry run runs a subset (DRY_TEST_FILES); the GPU's files are the suite's own
+    assert all((gpu_check.ROOT / f).is_file() for f in (*gpu_check.TEST_FILES, *gpu_check.DRY_TEST_FILES))
     provenance = kernels["provenance"]
     assert provenance["device"]["device"] == "cpu" and provenance["packages"]["torch"]
     assert {"commit", "dirty"} <= set(provenance["git"]) and provenance["date_utc"]

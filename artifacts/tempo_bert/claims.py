@@ -134,13 +134,13 @@ def _throughput(id_: str, model: str, seq: int, name: str, paper: str, value: fl
 
 
 # Why a float64 pair is held to 1e-9 while a float32 one is held to nothing: 150 Adam steps
-# amplify a first rounding difference chaotically. BERT's float32 gap was 3.8e-6, 1.2e-4 and
-# 1.4e-3 in three runs of the same math: up to 1.2e4 times float32's epsilon (2^-23). The same
-# factor on float64's (2^-52) is 2.6e-12, 400x below the bound.
+# amplify a first rounding difference chaotically. The float32 gaps seen (BERT 3.8e-6 to 1.4e-3,
+# GPT-2 up to 0.0135, Llama up to 1.4e-5) are at most 1.1e5 times float32's epsilon (2^-23). The
+# same factor on float64's (2^-52) is 2.5e-11, 40x below the bound.
 FLOAT64_WHY = (
-    "150 steps amplified float32's rounding (eps 1.2e-7) to at most 1.4e-3 (1.2e4 x eps) in the runs "
-    "seen; the same on float64's (2.2e-16) is 2.6e-12. A real difference in the math shows at "
-    "float32's size or more"
+    "150 steps amplified float32's rounding (eps 1.2e-7) to at most 0.0135 (GPT-2; 1.1e5 x eps) in "
+    "the runs seen; the same on float64's (2.2e-16) is 2.5e-11. A real difference in the math shows "
+    "at float32's size or more"
 )
 
 
@@ -186,7 +186,7 @@ CLAIMS = (
     Shown(
         id="same-training-bert",
         system="Tempo",
-        claim="...in float32 (shown, not judged: see same-training-gpt2)",
+        claim="Tempo trains BERT as HF in float32 (shown, not judged: see same-training-gpt2)",
         measure="BERT, fp32, 150 steps: max |loss difference| against HF eager",
         source=Source(**TRAINING),
         value=training("bert-mini dropout off: max |loss difference|"),
@@ -195,7 +195,8 @@ CLAIMS = (
     Shown(
         id="same-training-gpt2",
         system="Tempo",
-        claim="...in float32 (shown, not judged: 150 Adam steps amplify a first rounding difference "
+        claim="Tempo trains GPT-2 as HF in float32 (shown, not judged: 150 Adam steps amplify a first "
+        "rounding difference "
         "chaotically, so no bound on it is principled; BERT's was 3.8e-6, 1.2e-4 and 1.4e-3 in three "
         "runs of the same math. The float64 pairs above are the judged checks)",
         measure="GPT-2, fp32: max |loss difference| against HF, over that of HF with each batch's rows "

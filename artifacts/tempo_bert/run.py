@@ -21,8 +21,9 @@ artifacts/tempo_bert/reference/; an interrupted run resumes when rerun):
   of a whole AdamW step (measure.memory; CUDA target, documented reserve).
   Also the ``python -m tempo.maxbatch`` example (BERT-Large QA head, seq 384, fp32).
 * training: a small BERT (MLM + NSP) and a small GPT-2 (LM) trained from one seed on an offline
-  corpus (artifacts/tempo_bert/data.py) with and without Tempo, dropout off (and a float64
-  control) and on (three dropout seeds each, against the baseline's own seed-to-seed band).
+  corpus (artifacts/tempo_bert/data.py) with and without Tempo, dropout off (in fp32, and the
+  judged float64 pairs) and on (ten dropout seeds each, against the baseline's own seed-to-seed
+  band).
 * throughput: sequences/s against batch size up to each configuration's maximum batch.
 """
 

@@ -14,11 +14,12 @@ TRAIN = {  # model -> (steps, batch, seq)
 }
 TRAIN_LR = 1e-3
 # (model, configuration, dropout, dropout seed, dtype[, rows, loss]). Dropout off must give the
-# same losses. Two controls say how close "the same" is. The float64 pair, its loss computed in
-# float64 too (HF's causal-LM loss casts the logits to float32, which made an earlier "float64"
-# pair agree only to float32's rounding): if the fp32 runs part through rounding alone, these must
-# agree ~1e9 times more closely. The rounding control: HF with every batch's rows reversed, the
-# same sums in another order, against HF: the fp32 gap Tempo may have. Dropout on: Tempo draws
+# same losses. The float64 pairs are what is judged, a causal LM's loss computed in float64 too
+# (HF's casts the logits to float32, which made an earlier "float64" pair agree only to float32's
+# rounding): if the fp32 runs part through rounding alone, these agree ~1e9 times more closely.
+# The fp32 gaps are shown beside a rounding control (HF with every batch's rows reversed, the
+# same sums in another order, against HF), never judged: 150 Adam steps amplify rounding
+# chaotically. Dropout on: Tempo draws
 # other masks (same distribution), so only statistics over dropout seeds can agree. Ten seeds
 # each: single pairs of runs part by one-step spikes of up to ~0.4 (Adam at a constant learning
 # rate on a plateau; both configurations have them), so a pair's max |loss difference| says

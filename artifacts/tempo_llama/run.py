@@ -18,8 +18,9 @@ artifacts/tempo_llama/reference/; an interrupted run resumes when rerun):
   bytes kept and one step's time each, in one run (COMPILE_ROWS).
 * maxbatch: the largest batch of Llama-3.2-1B and Llama-3-8B at seq 4096 and 8192 on 80 GB and
   141 GB GPUs (a whole AdamW step, bf16 model + fp32 master weights; fake-tensor estimate).
-* training: a small Llama trained 150 steps in fp32 from one seed on the offline corpus, HF SDPA
-  against Tempo and Tempo + loss: the losses step by step.
+* training: a small Llama trained 150 steps from one seed on the offline corpus, HF SDPA against
+  Tempo and Tempo + loss: the losses step by step, in fp32 (shown) and in float64 (judged; HF's
+  RMSNorm computed in float64 there: HF's own casts to float32).
 * peers: Liger-Kernel's patch (its RMSNorm, SwiGLU and rotary kernels) on the same layer. Its
   kernels are Triton only and do not run under Triton's CPU interpreter (its RMSNorm kernel calls
   ``.to`` on a Python float there), so this part needs a CUDA GPU and ``pip install liger-kernel``;

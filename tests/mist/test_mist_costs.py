@@ -593,6 +593,14 @@ def test_tp_benchmark_written_as_a_collective_and_fitted(tmp_path, rng):
     rm = fit_runtime_model([], measured, "cpu", "test")
     assert rm.tp_layer(rows[-1][0], 2) is not None and rm.tp_layer(rows[-1][0], 1) is None
     assert all((part >= 0).all() for size, _ in rows for part in rm.tp_layer(size, 2))
+    # negative added times (a loaded machine) are priced as no cost, never as a saving; the same
+    # rows made positive (the control) are priced as a cost
+    for sign in (-1, 1):
+        timed = {
+            key: [(size, sign * (abs(sec) + 1e-4)) for size, sec in pts] for key, pts in measured.items()
+        }
+        priced = fit_runtime_model([], timed, "cpu", "test").tp_layer(rows[-1][0], 2)
+        assert all(((part == 0) if sign < 0 else (part > 0)).all() for part in priced), (sign, priced)
     with pytest.raises(ValueError, match="not a multiple"):
         profile_tp_layers(2, "cpu", 60, 3, seq, [1, 2], torch.bfloat16)
     with pytest.raises(ValueError, match="two or more"):

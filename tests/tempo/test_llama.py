@@ -317,6 +317,7 @@ def test_a_model_patched_with_the_lean_loss_survives_save_and_load(tmp_path, how
     assert "forward" not in twin.__dict__
 
 
+@pytest.mark.slow  # builds the offline corpus and its tokenizer on a fresh clone
 def test_the_float64_training_pair_agrees_to_float64_rounding(monkeypatch):
     """tempo_llama's judged same-training pair runs in float64 with HF's RMSNorm computed in its
     input's dtype: Tempo + SDPA (and with the chunked loss) then track HF SDPA to float64's
