@@ -19,12 +19,12 @@ TRAIN_LR = 1e-3
 # rounding): if the fp32 runs part through rounding alone, these agree ~1e9 times more closely.
 # The fp32 gaps are shown beside a rounding control (HF with every batch's rows reversed, the
 # same sums in another order, against HF), never judged: 150 Adam steps amplify rounding
-# chaotically. Dropout on: Tempo draws
-# other masks (same distribution), so only statistics over dropout seeds can agree. Ten seeds
-# each: single pairs of runs part by one-step spikes of up to ~0.4 (Adam at a constant learning
-# rate on a plateau; both configurations have them), so a pair's max |loss difference| says
-# nothing. The training curves cannot tell dropout 0.08 from 0.12 at this scale either: the
-# distribution check at fixed weights (run.dropout_distribution_point) is what has that power.
+# chaotically. Dropout on: Tempo draws other masks (same distribution), so only statistics over
+# dropout seeds can agree. Ten seeds each: single pairs of runs part by one-step spikes of up to
+# ~0.4 (Adam at a constant learning rate on a plateau; both configurations have them), so a
+# pair's max |loss difference| says nothing. The training curves cannot tell dropout 0.08 from
+# 0.12 at this scale either: the distribution check at fixed weights
+# (run.dropout_distribution_point) is what has that power.
 DROPOUT_SEEDS = tuple(range(1, 11))
 LAST_STEPS = 50  # a run's loss: the mean over its last 50 steps
 REVERSED, FLOAT64_LOSS = "reversed", "fp64"

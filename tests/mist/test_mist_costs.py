@@ -586,13 +586,11 @@ def test_tp_benchmark_written_as_a_collective_and_fitted(tmp_path, rng):
     rows = sorted(measured[(TP_LAYER, 2)])
     # (sizes are written in MB to 6 decimals)
     assert [size for size, _ in rows] == pytest.approx([2.0 * b * seq * 64 for b in micro_batches], rel=1e-3)
-    # a difference of two timings (~1 ms here), so its sign is the machine's load, not judged
-    # here: only that it is a time, and that the model never prices TP as a saving
-    assert all(np.isfinite(sec) for _, sec in rows)
+    # the seconds are a difference of two timings (~1 ms here): their sign is the machine's load,
+    # not judged; what the model makes of either sign is (below)
     assert sorted(size for size, _ in measured[(TP_LAYER_FORWARD, 2)]) == [size for size, _ in rows]
     rm = fit_runtime_model([], measured, "cpu", "test")
     assert rm.tp_layer(rows[-1][0], 2) is not None and rm.tp_layer(rows[-1][0], 1) is None
-    assert all((part >= 0).all() for size, _ in rows for part in rm.tp_layer(size, 2))
     # negative added times (a loaded machine) are priced as no cost, never as a saving; the same
     # rows made positive (the control) are priced as a cost
     for sign in (-1, 1):
