@@ -4,11 +4,12 @@
   and Adam moments of that fraction of the parameters this rank steps (largest first; with ZeRO,
   of its share) live on the host. Their gradients go down, the host steps them (torch's fused CPU
   AdamW), and the new half-precision weights come back up. The rest step on the device as usual.
-* Activations (``offload_activations``): the tensors that layers keep for backward are moved to
-  the host as they are saved and brought back when backward needs them (saved-tensor hooks, as
-  ``torch.autograd.graph.save_on_cpu``; on a CPU the host copies are host work, out of the device
-  peak). This covers that fraction of the stage's layers that are not recomputed, rounded to
-  whole layers.
+* Activations (``offload_activations``, ActivationOffload): the tensors that layers keep for
+  backward are moved to the host as they are saved (saved-tensor hooks) and come back when the
+  layer's backward begins, the next backward layer's prefetched (the two layers' swap buffers
+  Mist's memory model prices); on a CPU the host copies are host work, out of the device peak.
+  This covers that fraction of the stage's layers that are not recomputed, rounded to whole
+  layers.
 
 * Gradients (``offload_grads``, GradientOffload; under ZeRO-2 ShardedMasterAdamW): that
   fraction of the part's gradients (largest first; under ZeRO-2 of the rank's reduced share)
@@ -122,23 +123,75 @@ class OffloadedMasterAdamW:
 
 def offload_layer_activations(model, recompute: int, fraction: float) -> int:
     """Wrap round(fraction x non-recomputed layers) layers (those after the recomputed ones) so
-    what they save for backward waits on the host; returns how many layers were wrapped."""
+    what they save for backward waits on the host (``ActivationOffload``); returns how many layers
+    were wrapped."""
     if not 0.0 <= fraction <= 1.0:
         raise ValueError(f"offload_activations must be in [0, 1], got {fraction}")
     layers = list(model.decoder.layers)
     count = round(fraction * (len(layers) - recompute))
-    for layer in layers[recompute : recompute + count]:
-        forward = layer.forward
-
-        def wrapped(*args, _forward=forward, **kwargs):
-            with torch.autograd.graph.saved_tensors_hooks(_to_host, _from_host):
-                return _forward(*args, **kwargs)
-
-        layer.forward = wrapped
+    if count:
+        ActivationOffload(layers[recompute : recompute + count])
     return count
 
 
-def _to_host(tensor: torch.Tensor) -> tuple[torch.device, torch.Tensor]:
+class _Swapped:
+    """One saved tensor: its host copy and, once brought up for backward, its device copy."""
+
+    __slots__ = ("device", "host", "up")
+
+    def __init__(self, device: torch.device, host: torch.Tensor) -> None:
+        self.device, self.host, self.up = device, host, None
+
+    def bring_up(self) -> None:
+        if self.up is None:
+            # on a CPU a real copy too: the device peak holds it while backward uses it, as a GPU
+            # holds the copy it brings up
+            on_cpu = self.device.type == "cpu"
+            self.up = self.host.clone() if on_cpu else self.host.to(self.device, non_blocking=True)
+
+
+class ActivationOffload:
+    """What ``layers`` keep for backward waits on the host between their forward and backward,
+    swapped as Mist's memory model prices it (the two layers' swap buffers of
+    ``stage_cost._device_memory``): each tensor goes down as it is saved; when a layer's backward
+    begins, everything it saved comes up and the previous layer's (the next backward's) is
+    prefetched, so backward holds at most two offloaded layers' activations at a time. A copy
+    leaves the device once backward has used it. Micro-batches in flight (1F1B, gradient
+    accumulation) run backward in the order of their forwards: each layer keeps a queue of its
+    micro-batches' saved tensors (were that order broken, only when copies come up would change,
+    never a value: each saved tensor comes back from its own host copy). On a GPU the copies are
+    issued ahead on the compute stream (pinned host memory, non-blocking); a copy stream of their
+    own is not built yet."""
+
+    def __init__(self, layers: list[nn.Module]) -> None:
+        self.queues: list[list[list[_Swapped]]] = [[] for _ in layers]  # layer -> micro-batch -> saved
+        for i, layer in enumerate(layers):
+            forward = layer.forward
+
+            def wrapped(*args, _forward=forward, _i=i, **kwargs):
+                if not torch.is_grad_enabled():  # nothing is saved: no micro-batch to queue
+                    return _forward(*args, **kwargs)
+                saved: list[_Swapped] = []
+                self.queues[_i].append(saved)
+                with torch.autograd.graph.saved_tensors_hooks(lambda t: _to_host(t, saved), _from_host):
+                    return _forward(*args, **kwargs)
+
+            layer.forward = wrapped
+            layer.register_full_backward_pre_hook(lambda _m, _g, i=i: self._backward_begins(i))
+
+    def _backward_begins(self, i: int) -> None:
+        """Layer i's backward of its oldest micro-batch begins (backward runs the layers in
+        reverse): its saved tensors come up, and the previous layer's for the same micro-batch."""
+        if not self.queues[i]:
+            return
+        for t in self.queues[i].pop(0):
+            t.bring_up()
+        if i > 0 and self.queues[i - 1]:
+            for t in self.queues[i - 1][0]:
+                t.bring_up()
+
+
+def _to_host(tensor: torch.Tensor, saved: list[_Swapped]) -> _Swapped:
     """A saved tensor's copy in host memory (pinned on a GPU machine, for an asynchronous copy
     back). On a CPU, where host and device are one memory, the copy is made as host work so the
     device peak leaves it out, as a GPU's would (torch's save_on_cpu keeps it in the peak there)."""
@@ -146,14 +199,17 @@ def _to_host(tensor: torch.Tensor) -> tuple[torch.device, torch.Tensor]:
     with torch.profiler.record_function(HOST_WORK):
         host = torch.empty(tensor.size(), dtype=tensor.dtype, layout=tensor.layout, pin_memory=pin)
         host.copy_(tensor)
-    return tensor.device, host
+    swapped = _Swapped(tensor.device, host)
+    saved.append(swapped)
+    return swapped
 
 
-def _from_host(packed: tuple[torch.device, torch.Tensor]) -> torch.Tensor:
-    """The saved tensor back on its device for backward: a real copy on a CPU too, so the device
-    peak holds it while backward uses it, as a GPU holds the copy it brings up."""
-    device, host = packed
-    return host.to(device, non_blocking=True) if device.type != "cpu" else host.clone()
+def _from_host(swapped: _Swapped) -> torch.Tensor:
+    """The saved tensor on its device for backward: the copy brought up (or made now, where no
+    hook brought it), handed to autograd, which frees it after the op's backward."""
+    swapped.bring_up()
+    up, swapped.up = swapped.up, None
+    return up
 
 
 class WeightOffload:
