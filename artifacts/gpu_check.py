@@ -88,22 +88,59 @@ MIN_PART_S = 5.0  # a part given less than this is not started (not_run: the nex
 SETUP_TIMEOUT_S = 180.0  # installing the wheels; the probe
 DONE = "passed"
 
-TEST_FILES = ("tests/test_gpu.py", "tests/measure/test_oom.py", "tests/tempo/test_kernels.py",
-              "tests/tempo/test_bench_ops.py", "tests/ctapipe/test_ctapipe_kernels.py")  # fmt: skip
+TEST_FILES = (
+    "tests/test_gpu.py",
+    "tests/measure/test_oom.py",
+    "tests/tempo/test_kernels.py",
+    "tests/tempo/test_bench_ops.py",
+    "tests/ctapipe/test_ctapipe_kernels.py",
+)
 # The dry run tests the command (pytest-benchmark's JSON, the JUnit report), not the kernels: the
 # suite runs every file above; here the GPU tests (skipped on a CPU) and the benchmarks only
 DRY_TEST_FILES = ("tests/test_gpu.py", "tests/tempo/test_bench_ops.py")
 # The GPU part of tempo_bert that fits the time: three models on an emulated 16 GB GPU.
 GPU_THROUGHPUT = (
-    "--parts", "throughput", "--scale", "paper",
-    "--cases", "bert-large/512", "roberta-large/512", "gpt2-medium/1024",
-    "--configs", "hf-eager", "hf-sdpa", "tempo", "tempo+sdpa",
-)  # fmt: skip
-DRY_THROUGHPUT = ("--parts", "throughput", "--cases", "bert-mini/32", "--configs", "hf-eager", "tempo",
-                  "--gpu-mem", "48MiB")  # fmt: skip
+    "--parts",
+    "throughput",
+    "--scale",
+    "paper",
+    "--cases",
+    "bert-large/512",
+    "roberta-large/512",
+    "gpt2-medium/1024",
+    "--configs",
+    "hf-eager",
+    "hf-sdpa",
+    "tempo",
+    "tempo+sdpa",
+)
+DRY_THROUGHPUT = (
+    "--parts",
+    "throughput",
+    "--cases",
+    "bert-mini/32",
+    "--configs",
+    "hf-eager",
+    "tempo",
+    "--gpu-mem",
+    "48MiB",
+)
 # The packages the parts import, checked before any part runs (a missing one: fetch its wheel).
-IMPORTS = ("torch", "triton", "transformers", "numpy", "scipy", "sympy", "yaml", "tqdm", "megatron.core",
-           "highspy", "pytest", "pytest_benchmark", "hypothesis")  # fmt: skip
+IMPORTS = (
+    "torch",
+    "triton",
+    "transformers",
+    "numpy",
+    "scipy",
+    "sympy",
+    "yaml",
+    "tqdm",
+    "megatron.core",
+    "highspy",
+    "pytest",
+    "pytest_benchmark",
+    "hypothesis",
+)
 
 
 @dataclass(frozen=True)
@@ -149,17 +186,46 @@ def command(part: Part, out: Path, dry: bool) -> list[str]:
             else []
         )
         files = DRY_TEST_FILES if dry else TEST_FILES
-        return [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *files, "--benchmark-enable",
-                f"--benchmark-json={results / 'pytest-benchmark' / 'gpu.json'}", *quick,
-                f"--junitxml={out / 'logs' / 'kernels.xml'}"]  # fmt: skip
+        return [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            *files,
+            "--benchmark-enable",
+            f"--benchmark-json={results / 'pytest-benchmark' / 'gpu.json'}",
+            *quick,
+            f"--junitxml={out / 'logs' / 'kernels.xml'}",
+        ]
     if part.name == "tempo":
         throughput = DRY_THROUGHPUT if dry else GPU_THROUGHPUT
-        return [sys.executable, "-m", "artifacts.tempo_bert.run", *throughput, "--device", device,
-                "--results", str(results)]  # fmt: skip
+        return [
+            sys.executable,
+            "-m",
+            "artifacts.tempo_bert.run",
+            *throughput,
+            "--device",
+            device,
+            "--results",
+            str(results),
+        ]
     if part.name == "cta":
         dry_flag = ["--gpu-dry-run"] if dry else []
-        return [sys.executable, "-m", "artifacts.cta_mlp.run", "--parts", "kernels", "gpu",
-                "--device", device, *dry_flag, "--results", str(results)]  # fmt: skip
+        return [
+            sys.executable,
+            "-m",
+            "artifacts.cta_mlp.run",
+            "--parts",
+            "kernels",
+            "gpu",
+            "--device",
+            device,
+            *dry_flag,
+            "--results",
+            str(results),
+        ]
     if part.name == "llama":
         peers = ["--parts", "peers", "--results", str(results)]
         return [sys.executable, "-m", "artifacts.tempo_llama.run", *peers]
@@ -195,9 +261,15 @@ def run_bounded(
     start = time.monotonic()
     with open(log, "wb") as sink:
         proc = subprocess.Popen(
-            cmd, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=sink, stderr=subprocess.STDOUT,
-            start_new_session=True, preexec_fn=functools.partial(die_with_parent, os.getpid()),
-        )  # fmt: skip
+            cmd,
+            cwd=ROOT,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=functools.partial(die_with_parent, os.getpid()),
+        )
     try:
         with open(log, "rb") as source:
             while True:
@@ -239,11 +311,28 @@ def install_wheels(folder: Path, deadline: float) -> tuple[str | None, list[str]
     if not todo:
         return None, []
     target = tempfile.mkdtemp(prefix="gpu_check_site_")
-    cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
-           "--no-cache-dir", "--target", target, *map(str, todo)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "install",
+        "-q",
+        "--no-index",
+        "--no-deps",
+        "--no-compile",
+        "--no-cache-dir",
+        "--target",
+        target,
+        *map(str, todo),
+    ]
     timeout = max(1.0, min(SETUP_TIMEOUT_S, deadline - time.monotonic()))
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                          preexec_fn=functools.partial(die_with_parent, os.getpid()))  # fmt: skip
+    done = subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        preexec_fn=functools.partial(die_with_parent, os.getpid()),
+    )
     if done.returncode:
         shutil.rmtree(target, ignore_errors=True)
         last = (done.stderr.strip().splitlines() or ["no output"])[-1]
@@ -279,9 +368,15 @@ def probe(env: dict[str, str], deadline: float) -> dict[str, Any]:
     missing (in a subprocess: this process loads no torch)."""
     timeout = max(1.0, min(SETUP_TIMEOUT_S, deadline - time.monotonic()))
     try:
-        done = subprocess.run([sys.executable, "-c", PROBE, ",".join(IMPORTS)], cwd=ROOT, env=env,
-                              capture_output=True, text=True, timeout=timeout,
-                              preexec_fn=functools.partial(die_with_parent, os.getpid()))  # fmt: skip
+        done = subprocess.run(
+            [sys.executable, "-c", PROBE, ",".join(IMPORTS)],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            preexec_fn=functools.partial(die_with_parent, os.getpid()),
+        )
     except subprocess.TimeoutExpired:
         raise SetupError(f"probing the machine (import torch) took over {timeout:.0f} s") from None
     if done.returncode:
@@ -289,8 +384,12 @@ def probe(env: dict[str, str], deadline: float) -> dict[str, Any]:
         raise SetupError(f"probing the machine failed: {last}")
     found = json.loads(done.stdout.strip().splitlines()[-1])
     try:
-        smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=30)  # fmt: skip
+        smi = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
         found["device"]["driver"] = smi.stdout.strip().splitlines()[0] if smi.returncode == 0 else None
     except (OSError, subprocess.TimeoutExpired, IndexError):
         found["device"]["driver"] = None
@@ -326,14 +425,19 @@ def read_status(path: Path, mode: str) -> dict[str, Any]:
         if name not in names:
             raise SetupError(f"{path}: unknown part {name!r} (parts: {', '.join(names)}); move it aside")
         if not isinstance(record, dict) or record.get("outcome") not in OUTCOMES:
-            raise SetupError(f"{path}: part {name}'s record needs an outcome of {', '.join(OUTCOMES)}; "
-                             "move it aside to start afresh")  # fmt: skip
+            raise SetupError(
+                f"{path}: part {name}'s record needs an outcome of {', '.join(OUTCOMES)}; "
+                "move it aside to start afresh"
+            )
         if record["outcome"] == DONE and not isinstance(record.get("finished_utc"), str):
             raise SetupError(f"{path}: part {name} passed but has no finished_utc time; move it aside")
         number = (int, float)
         seconds = record.get("seconds")
-        if seconds is not None and (isinstance(seconds, bool) or not isinstance(seconds, number)
-                                    or not isinstance(record.get("timeout_s"), number)):  # fmt: skip
+        if seconds is not None and (
+            isinstance(seconds, bool)
+            or not isinstance(seconds, number)
+            or not isinstance(record.get("timeout_s"), number)
+        ):
             raise SetupError(f"{path}: part {name}'s seconds and timeout_s must be numbers; move it aside")
     if status.get("mode") != mode:
         print(f"{path} is from a {status.get('mode')} run: starting afresh for this {mode} run", flush=True)
@@ -392,18 +496,36 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = OneLineParser(
         prog="gpu_check", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--parts", nargs="+", choices=list(BY_NAME), default=list(BY_NAME),
-                    help="these parts only (run in priority order; default: all)")  # fmt: skip
+    ap.add_argument(
+        "--parts",
+        nargs="+",
+        choices=list(BY_NAME),
+        default=list(BY_NAME),
+        help="these parts only (run in priority order; default: all)",
+    )
     ap.add_argument("--dry-run", action="store_true", help="on CPU at tiny sizes, results to a temp dir")
     ap.add_argument("--out", type=Path, help=f"status and logs (default: {DEFAULT_OUT}; dry run: a temp dir)")
     ap.add_argument("--redo", action="store_true", help="run the selected parts even if they passed before")
-    ap.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S,
-                    help=f"the call's time, setup included (default: {DEFAULT_BUDGET_S:.0f})")  # fmt: skip
-    ap.add_argument("--timeout", action="append", default=[], metavar="PART=SECONDS",
-                    help="a part's own budget instead of its default (repeatable)")  # fmt: skip
+    ap.add_argument(
+        "--budget-s",
+        type=float,
+        default=DEFAULT_BUDGET_S,
+        help=f"the call's time, setup included (default: {DEFAULT_BUDGET_S:.0f})",
+    )
+    ap.add_argument(
+        "--timeout",
+        action="append",
+        default=[],
+        metavar="PART=SECONDS",
+        help="a part's own budget instead of its default (repeatable)",
+    )
     ap.add_argument("--archive", type=Path, help="also pack --out and the results into this .tar.gz")
-    ap.add_argument("--wheels", type=Path, default=gpu_wheels.WHEELS_DIR,
-                    help=f"wheels of missing packages (default: {gpu_wheels.WHEELS_DIR})")  # fmt: skip
+    ap.add_argument(
+        "--wheels",
+        type=Path,
+        default=gpu_wheels.WHEELS_DIR,
+        help=f"wheels of missing packages (default: {gpu_wheels.WHEELS_DIR})",
+    )
     ap.add_argument("--quiet", action="store_true", help="parts' output to their logs only")
     ap.add_argument(
         "--commit",
@@ -427,8 +549,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             ap.error(f"--archive {args.archive}: a folder; give the archive file's name")
         # written beside itself and renamed (write_archive), its folders made: the nearest existing
         # one must be a writable folder
-        existing = next(p for p in [args.archive.parent.resolve(), *args.archive.parent.resolve().parents]
-                        if p.exists())  # fmt: skip
+        existing = next(
+            p for p in [args.archive.parent.resolve(), *args.archive.parent.resolve().parents] if p.exists()
+        )
         if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
             ap.error(f"--archive {args.archive}: {existing} is not a folder this user can write in")
     if args.out is not None and args.out.exists() and not args.out.is_dir():
@@ -453,8 +576,10 @@ def main(argv: list[str] | None = None) -> int:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         lock.close()
-        print(f"gpu_check: error: another gpu_check is writing to {out}; wait for it or use another --out",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"gpu_check: error: another gpu_check is writing to {out}; wait for it or use another --out",
+            file=sys.stderr,
+        )
         return 2
     sigterm_as_interrupt()
     site = None
@@ -465,8 +590,11 @@ def main(argv: list[str] | None = None) -> int:
         todo = [p for p in selected if args.redo or status["parts"].get(p.name, {}).get("outcome") != DONE]
         for p in selected:
             if p not in todo:
-                print(f"[gpu_check] {p.name}: passed earlier ({status['parts'][p.name]['finished_utc']}); "
-                      "--redo runs it again", flush=True)  # fmt: skip
+                print(
+                    f"[gpu_check] {p.name}: passed earlier ({status['parts'][p.name]['finished_utc']}); "
+                    "--redo runs it again",
+                    flush=True,
+                )
         if not todo:
             if args.archive:
                 write_archive(args.archive, out, [results_dir(p, out, args.dry_run) for p in selected])
@@ -492,12 +620,20 @@ def main(argv: list[str] | None = None) -> int:
             names = "; ".join(f"{k} ({v})" for k, v in found["missing"].items())
             raise SetupError(f"missing here: {names}; python3 -m artifacts.gpu_wheels fetches the wheels")
         provenance = {
-            "date_utc": _utc_now(), "host": platform.node(), "python": sys.executable, "git": git_state(ROOT),
-            "device": found["device"], "packages": found["packages"], "wheels_installed": installed,
-        }  # fmt: skip
+            "date_utc": _utc_now(),
+            "host": platform.node(),
+            "python": sys.executable,
+            "git": git_state(ROOT),
+            "device": found["device"],
+            "packages": found["packages"],
+            "wheels_installed": installed,
+        }
         where = found["device"].get("gpu") or found["device"]["cpu"]
-        print(f"[gpu_check] {mode} on {where}, torch {found['packages'].get('torch')}, "
-              f"commit {provenance['git']['commit']}; out: {out}", flush=True)  # fmt: skip
+        print(
+            f"[gpu_check] {mode} on {where}, torch {found['packages'].get('torch')}, "
+            f"commit {provenance['git']['commit']}; out: {out}",
+            flush=True,
+        )
         return _run_parts(args, todo, selected, status, status_path, out, env, deadline, provenance)
     except SetupError as e:
         print(f"gpu_check: error: {e}", file=sys.stderr)
@@ -521,11 +657,18 @@ def _run_parts(args, todo, selected, status, status_path, out, env, deadline, pr
             timeout = min(budget, left)
             cmd = command(part, out, dry)
             record: dict[str, Any] = {
-                "outcome": "running", "budget_s": budget, "timeout_s": round(timeout, 1), "command": cmd,
-                "log": f"logs/{part.name}.log", "results": str(results_dir(part, out, dry)),
-                "started_utc": _utc_now(), "finished_utc": None, "seconds": None, "returncode": None,
+                "outcome": "running",
+                "budget_s": budget,
+                "timeout_s": round(timeout, 1),
+                "command": cmd,
+                "log": f"logs/{part.name}.log",
+                "results": str(results_dir(part, out, dry)),
+                "started_utc": _utc_now(),
+                "finished_utc": None,
+                "seconds": None,
+                "returncode": None,
                 "provenance": provenance,
-            }  # fmt: skip
+            }
             if left < MIN_PART_S:
                 record.update(
                     outcome="not_run", reason=f"{left:.0f} s left of --budget-s {args.budget_s:.0f}"
@@ -548,8 +691,12 @@ def _run_parts(args, todo, selected, status, status_path, out, env, deadline, pr
             try:
                 outcome, rc = run_bounded(cmd, env, timeout, out / record["log"], echo=not args.quiet)
             finally:
-                record.update(outcome=outcome, returncode=rc, seconds=round(time.monotonic() - t0, 1),
-                              finished_utc=_utc_now())  # fmt: skip
+                record.update(
+                    outcome=outcome,
+                    returncode=rc,
+                    seconds=round(time.monotonic() - t0, 1),
+                    finished_utc=_utc_now(),
+                )
                 if part.name == "kernels":
                     record["tests"] = _junit_counts(out / "logs" / "kernels.xml")
                 write_json_atomic(status_path, status)

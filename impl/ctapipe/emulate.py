@@ -104,8 +104,25 @@ def run_chain_processes(
     procs, parent = [], os.getpid()
     try:
         for r in range(ranks):
-            args = (r, ranks, x, weights[r].share_memory_(), acts[r], buffers[r], tiling, wait, delays[r],
-                    max_spins, wait_timeout_s, timeout_s, parent, y, reports, barrier, last_done)  # fmt: skip
+            args = (
+                r,
+                ranks,
+                x,
+                weights[r].share_memory_(),
+                acts[r],
+                buffers[r],
+                tiling,
+                wait,
+                delays[r],
+                max_spins,
+                wait_timeout_s,
+                timeout_s,
+                parent,
+                y,
+                reports,
+                barrier,
+                last_done,
+            )
             procs.append(ctx.Process(target=_rank_main, args=args))
             procs[-1].start()
         deadline = time.monotonic() + timeout_s
@@ -126,6 +143,15 @@ def run_chain_processes(
     for r, report in enumerate(reports.tolist()):
         if report[0]:  # the first rank that gave up (the ranks after it starve)
             f = dict(zip(_REPORT, report, strict=True))
-            raise StageTimeout(f"chain rank {r} of {ranks}", f["tile"], f["row_block"], f["column_block"],
-                               f["seen"], f["target"], f["gave_up"], bound, max_spins)  # fmt: skip
+            raise StageTimeout(
+                f"chain rank {r} of {ranks}",
+                f["tile"],
+                f["row_block"],
+                f["column_block"],
+                f["seen"],
+                f["target"],
+                f["gave_up"],
+                bound,
+                max_spins,
+            )
     return y.clone(), [int(g) for g in reports[:, 0]]

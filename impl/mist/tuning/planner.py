@@ -50,8 +50,17 @@ from .stage_cost import (
 )
 
 # kept importable from here, where callers (baselines, tests) have always found them
-__all__ = ["Candidate", "NoFeasiblePlan", "PlannerOptions", "Problem", "cost_models", "load_interference",
-           "predict", "refine", "search"]  # fmt: skip
+__all__ = [
+    "Candidate",
+    "NoFeasiblePlan",
+    "PlannerOptions",
+    "Problem",
+    "cost_models",
+    "load_interference",
+    "predict",
+    "refine",
+    "search",
+]
 
 
 class NoFeasiblePlan(RuntimeError):
@@ -134,8 +143,10 @@ def _stage_devices_settings(problem: Problem, options: PlannerOptions) -> list[t
     out = []
     for S in range(2, min(L, N) + 1):
         for G in (g for g in range(1, B + 1) if B % g == 0):
-            shapes = {n: stage_shapes(problem, n, G, options.micro_batches)
-                      for n in stage_device_counts(problem.cluster, S)}  # fmt: skip
+            shapes = {
+                n: stage_shapes(problem, n, G, options.micro_batches)
+                for n in stage_device_counts(problem.cluster, S)
+            }
             shapes = {n: opts for n, opts in shapes.items() if opts}
             if shapes and max(shapes) * S >= N >= S * min(shapes):  # the counts can add up to N
                 out.append((_stage_devices_bound(problem, S, G, shapes), S, G, shapes))
@@ -254,9 +265,13 @@ def _stage_devices_bound(problem: Problem, stages: int, micro_batches: int, shap
 
 
 def tune_stage_devices(
-    problem: Problem, stages: int, micro_batches: int, shapes: dict, options: PlannerOptions,
+    problem: Problem,
+    stages: int,
+    micro_batches: int,
+    shapes: dict,
+    options: PlannerOptions,
     best_so_far: float,
-) -> Plan | None:  # fmt: skip
+) -> Plan | None:
     """The best plan of ``stages`` stages and ``micro_batches`` micro-batches whose stages each take
     their own device count and (TP, DP) among ``shapes`` ({devices: [(tp, dp, micro-batch)]}), as
     Mist's inter-stage tuning does; None when nothing fits or it cannot beat ``best_so_far``.
@@ -297,10 +312,17 @@ def tune_stage_devices(
         tp, dp, strategy = points[i, layers, n][p]
         stage_plans.append(_stage_plan(strategy, layers, tp, dp))
     tp, dp = stage_plans[0].tp, stage_plans[0].dp
-    return Plan.of(problem.model, problem.cluster, global_batch=problem.global_batch, tp=tp, dp=dp,
-                   micro_batch=problem.global_batch // (G * dp), stages=stage_plans,
-                   sequence_parallel=problem.sequence_parallel,
-                   overlap_grad_reduce=True).with_stage_parallelism_lifted()  # fmt: skip
+    return Plan.of(
+        problem.model,
+        problem.cluster,
+        global_batch=problem.global_batch,
+        tp=tp,
+        dp=dp,
+        micro_batch=problem.global_batch // (G * dp),
+        stages=stage_plans,
+        sequence_parallel=problem.sequence_parallel,
+        overlap_grad_reduce=True,
+    ).with_stage_parallelism_lifted()
 
 
 @dataclass
@@ -315,8 +337,17 @@ class _MergedStage:
     starts: np.ndarray
 
     @classmethod
-    def evaluate(cls, problem: Problem, stages: int, micro_batches: int, shapes: list, layers: int,
-                 first: bool, last: bool, options: PlannerOptions) -> _MergedStage:  # fmt: skip
+    def evaluate(
+        cls,
+        problem: Problem,
+        stages: int,
+        micro_batches: int,
+        shapes: list,
+        layers: int,
+        first: bool,
+        last: bool,
+        options: PlannerOptions,
+    ) -> _MergedStage:
         evaluated = []
         for tp, dp, micro_batch in shapes:
             setting = problem.setting(tp, dp, micro_batch, stages, overlap_grad_reduce=True)
@@ -395,8 +426,10 @@ def search(
                 if plan.predicted_iteration_s < best_time:
                     best, best_time = plan, plan.predicted_iteration_s
             if progress:
-                progress(f"[{n + 1}/{len(pipelines)}] pp {stages}, {micro_batches} micro-batches, stages "
-                         f"with their own devices: best {best_time:.3f} s")  # fmt: skip
+                progress(
+                    f"[{n + 1}/{len(pipelines)}] pp {stages}, {micro_batches} micro-batches, stages "
+                    f"with their own devices: best {best_time:.3f} s"
+                )
     if best is None:
         need = min_memory_needed(problem, options)
         raise NoFeasiblePlan(
@@ -481,8 +514,9 @@ def _refine(problem: Problem, plan: Plan, options: PlannerOptions, passes: int =
 
     # the embedding and head: every (ZeRO stage, three fractions), on the first and last stage
     edge_steps = [space.offload_steps(f, steps) for f in EDGE_FIELDS[1:]]
-    edge_combos = np.array([(z, *c) for z in space.zero_stages for c in itertools.product(*edge_steps)],
-                           float)  # fmt: skip
+    edge_combos = np.array(
+        [(z, *c) for z in space.zero_stages for c in itertools.product(*edge_steps)], float
+    )
     edge = {f: edge_combos[:, j] for j, f in enumerate(EDGE_FIELDS)}
     ends = sorted({0, S - 1})
     values = [evaluate(i, current(i), edge_now()) for i in range(S)]

@@ -482,9 +482,20 @@ def clip_barrier_s(setting: Setting) -> float:
     )
 
 
-def _device_memory(layer: LayerNumbers, grid: dict, edge: dict, activations, per_flight, layers: int,
-                   layer_w_full: float, first: bool, last: bool, mine: dict, theirs: dict,
-                   grad_accum: int):  # fmt: skip
+def _device_memory(
+    layer: LayerNumbers,
+    grid: dict,
+    edge: dict,
+    activations,
+    per_flight,
+    layers: int,
+    layer_w_full: float,
+    first: bool,
+    last: bool,
+    mine: dict,
+    theirs: dict,
+    grad_accum: int,
+):
     """A stage's peak device bytes: its static state and the larger of two peaks, backward (its
     start, its recomputed layers, and with one micro-batch a step its end) and the optimizer
     step. ``activations``: every in-flight micro-batch's; ``per_flight``: one's."""
@@ -583,9 +594,17 @@ def _compute_s(
     return compute + _accumulation_s(setting, layers * layer.params, edge_params, zero, edge_zero, grad_accum)
 
 
-def evaluate_stage(setting: Setting, layer: LayerNumbers, layers: int, in_flight: float, first: bool,
-                   last: bool, grid: dict[str, np.ndarray], grad_accum: int,
-                   edge: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:  # fmt: skip
+def evaluate_stage(
+    setting: Setting,
+    layer: LayerNumbers,
+    layers: int,
+    in_flight: float,
+    first: bool,
+    last: bool,
+    grid: dict[str, np.ndarray],
+    grad_accum: int,
+    edge: dict[str, np.ndarray] | None = None,
+) -> dict[str, np.ndarray]:
     """steady, extra and memory (arrays over ``grid``) of a stage, plus their parts.
 
     ``edge``: the strategy (EDGE_FIELDS) of the embedding (first stage) and head (last stage)
@@ -640,8 +659,20 @@ def evaluate_stage(setting: Setting, layer: LayerNumbers, layers: int, in_flight
     on_device = (1 - offload_activations) * ((layers - recompute) * kept + recompute * layer.layer_input)
     per_flight = on_device + (layer.head_saved if last else 0.0)
     in_flight_bytes = in_flight * per_flight
-    memory = _device_memory(layer, grid, edge, in_flight_bytes, per_flight, layers, layer_w_full, first, last,
-                            mine, theirs, grad_accum)  # fmt: skip
+    memory = _device_memory(
+        layer,
+        grid,
+        edge,
+        in_flight_bytes,
+        per_flight,
+        layers,
+        layer_w_full,
+        first,
+        last,
+        mine,
+        theirs,
+        grad_accum,
+    )
     # host bytes: affine in in_flight too (offloaded activations of every in-flight micro-batch)
     host_per_flight = act_swapped
     host_static = mine["host"] + theirs["host"]

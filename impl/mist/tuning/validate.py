@@ -111,12 +111,21 @@ def _mist_cases(data: dict, path: Path) -> list[MeasuredRun]:
                 f"{path}: {case['case']}: stages with their own micro-batch/DP/TP are not read yet"
             )
         stages = []
-        for layers, recompute, s in zip(plan["layers_per_stage"], plan["checkpointed_layers_per_stage"],
-                                        strategies, strict=True):  # fmt: skip
+        for layers, recompute, s in zip(
+            plan["layers_per_stage"], plan["checkpointed_layers_per_stage"], strategies, strict=True
+        ):
             weights, grads, optimizer, activations = map(float, s[6:10])
-            stages.append(StagePlan(layers, recompute, _zero(s), offload_weights=weights,
-                                    offload_grads=grads, offload_optimizer=optimizer,
-                                    offload_activations=activations))  # fmt: skip
+            stages.append(
+                StagePlan(
+                    layers,
+                    recompute,
+                    _zero(s),
+                    offload_weights=weights,
+                    offload_grads=grads,
+                    offload_optimizer=optimizer,
+                    offload_activations=activations,
+                )
+            )
         edge = plan["pre_post"]  # the embedding/head's strategy tuple; its activations offload is moot
         pre_post = PrePostPlan(_zero(edge), *map(float, edge[6:9]))
         if m["mlp"] not in GATED or m["bias"]:
@@ -125,10 +134,18 @@ def _mist_cases(data: dict, path: Path) -> list[MeasuredRun]:
                 "is not modelled (bias-free layers only)"
             )
         model = ModelSpec(
-            f"gpt3-{case['case']}", m["hidden"], m["layers"], m["heads"], m["vocab"], m["seq"],
-            ffn=m["ffn"], flash=m["flash_attn"], dropout=m["dropout"], norm=m["norm"],
+            f"gpt3-{case['case']}",
+            m["hidden"],
+            m["layers"],
+            m["heads"],
+            m["vocab"],
+            m["seq"],
+            ffn=m["ffn"],
+            flash=m["flash_attn"],
+            dropout=m["dropout"],
+            norm=m["norm"],
             gated_mlp=GATED[m["mlp"]],
-        )  # fmt: skip
+        )
         gpus = case["nodes"] * case["gpus_per_node"]
         p = Plan(
             model=model.name,
@@ -149,9 +166,18 @@ def _mist_cases(data: dict, path: Path) -> list[MeasuredRun]:
                 f"global batch / (dp x micro-batch) = {p.grad_accum}"
             )
         memory = tuple(mib * MiB for mib in case["measured"]["stage_peak_allocated_MB"])
-        out.append(MeasuredRun(case["case"], path.name, model, cluster(gpu, gpus, case["gpus_per_node"]), p,
-                               case["measured"]["iteration_s"], memory,
-                               GRAD_ACCUMULATION["mist"]))  # fmt: skip
+        out.append(
+            MeasuredRun(
+                case["case"],
+                path.name,
+                model,
+                cluster(gpu, gpus, case["gpus_per_node"]),
+                p,
+                case["measured"]["iteration_s"],
+                memory,
+                GRAD_ACCUMULATION["mist"],
+            )
+        )
     return out
 
 
@@ -173,9 +199,14 @@ def _megatron_runs(data: dict, path: Path) -> list[MeasuredRun]:
                 )
             stages.append(StagePlan(layers, layers if ckpt else 0))
         model = ModelSpec(
-            f"gpt3-{run['model_size']}", run["hidden_size"], run["num_layers"],
-            run["num_attention_heads"], seq=run["seq_length"], flash=False, dropout=0.1,
-        )  # fmt: skip
+            f"gpt3-{run['model_size']}",
+            run["hidden_size"],
+            run["num_layers"],
+            run["num_attention_heads"],
+            seq=run["seq_length"],
+            flash=False,
+            dropout=0.1,
+        )
         gpus = sum(run["num_gpus"])
         plan = Plan(
             model=model.name,
@@ -190,9 +221,19 @@ def _megatron_runs(data: dict, path: Path) -> list[MeasuredRun]:
             sequence_parallel=False,
         )
         seconds = statistics.fmean(run["measured_iteration_ms"]) / 1e3
-        out.append(MeasuredRun(run["config"], path.name, model, cluster(gpu, gpus, 8), plan, seconds, None,
-                               GRAD_ACCUMULATION["megatron-lm"],
-                               "Megatron-LM defaults assumed: dropout 0.1, no FlashAttention"))  # fmt: skip
+        out.append(
+            MeasuredRun(
+                run["config"],
+                path.name,
+                model,
+                cluster(gpu, gpus, 8),
+                plan,
+                seconds,
+                None,
+                GRAD_ACCUMULATION["megatron-lm"],
+                "Megatron-LM defaults assumed: dropout 0.1, no FlashAttention",
+            )
+        )
     return out
 
 
