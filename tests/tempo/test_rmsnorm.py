@@ -67,6 +67,7 @@ def test_gradcheck_float64():
         (torch.float32, torch.float32),
         (torch.bfloat16, torch.bfloat16),
         (torch.bfloat16, torch.float32),
+        (torch.float16, torch.float16),
     ],
 )
 def test_output_is_llamas_and_gradients_within_rounding(dtype, wdtype):

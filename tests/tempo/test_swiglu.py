@@ -48,7 +48,7 @@ def _run(module, x, gy):
     return y.detach(), torch.autograd.grad(y, [x, *params], gy)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
 @pytest.mark.parametrize("bias", [False, True])
 def test_bit_for_bit_llama_mlp(dtype, bias):
     mlp, x = _mlp(dtype, bias)
