@@ -97,3 +97,35 @@ def test_opcheck_and_bad_p():
     torch.library.opcheck(D.dropout_op, (torch.randn(9, 4, requires_grad=True), 0.2, torch.tensor(3)))
     with pytest.raises(ValueError, match=r"\[0, 1\)"):
         tempo.dropout(torch.randn(3), 1.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_every_accepted_dtype_against_a_float64_reference(dtype):
+    """y = x keep / (1 - p) and dx = dy keep / (1 - p) in the input's dtype, each element within two
+    roundings of the float64 product (the scale's and the product's; plus the subnormal spacing,
+    where a small product underflows), the mask read off the op."""
+    p = 0.3
+    x = torch.randn(4, 20_000, dtype=torch.float64).to(dtype).requires_grad_()
+    seed = torch.randint(0, 2**31 - 2, ())
+    y = D.dropout_op(x, p, seed)
+    gy = torch.randn(y.shape, dtype=torch.float64).to(dtype)
+    (gx,) = torch.autograd.grad(y, x, gy)
+    keep = keep_mask_of(p, x, seed)
+    assert y.dtype == gx.dtype == dtype
+    for out, inp in ((y, x), (gx, gy)):
+        assert _within_two_roundings(out, inp.detach().double() * keep / (1 - p))
+
+
+def _within_two_roundings(out: torch.Tensor, exact: torch.Tensor) -> bool:
+    info = torch.finfo(out.dtype)
+    err = (out.detach().double() - exact).abs()
+    return bool((err <= info.eps * exact.abs() + info.smallest_normal * info.eps).all())
+
+
+def test_negative_control_a_float32_dropout_rounded_through_bfloat16_fails_the_bound():
+    x = torch.randn(4, 20_000)
+    seed = torch.randint(0, 2**31 - 2, ())
+    y = D.dropout_op(x, 0.3, seed)
+    exact = x.double() * keep_mask_of(0.3, x, seed) / 0.7
+    assert _within_two_roundings(y, exact)
+    assert not _within_two_roundings(y.to(torch.bfloat16).float(), exact)
