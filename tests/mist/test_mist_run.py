@@ -20,7 +20,7 @@ from mist import Plan, StagePlan, cluster, model, predict
 from mist.engine.run import unsupported
 from mist.plan import PrePostPlan
 from mist.tuning.problem import Problem
-from mist.tuning.stage_cost import layer_numbers
+from mist.tuning.stage_cost import layer_numbers, offloaded_layers
 
 # Predicted vs measured per-rank memory: the stated target (docs/mist.md: "target 10%"), not loosened.
 # Measured: held tensor bytes + the allocator peak of the typical steady step (the median of a
@@ -996,14 +996,16 @@ def test_tempo_plan_trains_as_the_plain_plan_within_predicted_memory(tmp_path):
 @pytest.mark.timeout(300)
 def test_offloaded_activations_leave_the_device_peak(tmp_path):
     """On a CPU host and device are one memory: the host copies of offloaded activations are host
-    work, out of the device peak, as on a GPU. One stage of 4 layers, one micro-batch of 8 a step,
-    every layer's activations offloaded: the same losses to the bit (the copies are exact), and
-    the measured peak within 10% of the prediction, which holds two layers' swap buffers (the
-    layer whose backward runs and the next one's, prefetched). Negative controls: the run that
-    offloads nothing (activations that never left the device) is outside that tolerance of the
-    offloaded prediction; so would be a swap without the prefetch (one layer's kept bytes less;
-    20.2 MiB measured without it, 2026-12-03, against 41.3 predicted), and torch's save_on_cpu,
-    whose copies stay in the one memory, took nothing off the peak (61.2 MiB with and without)."""
+    work, out of the device peak, as on a GPU. One stage of 4 layers: the same losses to the bit
+    (the copies are exact), whole layers offloaded as the model counts them, and the measured peak
+    within 10% of the prediction, for every layer offloaded (two layers' swap buffers: the layer
+    whose backward runs and the next one's, prefetched), half of them (the swap buffers in place
+    of the kept layers, freed by then: not on top of them), and with a recomputed layer (its input
+    stays on the device) at 4 micro-batches a step. Negative controls: the run that offloads
+    nothing (activations that never left the device) is outside that tolerance of the offloaded
+    prediction. Measured before the fixes, 2026-12-04: the model summed the swap buffers and the
+    kept layers (half offloaded: 63.3 MiB predicted, 43.2 measured) and the engine swapped the
+    layers' weights with their activations (4 micro-batches of 2: 22.9 MiB against 19.9)."""
     base = dict(
         model="gpt3-tiny",
         gpu="cpu",
@@ -1012,20 +1014,25 @@ def test_offloaded_activations_leave_the_device_peak(tmp_path):
         global_batch=8,
         tp=1,
         dp=1,
-        micro_batch=8,
         sequence_parallel=False,
         model_overrides={"hidden": 256, "seq": 128, "flash": False},
     )
-    peaks, predicted, losses = [], [], []
-    for fraction in (0.0, 1.0):
-        plan = Plan(**base, stages=[StagePlan(layers=4, offload_optimizer=1.0, offload_activations=fraction)])
+    runs = {}  # (micro-batch, recompute, fraction) -> (peak, predicted, losses)
+    for micro_batch, recompute, fraction in ((8, 0, 0.0), (8, 0, 1.0), (8, 0, 0.5), (2, 1, 0.5)):
+        stage = StagePlan(layers=4, recompute=recompute, offload_optimizer=1.0, offload_activations=fraction)
+        plan = Plan(**base, micro_batch=micro_batch, stages=[stage])
         predict(plan, plan.model_spec(), plan.cluster())
-        report = _torchrun(plan, tmp_path / f"act{fraction}")
-        assert report["ranks"][0]["activation_offloaded_layers"] == (4 if fraction else 0)
-        peaks.append(report["ranks"][0]["memory_bytes"])
-        predicted.append(plan.stages[0].memory_bytes)
-        losses.append(report["ranks"][0]["losses"])
-    assert losses[0] == losses[1]
-    for peak, prediction in zip(peaks, predicted, strict=True):
-        assert abs(peak / prediction - 1) < 0.10, (peaks, predicted)
-    assert abs(peaks[0] / predicted[1] - 1) > 0.10, (peaks, predicted)  # the control: nothing offloaded
+        report = _torchrun(plan, tmp_path / f"act{micro_batch}-{recompute}-{fraction}")
+        rank = report["ranks"][0]
+        assert rank["activation_offloaded_layers"] == offloaded_layers(
+            {"offload_activations": fraction, "recompute": recompute}, 4
+        )
+        runs[micro_batch, recompute, fraction] = (
+            rank["memory_bytes"],
+            plan.stages[0].memory_bytes,
+            rank["losses"],
+        )
+    assert runs[8, 0, 0.0][2] == runs[8, 0, 1.0][2] == runs[8, 0, 0.5][2]
+    for peak, prediction, _ in runs.values():
+        assert abs(peak / prediction - 1) < 0.10, runs
+    assert abs(runs[8, 0, 0.0][0] / runs[8, 0, 1.0][1] - 1) > 0.10, runs  # the control: nothing offloaded

@@ -191,10 +191,22 @@ class ActivationOffload:
                 t.bring_up()
 
 
-def _to_host(tensor: torch.Tensor, saved: list[_Swapped]) -> _Swapped:
+def _is_weight(tensor: torch.Tensor) -> bool:
+    """A parameter, or a view of one (a linear layer saves its weight, or its transpose, for the
+    input's gradient): it stays on the device whether or not activations are offloaded."""
+    base = tensor if tensor._base is None else tensor._base
+    return isinstance(base, nn.Parameter) or (base.is_leaf and base.requires_grad)
+
+
+def _to_host(tensor: torch.Tensor, saved: list[_Swapped]) -> _Swapped | torch.Tensor:
     """A saved tensor's copy in host memory (pinned on a GPU machine, for an asynchronous copy
     back). On a CPU, where host and device are one memory, the copy is made as host work so the
-    device peak leaves it out, as a GPU's would (torch's save_on_cpu keeps it in the peak there)."""
+    device peak leaves it out, as a GPU's would (torch's save_on_cpu keeps it in the peak there).
+    Weights are not activations: they are kept as they are (swapping them would bring a copy of
+    the layer's weights up with its activations, 3 MiB a layer in the engine's test model, which
+    the memory model rightly does not price)."""
+    if _is_weight(tensor):
+        return tensor
     pin = tensor.device.type == "cuda"
     with torch.profiler.record_function(HOST_WORK):
         host = torch.empty(tensor.size(), dtype=tensor.dtype, layout=tensor.layout, pin_memory=pin)
@@ -204,9 +216,11 @@ def _to_host(tensor: torch.Tensor, saved: list[_Swapped]) -> _Swapped:
     return swapped
 
 
-def _from_host(swapped: _Swapped) -> torch.Tensor:
+def _from_host(swapped: _Swapped | torch.Tensor) -> torch.Tensor:
     """The saved tensor on its device for backward: the copy brought up (or made now, where no
     hook brought it), handed to autograd, which frees it after the op's backward."""
+    if isinstance(swapped, torch.Tensor):  # a weight, never swapped
+        return swapped
     swapped.bring_up()
     up, swapped.up = swapped.up, None
     return up

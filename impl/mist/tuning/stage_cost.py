@@ -273,6 +273,14 @@ def _kept_per_layer(layer: LayerNumbers, grid: dict[str, np.ndarray]) -> np.ndar
     return np.where(grid["selective"] > 0, layer.selective_saved, layer.saved)
 
 
+def offloaded_layers(grid: dict[str, np.ndarray], layers: int) -> np.ndarray:
+    """How many of a stage's layers have their activations offloaded: ``offload_activations`` of
+    the layers that are not recomputed, rounded to whole layers (half to even, as Python's
+    round), as mist.engine.run offloads them (the first such layers; a recomputed layer's input
+    stays on the device)."""
+    return np.round(grid["offload_activations"] * (layers - grid["recompute"]))
+
+
 def _state_bytes(params: float, strategy: dict[str, np.ndarray], dp: int) -> dict[str, np.ndarray]:
     """Bytes per GPU of ``params`` parameters' weights, gradients and optimizer state (each on the
     GPU or, the offloaded fraction, on the host), under ``strategy``'s ZeRO stage over ``dp``
@@ -499,8 +507,8 @@ def _device_memory(
     """A stage's peak device bytes: its static state and the larger of two peaks, backward (its
     start, its recomputed layers, and with one micro-batch a step its end) and the optimizer
     step. ``activations``: every in-flight micro-batch's; ``per_flight``: one's."""
-    recompute, zero, offload_weights, offload_optimizer, offload_activations = (
-        grid[k] for k in ("recompute", "zero", "offload_weights", "offload_optimizer", "offload_activations")
+    recompute, zero, offload_weights, offload_optimizer = (
+        grid[k] for k in ("recompute", "zero", "offload_weights", "offload_optimizer")
     )
     edge_zero, edge_offload_weights, edge_offload_optimizer = (
         edge[k] for k in ("zero", "offload_weights", "offload_optimizer")
@@ -511,7 +519,12 @@ def _device_memory(
     buffers = np.where(z3 | (offload_weights > 0), 2 * layer_weights, 0.0)
     buffers = buffers + np.where(e3 | (edge_offload_weights > 0), edge_weights, 0.0)
     kept = _kept_per_layer(layer, grid)
-    buffers = buffers + np.where(offload_activations > 0, 2 * kept, 0.0)  # activations swapped out and in
+    # Offloaded layers (the first ones after the recomputed) come up when their backward begins,
+    # the next one's prefetched: two layers' swap buffers (one where one is offloaded), held
+    # once backward has freed this micro-batch's layers kept on the device (after them)
+    swapped = offloaded_layers(grid, layers)
+    swap_buffers = np.minimum(swapped, 2) * kept
+    last_swapped = (swapped > 0) & (swapped == layers - recompute)
     # backward of one op: the gradients of its inputs and outputs (its working set's bytes; what
     # it keeps is in the activations) and the residual stream's gradient the layer's backward
     # carries; or, under selective recomputation, the core attention's backward over its remade
@@ -532,20 +545,25 @@ def _device_memory(
     # adds its gradients and then its input in flight; the embedding's, made last, come at
     # backward's end. The logits' gradient is consumed by the head's backward, before the first
     # layer's begins. ``freed``: the last layer's activations.
-    freed = (1 - offload_activations) * np.where(recompute < layers, kept, layer.layer_input)
+    freed = np.where(recompute < layers, kept, layer.layer_input)
 
     def layer_peak(remade):  # one layer's backward above what is held; ``remade``: its recomputed bytes
         at_first_op = working + remade + layer.largest_weight
         at_end = working + remade + 2 * layer_weights - freed
         return np.where(z3, np.maximum(at_first_op, at_end), working + remade)
 
-    start = activations + buffers + np.maximum(head, layer_peak(selective_remade))
+    kept_layer_peak = np.where(last_swapped, 0.0, layer_peak(selective_remade))  # the last layer's
+    start = activations + buffers + np.maximum(head, kept_layer_peak)
     start = start + np.where(e3 & last, edge_weights, 0.0)
+    # backward then reaches the offloaded layers, this micro-batch's kept ones (and its head's) freed
+    remade_inputs = recompute * layer.layer_input
+    others = activations - per_flight + remade_inputs  # the other micro-batches' and these inputs
+    swapping = others + buffers + swap_buffers + layer_peak(selective_remade)
+    start = np.where(swapped > 0, np.maximum(start, swapping), start)
     # The fully recomputed layers are the stage's first: backward reaches them once this
-    # micro-batch's other layers have freed what they kept (the recomputed ones kept their inputs),
-    # and makes one layer's activations again
-    remade_inputs = (1 - offload_activations) * recompute * layer.layer_input
-    recomputing = activations - per_flight + remade_inputs + buffers + layer_peak(layer.saved)
+    # micro-batch's other layers have freed what they kept (the recomputed ones kept their inputs;
+    # the offloaded ones' copies are gone), and makes one layer's activations again
+    recomputing = others + buffers + layer_peak(layer.saved)
     start = np.where(recompute > 0, np.maximum(start, recomputing), start)
     # Two peaks: backward and the optimizer step, where mixed-precision Adam holds an fp32 copy of
     # the gradients it steps on the GPU. With one micro-batch a step, ZeRO-2/3's gradient shards
@@ -611,8 +629,8 @@ def evaluate_stage(
     parameters; None: the stage's own. Arrays broadcast against ``grid``'s."""
     if grad_accum < 1:
         raise ValueError("grad_accum must be >= 1")
-    recompute, zero, offload_weights, offload_optimizer, offload_activations = (
-        grid[k] for k in ("recompute", "zero", "offload_weights", "offload_optimizer", "offload_activations")
+    recompute, zero, offload_weights, offload_optimizer = (
+        grid[k] for k in ("recompute", "zero", "offload_weights", "offload_optimizer")
     )
     edge = edge or {k: grid[k] for k in EDGE_FIELDS}
     edge_zero, edge_offload_optimizer = edge["zero"], edge["offload_optimizer"]
@@ -634,7 +652,8 @@ def evaluate_stage(
     compute = compute + zero_compute
     g2g = g2g + p2p_beside
     kept = _kept_per_layer(layer, grid)
-    act_swapped = offload_activations * ((layers - recompute) * kept + recompute * layer.layer_input)
+    swapped = offloaded_layers(grid, layers)
+    act_swapped = swapped * kept
     h2d_bw = setting.interference.host_rate("h2d", cluster.gpu.host_bw)
     d2h_bw = setting.interference.host_rate("d2h", cluster.gpu.host_bw)
     d2h = (act_swapped + mine["d2h"] + theirs["d2h"]) / d2h_bw  # swap-out, offloaded gradients
@@ -656,7 +675,7 @@ def evaluate_stage(
     extra = sync + step
 
     # ---- memory per GPU
-    on_device = (1 - offload_activations) * ((layers - recompute) * kept + recompute * layer.layer_input)
+    on_device = (layers - recompute - swapped) * kept + recompute * layer.layer_input
     per_flight = on_device + (layer.head_saved if last else 0.0)
     in_flight_bytes = in_flight * per_flight
     memory = _device_memory(
