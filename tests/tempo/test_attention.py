@@ -128,3 +128,77 @@ def test_opcheck_backward_with_a_transposed_value_view():
     torch.library.opcheck(
         A.attention_core_bwd, (torch.randn_like(out), None, probs, v, 0.1, torch.tensor(5), torch.float32)
     )
+
+
+def _gamma(n: int, u: float) -> float:
+    """Higham's bound on the relative error of an n-term sum rounded at unit roundoff u."""
+    return n * u / (1 - n * u)
+
+
+def _core_error_bounds(scores: torch.Tensor, value: torch.Tensor, grad_out: torch.Tensor, dtype: torch.dtype):
+    """Float64 (out, P, dS, dV) of softmax(scores) @ value and the worst-case error of each from
+    the op's roundings, element by element: P computed in float32 (float64: in float64, which
+    the float32 terms only widen) and rounded to ``dtype``; the matmuls summed in ``dtype`` (a
+    CPU may accumulate a half matmul in float32 or not: the bound takes the worse); dS computed
+    in float32 from P and dP = grad_out @ value^T and rounded to ``dtype``. First-order terms,
+    with the magnitudes they multiply taken at their bounds, so second-order terms are covered."""
+    s, v, g = (t.double() for t in (scores, value, grad_out))
+    n, dv = s.shape[-1], v.shape[-1]
+    u, tiny = torch.finfo(dtype).eps / 2, torch.finfo(dtype).smallest_normal * torch.finfo(dtype).eps
+    u32 = torch.finfo(torch.float32).eps / 2
+    p = torch.softmax(s, -1)
+    out, dp = p @ v, g @ v.transpose(-1, -2)
+    c = (p * dp).sum(-1, keepdim=True)
+    ds, dvv = p * (dp - c), p.transpose(-1, -2) @ g
+    # P: float32's exp of (s - max) and row sum (relative (|s - max| + n + 4) u32), then rounding
+    shift = (s - s.amax(-1, keepdim=True)).abs().clamp(max=1e4)
+    err_p = (u + (shift + n + 4) * u32 * (1 + u)) * p + tiny
+    p_hi = p + err_p
+    err_out = u * out.abs() + (_gamma(n, u) * p_hi + err_p) @ v.abs() + tiny
+    err_dv = u * dvv.abs() + (_gamma(n, u) * p_hi + err_p).transpose(-1, -2) @ g.abs() + tiny
+    err_dp = u * dp.abs() + _gamma(dv, u) * (g.abs() @ v.abs().transpose(-1, -2)) + tiny
+    dp_hi = dp.abs() + err_dp
+    err_c = (err_p * dp_hi + p_hi * err_dp).sum(-1, keepdim=True) + _gamma(n + 1, u32) * (p_hi * dp_hi).sum(
+        -1, keepdim=True
+    )
+    c_hi = c.abs() + err_c
+    err_ds = (
+        u * ds.abs()
+        + err_p * (dp_hi + c_hi)
+        + p_hi * (err_dp + err_c)
+        + 3 * u32 * p_hi * (dp_hi + c_hi)
+        + tiny
+    )
+    return (out, err_out), (p, err_p), (ds, err_ds), (dvv, err_dv)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_every_accepted_dtype_against_a_float64_reference(dtype):
+    """Output, P and both gradients within the worst-case error of the op's roundings
+    (``_core_error_bounds``) of the float64 values, for fresh scores (spread so some rows are
+    peaked), padded keys and values. Without dropout: its mask is tested in every dtype on its
+    own (test_dropout) and through this op in float64 (gradcheck above)."""
+    b, h, sq, sk, dv = 2, 3, 24, 40, 16
+    scores = (3 * torch.randn(b, h, sq, sk)).to(dtype)
+    scores[0, ..., -5:] = torch.finfo(dtype).min  # padded keys in the first sequence
+    value = torch.randn(b, h, sk, dv).to(dtype)
+    grad_out = torch.randn(b, h, sq, dv).to(dtype)
+    s, v = scores.clone().requires_grad_(), value.clone().requires_grad_()
+    out, probs = tempo.attention_core(s, v)
+    out.backward(grad_out)
+    assert out.dtype == probs.dtype == s.grad.dtype == v.grad.dtype == dtype
+    computed = (out, probs, s.grad, v.grad)
+    for name, got, (exact, bound) in zip(
+        ("out", "P", "dS", "dV"), computed, _core_error_bounds(scores, value, grad_out, dtype), strict=True
+    ):
+        err = (got.double() - exact).abs()
+        assert (err <= bound).all(), f"{name}: worst error / bound {(err / bound).max().item():.3g}"
+
+
+def test_negative_control_a_float32_core_computed_in_bfloat16_fails_the_float32_bound():
+    """The bound above is tight enough to see a half-precision P or matmul in a float32 op."""
+    scores, value, grad_out = torch.randn(2, 3, 24, 40), torch.randn(2, 3, 40, 16), torch.randn(2, 3, 24, 16)
+    (exact_out, err_out), (exact_p, err_p), _, _ = _core_error_bounds(scores, value, grad_out, torch.float32)
+    half_out, half_p = tempo.attention_core(scores.bfloat16(), value.bfloat16())
+    assert not ((half_out.double() - exact_out).abs() <= err_out).all()
+    assert not ((half_p.double() - exact_p).abs() <= err_p).all()
