@@ -83,8 +83,9 @@ CPU_ENGINE = EngineSetup(
         "dp2-zero3": {"tp": 1, "dp": 2, "stages": [{"layers": 4, "recompute": 2, "zero": 3}]},
     },
     # every micro-batch the searches of the measured comparison reach (up to global batch 8 on one
-    # process): a line fitted to 1-4 put a micro-batch of 8 at 18-22% under its measured time
-    profile={"micro_batches": [1, 2, 4, 8], "tps": [1, 2], "dtype": "bf16"},
+    # process): a line fitted to 1-4 put a micro-batch of 8 at 18-22% under its measured time.
+    # tempo: the layer with Tempo's ops too, so Mist's Tempo plans are priced with Tempo's time
+    profile={"micro_batches": [1, 2, 4, 8], "tps": [1, 2], "dtype": "bf16", "tempo": True},
     device="cpu",
     launches=LAUNCHES,
 )
@@ -276,6 +277,7 @@ def fit_runtime(setup: EngineSetup, work: Path) -> dict:
         concurrent=setup.processes,
         progress=say,
         rounds=PROFILE_ROUNDS,
+        tempo=prof.get("tempo", False),
     )
     if setup.processes > 1:  # this machine's collectives, measured (gloo on a CPU)
         say("collectives, ZeRO-2/3 and TP layers")
@@ -382,7 +384,7 @@ def main(argv: list[str] | None = None) -> None:
     # fit takes is used), a profile without micro-batch 8 (only the measured comparison reaches
     # it). The CPU engine's fidelity is measured by `nox -s mist_vs_megatron` (all six, LAUNCHES).
     plans = {name: CPU_ENGINE.plans[name] for name in ("tp2", "pp2", "dp2-zero3")}
-    profile = {**CPU_ENGINE.profile, "micro_batches": [1, 2, 4]}
+    profile = {**CPU_ENGINE.profile, "micro_batches": [1, 2, 4], "tempo": False}  # no Tempo plan here
     dry = dataclasses.replace(
         CPU_ENGINE, launches=1, profile=profile, plans=plans, model_overrides=DRY_RUN_OVERRIDES
     )

@@ -19,8 +19,9 @@ reference/; an interrupted run resumes when rerun):
 * tempo (GPT-3, Llama): Mist with Tempo's layers (``mist plan --tempo``: norms keep their output,
   GELU its output and a bit, attention its probabilities, dropout a seed) against Mist without
   them, per case: the predicted gain and what Tempo changed in the plan. Tempo's extra backward
-  work is priced as none (its layers are priced as the plain ones): a predicted gain is an upper
-  bound of what the memory saved buys. The measured part trains both where memory binds.
+  work is priced as none by the shipped GPU presets (no GPU has timed Tempo's layer): a predicted
+  gain is an upper bound of what the memory saved buys. The measured part trains both where
+  memory binds, planned with a CPU fit that prices that work (``mist profile --tempo``).
 * engine: plans (TP=2, PP=2, DP=2, ZeRO-1/2/3) trained by megatron-core on 2 gloo processes; measured
   per-rank memory and step time against the prediction (time from a runtime model fitted to
   `mist profile` of this CPU).

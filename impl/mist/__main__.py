@@ -456,6 +456,7 @@ def cmd_profile(args) -> int:
         progress=lambda line: print("  " + line, flush=True),
         vocab=args.vocab,
         rounds=args.rounds,
+        tempo=args.tempo,
     )
     for n in args.collectives:
         written = write_collectives(Path(args.out), n, args.device, args.repeats)
@@ -637,6 +638,12 @@ def _profile_parser(sub) -> None:
         "(what the embedding and loss curves are fitted to)",
     )
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument(
+        "--tempo",
+        action="store_true",
+        help="also time the layer with Tempo's ops (tempo.megatron): its excess over the plain layer "
+        "is what `mist plan --tempo` adds to a layer's time with the fitted model",
+    )
     p.add_argument(
         "--rounds",
         type=_positive,

@@ -241,12 +241,26 @@ def test_profile_command_writes_what_calibrate_fits(tmp_path, rng):
         FINAL_NORM_OP,
         FRAMEWORK_OP,
         HEAD_OP,
+        TEMPO_OP,
         read_layer_profiles,
     )
 
     vocab = int(rng.choice([128, 256, 512]))
     before = torch.get_num_threads()
-    files = write(tmp_path, "cpu", 64, 4, 32, [1, 2, 4], [1, 2], torch.float32, "cpu", repeats=2, vocab=vocab)
+    files = write(
+        tmp_path,
+        "cpu",
+        64,
+        4,
+        32,
+        [1, 2, 4],
+        [1, 2],
+        torch.float32,
+        "cpu",
+        repeats=2,
+        vocab=vocab,
+        tempo=True,
+    )
     assert torch.get_num_threads() == before  # one thread while profiling (as each rank), restored after
     assert len(files) == 6
     profiles = read_layer_profiles(tmp_path)
@@ -258,6 +272,10 @@ def test_profile_command_writes_what_calibrate_fits(tmp_path, rng):
     assert all(p.layer_seconds > 0 and not p.tp_comm_inside for p in profiles)
     # megatron-core's whole layer was timed too: its excess over the ops is a row, and a curve
     assert all(FRAMEWORK_OP in p.ops and min(p.ops[FRAMEWORK_OP]) >= 0 for p in profiles)
+    # and the layer with Tempo's ops: its excess over the plain layer (what a Tempo plan adds)
+    assert all(TEMPO_OP in p.ops and min(p.ops[TEMPO_OP]) >= 0 for p in profiles)
+    with pytest.raises(ValueError, match="needs framework"):
+        write(tmp_path, "cpu", 64, 4, 32, [1], [1], torch.float32, "cpu", framework=False, tempo=True)
     report = calibrate(tmp_path)
     (r,) = report.values()
     assert r["gpu"] == "cpu" and r["held_out_cases"] == 2  # the largest micro-batch, both TP sizes
@@ -340,6 +358,58 @@ def test_serial_channels_take_turns(rng):
     np.testing.assert_allclose(Interference().overlap(*times), times.max(axis=0))
     cpu = load_interference("cpu")
     np.testing.assert_allclose(cpu.overlap(*times), times.sum(axis=0), rtol=1e-12)
+
+
+def test_tempo_layers_priced_by_the_fitted_tempo_excess(tmp_path):
+    """A profile's Tempo row (the Tempo layer's time beyond the plain one) is fitted as a line in
+    the bytes Tempo's ops move (``tempo_work``) and added to a Tempo layer's time, and only to it.
+    Here the L4 profiles, each given a Tempo row made from known lines: the fit recovers them,
+    prices a Tempo layer at its traced ops plus the lines, and leaves the plain layer as it was;
+    the control: the same rows doubled double what the Tempo layer adds."""
+    import csv
+    import dataclasses
+
+    from mist.model.calibrate import calibrate
+    from mist.model.profile_data import TEMPO_OP, read_layer_profiles
+    from mist.model.runtime import tempo_work
+
+    lines = (Line(20e-6, 150e9), Line(50e-6, 60e9))  # forward, backward: c0 s, bytes/s
+    added = {}
+    for scale in (1.0, 2.0):
+        out = tmp_path / str(scale) / "l4"
+        out.mkdir(parents=True)
+        for f in (DATA / "gpu-op-profiles" / "l4").glob("*.csv"):
+            (out / f.name).write_bytes(f.read_bytes())
+        for p in read_layer_profiles(out):
+            work = tempo_work(p.model, p.mbs, p.seq, p.tp)
+            path = out / f"gpt_{p.size}_mbs{p.mbs}_tp{p.tp}_algo{p.algo}.csv"
+            with path.open() as fh:
+                rows = list(csv.DictReader(fh))
+            times = [scale * float(line(work)) * 1e6 for line in lines]
+            rows.append({**dict.fromkeys(rows[0], "0"), "op_name": TEMPO_OP})
+            rows[-1]["forward-compute"], rows[-1]["backward-compute"] = (f"{t:.6f}" for t in times)
+            with path.open("w", newline="") as fh:
+                w = csv.DictWriter(fh, fieldnames=list(rows[0]))
+                w.writeheader()
+                w.writerows(rows)
+        (r,) = calibrate(out).values()
+        rm = r["model"]
+        plain = model("gpt3-1.3b", flash=False)
+        lean = dataclasses.replace(plain, tempo=True)
+        with_tempo, plain_before = (
+            rm.layer_times(lean, 4, plain.seq, 2),
+            rm.layer_times(plain, 4, plain.seq, 2),
+        )
+        rm.curves.pop("tempo")
+        without = rm.layer_times(lean, 4, plain.seq, 2)
+        assert rm.layer_times(plain, 4, plain.seq, 2) == plain_before  # a plain layer is not charged
+        added[scale] = [a - b for a, b in zip(with_tempo, without, strict=True)]
+        if scale == 1.0:
+            work = tempo_work(lean, 4, plain.seq, 2)
+            for got, line in zip(added[scale], lines, strict=True):
+                assert got == pytest.approx(float(line(work)), rel=1e-4)
+    for once, twice in zip(added[1.0], added[2.0], strict=True):
+        assert twice == pytest.approx(2 * once, rel=1e-4)
 
 
 @pytest.mark.slow

@@ -19,6 +19,7 @@ from .profile_data import (
     FRAMEWORK_OP,
     HEAD_OP,
     LAYER_OPS,
+    TEMPO_OP,
     LayerProfile,
     best_algo,
     profile_meta,
@@ -34,6 +35,7 @@ from .runtime import (
     RuntimeModel,
     op_features,
     residual_stream_bytes,
+    tempo_work,
 )
 from .specs import GPUS, ModelSpec
 from .symbolic import head_costs, value
@@ -60,6 +62,8 @@ def _profile_op_work(model: ModelSpec, profile_op: str, mbs: int, seq: int, tp: 
     GEMM's backward work is one of its two backward GEMMs (the forward's FLOPs)."""
     if profile_op == FRAMEWORK_OP:
         return residual_stream_bytes(model, mbs, seq), residual_stream_bytes(model, mbs, seq)
+    if profile_op == TEMPO_OP:
+        return tempo_work(model, mbs, seq, tp), tempo_work(model, mbs, seq, tp)
     names = LAYER_OPS[profile_op]
     fwd = bwd = 0.0
     for name, kind, fn in op_features(model):
@@ -82,7 +86,8 @@ def fit_runtime_model(profiles: list[LayerProfile], collectives: dict, gpu: str,
             if op not in OP_CLASS:
                 continue
             work = _profile_op_work(model, op, p.mbs, model.seq, p.tp)
-            cached = OP_CLASS[op] not in COMPUTE_KINDS and OP_CLASS[op] != "framework" and work[0] <= l2
+            whole_layer = OP_CLASS[op] in ("framework", "tempo")  # an excess of a layer's time, not an op's
+            cached = OP_CLASS[op] not in COMPUTE_KINDS and not whole_layer and work[0] <= l2
             if OP_CLASS[op] == "gemm" and p.weight_gradients:
                 bwd_s = bwd_s / 2  # the two backward GEMMs timed together: one of them
             for direction, seconds in enumerate((fwd_s, bwd_s)):
@@ -122,7 +127,7 @@ def check_rates(model: RuntimeModel) -> None:
     if spec is None or model.gpu == "cpu":
         return
     for cls, lines in model.curves.items():
-        if cls == "framework":
+        if cls in ("framework", "tempo"):  # excesses of a layer's time: no hardware rate to exceed
             continue
         flop_rate = cls in COMPUTE_KINDS or cls == "wgrad"
         peak, unit = (spec.flops, "FLOP/s") if flop_rate else (spec.hbm_bw, "B/s")

@@ -72,6 +72,9 @@ EMBEDDING_OP, FINAL_NORM_OP, HEAD_OP = "encoder-embedding", "final-layernorm", "
 # `mist profile` also times megatron-core's whole layer; what it costs beyond the sum of its ops
 # (Python and framework overhead, casts, extra copies) is stored as one more row.
 FRAMEWORK_OP = "layer-framework-overhead"
+# `mist profile --tempo` also times the layer with Tempo's ops (tempo.megatron's spec); what it
+# costs beyond megatron-core's plain layer is one more row (Tempo's extra work, mostly backward's).
+TEMPO_OP = "layer-tempo-excess"
 _LAYER_FILE = re.compile(r"gpt_(?P<size>[0-9_]+B|h\d+)_mbs(?P<mbs>\d+)_tp(?P<tp>\d+)_algo(?P<algo>\d+)\.csv")
 _PRIM_FILE = re.compile(r"prim_gpt_(?P<size>[0-9_]+B|local)_(?P<coll>[a-z_]+?)_(?P<n>\d+)gpus\.csv")
 

@@ -19,6 +19,7 @@ data sheet with stated default efficiencies is used.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 from dataclasses import asdict, dataclass, field
@@ -30,6 +31,7 @@ import sympy as sp
 from .profile_data import (
     FRAMEWORK_OP,
     LAYER_OPS,
+    TEMPO_OP,
 )
 from .specs import GPUS, ClusterSpec, ModelSpec
 from .symbolic import as_integers, b, head_costs, numeric, s, t, trace_layer, value
@@ -52,7 +54,11 @@ OP_CLASS = {
     "enc-post-MLP-dropout": "dropout_add",
     "enc-MLP-gelu": "act",
     FRAMEWORK_OP: "framework",  # only in `mist profile` output: megatron-core's layer beyond its ops
+    TEMPO_OP: "tempo",  # only in `mist profile --tempo` output: Tempo's layer beyond the plain one
 }
+# What Tempo's ops replace (norms, activations, dropouts, the softmax): the bytes they move forward
+# are the work Tempo's excess time is fitted against (``tempo_work``)
+TEMPO_KINDS = ("norm", "act", "dropout", "softmax")
 # With TP > 1 these measured op times include Megatron's all-reduce: the forward of a
 # row-parallel GEMM and the backward of a column-parallel one. Not used to fit compute.
 COMM_INSIDE = {
@@ -96,6 +102,19 @@ def op_features(model: ModelSpec, sequence_parallel: bool = False):
         )
         out.append((op.name, op.kind, fn))
     return tuple(out)
+
+
+def tempo_work(model: ModelSpec, mbs, seq, tp, sequence_parallel: bool = False):
+    """Bytes the ops Tempo replaces move forward in one layer of ``model`` with Tempo's layers, on
+    one TP rank: what the "tempo" curve (Tempo's time beyond the plain layer) scales with. Both
+    the residual stream's ops (b s h) and the attention's (b a s^2 / t) are in it, so a fit at one
+    shape carries to others in proportion to what Tempo's ops touch."""
+    tempo = model if model.tempo else dataclasses.replace(model, tempo=True, parallel_block=False)
+    work = 0.0
+    for _, kind, fn in op_features(tempo, sequence_parallel):
+        if kind in TEMPO_KINDS:
+            work = work + fn(mbs, seq, tp)[1]
+    return work
 
 
 def residual_stream_bytes(model: ModelSpec, mbs, seq) -> float:
@@ -146,6 +165,14 @@ class RuntimeModel:
                 fwd + f_line(residual_stream_bytes(model, mbs, seq)),
                 bwd + b_line(residual_stream_bytes(model, mbs, seq)),
             )
+        # Tempo's extra work (its backward recovers inputs, regenerates masks, remakes the SwiGLU
+        # product), measured by `mist profile --tempo` only: a model without that curve (every
+        # shipped GPU preset) prices a Tempo layer by its traced ops alone (what they move, which
+        # is no more than the plain layer's: none of that extra work)
+        if model.tempo and "tempo" in self.curves and only is None:
+            f_line, b_line = self.curves["tempo"]
+            work = tempo_work(model, mbs, seq, tp, sequence_parallel)
+            fwd, bwd = fwd + f_line(work), bwd + b_line(work)
         return fwd, bwd
 
     def head_times(

@@ -17,7 +17,7 @@ from torch import nn
 from measure.timing import time_fn
 from measure.units import MiB
 
-from ...model.profile_data import EMBEDDING_OP, FINAL_NORM_OP, FRAMEWORK_OP, HEAD_OP
+from ...model.profile_data import EMBEDDING_OP, FINAL_NORM_OP, FRAMEWORK_OP, HEAD_OP, TEMPO_OP
 from .megatron_layer import forward_backward_seconds, layer_inputs, megatron_config, megatron_state
 
 
@@ -88,16 +88,32 @@ def profile_layer(
 
 
 def megatron_layer_seconds(
-    b: int, s: int, h: int, heads: int, tp: int, dtype: torch.dtype, device: str, repeats: int = 5
+    b: int,
+    s: int,
+    h: int,
+    heads: int,
+    tp: int,
+    dtype: torch.dtype,
+    device: str,
+    repeats: int = 5,
+    tempo: bool = False,
 ) -> tuple[float, float]:
     """(forward, backward) seconds of megatron-core's own GPT layer (local spec, the layer
-    mist.engine.run trains) at one rank's share; timed like the ops, so the difference is the framework."""
+    mist.engine.run trains) at one rank's share; timed like the ops, so the difference is the
+    framework. ``tempo``: the layer with Tempo's ops (tempo.megatron, as the engine builds a Tempo
+    plan's)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.spec_utils import build_module
 
+    if tempo:
+        from tempo.megatron import tempo_layer_spec
+
+        spec = tempo_layer_spec("LayerNorm")
+    else:
+        spec = get_gpt_layer_local_spec()
     with megatron_state():
         config = megatron_config(h, heads, tp, dtype)
-        layer = build_module(get_gpt_layer_local_spec(), config=config, layer_number=1).to(device).train()
+        layer = build_module(spec, config=config, layer_number=1).to(device).train()
         x, mask, grad = layer_inputs(b, s, h, dtype, device)
 
         def forward():
@@ -190,6 +206,7 @@ class ProfileJob:
     gpu: str  # the profile's name in the data folder
     repeats: int
     framework: bool  # megatron-core's whole layer too: its excess over the ops is one more row
+    tempo: bool  # the layer with Tempo's ops too: its excess over the plain layer is one more row
     threads: int | None  # the CPU threads a point runs on; None on a GPU
     vocab: int | None  # with it, the embedding, final norm and head rows too
     rounds: int
@@ -216,10 +233,13 @@ def write_profiles(
     vocab: int | None = None,
     concurrent: int = 1,
     rounds: int = 1,
+    tempo: bool = False,
 ) -> list[Path]:
     """Profile every (micro-batch, TP) pair; returns the CSV files written. With ``framework``,
-    megatron-core's whole layer is timed too and its excess over the ops is one more row. With
-    ``vocab``, the embedding, final norm and post-process rows too (``megatron_edge_rows``).
+    megatron-core's whole layer is timed too and its excess over the ops is one more row; with
+    ``tempo`` also, the layer with Tempo's ops (tempo.megatron) and its excess over the plain layer
+    (what pricing a Tempo plan adds). With ``vocab``, the embedding, final norm and post-process
+    rows too (``megatron_edge_rows``).
 
     On a CPU the ops run on ``cpu_threads`` threads: the device a plan's rank gets. Each rank of
     ``mist.engine.run`` runs one (torchrun with OMP_NUM_THREADS=1, ``measure.launch``), so a
@@ -235,6 +255,8 @@ def write_profiles(
         raise ValueError(
             f"cpu_threads, concurrent and rounds must be >= 1, got {cpu_threads}, {concurrent}, {rounds}"
         )
+    if tempo and not framework:
+        raise ValueError("tempo: Tempo's excess is over megatron-core's whole layer; it needs framework")
     before = torch.get_num_threads()
     if device == "cpu":
         torch.set_num_threads(cpu_threads)
@@ -250,6 +272,7 @@ def write_profiles(
             gpu=gpu,
             repeats=repeats,
             framework=framework,
+            tempo=tempo,
             threads=cpu_threads if device == "cpu" else None,
             vocab=vocab,
             rounds=rounds,
@@ -324,7 +347,7 @@ def _write_profiles(out: Path, job: ProfileJob, progress: Callable[[str], None] 
 
 
 def _point_rows(job: ProfileJob, tp: int, b: int) -> list[dict]:
-    """One (TP, micro-batch) point's rows: the layer's ops, the framework's excess, the edges."""
+    """One (TP, micro-batch) point's rows: the layer's ops, the framework's excess, Tempo's, the edges."""
     shape = (b, job.seq, job.hidden, job.heads)
     rows = profile_layer(*shape, tp, job.dtype, job.device, job.repeats)
     if job.framework:
@@ -336,6 +359,16 @@ def _point_rows(job: ProfileJob, tp: int, b: int) -> list[dict]:
                 "op_name": FRAMEWORK_OP,
                 "forward-compute": max(whole[0] - ops[0], 0.0) * 1e6,
                 "backward-compute": max(whole[1] - ops[1], 0.0) * 1e6,
+            }
+        )
+    if job.tempo:  # a negative excess (Tempo's forward saves less) is priced as none, as the framework's
+        lean = megatron_layer_seconds(*shape, tp, job.dtype, job.device, job.repeats, tempo=True)
+        rows.append(
+            {
+                **dict.fromkeys(rows[0], 0.0),
+                "op_name": TEMPO_OP,
+                "forward-compute": max(lean[0] - whole[0], 0.0) * 1e6,
+                "backward-compute": max(lean[1] - whole[1], 0.0) * 1e6,
             }
         )
     if job.vocab:
