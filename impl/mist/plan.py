@@ -155,6 +155,8 @@ class StagePlan:
     offload_weights: float = 0.0  # fractions kept on the host
     offload_grads: float = 0.0
     offload_optimizer: float = 0.0
+    # of the layers not recomputed, whose activations wait on the host, rounded to whole layers
+    # (stage_cost.offloaded_layers)
     offload_activations: float = 0.0
     selective: bool = False  # the other layers recompute their core attention (Megatron's selective)
     # ZeRO-1/2: the layers' updated weights gathered in the next forward, not after the step
