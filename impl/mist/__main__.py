@@ -641,8 +641,9 @@ def _profile_parser(sub) -> None:
     p.add_argument(
         "--tempo",
         action="store_true",
-        help="also time the layer with Tempo's ops (tempo.megatron): its excess over the plain layer "
-        "is what `mist plan --tempo` adds to a layer's time with the fitted model",
+        help="also time the layer with Tempo's ops (tempo.megatron), and a Llama layer of the same size "
+        "with and without them: each excess over the plain layer is what a Tempo layer of that kind "
+        "adds to its time in `mist plan --tempo` with the fitted model",
     )
     p.add_argument(
         "--rounds",

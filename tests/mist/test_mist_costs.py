@@ -241,6 +241,7 @@ def test_profile_command_writes_what_calibrate_fits(tmp_path, rng):
         FINAL_NORM_OP,
         FRAMEWORK_OP,
         HEAD_OP,
+        TEMPO_GATED_OP,
         TEMPO_OP,
         read_layer_profiles,
     )
@@ -272,8 +273,8 @@ def test_profile_command_writes_what_calibrate_fits(tmp_path, rng):
     assert all(p.layer_seconds > 0 and not p.tp_comm_inside for p in profiles)
     # megatron-core's whole layer was timed too: its excess over the ops is a row, and a curve
     assert all(FRAMEWORK_OP in p.ops and min(p.ops[FRAMEWORK_OP]) >= 0 for p in profiles)
-    # and the layer with Tempo's ops: its excess over the plain layer (what a Tempo plan adds)
-    assert all(TEMPO_OP in p.ops and min(p.ops[TEMPO_OP]) >= 0 for p in profiles)
+    # and the layers with Tempo's ops (GPT-3's, Llama's): their excess over the plain ones
+    assert all(min(p.ops[op]) >= 0 for p in profiles for op in (TEMPO_OP, TEMPO_GATED_OP))
     with pytest.raises(ValueError, match="needs framework"):
         write(tmp_path, "cpu", 64, 4, 32, [1], [1], torch.float32, "cpu", framework=False, tempo=True)
     report = calibrate(tmp_path)
@@ -361,19 +362,23 @@ def test_serial_channels_take_turns(rng):
 
 
 def test_tempo_layers_priced_by_the_fitted_tempo_excess(tmp_path):
-    """A profile's Tempo row (the Tempo layer's time beyond the plain one) is fitted as a line in
-    the bytes Tempo's ops move (``tempo_work``) and added to a Tempo layer's time, and only to it.
-    Here the L4 profiles, each given a Tempo row made from known lines: the fit recovers them,
-    prices a Tempo layer at its traced ops plus the lines, and leaves the plain layer as it was;
-    the control: the same rows doubled double what the Tempo layer adds."""
+    """A profile's Tempo rows (the Tempo layer's time beyond the plain one, for the GPT-3 layer and
+    for a Llama layer of its size) are each fitted as a line in the bytes Tempo's ops move in that
+    layer (``tempo_work``) and added to a Tempo layer of that kind, and only to it. Here the L4
+    profiles, each given Tempo rows made from known lines: the fit recovers them, prices a Tempo
+    layer at its traced ops plus its kind's line, and leaves the plain layers as they were; the
+    control: the same rows doubled double what the Tempo layers add."""
     import csv
-    import dataclasses
 
     from mist.model.calibrate import calibrate
-    from mist.model.profile_data import TEMPO_OP, read_layer_profiles
+    from mist.model.profile_data import TEMPO_GATED_OP, TEMPO_OP, gated_layer, read_layer_profiles
     from mist.model.runtime import tempo_work
 
-    lines = (Line(20e-6, 150e9), Line(50e-6, 60e9))  # forward, backward: c0 s, bytes/s
+    # (forward, backward) lines, c0 s and bytes/s, for the GPT-3 layer and the Llama one
+    lines = {
+        TEMPO_OP: (Line(20e-6, 150e9), Line(50e-6, 60e9)),
+        TEMPO_GATED_OP: (Line(5e-6, 400e9), Line(10e-6, 200e9)),
+    }
     added = {}
     for scale in (1.0, 2.0):
         out = tmp_path / str(scale) / "l4"
@@ -381,35 +386,41 @@ def test_tempo_layers_priced_by_the_fitted_tempo_excess(tmp_path):
         for f in (DATA / "gpu-op-profiles" / "l4").glob("*.csv"):
             (out / f.name).write_bytes(f.read_bytes())
         for p in read_layer_profiles(out):
-            work = tempo_work(p.model, p.mbs, p.seq, p.tp)
             path = out / f"gpt_{p.size}_mbs{p.mbs}_tp{p.tp}_algo{p.algo}.csv"
             with path.open() as fh:
                 rows = list(csv.DictReader(fh))
-            times = [scale * float(line(work)) * 1e6 for line in lines]
-            rows.append({**dict.fromkeys(rows[0], "0"), "op_name": TEMPO_OP})
-            rows[-1]["forward-compute"], rows[-1]["backward-compute"] = (f"{t:.6f}" for t in times)
+            for op, (fwd, bwd) in lines.items():
+                layer = gated_layer(p.model) if op == TEMPO_GATED_OP else p.model
+                work = tempo_work(layer, p.mbs, p.seq, p.tp)
+                row = {**dict.fromkeys(rows[0], "0"), "op_name": op}
+                row["forward-compute"], row["backward-compute"] = (
+                    f"{scale * float(line(work)) * 1e6:.6f}" for line in (fwd, bwd)
+                )
+                rows.append(row)
             with path.open("w", newline="") as fh:
                 w = csv.DictWriter(fh, fieldnames=list(rows[0]))
                 w.writeheader()
                 w.writerows(rows)
         (r,) = calibrate(out).values()
         rm = r["model"]
-        plain = model("gpt3-1.3b", flash=False)
-        lean = dataclasses.replace(plain, tempo=True)
-        with_tempo, plain_before = (
-            rm.layer_times(lean, 4, plain.seq, 2),
-            rm.layer_times(plain, 4, plain.seq, 2),
-        )
-        rm.curves.pop("tempo")
-        without = rm.layer_times(lean, 4, plain.seq, 2)
-        assert rm.layer_times(plain, 4, plain.seq, 2) == plain_before  # a plain layer is not charged
-        added[scale] = [a - b for a, b in zip(with_tempo, without, strict=True)]
-        if scale == 1.0:
-            work = tempo_work(lean, 4, plain.seq, 2)
-            for got, line in zip(added[scale], lines, strict=True):
-                assert got == pytest.approx(float(line(work)), rel=1e-4)
-    for once, twice in zip(added[1.0], added[2.0], strict=True):
-        assert twice == pytest.approx(2 * once, rel=1e-4)
+        for op, plain in (
+            (TEMPO_OP, model("gpt3-1.3b", flash=False)),
+            (TEMPO_GATED_OP, model("llama-7b", flash=False)),
+        ):
+            lean = plain.with_(tempo=True)
+            with_tempo, plain_before = rm.layer_times(lean, 4, 1024, 2), rm.layer_times(plain, 4, 1024, 2)
+            curve = rm.curves.pop("tempo_gated" if plain.gated_mlp else "tempo")
+            without = rm.layer_times(lean, 4, 1024, 2)
+            assert rm.layer_times(plain, 4, 1024, 2) == plain_before  # a plain layer is not charged
+            added[scale, op] = [a - b for a, b in zip(with_tempo, without, strict=True)]
+            rm.curves["tempo_gated" if plain.gated_mlp else "tempo"] = curve
+            if scale == 1.0:
+                work = tempo_work(lean, 4, 1024, 2)
+                for got, line in zip(added[scale, op], lines[op], strict=True):
+                    assert got == pytest.approx(float(line(work)), rel=1e-4)
+    for op in lines:
+        for once, twice in zip(added[1.0, op], added[2.0, op], strict=True):
+            assert twice == pytest.approx(2 * once, rel=1e-4)
 
 
 @pytest.mark.slow

@@ -19,9 +19,11 @@ from .profile_data import (
     FRAMEWORK_OP,
     HEAD_OP,
     LAYER_OPS,
+    TEMPO_GATED_OP,
     TEMPO_OP,
     LayerProfile,
     best_algo,
+    gated_layer,
     profile_meta,
     read_collectives,
     read_layer_profiles,
@@ -39,6 +41,9 @@ from .runtime import (
 )
 from .specs import GPUS, ModelSpec
 from .symbolic import head_costs, value
+
+# curves fitted to a whole layer's time beyond something else (its ops; the plain layer)
+WHOLE_LAYER_CLASSES = ("framework", "tempo", "tempo_gated")
 
 
 def fit_line(work: np.ndarray, seconds: np.ndarray) -> Line:
@@ -62,8 +67,9 @@ def _profile_op_work(model: ModelSpec, profile_op: str, mbs: int, seq: int, tp: 
     GEMM's backward work is one of its two backward GEMMs (the forward's FLOPs)."""
     if profile_op == FRAMEWORK_OP:
         return residual_stream_bytes(model, mbs, seq), residual_stream_bytes(model, mbs, seq)
-    if profile_op == TEMPO_OP:
-        return tempo_work(model, mbs, seq, tp), tempo_work(model, mbs, seq, tp)
+    if profile_op in (TEMPO_OP, TEMPO_GATED_OP):
+        layer = gated_layer(model) if profile_op == TEMPO_GATED_OP else model
+        return tempo_work(layer, mbs, seq, tp), tempo_work(layer, mbs, seq, tp)
     names = LAYER_OPS[profile_op]
     fwd = bwd = 0.0
     for name, kind, fn in op_features(model):
@@ -86,7 +92,7 @@ def fit_runtime_model(profiles: list[LayerProfile], collectives: dict, gpu: str,
             if op not in OP_CLASS:
                 continue
             work = _profile_op_work(model, op, p.mbs, model.seq, p.tp)
-            whole_layer = OP_CLASS[op] in ("framework", "tempo")  # an excess of a layer's time, not an op's
+            whole_layer = OP_CLASS[op] in WHOLE_LAYER_CLASSES  # an excess of a layer's time, not an op's
             cached = OP_CLASS[op] not in COMPUTE_KINDS and not whole_layer and work[0] <= l2
             if OP_CLASS[op] == "gemm" and p.weight_gradients:
                 bwd_s = bwd_s / 2  # the two backward GEMMs timed together: one of them
@@ -127,7 +133,7 @@ def check_rates(model: RuntimeModel) -> None:
     if spec is None or model.gpu == "cpu":
         return
     for cls, lines in model.curves.items():
-        if cls in ("framework", "tempo"):  # excesses of a layer's time: no hardware rate to exceed
+        if cls in WHOLE_LAYER_CLASSES:  # excesses of a layer's time: no hardware rate to exceed
             continue
         flop_rate = cls in COMPUTE_KINDS or cls == "wgrad"
         peak, unit = (spec.flops, "FLOP/s") if flop_rate else (spec.hbm_bw, "B/s")

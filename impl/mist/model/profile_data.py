@@ -73,8 +73,11 @@ EMBEDDING_OP, FINAL_NORM_OP, HEAD_OP = "encoder-embedding", "final-layernorm", "
 # (Python and framework overhead, casts, extra copies) is stored as one more row.
 FRAMEWORK_OP = "layer-framework-overhead"
 # `mist profile --tempo` also times the layer with Tempo's ops (tempo.megatron's spec); what it
-# costs beyond megatron-core's plain layer is one more row (Tempo's extra work, mostly backward's).
+# costs beyond megatron-core's plain layer is one more row (Tempo's extra work, mostly backward's),
+# for the GPT-3 layer and for a Llama layer of the same size (``gated_layer``): Tempo replaces
+# different ops in each (GELU and dropouts; SwiGLU and RMSNorm).
 TEMPO_OP = "layer-tempo-excess"
+TEMPO_GATED_OP = "layer-tempo-excess-gated"
 _LAYER_FILE = re.compile(r"gpt_(?P<size>[0-9_]+B|h\d+)_mbs(?P<mbs>\d+)_tp(?P<tp>\d+)_algo(?P<algo>\d+)\.csv")
 _PRIM_FILE = re.compile(r"prim_gpt_(?P<size>[0-9_]+B|local)_(?P<coll>[a-z_]+?)_(?P<n>\d+)gpus\.csv")
 
@@ -106,6 +109,13 @@ class LayerProfile:
     def layer_seconds(self) -> float:
         """Forward + backward of one transformer layer (TP communication included, as measured)."""
         return sum(fwd + bwd for op, (fwd, bwd) in self.ops.items() if op in LAYER_OPS or op == FRAMEWORK_OP)
+
+
+def gated_layer(model: ModelSpec) -> ModelSpec:
+    """The Llama-style layer ``mist profile --tempo`` times beside the profiled GPT-3 one (its
+    TEMPO_GATED_OP row): RMSNorm, SwiGLU MLP (its default width), no dropout; the same hidden size,
+    heads and sequence. Rotary positions are left out: they cost the same with Tempo's layer."""
+    return replace(model, norm="rmsnorm", gated_mlp=True, dropout=0.0, ffn=None)
 
 
 def profile_meta(gpu_dir: Path) -> dict:

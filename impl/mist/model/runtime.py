@@ -31,6 +31,7 @@ import sympy as sp
 from .profile_data import (
     FRAMEWORK_OP,
     LAYER_OPS,
+    TEMPO_GATED_OP,
     TEMPO_OP,
 )
 from .specs import GPUS, ClusterSpec, ModelSpec
@@ -55,6 +56,7 @@ OP_CLASS = {
     "enc-MLP-gelu": "act",
     FRAMEWORK_OP: "framework",  # only in `mist profile` output: megatron-core's layer beyond its ops
     TEMPO_OP: "tempo",  # only in `mist profile --tempo` output: Tempo's layer beyond the plain one
+    TEMPO_GATED_OP: "tempo_gated",  # the same for a Llama layer (profile_data.gated_layer)
 }
 # What Tempo's ops replace (norms, activations, dropouts, the softmax): the bytes they move forward
 # are the work Tempo's excess time is fitted against (``tempo_work``)
@@ -169,8 +171,9 @@ class RuntimeModel:
         # product), measured by `mist profile --tempo` only: a model without that curve (every
         # shipped GPU preset) prices a Tempo layer by its traced ops alone (what they move, which
         # is no more than the plain layer's: none of that extra work)
-        if model.tempo and "tempo" in self.curves and only is None:
-            f_line, b_line = self.curves["tempo"]
+        tempo = "tempo_gated" if model.gated_mlp else "tempo"  # what Tempo replaces differs
+        if model.tempo and tempo in self.curves and only is None:
+            f_line, b_line = self.curves[tempo]
             work = tempo_work(model, mbs, seq, tp, sequence_parallel)
             fwd, bwd = fwd + f_line(work), bwd + b_line(work)
         return fwd, bwd

@@ -17,7 +17,16 @@ from torch import nn
 from measure.timing import time_fn
 from measure.units import MiB
 
-from ...model.profile_data import EMBEDDING_OP, FINAL_NORM_OP, FRAMEWORK_OP, HEAD_OP, TEMPO_OP
+from ...model.profile_data import (
+    EMBEDDING_OP,
+    FINAL_NORM_OP,
+    FRAMEWORK_OP,
+    HEAD_OP,
+    TEMPO_GATED_OP,
+    TEMPO_OP,
+    gated_layer,
+)
+from ...model.specs import ModelSpec
 from .megatron_layer import forward_backward_seconds, layer_inputs, megatron_config, megatron_state
 
 
@@ -97,22 +106,26 @@ def megatron_layer_seconds(
     device: str,
     repeats: int = 5,
     tempo: bool = False,
+    gated_ffn: int | None = None,
 ) -> tuple[float, float]:
     """(forward, backward) seconds of megatron-core's own GPT layer (local spec, the layer
     mist.engine.run trains) at one rank's share; timed like the ops, so the difference is the
     framework. ``tempo``: the layer with Tempo's ops (tempo.megatron, as the engine builds a Tempo
-    plan's)."""
+    plan's). ``gated_ffn``: a Llama layer instead (megatron_config), as the engine builds it."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.spec_utils import build_module
 
+    from ..layers import layer_spec
+
+    normalization = "LayerNorm" if gated_ffn is None else "RMSNorm"
     if tempo:
         from tempo.megatron import tempo_layer_spec
 
-        spec = tempo_layer_spec("LayerNorm")
+        spec = tempo_layer_spec(normalization)
     else:
-        spec = get_gpt_layer_local_spec()
+        spec = get_gpt_layer_local_spec() if gated_ffn is None else layer_spec(normalization, False)
     with megatron_state():
-        config = megatron_config(h, heads, tp, dtype)
+        config = megatron_config(h, heads, tp, dtype, gated_ffn)
         layer = build_module(spec, config=config, layer_number=1).to(device).train()
         x, mask, grad = layer_inputs(b, s, h, dtype, device)
 
@@ -363,14 +376,20 @@ def _point_rows(job: ProfileJob, tp: int, b: int) -> list[dict]:
         )
     if job.tempo:  # a negative excess (Tempo's forward saves less) is priced as none, as the framework's
         lean = megatron_layer_seconds(*shape, tp, job.dtype, job.device, job.repeats, tempo=True)
-        rows.append(
-            {
-                **dict.fromkeys(rows[0], 0.0),
-                "op_name": TEMPO_OP,
-                "forward-compute": max(lean[0] - whole[0], 0.0) * 1e6,
-                "backward-compute": max(lean[1] - whole[1], 0.0) * 1e6,
-            }
-        )
+        ffn = gated_layer(ModelSpec("profiled", job.hidden, 1, job.heads, seq=job.seq)).ffn_hidden
+        llama = [
+            megatron_layer_seconds(*shape, tp, job.dtype, job.device, job.repeats, tempo=t, gated_ffn=ffn)
+            for t in (False, True)
+        ]
+        for name, plain, with_tempo in ((TEMPO_OP, whole, lean), (TEMPO_GATED_OP, *llama)):
+            rows.append(
+                {
+                    **dict.fromkeys(rows[0], 0.0),
+                    "op_name": name,
+                    "forward-compute": max(with_tempo[0] - plain[0], 0.0) * 1e6,
+                    "backward-compute": max(with_tempo[1] - plain[1], 0.0) * 1e6,
+                }
+            )
     if job.vocab:
         rows += megatron_edge_rows(*shape, job.vocab, tp, job.dtype, job.device, job.repeats)
     return rows

@@ -66,24 +66,31 @@ def megatron_state(tp: int = 1):
             dist.destroy_process_group()
 
 
-def megatron_config(h: int, heads: int, tp: int, dtype: torch.dtype):
-    """One TP rank's share of a GPT-3 layer as megatron-core configures it (as mist.engine.run's)."""
+def megatron_config(h: int, heads: int, tp: int, dtype: torch.dtype, gated_ffn: int | None = None):
+    """One TP rank's share of a GPT-3 layer as megatron-core configures it (as mist.engine.run's);
+    with ``gated_ffn``, of a Llama layer (RMSNorm, SwiGLU of that width, fused as the engine's, no
+    dropout: profile_data.gated_layer)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    gated = gated_ffn is not None
     return TransformerConfig(
         num_layers=1,
         hidden_size=h,
         num_attention_heads=heads // tp,
-        ffn_hidden_size=4 * h // tp,
+        ffn_hidden_size=(gated_ffn if gated else 4 * h) // tp,
         kv_channels=h // heads,
         add_bias_linear=False,
         use_cpu_initialization=True,
         params_dtype=dtype,
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
-        hidden_dropout=0.1,
-        attention_dropout=0.1,
+        hidden_dropout=0.0 if gated else 0.1,
+        attention_dropout=0.0 if gated else 0.1,
         attention_softmax_in_fp32=False,  # Megatron-LM's default (mist.engine.megatron.model_settings)
+        normalization="RMSNorm" if gated else "LayerNorm",
+        gated_linear_unit=gated,
+        activation_func=torch.nn.functional.silu if gated else torch.nn.functional.gelu,
+        bias_activation_fusion=gated,
     )
 
 
