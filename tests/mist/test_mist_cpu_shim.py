@@ -102,3 +102,36 @@ def test_its_copies_are_left_out_of_the_memory_measured_and_it_ends_on_exit(rng)
     assert left_out == product
     assert counted >= product + 4 * (256 * 128 + 128 * 64)
     assert _scratch_ranges(lambda: a @ b) == 0
+
+
+def test_dropout_stand_in_keeps_a_one_byte_mask_as_cuda_does():
+    """Under one_byte_dropout_masks a training dropout on a CPU keeps a bool mask for backward (as
+    CUDA's dropout does and Mist's model prices), each output element the input's kept or zeroed
+    and scaled (within two bf16 roundings), the gradient through the same mask; eval and p = 0
+    unchanged, and F.dropout restored on exit. Negative control: torch's own CPU dropout keeps
+    its mask in bf16."""
+    from mist.engine.cpu_shim import one_byte_dropout_masks
+
+    def saved_dtypes(fn):
+        dtypes = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: dtypes.append(t.dtype) or t, lambda t: t):
+            out = fn()
+        return out, dtypes
+
+    x = torch.randn(64, 256, dtype=torch.bfloat16, requires_grad=True)
+    original = torch.nn.functional.dropout
+    _, dtypes = saved_dtypes(lambda: torch.nn.functional.dropout(x, 0.3))
+    assert dtypes == [torch.bfloat16]  # the control: torch's CPU dropout
+    with one_byte_dropout_masks():
+        y, dtypes = saved_dtypes(lambda: torch.nn.functional.dropout(x, 0.3))
+        assert dtypes == [torch.bool]
+        kept = y != 0
+        exact = x.detach().double() / 0.7  # the scale and the product each rounded once at most
+        eps = torch.finfo(torch.bfloat16).eps
+        assert ((y.detach().double() - exact)[kept].abs() <= eps * exact[kept].abs()).all()
+        assert 0 < kept.float().mean() < 1
+        y.backward(torch.ones_like(y))
+        assert torch.equal(x.grad != 0, kept)
+        assert torch.equal(torch.nn.functional.dropout(x, 0.3, training=False), x)
+        assert torch.equal(torch.nn.functional.dropout(x, 0.0), x)
+    assert torch.nn.functional.dropout is original

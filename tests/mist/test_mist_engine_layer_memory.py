@@ -1,5 +1,5 @@
 """What a megatron-core layer, built as the engine builds it, keeps for backward: exactly the
-bytes the symbolic trace counts (mist.model.symbolic), with three stated CPU-side terms.
+bytes the symbolic trace counts (mist.model.symbolic), with two stated CPU-side terms.
 
 The memory model prices what Megatron-LM builds; the engine builds the same (its defaults where
 megatron-core's differ: mist.engine.megatron.model_settings). The negative control is the layer
@@ -16,7 +16,7 @@ import torch
 
 from measure.saved import SavedTensorsMeter
 from mist import Plan, StagePlan, cluster, model
-from mist.model.symbolic import FP32, MASK, b, layer_costs, numeric, s, t, trace_layer
+from mist.model.symbolic import FP32, b, layer_costs, numeric, s, t, trace_layer
 
 CASES = [  # (preset, overrides): learned positions + GeLU; rotary + SwiGLU; the parallel block
     ("gpt3-tiny", {"dropout": 0.0}),
@@ -75,23 +75,23 @@ def _kept_bytes(name: str, overrides: dict, micro_batch: int, megatron_core_defa
 
 
 def _counted_bytes(name: str, overrides: dict, micro_batch: int) -> int:
-    """The symbolic trace's bytes, and where torch on a CPU keeps otherwise than on a GPU: dropout
-    masks in the activations' dtype (2 bytes an element; CUDA's dropout keeps a bool), LayerNorm's
-    mean and rstd in bf16 (CUDA's in float32), and megatron-core's unfused rotary embedding's
-    cos and sin for q and for k (4 tables of s x head dim, bf16; the GPU's fused kernel keeps none).
+    """The symbolic trace's bytes, and where torch on a CPU keeps otherwise than on a GPU:
+    LayerNorm's mean and rstd in bf16 (CUDA's in float32), and megatron-core's unfused rotary
+    embedding's cos and sin for q and for k (4 tables of s x head dim, bf16; the GPU's fused kernel
+    keeps none). Dropout masks are a byte an element, as CUDA's: the engine's CPU stand-in
+    (cpu_shim.one_byte_dropout_masks; torch's CPU dropout keeps one in the activations' dtype).
     Tempo's layers keep no dropout masks (its GELU's bits are bytes on every device) and float32
     rstd on every device, and one 8-byte seed a dropout (the attention core's always)."""
     m = model(name, hidden=256, seq=128, flash=False, **overrides)
     point = {**numeric(m), b: micro_batch, s: m.seq, t: 1}
     counted = int(layer_costs(m).saved_bytes.subs(point))
     ops = trace_layer(m)
-    masks = sum(int(x.numel.subs(point)) for op in ops for x in op.saved if x.itemsize == MASK)
     stats = [x for op in ops if op.kind == "norm" for x in op.saved if x.itemsize == FP32]
     layer_norm_stats = sum(int(x.numel.subs(point)) for x in stats) if m.norm == "layernorm" else 0
     rotary_tables = 4 * m.seq * (m.hidden // m.heads) * 2 if m.positions == "rotary" else 0
     if m.tempo:
         return counted + rotary_tables + 8 * (1 + 2 * (m.dropout > 0))
-    return counted + masks * (2 - MASK) - layer_norm_stats * (FP32 - 2) + rotary_tables
+    return counted - layer_norm_stats * (FP32 - 2) + rotary_tables
 
 
 @pytest.mark.parametrize(("name", "overrides"), CASES)

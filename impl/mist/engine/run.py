@@ -913,9 +913,9 @@ def main(argv: list[str] | None = None) -> int:
                 "is under-predicted by them (model_overrides flash: false prices what runs)",
                 file=sys.stderr,
             )
-        from .cpu_shim import bf16_gemms_in_float32
+        from .cpu_shim import gpu_standins
 
-        with bf16_gemms_in_float32():  # on a CPU: its stand-in for bf16 matrix units, as the profiles'
+        with gpu_standins():  # on a CPU: its stand-ins for a GPU's bf16 GEMMs and dropout, as the profiles'
             report = run(plan, args.steps)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -552,7 +552,10 @@ def _device_memory(
         at_end = working + remade + 2 * layer_weights - freed
         return np.where(z3, np.maximum(at_first_op, at_end), working + remade)
 
-    kept_layer_peak = np.where(last_swapped, 0.0, layer_peak(selective_remade))  # the last layer's
+    # the last layer's backward, once the head's has run and freed what it kept for this
+    # micro-batch (its fp32 logits and the final norm's tensors: in ``activations``)
+    head_freed = layer.head_saved if last else 0.0
+    kept_layer_peak = np.where(last_swapped, 0.0, layer_peak(selective_remade) - head_freed)
     start = activations + buffers + np.maximum(head, kept_layer_peak)
     start = start + np.where(e3 & last, edge_weights, 0.0)
     # backward then reaches the offloaded layers, this micro-batch's kept ones (and its head's) freed

@@ -355,7 +355,7 @@ def _write_profiles(out: Path, job: ProfileJob, progress: Callable[[str], None] 
     (out / "profile.json").write_text(json.dumps(meta, indent=1))
     from .. import cpu_shim
 
-    with cpu_shim.bf16_gemms_in_float32():  # the ops as the engine runs them (a no-op on a GPU)
+    with cpu_shim.gpu_standins():  # the ops as the engine runs them (a no-op on a GPU)
         return _write_layer_profiles(out, job, progress)
 
 

@@ -57,7 +57,7 @@ def megatron_state(tp: int = 1):
         if own_state:
             ps.initialize_model_parallel(tp, 1)
             model_parallel_cuda_manual_seed(0)
-        with cpu_shim.bf16_gemms_in_float32():  # as the engine runs them
+        with cpu_shim.gpu_standins():  # as the engine runs them
             yield
     finally:
         if own_state:
