@@ -490,6 +490,78 @@ def clip_barrier_s(setting: Setting) -> float:
     )
 
 
+def _layer_backward_peak(layer: LayerNumbers, grid: dict, layers: int, layer_weights: float, remade):
+    """Bytes one layer's backward adds above what is held; ``remade``: its recomputed bytes.
+
+    Backward of one op holds the gradients of its inputs and outputs (its working set's bytes; what
+    it keeps is in the activations) and the residual stream's gradient the layer's backward
+    carries. What ZeRO-3 (FSDP2) adds: a module's gradients as backward makes them (whole: there
+    is no persistent buffer to add them into), then its reduce-scatter input, which FSDP2 keeps
+    until the next module reduces (one in flight). A layer's gradients are made op by op as its
+    activations are freed: at its first op (the working set's peak) only that op's weight gradient
+    exists, at its end all of them and the reduce-scatter's input, with the layer's activations
+    gone (profiler traces of the engine, 2026-12-02)."""
+    working = layer.transient + layer.layer_input
+    freed = np.where(grid["recompute"] < layers, _kept_per_layer(layer, grid), layer.layer_input)
+    at_first_op = working + remade + layer.largest_weight
+    at_end = working + remade + 2 * layer_weights - freed
+    return np.where(grid["zero"] >= 3, np.maximum(at_first_op, at_end), working + remade)
+
+
+def _selective_remade(layer: LayerNumbers, grid: dict, layers: int):
+    """Bytes a layer's backward makes again under selective recomputation: the core attention's
+    backward over its remade insides (none where the layer is wholly recomputed)."""
+    selective = (grid["selective"] > 0) & (grid["recompute"] < layers)
+    core_remade = np.maximum(layer.transient, layer.selective_backward) - layer.transient
+    return np.where(selective, core_remade, 0.0)
+
+
+def _backward_start(
+    layer: LayerNumbers,
+    grid: dict,
+    activations,
+    per_flight,
+    buffers,
+    layers: int,
+    layer_weights: float,
+    last_edge_weights,
+    last: bool,
+):
+    """A stage's peak bytes above its static state from backward's start through its layers: the
+    last layer's (after the head's), the offloaded layers' swap-in, the recomputed layers' forward
+    made again. ``buffers``: gathered copies of ZeRO-3's and offloaded weights;
+    ``last_edge_weights``: the head's gathered weights where the last stage shards them."""
+    recompute = grid["recompute"]
+    kept = _kept_per_layer(layer, grid)
+    selective_remade = _selective_remade(layer, grid, layers)
+    # Offloaded layers (the first ones after the recomputed) come up when their backward begins,
+    # the next one's prefetched: two layers' swap buffers (one where one is offloaded), held
+    # once backward has freed this micro-batch's layers kept on the device (after them)
+    swapped = offloaded_layers(grid, layers)
+    swap_buffers = np.minimum(swapped, 2) * kept
+    last_swapped = (swapped > 0) & (swapped == layers - recompute)
+    # the logits' gradient: megatron's vocab-parallel cross-entropy makes it in place in the fp32
+    # softmax it kept (in head_saved); what is new is its cast to the bf16 logits' dtype. The
+    # head's backward consumes it before the first layer's begins
+    head = layer.logits / 2 if last else 0.0
+    # the last layer's backward, once the head's has run and freed what it kept for this
+    # micro-batch (its fp32 logits and the final norm's tensors: in ``activations``)
+    head_freed = layer.head_saved if last else 0.0
+    peak = _layer_backward_peak(layer, grid, layers, layer_weights, selective_remade)
+    kept_layer_peak = np.where(last_swapped, 0.0, peak - head_freed)
+    start = activations + buffers + np.maximum(head, kept_layer_peak) + last_edge_weights
+    # backward then reaches the offloaded layers, this micro-batch's kept ones (and its head's) freed
+    remade_inputs = recompute * layer.layer_input
+    others = activations - per_flight + remade_inputs  # the other micro-batches' and these inputs
+    swapping = others + buffers + swap_buffers + peak
+    start = np.where(swapped > 0, np.maximum(start, swapping), start)
+    # The fully recomputed layers are the stage's first: backward reaches them once this
+    # micro-batch's other layers have freed what they kept (the recomputed ones kept their inputs;
+    # the offloaded ones' copies are gone), and makes one layer's activations again
+    recomputing = others + buffers + _layer_backward_peak(layer, grid, layers, layer_weights, layer.saved)
+    return np.where(recompute > 0, np.maximum(start, recomputing), start)
+
+
 def _device_memory(
     layer: LayerNumbers,
     grid: dict,
@@ -507,67 +579,16 @@ def _device_memory(
     """A stage's peak device bytes: its static state and the larger of two peaks, backward (its
     start, its recomputed layers, and with one micro-batch a step its end) and the optimizer
     step. ``activations``: every in-flight micro-batch's; ``per_flight``: one's."""
-    recompute, zero, offload_weights, offload_optimizer = (
-        grid[k] for k in ("recompute", "zero", "offload_weights", "offload_optimizer")
-    )
-    edge_zero, edge_offload_weights, edge_offload_optimizer = (
-        edge[k] for k in ("zero", "offload_weights", "offload_optimizer")
-    )
+    recompute, zero, offload_weights = grid["recompute"], grid["zero"], grid["offload_weights"]
     # a layer's full weights; the embedding's or the head's (one at a time: opposite ends)
     layer_weights, edge_weights = layer_w_full, 2.0 * layer.embed_params if (first or last) else 0.0
-    z3, e3 = zero >= 3, edge_zero >= 3
+    z3, e3 = zero >= 3, edge["zero"] >= 3
     buffers = np.where(z3 | (offload_weights > 0), 2 * layer_weights, 0.0)
-    buffers = buffers + np.where(e3 | (edge_offload_weights > 0), edge_weights, 0.0)
-    kept = _kept_per_layer(layer, grid)
-    # Offloaded layers (the first ones after the recomputed) come up when their backward begins,
-    # the next one's prefetched: two layers' swap buffers (one where one is offloaded), held
-    # once backward has freed this micro-batch's layers kept on the device (after them)
-    swapped = offloaded_layers(grid, layers)
-    swap_buffers = np.minimum(swapped, 2) * kept
-    last_swapped = (swapped > 0) & (swapped == layers - recompute)
-    # backward of one op: the gradients of its inputs and outputs (its working set's bytes; what
-    # it keeps is in the activations) and the residual stream's gradient the layer's backward
-    # carries; or, under selective recomputation, the core attention's backward over its remade
-    # insides; and a fully recomputed layer's activations, made again
-    working = layer.transient + layer.layer_input
-    selective = (grid["selective"] > 0) & (recompute < layers)
-    core_remade = np.maximum(layer.transient, layer.selective_backward) - layer.transient
-    selective_remade = np.where(selective, core_remade, 0.0)
-    # the logits' gradient: megatron's vocab-parallel cross-entropy makes it in place in the fp32
-    # softmax it kept (in head_saved); what is new is its cast to the bf16 logits' dtype
-    head = layer.logits / 2 if last else 0.0
-    # What ZeRO-3 (FSDP2) adds in backward: a module's gradients as backward makes them (whole:
-    # there is no persistent buffer to add them into), then its reduce-scatter input, which FSDP2
-    # keeps until the next module reduces (one in flight). A layer's gradients are made op by op
-    # as its activations are freed: at its first op (the working set's peak) only that op's
-    # weight gradient exists, at its end all of them and the reduce-scatter's input, with the
-    # layer's activations gone (profiler traces of the engine, 2026-12-02). The head (made first)
-    # adds its gradients and then its input in flight; the embedding's, made last, come at
-    # backward's end. The logits' gradient is consumed by the head's backward, before the first
-    # layer's begins. ``freed``: the last layer's activations.
-    freed = np.where(recompute < layers, kept, layer.layer_input)
-
-    def layer_peak(remade):  # one layer's backward above what is held; ``remade``: its recomputed bytes
-        at_first_op = working + remade + layer.largest_weight
-        at_end = working + remade + 2 * layer_weights - freed
-        return np.where(z3, np.maximum(at_first_op, at_end), working + remade)
-
-    # the last layer's backward, once the head's has run and freed what it kept for this
-    # micro-batch (its fp32 logits and the final norm's tensors: in ``activations``)
-    head_freed = layer.head_saved if last else 0.0
-    kept_layer_peak = np.where(last_swapped, 0.0, layer_peak(selective_remade) - head_freed)
-    start = activations + buffers + np.maximum(head, kept_layer_peak)
-    start = start + np.where(e3 & last, edge_weights, 0.0)
-    # backward then reaches the offloaded layers, this micro-batch's kept ones (and its head's) freed
-    remade_inputs = recompute * layer.layer_input
-    others = activations - per_flight + remade_inputs  # the other micro-batches' and these inputs
-    swapping = others + buffers + swap_buffers + layer_peak(selective_remade)
-    start = np.where(swapped > 0, np.maximum(start, swapping), start)
-    # The fully recomputed layers are the stage's first: backward reaches them once this
-    # micro-batch's other layers have freed what they kept (the recomputed ones kept their inputs;
-    # the offloaded ones' copies are gone), and makes one layer's activations again
-    recomputing = others + buffers + layer_peak(layer.saved)
-    start = np.where(recompute > 0, np.maximum(start, recomputing), start)
+    buffers = buffers + np.where(e3 | (edge["offload_weights"] > 0), edge_weights, 0.0)
+    last_edge_weights = np.where(e3 & last, edge_weights, 0.0)
+    start = _backward_start(
+        layer, grid, activations, per_flight, buffers, layers, layer_weights, last_edge_weights, last
+    )
     # Two peaks: backward and the optimizer step, where mixed-precision Adam holds an fp32 copy of
     # the gradients it steps on the GPU. With one micro-batch a step, ZeRO-2/3's gradient shards
     # are made as backward frees the activations and live until the step: backward also peaks at
@@ -577,13 +598,14 @@ def _device_memory(
     sharded_grads = mine["sharded_grads"] + theirs["sharded_grads"] if grad_accum == 1 else 0.0
     made = sharded_grads - mine["sharded_grads"] / layers if grad_accum == 1 else 0.0
     up = buffers - np.where(z3 | (offload_weights > 0), layer_weights, 0.0)
-    remade = np.where(recompute > 0, layer.saved, selective_remade)  # the first layer's
+    remade = np.where(recompute > 0, layer.saved, _selective_remade(layer, grid, layers))  # the first layer's
+    working = layer.transient + layer.layer_input
     end = up + working + remade + made + np.where(z3, 2 * layer_weights, 0.0)
     end = end + np.where(e3 & first, edge_weights, 0.0)
     backward = np.maximum(start, end) if grad_accum == 1 else start
     static = mine["gpu"] + theirs["gpu"] - sharded_grads
-    stepped_on_gpu = (1 - offload_optimizer) * mine["opt_params"]
-    stepped_on_gpu = stepped_on_gpu + (1 - edge_offload_optimizer) * theirs["opt_params"]
+    stepped_on_gpu = (1 - grid["offload_optimizer"]) * mine["opt_params"]
+    stepped_on_gpu = stepped_on_gpu + (1 - edge["offload_optimizer"]) * theirs["opt_params"]
     step_peak = OPTIMIZER_STEP_BYTES_PER_PARAM * stepped_on_gpu + sharded_grads
     return static + np.maximum(backward, step_peak)
 
@@ -615,6 +637,91 @@ def _compute_s(
     return compute + _accumulation_s(setting, layers * layer.params, edge_params, zero, edge_zero, grad_accum)
 
 
+def _dp_leaves_node(setting: Setting) -> bool:
+    """Whether a DP group (ranks at stride TP) spans more than one node."""
+    return setting.tp * setting.dp > setting.cluster.gpus_per_node
+
+
+def _host_rates(setting: Setting) -> tuple[float, float]:
+    """(device-to-host, host-to-device) bytes per second of the offloading copies."""
+    interference, host_bw = setting.interference, setting.cluster.gpu.host_bw
+    return interference.host_rate("d2h", host_bw), interference.host_rate("h2d", host_bw)
+
+
+def _micro_batch_s(
+    setting: Setting,
+    layer: LayerNumbers,
+    layers: int,
+    grid: dict,
+    edge: dict,
+    first: bool,
+    last: bool,
+    state: tuple[dict, dict],
+    grad_accum: int,
+) -> tuple:
+    """(steady, compute, g2g) seconds of one micro-batch on a stage: its channels -- compute (its
+    layers, recomputation, ZeRO's exposed collectives, point-to-point on the critical path), the
+    GPU-to-GPU channel, and the host copies (activation swaps, offloaded weights and gradients) --
+    and ``steady``, the channels overlapped. ``state``: the stage's layers' and its
+    embedding/head's state bytes (_state_bytes)."""
+    mine, theirs = state
+    edge_params = (layer.embed_params if first else 0.0) + (layer.embed_params if last else 0.0)
+    p2p_on_compute, p2p_beside = _p2p_s(setting, layer, first, last)
+    compute = _compute_s(setting, layer, layers, grid, first, last, edge_params, edge["zero"], grad_accum)
+    compute = compute + p2p_on_compute
+    zero_compute, g2g = _zero_per_micro_batch(
+        setting,
+        layers,
+        2.0 * layer.params,
+        2.0 * edge_params,
+        grid["zero"],
+        edge["zero"],
+        _dp_leaves_node(setting),
+    )
+    compute = compute + zero_compute
+    g2g = g2g + p2p_beside
+    act_swapped = offloaded_layers(grid, layers) * _kept_per_layer(layer, grid)
+    d2h_bw, h2d_bw = _host_rates(setting)
+    d2h = (act_swapped + mine["d2h"] + theirs["d2h"]) / d2h_bw  # swap-out, offloaded gradients
+    h2d = (act_swapped + mine["h2d"] + theirs["h2d"]) / h2d_bw  # swap-in, offloaded weights
+    return setting.interference.overlap(compute, g2g, h2d, d2h), compute, g2g
+
+
+def _last_micro_batch_s(
+    setting: Setting,
+    layer: LayerNumbers,
+    layers: int,
+    grid: dict,
+    edge: dict,
+    edge_params: float,
+    state: tuple[dict, dict],
+) -> tuple:
+    """(extra, step, wait): seconds the last micro-batch adds on a stage, before clipping's global
+    barrier (clip_barrier_s) and after it (``step``), and what the next iteration's first forward
+    waits for its weights (on the fill path)."""
+    zero, across = grid["zero"], _dp_leaves_node(setting)
+    mine, theirs = state
+    # (state bytes, offloaded optimizer fraction) of the stage's layers and of its embedding/head
+    parts = ((mine, grid["offload_optimizer"]), (theirs, edge["offload_optimizer"]))
+    sync, step = _sync_and_step(
+        setting,
+        layers * (2.0 * layer.params),
+        2.0 * edge_params,
+        zero,
+        edge["zero"],
+        across,
+        parts,
+        *_host_rates(setting),
+    )
+    sync = sync - _hidden_reduction_s(setting, layer, layers, grid["recompute"], zero, across)
+    # a grid without the column gathers after the step
+    moved, wait = _gather_in_forward_s(
+        setting, layer, layers, grid.get("gather_in_forward", 0.0), zero, grid["offload_weights"], across
+    )
+    step = step - moved
+    return sync + step, step, wait
+
+
 def evaluate_stage(
     setting: Setting,
     layer: LayerNumbers,
@@ -632,63 +739,29 @@ def evaluate_stage(
     parameters; None: the stage's own. Arrays broadcast against ``grid``'s."""
     if grad_accum < 1:
         raise ValueError("grad_accum must be >= 1")
-    recompute, zero, offload_weights, offload_optimizer = (
-        grid[k] for k in ("recompute", "zero", "offload_weights", "offload_optimizer")
-    )
     edge = edge or {k: grid[k] for k in EDGE_FIELDS}
-    edge_zero, edge_offload_optimizer = edge["zero"], edge["offload_optimizer"]
     shape = np.broadcast_shapes(*(np.shape(x) for x in (*grid.values(), *edge.values())))
-    dp, cluster = setting.dp, setting.cluster
     edge_params = (layer.embed_params if first else 0.0) + (layer.embed_params if last else 0.0)
-    mine = _state_bytes(layers * layer.params, grid, dp)  # the stage's layers'
-    theirs = _state_bytes(edge_params, edge, dp)  # the embedding's or head's, where the stage has one
-
-    # ---- time of one micro-batch, by channel
-    p2p_on_compute, p2p_beside = _p2p_s(setting, layer, first, last)
-    compute = _compute_s(setting, layer, layers, grid, first, last, edge_params, edge_zero, grad_accum)
-    compute = compute + p2p_on_compute
-    across = setting.tp * dp > cluster.gpus_per_node  # DP groups (stride t) leave the node
-    layer_w_full, edge_w_full = 2.0 * layer.params, 2.0 * edge_params
-    zero_compute, g2g = _zero_per_micro_batch(
-        setting, layers, layer_w_full, edge_w_full, zero, edge_zero, across
+    mine = _state_bytes(layers * layer.params, grid, setting.dp)  # the stage's layers'
+    theirs = _state_bytes(edge_params, edge, setting.dp)  # the embedding's or head's, where it has one
+    steady, compute, g2g = _micro_batch_s(
+        setting, layer, layers, grid, edge, first, last, (mine, theirs), grad_accum
     )
-    compute = compute + zero_compute
-    g2g = g2g + p2p_beside
+    extra, step, wait = _last_micro_batch_s(setting, layer, layers, grid, edge, edge_params, (mine, theirs))
+
+    # memory per GPU
     kept = _kept_per_layer(layer, grid)
     swapped = offloaded_layers(grid, layers)
-    act_swapped = swapped * kept
-    h2d_bw = setting.interference.host_rate("h2d", cluster.gpu.host_bw)
-    d2h_bw = setting.interference.host_rate("d2h", cluster.gpu.host_bw)
-    d2h = (act_swapped + mine["d2h"] + theirs["d2h"]) / d2h_bw  # swap-out, offloaded gradients
-    h2d = (act_swapped + mine["h2d"] + theirs["h2d"]) / h2d_bw  # swap-in, offloaded weights
-    steady = setting.interference.overlap(compute, g2g, h2d, d2h)
-
-    # ---- last micro-batch extras: before clipping's global barrier (clip_barrier_s), then after
-    # (state bytes, offloaded optimizer fraction) of the stage's layers and of its embedding/head
-    parts = ((mine, offload_optimizer), (theirs, edge_offload_optimizer))
-    sync, step = _sync_and_step(
-        setting, layers * layer_w_full, edge_w_full, zero, edge_zero, across, parts, d2h_bw, h2d_bw
-    )
-    sync = sync - _hidden_reduction_s(setting, layer, layers, recompute, zero, across)
-    # a grid without the column gathers after the step
-    moved, wait = _gather_in_forward_s(
-        setting, layer, layers, grid.get("gather_in_forward", 0.0), zero, offload_weights, across
-    )
-    step = step - moved
-    extra = sync + step
-
-    # ---- memory per GPU
-    on_device = (layers - recompute - swapped) * kept + recompute * layer.layer_input
+    on_device = (layers - grid["recompute"] - swapped) * kept + grid["recompute"] * layer.layer_input
     per_flight = on_device + (layer.head_saved if last else 0.0)
-    in_flight_bytes = in_flight * per_flight
     memory = _device_memory(
         layer,
         grid,
         edge,
-        in_flight_bytes,
+        in_flight * per_flight,
         per_flight,
         layers,
-        layer_w_full,
+        2.0 * layer.params,
         first,
         last,
         mine,
@@ -696,7 +769,7 @@ def evaluate_stage(
         grad_accum,
     )
     # host bytes: affine in in_flight too (offloaded activations of every in-flight micro-batch)
-    host_per_flight = act_swapped
+    host_per_flight = swapped * kept
     host_static = mine["host"] + theirs["host"]
     return {
         "steady": np.broadcast_to(steady, shape),
