@@ -63,6 +63,51 @@ def _rank_main(
         last_done.set()
 
 
+def _run_ranks(ctx, rank_args: list[tuple], timeout_s: float) -> None:
+    """Start one process per rank on ``_rank_main`` and join them within ``timeout_s``; the ranks
+    still running are killed, also on an interrupt or an error here, so none outlives the call.
+    Raises TimeoutError past the timeout, RuntimeError if a rank failed."""
+    procs = []
+    try:
+        for args in rank_args:
+            procs.append(ctx.Process(target=_rank_main, args=args))
+            procs[-1].start()
+        deadline = time.monotonic() + timeout_s
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+    finally:
+        alive = [p for p in procs if p.is_alive()]
+        for p in alive:
+            p.kill()
+        for p in alive:
+            p.join()
+    ranks = len(rank_args)
+    if alive:
+        raise TimeoutError(f"{len(alive)} of {ranks} ranks still running after {timeout_s:.0f} s (killed)")
+    failed = [r for r, p in enumerate(procs) if p.exitcode != 0]
+    if failed:
+        raise RuntimeError(f"ranks {failed} failed (exit codes {[procs[r].exitcode for r in failed]})")
+
+
+def _raise_on_give_up(reports: torch.Tensor, bound: float, max_spins: int) -> None:
+    """StageTimeout for the first rank whose tile gave up waiting (the ranks after it starve)."""
+    ranks = len(reports)
+    for r, report in enumerate(reports.tolist()):
+        if report[0]:
+            f = dict(zip(_REPORT, report, strict=True))
+            raise StageTimeout(
+                f"chain rank {r} of {ranks}",
+                f["tile"],
+                f["row_block"],
+                f["column_block"],
+                f["seen"],
+                f["target"],
+                f["gave_up"],
+                bound,
+                max_spins,
+            )
+
+
 def run_chain_processes(
     x: torch.Tensor,
     weights: list[torch.Tensor],
@@ -101,57 +146,29 @@ def run_chain_processes(
     barrier = ctx.Barrier(ranks)
     last_done = ctx.Event() if producer_last else None
     x.share_memory_()
-    procs, parent = [], os.getpid()
-    try:
-        for r in range(ranks):
-            args = (
-                r,
-                ranks,
-                x,
-                weights[r].share_memory_(),
-                acts[r],
-                buffers[r],
-                tiling,
-                wait,
-                delays[r],
-                max_spins,
-                wait_timeout_s,
-                timeout_s,
-                parent,
-                y,
-                reports,
-                barrier,
-                last_done,
-            )
-            procs.append(ctx.Process(target=_rank_main, args=args))
-            procs[-1].start()
-        deadline = time.monotonic() + timeout_s
-        for p in procs:
-            p.join(max(0.0, deadline - time.monotonic()))
-    finally:  # also on an interrupt or an error here: no rank outlives the call
-        alive = [p for p in procs if p.is_alive()]
-        for p in alive:
-            p.kill()
-        for p in alive:
-            p.join()
-    if alive:
-        raise TimeoutError(f"{len(alive)} of {ranks} ranks still running after {timeout_s:.0f} s (killed)")
-    failed = [r for r, p in enumerate(procs) if p.exitcode != 0]
-    if failed:
-        raise RuntimeError(f"ranks {failed} failed (exit codes {[procs[r].exitcode for r in failed]})")
-    bound = WAIT_TIMEOUT_S if wait_timeout_s is None else wait_timeout_s
-    for r, report in enumerate(reports.tolist()):
-        if report[0]:  # the first rank that gave up (the ranks after it starve)
-            f = dict(zip(_REPORT, report, strict=True))
-            raise StageTimeout(
-                f"chain rank {r} of {ranks}",
-                f["tile"],
-                f["row_block"],
-                f["column_block"],
-                f["seen"],
-                f["target"],
-                f["gave_up"],
-                bound,
-                max_spins,
-            )
+    parent = os.getpid()
+    rank_args = [
+        (
+            r,
+            ranks,
+            x,
+            weights[r].share_memory_(),
+            acts[r],
+            buffers[r],
+            tiling,
+            wait,
+            delays[r],
+            max_spins,
+            wait_timeout_s,
+            timeout_s,
+            parent,
+            y,
+            reports,
+            barrier,
+            last_done,
+        )
+        for r in range(ranks)
+    ]
+    _run_ranks(ctx, rank_args, timeout_s)
+    _raise_on_give_up(reports, WAIT_TIMEOUT_S if wait_timeout_s is None else wait_timeout_s, max_spins)
     return y.clone(), [int(g) for g in reports[:, 0]]
