@@ -559,6 +559,47 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def _lock_out(out: Path):
+    """``out`` made and locked for this call (the open lock file); SetupError where it cannot be
+    made or another gpu_check holds it."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        lock = open(out / ".lock", "w")  # noqa: SIM115 (held for the call)
+    except OSError as e:
+        raise SetupError(f"--out {out}: {e}") from None
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.close()
+        raise SetupError(f"another gpu_check is writing to {out}; wait for it or use another --out") from None
+    return lock
+
+
+def _parts_env(args: argparse.Namespace, site: str | None) -> dict[str, str]:
+    """The parts' environment: the installed wheels and the project on the path, the commit."""
+    env = dict(os.environ)
+    path = [site] if site else []
+    env["PYTHONPATH"] = os.pathsep.join([*path, str(IMPL), str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
+    env["PYTHONUNBUFFERED"] = "1"
+    if args.commit:
+        os.environ[SOURCE_COMMIT_ENV] = env[SOURCE_COMMIT_ENV] = args.commit
+    if args.dry_run:  # the CPU even where a GPU is (the parts then pick Triton's interpreter)
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    return env
+
+
+def _probe_checked(env: dict[str, str], deadline: float, dry_run: bool) -> dict:
+    """What ``probe`` found; SetupError without a CUDA device (unless a dry run) or a package."""
+    found = probe(env, deadline)
+    # no GPU first: on a machine without one, the missing packages are not what to fix
+    if not dry_run and found["device"]["device"] != "cuda":
+        raise SetupError("no CUDA device here (torch sees none); --dry-run: the same on CPU at tiny sizes")
+    if found["missing"]:
+        names = "; ".join(f"{k} ({v})" for k, v in found["missing"].items())
+        raise SetupError(f"missing here: {names}; python3 -m artifacts.gpu_wheels fetches the wheels")
+    return found
+
+
 def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     args = parse_args(argv)
@@ -567,19 +608,9 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or (Path(tempfile.mkdtemp(prefix="gpu_check_dry_run_")) if args.dry_run else DEFAULT_OUT)
     out = out.resolve()
     try:
-        out.mkdir(parents=True, exist_ok=True)
-        lock = open(out / ".lock", "w")  # noqa: SIM115 (held for the call)
-    except OSError as e:
-        print(f"gpu_check: error: --out {out}: {e}", file=sys.stderr)
-        return 2
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        lock.close()
-        print(
-            f"gpu_check: error: another gpu_check is writing to {out}; wait for it or use another --out",
-            file=sys.stderr,
-        )
+        lock = _lock_out(out)
+    except SetupError as e:
+        print(f"gpu_check: error: {e}", file=sys.stderr)
         return 2
     sigterm_as_interrupt()
     site = None
@@ -600,25 +631,8 @@ def main(argv: list[str] | None = None) -> int:
                 write_archive(args.archive, out, [results_dir(p, out, args.dry_run) for p in selected])
             return _summary(status, selected, out)
         site, installed = install_wheels(args.wheels, deadline)
-        env = dict(os.environ)
-        path = [site] if site else []
-        env["PYTHONPATH"] = os.pathsep.join(
-            [*path, str(IMPL), str(ROOT), *filter(None, [env.get("PYTHONPATH")])]
-        )
-        env["PYTHONUNBUFFERED"] = "1"
-        if args.commit:
-            os.environ[SOURCE_COMMIT_ENV] = env[SOURCE_COMMIT_ENV] = args.commit
-        if args.dry_run:  # the CPU even where a GPU is (the parts then pick Triton's interpreter)
-            env["CUDA_VISIBLE_DEVICES"] = ""
-        found = probe(env, deadline)
-        # no GPU first: on a machine without one, the missing packages are not what to fix
-        if not args.dry_run and found["device"]["device"] != "cuda":
-            raise SetupError(
-                "no CUDA device here (torch sees none); --dry-run: the same on CPU at tiny sizes"
-            )
-        if found["missing"]:
-            names = "; ".join(f"{k} ({v})" for k, v in found["missing"].items())
-            raise SetupError(f"missing here: {names}; python3 -m artifacts.gpu_wheels fetches the wheels")
+        env = _parts_env(args, site)
+        found = _probe_checked(env, deadline, args.dry_run)
         provenance = {
             "date_utc": _utc_now(),
             "host": platform.node(),

@@ -121,6 +121,26 @@ def test_an_archive_that_cannot_be_written_is_refused_before_any_work(tmp_path, 
         assert not out.exists()
 
 
+def test_an_out_folder_that_cannot_be_made_or_is_busy_is_one_line_before_any_work(tmp_path, capsys):
+    """--out under a file cannot be made; an --out another call holds (its lock) is not written
+    by a second: both refused in one line, nothing run."""
+    import fcntl
+
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    assert gpu_check.main(["--dry-run", "--out", str(afile / "out"), "--parts", "kernels"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--out" in err and str(afile / "out") in err, err
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    with open(busy / ".lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        assert gpu_check.main(["--dry-run", "--out", str(busy), "--parts", "kernels"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "another gpu_check is writing to" in err, err
+    assert sorted(p.name for p in busy.iterdir()) == [".lock"]  # nothing run
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the check of a machine without a GPU")
 def test_no_gpu_is_the_one_line_whatever_else_is_missing(tmp_path, capsys, monkeypatch):
     """Without a GPU the check says so first: a package missing too (a wheel not fetched) is not
