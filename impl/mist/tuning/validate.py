@@ -96,56 +96,61 @@ def _zero(strategy: list) -> int:
     return 3 if strategy[3] else 2 if strategy[4] else 1 if strategy[5] else 0
 
 
+def _mist_stages(plan: dict, path: Path, name: str) -> tuple[int, int, int, list[StagePlan], PrePostPlan]:
+    """(micro-batch, DP, TP, stages, embedding/head strategy) of a Mist artifact plan."""
+    strategies = plan["stage_strategies"]
+    micro, dp, tp = strategies[0][:3]
+    if any(tuple(s[:3]) != (micro, dp, tp) for s in (*strategies, plan["pre_post"])):
+        raise ValueError(f"{path}: {name}: stages with their own micro-batch/DP/TP are not read yet")
+    stages = []
+    for layers, recompute, s in zip(
+        plan["layers_per_stage"], plan["checkpointed_layers_per_stage"], strategies, strict=True
+    ):
+        weights, grads, optimizer, activations = map(float, s[6:10])
+        stages.append(
+            StagePlan(
+                layers,
+                recompute,
+                _zero(s),
+                offload_weights=weights,
+                offload_grads=grads,
+                offload_optimizer=optimizer,
+                offload_activations=activations,
+            )
+        )
+    edge = plan["pre_post"]  # the embedding/head's strategy tuple; its activations offload is moot
+    return micro, dp, tp, stages, PrePostPlan(_zero(edge), *map(float, edge[6:9]))
+
+
+def _mist_model(case: dict, path: Path) -> ModelSpec:
+    """The ModelSpec of a Mist artifact case (bias-free layers only)."""
+    m = case["model"]
+    if m["mlp"] not in GATED or m["bias"]:
+        raise ValueError(
+            f"{path}: {case['case']}: mlp {m['mlp']!r} (known: {', '.join(GATED)}) with bias {m['bias']} "
+            "is not modelled (bias-free layers only)"
+        )
+    return ModelSpec(
+        f"gpt3-{case['case']}",
+        m["hidden"],
+        m["layers"],
+        m["heads"],
+        m["vocab"],
+        m["seq"],
+        ffn=m["ffn"],
+        flash=m["flash_attn"],
+        dropout=m["dropout"],
+        norm=m["norm"],
+        gated_mlp=GATED[m["mlp"]],
+    )
+
+
 def _mist_cases(data: dict, path: Path) -> list[MeasuredRun]:
     out = []
     for case in data["cases"]:
-        m, plan, gpu = case["model"], case["plan"], _gpu(case["gpu"], path)
-        strategies = plan["stage_strategies"]
-        micro, dp, tp = strategies[0][:3]
-        if any(tuple(s[:3]) != (micro, dp, tp) for s in strategies) or tuple(plan["pre_post"][:3]) != (
-            micro,
-            dp,
-            tp,
-        ):
-            raise ValueError(
-                f"{path}: {case['case']}: stages with their own micro-batch/DP/TP are not read yet"
-            )
-        stages = []
-        for layers, recompute, s in zip(
-            plan["layers_per_stage"], plan["checkpointed_layers_per_stage"], strategies, strict=True
-        ):
-            weights, grads, optimizer, activations = map(float, s[6:10])
-            stages.append(
-                StagePlan(
-                    layers,
-                    recompute,
-                    _zero(s),
-                    offload_weights=weights,
-                    offload_grads=grads,
-                    offload_optimizer=optimizer,
-                    offload_activations=activations,
-                )
-            )
-        edge = plan["pre_post"]  # the embedding/head's strategy tuple; its activations offload is moot
-        pre_post = PrePostPlan(_zero(edge), *map(float, edge[6:9]))
-        if m["mlp"] not in GATED or m["bias"]:
-            raise ValueError(
-                f"{path}: {case['case']}: mlp {m['mlp']!r} (known: {', '.join(GATED)}) with bias {m['bias']} "
-                "is not modelled (bias-free layers only)"
-            )
-        model = ModelSpec(
-            f"gpt3-{case['case']}",
-            m["hidden"],
-            m["layers"],
-            m["heads"],
-            m["vocab"],
-            m["seq"],
-            ffn=m["ffn"],
-            flash=m["flash_attn"],
-            dropout=m["dropout"],
-            norm=m["norm"],
-            gated_mlp=GATED[m["mlp"]],
-        )
+        plan, gpu = case["plan"], _gpu(case["gpu"], path)
+        micro, dp, tp, stages, pre_post = _mist_stages(plan, path, case["case"])
+        model = _mist_model(case, path)
         gpus = case["nodes"] * case["gpus_per_node"]
         p = Plan(
             model=model.name,
