@@ -467,6 +467,13 @@ def refine(
     return _refine(problem, plan, options, passes)
 
 
+def _edge_combos(space: SearchSpace, steps: np.ndarray) -> np.ndarray:
+    """Every strategy (rows of EDGE_FIELDS: ZeRO stage, offloaded fractions) the embedding/head may
+    take in ``space`` with fractions on ``steps``."""
+    edge_steps = [space.offload_steps(f, steps) for f in EDGE_FIELDS[1:]]
+    return np.array([(z, *c) for z in space.zero_stages for c in itertools.product(*edge_steps)], float)
+
+
 def _refine(problem: Problem, plan: Plan, options: PlannerOptions, passes: int = 3) -> Plan:
     """``refine`` for a resolved problem (the search's own, so nothing is resolved again)."""
     k = options.refine_offload_step
@@ -513,10 +520,7 @@ def _refine(problem: Problem, plan: Plan, options: PlannerOptions, passes: int =
         return pipeline_objective(steady, extra, G, step, barrier, wait=wait)
 
     # the embedding and head: every (ZeRO stage, three fractions), on the first and last stage
-    edge_steps = [space.offload_steps(f, steps) for f in EDGE_FIELDS[1:]]
-    edge_combos = np.array(
-        [(z, *c) for z in space.zero_stages for c in itertools.product(*edge_steps)], float
-    )
+    edge_combos = _edge_combos(space, steps)
     edge = {f: edge_combos[:, j] for j, f in enumerate(EDGE_FIELDS)}
     ends = sorted({0, S - 1})
     values = [evaluate(i, current(i), edge_now()) for i in range(S)]
