@@ -290,14 +290,6 @@ CLAIMS = (
         check=AtMost(0.20),
         unit="%",
         why=TIME_TARGET,
-        known_broken="20.4% (2026-12-04; 12.0% in the reference before): 7 of the 9 plans on 2 "
-        "processes ran 9-20% slower than predicted (worst: the grid's GPT-3 plan, 346 ms measured, "
-        "276 predicted), as mist-engine-time-worst found before: two ranks on this 2-core VM slow "
-        "each other unevenly, and the runtime model, fitted to profiles with as many copies as "
-        "ranks, does not see it; and the 1-process plans ran up to 20% faster than this run's "
-        "1-process fit priced them (the fit varies from run to run: in the run before, with the "
-        "same code but the Llama Tempo row, every winner was within 20% and the 1-process ones "
-        "within 9%). The same code's engine part had every plan within 14%",
     ),
     Bound(
         id="mist-measured-cap-binds",
