@@ -13,13 +13,16 @@ artifacts/tempo_bert/reference/; an interrupted run resumes when rerun):
   compiled, Tempo compiled, HF eager compiled at the activation memory budget aimed at Tempo's
   bytes): the same bytes as torch.compile's partition keeps them (measure.compiled: AOTAutograd's
   min-cut partitioner on fake tensors, checked against inductor on a real layer), in bf16 as a
-  GPU runs it. Their max batch is not estimated: the partitioned graphs run unfused on fake
-  tensors, and their transients (float32 s x s softmaxes) are not a compiled step's. Below the
-  default budget the partitioner splits each model as a whole: the at-Tempo row's difference of
-  a 2- and a 1-layer model is then not a layer's bytes (its closed form misses, said where printed).
+  GPU runs it. Below the default budget the partitioner splits each model as a whole: the
+  at-Tempo row's difference of a 2- and a 1-layer model is then not a layer's bytes (its closed
+  form misses, said where printed).
 * maxbatch: the largest batch that fits 11/16/40/80/141 GB GPUs, from the fake-tensor estimate
   of a whole AdamW step (measure.memory; CUDA target, documented reserve).
   Also the ``python -m tempo.maxbatch`` example (BERT-Large QA head, seq 384, fp32).
+  torch.compile's rows (default budget): the eager step with its saved activations counted at
+  what the compiled model keeps (measure.memory's ``kept_scale``; the partitioned graphs run
+  unfused on fake tensors, so their own transients would not be a compiled step's). That
+  assumption is checked against real compiled steps measured on this CPU (compile_check.py).
 * training: a small BERT (MLM + NSP) and a small GPT-2 (LM) trained from one seed on an offline
   corpus (artifacts/tempo_bert/data.py) with and without Tempo, dropout off (in fp32, and the
   judged float64 pairs) and on (ten dropout seeds each, against the baseline's own seed-to-seed
@@ -47,6 +50,7 @@ from measure.memory import PeakReport, default_dtype, search_max_batch
 from measure.parallel import map_points
 from measure.results import ResultFile, Results, Run
 from measure.saved import SavedTensorsMeter, cuda_like, saved_bytes
+from measure.training import Precision
 from measure.units import GiB
 from tempo.maxbatch import estimator
 from tempo.models import MODELS, build_model, make_batch
@@ -54,6 +58,7 @@ from tempo.models import MODELS, build_model, make_batch
 from ..experiment import config_from_command_line, experiment_run, option
 from ..tempo_layer.run import COMPILED, aimed_budget
 from . import EXPERIMENT
+from .compile_check import compile_check_key, compile_check_point
 from .data import CORPORA
 from .summary import FLOAT64_LOSS, REVERSED, TRAIN, TRAIN_LR, TRAIN_RUNS, train_key, training_summary
 from .throughput import ThroughputSetup, headline, run_throughput
@@ -66,6 +71,7 @@ GPUS = {
     "H200-141GB": "141GB",
 }
 MAIN_CONFIGS = ["hf-eager", "hf-sdpa", "tempo", "tempo+sdpa", "checkpointing"]
+COMPILE_ROWS = ["hf-eager+compile", "tempo+compile"]  # max batch under torch.compile (default budget)
 ABLATION_CONFIGS = ["tempo-gelu", "tempo-layernorm", "tempo-attention", "tempo-dropout"]
 # (model, seq): the paper's settings. At --scale cpu, GPT-2 is its XL shape only (the largest).
 CASES = {
@@ -112,17 +118,24 @@ MAXBATCH_EXAMPLE = ("bert-large", "qa", 384, "fp32")
 
 
 def model_saved_bytes(
-    model: str, configuration: str, seq: int, layers: int, budget: float | None = None
+    model: str,
+    configuration: str,
+    seq: int,
+    layers: int,
+    budget: float | None = None,
+    precision: str = "bf16",
 ) -> tuple[int, dict[str, int]]:
-    """Exact bytes a ``layers``-deep copy of ``model`` keeps for backward at batch 1 (bf16). A
+    """Exact bytes a ``layers``-deep copy of ``model`` keeps for backward at batch 1 in
+    ``precision`` (its model dtype and autocast, as measure.training runs a step). A
     configuration of COMPILED: its model as ``torch.compile`` partitions it at the activation
     memory ``budget`` (measure.compiled; the partitioned graph runs as one function, so every
     byte is the top module's)."""
     built, _ = COMPILED.get(configuration, (configuration, None))
-    with FakeTensorMode(), default_dtype(torch.bfloat16):
+    p = Precision(precision)
+    with FakeTensorMode(), default_dtype(p.model_dtype):
         m = build_model(model, "pretraining", built, num_layers=layers).train()
         batch = make_batch(model, "pretraining", 1, seq)
-        with cuda_like():
+        with cuda_like(), p.autocast("cpu"):
             if configuration not in COMPILED:
                 r = saved_bytes(m, **batch)
             else:
@@ -213,8 +226,35 @@ def max_batch_per_gpu(peak: Callable[[int], PeakReport], gpus: dict[str, str]) -
     return out
 
 
+def per_model_saved_bytes(model: str, configuration: str, seq: int, precision: str) -> int:
+    """Bytes the whole of ``model`` keeps for backward at batch 1: its first layer with the
+    embedding and head, and every other layer's as the second adds (each layer keeps the same)."""
+    one, _ = model_saved_bytes(model, configuration, seq, 1, 1.0, precision)
+    two, _ = model_saved_bytes(model, configuration, seq, 2, 1.0, precision)
+    return one + (MODELS[model].layers - 1) * (two - one)
+
+
+def compile_kept_scale(model: str, configuration: str, seq: int, precision: str) -> float:
+    """What ``configuration`` (COMPILED, at the default budget) keeps over what its model keeps
+    run eagerly, whole model at batch 1: the ``kept_scale`` of its max-batch estimate."""
+    built, aim = COMPILED[configuration]
+    if aim is not None:  # below the default budget the partitioner splits the model as a whole
+        raise ValueError(f"{configuration}: a max-batch estimate needs the default budget")
+    return per_model_saved_bytes(model, configuration, seq, precision) / per_model_saved_bytes(
+        model, built, seq, precision
+    )
+
+
 def maxbatch_point(model: str, head: str, seq: int, precision: str, configuration: str) -> dict:
-    return max_batch_per_gpu(estimator(model, head, seq, precision, configuration).peak, GPUS)
+    """The largest batch per GPU; a configuration of COMPILED (default budget): its eager
+    model's step with the saved activations counted at what the compiled model keeps
+    (compile_kept_scale; measure.memory's ``kept_scale``)."""
+    if configuration not in COMPILED:
+        return max_batch_per_gpu(estimator(model, head, seq, precision, configuration).peak, GPUS)
+    scale = compile_kept_scale(model, configuration, seq, precision)
+    built, _ = COMPILED[configuration]
+    peak = estimator(model, head, seq, precision, built, kept_scale=scale).peak
+    return {**max_batch_per_gpu(peak, GPUS), "kept_scale": round(scale, 6)}
 
 
 MAXBATCH_FIELDS = ("model", "head", "seq", "precision", "configuration")
@@ -235,9 +275,24 @@ def run_maxbatch(run: Run, cases, configs, precisions, jobs: int, scale: str) ->
             if t[4] in MAIN_CONFIGS[:4] or ((t[0], t[2]) == ABLATION_CASE and t[4] in MAIN_CONFIGS)
         ]
     todo += [(*MAXBATCH_EXAMPLE, c) for c in ("hf-eager", "tempo")]
+    # torch.compile's rows at the default budget (the at-Tempo budget partitions a model as a
+    # whole: its bytes per model are not a layer's times the depth)
+    todo += [
+        (m, "pretraining", s, p, c) for (m, s), p, c in itertools.product(cases, precisions, COMPILE_ROWS)
+    ]
     todo = [t for t in todo if not store.done(maxbatch_key(*t))]
     for args, result, seconds in map_points(maxbatch_point, todo, jobs, "max batch"):
         store.add(maxbatch_key(*args), result, seconds)  # each finished point is on disk at once
+    check = run.file("compile_check.json", config={"measured": "this CPU (allocator events)"})
+    print("\ntorch.compile's max-batch estimate against a compiled step's peak measured on this CPU:")
+    for conf in ("hf-eager", "tempo"):  # the compile rows' estimate against a compiled step
+        r = check.compute(compile_check_key(conf), lambda c=conf: compile_check_point(c))
+        measured, estimated = r["compiled"]["measured_bytes"], r["compiled"]["estimated_bytes"]
+        print(
+            f"  {conf:<9} compiled: measured {measured / 2**20:8.1f} MiB, estimated {estimated / 2**20:8.1f} "
+            f"MiB ({r['compiled_error']:+.1%}; activations kept x{r['kept_scale']:.3f}); eager control "
+            f"{r['eager_error']:+.1%}"
+        )
     return store
 
 
@@ -407,7 +462,7 @@ def print_summary(
     if mb is not None:
         print("\nMax batch per GPU (AdamW step; fp16 = half model + fp32 master weights)")
         print(f"  {'case':<36} {'config':<16} " + " ".join(f"{g:>11}" for g in GPUS))
-        order = MAIN_CONFIGS + ABLATION_CONFIGS
+        order = MAIN_CONFIGS + ABLATION_CONFIGS + COMPILE_ROWS
         for p in sorted(
             mb,
             key=lambda p: (
@@ -417,9 +472,11 @@ def print_summary(
         ):
             k = p.key
             case = f"{k['model']} {k['head']} {k['seq']} {k['precision']}"
+            scale = p.result.get("kept_scale")
             print(
                 f"  {case:<36} {k['configuration']:<16} "
                 + " ".join(f"{p.result[g]['max_batch']:>11}" for g in GPUS)
+                + ("" if scale is None else f"  (eager step, activations kept x{scale:.3f})")
             )
         base = mb.get(maxbatch_key("bert-large", "pretraining", 512, "fp16", "hf-eager"))
         ours = mb.get(maxbatch_key("bert-large", "pretraining", 512, "fp16", "tempo"))

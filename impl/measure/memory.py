@@ -17,6 +17,13 @@ transient workspace each op needs on the *target* device (Tempo's is
 the optimizer state exists, as in every step after the first) and then estimates any batch
 size; ``max_batch`` finds the largest batch under a memory budget.
 
+``kept_scale`` estimates a step that keeps another share of the same activations (a model as
+``torch.compile`` partitions it: measure.compiled gives the bytes it keeps, not its peak): at
+every moment, the activations saved for backward that are live count ``kept_scale`` of their
+bytes, and everything else (weights, gradients, the step's transients) counts as run eagerly.
+At backward's start, where every saved activation is live, that is exact for the bytes kept;
+what a compiled step's fused kernels do not materialise, or its recomputation adds, is not seen.
+
 What it does not see: the CUDA context and cuBLAS/cuDNN workspaces (outside torch's
 allocator) and allocator fragmentation. ``GpuBudget`` subtracts a documented reserve for them.
 """
@@ -24,6 +31,7 @@ allocator) and allocator fragmentation. ``GpuBudget`` subtracts a documented res
 from __future__ import annotations
 
 import gc
+import math
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
@@ -85,6 +93,15 @@ class LiveMemoryTracker(TorchDispatchMode):
         self._snapshot_at = 0
         self._tolerance = snapshot_tolerance
         self._classify: Callable[[], dict[str, int]] | None = None
+        self.kept_scale = 1.0  # the share of saved activations' bytes counted (module docstring)
+        self._saved: set[int] = set()
+        self.saved_live = 0
+
+    def mark_saved(self, key: int) -> None:
+        """A live storage (``track``'s key) kept for backward: counted ``kept_scale`` from now on."""
+        if key in self.live and key not in self._saved:
+            self._saved.add(key)
+            self.saved_live += self.live[key]
 
     def track(self, t: torch.Tensor) -> None:
         st = t.untyped_storage()
@@ -102,6 +119,8 @@ class LiveMemoryTracker(TorchDispatchMode):
         for the current phase. The overall peak's breakdown costs a pass over live storages: it
         is refreshed only when the peak moved by more than the tolerance (peaks are exact)."""
         phase = self.phase
+        if self.kept_scale != 1.0:
+            level -= round((1.0 - self.kept_scale) * self.saved_live)
         self.phase_peaks[phase] = max(level, self.phase_peaks.get(phase, -1))
         if level > self.peak:
             self.peak = level
@@ -111,10 +130,14 @@ class LiveMemoryTracker(TorchDispatchMode):
                 self.peak_breakdown = {**self._classify(), "workspace": workspace}
 
     def _free(self, key: int) -> None:
-        self.current -= self.live.pop(key, 0)
+        nbytes = self.live.pop(key, 0)
+        self.current -= nbytes
+        if key in self._saved:
+            self._saved.discard(key)
+            self.saved_live -= nbytes
 
     def reset_peak(self) -> None:
-        self.peak = self.current
+        self.peak = self.current - round((1.0 - self.kept_scale) * self.saved_live)
         self._snapshot_at = 0
         self.peak_breakdown = {**self._classify(), "workspace": 0} if self._classify else {}
         self.phase_peaks = {}
@@ -168,7 +191,8 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 class StepMemoryEstimator:
-    """Peak memory of ``train_step`` for any batch size, on fake tensors."""
+    """Peak memory of ``train_step`` for any batch size, on fake tensors; ``kept_scale``: the share
+    of the saved activations' bytes counted (module docstring; breakdowns stay the eager step's)."""
 
     def __init__(
         self,
@@ -179,9 +203,15 @@ class StepMemoryEstimator:
         granularity: int = ALLOC_GRANULARITY,
         target: str = "cuda",
         op_workspace: OpWorkspace | None = None,
+        kept_scale: float = 1.0,
     ) -> None:
         if target not in ("cuda", "cpu"):
             raise ValueError(f"target must be 'cuda' or 'cpu', got {target!r}")
+        if isinstance(kept_scale, bool) or not (
+            isinstance(kept_scale, (int, float)) and math.isfinite(kept_scale) and kept_scale > 0
+        ):
+            raise ValueError(f"kept_scale must be a finite number above 0, got {kept_scale!r}")
+        self.kept_scale = float(kept_scale)
         self.granularity = granularity
         self.target = target
         self.op_workspace = op_workspace
@@ -234,7 +264,10 @@ class StepMemoryEstimator:
         saved_keys: set[int] = set()
 
         def pack(t: torch.Tensor) -> torch.Tensor:
-            saved_keys.add(storage_key(t))
+            key = storage_key(t)
+            saved_keys.add(key)
+            if key not in not_activations:  # weights and the batch are kept whatever compiles
+                tracker.mark_saved(key)
             return t
 
         with self.fake_mode:
@@ -247,9 +280,12 @@ class StepMemoryEstimator:
                 *self.model.buffers(),
                 *optimizer_state_tensors(self.optimizer),
             ]
+            tracker.kept_scale = self.kept_scale
+            not_activations = set()
             for t in [*persistent, *tree_leaves(batch)]:
                 if isinstance(t, torch.Tensor):
                     tracker.track(t)
+                    not_activations.add(storage_key(t))
             tracker._classify = self._classifier(saved_keys)
             tracker.reset_peak()
             # Deterministic and conservative: garbage from earlier steps is collected first, and

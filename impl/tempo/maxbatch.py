@@ -70,14 +70,17 @@ def _gpu_mem(text: str) -> str:
 
 
 def estimator(
-    model: str, head: str, seq: int, precision: str, configuration: str
+    model: str, head: str, seq: int, precision: str, configuration: str, kept_scale: float = 1.0
 ) -> DepthExtrapolatedEstimator:
+    """The depth-extrapolated step estimate of ``model`` as ``configuration`` builds it;
+    ``kept_scale``: measure.memory's (the share of its saved activations' bytes counted)."""
     return DepthExtrapolatedEstimator(
         lambda n: build_model(model, head, configuration, num_layers=n),
         lambda b: make_batch(model, head, b, seq),
         precision,
         num_layers=MODELS[model].layers,
         op_workspace=workspace_bytes,
+        kept_scale=kept_scale,
     )
 
 

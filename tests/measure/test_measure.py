@@ -86,6 +86,34 @@ def test_allocation_granularity_rounds_up():
         del x
 
 
+def test_kept_scale_counts_a_share_of_the_saved_storages_while_they_live():
+    """kept_scale (a compiled model's kept bytes over the eager's): storages marked saved count
+    that share of their bytes from their marking until they are freed; the others count whole.
+    Negative control: the same allocations at scale 1 peak at their full bytes."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from measure.saved import storage_key
+
+    for scale, peaks in ((0.25, (7000, 8000)), (1.0, (10000, 10000))):
+        with FakeTensorMode(), LiveMemoryTracker(granularity=1) as t:
+            t.kept_scale = scale
+            kept = torch.empty(1000)  # 4000 B, saved for backward
+            t.mark_saved(storage_key(kept))
+            transient = torch.empty(1500)  # 6000 B
+            assert t.peak == peaks[0], (scale, t.peak)
+            del kept  # freed in backward: no longer counted at all
+            assert t.saved_live == 0
+            more = torch.empty(500)  # 2000 B beside the transient: 8000 B live, none saved
+            assert t.peak == peaks[1], (scale, t.peak)
+            del transient, more
+
+
+@pytest.mark.parametrize("scale", [0, -0.5, float("nan"), float("inf"), True, "0.5"])
+def test_kept_scale_refuses_what_is_not_a_positive_share(scale):
+    with pytest.raises(ValueError, match="kept_scale must be a finite number above 0"):
+        StepMemoryEstimator(small_bert(False), bert_batch, "fp32", kept_scale=scale)
+
+
 # ---------------------------------------------------------------- step estimator vs real runs
 
 
