@@ -19,6 +19,8 @@ ORDER = [
     "tempo-swiglu",
     "tempo+sdpa",
     "tempo+sdpa+loss",
+    "hf-sdpa+compile",  # max batch only: the eager step keeping what torch.compile keeps
+    "tempo+sdpa+compile",
 ]
 
 
@@ -55,11 +57,11 @@ def plot_maxbatch() -> Path | None:
     data = load(EXPERIMENT, "max_batch.json")
     if data is None:
         return None
-    fitting = [p for p in data if any(v["max_batch"] for v in p.result.values())]
+    gpus = list(next(iter(data)).provenance["config"]["gpus"])  # the result's other keys are not GPUs
+    fitting = [p for p in data if any(p.result[g]["max_batch"] for g in gpus)]
     cases = sorted({(p.key["model"], p.key["seq"]) for p in fitting})
     if not cases:
         return None
-    gpus = list(fitting[0].result)
     fig, axes = plt.subplots(1, len(cases), figsize=(3.6 * len(cases), 4.0), squeeze=False)
     for ax, (model, seq) in zip(axes[0], cases, strict=True):
         found = {p.key["configuration"]: p.result for p in data.select(model=model, seq=seq)}

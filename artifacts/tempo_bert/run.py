@@ -126,20 +126,29 @@ def model_saved_bytes(
     precision: str = "bf16",
 ) -> tuple[int, dict[str, int]]:
     """Exact bytes a ``layers``-deep copy of ``model`` keeps for backward at batch 1 in
-    ``precision`` (its model dtype and autocast, as measure.training runs a step). A
-    configuration of COMPILED: its model as ``torch.compile`` partitions it at the activation
+    ``precision`` (its model dtype and autocast, as measure.training runs a step), by module type.
+    A configuration of COMPILED: its model as ``torch.compile`` partitions it at the activation
     memory ``budget`` (measure.compiled; the partitioned graph runs as one function, so every
     byte is the top module's)."""
     built, _ = COMPILED.get(configuration, (configuration, None))
+    compiled_at = budget if configuration in COMPILED else None
+    return built_saved_bytes(model, built, seq, layers, compiled_at, precision)
+
+
+def built_saved_bytes(
+    model: str, built: str, seq: int, layers: int, compiled_at: float | None, precision: str
+) -> tuple[int, dict[str, int]]:
+    """``model_saved_bytes`` of ``model`` as tempo.models builds configuration ``built``, run
+    eagerly (``compiled_at`` None) or as torch.compile partitions it at that budget."""
     p = Precision(precision)
     with FakeTensorMode(), default_dtype(p.model_dtype):
         m = build_model(model, "pretraining", built, num_layers=layers).train()
         batch = make_batch(model, "pretraining", 1, seq)
         with cuda_like(), p.autocast("cpu"):
-            if configuration not in COMPILED:
+            if compiled_at is None:
                 r = saved_bytes(m, **batch)
             else:
-                loss_of = compiled_loss(m, batch, budget)
+                loss_of = compiled_loss(m, batch, compiled_at)
                 with SavedTensorsMeter(m, tuple(batch.values())) as meter:
                     loss_of(m, batch)
                 r = meter.report()
@@ -226,23 +235,22 @@ def max_batch_per_gpu(peak: Callable[[int], PeakReport], gpus: dict[str, str]) -
     return out
 
 
-def per_model_saved_bytes(model: str, configuration: str, seq: int, precision: str) -> int:
-    """Bytes the whole of ``model`` keeps for backward at batch 1: its first layer with the
-    embedding and head, and every other layer's as the second adds (each layer keeps the same)."""
-    one, _ = model_saved_bytes(model, configuration, seq, 1, 1.0, precision)
-    two, _ = model_saved_bytes(model, configuration, seq, 2, 1.0, precision)
+def per_model_saved_bytes(model: str, built: str, seq: int, precision: str, compiled: bool) -> int:
+    """Bytes the whole of ``model`` (as ``built``, eager or compiled at the default budget) keeps
+    for backward at batch 1: its first layer with the embedding and head, and every other layer's
+    as the second adds (each layer keeps the same)."""
+    at = 1.0 if compiled else None
+    one, _ = built_saved_bytes(model, built, seq, 1, at, precision)
+    two, _ = built_saved_bytes(model, built, seq, 2, at, precision)
     return one + (MODELS[model].layers - 1) * (two - one)
 
 
-def compile_kept_scale(model: str, configuration: str, seq: int, precision: str) -> float:
-    """What ``configuration`` (COMPILED, at the default budget) keeps over what its model keeps
-    run eagerly, whole model at batch 1: the ``kept_scale`` of its max-batch estimate."""
-    built, aim = COMPILED[configuration]
-    if aim is not None:  # below the default budget the partitioner splits the model as a whole
-        raise ValueError(f"{configuration}: a max-batch estimate needs the default budget")
-    return per_model_saved_bytes(model, configuration, seq, precision) / per_model_saved_bytes(
-        model, built, seq, precision
-    )
+def compile_kept_scale(model: str, built: str, seq: int, precision: str) -> float:
+    """What ``model`` as ``built`` keeps compiled (default budget) over what it keeps run eagerly,
+    whole model at batch 1: the ``kept_scale`` of a compile row's max-batch estimate. (Below the
+    default budget the partitioner splits the model as a whole: no such row.)"""
+    compiled = per_model_saved_bytes(model, built, seq, precision, compiled=True)
+    return compiled / per_model_saved_bytes(model, built, seq, precision, compiled=False)
 
 
 def maxbatch_point(model: str, head: str, seq: int, precision: str, configuration: str) -> dict:
@@ -251,8 +259,10 @@ def maxbatch_point(model: str, head: str, seq: int, precision: str, configuratio
     (compile_kept_scale; measure.memory's ``kept_scale``)."""
     if configuration not in COMPILED:
         return max_batch_per_gpu(estimator(model, head, seq, precision, configuration).peak, GPUS)
-    scale = compile_kept_scale(model, configuration, seq, precision)
-    built, _ = COMPILED[configuration]
+    built, aim = COMPILED[configuration]
+    if aim is not None:
+        raise ValueError(f"{configuration}: a max-batch estimate needs the default budget")
+    scale = compile_kept_scale(model, built, seq, precision)
     peak = estimator(model, head, seq, precision, built, kept_scale=scale).peak
     return {**max_batch_per_gpu(peak, GPUS), "kept_scale": round(scale, 6)}
 

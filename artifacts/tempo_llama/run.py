@@ -17,7 +17,9 @@ artifacts/tempo_llama/reference/; an interrupted run resumes when rerun):
   (default, Tempo compiled, HF compiled at the activation memory budget aimed at Tempo's bytes):
   bytes kept and one step's time each, in one run (COMPILE_ROWS).
 * maxbatch: the largest batch of Llama-3.2-1B and Llama-3-8B at seq 4096 and 8192 on 80 GB and
-  141 GB GPUs (a whole AdamW step, bf16 model + fp32 master weights; fake-tensor estimate).
+  141 GB GPUs (a whole AdamW step, bf16 model + fp32 master weights; fake-tensor estimate); and
+  under torch.compile (default budget): the eager step with its saved activations counted at what
+  the compiled partition keeps, as tempo_bert estimates it (checked there on compiled CPU steps).
 * training: a small Llama trained 150 steps from one seed on the offline corpus, HF SDPA against
   Tempo and Tempo + loss: the losses step by step, in fp32 (shown) and in float64 (judged; HF's
   RMSNorm computed in float64 there: HF's own casts to float32).
@@ -45,7 +47,7 @@ from tempo.models import MODELS, ModelSpec, build_model, make_batch
 from tempo.ops import workspace_bytes
 
 from ..experiment import config_from_command_line, experiment_run, option
-from ..tempo_bert.run import activation_point, max_batch_per_gpu
+from ..tempo_bert.run import activation_point, compile_kept_scale, max_batch_per_gpu
 from ..tempo_layer.run import aimed_budget, budget_context
 from . import EXPERIMENT
 from .summary import TRAIN, TRAIN_RUNS, training_gaps, training_key
@@ -77,7 +79,9 @@ CLOSED_FORMS = {
 }
 MAXBATCH_MODELS = LAYER_MODELS
 MAXBATCH_SEQS = (4096, 8192)
-MAXBATCH_CONFIGS = ["hf-sdpa", "checkpointing+sdpa", "tempo+sdpa", "tempo+sdpa+loss"]
+# torch.compile's rows (default budget) -> the configuration compiled
+MAXBATCH_COMPILED = {"hf-sdpa+compile": "hf-sdpa", "tempo+sdpa+compile": "tempo+sdpa"}
+MAXBATCH_CONFIGS = ["hf-sdpa", "checkpointing+sdpa", "tempo+sdpa", "tempo+sdpa+loss", *MAXBATCH_COMPILED]
 GPUS = {"A100-80GB": "80GB", "H200-141GB": "141GB"}
 PRECISION = "bf16"  # bf16 model and gradients, fp32 master weights and AdamW state
 
@@ -206,14 +210,21 @@ def maxbatch_key(model: str, seq: int, configuration: str) -> dict:
 def llama_maxbatch_point(model: str, seq: int, configuration: str) -> dict:
     """The largest batch per GPU, each peak from the whole model (not extrapolated from shallow
     copies: with the chunked loss, the forward's peak is in the head at two layers and in the layers
-    at sixteen, so it is not affine in depth). About a second a batch on fake tensors."""
+    at sixteen, so it is not affine in depth). About a second a batch on fake tensors. A compile
+    row (MAXBATCH_COMPILED): its model's eager step with the saved activations counted at what
+    torch.compile's partition keeps (tempo_bert's compile_kept_scale, checked there against
+    compiled steps measured on a CPU)."""
+    built = MAXBATCH_COMPILED.get(configuration, configuration)
+    scale = 1.0 if built == configuration else compile_kept_scale(model, built, seq, PRECISION)
     est = StepMemoryEstimator(
-        lambda: build_model(model, "pretraining", configuration),
+        lambda: build_model(model, "pretraining", built),
         lambda b: make_batch(model, "pretraining", b, seq),
         PRECISION,
         op_workspace=workspace_bytes,
+        kept_scale=scale,
     )
-    return max_batch_per_gpu(est.peak, GPUS)
+    result = max_batch_per_gpu(est.peak, GPUS)
+    return result if built == configuration else {**result, "kept_scale": round(scale, 6)}
 
 
 def run_maxbatch(run: Run, jobs: int) -> ResultFile:
@@ -393,6 +404,8 @@ def print_summary(
             note = ""
             if all(p.result[g]["max_batch"] == 0 for g in GPUS):
                 note = f"  (batch 1 needs {max(p.result[g]['peak_gib'] for g in GPUS):.0f} GiB)"
+            if "kept_scale" in p.result:
+                note += f"  (eager step, activations kept x{p.result['kept_scale']:.3f})"
             print(f"  {k['model']:<14} {k['seq']:>5} {k['configuration']:<20} {row}{note}")
     if tr is not None:
         print(

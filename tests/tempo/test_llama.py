@@ -333,3 +333,16 @@ def test_the_float64_training_pair_agrees_to_float64_rounding(monkeypatch):
     monkeypatch.setattr(llama_run, "_rms_norm_in_its_dtype", lambda norm, x: LlamaRMSNorm.forward(norm, x))
     rounded = llama_run.training_point("hf-sdpa", "as given", "fp64")["losses"]
     assert abs(rounded[0] - hf[0]) > 1e-11, (rounded, hf)
+
+
+def test_compile_rows_max_batch_keep_what_compile_keeps(monkeypatch):
+    """tempo_llama's torch.compile rows: the compiled model's eager step at compile's kept bytes
+    (HF SDPA compiled keeps less than HF SDPA on a Llama), so no smaller a batch fits; the plain
+    rows carry no scale."""
+    from artifacts.tempo_llama import run
+
+    monkeypatch.setattr(run, "GPUS", {"1GB": "1GB"})
+    compiled = run.llama_maxbatch_point("llama-mini", 256, "hf-sdpa+compile")
+    plain = run.llama_maxbatch_point("llama-mini", 256, "hf-sdpa")
+    assert 0 < compiled["kept_scale"] < 1 and "kept_scale" not in plain
+    assert compiled["1GB"]["max_batch"] >= plain["1GB"]["max_batch"] > 0

@@ -220,8 +220,8 @@ def test_compile_rows_max_batch_counts_what_compile_keeps(monkeypatch):
     from artifacts.tempo_bert.run import compile_kept_scale, maxbatch_point, per_model_saved_bytes
     from tempo.maxbatch import estimator
 
-    scale = compile_kept_scale("gpt2-mini", "hf-eager+compile", 256, "fp16")
-    eager_kept = per_model_saved_bytes("gpt2-mini", "hf-eager", 256, "fp16")
+    scale = compile_kept_scale("gpt2-mini", "hf-eager", 256, "fp16")
+    eager_kept = per_model_saved_bytes("gpt2-mini", "hf-eager", 256, "fp16", compiled=False)
     assert scale < 1
     eager = estimator("gpt2-mini", "pretraining", 256, "fp16", "hf-eager").peak(8).peak_bytes
     compiled = (
@@ -234,4 +234,4 @@ def test_compile_rows_max_batch_counts_what_compile_keeps(monkeypatch):
     assert row["kept_scale"] == pytest.approx(scale, abs=1e-6)
     assert all(row[g]["max_batch"] >= plain[g]["max_batch"] for g in plain)
     with pytest.raises(ValueError, match="needs the default budget"):
-        compile_kept_scale("gpt2-mini", "hf-eager+compile-at-tempo", 256, "fp16")
+        maxbatch_point("gpt2-mini", "pretraining", 256, "fp16", "hf-eager+compile-at-tempo")
