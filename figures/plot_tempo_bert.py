@@ -89,7 +89,9 @@ def plot_maxbatch() -> Path | None:
                 continue
             r = point.result
             xs = [g + (i - len(rows) / 2 + 0.5) * width for g in range(len(gpus))]
-            ax.bar(xs, [r[g]["max_batch"] for g in gpus], width, label=conf)
+            ax.bar(
+                xs, [r[g]["max_batch"] for g in gpus], width, label=conf, color=f"C{i}"
+            )  # one colour a row
             for x, g in zip(xs, gpus, strict=True):
                 if r[g]["max_batch"] == 0:  # invisible on a log axis: say it
                     ax.text(x, 1, "0", ha="center", va="bottom", fontsize=6)

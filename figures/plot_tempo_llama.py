@@ -74,7 +74,10 @@ def plot_maxbatch() -> Path | None:
         ax.set_title(f"{model}, seq {seq}", fontsize=9)
         ax.set_ylabel("max batch (sequences)")
         ax.legend(fontsize=7)
-    title = "Largest batch per GPU, AdamW step, bf16 + fp32 master weights (estimated; 0.75 GiB + 5% reserve)"
+    title = (
+        "Largest batch per GPU, AdamW step, bf16 + fp32 master weights (estimated; 0.75 GiB + 5% reserve);\n"
+        "+compile: the eager step keeping what torch.compile keeps"
+    )
     return finish(fig, title, data, "tempo_llama_max_batch.png")
 
 
