@@ -40,20 +40,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
 from tqdm import tqdm
 from transformers.utils import logging as hf_logging
 
 from measure.budget import GpuBudget
-from measure.compiled import compiled_loss
-from measure.memory import PeakReport, default_dtype, search_max_batch
+from measure.memory import PeakReport, search_max_batch
 from measure.parallel import map_points
 from measure.results import ResultFile, Results, Run
-from measure.saved import SavedTensorsMeter, cuda_like, saved_bytes
-from measure.training import Precision
 from measure.units import GiB
-from tempo.maxbatch import estimator
-from tempo.models import MODELS, build_model, make_batch
+from tempo.maxbatch import compile_kept_scale, estimator, saved_bytes_as_built
+from tempo.models import MODELS, build_model
 
 from ..experiment import config_from_command_line, experiment_run, option
 from ..tempo_layer.run import COMPILED, aimed_budget
@@ -118,41 +114,14 @@ MAXBATCH_EXAMPLE = ("bert-large", "qa", 384, "fp32")
 
 
 def model_saved_bytes(
-    model: str,
-    configuration: str,
-    seq: int,
-    layers: int,
-    budget: float | None = None,
-    precision: str = "bf16",
+    model: str, configuration: str, seq: int, layers: int, budget: float | None = None
 ) -> tuple[int, dict[str, int]]:
-    """Exact bytes a ``layers``-deep copy of ``model`` keeps for backward at batch 1 in
-    ``precision`` (its model dtype and autocast, as measure.training runs a step), by module type.
-    A configuration of COMPILED: its model as ``torch.compile`` partitions it at the activation
-    memory ``budget`` (measure.compiled; the partitioned graph runs as one function, so every
-    byte is the top module's)."""
+    """Exact bytes a ``layers``-deep copy of ``model`` keeps for backward at batch 1 (bf16), by
+    module type (tempo.maxbatch.saved_bytes_as_built). A configuration of COMPILED: its model as
+    ``torch.compile`` partitions it at the activation memory ``budget``."""
     built, _ = COMPILED.get(configuration, (configuration, None))
     compiled_at = budget if configuration in COMPILED else None
-    return built_saved_bytes(model, built, seq, layers, compiled_at, precision)
-
-
-def built_saved_bytes(
-    model: str, built: str, seq: int, layers: int, compiled_at: float | None, precision: str
-) -> tuple[int, dict[str, int]]:
-    """``model_saved_bytes`` of ``model`` as tempo.models builds configuration ``built``, run
-    eagerly (``compiled_at`` None) or as torch.compile partitions it at that budget."""
-    p = Precision(precision)
-    with FakeTensorMode(), default_dtype(p.model_dtype):
-        m = build_model(model, "pretraining", built, num_layers=layers).train()
-        batch = make_batch(model, "pretraining", 1, seq)
-        with cuda_like(), p.autocast("cpu"):
-            if compiled_at is None:
-                r = saved_bytes(m, **batch)
-            else:
-                loss_of = compiled_loss(m, batch, compiled_at)
-                with SavedTensorsMeter(m, tuple(batch.values())) as meter:
-                    loss_of(m, batch)
-                r = meter.report()
-    return r.total_bytes, r.by_module_type
+    return saved_bytes_as_built(model, built, seq, layers, compiled_at, "bf16")
 
 
 def activation_point(model: str, configuration: str, seq: int, budget: float | None = None) -> dict:
@@ -233,24 +202,6 @@ def max_batch_per_gpu(peak: Callable[[int], PeakReport], gpus: dict[str, str]) -
             "usable_gib": round(budget.usable_bytes / GiB, 3),
         }
     return out
-
-
-def per_model_saved_bytes(model: str, built: str, seq: int, precision: str, compiled: bool) -> int:
-    """Bytes the whole of ``model`` (as ``built``, eager or compiled at the default budget) keeps
-    for backward at batch 1: its first layer with the embedding and head, and every other layer's
-    as the second adds (each layer keeps the same)."""
-    at = 1.0 if compiled else None
-    one, _ = built_saved_bytes(model, built, seq, 1, at, precision)
-    two, _ = built_saved_bytes(model, built, seq, 2, at, precision)
-    return one + (MODELS[model].layers - 1) * (two - one)
-
-
-def compile_kept_scale(model: str, built: str, seq: int, precision: str) -> float:
-    """What ``model`` as ``built`` keeps compiled (default budget) over what it keeps run eagerly,
-    whole model at batch 1: the ``kept_scale`` of a compile row's max-batch estimate. (Below the
-    default budget the partitioner splits the model as a whole: no such row.)"""
-    compiled = per_model_saved_bytes(model, built, seq, precision, compiled=True)
-    return compiled / per_model_saved_bytes(model, built, seq, precision, compiled=False)
 
 
 def maxbatch_point(model: str, head: str, seq: int, precision: str, configuration: str) -> dict:

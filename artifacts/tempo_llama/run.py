@@ -43,11 +43,12 @@ from transformers.utils import logging as hf_logging
 from measure.memory import StepMemoryEstimator
 from measure.parallel import map_points
 from measure.results import ResultFile, Results, Run
+from tempo.maxbatch import compile_kept_scale
 from tempo.models import MODELS, ModelSpec, build_model, make_batch
 from tempo.ops import workspace_bytes
 
 from ..experiment import config_from_command_line, experiment_run, option
-from ..tempo_bert.run import activation_point, compile_kept_scale, max_batch_per_gpu
+from ..tempo_bert.run import activation_point, max_batch_per_gpu
 from ..tempo_layer.run import aimed_budget, budget_context
 from . import EXPERIMENT
 from .summary import TRAIN, TRAIN_RUNS, training_gaps, training_key
@@ -212,7 +213,7 @@ def llama_maxbatch_point(model: str, seq: int, configuration: str) -> dict:
     copies: with the chunked loss, the forward's peak is in the head at two layers and in the layers
     at sixteen, so it is not affine in depth). About a second a batch on fake tensors. A compile
     row (MAXBATCH_COMPILED): its model's eager step with the saved activations counted at what
-    torch.compile's partition keeps (tempo_bert's compile_kept_scale, checked there against
+    torch.compile's partition keeps (tempo.maxbatch.compile_kept_scale, checked in tempo_bert against
     compiled steps measured on a CPU)."""
     built = MAXBATCH_COMPILED.get(configuration, configuration)
     scale = 1.0 if built == configuration else compile_kept_scale(model, built, seq, PRECISION)

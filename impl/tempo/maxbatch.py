@@ -9,6 +9,12 @@ its neighbours (``--no-verify``: not), which settles it where the extrapolation 
 Usable memory = GPU memory - reserve, where the reserve covers what torch's allocator does not
 see: the CUDA context and library workspaces (--context-gb, default 0.75) and fragmentation
 (--fragmentation, default 5% of the rest).
+
+``--compile``: the model under ``torch.compile`` (default activation memory budget). Its
+partition is traced on fake tensors for the bytes it keeps (measure.compiled), and the eager
+step is estimated with its saved activations counted at that share (measure.memory's
+``kept_scale``), the rest as run eagerly: checked against compiled steps measured on a CPU
+(artifacts/tempo_bert/compile_check.py), not yet on a GPU.
 """
 
 from __future__ import annotations
@@ -17,10 +23,14 @@ import argparse
 import math
 import sys
 
+from torch._subclasses.fake_tensor import FakeTensorMode
+
 from measure.budget import GpuBudget
 from measure.cli import OneLineParser
-from measure.memory import DepthExtrapolatedEstimator, StepMemoryEstimator, refine_max_batch
-from measure.training import PRECISIONS
+from measure.compiled import compiled_loss
+from measure.memory import DepthExtrapolatedEstimator, StepMemoryEstimator, default_dtype, refine_max_batch
+from measure.saved import SavedTensorsMeter, cuda_like, saved_bytes
+from measure.training import PRECISIONS, Precision
 from measure.units import GiB
 
 from .models import CONFIGURATIONS, HEADS, MODELS, build_model, check_configuration, make_batch
@@ -69,6 +79,49 @@ def _gpu_mem(text: str) -> str:
     return text
 
 
+def saved_bytes_as_built(
+    model: str, configuration: str, seq: int, layers: int, compiled_at: float | None, precision: str
+) -> tuple[int, dict[str, int]]:
+    """Exact bytes a ``layers``-deep copy of ``model`` as ``configuration`` builds it keeps for
+    backward at batch 1 in ``precision`` (its model dtype and autocast, as measure.training runs
+    a step; dropout and SDPA as their CUDA kernels keep), by module type: run eagerly
+    (``compiled_at`` None) or as ``torch.compile`` partitions it at that activation memory
+    budget (measure.compiled; the partitioned graph runs as one function, so every byte is the
+    top module's)."""
+    p = Precision(precision)
+    with FakeTensorMode(), default_dtype(p.model_dtype):
+        m = build_model(model, "pretraining", configuration, num_layers=layers).train()
+        batch = make_batch(model, "pretraining", 1, seq)
+        with cuda_like(), p.autocast("cpu"):
+            if compiled_at is None:
+                r = saved_bytes(m, **batch)
+            else:
+                loss_of = compiled_loss(m, batch, compiled_at)
+                with SavedTensorsMeter(m, tuple(batch.values())) as meter:
+                    loss_of(m, batch)
+                r = meter.report()
+    return r.total_bytes, r.by_module_type
+
+
+def whole_model_saved_bytes(model: str, configuration: str, seq: int, precision: str, compiled: bool) -> int:
+    """Bytes the whole of ``model`` (eager, or compiled at the default budget) keeps for backward
+    at batch 1: its first layer with the embedding and head, and every other layer's as the
+    second adds (each layer keeps the same)."""
+    at = 1.0 if compiled else None
+    one, _ = saved_bytes_as_built(model, configuration, seq, 1, at, precision)
+    two, _ = saved_bytes_as_built(model, configuration, seq, 2, at, precision)
+    return one + (MODELS[model].layers - 1) * (two - one)
+
+
+def compile_kept_scale(model: str, configuration: str, seq: int, precision: str) -> float:
+    """What ``model`` as ``configuration`` keeps under torch.compile (default budget) over what it
+    keeps run eagerly, whole model at batch 1: the ``kept_scale`` of its max-batch estimate under
+    compile (the eager step keeping what compile keeps; measure.memory). Below the default budget
+    the partitioner splits a model as a whole, so no layer-wise scale exists there."""
+    compiled = whole_model_saved_bytes(model, configuration, seq, precision, compiled=True)
+    return compiled / whole_model_saved_bytes(model, configuration, seq, precision, compiled=False)
+
+
 def estimator(
     model: str, head: str, seq: int, precision: str, configuration: str, kept_scale: float = 1.0
 ) -> DepthExtrapolatedEstimator:
@@ -84,7 +137,8 @@ def estimator(
     )
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, str, GpuBudget]:
+    """The command line, checked before any work: (arguments, configuration, GPU budget)."""
     ap = OneLineParser(
         prog="python -m tempo.maxbatch",
         description=__doc__,
@@ -106,6 +160,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--tempo", action="store_true", help="shorthand for --config tempo")
     ap.add_argument("--config", default=None, choices=list(CONFIGURATIONS), help="default: hf-eager")
+    ap.add_argument(
+        "--compile",
+        action="store_true",
+        help="the model under torch.compile (default budget): its step keeping what compile keeps",
+    )
     ap.add_argument("--context-gb", type=_non_negative_float, default=0.75, help="reserve, GiB (>= 0)")
     ap.add_argument(
         "--fragmentation", type=_fraction, default=0.05, help="reserve, fraction of the rest, in [0, 1)"
@@ -115,6 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.tempo and args.config not in (None, "tempo"):
         ap.error("--tempo and --config disagree; give one")
     configuration = "tempo" if args.tempo else (args.config or "hf-eager")
+    if args.compile and CONFIGURATIONS[configuration].checkpointing:
+        ap.error(f"--compile with {configuration}: a checkpointed model under torch.compile is not estimated")
     try:
         budget = GpuBudget.parse(
             args.gpu_mem, context_bytes=int(args.context_gb * GiB), fragmentation=args.fragmentation
@@ -125,16 +186,25 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(str(e))
     if budget.usable_bytes <= 0:
         ap.error(f"--gpu-mem {args.gpu_mem} leaves nothing after the reserve")
+    return args, configuration, budget
 
+
+def main(argv: list[str] | None = None) -> int:
+    args, configuration, budget = _parse(argv)
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
     print(
-        f"{args.model} ({args.head} head), seq {args.seq}, {args.precision}, {configuration}; "
+        f"{args.model} ({args.head} head), seq {args.seq}, {args.precision}, {configuration}"
+        f"{' under torch.compile' if args.compile else ''}; "
         f"{args.gpu_mem} GPU: {budget.usable_bytes / GiB:.2f} GiB usable after the reserve",
         flush=True,
     )
-    est = estimator(args.model, args.head, args.seq, args.precision, configuration)
+    scale = 1.0
+    if args.compile:  # the partition's kept bytes; the step's other bytes as run eagerly
+        scale = compile_kept_scale(args.model, configuration, args.seq, args.precision)
+        print(f"torch.compile keeps {scale:.3f}x the bytes the eager model keeps for backward", flush=True)
+    est = estimator(args.model, args.head, args.seq, args.precision, configuration, kept_scale=scale)
     b, report = est.max_batch(budget.usable_bytes, limit=SEARCH_CAP)
     if b == 0:
         print(f"even batch 1 does not fit: it needs {report.peak_gib:.2f} GiB")
@@ -151,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
             lambda n: make_batch(args.model, args.head, n, args.seq),
             args.precision,
             op_workspace=workspace_bytes,
+            kept_scale=scale,
         )
         exact, report = refine_max_batch(full.peak, budget.usable_bytes, b, limit=SEARCH_CAP)
         if exact != b:
@@ -163,6 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     for category, nbytes in report.breakdown.items():
         if nbytes:
             print(f"  {category:<16} {nbytes / GiB:8.2f} GiB")
+    if args.compile:
+        print("  (the breakdown is the eager step's: activations at their eager bytes)")
     return 0
 
 

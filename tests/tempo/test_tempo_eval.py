@@ -89,6 +89,22 @@ def test_maxbatch_command(capsys):
         maxbatch.main(["--model", "bert-base", "--seq", "64", "--gpu-mem", "lots"])
 
 
+def test_maxbatch_command_under_compile(capsys):
+    """--compile: the scale torch.compile's partition keeps, then a batch no smaller than eager's
+    (GPT-2 compiled keeps less); a checkpointed model under compile is refused before any work."""
+    args = ["--model", "gpt2-mini", "--seq", "256", "--gpu-mem", "1GB", "--no-verify"]
+    assert maxbatch.main(args) == 0
+    eager = int(capsys.readouterr().out.split("max batch: ")[1].split()[0])
+    assert maxbatch.main([*args, "--compile"]) == 0
+    out = capsys.readouterr().out
+    scale = float(out.split("torch.compile keeps ")[1].split("x")[0])
+    assert 0 < scale < 1 and int(out.split("max batch: ")[1].split()[0]) >= eager
+    with pytest.raises(SystemExit) as exit_:
+        maxbatch.main([*args, "--config", "checkpointing+sdpa", "--compile"])
+    assert exit_.value.code == 2
+    assert "checkpointed model under torch.compile" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     ("configuration", "sbh", "as2b"), [("hf-eager", 34, 5), ("tempo", 20.5, 2), ("checkpointing", 2, 0)]
 )
@@ -217,11 +233,11 @@ def test_compile_rows_max_batch_counts_what_compile_keeps(monkeypatch):
     kept bytes (whole model, batch 1): at GPT-2's shape compile keeps less, so its step's peak is
     lower than eager's by at most what it keeps less, and it fits no smaller a batch."""
     from artifacts.tempo_bert import run
-    from artifacts.tempo_bert.run import compile_kept_scale, maxbatch_point, per_model_saved_bytes
-    from tempo.maxbatch import estimator
+    from artifacts.tempo_bert.run import maxbatch_point
+    from tempo.maxbatch import compile_kept_scale, estimator, whole_model_saved_bytes
 
     scale = compile_kept_scale("gpt2-mini", "hf-eager", 256, "fp16")
-    eager_kept = per_model_saved_bytes("gpt2-mini", "hf-eager", 256, "fp16", compiled=False)
+    eager_kept = whole_model_saved_bytes("gpt2-mini", "hf-eager", 256, "fp16", compiled=False)
     assert scale < 1
     eager = estimator("gpt2-mini", "pretraining", 256, "fp16", "hf-eager").peak(8).peak_bytes
     compiled = (
