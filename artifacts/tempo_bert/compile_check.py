@@ -3,37 +3,52 @@
 The maxbatch part estimates a compiled model's step as its eager step with the saved activations
 counted at what the compiled model keeps (measure.memory's ``kept_scale``): the step's other
 transients are taken as eager's. Inductor fuses pointwise ops (fewer transients) and recomputes
-some in backward (more), so that is an assumption, checked here on this CPU: a small BERT
-(bert-l4h256, fp32) trained one step eagerly and one step through real ``torch.compile``
-(inductor's CPU code), each step's peak measured from the allocator's events (measure.cpu_peak),
-against the estimator on the CPU target; the eager pair is the control (the estimator alone).
-A CPU's inductor is not a GPU's: this checks the assumption where it can run, not the GPU rows.
+some in backward (more), so that is an assumption, checked here: a model trained one step
+eagerly and one step through real ``torch.compile`` (inductor's code for the device), each
+step's peak measured (on a CPU from the allocator's events, measure.cpu_peak; on a GPU by the
+CUDA allocator's peak), against the estimator on that device's target; the eager pair is the
+control (the estimator alone). The experiment's check is on this CPU (CHECK: bert-l4h256, fp32);
+the GPU check runs the same at BERT-base's size in bf16 (tests/test_gpu.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from measure.cpu_peak import cpu_peak_bytes
-from measure.memory import StepMemoryEstimator
+from measure.memory import ALLOC_GRANULARITY, StepMemoryEstimator
 from measure.saved import saved_bytes, storage_key
 from measure.training import Precision, make_optimizer, optimizer_state_tensors, train_step
 from tempo.models import build_model, make_batch
 from tempo.ops import workspace_bytes
 
-MODEL, SEQ, BATCH, PRECISION = "bert-l4h256", 256, 8, "fp32"
+
+@dataclass(frozen=True)
+class CheckCase:
+    """One model trained with a given batch: where and in what precision."""
+
+    model: str = "bert-l4h256"
+    seq: int = 256
+    batch: int = 8
+    precision: str = "fp32"
+    device: str = "cpu"  # or "cuda"
+
+    def make_batch(self, batch: int | None = None, device: str = "cpu") -> dict[str, torch.Tensor]:
+        return make_batch(self.model, "pretraining", batch or self.batch, self.seq, device=device)
 
 
-def _measured_step(
-    configuration: str, compiled: bool, model_name: str, seq: int, batch_size: int
-) -> tuple[int, int]:
-    """(peak bytes of a real training step on this CPU: what was live before it plus the
-    allocator's peak during it; bytes the model keeps for backward), after two warm-up steps
-    (the compile happens in the first)."""
-    p = Precision(PRECISION)
-    model = build_model(model_name, "pretraining", configuration).to(p.model_dtype).train()
+CHECK = CheckCase()
+
+
+def _measured_step(configuration: str, compiled: bool, case: CheckCase) -> tuple[int, int]:
+    """(peak bytes of a real training step: what was live before it plus the allocator's peak
+    during it; bytes the model keeps for backward), after two warm-up steps (the compile
+    happens in the first)."""
+    p = Precision(case.precision)
+    model = build_model(case.model, "pretraining", configuration).to(case.device, p.model_dtype).train()
     optimizer = make_optimizer(model, p)
     run: Callable = torch.compile(model) if compiled else model
 
@@ -41,46 +56,48 @@ def _measured_step(
         return run(**batch).loss
 
     for _ in range(2):
-        train_step(
-            model, make_batch(model_name, "pretraining", batch_size, seq), optimizer, p, loss_of=loss_of
-        )
-    batch = make_batch(model_name, "pretraining", batch_size, seq)
-    live = [*model.parameters(), *model.buffers(), *optimizer_state_tensors(optimizer), *batch.values()]
-    before = sum({storage_key(t): t.untyped_storage().nbytes() for t in live}.values())
-    peak, _ = cpu_peak_bytes(lambda: train_step(model, batch, optimizer, p, loss_of=loss_of))
-    return before + peak, saved_bytes(run, **batch).total_bytes
+        train_step(model, case.make_batch(device=case.device), optimizer, p, loss_of=loss_of)
+    batch = case.make_batch(device=case.device)
+    if case.device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        train_step(model, batch, optimizer, p, loss_of=loss_of)
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
+    else:
+        live = [*model.parameters(), *model.buffers(), *optimizer_state_tensors(optimizer), *batch.values()]
+        before = sum({storage_key(t): t.untyped_storage().nbytes() for t in live}.values())
+        step_peak, _ = cpu_peak_bytes(lambda: train_step(model, batch, optimizer, p, loss_of=loss_of))
+        peak = before + step_peak
+    return peak, saved_bytes(run, **batch).total_bytes
 
 
-def _estimated_peak(
-    configuration: str, model_name: str, seq: int, batch_size: int, kept_scale: float = 1.0
-) -> int:
+def _estimated_peak(configuration: str, case: CheckCase, kept_scale: float = 1.0) -> int:
+    cuda = case.device == "cuda"
     return (
         StepMemoryEstimator(
-            lambda: build_model(model_name, "pretraining", configuration),
-            lambda b: make_batch(model_name, "pretraining", b, seq),
-            PRECISION,
-            granularity=1,  # a CPU's allocator does not round to 512 bytes
-            target="cpu",
+            lambda: build_model(case.model, "pretraining", configuration),
+            lambda b: case.make_batch(b),
+            case.precision,
+            granularity=ALLOC_GRANULARITY if cuda else 1,  # a CPU's allocator does not round up
+            target="cuda" if cuda else "cpu",
             op_workspace=workspace_bytes,
             kept_scale=kept_scale,
         )
-        .peak(batch_size)
+        .peak(case.batch)
         .peak_bytes
     )
 
 
-def compile_check_point(
-    configuration: str, model_name: str = MODEL, seq: int = SEQ, batch_size: int = BATCH
-) -> dict:
-    """``configuration`` (hf-eager, tempo) run eagerly and compiled on this CPU, measured, and
-    estimated: the eager step as such, the compiled one with kept_scale = the compiled model's
-    kept bytes over the eager model's (both measured)."""
-    shape = (model_name, seq, batch_size)
-    eager_peak, eager_kept = _measured_step(configuration, False, *shape)
-    compiled_peak, compiled_kept = _measured_step(configuration, True, *shape)
+def compile_check_point(configuration: str, case: CheckCase = CHECK) -> dict:
+    """``configuration`` (hf-eager, tempo) run eagerly and compiled, measured, and estimated: the
+    eager step as such, the compiled one with kept_scale = the compiled model's kept bytes over
+    the eager model's (both measured)."""
+    eager_peak, eager_kept = _measured_step(configuration, False, case)
+    compiled_peak, compiled_kept = _measured_step(configuration, True, case)
     scale = compiled_kept / eager_kept
-    eager_estimate = _estimated_peak(configuration, *shape)
-    compiled_estimate = _estimated_peak(configuration, *shape, kept_scale=scale)
+    eager_estimate = _estimated_peak(configuration, case)
+    compiled_estimate = _estimated_peak(configuration, case, kept_scale=scale)
     return {
         "eager": {"measured_bytes": eager_peak, "estimated_bytes": eager_estimate, "kept_bytes": eager_kept},
         "compiled": {
@@ -94,12 +111,12 @@ def compile_check_point(
     }
 
 
-def compile_check_key(configuration: str) -> dict:
+def compile_check_key(configuration: str, case: CheckCase = CHECK) -> dict:
     return {
-        "model": MODEL,
-        "seq": SEQ,
-        "batch": BATCH,
-        "precision": PRECISION,
+        "model": case.model,
+        "seq": case.seq,
+        "batch": case.batch,
+        "precision": case.precision,
         "configuration": configuration,
-        "device": "cpu",
+        "device": case.device,
     }

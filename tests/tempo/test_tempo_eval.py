@@ -218,9 +218,9 @@ def test_compile_rows_estimate_a_compiled_steps_measured_peak():
     what the compiled model keeps. Checked against real steps on this CPU (inductor's code,
     allocator events): the eager estimate within the estimator's 0.2% (the control), the compiled
     one within 2% (one batch in fifty of a max-batch answer)."""
-    from artifacts.tempo_bert.compile_check import compile_check_point
+    from artifacts.tempo_bert.compile_check import CheckCase, compile_check_point
 
-    r = compile_check_point("hf-eager", "bert-mini", 128, 4)
+    r = compile_check_point("hf-eager", CheckCase("bert-mini", 128, 4))
     assert r["compiled"]["kept_bytes"] < r["eager"]["kept_bytes"]  # compile keeps less: a real test
     assert abs(r["eager_error"]) <= 0.002, r
     assert abs(r["compiled_error"]) <= 0.02, r
