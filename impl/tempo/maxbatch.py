@@ -234,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     for category, nbytes in report.breakdown.items():
         if nbytes:
             print(f"  {category:<16} {nbytes / GiB:8.2f} GiB")
-    if args.compile:
+    if args.compile and report.breakdown:
         print("  (the breakdown is the eager step's: activations at their eager bytes)")
     return 0
 
