@@ -347,7 +347,7 @@ def test_attention_output_changed_in_place_then_backward_like_torch(p):
     ],
 )
 def test_maxbatch_refuses_bad_values_before_any_work(flags, message, capsys, monkeypatch):
-    monkeypatch.setattr(maxbatch, "estimator", lambda *a: pytest.fail("work started"))
+    monkeypatch.setattr(maxbatch, "estimator", lambda *a, **kw: pytest.fail("work started"))
     argv = ["--model", "bert-mini", "--seq", "16", "--gpu-mem", "4GB", *flags]
     with pytest.raises(SystemExit) as e:
         maxbatch.main(argv)
@@ -374,7 +374,7 @@ def test_maxbatch_at_the_cap_says_the_cap_was_hit(capsys, monkeypatch):
         def max_batch(self, usable, limit):
             return search_max_batch(peak_of(10), usable, limit)
 
-    monkeypatch.setattr(maxbatch, "estimator", lambda *a: Stub())
+    monkeypatch.setattr(maxbatch, "estimator", lambda *a, **kw: Stub())
     assert maxbatch.main(["--model", "bert-mini", "--seq", "16", "--gpu-mem", "1e9GB"]) == 0
     out = capsys.readouterr().out
     assert f"max batch: at least {maxbatch.SEARCH_CAP}, the search's cap" in out
