@@ -106,7 +106,7 @@ def test_compile_estimate_against_cuda_allocator(configuration):
     torch.cuda.empty_cache()
     r = compile_check_point(configuration, CheckCase("bert-base", 512, 8, "bf16", "cuda"))
     print(
-        f"{configuration}: compiled keeps x{r['kept_scale']:.3f}; compiled step "
+        f"{configuration}: compiled keeps {r['kept_scale']}; compiled step "
         f"{r['compiled']['measured_bytes'] / 2**30:.3f} GiB measured, estimate {r['compiled_error']:+.1%}; "
         f"eager control {r['eager_error']:+.1%}"
     )

@@ -44,7 +44,8 @@ MAX_BATCH = dict(
 COMPILE_MAX_BATCH = dict(
     MAX_BATCH,
     basis="the eager step's peak bytes counted on fake tensors with its saved activations at "
-    "what torch.compile keeps (measure.memory's kept_scale), against the GPU's capacity",
+    "what torch.compile's partition keeps, in the layers and elsewhere (measure.memory's "
+    "kept_scale), against the GPU's capacity",
 )
 COMPILE_CHECK = dict(
     experiment=EXPERIMENT,
@@ -332,8 +333,8 @@ CLAIMS = (
         id="tempo-vs-compile-max-batch",
         system="Tempo",
         claim="...and fits a batch at least as large as torch.compile's",
-        measure="largest batch, BERT-Large seq 512, fp16 + fp32 Adam, 16 GB: Tempo over HF eager "
-        "compiled (x)",
+        measure="largest batch, BERT-Large seq 512, fp16 + fp32 Adam, 16 GB: Tempo over HF with eager "
+        "attention under torch.compile (x)",
         source=Source(**COMPILE_MAX_BATCH),
         value=batch_ratio("bert-large", 512, "tempo", "hf-eager+compile", "V100-16GB"),
         check=AtLeast(1.0),

@@ -20,7 +20,8 @@ artifacts/tempo_bert/reference/; an interrupted run resumes when rerun):
   of a whole AdamW step (measure.memory; CUDA target, documented reserve).
   Also the ``python -m tempo.maxbatch`` example (BERT-Large QA head, seq 384, fp32).
   torch.compile's rows (default budget): the eager step with its saved activations counted at
-  what the compiled model keeps (measure.memory's ``kept_scale``; the partitioned graphs run
+  what the compiled model keeps, in the layers and elsewhere (measure.memory's ``kept_scale``;
+  tempo.maxbatch.compile_kept_scale; the partitioned graphs run
   unfused on fake tensors, so their own transients would not be a compiled step's). That
   assumption is checked against real compiled steps measured on this CPU (compile_check.py).
 * training: a small BERT (MLM + NSP) and a small GPT-2 (LM) trained from one seed on an offline
@@ -48,7 +49,7 @@ from measure.memory import PeakReport, search_max_batch
 from measure.parallel import map_points
 from measure.results import ResultFile, Results, Run
 from measure.units import GiB
-from tempo.maxbatch import compile_kept_scale, estimator, saved_bytes_as_built
+from tempo.maxbatch import compile_kept_scale, estimator, kept_scale_json, saved_bytes_as_built
 from tempo.models import MODELS, build_model
 
 from ..experiment import config_from_command_line, experiment_run, option
@@ -121,7 +122,8 @@ def model_saved_bytes(
     ``torch.compile`` partitions it at the activation memory ``budget``."""
     built, _ = COMPILED.get(configuration, (configuration, None))
     compiled_at = budget if configuration in COMPILED else None
-    return saved_bytes_as_built(model, built, seq, layers, compiled_at, "bf16")
+    r = saved_bytes_as_built(model, built, seq, layers, compiled_at, "bf16")
+    return r.total_bytes, r.by_module_type
 
 
 def activation_point(model: str, configuration: str, seq: int, budget: float | None = None) -> dict:
@@ -215,7 +217,7 @@ def maxbatch_point(model: str, head: str, seq: int, precision: str, configuratio
         raise ValueError(f"{configuration}: a max-batch estimate needs the default budget")
     scale = compile_kept_scale(model, built, seq, precision)
     peak = estimator(model, head, seq, precision, built, kept_scale=scale).peak
-    return {**max_batch_per_gpu(peak, GPUS), "kept_scale": round(scale, 6)}
+    return {**max_batch_per_gpu(peak, GPUS), "kept_scale": kept_scale_json(scale)}
 
 
 MAXBATCH_FIELDS = ("model", "head", "seq", "precision", "configuration")
@@ -251,8 +253,8 @@ def run_maxbatch(run: Run, cases, configs, precisions, jobs: int, scale: str) ->
         measured, estimated = r["compiled"]["measured_bytes"], r["compiled"]["estimated_bytes"]
         print(
             f"  {conf:<9} compiled: measured {measured / 2**20:8.1f} MiB, estimated {estimated / 2**20:8.1f} "
-            f"MiB ({r['compiled_error']:+.1%}; activations kept x{r['kept_scale']:.3f}); eager control "
-            f"{r['eager_error']:+.1%}"
+            f"MiB ({r['compiled_error']:+.2%}; kept x{r['kept_scale']['layers']:.3f} in the layers, "
+            f"x{r['kept_scale']['rest']:.3f} elsewhere); eager control {r['eager_error']:+.2%}"
         )
     return store
 
@@ -437,7 +439,11 @@ def print_summary(
             print(
                 f"  {case:<36} {k['configuration']:<16} "
                 + " ".join(f"{p.result[g]['max_batch']:>11}" for g in GPUS)
-                + ("" if scale is None else f"  (eager step, activations kept x{scale:.3f})")
+                + (
+                    ""
+                    if scale is None
+                    else f"  (eager step; kept x{scale['layers']:.3f} layers, x{scale['rest']:.3f} rest)"
+                )
             )
         base = mb.get(maxbatch_key("bert-large", "pretraining", 512, "fp16", "hf-eager"))
         ours = mb.get(maxbatch_key("bert-large", "pretraining", 512, "fp16", "tempo"))

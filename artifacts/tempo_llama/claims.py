@@ -55,8 +55,8 @@ COMPILE_MAX_BATCH = dict(
     file="max_batch.json",
     evidence="predicted",
     basis="the eager step's peak bytes counted on fake tensors with its saved activations at what "
-    "torch.compile keeps (measure.memory's kept_scale; checked on compiled CPU steps in tempo_bert), "
-    "against 141 GB",
+    "torch.compile's partition keeps, in the layers and elsewhere (measure.memory's kept_scale; the "
+    "method checked on BERT's compiled CPU steps in tempo_bert, not on a Llama), against 141 GB",
 )
 
 

@@ -43,7 +43,7 @@ from transformers.utils import logging as hf_logging
 from measure.memory import StepMemoryEstimator
 from measure.parallel import map_points
 from measure.results import ResultFile, Results, Run
-from tempo.maxbatch import compile_kept_scale
+from tempo.maxbatch import compile_kept_scale, kept_scale_json
 from tempo.models import MODELS, ModelSpec, build_model, make_batch
 from tempo.ops import workspace_bytes
 
@@ -216,7 +216,7 @@ def llama_maxbatch_point(model: str, seq: int, configuration: str) -> dict:
     torch.compile's partition keeps (tempo.maxbatch.compile_kept_scale, checked in tempo_bert against
     compiled steps measured on a CPU)."""
     built = MAXBATCH_COMPILED.get(configuration, configuration)
-    scale = 1.0 if built == configuration else compile_kept_scale(model, built, seq, PRECISION)
+    scale = None if built == configuration else compile_kept_scale(model, built, seq, PRECISION)
     est = StepMemoryEstimator(
         lambda: build_model(model, "pretraining", built),
         lambda b: make_batch(model, "pretraining", b, seq),
@@ -225,7 +225,7 @@ def llama_maxbatch_point(model: str, seq: int, configuration: str) -> dict:
         kept_scale=scale,
     )
     result = max_batch_per_gpu(est.peak, GPUS)
-    return result if built == configuration else {**result, "kept_scale": round(scale, 6)}
+    return result if scale is None else {**result, "kept_scale": kept_scale_json(scale)}
 
 
 def run_maxbatch(run: Run, jobs: int) -> ResultFile:
@@ -406,7 +406,8 @@ def print_summary(
             if all(p.result[g]["max_batch"] == 0 for g in GPUS):
                 note = f"  (batch 1 needs {max(p.result[g]['peak_gib'] for g in GPUS):.0f} GiB)"
             if "kept_scale" in p.result:
-                note += f"  (eager step, activations kept x{p.result['kept_scale']:.3f})"
+                ks = p.result["kept_scale"]
+                note += f"  (eager step; kept x{ks['layers']:.3f} layers, x{ks['rest']:.3f} rest)"
             print(f"  {k['model']:<14} {k['seq']:>5} {k['configuration']:<20} {row}{note}")
     if tr is not None:
         print(

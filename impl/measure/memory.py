@@ -17,12 +17,15 @@ transient workspace each op needs on the *target* device (Tempo's is
 the optimizer state exists, as in every step after the first) and then estimates any batch
 size; ``max_batch`` finds the largest batch under a memory budget.
 
-``kept_scale`` estimates a step that keeps another share of the same activations (a model as
-``torch.compile`` partitions it: measure.compiled gives the bytes it keeps, not its peak): at
-every moment, the activations saved for backward that are live count ``kept_scale`` of their
-bytes, and everything else (weights, gradients, the step's transients) counts as run eagerly.
-At backward's start, where every saved activation is live, that is exact for the bytes kept;
-what a compiled step's fused kernels do not materialise, or its recomputation adds, is not seen.
+``kept_scale`` (a ``KeptScale``) estimates a step that keeps another share of the same
+activations (a model as ``torch.compile`` partitions it: measure.compiled gives the bytes it
+keeps, not its peak): at every moment, the live activations saved for backward inside the
+Transformer layers count ``layers`` of their bytes, those saved elsewhere (embedding, head,
+loss) ``rest`` of theirs, and everything else (weights, gradients, the step's transients)
+counts as run eagerly. Two shares, because compile saves unevenly: on Llama-3.2-1B with Tempo's
+layers it keeps all the layers keep and half the head's, so one whole-model share would count
+the layers low once the head's backward has freed its tensors. What a compiled step's fused
+kernels do not materialise, or its recomputation adds, is not seen.
 
 What it does not see: the CUDA context and cuBLAS/cuDNN workspaces (outside torch's
 allocator) and allocator fragmentation. ``GpuBudget`` subtracts a documented reserve for them.
@@ -32,8 +35,9 @@ from __future__ import annotations
 
 import gc
 import math
+import numbers
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
@@ -93,15 +97,16 @@ class LiveMemoryTracker(TorchDispatchMode):
         self._snapshot_at = 0
         self._tolerance = snapshot_tolerance
         self._classify: Callable[[], dict[str, int]] | None = None
-        self.kept_scale = 1.0  # the share of saved activations' bytes counted (module docstring)
-        self._saved: set[int] = set()
-        self.saved_live = 0
+        self._discounts: dict[int, float] = {}  # a marked storage -> the bytes not counted
+        self.discount = 0.0  # their sum over the live marked storages
 
-    def mark_saved(self, key: int) -> None:
-        """A live storage (``track``'s key) kept for backward: counted ``kept_scale`` from now on."""
-        if key in self.live and key not in self._saved:
-            self._saved.add(key)
-            self.saved_live += self.live[key]
+    def mark_saved(self, key: int, share: float) -> None:
+        """A live storage (``track``'s key) kept for backward: only ``share`` of its bytes count
+        from now on (KeptScale; above 1, more than them)."""
+        if key in self.live and key not in self._discounts:
+            self._discounts[key] = (1.0 - share) * self.live[key]
+            self.discount += self._discounts[key]
+            self._observe(self.current)  # a share above 1 raises the level
 
     def track(self, t: torch.Tensor) -> None:
         st = t.untyped_storage()
@@ -119,8 +124,8 @@ class LiveMemoryTracker(TorchDispatchMode):
         for the current phase. The overall peak's breakdown costs a pass over live storages: it
         is refreshed only when the peak moved by more than the tolerance (peaks are exact)."""
         phase = self.phase
-        if self.kept_scale != 1.0:
-            level -= round((1.0 - self.kept_scale) * self.saved_live)
+        if self._discounts:
+            level -= round(self.discount)
         self.phase_peaks[phase] = max(level, self.phase_peaks.get(phase, -1))
         if level > self.peak:
             self.peak = level
@@ -130,14 +135,14 @@ class LiveMemoryTracker(TorchDispatchMode):
                 self.peak_breakdown = {**self._classify(), "workspace": workspace}
 
     def _free(self, key: int) -> None:
-        nbytes = self.live.pop(key, 0)
-        self.current -= nbytes
-        if key in self._saved:
-            self._saved.discard(key)
-            self.saved_live -= nbytes
+        self.current -= self.live.pop(key, 0)
+        if key in self._discounts:
+            self.discount -= self._discounts.pop(key)
+            if not self._discounts:
+                self.discount = 0.0  # no float residue once none is marked
 
     def reset_peak(self) -> None:
-        self.peak = self.current - round((1.0 - self.kept_scale) * self.saved_live)
+        self.peak = self.current - round(self.discount)
         self._snapshot_at = 0
         self.peak_breakdown = {**self._classify(), "workspace": 0} if self._classify else {}
         self.phase_peaks = {}
@@ -190,9 +195,47 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
+def _share(name: str, value: object) -> float:
+    if isinstance(value, bool) or not (
+        isinstance(value, numbers.Real) and math.isfinite(value) and value > 0
+    ):
+        raise ValueError(f"kept_scale's {name} must be a finite number above 0, got {value!r}")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class KeptScale:
+    """The shares of saved activations' bytes a step counts (module docstring): those saved inside
+    the Transformer layers (``layers_of`` finds them) and those saved elsewhere."""
+
+    layers: float
+    rest: float
+    layers_of: Callable[[nn.Module], Iterable[nn.Module]]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "layers", _share("layers", self.layers))
+        object.__setattr__(self, "rest", _share("rest", self.rest))
+
+
+def _count_depth(modules: Iterable[nn.Module], depth: list[int]) -> list:
+    """Forward hooks keeping ``depth[0]`` = how many of ``modules`` are running; their handles."""
+
+    def enter(*_) -> None:
+        depth[0] += 1
+
+    def leave(*_) -> None:
+        depth[0] -= 1
+
+    handles = []
+    for m in modules:
+        handles += [m.register_forward_pre_hook(enter), m.register_forward_hook(leave)]
+    return handles
+
+
 class StepMemoryEstimator:
-    """Peak memory of ``train_step`` for any batch size, on fake tensors; ``kept_scale``: the share
-    of the saved activations' bytes counted (module docstring; breakdowns stay the eager step's)."""
+    """Peak memory of ``train_step`` for any batch size, on fake tensors; ``kept_scale``: the
+    shares of the saved activations' bytes counted (module docstring; None: all of them;
+    breakdowns stay the eager step's)."""
 
     def __init__(
         self,
@@ -203,15 +246,13 @@ class StepMemoryEstimator:
         granularity: int = ALLOC_GRANULARITY,
         target: str = "cuda",
         op_workspace: OpWorkspace | None = None,
-        kept_scale: float = 1.0,
+        kept_scale: KeptScale | None = None,
     ) -> None:
         if target not in ("cuda", "cpu"):
             raise ValueError(f"target must be 'cuda' or 'cpu', got {target!r}")
-        if isinstance(kept_scale, bool) or not (
-            isinstance(kept_scale, (int, float)) and math.isfinite(kept_scale) and kept_scale > 0
-        ):
-            raise ValueError(f"kept_scale must be a finite number above 0, got {kept_scale!r}")
-        self.kept_scale = float(kept_scale)
+        if kept_scale is not None and not isinstance(kept_scale, KeptScale):
+            raise ValueError(f"kept_scale must be a measure.memory.KeptScale or None, got {kept_scale!r}")
+        self.kept_scale = kept_scale
         self.granularity = granularity
         self.target = target
         self.op_workspace = op_workspace
@@ -263,11 +304,14 @@ class StepMemoryEstimator:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         saved_keys: set[int] = set()
 
+        inside_layers = [0]  # how deep in the Transformer layers' forward (KeptScale)
+
         def pack(t: torch.Tensor) -> torch.Tensor:
             key = storage_key(t)
             saved_keys.add(key)
-            if key not in not_activations:  # weights and the batch are kept whatever compiles
-                tracker.mark_saved(key)
+            ks = self.kept_scale
+            if ks is not None and key not in not_activations:  # weights and the batch are kept anyway
+                tracker.mark_saved(key, ks.layers if inside_layers[0] else ks.rest)
             return t
 
         with self.fake_mode:
@@ -280,7 +324,6 @@ class StepMemoryEstimator:
                 *self.model.buffers(),
                 *optimizer_state_tensors(self.optimizer),
             ]
-            tracker.kept_scale = self.kept_scale
             not_activations = set()
             for t in [*persistent, *tree_leaves(batch)]:
                 if isinstance(t, torch.Tensor):
@@ -292,6 +335,8 @@ class StepMemoryEstimator:
             # none is collected mid-step (storages in reference cycles then die late, not early).
             gc.collect()
             gc.disable()
+            layers = self.kept_scale.layers_of(self.model) if self.kept_scale is not None else ()
+            hooks = _count_depth(layers, inside_layers)
             try:
                 # On the CUDA target, dropout and SDPA keep what their CUDA kernels keep.
                 cuda_ops = cuda_like() if self.target == "cuda" else nullcontext()
@@ -305,6 +350,8 @@ class StepMemoryEstimator:
                     )
             finally:
                 gc.enable()
+                for hook in hooks:
+                    hook.remove()
             report = PeakReport(
                 batch_size,
                 tracker.peak,

@@ -22,18 +22,25 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+from contextlib import nullcontext
 
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from measure.budget import GpuBudget
 from measure.cli import OneLineParser
 from measure.compiled import compiled_loss
-from measure.memory import DepthExtrapolatedEstimator, StepMemoryEstimator, default_dtype, refine_max_batch
-from measure.saved import SavedTensorsMeter, cuda_like, saved_bytes
+from measure.memory import (
+    DepthExtrapolatedEstimator,
+    KeptScale,
+    StepMemoryEstimator,
+    default_dtype,
+    refine_max_batch,
+)
+from measure.saved import SavedTensorsMeter, SavedTensorsReport, cuda_like, saved_bytes
 from measure.training import PRECISIONS, Precision
 from measure.units import GiB
 
-from .models import CONFIGURATIONS, HEADS, MODELS, build_model, check_configuration, make_batch
+from .models import CONFIGURATIONS, HEADS, MODELS, build_model, check_configuration, layer_modules, make_batch
 from .ops import workspace_bytes
 
 # The search tries batches up to this; an answer equal to it means "at least this many".
@@ -80,19 +87,26 @@ def _gpu_mem(text: str) -> str:
 
 
 def saved_bytes_as_built(
-    model: str, configuration: str, seq: int, layers: int, compiled_at: float | None, precision: str
-) -> tuple[int, dict[str, int]]:
+    model: str,
+    configuration: str,
+    seq: int,
+    layers: int,
+    compiled_at: float | None,
+    precision: str,
+    head: str = "pretraining",
+    target: str = "cuda",
+) -> SavedTensorsReport:
     """Exact bytes a ``layers``-deep copy of ``model`` as ``configuration`` builds it keeps for
     backward at batch 1 in ``precision`` (its model dtype and autocast, as measure.training runs
-    a step; dropout and SDPA as their CUDA kernels keep), by module type: run eagerly
-    (``compiled_at`` None) or as ``torch.compile`` partitions it at that activation memory
-    budget (measure.compiled; the partitioned graph runs as one function, so every byte is the
-    top module's)."""
+    a step; on the CUDA target dropout and SDPA as their CUDA kernels keep), by module type: run
+    eagerly (``compiled_at`` None) or as ``torch.compile`` partitions it at that activation
+    memory budget (measure.compiled; the partitioned graph runs as one function, so every byte
+    is the top module's)."""
     p = Precision(precision)
     with FakeTensorMode(), default_dtype(p.model_dtype):
-        m = build_model(model, "pretraining", configuration, num_layers=layers).train()
-        batch = make_batch(model, "pretraining", 1, seq)
-        with cuda_like(), p.autocast("cpu"):
+        m = build_model(model, head, configuration, num_layers=layers).train()
+        batch = make_batch(model, head, 1, seq)
+        with cuda_like() if target == "cuda" else nullcontext(), p.autocast("cpu"):
             if compiled_at is None:
                 r = saved_bytes(m, **batch)
             else:
@@ -100,30 +114,45 @@ def saved_bytes_as_built(
                 with SavedTensorsMeter(m, tuple(batch.values())) as meter:
                     loss_of(m, batch)
                 r = meter.report()
-    return r.total_bytes, r.by_module_type
+    return r
 
 
-def whole_model_saved_bytes(model: str, configuration: str, seq: int, precision: str, compiled: bool) -> int:
-    """Bytes the whole of ``model`` (eager, or compiled at the default budget) keeps for backward
-    at batch 1: its first layer with the embedding and head, and every other layer's as the
-    second adds (each layer keeps the same)."""
+def saved_bytes_by_part(
+    model: str, configuration: str, seq: int, precision: str, compiled: bool, **where: str
+) -> tuple[int, int]:
+    """(a layer's, the rest's) bytes ``model`` keeps for backward at batch 1, eager or compiled at
+    the default budget: a 2-layer copy's minus a 1-layer copy's (every layer keeps the same),
+    and the 1-layer copy's minus that (its embedding, head and loss); the batch's own tensors not
+    counted (a step keeps them anyway). ``where``: head, target."""
     at = 1.0 if compiled else None
-    one, _ = saved_bytes_as_built(model, configuration, seq, 1, at, precision)
-    two, _ = saved_bytes_as_built(model, configuration, seq, 2, at, precision)
-    return one + (MODELS[model].layers - 1) * (two - one)
+    one = saved_bytes_as_built(model, configuration, seq, 1, at, precision, **where).activation_bytes
+    two = saved_bytes_as_built(model, configuration, seq, 2, at, precision, **where).activation_bytes
+    return two - one, one - (two - one)
 
 
-def compile_kept_scale(model: str, configuration: str, seq: int, precision: str) -> float:
+def compile_kept_scale(model: str, configuration: str, seq: int, precision: str, **where: str) -> KeptScale:
     """What ``model`` as ``configuration`` keeps under torch.compile (default budget) over what it
-    keeps run eagerly, whole model at batch 1: the ``kept_scale`` of its max-batch estimate under
-    compile (the eager step keeping what compile keeps; measure.memory). Below the default budget
-    the partitioner splits a model as a whole, so no layer-wise scale exists there."""
-    compiled = whole_model_saved_bytes(model, configuration, seq, precision, compiled=True)
-    return compiled / whole_model_saved_bytes(model, configuration, seq, precision, compiled=False)
+    keeps run eagerly, at batch 1, in its layers and elsewhere: the ``kept_scale`` of its
+    max-batch estimate under compile (the eager step keeping what compile keeps;
+    measure.memory). Below the default budget the partitioner splits a model as a whole, so no
+    layer-wise share exists there. ``where``: head (default pretraining), target (cuda)."""
+    compiled = saved_bytes_by_part(model, configuration, seq, precision, True, **where)
+    eager = saved_bytes_by_part(model, configuration, seq, precision, False, **where)
+    layers, rest = (c / e if e else 1.0 for c, e in zip(compiled, eager, strict=True))
+    return KeptScale(layers, rest, layer_modules)
+
+
+def kept_scale_text(scale: KeptScale) -> str:
+    return f"x{scale.layers:.3f} in the layers, x{scale.rest:.3f} elsewhere"
+
+
+def kept_scale_json(scale: KeptScale) -> dict[str, float]:
+    """A result file's record of ``scale``: its two shares."""
+    return {"layers": round(scale.layers, 6), "rest": round(scale.rest, 6)}
 
 
 def estimator(
-    model: str, head: str, seq: int, precision: str, configuration: str, kept_scale: float = 1.0
+    model: str, head: str, seq: int, precision: str, configuration: str, kept_scale: KeptScale | None = None
 ) -> DepthExtrapolatedEstimator:
     """The depth-extrapolated step estimate of ``model`` as ``configuration`` builds it;
     ``kept_scale``: measure.memory's (the share of its saved activations' bytes counted)."""
@@ -200,10 +229,10 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.gpu_mem} GPU: {budget.usable_bytes / GiB:.2f} GiB usable after the reserve",
         flush=True,
     )
-    scale = 1.0
+    scale = None
     if args.compile:  # the partition's kept bytes; the step's other bytes as run eagerly
-        scale = compile_kept_scale(args.model, configuration, args.seq, args.precision)
-        print(f"torch.compile keeps {scale:.3f}x the bytes the eager model keeps for backward", flush=True)
+        scale = compile_kept_scale(args.model, configuration, args.seq, args.precision, head=args.head)
+        print(f"torch.compile keeps {kept_scale_text(scale)} of what the eager model keeps", flush=True)
     est = estimator(args.model, args.head, args.seq, args.precision, configuration, kept_scale=scale)
     b, report = est.max_batch(budget.usable_bytes, limit=SEARCH_CAP)
     if b == 0:

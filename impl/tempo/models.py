@@ -206,6 +206,22 @@ def build_model(
     return m
 
 
+# Where each family's HF model holds its Transformer layers, under ``model.base_model``
+LAYER_LISTS = ("encoder.layer", "h", "layers")  # BERT/RoBERTa, GPT-2, Llama
+
+
+def layer_modules(model: nn.Module) -> list[nn.Module]:
+    """The Transformer layers of a model ``build_model`` built (its embedding, head and loss are
+    the rest)."""
+    for path in LAYER_LISTS:
+        found = model.base_model
+        for name in path.split("."):
+            found = getattr(found, name, None)
+        if isinstance(found, nn.ModuleList):
+            return list(found)
+    raise ValueError(f"no Transformer layer list ({', '.join(LAYER_LISTS)}) in {type(model).__name__}")
+
+
 def make_batch(
     model: str, head: str, batch: int, seq: int, device: str | torch.device = "cpu"
 ) -> dict[str, torch.Tensor]:

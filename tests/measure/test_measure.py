@@ -87,31 +87,58 @@ def test_allocation_granularity_rounds_up():
 
 
 def test_kept_scale_counts_a_share_of_the_saved_storages_while_they_live():
-    """kept_scale (a compiled model's kept bytes over the eager's): storages marked saved count
-    that share of their bytes from their marking until they are freed; the others count whole.
-    Negative control: the same allocations at scale 1 peak at their full bytes."""
+    """KeptScale's shares: a storage marked saved counts its share of its bytes from its marking
+    until it is freed; the others count whole. Negative control: share 1 counts full bytes."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from measure.saved import storage_key
 
-    for scale, peaks in ((0.25, (7000, 8000)), (1.0, (10000, 10000))):
+    for share, peaks in ((0.25, (7000, 8000)), (1.0, (10000, 10000))):
         with FakeTensorMode(), LiveMemoryTracker(granularity=1) as t:
-            t.kept_scale = scale
             kept = torch.empty(1000)  # 4000 B, saved for backward
-            t.mark_saved(storage_key(kept))
+            t.mark_saved(storage_key(kept), share)
             transient = torch.empty(1500)  # 6000 B
-            assert t.peak == peaks[0], (scale, t.peak)
+            assert t.peak == peaks[0], (share, t.peak)
             del kept  # freed in backward: no longer counted at all
-            assert t.saved_live == 0
+            assert t.discount == 0
             more = torch.empty(500)  # 2000 B beside the transient: 8000 B live, none saved
-            assert t.peak == peaks[1], (scale, t.peak)
+            assert t.peak == peaks[1], (share, t.peak)
             del transient, more
+    with FakeTensorMode(), LiveMemoryTracker(granularity=1) as t:  # a share above 1: more at once
+        kept = torch.empty(1000)
+        t.mark_saved(storage_key(kept), 1.5)
+        assert t.peak == 6000
+        del kept
 
 
-@pytest.mark.parametrize("scale", [0, -0.5, float("nan"), float("inf"), True, "0.5"])
-def test_kept_scale_refuses_what_is_not_a_positive_share(scale):
-    with pytest.raises(ValueError, match="kept_scale must be a finite number above 0"):
-        StepMemoryEstimator(small_bert(False), bert_batch, "fp32", kept_scale=scale)
+def test_kept_scale_shares_the_layers_and_the_rest_apart():
+    """A step's activations saved inside the layers count the layers' share, the others the
+    rest's: counting none of the layers' gives the eager peak less at most what the layers keep,
+    and none of the rest's likewise; both at once below either."""
+    from measure.memory import KeptScale
+
+    def layers_of(model):
+        return list(model.bert.encoder.layer)
+
+    def peak(layers: float, rest: float) -> int:
+        scale = KeptScale(layers, rest, layers_of)
+        return StepMemoryEstimator(small_bert(False), bert_batch, "fp32", kept_scale=scale).peak(4).peak_bytes
+
+    eager = StepMemoryEstimator(small_bert(False), bert_batch, "fp32").peak(4).peak_bytes
+    assert peak(1.0, 1.0) == eager
+    no_layers, no_rest = peak(1e-9, 1.0), peak(1.0, 1e-9)
+    assert no_layers < eager and no_rest < eager
+    assert peak(1e-9, 1e-9) < min(no_layers, no_rest)
+
+
+@pytest.mark.parametrize("share", [0, -0.5, float("nan"), float("inf"), True, "0.5"])
+def test_kept_scale_refuses_what_is_not_a_positive_share(share):
+    from measure.memory import KeptScale
+
+    with pytest.raises(ValueError, match="kept_scale's layers must be a finite number above 0"):
+        KeptScale(share, 1.0, list)
+    with pytest.raises(ValueError, match=r"kept_scale must be a measure\.memory\.KeptScale"):
+        StepMemoryEstimator(small_bert(False), bert_batch, "fp32", kept_scale=0.5)
 
 
 # ---------------------------------------------------------------- step estimator vs real runs
