@@ -98,10 +98,10 @@ def saved_bytes_as_built(
 ) -> SavedTensorsReport:
     """Exact bytes a ``layers``-deep copy of ``model`` as ``configuration`` builds it keeps for
     backward at batch 1 in ``precision`` (its model dtype and autocast, as measure.training runs
-    a step; on the CUDA target dropout and SDPA as their CUDA kernels keep), by module type: run
-    eagerly (``compiled_at`` None) or as ``torch.compile`` partitions it at that activation
-    memory budget (measure.compiled; the partitioned graph runs as one function, so every byte
-    is the top module's)."""
+    a step; on the CUDA target dropout and SDPA as their CUDA kernels keep; the saved-tensor
+    meter's report): run eagerly (``compiled_at`` None) or as ``torch.compile`` partitions it at
+    that activation memory budget (measure.compiled; the partitioned graph runs as one function,
+    so every byte is the top module's)."""
     p = Precision(precision)
     with FakeTensorMode(), default_dtype(p.model_dtype):
         m = build_model(model, head, configuration, num_layers=layers).train()
@@ -143,6 +143,7 @@ def compile_kept_scale(model: str, configuration: str, seq: int, precision: str,
 
 
 def kept_scale_text(scale: KeptScale) -> str:
+    """``scale``'s two shares, as the command prints them."""
     return f"x{scale.layers:.3f} in the layers, x{scale.rest:.3f} elsewhere"
 
 
