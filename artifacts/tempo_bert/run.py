@@ -49,7 +49,13 @@ from measure.memory import PeakReport, search_max_batch
 from measure.parallel import map_points
 from measure.results import ResultFile, Results, Run
 from measure.units import GiB
-from tempo.maxbatch import compile_kept_scale, estimator, kept_scale_json, saved_bytes_as_built
+from tempo.maxbatch import (
+    compile_kept_scale,
+    estimator,
+    kept_scale_json,
+    kept_scale_text,
+    saved_bytes_as_built,
+)
 from tempo.models import MODELS, build_model
 
 from ..experiment import config_from_command_line, experiment_run, option
@@ -254,8 +260,8 @@ def run_maxbatch(run: Run, cases, configs, precisions, jobs: int, scale: str) ->
         measured, estimated = r["compiled"]["measured_bytes"], r["compiled"]["estimated_bytes"]
         print(
             f"  {conf:<9} compiled: measured {measured / 2**20:8.1f} MiB, estimated {estimated / 2**20:8.1f} "
-            f"MiB ({r['compiled_error']:+.2%}; kept x{r['kept_scale']['layers']:.3f} in the layers, "
-            f"x{r['kept_scale']['rest']:.3f} elsewhere); eager control {r['eager_error']:+.2%}"
+            f"MiB ({r['compiled_error']:+.2%}; kept {kept_scale_text(r['kept_scale'])}); "
+            f"eager control {r['eager_error']:+.2%}"
         )
     return store
 
@@ -440,11 +446,7 @@ def print_summary(
             print(
                 f"  {case:<36} {k['configuration']:<16} "
                 + " ".join(f"{p.result[g]['max_batch']:>11}" for g in GPUS)
-                + (
-                    ""
-                    if scale is None
-                    else f"  (eager step; kept x{scale['layers']:.3f} layers, x{scale['rest']:.3f} rest)"
-                )
+                + ("" if scale is None else f"  (eager step, kept {kept_scale_text(scale)})")
             )
         base = mb.get(maxbatch_key("bert-large", "pretraining", 512, "fp16", "hf-eager"))
         ours = mb.get(maxbatch_key("bert-large", "pretraining", 512, "fp16", "tempo"))

@@ -43,7 +43,7 @@ from transformers.utils import logging as hf_logging
 from measure.memory import StepMemoryEstimator
 from measure.parallel import map_points
 from measure.results import ResultFile, Results, Run
-from tempo.maxbatch import compile_kept_scale, kept_scale_json
+from tempo.maxbatch import compile_kept_scale, kept_scale_json, kept_scale_text
 from tempo.models import MODELS, ModelSpec, build_model, make_batch
 from tempo.ops import workspace_bytes
 
@@ -408,8 +408,7 @@ def print_summary(
             if all(p.result[g]["max_batch"] == 0 for g in GPUS):
                 note = f"  (batch 1 needs {max(p.result[g]['peak_gib'] for g in GPUS):.0f} GiB)"
             if "kept_scale" in p.result:
-                ks = p.result["kept_scale"]
-                note += f"  (eager step; kept x{ks['layers']:.3f} layers, x{ks['rest']:.3f} rest)"
+                note += f"  (eager step, kept {kept_scale_text(p.result['kept_scale'])})"
             print(f"  {k['model']:<14} {k['seq']:>5} {k['configuration']:<20} {row}{note}")
     if tr is not None:
         print(

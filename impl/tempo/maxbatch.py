@@ -142,9 +142,9 @@ def compile_kept_scale(model: str, configuration: str, seq: int, precision: str,
     return KeptScale(layers, rest, layer_modules)
 
 
-def kept_scale_text(scale: KeptScale) -> str:
-    """``scale``'s two shares, as the command prints them."""
-    return f"x{scale.layers:.3f} in the layers, x{scale.rest:.3f} elsewhere"
+def kept_scale_text(shares: dict[str, float]) -> str:
+    """A KeptScale's shares as a result file records them (kept_scale_json), in words."""
+    return f"x{shares['layers']:.3f} in the layers, x{shares['rest']:.3f} elsewhere"
 
 
 def kept_scale_json(scale: KeptScale) -> dict[str, float]:
@@ -233,7 +233,9 @@ def main(argv: list[str] | None = None) -> int:
     scale = None
     if args.compile:  # the partition's kept bytes; the step's other bytes as run eagerly
         scale = compile_kept_scale(args.model, configuration, args.seq, args.precision, head=args.head)
-        print(f"torch.compile keeps {kept_scale_text(scale)} of what the eager model keeps", flush=True)
+        print(
+            f"torch.compile keeps {kept_scale_text(kept_scale_json(scale))} of what eager keeps", flush=True
+        )
     est = estimator(args.model, args.head, args.seq, args.precision, configuration, kept_scale=scale)
     b, report = est.max_batch(budget.usable_bytes, limit=SEARCH_CAP)
     if b == 0:
