@@ -98,6 +98,14 @@ def _cmdline(pid: int) -> str:
         return ""
 
 
+def _files_left(tmp: Path, sig: signal.Signals, its_own: tuple[str, ...] = ()) -> list[str]:
+    """What a killed run left in its TMPDIR, less torch's compile cache (a cache, kept on purpose)
+    and, under SIGKILL, the killed process's own temporary folders (``its_own``: name prefixes;
+    SIGKILL gives a process no chance to remove its own): what its children left."""
+    exempt = ("torchinductor_", *(its_own if sig == signal.SIGKILL else ()))
+    return sorted(p.name for p in tmp.iterdir() if not p.name.startswith(exempt))
+
+
 def _kill_tagged(tag: str) -> None:
     for pid in _tagged(tag):  # only what the test started (its tag is in their environment)
         with contextlib.suppress(OSError):
@@ -105,11 +113,15 @@ def _kill_tagged(tag: str) -> None:
 
 
 def _kill_when_busy(
-    tag: str, command: list[str], sig: signal.Signals, busy, settle_s: float = 0.0
+    tag: str, command: list[str], sig: signal.Signals, busy, settle_s: float = 0.0, tmp: Path | None = None
 ) -> subprocess.Popen:
     """Start ``command``, send it ``sig`` ``settle_s`` after ``busy(pids with their command lines)``
-    holds, and check that nothing it started is left 20 s later."""
+    holds, and check that nothing it started is left 20 s later. ``tmp``: its temporary folder
+    (TMPDIR), for the caller to check what is left there."""
     env = {**os.environ, "FAULT_TEST_TAG": tag, "PYTHONPATH": f"{REPO}:{REPO / 'impl'}"}
+    if tmp is not None:
+        tmp.mkdir()
+        env["TMPDIR"] = str(tmp)
     proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         commands = lambda: {p: _cmdline(p) for p in _tagged(tag)}
@@ -163,19 +175,22 @@ profile_collectives(2, "cpu", sizes=[4096], repeats=10, rounds=10**6)  # busy un
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
-def test_killed_benchmark_leaves_no_rank(sig):
+def test_killed_benchmark_leaves_no_rank(tmp_path, sig):
     """The engine's collective, ZeRO and TP benchmarks fork their ranks from a server process
     (mist.engine.profiler): killed while the ranks are in their gloo group, no rank nor the server
-    may outlive the run (on SIGTERM the run ends at once, not after the ranks' work)."""
+    may outlive the run (on SIGTERM the run ends at once, not after the ranks' work), and no file
+    of theirs is left."""
     command = [sys.executable, "-c", _BENCHMARK]
 
     # the server and the ranks it forked share its command line
     def busy(cmds: dict[int, str]) -> bool:
         return sum("forkserver" in c for c in cmds.values()) >= 3
 
-    proc = _kill_when_busy(uuid.uuid4().hex, command, sig, busy, settle_s=2.0)
+    proc = _kill_when_busy(uuid.uuid4().hex, command, sig, busy, settle_s=2.0, tmp=tmp_path / "tmp")
     if sig == signal.SIGTERM:
         assert proc.returncode != 0
+    # pymp-: the killed process's multiprocessing folder (its forkserver's socket)
+    assert _files_left(tmp_path / "tmp", sig, its_own=("pymp-",)) == []
 
 
 _FORKED = """
@@ -189,16 +204,18 @@ ForkLauncher("tests.measure.fork_target:preload").run(2, "tests.measure.fork_tar
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
-def test_killed_fork_launch_leaves_no_server_or_rank(sig):
+def test_killed_fork_launch_leaves_no_server_or_rank(tmp_path, sig):
     """measure.fork_launch (the engine's CPU launches): its client killed while two forked ranks
-    run, neither the warm server nor a rank may outlive it."""
+    run, neither the warm server nor a rank may outlive it, nor the folder of the ranks' output
+    (the server's, removed when its client dies, even by SIGKILL)."""
     command = [sys.executable, "-c", _FORKED]
 
     # the server and the ranks it forked share its command line
     def busy(cmds: dict[int, str]) -> bool:
         return sum("measure.fork_launch" in c for c in cmds.values()) >= 3
 
-    _kill_when_busy(uuid.uuid4().hex, command, sig, busy, settle_s=1.0)
+    _kill_when_busy(uuid.uuid4().hex, command, sig, busy, settle_s=1.0, tmp=tmp_path / "tmp")
+    assert _files_left(tmp_path / "tmp", sig) == []
 
 
 _PROFILE = """
@@ -206,7 +223,8 @@ from measure.parallel import sigterm_as_interrupt
 from mist.engine.profiler import write_profiles
 import tempfile, torch
 sigterm_as_interrupt()
-with tempfile.TemporaryDirectory() as out:  # a profile that takes minutes, two copies beside it
+# a profile that takes minutes, two copies beside it; its folder named to tell it from theirs
+with tempfile.TemporaryDirectory(prefix="script-") as out:
     write_profiles(out, "cpu", 256, 4, 128, [1, 2, 4, 8], [1], torch.bfloat16, "cpu", repeats=10**4,
                    concurrent=3)
 """
@@ -215,13 +233,14 @@ with tempfile.TemporaryDirectory() as out:  # a profile that takes minutes, two 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
-def test_killed_profile_leaves_no_concurrent_copy(sig):
+def test_killed_profile_leaves_no_concurrent_copy(tmp_path, sig):
     """`mist profile` on a CPU runs copies of itself beside the measured one (a plan's ranks share
-    the cores): killed while they run, no copy may outlive it."""
+    the cores): killed while they run, no copy may outlive it, nor a copy's files."""
     command = [sys.executable, "-c", _PROFILE]
 
     # the measured profile and its two copies (multiprocessing's spawned children)
     def busy(cmds: dict[int, str]) -> bool:
         return sum("multiprocessing.spawn" in c for c in cmds.values()) >= 2
 
-    _kill_when_busy(uuid.uuid4().hex, command, sig, busy, settle_s=2.0)
+    _kill_when_busy(uuid.uuid4().hex, command, sig, busy, settle_s=2.0, tmp=tmp_path / "tmp")
+    assert _files_left(tmp_path / "tmp", sig, its_own=("script-",)) == []

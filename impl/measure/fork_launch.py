@@ -9,7 +9,9 @@ rule that one failed rank stops the others. The server must not have started thr
 ops before forking (the preload only imports): it forks a run's ranks first, then serves their
 rendezvous store (a thread, gone when the run ends) and sends each rank the store's port. Every
 process dies with its parent: ranks with the server, the server with its client; a run past its
-timeout is killed and raises TimeoutExpired.
+timeout is killed and raises TimeoutExpired. The server ends on SIGTERM (what it gets when its
+client dies, even by SIGKILL) by killing its ranks and removing the folder of their output, so
+that a killed run leaves neither processes nor files.
 
 Used where the same module runs many times on a CPU: the engine's tests and mist_vs_megatron's
 CPU launches; on a GPU the experiments launch with torchrun, as a user would.
@@ -24,6 +26,7 @@ import importlib
 import json
 import os
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -45,6 +48,7 @@ class ForkLauncher:
     def __init__(self, preload: str) -> None:
         self._preload = preload
         self._server = self._start()
+        self._in_flight = False  # a run was sent and not answered (the server is not reading stdin)
 
     def _start(self) -> subprocess.Popen:
         return subprocess.Popen(
@@ -53,7 +57,8 @@ class ForkLauncher:
             stdout=subprocess.PIPE,
             text=True,
             env={**os.environ, "OMP_NUM_THREADS": "1"},
-            preexec_fn=functools.partial(die_with_parent, os.getpid()),
+            # SIGTERM, not SIGKILL: the server then removes its ranks' output folder (_end_on_sigterm)
+            preexec_fn=functools.partial(die_with_parent, os.getpid(), sig=signal.SIGTERM),
         )
 
     def run(self, nproc: int, module: str, args: list[str], timeout: float) -> subprocess.CompletedProcess:
@@ -62,8 +67,10 @@ class ForkLauncher:
         request = {"nproc": nproc, "module": module, "args": args, "timeout": timeout}
         self._server.stdin.write(json.dumps(request) + "\n")
         self._server.stdin.flush()
+        self._in_flight = True
         ready, _, _ = select.select([self._server.stdout], [], [], timeout + GRACE_S)
         line = self._server.stdout.readline() if ready else ""
+        self._in_flight = not line
         if not line:
             self.close()
             raise RuntimeError(f"the fork server gave no answer within {timeout + GRACE_S:.0f} s (it died?)")
@@ -75,13 +82,19 @@ class ForkLauncher:
         )
 
     def close(self) -> None:
+        """End the server: at once where a run is in flight (this process was interrupted while it
+        waited), else once it has read the end of its requests."""
         with contextlib.suppress(OSError):
             self._server.stdin.close()
-        try:
-            self._server.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self._server.kill()
-            self._server.wait()
+        if self._in_flight:
+            self._server.terminate()  # it kills the run's ranks and removes their output
+        for stop in (self._server.terminate, self._server.kill):
+            try:
+                self._server.wait(timeout=10)
+                return
+            except subprocess.TimeoutExpired:
+                stop()
+        self._server.wait()
 
 
 def shared(preload: str) -> ForkLauncher:
@@ -103,6 +116,8 @@ def _rank(
     the server ended before it wrote one)."""
     code = 1
     try:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the server's cleanup is not a rank's
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})  # held by the server's fork
         die_with_parent(server)
         port = os.read(port_pipe, 16).decode()
         if not port:
@@ -134,11 +149,18 @@ def _serve(request: dict) -> dict:
     """Fork the request's ranks, wait for them (one failing stops the rest, as under torchrun),
     and say what they printed and how they ended."""
     nproc, server = request["nproc"], os.getpid()
-    folder = Path(tempfile.mkdtemp(prefix="fork_launch_"))
+    # made and recorded with SIGTERM held: the cleanup never misses a folder that exists
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    folder = _IN_FLIGHT["folder"] = Path(tempfile.mkdtemp(prefix="fork_launch_"))
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
     pids: dict[int, int] = {}
+    running = _IN_FLIGHT["running"] = set()  # forked, not yet reaped: what the cleanup may kill
     pipes = [os.pipe() for _ in range(nproc)]  # (read, write): each rank's store port
     sys.stdout.flush()
     sys.stderr.flush()  # else a rank's copy of an unwritten buffer is written twice
+    # SIGTERM held while forking: a rank is recorded as running before the cleanup can run, and a
+    # rank's cleanup is its default (it runs the server's until _rank resets it)
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
     for rank in range(nproc):
         env = {
             "RANK": str(rank),
@@ -154,6 +176,8 @@ def _serve(request: dict) -> dict:
             out, err = folder / f"{rank}.out", folder / f"{rank}.err"
             _rank(request["module"], request["args"], env, out, err, server, pipes[rank][0])
         pids[pid] = rank
+        running.add(pid)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
     store = serve_rendezvous()  # only now: forking must not copy a process with the store's thread
     for read, write in pipes:
         os.close(read)
@@ -170,6 +194,7 @@ def _serve(request: dict) -> dict:
                 _kill([p for p, r in pids.items() if r not in codes])
             time.sleep(0.05)
             continue
+        running.discard(pid)
         codes[pids[pid]] = os.waitstatus_to_exitcode(status)
         if codes[pids[pid]] != 0 and not first_failure:
             # the others may wait in a collective forever, or be writing what they report on the way
@@ -179,11 +204,23 @@ def _serve(request: dict) -> dict:
     text = {
         kind: "".join((folder / f"{r}.{kind}").read_text() for r in range(nproc)) for kind in ("out", "err")
     }
-    for path in folder.iterdir():
-        path.unlink()
-    folder.rmdir()
+    shutil.rmtree(folder)
+    _IN_FLIGHT.clear()
     del store  # its thread ends before the next run forks
     return {"returncode": first_failure, "stdout": text["out"], "stderr": text["err"], "timed_out": timed_out}
+
+
+# the run being served: its output folder and its ranks not yet reaped (for _end_on_sigterm)
+_IN_FLIGHT: dict = {}
+
+
+def _end_on_sigterm(signum: int, frame) -> None:
+    """The server's SIGTERM (its client ended it, or died): the run's ranks killed, their output
+    removed, then exit."""
+    _kill(list(_IN_FLIGHT.get("running", ())))
+    if "folder" in _IN_FLIGHT:
+        shutil.rmtree(_IN_FLIGHT["folder"], ignore_errors=True)
+    os._exit(128 + signum)
 
 
 def _kill(pids: list[int]) -> None:
@@ -197,6 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     line on stdin, one JSON reply a line on stdout; ends when stdin closes."""
     (preload,) = argv if argv is not None else sys.argv[1:]
     module, function = preload.split(":")
+    signal.signal(signal.SIGTERM, _end_on_sigterm)
     replies = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)  # what the preload or a rank prints must not mix into the replies
     getattr(importlib.import_module(module), function)()

@@ -25,13 +25,16 @@ from tqdm import tqdm
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
-def die_with_parent(parent: int, watchdog_s: float | None = None) -> None:
-    """Have the kernel SIGKILL this process when ``parent`` exits (Linux); exit now if it already
-    has. ``watchdog_s``: also poll the parent every that many seconds from a daemon thread (for
-    platforms without the signal, or children started by a thread that may end first)."""
+def die_with_parent(
+    parent: int, watchdog_s: float | None = None, sig: signal.Signals = signal.SIGKILL
+) -> None:
+    """Have the kernel send this process ``sig`` (SIGKILL unless it cleans up on another) when
+    ``parent`` exits (Linux); exit now if it already has. ``watchdog_s``: also poll the parent
+    every that many seconds from a daemon thread (for platforms without the signal, or children
+    started by a thread that may end first)."""
     if sys.platform.startswith("linux"):
         with contextlib.suppress(OSError, AttributeError):  # no prctl: the watchdog still holds
-            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
     if os.getppid() != parent:  # the parent died before the request above took effect
         os._exit(1)
     if watchdog_s is not None:
