@@ -494,6 +494,8 @@ class TempoBertConfig:
 
 def main(argv: list[str] | None = None) -> None:
     config, args, ap = config_from_command_line(TempoBertConfig, EXPERIMENT, argv, __doc__, jobs=True)
+    if "training" not in config.parts and config.corpus != "stdlib":  # ignored without a word
+        ap.error("--corpus applies to the training part only; add training to --parts")
     if "throughput" not in config.parts:  # they would be ignored without a word
         given = [
             flag
@@ -519,9 +521,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     if "throughput" in config.parts:
         try:
-            setup.budget  # noqa: B018 (validates --gpu-mem before any work)
+            usable = setup.budget.usable_bytes  # validates --gpu-mem before any work
         except ValueError as e:
             ap.error(f"--gpu-mem: {e}")
+        if usable <= 0:
+            ap.error(f"--gpu-mem {setup.gpu}: nothing is left for the model after the CUDA context's reserve")
     hf_logging.set_verbosity_error()
     torch.manual_seed(0)
     cases = CASES[config.scale]

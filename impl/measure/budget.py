@@ -5,6 +5,8 @@ Torch-free, so planners (Mist) that only do the arithmetic do not load torch.
 
 from __future__ import annotations
 
+import contextlib
+import math
 from dataclasses import dataclass
 
 from .units import GiB
@@ -32,15 +34,18 @@ class GpuBudget:
         """'16GB' / '16GiB' / '11g' (binary GiB, as GPUs are sold), '512MiB', or a byte count."""
         s = text.strip().lower().replace(" ", "")
         units = {"gib": GiB, "gb": GiB, "g": GiB, "mib": 2**20, "mb": 2**20, "m": 2**20}
+        accepted = "use e.g. '16GB', '80GiB', '512MiB' or a byte count"
+        size = None
         for suffix, unit in units.items():
             number = s.removesuffix(suffix)
             if number != s:
-                try:
-                    return cls(int(float(number) * unit), **kwargs)
-                except ValueError:
-                    break
-        if s.isdigit():
-            return cls(int(s), **kwargs)
-        raise ValueError(
-            f"memory size {text!r} not understood: use e.g. '16GB', '80GiB', '512MiB' or a byte count"
-        )
+                with contextlib.suppress(ValueError):
+                    size = float(number) * unit
+                break
+        if size is None and s.isdigit():
+            size = int(s)
+        if size is None:
+            raise ValueError(f"memory size {text!r} not understood: {accepted}")
+        if not (math.isfinite(size) and size >= 1):  # inf, nan, 1e400, zero, negative
+            raise ValueError(f"memory size {text!r} must be a positive, finite amount: {accepted}")
+        return cls(int(size), **kwargs)

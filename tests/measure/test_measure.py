@@ -275,6 +275,10 @@ def test_gpu_budget_parsing():
     for bad in ("lots", "GB", "1.5.0GB"):
         with pytest.raises(ValueError, match="not understood"):
             GpuBudget.parse(bad)
+    # an amount that is not one: refused in one line, never an OverflowError or a zero budget
+    for bad in ("infGiB", "1e400GiB", "nanGB", "0", "0GB", "-4GB", "0.0MiB"):
+        with pytest.raises(ValueError, match="must be a positive, finite amount"):
+            GpuBudget.parse(bad)
 
 
 def op_calls(dt: torch.dtype) -> dict[str, tuple[str, object]]:

@@ -204,23 +204,8 @@ def test_plan_under_a_device_memory_cap(tmp_path, capsys):
     assert all(s.memory_bytes <= 2 * 2**20 for s in tight.stages)
     assert max(s.memory_bytes for s in plans["16GiB"].stages) > 2 * 2**20  # unconstrained, it uses more
     capsys.readouterr()
-    assert (
-        main(
-            [
-                "plan",
-                "--model",
-                "gpt3-tiny",
-                "--gpus",
-                "2",
-                "--gpu",
-                "cpu",
-                "--global-batch",
-                "8",
-                "--gpu-mem",
-                "lots",
-            ]
-        )
-        == 2
-    )
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "'16GB', '80GiB', '512MiB'" in err[0], err
+    base = ["plan", "--model", "gpt3-tiny", "--gpus", "2", "--gpu", "cpu", "--global-batch", "8"]
+    for bad in ("lots", "infGiB", "1e400GiB"):  # the last two once ended in an OverflowError
+        assert main([*base, "--gpu-mem", bad]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "'16GB', '80GiB', '512MiB'" in err[0], err
