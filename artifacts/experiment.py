@@ -17,7 +17,14 @@ from typing import Any, TypeVar
 
 from measure.cli import OneLineParser
 from measure.parallel import sigterm_as_interrupt
-from measure.results import ResultFileError, Run, RunLockedError, open_run, update_reference
+from measure.results import (
+    NotAResultsFolderError,
+    ResultFileError,
+    Run,
+    RunLockedError,
+    open_run,
+    update_reference,
+)
 
 ARTIFACTS = Path(__file__).resolve().parent
 C = TypeVar("C")
@@ -127,9 +134,15 @@ def experiment_run(args: argparse.Namespace, experiment: Experiment) -> Iterator
         k: v for k, v in sorted(vars(args).items()) if k not in RUN_FLAGS
     }
     sigterm_as_interrupt()  # a killed run unwinds like Ctrl-C: workers stopped, resumable
+    _refuse_a_reference(Path(args.results))
     try:
         run = open_run(args.results, _plain(config), args.fresh)
-    except (OSError, ResultFileError, RunLockedError) as e:  # before any work: one line, no traceback
+    except (
+        OSError,
+        ResultFileError,
+        NotAResultsFolderError,
+        RunLockedError,
+    ) as e:  # before any work: one line
         raise SystemExit(f"error: {e}") from None
     try:
         with run:
@@ -144,6 +157,17 @@ def experiment_run(args: argparse.Namespace, experiment: Experiment) -> Iterator
     if args.update_reference:
         for path in update_reference(args.results, experiment.reference_dir, run.run_id):
             print(f"reference updated: {path}")
+
+
+def _refuse_a_reference(results: Path) -> None:
+    """A committed reference changes only by --update-reference, never as a run's results folder
+    (a run would rewrite its files with this run's points alone)."""
+    for reference in sorted(ARTIFACTS.glob("*/reference")):
+        if results.resolve().is_relative_to(reference.resolve()):
+            raise SystemExit(
+                f"error: --results {results} is {reference.parent.name}'s committed reference; give "
+                f"another folder (--update-reference makes a run's points the reference)"
+            )
 
 
 def _plain(obj: Any) -> Any:

@@ -49,6 +49,10 @@ class ResultFileError(ValueError):
     """A result file that cannot be read as one; the message names the file and what to do."""
 
 
+class NotAResultsFolderError(ValueError):
+    """A results folder asked for that holds files that are not results (a source folder)."""
+
+
 class RunLockedError(RuntimeError):
     """Another run is writing to the same results folder."""
 
@@ -248,6 +252,7 @@ class Run:
 
     def __init__(self, results_dir: str | os.PathLike, config: dict[str, Any], fresh: bool = False) -> None:
         self.dir = Path(results_dir)
+        _check_results_folder(self.dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self._lock = open(self.dir / ".lock", "w")  # noqa: SIM115 (held for the run's lifetime)
         try:
@@ -386,6 +391,21 @@ class ResultFile(Results):
     def this_run(self) -> Results:
         """Only the points this run computed (what its summary prints)."""
         return Results(self.path, [p for p in self if p.provenance.get("run_id") == self.run.run_id])
+
+
+def _check_results_folder(folder: Path) -> None:
+    """A run writes only into a folder of runs' results (new, empty, or holding result files and
+    its manifest): never among other files, such as the repository's (``--results ''``)."""
+    if not folder.is_dir():
+        return  # made by the run (or refused by mkdir: not a folder)
+    # a run's: result files, its manifest and lock, and a write a kill interrupted (write_json_atomic)
+    ours = lambda p: p.suffix == ".json" or p.name == ".lock" or (p.name[0] == "." and p.suffix == ".tmp")
+    others = sorted(p.name for p in folder.iterdir() if not ours(p))
+    if others:
+        raise NotAResultsFolderError(
+            f"{folder} holds files that are not results (e.g. {others[0]}): give --results a new "
+            "or empty folder, or one a run wrote"
+        )
 
 
 def open_run(results_dir: str | os.PathLike, config: dict[str, Any], fresh: bool = False) -> Run:

@@ -239,3 +239,34 @@ def test_an_unwritable_results_folder_is_refused_before_any_work(tmp_path):
         work.append("measured")  # never reached
     assert str(e.value).startswith("error: ") and "a-file" in str(e.value)
     assert work == []
+
+
+@pytest.mark.parametrize(
+    ("where", "message"),
+    [
+        ("reference", "error: --results . is tempo_llama's committed reference"),
+        ("repository", "error: . holds files that are not results"),
+    ],
+)
+def test_a_reference_or_a_source_folder_is_refused_as_results(tmp_path, monkeypatch, where, message):
+    """--results pointed at a committed reference or at the repository (``--results ''``) wrote
+    the run's files among them (a probe overwrote a tracked reference file): refused in one line
+    before any work. Control: a new, an empty and a run's own folder are taken."""
+    import argparse
+
+    from artifacts.experiment import Experiment, experiment_run
+
+    experiment = Experiment("tempo_llama")
+    folder = {"reference": experiment.reference_dir, "repository": REPO_ROOT}[where]
+    monkeypatch.chdir(folder)
+    before = sorted(p.name for p in folder.iterdir())
+    args = argparse.Namespace(results=type(folder)(""), fresh=False, update_reference=False)
+    work = []
+    with pytest.raises(SystemExit) as e, experiment_run(args, experiment):
+        work.append("measured")  # never reached
+    assert str(e.value).startswith(message) and "\n" not in str(e.value), e.value
+    assert work == [] and sorted(p.name for p in folder.iterdir()) == before
+    (tmp_path / "empty").mkdir()
+    for ok in (tmp_path / "new", tmp_path / "empty", tmp_path / "new"):  # the last: a run wrote it
+        with open_run(ok, {"x": 1}):
+            pass
