@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import os
+from pathlib import Path
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -11,3 +13,17 @@ class OneLineParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> None:  # type: ignore[override]
         self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def check_writable_file(path: Path, suffixes: tuple[str, ...] = ()) -> None:
+    """Before any work: a file can be written at ``path`` (of one of ``suffixes``, where given).
+    Raises ValueError saying why not."""
+    if suffixes and path.suffix not in suffixes:
+        names = " or ".join(filter(None, (", ".join(suffixes[:-1]), suffixes[-1])))
+        raise ValueError(f"{path}: written as {names}")
+    if path.is_dir():
+        raise ValueError(f"{path}: a folder; give the file's name")
+    if not path.parent.is_dir():
+        raise ValueError(f"{path}: folder {path.parent} does not exist")
+    if not os.access(path.parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise ValueError(f"{path}: not writable")

@@ -63,7 +63,10 @@ def die_with_launcher(launcher: int | None = None) -> None:
     end them."""
     die_with_parent(os.getppid())
     if launcher is None and LAUNCHER_PID_ENV in os.environ:
-        launcher = int(os.environ[LAUNCHER_PID_ENV])
+        text = os.environ[LAUNCHER_PID_ENV]
+        if not text.isdigit():
+            raise SystemExit(f"error: {LAUNCHER_PID_ENV}={text!r} must be a process id")
+        launcher = int(text)
     if launcher is not None:
         _exit_when_gone(launcher)
 
@@ -74,6 +77,7 @@ def _exit_when_gone(pid: int) -> None:
     try:
         fd = os.pidfd_open(pid)
     except ProcessLookupError:
+        print(f"error: the process that launched this one (pid {pid}) has ended", file=sys.stderr, flush=True)
         os._exit(1)
     except (AttributeError, OSError):  # not Linux >= 5.3
         fd = None

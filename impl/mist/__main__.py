@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from measure.cli import OneLineParser
+from measure.cli import OneLineParser, check_writable_file
 
 from .model.profile_data import ARTIFACT_DATA
 from .model.specs import GPUS, GRAD_ACCUMULATION, HOSTS, MODELS, cluster, model
@@ -73,15 +73,10 @@ def _build_model(args):
 
 def _check_writable(path: Path) -> None:
     """Before the search: the plan can be written where asked (a .yaml, .yml or .json file)."""
-    if path.suffix not in (".yaml", ".yml", ".json"):
-        raise ValueError(f"--out {path}: a plan is written as .yaml, .yml or .json")
-    if path.is_dir():
-        raise ValueError(f"--out {path}: a folder; give the plan file's name")
-    folder = path.parent
-    if not folder.is_dir():
-        raise ValueError(f"--out {path}: folder {folder} does not exist")
-    if not os.access(folder, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
-        raise ValueError(f"--out {path}: not writable")
+    try:
+        check_writable_file(path, (".yaml", ".yml", ".json"))
+    except ValueError as e:
+        raise ValueError(f"--out {e}") from None
 
 
 def _engine_argument(p: argparse.ArgumentParser) -> None:

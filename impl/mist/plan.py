@@ -335,6 +335,21 @@ class Plan:
         if bucket is not None and not (_is_int(bucket) and bucket >= 1):
             raise ValueError(f"grad_bucket_params must be a whole number >= 1 or null, got {bucket!r}")
 
+    def check_model(self, spec: ModelSpec | None = None) -> None:
+        """Raises ValueError unless the stages hold ``spec``'s layers (default: the model the plan
+        names) and each stage's TP divides its heads and key/value heads."""
+        spec = spec or self.model_spec()
+        if sum(s.layers for s in self.stages) != spec.layers:
+            raise ValueError(
+                f"the stages hold {sum(s.layers for s in self.stages)} layers, the model has {spec.layers}"
+            )
+        for i in range(len(self.stages)):
+            tp = self.stage_parallelism(i)[0]
+            if spec.heads % tp or spec.kv % tp:
+                raise ValueError(
+                    f"stage {i}: TP {tp} must divide the heads ({spec.heads}) and key/value heads ({spec.kv})"
+                )
+
     def _check_interleaving(self) -> None:
         """Virtual stages as megatron-core's interleaved schedule runs them and Megatron-LM's
         ``--num-virtual-stages-per-pipeline-rank`` says them: every stage the same layers and

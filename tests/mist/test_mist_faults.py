@@ -121,7 +121,7 @@ def test_outputs_are_checked_before_any_work(tmp_path, capsys):
     folder = tmp_path / "plan.yaml"
     folder.mkdir()
     assert main([*BASE, "--out", str(folder)]) == 2
-    _one_error_line(capsys, "a folder; give the plan file's name")
+    _one_error_line(capsys, "a folder; give the file's name")
     profile = [
         "profile",
         "--name",

@@ -9,6 +9,9 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -1036,3 +1039,54 @@ def test_offloaded_activations_leave_the_device_peak(tmp_path):
     for peak, prediction, _ in runs.values():
         assert abs(peak / prediction - 1) < 0.10, runs
     assert abs(runs[8, 0, 0.0][0] / runs[8, 0, 1.0][1] - 1) > 0.10, runs  # the control: nothing offloaded
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda p: dataclasses.replace(p, micro_batch=3), "not a multiple of dp x micro_batch"),
+        (lambda p: dataclasses.replace(p, micro_batch=16), "not a multiple of dp x micro_batch"),
+        (lambda p: dataclasses.replace(p, stages=[StagePlan(layers=4, zero=7)]), "zero must be 0, 1, 2 or 3"),
+        (lambda p: dataclasses.replace(p, stages=[StagePlan(layers=4, recompute=9)]), "recompute must be in"),
+        (lambda p: dataclasses.replace(p, stages=[StagePlan(layers=5)]), "the stages hold 5 layers"),
+        (lambda p: dataclasses.replace(p, tp=3, gpus=3), "TP 3 must divide the heads"),
+    ],
+)
+def test_engine_refuses_a_plan_built_in_code_as_a_loaded_one_is(change, message, monkeypatch):
+    """``run()`` took a Plan made in code on trust: micro-batch 3 of 8 dropped sequences, ZeRO 7,
+    recompute 9 of 4 layers and a 5-layer stage for a 4-layer model all trained. Refused before
+    anything is built (no process group here: building would fail differently)."""
+    from mist.engine import run as engine
+
+    monkeypatch.setattr(engine, "_build", lambda *a: pytest.fail("built"))
+    plan = change(_tiny_plan([StagePlan(layers=4)]))
+    with pytest.raises(ValueError, match=message):
+        engine.run(plan)
+
+
+@pytest.mark.parametrize(
+    ("env", "argv", "message"),
+    [
+        ({"RANK": "abc"}, [], "RANK='abc' must be a whole number"),
+        ({"MASTER_PORT": "x1"}, [], "MASTER_PORT='x1' must be a whole number"),
+        ({}, ["--out", "{tmp}"], "a folder; give the file's name"),
+        ({}, ["--out", "{tmp}/no/such/report.json"], "does not exist"),
+        ({}, ["--plan", "{tmp}/missing.yaml"], "No such file or directory"),
+        ({"MEASURE_LAUNCHER_PID": "abc"}, [], "MEASURE_LAUNCHER_PID='abc' must be a process id"),
+    ],
+)
+def test_engine_command_refuses_bad_launches_in_one_line(tmp_path, env, argv, message):
+    """`python -m mist.engine.run` with a missing plan file, an --out it cannot write (found after
+    the training, before), or launcher variables that are not numbers: one line, exit 2."""
+    plan = tmp_path / "plan.yaml"
+    _tiny_plan([StagePlan(layers=4)]).save(plan)
+    args = ["--plan", str(plan), *(a.format(tmp=tmp_path) for a in argv)]
+    done = subprocess.run(
+        [sys.executable, "-m", "mist.engine.run", *args],
+        env={**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_PORT": "1", **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    err = [line for line in done.stderr.splitlines() if "warn" not in line.lower()]
+    assert done.returncode in (1, 2) and len(err) == 1 and message in err[0], done.stderr[-2000:]

@@ -51,7 +51,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from measure.cli import OneLineParser
+from measure.cli import OneLineParser, check_writable_file
 from measure.parallel import die_with_launcher
 from measure.training import MasterWeightAdamW
 
@@ -762,6 +762,8 @@ def _report(built: _BuiltStage, steps: _Steps, measured: dict) -> dict:
 
 def run(plan: Plan, steps: int = 5, seed: int = 0, lr: float = 1e-2) -> dict:
     """Train ``steps`` iterations of ``plan`` on this process group; the report of this rank."""
+    plan.check()  # a plan built in code is checked as a loaded one is (micro-batches, ZeRO stages)
+    plan.check_model()  # its stages hold the model's layers; TP divides its heads
     plan = plan.with_stage_parallelism_lifted()  # the same plan, in the form megatron-core builds
     reasons = unsupported(plan)
     if reasons:
@@ -888,6 +890,10 @@ def preload() -> None:
     import megatron.core.optimizer  # noqa: F401
 
 
+# what torchrun (or measure.fork_launch) sets for a rank, each a whole number
+LAUNCH_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_PORT")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = OneLineParser(
         prog="torchrun ... -m mist.engine.run",
@@ -902,6 +908,14 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.steps < 1:
         ap.error(f"--steps must be at least 1, got {args.steps}")
+    for name in LAUNCH_ENV:  # torch's own errors would not name the variable
+        if name in os.environ and not os.environ[name].isdigit():
+            ap.error(f"{name}={os.environ[name]!r} must be a whole number (torchrun sets it)")
+    if args.out:  # before the training, not after it
+        try:
+            check_writable_file(Path(args.out))
+        except ValueError as e:
+            ap.error(f"--out: {e}")
     die_with_launcher()  # a rank never outlives its launcher (torchrun, or fork_launch's server)
     try:
         plan = Plan.load(args.plan)
@@ -917,7 +931,7 @@ def main(argv: list[str] | None = None) -> int:
 
         with gpu_standins():  # on a CPU: its stand-ins for a GPU's bf16 GEMMs and dropout, as the profiles'
             report = run(plan, args.steps)
-    except ValueError as e:
+    except (OSError, ValueError) as e:  # a plan file missing or unreadable; a plan it cannot run
         print(f"error: {e}", file=sys.stderr)
         return 2
     except torch.cuda.OutOfMemoryError:  # the allocator's cap (the plan's); torchrun stops the others

@@ -630,16 +630,7 @@ def _check_inputs(model: ModelSpec, cluster: ClusterSpec, global_batch: int | No
 def _check(plan: Plan, model: ModelSpec, cluster: ClusterSpec) -> None:
     """Raises ValueError unless ``plan`` is well-formed and fits ``model`` and ``cluster``."""
     plan.check()
-    if sum(s.layers for s in plan.stages) != model.layers:
-        raise ValueError(
-            f"the stages hold {sum(s.layers for s in plan.stages)} layers, the model has {model.layers}"
-        )
-    for i in range(len(plan.stages)):
-        tp = plan.stage_parallelism(i)[0]
-        if model.heads % tp or model.kv % tp:
-            raise ValueError(
-                f"stage {i}: TP {tp} must divide the heads ({model.heads}) and key/value heads ({model.kv})"
-            )
+    plan.check_model(model)
     if plan.gpu != cluster.gpu.name or plan.gpus != cluster.gpus:
         raise ValueError(
             f"the plan is for {plan.gpus} x {plan.gpu}, the cluster has {cluster.gpus} x {cluster.gpu.name}"
