@@ -8,6 +8,7 @@ reference), where the figure goes, and a title that says where its numbers came 
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import matplotlib
@@ -20,7 +21,7 @@ sys.path.insert(0, str(ROOT / "impl"))  # measure.results without installing the
 sys.path.insert(0, str(ROOT))
 
 from measure.cli import OneLineParser  # noqa: E402
-from measure.results import Results  # noqa: E402
+from measure.results import ResultFileError, Results  # noqa: E402
 
 _SOURCE = {"reference": False}
 
@@ -38,8 +39,32 @@ def source_name() -> str:
 
 def load(experiment: str, name: str) -> Results | None:
     """The result file ``name`` of ``experiment`` from the chosen source; None if it has no points."""
-    found = Results.load(ROOT / "artifacts" / experiment / source_name() / name)
+    try:
+        found = Results.load(ROOT / "artifacts" / experiment / source_name() / name)
+    except ResultFileError as e:  # names the file and what to do
+        raise SystemExit(f"error: {e}") from None
     return found if len(found) else None
+
+
+def draw(experiment: str, plots: list[Callable[[], Path | None]]) -> None:
+    """Each of ``plots`` (a figure's path, or None where its results are missing), saying what
+    was written, or in one line that there was nothing to draw or that a point could not be."""
+    made = []
+    for plot in plots:
+        try:
+            made.append(plot())
+        except (KeyError, TypeError, ValueError, IndexError) as e:  # a point of another shape
+            raise SystemExit(
+                f"error: artifacts/{experiment}/{source_name()}/ holds a point this script cannot draw "
+                f"({type(e).__name__}: {e}); rerun the experiment (nox -s {experiment}) into it"
+            ) from None
+    for path in filter(None, made):
+        print(f"wrote {path}")
+    if not any(made):
+        print(
+            f"nothing to draw: artifacts/{experiment}/{source_name()}/ has no results; run nox -s "
+            f"{experiment} first, or draw the committed reference with --reference"
+        )
 
 
 def source_note(results: Results) -> str:

@@ -5,9 +5,10 @@ python figures/plot_cta_mlp.py [--reference]
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
-from _common import finish, load, parse_source, plt  # first: the headless backend and import path
+from _common import draw, finish, load, parse_source, plt  # first: the headless backend and import path
 
 EXPERIMENT = "cta_mlp"
 METHODS = {
@@ -99,8 +100,7 @@ def _suffix(name: str) -> str:
 
 if __name__ == "__main__":
     parse_source(__doc__)
-    for name in ("sim", "sim_measured"):
-        for plot in (plot_latency, plot_reduction):
-            out = plot(name)
-            if out:
-                print(f"wrote {out}")
+    draw(
+        "cta_mlp",
+        [functools.partial(f, n) for n in ("sim", "sim_measured") for f in (plot_latency, plot_reduction)],
+    )

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from _common import finish, load, parse_source, plt  # first: the headless backend and import path
+from _common import draw, finish, load, parse_source, plt  # first: the headless backend and import path
 
 EXPERIMENT = "mist_vs_megatron"
 PREDICTED = "; predicted by Mist's cost model"
@@ -193,6 +193,4 @@ def plot_tempo() -> Path | None:
 
 if __name__ == "__main__":
     parse_source(__doc__)
-    for made in (plot_speedup(), plot_tuning_time(), plot_ablation(), plot_measured(), plot_tempo()):
-        if made is not None:
-            print(f"wrote {made}")
+    draw("mist_vs_megatron", [plot_speedup, plot_tuning_time, plot_ablation, plot_measured, plot_tempo])

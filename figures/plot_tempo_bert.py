@@ -5,9 +5,10 @@ python figures/plot_tempo_bert.py [--reference]
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
-from _common import finish, load, parse_source, plt  # first: the headless backend and import path
+from _common import draw, finish, load, parse_source, plt  # first: the headless backend and import path
 
 EXPERIMENT = "tempo_bert"
 MAIN = ["hf-eager", "hf-sdpa", "tempo", "tempo+sdpa", "checkpointing"]
@@ -211,12 +212,13 @@ def plot_throughput(device: str) -> Path | None:
 
 if __name__ == "__main__":
     parse_source(__doc__)
-    for made in (
-        plot_activation(),
-        plot_maxbatch(),
-        plot_training(),
-        plot_throughput("cpu"),
-        plot_throughput("cuda"),
-    ):
-        if made is not None:
-            print(f"wrote {made}")
+    draw(
+        "tempo_bert",
+        [
+            plot_activation,
+            plot_maxbatch,
+            plot_training,
+            functools.partial(plot_throughput, "cpu"),
+            functools.partial(plot_throughput, "cuda"),
+        ],
+    )

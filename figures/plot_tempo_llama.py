@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from _common import finish, load, parse_source, plt  # first: the headless backend and import path
+from _common import draw, finish, load, parse_source, plt  # first: the headless backend and import path
 
 EXPERIMENT = "tempo_llama"
 MODELS = ("llama-3.2-1b", "llama-3-8b")
@@ -83,6 +83,4 @@ def plot_maxbatch() -> Path | None:
 
 if __name__ == "__main__":
     parse_source(__doc__)
-    for made in (plot_layer(), plot_maxbatch()):
-        if made is not None:
-            print(f"wrote {made}")
+    draw("tempo_llama", [plot_layer, plot_maxbatch])

@@ -191,6 +191,23 @@ def test_a_broken_result_file_is_one_line(copied_artifacts, capsys):
     assert claims.main(["--pins", "tempo_layer"]) == 2
 
 
+@pytest.mark.parametrize("wrong", ["0.0", True, [1], {"x": 1}])
+def test_a_value_of_the_wrong_type_is_one_line(copied_artifacts, capsys, wrong):
+    """A point whose judged number is a string, a boolean or a structure (a file edited by hand
+    or written by other code): one line naming the file, exit 2 (it was a TypeError traceback
+    from the claim's code, or "0.0" read as 0.0: the bound judged on a string)."""
+    path = copied_artifacts / "tempo_llama" / "results" / "layer_saved_bytes.json"
+
+    def retype(p):
+        if "formula_error" in p["result"]:
+            p["result"]["formula_error"] = wrong
+
+    _edit(path, retype)
+    assert claims.main(["tempo_llama"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert str(path) in err and "wrong type" in err and "\n" not in err, err
+
+
 @pytest.mark.parametrize(
     "argv, expected",
     [
