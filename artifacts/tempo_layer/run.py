@@ -202,6 +202,13 @@ def measure_layer(
     }
 
 
+def _kept_bytes(seq: int, batch: int, dtype: torch.dtype, hidden: int = 1024, heads: int = 16) -> int:
+    """What HF's BERT-Large layer keeps for backward at this shape, by its closed form."""
+    c_sbh, c_as2b = CLOSED_FORMS["hf-eager"]
+    scale = torch.finfo(dtype).bits / 16  # the closed forms are for 2-byte activations
+    return int(scale * (c_sbh * seq * batch * hidden + c_as2b * heads * seq * seq * batch))
+
+
 def gelu_backward_error(dtype: torch.dtype, approximate: str, n: int, seed: int) -> dict:
     """Norm-wise error of Tempo's GELU backward (input recovered from the output) against autograd
     through torch's GELU, on ``n`` fresh normal inputs scaled by 3 (both branches, the minimum)."""
@@ -282,6 +289,13 @@ def main(argv: list[str] | None = None) -> None:
     if min(config.seq) < 1 or config.batch < 1:
         ap.error(
             f"--seq and --batch must be positive integers, got --seq {config.seq} --batch {config.batch}"
+        )
+    need = _kept_bytes(max(config.seq), config.batch, DTYPES[config.dtype])
+    have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if need > have:  # the real layers would fail in the allocator, after the first rows were printed
+        ap.error(
+            f"--seq {max(config.seq)} --batch {config.batch}: HF's layer keeps {need / 2**30:.0f} GiB for "
+            f"backward (its closed form), more than this machine's {have / 2**30:.0f} GiB of memory"
         )
     hf_logging.set_verbosity_error()
     torch.manual_seed(0)

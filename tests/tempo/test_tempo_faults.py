@@ -435,3 +435,29 @@ def test_attention_refuses_what_it_cannot_compute_in_one_line(make, error, messa
     with pytest.raises(error, match=message) as e:
         tempo.scaled_dot_product_attention(*make())
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--seq", "100000"], r"--seq 100000 --batch 1: HF's layer keeps \d+ GiB for backward"),
+        (["--seq", "512", "--batch", "100000"], r"--seq 512 --batch 100000: HF's layer keeps"),
+        (["--seq", "0"], "must be positive integers"),
+    ],
+)
+def test_layer_run_refuses_what_memory_cannot_hold_before_any_work(
+    argv, message, capsys, monkeypatch, tmp_path
+):
+    """tempo_layer with a shape no machine here can hold failed in the allocator after printing
+    its first rows: refused by the closed form of what HF's layer keeps, before any work. The
+    machine's memory is made 24 GiB so the test says the same on every CI runner."""
+    from artifacts.tempo_layer import run
+
+    monkeypatch.setattr(run, "experiment_run", lambda *a: pytest.fail("work started"))
+    sysconf = {"SC_PAGE_SIZE": 4096, "SC_PHYS_PAGES": 24 * 2**30 // 4096}
+    monkeypatch.setattr(run.os, "sysconf", sysconf.__getitem__)
+    with pytest.raises(SystemExit) as e:
+        run.main([*argv, "--results", str(tmp_path)])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and re.search(message, err), err
