@@ -357,6 +357,14 @@ def cmd_calibrate(args) -> int:
         layouts = "the layout of data/mist-artifact, or `mist profile` output"
         print(f"error: no layer profiles under {data} ({layouts})", file=sys.stderr)
         return 2
+    unknown = sorted({r["gpu"] for r in report.values()} - set(GPUS))
+    if args.write and unknown:  # a preset no plan could use: `mist plan --gpu` takes GPUS only
+        print(
+            f"error: no GPU preset named {', '.join(unknown)} (profiles' --name); presets are written for "
+            f"{', '.join(GPUS)}",
+            file=sys.stderr,
+        )
+        return 2
     written = set()
     for name, r in report.items():
         print(
@@ -410,6 +418,18 @@ def _check_profile_folder(out: Path, replace: bool) -> None:
         f.unlink()
 
 
+def _check_collectives(counts: list[int], device: str) -> None:
+    """Process counts the collective benchmarks can run here: at least 2, at most this machine's
+    cores (on a CPU; more oversubscribe them and the benchmark measures the scheduler) or GPUs."""
+    import torch
+
+    have = torch.cuda.device_count() if device.startswith("cuda") else os.cpu_count() or 1
+    for n in counts:
+        if not 2 <= n <= have:
+            what = "GPUs" if device.startswith("cuda") else "cores"
+            raise ValueError(f"--collectives {n}: among 2 to {have} processes (this machine's {what})")
+
+
 def cmd_profile(args) -> int:
     import torch
 
@@ -420,7 +440,8 @@ def cmd_profile(args) -> int:
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print(f"error: --device {args.device}: no CUDA device here", file=sys.stderr)
         return 2
-    _check_profile_folder(Path(args.out), args.replace)
+    if args.name not in GPUS:  # `mist calibrate --write` makes the profile's name a preset
+        raise ValueError(f"--name {args.name}: not a GPU preset; one of {', '.join(GPUS)}")
     sizes = {"hidden": args.hidden, "heads": args.heads, "seq": args.seq, "repeats": args.repeats}
     bad = (
         [f"--{k} {v}" for k, v in sizes.items() if v < 1]
@@ -429,6 +450,14 @@ def cmd_profile(args) -> int:
     )
     if bad:
         raise ValueError(f"{', '.join(bad)}: must be >= 1")
+    for flag, values in (
+        ("--micro-batches", args.micro_batches),
+        ("--tp", args.tp),
+        ("--collectives", args.collectives),
+    ):
+        if len(set(values)) < len(values):
+            raise ValueError(f"{flag} {' '.join(map(str, values))}: a value given twice")
+    _check_collectives(args.collectives, args.device)
     if args.hidden % args.heads:
         raise ValueError(f"--hidden {args.hidden} must be a multiple of --heads {args.heads}")
     for tp in args.tp:
@@ -437,6 +466,7 @@ def cmd_profile(args) -> int:
         if args.vocab is not None and args.vocab % tp:
             raise ValueError(f"--tp {tp} must divide --vocab {args.vocab}")
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
+    _check_profile_folder(Path(args.out), args.replace)  # last: with --replace it removes the old profile
     files = write_profiles(
         Path(args.out),
         args.device,
@@ -486,6 +516,13 @@ def cmd_profile_host(args) -> int:
     from .model.runtime import PRESETS
 
     threads = tuple(range(1, (os.cpu_count() or 1) + 1))[: args.max_threads]
+    need = 16 * args.params  # fp32 weights, gradients and AdamW's two moments
+    have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if need > have:
+        raise ValueError(
+            f"--params {args.params}: AdamW's state for them takes {need / 2**30:.0f} GiB, more than this "
+            f"machine's {have / 2**30:.0f} GiB of memory"
+        )
     d = profile_cpu_adam(args.params, threads, args.repeats)
     for n, rate in zip(d["threads"], d["params_per_s"], strict=True):
         moved = rate * d["bytes_moved_per_param"] / 1e9

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -405,3 +407,56 @@ def test_collective_benchmarks_are_taken_at_face_value_no_more(tmp_path, name, t
     with pytest.raises(ValueError, match=re.escape(expected)) as e:
         read_collectives(tmp_path)
     assert name in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["--name", "tpu"], "--name tpu: not a GPU preset; one of"),
+        (["--collectives", "1"], "--collectives 1: among 2 to"),
+        (["--collectives", "4096"], "--collectives 4096: among 2 to"),
+        (["--micro-batches", "1", "1"], "--micro-batches 1 1: a value given twice"),
+        (["--tp", "1", "1"], "--tp 1 1: a value given twice"),
+    ],
+)
+def test_profile_arguments_refused_before_the_profile(tmp_path, capsys, monkeypatch, argv, expected):
+    """`mist profile` checked its collectives' process count only after profiling the layer, took
+    64 processes on 2 cores, profiled a micro-batch given twice twice, and took any --name (which
+    `mist calibrate --write` then made a preset no plan could use). One line each, before any work;
+    an old profile in --out is kept (--replace removes it only once the arguments are right)."""
+    from mist.engine import profiler
+
+    monkeypatch.setattr(profiler, "write_profiles", lambda *a, **kw: pytest.fail("work started"))
+    old = tmp_path / "p"
+    old.mkdir()
+    (old / "profile.json").write_text("{}")
+    base = ["profile", "--out", str(old), "--replace", "--hidden", "64", "--heads", "4", "--name", "cpu"]
+    assert main([*base, *argv]) == 2
+    _one_error_line(capsys, expected)
+    assert (old / "profile.json").exists()
+
+
+def test_calibrate_writes_no_preset_for_an_unknown_gpu(tmp_path, capsys, monkeypatch):
+    """A profile that names no GPU preset (made elsewhere, or before --name was checked): --write
+    refused before any preset file is written (it wrote presets/runtime_tpu.json)."""
+    from mist.model import profile_data, runtime
+
+    presets = tmp_path / "presets"
+    monkeypatch.setattr(runtime, "PRESETS", presets)
+    tpu = tmp_path / "data" / "tpu"
+    shutil.copytree(profile_data.ARTIFACT_DATA / "gpu-op-profiles" / "l4", tpu)
+    sizes = {k: list(v) for k, v in profile_data.PROFILED_SIZES.items()}
+    (tpu / "profile.json").write_text(
+        json.dumps({"gpu": "tpu", "seq": profile_data.PROFILE_SEQ["l4"], "sizes": sizes})
+    )
+    assert main(["calibrate", str(tmp_path / "data"), "--write"]) == 2
+    err = capsys.readouterr().err
+    assert "no GPU preset named tpu" in err and not presets.exists(), err
+
+
+def test_profile_host_refuses_more_parameters_than_memory(capsys, monkeypatch):
+    from mist.engine import profiler
+
+    monkeypatch.setattr(profiler, "profile_cpu_adam", lambda *a: pytest.fail("work started"))
+    assert main(["profile-host", "--params", str(10**13)]) == 2
+    _one_error_line(capsys, "--params 10000000000000: AdamW's state for them takes")
