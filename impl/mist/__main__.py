@@ -259,7 +259,7 @@ def cmd_export(args) -> int:
         },
         "megatron-lm": {"--flavor": args.flavor},
     }[args.to]
-    given = [flag for flag, value in other.items() if value]
+    given = [flag for flag, value in other.items() if value is not None]  # '' was taken as not given
     if given:
         print(
             f"python -m mist export: error: {', '.join(given)} not taken by --to {args.to}", file=sys.stderr

@@ -78,6 +78,10 @@ class JobInputs:
     transformer_impl: str = "transformer_engine"  # or "local": megatron-core's own layers
 
     def __post_init__(self) -> None:
+        for name in ("data_path", "tokenizer_type", "tokenizer_model", "script"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, str) and value.strip()):
+                raise ValueError(f"{name} must be a non-empty string (or left out), got {value!r}")
         if self.transformer_impl not in TRANSFORMER_IMPLS:
             raise ValueError(
                 f"transformer_impl must be one of {TRANSFORMER_IMPLS}, got {self.transformer_impl!r}"

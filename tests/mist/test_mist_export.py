@@ -524,10 +524,21 @@ def test_an_option_of_the_other_target_is_refused_not_ignored(tmp_path):
     for args, flag in (
         (torchtitan_with_megatron_option, "--tokenizer-type"),
         (["--to", "megatron-lm", "--flavor", "8B"], "--flavor"),
+        (["--to", "megatron-lm", "--flavor", ""], "--flavor"),  # '' was taken as not given
     ):
         done = _export(str(tmp_path / "plan.yaml"), *args)
         assert done.returncode == 2 and done.stdout == "" and len(done.stderr.strip().splitlines()) == 1
         assert flag in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("flag", ["--script", "--tokenizer-type", "--tokenizer-model", "--data-path"])
+def test_an_empty_value_is_refused_not_written_into_the_command(tmp_path, flag):
+    """`--script ''` printed `torchrun ... ''` (no script) and exit 0."""
+    _llama_plan(1, 8, [32], zero=3).save(tmp_path / "plan.yaml")
+    done = _export(str(tmp_path / "plan.yaml"), "--to", "megatron-lm", flag, " ")
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and done.stdout == "" and len(lines) == 1, done.stderr
+    assert "must be a non-empty string" in lines[0]
 
 
 def test_a_bad_option_is_one_line_before_any_work():
