@@ -124,6 +124,12 @@ def _check_programs(programs: int | None) -> int | None:
     return programs
 
 
+def _check_tiling(tiling: Tiling) -> Tiling:
+    if not isinstance(tiling, Tiling):
+        raise ValueError(f"tiling must be a ctapipe.tiling.Tiling, got {tiling!r}")
+    return tiling
+
+
 def check_operands(**matrices: torch.Tensor) -> None:
     """The kernels' operands, before any launch, each fault in one line saying what is accepted:
     tensors, non-empty matrices on one device, of one dtype the kernels compute there
@@ -375,7 +381,9 @@ class TicketMLP:
         check: bool = True,
     ) -> None:
         self.act = _check_act(act)
-        self.tiling, self.lag = tiling, lag
+        if isinstance(lag, bool) or not isinstance(lag, int) or lag < 0:
+            raise ValueError(f"lag must be a whole number of row blocks >= 0, got {lag!r}")
+        self.tiling, self.lag = _check_tiling(tiling), lag
         self.programs = _check_programs(programs)
         self.waits = _Waits(timeout_s, max_spins, check)
         self.ready = ReadyCounters(extra=1)  # + the ticket counter
@@ -463,7 +471,8 @@ class PartitionedMLP:
     ) -> None:
         if not 0 < producer_share < 1:
             raise ValueError(f"producer_share must be in (0, 1), got {producer_share}")
-        self.act, self.tiling, self.share = act, tiling, producer_share
+        _check_act(act)  # here, not at the first call
+        self.act, self.tiling, self.share = act, _check_tiling(tiling), producer_share
         self.waits = _Waits(timeout_s, max_spins, check)
         self.ready = ReadyCounters()
         self._streams = None

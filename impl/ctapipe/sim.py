@@ -165,9 +165,11 @@ class Chain:
     cta: Tiling = DEFAULT_TILING
 
     def __post_init__(self) -> None:
-        if not all(_whole(v, 1) for v in (self.m, self.width, self.layers)):
-            got = f"{self.m!r}, {self.width!r}, {self.layers!r}"
-            raise ValueError(f"m, width and layers must be whole numbers >= 1, got {got}")
+        for name in ("m", "width", "layers", "dtype_bytes", "block_m", "block_n"):
+            if not _whole(getattr(self, name), 1):
+                raise ValueError(f"{name} must be a whole number >= 1, got {getattr(self, name)!r}")
+        if not isinstance(self.cta, Tiling):
+            raise ValueError(f"cta must be a ctapipe.tiling.Tiling, got {self.cta!r}")
 
     @property
     def row_blocks(self) -> int:
@@ -212,6 +214,8 @@ def candidate_chunks(m: int, smallest: int) -> list[int]:
     """The chunkings micro-batching tries (the model prices them, ``baselines.cta.microbatch`` runs
     them): M halved while the chunk divides M and is at least ``smallest`` rows; M itself
     (back-to-back) when nothing smaller qualifies."""
+    if not (_whole(m, 1) and _whole(smallest, 1)):
+        raise ValueError(f"m and the smallest chunk must be whole numbers >= 1, got {m!r}, {smallest!r}")
     chunks, c = [], m
     while c >= smallest and m % c == 0:
         chunks.append(c)
@@ -227,6 +231,8 @@ def best_microbatched(hw: Hardware, chain: Chain) -> tuple[float, int]:
 def tensor_parallel(hw: Hardware, chain: Chain, n: int) -> float:
     """Every layer over ``n`` GPUs: column/row pairs, one all-reduce per pair (odd tail: all-gather)."""
     d, m, b = chain.width, chain.m, chain.dtype_bytes
+    if not _whole(n, 1):
+        raise ValueError(f"tensor parallelism needs a whole number of GPUs >= 1, got {n!r}")
     if d % n:
         raise ValueError(f"width {d} does not split over {n} GPUs")
     t = hw.launch_s - hw.kernel_gap_s
@@ -369,6 +375,8 @@ def band(hw: Hardware, gpus: int, rows: list[int], width: int = 8192) -> dict:
     """CTA's best reduction over ``rows`` against the best micro-batching and against TP, at every
     corner of ``BAND`` (the data sheet's SMs, peak and links kept): the lowest and highest of each,
     with the corner that gives it."""
+    if not rows or not all(_whole(r, 1) for r in rows):
+        raise ValueError(f"rows must be a non-empty list of whole numbers >= 1, got {rows!r}")
     out: dict = {}
     names = list(BAND)
     for values in itertools.product(*BAND.values()):

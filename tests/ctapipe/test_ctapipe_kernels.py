@@ -242,6 +242,16 @@ def test_bad_input_is_refused_with_what_is_accepted():
         launch_stage(x.requires_grad_(), w1, c, tiling=TILING)
     with pytest.raises(ValueError, match="programs must be a whole number >= 1"):
         TicketMLP("gelu", TILING, programs=0)
+    # at construction, not at the first call (a string tiling was an AttributeError there)
+    for make, says in (
+        (lambda: TicketMLP(tiling="x"), "tiling must be a ctapipe.tiling.Tiling"),
+        (lambda: PartitionedMLP(tiling=None), "tiling must be a ctapipe.tiling.Tiling"),
+        (lambda: TicketMLP(lag=1.5), "lag must be a whole number of row blocks >= 0"),
+        (lambda: TicketMLP(lag=-1), "lag must be a whole number of row blocks >= 0"),
+        (lambda: PartitionedMLP(act="bogus"), "activation 'bogus' unknown"),
+    ):
+        with pytest.raises(ValueError, match=says):
+            make()
 
 
 ACCEPTED = GPU_DTYPES if DEVICE == "cuda" else INTERPRETER_DTYPES

@@ -103,7 +103,7 @@ def test_cta_with_tp_is_between_bounds():
 
 
 def test_bad_input():
-    with pytest.raises(ValueError, match="must be whole numbers >= 1"):
+    with pytest.raises(ValueError, match="m must be a whole number >= 1"):
         Chain(0)
     with pytest.raises(ValueError, match="does not split over 3 GPUs"):
         sim.tensor_parallel(H200, Chain(1024, 8192, 2), 3)
@@ -217,10 +217,36 @@ def test_impossible_hardware_is_refused_in_one_line(change, message):
 
 
 def test_bad_sizes_and_names_are_refused_in_one_line():
-    with pytest.raises(ValueError, match="whole numbers >= 1"):
+    with pytest.raises(ValueError, match="m must be a whole number >= 1"):
         Chain(1024.5)
     with pytest.raises(ValueError, match="gpus must be a whole number >= 1"):
         sim.compare(H200, 1024, 0)
     with pytest.raises(ValueError, match="the latency model has: b200, h200"):
         sim.hardware("a100")
     assert sim.hardware("h200") is H200
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda: Chain(1024, dtype_bytes=0), "dtype_bytes must be a whole number >= 1"),
+        (lambda: Chain(1024, dtype_bytes=-2), "dtype_bytes must be a whole number >= 1"),
+        (lambda: Chain(1024, block_m=0), "block_m must be a whole number >= 1"),
+        (lambda: Chain(1024, block_n=2.5), "block_n must be a whole number >= 1"),
+        (lambda: Chain(1024, cta="128x128"), "cta must be a ctapipe.tiling.Tiling"),
+        (lambda: sim.tensor_parallel(H200, Chain(1024), 0), "a whole number of GPUs >= 1, got 0"),
+        (lambda: sim.tensor_parallel(H200, Chain(1024), -2), "a whole number of GPUs >= 1, got -2"),
+        (lambda: sim.band(H200, 2, []), "rows must be a non-empty list"),
+        (lambda: sim.candidate_chunks(1024, 0), "whole numbers >= 1, got 1024, 0"),
+        (lambda: sim.candidate_chunks(0, 128), "whole numbers >= 1, got 0, 128"),
+        (lambda: sim.Tiling(16.0, 16, 16), "block_m must be a power of two >= 16 (tl.dot), got 16.0"),
+        (lambda: sim.Tiling("16", 16, 16), "block_m must be a power of two >= 16"),
+        (lambda: sim.Tiling().tiles(-5, 10), "m must be a whole number >= 0, got -5"),
+        (lambda: sim.Tiling().tiles(1.5, 10), "m must be a whole number >= 0, got 1.5"),
+    ],
+)
+def test_impossible_sizes_are_refused_not_priced(call, message):
+    """The latency model priced a chain of 0- or negative-byte elements, a tensor-parallel run on
+    -2 GPUs (-9.3e-05 s) and negative tile counts; tile sizes of 0 divided by zero. One line each."""
+    with pytest.raises(ValueError, match=re.escape(message)):
+        call()
