@@ -383,6 +383,10 @@ def search_max_batch(
     point, never an extrapolation. ``peak`` should be memoised by the caller when several
     budgets are searched (the probes are then shared).
     """
+    if not (isinstance(usable_bytes, int | float) and math.isfinite(usable_bytes)):
+        raise ValueError(f"usable_bytes must be a finite number of bytes, got {usable_bytes!r}")
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+        raise ValueError(f"limit must be a whole number of sequences >= 1, got {limit!r}")
     cache: dict[int, PeakReport] = {}
 
     def fits(b: int) -> bool:

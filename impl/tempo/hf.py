@@ -517,6 +517,9 @@ def patch(
         "attention": attention,
         "loss": loss,
     }
+    for name, on in switched_on.items():  # "no" would be truthy: patched as on
+        if not isinstance(on, bool):
+            raise TypeError(f"tempo.patch's {name} must be True or False, got {on!r}")
     config, model_type = _check_patchable(model, switched_on)
     # Plan everything first, so a refusal leaves the model untouched.
     report = PatchReport(model_type=model_type)

@@ -150,6 +150,8 @@ def estimator(
 ) -> DepthExtrapolatedEstimator:
     """The depth-extrapolated step estimate of ``model`` as ``configuration`` builds it;
     ``kept_scale``: measure.memory's (the share of its saved activations' bytes counted)."""
+    check_configuration(model, configuration, head)  # a bad name: one line, before any model is built
+    make_batch(model, head, 1, seq, device="meta")  # a bad head or seq likewise
     return DepthExtrapolatedEstimator(
         lambda n: build_model(model, head, configuration, num_layers=n),
         lambda b: make_batch(model, head, b, seq),

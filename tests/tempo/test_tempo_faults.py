@@ -16,7 +16,7 @@ from transformers.utils import logging as hf_logging
 
 import tempo
 from measure.memory import PeakReport, search_max_batch
-from tempo import hf, maxbatch
+from tempo import hf, maxbatch, models
 
 hf_logging.set_verbosity_error()
 
@@ -461,3 +461,65 @@ def test_layer_run_refuses_what_memory_cannot_hold_before_any_work(
     assert e.value.code == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and re.search(message, err), err
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "message"),
+    [
+        (
+            lambda: models.build_model("bert-mini", num_layers=0),
+            ValueError,
+            "num_layers must be a whole number",
+        ),
+        (
+            lambda: models.build_model("bert-mini", num_layers=-1),
+            ValueError,
+            "num_layers must be a whole number",
+        ),
+        (
+            lambda: models.build_model("bert-mini", dropout=float("nan")),
+            ValueError,
+            "dropout must be a probability",
+        ),
+        (
+            lambda: models.make_batch("bert-mini", "pretraining", 0, 16),
+            ValueError,
+            "batch and seq must be whole",
+        ),
+        (
+            lambda: models.make_batch("bert-mini", "pretraining", 2, 0),
+            ValueError,
+            "batch and seq must be whole",
+        ),
+        (
+            lambda: models.make_batch("bert-mini", "pretraining", -1, 16),
+            ValueError,
+            "batch and seq must be whole",
+        ),
+        (lambda: models.make_batch("bert-mini", "bogus", 2, 8), ValueError, "unknown head 'bogus'"),
+        (
+            lambda: maxbatch.estimator("nope", "pretraining", 16, "fp32", "hf-eager"),
+            ValueError,
+            "unknown model",
+        ),
+        (lambda: maxbatch.estimator("bert-mini", "pretraining", 0, "fp32", "hf-eager"), ValueError, "whole"),
+        (lambda: search_max_batch(_no_peak, 2**30, limit=0), ValueError, "limit must be a whole number"),
+        (lambda: search_max_batch(_no_peak, float("nan")), ValueError, "usable_bytes must be a finite"),
+        (
+            lambda: tempo.patch(torch.nn.Linear(2, 2), layernorm="no"),
+            TypeError,
+            "layernorm must be True or False",
+        ),
+        (lambda: tempo.patch(torch.nn.Linear(2, 2), gelu=None), TypeError, "gelu must be True or False"),
+    ],
+)
+def test_library_functions_refuse_impossible_sizes_in_one_line(call, error, message):
+    """Found by the probe round: 0 or -1 layers built a model, a batch of 0 made empty tensors and
+    -1 a torch error, an unknown head was taken as the QA head, an unknown model a KeyError, a
+    NaN budget searched to batch 0, and patch(layernorm="no") patched the LayerNorms."""
+    with pytest.raises(error, match=message):
+        call()
+
+
+def _no_peak(b):
+    pytest.fail("searched")
