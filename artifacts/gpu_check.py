@@ -51,6 +51,7 @@ import datetime as _dt
 import fcntl
 import functools
 import json
+import math
 import os
 import platform
 import re
@@ -482,12 +483,14 @@ def _timeouts(items: list[str]) -> dict[str, float]:
         name, _, seconds = item.partition("=")
         if name not in BY_NAME:
             raise ValueError(f"--timeout {item!r}: unknown part {name!r}; parts: {', '.join(BY_NAME)}")
+        if name in out:
+            raise ValueError(f"--timeout {item!r}: part {name!r} given twice")
         try:
             value = float(seconds)
         except ValueError:
             value = -1.0
-        if not value > 0:
-            raise ValueError(f"--timeout {item!r}: PART=SECONDS with SECONDS > 0")
+        if not 0 < value < math.inf:  # an infinite bound is no bound
+            raise ValueError(f"--timeout {item!r}: PART=SECONDS with finite SECONDS > 0")
         out[name] = value
     return out
 
@@ -533,8 +536,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "recorded as the results' commit, so an interrupted experiment resumes",
     )
     args = ap.parse_args(argv)
-    if not args.budget_s > 0:
-        ap.error(f"--budget-s must be > 0, got {args.budget_s}")
+    if not 0 < args.budget_s < math.inf:
+        ap.error(f"--budget-s must be a finite number of seconds > 0, got {args.budget_s}")
     try:
         args.timeouts = _timeouts(args.timeout)
         gpu_wheels.wheels_in(args.wheels)  # two versions of one package: refused now, not there

@@ -55,7 +55,10 @@ def _tagged(tag: str) -> list[int]:
         (["--parts", "kernels", "tempp"], "invalid choice: 'tempp'"),
         (["--timeout", "cuda=10"], "unknown part 'cuda'"),
         (["--timeout", "mist=0"], "SECONDS > 0"),
-        (["--budget-s", "-5"], "--budget-s must be > 0"),
+        (["--timeout", "kernels=inf"], "finite SECONDS > 0"),  # no bound at all: was accepted
+        (["--timeout", "tempo=10", "--timeout", "tempo=20"], "part 'tempo' given twice"),  # was: last wins
+        (["--budget-s", "-5"], "--budget-s must be a finite number of seconds > 0"),
+        (["--budget-s", "inf"], "--budget-s must be a finite number of seconds > 0"),
         (["--archive", "results.zip"], ".tar.gz"),
     ],
 )
