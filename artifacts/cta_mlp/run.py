@@ -111,11 +111,12 @@ def part_kernels(run: Run, device: str) -> ResultFile:
     from ctapipe import INTERPRETER_TILING, TicketMLP, Tiling, launch_stage
     from ctapipe.emulate import run_chain_processes
     from ctapipe.reference import chain
+    from ctapipe.triton_compat import interpreting
 
     cuda = device == "cuda"
     tiling = Tiling() if cuda else INTERPRETER_TILING
     shapes = [(4096, 8192, 8192), (1000, 4096, 11008)] if cuda else [(64, 32, 48), (37, 24, 56)]
-    interpreter = os.environ.get("TRITON_INTERPRET") == "1"
+    interpreter = interpreting()
     store = run.file(f"kernels_{device}.json", device, config={"interpreter": interpreter})
     dtype = torch.bfloat16 if cuda else torch.float32
     for m, d, f in shapes:
@@ -240,6 +241,8 @@ def main(argv: list[str] | None = None) -> None:
         ap.error("--device cuda: no CUDA device here")
     if config.device == "cpu" and "gpu" in config.parts and not config.gpu_dry_run:
         ap.error("the gpu part needs --device cuda (or --gpu-dry-run)")
+    if config.gpu_dry_run and "gpu" not in config.parts:  # it would be ignored without a word
+        ap.error("--gpu-dry-run applies to the gpu part only; add gpu to --parts")
     with experiment_run(args, EXPERIMENT) as run:
         if "sim" in config.parts:
             part_sim(run)

@@ -7,13 +7,20 @@ interpreter 3.7's conversion, once, before the first launch. Compiled kernels (a
 from __future__ import annotations
 
 import functools
-import os
+
+
+def interpreting() -> bool:
+    """Whether Triton runs its kernels in the interpreter, as Triton itself reads TRITON_INTERPRET
+    ("1", "true", "yes", "on": comparing with "1" recorded a "yes" run as compiled)."""
+    import triton
+
+    return bool(triton.knobs.runtime.interpret)
 
 
 @functools.cache
 def interpreter_compat() -> bool:
     """Apply the fix where it is needed; returns whether it was applied."""
-    if os.environ.get("TRITON_INTERPRET") != "1":
+    if not interpreting():
         return False
     import triton
 

@@ -380,3 +380,15 @@ def test_the_gpu_measurement_fails_clearly_on_a_give_up(monkeypatch):
     with pytest.raises(StageTimeout, match=r"PartitionedMLP consumer: tile 0 \(row block 0") as e:
         _mlp_methods(32, 16, "cpu", torch.float32, T)
     assert "method cta_sm_partitions" in "".join(e.value.__notes__)
+
+
+@pytest.mark.parametrize(
+    ("value", "on"), [("1", True), ("yes", True), ("true", True), ("0", False), ("", False)]
+)
+def test_the_interpreter_is_recorded_as_triton_reads_its_switch(monkeypatch, value, on):
+    """cta_mlp's kernels part recorded "interpreter": false for a run under TRITON_INTERPRET=yes
+    (it compared with "1"; Triton takes yes/true/on too)."""
+    from ctapipe.triton_compat import interpreting
+
+    monkeypatch.setenv("TRITON_INTERPRET", value)
+    assert interpreting() is on
