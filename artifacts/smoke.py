@@ -143,7 +143,11 @@ def cta_kernels() -> str:
 CHECKS: dict[str, Callable[[], str]] = {"Tempo": tempo_step, "Mist": mist_plan, "CTA-pipelining": cta_kernels}
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    from measure.cli import OneLineParser
+
+    # no options: --help says what it does, anything else is refused
+    OneLineParser(prog="python -m artifacts.smoke", description=__doc__).parse_args(argv)
     failed = []
     for name, check in CHECKS.items():
         t0 = time.perf_counter()

@@ -244,3 +244,32 @@ def test_killed_profile_leaves_no_concurrent_copy(tmp_path, sig):
 
     _kill_when_busy(uuid.uuid4().hex, command, sig, busy, settle_s=2.0, tmp=tmp_path / "tmp")
     assert _files_left(tmp_path / "tmp", sig, its_own=("script-",)) == []
+
+
+@pytest.mark.parametrize(
+    ("module", "argv", "message"),
+    [
+        ("artifacts.smoke", ["--bogus"], "unrecognized arguments: --bogus"),
+        (
+            "artifacts.cta_mlp.run",
+            ["--parts", "sim", "--gpu-dry-run"],
+            "--gpu-dry-run applies to the gpu part",
+        ),
+        (
+            "artifacts.mist_vs_megatron.run",
+            ["--parts", "calibration", "--scale", "paper"],
+            "--scale applies to the comparison and tempo parts",
+        ),
+    ],
+)
+def test_an_option_a_command_would_ignore_is_refused(module, argv, message, capsys, tmp_path):
+    """The probe round found these taken and ignored without a word: one line, exit 2, nothing run."""
+    import importlib
+
+    main = importlib.import_module(module).main
+    with pytest.raises(SystemExit) as e:
+        main([*argv, *([] if module == "artifacts.smoke" else ["--results", str(tmp_path / "r")])])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and message in err, err
+    assert not (tmp_path / "r").exists()

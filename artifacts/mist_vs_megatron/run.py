@@ -359,7 +359,9 @@ class MistVsMegatronConfig:
 
 
 def main(argv: list[str] | None = None) -> None:
-    config, args, _ = config_from_command_line(MistVsMegatronConfig, EXPERIMENT, argv, __doc__, jobs=True)
+    config, args, ap = config_from_command_line(MistVsMegatronConfig, EXPERIMENT, argv, __doc__, jobs=True)
+    if config.scale != "cpu" and not {"comparison", "tempo"} & set(config.parts):  # else ignored
+        ap.error("--scale applies to the comparison and tempo parts only; add one to --parts")
     budget = ACESO_MAX_PRICED[config.scale]
     cmp = abl = tempo = engine = measured = None
     # the CPU's runtime models (a profile per process count): made once, for the engine and measured parts
