@@ -193,8 +193,8 @@ def kernel_s(hw: Hardware, rows: int, n: int, k: int, chain: Chain) -> float:
 
 def microbatched(hw: Hardware, chain: Chain, chunk: int) -> float:
     """Latency with row chunks of ``chunk`` pipelined across the chain's GPUs (chunk = M: back-to-back)."""
-    if chunk < 1:
-        raise ValueError(f"chunk must be >= 1, got {chunk}")
+    if not _whole(chunk, 1):
+        raise ValueError(f"chunk must be a whole number of rows >= 1, got {chunk!r}")
     d, b = chain.width, chain.dtype_bytes
     sizes = [min(chunk, chain.m - s) for s in range(0, chain.m, chunk)]
     arrive = [hw.launch_s - hw.kernel_gap_s] * len(sizes)  # layer 0's input is there at t=0

@@ -178,7 +178,7 @@ class Results:
         )
         try:
             data = loads_json(path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError, DuplicateKeyError) as e:
+        except (json.JSONDecodeError, UnicodeDecodeError, DuplicateKeyError, IsADirectoryError) as e:
             raise ResultFileError(f"{path}: not a readable result file ({e}); {advice}") from None
         if (
             not isinstance(data, dict)

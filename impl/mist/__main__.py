@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from measure.cli import OneLineParser, check_writable_file
+from measure.units import format_bytes
 
 from .model.profile_data import ARTIFACT_DATA
 from .model.specs import GPUS, GRAD_ACCUMULATION, HOSTS, MODELS, cluster, model
@@ -196,7 +197,7 @@ def explain(plan: Plan) -> str:
         "why this plan:",
         f"  one layer: forward {b['layer_fwd_ms']:.1f} ms, backward {b['layer_bwd_ms']:.1f} ms, "
         f"keeps {b['layer_saved_bytes'] / 2**20:.0f} MiB for backward; "
-        f"{b['usable_memory_bytes'] / 2**30:.1f} GiB usable per GPU",
+        f"{format_bytes(b['usable_memory_bytes'])} usable per GPU",
     ]
     slowest = max(range(len(plan.stages)), key=lambda i: plan.stages[i].steady_s)
     lines.append(

@@ -38,7 +38,7 @@ from __future__ import annotations
 import json
 import math
 import numbers
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 import yaml
@@ -227,6 +227,17 @@ class PrePostPlan:
 # What predict() (and a search) fills in, per stage and per plan
 STAGE_PREDICTIONS = ("steady_s", "extra_s", "step_s", "wait_s", "memory_bytes", "host_memory_bytes")
 PLAN_PREDICTIONS = ("predicted_iteration_s", "simulated_iteration_s", "tuning_s", "breakdown")
+
+
+def _refuse_unknown_fields(where: str, given: dict, kind: type) -> None:
+    """A key the plan format does not have, named with what it has (a misspelt field was a
+    dataclass's 'unexpected keyword argument')."""
+    known = [f.name for f in fields(kind) if f.init]
+    unknown = sorted(set(given) - set(known))
+    if unknown:
+        raise ValueError(
+            f"{where}unknown field(s) {', '.join(unknown)}; a {kind.__name__} has: {', '.join(known)}"
+        )
 
 
 @dataclass(kw_only=True)  # built by keyword: eight numbers in a row are easy to misorder
@@ -439,6 +450,12 @@ class Plan:
         if "breakdown" in d:
             d["breakdown"] = dict(d["breakdown"])
             _rename_format_1(d["breakdown"], _FORMAT_1_BREAKDOWN, version, "breakdown: ")
+        for where, given, kind in (
+            ("", d, cls),
+            *((f"stage {i}: ", s, StagePlan) for i, s in enumerate(d["stages"])),
+            *((("pre_post: ", d["pre_post"], PrePostPlan),) if isinstance(d.get("pre_post"), dict) else ()),
+        ):
+            _refuse_unknown_fields(where, given, kind)
         d["stages"] = [StagePlan(**s) for s in d["stages"]]
         if d.get("pre_post") is not None:
             d["pre_post"] = PrePostPlan(**d["pre_post"])

@@ -109,7 +109,7 @@ def test_bad_input():
         sim.tensor_parallel(H200, Chain(1024, 8192, 2), 3)
     with pytest.raises(ValueError, match="pairs of layers on 2 GPUs"):
         sim.cta_with_tp(H200, Chain(1024, 8192, 3))
-    with pytest.raises(ValueError, match="chunk must be >= 1"):
+    with pytest.raises(ValueError, match="chunk must be a whole number of rows >= 1"):
         sim.microbatched(H200, Chain(1024), 0)
 
 
@@ -243,6 +243,10 @@ def test_bad_sizes_and_names_are_refused_in_one_line():
         (lambda: sim.Tiling("16", 16, 16), "block_m must be a power of two >= 16"),
         (lambda: sim.Tiling().tiles(-5, 10), "m must be a whole number >= 0, got -5"),
         (lambda: sim.Tiling().tiles(1.5, 10), "m must be a whole number >= 0, got 1.5"),
+        (
+            lambda: sim.microbatched(H200, Chain(1024), 2.5),
+            "chunk must be a whole number of rows >= 1, got 2.5",
+        ),
     ],
 )
 def test_impossible_sizes_are_refused_not_priced(call, message):

@@ -428,3 +428,14 @@ def test_saved_bytes_see_what_torch_compile_keeps(rng):
     with cuda_like_dropout():
         eager, compiled = saved_bytes(layer, x).total_bytes, saved_bytes(torch.compile(layer), x).total_bytes
     assert abs(compiled / eager - 1) < 0.01
+
+
+def test_format_bytes_keeps_small_amounts_readable():
+    from measure.units import format_bytes
+
+    assert [format_bytes(n) for n in (3, 2048, 2 * 2**20, 80 * 2**30)] == [
+        "3 B",
+        "2.0 KiB",
+        "2.0 MiB",
+        "80.0 GiB",
+    ]

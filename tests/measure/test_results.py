@@ -270,3 +270,8 @@ def test_a_reference_or_a_source_folder_is_refused_as_results(tmp_path, monkeypa
     for ok in (tmp_path / "new", tmp_path / "empty", tmp_path / "new"):  # the last: a run wrote it
         with open_run(ok, {"x": 1}):
             pass
+
+
+def test_a_folder_given_as_a_result_file_is_refused_naming_it(tmp_path):
+    with pytest.raises(ResultFileError, match=f"{tmp_path}: not a readable result file"):
+        Results.load(tmp_path)  # was a raw IsADirectoryError

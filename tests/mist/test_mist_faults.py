@@ -74,7 +74,9 @@ def test_a_huge_global_batch_is_refused_before_any_work(capsys):
         (("gpu: l4", "\tgpu: l4"), "not valid YAML"),
         (("stages: [", "stages: ["), None),  # the plan as is: predicted
         (("micro_batch: 1", "micro_batch: 1\nmodel_overrides: {foo: 1}"), "unknown model field(s) foo"),
-        (("micro_batch: 1", "micro_batch: 1\nbogus: 1"), "unexpected keyword argument 'bogus'"),
+        (("micro_batch: 1", "micro_batch: 1\nbogus: 1"), "unknown field(s) bogus; a Plan has: model, gpu"),
+        (("layers: 12}", "layers: 12, recompue: 2}"), "stage 0: unknown field(s) recompue; a StagePlan has"),
+        (("micro_batch: 1", "micro_batch: 1\npre_post: {zro: 1}"), "pre_post: unknown field(s) zro"),
         (("micro_batch: 1", "micro_batch: 1\npre_post: {zero: 5}"), "pre_post: zero must be 0, 1, 2 or 3"),
         # a boolean given as a string was planned as true (12.89 s predicted instead of 7.85 s)
         (

@@ -18,6 +18,8 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Protocol, TypeVar
 
+from measure.units import format_bytes
+
 from ..model.interference import Interference
 from ..model.runtime import RuntimeModel
 from ..model.specs import ClusterSpec, ModelSpec
@@ -186,6 +188,6 @@ def cheapest_fitting(
         ):
             best = plan
     if best is None:
-        raise NoFeasiblePlan(f"{what} ({tried} tried; the leanest needs {lowest / 2**30:.1f} GiB per GPU)")
+        raise NoFeasiblePlan(f"{what} ({tried} tried; the leanest needs {format_bytes(lowest)} per GPU)")
     best.tuning_s = time.perf_counter() - start
     return best

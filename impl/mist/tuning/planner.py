@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from measure.units import format_bytes
+
 from ..model.interference import Interference
 from ..model.runtime import RuntimeModel, cpu_adam_params_per_s
 from ..model.specs import GRAD_ACCUMULATION, ClusterSpec, GradAccumulation, ModelSpec
@@ -434,8 +436,8 @@ def search(
         need = min_memory_needed(problem, options)
         raise NoFeasiblePlan(
             f"no plan for {model.name} on {cluster.gpus} x {cluster.gpu.name} fits: the leanest candidate "
-            f"needs {need / 2**30:.1f} GiB per GPU, {problem.gpu_budget / 2**30:.1f} GiB usable "
-            f"(offloading at most {problem.host_budget / 2**30:.1f} GiB of host memory per GPU)"
+            f"needs {format_bytes(need)} per GPU, {format_bytes(problem.gpu_budget)} usable "
+            f"(offloading at most {format_bytes(problem.host_budget)} of host memory per GPU)"
         )
     if options.space.offload and options.refine_offload_step:
         best = _refine(problem, best, options)
