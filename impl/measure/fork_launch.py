@@ -117,6 +117,7 @@ def _rank(
     code = 1
     try:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the server's cleanup is not a rank's
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C, as a torchrun rank takes it
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})  # held by the server's fork
         die_with_parent(server)
         port = os.read(port_pipe, 16).decode()
@@ -145,39 +146,56 @@ def _rank(
         os._exit(code)
 
 
+@contextlib.contextmanager
+def _sigterm_held():
+    """SIGTERM (the server's cleanup, _end_on_sigterm) held off for a few statements that must not
+    be cut between: it runs as soon as they are done."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+
+
 def _serve(request: dict) -> dict:
     """Fork the request's ranks, wait for them (one failing stops the rest, as under torchrun),
-    and say what they printed and how they ended."""
+    and say what they printed and how they ended. Their output folder goes however this ends."""
+    with _sigterm_held():  # made and recorded together: the cleanup never misses a folder
+        folder = _IN_FLIGHT["folder"] = Path(tempfile.mkdtemp(prefix="fork_launch_"))
+    try:
+        return _run_ranks(request, folder)
+    finally:
+        with _sigterm_held():
+            shutil.rmtree(folder, ignore_errors=True)
+            _IN_FLIGHT.clear()
+
+
+def _run_ranks(request: dict, folder: Path) -> dict:
     nproc, server = request["nproc"], os.getpid()
-    # made and recorded with SIGTERM held: the cleanup never misses a folder that exists
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
-    folder = _IN_FLIGHT["folder"] = Path(tempfile.mkdtemp(prefix="fork_launch_"))
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
     pids: dict[int, int] = {}
     running = _IN_FLIGHT["running"] = set()  # forked, not yet reaped: what the cleanup may kill
     pipes = [os.pipe() for _ in range(nproc)]  # (read, write): each rank's store port
     sys.stdout.flush()
     sys.stderr.flush()  # else a rank's copy of an unwritten buffer is written twice
     # SIGTERM held while forking: a rank is recorded as running before the cleanup can run, and a
-    # rank's cleanup is its default (it runs the server's until _rank resets it)
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
-    for rank in range(nproc):
-        env = {
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": str(nproc),
-            "LOCAL_WORLD_SIZE": str(nproc),
-            "GROUP_RANK": "0",
-        }
-        pid = os.fork()
-        if pid == 0:
-            for _, write in pipes:
-                os.close(write)
-            out, err = folder / f"{rank}.out", folder / f"{rank}.err"
-            _rank(request["module"], request["args"], env, out, err, server, pipes[rank][0])
-        pids[pid] = rank
-        running.add(pid)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+    # rank's cleanup is its default (it would run the server's until _rank resets it)
+    with _sigterm_held():
+        for rank in range(nproc):
+            env = {
+                "RANK": str(rank),
+                "LOCAL_RANK": str(rank),
+                "WORLD_SIZE": str(nproc),
+                "LOCAL_WORLD_SIZE": str(nproc),
+                "GROUP_RANK": "0",
+            }
+            pid = os.fork()
+            if pid == 0:
+                for _, write in pipes:
+                    os.close(write)
+                out, err = folder / f"{rank}.out", folder / f"{rank}.err"
+                _rank(request["module"], request["args"], env, out, err, server, pipes[rank][0])
+            pids[pid] = rank
+            running.add(pid)
     store = serve_rendezvous()  # only now: forking must not copy a process with the store's thread
     for read, write in pipes:
         os.close(read)
@@ -187,25 +205,24 @@ def _serve(request: dict) -> dict:
     first_failure = 0  # the exit code of the rank that failed first (the rest were then killed)
     deadline, timed_out = time.monotonic() + request["timeout"], False
     while len(codes) < nproc:
-        pid, status = os.waitpid(-1, os.WNOHANG)
+        with _sigterm_held():  # reaped and forgotten together: the cleanup never kills a reused pid
+            pid, status = os.waitpid(-1, os.WNOHANG)
+            running.discard(pid)
         if pid == 0:
             if time.monotonic() > deadline:
                 timed_out = timed_out or not first_failure
-                _kill([p for p, r in pids.items() if r not in codes])
+                _kill(list(running))
             time.sleep(0.05)
             continue
-        running.discard(pid)
         codes[pids[pid]] = os.waitstatus_to_exitcode(status)
         if codes[pids[pid]] != 0 and not first_failure:
             # the others may wait in a collective forever, or be writing what they report on the way
             # out (every rank of an over-the-cap run exits 3): they get a grace period, then are killed
             first_failure = codes[pids[pid]]
             deadline = min(deadline, time.monotonic() + FAILURE_GRACE_S)
-    text = {
-        kind: "".join((folder / f"{r}.{kind}").read_text() for r in range(nproc)) for kind in ("out", "err")
-    }
-    shutil.rmtree(folder)
-    _IN_FLIGHT.clear()
+    # a rank killed before it opened its files said nothing
+    said = lambda path: path.read_text() if path.exists() else ""
+    text = {kind: "".join(said(folder / f"{r}.{kind}") for r in range(nproc)) for kind in ("out", "err")}
     del store  # its thread ends before the next run forks
     return {"returncode": first_failure, "stdout": text["out"], "stderr": text["err"], "timed_out": timed_out}
 
@@ -235,6 +252,9 @@ def main(argv: list[str] | None = None) -> int:
     (preload,) = argv if argv is not None else sys.argv[1:]
     module, function = preload.split(":")
     signal.signal(signal.SIGTERM, _end_on_sigterm)
+    # Ctrl-C reaches the whole process group: the client, interrupted, ends this server by SIGTERM
+    # (close), which cleans up; a KeyboardInterrupt here would leave the folder and a traceback
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     replies = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)  # what the preload or a rank prints must not mix into the replies
     getattr(importlib.import_module(module), function)()

@@ -6,6 +6,7 @@ import csv
 import json
 import math
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -290,42 +291,47 @@ def write_profiles(
             vocab=vocab,
             rounds=rounds,
         )
-        copies = _start_copies(concurrent - 1, job) if device == "cpu" else []
-        try:
-            return _write_profiles(out, job, progress)
-        finally:
-            for copy in copies:  # they only kept this one company
-                copy.terminate()
-                copy.join(timeout=30)
+        # the copies' throw-away profiles: this process's folder, removed once they are ended (a
+        # copy's own would be left when it is terminated or killed with this process)
+        with tempfile.TemporaryDirectory(prefix="profile_copies_") as scratch:
+            copies = _start_copies(concurrent - 1, job, Path(scratch)) if device == "cpu" else []
+            try:
+                return _write_profiles(out, job, progress)
+            finally:
+                for copy in copies:  # they only kept this one company
+                    copy.terminate()
+                    copy.join(timeout=30)
     finally:
         torch.set_num_threads(before)
 
 
-def _profile_copy(parent: int, job: ProfileJob, started) -> None:
-    """A copy of the profile that only keeps the measured one company (its results dropped)."""
-    import tempfile
-
+def _profile_copy(parent: int, job: ProfileJob, started, scratch: Path) -> None:
+    """A copy of the profile that only keeps the measured one company (its results dropped into
+    ``scratch``, which the measured one made and removes)."""
     from measure.parallel import die_with_parent
 
     die_with_parent(parent)
     torch.set_num_threads(job.threads or 1)
     started.set()  # imports done: from here on it competes for the cores
-    with tempfile.TemporaryDirectory() as tmp:
-        while True:  # until the measured copy is done and terminates this one
-            _write_profiles(Path(tmp), job, None)
+    while True:  # until the measured copy is done and terminates this one
+        _write_profiles(scratch, job, None)
 
 
 COPY_START_TIMEOUT_S = 120  # a copy's start: a fresh interpreter importing torch and megatron-core
 
 
-def _start_copies(n: int, job: ProfileJob) -> list:
-    """``n`` running copies of the profile; returns once each has started (or raises)."""
+def _start_copies(n: int, job: ProfileJob, scratch: Path) -> list:
+    """``n`` running copies of the profile, each writing under ``scratch``; returns once each has
+    started (or raises)."""
     import multiprocessing as mp
     import os
 
     ctx = mp.get_context("spawn")
     events = [ctx.Event() for _ in range(n)]
-    copies = [ctx.Process(target=_profile_copy, args=(os.getpid(), job, e), daemon=True) for e in events]
+    copies = [
+        ctx.Process(target=_profile_copy, args=(os.getpid(), job, e, scratch / f"copy{i}"), daemon=True)
+        for i, e in enumerate(events)
+    ]
     for copy in copies:
         copy.start()
     deadline = time.monotonic() + COPY_START_TIMEOUT_S
