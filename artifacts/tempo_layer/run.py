@@ -22,8 +22,10 @@ from transformers.models.bert.modeling_bert import BertLayer
 from transformers.utils import logging as hf_logging
 
 import tempo
+from measure.checks import machine_memory_bytes
 from measure.saved import cuda_like_dropout, saved_bytes
 from measure.timing import time_fn
+from measure.units import format_bytes
 from tempo.ops import gelu as tempo_gelu
 
 from ..experiment import config_from_command_line, experiment_run, option
@@ -291,11 +293,11 @@ def main(argv: list[str] | None = None) -> None:
             f"--seq and --batch must be positive integers, got --seq {config.seq} --batch {config.batch}"
         )
     need = _kept_bytes(max(config.seq), config.batch, DTYPES[config.dtype])
-    have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    have = machine_memory_bytes()
     if need > have:  # the real layers would fail in the allocator, after the first rows were printed
         ap.error(
-            f"--seq {max(config.seq)} --batch {config.batch}: HF's layer keeps {need / 2**30:.0f} GiB for "
-            f"backward (its closed form), more than this machine's {have / 2**30:.0f} GiB of memory"
+            f"--seq {max(config.seq)} --batch {config.batch}: HF's layer keeps {format_bytes(need)} for "
+            f"backward (its closed form), more than this machine's {format_bytes(have)} of memory"
         )
     hf_logging.set_verbosity_error()
     torch.manual_seed(0)

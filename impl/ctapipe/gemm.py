@@ -12,9 +12,9 @@ them in step: a wait target can only be met by the call's own producer tiles.
 
 from __future__ import annotations
 
-import numbers
-
 import torch
+
+from measure.checks import whole
 
 from .kernels import ACTIVATIONS, STATUS_WORDS, stage_kernel, ticket_mlp_kernel
 from .tiling import DEFAULT_TILING, Tiling
@@ -72,12 +72,8 @@ def _timeout_us(timeout_s: float | None) -> int:
     return round(t * 1e6)
 
 
-def _whole(value) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
 def _check_spins(max_spins: int) -> int:
-    if not _whole(max_spins) or not 0 <= max_spins < 2**31:
+    if not whole(max_spins, 0) or max_spins >= 2**31:
         raise ValueError(
             f"max_spins must be a whole number in [0, 2**31) (0: no bound on polls), got {max_spins!r}"
         )
@@ -87,7 +83,7 @@ def _check_spins(max_spins: int) -> int:
 def _check_wait_target(wait_target: int) -> int:
     """A count an int32 ready counter can reach: a float, a bool or a negative count would be
     compared with it as something else inside the kernel, and a larger one never reached."""
-    if not _whole(wait_target) or not 0 <= wait_target < 2**31:
+    if not whole(wait_target, 0) or wait_target >= 2**31:
         raise ValueError(f"wait_target must be a whole number of signals in [0, 2**31), got {wait_target!r}")
     return int(wait_target)
 
@@ -119,7 +115,7 @@ def _check_act(act: str) -> int:
 
 
 def _check_programs(programs: int | None) -> int | None:
-    if programs is not None and (isinstance(programs, bool) or not isinstance(programs, int) or programs < 1):
+    if programs is not None and not whole(programs, 1):
         raise ValueError(f"programs must be a whole number >= 1 (or None: the default), got {programs!r}")
     return programs
 
@@ -381,7 +377,7 @@ class TicketMLP:
         check: bool = True,
     ) -> None:
         self.act = _check_act(act)
-        if isinstance(lag, bool) or not isinstance(lag, int) or lag < 0:
+        if not whole(lag, 0):
             raise ValueError(f"lag must be a whole number of row blocks >= 0, got {lag!r}")
         self.tiling, self.lag = _check_tiling(tiling), lag
         self.programs = _check_programs(programs)

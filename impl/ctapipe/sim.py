@@ -34,6 +34,7 @@ import itertools
 import math
 from dataclasses import asdict, dataclass, field
 
+from measure.checks import whole
 from measure.datasheets import DATASHEETS
 
 from .tiling import DEFAULT_TILING, Tiling
@@ -66,7 +67,7 @@ class Hardware:
 
     def __post_init__(self) -> None:
         # the model divides by these: refuse what no GPU has, in one line, before any simulation
-        if not _whole(self.sms, 1):
+        if not whole(self.sms, 1):
             raise ValueError(f"{self.name}: sms must be a whole number >= 1, got {self.sms!r}")
         for name in ("flops", "link_bw"):
             if not _positive(getattr(self, name)):
@@ -132,10 +133,6 @@ class Hardware:
         return (n - 1) * self.ring_step_latency_s + (n - 1) / n * self.transfer_s(nbytes) if n > 1 else 0.0
 
 
-def _whole(value, least: int) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= least
-
-
 def _positive(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < math.inf
 
@@ -166,7 +163,7 @@ class Chain:
 
     def __post_init__(self) -> None:
         for name in ("m", "width", "layers", "dtype_bytes", "block_m", "block_n"):
-            if not _whole(getattr(self, name), 1):
+            if not whole(getattr(self, name), 1):
                 raise ValueError(f"{name} must be a whole number >= 1, got {getattr(self, name)!r}")
         if not isinstance(self.cta, Tiling):
             raise ValueError(f"cta must be a ctapipe.tiling.Tiling, got {self.cta!r}")
@@ -193,7 +190,7 @@ def kernel_s(hw: Hardware, rows: int, n: int, k: int, chain: Chain) -> float:
 
 def microbatched(hw: Hardware, chain: Chain, chunk: int) -> float:
     """Latency with row chunks of ``chunk`` pipelined across the chain's GPUs (chunk = M: back-to-back)."""
-    if not _whole(chunk, 1):
+    if not whole(chunk, 1):
         raise ValueError(f"chunk must be a whole number of rows >= 1, got {chunk!r}")
     d, b = chain.width, chain.dtype_bytes
     sizes = [min(chunk, chain.m - s) for s in range(0, chain.m, chunk)]
@@ -214,7 +211,7 @@ def candidate_chunks(m: int, smallest: int) -> list[int]:
     """The chunkings micro-batching tries (the model prices them, ``baselines.cta.microbatch`` runs
     them): M halved while the chunk divides M and is at least ``smallest`` rows; M itself
     (back-to-back) when nothing smaller qualifies."""
-    if not (_whole(m, 1) and _whole(smallest, 1)):
+    if not (whole(m, 1) and whole(smallest, 1)):
         raise ValueError(f"m and the smallest chunk must be whole numbers >= 1, got {m!r}, {smallest!r}")
     chunks, c = [], m
     while c >= smallest and m % c == 0:
@@ -231,7 +228,7 @@ def best_microbatched(hw: Hardware, chain: Chain) -> tuple[float, int]:
 def tensor_parallel(hw: Hardware, chain: Chain, n: int) -> float:
     """Every layer over ``n`` GPUs: column/row pairs, one all-reduce per pair (odd tail: all-gather)."""
     d, m, b = chain.width, chain.m, chain.dtype_bytes
-    if not _whole(n, 1):
+    if not whole(n, 1):
         raise ValueError(f"tensor parallelism needs a whole number of GPUs >= 1, got {n!r}")
     if d % n:
         raise ValueError(f"width {d} does not split over {n} GPUs")
@@ -335,7 +332,7 @@ def hardware(name: str) -> Hardware:
 def compare(hw: Hardware, m: int, gpus: int, width: int = 8192, cta: Tiling = DEFAULT_TILING) -> dict:
     """Every method's latency for the chain of ``gpus`` layers on ``gpus`` GPUs (CTA kernels with
     ``cta``'s tiles)."""
-    if not _whole(gpus, 1):
+    if not whole(gpus, 1):
         raise ValueError(f"gpus must be a whole number >= 1, got {gpus!r}")
     chain = Chain(m, width, layers=gpus, cta=cta)
     mb, chunk = best_microbatched(hw, chain)
@@ -375,7 +372,7 @@ def band(hw: Hardware, gpus: int, rows: list[int], width: int = 8192) -> dict:
     """CTA's best reduction over ``rows`` against the best micro-batching and against TP, at every
     corner of ``BAND`` (the data sheet's SMs, peak and links kept): the lowest and highest of each,
     with the corner that gives it."""
-    if not rows or not all(_whole(r, 1) for r in rows):
+    if not rows or not all(whole(r, 1) for r in rows):
         raise ValueError(f"rows must be a non-empty list of whole numbers >= 1, got {rows!r}")
     out: dict = {}
     names = list(BAND)

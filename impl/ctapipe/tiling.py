@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from measure.checks import whole
+
 
 @dataclass(frozen=True)
 class Tiling:
@@ -18,8 +20,9 @@ class Tiling:
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k"):
             v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 16 or v & (v - 1):
-                raise ValueError(f"{name} must be a power of two >= 16 (tl.dot), got {v!r}")
+            if not whole(v, 16) or v & (v - 1):
+                raise ValueError(f"{name} must be a whole power of two >= 16 (tl.dot), got {v!r}")
+            object.__setattr__(self, name, int(v))  # a numpy integer as Python's: Triton's constexprs
 
     def launch_options(self) -> dict:
         """Warps and pipeline stages: 8 warps for 128 x 128 tiles and up (tensor-core GEMM practice)."""
@@ -28,7 +31,7 @@ class Tiling:
     def tiles(self, m: int, n: int) -> tuple[int, int]:
         """Row blocks and column tiles of an m x n output."""
         for name, v in (("m", m), ("n", n)):
-            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            if not whole(v, 0):
                 raise ValueError(f"an output's {name} must be a whole number >= 0, got {v!r}")
         return -(-m // self.block_m), -(-n // self.block_n)
 

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from measure.checks import whole
+
 from .hf import patch
 
 
@@ -146,10 +148,6 @@ def _check(name: str, table: dict, what: str) -> None:
         raise ValueError(f"unknown {what} {name!r}; choose one of: {', '.join(table)}")
 
 
-def _whole(value: object, least: int) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= least
-
-
 def check_configuration(model: str, configuration: str, head: str = "pretraining") -> None:
     """Refuse a configuration that has nothing to change in ``model`` with ``head`` (e.g. GELU alone
     in a Llama, the LM loss under a QA head)."""
@@ -179,7 +177,7 @@ def build_model(
     _check(configuration, CONFIGURATIONS, "configuration")
     if head not in HEADS:
         raise ValueError(f"unknown head {head!r}; choose one of: {', '.join(HEADS)}")
-    if num_layers is not None and not _whole(num_layers, 1):
+    if num_layers is not None and not whole(num_layers, 1):
         raise ValueError(f"num_layers must be a whole number >= 1 (None: the preset's), got {num_layers!r}")
     if isinstance(dropout, bool) or not isinstance(dropout, int | float) or not 0 <= dropout < 1:
         raise ValueError(f"dropout must be a probability in [0, 1), got {dropout!r}")
@@ -237,7 +235,7 @@ def make_batch(
     _check(model, MODELS, "model")
     if head not in HEADS:
         raise ValueError(f"unknown head {head!r}; choose one of: {', '.join(HEADS)}")
-    if not (_whole(batch, 1) and _whole(seq, 1)):
+    if not (whole(batch, 1) and whole(seq, 1)):
         raise ValueError(f"batch and seq must be whole numbers >= 1, got {batch!r}, {seq!r}")
     spec = MODELS[model]
     if seq > spec.max_positions:

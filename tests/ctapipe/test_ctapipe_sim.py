@@ -239,8 +239,8 @@ def test_bad_sizes_and_names_are_refused_in_one_line():
         (lambda: sim.band(H200, 2, []), "rows must be a non-empty list"),
         (lambda: sim.candidate_chunks(1024, 0), "whole numbers >= 1, got 1024, 0"),
         (lambda: sim.candidate_chunks(0, 128), "whole numbers >= 1, got 0, 128"),
-        (lambda: sim.Tiling(16.0, 16, 16), "block_m must be a power of two >= 16 (tl.dot), got 16.0"),
-        (lambda: sim.Tiling("16", 16, 16), "block_m must be a power of two >= 16"),
+        (lambda: sim.Tiling(16.0, 16, 16), "block_m must be a whole power of two >= 16 (tl.dot), got 16.0"),
+        (lambda: sim.Tiling("16", 16, 16), "block_m must be a whole power of two >= 16"),
         (lambda: sim.Tiling().tiles(-5, 10), "m must be a whole number >= 0, got -5"),
         (lambda: sim.Tiling().tiles(1.5, 10), "m must be a whole number >= 0, got 1.5"),
         (
@@ -254,3 +254,13 @@ def test_impossible_sizes_are_refused_not_priced(call, message):
     -2 GPUs (-9.3e-05 s) and negative tile counts; tile sizes of 0 divided by zero. One line each."""
     with pytest.raises(ValueError, match=re.escape(message)):
         call()
+
+
+def test_numpy_integers_are_sizes_as_python_integers_are():
+    """The checks take numpy's integers (a shape read from an array), as the model did before them."""
+    import numpy as np
+
+    assert sim.Tiling(np.int64(64), 64, 64) == sim.Tiling(64, 64, 64)
+    assert sim.Tiling().tiles(np.int64(1000), 512) == sim.Tiling().tiles(1000, 512)
+    assert sim.candidate_chunks(np.int64(4096), 128) == sim.candidate_chunks(4096, 128)
+    assert sim.tensor_parallel(H200, Chain(1024), np.int64(2)) == sim.tensor_parallel(H200, Chain(1024), 2)

@@ -1,0 +1,18 @@
+"""Checks of arguments and of this machine, one home for every package (torch-free, so the
+planner and the latency model use them without loading torch)."""
+
+from __future__ import annotations
+
+import numbers
+import os
+
+
+def whole(value: object, least: int) -> bool:
+    """``value`` is a whole number >= ``least``: a Python or numpy integer, never a bool (True is
+    1) or a float that happens to be whole."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= least
+
+
+def machine_memory_bytes() -> int:
+    """This machine's physical memory (what a shape or a state must fit in before any work)."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
