@@ -61,9 +61,10 @@ def draw(experiment: str, plots: list[Callable[[], Path | None]]) -> None:
     for path in filter(None, made):
         print(f"wrote {path}")
     if not any(made):
+        instead = "" if _SOURCE["reference"] else ", or draw the committed reference with --reference"
         print(
             f"nothing to draw: artifacts/{experiment}/{source_name()}/ has no results; run nox -s "
-            f"{experiment} first, or draw the committed reference with --reference"
+            f"{experiment} first{instead}"
         )
 
 

@@ -398,8 +398,13 @@ def _check_results_folder(folder: Path) -> None:
     its manifest): never among other files, such as the repository's (``--results ''``)."""
     if not folder.is_dir():
         return  # made by the run (or refused by mkdir: not a folder)
-    # a run's: result files, its manifest and lock, and a write a kill interrupted (write_json_atomic)
-    ours = lambda p: p.suffix == ".json" or p.name == ".lock" or (p.name[0] == "." and p.suffix == ".tmp")
+    # a run's: result files, its manifest and lock, a write a kill interrupted (write_json_atomic),
+    # and the GPU check's benchmark output (artifacts/gpu_check.py writes pytest-benchmark/ beside)
+    ours = lambda p: (
+        p.suffix == ".json"
+        or p.name in (".lock", "pytest-benchmark")
+        or (p.name[0] == "." and p.suffix == ".tmp")
+    )
     others = sorted(p.name for p in folder.iterdir() if not ours(p))
     if others:
         raise NotAResultsFolderError(

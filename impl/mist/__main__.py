@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from measure.checks import machine_memory_bytes
 from measure.cli import OneLineParser, check_writable_file
 from measure.units import format_bytes
 
@@ -116,10 +117,7 @@ def gpu_memory_bytes(size: str | None) -> int | None:
         return None
     from measure.budget import GpuBudget
 
-    amount = GpuBudget.parse(size).capacity_bytes  # a bad size: one line saying what is accepted
-    if amount <= 0:
-        raise ValueError(f"--gpu-mem must be positive, got {size!r}")
-    return amount
+    return GpuBudget.parse(size).capacity_bytes  # a bad size: one line saying what is accepted
 
 
 def _search_target(args, m, c, progress) -> Plan:
@@ -421,14 +419,18 @@ def _check_profile_folder(out: Path, replace: bool) -> None:
 
 def _check_collectives(counts: list[int], device: str) -> None:
     """Process counts the collective benchmarks can run here: at least 2, at most this machine's
-    cores (on a CPU; more oversubscribe them and the benchmark measures the scheduler) or GPUs."""
+    cores (on a CPU, 2 even on one; more oversubscribe them and the benchmark measures the
+    scheduler) or GPUs."""
     import torch
 
-    have = torch.cuda.device_count() if device.startswith("cuda") else os.cpu_count() or 1
+    have = torch.cuda.device_count() if device.startswith("cuda") else max(os.cpu_count() or 1, 2)
     for n in counts:
         if not 2 <= n <= have:
             what = "GPUs" if device.startswith("cuda") else "cores"
-            raise ValueError(f"--collectives {n}: among 2 to {have} processes (this machine's {what})")
+            raise ValueError(
+                f"--collectives {n}: a count of processes from 2 to the {what} here ({have}; more would "
+                "share them and time the scheduler)"
+            )
 
 
 def cmd_profile(args) -> int:
@@ -441,8 +443,6 @@ def cmd_profile(args) -> int:
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print(f"error: --device {args.device}: no CUDA device here", file=sys.stderr)
         return 2
-    if args.name not in GPUS:  # `mist calibrate --write` makes the profile's name a preset
-        raise ValueError(f"--name {args.name}: not a GPU preset; one of {', '.join(GPUS)}")
     sizes = {"hidden": args.hidden, "heads": args.heads, "seq": args.seq, "repeats": args.repeats}
     bad = (
         [f"--{k} {v}" for k, v in sizes.items() if v < 1]
@@ -518,11 +518,10 @@ def cmd_profile_host(args) -> int:
 
     threads = tuple(range(1, (os.cpu_count() or 1) + 1))[: args.max_threads]
     need = 16 * args.params  # fp32 weights, gradients and AdamW's two moments
-    have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    if need > have:
+    if need > machine_memory_bytes():
         raise ValueError(
-            f"--params {args.params}: AdamW's state for them takes {need / 2**30:.0f} GiB, more than this "
-            f"machine's {have / 2**30:.0f} GiB of memory"
+            f"--params {args.params}: AdamW's state for them takes {format_bytes(need)}, more than this "
+            f"machine's {format_bytes(machine_memory_bytes())} of memory"
         )
     d = profile_cpu_adam(args.params, threads, args.repeats)
     for n, rate in zip(d["threads"], d["params_per_s"], strict=True):
