@@ -107,9 +107,44 @@ def _print_sim(store: ResultFile, hardware: dict) -> None:
         )
 
 
+def _two_process_chain() -> dict:
+    """The two-GEMM chain on two processes, the producer 1 s late: with the consumer's wait, and
+    without it, the producer started after the consumer (the negative control)."""
+    from ctapipe import INTERPRETER_TILING
+    from ctapipe.emulate import run_chain_processes
+    from ctapipe.reference import chain
+
+    g = torch.Generator().manual_seed(1)
+    m, d, f = 48, 32, 48
+    x, w1, w2 = (
+        torch.randn(m, d, generator=g),
+        torch.randn(d, f, generator=g) / 6,
+        torch.randn(f, d, generator=g) / 7,
+    )
+    ref = chain(x, [w1, w2], ["gelu", "none"])
+    out = {}
+    for wait in (True, False):
+        t0 = time.perf_counter()
+        # with the wait: the producer 1 s late; without (negative control): after the consumer
+        y, status = run_chain_processes(
+            x,
+            [w1, w2],
+            ["gelu", "none"],
+            INTERPRETER_TILING,
+            wait=wait,
+            delays=[1.0, 0.0],
+            producer_last=not wait,
+        )
+        out["with_wait" if wait else "negative_control_no_wait"] = {
+            "max_abs_error": float((y - ref).abs().max()),
+            "status": status,
+            "seconds": time.perf_counter() - t0,
+        }
+    return out
+
+
 def part_kernels(run: Run, device: str) -> ResultFile:
     from ctapipe import INTERPRETER_TILING, TicketMLP, Tiling, launch_stage
-    from ctapipe.emulate import run_chain_processes
     from ctapipe.reference import chain
     from ctapipe.triton_compat import interpreting
 
@@ -151,37 +186,8 @@ def part_kernels(run: Run, device: str) -> ResultFile:
             "relative max error vs torch.matmul"
         )
 
-    def concurrent() -> dict:
-        g = torch.Generator().manual_seed(1)
-        m, d, f = 48, 32, 48
-        x, w1, w2 = (
-            torch.randn(m, d, generator=g),
-            torch.randn(d, f, generator=g) / 6,
-            torch.randn(f, d, generator=g) / 7,
-        )
-        ref = chain(x, [w1, w2], ["gelu", "none"])
-        out = {}
-        for wait in (True, False):
-            t0 = time.perf_counter()
-            # with the wait: the producer 1 s late; without (negative control): after the consumer
-            y, status = run_chain_processes(
-                x,
-                [w1, w2],
-                ["gelu", "none"],
-                INTERPRETER_TILING,
-                wait=wait,
-                delays=[1.0, 0.0],
-                producer_last=not wait,
-            )
-            out["with_wait" if wait else "negative_control_no_wait"] = {
-                "max_abs_error": float((y - ref).abs().max()),
-                "status": status,
-                "seconds": time.perf_counter() - t0,
-            }
-        return out
-
     key = {"check": "chain", "processes": 2, "producer_delay_s": 1.0, "tiling": vars(INTERPRETER_TILING)}
-    r = store.compute(key, concurrent)
+    r = store.compute(key, _two_process_chain)
     print(
         "2 concurrent processes, producer 1 s late: with the wait max error "
         f"{r['with_wait']['max_abs_error']:.1e}; without it, producer after the consumer (negative control) "
