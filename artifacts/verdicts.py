@@ -19,11 +19,11 @@ imports none of them.
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
+from measure.checks import real
 from measure.results import ResultFileError, Results
 
 
@@ -264,10 +264,6 @@ def format_value(value: float | tuple[float, float] | None, unit: str, signed: b
     return f"{value:.3g}"
 
 
-def _a_number(x: object) -> bool:
-    return isinstance(x, numbers.Real) and not isinstance(x, bool)
-
-
 def read(value: Callable[[Results], object], results: Results) -> float | tuple[float, float] | None:
     """``value`` of ``results``: None when a point it needs is missing (not run) or it is NaN.
     Raises ResultFileError, naming the file, where a point holds a value of the wrong type or
@@ -275,7 +271,7 @@ def read(value: Callable[[Results], object], results: Results) -> float | tuple[
     try:
         got = value(results)
         for x in got if isinstance(got, tuple) else (got,):
-            if x is not None and not _a_number(x):  # "0.0" would pass float(); True is 1
+            if x is not None and not real(x):  # "0.0" would pass float(); True is 1
                 raise TypeError(f"{x!r} is not a number")
         if isinstance(got, tuple):
             return tuple(float(x) for x in got)

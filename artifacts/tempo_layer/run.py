@@ -191,24 +191,25 @@ def measure_layer(
     x = torch.randn(batch, seq, hidden, dtype=dtype, requires_grad=True)
     with cuda_like_dropout():
         r = saved_bytes(layer, x)
-    sbh, as2b = seq * batch * hidden, heads * seq * seq * batch
     c_sbh, c_as2b = CLOSED_FORMS[variant]
-    scale = torch.finfo(dtype).bits // 16  # the closed forms are for 2-byte activations
+    closed = closed_form_bytes(variant, seq, batch, dtype, hidden, heads)
     return {
         "bytes": r.total_bytes,
-        "bytes_per_sbh": r.total_bytes / sbh,
-        "closed_form_bytes": scale * (c_sbh * sbh + c_as2b * as2b) if dtype != torch.float32 else None,
+        "bytes_per_sbh": r.total_bytes / (seq * batch * hidden),
+        "closed_form_bytes": closed if dtype != torch.float32 else None,
         "closed_form": f"{c_sbh:g}sbh + {c_as2b:g}as^2b" if dtype != torch.float32 else None,
         "by_module_type": r.by_module_type,
         "patch_report": report,
     }
 
 
-def _kept_bytes(seq: int, batch: int, dtype: torch.dtype, hidden: int = 1024, heads: int = 16) -> int:
-    """What HF's BERT-Large layer keeps for backward at this shape, by its closed form."""
-    c_sbh, c_as2b = CLOSED_FORMS["hf-eager"]
-    scale = torch.finfo(dtype).bits / 16  # the closed forms are for 2-byte activations
-    return int(scale * (c_sbh * seq * batch * hidden + c_as2b * heads * seq * seq * batch))
+def closed_form_bytes(
+    variant: str, seq: int, batch: int, dtype: torch.dtype, hidden: int = 1024, heads: int = 16
+) -> float:
+    """What ``variant``'s BERT-Large layer keeps for backward at this shape, by its closed form."""
+    c_sbh, c_as2b = CLOSED_FORMS[variant]
+    scale = torch.finfo(dtype).bits // 16  # the closed forms are for 2-byte activations
+    return scale * (c_sbh * seq * batch * hidden + c_as2b * heads * seq * seq * batch)
 
 
 def gelu_backward_error(dtype: torch.dtype, approximate: str, n: int, seed: int) -> dict:
@@ -292,7 +293,7 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(
             f"--seq and --batch must be positive integers, got --seq {config.seq} --batch {config.batch}"
         )
-    need = _kept_bytes(max(config.seq), config.batch, DTYPES[config.dtype])
+    need = closed_form_bytes("hf-eager", max(config.seq), config.batch, DTYPES[config.dtype])
     have = machine_memory_bytes()
     if need > have:  # the real layers would fail in the allocator, after the first rows were printed
         ap.error(

@@ -7,10 +7,17 @@ import numbers
 import os
 
 
-def whole(value: object, least: int) -> bool:
-    """``value`` is a whole number >= ``least``: a Python or numpy integer, never a bool (True is
-    1) or a float that happens to be whole."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= least
+def whole(value: object, least: int | None = None) -> bool:
+    """``value`` is a whole number (>= ``least`` where given): a Python or numpy integer, never a
+    bool (True is 1) or a float that happens to be whole."""
+    integral = isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    return integral and (least is None or value >= least)
+
+
+def real(value: object) -> bool:
+    """``value`` is a real number (Python's or numpy's, NaN and infinities included), never a bool
+    or a string that would convert ("0.0")."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 def machine_memory_bytes() -> int:

@@ -37,12 +37,12 @@ from __future__ import annotations
 
 import json
 import math
-import numbers
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 import yaml
 
+from measure.checks import real, whole
 from measure.strict import DuplicateKeyError, loads_json, loads_yaml
 
 from .model.specs import GPUS, HOSTS, ClusterSpec, ModelSpec, cluster, model, preset_overrides
@@ -77,7 +77,7 @@ def check_interleaving(stages: int, micro_batches: int, virtual: int) -> None:
     """Raises ValueError unless megatron-core's interleaved schedule runs ``virtual`` model chunks a
     pipeline rank (1: plain 1F1B, always): at least 2 stages, and micro-batches a step a multiple
     of the stages (its groups of S micro-batches; it refuses a short last group)."""
-    if not (_is_int(virtual) and virtual >= 1):
+    if not (whole(virtual) and virtual >= 1):
         raise ValueError(f"virtual_stages must be a whole number >= 1, got {virtual!r}")
     if virtual == 1:
         return
@@ -88,10 +88,6 @@ def check_interleaving(stages: int, micro_batches: int, virtual: int) -> None:
             f"virtual_stages {virtual}: the {micro_batches} micro-batches a step must be a multiple of "
             f"the {stages} stages (megatron-core's interleaved schedule)"
         )
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def bytes_needed(amount: float) -> int:
@@ -141,7 +137,7 @@ def _rename_format_1(d: dict, renames: dict, version: int, where: str) -> None:
             )
         value = d.pop(old)
         if value is not None:
-            if not isinstance(value, numbers.Real) or isinstance(value, bool) or not math.isfinite(value):
+            if not real(value) or not math.isfinite(value):
                 raise ValueError(f"{where}{old} must be a number, got {value!r}")
             value = rounding(value * scale)
         d[new] = value
@@ -175,14 +171,14 @@ class StagePlan:
 
     def check(self, i: int) -> None:
         for name in ("layers", "recompute", "zero"):
-            if not _is_int(getattr(self, name)):
+            if not whole(getattr(self, name)):
                 raise ValueError(f"stage {i}: {name} must be a whole number, got {getattr(self, name)!r}")
         for name in ("tp", "dp"):
-            if getattr(self, name) is not None and not _is_int(getattr(self, name)):
+            if getattr(self, name) is not None and not whole(getattr(self, name)):
                 raise ValueError(f"stage {i}: {name} must be a whole number, got {getattr(self, name)!r}")
         for name in ("memory_bytes", "host_memory_bytes"):
             value = getattr(self, name)
-            if value is not None and not (_is_int(value) and value >= 0):
+            if value is not None and not (whole(value) and value >= 0):
                 raise ValueError(f"stage {i}: {name} must be a whole number of bytes >= 0, got {value!r}")
         if self.layers < 1:
             raise ValueError(f"stage {i}: layers must be >= 1, got {self.layers}")
@@ -301,7 +297,7 @@ class Plan:
             raise ValueError(f"sequence_parallel must be true or false, got {self.sequence_parallel!r}")
         for name in ("gpus", "gpus_per_node", "global_batch", "tp", "dp", "micro_batch"):
             value = getattr(self, name)
-            if not _is_int(value) or value < 1:
+            if not whole(value) or value < 1:
                 raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")
         if self.global_batch > MAX_GLOBAL_BATCH:
             raise ValueError(
@@ -311,7 +307,7 @@ class Plan:
             raise ValueError("stages must be a non-empty list")
         for name in ("host_memory_per_node_bytes", "gpu_memory_bytes"):
             amount = getattr(self, name)
-            if amount is not None and not (_is_int(amount) and amount > 0):
+            if amount is not None and not (whole(amount) and amount > 0):
                 raise ValueError(f"{name} must be a positive whole number of bytes, got {amount!r}")
         if self.global_batch % (self.dp * self.micro_batch):
             raise ValueError(
@@ -343,7 +339,7 @@ class Plan:
         if not isinstance(self.overlap_grad_reduce, bool):
             raise ValueError(f"overlap_grad_reduce must be true or false, got {self.overlap_grad_reduce!r}")
         bucket = self.grad_bucket_params
-        if bucket is not None and not (_is_int(bucket) and bucket >= 1):
+        if bucket is not None and not (whole(bucket) and bucket >= 1):
             raise ValueError(f"grad_bucket_params must be a whole number >= 1 or null, got {bucket!r}")
 
     def check_model(self, spec: ModelSpec | None = None) -> None:
@@ -431,7 +427,7 @@ class Plan:
         memory in GiB: converted to bytes here, the only place that reads that format."""
         d = dict(d)
         version = d.pop("plan_format", 1)  # files from before plan_format existed are format 1
-        if not _is_int(version) or version not in READABLE_FORMATS:
+        if not whole(version) or version not in READABLE_FORMATS:
             raise ValueError(
                 f"plan_format {version!r} is not supported (this version reads "
                 f"{' and '.join(map(str, READABLE_FORMATS))})"

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from measure.checks import whole
+from measure.checks import real, whole
 
 from .hf import patch
 
@@ -179,7 +179,7 @@ def build_model(
         raise ValueError(f"unknown head {head!r}; choose one of: {', '.join(HEADS)}")
     if num_layers is not None and not whole(num_layers, 1):
         raise ValueError(f"num_layers must be a whole number >= 1 (None: the preset's), got {num_layers!r}")
-    if isinstance(dropout, bool) or not isinstance(dropout, int | float) or not 0 <= dropout < 1:
+    if not real(dropout) or not 0 <= dropout < 1:
         raise ValueError(f"dropout must be a probability in [0, 1), got {dropout!r}")
     spec, conf = MODELS[model], CONFIGURATIONS[configuration]
     check_configuration(model, configuration, head)

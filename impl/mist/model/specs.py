@@ -7,9 +7,9 @@ the single source of shapes and hardware numbers for the whole planner.
 from __future__ import annotations
 
 import dataclasses
-import numbers
 from dataclasses import dataclass, replace
 
+from measure.checks import real, whole
 from measure.datasheets import DATASHEETS
 from measure.units import GB, GiB, MiB
 
@@ -19,7 +19,7 @@ POSITIONS = ("learned", "rotary")
 
 def positive_int(value) -> bool:
     """A whole number above 0 (a bool is not one)."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value > 0
+    return whole(value, 1)
 
 
 @dataclass(frozen=True)
@@ -66,8 +66,7 @@ class ModelSpec:
         for field in ("flash", "gated_mlp", "parallel_block", "tempo"):
             if not isinstance(getattr(self, field), bool):
                 raise ValueError(f"{field} must be true or false, got {getattr(self, field)!r}")
-        number = isinstance(self.dropout, numbers.Real) and not isinstance(self.dropout, bool)
-        if not number or not 0 <= self.dropout < 1:
+        if not real(self.dropout) or not 0 <= self.dropout < 1:
             raise ValueError(f"dropout must be a number in [0, 1), got {self.dropout!r}")
         if self.norm not in NORMS:
             raise ValueError(f"norm must be one of {NORMS}, got {self.norm!r}")
