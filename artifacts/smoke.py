@@ -90,7 +90,7 @@ def mist_plan() -> str:
     m, c = model("gpt3-1.3b"), cluster("l4", 8)
     plan = search(m, c, global_batch=32)
     expect(plan.breakdown["fits"], "Mist's best plan does not fit its own memory budget")
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory(prefix="smoke_") as tmp:
         path = Path(tmp) / "plan.yaml"
         plan.save(path)
         again = predict(Plan.load(path), m, c)

@@ -5,9 +5,11 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -16,6 +18,16 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+
+
+@pytest.fixture
+def run_tmp():
+    """An empty TMPDIR for the run under test, on a short path: multiprocessing's forkserver binds a
+    socket in it and AF_UNIX paths are limited to 107 bytes (under pytest's tmp_path with a longer
+    TMPDIR the forkserver failed to start). Removed after the test."""
+    folder = Path(tempfile.mkdtemp(prefix="fault_", dir="/tmp" if os.access("/tmp", os.W_OK) else None))
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 def _tagged(tag: str) -> list[int]:
@@ -41,7 +53,7 @@ def _wait_until(condition, seconds: float) -> bool:
     return condition()
 
 
-def _start(tag: str, results: Path) -> subprocess.Popen:
+def _start(tag: str, results: Path, tmp: Path) -> subprocess.Popen:
     command = [
         sys.executable,
         "-m",
@@ -53,7 +65,7 @@ def _start(tag: str, results: Path) -> subprocess.Popen:
         "--results",
         str(results),
     ]
-    env = {**os.environ, "FAULT_TEST_TAG": tag, "PYTHONPATH": f"{REPO}:{REPO / 'impl'}"}
+    env = {**os.environ, "FAULT_TEST_TAG": tag, "PYTHONPATH": f"{REPO}:{REPO / 'impl'}", "TMPDIR": str(tmp)}
     return subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
@@ -69,26 +81,29 @@ def _until_workers(tag: str, proc: subprocess.Popen) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
-def test_killed_run_leaves_no_process_and_resumes(tmp_path, sig):
+def test_killed_run_leaves_no_process_and_resumes(tmp_path, run_tmp, sig):
     tag = uuid.uuid4().hex
     results = tmp_path / "results"
-    proc = _start(tag, results)
+    proc = _start(tag, results, run_tmp)
     _until_workers(tag, proc)
     proc.send_signal(sig)
     proc.wait(timeout=60)
     assert _wait_until(lambda: not _tagged(tag), 20), f"left behind after {sig.name}: {_tagged(tag)}"
+    # pymp-: the pool's folder; mist_vs_megatron_: the run's own scratch
+    assert _files_left(run_tmp, sig, its_own=("pymp-", "mist_vs_megatron_")) == []
     run = json.loads((results / "run.json").read_text())
     assert run["finished_utc"] is None, run  # interrupted: the next same command resumes it
     if sig == signal.SIGTERM:  # unwound like Ctrl-C: one line says so, and how to resume
         last = proc.stderr.read().decode().strip().splitlines()[-1]
         assert proc.returncode == 130 and last.startswith("interrupted: the points finished so far"), last
     # the same command again starts (the lock is not held by a dead run) and resumes this run
-    again = _start(tag, results)
+    again = _start(tag, results, run_tmp)
     _until_workers(tag, again)
     assert json.loads((results / "run.json").read_text())["run_id"] == run["run_id"]
     again.send_signal(signal.SIGTERM)
     again.wait(timeout=60)
     assert _wait_until(lambda: not _tagged(tag), 20)
+    assert _files_left(run_tmp, sig, its_own=("pymp-", "mist_vs_megatron_")) == []
 
 
 def _cmdline(pid: int) -> str:
@@ -117,18 +132,15 @@ def _kill_when_busy(
     command: list[str],
     sig: signal.Signals,
     busy,
+    tmp: Path,
     settle_s: float = 0.0,
-    tmp: Path | None = None,
     group: bool = False,
 ) -> subprocess.Popen:
     """Start ``command``, send it ``sig`` ``settle_s`` after ``busy(pids with their command lines)``
     holds, and check that nothing it started is left 20 s later. ``tmp``: its temporary folder
-    (TMPDIR), for the caller to check what is left there; ``group``: the signal goes to its whole
-    process group, as a terminal's Ctrl-C does (the command in a session of its own)."""
-    env = {**os.environ, "FAULT_TEST_TAG": tag, "PYTHONPATH": f"{REPO}:{REPO / 'impl'}"}
-    if tmp is not None:
-        tmp.mkdir()
-        env["TMPDIR"] = str(tmp)
+    (TMPDIR, ``run_tmp``), for the caller to check what is left there; ``group``: the signal goes to
+    its whole process group, as a terminal's Ctrl-C does (the command in a session of its own)."""
+    env = {**os.environ, "FAULT_TEST_TAG": tag, "PYTHONPATH": f"{REPO}:{REPO / 'impl'}", "TMPDIR": str(tmp)}
     proc = subprocess.Popen(
         command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=group
     )
@@ -155,7 +167,7 @@ def _kill_when_busy(
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
-def test_killed_run_leaves_no_torchrun_rank(tmp_path, sig):
+def test_killed_run_leaves_no_torchrun_rank(tmp_path, run_tmp, sig):
     """cta_mlp's distributed baselines: the run starts torchrun, torchrun starts two ranks in
     sessions of their own. Killed while both ranks exist (importing, or in their gloo group),
     neither may outlive the run."""
@@ -173,7 +185,9 @@ def test_killed_run_leaves_no_torchrun_rank(tmp_path, sig):
     def busy(cmds: dict[int, str]) -> bool:
         return sum("artifacts.cta_mlp.distributed" in c for c in cmds.values()) >= 3
 
-    _kill_when_busy(uuid.uuid4().hex, command, sig, busy)
+    _kill_when_busy(uuid.uuid4().hex, command, sig, busy, tmp=run_tmp)
+    # cta_mlp_: the run's scratch; torchrun_logs_: torchrun's logs, made by the run (run_torchrun)
+    assert _files_left(run_tmp, sig, its_own=("cta_mlp_", "torchrun_logs_")) == []
 
 
 _BENCHMARK = """
@@ -187,7 +201,7 @@ profile_collectives(2, "cpu", sizes=[4096], repeats=10, rounds=10**6)  # busy un
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
-def test_killed_benchmark_leaves_no_rank(tmp_path, sig):
+def test_killed_benchmark_leaves_no_rank(run_tmp, sig):
     """The engine's collective, ZeRO and TP benchmarks fork their ranks from a server process
     (mist.engine.profiler): killed while the ranks are in their gloo group, no rank nor the server
     may outlive the run (on SIGTERM the run ends at once, not after the ranks' work), and no file
@@ -198,11 +212,11 @@ def test_killed_benchmark_leaves_no_rank(tmp_path, sig):
     def busy(cmds: dict[int, str]) -> bool:
         return sum("forkserver" in c for c in cmds.values()) >= 3
 
-    proc = _kill_when_busy(uuid.uuid4().hex, command, sig, busy, settle_s=2.0, tmp=tmp_path / "tmp")
+    proc = _kill_when_busy(uuid.uuid4().hex, command, sig, busy, settle_s=2.0, tmp=run_tmp)
     if sig == signal.SIGTERM:
         assert proc.returncode != 0
     # pymp-: the killed process's multiprocessing folder (its forkserver's socket)
-    assert _files_left(tmp_path / "tmp", sig, its_own=("pymp-",)) == []
+    assert _files_left(run_tmp, sig, its_own=("pymp-",)) == []
 
 
 _FORKED = """
@@ -218,7 +232,7 @@ ForkLauncher("tests.measure.fork_target:preload").run(2, "tests.measure.fork_tar
 @pytest.mark.parametrize(
     ("sig", "group"), [(signal.SIGTERM, False), (signal.SIGKILL, False), (signal.SIGINT, True)]
 )
-def test_killed_fork_launch_leaves_no_server_or_rank(tmp_path, sig, group):
+def test_killed_fork_launch_leaves_no_server_or_rank(run_tmp, sig, group):
     """measure.fork_launch (the engine's CPU launches): its client killed while two forked ranks
     run, neither the warm server nor a rank may outlive it, nor the folder of the ranks' output
     (the server's, removed when its client dies, even by SIGKILL). Ctrl-C reaches the server
@@ -229,10 +243,8 @@ def test_killed_fork_launch_leaves_no_server_or_rank(tmp_path, sig, group):
     def busy(cmds: dict[int, str]) -> bool:
         return sum("measure.fork_launch" in c for c in cmds.values()) >= 3
 
-    proc = _kill_when_busy(
-        uuid.uuid4().hex, command, sig, busy, settle_s=1.0, tmp=tmp_path / "tmp", group=group
-    )
-    assert _files_left(tmp_path / "tmp", sig) == []
+    proc = _kill_when_busy(uuid.uuid4().hex, command, sig, busy, settle_s=1.0, tmp=run_tmp, group=group)
+    assert _files_left(run_tmp, sig) == []
     if group:  # the client's KeyboardInterrupt is the script's own; nothing from the server
         err = proc.stderr.read().decode()
         assert "in _serve" not in err and "in _run_ranks" not in err, err
@@ -254,7 +266,7 @@ with tempfile.TemporaryDirectory(prefix="script-") as out:
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
-def test_killed_profile_leaves_no_concurrent_copy(tmp_path, sig):
+def test_killed_profile_leaves_no_concurrent_copy(run_tmp, sig):
     """`mist profile` on a CPU runs copies of itself beside the measured one (a plan's ranks share
     the cores): killed while they run, no copy may outlive it, nor a copy's files."""
     command = [sys.executable, "-c", _PROFILE]
@@ -263,12 +275,12 @@ def test_killed_profile_leaves_no_concurrent_copy(tmp_path, sig):
     # writing (a copy's files made before the kill were left when it made them in a folder of its
     # own: seen on CI's slower runner only, where the copies had got that far)
     def busy(cmds: dict[int, str]) -> bool:
-        writing = len(list((tmp_path / "tmp").rglob("profile.json")))  # the measured one's and theirs
+        writing = len(list((run_tmp).rglob("profile.json")))  # the measured one's and theirs
         return sum("multiprocessing.spawn" in c for c in cmds.values()) >= 2 and writing >= 3
 
-    _kill_when_busy(uuid.uuid4().hex, command, sig, busy, settle_s=1.0, tmp=tmp_path / "tmp")
+    _kill_when_busy(uuid.uuid4().hex, command, sig, busy, settle_s=1.0, tmp=run_tmp)
     # the script's folder and the copies' scratch are the killed process's own
-    assert _files_left(tmp_path / "tmp", sig, its_own=("script-", "profile_copies_")) == []
+    assert _files_left(run_tmp, sig, its_own=("script-", "profile_copies_")) == []
 
 
 @pytest.mark.parametrize(

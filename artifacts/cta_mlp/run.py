@@ -201,7 +201,7 @@ def part_baselines(run: Run) -> ResultFile:
     store = run.file("baselines_cpu.json")
 
     def launch() -> dict:
-        with tempfile.TemporaryDirectory() as tmp:
+        with tempfile.TemporaryDirectory(prefix="cta_mlp_") as tmp:
             out = Path(tmp) / "r.json"
             flags = [
                 "--rows",

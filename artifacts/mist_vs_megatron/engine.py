@@ -389,7 +389,10 @@ def main(argv: list[str] | None = None) -> None:
         CPU_ENGINE, launches=1, profile=profile, plans=plans, model_overrides=DRY_RUN_OVERRIDES
     )
     setup = dry if args.cpu_dry_run else GPU_ENGINE
-    with experiment_run(args, EXPERIMENT) as run, tempfile.TemporaryDirectory() as tmp:
+    with (
+        experiment_run(args, EXPERIMENT) as run,
+        tempfile.TemporaryDirectory(prefix="mist_vs_megatron_") as tmp,
+    ):
         store = run_engine(run, setup, RuntimeFits(Path(tmp), setup))
     print_engine(store.this_run())
 

@@ -418,7 +418,10 @@ def main(argv: list[str] | None = None) -> None:
     # predicted there; 75 of 101.6 MiB at the full shape)
     dry = MeasuredSetup("gpu_measured_dry_run", base, (MeasuredCase("gpt3", 1, 8),), launches=1)
     setup = dry if args.cpu_dry_run else GPU_MEASURED
-    with experiment_run(args, EXPERIMENT) as run, tempfile.TemporaryDirectory() as tmp:
+    with (
+        experiment_run(args, EXPERIMENT) as run,
+        tempfile.TemporaryDirectory(prefix="mist_vs_megatron_") as tmp,
+    ):
         store = run_measured(run, RuntimeFits(Path(tmp), setup.base), setup)
     print_measured(store.this_run())
 

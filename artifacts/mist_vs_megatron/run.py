@@ -365,7 +365,10 @@ def main(argv: list[str] | None = None) -> None:
     budget = ACESO_MAX_PRICED[config.scale]
     cmp = abl = tempo = engine = measured = None
     # the CPU's runtime models (a profile per process count): made once, for the engine and measured parts
-    with experiment_run(args, EXPERIMENT) as run, tempfile.TemporaryDirectory() as tmp:
+    with (
+        experiment_run(args, EXPERIMENT) as run,
+        tempfile.TemporaryDirectory(prefix="mist_vs_megatron_") as tmp,
+    ):
         fits = RuntimeFits(Path(tmp), CPU_ENGINE)
         if "calibration" in config.parts:
             print("Runtime and interference models, held out:")

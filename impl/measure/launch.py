@@ -13,6 +13,7 @@ import functools
 import os
 import subprocess
 import sys
+import tempfile
 from typing import TYPE_CHECKING
 
 from .parallel import LAUNCHER_PID_ENV, die_with_parent
@@ -21,6 +22,8 @@ if TYPE_CHECKING:
     from torch.distributed import TCPStore
 
 HOST = "127.0.0.1"
+# the folder of torchrun's logs (run_torchrun): a killed launcher's own, left only by SIGKILL
+TORCHRUN_LOGS_PREFIX = "torchrun_logs_"
 
 
 def serve_rendezvous() -> TCPStore:
@@ -47,24 +50,29 @@ def run_torchrun(nproc: int, module: str, args: list[str], timeout: float) -> su
     process (the processes share its cores), output captured, killed with the caller and after
     ``timeout`` seconds (subprocess.TimeoutExpired). ``--standalone``: torchrun's agent serves the
     rendezvous on a port it binds as the OS assigns it (see the module's docstring). Ranks that call
-    ``measure.parallel.die_with_launcher`` die with it."""
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        str(nproc),
-        "-m",
-        module,
-        *args,
-    ]
+    ``measure.parallel.die_with_launcher`` die with it. torchrun's log folder is one of this call's
+    own, removed when it returns: by default torchrun makes one in TMPDIR per launch and never
+    removes it (the suite left one a launch in /tmp)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", LAUNCHER_PID_ENV: str(os.getpid())}
-    return subprocess.run(
-        command,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-        preexec_fn=functools.partial(die_with_parent, os.getpid()),
-    )
+    with tempfile.TemporaryDirectory(prefix=TORCHRUN_LOGS_PREFIX) as logs:
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            str(nproc),
+            "--log-dir",
+            logs,
+            "-m",
+            module,
+            *args,
+        ]
+        return subprocess.run(
+            command,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=env,
+            preexec_fn=functools.partial(die_with_parent, os.getpid()),
+        )

@@ -1,4 +1,4 @@
-"""A rank for test_fork_launch: ``main([mode])`` sums its rank over a gloo group and prints it;
+"""A rank for test_fork_launch and test_launch: ``main([mode])`` sums its rank over a gloo group and prints it;
 mode "fail1" makes rank 1 exit with status 2 before the collective (rank 0 would wait forever),
 "sleep" sleeps past any test's timeout."""
 
@@ -31,3 +31,7 @@ def main(argv: list[str]) -> int:
 
 def preload() -> None:
     import torch.distributed  # noqa: F401
+
+
+if __name__ == "__main__":  # under torchrun (tests/measure/test_launch.py)
+    sys.exit(main(sys.argv[1:]))
