@@ -130,41 +130,80 @@ def _launch(plan, processes: int, args: list[str]) -> subprocess.CompletedProces
     return fork_launch.shared("mist.engine.run:preload").run(processes, "mist.engine.run", args, timeout=900)
 
 
-def train_plan(plan, processes: int, steps: int, launches: int, work: Path, name: str) -> dict:
-    """``plan`` trained by ``mist.engine.run`` from scratch in each of ``launches`` launches of
-    ``processes`` processes. Returns the median launch's report and step time (the median of its
-    ranks' steady steps) with every launch's step time; or, where some launch's device peak went
+def _launch_once(plan, processes: int, args: list[str], out: Path, name: str) -> dict:
+    """One launch of ``plan``: ``{"refused": why}`` where the engine refuses it on this device (its
+    exit status 2), ``{"out_of_memory": True, "report": ...}`` where its device peak went above the
+    plan's cap, else ``{"step_s": the median of its ranks' steady steps, "report": ...}``."""
+    out.unlink(missing_ok=True)  # a report is this launch's
+    done = _launch(plan, processes, args)
+    # over the cap, the ranks write their report and exit 3 (torchrun then exits 1)
+    report = json.loads(out.read_text()) if out.exists() else None
+    # refused before any work: a rank says "error: <why>" and exits 2 (torchrun then exits 1)
+    why = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
+    if done.returncode != 0 and report is None and why:
+        return {"refused": why[-1].removeprefix("error: ")}
+    out_of_memory = report is not None and report["ranks"][0]["out_of_memory"]
+    if (done.returncode != 0 and not out_of_memory) or report is None:
+        raise RuntimeError(f"mist.engine.run failed for {name}:\n{done.stderr[-3000:]}")
+    if out_of_memory:
+        return {"out_of_memory": True, "report": report}
+    # all steady: warm-up and memory steps come first
+    return {"step_s": statistics.median(x for r in report["ranks"] for x in r["step_s"]), "report": report}
+
+
+def train_plans(
+    plans: dict, processes: int, steps: int, launches: int, work: Path
+) -> tuple[dict[str, dict], list[list[str]]]:
+    """Each of ``plans`` (name -> plan) trained by ``mist.engine.run`` from scratch in ``launches``
+    launches of ``processes`` processes, interleaved: round by round, each plan still running
+    launched once, the order rotated by one a round. A change in the machine's speed during the
+    run (another process, gloo's latency mode) then falls on every plan alike, not on whichever
+    plan was running: a ratio of two plans' step times is taken within one run, as it should be.
+
+    Returns, per plan, the median launch's report and step time (the median of its ranks' steady
+    steps) with every launch's step time in launch order; or, where some launch's device peak went
     above the plan's cap, that launch's report with ``out_of_memory`` set and no time (a run that
-    may crash is not one a user can take; no further launches are made); or, where the engine
-    refuses the plan on this device (its exit status 2), ``refused`` with its reason."""
-    path, out = work / f"{name}.yaml", work / f"{name}.json"
-    plan.save(path)
-    args = ["--plan", str(path), "--steps", str(steps), "--out", str(out)]
-    done_launches = []  # (its median step, its report)
-    for _ in range(launches):
-        out.unlink(missing_ok=True)  # a report is this launch's
-        done = _launch(plan, processes, args)
-        # over the cap, the ranks write their report and exit 3 (torchrun then exits 1)
-        report = json.loads(out.read_text()) if out.exists() else None
-        # refused before any work: a rank says "error: <why>" and exits 2 (torchrun then exits 1)
-        why = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
-        if done.returncode != 0 and report is None and why:
-            return {"refused": why[-1].removeprefix("error: "), "out_of_memory": False}
-        out_of_memory = report is not None and report["ranks"][0]["out_of_memory"]
-        if (done.returncode != 0 and not out_of_memory) or report is None:
-            raise RuntimeError(f"mist.engine.run failed for {name}:\n{done.stderr[-3000:]}")
-        if out_of_memory:
-            return {"out_of_memory": True, "step_s": None, "launches_step_s": [], "report": report}
-        # all steady: warm-up and memory steps come first
-        done_launches.append((statistics.median(x for r in report["ranks"] for x in r["step_s"]), report))
-    # the median launch, all of it (on a CPU gloo's latency settles into a mode for a launch's life)
-    step_s, report = sorted(done_launches, key=lambda x: x[0])[(len(done_launches) - 1) // 2]
-    return {
-        "out_of_memory": False,
-        "step_s": step_s,
-        "launches_step_s": sorted(x for x, _ in done_launches),
-        "report": report,
-    }
+    may crash is not one a user can take; it is not launched again); or, where the engine refuses
+    the plan on this device, ``refused`` with its reason. And the rounds: the names launched in
+    each, in order."""
+    args = {}
+    for name, plan in plans.items():
+        path, out = work / f"{name}.yaml", work / f"{name}.json"
+        plan.save(path)
+        args[name] = (["--plan", str(path), "--steps", str(steps), "--out", str(out)], out)
+    timed: dict[str, list[dict]] = {name: [] for name in plans}
+    ended: dict[str, dict] = {}  # refused or out of memory: not launched again
+    names, rounds = list(plans), []
+    for r in range(launches):
+        order = [n for n in names[r % len(names) :] + names[: r % len(names)] if n not in ended]
+        rounds.append(order)
+        for name in order:
+            one = _launch_once(plans[name], processes, *args[name], name)
+            if "step_s" in one:
+                timed[name].append(one)
+            else:
+                ended[name] = one
+    trained = {}
+    for name in names:
+        if "refused" in ended.get(name, {}):
+            trained[name] = {"refused": ended[name]["refused"], "out_of_memory": False}
+        elif name in ended:
+            trained[name] = {"out_of_memory": True, "step_s": None, "launches_step_s": [], **ended[name]}
+        else:
+            # the median launch, all of it (on a CPU gloo's latency settles into a mode for a launch's life)
+            median = sorted(timed[name], key=lambda x: x["step_s"])[(len(timed[name]) - 1) // 2]
+            trained[name] = {
+                "out_of_memory": False,
+                "step_s": median["step_s"],
+                "launches_step_s": [x["step_s"] for x in timed[name]],
+                "report": median["report"],
+            }
+    return trained, rounds
+
+
+def train_plan(plan, processes: int, steps: int, launches: int, work: Path, name: str) -> dict:
+    """``plan`` alone trained as ``train_plans`` trains several (its launches back to back)."""
+    return train_plans({name: plan}, processes, steps, launches, work)[0][name]
 
 
 def rank_memory(plan, report: dict) -> list[dict]:

@@ -13,8 +13,10 @@ gloo processes): the cap is set below what the plain plan needs (data parallelis
 process, one micro-batch a step, nothing recomputed, offloaded or sharded), so memory binds. Mist, the
 Megatron-LM grid, the Aceso-style search and ZeRO-3 each plan within 90% of it (the memory model's
 stated accuracy: ``PLANNING_FRACTION``) and run under all of it; each distinct winner is
-trained in ``LAUNCHES`` fresh launches (the median launch's step reported, every launch's kept),
-and the plain plan once, to show that the cap binds when measured too. A plan whose device peak
+trained in ``LAUNCHES`` fresh launches, interleaved with the other winners' (round by round, the
+order rotated: a change in the machine's speed falls on every system alike), the median launch's
+step reported and every launch's kept; and the plain plan once, to show that the cap binds when
+measured too. A plan whose device peak
 goes above the cap in any launch is recorded as out of memory, never as a time.
 
 The runtime model is fitted per process count to ``mist profile`` of the device at the base
@@ -50,6 +52,7 @@ from .engine import (
     RuntimeFits,
     rank_memory,
     train_plan,
+    train_plans,
 )
 from .plans import plan_changes, plan_summary
 
@@ -232,18 +235,31 @@ def measured_point(case: MeasuredCase, setup: MeasuredSetup, fits: RuntimeFits) 
         "runtime_model_held_out_error": fit["mean_abs_error"],
         "plain": {"plan": plan_summary(plain), **_trained(plain, plain_run)},
     }
-    trained_as: dict[str, str] = {}  # a plan's identity -> the first system that trained it
-    for system, plan in plan_systems(case, runtime, setup=setup).items():
+    plans = plan_systems(case, runtime, setup=setup)
+    first: dict[str, str] = {}  # a plan's identity -> the first system whose plan it is
+    distinct = {}  # the plans trained: the same plan as an earlier system's is trained once
+    for system, plan in plans.items():
+        if not isinstance(plan, str):
+            distinct.setdefault(first.setdefault(json.dumps(plan.what_runs(), sort_keys=True), system), plan)
+    names = {system: f"{case.model}-{case.processes}-{system}" for system in distinct}
+    trained, rounds = train_plans(
+        {names[system]: plan for system, plan in distinct.items()},
+        case.processes,
+        setup.steps,
+        setup.launches,
+        fits.work,
+    )
+    system_of = {name: system for system, name in names.items()}
+    out["launch_rounds"] = [[system_of[name] for name in order] for order in rounds]  # interleaved
+    for system, plan in plans.items():
         if isinstance(plan, str):
             out[system] = {"infeasible": plan}
             continue
-        same = trained_as.setdefault(json.dumps(plan.what_runs(), sort_keys=True), system)
+        same = first[json.dumps(plan.what_runs(), sort_keys=True)]
         if same != system:  # the same plan as an earlier system's: one run, reported for both
             out[system] = {**out[same], "plan": plan_summary(plan), "same_plan_as": same}
-            continue
-        name = f"{case.model}-{case.processes}-{system}"
-        trained = train_plan(plan, case.processes, setup.steps, setup.launches, fits.work, name)
-        out[system] = {"plan": plan_summary(plan), **_trained(plan, trained)}
+        else:
+            out[system] = {"plan": plan_summary(plan), **_trained(plan, trained[names[system]])}
     return out
 
 
@@ -259,6 +275,7 @@ def measured_key(case: MeasuredCase, setup: MeasuredSetup) -> dict:
         "steps": setup.steps,
         "planning_fraction": PLANNING_FRACTION,
         "launches": setup.launches,
+        "launch_order": "interleaved",  # round by round, every plan once a round (train_plans)
         **({} if case.systems is None else {"systems": list(case.systems)}),
         "aceso_max_priced": ACESO_MAX_PRICED,
         "cost_model": f"runtime model fitted to {device}'s profiles",

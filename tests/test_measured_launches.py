@@ -1,0 +1,67 @@
+"""mist_vs_megatron's measured comparison launches its plans interleaved (engine.train_plans):
+round by round, each plan still running once, the order rotated; a plan that ran out of memory or
+was refused is not launched again; the median launch is the one reported."""
+
+from __future__ import annotations
+
+import random
+
+from artifacts.mist_vs_megatron import engine
+
+
+class _Plan:
+    def save(self, path) -> None:
+        path.write_text("a plan\n")
+
+
+def _fake_launches(monkeypatch, outcomes: dict[str, list[dict]]) -> list[str]:
+    """Replace each launch by the next of its plan's ``outcomes``; returns the launch order."""
+    order: list[str] = []
+
+    def launch_once(plan, processes, args, out, name):
+        order.append(name)
+        return outcomes[name].pop(0)
+
+    monkeypatch.setattr(engine, "_launch_once", launch_once)
+    return order
+
+
+def test_rounds_rotate_and_every_plan_is_launched_once_a_round(monkeypatch, tmp_path):
+    rng = random.Random()
+    names = [f"plan{i}" for i in range(rng.randint(2, 5))]
+    launches = rng.randint(2, 5)
+    steps = {n: [rng.uniform(0.1, 1.0) for _ in range(launches)] for n in names}
+    outcomes = {n: [{"step_s": s, "report": {"launch": k}} for k, s in enumerate(steps[n])] for n in names}
+    order = _fake_launches(monkeypatch, outcomes)
+    trained, rounds = engine.train_plans({n: _Plan() for n in names}, 2, 3, launches, tmp_path)
+    k = len(names)
+    assert rounds == [names[r % k :] + names[: r % k] for r in range(launches)]
+    assert order == [n for r in rounds for n in r]
+    for n in names:
+        ranked = sorted(range(launches), key=lambda i: steps[n][i])
+        median = ranked[(launches - 1) // 2]
+        assert trained[n]["launches_step_s"] == steps[n]  # in launch order
+        assert trained[n]["step_s"] == steps[n][median]
+        assert trained[n]["report"] == {"launch": median}  # the median launch's own report
+        assert trained[n]["out_of_memory"] is False
+
+
+def test_a_plan_out_of_memory_or_refused_is_not_launched_again(monkeypatch, tmp_path):
+    ok = [{"step_s": 0.2, "report": {}} for _ in range(3)]
+    outcomes = {
+        "fits": ok,
+        "over": [{"out_of_memory": True, "report": {"worst": 1}}],
+        "refused": [{"refused": "no such mechanism here"}],
+    }
+    order = _fake_launches(monkeypatch, outcomes)
+    trained, rounds = engine.train_plans({n: _Plan() for n in outcomes}, 2, 3, 3, tmp_path)
+    assert order == ["fits", "over", "refused", "fits", "fits"]
+    assert rounds == [["fits", "over", "refused"], ["fits"], ["fits"]]
+    assert trained["over"] == {
+        "out_of_memory": True,
+        "step_s": None,
+        "launches_step_s": [],
+        "report": {"worst": 1},
+    }
+    assert trained["refused"] == {"refused": "no such mechanism here", "out_of_memory": False}
+    assert trained["fits"]["launches_step_s"] == [0.2, 0.2, 0.2]
