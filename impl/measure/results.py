@@ -35,7 +35,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from .strict import DuplicateKeyError, loads_json
+from .strict import json_data, loads_json, read_text_file
 
 PACKAGES = ("torch", "triton", "transformers", "megatron-core", "numpy", "scipy", "sympy", "highspy")
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -120,9 +120,10 @@ def _utc_now() -> str:
     return _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
 
 
-def _canonical(obj: Any) -> Any:
-    """``obj`` as it reads back from JSON (tuples become lists), so configs compare as stored."""
-    return json.loads(json.dumps(obj, default=str))
+def _canonical(obj: Any, where: str = "") -> Any:
+    """``obj`` as it reads back from JSON (tuples become lists, numpy numbers Python's), so keys and
+    configs compare as stored; what is not JSON data is a TypeError naming where it is."""
+    return json_data(obj, where)
 
 
 def key_id(key: Key) -> str:
@@ -133,7 +134,9 @@ def key_id(key: Key) -> str:
 # ---------------------------------------------------------------- files
 
 
-def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
+def write_text_atomic(path: str | os.PathLike, text: str) -> None:
+    """``path`` holds ``text`` or what it held before, never a torn file: a temporary file beside
+    it, synced, then renamed over it (a kill in between leaves a ``.<name>.*.tmp``, not half a file)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
@@ -142,14 +145,17 @@ def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
     os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; a result file is for everyone to read
     try:
         with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, indent=1, sort_keys=True, default=str)
-            f.write("\n")
+            f.write(text)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
+    write_text_atomic(path, json.dumps(obj, indent=1, sort_keys=True, default=str) + "\n")
 
 
 @dataclass(frozen=True)
@@ -177,8 +183,9 @@ class Results:
             "the committed reference is in reference/"
         )
         try:
-            data = loads_json(path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError, DuplicateKeyError, IsADirectoryError) as e:
+            # a regular file: a FIFO of the name would block the read
+            data = loads_json(read_text_file(path))
+        except (UnicodeDecodeError, ValueError) as e:  # JSON, a key twice, no regular file
             raise ResultFileError(f"{path}: not a readable result file ({e}); {advice}") from None
         if (
             not isinstance(data, dict)
@@ -307,8 +314,8 @@ class Run:
     @staticmethod
     def _read_manifest(path: Path) -> dict[str, Any] | None:
         try:
-            data = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+            data = json.loads(read_text_file(path))
+        except (OSError, ValueError):  # JSON's errors and a FIFO or device of the name included
             return None  # no (readable) manifest: nothing to resume
         return data if isinstance(data, dict) else None
 
@@ -371,14 +378,19 @@ class ResultFile(Results):
         return point is not None and point.provenance.get("run_id") == self.run.run_id
 
     def add(self, key: Key, result: Any, seconds: float | None = None) -> None:
+        """Write the point ``key`` -> ``result`` now. A key is a mapping of the settings that decide
+        the result; key and result are JSON data (``json_data``: a TypeError otherwise, before the
+        file is touched)."""
+        if not isinstance(key, dict):
+            raise TypeError(f"{self.path}: a point's key is a mapping of its settings, got {key!r}")
+        key, result = _canonical(key, "key"), _canonical(result, "result")
         provenance = {
             **self.run.provenance(self.device),
             "finished_utc": _utc_now(),
             "seconds": None if seconds is None else round(seconds, 3),
             "config": self.config,
         }
-        key = _canonical(key)
-        self._put(Point(key, _canonical(result), provenance))
+        self._put(Point(key, result, provenance))
         self._write()
 
     def compute(self, key: Key, fn: Callable[[], Any]) -> Any:
@@ -400,10 +412,13 @@ def _check_results_folder(folder: Path) -> None:
         return  # made by the run (or refused by mkdir: not a folder)
     # a run's: result files, its manifest and lock, a write a kill interrupted (write_json_atomic),
     # and the GPU check's benchmark output (artifacts/gpu_check.py writes pytest-benchmark/ beside)
+    # (regular files: a FIFO named like a result file would block its reader)
     ours = lambda p: (
-        p.suffix == ".json"
-        or p.name in (".lock", "pytest-benchmark")
-        or (p.name[0] == "." and p.suffix == ".tmp")
+        (
+            p.is_file()
+            and (p.suffix == ".json" or p.name == ".lock" or (p.name[0] == "." and p.suffix == ".tmp"))
+        )
+        or (p.is_dir() and p.name == "pytest-benchmark")
     )
     others = sorted(p.name for p in folder.iterdir() if not ours(p))
     if others:
@@ -411,6 +426,27 @@ def _check_results_folder(folder: Path) -> None:
             f"{folder} holds files that are not results (e.g. {others[0]}): give --results a new "
             "or empty folder, or one a run wrote"
         )
+    # the repository's own files (presets, data: JSON too) are never a run's results folder
+    tracked = _tracked_files(folder)
+    if tracked:
+        raise NotAResultsFolderError(
+            f"{folder} holds files of the repository (e.g. {tracked[0]}, tracked by git): give "
+            "--results a new or empty folder, or one a run wrote"
+        )
+
+
+def _tracked_files(folder: Path) -> list[str]:
+    """The files git tracks in ``folder`` (none where it is in no repository or git is missing)."""
+    try:
+        done = subprocess.run(
+            ["git", "-C", str(folder), "ls-files", "--", "."],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return done.stdout.split() if done.returncode == 0 else []
 
 
 def open_run(results_dir: str | os.PathLike, config: dict[str, Any], fresh: bool = False) -> Run:

@@ -1,9 +1,16 @@
 """JSON and YAML read strictly: a key given twice in one mapping is an error, never "the last one
-wins" (both libraries' default), so a file that says two things about one field is refused."""
+wins" (both libraries' default), so a file that says two things about one field is refused; a
+path that is no regular file (a FIFO would block the read, /dev/zero never end it) is refused
+before it is read; and data written as JSON is JSON data, never an object's str() in its place."""
 
 from __future__ import annotations
 
 import json
+import numbers
+import os
+import stat
+from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import yaml
@@ -45,3 +52,45 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 def loads_yaml(text: str) -> Any:
     """``yaml.safe_load`` that refuses a key given twice (DuplicateKeyError, a ValueError)."""
     return yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader: builds plain data only
+
+
+# a plan, a profile's manifest or a preset is a few kB; a result file a few MB
+MAX_TEXT_FILE_BYTES = 64 * 2**20
+
+
+def read_text_file(path: str | os.PathLike, limit: int = MAX_TEXT_FILE_BYTES) -> str:
+    """The text of ``path``, a regular file of at most ``limit`` bytes: anything else (a folder, a
+    FIFO, a device, a file larger than any this project writes) is a ValueError saying so, raised
+    before a byte is read. A missing file raises FileNotFoundError as ``open`` does."""
+    info = os.stat(path)  # follows a link: what would be read
+    if not stat.S_ISREG(info.st_mode):
+        raise ValueError(f"{path}: not a regular file")
+    if info.st_size > limit:
+        raise ValueError(f"{path}: {info.st_size} bytes, more than any file this reads ({limit} at most)")
+    return Path(path).read_text()
+
+
+def json_data(obj: Any, where: str = "") -> Any:
+    """``obj`` as JSON data: strings, true/false, null, numbers (numpy's as Python's, the same
+    value), lists (tuples become lists) and mappings with string keys. Anything else is a
+    TypeError naming where it is (``where``: the path to ``obj``), never written as its str():
+    a numpy float written as "1.5" would read back as a string, a tensor as "tensor(2.)"."""
+    if obj is None or isinstance(obj, str | bool):
+        return obj
+    if isinstance(obj, numbers.Integral):
+        return int(obj)
+    if isinstance(obj, numbers.Real):
+        return float(obj)
+    if isinstance(obj, Mapping):
+        out = {}
+        for k, v in obj.items():
+            if not isinstance(k, str):
+                raise TypeError(f"{where or 'the data'}: key {k!r} is not a string (JSON keys are strings)")
+            out[k] = json_data(v, f"{where}.{k}" if where else k)
+        return out
+    if isinstance(obj, list | tuple):
+        return [json_data(v, f"{where}[{i}]") for i, v in enumerate(obj)]
+    raise TypeError(
+        f"{where or 'the data'}: a {type(obj).__name__} is not JSON data (accepted: strings, numbers, "
+        "true/false, null, lists, and mappings with string keys)"
+    )

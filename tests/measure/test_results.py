@@ -275,3 +275,57 @@ def test_a_reference_or_a_source_folder_is_refused_as_results(tmp_path, monkeypa
 def test_a_folder_given_as_a_result_file_is_refused_naming_it(tmp_path):
     with pytest.raises(ResultFileError, match=f"{tmp_path}: not a readable result file"):
         Results.load(tmp_path)  # was a raw IsADirectoryError
+
+
+def test_keys_and_results_that_are_not_json_data_are_refused_not_stringified(tmp_path):
+    """A numpy float was stored as "1.5", a tensor as "tensor(2.)", a numpy integer in a key as
+    "8" (so the same key given as 8 missed it), a list key was written and the file then refused."""
+    import numpy as np
+
+    value = float(np.float32(os.urandom(1)[0] / 7))  # exact in float32
+    with open_run(tmp_path / "r", {"x": 1}) as run:
+        store = run.file("f.json")
+        store.add({"k": np.int64(8), "shape": (1, 2)}, {"v": np.float32(value), "n": np.int32(3)})
+        assert store.get({"k": 8, "shape": [1, 2]}).result == {"v": value, "n": 3}  # numbers, as given
+        for key, result, where in (
+            (["a"], 1.0, "a point's key is a mapping"),
+            ({"k": 1}, {"bad": {1, 2}}, "result.bad: a set is not JSON data"),
+            ({"k": 1}, {2: 1.0}, "result: key 2 is not a string"),
+            ({"k": object()}, 1.0, "key.k: a object is not JSON data"),
+        ):
+            with pytest.raises(TypeError, match=where):
+                store.add(key, result)
+    assert [p.key for p in Results.load(tmp_path / "r" / "f.json")] == [{"k": 8, "shape": [1, 2]}]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs here")
+def test_a_fifo_named_like_a_result_file_is_refused_not_waited_on(tmp_path):
+    """A FIFO named sim.json in --results blocked the run's start until killed."""
+    from measure.results import NotAResultsFolderError
+
+    folder = tmp_path / "r"
+    folder.mkdir()
+    os.mkfifo(folder / "sim.json")  # no writer: a read would block (the test's timeout ends it)
+    with pytest.raises(NotAResultsFolderError, match="holds files that are not results"):
+        open_run(folder, {"x": 1})
+    with pytest.raises(ResultFileError, match=r"sim\.json: not a readable result file .*not a regular file"):
+        Results.load(folder / "sim.json")
+
+
+@pytest.mark.skipif(not (REPO_ROOT / ".git").exists(), reason="not a git checkout")
+def test_a_folder_of_the_repositorys_own_json_files_is_refused_as_results(tmp_path):
+    """--results at the shipped presets (JSON files only) was taken, left a .lock among them and
+    then advised deleting a preset. Control: a copy of the same files outside the repository is
+    a folder of JSON files a run may have written, and is taken."""
+    import shutil
+
+    from measure.results import NotAResultsFolderError, _check_results_folder
+
+    presets = REPO_ROOT / "impl" / "mist" / "model" / "presets"
+    with pytest.raises(NotAResultsFolderError, match=r"holds files of the repository .*tracked by git"):
+        open_run(presets, {"x": 1})
+    assert not (presets / ".lock").exists()
+    copy = tmp_path / "copy"
+    shutil.copytree(presets, copy)
+    _check_results_folder(copy)  # taken: not the repository's
