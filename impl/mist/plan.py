@@ -43,9 +43,10 @@ from pathlib import Path
 import yaml
 
 from measure.checks import real, whole
-from measure.strict import DuplicateKeyError, loads_json, loads_yaml
+from measure.results import write_text_atomic
+from measure.strict import DuplicateKeyError, json_data, loads_json, loads_yaml, read_text_file
 
-from .model.specs import GPUS, HOSTS, ClusterSpec, ModelSpec, cluster, model, preset_overrides
+from .model.specs import GPUS, HOSTS, MODELS, ClusterSpec, ModelSpec, cluster, model, preset_overrides
 
 PLAN_FORMAT = 2  # what save() writes; from_dict() also reads 1 (memory in GiB)
 READABLE_FORMATS = (1, 2)
@@ -180,6 +181,8 @@ class StagePlan:
             value = getattr(self, name)
             if value is not None and not (whole(value) and value >= 0):
                 raise ValueError(f"stage {i}: {name} must be a whole number of bytes >= 0, got {value!r}")
+        for name in ("steady_s", "extra_s", "step_s", "wait_s"):
+            _check_seconds(f"stage {i}: {name}", getattr(self, name))
         if self.layers < 1:
             raise ValueError(f"stage {i}: layers must be >= 1, got {self.layers}")
         if not 0 <= self.recompute <= self.layers:
@@ -223,6 +226,45 @@ class PrePostPlan:
 # What predict() (and a search) fills in, per stage and per plan
 STAGE_PREDICTIONS = ("steady_s", "extra_s", "step_s", "wait_s", "memory_bytes", "host_memory_bytes")
 PLAN_PREDICTIONS = ("predicted_iteration_s", "simulated_iteration_s", "tuning_s", "breakdown")
+# what predict() writes into a plan's breakdown (tuning.planner.predict), each field's kind:
+# bytes (a whole number, negative where nothing is left), a rate or time (a finite number >= 0),
+# true/false, or a name
+BREAKDOWN_FIELDS = {
+    "usable_memory_bytes": "bytes",
+    "fits": "bool",
+    "usable_host_memory_bytes_per_gpu": "bytes",
+    "host": "name",
+    "cpu_adam_params_per_s_per_gpu": "amount",
+    "layer_fwd_ms": "amount",
+    "layer_bwd_ms": "amount",
+    "layer_saved_bytes": "bytes",
+    "clip_barrier_ms": "amount",
+    "runtime_model": "name",
+    "interference_model": "name",
+}
+
+
+def _check_seconds(name: str, value: object) -> None:
+    """A predicted time read back from a file: none yet, or a finite number of seconds >= 0."""
+    if value is not None and not (real(value) and math.isfinite(value) and value >= 0):
+        raise ValueError(f"{name} must be a finite number of seconds >= 0 or null, got {value!r}")
+
+
+def _check_breakdown(breakdown: dict) -> None:
+    unknown = sorted(set(breakdown) - set(BREAKDOWN_FIELDS))
+    if unknown:
+        known = ", ".join(BREAKDOWN_FIELDS)
+        raise ValueError(f"breakdown: unknown field(s) {', '.join(map(str, unknown))}; it has: {known}")
+    accepts = {
+        "bytes": ("a whole number of bytes", lambda v: whole(v)),
+        "amount": ("a finite number >= 0", lambda v: real(v) and math.isfinite(v) and v >= 0),
+        "bool": ("true or false", lambda v: isinstance(v, bool)),
+        "name": ("a name (a string)", lambda v: isinstance(v, str)),
+    }
+    for name, value in breakdown.items():
+        what, ok = accepts[BREAKDOWN_FIELDS[name]]
+        if not ok(value):
+            raise ValueError(f"breakdown: {name} must be {what}, got {value!r}")
 
 
 def _refuse_unknown_fields(where: str, given: dict, kind: type) -> None:
@@ -341,6 +383,11 @@ class Plan:
         bucket = self.grad_bucket_params
         if bucket is not None and not (whole(bucket) and bucket >= 1):
             raise ValueError(f"grad_bucket_params must be a whole number >= 1 or null, got {bucket!r}")
+        for name in ("predicted_iteration_s", "simulated_iteration_s", "tuning_s"):
+            _check_seconds(name, getattr(self, name))
+        if not isinstance(self.breakdown, dict):
+            raise ValueError("breakdown must be a mapping")
+        _check_breakdown(self.breakdown)
 
     def check_model(self, spec: ModelSpec | None = None) -> None:
         """Raises ValueError unless the stages hold ``spec``'s layers (default: the model the plan
@@ -460,26 +507,33 @@ class Plan:
         return plan
 
     def save(self, path: str | Path) -> None:
+        """Write the plan (JSON for a ``.json`` path, else YAML), whole or not at all. A plan file
+        names its model as a preset and the fields it changes: a plan of a model built otherwise
+        is refused (ValueError), as it could not be read back as the same model."""
+        if self.model not in MODELS:
+            raise ValueError(
+                f"a plan of model {self.model!r} cannot be saved: a plan file names a preset and the "
+                f"fields it changes (build the model as mist.model(<preset>, field=value); presets: "
+                f"{', '.join(sorted(MODELS))})"
+            )
         path = Path(path)
-        text = (
-            json.dumps(self.to_dict(), indent=1)
-            if path.suffix == ".json"
-            else yaml.safe_dump(self.to_dict(), sort_keys=False)
-        )
-        path.write_text(text)
+        data = json_data(self.to_dict())  # numpy numbers as Python's: YAML would refuse them
+        text = json.dumps(data, indent=1) if path.suffix == ".json" else yaml.safe_dump(data, sort_keys=False)
+        write_text_atomic(path, text)
 
     @classmethod
     def load(cls, path: str | Path) -> Plan:
         path = Path(path)
         try:
-            text = path.read_text()
+            text = read_text_file(path)  # a FIFO or a device is refused, not read without end
+        except UnicodeDecodeError:
+            raise ValueError(f"{path}: not a text file") from None
+        try:
             data = loads_json(text) if path.suffix == ".json" else loads_yaml(text)
         except (json.JSONDecodeError, yaml.YAMLError, DuplicateKeyError) as e:
             where = str(e).replace("\n", " ")
             kind = "JSON" if path.suffix == ".json" else "YAML"
             raise ValueError(f"{path}: not valid {kind} ({where})") from None
-        except UnicodeDecodeError:
-            raise ValueError(f"{path}: not a text file") from None
         if not isinstance(data, dict) or "stages" not in data:
             raise ValueError(f"{path}: not a plan (expected a mapping with 'stages')")
         try:

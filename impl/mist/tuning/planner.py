@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import numbers
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from measure.checks import real, whole
 from measure.units import format_bytes
 
 from ..model.interference import Interference
@@ -85,6 +87,32 @@ class PlannerOptions:
     # stages all have the same (what Megatron-LM and torchtitan can run, and all that is searched
     # when False). Off by default: it multiplies the search's time (``tune_stage_devices``).
     stage_devices: bool = False
+
+    def __post_init__(self) -> None:
+        """Each option checked where it is made (a micro-batch of 0 divided by zero in the search)."""
+        if not isinstance(self.space, SearchSpace):
+            raise ValueError(f"space must be a SearchSpace, got {self.space!r}")
+        mbs = self.micro_batches
+        if mbs is not None and (
+            not isinstance(mbs, tuple | list) or not mbs or not all(whole(m, least=1) for m in mbs)
+        ):
+            raise ValueError(
+                f"micro_batches must be None or a non-empty list of whole numbers >= 1, got {mbs!r}"
+            )
+        if not (
+            real(self.milp_time_limit) and math.isfinite(self.milp_time_limit) and self.milp_time_limit > 0
+        ):
+            raise ValueError(
+                f"milp_time_limit must be a finite number of seconds > 0, got {self.milp_time_limit!r}"
+            )
+        for name in ("imbalance_aware", "stage_devices"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        step = self.refine_offload_step
+        if step is not None and not whole(step, least=1):
+            raise ValueError(f"refine_offload_step must be None or a whole number >= 1, got {step!r}")
+        if not isinstance(self.grad_accumulation, GradAccumulation):
+            raise ValueError(f"grad_accumulation must be a GradAccumulation, got {self.grad_accumulation!r}")
 
 
 def settings(problem: Problem, options: PlannerOptions) -> Iterator[Candidate]:
@@ -394,6 +422,8 @@ def search(
 ) -> Plan:
     """The fastest plan found; raises NoFeasiblePlan (with the memory the best try needs)."""
     _check_inputs(model, cluster, global_batch)
+    if options is not None and not isinstance(options, PlannerOptions):
+        raise ValueError(f"options must be a PlannerOptions or None, got {type(options).__name__}")
     options = options or PlannerOptions()
     # resolved once: every candidate, prediction and the refinement share these numbers
     problem = Problem.resolve(model, cluster, global_batch, runtime, interference, options.grad_accumulation)

@@ -1,0 +1,137 @@
+"""Plan files read and written strictly (the fourth probe round): no file read without end, the
+predictions a file carries checked like its plan, a plan saved only where it reads back as the
+same plan, and the planner's options checked where they are made."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import numpy as np
+import pytest
+
+from mist import Plan, PlannerOptions, StagePlan, cluster, model, predict, search
+from mist.__main__ import main
+from mist.model.specs import ModelSpec
+
+PLAN = """model: gpt3-1.3b
+gpu: l4
+gpus: 2
+gpus_per_node: 8
+global_batch: 8
+tp: 1
+dp: 1
+micro_batch: 1
+stages: [{layers: 12}, {layers: 12}]
+"""
+
+
+def _one_error_line(capsys, *expected: str) -> None:
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "Traceback" not in err, err
+    for text in expected:
+        assert text in err, err
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs here")
+def test_a_fifo_or_a_device_as_plan_file_is_refused_not_read(tmp_path, capsys):
+    """A FIFO blocked `mist predict` until killed and /dev/zero read until MemoryError."""
+    fifo = tmp_path / "plan.yaml"
+    os.mkfifo(fifo)  # no writer: a read would block (the test's timeout ends it)
+    assert main(["predict", str(fifo)]) == 2
+    _one_error_line(capsys, "plan.yaml: not a regular file")
+    if os.path.exists("/dev/zero"):
+        assert main(["predict", "/dev/zero"]) == 2
+        _one_error_line(capsys, "/dev/zero: not a regular file")
+    control = tmp_path / "control.yaml"
+    control.write_text(PLAN)
+    assert main(["predict", str(control)]) == 0
+
+
+@pytest.mark.parametrize(
+    ("added", "expected"),
+    [
+        ("predicted_iteration_s: fast", "predicted_iteration_s must be a finite number of seconds >= 0"),
+        ("predicted_iteration_s: -1", "predicted_iteration_s must be a finite number of seconds >= 0"),
+        ("tuning_s: .nan", "tuning_s must be a finite number of seconds >= 0"),
+        ("simulated_iteration_s: true", "simulated_iteration_s must be a finite number"),
+        ("breakdown: {fast: 1}", "breakdown: unknown field(s) fast"),
+        ("breakdown: {fits: 1}", "breakdown: fits must be true or false"),
+        ("breakdown: {layer_fwd_ms: .inf}", "breakdown: layer_fwd_ms must be a finite number >= 0"),
+        # nested aliases (a "billion laughs"): a list where a number goes, refused before any use
+        ("a: &a [1, 1]\nb: &b [*a, *a]\nbreakdown: {layer_saved_bytes: [*b, *b]}", "unknown field(s) a, b"),
+        ("breakdown: {layer_saved_bytes: [1, 2]}", "breakdown: layer_saved_bytes must be a whole number"),
+    ],
+)
+def test_the_predictions_a_plan_file_carries_are_checked(tmp_path, capsys, added, expected):
+    path = tmp_path / "plan.yaml"
+    path.write_text(PLAN + added + "\n")
+    assert main(["predict", str(path)]) == 2
+    _one_error_line(capsys, "plan.yaml", expected)
+
+
+def test_stage_predictions_are_checked(tmp_path, capsys):
+    path = tmp_path / "plan.yaml"
+    path.write_text(PLAN.replace("{layers: 12}, {layers: 12}", "{layers: 12, steady_s: '1'}, {layers: 12}"))
+    assert main(["predict", str(path)]) == 2
+    _one_error_line(capsys, "stage 0: steady_s must be a finite number of seconds >= 0")
+
+
+@pytest.mark.parametrize("suffix", [".yaml", ".json"])
+def test_a_predicted_plan_saves_and_reads_back_the_same(tmp_path, suffix):
+    """Control for the checks above: what predict() writes into a plan passes them."""
+    layers = random.choice([4, 8, 12])
+    m = model("gpt3-1.3b", layers=np.int64(layers))  # a numpy number: YAML refused it at save
+    c = cluster("l4", 2)
+    mb = random.choice([1, 2, 4])
+    plan = Plan.of(m, c, global_batch=8, tp=1, dp=2, micro_batch=mb, stages=[StagePlan(layers=layers)])
+    predict(plan, m, c)
+    assert plan.breakdown and plan.predicted_iteration_s > 0
+    path = tmp_path / f"plan{suffix}"
+    plan.save(path)
+    again = Plan.load(path)
+    assert again.to_dict() == Plan.from_dict(plan.to_dict()).to_dict()
+    assert again.model_spec() == m and isinstance(again.model_overrides["layers"], int)
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temporary file left beside it
+
+
+def test_a_plan_of_a_model_that_is_no_preset_is_not_saved(tmp_path):
+    """Saved as `model: mymodel` with no overrides, its shape was lost without a word."""
+    import dataclasses
+
+    mine = dataclasses.replace(model("gpt3-tiny"), name="mymodel")
+    assert isinstance(mine, ModelSpec)
+    plan = search(mine, cluster("cpu", 1), 8, PlannerOptions(micro_batches=(8,)))
+    with pytest.raises(ValueError, match="a plan of model 'mymodel' cannot be saved") as e:
+        plan.save(tmp_path / "plan.yaml")
+    assert "\n" not in str(e.value) and not (tmp_path / "plan.yaml").exists()
+
+
+@pytest.mark.parametrize(
+    ("options", "expected"),
+    [
+        (dict(micro_batches=[0]), "micro_batches must be None or a non-empty list of whole numbers >= 1"),
+        (dict(micro_batches=[-2]), "micro_batches must be"),
+        (dict(micro_batches=[1.5]), "micro_batches must be"),
+        (dict(micro_batches=[]), "micro_batches must be"),
+        (dict(milp_time_limit=0), "milp_time_limit must be a finite number of seconds > 0"),
+        (dict(refine_offload_step=0), "refine_offload_step must be None or a whole number >= 1"),
+        (dict(imbalance_aware="no"), "imbalance_aware must be True or False"),
+        (dict(space="all"), "space must be a SearchSpace"),
+    ],
+)
+def test_planner_options_are_checked_where_they_are_made(options, expected):
+    """A micro-batch of 0 divided by zero inside the search; [-2] and [1.5] gave messages that
+    did not say what was wrong."""
+    with pytest.raises(ValueError, match=expected) as e:
+        PlannerOptions(**options)
+    assert "\n" not in str(e.value)
+    PlannerOptions(micro_batches=[1, 2])  # control: a list of whole numbers is taken
+
+
+@pytest.mark.parametrize("options", [{}, {"micro_batches": [1]}, 0])
+def test_search_takes_planner_options_only(options):
+    """A mapping was an AttributeError inside the search, and {} or 0 silently the defaults."""
+    with pytest.raises(ValueError, match="options must be a PlannerOptions or None"):
+        search(model("gpt3-tiny"), cluster("cpu", 1), 8, options)
