@@ -104,12 +104,18 @@ def _alive(pid: int) -> bool:
 
 
 def sigterm_as_interrupt() -> None:
-    """SIGTERM raises KeyboardInterrupt in the main thread, as SIGINT does (cleanup then runs)."""
+    """SIGTERM raises KeyboardInterrupt in the main thread, as SIGINT does (cleanup then runs).
+    Only the first of them does: the ones after it are ignored while the run cleans up (two
+    Ctrl-C's 10 ms apart raised the second inside the cleanup: a traceback after the one-line
+    message, or chained tracebacks ending in 'release unlocked lock' and no message at all)."""
 
     def interrupt(signum, frame):
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
         raise KeyboardInterrupt(f"signal {signum}")
 
-    signal.signal(signal.SIGTERM, interrupt)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, interrupt)
 
 
 def _init_worker(parent: int) -> None:

@@ -1,0 +1,59 @@
+"""measure.parallel.sigterm_as_interrupt: the first SIGINT or SIGTERM unwinds the run as Ctrl-C
+does, and the ones after it are ignored while it cleans up (two Ctrl-C's 10 ms apart raised the
+second inside the cleanup: a traceback after the run's one-line message)."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+_SCRIPT = """
+import sys, time
+from measure.parallel import sigterm_as_interrupt
+if sys.argv[1] == "installed":
+    sigterm_as_interrupt()
+try:
+    print("ready", flush=True)  # inside: the first signal may come as soon as it is read
+    time.sleep(60)
+except KeyboardInterrupt:
+    time.sleep(1.0)  # the cleanup: where the second signal arrives
+    print("cleaned up", flush=True)
+"""
+
+
+def _interrupted_twice(mode: str, second: signal.Signals) -> subprocess.CompletedProcess:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _SCRIPT, mode],
+        cwd=REPO,
+        env={"PYTHONPATH": f"{REPO / 'impl'}"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout.readline().strip() == "ready"
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.3)  # inside the cleanup's sleep
+    proc.send_signal(second)
+    out, err = proc.communicate(timeout=30)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("second", [signal.SIGINT, signal.SIGTERM])
+def test_a_second_signal_during_the_cleanup_is_ignored(second):
+    done = _interrupted_twice("installed", second)
+    assert done.returncode == 0 and done.stdout.strip() == "cleaned up", (done.stdout, done.stderr)
+    assert "Traceback" not in done.stderr, done.stderr
+
+
+@pytest.mark.timeout(60)
+def test_control_without_it_the_second_signal_breaks_the_cleanup():
+    done = _interrupted_twice("default", signal.SIGINT)
+    assert "cleaned up" not in done.stdout and "KeyboardInterrupt" in done.stderr, (done.stdout, done.stderr)
