@@ -1,5 +1,5 @@
-"""A rank for test_fork_launch and test_launch: ``main([mode])`` sums its rank over a gloo group and prints it;
-mode "fail1" makes rank 1 exit with status 2 before the collective (rank 0 would wait forever),
+"""A rank for test_fork_launch and test_launch: ``main([mode])`` sums its rank over a gloo group and
+prints it; mode "fail1" makes rank 1 exit with status 2 before the collective (rank 0 would wait forever),
 "sleep" sleeps past any test's timeout."""
 
 from __future__ import annotations
