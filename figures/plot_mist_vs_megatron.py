@@ -165,7 +165,9 @@ def plot_measured() -> Path | None:
     ax.set_ylim(0, ax.get_ylim()[1] * 1.25)  # room for the legend above the bars
     ax.legend(fontsize=7, ncol=len(systems) // 2 + 1, loc="upper center")
     title = "Mist vs the baselines under a memory cap, trained by megatron-core"
-    note = "; measured on this CPU (median of 3 launches), x: no time"
+    launches = "/".join(sorted({str(p.key["launches"]) for p in cases}))
+    interleaved = all(p.key.get("launch_order") == "interleaved" for p in cases)  # older points were not
+    note = f"; measured on this CPU (median of {launches}{' interleaved' * interleaved} launches), x: no time"
     return finish(fig, title, data, "mist_measured.png", note=note)
 
 

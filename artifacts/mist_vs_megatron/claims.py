@@ -43,14 +43,14 @@ MEASURED = dict(
     experiment=EXPERIMENT,
     file="measured.json",
     evidence="measured",
-    basis="this CPU: megatron-core on 1-2 gloo processes, 3 launches each",
+    basis="this CPU: megatron-core on 1-2 gloo processes, 3 interleaved launches each",
     command=COMMAND,
 )
 GPU_MEASURED = dict(
     experiment=EXPERIMENT,
     file="gpu_measured.json",
     evidence="measured",
-    basis="one H200: megatron-core, 2 launches each",
+    basis="one H200: megatron-core, 2 interleaved launches each",
     command=GPU_CHECK,
     gpu=True,
 )
