@@ -37,7 +37,8 @@ which ``nox -s claims`` reads). A second call does the parts not yet passed (``-
 again); each experiment itself resumes an interrupted run point by point (where the commit is
 known). ``--archive FILE.tar.gz`` packs all of it after every part (to bring it back).
 ``--dry-run``: the same on CPU at tiny sizes (CUDA hidden), results under
-``--out`` (default: a new temp dir).
+``--out`` (default: a new temp dir each call, kept; an interrupted dry run names it: that folder as
+``--out`` resumes it).
 
 Exit status: 0 every selected part passed, 1 one did not, 2 bad input (one line, before any work),
 130 interrupted.
@@ -87,6 +88,7 @@ DEFAULT_BUDGET_S = 540.0
 KILL_GRACE_S = 10.0  # SIGTERM, then this long to unwind (results stay resumable), then SIGKILL
 MIN_PART_S = 5.0  # a part given less than this is not started (not_run: the next call does it)
 SETUP_TIMEOUT_S = 180.0  # installing the wheels; the probe
+PIP = (sys.executable, "-m", "pip")  # the installer (a test puts a slow one in its place)
 DONE = "passed"
 
 TEST_FILES = (
@@ -311,11 +313,23 @@ def install_wheels(folder: Path, deadline: float) -> tuple[str | None, list[str]
             todo.append(wheel)
     if not todo:
         return None, []
-    target = tempfile.mkdtemp(prefix="gpu_check_site_")
+    target = Path(tempfile.mkdtemp(prefix="gpu_check_site_"))
+    try:  # any way out but success (pip failed, the time limit, SIGINT/SIGTERM): it goes
+        _pip_install(target, todo, folder, deadline)
+    except BaseException:
+        shutil.rmtree(target, ignore_errors=True)
+        raise
+    return str(target), [w.name for w in todo]
+
+
+def _pip_install(target: Path, wheels: list[Path], folder: Path, deadline: float) -> None:
+    """pip into ``target``, in a process group of its own that is killed at the time limit or an
+    interruption. Its TMPDIR and log are ``target/.pip``, removed after it: what a killed pip
+    leaves there goes with ``target``."""
+    scratch = target / ".pip"
+    scratch.mkdir()
     cmd = [
-        sys.executable,
-        "-m",
-        "pip",
+        *PIP,
         "install",
         "-q",
         "--no-index",
@@ -323,22 +337,36 @@ def install_wheels(folder: Path, deadline: float) -> tuple[str | None, list[str]
         "--no-compile",
         "--no-cache-dir",
         "--target",
-        target,
-        *map(str, todo),
+        str(target),
+        *map(str, wheels),
     ]
-    timeout = max(1.0, min(SETUP_TIMEOUT_S, deadline - time.monotonic()))
-    done = subprocess.run(
-        cmd,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        preexec_fn=functools.partial(die_with_parent, os.getpid()),
-    )
-    if done.returncode:
-        shutil.rmtree(target, ignore_errors=True)
-        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
-        raise SetupError(f"installing the wheels in {folder} failed: {last}")
-    return target, [w.name for w in todo]
+    left = deadline - time.monotonic()
+    timeout = max(1.0, min(SETUP_TIMEOUT_S, left))
+    log = scratch / "pip.log"
+    with open(log, "wb") as sink:
+        proc = subprocess.Popen(
+            cmd,
+            env={**os.environ, "TMPDIR": str(scratch)},
+            stdin=subprocess.DEVNULL,
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=functools.partial(die_with_parent, os.getpid()),
+        )
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        limit = "what --budget-s left for it" if left < SETUP_TIMEOUT_S else "the setup's limit"
+        raise SetupError(
+            f"installing {len(wheels)} wheel(s) from {folder} took over {timeout:.0f} s ({limit}); "
+            f"give a larger --budget-s, or install them beforehand (pip install {folder}/*.whl)"
+        ) from None
+    finally:
+        _kill_group(proc)  # nothing it started outlives it (a no-op where all of it has exited)
+    if proc.returncode:
+        lines = log.read_text(errors="replace").strip().splitlines()
+        raise SetupError(f"installing the wheels in {folder} failed: {(lines or ['no output'])[-1]}")
+    shutil.rmtree(scratch)
 
 
 class SetupError(RuntimeError):
@@ -655,13 +683,23 @@ def main(argv: list[str] | None = None) -> int:
     except SetupError as e:
         print(f"gpu_check: error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("[gpu_check] interrupted: the parts not yet passed run on the next call", file=sys.stderr)
+    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM unwound as one: a line, not a traceback
+        print(f"[gpu_check] interrupted: {_resume_hint(args, out)}", file=sys.stderr)
         return 130
     finally:
         if site:
             shutil.rmtree(site, ignore_errors=True)
         lock.close()
+
+
+def _resume_hint(args: argparse.Namespace, out: Path) -> str:
+    """What an interrupted call kept and how the next resumes it. A dry run without --out makes a
+    new folder each call: only ``--out`` with this call's folder resumes it."""
+    kept = f"the status so far is kept in {out}"
+    if args.out is None and not args.dry_run:
+        return f"{kept}; the next call runs the parts not yet passed"
+    again = f"the same command with --out {out}" if args.out is None else "the same command"
+    return f"{kept}; {again} runs the parts not yet passed"
 
 
 def _run_parts(args, todo, selected, status, status_path, out, env, deadline, provenance) -> int:

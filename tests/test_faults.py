@@ -310,3 +310,41 @@ def test_an_option_a_command_would_ignore_is_refused(module, argv, message, caps
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and message in err, err
     assert not (tmp_path / "r").exists()
+
+
+_SLOW_INSTALL = """
+import sys
+from artifacts import gpu_check
+# an installer that does what a slow pip does: a folder in its TMPDIR, then it takes its time
+code = "import tempfile, time; tempfile.mkdtemp(prefix='pip-unpack-'); time.sleep(120)"
+gpu_check.PIP = (sys.executable, "-c", code)
+sys.exit(gpu_check.main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("sig", "group"), [(signal.SIGTERM, False), (signal.SIGINT, True)])
+def test_gpu_check_interrupted_while_installing_leaves_nothing(tmp_path, run_tmp, sig, group):
+    """gpu_check installs the wheels of missing packages into a temporary folder first. Interrupted
+    during the install, it left that folder (SIGINT) and pip's five folders as well (SIGTERM). Now
+    one line and nothing left: pip's TMPDIR is a folder inside ours."""
+    wheels = tmp_path / "whl"
+    wheels.mkdir()
+    (wheels / "gpu_check_slow_demo-0.1-py3-none-any.whl").write_bytes(b"")  # not installed here
+    args = ["--dry-run", "--parts", "llama", "--out", str(tmp_path / "out"), "--wheels", str(wheels)]
+    command = [sys.executable, "-c", _SLOW_INSTALL, *args]
+
+    # the call and its installer (which has then had a second to make its folder)
+    def busy(cmds: dict[int, str]) -> bool:
+        return sum("tempfile.mkdtemp(prefix='pip-unpack-')" in c for c in cmds.values()) >= 2
+
+    proc = _kill_when_busy(uuid.uuid4().hex, command, sig, busy, settle_s=1.0, tmp=run_tmp, group=group)
+    assert _files_left(run_tmp, sig) == []
+    err = proc.stderr.read().decode()
+    assert proc.returncode == 130 and "Traceback" not in err, err
+    assert err.strip().splitlines() == [
+        f"[gpu_check] interrupted: the status so far is kept in {(tmp_path / 'out').resolve()}; the same "
+        "command runs the parts not yet passed"
+    ], err
+

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import tarfile
+import tempfile
 import time
 import uuid
 import zipfile
@@ -309,3 +310,67 @@ def test_a_part_past_its_timeout_is_killed_and_reported(tmp_path):
     assert "passed earlier" not in again.stdout and again.returncode == 1
     rerun = json.loads((out / "status.json").read_text())["parts"]["kernels"]
     assert rerun["outcome"] == "timed_out" and rerun["started_utc"] >= record["finished_utc"], rerun
+
+
+# An installer that does what a slow pip does: makes its folder in its TMPDIR (pip-unpack-*, ...),
+# writes down where, and takes its time.
+SLOW_PIP_CODE = (
+    "import pathlib, sys, tempfile, time; made = tempfile.mkdtemp(prefix='pip-unpack-'); "
+    "pathlib.Path(sys.argv[1]).write_text(made); time.sleep(60)"
+)
+
+
+def _slow_wheel(tmp_path: Path) -> Path:
+    """A folder with one wheel of a distribution not installed (the slow installer never reads it)."""
+    wheels = tmp_path / "whl"
+    wheels.mkdir()
+    (wheels / "gpu_check_slow_demo-0.1-py3-none-any.whl").write_bytes(b"")
+    return wheels
+
+
+def test_an_install_past_the_budget_is_one_line_and_leaves_nothing(tmp_path, monkeypatch, capsys):
+    """The probe round: a wheel that took pip over --budget-s gave a TimeoutExpired traceback and
+    left gpu_check_site_* and pip's five folders in TMPDIR. Now one line that says what to do, and
+    the site folder and pip's TMPDIR (a folder of ours inside it) are gone."""
+    tmp, made = tmp_path / "tmp", tmp_path / "made.txt"
+    tmp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp))  # the call's and, unless it sets its own, the installer's
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+    monkeypatch.setattr(gpu_check, "PIP", (sys.executable, "-c", SLOW_PIP_CODE, str(made)))
+    monkeypatch.setattr(gpu_check, "sigterm_as_interrupt", lambda: None)  # pytest's handler stays
+    out = tmp_path / "out"
+    args = ["--dry-run", "--out", str(out), "--parts", "llama", "--budget-s", "1"]
+    t0 = time.monotonic()
+    code = gpu_check.main([*args, "--wheels", str(_slow_wheel(tmp_path))])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    assert "took over 1 s" in err and "give a larger --budget-s" in err, err
+    assert time.monotonic() - t0 < 30  # killed at the limit, not after its 60 s
+    assert Path(made.read_text()).parent.parent.name.startswith("gpu_check_site_")  # pip's TMPDIR: ours
+    assert sorted(p.name for p in tmp.iterdir()) == []
+    assert not (out / gpu_check.STATUS).exists()  # no part was started
+
+
+@pytest.mark.parametrize("given_out", [False, True])
+def test_an_interrupted_dry_run_says_which_out_resumes_it(tmp_path, monkeypatch, capsys, given_out):
+    """A dry run without --out makes a new folder each call: the line said "the parts not yet
+    passed run on the next call", which was not so. It names the folder to pass as --out."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+    monkeypatch.setattr(gpu_check, "sigterm_as_interrupt", lambda: None)
+
+    def interrupted(folder, deadline):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(gpu_check, "install_wheels", interrupted)
+    out_args = ["--out", str(tmp_path / "out")] if given_out else []
+    assert gpu_check.main(["--dry-run", "--parts", "llama", *out_args]) == 130
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("[gpu_check] interrupted: "), err
+    (out,) = [tmp_path / "out"] if given_out else list(tmp.iterdir())  # the dry run's own folder
+    assert f"the status so far is kept in {out.resolve()}" in err, err
+    if given_out:
+        assert err.rstrip().endswith("; the same command runs the parts not yet passed"), err
+    else:
+        assert f"; the same command with --out {out.resolve()} runs the parts not yet passed" in err, err
