@@ -19,10 +19,12 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before any Triton kernel is defined
 
-import torch
+if TYPE_CHECKING:  # torch loads in the checks, where an interruption is one line
+    import torch
 
 
 class SmokeFailure(AssertionError):
@@ -38,11 +40,15 @@ def worst_gradient_error(ours: dict[str, torch.Tensor], ref: dict[str, torch.Ten
     """Per parameter, against its own size with a floor at the model's gradient scale: the key
     biases' gradients are exactly zero in exact arithmetic (softmax ignores a constant shift), so
     both sides hold rounding noise there, whose relative error would mean nothing."""
+    import torch
+
     scale = torch.cat([g.flatten() for g in ref.values()]).norm()
     return max(((ours[n] - g).norm() / (g.norm() + 1e-6 * scale)).item() for n, g in ref.items())
 
 
 def tempo_step() -> str:
+    import torch
+
     from measure.saved import saved_bytes
     from measure.training import Precision, make_optimizer, train_step
     from tempo.models import build_model, make_batch
@@ -106,6 +112,8 @@ def mist_plan() -> str:
 
 
 def cta_kernels() -> str:
+    import torch
+
     from ctapipe import INTERPRETER_TILING as tiling
     from ctapipe import StageTimeout, launch_stage, sim
     from ctapipe.reference import chain
@@ -145,19 +153,33 @@ CHECKS: dict[str, Callable[[], str]] = {"Tempo": tempo_step, "Mist": mist_plan, 
 
 def main(argv: list[str] | None = None) -> int:
     from measure.cli import OneLineParser
+    from measure.parallel import sigterm_as_interrupt
 
     # no options: --help says what it does, anything else is refused
     OneLineParser(prog="python -m artifacts.smoke", description=__doc__).parse_args(argv)
-    failed = []
-    for name, check in CHECKS.items():
-        t0 = time.perf_counter()
-        try:
-            detail = check()
-        except Exception as e:  # report every system, then fail
-            failed.append(name)
-            print(f"FAIL {name}: {type(e).__name__}: {e}", flush=True)
-            continue
-        print(f"ok   {name} ({time.perf_counter() - t0:.0f} s): {detail}", flush=True)
+
+    sigterm_as_interrupt()  # SIGTERM unwinds like Ctrl-C: the temporary folder goes, one line
+    failed, outcomes, name = [], [], next(iter(CHECKS))
+    try:
+        for name, check in CHECKS.items():
+            t0 = time.perf_counter()
+            try:
+                detail = check()
+            except Exception as e:  # report every system, then fail
+                failed.append(name)
+                outcomes.append(f"{name} failed")
+                print(f"FAIL {name}: {type(e).__name__}: {e}", flush=True)
+                continue
+            outcomes.append(f"{name} ok")
+            print(f"ok   {name} ({time.perf_counter() - t0:.0f} s): {detail}", flush=True)
+    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM unwound as one: a line, not a traceback
+        before = f" after {', '.join(outcomes)}" if outcomes else ""
+        print(
+            f"interrupted in the {name} check{before}; a smoke run keeps nothing, so "
+            "python -m artifacts.smoke starts it again from the first check",
+            file=sys.stderr,
+        )
+        return 130
     if failed:
         print(f"smoke: {', '.join(failed)} failed", file=sys.stderr)
         return 1

@@ -348,3 +348,23 @@ def test_gpu_check_interrupted_while_installing_leaves_nothing(tmp_path, run_tmp
         "command runs the parts not yet passed"
     ], err
 
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("sig", "group"), [(signal.SIGTERM, False), (signal.SIGINT, True)])
+def test_interrupted_smoke_is_one_line_and_leaves_nothing(run_tmp, sig, group):
+    """`python -m artifacts.smoke` 4 s in (the probe round: Ctrl-C gave a 90-line traceback,
+    SIGTERM exit 143 and not a word): one line that says what to do, exit 130, and its temporary
+    folder gone."""
+    command = [sys.executable, "-m", "artifacts.smoke"]
+    proc = _kill_when_busy(
+        uuid.uuid4().hex, command, sig, lambda cmds: bool(cmds), settle_s=4.0, tmp=run_tmp, group=group
+    )
+    err = proc.stderr.read().decode()
+    assert proc.returncode == 130 and "Traceback" not in err, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("interrupted in the "), err
+    assert lines[0].endswith(
+        "a smoke run keeps nothing, so python -m artifacts.smoke starts it again from the first check"
+    )
+    assert _files_left(run_tmp, sig) == []
