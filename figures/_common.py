@@ -3,6 +3,8 @@ reference), where the figure goes, and a title that says where its numbers came 
 
     python figures/plot_<exp>.py               this machine's results -> figures/results/ (git-ignored)
     python figures/plot_<exp>.py --reference   committed reference    -> figures/reference/ (committed)
+
+(or ``python -m figures.plot_<exp>`` from the repository root)
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """Figures of the CTA-pipelining evaluation, made only from artifacts/cta_mlp/{results,reference}/*.json.
 
 python figures/plot_cta_mlp.py [--reference]
+python -m figures.plot_cta_mlp [--reference]    (from the repository root)
 """
 
 from __future__ import annotations
@@ -8,7 +9,11 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
-from _common import draw, finish, load, parse_source, plt  # first: the headless backend and import path
+# first: the headless backend and the import path
+if __package__:  # python -m figures.<script> (from the repository root)
+    from figures._common import draw, finish, load, parse_source, plt
+else:  # python figures/<script>.py: its folder is on the path
+    from _common import draw, finish, load, parse_source, plt
 
 EXPERIMENT = "cta_mlp"
 METHODS = {

@@ -1,13 +1,18 @@
 """Figures of the Mist comparison, made only from artifacts/mist_vs_megatron/{results,reference}/*.json.
 
 python figures/plot_mist_vs_megatron.py [--reference]
+python -m figures.plot_mist_vs_megatron [--reference]    (from the repository root)
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from _common import draw, finish, load, parse_source, plt  # first: the headless backend and import path
+# first: the headless backend and the import path
+if __package__:  # python -m figures.<script> (from the repository root)
+    from figures._common import draw, finish, load, parse_source, plt
+else:  # python figures/<script>.py: its folder is on the path
+    from _common import draw, finish, load, parse_source, plt
 
 EXPERIMENT = "mist_vs_megatron"
 PREDICTED = "; predicted by Mist's cost model"

@@ -1,13 +1,18 @@
 """Figures of Tempo on Llama-family decoders, made only from artifacts/tempo_llama/{results,reference}/*.json.
 
 python figures/plot_tempo_llama.py [--reference]
+python -m figures.plot_tempo_llama [--reference]    (from the repository root)
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from _common import draw, finish, load, parse_source, plt  # first: the headless backend and import path
+# first: the headless backend and the import path
+if __package__:  # python -m figures.<script> (from the repository root)
+    from figures._common import draw, finish, load, parse_source, plt
+else:  # python figures/<script>.py: its folder is on the path
+    from _common import draw, finish, load, parse_source, plt
 
 EXPERIMENT = "tempo_llama"
 MODELS = ("llama-3.2-1b", "llama-3-8b")

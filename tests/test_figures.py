@@ -4,6 +4,7 @@ silent exit (run on a copy of the scripts whose artifacts/ is a temporary folder
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -14,10 +15,14 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _draw(root: Path, script: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, str(root / "figures" / script)], capture_output=True, text=True, timeout=300
-    )
+def _draw(root: Path, script: str, how: str = "file") -> subprocess.CompletedProcess:
+    """``script`` run as a file (as nox runs it), or with ``-m`` from ``root`` (how="module")."""
+    if how == "file":
+        command = [sys.executable, str(root / "figures" / script)]
+    else:
+        command = [sys.executable, "-m", f"figures.{script.removesuffix('.py')}"]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # they find the packages themselves
+    return subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=300)
 
 
 @pytest.fixture
@@ -28,8 +33,11 @@ def copy(tmp_path) -> Path:
     return tmp_path
 
 
-def test_no_results_is_said_in_one_line(copy):
-    done = _draw(copy, "plot_cta_mlp.py")
+@pytest.mark.parametrize("how", ["file", "module"])
+def test_no_results_is_said_in_one_line(copy, how):
+    """Run either way: with ``-m`` the scripts failed with a ModuleNotFoundError traceback
+    (``_common`` is found beside the script only when run as a file)."""
+    done = _draw(copy, "plot_cta_mlp.py", how)
     assert done.returncode == 0 and done.stderr == ""
     assert done.stdout.strip().splitlines() == [
         "nothing to draw: artifacts/cta_mlp/results/ has no results; run nox -s cta_mlp first, or draw "
