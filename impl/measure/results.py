@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from .strict import json_data, loads_json, read_text_file
 
@@ -248,6 +248,28 @@ class Results:
 # ---------------------------------------------------------------- runs
 
 
+def lock_folder(folder: Path, busy: str) -> TextIO:
+    """Hold ``folder``'s lock (its ``.lock`` file, flock'd) while the returned file is open: one
+    writer a folder (a results folder's run, a profile folder's ``mist profile``). Another process
+    holding it: ``RunLockedError(busy)`` at once, nothing waited for. The lock goes with the
+    process, however it ends (a kill included); the empty ``.lock`` file stays (removing it would
+    let a third process lock a new file while a second still holds the old one)."""
+    lock = open(folder / ".lock", "w")  # noqa: SIM115 (held for the writer's lifetime)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.close()
+        raise RunLockedError(busy) from None
+    return lock
+
+
+def unlock_folder(lock: TextIO) -> None:
+    """Let ``lock_folder``'s lock go (again: nothing)."""
+    if not lock.closed:
+        fcntl.flock(lock, fcntl.LOCK_UN)
+        lock.close()
+
+
 class Run:
     """One invocation of an experiment, writing into ``results_dir``.
 
@@ -261,14 +283,10 @@ class Run:
         self.dir = Path(results_dir)
         _check_results_folder(self.dir)
         self.dir.mkdir(parents=True, exist_ok=True)
-        self._lock = open(self.dir / ".lock", "w")  # noqa: SIM115 (held for the run's lifetime)
-        try:
-            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            self._lock.close()
-            raise RunLockedError(
-                f"another run is writing to {self.dir}; wait for it to end or use another --results folder"
-            ) from None
+        self._lock = lock_folder(
+            self.dir,
+            f"another run is writing to {self.dir}; wait for it to end or use another --results folder",
+        )
         try:
             self._start(config, fresh)
         except BaseException:
@@ -342,9 +360,7 @@ class Run:
         self.close()
 
     def close(self) -> None:
-        if not self._lock.closed:
-            fcntl.flock(self._lock, fcntl.LOCK_UN)
-            self._lock.close()
+        unlock_folder(self._lock)
 
     def __enter__(self) -> Run:
         return self
