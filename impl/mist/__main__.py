@@ -345,9 +345,11 @@ def prediction_json(plan: Plan) -> dict:
 
 
 def cmd_calibrate(args) -> int:
+    from measure.results import write_json_atomic
+
     from .model.calibrate import calibrate
-    from .model.interference import fit_interference
-    from .model.runtime import PRESETS
+    from .model.interference import Interference, fit_interference
+    from .model.runtime import PRESETS, RuntimeModel
 
     data = Path(args.data)
     profiles = data / "gpu-op-profiles" if (data / "gpu-op-profiles").is_dir() else data
@@ -364,7 +366,7 @@ def cmd_calibrate(args) -> int:
             file=sys.stderr,
         )
         return 2
-    written = set()
+    written: dict[Path, dict] = {}  # preset file -> what goes in it, written once all are fitted
     for name, r in report.items():
         print(
             f"{name}: per-layer error, {r['held_out_cases']} held-out cases: "
@@ -372,12 +374,11 @@ def cmd_calibrate(args) -> int:
             f"max {r['max_abs_error']:.1%}"
             + (f"; head + loss mean {r['head_mean_abs_error']:.1%}" if "head_mean_abs_error" in r else "")
         )
-        if args.write and r["gpu"] not in written:  # the first directory per GPU type (sorted) is the preset
-            PRESETS.mkdir(exist_ok=True)
-            (PRESETS / f"runtime_{r['gpu']}.json").write_text(
-                json.dumps(r["model"].to_json(), indent=1) + "\n"
+        path = PRESETS / f"runtime_{r['gpu']}.json"
+        if args.write and path not in written:  # the first directory per GPU type (sorted) is the preset
+            written[path] = _readable_preset(
+                name, r["model"].to_json(), RuntimeModel.from_json, path, r["gpu"]
             )
-            written.add(r["gpu"])
     for path in sorted((data / "gpu-bandwidth").glob("*.json")):
         gpu = {"l4": "l4", "a100": "a100-40gb"}.get(path.name.split("-")[0])
         inter, rep = fit_interference(path)
@@ -387,10 +388,25 @@ def cmd_calibrate(args) -> int:
             f"(held out: {rep['held_out_mean_abs_error']:.1%})"
         )
         if args.write and gpu:
-            (PRESETS / f"interference_{gpu}.json").write_text(json.dumps(inter.to_json(), indent=1) + "\n")
+            preset = PRESETS / f"interference_{gpu}.json"
+            written[preset] = _readable_preset(path.name, inter.to_json(), Interference.from_json, preset)
     if args.write:
+        for path, d in written.items():  # each whole or not at all: a kill never leaves half a preset
+            write_json_atomic(path, d)
         print(f"presets written to {PRESETS}")
     return 0
+
+
+def _readable_preset(fitted: str, d: dict, reader, path: Path, *args) -> dict:
+    """``d``, a preset fitted to ``fitted``, once its reader takes it: a preset is written only if
+    the planner can read it back (e.g. a fit without one of the layer's curves is not)."""
+    try:
+        reader(d, path, *args)
+    except ValueError as e:
+        raise ValueError(
+            f"{fitted}: the fit is not a preset the planner reads; nothing written ({e})"
+        ) from None
+    return d
 
 
 PROFILE_FILES = ("profile.json", "*.csv", "collectives*.json", "zero*.json", "tp*.json")
@@ -513,8 +529,10 @@ def cmd_profile(args) -> int:
 def cmd_profile_host(args) -> int:
     import os
 
+    from measure.results import write_json_atomic
+
     from .engine.profiler import profile_cpu_adam
-    from .model.runtime import PRESETS
+    from .model.runtime import PRESETS, cpu_adam_preset
 
     threads = tuple(range(1, (os.cpu_count() or 1) + 1))[: args.max_threads]
     need = 16 * args.params  # fp32 weights, gradients and AdamW's two moments
@@ -529,7 +547,7 @@ def cmd_profile_host(args) -> int:
         print(f"{n} thread(s): {rate:.3g} parameters/s ({moved:.1f} GB/s moved)")
     if args.write:
         path = PRESETS / "host_cpu_adam.json"
-        path.write_text(json.dumps(d, indent=1) + "\n")
+        write_json_atomic(path, _readable_preset("the host step measured", d, cpu_adam_preset, path))
         print(f"written to {path}")
     return 0
 

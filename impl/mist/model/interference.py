@@ -15,6 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .preset_files import check_fields, load_preset, number, text
+
 CHANNELS = ("compute", "g2g", "h2d", "d2h")
 _MASKS = range(1, 1 << len(CHANNELS))
 
@@ -76,23 +78,43 @@ class Interference:
 
     def to_json(self) -> dict:
         table = {
-            CHANNELS[c]: {
-                "+".join(CHANNELS[k] for k in _members(m)): float(self.factors[c][m])
-                for m in _MASKS
-                if m >> c & 1
-            }
+            CHANNELS[c]: {_combo(m): float(self.factors[c][m]) for m in _MASKS if m >> c & 1}
             for c in range(len(CHANNELS))
         }
         return {"source": self.source, "factors": table, "host_rates": self.host_rates}
 
     @classmethod
-    def from_json(cls, d: dict) -> Interference:
+    def from_json(cls, d: dict, path: Path | str = "an interference preset") -> Interference:
+        """The model an interference preset (``to_json``'s mapping) describes, read strictly (see
+        ``preset_files``): exactly its fields; per channel a factor for every set of channels it
+        runs with, named as ``to_json`` names them (CHANNELS' order, joined by "+"), each a finite
+        slowdown >= 1 and 1 alone; host rates finite bytes/s > 0. ``path`` names the file in the
+        one-line errors."""
+        check_fields(path, "", d, ("source", "factors", "host_rates"))
+        table = check_fields(path, "factors", d["factors"], CHANNELS)
         factors = np.ones((len(CHANNELS), 1 << len(CHANNELS)))
         for c, name in enumerate(CHANNELS):
-            for combo, value in d["factors"][name].items():
-                mask = sum(1 << CHANNELS.index(x) for x in combo.split("+"))
-                factors[c][mask] = value
-        return cls(factors, d["source"], d.get("host_rates", {}))
+            combos = {_combo(m): m for m in _MASKS if m >> c & 1}
+            for combo, value in check_fields(path, f"factors.{name}", table[name], tuple(combos)).items():
+                where, alone = f"factors.{name}.{combo}", combos[combo] == 1 << c
+                factors[c][combos[combo]] = number(path, where, value, least=1.0)
+                if alone and value != 1:
+                    raise ValueError(
+                        f"{path}: {where} must be 1 (a channel alone runs at its own speed), got {value!r}"
+                    )
+        rates = check_fields(path, "host_rates", d["host_rates"], (), ("h2d", "d2h"))
+        host_rates = {k: number(path, f"host_rates.{k}", v, above=True) for k, v in rates.items()}
+        return cls(factors, text(path, "source", d["source"]), host_rates)
+
+
+def _combo(mask: int) -> str:
+    """A set of channels as presets name it: "compute+g2g"."""
+    return "+".join(CHANNELS[k] for k in _members(mask))
+
+
+def read_interference_preset(path: Path) -> Interference:
+    """The interference preset in ``path`` (interference_<gpu>.json), read strictly."""
+    return Interference.from_json(load_preset(path), path)
 
 
 def _runs(path: Path) -> list[dict]:

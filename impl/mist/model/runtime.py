@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 import sympy as sp
 
+from .preset_files import check_fields, count, load_preset, number, text
 from .profile_data import (
     FRAMEWORK_OP,
     LAYER_OPS,
@@ -294,13 +294,67 @@ class RuntimeModel:
         }
 
     @classmethod
-    def from_json(cls, d: dict) -> RuntimeModel:
+    def from_json(
+        cls, d: dict, path: Path | str = "a runtime preset", gpu: str | None = None
+    ) -> RuntimeModel:
+        """The model a runtime preset (``to_json``'s mapping) describes, read strictly (see
+        ``preset_files``): exactly its fields; every line a c0 >= 0 and a rate > 0 (Infinity: a
+        time that does not grow with the work, as ``calibrate.fit_line`` may fit); the layer's
+        curves all there (a missing one would be priced by the data-sheet roofline without a
+        word); collectives the kinds the model looks up; ``gpu`` (the file's name says it) the
+        preset's own. ``path`` names the file in the one-line errors."""
+        check_fields(path, "", d, ("gpu", "source", "curves", "collectives"))
+        name = text(path, "gpu", d["gpu"])
+        if gpu is not None and name != gpu:
+            raise ValueError(f"{path}: gpu must be {gpu!r} (the GPU its file name says), got {name!r}")
+        curves = check_fields(path, "curves", d["curves"], LAYER_CURVES, OPTIONAL_CURVES)
+        collectives = d["collectives"]
+        kinds = f"KIND/N, KIND one of {', '.join(COLLECTIVE_KINDS)} and N a whole number >= 2"
+        if not isinstance(collectives, dict):
+            raise ValueError(
+                f"{path}: collectives must be a mapping of {kinds} to lines, got {collectives!r}"
+            )
+        for key in collectives:
+            kind, _, n = key.partition("/")
+            if kind not in COLLECTIVE_KINDS or not (n.isdecimal() and n == str(int(n)) and int(n) >= 2):
+                raise ValueError(f"{path}: collectives: {key!r} is not {kinds}")
         return cls(
-            d["gpu"],
-            {k: (Line(**f), Line(**bw)) for k, (f, bw) in d["curves"].items()},
-            {k: Line(**v) for k, v in d["collectives"].items()},
-            d["source"],
+            name,
+            {k: _line_pair(path, f"curves.{k}", pair) for k, pair in curves.items()},
+            {k: _line(path, f"collectives.{k}", v) for k, v in collectives.items()},
+            text(path, "source", d["source"]),
         )
+
+
+# The curves every runtime preset has: the layer's op classes (a profile always times each) and
+# the weight gradient's; the others are fitted only from some profiles (the loss and embedding
+# from rows the Mist artifact and `mist profile --vocab` have; the framework's and Tempo's excess
+# from `mist profile` alone), and are priced otherwise without them (``RuntimeModel.curve``).
+LAYER_CURVES = (*sorted({OP_CLASS[op] for op in LAYER_OPS}), "wgrad")
+OPTIONAL_CURVES = ("loss", "embedding", "framework", "tempo", "tempo_gated")
+# The collectives the model looks up (``collective``, ``p2p``, the measured mechanisms)
+COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv", *MEASURED_LAYERS)
+
+
+def _line(path: Path | str, where: str, d: object) -> Line:
+    """A preset's line {"c0": seconds >= 0, "rate": work/s > 0, Infinity for a constant}."""
+    check_fields(path, where, d, ("c0", "rate"))
+    return Line(
+        number(path, f"{where}.c0", d["c0"]),
+        number(path, f"{where}.rate", d["rate"], above=True, infinite=True),
+    )
+
+
+def _line_pair(path: Path | str, where: str, pair: object) -> tuple[Line, Line]:
+    """A curve: [forward line, backward line]."""
+    if not isinstance(pair, list) or len(pair) != 2:
+        raise ValueError(f"{path}: {where} must be [forward line, backward line], got {pair!r}")
+    return _line(path, f"{where}[0]", pair[0]), _line(path, f"{where}[1]", pair[1])
+
+
+def read_runtime_preset(path: Path, gpu: str) -> RuntimeModel:
+    """The runtime preset of ``gpu`` in ``path`` (runtime_<gpu>.json), read strictly."""
+    return RuntimeModel.from_json(load_preset(path), path, gpu)
 
 
 def _memory_class(kind: str) -> str:
@@ -337,15 +391,57 @@ class CpuAdam:
     source: str
 
 
-@functools.lru_cache(maxsize=1)
-def load_cpu_adam() -> CpuAdam:
-    d = json.loads((PRESETS / "host_cpu_adam.json").read_text())
-    one = d["params_per_s"][d["threads"].index(1)]
+# host_cpu_adam.json's fields: what the model reads, and the strings that say where it was measured
+HOST_PRESET_FIELDS = (
+    "optimizer",
+    "cpu",
+    "torch",
+    "params",
+    "threads",
+    "params_per_s",
+    "bytes_moved_per_param",
+    "measured",
+)
+
+
+def cpu_adam_preset(d: dict, path: Path | str = "a host preset") -> CpuAdam:
+    """The host step a host preset (``profile_cpu_adam``'s mapping) describes, read strictly (see
+    ``preset_files``): exactly its fields; ``threads`` distinct whole numbers >= 1 with 1 among
+    them (the per-core rate is one thread's), ``params_per_s`` one finite rate > 0 for each,
+    ``bytes_moved_per_param`` a finite number > 0 (not the string "28")."""
+    check_fields(path, "", d, HOST_PRESET_FIELDS)
+    for key in ("optimizer", "cpu", "torch", "measured"):
+        text(path, key, d[key])
+    count(path, "params", d["params"])
+    threads, rates = d["threads"], d["params_per_s"]
+    if not isinstance(threads, list):
+        raise ValueError(
+            f"{path}: threads must be a list of thread counts with 1 among them, got {threads!r}"
+        )
+    counts = [count(path, f"threads[{i}]", n) for i, n in enumerate(threads)]
+    if 1 not in counts or len(set(counts)) < len(counts):
+        raise ValueError(f"{path}: threads must be distinct thread counts with 1 among them, got {threads!r}")
+    if not isinstance(rates, list) or len(rates) != len(threads):
+        raise ValueError(
+            f"{path}: params_per_s must be a list of one rate a thread count ({len(threads)}), got {rates!r}"
+        )
+    per_s = [number(path, f"params_per_s[{i}]", r, above=True) for i, r in enumerate(rates)]
     return CpuAdam(
-        float(one),
-        float(d["bytes_moved_per_param"]),
+        per_s[counts.index(1)],
+        number(path, "bytes_moved_per_param", d["bytes_moved_per_param"], above=True),
         f"{d['optimizer']} measured on {d['cpu']} ({d['measured']})",
     )
+
+
+def read_cpu_adam(path: Path) -> CpuAdam:
+    """The host preset in ``path`` (host_cpu_adam.json), read strictly."""
+    return cpu_adam_preset(load_preset(path), path)
+
+
+@functools.lru_cache(maxsize=1)
+def load_cpu_adam() -> CpuAdam:
+    """The shipped host preset (``mist profile-host --write``)."""
+    return read_cpu_adam(PRESETS / "host_cpu_adam.json")
 
 
 def cpu_adam_params_per_s(cluster: ClusterSpec, adam: CpuAdam | None = None) -> float:
@@ -363,5 +459,5 @@ def load_runtime_model(gpu: str) -> RuntimeModel:
     """The shipped fitted preset for ``gpu`` if there is one, else the data-sheet roofline."""
     path = PRESETS / f"runtime_{gpu}.json"
     if path.exists():
-        return RuntimeModel.from_json(json.loads(path.read_text()))
+        return read_runtime_preset(path, gpu)
     return roofline_model(gpu)

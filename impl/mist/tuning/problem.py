@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..model.budget import gpu_budget_bytes, host_budget_bytes
-from ..model.interference import Interference
+from ..model.interference import Interference, read_interference_preset
 from ..model.runtime import RuntimeModel, load_runtime_model
 from ..model.specs import GRAD_ACCUMULATION, ClusterSpec, GradAccumulation, ModelSpec
 from ..plan import Plan, grad_accum
@@ -36,13 +36,11 @@ def cost_models(
 def load_interference(gpu: str) -> Interference:
     """The shipped interference preset of ``gpu`` (a serial model for the CPU "device"; none:
     channels that do not slow each other)."""
-    import json
-
     from ..model.runtime import PRESETS
 
     path = PRESETS / f"interference_{gpu}.json"
     if path.exists():
-        return Interference.from_json(json.loads(path.read_text()))
+        return read_interference_preset(path)
     if gpu == "cpu":  # the CPU "device" of mist.engine.run's checks
         return Interference.serial(
             "cpu: the same cores run compute and gloo's collectives, which mist.engine.run issues "

@@ -1,0 +1,94 @@
+"""The checks the fitted presets in presets/ are read through (torch-free).
+
+Each kind of preset has one strict reader beside the model it builds: ``runtime.read_runtime_preset``
+(runtime_<gpu>.json), ``interference.read_interference_preset`` (interference_<gpu>.json) and
+``runtime.read_cpu_adam`` (host_cpu_adam.json). They share these checks: the file is JSON with no
+key given twice (else the last one would win without a word), each mapping has exactly the fields
+of its kind, numbers are numbers (never a string that would convert), finite and in their range,
+strings are strings. Whatever fails is one line naming the file and the field, and what is
+accepted. ``mist calibrate --write`` and ``mist profile-host --write`` pass what they write through
+the same reader first, so a written preset is one that reads back.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from measure.checks import real, whole
+from measure.strict import DuplicateKeyError, loads_json
+
+
+def load_preset(path: Path) -> dict[str, Any]:
+    """The JSON object in ``path``, keys unique; a truncated or unreadable file is one line naming it."""
+    try:
+        text = Path(path).read_text()
+    except UnicodeDecodeError:
+        raise ValueError(f"{path}: not a text file (a preset is a JSON object)") from None
+    except OSError as e:
+        raise ValueError(f"{path}: cannot be read ({e.strerror})") from None
+    try:
+        data = loads_json(text)
+    except (json.JSONDecodeError, DuplicateKeyError) as e:
+        raise ValueError(f"{path}: not a readable preset (a JSON object, no key twice): {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: a preset is a JSON object, got {type(data).__name__}")
+    return data
+
+
+def check_fields(
+    path: Path | str, where: str, d: object, required: tuple[str, ...], optional: tuple[str, ...] = ()
+) -> dict[str, Any]:
+    """``d`` (the field ``where`` of the preset; "" for the whole file) is a mapping with every field
+    in ``required``, others only from ``optional``; returns it."""
+    name = where or "the preset"
+    allowed = ", ".join((*required, *optional))
+    if not isinstance(d, dict):
+        raise ValueError(f"{path}: {name} must be a mapping of {allowed}, got {d!r}")
+    unknown = [k for k in d if k not in required and k not in optional]
+    missing = [k for k in required if k not in d]
+    if unknown or missing:
+        wrong = [f"unknown field(s) {', '.join(map(str, unknown))}"] if unknown else []
+        wrong += [f"missing {', '.join(missing)}"] if missing else []
+        raise ValueError(f"{path}: {name}: {'; '.join(wrong)} (fields: {allowed})")
+    return d
+
+
+def number(
+    path: Path | str,
+    where: str,
+    value: object,
+    least: float = 0.0,
+    above: bool = False,
+    infinite: bool = False,
+) -> float:
+    """``value`` (the field ``where``) as a float: a JSON number (not a string, not true/false), not
+    NaN, finite unless ``infinite`` (then +Infinity is accepted too), and >= ``least`` (> where
+    ``above``)."""
+    ok = (
+        real(value)
+        and not math.isnan(value)
+        and (value > least if above else value >= least)
+        and (math.isfinite(value) or infinite)
+    )
+    if not ok:
+        bound = f"{'>' if above else '>='} {least:g}"
+        what = f"a number {bound} (or Infinity)" if infinite else f"a finite number {bound}"
+        raise ValueError(f"{path}: {where} must be {what}, got {value!r}")
+    return float(value)
+
+
+def count(path: Path | str, where: str, value: object, least: int = 1) -> int:
+    """``value`` (the field ``where``): a whole number >= ``least`` (not 1.0, not true)."""
+    if not whole(value, least):
+        raise ValueError(f"{path}: {where} must be a whole number >= {least}, got {value!r}")
+    return int(value)
+
+
+def text(path: Path | str, where: str, value: object) -> str:
+    """``value`` (the field ``where``): a string that is not empty."""
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{path}: {where} must be a non-empty string, got {value!r}")
+    return value
