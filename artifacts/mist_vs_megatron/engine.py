@@ -297,6 +297,7 @@ def fit_runtime(setup: EngineSetup, work: Path) -> dict:
     from mist import model
     from mist.engine.profiler import write_collectives, write_profiles, write_tp_layers, write_zero_layers
     from mist.model.calibrate import calibrate
+    from mist.model.profile_data import mark_profile_complete
 
     profiles, prof = work / setup.gpu, setup.profile  # "fitted to cpu profiles"
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[prof["dtype"]]
@@ -317,6 +318,7 @@ def fit_runtime(setup: EngineSetup, work: Path) -> dict:
         progress=say,
         rounds=PROFILE_ROUNDS,
         tempo=prof.get("tempo", False),
+        complete=False,  # the collectives and mechanisms below belong to it too
     )
     if setup.processes > 1:  # this machine's collectives, measured (gloo on a CPU)
         say("collectives, ZeRO-2/3 and TP layers")
@@ -349,6 +351,7 @@ def fit_runtime(setup: EngineSetup, work: Path) -> dict:
             dtype,
             launches=launches,
         )
+    mark_profile_complete(profiles)  # every benchmark is in: calibrate fits it
     say("fitted")
     return next(iter(calibrate(profiles).values()))
 

@@ -18,7 +18,7 @@ import math
 import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TextIO
 
 from measure.checks import machine_memory_bytes
 from measure.cli import OneLineParser, check_writable_file
@@ -412,10 +412,16 @@ def _readable_preset(fitted: str, d: dict, reader, path: Path, *args) -> dict:
 PROFILE_FILES = ("profile.json", "*.csv", "collectives*.json", "zero*.json", "tp*.json")
 
 
-def _check_profile_folder(out: Path, replace: bool) -> None:
+def _claim_profile_folder(out: Path, replace: bool) -> TextIO:
     """Before any measurement: ``out`` can be a profile folder (a folder, or a new one in a folder
-    that exists and is writable), and holds no profile already unless ``replace`` (then its
-    profile's files go first: a new profile mixed with an old one would be fitted as one)."""
+    that exists and is writable), no other `mist profile` is writing it (its lock, held until the
+    returned file is closed: two runs on one folder would delete each other's files and leave a
+    mix of both), and it holds no profile already unless ``replace`` (then its profile's files go
+    first: a new profile mixed with an old one would be fitted as one)."""
+    from measure.results import RunLockedError, lock_folder, unlock_folder
+
+    from .model.profile_data import profile_meta
+
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out}: a file; a profile is written into a folder")
     parent = out if out.exists() else out.parent
@@ -423,14 +429,32 @@ def _check_profile_folder(out: Path, replace: bool) -> None:
         raise ValueError(f"--out {out}: folder {parent} does not exist")
     if not os.access(parent, os.W_OK):
         raise ValueError(f"--out {out}: not writable")
-    old = sorted({f for pattern in PROFILE_FILES for f in out.glob(pattern)}) if out.is_dir() else []
-    if old and not replace:
-        raise ValueError(
-            f"--out {out}: holds a profile already ({len(old)} files); choose another folder, or pass "
-            "--replace to remove them first"
+    out.mkdir(exist_ok=True)
+    try:
+        lock = lock_folder(
+            out,
+            f"--out {out}: another `mist profile` is writing to it (refused even with --replace); "
+            "wait for it to end, or choose another folder",
         )
-    for f in old:
-        f.unlink()
+    except RunLockedError as e:
+        raise ValueError(str(e)) from None
+    try:
+        old = sorted({f for pattern in PROFILE_FILES for f in out.glob(pattern)})
+        if old and not replace:
+            try:
+                what = "an incomplete profile" if not profile_meta(out).get("complete", True) else "a profile"
+            except ValueError:  # a profile.json it cannot read: a profile still, of unknown state
+                what = "a profile"
+            raise ValueError(
+                f"--out {out}: holds {what} already ({len(old)} files); choose another folder, or pass "
+                "--replace to remove them first"
+            )
+        for f in old:
+            f.unlink()
+    except BaseException:
+        unlock_folder(lock)
+        raise
+    return lock
 
 
 def _check_collectives(counts: list[int], device: str) -> None:
@@ -452,7 +476,7 @@ def _check_collectives(counts: list[int], device: str) -> None:
 def cmd_profile(args) -> int:
     import torch
 
-    from .engine.profiler import write_collectives, write_profiles, write_tp_layers, write_zero_layers
+    from measure.results import unlock_folder
 
     if args.device != "cpu" and not args.device.startswith("cuda"):
         raise ValueError(f"--device {args.device}: the profiler runs on cpu or cuda[:N]")
@@ -483,9 +507,31 @@ def cmd_profile(args) -> int:
         if args.vocab is not None and args.vocab % tp:
             raise ValueError(f"--tp {tp} must divide --vocab {args.vocab}")
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
-    _check_profile_folder(Path(args.out), args.replace)  # last: with --replace it removes the old profile
+    out = Path(args.out)
+    lock = _claim_profile_folder(out, args.replace)  # last: with --replace it removes the old profile
+    try:
+        files = _measure_profile(args, out, dtype)
+    except KeyboardInterrupt:  # what was written is a part of the profile: say so, and how to redo it
+        print(
+            f"python -m mist profile: interrupted; {out} holds an incomplete profile, which `mist calibrate` "
+            "refuses: redo it by rerunning this command with --replace",
+            file=sys.stderr,
+        )
+        return 130
+    finally:
+        unlock_folder(lock)
+    print(f"{len(files)} profiles in {out}; fit them with: python -m mist calibrate {out}")
+    return 0
+
+
+def _measure_profile(args, out: Path, dtype) -> list[Path]:
+    """`mist profile`'s measurements into ``out`` (claimed by ``_claim_profile_folder``): the layer,
+    then the benchmarks asked for; marked complete last. Returns the layer profiles written."""
+    from .engine.profiler import write_collectives, write_profiles, write_tp_layers, write_zero_layers
+    from .model.profile_data import mark_profile_complete
+
     files = write_profiles(
-        Path(args.out),
+        out,
         args.device,
         args.hidden,
         args.heads,
@@ -499,15 +545,16 @@ def cmd_profile(args) -> int:
         vocab=args.vocab,
         rounds=args.rounds,
         tempo=args.tempo,
+        complete=False,  # the benchmarks below are a part of it
     )
     for n in args.collectives:
-        written = write_collectives(Path(args.out), n, args.device, args.repeats)
+        written = write_collectives(out, n, args.device, args.repeats)
         print(f"  collectives among {n} processes: {len(written)} files", flush=True)
         if args.heads % 2 == 0:  # ZeRO-2 and -3 as the engine runs them, on the layer at two sizes
             for stage in (2, 3):
                 write_zero_layers(
                     stage,
-                    Path(args.out),
+                    out,
                     n,
                     args.device,
                     args.hidden,
@@ -518,12 +565,10 @@ def cmd_profile(args) -> int:
                 )
             print(f"  ZeRO-2 and ZeRO-3 on the layer among {n} processes", flush=True)
         if args.heads % n == 0 and len(set(args.micro_batches)) >= 2:  # TP as the engine runs it
-            write_tp_layers(
-                Path(args.out), n, args.device, args.hidden, args.heads, args.seq, args.micro_batches, dtype
-            )
+            write_tp_layers(out, n, args.device, args.hidden, args.heads, args.seq, args.micro_batches, dtype)
             print(f"  tensor parallelism on the layer over {n} processes", flush=True)
-    print(f"{len(files)} profiles in {args.out}; fit them with: python -m mist calibrate {args.out}")
-    return 0
+    mark_profile_complete(out)
+    return files
 
 
 def cmd_profile_host(args) -> int:

@@ -351,7 +351,7 @@ def test_a_json_plan_with_a_key_twice_is_refused(tmp_path, capsys):
     _one_error_line(capsys, "plan.json", "key 'dp' given twice")
 
 
-_META = '{"gpu": "l4", "seq": 2048, "sizes": {"1_3B": [2048, 24, 32]}}'
+_META = '{"complete": true, "gpu": "l4", "seq": 2048, "sizes": {"1_3B": [2048, 24, 32]}}'
 
 
 @pytest.mark.parametrize(
@@ -375,7 +375,8 @@ def test_a_profiles_description_is_read_strictly(tmp_path, capsys, meta, expecte
     it does not know; `mist calibrate` says which in one line before fitting anything."""
     folder = tmp_path / "data" / "mine"
     folder.mkdir(parents=True)
-    (folder / "profile.json").write_text(meta)
+    # each case a finished profile's description ("complete": true) but for the field it breaks
+    (folder / "profile.json").write_text(meta.replace('{"gpu"', '{"complete": true, "gpu"', 1))
     assert main(["calibrate", str(tmp_path / "data")]) == 2
     _one_error_line(capsys, "profile.json", expected)
 
@@ -457,7 +458,7 @@ def test_calibrate_writes_no_preset_for_an_unknown_gpu(tmp_path, capsys, monkeyp
     shutil.copytree(profile_data.ARTIFACT_DATA / "gpu-op-profiles" / "l4", tpu)
     sizes = {k: list(v) for k, v in profile_data.PROFILED_SIZES.items()}
     (tpu / "profile.json").write_text(
-        json.dumps({"gpu": "tpu", "seq": profile_data.PROFILE_SEQ["l4"], "sizes": sizes})
+        json.dumps({"complete": True, "gpu": "tpu", "seq": profile_data.PROFILE_SEQ["l4"], "sizes": sizes})
     )
     assert main(["calibrate", str(tmp_path / "data"), "--write"]) == 2
     err = capsys.readouterr().err

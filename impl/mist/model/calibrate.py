@@ -23,6 +23,7 @@ from .profile_data import (
     TEMPO_OP,
     LayerProfile,
     best_algo,
+    check_complete,
     gated_layer,
     profile_meta,
     read_collectives,
@@ -224,6 +225,8 @@ def calibrate(data_dir: Path, held_out: tuple[str, ...] = ("2_6B", "13B")) -> di
     out = {}
     root = Path(data_dir)
     dirs = [root] if profile_meta(root) else sorted(p for p in root.iterdir() if p.is_dir())
+    for gpu_dir in dirs:  # an interrupted `mist profile` is refused before anything is fitted
+        check_complete(gpu_dir)
     for gpu_dir in dirs:
         profiles = read_layer_profiles(gpu_dir)
         if not profiles:

@@ -132,6 +132,7 @@ def profile_meta(gpu_dir: Path) -> dict:
             # autograd's backward of a linear layer computes both gradients
             "weight_gradients": d.get("weight_gradients", True),
             "vocab": d.get("vocab", ARTIFACT_VOCAB),  # the embedding and head rows' vocabulary
+            "complete": d["complete"],
         }
     if gpu_dir.name in PROFILE_GPU:
         return {
@@ -140,6 +141,7 @@ def profile_meta(gpu_dir: Path) -> dict:
             "sizes": PROFILED_SIZES,
             "tp_comm_inside": True,
             "vocab": ARTIFACT_VOCAB,
+            "complete": True,  # as published
         }
     return {}
 
@@ -163,8 +165,11 @@ _META_FIELDS = {
     "device": ("a device name", lambda v: isinstance(v, str)),
     "dtype": ("a dtype's name", lambda v: isinstance(v, str)),
     "cpu_threads": ("a whole number > 0 or null", lambda v: v is None or positive_int(v)),
+    # whether `mist profile` finished: false from its start until every benchmark it was asked
+    # for is written (``mark_profile_complete``), so an interrupted one is never fitted as whole
+    "complete": ("true or false", lambda v: isinstance(v, bool)),
 }
-_META_REQUIRED = ("gpu", "seq", "sizes")
+_META_REQUIRED = ("gpu", "seq", "sizes", "complete")
 
 
 def _read_meta(path: Path) -> dict:
@@ -187,6 +192,25 @@ def _read_meta(path: Path) -> dict:
         if not ok(value):
             raise ValueError(f"{path}: {key} must be {what}, got {value!r}")
     return d
+
+
+def mark_profile_complete(gpu_dir: Path) -> None:
+    """Say in ``gpu_dir``'s profile.json that the profile is whole: the last thing `mist profile`
+    writes, after every benchmark it was asked for (the file written whole or not at all)."""
+    from measure.results import write_json_atomic
+
+    meta = gpu_dir / "profile.json"
+    write_json_atomic(meta, {**_read_meta(meta), "complete": True})
+
+
+def check_complete(gpu_dir: Path) -> None:
+    """Refuse a profile `mist profile` did not finish (interrupted, or failed part-way): fitted, it
+    would pass for the whole profile, the benchmarks it lacks priced from the presets unsaid."""
+    if not profile_meta(gpu_dir).get("complete", True):
+        raise ValueError(
+            f"{gpu_dir}: an incomplete profile (its `mist profile` did not finish; profile.json says "
+            "complete: false): redo it by rerunning that command with --replace"
+        )
 
 
 WEIGHT_GEMMS = ("enc-attention-qkv", "enc-attention-dense", "enc-MLP-GEMM-1", "enc-MLP-GEMM-2")

@@ -26,6 +26,7 @@ from ...model.profile_data import (
     TEMPO_GATED_OP,
     TEMPO_OP,
     gated_layer,
+    mark_profile_complete,
 )
 from ...model.specs import ModelSpec
 from .megatron_layer import forward_backward_seconds, layer_inputs, megatron_config, megatron_state
@@ -248,12 +249,15 @@ def write_profiles(
     concurrent: int = 1,
     rounds: int = 1,
     tempo: bool = False,
+    complete: bool = True,
 ) -> list[Path]:
     """Profile every (micro-batch, TP) pair; returns the CSV files written. With ``framework``,
     megatron-core's whole layer is timed too and its excess over the ops is one more row; with
     ``tempo`` also, the layer with Tempo's ops (tempo.megatron) and its excess over the plain layer
     (what pricing a Tempo plan adds). With ``vocab``, the embedding, final norm and post-process
-    rows too (``megatron_edge_rows``).
+    rows too (``megatron_edge_rows``). The profile is marked complete at the end (profile.json)
+    unless ``complete`` is False: its caller writes more benchmarks into ``out`` and marks it
+    (``profile_data.mark_profile_complete``) once they are all written.
 
     On a CPU the ops run on ``cpu_threads`` threads: the device a plan's rank gets. Each rank of
     ``mist.engine.run`` runs one (torchrun with OMP_NUM_THREADS=1, ``measure.launch``), so a
@@ -296,7 +300,10 @@ def write_profiles(
         with tempfile.TemporaryDirectory(prefix="profile_copies_") as scratch:
             copies = _start_copies(concurrent - 1, job, Path(scratch)) if device == "cpu" else []
             try:
-                return _write_profiles(out, job, progress)
+                written = _write_profiles(out, job, progress)
+                if complete:
+                    mark_profile_complete(out)
+                return written
             finally:
                 for copy in copies:  # they only kept this one company
                     copy.terminate()
@@ -356,6 +363,7 @@ def _write_profiles(out: Path, job: ProfileJob, progress: Callable[[str], None] 
         "dtype": str(job.dtype),
         "weight_gradients": True,  # autograd times a linear layer's input and weight gradients together
         "cpu_threads": job.threads,  # None on a GPU
+        "complete": False,  # until every benchmark asked for is written (mark_profile_complete)
         **({"vocab": job.vocab} if job.vocab else {}),  # the edge rows' vocabulary
     }
     (out / "profile.json").write_text(json.dumps(meta, indent=1))

@@ -1,0 +1,126 @@
+"""A `mist profile` folder: one run writes it at a time (its lock), it says whether the profile is
+complete, and `mist calibrate` fits only a complete one."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from mist.__main__ import main
+from mist.model import runtime
+
+PROFILE = [
+    "profile",
+    "--name",
+    "cpu",
+    "--hidden",
+    "64",
+    "--heads",
+    "4",
+    "--seq",
+    "16",
+    "--micro-batches",
+    "1",
+    "2",
+    "--repeats",
+    "1",
+]
+
+
+def _one_error_line(err: str, *expected: str) -> None:
+    err = err.strip()
+    assert err.count("\n") == 0 and "Traceback" not in err, err
+    for text in expected:
+        assert text in err, err
+
+
+@pytest.mark.parametrize("locked", [True, False], ids=["locked", "control-unlocked"])
+def test_a_profile_folder_in_use_is_refused_even_with_replace(tmp_path, capsys, monkeypatch, locked):
+    """A second `mist profile --replace` on a folder a first one is writing deleted the first's
+    files mid-run and left a mix of both. Now it is refused at once, in one line, and the first's
+    files stay. The control (the lock taken away) shows the test would catch the old behaviour:
+    the second run goes ahead and replaces the first's file."""
+    from measure import results
+    from mist.engine import profiler
+
+    if not locked:
+        monkeypatch.setattr(results, "lock_folder", lambda folder, busy: open(os.devnull, "w"))  # noqa: SIM115
+    out = tmp_path / "p"
+    csv = out / "gpt_h64_mbs1_tp1_algo0.csv"
+    second: dict = {}
+
+    def measure(folder, *args, **kwargs):  # a run's measurement, while its folder is held
+        run = "first" if not second else "second"
+        meta = {"gpu": "cpu", "seq": 16, "sizes": {"h64": [64, 1, 4]}, "complete": False}
+        (folder / "profile.json").write_text(json.dumps(meta))
+        csv.write_text(run)
+        if run == "first":  # the second run starts while the first measures
+            second["code"] = None
+            second["code"] = main([*PROFILE, "--out", str(out), "--replace"])
+            second["err"] = capsys.readouterr().err
+            second["first's file"] = csv.read_text()
+        return [csv]
+
+    monkeypatch.setattr(profiler, "write_profiles", measure)
+    assert main([*PROFILE, "--out", str(out)]) == 0
+    if locked:
+        assert second["code"] == 2
+        _one_error_line(second["err"], f"--out {out}: another `mist profile` is writing to it", "--replace")
+        assert second["first's file"] == "first"
+    else:
+        assert second["code"] == 0 and second["first's file"] == "second"
+    # either way the folder is free once the runs end: a later run takes it
+    assert main([*PROFILE, "--out", str(out), "--replace"]) == 0
+
+
+def test_an_interrupted_profile_says_how_to_redo_it_and_is_not_fitted(tmp_path, capsys, monkeypatch):
+    """Ctrl-C during `mist profile --collectives 2` said "what was already written stays", a rerun
+    was refused with no word of why, and `mist calibrate` (and --write) fitted the partial folder
+    as if whole. Now the line says the profile is incomplete and to rerun with --replace, the rerun
+    without it says the same, and calibrate refuses it (writing nothing). Control: the same folder
+    once complete is fitted."""
+    from mist.engine import profiler
+    from mist.model.profile_data import mark_profile_complete
+
+    def interrupted(*args, **kwargs):  # Ctrl-C once the layer is profiled, as the collectives start
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(profiler, "write_collectives", interrupted)
+    out = tmp_path / "p"
+    command = [*PROFILE, "--out", str(out), "--collectives", "2"]
+    assert main(command) == 130
+    _one_error_line(capsys.readouterr().err, f"{out} holds an incomplete profile", "rerunning", "--replace")
+    assert json.loads((out / "profile.json").read_text())["complete"] is False
+    assert len(list(out.glob("gpt_*.csv"))) == 2  # the layer's profiles were written
+    assert main(command) == 2
+    _one_error_line(capsys.readouterr().err, "holds an incomplete profile already", "--replace")
+    presets = tmp_path / "presets"
+    monkeypatch.setattr(runtime, "PRESETS", presets)
+    for write in ([], ["--write"]):
+        assert main(["calibrate", str(out), *write]) == 2
+        _one_error_line(capsys.readouterr().err, f"{out}: an incomplete profile", "with --replace")
+    assert not presets.exists()
+    mark_profile_complete(out)  # the control: the same files, the profile said to be whole
+    assert main(["calibrate", str(out)]) == 0
+    assert "p: per-layer error" in capsys.readouterr().out
+
+
+def test_a_finished_profile_is_marked_complete(tmp_path, monkeypatch):
+    """profile.json says complete only once every benchmark asked for is written: false while the
+    collectives run, true after."""
+    from mist.engine import profiler
+
+    out = tmp_path / "p"
+    seen = []
+
+    def collectives(folder, *args, **kwargs):
+        seen.append(json.loads((folder / "profile.json").read_text())["complete"])
+        return []
+
+    monkeypatch.setattr(profiler, "write_collectives", collectives)
+    monkeypatch.setattr(profiler, "write_zero_layers", lambda *a, **k: None)
+    monkeypatch.setattr(profiler, "write_tp_layers", lambda *a, **k: None)
+    assert main([*PROFILE, "--out", str(out), "--collectives", "2"]) == 0
+    assert seen == [False] and json.loads((out / "profile.json").read_text())["complete"] is True
