@@ -1,5 +1,5 @@
 """A `mist profile` folder: one run writes it at a time (its lock), it says whether the profile is
-complete, and `mist calibrate` fits only a complete one."""
+complete, `mist calibrate` fits only a complete one, and its CSV rows give every column."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import pytest
 
 from mist.__main__ import main
 from mist.model import runtime
+from mist.model.profile_data import ARTIFACT_DATA
 
 PROFILE = [
     "profile",
@@ -124,3 +125,32 @@ def test_a_finished_profile_is_marked_complete(tmp_path, monkeypatch):
     monkeypatch.setattr(profiler, "write_tp_layers", lambda *a, **k: None)
     assert main([*PROFILE, "--out", str(out), "--collectives", "2"]) == 0
     assert seen == [False] and json.loads((out / "profile.json").read_text())["complete"] is True
+
+
+@pytest.mark.parametrize(
+    ("cut", "said"),
+    [
+        (2, "has 7 fields, its header 9"),  # the last two fields missing
+        (-1, "has 10 fields, its header 9"),  # one run on
+        (0, None),  # the control: the row as measured
+    ],
+)
+def test_a_layer_profile_row_gives_every_column(tmp_path, capsys, cut, said):
+    """A row missing its last fields was read (they were not the times) and fitted. Now refused,
+    naming the file and its line."""
+    from mist.model.profile_data import read_layer_profiles
+
+    folder = tmp_path / "data" / "l4"  # known by its name, as the artifact's folders are
+    folder.mkdir(parents=True)
+    for path in sorted((ARTIFACT_DATA / "gpu-op-profiles" / "l4").glob("gpt_1_3B_*_tp1_*.csv")):
+        (folder / path.name).write_text(path.read_text())
+    name = "gpt_1_3B_mbs1_tp1_algo0.csv"
+    lines = (folder / name).read_text().splitlines()
+    fields = lines[3].split(",")
+    lines[3] = ",".join(fields[:-cut] if cut > 0 else [*fields, "0.0"] if cut < 0 else fields)
+    (folder / name).write_text("\n".join(lines) + "\n")
+    if said is None:  # read as before (calibrate fits these: test_mist_costs)
+        assert {p.mbs for p in read_layer_profiles(folder)} == {1, 2, 4, 8}
+        return
+    assert main(["calibrate", str(folder.parent)]) == 2
+    _one_error_line(capsys.readouterr().err, f"{folder / name}: line 4 {said}")

@@ -236,6 +236,27 @@ def backward_has_weight_gradients(ops_per_profile: list[dict[str, tuple[float, f
     return not ratios or ratios[len(ratios) // 2] > 1.4
 
 
+def _csv_rows(path: Path, what: str) -> list[dict[str, str]]:
+    """A profile CSV's rows under its header, each with exactly the header's fields: a row cut
+    short (csv fills the missing fields with None) or run on (it files the extra ones under None)
+    is refused, naming the file and its line, not read as whatever its fields happen to say."""
+    try:
+        with path.open(newline="") as fh:
+            reader = csv.DictReader(fh)
+            rows = []
+            for row in reader:
+                fields = len(reader.fieldnames) + len(row.get(None, ())) - list(row.values()).count(None)
+                if fields != len(reader.fieldnames):
+                    raise ValueError(
+                        f"{path}: line {reader.line_num} has {fields} fields, its header "
+                        f"{len(reader.fieldnames)}: each row gives every column"
+                    )
+                rows.append(row)
+    except (UnicodeDecodeError, csv.Error) as e:
+        raise ValueError(f"{path}: {what}: {e!r}") from None
+    return rows
+
+
 def _us_pair(forward: str, backward: str) -> tuple[float, float]:
     """A layer profile's (forward, backward) microseconds in seconds."""
     return float(forward) * 1e-6, float(backward) * 1e-6
@@ -248,16 +269,12 @@ def read_layer_profiles(gpu_dir: Path) -> list[LayerProfile]:
         m = _LAYER_FILE.fullmatch(path.name)
         if not meta or m is None or m["size"] not in meta["sizes"]:
             continue
+        what = "not a layer profile (needs op_name, forward-compute, backward-compute in µs)"
+        table = _csv_rows(path, what)  # a row with a field too few or too many: refused, naming its line
         try:
-            with path.open() as fh:
-                rows = [
-                    (r["op_name"], _us_pair(r["forward-compute"], r["backward-compute"]))
-                    for r in csv.DictReader(fh)
-                ]
-        except (KeyError, ValueError, TypeError, UnicodeDecodeError, csv.Error) as e:
-            raise ValueError(
-                f"{path}: not a layer profile (needs op_name, forward-compute, backward-compute in µs): {e!r}"
-            ) from None
+            rows = [(r["op_name"], _us_pair(r["forward-compute"], r["backward-compute"])) for r in table]
+        except (KeyError, ValueError, TypeError) as e:
+            raise ValueError(f"{path}: {what}: {e!r}") from None
         ops = dict(rows)
         if len(ops) < len(rows):  # two rows for one op: which one was measured is unknown
             names = [name for name, _ in rows]
@@ -312,13 +329,12 @@ def read_collectives(gpu_dir: Path) -> dict[tuple[str, int], list[tuple[float, f
         m = _PRIM_FILE.fullmatch(path.name)
         if m is None:
             continue
+        what = "not a collective benchmark (needs data_size(MB), time(ms))"
+        table = _csv_rows(path, what)  # a row with a field too few or too many: refused, naming its line
         try:
-            with path.open() as fh:
-                reader = csv.DictReader(fh)
-                rows = [(float(r["data_size(MB)"]) * 2**20, float(r["time(ms)"]) * 1e-3) for r in reader]
-        except (KeyError, ValueError, TypeError, UnicodeDecodeError, csv.Error) as e:
-            needs = "needs data_size(MB), time(ms)"
-            raise ValueError(f"{path}: not a collective benchmark ({needs}): {e!r}") from None
+            rows = [(float(r["data_size(MB)"]) * 2**20, float(r["time(ms)"]) * 1e-3) for r in table]
+        except (KeyError, ValueError, TypeError) as e:
+            raise ValueError(f"{path}: {what}: {e!r}") from None
         # a size > 0 and a time >= 0 (a ZeRO benchmark's extra time may measure as none): a line
         # fitted through a negative or infinite time would price collectives as free or as never ending
         bad = next(((b, t) for b, t in rows if not (_positive_finite(b) and 0 <= t < math.inf)), None)
