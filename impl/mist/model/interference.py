@@ -9,11 +9,12 @@ directions were launched together and the wall time of the group measured.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+
+from measure.strict import loads_json, read_text_file
 
 from .preset_files import check_fields, load_preset, number, text
 
@@ -118,7 +119,7 @@ def read_interference_preset(path: Path) -> Interference:
 
 
 def _runs(path: Path) -> list[dict]:
-    data = json.loads(Path(path).read_text())
+    data = loads_json(read_text_file(path))
     (entries,) = data.values()
     out = []
     for run in entries.values():

@@ -18,13 +18,13 @@ from pathlib import Path
 from typing import Any
 
 from measure.checks import real, whole
-from measure.strict import DuplicateKeyError, loads_json
+from measure.strict import DuplicateKeyError, loads_json, read_text_file
 
 
 def load_preset(path: Path) -> dict[str, Any]:
     """The JSON object in ``path``, keys unique; a truncated or unreadable file is one line naming it."""
     try:
-        text = Path(path).read_text()
+        text = read_text_file(path)  # a FIFO or a device is refused, not read without end
     except UnicodeDecodeError:
         raise ValueError(f"{path}: not a text file (a preset is a JSON object)") from None
     except OSError as e:

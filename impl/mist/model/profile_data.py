@@ -8,13 +8,14 @@ times in microseconds) and ``prim_gpt_<size>_<collective>_<n>gpus.csv`` (message
 from __future__ import annotations
 
 import csv
+import io
 import json
 import math
 import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from measure.strict import DuplicateKeyError, loads_json
+from measure.strict import DuplicateKeyError, loads_json, read_text_file
 
 from .specs import ModelSpec, positive_int
 
@@ -176,7 +177,7 @@ def _read_meta(path: Path) -> dict:
     """profile.json, strictly: each field of its kind (a string is not a number), no key twice, no
     field it does not know; one line naming the file and the field otherwise."""
     try:
-        d = loads_json(path.read_text())
+        d = loads_json(read_text_file(path))
     except (json.JSONDecodeError, UnicodeDecodeError, DuplicateKeyError) as e:
         raise ValueError(f"{path}: not a readable profile.json ({e})") from None
     if not isinstance(d, dict):
@@ -241,7 +242,7 @@ def _csv_rows(path: Path, what: str) -> list[dict[str, str]]:
     short (csv fills the missing fields with None) or run on (it files the extra ones under None)
     is refused, naming the file and its line, not read as whatever its fields happen to say."""
     try:
-        with path.open(newline="") as fh:
+        with io.StringIO(read_text_file(path), newline="") as fh:  # a FIFO of the name: refused
             reader = csv.DictReader(fh)
             rows = []
             for row in reader:
@@ -359,7 +360,7 @@ def read_p2p(gpu_dir: Path) -> dict[str, list[tuple[float, float]]]:
         path = gpu_dir / f"p2p_{where}_node.csv"
         if not path.exists():
             continue
-        lines = path.read_text().split()
+        lines = read_text_file(path).split()
         try:
             if len(lines) % 2 or not lines:
                 raise ValueError("not pairs of lines")
