@@ -296,12 +296,17 @@ def cmd_export(args) -> int:
             file=sys.stderr,
         )
         return 0
-    if inputs.data_path is None or inputs.tokenizer_type is None:
-        print(
-            "# placeholders: synthetic data (--mock-data) and a null tokenizer; --data-path and "
-            "--tokenizer-type/--tokenizer-model name real ones",
-            file=sys.stderr,
-        )
+    # only what is a placeholder: with --data-path given, the data is real (the footer said otherwise)
+    placeholders = [
+        *(["synthetic data (--mock-data; --data-path names real data)"] if inputs.data_path is None else []),
+        *(
+            ["a null tokenizer (--tokenizer-type/--tokenizer-model name a real one)"]
+            if inputs.tokenizer_type is None
+            else []
+        ),
+    ]
+    if placeholders:
+        print(f"# placeholders: {' and '.join(placeholders)}", file=sys.stderr)
     if inputs.tokenizer_type is not None:
         print(
             f"# the plan was priced at a vocabulary of {plan.model_spec().vocab}: a tokenizer whose padded "

@@ -537,9 +537,15 @@ class Plan:
         if not isinstance(data, dict) or "stages" not in data:
             raise ValueError(f"{path}: not a plan (expected a mapping with 'stages')")
         try:
-            return cls.from_dict(data)
+            plan = cls.from_dict(data)
         except (TypeError, ValueError) as e:
             raise ValueError(f"{path}: {e}") from None
+        if plan.model in MODELS:  # the model it names, built now: a bad override is the file's error
+            try:
+                plan.model_spec()
+            except ValueError as e:
+                raise ValueError(f"{path}: model_overrides: {e}") from None
+        return plan
 
     def table(self) -> str:
         head = (

@@ -135,3 +135,33 @@ def test_search_takes_planner_options_only(options):
     """A mapping was an AttributeError inside the search, and {} or 0 silently the defaults."""
     with pytest.raises(ValueError, match="options must be a PlannerOptions or None"):
         search(model("gpt3-tiny"), cluster("cpu", 1), 8, options)
+
+
+def test_a_bad_model_override_in_a_plan_file_names_the_file_and_field(tmp_path, capsys):
+    """model_overrides: {dropout: .nan} said 'dropout must be a number in [0, 1)' with no file."""
+    path = tmp_path / "plan.yaml"
+    path.write_text(PLAN + "model_overrides: {dropout: .nan}\n")
+    assert main(["predict", str(path)]) == 2
+    _one_error_line(capsys, "plan.yaml: model_overrides: dropout must be")
+
+
+def test_a_model_spec_is_named_by_a_string():
+    with pytest.raises(ValueError, match="name must be a non-empty string, got 123"):
+        ModelSpec(123, 64, 2, 4)
+
+
+@pytest.mark.parametrize(
+    ("given", "said", "not_said"),
+    [
+        ([], ["synthetic data", "a null tokenizer"], []),
+        (["--data-path", "/data/x"], ["a null tokenizer"], ["synthetic data"]),
+        (["--data-path", "/data/x", "--tokenizer-type", "GPT2BPETokenizer"], [], ["placeholders"]),
+    ],
+)
+def test_the_export_footer_names_only_the_placeholders(tmp_path, capsys, given, said, not_said):
+    """With --data-path given, the footer still said the data was synthetic (--mock-data)."""
+    path = tmp_path / "plan.yaml"
+    path.write_text(PLAN)
+    assert main(["export", str(path), "--to", "megatron-lm", *given]) == 0
+    err = capsys.readouterr().err
+    assert all(s in err for s in said) and not any(s in err for s in not_said), err

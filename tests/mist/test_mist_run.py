@@ -1073,6 +1073,8 @@ def test_engine_refuses_a_plan_built_in_code_as_a_loaded_one_is(change, message,
         ({}, ["--out", "{tmp}/no/such/report.json"], "does not exist"),
         ({}, ["--plan", "{tmp}/missing.yaml"], "No such file or directory"),
         ({"MEASURE_LAUNCHER_PID": "abc"}, [], "MEASURE_LAUNCHER_PID='abc' must be a process id"),
+        # run as a plain script: torch's error named RANK but not how to launch it
+        ({"RANK": None}, [], "no RANK in the environment: launch it with torchrun"),
     ],
 )
 def test_engine_command_refuses_bad_launches_in_one_line(tmp_path, env, argv, message):
@@ -1083,7 +1085,18 @@ def test_engine_command_refuses_bad_launches_in_one_line(tmp_path, env, argv, me
     args = ["--plan", str(plan), *(a.format(tmp=tmp_path) for a in argv)]
     done = subprocess.run(
         [sys.executable, "-m", "mist.engine.run", *args],
-        env={**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_PORT": "1", **env},
+        env={
+            k: v
+            for k, v in {
+                **os.environ,
+                "RANK": "0",
+                "WORLD_SIZE": "1",
+                "LOCAL_RANK": "0",
+                "MASTER_PORT": "1",
+                **env,
+            }.items()
+            if v is not None
+        },
         capture_output=True,
         text=True,
         timeout=120,

@@ -911,6 +911,10 @@ def main(argv: list[str] | None = None) -> int:
     for name in LAUNCH_ENV:  # torch's own errors would not name the variable
         if name in os.environ and not os.environ[name].isdigit():
             ap.error(f"{name}={os.environ[name]!r} must be a whole number (torchrun sets it)")
+    if "RANK" not in os.environ:  # run as a plain script: torch's error names RANK, not the launcher
+        ap.error(
+            "no RANK in the environment: launch it with torchrun --nproc-per-node N -m mist.engine.run ..."
+        )
     if args.out:  # before the training, not after it
         try:
             check_writable_file(Path(args.out))

@@ -51,6 +51,8 @@ class ModelSpec:
     tempo: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"name must be a non-empty string, got {self.name!r}")
         for field in ("hidden", "layers", "heads", "vocab", "seq"):
             value = getattr(self, field)
             if not positive_int(value):
