@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from measure.checks import whole
+from measure.checks import real, whole
 
 from .kernels import ACTIVATIONS, STATUS_WORDS, stage_kernel, ticket_mlp_kernel
 from .tiling import DEFAULT_TILING, Tiling
@@ -67,9 +67,17 @@ class StageTimeout(RuntimeError):
 
 def _timeout_us(timeout_s: float | None) -> int:
     t = WAIT_TIMEOUT_S if timeout_s is None else timeout_s
-    if not 1e-6 <= t <= _MAX_TIMEOUT_S:  # also refuses nan and inf: a wait is never unbounded
+    # also refuses nan and inf (a wait is never unbounded), True (a bool is no time) and "1"
+    if not real(t) or not 1e-6 <= t <= _MAX_TIMEOUT_S:
         raise ValueError(f"timeout_s must be in [1e-6, {_MAX_TIMEOUT_S:.0f}] seconds, got {t}")
     return round(t * 1e6)
+
+
+def _check_flags(**flags: object) -> None:
+    """Each of ``flags`` True or False (None where it has a default): "no" would be taken as true."""
+    for name, value in flags.items():
+        if value is not None and not isinstance(value, bool):
+            raise ValueError(f"{name} must be True or False, got {value!r}")
 
 
 def _check_spins(max_spins: int) -> int:
@@ -100,6 +108,9 @@ def raise_if_gave_up(
     (reading it waits for them), naming ``stage`` and the first tile that gave up; the buffer is
     zeroed first, so the object that owns it can be called again. ``timeout_s``, ``max_spins``: the
     bounds the launches had (for the message)."""
+    if not isinstance(status, torch.Tensor):
+        raise ValueError(f"status must be the status buffer of new_status(), got {type(status).__name__}")
+    status = _status(status, status.device)  # the buffer a launch takes, or one line
     gave_up, tile, seen, target, row, col = status[:STATUS_WORDS].tolist()
     if not gave_up:
         return
@@ -247,9 +258,9 @@ def launch_stage(
     launch and raise ``StageTimeout`` (``name``, the tile) on a give-up. ``check=False`` returns at
     once (asynchronous, e.g. the other stage must still be launched): the kernel reports in
     ``status`` (``new_status``; a launch whose status already holds a give-up does not wait), and
-    the caller checks it with ``raise_if_gave_up``.
-    """
+    the caller checks it with ``raise_if_gave_up``."""
     _check_matmul(a, b, c)
+    _check_flags(check=check, wait=wait)
     act_id = _check_act(act)
     timeout_us, max_spins = _timeout_us(timeout_s), _check_spins(max_spins)
     wait_target = _check_wait_target(wait_target)

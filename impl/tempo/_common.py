@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
+
+from measure.checks import real
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _BIT_WEIGHTS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
@@ -21,6 +25,18 @@ def check_float(name: str, t: torch.Tensor) -> None:
 def check_probability(p: float) -> None:
     if not 0.0 <= p < 1.0:
         raise ValueError(f"dropout probability must be in [0, 1), got {p}")
+
+
+def check_eps(eps: float) -> None:
+    """A norm's epsilon: a finite number >= 0 (a negative one or NaN gave NaN rows without a word)."""
+    if not real(eps) or not (eps >= 0 and math.isfinite(eps)):
+        raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
+
+
+def check_training(training: object) -> None:
+    """``training`` is True or False: "no" would be truthy, and dropout applied."""
+    if not isinstance(training, bool):
+        raise ValueError(f"training must be True or False, got {training!r}")
 
 
 def opmath(dtype: torch.dtype) -> torch.dtype:

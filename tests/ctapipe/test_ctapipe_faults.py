@@ -25,6 +25,8 @@ from ctapipe import (
     StageTimeout,
     TicketMLP,
     launch_stage,
+    new_status,
+    raise_if_gave_up,
     ticket_schedule,
 )
 from ctapipe.chain import ChainStage, shared_buffers
@@ -165,6 +167,16 @@ def test_max_spins_still_bounds_polls_and_bad_bounds_are_refused():
             launch_stage(a, b, torch.empty(16, 16), ready_in=ready, wait_target=bad, tiling=T)
     with pytest.raises(ValueError, match="status must be a contiguous int32 buffer of 6"):
         launch_stage(a, b, torch.empty(16, 16), status=torch.zeros(1, dtype=torch.int32), tiling=T)
+    # the fourth probe round: True was taken as a 1 s timeout, "1" a raw TypeError, "no" as true
+    for bad in (True, "1"):
+        with pytest.raises(ValueError, match="timeout_s must be in"):
+            launch_stage(a, b, torch.empty(16, 16), ready_in=ready, wait_target=1, timeout_s=bad, tiling=T)
+    for flag in ("check", "wait"):
+        with pytest.raises(ValueError, match=f"{flag} must be True or False, got 'no'"):
+            launch_stage(a, b, torch.empty(16, 16), ready_in=ready, wait_target=1, tiling=T, **{flag: "no"})
+    with pytest.raises(ValueError, match="status must be a contiguous int32 buffer of 6"):
+        raise_if_gave_up(torch.zeros(2), "stage", None, 0)  # was an unpacking error
+    raise_if_gave_up(new_status("cpu"), "stage", None, 0)  # control: a fresh buffer holds no give-up
 
 
 # -- 2. counters in step for any sequence of shapes -------------------------------------------

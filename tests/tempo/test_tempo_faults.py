@@ -539,3 +539,30 @@ def test_numpy_integers_are_sizes_as_python_integers_are():
     batch = models.make_batch("bert-mini", "pretraining", np.int64(2), np.int64(8))
     assert batch["input_ids"].shape == (2, 8)
     assert search_max_batch(lambda b: PeakReport(b, b, "forward"), np.int64(10), limit=np.int64(64))[0] == 10
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda x: tempo.layer_norm(x, (4,), eps=-1.0),
+        lambda x: tempo.layer_norm(x, (4,), eps=float("nan")),
+        lambda x: tempo.TempoLayerNorm(4, eps=-1.0)(x),
+        lambda x: tempo.rms_norm(x, torch.ones(4), eps=float("inf")),
+    ],
+)
+def test_a_norms_epsilon_is_checked(call):
+    """A negative or NaN epsilon gave NaN rows without a word (the fourth probe round)."""
+    x = torch.randn(3, 4)
+    with pytest.raises(ValueError, match="eps must be a finite number >= 0"):
+        call(x)
+    assert torch.isfinite(tempo.layer_norm(x, (4,), eps=0.0)).all()  # control: 0 is taken
+
+
+def test_training_flags_are_true_or_false():
+    """dropout(x, 0.5, training="no") applied dropout: "no" is truthy."""
+    x = torch.randn(8, 8)
+    with pytest.raises(ValueError, match="training must be True or False, got 'no'"):
+        tempo.dropout(x, 0.5, training="no")
+    with pytest.raises(ValueError, match="training must be True or False"):
+        tempo.attention_core(torch.randn(2, 3, 3), torch.randn(2, 3, 4), 0.1, training=1)
+    assert torch.equal(tempo.dropout(x, 0.5, training=False), x)  # control

@@ -23,6 +23,7 @@ from .._common import (
     CHUNK_ELEMS,
     check_float,
     check_probability,
+    check_training,
     chunks,
     dropout_keep_mask,
     new_seed,
@@ -172,6 +173,7 @@ def attention_core(
     check_float("attention scores", scores)
     check_float("attention value", value)
     check_probability(dropout_p)
+    check_training(training)
     if scores.dim() < 2 or value.dim() < 2:
         raise ValueError(
             "attention_core takes scores (..., Sq, Sk) and value (..., Sk, Dv), at least 2-D each; got "

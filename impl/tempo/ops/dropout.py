@@ -9,7 +9,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from .._common import check_float, check_probability, chunks, dropout_keep_mask, new_seed, use_triton
+from .._common import (
+    check_float,
+    check_probability,
+    check_training,
+    chunks,
+    dropout_keep_mask,
+    new_seed,
+    use_triton,
+)
 
 
 def dropout_apply_torch(x: Tensor, p: float, seed: Tensor) -> Tensor:
@@ -60,6 +68,7 @@ def dropout(x: Tensor, p: float = 0.5, training: bool = True) -> Tensor:
     """Drop-in for ``torch.nn.functional.dropout`` that keeps no mask for backward."""
     check_float("dropout input", x)
     check_probability(p)
+    check_training(training)
     if not training or p == 0.0:
         return x
     return dropout_op(x.contiguous(), float(p), new_seed())

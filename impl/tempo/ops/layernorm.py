@@ -51,7 +51,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from .._common import CHUNK_ELEMS, check_float, chunks, opmath, use_triton
+from .._common import CHUNK_ELEMS, check_eps, check_float, chunks, opmath, use_triton
 from ..layernorm_rows import _rows, gamma_floor
 
 
@@ -202,6 +202,7 @@ def layer_norm(
     docstring and ``recovery_amplification``).
     """
     check_float("layer_norm input", x)
+    check_eps(eps)
     normalized_shape = tuple(normalized_shape)
     if not normalized_shape:
         raise ValueError("normalized_shape must name at least one trailing dim (as in torch), got ()")

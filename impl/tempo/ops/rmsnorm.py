@@ -30,7 +30,7 @@ import math
 import torch
 from torch import Tensor, nn
 
-from .._common import CHUNK_ELEMS, check_float, chunks, opmath, use_triton
+from .._common import CHUNK_ELEMS, check_eps, check_float, chunks, opmath, use_triton
 from ..layernorm_rows import _rows, gamma_floor
 
 
@@ -134,8 +134,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-6) -> Tensor:
             f"weight must have one dim equal to the input's last, got weight {list(weight.shape)} "
             f"for an input of shape {list(x.shape)}"
         )
-    if not eps >= 0 or not math.isfinite(eps):
-        raise ValueError(f"eps must be a finite number >= 0, got {eps}")
+    check_eps(eps)
     if torch.is_autocast_enabled(x.device.type):  # see the module docstring
         dtype = torch.get_autocast_dtype(x.device.type)
         x, weight = x.to(dtype), weight.to(dtype)
