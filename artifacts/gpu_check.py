@@ -49,7 +49,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime as _dt
-import fcntl
 import functools
 import json
 import math
@@ -66,7 +65,7 @@ import time
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 ROOT = Path(__file__).resolve().parents[1]
 IMPL = ROOT / "impl"
@@ -78,8 +77,15 @@ from artifacts import gpu_wheels  # noqa: E402
 from artifacts.experiment import Experiment  # noqa: E402
 from measure.cli import OneLineParser  # noqa: E402
 from measure.parallel import die_with_parent, sigterm_as_interrupt  # noqa: E402
-from measure.results import SOURCE_COMMIT_ENV, git_state, write_json_atomic  # noqa: E402
-from measure.strict import loads_json  # noqa: E402
+from measure.results import (  # noqa: E402
+    SOURCE_COMMIT_ENV,
+    RunLockedError,
+    atomic_path,
+    git_state,
+    lock_folder,
+    write_json_atomic,
+)
+from measure.strict import read_json_file  # noqa: E402
 
 DEFAULT_OUT = ROOT / "artifacts" / "gpu_check" / "results"
 STATUS = "status.json"
@@ -438,7 +444,7 @@ def read_status(path: Path, mode: str) -> dict[str, Any]:
     if not path.exists():
         return {"format": FORMAT, "mode": mode, "parts": {}}
     try:
-        status = loads_json(path.read_text())
+        status = read_json_file(path)  # a FIFO of the name: refused, not waited on
     except (OSError, ValueError, UnicodeDecodeError, RecursionError) as e:  # JSONDecodeError: a ValueError
         raise SetupError(f"{path}: not readable ({e}); move it aside to start afresh") from None
     if (
@@ -487,19 +493,11 @@ def write_archive(archive: Path, out: Path, folders: list[Path]) -> None:
     def keep(info: tarfile.TarInfo) -> tarfile.TarInfo | None:
         return None if Path(info.name).name == ".lock" else info
 
-    archive.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=archive.parent, prefix=f".{archive.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        with tarfile.open(tmp, "w:gz") as tar:
-            inside = [f for f in folders if f.resolve().is_relative_to(out.resolve())]
-            for folder in dict.fromkeys([out, *(f for f in folders if f not in inside)]):
-                if folder.exists():
-                    tar.add(folder, arcname=arcname(folder), filter=keep)
-        os.replace(tmp, archive)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_path(archive) as tmp, tarfile.open(tmp, "w:gz") as tar:
+        inside = [f for f in folders if f.resolve().is_relative_to(out.resolve())]
+        for folder in dict.fromkeys([out, *(f for f in folders if f not in inside)]):
+            if folder.exists():
+                tar.add(folder, arcname=arcname(folder), filter=keep)
 
 
 # ---------------------------------------------------------------- the check
@@ -590,20 +588,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def _lock_out(out: Path):
-    """``out`` made and locked for this call (the open lock file); SetupError where it cannot be
-    made or another gpu_check holds it."""
+def _lock_out(out: Path) -> TextIO:
+    """``out`` made and locked for this call (``measure.results.lock_folder``: the open lock file);
+    SetupError where it cannot be made or another gpu_check holds it."""
     try:
         out.mkdir(parents=True, exist_ok=True)
-        lock = open(out / ".lock", "w")  # noqa: SIM115 (held for the call)
+        return lock_folder(out, f"another gpu_check is writing to {out}; wait for it or use another --out")
+    except RunLockedError as e:
+        raise SetupError(str(e)) from None
     except OSError as e:
         raise SetupError(f"--out {out}: {e}") from None
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        lock.close()
-        raise SetupError(f"another gpu_check is writing to {out}; wait for it or use another --out") from None
-    return lock
 
 
 def _parts_env(args: argparse.Namespace, site: str | None) -> dict[str, str]:

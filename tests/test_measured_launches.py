@@ -65,3 +65,9 @@ def test_a_plan_out_of_memory_or_refused_is_not_launched_again(monkeypatch, tmp_
     }
     assert trained["refused"] == {"refused": "no such mechanism here", "out_of_memory": False}
     assert trained["fits"]["launches_step_s"] == [0.2, 0.2, 0.2]
+
+
+def test_no_plans_no_launches(monkeypatch, tmp_path):
+    """A case where no system found a plan (its cap too tight): was a ZeroDivisionError."""
+    order = _fake_launches(monkeypatch, {})
+    assert engine.train_plans({}, 2, 3, 3, tmp_path) == ({}, []) and order == []

@@ -166,6 +166,8 @@ def train_plans(
     may crash is not one a user can take; it is not launched again); or, where the engine refuses
     the plan on this device, ``refused`` with its reason. And the rounds: the names launched in
     each, in order."""
+    if not plans:  # every system of a case found no plan: nothing to launch
+        return {}, []
     args = {}
     for name, plan in plans.items():
         path, out = work / f"{name}.yaml", work / f"{name}.json"

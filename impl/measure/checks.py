@@ -3,6 +3,7 @@ planner and the latency model use them without loading torch)."""
 
 from __future__ import annotations
 
+import math
 import numbers
 import os
 
@@ -18,6 +19,11 @@ def real(value: object) -> bool:
     """``value`` is a real number (Python's or numpy's, NaN and infinities included), never a bool
     or a string that would convert ("0.0")."""
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def finite(value: object) -> bool:
+    """``value`` is a real number (``real``) that is neither NaN nor infinite."""
+    return real(value) and math.isfinite(value)
 
 
 def machine_memory_bytes() -> int:

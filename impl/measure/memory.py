@@ -47,7 +47,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from .checks import real, whole
+from .checks import finite, whole
 from .saved import cuda_like, storage_key
 from .training import Precision, make_optimizer, optimizer_state_tensors, train_step
 from .units import GiB
@@ -384,7 +384,7 @@ def search_max_batch(
     point, never an extrapolation. ``peak`` should be memoised by the caller when several
     budgets are searched (the probes are then shared).
     """
-    if not (real(usable_bytes) and math.isfinite(usable_bytes)):
+    if not finite(usable_bytes):
         raise ValueError(f"usable_bytes must be a finite number of bytes, got {usable_bytes!r}")
     if not whole(limit, 1):
         raise ValueError(f"limit must be a whole number of sequences >= 1, got {limit!r}")

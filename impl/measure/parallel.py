@@ -105,16 +105,24 @@ def _alive(pid: int) -> bool:
 
 def sigterm_as_interrupt() -> None:
     """SIGTERM raises KeyboardInterrupt in the main thread, as SIGINT does (cleanup then runs).
-    Only the first of them does: the ones after it are ignored while the run cleans up (two
+    Only the first of them does: the ones after it are dropped while the run cleans up (two
     Ctrl-C's 10 ms apart raised the second inside the cleanup: a traceback after the one-line
-    message, or chained tracebacks ending in 'release unlocked lock' and no message at all)."""
+    message, or chained tracebacks ending in 'release unlocked lock' and no message at all).
+    Dropped by a Python handler, not SIG_IGN, which a process started afterwards would inherit
+    through exec. A SIGINT ignored on entry (``nohup``, a script's ``cmd &``) stays ignored."""
+
+    def drop(signum, frame) -> None:
+        pass
 
     def interrupt(signum, frame):
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, signal.SIG_IGN)
+        for sig in handled:
+            signal.signal(sig, drop)
         raise KeyboardInterrupt(f"signal {signum}")
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    handled = [signal.SIGTERM]
+    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+        handled.append(signal.SIGINT)
+    for sig in handled:
         signal.signal(sig, interrupt)
 
 

@@ -20,6 +20,7 @@ Each finished point is written at once (temp file + fsync + rename: never a torn
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import fcntl
 import json
@@ -35,7 +36,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, TextIO
 
-from .strict import json_data, loads_json, read_text_file
+from .strict import json_data, read_json_file
 
 PACKAGES = ("torch", "triton", "transformers", "megatron-core", "numpy", "scipy", "sympy", "highspy")
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -134,24 +135,33 @@ def key_id(key: Key) -> str:
 # ---------------------------------------------------------------- files
 
 
-def write_text_atomic(path: str | os.PathLike, text: str) -> None:
-    """``path`` holds ``text`` or what it held before, never a torn file: a temporary file beside
-    it, synced, then renamed over it (a kill in between leaves a ``.<name>.*.tmp``, not half a file)."""
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
+    """A temporary file beside ``path`` for the block to write (by any means: text, a tarball);
+    synced and renamed over ``path`` when the block ends, removed if it raises. ``path`` then holds
+    what it held before or the whole new file, never a torn one (a kill in between leaves a
+    ``.<name>.*.tmp`` beside it, not half a file)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; a result file is for everyone to read
     try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
+        yield Path(tmp)
+        with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def write_text_atomic(path: str | os.PathLike, text: str) -> None:
+    """``path`` holds ``text`` or what it held before (``atomic_path``)."""
+    with atomic_path(path) as tmp:
+        tmp.write_text(text)
 
 
 def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
@@ -184,7 +194,7 @@ class Results:
         )
         try:
             # a regular file: a FIFO of the name would block the read
-            data = loads_json(read_text_file(path))
+            data = read_json_file(path)
         except (UnicodeDecodeError, ValueError) as e:  # JSON, a key twice, no regular file
             raise ResultFileError(f"{path}: not a readable result file ({e}); {advice}") from None
         if (
@@ -332,8 +342,8 @@ class Run:
     @staticmethod
     def _read_manifest(path: Path) -> dict[str, Any] | None:
         try:
-            data = json.loads(read_text_file(path))
-        except (OSError, ValueError):  # JSON's errors and a FIFO or device of the name included
+            data = read_json_file(path)
+        except (OSError, ValueError):  # JSON's errors, a key twice, a FIFO or device of the name
             return None  # no (readable) manifest: nothing to resume
         return data if isinstance(data, dict) else None
 
@@ -455,14 +465,14 @@ def _tracked_files(folder: Path) -> list[str]:
     """The files git tracks in ``folder`` (none where it is in no repository or git is missing)."""
     try:
         done = subprocess.run(
-            ["git", "-C", str(folder), "ls-files", "--", "."],
+            ["git", "-C", str(folder), "ls-files", "-z", "--", "."],  # -z: names with spaces whole
             capture_output=True,
             text=True,
             timeout=30,
         )
     except (OSError, subprocess.TimeoutExpired):
         return []
-    return done.stdout.split() if done.returncode == 0 else []
+    return [name for name in done.stdout.split("\0") if name] if done.returncode == 0 else []
 
 
 def open_run(results_dir: str | os.PathLike, config: dict[str, Any], fresh: bool = False) -> Run:

@@ -70,9 +70,17 @@ def read_text_file(path: str | os.PathLike, limit: int = MAX_TEXT_FILE_BYTES) ->
     return Path(path).read_text()
 
 
+def read_json_file(path: str | os.PathLike) -> Any:
+    """The JSON in ``path``, read strictly: a regular file (``read_text_file``), no key given twice
+    (``loads_json``). Raises ValueError (the JSON's errors, a key twice, no regular file, not
+    UTF-8) or OSError; callers name the file and what it should be."""
+    return loads_json(read_text_file(path))
+
+
 def json_data(obj: Any, where: str = "") -> Any:
     """``obj`` as JSON data: strings, true/false, null, numbers (numpy's as Python's, the same
-    value), lists (tuples become lists) and mappings with string keys. Anything else is a
+    value; a 0-d array or tensor as its value), lists (tuples become lists) and mappings with
+    string keys. Anything else is a
     TypeError naming where it is (``where``: the path to ``obj``), never written as its str():
     a numpy float written as "1.5" would read back as a string, a tensor as "tensor(2.)"."""
     if obj is None or isinstance(obj, str | bool):
@@ -81,6 +89,8 @@ def json_data(obj: Any, where: str = "") -> Any:
         return int(obj)
     if isinstance(obj, numbers.Real):
         return float(obj)
+    if getattr(obj, "shape", None) == () and callable(getattr(obj, "item", None)):
+        return json_data(obj.item(), where)  # a numpy bool, a 0-d array or tensor: its one value
     if isinstance(obj, Mapping):
         out = {}
         for k, v in obj.items():

@@ -32,7 +32,7 @@ import math
 import shlex
 from dataclasses import dataclass
 
-from measure.checks import real
+from measure.checks import finite
 
 from .engine.megatron import megatron_limits, model_settings
 from .model.specs import ModelSpec
@@ -90,7 +90,7 @@ class JobInputs:
             )
         if not (isinstance(self.train_iters, int) and self.train_iters > 0):
             raise ValueError(f"train_iters must be a whole number > 0, got {self.train_iters!r}")
-        if not (real(self.lr) and math.isfinite(self.lr) and self.lr > 0):
+        if not (finite(self.lr) and self.lr > 0):
             raise ValueError(f"lr must be a number > 0, got {self.lr!r}")
 
 

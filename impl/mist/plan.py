@@ -42,7 +42,7 @@ from pathlib import Path
 
 import yaml
 
-from measure.checks import real, whole
+from measure.checks import finite, whole
 from measure.results import write_text_atomic
 from measure.strict import DuplicateKeyError, json_data, loads_json, loads_yaml, read_text_file
 
@@ -138,7 +138,7 @@ def _rename_format_1(d: dict, renames: dict, version: int, where: str) -> None:
             )
         value = d.pop(old)
         if value is not None:
-            if not real(value) or not math.isfinite(value):
+            if not finite(value):
                 raise ValueError(f"{where}{old} must be a number, got {value!r}")
             value = rounding(value * scale)
         d[new] = value
@@ -246,7 +246,7 @@ BREAKDOWN_FIELDS = {
 
 def _check_seconds(name: str, value: object) -> None:
     """A predicted time read back from a file: none yet, or a finite number of seconds >= 0."""
-    if value is not None and not (real(value) and math.isfinite(value) and value >= 0):
+    if value is not None and not (finite(value) and value >= 0):
         raise ValueError(f"{name} must be a finite number of seconds >= 0 or null, got {value!r}")
 
 
@@ -257,7 +257,7 @@ def _check_breakdown(breakdown: dict) -> None:
         raise ValueError(f"breakdown: unknown field(s) {', '.join(map(str, unknown))}; it has: {known}")
     accepts = {
         "bytes": ("a whole number of bytes", lambda v: whole(v)),
-        "amount": ("a finite number >= 0", lambda v: real(v) and math.isfinite(v) and v >= 0),
+        "amount": ("a finite number >= 0", lambda v: finite(v) and v >= 0),
         "bool": ("true or false", lambda v: isinstance(v, bool)),
         "name": ("a name (a string)", lambda v: isinstance(v, str)),
     }
@@ -507,9 +507,10 @@ class Plan:
         return plan
 
     def save(self, path: str | Path) -> None:
-        """Write the plan (JSON for a ``.json`` path, else YAML), whole or not at all. A plan file
-        names its model as a preset and the fields it changes: a plan of a model built otherwise
-        is refused (ValueError), as it could not be read back as the same model."""
+        """Write the plan (JSON for a ``.json`` path, else YAML), whole or not at all, only if it
+        reads back (ValueError otherwise). A plan file names its model as a preset and the fields
+        it changes: a plan of a model built otherwise is refused, as it could not be read back as
+        the same model."""
         if self.model not in MODELS:
             raise ValueError(
                 f"a plan of model {self.model!r} cannot be saved: a plan file names a preset and the "
@@ -518,6 +519,10 @@ class Plan:
             )
         path = Path(path)
         data = json_data(self.to_dict())  # numpy numbers as Python's: YAML would refuse them
+        try:
+            Plan.from_dict(data)  # what Plan.load will check, before the file is touched
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"this plan would not read back, so it is not saved: {e}") from None
         text = json.dumps(data, indent=1) if path.suffix == ".json" else yaml.safe_dump(data, sort_keys=False)
         write_text_atomic(path, text)
 

@@ -28,6 +28,13 @@ except KeyboardInterrupt:
 """
 
 
+def _as_from_a_terminal() -> None:
+    # a suite started in the background (a script's `cmd &`) passes SIGINT on ignored, and Python
+    # then leaves it ignored (see tests/mist/test_mist_faults.py): the child gets a terminal's
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
 def _interrupted_twice(mode: str, second: signal.Signals) -> subprocess.CompletedProcess:
     proc = subprocess.Popen(
         [sys.executable, "-c", _SCRIPT, mode],
@@ -36,13 +43,44 @@ def _interrupted_twice(mode: str, second: signal.Signals) -> subprocess.Complete
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=_as_from_a_terminal,
     )
-    assert proc.stdout.readline().strip() == "ready"
-    proc.send_signal(signal.SIGINT)
-    time.sleep(0.3)  # inside the cleanup's sleep
-    proc.send_signal(second)
-    out, err = proc.communicate(timeout=30)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.3)  # inside the cleanup's sleep
+        proc.send_signal(second)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()  # a no-op once it has ended; never left running by a failed test
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+_LATER_CHILD = """
+import signal, subprocess, sys
+from measure.parallel import sigterm_as_interrupt
+sigterm_as_interrupt()
+try:
+    signal.raise_signal(signal.SIGTERM)
+except KeyboardInterrupt:
+    pass
+# a process started after the interrupt: its SIGTERM is the default one, not inherited as ignored
+child = [sys.executable, "-c", "import signal; print(signal.getsignal(signal.SIGTERM) == signal.SIG_DFL)"]
+print(subprocess.run(child, capture_output=True, text=True, timeout=30).stdout.strip())
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_process_started_after_the_interrupt_gets_default_signals():
+    done = subprocess.run(
+        [sys.executable, "-c", _LATER_CHILD],
+        cwd=REPO,
+        env={"PYTHONPATH": f"{REPO / 'impl'}"},
+        capture_output=True,
+        text=True,
+        timeout=50,
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "True", (done.stdout, done.stderr)
 
 
 @pytest.mark.timeout(60)

@@ -287,6 +287,8 @@ def test_keys_and_results_that_are_not_json_data_are_refused_not_stringified(tmp
         store = run.file("f.json")
         store.add({"k": np.int64(8), "shape": (1, 2)}, {"v": np.float32(value), "n": np.int32(3)})
         assert store.get({"k": 8, "shape": [1, 2]}).result == {"v": value, "n": 3}  # numbers, as given
+        store.add({"k": 9}, {"ok": np.bool_(True), "zero_d": np.array(2.5)})  # their one value each
+        assert store.get({"k": 9}).result == {"ok": True, "zero_d": 2.5}
         for key, result, where in (
             (["a"], 1.0, "a point's key is a mapping"),
             ({"k": 1}, {"bad": {1, 2}}, "result.bad: a set is not JSON data"),
@@ -295,7 +297,7 @@ def test_keys_and_results_that_are_not_json_data_are_refused_not_stringified(tmp
         ):
             with pytest.raises(TypeError, match=where):
                 store.add(key, result)
-    assert [p.key for p in Results.load(tmp_path / "r" / "f.json")] == [{"k": 8, "shape": [1, 2]}]
+    assert [p.key for p in Results.load(tmp_path / "r" / "f.json")] == [{"k": 8, "shape": [1, 2]}, {"k": 9}]
 
 
 @pytest.mark.timeout(60)

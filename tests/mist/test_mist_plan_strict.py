@@ -165,3 +165,14 @@ def test_the_export_footer_names_only_the_placeholders(tmp_path, capsys, given, 
     assert main(["export", str(path), "--to", "megatron-lm", *given]) == 0
     err = capsys.readouterr().err
     assert all(s in err for s in said) and not any(s in err for s in not_said), err
+
+
+def test_a_plan_that_would_not_read_back_is_not_saved(tmp_path):
+    """A negative predicted wait was saved without a word, and Plan.load then refused the file."""
+    source = tmp_path / "source.yaml"
+    source.write_text(PLAN)
+    plan = Plan.load(source)
+    plan.stages[0].wait_s = -1e-9
+    with pytest.raises(ValueError, match="would not read back, so it is not saved: stage 0: wait_s") as e:
+        plan.save(tmp_path / "plan.yaml")
+    assert "\n" not in str(e.value) and not (tmp_path / "plan.yaml").exists()

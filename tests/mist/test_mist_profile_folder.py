@@ -154,3 +154,15 @@ def test_a_layer_profile_row_gives_every_column(tmp_path, capsys, cut, said):
         return
     assert main(["calibrate", str(folder.parent)]) == 2
     _one_error_line(capsys.readouterr().err, f"{folder / name}: line 4 {said}")
+
+
+def test_a_profile_from_before_completeness_was_recorded_says_what_to_do(tmp_path, capsys):
+    """A profile.json written before the "complete" field existed was refused as 'missing complete'
+    with no hint; it now says how to redo it or mark a finished one."""
+    folder = tmp_path / "old"
+    folder.mkdir()
+    (folder / "profile.json").write_text(json.dumps({"gpu": "cpu", "seq": 16, "sizes": {"h64": [64, 1, 4]}}))
+    assert main(["calibrate", str(folder)]) == 2
+    _one_error_line(
+        capsys.readouterr().err, "written before profile.json recorded", "--replace", '"complete": true'
+    )

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from measure.strict import loads_json, read_text_file
+from measure.strict import read_json_file
 
 from .preset_files import check_fields, load_preset, number, text
 
@@ -119,7 +119,7 @@ def read_interference_preset(path: Path) -> Interference:
 
 
 def _runs(path: Path) -> list[dict]:
-    data = loads_json(read_text_file(path))
+    data = read_json_file(path)
     (entries,) = data.values()
     out = []
     for run in entries.values():

@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from measure.strict import DuplicateKeyError, loads_json, read_text_file
+from measure.strict import DuplicateKeyError, read_json_file, read_text_file
 
 from .specs import ModelSpec, positive_int
 
@@ -177,13 +177,19 @@ def _read_meta(path: Path) -> dict:
     """profile.json, strictly: each field of its kind (a string is not a number), no key twice, no
     field it does not know; one line naming the file and the field otherwise."""
     try:
-        d = loads_json(read_text_file(path))
+        d = read_json_file(path)
     except (json.JSONDecodeError, UnicodeDecodeError, DuplicateKeyError) as e:
         raise ValueError(f"{path}: not a readable profile.json ({e})") from None
     if not isinstance(d, dict):
         raise ValueError(f"{path}: a profile.json is a mapping of {', '.join(_META_FIELDS)}")
     unknown = sorted(set(d) - set(_META_FIELDS))
     missing = [k for k in _META_REQUIRED if k not in d]
+    if missing == ["complete"] and not unknown:  # from before profiles recorded it (2026-12-04)
+        raise ValueError(
+            f"{path}: written before profile.json recorded whether `mist profile` finished (no "
+            '"complete" field): redo it with `mist profile ... --replace`, or add "complete": true '
+            "if that run finished"
+        )
     if unknown or missing:
         wrong = [f"unknown field(s) {', '.join(unknown)}"] if unknown else []
         wrong += [f"missing {', '.join(missing)}"] if missing else []

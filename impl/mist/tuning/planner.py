@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import math
 import numbers
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -22,7 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from measure.checks import real, whole
+from measure.checks import finite, whole
 from measure.units import format_bytes
 
 from ..model.interference import Interference
@@ -99,9 +98,7 @@ class PlannerOptions:
             raise ValueError(
                 f"micro_batches must be None or a non-empty list of whole numbers >= 1, got {mbs!r}"
             )
-        if not (
-            real(self.milp_time_limit) and math.isfinite(self.milp_time_limit) and self.milp_time_limit > 0
-        ):
+        if not (finite(self.milp_time_limit) and self.milp_time_limit > 0):
             raise ValueError(
                 f"milp_time_limit must be a finite number of seconds > 0, got {self.milp_time_limit!r}"
             )

@@ -22,12 +22,12 @@ Two formats are read (both described in the folder's README):
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
+from measure.strict import read_json_file
 from measure.units import MiB
 
 from ..model.profile_data import ARTIFACT_DATA
@@ -251,8 +251,8 @@ def load_measured_runs(folder: str | Path = MEASURED_RUNS) -> list[MeasuredRun]:
     out = []
     for path in files:
         try:
-            data = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as e:
+            data = read_json_file(path)
+        except (OSError, ValueError) as e:  # the JSON's errors, a key twice, no regular file
             raise ValueError(f"{path}: not readable as JSON ({e})") from None
         if not isinstance(data, dict) or not ({"cases", "runs"} & set(data)):
             raise ValueError(f"{path}: neither measured-run format (expected a 'cases' or 'runs' list)")
