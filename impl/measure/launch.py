@@ -24,6 +24,8 @@ if TYPE_CHECKING:
 HOST = "127.0.0.1"
 # the folder of torchrun's logs (run_torchrun): a killed launcher's own, left only by SIGKILL
 TORCHRUN_LOGS_PREFIX = "torchrun_logs_"
+# how long an interrupted launch's torchrun has to stop its ranks before it is killed
+STOP_GRACE_S = 15.0
 
 
 def serve_rendezvous() -> TCPStore:
@@ -68,11 +70,30 @@ def run_torchrun(nproc: int, module: str, args: list[str], timeout: float) -> su
             module,
             *args,
         ]
-        return subprocess.run(
+        proc = subprocess.Popen(
             command,
-            capture_output=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
             text=True,
-            timeout=timeout,
             env=env,
             preexec_fn=functools.partial(die_with_parent, os.getpid()),
         )
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except BaseException:  # the time limit, Ctrl-C, or SIGTERM unwound as one
+            _stop(proc)
+            raise
+        return subprocess.CompletedProcess(command, proc.returncode, out, err)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """torchrun stopped before this call returns: SIGTERM, which it passes on to its ranks and waits
+    for them (so none outlives the call: killed at once, as subprocess.run does, torchrun left its
+    ranks to notice on their own, and they outlived an interrupted run by up to 0.9 s), then
+    SIGKILL after ``STOP_GRACE_S``."""
+    proc.terminate()
+    try:
+        proc.communicate(timeout=STOP_GRACE_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
