@@ -8,8 +8,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import getpass
 import os
+import re
+import shutil
 import sys
+import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -145,7 +149,7 @@ def experiment_run(args: argparse.Namespace, experiment: Experiment) -> Iterator
     ) as e:  # before any work: one line
         raise SystemExit(f"error: {e}") from None
     try:
-        with run:
+        with run, own_tmpdir(experiment.name):
             yield run
     except KeyboardInterrupt:  # Ctrl-C, or SIGTERM unwound as one: a line, not a traceback
         print(
@@ -157,6 +161,36 @@ def experiment_run(args: argparse.Namespace, experiment: Experiment) -> Iterator
     if args.update_reference:
         for path in update_reference(args.results, experiment.reference_dir, run.run_id):
             print(f"reference updated: {path}")
+
+
+@contextlib.contextmanager
+def own_tmpdir(name: str) -> Iterator[Path]:
+    """TMPDIR, for this process and everything it starts, a folder of the run's own, removed when
+    the run ends however it ends (but SIGKILL: then it is the killed process's own folder, left).
+    Tools a run starts leave their temporary files when interrupted: gcc's ``cc*.s`` from
+    inductor's C++ compile stayed in TMPDIR after 4 of 6 Ctrl-C's (probe round 4). torch's compile
+    cache stays where it was (``TORCHINDUCTOR_CACHE_DIR`` set to its default place, unless set)."""
+    base = tempfile.gettempdir()
+    scratch = Path(tempfile.mkdtemp(prefix=f"{name}_tmp_", dir=base))
+    saved = {k: os.environ.get(k) for k in ("TMPDIR", "TORCHINDUCTOR_CACHE_DIR")}
+    cached = tempfile.tempdir
+    if saved["TORCHINDUCTOR_CACHE_DIR"] is None:
+        try:  # the folder inductor picks by default: <TMPDIR>/torchinductor_<user>
+            user = re.sub(r'[\\/:*?"<>|]', "_", getpass.getuser())
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(base, f"torchinductor_{user}")
+        except (KeyError, OSError):  # no user name: inductor's own fallback, under the scratch
+            pass
+    os.environ["TMPDIR"] = tempfile.tempdir = str(scratch)
+    try:
+        yield scratch
+    finally:
+        tempfile.tempdir = cached
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def _refuse_a_reference(results: Path) -> None:

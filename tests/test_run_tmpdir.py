@@ -1,0 +1,68 @@
+"""An experiment's run gives everything it starts a TMPDIR of its own and removes it at the end:
+tools leave temporary files when interrupted (gcc's cc*.s from inductor's C++ compile stayed in
+TMPDIR after 4 of 6 Ctrl-C's in the fourth probe round)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+
+import pytest
+
+from artifacts.experiment import Experiment, experiment_run
+
+# a child that leaves a file in its TMPDIR, as an interrupted compiler does
+_LEAVES_A_FILE = "import tempfile; print(tempfile.mkstemp(prefix='cc', suffix='.s')[1])"
+
+
+def _leave_a_file() -> str:
+    done = subprocess.run([sys.executable, "-c", _LEAVES_A_FILE], capture_output=True, text=True, check=True)
+    return done.stdout.strip()
+
+
+@pytest.fixture
+def own_tmp(tmp_path, monkeypatch):
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp))
+    monkeypatch.setattr(tempfile, "tempdir", None)
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    return tmp
+
+
+def _run(tmp_path, body) -> None:
+    args = argparse.Namespace(results=tmp_path / "results", fresh=False, update_reference=False)
+    with experiment_run(args, Experiment("tempo_layer")):
+        body()
+
+
+@pytest.mark.parametrize("ends", ["normally", "interrupted"])
+def test_what_a_runs_children_leave_in_tmpdir_goes_with_the_run(tmp_path, own_tmp, ends):
+    seen = {}
+
+    def body():
+        seen["tmpdir"] = os.environ["TMPDIR"]
+        seen["cache"] = os.environ["TORCHINDUCTOR_CACHE_DIR"]
+        seen["file"] = _leave_a_file()
+        assert os.path.exists(seen["file"])
+        if ends == "interrupted":
+            raise KeyboardInterrupt
+
+    if ends == "interrupted":
+        with pytest.raises(SystemExit):
+            _run(tmp_path, body)
+    else:
+        _run(tmp_path, body)
+    assert seen["tmpdir"].startswith(str(own_tmp)) and seen["file"].startswith(seen["tmpdir"])
+    assert list(own_tmp.iterdir()) == []  # the run's folder and the child's file gone
+    # torch's compile cache stays where inductor puts it by default, outside the run's folder
+    assert os.path.dirname(seen["cache"]) == str(own_tmp)
+    assert os.environ["TMPDIR"] == str(own_tmp) and "TORCHINDUCTOR_CACHE_DIR" not in os.environ
+
+
+def test_control_outside_a_run_the_childs_file_stays(own_tmp):
+    left = os.path.basename(_leave_a_file())
+    assert [p.name for p in own_tmp.iterdir()] == [left]
