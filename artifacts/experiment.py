@@ -141,12 +141,12 @@ def experiment_run(args: argparse.Namespace, experiment: Experiment) -> Iterator
     _refuse_a_reference(Path(args.results))
     try:
         run = open_run(args.results, _plain(config), args.fresh)
-    except (
-        OSError,
-        ResultFileError,
-        NotAResultsFolderError,
-        RunLockedError,
-    ) as e:  # before any work: one line
+    except OSError as e:  # the folder cannot be made or written: said without errno's numbers
+        raise SystemExit(
+            f"error: --results {args.results}: cannot hold a run's results ({e.strerror or e}); give a "
+            "new or empty folder in a writable place, or one a run wrote"
+        ) from None
+    except (ResultFileError, NotAResultsFolderError, RunLockedError) as e:  # before any work: one line
         raise SystemExit(f"error: {e}") from None
     try:
         with run, own_tmpdir(experiment.name):

@@ -237,7 +237,10 @@ def test_an_unwritable_results_folder_is_refused_before_any_work(tmp_path):
     work = []
     with pytest.raises(SystemExit) as e, experiment_run(args, Experiment("tempo_layer")):
         work.append("measured")  # never reached
-    assert str(e.value).startswith("error: ") and "a-file" in str(e.value)
+    # said as what it is, not as "[Errno 20] Not a directory: ..." (the probe round's raw errno text)
+    message = str(e.value)
+    assert message.startswith(f"error: --results {blocker / 'results'}: cannot hold a run's results"), message
+    assert "Errno" not in message and "\n" not in message
     assert work == []
 
 
