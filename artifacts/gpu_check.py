@@ -260,6 +260,24 @@ def _kill_group(proc: subprocess.Popen) -> None:
     proc.wait(timeout=60)  # SIGKILLed: bounded in practice, bounded here in any case
 
 
+def _start_logged(
+    cmd: list[str], env: dict[str, str], log: Path, cwd: Path | None = None
+) -> subprocess.Popen:
+    """``cmd`` started in a process group of its own (``_kill_group`` stops all of it) that dies with
+    this process, no input, its output (both streams) into ``log``."""
+    with open(log, "wb") as sink:
+        return subprocess.Popen(
+            cmd,
+            cwd=cwd,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=functools.partial(die_with_parent, os.getpid()),
+        )
+
+
 def run_bounded(
     cmd: list[str], env: dict[str, str], timeout_s: float, log: Path, echo: bool
 ) -> tuple[str, int]:
@@ -268,17 +286,7 @@ def run_bounded(
     ``timeout_s`` ("timed_out"); an interruption kills it and is raised."""
     log.parent.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
-    with open(log, "wb") as sink:
-        proc = subprocess.Popen(
-            cmd,
-            cwd=ROOT,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=sink,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            preexec_fn=functools.partial(die_with_parent, os.getpid()),
-        )
+    proc = _start_logged(cmd, env, log, cwd=ROOT)
     try:
         with open(log, "rb") as source:
             while True:
@@ -349,16 +357,7 @@ def _pip_install(target: Path, wheels: list[Path], folder: Path, deadline: float
     left = deadline - time.monotonic()
     timeout = max(1.0, min(SETUP_TIMEOUT_S, left))
     log = scratch / "pip.log"
-    with open(log, "wb") as sink:
-        proc = subprocess.Popen(
-            cmd,
-            env={**os.environ, "TMPDIR": str(scratch)},
-            stdin=subprocess.DEVNULL,
-            stdout=sink,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            preexec_fn=functools.partial(die_with_parent, os.getpid()),
-        )
+    proc = _start_logged(cmd, {**os.environ, "TMPDIR": str(scratch)}, log)
     try:
         proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:

@@ -250,19 +250,22 @@ def _check_seconds(name: str, value: object) -> None:
         raise ValueError(f"{name} must be a finite number of seconds >= 0 or null, got {value!r}")
 
 
+# each kind of breakdown field: what it is said to be, and the check
+_BREAKDOWN_KINDS = {
+    "bytes": ("a whole number of bytes", whole),
+    "amount": ("a finite number >= 0", lambda v: finite(v) and v >= 0),
+    "bool": ("true or false", lambda v: isinstance(v, bool)),
+    "name": ("a name (a string)", lambda v: isinstance(v, str)),
+}
+
+
 def _check_breakdown(breakdown: dict) -> None:
     unknown = sorted(set(breakdown) - set(BREAKDOWN_FIELDS))
     if unknown:
         known = ", ".join(BREAKDOWN_FIELDS)
         raise ValueError(f"breakdown: unknown field(s) {', '.join(map(str, unknown))}; it has: {known}")
-    accepts = {
-        "bytes": ("a whole number of bytes", lambda v: whole(v)),
-        "amount": ("a finite number >= 0", lambda v: finite(v) and v >= 0),
-        "bool": ("true or false", lambda v: isinstance(v, bool)),
-        "name": ("a name (a string)", lambda v: isinstance(v, str)),
-    }
     for name, value in breakdown.items():
-        what, ok = accepts[BREAKDOWN_FIELDS[name]]
+        what, ok = _BREAKDOWN_KINDS[BREAKDOWN_FIELDS[name]]
         if not ok(value):
             raise ValueError(f"breakdown: {name} must be {what}, got {value!r}")
 

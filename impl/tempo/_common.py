@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-from measure.checks import real
+from measure.checks import finite
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _BIT_WEIGHTS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
@@ -29,7 +27,7 @@ def check_probability(p: float) -> None:
 
 def check_eps(eps: float) -> None:
     """A norm's epsilon: a finite number >= 0 (a negative one or NaN gave NaN rows without a word)."""
-    if not real(eps) or not (eps >= 0 and math.isfinite(eps)):
+    if not (finite(eps) and eps >= 0):
         raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
 
 

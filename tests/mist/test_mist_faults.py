@@ -16,24 +16,13 @@ from mist import Plan, StagePlan, cluster, model, predict, search
 from mist.__main__ import main
 from mist.tuning.pipeline_sim import MAX_MICRO_BATCHES, simulate_1f1b
 
-PLAN = """model: gpt3-1.3b
-gpu: l4
-gpus: 2
-gpus_per_node: 8
-global_batch: 8
-tp: 1
-dp: 1
-micro_batch: 1
-stages: [{layers: 12}, {layers: 12}]
-"""
+from .cli_inputs import PLAN, one_error_line, profile_argv
+
 BASE = ["plan", "--model", "gpt3-1.3b", "--gpus", "8", "--gpu", "l4", "--global-batch", "8", "--quiet"]
 
 
 def _one_error_line(capsys, *expected: str) -> None:
-    err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0 and "Traceback" not in err, err
-    for text in expected:
-        assert text in err, err
+    one_error_line(capsys.readouterr().err, *expected)
 
 
 @pytest.mark.parametrize(
@@ -126,21 +115,7 @@ def test_outputs_are_checked_before_any_work(tmp_path, capsys):
     folder.mkdir()
     assert main([*BASE, "--out", str(folder)]) == 2
     _one_error_line(capsys, "a folder; give the file's name")
-    profile = [
-        "profile",
-        "--name",
-        "cpu",
-        "--hidden",
-        "64",
-        "--heads",
-        "4",
-        "--seq",
-        "16",
-        "--micro-batches",
-        "1",
-        "--repeats",
-        "1",
-    ]
+    profile = profile_argv(1)
     a_file = tmp_path / "a_file"
     a_file.write_text("x")
     start = time.perf_counter()

@@ -14,23 +14,11 @@ from mist import Plan, PlannerOptions, StagePlan, cluster, model, predict, searc
 from mist.__main__ import main
 from mist.model.specs import ModelSpec
 
-PLAN = """model: gpt3-1.3b
-gpu: l4
-gpus: 2
-gpus_per_node: 8
-global_batch: 8
-tp: 1
-dp: 1
-micro_batch: 1
-stages: [{layers: 12}, {layers: 12}]
-"""
+from .cli_inputs import PLAN, one_error_line
 
 
 def _one_error_line(capsys, *expected: str) -> None:
-    err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0 and "Traceback" not in err, err
-    for text in expected:
-        assert text in err, err
+    one_error_line(capsys.readouterr().err, *expected)
 
 
 @pytest.mark.timeout(60)

@@ -12,29 +12,9 @@ from mist.__main__ import main
 from mist.model import runtime
 from mist.model.profile_data import ARTIFACT_DATA
 
-PROFILE = [
-    "profile",
-    "--name",
-    "cpu",
-    "--hidden",
-    "64",
-    "--heads",
-    "4",
-    "--seq",
-    "16",
-    "--micro-batches",
-    "1",
-    "2",
-    "--repeats",
-    "1",
-]
+from .cli_inputs import one_error_line, profile_argv
 
-
-def _one_error_line(err: str, *expected: str) -> None:
-    err = err.strip()
-    assert err.count("\n") == 0 and "Traceback" not in err, err
-    for text in expected:
-        assert text in err, err
+PROFILE = profile_argv(1, 2)
 
 
 @pytest.mark.parametrize("locked", [True, False], ids=["locked", "control-unlocked"])
@@ -68,7 +48,7 @@ def test_a_profile_folder_in_use_is_refused_even_with_replace(tmp_path, capsys, 
     assert main([*PROFILE, "--out", str(out)]) == 0
     if locked:
         assert second["code"] == 2
-        _one_error_line(second["err"], f"--out {out}: another `mist profile` is writing to it", "--replace")
+        one_error_line(second["err"], f"--out {out}: another `mist profile` is writing to it", "--replace")
         assert second["first's file"] == "first"
     else:
         assert second["code"] == 0 and second["first's file"] == "second"
@@ -92,16 +72,16 @@ def test_an_interrupted_profile_says_how_to_redo_it_and_is_not_fitted(tmp_path, 
     out = tmp_path / "p"
     command = [*PROFILE, "--out", str(out), "--collectives", "2"]
     assert main(command) == 130
-    _one_error_line(capsys.readouterr().err, f"{out} holds an incomplete profile", "rerunning", "--replace")
+    one_error_line(capsys.readouterr().err, f"{out} holds an incomplete profile", "rerunning", "--replace")
     assert json.loads((out / "profile.json").read_text())["complete"] is False
     assert len(list(out.glob("gpt_*.csv"))) == 2  # the layer's profiles were written
     assert main(command) == 2
-    _one_error_line(capsys.readouterr().err, "holds an incomplete profile already", "--replace")
+    one_error_line(capsys.readouterr().err, "holds an incomplete profile already", "--replace")
     presets = tmp_path / "presets"
     monkeypatch.setattr(runtime, "PRESETS", presets)
     for write in ([], ["--write"]):
         assert main(["calibrate", str(out), *write]) == 2
-        _one_error_line(capsys.readouterr().err, f"{out}: an incomplete profile", "with --replace")
+        one_error_line(capsys.readouterr().err, f"{out}: an incomplete profile", "with --replace")
     assert not presets.exists()
     mark_profile_complete(out)  # the control: the same files, the profile said to be whole
     assert main(["calibrate", str(out)]) == 0
@@ -153,7 +133,7 @@ def test_a_layer_profile_row_gives_every_column(tmp_path, capsys, cut, said):
         assert {p.mbs for p in read_layer_profiles(folder)} == {1, 2, 4, 8}
         return
     assert main(["calibrate", str(folder.parent)]) == 2
-    _one_error_line(capsys.readouterr().err, f"{folder / name}: line 4 {said}")
+    one_error_line(capsys.readouterr().err, f"{folder / name}: line 4 {said}")
 
 
 def test_a_profile_from_before_completeness_was_recorded_says_what_to_do(tmp_path, capsys):
@@ -163,6 +143,6 @@ def test_a_profile_from_before_completeness_was_recorded_says_what_to_do(tmp_pat
     folder.mkdir()
     (folder / "profile.json").write_text(json.dumps({"gpu": "cpu", "seq": 16, "sizes": {"h64": [64, 1, 4]}}))
     assert main(["calibrate", str(folder)]) == 2
-    _one_error_line(
+    one_error_line(
         capsys.readouterr().err, "written before profile.json recorded", "--replace", '"complete": true'
     )
