@@ -292,12 +292,19 @@ def engine_key(setup: EngineSetup, name: str) -> dict:
 def fit_runtime(setup: EngineSetup, work: Path) -> dict:
     """``mist profile`` of ``setup.device`` at the setup's model shape, as ``setup.processes`` ranks
     run it, into ``work``, and the runtime model fitted to it (``calibrate``'s result). With several
-    processes, the collectives among them too, and the mechanisms as the engine runs them on a
-    layer: ZeRO-2, ZeRO-3 and TP over all processes."""
+    processes, the collectives among them too, and the mechanisms as the engine runs them: ZeRO-1/2's
+    step collectives, and on a layer ZeRO-2, ZeRO-3 and TP over all processes."""
     import torch
 
     from mist import model
-    from mist.engine.profiler import write_collectives, write_profiles, write_tp_layers, write_zero_layers
+    from mist.engine.profiler import (
+        sizes_for_layer,
+        write_collectives,
+        write_profiles,
+        write_tp_layers,
+        write_zero_layers,
+        write_zero_sync,
+    )
     from mist.model.calibrate import calibrate
     from mist.model.profile_data import mark_profile_complete
 
@@ -329,6 +336,8 @@ def fit_runtime(setup: EngineSetup, work: Path) -> dict:
         # calls, then of the setup's launches
         n, launches = setup.processes, setup.launches
         write_collectives(profiles, n, setup.device, repeats=10, rounds=8, launches=launches)
+        sync_sizes = sizes_for_layer(spec.hidden)  # ZeRO-1/2's step collectives as the engine issues them
+        write_zero_sync(profiles, n, setup.device, sync_sizes, repeats=10, rounds=8, launches=launches)
         for stage in (2, 3):
             write_zero_layers(
                 stage,

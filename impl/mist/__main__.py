@@ -532,7 +532,14 @@ def cmd_profile(args) -> int:
 def _measure_profile(args, out: Path, dtype) -> list[Path]:
     """`mist profile`'s measurements into ``out`` (claimed by ``_claim_profile_folder``): the layer,
     then the benchmarks asked for; marked complete last. Returns the layer profiles written."""
-    from .engine.profiler import write_collectives, write_profiles, write_tp_layers, write_zero_layers
+    from .engine.profiler import (
+        sizes_for_layer,
+        write_collectives,
+        write_profiles,
+        write_tp_layers,
+        write_zero_layers,
+        write_zero_sync,
+    )
     from .model.profile_data import mark_profile_complete
 
     files = write_profiles(
@@ -555,6 +562,8 @@ def _measure_profile(args, out: Path, dtype) -> list[Path]:
     for n in args.collectives:
         written = write_collectives(out, n, args.device, args.repeats)
         print(f"  collectives among {n} processes: {len(written)} files", flush=True)
+        write_zero_sync(out, n, args.device, sizes_for_layer(args.hidden), repeats=args.repeats)
+        print(f"  ZeRO-1/2's gradient sum and weight sync among {n} processes", flush=True)
         if args.heads % 2 == 0:  # ZeRO-2 and -3 as the engine runs them, on the layer at two sizes
             for stage in (2, 3):
                 write_zero_layers(

@@ -313,12 +313,82 @@ def test_collective_benchmark_feeds_the_runtime_model(tmp_path):
         profile_collectives(1, "cpu")
 
 
+@pytest.mark.slow
+def test_zero_sync_benchmark_times_the_engines_own_collectives(tmp_path):
+    """`mist profile --collectives 2` times ZeRO-1/2's step collectives by running the engine's own
+    objects (ContiguousGrads' all-reduce, ShardedMasterAdamW.broadcast_weights) among 2 gloo
+    processes; the files read back as collectives and the fitted model prices them by those lines,
+    for 2 processes only, and nothing for no bytes. Bad sizes and one process are refused."""
+    from mist.engine.profiler import profile_zero_sync, write_zero_sync
+    from mist.model.calibrate import fit_runtime_model
+    from mist.model.profile_data import read_collectives
+    from mist.model.runtime import ENGINE_COLLECTIVES
+
+    sizes = [4096, 1 << 20]
+    written = write_zero_sync(tmp_path, 2, "cpu", sizes, repeats=3, rounds=2)
+    assert [p.name for p in written] == [f"prim_gpt_local_{k}_2gpus.csv" for k in ENGINE_COLLECTIVES]
+    measured = read_collectives(tmp_path)
+    assert set(measured) == {(k, 2) for k in ENGINE_COLLECTIVES}
+    assert all(len(rows) == 2 and all(sec > 0 for _, sec in rows) for rows in measured.values())
+    rm = fit_runtime_model([], measured, "cpu", "test")
+    for kind, price in (("zero_grad_sum", rm.zero_grad_sum), ("zero_weight_sync", rm.zero_weight_sync)):
+        assert float(price(1 << 20, 2)) == pytest.approx(float(rm.collectives[f"{kind}/2"](1 << 20)))
+        assert float(price(0.0, 2)) == 0.0  # no bytes, no collective
+        assert price(1 << 20, 4) is None and price(1 << 20, 2, inter_node=True) is None  # not measured
+    with pytest.raises(ValueError, match="at least 2 processes"):
+        profile_zero_sync(1, "cpu", sizes)
+    with pytest.raises(ValueError, match="at least 4 bytes"):
+        profile_zero_sync(2, "cpu", [2])
+
+
+def test_zero1_and_weight_sync_priced_as_the_engine_issues_them(rng):
+    """Where the runtime model has the engine's measured ZeRO-1/2 step collectives, ZeRO-1's
+    gradient sum and ZeRO-1/2's weight sync are priced by them (mist.engine.run's all-reduce and
+    broadcasts); elsewhere, as on every shipped GPU preset, by Megatron-LM's reduce-scatter and
+    all-gather. ZeRO-0 (an all-reduce) and ZeRO-3 (nothing after backward) are unchanged.
+    Negative control: the same model without those lines prices the Megatron-LM collectives."""
+    import dataclasses
+
+    from mist.model.budget import gpu_budget_bytes
+    from mist.tuning.planner import cost_models
+    from mist.tuning.stage_cost import Setting, _gradient_sync
+
+    c, m = cluster("a100-40gb", 8), model("gpt3-1.3b")
+    dp = 2
+    runtime, interference = cost_models(c)
+    grad_sum = Line(float(rng.uniform(1e-4, 1e-2)), float(rng.uniform(1e9, 1e11)))
+    weight_sync = Line(float(rng.uniform(1e-4, 1e-2)), float(rng.uniform(1e9, 1e11)))
+    engine = dataclasses.replace(
+        runtime,
+        collectives={**runtime.collectives, "zero_grad_sum/2": grad_sum, "zero_weight_sync/2": weight_sync},
+    )
+    stage, edge = float(rng.uniform(1e6, 1e9)), float(rng.uniform(0.0, 1e8))
+    zero = np.array([0, 1, 2, 3])
+    edge_zero = np.zeros(4)
+    for rt, summed, synced in (
+        (engine, grad_sum(stage), weight_sync(stage)),
+        (
+            runtime,
+            runtime.collective("reduce_scatter", stage, dp, c),
+            runtime.collective("all_gather", stage, dp, c),
+        ),
+    ):
+        st = Setting(m, c, rt, interference, 1, dp, 1, gpu_budget_bytes(c), 2)
+        before, after = _gradient_sync(st, stage, edge, zero, edge_zero, False)
+        edge_ar = float(runtime.collective("all_reduce", edge, dp, c))
+        all_reduce = float(runtime.collective("all_reduce", stage, dp, c))
+        np.testing.assert_allclose(before, np.array([all_reduce, summed, 0.0, 0.0]) + edge_ar, rtol=1e-12)
+        np.testing.assert_allclose(after, [0.0, synced, synced, 0.0], rtol=1e-12)
+
+
 def test_gradient_accumulation_priced_as_the_engine_adds(rng):
     """Each micro-batch adds its weight gradients into the accumulated ones: a memory-bound add of
     the stage's gradients (ZeRO-2/3: this rank's shard) at the fitted residual-add line; Mist's
     runtime skips it on the first micro-batch, engines with a zeroed buffer (megatron-core) or an
-    fp32 main_grad hook (Megatron-LM) pay it every time. Negative control: an engine that adds
-    nothing costs nothing more."""
+    fp32 main_grad hook (Megatron-LM) pay it every time; gradients reduced as they are made
+    (ZeRO-2/3 over more than one replica) have no buffer, so the first micro-batch's are kept and
+    only the later ones add, in every engine. Negative control: an engine that adds nothing costs
+    nothing more."""
     import dataclasses
 
     from mist.model.budget import gpu_budget_bytes
@@ -340,10 +410,14 @@ def test_gradient_accumulation_priced_as_the_engine_adds(rng):
     for acc in GRAD_ACCUMULATION.values():
         priced_st = dataclasses.replace(st, grad_accumulation=acc)
         priced = evaluate_stage(priced_st, ln, layers, 1, first, last, grid, g)["compute"]
-        shard = np.where(grid["zero"] >= 2, 1 / dp, 1.0)
-        grads = (layers * ln.params + edge) * shard
-        adds = 1.0 if acc.first_micro_batch else (g - 1) / g
-        np.testing.assert_allclose(priced - base, adds * add(acc.bytes_per_param * grads), rtol=1e-9)
+        sharded = (grid["zero"] >= 2) & (dp > 1)
+        grads = layers * ln.params + edge
+        later = (g - 1) / g  # adds a micro-batch where the first does not add
+        in_buffer = np.where(
+            sharded, 0.0, (1.0 if acc.first_micro_batch else later) * add(acc.bytes_per_param * grads)
+        )
+        in_shards = np.where(sharded, later * add(acc.bytes_per_param * grads / dp), 0.0)
+        np.testing.assert_allclose(priced - base, in_buffer + in_shards, rtol=1e-9)
         assert np.all(priced > base)
     assert GRAD_ACCUMULATION["mist"].adds_per_micro_batch(1) == 0.0  # one micro-batch: nothing to add
 

@@ -195,8 +195,15 @@ class ShardedMasterAdamW:
         self.gathered_in_forward = 0
         if self.inner is not None:
             self.inner.step()
+        self.broadcast_weights()
+        self.stale = set(range(len(self.gather_groups)))
+
+    def broadcast_weights(self) -> None:
+        """Each owner's updated weights to the other replicas: one broadcast per owner, of all its
+        weights but those the next forward gathers (what Mist's model prices as the engine's
+        weight sync where `mist profile` measured it: RuntimeModel.zero_weight_sync)."""
         in_forward = {i for group in self.gather_groups for i in group}
-        for owner in sorted(set(self.owner.values())):  # one broadcast per owner, of all its weights
+        for owner in sorted(set(self.owner.values())):
             mine = [
                 p.data
                 for p in self.params
@@ -206,7 +213,6 @@ class ShardedMasterAdamW:
                 flat_collective(
                     mine, lambda flat, src=owner: dist.broadcast(flat, src, self.group, async_op=True)
                 )
-        self.stale = set(range(len(self.gather_groups)))
 
     def zero_grad(self) -> None:
         for p in self.params:

@@ -77,6 +77,12 @@ ZERO3_LAYER = "fsdp_layer"
 TP_LAYER = "tp_layer"  # forward + backward
 TP_LAYER_FORWARD = "tp_layer_forward"  # the forward's part (recomputation repeats it)
 MEASURED_LAYERS = (ZERO2_LAYER, ZERO3_LAYER, TP_LAYER, TP_LAYER_FORWARD)
+# mist.engine.run's own ZeRO-1/2 step collectives, timed by `mist profile` running the engine's
+# code (by the bytes synchronised): where they are measured the model prices what the engine
+# issues; elsewhere Megatron-LM's distributed optimizer's collectives (a reduce-scatter, an all-gather)
+ZERO_GRAD_SUM = "zero_grad_sum"  # ZeRO-1's gradient sum: an in-place all-reduce of the gradient buffer
+ZERO_WEIGHT_SYNC = "zero_weight_sync"  # ZeRO-1/2's updated weights: one broadcast per owner of its share
+ENGINE_COLLECTIVES = (ZERO_GRAD_SUM, ZERO_WEIGHT_SYNC)
 DEFAULT_EFFICIENCY = {"gemm": 0.7, "bmm": 0.5, "attention": 0.5, "memory": 0.7}  # roofline fallback
 
 
@@ -253,6 +259,22 @@ class RuntimeModel:
         layer's full weight bytes; None where it did not (then a reduce-scatter prices it)."""
         return self._measured_layer(ZERO2_LAYER, weight_bytes, n, inter_node)
 
+    def zero_grad_sum(self, nbytes, n: int, inter_node: bool = False) -> np.ndarray | None:
+        """Seconds of ZeRO-1's gradient sum over ``n`` replicas on ``nbytes`` of gradients where
+        `mist profile` timed the engine's (ContiguousGrads' all-reduce); None where it did not."""
+        return self._engine_collective(ZERO_GRAD_SUM, nbytes, n, inter_node)
+
+    def zero_weight_sync(self, nbytes, n: int, inter_node: bool = False) -> np.ndarray | None:
+        """Seconds of ZeRO-1/2's updated weights reaching ``n`` replicas, ``nbytes`` of them in all,
+        where `mist profile` timed the engine's (ShardedMasterAdamW.broadcast_weights: one broadcast
+        per owner of its share); None where it did not."""
+        return self._engine_collective(ZERO_WEIGHT_SYNC, nbytes, n, inter_node)
+
+    def _engine_collective(self, kind: str, nbytes, n: int, inter_node: bool) -> np.ndarray | None:
+        line = self._measured_layer(kind, nbytes, n, inter_node)
+        # no bytes: no collective (its fixed latency is not paid), as ``collective``
+        return None if line is None else np.where(np.asarray(nbytes, float) > 0, line, 0.0)
+
     def tp_layer(
         self, message_bytes: float, n: int, inter_node: bool = False
     ) -> tuple[np.ndarray, np.ndarray] | None:
@@ -333,7 +355,15 @@ class RuntimeModel:
 LAYER_CURVES = (*sorted({OP_CLASS[op] for op in LAYER_OPS}), "wgrad")
 OPTIONAL_CURVES = ("loss", "embedding", "framework", "tempo", "tempo_gated")
 # The collectives the model looks up (``collective``, ``p2p``, the measured mechanisms)
-COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv", *MEASURED_LAYERS)
+COLLECTIVE_KINDS = (
+    "all_reduce",
+    "all_gather",
+    "reduce_scatter",
+    "all_to_all",
+    "send_recv",
+    *MEASURED_LAYERS,
+    *ENGINE_COLLECTIVES,
+)
 
 
 def _line(path: Path | str, where: str, d: object) -> Line:

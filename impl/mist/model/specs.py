@@ -277,9 +277,12 @@ class GradAccumulation:
     bytes_per_param: float  # read accumulated + read new + write sum
     first_micro_batch: bool  # the first micro-batch adds too (into a zeroed buffer), or writes
 
-    def adds_per_micro_batch(self, grad_accum: int) -> float:
-        """Adds per micro-batch, averaged over the iteration's ``grad_accum`` micro-batches."""
-        return 1.0 if self.first_micro_batch else (grad_accum - 1) / grad_accum
+    def adds_per_micro_batch(self, grad_accum: int, sharded: bool = False) -> float:
+        """Adds per micro-batch, averaged over the iteration's ``grad_accum`` micro-batches.
+        ``sharded``: gradients reduced as backward makes them (ZeRO-2/3 over more than one
+        replica) have no persistent buffer: the first micro-batch's sums are kept as they are
+        (mist.engine.run's ShardedMasterAdamW, FSDP2's sharded .grad) and only later ones add."""
+        return 1.0 if self.first_micro_batch and not sharded else (grad_accum - 1) / grad_accum
 
 
 # Half-precision gradients: 2 bytes each.

@@ -333,20 +333,40 @@ def _zero_per_micro_batch(
     return compute, g2g
 
 
+def _zero1_gradient_sum(setting: Setting, nbytes, across: bool):
+    """Seconds of ZeRO-1's DP gradient sum on ``nbytes``: the engine's own where `mist profile`
+    timed it (mist.engine.run: an all-reduce of its gradient buffer), else the reduce-scatter of
+    Megatron-LM's distributed optimizer."""
+    measured = setting.runtime.zero_grad_sum(nbytes, setting.dp, across)
+    if measured is not None:
+        return measured
+    return setting.runtime.collective("reduce_scatter", nbytes, setting.dp, setting.cluster, across)
+
+
+def _zero_weight_sync(setting: Setting, nbytes, across: bool):
+    """Seconds of ZeRO-1/2's updated weights reaching every DP replica, ``nbytes`` in all: the
+    engine's own where `mist profile` timed it (mist.engine.run: one broadcast per owner), else
+    the all-gather of Megatron-LM's distributed optimizer."""
+    measured = setting.runtime.zero_weight_sync(nbytes, setting.dp, across)
+    if measured is not None:
+        return measured
+    return setting.runtime.collective("all_gather", nbytes, setting.dp, setting.cluster, across)
+
+
 def _gradient_sync(setting: Setting, stage_w_full: float, edge_w_full: float, zero, edge_zero, across: bool):
     """(before, after) the gradient-clipping barrier: seconds of the step's gradient
-    synchronisation over DP, an all-reduce (ZeRO-0), a reduce-scatter (ZeRO-1) or nothing more
-    (ZeRO-2/3, whose gradients were scattered in backward); then, after the step, the all-gather of
-    the updated weights (ZeRO-1/2)."""
+    synchronisation over DP, an all-reduce (ZeRO-0), ZeRO-1's gradient sum (_zero1_gradient_sum)
+    or nothing more (ZeRO-2/3, whose gradients were reduced in backward); then, after the step,
+    the updated weights' sync (ZeRO-1/2: _zero_weight_sync)."""
     dp, cluster, runtime = setting.dp, setting.cluster, setting.runtime
     before = after = 0.0
     if dp > 1:
         for full, its_zero in ((stage_w_full, zero), (edge_w_full, edge_zero)):
             allreduce = runtime.collective("all_reduce", full, dp, cluster, across)
-            rs = runtime.collective("reduce_scatter", full, dp, cluster, across)
-            ag = runtime.collective("all_gather", full, dp, cluster, across)
-            before = before + np.where(its_zero >= 2, 0.0, np.where(its_zero == 1, rs, allreduce))
-            after = after + np.where((its_zero >= 1) & (its_zero <= 2), ag, 0.0)
+            summed = _zero1_gradient_sum(setting, full, across)
+            synced = _zero_weight_sync(setting, full, across)
+            before = before + np.where(its_zero >= 2, 0.0, np.where(its_zero == 1, summed, allreduce))
+            after = after + np.where((its_zero >= 1) & (its_zero <= 2), synced, 0.0)
     return before, after
 
 
@@ -376,13 +396,13 @@ def _hidden_reduction_s(setting: Setting, layer: LayerNumbers, layers: int, reco
     stage_bytes = 2.0 * layer.params * layers
     whole = np.where(
         zero == 1,
-        runtime.collective("reduce_scatter", stage_bytes, dp, cluster, across),
+        _zero1_gradient_sum(setting, stage_bytes, across),
         runtime.collective("all_reduce", stage_bytes, dp, cluster, across),
     )
     bucket_bytes = stage_bytes / buckets
     each = np.where(
         zero == 1,
-        runtime.collective("reduce_scatter", bucket_bytes, dp, cluster, across),
+        _zero1_gradient_sum(setting, bucket_bytes, across),
         runtime.collective("all_reduce", bucket_bytes, dp, cluster, across),
     )
     # the backward left once the first bucket is made: its other layers' (recomputation included)
@@ -408,14 +428,14 @@ def _gather_in_forward_s(
     that forward lasts. The wait is on the pipeline's fill path (a stage's first forward starts
     when its input arrives; pipeline_sim), where the step's gather ran beside the other stages'.
     Weights offloaded to the host are gathered after the step, as before (nothing moves)."""
-    dp, cluster, runtime = setting.dp, setting.cluster, setting.runtime
+    dp = setting.dp
     if dp == 1:
         return 0.0, 0.0
     per_bucket = min(layers, max(1, math.ceil(grad_bucket(setting.grad_bucket_params, dp) / layer.params)))
     buckets = math.ceil(layers / per_bucket)
     stage_bytes = 2.0 * layer.params * layers
-    whole = runtime.collective("all_gather", stage_bytes, dp, cluster, across)
-    each = runtime.collective("all_gather", stage_bytes / buckets, dp, cluster, across)
+    whole = _zero_weight_sync(setting, stage_bytes, across)
+    each = _zero_weight_sync(setting, stage_bytes / buckets, across)
     window = layer.fwd * (buckets - 1) * per_bucket  # the forward of every bucket but the last
     rest = (buckets - 1) * each
     wait = each + max(setting.interference.overlap(window, rest, 0.0, 0.0) - window, 0.0)
@@ -438,16 +458,24 @@ def _p2p_s(setting: Setting, layer: LayerNumbers, first: bool, last: bool) -> tu
 def _accumulation_s(
     setting: Setting, layer_params: float, edge_params: float, zero, edge_zero, grad_accum: int
 ):
-    """Seconds a micro-batch spends adding its weight gradients into the accumulated ones (ZeRO-2/3:
-    into this rank's shard), an elementwise add priced by the fitted residual-add line."""
+    """Seconds a micro-batch spends adding its weight gradients into the accumulated ones, an
+    elementwise add priced by the fitted residual-add line: into the gradient buffer, and under
+    ZeRO-2/3 (over more than one replica) into this rank's summed shard, which the first
+    micro-batch writes rather than adds to (GradAccumulation.adds_per_micro_batch)."""
     dp = setting.dp
-    local_grads = layer_params * np.where(zero >= 2, 1 / dp, 1.0) + edge_params * np.where(
-        edge_zero >= 2, 1 / dp, 1.0
-    )
     acc = setting.grad_accumulation
     add_line = setting.runtime.curve("dropout_add")[0]
-    added = acc.bytes_per_param * local_grads
-    return acc.adds_per_micro_batch(grad_accum) * np.where(added > 0, add_line(added), 0.0)
+    in_buffer, in_shards = 0.0, 0.0
+    for params, its_zero in ((layer_params, zero), (edge_params, edge_zero)):
+        sharded = (np.asarray(its_zero) >= 2) & (dp > 1)
+        in_buffer = in_buffer + np.where(sharded, 0.0, params)
+        in_shards = in_shards + np.where(sharded, params / dp, 0.0)
+    seconds = 0.0
+    for params, sharded in ((in_buffer, False), (in_shards, True)):
+        added = acc.bytes_per_param * params
+        adds = acc.adds_per_micro_batch(grad_accum, sharded)
+        seconds = seconds + adds * np.where(added > 0, add_line(added), 0.0)
+    return seconds
 
 
 def _sync_and_step(

@@ -19,12 +19,15 @@ three mechanisms as the engine runs them, on whole layers: ZeRO-2 (its reduction
 layer's gradients to the layer's owner, ``prim_gpt_local_grad_shard_layer_*``) and ZeRO-3 (FSDP2,
 ``prim_gpt_local_fsdp_layer_*``) at two sizes, and tensor parallelism (megatron-core's layer split
 over the processes, per micro-batch, ``prim_gpt_local_tp_layer[_forward]_*``), which price such a
-layer by what it measurably adds rather than by its collectives timed back to back. Every such
+layer by what it measurably adds rather than by its collectives timed back to back; and ZeRO-1/2's
+step collectives as the engine issues them (``prim_gpt_local_zero_grad_sum_*``,
+``prim_gpt_local_zero_weight_sync_*``: an all-reduce of the gradient buffer, a broadcast per
+owner, where Megatron-LM reduce-scatters and all-gathers). Every such
 point is the median of interleaved rounds (on a CPU gloo's latency drifts between modes over
 seconds), and with ``launches`` of several launches (it settles into a mode for a launch's life).
 
 One module per benchmark: ``layer`` (the per-op profile), ``collectives``, ``zero_layers``,
-``tp_layers``, ``host`` (the CPU Adam step); ``ranks`` (forked ranks, interleaved timing) and
+``zero_sync``, ``tp_layers``, ``host`` (the CPU Adam step); ``ranks`` (forked ranks, interleaved timing) and
 ``megatron_layer`` (megatron-core's layer as they build it) are what they share.
 """
 
@@ -33,6 +36,7 @@ from .host import profile_cpu_adam
 from .layer import megatron_edge_rows, megatron_layer_seconds, profile_layer, write_profiles
 from .tp_layers import profile_tp_layers, write_tp_layers
 from .zero_layers import profile_zero_layers, write_zero_layers
+from .zero_sync import profile_zero_sync, sizes_for_layer, write_zero_sync
 
 __all__ = [
     "COLLECTIVES",
@@ -43,8 +47,11 @@ __all__ = [
     "profile_layer",
     "profile_tp_layers",
     "profile_zero_layers",
+    "profile_zero_sync",
+    "sizes_for_layer",
     "write_collectives",
     "write_profiles",
     "write_tp_layers",
     "write_zero_layers",
+    "write_zero_sync",
 ]
