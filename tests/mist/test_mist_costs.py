@@ -240,6 +240,7 @@ def test_profile_command_writes_what_calibrate_fits(tmp_path, rng):
         EMBEDDING_OP,
         FINAL_NORM_OP,
         FRAMEWORK_OP,
+        GRAD_ACCUMULATE_OP,
         HEAD_OP,
         TEMPO_GATED_OP,
         TEMPO_OP,
@@ -275,6 +276,8 @@ def test_profile_command_writes_what_calibrate_fits(tmp_path, rng):
     assert all(FRAMEWORK_OP in p.ops and min(p.ops[FRAMEWORK_OP]) >= 0 for p in profiles)
     # and the layers with Tempo's ops (GPT-3's, Llama's): their excess over the plain ones
     assert all(min(p.ops[op]) >= 0 for p in profiles for op in (TEMPO_OP, TEMPO_GATED_OP))
+    # and the gradient accumulation's add, as the engine makes it: one time, in both columns
+    assert all(p.ops[GRAD_ACCUMULATE_OP][0] == p.ops[GRAD_ACCUMULATE_OP][1] > 0 for p in profiles)
     with pytest.raises(ValueError, match="needs framework"):
         write(tmp_path, "cpu", 64, 4, 32, [1], [1], torch.float32, "cpu", framework=False, tempo=True)
     report = calibrate(tmp_path)
@@ -282,7 +285,8 @@ def test_profile_command_writes_what_calibrate_fits(tmp_path, rng):
     assert r["gpu"] == "cpu" and r["held_out_cases"] == 2  # the largest micro-batch, both TP sizes
     assert r["mean_abs_error"] is not None
     rm = r["model"]
-    assert "framework" in rm.curves and {"loss", "embedding"} <= set(rm.curves)
+    assert "framework" in rm.curves and {"loss", "embedding", "accumulate"} <= set(rm.curves)
+    assert rm.accumulate_line == rm.curves["accumulate"][0]  # the add priced by its own line
     spec = profiles[0].model
     with_overhead = sum(rm.layer_times(spec, 2, spec.seq, 1))
     rm.curves.pop("framework")
@@ -339,6 +343,35 @@ def test_zero_sync_benchmark_times_the_engines_own_collectives(tmp_path):
         profile_zero_sync(1, "cpu", sizes)
     with pytest.raises(ValueError, match="at least 4 bytes"):
         profile_zero_sync(2, "cpu", [2])
+
+
+def test_accumulation_priced_by_its_measured_add_where_profiled(rng):
+    """Where `mist profile` timed the gradient accumulation's add (the ``accumulate`` curve), the
+    model prices the add by it; elsewhere (every shipped GPU preset) by the residual add's forward
+    line, as before. Negative control: the same model without the curve prices the residual add's."""
+    import dataclasses
+
+    from mist.model.budget import gpu_budget_bytes
+    from mist.tuning.planner import cost_models
+    from mist.tuning.stage_cost import SearchSpace, Setting, evaluate_stage, layer_numbers, strategy_grid
+
+    c, m = cluster("a10g", 8), model("gpt3-1.3b")
+    runtime, interference = cost_models(c)
+    add = Line(float(rng.uniform(0, 1e-4)), float(rng.uniform(1e9, 1e12)))
+    measured = dataclasses.replace(runtime, curves={**runtime.curves, "accumulate": (add, add)})
+    layers, g = int(rng.integers(1, 7)), int(rng.integers(2, 40))
+    grid = strategy_grid(layers, SearchSpace(offload=False, recompute=False))
+    st = Setting(m, c, runtime, interference, 1, 1, 1, gpu_budget_bytes(c), 2)
+    ln = layer_numbers(st)
+    base = evaluate_stage(st, ln, layers, 1, False, False, grid, g)["compute"]
+    moved = st.grad_accumulation.bytes_per_param * layers * ln.params
+    for rt, line in ((measured, add), (runtime, runtime.curve("dropout_add")[0])):
+        assert rt.accumulate_line == line
+        priced = evaluate_stage(dataclasses.replace(st, runtime=rt), ln, layers, 1, False, False, grid, g)
+        expected = (
+            base - runtime.accumulate_line(moved) + line(moved)
+        )  # one add a micro-batch (megatron-core)
+        np.testing.assert_allclose(priced["compute"], expected, rtol=1e-9)
 
 
 def test_zero1_and_weight_sync_priced_as_the_engine_issues_them(rng):

@@ -17,6 +17,7 @@ from .profile_data import (
     EMBEDDING_OP,
     FINAL_NORM_OP,
     FRAMEWORK_OP,
+    GRAD_ACCUMULATE_OP,
     HEAD_OP,
     LAYER_OPS,
     TEMPO_GATED_OP,
@@ -40,8 +41,8 @@ from .runtime import (
     residual_stream_bytes,
     tempo_work,
 )
-from .specs import GPUS, ModelSpec
-from .symbolic import head_costs, value
+from .specs import GPUS, GRAD_ACCUMULATION, ModelSpec
+from .symbolic import head_costs, layer_costs, value
 
 # curves fitted to a whole layer's time beyond something else (its ops; the plain layer)
 WHOLE_LAYER_CLASSES = ("framework", "tempo", "tempo_gated")
@@ -66,6 +67,12 @@ def fit_line(work: np.ndarray, seconds: np.ndarray) -> Line:
 def _profile_op_work(model: ModelSpec, profile_op: str, mbs: int, seq: int, tp: int) -> tuple[float, float]:
     """Work of a profiled op: FLOPs for GEMMs, bytes otherwise; (forward, backward). A weight
     GEMM's backward work is one of its two backward GEMMs (the forward's FLOPs)."""
+    if profile_op == GRAD_ACCUMULATE_OP:  # bytes the add moves, as GradAccumulation counts them
+        # mist.engine.run's half-precision gradients, the engine `mist profile` times the add of
+        moved = GRAD_ACCUMULATION["megatron-core"].bytes_per_param * value(
+            layer_costs(model).params, model, mbs, seq, tp
+        )
+        return moved, moved
     if profile_op == FRAMEWORK_OP:
         return residual_stream_bytes(model, mbs, seq), residual_stream_bytes(model, mbs, seq)
     if profile_op in (TEMPO_OP, TEMPO_GATED_OP):

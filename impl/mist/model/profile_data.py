@@ -79,6 +79,11 @@ FRAMEWORK_OP = "layer-framework-overhead"
 # different ops in each (GELU and dropouts; SwiGLU and RMSNorm).
 TEMPO_OP = "layer-tempo-excess"
 TEMPO_GATED_OP = "layer-tempo-excess-gated"
+# `mist profile` also times adding one micro-batch's weight gradients of the layer into the
+# accumulated ones, as the engine does (an in-place add per parameter, half precision): no op's
+# time includes it, and on a CPU the residual add's line (dropout's random numbers included)
+# priced it about seven times slower than it runs. One more row, the same time in both columns.
+GRAD_ACCUMULATE_OP = "layer-grad-accumulate"
 _LAYER_FILE = re.compile(r"gpt_(?P<size>[0-9_]+B|h\d+)_mbs(?P<mbs>\d+)_tp(?P<tp>\d+)_algo(?P<algo>\d+)\.csv")
 _PRIM_FILE = re.compile(r"prim_gpt_(?P<size>[0-9_]+B|local)_(?P<coll>[a-z_]+?)_(?P<n>\d+)gpus\.csv")
 

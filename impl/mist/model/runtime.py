@@ -30,6 +30,7 @@ import sympy as sp
 from .preset_files import check_fields, count, load_preset, number, text
 from .profile_data import (
     FRAMEWORK_OP,
+    GRAD_ACCUMULATE_OP,
     LAYER_OPS,
     TEMPO_GATED_OP,
     TEMPO_OP,
@@ -57,6 +58,7 @@ OP_CLASS = {
     FRAMEWORK_OP: "framework",  # only in `mist profile` output: megatron-core's layer beyond its ops
     TEMPO_OP: "tempo",  # only in `mist profile --tempo` output: Tempo's layer beyond the plain one
     TEMPO_GATED_OP: "tempo_gated",  # the same for a Llama layer (profile_data.gated_layer)
+    GRAD_ACCUMULATE_OP: "accumulate",  # only in `mist profile` output: the gradient accumulation's add
 }
 # What Tempo's ops replace (norms, activations, dropouts, the softmax): the bytes they move forward
 # are the work Tempo's excess time is fitted against (``tempo_work``)
@@ -208,6 +210,13 @@ class RuntimeModel:
         return float(f_line(hc["embed_tokens_bytes"])), float(b_line(hc["embed_table_bytes"]))
 
     @property
+    def accumulate_line(self) -> Line:
+        """The gradient accumulation's add, by the bytes it moves: measured where `mist profile`
+        timed it (the ``accumulate`` curve), else the residual add's forward line (every shipped
+        GPU preset: memory-bound adds alike, which `mist validate` checks on L4 and A10G)."""
+        return self.curves["accumulate"][0] if "accumulate" in self.curves else self.curve("dropout_add")[0]
+
+    @property
     def wgrad_line(self) -> Line:
         """The weight-gradient GEMM's curve (see the module docstring); a preset without one
         prices it as the input gradient."""
@@ -353,7 +362,7 @@ class RuntimeModel:
 # from rows the Mist artifact and `mist profile --vocab` have; the framework's and Tempo's excess
 # from `mist profile` alone), and are priced otherwise without them (``RuntimeModel.curve``).
 LAYER_CURVES = (*sorted({OP_CLASS[op] for op in LAYER_OPS}), "wgrad")
-OPTIONAL_CURVES = ("loss", "embedding", "framework", "tempo", "tempo_gated")
+OPTIONAL_CURVES = ("loss", "embedding", "framework", "tempo", "tempo_gated", "accumulate")
 # The collectives the model looks up (``collective``, ``p2p``, the measured mechanisms)
 COLLECTIVE_KINDS = (
     "all_reduce",

@@ -459,12 +459,12 @@ def _accumulation_s(
     setting: Setting, layer_params: float, edge_params: float, zero, edge_zero, grad_accum: int
 ):
     """Seconds a micro-batch spends adding its weight gradients into the accumulated ones, an
-    elementwise add priced by the fitted residual-add line: into the gradient buffer, and under
+    elementwise add priced by RuntimeModel.accumulate_line: into the gradient buffer, and under
     ZeRO-2/3 (over more than one replica) into this rank's summed shard, which the first
     micro-batch writes rather than adds to (GradAccumulation.adds_per_micro_batch)."""
     dp = setting.dp
     acc = setting.grad_accumulation
-    add_line = setting.runtime.curve("dropout_add")[0]
+    add_line = setting.runtime.accumulate_line
     in_buffer, in_shards = 0.0, 0.0
     for params, its_zero in ((layer_params, zero), (edge_params, edge_zero)):
         sharded = (np.asarray(its_zero) >= 2) & (dp > 1)

@@ -10,7 +10,9 @@ TP is emulated on one device by giving the layer one rank's share (heads / t of 
 size, ffn / t); its collectives are not included (they come from the collective benchmarks).
 Every op is timed in isolation, forward and backward, on fresh random inputs, median of several
 repeats. Then megatron-core's own layer (the one mist.engine.run trains) is timed whole, and what it
-costs beyond the sum of its ops (framework overhead) is written as one more row.
+costs beyond the sum of its ops (framework overhead) is written as one more row, and so is the
+gradient accumulation's add (an in-place add per parameter of that layer, as the engine's
+autograd makes it), which no op's time holds.
 
 ``--collectives 2 4`` also benchmarks all-reduce, all-gather and reduce-scatter among that many
 local processes (gloo on a CPU, NCCL on GPUs), written as the artifact's ``prim_gpt_*`` files,

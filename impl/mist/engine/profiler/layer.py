@@ -22,6 +22,7 @@ from ...model.profile_data import (
     EMBEDDING_OP,
     FINAL_NORM_OP,
     FRAMEWORK_OP,
+    GRAD_ACCUMULATE_OP,
     HEAD_OP,
     TEMPO_GATED_OP,
     TEMPO_OP,
@@ -136,6 +137,32 @@ def megatron_layer_seconds(
             return out[0] if isinstance(out, tuple) else out
 
         return forward_backward_seconds(forward, lambda y: y.backward(grad), device, repeats)
+
+
+def grad_accumulation_seconds(
+    h: int, heads: int, tp: int, dtype: torch.dtype, device: str, repeats: int = 5
+) -> float:
+    """Seconds of adding one micro-batch's weight gradients of megatron-core's layer (one rank's
+    share) into the accumulated ones, as mist.engine.run's autograd does: an in-place add per
+    parameter, in half precision (the engine's gradients; ``dtype`` where it is 16-bit). No op's
+    profile holds it (each op's gradients are fresh) and the cost model prices it per micro-batch
+    (stage_cost._accumulation_s)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.spec_utils import build_module
+
+    with megatron_state():
+        config = megatron_config(h, heads, tp, dtype)
+        layer = build_module(get_gpt_layer_local_spec(), config=config, layer_number=1)
+        shapes = [p.shape for p in layer.parameters()]
+    half = dtype if dtype.itemsize == 2 else torch.bfloat16
+    accumulated = [torch.zeros(shape, dtype=half, device=device) for shape in shapes]
+    new = [torch.randn(shape, device=device).to(half) for shape in shapes]
+
+    def add() -> None:
+        for total, grad in zip(accumulated, new, strict=True):
+            total.add_(grad)
+
+    return time_fn(add, device, warmup=1, repeats=repeats).median_s
 
 
 def megatron_edge_rows(
@@ -386,6 +413,15 @@ def _point_rows(job: ProfileJob, tp: int, b: int) -> list[dict]:
                 "op_name": FRAMEWORK_OP,
                 "forward-compute": max(whole[0] - ops[0], 0.0) * 1e6,
                 "backward-compute": max(whole[1] - ops[1], 0.0) * 1e6,
+            }
+        )
+        add = grad_accumulation_seconds(job.hidden, job.heads, tp, job.dtype, job.device, job.repeats) * 1e6
+        rows.append(
+            {
+                **dict.fromkeys(rows[0], 0.0),
+                "op_name": GRAD_ACCUMULATE_OP,
+                "forward-compute": add,
+                "backward-compute": add,
             }
         )
     if job.tempo:  # a negative excess (Tempo's forward saves less) is priced as none, as the framework's
