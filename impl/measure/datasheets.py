@@ -84,3 +84,15 @@ DATASHEETS: dict[str, DataSheet] = {
         ),
     )
 }
+
+# Dense FP32 peaks (CUDA cores, no TF32: torch's default for matmuls, which nothing here changes), FLOP/s:
+# what a float32 GEMM can reach, a quarter to a sixteenth of the half-precision ``flops``. From the
+# same data sheets (A10G: the A10's); the GPUs Mist fits profiles of.
+FP32_FLOPS: dict[str, float] = {
+    "l4": 30.3e12,
+    "a10g": 31.2e12,
+    "v100": 15.7e12,
+    "a100-40gb": 19.5e12,
+    "h100": 67e12,
+    "h200": 67e12,
+}

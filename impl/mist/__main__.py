@@ -379,6 +379,8 @@ def cmd_calibrate(args) -> int:
             f"max {r['max_abs_error']:.1%}"
             + (f"; head + loss mean {r['head_mean_abs_error']:.1%}" if "head_mean_abs_error" in r else "")
         )
+        if constants := _constant_lines(r["model"]):  # priced by their time alone: said, not hidden
+            print(f"{name}: did not grow with the work where measured, fitted as constants: {constants}")
         path = PRESETS / f"runtime_{r['gpu']}.json"
         if args.write and path not in written:  # the first directory per GPU type (sorted) is the preset
             written[path] = _readable_preset(
@@ -400,6 +402,17 @@ def cmd_calibrate(args) -> int:
             write_json_atomic(path, d)
         print(f"presets written to {PRESETS}")
     return 0
+
+
+def _constant_lines(model) -> str:
+    """The curves and collectives of a fitted runtime model that are constants (``Line``)."""
+    curves = [
+        f"{cls} {direction}"
+        for cls, lines in model.curves.items()
+        for direction, line in zip(("forward", "backward"), lines, strict=True)
+        if line.rate is None
+    ]
+    return ", ".join(curves + [key for key, line in model.collectives.items() if line.rate is None])
 
 
 def _readable_preset(fitted: str, d: dict, reader, path: Path, *args) -> dict:

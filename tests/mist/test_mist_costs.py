@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import re
+import shutil
+
 import numpy as np
 import pytest
 
@@ -25,6 +29,67 @@ def test_fit_line_recovers_a_known_line(rng):
     assert np.allclose(flat(work), 2e-5, rtol=0.05)
     with pytest.raises(ValueError, match="fewer than two"):
         fit_line(work[:3], np.array([1.0, 0.0, 0.0]))
+
+
+def test_fit_line_never_fits_an_infinite_rate(rng):
+    """Times that do not grow with the work (an overhead-bound op, as a CPU profile's framework
+    excess) were fitted as a rate of +Infinity, which JSON cannot hold and no hardware reaches;
+    now a constant, said so (rate None). Work or times that are not finite are refused."""
+    work = rng.uniform(1e6, 1e9, 20)
+    flat = fit_line(work, 2e-3 * (1 - 0.01 * work / work.max()))  # a little faster with more work
+    assert flat.rate is None and flat(work) == pytest.approx(np.full(20, flat.c0))
+    assert flat.c0 == pytest.approx(2e-3, rel=0.01)
+    grows = fit_line(work, 1e-5 + work / 1e10)  # the control: a rate where the time grows
+    assert grows.rate == pytest.approx(1e10, rel=1e-6)
+    for bad in (np.inf, np.nan):
+        with pytest.raises(ValueError, match="not finite numbers"):
+            fit_line(work[:3], np.array([1e-3, bad, 2e-3]))
+        with pytest.raises(ValueError, match="not finite numbers"):
+            fit_line(np.array([1.0, bad, 3.0]), np.array([1e-3, 2e-3, 3e-3]))
+
+
+def test_a_gpu_curve_that_does_not_grow_is_above_the_peak():
+    """On a GPU a compute or memory-bound curve fitted as a constant is an infinite rate: above
+    the data-sheet peak, refused naming the class (check_rates passed it: it skipped what was not
+    finite). The framework's excess (no hardware rate) and a CPU's curves may be constants."""
+    from dataclasses import replace
+
+    from mist.model.calibrate import RateAbovePeakError, check_rates
+
+    shipped = load_runtime_model("l4")
+    check_rates(shipped)  # the control
+    gemm_b = shipped.curves["gemm"][1]
+    flat = replace(shipped, curves={**shipped.curves, "gemm": (Line(1e-4, None), gemm_b)})
+    with pytest.raises(RateAbovePeakError, match=r"gemm forward does not grow with its work .* above l4's"):
+        check_rates(flat)
+    framework = replace(shipped, curves={**shipped.curves, "framework": (Line(1e-4, None), gemm_b)})
+    check_rates(framework)
+    check_rates(replace(flat, gpu="cpu"))
+
+
+def test_calibrate_holds_a_float32_profile_to_the_float32_peak(tmp_path, capsys):
+    """`mist profile` writes its dtype (fp32 by default) in profile.json, and a float32 GEMM runs on
+    the CUDA cores, a quarter of the L4's half-precision peak: the L4's fp16 profiles said to be
+    float32 need GEMMs above it, refused in one line naming the class, the rate and the peak. They
+    were checked against the half-precision peak whatever the dtype, and fitted. Controls: the same
+    profiles said to be fp16; an unknown dtype is refused, not held to some peak."""
+    from mist.__main__ import main
+    from mist.model.profile_data import PROFILED_SIZES
+
+    out = tmp_path / "l4-profile"  # not an artifact directory's name: profile.json is read
+    shutil.copytree(DATA / "gpu-op-profiles" / "l4", out)
+    sizes = {k: list(v) for k, v in PROFILED_SIZES.items()}
+    meta = {"gpu": "l4", "seq": 2048, "sizes": sizes, "tp_comm_inside": True, "complete": True}
+    meta["weight_gradients"] = False  # as the artifact's L4 profiles timed it (see above)
+    said = {}
+    for dtype, code in (("torch.float16", 0), ("torch.float32", 2), ("torch.float8_e4m3fn", 2)):
+        (out / "profile.json").write_text(json.dumps({**meta, "dtype": dtype}))
+        assert main(["calibrate", str(out)]) == code
+        said[dtype] = capsys.readouterr().err
+        assert said[dtype].count("\n") == code // 2, said[dtype]
+    peak = r"above l4's data-sheet peak 3.03e\+13 FLOP/s in torch.float32"
+    assert re.search(rf"error: .*: gemm \w+ fitted at [\d.e+]+ FLOP/s, {peak}\n$", said["torch.float32"])
+    assert "no data-sheet FLOP/s peak of l4 for dtype 'torch.float8_e4m3fn'" in said["torch.float8_e4m3fn"]
 
 
 def test_overlap_semantics():

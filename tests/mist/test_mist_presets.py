@@ -9,6 +9,7 @@ import json
 import math
 import shutil
 
+import numpy as np
 import pytest
 
 from mist.__main__ import main
@@ -40,16 +41,34 @@ def _drop(*where):
 
 # (name, edit of the parsed file, what the one line must say); "duplicate" and "truncated" edit its text
 _RUNTIME = [
-    ("nan", _set("curves", "act", 0, "rate", value=math.nan), "curves.act[0].rate must be a number > 0"),
-    ("zero", _set("curves", "gemm", 1, "rate", value=0), "curves.gemm[1].rate must be a number > 0"),
-    ("negative", _set("curves", "gemm", 1, "rate", value=-5e13), "curves.gemm[1].rate must be a number > 0"),
+    (
+        "nan",
+        _set("curves", "act", 0, "rate", value=math.nan),
+        "curves.act[0].rate must be a finite number > 0",
+    ),
+    ("zero", _set("curves", "gemm", 1, "rate", value=0), "curves.gemm[1].rate must be a finite number > 0"),
+    (
+        "negative",
+        _set("curves", "gemm", 1, "rate", value=-5e13),
+        "curves.gemm[1].rate must be a finite number > 0",
+    ),
+    (  # was read as a constant: JSON has no Infinity, and a GEMM at it would be above any peak
+        "infinite rate",
+        _set("curves", "gemm", 0, "rate", value=math.inf),
+        "curves.gemm[0].rate must be a finite number > 0 (or null: a time that does not grow with the work)",
+    ),
+    (
+        "infinite collective",
+        _set("collectives", "all_reduce/2", "rate", value=math.inf),
+        "collectives.all_reduce/2.rate must be a finite number > 0",
+    ),
     (
         "negative c0",
         _set("curves", "norm", 0, "c0", value=-1e-6),
         "curves.norm[0].c0 must be a finite number",
     ),
     ("infinite c0", _set("curves", "norm", 0, "c0", value=math.inf), "curves.norm[0].c0 must be a finite"),
-    ("string", _set("curves", "norm", 0, "rate", value="2.3e11"), "curves.norm[0].rate must be a number"),
+    ("string", _set("curves", "norm", 0, "rate", value="2.3e11"), "curves.norm[0].rate must be a finite"),
     ("bool", _set("collectives", "all_reduce/2", "c0", value=True), "collectives.all_reduce/2.c0 must be"),
     ("wrong gpu", _set("gpu", value="h100"), "gpu must be 'l4' (the GPU its file name says), got 'h100'"),
     ("gpu not a string", _set("gpu", value=4), "gpu must be a non-empty string"),
@@ -175,6 +194,25 @@ def test_every_shipped_preset_reads(path):
         assert read_interference_preset(path).to_json() == json.loads(path.read_text())
     else:
         assert path.name == "host_cpu_adam.json" and read_cpu_adam(path).per_core_params_per_s > 0
+
+
+def test_a_constant_line_is_written_as_null_and_reads_back(tmp_path):
+    """A line whose time did not grow with the work (what `mist calibrate` fits to a CPU profile's
+    framework excess, say) is written as "rate": null, which is JSON, and reads back as the same
+    constant; it was written as Infinity (not JSON: a strict reader refuses it)."""
+    from mist.model.runtime import Line
+
+    model = read_runtime_preset(PRESETS / "runtime_l4.json", "l4")
+    model.curves["framework"] = (Line(3e-3, None), Line(4e-3, 2e9))
+    text = json.dumps(model.to_json(), allow_nan=False)  # raised on Infinity
+    path = tmp_path / "runtime_l4.json"
+    path.write_text(text)
+    back = read_runtime_preset(path, "l4")
+    assert back.curves["framework"][0] == Line(3e-3, None) and back.to_json() == json.loads(text)
+    assert back.curves["framework"][0](np.array([1e6, 1e9])).tolist() == [3e-3, 3e-3]
+    for c0, rate in ((0.0, math.inf), (0.0, 0.0), (0.0, -1.0), (-1e-6, 1.0), (math.nan, 1.0)):
+        with pytest.raises(ValueError, match=r"a line is a finite c0 >= 0 and a finite rate > 0"):
+            Line(c0, rate)  # made by hand or by a fit, refused where it is made
 
 
 def test_a_corrupted_shipped_preset_stops_a_prediction_in_one_line(tmp_path, capsys, monkeypatch):

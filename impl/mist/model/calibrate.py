@@ -49,19 +49,24 @@ WHOLE_LAYER_CLASSES = ("framework", "tempo", "tempo_gated")
 
 
 def fit_line(work: np.ndarray, seconds: np.ndarray) -> Line:
-    """Least squares on relative error, c0 >= 0 and rate > 0 (inf: the time does not grow)."""
+    """Least squares on relative error, c0 >= 0 and rate > 0. Where the time does not grow with
+    the work in the measured range (an overhead-bound op), or grows too little for its rate to be a
+    float, the line is a constant (rate None, ``Line``): never an infinite rate, which no hardware
+    reaches and JSON cannot hold."""
     from scipy.optimize import nnls
 
     work, seconds = np.asarray(work, float), np.asarray(seconds, float)
+    if not (np.isfinite(work).all() and np.isfinite(seconds).all()):
+        raise ValueError("cannot fit a line to work or times that are not finite numbers")
     keep = seconds > 0  # a backward measured as (forward + backward) - forward can round to 0
     if keep.sum() < 2:
         raise ValueError("cannot fit a line to fewer than two positive times")
     work, seconds = work[keep], seconds[keep]
     a = np.stack([np.ones_like(work), work], axis=1) / seconds[:, None]
     (c0, inv_rate), _ = nnls(a, np.ones_like(work))
-    if inv_rate <= 0:  # no growth with the work in the measured range: a constant (overhead-bound op)
-        return Line(float(c0), float("inf"))
-    return Line(float(c0), float(1.0 / inv_rate))
+    # 1 / a denormal slope overflows to inf (as a slope of 0 would divide by zero): both are constants
+    rate = 1.0 / float(inv_rate) if inv_rate > 1.0 / np.finfo(float).max else None
+    return Line(float(c0), rate)
 
 
 def _profile_op_work(model: ModelSpec, profile_op: str, mbs: int, seq: int, tp: int) -> tuple[float, float]:
@@ -89,8 +94,11 @@ def _profile_op_work(model: ModelSpec, profile_op: str, mbs: int, seq: int, tp: 
     return fwd, bwd
 
 
-def fit_runtime_model(profiles: list[LayerProfile], collectives: dict, gpu: str, source: str) -> RuntimeModel:
-    """Fit every op class's curves (forward and backward) and every collective's line."""
+def fit_runtime_model(
+    profiles: list[LayerProfile], collectives: dict, gpu: str, source: str, dtype: str = "fp16"
+) -> RuntimeModel:
+    """Fit every op class's curves (forward and backward) and every collective's line; ``dtype``:
+    what the profiles ran in, whose peak bounds the fitted FLOP/s (``check_rates``)."""
     # (class, direction) -> [(work, seconds, data fits in L2)]
     samples: dict[tuple[str, int], list[tuple[float, float, bool]]] = {}
     l2 = GPUS[gpu].l2 if gpu in GPUS else 0
@@ -126,7 +134,7 @@ def fit_runtime_model(profiles: list[LayerProfile], collectives: dict, gpu: str,
         for (kind, n), rows in collectives.items()
     }
     model = RuntimeModel(gpu, curves, lines, source)
-    check_rates(model)
+    check_rates(model, dtype)
     return model
 
 
@@ -134,22 +142,48 @@ class RateAbovePeakError(ValueError):
     """A fitted rate the GPU cannot reach: the data or its reading is wrong."""
 
 
-def check_rates(model: RuntimeModel) -> None:
-    """Every fitted compute rate within the data-sheet FLOP/s peak, every memory-bound one within
-    the HBM bandwidth (the ``cpu`` device has nominal numbers only: not checked)."""
+# profile.json's dtype (`mist profile` writes torch's name) -> which data-sheet FLOP/s peak bounds it
+HALF_DTYPES = ("fp16", "bf16", "torch.float16", "torch.bfloat16")
+FP32_DTYPES = ("fp32", "torch.float32")
+
+
+def peak_flops(gpu: str, dtype: str) -> float:
+    """The data-sheet FLOP/s peak of ``gpu`` in ``dtype``: the tensor cores' in half precision, the
+    CUDA cores' in float32 (a quarter to a sixteenth of it: checked against the half-precision
+    peak, a float32 fit 4x too fast would pass)."""
+    spec = GPUS[gpu]
+    if dtype in HALF_DTYPES:
+        return spec.flops
+    if dtype in FP32_DTYPES and spec.fp32_flops is not None:
+        return spec.fp32_flops
+    known = ", ".join(HALF_DTYPES + (FP32_DTYPES if spec.fp32_flops is not None else ()))
+    raise ValueError(f"no data-sheet FLOP/s peak of {gpu} for dtype {dtype!r} (known: {known})")
+
+
+def check_rates(model: RuntimeModel, dtype: str = "fp16") -> None:
+    """Every fitted compute rate within the data-sheet FLOP/s peak of ``dtype`` (``peak_flops``),
+    every memory-bound one within the HBM bandwidth; a curve of these that does not grow with its
+    work (a constant: an infinite rate) is above both. The ``cpu`` device has nominal numbers only:
+    its lines are checked finite and > 0 where they are made (``Line``), not against a peak."""
     spec = GPUS.get(model.gpu)
     if spec is None or model.gpu == "cpu":
         return
+    flops = peak_flops(model.gpu, dtype)
     for cls, lines in model.curves.items():
         if cls in WHOLE_LAYER_CLASSES:  # excesses of a layer's time: no hardware rate to exceed
             continue
         flop_rate = cls in COMPUTE_KINDS or cls == "wgrad"
-        peak, unit = (spec.flops, "FLOP/s") if flop_rate else (spec.hbm_bw, "B/s")
+        peak, unit = (flops, "FLOP/s") if flop_rate else (spec.hbm_bw, "B/s")
+        bound = f"{model.gpu}'s data-sheet peak {peak:.3g} {unit}" + (f" in {dtype}" if flop_rate else "")
         for direction, line in zip(("forward", "backward"), lines, strict=True):
-            if np.isfinite(line.rate) and line.rate > peak:
+            if line.rate is None:
                 raise RateAbovePeakError(
-                    f"{model.source}: {cls} {direction} fitted at {line.rate:.3g} {unit}, above "
-                    f"{model.gpu}'s data-sheet peak {peak:.3g} {unit}"
+                    f"{model.source}: {cls} {direction} does not grow with its work (an infinite rate), "
+                    f"above {bound}; profile larger shapes"
+                )
+            if line.rate > peak:
+                raise RateAbovePeakError(
+                    f"{model.source}: {cls} {direction} fitted at {line.rate:.3g} {unit}, above {bound}"
                 )
 
 
@@ -207,7 +241,7 @@ def _fit_or_constant(work, seconds) -> Line:
     that rounds to zero on some micro-batches)."""
     if sum(x > 0 for x in seconds) >= 2:
         return fit_line(work, seconds)
-    return Line(float(np.mean(np.maximum(seconds, 0.0))), float("inf"))
+    return Line(float(np.mean(np.maximum(seconds, 0.0))), None)
 
 
 def predicted_layer_seconds(rm: RuntimeModel, p: LayerProfile) -> float:
@@ -247,13 +281,16 @@ def calibrate(data_dir: Path, held_out: tuple[str, ...] = ("2_6B", "13B")) -> di
             is_test = {id(p): p.mbs == largest for p in profiles}
         train = [p for p in profiles if not is_test[id(p)]]
         test = best_algo([p for p in profiles if is_test[id(p)]])
-        collectives, gpu = read_collectives(gpu_dir), profile_meta(gpu_dir)["gpu"]
-        rm = fit_runtime_model(train, collectives, gpu, f"fitted to {gpu_dir.name} profiles ({kept_out})")
+        meta = profile_meta(gpu_dir)
+        collectives, gpu, dtype = read_collectives(gpu_dir), meta["gpu"], meta["dtype"]
+        rm = fit_runtime_model(
+            train, collectives, gpu, f"fitted to {gpu_dir.name} profiles ({kept_out})", dtype
+        )
         errors = [abs(predicted_layer_seconds(rm, p) / p.layer_seconds - 1) for p in test]
         source = f"fitted to every {gpu_dir.name} profile (held-out error: {kept_out})"
         out[gpu_dir.name] = {
             "gpu": rm.gpu,
-            "model": fit_runtime_model(profiles, collectives, gpu, source),
+            "model": fit_runtime_model(profiles, collectives, gpu, source, dtype),
             "held_out_cases": len(errors),
             "mean_abs_error": float(np.mean(errors)) if errors else None,
             "median_abs_error": float(np.median(errors)) if errors else None,

@@ -136,6 +136,13 @@ def _runs(path: Path) -> list[dict]:
     return out
 
 
+def _host_rate(path: Path, name: str, line) -> float:
+    """A host copy's fitted bandwidth; a copy whose time did not grow with its bytes has none."""
+    if line.rate is None:
+        raise ValueError(f"{path}: {name} copies alone took as long whatever their size: no bandwidth to fit")
+    return line.rate
+
+
 def fit_interference(path: Path) -> tuple[Interference, dict]:
     """Fit solo lines per channel (per process-group shape for g2g) and the slowdown factors."""
     from scipy.optimize import least_squares
@@ -184,7 +191,9 @@ def fit_interference(path: Path) -> tuple[Interference, dict]:
     inter = model(fit.x)
     inter.source = f"fitted to {Path(path).name} ({int((~held_out).sum())} overlapped runs)"
     inter.host_rates = {
-        name: solo[(c, None)].rate for c, name in ((2, "h2d"), (3, "d2h")) if (c, None) in solo
+        name: _host_rate(path, name, solo[(c, None)])
+        for c, name in ((2, "h2d"), (3, "d2h"))
+        if (c, None) in solo
     }
     test_t, test_m = all_times[:, held_out], all_measured[held_out]
     before = np.abs(Interference().overlap(*test_t) / test_m - 1)

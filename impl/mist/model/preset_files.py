@@ -13,11 +13,10 @@ the same reader first, so a written preset is one that reads back.
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 from typing import Any
 
-from measure.checks import real, whole
+from measure.checks import finite, whole
 from measure.strict import DuplicateKeyError, loads_json, read_text_file
 
 
@@ -62,21 +61,15 @@ def number(
     value: object,
     least: float = 0.0,
     above: bool = False,
-    infinite: bool = False,
+    or_else: str = "",
 ) -> float:
-    """``value`` (the field ``where``) as a float: a JSON number (not a string, not true/false), not
-    NaN, finite unless ``infinite`` (then +Infinity is accepted too), and >= ``least`` (> where
-    ``above``)."""
-    ok = (
-        real(value)
-        and not math.isnan(value)
-        and (value > least if above else value >= least)
-        and (math.isfinite(value) or infinite)
-    )
+    """``value`` (the field ``where``) as a float: a JSON number (not a string, not true/false),
+    finite (never NaN or Infinity), and >= ``least`` (> where ``above``). ``or_else``: what else
+    the field's caller accepts, for the message."""
+    ok = finite(value) and (value > least if above else value >= least)
     if not ok:
         bound = f"{'>' if above else '>='} {least:g}"
-        what = f"a number {bound} (or Infinity)" if infinite else f"a finite number {bound}"
-        raise ValueError(f"{path}: {where} must be {what}, got {value!r}")
+        raise ValueError(f"{path}: {where} must be a finite number {bound}{or_else}, got {value!r}")
     return float(value)
 
 

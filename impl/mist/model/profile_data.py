@@ -125,7 +125,7 @@ def gated_layer(model: ModelSpec) -> ModelSpec:
 
 
 def profile_meta(gpu_dir: Path) -> dict:
-    """What a profile directory measured: {"gpu", "seq", "sizes"}. ``mist profile`` writes it
+    """What a profile directory measured: {"gpu", "seq", "sizes", "dtype", ...}. ``mist profile`` writes it
     as profile.json; the artifact's directories are known by name."""
     meta = gpu_dir / "profile.json"
     if meta.exists():
@@ -138,6 +138,9 @@ def profile_meta(gpu_dir: Path) -> dict:
             # autograd's backward of a linear layer computes both gradients
             "weight_gradients": d.get("weight_gradients", True),
             "vocab": d.get("vocab", ARTIFACT_VOCAB),  # the embedding and head rows' vocabulary
+            # what bounds its fitted FLOP/s (``calibrate.peak_flops``); one that does not say is
+            # held to the highest peak (half precision's), never refused for a rate it may reach
+            "dtype": d.get("dtype", "fp16"),
             "complete": d["complete"],
         }
     if gpu_dir.name in PROFILE_GPU:
@@ -147,6 +150,7 @@ def profile_meta(gpu_dir: Path) -> dict:
             "sizes": PROFILED_SIZES,
             "tp_comm_inside": True,
             "vocab": ARTIFACT_VOCAB,
+            "dtype": "fp16",  # Megatron's half precision (data/mist-artifact/README.md)
             "complete": True,  # as published
         }
     return {}

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -90,13 +91,26 @@ DEFAULT_EFFICIENCY = {"gemm": 0.7, "bmm": 0.5, "attention": 0.5, "memory": 0.7} 
 
 @dataclass(frozen=True)
 class Line:
-    """time = c0 + work / rate."""
+    """time = c0 + work / rate. ``rate`` None: a constant, a time that did not grow with the work
+    where it was measured (an overhead-bound op, ``calibrate.fit_line``), said so rather than
+    written as an infinite rate (not JSON, and above any hardware's peak)."""
 
     c0: float
-    rate: float
+    rate: float | None
+
+    def __post_init__(self) -> None:
+        # every model's lines are made here (fits, presets, rooflines): an infinite, zero or
+        # negative rate would price work at no time or negative time without a word
+        rate_ok = self.rate is None or (math.isfinite(self.rate) and self.rate > 0)
+        if not (math.isfinite(self.c0) and self.c0 >= 0 and rate_ok):
+            raise ValueError(
+                f"a line is a finite c0 >= 0 and a finite rate > 0 (None: a constant), "
+                f"got c0={self.c0!r}, rate={self.rate!r}"
+            )
 
     def __call__(self, work):
-        return self.c0 + np.asarray(work, float) / self.rate
+        work = np.asarray(work, float)
+        return self.c0 + (work * 0.0 if self.rate is None else work / self.rate)
 
 
 @functools.lru_cache(maxsize=128)
@@ -329,8 +343,8 @@ class RuntimeModel:
         cls, d: dict, path: Path | str = "a runtime preset", gpu: str | None = None
     ) -> RuntimeModel:
         """The model a runtime preset (``to_json``'s mapping) describes, read strictly (see
-        ``preset_files``): exactly its fields; every line a c0 >= 0 and a rate > 0 (Infinity: a
-        time that does not grow with the work, as ``calibrate.fit_line`` may fit); the layer's
+        ``preset_files``): exactly its fields; every line a finite c0 >= 0 and a finite rate > 0
+        (null: a time that does not grow with the work, as ``calibrate.fit_line`` may fit); the layer's
         curves all there (a missing one would be priced by the data-sheet roofline without a
         word); collectives the kinds the model looks up; ``gpu`` (the file's name says it) the
         preset's own. ``path`` names the file in the one-line errors."""
@@ -376,11 +390,14 @@ COLLECTIVE_KINDS = (
 
 
 def _line(path: Path | str, where: str, d: object) -> Line:
-    """A preset's line {"c0": seconds >= 0, "rate": work/s > 0, Infinity for a constant}."""
+    """A preset's line {"c0": seconds >= 0, "rate": work/s, finite and > 0, or null for a constant}.
+    Infinity is refused: it is not JSON, and no hardware does work in no time."""
     check_fields(path, where, d, ("c0", "rate"))
+    rate = d["rate"]
+    constant = " (or null: a time that does not grow with the work)"
     return Line(
         number(path, f"{where}.c0", d["c0"]),
-        number(path, f"{where}.rate", d["rate"], above=True, infinite=True),
+        None if rate is None else number(path, f"{where}.rate", rate, above=True, or_else=constant),
     )
 
 

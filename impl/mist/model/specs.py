@@ -10,7 +10,7 @@ import dataclasses
 from dataclasses import dataclass, replace
 
 from measure.checks import real, whole
-from measure.datasheets import DATASHEETS
+from measure.datasheets import DATASHEETS, FP32_FLOPS
 from measure.units import GB, GiB, MiB
 
 NORMS = ("layernorm", "rmsnorm")
@@ -132,6 +132,7 @@ class GpuSpec:
     hbm_bw: float  # bytes/s
     host_bw: float  # host <-> device (PCIe) bytes/s per direction, spec
     l2: int  # bytes of L2 cache: memory-bound ops whose data fits there run faster than hbm_bw
+    fp32_flops: float | None = None  # dense FP32 peak (no TF32), FLOP/s; None: not on record
 
 
 @dataclass(frozen=True)
@@ -173,7 +174,7 @@ class ClusterSpec:
 
 # Peak numbers are the vendors' data-sheet values (dense, no sparsity).
 GPUS: dict[str, GpuSpec] = {
-    name: GpuSpec(name, d.flops, d.memory, d.hbm_bw, d.pcie_bw, d.l2)
+    name: GpuSpec(name, d.flops, d.memory, d.hbm_bw, d.pcie_bw, d.l2, FP32_FLOPS.get(name))
     for name, d in DATASHEETS.items()
     if d.memory is not None  # the GPUs whose whole sheet is recorded (not the B200)
 }
