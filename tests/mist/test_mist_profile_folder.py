@@ -146,3 +146,97 @@ def test_a_profile_from_before_completeness_was_recorded_says_what_to_do(tmp_pat
     one_error_line(
         capsys.readouterr().err, "written before profile.json recorded", "--replace", '"complete": true'
     )
+
+
+def _job(micro_batches=(1, 2)):
+    import torch
+
+    from mist.engine.profiler.layer import ProfileJob
+
+    shape = {"hidden": 64, "heads": 4, "seq": 16, "micro_batches": micro_batches, "tps": (1,)}
+    return ProfileJob(
+        **shape,
+        device="cpu",
+        dtype=torch.float32,
+        gpu="cpu",
+        repeats=1,
+        framework=False,
+        tempo=False,
+        threads=1,
+        vocab=None,
+        rounds=1,
+    )
+
+
+def _write_line_csv(folder):
+    from mist.engine.profiler.ranks import write_line_csv
+
+    write_line_csv(folder / "prim_gpt_local_all_reduce_2gpus.csv", [(2**20, 1e-3), (2**21, 1.5e-3)])
+    return "prim_gpt_local_all_reduce_2gpus.csv"
+
+
+def _write_p2p(folder, monkeypatch):
+    from mist.engine.profiler import collectives
+
+    rows = [(2**20, 1e-3), (2**21, 1.5e-3)]
+    monkeypatch.setattr(collectives, "profile_collectives", lambda *a, **k: {"send_recv": rows})
+    collectives.write_collectives(folder, 2, "cpu")
+    return "p2p_intra_node.csv"
+
+
+def _write_layer_csv(folder, monkeypatch):
+    from mist.engine.profiler import layer
+
+    row = {"op_name": "enc-1st-layernorm", "forward-compute": 1.0, "backward-compute": 2.0}
+    monkeypatch.setattr(layer, "_point_rows", lambda job, tp, b: [row, {**row, "op_name": "enc-MLP-gelu"}])
+    layer._write_layer_profiles(folder, _job(micro_batches=(1,)), None)
+    return "gpt_h64_mbs1_tp1_algo0.csv"
+
+
+def _write_profile_json(folder, monkeypatch):
+    from mist.engine.profiler import layer
+
+    monkeypatch.setattr(layer, "_write_layer_profiles", lambda *a: [])  # profile.json alone
+    layer._write_profiles(folder, _job(), None)
+    return "profile.json"
+
+
+@pytest.mark.parametrize("writer", [_write_line_csv, _write_p2p, _write_layer_csv, _write_profile_json])
+def test_a_profile_file_is_written_whole_or_not_at_all(tmp_path, monkeypatch, writer):
+    """`mist profile` wrote its CSV files and profile.json in place: a write that failed midway (a
+    kill, a full disk) left half a file where the previous one was. Now each goes through
+    measure.results' temp file + rename: the failed write leaves the previous file as it was and
+    no temporary file. Control: the same write without the fault replaces the file whole."""
+    import csv
+    import errno
+    from pathlib import Path
+
+    folder = tmp_path / "p"
+    folder.mkdir()
+    run = (lambda: writer(folder)) if writer is _write_line_csv else (lambda: writer(folder, monkeypatch))
+    name = run()  # the control, and the name of the file it writes
+    whole = (folder / name).read_text()
+    (folder / name).write_text("previous\n")
+    before = sorted(folder.iterdir())
+
+    def fail(*_):
+        raise OSError(errno.ENOSPC, "No space left on device (injected)")
+
+    def torn_text(path, data, *args, **kwargs):  # half the text reaches the file, then the disk is full
+        with path.open("w") as fh:
+            fh.write(data[: len(data) // 2])
+        fail()
+
+    def torn_rows(self, rows):  # the header and one row, then the disk is full
+        self.writerow(next(iter(rows)))
+        fail()
+
+    with monkeypatch.context() as m:
+        m.setattr(Path, "write_text", torn_text)
+        m.setattr(csv.DictWriter, "writerows", torn_rows)
+        with pytest.raises(OSError, match="injected"):
+            run()
+    assert (folder / name).read_text() == "previous\n"
+    assert sorted(folder.iterdir()) == before  # no temporary file left beside it
+    run()
+    assert (folder / name).read_text() == whole and sorted(folder.iterdir()) == before

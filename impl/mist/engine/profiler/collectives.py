@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch
 
+from measure.results import write_text_atomic
 from measure.units import MiB
 
 from .ranks import init_rank, interleaved_seconds_all_ranks, median_rows, run_ranks, write_line_csv
@@ -83,7 +84,7 @@ def write_collectives(
             sizes = ",".join(f"{b / MiB:.6f}" for b, _ in rows)
             rates = ",".join(f"{b / sec / 1e9:.6f}" for b, sec in rows)
             path = out / "p2p_intra_node.csv"
-            path.write_text(f"{sizes}\n{rates}\n")
+            write_text_atomic(path, f"{sizes}\n{rates}\n")  # whole or not at all, as write_line_csv
             written.append(path)
             continue
         written.append(write_line_csv(out / f"prim_gpt_local_{name}_{n}gpus.csv", rows))

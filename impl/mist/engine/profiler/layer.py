@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import csv
-import json
 import math
 import statistics
 import tempfile
@@ -15,6 +14,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from measure.results import atomic_path, write_json_atomic
 from measure.timing import time_fn
 from measure.units import MiB
 
@@ -393,7 +393,7 @@ def _write_profiles(out: Path, job: ProfileJob, progress: Callable[[str], None] 
         "complete": False,  # until every benchmark asked for is written (mark_profile_complete)
         **({"vocab": job.vocab} if job.vocab else {}),  # the edge rows' vocabulary
     }
-    (out / "profile.json").write_text(json.dumps(meta, indent=1))
+    write_json_atomic(out / "profile.json", meta)  # whole or not at all: a torn one reads as no profile
     from .. import cpu_shim
 
     with cpu_shim.gpu_standins():  # the ops as the engine runs them (a no-op on a GPU)
@@ -472,7 +472,8 @@ def _write_layer_profiles(out: Path, job: ProfileJob, progress: Callable[[str], 
     for (tp, b), measured in passes.items():
         rows = _median_passes(measured)
         path = out / f"gpt_{job.size}_mbs{b}_tp{tp}_algo0.csv"
-        with path.open("w", newline="") as fh:
+        # whole or not at all: a kill mid-write leaves the file it replaces, never half of one
+        with atomic_path(path) as tmp, tmp.open("w", newline="") as fh:
             w = csv.DictWriter(fh, fieldnames=list(rows[0]))
             w.writeheader()
             w.writerows({k: (f"{v:.3f}" if isinstance(v, float) else v) for k, v in r.items()} for r in rows)

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from measure.launch import HOST, serve_rendezvous
+from measure.results import write_text_atomic
 from measure.units import MiB
 
 
@@ -134,7 +135,7 @@ def init_rank(rank: int, n: int, port: int, device: str) -> torch.device:
 
 def write_line_csv(path: Path, rows: list[tuple[float, float]]) -> Path:
     """(bytes, seconds) rows in the artifact's collective file format (a negative difference of two
-    timings is written as 0)."""
+    timings is written as 0). Whole or not at all: a kill mid-write leaves the file it replaces."""
     lines = ["data_size(MB),time(ms)"] + [f"{b / MiB:.6f},{max(sec, 0.0) * 1e3:.4f}" for b, sec in rows]
-    path.write_text("\n".join(lines) + "\n")
+    write_text_atomic(path, "\n".join(lines) + "\n")
     return path
