@@ -389,3 +389,58 @@ def test_interrupted_smoke_is_one_line_and_leaves_nothing(run_tmp, sig, group):
         "a smoke run keeps nothing, so python -m artifacts.smoke starts it again from the first check"
     )
     assert _files_left(run_tmp, sig) == []
+
+
+# A spawned or forkserver child that draws a tqdm bar (torch.compile does, in the profile's copies
+# when they compile Tempo's ops) and is ended by the interrupted run. The bar stands in for the
+# compile (seconds, not the minutes of a cold inductor cache); everything else is the profiler's.
+_BAR_CHILD = """
+import os, sys, time
+from pathlib import Path
+from tqdm import tqdm
+
+def bar_then_wait(*args):  # in the children (defined when they import this file as __mp_main__)
+    with tqdm(total=1, file=sys.stdout) as bar:
+        bar.update()
+    Path(os.environ["TMPDIR"], f"bar-{os.getpid()}").touch()
+    time.sleep(600)
+
+if sys.argv[1] == "copies":  # write_profiles' concurrent copies (spawn): each runs _write_profiles
+    from mist.engine.profiler import layer
+    layer._write_profiles = lambda out, job, progress: bar_then_wait()
+
+if __name__ == "__main__":
+    import torch
+    from measure.parallel import sigterm_as_interrupt
+    from mist.engine.profiler import ranks, write_profiles
+    sigterm_as_interrupt()
+    if sys.argv[1] == "copies":
+        write_profiles(Path(os.environ["TMPDIR"]), "cpu", 64, 4, 16, [1], [1], torch.float32, "cpu",
+                       concurrent=3)
+    else:  # the collective benchmarks' ranks (forkserver)
+        ranks.run_ranks(bar_then_wait, 2, (), 1)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("children", "sig", "group"), [("copies", signal.SIGINT, True), ("ranks", signal.SIGTERM, False)]
+)
+def test_interrupted_profile_leaks_no_semaphore(tmp_path, run_tmp, children, sig, group):
+    """L6: interrupted while the profile's copies ran (`artifacts.mist_vs_megatron.run --parts
+    engine`), the run ended with multiprocessing's resource tracker saying "There appear to be 1
+    leaked semaphore objects to clean up at shutdown": tqdm's class-wide lock, made by a copy's
+    first bar, is there a named semaphore, and a child ended by a signal never unlinks it. Now the
+    children the profiler starts (its copies, its benchmarks' ranks) keep tqdm to a thread lock."""
+    script = tmp_path / "bar_child.py"
+    script.write_text(_BAR_CHILD)
+    command = [sys.executable, str(script), children]
+
+    def busy(cmds: dict[int, str]) -> bool:  # every child has drawn its bar
+        return len(list(run_tmp.glob("bar-*"))) >= 2
+
+    proc = _kill_when_busy(uuid.uuid4().hex, command, sig, busy, tmp=run_tmp, group=group)
+    err = proc.stderr.read().decode()
+    assert proc.returncode != 0 and "KeyboardInterrupt" in err, err[-2000:]
+    assert "leaked semaphore" not in err, err[-2000:]

@@ -126,8 +126,22 @@ def sigterm_as_interrupt() -> None:
         signal.signal(sig, interrupt)
 
 
+def no_tqdm_semaphore() -> None:
+    """For a process multiprocessing started by spawn or forkserver, first thing: tqdm's class-wide
+    lock (made by the first bar, torch.compile's among them) without its multiprocessing half.
+    There that half is a named semaphore registered with the parent's resource tracker, unlinked
+    only when garbage-collected, which a child ended by a signal (an interrupted run terminates
+    its children) or by multiprocessing's os._exit never is: the tracker then printed "There
+    appear to be 1 leaked semaphore objects" as the run ended. Such a child shares no bar with
+    another process: tqdm's thread lock is all it needs."""
+    from tqdm.std import TqdmDefaultWriteLock
+
+    TqdmDefaultWriteLock.mp_lock = None  # read by create_mp_lock: no multiprocessing lock made
+
+
 def _init_worker(parent: int) -> None:
     die_with_parent(parent)
+    no_tqdm_semaphore()
     import torch
 
     torch.set_num_threads(1)  # fake-tensor estimates are Python-bound: one process per core instead

@@ -342,9 +342,10 @@ def write_profiles(
 def _profile_copy(parent: int, job: ProfileJob, started, scratch: Path) -> None:
     """A copy of the profile that only keeps the measured one company (its results dropped into
     ``scratch``, which the measured one made and removes)."""
-    from measure.parallel import die_with_parent
+    from measure.parallel import die_with_parent, no_tqdm_semaphore
 
     die_with_parent(parent)
+    no_tqdm_semaphore()  # it compiles Tempo's ops (a tqdm bar) and ends by SIGTERM
     torch.set_num_threads(job.threads or 1)
     started.set()  # imports done: from here on it competes for the cores
     while True:  # until the measured copy is done and terminates this one

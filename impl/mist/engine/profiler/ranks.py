@@ -68,9 +68,10 @@ def _rank_main(rank: int, launcher: int, worker: Callable, *args) -> None:
     """A benchmark rank: dies with the server that forked it and with ``launcher``, the process
     that launched it (the server outlives ``launcher`` while its ranks live: they hold its
     liveness pipe), then ``worker(rank, *args)``."""
-    from measure.parallel import die_with_launcher
+    from measure.parallel import die_with_launcher, no_tqdm_semaphore
 
     die_with_launcher(launcher)
+    no_tqdm_semaphore()  # an interrupted run kills its ranks
     worker(rank, *args)
 
 
