@@ -36,6 +36,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, TextIO
 
+from .parallel import raise_if_interrupted
 from .strict import json_data, read_json_file
 
 PACKAGES = ("torch", "triton", "transformers", "megatron-core", "numpy", "scipy", "sympy", "highspy")
@@ -418,11 +419,13 @@ class ResultFile(Results):
         }
         self._put(Point(key, result, provenance))
         self._write()
+        raise_if_interrupted()  # kept (whole, computed apart), then the run stops as asked
 
     def compute(self, key: Key, fn: Callable[[], Any]) -> Any:
         if not self.done(key):
             t0 = time.perf_counter()
             result = fn()
+            raise_if_interrupted()  # not kept: measured while an interrupt was swallowed in it
             self.add(key, result, time.perf_counter() - t0)
         return self.get(key).result
 

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .parallel import raise_if_interrupted
+
 
 @dataclass
 class Timing:
@@ -20,7 +22,8 @@ class Timing:
 
 def time_fn(fn: Callable[[], object], device: str = "cpu", warmup: int = 2, repeats: int = 5) -> Timing:
     for _ in range(warmup):
-        fn()
+        fn()  # the first call may compile: a Ctrl-C swallowed there stops the timing here
+        raise_if_interrupted()
     samples: list[float] = []
     cuda = device.startswith("cuda")
     for _ in range(repeats):
@@ -35,6 +38,7 @@ def time_fn(fn: Callable[[], object], device: str = "cpu", warmup: int = 2, repe
             t0 = time.perf_counter()
             fn()
             samples.append(time.perf_counter() - t0)
+        raise_if_interrupted()
     return Timing(
         statistics.median(samples),
         statistics.fmean(samples),
