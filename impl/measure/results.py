@@ -22,11 +22,13 @@ from __future__ import annotations
 
 import contextlib
 import datetime as _dt
+import errno
 import fcntl
 import json
 import os
 import platform
 import secrets
+import stat
 import subprocess
 import tempfile
 import time
@@ -57,6 +59,10 @@ class NotAResultsFolderError(ValueError):
 
 class RunLockedError(RuntimeError):
     """Another run is writing to the same results folder."""
+
+
+class NotALockFileError(RunLockedError):
+    """A folder's ``.lock`` is a link, a folder, a FIFO or a device: the folder cannot be locked."""
 
 
 # ---------------------------------------------------------------- provenance
@@ -264,14 +270,54 @@ def lock_folder(folder: Path, busy: str) -> TextIO:
     writer a folder (a results folder's run, a profile folder's ``mist profile``). Another process
     holding it: ``RunLockedError(busy)`` at once, nothing waited for. The lock goes with the
     process, however it ends (a kill included); the empty ``.lock`` file stays (removing it would
-    let a third process lock a new file while a second still holds the old one)."""
-    lock = open(folder / ".lock", "w")  # noqa: SIM115 (held for the writer's lifetime)
+    let a third process lock a new file while a second still holds the old one). A ``.lock`` that
+    is not a regular file is refused (``NotALockFileError``), never opened through."""
+    path = folder / ".lock"
+    _refuse_unless_regular(path)  # before opening: a device's open alone can act
     try:
+        # no O_TRUNC: the lock is the flock, not the content, and a .lock hard-linked to a result
+        # file must not empty it; O_NOFOLLOW: a link is never written through; O_NONBLOCK: a FIFO
+        # put in place since the check is not waited on (its open fails or returns at once)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o666)
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO):  # a link, a folder, a FIFO after all
+            raise NotALockFileError(_not_a_lock_file(path, "not a regular file")) from None
+        raise
+    lock = os.fdopen(fd, "w")
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):  # swapped in between the check and the open
+            raise NotALockFileError(_not_a_lock_file(path, "not a regular file"))
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         lock.close()
         raise RunLockedError(busy) from None
+    except BaseException:
+        lock.close()
+        raise
     return lock
+
+
+def _refuse_unless_regular(path: Path) -> None:
+    """``path`` is absent or a regular file (not a link to one): otherwise NotALockFileError."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISREG(mode):
+        raise NotALockFileError(_not_a_lock_file(path, f"a {_kind(mode)}"))
+
+
+def _kind(mode: int) -> str:
+    """What a non-regular file is, in words."""
+    kinds = ((stat.S_ISLNK, "symbolic link"), (stat.S_ISDIR, "folder"), (stat.S_ISFIFO, "FIFO"))
+    return next((word for test, word in kinds if test(mode)), "device or socket")
+
+
+def _not_a_lock_file(path: Path, what: str) -> str:
+    return (
+        f"{path}: {what}; a folder's .lock must be a regular file or absent (it is never written "
+        "through): move it aside"
+    )
 
 
 def unlock_folder(lock: TextIO) -> None:

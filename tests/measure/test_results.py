@@ -334,3 +334,62 @@ def test_a_folder_of_the_repositorys_own_json_files_is_refused_as_results(tmp_pa
     copy = tmp_path / "copy"
     shutil.copytree(presets, copy)
     _check_results_folder(copy)  # taken: not the repository's
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", ["link to a result file", "link outside", "FIFO", "folder"])
+def test_a_lock_that_is_not_a_regular_file_is_refused_and_nothing_written_through(tmp_path, kind):
+    """``.lock`` was opened with open(..., "w"): a link to the folder's sim.json emptied it (85 kB of
+    points lost), a link outside truncated its target, a FIFO blocked the run until killed, a
+    folder gave an IsADirectoryError traceback. Each is refused in one line naming it, nothing
+    written; the folder's points stay."""
+    from measure.results import lock_folder
+
+    folder, outside = tmp_path / "r", tmp_path / "victim.txt"
+    with open_run(folder, {"x": 1}) as run:
+        run.file("sim.json").add({"k": 1}, 1.0)
+    outside.write_text("kept")
+    lock, sim = folder / ".lock", folder / "sim.json"
+    before = sim.read_bytes()
+    lock.unlink()
+    {
+        "link to a result file": lambda: lock.symlink_to("sim.json"),
+        "link outside": lambda: lock.symlink_to(outside),
+        "FIFO": lambda: os.mkfifo(lock),  # no reader: an open for writing would wait for one
+        "folder": lambda: lock.mkdir(),
+    }[kind]()
+    # lock_folder is what mist profile and gpu_check call; a run checks its folder first (that
+    # refuses a FIFO or a folder as "not results"), then locks it
+    attempts = [lambda: lock_folder(folder, "busy")] + [lambda: Run(folder, {"x": 2})] * kind.startswith(
+        "link"
+    )
+    for attempt in attempts:
+        with pytest.raises(RunLockedError) as e:
+            attempt()
+        message = str(e.value)
+        assert message.startswith(f"{lock}: ") and "must be a regular file or absent" in message, message
+        assert "\n" not in message
+    assert sim.read_bytes() == before and outside.read_text() == "kept"
+    assert len(Results.load(sim)) == 1
+
+
+def test_a_lock_file_is_never_truncated(tmp_path):
+    """The lock is the flock, not the file's content: a ``.lock`` hard-linked to a result file
+    keeps its bytes (open(..., "w") truncated it). Control: an absent ``.lock`` is made, and the
+    lock still excludes a second writer."""
+    from measure.results import lock_folder, unlock_folder
+
+    folder = tmp_path / "r"
+    with open_run(folder, {"x": 1}) as run:
+        run.file("sim.json").add({"k": 1}, 1.0)
+    before = (folder / "sim.json").read_bytes()
+    (folder / ".lock").unlink()
+    os.link(folder / "sim.json", folder / ".lock")
+    held = lock_folder(folder, "busy")
+    with pytest.raises(RunLockedError, match="busy"):
+        lock_folder(folder, "busy")
+    unlock_folder(held)
+    assert (folder / "sim.json").read_bytes() == before
+    (folder / ".lock").unlink()
+    unlock_folder(lock_folder(folder, "busy"))
+    assert (folder / ".lock").is_file()
