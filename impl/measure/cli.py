@@ -6,6 +6,8 @@ import argparse
 import os
 from pathlib import Path
 
+from .results import check_replaceable
+
 
 class OneLineParser(argparse.ArgumentParser):
     """Bad input: one line on stderr (no usage block; ``--help`` shows it), exit status 2. Its
@@ -23,6 +25,7 @@ def check_writable_file(path: Path, suffixes: tuple[str, ...] = ()) -> None:
         raise ValueError(f"{path}: written as {names}")
     if path.is_dir():
         raise ValueError(f"{path}: a folder; give the file's name")
+    check_replaceable(path)  # a device, FIFO or link would become a regular file
     if not path.parent.is_dir():
         raise ValueError(f"{path}: folder {path.parent} does not exist")
     if not os.access(path.parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):

@@ -147,8 +147,10 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     """A temporary file beside ``path`` for the block to write (by any means: text, a tarball);
     synced and renamed over ``path`` when the block ends, removed if it raises. ``path`` then holds
     what it held before or the whole new file, never a torn one (a kill in between leaves a
-    ``.<name>.*.tmp`` beside it, not half a file)."""
+    ``.<name>.*.tmp`` beside it, not half a file). Only a regular file is replaced
+    (``check_replaceable``), checked before the block and again before the rename."""
     path = Path(path)
+    check_replaceable(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
@@ -159,10 +161,22 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
         yield Path(tmp)
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
+        check_replaceable(path)  # the block can take long (a tarball): something put there since
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def check_replaceable(path: str | os.PathLike) -> None:
+    """``path`` is absent or a regular file, so a new file may be renamed over it: a rename would
+    turn a device, a FIFO or a link into a regular file (as root, ``/dev/null``). ValueError, one
+    line, otherwise."""
+    if (kind := not_regular(path)) is not None:
+        raise ValueError(
+            f"{path}: {kind}, not a regular file; a file is written only as a new one or over a "
+            "regular file: give another path"
+        )
 
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> None:
@@ -273,7 +287,8 @@ def lock_folder(folder: Path, busy: str) -> TextIO:
     let a third process lock a new file while a second still holds the old one). A ``.lock`` that
     is not a regular file is refused (``NotALockFileError``), never opened through."""
     path = folder / ".lock"
-    _refuse_unless_regular(path)  # before opening: a device's open alone can act
+    if (kind := not_regular(path)) is not None:  # before opening: a device's open alone can act
+        raise NotALockFileError(_not_a_lock_file(path, kind))
     try:
         # no O_TRUNC: the lock is the flock, not the content, and a .lock hard-linked to a result
         # file must not empty it; O_NOFOLLOW: a link is never written through; O_NONBLOCK: a FIFO
@@ -297,20 +312,17 @@ def lock_folder(folder: Path, busy: str) -> TextIO:
     return lock
 
 
-def _refuse_unless_regular(path: Path) -> None:
-    """``path`` is absent or a regular file (not a link to one): otherwise NotALockFileError."""
+def not_regular(path: str | os.PathLike) -> str | None:
+    """What ``path`` is, in words ("a FIFO"), where it exists and is not a regular file; None where
+    it is absent or a regular file. lstat: a symbolic link is one, whatever it points to."""
     try:
         mode = os.lstat(path).st_mode
     except FileNotFoundError:
-        return
-    if not stat.S_ISREG(mode):
-        raise NotALockFileError(_not_a_lock_file(path, f"a {_kind(mode)}"))
-
-
-def _kind(mode: int) -> str:
-    """What a non-regular file is, in words."""
-    kinds = ((stat.S_ISLNK, "symbolic link"), (stat.S_ISDIR, "folder"), (stat.S_ISFIFO, "FIFO"))
-    return next((word for test, word in kinds if test(mode)), "device or socket")
+        return None
+    if stat.S_ISREG(mode):
+        return None
+    kinds = ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"))
+    return next((word for test, word in kinds if test(mode)), "a device or socket")
 
 
 def _not_a_lock_file(path: Path, what: str) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import subprocess
 import sys
 
@@ -393,3 +394,41 @@ def test_a_lock_file_is_never_truncated(tmp_path):
     (folder / ".lock").unlink()
     unlock_folder(lock_folder(folder, "busy"))
     assert (folder / ".lock").is_file()
+
+
+def _not_regular_files(tmp_path) -> dict:
+    """A FIFO, links (to a file, to a device) and, where this user may make one, a device node:
+    each a path a write must not turn into a regular file."""
+    (tmp_path / "victim.txt").write_text("kept")
+    made = {"fifo": tmp_path / "f.json", "link": tmp_path / "l.json", "link-to-device": tmp_path / "d.json"}
+    os.mkfifo(made["fifo"])
+    made["link"].symlink_to(tmp_path / "victim.txt")
+    made["link-to-device"].symlink_to(os.devnull)
+    try:
+        os.mknod(tmp_path / "null.json", 0o666 | stat.S_IFCHR, os.makedev(1, 3))  # /dev/null's numbers
+        made["device"] = tmp_path / "null.json"
+    except PermissionError:  # not root: no device node to try
+        pass
+    return made
+
+
+@pytest.mark.timeout(60)
+def test_a_write_never_replaces_what_is_not_a_regular_file(tmp_path):
+    """atomic_path renamed its temporary file over whatever was at the path: a device node, a
+    FIFO and a link each became a regular file (as root, Plan.save("/dev/null") would replace the
+    machine's /dev/null). Refused in one line, before writing, each left as it was; control: a
+    new file and a regular file are written."""
+    from measure.results import write_text_atomic
+
+    for kind, path in _not_regular_files(tmp_path).items():
+        before = os.lstat(path)
+        with pytest.raises(ValueError, match=r"not a regular file; a file is written only as a new one") as e:
+            write_text_atomic(path, "new")
+        assert str(e.value).startswith(f"{path}: ") and "\n" not in str(e.value), kind
+        after = os.lstat(path)
+        assert (after.st_mode, after.st_ino) == (before.st_mode, before.st_ino), kind
+    assert (tmp_path / "victim.txt").read_text() == "kept"
+    assert not list(tmp_path.glob(".*.tmp"))
+    for path in (tmp_path / "new.json", tmp_path / "victim.txt"):
+        write_text_atomic(path, "new")
+        assert path.read_text() == "new"

@@ -285,3 +285,31 @@ def test_what_runs_leaves_out_the_predictions():
     assert priced.stages[0].memory_bytes is not None and plain.what_runs() == priced.what_runs()
     other = Plan.of(m, c, stages=[StagePlan(layers=m.layers, recompute=1)], **fields)
     assert other.what_runs() != plain.what_runs()
+
+
+@pytest.mark.timeout(60)
+def test_a_plan_is_never_saved_over_what_is_not_a_regular_file(tmp_path, capsys):
+    """Plan.save replaced a FIFO, a character device and a link with a regular file (atomic_path's
+    rename); ``mist plan --out`` at one ran the search first. Each is refused in one line, the path
+    left as it was, the command's before its search."""
+    import os
+
+    from mist import cluster, model
+    from mist.__main__ import main
+
+    m = model("gpt3-tiny")
+    plan = Plan.of(
+        m, cluster("cpu", 2), global_batch=8, tp=1, dp=2, micro_batch=4, stages=[StagePlan(layers=m.layers)]
+    )
+    fifo, link = tmp_path / "p.yaml", tmp_path / "l.yaml"
+    os.mkfifo(fifo)
+    link.symlink_to(os.devnull)
+    for path in (fifo, link):
+        with pytest.raises(ValueError, match="not a regular file") as e:
+            plan.save(path)
+        assert str(e.value).startswith(f"{path}: ") and "\n" not in str(e.value)
+        argv = ["plan", "--model", "gpt3-tiny", "--gpu", "cpu", "--gpus", "2", "--global-batch", "8"]
+        assert main([*argv, "--quiet", "--out", str(path)]) == 2
+        out, err = capsys.readouterr()
+        assert "not a regular file" in err and err.count("\n") == 1 and "predicted" not in out, (out, err)
+    assert os.path.islink(link) and not fifo.is_file()
