@@ -159,7 +159,11 @@ def experiment_run(args: argparse.Namespace, experiment: Experiment) -> Iterator
         )
         raise SystemExit(130) from None
     if args.update_reference:
-        for path in update_reference(args.results, experiment.reference_dir, run.run_id):
+        try:
+            written = update_reference(args.results, experiment.reference_dir, run.run_id)
+        except (RunLockedError, ResultFileError) as e:  # another promotion held on; a broken reference
+            raise SystemExit(f"error: {e}") from None
+        for path in written:
             print(f"reference updated: {path}")
 
 

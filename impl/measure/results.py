@@ -279,13 +279,14 @@ class Results:
 # ---------------------------------------------------------------- runs
 
 
-def lock_folder(folder: Path, busy: str) -> TextIO:
+def lock_folder(folder: Path, busy: str, wait_s: float = 0.0) -> TextIO:
     """Hold ``folder``'s lock (its ``.lock`` file, flock'd) while the returned file is open: one
     writer a folder (a results folder's run, a profile folder's ``mist profile``). Another process
-    holding it: ``RunLockedError(busy)`` at once, nothing waited for. The lock goes with the
-    process, however it ends (a kill included); the empty ``.lock`` file stays (removing it would
-    let a third process lock a new file while a second still holds the old one). A ``.lock`` that
-    is not a regular file is refused (``NotALockFileError``), never opened through."""
+    holding it: ``RunLockedError(busy)`` at once, or after waiting up to ``wait_s`` for it to end
+    (never without bound). The lock goes with the process, however it ends (a kill included); the
+    empty ``.lock`` file stays (removing it would let a third process lock a new file while a
+    second still holds the old one). A ``.lock`` that is not a regular file is refused
+    (``NotALockFileError``), never opened through."""
     path = folder / ".lock"
     if (kind := not_regular(path)) is not None:  # before opening: a device's open alone can act
         raise NotALockFileError(_not_a_lock_file(path, kind))
@@ -302,14 +303,25 @@ def lock_folder(folder: Path, busy: str) -> TextIO:
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):  # swapped in between the check and the open
             raise NotALockFileError(_not_a_lock_file(path, "not a regular file"))
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        lock.close()
-        raise RunLockedError(busy) from None
+        if not _flock_within(lock, wait_s):
+            raise RunLockedError(busy)
     except BaseException:
         lock.close()
         raise
     return lock
+
+
+def _flock_within(lock: TextIO, wait_s: float) -> bool:
+    """Whether ``lock``'s exclusive flock was had within ``wait_s`` (polled: flock has no timeout)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
 
 
 def not_regular(path: str | os.PathLike) -> str | None:
@@ -544,21 +556,42 @@ def open_run(results_dir: str | os.PathLike, config: dict[str, Any], fresh: bool
     return run
 
 
+# A promotion writes a few files in seconds: one ahead of this one is waited for, a stuck one not.
+REFERENCE_WAIT_S = 60.0
+
+
 def update_reference(
     results_dir: str | os.PathLike, reference_dir: str | os.PathLike, run_id: str
 ) -> list[Path]:
     """Make run ``run_id``'s points the reference: each replaces the reference point with the same
-    key; reference points of other keys stay. Returns the reference files written."""
-    written = []
-    for path in sorted(Path(results_dir).glob("*.json")):
-        if path.name == RUN_MANIFEST:
-            continue
-        new = [p for p in Results.load(path) if p.provenance.get("run_id") == run_id]
-        if not new:
-            continue
-        ref = Results.load(Path(reference_dir) / path.name)
-        for p in new:
-            ref._put(p)
-        ref._write()
-        written.append(ref.path)
-    return written
+    key; reference points of other keys stay. Returns the reference files written. Holds the
+    reference folder's lock (``lock_folder``, waiting up to ``REFERENCE_WAIT_S``): two runs
+    promoting at once each read, add to and write a file, and the later write dropped the
+    earlier's points."""
+    reference_dir = Path(reference_dir)
+    reference_dir.mkdir(parents=True, exist_ok=True)
+    lock = lock_folder(
+        reference_dir,
+        f"another run has been updating {reference_dir} for {REFERENCE_WAIT_S:g} s; this run's points "
+        f"are kept in {results_dir}: rerun with --update-reference once it has ended",
+        wait_s=REFERENCE_WAIT_S,
+    )
+    try:
+        written = []
+        for path in sorted(Path(results_dir).glob("*.json")):
+            if path.name == RUN_MANIFEST:
+                continue
+            if new := [p for p in Results.load(path) if p.provenance.get("run_id") == run_id]:
+                written.append(_promote(new, reference_dir / path.name))
+        return written
+    finally:
+        unlock_folder(lock)
+
+
+def _promote(points: list[Point], reference: Path) -> Path:
+    """``points`` put into the reference file ``reference`` (read now, under its folder's lock)."""
+    ref = Results.load(reference)
+    for p in points:
+        ref._put(p)
+    ref._write()
+    return ref.path
