@@ -136,7 +136,24 @@ def _canonical(obj: Any, where: str = "") -> Any:
 
 def key_id(key: Key) -> str:
     """A point's identity: its key serialised canonically (never parsed back)."""
-    return json.dumps(_canonical(key), sort_keys=True)
+    return _json_text(_canonical(key))
+
+
+def _json_text(data: Any) -> str:
+    """JSON data as text that is equal exactly where the data are equal as JSON values: a whole
+    float written as its integer (2.0 and 2 are one number; ``select`` matched them while the
+    identities differed), true and 1 apart (Python's == would not tell them)."""
+    return json.dumps(_whole_as_int(data), sort_keys=True)
+
+
+def _whole_as_int(data: Any) -> Any:
+    if isinstance(data, float) and data.is_integer():
+        return int(data)
+    if isinstance(data, dict):
+        return {k: _whole_as_int(v) for k, v in data.items()}
+    if isinstance(data, list):
+        return [_whole_as_int(v) for v in data]
+    return data
 
 
 # ---------------------------------------------------------------- files
@@ -233,14 +250,18 @@ class Results:
             raise ResultFileError(
                 f"{path}: a point lacks key, result or provenance ({e!r}); {advice}"
             ) from None
-        seen: set[str] = set()
+        seen: dict[str, int] = {}
         for n, p in enumerate(points):
             if not isinstance(p.key, dict) or not isinstance(p.provenance, dict):
                 raise ResultFileError(f"{path}: point {n}: its key and provenance must be mappings; {advice}")
             # two points of one key: which one a reader gets would be an accident of the file's order
             if (k := key_id(p.key)) in seen:
-                raise ResultFileError(f"{path}: point {n} repeats the key {k}; {advice}")
-            seen.add(k)
+                raise ResultFileError(
+                    f"{path}: point {n} repeats the key of point {seen[k]}, "
+                    f"{json.dumps(p.key, sort_keys=True)} (keys compare as JSON values: 2 and 2.0 are one "
+                    f"number); {advice}"
+                )
+            seen[k] = n
         return cls(path, points)
 
     def __len__(self) -> int:
@@ -254,8 +275,10 @@ class Results:
 
     def select(self, **fields: Any) -> list[Point]:
         """Every point whose key has these values (in the order they were first added)."""
-        want = _canonical(fields)
-        return [p for p in self._points.values() if all(p.key.get(k) == v for k, v in want.items())]
+        want = {k: _json_text(v) for k, v in _canonical(fields).items()}  # as key_id compares them
+        return [
+            p for p in self._points.values() if all(_json_text(p.key.get(k)) == v for k, v in want.items())
+        ]
 
     def one(self, **fields: Any) -> Point | None:
         """The point matching ``fields``, None if none; several matching is an error."""

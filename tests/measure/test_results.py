@@ -253,6 +253,29 @@ def test_a_promotion_waits_a_bounded_time_then_refuses_in_one_line(tmp_path, mon
     assert update_reference(tmp_path / "results", reference, run.run_id) == [reference / "r.json"]
 
 
+def test_keys_compare_as_json_values(tmp_path):
+    """Two points whose keys differ only as 2 and 2.0 loaded as two (their identities were their
+    JSON texts), while ``select`` matched both, so a claim's ``one`` raised a LookupError
+    traceback. 2 and 2.0 are one JSON number: such a file is refused in one line naming it and
+    the key; identity and ``select`` agree (a whole float finds its integer, true is not 1)."""
+    path = tmp_path / "kernels_cpu.json"
+    point = lambda key: {"key": key, "result": 1.0, "provenance": {}}
+    write_json_atomic(
+        path, {"format": FORMAT, "points": [point({"processes": 2}), point({"processes": 2.0})]}
+    )
+    with pytest.raises(ResultFileError) as e:
+        Results.load(path)
+    message = str(e.value)
+    assert message.startswith(f"{path}: point 1 repeats the key of point 0, ") and "\n" not in message
+    assert '{"processes": 2.0}' in message and "2 and 2.0 are one number" in message, message
+    points = [point({"n": 2.0, "flag": True}), point({"n": 3, "flag": 1})]
+    write_json_atomic(path, {"format": FORMAT, "points": points})
+    loaded = Results.load(path)  # true and 1 are two values
+    assert loaded.get({"n": 2, "flag": True}).key == {"n": 2.0, "flag": True}
+    assert [p.key["n"] for p in loaded.select(n=2)] == [2.0] and loaded.one(flag=True).key["n"] == 2.0
+    assert loaded.one(flag=1).key["n"] == 3 and loaded.select(n=2.5) == []
+
+
 def test_write_json_atomic_leaves_no_partial_file(tmp_path):
     path = tmp_path / "out.json"
     write_json_atomic(path, {"ok": 1})
