@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from measure.cli import OneLineParser
-from measure.results import ResultFileError, Results
+from measure.results import ResultFileError, Results, write_text_atomic
 
 from .experiment import ARTIFACTS
 from .verdicts import (
@@ -280,9 +280,11 @@ def generated(path: Path, markers: tuple[str, str]) -> str:
 
 
 def _write_generated(path: Path, markers: tuple[str, str], content: str) -> None:
+    """``path`` with its generated part replaced, whole or not at all (a tracked file: a kill
+    mid-write would leave it cut short)."""
     text = path.read_text()
     start, stop = _span(text, markers)
-    path.write_text(text[:start] + content + text[stop:])
+    write_text_atomic(path, text[:start] + content + text[stop:])
 
 
 def write_readme() -> None:

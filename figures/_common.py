@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT / "impl"))  # measure.results without installing the
 sys.path.insert(0, str(ROOT))
 
 from measure.cli import OneLineParser  # noqa: E402
-from measure.results import ResultFileError, Results  # noqa: E402
+from measure.results import ResultFileError, Results, atomic_path  # noqa: E402
 
 _SOURCE = {"reference": False}
 
@@ -84,11 +84,14 @@ def source_note(results: Results) -> str:
 
 
 def finish(fig, title: str, results: Results, name: str, rect=(0, 0, 1, 1), note: str = "") -> Path:
-    """Title with the results' provenance, tight layout, save under figures/<source>/, close."""
+    """Title with the results' provenance, tight layout, save under figures/<source>/ (whole or
+    not at all), close."""
     fig.suptitle(f"{title}\n{source_note(results)}{note}", fontsize=9)
     fig.tight_layout(rect=rect)
     out = Path(__file__).parent / source_name() / name
     out.parent.mkdir(exist_ok=True)
-    fig.savefig(out, dpi=130)
+    # beside it, then renamed: a kill mid-save left a committed reference figure truncated
+    with atomic_path(out) as tmp:
+        fig.savefig(tmp, dpi=130, format=out.suffix.removeprefix("."))
     plt.close(fig)
     return out

@@ -61,3 +61,59 @@ def test_broken_results_are_one_line(copy, broken):
     last = err.splitlines()[-1]  # (matplotlib may warn first, about a panel left empty)
     assert done.returncode == 1 and last.startswith("error: ") and "Traceback" not in err, err
     assert "sim.json" in last or "artifacts/cta_mlp/results/" in last
+
+
+def test_a_figure_is_saved_whole_or_not_at_all(tmp_path, monkeypatch):
+    """finish saved the PNG in place: a kill mid-save left a committed reference figure truncated
+    (probe 5: "cannot identify image file"). At every moment of a save the figure is the old one
+    or the new one: checked from inside a save cut short; a save that completes is a PNG."""
+    import matplotlib.pyplot as plt
+
+    from figures import _common
+    from measure.results import Point, Results
+
+    (tmp_path / "figures").mkdir()
+    monkeypatch.setattr(_common, "__file__", str(tmp_path / "figures" / "_common.py"))
+    out = tmp_path / "figures" / "results" / "x.png"
+    provenance = {"git": {"commit": "0" * 40, "dirty": False}, "device": {"device": "cpu"}}
+    results = Results(
+        tmp_path / "r.json", [Point({"k": 1}, 1.0, {**provenance, "finished_utc": "2026-12-04"})]
+    )
+    fig = plt.figure()
+    assert _common.finish(fig, "t", results, "x.png") == out
+    old = out.read_bytes()
+    assert old.startswith(b"\x89PNG\r\n\x1a\n")
+    seen = []
+
+    class Killed(plt.Figure):
+        def savefig(self, target, **kwargs):
+            with open(target, "wb") as f:
+                f.write(old[:100])  # half written
+            seen.append(out.read_bytes())  # what a kill now would leave
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        _common.finish(plt.figure(FigureClass=Killed), "t", results, "x.png")
+    assert seen == [old] and out.read_bytes() == old
+    assert sorted(p.name for p in out.parent.iterdir()) == ["x.png"]  # no temporary file left
+
+
+def test_the_generated_docs_are_written_whole_or_not_at_all(tmp_path, monkeypatch):
+    """claims --write-readme rewrote README.md and docs/claims.md in place; cut short before the
+    new text is on disk, the old file stays (checked by failing the sync before the rename)."""
+    from artifacts import claims
+
+    path = tmp_path / "README.md"
+    old = f"before\n{claims.SUMMARY[0]}\nold summary\n{claims.SUMMARY[1]}\nafter\n"
+    path.write_text(old)
+
+    def killed(fd):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(os, "fsync", killed)
+    with pytest.raises(KeyboardInterrupt):
+        claims._write_generated(path, claims.SUMMARY, "new summary\n")
+    assert path.read_text() == old and [p.name for p in tmp_path.iterdir()] == ["README.md"]
+    monkeypatch.undo()
+    claims._write_generated(path, claims.SUMMARY, "new summary\n")
+    assert path.read_text() == old.replace("old summary", "new summary")
