@@ -12,7 +12,9 @@ rule, each saying whether ours is measured (on what) or predicted (by which mode
 principled targets (holds / BROKEN); numbers shown for context, never judged. Regression pins
 compare this run with the committed reference and are never in a verdict. The command exits
 non-zero if a bound is broken without a known cause, or (``--pins``) a pinned number moved; a
-paper claim that does not reproduce is a finding, not a failure.
+paper claim that does not reproduce is a finding, not a failure. A result file that cannot be
+judged (unreadable, a value of the wrong type, a NaN or an infinity in a point) is one line and
+exit status 2.
 """
 
 from __future__ import annotations
@@ -330,12 +332,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.pins and args.against:
         ap.error("--pins compares this run with the reference; drop --against")
     experiments = tuple(args.experiments) or EXPERIMENTS
-    if args.markdown:
-        print(markdown(), end="")
-        return 0
-    if args.write_readme:
-        write_readme()
-        print(f"claims written to {CLAIMS_DOC} and {README}")
+    if args.markdown or args.write_readme:
+        try:  # the reference, read as the table reads it: a broken file or a NaN in it is one line
+            if args.markdown:
+                print(markdown(), end="")
+            else:
+                write_readme()
+                print(f"claims written to {CLAIMS_DOC} and {README}")
+        except ResultFileError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
         return 0
     if args.pins:
         try:

@@ -18,6 +18,7 @@ imports none of them.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -265,17 +266,18 @@ def format_value(value: float | tuple[float, float] | None, unit: str, signed: b
 
 
 def read(value: Callable[[Results], object], results: Results) -> float | tuple[float, float] | None:
-    """``value`` of ``results``: None when a point it needs is missing (not run) or it is NaN.
-    Raises ResultFileError, naming the file, where a point holds a value of the wrong type or
-    lacks a field (a file edited or written by other code: never a traceback)."""
+    """``value`` of ``results``: None when a point it needs is missing (not run). Raises
+    ResultFileError, naming the file, where a point holds a value of the wrong type or lacks a
+    field (a file edited or written by other code: never a traceback), where a point holds a NaN
+    or an infinity (``check_finite``), or where the value comes out NaN: a computation that
+    failed is never judged as holding, nor read as not run."""
+    check_finite(results)  # first: ResultFileError is a ValueError, which the wrapping below catches
     try:
         got = value(results)
         for x in got if isinstance(got, tuple) else (got,):
             if x is not None and not real(x):  # "0.0" would pass float(); True is 1
                 raise TypeError(f"{x!r} is not a number")
-        if isinstance(got, tuple):
-            return tuple(float(x) for x in got)
-        return None if got is None or (isinstance(got, float) and math.isnan(got)) else float(got)
+        ours = None if got is None else tuple(float(x) for x in got) if isinstance(got, tuple) else float(got)
     except Missing:
         return None
     except (TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
@@ -283,3 +285,35 @@ def read(value: Callable[[Results], object], results: Results) -> float | tuple[
             f"{results.path}: a point holds a value of the wrong type or lacks a field "
             f"({type(e).__name__}: {e}); rerun the part that writes it, or move the file aside"
         ) from None
+    if ours is not None and any(math.isnan(x) for x in (ours if isinstance(ours, tuple) else (ours,))):
+        raise ResultFileError(
+            f"{results.path}: a claim's value comes out NaN from its finite points (0/0, inf - inf): "
+            "not judged; fix the claim's value function"
+        )
+    return ours
+
+
+def check_finite(results: Results) -> None:
+    """Every number the points of ``results`` hold is finite. A NaN is a computation that failed (a
+    kernel that writes NaN gives a NaN error), and Python's max, min and mean drop a NaN unless it
+    comes first, so a claim aggregating it would hold; read as missing, it passed as "not run".
+    ResultFileError, naming the file, the point and the field, otherwise."""
+    for p in results:
+        if (where := _not_finite(p.result, "result")) is not None:
+            raise ResultFileError(
+                f"{results.path}: point {json.dumps(p.key, sort_keys=True)} holds {where}, not a finite "
+                "number: a computation that failed, so no claim is judged on this file; fix what wrote "
+                "it and rerun the part that writes the file, or move the file aside"
+            )
+
+
+def _not_finite(data: object, where: str) -> str | None:
+    """Where in ``data`` (a point's result, JSON data) a number is NaN or infinite, with its value
+    ("result.with_wait.max_abs_error = nan"); None where none is."""
+    if real(data):
+        return None if math.isfinite(data) else f"{where} = {data}"
+    items = data.items() if isinstance(data, dict) else enumerate(data) if isinstance(data, list) else ()
+    for k, v in items:
+        if (found := _not_finite(v, f"{where}.{k}")) is not None:
+            return found
+    return None

@@ -240,3 +240,85 @@ def test_welch_interval_matches_scipy():
     assert low == pytest.approx(ref.low, rel=1e-9, abs=1e-12) and high == pytest.approx(
         ref.high, rel=1e-9, abs=1e-12
     )
+
+
+def _nan_errors(experiment: str, file: str, field: str, which) -> None:
+    """Set ``field`` to NaN in the points of ``experiment``'s results file ``file`` that ``which`` picks."""
+
+    def edit(p):
+        if which(p["key"]):
+            p["result"][field] = float("nan")
+
+    _edit(claims.ARTIFACTS / experiment / "results" / file, edit)
+
+
+@pytest.mark.parametrize(
+    ("experiment", "file", "field", "which", "claim"),
+    [  # a kernel that writes NaN gives a NaN error: max() over the points dropped it
+        ("cta_mlp", "kernels_cpu.json", "ticket_rel_error", lambda k: k.get("check") == "mlp", "cta-kernels"),
+        ("tempo_layer", "gelu_backward.json", "relative_error", lambda k: True, "gelu-backward-fp32"),
+    ],
+)
+def test_a_nan_error_never_holds(copied_artifacts, capsys, experiment, file, field, which, claim):
+    """Probe 5 F1: ``cta-kernels ... 3.2e-07 holds`` and ``gelu-backward-fp32 ... holds`` with NaN
+    errors in the result file (Python's max keeps a NaN only when it comes first). Now one line
+    naming the file, the point and the field, exit 2; the bound is never judged to hold."""
+    assert claims.judge(next(c for c in claims.claims() if c.id == claim), "results").verdict == claims.HOLDS
+    _nan_errors(experiment, file, field, which)
+    assert claims.main([experiment]) == 2
+    out, err = capsys.readouterr()
+    path = copied_artifacts / experiment / "results" / file
+    assert err.startswith(f"error: {path}: point {{") and err.count("\n") == 1, err
+    assert f"holds result.{field} = nan, not a finite number" in err and claims.HOLDS not in out
+
+
+def test_an_infinity_a_claim_aggregates_never_holds(copied_artifacts):
+    """An infinite gain in one case: min() over the cases skipped it and mist-tempo-not-slower held
+    on the others. A point holding an infinity is refused, named."""
+    claim = next(c for c in claims.claims() if c.id == "mist-tempo-not-slower")
+    first = []
+
+    def infinite(p):
+        if "gain" in p["result"] and not first:
+            first.append(p["key"])
+            p["result"]["gain"] = float("inf")
+
+    _edit(copied_artifacts / "mist_vs_megatron" / "results" / "tempo.json", infinite)
+    with pytest.raises(claims.ResultFileError, match=r"holds result\.gain = inf, not a finite number"):
+        claims.judge(claim, "results")
+    assert claims.judge(claim, "reference").verdict == claims.HOLDS  # control: the file untouched
+
+
+def test_a_run_whose_numbers_all_went_nan_fails_the_regression_check(copied_artifacts, capsys):
+    """Probe 5 F23: every number of tempo_layer's results NaN gave "10 regression pins: 0 compared,
+    0 moved", exit 0, and every bound "not yet run": a NaN was read as a point not run."""
+
+    def to_nan(x):
+        if isinstance(x, dict):
+            return {k: to_nan(v) for k, v in x.items()}
+        if isinstance(x, list):
+            return [to_nan(v) for v in x]
+        return float("nan") if isinstance(x, int | float) and not isinstance(x, bool) else x
+
+    for path in (copied_artifacts / "tempo_layer" / "results").glob("*.json"):
+        _edit(path, lambda p: p.update(result=to_nan(p["result"])))
+    for argv in (["--pins", "tempo_layer"], ["tempo_layer"]):
+        assert claims.main(argv) == 2, argv
+        out, err = capsys.readouterr()
+        assert "not a finite number" in err and err.count("\n") == 1 and "0 compared" not in out, (out, err)
+
+
+def test_a_value_that_comes_out_nan_is_not_read_as_not_run(tmp_path):
+    """A claim's value NaN from finite points (0/0) was read as None, "not yet run"; an infinite
+    one stays a value (a ratio over a baseline that fits no batch is infinite, and judged)."""
+    import math
+
+    from artifacts.verdicts import read
+    from measure.results import ResultFileError, Results
+
+    results = Results(tmp_path / "r.json")
+    with pytest.raises(ResultFileError, match=r"r\.json: a claim's value comes out NaN"):
+        read(lambda r: math.nan, results)
+    with pytest.raises(ResultFileError, match="comes out NaN"):
+        read(lambda r: (0.5, math.nan), results)
+    assert read(lambda r: math.inf, results) == math.inf and read(lambda r: (1, 2), results) == (1.0, 2.0)
