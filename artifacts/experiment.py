@@ -141,6 +141,8 @@ def experiment_run(args: argparse.Namespace, experiment: Experiment) -> Iterator
     _refuse_a_reference(Path(args.results))
     try:
         run = open_run(args.results, _plain(config), args.fresh)
+    except BrokenPipeError:  # its line about the run went to a reader already gone: not the folder's fault
+        raise
     except OSError as e:  # the folder cannot be made or written: said without errno's numbers
         raise SystemExit(
             f"error: --results {args.results}: cannot hold a run's results ({e.strerror or e}); give a "

@@ -188,4 +188,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from measure.cli import quiet_broken_pipe
+
+    with quiet_broken_pipe():  # `| head`: ends quietly, status 141
+        sys.exit(main())

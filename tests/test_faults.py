@@ -327,6 +327,36 @@ def test_an_option_a_command_would_ignore_is_refused(module, argv, message, caps
     assert not (tmp_path / "r").exists()
 
 
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    "argv",
+    [
+        pytest.param(["artifacts.cta_mlp.run", "--parts", "sim", "--results", "r"], id="experiment"),
+        pytest.param(
+            ["tempo.maxbatch", "--model", "bert-mini", "--seq", "32", "--gpu-mem", "1GB"], id="maxbatch"
+        ),
+        pytest.param(["artifacts.smoke"], id="smoke", marks=pytest.mark.slow),
+    ],
+)
+def test_a_reader_that_stops_early_ends_the_command_quietly(argv, tmp_path):
+    """``… | head -c1``: the reader gone, the command ends quietly with the shell's status for it
+    (141), as ``mist`` does (the probe round: a BrokenPipeError traceback and status 1 from every
+    experiment driver, the smoke run and tempo.maxbatch). The five experiments end alike (the same
+    lines under __main__), so one stands for all. The reader closes before anything is printed."""
+    command = [sys.executable, "-m", *argv]
+    proc = subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=tmp_path,
+        env=os.environ | {"PYTHONPATH": f"{REPO / 'impl'}{os.pathsep}{REPO}"},
+    )
+    proc.stdout.close()
+    _, err = proc.communicate(timeout=280)
+    assert proc.returncode == 141 and err == "", err
+
+
 _SLOW_INSTALL = """
 import sys
 from artifacts import gpu_check

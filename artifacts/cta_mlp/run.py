@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from measure.cli import quiet_broken_pipe
 from measure.launch import run_torchrun
 from measure.results import ResultFile, Run
 
@@ -267,4 +268,5 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with quiet_broken_pipe():  # `| head`: ends quietly, status 141
+        main()

@@ -39,6 +39,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from measure.cli import quiet_broken_pipe
 from measure.parallel import map_points
 from measure.results import Results, Run
 
@@ -420,4 +421,5 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with quiet_broken_pipe():  # `| head`: ends quietly, status 141
+        main()

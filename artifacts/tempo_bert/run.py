@@ -45,6 +45,7 @@ from tqdm import tqdm
 from transformers.utils import logging as hf_logging
 
 from measure.budget import GpuBudget
+from measure.cli import quiet_broken_pipe
 from measure.memory import PeakReport, search_max_batch
 from measure.parallel import map_points
 from measure.results import ResultFile, Results, Run
@@ -545,4 +546,5 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with quiet_broken_pipe():  # `| head`: ends quietly, status 141
+        main()

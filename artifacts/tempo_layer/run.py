@@ -23,6 +23,7 @@ from transformers.utils import logging as hf_logging
 
 import tempo
 from measure.checks import machine_memory_bytes
+from measure.cli import quiet_broken_pipe
 from measure.saved import cuda_like_dropout, saved_bytes
 from measure.timing import time_fn
 from measure.units import format_bytes
@@ -310,4 +311,5 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with quiet_broken_pipe():  # `| head`: ends quietly, status 141
+        main()

@@ -40,6 +40,7 @@ import torch
 from tqdm import tqdm
 from transformers.utils import logging as hf_logging
 
+from measure.cli import quiet_broken_pipe
 from measure.memory import StepMemoryEstimator
 from measure.parallel import map_points
 from measure.results import ResultFile, Results, Run
@@ -450,4 +451,5 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with quiet_broken_pipe():  # `| head`: ends quietly, status 141
+        main()

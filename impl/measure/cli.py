@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 from .results import check_replaceable
@@ -30,3 +33,25 @@ def check_writable_file(path: Path, suffixes: tuple[str, ...] = ()) -> None:
         raise ValueError(f"{path}: folder {path.parent} does not exist")
     if not os.access(path.parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
         raise ValueError(f"{path}: not writable")
+
+
+def reader_gone() -> int:
+    """stdout's reader stopped early (``| head``): the status to end with quietly, as a shell tool
+    does. stdout then goes to /dev/null, so that the flush at exit has nothing to fail on (it
+    printed "Exception ignored ... BrokenPipeError" and ended with status 120)."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 141  # 128 + SIGPIPE, what the shell reports for such a pipeline
+
+
+@contextlib.contextmanager
+def quiet_broken_pipe() -> Iterator[None]:
+    """A command's body: its reader stopping early ends it quietly with status 141, never a
+    BrokenPipeError traceback. stdout is flushed here, while a failure can still be caught, also
+    when the body ends by ``sys.exit``."""
+    try:
+        try:
+            yield
+        finally:
+            sys.stdout.flush()
+    except BrokenPipeError:
+        raise SystemExit(reader_gone()) from None

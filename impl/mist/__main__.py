@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
 from measure.checks import machine_memory_bytes
-from measure.cli import OneLineParser, check_writable_file
+from measure.cli import OneLineParser, check_writable_file, reader_gone
 from measure.units import format_bytes
 
 from .model.profile_data import ARTIFACT_DATA
@@ -839,8 +839,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"python -m mist {args.command}: error: {e}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # the reader stopped early (``| head``): end quietly, as a shell tool does
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing left to flush at exit
-        return 141  # 128 + SIGPIPE, what the shell reports for such a pipeline
+        return reader_gone()
     except KeyboardInterrupt:
         print(f"python -m mist {args.command}: interrupted (what was already written stays)", file=sys.stderr)
         return 130

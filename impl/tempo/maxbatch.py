@@ -27,7 +27,7 @@ from contextlib import nullcontext
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from measure.budget import GpuBudget
-from measure.cli import OneLineParser
+from measure.cli import OneLineParser, quiet_broken_pipe
 from measure.compiled import compiled_loss
 from measure.memory import (
     DepthExtrapolatedEstimator,
@@ -267,4 +267,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with quiet_broken_pipe():  # `| head`: ends quietly, status 141
+        sys.exit(main())
