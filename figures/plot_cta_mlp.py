@@ -104,8 +104,15 @@ def _suffix(name: str) -> str:
 
 
 if __name__ == "__main__":
-    parse_source(__doc__)
-    draw(
-        "cta_mlp",
-        [functools.partial(f, n) for n in ("sim", "sim_measured") for f in (plot_latency, plot_reduction)],
-    )
+    from measure.parallel import interrupted_in_one_line  # on the path once _common is in
+
+    with interrupted_in_one_line():  # one line, what was written stays
+        parse_source(__doc__)
+        draw(
+            "cta_mlp",
+            [
+                functools.partial(f, n)
+                for n in ("sim", "sim_measured")
+                for f in (plot_latency, plot_reduction)
+            ],
+        )

@@ -199,5 +199,8 @@ def plot_tempo() -> Path | None:
 
 
 if __name__ == "__main__":
-    parse_source(__doc__)
-    draw("mist_vs_megatron", [plot_speedup, plot_tuning_time, plot_ablation, plot_measured, plot_tempo])
+    from measure.parallel import interrupted_in_one_line  # on the path once _common is in
+
+    with interrupted_in_one_line():  # one line, what was written stays
+        parse_source(__doc__)
+        draw("mist_vs_megatron", [plot_speedup, plot_tuning_time, plot_ablation, plot_measured, plot_tempo])

@@ -216,14 +216,17 @@ def plot_throughput(device: str) -> Path | None:
 
 
 if __name__ == "__main__":
-    parse_source(__doc__)
-    draw(
-        "tempo_bert",
-        [
-            plot_activation,
-            plot_maxbatch,
-            plot_training,
-            functools.partial(plot_throughput, "cpu"),
-            functools.partial(plot_throughput, "cuda"),
-        ],
-    )
+    from measure.parallel import interrupted_in_one_line  # on the path once _common is in
+
+    with interrupted_in_one_line():  # one line, what was written stays
+        parse_source(__doc__)
+        draw(
+            "tempo_bert",
+            [
+                plot_activation,
+                plot_maxbatch,
+                plot_training,
+                functools.partial(plot_throughput, "cpu"),
+                functools.partial(plot_throughput, "cuda"),
+            ],
+        )

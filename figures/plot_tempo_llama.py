@@ -87,5 +87,8 @@ def plot_maxbatch() -> Path | None:
 
 
 if __name__ == "__main__":
-    parse_source(__doc__)
-    draw("tempo_llama", [plot_layer, plot_maxbatch])
+    from measure.parallel import interrupted_in_one_line  # on the path once _common is in
+
+    with interrupted_in_one_line():  # one line, what was written stays
+        parse_source(__doc__)
+        draw("tempo_llama", [plot_layer, plot_maxbatch])

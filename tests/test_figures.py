@@ -6,11 +6,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.measure.test_interrupts import as_from_a_terminal
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -117,3 +120,46 @@ def test_the_generated_docs_are_written_whole_or_not_at_all(tmp_path, monkeypatc
     monkeypatch.undo()
     claims._write_generated(path, claims.SUMMARY, "new summary\n")
     assert path.read_text() == old.replace("old summary", "new summary")
+
+
+# The script as nox runs it, its figures' save held (where the probe round's Ctrl-C came), so that
+# the signal reaches it drawing, never before its handler or after its end
+_SAVE_HELD = """
+import runpy, sys, time
+import matplotlib.figure
+
+def held(*args, **kwargs):
+    print("saving", flush=True)
+    time.sleep(60)
+
+matplotlib.figure.Figure.savefig = held
+sys.path.insert(0, sys.argv[1].rsplit("/", 1)[0])  # _common beside the script, as for a file
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_an_interrupted_script_ends_in_one_line(copy, sig):
+    """Ctrl-C or ``kill`` while drawing: one line and status 130 (the probe round: a 34-line
+    KeyboardInterrupt traceback, or SIGTERM's silent 143)."""
+    shutil.copy(REPO / "artifacts/cta_mlp/reference/sim.json", copy / "artifacts/cta_mlp/results")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _SAVE_HELD, str(copy / "figures" / "plot_cta_mlp.py")],
+        cwd=copy,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=as_from_a_terminal,
+    )
+    try:
+        assert proc.stdout.readline() == "saving\n", proc.communicate()
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()  # a no-op once it has ended
+    assert proc.returncode == 130 and "Traceback" not in err, err
+    assert err.splitlines()[-1] == "plot_cta_mlp.py: interrupted (what was written stays)", err

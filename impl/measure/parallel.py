@@ -145,6 +145,20 @@ def sigterm_as_interrupt() -> None:
         signal.signal(sig, interrupt)
 
 
+@contextlib.contextmanager
+def interrupted_in_one_line(prog: str | None = None, kept: str = "what was written stays") -> Iterator[None]:
+    """A command's body that Ctrl-C or ``kill`` ends with one line on stderr and status 130, where
+    Ctrl-C printed a KeyboardInterrupt traceback and SIGTERM ended it without a word (probe round
+    5). ``prog``: the command as argparse names it by default; ``kept``: what the interruption
+    leaves behind. A signal that arrives during the imports before it is Python's own."""
+    sigterm_as_interrupt()
+    try:
+        yield
+    except KeyboardInterrupt:
+        print(f"{prog or os.path.basename(sys.argv[0])}: interrupted ({kept})", file=sys.stderr)
+        raise SystemExit(130) from None
+
+
 def no_tqdm_semaphore() -> None:
     """For a process multiprocessing started by spawn or forkserver, first thing: tqdm's class-wide
     lock (made by the first bar, torch.compile's among them) without its multiprocessing half.

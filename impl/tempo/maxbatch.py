@@ -36,6 +36,7 @@ from measure.memory import (
     default_dtype,
     refine_max_batch,
 )
+from measure.parallel import interrupted_in_one_line
 from measure.saved import SavedTensorsMeter, SavedTensorsReport, cuda_like, saved_bytes
 from measure.training import PRECISIONS, Precision
 from measure.units import GiB
@@ -267,5 +268,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    with quiet_broken_pipe():  # `| head`: ends quietly, status 141
+    with (
+        quiet_broken_pipe(),  # `| head`: ends quietly, status 141
+        interrupted_in_one_line(
+            "python -m tempo.maxbatch", "it saves nothing: the same command searches again"
+        ),
+    ):
         sys.exit(main())

@@ -28,7 +28,7 @@ except KeyboardInterrupt:
 """
 
 
-def _as_from_a_terminal() -> None:
+def as_from_a_terminal() -> None:
     # a suite started in the background (a script's `cmd &`) passes SIGINT on ignored, and Python
     # then leaves it ignored (see tests/mist/test_mist_faults.py): the child gets a terminal's
     signal.signal(signal.SIGINT, signal.SIG_DFL)
@@ -43,7 +43,7 @@ def _interrupted_twice(mode: str, second: signal.Signals) -> subprocess.Complete
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        preexec_fn=_as_from_a_terminal,
+        preexec_fn=as_from_a_terminal,
     )
     try:
         assert proc.stdout.readline().strip() == "ready"

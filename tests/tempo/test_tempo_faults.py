@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import itertools
 import re
+import signal
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -17,6 +20,7 @@ from transformers.utils import logging as hf_logging
 import tempo
 from measure.memory import PeakReport, search_max_batch
 from tempo import hf, maxbatch, models
+from tests.measure.test_interrupts import as_from_a_terminal
 
 hf_logging.set_verbosity_error()
 
@@ -379,6 +383,30 @@ def test_maxbatch_at_the_cap_says_the_cap_was_hit(capsys, monkeypatch):
     out = capsys.readouterr().out
     assert f"max batch: at least {maxbatch.SEARCH_CAP}, the search's cap" in out
     assert f"max batch: {maxbatch.SEARCH_CAP} " not in out
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_maxbatch_interrupted_in_its_search_ends_in_one_line(sig):
+    """Ctrl-C or ``kill`` during the search (BERT-large at seq 512 in 80 GB: ~12 s here): one line and
+    status 130 (the probe round: a 58-line KeyboardInterrupt traceback, or SIGTERM's silent 143)."""
+    command = [sys.executable, "-m", "tempo.maxbatch", "--model", "bert-large", "--seq", "512"]
+    proc = subprocess.Popen(
+        [*command, "--gpu-mem", "80GB"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=as_from_a_terminal,
+    )
+    try:
+        assert proc.stdout.readline().startswith("bert-large"), proc.communicate()  # searching now
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()  # a no-op once it has ended
+    assert proc.returncode == 130 and err.splitlines() == [
+        "python -m tempo.maxbatch: interrupted (it saves nothing: the same command searches again)"
+    ], err
 
 
 # ---------------------------------------------------------------- 7. artifacts.tempo_bert.run --cases
