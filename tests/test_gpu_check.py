@@ -91,6 +91,12 @@ def test_bad_input_one_line_before_any_work(tmp_path, capsys, args, expected):
             "must be numbers",
         ),
         ("[" * 100_000, "not readable"),
+        pytest.param(  # an OverflowError traceback in the probe round
+            '{"format": 1, "mode": "dry-run", "parts": {"kernels": {"outcome": "passed", "seconds": 1%s, '
+            '"finished_utc": "2026-12-04T19:45:00+00:00"}}}' % ("0" * 400),
+            "beyond any number read here",
+            id="400-digit seconds",
+        ),
     ],
 )
 def test_a_broken_status_file_is_refused_in_one_line_before_any_part(tmp_path, capsys, text, expected):

@@ -22,8 +22,12 @@ def real(value: object) -> bool:
 
 
 def finite(value: object) -> bool:
-    """``value`` is a real number (``real``) that is neither NaN nor infinite."""
-    return real(value) and math.isfinite(value)
+    """``value`` is a real number (``real``) that is neither NaN nor infinite, nor a whole number
+    beyond a float's range (every use converts it to a float: math.isfinite raised OverflowError)."""
+    try:
+        return real(value) and math.isfinite(value)
+    except OverflowError:
+        return False
 
 
 def machine_memory_bytes() -> int:

@@ -1,6 +1,8 @@
 """JSON and YAML read strictly: a key given twice in one mapping is an error, never "the last one
-wins" (both libraries' default), so a file that says two things about one field is refused; a
-path that is no regular file (a FIFO would block the read, /dev/zero never end it) is refused
+wins" (both libraries' default), so a file that says two things about one field is refused; so
+are nesting deeper than Python's parsers can follow and whole numbers beyond a float's range
+(a RecursionError or OverflowError traceback otherwise, in the parser or in the reader's float());
+a path that is no regular file (a FIFO would block the read, /dev/zero never end it) is refused
 before it is read; and data written as JSON is JSON data, never an object's str() in its place."""
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ import json
 import numbers
 import os
 import stat
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -16,8 +19,33 @@ from typing import Any
 import yaml
 
 
-class DuplicateKeyError(ValueError):
+class StrictDataError(ValueError):
+    """Well-formed text the strict readers refuse as data; the caller names the file."""
+
+
+class DuplicateKeyError(StrictDataError):
     """A mapping in the file names one key twice."""
+
+
+_TOO_DEEP = "lists or mappings nested deeper than Python's parser follows (no file here nests 10 deep)"
+_MAX_WHOLE = int(sys.float_info.max)  # beyond it, the float() every reader does overflows
+_MAX_CHARS = len(str(_MAX_WHOLE)) + 1  # its digits and a sign
+
+
+def _too_large(text: str) -> StrictDataError:
+    return StrictDataError(
+        f"whole number {text[:12]}... ({len(text)} characters): beyond any number read here "
+        f"(at most {sys.float_info.max:.1e})"
+    )
+
+
+def _whole_number(text: str) -> int:
+    """The whole number ``text`` writes, at most a float's range. A longer text is refused
+    unconverted (Python converts at most 4300 digits, with a ValueError naming no file)."""
+    n = int(text) if len(text) <= _MAX_CHARS else None
+    if n is None or abs(n) > _MAX_WHOLE:
+        raise _too_large(text)
+    return n
 
 
 def _unique(pairs: list[tuple[Any, Any]]) -> dict[Any, Any]:
@@ -30,8 +58,12 @@ def _unique(pairs: list[tuple[Any, Any]]) -> dict[Any, Any]:
 
 
 def loads_json(text: str) -> Any:
-    """``json.loads`` that refuses a key given twice (DuplicateKeyError, a ValueError)."""
-    return json.loads(text, object_pairs_hook=_unique)
+    """``json.loads`` that refuses a key given twice, nesting too deep and a whole number beyond a
+    float's range (StrictDataError, a ValueError)."""
+    try:
+        return json.loads(text, object_pairs_hook=_unique, parse_int=_whole_number)
+    except RecursionError:
+        raise StrictDataError(_TOO_DEEP) from None
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -48,10 +80,22 @@ class _UniqueKeyLoader(yaml.SafeLoader):
             seen.add(key)
         return super().construct_mapping(node, deep=deep)
 
+    def construct_yaml_int(self, node: yaml.ScalarNode) -> int:
+        if len(node.value) > _MAX_CHARS:  # refused before converting, as in JSON
+            raise _too_large(node.value)
+        return _whole_number(str(super().construct_yaml_int(node)))
+
+
+_UniqueKeyLoader.add_constructor("tag:yaml.org,2002:int", _UniqueKeyLoader.construct_yaml_int)
+
 
 def loads_yaml(text: str) -> Any:
-    """``yaml.safe_load`` that refuses a key given twice (DuplicateKeyError, a ValueError)."""
-    return yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader: builds plain data only
+    """``yaml.safe_load`` that refuses a key given twice, nesting too deep and a whole number beyond
+    a float's range (StrictDataError, a ValueError)."""
+    try:
+        return yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader: builds plain data only
+    except RecursionError:
+        raise StrictDataError(_TOO_DEEP) from None
 
 
 # a plan, a profile's manifest or a preset is a few kB; a result file a few MB

@@ -44,7 +44,7 @@ import yaml
 
 from measure.checks import finite, whole
 from measure.results import write_text_atomic
-from measure.strict import DuplicateKeyError, json_data, loads_json, loads_yaml, read_text_file
+from measure.strict import StrictDataError, json_data, loads_json, loads_yaml, read_text_file
 
 from .model.specs import GPUS, HOSTS, MODELS, ClusterSpec, ModelSpec, cluster, model, preset_overrides
 
@@ -538,7 +538,7 @@ class Plan:
             raise ValueError(f"{path}: not a text file") from None
         try:
             data = loads_json(text) if path.suffix == ".json" else loads_yaml(text)
-        except (json.JSONDecodeError, yaml.YAMLError, DuplicateKeyError) as e:
+        except (json.JSONDecodeError, yaml.YAMLError, StrictDataError) as e:
             where = str(e).replace("\n", " ")
             kind = "JSON" if path.suffix == ".json" else "YAML"
             raise ValueError(f"{path}: not valid {kind} ({where})") from None

@@ -133,6 +133,36 @@ def test_a_bad_model_override_in_a_plan_file_names_the_file_and_field(tmp_path, 
     _one_error_line(capsys, "plan.yaml: model_overrides: dropout must be")
 
 
+_DEEP = "[" * 100_000 + "]" * 100_000
+_HUGE = "1" + "0" * 400  # beyond a float: float() of it overflows
+
+
+@pytest.mark.parametrize(
+    ("suffix", "text", "expected"),
+    [
+        (".json", _DEEP, "nested deeper than Python's parser follows"),
+        (".yaml", _DEEP, "nested deeper than Python's parser follows"),
+        (
+            ".yaml",
+            PLAN.replace("{layers: 12}, {layers: 12}", f"{{layers: 12, wait_s: {_HUGE}}}, {{layers: 12}}"),
+            "whole number 100000000000... (401 characters): beyond any number read here",
+        ),
+        (".yaml", PLAN + f"gpu_memory_bytes: {_HUGE}\n", "beyond any number read here"),
+        (".yaml", PLAN + f"host_memory_per_node_bytes: -{_HUGE}\n", "(402 characters): beyond any number"),
+        (".yaml", PLAN + f"global_batch_x: {'9' * 5000}\n", "(5000 characters): beyond any number"),
+    ],
+    ids=["deep json", "deep yaml", "huge wait_s", "huge gpu memory", "huge host memory", "5000 digits"],
+)
+def test_a_plan_file_too_deep_or_with_a_huge_number_is_one_line(tmp_path, capsys, suffix, text, expected):
+    """The probe round: a RecursionError traceback (28 lines from JSON, 2,989 from YAML), an
+    OverflowError one from a 400-digit wait_s or memory cap, "Exceeds the limit (4300 digits)" with
+    no file named from 5000 digits. Now the file and what is wrong, in one line."""
+    path = tmp_path / f"plan{suffix}"
+    path.write_text(text)
+    assert main(["predict", str(path)]) == 2
+    _one_error_line(capsys, str(path), expected)
+
+
 def test_a_model_spec_is_named_by_a_string():
     with pytest.raises(ValueError, match="name must be a non-empty string, got 123"):
         ModelSpec(123, 64, 2, 4)

@@ -94,6 +94,8 @@ _RUNTIME = [
     ("collective of one", _set("collectives", "all_reduce/1", value={"c0": 0, "rate": 1}), "'all_reduce/1'"),
     ("duplicate", None, "key 'gpu' given twice"),
     ("truncated", None, "not a readable preset"),
+    ("nested too deep", None, "nested deeper than Python's parser follows"),
+    ("huge rate", _set("curves", "norm", 0, "rate", value=10**400), "beyond any number read here"),
 ]
 _INTERFERENCE = [
     ("nan", _set("factors", "compute", "compute+g2g", value=math.nan), "factors.compute.compute+g2g must be"),
@@ -118,6 +120,8 @@ _INTERFERENCE = [
     ("missing key", _drop("host_rates"), "missing host_rates"),
     ("duplicate", None, "key 'source' given twice"),
     ("truncated", None, "not a readable preset"),
+    ("nested too deep", None, "nested deeper than Python's parser follows"),
+    ("huge factor", _set("factors", "compute", "compute+g2g", value=-(10**400)), "beyond any number"),
 ]
 _HOST = [
     ("nan", _set("params_per_s", 0, value=math.nan), "params_per_s[0] must be a finite number > 0"),
@@ -142,6 +146,8 @@ _HOST = [
     ("missing key", _drop("measured"), "missing measured"),
     ("duplicate", None, "key 'optimizer' given twice"),
     ("truncated", None, "not a readable preset"),
+    ("nested too deep", None, "nested deeper than Python's parser follows"),
+    ("huge params", _set("params", value=int("9" * 400)), "(400 characters): beyond any number"),
 ]
 _READERS = {
     "runtime_l4.json": lambda path: read_runtime_preset(path, "l4"),
@@ -163,6 +169,8 @@ def _corrupted(name: str, case: str, edit) -> str:
     text = (PRESETS / name).read_text()
     if case == "truncated":  # a write a kill cut short
         return text[: len(text) // 2]
+    if case == "nested too deep":  # a RecursionError traceback from the parser
+        return "[" * 100_000 + "]" * 100_000
     d = json.loads(text)
     if case == "duplicate":  # the first field again, first: a plain reader takes the last one
         first = next(iter(d))
@@ -175,7 +183,7 @@ def _corrupted(name: str, case: str, edit) -> str:
 def test_a_corrupted_preset_is_refused_in_one_line(tmp_path, name, edit, said, case):
     path = tmp_path / name
     path.write_text(_corrupted(name, case, edit))
-    if case != "truncated":  # control: JSON a plain json.loads took, as the presets were read before
+    if case not in ("truncated", "nested too deep"):  # control: JSON json.loads took, as read before
         json.loads(path.read_text())
     with pytest.raises(ValueError) as e:
         _READERS[name](path)
@@ -277,3 +285,11 @@ def test_profile_host_writes_a_preset_that_reads_back(tmp_path, monkeypatch, cap
     assert main(args) == 0, capsys.readouterr().err
     adam = read_cpu_adam(presets / "host_cpu_adam.json")
     assert adam.bytes_moved_per_param == 28 and adam.per_core_params_per_s > 0
+
+
+def test_a_whole_number_beyond_a_float_fails_the_number_check_in_one_line():
+    """math.isfinite of a 400-digit integer raised OverflowError inside the check meant to refuse it."""
+    from mist.model.preset_files import number
+
+    with pytest.raises(ValueError, match=r"p.json: rate must be a finite number >= 0, got 1000"):
+        number("p.json", "rate", 10**400)

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from measure.checks import finite, whole
-from measure.strict import DuplicateKeyError, loads_json, read_text_file
+from measure.strict import StrictDataError, loads_json, read_text_file
 
 
 def load_preset(path: Path) -> dict[str, Any]:
@@ -30,7 +30,7 @@ def load_preset(path: Path) -> dict[str, Any]:
         raise ValueError(f"{path}: cannot be read ({e.strerror})") from None
     try:
         data = loads_json(text)
-    except (json.JSONDecodeError, DuplicateKeyError) as e:
+    except (json.JSONDecodeError, StrictDataError) as e:
         raise ValueError(f"{path}: not a readable preset (a JSON object, no key twice): {e}") from None
     if not isinstance(data, dict):
         raise ValueError(f"{path}: a preset is a JSON object, got {type(data).__name__}")

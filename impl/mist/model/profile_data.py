@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from measure.strict import DuplicateKeyError, read_json_file, read_text_file
+from measure.strict import StrictDataError, read_json_file, read_text_file
 
 from .specs import ModelSpec, positive_int
 
@@ -187,7 +187,7 @@ def _read_meta(path: Path) -> dict:
     field it does not know; one line naming the file and the field otherwise."""
     try:
         d = read_json_file(path)
-    except (json.JSONDecodeError, UnicodeDecodeError, DuplicateKeyError) as e:
+    except (json.JSONDecodeError, UnicodeDecodeError, StrictDataError) as e:
         raise ValueError(f"{path}: not a readable profile.json ({e})") from None
     if not isinstance(d, dict):
         raise ValueError(f"{path}: a profile.json is a mapping of {', '.join(_META_FIELDS)}")
