@@ -163,6 +163,33 @@ def test_a_plan_file_too_deep_or_with_a_huge_number_is_one_line(tmp_path, capsys
     _one_error_line(capsys, str(path), expected)
 
 
+@pytest.mark.parametrize(
+    ("given", "expected"),
+    [
+        ("global_batch: 1:20", "global_batch must be a whole number >= 1, got '1:20'"),  # read as 80
+        ("global_batch: 0x8", "got '0x8'"),
+        ("global_batch: 010", "got '010'"),  # octal 8
+        ("global_batch: 1_0", "got '1_0'"),
+        ("sequence_parallel: yes", "sequence_parallel must be true or false, got 'yes'"),
+        ("sequence_parallel: on", "got 'on'"),
+    ],
+)
+def test_yaml_1_1_numbers_and_booleans_are_refused_not_read(tmp_path, capsys, given, expected):
+    """PyYAML reads YAML 1.1: `1:20` was base 60 (predicted for global batch 80, exit 0), `0x8` and
+    `010` 8, `yes` and `on` true. Plans read YAML 1.2's numbers and booleans: these stay strings,
+    refused in one line; written the plain way they read (the control)."""
+    field = given.split(":")[0]
+    path = tmp_path / "plan.yaml"
+    path.write_text(
+        "\n".join(line for line in PLAN.splitlines() if not line.startswith(field)) + f"\n{given}\n"
+    )
+    assert main(["predict", str(path)]) == 2
+    _one_error_line(capsys, "plan.yaml", expected)
+    plain = {"global_batch": "global_batch: 8", "sequence_parallel": "sequence_parallel: true"}[field]
+    path.write_text(path.read_text().replace(given, plain))
+    assert main(["predict", str(path)]) == 0
+
+
 def test_a_model_spec_is_named_by_a_string():
     with pytest.raises(ValueError, match="name must be a non-empty string, got 123"):
         ModelSpec(123, 64, 2, 4)
