@@ -484,8 +484,9 @@ class Plan:
             )
         if not isinstance(d.get("stages"), list) or not all(isinstance(s, dict) for s in d["stages"]):
             raise ValueError("stages must be a list of mappings (one per pipeline stage)")
-        if not isinstance(d.get("model_overrides", {}), dict):
-            raise ValueError("model_overrides must be a mapping of model fields")
+        overrides = d.get("model_overrides", {})
+        if not isinstance(overrides, dict) or not all(isinstance(k, str) for k in overrides):
+            raise ValueError(f"model_overrides must be a mapping of model fields by name, got {overrides!r}")
         if not isinstance(d.get("breakdown", {}), dict):
             raise ValueError("breakdown must be a mapping")
         # copies: the caller's mapping stays as it was

@@ -190,6 +190,23 @@ def test_yaml_1_1_numbers_and_booleans_are_refused_not_read(tmp_path, capsys, gi
     assert main(["predict", str(path)]) == 0
 
 
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        ("{name: gpt3-2.7b}", "model_overrides: unknown model field(s) name; known: "),
+        ("{1: 2, seq: 1024}", "model_overrides must be a mapping of model fields by name, got {1: 2, "),
+        ("{null: 2}", "model_overrides must be a mapping of model fields by name"),
+    ],
+)
+def test_a_model_override_named_name_or_not_by_a_string_is_one_line(tmp_path, capsys, overrides, expected):
+    """The probe round: "model() got multiple values for argument 'name'" and "keywords must be
+    strings", each an 18-line TypeError traceback."""
+    path = tmp_path / "plan.yaml"
+    path.write_text(PLAN + f"model_overrides: {overrides}\n")
+    assert main(["predict", str(path)]) == 2
+    _one_error_line(capsys, "plan.yaml", expected)
+
+
 def test_a_model_spec_is_named_by_a_string():
     with pytest.raises(ValueError, match="name must be a non-empty string, got 123"):
         ModelSpec(123, 64, 2, 4)

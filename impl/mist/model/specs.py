@@ -241,8 +241,10 @@ def cluster(
     return ClusterSpec(device, gpus // per_node, per_node, intra, inter, host)
 
 
-def model(name: str, **overrides) -> ModelSpec:
-    """A preset, with ``overrides`` of its fields (a plan's ``model_overrides``)."""
+def model(name: str, /, **overrides) -> ModelSpec:
+    """A preset, with ``overrides`` of its fields (a plan's ``model_overrides``). ``name`` is
+    positional only, so that an override named ``name`` is refused as no field, never a TypeError
+    about the argument given twice."""
     if not isinstance(name, str) or name not in MODELS:
         raise ValueError(f"unknown model {name!r}; presets: {', '.join(MODELS)}")
     fields = [f.name for f in dataclasses.fields(ModelSpec) if f.name != "name"]
