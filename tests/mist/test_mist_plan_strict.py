@@ -118,6 +118,37 @@ def test_planner_options_are_checked_where_they_are_made(options, expected):
     PlannerOptions(micro_batches=[1, 2])  # control: a list of whole numbers is taken
 
 
+@pytest.mark.parametrize(
+    ("fields", "expected"),
+    [
+        (dict(zero_stages=()), "zero_stages: one or more of the ZeRO stages 0, 1, 2, 3; got ()"),
+        (dict(zero_stages=(7,)), "zero_stages: one or more of the ZeRO stages"),
+        (dict(zero_stages=(True,)), "zero_stages: one or more of the ZeRO stages"),
+        (dict(zero_stages=0), "zero_stages: one or more of the ZeRO stages"),
+        (dict(offload="no"), "offload must be True or False, got 'no'"),
+        (dict(recompute=2), "recompute must be True or False, got 2"),
+        (dict(selective=1), "selective must be True or False, got 1"),
+        (
+            dict(offload_ratios=(float("nan"),)),
+            r"offload_ratios: one or more fractions in \[0, 1\]; got \(nan,\)",
+        ),
+        (dict(offload_ratios=(-0.5,)), r"offload_ratios: one or more fractions in \[0, 1\]"),
+        (dict(offload_ratios=(1.5,)), r"offload_ratios: one or more fractions"),
+        (dict(offload_ratios=()), r"offload_ratios: one or more fractions"),
+    ],
+)
+def test_a_search_space_is_checked_where_it_is_made(fields, expected):
+    """The probe round: () an IndexError inside the search, "no" and 2 taken as true, a NaN ratio
+    "the leanest candidate needs inf GiB", -0.5 NoFeasiblePlan, 1.5 and ZeRO 7 refused only later
+    as some stage's error."""
+    from mist.tuning.stage_cost import SearchSpace
+
+    with pytest.raises(ValueError, match=expected) as e:
+        SearchSpace(**fields)
+    assert "\n" not in str(e.value)
+    SearchSpace(zero_stages=[0, 3], offload_ratios=(0, 0.25, 1), offload=False)  # control: taken
+
+
 @pytest.mark.parametrize("options", [{}, {"micro_batches": [1]}, 0])
 def test_search_takes_planner_options_only(options):
     """A mapping was an AttributeError inside the search, and {} or 0 silently the defaults."""

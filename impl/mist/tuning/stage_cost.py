@@ -34,6 +34,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from measure.checks import finite, whole
+
 from ..model.interference import Interference
 from ..model.runtime import RuntimeModel, cpu_adam_params_per_s
 from ..model.specs import GRAD_ACCUMULATION, ClusterSpec, GradAccumulation, ModelSpec
@@ -55,9 +57,14 @@ OFFLOADABLE = ("weights", "grads", "optimizer", "activations")  # SearchSpace.of
 OFFLOAD_FIELDS = tuple(f"offload_{kind}" for kind in OFFLOADABLE)  # their StagePlan fields
 ADAM_BYTES_PER_PARAM = 12  # fp32 master weight + two moments
 OPTIMIZER_STEP_BYTES_PER_PARAM = 4  # fp32 gradients during the step (fused Adam; torch's foreach
-
-
 # AdamW adds up to ~4 more for its temporaries)
+
+
+def _some(values: object, ok) -> bool:
+    """``values`` is a non-empty tuple or list of items that are each ``ok``."""
+    return isinstance(values, tuple | list) and bool(values) and all(ok(v) for v in values)
+
+
 @dataclass(frozen=True)
 class SearchSpace:
     zero_stages: tuple[int, ...] = (0, 1, 2, 3)
@@ -73,7 +80,18 @@ class SearchSpace:
     gather_in_forward: tuple[bool, ...] = (False, True)
 
     def __post_init__(self) -> None:
-        if not self.gather_in_forward or not all(isinstance(g, bool) for g in self.gather_in_forward):
+        # checked where made: () was an IndexError in the search, "no" or 2 taken as true, a NaN
+        # ratio "needs inf GiB", 1.5 or ZeRO-7 refused only later as some stage's error
+        for name in ("offload", "recompute", "selective"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if not _some(self.zero_stages, lambda z: whole(z) and 0 <= z <= 3):
+            raise ValueError(
+                f"zero_stages: one or more of the ZeRO stages 0, 1, 2, 3; got {self.zero_stages!r}"
+            )
+        if not _some(self.offload_ratios, lambda r: finite(r) and 0 <= r <= 1):
+            raise ValueError(f"offload_ratios: one or more fractions in [0, 1]; got {self.offload_ratios!r}")
+        if not _some(self.gather_in_forward, lambda g: isinstance(g, bool)):
             raise ValueError(f"gather_in_forward: one or both of False, True; got {self.gather_in_forward!r}")
         unknown = set(self.offloadable) - set(OFFLOADABLE)
         if unknown:
