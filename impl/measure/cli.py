@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import os
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,13 +27,21 @@ def check_writable_file(path: Path, suffixes: tuple[str, ...] = ()) -> None:
     if suffixes and path.suffix not in suffixes:
         names = " or ".join(filter(None, (", ".join(suffixes[:-1]), suffixes[-1])))
         raise ValueError(f"{path}: written as {names}")
-    if path.is_dir():
-        raise ValueError(f"{path}: a folder; give the file's name")
-    check_replaceable(path)  # a device, FIFO or link would become a regular file
-    if not path.parent.is_dir():
-        raise ValueError(f"{path}: folder {path.parent} does not exist")
-    if not os.access(path.parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
-        raise ValueError(f"{path}: not writable")
+    try:
+        if path.is_dir():
+            raise ValueError(f"{path}: a folder; give the file's name")
+        check_replaceable(path)  # a device, FIFO or link would become a regular file
+        if not path.parent.is_dir():
+            raise ValueError(f"{path}: folder {path.parent} does not exist")
+        if path.exists() and not os.access(path, os.W_OK):
+            raise ValueError(f"{path}: not writable")
+        # the writers' temporary file beside it (atomic_path's name), made and removed: os.access
+        # says yes to root in /sys and /proc, where the write then failed after the work
+        fd, probe = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:  # a name too long, a read-only or pseudo file system: said without errno
+        raise ValueError(f"{path}: cannot be written there ({e.strerror or e})") from None
 
 
 def reader_gone() -> int:

@@ -440,14 +440,17 @@ def _claim_profile_folder(out: Path, replace: bool) -> TextIO:
 
     from .model.profile_data import profile_meta
 
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"--out {out}: a file; a profile is written into a folder")
-    parent = out if out.exists() else out.parent
-    if not parent.is_dir():
-        raise ValueError(f"--out {out}: folder {parent} does not exist")
-    if not os.access(parent, os.W_OK):
-        raise ValueError(f"--out {out}: not writable")
-    out.mkdir(exist_ok=True)
+    try:
+        if out.exists() and not out.is_dir():
+            raise ValueError(f"--out {out}: a file; a profile is written into a folder")
+        parent = out if out.exists() else out.parent
+        if not parent.is_dir():
+            raise ValueError(f"--out {out}: folder {parent} does not exist")
+        if not os.access(parent, os.W_OK):
+            raise ValueError(f"--out {out}: not writable")
+        out.mkdir(exist_ok=True)
+    except OSError as e:  # a name too long, /sys or /proc (os.access says yes to root there)
+        raise ValueError(f"--out {out}: cannot hold a profile ({e.strerror or e})") from None
     try:
         lock = lock_folder(
             out,

@@ -107,6 +107,28 @@ def test_bad_profile_arguments_and_corrupt_profiles(tmp_path, capsys):
     _one_error_line(capsys, "gpt_1_3B_mbs1_tp1_algo0.csv", "not a layer profile")
 
 
+@pytest.mark.parametrize("where", ["/sys/x.yaml", "/proc/x.json", "{tmp}/" + "p" * 300 + ".yaml"])
+def test_a_plan_out_that_cannot_be_written_is_one_line_before_the_search(
+    tmp_path, capsys, monkeypatch, where
+):
+    """The probe round: /sys and /proc passed the check (os.access says yes to root there), and a
+    300-character name raised from Path.is_dir; each a traceback after the search. Now one line
+    and no search (the search is a failure here)."""
+    from mist.tuning import planner
+
+    if where.startswith(("/sys", "/proc")) and not Path(where).parent.is_dir():
+        pytest.skip(f"no {Path(where).parent} here")
+    monkeypatch.setattr(planner, "search", lambda *a, **kw: pytest.fail("the search started"))
+    out = where.format(tmp=tmp_path)
+    assert main([*BASE, "--out", out]) == 2
+    _one_error_line(capsys, f"--out {out}: cannot be written there (")
+
+
+def test_a_profile_out_with_a_name_too_long_is_one_line(tmp_path, capsys):
+    assert main([*profile_argv(1), "--out", str(tmp_path / ("p" * 300))]) == 2
+    _one_error_line(capsys, "cannot hold a profile (File name too long)")
+
+
 def test_outputs_are_checked_before_any_work(tmp_path, capsys):
     """`mist plan --out` onto a folder, `mist profile --out` onto a file or into a folder that
     holds a profile, `--device tpu`: one line each before any search or measurement (they used to
