@@ -45,6 +45,7 @@ from tqdm import tqdm
 from transformers.utils import logging as hf_logging
 
 from measure.budget import GpuBudget
+from measure.checks import device_name
 from measure.cli import quiet_broken_pipe
 from measure.memory import PeakReport, search_max_batch
 from measure.parallel import map_points
@@ -509,7 +510,7 @@ def main(argv: list[str] | None = None) -> None:
         ]
         if given:
             ap.error(f"{', '.join(given)} apply to the throughput part only; add throughput to --parts")
-    if not config.device.startswith(("cpu", "cuda")):
+    if not device_name(config.device):
         ap.error(f"--device must be cpu or cuda[:N], got {config.device!r}")
     if config.device.startswith("cuda") and not torch.cuda.is_available():
         ap.error(f"--device {config.device}: no CUDA device here (use --device cpu)")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import numbers
 import os
+import re
 
 
 def whole(value: object, least: int | None = None) -> bool:
@@ -28,6 +29,12 @@ def finite(value: object) -> bool:
         return real(value) and math.isfinite(value)
     except OverflowError:
         return False
+
+
+def device_name(value: str) -> bool:
+    """``value`` names a device the runs take: ``cpu``, ``cuda`` or ``cuda:N`` (a prefix test let
+    ``cpux`` and ``cudafoo`` through, to fail in torch after the run had opened)."""
+    return re.fullmatch(r"cpu|cuda(:[0-9]+)?", value) is not None
 
 
 def machine_memory_bytes() -> int:

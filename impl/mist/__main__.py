@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
-from measure.checks import machine_memory_bytes
+from measure.checks import device_name, machine_memory_bytes
 from measure.cli import OneLineParser, check_writable_file, reader_gone
 from measure.units import format_bytes
 
@@ -499,7 +499,7 @@ def cmd_profile(args) -> int:
 
     from measure.results import unlock_folder
 
-    if args.device != "cpu" and not args.device.startswith("cuda"):
+    if not device_name(args.device):
         raise ValueError(f"--device {args.device}: the profiler runs on cpu or cuda[:N]")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print(f"error: --device {args.device}: no CUDA device here", file=sys.stderr)

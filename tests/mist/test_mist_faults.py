@@ -151,6 +151,8 @@ def test_outputs_are_checked_before_any_work(tmp_path, capsys):
     _one_error_line(capsys, "holds a profile already (2 files)", "--replace")
     assert main([*profile, "--out", str(tmp_path / "new"), "--device", "tpu"]) == 2
     _one_error_line(capsys, "--device tpu: the profiler runs on cpu or cuda")
+    assert main([*profile, "--out", str(tmp_path / "new"), "--device", "cudafoo"]) == 2  # a prefix passed
+    _one_error_line(capsys, "--device cudafoo: the profiler runs on cpu or cuda")
     for rounds, said in (("0", "must be >= 1, got 0"), ("x", "a whole number >= 1, got 'x'")):
         with pytest.raises(SystemExit):
             main([*profile, "--out", str(tmp_path / "new"), "--rounds", rounds])

@@ -429,6 +429,10 @@ def test_maxbatch_interrupted_in_its_search_ends_in_one_line(sig):
             ["--parts", "throughput", "--scale", "paper", "--gpu-mem", "512MiB"],
             "nothing is left for the model",
         ),
+        # a prefix test took these, and the run opened before torch refused them (probe round 5)
+        (["--device", "cpux"], "--device must be cpu or cuda\\[:N\\], got 'cpux'"),
+        (["--device", "cudafoo"], "got 'cudafoo'"),
+        (["--device", "cpu:abc"], "got 'cpu:abc'"),
     ],
 )
 def test_run_refuses_bad_cases_before_any_work(argv, message, capsys, monkeypatch, tmp_path):
