@@ -376,4 +376,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from measure.parallel import interrupted_in_one_line
+
+    with interrupted_in_one_line("python -m artifacts.claims", "nothing is written but by --write-readme"):
+        sys.exit(main())
