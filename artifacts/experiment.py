@@ -196,7 +196,28 @@ def own_tmpdir(name: str) -> Iterator[Path]:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+        _remove_scratch(scratch)
+
+
+def _remove_scratch(scratch: Path) -> None:
+    """The run's scratch folder removed; but a temporary folder multiprocessing made in it for this
+    process (a forkserver's socket, a semaphore's name) is multiprocessing's own to remove at exit,
+    and its exit hook fails on a folder already gone: a FileNotFoundError traceback after a finished
+    run's last line (the engine part, 2026-12-04). That one is left, and the scratch removed after
+    it, by a hook of the same kind that runs later."""
+    from multiprocessing import process, util
+
+    theirs = process.current_process()._config.get("tempdir")
+    if not theirs or not Path(theirs).is_relative_to(scratch):
         shutil.rmtree(scratch, ignore_errors=True)
+        return
+    for entry in scratch.iterdir():
+        if not Path(theirs).is_relative_to(entry):
+            shutil.rmtree(entry, ignore_errors=True) if entry.is_dir() else entry.unlink(missing_ok=True)
+    # exit hooks run by priority, highest first: multiprocessing's own folder is removed at -100
+    util.Finalize(
+        None, shutil.rmtree, args=(str(scratch),), kwargs={"ignore_errors": True}, exitpriority=-101
+    )
 
 
 def _refuse_a_reference(results: Path) -> None:
