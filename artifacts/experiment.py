@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from measure.cli import OneLineParser
-from measure.parallel import sigterm_as_interrupt
+from measure.parallel import interrupt_handled, raise_if_interrupted, sigterm_as_interrupt
 from measure.results import (
     NotAResultsFolderError,
     ResultFileError,
@@ -153,7 +153,9 @@ def experiment_run(args: argparse.Namespace, experiment: Experiment) -> Iterator
     try:
         with run, own_tmpdir(experiment.name):
             yield run
+            raise_if_interrupted()  # one swallowed after the last point: the run is not finished
     except KeyboardInterrupt:  # Ctrl-C, or SIGTERM unwound as one: a line, not a traceback
+        interrupt_handled()
         print(
             f"interrupted: the points finished so far are kept in {args.results}; the same command "
             "resumes the run",
@@ -211,9 +213,10 @@ def _remove_scratch(scratch: Path) -> None:
     if not theirs or not Path(theirs).is_relative_to(scratch):
         shutil.rmtree(scratch, ignore_errors=True)
         return
-    for entry in scratch.iterdir():
-        if not Path(theirs).is_relative_to(entry):
-            shutil.rmtree(entry, ignore_errors=True) if entry.is_dir() else entry.unlink(missing_ok=True)
+    with contextlib.suppress(OSError):  # on the way out of a run, interrupted too: never a traceback
+        for entry in scratch.iterdir():
+            if not Path(theirs).is_relative_to(entry):
+                shutil.rmtree(entry, ignore_errors=True) if entry.is_dir() else entry.unlink(missing_ok=True)
     # exit hooks run by priority, highest first: multiprocessing's own folder is removed at -100
     util.Finalize(
         None, shutil.rmtree, args=(str(scratch),), kwargs={"ignore_errors": True}, exitpriority=-101

@@ -76,7 +76,7 @@ for _path in (IMPL, ROOT):  # the repo's packages, without installing it
 from artifacts import gpu_wheels  # noqa: E402
 from artifacts.experiment import Experiment  # noqa: E402
 from measure.cli import OneLineParser  # noqa: E402
-from measure.parallel import die_with_parent, sigterm_as_interrupt  # noqa: E402
+from measure.parallel import die_with_parent, interrupt_handled, sigterm_as_interrupt  # noqa: E402
 from measure.results import (  # noqa: E402
     SOURCE_COMMIT_ENV,
     RunLockedError,
@@ -677,6 +677,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gpu_check: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # Ctrl-C, or SIGTERM unwound as one: a line, not a traceback
+        interrupt_handled()
         print(f"[gpu_check] interrupted: {_resume_hint(args, out)}", file=sys.stderr)
         return 130
     finally:

@@ -153,7 +153,7 @@ CHECKS: dict[str, Callable[[], str]] = {"Tempo": tempo_step, "Mist": mist_plan, 
 
 def main(argv: list[str] | None = None) -> int:
     from measure.cli import OneLineParser
-    from measure.parallel import sigterm_as_interrupt
+    from measure.parallel import interrupt_handled, sigterm_as_interrupt
 
     # no options: --help says what it does, anything else is refused
     OneLineParser(prog="python -m artifacts.smoke", description=__doc__).parse_args(argv)
@@ -173,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
             outcomes.append(f"{name} ok")
             print(f"ok   {name} ({time.perf_counter() - t0:.0f} s): {detail}", flush=True)
     except KeyboardInterrupt:  # Ctrl-C, or SIGTERM unwound as one: a line, not a traceback
+        interrupt_handled()
         before = f" after {', '.join(outcomes)}" if outcomes else ""
         print(
             f"interrupted in the {name} check{before}; a smoke run keeps nothing, so "

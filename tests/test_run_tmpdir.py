@@ -98,3 +98,25 @@ def test_multiprocessings_own_folder_in_the_runs_scratch_ends_quietly(tmp_path, 
     outright += "e._remove_scratch = lambda p: shutil.rmtree(p)\n"
     control = run(outright + _MULTIPROCESSING_TMP)
     assert "FileNotFoundError" in control.stderr
+
+
+def test_an_interrupt_swallowed_after_the_last_point_ends_the_run_unfinished(tmp_path, own_tmp):
+    """A Ctrl-C that code swallowed (torch.compile's weakref callbacks do) after the run's last
+    measured point, with no later point to raise it again: the run still ends as interrupted
+    (exit 130, not marked finished), and once that is reported the request is done with, so a
+    later run in the same process starts clean. Negative control: without a request the run
+    finishes."""
+    import json
+
+    from measure import parallel
+
+    def swallowed():
+        parallel._stop_requested = "signal 2"  # as the handler records it, its exception dropped
+
+    with pytest.raises(SystemExit) as ended:
+        _run(tmp_path, swallowed)
+    assert ended.value.code == 130
+    assert not json.loads((tmp_path / "results" / "run.json").read_text()).get("finished_utc")
+    parallel.raise_if_interrupted()  # reported: nothing more to raise
+    _run(tmp_path, lambda: None)  # the control: the same run resumed, finished
+    assert json.loads((tmp_path / "results" / "run.json").read_text()).get("finished_utc")

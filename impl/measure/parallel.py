@@ -117,6 +117,14 @@ def raise_if_interrupted() -> None:
         raise KeyboardInterrupt(_stop_requested)
 
 
+def interrupt_handled() -> None:
+    """Called by a command's one-line handler once it has reported the interrupt: the request is
+    done with, so ``raise_if_interrupted`` raises nothing more in this process (a later run in it,
+    such as a test calling ``main`` again, starts clean)."""
+    global _stop_requested
+    _stop_requested = None
+
+
 def sigterm_as_interrupt() -> None:
     """SIGTERM raises KeyboardInterrupt in the main thread, as SIGINT does (cleanup then runs).
     Only the first of them does: the ones after it are dropped while the run cleans up (two
@@ -155,6 +163,7 @@ def interrupted_in_one_line(prog: str | None = None, kept: str = "what was writt
     try:
         yield
     except KeyboardInterrupt:
+        interrupt_handled()
         print(f"{prog or os.path.basename(sys.argv[0])}: interrupted ({kept})", file=sys.stderr)
         raise SystemExit(130) from None
 

@@ -89,7 +89,8 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 
 _UniqueKeyLoader.add_constructor("tag:yaml.org,2002:int", _UniqueKeyLoader.construct_yaml_int)
 
-# Booleans and numbers as YAML 1.2's core schema reads them. PyYAML follows YAML 1.1, where `yes`,
+# Booleans and numbers as YAML 1.2's core schema reads them, less its hexadecimal and octal
+# integers (`0x8`, `0o17`) and leading zeros (`010`): no plan or preset writes them. PyYAML follows YAML 1.1, where `yes`,
 # `on` and `y` are true, `1:20` is 80 (base 60), `0x8` and `010` are 8 and `1_0` is 10, each read
 # without a word (`global_batch: 1:20` planned for batch 80). Here such text stays a string, which
 # the strict schema reading it then refuses, saying what it takes.
@@ -97,7 +98,8 @@ _CORE = {
     "tag:yaml.org,2002:bool": (r"true|True|TRUE|false|False|FALSE", "tTfF"),
     "tag:yaml.org,2002:int": (r"[-+]?(?:0|[1-9][0-9]*)", "-+0123456789"),
     "tag:yaml.org,2002:float": (
-        r"[-+]?(?:[0-9]+\.[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN)",
+        r"[-+]?(?:[0-9]+\.[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?|[-+]?[0-9]+[eE][-+]?[0-9]+"
+        r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN)",
         "-+.0123456789",
     ),
 }
@@ -112,7 +114,8 @@ for _tag, (_pattern, _first) in _CORE.items():
 def loads_yaml(text: str) -> Any:
     """``yaml.safe_load`` that refuses a key given twice, nesting too deep and a whole number beyond
     a float's range (StrictDataError, a ValueError), and reads booleans and numbers by YAML 1.2's
-    rules: ``yes``, ``1:20``, ``0x8``, ``010`` and ``1_0`` are strings."""
+    core schema less its hexadecimal and octal forms: ``yes``, ``1:20``, ``0x8``, ``010`` and
+    ``1_0`` are strings, ``1e5`` a float."""
     try:
         return yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader: builds plain data only
     except RecursionError:

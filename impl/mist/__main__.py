@@ -844,6 +844,9 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # the reader stopped early (``| head``): end quietly, as a shell tool does
         return reader_gone()
     except KeyboardInterrupt:
+        from measure.parallel import interrupt_handled
+
+        interrupt_handled()
         print(f"python -m mist {args.command}: interrupted (what was already written stays)", file=sys.stderr)
         return 130
 

@@ -439,3 +439,17 @@ def test_format_bytes_keeps_small_amounts_readable():
         "2.0 MiB",
         "80.0 GiB",
     ]
+
+
+def test_yaml_numbers_and_booleans_as_yaml_1_2_reads_them():
+    """Plans and presets are read by YAML 1.2's core schema (less hexadecimal and octal): PyYAML's
+    YAML 1.1 read `1:20` as 80 and `yes` as true; 1.2's floats with an exponent and no dot stay
+    floats (they were strings, refused by the schema, in the first version of this reader)."""
+    from measure.strict import loads_yaml
+
+    read = loads_yaml("a: 1e5\nb: 10\nc: -2E-3\nd: .5\ne: true\nf: 1:20\ng: yes\nh: 0x8\ni: 010\nj: 1_0")
+    assert read == {
+        "a": 1e5, "b": 10, "c": -2e-3, "d": 0.5, "e": True,
+        "f": "1:20", "g": "yes", "h": "0x8", "i": "010", "j": "1_0",
+    }  # fmt: skip
+    assert type(read["a"]) is float and type(read["b"]) is int

@@ -65,6 +65,14 @@ def test_a_gpu_curve_that_does_not_grow_is_above_the_peak():
     framework = replace(shipped, curves={**shipped.curves, "framework": (Line(1e-4, None), gemm_b)})
     check_rates(framework)
     check_rates(replace(flat, gpu="cpu"))
+    # curves whose work a one-TP profile does not vary (the accumulation's add, the embedding
+    # table's gradient) or that are differences (the loss) may be constants; a rate above the
+    # peak is still refused
+    for cls in ("accumulate", "embedding", "loss"):
+        check_rates(replace(shipped, curves={**shipped.curves, cls: (Line(1e-4, None), Line(1e-4, None))}))
+        fast = Line(0.0, 1e30)
+        with pytest.raises(RateAbovePeakError, match=f"{cls} forward fitted at 1e\\+30"):
+            check_rates(replace(shipped, curves={**shipped.curves, cls: (fast, fast)}))
 
 
 def test_calibrate_holds_a_float32_profile_to_the_float32_peak(tmp_path, capsys):
