@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.measure.test_interrupts import as_from_a_terminal
+
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 
@@ -154,7 +156,13 @@ def _kill_when_busy(
     ``none_at_exit``: nothing it started may be left even at the moment it exits."""
     env = {**os.environ, "FAULT_TEST_TAG": tag, "PYTHONPATH": f"{REPO}:{REPO / 'impl'}", "TMPDIR": str(tmp)}
     proc = subprocess.Popen(
-        command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=group
+        command,
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=group,
+        preexec_fn=as_from_a_terminal,  # a suite run in the background passes SIGINT on ignored
     )
     try:
         commands = lambda: {p: _cmdline(p) for p in _tagged(tag)}
@@ -529,7 +537,9 @@ def test_a_swallowed_interrupt_still_stops_the_run(tmp_path, swallowed, timed):
     results = tmp_path / "results"
     env = {**os.environ, "PYTHONPATH": f"{REPO}:{REPO / 'impl'}"}
     command = [sys.executable, "-c", _SWALLOWS, str(results), swallowed, timed]
-    proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        command, cwd=REPO, env=env, capture_output=True, text=True, timeout=120, preexec_fn=as_from_a_terminal
+    )
     if swallowed == "weakref":  # what M1 printed: Python's own word that it dropped it
         assert "Exception ignored in" in proc.stderr and "KeyboardInterrupt" in proc.stderr, proc.stderr
     # stopped after the call it was swallowed in (a timed one: before the timing's next call)
