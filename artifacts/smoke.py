@@ -153,7 +153,7 @@ CHECKS: dict[str, Callable[[], str]] = {"Tempo": tempo_step, "Mist": mist_plan, 
 
 def main(argv: list[str] | None = None) -> int:
     from measure.cli import OneLineParser
-    from measure.parallel import interrupt_handled, sigterm_as_interrupt
+    from measure.parallel import interrupt_handled, raise_if_interrupted, sigterm_as_interrupt
 
     # no options: --help says what it does, anything else is refused
     OneLineParser(prog="python -m artifacts.smoke", description=__doc__).parse_args(argv)
@@ -166,10 +166,14 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 detail = check()
             except Exception as e:  # report every system, then fail
+                # an interrupt that code inside the check dropped (torch's callbacks do) and that
+                # surfaced as another error, a child's death by the group's SIGINT, is the interrupt
+                raise_if_interrupted()
                 failed.append(name)
                 outcomes.append(f"{name} failed")
                 print(f"FAIL {name}: {type(e).__name__}: {e}", flush=True)
                 continue
+            raise_if_interrupted()  # one dropped inside a check that then went on
             outcomes.append(f"{name} ok")
             print(f"ok   {name} ({time.perf_counter() - t0:.0f} s): {detail}", flush=True)
     except KeyboardInterrupt:  # Ctrl-C, or SIGTERM unwound as one: a line, not a traceback
