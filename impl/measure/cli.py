@@ -6,11 +6,10 @@ import argparse
 import contextlib
 import os
 import sys
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from .results import check_replaceable
+from .results import check_replaceable, temp_beside
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -37,9 +36,7 @@ def check_writable_file(path: Path, suffixes: tuple[str, ...] = ()) -> None:
             raise ValueError(f"{path}: not writable")
         # the writers' temporary file beside it (atomic_path's name), made and removed: os.access
         # says yes to root in /sys and /proc, where the write then failed after the work
-        fd, probe = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        os.close(fd)
-        os.unlink(probe)
+        os.unlink(temp_beside(path))
     except OSError as e:  # a name too long, a read-only or pseudo file system: said without errno
         raise ValueError(f"{path}: cannot be written there ({e.strerror or e})") from None
 

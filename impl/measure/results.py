@@ -159,6 +159,14 @@ def _whole_as_int(data: Any) -> Any:
 # ---------------------------------------------------------------- files
 
 
+def temp_beside(path: Path) -> str:
+    """A new empty file ``.<name>.*.tmp`` in ``path``'s folder: what ``atomic_path`` writes and
+    renames over ``path`` (and the name the results-folder check knows as a writer's leftover)."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    return tmp
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     """A temporary file beside ``path`` for the block to write (by any means: text, a tarball);
@@ -169,8 +177,7 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     path = Path(path)
     check_replaceable(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
+    tmp = temp_beside(path)
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; a result file is for everyone to read
