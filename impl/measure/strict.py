@@ -92,8 +92,9 @@ _UniqueKeyLoader.add_constructor("tag:yaml.org,2002:int", _UniqueKeyLoader.const
 # Booleans and numbers as YAML 1.2's core schema reads them, less its hexadecimal and octal
 # integers (`0x8`, `0o17`) and leading zeros (`010`): no plan or preset writes them. PyYAML
 # follows YAML 1.1, where `yes`, `on` and `y` are true, `1:20` is 80 (base 60), `0x8` and `010`
-# are 8 and `1_0` is 10, each read without a word (`global_batch: 1:20` planned for batch 80). Here such text stays a string, which
-# the strict schema reading it then refuses, saying what it takes.
+# are 8 and `1_0` is 10, each read without a word (`global_batch: 1:20` planned for batch 80).
+# Here such text stays a string, which the strict schema reading it then refuses, saying what it
+# takes.
 _CORE = {
     "tag:yaml.org,2002:bool": (r"true|True|TRUE|false|False|FALSE", "tTfF"),
     "tag:yaml.org,2002:int": (r"[-+]?(?:0|[1-9][0-9]*)", "-+0123456789"),
