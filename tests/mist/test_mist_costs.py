@@ -447,12 +447,14 @@ def test_accumulation_priced_by_its_measured_add_where_profiled(rng):
         np.testing.assert_allclose(priced["compute"], expected, rtol=1e-9)
 
 
-def test_zero1_and_weight_sync_priced_as_the_engine_issues_them(rng):
-    """Where the runtime model has the engine's measured ZeRO-1/2 step collectives, ZeRO-1's
-    gradient sum and ZeRO-1/2's weight sync are priced by them (mist.engine.run's all-reduce and
-    broadcasts); elsewhere, as on every shipped GPU preset, by Megatron-LM's reduce-scatter and
-    all-gather. ZeRO-0 (an all-reduce) and ZeRO-3 (nothing after backward) are unchanged.
-    Negative control: the same model without those lines prices the Megatron-LM collectives."""
+def test_buffer_sum_and_weight_sync_priced_as_the_engine_issues_them(rng):
+    """Where the runtime model has the engine's measured step collectives, ZeRO-0's and ZeRO-1's
+    gradient sum (one operation in mist.engine.run: the all-reduce of its gradient buffer, so one
+    line) and ZeRO-1/2's weight sync (its broadcasts) are priced by them, the embedding/head's
+    (ZeRO-0 here) too; elsewhere, as on every shipped GPU preset, by Megatron-LM's: DDP's
+    all-reduce (ZeRO-0), the distributed optimizer's reduce-scatter and all-gather. ZeRO-3 (nothing
+    after backward) is unchanged. Negative control: the same model without those lines prices the
+    Megatron-LM collectives."""
     import dataclasses
 
     from mist.model.budget import gpu_budget_bytes
@@ -471,20 +473,23 @@ def test_zero1_and_weight_sync_priced_as_the_engine_issues_them(rng):
     stage, edge = float(rng.uniform(1e6, 1e9)), float(rng.uniform(0.0, 1e8))
     zero = np.array([0, 1, 2, 3])
     edge_zero = np.zeros(4)
-    for rt, summed, synced in (
-        (engine, grad_sum(stage), weight_sync(stage)),
+    ddp = (runtime.collective("all_reduce", stage, dp, c), runtime.collective("all_reduce", edge, dp, c))
+    for rt, (zero0, edge_sum), zero1, synced in (
+        (engine, (grad_sum(stage), grad_sum(edge)), grad_sum(stage), weight_sync(stage)),
         (
             runtime,
+            ddp,
             runtime.collective("reduce_scatter", stage, dp, c),
             runtime.collective("all_gather", stage, dp, c),
         ),
     ):
         st = Setting(m, c, rt, interference, 1, dp, 1, gpu_budget_bytes(c), 2)
         before, after = _gradient_sync(st, stage, edge, zero, edge_zero, False)
-        edge_ar = float(runtime.collective("all_reduce", edge, dp, c))
-        all_reduce = float(runtime.collective("all_reduce", stage, dp, c))
-        np.testing.assert_allclose(before, np.array([all_reduce, summed, 0.0, 0.0]) + edge_ar, rtol=1e-12)
+        expected = np.array([zero0, zero1, 0.0, 0.0]) + edge_sum
+        np.testing.assert_allclose(before, expected, rtol=1e-12)
         np.testing.assert_allclose(after, [0.0, synced, synced, 0.0], rtol=1e-12)
+    # the two lines differ, so the control tells them apart
+    assert not np.isclose(float(grad_sum(stage)), float(ddp[0]), rtol=1e-6)
 
 
 def test_gradient_accumulation_priced_as_the_engine_adds(rng):

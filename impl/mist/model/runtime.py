@@ -80,10 +80,10 @@ ZERO3_LAYER = "fsdp_layer"
 TP_LAYER = "tp_layer"  # forward + backward
 TP_LAYER_FORWARD = "tp_layer_forward"  # the forward's part (recomputation repeats it)
 MEASURED_LAYERS = (ZERO2_LAYER, ZERO3_LAYER, TP_LAYER, TP_LAYER_FORWARD)
-# mist.engine.run's own ZeRO-1/2 step collectives, timed by `mist profile` running the engine's
-# code (by the bytes synchronised): where they are measured the model prices what the engine
-# issues; elsewhere Megatron-LM's distributed optimizer's collectives (a reduce-scatter, an all-gather)
-ZERO_GRAD_SUM = "zero_grad_sum"  # ZeRO-1's gradient sum: an in-place all-reduce of the gradient buffer
+# mist.engine.run's own step collectives, timed by `mist profile` running the engine's code (by
+# the bytes synchronised): where they are measured the model prices what the engine issues;
+# elsewhere Megatron-LM's (DDP's all-reduce; the distributed optimizer's reduce-scatter, all-gather)
+ZERO_GRAD_SUM = "zero_grad_sum"  # ZeRO-0/1's gradient sum: an in-place all-reduce of the gradient buffer
 ZERO_WEIGHT_SYNC = "zero_weight_sync"  # ZeRO-1/2's updated weights: one broadcast per owner of its share
 ENGINE_COLLECTIVES = (ZERO_GRAD_SUM, ZERO_WEIGHT_SYNC)
 DEFAULT_EFFICIENCY = {"gemm": 0.7, "bmm": 0.5, "attention": 0.5, "memory": 0.7}  # roofline fallback
@@ -283,8 +283,9 @@ class RuntimeModel:
         return self._measured_layer(ZERO2_LAYER, weight_bytes, n, inter_node)
 
     def zero_grad_sum(self, nbytes, n: int, inter_node: bool = False) -> np.ndarray | None:
-        """Seconds of ZeRO-1's gradient sum over ``n`` replicas on ``nbytes`` of gradients where
-        `mist profile` timed the engine's (ContiguousGrads' all-reduce); None where it did not."""
+        """Seconds of ZeRO-0's or ZeRO-1's gradient sum (one operation in the engine) over ``n``
+        replicas on ``nbytes`` of gradients where `mist profile` timed the engine's
+        (ContiguousGrads' all-reduce); None where it did not."""
         return self._engine_collective(ZERO_GRAD_SUM, nbytes, n, inter_node)
 
     def zero_weight_sync(self, nbytes, n: int, inter_node: bool = False) -> np.ndarray | None:

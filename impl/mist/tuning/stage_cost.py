@@ -351,14 +351,21 @@ def _zero_per_micro_batch(
     return compute, g2g
 
 
-def _zero1_gradient_sum(setting: Setting, nbytes, across: bool):
-    """Seconds of ZeRO-1's DP gradient sum on ``nbytes``: the engine's own where `mist profile`
-    timed it (mist.engine.run: an all-reduce of its gradient buffer), else the reduce-scatter of
-    Megatron-LM's distributed optimizer."""
+def _buffer_gradient_sum(setting: Setting, nbytes, across: bool, zero):
+    """Seconds of the DP gradient sum after backward on ``nbytes`` at ZeRO stage ``zero`` (0 or
+    1; an array broadcasts): where `mist profile` timed the engine's (mist.engine.run sums ZeRO-0's
+    and ZeRO-1's gradients alike, ContiguousGrads' in-place all-reduce of its buffer) that one
+    line prices both; else Megatron-LM's: DDP's all-reduce (ZeRO-0) and the distributed
+    optimizer's reduce-scatter (ZeRO-1)."""
     measured = setting.runtime.zero_grad_sum(nbytes, setting.dp, across)
     if measured is not None:
         return measured
-    return setting.runtime.collective("reduce_scatter", nbytes, setting.dp, setting.cluster, across)
+    runtime, dp, cluster = setting.runtime, setting.dp, setting.cluster
+    return np.where(
+        np.asarray(zero) == 1,
+        runtime.collective("reduce_scatter", nbytes, dp, cluster, across),
+        runtime.collective("all_reduce", nbytes, dp, cluster, across),
+    )
 
 
 def _zero_weight_sync(setting: Setting, nbytes, across: bool):
@@ -373,17 +380,16 @@ def _zero_weight_sync(setting: Setting, nbytes, across: bool):
 
 def _gradient_sync(setting: Setting, stage_w_full: float, edge_w_full: float, zero, edge_zero, across: bool):
     """(before, after) the gradient-clipping barrier: seconds of the step's gradient
-    synchronisation over DP, an all-reduce (ZeRO-0), ZeRO-1's gradient sum (_zero1_gradient_sum)
-    or nothing more (ZeRO-2/3, whose gradients were reduced in backward); then, after the step,
+    synchronisation over DP, ZeRO-0's and ZeRO-1's gradient sum (_buffer_gradient_sum) or
+    nothing more (ZeRO-2/3, whose gradients were reduced in backward); then, after the step,
     the updated weights' sync (ZeRO-1/2: _zero_weight_sync)."""
-    dp, cluster, runtime = setting.dp, setting.cluster, setting.runtime
+    dp = setting.dp
     before = after = 0.0
     if dp > 1:
         for full, its_zero in ((stage_w_full, zero), (edge_w_full, edge_zero)):
-            allreduce = runtime.collective("all_reduce", full, dp, cluster, across)
-            summed = _zero1_gradient_sum(setting, full, across)
+            summed = _buffer_gradient_sum(setting, full, across, its_zero)
             synced = _zero_weight_sync(setting, full, across)
-            before = before + np.where(its_zero >= 2, 0.0, np.where(its_zero == 1, summed, allreduce))
+            before = before + np.where(its_zero >= 2, 0.0, summed)
             after = after + np.where((its_zero >= 1) & (its_zero <= 2), synced, 0.0)
     return before, after
 
@@ -398,7 +404,7 @@ def _hidden_reduction_s(setting: Setting, layer: LayerNumbers, layers: int, reco
     layers) and the embedding/head's come after backward, as before. ZeRO-2/3 reduce as they make
     their gradients already; one bucket hides nothing. Gradients accumulated on the host are
     priced as the device's (as ``_gradient_sync`` prices them)."""
-    dp, cluster, runtime = setting.dp, setting.cluster, setting.runtime
+    dp = setting.dp
     if not setting.overlap_grad_reduce or dp == 1 or layers < 2:
         return 0.0
     # layers a bucket
@@ -412,17 +418,8 @@ def _hidden_reduction_s(setting: Setting, layer: LayerNumbers, layers: int, reco
     _, first, inverse = np.unique((zz * (layers + 1) + rr).ravel(), return_index=True, return_inverse=True)
     zero, recompute = zz.ravel()[first], rr.ravel()[first]
     stage_bytes = 2.0 * layer.params * layers
-    whole = np.where(
-        zero == 1,
-        _zero1_gradient_sum(setting, stage_bytes, across),
-        runtime.collective("all_reduce", stage_bytes, dp, cluster, across),
-    )
-    bucket_bytes = stage_bytes / buckets
-    each = np.where(
-        zero == 1,
-        _zero1_gradient_sum(setting, bucket_bytes, across),
-        runtime.collective("all_reduce", bucket_bytes, dp, cluster, across),
-    )
+    whole = _buffer_gradient_sum(setting, stage_bytes, across, zero)
+    each = _buffer_gradient_sum(setting, stage_bytes / buckets, across, zero)
     # the backward left once the first bucket is made: its other layers' (recomputation included)
     backward = layers * layer.bwd + recompute * layer.fwd
     window = backward * (layers - per_bucket) / layers

@@ -1,5 +1,5 @@
-"""ZeRO-1/2's step collectives as mist.engine.run issues them, timed by running the engine's code:
-ZeRO-1's gradient sum (ContiguousGrads' in-place all-reduce of its buffer) and the updated
+"""The DP step collectives as mist.engine.run issues them, timed by running the engine's code:
+ZeRO-0/1's gradient sum (ContiguousGrads' in-place all-reduce of its buffer) and the updated
 weights' sync (ShardedMasterAdamW.broadcast_weights: one broadcast per owner of its share).
 Megatron-LM's distributed optimizer issues a reduce-scatter and an all-gather instead; on gloo
 those cost more than what the engine issues (measured here on 2 processes, 2026-12-04: 25.6 MB
