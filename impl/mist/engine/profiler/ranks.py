@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pickle
 import statistics
 import time
 from collections.abc import Callable, Hashable
@@ -56,6 +57,7 @@ def interleaved_seconds_all_ranks(
 # launch of 2 ranks on 2 cores, twelve launches a 2-process fit). The server has only imported
 # (no threads, no torch ops), as fork_launch's; it exits once this process and its ranks have.
 _RANK_PRELOAD = [
+    "mist.engine.profiler.forkserver_guard",  # first: the server dies with its client from here on
     "torch.distributed",
     "torch.distributed.fsdp",
     "megatron.core.models.gpt.gpt_layer_specs",
@@ -75,12 +77,31 @@ def _rank_main(rank: int, launcher: int, worker: Callable, *args) -> None:
     worker(rank, *args)
 
 
+_RESULT_KEY = "rank0-result"
+
+
+class RankResult:
+    """Where rank 0 puts its result for ``run_ranks`` (``put``): the launch's rendezvous store,
+    which the launcher serves and reads once the ranks have ended. Neither a multiprocessing queue
+    (a named semaphore a rank rebuilds as it starts: a run ended at that moment left the rank
+    printing a traceback for the semaphore its launcher had removed, probe round 5, F22) nor a
+    file (a killed launcher would leave it behind)."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+
+    def put(self, result: object) -> None:
+        from torch.distributed import TCPStore
+
+        TCPStore(HOST, self.port, is_master=False).set(_RESULT_KEY, pickle.dumps(result))
+
+
 def run_ranks(worker: Callable, n: int, args: tuple, launches: int) -> list:
-    """Rank 0's result of ``worker(rank, n, port, *args, out)`` on ``n`` forked processes, for
-    each of ``launches`` launches (a fresh process group each, joining a store this process serves
-    on ``port``: measure.launch). On a CPU gloo's latency settles
-    into a mode for a launch's whole life (the same all-reduce: ~0.4 ms a call in one launch,
-    ~1.7 ms in the next), so a benchmark point is the median over launches."""
+    """Rank 0's result of ``worker(rank, n, port, *args, out)`` (``out.put(result)``, a
+    ``RankResult``) on ``n`` forked processes, for each of ``launches`` launches (a fresh process
+    group each, joining a store this process serves on ``port``: measure.launch). On a CPU gloo's
+    latency settles into a mode for a launch's whole life (the same all-reduce: ~0.4 ms a call in
+    one launch, ~1.7 ms in the next), so a benchmark point is the median over launches."""
     import torch.multiprocessing as mp
 
     if launches < 1:
@@ -89,10 +110,10 @@ def run_ranks(worker: Callable, n: int, args: tuple, launches: int) -> list:
     ctx.set_forkserver_preload(_RANK_PRELOAD)  # read when the server starts (the first launch)
     results = []
     for _ in range(launches):
-        out, store = ctx.SimpleQueue(), serve_rendezvous()
+        store = serve_rendezvous()
         ranks = mp.start_processes(
             _rank_main,
-            (os.getpid(), worker, n, store.port, *args, out),
+            (os.getpid(), worker, n, store.port, *args, RankResult(store.port)),
             nprocs=n,
             join=False,
             start_method="forkserver",
@@ -104,7 +125,9 @@ def run_ranks(worker: Callable, n: int, args: tuple, launches: int) -> list:
             for rank in ranks.processes:
                 rank.kill()
             raise
-        results.append(out.get())
+        if not store.check([_RESULT_KEY]):  # get() would wait for it
+            raise RuntimeError(f"{worker.__name__}: the ranks ended without rank 0's result")
+        results.append(pickle.loads(store.get(_RESULT_KEY)))
         del store
     return results
 
