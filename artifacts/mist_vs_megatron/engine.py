@@ -292,24 +292,17 @@ def engine_key(setup: EngineSetup, name: str) -> dict:
 def fit_runtime(setup: EngineSetup, work: Path) -> dict:
     """``mist profile`` of ``setup.device`` at the setup's model shape, as ``setup.processes`` ranks
     run it, into ``work``, and the runtime model fitted to it (``calibrate``'s result). With several
-    processes, the collectives among them too, and the mechanisms as the engine runs them: ZeRO-1/2's
-    step collectives, and on a layer ZeRO-2, ZeRO-3 and TP over all processes."""
-    import torch
-
+    processes, the collectives among them too, and the mechanisms as the engine runs them: its step
+    collectives, and on a layer ZeRO-2, ZeRO-3 and TP over all processes (write_rank_benchmarks,
+    as `mist profile --collectives`)."""
+    from measure.training import DTYPES
     from mist import model
-    from mist.engine.profiler import (
-        sizes_for_layer,
-        write_collectives,
-        write_profiles,
-        write_tp_layers,
-        write_zero_layers,
-        write_zero_sync,
-    )
+    from mist.engine.profiler import write_profiles, write_rank_benchmarks
     from mist.model.calibrate import calibrate
     from mist.model.profile_data import mark_profile_complete
 
     profiles, prof = work / setup.gpu, setup.profile  # "fitted to cpu profiles"
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[prof["dtype"]]
+    dtype = DTYPES[prof["dtype"]]
     spec = model(setup.model, **setup.model_overrides)  # the shapes the plans train
     shape = (spec.hidden, spec.heads, spec.seq, prof["micro_batches"], prof["tps"])
     # on a CPU, as many copies at once as the plans have ranks: they share the cores' caches; the
@@ -329,38 +322,15 @@ def fit_runtime(setup: EngineSetup, work: Path) -> dict:
         tempo=prof.get("tempo", False),
         complete=False,  # the collectives and mechanisms below belong to it too
     )
-    if setup.processes > 1:  # this machine's collectives, measured (gloo on a CPU)
-        say("collectives, ZeRO-2/3 and TP layers")
+    if setup.processes > 1:  # this machine's collectives and the engine's mechanisms, measured
+        say("collectives, the engine's step collectives, ZeRO-2/3 and TP layers")
         # gloo's latency here drifts between modes (~0.3 ms or ~4 ms a call) within a launch and
         # settles into one for a launch: a point is the median of 8 interleaved windows of 10
         # calls, then of the setup's launches
-        n, launches = setup.processes, setup.launches
-        write_collectives(profiles, n, setup.device, repeats=10, rounds=8, launches=launches)
-        sync_sizes = sizes_for_layer(spec.hidden)  # ZeRO-1/2's step collectives as the engine issues them
-        write_zero_sync(profiles, n, setup.device, sync_sizes, repeats=10, rounds=8, launches=launches)
-        for stage in (2, 3):
-            write_zero_layers(
-                stage,
-                profiles,
-                n,
-                setup.device,
-                spec.hidden,
-                spec.heads,
-                spec.seq,
-                setup.micro_batch,
-                dtype,
-                launches=launches,
-            )
-        write_tp_layers(
-            profiles,
-            n,
-            setup.device,
-            spec.hidden,
-            spec.heads,
-            spec.seq,
-            prof["micro_batches"],
-            dtype,
-            launches=launches,
+        shape = (spec.hidden, spec.heads, spec.seq, prof["micro_batches"], dtype)
+        n, zero_micro_batch = setup.processes, setup.micro_batch
+        write_rank_benchmarks(
+            profiles, n, setup.device, *shape, zero_micro_batch, repeats=10, rounds=8, launches=setup.launches
         )
     mark_profile_complete(profiles)  # every benchmark is in: calibrate fits it
     say("fitted")

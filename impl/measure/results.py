@@ -354,6 +354,27 @@ def _flock_within(lock: TextIO, wait_s: float) -> bool:
             time.sleep(0.05)
 
 
+def folder_is_locked(folder: Path) -> bool:
+    """Whether a process holds ``folder``'s lock now (``lock_folder``: a run or `mist profile` still
+    writing it). Read-only: nothing is created; a missing or irregular ``.lock`` is not held. Its
+    probe is a shared flock taken and let go at once (a writer starting in that instant is told
+    the folder is busy, as for any other holder)."""
+    path = folder / ".lock"
+    if not_regular(path) is not None:
+        return False
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:  # absent, or gone since the check
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # closing lets a taken lock go
+    return False
+
+
 def not_regular(path: str | os.PathLike) -> str | None:
     """What ``path`` is, in words ("a FIFO"), where it exists and is not a regular file; None where
     it is absent or a regular file. lstat: a symbolic link is one, whatever it points to."""

@@ -17,6 +17,8 @@ from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
 PRECISIONS = ("fp32", "fp16", "bf16", "amp-fp16", "amp-bf16")
+# the dtype each name on a command line stands for (every CLI's --dtype, and the precisions' parts)
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 @dataclass(frozen=True)
@@ -29,11 +31,11 @@ class Precision:
 
     @property
     def model_dtype(self) -> torch.dtype:
-        return {"fp16": torch.float16, "bf16": torch.bfloat16}.get(self.name, torch.float32)
+        return DTYPES.get(self.name, torch.float32)  # amp: a float32 model
 
     @property
     def autocast_dtype(self) -> torch.dtype | None:
-        return {"amp-fp16": torch.float16, "amp-bf16": torch.bfloat16}.get(self.name)
+        return DTYPES[self.name.removeprefix("amp-")] if self.name.startswith("amp-") else None
 
     @property
     def master_weights(self) -> bool:

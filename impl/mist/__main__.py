@@ -24,7 +24,7 @@ from measure.checks import device_name, machine_memory_bytes
 from measure.cli import OneLineParser, check_writable_file, reader_gone
 from measure.units import format_bytes
 
-from .model.profile_data import ARTIFACT_DATA
+from .model.profile_data import ARTIFACT_DATA, PRESET_NAME_RULE, is_preset_name
 from .model.specs import GPUS, GRAD_ACCUMULATION, HOSTS, MODELS, cluster, model
 
 if TYPE_CHECKING:  # for the annotations only: each command imports what it uses when it runs
@@ -478,6 +478,31 @@ def _claim_profile_folder(out: Path, replace: bool) -> TextIO:
     return lock
 
 
+def _check_profile_fits(args) -> None:
+    """Refuse a layer too big for the device before profiling it (it would fail in the allocator,
+    after the folder is claimed): a lower bound on what the profile holds at once, the layer's
+    weights and gradients (12 h^2 parameters each) and the 16-bit activations megatron-core's layer
+    keeps for backward at the largest micro-batch, 32sbh + 4as^2b bytes (Korthikanti et al. 2022,
+    their 34sbh + 5as^2b less the one-byte dropout masks), in the profile's dtype."""
+    import torch
+
+    from measure.training import DTYPES
+
+    elem = DTYPES[args.dtype].itemsize
+    h, a, s, b = args.hidden, args.heads, args.seq, max(args.micro_batches)
+    need = 2 * 12 * h * h * elem + (32 * s * b * h + 4 * a * s * s * b) * elem // 2
+    if args.device.startswith("cuda"):
+        have, where = torch.cuda.get_device_properties(torch.device(args.device)).total_memory, "GPU"
+    else:
+        have, where = machine_memory_bytes(), "machine"
+    if need > have:
+        raise ValueError(
+            f"--hidden {h} --heads {a} --seq {s} --micro-batches {b} ({args.dtype}): the layer alone needs "
+            f"at least {format_bytes(need)} (weights, gradients, activations), more than this {where}'s "
+            f"{format_bytes(have)}"
+        )
+
+
 def _check_collectives(counts: list[int], device: str) -> None:
     """Process counts the collective benchmarks can run here: at least 2, at most this machine's
     cores (on a CPU, 2 even on one; more oversubscribe them and the benchmark measures the
@@ -498,6 +523,7 @@ def cmd_profile(args) -> int:
     import torch
 
     from measure.results import unlock_folder
+    from measure.training import DTYPES
 
     if not device_name(args.device):
         raise ValueError(f"--device {args.device}: the profiler runs on cpu or cuda[:N]")
@@ -520,14 +546,17 @@ def cmd_profile(args) -> int:
         if len(set(values)) < len(values):
             raise ValueError(f"{flag} {' '.join(map(str, values))}: a value given twice")
     _check_collectives(args.collectives, args.device)
+    if not is_preset_name(args.name):
+        raise ValueError(f"--name {args.name!r}: {PRESET_NAME_RULE}")
     if args.hidden % args.heads:
         raise ValueError(f"--hidden {args.hidden} must be a multiple of --heads {args.heads}")
+    _check_profile_fits(args)
     for tp in args.tp:
         if args.heads % tp:
             raise ValueError(f"--tp {tp} must divide --heads {args.heads}")
         if args.vocab is not None and args.vocab % tp:
             raise ValueError(f"--tp {tp} must divide --vocab {args.vocab}")
-    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
+    dtype = DTYPES[args.dtype]
     out = Path(args.out)
     lock = _claim_profile_folder(out, args.replace)  # last: with --replace it removes the old profile
     try:
@@ -548,15 +577,11 @@ def cmd_profile(args) -> int:
 def _measure_profile(args, out: Path, dtype) -> list[Path]:
     """`mist profile`'s measurements into ``out`` (claimed by ``_claim_profile_folder``): the layer,
     then the benchmarks asked for; marked complete last. Returns the layer profiles written."""
-    from .engine.profiler import (
-        sizes_for_layer,
-        write_collectives,
-        write_profiles,
-        write_tp_layers,
-        write_zero_layers,
-        write_zero_sync,
-    )
+    from .engine.profiler import write_profiles, write_rank_benchmarks
     from .model.profile_data import mark_profile_complete
+
+    def say(line: str) -> None:
+        print("  " + line, flush=True)
 
     files = write_profiles(
         out,
@@ -569,34 +594,17 @@ def _measure_profile(args, out: Path, dtype) -> list[Path]:
         dtype,
         args.name,
         args.repeats,
-        progress=lambda line: print("  " + line, flush=True),
+        progress=say,
         vocab=args.vocab,
         rounds=args.rounds,
         tempo=args.tempo,
         complete=False,  # the benchmarks below are a part of it
     )
+    shape = (args.hidden, args.heads, args.seq, args.micro_batches, dtype)
     for n in args.collectives:
-        written = write_collectives(out, n, args.device, args.repeats)
-        print(f"  collectives among {n} processes: {len(written)} files", flush=True)
-        write_zero_sync(out, n, args.device, sizes_for_layer(args.hidden), repeats=args.repeats)
-        print(f"  ZeRO-1/2's gradient sum and weight sync among {n} processes", flush=True)
-        if args.heads % 2 == 0:  # ZeRO-2 and -3 as the engine runs them, on the layer at two sizes
-            for stage in (2, 3):
-                write_zero_layers(
-                    stage,
-                    out,
-                    n,
-                    args.device,
-                    args.hidden,
-                    args.heads,
-                    args.seq,
-                    min(args.micro_batches),
-                    dtype,
-                )
-            print(f"  ZeRO-2 and ZeRO-3 on the layer among {n} processes", flush=True)
-        if args.heads % n == 0 and len(set(args.micro_batches)) >= 2:  # TP as the engine runs it
-            write_tp_layers(out, n, args.device, args.hidden, args.heads, args.seq, args.micro_batches, dtype)
-            print(f"  tensor parallelism on the layer over {n} processes", flush=True)
+        write_rank_benchmarks(
+            out, n, args.device, *shape, min(args.micro_batches), repeats=args.repeats, progress=say
+        )
     mark_profile_complete(out)
     return files
 
@@ -748,7 +756,11 @@ def _profile_parser(sub) -> None:
         action="store_true",
         help="remove the profile in --out first (else such a folder is refused)",
     )
-    p.add_argument("--name", required=True, help="the GPU preset these profiles calibrate (e.g. l4, cpu)")
+    p.add_argument(
+        "--name",
+        required=True,
+        help="the GPU preset these profiles calibrate (e.g. l4, cpu): letters, digits, .-_",
+    )
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="fp32", choices=["fp16", "bf16", "fp32"])
     p.add_argument("--hidden", type=int, default=1024)

@@ -161,6 +161,39 @@ def test_outputs_are_checked_before_any_work(tmp_path, capsys):
     assert (old / "profile.json").read_text() == "{}"  # nothing touched
 
 
+@pytest.mark.parametrize(
+    ("change", "said"),
+    [
+        (["--name", ""], "--name '': a preset's name"),  # was refused only after profiling
+        (["--name", "../../x"], "--name '../../x': a preset's name"),  # was written into profile.json
+        (
+            ["--hidden", "1048576", "--heads", "1"],
+            "the layer alone needs at least",
+        ),  # was an allocator traceback
+        (["--seq", "2000000"], "the layer alone needs at least"),  # the s^2 scores
+        (["--name", "a100-40gb.v2_x"], None),  # the control: a preset-like name, a layer that fits
+    ],
+)
+def test_a_profile_that_cannot_be_made_is_refused_before_any_work(
+    tmp_path, capsys, monkeypatch, change, said
+):
+    """`mist profile` refuses a name that is not a preset's (it names a preset file) and a layer
+    larger than the machine's memory (a lower bound: weights, gradients, kept activations) before
+    it claims the folder; the control goes on to profile (stubbed here: what is checked is that
+    the refusals come before it)."""
+    import mist.__main__ as cli
+
+    profiled = []
+    monkeypatch.setattr(cli, "_measure_profile", lambda *a, **k: profiled.append(a) or [])
+    out = tmp_path / "p"
+    code = main([*profile_argv(1), *change, "--out", str(out)])
+    if said is None:
+        assert code == 0 and len(profiled) == 1
+        return
+    assert code == 2 and not profiled and not out.exists()
+    _one_error_line(capsys, said)
+
+
 def test_simulator_memory_does_not_grow_with_micro_batches(rng):
     """Each finish time is dropped once read: the live state stays O(stages) (tracemalloc peak
     the same for 64 and 4096 micro-batches), and the answer matches an independent recursion."""
@@ -367,6 +400,7 @@ _META = '{"complete": true, "gpu": "l4", "seq": 2048, "sizes": {"1_3B": [2048, 2
         ('{"gpu": "l4", "seq": 2048, "sizes": {"1_3B": [2048, 24, 32]}, "seqq": 1}', "unknown field(s) seqq"),
         ('{"gpu": "l4", "sizes": {"1_3B": [2048, 24, 32]}}', "missing seq"),
         ('{"gpu": "l4", ', "not a readable profile.json"),
+        ('{"gpu": "../../x", "seq": 2048, "sizes": {"1_3B": [2048, 24, 32]}}', "gpu must be a preset's name"),
     ],
 )
 def test_a_profiles_description_is_read_strictly(tmp_path, capsys, meta, expected):

@@ -65,10 +65,12 @@ def test_an_interrupted_profile_says_how_to_redo_it_and_is_not_fitted(tmp_path, 
     from mist.engine import profiler
     from mist.model.profile_data import mark_profile_complete
 
-    def interrupted(*args, **kwargs):  # Ctrl-C once the layer is profiled, as the collectives start
+    def interrupted(
+        *args, **kwargs
+    ):  # Ctrl-C once the layer is profiled, as the benchmarks among processes start
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(profiler, "write_collectives", interrupted)
+    monkeypatch.setattr(profiler, "write_rank_benchmarks", interrupted)
     out = tmp_path / "p"
     command = [*PROFILE, "--out", str(out), "--collectives", "2"]
     assert main(command) == 130
@@ -88,6 +90,32 @@ def test_an_interrupted_profile_says_how_to_redo_it_and_is_not_fitted(tmp_path, 
     assert "p: per-layer error" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("held", [True, False], ids=["being-written", "control-abandoned"])
+def test_calibrate_tells_a_profile_being_written_from_an_abandoned_one(tmp_path, capsys, held):
+    """`mist calibrate` on a folder a `mist profile` is still writing told the user to redo the
+    profile with --replace (which the running profile's lock then refuses). Now it says the folder
+    is being written, and to calibrate once that run ends; an incomplete folder nobody holds (the
+    control) is still the incomplete profile to redo."""
+    from measure.results import lock_folder, unlock_folder
+
+    out = tmp_path / "p"
+    out.mkdir()
+    meta = {"gpu": "cpu", "seq": 16, "sizes": {"h64": [64, 1, 4]}, "complete": False}
+    (out / "profile.json").write_text(json.dumps(meta))
+    lock = lock_folder(out, "busy")  # as a running `mist profile` holds it
+    if not held:
+        unlock_folder(lock)
+    try:
+        assert main(["calibrate", str(out)]) == 2
+    finally:
+        unlock_folder(lock)
+    if held:
+        one_error_line(capsys.readouterr().err, f"{out}: being written by a `mist profile` still running")
+    else:
+        one_error_line(capsys.readouterr().err, f"{out}: an incomplete profile", "--replace")
+    assert sorted(p.name for p in out.iterdir()) == [".lock", "profile.json"]  # calibrate wrote nothing
+
+
 def test_a_finished_profile_is_marked_complete(tmp_path, monkeypatch):
     """profile.json says complete only once every benchmark asked for is written: false while the
     collectives run, true after."""
@@ -100,9 +128,7 @@ def test_a_finished_profile_is_marked_complete(tmp_path, monkeypatch):
         seen.append(json.loads((folder / "profile.json").read_text())["complete"])
         return []
 
-    monkeypatch.setattr(profiler, "write_collectives", collectives)
-    monkeypatch.setattr(profiler, "write_zero_layers", lambda *a, **k: None)
-    monkeypatch.setattr(profiler, "write_tp_layers", lambda *a, **k: None)
+    monkeypatch.setattr(profiler, "write_rank_benchmarks", collectives)
     assert main([*PROFILE, "--out", str(out), "--collectives", "2"]) == 0
     assert seen == [False] and json.loads((out / "profile.json").read_text())["complete"] is True
 

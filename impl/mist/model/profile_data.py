@@ -156,9 +156,19 @@ def profile_meta(gpu_dir: Path) -> dict:
     return {}
 
 
+# a preset's name, as the shipped ones are (l4, a100-40gb, cpu): it names a preset file when
+# `mist calibrate --write` writes one, so no path separators, no leading dot, no spaces
+_PRESET_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+PRESET_NAME_RULE = "a preset's name: up to 64 letters, digits, '.', '_' or '-', a letter or digit first"
+
+
+def is_preset_name(name: object) -> bool:
+    return isinstance(name, str) and _PRESET_NAME.fullmatch(name) is not None
+
+
 # profile.json's fields: (what it must be, the check); "sizes": {size name: [hidden, layers, heads]}
 _META_FIELDS = {
-    "gpu": ("a GPU preset's name", lambda v: isinstance(v, str) and v != ""),
+    "gpu": (PRESET_NAME_RULE, is_preset_name),
     "seq": ("a whole number > 0", positive_int),
     "sizes": (
         "{size name: [hidden, layers, heads]}, whole numbers > 0",
@@ -222,7 +232,14 @@ def mark_profile_complete(gpu_dir: Path) -> None:
 def check_complete(gpu_dir: Path) -> None:
     """Refuse a profile `mist profile` did not finish (interrupted, or failed part-way): fitted, it
     would pass for the whole profile, the benchmarks it lacks priced from the presets unsaid."""
+    from measure.results import folder_is_locked
+
     if not profile_meta(gpu_dir).get("complete", True):
+        if folder_is_locked(gpu_dir):  # not failed: being written
+            raise ValueError(
+                f"{gpu_dir}: being written by a `mist profile` still running (the folder is locked): "
+                "calibrate it once that run has finished"
+            )
         raise ValueError(
             f"{gpu_dir}: an incomplete profile (its `mist profile` did not finish; profile.json says "
             "complete: false): redo it by rerunning that command with --replace"

@@ -29,10 +29,12 @@ point is the median of interleaved rounds (on a CPU gloo's latency drifts betwee
 seconds), and with ``launches`` of several launches (it settles into a mode for a launch's life).
 
 One module per benchmark: ``layer`` (the per-op profile), ``collectives``, ``zero_layers``,
-``zero_sync``, ``tp_layers``, ``host`` (the CPU Adam step); ``ranks`` (forked ranks, interleaved timing) and
-``megatron_layer`` (megatron-core's layer as they build it) are what they share.
+``zero_sync``, ``tp_layers``, ``host`` (the CPU Adam step); ``among`` runs every multi-process one
+in order; ``ranks`` (forked ranks, interleaved timing) and ``megatron_layer`` (megatron-core's
+layer as they build it) are what they share.
 """
 
+from .among import write_rank_benchmarks
 from .collectives import COLLECTIVES, profile_collectives, write_collectives
 from .host import profile_cpu_adam
 from .layer import megatron_edge_rows, megatron_layer_seconds, profile_layer, write_profiles
@@ -53,6 +55,7 @@ __all__ = [
     "sizes_for_layer",
     "write_collectives",
     "write_profiles",
+    "write_rank_benchmarks",
     "write_tp_layers",
     "write_zero_layers",
     "write_zero_sync",
