@@ -17,7 +17,7 @@ import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 from measure.cli import OneLineParser
 from measure.parallel import interrupt_handled, raise_if_interrupted, sigterm_as_interrupt
@@ -144,12 +144,12 @@ def experiment_run(args: argparse.Namespace, experiment: Experiment) -> Iterator
     except BrokenPipeError:  # its line about the run went to a reader already gone: not the folder's fault
         raise
     except OSError as e:  # the folder cannot be made or written: said without errno's numbers
-        raise SystemExit(
-            f"error: --results {args.results}: cannot hold a run's results ({e.strerror or e}); give a "
+        refuse(
+            f"--results {args.results}: cannot hold a run's results ({e.strerror or e}); give a "
             "new or empty folder in a writable place, or one a run wrote"
-        ) from None
+        )
     except (ResultFileError, NotAResultsFolderError, RunLockedError) as e:  # before any work: one line
-        raise SystemExit(f"error: {e}") from None
+        refuse(str(e))
     try:
         with run, own_tmpdir(experiment.name):
             yield run
@@ -169,6 +169,14 @@ def experiment_run(args: argparse.Namespace, experiment: Experiment) -> Iterator
             raise SystemExit(f"error: {e}") from None
         for path in written:
             print(f"reference updated: {path}")
+
+
+def refuse(message: str) -> NoReturn:
+    """A command's refusal of its input before any work: ``error: message`` on stderr and exit
+    status 2, as the parser's own refusals (``OneLineParser``); a bare ``SystemExit(text)`` exits 1,
+    the status of a run that failed."""
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)
 
 
 @contextlib.contextmanager
@@ -228,8 +236,8 @@ def _refuse_a_reference(results: Path) -> None:
     (a run would rewrite its files with this run's points alone)."""
     for reference in sorted(ARTIFACTS.glob("*/reference")):
         if results.resolve().is_relative_to(reference.resolve()):
-            raise SystemExit(
-                f"error: --results {results} is {reference.parent.name}'s committed reference; give "
+            refuse(
+                f"--results {results} is {reference.parent.name}'s committed reference; give "
                 f"another folder (--update-reference makes a run's points the reference)"
             )
 
