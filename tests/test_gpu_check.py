@@ -58,9 +58,16 @@ def _tagged(tag: str) -> list[int]:
         (["--timeout", "mist=0"], "SECONDS > 0"),
         (["--timeout", "kernels=inf"], "finite SECONDS > 0"),  # no bound at all: was accepted
         (["--timeout", "tempo=10", "--timeout", "tempo=20"], "part 'tempo' given twice"),  # was: last wins
-        (["--budget-s", "-5"], "--budget-s must be a finite number of seconds > 0"),
-        (["--budget-s", "inf"], "--budget-s must be a finite number of seconds > 0"),
+        (["--budget-s", "-5"], "--budget-s takes seconds > 0"),
+        (["--budget-s", "inf"], "--budget-s takes seconds > 0"),
         (["--archive", "results.zip"], ".tar.gz"),
+        # a bound on a part not run was silently a bound on nothing (probe round 5 F36)
+        (["--timeout", "kernels=5", "--parts", "llama"], "--timeout 'kernels=5': part 'kernels' is not run"),
+        (["--budget-s", "100000"], "at most 3600 in the dry run, got 100000"),
+        (["--budget-s", "nan"], "--budget-s takes seconds > 0"),
+        (["--wheels", "/nonexistent"], "--wheels /nonexistent: not a folder"),
+        (["--wheels", "/etc/passwd"], "--wheels /etc/passwd: not a folder"),
+        (["--wheels", "."], "--wheels .: holds no wheels"),
     ],
 )
 def test_bad_input_one_line_before_any_work(tmp_path, capsys, args, expected):
@@ -70,6 +77,66 @@ def test_bad_input_one_line_before_any_work(tmp_path, capsys, args, expected):
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and err.count("\n") == 1 and expected in err, err
     assert not out.exists()  # nothing was started or written
+
+
+def test_budget_bounds_are_what_the_help_says(capsys):
+    """--budget-s 100000 was taken while the help said each call is at most 9 minutes (probe round 5
+    F36): the bound of each mode is in --help, refused above it, taken at it."""
+    with pytest.raises(SystemExit):
+        gpu_check.parse_args(["--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert (
+        "each call at most 9 minutes" in help_text
+        and "at most 540 on the GPU, 3600 in the dry run" in help_text
+    )
+    for mode, most in (([], 540), (["--dry-run"], 3600)):
+        assert gpu_check.parse_args([*mode, "--budget-s", str(most)]).budget_s == most  # control
+        with pytest.raises(SystemExit) as exit_:
+            gpu_check.parse_args([*mode, "--budget-s", str(most + 1)])
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and err.count("\n") == 1 and f"at most {most} " in err, err
+    assert gpu_check.parse_args(["--timeout", "llama=5", "--parts", "llama"]).timeouts == {"llama": 5.0}
+
+
+def test_a_folder_of_the_repository_is_refused_as_out(tmp_path, capsys):
+    """--out among tracked files (the shipped presets) wrote status.json, logs/ and .lock there
+    (probe round 5 F9): refused as --results is, nothing written. Control: a new folder inside the
+    repository's ignored results, and an untracked one, are taken."""
+    presets = REPO / "impl" / "mist" / "model" / "presets"
+    before = sorted(p.name for p in presets.iterdir())
+    with pytest.raises(SystemExit) as exit_:
+        gpu_check.main(["--dry-run", "--parts", "llama", "--out", str(presets)])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1, err
+    assert f"--out {presets} holds files of the repository (e.g. " in err and "tracked by git" in err, err
+    assert sorted(p.name for p in presets.iterdir()) == before
+    for ok in (tmp_path, gpu_check.DEFAULT_OUT / "never-made"):
+        assert gpu_check.parse_args(["--dry-run", "--out", str(ok)]).out == ok
+
+
+def test_an_archive_in_or_above_what_it_packs_is_refused_before_any_part(tmp_path, capsys):
+    """--archive at --out's own path: the part ran, then the archive failed on the folder --out had
+    made (probe round 5 F21); inside --out (or a results folder it packs), each archive packed the
+    one before (F32). Refused before any part; control: beside --out it is taken."""
+    out = tmp_path / "out"
+    cuda_results = gpu_check.Experiment("tempo_llama").results_dir
+    cases = [
+        (["--dry-run", "--out", str(tmp_path / "a.tgz")], tmp_path / "a.tgz", "in or above --out"),
+        (["--dry-run", "--out", str(out)], out / "a.tgz", "in or above --out"),
+        (["--dry-run", "--out", str(out)], out / "logs" / "a.tar.gz", "in or above --out"),
+        (["--dry-run", "--out", str(tmp_path / "a.tgz" / "o")], tmp_path / "a.tgz", "in or above --out"),
+        (["--out", str(out), "--parts", "llama"], cuda_results / "a.tgz", "in or above the results folder"),
+    ]
+    for args, archive, expected in cases:
+        with pytest.raises(SystemExit) as exit_:
+            gpu_check.main([*args, "--archive", str(archive)])
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and err.count("\n") == 1 and expected in err, err
+        assert not out.exists() and not (tmp_path / "a.tgz").exists()
+    # the dry run's results are under --out: an experiment's results folder is not packed then
+    for args in (["--dry-run", "--out", str(out)], ["--dry-run", "--out", str(out), "--parts", "llama"]):
+        assert gpu_check.parse_args([*args, "--archive", str(tmp_path / "a.tgz")]).archive
+        assert gpu_check.parse_args([*args, "--archive", str(cuda_results / "a.tgz")]).archive
 
 
 @pytest.mark.parametrize(
@@ -141,6 +208,11 @@ def test_an_out_folder_that_cannot_be_made_or_is_busy_is_one_line_before_any_wor
     assert gpu_check.main(["--dry-run", "--out", str(afile / "out"), "--parts", "kernels"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--out" in err and str(afile / "out") in err, err
+    if Path("/sys").is_dir():  # no one writes in /sys (root included): as a read-only file system
+        assert gpu_check.main(["--dry-run", "--out", "/sys/gpu_check_out", "--parts", "kernels"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "Errno" not in err, err  # probe round 5 F37
+        assert "--out /sys/gpu_check_out: cannot hold the check's status (" in err, err
     busy = tmp_path / "busy"
     busy.mkdir()
     with open(busy / ".lock", "w") as held:
