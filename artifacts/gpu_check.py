@@ -55,6 +55,7 @@ import math
 import os
 import platform
 import re
+import reprlib
 import shutil
 import signal
 import subprocess
@@ -75,6 +76,7 @@ for _path in (IMPL, ROOT):  # the repo's packages, without installing it
 
 from artifacts import gpu_wheels  # noqa: E402
 from artifacts.experiment import Experiment  # noqa: E402
+from measure.checks import finite, whole  # noqa: E402
 from measure.cli import OneLineParser  # noqa: E402
 from measure.parallel import die_with_parent, interrupt_handled, sigterm_as_interrupt  # noqa: E402
 from measure.results import (  # noqa: E402
@@ -441,6 +443,26 @@ def probe(env: dict[str, str], deadline: float) -> dict[str, Any]:
 OUTCOMES = ("passed", "failed", "timed_out", "interrupted", "running", "not_run")
 
 
+def _record_problem(record: dict[str, Any]) -> str | None:
+    """What is wrong with the times and the return code of a part's record (None: nothing). A part
+    that ran has its seconds (finite, >= 0) and the timeout it ran under (finite, > 0): the summary
+    printed "nan s of 30 s" and "-5.0 s of -1 s" from a status that said so."""
+    seconds, timeout = record.get("seconds"), record.get("timeout_s")
+    if seconds is not None and not (finite(seconds) and seconds >= 0):
+        return f"seconds must be a finite number >= 0 (or null: not run), got {reprlib.repr(seconds)}"
+    if seconds is not None and not (finite(timeout) and timeout > 0):
+        return f"timeout_s must be a finite number > 0 for a part that ran, got {reprlib.repr(timeout)}"
+    finished = record.get("finished_utc")
+    if finished is not None:
+        try:
+            _dt.datetime.fromisoformat(finished)
+        except (TypeError, ValueError):
+            return f"finished_utc must be an ISO date and time (or null), got {reprlib.repr(finished)}"
+    if record.get("returncode") is not None and not whole(record["returncode"]):
+        return f"returncode must be an integer (or null: none), got {reprlib.repr(record['returncode'])}"
+    return None
+
+
 def read_status(path: Path, mode: str) -> dict[str, Any]:
     """The status of earlier calls in this folder; a fresh one if none or from the other mode.
     Read strictly: one line naming the file and what is wrong, before any part runs."""
@@ -467,16 +489,10 @@ def read_status(path: Path, mode: str) -> dict[str, Any]:
                 f"{path}: part {name}'s record needs an outcome of {', '.join(OUTCOMES)}; "
                 "move it aside to start afresh"
             )
-        if record["outcome"] == DONE and not isinstance(record.get("finished_utc"), str):
+        if record["outcome"] == DONE and record.get("finished_utc") is None:
             raise SetupError(f"{path}: part {name} passed but has no finished_utc time; move it aside")
-        number = (int, float)
-        seconds = record.get("seconds")
-        if seconds is not None and (
-            isinstance(seconds, bool)
-            or not isinstance(seconds, number)
-            or not isinstance(record.get("timeout_s"), number)
-        ):
-            raise SetupError(f"{path}: part {name}'s seconds and timeout_s must be numbers; move it aside")
+        if (problem := _record_problem(record)) is not None:
+            raise SetupError(f"{path}: part {name}'s {problem}; move it aside to start afresh")
     if status.get("mode") != mode:
         print(f"{path} is from a {status.get('mode')} run: starting afresh for this {mode} run", flush=True)
         return {"format": FORMAT, "mode": mode, "parts": {}}

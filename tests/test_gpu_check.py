@@ -139,6 +139,17 @@ def test_an_archive_in_or_above_what_it_packs_is_refused_before_any_part(tmp_pat
         assert gpu_check.parse_args([*args, "--archive", str(cuda_results / "a.tgz")]).archive
 
 
+def _passed(change: str = "") -> str:
+    """A status whose kernels part passed, one field of its record changed (``"field": value``)."""
+    record = {"outcome": "passed", "seconds": 12.5, "timeout_s": 30, "returncode": 0}
+    record["finished_utc"] = "2026-12-04T19:45:00+00:00"
+    fields = json.dumps(record)[1:-1]
+    if change:
+        field = change.partition(":")[0]
+        fields = ", ".join(f for f in fields.split(", ") if not f.startswith(field)) + ", " + change
+    return '{"format": 1, "mode": "dry-run", "parts": {"kernels": {' + fields + "}}}"
+
+
 @pytest.mark.parametrize(
     ("text", "expected"),
     [
@@ -155,8 +166,17 @@ def test_an_archive_in_or_above_what_it_packs_is_refused_before_any_part(tmp_pat
         ('{"format": 1, "parts": {}}', "not a gpu_check status of format"),
         (
             '{"format": 1, "mode": "dry-run", "parts": {"kernels": {"outcome": "failed", "seconds": "abc"}}}',
-            "must be numbers",
+            "part kernels's seconds must be a finite number >= 0 (or null: not run), got 'abc'",
         ),
+        # nonsense the summary printed ("nan s of 30 s", "-5.0 s of -1 s"): probe round 5 F31
+        (_passed('"seconds": NaN'), "part kernels's seconds must be a finite number >= 0"),
+        (_passed('"seconds": -5'), "part kernels's seconds must be a finite number >= 0"),
+        (_passed('"timeout_s": -1'), "part kernels's timeout_s must be a finite number > 0"),
+        (_passed('"timeout_s": Infinity'), "part kernels's timeout_s must be a finite number > 0"),
+        (_passed('"finished_utc": "not a date"'), "part kernels's finished_utc must be an ISO date"),
+        (_passed('"finished_utc": 5'), "part kernels's finished_utc must be an ISO date"),
+        (_passed('"returncode": "zero"'), "part kernels's returncode must be an integer"),
+        (_passed('"returncode": true'), "part kernels's returncode must be an integer"),
         ("[" * 100_000, "not readable"),
         pytest.param(  # an OverflowError traceback in the probe round
             '{"format": 1, "mode": "dry-run", "parts": {"kernels": {"outcome": "passed", "seconds": 1%s, '
@@ -177,6 +197,21 @@ def test_a_broken_status_file_is_refused_in_one_line_before_any_part(tmp_path, c
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and expected in err and str(out) in err, err
     assert sorted(p.name for p in out.iterdir()) == [".lock", gpu_check.STATUS]  # nothing run
+
+
+def test_a_sound_status_is_read_as_written(tmp_path):
+    """Control of the checks above: a passed part's record, and a not_run one whose timeout went
+    below 0 (what _run_parts writes when the budget is spent) are read as they are."""
+    path = tmp_path / gpu_check.STATUS
+    status = json.loads(_passed().replace('"format": 1', f'"format": {gpu_check.FORMAT}'))
+    status["parts"]["llama"] = {
+        "outcome": "not_run",
+        "timeout_s": -3.2,
+        "seconds": None,
+        "finished_utc": None,
+    }
+    path.write_text(json.dumps(status))
+    assert gpu_check.read_status(path, "dry-run") == status
 
 
 def test_an_archive_that_cannot_be_written_is_refused_before_any_work(tmp_path, capsys):
