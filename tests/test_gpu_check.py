@@ -286,6 +286,31 @@ def test_two_versions_of_a_wheel_are_refused_before_any_work(tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize(
+    ("dest", "expected"),
+    [
+        ("/etc/passwd", "--dest /etc/passwd: not a folder"),  # was "[Errno 17] File exists", exit 1
+        ("/proc/gpu_wheels_test", "--dest /proc/gpu_wheels_test: cannot be made a folder of wheels ("),
+    ],
+)
+def test_a_wheels_destination_that_is_no_folder_is_one_line_before_the_download(
+    tmp_path, monkeypatch, capsys, dest, expected
+):
+    """Probe round 5 F37: said without errno, exit 2, before pip. Control: a new folder is made and
+    handed to the download."""
+    if not Path(dest).parent.is_dir():
+        pytest.skip(f"no {Path(dest).parent} here")
+    fetched = []
+    monkeypatch.setattr(gpu_wheels, "download", lambda names, folder: fetched.append(folder) or [])
+    with pytest.raises(SystemExit) as exit_:
+        gpu_wheels.main(["--dest", dest])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1 and expected in err and "Errno" not in err, err
+    assert fetched == []
+    gpu_wheels.main(["--dest", str(tmp_path / "new" / "whl")])
+    assert fetched == [tmp_path / "new" / "whl"] and fetched[0].is_dir()
+
+
 def test_wheel_list_is_pinned_and_parsed():
     for name in gpu_wheels.MISSING_ON_DEVICE:
         assert gpu_wheels.pinned(name)  # raises if pyproject.toml does not pin it
