@@ -112,9 +112,25 @@ def config_from_command_line(
         add_jobs_argument(ap)
     add_run_arguments(ap, experiment)
     args = ap.parse_args(argv)
+    for f in fields(cls):
+        if isinstance(getattr(args, f.name), list):  # given on the command line
+            given_once(ap, "--" + f.name.replace("_", "-"), getattr(args, f.name))
     values = {f.name: getattr(args, f.name) for f in fields(cls)}
     config = cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in values.items()})
     return config, args, ap
+
+
+def given_once(ap: argparse.ArgumentParser, flag: str, values: Sequence[Any]) -> None:
+    """An option's values each given once, else refused in one line (exit 2) as `mist profile`
+    refuses its own: ``--seq 16 16`` computed and printed each row twice, ``claims X X`` judged X
+    twice, and ``--parts sim sim`` ran sim once, each without a word. A tuple is a value parsed
+    from ``A/B`` text (tempo_bert's ``--cases``) and said so."""
+    seen = set()
+    for value in values:
+        if value in seen:
+            text = "/".join(map(str, value)) if isinstance(value, tuple) else str(value)
+            ap.error(f"{flag}: {text} given twice; give each value once")
+        seen.add(value)
 
 
 def add_jobs_argument(ap: argparse.ArgumentParser) -> None:

@@ -217,6 +217,8 @@ def test_a_value_of_the_wrong_type_is_one_line(copied_artifacts, capsys, wrong):
         (["--markdown", "tempo_bert"], "drop EXPERIMENT and --against"),
         (["--write-readme", "--against", "results"], "drop EXPERIMENT and --against"),
         (["--pins", "--against", "reference"], "drop --against"),
+        # judged and printed twice (probe round 5 F26): one rule with the experiments' options
+        (["tempo_layer", "tempo_layer"], "EXPERIMENT: tempo_layer given twice; give each value once"),
     ],
 )
 def test_what_a_mode_would_ignore_is_refused_in_one_line(argv, expected, capsys):

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import re
 import signal
@@ -433,6 +434,7 @@ def test_maxbatch_interrupted_in_its_search_ends_in_one_line(sig):
         (["--device", "cpux"], "--device must be cpu or cuda\\[:N\\], got 'cpux'"),
         (["--device", "cudafoo"], "got 'cudafoo'"),
         (["--device", "cpu:abc"], "got 'cpu:abc'"),
+        (["--cases", "bert-mini/16", "bert-mini/16"], "--cases: bert-mini/16 given twice"),  # F26
     ],
 )
 def test_run_refuses_bad_cases_before_any_work(argv, message, capsys, monkeypatch, tmp_path):
@@ -444,6 +446,37 @@ def test_run_refuses_bad_cases_before_any_work(argv, message, capsys, monkeypatc
     assert e.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert re.search(message, err), err
+
+
+@pytest.mark.parametrize(
+    ("module", "argv", "message"),
+    [
+        ("tempo_layer", ["--seq", "16", "16", "--no-compile"], "--seq: 16 given twice"),
+        ("tempo_layer", ["--seq", "16", "32", "16"], "--seq: 16 given twice"),
+        ("tempo_llama", ["--parts", "maxbatch", "maxbatch"], "--parts: maxbatch given twice"),
+    ],
+)
+def test_a_value_given_twice_is_refused_before_any_work(module, argv, message, capsys, monkeypatch, tmp_path):
+    """``--seq 16 16`` computed and printed every row twice, ``--parts sim sim`` ran once without a
+    word (probe round 5 F26): every experiment's many-valued option refuses a repeat in one line
+    (experiment.given_once). Control: the values once each reach the run."""
+    run = importlib.import_module(f"artifacts.{module}.run")
+
+    class Started(Exception):
+        pass
+
+    def started(*a):
+        raise Started
+
+    monkeypatch.setattr(run, "experiment_run", started)
+    with pytest.raises(SystemExit) as e:
+        run.main([*argv, "--results", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and message in err and "give each value once" in err, (
+        err
+    )
+    with pytest.raises(Started):
+        run.main([*dict.fromkeys(argv), "--results", str(tmp_path)])
 
 
 def _qkv(shape=(1, 2, 8, 16), dtype=torch.float32):
