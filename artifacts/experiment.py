@@ -133,16 +133,32 @@ def given_once(ap: argparse.ArgumentParser, flag: str, values: Sequence[Any]) ->
         seen.add(value)
 
 
-def add_jobs_argument(ap: argparse.ArgumentParser) -> None:
-    """--jobs: worker processes for points that run in parallel (default: every core)."""
+def usable_cores() -> int:
+    """The cores this process may run on: its affinity (a container's or taskset's share), where
+    ``os.cpu_count()`` counts the machine's."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity call (not Linux)
+        return os.cpu_count() or 1
 
-    def positive(text: str) -> int:
-        if not text.isdigit() or int(text) < 1:
-            raise argparse.ArgumentTypeError(f"--jobs takes a positive integer, got {text!r}")
+
+def add_jobs_argument(ap: argparse.ArgumentParser) -> None:
+    """--jobs: worker processes for points that run in parallel, at most the usable cores (default:
+    all of them). More only share the cores: --jobs 500 on 2 started 24 workers, 1.6 GB in 10 s."""
+    cores = usable_cores()
+
+    def jobs(text: str) -> int:
+        if not text.isdigit() or not 1 <= int(text) <= cores:
+            raise argparse.ArgumentTypeError(
+                f"--jobs takes a whole number from 1 to the {cores} cores this process may use, got {text!r}"
+            )
         return int(text)
 
     ap.add_argument(
-        "--jobs", type=positive, default=os.cpu_count() or 1, help="worker processes (default: all cores)"
+        "--jobs",
+        type=jobs,
+        default=cores,
+        help=f"worker processes, at most the cores here (default: {cores})",
     )
 
 

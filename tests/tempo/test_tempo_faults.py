@@ -479,6 +479,32 @@ def test_a_value_given_twice_is_refused_before_any_work(module, argv, message, c
         run.main([*dict.fromkeys(argv), "--results", str(tmp_path)])
 
 
+def test_jobs_above_the_usable_cores_are_refused_before_any_work(capsys, monkeypatch, tmp_path):
+    """``--jobs 500`` on 2 cores started 24 workers (+1.6 GB in 10 s; probe round 5 F34): refused
+    above the cores this process may use (its affinity), in one line. Control: at the bound it
+    runs, and the default is that bound."""
+    from artifacts import experiment
+    from artifacts.tempo_llama import run
+
+    class Started(Exception):
+        pass
+
+    def started(args, _):
+        raise Started(args.jobs)
+
+    monkeypatch.setattr(experiment, "usable_cores", lambda: 3)
+    monkeypatch.setattr(run, "experiment_run", started)
+    with pytest.raises(SystemExit) as e:
+        run.main(["--parts", "maxbatch", "--jobs", "4", "--results", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1, err
+    assert "--jobs takes a whole number from 1 to the 3 cores this process may use, got '4'" in err, err
+    for argv, jobs in ((["--jobs", "3"], 3), ([], 3)):
+        with pytest.raises(Started) as got:
+            run.main(["--parts", "maxbatch", *argv, "--results", str(tmp_path)])
+        assert got.value.args == (jobs,)
+
+
 def _qkv(shape=(1, 2, 8, 16), dtype=torch.float32):
     return torch.randn(shape, dtype=dtype)
 
