@@ -123,8 +123,8 @@ def config_from_command_line(
 def given_once(ap: argparse.ArgumentParser, flag: str, values: Sequence[Any]) -> None:
     """An option's values each given once, else refused in one line (exit 2) as `mist profile`
     refuses its own: ``--seq 16 16`` computed and printed each row twice, ``claims X X`` judged X
-    twice, and ``--parts sim sim`` ran sim once, each without a word. A tuple is a value parsed
-    from ``A/B`` text (tempo_bert's ``--cases``) and said so."""
+    twice, and ``--parts sim sim`` ran sim once, each without a word. A tuple value (tempo_bert's
+    ``--cases``, parsed from MODEL/SEQ) is said as it was typed."""
     seen = set()
     for value in values:
         if value in seen:

@@ -316,9 +316,10 @@ class Range:
 # drops a value <= 0 without a word). Signed differences (memory_error, time_error: prediction
 # against measurement) and ratios have no range here.
 RANGES: tuple[tuple[str, Range], ...] = (
+    (r".+_per_s(_.+)?", Range("a rate per second", 0)),  # before the times: seqs_per_s is no time
     (r".+_s|seconds", Range("a time in seconds", 0)),
     (r"error|relative_error|(.+_)?(abs|rel)_error", Range("an absolute or relative error", 0)),
-    (r"(estimated_)?max_batch", Range("a max batch size", 0, whole=True)),  # 0: not even one fits
+    (r"(estimated_|measured_)?max_batch", Range("a max batch size", 0, whole=True)),  # 0: none fits
     (r"(micro|global)_batch(es)?", Range("a batch size", 1, whole=True)),
     (r".*bytes", Range("a size in bytes", 0)),
 )
