@@ -28,7 +28,7 @@ from pathlib import Path
 from measure.cli import OneLineParser
 from measure.results import ResultFileError, Results, write_text_atomic
 
-from .experiment import ARTIFACTS
+from .experiment import ARTIFACTS, given_once
 from .verdicts import (
     DEPENDS,
     NOT_RUN,
@@ -320,6 +320,7 @@ def main(argv: list[str] | None = None) -> int:
         help="rewrite docs/claims.md's tables and the README's claims summary",
     )
     args = ap.parse_args(argv)
+    given_once(ap, "EXPERIMENT", args.experiments)
     if unknown := sorted(set(args.experiments) - set(EXPERIMENTS)):
         ap.error(f"unknown experiment {', '.join(unknown)}; accepted: {', '.join(EXPERIMENTS)}")
     # what the other modes do not take is refused, not ignored: the generated tables are every

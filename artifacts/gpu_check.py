@@ -55,6 +55,7 @@ import math
 import os
 import platform
 import re
+import reprlib
 import shutil
 import signal
 import subprocess
@@ -75,11 +76,13 @@ for _path in (IMPL, ROOT):  # the repo's packages, without installing it
 
 from artifacts import gpu_wheels  # noqa: E402
 from artifacts.experiment import Experiment  # noqa: E402
+from measure.checks import finite, whole  # noqa: E402
 from measure.cli import OneLineParser  # noqa: E402
 from measure.parallel import die_with_parent, interrupt_handled, sigterm_as_interrupt  # noqa: E402
 from measure.results import (  # noqa: E402
     SOURCE_COMMIT_ENV,
     RunLockedError,
+    _tracked_files,
     atomic_path,
     git_state,
     lock_folder,
@@ -91,6 +94,9 @@ DEFAULT_OUT = ROOT / "artifacts" / "gpu_check" / "results"
 STATUS = "status.json"
 FORMAT = 1
 DEFAULT_BUDGET_S = 540.0
+# The most --budget-s takes: a GPU call fits the lent machine's 10-minute command with a minute for
+# the transfers (the "at most 9 minutes" above); the dry run, on a machine of one's own, an hour
+MAX_BUDGET_S = {"cuda": DEFAULT_BUDGET_S, "dry-run": 3600.0}
 KILL_GRACE_S = 10.0  # SIGTERM, then this long to unwind (results stay resumable), then SIGKILL
 MIN_PART_S = 5.0  # a part given less than this is not started (not_run: the next call does it)
 SETUP_TIMEOUT_S = 180.0  # installing the wheels; the probe
@@ -437,6 +443,26 @@ def probe(env: dict[str, str], deadline: float) -> dict[str, Any]:
 OUTCOMES = ("passed", "failed", "timed_out", "interrupted", "running", "not_run")
 
 
+def _record_problem(record: dict[str, Any]) -> str | None:
+    """What is wrong with the times and the return code of a part's record (None: nothing). A part
+    that ran has its seconds (finite, >= 0) and the timeout it ran under (finite, > 0): the summary
+    printed "nan s of 30 s" and "-5.0 s of -1 s" from a status that said so."""
+    seconds, timeout = record.get("seconds"), record.get("timeout_s")
+    if seconds is not None and not (finite(seconds) and seconds >= 0):
+        return f"seconds must be a finite number >= 0 (or null: not run), got {reprlib.repr(seconds)}"
+    if seconds is not None and not (finite(timeout) and timeout > 0):
+        return f"timeout_s must be a finite number > 0 for a part that ran, got {reprlib.repr(timeout)}"
+    finished = record.get("finished_utc")
+    if finished is not None:
+        try:
+            _dt.datetime.fromisoformat(finished)
+        except (TypeError, ValueError):
+            return f"finished_utc must be an ISO date and time (or null), got {reprlib.repr(finished)}"
+    if record.get("returncode") is not None and not whole(record["returncode"]):
+        return f"returncode must be an integer (or null: none), got {reprlib.repr(record['returncode'])}"
+    return None
+
+
 def read_status(path: Path, mode: str) -> dict[str, Any]:
     """The status of earlier calls in this folder; a fresh one if none or from the other mode.
     Read strictly: one line naming the file and what is wrong, before any part runs."""
@@ -463,16 +489,10 @@ def read_status(path: Path, mode: str) -> dict[str, Any]:
                 f"{path}: part {name}'s record needs an outcome of {', '.join(OUTCOMES)}; "
                 "move it aside to start afresh"
             )
-        if record["outcome"] == DONE and not isinstance(record.get("finished_utc"), str):
+        if record["outcome"] == DONE and record.get("finished_utc") is None:
             raise SetupError(f"{path}: part {name} passed but has no finished_utc time; move it aside")
-        number = (int, float)
-        seconds = record.get("seconds")
-        if seconds is not None and (
-            isinstance(seconds, bool)
-            or not isinstance(seconds, number)
-            or not isinstance(record.get("timeout_s"), number)
-        ):
-            raise SetupError(f"{path}: part {name}'s seconds and timeout_s must be numbers; move it aside")
+        if (problem := _record_problem(record)) is not None:
+            raise SetupError(f"{path}: part {name}'s {problem}; move it aside to start afresh")
     if status.get("mode") != mode:
         print(f"{path} is from a {status.get('mode')} run: starting afresh for this {mode} run", flush=True)
         return {"format": FORMAT, "mode": mode, "parts": {}}
@@ -502,12 +522,16 @@ def write_archive(archive: Path, out: Path, folders: list[Path]) -> None:
 # ---------------------------------------------------------------- the check
 
 
-def _timeouts(items: list[str]) -> dict[str, float]:
+def _timeouts(items: list[str], selected: list[str]) -> dict[str, float]:
+    """--timeout's PART=SECONDS items, each of a part in ``selected`` (--parts; one not run was
+    silently a bound on nothing)."""
     out = {}
     for item in items:
         name, _, seconds = item.partition("=")
         if name not in BY_NAME:
             raise ValueError(f"--timeout {item!r}: unknown part {name!r}; parts: {', '.join(BY_NAME)}")
+        if name not in selected:
+            raise ValueError(f"--timeout {item!r}: part {name!r} is not run (--parts {' '.join(selected)})")
         if name in out:
             raise ValueError(f"--timeout {item!r}: part {name!r} given twice")
         try:
@@ -538,7 +562,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--budget-s",
         type=float,
         default=DEFAULT_BUDGET_S,
-        help=f"the call's time, setup included (default: {DEFAULT_BUDGET_S:.0f})",
+        help=f"the call's time in seconds, setup included: at most {MAX_BUDGET_S['cuda']:.0f} on the GPU, "
+        f"{MAX_BUDGET_S['dry-run']:.0f} in the dry run (default: {DEFAULT_BUDGET_S:.0f})",
     )
     ap.add_argument(
         "--timeout",
@@ -551,8 +576,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--wheels",
         type=Path,
-        default=gpu_wheels.WHEELS_DIR,
-        help=f"wheels of missing packages (default: {gpu_wheels.WHEELS_DIR})",
+        help=f"a folder of wheels of missing packages (default: {gpu_wheels.WHEELS_DIR}, if there)",
     )
     ap.add_argument("--quiet", action="store_true", help="parts' output to their logs only")
     ap.add_argument(
@@ -561,20 +585,34 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "recorded as the results' commit, so an interrupted experiment resumes",
     )
     args = ap.parse_args(argv)
-    if not 0 < args.budget_s < math.inf:
-        ap.error(f"--budget-s must be a finite number of seconds > 0, got {args.budget_s}")
+    mode = "dry-run" if args.dry_run else "cuda"
+    if not 0 < args.budget_s <= MAX_BUDGET_S[mode]:  # NaN fails too
+        ap.error(
+            f"--budget-s takes seconds > 0 and at most {MAX_BUDGET_S[mode]:.0f} "
+            f"{'in the dry run' if args.dry_run else 'on the GPU (each call at most 9 minutes)'}, "
+            f"got {args.budget_s:g}"
+        )
     try:
-        args.timeouts = _timeouts(args.timeout)
-        gpu_wheels.wheels_in(args.wheels)  # two versions of one package: refused now, not there
+        args.timeouts = _timeouts(args.timeout, args.parts)
+        _check_wheels(args)
     except ValueError as e:
         ap.error(str(e))
     if args.commit is not None and not re.fullmatch(r"[0-9a-f]{40}", args.commit):
         ap.error(f"--commit must be a full 40-digit hexadecimal commit id, got {args.commit!r}")
     if args.archive is not None and not args.archive.name.endswith((".tar.gz", ".tgz")):
         ap.error(f"--archive must name a .tar.gz or .tgz file, got {args.archive}")
+    if args.out is not None and args.out.exists() and not args.out.is_dir():
+        ap.error(f"--out {args.out}: not a folder")
+    if args.out is not None and args.out.is_dir() and (tracked := _tracked_files(args.out)):
+        # as an experiment's --results (measure.results): status, logs and lock never among them
+        ap.error(
+            f"--out {args.out} holds files of the repository (e.g. {tracked[0]}, tracked by git): give "
+            "a new or empty folder, or one gpu_check wrote"
+        )
     if args.archive is not None:  # before any part runs: the archive is written after each
         if args.archive.is_dir():
             ap.error(f"--archive {args.archive}: a folder; give the archive file's name")
+        _check_archive_apart(ap, args)
         # written beside itself and renamed (write_archive), its folders made: the nearest existing
         # one must be a writable folder
         existing = next(
@@ -582,9 +620,39 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         )
         if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
             ap.error(f"--archive {args.archive}: {existing} is not a folder this user can write in")
-    if args.out is not None and args.out.exists() and not args.out.is_dir():
-        ap.error(f"--out {args.out}: not a folder")
     return args
+
+
+def _check_wheels(args: argparse.Namespace) -> None:
+    """``args.wheels`` set to the folder of wheels to install from: the default may be absent (no
+    wheels fetched: a missing package is then named by the probe), a folder given must exist and
+    hold wheels (a path mistyped was silently no wheels). ValueError otherwise, or for two versions
+    of one package (pip would refuse the install there, after the setup)."""
+    if args.wheels is None:
+        args.wheels = gpu_wheels.WHEELS_DIR
+    elif not args.wheels.is_dir():
+        raise ValueError(f"--wheels {args.wheels}: not a folder; give the folder gpu_wheels fetched into")
+    elif not any(args.wheels.glob("*.whl")):
+        raise ValueError(f"--wheels {args.wheels}: holds no wheels (*.whl); python3 -m artifacts.gpu_wheels")
+    gpu_wheels.wheels_in(args.wheels)
+
+
+def _check_archive_apart(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """--archive is neither in nor above a folder it packs: inside, each archive packed the one
+    before it (and, in an experiment's results folder, a file that is not a result); the same path
+    as --out, the part ran and its archive then failed on the folder --out had made."""
+    archive = args.archive.resolve()
+    out = args.out.resolve() if args.out is not None else None if args.dry_run else DEFAULT_OUT
+    packed = [out] if out is not None else []  # a dry run's own new folder: apart from any path
+    if not args.dry_run:
+        packed += [Experiment(p.experiment).results_dir for p in PARTS if p.name in args.parts]
+    for folder in packed:
+        if archive.is_relative_to(folder) or folder.is_relative_to(archive):
+            what = "--out" if folder == out else "the results folder"
+            ap.error(
+                f"--archive {args.archive}: in or above {what} {folder}, which it packs; give a path "
+                "outside it"
+            )
 
 
 def _lock_out(out: Path) -> TextIO:
@@ -595,8 +663,11 @@ def _lock_out(out: Path) -> TextIO:
         return lock_folder(out, f"another gpu_check is writing to {out}; wait for it or use another --out")
     except RunLockedError as e:
         raise SetupError(str(e)) from None
-    except OSError as e:
-        raise SetupError(f"--out {out}: {e}") from None
+    except OSError as e:  # a read-only or pseudo file system, a name too long: said without errno
+        raise SetupError(
+            f"--out {out}: cannot hold the check's status ({e.strerror or e}); give a folder in a "
+            "writable place"
+        ) from None
 
 
 def _parts_env(args: argparse.Namespace, site: str | None) -> dict[str, str]:

@@ -18,6 +18,11 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT / "impl") not in sys.path:  # run here as python3 -m, the project not installed
+    sys.path.insert(0, str(ROOT / "impl"))
+
+from measure.cli import OneLineParser  # noqa: E402
+
 WHEELS_DIR = ROOT / ".whl"
 MISSING_ON_DEVICE = ("megatron-core", "highspy", "liger-kernel")
 PYTHON_VERSION = "3.12"  # the GPU machine's python3
@@ -99,9 +104,21 @@ def download(names: tuple[str, ...], dest: Path) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = OneLineParser(
+        prog="python3 -m artifacts.gpu_wheels",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--dest", type=Path, default=WHEELS_DIR, help=f"where (default: {WHEELS_DIR})")
     args = ap.parse_args(argv)
+    # before the download: a file there, or a place no folder can be made (/proc), was a raw
+    # "[Errno 17] File exists" after pip had been started
+    if args.dest.exists() and not args.dest.is_dir():
+        ap.error(f"--dest {args.dest}: not a folder; give the folder to put the wheels in")
+    try:
+        args.dest.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        ap.error(f"--dest {args.dest}: cannot be made a folder of wheels ({e.strerror or e})")
     try:
         wheels = download(MISSING_ON_DEVICE, args.dest)
     except (OSError, LookupError, ValueError, RuntimeError, subprocess.TimeoutExpired) as e:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
@@ -269,9 +270,9 @@ def read(value: Callable[[Results], object], results: Results) -> float | tuple[
     """``value`` of ``results``: None when a point it needs is missing (not run). Raises
     ResultFileError, naming the file, where a point holds a value of the wrong type or lacks a
     field (a file edited or written by other code: never a traceback), where a point holds a NaN
-    or an infinity (``check_finite``), or where the value comes out NaN: a computation that
-    failed is never judged as holding, nor read as not run."""
-    check_finite(results)  # first: ResultFileError is a ValueError, which the wrapping below catches
+    or an infinity or a value out of its kind's range (``check_values``), or where the value comes
+    out NaN: a computation that failed is never judged as holding, nor read as not run."""
+    check_values(results)  # first: ResultFileError is a ValueError, which the wrapping below catches
     try:
         got = value(results)
         for x in got if isinstance(got, tuple) else (got,):
@@ -293,27 +294,76 @@ def read(value: Callable[[Results], object], results: Results) -> float | tuple[
     return ours
 
 
-def check_finite(results: Results) -> None:
-    """Every number the points of ``results`` hold is finite. A NaN is a computation that failed (a
-    kernel that writes NaN gives a NaN error), and Python's max, min and mean drop a NaN unless it
-    comes first, so a claim aggregating it would hold; read as missing, it passed as "not run".
-    ResultFileError, naming the file, the point and the field, otherwise."""
+@dataclass(frozen=True)
+class Range:
+    """The values one kind of result field takes: at least ``least``; whole numbers if ``whole``."""
+
+    what: str
+    least: float
+    whole: bool = False
+
+    def holds(self, value: float) -> bool:
+        return value >= self.least and (not self.whole or float(value).is_integer())
+
+    def describe(self) -> str:
+        return f"{self.what} ({'a whole number' if self.whole else 'a number'} >= {self.least:g})"
+
+
+# Each kind of value a result holds, known by its field's name (a list's items by the list's): no
+# code here writes a negative time, error or size, or a fractional batch, so such a value is a file
+# edited or written wrong. A claim judged on it said something untrue (an error of -5 held a bound
+# of <= 1e-5, a max batch of -5 or 1.5 was compared), and a figure drew without it (a log axis
+# drops a value <= 0 without a word). Signed differences (memory_error, time_error: prediction
+# against measurement) and ratios have no range here.
+RANGES: tuple[tuple[str, Range], ...] = (
+    (r".+_per_s(_.+)?", Range("a rate per second", 0)),  # before the times: seqs_per_s is no time
+    (r".+_s|seconds", Range("a time in seconds", 0)),
+    (r"error|relative_error|(.+_)?(abs|rel)_error", Range("an absolute or relative error", 0)),
+    (r"(estimated_|measured_)?max_batch", Range("a max batch size", 0, whole=True)),  # 0: none fits
+    (r"(micro|global)_batch(es)?", Range("a batch size", 1, whole=True)),
+    (r".*bytes", Range("a size in bytes", 0)),
+)
+
+
+def value_range(field: str) -> Range | None:
+    """The range of values the result field named ``field`` takes (``RANGES``), if it has one."""
+    return next((kind for pattern, kind in RANGES if re.fullmatch(pattern, field)), None)
+
+
+def check_values(results: Results) -> None:
+    """Every number the points of ``results`` hold is finite, and in its kind's range where it has
+    one (``RANGES``). A NaN is a computation that failed (a kernel that writes NaN gives a NaN
+    error), and Python's max, min and mean drop a NaN unless it comes first, so a claim aggregating
+    it would hold; read as missing, it passed as "not run". ResultFileError, naming the file, the
+    point and the field, otherwise: what the claims and the figures read goes through here."""
     for p in results:
-        if (where := _not_finite(p.result, "result")) is not None:
-            raise ResultFileError(
-                f"{results.path}: point {json.dumps(p.key, sort_keys=True)} holds {where}, not a finite "
-                "number: a computation that failed, so no claim is judged on this file; fix what wrote "
-                "it and rerun the part that writes the file, or move the file aside"
-            )
+        if (found := _bad_number(p.result, "result", "")) is None:
+            continue
+        where, kind = found
+        what = "not a finite number: a computation that failed" if kind is None else f"not {kind.describe()}"
+        raise ResultFileError(
+            f"{results.path}: point {json.dumps(p.key, sort_keys=True)} holds {where}, {what}, so nothing "
+            "is judged or drawn from this file; fix what wrote it and rerun the part that writes the file, "
+            "or move the file aside"
+        )
 
 
-def _not_finite(data: object, where: str) -> str | None:
-    """Where in ``data`` (a point's result, JSON data) a number is NaN or infinite, with its value
-    ("result.with_wait.max_abs_error = nan"); None where none is."""
+def _bad_number(data: object, where: str, field: str) -> tuple[str, Range | None] | None:
+    """Where in ``data`` (a point's result, JSON data; ``field`` its name) a number is NaN or
+    infinite (with None), or outside its field's range (with the range), as "result.x.y = value";
+    None where every number is sound."""
     if real(data):
-        return None if math.isfinite(data) else f"{where} = {data}"
-    items = data.items() if isinstance(data, dict) else enumerate(data) if isinstance(data, list) else ()
-    for k, v in items:
-        if (found := _not_finite(v, f"{where}.{k}")) is not None:
+        if not math.isfinite(data):
+            return f"{where} = {data}", None
+        kind = value_range(field)
+        return None if kind is None or kind.holds(data) else (f"{where} = {data}", kind)
+    if isinstance(data, dict):
+        items = [(f"{where}.{k}", k, v) for k, v in data.items()]
+    elif isinstance(data, list):
+        items = [(f"{where}.{i}", field, v) for i, v in enumerate(data)]
+    else:
+        items = []
+    for there, name, v in items:
+        if (found := _bad_number(v, there, name)) is not None:
             return found
     return None

@@ -22,6 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "impl"))  # measure.results without installing the package
 sys.path.insert(0, str(ROOT))
 
+from artifacts.verdicts import check_values  # noqa: E402
 from measure.cli import OneLineParser  # noqa: E402
 from measure.results import ResultFileError, Results, atomic_path  # noqa: E402
 
@@ -40,9 +41,12 @@ def source_name() -> str:
 
 
 def load(experiment: str, name: str) -> Results | None:
-    """The result file ``name`` of ``experiment`` from the chosen source; None if it has no points."""
+    """The result file ``name`` of ``experiment`` from the chosen source; None if it has no points.
+    Its numbers are checked as the claims check them (``verdicts.check_values``): finite, and in
+    their kind's range (a latency of -1 or NaN was drawn around, dropped from a log axis)."""
     try:
         found = Results.load(ROOT / "artifacts" / experiment / source_name() / name)
+        check_values(found)  # as the claims read it: a NaN or a negative time is not drawn around
     except ResultFileError as e:  # names the file and what to do
         raise SystemExit(f"error: {e}") from None
     return found if len(found) else None

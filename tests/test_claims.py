@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import random
 import shutil
+from collections.abc import Callable
 
 import pytest
 
@@ -217,6 +218,8 @@ def test_a_value_of_the_wrong_type_is_one_line(copied_artifacts, capsys, wrong):
         (["--markdown", "tempo_bert"], "drop EXPERIMENT and --against"),
         (["--write-readme", "--against", "results"], "drop EXPERIMENT and --against"),
         (["--pins", "--against", "reference"], "drop --against"),
+        # judged and printed twice (probe round 5 F26): one rule with the experiments' options
+        (["tempo_layer", "tempo_layer"], "EXPERIMENT: tempo_layer given twice; give each value once"),
     ],
 )
 def test_what_a_mode_would_ignore_is_refused_in_one_line(argv, expected, capsys):
@@ -270,6 +273,47 @@ def test_a_nan_error_never_holds(copied_artifacts, capsys, experiment, file, fie
     path = copied_artifacts / experiment / "results" / file
     assert err.startswith(f"error: {path}: point {{") and err.count("\n") == 1, err
     assert f"holds result.{field} = nan, not a finite number" in err and claims.HOLDS not in out
+
+
+def _set_everywhere(field: str, value) -> Callable[[dict], None]:
+    """A point edit: ``field`` set to ``value`` wherever the point's result holds it (at any depth)."""
+
+    def edit(data) -> None:
+        items = data.items() if isinstance(data, dict) else enumerate(data) if isinstance(data, list) else ()
+        for k, v in list(items):
+            if k == field and not isinstance(v, dict | list):
+                data[k] = value
+            else:
+                edit(v)
+
+    return lambda p: edit(p["result"])
+
+
+@pytest.mark.parametrize(
+    ("experiment", "file", "field", "value", "expected"),
+    [  # judged as they were: "cta-wait ... -5.0e+00 holds"; max-batch claims held on batch -5 / 1.5
+        ("cta_mlp", "kernels_cpu.json", "max_abs_error", -5, "an absolute or relative error (a number >= 0)"),
+        ("tempo_bert", "max_batch.json", "max_batch", -5, "a max batch size (a whole number >= 0)"),
+        ("tempo_bert", "max_batch.json", "max_batch", 1.5, "a max batch size (a whole number >= 0)"),
+        ("tempo_bert", "compile_check.json", "measured_bytes", -1, "a size in bytes (a number >= 0)"),
+        ("tempo_layer", "layer_saved_bytes.json", "step_s", -0.5, "a time in seconds (a number >= 0)"),
+    ],
+)
+def test_a_value_out_of_its_range_is_refused_not_judged(
+    copied_artifacts, capsys, experiment, file, field, value, expected
+):
+    """Probe round 5 F15: negative errors and times, negative or fractional batch sizes were
+    judged (a bound of <= 1e-5 held on -5). verdicts.check_values refuses them, naming the file,
+    the point and the field, exit 2. Control: the untouched reference gives the same verdicts."""
+    before = {c.id: claims.judge(c, "results").verdict for c in claims.claims((experiment,))}
+    assert before == {c.id: claims.judge(c, "reference").verdict for c in claims.claims((experiment,))}
+    _edit(copied_artifacts / experiment / "results" / file, _set_everywhere(field, value))
+    assert claims.main([experiment]) == 2
+    out, err = capsys.readouterr()
+    path = copied_artifacts / experiment / "results" / file
+    assert err.startswith(f"error: {path}: point {{") and err.count("\n") == 1, err
+    assert f".{field} = {value}, not {expected}" in err and claims.HOLDS not in out, err
+    assert claims.main([experiment, "--against", "reference"]) == 0  # control
 
 
 def test_an_infinity_a_claim_aggregates_never_holds(copied_artifacts):

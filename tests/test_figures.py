@@ -33,6 +33,8 @@ def copy(tmp_path) -> Path:
     shutil.copytree(REPO / "figures", tmp_path / "figures", ignore=shutil.ignore_patterns("reference"))
     (tmp_path / "impl").symlink_to(REPO / "impl")
     (tmp_path / "artifacts" / "cta_mlp" / "results").mkdir(parents=True)
+    for module in ("__init__.py", "verdicts.py"):  # the check the scripts read results with
+        (tmp_path / "artifacts" / module).symlink_to(REPO / "artifacts" / module)
     return tmp_path
 
 
@@ -64,6 +66,27 @@ def test_broken_results_are_one_line(copy, broken):
     last = err.splitlines()[-1]  # (matplotlib may warn first, about a panel left empty)
     assert done.returncode == 1 and last.startswith("error: ") and "Traceback" not in err, err
     assert "sim.json" in last or "artifacts/cta_mlp/results/" in last
+
+
+@pytest.mark.parametrize("bad", [float("nan"), -1.0])
+def test_a_latency_out_of_range_is_refused_not_dropped_from_the_axis(copy, bad):
+    """Probe round 5 F15: sim.json's latencies NaN or -1 were drawn around (a log axis drops them
+    without a word). Now one line naming the file, the point and the field; nothing written.
+    Control: the file as committed is drawn."""
+    reference = json.loads((REPO / "artifacts" / "cta_mlp" / "reference" / "sim.json").read_text())
+    path = copy / "artifacts" / "cta_mlp" / "results" / "sim.json"
+    data = json.loads(json.dumps(reference))
+    data["points"][len(data["points"]) // 2]["result"]["cta_s"] = bad
+    path.write_text(json.dumps(data))
+    done = _draw(copy, "plot_cta_mlp.py")
+    err = done.stderr.strip()
+    assert done.returncode == 1 and err.count("\n") == 0 and err.startswith(f"error: {path}: point {{"), err
+    expected = "not a finite number" if bad != bad else "not a time in seconds (a number >= 0)"
+    assert f"result.cta_s = {bad}, {expected}" in err, err
+    assert not (copy / "figures" / "results").exists() or not any((copy / "figures" / "results").iterdir())
+    path.write_text(json.dumps(reference))
+    done = _draw(copy, "plot_cta_mlp.py")
+    assert done.returncode == 0 and "wrote " in done.stdout, done.stderr[-2000:]
 
 
 def test_a_figure_is_saved_whole_or_not_at_all(tmp_path, monkeypatch):

@@ -58,9 +58,16 @@ def _tagged(tag: str) -> list[int]:
         (["--timeout", "mist=0"], "SECONDS > 0"),
         (["--timeout", "kernels=inf"], "finite SECONDS > 0"),  # no bound at all: was accepted
         (["--timeout", "tempo=10", "--timeout", "tempo=20"], "part 'tempo' given twice"),  # was: last wins
-        (["--budget-s", "-5"], "--budget-s must be a finite number of seconds > 0"),
-        (["--budget-s", "inf"], "--budget-s must be a finite number of seconds > 0"),
+        (["--budget-s", "-5"], "--budget-s takes seconds > 0"),
+        (["--budget-s", "inf"], "--budget-s takes seconds > 0"),
         (["--archive", "results.zip"], ".tar.gz"),
+        # a bound on a part not run was silently a bound on nothing (probe round 5 F36)
+        (["--timeout", "kernels=5", "--parts", "llama"], "--timeout 'kernels=5': part 'kernels' is not run"),
+        (["--budget-s", "100000"], "at most 3600 in the dry run, got 100000"),
+        (["--budget-s", "nan"], "--budget-s takes seconds > 0"),
+        (["--wheels", "/nonexistent"], "--wheels /nonexistent: not a folder"),
+        (["--wheels", "/etc/passwd"], "--wheels /etc/passwd: not a folder"),
+        (["--wheels", "."], "--wheels .: holds no wheels"),
     ],
 )
 def test_bad_input_one_line_before_any_work(tmp_path, capsys, args, expected):
@@ -70,6 +77,77 @@ def test_bad_input_one_line_before_any_work(tmp_path, capsys, args, expected):
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and err.count("\n") == 1 and expected in err, err
     assert not out.exists()  # nothing was started or written
+
+
+def test_budget_bounds_are_what_the_help_says(capsys):
+    """--budget-s 100000 was taken while the help said each call is at most 9 minutes (probe round 5
+    F36): the bound of each mode is in --help, refused above it, taken at it."""
+    with pytest.raises(SystemExit):
+        gpu_check.parse_args(["--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert (
+        "each call at most 9 minutes" in help_text
+        and "at most 540 on the GPU, 3600 in the dry run" in help_text
+    )
+    for mode, most in (([], 540), (["--dry-run"], 3600)):
+        assert gpu_check.parse_args([*mode, "--budget-s", str(most)]).budget_s == most  # control
+        with pytest.raises(SystemExit) as exit_:
+            gpu_check.parse_args([*mode, "--budget-s", str(most + 1)])
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and err.count("\n") == 1 and f"at most {most} " in err, err
+    assert gpu_check.parse_args(["--timeout", "llama=5", "--parts", "llama"]).timeouts == {"llama": 5.0}
+
+
+def test_a_folder_of_the_repository_is_refused_as_out(tmp_path, capsys):
+    """--out among tracked files (the shipped presets) wrote status.json, logs/ and .lock there
+    (probe round 5 F9): refused as --results is, nothing written. Control: a new folder inside the
+    repository's ignored results, and an untracked one, are taken."""
+    presets = REPO / "impl" / "mist" / "model" / "presets"
+    before = sorted(p.name for p in presets.iterdir())
+    with pytest.raises(SystemExit) as exit_:
+        gpu_check.main(["--dry-run", "--parts", "llama", "--out", str(presets)])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1, err
+    assert f"--out {presets} holds files of the repository (e.g. " in err and "tracked by git" in err, err
+    assert sorted(p.name for p in presets.iterdir()) == before
+    for ok in (tmp_path, gpu_check.DEFAULT_OUT / "never-made"):
+        assert gpu_check.parse_args(["--dry-run", "--out", str(ok)]).out == ok
+
+
+def test_an_archive_in_or_above_what_it_packs_is_refused_before_any_part(tmp_path, capsys):
+    """--archive at --out's own path: the part ran, then the archive failed on the folder --out had
+    made (probe round 5 F21); inside --out (or a results folder it packs), each archive packed the
+    one before (F32). Refused before any part; control: beside --out it is taken."""
+    out = tmp_path / "out"
+    cuda_results = gpu_check.Experiment("tempo_llama").results_dir
+    cases = [
+        (["--dry-run", "--out", str(tmp_path / "a.tgz")], tmp_path / "a.tgz", "in or above --out"),
+        (["--dry-run", "--out", str(out)], out / "a.tgz", "in or above --out"),
+        (["--dry-run", "--out", str(out)], out / "logs" / "a.tar.gz", "in or above --out"),
+        (["--dry-run", "--out", str(tmp_path / "a.tgz" / "o")], tmp_path / "a.tgz", "in or above --out"),
+        (["--out", str(out), "--parts", "llama"], cuda_results / "a.tgz", "in or above the results folder"),
+    ]
+    for args, archive, expected in cases:
+        with pytest.raises(SystemExit) as exit_:
+            gpu_check.main([*args, "--archive", str(archive)])
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and err.count("\n") == 1 and expected in err, err
+        assert not out.exists() and not (tmp_path / "a.tgz").exists()
+    # the dry run's results are under --out: an experiment's results folder is not packed then
+    for args in (["--dry-run", "--out", str(out)], ["--dry-run", "--out", str(out), "--parts", "llama"]):
+        assert gpu_check.parse_args([*args, "--archive", str(tmp_path / "a.tgz")]).archive
+        assert gpu_check.parse_args([*args, "--archive", str(cuda_results / "a.tgz")]).archive
+
+
+def _passed(change: str = "") -> str:
+    """A status whose kernels part passed, one field of its record changed (``"field": value``)."""
+    record = {"outcome": "passed", "seconds": 12.5, "timeout_s": 30, "returncode": 0}
+    record["finished_utc"] = "2026-12-04T19:45:00+00:00"
+    fields = json.dumps(record)[1:-1]
+    if change:
+        field = change.partition(":")[0]
+        fields = ", ".join(f for f in fields.split(", ") if not f.startswith(field)) + ", " + change
+    return '{"format": 1, "mode": "dry-run", "parts": {"kernels": {' + fields + "}}}"
 
 
 @pytest.mark.parametrize(
@@ -88,8 +166,17 @@ def test_bad_input_one_line_before_any_work(tmp_path, capsys, args, expected):
         ('{"format": 1, "parts": {}}', "not a gpu_check status of format"),
         (
             '{"format": 1, "mode": "dry-run", "parts": {"kernels": {"outcome": "failed", "seconds": "abc"}}}',
-            "must be numbers",
+            "part kernels's seconds must be a finite number >= 0 (or null: not run), got 'abc'",
         ),
+        # nonsense the summary printed ("nan s of 30 s", "-5.0 s of -1 s"): probe round 5 F31
+        (_passed('"seconds": NaN'), "part kernels's seconds must be a finite number >= 0"),
+        (_passed('"seconds": -5'), "part kernels's seconds must be a finite number >= 0"),
+        (_passed('"timeout_s": -1'), "part kernels's timeout_s must be a finite number > 0"),
+        (_passed('"timeout_s": Infinity'), "part kernels's timeout_s must be a finite number > 0"),
+        (_passed('"finished_utc": "not a date"'), "part kernels's finished_utc must be an ISO date"),
+        (_passed('"finished_utc": 5'), "part kernels's finished_utc must be an ISO date"),
+        (_passed('"returncode": "zero"'), "part kernels's returncode must be an integer"),
+        (_passed('"returncode": true'), "part kernels's returncode must be an integer"),
         ("[" * 100_000, "not readable"),
         pytest.param(  # an OverflowError traceback in the probe round
             '{"format": 1, "mode": "dry-run", "parts": {"kernels": {"outcome": "passed", "seconds": 1%s, '
@@ -110,6 +197,21 @@ def test_a_broken_status_file_is_refused_in_one_line_before_any_part(tmp_path, c
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and expected in err and str(out) in err, err
     assert sorted(p.name for p in out.iterdir()) == [".lock", gpu_check.STATUS]  # nothing run
+
+
+def test_a_sound_status_is_read_as_written(tmp_path):
+    """Control of the checks above: a passed part's record, and a not_run one whose timeout went
+    below 0 (what _run_parts writes when the budget is spent) are read as they are."""
+    path = tmp_path / gpu_check.STATUS
+    status = json.loads(_passed().replace('"format": 1', f'"format": {gpu_check.FORMAT}'))
+    status["parts"]["llama"] = {
+        "outcome": "not_run",
+        "timeout_s": -3.2,
+        "seconds": None,
+        "finished_utc": None,
+    }
+    path.write_text(json.dumps(status))
+    assert gpu_check.read_status(path, "dry-run") == status
 
 
 def test_an_archive_that_cannot_be_written_is_refused_before_any_work(tmp_path, capsys):
@@ -141,6 +243,11 @@ def test_an_out_folder_that_cannot_be_made_or_is_busy_is_one_line_before_any_wor
     assert gpu_check.main(["--dry-run", "--out", str(afile / "out"), "--parts", "kernels"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--out" in err and str(afile / "out") in err, err
+    if Path("/sys").is_dir():  # no one writes in /sys (root included): as a read-only file system
+        assert gpu_check.main(["--dry-run", "--out", "/sys/gpu_check_out", "--parts", "kernels"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "Errno" not in err, err  # probe round 5 F37
+        assert "--out /sys/gpu_check_out: cannot hold the check's status (" in err, err
     busy = tmp_path / "busy"
     busy.mkdir()
     with open(busy / ".lock", "w") as held:
@@ -177,6 +284,31 @@ def test_two_versions_of_a_wheel_are_refused_before_any_work(tmp_path, capsys):
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and err.count("\n") == 1 and "two wheels of megatron-core" in err, err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    ("dest", "expected"),
+    [
+        ("/etc/passwd", "--dest /etc/passwd: not a folder"),  # was "[Errno 17] File exists", exit 1
+        ("/proc/gpu_wheels_test", "--dest /proc/gpu_wheels_test: cannot be made a folder of wheels ("),
+    ],
+)
+def test_a_wheels_destination_that_is_no_folder_is_one_line_before_the_download(
+    tmp_path, monkeypatch, capsys, dest, expected
+):
+    """Probe round 5 F37: said without errno, exit 2, before pip. Control: a new folder is made and
+    handed to the download."""
+    if not Path(dest).parent.is_dir():
+        pytest.skip(f"no {Path(dest).parent} here")
+    fetched = []
+    monkeypatch.setattr(gpu_wheels, "download", lambda names, folder: fetched.append(folder) or [])
+    with pytest.raises(SystemExit) as exit_:
+        gpu_wheels.main(["--dest", dest])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1 and expected in err and "Errno" not in err, err
+    assert fetched == []
+    gpu_wheels.main(["--dest", str(tmp_path / "new" / "whl")])
+    assert fetched == [tmp_path / "new" / "whl"] and fetched[0].is_dir()
 
 
 def test_wheel_list_is_pinned_and_parsed():

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from baselines.cta.microbatch import candidate_chunks, pipelined_chain
 from baselines.cta.tensor_parallel import shard_chain, tp_chain
 from ctapipe.reference import chain as reference_chain
-from measure.cli import OneLineParser
+from measure.cli import OneLineParser, check_writable_file
 from measure.parallel import die_with_launcher
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -120,8 +120,16 @@ def run(m: int, width: int, dtype: torch.dtype, repeats: int, smallest_chunk: in
     }
 
 
+# what torchrun sets for a rank, each a whole number (as mist.engine.run checks them)
+LAUNCH_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_PORT")
+
+
 def main(argv: list[str] | None = None) -> None:
-    ap = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = OneLineParser(
+        prog="torchrun ... -m artifacts.cta_mlp.distributed",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--rows", type=int, default=8192, help="M, the rows of X")
     ap.add_argument("--width", type=int, default=8192)
     ap.add_argument("--dtype", choices=list(DTYPES), default="bf16")
@@ -129,6 +137,22 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--smallest-chunk", type=int, default=128)
     ap.add_argument("--out", type=Path, help="write rank 0's report (JSON)")
     args = ap.parse_args(argv)
+    for flag in ("rows", "width", "repeats", "smallest_chunk"):  # 0 rows: unchecked, then torch's error
+        if (value := getattr(args, flag)) < 1:
+            ap.error(f"--{flag.replace('_', '-')} must be at least 1, got {value}")
+    for name in LAUNCH_ENV:  # torch's own errors would not name the variable
+        if name in os.environ and not os.environ[name].isdigit():
+            ap.error(f"{name}={os.environ[name]!r} must be a whole number (torchrun sets it)")
+    if "RANK" not in os.environ:  # run as a plain script: a 20-line traceback naming RANK, not torchrun
+        ap.error(
+            "no RANK in the environment: launch it with torchrun --nproc-per-node N "
+            "-m artifacts.cta_mlp.distributed ..."
+        )
+    if args.out:  # before the measurement, not after it
+        try:
+            check_writable_file(args.out)
+        except ValueError as e:
+            ap.error(f"--out: {e}")
     die_with_launcher()  # a rank never outlives torchrun, nor a killed run torchrun was started by
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     if torch.cuda.is_available():

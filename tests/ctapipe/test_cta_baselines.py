@@ -66,3 +66,40 @@ def test_distributed_baselines_on_two_gloo_processes(tmp_path):
     report = json.loads(out.read_text())
     assert set(report["methods"]) == {"back_to_back", "microbatch_128", "microbatch_64", "tp"}
     assert all(r["error"] < 1e-5 and r["latency_s"] > 0 for r in report["methods"].values())
+
+
+class _Launched(Exception):
+    """The driver got past its checks to the launch (the control's stop)."""
+
+
+@pytest.mark.parametrize(
+    ("env", "argv", "message"),
+    [
+        # run as a plain script: a 20-line traceback naming RANK, not torchrun (probe round 5 F37)
+        ({"RANK": None}, [], "no RANK in the environment: launch it with torchrun --nproc-per-node N"),
+        ({"RANK": "abc"}, [], "RANK='abc' must be a whole number"),
+        ({}, ["--rows", "0"], "--rows must be at least 1, got 0"),  # was unchecked
+        ({}, ["--smallest-chunk", "-4"], "--smallest-chunk must be at least 1, got -4"),
+        ({}, ["--out", "{tmp}"], "a folder; give the file's name"),
+    ],
+)
+def test_distributed_driver_refuses_bad_launches_in_one_line(
+    tmp_path, monkeypatch, capsys, env, argv, message
+):
+    """As `mist.engine.run`: one line, exit 2, before any process group. Control: the accepted
+    launch gets past the checks."""
+    from artifacts.cta_mlp import distributed
+
+    def launched() -> None:
+        raise _Launched
+
+    monkeypatch.setattr(distributed, "die_with_launcher", launched)  # never this process's fate
+    for name, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_PORT": "1", **env}.items():
+        monkeypatch.delenv(name, raising=False) if value is None else monkeypatch.setenv(name, value)
+    with pytest.raises(SystemExit) as e:
+        distributed.main([a.format(tmp=tmp_path) for a in argv])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and message in err, err
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(_Launched):  # control
+        distributed.main(["--rows", "64", "--out", str(tmp_path / "r.json")])

@@ -312,7 +312,9 @@ def test_runs_write_only_ignored_paths():
     assert FORMAT == 2
 
 
-def test_an_unwritable_results_folder_is_refused_before_any_work(tmp_path):
+def test_an_unwritable_results_folder_is_refused_before_any_work(tmp_path, capsys):
+    """Refused as bad input: one line and exit status 2, as the parser's refusals (it was 1, the
+    status of a failed run: probe round 5 F40)."""
     import argparse
 
     from artifacts.experiment import Experiment, experiment_run
@@ -324,7 +326,8 @@ def test_an_unwritable_results_folder_is_refused_before_any_work(tmp_path):
     with pytest.raises(SystemExit) as e, experiment_run(args, Experiment("tempo_layer")):
         work.append("measured")  # never reached
     # said as what it is, not as "[Errno 20] Not a directory: ..." (the probe round's raw errno text)
-    message = str(e.value)
+    message = capsys.readouterr().err.removesuffix("\n")
+    assert e.value.code == 2
     assert message.startswith(f"error: --results {blocker / 'results'}: cannot hold a run's results"), message
     assert "Errno" not in message and "\n" not in message
     assert work == []
@@ -335,24 +338,31 @@ def test_an_unwritable_results_folder_is_refused_before_any_work(tmp_path):
     [
         ("reference", "error: --results . is tempo_llama's committed reference"),
         ("repository", "error: . holds files that are not results"),
+        ("presets", "error: . holds files of the repository"),
     ],
 )
-def test_a_reference_or_a_source_folder_is_refused_as_results(tmp_path, monkeypatch, where, message):
+def test_a_reference_or_a_source_folder_is_refused_as_results(tmp_path, monkeypatch, capsys, where, message):
     """--results pointed at a committed reference or at the repository (``--results ''``) wrote
     the run's files among them (a probe overwrote a tracked reference file): refused in one line
-    before any work. Control: a new, an empty and a run's own folder are taken."""
+    before any work, with exit status 2 (bad input; it was 1: probe round 5 F40). Control: a new,
+    an empty and a run's own folder are taken."""
     import argparse
 
     from artifacts.experiment import Experiment, experiment_run
 
     experiment = Experiment("tempo_llama")
-    folder = {"reference": experiment.reference_dir, "repository": REPO_ROOT}[where]
+    folder = {
+        "reference": experiment.reference_dir,
+        "repository": REPO_ROOT,
+        "presets": REPO_ROOT / "impl" / "mist" / "model" / "presets",  # tracked JSON files only
+    }[where]
     monkeypatch.chdir(folder)
     args = argparse.Namespace(results=type(folder)(""), fresh=False, update_reference=False)
     work, locked = [], (folder / ".lock").exists()  # a reference's: left by --update-reference
     with pytest.raises(SystemExit) as e, experiment_run(args, experiment):
         work.append("measured")  # never reached
-    assert str(e.value).startswith(message) and "\n" not in str(e.value), e.value
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith(message) and err.count("\n") == 1, err
     assert work == [] and not (folder / "run.json").exists() and (folder / ".lock").exists() == locked
     (tmp_path / "empty").mkdir()
     (tmp_path / "gpu_check" / "pytest-benchmark").mkdir(parents=True)  # the GPU check's, beside

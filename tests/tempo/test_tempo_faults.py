@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import re
 import signal
@@ -433,6 +434,7 @@ def test_maxbatch_interrupted_in_its_search_ends_in_one_line(sig):
         (["--device", "cpux"], "--device must be cpu or cuda\\[:N\\], got 'cpux'"),
         (["--device", "cudafoo"], "got 'cudafoo'"),
         (["--device", "cpu:abc"], "got 'cpu:abc'"),
+        (["--cases", "bert-mini/16", "bert-mini/16"], "--cases: bert-mini/16 given twice"),  # F26
     ],
 )
 def test_run_refuses_bad_cases_before_any_work(argv, message, capsys, monkeypatch, tmp_path):
@@ -444,6 +446,63 @@ def test_run_refuses_bad_cases_before_any_work(argv, message, capsys, monkeypatc
     assert e.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert re.search(message, err), err
+
+
+@pytest.mark.parametrize(
+    ("module", "argv", "message"),
+    [
+        ("tempo_layer", ["--seq", "16", "16", "--no-compile"], "--seq: 16 given twice"),
+        ("tempo_layer", ["--seq", "16", "32", "16"], "--seq: 16 given twice"),
+        ("tempo_llama", ["--parts", "maxbatch", "maxbatch"], "--parts: maxbatch given twice"),
+    ],
+)
+def test_a_value_given_twice_is_refused_before_any_work(module, argv, message, capsys, monkeypatch, tmp_path):
+    """``--seq 16 16`` computed and printed every row twice, ``--parts sim sim`` ran once without a
+    word (probe round 5 F26): every experiment's many-valued option refuses a repeat in one line
+    (experiment.given_once). Control: the values once each reach the run."""
+    run = importlib.import_module(f"artifacts.{module}.run")
+
+    class Started(Exception):
+        pass
+
+    def started(*a):
+        raise Started
+
+    monkeypatch.setattr(run, "experiment_run", started)
+    with pytest.raises(SystemExit) as e:
+        run.main([*argv, "--results", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and message in err and "give each value once" in err, (
+        err
+    )
+    with pytest.raises(Started):
+        run.main([*dict.fromkeys(argv), "--results", str(tmp_path)])
+
+
+def test_jobs_above_the_usable_cores_are_refused_before_any_work(capsys, monkeypatch, tmp_path):
+    """``--jobs 500`` on 2 cores started 24 workers (+1.6 GB in 10 s; probe round 5 F34): refused
+    above the cores this process may use (its affinity), in one line. Control: at the bound it
+    runs, and the default is that bound."""
+    from artifacts import experiment
+    from artifacts.tempo_llama import run
+
+    class Started(Exception):
+        pass
+
+    def started(args, _):
+        raise Started(args.jobs)
+
+    monkeypatch.setattr(experiment, "usable_cores", lambda: 3)
+    monkeypatch.setattr(run, "experiment_run", started)
+    with pytest.raises(SystemExit) as e:
+        run.main(["--parts", "maxbatch", "--jobs", "4", "--results", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1, err
+    assert "--jobs takes a whole number from 1 to the 3 cores this process may use, got '4'" in err, err
+    for argv, jobs in ((["--jobs", "3"], 3), ([], 3)):
+        with pytest.raises(Started) as got:
+            run.main(["--parts", "maxbatch", *argv, "--results", str(tmp_path)])
+        assert got.value.args == (jobs,)
 
 
 def _qkv(shape=(1, 2, 8, 16), dtype=torch.float32):
