@@ -274,11 +274,11 @@ def _refuse_unknown_fields(where: str, given: dict, kind: type) -> None:
     """A key the plan format does not have, named with what it has (a misspelt field was a
     dataclass's 'unexpected keyword argument')."""
     known = [f.name for f in fields(kind) if f.init]
-    unknown = sorted(set(given) - set(known))
+    # a YAML key may be null or a number (`null:`, `7:`): named as written, sorted as text
+    unknown = sorted((k for k in given if k not in known), key=str)
     if unknown:
-        raise ValueError(
-            f"{where}unknown field(s) {', '.join(unknown)}; a {kind.__name__} has: {', '.join(known)}"
-        )
+        names = ", ".join(k if isinstance(k, str) else repr(k) for k in unknown)
+        raise ValueError(f"{where}unknown field(s) {names}; a {kind.__name__} has: {', '.join(known)}")
 
 
 @dataclass(kw_only=True)  # built by keyword: eight numbers in a row are easy to misorder
@@ -489,6 +489,11 @@ class Plan:
             raise ValueError(f"model_overrides must be a mapping of model fields by name, got {overrides!r}")
         if not isinstance(d.get("breakdown", {}), dict):
             raise ValueError("breakdown must be a mapping")
+        if not isinstance(d.get("pre_post"), dict | None):
+            raise ValueError(
+                f"pre_post must be a mapping of the embedding's and head's zero and offload_* fields, "
+                f"or null, got {d['pre_post']!r}"
+            )
         # copies: the caller's mapping stays as it was
         d["stages"] = [dict(s) for s in d["stages"]]
         _rename_format_1(d, _FORMAT_1_PLAN, version, "")
@@ -549,11 +554,14 @@ class Plan:
             plan = cls.from_dict(data)
         except (TypeError, ValueError) as e:
             raise ValueError(f"{path}: {e}") from None
-        if plan.model in MODELS:  # the model it names, built now: a bad override is the file's error
-            try:
-                plan.model_spec()
-            except ValueError as e:
-                raise ValueError(f"{path}: model_overrides: {e}") from None
+        # the model it names, built now: an unknown name or a bad override is the file's error
+        # (a name with a stray space was refused later, by whatever used it, naming no file)
+        if plan.model not in MODELS:
+            raise ValueError(f"{path}: model {plan.model!r} is no preset (presets: {', '.join(MODELS)})")
+        try:
+            plan.model_spec()
+        except ValueError as e:
+            raise ValueError(f"{path}: model_overrides: {e}") from None
         return plan
 
     def table(self) -> str:

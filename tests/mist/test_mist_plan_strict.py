@@ -269,3 +269,44 @@ def test_a_plan_that_would_not_read_back_is_not_saved(tmp_path):
     with pytest.raises(ValueError, match="would not read back, so it is not saved: stage 0: wait_s") as e:
         plan.save(tmp_path / "plan.yaml")
     assert "\n" not in str(e.value) and not (tmp_path / "plan.yaml").exists()
+
+
+@pytest.mark.parametrize(
+    ("edit", "expected"),
+    [
+        (lambda t: t + "pre_post: x\n", "plan.yaml: pre_post must be a mapping of the embedding's"),
+        (lambda t: t + "pre_post: [1]\n", "pre_post must be a mapping"),
+        (
+            lambda t: t.replace("model: gpt3-1.3b", "model: 'gpt3-1.3b '"),
+            "plan.yaml: model 'gpt3-1.3b ' is no preset (presets: ",
+        ),
+        (
+            lambda t: t.replace("{layers: 12}, {layers: 12}", "{layers: 12, null: 1}, {layers: 12}"),
+            "plan.yaml: stage 0: unknown field(s) None; a StagePlan has: layers",
+        ),
+        (
+            lambda t: t.replace("{layers: 12}, {layers: 12}", "{layers: 12}, {layers: 12, 7: 1, z: 2}"),
+            "plan.yaml: stage 1: unknown field(s) 7, z; a StagePlan has: layers",
+        ),
+        (lambda t: t + "7: 1\n", "plan.yaml: unknown field(s) 7; a Plan has: model"),
+        (lambda t: t + "pre_post: {null: 1}\n", "plan.yaml: pre_post: unknown field(s) None"),
+    ],
+    ids=[
+        "pre_post string",
+        "pre_post list",
+        "model with a space",
+        "null key",
+        "7 key",
+        "top 7",
+        "pre_post null",
+    ],
+)
+def test_a_plan_file_field_of_the_wrong_kind_is_named_in_one_line(tmp_path, capsys, edit, expected):
+    """The probe round: "PrePostPlan() argument after ** must be a mapping, not str", "unknown model
+    'gpt3-1.3b '" with no file named, "sequence item 0: expected str instance, NoneType found"."""
+    path = tmp_path / "plan.yaml"
+    path.write_text(edit(PLAN))
+    assert main(["predict", str(path)]) == 2
+    _one_error_line(capsys, expected)
+    path.write_text(PLAN + "pre_post: {zero: 1}\n")  # control: a pre_post mapping is taken
+    assert main(["predict", str(path)]) == 0
