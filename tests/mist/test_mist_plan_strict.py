@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 
 import numpy as np
 import pytest
@@ -310,3 +311,69 @@ def test_a_plan_file_field_of_the_wrong_kind_is_named_in_one_line(tmp_path, caps
     _one_error_line(capsys, expected)
     path.write_text(PLAN + "pre_post: {zero: 1}\n")  # control: a pre_post mapping is taken
     assert main(["predict", str(path)]) == 0
+
+
+def test_planner_options_cannot_be_changed_after_their_checks():
+    """The probe round: `o.micro_batches = [0]` after the checks divided by zero in the search, and
+    `o.milp_time_limit = nan` was taken. Options are frozen; a list given is kept as a tuple (the
+    list itself could be changed later); dataclasses.replace makes other options, checked."""
+    import dataclasses
+
+    o = PlannerOptions(micro_batches=[1, 2])
+    assert o.micro_batches == (1, 2)
+    for name, value in (("micro_batches", [0]), ("milp_time_limit", float("nan"))):
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(o, name, value)
+    with pytest.raises(ValueError, match="milp_time_limit must be a finite number of seconds > 0"):
+        dataclasses.replace(o, milp_time_limit=float("nan"))
+    assert dataclasses.replace(o, milp_time_limit=2.0).milp_time_limit == 2.0  # control
+
+
+@pytest.mark.parametrize(
+    ("given", "expected"),
+    [
+        ({"runtime": "x"}, "runtime must be None (the GPU's preset) or a RuntimeModel"),
+        ({"interference": 0}, "interference must be None (the GPU's preset) or an Interference"),
+        ({"progress": 5}, "progress must be None or a function taking a line of text, got 5"),
+    ],
+)
+def test_search_refuses_wrong_cost_models_and_progress_before_work(given, expected, monkeypatch):
+    """The probe round: runtime="x" an AttributeError inside, interference=0 silently the preset,
+    progress=5 a TypeError after the first candidate's work."""
+    from mist.tuning import planner
+
+    monkeypatch.setattr(planner.Problem, "resolve", lambda *a, **k: pytest.fail("work began"))
+    with pytest.raises(ValueError, match=re.escape(expected)) as e:
+        search(model("gpt3-tiny"), cluster("cpu", 2), 8, **given)
+    assert "\n" not in str(e.value)
+
+
+def test_a_search_the_milp_time_limit_stopped_says_so(monkeypatch):
+    """The probe round: with milp_time_limit=1e-9 every MILP stopped before a solution and the
+    search said "the leanest candidate needs 513.0 MiB per GPU, 22.1 GiB usable", memory it had.
+    The MILP here returns none as HiGHS at its time limit does (no timing in the test); the
+    control, a model no GPU holds, still names memory."""
+    from mist import NoFeasiblePlan
+    from mist.tuning import planner
+
+    monkeypatch.setattr(planner, "solve_inter_stage", lambda *a, **k: None)
+    options = PlannerOptions(micro_batches=(1,), milp_time_limit=0.5, refine_offload_step=None)
+    with pytest.raises(NoFeasiblePlan, match=r"the MILP reached its time limit \(milp_time_limit 0.5 s\)"):
+        search(model("gpt3-1.3b"), cluster("l4", 2), 8, options)
+    with pytest.raises(NoFeasiblePlan, match="the leanest candidate needs"):
+        search(model("gpt3-13b"), cluster("l4", 1, host_memory=2**30), 8, options)
+
+
+def test_the_inter_stage_program_has_a_solution_exactly_where_layers_and_devices_add_up():
+    """What tells a MILP stopped by its time limit from one with no solution (stages that fit too
+    few layers each, devices that cannot add up or would grow along the pipeline)."""
+    from mist.tuning.planner import _layers_add_up
+
+    two = [{(1, 4): None, (2, 4): None}, {(1, 4): None}]
+    assert _layers_add_up(two, 3) and _layers_add_up(two, 2) and not _layers_add_up(two, 4)
+    devices = [{(2, 2): None, (2, 4): None}, {(2, 4): None, (2, 2): None}]
+    assert _layers_add_up(devices, 4, 6)  # 4 then 2
+    assert _layers_add_up(devices, 4, 8) and _layers_add_up(devices, 4, 4)
+    assert not _layers_add_up(devices, 4, 5)
+    growing = [{(2, 2): None}, {(2, 4): None}]
+    assert not _layers_add_up(growing, 4, 6)  # 2 then 4: devices never grow along the pipeline
