@@ -15,7 +15,10 @@ What is replaced (each technique can be switched off, for ablations):
   computes its loss with ``tempo.linear_cross_entropy`` (the head's matmul and the cross-entropy
   a chunk of rows at a time) and returns ``logits=None``: the float32 logits of the whole batch,
   4 x vocabulary bytes a token, are never made. The loss is HF's (labels shifted, -100 ignored,
-  ``num_items_in_batch`` honoured); without labels the model's own forward runs.
+  ``num_items_in_batch`` honoured); without labels the model's own forward runs. As a tuple
+  (``return_dict=False``, or a config's ``return_dict`` false) the output keeps HF's layout,
+  ``(loss, None, cache, ...)``: None in the logits' place (HF's ``to_tuple`` drops every None,
+  which would put the cache at ``[1]``, where a caller reads the logits).
 
 Only the module given is changed, whatever else shares its HF config. HF attention modules
 read the implementation from ``self.config``, and one config object is shared by every layer of
@@ -269,7 +272,8 @@ def _lean_loss_forward(self, *args, **kwargs):
     extra = arguments.pop("kwargs", {})
     num_items = extra.pop("num_items_in_batch", None)
     shift_labels = extra.pop("shift_labels", None)
-    as_tuple = extra.pop("return_dict", None) is False
+    return_dict = extra.pop("return_dict", None)  # None: the config's, as HF's can_return_tuple reads it
+    as_tuple = not (getattr(self.config, "return_dict", True) if return_dict is None else return_dict)
     out = self.model(**arguments, **extra, return_dict=True)
     if shift_labels is None:  # as HF's ForCausalLMLoss: position t predicts label t + 1
         shift_labels = nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
@@ -285,7 +289,10 @@ def _lean_loss_forward(self, *args, **kwargs):
     # the base model's other outputs as they are (the cache's field name differs across versions)
     rest = {k: v for k, v in out.items() if k != "last_hidden_state"}
     result = CausalLMOutputWithPast(loss=loss, logits=None, **rest)
-    return result.to_tuple() if as_tuple else result
+    if as_tuple:  # HF's layout, (loss, logits, cache, ...): to_tuple() drops the None logits, and
+        # out[1] was then the cache where a caller reads the logits; None holds their place
+        return (loss, None, *result.to_tuple()[1:])
+    return result
 
 
 def _lean_loss_refusal(lm: nn.Module) -> str | None:
