@@ -22,6 +22,10 @@ from measure.strict import read_json_file
 from .preset_files import check_fields, load_preset, number, text
 
 CHANNELS = ("compute", "g2g", "h2d", "d2h")
+# The largest slowdown a preset may hold: what fit_interference fits factors within (its
+# least_squares bounds); the shipped fits are at most ~8 (four channels sharing a GPU slow each
+# other by a few times, never by orders of magnitude).
+MAX_FACTOR = 20.0
 _MASKS = range(1, 1 << len(CHANNELS))
 
 
@@ -101,7 +105,7 @@ class Interference:
             combos = {_combo(m): m for m in _MASKS if m >> c & 1}
             for combo, value in check_fields(path, f"factors.{name}", table[name], tuple(combos)).items():
                 where, alone = f"factors.{name}.{combo}", combos[combo] == 1 << c
-                factors[c][combos[combo]] = number(path, where, value, least=1.0)
+                factors[c][combos[combo]] = number(path, where, value, least=1.0, most=MAX_FACTOR)
                 if alone and value != 1:
                     raise ValueError(
                         f"{path}: {where} must be 1 (a channel alone runs at its own speed), got {value!r}"
@@ -245,7 +249,7 @@ def fit_interference(path: Path) -> tuple[Interference, dict]:
     def residual(x):
         return np.log(model(x).overlap(*times)) - np.log(measured)
 
-    fit = least_squares(residual, np.full(len(params), 1.2), bounds=(1.0, 20.0))
+    fit = least_squares(residual, np.full(len(params), 1.2), bounds=(1.0, MAX_FACTOR))
     inter = model(fit.x)
     inter.source = f"fitted to {Path(path).name} ({int((~held_out).sum())} overlapped runs)"
     inter.host_rates = {
