@@ -105,7 +105,9 @@ def test_a_plan_of_a_model_that_is_no_preset_is_not_saved(tmp_path):
         (dict(micro_batches=[1.5]), "micro_batches must be"),
         (dict(micro_batches=[]), "micro_batches must be"),
         (dict(milp_time_limit=0), "milp_time_limit must be a finite number of seconds > 0"),
-        (dict(refine_offload_step=0), "refine_offload_step must be None or a whole number >= 1"),
+        (dict(refine_offload_step=0), r"refine_offload_step must be None or a whole number in \[1, 32\]"),
+        (dict(refine_offload_step=10**6), r"refine_offload_step must be None or a whole number in \[1, 32\]"),
+        (dict(refine_offload_step=33), r"got 33"),
         (dict(imbalance_aware="no"), "imbalance_aware must be True or False"),
         (dict(space="all"), "space must be a SearchSpace"),
     ],
@@ -117,6 +119,7 @@ def test_planner_options_are_checked_where_they_are_made(options, expected):
         PlannerOptions(**options)
     assert "\n" not in str(e.value)
     PlannerOptions(micro_batches=[1, 2])  # control: a list of whole numbers is taken
+    PlannerOptions(refine_offload_step=32)  # control: the finest step taken
 
 
 @pytest.mark.parametrize(
@@ -377,3 +380,68 @@ def test_the_inter_stage_program_has_a_solution_exactly_where_layers_and_devices
     assert not _layers_add_up(devices, 4, 5)
     growing = [{(2, 2): None}, {(2, 4): None}]
     assert not _layers_add_up(growing, 4, 6)  # 2 then 4: devices never grow along the pipeline
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("layers", 257),
+        ("layers", 10**7),
+        ("seq", 10**12),
+        ("hidden", 2**17 + 128),
+        ("vocab", 2**22 + 1),
+        ("ffn", 2**20),
+    ],
+)
+def test_a_model_past_any_published_size_is_refused_in_one_line(field, value):
+    """The probe round: `mist plan --layers 10000000` never ended, 400 layers searched for 197 s, a
+    plan's `model_overrides: {seq: 10**12}` predicted with a memory warning. Each bound (specs.
+    MAX_MODEL_SIZES) is far past every published model; the bound itself is taken (the control)."""
+    from mist.model.specs import MAX_MODEL_SIZES
+
+    with pytest.raises(
+        ValueError, match=rf"^{field} must be at most {MAX_MODEL_SIZES[field]} \(far beyond"
+    ) as e:
+        model("gpt3-1.3b", **{field: value})
+    assert "\n" not in str(e.value)
+    at_bound = {"layers": 256, "seq": 2**24, "hidden": 2**17, "vocab": 2**22, "ffn": 2**19}[field]
+    assert getattr(model("gpt3-1.3b", **{field: at_bound}), field) == at_bound
+
+
+def test_mist_plan_with_ten_million_layers_is_refused_before_the_search(capsys):
+    argv = ["plan", "--model", "gpt3-1.3b", "--gpus", "2", "--gpu", "l4", "--global-batch", "8"]
+    assert main([*argv, "--layers", "10000000"]) == 2
+    _one_error_line(capsys, "layers must be at most 256")
+
+
+@pytest.mark.parametrize(
+    ("edit", "expected"),
+    [
+        (
+            lambda t: t.replace(
+                "{layers: 12}, {layers: 12}", f"{{layers: 12, memory_bytes: {10**300}}}, {{layers: 12}}"
+            ),
+            "stage 0: memory_bytes must be a whole number of bytes in [0, 2**64]",
+        ),
+        (
+            lambda t: t + f"gpu_memory_bytes: {2**64 + 1}\n",
+            "gpu_memory_bytes must be a positive whole number of bytes, at most 2**64",
+        ),
+        (
+            lambda t: t + f"breakdown: {{layer_saved_bytes: {-(10**30)}}}\n",
+            "layer_saved_bytes must be a whole number of bytes, at most 2**64",
+        ),
+        (
+            lambda t: t + "model_overrides: {seq: 1000000000000}\n",
+            "model_overrides: seq must be at most 16777216",
+        ),
+    ],
+    ids=["stage memory", "gpu memory", "breakdown bytes", "seq"],
+)
+def test_a_plan_file_amount_past_its_bound_is_one_line(tmp_path, capsys, edit, expected):
+    """The probe round: a stage's memory_bytes of 10**300 was read (10**400 is beyond a float, refused
+    by the strict reader), and `model_overrides: {seq: 10**12}` predicted with a memory warning."""
+    path = tmp_path / "plan.yaml"
+    path.write_text(edit(PLAN))
+    assert main(["predict", str(path)]) == 2
+    _one_error_line(capsys, "plan.yaml", expected)
