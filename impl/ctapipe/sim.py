@@ -89,11 +89,16 @@ class Hardware:
             value = getattr(self, name)
             if not (_positive(value) or value == 0):
                 raise ValueError(f"{self.name}: {name} must be a number of seconds >= 0, got {value!r}")
+        if not isinstance(self.nvls, bool):  # "no" would be taken as true
+            raise ValueError(f"{self.name}: nvls must be true or false, got {self.nvls!r}")
         # measured ones are the model's time at peak over the measured time: above 1 where a kernel
-        # beats the model's wave count (cuBLAS's own tile choice on a small GEMM), never 0 or below
-        measured = [e for _, e in self.efficiency_by_rows] + [e for _, e in self.cta_efficiency]
-        if not all(_positive(e) for e in measured):
-            raise ValueError(f"{self.name}: measured efficiencies must be positive numbers, got {measured}")
+        # beats the model's wave count (cuBLAS's own tile choice on a small GEMM), never 0 or below;
+        # each size once, >= 1 (efficiency() interpolates in log2(rows): rows 0 or -64 failed there
+        # with "math domain error", a size given twice divided by zero)
+        _check_rows(self.name, "efficiency_by_rows", self.efficiency_by_rows, "(rows, efficiency)")
+        _check_rows(
+            self.name, "cta_efficiency", self.cta_efficiency, "((block_m, block_n), efficiency)", shape=True
+        )
 
     def efficiency(self, rows: int | None = None) -> float:
         """Tile efficiency of a kernel over ``rows`` rows: interpolated in log2(rows) on the
@@ -135,6 +140,31 @@ class Hardware:
 
 def _positive(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < math.inf
+
+
+def _check_rows(hw: str, name: str, rows: object, form: str, shape: bool = False) -> None:
+    """``rows`` is a sequence of distinct (size, efficiency) pairs: a size a whole number >= 1 (a
+    tile shape, ``shape``: a pair of them), an efficiency a positive finite number. One line
+    naming the hardware, the field and the row otherwise."""
+    if not isinstance(rows, tuple | list):
+        raise ValueError(f"{hw}: {name} must be a sequence of {form} pairs, got {rows!r}")
+    sizes = set()
+    for row in rows:
+        ok = isinstance(row, tuple | list) and len(row) == 2
+        size = row[0] if ok else None
+        if shape:
+            ok = ok and isinstance(size, tuple | list) and len(size) == 2 and all(whole(n, 1) for n in size)
+            size = tuple(size) if ok else size
+        else:
+            ok = ok and whole(size, 1)
+        if not (ok and _positive(row[1])):
+            raise ValueError(
+                f"{hw}: {name} rows are {form} with sizes whole numbers >= 1 and a positive "
+                f"efficiency, got {row!r}"
+            )
+        if size in sizes:
+            raise ValueError(f"{hw}: {name} gives size {size!r} twice")
+        sizes.add(size)
 
 
 def _from_sheet(name: str) -> Hardware:

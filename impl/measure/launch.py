@@ -16,6 +16,7 @@ import sys
 import tempfile
 from typing import TYPE_CHECKING
 
+from .checks import finite, real, whole
 from .parallel import LAUNCHER_PID_ENV, die_with_parent
 
 if TYPE_CHECKING:
@@ -54,7 +55,17 @@ def run_torchrun(nproc: int, module: str, args: list[str], timeout: float) -> su
     rendezvous on a port it binds as the OS assigns it (see the module's docstring). Ranks that call
     ``measure.parallel.die_with_launcher`` die with it. torchrun's log folder is one of this call's
     own, removed when it returns: by default torchrun makes one in TMPDIR per launch and never
-    removes it (the suite left one a launch in /tmp)."""
+    removes it (the suite left one a launch in /tmp). ``nproc`` is a whole number >= 1 and
+    ``timeout`` a finite number of seconds > 0, checked before anything starts (no wait here is
+    unbounded: torchrun's own refusal of a bad count came only after it had started, and ``str()``
+    let ``"2"`` and ``True`` through). Raises TypeError or ValueError, one line."""
+    if not whole(nproc):
+        raise TypeError(f"run_torchrun: nproc is a whole number of processes >= 1, got {nproc!r}")
+    if nproc < 1:
+        raise ValueError(f"run_torchrun: nproc is a whole number of processes >= 1, got {nproc!r}")
+    if not finite(timeout) or timeout <= 0:
+        wrong = ValueError if real(timeout) else TypeError  # None, a string: not a number at all
+        raise wrong(f"run_torchrun: timeout is a finite number of seconds > 0, got {timeout!r}")
     env = {**os.environ, "OMP_NUM_THREADS": "1", LAUNCHER_PID_ENV: str(os.getpid())}
     with tempfile.TemporaryDirectory(prefix=TORCHRUN_LOGS_PREFIX) as logs:
         command = [

@@ -54,6 +54,9 @@ READABLE_FORMATS = (1, 2)
 # micro-batches) (memory O(stages)); 65536 is far beyond any real global batch split into micro-batches.
 MAX_MICRO_BATCHES = 1 << 16
 MAX_GLOBAL_BATCH = MAX_MICRO_BATCHES  # sequences: bounds the pipeline simulator's work
+# The most bytes any amount of memory in a plan may be: a 64-bit address space, more than any
+# device or host can address (a stage's memory_bytes of 10**300 was read, recomputed or not).
+MAX_BYTES = 2**64
 
 
 def grad_accum(global_batch: int, dp: int, micro_batch: int) -> int:
@@ -179,8 +182,10 @@ class StagePlan:
                 raise ValueError(f"stage {i}: {name} must be a whole number, got {getattr(self, name)!r}")
         for name in ("memory_bytes", "host_memory_bytes"):
             value = getattr(self, name)
-            if value is not None and not (whole(value) and value >= 0):
-                raise ValueError(f"stage {i}: {name} must be a whole number of bytes >= 0, got {value!r}")
+            if value is not None and not (whole(value) and 0 <= value <= MAX_BYTES):
+                raise ValueError(
+                    f"stage {i}: {name} must be a whole number of bytes in [0, 2**64], got {value!r:.40}"
+                )
         for name in ("steady_s", "extra_s", "step_s", "wait_s"):
             _check_seconds(f"stage {i}: {name}", getattr(self, name))
         if self.layers < 1:
@@ -252,7 +257,10 @@ def _check_seconds(name: str, value: object) -> None:
 
 # each kind of breakdown field: what it is said to be, and the check
 _BREAKDOWN_KINDS = {
-    "bytes": ("a whole number of bytes", whole),
+    "bytes": (
+        "a whole number of bytes, at most 2**64 either way",
+        lambda v: whole(v) and abs(v) <= MAX_BYTES,
+    ),
     "amount": ("a finite number >= 0", lambda v: finite(v) and v >= 0),
     "bool": ("true or false", lambda v: isinstance(v, bool)),
     "name": ("a name (a string)", lambda v: isinstance(v, str)),
@@ -274,11 +282,11 @@ def _refuse_unknown_fields(where: str, given: dict, kind: type) -> None:
     """A key the plan format does not have, named with what it has (a misspelt field was a
     dataclass's 'unexpected keyword argument')."""
     known = [f.name for f in fields(kind) if f.init]
-    unknown = sorted(set(given) - set(known))
+    # a YAML key may be null or a number (`null:`, `7:`): named as written, sorted as text
+    unknown = sorted((k for k in given if k not in known), key=str)
     if unknown:
-        raise ValueError(
-            f"{where}unknown field(s) {', '.join(unknown)}; a {kind.__name__} has: {', '.join(known)}"
-        )
+        names = ", ".join(k if isinstance(k, str) else repr(k) for k in unknown)
+        raise ValueError(f"{where}unknown field(s) {names}; a {kind.__name__} has: {', '.join(known)}")
 
 
 @dataclass(kw_only=True)  # built by keyword: eight numbers in a row are easy to misorder
@@ -352,8 +360,10 @@ class Plan:
             raise ValueError("stages must be a non-empty list")
         for name in ("host_memory_per_node_bytes", "gpu_memory_bytes"):
             amount = getattr(self, name)
-            if amount is not None and not (whole(amount) and amount > 0):
-                raise ValueError(f"{name} must be a positive whole number of bytes, got {amount!r}")
+            if amount is not None and not (whole(amount) and 0 < amount <= MAX_BYTES):
+                raise ValueError(
+                    f"{name} must be a positive whole number of bytes, at most 2**64, got {amount!r:.40}"
+                )
         if self.global_batch % (self.dp * self.micro_batch):
             raise ValueError(
                 f"global batch {self.global_batch} is not a multiple of "
@@ -489,6 +499,11 @@ class Plan:
             raise ValueError(f"model_overrides must be a mapping of model fields by name, got {overrides!r}")
         if not isinstance(d.get("breakdown", {}), dict):
             raise ValueError("breakdown must be a mapping")
+        if not isinstance(d.get("pre_post"), dict | None):
+            raise ValueError(
+                f"pre_post must be a mapping of the embedding's and head's zero and offload_* fields, "
+                f"or null, got {d['pre_post']!r}"
+            )
         # copies: the caller's mapping stays as it was
         d["stages"] = [dict(s) for s in d["stages"]]
         _rename_format_1(d, _FORMAT_1_PLAN, version, "")
@@ -549,11 +564,14 @@ class Plan:
             plan = cls.from_dict(data)
         except (TypeError, ValueError) as e:
             raise ValueError(f"{path}: {e}") from None
-        if plan.model in MODELS:  # the model it names, built now: a bad override is the file's error
-            try:
-                plan.model_spec()
-            except ValueError as e:
-                raise ValueError(f"{path}: model_overrides: {e}") from None
+        # the model it names, built now: an unknown name or a bad override is the file's error
+        # (a name with a stray space was refused later, by whatever used it, naming no file)
+        if plan.model not in MODELS:
+            raise ValueError(f"{path}: model {plan.model!r} is no preset (presets: {', '.join(MODELS)})")
+        try:
+            plan.model_spec()
+        except ValueError as e:
+            raise ValueError(f"{path}: model_overrides: {e}") from None
         return plan
 
     def table(self) -> str:

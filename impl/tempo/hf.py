@@ -15,7 +15,10 @@ What is replaced (each technique can be switched off, for ablations):
   computes its loss with ``tempo.linear_cross_entropy`` (the head's matmul and the cross-entropy
   a chunk of rows at a time) and returns ``logits=None``: the float32 logits of the whole batch,
   4 x vocabulary bytes a token, are never made. The loss is HF's (labels shifted, -100 ignored,
-  ``num_items_in_batch`` honoured); without labels the model's own forward runs.
+  ``num_items_in_batch`` honoured); without labels the model's own forward runs. As a tuple
+  (``return_dict=False``, or a config's ``return_dict`` false) the output keeps HF's layout,
+  ``(loss, None, cache, ...)``: None in the logits' place (HF's ``to_tuple`` drops every None,
+  which would put the cache at ``[1]``, where a caller reads the logits).
 
 Only the module given is changed, whatever else shares its HF config. HF attention modules
 read the implementation from ``self.config``, and one config object is shared by every layer of
@@ -269,7 +272,8 @@ def _lean_loss_forward(self, *args, **kwargs):
     extra = arguments.pop("kwargs", {})
     num_items = extra.pop("num_items_in_batch", None)
     shift_labels = extra.pop("shift_labels", None)
-    as_tuple = extra.pop("return_dict", None) is False
+    return_dict = extra.pop("return_dict", None)  # None: the config's, as HF's can_return_tuple reads it
+    as_tuple = not (getattr(self.config, "return_dict", True) if return_dict is None else return_dict)
     out = self.model(**arguments, **extra, return_dict=True)
     if shift_labels is None:  # as HF's ForCausalLMLoss: position t predicts label t + 1
         shift_labels = nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
@@ -285,7 +289,10 @@ def _lean_loss_forward(self, *args, **kwargs):
     # the base model's other outputs as they are (the cache's field name differs across versions)
     rest = {k: v for k, v in out.items() if k != "last_hidden_state"}
     result = CausalLMOutputWithPast(loss=loss, logits=None, **rest)
-    return result.to_tuple() if as_tuple else result
+    if as_tuple:  # HF's layout, (loss, logits, cache, ...): to_tuple() drops the None logits, and
+        # out[1] was then the cache where a caller reads the logits; None holds their place
+        return (loss, None, *result.to_tuple()[1:])
+    return result
 
 
 def _lean_loss_refusal(lm: nn.Module) -> str | None:
@@ -340,6 +347,11 @@ def _replace_gelu(child: nn.Module) -> nn.Module | None:
 def _replace_dropout(child: nn.Module) -> nn.Module | None:
     if type(child) is not nn.Dropout:
         return None
+    if child.p == 1:  # HF takes p = 1 (every element zeroed); Tempo's dropout keeps elements at p < 1
+        raise ValueError(
+            "an nn.Dropout with p=1.0 (it zeroes every element), which Tempo's dropout does not take "
+            "(p in [0, 1)): patch with dropout=False to keep HF's dropout modules"
+        )
     new = TempoDropout(child.p)
     return new.train(child.training)
 
@@ -371,9 +383,13 @@ def _check_patchable(model: nn.Module, switched_on: dict[str, bool]):
     config = _find_config(model)
     model_type = getattr(config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
+        # a sub-module is taken where it holds its model's config (a layer, an attention module);
+        # one without any (BERT's embeddings) cannot say which model it is part of
+        found = "no HF config in it" if config is None else f"model_type={model_type!r}"
         raise ValueError(
-            f"tempo.patch supports HF models of type {', '.join(SUPPORTED_MODEL_TYPES)} (or their "
-            f"sub-modules); got {type(model).__name__} (model_type={model_type!r})"
+            f"tempo.patch takes an HF model of type {', '.join(SUPPORTED_MODEL_TYPES)}, or a sub-module "
+            f"of one that holds its config (a layer, an attention module); got {type(model).__name__} "
+            f"({found}): patch the model or layer that holds it"
         )
     if getattr(model, _RECORD, None) is not None:
         raise RuntimeError("model is already patched by tempo; call tempo.unpatch(model) first")
@@ -407,12 +423,28 @@ def _plan_modules(model: nn.Module, switched_on: dict[str, bool], report: PatchR
                         joined.append(slot)
                 continue
             for kind, replace in _REPLACEMENTS.items():
-                new = replace(child) if switched_on[kind] else None
+                try:
+                    new = replace(child) if switched_on[kind] else None
+                except ValueError as e:  # a module Tempo's cannot stand in for, named; nothing changed yet
+                    also = _probabilities_dropout(parent) is child
+                    raise ValueError(
+                        f"tempo.patch: {qualified} is {e}"
+                        + (" and attention=False (its attention core reads the same p)" if also else "")
+                    ) from None
                 if new is not None:
                     lists[kind].append(qualified)
                     new_slots.append(_Slot(qualified, parent, child_name, child, new))
                     break
     return new_slots, joined
+
+
+def _probabilities_dropout(module: nn.Module) -> nn.Module | None:
+    """The dropout whose ``p`` an HF attention module passes to its attention core (BERT's and
+    RoBERTa's ``dropout``, GPT-2's ``attn_dropout``), or None for any other module."""
+    if not _is_attention(module):
+        return None
+    found = getattr(module, "attn_dropout", None) or getattr(module, "dropout", None)
+    return found if isinstance(found, nn.Module) else None
 
 
 def _plan_loss(model: nn.Module, report: PatchReport, joined: list[_Slot]) -> list[_Slot]:
@@ -459,6 +491,12 @@ def _plan_attention(model: nn.Module, report: PatchReport, joined: list[_Slot]) 
             f"{', '.join(MASK_COMPATIBLE)} (their masks are what Tempo's core reads); this one uses "
             f"{', '.join(unsupported)}: set_attn_implementation('eager') first, or pass attention=False"
         )
+    for name, m in targets:  # HF's cores take p = 1 (every probability zeroed); Tempo's, p < 1
+        if getattr(_probabilities_dropout(m), "p", 0.0) == 1:
+            raise ValueError(
+                f"tempo.patch: {name} drops its attention probabilities with p=1.0 (all of them), which "
+                "Tempo's attention core does not take (p in [0, 1)): pass attention=False to keep HF's"
+            )
     if any(getattr(m, "reorder_and_upcast_attn", False) for _, m in targets):  # GPT-2 only
         raise ValueError(
             "GPT-2 with reorder_and_upcast_attn=True bypasses the attention registry; set it False"

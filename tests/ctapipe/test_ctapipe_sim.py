@@ -206,14 +206,38 @@ def test_band_spans_the_stated_assumptions():
         ({"flops": float("nan")}, "flops must be a positive number"),
         ({"gemm_efficiency": 1.5}, "gemm_efficiency must be in (0, 1]"),
         ({"flag_latency_s": -1e-6}, "flag_latency_s must be a number of seconds >= 0"),
-        ({"cta_efficiency": (((128, 128), 0.0),)}, "measured efficiencies must be positive numbers"),
+        (
+            {"cta_efficiency": (((128, 128), 0.0),)},
+            "cta_efficiency rows are ((block_m, block_n), efficiency)",
+        ),
+        ({"cta_efficiency": (((0, 128), 0.5),)}, "cta_efficiency rows are"),
+        ({"cta_efficiency": (((128, 128), 0.5), ((128, 128), 0.6))}, "gives size (128, 128) twice"),
+        ({"nvls": "no"}, "nvls must be true or false, got 'no'"),
+        ({"nvls": 0}, "nvls must be true or false"),
+        ({"efficiency_by_rows": ((0, 0.5), (4096, 0.7))}, "efficiency_by_rows rows are (rows, efficiency)"),
+        ({"efficiency_by_rows": ((-64, 0.5), (4096, 0.7))}, "efficiency_by_rows rows are"),
+        ({"efficiency_by_rows": ((64.0, 0.5),)}, "efficiency_by_rows rows are"),
+        ({"efficiency_by_rows": ((64, float("nan")),)}, "efficiency_by_rows rows are"),
+        ({"efficiency_by_rows": ((64, 0.5, 1),)}, "efficiency_by_rows rows are"),
+        ({"efficiency_by_rows": ((64, 0.5), (64, 0.6))}, "gives size 64 twice"),
+        ({"efficiency_by_rows": 0.5}, "efficiency_by_rows must be a sequence"),
     ],
 )
 def test_impossible_hardware_is_refused_in_one_line(change, message):
     """The latency model divides by SMs and bandwidths: what no GPU has is refused when the
     hardware is made, before any simulation (it used to divide by zero)."""
-    with pytest.raises(ValueError, match=re.escape(message)):
+    with pytest.raises(ValueError, match=re.escape(message)) as caught:
         dataclasses.replace(H200, **change)
+    assert "\n" not in str(caught.value)
+
+
+def test_control_measured_rows_and_nvls_off_are_taken():
+    """The checks above refuse only what is wrong: measured rows (an efficiency above 1 included,
+    as a small GEMM measures) and nvls off still simulate."""
+    hw = dataclasses.replace(
+        H200, nvls=False, efficiency_by_rows=((128, 1.2), (4096, 0.7)), cta_efficiency=(((128, 128), 0.6),)
+    )
+    assert sim.compare(hw, 1024, 2)["cta_s"] > 0
 
 
 def test_bad_sizes_and_names_are_refused_in_one_line():

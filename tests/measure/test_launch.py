@@ -48,3 +48,28 @@ def test_control_torchrun_alone_leaves_its_log_folder(own_tmpdir):
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert [p.name.startswith("torchelastic_") for p in own_tmpdir.iterdir()] == [True]
+
+
+@pytest.mark.parametrize(
+    ("nproc", "timeout", "error"),
+    [
+        (0, 10, ValueError),
+        (-1, 10, ValueError),
+        (True, 10, TypeError),
+        ("2", 10, TypeError),
+        (1.0, 10, TypeError),
+        (1, -1, ValueError),
+        (1, 0, ValueError),
+        (1, float("nan"), ValueError),
+        (1, float("inf"), ValueError),
+        (1, None, TypeError),
+        (1, "10", TypeError),
+    ],
+)
+def test_bad_counts_and_timeouts_are_refused_before_torchrun_starts(nproc, timeout, error, monkeypatch):
+    started = []
+    monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: started.append(a))
+    with pytest.raises(error, match=r"^run_torchrun: (nproc|timeout) is") as caught:
+        run_torchrun(nproc, "json.tool", ["--help"], timeout)
+    assert "\n" not in str(caught.value)
+    assert started == []  # refused before anything was launched

@@ -516,3 +516,76 @@ def test_profile_host_refuses_more_parameters_than_memory(capsys, monkeypatch):
     _one_error_line(capsys, f"--params {2**29 + 1}: AdamW's state for them takes 8.0 GiB, more than this")
     with pytest.raises(Measured):
         main(["profile-host", "--params", str(2**28)])  # 4 GiB: measured
+
+
+def _bandwidth_edit(data: dict, fault: str) -> str:
+    """``data`` (a gpu-bandwidth file) broken as ``fault`` says; returns what the refusal says."""
+    runs = data["l4"]
+    name, run = next(iter(runs.items()))
+    if fault == "no compute_n":
+        del run["compute_n"]
+        return f"run {name}: missing compute_n"
+    if fault in ("latency 5", "latency nan", "latency -5", "latency s"):
+        run["latency"] = {"latency 5": 5, "latency nan": "nan ms", "latency -5": "-5 ms", "latency s": "5 s"}[
+            fault
+        ]
+        return f'run {name}: latency must be "<number> ms", finite and > 0, got {run["latency"]!r}'
+    if fault == "g2g 1e400":
+        run["gpu_to_gpu_mbytes"] = "1e400"
+        return f"run {name}: gpu_to_gpu_mbytes must be text of a number, finite and >= 0, got '1e400'"
+    if fault == "world size":
+        run["world_size"] = "two"
+        return f"run {name}: world_size must be text of a whole number >= 1"
+    if fault == "unknown field":
+        run["latencyy"] = "5 ms"
+        return f"run {name}: unknown field(s) latencyy"
+    if fault == "run a list":
+        runs[name] = []
+        return f"run {name} must be a mapping of"
+    if fault == "no runs":
+        runs.clear()
+        return "no runs"
+    if fault == "two gpus":
+        data["a100"] = {}
+    elif fault == "empty":
+        data.clear()
+    return "a gpu-bandwidth file is a mapping of one GPU's name to its runs by name"
+
+
+@pytest.mark.parametrize(
+    "fault",
+    [
+        "no compute_n",
+        "latency 5",
+        "latency nan",
+        "latency -5",
+        "latency s",
+        "g2g 1e400",
+        "world size",
+        "unknown field",
+        "run a list",
+        "no runs",
+        "two gpus",
+        "empty",
+        "top level list",
+    ],
+)
+def test_a_broken_gpu_bandwidth_file_is_one_line_naming_the_file_and_run(tmp_path, capsys, fault):
+    """The probe round: KeyError, AttributeError and IndexError tracebacks; NaN, negative and
+    infinite values fitted and reported with exit 0; "too many values to unpack" naming no file.
+    The control: the file unchanged calibrates."""
+    from mist.model.profile_data import ARTIFACT_DATA
+
+    shutil.copytree(ARTIFACT_DATA / "gpu-op-profiles" / "l4", tmp_path / "gpu-op-profiles" / "l4")
+    (tmp_path / "gpu-bandwidth").mkdir()
+    shipped = (ARTIFACT_DATA / "gpu-bandwidth" / "l4-8gpu-per-node.json").read_text()
+    path = tmp_path / "gpu-bandwidth" / "l4-x.json"
+    data = json.loads(shipped)
+    expected = (
+        "a gpu-bandwidth file is a mapping" if fault == "top level list" else _bandwidth_edit(data, fault)
+    )
+    path.write_text(json.dumps([] if fault == "top level list" else data))
+    assert main(["calibrate", str(tmp_path)]) == 2
+    _one_error_line(capsys, str(path), expected)
+    path.write_text(shipped)
+    assert main(["calibrate", str(tmp_path)]) == 0

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 
 import numpy as np
 import pytest
@@ -104,7 +105,9 @@ def test_a_plan_of_a_model_that_is_no_preset_is_not_saved(tmp_path):
         (dict(micro_batches=[1.5]), "micro_batches must be"),
         (dict(micro_batches=[]), "micro_batches must be"),
         (dict(milp_time_limit=0), "milp_time_limit must be a finite number of seconds > 0"),
-        (dict(refine_offload_step=0), "refine_offload_step must be None or a whole number >= 1"),
+        (dict(refine_offload_step=0), r"refine_offload_step must be None or a whole number in \[1, 32\]"),
+        (dict(refine_offload_step=10**6), r"refine_offload_step must be None or a whole number in \[1, 32\]"),
+        (dict(refine_offload_step=33), r"got 33"),
         (dict(imbalance_aware="no"), "imbalance_aware must be True or False"),
         (dict(space="all"), "space must be a SearchSpace"),
     ],
@@ -116,6 +119,7 @@ def test_planner_options_are_checked_where_they_are_made(options, expected):
         PlannerOptions(**options)
     assert "\n" not in str(e.value)
     PlannerOptions(micro_batches=[1, 2])  # control: a list of whole numbers is taken
+    PlannerOptions(refine_offload_step=32)  # control: the finest step taken
 
 
 @pytest.mark.parametrize(
@@ -269,3 +273,175 @@ def test_a_plan_that_would_not_read_back_is_not_saved(tmp_path):
     with pytest.raises(ValueError, match="would not read back, so it is not saved: stage 0: wait_s") as e:
         plan.save(tmp_path / "plan.yaml")
     assert "\n" not in str(e.value) and not (tmp_path / "plan.yaml").exists()
+
+
+@pytest.mark.parametrize(
+    ("edit", "expected"),
+    [
+        (lambda t: t + "pre_post: x\n", "plan.yaml: pre_post must be a mapping of the embedding's"),
+        (lambda t: t + "pre_post: [1]\n", "pre_post must be a mapping"),
+        (
+            lambda t: t.replace("model: gpt3-1.3b", "model: 'gpt3-1.3b '"),
+            "plan.yaml: model 'gpt3-1.3b ' is no preset (presets: ",
+        ),
+        (
+            lambda t: t.replace("{layers: 12}, {layers: 12}", "{layers: 12, null: 1}, {layers: 12}"),
+            "plan.yaml: stage 0: unknown field(s) None; a StagePlan has: layers",
+        ),
+        (
+            lambda t: t.replace("{layers: 12}, {layers: 12}", "{layers: 12}, {layers: 12, 7: 1, z: 2}"),
+            "plan.yaml: stage 1: unknown field(s) 7, z; a StagePlan has: layers",
+        ),
+        (lambda t: t + "7: 1\n", "plan.yaml: unknown field(s) 7; a Plan has: model"),
+        (lambda t: t + "pre_post: {null: 1}\n", "plan.yaml: pre_post: unknown field(s) None"),
+    ],
+    ids=[
+        "pre_post string",
+        "pre_post list",
+        "model with a space",
+        "null key",
+        "7 key",
+        "top 7",
+        "pre_post null",
+    ],
+)
+def test_a_plan_file_field_of_the_wrong_kind_is_named_in_one_line(tmp_path, capsys, edit, expected):
+    """The probe round: "PrePostPlan() argument after ** must be a mapping, not str", "unknown model
+    'gpt3-1.3b '" with no file named, "sequence item 0: expected str instance, NoneType found"."""
+    path = tmp_path / "plan.yaml"
+    path.write_text(edit(PLAN))
+    assert main(["predict", str(path)]) == 2
+    _one_error_line(capsys, expected)
+    path.write_text(PLAN + "pre_post: {zero: 1}\n")  # control: a pre_post mapping is taken
+    assert main(["predict", str(path)]) == 0
+
+
+def test_planner_options_cannot_be_changed_after_their_checks():
+    """The probe round: `o.micro_batches = [0]` after the checks divided by zero in the search, and
+    `o.milp_time_limit = nan` was taken. Options are frozen; a list given is kept as a tuple (the
+    list itself could be changed later); dataclasses.replace makes other options, checked."""
+    import dataclasses
+
+    o = PlannerOptions(micro_batches=[1, 2])
+    assert o.micro_batches == (1, 2)
+    for name, value in (("micro_batches", [0]), ("milp_time_limit", float("nan"))):
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(o, name, value)
+    with pytest.raises(ValueError, match="milp_time_limit must be a finite number of seconds > 0"):
+        dataclasses.replace(o, milp_time_limit=float("nan"))
+    assert dataclasses.replace(o, milp_time_limit=2.0).milp_time_limit == 2.0  # control
+
+
+@pytest.mark.parametrize(
+    ("given", "expected"),
+    [
+        ({"runtime": "x"}, "runtime must be None (the GPU's preset) or a RuntimeModel"),
+        ({"interference": 0}, "interference must be None (the GPU's preset) or an Interference"),
+        ({"progress": 5}, "progress must be None or a function taking a line of text, got 5"),
+    ],
+)
+def test_search_refuses_wrong_cost_models_and_progress_before_work(given, expected, monkeypatch):
+    """The probe round: runtime="x" an AttributeError inside, interference=0 silently the preset,
+    progress=5 a TypeError after the first candidate's work."""
+    from mist.tuning import planner
+
+    monkeypatch.setattr(planner.Problem, "resolve", lambda *a, **k: pytest.fail("work began"))
+    with pytest.raises(ValueError, match=re.escape(expected)) as e:
+        search(model("gpt3-tiny"), cluster("cpu", 2), 8, **given)
+    assert "\n" not in str(e.value)
+
+
+def test_a_search_the_milp_time_limit_stopped_says_so(monkeypatch):
+    """The probe round: with milp_time_limit=1e-9 every MILP stopped before a solution and the
+    search said "the leanest candidate needs 513.0 MiB per GPU, 22.1 GiB usable", memory it had.
+    The MILP here returns none as HiGHS at its time limit does (no timing in the test); the
+    control, a model no GPU holds, still names memory."""
+    from mist import NoFeasiblePlan
+    from mist.tuning import planner
+
+    monkeypatch.setattr(planner, "solve_inter_stage", lambda *a, **k: None)
+    options = PlannerOptions(micro_batches=(1,), milp_time_limit=0.5, refine_offload_step=None)
+    with pytest.raises(NoFeasiblePlan, match=r"the MILP reached its time limit \(milp_time_limit 0.5 s\)"):
+        search(model("gpt3-1.3b"), cluster("l4", 2), 8, options)
+    with pytest.raises(NoFeasiblePlan, match="the leanest candidate needs"):
+        search(model("gpt3-13b"), cluster("l4", 1, host_memory=2**30), 8, options)
+
+
+def test_the_inter_stage_program_has_a_solution_exactly_where_layers_and_devices_add_up():
+    """What tells a MILP stopped by its time limit from one with no solution (stages that fit too
+    few layers each, devices that cannot add up or would grow along the pipeline)."""
+    from mist.tuning.planner import _layers_add_up
+
+    two = [{(1, 4): None, (2, 4): None}, {(1, 4): None}]
+    assert _layers_add_up(two, 3) and _layers_add_up(two, 2) and not _layers_add_up(two, 4)
+    devices = [{(2, 2): None, (2, 4): None}, {(2, 4): None, (2, 2): None}]
+    assert _layers_add_up(devices, 4, 6)  # 4 then 2
+    assert _layers_add_up(devices, 4, 8) and _layers_add_up(devices, 4, 4)
+    assert not _layers_add_up(devices, 4, 5)
+    growing = [{(2, 2): None}, {(2, 4): None}]
+    assert not _layers_add_up(growing, 4, 6)  # 2 then 4: devices never grow along the pipeline
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("layers", 257),
+        ("layers", 10**7),
+        ("seq", 10**12),
+        ("hidden", 2**17 + 128),
+        ("vocab", 2**22 + 1),
+        ("ffn", 2**20),
+    ],
+)
+def test_a_model_past_any_published_size_is_refused_in_one_line(field, value):
+    """The probe round: `mist plan --layers 10000000` never ended, 400 layers searched for 197 s, a
+    plan's `model_overrides: {seq: 10**12}` predicted with a memory warning. Each bound (specs.
+    MAX_MODEL_SIZES) is far past every published model; the bound itself is taken (the control)."""
+    from mist.model.specs import MAX_MODEL_SIZES
+
+    with pytest.raises(
+        ValueError, match=rf"^{field} must be at most {MAX_MODEL_SIZES[field]} \(far beyond"
+    ) as e:
+        model("gpt3-1.3b", **{field: value})
+    assert "\n" not in str(e.value)
+    at_bound = {"layers": 256, "seq": 2**24, "hidden": 2**17, "vocab": 2**22, "ffn": 2**19}[field]
+    assert getattr(model("gpt3-1.3b", **{field: at_bound}), field) == at_bound
+
+
+def test_mist_plan_with_ten_million_layers_is_refused_before_the_search(capsys):
+    argv = ["plan", "--model", "gpt3-1.3b", "--gpus", "2", "--gpu", "l4", "--global-batch", "8"]
+    assert main([*argv, "--layers", "10000000"]) == 2
+    _one_error_line(capsys, "layers must be at most 256")
+
+
+@pytest.mark.parametrize(
+    ("edit", "expected"),
+    [
+        (
+            lambda t: t.replace(
+                "{layers: 12}, {layers: 12}", f"{{layers: 12, memory_bytes: {10**300}}}, {{layers: 12}}"
+            ),
+            "stage 0: memory_bytes must be a whole number of bytes in [0, 2**64]",
+        ),
+        (
+            lambda t: t + f"gpu_memory_bytes: {2**64 + 1}\n",
+            "gpu_memory_bytes must be a positive whole number of bytes, at most 2**64",
+        ),
+        (
+            lambda t: t + f"breakdown: {{layer_saved_bytes: {-(10**30)}}}\n",
+            "layer_saved_bytes must be a whole number of bytes, at most 2**64",
+        ),
+        (
+            lambda t: t + "model_overrides: {seq: 1000000000000}\n",
+            "model_overrides: seq must be at most 16777216",
+        ),
+    ],
+    ids=["stage memory", "gpu memory", "breakdown bytes", "seq"],
+)
+def test_a_plan_file_amount_past_its_bound_is_one_line(tmp_path, capsys, edit, expected):
+    """The probe round: a stage's memory_bytes of 10**300 was read (10**400 is beyond a float, refused
+    by the strict reader), and `model_overrides: {seq: 10**12}` predicted with a memory warning."""
+    path = tmp_path / "plan.yaml"
+    path.write_text(edit(PLAN))
+    assert main(["predict", str(path)]) == 2
+    _one_error_line(capsys, "plan.yaml", expected)

@@ -68,6 +68,12 @@ _RUNTIME = [
         "curves.norm[0].c0 must be a finite number",
     ),
     ("infinite c0", _set("curves", "norm", 0, "c0", value=math.inf), "curves.norm[0].c0 must be a finite"),
+    # no upper bound before (probe round 5): every op priced at 1e308 s, a plan's sum at infinity
+    (
+        "absurd c0",
+        _set("curves", "norm", 0, "c0", value=1e308),
+        "curves.norm[0].c0 must be a finite number >= 0, at most 1e+18",
+    ),
     ("string", _set("curves", "norm", 0, "rate", value="2.3e11"), "curves.norm[0].rate must be a finite"),
     ("bool", _set("collectives", "all_reduce/2", "c0", value=True), "collectives.all_reduce/2.c0 must be"),
     ("wrong gpu", _set("gpu", value="h100"), "gpu must be 'l4' (the GPU its file name says), got 'h100'"),
@@ -122,6 +128,18 @@ _INTERFERENCE = [
     ("truncated", None, "not a readable preset"),
     ("nested too deep", None, "nested deeper than Python's parser follows"),
     ("huge factor", _set("factors", "compute", "compute+g2g", value=-(10**400)), "beyond any number"),
+    # no upper bound before (probe round 5): a slowdown of 1e308 read; the fit's own bound is 20
+    (
+        "absurd factor",
+        _set("factors", "compute", "compute+g2g", value=1e308),
+        "must be a finite number >= 1, at most 20",
+    ),
+    ("factor 21", _set("factors", "compute", "compute+g2g", value=21), "at most 20, got 21"),
+    (
+        "absurd host rate",
+        _set("host_rates", "h2d", value=1e30),
+        "host_rates.h2d must be a finite number > 0, at most 1e+18",
+    ),
 ]
 _HOST = [
     ("nan", _set("params_per_s", 0, value=math.nan), "params_per_s[0] must be a finite number > 0"),
@@ -148,6 +166,13 @@ _HOST = [
     ("truncated", None, "not a readable preset"),
     ("nested too deep", None, "nested deeper than Python's parser follows"),
     ("huge params", _set("params", value=int("9" * 400)), "(400 characters): beyond any number"),
+    # no upper bound before (probe round 5): 10**30 threads read as a count
+    ("absurd threads", _set("threads", 1, value=10**30), "threads[1] must be a whole number >= 1, at most"),
+    (
+        "absurd rate",
+        _set("params_per_s", 0, value=1e30),
+        "params_per_s[0] must be a finite number > 0, at most 1e+18",
+    ),
 ]
 _READERS = {
     "runtime_l4.json": lambda path: read_runtime_preset(path, "l4"),
@@ -291,5 +316,7 @@ def test_a_whole_number_beyond_a_float_fails_the_number_check_in_one_line():
     """math.isfinite of a 400-digit integer raised OverflowError inside the check meant to refuse it."""
     from mist.model.preset_files import number
 
-    with pytest.raises(ValueError, match=r"p.json: rate must be a finite number >= 0, got 1000"):
+    with pytest.raises(
+        ValueError, match=r"p.json: rate must be a finite number >= 0, at most 1e\+18, got 1000"
+    ):
         number("p.json", "rate", 10**400)

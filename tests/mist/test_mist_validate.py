@@ -123,3 +123,70 @@ def test_each_run_is_priced_for_the_engine_that_ran_it():
         "mist-l4.json": GRAD_ACCUMULATION["mist"],
         "megatron-a10g.json": GRAD_ACCUMULATION["megatron-lm"],
     }
+
+
+def _case_edit(data, fault):
+    case = data["cases"][0]
+    stages = len(case["plan"]["layers_per_stage"])
+    if fault == "memory a string":
+        case["measured"]["stage_peak_allocated_MB"] = "big"
+        return "stage_peak_allocated_MB must be a list of one number per stage"
+    if fault == "memory entry a string":
+        case["measured"]["stage_peak_allocated_MB"][0] = "big"
+        return "stage_peak_allocated_MB[0] must be a number of MiB, got a str"
+    if fault == "memory short":
+        case["measured"]["stage_peak_allocated_MB"] = case["measured"]["stage_peak_allocated_MB"][:-1]
+        return f"stage_peak_allocated_MB must be a list of one number per stage ({stages}), got {stages - 1}"
+    if fault == "nodes true":
+        case["nodes"] = True
+        return "nodes must be a whole number >= 1, got True"
+    if fault == "case twice":
+        data["cases"].append(dict(case))
+        return f"case {case['case']!r} is listed twice"
+    if fault == "no cases":
+        data["cases"] = []
+        return "cases must be a non-empty list of measured records"
+    case["plan"]["stage_strategies"][0][6] = 2.0  # offload_w
+    return "stage 0: offload_weights is a fraction in [0, 1], got 2.0"
+
+
+@pytest.mark.parametrize(
+    "fault",
+    [
+        "memory a string",
+        "memory entry a string",
+        "memory short",
+        "nodes true",
+        "case twice",
+        "no cases",
+        "offload",
+    ],
+)
+def test_a_mist_case_of_the_wrong_kind_is_one_line_naming_file_and_case(tmp_path, fault, capsys):
+    """The probe round: `"big" * 2**20` printed as a one-megabyte line; `nodes: true` read as 1 node;
+    a case listed twice counted twice in the means; `cases: []` an empty table and exit 0; a short
+    memory list "zip() argument 2 is shorter than argument 1" and offload 2.0 with no file named."""
+    data, path = _copy(tmp_path, "mist-l4.json")
+    expected = _case_edit(data, fault)
+    path.write_text(json.dumps(data))
+    assert main(["validate", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {path}: ") and err.count("\n") == 1 and len(err) < 500, err
+    assert expected in err, err
+    if fault not in ("case twice", "no cases"):
+        assert data["cases"][0]["case"] in err, err
+
+
+def test_megatron_runs_listed_twice_or_none_are_refused(tmp_path, capsys):
+    data, path = _copy(tmp_path)
+    data["runs"].append(data["runs"][0])
+    path.write_text(json.dumps(data))
+    assert main(["validate", str(tmp_path)]) == 2
+    assert f"config {data['runs'][0]['config']!r} is listed twice" in capsys.readouterr().err
+    data["runs"] = []
+    path.write_text(json.dumps(data))
+    assert main(["validate", str(tmp_path)]) == 2
+    assert "runs must be a non-empty list" in capsys.readouterr().err
+    data, path = _copy(tmp_path)  # control: the shipped file as it is
+    path.write_text(json.dumps(data))
+    assert main(["validate", str(tmp_path)]) == 0

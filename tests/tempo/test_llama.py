@@ -347,3 +347,24 @@ def test_compile_rows_max_batch_keep_what_compile_keeps(monkeypatch):
     assert 0 < compiled["kept_scale"]["layers"] < 1 and 0 < compiled["kept_scale"]["rest"] < 1
     assert "kept_scale" not in plain
     assert compiled["1GB"]["max_batch"] > plain["1GB"]["max_batch"] > 0  # the scale was applied
+
+
+def test_lean_loss_tuple_keeps_hf_layout_with_no_logits():
+    """The probe round: return_dict=False gave (loss, cache), so out[1] was silently the cache where
+    HF's tuple has the logits. Now HF's layout, None in the logits' place, the rest as HF's (the
+    cache at [2]); a config with return_dict false gives the tuple too, as HF's can_return_tuple
+    reads it."""
+    hf, ours = _tiny(), _tiny()
+    ours.load_state_dict(hf.state_dict())
+    tempo.patch(ours, loss=True)
+    ids = torch.randint(0, 96, (2, 16))
+    theirs = hf(input_ids=ids, labels=ids, return_dict=False)
+    mine = ours(input_ids=ids, labels=ids, return_dict=False)
+    assert len(mine) == len(theirs) and mine[1] is None and torch.is_tensor(theirs[1])
+    assert abs(mine[0].item() - theirs[0].item()) <= 1e-5 * theirs[0].item()
+    assert [type(x) for x in mine[2:]] == [type(x) for x in theirs[2:]]
+    ours.config.return_dict = False  # (HF 5's own forward fails so: its base model returns a tuple)
+    by_config = ours(input_ids=ids, labels=ids)
+    assert isinstance(by_config, tuple) and len(by_config) == len(mine) and by_config[1] is None
+    ours.config.return_dict = True  # control: the mapping form, logits None
+    assert ours(input_ids=ids, labels=ids).logits is None

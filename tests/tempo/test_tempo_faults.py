@@ -657,3 +657,46 @@ def test_training_flags_are_true_or_false():
     with pytest.raises(ValueError, match="training must be True or False"):
         tempo.attention_core(torch.randn(2, 3, 3), torch.randn(2, 3, 4), 0.1, training=1)
     assert torch.equal(tempo.dropout(x, 0.5, training=False), x)  # control
+
+
+def _bert_dropping(**probabilities) -> BertForPreTraining:
+    cfg = tiny_bert().config.to_dict() | {"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}
+    return BertForPreTraining(BertConfig(**(cfg | probabilities)))
+
+
+def test_a_dropout_of_p_one_is_refused_saying_how_to_patch_around_it():
+    """The probe round: HF takes p = 1 (every element zeroed); tempo.patch said only "dropout
+    probability must be in [0, 1), got 1.0". Now it names the module and the switch that keeps HF's
+    dropout; the model is left untouched, and patched with that switch it runs as HF's."""
+    bert = _bert_dropping(hidden_dropout_prob=1.0)
+    with pytest.raises(
+        ValueError, match=r"^tempo.patch: bert.embeddings.dropout is an nn.Dropout with p=1.0"
+    ) as e:
+        tempo.patch(bert)
+    assert "patch with dropout=False" in str(e.value) and "\n" not in str(e.value)
+    assert not tempo.is_patched(bert)
+    report = tempo.patch(bert, dropout=False)  # the way around it: HF's dropout stays
+    assert not report.dropouts and report.layernorms
+    ids = torch.randint(0, 50, (1, 8))
+    assert bert.train()(input_ids=ids).prediction_logits.isfinite().all()
+    probabilities = _bert_dropping(attention_probs_dropout_prob=1.0)
+    with pytest.raises(
+        ValueError, match=re.escape("attention.self.dropout is an nn.Dropout with p=1.0")
+    ) as e:
+        tempo.patch(probabilities)
+    assert "dropout=False" in str(e.value) and "attention=False" in str(e.value)
+    with pytest.raises(ValueError, match=re.escape("drops its attention probabilities with p=1.0")) as e:
+        tempo.patch(probabilities, dropout=False)
+    assert "pass attention=False" in str(e.value)
+    assert tempo.patch(probabilities, dropout=False, attention=False).layernorms
+    assert tempo.patch(_bert_dropping(hidden_dropout_prob=0.5)).dropouts  # control: p < 1 is Tempo's
+
+
+def test_a_sub_module_without_its_config_is_refused_without_claiming_sub_modules_are_taken():
+    """tempo.patch(bert.embeddings) said sub-modules are supported while refusing one: a sub-module
+    is taken where it holds its model's config, and the refusal now says so and what to patch."""
+    bert = tiny_bert()
+    with pytest.raises(ValueError, match="or a sub-module of one that holds its config") as e:
+        tempo.patch(bert.bert.embeddings)
+    assert "got BertEmbeddings (no HF config in it): patch the model or layer that holds it" in str(e.value)
+    assert tempo.patch(bert.bert.encoder.layer[0]).layernorms  # control: a layer holds its config

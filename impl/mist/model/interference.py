@@ -9,16 +9,23 @@ directions were launched together and the wall time of the group measured.
 
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from measure.checks import finite
 from measure.strict import read_json_file
 
 from .preset_files import check_fields, load_preset, number, text
 
 CHANNELS = ("compute", "g2g", "h2d", "d2h")
+# The largest slowdown a preset may hold: what fit_interference fits factors within (its
+# least_squares bounds); the shipped fits are at most ~8 (four channels sharing a GPU slow each
+# other by a few times, never by orders of magnitude).
+MAX_FACTOR = 20.0
 _MASKS = range(1, 1 << len(CHANNELS))
 
 
@@ -98,7 +105,7 @@ class Interference:
             combos = {_combo(m): m for m in _MASKS if m >> c & 1}
             for combo, value in check_fields(path, f"factors.{name}", table[name], tuple(combos)).items():
                 where, alone = f"factors.{name}.{combo}", combos[combo] == 1 << c
-                factors[c][combos[combo]] = number(path, where, value, least=1.0)
+                factors[c][combos[combo]] = number(path, where, value, least=1.0, most=MAX_FACTOR)
                 if alone and value != 1:
                     raise ValueError(
                         f"{path}: {where} must be 1 (a channel alone runs at its own speed), got {value!r}"
@@ -118,19 +125,74 @@ def read_interference_preset(path: Path) -> Interference:
     return Interference.from_json(load_preset(path), path)
 
 
+# A gpu-bandwidth run's fields (data/mist-artifact/gpu-bandwidth): every value is text, a number
+# with its unit where it has one. The fit reads the sizes, the group shape and the latency; the
+# rest (the run's spread and the rates derived from it) are the benchmark's own report.
+_RUN_SIZES = (
+    "compute_n",
+    "compute_m",
+    "compute_k",
+    "gpu_to_gpu_mbytes",
+    "cpu_to_gpu_mbytes",
+    "gpu_to_cpu_mbytes",
+)
+_RUN_GROUP = ("world_size", "intra_group_size", "inter_group_size")
+_RUN_REPORTED = ("std", "std/mean", "gflops", "g2g_bandwidth", "c2g_bandwidth", "g2c_bandwidth")
+
+
+def _run_number(path: Path, where: str, value: object, unit: str = "", above: bool = False) -> float:
+    """A run's field ``where``: text writing a finite number >= 0 (> 0 where ``above``), followed
+    by `` unit`` where given; one line naming the file and the field otherwise (float() took "nan
+    ms", "-5 ms" and "1e400" without a word, and a number that is no text failed in .split())."""
+    text = value if isinstance(value, str) else ""
+    if unit:
+        text = text[: -len(unit) - 1] if text.endswith(f" {unit}") else ""
+    try:
+        parsed = float(text)
+    except ValueError:
+        parsed = math.nan
+    if not (finite(parsed) and (parsed > 0 if above else parsed >= 0)):
+        form = f'"<number> {unit}"' if unit else "text of a number"
+        raise ValueError(
+            f"{path}: {where} must be {form}, finite and {'> 0' if above else '>= 0'}, got {value!r:.40}"
+        )
+    return parsed
+
+
 def _runs(path: Path) -> list[dict]:
-    data = read_json_file(path)
+    """The runs of a gpu-bandwidth file: one GPU's name mapping to its runs by name, each with the
+    fields above, read strictly; whatever is wrong is one line naming the file and the run."""
+    try:
+        data = read_json_file(path)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}: not readable as JSON ({e})") from None
+    if not isinstance(data, dict) or len(data) != 1 or not isinstance(next(iter(data.values())), dict):
+        raise ValueError(
+            f"{path}: a gpu-bandwidth file is a mapping of one GPU's name to its runs by name, "
+            f"got {type(data).__name__} of {len(data) if isinstance(data, dict | list) else 0} entries"
+        )
     (entries,) = data.values()
+    if not entries:
+        raise ValueError(f"{path}: no runs (a gpu-bandwidth file maps one GPU's name to its runs)")
     out = []
-    for run in entries.values():
+    for name, run in entries.items():
+        where = f"run {name}"
+        check_fields(path, where, run, (*_RUN_SIZES, *_RUN_GROUP, "latency"), _RUN_REPORTED)
+        size = {k: _run_number(path, f"{where}: {k}", run[k]) for k in _RUN_SIZES}
+        for k in _RUN_GROUP:  # the group's shape stays the text it is: it names a group, is not summed
+            if not (isinstance(run[k], str) and re.fullmatch(r"[1-9][0-9]*", run[k])):
+                raise ValueError(
+                    f"{path}: {where}: {k} must be text of a whole number >= 1, got {run[k]!r:.40}"
+                )
         out.append(
             {
-                "flops": 2.0 * float(run["compute_n"]) * float(run["compute_m"]) * float(run["compute_k"]),
-                "g2g": float(run["gpu_to_gpu_mbytes"]) * 2**20,
-                "h2d": float(run["cpu_to_gpu_mbytes"]) * 2**20,
-                "d2h": float(run["gpu_to_cpu_mbytes"]) * 2**20,
-                "group": (run["world_size"], run["intra_group_size"], run["inter_group_size"]),
-                "seconds": float(run["latency"].split()[0]) * 1e-3,
+                "flops": 2.0 * size["compute_n"] * size["compute_m"] * size["compute_k"],
+                "g2g": size["gpu_to_gpu_mbytes"] * 2**20,
+                "h2d": size["cpu_to_gpu_mbytes"] * 2**20,
+                "d2h": size["gpu_to_cpu_mbytes"] * 2**20,
+                "group": tuple(run[k] for k in _RUN_GROUP),
+                "seconds": _run_number(path, f"{where}: latency", run["latency"], unit="ms", above=True)
+                * 1e-3,
             }
         )
     return out
@@ -187,7 +249,7 @@ def fit_interference(path: Path) -> tuple[Interference, dict]:
     def residual(x):
         return np.log(model(x).overlap(*times)) - np.log(measured)
 
-    fit = least_squares(residual, np.full(len(params), 1.2), bounds=(1.0, 20.0))
+    fit = least_squares(residual, np.full(len(params), 1.2), bounds=(1.0, MAX_FACTOR))
     inter = model(fit.x)
     inter.source = f"fitted to {Path(path).name} ({int((~held_out).sum())} overlapped runs)"
     inter.host_rates = {

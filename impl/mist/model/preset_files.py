@@ -19,6 +19,17 @@ from typing import Any
 from measure.checks import finite, whole
 from measure.strict import StrictDataError, loads_json, read_text_file
 
+# The largest number a preset may hold. Every number in one is a time in seconds, a rate per
+# second (FLOP, bytes, parameters) or a slowdown factor; the largest any machine reaches is a
+# GPU's FLOP rate, ~1e15/s (the fitted A100 GEMM: 2.8e14; a B200's dense BF16 data sheet: 2.25e15).
+# 1e18 (an exaFLOP per second, a whole supercomputer's rate, no one device's) is beyond every one
+# of them by orders of magnitude: a number past it is an error in the file (c0 1e308 priced every
+# op at 1e308 s, and a plan's sum of them at infinity).
+MAX_PRESET_NUMBER = 1e18
+# The largest count a preset may hold: thread counts and the parameters the host step was timed
+# on. 2**40 parameters at 4 bytes are 4 TiB, beyond any host's memory; thread counts are far fewer.
+MAX_PRESET_COUNT = 2**40
+
 
 def load_preset(path: Path) -> dict[str, Any]:
     """The JSON object in ``path``, keys unique; a truncated or unreadable file is one line naming it."""
@@ -62,21 +73,26 @@ def number(
     least: float = 0.0,
     above: bool = False,
     or_else: str = "",
+    most: float = MAX_PRESET_NUMBER,
 ) -> float:
     """``value`` (the field ``where``) as a float: a JSON number (not a string, not true/false),
-    finite (never NaN or Infinity), and >= ``least`` (> where ``above``). ``or_else``: what else
-    the field's caller accepts, for the message."""
-    ok = finite(value) and (value > least if above else value >= least)
+    finite (never NaN or Infinity), >= ``least`` (> where ``above``) and <= ``most``. ``or_else``:
+    what else the field's caller accepts, for the message."""
+    ok = finite(value) and (value > least if above else value >= least) and value <= most
     if not ok:
         bound = f"{'>' if above else '>='} {least:g}"
-        raise ValueError(f"{path}: {where} must be a finite number {bound}{or_else}, got {value!r}")
+        raise ValueError(
+            f"{path}: {where} must be a finite number {bound}{or_else}, at most {most:g}, got {value!r:.40}"
+        )
     return float(value)
 
 
-def count(path: Path | str, where: str, value: object, least: int = 1) -> int:
-    """``value`` (the field ``where``): a whole number >= ``least`` (not 1.0, not true)."""
-    if not whole(value, least):
-        raise ValueError(f"{path}: {where} must be a whole number >= {least}, got {value!r}")
+def count(path: Path | str, where: str, value: object, least: int = 1, most: int = MAX_PRESET_COUNT) -> int:
+    """``value`` (the field ``where``): a whole number >= ``least``, <= ``most`` (not 1.0, not true)."""
+    if not (whole(value, least) and value <= most):
+        raise ValueError(
+            f"{path}: {where} must be a whole number >= {least}, at most {most}, got {value!r:.40}"
+        )
     return int(value)
 
 

@@ -17,6 +17,24 @@ NORMS = ("layernorm", "rmsnorm")
 POSITIONS = ("learned", "rotary")
 
 
+# The largest model the planner takes, each bound past every published dense transformer by a
+# wide margin, so that a size past it is a typo or a unit slip, refused before a search that would
+# not end (a search's work grows with the layers: 100 layers took 8 s on 2 L4s, 400 took 197 s,
+# and `mist plan --layers 10000000` never ended) or a prediction in numbers no machine has:
+MAX_MODEL_SIZES = {
+    # twice the deepest (Llama 3.1 405B: 126 layers; PaLM 540B: 118)
+    "layers": 256,
+    # 5x the widest (Megatron-LM's 1T: 25,600; Llama 3.1 405B: 16,384)
+    "hidden": 2**17,
+    # 16x the largest vocabulary (Gemma's 256,000)
+    "vocab": 2**22,
+    # above the longest context any model is trained or served with (Llama 4 Scout: 10M tokens)
+    "seq": 2**24,
+    # 4x the hidden bound: every MLP published is at most ~5.3x its hidden (Llama 3.1 405B: 53,248)
+    "ffn": 2**19,
+}
+
+
 def positive_int(value) -> bool:
     """A whole number above 0 (a bool is not one)."""
     return whole(value, 1)
@@ -61,6 +79,13 @@ class ModelSpec:
             value = getattr(self, field)
             if value is not None and not positive_int(value):
                 raise ValueError(f"{field} must be a positive integer (or unset), got {value!r}")
+        for field, most in MAX_MODEL_SIZES.items():
+            value = getattr(self, field)
+            if value is not None and value > most:
+                raise ValueError(
+                    f"{field} must be at most {most} (far beyond any published model: see "
+                    f"mist.model.specs.MAX_MODEL_SIZES), got {value!r:.40}"
+                )
         if self.hidden % self.heads:
             raise ValueError(f"hidden ({self.hidden}) must be a multiple of heads ({self.heads})")
         if self.heads % self.kv:

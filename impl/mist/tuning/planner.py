@@ -70,7 +70,17 @@ class NoFeasiblePlan(RuntimeError):
     pass
 
 
-@dataclass
+# The finest step the second phase takes: 1/32 of a stage's offloadable state is ~3% of it, as
+# fine as the memory model tells plans apart (its worst per-stage error on the measured runs:
+# 3.1%, `mist validate`), and a stage tries (k + 1)^4 combinations of its four fractions: 1.2M at
+# 32 (GPT-3 1.3B on 2 L4s searched in 10 s at 32, 7 s at 8, 60 s at 64; at 10**6 it did not end).
+MAX_REFINE_OFFLOAD_STEP = 32
+
+
+# Frozen: each option is checked once, where it is made, and a search takes it as checked (an
+# option set afterwards, e.g. ``options.micro_batches = [0]``, reached the search unchecked and
+# divided by zero there). Options that differ are made with ``dataclasses.replace``, which checks.
+@dataclass(frozen=True)
 class PlannerOptions:
     space: SearchSpace = field(default_factory=SearchSpace)
     # None: every divisor of the sequences per replica, as Mist's paper searches them
@@ -78,7 +88,8 @@ class PlannerOptions:
     milp_time_limit: float = 5.0
     imbalance_aware: bool = True  # False: extras ignored when choosing (the ablation)
     # The second phase (``refine``): offloaded fractions of the winning plan in steps of 1/this
-    # (the MILP's grid is SearchSpace.offload_ratios); None: no second phase.
+    # (the MILP's grid is SearchSpace.offload_ratios); None: no second phase. At most
+    # MAX_REFINE_OFFLOAD_STEP.
     refine_offload_step: int | None = 8
     # the engine the plans are for: how it accumulates gradients over micro-batches
     grad_accumulation: GradAccumulation = GRAD_ACCUMULATION["megatron-core"]
@@ -98,6 +109,8 @@ class PlannerOptions:
             raise ValueError(
                 f"micro_batches must be None or a non-empty list of whole numbers >= 1, got {mbs!r}"
             )
+        if mbs is not None:  # a tuple of the same sizes: a list given could be changed after the check
+            object.__setattr__(self, "micro_batches", tuple(mbs))
         if not (finite(self.milp_time_limit) and self.milp_time_limit > 0):
             raise ValueError(
                 f"milp_time_limit must be a finite number of seconds > 0, got {self.milp_time_limit!r}"
@@ -106,8 +119,11 @@ class PlannerOptions:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         step = self.refine_offload_step
-        if step is not None and not whole(step, least=1):
-            raise ValueError(f"refine_offload_step must be None or a whole number >= 1, got {step!r}")
+        if step is not None and not (whole(step, least=1) and step <= MAX_REFINE_OFFLOAD_STEP):
+            raise ValueError(
+                f"refine_offload_step must be None or a whole number in [1, {MAX_REFINE_OFFLOAD_STEP}], "
+                f"got {step!r:.40}"
+            )
         if not isinstance(self.grad_accumulation, GradAccumulation):
             raise ValueError(f"grad_accumulation must be a GradAccumulation, got {self.grad_accumulation!r}")
 
@@ -200,10 +216,15 @@ def lower_bound_s(problem: Problem, candidate: Candidate) -> float:
 
 
 def tune_setting(
-    problem: Problem, candidate: Candidate, options: PlannerOptions, best_so_far: float
+    problem: Problem,
+    candidate: Candidate,
+    options: PlannerOptions,
+    best_so_far: float,
+    timed_out: list[str] | None = None,
 ) -> Plan | None:
     """The best plan of one candidate (layers and stage strategies), or None when nothing fits or
-    it cannot beat ``best_so_far``."""
+    it cannot beat ``best_so_far``. A try the MILP's time limit stopped before any solution is
+    named in ``timed_out`` (where given)."""
     setting = candidate.setting(problem)
     grad_accum = candidate.grad_accum
     layer = layer_numbers(setting)
@@ -239,6 +260,9 @@ def tune_setting(
     barrier = clip_barrier_s(setting)
     sol = solve_inter_stage(frontiers, L, grad_accum, options.milp_time_limit, best_so_far, barrier)
     if sol is None:
+        if timed_out is not None and best_so_far == float("inf") and _layers_add_up(frontiers, L):
+            c = candidate
+            timed_out.append(f"tp {c.tp} pp {c.stages} dp {c.dp} mb {c.micro_batch}")
         return None
     stages = []
     for i, (layers, p) in enumerate(zip(sol.layers, sol.points, strict=True)):
@@ -257,6 +281,26 @@ def tune_setting(
         overlap_grad_reduce=setting.overlap_grad_reduce,
         grad_bucket_params=setting.grad_bucket_params,
     )
+
+
+def _layers_add_up(
+    frontiers: list[dict[tuple[int, int], Frontier]], layers: int, devices: int | None = None
+) -> bool:
+    """Whether the inter-stage program of ``frontiers`` has a solution: one (layers, devices) key a
+    stage among those that fit, the layers adding up to ``layers`` and, with ``devices`` (stages
+    with their own devices), the devices adding up to it and never growing along the pipeline
+    (``solve_inter_stage``'s constraints). With no bound to cut it off, the program returning
+    none then means HiGHS stopped at its time limit first: ``solve_inter_stage`` says None for
+    that as for an infeasible program, and this tells the two apart without the solver."""
+    reached = {(0, 0, devices or 0)}  # (layers so far, devices so far, the last stage's devices)
+    for options in frontiers:
+        reached = {
+            (so_far + n_layers, used + n, n)
+            for so_far, used, last in reached
+            for n_layers, n in options
+            if so_far + n_layers <= layers and (devices is None or (used + n <= devices and n <= last))
+        }
+    return any(so_far == layers and (devices is None or used == devices) for so_far, used, _ in reached)
 
 
 def _stage_plan(values: dict, layers: int, tp: int | None = None, dp: int | None = None) -> StagePlan:
@@ -298,10 +342,12 @@ def tune_stage_devices(
     shapes: dict,
     options: PlannerOptions,
     best_so_far: float,
+    timed_out: list[str] | None = None,
 ) -> Plan | None:
     """The best plan of ``stages`` stages and ``micro_batches`` micro-batches whose stages each take
     their own device count and (TP, DP) among ``shapes`` ({devices: [(tp, dp, micro-batch)]}), as
-    Mist's inter-stage tuning does; None when nothing fits or it cannot beat ``best_so_far``.
+    Mist's inter-stage tuning does; None when nothing fits or it cannot beat ``best_so_far``. A try
+    the MILP's time limit stopped before any solution is named in ``timed_out`` (where given).
 
     A stage's frontier at (layers, devices) is the Pareto frontier of every shape's strategies on
     those devices together; the MILP then places layers and devices at once. Its columns are the
@@ -333,6 +379,8 @@ def tune_stage_devices(
     barrier = clip_barrier_s(problem.setting(*next(iter(shapes.values()))[0], S))
     sol = solve_inter_stage(frontiers, L, G, options.milp_time_limit, best_so_far, barrier, total_devices=N)
     if sol is None:
+        if timed_out is not None and best_so_far == float("inf") and _layers_add_up(frontiers, L, N):
+            timed_out.append(f"pp {S}, {G} micro-batches, stages with their own devices")
         return None
     stage_plans = []
     for i, (layers, n, p) in enumerate(zip(sol.layers, sol.devices, sol.points, strict=True)):
@@ -417,16 +465,21 @@ def search(
     interference: Interference | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> Plan:
-    """The fastest plan found; raises NoFeasiblePlan (with the memory the best try needs)."""
+    """The fastest plan found; raises NoFeasiblePlan (with the memory the best try needs, or that
+    the MILP's time limit stopped every try that fit)."""
     _check_inputs(model, cluster, global_batch)
     if options is not None and not isinstance(options, PlannerOptions):
         raise ValueError(f"options must be a PlannerOptions or None, got {type(options).__name__}")
+    _check_cost_models(runtime, interference)
+    if progress is not None and not callable(progress):
+        raise ValueError(f"progress must be None or a function taking a line of text, got {progress!r}")
     options = options or PlannerOptions()
     # resolved once: every candidate, prediction and the refinement share these numbers
     problem = Problem.resolve(model, cluster, global_batch, runtime, interference, options.grad_accumulation)
     start = time.perf_counter()
     best: Plan | None = None
     best_time = float("inf")
+    timed_out: list[str] = []  # the tries the MILP's time limit stopped before any solution
     candidates = list(settings(problem, options))
     if not candidates:
         raise ValueError(
@@ -434,7 +487,7 @@ def search(
             f"(DP must divide the global batch; micro-batches: {options.micro_batches or 'every divisor'})"
         )
     for n, c in enumerate(candidates):
-        plan = tune_setting(problem, c, options, best_time)
+        plan = tune_setting(problem, c, options, best_time, timed_out)
         if plan is not None:
             predict_for(problem, plan)
             if plan.predicted_iteration_s < best_time:
@@ -449,7 +502,7 @@ def search(
         for n, (bound, stages, micro_batches, shapes) in enumerate(pipelines):
             if bound >= best_time:  # sorted by bound: no later one can win either
                 break
-            plan = tune_stage_devices(problem, stages, micro_batches, shapes, options, best_time)
+            plan = tune_stage_devices(problem, stages, micro_batches, shapes, options, best_time, timed_out)
             if plan is not None:
                 predict_for(problem, plan)
                 if plan.predicted_iteration_s < best_time:
@@ -459,6 +512,13 @@ def search(
                     f"[{n + 1}/{len(pipelines)}] pp {stages}, {micro_batches} micro-batches, stages "
                     f"with their own devices: best {best_time:.3f} s"
                 )
+    if best is None and timed_out:  # some tries fit in memory: the time limit, not memory, is why
+        raise NoFeasiblePlan(
+            f"no plan for {model.name} on {cluster.gpus} x {cluster.gpu.name} found: the MILP reached its "
+            f"time limit (milp_time_limit {options.milp_time_limit:g} s) before any solution in "
+            f"{len(timed_out)} tr{'y' if len(timed_out) == 1 else 'ies'} whose stages fit in memory "
+            f"({timed_out[0]}{', ...' if len(timed_out) > 1 else ''}); a longer limit may find one"
+        )
     if best is None:
         need = min_memory_needed(problem, options)
         raise NoFeasiblePlan(
@@ -492,6 +552,7 @@ def refine(
     host's memory. Ranked as the search ranks (extras only when ``options.imbalance_aware``).
     Layers, recomputation and ZeRO stages stay as the MILP placed them. Returns a new plan
     (never slower than ``plan``)."""
+    _check_cost_models(runtime, interference)
     problem = Problem.of_plan(plan, model, cluster, runtime, interference, options.grad_accumulation)
     return _refine(problem, plan, options, passes)
 
@@ -617,6 +678,7 @@ def predict(
             f"predict prices a mist Plan (Plan.of, or a plan file by Plan.load), got {type(plan).__name__}"
         )
     _check_inputs(model, cluster)
+    _check_cost_models(runtime, interference)
     _check(plan, model, cluster)
     problem = Problem.of_plan(plan, model, cluster, runtime, interference, grad_accumulation)
     return _price(problem, plan, simulate)
@@ -634,6 +696,22 @@ def predict_for(problem: Problem, plan: Plan, simulate: bool = True, memo: Stage
     ``memo``: stage evaluations already made against this problem (``StageMemo``)."""
     _check(plan, problem.model, problem.cluster)
     return _price(problem, plan, simulate, memo)
+
+
+def _check_cost_models(runtime: object, interference: object) -> None:
+    """Raises ValueError unless the cost models given are None (the GPU's presets) or models: a
+    falsy wrong value (``interference=0``) meant the preset without a word, a truthy one failed
+    deep in the search."""
+    for name, value, kind, made_by in (
+        ("runtime", runtime, RuntimeModel, "mist.model.runtime.load_runtime_model"),
+        ("interference", interference, Interference, "mist.model.interference.read_interference_preset"),
+    ):
+        if value is not None and not isinstance(value, kind):
+            article = "an" if kind.__name__[0] in "AEIOU" else "a"
+            raise ValueError(
+                f"{name} must be None (the GPU's preset) or {article} {kind.__name__} ({made_by}), got "
+                f"{type(value).__name__} {value!r:.60}"
+            )
 
 
 def _check_inputs(model: ModelSpec, cluster: ClusterSpec, global_batch: int | None = None) -> None:

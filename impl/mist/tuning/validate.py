@@ -27,6 +27,7 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
+from measure.checks import real, whole
 from measure.strict import read_json_file
 from measure.units import MiB
 
@@ -145,12 +146,61 @@ def _mist_model(case: dict, path: Path) -> ModelSpec:
     )
 
 
+def _records(data: dict, key: str, name: str, path: Path) -> list[dict]:
+    """The file's ``key`` list of records, each named once by its ``name`` field: an empty list
+    compared nothing (an empty table, exit 0) and a record given twice counted twice in the means."""
+    records = data[key]
+    if not isinstance(records, list) or not records or not all(isinstance(r, dict) for r in records):
+        raise ValueError(f"{path}: {key} must be a non-empty list of measured records (mappings)")
+    seen = set()
+    for record in records:
+        if record.get(name) in seen:
+            raise ValueError(f"{path}: {name} {record[name]!r} is listed twice")
+        seen.add(record.get(name))
+    return records
+
+
+def _checked(plan: Plan, model: ModelSpec, path: Path, name: str) -> Plan:
+    """``plan`` checked as ``predict`` will check it, so that what is wrong names the file and
+    the record (``offload_weights is a fraction in [0, 1], got 2.0`` named neither)."""
+    try:
+        plan.check()
+        plan.check_model(model)
+    except ValueError as e:
+        raise ValueError(f"{path}: {name}: {e}") from None
+    return plan
+
+
+def _stage_memory(measured: dict, stages: int, path: Path, name: str) -> tuple[float, ...]:
+    """The measured peak allocated bytes of each of the ``stages`` stages, from MiB: one number
+    per stage, each checked to be a number before any arithmetic (``"big" * MiB`` built a
+    megabyte-long string that the check then printed). Their range is MeasuredRun's check."""
+    mib = measured["stage_peak_allocated_MB"]
+    if not isinstance(mib, list) or len(mib) != stages:
+        got = f"{len(mib)} entries" if isinstance(mib, list) else f"a {type(mib).__name__}"
+        raise ValueError(
+            f"{path}: {name}: stage_peak_allocated_MB must be a list of one number per stage "
+            f"({stages}), got {got}"
+        )
+    for i, value in enumerate(mib):
+        if not real(value):
+            raise ValueError(
+                f"{path}: {name}: stage_peak_allocated_MB[{i}] must be a number of MiB, "
+                f"got a {type(value).__name__}"
+            )
+    return tuple(value * MiB for value in mib)
+
+
 def _mist_cases(data: dict, path: Path) -> list[MeasuredRun]:
     out = []
-    for case in data["cases"]:
+    for case in _records(data, "cases", "case", path):
         plan, gpu = case["plan"], _gpu(case["gpu"], path)
         micro, dp, tp, stages, pre_post = _mist_stages(plan, path, case["case"])
         model = _mist_model(case, path)
+        if not whole(case["nodes"], 1):  # true is no count of nodes (it was read as 1)
+            raise ValueError(
+                f"{path}: {case['case']}: nodes must be a whole number >= 1, got {case['nodes']!r}"
+            )
         gpus = case["nodes"] * case["gpus_per_node"]
         p = Plan(
             model=model.name,
@@ -165,12 +215,13 @@ def _mist_cases(data: dict, path: Path) -> list[MeasuredRun]:
             sequence_parallel=False,
             pre_post=pre_post,
         )
+        _checked(p, model, path, case["case"])
         if p.grad_accum != plan["grad_accum_steps"]:
             raise ValueError(
                 f"{path}: {case['case']}: gradient accumulation {plan['grad_accum_steps']} does not match "
                 f"global batch / (dp x micro-batch) = {p.grad_accum}"
             )
-        memory = tuple(mib * MiB for mib in case["measured"]["stage_peak_allocated_MB"])
+        memory = _stage_memory(case["measured"], len(stages), path, case["case"])
         out.append(
             MeasuredRun(
                 case["case"],
@@ -188,7 +239,7 @@ def _mist_cases(data: dict, path: Path) -> list[MeasuredRun]:
 
 def _megatron_runs(data: dict, path: Path) -> list[MeasuredRun]:
     out = []
-    for run in data["runs"]:
+    for run in _records(data, "runs", "config", path):
         gpu, stages_n = _gpu(run["gpu"], path), run["num_stages"]
         if set(run["tp_first_op_per_stage"]) != {1} or set(run["dp_first_op_per_stage"]) != {1}:
             raise ValueError(f"{path}: {run['config']}: TP/DP > 1 is not read yet")
@@ -225,6 +276,7 @@ def _megatron_runs(data: dict, path: Path) -> list[MeasuredRun]:
             stages=stages,
             sequence_parallel=False,
         )
+        _checked(plan, model, path, run["config"])
         seconds = statistics.fmean(run["measured_iteration_ms"]) / 1e3
         out.append(
             MeasuredRun(
