@@ -82,10 +82,10 @@ from measure.parallel import die_with_parent, interrupt_handled, sigterm_as_inte
 from measure.results import (  # noqa: E402
     SOURCE_COMMIT_ENV,
     RunLockedError,
-    _tracked_files,
     atomic_path,
     git_state,
     lock_folder,
+    tracked_files,
     write_json_atomic,
 )
 from measure.strict import read_json_file  # noqa: E402
@@ -603,7 +603,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ap.error(f"--archive must name a .tar.gz or .tgz file, got {args.archive}")
     if args.out is not None and args.out.exists() and not args.out.is_dir():
         ap.error(f"--out {args.out}: not a folder")
-    if args.out is not None and args.out.is_dir() and (tracked := _tracked_files(args.out)):
+    if args.out is not None and args.out.is_dir() and (tracked := tracked_files(args.out)):
         # as an experiment's --results (measure.results): status, logs and lock never among them
         ap.error(
             f"--out {args.out} holds files of the repository (e.g. {tracked[0]}, tracked by git): give "

@@ -28,9 +28,9 @@ from baselines.cta.microbatch import candidate_chunks, pipelined_chain
 from baselines.cta.tensor_parallel import shard_chain, tp_chain
 from ctapipe.reference import chain as reference_chain
 from measure.cli import OneLineParser, check_writable_file
+from measure.launch import launch_env_problem
 from measure.parallel import die_with_launcher
-
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+from measure.training import DTYPES
 
 
 def _timed(fn, device: torch.device, repeats: int) -> tuple[float, object]:
@@ -120,10 +120,6 @@ def run(m: int, width: int, dtype: torch.dtype, repeats: int, smallest_chunk: in
     }
 
 
-# what torchrun sets for a rank, each a whole number (as mist.engine.run checks them)
-LAUNCH_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_PORT")
-
-
 def main(argv: list[str] | None = None) -> None:
     ap = OneLineParser(
         prog="torchrun ... -m artifacts.cta_mlp.distributed",
@@ -140,14 +136,8 @@ def main(argv: list[str] | None = None) -> None:
     for flag in ("rows", "width", "repeats", "smallest_chunk"):  # 0 rows: unchecked, then torch's error
         if (value := getattr(args, flag)) < 1:
             ap.error(f"--{flag.replace('_', '-')} must be at least 1, got {value}")
-    for name in LAUNCH_ENV:  # torch's own errors would not name the variable
-        if name in os.environ and not os.environ[name].isdigit():
-            ap.error(f"{name}={os.environ[name]!r} must be a whole number (torchrun sets it)")
-    if "RANK" not in os.environ:  # run as a plain script: a 20-line traceback naming RANK, not torchrun
-        ap.error(
-            "no RANK in the environment: launch it with torchrun --nproc-per-node N "
-            "-m artifacts.cta_mlp.distributed ..."
-        )
+    if (problem := launch_env_problem("artifacts.cta_mlp.distributed")) is not None:
+        ap.error(problem)
     if args.out:  # before the measurement, not after it
         try:
             check_writable_file(args.out)

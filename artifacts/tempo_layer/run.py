@@ -26,13 +26,13 @@ from measure.checks import machine_memory_bytes
 from measure.cli import quiet_broken_pipe
 from measure.saved import cuda_like_dropout, saved_bytes
 from measure.timing import time_fn
+from measure.training import DTYPES
 from measure.units import format_bytes
 from tempo.ops import gelu as tempo_gelu
 
 from ..experiment import config_from_command_line, experiment_run, option
 from . import EXPERIMENT
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 VARIANTS = {  # name -> tempo.patch switches (None: HF eager, unpatched)
     "hf-eager": None,
     "tempo": dict(layernorm=True, gelu=True, attention=True, dropout=True),

@@ -29,6 +29,22 @@ TORCHRUN_LOGS_PREFIX = "torchrun_logs_"
 STOP_GRACE_S = 15.0
 
 
+# what torchrun (or measure.fork_launch) sets for a rank, each a whole number
+LAUNCH_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_PORT")
+
+
+def launch_env_problem(module: str) -> str | None:
+    """What is wrong with this process's launch as a rank of ``python -m module`` under torchrun,
+    in one line, or None: a launch variable that is not a whole number (torch's own error would not
+    name it), or none at all (run as a plain script: torch's error names RANK, not the launcher)."""
+    for name in LAUNCH_ENV:
+        if name in os.environ and not os.environ[name].isdigit():
+            return f"{name}={os.environ[name]!r} must be a whole number (torchrun sets it)"
+    if "RANK" not in os.environ:
+        return f"no RANK in the environment: launch it with torchrun --nproc-per-node N -m {module} ..."
+    return None
+
+
 def serve_rendezvous() -> TCPStore:
     """A rendezvous store served by this process (a thread of its own) on a port the OS assigned as
     it bound it (``.port``); it stops when the object is dropped."""

@@ -577,7 +577,7 @@ def _check_results_folder(folder: Path) -> None:
             "or empty folder, or one a run wrote"
         )
     # the repository's own files (presets, data: JSON too) are never a run's results folder
-    tracked = _tracked_files(folder)
+    tracked = tracked_files(folder)
     if tracked:
         raise NotAResultsFolderError(
             f"{folder} holds files of the repository (e.g. {tracked[0]}, tracked by git): give "
@@ -585,7 +585,7 @@ def _check_results_folder(folder: Path) -> None:
         )
 
 
-def _tracked_files(folder: Path) -> list[str]:
+def tracked_files(folder: Path) -> list[str]:
     """The files git tracks in ``folder`` (none where it is in no repository or git is missing)."""
     try:
         done = subprocess.run(

@@ -98,6 +98,16 @@ _RUNTIME = [
         "'allreduce/2' is not",
     ),
     ("collective of one", _set("collectives", "all_reduce/1", value={"c0": 0, "rate": 1}), "'all_reduce/1'"),
+    (
+        "collective of 20 digits",
+        _set("collectives", "all_reduce/99999999999999999999", value={"c0": 0, "rate": 1}),
+        "N a whole number from 2 to 2**20",
+    ),
+    (
+        "collective past any machine",
+        _set("collectives", f"all_reduce/{2**20 + 1}", value={"c0": 0, "rate": 1}),
+        f"'all_reduce/{2**20 + 1}' is not",
+    ),
     ("duplicate", None, "key 'gpu' given twice"),
     ("truncated", None, "not a readable preset"),
     ("nested too deep", None, "nested deeper than Python's parser follows"),

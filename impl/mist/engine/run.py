@@ -52,6 +52,7 @@ import torch.distributed as dist
 from torch import nn
 
 from measure.cli import OneLineParser, check_writable_file
+from measure.launch import launch_env_problem
 from measure.parallel import die_with_launcher
 from measure.training import MasterWeightAdamW
 
@@ -890,10 +891,6 @@ def preload() -> None:
     import megatron.core.optimizer  # noqa: F401
 
 
-# what torchrun (or measure.fork_launch) sets for a rank, each a whole number
-LAUNCH_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_PORT")
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = OneLineParser(
         prog="torchrun ... -m mist.engine.run",
@@ -908,13 +905,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.steps < 1:
         ap.error(f"--steps must be at least 1, got {args.steps}")
-    for name in LAUNCH_ENV:  # torch's own errors would not name the variable
-        if name in os.environ and not os.environ[name].isdigit():
-            ap.error(f"{name}={os.environ[name]!r} must be a whole number (torchrun sets it)")
-    if "RANK" not in os.environ:  # run as a plain script: torch's error names RANK, not the launcher
-        ap.error(
-            "no RANK in the environment: launch it with torchrun --nproc-per-node N -m mist.engine.run ..."
-        )
+    if (problem := launch_env_problem("mist.engine.run")) is not None:
+        ap.error(problem)
     if args.out:  # before the training, not after it
         try:
             check_writable_file(Path(args.out))

@@ -355,14 +355,16 @@ class RuntimeModel:
             raise ValueError(f"{path}: gpu must be {gpu!r} (the GPU its file name says), got {name!r}")
         curves = check_fields(path, "curves", d["curves"], LAYER_CURVES, OPTIONAL_CURVES)
         collectives = d["collectives"]
-        kinds = f"KIND/N, KIND one of {', '.join(COLLECTIVE_KINDS)} and N a whole number >= 2"
+        # N: GPUs in one collective; 2**20 is far beyond any machine built (the largest train on ~10**5)
+        kinds = f"KIND/N, KIND one of {', '.join(COLLECTIVE_KINDS)} and N a whole number from 2 to 2**20"
         if not isinstance(collectives, dict):
             raise ValueError(
                 f"{path}: collectives must be a mapping of {kinds} to lines, got {collectives!r}"
             )
         for key in collectives:
             kind, _, n = key.partition("/")
-            if kind not in COLLECTIVE_KINDS or not (n.isdecimal() and n == str(int(n)) and int(n) >= 2):
+            fits = n.isdecimal() and len(n) <= 7 and n == str(int(n)) and 2 <= int(n) <= 2**20
+            if kind not in COLLECTIVE_KINDS or not fits:
                 raise ValueError(f"{path}: collectives: {key!r} is not {kinds}")
         return cls(
             name,
