@@ -19,7 +19,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
-from measure.cli import OneLineParser
+from measure.checks import usable_cores
+from measure.cli import OneLineParser, repeated_value
 from measure.parallel import interrupt_handled, raise_if_interrupted, sigterm_as_interrupt
 from measure.results import (
     NotAResultsFolderError,
@@ -121,25 +122,11 @@ def config_from_command_line(
 
 
 def given_once(ap: argparse.ArgumentParser, flag: str, values: Sequence[Any]) -> None:
-    """An option's values each given once, else refused in one line (exit 2) as `mist profile`
-    refuses its own: ``--seq 16 16`` computed and printed each row twice, ``claims X X`` judged X
-    twice, and ``--parts sim sim`` ran sim once, each without a word. A tuple value (tempo_bert's
-    ``--cases``, parsed from MODEL/SEQ) is said as it was typed."""
-    seen = set()
-    for value in values:
-        if value in seen:
-            text = "/".join(map(str, value)) if isinstance(value, tuple) else str(value)
-            ap.error(f"{flag}: {text} given twice; give each value once")
-        seen.add(value)
-
-
-def usable_cores() -> int:
-    """The cores this process may run on: its affinity (a container's or taskset's share), where
-    ``os.cpu_count()`` counts the machine's."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # no affinity call (not Linux)
-        return os.cpu_count() or 1
+    """An option's values each given once, else refused in one line (exit 2): ``--seq 16 16``
+    computed and printed each row twice, ``claims X X`` judged X twice, and ``--parts sim sim`` ran
+    sim once, each without a word (``measure.cli.repeated_value``)."""
+    if (problem := repeated_value(flag, values)) is not None:
+        ap.error(problem)
 
 
 def add_jobs_argument(ap: argparse.ArgumentParser) -> None:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from measure.checks import usable_cores
 from tests.measure.test_interrupts import as_from_a_terminal
 
 REPO = Path(__file__).resolve().parents[1]
@@ -82,6 +83,7 @@ def _until_workers(tag: str, proc: subprocess.Popen) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
+@pytest.mark.skipif(usable_cores() < 2, reason="--jobs 2 (two pool workers to kill) needs 2 usable cores")
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
 def test_killed_run_leaves_no_process_and_resumes(tmp_path, run_tmp, sig):
     tag = uuid.uuid4().hex

@@ -330,7 +330,15 @@ def fit_runtime(setup: EngineSetup, work: Path) -> dict:
         shape = (spec.hidden, spec.heads, spec.seq, prof["micro_batches"], dtype)
         n, zero_micro_batch = setup.processes, setup.micro_batch
         write_rank_benchmarks(
-            profiles, n, setup.device, *shape, zero_micro_batch, repeats=10, rounds=8, launches=setup.launches
+            profiles,
+            n,
+            setup.device,
+            *shape,
+            zero_micro_batch,
+            repeats=10,
+            rounds=8,
+            launches=setup.launches,
+            every=True,  # the plans are priced by all of them
         )
     mark_profile_complete(profiles)  # every benchmark is in: calibrate fits it
     say("fitted")

@@ -40,3 +40,12 @@ def device_name(value: str) -> bool:
 def machine_memory_bytes() -> int:
     """This machine's physical memory (what a shape or a state must fit in before any work)."""
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def usable_cores() -> int:
+    """The cores this process may run on: its affinity (a container's or taskset's share), where
+    ``os.cpu_count()`` counts the machine's."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity call (not Linux)
+        return os.cpu_count() or 1

@@ -6,8 +6,9 @@ import argparse
 import contextlib
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 from .results import check_replaceable, temp_beside
 
@@ -18,6 +19,18 @@ class OneLineParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> None:  # type: ignore[override]
         self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def repeated_value(flag: str, values: Sequence[Any]) -> str | None:
+    """The one-line refusal of an option given a value twice (a tuple value, such as a MODEL/SEQ
+    case, said as it was typed), or None where each value is given once."""
+    seen = set()
+    for value in values:
+        if value in seen:
+            text = "/".join(map(str, value)) if isinstance(value, tuple) else str(value)
+            return f"{flag}: {text} given twice; give each value once"
+        seen.add(value)
+    return None
 
 
 def check_writable_file(path: Path, suffixes: tuple[str, ...] = ()) -> None:

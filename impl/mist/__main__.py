@@ -20,8 +20,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
-from measure.checks import device_name, machine_memory_bytes
-from measure.cli import OneLineParser, check_writable_file, reader_gone
+from measure.checks import device_name, machine_memory_bytes, usable_cores
+from measure.cli import OneLineParser, check_writable_file, reader_gone, repeated_value
 from measure.units import format_bytes
 
 from .model.profile_data import ARTIFACT_DATA, PRESET_NAME_RULE, is_preset_name
@@ -483,23 +483,28 @@ def _check_profile_fits(args) -> None:
     after the folder is claimed): a lower bound on what the profile holds at once, the layer's
     weights and gradients (12 h^2 parameters each) and the 16-bit activations megatron-core's layer
     keeps for backward at the largest micro-batch, 32sbh + 4as^2b bytes (Korthikanti et al. 2022,
-    their 34sbh + 5as^2b less the one-byte dropout masks), in the profile's dtype."""
+    their 34sbh + 5as^2b less the one-byte dropout masks), in the profile's dtype; all of it divided
+    by the smallest --tp, since the profile times one rank's share (their per-rank activations,
+    sbh(10 + 24/t) + 5as^2b/t, are at least the whole's divided by t)."""
     import torch
 
     from measure.training import DTYPES
 
-    elem = DTYPES[args.dtype].itemsize
+    elem, t = DTYPES[args.dtype].itemsize, min(args.tp)
     h, a, s, b = args.hidden, args.heads, args.seq, max(args.micro_batches)
-    need = 2 * 12 * h * h * elem + (32 * s * b * h + 4 * a * s * s * b) * elem // 2
+    need = (2 * 12 * h * h * elem + (32 * s * b * h + 4 * a * s * s * b) * elem // 2) // t
     if args.device.startswith("cuda"):
-        have, where = torch.cuda.get_device_properties(torch.device(args.device)).total_memory, "GPU"
+        device = torch.device(args.device)
+        if (device.index or 0) >= torch.cuda.device_count():
+            raise ValueError(f"--device {args.device}: this machine has {torch.cuda.device_count()} GPU(s)")
+        have, where = torch.cuda.get_device_properties(device).total_memory, "GPU"
     else:
         have, where = machine_memory_bytes(), "machine"
     if need > have:
         raise ValueError(
-            f"--hidden {h} --heads {a} --seq {s} --micro-batches {b} ({args.dtype}): the layer alone needs "
-            f"at least {format_bytes(need)} (weights, gradients, activations), more than this {where}'s "
-            f"{format_bytes(have)}"
+            f"--hidden {h} --heads {a} --seq {s} --micro-batches {b} --tp {t} ({args.dtype}): the layer "
+            f"alone needs at least {format_bytes(need)} a rank (weights, gradients, activations), more "
+            f"than this {where}'s {format_bytes(have)}"
         )
 
 
@@ -509,7 +514,7 @@ def _check_collectives(counts: list[int], device: str) -> None:
     scheduler) or GPUs."""
     import torch
 
-    have = torch.cuda.device_count() if device.startswith("cuda") else max(os.cpu_count() or 1, 2)
+    have = torch.cuda.device_count() if device.startswith("cuda") else max(usable_cores(), 2)
     for n in counts:
         if not 2 <= n <= have:
             what = "GPUs" if device.startswith("cuda") else "cores"
@@ -543,8 +548,8 @@ def cmd_profile(args) -> int:
         ("--tp", args.tp),
         ("--collectives", args.collectives),
     ):
-        if len(set(values)) < len(values):
-            raise ValueError(f"{flag} {' '.join(map(str, values))}: a value given twice")
+        if (problem := repeated_value(flag, values)) is not None:
+            raise ValueError(problem)
     _check_collectives(args.collectives, args.device)
     if not is_preset_name(args.name):
         raise ValueError(f"--name {args.name!r}: {PRESET_NAME_RULE}")

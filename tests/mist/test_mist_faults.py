@@ -194,6 +194,25 @@ def test_a_profile_that_cannot_be_made_is_refused_before_any_work(
     _one_error_line(capsys, said)
 
 
+def test_the_profile_memory_bound_is_a_ranks_share(tmp_path, capsys, monkeypatch):
+    """The profile times one TP rank's share of the layer: a layer over the machine's memory whole
+    fits at --tp 2 4 (a rank holds a half or a quarter) and is refused at --tp 1, with the memory
+    set between the two (the bound is the whole's divided by the smallest --tp)."""
+    import mist.__main__ as cli
+
+    profiled = []
+    monkeypatch.setattr(cli, "_measure_profile", lambda *a, **k: profiled.append(a) or [])
+    h, a, s, b = 8192, 64, 2048, 2
+    whole = 2 * 12 * h * h * 4 + (32 * s * b * h + 4 * a * s * s * b) * 4 // 2  # fp32: the default
+    monkeypatch.setattr(cli, "machine_memory_bytes", lambda: whole * 2 // 3)
+    sizes = ["--hidden", str(h), "--heads", str(a), "--seq", str(s), "--micro-batches", "1", str(b)]
+    argv = ["profile", "--name", "cpu", *sizes, "--repeats", "1"]
+    assert main([*argv, "--tp", "1", "2", "--out", str(tmp_path / "one")]) == 2
+    _one_error_line(capsys, "--tp 1 (fp32): the layer alone needs at least")
+    assert not profiled
+    assert main([*argv, "--tp", "2", "4", "--out", str(tmp_path / "two")]) == 0 and len(profiled) == 1
+
+
 def test_simulator_memory_does_not_grow_with_micro_batches(rng):
     """Each finish time is dropped once read: the live state stays O(stages) (tracemalloc peak
     the same for 64 and 4096 micro-batches), and the answer matches an independent recursion."""
@@ -450,8 +469,8 @@ def test_collective_benchmarks_are_taken_at_face_value_no_more(tmp_path, name, t
     [
         (["--collectives", "1"], "--collectives 1: a count of processes from 2 to the cores here"),
         (["--collectives", "4096"], "--collectives 4096: a count of processes from 2 to the cores here"),
-        (["--micro-batches", "1", "1"], "--micro-batches 1 1: a value given twice"),
-        (["--tp", "1", "1"], "--tp 1 1: a value given twice"),
+        (["--micro-batches", "1", "1"], "--micro-batches: 1 given twice; give each value once"),
+        (["--tp", "1", "1"], "--tp: 1 given twice; give each value once"),
     ],
 )
 def test_profile_arguments_refused_before_the_profile(tmp_path, capsys, monkeypatch, argv, expected):

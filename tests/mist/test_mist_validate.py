@@ -140,6 +140,12 @@ def _case_edit(data, fault):
     if fault == "nodes true":
         case["nodes"] = True
         return "nodes must be a whole number >= 1, got True"
+    if fault == "gpus_per_node true":
+        case["gpus_per_node"] = True
+        return "gpus_per_node must be a whole number >= 1, got True"
+    if fault == "case a list":  # was a TypeError traceback (unhashable), before it was named
+        case["case"] = ["x"]
+        return "cases[0]: case must be a non-empty string, got ['x']"
     if fault == "case twice":
         data["cases"].append(dict(case))
         return f"case {case['case']!r} is listed twice"
@@ -157,6 +163,8 @@ def _case_edit(data, fault):
         "memory entry a string",
         "memory short",
         "nodes true",
+        "gpus_per_node true",
+        "case a list",
         "case twice",
         "no cases",
         "offload",
@@ -173,7 +181,7 @@ def test_a_mist_case_of_the_wrong_kind_is_one_line_naming_file_and_case(tmp_path
     err = capsys.readouterr().err
     assert err.startswith(f"error: {path}: ") and err.count("\n") == 1 and len(err) < 500, err
     assert expected in err, err
-    if fault not in ("case twice", "no cases"):
+    if fault not in ("case twice", "no cases", "case a list"):
         assert data["cases"][0]["case"] in err, err
 
 

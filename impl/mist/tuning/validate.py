@@ -153,10 +153,13 @@ def _records(data: dict, key: str, name: str, path: Path) -> list[dict]:
     if not isinstance(records, list) or not records or not all(isinstance(r, dict) for r in records):
         raise ValueError(f"{path}: {key} must be a non-empty list of measured records (mappings)")
     seen = set()
-    for record in records:
-        if record.get(name) in seen:
-            raise ValueError(f"{path}: {name} {record[name]!r} is listed twice")
-        seen.add(record.get(name))
+    for i, record in enumerate(records):
+        label = record.get(name)
+        if not isinstance(label, str) or not label:  # before the set: a list is no key of one
+            raise ValueError(f"{path}: {key}[{i}]: {name} must be a non-empty string, got {label!r:.60}")
+        if label in seen:
+            raise ValueError(f"{path}: {name} {label!r} is listed twice")
+        seen.add(label)
     return records
 
 
@@ -197,10 +200,11 @@ def _mist_cases(data: dict, path: Path) -> list[MeasuredRun]:
         plan, gpu = case["plan"], _gpu(case["gpu"], path)
         micro, dp, tp, stages, pre_post = _mist_stages(plan, path, case["case"])
         model = _mist_model(case, path)
-        if not whole(case["nodes"], 1):  # true is no count of nodes (it was read as 1)
-            raise ValueError(
-                f"{path}: {case['case']}: nodes must be a whole number >= 1, got {case['nodes']!r}"
-            )
+        for field in ("nodes", "gpus_per_node"):  # true is no count (it was read as 1)
+            if not whole(case[field], 1):
+                raise ValueError(
+                    f"{path}: {case['case']}: {field} must be a whole number >= 1, got {case[field]!r:.60}"
+                )
         gpus = case["nodes"] * case["gpus_per_node"]
         p = Plan(
             model=model.name,

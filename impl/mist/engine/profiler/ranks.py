@@ -57,7 +57,7 @@ def interleaved_seconds_all_ranks(
 # launch of 2 ranks on 2 cores, twelve launches a 2-process fit). The server has only imported
 # (no threads, no torch ops), as fork_launch's; it exits once this process and its ranks have.
 _RANK_PRELOAD = [
-    "mist.engine.profiler.forkserver_guard",  # first: the server dies with its client from here on
+    "measure.forkserver_guard",  # first (its package imports nothing): the server dies with its client
     "torch.distributed",
     "torch.distributed.fsdp",
     "megatron.core.models.gpt.gpt_layer_specs",
