@@ -290,6 +290,15 @@ CLAIMS = (
         check=AtMost(0.20),
         unit="%",
         why=TIME_TARGET,
+        known_broken=(
+            "the reference (9b4a957, a quiet machine) has Aceso's GPT-3 x2 winner (PP-2, micro-batch 1) "
+            "at -21.4%; a second run of the same commit 8 min later had the worst at -17.0% (Aceso's "
+            "Llama x2). In both every 2-process winner is under-priced (by 5-21%; Aceso's PP plans "
+            "most) and every 1-process one within 4.2%: a cost a 2-process step pays that the CPU "
+            "fit's concurrent profile copies and rank benchmarks do not hold, not yet found. To mend: "
+            "a micro-benchmark of the engine's 2-process step beside its ops (the pipeline's "
+            "per-micro-batch cost first)"
+        ),
     ),
     Bound(
         id="mist-measured-cap-binds",
