@@ -266,3 +266,40 @@ def test_a_profile_file_is_written_whole_or_not_at_all(tmp_path, monkeypatch, wr
     assert sorted(folder.iterdir()) == before  # no temporary file left beside it
     run()
     assert (folder / name).read_text() == whole and sorted(folder.iterdir()) == before
+
+
+def test_concurrent_profile_copies_start_every_point_together(tmp_path, monkeypatch):
+    """With concurrent copies each point starts at a barrier all copies wait at (the ops timed meet
+    the same ops in the other copies, as ranks computing a micro-batch do): one wait before each
+    point of each pass, the barrier's order the points'. A copy that stops makes the measured one
+    fail in one line (the barrier breaks at its timeout), never wait for ever."""
+    import dataclasses
+    import threading
+
+    from mist.engine.profiler import layer
+
+    events = []
+
+    class Barrier:
+        def __init__(self, broken: bool) -> None:
+            self.broken = broken
+
+        def wait(self, timeout):
+            assert 0 < timeout < float("inf")
+            if self.broken:
+                raise threading.BrokenBarrierError
+            events.append("wait")
+
+    def rows(job, tp, b):
+        events.append((tp, b))
+        return [{"op_name": "x", "forward-compute": 1.0, "backward-compute": 1.0}]
+
+    monkeypatch.setattr(layer, "_point_rows", rows)
+    job = dataclasses.replace(_job(micro_batches=(1, 2)), rounds=2)
+    layer._write_layer_profiles(tmp_path, job, None, Barrier(broken=False))
+    assert events == ["wait", (1, 1), "wait", (1, 2)] * 2
+    events.clear()
+    layer._write_layer_profiles(tmp_path, job, None, None)  # the control: no copies, no barrier
+    assert events == [(1, 1), (1, 2)] * 2
+    with pytest.raises(RuntimeError, match=r"did not reach point \(tp 1, micro-batch 1\) within 300 s"):
+        layer._write_layer_profiles(tmp_path, job, None, Barrier(broken=True))
