@@ -290,17 +290,6 @@ CLAIMS = (
         check=AtMost(0.20),
         unit="%",
         why=TIME_TARGET,
-        known_broken=(
-            "the reference (9b4a957, a quiet machine) has Aceso's GPT-3 x2 winner (PP-2, micro-batch 1) "
-            "at -21.4%; a second run of the same commit 8 min later had the worst at -17.0% (Aceso's "
-            "Llama x2). In both every 2-process winner is under-priced (by 5-21%; Aceso's PP plans "
-            "most) and every 1-process one within 4.2%. The engine part's phases place it: its DP-2 "
-            "plans' gradient sync and optimizer step are priced within 3.2 ms, their forward and "
-            "backward micro-batches 7-14% under what they measure, so two ranks computing at once "
-            "run slower than the fit's two concurrent profile copies. To mend: time the layer as two "
-            "ranks run it (a stage's micro-batch, both ranks at once) in `mist profile` and price "
-            "from that"
-        ),
     ),
     Bound(
         id="mist-measured-cap-binds",

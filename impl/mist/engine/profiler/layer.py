@@ -477,7 +477,9 @@ def _write_layer_profiles(
     copy starts each point together, so the ops timed meet the same ops in the other copies, as
     ranks computing the same micro-batch do. Unaligned, a copy's heavy op could meet the other's
     light one or its Python between points; the 2-process CPU fit so made priced the engine's
-    micro-batches 7-14% under what they measured (mist_vs_megatron's engine part at 9b4a957)."""
+    micro-batches 7-14% under what they measured (mist_vs_megatron's engine part at 9b4a957).
+    Two runs in lockstep measured them 1-8% and 10-18% under: whether it closes that gap is not
+    shown (docs/claims.md); it is kept for being how ranks run."""
     for tp in job.tps:
         if job.heads % tp:
             raise ValueError(f"tp {tp} does not divide heads {job.heads}")
