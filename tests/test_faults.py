@@ -470,7 +470,7 @@ def bar_then_wait(*args):  # in the children (defined when they import this file
 
 if sys.argv[1] == "copies":  # write_profiles' concurrent copies (spawn): each runs _write_profiles
     from mist.engine.profiler import layer
-    layer._write_profiles = lambda out, job, progress: bar_then_wait()
+    layer._write_profiles = lambda out, job, progress, lockstep=None: bar_then_wait()
 
 if __name__ == "__main__":
     import torch
