@@ -8,6 +8,7 @@ file's run stays resumable) instead of killing it on the spot.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import multiprocessing
@@ -120,9 +121,12 @@ def raise_if_interrupted() -> None:
 def interrupt_handled() -> None:
     """Called by a command's one-line handler once it has reported the interrupt: the request is
     done with, so ``raise_if_interrupted`` raises nothing more in this process (a later run in it,
-    such as a test calling ``main`` again, starts clean)."""
+    such as a test calling ``main`` again, starts clean); and the process's exit, whenever it
+    comes, keeps the status the line goes with (``ignore_signals_to_exit``, run at exit)."""
     global _stop_requested
     _stop_requested = None
+    atexit.unregister(ignore_signals_to_exit)  # once, however many runs a process reports
+    atexit.register(ignore_signals_to_exit)
 
 
 def sigterm_as_interrupt() -> None:
@@ -151,6 +155,18 @@ def sigterm_as_interrupt() -> None:
         handled.append(signal.SIGINT)
     for sig in handled:
         signal.signal(sig, interrupt)
+
+
+def ignore_signals_to_exit() -> None:
+    """SIGINT and SIGTERM ignored, for a process exiting after its one-line interrupt message
+    (``interrupt_handled`` registers it to run at exit, before Python finalizes). As Python
+    finalizes it resets every handler written in Python to the default, so a signal arriving then
+    ended the process by that signal (status -2) after the line that said 130: the smoke's kill
+    test saw it twice in loaded suites, the late signal's source not found. SIG_IGN, which
+    ``sigterm_as_interrupt`` avoids for a run that goes on (a process it starts inherits it), is
+    right here: nothing starts after this."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
 
 
 @contextlib.contextmanager

@@ -4,6 +4,7 @@ second inside the cleanup: a traceback after the run's one-line message)."""
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -95,3 +96,43 @@ def test_a_second_signal_during_the_cleanup_is_ignored(second):
 def test_control_without_it_the_second_signal_breaks_the_cleanup():
     done = _interrupted_twice("default", signal.SIGINT)
     assert "cleaned up" not in done.stdout and "KeyboardInterrupt" in done.stderr, (done.stdout, done.stderr)
+
+
+_LATE_SIGNAL = """
+import os, signal, sys, time
+from measure.parallel import interrupt_handled, sigterm_as_interrupt
+
+class Late:  # a SIGINT that arrives as the interpreter tears its modules down
+    def __del__(self):
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.2)
+
+sigterm_as_interrupt()
+late = Late()
+try:
+    os.kill(os.getpid(), signal.SIGINT)  # the interrupt a command reports in one line
+    time.sleep(5)
+except KeyboardInterrupt:
+    if sys.argv[1] == "handled":
+        interrupt_handled()
+sys.exit(130)
+"""
+
+
+@pytest.mark.parametrize(("mode", "status"), [("handled", 130), ("control", -signal.SIGINT)])
+def test_a_signal_while_python_finalizes_keeps_the_exit_status(tmp_path, mode, status):
+    """The smoke's kill test saw the smoke print its one line and then die by SIGINT (-2) instead
+    of exiting 130: as Python finalizes it resets the handlers written in Python to the default,
+    so a signal arriving then ends the process. A command's one-line handler calls
+    ``interrupt_handled``, which has the exit ignore such signals and keep the status; the control,
+    which does not call it, dies by the late signal."""
+    script = tmp_path / "late.py"
+    script.write_text(_LATE_SIGNAL)
+    proc = subprocess.run(
+        [sys.executable, str(script), mode],
+        env={**os.environ, "PYTHONPATH": str(REPO / "impl")},
+        preexec_fn=as_from_a_terminal,
+        capture_output=True,
+        timeout=60,
+    )
+    assert proc.returncode == status, proc.stderr.decode()[-2000:]
