@@ -8,7 +8,6 @@ file's run stays resumable) instead of killing it on the spot.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import ctypes
 import multiprocessing
@@ -121,12 +120,15 @@ def raise_if_interrupted() -> None:
 def interrupt_handled() -> None:
     """Called by a command's one-line handler once it has reported the interrupt: the request is
     done with, so ``raise_if_interrupted`` raises nothing more in this process (a later run in it,
-    such as a test calling ``main`` again, starts clean); and the process's exit, whenever it
-    comes, keeps the status the line goes with (``ignore_signals_to_exit``, run at exit)."""
+    such as a test calling ``main`` again, starts clean); and the process exits with the status
+    the line goes with. CPython records a KeyboardInterrupt that left an ``eval``/``exec`` of a
+    string (sympy's parser runs one) as unhandled, caught or not, and a ``python -m`` process then
+    ends by SIGINT (-2) whatever status it exits with: the smoke's kill test saw its one line and
+    then -2, three times in loaded suites. The record is cleared as each such evaluation starts,
+    so one harmless evaluation here clears it."""
     global _stop_requested
     _stop_requested = None
-    atexit.unregister(ignore_signals_to_exit)  # once, however many runs a process reports
-    atexit.register(ignore_signals_to_exit)
+    eval("None")  # clears CPython's unhandled-KeyboardInterrupt record (above)
 
 
 def sigterm_as_interrupt() -> None:
@@ -155,18 +157,6 @@ def sigterm_as_interrupt() -> None:
         handled.append(signal.SIGINT)
     for sig in handled:
         signal.signal(sig, interrupt)
-
-
-def ignore_signals_to_exit() -> None:
-    """SIGINT and SIGTERM ignored, for a process exiting after its one-line interrupt message
-    (``interrupt_handled`` registers it to run at exit, before Python finalizes). As Python
-    finalizes it resets every handler written in Python to the default, so a signal arriving then
-    ended the process by that signal (status -2) after the line that said 130: the smoke's kill
-    test saw it twice in loaded suites, the late signal's source not found. SIG_IGN, which
-    ``sigterm_as_interrupt`` avoids for a run that goes on (a process it starts inherits it), is
-    right here: nothing starts after this."""
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, signal.SIG_IGN)
 
 
 @contextlib.contextmanager

@@ -98,21 +98,17 @@ def test_control_without_it_the_second_signal_breaks_the_cleanup():
     assert "cleaned up" not in done.stdout and "KeyboardInterrupt" in done.stderr, (done.stdout, done.stderr)
 
 
-_LATE_SIGNAL = """
-import os, signal, sys, time
-from measure.parallel import interrupt_handled, sigterm_as_interrupt
+_EVALUATED = """
+import sys
+from measure.parallel import interrupt_handled
 
-class Late:  # a SIGINT that arrives as the interpreter tears its modules down
-    def __del__(self):
-        os.kill(os.getpid(), signal.SIGINT)
-        time.sleep(0.2)
+def interrupted():
+    raise KeyboardInterrupt("signal 15")
 
-sigterm_as_interrupt()
-late = Late()
 try:
-    os.kill(os.getpid(), signal.SIGINT)  # the interrupt a command reports in one line
-    time.sleep(5)
+    eval("interrupted()")  # a KeyboardInterrupt that leaves an evaluated string (sympy's parser)
 except KeyboardInterrupt:
+    print("interrupted: one line", file=sys.stderr)
     if sys.argv[1] == "handled":
         interrupt_handled()
 sys.exit(130)
@@ -120,19 +116,20 @@ sys.exit(130)
 
 
 @pytest.mark.parametrize(("mode", "status"), [("handled", 130), ("control", -signal.SIGINT)])
-def test_a_signal_while_python_finalizes_keeps_the_exit_status(tmp_path, mode, status):
-    """The smoke's kill test saw the smoke print its one line and then die by SIGINT (-2) instead
-    of exiting 130: as Python finalizes it resets the handlers written in Python to the default,
-    so a signal arriving then ends the process. A command's one-line handler calls
-    ``interrupt_handled``, which has the exit ignore such signals and keep the status; the control,
-    which does not call it, dies by the late signal."""
-    script = tmp_path / "late.py"
-    script.write_text(_LATE_SIGNAL)
+def test_an_interrupt_that_left_an_evaluated_string_keeps_the_exit_status(tmp_path, mode, status):
+    """The smoke's kill test saw the smoke print its one line and then end by SIGINT (-2) instead
+    of exiting 130: CPython records a KeyboardInterrupt that left an ``eval`` of a string as
+    unhandled, caught or not, and a ``python -m`` process then ends by SIGINT at exit. A command's
+    one-line handler calls ``interrupt_handled``, which clears the record; the control, which does
+    not, ends by SIGINT."""
+    (tmp_path / "evaluated_interrupt.py").write_text(_EVALUATED)
     proc = subprocess.run(
-        [sys.executable, str(script), mode],
+        [sys.executable, "-m", "evaluated_interrupt", mode],
+        cwd=tmp_path,
         env={**os.environ, "PYTHONPATH": str(REPO / "impl")},
         preexec_fn=as_from_a_terminal,
         capture_output=True,
         timeout=60,
     )
     assert proc.returncode == status, proc.stderr.decode()[-2000:]
+    assert proc.stderr.decode().strip() == "interrupted: one line"
