@@ -323,23 +323,29 @@ def write_profiles(
             vocab=vocab,
             rounds=rounds,
         )
-        # the copies' throw-away profiles: this process's folder, removed once they are ended (a
-        # copy's own would be left when it is terminated or killed with this process)
-        with tempfile.TemporaryDirectory(prefix="profile_copies_") as scratch:
-            copies, lockstep = (
-                _start_copies(concurrent - 1, job, Path(scratch)) if device == "cpu" else ([], None)
-            )
-            try:
-                written = _write_profiles(out, job, progress, lockstep)
-                if complete:
-                    mark_profile_complete(out)
-                return written
-            finally:
-                for copy in copies:  # they only kept this one company
-                    copy.terminate()
-                    copy.join(timeout=30)
+        written = _write_beside_copies(out, job, progress, concurrent - 1 if device == "cpu" else 0)
+        if complete:
+            mark_profile_complete(out)
+        return written
     finally:
         torch.set_num_threads(before)
+
+
+def _write_beside_copies(
+    out: Path, job: ProfileJob, progress: Callable[[str], None] | None, copies: int
+) -> list[Path]:
+    """``_write_profiles`` into ``out`` while ``copies`` copies of it run in lockstep beside it
+    (none: alone), then the copies ended."""
+    # the copies' throw-away profiles: this process's folder, removed once they are ended (a
+    # copy's own would be left when it is terminated or killed with this process)
+    with tempfile.TemporaryDirectory(prefix="profile_copies_") as scratch:
+        running, lockstep = _start_copies(copies, job, Path(scratch)) if copies else ([], None)
+        try:
+            return _write_profiles(out, job, progress, lockstep)
+        finally:
+            for copy in running:  # they only kept this one company
+                copy.terminate()
+                copy.join(timeout=30)
 
 
 def _profile_copy(parent: int, job: ProfileJob, started, scratch: Path, lockstep) -> None:
