@@ -324,7 +324,7 @@ def test_profile_host_writes_a_preset_that_reads_back(tmp_path, monkeypatch, cap
 
 def test_a_whole_number_beyond_a_float_fails_the_number_check_in_one_line():
     """math.isfinite of a 400-digit integer raised OverflowError inside the check meant to refuse it."""
-    from mist.model.preset_files import number
+    from measure.presets import number
 
     with pytest.raises(
         ValueError, match=r"p.json: rate must be a finite number >= 0, at most 1e\+18, got 1000"

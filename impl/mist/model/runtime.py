@@ -28,7 +28,8 @@ from pathlib import Path
 import numpy as np
 import sympy as sp
 
-from .preset_files import check_fields, count, load_preset, number, text
+from measure.presets import check_fields, count, load_preset, number, text
+
 from .profile_data import (
     FRAMEWORK_OP,
     GRAD_ACCUMULATE_OP,
@@ -344,7 +345,7 @@ class RuntimeModel:
         cls, d: dict, path: Path | str = "a runtime preset", gpu: str | None = None
     ) -> RuntimeModel:
         """The model a runtime preset (``to_json``'s mapping) describes, read strictly (see
-        ``preset_files``): exactly its fields; every line a finite c0 >= 0 and a finite rate > 0
+        ``measure.presets``): exactly its fields; every line a finite c0 >= 0 and a finite rate > 0
         (null: a time that does not grow with the work, as ``calibrate.fit_line`` may fit); the layer's
         curves all there (a missing one would be priced by the data-sheet roofline without a
         word); collectives the kinds the model looks up; ``gpu`` (the file's name says it) the
@@ -465,7 +466,7 @@ HOST_PRESET_FIELDS = (
 
 def cpu_adam_preset(d: dict, path: Path | str = "a host preset") -> CpuAdam:
     """The host step a host preset (``profile_cpu_adam``'s mapping) describes, read strictly (see
-    ``preset_files``): exactly its fields; ``threads`` distinct whole numbers >= 1 with 1 among
+    ``measure.presets``): exactly its fields; ``threads`` distinct whole numbers >= 1 with 1 among
     them (the per-core rate is one thread's), ``params_per_s`` one finite rate > 0 for each,
     ``bytes_moved_per_param`` a finite number > 0 (not the string "28")."""
     check_fields(path, "", d, HOST_PRESET_FIELDS)
