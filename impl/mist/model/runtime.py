@@ -37,7 +37,7 @@ from .profile_data import (
     TEMPO_GATED_OP,
     TEMPO_OP,
 )
-from .specs import GPUS, ClusterSpec, ModelSpec
+from .specs import ClusterSpec, ModelSpec, gpus
 from .symbolic import as_integers, b, head_costs, numeric, s, t, trace_layer, value
 
 PRESETS = Path(__file__).parent / "presets"
@@ -242,7 +242,7 @@ class RuntimeModel:
             return self.curves[cls]
         if cls == "attention" and "bmm" in self.curves:  # fused attention: as fast as its GEMMs
             return self.curves["gemm"]
-        return _roofline(GPUS[self.gpu], cls)
+        return _roofline(gpus()[self.gpu], cls)
 
     def collective(
         self, kind: str, nbytes, n: int, cluster: ClusterSpec | None = None, inter_node: bool | None = None
@@ -431,8 +431,8 @@ def _roofline(gpu, cls: str) -> tuple[Line, Line]:
 
 
 def roofline_model(gpu: str) -> RuntimeModel:
-    if gpu not in GPUS:
-        raise ValueError(f"unknown GPU {gpu!r}; presets: {', '.join(GPUS)}")
+    if gpu not in gpus():
+        raise ValueError(f"unknown GPU {gpu!r}; presets: {', '.join(gpus())}")
     return RuntimeModel(gpu, {}, {}, "roofline from the data sheet (default efficiencies)")
 
 
