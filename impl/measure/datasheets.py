@@ -17,6 +17,7 @@ from pathlib import Path
 
 from .presets import MAX_PRESET_BYTES, check_fields, count, load_preset, number, text
 
+# presets/ is data (no __init__.py): the module measure.presets is presets.py beside it
 DATASHEETS_FILE = Path(__file__).parent / "presets" / "datasheets.json"
 
 

@@ -269,6 +269,7 @@ class ClusterSpec:
 
 
 def _ddr(sockets: int, channels: int, mega_transfers: int) -> float:
+    """Data-sheet DRAM bandwidth, bytes/s: sockets x channels x transfer rate x 8 bytes a transfer."""
     return sockets * channels * mega_transfers * 1e6 * 8
 
 
@@ -354,7 +355,7 @@ def read_clusters(
     d = load_preset(path)
     if not d:
         raise ValueError(f"{path}: no GPU preset (a mapping of GPU names to their links and host)")
-    gpus, links, hosts = {}, {}, {}
+    devices, node_links, node_hosts = {}, {}, {}
     for name, entry in d.items():
         text(path, "a GPU's name", name)
         check_fields(path, name, entry, _CLUSTER, ("device",))
@@ -365,7 +366,7 @@ def read_clusters(
                     f"{path}: {name}.device: {name} has a data sheet in {DATASHEETS_FILE.name}; "
                     "a device's numbers are given here only for a GPU with none"
                 )
-            gpus[name] = _device(path, name, entry["device"])
+            devices[name] = _device(path, name, entry["device"])
         else:
             needed = ("memory", "hbm_bw", "pcie_bw", "l2")
             if sheet is None or any(getattr(sheet, k) is None for k in needed):
@@ -373,16 +374,16 @@ def read_clusters(
                     f"{path}: {name}: no data sheet with memory, HBM, PCIe and L2 in "
                     f"{DATASHEETS_FILE.name} (or a device field here with its numbers)"
                 )
-            gpus[name] = GpuSpec(
+            devices[name] = GpuSpec(
                 name, sheet.flops, sheet.memory, sheet.hbm_bw, sheet.pcie_bw, sheet.l2, sheet.fp32_flops
             )
         nvlink = None if sheet is None else sheet.nvlink_bw
-        links[name] = (
+        node_links[name] = (
             _link(path, f"{name}.intra", entry["intra"], nvlink),
             _link(path, f"{name}.inter", entry["inter"], None),
         )
-        hosts[name] = _host(path, f"{name}.host", entry["host"])
-    return gpus, links, hosts
+        node_hosts[name] = _host(path, f"{name}.host", entry["host"])
+    return devices, node_links, node_hosts
 
 
 @functools.cache
