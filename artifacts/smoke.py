@@ -138,7 +138,7 @@ def cta_kernels() -> str:
         gave_up and bool(blocked.isnan().all()),
         "a consumer whose producer never signalled did not raise, or computed tiles anyway",
     )
-    r = sim.compare(sim.H200, 16384, 2)
+    r = sim.compare(sim.hardware("h200"), 16384, 2)
     expect(
         r["cta_s"] < r["back_to_back_s"], "the latency model puts CTA-pipelining behind back-to-back GEMMs"
     )

@@ -154,3 +154,41 @@ def test_an_upward_mist_import_is_found():
     graph = _graph()
     graph["mist.model.runtime"] = graph["mist.model.runtime"] | {"mist.tuning.planner"}
     assert _upward_mist_imports(graph) == {"mist.model.runtime": ["mist.tuning.planner"]}
+
+
+# Every preset's cached reader (the data sheets, Mist's models and clusters, Tempo's models, the
+# latency model's hardware built from the sheets): a preset file is read on first use, never at import
+_PRESET_READERS = (
+    "measure.datasheets:datasheets",
+    "mist.model.specs:_model_presets",
+    "mist.model.specs:_cluster_presets",
+    "tempo.models:models",
+    "ctapipe.sim:hardware_presets",
+)
+
+
+def _preset_reads(then: str = "") -> list[int]:
+    """How many times each reader in _PRESET_READERS has read, in a fresh interpreter that imports
+    every module that holds or uses a preset (and runs ``then``)."""
+    code = (
+        "import importlib, sys\n"
+        "import mist, mist.__main__, mist.plan, mist.model.calibrate, mist.model.runtime\n"
+        "import mist.tuning.planner, artifacts.smoke, artifacts.cta_mlp.gpu, artifacts.tempo_llama.run\n"
+        "import tempo.models, tempo.maxbatch, ctapipe.sim, artifacts.cta_mlp.run, artifacts.tempo_bert.run\n"
+        f"{then}\n"
+        f"readers = [r.split(':') for r in {list(_PRESET_READERS)!r}]\n"
+        "print([getattr(importlib.import_module(m), f).cache_info().misses for m, f in readers])\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return ast.literal_eval(done.stdout.strip().splitlines()[-1])
+
+
+def test_no_preset_file_is_read_at_import():
+    assert _preset_reads() == [0] * len(_PRESET_READERS)
+
+
+def test_a_preset_read_is_counted():
+    """Control: the count above sees a read (one each, then cached)."""
+    then = "mist.cluster('l4', 8); mist.model('gpt3-7b'); tempo.models.models(); ctapipe.sim.hardware('h200')"
+    assert _preset_reads(then) == [1] * len(_PRESET_READERS)

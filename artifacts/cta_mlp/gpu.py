@@ -175,7 +175,7 @@ def part_gpu(run: Run, device: str = "cuda"):
         print(f"stage kernel, {shape.block_m} x {shape.block_n} tiles: {r['triton_tflops']:.1f} TFLOP/s")
     gap = store.compute({"measure": "kernel_gap_s"}, lambda: _kernel_gap(device))
     name = torch.cuda.get_device_name().lower() if cuda else "cpu"
-    base = sim.B200 if "b200" in name else sim.H200
+    base = sim.hardware("b200" if "b200" in name else "h200")
     curve = store.compute(
         {"measure": "efficiency_by_rows", "width": d, "dtype": str(dtype)},
         lambda: _efficiency_by_rows(d, device, dtype, base),

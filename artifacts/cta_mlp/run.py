@@ -47,7 +47,7 @@ def sim_key(hardware: str, gpus: int, rows: int) -> dict:
 def part_sim(run: Run, hardware: dict | None = None, name: str = "sim") -> ResultFile:
     from ctapipe import sim
 
-    hardware = hardware or sim.HARDWARE
+    hardware = hardware or sim.hardware_presets()
     config = {"hardware": {k: sim.assumptions(h) for k, h in hardware.items()}}
     store = run.file(f"{name}.json", config=config)
     for hw in hardware.values():
@@ -63,7 +63,7 @@ def part_band(run: Run) -> ResultFile:
     from ctapipe import sim
 
     store = run.file("sim_band.json", config={"band": {k: list(v) for k, v in sim.BAND.items()}})
-    for hw in sim.HARDWARE.values():
+    for hw in sim.hardware_presets().values():
         r = store.compute(
             {"hardware": hw.name, "gpus": 2, "rows": SIM_ROWS, "width": SIM_WIDTH},
             lambda hw=hw: sim.band(hw, 2, SIM_ROWS, SIM_WIDTH),

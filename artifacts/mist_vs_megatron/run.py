@@ -52,7 +52,7 @@ from .plans import plan_changes, plan_summary
 PARTS = ("calibration", "validation", "comparison", "ablation", "tempo", "engine", "measured")
 SIZES = [("1.3b", 2, 32), ("2.7b", 4, 64), ("7b", 8, 128), ("13b", 16, 256), ("22b", 32, 512)]  # GPUs, batch
 CLUSTERS = {"l4": 2048, "a100-40gb": 4096}  # GPU -> sequence length (the paper's settings)
-ARCHS = ("gpt3", "llama", "falcon")  # the model families of mist.specs.FAMILIES
+ARCHS = ("gpt3", "llama", "falcon")  # the model families of mist.model.specs.families()
 TEMPO_ARCHS = ("gpt3", "llama")  # Tempo's layers are built sequential: not Falcon's parallel block
 FLASH = {"cpu": (True, False), "paper": (True, False)}
 # the Aceso-style search's budget in distinct plans priced (not seconds: results independent of load)

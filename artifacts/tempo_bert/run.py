@@ -58,7 +58,7 @@ from tempo.maxbatch import (
     kept_scale_text,
     saved_bytes_as_built,
 )
-from tempo.models import MODELS, build_model
+from tempo.models import build_model, models
 
 from ..experiment import config_from_command_line, experiment_run, option
 from ..tempo_layer.run import COMPILED, aimed_budget
@@ -136,7 +136,7 @@ def model_saved_bytes(
 
 
 def activation_point(model: str, configuration: str, seq: int, budget: float | None = None) -> dict:
-    spec = MODELS[model]
+    spec = models()[model]
     h, a = spec.hidden, spec.heads
 
     def per_layer(s: int) -> tuple[int, dict[str, int]]:
@@ -464,9 +464,10 @@ def _case(text: str) -> tuple[str, int]:
     """MODEL/SEQ, checked here in full: a bad case found in a worker process would surface there
     as a traceback, after other work."""
     model, _, seq = text.partition("/")
-    if model not in MODELS or not seq.isdigit() or not 1 <= int(seq) <= MODELS[model].max_positions:
-        models = ", ".join(f"{name} (SEQ 1-{spec.max_positions})" for name, spec in MODELS.items())
-        raise argparse.ArgumentTypeError(f"a case is MODEL/SEQ, one of {models}; got {text!r}")
+    presets = models()
+    if model not in presets or not seq.isdigit() or not 1 <= int(seq) <= presets[model].max_positions:
+        known = ", ".join(f"{name} (SEQ 1-{spec.max_positions})" for name, spec in presets.items())
+        raise argparse.ArgumentTypeError(f"a case is MODEL/SEQ, one of {known}; got {text!r}")
     return model, int(seq)
 
 

@@ -45,7 +45,7 @@ from measure.memory import StepMemoryEstimator
 from measure.parallel import map_points
 from measure.results import ResultFile, Results, Run
 from tempo.maxbatch import compile_kept_scale, kept_scale_json, kept_scale_text
-from tempo.models import MODELS, ModelSpec, build_model, make_batch
+from tempo.models import ModelSpec, build_model, make_batch, models
 from tempo.ops import workspace_bytes
 
 from ..experiment import config_from_command_line, experiment_run, option
@@ -120,7 +120,7 @@ def layer_key(model: str, configuration: str) -> dict:
 
 def layer_point(model: str, configuration: str) -> dict:
     r = activation_point(model, configuration, LAYER_SEQ)
-    closed = closed_form_bytes(MODELS[model], configuration, LAYER_SEQ)
+    closed = closed_form_bytes(models()[model], configuration, LAYER_SEQ)
     return {**r, "formula_bytes": closed, "formula_error": abs(r["per_layer_bytes"] - closed) / closed}
 
 
@@ -158,7 +158,7 @@ def compile_point(row: str, budget: float) -> dict:
     torch.manual_seed(0)
     model = build_model(COMPILE_MODEL, "pretraining", configuration, num_layers=1).float().train()
     layer = model.model.layers[0]
-    x = torch.randn(1, LAYER_SEQ, MODELS[COMPILE_MODEL].hidden, requires_grad=True)
+    x = torch.randn(1, LAYER_SEQ, models()[COMPILE_MODEL].hidden, requires_grad=True)
     rotary = model.model.rotary_emb(x, torch.arange(LAYER_SEQ)[None])
     if compiled:
         torch._dynamo.reset()  # a fresh compile: the budget is read when the graph is partitioned
@@ -374,7 +374,7 @@ def print_summary(
         )
         for p in layer:
             k, r = p.key, p.result
-            sbh = LAYER_SEQ * MODELS[k["model"]].hidden
+            sbh = LAYER_SEQ * models()[k["model"]].hidden
             base = layer.get(layer_key(k["model"], "hf-sdpa"))
             saving = (
                 "" if base is None else f"{r['per_layer_bytes'] / base.result['per_layer_bytes'] - 1:+.1%}"
@@ -386,7 +386,7 @@ def print_summary(
             )
     if peers is not None:
         for p in peers:
-            sbh = LAYER_SEQ * MODELS[p.key["model"]].hidden
+            sbh = LAYER_SEQ * models()[p.key["model"]].hidden
             print(
                 f"  {p.key['model']:<14} {p.key['configuration'] + ' (GPU)':<20} "
                 f"{p.result['per_layer_bytes'] / sbh:>9.3f}"

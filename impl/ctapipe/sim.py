@@ -29,13 +29,14 @@ efficiently than its wave count says), which the model then uses per kernel.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import heapq
 import itertools
 import math
 from dataclasses import asdict, dataclass, field
 
 from measure.checks import whole
-from measure.datasheets import DATASHEETS
+from measure.datasheets import DATASHEETS_FILE, datasheets
 
 from .tiling import DEFAULT_TILING, Tiling
 
@@ -167,14 +168,23 @@ def _check_rows(hw: str, name: str, rows: object, form: str, shape: bool = False
         sizes.add(size)
 
 
+# The GPUs the latency model has: NVSwitch systems whose data sheets give SMs and NVLink
+HARDWARE_NAMES = ("h200", "b200")
+
+
 def _from_sheet(name: str) -> Hardware:
-    sheet = DATASHEETS[name]
+    sheet = datasheets().get(name)
+    if sheet is None or sheet.sms is None or sheet.nvlink_bw is None:  # else a KeyError, or no file named
+        raise ValueError(
+            f"{DATASHEETS_FILE}: {name}: the latency model needs its data sheet, sms and nvlink_bytes_per_s"
+        )
     return Hardware(name, sms=sheet.sms, flops=sheet.flops, link_bw=sheet.nvlink_bw, source=sheet.source)
 
 
-H200 = _from_sheet("h200")
-B200 = _from_sheet("b200")
-HARDWARE = {h.name: h for h in (H200, B200)}
+@functools.cache
+def hardware_presets() -> dict[str, Hardware]:
+    """The data-sheet hardware by name, built on first use (the data sheets are read then)."""
+    return {name: _from_sheet(name) for name in HARDWARE_NAMES}
 
 
 @dataclass(frozen=True)
@@ -353,10 +363,10 @@ def cta_with_tp(hw: Hardware, chain: Chain, tp: int = 2) -> float:
 
 
 def hardware(name: str) -> Hardware:
-    """The data-sheet hardware of ``name`` (HARDWARE's keys); one line listing them otherwise."""
-    if name not in HARDWARE:
-        raise ValueError(f"unknown GPU {name!r}; the latency model has: {', '.join(sorted(HARDWARE))}")
-    return HARDWARE[name]
+    """The data-sheet hardware of ``name`` (HARDWARE_NAMES); one line listing them otherwise."""
+    if name not in HARDWARE_NAMES:
+        raise ValueError(f"unknown GPU {name!r}; the latency model has: {', '.join(sorted(HARDWARE_NAMES))}")
+    return hardware_presets()[name]
 
 
 def compare(hw: Hardware, m: int, gpus: int, width: int = 8192, cta: Tiling = DEFAULT_TILING) -> dict:

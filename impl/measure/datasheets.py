@@ -1,18 +1,31 @@
 """GPU data sheets: the vendors' published numbers, one home for every system's models (Mist's
-planner, CTA-pipelining's latency model). Dense (no sparsity) half-precision peaks; ``None``
-where no model here uses the number."""
+planner, CTA-pipelining's latency model), in presets/datasheets.json: one entry per GPU, units in
+the field names. Dense (no sparsity) half-precision peaks; dense FP32 peaks on CUDA cores, no TF32
+(torch's default for matmuls, which nothing here changes): what a float32 GEMM can reach, a
+quarter to a sixteenth of the half-precision peak. ``null`` where no model here uses the number.
+
+Add a GPU by adding its entry to the file (``python -m mist list`` shows the presets); the file is
+read on first use (``datasheets()``), never at import, through the strict checks of
+``measure.presets``.
+"""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+from pathlib import Path
 
-from .units import GB, GiB, MiB
+from .presets import MAX_PRESET_BYTES, check_fields, count, load_preset, number, text
+
+# presets/ is data (no __init__.py): the module measure.presets is presets.py beside it
+DATASHEETS_FILE = Path(__file__).parent / "presets" / "datasheets.json"
 
 
 @dataclass(frozen=True)
 class DataSheet:
     name: str
     flops: float  # dense fp16/bf16 tensor-core peak, FLOP/s
+    fp32_flops: float | None  # dense FP32 peak (CUDA cores, no TF32), FLOP/s
     memory: int | None  # bytes
     hbm_bw: float | None  # bytes/s
     l2: int | None  # bytes
@@ -22,77 +35,62 @@ class DataSheet:
     source: str
 
 
-DATASHEETS: dict[str, DataSheet] = {
-    d.name: d
-    for d in (
-        DataSheet("l4", 121e12, 24 * GiB, 300 * GB, 48 * MiB, 32 * GB, None, None, "NVIDIA L4 data sheet"),
-        DataSheet("a10g", 125e12, 24 * GiB, 600 * GB, 6 * MiB, 32 * GB, None, None, "NVIDIA A10 / AWS A10G"),
-        DataSheet(
-            "v100",
-            125e12,
-            32 * GiB,
-            900 * GB,
-            6 * MiB,
-            16 * GB,
-            150 * GB,
-            None,
-            "V100 SXM2 data sheet: NVLink 2 300 GB/s (150 each way)",
-        ),
-        DataSheet(
-            "a100-40gb",
-            312e12,
-            40 * GiB,
-            1555 * GB,
-            40 * MiB,
-            32 * GB,
-            300 * GB,
-            None,
-            "A100 SXM4 40GB data sheet: NVLink 3 600 GB/s (300 each way)",
-        ),
-        DataSheet(
-            "h100",
-            989e12,
-            80 * GiB,
-            3350 * GB,
-            50 * MiB,
-            64 * GB,
-            450 * GB,
-            132,
-            "H100 SXM data sheet: NVLink 4 900 GB/s (450 each way)",
-        ),
-        DataSheet(
-            "h200",
-            989e12,
-            int(141 * GB),
-            4800 * GB,
-            50 * MiB,
-            64 * GB,
-            450 * GB,
-            132,
-            "H200 SXM data sheet: 132 SMs, 989 TFLOP/s dense BF16, NVLink 900 GB/s (450 each way)",
-        ),
-        DataSheet(
-            "b200",
-            2.25e15,
-            None,
-            None,
-            None,
-            None,
-            900 * GB,
-            148,
-            "HGX B200 data sheet: 148 SMs, 2.25 PFLOP/s dense BF16, NVLink 5 1.8 TB/s (900 each way)",
-        ),
-    )
-}
+# An entry's fields in the file, in DataSheet's order (name: the entry's key)
+SHEET_FIELDS = (
+    "dense_bf16_flop_per_s",
+    "fp32_flop_per_s",
+    "memory_bytes",
+    "hbm_bytes_per_s",
+    "l2_bytes",
+    "pcie_bytes_per_s",
+    "nvlink_bytes_per_s",
+    "sms",
+    "source",
+)
+# The most streaming multiprocessors a GPU may have: 8x the B200's 148
+MAX_SMS = 1024
+_UNKNOWN = " (or null: not on record)"
 
-# Dense FP32 peaks (CUDA cores, no TF32: torch's default for matmuls, which nothing here changes), FLOP/s:
-# what a float32 GEMM can reach, a quarter to a sixteenth of the half-precision ``flops``. From the
-# same data sheets (A10G: the A10's); the GPUs Mist fits profiles of.
-FP32_FLOPS: dict[str, float] = {
-    "l4": 30.3e12,
-    "a10g": 31.2e12,
-    "v100": 15.7e12,
-    "a100-40gb": 19.5e12,
-    "h100": 67e12,
-    "h200": 67e12,
-}
+
+def _sheet(path: Path | str, name: str, d: object) -> DataSheet:
+    """One entry, read strictly: every field there, numbers finite and > 0 (or null where the
+    field may be unknown), byte amounts and SMs whole numbers."""
+    check_fields(path, name, d, SHEET_FIELDS)
+
+    def rate(field: str) -> float | None:
+        value = d[field]
+        return None if value is None else number(path, f"{name}.{field}", value, above=True, or_else=_UNKNOWN)
+
+    def amount(field: str, most: int) -> int | None:
+        value = d[field]
+        return None if value is None else count(path, f"{name}.{field}", value, most=most, or_else=_UNKNOWN)
+
+    return DataSheet(
+        name,
+        number(path, f"{name}.dense_bf16_flop_per_s", d["dense_bf16_flop_per_s"], above=True),
+        rate("fp32_flop_per_s"),
+        amount("memory_bytes", MAX_PRESET_BYTES),
+        rate("hbm_bytes_per_s"),
+        amount("l2_bytes", MAX_PRESET_BYTES),
+        rate("pcie_bytes_per_s"),
+        rate("nvlink_bytes_per_s"),
+        amount("sms", MAX_SMS),
+        text(path, f"{name}.source", d["source"]),
+    )
+
+
+def read_datasheets(path: Path) -> dict[str, DataSheet]:
+    """The data sheets in ``path`` (datasheets.json's form), read strictly: one line naming the
+    file and the field for whatever is wrong."""
+    d = load_preset(path)
+    if not d:
+        raise ValueError(f"{path}: no data sheet (a mapping of GPU names to their data sheets)")
+    for name in d:
+        text(path, "a GPU's name", name)
+    return {name: _sheet(path, name, entry) for name, entry in d.items()}
+
+
+@functools.cache
+def datasheets() -> dict[str, DataSheet]:
+    """The shipped data sheets by GPU name, read on first use."""
+    return read_datasheets(DATASHEETS_FILE)

@@ -7,13 +7,11 @@
 Command line: ``python -m mist plan|predict|calibrate|list``.
 """
 
-from .model.specs import GPUS, MODELS, ClusterSpec, GpuSpec, ModelSpec, cluster, model
+from .model.specs import ClusterSpec, GpuSpec, ModelSpec, cluster, gpus, model, models
 from .plan import Plan, StagePlan
 from .tuning.planner import NoFeasiblePlan, PlannerOptions, predict, search
 
 __all__ = [
-    "GPUS",
-    "MODELS",
     "ClusterSpec",
     "GpuSpec",
     "ModelSpec",
@@ -22,7 +20,9 @@ __all__ = [
     "PlannerOptions",
     "StagePlan",
     "cluster",
+    "gpus",
     "model",
+    "models",
     "predict",
     "search",
 ]

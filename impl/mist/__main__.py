@@ -25,7 +25,7 @@ from measure.cli import OneLineParser, check_writable_file, reader_gone, repeate
 from measure.units import format_bytes
 
 from .model.profile_data import ARTIFACT_DATA, PRESET_NAME_RULE, is_preset_name
-from .model.specs import GPUS, GRAD_ACCUMULATION, HOSTS, MODELS, cluster, model
+from .model.specs import GRAD_ACCUMULATION, cluster, gpus, hosts, model, models
 
 if TYPE_CHECKING:  # for the annotations only: each command imports what it uses when it runs
     from .plan import Plan
@@ -52,7 +52,7 @@ MODEL_SWITCHES = (
 
 
 def _model_args(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--model", required=True, help=f"a preset: {', '.join(MODELS)}")
+    ap.add_argument("--model", required=True, help=f"a preset: {', '.join(models())}")
     for name, kind, text in MODEL_FIELDS:
         ap.add_argument(f"--{name.replace('_', '-')}", type=kind, help=text)
     for name, text in MODEL_SWITCHES:
@@ -363,11 +363,11 @@ def cmd_calibrate(args) -> int:
         layouts = "the layout of data/mist-artifact, or `mist profile` output"
         print(f"error: no layer profiles under {data} ({layouts})", file=sys.stderr)
         return 2
-    unknown = sorted({r["gpu"] for r in report.values()} - set(GPUS))
-    if args.write and unknown:  # a preset no plan could use: `mist plan --gpu` takes GPUS only
+    unknown = sorted({r["gpu"] for r in report.values()} - set(gpus()))
+    if args.write and unknown:  # a preset no plan could use: `mist plan --gpu` takes gpus() only
         print(
             f"error: no GPU preset named {', '.join(unknown)} (profiles' --name); presets are written for "
-            f"{', '.join(GPUS)}",
+            f"{', '.join(gpus())}",
             file=sys.stderr,
         )
         return 2
@@ -665,10 +665,10 @@ def cmd_validate(args) -> int:
 
 
 def cmd_list(_args) -> int:
-    print("models:", ", ".join(MODELS))
-    print("GPUs:  ", ", ".join(GPUS))
+    print("models:", ", ".join(models()))
+    print("GPUs:  ", ", ".join(gpus()))
     print("hosts (per node of that GPU type; --host-mem overrides the memory):")
-    for gpu, h in HOSTS.items():
+    for gpu, h in hosts().items():
         dram = f"{h.memory / 2**30:.0f} GiB, {h.cores} cores, {h.mem_bw / 1e9:.0f} GB/s DRAM"
         print(f"  {gpu}: {h.name}, {dram}")
     return 0
@@ -679,7 +679,7 @@ def _plan_parser(sub) -> None:
     p = sub.add_parser("plan", help="find the fastest plan")
     _model_args(p)
     p.add_argument("--gpus", type=int, required=True)
-    p.add_argument("--gpu", required=True, help=f"one of: {', '.join(GPUS)}")
+    p.add_argument("--gpu", required=True, help=f"one of: {', '.join(gpus())}")
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument(
         "--host-mem",
@@ -852,7 +852,12 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    try:
+        parser = _parser()  # its help lists the presets: a broken preset file is one line here
+    except ValueError as e:
+        print(f"python -m mist: error: {e}", file=sys.stderr)
+        return 2
+    args = parser.parse_args(argv)
     try:
         return args.fn(args)
     except ValueError as e:  # bad input: one line, no traceback

@@ -46,7 +46,7 @@ from measure.checks import finite, whole
 from measure.results import write_text_atomic
 from measure.strict import StrictDataError, json_data, loads_json, loads_yaml, read_text_file
 
-from .model.specs import GPUS, HOSTS, MODELS, ClusterSpec, ModelSpec, cluster, model, preset_overrides
+from .model.specs import ClusterSpec, ModelSpec, cluster, gpus, hosts, model, models, preset_overrides
 
 PLAN_FORMAT = 2  # what save() writes; from_dict() also reads 1 (memory in GiB)
 READABLE_FORMATS = (1, 2)
@@ -302,7 +302,7 @@ class Plan:
     stages: list[StagePlan]
     model_overrides: dict = field(default_factory=dict)  # e.g. {"flash": false, "seq": 4096}
     sequence_parallel: bool = True  # with TP > 1
-    host_memory_per_node_bytes: int | None = None  # None: the GPU type's usual host (specs.HOSTS)
+    host_memory_per_node_bytes: int | None = None  # None: the GPU type's usual host (specs.hosts())
     gpu_memory_bytes: int | None = None  # a cap per device (None: its data sheet's memory)
     pre_post: PrePostPlan | None = None  # the embedding/head's own strategy (None: their stage's)
     # model chunks a pipeline rank holds (Megatron-LM's interleaved 1F1B; 1: plain 1F1B): every
@@ -452,8 +452,8 @@ class Plan:
             "gpu": gpu.name,
             "gpus": cluster_spec.gpus,
             "gpus_per_node": cluster_spec.gpus_per_node,
-            "gpu_memory_bytes": None if gpu.memory == GPUS[gpu.name].memory else gpu.memory,
-            "host_memory_per_node_bytes": None if host == HOSTS[gpu.name] else host.memory,
+            "gpu_memory_bytes": None if gpu.memory == gpus()[gpu.name].memory else gpu.memory,
+            "host_memory_per_node_bytes": None if host == hosts()[gpu.name] else host.memory,
         }
         return cls(**{**base, **fields})
 
@@ -530,11 +530,11 @@ class Plan:
         reads back (ValueError otherwise). A plan file names its model as a preset and the fields
         it changes: a plan of a model built otherwise is refused, as it could not be read back as
         the same model."""
-        if self.model not in MODELS:
+        if self.model not in models():
             raise ValueError(
                 f"a plan of model {self.model!r} cannot be saved: a plan file names a preset and the "
                 f"fields it changes (build the model as mist.model(<preset>, field=value); presets: "
-                f"{', '.join(sorted(MODELS))})"
+                f"{', '.join(sorted(models()))})"
             )
         path = Path(path)
         data = json_data(self.to_dict())  # numpy numbers as Python's: YAML would refuse them
@@ -566,8 +566,8 @@ class Plan:
             raise ValueError(f"{path}: {e}") from None
         # the model it names, built now: an unknown name or a bad override is the file's error
         # (a name with a stray space was refused later, by whatever used it, naming no file)
-        if plan.model not in MODELS:
-            raise ValueError(f"{path}: model {plan.model!r} is no preset (presets: {', '.join(MODELS)})")
+        if plan.model not in models():
+            raise ValueError(f"{path}: model {plan.model!r} is no preset (presets: {', '.join(models())})")
         try:
             plan.model_spec()
         except ValueError as e:

@@ -41,7 +41,7 @@ from measure.saved import SavedTensorsMeter, SavedTensorsReport, cuda_like, save
 from measure.training import PRECISIONS, Precision
 from measure.units import GiB
 
-from .models import CONFIGURATIONS, HEADS, MODELS, build_model, check_configuration, layer_modules, make_batch
+from .models import CONFIGURATIONS, HEADS, build_model, check_configuration, layer_modules, make_batch, models
 from .ops import workspace_bytes
 
 # The search tries batches up to this; an answer equal to it means "at least this many".
@@ -157,7 +157,7 @@ def estimator(
         lambda n: build_model(model, head, configuration, num_layers=n),
         lambda b: make_batch(model, head, b, seq),
         precision,
-        num_layers=MODELS[model].layers,
+        num_layers=models()[model].layers,
         op_workspace=workspace_bytes,
         kept_scale=kept_scale,
     )
@@ -170,7 +170,11 @@ def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, str, GpuBudget]:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    ap.add_argument("--model", required=True, choices=list(MODELS))
+    try:
+        presets = list(models())  # read here, first: a broken preset file is one line too
+    except ValueError as e:
+        ap.error(str(e))
+    ap.add_argument("--model", required=True, choices=presets)
     ap.add_argument("--head", default="pretraining", choices=HEADS)
     ap.add_argument(
         "--seq", type=_positive_int, required=True, help="sequence length, 1 to the model's positions"

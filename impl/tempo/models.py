@@ -8,12 +8,15 @@ variants (baselines, Tempo, each Tempo technique alone, activation checkpointing
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch import nn
 
 from measure.checks import real, whole
+from measure.presets import check_fields, count, flag, load_preset, text
 
 from .hf import patch
 
@@ -82,29 +85,51 @@ class ModelSpec:
         )
 
 
-MODELS: dict[str, ModelSpec] = {
-    "bert-base": ModelSpec("bert", 768, 12, 12, 30522, 512),
-    "bert-large": ModelSpec("bert", 1024, 24, 16, 30522, 512),
-    "roberta-base": ModelSpec("roberta", 768, 12, 12, 50265, 514),
-    "roberta-large": ModelSpec("roberta", 1024, 24, 16, 50265, 514),
-    "gpt2": ModelSpec("gpt2", 768, 12, 12, 50257, 1024),
-    "gpt2-medium": ModelSpec("gpt2", 1024, 24, 16, 50257, 1024),
-    "gpt2-large": ModelSpec("gpt2", 1280, 36, 20, 50257, 1024),
-    "gpt2-xl": ModelSpec("gpt2", 1600, 48, 25, 50257, 1024),
-    # small shapes for training runs on a CPU (vocabulary of the offline corpus's tokenizers)
-    "bert-mini": ModelSpec("bert", 128, 2, 4, 8192, 512),
-    "gpt2-mini": ModelSpec("gpt2", 128, 2, 4, 8192, 1024),
-    # CPU throughput runs: large enough that the encoder, not the vocabulary head, holds most
-    # activation memory at seq 256 (the 4-layer, 256-wide shape Turc et al. call BERT-Mini)
-    "bert-l4h256": ModelSpec("bert", 256, 4, 4, 8192, 512),
-    # Llama-family decoders (beyond the paper): Meta's published shapes
-    "llama-3.2-1b": ModelSpec(
-        "llama", 2048, 16, 32, 128256, 131072, ffn=8192, kv_heads=8, tie_embeddings=True
-    ),
-    "llama-3-8b": ModelSpec("llama", 4096, 32, 32, 128256, 8192, ffn=14336, kv_heads=8),
-    # small, for training runs on a CPU: SwiGLU, RMSNorm, grouped-query attention (2 query heads a KV head)
-    "llama-mini": ModelSpec("llama", 128, 2, 4, 8192, 1024, ffn=352, kv_heads=2),
-}
+MODELS_FILE = Path(__file__).parent / "presets" / "models.json"
+FAMILIES = ("bert", "roberta", "gpt2", "llama")
+# An entry's fields in models.json: ModelSpec's (ffn, kv_heads, tie_embeddings: where the model
+# has them) and where the shape comes from
+_REQUIRED = ("family", "hidden", "layers", "heads", "vocab", "max_positions", "source")
+_OPTIONAL = ("ffn", "kv_heads", "tie_embeddings")
+
+
+def _spec(path: Path | str, name: str, d: object) -> ModelSpec:
+    """One entry, read strictly: exactly its fields, a known family, sizes whole numbers >= 1."""
+    check_fields(path, name, d, _REQUIRED, _OPTIONAL)
+    text(path, f"{name}.source", d["source"])
+    if d["family"] not in FAMILIES:
+        raise ValueError(
+            f"{path}: {name}.family must be one of {', '.join(FAMILIES)}, got {d['family']!r:.40}"
+        )
+    sizes = {k: count(path, f"{name}.{k}", d[k]) for k in _REQUIRED[1:-1]}
+    sizes |= {k: count(path, f"{name}.{k}", d[k]) for k in ("ffn", "kv_heads") if k in d}
+    if "tie_embeddings" in d:
+        sizes["tie_embeddings"] = flag(path, f"{name}.tie_embeddings", d["tie_embeddings"])
+    hidden, heads, kv = sizes["hidden"], sizes["heads"], sizes.get("kv_heads", sizes["heads"])
+    if hidden % heads or heads % kv:  # the HF config's own error would name no file
+        raise ValueError(
+            f"{path}: {name}: hidden ({hidden}) must be a multiple of heads ({heads}), "
+            f"heads of kv_heads ({kv})"
+        )
+    return ModelSpec(d["family"], **sizes)
+
+
+def read_models(path: Path) -> dict[str, ModelSpec]:
+    """The model presets in ``path`` (models.json's form), read strictly: one line naming the
+    file and the field for whatever is wrong."""
+    d = load_preset(path)
+    if not d:
+        raise ValueError(f"{path}: no model (a mapping of model names to their shapes)")
+    return {text(path, "a model's name", name): _spec(path, name, entry) for name, entry in d.items()}
+
+
+@functools.cache
+def models() -> dict[str, ModelSpec]:
+    """The model presets by name (a HF architecture and its shape), read on first use; add one by
+    adding an entry to presets/models.json."""
+    return read_models(MODELS_FILE)
+
+
 HEADS = ("pretraining", "classification", "qa")
 
 
@@ -115,7 +140,7 @@ class Configuration:
     attn: str = "eager"
     tempo: dict[str, bool] = field(default_factory=dict)  # tempo.patch switches; empty: unpatched
     checkpointing: bool = False
-    families: tuple[str, ...] = ("bert", "roberta", "gpt2", "llama")  # the models it applies to
+    families: tuple[str, ...] = FAMILIES  # the models it applies to
     heads: tuple[str, ...] = ("pretraining", "classification", "qa")  # and the task heads
 
 
@@ -151,9 +176,9 @@ def _check(name: str, table: dict, what: str) -> None:
 def check_configuration(model: str, configuration: str, head: str = "pretraining") -> None:
     """Refuse a configuration that has nothing to change in ``model`` with ``head`` (e.g. GELU alone
     in a Llama, the LM loss under a QA head)."""
-    _check(model, MODELS, "model")
+    _check(model, models(), "model")
     _check(configuration, CONFIGURATIONS, "configuration")
-    family = MODELS[model].family
+    family = models()[model].family
     if (
         family not in CONFIGURATIONS[configuration].families
         or head not in CONFIGURATIONS[configuration].heads
@@ -173,7 +198,7 @@ def build_model(
     dropout: float = 0.1,
 ) -> nn.Module:
     """A freshly initialised HF model (no download) with the head and configuration asked for."""
-    _check(model, MODELS, "model")
+    _check(model, models(), "model")
     _check(configuration, CONFIGURATIONS, "configuration")
     if head not in HEADS:
         raise ValueError(f"unknown head {head!r}; choose one of: {', '.join(HEADS)}")
@@ -181,7 +206,7 @@ def build_model(
         raise ValueError(f"num_layers must be a whole number >= 1 (None: the preset's), got {num_layers!r}")
     if not real(dropout) or not 0 <= dropout < 1:
         raise ValueError(f"dropout must be a probability in [0, 1), got {dropout!r}")
-    spec, conf = MODELS[model], CONFIGURATIONS[configuration]
+    spec, conf = models()[model], CONFIGURATIONS[configuration]
     check_configuration(model, configuration, head)
     cfg = spec.config(num_layers, conf.attn, dropout)
     import transformers as tf
@@ -232,12 +257,12 @@ def make_batch(
     model: str, head: str, batch: int, seq: int, device: str | torch.device = "cpu"
 ) -> dict[str, torch.Tensor]:
     """Random token ids and labels for ``head`` (every position labelled for LM/MLM: worst case)."""
-    _check(model, MODELS, "model")
+    _check(model, models(), "model")
     if head not in HEADS:
         raise ValueError(f"unknown head {head!r}; choose one of: {', '.join(HEADS)}")
     if not (whole(batch, 1) and whole(seq, 1)):
         raise ValueError(f"batch and seq must be whole numbers >= 1, got {batch!r}, {seq!r}")
-    spec = MODELS[model]
+    spec = models()[model]
     if seq > spec.max_positions:
         raise ValueError(f"{model} takes at most {spec.max_positions} positions, got seq={seq}")
     ids = torch.randint(0, spec.vocab, (batch, seq), device=device)

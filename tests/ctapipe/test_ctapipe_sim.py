@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from ctapipe import sim
-from ctapipe.sim import B200, H200, Chain
+from ctapipe.sim import Chain
+
+H200, B200 = sim.hardware("h200"), sim.hardware("b200")
 
 
 def _draw() -> tuple[sim.Hardware, Chain]:
@@ -142,8 +144,8 @@ def test_the_model_prices_the_chunkings_the_baseline_runs():
     chunks = sim.candidate_chunks(m, 128)
     assert all(m % c == 0 and (c >= 128 or c == m) for c in chunks) and chunks[0] == m
     small = sim.Chain(m=64)
-    latency, chunk = sim.best_microbatched(sim.H200, small)
-    assert chunk == 64 and latency == sim.microbatched(sim.H200, small, 64)
+    latency, chunk = sim.best_microbatched(H200, small)
+    assert chunk == 64 and latency == sim.microbatched(H200, small, 64)
 
 
 def test_cta_tiles_are_priced_at_the_kernels_tile_size():
@@ -158,10 +160,10 @@ def test_cta_tiles_are_priced_at_the_kernels_tile_size():
     # one row block, fewer tiles than SMs: one wave, so the latency is one tile's time
     narrow = sim.Chain(128, 8192, layers=1)
     wider = dataclasses.replace(narrow, cta=Tiling(128, 256, 64))
-    assert narrow.cta_col_tiles(8192) == 2 * wider.cta_col_tiles(8192) == 64 < sim.H200.sms
-    one_tile = sim.cta_pipelined(sim.H200, narrow) - sim.H200.launch_s
-    assert one_tile == pytest.approx(sim.H200.tile_s(8192, 128, 128, 128), rel=1e-12)
-    assert sim.cta_pipelined(sim.H200, wider) - sim.H200.launch_s == pytest.approx(2 * one_tile, rel=1e-12)
+    assert narrow.cta_col_tiles(8192) == 2 * wider.cta_col_tiles(8192) == 64 < H200.sms
+    one_tile = sim.cta_pipelined(H200, narrow) - H200.launch_s
+    assert one_tile == pytest.approx(H200.tile_s(8192, 128, 128, 128), rel=1e-12)
+    assert sim.cta_pipelined(H200, wider) - H200.launch_s == pytest.approx(2 * one_tile, rel=1e-12)
 
 
 def test_cta_tiles_priced_at_their_own_efficiency_where_known(rng):
@@ -171,10 +173,10 @@ def test_cta_tiles_priced_at_their_own_efficiency_where_known(rng):
     from ctapipe.tiling import DEFAULT_TILING
 
     m = int(rng.choice([1024, 4096, 16384]))
-    base = sim.compare(sim.H200, m, 2)
+    base = sim.compare(H200, m, 2)
     shape = (DEFAULT_TILING.block_m, DEFAULT_TILING.block_n)
-    slow = dataclasses.replace(sim.H200, cta_efficiency=((shape, sim.H200.gemm_efficiency / 2),))
-    other = dataclasses.replace(sim.H200, cta_efficiency=(((64, 64), sim.H200.gemm_efficiency / 2),))
+    slow = dataclasses.replace(H200, cta_efficiency=((shape, H200.gemm_efficiency / 2),))
+    other = dataclasses.replace(H200, cta_efficiency=(((64, 64), H200.gemm_efficiency / 2),))
     slowed = sim.compare(slow, m, 2)
     assert slowed["cta_s"] > base["cta_s"] * 1.2
     assert (slowed["microbatch_s"], slowed["tp_s"], slowed["back_to_back_s"]) == (
@@ -189,9 +191,9 @@ def test_band_spans_the_stated_assumptions():
     """The band's ends hold the result at the model's stated assumptions when those are inside
     the band's ranges, and each end names the corner that gives it."""
     rows = [1024, 8192]
-    band = sim.band(sim.H200, 2, rows)
-    stated = max(sim.compare(sim.H200, m, 2)["cta_vs_microbatch"] for m in rows)
-    assert sim.BAND["gemm_efficiency"][0] <= sim.H200.gemm_efficiency <= sim.BAND["gemm_efficiency"][1]
+    band = sim.band(H200, 2, rows)
+    stated = max(sim.compare(H200, m, 2)["cta_vs_microbatch"] for m in rows)
+    assert sim.BAND["gemm_efficiency"][0] <= H200.gemm_efficiency <= sim.BAND["gemm_efficiency"][1]
     assert band["microbatch_low"] <= stated <= band["microbatch_high"]
     assert band["tp_low"] <= band["tp_high"]
     assert set(band["microbatch_low_at"]) == set(sim.BAND)
@@ -288,3 +290,16 @@ def test_numpy_integers_are_sizes_as_python_integers_are():
     assert sim.Tiling().tiles(np.int64(1000), 512) == sim.Tiling().tiles(1000, 512)
     assert sim.candidate_chunks(np.int64(4096), 128) == sim.candidate_chunks(4096, 128)
     assert sim.tensor_parallel(H200, Chain(1024), np.int64(2)) == sim.tensor_parallel(H200, Chain(1024), 2)
+
+
+def test_a_data_sheet_the_model_cannot_use_is_one_line(monkeypatch):
+    """The latency model divides by SMs and NVLink: a data sheet without them (null, or no sheet) is
+    one line naming the file, not Hardware's error naming none or a KeyError. Control: as shipped."""
+    sheets = sim.datasheets()
+    assert sim._from_sheet("h200") == H200
+    for changed in ({**sheets, "h200": dataclasses.replace(sheets["h200"], sms=None)}, {}):
+        monkeypatch.setattr(sim, "datasheets", lambda changed=changed: changed)
+        with pytest.raises(
+            ValueError, match=r"datasheets.json: h200: the latency model needs its data sheet"
+        ):
+            sim._from_sheet("h200")

@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import json
+import math
+
 import pytest
 import torch
 from torch import nn
@@ -12,11 +15,13 @@ from transformers.utils import logging as hf_logging
 import tempo
 from measure.budget import GpuBudget
 from measure.cpu_peak import cpu_peak_bytes
+from measure.datasheets import DATASHEETS_FILE, datasheets, read_datasheets
 from measure.memory import DepthExtrapolatedEstimator, LiveMemoryTracker, StepMemoryEstimator
 from measure.saved import cuda_like_dropout, saved_bytes
 from measure.training import Precision, make_optimizer, optimizer_state_tensors, train_step
 from measure.units import GiB
 from tempo.ops import workspace_bytes
+from tests.preset_copies import drop_field, refused_in_one_line, renamed_field, set_field
 
 hf_logging.set_verbosity_error()
 
@@ -453,3 +458,90 @@ def test_yaml_numbers_and_booleans_as_yaml_1_2_reads_them():
         "f": "1:20", "g": "yes", "h": "0x8", "i": "010", "j": "1_0",
     }  # fmt: skip
     assert type(read["a"]) is float and type(read["b"]) is int
+
+
+# ---------------------------------------------------------------- the GPU data sheets (a preset file)
+
+_SHEET_CASES = [
+    (
+        "string",
+        set_field("l4", "dense_bf16_flop_per_s", value="121e12"),
+        "l4.dense_bf16_flop_per_s must be a finite number > 0",
+    ),
+    (
+        "null peak",
+        set_field("l4", "dense_bf16_flop_per_s", value=None),
+        "l4.dense_bf16_flop_per_s must be a finite number > 0",
+    ),
+    (
+        "true",
+        set_field("h100", "sms", value=True),
+        "h100.sms must be a whole number >= 1 (or null: not on record)",
+    ),
+    (
+        "float bytes",
+        set_field("l4", "memory_bytes", value=24.5e9),
+        "l4.memory_bytes must be a whole number >= 1",
+    ),
+    (
+        "nan",
+        set_field("a10g", "hbm_bytes_per_s", value=math.nan),
+        "a10g.hbm_bytes_per_s must be a finite number > 0 (or null",
+    ),
+    (
+        "infinite",
+        set_field("v100", "nvlink_bytes_per_s", value=math.inf),
+        "v100.nvlink_bytes_per_s must be a finite number > 0",
+    ),
+    ("zero", set_field("l4", "pcie_bytes_per_s", value=0), "l4.pcie_bytes_per_s must be a finite number > 0"),
+    (
+        "absurd peak",
+        set_field("b200", "dense_bf16_flop_per_s", value=1e30),
+        "b200.dense_bf16_flop_per_s must be a finite number > 0, at most 1e+18",
+    ),
+    (
+        "absurd SMs",
+        set_field("h200", "sms", value=5000),
+        "h200.sms must be a whole number >= 1 (or null: not on record), at most 1024",
+    ),
+    ("no source", drop_field("l4", "source"), "l4: missing source"),
+    ("empty source", set_field("l4", "source", value=""), "l4.source must be a non-empty string"),
+    ("unknown field", set_field("l4", "fp16_flop_per_s", value=1e14), "l4: unknown field(s) fp16_flop_per_s"),
+    (
+        "old field name",
+        renamed_field("l4", "memory_bytes", to="memory"),
+        "l4: unknown field(s) memory; missing memory_bytes",
+    ),
+    ("not a mapping", set_field("l4", value=121e12), "l4 must be a mapping of dense_bf16_flop_per_s"),
+    ("empty", lambda d: d.clear(), "no data sheet"),
+    ("duplicate", None, "key 'l4' given twice"),
+    ("truncated", None, "not a readable preset"),
+    ("nested too deep", None, "nested deeper than Python's parser follows"),
+]
+
+
+@pytest.mark.parametrize(("case", "edit", "said"), _SHEET_CASES, ids=[c[0] for c in _SHEET_CASES])
+def test_a_corrupted_data_sheet_is_refused_in_one_line(tmp_path, case, edit, said):
+    copy = tmp_path / "datasheets.json"
+    refused_in_one_line(read_datasheets, DATASHEETS_FILE, copy, case, edit, said)
+
+
+def test_the_shipped_data_sheets_read():
+    """The control: the shipped file passes the reader that refuses the copies above, as written."""
+    sheets = read_datasheets(DATASHEETS_FILE)
+    assert sheets == datasheets() and list(sheets) == [
+        "l4",
+        "a10g",
+        "v100",
+        "a100-40gb",
+        "h100",
+        "h200",
+        "b200",
+    ]
+    assert sheets["h200"].memory == int(141e9) and sheets["l4"].memory == 24 * GiB
+    assert sheets["b200"].memory is None and sheets["b200"].fp32_flops is None
+    written = json.loads(DATASHEETS_FILE.read_text())
+    for name, sheet in sheets.items():  # every number as the file gives it
+        assert [sheet.flops, sheet.fp32_flops, sheet.memory, sheet.sms] == [
+            written[name][k] for k in ("dense_bf16_flop_per_s", "fp32_flop_per_s", "memory_bytes", "sms")
+        ]

@@ -677,7 +677,7 @@ def test_memory_bound_classes_fitted_to_profiles_of_shapes_within_the_cache(rng)
     from mist.model.calibrate import _profile_op_work, fit_runtime_model
     from mist.model.profile_data import LayerProfile
     from mist.model.runtime import OP_CLASS
-    from mist.model.specs import GPUS
+    from mist.model.specs import gpus
 
     seconds_per_byte = rng.uniform(2e-9, 6e-9)  # ~0.25 GB/s: far below the nominal 20 GB/s
     profiles = []
@@ -690,14 +690,14 @@ def test_memory_bound_classes_fitted_to_profiles_of_shapes_within_the_cache(rng)
             ops[op] = (1e-5 + fwd * rate, 1e-5 + bwd * rate)
         profiles.append(LayerProfile(**{**p.__dict__, "ops": ops}))
     work = _profile_op_work(profiles[-1].model, "enc-attention-dropout", 4, 128, 1)[0]
-    assert work <= GPUS["cpu"].l2  # every sample within the cache: the case this covers
+    assert work <= gpus()["cpu"].l2  # every sample within the cache: the case this covers
     rm = fit_runtime_model(profiles, {}, "cpu", "small shapes")
     fitted = float(rm.curve("dropout")[0](work))
     assert fitted == pytest.approx(1e-5 + work * seconds_per_byte, rel=1e-6)
     # negative control: the data sheet's roofline (what the class got before) is far off
     from mist.model.runtime import _roofline
 
-    assert float(_roofline(GPUS["cpu"], "dropout")[0](work)) < 0.2 * fitted
+    assert float(_roofline(gpus()["cpu"], "dropout")[0](work)) < 0.2 * fitted
     # a GPU's profiles of small shapes: its plans run larger ones, so the class keeps the roofline
     gpu_profiles = [LayerProfile(**{**p.__dict__, "gpu_dir": "l4"}) for p in profiles]
     on_gpu = fit_runtime_model(gpu_profiles, {}, "l4", "small shapes on a GPU")

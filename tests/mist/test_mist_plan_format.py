@@ -11,7 +11,7 @@ import yaml
 
 from mist.__main__ import prediction_json
 from mist.model.budget import gpu_budget_bytes
-from mist.model.specs import MODELS, GiB
+from mist.model.specs import GiB, models
 from mist.plan import PLAN_FORMAT, Plan, PrePostPlan, StagePlan
 from mist.tuning.planner import predict
 
@@ -49,8 +49,8 @@ def _as_format_1(d: dict) -> dict:
 def _random_plan(rng: np.random.Generator) -> Plan:
     """A valid plan of random shape: a preset, TP x DP x stages on L4s or A100s, random layer
     split, recomputation, ZeRO, offloaded fractions, embedding/head strategy and host size."""
-    name = str(rng.choice([n for n in MODELS if not n.endswith("tiny")]))
-    m = MODELS[name]
+    name = str(rng.choice([n for n in models() if not n.endswith("tiny")]))
+    m = models()[name]
     tp = int(rng.choice([t for t in (1, 2, 4, 8) if m.heads % t == 0 and m.kv % t == 0]))
     dp, n_stages = int(rng.choice((1, 2))), int(rng.integers(1, 5))
     cuts = np.sort(rng.choice(np.arange(1, m.layers), n_stages - 1, replace=False))

@@ -1,7 +1,7 @@
-"""The fitted presets (runtime_<gpu>.json, interference_<gpu>.json, host_cpu_adam.json) are read
-through one strict reader each: a corrupted copy is refused in one line naming the file and the
-field; every shipped preset reads, and what `mist calibrate --write` and `mist profile-host --write`
-write reads back."""
+"""Mist's presets: the fitted ones (runtime_<gpu>.json, interference_<gpu>.json, host_cpu_adam.json)
+and the hand-written ones (models.json, clusters.json) are read through one strict reader each: a
+corrupted copy is refused in one line naming the file and the field; every shipped preset reads,
+and what `mist calibrate --write` and `mist profile-host --write` write reads back."""
 
 from __future__ import annotations
 
@@ -12,182 +12,366 @@ import shutil
 import numpy as np
 import pytest
 
+from measure import datasheets as measure_datasheets
+from measure.datasheets import datasheets
 from mist.__main__ import main
-from mist.model import runtime
+from mist.model import runtime, specs
 from mist.model.interference import read_interference_preset
 from mist.model.profile_data import ARTIFACT_DATA
 from mist.model.runtime import PRESETS, read_cpu_adam, read_runtime_preset
-
-
-def _set(*where, value):
-    """An edit: the field at ``where`` (keys and list indices) set to ``value``."""
-
-    def edit(d):
-        for key in where[:-1]:
-            d = d[key]
-        d[where[-1]] = value
-
-    return edit
-
-
-def _drop(*where):
-    def edit(d):
-        for key in where[:-1]:
-            d = d[key]
-        del d[where[-1]]
-
-    return edit
-
+from tests.preset_copies import corrupted, drop_field, refused_in_one_line, renamed_field, set_field
 
 # (name, edit of the parsed file, what the one line must say); "duplicate" and "truncated" edit its text
 _RUNTIME = [
     (
         "nan",
-        _set("curves", "act", 0, "rate", value=math.nan),
+        set_field("curves", "act", 0, "rate", value=math.nan),
         "curves.act[0].rate must be a finite number > 0",
     ),
-    ("zero", _set("curves", "gemm", 1, "rate", value=0), "curves.gemm[1].rate must be a finite number > 0"),
+    (
+        "zero",
+        set_field("curves", "gemm", 1, "rate", value=0),
+        "curves.gemm[1].rate must be a finite number > 0",
+    ),
     (
         "negative",
-        _set("curves", "gemm", 1, "rate", value=-5e13),
+        set_field("curves", "gemm", 1, "rate", value=-5e13),
         "curves.gemm[1].rate must be a finite number > 0",
     ),
     (  # was read as a constant: JSON has no Infinity, and a GEMM at it would be above any peak
         "infinite rate",
-        _set("curves", "gemm", 0, "rate", value=math.inf),
+        set_field("curves", "gemm", 0, "rate", value=math.inf),
         "curves.gemm[0].rate must be a finite number > 0 (or null: a time that does not grow with the work)",
     ),
     (
         "infinite collective",
-        _set("collectives", "all_reduce/2", "rate", value=math.inf),
+        set_field("collectives", "all_reduce/2", "rate", value=math.inf),
         "collectives.all_reduce/2.rate must be a finite number > 0",
     ),
     (
         "negative c0",
-        _set("curves", "norm", 0, "c0", value=-1e-6),
+        set_field("curves", "norm", 0, "c0", value=-1e-6),
         "curves.norm[0].c0 must be a finite number",
     ),
-    ("infinite c0", _set("curves", "norm", 0, "c0", value=math.inf), "curves.norm[0].c0 must be a finite"),
+    (
+        "infinite c0",
+        set_field("curves", "norm", 0, "c0", value=math.inf),
+        "curves.norm[0].c0 must be a finite",
+    ),
     # no upper bound before (probe round 5): every op priced at 1e308 s, a plan's sum at infinity
     (
         "absurd c0",
-        _set("curves", "norm", 0, "c0", value=1e308),
+        set_field("curves", "norm", 0, "c0", value=1e308),
         "curves.norm[0].c0 must be a finite number >= 0, at most 1e+18",
     ),
-    ("string", _set("curves", "norm", 0, "rate", value="2.3e11"), "curves.norm[0].rate must be a finite"),
-    ("bool", _set("collectives", "all_reduce/2", "c0", value=True), "collectives.all_reduce/2.c0 must be"),
-    ("wrong gpu", _set("gpu", value="h100"), "gpu must be 'l4' (the GPU its file name says), got 'h100'"),
-    ("gpu not a string", _set("gpu", value=4), "gpu must be a non-empty string"),
-    ("extra key", _set("fitted_by", value="me"), "unknown field(s) fitted_by"),
+    (
+        "string",
+        set_field("curves", "norm", 0, "rate", value="2.3e11"),
+        "curves.norm[0].rate must be a finite",
+    ),
+    (
+        "bool",
+        set_field("collectives", "all_reduce/2", "c0", value=True),
+        "collectives.all_reduce/2.c0 must be",
+    ),
+    (
+        "wrong gpu",
+        set_field("gpu", value="h100"),
+        "gpu must be 'l4' (the GPU its file name says), got 'h100'",
+    ),
+    ("gpu not a string", set_field("gpu", value=4), "gpu must be a non-empty string"),
+    ("extra key", set_field("fitted_by", value="me"), "unknown field(s) fitted_by"),
     (
         "extra curve",
-        _set("curves", "attention", value=[{"c0": 0, "rate": 1}] * 2),
+        set_field("curves", "attention", value=[{"c0": 0, "rate": 1}] * 2),
         "unknown field(s) attention",
     ),
-    ("extra line field", _set("curves", "act", 0, "c1", value=0.0), "curves.act[0]: unknown field(s) c1"),
-    ("missing curve", _drop("curves", "act"), "curves: missing act"),
-    ("missing key", _drop("source"), "missing source"),
+    (
+        "extra line field",
+        set_field("curves", "act", 0, "c1", value=0.0),
+        "curves.act[0]: unknown field(s) c1",
+    ),
+    ("missing curve", drop_field("curves", "act"), "curves: missing act"),
+    ("missing key", drop_field("source"), "missing source"),
     (
         "one line",
-        _set("curves", "act", value=[{"c0": 0.0, "rate": 1e11}]),
+        set_field("curves", "act", value=[{"c0": 0.0, "rate": 1e11}]),
         "curves.act must be [forward line",
     ),
     (
         "collective kind",
-        _set("collectives", "allreduce/2", value={"c0": 0, "rate": 1}),
+        set_field("collectives", "allreduce/2", value={"c0": 0, "rate": 1}),
         "'allreduce/2' is not",
     ),
-    ("collective of one", _set("collectives", "all_reduce/1", value={"c0": 0, "rate": 1}), "'all_reduce/1'"),
+    (
+        "collective of one",
+        set_field("collectives", "all_reduce/1", value={"c0": 0, "rate": 1}),
+        "'all_reduce/1'",
+    ),
     (
         "collective of 20 digits",
-        _set("collectives", "all_reduce/99999999999999999999", value={"c0": 0, "rate": 1}),
+        set_field("collectives", "all_reduce/99999999999999999999", value={"c0": 0, "rate": 1}),
         "N a whole number from 2 to 2**20",
     ),
     (
         "collective past any machine",
-        _set("collectives", f"all_reduce/{2**20 + 1}", value={"c0": 0, "rate": 1}),
+        set_field("collectives", f"all_reduce/{2**20 + 1}", value={"c0": 0, "rate": 1}),
         f"'all_reduce/{2**20 + 1}' is not",
     ),
     ("duplicate", None, "key 'gpu' given twice"),
     ("truncated", None, "not a readable preset"),
     ("nested too deep", None, "nested deeper than Python's parser follows"),
-    ("huge rate", _set("curves", "norm", 0, "rate", value=10**400), "beyond any number read here"),
+    ("huge rate", set_field("curves", "norm", 0, "rate", value=10**400), "beyond any number read here"),
 ]
 _INTERFERENCE = [
-    ("nan", _set("factors", "compute", "compute+g2g", value=math.nan), "factors.compute.compute+g2g must be"),
+    (
+        "nan",
+        set_field("factors", "compute", "compute+g2g", value=math.nan),
+        "factors.compute.compute+g2g must be",
+    ),
     (
         "below 1",
-        _set("factors", "g2g", "g2g+h2d", value=0.5),
+        set_field("factors", "g2g", "g2g+h2d", value=0.5),
         "factors.g2g.g2g+h2d must be a finite number >= 1",
     ),
-    ("string", _set("factors", "h2d", "compute+h2d", value="2.0"), "factors.h2d.compute+h2d must be"),
-    ("unknown combo", _set("factors", "compute", "compute+gpu", value=1.5), "unknown field(s) compute+gpu"),
-    ("reordered combo", _set("factors", "compute", "g2g+compute", value=1.5), "unknown field(s) g2g+compute"),
-    ("missing combo", _drop("factors", "d2h", "h2d+d2h"), "factors.d2h: missing h2d+d2h"),
-    ("missing channel", _drop("factors", "d2h"), "factors: missing d2h"),
-    ("solo slowed", _set("factors", "compute", "compute", value=2.0), "factors.compute.compute must be 1"),
+    ("string", set_field("factors", "h2d", "compute+h2d", value="2.0"), "factors.h2d.compute+h2d must be"),
+    (
+        "unknown combo",
+        set_field("factors", "compute", "compute+gpu", value=1.5),
+        "unknown field(s) compute+gpu",
+    ),
+    (
+        "reordered combo",
+        set_field("factors", "compute", "g2g+compute", value=1.5),
+        "unknown field(s) g2g+compute",
+    ),
+    ("missing combo", drop_field("factors", "d2h", "h2d+d2h"), "factors.d2h: missing h2d+d2h"),
+    ("missing channel", drop_field("factors", "d2h"), "factors: missing d2h"),
+    (
+        "solo slowed",
+        set_field("factors", "compute", "compute", value=2.0),
+        "factors.compute.compute must be 1",
+    ),
     (
         "negative host rate",
-        _set("host_rates", "h2d", value=-1.0),
+        set_field("host_rates", "h2d", value=-1.0),
         "host_rates.h2d must be a finite number > 0",
     ),
-    ("unknown host rate", _set("host_rates", "p2p", value=1e9), "host_rates: unknown field(s) p2p"),
-    ("extra key", _set("gpu", value="l4"), "unknown field(s) gpu"),
-    ("missing key", _drop("host_rates"), "missing host_rates"),
+    ("unknown host rate", set_field("host_rates", "p2p", value=1e9), "host_rates: unknown field(s) p2p"),
+    ("extra key", set_field("gpu", value="l4"), "unknown field(s) gpu"),
+    ("missing key", drop_field("host_rates"), "missing host_rates"),
     ("duplicate", None, "key 'source' given twice"),
     ("truncated", None, "not a readable preset"),
     ("nested too deep", None, "nested deeper than Python's parser follows"),
-    ("huge factor", _set("factors", "compute", "compute+g2g", value=-(10**400)), "beyond any number"),
+    ("huge factor", set_field("factors", "compute", "compute+g2g", value=-(10**400)), "beyond any number"),
     # no upper bound before (probe round 5): a slowdown of 1e308 read; the fit's own bound is 20
     (
         "absurd factor",
-        _set("factors", "compute", "compute+g2g", value=1e308),
+        set_field("factors", "compute", "compute+g2g", value=1e308),
         "must be a finite number >= 1, at most 20",
     ),
-    ("factor 21", _set("factors", "compute", "compute+g2g", value=21), "at most 20, got 21"),
+    ("factor 21", set_field("factors", "compute", "compute+g2g", value=21), "at most 20, got 21"),
     (
         "absurd host rate",
-        _set("host_rates", "h2d", value=1e30),
+        set_field("host_rates", "h2d", value=1e30),
         "host_rates.h2d must be a finite number > 0, at most 1e+18",
     ),
 ]
 _HOST = [
-    ("nan", _set("params_per_s", 0, value=math.nan), "params_per_s[0] must be a finite number > 0"),
-    ("negative", _set("params_per_s", 1, value=-1.0), "params_per_s[1] must be a finite number > 0"),
+    ("nan", set_field("params_per_s", 0, value=math.nan), "params_per_s[0] must be a finite number > 0"),
+    ("negative", set_field("params_per_s", 1, value=-1.0), "params_per_s[1] must be a finite number > 0"),
     (
         "string",
-        _set("bytes_moved_per_param", value="28"),
+        set_field("bytes_moved_per_param", value="28"),
         "bytes_moved_per_param must be a finite number > 0",
     ),
     (
         "zero bytes",
-        _set("bytes_moved_per_param", value=0),
+        set_field("bytes_moved_per_param", value=0),
         "bytes_moved_per_param must be a finite number > 0",
     ),
-    ("no one thread", _set("threads", 0, value=3), "threads must be distinct thread counts with 1 among"),
-    ("a thread twice", _set("threads", 1, value=1), "threads must be distinct thread counts"),
-    ("a rate short", _drop("params_per_s", 1), "params_per_s must be a list of one rate a thread count"),
-    ("float thread", _set("threads", 1, value=2.0), "threads[1] must be a whole number >= 1"),
-    ("no params", _set("params", value=0), "params must be a whole number >= 1"),
-    ("cpu not a string", _set("cpu", value=None), "cpu must be a non-empty string"),
-    ("extra key", _set("gpu", value="l4"), "unknown field(s) gpu"),
-    ("missing key", _drop("measured"), "missing measured"),
+    (
+        "no one thread",
+        set_field("threads", 0, value=3),
+        "threads must be distinct thread counts with 1 among",
+    ),
+    ("a thread twice", set_field("threads", 1, value=1), "threads must be distinct thread counts"),
+    ("a rate short", drop_field("params_per_s", 1), "params_per_s must be a list of one rate a thread count"),
+    ("float thread", set_field("threads", 1, value=2.0), "threads[1] must be a whole number >= 1"),
+    ("no params", set_field("params", value=0), "params must be a whole number >= 1"),
+    ("cpu not a string", set_field("cpu", value=None), "cpu must be a non-empty string"),
+    ("extra key", set_field("gpu", value="l4"), "unknown field(s) gpu"),
+    ("missing key", drop_field("measured"), "missing measured"),
     ("duplicate", None, "key 'optimizer' given twice"),
     ("truncated", None, "not a readable preset"),
     ("nested too deep", None, "nested deeper than Python's parser follows"),
-    ("huge params", _set("params", value=int("9" * 400)), "(400 characters): beyond any number"),
+    ("huge params", set_field("params", value=int("9" * 400)), "(400 characters): beyond any number"),
     # no upper bound before (probe round 5): 10**30 threads read as a count
-    ("absurd threads", _set("threads", 1, value=10**30), "threads[1] must be a whole number >= 1, at most"),
+    (
+        "absurd threads",
+        set_field("threads", 1, value=10**30),
+        "threads[1] must be a whole number >= 1, at most",
+    ),
     (
         "absurd rate",
-        _set("params_per_s", 0, value=1e30),
+        set_field("params_per_s", 0, value=1e30),
         "params_per_s[0] must be a finite number > 0, at most 1e+18",
     ),
+]
+_MODELS = [
+    (
+        "string size",
+        set_field("sizes", "7b", "hidden", value="4096"),
+        "sizes.7b.hidden must be a whole number >= 1",
+    ),
+    ("true for a number", set_field("tiny", "layers", value=True), "tiny.layers must be a whole number >= 1"),
+    (
+        "float size",
+        set_field("sizes", "1.3b", "layers", value=24.0),
+        "sizes.1.3b.layers must be a whole number",
+    ),
+    (
+        "past the bound",
+        set_field("sizes", "22b", "layers", value=10**6),
+        "sizes.22b.layers must be a whole number >= 1, at most 256",
+    ),
+    (
+        "heads not dividing",
+        set_field("sizes", "7b", "heads", value=33),
+        "model gpt3-7b: hidden (4096) must be a multiple of heads (33)",
+    ),
+    (
+        "unknown choice",
+        set_field("families", "llama", "gated", value=True),
+        "families.llama: unknown field(s) gated",
+    ),
+    (
+        "choice not a bool",
+        set_field("families", "falcon", "parallel_block", value=1),
+        "families.falcon.parallel_block must be true or false",
+    ),
+    (
+        "unknown norm",
+        set_field("families", "llama", "norm", value="batchnorm"),
+        "families.llama.norm must be one of layernorm, rmsnorm",
+    ),
+    (
+        "nan dropout",
+        set_field("families", "llama", "dropout", value=math.nan),
+        "families.llama.dropout must be a finite number >= 0",
+    ),
+    (
+        "dropout of 1",
+        set_field("families", "llama", "dropout", value=1.0),
+        "model llama-1.3b: dropout must be a number in [0, 1)",
+    ),
+    ("missing size field", drop_field("sizes", "1.3b", "heads"), "sizes.1.3b: missing heads"),
+    (
+        "size with a choice",
+        set_field("sizes", "7b", "vocab", value=32000),
+        "sizes.7b: unknown field(s) vocab",
+    ),
+    ("no sizes", set_field("sizes", value={}), "sizes must be a non-empty mapping of names to fields"),
+    ("extra key", set_field("gpus", value={}), "unknown field(s) gpus"),
+    ("source not a string", set_field("tiny_source", value=None), "tiny_source must be a non-empty string"),
+    ("duplicate", None, "key 'sizes' given twice"),
+    ("truncated", None, "not a readable preset"),
+    ("nested too deep", None, "nested deeper than Python's parser follows"),
+]
+
+
+def _device_for(name: str):
+    def edit(d):
+        d[name]["device"] = d["cpu"]["device"]
+
+    return edit
+
+
+def _copied(source: str, name: str):
+    def edit(d):
+        d[name] = d[source]
+
+    return edit
+
+
+_NVLINK_OR = 'must be a finite number > 0 (or "nvlink": the data sheet\'s, where it has one)'
+_CLUSTERS = [
+    (
+        "string bandwidth",
+        set_field("l4", "intra", "bytes_per_s", value="16e9"),
+        f"l4.intra.bytes_per_s {_NVLINK_OR}",
+    ),
+    (
+        "nvlink on PCIe",
+        set_field("l4", "intra", "bytes_per_s", value="nvlink"),
+        f"{_NVLINK_OR}, at most 1e+18, got 'nvlink'",
+    ),
+    (
+        "nvlink between nodes",
+        set_field("h100", "inter", "bytes_per_s", value="nvlink"),
+        "h100.inter.bytes_per_s must be a finite number > 0, at most",
+    ),
+    (
+        "negative latency",
+        set_field("l4", "inter", "latency_s", value=-1e-6),
+        "l4.inter.latency_s must be a finite number >= 0",
+    ),
+    (
+        "true latency",
+        set_field("a10g", "intra", "latency_s", value=True),
+        "a10g.intra.latency_s must be a finite number",
+    ),
+    (
+        "infinite bandwidth",
+        set_field("cpu", "inter", "bytes_per_s", value=math.inf),
+        "cpu.inter.bytes_per_s must be a finite number > 0",
+    ),
+    (
+        "float memory",
+        set_field("l4", "host", "memory_bytes", value=4.1e11),
+        "l4.host.memory_bytes must be a whole number >= 1",
+    ),
+    (
+        "absurd memory",
+        set_field("l4", "host", "memory_bytes", value=2**60),
+        "l4.host.memory_bytes must be a whole number >= 1, at most 1125899906842624",
+    ),
+    ("no cores", set_field("h200", "host", "cores", value=0), "h200.host.cores must be a whole number >= 1"),
+    (
+        "both DRAM forms",
+        set_field("l4", "host", "dram_bytes_per_s", value=1e11),
+        "l4.host: give dram_bytes_per_s or all of sockets, channels, dram_mega_transfers_per_s",
+    ),
+    (
+        "half a DRAM form",
+        drop_field("v100", "host", "channels"),
+        "v100.host: give dram_bytes_per_s or all of",
+    ),
+    ("no source", drop_field("l4", "intra", "source"), "l4.intra: missing source"),
+    ("unknown field", set_field("l4", "nic", value=1), "l4: unknown field(s) nic"),
+    (
+        "no data sheet",
+        renamed_field("l4", to="x100"),
+        "x100: no data sheet with memory, HBM, PCIe and L2 in datasheets.json",
+    ),
+    ("a partial data sheet", _copied("h200", "b200"), "b200: no data sheet with memory, HBM, PCIe and L2"),
+    ("a device beside a data sheet", _device_for("l4"), "l4.device: l4 has a data sheet in datasheets.json"),
+    ("device field missing", drop_field("cpu", "device", "l2_bytes"), "cpu.device: missing l2_bytes"),
+    (
+        "device string",
+        set_field("cpu", "device", "hbm_bytes_per_s", value="20e9"),
+        "cpu.device.hbm_bytes_per_s must be a finite number > 0",
+    ),
+    ("duplicate", None, "key 'l4' given twice"),
+    ("truncated", None, "not a readable preset"),
+    ("nested too deep", None, "nested deeper than Python's parser follows"),
 ]
 _READERS = {
     "runtime_l4.json": lambda path: read_runtime_preset(path, "l4"),
     "interference_l4.json": read_interference_preset,
     "host_cpu_adam.json": read_cpu_adam,
+    "models.json": specs.read_models,
+    "clusters.json": specs.read_clusters,
 }
 _CASES = [
     pytest.param(name, edit, said, case, id=f"{name.removesuffix('.json')}-{case}")
@@ -195,36 +379,16 @@ _CASES = [
         ("runtime_l4.json", _RUNTIME),
         ("interference_l4.json", _INTERFERENCE),
         ("host_cpu_adam.json", _HOST),
+        ("models.json", _MODELS),
+        ("clusters.json", _CLUSTERS),
     )
     for case, edit, said in cases
 ]
 
 
-def _corrupted(name: str, case: str, edit) -> str:
-    text = (PRESETS / name).read_text()
-    if case == "truncated":  # a write a kill cut short
-        return text[: len(text) // 2]
-    if case == "nested too deep":  # a RecursionError traceback from the parser
-        return "[" * 100_000 + "]" * 100_000
-    d = json.loads(text)
-    if case == "duplicate":  # the first field again, first: a plain reader takes the last one
-        first = next(iter(d))
-        return "{" + json.dumps(first) + ": " + json.dumps(d[first]) + "," + text.lstrip()[1:]
-    edit(d)
-    return json.dumps(d, indent=1)
-
-
 @pytest.mark.parametrize(("name", "edit", "said", "case"), _CASES)
 def test_a_corrupted_preset_is_refused_in_one_line(tmp_path, name, edit, said, case):
-    path = tmp_path / name
-    path.write_text(_corrupted(name, case, edit))
-    if case not in ("truncated", "nested too deep"):  # control: JSON json.loads took, as read before
-        json.loads(path.read_text())
-    with pytest.raises(ValueError) as e:
-        _READERS[name](path)
-    message = str(e.value)
-    assert message.startswith(f"{path}: ") and "\n" not in message, message
-    assert said in message, message
+    refused_in_one_line(_READERS[name], PRESETS / name, tmp_path / name, case, edit, said)
 
 
 @pytest.mark.parametrize("path", sorted(PRESETS.glob("*.json")), ids=lambda p: p.name)
@@ -235,6 +399,14 @@ def test_every_shipped_preset_reads(path):
         assert model.to_json() == json.loads(path.read_text())  # read as written, nothing changed
     elif path.name.startswith("interference_"):
         assert read_interference_preset(path).to_json() == json.loads(path.read_text())
+    elif path.name == "models.json":
+        families, models = specs.read_models(path)
+        assert models == specs.models() and families == specs.families() and "llama-tiny" in models
+    elif path.name == "clusters.json":
+        assert specs.read_clusters(path) == (specs.gpus(), specs.links(), specs.hosts())
+        assert (
+            specs.gpus()["h100"].fp32_flops == 67e12 and specs.links()["h100"][0].bw == 450e9
+        )  # the sheet's
     else:
         assert path.name == "host_cpu_adam.json" and read_cpu_adam(path).per_core_params_per_s > 0
 
@@ -271,10 +443,57 @@ def test_a_corrupted_shipped_preset_stops_a_prediction_in_one_line(tmp_path, cap
     monkeypatch.setattr(runtime, "PRESETS", presets)
     assert main(["predict", str(plan)]) == 0  # the control: the copies as shipped
     capsys.readouterr()
-    (presets / "runtime_l4.json").write_text(_corrupted("runtime_l4.json", "nan", _RUNTIME[0][1]))
+    (presets / "runtime_l4.json").write_text(corrupted(PRESETS / "runtime_l4.json", "nan", _RUNTIME[0][1]))
     assert main(["predict", str(plan)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "runtime_l4.json: curves.act[0].rate" in err, err
+
+
+@pytest.fixture
+def fresh_presets():
+    """The hand-written presets read afresh in the test (its copies), and as shipped after it."""
+    readers = (datasheets, specs._model_presets, specs._cluster_presets)
+    for reader in readers:
+        reader.cache_clear()
+    yield
+    for reader in readers:
+        reader.cache_clear()
+
+
+@pytest.mark.parametrize(
+    ("module", "attribute", "name", "edit", "said"),
+    [
+        ("specs", "MODELS_FILE", "models.json", set_field("tiny", "heads", value="4"), "tiny.heads must be"),
+        ("specs", "CLUSTERS_FILE", "clusters.json", drop_field("l4", "host"), "l4: missing host"),
+        (
+            "datasheets",
+            "DATASHEETS_FILE",
+            "datasheets.json",
+            set_field("l4", "sms", value=0),
+            "l4.sms must be",
+        ),
+    ],
+    ids=["models", "clusters", "datasheets"],
+)
+def test_a_corrupted_hand_written_preset_stops_the_command_line_in_one_line(
+    tmp_path, capsys, monkeypatch, fresh_presets, module, attribute, name, edit, said
+):
+    """The command line's parser lists the presets: a broken file is one line, status 2, whatever
+    the command (`mist list`, `mist plan`). Control: the same commands with a copy as shipped."""
+    owner = {"specs": specs, "datasheets": measure_datasheets}[module]
+    shipped, copy = getattr(owner, attribute), tmp_path / name
+    monkeypatch.setattr(owner, attribute, copy)
+    plan = ["plan", "--model", "gpt3-tiny", "--gpu", "cpu", "--gpus", "2", "--global-batch", "8", "--quiet"]
+    copy.write_text(shipped.read_text())
+    assert main(["list"]) == 0 and main(plan) == 0  # the control
+    capsys.readouterr()
+    copy.write_text(corrupted(shipped, "edit", edit))
+    for reader in (datasheets, specs._model_presets, specs._cluster_presets):
+        reader.cache_clear()
+    for argv in (["list"], plan):
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0 and f"{copy}: {said}" in err, err
 
 
 def test_calibrate_writes_presets_that_read_back(tmp_path, monkeypatch, capsys):
@@ -324,7 +543,7 @@ def test_profile_host_writes_a_preset_that_reads_back(tmp_path, monkeypatch, cap
 
 def test_a_whole_number_beyond_a_float_fails_the_number_check_in_one_line():
     """math.isfinite of a 400-digit integer raised OverflowError inside the check meant to refuse it."""
-    from mist.model.preset_files import number
+    from measure.presets import number
 
     with pytest.raises(
         ValueError, match=r"p.json: rate must be a finite number >= 0, at most 1e\+18, got 1000"

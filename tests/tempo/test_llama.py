@@ -284,7 +284,7 @@ def test_a_decoder_layer_keeps_its_closed_form(configuration, monkeypatch):
     size, MLP width, vocabulary and sequence drawn each run)."""
     from artifacts.tempo_bert.run import model_saved_bytes
     from artifacts.tempo_llama.run import closed_form_bytes
-    from tempo.models import MODELS, ModelSpec
+    from tempo.models import ModelSpec, models
 
     g = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
 
@@ -294,7 +294,7 @@ def test_a_decoder_layer_keeps_its_closed_form(configuration, monkeypatch):
     kv = draw(1, 3)
     heads, head_dim, seq = kv * draw(1, 3), 8 * draw(1, 3), draw(8, 48)
     spec = ModelSpec("llama", heads * head_dim, 2, heads, draw(64, 300), 64, ffn=8 * draw(2, 24), kv_heads=kv)
-    monkeypatch.setitem(MODELS, "llama-drawn", spec)
+    monkeypatch.setitem(models(), "llama-drawn", spec)
     per_layer = model_saved_bytes("llama-drawn", configuration, seq, 2)[0]
     per_layer -= model_saved_bytes("llama-drawn", configuration, seq, 1)[0]
     assert per_layer == closed_form_bytes(spec, configuration, seq), (spec, seq)

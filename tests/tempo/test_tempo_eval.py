@@ -7,7 +7,8 @@ import torch
 from transformers.utils import logging as hf_logging
 
 from tempo import maxbatch
-from tempo.models import CONFIGURATIONS, HEADS, MODELS, build_model, make_batch
+from tempo.models import CONFIGURATIONS, HEADS, MODELS_FILE, build_model, make_batch, models, read_models
+from tests.preset_copies import corrupted, drop_field, refused_in_one_line, set_field
 
 hf_logging.set_verbosity_error()
 
@@ -115,7 +116,7 @@ def test_closed_forms_per_layer_inside_the_model(configuration, sbh, as2b):
     assert r["closed_form_bytes"]["sbh"] == pytest.approx(sbh, abs=0.02)
     assert r["closed_form_bytes"]["as2b"] == pytest.approx(as2b, abs=0.01)
     assert r["closed_form_error"] < 1e-3
-    assert MODELS["bert-base"].layers * r["per_layer_bytes"] < r["per_model_bytes"]
+    assert models()["bert-base"].layers * r["per_layer_bytes"] < r["per_model_bytes"]
 
 
 @pytest.mark.parametrize("configuration", ["checkpointing", "hf-sdpa", "tempo+sdpa"])
@@ -253,3 +254,83 @@ def test_compile_rows_max_batch_counts_what_compile_keeps(monkeypatch):
     assert row["2GB"]["max_batch"] > plain["2GB"]["max_batch"]
     with pytest.raises(ValueError, match="needs the default budget"):
         maxbatch_point("gpt2-mini", "pretraining", 256, "fp16", "hf-eager+compile-at-tempo")
+
+
+_MODEL_CASES = [
+    (
+        "unknown family",
+        set_field("bert-base", "family", value="t5"),
+        "bert-base.family must be one of bert, roberta, gpt2, llama",
+    ),
+    (
+        "string size",
+        set_field("bert-base", "hidden", value="768"),
+        "bert-base.hidden must be a whole number >= 1",
+    ),
+    ("true for a number", set_field("gpt2", "layers", value=True), "gpt2.layers must be a whole number >= 1"),
+    ("float size", set_field("gpt2", "vocab", value=50257.0), "gpt2.vocab must be a whole number >= 1"),
+    ("no layers", set_field("bert-mini", "layers", value=0), "bert-mini.layers must be a whole number >= 1"),
+    (
+        "absurd positions",
+        set_field("gpt2", "max_positions", value=10**30),
+        "gpt2.max_positions must be a whole number >= 1, at most",
+    ),
+    (
+        "tie not a bool",
+        set_field("llama-3.2-1b", "tie_embeddings", value=1),
+        "llama-3.2-1b.tie_embeddings must be true or false",
+    ),
+    (
+        "heads not dividing",
+        set_field("bert-base", "heads", value=7),
+        "bert-base: hidden (768) must be a multiple of heads (7)",
+    ),
+    (
+        "kv heads not dividing",
+        set_field("llama-3-8b", "kv_heads", value=5),
+        "llama-3-8b: hidden (4096) must be a multiple of heads (32), heads of kv_heads (5)",
+    ),
+    ("no source", drop_field("gpt2-xl", "source"), "gpt2-xl: missing source"),
+    ("unknown field", set_field("gpt2", "dropout", value=0.1), "gpt2: unknown field(s) dropout"),
+    ("empty", lambda d: d.clear(), "no model"),
+    ("duplicate", None, "key 'bert-base' given twice"),
+    ("truncated", None, "not a readable preset"),
+    ("nested too deep", None, "nested deeper than Python's parser follows"),
+]
+
+
+@pytest.mark.parametrize(("case", "edit", "said"), _MODEL_CASES, ids=[c[0] for c in _MODEL_CASES])
+def test_a_corrupted_model_preset_is_refused_in_one_line(tmp_path, case, edit, said):
+    refused_in_one_line(read_models, MODELS_FILE, tmp_path / "models.json", case, edit, said)
+
+
+def test_the_shipped_model_presets_read():
+    """The control: the shipped file passes the reader that refuses the copies above."""
+    presets = read_models(MODELS_FILE)
+    assert presets == models() and list(presets)[:2] == ["bert-base", "bert-large"]
+    assert presets["llama-3.2-1b"].tie_embeddings and presets["llama-mini"].kv_heads == 2
+    assert presets["gpt2-xl"].ffn is None and presets["roberta-base"].max_positions == 514
+
+
+def test_a_corrupted_model_preset_stops_maxbatch_in_one_line(tmp_path, capsys, monkeypatch):
+    """`--model`'s choices are the presets: a broken file is one line, status 2. Control: a copy as
+    shipped gets as far as the next bad argument."""
+    from tempo import models as tempo_models
+
+    copy = tmp_path / "models.json"
+    monkeypatch.setattr(tempo_models, "MODELS_FILE", copy)
+    argv = ["--model", "bert-mini", "--seq", "0", "--gpu-mem", "16GB"]
+    try:
+        copy.write_text(MODELS_FILE.read_text())
+        models.cache_clear()
+        with pytest.raises(SystemExit) as e:
+            maxbatch.main(argv)
+        assert e.value.code == 2 and "--seq" in capsys.readouterr().err  # the control
+        copy.write_text(corrupted(MODELS_FILE, "edit", set_field("bert-mini", "vocab", value=None)))
+        models.cache_clear()
+        with pytest.raises(SystemExit) as e:
+            maxbatch.main(argv)
+        err = capsys.readouterr().err.strip()
+        assert e.value.code == 2 and err.count("\n") == 0 and f"{copy}: bert-mini.vocab must be" in err, err
+    finally:
+        models.cache_clear()

@@ -41,7 +41,7 @@ from .runtime import (
     residual_stream_bytes,
     tempo_work,
 )
-from .specs import GPUS, GRAD_ACCUMULATION, ModelSpec
+from .specs import GRAD_ACCUMULATION, ModelSpec, gpus
 from .symbolic import head_costs, layer_costs, value
 
 # curves fitted to a whole layer's time beyond something else (its ops; the plain layer)
@@ -106,7 +106,7 @@ def fit_runtime_model(
     what the profiles ran in, whose peak bounds the fitted FLOP/s (``check_rates``)."""
     # (class, direction) -> [(work, seconds, data fits in L2)]
     samples: dict[tuple[str, int], list[tuple[float, float, bool]]] = {}
-    l2 = GPUS[gpu].l2 if gpu in GPUS else 0
+    l2 = gpus()[gpu].l2 if gpu in gpus() else 0
     for p in best_algo(profiles):
         model = p.model
         for op, (fwd_s, bwd_s) in p.ops.items():
@@ -156,7 +156,7 @@ def peak_flops(gpu: str, dtype: str) -> float:
     """The data-sheet FLOP/s peak of ``gpu`` in ``dtype``: the tensor cores' in half precision, the
     CUDA cores' in float32 (a quarter to a sixteenth of it: checked against the half-precision
     peak, a float32 fit 4x too fast would pass)."""
-    spec = GPUS[gpu]
+    spec = gpus()[gpu]
     if dtype in HALF_DTYPES:
         return spec.flops
     if dtype in FP32_DTYPES and spec.fp32_flops is not None:
@@ -170,7 +170,7 @@ def check_rates(model: RuntimeModel, dtype: str = "fp16") -> None:
     every memory-bound one within the HBM bandwidth; a curve of these that does not grow with its
     work (a constant: an infinite rate) is above both. The ``cpu`` device has nominal numbers only:
     its lines are checked finite and > 0 where they are made (``Line``), not against a peak."""
-    spec = GPUS.get(model.gpu)
+    spec = gpus().get(model.gpu)
     if spec is None or model.gpu == "cpu":
         return
     flops = peak_flops(model.gpu, dtype)

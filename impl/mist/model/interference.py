@@ -17,9 +17,8 @@ from pathlib import Path
 import numpy as np
 
 from measure.checks import finite
+from measure.presets import check_fields, load_preset, number, text
 from measure.strict import read_json_file
-
-from .preset_files import check_fields, load_preset, number, text
 
 CHANNELS = ("compute", "g2g", "h2d", "d2h")
 # The largest slowdown a preset may hold: what fit_interference fits factors within (its
@@ -94,7 +93,7 @@ class Interference:
     @classmethod
     def from_json(cls, d: dict, path: Path | str = "an interference preset") -> Interference:
         """The model an interference preset (``to_json``'s mapping) describes, read strictly (see
-        ``preset_files``): exactly its fields; per channel a factor for every set of channels it
+        ``measure.presets``): exactly its fields; per channel a factor for every set of channels it
         runs with, named as ``to_json`` names them (CHANNELS' order, joined by "+"), each a finite
         slowdown >= 1 and 1 alone; host rates finite bytes/s > 0. ``path`` names the file in the
         one-line errors."""

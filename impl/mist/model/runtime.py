@@ -28,7 +28,8 @@ from pathlib import Path
 import numpy as np
 import sympy as sp
 
-from .preset_files import check_fields, count, load_preset, number, text
+from measure.presets import check_fields, count, load_preset, number, text
+
 from .profile_data import (
     FRAMEWORK_OP,
     GRAD_ACCUMULATE_OP,
@@ -36,7 +37,7 @@ from .profile_data import (
     TEMPO_GATED_OP,
     TEMPO_OP,
 )
-from .specs import GPUS, ClusterSpec, ModelSpec
+from .specs import ClusterSpec, ModelSpec, gpus
 from .symbolic import as_integers, b, head_costs, numeric, s, t, trace_layer, value
 
 PRESETS = Path(__file__).parent / "presets"
@@ -241,7 +242,7 @@ class RuntimeModel:
             return self.curves[cls]
         if cls == "attention" and "bmm" in self.curves:  # fused attention: as fast as its GEMMs
             return self.curves["gemm"]
-        return _roofline(GPUS[self.gpu], cls)
+        return _roofline(gpus()[self.gpu], cls)
 
     def collective(
         self, kind: str, nbytes, n: int, cluster: ClusterSpec | None = None, inter_node: bool | None = None
@@ -344,7 +345,7 @@ class RuntimeModel:
         cls, d: dict, path: Path | str = "a runtime preset", gpu: str | None = None
     ) -> RuntimeModel:
         """The model a runtime preset (``to_json``'s mapping) describes, read strictly (see
-        ``preset_files``): exactly its fields; every line a finite c0 >= 0 and a finite rate > 0
+        ``measure.presets``): exactly its fields; every line a finite c0 >= 0 and a finite rate > 0
         (null: a time that does not grow with the work, as ``calibrate.fit_line`` may fit); the layer's
         curves all there (a missing one would be priced by the data-sheet roofline without a
         word); collectives the kinds the model looks up; ``gpu`` (the file's name says it) the
@@ -430,8 +431,8 @@ def _roofline(gpu, cls: str) -> tuple[Line, Line]:
 
 
 def roofline_model(gpu: str) -> RuntimeModel:
-    if gpu not in GPUS:
-        raise ValueError(f"unknown GPU {gpu!r}; presets: {', '.join(GPUS)}")
+    if gpu not in gpus():
+        raise ValueError(f"unknown GPU {gpu!r}; presets: {', '.join(gpus())}")
     return RuntimeModel(gpu, {}, {}, "roofline from the data sheet (default efficiencies)")
 
 
@@ -465,7 +466,7 @@ HOST_PRESET_FIELDS = (
 
 def cpu_adam_preset(d: dict, path: Path | str = "a host preset") -> CpuAdam:
     """The host step a host preset (``profile_cpu_adam``'s mapping) describes, read strictly (see
-    ``preset_files``): exactly its fields; ``threads`` distinct whole numbers >= 1 with 1 among
+    ``measure.presets``): exactly its fields; ``threads`` distinct whole numbers >= 1 with 1 among
     them (the per-core rate is one thread's), ``params_per_s`` one finite rate > 0 for each,
     ``bytes_moved_per_param`` a finite number > 0 (not the string "28")."""
     check_fields(path, "", d, HOST_PRESET_FIELDS)

@@ -1,17 +1,25 @@
 """What the planner plans for: the model, the GPU, the cluster. Presets for the Mist paper's cases.
 
 Every size here is in elements or bytes, every rate in per-second units; one dataclass each is
-the single source of shapes and hardware numbers for the whole planner.
+the single source of shapes and hardware numbers for the whole planner. The presets are JSON files
+in presets/, read on first use (then cached), never at import, through the strict checks of
+``measure.presets``: models.json (the paper's sizes, the families' layer choices, the tiny shape;
+``models()``), clusters.json (per GPU preset its links, its host, and the numbers of a device with
+no data sheet; ``gpus()``, ``links()``, ``hosts()``) and the data sheets of
+``measure.datasheets``. Add a preset by adding an entry to the file (``python -m mist list``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 from measure.checks import real, whole
-from measure.datasheets import DATASHEETS, FP32_FLOPS
-from measure.units import GB, GiB, MiB
+from measure.datasheets import DATASHEETS_FILE, datasheets
+from measure.presets import MAX_PRESET_BYTES, check_fields, count, flag, load_preset, number, text
+from measure.units import GiB
 
 NORMS = ("layernorm", "rmsnorm")
 POSITIONS = ("learned", "rotary")
@@ -122,31 +130,94 @@ class ModelSpec:
         return replace(self, **changes)
 
 
-_SIZES = {  # the Mist paper's model sizes: hidden, layers, heads
-    "1.3b": (2048, 24, 16),
-    "2.7b": (2560, 32, 32),
-    "7b": (4096, 32, 32),
-    "13b": (5120, 40, 40),
-    "22b": (6144, 48, 64),
-}
-# The families' layer choices (Llama trains without dropout; GPT-3 and Falcon keep Megatron's 0.1).
-FAMILIES: dict[str, dict] = {
-    "gpt3": {},
-    "llama": {"norm": "rmsnorm", "gated_mlp": True, "positions": "rotary", "dropout": 0.0},
-    "falcon": {"positions": "rotary", "parallel_block": True},
-}
-MODELS: dict[str, ModelSpec] = {
-    f"{family}-{size}": ModelSpec(f"{family}-{size}", h, n, a, **choices)
-    for family, choices in FAMILIES.items()
-    for size, (h, n, a) in _SIZES.items()
-}
-# Tiny shapes that megatron-core trains on a CPU in seconds (mist.engine.run tests, CPU checks)
-MODELS.update(
-    {
-        f"{family}-tiny": ModelSpec(f"{family}-tiny", 64, 4, 4, vocab=256, seq=32, **choices)
-        for family, choices in FAMILIES.items()
+PRESETS = Path(__file__).parent / "presets"
+MODELS_FILE = PRESETS / "models.json"
+CLUSTERS_FILE = PRESETS / "clusters.json"
+
+# A size's fields (models.json "sizes", "tiny") and the layer choices a family may make
+_SHAPE = ("hidden", "layers", "heads")
+_CHOICES = ("vocab", "seq", "ffn", "kv_heads", "flash", "dropout", "norm", "gated_mlp", "positions")
+_CHOICES += ("parallel_block", "tempo")
+
+
+def _choice(path: Path | str, where: str, field: str, value: object) -> object:
+    """One ModelSpec field of a preset, its type checked (its range: ModelSpec's own checks)."""
+    if field in ("flash", "gated_mlp", "parallel_block", "tempo"):
+        return flag(path, where, value)
+    if field == "dropout":
+        return number(path, where, value, most=1)  # below 1: ModelSpec's check
+    if field == "norm" or field == "positions":
+        allowed = NORMS if field == "norm" else POSITIONS
+        if value not in allowed:
+            raise ValueError(f"{path}: {where} must be one of {', '.join(allowed)}, got {value!r:.40}")
+        return value
+    return count(path, where, value, most=MAX_MODEL_SIZES.get(field, MAX_MODEL_SIZES["hidden"]))
+
+
+def _fields(path: Path | str, where: str, d: object, required: tuple, optional: tuple = ()) -> dict:
+    """The mapping ``where``: exactly its fields, each of ModelSpec's type."""
+    d = check_fields(path, where, d, required, optional)
+    return {k: _choice(path, f"{where}.{k}", k, v) for k, v in d.items()}
+
+
+def _spec(path: Path | str, name: str, **fields) -> ModelSpec:
+    """The preset ``name``; what ModelSpec refuses (heads not dividing hidden) in one line naming the file."""
+    try:
+        return ModelSpec(name, **fields)
+    except ValueError as e:
+        raise ValueError(f"{path}: model {name}: {e}") from None
+
+
+def read_models(path: Path) -> tuple[dict[str, dict], dict[str, ModelSpec]]:
+    """The families' layer choices and the model presets in ``path`` (models.json's form), read
+    strictly: the product of the sizes and the families (``<family>-<size>``, families first), then
+    each family's tiny shape (``<family>-tiny``)."""
+    d = load_preset(path)
+    notes = ("sizes_source", "families_source", "tiny_source")
+    check_fields(path, "", d, ("sizes", "families", "tiny", *notes))
+    for key in notes:
+        text(path, key, d[key])
+    for key in ("sizes", "families"):
+        if not isinstance(d[key], dict) or not d[key]:
+            raise ValueError(
+                f"{path}: {key} must be a non-empty mapping of names to fields, got {d[key]!r:.60}"
+            )
+    sizes = {
+        text(path, "a size's name", k): _fields(path, f"sizes.{k}", v, _SHAPE) for k, v in d["sizes"].items()
     }
-)
+    families = {
+        text(path, "a family's name", k): _fields(path, f"families.{k}", v, (), _CHOICES)
+        for k, v in d["families"].items()
+    }
+    tiny = _fields(path, "tiny", d["tiny"], _SHAPE, _CHOICES)
+    presets = {
+        f"{family}-{size}": _spec(path, f"{family}-{size}", **shape, **choices)
+        for family, choices in families.items()
+        for size, shape in sizes.items()
+    }
+    # Tiny shapes that megatron-core trains on a CPU in seconds (mist.engine.run tests, CPU checks)
+    presets.update(
+        {
+            f"{family}-tiny": _spec(path, f"{family}-tiny", **{**choices, **tiny})
+            for family, choices in families.items()
+        }
+    )
+    return families, presets
+
+
+@functools.cache
+def _model_presets() -> tuple[dict[str, dict], dict[str, ModelSpec]]:
+    return read_models(MODELS_FILE)
+
+
+def families() -> dict[str, dict]:
+    """The model families' layer choices (the fields they set beyond the sizes), by name."""
+    return _model_presets()[0]
+
+
+def models() -> dict[str, ModelSpec]:
+    """The model presets by name: the paper's sizes x the families, and each family's tiny shape."""
+    return _model_presets()[1]
 
 
 @dataclass(frozen=True)
@@ -197,41 +268,146 @@ class ClusterSpec:
         return self.nodes * self.gpus_per_node
 
 
-# Peak numbers are the vendors' data-sheet values (dense, no sparsity).
-GPUS: dict[str, GpuSpec] = {
-    name: GpuSpec(name, d.flops, d.memory, d.hbm_bw, d.pcie_bw, d.l2, FP32_FLOPS.get(name))
-    for name, d in DATASHEETS.items()
-    if d.memory is not None  # the GPUs whose whole sheet is recorded (not the B200)
-}
-# this machine's CPU as a "device" for mist.engine.run checks: nominal rates (use `mist profile`)
-GPUS["cpu"] = GpuSpec("cpu", 1e11, 16 * GiB, 20 * GB, 20 * GB, 32 * MiB)
-# Links: NVLink bus bandwidth per GPU, or PCIe where a GPU has no NVLink; inter-node by NIC.
-_LINKS = {
-    "l4": (LinkSpec(16 * GB, 10e-6), LinkSpec(6.25 * GB, 20e-6)),  # PCIe 4.0 x16; 50 Gb/s
-    "a10g": (LinkSpec(16 * GB, 10e-6), LinkSpec(12.5 * GB, 20e-6)),  # PCIe; 100 Gb/s
-    "v100": (LinkSpec(DATASHEETS["v100"].nvlink_bw, 5e-6), LinkSpec(12.5 * GB, 10e-6)),  # 100 Gb/s NIC
-    "a100-40gb": (LinkSpec(DATASHEETS["a100-40gb"].nvlink_bw, 5e-6), LinkSpec(50 * GB, 10e-6)),  # 4x100 Gb/s
-    "h100": (LinkSpec(DATASHEETS["h100"].nvlink_bw, 5e-6), LinkSpec(100 * GB, 10e-6)),  # 8x100 Gb/s
-    "h200": (LinkSpec(DATASHEETS["h200"].nvlink_bw, 5e-6), LinkSpec(100 * GB, 10e-6)),
-    "cpu": (LinkSpec(5 * GB, 50e-6), LinkSpec(1 * GB, 100e-6)),  # gloo over shared memory / TCP
-}
-
-
 def _ddr(sockets: int, channels: int, mega_transfers: int) -> float:
+    """Data-sheet DRAM bandwidth, bytes/s: sockets x channels x transfer rate x 8 bytes a transfer."""
     return sockets * channels * mega_transfers * 1e6 * 8
 
 
-# Hosts: the cloud instance that holds eight such GPUs (its published vCPUs / 2 cores, memory,
-# and the DRAM of its processors). The CPU "device" (mist.engine.run checks) is nominal.
-HOSTS: dict[str, HostSpec] = {
-    "l4": HostSpec("GCP g2-standard-96 (2x Xeon Cascade Lake)", 384 * GiB, 48, _ddr(2, 6, 2933)),
-    "a10g": HostSpec("AWS g5.48xlarge (2x EPYC 7R32)", 768 * GiB, 96, _ddr(2, 8, 3200)),
-    "v100": HostSpec("AWS p3dn.24xlarge (2x Xeon 8175M)", 768 * GiB, 48, _ddr(2, 6, 2666)),
-    "a100-40gb": HostSpec("AWS p4d.24xlarge (2x Xeon 8275CL)", 1152 * GiB, 48, _ddr(2, 6, 2933)),
-    "h100": HostSpec("AWS p5.48xlarge (2x EPYC 7R13)", 2048 * GiB, 96, _ddr(2, 8, 3200)),
-    "h200": HostSpec("AWS p5e.48xlarge (2x EPYC 7R13)", 2048 * GiB, 96, _ddr(2, 8, 3200)),
-    "cpu": HostSpec("this machine (nominal)", 16 * GiB, 2, 40 * GB),
-}
+# clusters.json's fields: per GPU preset its links and host, and a device's numbers where the GPU
+# has no data sheet (the nominal "cpu")
+_CLUSTER = ("intra", "inter", "host")
+_LINK = ("bytes_per_s", "latency_s", "source")
+_HOST = ("name", "memory_bytes", "cores", "source")
+_DDR = ("sockets", "channels", "dram_mega_transfers_per_s")
+_DEVICE = (
+    "dense_bf16_flop_per_s",
+    "fp32_flop_per_s",
+    "memory_bytes",
+    "hbm_bytes_per_s",
+    "pcie_bytes_per_s",
+    "l2_bytes",
+    "source",
+)
+_NVLINK = "nvlink"  # an intra-node link's bytes_per_s: the data sheet's NVLink rate
+
+
+def _link(path: Path | str, where: str, d: object, nvlink: float | None) -> LinkSpec:
+    """A link: its bus bandwidth per GPU (bytes/s; "nvlink": the data sheet's) and latency."""
+    check_fields(path, where, d, _LINK)
+    text(path, f"{where}.source", d["source"])
+    bw = d["bytes_per_s"]
+    if bw == _NVLINK and nvlink is not None:
+        bw = nvlink
+    else:
+        also = ' (or "nvlink": the data sheet\'s, where it has one)' if where.endswith("intra") else ""
+        bw = number(path, f"{where}.bytes_per_s", bw, above=True, or_else=also)
+    return LinkSpec(bw, number(path, f"{where}.latency_s", d["latency_s"]))
+
+
+def _host(path: Path | str, where: str, d: object) -> HostSpec:
+    """A node's host: DRAM bandwidth given as dram_bytes_per_s or as the sockets, channels and
+    transfer rate it is computed from (the data sheet's peak), one or the other."""
+    check_fields(path, where, d, _HOST, ("dram_bytes_per_s", *_DDR))
+    text(path, f"{where}.source", d["source"])
+    given = "dram_bytes_per_s" in d
+    if given == any(k in d for k in _DDR) or not (given or all(k in d for k in _DDR)):
+        raise ValueError(
+            f"{path}: {where}: give dram_bytes_per_s or all of {', '.join(_DDR)}, one or the other"
+        )
+    if given:
+        mem_bw = number(path, f"{where}.dram_bytes_per_s", d["dram_bytes_per_s"], above=True)
+    else:
+        mem_bw = _ddr(*(count(path, f"{where}.{k}", d[k]) for k in _DDR))
+    return HostSpec(
+        text(path, f"{where}.name", d["name"]),
+        count(path, f"{where}.memory_bytes", d["memory_bytes"], most=MAX_PRESET_BYTES),
+        count(path, f"{where}.cores", d["cores"]),
+        mem_bw,
+    )
+
+
+def _device(path: Path | str, name: str, d: object) -> GpuSpec:
+    """A device with no data sheet, its numbers in clusters.json."""
+    where = f"{name}.device"
+    check_fields(path, where, d, _DEVICE)
+    text(path, f"{where}.source", d["source"])
+    fp32 = d["fp32_flop_per_s"]
+    return GpuSpec(
+        name,
+        number(path, f"{where}.dense_bf16_flop_per_s", d["dense_bf16_flop_per_s"], above=True),
+        count(path, f"{where}.memory_bytes", d["memory_bytes"], most=MAX_PRESET_BYTES),
+        number(path, f"{where}.hbm_bytes_per_s", d["hbm_bytes_per_s"], above=True),
+        number(path, f"{where}.pcie_bytes_per_s", d["pcie_bytes_per_s"], above=True),
+        count(path, f"{where}.l2_bytes", d["l2_bytes"], least=0, most=MAX_PRESET_BYTES),
+        None
+        if fp32 is None
+        else number(path, f"{where}.fp32_flop_per_s", fp32, above=True, or_else=" (or null)"),
+    )
+
+
+def read_clusters(
+    path: Path, sheets: dict | None = None
+) -> tuple[dict[str, GpuSpec], dict[str, tuple[LinkSpec, LinkSpec]], dict[str, HostSpec]]:
+    """The GPU presets in ``path`` (clusters.json's form), read strictly: (GPUs, links, hosts) by
+    name. A GPU's numbers are its data sheet's (``sheets``; default the shipped ones), or the
+    entry's ``device`` where it has none."""
+    sheets = datasheets() if sheets is None else sheets
+    d = load_preset(path)
+    if not d:
+        raise ValueError(f"{path}: no GPU preset (a mapping of GPU names to their links and host)")
+    devices, node_links, node_hosts = {}, {}, {}
+    for name, entry in d.items():
+        text(path, "a GPU's name", name)
+        check_fields(path, name, entry, _CLUSTER, ("device",))
+        sheet = sheets.get(name)
+        if "device" in entry:
+            if sheet is not None:
+                raise ValueError(
+                    f"{path}: {name}.device: {name} has a data sheet in {DATASHEETS_FILE.name}; "
+                    "a device's numbers are given here only for a GPU with none"
+                )
+            devices[name] = _device(path, name, entry["device"])
+        else:
+            needed = ("memory", "hbm_bw", "pcie_bw", "l2")
+            if sheet is None or any(getattr(sheet, k) is None for k in needed):
+                raise ValueError(
+                    f"{path}: {name}: no data sheet with memory, HBM, PCIe and L2 in "
+                    f"{DATASHEETS_FILE.name} (or a device field here with its numbers)"
+                )
+            devices[name] = GpuSpec(
+                name, sheet.flops, sheet.memory, sheet.hbm_bw, sheet.pcie_bw, sheet.l2, sheet.fp32_flops
+            )
+        nvlink = None if sheet is None else sheet.nvlink_bw
+        node_links[name] = (
+            _link(path, f"{name}.intra", entry["intra"], nvlink),
+            _link(path, f"{name}.inter", entry["inter"], None),
+        )
+        node_hosts[name] = _host(path, f"{name}.host", entry["host"])
+    return devices, node_links, node_hosts
+
+
+@functools.cache
+def _cluster_presets() -> tuple[
+    dict[str, GpuSpec], dict[str, tuple[LinkSpec, LinkSpec]], dict[str, HostSpec]
+]:
+    return read_clusters(CLUSTERS_FILE)
+
+
+def gpus() -> dict[str, GpuSpec]:
+    """The GPU presets by name: each's data sheet (measure.datasheets), or its device numbers in
+    clusters.json (the CPU "device" of mist.engine.run checks: nominal rates; use `mist profile`)."""
+    return _cluster_presets()[0]
+
+
+def links() -> dict[str, tuple[LinkSpec, LinkSpec]]:
+    """Per GPU preset its (intra-node, inter-node) links: NVLink bus bandwidth per GPU, or PCIe
+    where a GPU has no NVLink; between nodes the NICs'."""
+    return _cluster_presets()[1]
+
+
+def hosts() -> dict[str, HostSpec]:
+    """Per GPU preset its node's host: the cloud instance that holds eight such GPUs."""
+    return _cluster_presets()[2]
 
 
 def cluster(
@@ -240,8 +416,9 @@ def cluster(
     """A cluster of ``gpus`` GPUs of type ``gpu``, filled node by node; ``host_memory``: bytes of
     DRAM per node instead of the GPU type's usual host's; ``gpu_memory``: bytes each device may
     use instead of its data sheet's (a cap: mist.engine.run enforces it)."""
-    if not isinstance(gpu, str) or gpu not in GPUS:
-        raise ValueError(f"unknown GPU {gpu!r}; presets: {', '.join(GPUS)}")
+    devices, node_links, node_hosts = _cluster_presets()  # (``gpus`` here is the count)
+    if not isinstance(gpu, str) or gpu not in devices:
+        raise ValueError(f"unknown GPU {gpu!r}; presets: {', '.join(devices)}")
     if not positive_int(gpus):
         raise ValueError(f"need a whole number of GPUs >= 1, got {gpus!r}")
     if not positive_int(gpus_per_node):
@@ -252,17 +429,17 @@ def cluster(
     per_node = min(gpus, gpus_per_node)
     if gpus % per_node:
         raise ValueError(f"{gpus} GPUs do not fill nodes of {gpus_per_node} evenly")
-    host = HOSTS[gpu]
+    host = node_hosts[gpu]
     if host_memory is not None:
         host = replace(host, memory=int(host_memory))
-    device = GPUS[gpu]
+    device = devices[gpu]
     if gpu_memory is not None:
         if gpu != "cpu" and gpu_memory > device.memory:  # a cap, not more memory (cpu's is nominal)
             raise ValueError(
                 f"device memory {gpu_memory / GiB:.1f} GiB is above the {gpu}'s {device.memory / GiB:.1f} GiB"
             )
         device = replace(device, memory=int(gpu_memory))
-    intra, inter = _LINKS[gpu]
+    intra, inter = node_links[gpu]
     return ClusterSpec(device, gpus // per_node, per_node, intra, inter, host)
 
 
@@ -270,20 +447,21 @@ def model(name: str, /, **overrides) -> ModelSpec:
     """A preset, with ``overrides`` of its fields (a plan's ``model_overrides``). ``name`` is
     positional only, so that an override named ``name`` is refused as no field, never a TypeError
     about the argument given twice."""
-    if not isinstance(name, str) or name not in MODELS:
-        raise ValueError(f"unknown model {name!r}; presets: {', '.join(MODELS)}")
+    if not isinstance(name, str) or name not in models():
+        raise ValueError(f"unknown model {name!r}; presets: {', '.join(models())}")
     fields = [f.name for f in dataclasses.fields(ModelSpec) if f.name != "name"]
     unknown = sorted(set(overrides) - set(fields))
     if unknown:
         raise ValueError(f"unknown model field(s) {', '.join(unknown)}; known: {', '.join(fields)}")
-    return MODELS[name].with_(**overrides) if overrides else MODELS[name]
+    preset = models()[name]
+    return preset.with_(**overrides) if overrides else preset
 
 
 def preset_overrides(spec: ModelSpec) -> dict:
     """The fields in which ``spec`` differs from the preset it is named after: what a plan file
     stores to name its model exactly (``model(spec.name, **preset_overrides(spec)) == spec``);
     empty for a model that is no preset."""
-    preset = MODELS.get(spec.name)
+    preset = models().get(spec.name)
     if preset is None:
         return {}
     return {
