@@ -50,6 +50,7 @@ from .engine import (
     LAUNCHES,
     EngineSetup,
     RuntimeFits,
+    busy_launches,
     rank_memory,
     train_plan,
     train_plans,
@@ -210,6 +211,7 @@ def _trained(plan, trained: dict) -> dict:
     return r | {
         "measured_step_s": trained["step_s"],
         "launches_step_s": steps,  # each launch's median step
+        "launches_contention": trained["launches_contention"],  # what each shared its cores with
         "spread": (max(steps) - min(steps)) / trained["step_s"],  # launch to launch, of the median
         "time_error": plan.simulated_iteration_s / trained["step_s"] - 1,
         "losses": next(x["losses"] for x in trained["report"]["ranks"] if x["losses"] is not None),
@@ -233,6 +235,7 @@ def measured_point(case: MeasuredCase, setup: MeasuredSetup, fits: RuntimeFits) 
         "cap_bytes": case.cap_bytes,
         "runtime_model": runtime.source,
         "runtime_model_held_out_error": fit["mean_abs_error"],
+        "runtime_fit_contention": fit["contention"],  # what the fit's profile shared its cores with
         "plain": {"plan": plan_summary(plain), **_trained(plain, plain_run)},
     }
     plans = plan_systems(case, runtime, setup=setup)
@@ -393,6 +396,8 @@ def print_measured(store: Results) -> None:
             s = r[system]
             same = f" (= {s['same_plan_as']}'s)" if "same_plan_as" in s else ""
             print(f"    {system:<18} {_status(s)}{same}")
+            if "same_plan_as" not in s and (note := busy_launches(s)):
+                print(f"              note: {note}")
             if "plan" in s:
                 print(f"              {_plan_line(s['plan'])}")
     for versus in SYSTEMS[1:]:
