@@ -302,8 +302,9 @@ def run_measured(run: Run, fits: RuntimeFits, setup: MeasuredSetup = MEASURED) -
 def _speedups(store: Results, of: str, versus: str) -> Iterator[tuple[Point, dict]]:
     """Per case where ``versus``'s plan ran within the cap and ``of`` has a plan: ``of``'s measured
     speedup over it (its step over ``of``'s; 0 where ``of``'s plan ran out of memory: a plan that
-    cannot run loses), the predicted one, and the launch-to-launch spread of the two runs (the
-    larger): a measured speedup within it of 1.0 is a tie."""
+    cannot run loses), the predicted one, the launch-to-launch spread of the two runs (the
+    larger): a measured speedup within it of 1.0 is a tie; and whether the two chose the same plan
+    (trained once: its speedup is 1.0 by construction)."""
     for p in store:
         a, b = p.result.get(of, {}), p.result.get(versus, {})  # a case some systems did not plan: not in it
         if "plan" not in a or "measured_step_s" not in b:
@@ -316,6 +317,10 @@ def _speedups(store: Results, of: str, versus: str) -> Iterator[tuple[Point, dic
                 "measured": b["measured_step_s"] / a["measured_step_s"] if ran else 0.0,
                 "predicted": b["plan"]["iteration_s"] / a["plan"]["iteration_s"],
                 "spread": max(a["spread"], b["spread"]) if ran else 0.0,
+                # each points at the first system whose plan it is (measured_point)
+                "same_plan": a.get("same_plan_as", of) == b.get("same_plan_as", versus),
+                # interleaved 1F1B: a plan outside Mist's search (results from before it: none)
+                "versus_interleaved": b["plan"].get("virtual_stages", 1) > 1,
             },
         )
 
