@@ -84,7 +84,7 @@ def judge(claim: Claim, source: str) -> Row:
             verdict = (
                 NOT_RUN
                 if ours is None
-                else paper_verdict(ours, claim.paper.value, claim.neutral, noise or 0.0)
+                else paper_verdict(ours, claim.paper.value, claim.neutral, noise or 0.0, bool(claim.analogue))
             )
         return Row(claim, ours, verdict)
     ours = read(claim.value, results)

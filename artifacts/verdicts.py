@@ -3,8 +3,10 @@
 * ``PaperClaim``: a number a paper states (and where it states it) against ours, which is either
   **measured** (on what) or **predicted** (by which model). Verdict against the paper, by
   ``paper_verdict``'s written rule: reproduced / direction only, smaller or larger (with the ratio
-  of the effects) / not reproduced / not yet run; for a model's band over its assumptions, each
-  end's, or "depends on the assumptions" when they differ in kind (``band_verdict``).
+  of the effects) / not reproduced / not yet run; for an analogue of the paper's setting (a tiny
+  model on CPU processes for a cluster's), the direction only, whatever the size of its effect;
+  for a model's band over its assumptions, each end's, or "depends on the assumptions" when they
+  differ in kind (``band_verdict``).
 * ``Bound``: a principled target (exactness, an accuracy target, a negative control that must be
   caught). Verdict: holds / BROKEN / not yet run.
 * ``Shown``: a number shown for context and never judged (a timing on this machine).
@@ -46,20 +48,27 @@ def one(results: Results, **fields) -> dict:
 # Ours reproduces a paper's number when its effect (its distance from "no effect": a speedup's
 # 1.0x, a saving's 0%) is within a factor of 1.25 of the paper's effect either way; a smaller or
 # larger effect in the same direction reproduces the direction only; an effect of the wrong sign,
-# none, or one within the measurement's own noise does not reproduce it.
+# none, or one within the measurement's own noise does not reproduce it. An analogue of the paper's
+# setting (other scale, other hardware, a re-implemented baseline) reproduces at most the direction:
+# the size of its effect is not the paper's to compare with.
 REPRODUCED_FACTOR = 1.25
 RULE = (
     f"effect = distance from no effect; reproduced: ours within {REPRODUCED_FACTOR:g}x of the "
     "paper's effect either way; direction only: same sign, smaller or larger; not reproduced: "
-    "no effect, the wrong sign, or within the measurement's noise"
+    "no effect, the wrong sign, or within the measurement's noise; an analogue of the paper's "
+    "setting: the direction at most"
 )
 REPRODUCED, NOT_REPRODUCED, NOT_RUN = "reproduced", "not reproduced", "not yet run"
 SMALLER, LARGER = "direction only, smaller", "direction only, larger"
+ANALOGUE = "direction only, an analogue"
 
 
-def paper_verdict(ours: float, paper: float, neutral: float, noise: float = 0.0) -> str:
+def paper_verdict(
+    ours: float, paper: float, neutral: float, noise: float = 0.0, analogue: bool = False
+) -> str:
     """The verdict of ``ours`` against ``paper`` (the module's ``RULE``): ``neutral`` is the value
-    of no effect, ``noise`` the measurement's own spread (an effect within it is none)."""
+    of no effect, ``noise`` the measurement's own spread (an effect within it is none);
+    ``analogue``: ours is from an analogue of the paper's setting (the direction at most)."""
     if paper == neutral:
         raise ValueError(f"the paper's number {paper} is the neutral value: there is no effect to reproduce")
     effect = ours - neutral
@@ -68,6 +77,8 @@ def paper_verdict(ours: float, paper: float, neutral: float, noise: float = 0.0)
     ratio = effect / (paper - neutral)
     if ratio <= 0:
         return NOT_REPRODUCED
+    if analogue:
+        return f"{ANALOGUE} ({ratio:.2f}x the paper's effect)"
     if ratio > REPRODUCED_FACTOR:
         return f"{LARGER} ({ratio:.2f}x the paper's effect)"
     if ratio < 1 / REPRODUCED_FACTOR:
@@ -94,9 +105,9 @@ def band_verdict(low: float, high: float, paper: float, neutral: float) -> str:
 
 def verdict_class(verdict: str) -> str:
     """The summary's class of a paper claim's verdict."""
-    for cls in (REPRODUCED, SMALLER, LARGER, NOT_REPRODUCED, NOT_RUN, DEPENDS):
+    for cls in (REPRODUCED, SMALLER, LARGER, ANALOGUE, NOT_REPRODUCED, NOT_RUN, DEPENDS):
         if verdict.startswith(cls):
-            return "direction only" if cls in (SMALLER, LARGER) else cls
+            return "direction only" if cls in (SMALLER, LARGER, ANALOGUE) else cls
     raise ValueError(f"not a verdict: {verdict!r}")
 
 
@@ -151,10 +162,21 @@ class PaperClaim:
     value: Value | None = None
     band: Band | None = None
     noise: Value | None = None  # the measurement's own spread (measured claims)
+    # why ours is an analogue of the paper's setting, not the setting (its verdict: the direction
+    # at most); "" where ours is the paper's setting
+    analogue: str = ""
 
     def __post_init__(self) -> None:
         if (self.value is None) == (self.band is None):
             raise ValueError(f"{self.id}: give exactly one of value and band")
+
+
+def _bound_value(bound: float, unit: str) -> str:
+    """A bound as the table shows it: a ratio bound with more than two decimals (0.999) shown with
+    three, never rounded to one it is not (1.00)."""
+    if unit == "x" and round(bound, 2) != bound:
+        return f"{bound:.3f}×"
+    return format_value(bound, unit, signed=False)
 
 
 @dataclass(frozen=True)
@@ -165,7 +187,7 @@ class AtMost:
         return value <= self.bound
 
     def describe(self, unit: str) -> str:
-        return f"≤ {format_value(self.bound, unit, signed=False)}"
+        return f"≤ {_bound_value(self.bound, unit)}"
 
 
 @dataclass(frozen=True)
@@ -176,7 +198,7 @@ class AtLeast:
         return value >= self.bound
 
     def describe(self, unit: str) -> str:
-        return f"≥ {format_value(self.bound, unit, signed=False)}"
+        return f"≥ {_bound_value(self.bound, unit)}"
 
 
 @dataclass(frozen=True, kw_only=True)

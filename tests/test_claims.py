@@ -26,6 +26,7 @@ from artifacts.verdicts import (
     paper_verdict,
     verdict_class,
 )
+from measure.results import Point, Results
 
 
 def test_readme_claims_section_is_the_registry():
@@ -101,6 +102,14 @@ def test_paper_verdict_rule():
     assert paper_verdict(0.30, 0.318, 0.0) == REPRODUCED and paper_verdict(-0.1, 0.318, 0.0) == NOT_REPRODUCED
     with pytest.raises(ValueError, match="neutral"):
         paper_verdict(1.2, 1.0, 1.0)
+    # an analogue of the paper's setting reproduces the direction at most, whatever its effect's size
+    for ours in (1 + effect, 1 + effect * random.uniform(0.01, 5.0)):
+        analogue = paper_verdict(ours, paper, 1.0, analogue=True)
+        assert (
+            analogue.startswith("direction only, an analogue") and verdict_class(analogue) == "direction only"
+        )
+    assert paper_verdict(random.uniform(0.5, 1.0), paper, 1.0, analogue=True) == NOT_REPRODUCED
+    assert paper_verdict(1 + noise / 2, paper, 1.0, noise, analogue=True).startswith(NOT_REPRODUCED)
 
 
 def test_band_verdict_rule():
@@ -114,6 +123,30 @@ def test_band_verdict_rule():
     assert band_verdict(-0.3, -0.1, paper, 0.0) == NOT_REPRODUCED
     with pytest.raises(ValueError):
         band_verdict(0.3, 0.1, paper, 0.0)
+
+
+def test_a_ratio_bound_is_shown_as_it_is_not_rounded():
+    assert AtLeast(1.0 - 1e-3).describe("x") == "≥ 0.999×"  # was "≥ 1.00×": a bound it is not
+    assert AtLeast(1.0).describe("x") == "≥ 1.00×" and AtMost(0.2).describe("%") == "≤ 20.0%"
+
+
+def test_the_worst_measured_speedup_leaves_out_ties_and_plans_outside_mists_search():
+    from artifacts.mist_vs_megatron.claims import measured_speedup
+
+    def case(mist: float, other: dict) -> dict:
+        run = {"plan": {"iteration_s": 1.0, "virtual_stages": 1}, "measured_step_s": mist, "spread": 0.01}
+        return {"mist": run, "megatron": {**run, **other}}
+
+    def worst(*cases: dict) -> float:
+        points = [Point({"model": f"m{i}", "processes": 2}, c, {}) for i, c in enumerate(cases)]
+        return measured_speedup("megatron", "worst")(Results("measured.json", points))
+
+    same = case(1.0, {"same_plan_as": "mist", "spread": 0.04})
+    slower = case(1.1, {"measured_step_s": 1.0})  # Mist 10% slower: 0.909 + 0.01
+    interleaved = case(1.1, {"measured_step_s": 1.0, "plan": {"iteration_s": 1.0, "virtual_stages": 2}})
+    assert worst(same) == 1.0  # a tie by construction: one run, not 1.0 + its spread
+    assert worst(same, slower) == pytest.approx(1 / 1.1 + 0.01)
+    assert worst(same, interleaved) == 1.0  # a plan Mist's search cannot make: not its loss
 
 
 def test_bound_checks():

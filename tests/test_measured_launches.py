@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 
 from artifacts.mist_vs_megatron import engine
+from measure.contention import Contention
 
 
 class _Plan:
@@ -31,7 +32,14 @@ def test_rounds_rotate_and_every_plan_is_launched_once_a_round(monkeypatch, tmp_
     names = [f"plan{i}" for i in range(rng.randint(2, 5))]
     launches = rng.randint(2, 5)
     steps = {n: [rng.uniform(0.1, 1.0) for _ in range(launches)] for n in names}
-    outcomes = {n: [{"step_s": s, "report": {"launch": k}} for k, s in enumerate(steps[n])] for n in names}
+    busy = {
+        n: [rng.choice([None, Contention(10.0, 2, 1.9, rng.uniform(0, 1), 0.0)]) for _ in steps[n]]
+        for n in names
+    }
+    outcomes = {
+        n: [{"step_s": s, "report": {"launch": k}, "contention": busy[n][k]} for k, s in enumerate(steps[n])]
+        for n in names
+    }
     order = _fake_launches(monkeypatch, outcomes)
     trained, rounds = engine.train_plans({n: _Plan() for n in names}, 2, 3, launches, tmp_path)
     k = len(names)
@@ -41,13 +49,14 @@ def test_rounds_rotate_and_every_plan_is_launched_once_a_round(monkeypatch, tmp_
         ranked = sorted(range(launches), key=lambda i: steps[n][i])
         median = ranked[(launches - 1) // 2]
         assert trained[n]["launches_step_s"] == steps[n]  # in launch order
+        assert trained[n]["launches_contention"] == [c and c.as_dict() for c in busy[n]]
         assert trained[n]["step_s"] == steps[n][median]
         assert trained[n]["report"] == {"launch": median}  # the median launch's own report
         assert trained[n]["out_of_memory"] is False
 
 
 def test_a_plan_out_of_memory_or_refused_is_not_launched_again(monkeypatch, tmp_path):
-    ok = [{"step_s": 0.2, "report": {}} for _ in range(3)]
+    ok = [{"step_s": 0.2, "report": {}, "contention": None} for _ in range(3)]
     outcomes = {
         "fits": ok,
         "over": [{"out_of_memory": True, "report": {"worst": 1}}],
@@ -71,3 +80,15 @@ def test_no_plans_no_launches(monkeypatch, tmp_path):
     """A case where no system found a plan (its cap too tight): was a ZeroDivisionError."""
     order = _fake_launches(monkeypatch, {})
     assert engine.train_plans({}, 2, 3, 3, tmp_path) == ({}, []) and order == []
+
+
+def test_a_launch_beside_other_work_is_said_and_a_quiet_one_is_not():
+    quiet, busy = Contention(9.0, 2, 1.9, 0.02, 0.0), Contention(9.0, 2, 1.9, 0.9, 0.05)
+    result = {"launches_contention": [quiet.as_dict(), busy.as_dict(), None]}
+    assert engine.busy_launches(result) == (
+        "1 of 3 launch(es) shared the cores with other work (up to 0.95 of a core): "
+        "not a quiet machine's time"
+    )
+    # control: all quiet, nothing known, or a result from before contention was recorded
+    assert engine.busy_launches({"launches_contention": [quiet.as_dict(), None]}) == ""
+    assert engine.busy_launches({}) == ""

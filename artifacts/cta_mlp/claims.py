@@ -138,7 +138,7 @@ CLAIMS = (
             experiment=EXPERIMENT,
             file="gpu_cuda.json",
             evidence="measured",
-            basis="one H200",
+            basis="one GPU (the GPU check's; its model is in the results' provenance)",
             command="nox -s gpu_check",
             gpu=True,
         ),

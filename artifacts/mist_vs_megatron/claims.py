@@ -50,7 +50,8 @@ GPU_MEASURED = dict(
     experiment=EXPERIMENT,
     file="gpu_measured.json",
     evidence="measured",
-    basis="one H200: megatron-core, 2 interleaved launches each",
+    basis="one GPU (the GPU check's; its model is in the results' provenance): megatron-core, 2 "
+    "interleaved launches each",
     command=GPU_CHECK,
     gpu=True,
 )
@@ -74,6 +75,12 @@ TEMPO = dict(
     "extra backward work as none; 1F1B simulator",
 )
 TIME_TARGET = "#12's and #24's target for a step time predicted by the model fitted to the device"
+# mist validate's targets (tests/mist/test_mist_validate.py): on runs that guided the model, so a
+# check of its fit, tighter than a held-out prediction's
+VALIDATE_TARGET = (
+    "#12's targets for the development runs (time 10%, per-stage memory 5%; tested): the model was "
+    "adjusted with these runs, so they check its fit, not a held-out prediction"
+)
 STAT = {"mean": statistics.mean, "max": max}
 STAT_WORDS = {"mean": "arithmetic mean over", "max": "the largest of"}
 
@@ -98,14 +105,17 @@ def predicted_speedup(gpu: str, versus: str, stat: str) -> Callable[[Results], f
 def measured_speedup(versus: str, stat: str) -> Callable[[Results], float]:
     """Mist's measured speedup over ``versus`` (the cap-bound cases trained on one device): the
     arithmetic ``mean`` or the ``max`` over cases, or the ``worst`` case with the launch-to-launch
-    spread of the two runs added (a case within it of 1.0 is a tie)."""
+    spread of the two runs added (a case within it of 1.0 is a tie) over the cases where the two
+    chose different plans and ``versus``'s is one Mist's search prices too (not interleaved); 1.0,
+    a tie, where there is none (the same plan in every case: one run each)."""
 
     def value(r: Results) -> float:
         rows = measured_speedups(r, versus)
         if not rows:
             raise Missing(versus)
         if stat == "worst":
-            return min(x["measured"] + x["spread"] for x in rows)
+            differ = [x for x in rows if not x["same_plan"] and not x["versus_interleaved"]]
+            return min([x["measured"] + x["spread"] for x in differ] or [1.0])
         return STAT[stat](x["measured"] for x in rows)
 
     return value
@@ -217,7 +227,19 @@ def tuning_time(r: Results) -> float:
     return one(r, gpu="a100-40gb", model="gpt3-22b", flash=True)["mist"]["tuning_s"]
 
 
-def _measured_claims(prefix: str, source: dict, where: str) -> tuple[PaperClaim, ...]:
+# Why the measured comparisons are analogues of the paper's (their verdicts: the direction at most)
+CPU_ANALOGUE = (
+    "4-layer models of hidden 256 on 1-2 gloo processes of a CPU, for the paper's 1.3B-22B models on "
+    "2-32 GPUs"
+)
+GPU_ANALOGUE = "1.3B-2.7B models on one GPU under a memory cap, for the paper's 1.3B-22B models on 2-32 GPUs"
+ACESO_ANALOGUE = (
+    "; the Aceso-style search re-implemented here (on Mist's cost model, 2,000 plans priced, no "
+    "ZeRO or offloading), not Aceso's"
+)
+
+
+def _measured_claims(prefix: str, source: dict, where: str, analogue: str) -> tuple[PaperClaim, ...]:
     out = []
     for versus, (name, mean, top) in VERSUS.items():
         for stat, paper, text in (("mean", mean, f"{mean}x mean"), ("max", top, f"up to {top}x")):
@@ -228,12 +250,14 @@ def _measured_claims(prefix: str, source: dict, where: str) -> tuple[PaperClaim,
                     claim=f"beats {name.split(' (')[0]}, measured" + (f" {where}" if where else ""),
                     paper=Paper(text, paper, ABSTRACT),
                     measure=f"measured speedup over {name}'s plan, {STAT_WORDS[stat]} the cases both fit, "
-                    "every winner trained under a per-rank memory cap that binds",
+                    "every winner trained under a per-rank memory cap that binds (an analogue: "
+                    f"{analogue})",
                     source=Source(**source),
                     neutral=1.0,
                     unit="x",
                     value=measured_speedup(versus, stat),
                     noise=measured_noise(versus, stat),
+                    analogue=analogue + (ACESO_ANALOGUE if versus == "aceso" else ""),
                 )
             )
     return tuple(out)
@@ -262,20 +286,23 @@ def _predicted_claims() -> tuple[PaperClaim, ...]:
 
 
 CLAIMS = (
-    *_measured_claims("mist-measured", MEASURED, "on this CPU"),
+    *_measured_claims("mist-measured", MEASURED, "on this CPU", CPU_ANALOGUE),
     *(
         Bound(
             id=f"mist-measured-not-slower-{v}",
             system="Mist",
             claim="...and never loses when measured",
-            measure=f"the same cases: the worst measured speedup over {name.split(' (')[0]} plus the two "
-            "runs' launch-to-launch spread",
+            measure=f"the same cases where the two plans differ and the baseline's is not interleaved: "
+            f"the worst measured speedup over {name.split(' (')[0]} plus the two runs' launch-to-launch "
+            "spread (1.00×: no such case)",
             source=Source(**MEASURED),
             value=measured_speedup(v, "worst"),
             check=AtLeast(1.0),
             unit="x",
-            why="Mist searches a superset of the baseline's plans: measured slower beyond the noise is a "
-            "wrong prediction",
+            why="the baseline's plan is one Mist's search prices too (not interleaved, which Mist's "
+            "search, like its paper's, leaves out; the winners' optimizer offload, 1.0, is among Mist's "
+            "fractions): Mist chose its own as faster, so measured slower beyond the noise is a wrong "
+            "prediction",
         )
         for v, (name, _, _) in VERSUS.items()
     ),
@@ -303,7 +330,7 @@ CLAIMS = (
         unit="int",
         why="a negative control: each plain plan must run out of memory",
     ),
-    *_measured_claims("mist-gpu-measured", GPU_MEASURED, "on a GPU"),
+    *_measured_claims("mist-gpu-measured", GPU_MEASURED, "on a GPU", GPU_ANALOGUE),
     Bound(
         id="mist-gpu-measured-time",
         system="Mist",
@@ -365,14 +392,14 @@ CLAIMS = (
     Bound(
         id="mist-validate-l4-time",
         system="Mist",
-        claim="predicts real runs: Mist's plans on L4",
-        measure="`mist validate` (a development set): Mist-tuned plans measured on L4 (GPT-3 1.3B, "
-        "2 stages), mean |iteration time error|",
+        claim="fits the runs it was developed on: Mist's plans on L4",
+        measure="`mist validate` (a development set: fit quality, not held out): Mist-tuned plans "
+        "measured on L4 (GPT-3 1.3B, 2 stages), mean |iteration time error|",
         source=Source(**DEVELOPMENT),
         value=development("mist-l4.json", "time"),
-        check=AtMost(0.20),
+        check=AtMost(0.10),
         unit="%",
-        why=TIME_TARGET,
+        why=VALIDATE_TARGET,
     ),
     Bound(
         id="mist-validate-l4-memory",
@@ -381,21 +408,21 @@ CLAIMS = (
         measure="the same runs: mean |per-stage peak memory error|",
         source=Source(**DEVELOPMENT),
         value=development("mist-l4.json", "memory"),
-        check=AtMost(0.10),
+        check=AtMost(0.05),
         unit="%",
-        why="#12's target for the memory model",
+        why=VALIDATE_TARGET,
     ),
     Bound(
         id="mist-validate-a10g-time",
         system="Mist",
         claim="...and Megatron-LM runs on A10G",
-        measure="`mist validate` (a development set): Megatron-LM runs on 8 A10G (GPT-3 1.3B-6.7B, "
-        "2-8 stages), mean |iteration time error|",
+        measure="`mist validate` (a development set: fit quality, not held out): Megatron-LM runs on 8 "
+        "A10G (GPT-3 1.3B-6.7B, 2-8 stages), mean |iteration time error|",
         source=Source(**DEVELOPMENT),
         value=development("megatron-a10g.json", "time"),
-        check=AtMost(0.20),
+        check=AtMost(0.10),
         unit="%",
-        why=TIME_TARGET,
+        why=VALIDATE_TARGET,
     ),
     Shown(
         id="mist-runtime-model",
@@ -419,7 +446,7 @@ CLAIMS = (
     Bound(
         id="mist-tempo-not-slower",
         system="Mist",
-        claim="plans Tempo's layers, never slower",
+        claim="plans Tempo's layers, never slower (a check of the search's consistency)",
         measure="Mist with Tempo's layers over Mist without, predicted, the worst of the 40 GPT-3 and "
         "Llama cases",
         source=Source(**TEMPO),

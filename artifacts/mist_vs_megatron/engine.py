@@ -5,7 +5,9 @@ median of a few, the worst beside it) and the step time, next to what Mist predi
 with a runtime model fitted to ``mist profile`` of the device the plans run on (layer ops and,
 with several processes, the collectives and the mechanisms of TP and ZeRO-2/3 on a layer; made
 first, held-out error reported). On the CPU every benchmark point and every plan's run is the
-median of LAUNCHES launches (gloo's latency mode is set per launch).
+median of LAUNCHES launches (gloo's latency mode is set per launch). Each launch, and the fit's
+profile, records what else ran on the cores meanwhile (measure.contention), and the run says so
+where that was more than housekeeping: such a time is a busy machine's.
 
     CPU_ENGINE: a small GPT-3 (hidden 256, seq 128, 4 layers) on 2 gloo processes (TP=2, PP=2, DP=2,
                 DP=2 + ZeRO-1, -2, -3); at the tiny preset's hidden 64 and seq 32 a micro-batch is
@@ -30,6 +32,7 @@ from pathlib import Path
 
 from measure import fork_launch
 from measure.cli import OneLineParser
+from measure.contention import Contention, OtherWork
 from measure.launch import run_torchrun
 from measure.results import ResultFile, Results, Run
 
@@ -135,7 +138,10 @@ def _launch_once(plan, processes: int, args: list[str], out: Path, name: str) ->
     exit status 2), ``{"out_of_memory": True, "report": ...}`` where its device peak went above the
     plan's cap, else ``{"step_s": the median of its ranks' steady steps, "report": ...}``."""
     out.unlink(missing_ok=True)  # a report is this launch's
-    done = _launch(plan, processes, args)
+    with OtherWork() as other:  # what else ran on the cores meanwhile
+        done = _launch(plan, processes, args)
+    if other.result is not None and not other.result.quiet:
+        print(f"  {other.result.line(f'{name} (a launch)')}", flush=True)
     # over the cap, the ranks write their report and exit 3 (torchrun then exits 1)
     report = json.loads(out.read_text()) if out.exists() else None
     # refused before any work: a rank says "error: <why>" and exits 2 (torchrun then exits 1)
@@ -148,7 +154,8 @@ def _launch_once(plan, processes: int, args: list[str], out: Path, name: str) ->
     if out_of_memory:
         return {"out_of_memory": True, "report": report}
     # all steady: warm-up and memory steps come first
-    return {"step_s": statistics.median(x for r in report["ranks"] for x in r["step_s"]), "report": report}
+    step_s = statistics.median(x for r in report["ranks"] for x in r["step_s"])
+    return {"step_s": step_s, "report": report, "contention": other.result}
 
 
 def train_plans(
@@ -198,6 +205,8 @@ def train_plans(
                 "out_of_memory": False,
                 "step_s": median["step_s"],
                 "launches_step_s": [x["step_s"] for x in timed[name]],
+                # what each launch shared its cores with (None: not known here)
+                "launches_contention": [x["contention"] and x["contention"].as_dict() for x in timed[name]],
                 "report": median["report"],
             }
     return trained, rounds
@@ -260,6 +269,8 @@ def engine_point(setup: EngineSetup, name: str, fit: dict, work: Path) -> dict:
         "ranks": ranks,
         "measured_step_s": step_s,
         "launches_step_s": trained["launches_step_s"],  # each launch's median step
+        "launches_contention": trained["launches_contention"],
+        "fit_contention": fit["contention"],  # what the profile and benchmarks shared the cores with
         "predicted_step_s": plan.predicted_iteration_s,
         "time_error": plan.predicted_iteration_s / step_s - 1,
         "measured_phases_s": phases,
@@ -294,14 +305,26 @@ def fit_runtime(setup: EngineSetup, work: Path) -> dict:
     run it, into ``work``, and the runtime model fitted to it (``calibrate``'s result). With several
     processes, the collectives among them too, and the mechanisms as the engine runs them: its step
     collectives, and on a layer ZeRO-2, ZeRO-3 and TP over all processes (write_rank_benchmarks,
-    as `mist profile --collectives`)."""
+    as `mist profile --collectives`). With it, what else ran on the cores meanwhile
+    (``contention``: measure.contention)."""
+    from mist.model.calibrate import calibrate
+
+    with OtherWork() as other:  # what else ran on the cores while the fit's inputs were timed
+        _write_fit_inputs(setup, work / setup.gpu)
+    if other.result is not None and not other.result.quiet:
+        print(f"  {other.result.line(f'the profile for {setup.processes} process(es)')}", flush=True)
+    fit = next(iter(calibrate(work / setup.gpu).values()))
+    return {**fit, "contention": other.result and other.result.as_dict()}
+
+
+def _write_fit_inputs(setup: EngineSetup, profiles: Path) -> None:
+    """``fit_runtime``'s profile and benchmarks, written into ``profiles``."""
     from measure.training import DTYPES
     from mist import model
     from mist.engine.profiler import write_profiles, write_rank_benchmarks
-    from mist.model.calibrate import calibrate
     from mist.model.profile_data import mark_profile_complete
 
-    profiles, prof = work / setup.gpu, setup.profile  # "fitted to cpu profiles"
+    prof = setup.profile  # "fitted to cpu profiles"
     dtype = DTYPES[prof["dtype"]]
     spec = model(setup.model, **setup.model_overrides)  # the shapes the plans train
     shape = (spec.hidden, spec.heads, spec.seq, prof["micro_batches"], prof["tps"])
@@ -341,8 +364,7 @@ def fit_runtime(setup: EngineSetup, work: Path) -> dict:
             every=True,  # the plans are priced by all of them
         )
     mark_profile_complete(profiles)  # every benchmark is in: calibrate fits it
-    say("fitted")
-    return next(iter(calibrate(profiles).values()))
+    say("done")
 
 
 def _progress(what: str) -> Callable[[str], None]:
@@ -384,6 +406,20 @@ def run_engine(run: Run, setup: EngineSetup, fits: RuntimeFits) -> ResultFile:
     return store
 
 
+def busy_launches(result: dict) -> str:
+    """A note where some launch of a trained plan (``result``: its point's) shared its cores with
+    other work (measure.contention); "" where none did or nothing is known (results from before
+    contention was recorded)."""
+    shared = [c for c in result.get("launches_contention") or [] if c and not Contention(**c).quiet]
+    if not shared:
+        return ""
+    most = max(c["other_cores"] + c["steal_cores"] for c in shared)
+    return (
+        f"{len(shared)} of {len(result['launches_contention'])} launch(es) shared the cores with other "
+        f"work (up to {most:.2f} of a core): not a quiet machine's time"
+    )
+
+
 def print_engine(store: Results) -> None:
     for p in store:
         r = p.result
@@ -401,6 +437,8 @@ def print_engine(store: Results) -> None:
             f"{r['micro_batches']} x {st['steady_s'] * 1e3:.1f} ms a micro-batch, "
             f"{st['extra_s'] * 1e3:.1f} ms sync + optimizer"
         )
+        if note := busy_launches(r):
+            print(f"    note: {note}")
 
 
 def main(argv: list[str] | None = None) -> None:

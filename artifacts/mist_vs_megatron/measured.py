@@ -50,6 +50,7 @@ from .engine import (
     LAUNCHES,
     EngineSetup,
     RuntimeFits,
+    busy_launches,
     rank_memory,
     train_plan,
     train_plans,
@@ -210,6 +211,7 @@ def _trained(plan, trained: dict) -> dict:
     return r | {
         "measured_step_s": trained["step_s"],
         "launches_step_s": steps,  # each launch's median step
+        "launches_contention": trained["launches_contention"],  # what each shared its cores with
         "spread": (max(steps) - min(steps)) / trained["step_s"],  # launch to launch, of the median
         "time_error": plan.simulated_iteration_s / trained["step_s"] - 1,
         "losses": next(x["losses"] for x in trained["report"]["ranks"] if x["losses"] is not None),
@@ -233,6 +235,7 @@ def measured_point(case: MeasuredCase, setup: MeasuredSetup, fits: RuntimeFits) 
         "cap_bytes": case.cap_bytes,
         "runtime_model": runtime.source,
         "runtime_model_held_out_error": fit["mean_abs_error"],
+        "runtime_fit_contention": fit["contention"],  # what the fit's profile shared its cores with
         "plain": {"plan": plan_summary(plain), **_trained(plain, plain_run)},
     }
     plans = plan_systems(case, runtime, setup=setup)
@@ -299,8 +302,9 @@ def run_measured(run: Run, fits: RuntimeFits, setup: MeasuredSetup = MEASURED) -
 def _speedups(store: Results, of: str, versus: str) -> Iterator[tuple[Point, dict]]:
     """Per case where ``versus``'s plan ran within the cap and ``of`` has a plan: ``of``'s measured
     speedup over it (its step over ``of``'s; 0 where ``of``'s plan ran out of memory: a plan that
-    cannot run loses), the predicted one, and the launch-to-launch spread of the two runs (the
-    larger): a measured speedup within it of 1.0 is a tie."""
+    cannot run loses), the predicted one, the launch-to-launch spread of the two runs (the
+    larger): a measured speedup within it of 1.0 is a tie; and whether the two chose the same plan
+    (trained once: its speedup is 1.0 by construction)."""
     for p in store:
         a, b = p.result.get(of, {}), p.result.get(versus, {})  # a case some systems did not plan: not in it
         if "plan" not in a or "measured_step_s" not in b:
@@ -313,6 +317,10 @@ def _speedups(store: Results, of: str, versus: str) -> Iterator[tuple[Point, dic
                 "measured": b["measured_step_s"] / a["measured_step_s"] if ran else 0.0,
                 "predicted": b["plan"]["iteration_s"] / a["plan"]["iteration_s"],
                 "spread": max(a["spread"], b["spread"]) if ran else 0.0,
+                # each points at the first system whose plan it is (measured_point)
+                "same_plan": a.get("same_plan_as", of) == b.get("same_plan_as", versus),
+                # interleaved 1F1B: a plan outside Mist's search (results from before it: none)
+                "versus_interleaved": b["plan"].get("virtual_stages", 1) > 1,
             },
         )
 
@@ -393,6 +401,8 @@ def print_measured(store: Results) -> None:
             s = r[system]
             same = f" (= {s['same_plan_as']}'s)" if "same_plan_as" in s else ""
             print(f"    {system:<18} {_status(s)}{same}")
+            if "same_plan_as" not in s and (note := busy_launches(s)):
+                print(f"              note: {note}")
             if "plan" in s:
                 print(f"              {_plan_line(s['plan'])}")
     for versus in SYSTEMS[1:]:

@@ -69,7 +69,8 @@ ACTIVATION = dict(
     experiment=EXPERIMENT,
     file="activation_memory.json",
     evidence="measured",
-    basis="this CPU (saved-tensor hooks: exact bytes)",
+    basis="counted exactly by the saved-tensor hooks, the tensors kept as CUDA's kernels keep them "
+    "(bool dropout masks), run on this CPU",
     command=COMMAND,
 )
 # the models the paper's batch claim covers, with the GPU each was sized for here
@@ -406,7 +407,12 @@ PINS = (
     ),
     *(
         Pin(
-            id=c.id, experiment=EXPERIMENT, file="activation_memory.json", value=c.value, near=EXACT, unit="%"
+            id=c.id,
+            experiment=EXPERIMENT,
+            file="activation_memory.json",
+            value=c.value,
+            near=EXACT,
+            unit=c.unit,
         )
         for c in CLAIMS
         if c.source.file == "activation_memory.json"
