@@ -1,12 +1,15 @@
-"""Sessions: tests, smoke, claims, lint, figures, gpu_check, megatron_lm_args, and one per experiment.
+"""Sessions: tests, megatron_lm_args, seed_sweep, smoke, claims, lint, figures, gpu_check, compat, and
+one per experiment (mist_vs_megatron, cta_mlp, tempo_layer, tempo_llama, tempo_bert).
 
 All sessions share one virtualenv (``.nox/shared``), installed from ``pyproject.toml`` and
 re-installed only when that file changes, so a second run starts in seconds.
 
 An experiment session computes every point into ``artifacts/<experiment>/results/`` (git-ignored;
 an interrupted run resumes when rerun), draws its figures into ``figures/results/`` and ends with
-its slice of the claims table (paper | reference | this run | verdict); it fails if a claim is
-outside its tolerance. ``-- --update-reference`` makes the run the committed reference.
+its slice of the claims table (paper | reference | this run | verdict) and its regression pins; it
+fails if a bound is broken without a known cause or a pinned number moved (a paper claim that does
+not reproduce is a finding, never a failure). ``-- --update-reference`` makes the run the
+committed reference.
 """
 
 from __future__ import annotations
