@@ -56,7 +56,7 @@ def layer_splits(layers: int, pp: int, uneven: int | None = None) -> list[tuple[
 
 
 def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    return [divisor for divisor in range(1, n + 1) if n % divisor == 0]
 
 
 class Sizes(Protocol):
@@ -77,9 +77,13 @@ def lower_bound(problem: Problem) -> Callable[[Sizes], float]:
     def of(tp: int, dp: int, micro_batch: int, stages: int, virtual: int) -> float:
         return lower_bound_s(problem, Candidate(tp, stages, dp, micro_batch, problem.global_batch, virtual))
 
-    return lambda s: of(s.tp, s.dp, s.micro_batch, len(s.split), getattr(s, "virtual", 1))
+    return lambda sizes: of(
+        sizes.tp, sizes.dp, sizes.micro_batch, len(sizes.split), getattr(sizes, "virtual", 1)
+    )
 
 
+# Long for its nested helpers, each short and named: they share the problem, the memo of priced
+# stages and the best time so far, which the pruning reads and the fitting plans lower
 def fastest_fitting(
     global_batch: int,
     settings: list[S],
@@ -105,54 +109,64 @@ def fastest_fitting(
     best = [float("inf")]
     bound = lower_bound(problem)
 
-    def priced(setting: S, k: int) -> Plan:
-        return predict_for(problem, plan_of(setting, k), simulate=False, memo=memo)
+    def priced(setting: S, count: int) -> Plan:
+        return predict_for(problem, plan_of(setting, count), simulate=False, memo=memo)
 
-    def with_variants(setting: S, k: int) -> list[Plan]:
-        """The setting's plan at count k and its variants' (the same memory)."""
-        return [priced(s, k) for s in (setting, *variants(setting))]
+    def with_variants(setting: S, count: int) -> list[Plan]:
+        """The setting's plan at ``count`` and its variants' (the same memory)."""
+        return [priced(same_memory, count) for same_memory in (setting, *variants(setting))]
 
     def fitting(plans: list[Plan]) -> Iterator[Plan]:
-        for p in plans:
-            if p.breakdown["fits"]:
-                best[0] = min(best[0], p.predicted_iteration_s)
-                yield p
+        for plan in plans:
+            if plan.breakdown["fits"]:
+                best[0] = min(best[0], plan.predicted_iteration_s)
+                yield plan
+
+    def prime_counts(batch: list[S], counts_of: Callable[[S], list[int]]) -> None:
+        """Evaluate together the stages of every setting of ``batch`` (and its variants) at each
+        count of ``counts_of(setting)``."""
+        plans = [
+            plan_of(same, count)
+            for setting in batch
+            for count in counts_of(setting)
+            for same in (setting, *variants(setting))
+        ]
+        prime(problem, plans, memo)
 
     def leanest_fitting() -> Iterator[Plan]:
         """Per setting, the plan with the fewest recomputed layers that fits (and its variants'),
         or the leanest plan when none fits (so the no-fit message can say what is needed). The
         settings go in batches, each batch's stages evaluated together (``prime``): first every
         setting's first count, then every count of those that need a bisection."""
-        for n in range(0, len(settings), BATCH):
-            if progress and n % (20 * BATCH) == 0:
-                progress(f"[{n}/{len(settings)} settings] best {best[0]:.3f} s")
-            batch = [s for s in settings[n : n + BATCH] if bound(s) < best[0]]
-            prime(problem, [plan_of(v, counts(s)[0]) for s in batch for v in (s, *variants(s))], memo)
+        for start in range(0, len(settings), BATCH):
+            if progress and start % (20 * BATCH) == 0:
+                progress(f"[{start}/{len(settings)} settings] best {best[0]:.3f} s")
+            batch = [setting for setting in settings[start : start + BATCH] if bound(setting) < best[0]]
+            prime_counts(batch, lambda setting: counts(setting)[:1])
             bisect = []
             for setting in batch:
                 if bound(setting) >= best[0]:
                     continue
                 fastest = with_variants(setting, counts(setting)[0])
-                if min(p.predicted_iteration_s for p in fastest) >= best[0]:
+                if min(plan.predicted_iteration_s for plan in fastest) >= best[0]:
                     continue
                 if fastest[0].breakdown["fits"]:  # time grows along the counts: nothing faster
                     yield from fitting(fastest)
                 else:
                     bisect.append(setting)
-            later = [plan_of(v, k) for s in bisect for k in counts(s)[1:] for v in (s, *variants(s))]
-            prime(problem, later, memo)
+            prime_counts(bisect, lambda setting: counts(setting)[1:])
             for setting in bisect:
                 yield from fitting_count(setting, counts(setting))
 
-    def fitting_count(setting: S, ks: list[int]) -> Iterator[Plan]:
+    def fitting_count(setting: S, its_counts: list[int]) -> Iterator[Plan]:
         """The setting's plan (and variants') at the smallest count after the first that fits, by
         bisection; its leanest plan if none does."""
-        plan = priced(setting, ks[-1])
+        plan = priced(setting, its_counts[-1])
         if not plan.breakdown["fits"]:
             yield plan
             return
-        k = first_fitting(ks, lambda k: priced(setting, k).breakdown["fits"])
-        yield from fitting(with_variants(setting, k))
+        count = first_fitting(its_counts, lambda count: priced(setting, count).breakdown["fits"])
+        yield from fitting(with_variants(setting, count))
 
     return cheapest_fitting(leanest_fitting(), problem, what, memo)
 
@@ -182,7 +196,7 @@ def cheapest_fitting(
     for plan in plans:
         predict_for(problem, plan, simulate=False, memo=memo)
         tried += 1
-        lowest = min(lowest, max(s.memory_bytes for s in plan.stages))
+        lowest = min(lowest, max(stage.memory_bytes for stage in plan.stages))
         if plan.breakdown["fits"] and (
             best is None or plan.predicted_iteration_s < best.predicted_iteration_s
         ):
