@@ -16,7 +16,8 @@ import functools
 import itertools
 import time
 from collections.abc import Callable, Iterable, Iterator
-from typing import Protocol, TypeVar
+from dataclasses import dataclass, field
+from typing import Generic, Protocol, TypeVar
 
 from measure.units import format_bytes
 
@@ -82,8 +83,6 @@ def lower_bound(problem: Problem) -> Callable[[Sizes], float]:
     )
 
 
-# Long for its nested helpers, each short and named: they share the problem, the memo of priced
-# stages and the best time so far, which the pruning reads and the fitting plans lower
 def fastest_fitting(
     global_batch: int,
     settings: list[S],
@@ -105,70 +104,89 @@ def fastest_fitting(
     at the count the setting needs, not searched again. Raises NoFeasiblePlan with ``what`` and
     the memory the leanest plan needs."""
     problem = Problem.resolve(model, cluster, global_batch, runtime, interference)
-    memo: StageMemo = {}  # the same stage recurs in many plans of a space
-    best = [float("inf")]
-    bound = lower_bound(problem)
+    search = _FittingSearch(problem, settings, plan_of, counts, variants, progress)
+    return cheapest_fitting(search.leanest_fitting(), problem, what, search.memo)
 
-    def priced(setting: S, count: int) -> Plan:
-        return predict_for(problem, plan_of(setting, count), simulate=False, memo=memo)
 
-    def with_variants(setting: S, count: int) -> list[Plan]:
+@dataclass
+class _FittingSearch(Generic[S]):
+    """``fastest_fitting``'s pruned search: the stages priced so far (the same stage recurs in many
+    plans of a space) and the best fitting time so far, which the pruning reads and every fitting
+    plan lowers."""
+
+    problem: Problem
+    settings: list[S]
+    plan_of: Callable[[S, int], Plan]
+    counts: Callable[[S], list[int]]
+    variants: Callable[[S], list[S]]
+    progress: Callable[[str], None] | None
+    memo: StageMemo = field(default_factory=dict)
+    best: float = float("inf")
+
+    def __post_init__(self) -> None:
+        self.bound = lower_bound(self.problem)
+
+    def priced(self, setting: S, count: int) -> Plan:
+        return predict_for(self.problem, self.plan_of(setting, count), simulate=False, memo=self.memo)
+
+    def with_variants(self, setting: S, count: int) -> list[Plan]:
         """The setting's plan at ``count`` and its variants' (the same memory)."""
-        return [priced(same_memory, count) for same_memory in (setting, *variants(setting))]
+        return [self.priced(same_memory, count) for same_memory in (setting, *self.variants(setting))]
 
-    def fitting(plans: list[Plan]) -> Iterator[Plan]:
+    def fitting(self, plans: list[Plan]) -> Iterator[Plan]:
         for plan in plans:
             if plan.breakdown["fits"]:
-                best[0] = min(best[0], plan.predicted_iteration_s)
+                self.best = min(self.best, plan.predicted_iteration_s)
                 yield plan
 
-    def prime_counts(batch: list[S], counts_of: Callable[[S], list[int]]) -> None:
+    def prime_counts(self, batch: list[S], counts_of: Callable[[S], list[int]]) -> None:
         """Evaluate together the stages of every setting of ``batch`` (and its variants) at each
         count of ``counts_of(setting)``."""
         plans = [
-            plan_of(same, count)
+            self.plan_of(same, count)
             for setting in batch
             for count in counts_of(setting)
-            for same in (setting, *variants(setting))
+            for same in (setting, *self.variants(setting))
         ]
-        prime(problem, plans, memo)
+        prime(self.problem, plans, self.memo)
 
-    def leanest_fitting() -> Iterator[Plan]:
+    def leanest_fitting(self) -> Iterator[Plan]:
         """Per setting, the plan with the fewest recomputed layers that fits (and its variants'),
         or the leanest plan when none fits (so the no-fit message can say what is needed). The
         settings go in batches, each batch's stages evaluated together (``prime``): first every
         setting's first count, then every count of those that need a bisection."""
+        settings, counts = self.settings, self.counts
         for start in range(0, len(settings), BATCH):
-            if progress and start % (20 * BATCH) == 0:
-                progress(f"[{start}/{len(settings)} settings] best {best[0]:.3f} s")
-            batch = [setting for setting in settings[start : start + BATCH] if bound(setting) < best[0]]
-            prime_counts(batch, lambda setting: counts(setting)[:1])
+            if self.progress and start % (20 * BATCH) == 0:
+                self.progress(f"[{start}/{len(settings)} settings] best {self.best:.3f} s")
+            batch = [
+                setting for setting in settings[start : start + BATCH] if self.bound(setting) < self.best
+            ]
+            self.prime_counts(batch, lambda setting: counts(setting)[:1])
             bisect = []
             for setting in batch:
-                if bound(setting) >= best[0]:
+                if self.bound(setting) >= self.best:
                     continue
-                fastest = with_variants(setting, counts(setting)[0])
-                if min(plan.predicted_iteration_s for plan in fastest) >= best[0]:
+                fastest = self.with_variants(setting, counts(setting)[0])
+                if min(plan.predicted_iteration_s for plan in fastest) >= self.best:
                     continue
                 if fastest[0].breakdown["fits"]:  # time grows along the counts: nothing faster
-                    yield from fitting(fastest)
+                    yield from self.fitting(fastest)
                 else:
                     bisect.append(setting)
-            prime_counts(bisect, lambda setting: counts(setting)[1:])
+            self.prime_counts(bisect, lambda setting: counts(setting)[1:])
             for setting in bisect:
-                yield from fitting_count(setting, counts(setting))
+                yield from self.fitting_count(setting, counts(setting))
 
-    def fitting_count(setting: S, its_counts: list[int]) -> Iterator[Plan]:
+    def fitting_count(self, setting: S, its_counts: list[int]) -> Iterator[Plan]:
         """The setting's plan (and variants') at the smallest count after the first that fits, by
         bisection; its leanest plan if none does."""
-        plan = priced(setting, its_counts[-1])
+        plan = self.priced(setting, its_counts[-1])
         if not plan.breakdown["fits"]:
             yield plan
             return
-        count = first_fitting(its_counts, lambda count: priced(setting, count).breakdown["fits"])
-        yield from fitting(with_variants(setting, count))
-
-    return cheapest_fitting(leanest_fitting(), problem, what, memo)
+        count = first_fitting(its_counts, lambda count: self.priced(setting, count).breakdown["fits"])
+        yield from self.fitting(self.with_variants(setting, count))
 
 
 def first_fitting(ks: list[int], fits: Callable[[int], bool]) -> int:
