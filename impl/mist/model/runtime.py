@@ -298,8 +298,8 @@ class RuntimeModel:
         per owner of its share); None where it did not."""
         return self._engine_collective(ZERO_WEIGHT_SYNC, nbytes, n, inter_node)
 
-    def _engine_collective(self, kind: str, nbytes, n: int, inter_node: bool) -> np.ndarray | None:
-        line = self._measured_layer(kind, nbytes, n, inter_node)
+    def _engine_collective(self, kind: str, nbytes, gpus: int, inter_node: bool) -> np.ndarray | None:
+        line = self._measured_layer(kind, nbytes, gpus, inter_node)
         # no bytes: no collective (its fixed latency is not paid), as ``collective``
         return None if line is None else np.where(np.asarray(nbytes, float) > 0, line, 0.0)
 
@@ -317,9 +317,11 @@ class RuntimeModel:
             return None
         return np.minimum(forward, both), both
 
-    def _measured_layer(self, mechanism: str, nbytes: float, n: int, inter_node: bool) -> np.ndarray | None:
-        key = f"{mechanism}/{n}"
-        if n <= 1 or inter_node or key not in self.collectives:
+    def _measured_layer(
+        self, mechanism: str, nbytes: float, gpus: int, inter_node: bool
+    ) -> np.ndarray | None:
+        key = f"{mechanism}/{gpus}"
+        if gpus <= 1 or inter_node or key not in self.collectives:
             return None
         return np.maximum(self.collectives[key](np.asarray(nbytes, float)), 0.0)
 

@@ -189,19 +189,19 @@ class _FittingSearch(Generic[S]):
         yield from self.fitting(self.with_variants(setting, count))
 
 
-def first_fitting(ks: list[int], fits: Callable[[int], bool]) -> int:
-    """The smallest count of ``ks`` after the first for which ``fits``, by bisection, given that
-    the last one fits. Memory falls along ks from the second count on; the first recomputed layer
+def first_fitting(counts: list[int], fits: Callable[[int], bool]) -> int:
+    """The smallest count of ``counts`` after the first for which ``fits``, by bisection, given that
+    the last one fits. Memory falls along counts from the second count on; the first recomputed layer
     may add more to backward's peak (its recomputed activations) than it saves, so the first count
     is checked on its own (by the caller) and the bisection starts after it."""
-    lo, hi = 1, len(ks) - 1
+    lo, hi = 1, len(counts) - 1
     while lo < hi:
         mid = (lo + hi) // 2
-        if fits(ks[mid]):
+        if fits(counts[mid]):
             hi = mid
         else:
             lo = mid + 1
-    return ks[lo]
+    return counts[lo]
 
 
 def cheapest_fitting(
