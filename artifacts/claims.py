@@ -296,7 +296,8 @@ def write_readme() -> None:
     _write_generated(README, SUMMARY, summary_markdown(rows))
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The command line, checked (exit 2 on bad input): what a mode does not take is refused."""
     ap = OneLineParser(
         prog="python -m artifacts.claims",
         description=__doc__,
@@ -332,6 +333,35 @@ def main(argv: list[str] | None = None) -> int:
         )
     if args.pins and args.against:
         ap.error("--pins compares this run with the reference; drop --against")
+    return args
+
+
+def _report_pins(experiments: tuple[str, ...]) -> int:
+    """Print each regression pin of ``experiments``, this run against the reference; 1 where one
+    moved, 2 on a broken result file."""
+    try:
+        rows = check_pins(pins(experiments))
+    except ResultFileError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for r in rows:
+        state = {None: "not compared", True: "MOVED", False: "as the reference"}[r.moved]
+        print(
+            f"  {r.pin.id:<36} reference {format_value(r.reference, r.pin.unit):>10}  this run "
+            f"{format_value(r.this_run, r.pin.unit):>10}  "
+            f"({r.pin.near.describe(r.pin.unit)})  {state}"
+        )
+    moved = [r.pin.id for r in rows if r.moved]
+    compared = sum(r.moved is not None for r in rows)
+    print(
+        f"\n{len(rows)} regression pins: {compared} compared, {len(moved)} moved"
+        + (f" ({', '.join(moved)}): a deliberate change updates the reference" if moved else "")
+    )
+    return 1 if moved else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse_args(argv)
     experiments = tuple(args.experiments) or EXPERIMENTS
     if args.markdown or args.write_readme:
         try:  # the reference, read as the table reads it: a broken file or a NaN in it is one line
@@ -345,25 +375,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         return 0
     if args.pins:
-        try:
-            rows = check_pins(pins(experiments))
-        except ResultFileError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
-        for r in rows:
-            state = {None: "not compared", True: "MOVED", False: "as the reference"}[r.moved]
-            print(
-                f"  {r.pin.id:<36} reference {format_value(r.reference, r.pin.unit):>10}  this run "
-                f"{format_value(r.this_run, r.pin.unit):>10}  "
-                f"({r.pin.near.describe(r.pin.unit)})  {state}"
-            )
-        moved = [r.pin.id for r in rows if r.moved]
-        compared = sum(r.moved is not None for r in rows)
-        print(
-            f"\n{len(rows)} regression pins: {compared} compared, {len(moved)} moved"
-            + (f" ({', '.join(moved)}): a deliberate change updates the reference" if moved else "")
-        )
-        return 1 if moved else 0
+        return _report_pins(experiments)
     try:
         rows = evaluate(claims(experiments), args.against or "results")
     except ResultFileError as e:  # names the file and what to do

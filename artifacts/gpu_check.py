@@ -599,6 +599,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ap.error(str(e))
     if args.commit is not None and not re.fullmatch(r"[0-9a-f]{40}", args.commit):
         ap.error(f"--commit must be a full 40-digit hexadecimal commit id, got {args.commit!r}")
+    _check_out_and_archive(ap, args)
+    return args
+
+
+def _check_out_and_archive(ap: OneLineParser, args: argparse.Namespace) -> None:
+    """Exit 2 (``ap.error``) unless --out is a folder gpu_check may write (new, empty or its own)
+    and --archive a .tar.gz file apart from what it packs, in a folder this user can write in."""
     if args.archive is not None and not args.archive.name.endswith((".tar.gz", ".tgz")):
         ap.error(f"--archive must name a .tar.gz or .tgz file, got {args.archive}")
     if args.out is not None and args.out.exists() and not args.out.is_dir():
@@ -620,7 +627,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         )
         if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
             ap.error(f"--archive {args.archive}: {existing} is not a folder this user can write in")
-    return args
 
 
 def _check_wheels(args: argparse.Namespace) -> None:

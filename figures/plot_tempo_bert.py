@@ -136,27 +136,45 @@ def plot_training() -> Path | None:
         (axes[0], "bert-mini", "bert-mini (MLM + NSP), dropout off"),
         (axes[1], "gpt2-mini", "gpt2-mini (LM), dropout off"),
     ):
-        a, b = losses(model, "hf-eager"), losses(model, "tempo")
-        if a is None or b is None:
-            continue
-        ax.plot(a, label="hf-eager", linewidth=1)
-        ax.plot(b, label="tempo", linewidth=1)
-        twin = ax.twinx()
-        twin.semilogy(
-            [max(abs(x - y), 1e-16) for x, y in zip(a, b, strict=True)], color="gray", linewidth=0.8
-        )
-        # the judged pair: a causal LM's float64 loss computed in float64 (summary.float64_loss)
-        loss64 = None if model.startswith("bert") else "fp64"
-        a64, b64 = (losses(model, conf, dtype="fp64", loss=loss64) for conf in ("hf-eager", "tempo"))
-        if a64 is not None and b64 is not None:  # the float64 control: rounding alone parts the fp32 runs
-            diff64 = [max(abs(x - y), 1e-16) for x, y in zip(a64, b64, strict=True)]
-            twin.semilogy(diff64, color="black", linestyle="--", linewidth=0.8)
-            twin.set_ylabel("|loss difference|: fp32 (gray), fp64 (black dashed)")
-        else:
-            twin.set_ylabel("|loss difference| (gray)")
-        twin.axhline(1e-9, color="black", linestyle=":", linewidth=0.8)  # the float64 pair's bound
-        ax.set_title(title, fontsize=10)
-    ax = axes[2]  # dropout on: every seed of both, the mean of each as a thick line
+        _plot_dropout_off(ax, model, title, losses)
+    _plot_dropout_on(axes[2], data)
+    for ax in axes:
+        ax.set_xlabel("step")
+        ax.set_ylabel("training loss")
+        ax.legend(fontsize=7)
+    title = (
+        "Same training with and without Tempo (one seed for weights and data; offline corpus): fp32, "
+        "and the judged float64 pair (dashed, its bound dotted)"
+    )
+    return finish(fig, title, data, "tempo_bert_loss_curves.png")
+
+
+def _plot_dropout_off(ax, model: str, title: str, losses) -> None:
+    """One model's fp32 loss curves without dropout, baseline and Tempo, with their per-step
+    difference (and the float64 pair's) on a log axis beside; nothing where a run is missing.
+    ``losses``: a run's losses by (model, configuration, ...) (None: not run)."""
+    a, b = losses(model, "hf-eager"), losses(model, "tempo")
+    if a is None or b is None:
+        return
+    ax.plot(a, label="hf-eager", linewidth=1)
+    ax.plot(b, label="tempo", linewidth=1)
+    twin = ax.twinx()
+    twin.semilogy([max(abs(x - y), 1e-16) for x, y in zip(a, b, strict=True)], color="gray", linewidth=0.8)
+    # the judged pair: a causal LM's float64 loss computed in float64 (summary.float64_loss)
+    loss64 = None if model.startswith("bert") else "fp64"
+    a64, b64 = (losses(model, conf, dtype="fp64", loss=loss64) for conf in ("hf-eager", "tempo"))
+    if a64 is not None and b64 is not None:  # the float64 control: rounding alone parts the fp32 runs
+        diff64 = [max(abs(x - y), 1e-16) for x, y in zip(a64, b64, strict=True)]
+        twin.semilogy(diff64, color="black", linestyle="--", linewidth=0.8)
+        twin.set_ylabel("|loss difference|: fp32 (gray), fp64 (black dashed)")
+    else:
+        twin.set_ylabel("|loss difference| (gray)")
+    twin.axhline(1e-9, color="black", linestyle=":", linewidth=0.8)  # the float64 pair's bound
+    ax.set_title(title, fontsize=10)
+
+
+def _plot_dropout_on(ax, data) -> None:
+    """bert-mini with dropout 0.1: every seed of both configurations, each one's mean thick."""
     for conf, color in (("hf-eager", "C0"), ("tempo", "C1")):
         runs = [p.result["losses"] for p in data.select(model="bert-mini", configuration=conf, dropout=0.1)]
         for curve in runs:
@@ -167,15 +185,6 @@ def plot_training() -> Path | None:
                 mean, color=color, linewidth=1.5, label=f"{conf}: {len(runs)} dropout seeds and their mean"
             )
     ax.set_title("bert-mini, dropout 0.1", fontsize=10)
-    for ax in axes:
-        ax.set_xlabel("step")
-        ax.set_ylabel("training loss")
-        ax.legend(fontsize=7)
-    title = (
-        "Same training with and without Tempo (one seed for weights and data; offline corpus): fp32, "
-        "and the judged float64 pair (dashed, its bound dotted)"
-    )
-    return finish(fig, title, data, "tempo_bert_loss_curves.png")
 
 
 def plot_throughput(device: str) -> Path | None:

@@ -51,6 +51,38 @@ def _timed(fn, device: torch.device, repeats: int) -> tuple[float, object]:
     return statistics.median(samples), out
 
 
+def _timed_cta_chain(
+    x: torch.Tensor, weights: list[torch.Tensor], acts: list[str], device: torch.device, repeats: int
+) -> tuple[float, torch.Tensor]:
+    """(median seconds, output) of the chain CTA-pipelined over the ranks (one stage each, on the
+    GPU); RuntimeError on every rank where any rank's bounded wait gave up."""
+    from ctapipe import StageTimeout, Tiling
+    from ctapipe.chain import ChainStage, symmetric_buffers
+
+    rank, ranks = dist.get_rank(), dist.get_world_size()
+    m, width = x.shape
+    tiling = Tiling()
+    buffers = symmetric_buffers(m, [width] * (ranks + 1), x.dtype, tiling)
+    stage = ChainStage(rank, ranks, weights[rank], acts[rank], buffers, tiling)  # default wait bound
+    stage.warm_up(m)
+    torch.cuda.synchronize()
+    # unchecked passes (a check waits for the GPU: not inside the timing), checked after them
+    latency, y = _timed(lambda: stage(x if rank == 0 else None, check=False), device, repeats)
+    failure = None
+    try:
+        stage.raise_if_gave_up()
+    except StageTimeout as e:
+        failure = str(e)
+    failures = [None] * ranks
+    dist.all_gather_object(failures, failure)
+    if any(failures):
+        raise RuntimeError(
+            "CTA-pipelining measurement failed: a bounded wait gave up (StageTimeout): "
+            + "; ".join(f for f in failures if f)
+        )
+    return latency, y
+
+
 def run(m: int, width: int, dtype: torch.dtype, repeats: int, smallest_chunk: int, seed: int = 0) -> dict:
     rank, ranks = dist.get_rank(), dist.get_world_size()
     cuda = torch.cuda.is_available()
@@ -78,28 +110,7 @@ def run(m: int, width: int, dtype: torch.dtype, repeats: int, smallest_chunk: in
     latency, y = _timed(lambda: tp_chain(x, shards, acts), device, repeats)
     results["tp"] = {"latency_s": latency, "error": error(y if last else None)}
     if cuda:
-        from ctapipe import StageTimeout, Tiling
-        from ctapipe.chain import ChainStage, symmetric_buffers
-
-        tiling = Tiling()
-        buffers = symmetric_buffers(m, [width] * (ranks + 1), dtype, tiling)
-        stage = ChainStage(rank, ranks, weights[rank], acts[rank], buffers, tiling)  # default wait bound
-        stage.warm_up(m)
-        torch.cuda.synchronize()
-        # unchecked passes (a check waits for the GPU: not inside the timing), checked after them
-        latency, y = _timed(lambda: stage(x if rank == 0 else None, check=False), device, repeats)
-        failure = None
-        try:
-            stage.raise_if_gave_up()
-        except StageTimeout as e:
-            failure = str(e)
-        failures = [None] * ranks
-        dist.all_gather_object(failures, failure)
-        if any(failures):
-            raise RuntimeError(
-                "CTA-pipelining measurement failed: a bounded wait gave up (StageTimeout): "
-                + "; ".join(f for f in failures if f)
-            )
+        latency, y = _timed_cta_chain(x, weights, acts, device, repeats)
         results["cta"] = {"latency_s": latency, "error": error(y if last else None)}
     gathered = [None] * ranks
     dist.all_gather_object(gathered, results)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import statistics
+from collections.abc import Callable
 
 from measure.results import Results
 
@@ -101,6 +102,17 @@ def training_summary(tr: Results, corpus: str = "stdlib") -> dict[str, float]:
         point = tr.get(train_key(model, conf, dropout, seed, dtype, rows, loss, corpus=corpus))
         return None if point is None else point.result["losses"]
 
+    return {
+        **_dropout_off_summary(curve),
+        **_dropout_on_summary(curve),
+        **_dropout_check_summary([p.result for p in tr.select(check="dropout distribution", corpus=corpus)]),
+    }
+
+
+def _dropout_off_summary(curve: Callable[..., list[float] | None]) -> dict[str, float]:
+    """Per trained model without dropout: Tempo's largest per-step loss difference from the
+    baseline, in fp32 and in float64, and over the rounding control's (the baseline on reversed
+    rows). ``curve``: a run's losses (None: not run)."""
     out = {}
     for model in TRAIN:
         for dtype, loss, label in (("fp32", None, ""), ("fp64", float64_loss(model), ", float64 control")):
@@ -118,6 +130,13 @@ def training_summary(tr: Results, corpus: str = "stdlib") -> dict[str, float]:
             out[f"{model} dropout off: max |loss difference| over the rounding control's"] = (
                 _max_gap(ours, base) / gap
             )
+    return out
+
+
+def _dropout_on_summary(curve: Callable[..., list[float] | None]) -> dict[str, float]:
+    """bert-mini with dropout 0.1 over the dropout seeds: Tempo-baseline pairs' mean |loss
+    difference| against the baseline's seed-to-seed band, and the last steps' loss of each with a
+    Welch interval of their difference (empty with fewer than two seeds of either)."""
     runs = {
         (conf, s): c
         for conf in ("hf-eager", "tempo")
@@ -127,6 +146,7 @@ def training_summary(tr: Results, corpus: str = "stdlib") -> dict[str, float]:
     base = [c for (conf, _), c in runs.items() if conf == "hf-eager"]
     ours = [c for (conf, _), c in runs.items() if conf == "tempo"]
     prefix = "bert-mini dropout 0.1"
+    out = {}
     if len(base) >= 2 and len(ours) >= 2:
         band = [_mean_gap(a, b) for a, b in itertools.combinations(base, 2)]
         cross = [_mean_gap(a, b) for a in ours for b in base]
@@ -142,20 +162,27 @@ def training_summary(tr: Results, corpus: str = "stdlib") -> dict[str, float]:
         out[f"{prefix}: last-50-step loss, Tempo - baseline, 90% interval low"] = low
         out[f"{prefix}: last-50-step loss, Tempo - baseline, 90% interval high"] = high
         out[f"{prefix}: last-50-step loss, Tempo - baseline, 90% interval bound"] = max(abs(low), abs(high))
-    checks = [p.result for p in tr.select(check="dropout distribution", corpus=corpus)]
-    if checks:
-
-        def worst(names):
-            return max(abs(r[n]["variance_ratio"] - 1) for r in checks for n in names)
-
-        out["dropout at fixed weights: |variance ratio - 1|, HF vs HF (null)"] = worst(["hf-eager again"])
-        out["dropout at fixed weights: |variance ratio - 1|, Tempo vs HF (worst)"] = worst(
-            ["tempo", "tempo again"]
-        )
-        out["dropout at fixed weights: |variance ratio - 1|, wrong rates vs HF (least)"] = min(
-            abs(r[n]["variance_ratio"] - 1) for r in checks for n in r if "wrong" in n
-        )
     return out
+
+
+def _dropout_check_summary(checks: list[dict]) -> dict[str, float]:
+    """The dropout distribution checks at fixed weights (``checks``: their results): how far each
+    variance ratio to HF's is from 1 (empty without checks)."""
+    if not checks:
+        return {}
+
+    def worst(names):
+        return max(abs(r[n]["variance_ratio"] - 1) for r in checks for n in names)
+
+    return {
+        "dropout at fixed weights: |variance ratio - 1|, HF vs HF (null)": worst(["hf-eager again"]),
+        "dropout at fixed weights: |variance ratio - 1|, Tempo vs HF (worst)": worst(
+            ["tempo", "tempo again"]
+        ),
+        "dropout at fixed weights: |variance ratio - 1|, wrong rates vs HF (least)": min(
+            abs(r[n]["variance_ratio"] - 1) for r in checks for n in r if "wrong" in n
+        ),
+    }
 
 
 def welch_interval(a: list[float], b: list[float], level: float) -> tuple[float, float]:

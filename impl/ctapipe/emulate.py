@@ -108,6 +108,22 @@ def _raise_on_give_up(reports: torch.Tensor, bound: float, max_spins: int) -> No
             )
 
 
+def _chain_widths(
+    x: torch.Tensor, weights: list[torch.Tensor], acts: list[str], wait: bool, producer_last: bool
+) -> list[int]:
+    """The chain's widths (X's, then each rank's output's), after checking ``run_chain_processes``'
+    inputs: an activation a rank, weights that chain, ``producer_last`` only without the wait."""
+    ranks = len(weights)
+    if producer_last and wait:
+        raise ValueError("producer_last needs wait=False: a waiting consumer would wait forever")
+    if len(acts) != ranks:
+        raise ValueError(f"{ranks} weights need {ranks} activations, got {len(acts)}")
+    dims = [x.shape[1]] + [w.shape[1] for w in weights]
+    if any(w.shape[0] != d for w, d in zip(weights, dims, strict=False)):
+        raise ValueError(f"weights do not chain: {[tuple(w.shape) for w in weights]} from width {x.shape[1]}")
+    return dims
+
+
 def run_chain_processes(
     x: torch.Tensor,
     weights: list[torch.Tensor],
@@ -130,13 +146,7 @@ def run_chain_processes(
     past ``timeout_s``, RuntimeError if a rank failed; the ranks still running are killed, and none
     outlives this process."""
     ranks = len(weights)
-    if producer_last and wait:
-        raise ValueError("producer_last needs wait=False: a waiting consumer would wait forever")
-    if len(acts) != ranks:
-        raise ValueError(f"{ranks} weights need {ranks} activations, got {len(acts)}")
-    dims = [x.shape[1]] + [w.shape[1] for w in weights]
-    if any(w.shape[0] != d for w, d in zip(weights, dims, strict=False)):
-        raise ValueError(f"weights do not chain: {[tuple(w.shape) for w in weights]} from width {x.shape[1]}")
+    dims = _chain_widths(x, weights, acts, wait, producer_last)
     delays = delays or [0.0] * ranks
     buffers = shared_buffers(x.shape[0], dims, x.dtype, tiling)
     y = torch.zeros(x.shape[0], dims[-1], dtype=x.dtype).share_memory_()

@@ -182,6 +182,7 @@ def _release(counter_ptr):
 
 # Per-call values are not specialised on: a warm-up launch compiles exactly what the pipelined
 # launches run (Triton would otherwise compile again for, e.g., a target of 1 or a multiple of 16).
+# One Triton program, its length its 25 arguments and a tile call's 18, one a line: the rest is in helpers
 @triton.jit(do_not_specialize=["wait_target", "timeout_us", "max_spins"])
 def stage_kernel(
     a_ptr,
@@ -249,6 +250,7 @@ def stage_kernel(
             _give_up(status, tile, pid_m, pid_n, seen, wait_target)  # write nothing, signal nothing
 
 
+# One Triton program, its length its 23 arguments and a tile call's 18, one a line: the rest is in helpers
 @triton.jit(do_not_specialize=["n_tickets", "wait_target", "timeout_us", "max_spins"])
 def ticket_mlp_kernel(
     x_ptr,

@@ -300,6 +300,21 @@ class StepMemoryEstimator:
 
         return classify
 
+    def _track_persistent(self, tracker: LiveMemoryTracker, batch) -> set[int]:
+        """Track what is live before the step (the model's parameters and buffers, the optimizer's
+        state, the batch); their storages' keys, which are not activations."""
+        persistent = [
+            *self.model.parameters(),
+            *self.model.buffers(),
+            *optimizer_state_tensors(self.optimizer),
+        ]
+        not_activations = set()
+        for t in [*persistent, *tree_leaves(batch)]:
+            if isinstance(t, torch.Tensor):
+                tracker.track(t)
+                not_activations.add(storage_key(t))
+        return not_activations
+
     def peak(self, batch_size: int) -> PeakReport:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -320,16 +335,7 @@ class StepMemoryEstimator:
             tracker = self._tracker = LiveMemoryTracker(
                 self.granularity, target=self.target, op_workspace=self.op_workspace
             )
-            persistent = [
-                *self.model.parameters(),
-                *self.model.buffers(),
-                *optimizer_state_tensors(self.optimizer),
-            ]
-            not_activations = set()
-            for t in [*persistent, *tree_leaves(batch)]:
-                if isinstance(t, torch.Tensor):
-                    tracker.track(t)
-                    not_activations.add(storage_key(t))
+            not_activations = self._track_persistent(tracker, batch)
             tracker._classify = self._classifier(saved_keys)
             tracker.reset_peak()
             # Deterministic and conservative: garbage from earlier steps is collected first, and
@@ -399,19 +405,7 @@ def search_max_batch(
         return 0, cache[1]
     b1, b2 = probes
     fits(b1), fits(b2)
-    r1, r2 = cache[b1], cache[b2]
-    phases = (set(r1.phase_peaks) & set(r2.phase_peaks)) or {"all"}
-    predictions = []
-    for ph in phases:
-        p1 = r1.phase_peaks.get(ph, r1.peak_bytes)
-        p2 = r2.phase_peaks.get(ph, r2.peak_bytes)
-        slope = (p2 - p1) / (b2 - b1)
-        if slope > 0:
-            predictions.append(b1 + (usable_bytes - p1) / slope)
-        elif p1 > usable_bytes:
-            predictions.append(0)
-    guess = int(min(predictions)) if predictions else limit
-    guess = min(max(guess, 1), limit)
+    guess = _predicted_boundary((b1, cache[b1]), (b2, cache[b2]), usable_bytes, limit)
 
     if fits(guess):  # grow a bracket upwards from the guess
         lo, hi, step = guess, None, 1
@@ -435,6 +429,26 @@ def search_max_batch(
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid)
     return lo, cache[lo]
+
+
+def _predicted_boundary(
+    probe1: tuple[int, PeakReport], probe2: tuple[int, PeakReport], usable_bytes: int, limit: int
+) -> int:
+    """The largest batch the two probes (batch, report) predict fits ``usable_bytes``, in [1,
+    ``limit``]: each phase's peak is affine in the batch, and the tightest phase bounds it."""
+    (b1, r1), (b2, r2) = probe1, probe2
+    phases = (set(r1.phase_peaks) & set(r2.phase_peaks)) or {"all"}
+    predictions = []
+    for phase in phases:
+        p1 = r1.phase_peaks.get(phase, r1.peak_bytes)
+        p2 = r2.phase_peaks.get(phase, r2.peak_bytes)
+        slope = (p2 - p1) / (b2 - b1)
+        if slope > 0:
+            predictions.append(b1 + (usable_bytes - p1) / slope)
+        elif p1 > usable_bytes:
+            predictions.append(0)
+    guess = int(min(predictions)) if predictions else limit
+    return min(max(guess, 1), limit)
 
 
 def refine_max_batch(

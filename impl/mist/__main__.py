@@ -249,16 +249,7 @@ def cmd_export(args) -> int:
     )
     from .plan import Plan
 
-    # options of the other target are refused, not ignored
-    other = {
-        "torchtitan": {
-            "--tokenizer-type": args.tokenizer_type,
-            "--script": args.script,
-            "--transformer-impl": args.transformer_impl,
-        },
-        "megatron-lm": {"--flavor": args.flavor},
-    }[args.to]
-    given = [flag for flag, value in other.items() if value is not None]  # '' was taken as not given
+    given = _other_target_options(args)
     if given:
         print(
             f"python -m mist export: error: {', '.join(given)} not taken by --to {args.to}", file=sys.stderr
@@ -295,7 +286,27 @@ def cmd_export(args) -> int:
             "--job.config_file THIS.toml",
             file=sys.stderr,
         )
-        return 0
+    else:
+        _megatron_export_notes(plan, inputs)
+    return 0
+
+
+def _other_target_options(args) -> list[str]:
+    """The options of the other target ``export --to`` was given (refused, not ignored)."""
+    other = {
+        "torchtitan": {
+            "--tokenizer-type": args.tokenizer_type,
+            "--script": args.script,
+            "--transformer-impl": args.transformer_impl,
+        },
+        "megatron-lm": {"--flavor": args.flavor},
+    }[args.to]
+    return [flag for flag, value in other.items() if value is not None]  # '' was taken as not given
+
+
+def _megatron_export_notes(plan, inputs) -> None:
+    """The notes on stderr under a Megatron-LM command: its placeholders, and the vocabulary the
+    plan was priced at where a tokenizer is given."""
     # only what is a placeholder: with --data-path given, the data is real (the footer said otherwise)
     placeholders = [
         *(["synthetic data (--mock-data; --data-path names real data)"] if inputs.data_path is None else []),
@@ -313,7 +324,6 @@ def cmd_export(args) -> int:
             "vocabulary differs changes the embedding's and head's memory",
             file=sys.stderr,
         )
-    return 0
 
 
 PREDICTION_FORMAT = 2  # 2: the breakdown's memory keys in bytes, the embedded plan format 2

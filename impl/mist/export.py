@@ -285,6 +285,16 @@ def megatron_lm_command(plan: Plan, model: ModelSpec, inputs: JobInputs | None =
 
 def _torchtitan_limits(plan: Plan, model: ModelSpec, flavor: str) -> list[str]:
     """What torchtitan cannot express of ``plan`` (lifted), one line each (empty: it can)."""
+    return [
+        *_torchtitan_layout_limits(plan, model, flavor),
+        *_torchtitan_model_limits(model),
+        *_torchtitan_parallel_limits(plan),
+        *_torchtitan_memory_limits(plan),
+    ]
+
+
+def _torchtitan_layout_limits(plan: Plan, model: ModelSpec, flavor: str) -> list[str]:
+    """What torchtitan cannot build of the model's flavor and the plan's stage layout."""
     cannot = []
     if not flavor:
         cannot.append(
@@ -300,6 +310,12 @@ def _torchtitan_limits(plan: Plan, model: ModelSpec, flavor: str) -> list[str]:
             f"{plan.virtual_stages} virtual stages a rank: the plan is priced in megatron-core's "
             "interleaved order, which torchtitan's Interleaved1F1B schedule does not follow"
         )
+    return cannot
+
+
+def _torchtitan_model_limits(model: ModelSpec) -> list[str]:
+    """What torchtitan's models cannot be of ``model``'s architecture."""
+    cannot = []
     llama_style = model.norm == "rmsnorm" and model.gated_mlp and model.positions == "rotary"
     if not llama_style or model.dropout:
         cannot.append(
@@ -309,6 +325,13 @@ def _torchtitan_limits(plan: Plan, model: ModelSpec, flavor: str) -> list[str]:
         cannot.append("attention without FlashAttention (torchtitan's is PyTorch SDPA's fused kernel)")
     if model.tempo:
         cannot.append("Tempo's layers (torchtitan builds its own)")
+    return cannot
+
+
+def _torchtitan_parallel_limits(plan: Plan) -> list[str]:
+    """What torchtitan cannot run of the plan's TP, DP, ZeRO and gradient reduction, and of its
+    nodes."""
+    cannot = []
     if plan.tp > 1 and not plan.sequence_parallel:
         cannot.append("TP without sequence parallelism (torchtitan's TP always shards the sequence)")
     stages = plan.stages
@@ -329,7 +352,13 @@ def _torchtitan_limits(plan: Plan, model: ModelSpec, flavor: str) -> list[str]:
         cannot.append(f"gradient buckets of {plan.grad_bucket_params} parameters (torchtitan has no option)")
     if any(s.zero == 2 and not s.gather_in_forward for s in stages) and plan.dp > 1:
         cannot.append("ZeRO-2's weight gather after the step (FSDP2 gathers ahead of each forward)")
-    cannot += _node_limits(plan)
+    return cannot + _node_limits(plan)
+
+
+def _torchtitan_memory_limits(plan: Plan) -> list[str]:
+    """What torchtitan cannot do of the plan's offloading and recomputation."""
+    cannot = []
+    stages = plan.stages
     offloads = {(s.offload_weights, s.offload_grads, s.offload_optimizer) for s in stages}
     if offloads != {(0.0, 0.0, 0.0)} and not _fsdp_cpu_offload(plan):
         cannot.append(

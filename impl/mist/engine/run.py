@@ -891,7 +891,9 @@ def preload() -> None:
     import megatron.core.optimizer  # noqa: F401
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The command line, checked before any work (exit 2 on bad input), and the launch's
+    environment (torchrun's)."""
     ap = OneLineParser(
         prog="torchrun ... -m mist.engine.run",
         description=__doc__,
@@ -912,6 +914,31 @@ def main(argv: list[str] | None = None) -> int:
             check_writable_file(Path(args.out))
         except ValueError as e:
             ap.error(f"--out: {e}")
+    return args
+
+
+def _print_report(report: dict, out: str | None) -> None:
+    """Rank 0's summary of the gathered ``report`` (losses, each rank's worst memory, an
+    out-of-memory error) and, with ``out``, the report written there."""
+    losses = next(r["losses"] for r in report["ranks"] if r["losses"] is not None)
+    print("losses:", " ".join(f"{x:.4f}" for x in losses))
+    for r in report["ranks"]:
+        print(
+            f"rank {r['rank']} (stage {r['stage']}, tp {r['tp_rank']}): "
+            f"{r['worst_memory_bytes'] / 2**20:.2f} MiB at the worst step"
+        )
+    if report["ranks"][0]["out_of_memory"]:
+        cap = report["ranks"][0]["memory_cap_bytes"]
+        print(
+            f"error: out of memory: a device peak went above the plan's cap of {cap / 2**20:.2f} MiB",
+            file=sys.stderr,
+        )
+    if out:
+        Path(out).write_text(json.dumps(report, indent=1))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse_args(argv)
     die_with_launcher()  # a rank never outlives its launcher (torchrun, or fork_launch's server)
     try:
         plan = Plan.load(args.plan)
@@ -937,21 +964,7 @@ def main(argv: list[str] | None = None) -> int:
         return 3
     out_of_memory = report["ranks"][0]["out_of_memory"]  # the same on every rank
     if dist.get_rank() == 0:
-        losses = next(r["losses"] for r in report["ranks"] if r["losses"] is not None)
-        print("losses:", " ".join(f"{x:.4f}" for x in losses))
-        for r in report["ranks"]:
-            print(
-                f"rank {r['rank']} (stage {r['stage']}, tp {r['tp_rank']}): "
-                f"{r['worst_memory_bytes'] / 2**20:.2f} MiB at the worst step"
-            )
-        if out_of_memory:
-            cap = report["ranks"][0]["memory_cap_bytes"]
-            print(
-                f"error: out of memory: a device peak went above the plan's cap of {cap / 2**20:.2f} MiB",
-                file=sys.stderr,
-            )
-        if args.out:
-            Path(args.out).write_text(json.dumps(report, indent=1))
+        _print_report(report, args.out)
     dist.destroy_process_group()
     return 3 if out_of_memory else 0
 

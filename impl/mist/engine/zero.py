@@ -13,6 +13,24 @@ from .offload import HOST_WORK, flat_views
 from .pipeline import gpt_modules
 
 
+def _assign_owners(
+    buckets: list[list[torch.Tensor]], ranks: list[int]
+) -> tuple[dict[int, int], dict[int, int]]:
+    """({id(param): owner rank}, {id(param): bucket index}): each bucket, largest first, to the
+    least-loaded rank (by parameters). Every rank walks the same order: the same owners everywhere."""
+    load = [0] * len(ranks)
+    owner: dict[int, int] = {}
+    bucket_of: dict[int, int] = {}
+    by_size = sorted(range(len(buckets)), key=lambda i: -sum(p.numel() for p in buckets[i]))
+    for i in by_size:
+        least = min(range(len(ranks)), key=load.__getitem__)
+        load[least] += sum(p.numel() for p in buckets[i])
+        for p in buckets[i]:
+            owner[id(p)] = ranks[least]
+            bucket_of[id(p)] = i
+    return owner, bucket_of
+
+
 class ShardedMasterAdamW:
     """ZeRO-1/2 around megatron-core's modules: each DP rank keeps the fp32 master weights and
     Adam state of its share of the parameters only, steps them, and broadcasts the updated
@@ -51,16 +69,7 @@ class ShardedMasterAdamW:
         self.params = [p for bucket in self.buckets for p in bucket]
         self.group = group
         ranks = dist.get_process_group_ranks(group)
-        load = [0] * len(ranks)
-        self.owner: dict[int, int] = {}
-        self.bucket_of: dict[int, int] = {}
-        by_size = sorted(range(len(self.buckets)), key=lambda i: -sum(p.numel() for p in self.buckets[i]))
-        for i in by_size:  # every rank walks the same order: the same owners everywhere
-            k = min(range(len(ranks)), key=load.__getitem__)
-            load[k] += sum(p.numel() for p in self.buckets[i])
-            for p in self.buckets[i]:
-                self.owner[id(p)] = ranks[k]
-                self.bucket_of[id(p)] = i
+        self.owner, self.bucket_of = _assign_owners(self.buckets, ranks)
         me = dist.get_rank()
         self.dp = len(ranks)
         owned = [p for p in self.params if self.owner[id(p)] == me]

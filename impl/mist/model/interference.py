@@ -204,6 +204,45 @@ def _host_rate(path: Path, name: str, line) -> float:
     return line.rate
 
 
+# the work of each channel in a run, in Interference's channel order (compute, GPU-to-GPU, host copies)
+_WORK_KEYS = ("flops", "g2g", "h2d", "d2h")
+
+
+def _solo_lines(runs: list[dict], fit_line) -> dict[tuple, object]:
+    """{(channel, group): line} fitted to the runs with that channel's work alone (per process-group
+    shape for g2g, group None for the others), where there are at least two."""
+    solo: dict[tuple, object] = {}
+    for channel, key in enumerate(_WORK_KEYS):
+        groups = sorted({run["group"] for run in runs}) if key == "g2g" else [None]
+        for group in groups:
+            alone = [
+                run
+                for run in runs
+                if run[key] > 0
+                and all(run[other] == 0 for other in _WORK_KEYS if other != key)
+                and (group is None or run["group"] == group)
+            ]
+            if len(alone) >= 2:
+                solo[(channel, group)] = fit_line(
+                    [run[key] for run in alone], [run["seconds"] for run in alone]
+                )
+    return solo
+
+
+def _overlapped_runs(runs: list[dict], solo: dict[tuple, object]) -> list[tuple[list[float], float]]:
+    """(each channel's solo seconds, measured seconds) of every run with two or more channels at
+    work, each priced by a solo line."""
+    usable = []
+    for run in runs:
+        times = []
+        for channel, key in enumerate(_WORK_KEYS):
+            line = solo.get((channel, run["group"] if key == "g2g" else None))
+            times.append(0.0 if run[key] == 0 else (None if line is None else float(line(run[key]))))
+        if None not in times and sum(t > 0 for t in times) >= 2:
+            usable.append((times, run["seconds"]))
+    return usable
+
+
 def fit_interference(path: Path) -> tuple[Interference, dict]:
     """Fit solo lines per channel (per process-group shape for g2g) and the slowdown factors."""
     from scipy.optimize import least_squares
@@ -211,28 +250,8 @@ def fit_interference(path: Path) -> tuple[Interference, dict]:
     from .calibrate import fit_line
 
     runs = _runs(path)
-    work_keys = ("flops", "g2g", "h2d", "d2h")
-    solo: dict[tuple, object] = {}
-    for c, key in enumerate(work_keys):
-        groups = sorted({r["group"] for r in runs}) if key == "g2g" else [None]
-        for g in groups:
-            alone = [
-                r
-                for r in runs
-                if r[key] > 0
-                and all(r[k] == 0 for k in work_keys if k != key)
-                and (g is None or r["group"] == g)
-            ]
-            if len(alone) >= 2:
-                solo[(c, g)] = fit_line([r[key] for r in alone], [r["seconds"] for r in alone])
-    usable = []
-    for r in runs:
-        times = []
-        for c, key in enumerate(work_keys):
-            line = solo.get((c, r["group"] if key == "g2g" else None))
-            times.append(0.0 if r[key] == 0 else (None if line is None else float(line(r[key]))))
-        if None not in times and sum(t > 0 for t in times) >= 2:
-            usable.append((times, r["seconds"]))
+    solo = _solo_lines(runs, fit_line)
+    usable = _overlapped_runs(runs, solo)
     params = [(c, m) for m in _MASKS for c in _members(m) if len(_members(m)) >= 2]
     held_out = np.arange(len(usable)) % 5 == 4  # every fifth run checks the fit
     all_times = np.array([u[0] for u in usable]).T

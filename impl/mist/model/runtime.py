@@ -122,10 +122,10 @@ def op_features(model: ModelSpec, sequence_parallel: bool = False):
     for op in trace_layer(model, sequence_parallel):
         if op.kind == "comm" or (op.flops == 0 and op.fwd_bytes == 0):
             continue
-        fn = sp.lambdify(
-            (b, s, t), [sp.sympify(x).xreplace(fixed) for x in (op.flops, op.fwd_bytes, op.bwd_bytes)]
+        costs_at = sp.lambdify(
+            (b, s, t), [sp.sympify(expr).xreplace(fixed) for expr in (op.flops, op.fwd_bytes, op.bwd_bytes)]
         )
-        out.append((op.name, op.kind, fn))
+        out.append((op.name, op.kind, costs_at))
     return tuple(out)
 
 
@@ -136,9 +136,9 @@ def tempo_work(model: ModelSpec, mbs, seq, tp, sequence_parallel: bool = False):
     shape carries to others in proportion to what Tempo's ops touch."""
     tempo = model if model.tempo else dataclasses.replace(model, tempo=True, parallel_block=False)
     work = 0.0
-    for _, kind, fn in op_features(tempo, sequence_parallel):
+    for _, kind, costs_at in op_features(tempo, sequence_parallel):
         if kind in TEMPO_KINDS:
-            work = work + fn(mbs, seq, tp)[1]
+            work = work + costs_at(mbs, seq, tp)[1]
     return work
 
 
@@ -170,20 +170,20 @@ class RuntimeModel:
         ``weight_gradients=False``: without the weight-gradient GEMMs (to compare with profiles
         that did not time them). ``only``: of these traced ops alone (no framework overhead)."""
         fwd = bwd = 0.0
-        kinds = {n: c for op, c in OP_CLASS.items() for n in LAYER_OPS.get(op, ())}
-        for name, kind, fn in op_features(model, sequence_parallel):
+        classes = {traced: op_class for op, op_class in OP_CLASS.items() for traced in LAYER_OPS.get(op, ())}
+        for name, kind, costs_at in op_features(model, sequence_parallel):
             if only is not None and name not in only:
                 continue
-            flops, fb, bb = fn(mbs, seq, tp)
-            cls = kinds.get(name, "gemm" if kind in COMPUTE_KINDS else _memory_class(kind))
-            f_line, b_line = self.curve(cls)
-            fwd = fwd + f_line(flops if kind in COMPUTE_KINDS else fb)
+            flops, fwd_bytes, bwd_bytes = costs_at(mbs, seq, tp)
+            op_class = classes.get(name, "gemm" if kind in COMPUTE_KINDS else _memory_class(kind))
+            f_line, b_line = self.curve(op_class)
+            fwd = fwd + f_line(flops if kind in COMPUTE_KINDS else fwd_bytes)
             if kind == "gemm":  # input gradient, and weight gradient: each the forward's FLOPs
                 bwd = bwd + b_line(flops) + (self.wgrad_line(flops) if weight_gradients else 0.0)
             elif kind in COMPUTE_KINDS:
                 bwd = bwd + b_line(flops * (2.5 if kind == "attention" else 2.0))
             else:
-                bwd = bwd + b_line(bb)
+                bwd = bwd + b_line(bwd_bytes)
         if "framework" in self.curves and only is None:  # measured by `mist profile` only (none shipped)
             f_line, b_line = self.curves["framework"]
             fwd, bwd = (
@@ -205,24 +205,28 @@ class RuntimeModel:
         self, model: ModelSpec, mbs, seq, tp, weight_gradients: bool = True
     ) -> tuple[float, float]:
         """Final norm + LM head GEMM + cross-entropy over the vocabulary, per micro-batch and TP rank."""
-        hc = {k: value(e, model, mbs, seq, tp) for k, e in head_costs(model).items()}
+        head = {name: value(expr, model, mbs, seq, tp) for name, expr in head_costs(model).items()}
         gemm_f, gemm_b = self.curve("gemm")
         norm_f, norm_b = self.curve("norm")
         loss_f, loss_b = self.curve("loss")
-        fwd = norm_f(hc["final_norm_bytes"]) + gemm_f(hc["head_flops_fwd"]) + loss_f(hc["logits_fp32_bytes"])
+        fwd = (
+            norm_f(head["final_norm_bytes"])
+            + gemm_f(head["head_flops_fwd"])
+            + loss_f(head["logits_fp32_bytes"])
+        )
         bwd = (
-            norm_b(2 * hc["final_norm_bytes"])  # a norm's backward moves twice its forward's bytes
-            + gemm_b(hc["head_flops_fwd"])
-            + (self.wgrad_line(hc["head_flops_fwd"]) if weight_gradients else 0.0)
-            + loss_b(hc["logits_fp32_bytes"])
+            norm_b(2 * head["final_norm_bytes"])  # a norm's backward moves twice its forward's bytes
+            + gemm_b(head["head_flops_fwd"])
+            + (self.wgrad_line(head["head_flops_fwd"]) if weight_gradients else 0.0)
+            + loss_b(head["logits_fp32_bytes"])
         )
         return float(fwd), float(bwd)
 
     def embedding_times(self, model: ModelSpec, mbs, seq, tp) -> tuple[float, float]:
         """The (vocab-parallel) embedding lookup forward, its table gradient backward."""
-        hc = {k: value(e, model, mbs, seq, tp) for k, e in head_costs(model).items()}
+        edge = {name: value(expr, model, mbs, seq, tp) for name, expr in head_costs(model).items()}
         f_line, b_line = self.curve("embedding")
-        return float(f_line(hc["embed_tokens_bytes"])), float(b_line(hc["embed_table_bytes"]))
+        return float(f_line(edge["embed_tokens_bytes"])), float(b_line(edge["embed_table_bytes"]))
 
     @property
     def accumulate_line(self) -> Line:
@@ -295,8 +299,8 @@ class RuntimeModel:
         per owner of its share); None where it did not."""
         return self._engine_collective(ZERO_WEIGHT_SYNC, nbytes, n, inter_node)
 
-    def _engine_collective(self, kind: str, nbytes, n: int, inter_node: bool) -> np.ndarray | None:
-        line = self._measured_layer(kind, nbytes, n, inter_node)
+    def _engine_collective(self, kind: str, nbytes, gpus: int, inter_node: bool) -> np.ndarray | None:
+        line = self._measured_layer(kind, nbytes, gpus, inter_node)
         # no bytes: no collective (its fixed latency is not paid), as ``collective``
         return None if line is None else np.where(np.asarray(nbytes, float) > 0, line, 0.0)
 
@@ -314,9 +318,11 @@ class RuntimeModel:
             return None
         return np.minimum(forward, both), both
 
-    def _measured_layer(self, mechanism: str, nbytes: float, n: int, inter_node: bool) -> np.ndarray | None:
-        key = f"{mechanism}/{n}"
-        if n <= 1 or inter_node or key not in self.collectives:
+    def _measured_layer(
+        self, mechanism: str, nbytes: float, gpus: int, inter_node: bool
+    ) -> np.ndarray | None:
+        key = f"{mechanism}/{gpus}"
+        if gpus <= 1 or inter_node or key not in self.collectives:
             return None
         return np.maximum(self.collectives[key](np.asarray(nbytes, float)), 0.0)
 
@@ -336,13 +342,15 @@ class RuntimeModel:
         return {
             "gpu": self.gpu,
             "source": self.source,
-            "curves": {k: [asdict(f), asdict(bw)] for k, (f, bw) in self.curves.items()},
-            "collectives": {k: asdict(v) for k, v in self.collectives.items()},
+            "curves": {
+                name: [asdict(forward), asdict(backward)] for name, (forward, backward) in self.curves.items()
+            },
+            "collectives": {name: asdict(line) for name, line in self.collectives.items()},
         }
 
     @classmethod
     def from_json(
-        cls, d: dict, path: Path | str = "a runtime preset", gpu: str | None = None
+        cls, preset: dict, path: Path | str = "a runtime preset", gpu: str | None = None
     ) -> RuntimeModel:
         """The model a runtime preset (``to_json``'s mapping) describes, read strictly (see
         ``measure.presets``): exactly its fields; every line a finite c0 >= 0 and a finite rate > 0
@@ -350,12 +358,12 @@ class RuntimeModel:
         curves all there (a missing one would be priced by the data-sheet roofline without a
         word); collectives the kinds the model looks up; ``gpu`` (the file's name says it) the
         preset's own. ``path`` names the file in the one-line errors."""
-        check_fields(path, "", d, ("gpu", "source", "curves", "collectives"))
-        name = text(path, "gpu", d["gpu"])
+        check_fields(path, "", preset, ("gpu", "source", "curves", "collectives"))
+        name = text(path, "gpu", preset["gpu"])
         if gpu is not None and name != gpu:
             raise ValueError(f"{path}: gpu must be {gpu!r} (the GPU its file name says), got {name!r}")
-        curves = check_fields(path, "curves", d["curves"], LAYER_CURVES, OPTIONAL_CURVES)
-        collectives = d["collectives"]
+        curves = check_fields(path, "curves", preset["curves"], LAYER_CURVES, OPTIONAL_CURVES)
+        collectives = preset["collectives"]
         # N: GPUs in one collective; 2**20 is far beyond any machine built (the largest train on ~10**5)
         kinds = f"KIND/N, KIND one of {', '.join(COLLECTIVE_KINDS)} and N a whole number from 2 to 2**20"
         if not isinstance(collectives, dict):
@@ -363,15 +371,15 @@ class RuntimeModel:
                 f"{path}: collectives must be a mapping of {kinds} to lines, got {collectives!r}"
             )
         for key in collectives:
-            kind, _, n = key.partition("/")
-            fits = n.isdecimal() and len(n) <= 7 and n == str(int(n)) and 2 <= int(n) <= 2**20
+            kind, _, gpus = key.partition("/")
+            fits = gpus.isdecimal() and len(gpus) <= 7 and gpus == str(int(gpus)) and 2 <= int(gpus) <= 2**20
             if kind not in COLLECTIVE_KINDS or not fits:
                 raise ValueError(f"{path}: collectives: {key!r} is not {kinds}")
         return cls(
             name,
-            {k: _line_pair(path, f"curves.{k}", pair) for k, pair in curves.items()},
-            {k: _line(path, f"collectives.{k}", v) for k, v in collectives.items()},
-            text(path, "source", d["source"]),
+            {curve: _line_pair(path, f"curves.{curve}", pair) for curve, pair in curves.items()},
+            {key: _line(path, f"collectives.{key}", line) for key, line in collectives.items()},
+            text(path, "source", preset["source"]),
         )
 
 
@@ -393,14 +401,14 @@ COLLECTIVE_KINDS = (
 )
 
 
-def _line(path: Path | str, where: str, d: object) -> Line:
+def _line(path: Path | str, where: str, line: object) -> Line:
     """A preset's line {"c0": seconds >= 0, "rate": work/s, finite and > 0, or null for a constant}.
     Infinity is refused: it is not JSON, and no hardware does work in no time."""
-    check_fields(path, where, d, ("c0", "rate"))
-    rate = d["rate"]
+    check_fields(path, where, line, ("c0", "rate"))
+    rate = line["rate"]
     constant = " (or null: a time that does not grow with the work)"
     return Line(
-        number(path, f"{where}.c0", d["c0"]),
+        number(path, f"{where}.c0", line["c0"]),
         None if rate is None else number(path, f"{where}.rate", rate, above=True, or_else=constant),
     )
 
@@ -464,32 +472,32 @@ HOST_PRESET_FIELDS = (
 )
 
 
-def cpu_adam_preset(d: dict, path: Path | str = "a host preset") -> CpuAdam:
+def cpu_adam_preset(preset: dict, path: Path | str = "a host preset") -> CpuAdam:
     """The host step a host preset (``profile_cpu_adam``'s mapping) describes, read strictly (see
     ``measure.presets``): exactly its fields; ``threads`` distinct whole numbers >= 1 with 1 among
     them (the per-core rate is one thread's), ``params_per_s`` one finite rate > 0 for each,
     ``bytes_moved_per_param`` a finite number > 0 (not the string "28")."""
-    check_fields(path, "", d, HOST_PRESET_FIELDS)
+    check_fields(path, "", preset, HOST_PRESET_FIELDS)
     for key in ("optimizer", "cpu", "torch", "measured"):
-        text(path, key, d[key])
-    count(path, "params", d["params"])
-    threads, rates = d["threads"], d["params_per_s"]
+        text(path, key, preset[key])
+    count(path, "params", preset["params"])
+    threads, rates = preset["threads"], preset["params_per_s"]
     if not isinstance(threads, list):
         raise ValueError(
             f"{path}: threads must be a list of thread counts with 1 among them, got {threads!r}"
         )
-    counts = [count(path, f"threads[{i}]", n) for i, n in enumerate(threads)]
+    counts = [count(path, f"threads[{i}]", thread_count) for i, thread_count in enumerate(threads)]
     if 1 not in counts or len(set(counts)) < len(counts):
         raise ValueError(f"{path}: threads must be distinct thread counts with 1 among them, got {threads!r}")
     if not isinstance(rates, list) or len(rates) != len(threads):
         raise ValueError(
             f"{path}: params_per_s must be a list of one rate a thread count ({len(threads)}), got {rates!r}"
         )
-    per_s = [number(path, f"params_per_s[{i}]", r, above=True) for i, r in enumerate(rates)]
+    per_s = [number(path, f"params_per_s[{i}]", rate, above=True) for i, rate in enumerate(rates)]
     return CpuAdam(
         per_s[counts.index(1)],
-        number(path, "bytes_moved_per_param", d["bytes_moved_per_param"], above=True),
-        f"{d['optimizer']} measured on {d['cpu']} ({d['measured']})",
+        number(path, "bytes_moved_per_param", preset["bytes_moved_per_param"], above=True),
+        f"{preset['optimizer']} measured on {preset['cpu']} ({preset['measured']})",
     )
 
 

@@ -24,6 +24,7 @@ import sympy as sp
 
 from .specs import ModelSpec
 
+# micro-batch, sequence, TP size; hidden, heads, key/value heads, MLP hidden, vocabulary
 b, s, t, h, a, kv, f, v = sp.symbols("b s t h a kv f v", positive=True)
 SYMBOLS = (b, s, t, h, a, kv, f, v)
 HALF, FP32, MASK = 2, 4, 1  # bytes per element: activations/weights, statistics, dropout masks
@@ -97,8 +98,11 @@ class Tracer:
     ):
         """``fwd_bytes``/``bwd_bytes`` override what the op moves (default: its inputs and outputs
         forward, ``bwd_scale`` times that backward) where its kernel is known to move otherwise."""
-        moved = sum((x.nbytes for x in ins + outs), sp.Integer(0))
-        working = sum((x.nbytes for x in ins + outs if not x.weight and x.itemsize != MASK), sp.Integer(0))
+        moved = sum((tensor.nbytes for tensor in ins + outs), sp.Integer(0))
+        working = sum(
+            (tensor.nbytes for tensor in ins + outs if not tensor.weight and tensor.itemsize != MASK),
+            sp.Integer(0),
+        )
         fwd = moved if fwd_bytes is None else sp.sympify(fwd_bytes)
         bwd = sp.nsimplify(bwd_scale) * moved if bwd_bytes is None else sp.sympify(bwd_bytes)
         self.ops.append(Op(name, kind, sp.sympify(flops), fwd, bwd, saved, working))
@@ -106,7 +110,7 @@ class Tracer:
     def elementwise(self, name: str, flops, ins: list[Sym], outs: list[Sym], saved: list[Sym]) -> None:
         """An activation-like op; its backward reads the outputs' gradients and what it saved and
         writes the inputs' gradients."""
-        bwd = sum((x.nbytes for x in outs + saved + ins), sp.Integer(0))
+        bwd = sum((tensor.nbytes for tensor in outs + saved + ins), sp.Integer(0))
         self.op(name, "act", flops, ins, outs, saved, bwd_bytes=bwd)
 
     def comm(self, name: str, collective: str, x: Sym, y: Sym) -> None:
@@ -142,8 +146,9 @@ class Tracer:
     def linear(self, name: str, x: Sym, out_features: sp.Expr, keeps_input: bool = True) -> Sym:
         """``keeps_input`` False: the input is recomputed for the weight gradient (Tempo's SwiGLU)."""
         y = Sym((*x.shape[:-1], out_features))
-        w = Sym((x.shape[-1], out_features), weight=True)
-        self.op(name, "gemm", 2 * x.numel * out_features, [x, w], [y], [x.shard or x] if keeps_input else [])
+        weight = Sym((x.shape[-1], out_features), weight=True)
+        kept = [x.shard or x] if keeps_input else []
+        self.op(name, "gemm", 2 * x.numel * out_features, [x, weight], [y], kept)
         return y
 
     def dropout(self, name: str, x: Sym, enabled: bool) -> Sym:
@@ -158,10 +163,10 @@ class Tracer:
         return y
 
     def add(self, name: str, x: Sym, y: Sym) -> Sym:
-        z = Sym(x.shape)
+        total = Sym(x.shape)
         # backward moves nothing: both inputs receive the output's gradient tensor itself
-        self.op(name, "add", x.numel, [x, y], [z], [], bwd_scale=0)
-        return z
+        self.op(name, "add", x.numel, [x, y], [total], [], bwd_scale=0)
+        return total
 
     def reduce_out(self, name: str, x: Sym) -> Sym:
         """Row-parallel output: all-reduce (or reduce-scatter under SP) across the TP group."""
@@ -170,18 +175,22 @@ class Tracer:
         return y
 
     def attention(self, q: Sym, k: Sym, vv: Sym, flash: bool, dropout: bool, qkv_kept: list[Sym]) -> Sym:
-        """``qkv_kept``: the tensors whose storage keeping q, k and v keeps alive (views of the
-        fused QKV projection's output, or the rotated copies of q and k)."""
-        bb, ss, heads, d = q.shape
-        out = Sym((bb, ss, heads * d))
-        core_flops = 4 * bb * heads * ss * ss * d  # QK^T and PV
+        """Core attention on query, key and value ``q``, ``k``, ``vv`` (``v`` is the vocabulary's
+        symbol). ``qkv_kept``: the tensors whose storage keeping q, k and v keeps alive (views of
+        the fused QKV projection's output, or the rotated copies of q and k)."""
+        batch, seq, heads, head_dim = q.shape
+        out = Sym((batch, seq, heads * head_dim))
+        core_flops = 4 * batch * heads * seq * seq * head_dim  # QK^T and PV
         if flash:  # keeps q, k, v, the output and the row log-sum-exp; recomputes P in backward
-            lse = Sym((bb, heads, ss), FP32)
-            self.op("attention-core", "attention", core_flops, [q, k, vv], [out], [*qkv_kept, out, lse], 2.5)
+            log_sum_exp = Sym((batch, heads, seq), FP32)
+            kept = [*qkv_kept, out, log_sum_exp]
+            self.op("attention-core", "attention", core_flops, [q, k, vv], [out], kept, 2.5)
             self.ops[-1].checkpoint_inputs = tuple(qkv_kept)
             return out
-        scores = Sym((bb, heads, ss, ss))
-        self.op("attention-score", "bmm", 2 * bb * heads * ss * ss * d, [q, k], [scores], qkv_kept)
+        scores = Sym((batch, heads, seq, seq))
+        self.op(
+            "attention-score", "bmm", 2 * batch * heads * seq * seq * head_dim, [q, k], [scores], qkv_kept
+        )
         self.ops[-1].checkpoint_inputs = tuple(qkv_kept)
         probs = Sym(scores.shape)
         # Causal: Megatron's fused upper-triangular softmax reads only the unmasked half of its
@@ -199,7 +208,7 @@ class Tracer:
             bwd_bytes=half + half + full,
         )
         dropped = self.dropout("attention-dropout", probs, dropout)
-        context_flops = 2 * bb * heads * ss * ss * d
+        context_flops = 2 * batch * heads * seq * seq * head_dim
         # Tempo: P, not the dropped-out probabilities (remade from P and the seed in backward)
         kept = probs if self.tempo else dropped
         self.op("attention-context", "bmm", context_flops, [dropped, vv], [out], [kept, *qkv_kept])
@@ -209,69 +218,71 @@ class Tracer:
         if gated:  # SwiGLU: down(silu(gate(x)) * up(x))
             gate = self.linear("mlp-gate", x, f / t)
             up = self.linear("mlp-up", x, f / t)
-            act = Sym(gate.shape)
+            activated = Sym(gate.shape)
             # Fused, as Megatron-LM runs it (its default --bias-swiglu-fusion): one op keeps the
             # gate and up projections and recomputes silu(gate) in backward, so silu's output
             # is never kept.
-            self.elementwise("mlp-silu", 5 * gate.numel, [gate], [act], [gate])
-            prod = Sym(gate.shape)
-            self.elementwise("mlp-mul", gate.numel, [act, up], [prod], [up])
+            self.elementwise("mlp-silu", 5 * gate.numel, [gate], [activated], [gate])
+            product = Sym(gate.shape)
+            self.elementwise("mlp-mul", gate.numel, [activated, up], [product], [up])
             # Tempo's SwiGLU: the product is recomputed from gate and up for the down projection
-            y = self.linear("mlp-down", prod, h, keeps_input=not self.tempo)
+            y = self.linear("mlp-down", product, h, keeps_input=not self.tempo)
         else:
             up = self.linear("mlp-gemm-1", x, f / t)
-            act = Sym(up.shape)
+            activated = Sym(up.shape)
             # Tempo's GELU: its output (the next GEMM keeps it anyway) and one bit an element
             # (which side of GELU's minimum), its input recovered in backward
-            keep = [act, Sym((*up.shape[:-1], up.shape[-1] / 8), MASK)] if self.tempo else [up]
-            self.elementwise("mlp-gelu", 8 * up.numel, [up], [act], keep)
-            y = self.linear("mlp-gemm-2", act, h)
+            keep = [activated, Sym((*up.shape[:-1], up.shape[-1] / 8), MASK)] if self.tempo else [up]
+            self.elementwise("mlp-gelu", 8 * up.numel, [up], [activated], keep)
+            y = self.linear("mlp-gemm-2", activated, h)
         return y
 
 
 def trace_layer(model: ModelSpec, sequence_parallel: bool = False) -> list[Op]:
-    """The ops of one transformer layer of ``model`` on one TP rank, symbolic in (b, s, t, ...)."""
-    tr = Tracer(sp_=sequence_parallel, tempo=model.tempo)
+    """The ops of one transformer layer of ``model`` on one TP rank, symbolic in (b, s, t, ...).
+    x: the residual stream, y: a normed (block) input, as the tracer's building blocks name them."""
+    tracer = Tracer(sp_=sequence_parallel, tempo=model.tempo)
     rms = model.norm == "rmsnorm"
     dropout = model.dropout > 0
-    d = h / a
-    x = tr.stream()
+    head_dim = h / a
+    x = tracer.stream()
 
     def attention_block(y: Sym) -> Sym:
-        y = tr.gathered("attention-gather", y)
-        qkv = tr.linear("attention-qkv", y, (a + 2 * kv) * d / t)
-        q = Sym((b, s, a / t, d))
-        k, vv = Sym((b, s, kv / t, d)), Sym((b, s, kv / t, d))
+        y = tracer.gathered("attention-gather", y)
+        qkv = tracer.linear("attention-qkv", y, (a + 2 * kv) * head_dim / t)
+        # query, key and value (vv: v is the vocabulary's symbol)
+        q = Sym((b, s, a / t, head_dim))
+        k, vv = Sym((b, s, kv / t, head_dim)), Sym((b, s, kv / t, head_dim))
         # q, k and v are views of the QKV projection's output: keeping v keeps all of it
         if model.positions == "rotary":  # rotary on q and k: reads them and writes rotated copies
-            tr.op("attention-rotary", "act", 6 * (q.numel + k.numel), [qkv], [q, k], [], bwd_scale=1)
+            tracer.op("attention-rotary", "act", 6 * (q.numel + k.numel), [qkv], [q, k], [], bwd_scale=1)
             qkv_kept = [q, k, qkv]
         else:
-            tr.op("attention-split", "add", 0, [], [], [])
+            tracer.op("attention-split", "add", 0, [], [], [])
             qkv_kept = [qkv]
-        ctx = tr.attention(q, k, vv, model.flash, dropout, qkv_kept)
-        return tr.linear("attention-dense", ctx, h)
+        context = tracer.attention(q, k, vv, model.flash, dropout, qkv_kept)
+        return tracer.linear("attention-dense", context, h)
 
     if model.parallel_block:  # parallel attention and MLP on one shared norm
-        y = tr.norm("layernorm-1", x, rms)
+        y = tracer.norm("layernorm-1", x, rms)
         attn = attention_block(y)
-        y2 = tr.gathered("mlp-gather", y)
-        mlp = tr.mlp(y2, model.gated_mlp, dropout)
-        z = tr.add("attention-mlp-add", attn, mlp)
-        z = tr.reduce_out("mlp-reduce", z)
-        z = tr.dropout("post-mlp-dropout", z, dropout)
-        tr.add("residual-2", x, z)
-        return tr.ops
-    y = tr.norm("layernorm-1", x, rms)
-    attn = tr.reduce_out("attention-reduce", attention_block(y))
-    attn = tr.dropout("post-attention-dropout", attn, dropout)
-    x = tr.add("residual-1", x, attn)
-    y = tr.norm("layernorm-2", x, rms)
-    y = tr.gathered("mlp-gather", y)
-    out = tr.reduce_out("mlp-reduce", tr.mlp(y, model.gated_mlp, dropout))
-    out = tr.dropout("post-mlp-dropout", out, dropout)
-    tr.add("residual-2", x, out)
-    return tr.ops
+        mlp_input = tracer.gathered("mlp-gather", y)
+        mlp = tracer.mlp(mlp_input, model.gated_mlp, dropout)
+        both = tracer.add("attention-mlp-add", attn, mlp)
+        both = tracer.reduce_out("mlp-reduce", both)
+        both = tracer.dropout("post-mlp-dropout", both, dropout)
+        tracer.add("residual-2", x, both)
+        return tracer.ops
+    y = tracer.norm("layernorm-1", x, rms)
+    attn = tracer.reduce_out("attention-reduce", attention_block(y))
+    attn = tracer.dropout("post-attention-dropout", attn, dropout)
+    x = tracer.add("residual-1", x, attn)
+    y = tracer.norm("layernorm-2", x, rms)
+    y = tracer.gathered("mlp-gather", y)
+    out = tracer.reduce_out("mlp-reduce", tracer.mlp(y, model.gated_mlp, dropout))
+    out = tracer.dropout("post-mlp-dropout", out, dropout)
+    tracer.add("residual-2", x, out)
+    return tracer.ops
 
 
 @dataclass(frozen=True)
@@ -306,35 +317,40 @@ def _recomputed_backward_peak(ops: list[Op], kept: tuple[Sym, ...]) -> sp.Expr:
     """Backward through ``ops`` just recomputed: before op i's backward, what ops up to i saved
     is alive (a tensor lives until the first op that saved it is done), less ``kept`` (held
     anyway), with op i's working set; the largest over i."""
-    kept_ids = {x.uid for x in kept}
+    kept_ids = {tensor.uid for tensor in kept}
     peaks = []
     for i, op in enumerate(ops):
-        alive = {x.uid: x for o in ops[: i + 1] for x in o.saved if x.uid not in kept_ids}
-        peaks.append(sum((x.nbytes for x in alive.values()), sp.Integer(0)) + op.working)
+        alive = {
+            tensor.uid: tensor
+            for earlier in ops[: i + 1]
+            for tensor in earlier.saved
+            if tensor.uid not in kept_ids
+        }
+        peaks.append(sum((tensor.nbytes for tensor in alive.values()), sp.Integer(0)) + op.working)
     # unevaluated: simplifying a Max of sympy sums takes seconds; numpy takes the maximum
     return sp.Max(*peaks, evaluate=False) if len(peaks) > 1 else (peaks[0] if peaks else sp.Integer(0))
 
 
 def _unique_saved(ops: list[Op], also: tuple[Sym, ...] = ()) -> sp.Expr:
     seen: dict[int, Sym] = {}
-    for x in [*(x for op in ops for x in op.saved), *also]:
-        seen.setdefault(x.uid, x)
-    return sum((x.nbytes for x in seen.values()), sp.Integer(0))
+    for tensor in [*(saved for op in ops for saved in op.saved), *also]:
+        seen.setdefault(tensor.uid, tensor)
+    return sum((tensor.nbytes for tensor in seen.values()), sp.Integer(0))
 
 
 @functools.lru_cache(maxsize=64)
 def layer_costs(model: ModelSpec, sequence_parallel: bool = False) -> LayerCosts:
     ops = trace_layer(model, sequence_parallel)
     core = CORE_ATTENTION_OPS
-    core_inputs = tuple(x for op in ops for x in op.checkpoint_inputs)
+    core_inputs = tuple(tensor for op in ops for tensor in op.checkpoint_inputs)
     gemm_flops = sum((op.flops for op in ops if op.kind in ("gemm", "bmm", "attention")), sp.Integer(0))
     other_flops = sum((op.flops for op in ops if op.kind not in ("gemm", "bmm", "attention")), sp.Integer(0))
     flash_recompute = sum((op.flops / 2 for op in ops if op.kind == "attention"), sp.Integer(0))
-    d = h / a
+    head_dim = h / a
     norms = 1 if model.parallel_block else 2
     norm_params = norms * h * (1 if model.norm == "rmsnorm" else 2)
     mlp_params = (3 if model.gated_mlp else 2) * h * f
-    params = (h * (a + 2 * kv) * d + h * h + mlp_params) / t + norm_params
+    params = (h * (a + 2 * kv) * head_dim + h * h + mlp_params) / t + norm_params
 
     def comm(kind: str) -> sp.Expr:
         return sum((op.message for op in ops if op.collective == kind), sp.Integer(0))
@@ -381,7 +397,7 @@ def as_integers(values: dict[sp.Symbol, int]) -> dict[sp.Symbol, sp.Integer]:
     """For ``xreplace``: a plain replacement of symbols by exact integers (no pattern matching,
     unlike ``subs``), 10-60x faster and the same exact result: sympy evaluates the numbers as it
     rebuilds the expression."""
-    return {k: sp.Integer(x) for k, x in values.items()}
+    return {symbol: sp.Integer(number) for symbol, number in values.items()}
 
 
 def value(expr: sp.Expr, model: ModelSpec, batch: int, seq: int, tp: int) -> float:
@@ -404,12 +420,15 @@ def _compile(costs: LayerCosts, model: ModelSpec) -> Callable[..., dict[str, np.
         "tp_all_gather",
         "tp_reduce_scatter",
     ]
-    exprs = [getattr(costs, n).xreplace(fixed) for n in names]
-    fn = sp.lambdify((b, s, t), exprs, "numpy")
+    exprs = [getattr(costs, name).xreplace(fixed) for name in names]
+    lambdified = sp.lambdify((b, s, t), exprs, "numpy")
 
     def evaluate(batch, seq, tp) -> dict[str, np.ndarray]:
-        values = fn(np.asarray(batch, float), np.asarray(seq, float), np.asarray(tp, float))
+        values = lambdified(np.asarray(batch, float), np.asarray(seq, float), np.asarray(tp, float))
         shape = np.broadcast(np.asarray(batch), np.asarray(seq), np.asarray(tp)).shape
-        return {n: np.broadcast_to(np.asarray(x, float), shape) for n, x in zip(names, values, strict=True)}
+        return {
+            name: np.broadcast_to(np.asarray(column, float), shape)
+            for name, column in zip(names, values, strict=True)
+        }
 
     return evaluate

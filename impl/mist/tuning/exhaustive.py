@@ -16,7 +16,8 @@ import functools
 import itertools
 import time
 from collections.abc import Callable, Iterable, Iterator
-from typing import Protocol, TypeVar
+from dataclasses import dataclass, field
+from typing import Generic, Protocol, TypeVar
 
 from measure.units import format_bytes
 
@@ -56,7 +57,7 @@ def layer_splits(layers: int, pp: int, uneven: int | None = None) -> list[tuple[
 
 
 def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    return [divisor for divisor in range(1, n + 1) if n % divisor == 0]
 
 
 class Sizes(Protocol):
@@ -77,7 +78,9 @@ def lower_bound(problem: Problem) -> Callable[[Sizes], float]:
     def of(tp: int, dp: int, micro_batch: int, stages: int, virtual: int) -> float:
         return lower_bound_s(problem, Candidate(tp, stages, dp, micro_batch, problem.global_batch, virtual))
 
-    return lambda s: of(s.tp, s.dp, s.micro_batch, len(s.split), getattr(s, "virtual", 1))
+    return lambda sizes: of(
+        sizes.tp, sizes.dp, sizes.micro_batch, len(sizes.split), getattr(sizes, "virtual", 1)
+    )
 
 
 def fastest_fitting(
@@ -101,75 +104,104 @@ def fastest_fitting(
     at the count the setting needs, not searched again. Raises NoFeasiblePlan with ``what`` and
     the memory the leanest plan needs."""
     problem = Problem.resolve(model, cluster, global_batch, runtime, interference)
-    memo: StageMemo = {}  # the same stage recurs in many plans of a space
-    best = [float("inf")]
-    bound = lower_bound(problem)
+    search = _FittingSearch(problem, settings, plan_of, counts, variants, progress)
+    return cheapest_fitting(search.leanest_fitting(), problem, what, search.memo)
 
-    def priced(setting: S, k: int) -> Plan:
-        return predict_for(problem, plan_of(setting, k), simulate=False, memo=memo)
 
-    def with_variants(setting: S, k: int) -> list[Plan]:
-        """The setting's plan at count k and its variants' (the same memory)."""
-        return [priced(s, k) for s in (setting, *variants(setting))]
+@dataclass
+class _FittingSearch(Generic[S]):
+    """``fastest_fitting``'s pruned search: the stages priced so far (the same stage recurs in many
+    plans of a space) and the best fitting time so far, which the pruning reads and every fitting
+    plan lowers."""
 
-    def fitting(plans: list[Plan]) -> Iterator[Plan]:
-        for p in plans:
-            if p.breakdown["fits"]:
-                best[0] = min(best[0], p.predicted_iteration_s)
-                yield p
+    problem: Problem
+    settings: list[S]
+    plan_of: Callable[[S, int], Plan]
+    counts: Callable[[S], list[int]]
+    variants: Callable[[S], list[S]]
+    progress: Callable[[str], None] | None
+    memo: StageMemo = field(default_factory=dict)
+    best: float = float("inf")
 
-    def leanest_fitting() -> Iterator[Plan]:
+    def __post_init__(self) -> None:
+        self.bound = lower_bound(self.problem)
+
+    def priced(self, setting: S, count: int) -> Plan:
+        return predict_for(self.problem, self.plan_of(setting, count), simulate=False, memo=self.memo)
+
+    def with_variants(self, setting: S, count: int) -> list[Plan]:
+        """The setting's plan at ``count`` and its variants' (the same memory)."""
+        return [self.priced(same_memory, count) for same_memory in (setting, *self.variants(setting))]
+
+    def fitting(self, plans: list[Plan]) -> Iterator[Plan]:
+        for plan in plans:
+            if plan.breakdown["fits"]:
+                self.best = min(self.best, plan.predicted_iteration_s)
+                yield plan
+
+    def prime_counts(self, batch: list[S], counts_of: Callable[[S], list[int]]) -> None:
+        """Evaluate together the stages of every setting of ``batch`` (and its variants) at each
+        count of ``counts_of(setting)``."""
+        plans = [
+            self.plan_of(same, count)
+            for setting in batch
+            for count in counts_of(setting)
+            for same in (setting, *self.variants(setting))
+        ]
+        prime(self.problem, plans, self.memo)
+
+    def leanest_fitting(self) -> Iterator[Plan]:
         """Per setting, the plan with the fewest recomputed layers that fits (and its variants'),
         or the leanest plan when none fits (so the no-fit message can say what is needed). The
         settings go in batches, each batch's stages evaluated together (``prime``): first every
         setting's first count, then every count of those that need a bisection."""
-        for n in range(0, len(settings), BATCH):
-            if progress and n % (20 * BATCH) == 0:
-                progress(f"[{n}/{len(settings)} settings] best {best[0]:.3f} s")
-            batch = [s for s in settings[n : n + BATCH] if bound(s) < best[0]]
-            prime(problem, [plan_of(v, counts(s)[0]) for s in batch for v in (s, *variants(s))], memo)
+        settings, counts = self.settings, self.counts
+        for start in range(0, len(settings), BATCH):
+            if self.progress and start % (20 * BATCH) == 0:
+                self.progress(f"[{start}/{len(settings)} settings] best {self.best:.3f} s")
+            batch = [
+                setting for setting in settings[start : start + BATCH] if self.bound(setting) < self.best
+            ]
+            self.prime_counts(batch, lambda setting: counts(setting)[:1])
             bisect = []
             for setting in batch:
-                if bound(setting) >= best[0]:
+                if self.bound(setting) >= self.best:
                     continue
-                fastest = with_variants(setting, counts(setting)[0])
-                if min(p.predicted_iteration_s for p in fastest) >= best[0]:
+                fastest = self.with_variants(setting, counts(setting)[0])
+                if min(plan.predicted_iteration_s for plan in fastest) >= self.best:
                     continue
                 if fastest[0].breakdown["fits"]:  # time grows along the counts: nothing faster
-                    yield from fitting(fastest)
+                    yield from self.fitting(fastest)
                 else:
                     bisect.append(setting)
-            later = [plan_of(v, k) for s in bisect for k in counts(s)[1:] for v in (s, *variants(s))]
-            prime(problem, later, memo)
+            self.prime_counts(bisect, lambda setting: counts(setting)[1:])
             for setting in bisect:
-                yield from fitting_count(setting, counts(setting))
+                yield from self.fitting_count(setting, counts(setting))
 
-    def fitting_count(setting: S, ks: list[int]) -> Iterator[Plan]:
+    def fitting_count(self, setting: S, its_counts: list[int]) -> Iterator[Plan]:
         """The setting's plan (and variants') at the smallest count after the first that fits, by
         bisection; its leanest plan if none does."""
-        plan = priced(setting, ks[-1])
+        plan = self.priced(setting, its_counts[-1])
         if not plan.breakdown["fits"]:
             yield plan
             return
-        k = first_fitting(ks, lambda k: priced(setting, k).breakdown["fits"])
-        yield from fitting(with_variants(setting, k))
-
-    return cheapest_fitting(leanest_fitting(), problem, what, memo)
+        count = first_fitting(its_counts, lambda count: self.priced(setting, count).breakdown["fits"])
+        yield from self.fitting(self.with_variants(setting, count))
 
 
-def first_fitting(ks: list[int], fits: Callable[[int], bool]) -> int:
-    """The smallest count of ``ks`` after the first for which ``fits``, by bisection, given that
-    the last one fits. Memory falls along ks from the second count on; the first recomputed layer
+def first_fitting(counts: list[int], fits: Callable[[int], bool]) -> int:
+    """The smallest count of ``counts`` after the first for which ``fits``, by bisection, given that
+    the last one fits. Memory falls along counts from the second count on; the first recomputed layer
     may add more to backward's peak (its recomputed activations) than it saves, so the first count
     is checked on its own (by the caller) and the bisection starts after it."""
-    lo, hi = 1, len(ks) - 1
+    lo, hi = 1, len(counts) - 1
     while lo < hi:
         mid = (lo + hi) // 2
-        if fits(ks[mid]):
+        if fits(counts[mid]):
             hi = mid
         else:
             lo = mid + 1
-    return ks[lo]
+    return counts[lo]
 
 
 def cheapest_fitting(
@@ -182,7 +214,7 @@ def cheapest_fitting(
     for plan in plans:
         predict_for(problem, plan, simulate=False, memo=memo)
         tried += 1
-        lowest = min(lowest, max(s.memory_bytes for s in plan.stages))
+        lowest = min(lowest, max(stage.memory_bytes for stage in plan.stages))
         if plan.breakdown["fits"] and (
             best is None or plan.predicted_iteration_s < best.predicted_iteration_s
         ):

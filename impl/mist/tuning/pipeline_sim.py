@@ -52,8 +52,8 @@ def in_flight(stage: int, stages: int, micro_batches: int, virtual: int = 1) -> 
 
 def one_f_one_b_order(stage: int, stages: int, micro_batches: int) -> Iterator[tuple[str, int]]:
     """The op order of ``stage``: ("F", m) or ("B", m), generated (not stored)."""
-    for kind, _, m in interleaved_order(stage, stages, micro_batches, 1):
-        yield kind, m
+    for kind, _, micro in interleaved_order(stage, stages, micro_batches, 1):
+        yield kind, micro
 
 
 def interleaved_order(
@@ -76,13 +76,13 @@ def interleaved_order(
     warmup = _warmup(stage, stages, micro_batches, virtual)
     for k in range(warmup):
         yield ("F", *op(k))
-    f = warmup
-    for b in range(total):
-        if f < total:
-            yield ("F", *op(f))
-            f += 1
-        chunk, m = op(b)
-        yield ("B", virtual - 1 - chunk, m)
+    next_forward = warmup
+    for backward in range(total):
+        if next_forward < total:
+            yield ("F", *op(next_forward))
+            next_forward += 1
+        chunk, micro = op(backward)
+        yield ("B", virtual - 1 - chunk, micro)
 
 
 def simulate_1f1b(
@@ -107,54 +107,67 @@ def simulate_1f1b(
     O(stages x virtual) (a stage runs at most that many chunk-ops ahead of its backwards), work
     O(stages x micro-batches x virtual)."""
     stages = len(fwd)
-    if len(bwd) != stages or stages < 1:
-        raise ValueError("need one forward and one backward time per stage")
-    if not 1 <= micro_batches <= MAX_MICRO_BATCHES:
-        raise ValueError(
-            f"micro-batches per iteration must be in [1, {MAX_MICRO_BATCHES}], got {micro_batches}"
-        )
-    check_interleaving(stages, micro_batches, virtual)
+    _check_schedule(stages, len(bwd), micro_batches, virtual)
     first = first or [0.0] * stages
     last = last or [0.0] * stages
     wait = list(wait or [0.0] * stages)
-    top = virtual - 1  # the last chunk
     orders = [interleaved_order(i, stages, micro_batches, virtual) for i in range(stages)]
-    nxt = [next(o) for o in orders]  # every stage has at least one op
+    upcoming = [next(order) for order in orders]  # every stage has at least one op
     done: dict[tuple[str, int, int, int], float] = {}
     clock = list(first)
     remaining = 2 * stages * micro_batches * virtual
     while remaining:
         progressed = False
         for i in range(stages):
-            while nxt[i] is not None:
-                kind, c, m = nxt[i]
-                # what the op waits for: the previous virtual stage's forward (chunk c - 1 of the
-                # last rank before rank 0), the next one's backward, or the last one's own forward
-                if kind == "F":
-                    key = ("F", i - 1, c, m) if i > 0 else ("F", stages - 1, c - 1, m) if c > 0 else None
-                elif i < stages - 1:
-                    key = ("B", i + 1, c, m)
-                else:
-                    key = ("B", 0, c + 1, m) if c < top else ("F", i, c, m)
-                if key is not None and key not in done:
+            while upcoming[i] is not None:
+                kind, chunk, micro = upcoming[i]
+                waits_for = _dependency(kind, i, chunk, micro, stages, virtual)
+                if waits_for is not None and waits_for not in done:
                     break
-                own = key is not None and key[:3] == ("F", i, c)
-                dep = 0.0 if key is None else done.pop(key) + (0.0 if own else p2p)
-                clock[i] = max(clock[i], dep) + (fwd[i] if kind == "F" else bwd[i]) / virtual
+                own_forward = waits_for is not None and waits_for[:3] == ("F", i, chunk)
+                ready = 0.0 if waits_for is None else done.pop(waits_for) + (0.0 if own_forward else p2p)
+                clock[i] = max(clock[i], ready) + (fwd[i] if kind == "F" else bwd[i]) / virtual
                 if kind == "F":
                     clock[i] += wait[i]
                     wait[i] = 0.0  # the first forward's only
                 # keep what a later op waits for: every op but virtual stage 0's backward
-                if kind == "F" or i > 0 or c > 0:
-                    done[(kind, i, c, m)] = clock[i]
-                nxt[i] = next(orders[i], None)
+                if kind == "F" or i > 0 or chunk > 0:
+                    done[(kind, i, chunk, micro)] = clock[i]
+                upcoming[i] = next(orders[i], None)
                 remaining -= 1
                 progressed = True
         if not progressed:
             raise RuntimeError("1F1B schedule deadlocked (a bug: the order is always feasible)")
     step = step or [0.0] * stages
-    synced = max(c + extra - s for c, extra, s in zip(clock, last, step, strict=True))
+    synced = max(finish + after - stepping for finish, after, stepping in zip(clock, last, step, strict=True))
     return synced + barrier_s + max(step)
+
+
+def _check_schedule(stages: int, backward_times: int, micro_batches: int, virtual: int) -> None:
+    """Raises ValueError unless there is one backward time per stage (at least one stage), the
+    micro-batch count is in range and ``virtual`` chunks a rank can interleave them."""
+    if backward_times != stages or stages < 1:
+        raise ValueError("need one forward and one backward time per stage")
+    if not 1 <= micro_batches <= MAX_MICRO_BATCHES:
+        raise ValueError(
+            f"micro-batches per iteration must be in [1, {MAX_MICRO_BATCHES}], got {micro_batches}"
+        )
+    check_interleaving(stages, micro_batches, virtual)
+
+
+def _dependency(
+    kind: str, stage: int, chunk: int, micro: int, stages: int, virtual: int
+) -> tuple[str, int, int, int] | None:
+    """The op (kind, stage, chunk, micro-batch) that op ``kind`` of ``chunk`` and ``micro`` on
+    ``stage`` waits for: the previous virtual stage's forward (chunk - 1 of the last rank before
+    rank 0), the next one's backward, or the last one's own forward; None for the very first."""
+    if kind == "F":
+        if stage > 0:
+            return ("F", stage - 1, chunk, micro)
+        return ("F", stages - 1, chunk - 1, micro) if chunk > 0 else None
+    if stage < stages - 1:
+        return ("B", stage + 1, chunk, micro)
+    return ("B", 0, chunk + 1, micro) if chunk < virtual - 1 else ("F", stage, chunk, micro)
 
 
 def pipeline_objective(

@@ -102,15 +102,17 @@ class PlannerOptions:
         """Each option checked where it is made (a micro-batch of 0 divided by zero in the search)."""
         if not isinstance(self.space, SearchSpace):
             raise ValueError(f"space must be a SearchSpace, got {self.space!r}")
-        mbs = self.micro_batches
-        if mbs is not None and (
-            not isinstance(mbs, tuple | list) or not mbs or not all(whole(m, least=1) for m in mbs)
+        sizes = self.micro_batches
+        if sizes is not None and (
+            not isinstance(sizes, tuple | list)
+            or not sizes
+            or not all(whole(size, least=1) for size in sizes)
         ):
             raise ValueError(
-                f"micro_batches must be None or a non-empty list of whole numbers >= 1, got {mbs!r}"
+                f"micro_batches must be None or a non-empty list of whole numbers >= 1, got {sizes!r}"
             )
-        if mbs is not None:  # a tuple of the same sizes: a list given could be changed after the check
-            object.__setattr__(self, "micro_batches", tuple(mbs))
+        if sizes is not None:  # a tuple of the same sizes: a list given could be changed after the check
+            object.__setattr__(self, "micro_batches", tuple(sizes))
         if not (finite(self.milp_time_limit) and self.milp_time_limit > 0):
             raise ValueError(
                 f"milp_time_limit must be a finite number of seconds > 0, got {self.milp_time_limit!r}"
@@ -141,9 +143,9 @@ def settings(problem: Problem, options: PlannerOptions) -> Iterator[Candidate]:
                 if global_batch % dp:
                     continue
                 per_replica = global_batch // dp
-                for mb in options.micro_batches or range(1, per_replica + 1):
-                    if per_replica % mb == 0:
-                        yield Candidate(tp, stages, dp, mb, global_batch)
+                for micro_batch in options.micro_batches or range(1, per_replica + 1):
+                    if per_replica % micro_batch == 0:
+                        yield Candidate(tp, stages, dp, micro_batch, global_batch)
         tp *= 2
 
 
@@ -154,9 +156,11 @@ def stage_device_counts(cluster: ClusterSpec, stages: int) -> tuple[int, ...]:
     order with counts that never grow along the pipeline (``solve_inter_stage``), each stage then
     lies in an aligned block: its TP groups inside one node, as the cost model prices them."""
     per_node, most = cluster.gpus_per_node, cluster.gpus - (stages - 1)
-    counts = [n for n in (2**k for k in range(per_node.bit_length())) if per_node % n == 0]
-    counts += [k * per_node for k in range(2, cluster.gpus // per_node + 1)]
-    return tuple(n for n in counts if n <= most)
+    counts = [
+        count for count in (2**power for power in range(per_node.bit_length())) if per_node % count == 0
+    ]
+    counts += [nodes * per_node for nodes in range(2, cluster.gpus // per_node + 1)]
+    return tuple(count for count in counts if count <= most)
 
 
 def stage_shapes(
@@ -182,18 +186,19 @@ def _stage_devices_settings(problem: Problem, options: PlannerOptions) -> list[t
     """(bound, stages, micro-batches, {devices: shapes}) of every pipeline whose stages may take
     their own devices, cheapest bound first: 2 to min(L, N) stages, every micro-batch count G
     dividing the global batch."""
+    # L layers, N devices, B the global batch; S stages, G micro-batches (the docstring's symbols)
     L, N, B = problem.model.layers, problem.cluster.gpus, problem.global_batch
     out = []
     for S in range(2, min(L, N) + 1):
-        for G in (g for g in range(1, B + 1) if B % g == 0):
+        for G in (count for count in range(1, B + 1) if B % count == 0):
             shapes = {
-                n: stage_shapes(problem, n, G, options.micro_batches)
-                for n in stage_device_counts(problem.cluster, S)
+                devices: stage_shapes(problem, devices, G, options.micro_batches)
+                for devices in stage_device_counts(problem.cluster, S)
             }
-            shapes = {n: opts for n, opts in shapes.items() if opts}
+            shapes = {devices: taken for devices, taken in shapes.items() if taken}
             if shapes and max(shapes) * S >= N >= S * min(shapes):  # the counts can add up to N
                 out.append((_stage_devices_bound(problem, S, G, shapes), S, G, shapes))
-    return sorted(out, key=lambda x: x[:3])
+    return sorted(out, key=lambda pipeline: pipeline[:3])
 
 
 def _stage_values(
@@ -210,6 +215,7 @@ def lower_bound_s(problem: Problem, candidate: Candidate) -> float:
     """No plan of ``candidate`` has a shorter iteration (closed form): each stage's micro-batch takes
     at least its layers' forward and backward, and the slowest stage at least the average."""
     layer = layer_numbers(candidate.setting(problem))
+    # L layers, S stages, G micro-batches, V chunks a rank (pipeline_objective's symbols)
     L, S, G, V = problem.model.layers, candidate.stages, candidate.grad_accum, candidate.virtual
     per_stage = L * (layer.fwd + layer.bwd) / S
     return G * per_stage + (S - 1) * per_stage / V  # (G - 1 + S) per_stage at V = 1
@@ -227,48 +233,41 @@ def tune_setting(
     named in ``timed_out`` (where given)."""
     setting = candidate.setting(problem)
     grad_accum = candidate.grad_accum
-    layer = layer_numbers(setting)
-    L, S = setting.model.layers, setting.stages
+    layers_in_model, stage_count = setting.model.layers, setting.stages
     if lower_bound_s(problem, candidate) >= best_so_far:
         return None
-    frontiers: list[dict[tuple[int, int], Frontier]] = [dict() for _ in range(S)]
-    grids: dict[tuple[int, bool, bool], dict] = {}
-    devices = setting.tp * setting.dp
-    budget = float(problem.gpu_budget)
-    for i in range(S):
-        first, last = i == 0, i == S - 1
-        flight = candidate.in_flight(i)
-        for layers in range(1, L - S + 2):
-            key = (layers, first, last)
-            if key not in grids:
-                grids[key] = _stage_values(setting, layer, layers, first, last, options.space, grad_accum)
-            grid, values, per_flight = grids[key]
-            if not options.imbalance_aware:
-                values = {**values, **{k: np.zeros_like(values[k]) for k in BLIND_TO}}
-            fr = frontier_for(values, flight, budget, per_flight, problem.host_budget)
-            if len(fr):
-                frontiers[i][layers, devices] = fr
-    if any(not f for f in frontiers):
+    frontiers, grids = _setting_frontiers(problem, candidate, setting, options)
+    if any(not stage_frontiers for stage_frontiers in frontiers):
         return None
     # Cheaper bound before the MILP: every layer costs at least the cheapest per-layer steady
     # time any stage offers, and the slowest stage is at least the average.
     per_layer = min(
-        float(fr.steady.min()) / layers for per_l in frontiers for (layers, _), fr in per_l.items()
+        float(frontier.steady.min()) / layers
+        for stage_frontiers in frontiers
+        for (layers, _), frontier in stage_frontiers.items()
     )
-    if ((grad_accum - 1) / S + 1) * L * per_layer >= best_so_far:
+    if ((grad_accum - 1) / stage_count + 1) * layers_in_model * per_layer >= best_so_far:
         return None
     barrier = clip_barrier_s(setting)
-    sol = solve_inter_stage(frontiers, L, grad_accum, options.milp_time_limit, best_so_far, barrier)
-    if sol is None:
-        if timed_out is not None and best_so_far == float("inf") and _layers_add_up(frontiers, L):
-            c = candidate
-            timed_out.append(f"tp {c.tp} pp {c.stages} dp {c.dp} mb {c.micro_batch}")
+    solution = solve_inter_stage(
+        frontiers, layers_in_model, grad_accum, options.milp_time_limit, best_so_far, barrier
+    )
+    if solution is None:
+        if (
+            timed_out is not None
+            and best_so_far == float("inf")
+            and _layers_add_up(frontiers, layers_in_model)
+        ):
+            timed_out.append(
+                f"tp {candidate.tp} pp {candidate.stages} dp {candidate.dp} mb {candidate.micro_batch}"
+            )
         return None
+    devices = setting.tp * setting.dp
     stages = []
-    for i, (layers, p) in enumerate(zip(sol.layers, sol.points, strict=True)):
-        grid = grids[(layers, i == 0, i == S - 1)][0]
-        j = frontiers[i][layers, devices].index[p]
-        stages.append(_stage_plan({k: grid[k][j] for k in STRATEGY_FIELDS}, layers))
+    for i, (layers, point) in enumerate(zip(solution.layers, solution.points, strict=True)):
+        grid = grids[(layers, i == 0, i == stage_count - 1)][0]
+        row = frontiers[i][layers, devices].index[point]
+        stages.append(_stage_plan({name: grid[name][row] for name in STRATEGY_FIELDS}, layers))
     return Plan.of(
         problem.model,
         problem.cluster,
@@ -283,6 +282,36 @@ def tune_setting(
     )
 
 
+def _setting_frontiers(
+    problem: Problem, candidate: Candidate, setting: Setting, options: PlannerOptions
+) -> tuple[list[dict[tuple[int, int], Frontier]], dict[tuple[int, bool, bool], tuple]]:
+    """(frontiers, grids) of a candidate's stages: per stage, its Pareto frontier at each layer
+    count it may take (keyed (layers, devices); none where nothing fits), and the evaluated
+    strategies by (layers, first, last), each stage kind evaluated once."""
+    layer = layer_numbers(setting)
+    layers_in_model, stage_count = setting.model.layers, setting.stages
+    frontiers: list[dict[tuple[int, int], Frontier]] = [dict() for _ in range(stage_count)]
+    grids: dict[tuple[int, bool, bool], tuple] = {}
+    devices = setting.tp * setting.dp
+    budget = float(problem.gpu_budget)
+    for i in range(stage_count):
+        first, last = i == 0, i == stage_count - 1
+        flight = candidate.in_flight(i)
+        for layers in range(1, layers_in_model - stage_count + 2):
+            key = (layers, first, last)
+            if key not in grids:
+                grids[key] = _stage_values(
+                    setting, layer, layers, first, last, options.space, candidate.grad_accum
+                )
+            _, values, per_flight = grids[key]
+            if not options.imbalance_aware:
+                values = {**values, **{name: np.zeros_like(values[name]) for name in BLIND_TO}}
+            frontier = frontier_for(values, flight, budget, per_flight, problem.host_budget)
+            if len(frontier):
+                frontiers[i][layers, devices] = frontier
+    return frontiers, grids
+
+
 def _layers_add_up(
     frontiers: list[dict[tuple[int, int], Frontier]], layers: int, devices: int | None = None
 ) -> bool:
@@ -295,10 +324,11 @@ def _layers_add_up(
     reached = {(0, 0, devices or 0)}  # (layers so far, devices so far, the last stage's devices)
     for options in frontiers:
         reached = {
-            (so_far + n_layers, used + n, n)
+            (so_far + n_layers, used + n_devices, n_devices)
             for so_far, used, last in reached
-            for n_layers, n in options
-            if so_far + n_layers <= layers and (devices is None or (used + n <= devices and n <= last))
+            for n_layers, n_devices in options
+            if so_far + n_layers <= layers
+            and (devices is None or (used + n_devices <= devices and n_devices <= last))
         }
     return any(so_far == layers and (devices is None or used == devices) for so_far, used, _ in reached)
 
@@ -326,10 +356,10 @@ def _stage_devices_bound(problem: Problem, stages: int, micro_batches: int, shap
     layer takes on any shape) and, in device-seconds, n_i T_i >= l_i w (w: the least n p_n), the
     slowest stage takes at least L p / S and L w / N, and every micro-batch crosses every stage:
     (G - 1) max T + sum T >= (G - 1) max(L p / S, L w / N) + L p."""
-    L, N, G = problem.model.layers, problem.cluster.gpus, micro_batches
+    L, N, G = problem.model.layers, problem.cluster.gpus, micro_batches  # the docstring's symbols
     p = w = float("inf")
-    for devices, options in shapes.items():
-        for tp, dp, micro_batch in options:
+    for devices, device_shapes in shapes.items():
+        for tp, dp, micro_batch in device_shapes:
             layer = layer_numbers(problem.setting(tp, dp, micro_batch, stages))
             p, w = min(p, layer.fwd + layer.bwd), min(w, devices * (layer.fwd + layer.bwd))
     return (G - 1) * max(L * p / stages, L * w / N) + L * p
@@ -353,38 +383,24 @@ def tune_stage_devices(
     those devices together; the MILP then places layers and devices at once. Its columns are the
     plain search's times the device counts, and HiGHS needs longer for them: with 5 s it stopped
     at 83.5 s where the plain search had found 71.3 s (GPT-3 13B, 16 L4s, 4 stages, G = 64)."""
+    # S stages, G micro-batches, L layers, N devices (the MILP's symbols, as inter_stage.py names them)
     S, G, L, N = stages, micro_batches, problem.model.layers, problem.cluster.gpus
-    frontiers: list[dict[tuple[int, int], Frontier]] = [dict() for _ in range(S)]
-    # (stage, layers, devices) -> (tp, dp, strategy) of each frontier point (not the evaluated arrays:
-    # kept for every key until the MILP is solved, those took gigabytes)
-    points: dict[tuple[int, int, int], list[tuple[int, int, dict]]] = {}
-    positions: dict[tuple[bool, bool], list[int]] = {}  # (first, last) -> the stages of that kind
-    for i in range(S):
-        positions.setdefault((i == 0, i == S - 1), []).append(i)
-    for n, opts in shapes.items():
-        for layers in range(1, L - S + 2):
-            for (first, last), stages_of_kind in positions.items():
-                stage = _MergedStage.evaluate(problem, S, G, opts, layers, first, last, options)
-                by_flight: dict[float, tuple[Frontier, list]] = {}
-                for i in stages_of_kind:
-                    flight = in_flight(i, S, G)
-                    if flight not in by_flight:
-                        fr = stage.frontier(flight, problem)
-                        by_flight[flight] = fr, [stage.strategy(int(row)) for row in fr.index]
-                    fr, strategies = by_flight[flight]
-                    if len(fr):
-                        frontiers[i][layers, n], points[i, layers, n] = fr, strategies
-    if any(not f for f in frontiers):
+    frontiers, points = _stage_devices_frontiers(problem, S, G, shapes, options)
+    if any(not stage_frontiers for stage_frontiers in frontiers):
         return None
     barrier = clip_barrier_s(problem.setting(*next(iter(shapes.values()))[0], S))
-    sol = solve_inter_stage(frontiers, L, G, options.milp_time_limit, best_so_far, barrier, total_devices=N)
-    if sol is None:
+    solution = solve_inter_stage(
+        frontiers, L, G, options.milp_time_limit, best_so_far, barrier, total_devices=N
+    )
+    if solution is None:
         if timed_out is not None and best_so_far == float("inf") and _layers_add_up(frontiers, L, N):
             timed_out.append(f"pp {S}, {G} micro-batches, stages with their own devices")
         return None
     stage_plans = []
-    for i, (layers, n, p) in enumerate(zip(sol.layers, sol.devices, sol.points, strict=True)):
-        tp, dp, strategy = points[i, layers, n][p]
+    for i, (layers, devices, point) in enumerate(
+        zip(solution.layers, solution.devices, solution.points, strict=True)
+    ):
+        tp, dp, strategy = points[i, layers, devices][point]
         stage_plans.append(_stage_plan(strategy, layers, tp, dp))
     tp, dp = stage_plans[0].tp, stage_plans[0].dp
     return Plan.of(
@@ -398,6 +414,37 @@ def tune_stage_devices(
         sequence_parallel=problem.sequence_parallel,
         overlap_grad_reduce=True,
     ).with_stage_parallelism_lifted()
+
+
+def _stage_devices_frontiers(
+    problem: Problem, stages: int, micro_batches: int, shapes: dict, options: PlannerOptions
+) -> tuple[list[dict[tuple[int, int], Frontier]], dict[tuple[int, int, int], list[tuple[int, int, dict]]]]:
+    """(frontiers, points) of a pipeline whose stages take their own devices: per stage, its
+    Pareto frontier at each (layers, devices) where something fits, every shape on those devices
+    together; and per (stage, layers, devices) the (tp, dp, strategy) of each frontier point (not
+    the evaluated arrays: kept for every key until the MILP is solved, those took gigabytes)."""
+    layers_in_model = problem.model.layers
+    frontiers: list[dict[tuple[int, int], Frontier]] = [dict() for _ in range(stages)]
+    points: dict[tuple[int, int, int], list[tuple[int, int, dict]]] = {}
+    positions: dict[tuple[bool, bool], list[int]] = {}  # (first, last) -> the stages of that kind
+    for i in range(stages):
+        positions.setdefault((i == 0, i == stages - 1), []).append(i)
+    for devices, device_shapes in shapes.items():
+        for layers in range(1, layers_in_model - stages + 2):
+            for (first, last), stages_of_kind in positions.items():
+                merged = _MergedStage.evaluate(
+                    problem, stages, micro_batches, device_shapes, layers, first, last, options
+                )
+                by_flight: dict[float, tuple[Frontier, list]] = {}
+                for i in stages_of_kind:
+                    flight = in_flight(i, stages, micro_batches)
+                    if flight not in by_flight:
+                        frontier = merged.frontier(flight, problem)
+                        by_flight[flight] = frontier, [merged.strategy(int(row)) for row in frontier.index]
+                    frontier, strategies = by_flight[flight]
+                    if len(frontier):
+                        frontiers[i][layers, devices], points[i, layers, devices] = frontier, strategies
+    return frontiers, points
 
 
 @dataclass
@@ -431,11 +478,14 @@ class _MergedStage:
                     setting, layer_numbers(setting), layers, first, last, options.space, micro_batches
                 )
             )
-        values = {k: np.concatenate([v[k] for _, v, _ in evaluated]) for k in _FRONTIER_KEYS}
+        values = {
+            key: np.concatenate([shape_values[key] for _, shape_values, _ in evaluated])
+            for key in _FRONTIER_KEYS
+        }
         if not options.imbalance_aware:
-            values.update({k: np.zeros_like(values[k]) for k in BLIND_TO})
-        starts = np.cumsum([0] + [len(v["steady"]) for _, v, _ in evaluated])
-        per_flight = np.concatenate([f for _, _, f in evaluated])
+            values.update({key: np.zeros_like(values[key]) for key in BLIND_TO})
+        starts = np.cumsum([0] + [len(shape_values["steady"]) for _, shape_values, _ in evaluated])
+        per_flight = np.concatenate([shape_per_flight for _, _, shape_per_flight in evaluated])
         return cls(shapes, evaluated[0][0], values, per_flight, starts)
 
     def frontier(self, flight: float, problem: Problem) -> Frontier:
@@ -445,9 +495,9 @@ class _MergedStage:
 
     def strategy(self, row: int) -> tuple[int, int, dict]:
         """(tp, dp, strategy) of a row of ``values``."""
-        k = int(np.searchsorted(self.starts, row, side="right")) - 1
-        tp, dp, _ = self.shapes[k]
-        return tp, dp, {f: self.grid[f][row - self.starts[k]] for f in STRATEGY_FIELDS}
+        shape = int(np.searchsorted(self.starts, row, side="right")) - 1
+        tp, dp, _ = self.shapes[shape]
+        return tp, dp, {name: self.grid[name][row - self.starts[shape]] for name in STRATEGY_FIELDS}
 
 
 # the arrays of a stage's evaluation that its frontier reads
@@ -477,8 +527,6 @@ def search(
     # resolved once: every candidate, prediction and the refinement share these numbers
     problem = Problem.resolve(model, cluster, global_batch, runtime, interference, options.grad_accumulation)
     start = time.perf_counter()
-    best: Plan | None = None
-    best_time = float("inf")
     timed_out: list[str] = []  # the tries the MILP's time limit stopped before any solution
     candidates = list(settings(problem, options))
     if not candidates:
@@ -486,51 +534,93 @@ def search(
             f"no parallel setting divides global batch {global_batch} over {cluster.gpus} GPUs "
             f"(DP must divide the global batch; micro-batches: {options.micro_batches or 'every divisor'})"
         )
-    for n, c in enumerate(candidates):
-        plan = tune_setting(problem, c, options, best_time, timed_out)
-        if plan is not None:
-            predict_for(problem, plan)
-            if plan.predicted_iteration_s < best_time:
-                best, best_time = plan, plan.predicted_iteration_s
-        if progress:
-            progress(
-                f"[{n + 1}/{len(candidates)}] tp {c.tp} pp {c.stages} dp {c.dp} mb {c.micro_batch}: "
-                f"best {best_time:.3f} s"
-            )
+    best = _best_of_settings(problem, candidates, options, timed_out, progress)
     if options.stage_devices:
-        pipelines = _stage_devices_settings(problem, options)
-        for n, (bound, stages, micro_batches, shapes) in enumerate(pipelines):
-            if bound >= best_time:  # sorted by bound: no later one can win either
-                break
-            plan = tune_stage_devices(problem, stages, micro_batches, shapes, options, best_time, timed_out)
-            if plan is not None:
-                predict_for(problem, plan)
-                if plan.predicted_iteration_s < best_time:
-                    best, best_time = plan, plan.predicted_iteration_s
-            if progress:
-                progress(
-                    f"[{n + 1}/{len(pipelines)}] pp {stages}, {micro_batches} micro-batches, stages "
-                    f"with their own devices: best {best_time:.3f} s"
-                )
-    if best is None and timed_out:  # some tries fit in memory: the time limit, not memory, is why
-        raise NoFeasiblePlan(
-            f"no plan for {model.name} on {cluster.gpus} x {cluster.gpu.name} found: the MILP reached its "
-            f"time limit (milp_time_limit {options.milp_time_limit:g} s) before any solution in "
-            f"{len(timed_out)} tr{'y' if len(timed_out) == 1 else 'ies'} whose stages fit in memory "
-            f"({timed_out[0]}{', ...' if len(timed_out) > 1 else ''}); a longer limit may find one"
-        )
+        best = _best_with_stage_devices(problem, options, best, timed_out, progress)
     if best is None:
-        need = min_memory_needed(problem, options)
-        raise NoFeasiblePlan(
-            f"no plan for {model.name} on {cluster.gpus} x {cluster.gpu.name} fits: the leanest candidate "
-            f"needs {format_bytes(need)} per GPU, {format_bytes(problem.gpu_budget)} usable "
-            f"(offloading at most {format_bytes(problem.host_budget)} of host memory per GPU)"
-        )
+        raise _no_plan(problem, options, timed_out)
     if options.space.offload and options.refine_offload_step:
         best = _refine(problem, best, options)
         predict_for(problem, best)
     best.tuning_s = time.perf_counter() - start
     return best
+
+
+def _better(problem: Problem, plan: Plan | None, best: Plan | None) -> Plan | None:
+    """``plan`` priced (where there is one) if it beats ``best``, else ``best``."""
+    if plan is None:
+        return best
+    predict_for(problem, plan)
+    best_time = float("inf") if best is None else best.predicted_iteration_s
+    return plan if plan.predicted_iteration_s < best_time else best
+
+
+def _best_time(best: Plan | None) -> float:
+    return float("inf") if best is None else best.predicted_iteration_s
+
+
+def _best_of_settings(
+    problem: Problem,
+    candidates: list[Candidate],
+    options: PlannerOptions,
+    timed_out: list[str],
+    progress: Callable[[str], None] | None,
+) -> Plan | None:
+    """The fastest plan of ``candidates`` (every stage on the same devices), or None."""
+    best = None
+    for n, candidate in enumerate(candidates):
+        plan = tune_setting(problem, candidate, options, _best_time(best), timed_out)
+        best = _better(problem, plan, best)
+        if progress:
+            progress(
+                f"[{n + 1}/{len(candidates)}] tp {candidate.tp} pp {candidate.stages} dp {candidate.dp} "
+                f"mb {candidate.micro_batch}: best {_best_time(best):.3f} s"
+            )
+    return best
+
+
+def _best_with_stage_devices(
+    problem: Problem,
+    options: PlannerOptions,
+    best: Plan | None,
+    timed_out: list[str],
+    progress: Callable[[str], None] | None,
+) -> Plan | None:
+    """The fastest of ``best`` and the plans whose stages take their own devices, cheapest bound
+    first, up to the first whose bound cannot beat the best so far."""
+    pipelines = _stage_devices_settings(problem, options)
+    for n, (bound, stages, micro_batches, shapes) in enumerate(pipelines):
+        if bound >= _best_time(best):  # sorted by bound: no later one can win either
+            break
+        plan = tune_stage_devices(
+            problem, stages, micro_batches, shapes, options, _best_time(best), timed_out
+        )
+        best = _better(problem, plan, best)
+        if progress:
+            progress(
+                f"[{n + 1}/{len(pipelines)}] pp {stages}, {micro_batches} micro-batches, stages "
+                f"with their own devices: best {_best_time(best):.3f} s"
+            )
+    return best
+
+
+def _no_plan(problem: Problem, options: PlannerOptions, timed_out: list[str]) -> NoFeasiblePlan:
+    """Why the search found no plan: the MILP's time limit where some tries fit in memory (the
+    time limit, not memory, is why), else the memory the leanest candidate needs."""
+    model, cluster = problem.model, problem.cluster
+    if timed_out:
+        return NoFeasiblePlan(
+            f"no plan for {model.name} on {cluster.gpus} x {cluster.gpu.name} found: the MILP reached its "
+            f"time limit (milp_time_limit {options.milp_time_limit:g} s) before any solution in "
+            f"{len(timed_out)} tr{'y' if len(timed_out) == 1 else 'ies'} whose stages fit in memory "
+            f"({timed_out[0]}{', ...' if len(timed_out) > 1 else ''}); a longer limit may find one"
+        )
+    need = min_memory_needed(problem, options)
+    return NoFeasiblePlan(
+        f"no plan for {model.name} on {cluster.gpus} x {cluster.gpu.name} fits: the leanest candidate "
+        f"needs {format_bytes(need)} per GPU, {format_bytes(problem.gpu_budget)} usable "
+        f"(offloading at most {format_bytes(problem.host_budget)} of host memory per GPU)"
+    )
 
 
 def refine(
@@ -560,100 +650,137 @@ def refine(
 def _edge_combos(space: SearchSpace, steps: np.ndarray) -> np.ndarray:
     """Every strategy (rows of EDGE_FIELDS: ZeRO stage, offloaded fractions) the embedding/head may
     take in ``space`` with fractions on ``steps``."""
-    edge_steps = [space.offload_steps(f, steps) for f in EDGE_FIELDS[1:]]
-    return np.array([(z, *c) for z in space.zero_stages for c in itertools.product(*edge_steps)], float)
+    edge_steps = [space.offload_steps(name, steps) for name in EDGE_FIELDS[1:]]
+    return np.array(
+        [(zero, *fractions) for zero in space.zero_stages for fractions in itertools.product(*edge_steps)],
+        float,
+    )
+
+
+def _offload_candidates(strategy: dict, combos: np.ndarray) -> dict:
+    """A stage's grid: its ``strategy`` (one-element arrays) with every row of ``combos`` as its
+    offloaded fractions (OFFLOAD_FIELDS), the weights gathered in forward only where they may be
+    (not where they are on the host)."""
+    grid = {**strategy, **{name: combos[:, j] for j, name in enumerate(OFFLOAD_FIELDS)}}
+    allowed = gather_allowed(grid["zero"], grid["offload_weights"])
+    grid["gather_in_forward"] = np.broadcast_to(grid["gather_in_forward"] * allowed, (len(combos),))
+    return grid
 
 
 def _refine(problem: Problem, plan: Plan, options: PlannerOptions, passes: int = 3) -> Plan:
     """``refine`` for a resolved problem (the search's own, so nothing is resolved again)."""
-    k = options.refine_offload_step
-    steps = np.arange(k + 1) / k
-    space = options.space
-    offload = OFFLOAD_FIELDS
-    combos = np.array(list(itertools.product(*(space.offload_steps(f, steps) for f in offload))))
-    plan = dataclasses.replace(plan, stages=[dataclasses.replace(s) for s in plan.stages])
-    problem = _for_plan(problem, plan)
-    point = Candidate.of_plan(plan)
-    S, G = point.stages, point.grad_accum
-    budget, host_budget = problem.gpu_budget, problem.host_budget
-    numbers = []
-    for i in range(S):
-        setting = problem.plan_setting(plan, i)
-        numbers.append((setting, layer_numbers(setting)))
-
-    def evaluate(i: int, grid: dict, edge: dict | None) -> dict:
-        setting, layer = numbers[i]
-        return evaluate_stage(
-            setting, layer, plan.stages[i].layers, point.in_flight(i), i == 0, i == S - 1, grid, G, edge
-        )
-
-    def current(i: int) -> dict:
-        return {f: np.array([float(getattr(plan.stages[i], f))]) for f in STRATEGY_FIELDS}
-
-    def edge_now() -> dict | None:
-        return None if plan.pre_post is None else {f: float(getattr(plan.pre_post, f)) for f in EDGE_FIELDS}
-
-    def fits(v: dict) -> np.ndarray:
-        return (v["memory"] <= budget) & (v["host_memory"] <= host_budget)
-
-    def ranked(v: dict, key: str):  # what the search ranks by: extras only when it is imbalance-aware
-        return v[key] if key == "steady" or options.imbalance_aware else np.zeros_like(v[key])
-
-    barrier = clip_barrier_s(numbers[0][0])
-
-    def objective(candidates: dict[int, dict]):
-        """The closed form with ``candidates``' stages (arrays) and the others as they are now."""
-        steady, extra, step, wait = (
-            [ranked(candidates[j], key) if j in candidates else ranked(values[j], key)[0] for j in range(S)]
-            for key in ("steady", "extra", "step", "wait")
-        )
-        return pipeline_objective(steady, extra, G, step, barrier, wait=wait)
-
-    # the embedding and head: every (ZeRO stage, three fractions), on the first and last stage
-    edge_combos = _edge_combos(space, steps)
-    edge = {f: edge_combos[:, j] for j, f in enumerate(EDGE_FIELDS)}
-    ends = sorted({0, S - 1})
-    values = [evaluate(i, current(i), edge_now()) for i in range(S)]
-    best = objective({})
+    plan = dataclasses.replace(plan, stages=[dataclasses.replace(stage) for stage in plan.stages])
+    refinement = _Refinement(_for_plan(problem, plan), plan, options)
     for _ in range(passes):
-        improved = False
-        for i in range(S):
-            grid = {**current(i), **{f: combos[:, j] for j, f in enumerate(offload)}}
-            allowed = gather_allowed(grid["zero"], grid["offload_weights"])  # weights on the host: not
-            grid["gather_in_forward"] = np.broadcast_to(grid["gather_in_forward"] * allowed, (len(combos),))
-            v = evaluate(i, grid, edge_now())
-            times = np.where(fits(v), objective({i: v}), np.inf)
-            c = int(np.argmin(times))
-            if times[c] < best * (1 - 1e-9):
-                best, improved = float(times[c]), True
-                for j, f in enumerate(offload):
-                    setattr(plan.stages[i], f, float(combos[c, j]))
-                plan.stages[i].gather_in_forward = bool(grid["gather_in_forward"][c])
-                values[i] = evaluate(i, current(i), edge_now())
-        ends_v = {i: evaluate(i, current(i), edge) for i in ends}
-        ok = np.logical_and.reduce([fits(v) for v in ends_v.values()])
-        times = np.where(ok, objective(ends_v), np.inf)
-        c = int(np.argmin(times))
-        if times[c] < best * (1 - 1e-9):
-            best, improved = float(times[c]), True
-            plan.pre_post = PrePostPlan(int(edge_combos[c, 0]), *map(float, edge_combos[c, 1:]))
-            for i in ends:
-                values[i] = evaluate(i, current(i), edge_now())
-        if not improved:
+        improved = [refinement.refine_stage(i) for i in range(refinement.stages)]  # every stage, in turn
+        if not (refinement.refine_edges() or any(improved)):
             break
     return plan
+
+
+class _Refinement:
+    """``refine``'s coordinate descent on one plan (changed in place): each stage's evaluation as
+    the plan stands and the best objective so far, which every step reads and improves."""
+
+    def __init__(self, problem: Problem, plan: Plan, options: PlannerOptions) -> None:
+        step_count = options.refine_offload_step
+        steps = np.arange(step_count + 1) / step_count
+        space = options.space
+        self.plan, self.options = plan, options
+        self.combos = np.array(
+            list(itertools.product(*(space.offload_steps(name, steps) for name in OFFLOAD_FIELDS)))
+        )
+        point = Candidate.of_plan(plan)
+        self.point, self.stages, self.micro_batches = point, point.stages, point.grad_accum
+        self.budget, self.host_budget = problem.gpu_budget, problem.host_budget
+        self.numbers = []
+        for i in range(self.stages):
+            setting = problem.plan_setting(plan, i)
+            self.numbers.append((setting, layer_numbers(setting)))
+        self.barrier = clip_barrier_s(self.numbers[0][0])
+        # the embedding and head: every (ZeRO stage, three fractions), on the first and last stage
+        self.edge_combos = _edge_combos(space, steps)
+        self.edge = {name: self.edge_combos[:, j] for j, name in enumerate(EDGE_FIELDS)}
+        self.ends = sorted({0, self.stages - 1})
+        self.values = [self.evaluate(i, self.current(i), _edge(plan)) for i in range(self.stages)]
+        self.best = self.objective({})
+
+    def evaluate(self, i: int, grid: dict, edge: dict | None) -> dict:
+        setting, layer = self.numbers[i]
+        first, last = i == 0, i == self.stages - 1
+        layers, flight = self.plan.stages[i].layers, self.point.in_flight(i)
+        return evaluate_stage(setting, layer, layers, flight, first, last, grid, self.micro_batches, edge)
+
+    def current(self, i: int) -> dict:
+        return {name: np.array([float(getattr(self.plan.stages[i], name))]) for name in STRATEGY_FIELDS}
+
+    def fits(self, evaluated: dict) -> np.ndarray:
+        return (evaluated["memory"] <= self.budget) & (evaluated["host_memory"] <= self.host_budget)
+
+    def ranked(self, evaluated: dict, key: str):
+        """What the search ranks by: extras only when it is imbalance-aware."""
+        if key == "steady" or self.options.imbalance_aware:
+            return evaluated[key]
+        return np.zeros_like(evaluated[key])
+
+    def objective(self, candidates: dict[int, dict]):
+        """The closed form with ``candidates``' stages (arrays) and the others as they are now."""
+        steady, extra, step, wait = (
+            [
+                self.ranked(candidates[j], key) if j in candidates else self.ranked(self.values[j], key)[0]
+                for j in range(self.stages)
+            ]
+            for key in ("steady", "extra", "step", "wait")
+        )
+        return pipeline_objective(steady, extra, self.micro_batches, step, self.barrier, wait=wait)
+
+    def _improves(self, times: np.ndarray) -> int | None:
+        """The index of the best of ``times`` where it beats the best so far (which it becomes)."""
+        choice = int(np.argmin(times))
+        if not times[choice] < self.best * (1 - 1e-9):  # (a NaN never improves)
+            return None
+        self.best = float(times[choice])
+        return choice
+
+    def refine_stage(self, i: int) -> bool:
+        """Stage i's best offloaded fractions with the others fixed; whether they beat the best."""
+        plan = self.plan
+        grid = _offload_candidates(self.current(i), self.combos)
+        evaluated = self.evaluate(i, grid, _edge(plan))
+        choice = self._improves(np.where(self.fits(evaluated), self.objective({i: evaluated}), np.inf))
+        if choice is None:
+            return False
+        for j, name in enumerate(OFFLOAD_FIELDS):
+            setattr(plan.stages[i], name, float(self.combos[choice, j]))
+        plan.stages[i].gather_in_forward = bool(grid["gather_in_forward"][choice])
+        self.values[i] = self.evaluate(i, self.current(i), _edge(plan))
+        return True
+
+    def refine_edges(self) -> bool:
+        """The embedding and head's best own strategy; whether it beats the best."""
+        at_ends = {i: self.evaluate(i, self.current(i), self.edge) for i in self.ends}
+        all_fit = np.logical_and.reduce([self.fits(evaluated) for evaluated in at_ends.values()])
+        choice = self._improves(np.where(all_fit, self.objective(at_ends), np.inf))
+        if choice is None:
+            return False
+        combo = self.edge_combos[choice]
+        self.plan.pre_post = PrePostPlan(int(combo[0]), *map(float, combo[1:]))
+        for i in self.ends:
+            self.values[i] = self.evaluate(i, self.current(i), _edge(self.plan))
+        return True
 
 
 def min_memory_needed(problem: Problem, options: PlannerOptions) -> float:
     """The smallest per-GPU peak any candidate reaches within the host memory (for the
     no-feasible-plan message)."""
     lowest = float("inf")
-    for c in settings(problem, options):
-        setting = c.setting(problem)
+    for candidate in settings(problem, options):
+        setting = candidate.setting(problem)
         layer = layer_numbers(setting)
-        layers = -(-problem.model.layers // c.stages)
-        _, values, per_flight = _stage_values(setting, layer, layers, c.stages == 1, True, options.space, 1)
-        flight = c.in_flight(0)  # the first stage holds the most
+        layers = -(-problem.model.layers // candidate.stages)
+        only = candidate.stages == 1
+        _, values, per_flight = _stage_values(setting, layer, layers, only, True, options.space, 1)
+        flight = candidate.in_flight(0)  # the first stage holds the most
         host = values["host_memory"] + (flight - 1) * values["host_per_flight"]
         memory = values["memory"] + (flight - 1) * per_flight
         lowest = min(lowest, float(np.min(np.where(host <= problem.host_budget, memory, np.inf))))
@@ -761,20 +888,19 @@ def _memo_key(
 ) -> tuple[tuple, tuple[float, ...]]:
     """A StageMemo key in its two parts: what the evaluation depends on besides the stage's
     strategy, and the strategy."""
-    edge_key = None if edge is None else tuple(edge[k] for k in EDGE_FIELDS)
-    s = setting
+    edge_key = None if edge is None else tuple(edge[name] for name in EDGE_FIELDS)
     sizes = (
-        s.tp,
-        s.dp,
-        s.micro_batch,
-        s.stages,
-        s.virtual_stages,
-        s.overlap_grad_reduce,
-        s.grad_bucket_params,
-        s.sp,
+        setting.tp,
+        setting.dp,
+        setting.micro_batch,
+        setting.stages,
+        setting.virtual_stages,
+        setting.overlap_grad_reduce,
+        setting.grad_bucket_params,
+        setting.sp,
     )
     where = (*sizes, stage.layers, in_flight, first, last, grad_accum, edge_key)
-    return where, tuple(float(getattr(stage, k)) for k in STRATEGY_FIELDS)
+    return where, tuple(float(getattr(stage, name)) for name in STRATEGY_FIELDS)
 
 
 def _evaluate(
@@ -794,7 +920,7 @@ def _evaluate(
     where, strategy = _memo_key(setting, stage, in_flight, first, last, grad_accum, edge)
     if memo is not None and where + strategy in memo:
         return memo[where + strategy]
-    grid = {k: np.array([v]) for k, v in zip(STRATEGY_FIELDS, strategy, strict=True)}
+    grid = {name: np.array([chosen]) for name, chosen in zip(STRATEGY_FIELDS, strategy, strict=True)}
     values = evaluate_stage(setting, layer, stage.layers, in_flight, first, last, grid, grad_accum, edge)
     if memo is not None:
         memo[where + strategy] = values
@@ -803,7 +929,9 @@ def _evaluate(
 
 def _edge(plan: Plan) -> dict | None:
     """The embedding/head's own strategy as evaluate_stage takes it; None: the stages' own."""
-    return None if plan.pre_post is None else {k: float(getattr(plan.pre_post, k)) for k in EDGE_FIELDS}
+    return (
+        None if plan.pre_post is None else {name: float(getattr(plan.pre_post, name)) for name in EDGE_FIELDS}
+    )
 
 
 def prime(problem: Problem, plans: Iterable[Plan], memo: StageMemo) -> None:
@@ -817,51 +945,53 @@ def prime(problem: Problem, plans: Iterable[Plan], memo: StageMemo) -> None:
     for plan in plans:
         posed = _for_plan(problem, plan)
         point = Candidate.of_plan(plan)
-        S, G, edge = point.stages, point.grad_accum, _edge(plan)
+        edge = _edge(plan)
         for i, stage in enumerate(plan.stages):
             setting = posed.plan_setting(plan, i)
-            args = (setting, stage.layers, point.in_flight(i), i == 0, i == S - 1, G, edge)
+            last = i == point.stages - 1
+            args = (setting, stage.layers, point.in_flight(i), i == 0, last, point.grad_accum, edge)
             where, strategy = _memo_key(setting, stage, *args[2:])
             if where + strategy not in memo:
                 todo.setdefault(where, (args, {}))[1][strategy] = None
-    for where, ((setting, layers, flight, first, last, G, edge), strategies) in todo.items():
+    for where, ((setting, layers, flight, first, last, grad_accum, edge), strategies) in todo.items():
         grid = dict(zip(STRATEGY_FIELDS, np.array(list(strategies)).T, strict=True))
-        values = evaluate_stage(setting, layer_numbers(setting), layers, flight, first, last, grid, G, edge)
+        layer = layer_numbers(setting)
+        values = evaluate_stage(setting, layer, layers, flight, first, last, grid, grad_accum, edge)
         for n, strategy in enumerate(strategies):
-            memo[where + strategy] = {k: v[n : n + 1] for k, v in values.items()}
+            memo[where + strategy] = {key: column[n : n + 1] for key, column in values.items()}
 
 
 def _price(problem: Problem, plan: Plan, simulate: bool, memo: StageMemo | None = None) -> Plan:
     """Fill in a checked plan's predictions (``predict``'s work after its checks)."""
     problem = _for_plan(problem, plan)
     point = Candidate.of_plan(plan)
-    S, G, V = point.stages, point.grad_accum, point.virtual
+    S, G, V = point.stages, point.grad_accum, point.virtual  # pipeline_objective's symbols
     budget = problem.gpu_budget
     steady, extra, step, wait, fwd, bwd = [], [], [], [], [], []
     fits = True
     edge = _edge(plan)
-    for i, s in enumerate(plan.stages):
+    for i, stage in enumerate(plan.stages):
         setting = problem.plan_setting(plan, i)
         layer = layer_numbers(setting)
-        v = _evaluate(setting, layer, s, point.in_flight(i), i == 0, i == S - 1, G, edge, memo)
-        s.steady_s, s.extra_s, s.step_s, s.wait_s = (
-            float(v[k][0]) for k in ("steady", "extra", "step", "wait")
+        values = _evaluate(setting, layer, stage, point.in_flight(i), i == 0, i == S - 1, G, edge, memo)
+        stage.steady_s, stage.extra_s, stage.step_s, stage.wait_s = (
+            float(values[key][0]) for key in ("steady", "extra", "step", "wait")
         )
-        memory, host_memory = float(v["memory"][0]), float(v["host_memory"][0])
-        s.memory_bytes, s.host_memory_bytes = bytes_needed(memory), bytes_needed(host_memory)
+        memory, host_memory = float(values["memory"][0]), float(values["host_memory"][0])
+        stage.memory_bytes, stage.host_memory_bytes = bytes_needed(memory), bytes_needed(host_memory)
         # judged on the model's own numbers, as the search judges its candidates (the whole bytes
         # above agree for the GPU, whose budget is whole bytes, and within a byte for the host)
         fits = fits and memory <= budget and host_memory <= problem.host_budget
-        steady.append(s.steady_s)
-        extra.append(s.extra_s)
-        step.append(s.step_s)
-        wait.append(s.wait_s)
+        steady.append(stage.steady_s)
+        extra.append(stage.extra_s)
+        step.append(stage.step_s)
+        wait.append(stage.wait_s)
         share = layer.fwd / (layer.fwd + layer.bwd)
-        fwd.append(s.steady_s * share)
-        bwd.append(s.steady_s * (1 - share))
+        fwd.append(stage.steady_s * share)
+        bwd.append(stage.steady_s * (1 - share))
         if i == 0:
-            first_ln = layer
-    layer = first_ln
+            first_layer = layer
+    layer = first_layer
     barrier = clip_barrier_s(problem.plan_setting(plan, 0))
     plan.predicted_iteration_s = pipeline_objective(steady, extra, G, step, barrier, V, wait)
     plan.simulated_iteration_s = (

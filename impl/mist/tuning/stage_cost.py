@@ -62,7 +62,7 @@ OPTIMIZER_STEP_BYTES_PER_PARAM = 4  # fp32 gradients during the step (fused Adam
 
 def _some(values: object, ok) -> bool:
     """``values`` is a non-empty tuple or list of items that are each ``ok``."""
-    return isinstance(values, tuple | list) and bool(values) and all(ok(v) for v in values)
+    return isinstance(values, tuple | list) and bool(values) and all(ok(item) for item in values)
 
 
 @dataclass(frozen=True)
@@ -85,13 +85,13 @@ class SearchSpace:
         for name in ("offload", "recompute", "selective"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
-        if not _some(self.zero_stages, lambda z: whole(z) and 0 <= z <= 3):
+        if not _some(self.zero_stages, lambda zero: whole(zero) and 0 <= zero <= 3):
             raise ValueError(
                 f"zero_stages: one or more of the ZeRO stages 0, 1, 2, 3; got {self.zero_stages!r}"
             )
-        if not _some(self.offload_ratios, lambda r: finite(r) and 0 <= r <= 1):
+        if not _some(self.offload_ratios, lambda ratio: finite(ratio) and 0 <= ratio <= 1):
             raise ValueError(f"offload_ratios: one or more fractions in [0, 1]; got {self.offload_ratios!r}")
-        if not _some(self.gather_in_forward, lambda g: isinstance(g, bool)):
+        if not _some(self.gather_in_forward, lambda gather: isinstance(gather, bool)):
             raise ValueError(f"gather_in_forward: one or both of False, True; got {self.gather_in_forward!r}")
         unknown = set(self.offloadable) - set(OFFLOADABLE)
         if unknown:
@@ -186,50 +186,16 @@ def _layer_numbers(setting: Setting) -> LayerNumbers:
     costs = layer_costs(model, setting.sequence_parallel)
     traced = costs.compiled(model)(micro_batch, model.seq, tp)
     fwd, bwd = setting.runtime.layer_times(model, micro_batch, model.seq, tp, setting.sequence_parallel)
-    collective = setting.runtime.collective
-    # Where the engine's TP layer was measured (its two all-reduces each way, with the waits between
-    # the ranks' compute) that prices them, forward (which recomputation repeats) and backward
-    messages = 1 if model.parallel_block else 2  # the forward's all-reduces (backward mirrors them)
-    message = float(traced["tp_all_reduce"]) / messages
-    across_tp = tp > setting.cluster.gpus_per_node
-    measured = (
-        None if setting.sequence_parallel else setting.runtime.tp_layer(message, tp, inter_node=across_tp)
-    )
-    if measured is not None:  # the benchmark's layer has two all-reduces a direction
-        forward, both = (float(x) for x in measured)
-        comm_f, comm_b = messages * forward / 2, messages * (both - forward) / 2
-    else:  # forward collectives; backward mirrors them, plus SP's re-gather of the kept input shards
-        comm_f = (
-            collective("all_reduce", float(traced["tp_all_reduce"]) / 2, tp, setting.cluster) * 2
-            + collective("all_gather", float(traced["tp_all_gather"]) / 2, tp, setting.cluster) * 2
-            + collective("reduce_scatter", float(traced["tp_reduce_scatter"]) / 2, tp, setting.cluster) * 2
-        )
-        comm_b = (
-            comm_f + collective("all_gather", float(traced["tp_all_gather"]) / 2, tp, setting.cluster) * 2
-        )
-    head = {k: value(expr, model, micro_batch, model.seq, tp) for k, expr in head_costs(model).items()}
-    head_fwd, head_bwd = setting.runtime.head_times(model, micro_batch, model.seq, tp)
-    embed_fwd, embed_bwd = setting.runtime.embedding_times(model, micro_batch, model.seq, tp)
-    # Megatron's vocab-parallel embedding and head under TP: the embedding's output is summed over
-    # the ranks (reduce-scattered under SP); the head's input gradient likewise in backward (and
-    # its input gathered forward under SP); the cross-entropy sums three fp32 numbers per token
-    # (the logits' max, the target's logit, the sum of exponentials) over the ranks.
-    stream = 2.0 * micro_batch * model.seq * model.hidden
-    if setting.sequence_parallel:
-        embed_fwd += float(collective("reduce_scatter", stream, tp, setting.cluster))
-        head_fwd += float(collective("all_gather", stream, tp, setting.cluster))
-        head_bwd += float(collective("reduce_scatter", stream, tp, setting.cluster))
-    else:
-        embed_fwd += float(collective("all_reduce", stream, tp, setting.cluster))
-        head_bwd += float(collective("all_reduce", stream, tp, setting.cluster))
-    head_fwd += 3 * float(collective("all_reduce", 4.0 * micro_batch * model.seq, tp, setting.cluster))
+    tp_forward, tp_backward = _tp_collectives_s(setting, traced)
+    head = {name: value(expr, model, micro_batch, model.seq, tp) for name, expr in head_costs(model).items()}
+    head_fwd, head_bwd, embed_fwd, embed_bwd = _edge_times(setting)
     tokens = micro_batch * model.seq
     p2p_bytes = 2.0 * tokens * model.hidden / (tp if setting.sequence_parallel else 1)
     # a stage that fills a node (or more) has its neighbours on other nodes
     neighbours_across = setting.cluster.nodes > 1 and setting.tp * setting.dp >= setting.cluster.gpus_per_node
     return LayerNumbers(
-        fwd=float(fwd) + float(comm_f),
-        bwd=float(bwd) + float(comm_b),
+        fwd=float(fwd) + float(tp_forward),
+        bwd=float(bwd) + float(tp_backward),
         saved=float(traced["saved_bytes"]),
         selective_saved=float(traced["selective_saved_bytes"]),
         selective_backward=float(traced["selective_backward_bytes"]),
@@ -242,7 +208,7 @@ def _layer_numbers(setting: Setting) -> LayerNumbers:
         layer_input=2.0 * tokens * model.hidden / (tp if setting.sequence_parallel else 1),
         params=float(traced["params"]),
         largest_weight=2.0 * _largest_weight(model) / tp,
-        tp_comm_fwd=float(comm_f),
+        tp_comm_fwd=float(tp_forward),
         p2p_bytes=p2p_bytes,
         p2p=setting.runtime.p2p(p2p_bytes, setting.cluster, inter_node=neighbours_across),
         head_fwd=head_fwd,
@@ -253,6 +219,55 @@ def _layer_numbers(setting: Setting) -> LayerNumbers:
         logits=head["logits_fp32_bytes"],
         embed_params=head["embed_params"],
     )
+
+
+def _tp_collectives_s(setting: Setting, traced: dict) -> tuple[float, float]:
+    """(forward, backward) seconds of a layer's TP collectives; ``traced``: the layer's symbolic
+    costs at the setting's sizes. Where the engine's TP layer was measured (its two all-reduces
+    each way, with the waits between the ranks' compute) that prices them, forward (which
+    recomputation repeats) and backward."""
+    model, tp, cluster = setting.model, setting.tp, setting.cluster
+    collective = setting.runtime.collective
+    messages = 1 if model.parallel_block else 2  # the forward's all-reduces (backward mirrors them)
+    message = float(traced["tp_all_reduce"]) / messages
+    across_tp = tp > cluster.gpus_per_node
+    measured = (
+        None if setting.sequence_parallel else setting.runtime.tp_layer(message, tp, inter_node=across_tp)
+    )
+    if measured is not None:  # the benchmark's layer has two all-reduces a direction
+        forward, both = (float(seconds) for seconds in measured)
+        return messages * forward / 2, messages * (both - forward) / 2
+    # forward collectives; backward mirrors them, plus SP's re-gather of the kept input shards
+    forward = (
+        collective("all_reduce", float(traced["tp_all_reduce"]) / 2, tp, cluster) * 2
+        + collective("all_gather", float(traced["tp_all_gather"]) / 2, tp, cluster) * 2
+        + collective("reduce_scatter", float(traced["tp_reduce_scatter"]) / 2, tp, cluster) * 2
+    )
+    backward = forward + collective("all_gather", float(traced["tp_all_gather"]) / 2, tp, cluster) * 2
+    return forward, backward
+
+
+def _edge_times(setting: Setting) -> tuple[float, float, float, float]:
+    """(head forward, head backward, embedding forward, embedding backward) seconds a micro-batch
+    takes, TP collectives included. Megatron's vocab-parallel embedding and head under TP: the
+    embedding's output is summed over the ranks (reduce-scattered under SP); the head's input
+    gradient likewise in backward (and its input gathered forward under SP); the cross-entropy
+    sums three fp32 numbers per token (the logits' max, the target's logit, the sum of
+    exponentials) over the ranks."""
+    model, micro_batch, tp, cluster = setting.model, setting.micro_batch, setting.tp, setting.cluster
+    collective = setting.runtime.collective
+    head_fwd, head_bwd = setting.runtime.head_times(model, micro_batch, model.seq, tp)
+    embed_fwd, embed_bwd = setting.runtime.embedding_times(model, micro_batch, model.seq, tp)
+    stream = 2.0 * micro_batch * model.seq * model.hidden
+    if setting.sequence_parallel:
+        embed_fwd += float(collective("reduce_scatter", stream, tp, cluster))
+        head_fwd += float(collective("all_gather", stream, tp, cluster))
+        head_bwd += float(collective("reduce_scatter", stream, tp, cluster))
+    else:
+        embed_fwd += float(collective("all_reduce", stream, tp, cluster))
+        head_bwd += float(collective("all_reduce", stream, tp, cluster))
+    head_fwd += 3 * float(collective("all_reduce", 4.0 * micro_batch * model.seq, tp, cluster))
+    return head_fwd, head_bwd, embed_fwd, embed_bwd
 
 
 def _largest_weight(model: ModelSpec) -> int:
@@ -268,7 +283,7 @@ def strategy_grid(layers: int, space: SearchSpace) -> dict[str, np.ndarray]:
     """Every (recompute, selective, zero, offload ratios, weights gathered in forward) combination
     for a stage of ``layers`` layers (read-only); the weights are gathered in forward only where a
     stage may (ZeRO-1/2, kept on the device), each combination once."""
-    offloads = [space.offload_steps(f, space.offload_ratios) for f in OFFLOAD_FIELDS]
+    offloads = [space.offload_steps(name, space.offload_ratios) for name in OFFLOAD_FIELDS]
     recompute = range(layers + 1) if space.recompute else (0,)
     selective = (0, 1) if space.selective else (0,)
     combos = np.array(
@@ -278,7 +293,7 @@ def strategy_grid(layers: int, space: SearchSpace) -> dict[str, np.ndarray]:
     combos[:, -1] *= gather_allowed(combos[:, 2], combos[:, 3])  # zero, offload_weights
     _, first = np.unique(combos, axis=0, return_index=True)
     combos = combos[np.sort(first)]  # in the product's order
-    return {n: combos[:, i] for i, n in enumerate(STRATEGY_FIELDS)}
+    return {name: combos[:, i] for i, name in enumerate(STRATEGY_FIELDS)}
 
 
 # The embedding's and head's own strategy (``Plan.pre_post``): StagePlan fields it has
@@ -303,19 +318,21 @@ def _state_bytes(params: float, strategy: dict[str, np.ndarray], dp: int) -> dic
     """Bytes per GPU of ``params`` parameters' weights, gradients and optimizer state (each on the
     GPU or, the offloaded fraction, on the host), under ``strategy``'s ZeRO stage over ``dp``
     replicas (its EDGE_FIELDS: a stage's grid or the embedding/head's own strategy)."""
-    zero, offload_weights, offload_grads, offload_optimizer = (strategy[k] for k in EDGE_FIELDS)
-    w = 2.0 * params * np.where(zero >= 3, 1.0 / dp, 1.0)
-    g = 2.0 * params * np.where(zero >= 2, 1.0 / dp, 1.0)
+    zero, offload_weights, offload_grads, offload_optimizer = (strategy[name] for name in EDGE_FIELDS)
+    weights = 2.0 * params * np.where(zero >= 3, 1.0 / dp, 1.0)
+    grads = 2.0 * params * np.where(zero >= 2, 1.0 / dp, 1.0)
     opt_params = params * np.where(zero >= 1, 1.0 / dp, 1.0)
-    o = ADAM_BYTES_PER_PARAM * opt_params
+    optimizer = ADAM_BYTES_PER_PARAM * opt_params
     return {
-        "gpu": (1 - offload_weights) * w + (1 - offload_grads) * g + (1 - offload_optimizer) * o,
+        "gpu": (1 - offload_weights) * weights
+        + (1 - offload_grads) * grads
+        + (1 - offload_optimizer) * optimizer,
         # ZeRO-2/3's gradient shards on the device: made by backward's reduce-scatters, freed after
         # the step (no persistent buffer, unlike ZeRO-0/1's)
-        "sharded_grads": np.where(zero >= 2, (1 - offload_grads) * g, 0.0),
-        "host": offload_weights * w + offload_grads * g + offload_optimizer * o,
-        "h2d": 2 * offload_weights * w,  # offloaded weights come up for forward and backward
-        "d2h": offload_grads * g,  # offloaded gradients accumulate on the host
+        "sharded_grads": np.where(zero >= 2, (1 - offload_grads) * grads, 0.0),
+        "host": offload_weights * weights + offload_grads * grads + offload_optimizer * optimizer,
+        "h2d": 2 * offload_weights * weights,  # offloaded weights come up for forward and backward
+        "d2h": offload_grads * grads,  # offloaded gradients accumulate on the host
         "opt_params": opt_params,
     }
 
@@ -339,15 +356,17 @@ def _zero_per_micro_batch(
     ):
         gather = runtime.collective("all_gather", full, dp, cluster, across)
         scatter = runtime.collective("reduce_scatter", full, dp, cluster, across)
-        z3 = its_zero >= 3
-        z2 = its_zero == 2
+        on_channel3 = its_zero >= 3  # ZeRO-3 priced on the GPU-to-GPU channel
+        on_channel2 = its_zero == 2
         if is_layer and zero3 is not None:
-            compute = compute + count * np.where(z3, zero3, 0.0)
-            z3 = False
+            compute = compute + count * np.where(on_channel3, zero3, 0.0)
+            on_channel3 = False
         if is_layer and zero2 is not None:
-            compute = compute + count * np.where(z2, zero2, 0.0)
-            z2 = False
-        g2g = g2g + count * (np.where(z3, 2 * gather + scatter, 0.0) + np.where(z2, scatter, 0.0))
+            compute = compute + count * np.where(on_channel2, zero2, 0.0)
+            on_channel2 = False
+        g2g = g2g + count * (
+            np.where(on_channel3, 2 * gather + scatter, 0.0) + np.where(on_channel2, scatter, 0.0)
+        )
     return compute, g2g
 
 
@@ -414,9 +433,10 @@ def _hidden_reduction_s(setting: Setting, layer: LayerNumbers, layers: int, reco
         return 0.0
     # It depends on the ZeRO stage and the recompute count only: priced once per pair there is
     # (the grid holds every strategy; priced per strategy it took 13% of a search)
-    zz, rr = np.broadcast_arrays(np.asarray(zero, float), np.asarray(recompute, float))
-    _, first, inverse = np.unique((zz * (layers + 1) + rr).ravel(), return_index=True, return_inverse=True)
-    zero, recompute = zz.ravel()[first], rr.ravel()[first]
+    zero_grid, recompute_grid = np.broadcast_arrays(np.asarray(zero, float), np.asarray(recompute, float))
+    pairs = (zero_grid * (layers + 1) + recompute_grid).ravel()
+    _, first, inverse = np.unique(pairs, return_index=True, return_inverse=True)
+    zero, recompute = zero_grid.ravel()[first], recompute_grid.ravel()[first]
     stage_bytes = 2.0 * layer.params * layers
     whole = _buffer_gradient_sum(setting, stage_bytes, across, zero)
     each = _buffer_gradient_sum(setting, stage_bytes / buckets, across, zero)
@@ -426,7 +446,7 @@ def _hidden_reduction_s(setting: Setting, layer: LayerNumbers, layers: int, reco
     hidden_comm = (buckets - 1) * each
     exposed = np.maximum(setting.interference.overlap(window, hidden_comm, 0.0, 0.0) - window, 0.0) + each
     hidden = np.where(zero >= 2, 0.0, whole - exposed)
-    return hidden[inverse.ravel()].reshape(zz.shape)
+    return hidden[inverse.ravel()].reshape(zero_grid.shape)
 
 
 def _gather_in_forward_s(
@@ -478,7 +498,7 @@ def _accumulation_s(
     ZeRO-2/3 (over more than one replica) into this rank's summed shard, which the first
     micro-batch writes rather than adds to (GradAccumulation.adds_per_micro_batch)."""
     dp = setting.dp
-    acc = setting.grad_accumulation
+    accumulation = setting.grad_accumulation
     add_line = setting.runtime.accumulate_line
     in_buffer, in_shards = 0.0, 0.0
     for params, its_zero in ((layer_params, zero), (edge_params, edge_zero)):
@@ -487,8 +507,8 @@ def _accumulation_s(
         in_shards = in_shards + np.where(sharded, params / dp, 0.0)
     seconds = 0.0
     for params, sharded in ((in_buffer, False), (in_shards, True)):
-        added = acc.bytes_per_param * params
-        adds = acc.adds_per_micro_batch(grad_accum, sharded)
+        added = accumulation.bytes_per_param * params
+        adds = accumulation.adds_per_micro_batch(grad_accum, sharded)
         seconds = seconds + adds * np.where(added > 0, add_line(added), 0.0)
     return seconds
 
@@ -510,14 +530,15 @@ def _sync_and_step(
     cluster = setting.cluster
     sync, step = _gradient_sync(setting, stage_w_full, edge_w_full, zero, edge_zero, across)
     gpu_step_bytes = (ADAM_BYTES_PER_PARAM + 4) * 2  # state, weights and gradients read and written
-    for state, off in parts:
-        n = state["opt_params"]
+    for state, offloaded in parts:
+        params = state["opt_params"]
         # the norm reads the fp16 gradients this rank steps (offloaded ones priced as if on the GPU:
         # a few percent of the step either way)
-        sync = sync + n * 2 / (cluster.gpu.hbm_bw * 0.7)
-        step = step + (1 - off) * n * gpu_step_bytes / (cluster.gpu.hbm_bw * 0.7)
-        step = step + off * n / cpu_adam_params_per_s(cluster)
-        step = step + off * n * (2 / d2h_bw + 2 / h2d_bw)  # fp16 gradients down, fp16 weights up
+        sync = sync + params * 2 / (cluster.gpu.hbm_bw * 0.7)
+        step = step + (1 - offloaded) * params * gpu_step_bytes / (cluster.gpu.hbm_bw * 0.7)
+        step = step + offloaded * params / cpu_adam_params_per_s(cluster)
+        # fp16 gradients down, fp16 weights up
+        step = step + offloaded * params * (2 / d2h_bw + 2 / h2d_bw)
     return sync, step
 
 
@@ -625,10 +646,10 @@ def _device_memory(
     recompute, zero, offload_weights = grid["recompute"], grid["zero"], grid["offload_weights"]
     # a layer's full weights; the embedding's or the head's (one at a time: opposite ends)
     layer_weights, edge_weights = layer_w_full, 2.0 * layer.embed_params if (first or last) else 0.0
-    z3, e3 = zero >= 3, edge["zero"] >= 3
-    buffers = np.where(z3 | (offload_weights > 0), 2 * layer_weights, 0.0)
-    buffers = buffers + np.where(e3 | (edge["offload_weights"] > 0), edge_weights, 0.0)
-    last_edge_weights = np.where(e3 & last, edge_weights, 0.0)
+    layers_zero3, edge_zero3 = zero >= 3, edge["zero"] >= 3
+    buffers = np.where(layers_zero3 | (offload_weights > 0), 2 * layer_weights, 0.0)
+    buffers = buffers + np.where(edge_zero3 | (edge["offload_weights"] > 0), edge_weights, 0.0)
+    last_edge_weights = np.where(edge_zero3 & last, edge_weights, 0.0)
     start = _backward_start(
         layer, grid, activations, per_flight, buffers, layers, layer_weights, last_edge_weights, last
     )
@@ -640,12 +661,12 @@ def _device_memory(
     # embedding's gradients (ZeRO-3 of the edges)
     sharded_grads = mine["sharded_grads"] + theirs["sharded_grads"] if grad_accum == 1 else 0.0
     made = sharded_grads - mine["sharded_grads"] / layers if grad_accum == 1 else 0.0
-    up = buffers - np.where(z3 | (offload_weights > 0), layer_weights, 0.0)
+    gathered = buffers - np.where(layers_zero3 | (offload_weights > 0), layer_weights, 0.0)
     remade = np.where(recompute > 0, layer.saved, _selective_remade(layer, grid, layers))  # the first layer's
     working = layer.transient + layer.layer_input
-    end = up + working + remade + made + np.where(z3, 2 * layer_weights, 0.0)
-    end = end + np.where(e3 & first, edge_weights, 0.0)
-    backward = np.maximum(start, end) if grad_accum == 1 else start
+    at_end = gathered + working + remade + made + np.where(layers_zero3, 2 * layer_weights, 0.0)
+    at_end = at_end + np.where(edge_zero3 & first, edge_weights, 0.0)
+    backward = np.maximum(start, at_end) if grad_accum == 1 else start
     static = mine["gpu"] + theirs["gpu"] - sharded_grads
     stepped_on_gpu = (1 - grid["offload_optimizer"]) * mine["opt_params"]
     stepped_on_gpu = stepped_on_gpu + (1 - edge["offload_optimizer"]) * theirs["opt_params"]
@@ -765,34 +786,22 @@ def _last_micro_batch_s(
     return sync + step, step, wait
 
 
-def evaluate_stage(
-    setting: Setting,
+def _stage_memory(
     layer: LayerNumbers,
+    grid: dict,
+    edge: dict,
     layers: int,
     in_flight: float,
     first: bool,
     last: bool,
-    grid: dict[str, np.ndarray],
+    state: tuple[dict, dict],
     grad_accum: int,
-    edge: dict[str, np.ndarray] | None = None,
-) -> dict[str, np.ndarray]:
-    """steady, extra and memory (arrays over ``grid``) of a stage, plus their parts.
-
-    ``edge``: the strategy (EDGE_FIELDS) of the embedding (first stage) and head (last stage)
-    parameters; None: the stage's own. Arrays broadcast against ``grid``'s."""
-    if grad_accum < 1:
-        raise ValueError("grad_accum must be >= 1")
-    edge = edge or {k: grid[k] for k in EDGE_FIELDS}
-    shape = np.broadcast_shapes(*(np.shape(x) for x in (*grid.values(), *edge.values())))
-    edge_params = (layer.embed_params if first else 0.0) + (layer.embed_params if last else 0.0)
-    mine = _state_bytes(layers * layer.params, grid, setting.dp)  # the stage's layers'
-    theirs = _state_bytes(edge_params, edge, setting.dp)  # the embedding's or head's, where it has one
-    steady, compute, g2g = _micro_batch_s(
-        setting, layer, layers, grid, edge, first, last, (mine, theirs), grad_accum
-    )
-    extra, step, wait = _last_micro_batch_s(setting, layer, layers, grid, edge, edge_params, (mine, theirs))
-
-    # memory per GPU
+) -> tuple:
+    """(memory, per_flight, host_per_flight): a stage's peak device bytes with ``in_flight``
+    micro-batches held, what one more adds, and what one more adds in host memory (its offloaded
+    activations: host bytes are affine in in_flight too). ``state``: the stage's layers' and its
+    embedding/head's state bytes (_state_bytes)."""
+    mine, theirs = state
     kept = _kept_per_layer(layer, grid)
     swapped = offloaded_layers(grid, layers)
     on_device = (layers - grid["recompute"] - swapped) * kept + grid["recompute"] * layer.layer_input
@@ -811,8 +820,38 @@ def evaluate_stage(
         theirs,
         grad_accum,
     )
-    # host bytes: affine in in_flight too (offloaded activations of every in-flight micro-batch)
-    host_per_flight = swapped * kept
+    return memory, per_flight, swapped * kept
+
+
+def evaluate_stage(
+    setting: Setting,
+    layer: LayerNumbers,
+    layers: int,
+    in_flight: float,
+    first: bool,
+    last: bool,
+    grid: dict[str, np.ndarray],
+    grad_accum: int,
+    edge: dict[str, np.ndarray] | None = None,
+) -> dict[str, np.ndarray]:
+    """steady, extra and memory (arrays over ``grid``) of a stage, plus their parts.
+
+    ``edge``: the strategy (EDGE_FIELDS) of the embedding (first stage) and head (last stage)
+    parameters; None: the stage's own. Arrays broadcast against ``grid``'s."""
+    if grad_accum < 1:
+        raise ValueError("grad_accum must be >= 1")
+    edge = edge or {name: grid[name] for name in EDGE_FIELDS}
+    shape = np.broadcast_shapes(*(np.shape(column) for column in (*grid.values(), *edge.values())))
+    edge_params = (layer.embed_params if first else 0.0) + (layer.embed_params if last else 0.0)
+    mine = _state_bytes(layers * layer.params, grid, setting.dp)  # the stage's layers'
+    theirs = _state_bytes(edge_params, edge, setting.dp)  # the embedding's or head's, where it has one
+    steady, compute, g2g = _micro_batch_s(
+        setting, layer, layers, grid, edge, first, last, (mine, theirs), grad_accum
+    )
+    extra, step, wait = _last_micro_batch_s(setting, layer, layers, grid, edge, edge_params, (mine, theirs))
+    memory, per_flight, host_per_flight = _stage_memory(
+        layer, grid, edge, layers, in_flight, first, last, (mine, theirs), grad_accum
+    )
     host_static = mine["host"] + theirs["host"]
     return {
         "steady": np.broadcast_to(steady, shape),

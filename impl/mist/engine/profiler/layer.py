@@ -175,12 +175,27 @@ def megatron_edge_rows(
     layer, cross-entropy over the vocabulary, the mean the engine backpropagates from). Each is a
     difference of whole one-layer models with and without it, so GPTModel's own work around
     them is counted; the final norm is timed alone and taken out of the post-process."""
+    if vocab % tp:
+        raise ValueError(f"tp {tp} does not divide the vocabulary {vocab}")
+    seconds = _gpt_model_seconds(b, s, h, heads, vocab, tp, dtype, device, repeats)
+    norm = nn.LayerNorm(h, device=device, dtype=dtype)
+    x = torch.randn(b, s, h, dtype=dtype, device=device, requires_grad=True)
+    g = torch.randn(b, s, h, dtype=dtype, device=device)
+    final_norm = forward_backward_seconds(lambda: norm(x), lambda y: y.backward(g), device, repeats)
+    diff = [a - b for a, b in zip(seconds[True, False], seconds[False, False], strict=True)]
+    head = [a - b - n for a, b, n in zip(seconds[True, True], seconds[True, False], final_norm, strict=True)]
+    return [_edge_row(EMBEDDING_OP, *diff), _edge_row(FINAL_NORM_OP, *final_norm), _edge_row(HEAD_OP, *head)]
+
+
+def _gpt_model_seconds(
+    b: int, s: int, h: int, heads: int, vocab: int, tp: int, dtype: torch.dtype, device: str, repeats: int
+) -> dict[tuple[bool, bool], tuple[float, float]]:
+    """{(pre_process, post_process): (forward, backward) seconds} of a one-layer GPTModel at one
+    rank's share: without the embedding and head, with the embedding, with both."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.module import Float16Module
 
-    if vocab % tp:
-        raise ValueError(f"tp {tp} does not divide the vocabulary {vocab}")
     seconds = {}
     with megatron_state():
         config = megatron_config(h, heads, tp, dtype)
@@ -213,25 +228,21 @@ def megatron_edge_rows(
             seconds[pre, post] = forward_backward_seconds(
                 forward, (lambda y: y.backward()) if post else (lambda y: y.backward(grad)), device, repeats
             )
-    norm = nn.LayerNorm(h, device=device, dtype=dtype)
-    x = torch.randn(b, s, h, dtype=dtype, device=device, requires_grad=True)
-    g = torch.randn(b, s, h, dtype=dtype, device=device)
-    final_norm = forward_backward_seconds(lambda: norm(x), lambda y: y.backward(g), device, repeats)
+    return seconds
 
-    def row(name: str, fwd: float, bwd: float) -> dict:
-        sizes = dict.fromkeys(
-            ("input_size", "output_size", "weights", "activations", "fwd_reserved", "bwd_reserved"), 0.0
-        )
-        return {
-            "op_name": name,
-            "forward-compute": max(fwd, 0.0) * 1e6,
-            "backward-compute": max(bwd, 0.0) * 1e6,
-            **sizes,
-        }
 
-    diff = [a - b for a, b in zip(seconds[True, False], seconds[False, False], strict=True)]
-    head = [a - b - n for a, b, n in zip(seconds[True, True], seconds[True, False], final_norm, strict=True)]
-    return [row(EMBEDDING_OP, *diff), row(FINAL_NORM_OP, *final_norm), row(HEAD_OP, *head)]
+def _edge_row(name: str, fwd: float, bwd: float) -> dict:
+    """A profile row of an op outside the layer: its times in microseconds (a difference below
+    zero is none), no sizes."""
+    sizes = dict.fromkeys(
+        ("input_size", "output_size", "weights", "activations", "fwd_reserved", "bwd_reserved"), 0.0
+    )
+    return {
+        "op_name": name,
+        "forward-compute": max(fwd, 0.0) * 1e6,
+        "backward-compute": max(bwd, 0.0) * 1e6,
+        **sizes,
+    }
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -259,6 +270,7 @@ class ProfileJob:
         return f"h{self.hidden}"
 
 
+# Long for its 18 options (a profile's whole request) and its docstring: the work is in helpers
 def write_profiles(
     out: Path,
     device: str,

@@ -11,6 +11,46 @@ from .megatron_layer import Layers, layer_inputs, megatron_config, megatron_stat
 from .ranks import init_rank, interleaved_seconds_all_ranks, median_rows, run_ranks, write_line_csv
 
 
+def _layers_step(shape: tuple, sharded: bool, stage: int, count: int, mesh, dev, dtype) -> tuple:
+    """(step, one layer's weight bytes): ``count`` megatron-core layers of ``shape`` (b, s, h,
+    heads, tp), plain or sharded as mist.engine.run shards them at ZeRO ``stage``, and a function
+    running their forward + backward once."""
+    import torch.distributed as dist
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.spec_utils import build_module
+    from torch.distributed.fsdp import fully_shard
+
+    from ..zero import ShardedMasterAdamW
+
+    b, s, h, heads, tp = shape  # micro-batch, sequence, hidden, heads, TP
+    config = megatron_config(h, heads, tp, dtype)
+    torch.manual_seed(0)
+    layers = [
+        build_module(get_gpt_layer_local_spec(), config=config, layer_number=i + 1).to(dev, dtype)
+        for i in range(count)
+    ]  # every parameter in them in the layer's dtype, as megatron's Float16Module
+    weight_bytes = sum(p.numel() * p.element_size() for p in layers[0].parameters())
+    module, optimizer = Layers(layers), None
+    if sharded and stage == 3:  # as shard_parameters: each layer, then the root
+        for layer in layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(module, mesh=mesh)
+    if sharded and stage == 2:  # the engine's optimizer: its backward hooks reduce
+        buckets = [list(layer.parameters()) for layer in layers]  # as layer_buckets
+        optimizer = ShardedMasterAdamW(buckets, dist.group.WORLD, 1e-3, shard_grads=True)
+    x, mask, grad = layer_inputs(b, s, h, dtype, dev)
+
+    def step():
+        module(x, attention_mask=mask).backward(grad)
+        # every micro-batch as the first: accumulating into earlier gradients is
+        # priced apart (stage_cost's gradient accumulation), for either variant
+        module.zero_grad(set_to_none=True)
+        if optimizer is not None:
+            optimizer.reduced.clear()
+
+    return step, weight_bytes
+
+
 def _zero_worker(
     rank: int,
     n: int,
@@ -26,12 +66,7 @@ def _zero_worker(
     """One rank of ``profile_zero_layers``: per shape, megatron-core's layers timed forward +
     backward plain and sharded as mist.engine.run shards them, interleaved, all ranks at once."""
     import torch.distributed as dist
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer.spec_utils import build_module
     from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.fsdp import fully_shard
-
-    from ..zero import ShardedMasterAdamW
 
     dev = init_rank(rank, n, port, device)
     # ZeRO-2 reduces each layer's gradients to the layer's owner: n layers, one owned by each rank
@@ -42,36 +77,10 @@ def _zero_worker(
         with megatron_state():  # DP = n: the group is this one
             mesh = DeviceMesh.from_group(dist.group.WORLD, dev.type)
             for shape in shapes:
-                b, s, h, heads, tp = shape
-                config = megatron_config(h, heads, tp, dtype)
                 for sharded in (False, True):
-                    torch.manual_seed(0)
-                    layers = [
-                        build_module(get_gpt_layer_local_spec(), config=config, layer_number=i + 1).to(
-                            dev, dtype
-                        )
-                        for i in range(count)
-                    ]  # every parameter in them in the layer's dtype, as megatron's Float16Module
-                    weight_bytes[shape] = sum(p.numel() * p.element_size() for p in layers[0].parameters())
-                    module, optimizer = Layers(layers), None
-                    if sharded and stage == 3:  # as shard_parameters: each layer, then the root
-                        for layer in layers:
-                            fully_shard(layer, mesh=mesh)
-                        fully_shard(module, mesh=mesh)
-                    if sharded and stage == 2:  # the engine's optimizer: its backward hooks reduce
-                        buckets = [list(layer.parameters()) for layer in layers]  # as layer_buckets
-                        optimizer = ShardedMasterAdamW(buckets, dist.group.WORLD, 1e-3, shard_grads=True)
-                    x, mask, grad = layer_inputs(b, s, h, dtype, dev)
-
-                    def step(module=module, optimizer=optimizer, x=x, mask=mask, grad=grad):
-                        module(x, attention_mask=mask).backward(grad)
-                        # every micro-batch as the first: accumulating into earlier gradients is
-                        # priced apart (stage_cost's gradient accumulation), for either variant
-                        module.zero_grad(set_to_none=True)
-                        if optimizer is not None:
-                            optimizer.reduced.clear()
-
-                    calls[shape, sharded] = step
+                    calls[shape, sharded], weight_bytes[shape] = _layers_step(
+                        shape, sharded, stage, count, mesh, dev, dtype
+                    )
             seconds = interleaved_seconds_all_ranks(calls, repeats, rounds, dev)
     finally:
         dist.destroy_process_group()
