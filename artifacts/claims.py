@@ -357,6 +357,11 @@ def _report_pins(experiments: tuple[str, ...]) -> int:
         f"\n{len(rows)} regression pins: {compared} compared, {len(moved)} moved"
         + (f" ({', '.join(moved)}): a deliberate change updates the reference" if moved else "")
     )
+    if rows and not compared:  # "0 moved" would read as a pass: nothing was checked
+        print(
+            "note: no pin was compared: this run has none of the results they read (run the "
+            "experiment's parts first, e.g. nox -s <experiment>)"
+        )
     return 1 if moved else 0
 
 

@@ -171,6 +171,21 @@ def copied_artifacts(tmp_path, monkeypatch):
     return tmp_path
 
 
+def test_pins_with_nothing_to_compare_say_so(copied_artifacts, capsys):
+    """Review 2026-12-05: "0 compared, 0 moved" and exit 0 read as a pass when no part had run."""
+    shutil.rmtree(copied_artifacts / "tempo_layer" / "results")
+    assert claims.main(["--pins", "tempo_layer"]) == 0  # nothing moved: no failure, but said
+    out = capsys.readouterr().out
+    assert ": 0 compared, 0 moved" in out and "note: no pin was compared" in out
+    # control: with this run's results the pins are compared and nothing is noted
+    shutil.copytree(
+        copied_artifacts / "tempo_layer" / "reference", copied_artifacts / "tempo_layer" / "results"
+    )
+    assert claims.main(["--pins", "tempo_layer"]) == 0
+    out = capsys.readouterr().out
+    assert " 0 compared" not in out and "no pin was compared" not in out
+
+
 def _edit(path, edit) -> None:
     data = json.loads(path.read_text())
     for p in data["points"]:
