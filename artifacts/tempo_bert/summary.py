@@ -4,6 +4,7 @@ losses are compared. No torch here: the claims check reads these without loading
 from __future__ import annotations
 
 import itertools
+import math
 import statistics
 from collections.abc import Callable
 
@@ -162,6 +163,12 @@ def _dropout_on_summary(curve: Callable[..., list[float] | None]) -> dict[str, f
         out[f"{prefix}: last-50-step loss, Tempo - baseline, 90% interval low"] = low
         out[f"{prefix}: last-50-step loss, Tempo - baseline, 90% interval high"] = high
         out[f"{prefix}: last-50-step loss, Tempo - baseline, 90% interval bound"] = max(abs(low), abs(high))
+        # the seeds' own spread, both configurations pooled: what a difference is told apart from
+        pooled = math.sqrt((statistics.variance(late_base) + statistics.variance(late_ours)) / 2)
+        out[f"{prefix}: last-50-step loss, seed-to-seed sd (pooled)"] = pooled
+        out[f"{prefix}: last-50-step loss, Tempo - baseline, 90% interval bound over the seed-to-seed sd"] = (
+            max(abs(low), abs(high)) / pooled
+        )
     return out
 
 
