@@ -296,35 +296,38 @@ def test_welch_interval_matches_scipy():
 
 
 def test_the_dropout_bound_is_in_units_of_the_runs_own_seed_spread():
-    """same-training-dropout: the Welch interval's larger end over the seeds' pooled sd. A run
-    whose seeds spread three times as wide (one noisy seed broke the old fixed 0.02) reads the
-    same; a real difference between Tempo and HF still reads larger."""
+    """same-training-dropout: |Tempo - HF| over its standard error (Welch's t), at most the 0.1%
+    critical value. A run whose seeds spread three times as wide (one noisy seed broke the old
+    fixed 0.02) reads the same; a real difference between Tempo and HF still reads beyond it."""
+    from scipy import stats
+
+    from artifacts.tempo_bert.claims import DROPOUT_T
     from artifacts.tempo_bert.summary import LAST_STEPS, _dropout_on_summary
 
+    critical = stats.t.ppf(0.9995, 9)
+    assert critical - 0.005 <= DROPOUT_T <= critical  # rounded down: the chance stays at most 0.1%
     spread = random.uniform(0.005, 0.03)
     # each configuration's ten seeds: one spread pattern in its own random order, so the means are
     # equal and the sds known, whatever the draw
     pattern = [(i - 4.5) / 4.5 for i in range(10)]
     finals = {conf: [7.19 + spread * u for u in random.sample(pattern, 10)] for conf in ("hf-eager", "tempo")}
 
-    def summary(scale: float, shift: float) -> dict:
+    def welch_t(scale: float, shift: float) -> float:
         def curve(model, conf, p, seed):
             final = 7.19 + scale * (finals[conf][seed - 1] - 7.19) + (shift if conf == "tempo" else 0.0)
             return [8.0] * 100 + [final] * LAST_STEPS
 
-        return _dropout_on_summary(curve)
+        return _dropout_on_summary(curve)[
+            "bert-mini dropout 0.1: last-50-step loss, Tempo - baseline, Welch t"
+        ]
 
-    key = (
-        "bert-mini dropout 0.1: last-50-step loss, Tempo - baseline, 90% interval bound over the "
-        "seed-to-seed sd"
-    )
-    pooled = "bert-mini dropout 0.1: last-50-step loss, seed-to-seed sd (pooled)"
-    base = summary(1.0, 0.0)
-    sd = math.sqrt((statistics.variance(finals["hf-eager"]) + statistics.variance(finals["tempo"])) / 2)
-    assert base[pooled] == pytest.approx(sd, rel=1e-9)
-    assert summary(3.0, 0.0)[key] == pytest.approx(base[key], rel=1e-6)  # the same run, spread 3x
-    # control: Tempo 3 seed sds off HF reads beyond the bound of 2, whatever the spread
-    assert summary(1.0, 3 * sd)[key] > 2.0 and summary(3.0, 9 * sd)[key] > 2.0
+    sd = spread * statistics.stdev(pattern)
+    shift = random.uniform(-2, 2) * sd
+    expected = abs(shift) / math.sqrt(2 * sd**2 / 10)
+    assert welch_t(1.0, shift) == pytest.approx(expected, rel=1e-6, abs=1e-9)
+    assert welch_t(3.0, 3 * shift) == pytest.approx(expected, rel=1e-6, abs=1e-9)  # the same run, 3x wider
+    # control: Tempo 2.5 seed sds off HF reads beyond the bound, whatever the spread
+    assert welch_t(1.0, 2.5 * sd) > DROPOUT_T and welch_t(3.0, 7.5 * sd) > DROPOUT_T
 
 
 def _nan_errors(experiment: str, file: str, field: str, which) -> None:

@@ -163,12 +163,13 @@ def _dropout_on_summary(curve: Callable[..., list[float] | None]) -> dict[str, f
         out[f"{prefix}: last-50-step loss, Tempo - baseline, 90% interval low"] = low
         out[f"{prefix}: last-50-step loss, Tempo - baseline, 90% interval high"] = high
         out[f"{prefix}: last-50-step loss, Tempo - baseline, 90% interval bound"] = max(abs(low), abs(high))
-        # the seeds' own spread, both configurations pooled: what a difference is told apart from
-        pooled = math.sqrt((statistics.variance(late_base) + statistics.variance(late_ours)) / 2)
-        out[f"{prefix}: last-50-step loss, seed-to-seed sd (pooled)"] = pooled
-        out[f"{prefix}: last-50-step loss, Tempo - baseline, 90% interval bound over the seed-to-seed sd"] = (
-            max(abs(low), abs(high)) / pooled
+        # the difference over its own standard error (Welch's t): how far it is from none in units
+        # of what the seeds' spread makes of it, whatever that spread is in this run
+        error = math.sqrt(
+            statistics.variance(late_ours) / len(late_ours) + statistics.variance(late_base) / len(late_base)
         )
+        difference = statistics.fmean(late_ours) - statistics.fmean(late_base)
+        out[f"{prefix}: last-50-step loss, Tempo - baseline, Welch t"] = abs(difference) / error
     return out
 
 
