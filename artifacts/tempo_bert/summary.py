@@ -165,10 +165,7 @@ def _dropout_on_summary(curve: Callable[..., list[float] | None]) -> dict[str, f
         out[f"{prefix}: last-50-step loss, Tempo - baseline, 90% interval bound"] = max(abs(low), abs(high))
         # the difference over its own standard error (Welch's t): how far it is from none in units
         # of what the seeds' spread makes of it, whatever that spread is in this run
-        error = math.sqrt(
-            statistics.variance(late_ours) / len(late_ours) + statistics.variance(late_base) / len(late_base)
-        )
-        difference = statistics.fmean(late_ours) - statistics.fmean(late_base)
+        difference, error, _ = _welch(late_ours, late_base)
         out[f"{prefix}: last-50-step loss, Tempo - baseline, Welch t"] = abs(difference) / error
     return out
 
@@ -197,8 +194,13 @@ def welch_interval(a: list[float], b: list[float], level: float) -> tuple[float,
     """Confidence interval of mean(a) - mean(b), unequal variances (Welch)."""
     from scipy import stats
 
+    diff, error, dof = _welch(a, b)
+    half = stats.t.ppf(0.5 + level / 2, dof) * error
+    return diff - half, diff + half
+
+
+def _welch(a: list[float], b: list[float]) -> tuple[float, float, float]:
+    """mean(a) - mean(b), its standard error with unequal variances, and Welch's degrees of freedom."""
     va, vb = statistics.variance(a) / len(a), statistics.variance(b) / len(b)
     dof = (va + vb) ** 2 / (va**2 / (len(a) - 1) + vb**2 / (len(b) - 1))
-    half = stats.t.ppf(0.5 + level / 2, dof) * (va + vb) ** 0.5
-    diff = statistics.fmean(a) - statistics.fmean(b)
-    return diff - half, diff + half
+    return statistics.fmean(a) - statistics.fmean(b), math.sqrt(va + vb), dof
