@@ -595,8 +595,9 @@ def test_a_device_peak_above_the_plans_cap_ends_the_run_as_out_of_memory(tmp_pat
 
 @pytest.mark.slow
 def test_planner_plan_runs(tmp_path):
-    """What `mist plan` makes for 2 CPU processes (sequence parallelism as planned), with the parts
-    mist.engine.run cannot do yet (ZeRO, offloading) left out of its search."""
+    """What `mist plan` makes for 2 CPU processes (sequence parallelism as planned), searched
+    without ZeRO and offloading: the planner's plain space runs as planned (the mechanisms have
+    tests of their own)."""
     from mist import search
     from mist.tuning.planner import PlannerOptions
     from mist.tuning.stage_cost import SearchSpace
@@ -621,11 +622,15 @@ def test_every_plan_of_the_committed_comparison_is_accepted():
     offloading under ZeRO-3 more often; all 60 once the engine offloaded under ZeRO-3 and ran it
     for part of a stage. Aceso's: 44 until plans whose stages all share a TP/DP of their own were
     lifted to that TP/DP, 57 then, all 60 once stages whose TP/DP differ ran). The Megatron-LM
-    target's too, where it has one (Falcon: Megatron-LM cannot build it, said so instead)."""
+    target's too, where it has one (Falcon: Megatron-LM cannot build it, said so instead).
+
+    On a GPU the engine refuses exactly the plans that offload weights or gradients (offload.py has
+    no GPU path yet): counted here, so the gap is a number, not a footnote (28 of the 60 Mist plans
+    of the reference of 404c1a1)."""
     from artifacts.mist_vs_megatron.run import SYSTEMS
 
     points = json.loads(COMPARISON.read_text())["points"]
-    accepted, made = dict.fromkeys(SYSTEMS, 0), dict.fromkeys(SYSTEMS, 0)
+    accepted, on_gpu, made = (dict.fromkeys(SYSTEMS, 0) for _ in range(3))
     for point in points:
         for system in SYSTEMS:
             summary = point["result"].get(system, {})
@@ -633,9 +638,26 @@ def test_every_plan_of_the_committed_comparison_is_accepted():
                 assert system == "megatron_lm_target" and "not_runnable" in summary, (point["key"], system)
                 continue
             made[system] += 1
-            accepted[system] += not unsupported(summary_plan(point["key"], summary))
-    print(f"accepted of {len(points)} cases:", accepted)
+            plan = summary_plan(point["key"], summary)
+            accepted[system] += not unsupported(plan)
+            gpu_reasons = unsupported(plan, "cuda")
+            on_gpu[system] += not gpu_reasons
+            parts = [*plan.stages, *([plan.pre_post] if plan.pre_post is not None else [])]
+            offloads = any(s.offload_weights or s.offload_grads for s in parts)
+            assert bool(gpu_reasons) == offloads, (point["key"], system, gpu_reasons)
+    print(f"accepted of {len(points)} cases on the CPU engine:", accepted, "on a GPU:", on_gpu)
     assert accepted == made and made["mist"] == len(points), (accepted, made)
+
+
+def test_the_engine_refuses_weight_and_gradient_offloading_on_a_gpu_only():
+    plain = _tiny_plan([StagePlan(4)])
+    assert unsupported(plain, "cuda") == [] == unsupported(plain)  # control: a plain plan runs on both
+    for offload in ({"offload_weights": 0.5}, {"offload_grads": 1.0}):
+        plan = _tiny_plan([StagePlan(4, **offload)])
+        assert unsupported(plan) == [], offload
+        assert "on a GPU" in " ".join(unsupported(plan, "cuda")), offload
+    with pytest.raises(ValueError, match="'cpu' or 'cuda'"):
+        unsupported(plain, "gpu")
 
 
 @pytest.mark.parametrize("setup", ["MEASURED", "GPU_MEASURED"])

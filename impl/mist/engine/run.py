@@ -80,10 +80,12 @@ from .zero import (
 )
 
 
-def unsupported(plan: Plan) -> list[str]:
-    """The plan's parts mist.engine.run cannot execute (empty: it can): what no Megatron model can be
-    built as (megatron.megatron_limits), and what this engine does not do around it."""
-
+def unsupported(plan: Plan, device: str = "cpu") -> list[str]:
+    """The plan's parts mist.engine.run cannot execute on ``device`` ("cpu" or "cuda"; empty: it
+    can): what no Megatron model can be built as (megatron.megatron_limits), and what this engine
+    does not do around it."""
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
     # layers.py's spec; _config's layout; layout.py; _parameter_parts; offload.py
     built_here = (
         "parallel_block",
@@ -98,8 +100,8 @@ def unsupported(plan: Plan) -> list[str]:
     reasons = [why for name, why in limits.items() if name not in built_here]
     if spec.tempo and spec.parallel_block:
         reasons.append("Tempo's layers in the parallel block (the engine builds Tempo's sequential layer)")
+    parts = [*plan.stages, *([plan.pre_post] if plan.pre_post is not None else [])]
     if plan.virtual_stages > 1:  # interleaved: what Megatron-LM's space holds (megatron_lm.py)
-        parts = [*plan.stages, *([plan.pre_post] if plan.pre_post is not None else [])]
         if plan.pre_post is not None or any(
             s.zero >= 2 or s.offload_weights or s.offload_grads or s.offload_activations for s in parts
         ):
@@ -108,6 +110,8 @@ def unsupported(plan: Plan) -> list[str]:
                 "the embedding/head's own strategy (the engine interleaves Megatron-LM's plans: ZeRO "
                 "0/1 and optimizer offload)"
             )
+    if device == "cuda" and any(s.offload_weights or s.offload_grads for s in parts):
+        reasons.append("weight and gradient offloading on a GPU (offload.py runs them on the CPU engine only)")
     return reasons
 
 
@@ -499,11 +503,6 @@ def _start(plan: Plan, seed: int) -> RankLayout:
         model_parallel_cuda_manual_seed(seed)
     else:  # stages whose TP/DP differ: megatron-core's state for this rank's stage
         init_megatron_state(layout, dist.get_rank(), seed)
-    offloads = [(s.offload_weights, s.offload_grads) for s in plan.stages]
-    if plan.pre_post is not None:
-        offloads.append((plan.pre_post.offload_weights, plan.pre_post.offload_grads))
-    if torch.cuda.is_available() and any(w or g for w, g in offloads):
-        raise ValueError("weight and gradient offloading run on the CPU engine only so far (no GPU path yet)")
     if plan.gpu_memory_bytes is not None and torch.cuda.is_available():
         # the allocator enforces the cap less the CUDA context, which lives outside it (the
         # reserve the planner took off: measure.budget)
@@ -766,7 +765,7 @@ def run(plan: Plan, steps: int = 5, seed: int = 0, lr: float = 1e-2) -> dict:
     plan.check()  # a plan built in code is checked as a loaded one is (micro-batches, ZeRO stages)
     plan.check_model()  # its stages hold the model's layers; TP divides its heads
     plan = plan.with_stage_parallelism_lifted()  # the same plan, in the form megatron-core builds
-    reasons = unsupported(plan)
+    reasons = unsupported(plan, "cuda" if torch.cuda.is_available() else "cpu")
     if reasons:
         raise ValueError("mist.engine.run cannot execute this plan yet: " + "; ".join(reasons))
     from megatron.core import parallel_state as ps
