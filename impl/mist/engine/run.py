@@ -101,17 +101,19 @@ def unsupported(plan: Plan, device: str = "cpu") -> list[str]:
     if spec.tempo and spec.parallel_block:
         reasons.append("Tempo's layers in the parallel block (the engine builds Tempo's sequential layer)")
     parts = [*plan.stages, *([plan.pre_post] if plan.pre_post is not None else [])]
-    if plan.virtual_stages > 1:  # interleaved: what Megatron-LM's space holds (megatron_lm.py)
-        if plan.pre_post is not None or any(
-            s.zero >= 2 or s.offload_weights or s.offload_grads or s.offload_activations for s in parts
-        ):
-            reasons.append(
-                "interleaved pipelines with ZeRO-2/3, weight, gradient or activation offloading, or "
-                "the embedding/head's own strategy (the engine interleaves Megatron-LM's plans: ZeRO "
-                "0/1 and optimizer offload)"
-            )
+    beyond_megatron_lm = plan.pre_post is not None or any(
+        s.zero >= 2 or s.offload_weights or s.offload_grads or s.offload_activations for s in parts
+    )
+    if plan.virtual_stages > 1 and beyond_megatron_lm:  # interleaved: Megatron-LM's space (megatron_lm.py)
+        reasons.append(
+            "interleaved pipelines with ZeRO-2/3, weight, gradient or activation offloading, or "
+            "the embedding/head's own strategy (the engine interleaves Megatron-LM's plans: ZeRO "
+            "0/1 and optimizer offload)"
+        )
     if device == "cuda" and any(s.offload_weights or s.offload_grads for s in parts):
-        reasons.append("weight and gradient offloading on a GPU (offload.py runs them on the CPU engine only)")
+        reasons.append(
+            "weight and gradient offloading on a GPU (offload.py runs them on the CPU engine only)"
+        )
     return reasons
 
 
