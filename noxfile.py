@@ -303,6 +303,7 @@ def tempo_layer(session: nox.Session) -> None:
     technique, and against torch.compile (default, at Tempo's bytes, Tempo compiled; fp32, with a
     step's time); the GELU backward against autograd; claims."""
     _run(session, "-m", "artifacts.tempo_layer.run", *session.posargs)
+    _figures(session, "tempo_layer")
     _claims(session, "tempo_layer")
 
 

@@ -2,7 +2,7 @@
 
 Parts, in priority order; each runs as its own process group with its own time budget (seconds
 on the GPU, in the dry run) and is killed at it, or when this process dies. The first five fit
-one call; the last gets what they leave, and a second call finishes it:
+one call; the last two get what they leave, and a second call finishes them:
 
   kernels  90 / 120  the GPU tests and micro-benchmarks: tests/test_gpu.py, the OOM detector, Tempo's
                      kernels and op benchmarks (pytest-benchmark JSON), CTA-pipelining's kernels with
@@ -18,6 +18,9 @@ one call; the last gets what they leave, and a second call finishes it:
   llama    30 /  30  artifacts.tempo_llama.run --parts peers: Liger-Kernel's RMSNorm, SwiGLU and rotary
                      on a Llama decoder layer (Triton only: the one row tempo_llama cannot measure on
                      a CPU; the dry run says why it did not run)
+  compile 150 /  90  artifacts.tempo_layer.run --compile-only --device cuda: the BERT-Large layer (seq
+                     512, bf16) eager, compiled, compiled at Tempo's bytes, Tempo and Tempo compiled:
+                     bytes kept and a training step's time each (issue #27's time at equal bytes)
   mist_measured      artifacts.mist_vs_megatron.measured: Mist, the Megatron-LM grid, the Aceso-style
           360 / 150  search and ZeRO-3 plan GPT-3 1.3B and 2.7B for one GPU under a memory cap (32 and
                      64 GiB), every winner trained by megatron-core and measured. Last: within a 9-min
@@ -175,6 +178,7 @@ PARTS = (
     Part("cta", 120, 90, "cta_mlp"),
     Part("mist", 135, 150, "mist_vs_megatron"),
     Part("llama", 30, 30, "tempo_llama"),
+    Part("compile", 150, 90, "tempo_layer"),
     Part("mist_measured", 360, 150, "mist_vs_megatron"),
 )
 BY_NAME = {p.name: p for p in PARTS}
@@ -238,6 +242,20 @@ def command(part: Part, out: Path, dry: bool) -> list[str]:
             "--device",
             device,
             *dry_flag,
+            "--results",
+            str(results),
+        ]
+    if part.name == "compile":
+        seq = "32" if dry else "512"
+        return [
+            sys.executable,
+            "-m",
+            "artifacts.tempo_layer.run",
+            "--compile-only",
+            "--device",
+            device,
+            "--seq",
+            seq,
             "--results",
             str(results),
         ]

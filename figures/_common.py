@@ -99,3 +99,23 @@ def finish(fig, title: str, results: Results, name: str, rect=(0, 0, 1, 1), note
         fig.savefig(tmp, dpi=130, format=out.suffix.removeprefix("."))
     plt.close(fig)
     return out
+
+
+def compile_panel(ax, rows: dict[str, dict], bytes_field: str, base: str, title: str) -> None:
+    """One panel of a torch.compile comparison: bytes kept (bars, MiB) per variant of ``rows``
+    (variant -> result), and each one's training step over ``base``'s (dots, right axis)."""
+    names = list(rows)
+    mib = [rows[n][bytes_field] / 2**20 for n in names]
+    ratios = [rows[n]["step_s"] / rows[base]["step_s"] for n in names]
+    ax.bar(names, mib, color="tab:blue", label="kept for backward, MiB")
+    ax.set_ylim(0, 1.4 * max(mib))  # room above for the legend
+    ax.set_ylabel("kept for backward, MiB")
+    ax.tick_params(axis="x", rotation=60, labelsize=7)
+    twin = ax.twinx()
+    twin.plot(names, ratios, "o", color="tab:red", label=f"step time / {base}'s (right)")
+    twin.axhline(1.0, color="tab:red", lw=0.5, ls=":")
+    twin.set_ylabel(f"training step / {base}'s")
+    twin.set_ylim(0, 1.4 * max(ratios))
+    ax.set_title(title, fontsize=9)
+    handles = [*ax.get_legend_handles_labels()[0], *twin.get_legend_handles_labels()[0]]
+    ax.legend(handles, [h.get_label() for h in handles], fontsize=6, loc="upper right")

@@ -10,9 +10,9 @@ from pathlib import Path
 
 # first: the headless backend and the import path
 if __package__:  # python -m figures.<script> (from the repository root)
-    from figures._common import draw, finish, load, parse_source, plt
+    from figures._common import compile_panel, draw, finish, load, parse_source, plt
 else:  # python figures/<script>.py: its folder is on the path
-    from _common import draw, finish, load, parse_source, plt
+    from _common import compile_panel, draw, finish, load, parse_source, plt
 
 EXPERIMENT = "tempo_llama"
 MODELS = ("llama-3.2-1b", "llama-3-8b")
@@ -86,9 +86,28 @@ def plot_maxbatch() -> Path | None:
     return finish(fig, title, data, "tempo_llama_max_batch.png")
 
 
+COMPILED = ("hf-sdpa", "hf-sdpa+compile", "hf-sdpa+compile-at-tempo", "tempo+sdpa", "tempo+sdpa+compile")
+
+
+def plot_compile() -> Path | None:
+    """One decoder layer against torch.compile (compile.json: fp32 on this CPU, with a step's time)."""
+    data = load(EXPERIMENT, "compile.json")
+    if data is None:
+        return None
+    cases = sorted({(p.key["model"], p.key["seq"], p.key["dtype"]) for p in data})
+    # wide enough for the title over one panel
+    fig, axes = plt.subplots(1, len(cases), figsize=(max(7.0, 4.6 * len(cases)), 4.6), squeeze=False)
+    for ax, (model, seq, dtype) in zip(axes[0], cases, strict=True):
+        found = {p.key["configuration"]: p.result for p in data.select(model=model, seq=seq, dtype=dtype)}
+        rows = {c: found[c] for c in COMPILED if c in found}
+        compile_panel(ax, rows, "per_layer_bytes", "tempo+sdpa", f"{model}, seq {seq}, {dtype}, batch 1")
+    title = "A Llama decoder layer: Tempo against torch.compile (bytes exact, one training step timed)"
+    return finish(fig, title, data, "tempo_llama_compile.png")
+
+
 if __name__ == "__main__":
     from measure.parallel import interrupted_in_one_line  # on the path once _common is in
 
     with interrupted_in_one_line():  # one line, what was written stays
         parse_source(__doc__)
-        draw("tempo_llama", [plot_layer, plot_maxbatch])
+        draw("tempo_llama", [plot_layer, plot_maxbatch, plot_compile])

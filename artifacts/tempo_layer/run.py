@@ -2,10 +2,13 @@
 technique alone), measured exactly with measure.saved, next to the closed forms.
 
     python -m artifacts.tempo_layer.run [--seq 128 512] [--dtype bf16] [--batch 1] [--no-compile]
+                                        [--compile-only] [--device cpu|cuda]
                                         [--fresh] [--update-reference]
 
 torch.compile's rows (HF compiled, Tempo compiled, HF compiled at the activation memory budget that
-aims at Tempo's bytes) are measured in float32 with one step's time each (COMPILED).
+aims at Tempo's bytes) are measured in float32 with one step's time each (COMPILED). With
+``--device cuda`` (the GPU check's part ``compile``) only those rows run, in bfloat16 as a GPU
+trains, into compile_cuda.json: the bytes are the same on any device, the step times are not.
 
 Baseline dropouts run as on CUDA (fused native_dropout, bool mask; see
 measure.saved.cuda_like_dropout), so the bytes are those the layer keeps on a GPU.
@@ -22,7 +25,7 @@ from transformers.models.bert.modeling_bert import BertLayer
 from transformers.utils import logging as hf_logging
 
 import tempo
-from measure.checks import machine_memory_bytes
+from measure.checks import device_name, machine_memory_bytes
 from measure.cli import quiet_broken_pipe
 from measure.saved import cuda_like_dropout, saved_bytes
 from measure.timing import time_fn
@@ -70,9 +73,11 @@ COMPILED = {
 COMPILE_DTYPE = "fp32"
 
 
-def build_layer(variant: str, dtype: torch.dtype, hidden: int = 1024, heads: int = 16) -> tuple:
-    """(a BERT-Large-shaped encoder layer in training mode, dropout 0.1, as ``variant`` patches it
-    (VARIANTS), the patch's report)."""
+def build_layer(
+    variant: str, dtype: torch.dtype, hidden: int = 1024, heads: int = 16, device: str = "cpu"
+) -> tuple:
+    """(a BERT-Large-shaped encoder layer on ``device`` in training mode, dropout 0.1, as
+    ``variant`` patches it (VARIANTS), the patch's report)."""
     cfg = BertConfig(
         hidden_size=hidden,
         num_attention_heads=heads,
@@ -81,16 +86,17 @@ def build_layer(variant: str, dtype: torch.dtype, hidden: int = 1024, heads: int
         attention_probs_dropout_prob=0.1,
         attn_implementation="eager",
     )
-    layer = BertLayer(cfg).to(dtype).train()
+    layer = BertLayer(cfg).to(device, dtype).train()
     switches = VARIANTS[variant]
     report = str(tempo.patch(layer, **switches)) if switches is not None else "HF eager (unpatched)"
     return layer, report
 
 
-def compiled_layer(variant: str, dtype: torch.dtype, hidden: int = 1024):
+def compiled_layer(variant: str, dtype: torch.dtype, hidden: int = 1024, device: str = "cpu"):
     """(``variant``'s layer under ``torch.compile``, its report): compiled on its first call, so
     the partitioner's budget is the one that call runs under (``budget_context``)."""
-    layer, report = build_layer(COMPILED[variant][0] if variant in COMPILED else variant, dtype, hidden)
+    eager = COMPILED[variant][0] if variant in COMPILED else variant
+    layer, report = build_layer(eager, dtype, hidden, device=device)
     torch._dynamo.reset()  # a fresh compile: the budget is read when the graph is partitioned
     return torch.compile(layer), f"torch.compile of: {report}"
 
@@ -108,16 +114,22 @@ def aimed_budget(aim_bytes: int, default_bytes: int) -> float:
 
 
 def measure_compiled(
-    variant: str, seq: int, batch: int, dtype: torch.dtype, budget: float = 1.0, hidden: int = 1024
+    variant: str,
+    seq: int,
+    batch: int,
+    dtype: torch.dtype,
+    budget: float = 1.0,
+    hidden: int = 1024,
+    device: str = "cpu",
 ) -> dict:
     """Bytes a ``torch.compile``d layer keeps (the saved-tensor hooks see its compiled graph's
     saves) at the partitioner's ``budget``; and one training step's time (forward and backward),
     the median of 5 after 2 warm-ups."""
-    compiled, report = compiled_layer(variant, dtype, hidden)
-    x = torch.randn(batch, seq, hidden, dtype=dtype, requires_grad=True)
+    compiled, report = compiled_layer(variant, dtype, hidden, device)
+    x = torch.randn(batch, seq, hidden, dtype=dtype, device=device, requires_grad=True)
     with cuda_like_dropout(), budget_context(budget):
         nbytes = saved_bytes(compiled, x).total_bytes
-        step_s = time_fn(lambda: compiled(x)[0].sum().backward()).median_s
+        step_s = time_fn(lambda: compiled(x)[0].sum().backward(), device).median_s
     return {
         "bytes": nbytes,
         "bytes_per_sbh": nbytes / (seq * batch * hidden),
@@ -129,19 +141,27 @@ def measure_compiled(
     }
 
 
-def eager_step_s(variant: str, seq: int, batch: int, dtype: torch.dtype, hidden: int = 1024) -> float:
+def eager_step_s(
+    variant: str, seq: int, batch: int, dtype: torch.dtype, hidden: int = 1024, device: str = "cpu"
+) -> float:
     """One training step's time of ``variant``'s eager layer, as ``measure_compiled`` times it."""
-    layer, _ = build_layer(variant, dtype, hidden)
-    x = torch.randn(batch, seq, hidden, dtype=dtype, requires_grad=True)
+    layer, _ = build_layer(variant, dtype, hidden, device=device)
+    x = torch.randn(batch, seq, hidden, dtype=dtype, device=device, requires_grad=True)
     with cuda_like_dropout():
-        return time_fn(lambda: layer(x)[0].sum().backward()).median_s
+        return time_fn(lambda: layer(x)[0].sum().backward(), device).median_s
 
 
-def measure_compile(run, seqs: list[int], batch: int) -> None:
+# Where and in which dtype the compile rows run: float32 on a CPU (see COMPILED), bfloat16 on a GPU
+COMPILE_ON = {"cpu": ("layer_saved_bytes.json", COMPILE_DTYPE), "cuda": ("compile_cuda.json", "bf16")}
+
+
+def measure_compile(run, seqs: list[int], batch: int, device: str = "cpu") -> None:
     """HF eager and Tempo against torch.compile (default, Tempo compiled, and HF compiled with the
-    budget that aims at Tempo's bytes), float32: bytes kept and a step's time, in one run."""
+    budget that aims at Tempo's bytes) on ``device``: bytes kept and a step's time, in one run."""
+    file, dtype_name = COMPILE_ON[torch.device(device).type]
     store = run.file(
-        "layer_saved_bytes.json",
+        file,
+        device,
         config={
             "model": "bert-large layer",
             "hidden": 1024,
@@ -150,20 +170,21 @@ def measure_compile(run, seqs: list[int], batch: int) -> None:
             "dropout": 0.1,
         },
     )
-    dtype = DTYPES[COMPILE_DTYPE]
+    dtype = DTYPES[dtype_name]
 
     def key(seq: int, variant: str) -> dict:
-        return {"layer": "bert-large", "seq": seq, "batch": batch, "dtype": COMPILE_DTYPE, "variant": variant}
+        return {"layer": "bert-large", "seq": seq, "batch": batch, "dtype": dtype_name, "variant": variant}
 
-    print(f"\ntorch.compile against Tempo, {COMPILE_DTYPE} (bytes kept, one step's time on this CPU):")
+    where = "this CPU" if device == "cpu" else f"the GPU ({device})"
+    print(f"\ntorch.compile against Tempo, {dtype_name} (bytes kept, one step's time on {where}):")
     for seq in seqs:
         eager = {}
         for variant in ("hf-eager", "tempo"):
             eager[variant] = store.compute(
                 key(seq, variant),
                 lambda s=seq, v=variant: {
-                    **measure_layer(v, s, batch, dtype),
-                    "step_s": eager_step_s(v, s, batch, dtype),
+                    **measure_layer(v, s, batch, dtype, device=device),
+                    "step_s": eager_step_s(v, s, batch, dtype, device=device),
                 },
             )
         for variant, (_, aim) in COMPILED.items():
@@ -173,7 +194,8 @@ def measure_compile(run, seqs: list[int], batch: int) -> None:
                     eager[aim]["bytes"], store.get(key(seq, "hf-eager+compile")).result["bytes"]
                 )
             store.compute(
-                key(seq, variant), lambda s=seq, v=variant, b=budget: measure_compiled(v, s, batch, dtype, b)
+                key(seq, variant),
+                lambda s=seq, v=variant, b=budget: measure_compiled(v, s, batch, dtype, b, device=device),
             )
         base, tempo_ = eager["hf-eager"], eager["tempo"]
         for variant in ("hf-eager", "tempo", *COMPILED):
@@ -186,10 +208,16 @@ def measure_compile(run, seqs: list[int], batch: int) -> None:
 
 
 def measure_layer(
-    variant: str, seq: int, batch: int, dtype: torch.dtype, hidden: int = 1024, heads: int = 16
+    variant: str,
+    seq: int,
+    batch: int,
+    dtype: torch.dtype,
+    hidden: int = 1024,
+    heads: int = 16,
+    device: str = "cpu",
 ) -> dict:
-    layer, report = build_layer(variant, dtype, hidden, heads)
-    x = torch.randn(batch, seq, hidden, dtype=dtype, requires_grad=True)
+    layer, report = build_layer(variant, dtype, hidden, heads, device)
+    x = torch.randn(batch, seq, hidden, dtype=dtype, device=device, requires_grad=True)
     with cuda_like_dropout():
         r = saved_bytes(layer, x)
     c_sbh, c_as2b = CLOSED_FORMS[variant]
@@ -286,6 +314,10 @@ class TempoLayerConfig:
     batch: int = option(1, "sequences a batch")
     dtype: str = option("bf16", "the layers' dtype", choices=sorted(DTYPES))
     no_compile: bool = option(False, "leave out torch.compile's rows (each compiles for ~5-15 s a length)")
+    compile_only: bool = option(False, "only torch.compile's rows (what --device cuda runs)")
+    device: str = option(
+        "cpu", "where the compile rows run: cpu, or cuda (a GPU: only those rows, bf16, compile_cuda.json)"
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -294,9 +326,18 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(
             f"--seq and --batch must be positive integers, got --seq {config.seq} --batch {config.batch}"
         )
+    if not device_name(config.device):
+        ap.error(f"--device must be cpu or cuda[:N], got {config.device!r}")
+    on_gpu = config.device.startswith("cuda")
+    if on_gpu and not torch.cuda.is_available():
+        ap.error(f"--device {config.device}: no CUDA device here (the CPU runs every row: --device cpu)")
+    if config.no_compile and (config.compile_only or on_gpu):
+        ap.error("--no-compile leaves out the only rows --compile-only and --device cuda run")
     need = closed_form_bytes("hf-eager", max(config.seq), config.batch, DTYPES[config.dtype])
     have = machine_memory_bytes()
-    if need > have:  # the real layers would fail in the allocator, after the first rows were printed
+    if (
+        need > have and not on_gpu
+    ):  # the real layers would fail in the allocator, after the first rows were printed
         ap.error(
             f"--seq {max(config.seq)} --batch {config.batch}: HF's layer keeps {format_bytes(need)} for "
             f"backward (its closed form), more than this machine's {format_bytes(have)} of memory"
@@ -304,6 +345,9 @@ def main(argv: list[str] | None = None) -> None:
     hf_logging.set_verbosity_error()
     torch.manual_seed(0)
     with experiment_run(args, EXPERIMENT) as run:
+        if config.compile_only or on_gpu:
+            measure_compile(run, config.seq, config.batch, config.device)
+            return
         measure_layers(run, config.seq, config.batch, config.dtype)
         if not config.no_compile:
             measure_compile(run, config.seq, config.batch)

@@ -449,6 +449,44 @@ def test_run_refuses_bad_cases_before_any_work(argv, message, capsys, monkeypatc
 
 
 @pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--device", "gpu"], "--device must be cpu or cuda\\[:N\\], got 'gpu'"),
+        (["--device", "cuda:x"], "got 'cuda:x'"),
+        (["--compile-only", "--no-compile"], "--no-compile leaves out the only rows"),
+    ],
+)
+def test_tempo_layer_refuses_a_bad_device_or_contradictory_rows_before_any_work(
+    argv, message, capsys, monkeypatch, tmp_path
+):
+    from artifacts.tempo_layer import run
+
+    monkeypatch.setattr(run, "experiment_run", lambda *a: pytest.fail("work started"))
+    with pytest.raises(SystemExit) as e:
+        run.main([*argv, "--results", str(tmp_path)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and re.search(message, err[0]), err
+
+
+def test_tempo_layer_on_a_gpu_runs_the_compile_rows_only(monkeypatch, tmp_path):
+    """--device cuda (the GPU check's part compile) measures torch.compile's rows alone, in bf16,
+    into compile_cuda.json; --compile-only does the same on this CPU in float32 (control: the
+    default run measures every part)."""
+    from artifacts.tempo_layer import run
+
+    calls = []
+    monkeypatch.setattr(run.torch.cuda, "is_available", lambda: True)
+    for name in ("measure_layers", "measure_compile", "measure_gelu_backward"):
+        monkeypatch.setattr(run, name, lambda *a, _n=name: calls.append((_n, a[1:])))
+    run.main(["--device", "cuda", "--seq", "512", "--results", str(tmp_path / "gpu")])
+    assert calls == [("measure_compile", ((512,), 1, "cuda"))], calls
+    assert run.COMPILE_ON["cuda"] == ("compile_cuda.json", "bf16")
+    calls.clear()
+    run.main(["--seq", "32", "--results", str(tmp_path / "cpu")])
+    assert [c[0] for c in calls] == ["measure_layers", "measure_compile", "measure_gelu_backward"], calls
+
+
+@pytest.mark.parametrize(
     ("module", "argv", "message"),
     [
         ("tempo_layer", ["--seq", "16", "16", "--no-compile"], "--seq: 16 given twice"),
