@@ -1125,3 +1125,24 @@ def test_engine_command_refuses_bad_launches_in_one_line(tmp_path, env, argv, me
     )
     err = [line for line in done.stderr.splitlines() if "warn" not in line.lower()]
     assert done.returncode in (1, 2) and len(err) == 1 and message in err[0], done.stderr[-2000:]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_tempo_plan_from_the_command_line_runs_on_the_engine(tmp_path):
+    """`mist plan --tempo` writes a plan file that states Tempo's layers, and the engine trains
+    that file with them: its first loss is not megatron-core's layers' to the bit (the same plan
+    with Tempo off: the control), yet equal within bf16's epsilon (the same weights and data)."""
+    from mist.__main__ import main
+
+    out = tmp_path / "plan.yaml"
+    argv = ["plan", "--model", "gpt3-tiny", "--gpu", "cpu", "--gpus", "1", "--global-batch", "8"]
+    assert main([*argv, "--tempo", "--no-flash", "--quiet", "--out", str(out)]) == 0
+    plan = Plan.load(out)
+    assert plan.model_overrides.get("tempo") is True and not unsupported(plan), (plan.model_overrides,)
+    losses = {}
+    for tempo in (True, False):
+        run = dataclasses.replace(plan, model_overrides={**plan.model_overrides, "tempo": tempo})
+        report = _torchrun(run, tmp_path / f"tempo{tempo}")
+        losses[tempo] = next(r["losses"] for r in report["ranks"] if r["losses"] is not None)[0]
+    assert losses[True] != losses[False] and abs(losses[True] / losses[False] - 1) < 2**-8, losses
