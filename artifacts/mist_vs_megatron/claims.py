@@ -311,7 +311,7 @@ CLAIMS = (
         system="Mist",
         claim="...and each winner runs as predicted",
         measure="the same runs, every system's winner: worst |predicted / measured step time - 1| (CPU "
-        "runtime model, 1F1B simulator)",
+        "runtime model fitted to this CPU's GPT-3 layer profile, Llama's cases too; 1F1B simulator)",
         source=Source(**MEASURED),
         value=measured_time_error,
         check=AtMost(0.20),
