@@ -39,6 +39,7 @@ ones); rank 0 gathers them.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -433,7 +434,8 @@ def _gather_in_forward(plan: Plan, mine, dp: int, model, groups: list[ModuleGrou
 def _checkpoint_first_layers(model, count: int) -> None:
     """Recompute the first ``count`` local layers in backward (activation checkpointing); under
     selective recomputation the others alone recompute their core attention (a whole layer
-    recomputed keeps none of it already)."""
+    recomputed keeps none of it already). The recomputation draws the same dropout masks as the
+    forward did (``_replay_tracked_streams``)."""
     from torch.utils.checkpoint import checkpoint
 
     for layer in list(model.decoder.layers)[:count]:
@@ -441,9 +443,36 @@ def _checkpoint_first_layers(model, count: int) -> None:
         forward = layer.forward
 
         def wrapped(*args, _forward=forward, **kwargs):
-            return checkpoint(_forward, *args, use_reentrant=False, **kwargs)
+            return checkpoint(
+                _forward, *args, use_reentrant=False, context_fn=_replay_tracked_streams, **kwargs
+            )
 
         layer.forward = wrapped
+
+
+def _replay_tracked_streams() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+    """torch.utils.checkpoint's (forward, recomputation) contexts: the recomputation starts
+    megatron-core's tracked random streams (the core attention's dropout is drawn from the
+    model-parallel one) where the forward started them, and leaves them where they were. The
+    checkpoint restores the default generator only: without this a recomputed layer drew new
+    attention masks, and its gradients were not those of the loss computed (measured: the first
+    gradient norm 2.36685 with 4 layers recomputed against 2.36144 without). megatron-core's own
+    checkpoint restores the tracker the same way."""
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    tracker = get_cuda_rng_tracker()
+    at_forward = tracker.get_states()  # a new dict of the states (fork replaces them, never mutates)
+
+    @contextlib.contextmanager
+    def replayed():
+        now = tracker.get_states()
+        tracker.set_states(dict(at_forward))  # a copy: the recomputation's forks write into it
+        try:
+            yield
+        finally:
+            tracker.set_states(now)
+
+    return contextlib.nullcontext(), replayed()
 
 
 def _now(device: torch.device) -> float:
