@@ -199,6 +199,64 @@ def test_selective_recomputation_trains_the_same_and_keeps_less(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+def test_per_stage_recomputation_trains_the_same_and_each_stage_keeps_less(tmp_path):
+    """Two stages of two layers recomputing 2 and 1 of them (each stage its own count), at sequence
+    128 (activations most of what a stage holds), against the same plan recomputing none: the
+    same losses (recomputation repeats the same ops: 1e-6; no dropout, which a recomputed layer
+    draws apart: test_full_recomputation_recomputes_the_forwards_dropout_masks), each run's memory
+    within the tolerance of its own prediction (measured: -2.4%, +4.6% recomputing; -1.6%, +3.9%
+    not). Negative control: each recomputing stage's memory is outside the tolerance of what
+    the plan without recomputation predicts for it (+61%, +28%), so a stage whose count the
+    engine ignored would fail the memory check."""
+    runs = {}
+    for recompute in ((2, 1), (0, 0)):
+        plan = _plan(1, [2, 2], list(recompute))
+        plan.model_overrides["seq"], plan.model_overrides["dropout"] = 128, 0.0
+        assert not unsupported(plan), unsupported(plan)
+        predict(plan, plan.model_spec(), cluster("cpu", 2))
+        runs[recompute] = plan, _torchrun(plan, tmp_path / f"recompute{recompute}")
+    a, b = (next(r["losses"] for r in rep["ranks"] if r["losses"] is not None) for _, rep in runs.values())
+    assert a == pytest.approx(b, rel=1e-6), (a, b)
+    (plan, report), (plain_plan, _) = runs[2, 1], runs[0, 0]
+    for run_plan, run in runs.values():
+        for r in run["ranks"]:
+            predicted = run_plan.stages[r["stage"]].memory_bytes
+            assert abs(predicted / r["memory_bytes"] - 1) < TOLERANCE, (r, predicted)
+    for r in report["ranks"]:
+        assert abs(plain_plan.stages[r["stage"]].memory_bytes / r["memory_bytes"] - 1) > TOLERANCE, r
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.xfail(
+    reason="engine bug: a fully recomputed layer redraws its attention dropout",
+    raises=AssertionError,
+    strict=True,
+)
+def test_full_recomputation_recomputes_the_forwards_dropout_masks(tmp_path):
+    """With dropout, a recomputed layer must redraw in backward the masks its forward drew, or its
+    gradient is not that of the loss computed. One micro-batch a step on one process, so both
+    runs draw the same masks in the first forward (the same first loss, checked): the first
+    gradient norm must then be the same with the layers recomputed as without (1e-6; without
+    dropout it is, to the bit). It is not (2.36685 against 2.36144): the engine recomputes with
+    torch.utils.checkpoint, which restores the CPU generator but not megatron-core's RNG
+    tracker, from whose stream the core attention draws its dropout (restoring the tracker's
+    states for the recomputation, tried by hand, makes the norms equal). Strict: once fixed, it
+    passes, and the mark must go."""
+    reports = {}
+    for recompute in (0, 4):
+        plan = _tiny_plan([StagePlan(layers=4, recompute=recompute)])
+        plan.global_batch = 2
+        assert not unsupported(plan), unsupported(plan)
+        reports[recompute] = _torchrun(plan, tmp_path / f"recompute{recompute}")["ranks"][0]
+    plain, recomputed = reports[0], reports[4]
+    if recomputed["losses"][0] != plain["losses"][0]:  # not the bug expected: fail, not xfail
+        pytest.fail(f"the first forwards differ: {plain['losses'][0]} and {recomputed['losses'][0]}")
+    assert recomputed["first_grad_norm"] == pytest.approx(plain["first_grad_norm"], rel=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("zero", [1, 2, 3])
 def test_zero_sharding_trains_like_plain_data_parallelism(tmp_path_factory, zero):
     """Same data, same initial weights: sharding the optimizer (and gradients, and weights) over
