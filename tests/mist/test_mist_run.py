@@ -613,18 +613,26 @@ def test_uneven_stages_anywhere_train_and_memory_matches(tmp_path):
     the model learns, and each rank's memory is within the tolerance of the prediction (measured:
     +9.8%, +1.5%, +8.5%, -1.6% on stages 0-3, deterministic: the step peaks repeat to the byte;
     without recomputation the first stages' four micro-batches in flight come out 13-19% above
-    the prediction, a gap of the memory model's at this size)."""
+    the prediction, a gap of the memory model's at this size). Negative control: the counts
+    swapped (2, 1, 2, 1) predict memory outside the tolerance for every stage (measured: +63%,
+    -46%, +80%, -41%), so a stage built with its neighbour's count would fail the memory check.
+    No loss comparison with an even split: each stage draws its layers' initial weights from its
+    own stream (test_gradient_clipping_norm_is_the_whole_models_in_every_layout), so another
+    split trains another model."""
     plan = _plan(1, [1, 2, 1, 2], [1, 2, 1, 2])
-    plan.model_overrides["layers"] = 6
-    assert not unsupported(plan), unsupported(plan)
+    swapped = _plan(1, [2, 1, 2, 1], [2, 1, 2, 1])
+    for p in (plan, swapped):
+        p.model_overrides["layers"] = 6
+        assert not unsupported(p), unsupported(p)
+        predict(p, p.model_spec(), cluster("cpu", 4))
     report = _torchrun(plan, tmp_path, steps=5)  # six layers learn slower: 0.26 in seven steps
     losses = next(r["losses"] for r in report["ranks"] if r["losses"] is not None)
     assert losses[-1] < losses[0] - 0.5
-    predict(plan, plan.model_spec(), cluster("cpu", 4))
     for r in report["ranks"]:
         stage = plan.stages[r["stage"]]
         assert r["layers"] == stage.layers, r
         assert abs(stage.memory_bytes / r["memory_bytes"] - 1) < TOLERANCE, (r, stage.memory_bytes)
+        assert abs(swapped.stages[r["stage"]].memory_bytes / r["memory_bytes"] - 1) > TOLERANCE, r
 
 
 @pytest.mark.slow
