@@ -199,6 +199,64 @@ def test_selective_recomputation_trains_the_same_and_keeps_less(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+def test_per_stage_recomputation_trains_the_same_and_each_stage_keeps_less(tmp_path):
+    """Two stages of two layers recomputing 2 and 1 of them (each stage its own count), at sequence
+    128 (activations most of what a stage holds), against the same plan recomputing none: the
+    same losses (recomputation repeats the same ops: 1e-6; no dropout, which a recomputed layer
+    draws apart: test_full_recomputation_recomputes_the_forwards_dropout_masks), each run's memory
+    within the tolerance of its own prediction (measured: -2.4%, +4.6% recomputing; -1.6%, +3.9%
+    not). Negative control: each recomputing stage's memory is outside the tolerance of what
+    the plan without recomputation predicts for it (+61%, +28%), so a stage whose count the
+    engine ignored would fail the memory check."""
+    runs = {}
+    for recompute in ((2, 1), (0, 0)):
+        plan = _plan(1, [2, 2], list(recompute))
+        plan.model_overrides["seq"], plan.model_overrides["dropout"] = 128, 0.0
+        assert not unsupported(plan), unsupported(plan)
+        predict(plan, plan.model_spec(), cluster("cpu", 2))
+        runs[recompute] = plan, _torchrun(plan, tmp_path / f"recompute{recompute}")
+    a, b = (next(r["losses"] for r in rep["ranks"] if r["losses"] is not None) for _, rep in runs.values())
+    assert a == pytest.approx(b, rel=1e-6), (a, b)
+    (plan, report), (plain_plan, _) = runs[2, 1], runs[0, 0]
+    for run_plan, run in runs.values():
+        for r in run["ranks"]:
+            predicted = run_plan.stages[r["stage"]].memory_bytes
+            assert abs(predicted / r["memory_bytes"] - 1) < TOLERANCE, (r, predicted)
+    for r in report["ranks"]:
+        assert abs(plain_plan.stages[r["stage"]].memory_bytes / r["memory_bytes"] - 1) > TOLERANCE, r
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.xfail(
+    reason="engine bug: a fully recomputed layer redraws its attention dropout",
+    raises=AssertionError,
+    strict=True,
+)
+def test_full_recomputation_recomputes_the_forwards_dropout_masks(tmp_path):
+    """With dropout, a recomputed layer must redraw in backward the masks its forward drew, or its
+    gradient is not that of the loss computed. One micro-batch a step on one process, so both
+    runs draw the same masks in the first forward (the same first loss, checked): the first
+    gradient norm must then be the same with the layers recomputed as without (1e-6; without
+    dropout it is, to the bit). It is not (2.36685 against 2.36144): the engine recomputes with
+    torch.utils.checkpoint, which restores the CPU generator but not megatron-core's RNG
+    tracker, from whose stream the core attention draws its dropout (restoring the tracker's
+    states for the recomputation, tried by hand, makes the norms equal). Strict: once fixed, it
+    passes, and the mark must go."""
+    reports = {}
+    for recompute in (0, 4):
+        plan = _tiny_plan([StagePlan(layers=4, recompute=recompute)])
+        plan.global_batch = 2
+        assert not unsupported(plan), unsupported(plan)
+        reports[recompute] = _torchrun(plan, tmp_path / f"recompute{recompute}")["ranks"][0]
+    plain, recomputed = reports[0], reports[4]
+    if recomputed["losses"][0] != plain["losses"][0]:  # not the bug expected: fail, not xfail
+        pytest.fail(f"the first forwards differ: {plain['losses'][0]} and {recomputed['losses'][0]}")
+    assert recomputed["first_grad_norm"] == pytest.approx(plain["first_grad_norm"], rel=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("zero", [1, 2, 3])
 def test_zero_sharding_trains_like_plain_data_parallelism(tmp_path_factory, zero):
     """Same data, same initial weights: sharding the optimizer (and gradients, and weights) over
@@ -301,22 +359,25 @@ def test_zero2_with_sequence_parallelism_trains_as_without_zero(tmp_path):
     """4 processes, TP 2 with sequence parallelism x DP 2: ZeRO-2 (gradients reduced to their
     owner as backward makes them; the norms' partial sums over the sequence shards summed over the
     TP group first) trains as plain data parallelism does (no dropout; bf16 sums in another
-    order), and its memory is within the tolerance of the prediction."""
+    order), and its memory is within the tolerance of the prediction. Negative control: the
+    memory the same plan at ZeRO-0 predicts is outside it (measured: +55% to +59%; a ZeRO-2 that
+    sharded nothing would match that one)."""
     runs = {}
     for zero in (0, 2):
         plan = _tiny_plan([StagePlan(layers=4, zero=zero)], tp=2, dp=2)
         plan.model_overrides["dropout"], plan.sequence_parallel = 0.0, True
         plan.micro_batch = 4  # one micro-batch a step: the reductions in backward hooks vary less
         assert not unsupported(plan), unsupported(plan)
+        predict(plan, plan.model_spec(), cluster("cpu", 4))
         runs[zero] = plan, _torchrun(plan, tmp_path / f"zero{zero}")
     a, b = (next(r["losses"] for r in rep["ranks"] if r["losses"] is not None) for _, rep in runs.values())
     assert a == pytest.approx(b, rel=2e-2, abs=0)
-    plan, report = runs[2]
+    (plain_plan, _), (plan, report) = runs[0], runs[2]
     _tp_groups_agree(report)
-    predict(plan, plan.model_spec(), cluster("cpu", 4))
     for r in report["ranks"]:
         predicted = plan.stages[r["stage"]].memory_bytes
         assert abs(predicted / r["memory_bytes"] - 1) < TOLERANCE, (r, predicted)
+        assert abs(plain_plan.stages[r["stage"]].memory_bytes / r["memory_bytes"] - 1) > TOLERANCE, r
 
 
 @pytest.mark.slow
@@ -452,14 +513,24 @@ def test_gradient_offload_accumulates_on_the_host(tmp_path, dp, zero):
     and host bytes are checked: with nothing else left on the device, the peak is then ZeRO-1's
     broadcast of the updated weights, whose flat buffers gloo frees at varying times (one or
     both owners' at once: 0.70 or 0.93 MB, +24%, seen in a CI run), and ZeRO-2's reductions in
-    backward hooks vary by up to 50% (its model is 12-33% off besides; docs/mist.md)."""
+    backward hooks vary by up to 50% (its model is 12-33% off besides; docs/mist.md). At ZeRO-1
+    the prediction is 12% under the measured memory besides (0.613 MB against 0.700 in both
+    launches seen): without gradient offload ZeRO-1's step peak is 54 KB above ZeRO-0's, which
+    the model prices the same, a gap of the model's. So up to ZeRO-1 the device's held bytes
+    are checked too (deterministic): what the offload takes off them is the host's gradient
+    bytes, within the tolerance of the memory the prediction saves (-0.8%; a gradient left on
+    the device would save nothing)."""
     plain_plan, plain, plan, report = _offload_pair("offload_grads", dp, zero, tmp_path)
     a, b = (next(r["losses"] for r in rep["ranks"] if r["losses"] is not None) for rep in (plain, report))
     assert a == pytest.approx(b, rel=1e-6)
-    for r in report["ranks"]:
+    for r, r0 in zip(report["ranks"], plain["ranks"], strict=True):
         stage, without = plan.stages[r["stage"]], plain_plan.stages[r["stage"]]
         moved = stage.host_memory_bytes - without.host_memory_bytes  # the gradients' bf16 bytes
         assert r["host_gradient_bytes"] == pytest.approx(moved, rel=0.03), (r, moved)
+        if zero < 2:  # ZeRO-2 frees its gradient shards once reduced: none held, offloaded or not
+            saved, predicted = r0["held_bytes"] - r["held_bytes"], without.memory_bytes - stage.memory_bytes
+            assert saved == r["host_gradient_bytes"], (r0, r)
+            assert saved == pytest.approx(predicted, rel=TOLERANCE), (r0, r, predicted)
         if zero == 0:
             assert abs(stage.memory_bytes / r["memory_bytes"] - 1) < TOLERANCE, (r, stage.memory_bytes)
             assert abs(without.memory_bytes / r["memory_bytes"] - 1) > TOLERANCE, (r, without.memory_bytes)
@@ -552,18 +623,26 @@ def test_uneven_stages_anywhere_train_and_memory_matches(tmp_path):
     the model learns, and each rank's memory is within the tolerance of the prediction (measured:
     +9.8%, +1.5%, +8.5%, -1.6% on stages 0-3, deterministic: the step peaks repeat to the byte;
     without recomputation the first stages' four micro-batches in flight come out 13-19% above
-    the prediction, a gap of the memory model's at this size)."""
+    the prediction, a gap of the memory model's at this size). Negative control: the counts
+    swapped (2, 1, 2, 1) predict memory outside the tolerance for every stage (measured: +63%,
+    -46%, +80%, -41%), so a stage built with its neighbour's count would fail the memory check.
+    No loss comparison with an even split: each stage draws its layers' initial weights from its
+    own stream (test_gradient_clipping_norm_is_the_whole_models_in_every_layout), so another
+    split trains another model."""
     plan = _plan(1, [1, 2, 1, 2], [1, 2, 1, 2])
-    plan.model_overrides["layers"] = 6
-    assert not unsupported(plan), unsupported(plan)
+    swapped = _plan(1, [2, 1, 2, 1], [2, 1, 2, 1])
+    for p in (plan, swapped):
+        p.model_overrides["layers"] = 6
+        assert not unsupported(p), unsupported(p)
+        predict(p, p.model_spec(), cluster("cpu", 4))
     report = _torchrun(plan, tmp_path, steps=5)  # six layers learn slower: 0.26 in seven steps
     losses = next(r["losses"] for r in report["ranks"] if r["losses"] is not None)
     assert losses[-1] < losses[0] - 0.5
-    predict(plan, plan.model_spec(), cluster("cpu", 4))
     for r in report["ranks"]:
         stage = plan.stages[r["stage"]]
         assert r["layers"] == stage.layers, r
         assert abs(stage.memory_bytes / r["memory_bytes"] - 1) < TOLERANCE, (r, stage.memory_bytes)
+        assert abs(swapped.stages[r["stage"]].memory_bytes / r["memory_bytes"] - 1) > TOLERANCE, r
 
 
 @pytest.mark.slow
