@@ -27,17 +27,19 @@ def plot_compile() -> Path | None:
         data = load(EXPERIMENT, file)
         if data is None:
             continue
-        for seq in sorted({p.key["seq"] for p in data.select(variant="hf-eager+compile")}):
-            rows = {p.key["variant"]: p for p in data.select(seq=seq) if p.key["variant"] in ORDER}
-            rows = {v: rows[v] for v in ORDER if v in rows}
-            panels.append((where, seq, rows))
+        # the compile rows' (seq, dtype, batch): the layer rows share variant names, not dtypes
+        shapes = {
+            (p.key["seq"], p.key["dtype"], p.key["batch"]) for p in data.select(variant="hf-eager+compile")
+        }
+        for seq, dtype, batch in sorted(shapes):
+            rows = {p.key["variant"]: p for p in data.select(seq=seq, dtype=dtype, batch=batch)}
+            panels.append((where, (seq, dtype, batch), {v: rows[v] for v in ORDER if v in rows}))
     if not panels:
         return None
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 4.6), squeeze=False)
-    for ax, (where, seq, rows) in zip(axes[0], panels, strict=True):
-        dtype = next(iter(rows.values())).key["dtype"]
+    for ax, (where, (seq, dtype, batch), rows) in zip(axes[0], panels, strict=True):
         results = {v: p.result for v, p in rows.items()}
-        compile_panel(ax, results, "bytes", "tempo", f"{where}, seq {seq}, {dtype}, batch 1")
+        compile_panel(ax, results, "bytes", "tempo", f"{where}, seq {seq}, {dtype}, batch {batch}")
     title = "One BERT-Large layer: Tempo against torch.compile (bytes exact, one training step timed)"
     drawn = [p for _, _, rows in panels for p in rows.values()]  # their provenance in the title
     return finish(fig, title, drawn, "tempo_layer_compile.png")

@@ -94,13 +94,16 @@ def plot_compile() -> Path | None:
     data = load(EXPERIMENT, "compile.json")
     if data is None:
         return None
-    cases = sorted({(p.key["model"], p.key["seq"], p.key["dtype"]) for p in data})
+    cases = sorted({(p.key["model"], p.key["seq"], p.key["dtype"], p.key["batch"]) for p in data})
     # wide enough for the title over one panel
     fig, axes = plt.subplots(1, len(cases), figsize=(max(7.0, 4.6 * len(cases)), 4.6), squeeze=False)
-    for ax, (model, seq, dtype) in zip(axes[0], cases, strict=True):
-        found = {p.key["configuration"]: p.result for p in data.select(model=model, seq=seq, dtype=dtype)}
+    for ax, (model, seq, dtype, batch) in zip(axes[0], cases, strict=True):
+        points = data.select(model=model, seq=seq, dtype=dtype, batch=batch)
+        found = {p.key["configuration"]: p.result for p in points}
         rows = {c: found[c] for c in COMPILED if c in found}
-        compile_panel(ax, rows, "per_layer_bytes", "tempo+sdpa", f"{model}, seq {seq}, {dtype}, batch 1")
+        compile_panel(
+            ax, rows, "per_layer_bytes", "tempo+sdpa", f"{model}, seq {seq}, {dtype}, batch {batch}"
+        )
     title = "A Llama decoder layer: Tempo against torch.compile (bytes exact, one training step timed)"
     return finish(fig, title, data, "tempo_llama_compile.png")
 

@@ -107,7 +107,8 @@ CASES = (
     # within 90% of this cap (49.5 MiB) Mist without Tempo halves the micro-batch to 4 (38.0 MiB
     # predicted, the optimizer state on the host) and with Tempo keeps 8 (43.8 MiB; 63.3 without).
     # With the CPU's fitted model (the reference of 96faf07) both keep 8, the optimizer on the host,
-    # and Mist without Tempo also keeps a quarter of its gradients there
+    # and Mist without Tempo also keeps a quarter of its gradients there and offloads a quarter
+    # of its layers' activations
     MeasuredCase("gpt3", 1, 55, systems=("mist", "mist_tempo")),
 )
 

@@ -8,7 +8,8 @@ technique alone), measured exactly with measure.saved, next to the closed forms.
 torch.compile's rows (HF compiled, Tempo compiled, HF compiled at the activation memory budget that
 aims at Tempo's bytes) are measured in float32 with one step's time each (COMPILED). With
 ``--device cuda`` (the GPU check's part ``compile``) only those rows run, in bfloat16 as a GPU
-trains, into compile_cuda.json: the bytes are the same on any device, the step times are not.
+trains, into compile_cuda.json: the GPU's own bytes (inductor's CUDA partition, Tempo's GPU
+kernels) and step times.
 
 Baseline dropouts run as on CUDA (fused native_dropout, bool mask; see
 measure.saved.cuda_like_dropout), so the bytes are those the layer keeps on a GPU.
@@ -329,15 +330,28 @@ def main(argv: list[str] | None = None) -> None:
     if not device_name(config.device):
         ap.error(f"--device must be cpu or cuda[:N], got {config.device!r}")
     on_gpu = config.device.startswith("cuda")
-    if on_gpu and not torch.cuda.is_available():
-        ap.error(f"--device {config.device}: no CUDA device here (the CPU runs every row: --device cpu)")
-    if config.no_compile and (config.compile_only or on_gpu):
+    only_compile = config.compile_only or on_gpu
+    if on_gpu:
+        index = torch.device(config.device).index or 0
+        if not torch.cuda.is_available() or index >= torch.cuda.device_count():
+            ap.error(
+                f"--device {config.device}: no such CUDA device here (the CPU runs every row: --device cpu)"
+            )
+        torch.cuda.set_device(index)  # the timing's events and synchronisation are the current device's
+    if config.no_compile and only_compile:
         ap.error("--no-compile leaves out the only rows --compile-only and --device cuda run")
-    need = closed_form_bytes("hf-eager", max(config.seq), config.batch, DTYPES[config.dtype])
+    if only_compile and config.dtype != TempoLayerConfig.dtype:
+        ap.error(
+            f"--dtype applies to the layer rows; the compile rows run in {COMPILE_ON['cpu'][1]} on a CPU, "
+            f"{COMPILE_ON['cuda'][1]} on a GPU"
+        )
+    if config.dtype == COMPILE_DTYPE and not config.no_compile:
+        ap.error(f"--dtype {COMPILE_DTYPE} gives the layer rows the compile rows' keys: add --no-compile")
+    # the real layers would fail in the allocator, after the first rows were printed
+    dtype = COMPILE_DTYPE if only_compile else config.dtype
+    need = closed_form_bytes("hf-eager", max(config.seq), config.batch, DTYPES[dtype])
     have = machine_memory_bytes()
-    if (
-        need > have and not on_gpu
-    ):  # the real layers would fail in the allocator, after the first rows were printed
+    if need > have and not on_gpu:
         ap.error(
             f"--seq {max(config.seq)} --batch {config.batch}: HF's layer keeps {format_bytes(need)} for "
             f"backward (its closed form), more than this machine's {format_bytes(have)} of memory"
@@ -345,7 +359,7 @@ def main(argv: list[str] | None = None) -> None:
     hf_logging.set_verbosity_error()
     torch.manual_seed(0)
     with experiment_run(args, EXPERIMENT) as run:
-        if config.compile_only or on_gpu:
+        if only_compile:
             measure_compile(run, config.seq, config.batch, config.device)
             return
         measure_layers(run, config.seq, config.batch, config.dtype)

@@ -201,8 +201,8 @@ def test_selective_recomputation_trains_the_same_and_keeps_less(tmp_path):
 def test_per_stage_recomputation_trains_the_same_and_each_stage_keeps_less(tmp_path):
     """Two stages of two layers recomputing 2 and 1 of them (each stage its own count), at sequence
     128 (activations most of what a stage holds), against the same plan recomputing none: the
-    same losses (recomputation repeats the same ops: 1e-6; dropout's case is
-    test_full_recomputation_recomputes_the_forwards_dropout_masks), each run's memory
+    same losses (recomputation repeats the same ops and redraws the same dropout masks, with
+    micro-batches in flight in the 1F1B schedule: 1e-6), each run's memory
     within the tolerance of its own prediction (measured: -2.4%, +4.6% recomputing; -1.6%, +3.9%
     not). Negative control: each recomputing stage's memory is outside the tolerance of what
     the plan without recomputation predicts for it (+61%, +28%), so a stage whose count the
@@ -210,7 +210,7 @@ def test_per_stage_recomputation_trains_the_same_and_each_stage_keeps_less(tmp_p
     runs = {}
     for recompute in ((2, 1), (0, 0)):
         plan = _plan(1, [2, 2], list(recompute))
-        plan.model_overrides["seq"], plan.model_overrides["dropout"] = 128, 0.0
+        plan.model_overrides["seq"] = 128  # with dropout: 2 micro-batches in flight on stage 0
         assert not unsupported(plan), unsupported(plan)
         predict(plan, plan.model_spec(), cluster("cpu", 2))
         runs[recompute] = plan, _torchrun(plan, tmp_path / f"recompute{recompute}")
@@ -223,6 +223,47 @@ def test_per_stage_recomputation_trains_the_same_and_each_stage_keeps_less(tmp_p
             assert abs(predicted / r["memory_bytes"] - 1) < TOLERANCE, (r, predicted)
     for r in report["ranks"]:
         assert abs(plain_plan.stages[r["stage"]].memory_bytes / r["memory_bytes"] - 1) > TOLERANCE, r
+
+
+def test_a_recomputation_replays_the_tracked_streams_and_leaves_them_where_they_were():
+    """In process, on megatron-core's tracker: what a recomputation draws from a tracked stream is
+    what its forward drew (twice: the context is entered once per recomputation), and the draws
+    after it are those of a tracker that never recomputed. Control: outside the context the
+    stream has moved on."""
+    import torch
+
+    from mist.engine import cpu_shim
+    from mist.engine.run import _replay_tracked_streams
+
+    cpu_shim.install()
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    tracker = get_cuda_rng_tracker()
+    saved = tracker.get_states(), tracker.seeds_.copy()
+
+    def draw() -> torch.Tensor:
+        with tracker.fork():
+            return torch.rand(8)
+
+    try:
+        tracker.reset()
+        tracker.add("model-parallel-rng", 1234)
+        expected = [draw() for _ in range(3)]  # a tracker that never recomputes
+        tracker.reset()
+        tracker.add("model-parallel-rng", 1234)
+        _, recomputation = _replay_tracked_streams()
+        forward = draw()
+        later = draw()
+        for _ in range(2):
+            with recomputation:
+                assert torch.equal(draw(), forward)
+        assert torch.equal(forward, expected[0]) and torch.equal(later, expected[1])
+        assert torch.equal(draw(), expected[2])
+        assert not torch.equal(draw(), forward)  # control
+    finally:
+        tracker.reset()
+        tracker.set_states(saved[0])
+        tracker.seeds_ = saved[1]
 
 
 @pytest.mark.slow
@@ -723,15 +764,23 @@ def test_every_plan_of_the_committed_comparison_is_accepted():
             assert bool(gpu_reasons) == offloads, (point["key"], system, gpu_reasons)
     print(f"accepted of {len(points)} cases on the CPU engine:", accepted, "on a GPU:", on_gpu)
     assert accepted == made and made["mist"] == len(points), (accepted, made)
+    # the baselines never offload weights or gradients: a GPU runs all of theirs
+    assert all(on_gpu[s] == made[s] for s in SYSTEMS if s != "mist"), (on_gpu, made)
 
 
 def test_the_engine_refuses_weight_and_gradient_offloading_on_a_gpu_only():
+    """offload.py has no GPU path for weights and gradients: a GPU refuses them, in the layers'
+    stages and in the embedding/head's own strategy, and a CPU runs them; an unknown device is
+    one line. Control: a plain plan runs on both."""
     plain = _tiny_plan([StagePlan(4)])
-    assert unsupported(plain, "cuda") == [] == unsupported(plain)  # control: a plain plan runs on both
+    assert unsupported(plain, "cuda") == [] == unsupported(plain)
     for offload in ({"offload_weights": 0.5}, {"offload_grads": 1.0}):
-        plan = _tiny_plan([StagePlan(4, **offload)])
-        assert unsupported(plan) == [], offload
-        assert "on a GPU" in " ".join(unsupported(plan, "cuda")), offload
+        for on_pre_post in (False, True):
+            plan = _tiny_plan([StagePlan(4, **({} if on_pre_post else offload))])
+            if on_pre_post:
+                plan.pre_post = PrePostPlan(**offload)
+            assert unsupported(plan) == [], (offload, on_pre_post)
+            assert "on a GPU" in " ".join(unsupported(plan, "cuda")), (offload, on_pre_post)
     with pytest.raises(ValueError, match="'cpu' or 'cuda'"):
         unsupported(plain, "gpu")
 
@@ -756,10 +805,8 @@ def test_measured_comparison_cases_bind_and_every_plan_in_them_runs(setup):
         for system, plan in plans.items():
             if isinstance(plan, str):
                 continue
-            assert plan.gpu_memory_bytes == case.cap_bytes and unsupported(plan) == [], (case, system)
-            if setup.base.device == "cuda":  # the engine offloads weights and gradients on a CPU only
-                parts = [*plan.stages, *([plan.pre_post] if plan.pre_post is not None else [])]
-                assert not any(x.offload_weights or x.offload_grads for x in parts), (case, system)
+            assert plan.gpu_memory_bytes == case.cap_bytes, (case, system)
+            assert unsupported(plan, setup.base.device) == [], (case, system)  # a GPU's refusals too
             assert max(s.memory_bytes for s in plan.stages) <= case.planning_bytes, (case, system)
 
 

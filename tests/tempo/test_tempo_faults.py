@@ -5,12 +5,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import itertools
+import json
 import re
 import signal
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
@@ -454,6 +457,13 @@ def test_run_refuses_bad_cases_before_any_work(argv, message, capsys, monkeypatc
         (["--device", "gpu"], "--device must be cpu or cuda\\[:N\\], got 'gpu'"),
         (["--device", "cuda:x"], "got 'cuda:x'"),
         (["--compile-only", "--no-compile"], "--no-compile leaves out the only rows"),
+        (["--compile-only", "--dtype", "fp16"], "--dtype applies to the layer rows"),
+        (["--dtype", "fp32"], "gives the layer rows the compile rows' keys: add --no-compile"),
+        pytest.param(
+            ["--device", "cuda"],
+            "no such CUDA device here",
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is here"),
+        ),
     ],
 )
 def test_tempo_layer_refuses_a_bad_device_or_contradictory_rows_before_any_work(
@@ -469,21 +479,61 @@ def test_tempo_layer_refuses_a_bad_device_or_contradictory_rows_before_any_work(
 
 
 def test_tempo_layer_on_a_gpu_runs_the_compile_rows_only(monkeypatch, tmp_path):
-    """--device cuda (the GPU check's part compile) measures torch.compile's rows alone, in bf16,
-    into compile_cuda.json; --compile-only does the same on this CPU in float32 (control: the
-    default run measures every part)."""
+    """--device cuda:N (the GPU check's part compile) measures torch.compile's rows alone, on
+    that device (made current: the timing's events are the current device's), in bf16, into
+    compile_cuda.json; --compile-only the same rows on this CPU, float32, into
+    layer_saved_bytes.json (control: the default run measures every part). The rows' own
+    functions are stubbed: what is checked is where each run sends them."""
     from artifacts.tempo_layer import run
 
-    calls = []
+    calls, current = [], []
     monkeypatch.setattr(run.torch.cuda, "is_available", lambda: True)
-    for name in ("measure_layers", "measure_compile", "measure_gelu_backward"):
+    monkeypatch.setattr(run.torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(run.torch.cuda, "set_device", current.append)
+    for name in ("measure_layers", "measure_gelu_backward"):
         monkeypatch.setattr(run, name, lambda *a, _n=name: calls.append((_n, a[1:])))
-    run.main(["--device", "cuda", "--seq", "512", "--results", str(tmp_path / "gpu")])
-    assert calls == [("measure_compile", ((512,), 1, "cuda"))], calls
-    assert run.COMPILE_ON["cuda"] == ("compile_cuda.json", "bf16")
+    monkeypatch.setattr(
+        run, "measure_layer", lambda v, s, b, dtype, device: calls.append((v, dtype, device)) or {}
+    )
+    monkeypatch.setattr(run, "eager_step_s", lambda *a, **k: 1.0)
+    monkeypatch.setattr(
+        run, "measure_compiled", lambda v, s, b, dtype, budget, device: {"bytes": 1, "step_s": 1.0}
+    )
+
+    class Store:
+        def __init__(self, name, device):
+            self.name, self.device, self.results = name, device, {}
+
+        def compute(self, key, fn):
+            return self.results.setdefault(
+                json.dumps(key, sort_keys=True), {"bytes": 1, "step_s": 1.0, **fn()}
+            )
+
+        def get(self, key):
+            return types.SimpleNamespace(result=self.results[json.dumps(key, sort_keys=True)])
+
+    stores = []
+
+    class Run:
+        def file(self, name, device="cpu", config=None):
+            stores.append(Store(name, device))
+            return stores[-1]
+
+    monkeypatch.setattr(run, "experiment_run", lambda *a: contextlib.nullcontext(Run()))
+    run.main(["--device", "cuda:1", "--seq", "16", "--results", str(tmp_path)])
+    assert current == [1] and [(s.name, s.device) for s in stores] == [("compile_cuda.json", "cuda:1")], (
+        stores
+    )
+    assert ("hf-eager", torch.bfloat16, "cuda:1") in calls and not any(
+        c[0].startswith("measure_") for c in calls
+    )
+    calls.clear(), stores.clear()
+    run.main(["--compile-only", "--seq", "16", "--results", str(tmp_path)])
+    assert [(s.name, s.device) for s in stores] == [("layer_saved_bytes.json", "cpu")], stores
+    assert ("tempo", torch.float32, "cpu") in calls and not any(c[0].startswith("measure_") for c in calls)
     calls.clear()
-    run.main(["--seq", "32", "--results", str(tmp_path / "cpu")])
-    assert [c[0] for c in calls] == ["measure_layers", "measure_compile", "measure_gelu_backward"], calls
+    run.main(["--seq", "16", "--results", str(tmp_path)])
+    assert [c[0] for c in calls if c[0].startswith("measure_")] == ["measure_layers", "measure_gelu_backward"]
 
 
 @pytest.mark.parametrize(

@@ -461,18 +461,29 @@ def _replay_tracked_streams() -> tuple[contextlib.AbstractContextManager, contex
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
     tracker = get_cuda_rng_tracker()
-    at_forward = tracker.get_states()  # a new dict of the states (fork replaces them, never mutates)
+    # the tracker's fork replaces a state when it is done, never changes it in place, so the
+    # forward's states can be kept by reference; a CUDA-graph-safe tracker's would advance
+    if getattr(tracker, "use_cudagraphable_rng", False):
+        raise ValueError(
+            "the engine's recomputation needs megatron-core's plain RNG tracker (not graph-safe)"
+        )
+    return contextlib.nullcontext(), _TrackedStreamsAt(tracker, tracker.get_states())
 
-    @contextlib.contextmanager
-    def replayed():
-        now = tracker.get_states()
-        tracker.set_states(dict(at_forward))  # a copy: the recomputation's forks write into it
-        try:
-            yield
-        finally:
-            tracker.set_states(now)
 
-    return contextlib.nullcontext(), replayed()
+class _TrackedStreamsAt:
+    """A context, re-enterable (one per recomputation), in which ``tracker``'s streams start at
+    ``states`` and after which they are where they were before it."""
+
+    def __init__(self, tracker, states: dict) -> None:
+        self.tracker, self.states = tracker, states
+        self.before: dict | None = None
+
+    def __enter__(self) -> None:
+        self.before = self.tracker.get_states()
+        self.tracker.set_states(dict(self.states))  # a copy: the recomputation's forks write into it
+
+    def __exit__(self, *exc) -> None:
+        self.tracker.set_states(self.before)
 
 
 def _now(device: torch.device) -> float:
