@@ -8,7 +8,9 @@
   for a model's band over its assumptions, each end's, or "depends on the assumptions" when they
   differ in kind (``band_verdict``).
 * ``Bound``: a principled target (exactness, an accuracy target, a negative control that must be
-  caught). Verdict: holds / BROKEN / not yet run.
+  caught). Verdict: holds / BROKEN / not yet run; for a measured number with a ``noise`` band (its
+  value over each launch of the measurement), also "within noise" where the band straddles the
+  bound: those launches cannot tell whether it holds.
 * ``Shown``: a number shown for context and never judged (a timing on this machine).
 
 Regression pins (this run against the committed reference) are not claims: ``Pin``, checked
@@ -206,7 +208,14 @@ class Bound:
     """A principled target: ``check`` on our number, ``why`` the target is what it is (exactness,
     an accuracy target and whose, a negative control). ``known_broken``: why the committed
     reference breaks it and what would mend it (shown with the verdict; a bound broken without it
-    fails, and one marked but holding fails the tests: the mark goes when the cause is fixed)."""
+    fails, and one marked but holding fails the tests: the mark goes when the cause is fixed).
+
+    ``noise``: for a number measured in several launches (``value`` from each plan's median
+    launch), the (best, worst) the number takes when each plan's launch is the one most and least
+    favourable to the check. It holds only where the worst does, is broken only where the best is
+    too, and is within noise between: the launches straddle the bound. Three launches' range holds
+    their median's true value with probability 3/4 (each independent launch falls on either side
+    of it with even chance), so a straddle is a measurement too noisy to judge by, not a verdict."""
 
     id: str
     system: str
@@ -218,6 +227,7 @@ class Bound:
     why: str
     unit: str = ""
     known_broken: str = ""
+    noise: Band | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -39,9 +39,11 @@ from measure.results import ResultFile, Results, Run
 from ..experiment import add_run_arguments, experiment_run
 from . import EXPERIMENT
 
-# On this CPU gloo's latency settles into a mode (~0.4 or ~1.7 ms an all-reduce) for a launch's
-# life: each collective and mechanism benchmark point, and each plan's measured step, is the
-# median over this many launches
+# On this CPU a launch's speed is its own: gloo's latency has settled into a mode (~0.4 or ~1.7 ms
+# an all-reduce) for a launch's life on some days, and on 2026-12-05 one plan's launches ran up to
+# 30% apart with no such mode (docs/claims.md). Each collective and mechanism benchmark point, and
+# each plan's measured step, is the median over this many launches; the time bounds are judged
+# over their range (Bound.noise)
 LAUNCHES = 3
 # Passes over the layer profile's points, each point the median (write_profiles): three
 # back-to-back one-pass profiles of this CPU put the 4-layer GPT-3's plans 11% apart, and one
