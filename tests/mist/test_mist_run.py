@@ -865,18 +865,18 @@ def test_stages_whose_tp_dp_differ_train_as_the_same_pipeline_on_one_process_a_s
     tmp_path_factory, second, sequence_parallel
 ):
     """Stage 0 on TP 1 x DP 2, stage 1 on TP 2 x DP 1 (4 processes; each micro-batch's 4 sequences
-    split 2 + 2 in stage 0, whole on each TP rank of stage 1, and with sequence parallelism each
-    of those holds half the positions) or, with a device count of its own, on one process (3
-    processes: Mist's §5.3 stages, as the planner makes them for 3 stages on 4 GPUs) against the
-    same two stages on one process each (no dropout). Before any update the two compute the same thing: the same first
-    loss (1e-4), and stage 0's gradient norm after its DP average equal to the one process's
-    (1e-3; each replica's loss is the mean of its own sequences, so the input gradient stage 0
-    receives is scaled by its DP over the next stage's: without that, half), stage 1's over its
-    two TP ranks too (1e-2: its final norm's weights are on both). After that, Adam at lr 1e-2
+    split 2 + 2 in stage 0, whole on each TP rank of stage 1, and with sequence parallelism each of
+    those holds half the positions) or, with a device count of its own, on one process (3 processes:
+    Mist's §5.3 stages, as the planner makes them for 3 stages on 4 GPUs) against the same two
+    stages on one process each (no dropout). Before any update the two compute the same thing: the
+    same first loss (1e-4), and stage 0's gradient norm after its DP average equal to the one
+    process's (1e-3; each replica's loss is the mean of its own sequences, so the input gradient
+    stage 0 receives is scaled by its DP over the next stage's: without that, half), stage 1's over
+    its two TP ranks too (1e-2: its final norm's weights are on both). After that, Adam at lr 1e-2
     amplifies the TP split's different bf16 rounding (0.2% after two steps, 10% after eight), so
     only the first three losses are compared (2%). Each rank's layer input holds its replica's
-    sequences (2 in stage 0, 4 in stage 1: a per-stage DP ignored would give equal ones), and
-    memory is within the tolerance of each stage's prediction."""
+    sequences (2 in stage 0, 4 in stage 1: a per-stage DP ignored would give equal ones), and memory
+    is within the tolerance of each stage's prediction."""
     runs = {}
     for shape in ("one-process", "own"):
         if shape == "own":
