@@ -709,8 +709,9 @@ def test_zero_priced_by_the_measured_layer_where_profiled(stage, rng):
     """Where `mist profile` measured ZeRO-2 or -3 as the engine runs it (on megatron-core's layer:
     ZeRO-3 FSDP2, ZeRO-2 the engine's reductions to each layer's owner; a line over the layer's
     weight bytes), a stage's layers at that ZeRO stage cost that, exposed (in compute), instead
-    of their collectives on the overlappable channel; other stages and the embedding and head are
-    priced as before. Negative control: without the measured line nothing changes."""
+    of their collectives on the overlappable channel, and so does its embedding/head (one unit
+    more, by its own bytes: FSDP2's root, one more owner's bucket); other stages are priced as
+    before. Negative control: without the measured line nothing changes."""
     import dataclasses
 
     from mist.model.budget import gpu_budget_bytes
@@ -730,20 +731,24 @@ def test_zero_priced_by_the_measured_layer_where_profiled(stage, rng):
     key = f"{ZERO2_LAYER if stage == 2 else ZERO3_LAYER}/{dp}"
     rt = dataclasses.replace(st.runtime, collectives={**st.runtime.collectives, key: line})
     priced = evaluate_stage(dataclasses.replace(st, runtime=rt), ln, layers, 1, first, last, grid, g)
-    at_stage = grid["zero"] == stage
+    at_stage = grid["zero"] == stage  # the embedding/head take their stage's strategy here
+    edge = 2.0 * ln.embed_params * (first + last)  # its weight bytes (none in a middle stage)
+    units = [(layers, 2.0 * ln.params)] + ([(1, edge)] if edge else [])
     np.testing.assert_allclose(
         priced["compute"] - base["compute"],
-        np.where(at_stage, layers * float(line(2.0 * ln.params)), 0.0),
+        np.where(at_stage, sum(n * float(line(full)) for n, full in units), 0.0),
         rtol=1e-9,
     )
     # ...and their collectives leave the overlappable channel (priced once, not twice)
-    full = 2.0 * ln.params
-    collectives = rt.collective("reduce_scatter", full, dp, c)
-    if stage == 3:
-        collectives = collectives + 2 * rt.collective("all_gather", full, dp, c)
+    collectives = 0.0
+    for n, full in units:
+        one = rt.collective("reduce_scatter", full, dp, c)
+        if stage == 3:
+            one = one + 2 * rt.collective("all_gather", full, dp, c)
+        collectives += n * float(one)
     np.testing.assert_allclose(
         base["g2g"] - priced["g2g"],
-        np.where(at_stage, layers * float(collectives), 0.0),
+        np.where(at_stage, collectives, 0.0),
         rtol=1e-9,
         atol=1e-15,
     )
