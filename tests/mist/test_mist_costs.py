@@ -709,8 +709,8 @@ def test_zero_priced_by_the_measured_layer_where_profiled(stage, rng):
     """Where `mist profile` measured ZeRO-2 or -3 as the engine runs it (on megatron-core's layer:
     ZeRO-3 FSDP2, ZeRO-2 the engine's reductions to each layer's owner; a line over the layer's
     weight bytes), a stage's layers at that ZeRO stage cost that, exposed (in compute), instead
-    of their collectives on the overlappable channel, and so does its embedding/head (one unit
-    more, by its own bytes: FSDP2's root, one more owner's bucket); other stages are priced as
+    of their collectives on the overlappable channel, and so do its embedding and head (a unit
+    each, by its own bytes: an FSDP2 unit, one more owner's bucket); other stages are priced as
     before. Negative control: without the measured line nothing changes."""
     import dataclasses
 
@@ -732,16 +732,18 @@ def test_zero_priced_by_the_measured_layer_where_profiled(stage, rng):
     rt = dataclasses.replace(st.runtime, collectives={**st.runtime.collectives, key: line})
     priced = evaluate_stage(dataclasses.replace(st, runtime=rt), ln, layers, 1, first, last, grid, g)
     at_stage = grid["zero"] == stage  # the embedding/head take their stage's strategy here
-    edge = 2.0 * ln.embed_params * (first + last)  # its weight bytes (none in a middle stage)
-    units = [(layers, 2.0 * ln.params)] + ([(1, edge)] if edge else [])
+    edges = int(first) + int(last)  # the embedding, the head: a module each (none in a middle stage)
+    edge = 2.0 * ln.embed_params  # each one's weight bytes
+    units = [(layers, 2.0 * ln.params), (edges, edge)]
     np.testing.assert_allclose(
         priced["compute"] - base["compute"],
         np.where(at_stage, sum(n * float(line(full)) for n, full in units), 0.0),
         rtol=1e-9,
     )
-    # ...and their collectives leave the overlappable channel (priced once, not twice)
+    # ...and their collectives leave the overlappable channel (priced once, not twice): the
+    # embedding's and head's as one, at their bytes together
     collectives = 0.0
-    for n, full in units:
+    for n, full in [(layers, 2.0 * ln.params)] + ([(1, edges * edge)] if edges else []):
         one = rt.collective("reduce_scatter", full, dp, c)
         if stage == 3:
             one = one + 2 * rt.collective("all_gather", full, dp, c)

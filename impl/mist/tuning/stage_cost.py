@@ -338,34 +338,49 @@ def _state_bytes(params: float, strategy: dict[str, np.ndarray], dp: int) -> dic
 
 
 def _zero_per_micro_batch(
-    setting: Setting, layers: int, layer_w_full: float, edge_w_full: float, zero, edge_zero, across: bool
+    setting: Setting,
+    layers: int,
+    layer_w_full: float,
+    edges: int,
+    edge_w_full: float,
+    zero,
+    edge_zero,
+    across: bool,
 ) -> tuple:
     """(compute, GPU-to-GPU channel) seconds a micro-batch adds for ZeRO: ZeRO-3 gathers weights
     for forward and backward, ZeRO-2/3 reduce-scatter gradients. Where the engine's ZeRO-2 or -3
     was measured whole on a layer (collectives, copies, waits) that prices each unit the engine
-    shards alike, by its weight bytes: every layer, and the embedding/head (FSDP2's root unit at
-    ZeRO-3, one more owner's bucket at ZeRO-2), the time it is exposed for, added to compute
-    rather than overlapped again. The embedding/head priced by the collectives alone, a few
-    hundred KB on the CPU's gloo, came to ~0.5 ms where the engine measured 7-8.5 ms a
-    micro-batch (its ZeRO-3 against ZeRO-0, the layers' strategy held): the mechanism's fixed
-    costs (hooks, copies, waits for the other rank) are a unit's, whatever its size."""
+    shards alike, by its weight bytes: every layer, and the stage's ``edges`` modules of the
+    embedding/head (the embedding, the head: an FSDP2 unit each at ZeRO-3, one more owner's
+    bucket at ZeRO-2; ``edge_w_full`` their bytes together), the time it is exposed for, added
+    to compute rather than overlapped again. The embedding and head of the CPU's 4-layer GPT-3
+    at ZeRO-3 (a few hundred KB) cost 7.3-8.5 ms a micro-batch measured on the engine (2 gloo
+    processes, against the same plan with them unsharded): the mechanism's fixed costs, hooks,
+    copies and waits for the other rank. Their collectives priced them at 1.4 ms; the line,
+    fitted at a layer and half of it, prices them at 9.9 ms. Without a measured line their
+    collectives price them, at their bytes together (as Megatron-LM-like engines gather them)."""
     dp, cluster, runtime = setting.dp, setting.cluster, setting.runtime
     compute, g2g = 0.0, 0.0
     if dp == 1:
         return compute, g2g
-    for count, full, its_zero in ((layers, layer_w_full, zero), (1, edge_w_full, edge_zero)):
-        if not full:  # no such unit here (a middle stage has no embedding/head)
+    # (units the measured line prices, each's bytes; collectives the channel prices, each's bytes)
+    for units, unit_bytes, count, full, its_zero in (
+        (layers, layer_w_full, layers, layer_w_full, zero),
+        (edges, edge_w_full / max(edges, 1), 1, edge_w_full, edge_zero),
+    ):
+        if not units or not full:  # no such unit here (a middle stage has no embedding/head)
             continue
         gather = runtime.collective("all_gather", full, dp, cluster, across)
         scatter = runtime.collective("reduce_scatter", full, dp, cluster, across)
         on_channel3 = its_zero >= 3  # ZeRO-3 priced on the GPU-to-GPU channel
         on_channel2 = its_zero == 2
-        zero3, zero2 = runtime.zero3_layer(full, dp, across), runtime.zero2_layer(full, dp, across)
+        zero3 = runtime.zero3_layer(unit_bytes, dp, across)
+        zero2 = runtime.zero2_layer(unit_bytes, dp, across)
         if zero3 is not None:
-            compute = compute + count * np.where(on_channel3, zero3, 0.0)
+            compute = compute + units * np.where(on_channel3, zero3, 0.0)
             on_channel3 = False
         if zero2 is not None:
-            compute = compute + count * np.where(on_channel2, zero2, 0.0)
+            compute = compute + units * np.where(on_channel2, zero2, 0.0)
             on_channel2 = False
         g2g = g2g + count * (
             np.where(on_channel3, 2 * gather + scatter, 0.0) + np.where(on_channel2, scatter, 0.0)
@@ -740,6 +755,7 @@ def _micro_batch_s(
         setting,
         layers,
         2.0 * layer.params,
+        int(first) + int(last),  # the embedding, the head: a module each
         2.0 * edge_params,
         grid["zero"],
         edge["zero"],
