@@ -95,14 +95,16 @@ def judge(claim: Claim, source: str) -> Row:
     if isinstance(claim, Shown):
         return Row(claim, ours, SHOWN)
     broken = KNOWN_BROKEN if claim.known_broken else BROKEN
-    if claim.noise is None:
+    band = read(claim.noise, results) if claim.noise is not None else None
+    if band is None:  # no band, or none to read: the value alone is judged
         return Row(claim, ours, HOLDS if claim.check.ok(ours) else broken)
-    best, worst = read(claim.noise, results)
-    if claim.check.ok(worst):
+    # the band's ends, whichever way the check points: it holds at both, fails at both, or straddles
+    ends = [claim.check.ok(x) for x in band]
+    if all(ends):
         return Row(claim, ours, HOLDS)
-    if not claim.check.ok(best):
+    if not any(ends):
         return Row(claim, ours, broken)
-    launches = format_value((best, worst), claim.unit, signed=False)
+    launches = format_value(band, claim.unit, signed=False)
     return Row(
         claim, ours, f"{WITHIN_NOISE} (its launches give {launches}: not judged; rerun on a quieter machine)"
     )

@@ -211,11 +211,13 @@ class Bound:
     fails, and one marked but holding fails the tests: the mark goes when the cause is fixed).
 
     ``noise``: for a number measured in several launches (``value`` from each plan's median
-    launch), the (best, worst) the number takes when each plan's launch is the one most and least
-    favourable to the check. It holds only where the worst does, is broken only where the best is
-    too, and is within noise between: the launches straddle the bound. Three launches' range holds
-    their median's true value with probability 3/4 (each independent launch falls on either side
-    of it with even chance), so a straddle is a measurement too noisy to judge by, not a verdict."""
+    launch), the (low, high) it takes were each plan's launch the one that makes it least and
+    most. It holds only where both ends meet the check, is broken only where neither does, and is
+    within noise between: the launches straddle the bound, not judged (the command names it and
+    does not fail). n independent launches' range holds their median's true value with
+    probability 1 - 2^(1-n) (each falls on either side of it with even chance): 3/4 for the CPU's
+    three launches, 1/2 for the GPU check's two; a straddle is a measurement too noisy to judge
+    by, not a verdict."""
 
     id: str
     system: str
@@ -313,7 +315,7 @@ def read(value: Callable[[Results], object], results: Results) -> float | tuple[
         ours = None if got is None else tuple(float(x) for x in got) if isinstance(got, tuple) else float(got)
     except Missing:
         return None
-    except (TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError, ArithmeticError) as e:
         raise ResultFileError(
             f"{results.path}: a point holds a value of the wrong type or lacks a field "
             f"({type(e).__name__}: {e}); rerun the part that writes it, or move the file aside"

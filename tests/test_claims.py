@@ -495,3 +495,45 @@ def test_a_bound_whose_launches_straddle_it_is_within_noise_not_judged(copied_ar
     # every launch within: holds
     slow_zero3([random.uniform(0.0, 0.19) for _ in range(3)])
     assert claims.judge(claim, "results").verdict == claims.HOLDS
+
+
+def test_a_noise_band_is_judged_at_both_ends_whichever_way_the_bound_points(copied_artifacts):
+    """Review 2026-12-05: the band's ends were read as (favourable, unfavourable), right for an
+    upper bound only; an AtLeast bound inverted. And a band that cannot be read (its points not
+    run) leaves the value judged alone, not a traceback."""
+    from artifacts.verdicts import Missing, Source
+
+    low, high = sorted(random.uniform(0.1, 0.9) for _ in range(2))
+    mid = random.uniform(low, high)
+
+    def bound(check, noise) -> Bound:
+        return Bound(
+            id="synthetic",
+            system="Mist",
+            claim="",
+            measure="",
+            source=Source(
+                experiment="mist_vs_megatron", file="engine.json", evidence="measured", basis="", command=""
+            ),
+            value=lambda r: mid,
+            noise=noise,
+            check=check,
+            why="",
+        )
+
+    band = lambda r: (low, high)
+    for check_type in (AtMost, AtLeast):
+        inside = check_type(random.uniform(low, high))
+        verdict = claims.judge(bound(inside, band), "results").verdict
+        assert verdict.startswith(claims.WITHIN_NOISE), (check_type, verdict)
+    assert claims.judge(bound(AtMost(high * 1.01), band), "results").verdict == claims.HOLDS
+    assert claims.judge(bound(AtLeast(low * 0.99), band), "results").verdict == claims.HOLDS
+    assert claims.judge(bound(AtMost(low * 0.99), band), "results").verdict == claims.BROKEN
+    assert claims.judge(bound(AtLeast(high * 1.01), band), "results").verdict == claims.BROKEN
+
+    def not_run(r):
+        raise Missing("launches")
+
+    # no band to read: the value alone (mid) is judged
+    assert claims.judge(bound(AtMost(mid * 1.01), not_run), "results").verdict == claims.HOLDS
+    assert claims.judge(bound(AtMost(mid * 0.99), not_run), "results").verdict == claims.BROKEN

@@ -106,9 +106,9 @@ CASES = (
     # Tempo's case, planned by Mist with and without Tempo: with the CPU preset's nominal model,
     # within 90% of this cap (49.5 MiB) Mist without Tempo halves the micro-batch to 4 (38.0 MiB
     # predicted, the optimizer state on the host) and with Tempo keeps 8 (43.8 MiB; 63.3 without).
-    # With the CPU's fitted model (the reference of 96faf07) both keep 8, the optimizer on the host,
-    # and Mist without Tempo also keeps a quarter of its gradients there and offloads a quarter
-    # of its layers' activations
+    # With the CPU's fitted model (the references of 96faf07 and ca876df) both keep 8, the
+    # optimizer on the host, and Mist without Tempo also keeps a quarter of its gradients there
+    # and offloads a quarter of its layers' activations
     MeasuredCase("gpt3", 1, 55, systems=("mist", "mist_tempo")),
 )
 

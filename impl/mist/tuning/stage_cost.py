@@ -366,6 +366,7 @@ def _zero_per_micro_batch(
     # (units the measured line prices, each's bytes; collectives the channel prices, each's bytes)
     for units, unit_bytes, count, full, its_zero in (
         (layers, layer_w_full, layers, layer_w_full, zero),
+        # the embedding and the head hold embed_params each (untied): an even split is each's bytes
         (edges, edge_w_full / max(edges, 1), 1, edge_w_full, edge_zero),
     ):
         if not units or not full:  # no such unit here (a middle stage has no embedding/head)
