@@ -144,10 +144,14 @@ def _cases(r: Results) -> list[dict]:
     return cases
 
 
+def _timed_winners(r: Results) -> list[dict]:
+    """Every plan a system chose and trained to a time (none out of memory or refused)."""
+    return [x[s] for x in _cases(r) for s in SYSTEMS if "time_error" in x.get(s, {})]
+
+
 def measured_time_error(r: Results) -> float:
     """Worst |predicted / measured step time - 1| over every plan a system chose and trained."""
-    runs = [x[s] for x in _cases(r) for s in SYSTEMS if s in x]
-    return max(abs(x["time_error"]) for x in runs if "time_error" in x)
+    return max(abs(x["time_error"]) for x in _timed_winners(r))
 
 
 def launch_errors(run: dict) -> tuple[float, float]:
@@ -174,7 +178,7 @@ def worst_noise(runs: list[dict]) -> tuple[float, float]:
 
 def measured_time_noise(r: Results) -> tuple[float, float]:
     """``measured_time_error``'s noise band over the launches of every winner."""
-    return worst_noise([x[s] for x in _cases(r) for s in SYSTEMS if "time_error" in x.get(s, {})])
+    return worst_noise(_timed_winners(r))
 
 
 def plain_plans_that_fit(r: Results) -> float:
@@ -182,11 +186,17 @@ def plain_plans_that_fit(r: Results) -> float:
     return sum("measured_step_s" in x["plain"] for x in _cases(r))  # ran, with a time
 
 
+def _engine_runs(r: Results) -> list[dict]:
+    """The engine part's plans (engine.json's CPU setup)."""
+    runs = [p.result for p in r.select(setup="engine")]
+    if not runs:
+        raise Missing("engine")
+    return runs
+
+
 def engine(field: str) -> Callable[[Results], float]:
     def value(r: Results) -> float:
-        runs = [p.result for p in r.select(setup="engine")]
-        if not runs:
-            raise Missing("engine")
+        runs = _engine_runs(r)
         if field == "memory_error":
             return max(abs(rank["memory_error"]) for x in runs for rank in x["ranks"])
         if field == "worst_time_error":
@@ -201,9 +211,7 @@ def engine_noise(field: str) -> Callable[[Results], tuple[float, float]]:
     median |time error| were every plan's most favourable launch its median, and its least."""
 
     def value(r: Results) -> tuple[float, float]:
-        runs = [p.result for p in r.select(setup="engine")]
-        if not runs:
-            raise Missing("engine")
+        runs = _engine_runs(r)
         if field == "worst_time_error":
             return worst_noise(runs)
         bands = [launch_errors(x) for x in runs]

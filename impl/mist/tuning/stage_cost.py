@@ -342,7 +342,7 @@ def _zero_per_micro_batch(
     layers: int,
     layer_w_full: float,
     edges: int,
-    edge_w_full: float,
+    edge_w_each: float,
     zero,
     edge_zero,
     across: bool,
@@ -351,8 +351,8 @@ def _zero_per_micro_batch(
     for forward and backward, ZeRO-2/3 reduce-scatter gradients. Where the engine's ZeRO-2 or -3
     was measured whole on a layer (collectives, copies, waits) that prices each unit the engine
     shards alike, by its weight bytes: every layer, and the stage's ``edges`` modules of the
-    embedding/head (the embedding, the head: an FSDP2 unit each at ZeRO-3, one more owner's
-    bucket at ZeRO-2; ``edge_w_full`` their bytes together), the time it is exposed for, added
+    embedding/head (the embedding, the head, untied: ``edge_w_each`` bytes each; an FSDP2 unit
+    each at ZeRO-3, one more owner's bucket at ZeRO-2), the time it is exposed for, added
     to compute rather than overlapped again. The embedding and head of the CPU's 4-layer GPT-3
     at ZeRO-3 (a few hundred KB) cost 7.3-8.5 ms a micro-batch measured on the engine (2 gloo
     processes, against the same plan with them unsharded): the mechanism's fixed costs, hooks,
@@ -366,8 +366,7 @@ def _zero_per_micro_batch(
     # (units the measured line prices, each's bytes; collectives the channel prices, each's bytes)
     for units, unit_bytes, count, full, its_zero in (
         (layers, layer_w_full, layers, layer_w_full, zero),
-        # the embedding and the head hold embed_params each (untied): an even split is each's bytes
-        (edges, edge_w_full / max(edges, 1), 1, edge_w_full, edge_zero),
+        (edges, edge_w_each, 1, edges * edge_w_each, edge_zero),
     ):
         if not units or not full:  # no such unit here (a middle stage has no embedding/head)
             continue
@@ -757,7 +756,7 @@ def _micro_batch_s(
         layers,
         2.0 * layer.params,
         int(first) + int(last),  # the embedding, the head: a module each
-        2.0 * edge_params,
+        2.0 * layer.embed_params,
         grid["zero"],
         edge["zero"],
         _dp_leaves_node(setting),
