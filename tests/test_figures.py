@@ -30,7 +30,11 @@ def _draw(root: Path, script: str, how: str = "file") -> subprocess.CompletedPro
 
 @pytest.fixture
 def copy(tmp_path) -> Path:
-    shutil.copytree(REPO / "figures", tmp_path / "figures", ignore=shutil.ignore_patterns("reference"))
+    # the scripts, not what they drew: a checkout where an experiment has run has figures/results/
+    # (git-ignored), and the tests that check nothing is drawn read the copy's
+    shutil.copytree(
+        REPO / "figures", tmp_path / "figures", ignore=shutil.ignore_patterns("reference", "results")
+    )
     (tmp_path / "impl").symlink_to(REPO / "impl")
     (tmp_path / "artifacts" / "cta_mlp" / "results").mkdir(parents=True)
     for module in ("__init__.py", "verdicts.py"):  # the check the scripts read results with
