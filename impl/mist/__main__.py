@@ -415,10 +415,13 @@ def cmd_calibrate(args) -> int:
 
 
 def _constant_lines(model) -> str:
-    """The curves and collectives of a fitted runtime model that are constants (``Line``)."""
+    """The curves and collectives of a fitted runtime model that are constants (``Line``), a TP
+    size's own curves (a CPU's: ``RuntimeModel.tp_curves``) named with their size."""
+    sets = [("", model.curves)] + [(f"TP {tp} ", curves) for tp, curves in sorted(model.tp_curves.items())]
     curves = [
-        f"{cls} {direction}"
-        for cls, lines in model.curves.items()
+        f"{size}{cls} {direction}"
+        for size, of_size in sets
+        for cls, lines in of_size.items()
         for direction, line in zip(("forward", "backward"), lines, strict=True)
         if line.rate is None
     ]

@@ -704,6 +704,60 @@ def test_memory_bound_classes_fitted_to_profiles_of_shapes_within_the_cache(rng)
     assert "dropout" not in on_gpu.curves
 
 
+def test_cpu_profile_fits_each_tp_size_on_its_own(rng):
+    """A CPU profile (`mist profile` at the very shapes its plans run) at TP 1 and 2, where an op
+    at TP 2 takes longer than its TP-1 line at half the work (as on a 2-vCPU Xeon: one line
+    through both sizes priced a TP-1 micro-batch 9% under): each size is priced by curves fitted
+    to its own points, exactly as a fit to that size alone; a TP size not profiled by the curves
+    through all. Negative control: the curves through both sizes price TP 1 off. A GPU's profiles
+    keep one set of curves, and the per-size curves survive a preset's JSON."""
+    from mist.model.calibrate import _profile_op_work, fit_runtime_model
+    from mist.model.profile_data import LayerProfile
+    from mist.model.runtime import OP_CLASS, RuntimeModel
+
+    per_work = {1: rng.uniform(2e-12, 6e-12)}  # seconds per unit of work at TP 1
+    per_work[2] = per_work[1] * rng.uniform(1.3, 1.8)  # TP 2's ops: less efficient per unit of work
+    overhead = rng.uniform(5e-6, 2e-5)
+    profiles = []
+    for tp in (1, 2):
+        for mbs in (1, 2, 4):
+            p = LayerProfile("cpu", "h256", mbs, tp, 0, {}, (256, 4, 4), 128, tp_comm_inside=False)
+            ops = {}
+            for op in OP_CLASS:
+                fwd, bwd = _profile_op_work(p.model, op, mbs, 128, tp)
+                ops[op] = (overhead + fwd * per_work[tp], overhead + bwd * per_work[tp])
+            profiles.append(LayerProfile(**{**p.__dict__, "ops": ops}))
+    m = profiles[0].model
+    rm = fit_runtime_model(profiles, {}, "cpu", "both sizes")
+    assert sorted(rm.tp_curves) == [1, 2]
+    through_both = RuntimeModel("cpu", rm.curves, {}, "one line through both sizes")
+    for tp in (1, 2):
+        alone = fit_runtime_model([p for p in profiles if p.tp == tp], {}, "cpu", f"TP {tp} alone")
+        assert alone.tp_curves == {}
+        for mbs in (1, 3, 8):
+            assert rm.layer_times(m, mbs, 128, tp) == alone.layer_times(m, mbs, 128, tp)
+            assert rm.head_times(m, mbs, 128, tp) == alone.head_times(m, mbs, 128, tp)
+    own, both = (sum(model.layer_times(m, 2, 128, 1)) for model in (rm, through_both))
+    assert abs(both / own - 1) > 0.02, (both, own)  # the negative control
+    assert rm.layer_times(m, 2, 128, 4) == through_both.layer_times(m, 2, 128, 4)  # not profiled
+    on_gpu = fit_runtime_model(
+        [LayerProfile(**{**p.__dict__, "gpu_dir": "l4"}) for p in profiles], {}, "l4", ""
+    )
+    assert on_gpu.tp_curves == {}
+    again = RuntimeModel.from_json(rm.to_json())
+    assert again.tp_curves == rm.tp_curves and again.layer_times(m, 2, 128, 2) == rm.layer_times(m, 2, 128, 2)
+    for bad in ("0", "x", "02"):
+        preset = {**rm.to_json(), "tp_curves": {bad: rm.to_json()["curves"]}}
+        with pytest.raises(ValueError, match=rf"tp_curves: '{bad}' is not a TP size"):
+            RuntimeModel.from_json(preset, "p.json")
+    missing = {
+        **rm.to_json(),
+        "tp_curves": {"2": {k: v for k, v in rm.to_json()["curves"].items() if k != "gemm"}},
+    }
+    with pytest.raises(ValueError, match=r"p.json: tp_curves.2: missing gemm"):
+        RuntimeModel.from_json(missing, "p.json")
+
+
 @pytest.mark.parametrize("stage", [2, 3])
 def test_zero_priced_by_the_measured_layer_where_profiled(stage, rng):
     """Where `mist profile` measured ZeRO-2 or -3 as the engine runs it (on megatron-core's layer:

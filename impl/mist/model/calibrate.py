@@ -103,7 +103,36 @@ def fit_runtime_model(
     profiles: list[LayerProfile], collectives: dict, gpu: str, source: str, dtype: str = "fp16"
 ) -> RuntimeModel:
     """Fit every op class's curves (forward and backward) and every collective's line; ``dtype``:
-    what the profiles ran in, whose peak bounds the fitted FLOP/s (``check_rates``)."""
+    what the profiles ran in, whose peak bounds the fitted FLOP/s (``check_rates``).
+
+    A CPU's profile (`mist profile`, at the very shapes its plans run, every TP size they use) gets
+    each TP size's curves fitted to that size's points alone as well (``RuntimeModel.tp_curves``):
+    there an op at TP 2 is not its TP-1 line at half the work, and one line through both sizes
+    priced a TP-1 micro-batch 9% under the line through TP 1's points alone (measured on a 2-vCPU
+    Xeon, 2026-12-05: the 4-layer GPT-3's micro-batch of 2 at 72.3 against 79.6 ms, the same
+    profile). A GPU's curves are fitted across sizes and model shapes, which their held-out error
+    checks."""
+    # a mechanism measured on a layer is a difference of two timings: at small sizes it can round
+    # to nothing (written as 0), so it may be a constant rather than a line
+    lines = {
+        f"{kind}/{n}": (_fit_or_constant if kind in MEASURED_LAYERS else fit_line)(*zip(*rows, strict=True))
+        for (kind, n), rows in collectives.items()
+    }
+    curves = _fit_curves(profiles, gpu)
+    tps = sorted({p.tp for p in profiles})
+    by_tp = {}
+    if gpu == "cpu" and len(tps) > 1:
+        # a class one size's points cannot fit alone (too few positive times) keeps the curve
+        # through every size, never the data sheet's roofline
+        by_tp = {tp: curves | _fit_curves([p for p in profiles if p.tp == tp], gpu) for tp in tps}
+    model = RuntimeModel(gpu, curves, lines, source, by_tp)
+    check_rates(model, dtype)
+    return model
+
+
+def _fit_curves(profiles: list[LayerProfile], gpu: str) -> dict[str, tuple[Line, Line]]:
+    """Every op class's (forward, backward) curves fitted to ``profiles``, the weight gradient's and
+    those of the ops outside the layer (``_fit_outside_layer``) with them."""
     # (class, direction) -> [(work, seconds, data fits in L2)]
     samples: dict[tuple[str, int], list[tuple[float, float, bool]]] = {}
     l2 = gpus()[gpu].l2 if gpu in gpus() else 0
@@ -132,15 +161,7 @@ def fit_runtime_model(
         gemm_f, gemm_b = curves["gemm"]
         curves["wgrad"] = (gemm_f, gemm_b if timed else gemm_f)
     curves.update(_fit_outside_layer(profiles, curves))
-    # a mechanism measured on a layer is a difference of two timings: at small sizes it can round
-    # to nothing (written as 0), so it may be a constant rather than a line
-    lines = {
-        f"{kind}/{n}": (_fit_or_constant if kind in MEASURED_LAYERS else fit_line)(*zip(*rows, strict=True))
-        for (kind, n), rows in collectives.items()
-    }
-    model = RuntimeModel(gpu, curves, lines, source)
-    check_rates(model, dtype)
-    return model
+    return curves
 
 
 class RateAbovePeakError(ValueError):

@@ -153,6 +153,15 @@ class RuntimeModel:
     curves: dict[str, tuple[Line, Line]]  # class -> (forward, backward)
     collectives: dict[str, Line] = field(default_factory=dict)  # "all_reduce/4" -> line
     source: str = "roofline"
+    # TP size -> curves fitted to that size's profiles alone (a CPU's `mist profile`, where an
+    # op at TP 2 is not its TP-1 line at half the work: ``calibrate.fit_runtime_model``); a TP
+    # size without its own is priced by ``curves``, fitted to every size
+    tp_curves: dict[int, dict[str, tuple[Line, Line]]] = field(default_factory=dict)
+
+    def at_tp(self, tp) -> RuntimeModel:
+        """This model as it prices one rank of TP ``tp``: with that size's own curves where it has them."""
+        curves = self.tp_curves.get(int(tp))
+        return self if curves is None else dataclasses.replace(self, curves=curves, tp_curves={})
 
     # ---- per-layer times
 
@@ -169,6 +178,9 @@ class RuntimeModel:
         """Forward and backward compute seconds of one layer on one TP rank (no communication).
         ``weight_gradients=False``: without the weight-gradient GEMMs (to compare with profiles
         that did not time them). ``only``: of these traced ops alone (no framework overhead)."""
+        own = self.at_tp(tp)
+        if own is not self:
+            return own.layer_times(model, mbs, seq, tp, sequence_parallel, weight_gradients, only)
         fwd = bwd = 0.0
         classes = {traced: op_class for op, op_class in OP_CLASS.items() for traced in LAYER_OPS.get(op, ())}
         for name, kind, costs_at in op_features(model, sequence_parallel):
@@ -205,6 +217,9 @@ class RuntimeModel:
         self, model: ModelSpec, mbs, seq, tp, weight_gradients: bool = True
     ) -> tuple[float, float]:
         """Final norm + LM head GEMM + cross-entropy over the vocabulary, per micro-batch and TP rank."""
+        own = self.at_tp(tp)
+        if own is not self:
+            return own.head_times(model, mbs, seq, tp, weight_gradients)
         head = {name: value(expr, model, mbs, seq, tp) for name, expr in head_costs(model).items()}
         gemm_f, gemm_b = self.curve("gemm")
         norm_f, norm_b = self.curve("norm")
@@ -224,6 +239,9 @@ class RuntimeModel:
 
     def embedding_times(self, model: ModelSpec, mbs, seq, tp) -> tuple[float, float]:
         """The (vocab-parallel) embedding lookup forward, its table gradient backward."""
+        own = self.at_tp(tp)
+        if own is not self:
+            return own.embedding_times(model, mbs, seq, tp)
         edge = {name: value(expr, model, mbs, seq, tp) for name, expr in head_costs(model).items()}
         f_line, b_line = self.curve("embedding")
         return float(f_line(edge["embed_tokens_bytes"])), float(b_line(edge["embed_table_bytes"]))
@@ -339,14 +357,18 @@ class RuntimeModel:
     # ---- persistence
 
     def to_json(self) -> dict:
-        return {
+        def lines(curves: dict[str, tuple[Line, Line]]) -> dict:
+            return {name: [asdict(forward), asdict(backward)] for name, (forward, backward) in curves.items()}
+
+        out = {
             "gpu": self.gpu,
             "source": self.source,
-            "curves": {
-                name: [asdict(forward), asdict(backward)] for name, (forward, backward) in self.curves.items()
-            },
+            "curves": lines(self.curves),
             "collectives": {name: asdict(line) for name, line in self.collectives.items()},
         }
+        if self.tp_curves:  # JSON's keys are strings
+            out["tp_curves"] = {str(tp): lines(curves) for tp, curves in sorted(self.tp_curves.items())}
+        return out
 
     @classmethod
     def from_json(
@@ -358,7 +380,7 @@ class RuntimeModel:
         curves all there (a missing one would be priced by the data-sheet roofline without a
         word); collectives the kinds the model looks up; ``gpu`` (the file's name says it) the
         preset's own. ``path`` names the file in the one-line errors."""
-        check_fields(path, "", preset, ("gpu", "source", "curves", "collectives"))
+        check_fields(path, "", preset, ("gpu", "source", "curves", "collectives"), ("tp_curves",))
         name = text(path, "gpu", preset["gpu"])
         if gpu is not None and name != gpu:
             raise ValueError(f"{path}: gpu must be {gpu!r} (the GPU its file name says), got {name!r}")
@@ -377,10 +399,32 @@ class RuntimeModel:
                 raise ValueError(f"{path}: collectives: {key!r} is not {kinds}")
         return cls(
             name,
-            {curve: _line_pair(path, f"curves.{curve}", pair) for curve, pair in curves.items()},
+            _curve_pairs(path, "curves", curves),
             {key: _line(path, f"collectives.{key}", line) for key, line in collectives.items()},
             text(path, "source", preset["source"]),
+            _tp_curves(path, preset.get("tp_curves", {})),
         )
+
+
+def _curve_pairs(path: Path | str, where: str, curves: dict) -> dict[str, tuple[Line, Line]]:
+    """A preset's curves (``where``: which), every one a (forward, backward) pair of lines."""
+    return {curve: _line_pair(path, f"{where}.{curve}", pair) for curve, pair in curves.items()}
+
+
+def _tp_curves(path: Path | str, by_tp: object) -> dict[int, dict[str, tuple[Line, Line]]]:
+    """A preset's per-TP curves: TP sizes (whole numbers from 1 to 2**20, as strings) to curves,
+    each set with every layer curve (``RuntimeModel.from_json``)."""
+    if not isinstance(by_tp, dict):
+        raise ValueError(f"{path}: tp_curves must be a mapping of TP sizes to curves, got {by_tp!r}")
+    out = {}
+    for key, curves in by_tp.items():
+        whole = isinstance(key, str) and key.isdecimal() and len(key) <= 7 and key == str(int(key))
+        if not whole or not 1 <= int(key) <= 2**20:
+            raise ValueError(f"{path}: tp_curves: {key!r} is not a TP size (a whole number from 1 to 2**20)")
+        where = f"tp_curves.{key}"
+        chosen = check_fields(path, where, curves, LAYER_CURVES, OPTIONAL_CURVES)
+        out[int(key)] = _curve_pairs(path, where, chosen)
+    return out
 
 
 # The curves every runtime preset has: the layer's op classes (a profile always times each) and
