@@ -160,7 +160,7 @@ class RuntimeModel:
 
     def at_tp(self, tp) -> RuntimeModel:
         """This model as it prices one rank of TP ``tp``: with that size's own curves where it has them."""
-        curves = self.tp_curves.get(int(tp))
+        curves = self.tp_curves.get(int(tp)) if self.tp_curves else None  # a GPU's: one set for all
         return self if curves is None else dataclasses.replace(self, curves=curves, tp_curves={})
 
     # ---- per-layer times
