@@ -712,8 +712,9 @@ def test_cpu_profile_fits_each_tp_size_on_its_own(rng):
     through all. Negative control: the curves through both sizes price TP 1 off. A GPU's profiles
     keep one set of curves, and the per-size curves survive a preset's JSON."""
     from mist.model.calibrate import _profile_op_work, fit_runtime_model
-    from mist.model.profile_data import LayerProfile
+    from mist.model.profile_data import EMBEDDING_OP, HEAD_OP, LayerProfile
     from mist.model.runtime import OP_CLASS, RuntimeModel
+    from mist.model.symbolic import head_costs, value
 
     per_work = {1: rng.uniform(2e-12, 6e-12)}  # seconds per unit of work at TP 1
     per_work[2] = per_work[1] * rng.uniform(1.3, 1.8)  # TP 2's ops: less efficient per unit of work
@@ -721,11 +722,17 @@ def test_cpu_profile_fits_each_tp_size_on_its_own(rng):
     profiles = []
     for tp in (1, 2):
         for mbs in (1, 2, 4):
-            p = LayerProfile("cpu", "h256", mbs, tp, 0, {}, (256, 4, 4), 128, tp_comm_inside=False)
+            p = LayerProfile("cpu", "h256", mbs, tp, 0, {}, (256, 4, 4), 128, tp_comm_inside=False, vocab=512)
             ops = {}
-            for op in OP_CLASS:
+            for op in OP_CLASS:  # the layer's ops, the framework's excess, the gradient accumulation
                 fwd, bwd = _profile_op_work(p.model, op, mbs, 128, tp)
                 ops[op] = (overhead + fwd * per_work[tp], overhead + bwd * per_work[tp])
+            edge = {k: value(e, p.model, mbs, 128, tp) for k, e in head_costs(p.model).items()}
+            head = edge["head_flops_fwd"] + edge["logits_fp32_bytes"]  # the head's GEMM and its loss
+            ops[HEAD_OP] = (overhead + head * per_work[tp], overhead + 2 * head * per_work[tp])
+            ops[EMBEDDING_OP] = tuple(
+                overhead + edge[k] * per_work[tp] for k in ("embed_tokens_bytes", "embed_table_bytes")
+            )
             profiles.append(LayerProfile(**{**p.__dict__, "ops": ops}))
     m = profiles[0].model
     rm = fit_runtime_model(profiles, {}, "cpu", "both sizes")
@@ -735,15 +742,21 @@ def test_cpu_profile_fits_each_tp_size_on_its_own(rng):
         alone = fit_runtime_model([p for p in profiles if p.tp == tp], {}, "cpu", f"TP {tp} alone")
         assert alone.tp_curves == {}
         for mbs in (1, 3, 8):
-            assert rm.layer_times(m, mbs, 128, tp) == alone.layer_times(m, mbs, 128, tp)
-            assert rm.head_times(m, mbs, 128, tp) == alone.head_times(m, mbs, 128, tp)
+            for times in ("layer_times", "head_times", "embedding_times"):
+                assert getattr(rm, times)(m, mbs, 128, tp) == getattr(alone, times)(m, mbs, 128, tp), times
+        assert rm.at_tp(tp).accumulate_line == alone.accumulate_line  # what stage_cost prices it by
     own, both = (sum(model.layer_times(m, 2, 128, 1)) for model in (rm, through_both))
     assert abs(both / own - 1) > 0.02, (both, own)  # the negative control
+    assert through_both.accumulate_line != rm.at_tp(1).accumulate_line
     assert rm.layer_times(m, 2, 128, 4) == through_both.layer_times(m, 2, 128, 4)  # not profiled
-    on_gpu = fit_runtime_model(
-        [LayerProfile(**{**p.__dict__, "gpu_dir": "l4"}) for p in profiles], {}, "l4", ""
-    )
-    assert on_gpu.tp_curves == {}
+    # the layer's ops alone (the edge rows' made-up rates would be above L4's data sheet)
+    on_gpu = [
+        LayerProfile(
+            **{**p.__dict__, "gpu_dir": "l4", "ops": {k: v for k, v in p.ops.items() if k in OP_CLASS}}
+        )
+        for p in profiles
+    ]
+    assert fit_runtime_model(on_gpu, {}, "l4", "").tp_curves == {}
     again = RuntimeModel.from_json(rm.to_json())
     assert again.tp_curves == rm.tp_curves and again.layer_times(m, 2, 128, 2) == rm.layer_times(m, 2, 128, 2)
     for bad in ("0", "x", "02"):

@@ -122,8 +122,8 @@ def fit_runtime_model(
     tps = sorted({p.tp for p in profiles})
     by_tp = {}
     if gpu == "cpu" and len(tps) > 1:
-        # a class one size's points cannot fit alone (too few positive times) keeps the curve
-        # through every size, never the data sheet's roofline
+        # a class with no points at one size keeps the curve through every size, never the data
+        # sheet's roofline (one whose times there are too few positive ones is that size's constant)
         by_tp = {tp: curves | _fit_curves([p for p in profiles if p.tp == tp], gpu) for tp in tps}
     model = RuntimeModel(gpu, curves, lines, source, by_tp)
     check_rates(model, dtype)

@@ -517,7 +517,7 @@ def _accumulation_s(
     micro-batch writes rather than adds to (GradAccumulation.adds_per_micro_batch)."""
     dp = setting.dp
     accumulation = setting.grad_accumulation
-    add_line = setting.runtime.accumulate_line
+    add_line = setting.runtime.at_tp(setting.tp).accumulate_line  # a CPU fit's own for this TP size
     in_buffer, in_shards = 0.0, 0.0
     for params, its_zero in ((layer_params, zero), (edge_params, edge_zero)):
         sharded = (np.asarray(its_zero) >= 2) & (dp > 1)
