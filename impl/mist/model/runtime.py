@@ -147,6 +147,17 @@ def residual_stream_bytes(model: ModelSpec, mbs, seq) -> float:
     return 2.0 * mbs * seq * model.hidden
 
 
+def _at_its_tp(price):
+    """``price`` (a RuntimeModel method of (model, mbs, seq, tp, ...)) by the model's curves for
+    that TP size (``RuntimeModel.at_tp``)."""
+
+    @functools.wraps(price)
+    def at_its_tp(self, model, mbs, seq, tp, *args, **kwargs):
+        return price(self.at_tp(tp), model, mbs, seq, tp, *args, **kwargs)
+
+    return at_its_tp
+
+
 @dataclass
 class RuntimeModel:
     gpu: str
@@ -165,6 +176,7 @@ class RuntimeModel:
 
     # ---- per-layer times
 
+    @_at_its_tp
     def layer_times(
         self,
         model: ModelSpec,
@@ -178,9 +190,6 @@ class RuntimeModel:
         """Forward and backward compute seconds of one layer on one TP rank (no communication).
         ``weight_gradients=False``: without the weight-gradient GEMMs (to compare with profiles
         that did not time them). ``only``: of these traced ops alone (no framework overhead)."""
-        own = self.at_tp(tp)
-        if own is not self:
-            return own.layer_times(model, mbs, seq, tp, sequence_parallel, weight_gradients, only)
         fwd = bwd = 0.0
         classes = {traced: op_class for op, op_class in OP_CLASS.items() for traced in LAYER_OPS.get(op, ())}
         for name, kind, costs_at in op_features(model, sequence_parallel):
@@ -213,13 +222,11 @@ class RuntimeModel:
             fwd, bwd = fwd + f_line(work), bwd + b_line(work)
         return fwd, bwd
 
+    @_at_its_tp
     def head_times(
         self, model: ModelSpec, mbs, seq, tp, weight_gradients: bool = True
     ) -> tuple[float, float]:
         """Final norm + LM head GEMM + cross-entropy over the vocabulary, per micro-batch and TP rank."""
-        own = self.at_tp(tp)
-        if own is not self:
-            return own.head_times(model, mbs, seq, tp, weight_gradients)
         head = {name: value(expr, model, mbs, seq, tp) for name, expr in head_costs(model).items()}
         gemm_f, gemm_b = self.curve("gemm")
         norm_f, norm_b = self.curve("norm")
@@ -237,11 +244,9 @@ class RuntimeModel:
         )
         return float(fwd), float(bwd)
 
+    @_at_its_tp
     def embedding_times(self, model: ModelSpec, mbs, seq, tp) -> tuple[float, float]:
         """The (vocab-parallel) embedding lookup forward, its table gradient backward."""
-        own = self.at_tp(tp)
-        if own is not self:
-            return own.embedding_times(model, mbs, seq, tp)
         edge = {name: value(expr, model, mbs, seq, tp) for name, expr in head_costs(model).items()}
         f_line, b_line = self.curve("embedding")
         return float(f_line(edge["embed_tokens_bytes"])), float(b_line(edge["embed_table_bytes"]))
@@ -394,7 +399,7 @@ class RuntimeModel:
             )
         for key in collectives:
             kind, _, gpus = key.partition("/")
-            fits = gpus.isdecimal() and len(gpus) <= 7 and gpus == str(int(gpus)) and 2 <= int(gpus) <= 2**20
+            fits = _whole_key(gpus, 2)
             if kind not in COLLECTIVE_KINDS or not fits:
                 raise ValueError(f"{path}: collectives: {key!r} is not {kinds}")
         return cls(
@@ -404,6 +409,13 @@ class RuntimeModel:
             text(path, "source", preset["source"]),
             _tp_curves(path, preset.get("tp_curves", {})),
         )
+
+
+def _whole_key(key: object, least: int) -> bool:
+    """Whether a preset's key is a whole number from ``least`` to 2**20 in decimal, as written (no
+    sign, no leading zero): a GPU count, a TP size."""
+    fits = isinstance(key, str) and key.isdecimal() and len(key) <= 7 and key == str(int(key))
+    return fits and least <= int(key) <= 2**20
 
 
 def _curve_pairs(path: Path | str, where: str, curves: dict) -> dict[str, tuple[Line, Line]]:
@@ -418,8 +430,7 @@ def _tp_curves(path: Path | str, by_tp: object) -> dict[int, dict[str, tuple[Lin
         raise ValueError(f"{path}: tp_curves must be a mapping of TP sizes to curves, got {by_tp!r}")
     out = {}
     for key, curves in by_tp.items():
-        whole = isinstance(key, str) and key.isdecimal() and len(key) <= 7 and key == str(int(key))
-        if not whole or not 1 <= int(key) <= 2**20:
+        if not _whole_key(key, 1):
             raise ValueError(f"{path}: tp_curves: {key!r} is not a TP size (a whole number from 1 to 2**20)")
         where = f"tp_curves.{key}"
         chosen = check_fields(path, where, curves, LAYER_CURVES, OPTIONAL_CURVES)
