@@ -608,6 +608,40 @@ def test_tempo_layers_priced_by_the_fitted_tempo_excess(tmp_path):
             assert twice == pytest.approx(2 * once, rel=1e-4)
 
 
+@pytest.mark.parametrize("tempo", [False, True])
+@pytest.mark.parametrize("gated_ffn", [None, 96])
+def test_the_profile_times_the_layer_the_engine_trains(monkeypatch, tempo, gated_ffn):
+    """The profile's whole-layer row (what the framework's and Tempo's excess are read from) times
+    the layer mist.engine.run trains: every parameter in the profile's dtype. Negative control:
+    megatron-core's local spec built the same way keeps its torch norms' weights in float32 (the
+    profile timed that layer until 2026-12-05; the engine's half-precision wrapper casts them)."""
+    import torch
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.spec_utils import build_module
+
+    from mist.engine.profiler import layer as profiler_layer
+    from mist.engine.profiler.megatron_layer import megatron_config, megatron_state
+
+    timed = []
+    built = profiler_layer.engine_layer
+
+    def spy(*args, **kwargs):
+        timed.append(built(*args, **kwargs))
+        return timed[-1]
+
+    monkeypatch.setattr(profiler_layer, "engine_layer", spy)
+    seconds = profiler_layer.megatron_layer_seconds(
+        1, 16, 64, 4, 1, torch.bfloat16, "cpu", repeats=1, tempo=tempo, gated_ffn=gated_ffn
+    )
+    assert len(timed) == 1 and all(t >= 0 for t in seconds)
+    assert {p.dtype for p in timed[0].parameters()} == {torch.bfloat16}
+    with megatron_state():
+        local = build_module(
+            get_gpt_layer_local_spec(), config=megatron_config(64, 4, 1, torch.bfloat16), layer_number=1
+        )
+    assert torch.float32 in {p.dtype for p in local.parameters()}
+
+
 @pytest.mark.slow
 def test_profile_with_company_leaves_no_process(tmp_path):
     """``concurrent=2`` on a CPU: a second copy of the profile competes for the cores while this

@@ -100,6 +100,35 @@ def profile_layer(
     return rows
 
 
+def engine_layer(
+    h: int,
+    heads: int,
+    tp: int,
+    dtype: torch.dtype,
+    device: str,
+    tempo: bool = False,
+    gated_ffn: int | None = None,
+) -> nn.Module:
+    """One rank's share of a decoder layer as mist.engine.run builds it (inside ``megatron_state``):
+    megatron-core's local spec with the engine's norms (``layers.layer_spec``), or with ``tempo``
+    Tempo's (tempo.megatron); ``gated_ffn``: a Llama layer (megatron_config). Not megatron-core's
+    local spec itself: its torch norm keeps float32 weights when built alone (the engine's
+    half-precision wrapper casts them; nothing does here), a layer the engine never runs."""
+    from megatron.core.transformer.spec_utils import build_module
+
+    from ..layers import layer_spec
+
+    normalization = "LayerNorm" if gated_ffn is None else "RMSNorm"
+    if tempo:
+        from tempo.megatron import tempo_layer_spec
+
+        spec = tempo_layer_spec(normalization)
+    else:
+        spec = layer_spec(normalization, False)
+    config = megatron_config(h, heads, tp, dtype, gated_ffn)
+    return build_module(spec, config=config, layer_number=1).to(device).train()
+
+
 def megatron_layer_seconds(
     b: int,
     s: int,
@@ -112,25 +141,11 @@ def megatron_layer_seconds(
     tempo: bool = False,
     gated_ffn: int | None = None,
 ) -> tuple[float, float]:
-    """(forward, backward) seconds of megatron-core's own GPT layer (local spec, the layer
-    mist.engine.run trains) at one rank's share; timed like the ops, so the difference is the
-    framework. ``tempo``: the layer with Tempo's ops (tempo.megatron, as the engine builds a Tempo
-    plan's). ``gated_ffn``: a Llama layer instead (megatron_config), as the engine builds it."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer.spec_utils import build_module
-
-    from ..layers import layer_spec
-
-    normalization = "LayerNorm" if gated_ffn is None else "RMSNorm"
-    if tempo:
-        from tempo.megatron import tempo_layer_spec
-
-        spec = tempo_layer_spec(normalization)
-    else:
-        spec = get_gpt_layer_local_spec() if gated_ffn is None else layer_spec(normalization, False)
+    """(forward, backward) seconds of the decoder layer mist.engine.run trains (``engine_layer``)
+    at one rank's share; timed like the ops, so the difference is the framework. ``tempo``: the
+    layer with Tempo's ops, as the engine builds a Tempo plan's; ``gated_ffn``: a Llama layer."""
     with megatron_state():
-        config = megatron_config(h, heads, tp, dtype, gated_ffn)
-        layer = build_module(spec, config=config, layer_number=1).to(device).train()
+        layer = engine_layer(h, heads, tp, dtype, device, tempo, gated_ffn)
         x, mask, grad = layer_inputs(b, s, h, dtype, device)
 
         def forward():
@@ -148,13 +163,8 @@ def grad_accumulation_seconds(
     parameter, in half precision (the engine's gradients; ``dtype`` where it is 16-bit). No op's
     profile holds it (each op's gradients are fresh) and the cost model prices it per micro-batch
     (stage_cost._accumulation_s)."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer.spec_utils import build_module
-
     with megatron_state():
-        config = megatron_config(h, heads, tp, dtype)
-        layer = build_module(get_gpt_layer_local_spec(), config=config, layer_number=1)
-        shapes = [p.shape for p in layer.parameters()]
+        shapes = [p.shape for p in engine_layer(h, heads, tp, dtype, "cpu").parameters()]
     half = dtype if dtype.itemsize == 2 else torch.bfloat16
     accumulated = [torch.zeros(shape, dtype=half, device=device) for shape in shapes]
     new = [torch.randn(shape, device=device).to(half) for shape in shapes]
@@ -193,8 +203,9 @@ def _gpt_model_seconds(
     """{(pre_process, post_process): (forward, backward) seconds} of a one-layer GPTModel at one
     rank's share: without the embedding and head, with the embedding, with both."""
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.module import Float16Module
+
+    from ..layers import block_spec
 
     seconds = {}
     with megatron_state():
@@ -207,7 +218,7 @@ def _gpt_model_seconds(
         for pre, post in ((False, False), (True, False), (True, True)):
             model = GPTModel(
                 config=config,
-                transformer_layer_spec=get_gpt_layer_local_spec(),
+                transformer_layer_spec=block_spec("LayerNorm", False, 1),  # the engine's, final norm included
                 vocab_size=vocab // tp,
                 max_sequence_length=s,
                 pre_process=pre,

@@ -18,8 +18,9 @@ def _tp_worker(
     ranks (its own tensor parallelism) and one rank's share of it built alone, timed forward
     alone and forward + backward, interleaved, all ranks at once."""
     import torch.distributed as dist
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.spec_utils import build_module
+
+    from ..layers import layer_spec
 
     dev = init_rank(rank, n, port, device)
 
@@ -33,7 +34,8 @@ def _tp_worker(
                     # the state it is built in
                     torch.manual_seed(0)
                     config = megatron_config(h, heads, 1 if split else n, dtype)
-                    module = build_module(get_gpt_layer_local_spec(), config=config, layer_number=1)
+                    # the engine's layer (its norms), split by megatron-core
+                    module = build_module(layer_spec("LayerNorm", False), config=config, layer_number=1)
                     module = module.to(dev, dtype)
                     x, mask, grad = layer_inputs(b, s, h, dtype, dev)
 
