@@ -5,6 +5,7 @@ was refused is not launched again; the median launch is the one reported."""
 from __future__ import annotations
 
 import random
+import statistics
 
 from artifacts.mist_vs_megatron import engine
 from measure.contention import Contention
@@ -92,3 +93,58 @@ def test_a_launch_beside_other_work_is_said_and_a_quiet_one_is_not():
     # control: all quiet, nothing known, or a result from before contention was recorded
     assert engine.busy_launches({"launches_contention": [quiet.as_dict(), None]}) == ""
     assert engine.busy_launches({}) == ""
+
+
+def test_each_launch_is_probed_just_before_it(monkeypatch, tmp_path):
+    """With a probe (engine.speed_probe), the machine's speed is taken just before each launch and
+    kept, in launch order, beside the launch's step; a plan that ends (out of memory, refused) has
+    no time and so no probe to compare it with. Without one, nothing is probed (the tests above)."""
+    rng = random.Random()
+    outcomes = {
+        "a": [{"step_s": rng.uniform(0.1, 1), "report": {}, "contention": None} for _ in range(3)],
+        "b": [{"step_s": rng.uniform(0.1, 1), "report": {}, "contention": None} for _ in range(3)],
+        "over": [{"out_of_memory": True, "report": {}}],
+    }
+    order = _fake_launches(monkeypatch, outcomes)
+    probes = [rng.uniform(0.01, 0.05) for _ in range(7)]
+    taken = iter(probes)
+
+    def probe() -> float:
+        order.append("probe")
+        return next(taken)
+
+    trained, rounds = engine.train_plans({n: _Plan() for n in outcomes}, 2, 3, 3, tmp_path, probe)
+    launched = [n for r in rounds for n in r]
+    assert order == [x for n in launched for x in ("probe", n)]  # a probe just before every launch
+    for name in ("a", "b"):
+        mine = [probes[i] for i, n in enumerate(launched) if n == name]
+        assert trained[name]["launches_probe_s"] == mine
+    assert "launches_probe_s" not in trained["over"]
+
+
+def test_the_machines_drift_between_fit_and_launches_is_said():
+    rng = random.Random()
+    fit = [rng.uniform(0.02, 0.03) for _ in range(2)]
+    launches = [rng.uniform(0.02, 0.04) for _ in range(rng.randint(1, 9))]
+    change = engine.speed_change(fit, launches)
+    assert change == statistics.median(launches) / statistics.fmean(fit) - 1
+    line = engine.probe_line(fit, launches)
+    assert f"{abs(change):.0%}" in line or "as fast" in line
+    assert ("slower" in line) == (round(abs(change), 2) > 0 and change > 0)
+    assert ("faster" in line) == (round(abs(change), 2) > 0 and change < 0)
+    assert "as fast" in engine.probe_line([0.02, 0.02], [0.02])
+    assert "10% slower" in engine.probe_line([0.02], [0.022])
+    # not probed (results from before the probe): nothing said
+    assert engine.speed_change([], launches) is None and engine.probe_line(None, launches) == ""
+    assert engine.probe_line(fit, []) == ""
+
+
+def test_the_speed_probe_times_the_setups_layer_on_one_thread():
+    import dataclasses
+
+    import torch
+
+    threads = torch.get_num_threads()
+    setup = dataclasses.replace(engine.CPU_ENGINE, model_overrides=engine.DRY_RUN_OVERRIDES, micro_batch=1)
+    seconds = engine.speed_probe(setup)
+    assert 0 < seconds < 10 and torch.get_num_threads() == threads

@@ -51,6 +51,11 @@ LAUNCHES = 3
 PROFILE_ROUNDS = 3
 
 
+# The machine's speed, probed beside the fit and before every launch (speed_probe): this many
+# forward and backward passes of one layer, the median
+PROBE_REPEATS = 10
+
+
 @dataclass(frozen=True)
 class EngineSetup:
     name: str  # result file stem
@@ -101,6 +106,54 @@ CPU_ENGINE = EngineSetup(
 # hardware path (AMD Zen 3: 0.56 GFLOP/s, measured 2026-12-02) the full shape ran past the parts'
 # 150 s dry budgets (at hidden 128, seq 64 still 165 s); this one does about 1/32 of the work.
 DRY_RUN_OVERRIDES = {**CPU_ENGINE.model_overrides, "hidden": 64, "seq": 64}
+
+
+def speed_probe(setup: EngineSetup) -> float:
+    """Seconds of one forward and backward of the engine's decoder layer at ``setup``'s shape,
+    dtype and micro-batch, alone on one thread of ``setup.device`` (a rank's device): the median
+    of PROBE_REPEATS. A fit prices launches made minutes after it, and on a shared VM the speed
+    moves by 10-20% within half an hour (docs/claims.md, 2026-12-05); the probe taken beside the
+    fit and before each launch says by how much the machine moved between them, so a time error
+    can be told apart from the machine's drift. It says nothing of what the model misses (the
+    same layer is in the profile); it is reported, never used to correct a prediction."""
+    import torch
+
+    from measure.training import DTYPES
+    from mist import model
+    from mist.engine.profiler import megatron_layer_seconds
+
+    spec = model(setup.model, **setup.model_overrides)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        shape = (setup.micro_batch, spec.seq, spec.hidden, spec.heads, 1)
+        dtype = DTYPES[setup.profile["dtype"]]
+        return sum(megatron_layer_seconds(*shape, dtype, setup.device, repeats=PROBE_REPEATS))
+    finally:
+        torch.set_num_threads(before)
+
+
+def speed_change(fit_probe_s: list[float], launches_probe_s: list[float]) -> float | None:
+    """How much slower the machine was at the launches than at the fit, by the probe (the median
+    launch's over the fit's mean; + slower): None where either was not probed."""
+    if not fit_probe_s or not launches_probe_s:
+        return None
+    return statistics.median(launches_probe_s) / statistics.fmean(fit_probe_s) - 1
+
+
+def probe_line(fit_probe_s: list[float] | None, launches_probe_s: list[float]) -> str:
+    """The machine's drift between a fit and its launches, by the probe, as a line; "" where
+    either was not probed (results from before the probe)."""
+    change = speed_change(fit_probe_s or [], launches_probe_s)
+    if change is None:
+        return ""
+    fit_ms, at_ms = statistics.fmean(fit_probe_s) * 1e3, statistics.median(launches_probe_s) * 1e3
+    if round(abs(change), 2) == 0:
+        moved = "as fast at these launches as at the fit"
+    else:
+        moved = f"{abs(change):.0%} {'slower' if change > 0 else 'faster'} at these launches than at the fit"
+    probed = f"a layer: {fit_ms:.1f} ms at the fit, {at_ms:.1f} at the launches"
+    return f"the machine {moved}, by its probe ({probed})"
 
 
 def _one_gpu(**stage) -> dict:
@@ -161,7 +214,12 @@ def _launch_once(plan, processes: int, args: list[str], out: Path, name: str) ->
 
 
 def train_plans(
-    plans: dict, processes: int, steps: int, launches: int, work: Path
+    plans: dict,
+    processes: int,
+    steps: int,
+    launches: int,
+    work: Path,
+    probe: Callable[[], float] | None = None,
 ) -> tuple[dict[str, dict], list[list[str]]]:
     """Each of ``plans`` (name -> plan) trained by ``mist.engine.run`` from scratch in ``launches``
     launches of ``processes`` processes, interleaved: round by round, each plan still running
@@ -174,7 +232,8 @@ def train_plans(
     above the plan's cap, that launch's report with ``out_of_memory`` set and no time (a run that
     may crash is not one a user can take; it is not launched again); or, where the engine refuses
     the plan on this device, ``refused`` with its reason. And the rounds: the names launched in
-    each, in order."""
+    each, in order. With ``probe`` (speed_probe), the machine's speed is probed just before each
+    launch (``launches_probe_s``, in launch order)."""
     if not plans:  # every system of a case found no plan: nothing to launch
         return {}, []
     args = {}
@@ -189,8 +248,10 @@ def train_plans(
         order = [n for n in names[r % len(names) :] + names[: r % len(names)] if n not in ended]
         rounds.append(order)
         for name in order:
+            probed = probe() if probe is not None else None
             one = _launch_once(plans[name], processes, *args[name], name)
             if "step_s" in one:
+                one["probe_s"] = probed
                 timed[name].append(one)
             else:
                 ended[name] = one
@@ -211,12 +272,22 @@ def train_plans(
                 "launches_contention": [x["contention"] and x["contention"].as_dict() for x in timed[name]],
                 "report": median["report"],
             }
+            if probe is not None:  # the machine's speed just before each launch
+                trained[name]["launches_probe_s"] = [x["probe_s"] for x in timed[name]]
     return trained, rounds
 
 
-def train_plan(plan, processes: int, steps: int, launches: int, work: Path, name: str) -> dict:
+def train_plan(
+    plan,
+    processes: int,
+    steps: int,
+    launches: int,
+    work: Path,
+    name: str,
+    probe: Callable[[], float] | None = None,
+) -> dict:
     """``plan`` alone trained as ``train_plans`` trains several (its launches back to back)."""
-    return train_plans({name: plan}, processes, steps, launches, work)[0][name]
+    return train_plans({name: plan}, processes, steps, launches, work, probe)[0][name]
 
 
 def rank_memory(plan, report: dict) -> list[dict]:
@@ -239,7 +310,7 @@ def rank_memory(plan, report: dict) -> list[dict]:
     return ranks
 
 
-def engine_point(setup: EngineSetup, name: str, fit: dict, work: Path) -> dict:
+def engine_point(setup: EngineSetup, name: str, fit: dict, fits: RuntimeFits) -> dict:
     from mist import Plan, cluster, predict
 
     base = {
@@ -254,7 +325,7 @@ def engine_point(setup: EngineSetup, name: str, fit: dict, work: Path) -> dict:
     }
     plan = Plan.from_dict({**base, **setup.plans[name]})
     predict(plan, plan.model_spec(), cluster(setup.gpu, setup.processes), runtime=fit["model"])
-    trained = train_plan(plan, setup.processes, setup.steps, setup.launches, work, name)
+    trained = train_plan(plan, setup.processes, setup.steps, setup.launches, fits.work, name, fits.probe)
     if "refused" in trained:  # the setup's plans are ones the engine runs: a refusal is a bug here
         raise RuntimeError(f"mist.engine.run refused {name}: {trained['refused']}")
     step_s, report = trained["step_s"], trained["report"]
@@ -273,6 +344,9 @@ def engine_point(setup: EngineSetup, name: str, fit: dict, work: Path) -> dict:
         "launches_step_s": trained["launches_step_s"],  # each launch's median step
         "launches_contention": trained["launches_contention"],
         "fit_contention": fit["contention"],  # what the profile and benchmarks shared the cores with
+        # the machine's speed (speed_probe) beside the fit and just before each launch
+        "fit_probe_s": fit["probe_s"],
+        "launches_probe_s": trained["launches_probe_s"],
         "predicted_step_s": plan.predicted_iteration_s,
         "time_error": plan.predicted_iteration_s / step_s - 1,
         "measured_phases_s": phases,
@@ -308,15 +382,18 @@ def fit_runtime(setup: EngineSetup, work: Path) -> dict:
     processes, the collectives among them too, and the mechanisms as the engine runs them: its step
     collectives, and on a layer ZeRO-2, ZeRO-3 and TP over all processes (write_rank_benchmarks,
     as `mist profile --collectives`). With it, what else ran on the cores meanwhile
-    (``contention``: measure.contention)."""
+    (``contention``: measure.contention) and the machine's speed just before and after
+    (``probe_s``: speed_probe)."""
     from mist.model.calibrate import calibrate
 
+    probed = [speed_probe(setup)]  # the machine's speed beside the fit: just before it and after
     with OtherWork() as other:  # what else ran on the cores while the fit's inputs were timed
         _write_fit_inputs(setup, work / setup.gpu)
+    probed.append(speed_probe(setup))
     if other.result is not None and not other.result.quiet:
         print(f"  {other.result.line(f'the profile for {setup.processes} process(es)')}", flush=True)
     fit = next(iter(calibrate(work / setup.gpu).values()))
-    return {**fit, "contention": other.result and other.result.as_dict()}
+    return {**fit, "contention": other.result and other.result.as_dict(), "probe_s": probed}
 
 
 def _write_fit_inputs(setup: EngineSetup, profiles: Path) -> None:
@@ -396,6 +473,10 @@ class RuntimeFits:
             self.fits[processes] = fit_runtime(setup, out)
         return self.fits[processes]
 
+    def probe(self) -> float:
+        """The machine's speed now, probed as every fit and launch of these fits is (speed_probe)."""
+        return speed_probe(self.base)
+
 
 def run_engine(run: Run, setup: EngineSetup, fits: RuntimeFits) -> ResultFile:
     store = run.file(f"{setup.name}.json", setup.device, config={"profile": setup.profile})
@@ -404,7 +485,7 @@ def run_engine(run: Run, setup: EngineSetup, fits: RuntimeFits) -> ResultFile:
         fit = fits(setup.processes)
         for k, name in enumerate(todo, 1):
             print(f"  [{k}/{len(todo)}] {name}: {setup.launches} launch(es)", flush=True)
-            store.compute(engine_key(setup, name), lambda n=name: engine_point(setup, n, fit, fits.work))
+            store.compute(engine_key(setup, name), lambda n=name: engine_point(setup, n, fit, fits))
     return store
 
 
@@ -441,6 +522,8 @@ def print_engine(store: Results) -> None:
         )
         if note := busy_launches(r):
             print(f"    note: {note}")
+        if drift := probe_line(r.get("fit_probe_s"), r.get("launches_probe_s", [])):
+            print(f"    {drift}")
 
 
 def main(argv: list[str] | None = None) -> None:

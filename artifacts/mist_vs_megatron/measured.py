@@ -51,6 +51,7 @@ from .engine import (
     EngineSetup,
     RuntimeFits,
     busy_launches,
+    probe_line,
     rank_memory,
     train_plan,
     train_plans,
@@ -215,6 +216,7 @@ def _trained(plan, trained: dict) -> dict:
         "measured_step_s": trained["step_s"],
         "launches_step_s": steps,  # each launch's median step
         "launches_contention": trained["launches_contention"],  # what each shared its cores with
+        "launches_probe_s": trained.get("launches_probe_s", []),  # the machine's speed before each
         "spread": (max(steps) - min(steps)) / trained["step_s"],  # launch to launch, of the median
         "time_error": plan.simulated_iteration_s / trained["step_s"] - 1,
         "losses": next(x["losses"] for x in trained["report"]["ranks"] if x["losses"] is not None),
@@ -239,6 +241,7 @@ def measured_point(case: MeasuredCase, setup: MeasuredSetup, fits: RuntimeFits) 
         "runtime_model": runtime.source,
         "runtime_model_held_out_error": fit["mean_abs_error"],
         "runtime_fit_contention": fit["contention"],  # what the fit's profile shared its cores with
+        "runtime_fit_probe_s": fit["probe_s"],  # the machine's speed just before and after the fit
         "plain": {"plan": plan_summary(plain), **_trained(plain, plain_run)},
     }
     plans = plan_systems(case, runtime, setup=setup)
@@ -254,6 +257,7 @@ def measured_point(case: MeasuredCase, setup: MeasuredSetup, fits: RuntimeFits) 
         setup.steps,
         setup.launches,
         fits.work,
+        fits.probe,
     )
     system_of = {name: system for system, name in names.items()}
     out["launch_rounds"] = [[system_of[name] for name in order] for order in rounds]  # interleaved
@@ -398,6 +402,11 @@ def print_measured(store: Results) -> None:
                 f"({worst:.1f} MiB measured, {max(x['predicted_bytes'] for x in plain['ranks']) / MiB:.1f} "
                 f"predicted)"
             )
+        # the machine's speed before each launch, a plan that two systems share counted once
+        trained = [r[k] for k in (*SYSTEMS, TEMPO) if k in r and "same_plan_as" not in r[k]]
+        launched = [t for s in trained for t in s.get("launches_probe_s", [])]
+        if drift := probe_line(r.get("runtime_fit_probe_s"), launched):
+            print(f"    {drift}")
         for system in (*SYSTEMS, TEMPO):
             if system not in r:  # TEMPO: where the setup plans with Tempo
                 continue
