@@ -134,17 +134,51 @@ def test_the_machines_drift_between_fit_and_launches_is_said():
     assert ("faster" in line) == (round(abs(change), 2) > 0 and change < 0)
     assert "as fast" in engine.probe_line([0.02, 0.02], [0.02])
     assert "10% slower" in engine.probe_line([0.02], [0.022])
+    assert "20.0 and 18.0 ms just before and after the fit" in engine.probe_line([0.02, 0.018], [0.019])
     # not probed (results from before the probe): nothing said
     assert engine.speed_change([], launches) is None and engine.probe_line(None, launches) == ""
     assert engine.probe_line(fit, []) == ""
 
 
-def test_the_speed_probe_times_the_setups_layer_on_one_thread():
+def test_the_speed_probe_times_the_setups_layer_on_one_thread(monkeypatch):
+    """One thread while it times (a rank's device), the caller's count restored after; the layer
+    at the setup's shape and micro-batch, really timed (a positive time)."""
     import dataclasses
 
     import torch
 
-    threads = torch.get_num_threads()
+    from mist.engine import profiler
+
     setup = dataclasses.replace(engine.CPU_ENGINE, model_overrides=engine.DRY_RUN_OVERRIDES, micro_batch=1)
-    seconds = engine.speed_probe(setup)
-    assert 0 < seconds < 10 and torch.get_num_threads() == threads
+    seen, timed = [], profiler.megatron_layer_seconds
+
+    def spy(b, s, h, heads, tp, *args, **kwargs):
+        seen.append((torch.get_num_threads(), b, s, h, heads, tp))
+        return timed(b, s, h, heads, tp, *args, **kwargs)
+
+    monkeypatch.setattr(profiler, "megatron_layer_seconds", spy)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)  # not the probe's one: that it is restored can be seen
+    try:
+        seconds = engine.speed_probe(setup)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+    assert seen == [(1, 1, 64, 64, 4, 1)] and 0 < seconds < 10
+
+
+def test_a_cases_launch_probes_count_a_shared_plan_once():
+    from artifacts.mist_vs_megatron.measured import case_launch_probes
+
+    rng = random.Random()
+    own = {s: [rng.uniform(0.01, 0.03) for _ in range(3)] for s in ("mist", "aceso")}
+    result = {
+        "mist": {"launches_probe_s": own["mist"]},
+        "megatron": {"launches_probe_s": own["mist"], "same_plan_as": "mist"},  # mist's launches
+        "aceso": {"launches_probe_s": own["aceso"]},
+        "zero3": {"infeasible": "no plan within the cap"},
+        "plain": {"launches_probe_s": [9.9]},  # not a system's winner
+    }
+    assert case_launch_probes(result) == own["mist"] + own["aceso"]
+    old = {"mist": {"measured_step_s": 0.2}, "aceso": {"measured_step_s": 0.3}}  # before the probe
+    assert case_launch_probes(old) == [] and engine.probe_line(None, []) == ""

@@ -115,7 +115,9 @@ def speed_probe(setup: EngineSetup) -> float:
     moves by 10-20% within half an hour (docs/claims.md, 2026-12-05); the probe taken beside the
     fit and before each launch says by how much the machine moved between them, so a time error
     can be told apart from the machine's drift. It says nothing of what the model misses (the
-    same layer is in the profile); it is reported, never used to correct a prediction."""
+    same layer is in the profile); it is reported, never used to correct a prediction. It is a
+    coarse gauge: one layer alone for ~0.3 s, where the fit takes minutes and the launches run
+    several ranks (the fit's own two probes were 10% apart on 2026-12-05)."""
     import torch
 
     from measure.training import DTYPES
@@ -131,6 +133,8 @@ def speed_probe(setup: EngineSetup) -> float:
         return sum(megatron_layer_seconds(*shape, dtype, setup.device, repeats=PROBE_REPEATS))
     finally:
         torch.set_num_threads(before)
+        if setup.device == "cuda":  # the probe's layer is not the runner's to keep
+            torch.cuda.empty_cache()
 
 
 def speed_change(fit_probe_s: list[float], launches_probe_s: list[float]) -> float | None:
@@ -142,17 +146,19 @@ def speed_change(fit_probe_s: list[float], launches_probe_s: list[float]) -> flo
 
 
 def probe_line(fit_probe_s: list[float] | None, launches_probe_s: list[float]) -> str:
-    """The machine's drift between a fit and its launches, by the probe, as a line; "" where
-    either was not probed (results from before the probe)."""
+    """The machine's drift between a fit and its launches, by the probe, as a line, with what the
+    probe did during the fit itself (its resolution); "" where either was not probed (results
+    from before the probe)."""
     change = speed_change(fit_probe_s or [], launches_probe_s)
     if change is None:
         return ""
-    fit_ms, at_ms = statistics.fmean(fit_probe_s) * 1e3, statistics.median(launches_probe_s) * 1e3
+    at_ms = statistics.median(launches_probe_s) * 1e3
+    fit_ms = " and ".join(f"{t * 1e3:.1f}" for t in fit_probe_s)
     if round(abs(change), 2) == 0:
         moved = "as fast at these launches as at the fit"
     else:
         moved = f"{abs(change):.0%} {'slower' if change > 0 else 'faster'} at these launches than at the fit"
-    probed = f"a layer: {fit_ms:.1f} ms at the fit, {at_ms:.1f} at the launches"
+    probed = f"a layer: {fit_ms} ms just before and after the fit, {at_ms:.1f} at the launches (median)"
     return f"the machine {moved}, by its probe ({probed})"
 
 

@@ -388,6 +388,13 @@ def _plan_line(plan: dict) -> str:
     return f"{shape}: [{stages}]{pre_post}"
 
 
+def case_launch_probes(result: dict) -> list[float]:
+    """The machine's speed just before each launch of a case (``result``: its point's), a plan
+    that two systems share counted once; none in results from before the probe."""
+    trained = [result[k] for k in (*SYSTEMS, TEMPO) if k in result and "same_plan_as" not in result[k]]
+    return [t for system in trained for t in system.get("launches_probe_s", [])]
+
+
 def print_measured(store: Results) -> None:
     for p in store:
         r = p.result
@@ -402,10 +409,7 @@ def print_measured(store: Results) -> None:
                 f"({worst:.1f} MiB measured, {max(x['predicted_bytes'] for x in plain['ranks']) / MiB:.1f} "
                 f"predicted)"
             )
-        # the machine's speed before each launch, a plan that two systems share counted once
-        trained = [r[k] for k in (*SYSTEMS, TEMPO) if k in r and "same_plan_as" not in r[k]]
-        launched = [t for s in trained for t in s.get("launches_probe_s", [])]
-        if drift := probe_line(r.get("runtime_fit_probe_s"), launched):
+        if drift := probe_line(r.get("runtime_fit_probe_s"), case_launch_probes(r)):
             print(f"    {drift}")
         for system in (*SYSTEMS, TEMPO):
             if system not in r:  # TEMPO: where the setup plans with Tempo
