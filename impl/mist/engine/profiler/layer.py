@@ -109,11 +109,13 @@ def engine_layer(
     tempo: bool = False,
     gated_ffn: int | None = None,
 ) -> nn.Module:
-    """One rank's share of a decoder layer as mist.engine.run builds it (inside ``megatron_state``):
-    megatron-core's local spec with the engine's norms (``layers.layer_spec``), or with ``tempo``
-    Tempo's (tempo.megatron); ``gated_ffn``: a Llama layer (megatron_config). Not megatron-core's
-    local spec itself: its torch norm keeps float32 weights when built alone (the engine's
-    half-precision wrapper casts them; nothing does here), a layer the engine never runs."""
+    """One rank's share of a decoder layer built from the spec mist.engine.run builds its layers
+    from (inside ``megatron_state``): megatron-core's local spec with the engine's norms
+    (``layers.layer_spec``), or with ``tempo`` Tempo's (tempo.megatron); ``gated_ffn``: a Llama
+    layer. Its config is ``megatron_config``'s (the profiled shape, dropout as the model family
+    has it), not a plan's. Not megatron-core's local spec itself: its torch norm keeps float32
+    weights when built alone (the engine's half-precision wrapper casts them; nothing does here),
+    a layer the engine never runs."""
     from megatron.core.transformer.spec_utils import build_module
 
     from ..layers import layer_spec
@@ -141,8 +143,8 @@ def megatron_layer_seconds(
     tempo: bool = False,
     gated_ffn: int | None = None,
 ) -> tuple[float, float]:
-    """(forward, backward) seconds of the decoder layer mist.engine.run trains (``engine_layer``)
-    at one rank's share; timed like the ops, so the difference is the framework. ``tempo``: the
+    """(forward, backward) seconds of a decoder layer of the engine's spec (``engine_layer``) at
+    one rank's share; timed like the ops, so the difference is the framework. ``tempo``: the
     layer with Tempo's ops, as the engine builds a Tempo plan's; ``gated_ffn``: a Llama layer."""
     with megatron_state():
         layer = engine_layer(h, heads, tp, dtype, device, tempo, gated_ffn)
