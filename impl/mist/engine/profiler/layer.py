@@ -31,7 +31,13 @@ from ...model.profile_data import (
     mark_profile_complete,
 )
 from ...model.specs import ModelSpec
-from .megatron_layer import forward_backward_seconds, layer_inputs, megatron_config, megatron_state
+from .megatron_layer import (
+    engine_layer,
+    forward_backward_seconds,
+    layer_inputs,
+    megatron_config,
+    megatron_state,
+)
 
 
 def _ops(b: int, s: int, h: int, heads: int, tp: int, dtype, device) -> list[tuple[str, Callable, list]]:
@@ -98,37 +104,6 @@ def profile_layer(
             }
         )
     return rows
-
-
-def engine_layer(
-    h: int,
-    heads: int,
-    tp: int,
-    dtype: torch.dtype,
-    device: str,
-    tempo: bool = False,
-    gated_ffn: int | None = None,
-) -> nn.Module:
-    """One rank's share of a decoder layer built from the spec mist.engine.run builds its layers
-    from (inside ``megatron_state``): megatron-core's local spec with the engine's norms
-    (``layers.layer_spec``), or with ``tempo`` Tempo's (tempo.megatron); ``gated_ffn``: a Llama
-    layer. Its config is ``megatron_config``'s (the profiled shape, dropout as the model family
-    has it), not a plan's. Not megatron-core's local spec itself: its torch norm keeps float32
-    weights when built alone (the engine's half-precision wrapper casts them; nothing does here),
-    a layer the engine never runs."""
-    from megatron.core.transformer.spec_utils import build_module
-
-    from ..layers import layer_spec
-
-    normalization = "LayerNorm" if gated_ffn is None else "RMSNorm"
-    if tempo:
-        from tempo.megatron import tempo_layer_spec
-
-        spec = tempo_layer_spec(normalization)
-    else:
-        spec = layer_spec(normalization, False)
-    config = megatron_config(h, heads, tp, dtype, gated_ffn)
-    return build_module(spec, config=config, layer_number=1).to(device).train()
 
 
 def megatron_layer_seconds(

@@ -94,6 +94,37 @@ def megatron_config(h: int, heads: int, tp: int, dtype: torch.dtype, gated_ffn: 
     )
 
 
+def engine_layer(
+    h: int,
+    heads: int,
+    tp: int,
+    dtype: torch.dtype,
+    device: str,
+    tempo: bool = False,
+    gated_ffn: int | None = None,
+) -> nn.Module:
+    """One rank's share of a decoder layer built from the spec mist.engine.run builds its layers
+    from (inside ``megatron_state``): megatron-core's local spec with the engine's norms
+    (``layers.layer_spec``), or with ``tempo`` Tempo's (tempo.megatron); ``gated_ffn``: a Llama
+    layer. Its config is ``megatron_config``'s (the profiled shape, dropout as the model family
+    has it), not a plan's. Not megatron-core's local spec itself: its torch norm keeps float32
+    weights when built alone (the engine's half-precision wrapper casts them; nothing does here),
+    a layer the engine never runs."""
+    from megatron.core.transformer.spec_utils import build_module
+
+    from ..layers import layer_spec
+
+    normalization = "LayerNorm" if gated_ffn is None else "RMSNorm"
+    if tempo:
+        from tempo.megatron import tempo_layer_spec
+
+        spec = tempo_layer_spec(normalization)
+    else:
+        spec = layer_spec(normalization, False)
+    config = megatron_config(h, heads, tp, dtype, gated_ffn)
+    return build_module(spec, config=config, layer_number=1).to(device).train()
+
+
 def forward_backward_seconds(forward: Callable, backward_from: Callable, device: str, repeats: int):
     """(forward, backward) seconds: the forward timed alone, the backward as (both) - forward."""
 

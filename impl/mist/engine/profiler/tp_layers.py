@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from ...model.runtime import TP_LAYER, TP_LAYER_FORWARD
-from .megatron_layer import layer_inputs, megatron_config, megatron_state
+from .megatron_layer import engine_layer, layer_inputs, megatron_state
 from .ranks import init_rank, interleaved_seconds_all_ranks, median_rows, run_ranks, write_line_csv
 
 
@@ -18,9 +18,6 @@ def _tp_worker(
     ranks (its own tensor parallelism) and one rank's share of it built alone, timed forward
     alone and forward + backward, interleaved, all ranks at once."""
     import torch.distributed as dist
-    from megatron.core.transformer.spec_utils import build_module
-
-    from ..layers import layer_spec
 
     dev = init_rank(rank, n, port, device)
 
@@ -33,10 +30,7 @@ def _tp_worker(
                     # megatron splits a TP-n layer's heads itself; a layer keeps the groups of
                     # the state it is built in
                     torch.manual_seed(0)
-                    config = megatron_config(h, heads, 1 if split else n, dtype)
-                    # the engine's layer (its norms), split by megatron-core
-                    module = build_module(layer_spec("LayerNorm", False), config=config, layer_number=1)
-                    module = module.to(dev, dtype)
+                    module = engine_layer(h, heads, 1 if split else n, dtype, dev)  # split by megatron-core
                     x, mask, grad = layer_inputs(b, s, h, dtype, dev)
 
                     def forward(module=module, x=x, mask=mask) -> torch.Tensor:
