@@ -365,7 +365,7 @@ def layer_costs(model: ModelSpec, sequence_parallel: bool = False) -> LayerCosts
         selective_backward_bytes=_recomputed_backward_peak(
             [op for op in ops if op.name in core], core_inputs
         ),
-        transient_bytes=sp.Max(*(op.working for op in ops if op.working != 0)),
+        transient_bytes=sp.Max(*(op.working for op in ops if op.working != 0), evaluate=False),
         params=sp.expand(params),
         tp_all_reduce=comm("all_reduce"),
         tp_all_gather=comm("all_gather"),
@@ -405,6 +405,15 @@ def value(expr: sp.Expr, model: ModelSpec, batch: int, seq: int, tp: int) -> flo
     return float(sp.sympify(expr).xreplace(as_integers({**numeric(model), b: batch, s: seq, t: tp})))
 
 
+def _with_numbers(expr: sp.Expr, fixed: dict[sp.Symbol, sp.Integer]) -> sp.Expr:
+    """``expr.xreplace(fixed)``, a Max at its top left unevaluated: xreplace rebuilds a Max and
+    sympy then proves which of its terms is largest, seconds a model (half of a small search)
+    for what numpy's maximum over all of them gives."""
+    if isinstance(expr, sp.Max):
+        return sp.Max(*(term.xreplace(fixed) for term in expr.args), evaluate=False)
+    return expr.xreplace(fixed)
+
+
 @functools.lru_cache(maxsize=64)
 def _compile(costs: LayerCosts, model: ModelSpec) -> Callable[..., dict[str, np.ndarray]]:
     fixed = as_integers(numeric(model))
@@ -420,7 +429,7 @@ def _compile(costs: LayerCosts, model: ModelSpec) -> Callable[..., dict[str, np.
         "tp_all_gather",
         "tp_reduce_scatter",
     ]
-    exprs = [getattr(costs, name).xreplace(fixed) for name in names]
+    exprs = [_with_numbers(getattr(costs, name), fixed) for name in names]
     lambdified = sp.lambdify((b, s, t), exprs, "numpy")
 
     def evaluate(batch, seq, tp) -> dict[str, np.ndarray]:

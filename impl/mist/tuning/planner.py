@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import numbers
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -48,6 +49,7 @@ from .stage_cost import (
     Setting,
     clip_barrier_s,
     evaluate_stage,
+    fitting_rows,
     layer_numbers,
     strategy_grid,
 )
@@ -201,12 +203,46 @@ def _stage_devices_settings(problem: Problem, options: PlannerOptions) -> list[t
     return sorted(out, key=lambda pipeline: pipeline[:3])
 
 
+@dataclass(frozen=True)
+class _Fits:
+    """What a stage's frontiers will ask of its strategies: the fewest micro-batches in flight at
+    any position that shares the evaluation, and the device and host budgets."""
+
+    in_flight: float
+    budget: float
+    host_budget: float
+
+
 def _stage_values(
-    setting: Setting, layer, layers: int, first: bool, last: bool, space: SearchSpace, grad_accum: int
+    setting: Setting,
+    layer,
+    layers: int,
+    first: bool,
+    last: bool,
+    space: SearchSpace,
+    grad_accum: int,
+    fits: _Fits | None = None,
 ):
+    """(grid, evaluate_stage's arrays over it at one micro-batch in flight, per_flight). With
+    ``fits``, the grid holds only the strategies that fit it (``stage_cost.fitting_rows``): the
+    frontiers at that many in flight or more are the same, and found in a fraction of the time."""
     if setting.model.flash and space.selective:  # FlashAttention keeps no scores: nothing to recompute
         space = dataclasses.replace(space, selective=False)
     grid = strategy_grid(layers, space)
+    if fits is not None:
+        rows = fitting_rows(
+            setting,
+            layer,
+            layers,
+            first,
+            last,
+            grid,
+            grad_accum,
+            fits.in_flight,
+            fits.budget,
+            fits.host_budget,
+        )
+        grid = {name: column[rows] for name, column in grid.items()}
     one = evaluate_stage(setting, layer, layers, 1, first, last, grid, grad_accum)
     return grid, one, one["per_flight"]
 
@@ -294,14 +330,21 @@ def _setting_frontiers(
     grids: dict[tuple[int, bool, bool], tuple] = {}
     devices = setting.tp * setting.dp
     budget = float(problem.gpu_budget)
+    # a stage kind's strategies are evaluated once, for the stages of that kind: only those that
+    # fit with the fewest micro-batches in flight any of them holds
+    fewest: dict[tuple[bool, bool], float] = {}
+    for i in range(stage_count):
+        kind = (i == 0, i == stage_count - 1)
+        fewest[kind] = min(fewest.get(kind, math.inf), candidate.in_flight(i))
     for i in range(stage_count):
         first, last = i == 0, i == stage_count - 1
         flight = candidate.in_flight(i)
+        fits = _Fits(fewest[first, last], budget, problem.host_budget)
         for layers in range(1, layers_in_model - stage_count + 2):
             key = (layers, first, last)
             if key not in grids:
                 grids[key] = _stage_values(
-                    setting, layer, layers, first, last, options.space, candidate.grad_accum
+                    setting, layer, layers, first, last, options.space, candidate.grad_accum, fits
                 )
             _, values, per_flight = grids[key]
             if not options.imbalance_aware:
@@ -432,8 +475,9 @@ def _stage_devices_frontiers(
     for devices, device_shapes in shapes.items():
         for layers in range(1, layers_in_model - stages + 2):
             for (first, last), stages_of_kind in positions.items():
+                fewest = min(in_flight(i, stages, micro_batches) for i in stages_of_kind)
                 merged = _MergedStage.evaluate(
-                    problem, stages, micro_batches, device_shapes, layers, first, last, options
+                    problem, stages, micro_batches, device_shapes, layers, first, last, options, fewest
                 )
                 by_flight: dict[float, tuple[Frontier, list]] = {}
                 for i in stages_of_kind:
@@ -450,10 +494,11 @@ def _stage_devices_frontiers(
 @dataclass
 class _MergedStage:
     """A stage's strategies on one device count, every (TP, DP) shape's grid one after another:
-    ``values`` concatenated, shape k's rows from ``starts[k]``."""
+    ``values`` concatenated, shape k's rows from ``starts[k]``; of each shape's grid the
+    strategies that fit with the fewest micro-batches in flight that its frontiers ask for."""
 
     shapes: list[tuple[int, int, int]]  # (tp, dp, micro-batch)
-    grid: dict[str, np.ndarray]  # the strategy grid (the same for every shape)
+    grids: list[dict[str, np.ndarray]]  # each shape's strategies (those that fit)
     values: dict[str, np.ndarray]
     per_flight: np.ndarray
     starts: np.ndarray
@@ -469,13 +514,15 @@ class _MergedStage:
         first: bool,
         last: bool,
         options: PlannerOptions,
+        fewest: float,
     ) -> _MergedStage:
+        fits = _Fits(fewest, float(problem.gpu_budget), problem.host_budget)
         evaluated = []
         for tp, dp, micro_batch in shapes:
             setting = problem.setting(tp, dp, micro_batch, stages, overlap_grad_reduce=True)
             evaluated.append(
                 _stage_values(
-                    setting, layer_numbers(setting), layers, first, last, options.space, micro_batches
+                    setting, layer_numbers(setting), layers, first, last, options.space, micro_batches, fits
                 )
             )
         values = {
@@ -486,7 +533,7 @@ class _MergedStage:
             values.update({key: np.zeros_like(values[key]) for key in BLIND_TO})
         starts = np.cumsum([0] + [len(shape_values["steady"]) for _, shape_values, _ in evaluated])
         per_flight = np.concatenate([shape_per_flight for _, _, shape_per_flight in evaluated])
-        return cls(shapes, evaluated[0][0], values, per_flight, starts)
+        return cls(shapes, [grid for grid, _, _ in evaluated], values, per_flight, starts)
 
     def frontier(self, flight: float, problem: Problem) -> Frontier:
         return frontier_for(
@@ -497,7 +544,8 @@ class _MergedStage:
         """(tp, dp, strategy) of a row of ``values``."""
         shape = int(np.searchsorted(self.starts, row, side="right")) - 1
         tp, dp, _ = self.shapes[shape]
-        return tp, dp, {name: self.grid[name][row - self.starts[shape]] for name in STRATEGY_FIELDS}
+        grid = self.grids[shape]
+        return tp, dp, {name: grid[name][row - self.starts[shape]] for name in STRATEGY_FIELDS}
 
 
 # the arrays of a stage's evaluation that its frontier reads

@@ -842,6 +842,49 @@ def _stage_memory(
     return memory, per_flight, swapped * kept
 
 
+def _stage_state(
+    setting: Setting, layer: LayerNumbers, layers: int, first: bool, last: bool, grid: dict, edge: dict
+) -> tuple[float, tuple[dict, dict]]:
+    """(the embedding/head's parameters on the stage, (state bytes of the stage's layers, of its
+    embedding/head)): _state_bytes under the grid's and the edge's strategies."""
+    edge_params = (layer.embed_params if first else 0.0) + (layer.embed_params if last else 0.0)
+    mine = _state_bytes(layers * layer.params, grid, setting.dp)
+    theirs = _state_bytes(edge_params, edge, setting.dp)  # none on a middle stage
+    return edge_params, (mine, theirs)
+
+
+def fitting_rows(
+    setting: Setting,
+    layer: LayerNumbers,
+    layers: int,
+    first: bool,
+    last: bool,
+    grid: dict[str, np.ndarray],
+    grad_accum: int,
+    in_flight: float,
+    budget: float,
+    host_budget: float,
+) -> np.ndarray:
+    """Indices of ``grid``'s strategies whose stage fits ``budget`` device bytes and ``host_budget``
+    host bytes with ``in_flight`` micro-batches held, by the rule ``inter_stage.frontier_for``
+    applies to evaluate_stage's arrays (memory at one in flight plus the others' activations),
+    computed the same way: the memory alone, which is a third of a stage's evaluation. Held
+    bytes only grow with ``in_flight``, so a frontier at that many or more keeps none of the
+    other rows, and the searches price the times of these rows only (in the largest cases a
+    seventh of the grid fits)."""
+    edge = {name: grid[name] for name in EDGE_FIELDS}
+    _, state = _stage_state(setting, layer, layers, first, last, grid, edge)
+    memory, per_flight, host_per_flight = _stage_memory(
+        layer, grid, edge, layers, 1, first, last, state, grad_accum
+    )
+    if np.any(per_flight < 0) or np.any(host_per_flight < 0):  # never so: then held bytes could shrink
+        return np.arange(len(grid["recompute"]))
+    host_memory = state[0]["host"] + state[1]["host"] + 1 * host_per_flight
+    fits = memory + (in_flight - 1) * per_flight <= budget
+    fits &= host_memory + (in_flight - 1) * host_per_flight <= host_budget
+    return np.flatnonzero(np.broadcast_to(fits, np.shape(grid["recompute"])))
+
+
 def evaluate_stage(
     setting: Setting,
     layer: LayerNumbers,
@@ -861,9 +904,7 @@ def evaluate_stage(
         raise ValueError("grad_accum must be >= 1")
     edge = edge or {name: grid[name] for name in EDGE_FIELDS}
     shape = np.broadcast_shapes(*(np.shape(column) for column in (*grid.values(), *edge.values())))
-    edge_params = (layer.embed_params if first else 0.0) + (layer.embed_params if last else 0.0)
-    mine = _state_bytes(layers * layer.params, grid, setting.dp)  # the stage's layers'
-    theirs = _state_bytes(edge_params, edge, setting.dp)  # the embedding's or head's, where it has one
+    edge_params, (mine, theirs) = _stage_state(setting, layer, layers, first, last, grid, edge)
     steady, compute, g2g = _micro_batch_s(
         setting, layer, layers, grid, edge, first, last, (mine, theirs), grad_accum
     )
