@@ -446,6 +446,7 @@ def _write_fit_inputs(setup: EngineSetup, profiles: Path) -> None:
             repeats=10,
             rounds=8,
             launches=setup.launches,
+            progress=say,
             every=True,  # the plans are priced by all of them
         )
     mark_profile_complete(profiles)  # every benchmark is in: calibrate fits it

@@ -32,6 +32,7 @@ sequence shards: the same pattern, not the same elements). Gradients are exact e
 from __future__ import annotations
 
 import functools
+import logging
 from dataclasses import replace
 
 import torch
@@ -188,6 +189,13 @@ def _attention_class():
     return TempoDotProductAttention
 
 
+class _UnknownMlpNotice(logging.Filter):
+    """Drops megatron-core's notice that a layer's MLP is not its own MLP class (``_mlp_class``)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Unknown MLP type:")
+
+
 @functools.cache
 def _mlp_class():
     """The MLP class, defined on first use (as ``_attention_class``)."""
@@ -196,6 +204,11 @@ def _mlp_class():
         reduce_scatter_to_sequence_parallel_region,
     )
     from megatron.core.transformer.mlp import MLP
+
+    # megatron-core's layer passes its TP group to an MLP whose class is MLP itself and, for any
+    # other class, logs "Unknown MLP type ... Using default kwargs" at every layer it builds;
+    # TempoMLP without the group takes the default one, which is that group
+    logging.getLogger("megatron.core.transformer.transformer_layer").addFilter(_UnknownMlpNotice())
 
     class TempoMLP(MLP):
         """megatron-core's MLP with GELU keeping its output and one bit an element, or SwiGLU

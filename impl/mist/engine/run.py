@@ -148,6 +148,7 @@ def _config(spec, plan: Plan, dtype: torch.dtype, tp: int | None = None, selecti
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
+        cuda_graph_scope=[],  # the whole layer, as megatron-core's default "full", which warns
     )
 
 

@@ -91,6 +91,7 @@ def megatron_config(h: int, heads: int, tp: int, dtype: torch.dtype, gated_ffn: 
         gated_linear_unit=gated,
         activation_func=torch.nn.functional.silu if gated else torch.nn.functional.gelu,
         bias_activation_fusion=gated,
+        cuda_graph_scope=[],  # the whole layer, as megatron-core's default "full", which warns
     )
 
 
