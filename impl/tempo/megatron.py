@@ -207,7 +207,8 @@ def _mlp_class():
 
     # megatron-core's layer passes its TP group to an MLP whose class is MLP itself and, for any
     # other class, logs "Unknown MLP type ... Using default kwargs" at every layer it builds;
-    # TempoMLP without the group takes the default one, which is that group
+    # TempoMLP without the group takes the default one, which is that group. The notice names
+    # only the spec's class (ModuleSpec), so this drops it for any MLP class in the process
     logging.getLogger("megatron.core.transformer.transformer_layer").addFilter(_UnknownMlpNotice())
 
     class TempoMLP(MLP):

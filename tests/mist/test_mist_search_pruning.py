@@ -10,6 +10,7 @@ import sympy as sp
 
 from mist import cluster, model
 from mist.model import symbolic
+from mist.tuning import planner
 from mist.tuning.inter_stage import frontier_for
 from mist.tuning.planner import PlannerOptions, _Fits, _stage_values, settings
 from mist.tuning.problem import Problem
@@ -21,8 +22,8 @@ GiB = 1 << 30
 CASES = [("gpt3-1.3b", 4, 32, 9 * GiB), ("llama-7b", 8, 64, 16 * GiB), ("falcon-7b", 8, 64, 14 * GiB)]
 
 
-def _candidates(rng: np.random.Generator, how_many: int):
-    name, gpus, batch, memory = CASES[rng.integers(len(CASES))]
+def _candidates(rng: np.random.Generator, how_many: int, cases: list[tuple] = CASES):
+    name, gpus, batch, memory = cases[rng.integers(len(cases))]
     memory = int(memory * rng.uniform(0.7, 1.3))  # the budget at a fresh place each run
     problem = Problem.resolve(model(name), cluster("l4", gpus, gpu_memory=memory), batch, None, None)
     candidates = list(settings(problem, PlannerOptions(micro_batches=(1, 2))))
@@ -36,10 +37,12 @@ def _frontier_strategies(grid: dict, frontier) -> list[tuple]:
 
 def test_fitting_rows_are_the_rows_the_frontier_rule_keeps(rng):
     """fitting_rows is frontier_for's memory rule over the whole grid's evaluation, at any number
-    in flight (fractions too: interleaved stages hold them)."""
-    problem, candidates = _candidates(rng, 4)
+    in flight (fractions too: interleaved stages hold them), the host budget's rule with it
+    (a host budget inside the grid's range: it drops rows the device budget keeps)."""
+    problem, candidates = _candidates(rng, 1000)
     budget = float(problem.gpu_budget)
-    for candidate in candidates:
+    host_dropped = 0
+    for checked, candidate in enumerate(candidates, 1):
         setting = candidate.setting(problem)
         layer = layer_numbers(setting)
         layers = int(rng.integers(1, problem.model.layers // candidate.stages + 1))
@@ -48,31 +51,28 @@ def test_fitting_rows_are_the_rows_the_frontier_rule_keeps(rng):
             setting, layer, layers, first, last, PlannerOptions().space, candidate.grad_accum
         )
         flight = float(rng.choice([0.5, 1.0, 2.0, 3.0, 7.5]))
-        rows = fitting_rows(
-            setting,
-            layer,
-            layers,
-            first,
-            last,
-            grid,
-            candidate.grad_accum,
-            flight,
-            budget,
-            problem.host_budget,
-        )
         memory = values["memory"] + (flight - 1) * per_flight
         host = values["host_memory"] + (flight - 1) * values["host_per_flight"]
-        expected = np.flatnonzero((memory <= budget) & (host <= problem.host_budget))
+        host_budget = float(np.quantile(host, rng.uniform(0.2, 0.8)))
+        rows = fitting_rows(
+            setting, layer, layers, first, last, grid, candidate.grad_accum, flight, budget, host_budget
+        )
+        expected = np.flatnonzero((memory <= budget) & (host <= host_budget))
         np.testing.assert_array_equal(rows, expected)
+        host_dropped += len(expected) < np.count_nonzero(memory <= budget)
+        if checked >= 4 and host_dropped:
+            break
+    assert host_dropped, "the host budget never dropped a row the device budget kept"
 
 
 def test_pruned_frontiers_equal_the_whole_grids(rng):
     """Each frontier a stage can ask for (as many in flight as the pruning's or more) is the same,
-    point for point and strategy for strategy, from the pruned grid as from the whole one. Negative
-    control: pruned for far more in flight than asked, a frontier loses its points."""
+    point for point and strategy for strategy, from the pruned grid as from the whole one.
+    Negative control: pruned for the most in flight a stage of the candidate holds, the frontier
+    for the fewest loses exactly where one of its strategies does not fit that many."""
     problem, candidates = _candidates(rng, 1000)
     budget, space = float(problem.gpu_budget), PlannerOptions().space
-    compared = pruned_rows = 0
+    compared = pruned_rows = bites = 0
     for candidate in candidates:
         setting = candidate.setting(problem)
         layer = layer_numbers(setting)
@@ -83,31 +83,96 @@ def test_pruned_frontiers_equal_the_whole_grids(rng):
         fits = _Fits(flights[0], budget, problem.host_budget)
         pruned = _stage_values(setting, layer, layers, first, last, space, candidate.grad_accum, fits)
         pruned_rows += len(whole[0]["recompute"]) - len(pruned[0]["recompute"])
-        too_many = _stage_values(
-            setting,
-            layer,
-            layers,
-            first,
-            last,
-            space,
-            candidate.grad_accum,
-            dataclasses.replace(fits, in_flight=1e6),
-        )
         for flight in flights:
             a = frontier_for(whole[1], flight, budget, whole[2], problem.host_budget)
             b = frontier_for(pruned[1], flight, budget, pruned[2], problem.host_budget)
             for field in ("steady", "extra", "step", "wait", "memory"):
                 np.testing.assert_array_equal(getattr(a, field), getattr(b, field))
             assert _frontier_strategies(whole[0], a) == _frontier_strategies(pruned[0], b)
-            if len(a):
-                compared += 1
-                assert len(frontier_for(too_many[1], flight, budget, too_many[2], problem.host_budget)) < len(
-                    a
-                )
-        if compared >= 4 and pruned_rows:
+            compared += bool(len(a))
+        if len(flights) > 1:  # the control
+            most = dataclasses.replace(fits, in_flight=flights[-1])
+            over = _stage_values(setting, layer, layers, first, last, space, candidate.grad_accum, most)
+            a = frontier_for(whole[1], flights[0], budget, whole[2], problem.host_budget)
+            c = frontier_for(over[1], flights[0], budget, over[2], problem.host_budget)
+            values, extra = whole[1], flights[-1] - 1
+            unfit = (values["memory"][a.index] + extra * whole[2][a.index] > budget) | (
+                values["host_memory"][a.index] + extra * values["host_per_flight"][a.index]
+                > problem.host_budget
+            )
+            lost = _frontier_strategies(whole[0], a) != _frontier_strategies(over[0], c)
+            assert lost == bool(unfit.any())
+            bites += lost
+        if compared >= 4 and pruned_rows and bites:
             break
     assert compared, "no candidate had a frontier to compare"
     assert pruned_rows, "every strategy of every candidate fit: the pruning was not tried"
+    assert bites, "pruning for more in flight never dropped a frontier point: the control did not bite"
+
+
+def _keep_every_row(setting, layer, layers, first, last, grid, *rest):
+    return np.arange(len(grid["recompute"]))
+
+
+def test_the_search_finds_the_frontiers_of_the_whole_grids(rng, monkeypatch):
+    """What the search builds from the pruned grids (each stage kind pruned at the fewest in
+    flight of its stages; stages with their own devices: a grid per (TP, DP) shape) equals what it
+    builds with pruning turned off (fitting_rows keeping every row): every stage's frontier at
+    every layer count, and the strategy of every point."""
+    problem, candidates = _candidates(rng, 1000)
+    options = PlannerOptions(micro_batches=(1, 2))
+    piped = [c for c in candidates if c.stages >= 3][:1] + [c for c in candidates if c.stages == 2][:1]
+    assert piped, "no candidate with a pipeline"
+    # stages with their own devices: 8 GPUs, 4 stages or more (a middle kind whose stages hold
+    # different counts in flight) and a device count with two (TP, DP) shapes or more
+    wide, _ = _candidates(rng, 0, [case for case in CASES if case[1] == 8])
+    pipelines = [
+        p
+        for p in planner._stage_devices_settings(wide, options)
+        if p[1] >= 4 and max(map(len, p[3].values())) > 1
+    ]
+    pipeline = pipelines[rng.integers(len(pipelines))]
+
+    def build():
+        uniform = []
+        for candidate in piped:
+            frontiers, grids = planner._setting_frontiers(
+                problem, candidate, candidate.setting(problem), options
+            )
+            uniform.append(
+                [
+                    {
+                        key: (
+                            frontier,
+                            _frontier_strategies(
+                                grids[key[0], i == 0, i == candidate.stages - 1][0], frontier
+                            ),
+                        )
+                        for key, frontier in stage.items()
+                    }
+                    for i, stage in enumerate(frontiers)
+                ]
+            )
+        _, stages, micro_batches, shapes = pipeline
+        return uniform, planner._stage_devices_frontiers(wide, stages, micro_batches, shapes, options)
+
+    pruned = build()
+    monkeypatch.setattr(planner, "fitting_rows", _keep_every_row)
+    whole = build()
+    for stages_p, stages_w in zip(pruned[0], whole[0], strict=True):
+        for p, w in zip(stages_p, stages_w, strict=True):
+            assert p.keys() == w.keys()
+            for key in p:
+                for field in ("steady", "extra", "step", "wait", "memory"):
+                    np.testing.assert_array_equal(getattr(p[key][0], field), getattr(w[key][0], field))
+                assert p[key][1] == w[key][1]
+    (frontiers_p, points_p), (frontiers_w, points_w) = pruned[1], whole[1]
+    for p, w in zip(frontiers_p, frontiers_w, strict=True):
+        assert p.keys() == w.keys()
+        for key in p:
+            for field in ("steady", "extra", "step", "wait", "memory"):
+                np.testing.assert_array_equal(getattr(p[key], field), getattr(w[key], field))
+    assert points_p == points_w
 
 
 def test_max_compiled_unevaluated_equals_sympys_own(rng):
