@@ -16,6 +16,7 @@ import dataclasses
 import itertools
 import math
 import numbers
+import operator
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -919,6 +920,8 @@ def _check(plan: Plan, model: ModelSpec, cluster: ClusterSpec) -> None:
         )
 
 
+_strategy_of = operator.attrgetter(*STRATEGY_FIELDS)  # a StagePlan's strategy fields, in order
+
 # A stage's evaluation (evaluate_stage's arrays) by what it depends on besides the problem's
 # constants (model, cluster, cost models, budgets, gradient accumulation): its setting's sizes,
 # layers, in-flight count, position, strategy, the micro-batch count and the embedding/head's own.
@@ -948,7 +951,7 @@ def _memo_key(
         setting.sp,
     )
     where = (*sizes, stage.layers, in_flight, first, last, grad_accum, edge_key)
-    return where, tuple(float(getattr(stage, name)) for name in STRATEGY_FIELDS)
+    return where, tuple(map(float, _strategy_of(stage)))
 
 
 def _evaluate(

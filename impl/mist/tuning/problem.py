@@ -12,7 +12,7 @@ micro-batches per iteration and each stage's in-flight count are derived in it, 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..model.budget import gpu_budget_bytes, host_budget_bytes
 from ..model.interference import Interference, read_interference_preset
@@ -62,6 +62,9 @@ class Problem:
     host_budget: float  # host bytes one GPU may fill with offloaded state
     grad_accumulation: GradAccumulation  # how the engine running the plans accumulates gradients
     sequence_parallel: bool = True  # with TP > 1 (Megatron's default; what the search plans)
+    # setting()'s answers by its arguments: an exhaustive search asks for the same few settings
+    # a million times (building each took a tenth of its time); Settings are frozen, so shared
+    _settings: dict[tuple, Setting] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @classmethod
     def resolve(
@@ -121,6 +124,22 @@ class Problem:
     ) -> Setting:
         """The stage-cost setting of a (tp, dp, micro-batch) stage in a pipeline of ``stages``, with
         ``virtual`` model chunks a rank and its gradient reduction as the plan fields say."""
+        key = (tp, dp, micro_batch, stages, virtual, overlap_grad_reduce, grad_bucket_params)
+        made = self._settings.get(key)
+        if made is None:
+            made = self._settings[key] = self._new_setting(*key)
+        return made
+
+    def _new_setting(
+        self,
+        tp: int,
+        dp: int,
+        micro_batch: int,
+        stages: int,
+        virtual: int,
+        overlap_grad_reduce: bool,
+        grad_bucket_params: int | None,
+    ) -> Setting:
         return Setting(
             self.model,
             self.cluster,

@@ -159,11 +159,26 @@ class LayerNumbers:
 
 
 _LAYER_NUMBERS: dict[tuple, tuple] = {}
+# the same by the Setting object itself (a Problem hands out one per set of sizes): hashing the
+# model and cluster for the key above took a twentieth of an exhaustive search; an entry holds
+# its Setting, so its id cannot come back as another's
+_BY_SETTING: dict[int, tuple[Setting, LayerNumbers]] = {}
 
 
 def layer_numbers(setting: Setting) -> LayerNumbers:
     """Per-layer numbers of a setting, memoised (searches price thousands of plans). Keyed by the
     cost models' identity; an entry holds them, so a freed model's id cannot come back as another's."""
+    hit = _BY_SETTING.get(id(setting))
+    if hit is not None and hit[0] is setting:
+        return hit[1]
+    if len(_BY_SETTING) > 4096:
+        _BY_SETTING.clear()
+    numbers = _layer_numbers_by_value(setting)
+    _BY_SETTING[id(setting)] = (setting, numbers)
+    return numbers
+
+
+def _layer_numbers_by_value(setting: Setting) -> LayerNumbers:
     key = (
         setting.model,
         setting.cluster,
