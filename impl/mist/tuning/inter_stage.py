@@ -85,6 +85,27 @@ class Frontier:
         return len(self.steady)
 
 
+def held_and_fits(
+    memory: np.ndarray,
+    per_flight: np.ndarray,
+    host_memory: np.ndarray | None,
+    host_per_flight: np.ndarray | None,
+    in_flight: float,
+    budget: float,
+    host_budget: float,
+) -> tuple[np.ndarray, np.ndarray]:
+    """(device bytes held with ``in_flight`` micro-batches, whether they fit ``budget`` and the host
+    bytes ``host_budget``): ``memory`` and ``host_memory`` at one in flight, each affine in the
+    count (``per_flight``, ``host_per_flight``: what one more adds); no host rule where
+    ``host_memory`` is None. The one rule a frontier keeps strategies by
+    (``stage_cost.fitting_rows`` prunes by it too)."""
+    held = memory + (in_flight - 1) * per_flight
+    fits = held <= budget
+    if host_memory is not None:
+        fits &= host_memory + (in_flight - 1) * host_per_flight <= host_budget
+    return held, fits
+
+
 def frontier_for(
     values: dict[str, np.ndarray],
     in_flight: int,
@@ -96,10 +117,15 @@ def frontier_for(
     (in_flight - 1) * act_per_flight (activations of the extra in-flight micro-batches), among
     the strategies whose offloaded bytes (values['host_memory'], likewise affine) fit
     ``host_budget``."""
-    memory = values["memory"] + (in_flight - 1) * act_per_flight
-    fits = memory <= budget
-    if "host_memory" in values:
-        fits &= values["host_memory"] + (in_flight - 1) * values["host_per_flight"] <= host_budget
+    memory, fits = held_and_fits(
+        values["memory"],
+        act_per_flight,
+        values.get("host_memory"),
+        values.get("host_per_flight"),
+        in_flight,
+        budget,
+        host_budget,
+    )
     ok = np.flatnonzero(fits)
     wait = values["wait"] if "wait" in values else np.zeros_like(values["steady"])
     keep: list[np.ndarray] = []

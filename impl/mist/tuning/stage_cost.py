@@ -41,6 +41,7 @@ from ..model.runtime import RuntimeModel, cpu_adam_params_per_s
 from ..model.specs import GRAD_ACCUMULATION, ClusterSpec, GradAccumulation, ModelSpec
 from ..model.symbolic import CORE_ATTENTION_OPS, head_costs, layer_costs, value
 from ..plan import gather_allowed, grad_bucket
+from .inter_stage import held_and_fits
 
 # A stage's strategy, as StagePlan fields and strategy_grid columns
 STRATEGY_FIELDS = (
@@ -868,6 +869,13 @@ def _stage_state(
     return edge_params, (mine, theirs)
 
 
+def _host_memory(state: tuple[dict, dict], host_per_flight, in_flight: float):
+    """Host bytes of a stage: its layers' and embedding/head's offloaded state (_state_bytes) and
+    ``in_flight`` micro-batches' offloaded activations."""
+    mine, theirs = state
+    return mine["host"] + theirs["host"] + in_flight * host_per_flight
+
+
 def fitting_rows(
     setting: Setting,
     layer: LayerNumbers,
@@ -894,9 +902,8 @@ def fitting_rows(
     )
     if np.any(per_flight < 0) or np.any(host_per_flight < 0):  # never so: then held bytes could shrink
         return np.arange(len(grid["recompute"]))
-    host_memory = state[0]["host"] + state[1]["host"] + 1 * host_per_flight
-    fits = memory + (in_flight - 1) * per_flight <= budget
-    fits &= host_memory + (in_flight - 1) * host_per_flight <= host_budget
+    host_memory = _host_memory(state, host_per_flight, 1)
+    _, fits = held_and_fits(memory, per_flight, host_memory, host_per_flight, in_flight, budget, host_budget)
     return np.flatnonzero(np.broadcast_to(fits, np.shape(grid["recompute"])))
 
 
@@ -927,7 +934,6 @@ def evaluate_stage(
     memory, per_flight, host_per_flight = _stage_memory(
         layer, grid, edge, layers, in_flight, first, last, (mine, theirs), grad_accum
     )
-    host_static = mine["host"] + theirs["host"]
     return {
         "steady": np.broadcast_to(steady, shape),
         "extra": np.broadcast_to(extra, shape),
@@ -939,6 +945,6 @@ def evaluate_stage(
         "g2g": np.broadcast_to(g2g, shape),  # the GPU-to-GPU channel (collectives that can overlap)
         # what one more in-flight micro-batch adds to memory (memory is affine in in_flight)
         "per_flight": np.broadcast_to(per_flight, shape),
-        "host_memory": np.broadcast_to(host_static + in_flight * host_per_flight, shape),
+        "host_memory": np.broadcast_to(_host_memory((mine, theirs), host_per_flight, in_flight), shape),
         "host_per_flight": np.broadcast_to(host_per_flight, shape),
     }
