@@ -10,11 +10,11 @@ import sympy as sp
 
 from mist import cluster, model
 from mist.model import symbolic
-from mist.tuning import planner
+from mist.tuning import planner, stage_cost
 from mist.tuning.inter_stage import frontier_for
 from mist.tuning.planner import PlannerOptions, _Fits, _stage_values, settings
 from mist.tuning.problem import Problem
-from mist.tuning.stage_cost import STRATEGY_FIELDS, fitting_rows, layer_numbers
+from mist.tuning.stage_cost import STRATEGY_FIELDS, fitting_rows, layer_numbers, strategy_grid
 
 GiB = 1 << 30
 # (model, GPUs, global batch, device memory): small enough that a candidate's grids take
@@ -47,15 +47,16 @@ def test_fitting_rows_are_the_rows_the_frontier_rule_keeps(rng):
         layer = layer_numbers(setting)
         layers = int(rng.integers(1, problem.model.layers // candidate.stages + 1))
         first, last = bool(rng.integers(2)), bool(rng.integers(2))
-        grid, values, per_flight = _stage_values(
+        _, values, per_flight = _stage_values(
             setting, layer, layers, first, last, PlannerOptions().space, candidate.grad_accum
         )
         flight = float(rng.choice([0.5, 1.0, 2.0, 3.0, 7.5]))
         memory = values["memory"] + (flight - 1) * per_flight
         host = values["host_memory"] + (flight - 1) * values["host_per_flight"]
         host_budget = float(np.quantile(host, rng.uniform(0.2, 0.8)))
+        space = planner.stage_space(setting, PlannerOptions().space)
         rows = fitting_rows(
-            setting, layer, layers, first, last, grid, candidate.grad_accum, flight, budget, host_budget
+            setting, layer, layers, first, last, space, candidate.grad_accum, flight, budget, host_budget
         )
         expected = np.flatnonzero((memory <= budget) & (host <= host_budget))
         np.testing.assert_array_equal(rows, expected)
@@ -63,6 +64,56 @@ def test_fitting_rows_are_the_rows_the_frontier_rule_keeps(rng):
         if checked >= 4 and host_dropped:
             break
     assert host_dropped, "the host budget never dropped a row the device budget kept"
+
+
+def test_the_memory_bound_holds_and_prunes(rng, monkeypatch):
+    """fitting_rows' first pass: _memory_at_least is at most the memory and host memory of every
+    strategy (as computed, to the last bit), and above the budget for some. Negative control: a
+    bound with a second micro-batch's activations in it exceeds some strategy's memory, and
+    fitting_rows with it drops strategies the rule keeps."""
+    problem, candidates = _candidates(rng, 1000)
+    budget = float(problem.gpu_budget)
+    pruned = exceeded = dropped = 0
+    for checked, candidate in enumerate(candidates, 1):
+        setting = candidate.setting(problem)
+        layer = layer_numbers(setting)
+        layers = int(rng.integers(1, problem.model.layers // candidate.stages + 1))
+        first, last = bool(rng.integers(2)), bool(rng.integers(2))
+        space = planner.stage_space(setting, PlannerOptions().space)
+        _, values, per_flight = _stage_values(
+            setting, layer, layers, first, last, space, candidate.grad_accum
+        )
+        states = stage_cost.grid_states(layers, space)
+        combos = stage_cost._stage_state(setting, layer, layers, first, last, states.columns, states.columns)[
+            1
+        ]
+        args = (layer, first, last, states, combos, candidate.grad_accum, per_flight)
+        device, host = stage_cost._memory_at_least(*args)
+        assert np.all(device <= values["memory"]) and np.all(host <= values["host_memory"])
+        pruned += int(np.count_nonzero(device > budget))
+        exceeded += bool(np.any(device + per_flight > values["memory"]))  # the control
+        with monkeypatch.context() as patched:  # the control's bound in fitting_rows
+            patched.setattr(stage_cost, "_memory_at_least", lambda *a, b=(device + per_flight, host): b)
+            rows = fitting_rows(
+                setting,
+                layer,
+                layers,
+                first,
+                last,
+                space,
+                candidate.grad_accum,
+                1.0,
+                budget,
+                problem.host_budget,
+            )
+        dropped += len(rows) < np.count_nonzero(
+            (values["memory"] <= budget) & (values["host_memory"] <= problem.host_budget)
+        )
+        if checked >= 4 and pruned and exceeded and dropped:
+            break
+    assert pruned, "the bound never dropped a strategy: the first pass was not tried"
+    assert exceeded, "the control's bound never exceeded a strategy's memory"
+    assert dropped, "fitting_rows with the control's bound never dropped a strategy that fits"
 
 
 def test_pruned_frontiers_equal_the_whole_grids(rng):
@@ -110,8 +161,8 @@ def test_pruned_frontiers_equal_the_whole_grids(rng):
     assert bites, "pruning for more in flight never dropped a frontier point: the control did not bite"
 
 
-def _keep_every_row(setting, layer, layers, first, last, grid, *rest):
-    return np.arange(len(grid["recompute"]))
+def _keep_every_row(setting, layer, layers, first, last, space, *rest):
+    return np.arange(len(strategy_grid(layers, space)["recompute"]))
 
 
 def test_the_search_finds_the_frontiers_of_the_whole_grids(rng, monkeypatch):

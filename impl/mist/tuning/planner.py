@@ -214,6 +214,14 @@ class _Fits:
     host_budget: float
 
 
+def stage_space(setting: Setting, space: SearchSpace) -> SearchSpace:
+    """The strategies a stage of ``setting`` may take: ``space``, without selective recomputation
+    under FlashAttention (it keeps no scores: there is nothing to recompute)."""
+    if setting.model.flash and space.selective:
+        return dataclasses.replace(space, selective=False)
+    return space
+
+
 def _stage_values(
     setting: Setting,
     layer,
@@ -227,8 +235,7 @@ def _stage_values(
     """(grid, evaluate_stage's arrays over it at one micro-batch in flight, per_flight). With
     ``fits``, the grid holds only the strategies that fit it (``stage_cost.fitting_rows``): the
     frontiers at that many in flight or more are the same, and found in a fraction of the time."""
-    if setting.model.flash and space.selective:  # FlashAttention keeps no scores: nothing to recompute
-        space = dataclasses.replace(space, selective=False)
+    space = stage_space(setting, space)
     grid = strategy_grid(layers, space)
     if fits is not None:
         rows = fitting_rows(
@@ -237,7 +244,7 @@ def _stage_values(
             layers,
             first,
             last,
-            grid,
+            space,
             grad_accum,
             fits.in_flight,
             fits.budget,

@@ -316,6 +316,27 @@ def strategy_grid(layers: int, space: SearchSpace) -> dict[str, np.ndarray]:
 EDGE_FIELDS = ("zero", "offload_weights", "offload_grads", "offload_optimizer")
 
 
+@dataclass(frozen=True)
+class GridStates:
+    """A strategy grid's distinct EDGE_FIELDS combinations (``columns``: ZeRO and what is offloaded
+    of weights, gradients and optimizer state: all its rows' state bytes depend on) and, per row of
+    the grid, the index of its combination (``of_row``). A few hundred combinations stand for
+    grids of thousands of rows."""
+
+    columns: dict[str, np.ndarray]
+    of_row: np.ndarray
+
+
+@functools.lru_cache(maxsize=512)
+def grid_states(layers: int, space: SearchSpace) -> GridStates:
+    """``strategy_grid(layers, space)``'s GridStates (read-only)."""
+    grid = strategy_grid(layers, space)
+    combos, of_row = np.unique(
+        np.stack([grid[name] for name in EDGE_FIELDS], axis=1), axis=0, return_inverse=True
+    )
+    return GridStates({name: combos[:, i] for i, name in enumerate(EDGE_FIELDS)}, of_row.reshape(-1))
+
+
 def _kept_per_layer(layer: LayerNumbers, grid: dict[str, np.ndarray]) -> np.ndarray:
     """Bytes a layer that is not recomputed keeps for backward: all it saves, or under selective
     recomputation all but its core attention's insides."""
@@ -660,6 +681,21 @@ def _backward_start(
     return np.where(recompute > 0, np.maximum(start, recomputing), start)
 
 
+def _weight_buffers(grid: dict, edge: dict, layer_weights: float, edge_weights: float):
+    """Device bytes of the gathered copies of weights that rest elsewhere (ZeRO-3's shards or the
+    host): two layers' (the running one and the next, prefetched) and the embedding's or head's."""
+    buffers = np.where((grid["zero"] >= 3) | (grid["offload_weights"] > 0), 2 * layer_weights, 0.0)
+    return buffers + np.where((edge["zero"] >= 3) | (edge["offload_weights"] > 0), edge_weights, 0.0)
+
+
+def _static_bytes(mine: dict, theirs: dict, grad_accum: int) -> tuple:
+    """(static, sharded_grads): a stage's device bytes held throughout (its layers' and its
+    embedding/head's state, _state_bytes) but ZeRO-2/3's gradient shards where one micro-batch a
+    step makes them during backward, and those shards (0.0 with more micro-batches a step)."""
+    sharded_grads = mine["sharded_grads"] + theirs["sharded_grads"] if grad_accum == 1 else 0.0
+    return mine["gpu"] + theirs["gpu"] - sharded_grads, sharded_grads
+
+
 def _device_memory(
     layer: LayerNumbers,
     grid: dict,
@@ -681,8 +717,7 @@ def _device_memory(
     # a layer's full weights; the embedding's or the head's (one at a time: opposite ends)
     layer_weights, edge_weights = layer_w_full, 2.0 * layer.embed_params if (first or last) else 0.0
     layers_zero3, edge_zero3 = zero >= 3, edge["zero"] >= 3
-    buffers = np.where(layers_zero3 | (offload_weights > 0), 2 * layer_weights, 0.0)
-    buffers = buffers + np.where(edge_zero3 | (edge["offload_weights"] > 0), edge_weights, 0.0)
+    buffers = _weight_buffers(grid, edge, layer_weights, edge_weights)
     last_edge_weights = np.where(edge_zero3 & last, edge_weights, 0.0)
     start = _backward_start(
         layer, grid, activations, per_flight, buffers, layers, layer_weights, last_edge_weights, last
@@ -693,7 +728,7 @@ def _device_memory(
     # its end, the first layer's, with every other layer's shard made, one layer gathered (none
     # to prefetch after it), its gradients and the previous one's input (ZeRO-3), and the
     # embedding's gradients (ZeRO-3 of the edges)
-    sharded_grads = mine["sharded_grads"] + theirs["sharded_grads"] if grad_accum == 1 else 0.0
+    static, sharded_grads = _static_bytes(mine, theirs, grad_accum)
     made = sharded_grads - mine["sharded_grads"] / layers if grad_accum == 1 else 0.0
     gathered = buffers - np.where(layers_zero3 | (offload_weights > 0), layer_weights, 0.0)
     remade = np.where(recompute > 0, layer.saved, _selective_remade(layer, grid, layers))  # the first layer's
@@ -701,7 +736,6 @@ def _device_memory(
     at_end = gathered + working + remade + made + np.where(layers_zero3, 2 * layer_weights, 0.0)
     at_end = at_end + np.where(edge_zero3 & first, edge_weights, 0.0)
     backward = np.maximum(start, at_end) if grad_accum == 1 else start
-    static = mine["gpu"] + theirs["gpu"] - sharded_grads
     stepped_on_gpu = (1 - grid["offload_optimizer"]) * mine["opt_params"]
     stepped_on_gpu = stepped_on_gpu + (1 - edge["offload_optimizer"]) * theirs["opt_params"]
     step_peak = OPTIMIZER_STEP_BYTES_PER_PARAM * stepped_on_gpu + sharded_grads
@@ -837,10 +871,7 @@ def _stage_memory(
     activations: host bytes are affine in in_flight too). ``state``: the stage's layers' and its
     embedding/head's state bytes (_state_bytes)."""
     mine, theirs = state
-    kept = _kept_per_layer(layer, grid)
-    swapped = offloaded_layers(grid, layers)
-    on_device = (layers - grid["recompute"] - swapped) * kept + grid["recompute"] * layer.layer_input
-    per_flight = on_device + (layer.head_saved if last else 0.0)
+    per_flight, host_per_flight = _per_flight(layer, grid, layers, last)
     memory = _device_memory(
         layer,
         grid,
@@ -855,7 +886,17 @@ def _stage_memory(
         theirs,
         grad_accum,
     )
-    return memory, per_flight, swapped * kept
+    return memory, per_flight, host_per_flight
+
+
+def _per_flight(layer: LayerNumbers, grid: dict, layers: int, last: bool) -> tuple:
+    """(device, host) bytes one more micro-batch in flight holds: what the stage's layers keep for
+    backward on the device (a recomputed layer its input; the last stage the head's too) and what
+    its offloaded layers keep on the host."""
+    kept = _kept_per_layer(layer, grid)
+    swapped = offloaded_layers(grid, layers)
+    on_device = (layers - grid["recompute"] - swapped) * kept + grid["recompute"] * layer.layer_input
+    return on_device + (layer.head_saved if last else 0.0), swapped * kept
 
 
 def _stage_state(
@@ -876,35 +917,80 @@ def _host_memory(state: tuple[dict, dict], host_per_flight, in_flight: float):
     return mine["host"] + theirs["host"] + in_flight * host_per_flight
 
 
+def _memory_at_least(
+    layer: LayerNumbers,
+    first: bool,
+    last: bool,
+    states: GridStates,
+    state: tuple[dict, dict],
+    grad_accum: int,
+    per_flight: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """(device, host) bytes that each row of the grid of ``states`` holds at least with one
+    micro-batch in flight (``per_flight``: its activations, _per_flight's; ``state``: the state
+    bytes of the grid's distinct (ZeRO, offload) combinations, _state_bytes'), as rounded; None
+    where a byte count it relies on is negative. On the device the sum of three terms of the
+    backward peak: the static state, the activations and the weight buffers (every other term
+    added to them is non-negative); on the host the offloaded state. Rounded addition is
+    monotone, so the bound holds as computed, not only as written."""
+    if min(layer.logits, layer.embed_params) < 0:  # the head's and embedding's terms: >= 0 as bytes
+        return None
+    mine, theirs = state
+    static, _ = _static_bytes(mine, theirs, grad_accum)
+    edge_weights = 2.0 * layer.embed_params if (first or last) else 0.0
+    # a row's embedding/head shares its strategy here
+    buffers = _weight_buffers(states.columns, states.columns, 2.0 * layer.params, edge_weights)
+    of_row = states.of_row
+    return static[of_row] + (per_flight + buffers[of_row]), (mine["host"] + theirs["host"])[of_row]
+
+
 def fitting_rows(
     setting: Setting,
     layer: LayerNumbers,
     layers: int,
     first: bool,
     last: bool,
-    grid: dict[str, np.ndarray],
+    space: SearchSpace,
     grad_accum: int,
     in_flight: float,
     budget: float,
     host_budget: float,
 ) -> np.ndarray:
-    """Indices of ``grid``'s strategies whose stage fits ``budget`` device bytes and ``host_budget``
-    host bytes with ``in_flight`` micro-batches held, by the rule ``inter_stage.frontier_for``
-    applies to evaluate_stage's arrays (memory at one in flight plus the others' activations),
-    computed the same way: the memory alone, which is a third of a stage's evaluation. Held
-    bytes only grow with ``in_flight``, so a frontier at that many or more keeps none of the
-    other rows, and the searches price the times of these rows only (in the largest cases a
-    seventh of the grid fits)."""
-    edge = {name: grid[name] for name in EDGE_FIELDS}
-    _, state = _stage_state(setting, layer, layers, first, last, grid, edge)
-    memory, per_flight, host_per_flight = _stage_memory(
-        layer, grid, edge, layers, 1, first, last, state, grad_accum
-    )
+    """Indices of ``strategy_grid(layers, space)``'s strategies whose stage fits ``budget`` device
+    bytes and ``host_budget`` host bytes with ``in_flight`` micro-batches held, by the rule
+    ``inter_stage.frontier_for`` applies to evaluate_stage's arrays (memory at one in flight plus
+    the others' activations), computed the same way: the memory alone, which is a third of a
+    stage's evaluation. Held bytes only grow with ``in_flight``, so a frontier at that many or
+    more keeps none of the other rows, and the searches price the times of these rows only (in
+    the largest cases a seventh of the grid fits).
+
+    In two passes that keep the same rows as one: the rule applied to a lower bound of the memory
+    (_memory_at_least) drops what cannot fit, and the exact memory is computed for the rest only
+    (in the largest cases a third of the grid), with the state bytes of the grid's distinct
+    (ZeRO, offload) combinations taken per row: the same arithmetic on the same numbers."""
+    grid, states = strategy_grid(layers, space), grid_states(layers, space)
+    per_flight, host_per_flight = _per_flight(layer, grid, layers, last)
+    rows = np.arange(len(grid["recompute"]))
     if np.any(per_flight < 0) or np.any(host_per_flight < 0):  # never so: then held bytes could shrink
-        return np.arange(len(grid["recompute"]))
+        return rows
+    # each combination's state bytes (a row's embedding/head shares its strategy here)
+    _, combos = _stage_state(setting, layer, layers, first, last, states.columns, states.columns)
+    least = _memory_at_least(layer, first, last, states, combos, grad_accum, per_flight)
+    if least is not None:
+        device, host = least
+        rows = np.flatnonzero(
+            held_and_fits(device, per_flight, host, host_per_flight, in_flight, budget, host_budget)[1]
+        )
+    strategies = {name: column[rows] for name, column in grid.items()}
+    of_row = states.of_row[rows]
+    state = tuple({key: bytes_[of_row] for key, bytes_ in part.items()} for part in combos)
+    edge = {name: strategies[name] for name in EDGE_FIELDS}
+    memory, per_flight, host_per_flight = _stage_memory(
+        layer, strategies, edge, layers, 1, first, last, state, grad_accum
+    )
     host_memory = _host_memory(state, host_per_flight, 1)
     _, fits = held_and_fits(memory, per_flight, host_memory, host_per_flight, in_flight, budget, host_budget)
-    return np.flatnonzero(np.broadcast_to(fits, np.shape(grid["recompute"])))
+    return rows[np.broadcast_to(fits, rows.shape)]
 
 
 def evaluate_stage(
