@@ -191,6 +191,18 @@ def _known_from_comparison(comparison: Results | None, key: dict) -> dict[str, f
     return found
 
 
+def _largest_first(todo: list[tuple], flash=lambda args: args[3]) -> list[tuple]:
+    """Cases (gpu, arch, size, ...; ``flash``: whether a case's FlashAttention is on) in the order
+    of their searches' length, the longest first: the workers then end together instead of one
+    waiting out the last large case (the 22B cases take 20-45 s, the 1.3B ones 1-3). Larger
+    models on more GPUs search more; a longer sequence and unfused attention leave more
+    strategies that fit."""
+    sizes = [size for size, _, _ in SIZES]
+    return sorted(
+        todo, key=lambda args: (sizes.index(args[2]), CLUSTERS[args[0]], not flash(args)), reverse=True
+    )
+
+
 def comparison_key(gpu: str, arch: str, size: str, flash: bool, aceso_budget: int) -> dict:
     gpus, batch = next((g, b) for s, g, b in SIZES if s == size)
     return {
@@ -223,7 +235,7 @@ def run_comparison(run: Run, flash: tuple[bool, ...], budget: int, jobs: int) ->
         for f in flash
         if not store.done(comparison_key(gpu, arch, size, f, budget))
     ]
-    for args, result, seconds in map_points(comparison_point, todo, jobs, "cases"):
+    for args, result, seconds in map_points(comparison_point, _largest_first(todo), jobs, "cases"):
         store.add(comparison_key(*args), result, seconds)
     return store.this_run()
 
@@ -243,7 +255,7 @@ def run_tempo(run: Run, flash: tuple[bool, ...], jobs: int, comparison: Results 
             else next((p for p in comparison if {k: p.key.get(k) for k in key} == key), None)
         )
         todo.append((gpu, arch, size, f, None if found is None else found.result["mist"]))
-    for args, result, seconds in map_points(tempo_point, todo, jobs, "tempo"):
+    for args, result, seconds in map_points(tempo_point, _largest_first(todo), jobs, "tempo"):
         store.add(tempo_key(*args[:4]), result, seconds)
     return store.this_run()
 
@@ -283,7 +295,9 @@ def run_ablation(run: Run, jobs: int, comparison: Results | None = None) -> Resu
         for size, _, _ in SIZES
         if not store.done(ablation_key(gpu, "gpt3", size))
     ]
-    for args, result, seconds in map_points(ablation_point, todo, jobs, "ablation"):
+    for args, result, seconds in map_points(
+        ablation_point, _largest_first(todo, lambda _: True), jobs, "ablation"
+    ):
         store.add(ablation_key(*args[:3]), result, seconds)
     return store.this_run()
 

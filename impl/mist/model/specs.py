@@ -460,15 +460,22 @@ def model(name: str, /, **overrides) -> ModelSpec:
 def preset_overrides(spec: ModelSpec) -> dict:
     """The fields in which ``spec`` differs from the preset it is named after: what a plan file
     stores to name its model exactly (``model(spec.name, **preset_overrides(spec)) == spec``);
-    empty for a model that is no preset."""
+    empty for a model that is no preset. A new dict each call (a plan keeps it)."""
+    return dict(_overridden_fields(spec))
+
+
+@functools.lru_cache(maxsize=256)
+def _overridden_fields(spec: ModelSpec) -> tuple[tuple[str, object], ...]:
+    """preset_overrides' fields, once per spec: an exhaustive search makes a plan per point of its
+    space, 10^5 for the largest, each naming its model."""
     preset = models().get(spec.name)
     if preset is None:
-        return {}
-    return {
-        f.name: getattr(spec, f.name)
+        return ()
+    return tuple(
+        (f.name, getattr(spec, f.name))
         for f in dataclasses.fields(ModelSpec)
         if getattr(spec, f.name) != getattr(preset, f.name)
-    }
+    )
 
 
 @dataclass(frozen=True)
