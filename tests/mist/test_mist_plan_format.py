@@ -313,3 +313,22 @@ def test_a_plan_is_never_saved_over_what_is_not_a_regular_file(tmp_path, capsys)
         out, err = capsys.readouterr()
         assert "not a regular file" in err and err.count("\n") == 1 and "predicted" not in out, (out, err)
     assert os.path.islink(link) and not fifo.is_file()
+
+
+def test_a_plan_names_its_own_models_overrides():
+    """What a plan stores to name its model (preset_overrides) is the given spec's own fields, not
+    those of an equal spec named before it: equal specs may hold values of other types (numpy's
+    int64 against int; 0 against 0.0), and a plan file stores them as they are. Control: the two
+    specs are equal, and their overrides differ in type."""
+    from mist import model
+    from mist.model.specs import preset_overrides
+
+    numpy_typed = model("gpt3-1.3b", seq=np.int64(4096), dropout=0)
+    plain = model("gpt3-1.3b", seq=4096, dropout=0.0)
+    assert numpy_typed == plain
+    for before, spec in ((numpy_typed, plain), (plain, numpy_typed), (plain, plain)):
+        preset_overrides(before)
+        named = preset_overrides(spec)
+        assert named == {"seq": 4096, "dropout": 0.0}
+        assert [type(v) for v in named.values()] == [type(spec.seq), type(spec.dropout)]
+    assert json.dumps(preset_overrides(plain)) == '{"seq": 4096, "dropout": 0.0}'

@@ -461,13 +461,21 @@ def preset_overrides(spec: ModelSpec) -> dict:
     """The fields in which ``spec`` differs from the preset it is named after: what a plan file
     stores to name its model exactly (``model(spec.name, **preset_overrides(spec)) == spec``);
     empty for a model that is no preset. A new dict each call (a plan keeps it)."""
-    return dict(_overridden_fields(spec))
+    global _last_overrides
+    last, fields = _last_overrides
+    # An exhaustive search makes a plan per point of its space (10^5 for the largest), each
+    # naming the one spec: its fields are found once. Keyed by identity, not equality: equal
+    # specs may hold values of other types (numpy's int64 against int), which a plan keeps.
+    if spec is not last:
+        fields = _overridden_fields(spec)
+        _last_overrides = (spec, fields)
+    return dict(fields)
 
 
-@functools.lru_cache(maxsize=256)
+_last_overrides: tuple[ModelSpec | None, tuple] = (None, ())  # preset_overrides' last spec
+
+
 def _overridden_fields(spec: ModelSpec) -> tuple[tuple[str, object], ...]:
-    """preset_overrides' fields, once per spec: an exhaustive search makes a plan per point of its
-    space, 10^5 for the largest, each naming its model."""
     preset = models().get(spec.name)
     if preset is None:
         return ()
