@@ -4,6 +4,7 @@ symbolic costs compiled without sympy's proof of which term of a Max is largest.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import numpy as np
 import sympy as sp
@@ -68,49 +69,50 @@ def test_fitting_rows_are_the_rows_the_frontier_rule_keeps(rng):
 
 def test_the_memory_bound_holds_and_prunes(rng, monkeypatch):
     """fitting_rows' first pass: _memory_at_least is at most the memory and host memory of every
-    strategy (as computed, to the last bit), and above the budget for some. Negative control: a
-    bound with a second micro-batch's activations in it exceeds some strategy's memory, and
-    fitting_rows with it drops strategies the rule keeps."""
-    problem, candidates = _candidates(rng, 1000)
-    budget = float(problem.gpu_budget)
+    strategy, as computed, and above the budget for some; for every model family of CASES and
+    every position of a stage (first, last, both, neither: each adds its own terms). Negative
+    control: a bound with a second micro-batch's activations in it exceeds some strategy's memory,
+    and fitting_rows with it drops strategies the rule keeps."""
     pruned = exceeded = dropped = 0
-    for checked, candidate in enumerate(candidates, 1):
-        setting = candidate.setting(problem)
-        layer = layer_numbers(setting)
-        layers = int(rng.integers(1, problem.model.layers // candidate.stages + 1))
-        first, last = bool(rng.integers(2)), bool(rng.integers(2))
-        space = planner.stage_space(setting, PlannerOptions().space)
-        _, values, per_flight = _stage_values(
-            setting, layer, layers, first, last, space, candidate.grad_accum
-        )
-        states = stage_cost.grid_states(layers, space)
-        combos = stage_cost._stage_state(setting, layer, layers, first, last, states.columns, states.columns)[
-            1
-        ]
-        args = (layer, first, last, states, combos, candidate.grad_accum, per_flight)
-        device, host = stage_cost._memory_at_least(*args)
-        assert np.all(device <= values["memory"]) and np.all(host <= values["host_memory"])
-        pruned += int(np.count_nonzero(device > budget))
-        exceeded += bool(np.any(device + per_flight > values["memory"]))  # the control
-        with monkeypatch.context() as patched:  # the control's bound in fitting_rows
-            patched.setattr(stage_cost, "_memory_at_least", lambda *a, b=(device + per_flight, host): b)
-            rows = fitting_rows(
-                setting,
-                layer,
-                layers,
-                first,
-                last,
-                space,
-                candidate.grad_accum,
-                1.0,
-                budget,
-                problem.host_budget,
+    for case in CASES:
+        problem, candidates = _candidates(rng, 3, [case])
+        budget = float(problem.gpu_budget)
+        for candidate, (first, last) in itertools.product(
+            candidates, itertools.product((False, True), repeat=2)
+        ):
+            setting = candidate.setting(problem)
+            layer = layer_numbers(setting)
+            layers = int(rng.integers(1, problem.model.layers // candidate.stages + 1))
+            space = planner.stage_space(setting, PlannerOptions().space)
+            _, values, per_flight = _stage_values(
+                setting, layer, layers, first, last, space, candidate.grad_accum
             )
-        dropped += len(rows) < np.count_nonzero(
-            (values["memory"] <= budget) & (values["host_memory"] <= problem.host_budget)
-        )
-        if checked >= 4 and pruned and exceeded and dropped:
-            break
+            states = stage_cost.grid_states(layers, space)
+            combos = stage_cost._stage_state(
+                setting, layer, layers, first, last, states.columns, states.columns
+            )[1]
+            args = (layer, first, last, states, combos, candidate.grad_accum, per_flight)
+            device, host = stage_cost._memory_at_least(*args)
+            assert np.all(device <= values["memory"]) and np.all(host <= values["host_memory"])
+            pruned += int(np.count_nonzero(device > budget))
+            exceeded += bool(np.any(device + per_flight > values["memory"]))  # the control
+            with monkeypatch.context() as patched:  # the control's bound in fitting_rows
+                patched.setattr(stage_cost, "_memory_at_least", lambda *a, b=(device + per_flight, host): b)
+                rows = fitting_rows(
+                    setting,
+                    layer,
+                    layers,
+                    first,
+                    last,
+                    space,
+                    candidate.grad_accum,
+                    1.0,
+                    budget,
+                    problem.host_budget,
+                )
+            dropped += len(rows) < np.count_nonzero(
+                (values["memory"] <= budget) & (values["host_memory"] <= problem.host_budget)
+            )
     assert pruned, "the bound never dropped a strategy: the first pass was not tried"
     assert exceeded, "the control's bound never exceeded a strategy's memory"
     assert dropped, "fitting_rows with the control's bound never dropped a strategy that fits"

@@ -929,10 +929,13 @@ def _memory_at_least(
     """(device, host) bytes that each row of the grid of ``states`` holds at least with one
     micro-batch in flight (``per_flight``: its activations, _per_flight's; ``state``: the state
     bytes of the grid's distinct (ZeRO, offload) combinations, _state_bytes'), as rounded; None
-    where a byte count it relies on is negative. On the device the sum of three terms of the
-    backward peak: the static state, the activations and the weight buffers (every other term
-    added to them is non-negative); on the host the offloaded state. Rounded addition is
-    monotone, so the bound holds as computed, not only as written."""
+    where a byte count it relies on is negative. On the device the static state plus the start
+    of backward's first sum: the activations and the weight buffers, to which _backward_start
+    adds the larger of the head's logits gradient and the last layer's backward (so at least the
+    former, >= 0) and the head's gathered weights (>= 0); every other branch (swapping,
+    recomputing, the end of backward, the optimizer step) enters through a maximum with that
+    start. On the host the offloaded state. Rounded addition is monotone, so the bound holds as
+    computed, not only as written."""
     if min(layer.logits, layer.embed_params) < 0:  # the head's and embedding's terms: >= 0 as bytes
         return None
     mine, theirs = state
