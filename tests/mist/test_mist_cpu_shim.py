@@ -1,6 +1,9 @@
-"""The CPU engine's stand-in for bf16 matrix units: bf16 GEMMs in float32, rounded once."""
+"""The CPU engine's stand-ins for a GPU: bf16 GEMMs in float32, rounded once; one-byte dropout
+masks; subnormals flushed."""
 
 from __future__ import annotations
+
+import threading
 
 import numpy as np
 import pytest
@@ -135,3 +138,46 @@ def test_dropout_stand_in_keeps_a_one_byte_mask_as_cuda_does():
         assert torch.equal(torch.nn.functional.dropout(x, 0.3, training=False), x)
         assert torch.equal(torch.nn.functional.dropout(x, 0.0), x)
     assert torch.nn.functional.dropout is original
+
+
+def _subnormals(rng: np.random.Generator, n: int) -> torch.Tensor:
+    """``n`` float32 subnormals, random in magnitude (1 to 2^23 - 1 ulps of 2^-149) and sign."""
+    ulps = rng.integers(1, 2**23, size=n) * rng.choice([-1, 1], size=n)
+    return torch.from_numpy(np.ldexp(ulps.astype(np.float64), -149)).float()
+
+
+def test_subnormals_are_flushed_inside_and_the_mode_before_comes_back(rng):
+    """Under subnormals_flushed arithmetic reads and writes subnormals as zero, in this thread and
+    in a thread started inside it (gloo's are), normal numbers unchanged; nested use keeps it on,
+    and on exit the mode before comes back, off or on. Negative control: outside it a product
+    keeps its subnormals."""
+    from mist.engine.cpu_shim import flushing_subnormals, subnormals_flushed
+
+    if not torch.set_flush_denormal(False):  # the mode cannot be set on this CPU: nothing to test
+        pytest.skip("this CPU cannot flush subnormals (torch.set_flush_denormal)")
+    tiny = _subnormals(rng, 64)
+    normal = torch.from_numpy(rng.uniform(0.5, 2.0, 64) * rng.choice([-1, 1], 64)).float()
+    assert torch.equal(tiny * 1.0, tiny) and (tiny != 0).all()  # the control: kept outside
+    assert not flushing_subnormals()
+    seen = []
+    with subnormals_flushed():
+        assert flushing_subnormals()
+        assert torch.equal(tiny * 1.0, torch.zeros_like(tiny))  # read as zero
+        assert torch.equal(normal * 2.0**-100 * 2.0**100, normal)  # normal all the way: unchanged
+        # two normal factors whose product is subnormal: written as zero
+        assert torch.equal((normal * 2.0**-70 * 2.0**-70).abs(), torch.zeros_like(normal))
+        thread = threading.Thread(target=lambda: seen.append(flushing_subnormals()))
+        thread.start()
+        thread.join()
+        with subnormals_flushed():
+            pass
+        assert flushing_subnormals()
+    assert seen == [True]
+    assert not flushing_subnormals() and torch.equal(tiny * 1.0, tiny)
+    torch.set_flush_denormal(True)  # on before: still on after
+    try:
+        with subnormals_flushed():
+            pass
+        assert flushing_subnormals()
+    finally:
+        torch.set_flush_denormal(False)
