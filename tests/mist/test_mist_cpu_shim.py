@@ -1,8 +1,11 @@
 """The CPU engine's stand-ins for a GPU: bf16 GEMMs in float32, rounded once; one-byte dropout
-masks; subnormals flushed."""
+masks; subnormals flushed; megatron-core's fusions uncompiled."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 
 import numpy as np
@@ -181,3 +184,45 @@ def test_subnormals_are_flushed_inside_and_the_mode_before_comes_back(rng):
         assert flushing_subnormals()
     finally:
         torch.set_flush_denormal(False)
+
+
+_COMPILED = (  # whether megatron-core's SwiGLU is torch.compile's wrapper
+    "import megatron.core.fusions.fused_bias_swiglu as S; "
+    "print(hasattr(S.swiglu, '_torchdynamo_orig_callable'))"
+)
+
+
+def _in_fresh_python(code: str) -> str:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout.strip()
+
+
+def test_megatron_fusions_run_as_their_plain_torch_ops(rng):
+    """After install, megatron-core's SwiGLU (a ``jit_fuser`` function: torch.compile, which
+    compiles again in every process) is the plain function it wraps, in a module imported before
+    install; its forward is F.silu(a)·b, its backward autograd's of that, in float64 (within
+    rounding: the backward is written out in another order). Control: without install,
+    megatron-core compiles it."""
+    assert _in_fresh_python(_COMPILED) == "True"  # the control
+    assert _in_fresh_python(f"from mist.engine import cpu_shim; cpu_shim.install(); {_COMPILED}") == "False"
+    from megatron.core.fusions import fused_bias_swiglu
+
+    from mist.engine import cpu_shim
+
+    cpu_shim.install()
+    assert not hasattr(fused_bias_swiglu.swiglu, "_torchdynamo_orig_callable")
+    x = torch.from_numpy(rng.standard_normal((16, 3, 2 * 24))).requires_grad_()
+    g = torch.from_numpy(rng.standard_normal((16, 3, 24)))
+    y = fused_bias_swiglu.bias_swiglu_impl(x, None)
+    (grad,) = torch.autograd.grad(y, x, g)
+    reference = x.detach().requires_grad_()
+    a, b = reference.chunk(2, -1)
+    expected = torch.nn.functional.silu(a) * b
+    (expected_grad,) = torch.autograd.grad(expected, reference, g)
+    assert torch.equal(y, expected)
+    # each gradient element is a few products and sums: within 16 float64 roundings of their size
+    a, b = (t.detach().abs() for t in (a, b))
+    size = torch.cat((g.abs() * b * (1 + a), g.abs() * a), -1)
+    assert ((grad - expected_grad).abs() <= 16 * torch.finfo(torch.float64).eps * size).all()
