@@ -75,18 +75,12 @@ def new_seed() -> torch.Tensor:
 # temporaries (float32 upcasts, Newton iterates, masks) stay a few MB whatever the tensor size,
 # as in the fused Triton kernels, which need none. A multiple of 8 (whole mask bytes).
 CHUNK_ELEMS = 1 << 17
-# The profiler range the PyTorch paths' chunk loops run in: what a loop allocates is a chunk's
-# temporaries (its results go into tensors made before it), which a fused kernel keeps in
-# registers. A device peak that stands in for a GPU's (mist.engine.run's on a CPU) leaves them out.
-CHUNK_SCRATCH = "tempo: chunk scratch"
 
 
 def chunks(n: int, size: int = CHUNK_ELEMS):
-    """(index, slice) pairs covering range(n) in pieces of ``size``, iterated inside the profiler
-    range CHUNK_SCRATCH."""
-    with torch.profiler.record_function(CHUNK_SCRATCH):
-        for i, start in enumerate(range(0, n, size)):
-            yield i, slice(start, min(start + size, n))
+    """(index, slice) pairs covering range(n) in pieces of ``size``."""
+    for i, start in enumerate(range(0, n, size)):
+        yield i, slice(start, min(start + size, n))
 
 
 def dropout_keep_mask(

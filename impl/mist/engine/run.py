@@ -500,13 +500,10 @@ def _step_peak(step, device: torch.device) -> tuple[int, float]:
     """(peak bytes allocated above the level at the step's start, the step's loss)."""
     if device.type != "cuda":
         from measure.cpu_peak import cpu_peak_bytes
-        from tempo._common import CHUNK_SCRATCH
 
         from .cpu_shim import GEMM_SCRATCH
 
-        # what a GPU run does not hold: the host's work, the CPU's stand-ins' scratch (float32
-        # GEMM copies; Tempo's PyTorch paths in place of its fused kernels)
-        return cpu_peak_bytes(step, exclude=(HOST_WORK, GEMM_SCRATCH, CHUNK_SCRATCH))
+        return cpu_peak_bytes(step, exclude=(HOST_WORK, GEMM_SCRATCH))
     torch.cuda.synchronize(device)
     start = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
