@@ -50,7 +50,9 @@ def install() -> None:
 
 def _eager_fusions() -> None:
     """megatron-core's ``jit_fuser`` functions (torch.compile: SwiGLU's forward and backward, among
-    others) as their plain torch ops, in the modules imported so far and in those imported later.
+    others) as their plain torch ops: module-level ones in the modules imported so far, and every
+    one decorated from now on (methods decorated before this, as L2Norm's, stay compiled; the
+    engine's layers use none).
     Inductor compiles them again in every new process: 4.3 s of a 2-rank Llama launch of the
     engine's 15 on the Intel Xeon VM (2026-12-05), where a GPU job compiles once in hours. What a
     layer keeps is the same (the autograd Functions around them save their inputs either way; a
@@ -63,11 +65,20 @@ def _eager_fusions() -> None:
         if module is None or not name.startswith("megatron.core"):
             continue
         for attr, value in list(vars(module).items()):
-            if not isinstance(value, types.FunctionType):  # a MagicMock stand-in has every attribute
-                continue
-            original = getattr(value, "_torchdynamo_orig_callable", None)
-            if isinstance(original, types.FunctionType):  # torch.compile's wrapper of a function
-                setattr(module, attr, original)
+            if _compiled_function(value):
+                setattr(module, attr, value._torchdynamo_orig_callable)
+
+
+def _compiled_function(value: object) -> bool:
+    """Whether ``value`` is torch.compile's own wrapper of a plain function: not a MagicMock (which
+    has every attribute), not torch.compiler.disable's wrapper (which carries the same attribute),
+    not another decorator's wrapper of one (functools.wraps copies the attribute onto it)."""
+    return (
+        isinstance(value, types.FunctionType)
+        and getattr(value, "_torchdynamo_wrapper_id", None) == id(value)
+        and not getattr(value, "_torchdynamo_disable", False)
+        and isinstance(getattr(value, "_torchdynamo_orig_callable", None), types.FunctionType)
+    )
 
 
 # The profiler range the float32 GEMMs' scratch is made in (measure.cpu_peak leaves it out).
@@ -179,36 +190,25 @@ def flushing_subnormals() -> bool:
     return float(torch.tensor([2.0**-149]) * 1.0) == 0.0
 
 
-_flush_depth = 0
-
-
 @contextlib.contextmanager
 def subnormals_flushed() -> Iterator[None]:
     """On a CPU, subnormal floats read and written as zero (``torch.set_flush_denormal``: the FTZ and
-    DAZ bits of this thread, which the threads it starts afterwards inherit, gloo's among them), so
-    that a step's time depends on its work and not on its values, as on a GPU, whose arithmetic
-    takes subnormals at full speed. x86 cores take a microcode assist on an operation with a
-    subnormal operand or result; training makes some (a fresh layer, as the profile times, has
-    none): on the Intel Xeon VM (2026-12-05) the last stage of a 2-stage pipeline at micro-batch 1
-    computed 20-45% slower from its 10th step on, and as fast as its first steps with them flushed.
-    The values change only below the smallest normal number (float32 and bfloat16: 1.2e-38;
-    float64: 2.2e-308). Nothing changes on a GPU or where the CPU cannot flush (the mode is left
-    as it was). Re-entrant; the mode before is restored on exit."""
-    global _flush_depth
-    if torch.cuda.is_available() or _flush_depth:
-        _flush_depth += 1
-        try:
-            yield
-        finally:
-            _flush_depth -= 1
+    DAZ bits of this thread, which threads it starts afterwards inherit, gloo's among them; the
+    engine and its profiles compute on one thread), so that a step's time depends on its work and
+    not on its values, as on a GPU, whose arithmetic takes subnormals at full speed. x86 cores take
+    a microcode assist on an operation with a subnormal operand or result; training makes some (a
+    fresh layer, as the profile times, has none): measured in docs/mist.md. The values change only
+    below the smallest normal number (float32 and bfloat16: 1.2e-38; float64: 2.2e-308). Nothing
+    changes on a GPU or where the CPU cannot flush. Re-entrant: this thread's mode before is
+    restored on exit."""
+    if torch.cuda.is_available():
+        yield
         return
     before = flushing_subnormals()
     torch.set_flush_denormal(True)
-    _flush_depth = 1
     try:
         yield
     finally:
-        _flush_depth = 0
         torch.set_flush_denormal(before)
 
 
