@@ -1181,15 +1181,15 @@ def test_tempo_plan_trains_as_the_plain_plan_within_predicted_memory(tmp_path):
     # where Tempo's ops round otherwise: within bf16's epsilon; later steps drift apart as any two
     # roundings of training do
     assert abs(tempo[0] / plain[0] - 1) < 2**-8, (plain[0], tempo[0])
-    measured, predicted = {}, {}
-    for tempo in (False, True):
+    measured, predicted = {}, {}  # the control, by whether the plan has Tempo's layers
+    for lean in (False, True):
         plan = _tiny_plan([StagePlan(layers=4)])
         plan.model, plan.micro_batch = "llama-tiny", 8
-        plan.model_overrides = {"flash": False, "tempo": tempo, "seq": 128}
+        plan.model_overrides = {"flash": False, "tempo": lean, "seq": 128}
         predict(plan, plan.model_spec(), cluster("cpu", 1))
-        (rank,) = _torchrun(plan, tmp_path / f"control{tempo}")["ranks"]
-        measured[tempo], predicted[tempo] = rank["memory_bytes"], plan.stages[0].memory_bytes
-        assert abs(predicted[tempo] / measured[tempo] - 1) < TOLERANCE, (measured, predicted)
+        (rank,) = _torchrun(plan, tmp_path / f"control{lean}")["ranks"]
+        measured[lean], predicted[lean] = rank["memory_bytes"], plan.stages[0].memory_bytes
+        assert abs(predicted[lean] / measured[lean] - 1) < TOLERANCE, (measured, predicted)
     saving = predicted[False] - predicted[True]
     assert saving > 0.1 * predicted[False], predicted  # a shape where Tempo's layers keep less
     assert measured[True] < measured[False] - saving / 2, (measured, predicted)
