@@ -79,6 +79,54 @@ def test_gradient_through_returned_probabilities():
     assert torch.autograd.gradcheck(f, (q, k, v))
 
 
+def test_gradient_through_the_probabilities_alone():
+    """The output unused: its gradient comes as None and is taken as zero (gradcheck in float64)."""
+    q, k, v, mask = qkv(s=10)
+    weights = torch.randn(2, 3, 10, 10, dtype=torch.float64)
+
+    def f(q, k, v):
+        return (tempo.scaled_dot_product_attention(q, k, v, mask)[1] * weights).sum()
+
+    assert torch.autograd.gradcheck(f, (q, k, v))
+
+
+def test_backward_through_the_output_makes_no_gradient_for_the_probabilities():
+    """P is returned but mostly unused: its gradient must not be made as a tensor of zeros, one
+    more P-sized tensor in backward (measured with the profiler, bf16, 8 chunks of heads). The
+    backward holds its outputs (dS, dV), dOut and its declared workspace, nothing P-sized more.
+    Control: the same backward handed a zero gradient for P, as autograd materialised it before,
+    holds that P more and breaks the bound."""
+    from measure.cpu_peak import cpu_peak_bytes
+    from tempo.ops import workspace_bytes
+
+    b, h, s, d = 2, 32, 128, 16
+    scores = torch.randn(b, h, s, s, dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(b, h, s, d, dtype=torch.bfloat16, requires_grad=True)
+    go = torch.randn(b, h, s, d, dtype=torch.bfloat16)
+    probs_bytes = scores.numel() * 2
+    seed = torch.tensor(0)
+    call = (go, None, scores, v, 0.0, seed, scores.dtype)
+    # dS, dV and dOut, and the workspace
+    bound = probs_bytes + 2 * v.numel() * 2 + workspace_bytes("tempo::attention_core_bwd", call, {}, "cpu")
+
+    def backward(materialised: bool) -> int:
+        out, probs = A.attention_core(scores, v)
+        scores.grad = v.grad = None
+
+        def run():
+            if materialised:
+                torch.autograd.backward((out, probs), (go, torch.zeros_like(probs)))
+            else:
+                out.backward(go)
+
+        peak, _ = cpu_peak_bytes(run)
+        return peak
+
+    backward(False)  # lazy one-time allocations
+    assert backward(False) <= bound
+    assert backward(True) > bound
+
+
 def test_keeps_probabilities_and_v_only():
     b, h, s, d = 2, 4, 64, 16
     q, k, v = (torch.randn(b, h, s, d, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))

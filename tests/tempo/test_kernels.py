@@ -357,3 +357,53 @@ def test_ops_dispatch_to_the_rms_norm_and_swiglu_kernels(monkeypatch):
     assert sorted(calls) == expected
     for a, r in zip(got, ref, strict=True):
         torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("p", [0.0, 0.2])
+@pytest.mark.parametrize("scores_dtype", [torch.float32, torch.float64])
+def test_attention_kernels_workspace_is_what_they_allocate(p, scores_dtype):
+    """What the wrappers allocate besides their outputs is what the estimator and Mist's planner
+    add (tempo.ops.workspace_bytes): the dropped-out P with dropout, none without; backward also
+    dD where dS cannot be written over it (the scores' dtype differs). dS from the shared buffer
+    equals dS from its own (float64 scores: a buffer of its own). Counted as the distinct
+    storages the wrappers' own allocations and matrix products make (the interpreter's copies of
+    each kernel's arguments are not the kernel's)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from tempo.ops import workspace_bytes
+
+    aten = torch.ops.aten
+    allocating = {aten.empty.memory_format, aten.empty_like.default, aten.bmm.default, aten.mm.default}
+    allocating |= {aten.clone.default}
+
+    class Made(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.storages = {}
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func not in allocating:
+                return out
+            for t in out if isinstance(out, tuple | list) else (out,):
+                if isinstance(t, torch.Tensor) and t.numel():
+                    storage = t.untyped_storage()
+                    self.storages[storage.data_ptr()] = storage.nbytes()
+            return out
+
+    def besides(mode: Made, outputs) -> int:
+        kept = {t.untyped_storage().data_ptr() for t in outputs}
+        return sum(n for ptr, n in mode.storages.items() if ptr not in kept)
+
+    s = torch.randn(2, 3, 5, 33).to(DEVICE)
+    v, go = torch.randn(2, 3, 33, 8).to(DEVICE), torch.randn(2, 3, 5, 8).to(DEVICE)
+    with Made() as mode:
+        out, probs = attention_core_fwd_triton(s, v, p, 5)
+    assert besides(mode, (out, probs)) == workspace_bytes("tempo::attention_core", (s, v, p, 5), {}, "cuda")
+    args = (go, None, probs, v, p, 5, scores_dtype)
+    with Made() as mode:
+        gs, gv = attention_core_bwd_triton(*args)
+    assert besides(mode, (gs, gv)) == workspace_bytes("tempo::attention_core_bwd", args, {}, "cuda")
+    assert gs.dtype == scores_dtype
+    reference, _ = attention_core_bwd_triton(go, None, probs, v, p, 5, torch.float32)
+    torch.testing.assert_close(gs.float(), reference, rtol=0, atol=0)

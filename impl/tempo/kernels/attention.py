@@ -4,7 +4,10 @@ Row-wise kernels around two cuBLAS matmuls:
   forward:  P = softmax(S) (kept), D = P * keep / (1 - p) (transient)  ->  out = D @ V
   backward: dD = dOut @ V^T  ->  dS = P * (dP - rowsum(dP * P)), dP = dD * keep / (1 - p),
             and D again (transient)  ->  dV = D^T @ dOut
-The keep-mask is Philox at (seed, flat score index), regenerated in backward.
+The keep-mask is Philox at (seed, flat score index), regenerated in backward. Without dropout D
+is P and never written. dS is written over dD where their dtypes agree (one program reads its
+whole row before it writes it), so backward's only probabilities-sized buffer besides its output
+is D, with dropout.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ def _softmax_dropout_fwd_kernel(
     if HAS_DROPOUT:
         keep = tl.rand(seed, row * Sk + cols) >= p_drop
         probs = tl.where(keep, probs / (1.0 - p_drop), 0.0)
-    tl.store(d_ptr + row * Sk + cols, probs.to(d_ptr.dtype.element_ty), mask=inside)
+        tl.store(d_ptr + row * Sk + cols, probs.to(d_ptr.dtype.element_ty), mask=inside)
 
 
 @triton.jit
@@ -59,7 +62,8 @@ def _softmax_dropout_bwd_kernel(
         grad += tl.load(gp_ptr + row * Sk + cols, mask=inside, other=0.0).to(tl.float32)
     ds = probs * (grad - tl.sum(grad * probs, axis=0))
     tl.store(ds_ptr + row * Sk + cols, ds.to(ds_ptr.dtype.element_ty), mask=inside)
-    tl.store(d_ptr + row * Sk + cols, dropped.to(d_ptr.dtype.element_ty), mask=inside)
+    if HAS_DROPOUT:
+        tl.store(d_ptr + row * Sk + cols, dropped.to(d_ptr.dtype.element_ty), mask=inside)
 
 
 def attention_core_fwd_triton(
@@ -68,7 +72,7 @@ def attention_core_fwd_triton(
     sk = scores.shape[-1]
     rows = scores.numel() // sk
     probs = torch.empty(scores.shape, dtype=value.dtype, device=scores.device)
-    dropped = torch.empty_like(probs)
+    dropped = torch.empty_like(probs) if p > 0.0 else probs
     _softmax_dropout_fwd_kernel[(rows,)](
         scores, probs, dropped, sk, p, seed, HAS_DROPOUT=p > 0.0, BLOCK=triton.next_power_of_2(sk)
     )
@@ -87,8 +91,11 @@ def attention_core_bwd_triton(
     sk = probs.shape[-1]
     rows = probs.numel() // sk
     grad_dropped = torch.matmul(grad_out, value.transpose(-1, -2)).contiguous()
-    grad_scores = torch.empty(probs.shape, dtype=scores_dtype, device=probs.device)
-    dropped = torch.empty_like(probs)
+    if grad_dropped.dtype == scores_dtype:  # written row by row over what it is computed from
+        grad_scores = grad_dropped
+    else:
+        grad_scores = torch.empty(probs.shape, dtype=scores_dtype, device=probs.device)
+    dropped = torch.empty_like(probs) if p > 0.0 else probs
     gp = grad_probs.contiguous() if grad_probs is not None else probs  # dummy pointer when absent
     _softmax_dropout_bwd_kernel[(rows,)](
         grad_dropped,

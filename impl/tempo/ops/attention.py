@@ -59,12 +59,19 @@ def attention_core_fwd_torch(scores: Tensor, value: Tensor, p: float, seed: Tens
     out = torch.empty((*scores.shape[:-1], dv), dtype=value.dtype, device=scores.device)
     p3, o3 = probs.view(n, sq, sk), out.view(n, sq, dv)
     for i, part in chunks(n, _rows_per_chunk(scores.shape)):
-        pc = torch.softmax(s3[part].to(f), dim=-1).to(value.dtype)
-        p3[part] = pc
-        scale = _keep_scale(p, seed, i, pc.shape, pc.device, f)
-        dropped = pc if scale is None else (pc.to(f) * scale).to(value.dtype)
-        o3[part] = torch.matmul(dropped, v3[part])
+        _forward_chunk(s3[part], v3[part], p3[part], o3[part], p, seed, i, f)
     return out, probs
+
+
+# One chunk of heads a call: its temporaries are freed when it returns, before the next chunk's
+# are made (a loop body's would outlive their iteration until rebound). What they hold at most,
+# per element of a chunk, is stated in tempo.ops (ATTENTION_CPU_BYTES_PER_CHUNK_ELEM).
+def _forward_chunk(scores, value, probs, out, p: float, seed: Tensor, index: int, f: torch.dtype) -> None:
+    pc = torch.softmax(scores.to(f), dim=-1).to(value.dtype)
+    probs.copy_(pc)
+    scale = _keep_scale(p, seed, index, pc.shape, pc.device, f)
+    dropped = pc if scale is None else (pc.to(f) * scale).to(value.dtype)
+    out.copy_(torch.matmul(dropped, value))
 
 
 def attention_core_bwd_torch(
@@ -85,17 +92,29 @@ def attention_core_bwd_torch(
     grad_value = torch.empty(value.shape, dtype=value.dtype, device=value.device)
     gs3, gv3 = grad_scores.view(n, sq, sk), grad_value.view(n, sk, dv)
     for i, part in chunks(n, _rows_per_chunk(probs.shape)):
-        pf = p3[part].to(f)
-        scale = _keep_scale(p, seed, i, pf.shape, pf.device, f)
-        dropped = p3[part] if scale is None else (pf * scale).to(value.dtype)
-        gv3[part] = torch.matmul(dropped.transpose(-1, -2), go3[part])
-        grad_p = torch.matmul(go3[part], v3[part].transpose(-1, -2)).to(f)
-        if scale is not None:
-            grad_p = grad_p * scale
-        if gp3 is not None:
-            grad_p = grad_p + gp3[part].to(f)
-        gs3[part] = pf * (grad_p - (grad_p * pf).sum(dim=-1, keepdim=True))
+        grad_probs_chunk = gp3[part] if gp3 is not None else None
+        _backward_chunk(go3[part], grad_probs_chunk, p3[part], v3[part], gs3[part], gv3[part], p, seed, i, f)
     return grad_scores, grad_value
+
+
+def _backward_chunk(
+    grad_out, grad_probs, probs, value, grad_scores, grad_value, p: float, seed: Tensor, index: int, f
+) -> None:
+    pf = probs.to(f)
+    scale = _keep_scale(p, seed, index, pf.shape, pf.device, f)
+    dropped = probs if scale is None else (pf * scale).to(value.dtype)
+    grad_value.copy_(torch.matmul(dropped.transpose(-1, -2), grad_out))
+    del dropped
+    # in place where it can be: every float32 temporary is a chunk's size
+    grad_p = torch.matmul(grad_out, value.transpose(-1, -2)).to(f)
+    if scale is not None:
+        grad_p.mul_(scale)
+        del scale
+    if grad_probs is not None:
+        grad_p.add_(grad_probs)
+    # rowsum(dP * P) as a batched matrix product: no product tensor
+    row_dot = torch.matmul(grad_p.unsqueeze(-2), pf.unsqueeze(-1)).squeeze(-1)
+    grad_scores.copy_(grad_p.sub_(row_dot).mul_(pf))
 
 
 # ---------------------------------------------------------------- custom ops
@@ -147,10 +166,15 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.save_for_backward(probs, value, seed)
     ctx.p = p
     ctx.scores_dtype = scores.dtype
+    # An output nothing used gets None, not a tensor of zeros: P is returned but rarely used, and
+    # its zero gradient would be one more probabilities-sized tensor alive in backward.
+    ctx.set_materialize_grads(False)
 
 
-def _backward(ctx, grad_out: Tensor, grad_probs: Tensor | None):
+def _backward(ctx, grad_out: Tensor | None, grad_probs: Tensor | None):
     probs, value, seed = ctx.saved_tensors
+    if grad_out is None:  # only P was used: the output's gradient is zero (out's size, not P's)
+        grad_out = value.new_zeros((*probs.shape[:-1], value.shape[-1]))
     grad_scores, grad_value = attention_core_bwd(
         grad_out.contiguous(), grad_probs, probs, value, ctx.p, seed, ctx.scores_dtype
     )
