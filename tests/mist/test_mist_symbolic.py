@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from measure.saved import cuda_like_dropout, saved_bytes
-from mist.model.specs import ModelSpec, model
-from mist.model.symbolic import a, b, f, h, head_costs, kv, layer_costs, s, t, v, value
+from mist.model.specs import ModelSpec, cluster, model
+from mist.model.symbolic import a, attention_workspace, b, f, h, head_costs, kv, layer_costs, s, t, v, value
 
 GPT3 = {f: 4 * h, kv: a}  # GPT-3 shapes: ffn 4h, multi-head attention
 LN_STATS = 2 * 2 * 4 * s * b  # two LayerNorms keep mean and rstd in fp32 (below the closed forms)
@@ -111,6 +111,52 @@ def test_transient_peak_is_the_largest_working_set():
     point = {a: 16, b: 2, s: 2048, h: 2048}
     assert eager.subs(point) == 4 * 16 * 2 * 2048**2
     assert eager.subs({**point, s: 64}) == 16 * 2 * 64 * 2048  # short sequences: the MLP again
+
+
+def test_tempo_attention_core_backward_is_one_op_with_its_workspace():
+    """Tempo's attention core is one fused op: its backward holds dS (the scores' size), dV, dOut
+    and its workspace (``attention_workspace``, a number per device), and no gradient of P or of
+    the dropped-out P as the plain layer's softmax and dropout do (4as^2b). GPT-3 1.3B without
+    FlashAttention, one TP rank, at sequence 2048, where the attention's working set is the
+    largest: 2as^2b + 4bsh + workspace."""
+    lean = model("gpt3-1.3b", flash=False, tempo=True)
+    transient = layer_costs(lean).transient_bytes.subs(GPT3).subs(t, 1)
+    point = {a: 16, b: 2, s: 2048, h: 2048}
+    core = 2 * 16 * 2 * 2048**2 + 4 * 2 * 2048 * 2048
+    assert float(transient.subs({**point, attention_workspace: 0})) == core
+    assert float(transient.subs({**point, attention_workspace: 12345})) == core + 12345
+    plain = layer_costs(model("gpt3-1.3b", flash=False)).transient_bytes.subs(GPT3).subs(t, 1)
+    assert attention_workspace not in plain.free_symbols
+    assert float(plain.subs(point)) == 4 * 16 * 2 * 2048**2
+
+
+@pytest.mark.parametrize("device", ["cpu", "h100"])
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_tempo_attention_workspace_is_what_the_engine_call_declares(device, dropout):
+    """What the planner adds for Tempo's attention core is tempo.ops' statement for the call
+    tempo.megatron makes on one TP rank: bf16 scores and V of (b, heads / t, s, ...). On a CPU, a
+    chunk of heads of the PyTorch path; on a GPU, the kernels' dropped-out P (with dropout only).
+    Plain layers and FlashAttention add none."""
+    from mist.tuning.stage_cost import Setting, tempo_attention_workspace
+    from tempo.ops import workspace_bytes
+
+    tp, micro_batch, seq = 2, 8, 128
+    lean = model("gpt3-1.3b", flash=False, tempo=True, seq=seq, dropout=dropout)
+    heads = lean.heads // tp
+
+    def setting(m):  # the workspace needs the model, the device, TP and the micro-batch only
+        return Setting(m, cluster(device, tp), None, None, tp, 1, micro_batch, 0, 1)
+
+    probs = torch.empty(micro_batch, heads, seq, seq, dtype=torch.bfloat16)
+    value_ = torch.empty(micro_batch, heads, seq, lean.hidden // lean.heads, dtype=torch.bfloat16)
+    grad_out = torch.empty_like(value_[..., :seq, :])
+    call = (grad_out, None, probs, value_, dropout, torch.tensor(0), torch.bfloat16)
+    target = "cpu" if device == "cpu" else "cuda"
+    declared = workspace_bytes("tempo::attention_core_bwd", call, {}, target)
+    assert tempo_attention_workspace(setting(lean)) == declared
+    assert declared > 0 or (device != "cpu" and dropout == 0)
+    for other in (model("gpt3-1.3b", flash=False, seq=seq), model("gpt3-1.3b", tempo=True, seq=seq)):
+        assert tempo_attention_workspace(setting(other)) == 0
 
 
 def test_layer_choices_are_fields_not_names():

@@ -27,6 +27,10 @@ from .specs import ModelSpec
 # micro-batch, sequence, TP size; hidden, heads, key/value heads, MLP hidden, vocabulary
 b, s, t, h, a, kv, f, v = sp.symbols("b s t h a kv f v", positive=True)
 SYMBOLS = (b, s, t, h, a, kv, f, v)
+# Bytes Tempo's fused attention core's backward holds besides its inputs' and outputs' gradients:
+# its GPU kernels' buffers or its CPU path's chunk, a number per device and size that tempo.ops
+# states (attention_core_workspace_bytes); LayerCosts.compiled takes it beside b, s and t
+attention_workspace = sp.Symbol("attention_workspace", nonnegative=True)
 HALF, FP32, MASK = 2, 4, 1  # bytes per element: activations/weights, statistics, dropout masks
 _ids = itertools.count()
 
@@ -212,6 +216,16 @@ class Tracer:
         # Tempo: P, not the dropped-out probabilities (remade from P and the seed in backward)
         kept = probs if self.tempo else dropped
         self.op("attention-context", "bmm", context_flops, [dropped, vv], [out], [kept, *qkv_kept])
+        if self.tempo:
+            # One fused op (tempo.ops.attention): its backward holds dS, dV and dOut (the context
+            # op's working set: P's size, V's, the output's) and its workspace; no separate
+            # gradient of P or of the dropped-out P, so the softmax's and the dropout's own
+            # working sets are not held.
+            fused = {"attention-softmax", "attention-dropout"}
+            for op in self.ops[-4:]:
+                if op.name in fused:
+                    op.working = sp.S.Zero
+            self.ops[-1].working = self.ops[-1].working + attention_workspace
         return out
 
     def mlp(self, x: Sym, gated: bool, dropout: bool) -> Sym:
@@ -430,11 +444,13 @@ def _compile(costs: LayerCosts, model: ModelSpec) -> Callable[..., dict[str, np.
         "tp_reduce_scatter",
     ]
     exprs = [_with_numbers(getattr(costs, name), fixed) for name in names]
-    lambdified = sp.lambdify((b, s, t), exprs, "numpy")
+    lambdified = sp.lambdify((b, s, t, attention_workspace), exprs, "numpy")
 
-    def evaluate(batch, seq, tp) -> dict[str, np.ndarray]:
-        values = lambdified(np.asarray(batch, float), np.asarray(seq, float), np.asarray(tp, float))
-        shape = np.broadcast(np.asarray(batch), np.asarray(seq), np.asarray(tp)).shape
+    def evaluate(batch, seq, tp, workspace=0.0) -> dict[str, np.ndarray]:
+        """``workspace``: Tempo's attention core's (``attention_workspace``; none in other layers)."""
+        sizes = [np.asarray(size, float) for size in (batch, seq, tp, workspace)]
+        values = lambdified(*sizes)
+        shape = np.broadcast(*sizes).shape
         return {
             name: np.broadcast_to(np.asarray(column, float), shape)
             for name, column in zip(names, values, strict=True)

@@ -39,7 +39,7 @@ from measure.checks import finite, whole
 from ..model.interference import Interference
 from ..model.runtime import RuntimeModel, cpu_adam_params_per_s
 from ..model.specs import GRAD_ACCUMULATION, ClusterSpec, GradAccumulation, ModelSpec
-from ..model.symbolic import CORE_ATTENTION_OPS, head_costs, layer_costs, value
+from ..model.symbolic import CORE_ATTENTION_OPS, HALF, head_costs, layer_costs, value
 from ..plan import gather_allowed, grad_bucket
 from .inter_stage import held_and_fits
 
@@ -200,7 +200,7 @@ def _layer_numbers_by_value(setting: Setting) -> LayerNumbers:
 def _layer_numbers(setting: Setting) -> LayerNumbers:
     model, micro_batch, tp = setting.model, setting.micro_batch, setting.tp
     costs = layer_costs(model, setting.sequence_parallel)
-    traced = costs.compiled(model)(micro_batch, model.seq, tp)
+    traced = costs.compiled(model)(micro_batch, model.seq, tp, tempo_attention_workspace(setting))
     fwd, bwd = setting.runtime.layer_times(model, micro_batch, model.seq, tp, setting.sequence_parallel)
     tp_forward, tp_backward = _tp_collectives_s(setting, traced)
     head = {name: value(expr, model, micro_batch, model.seq, tp) for name, expr in head_costs(model).items()}
@@ -235,6 +235,21 @@ def _layer_numbers(setting: Setting) -> LayerNumbers:
         logits=head["logits_fp32_bytes"],
         embed_params=head["embed_params"],
     )
+
+
+def tempo_attention_workspace(setting: Setting) -> float:
+    """Bytes Tempo's fused attention core's backward holds besides its inputs' and outputs'
+    gradients on one TP rank of the plan's device: the GPU kernels' buffers, or on the CPU the
+    chunk of heads its PyTorch path works on (stated by tempo.ops); none in other layers."""
+    model = setting.model
+    if not model.tempo or model.flash:
+        return 0.0
+    from tempo.ops import attention_core_workspace_bytes  # imports torch: only Tempo's plans need it
+
+    target = "cpu" if setting.cluster.gpu.name == "cpu" else "cuda"
+    probs_shape = (setting.micro_batch, model.heads // setting.tp, model.seq, model.seq)
+    dropout = model.dropout > 0
+    return float(attention_core_workspace_bytes(probs_shape, HALF, HALF, dropout, target, forward=False))
 
 
 def _tp_collectives_s(setting: Setting, traced: dict) -> tuple[float, float]:
