@@ -114,10 +114,14 @@ def test_measure_knows_nothing_of_the_systems():
 
 
 def test_planning_loads_no_torch():
+    """Neither a plain plan nor one of Tempo's layers with their unfused attention core, which
+    the planner prices with tempo.sizes."""
     code = (
         "import sys; from mist.__main__ import main; "
         "main(['plan', '--model', 'gpt3-1.3b', '--gpus', '8', '--gpu', 'l4', '--global-batch', '8', "
         "'--quiet']); "
+        "main(['plan', '--model', 'gpt3-1.3b', '--gpus', '8', '--gpu', 'l4', '--global-batch', '8', "
+        "'--quiet', '--tempo', '--no-flash']); "
         "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO)

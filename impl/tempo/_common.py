@@ -6,6 +6,8 @@ import torch
 
 from measure.checks import finite
 
+from .sizes import CHUNK_ELEMS
+
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _BIT_WEIGHTS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
 
@@ -69,12 +71,6 @@ def new_seed() -> torch.Tensor:
     It lives on the CPU so reading it in a kernel launch never synchronises a GPU.
     """
     return torch.randint(0, 2**31 - 1, (), dtype=torch.int64)
-
-
-# The PyTorch paths work through big tensors in chunks of this many elements, so their
-# temporaries (float32 upcasts, Newton iterates, masks) stay a few MB whatever the tensor size,
-# as in the fused Triton kernels, which need none. A multiple of 8 (whole mask bytes).
-CHUNK_ELEMS = 1 << 17
 
 
 def chunks(n: int, size: int = CHUNK_ELEMS):

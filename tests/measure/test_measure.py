@@ -193,8 +193,8 @@ def real_cpu_peak(build, precision: str, b: int) -> int:
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "amp-bf16"])
 @pytest.mark.parametrize("with_tempo", [False, True], ids=["hf-eager", "tempo"])
 def test_step_estimate_against_real_cpu_run(precision, with_tempo):
-    from tempo._common import CHUNK_ELEMS
     from tempo.ops import cpu_bytes_per_chunk_elem
+    from tempo.sizes import CHUNK_ELEMS
 
     est = StepMemoryEstimator(
         small_bert(with_tempo),
@@ -288,10 +288,10 @@ def test_gpu_budget_parsing():
 
 def op_calls(dt: torch.dtype) -> dict[str, tuple[str, object]]:
     """Each Tempo op's name and a call of it on inputs spanning several chunks."""
-    from tempo._common import CHUNK_ELEMS
     from tempo.ops import dropout as D
     from tempo.ops import gelu as G
     from tempo.ops import layernorm as L
+    from tempo.sizes import CHUNK_ELEMS
 
     n = 3 * CHUNK_ELEMS
     x, g = torch.randn(n, dtype=dt), torch.randn(n, dtype=dt)
@@ -312,8 +312,8 @@ def op_calls(dt: torch.dtype) -> dict[str, tuple[str, object]]:
 @pytest.mark.parametrize("op", ["gelu_fwd", "gelu_bwd", "ln_fwd", "ln_bwd", "dropout"])
 def test_declared_cpu_workspace_bounds_the_real_one(op, dt):
     """The CPU workspace bound the estimator adds must hold for every op (profiler-measured)."""
-    from tempo._common import CHUNK_ELEMS
     from tempo.ops import cpu_bytes_per_chunk_elem
+    from tempo.sizes import CHUNK_ELEMS
 
     name, call = op_calls(dt)[op]
     call()  # first call: lazy one-time allocations

@@ -241,7 +241,7 @@ def test_max_compiled_unevaluated_equals_sympys_own(rng):
         np.asarray(v, float)
         for v in (rng.integers(1, 33, 8), rng.integers(64, 8193, 8), rng.choice([1, 2, 4, 8], 8))
     )
-    compiled = costs.compiled(m)(b, s, t)
+    compiled = costs.compiled(m)(b, s, t, 0.0)  # no Tempo layers: no attention workspace
     assert isinstance(costs.transient_bytes, sp.Max)
     for name in ("transient_bytes", "selective_backward_bytes"):  # the latter: a Max of several ops
         expr = getattr(costs, name)

@@ -211,6 +211,7 @@ class Tracer:
             fwd_bytes=half + full,
             bwd_bytes=half + half + full,
         )
+        softmax_and_dropout = len(self.ops) - 1  # where the ops Tempo fuses with the context begin
         dropped = self.dropout("attention-dropout", probs, dropout)
         context_flops = 2 * batch * heads * seq * seq * head_dim
         # Tempo: P, not the dropped-out probabilities (remade from P and the seed in backward)
@@ -221,10 +222,8 @@ class Tracer:
             # op's working set: P's size, V's, the output's) and its workspace; no separate
             # gradient of P or of the dropped-out P, so the softmax's and the dropout's own
             # working sets are not held.
-            fused = {"attention-softmax", "attention-dropout"}
-            for op in self.ops[-4:]:
-                if op.name in fused:
-                    op.working = sp.S.Zero
+            for op in self.ops[softmax_and_dropout:-1]:
+                op.working = sp.S.Zero
             self.ops[-1].working = self.ops[-1].working + attention_workspace
         return out
 
@@ -446,8 +445,9 @@ def _compile(costs: LayerCosts, model: ModelSpec) -> Callable[..., dict[str, np.
     exprs = [_with_numbers(getattr(costs, name), fixed) for name in names]
     lambdified = sp.lambdify((b, s, t, attention_workspace), exprs, "numpy")
 
-    def evaluate(batch, seq, tp, workspace=0.0) -> dict[str, np.ndarray]:
-        """``workspace``: Tempo's attention core's (``attention_workspace``; none in other layers)."""
+    def evaluate(batch, seq, tp, workspace) -> dict[str, np.ndarray]:
+        """``workspace``: Tempo's attention core's bytes (``attention_workspace``; 0 for other
+        layers), asked for always so that no caller prices Tempo's layers without it."""
         sizes = [np.asarray(size, float) for size in (batch, seq, tp, workspace)]
         values = lambdified(*sizes)
         shape = np.broadcast(*sizes).shape

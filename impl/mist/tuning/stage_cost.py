@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from measure.checks import finite, whole
+from tempo.sizes import attention_core_workspace_bytes
 
 from ..model.interference import Interference
 from ..model.runtime import RuntimeModel, cpu_adam_params_per_s
@@ -244,12 +245,10 @@ def tempo_attention_workspace(setting: Setting) -> float:
     model = setting.model
     if not model.tempo or model.flash:
         return 0.0
-    from tempo.ops import attention_core_workspace_bytes  # imports torch: only Tempo's plans need it
-
     target = "cpu" if setting.cluster.gpu.name == "cpu" else "cuda"
     probs_shape = (setting.micro_batch, model.heads // setting.tp, model.seq, model.seq)
-    dropout = model.dropout > 0
-    return float(attention_core_workspace_bytes(probs_shape, HALF, HALF, dropout, target, forward=False))
+    # scores, P and V all in the training's half precision, as tempo.megatron runs them
+    return float(attention_core_workspace_bytes(probs_shape, HALF, model.dropout > 0, target, forward=False))
 
 
 def _tp_collectives_s(setting: Setting, traced: dict) -> tuple[float, float]:

@@ -11,12 +11,11 @@ element of a chunk).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 
 import torch
 
-from .._common import CHUNK_ELEMS
 from ..layernorm_rows import ROWS_PER_PROGRAM
+from ..sizes import CHUNK_ELEMS, attention_core_workspace_bytes
 
 # Upper bounds on the PyTorch path's live temporaries per element of a chunk, measured with the
 # profiler and checked in tests/measure/test_measure.py (largest: the GELU backward's Newton solve with
@@ -25,48 +24,8 @@ CPU_BYTES_PER_CHUNK_ELEM = {"tempo::gelu_bwd": 96}
 CPU_BYTES_PER_CHUNK_ELEM_DEFAULT = 40
 
 
-# The attention core's PyTorch path, per element of a chunk of heads, by (forward, dropout): its
-# float32 softmax or dP, the float32 copy of P, and with dropout the keep mask and the dropped-out
-# P. Measured with the profiler (bf16: forward 8 and 14 B, backward 10 and 14 B; float32 less)
-# and checked, bound and tightness, in tests/measure/test_measure.py.
-ATTENTION_CPU_BYTES_PER_CHUNK_ELEM = {
-    (True, False): 8,
-    (True, True): 16,
-    (False, False): 12,
-    (False, True): 16,
-}
-
-
 def cpu_bytes_per_chunk_elem(op_name: str) -> int:
     return CPU_BYTES_PER_CHUNK_ELEM.get(op_name, CPU_BYTES_PER_CHUNK_ELEM_DEFAULT)
-
-
-def attention_core_workspace_bytes(
-    probs_shape: Sequence[int],
-    itemsize: int,
-    scores_itemsize: int,
-    dropout: bool,
-    target: str,
-    forward: bool,
-) -> int:
-    """Transient bytes of the attention core's forward or backward besides its inputs and outputs,
-    for probabilities of ``probs_shape`` (..., Sq, Sk) kept in ``itemsize`` bytes (V's dtype);
-    ``scores_itemsize``: the scores' (and their gradient's). In numbers, not tensors: Mist's
-    planner prices Tempo's layers with it.
-
-    CUDA (tempo/kernels/attention.py): the dropped-out P for cuBLAS, with dropout only; backward
-    also dP_dropped where the scores' dtype differs (else dS is written over it). CPU: one chunk
-    of heads of the PyTorch path."""
-    numel = math.prod(probs_shape)
-    if target == "cuda":
-        dropped = numel * itemsize if dropout else 0
-        if forward:
-            return dropped
-        return dropped + (0 if scores_itemsize == itemsize else numel * itemsize)
-    per_head = probs_shape[-1] * probs_shape[-2] if len(probs_shape) >= 2 else numel
-    heads_per_chunk = max(1, CHUNK_ELEMS // max(per_head, 1))
-    chunk = min(numel, heads_per_chunk * per_head)
-    return chunk * ATTENTION_CPU_BYTES_PER_CHUNK_ELEM[(forward, dropout)]
 
 
 def _cpu_chunk_bytes(op_name: str, numel: int) -> int:
@@ -87,12 +46,12 @@ def workspace_bytes(op_name: str, args: tuple, kwargs: dict, target: str) -> int
         # forward: (scores, value, p, seed); backward: (grad_out, grad_probs, probs, value, p, seed,
         # scores_dtype)
         if forward:
-            probs, value, p, scores_itemsize = args[0], args[1], args[2], args[0].element_size()
+            probs, value, p, scores_dtype = args[0], args[1], args[2], args[0].dtype
         else:
-            probs, value, p = args[2], args[3], args[4]
-            scores_itemsize = args[6].itemsize
+            probs, value, p, scores_dtype = args[2], args[3], args[4], args[6]
+        dropout, differs = float(p) > 0.0, scores_dtype != value.dtype
         return attention_core_workspace_bytes(
-            tuple(probs.shape), value.element_size(), scores_itemsize, float(p) > 0.0, target, forward
+            tuple(probs.shape), value.element_size(), dropout, target, forward, differs
         )
     if op_name.startswith("tempo::linear_cross_entropy"):  # no kernel: chunk logits on either device
         forward = op_name == "tempo::linear_cross_entropy"

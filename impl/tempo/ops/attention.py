@@ -20,7 +20,6 @@ import torch
 from torch import Tensor
 
 from .._common import (
-    CHUNK_ELEMS,
     check_float,
     check_probability,
     check_training,
@@ -30,12 +29,7 @@ from .._common import (
     opmath,
     use_triton,
 )
-
-
-def _rows_per_chunk(probs_shape: torch.Size) -> int:
-    """Heads (leading rows of the flattened (N, Sq, Sk) scores) per chunk of the PyTorch path."""
-    per_head = probs_shape[-1] * probs_shape[-2]
-    return max(1, CHUNK_ELEMS // max(per_head, 1))
+from ..sizes import attention_heads_per_chunk
 
 
 def _keep_scale(p: float, seed: Tensor, chunk_index: int, shape: torch.Size, device, dtype) -> Tensor | None:
@@ -58,7 +52,7 @@ def attention_core_fwd_torch(scores: Tensor, value: Tensor, p: float, seed: Tens
     probs = torch.empty(scores.shape, dtype=value.dtype, device=scores.device)
     out = torch.empty((*scores.shape[:-1], dv), dtype=value.dtype, device=scores.device)
     p3, o3 = probs.view(n, sq, sk), out.view(n, sq, dv)
-    for i, part in chunks(n, _rows_per_chunk(scores.shape)):
+    for i, part in chunks(n, attention_heads_per_chunk(sq, sk)):
         _forward_chunk(s3[part], v3[part], p3[part], o3[part], p, seed, i, f)
     return out, probs
 
@@ -91,7 +85,7 @@ def attention_core_bwd_torch(
     grad_scores = torch.empty(probs.shape, dtype=scores_dtype, device=probs.device)
     grad_value = torch.empty(value.shape, dtype=value.dtype, device=value.device)
     gs3, gv3 = grad_scores.view(n, sq, sk), grad_value.view(n, sk, dv)
-    for i, part in chunks(n, _rows_per_chunk(probs.shape)):
+    for i, part in chunks(n, attention_heads_per_chunk(sq, sk)):
         grad_probs_chunk = gp3[part] if gp3 is not None else None
         _backward_chunk(go3[part], grad_probs_chunk, p3[part], v3[part], gs3[part], gv3[part], p, seed, i, f)
     return grad_scores, grad_value

@@ -51,8 +51,9 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from .._common import CHUNK_ELEMS, check_eps, check_float, chunks, opmath, use_triton
+from .._common import check_eps, check_float, chunks, opmath, use_triton
 from ..layernorm_rows import _rows, gamma_floor
+from ..sizes import CHUNK_ELEMS
 
 
 def unit_roundoff(dtype: torch.dtype) -> float:

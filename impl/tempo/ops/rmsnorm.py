@@ -30,8 +30,9 @@ import math
 import torch
 from torch import Tensor, nn
 
-from .._common import CHUNK_ELEMS, check_eps, check_float, chunks, opmath, use_triton
+from .._common import check_eps, check_float, chunks, opmath, use_triton
 from ..layernorm_rows import _rows, gamma_floor
+from ..sizes import CHUNK_ELEMS
 
 
 def rms_norm_forward_torch(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:

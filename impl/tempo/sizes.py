@@ -1,0 +1,59 @@
+"""Sizes Tempo's ops work in, and the attention core's transient bytes, in plain numbers.
+
+No torch here: Mist's planner prices Tempo's layers with ``attention_core_workspace_bytes``
+without loading torch (``python -m mist plan`` stays torch-free). ``tempo.ops.workspace_bytes``
+applies the same function to an op call's tensors for the fake-tensor memory estimator.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+# The PyTorch paths work through big tensors in chunks of this many elements, so their
+# temporaries (float32 upcasts, Newton iterates, masks) stay a few MB whatever the tensor size,
+# as in the fused Triton kernels, which need none. A multiple of 8 (whole mask bytes).
+CHUNK_ELEMS = 1 << 17
+
+# The attention core's PyTorch path, per element of a chunk of heads, by (forward, dropout): its
+# float32 softmax or dP, the float32 copy of P, and with dropout the keep mask and the dropped-out
+# P. Measured with the profiler, bf16: forward 8 and 14 B; backward 10 and 14 B, 12 without
+# dropout when the returned P's gradient is added too (float32 less). Bound and tightness are
+# checked in tests/measure/test_measure.py.
+ATTENTION_CPU_BYTES_PER_CHUNK_ELEM = {
+    (True, False): 8,
+    (True, True): 16,
+    (False, False): 12,
+    (False, True): 16,
+}
+
+
+def attention_heads_per_chunk(sq: int, sk: int) -> int:
+    """Heads of (Sq, Sk) scores the attention core's PyTorch path takes at a time."""
+    return max(1, CHUNK_ELEMS // max(sq * sk, 1))
+
+
+def attention_core_workspace_bytes(
+    probs_shape: Sequence[int],
+    itemsize: int,
+    dropout: bool,
+    target: str,
+    forward: bool,
+    scores_dtype_differs: bool = False,
+) -> int:
+    """Transient bytes of the attention core's forward or backward besides its inputs and outputs,
+    for probabilities of ``probs_shape`` (..., Sq, Sk) kept in ``itemsize`` bytes (V's dtype);
+    ``scores_dtype_differs``: the scores' dtype (and their gradient's) is not V's.
+
+    CUDA (tempo/kernels/attention.py): the dropped-out P for cuBLAS, with dropout only; backward
+    also dP_dropped where the scores' dtype differs (else dS is written over it). CPU: one chunk
+    of heads of the PyTorch path."""
+    numel = math.prod(probs_shape)
+    if target == "cuda":
+        dropped = numel * itemsize if dropout else 0
+        if forward:
+            return dropped
+        return dropped + (numel * itemsize if scores_dtype_differs else 0)
+    sq, sk = probs_shape[-2:]
+    chunk = min(numel, attention_heads_per_chunk(sq, sk) * sq * sk)
+    return chunk * ATTENTION_CPU_BYTES_PER_CHUNK_ELEM[(forward, dropout)]
