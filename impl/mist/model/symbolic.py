@@ -28,7 +28,7 @@ from .specs import ModelSpec
 b, s, t, h, a, kv, f, v = sp.symbols("b s t h a kv f v", positive=True)
 SYMBOLS = (b, s, t, h, a, kv, f, v)
 # Bytes Tempo's fused attention core's backward holds besides its inputs' and outputs' gradients:
-# its GPU kernels' buffers or its CPU path's chunk, a number per device and size that tempo.ops
+# its GPU kernels' buffers or its CPU path's chunk, a number per device and size that tempo.sizes
 # states (attention_core_workspace_bytes); LayerCosts.compiled takes it beside b, s and t
 attention_workspace = sp.Symbol("attention_workspace", nonnegative=True)
 HALF, FP32, MASK = 2, 4, 1  # bytes per element: activations/weights, statistics, dropout masks

@@ -241,7 +241,7 @@ def _layer_numbers(setting: Setting) -> LayerNumbers:
 def tempo_attention_workspace(setting: Setting) -> float:
     """Bytes Tempo's fused attention core's backward holds besides its inputs' and outputs'
     gradients on one TP rank of the plan's device: the GPU kernels' buffers, or on the CPU the
-    chunk of heads its PyTorch path works on (stated by tempo.ops); none in other layers."""
+    chunk of heads its PyTorch path works on (stated by tempo.sizes); none in other layers."""
     model = setting.model
     if not model.tempo or model.flash:
         return 0.0

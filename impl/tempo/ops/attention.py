@@ -59,7 +59,7 @@ def attention_core_fwd_torch(scores: Tensor, value: Tensor, p: float, seed: Tens
 
 # One chunk of heads a call: its temporaries are freed when it returns, before the next chunk's
 # are made (a loop body's would outlive their iteration until rebound). What they hold at most,
-# per element of a chunk, is stated in tempo.ops (ATTENTION_CPU_BYTES_PER_CHUNK_ELEM).
+# per element of a chunk, is stated in tempo.sizes (ATTENTION_CPU_BYTES_PER_CHUNK_ELEM).
 def _forward_chunk(scores, value, probs, out, p: float, seed: Tensor, index: int, f: torch.dtype) -> None:
     pc = torch.softmax(scores.to(f), dim=-1).to(value.dtype)
     probs.copy_(pc)
