@@ -313,6 +313,7 @@ def test_profile_command_writes_what_calibrate_fits(tmp_path, rng):
         EMBEDDING_OP,
         FINAL_NORM_OP,
         FRAMEWORK_OP,
+        GATED_LAYER_OP,
         GRAD_ACCUMULATE_OP,
         HEAD_OP,
         TEMPO_GATED_OP,
@@ -358,7 +359,8 @@ def test_profile_command_writes_what_calibrate_fits(tmp_path, rng):
     assert r["gpu"] == "cpu" and r["held_out_cases"] == 2  # the largest micro-batch, both TP sizes
     assert r["mean_abs_error"] is not None
     rm = r["model"]
-    assert "framework" in rm.curves and {"loss", "embedding", "accumulate"} <= set(rm.curves)
+    assert "framework" in rm.curves and {"loss", "embedding", "accumulate", "gated"} <= set(rm.curves)
+    assert all(min(p.ops[GATED_LAYER_OP]) > 0 for p in profiles)  # the plain Llama layer, whole
     assert rm.accumulate_line == rm.curves["accumulate"][0]  # the add priced by its own line
     spec = profiles[0].model
     with_overhead = sum(rm.layer_times(spec, 2, spec.seq, 1))
@@ -544,6 +546,62 @@ def test_serial_channels_take_turns(rng):
     np.testing.assert_allclose(Interference().overlap(*times), times.max(axis=0))
     cpu = load_interference("cpu")
     np.testing.assert_allclose(cpu.overlap(*times), times.sum(axis=0), rtol=1e-12)
+
+
+def test_llama_layers_priced_with_the_fitted_gated_excess(tmp_path):
+    """A profile's plain Llama layer row (GATED_LAYER_OP, timed whole by `mist profile --tempo`)
+    is fitted as what it measures beyond its ops' price (the lines fitted to the GPT-3 layer's ops,
+    and the framework's): a line in the residual stream's bytes, the "gated" curve, added to every
+    gated layer and to no other. Here the L4 profiles, each given that row at its price plus a
+    known line: the fit recovers the line and GPT-3's layer costs what it did. Control: rows at
+    their price less a margin (an excess below zero) add nothing."""
+    import csv
+
+    from mist.model.calibrate import calibrate
+    from mist.model.profile_data import GATED_LAYER_OP, gated_layer, read_layer_profiles
+    from mist.model.runtime import residual_stream_bytes
+
+    source = tmp_path / "plain" / "l4"
+    source.mkdir(parents=True)
+    for f in (DATA / "gpu-op-profiles" / "l4").glob("*.csv"):
+        (source / f.name).write_bytes(f.read_bytes())
+    (before,) = calibrate(source).values()
+    priced = before["model"]
+    excess = (Line(30e-6, 80e9), Line(70e-6, 40e9))  # forward, backward
+    gpt, llama = model("gpt3-1.3b", flash=False), model("llama-7b", flash=False)
+    for name, shift in (("slower", excess), ("faster", None)):
+        out = tmp_path / name / "l4"
+        out.mkdir(parents=True)
+        for f in source.iterdir():  # the collectives too; each layer file is rewritten below
+            (out / f.name).write_bytes(f.read_bytes())
+        for p in read_layer_profiles(source):
+            layer = gated_layer(p.model)
+            price = priced.layer_times(layer, p.mbs, p.seq, p.tp, weight_gradients=p.weight_gradients)
+            work = residual_stream_bytes(layer, p.mbs, p.seq)
+            times = [
+                float(t) + (float(line(work)) if shift else -1e-4)
+                for t, line in zip(price, excess, strict=True)
+            ]
+            path = source / f"gpt_{p.size}_mbs{p.mbs}_tp{p.tp}_algo{p.algo}.csv"
+            with path.open() as fh:
+                rows = list(csv.DictReader(fh))
+            row = {**dict.fromkeys(rows[0], "0"), "op_name": GATED_LAYER_OP}
+            row["forward-compute"], row["backward-compute"] = (f"{t * 1e6:.6f}" for t in times)
+            with (out / path.name).open("w", newline="") as fh:
+                w = csv.DictWriter(fh, fieldnames=list(rows[0]))
+                w.writeheader()
+                w.writerows([*rows, row])
+        (r,) = calibrate(out).values()
+        rm = r["model"]
+        assert rm.layer_times(gpt, 4, 1024, 2) == priced.layer_times(gpt, 4, 1024, 2)
+        now, then = rm.layer_times(llama, 4, 1024, 2), priced.layer_times(llama, 4, 1024, 2)
+        added = [a - b for a, b in zip(now, then, strict=True)]
+        if shift:
+            work = residual_stream_bytes(llama, 4, 1024)
+            for got, line in zip(added, excess, strict=True):
+                assert got == pytest.approx(float(line(work)), rel=1e-3)
+        else:
+            assert rm.curves["gated"] == (Line(0.0, None), Line(0.0, None)) and added == [0.0, 0.0]
 
 
 def test_tempo_layers_priced_by_the_fitted_tempo_excess(tmp_path):

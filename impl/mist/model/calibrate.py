@@ -17,6 +17,7 @@ from .profile_data import (
     EMBEDDING_OP,
     FINAL_NORM_OP,
     FRAMEWORK_OP,
+    GATED_LAYER_OP,
     GRAD_ACCUMULATE_OP,
     HEAD_OP,
     LAYER_OPS,
@@ -45,7 +46,7 @@ from .specs import GRAD_ACCUMULATION, ModelSpec, gpus
 from .symbolic import head_costs, layer_costs, value
 
 # curves fitted to a whole layer's time beyond something else (its ops; the plain layer)
-WHOLE_LAYER_CLASSES = ("framework", "tempo", "tempo_gated")
+WHOLE_LAYER_CLASSES = ("framework", "tempo", "tempo_gated", "gated")
 # curves whose work is the same at every micro-batch of one TP size (the embedding table's
 # gradient, the gradient accumulation's add) or that are a difference of two timings (the loss:
 # the head's time less the GEMM curve's): a profile at one TP size (the GPU check's) can fit them
@@ -125,9 +126,34 @@ def fit_runtime_model(
         # a class with no points at one size keeps the curve through every size, never the data
         # sheet's roofline (one whose times there are too few positive ones is that size's constant)
         by_tp = {tp: curves | _fit_curves([p for p in profiles if p.tp == tp], gpu) for tp in tps}
+    overall = _fit_gated(profiles, RuntimeModel(gpu, curves, lines, source, by_tp))
+    for tp, tp_curves in by_tp.items():  # each size's own where it timed the layer, as the others
+        tp_curves.update(
+            _fit_gated([p for p in profiles if p.tp == tp], RuntimeModel(gpu, tp_curves)) or overall
+        )
+    curves.update(overall)
     model = RuntimeModel(gpu, curves, lines, source, by_tp)
     check_rates(model, dtype)
     return model
+
+
+def _fit_gated(profiles: list[LayerProfile], priced: RuntimeModel) -> dict[str, tuple[Line, Line]]:
+    """The "gated" curve: what the plain Llama layer (``gated_layer``, its GATED_LAYER_OP row)
+    measures beyond ``priced``'s price of it, the op lines fitted to the GPT-3 layer's ops and the
+    framework's. Work: the residual stream's bytes, as the framework's; an excess below zero is
+    priced as none, as the framework's and Tempo's are. {} where no profile timed that layer."""
+    work, excess = ([], []), ([], [])
+    for p in best_algo(profiles):
+        if GATED_LAYER_OP not in p.ops:
+            continue
+        layer = gated_layer(p.model)
+        price = priced.layer_times(layer, p.mbs, layer.seq, p.tp, weight_gradients=p.weight_gradients)
+        for direction in (0, 1):
+            work[direction].append(residual_stream_bytes(layer, p.mbs, layer.seq))
+            excess[direction].append(max(p.ops[GATED_LAYER_OP][direction] - float(price[direction]), 0.0))
+    if not work[0]:
+        return {}
+    return {"gated": tuple(_fit_or_constant(work[d], excess[d]) for d in (0, 1))}
 
 
 def _fit_curves(profiles: list[LayerProfile], gpu: str) -> dict[str, tuple[Line, Line]]:

@@ -79,6 +79,10 @@ FRAMEWORK_OP = "layer-framework-overhead"
 # different ops in each (GELU and dropouts; SwiGLU and RMSNorm).
 TEMPO_OP = "layer-tempo-excess"
 TEMPO_GATED_OP = "layer-tempo-excess-gated"
+# The plain Llama layer that row is taken against, whole (forward, backward): its ops are priced by
+# the lines fitted to the GPT-3 layer's (RMSNorm by LayerNorm's, SwiGLU by GELU's), and what it
+# measures beyond that is fitted from this row (calibrate: the "gated" curve).
+GATED_LAYER_OP = "layer-gated-whole"
 # `mist profile` also times adding one micro-batch's weight gradients of the layer into the
 # accumulated ones, as the engine does (an in-place add per parameter, half precision): no op's
 # time includes it, and on a CPU the residual add's line (dropout's random numbers included)

@@ -211,6 +211,12 @@ class RuntimeModel:
                 fwd + f_line(residual_stream_bytes(model, mbs, seq)),
                 bwd + b_line(residual_stream_bytes(model, mbs, seq)),
             )
+        # what a Llama layer measures beyond its ops' price (RMSNorm and SwiGLU priced by the GPT-3
+        # layer's LayerNorm and GELU lines), measured by `mist profile --tempo` only
+        if model.gated_mlp and "gated" in self.curves and only is None:
+            f_line, b_line = self.curves["gated"]
+            work = residual_stream_bytes(model, mbs, seq)
+            fwd, bwd = fwd + f_line(work), bwd + b_line(work)
         # Tempo's extra work (its backward recovers inputs, regenerates masks, remakes the SwiGLU
         # product), measured by `mist profile --tempo` only: a model without that curve (every
         # shipped GPU preset) prices a Tempo layer by its traced ops alone (what they move, which
@@ -443,7 +449,7 @@ def _tp_curves(path: Path | str, by_tp: object) -> dict[int, dict[str, tuple[Lin
 # from rows the Mist artifact and `mist profile --vocab` have; the framework's and Tempo's excess
 # from `mist profile` alone), and are priced otherwise without them (``RuntimeModel.curve``).
 LAYER_CURVES = (*sorted({OP_CLASS[op] for op in LAYER_OPS}), "wgrad")
-OPTIONAL_CURVES = ("loss", "embedding", "framework", "tempo", "tempo_gated", "accumulate")
+OPTIONAL_CURVES = ("loss", "embedding", "framework", "tempo", "tempo_gated", "gated", "accumulate")
 # The collectives the model looks up (``collective``, ``p2p``, the measured mechanisms)
 COLLECTIVE_KINDS = (
     "all_reduce",

@@ -23,6 +23,7 @@ from ...model.profile_data import (
     EMBEDDING_OP,
     FINAL_NORM_OP,
     FRAMEWORK_OP,
+    GATED_LAYER_OP,
     GRAD_ACCUMULATE_OP,
     HEAD_OP,
     TEMPO_GATED_OP,
@@ -456,6 +457,14 @@ def _point_rows(job: ProfileJob, tp: int, b: int) -> list[dict]:
                     "backward-compute": max(with_tempo[1] - plain[1], 0.0) * 1e6,
                 }
             )
+        rows.append(
+            {
+                **dict.fromkeys(rows[0], 0.0),
+                "op_name": GATED_LAYER_OP,
+                "forward-compute": llama[0][0] * 1e6,
+                "backward-compute": llama[0][1] * 1e6,
+            }
+        )
     if job.vocab:
         rows += megatron_edge_rows(*shape, job.vocab, tp, job.dtype, job.device, job.repeats)
     return rows
