@@ -798,7 +798,8 @@ def _profile_parser(sub) -> None:
         action="store_true",
         help="also time the layer with Tempo's ops (tempo.megatron), and a Llama layer of the same size "
         "with and without them: each excess over the plain layer is what a Tempo layer of that kind "
-        "adds to its time in `mist plan --tempo` with the fitted model",
+        "adds to its time in `mist plan --tempo` with the fitted model, and the plain Llama layer's "
+        "excess over its ops' price what every Llama layer adds",
     )
     p.add_argument(
         "--rounds",
