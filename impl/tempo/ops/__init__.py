@@ -5,7 +5,7 @@ outputs, so the fake-tensor memory estimator (measure/memory.py), which cannot s
 custom op, can add it: pass it as the estimator's ``op_workspace``. On CUDA (Triton kernels)
 that is what the kernels' wrappers allocate; on CPU it is the chunked PyTorch path's bound
 (chunks of CHUNK_ELEMS elements, at most cpu_bytes_per_chunk_elem(op) bytes of temporaries per
-element of a chunk).
+element of a chunk; the attention core's, in numbers, in tempo.sizes).
 """
 
 from __future__ import annotations
