@@ -1,8 +1,10 @@
-"""Sizes Tempo's ops work in, and the attention core's transient bytes, in plain numbers.
+"""Sizes Tempo's ops work in, and the attention core's and SwiGLU's transient bytes, in plain
+numbers.
 
-No torch here: Mist's planner prices Tempo's layers with ``attention_core_workspace_bytes``
-without loading torch (``python -m mist plan`` stays torch-free). ``tempo.ops.workspace_bytes``
-applies the same function to an op call's tensors for the fake-tensor memory estimator.
+No torch here: Mist's planner prices Tempo's layers with ``attention_core_workspace_bytes`` and
+``swiglu_down_workspace_bytes`` without loading torch (``python -m mist plan`` stays
+torch-free). ``tempo.ops.workspace_bytes`` applies the same functions to an op call's tensors
+for the fake-tensor memory estimator.
 """
 
 from __future__ import annotations
@@ -57,3 +59,15 @@ def attention_core_workspace_bytes(
     sq, sk = probs_shape[-2:]
     chunk = min(numel, attention_heads_per_chunk(sq, sk) * sq * sk)
     return chunk * ATTENTION_CPU_BYTES_PER_CHUNK_ELEM[(forward, dropout)]
+
+
+def swiglu_down_workspace_bytes(ffn_bytes: int, target: str, forward: bool) -> int:
+    """Transient bytes of ``swiglu_down``'s forward or backward besides its inputs and outputs,
+    for gate and up of ``ffn_bytes`` each (not chunked: ffn-wide temporaries).
+
+    CPU (PyTorch path): two ffn-wide tensors either way (forward silu(gate) and h; backward dh and
+    silu(gate) or dh * up). CUDA (tempo/kernels/swiglu.py): forward h for the down projection;
+    backward none (h is dropped before dh exists and d_gate is written over dh)."""
+    if target != "cuda":
+        return 2 * ffn_bytes
+    return ffn_bytes if forward else 0

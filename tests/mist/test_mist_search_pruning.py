@@ -232,7 +232,7 @@ def test_max_compiled_unevaluated_equals_sympys_own(rng):
     """A layer's costs compiled with each Max left unevaluated (numpy takes the maximum of every
     term) equal them compiled with sympy's Max, which drops the terms it proves smaller first:
     bit for bit, at random micro-batches, sequences and TP sizes. Negative control: leaving out
-    the term that is largest somewhere changes the transient bytes."""
+    the term that is largest somewhere changes the backward peak."""
     names = ["gpt3-1.3b", "llama-7b", "falcon-7b", "gpt3-2.7b"]
     m = model(names[rng.integers(len(names))], flash=bool(rng.integers(2)))
     costs = symbolic.layer_costs(m, bool(rng.integers(2)))
@@ -241,17 +241,17 @@ def test_max_compiled_unevaluated_equals_sympys_own(rng):
         np.asarray(v, float)
         for v in (rng.integers(1, 33, 8), rng.integers(64, 8193, 8), rng.choice([1, 2, 4, 8], 8))
     )
-    compiled = costs.compiled(m)(b, s, t, 0.0)  # no Tempo layers: no attention workspace
-    assert isinstance(costs.transient_bytes, sp.Max)
-    for name in ("transient_bytes", "selective_backward_bytes"):  # the latter: a Max of several ops
+    compiled = costs.compiled(m)(b, s, t, attention=0.0, swiglu=0.0)  # no Tempo layers: no workspaces
+    assert isinstance(costs.backward_peak_bytes, sp.Max)
+    for name in ("backward_peak_bytes", "selective_backward_peak_bytes"):
         expr = getattr(costs, name)
         sympys = sp.lambdify((symbolic.b, symbolic.s, symbolic.t), expr.xreplace(fixed), "numpy")(b, s, t)
         np.testing.assert_array_equal(compiled[name], np.broadcast_to(sympys, compiled[name].shape))
     terms = [
         sp.lambdify((symbolic.b, symbolic.s, symbolic.t), term.xreplace(fixed), "numpy")
-        for term in costs.transient_bytes.args
+        for term in costs.backward_peak_bytes.args
     ]
     values = np.array([np.broadcast_to(f(b, s, t), b.shape) for f in terms])
     largest = int(np.argmax(values.max(axis=1)))
     without = np.max(np.delete(values, largest, axis=0), axis=0)
-    assert not np.array_equal(without, compiled["transient_bytes"])
+    assert not np.array_equal(without, compiled["backward_peak_bytes"])

@@ -11,7 +11,22 @@ from torch import nn
 
 from measure.saved import cuda_like_dropout, saved_bytes
 from mist.model.specs import ModelSpec, cluster, model
-from mist.model.symbolic import a, attention_workspace, b, f, h, head_costs, kv, layer_costs, s, t, v, value
+from mist.model.symbolic import (
+    a,
+    attention_workspace,
+    b,
+    f,
+    h,
+    head_costs,
+    kv,
+    layer_costs,
+    s,
+    swiglu_workspace,
+    t,
+    trace_layer,
+    v,
+    value,
+)
 
 GPT3 = {f: 4 * h, kv: a}  # GPT-3 shapes: ffn 4h, multi-head attention
 LN_STATS = 2 * 2 * 4 * s * b  # two LayerNorms keep mean and rstd in fp32 (below the closed forms)
@@ -102,32 +117,67 @@ def test_saved_bytes_match_autograd_on_a_real_layer(shape):
     assert measured.total_bytes == predicted - ln_stats_cpu_vs_cuda
 
 
-def test_transient_peak_is_the_largest_working_set():
-    """Without FlashAttention the softmax/dropout on the s x s scores dominates (4as^2b bytes:
-    input and output in half precision); with it, the GELU on the 4h-wide activation (16sbh)."""
-    eager = layer_costs(model("gpt3-1.3b", flash=False)).transient_bytes.subs(GPT3).subs(t, 1)
-    flash = layer_costs(model("gpt3-1.3b", flash=True)).transient_bytes.subs(GPT3).subs(t, 1)
-    assert sp.simplify(flash - 16 * b * s * h) == 0
-    point = {a: 16, b: 2, s: 2048, h: 2048}
-    assert eager.subs(point) == 4 * 16 * 2 * 2048**2
-    assert eager.subs({**point, s: 64}) == 16 * 2 * 64 * 2048  # short sequences: the MLP again
+def test_backward_peak_holds_what_the_ops_up_to_the_running_one_keep():
+    """A layer's backward peak, op by op (backward runs them last to first): what ops 0..i keep
+    with op i's working set, the largest over i; under selective recomputation the core
+    attention's ops hold their inputs until backward reaches them, then their insides remade.
+    Four ops with sizes a test can add up. Control: the largest working set on top of all the
+    layer keeps (the model before 2026-12-06) is larger."""
+    from mist.model.symbolic import Op, Sym, _backward_peak
+
+    def tensor(nbytes):
+        return Sym((sp.Integer(nbytes),), itemsize=1)
+
+    x, q, probs, m = tensor(10), tensor(20), tensor(100), tensor(50)
+    ops = [
+        Op("layernorm-1", "norm", 0, 0, 0, [x], working=sp.Integer(5)),
+        Op("attention-score", "bmm", 0, 0, 0, [q], working=sp.Integer(7), checkpoint_inputs=(q,)),
+        Op("attention-softmax", "softmax", 0, 0, 0, [probs], working=sp.Integer(200)),
+        Op("mlp-gemm-1", "gemm", 0, 0, 0, [m], working=sp.Integer(30)),
+    ]
+    assert sorted(int(p) for p in _backward_peak(ops).args) == [10 + 5, 30 + 7, 180 + 30, 130 + 200]
+    # selective: the MLP's backward holds x, q (the core's input) and m, not the probabilities
+    assert sorted(int(p) for p in _backward_peak(ops, selective=True).args) == [15, 37, 110, 330]
+    assert max(int(p) for p in _backward_peak(ops).args) == 330 < 180 + 200
+
+
+def test_backward_peak_of_gpt3_without_flash_is_the_attention_context():
+    """GPT-3 1.3B without FlashAttention on one TP rank at sequence 2048: backward peaks at the
+    core attention's context op, the MLP's tensors freed: the attention's inputs and the norm's
+    (10sbh + 8sb), P, its dropout mask and the dropped-out P (5as^2b), and the op's working set
+    (dP-sized 2as^2b, dV and dOut: 4sbh). Below what the layer keeps (34sbh + 5as^2b + 8sb) with
+    the softmax's working set (4as^2b) on top."""
+    costs = layer_costs(model("gpt3-1.3b", flash=False))
+    point = {a: 16, kv: 16, b: 2, s: 2048, h: 2048, f: 4 * 2048, t: 1}
+    peak = max(float(term.xreplace(point)) for term in costs.backward_peak_bytes.args)
+    bsh, as2b = 2 * 2048 * 2048, 16 * 2048**2 * 2
+    assert peak == 14 * bsh + 8 * 2 * 2048 + 7 * as2b
+    assert peak < float(costs.saved_bytes.xreplace(point)) + 4 * as2b
 
 
 def test_tempo_attention_core_backward_is_one_op_with_its_workspace():
     """Tempo's attention core is one fused op: its backward holds dS (the scores' size), dV, dOut
     and its workspace (``attention_workspace``, a number per device), and no gradient of P or of
-    the dropped-out P as the plain layer's softmax and dropout do (4as^2b). GPT-3 1.3B without
-    FlashAttention, one TP rank, at sequence 2048, where the attention's working set is the
-    largest: 2as^2b + 4bsh + workspace."""
-    lean = model("gpt3-1.3b", flash=False, tempo=True)
-    transient = layer_costs(lean).transient_bytes.subs(GPT3).subs(t, 1)
-    point = {a: 16, b: 2, s: 2048, h: 2048}
-    core = 2 * 16 * 2 * 2048**2 + 4 * 2 * 2048 * 2048
-    assert float(transient.subs({**point, attention_workspace: 0})) == core
-    assert float(transient.subs({**point, attention_workspace: 12345})) == core + 12345
-    plain = layer_costs(model("gpt3-1.3b", flash=False)).transient_bytes.subs(GPT3).subs(t, 1)
-    assert attention_workspace not in plain.free_symbols
-    assert float(plain.subs(point)) == 4 * 16 * 2 * 2048**2
+    the dropped-out P as the plain layer's softmax and dropout do (4as^2b each)."""
+    ops = {op.name: op for op in trace_layer(model("gpt3-1.3b", flash=False, tempo=True))}
+    assert ops["attention-softmax"].working == ops["attention-dropout"].working == 0
+    context = ops["attention-context"].working.subs(GPT3)
+    assert sp.simplify(context - (2 * a * s**2 * b / t + 4 * b * s * h / t + attention_workspace)) == 0
+    plain = {op.name: op for op in trace_layer(model("gpt3-1.3b", flash=False))}
+    assert attention_workspace not in plain["attention-context"].working.free_symbols
+    assert sp.simplify(plain["attention-softmax"].working - 4 * a * s**2 * b / t) == 0
+
+
+def test_tempo_swiglu_backward_is_one_op_with_its_workspace():
+    """Tempo's SwiGLU fused with the down projection is one op: its backward holds d_gate, d_up,
+    dOut and its workspace (``swiglu_workspace``), and no gradient of silu(gate) or of their
+    product as the plain layer's SiLU and product do."""
+    ops = {op.name: op for op in trace_layer(model("llama-7b", tempo=True))}
+    assert ops["mlp-silu"].working == ops["mlp-mul"].working == 0
+    assert sp.simplify(ops["mlp-down"].working - (4 * b * s * f / t + 2 * b * s * h + swiglu_workspace)) == 0
+    plain = {op.name: op for op in trace_layer(model("llama-7b"))}
+    assert sp.simplify(plain["mlp-mul"].working - 6 * b * s * f / t) == 0
+    assert swiglu_workspace not in plain["mlp-down"].working.free_symbols
 
 
 @pytest.mark.parametrize("device", ["cpu", "h100"])
@@ -157,6 +207,31 @@ def test_tempo_attention_workspace_is_what_the_engine_call_declares(device, drop
     assert declared > 0 or (device != "cpu" and dropout == 0)
     for other in (model("gpt3-1.3b", flash=False, seq=seq), model("gpt3-1.3b", tempo=True, seq=seq)):
         assert tempo_attention_workspace(setting(other)) == 0
+
+
+@pytest.mark.parametrize("device", ["cpu", "h100"])
+def test_tempo_swiglu_workspace_is_what_the_engine_call_declares(device):
+    """What the planner adds for Tempo's SwiGLU is tempo.ops' statement for the backward call
+    tempo.megatron makes on one TP rank: bf16 gate and up of (s, b, ffn / t). On a CPU two
+    ffn-wide temporaries; on a GPU none. Plain layers and GELU MLPs add none."""
+    from mist.tuning.stage_cost import Setting, tempo_swiglu_workspace
+    from tempo.ops import workspace_bytes
+
+    tp, micro_batch, seq = 2, 4, 64
+    lean = model("llama-7b", tempo=True, seq=seq)
+
+    def setting(m):
+        return Setting(m, cluster(device, tp), None, None, tp, 1, micro_batch, 0, 1)
+
+    gate = torch.empty(seq, micro_batch, lean.ffn_hidden // tp, dtype=torch.bfloat16, device="meta")
+    grad = torch.empty(seq, micro_batch, lean.hidden, dtype=torch.bfloat16, device="meta")
+    weight = torch.empty(lean.hidden, lean.ffn_hidden // tp, dtype=torch.bfloat16, device="meta")
+    call = (grad, gate, torch.empty_like(gate), weight)
+    declared = workspace_bytes("tempo::swiglu_down_bwd", call, {}, "cpu" if device == "cpu" else "cuda")
+    assert tempo_swiglu_workspace(setting(lean)) == declared
+    assert declared == (2 * gate.numel() * 2 if device == "cpu" else 0)
+    for other in (model("llama-7b", seq=seq), model("gpt3-1.3b", tempo=True, seq=seq)):
+        assert tempo_swiglu_workspace(setting(other)) == 0
 
 
 def test_layer_choices_are_fields_not_names():

@@ -31,6 +31,8 @@ SYMBOLS = (b, s, t, h, a, kv, f, v)
 # its GPU kernels' buffers or its CPU path's chunk, a number per device and size that tempo.sizes
 # states (attention_core_workspace_bytes); LayerCosts.compiled takes it beside b, s and t
 attention_workspace = sp.Symbol("attention_workspace", nonnegative=True)
+# The same for Tempo's SwiGLU fused with the down projection (tempo.sizes.swiglu_down_workspace_bytes)
+swiglu_workspace = sp.Symbol("swiglu_workspace", nonnegative=True)
 HALF, FP32, MASK = 2, 4, 1  # bytes per element: activations/weights, statistics, dropout masks
 _ids = itertools.count()
 
@@ -240,6 +242,11 @@ class Tracer:
             self.elementwise("mlp-mul", gate.numel, [activated, up], [product], [up])
             # Tempo's SwiGLU: the product is recomputed from gate and up for the down projection
             y = self.linear("mlp-down", product, h, keeps_input=not self.tempo)
+            if self.tempo:
+                # One fused op (tempo.ops.swiglu_down): its backward holds d_gate, d_up and dOut
+                # and its workspace; no gradient of silu(gate) or of the product beside them
+                self.ops[-3].working = self.ops[-2].working = sp.S.Zero
+                self.ops[-1].working = gate.nbytes + up.nbytes + y.nbytes + swiglu_workspace
         else:
             up = self.linear("mlp-gemm-1", x, f / t)
             activated = Sym(up.shape)
@@ -308,12 +315,13 @@ class LayerCosts:
     # kept with the core attention recomputed in backward (selective recomputation): its inputs
     # instead of its insides
     selective_saved_bytes: sp.Expr
-    # the core attention's backward after its recomputation, above what the layer keeps: its
-    # remade insides still needed, with one op's working set, the largest over its ops
-    selective_backward_bytes: sp.Expr
-    # transient peak above what is kept: the largest working set of one op (its inputs and
-    # outputs), the bytes of the gradients its backward holds at once
-    transient_bytes: sp.Expr
+    # the layer's backward at its peak op, the layer's own kept tensors included: what the ops up
+    # to that one keep (backward has freed what the later ops kept), with that op's working set
+    # (the gradients of its inputs and outputs); the largest over its ops (_backward_peak)
+    backward_peak_bytes: sp.Expr
+    # the same under selective recomputation: what the layer keeps then, and in the core
+    # attention's backward its insides made again, up to the op running
+    selective_backward_peak_bytes: sp.Expr
     params: sp.Expr  # parameter count per rank
     # TP collectives per forward, bytes of the full tensor each; backward mirrors them (an
     # all-reduce for each all-reduce; under SP a reduce-scatter per all-gather and vice versa,
@@ -326,22 +334,27 @@ class LayerCosts:
         return _compile(self, model)
 
 
-def _recomputed_backward_peak(ops: list[Op], kept: tuple[Sym, ...]) -> sp.Expr:
-    """Backward through ``ops`` just recomputed: before op i's backward, what ops up to i saved
-    is alive (a tensor lives until the first op that saved it is done), less ``kept`` (held
-    anyway), with op i's working set; the largest over i."""
-    kept_ids = {tensor.uid for tensor in kept}
+def _backward_peak(ops: list[Op], selective: bool = False) -> sp.Expr:
+    """The most bytes a layer's backward holds, its own kept tensors included: at op i's backward
+    (backward runs the ops last to first), what ops 0..i keep (a tensor lives until the first op
+    that keeps it is done) with op i's working set; the largest over i. Under ``selective``
+    recomputation the core attention's ops keep only their inputs (``checkpoint_inputs``) until
+    backward reaches them and then their insides, made again. Every op's peak, not the largest
+    working set on top of all the layer keeps: the core attention's backward comes after the
+    MLP's has freed what the MLP kept."""
     peaks = []
     for i, op in enumerate(ops):
-        alive = {
-            tensor.uid: tensor
-            for earlier in ops[: i + 1]
-            for tensor in earlier.saved
-            if tensor.uid not in kept_ids
-        }
+        in_core = op.name in CORE_ATTENTION_OPS
+        alive: dict[int, Sym] = {}
+        for earlier in ops[: i + 1]:
+            held = earlier.saved
+            if selective and earlier.name in CORE_ATTENTION_OPS:
+                held = [*earlier.checkpoint_inputs, *(earlier.saved if in_core else ())]
+            for tensor in held:
+                alive.setdefault(tensor.uid, tensor)
         peaks.append(sum((tensor.nbytes for tensor in alive.values()), sp.Integer(0)) + op.working)
     # unevaluated: simplifying a Max of sympy sums takes seconds; numpy takes the maximum
-    return sp.Max(*peaks, evaluate=False) if len(peaks) > 1 else (peaks[0] if peaks else sp.Integer(0))
+    return sp.Max(*peaks, evaluate=False)
 
 
 def _unique_saved(ops: list[Op], also: tuple[Sym, ...] = ()) -> sp.Expr:
@@ -375,10 +388,8 @@ def layer_costs(model: ModelSpec, sequence_parallel: bool = False) -> LayerCosts
         selective_saved_bytes=sp.expand(
             _unique_saved([op for op in ops if op.name not in core], core_inputs)
         ),
-        selective_backward_bytes=_recomputed_backward_peak(
-            [op for op in ops if op.name in core], core_inputs
-        ),
-        transient_bytes=sp.Max(*(op.working for op in ops if op.working != 0), evaluate=False),
+        backward_peak_bytes=_backward_peak(ops),
+        selective_backward_peak_bytes=_backward_peak(ops, selective=True),
         params=sp.expand(params),
         tp_all_reduce=comm("all_reduce"),
         tp_all_gather=comm("all_gather"),
@@ -435,20 +446,21 @@ def _compile(costs: LayerCosts, model: ModelSpec) -> Callable[..., dict[str, np.
         "flops_bwd",
         "saved_bytes",
         "selective_saved_bytes",
-        "selective_backward_bytes",
-        "transient_bytes",
+        "backward_peak_bytes",
+        "selective_backward_peak_bytes",
         "params",
         "tp_all_reduce",
         "tp_all_gather",
         "tp_reduce_scatter",
     ]
     exprs = [_with_numbers(getattr(costs, name), fixed) for name in names]
-    lambdified = sp.lambdify((b, s, t, attention_workspace), exprs, "numpy")
+    lambdified = sp.lambdify((b, s, t, attention_workspace, swiglu_workspace), exprs, "numpy")
 
-    def evaluate(batch, seq, tp, workspace) -> dict[str, np.ndarray]:
-        """``workspace``: Tempo's attention core's bytes (``attention_workspace``; 0 for other
-        layers), asked for always so that no caller prices Tempo's layers without it."""
-        sizes = [np.asarray(size, float) for size in (batch, seq, tp, workspace)]
+    def evaluate(batch, seq, tp, *, attention: float, swiglu: float) -> dict[str, np.ndarray]:
+        """``attention``, ``swiglu``: the bytes of Tempo's fused attention core's and SwiGLU's
+        workspaces (``attention_workspace``, ``swiglu_workspace``; 0 for other layers), asked for
+        always so that no caller prices Tempo's layers without them."""
+        sizes = [np.asarray(size, float) for size in (batch, seq, tp, attention, swiglu)]
         values = lambdified(*sizes)
         shape = np.broadcast(*sizes).shape
         return {

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from measure.checks import finite, whole
-from tempo.sizes import attention_core_workspace_bytes
+from tempo.sizes import attention_core_workspace_bytes, swiglu_down_workspace_bytes
 
 from ..model.interference import Interference
 from ..model.runtime import RuntimeModel, cpu_adam_params_per_s
@@ -141,9 +141,11 @@ class LayerNumbers:
     bwd: float
     saved: float  # bytes kept for backward per micro-batch
     selective_saved: float  # the same with the core attention recomputed (selective recomputation)
-    selective_backward: float  # the recomputed core attention's backward peak above what is kept
+    # bytes a layer's backward holds above what the layer keeps, at its peak op (symbolic.
+    # LayerCosts.backward_peak_bytes less saved); and under selective recomputation
+    backward_excess: float
+    selective_backward_excess: float
     core_fwd: float  # seconds of the core attention's forward (what selective recomputation repeats)
-    transient: float  # one op's working set (symbolic analysis)
     layer_input: float  # bytes a recomputed layer keeps (its input)
     params: float  # per TP rank
     largest_weight: float  # bytes of the layer's largest weight matrix on one TP rank
@@ -201,7 +203,13 @@ def _layer_numbers_by_value(setting: Setting) -> LayerNumbers:
 def _layer_numbers(setting: Setting) -> LayerNumbers:
     model, micro_batch, tp = setting.model, setting.micro_batch, setting.tp
     costs = layer_costs(model, setting.sequence_parallel)
-    traced = costs.compiled(model)(micro_batch, model.seq, tp, tempo_attention_workspace(setting))
+    traced = costs.compiled(model)(
+        micro_batch,
+        model.seq,
+        tp,
+        attention=tempo_attention_workspace(setting),
+        swiglu=tempo_swiglu_workspace(setting),
+    )
     fwd, bwd = setting.runtime.layer_times(model, micro_batch, model.seq, tp, setting.sequence_parallel)
     tp_forward, tp_backward = _tp_collectives_s(setting, traced)
     head = {name: value(expr, model, micro_batch, model.seq, tp) for name, expr in head_costs(model).items()}
@@ -215,13 +223,15 @@ def _layer_numbers(setting: Setting) -> LayerNumbers:
         bwd=float(bwd) + float(tp_backward),
         saved=float(traced["saved_bytes"]),
         selective_saved=float(traced["selective_saved_bytes"]),
-        selective_backward=float(traced["selective_backward_bytes"]),
+        backward_excess=float(traced["backward_peak_bytes"] - traced["saved_bytes"]),
+        selective_backward_excess=float(
+            traced["selective_backward_peak_bytes"] - traced["selective_saved_bytes"]
+        ),
         core_fwd=float(
             setting.runtime.layer_times(
                 model, micro_batch, model.seq, tp, setting.sequence_parallel, only=CORE_ATTENTION_OPS
             )[0]
         ),
-        transient=float(traced["transient_bytes"]),
         layer_input=2.0 * tokens * model.hidden / (tp if setting.sequence_parallel else 1),
         params=float(traced["params"]),
         largest_weight=2.0 * _largest_weight(model) / tp,
@@ -249,6 +259,18 @@ def tempo_attention_workspace(setting: Setting) -> float:
     probs_shape = (setting.micro_batch, model.heads // setting.tp, model.seq, model.seq)
     # scores, P and V all in the training's half precision, as tempo.megatron runs them
     return float(attention_core_workspace_bytes(probs_shape, HALF, model.dropout > 0, target, forward=False))
+
+
+def tempo_swiglu_workspace(setting: Setting) -> float:
+    """Bytes Tempo's SwiGLU fused with the down projection holds in backward besides its inputs'
+    and outputs' gradients on one TP rank of the plan's device (stated by tempo.sizes); none in
+    other layers."""
+    model = setting.model
+    if not (model.tempo and model.gated_mlp):
+        return 0.0
+    target = "cpu" if setting.cluster.gpu.name == "cpu" else "cuda"
+    ffn_bytes = setting.micro_batch * model.seq * (model.ffn_hidden // setting.tp) * HALF
+    return float(swiglu_down_workspace_bytes(ffn_bytes, target, forward=False))
 
 
 def _tp_collectives_s(setting: Setting, traced: dict) -> tuple[float, float]:
@@ -623,30 +645,33 @@ def clip_barrier_s(setting: Setting) -> float:
     )
 
 
-def _layer_backward_peak(layer: LayerNumbers, grid: dict, layers: int, layer_weights: float, remade):
-    """Bytes one layer's backward adds above what is held; ``remade``: its recomputed bytes.
+def _layer_backward_peak(
+    layer: LayerNumbers, grid: dict, layers: int, layer_weights: float, recomputed: bool = False
+):
+    """Bytes one layer's backward adds above what is held: above what it keeps, its peak op's
+    (``LayerNumbers.backward_excess``) and the residual stream's gradient the layer's backward
+    carries; a ``recomputed`` layer's activations made again as well.
 
-    Backward of one op holds the gradients of its inputs and outputs (its working set's bytes; what
-    it keeps is in the activations) and the residual stream's gradient the layer's backward
-    carries. What ZeRO-3 (FSDP2) adds: a module's gradients as backward makes them (whole: there
-    is no persistent buffer to add them into), then its reduce-scatter input, which FSDP2 keeps
-    until the next module reduces (one in flight). A layer's gradients are made op by op as its
+    What ZeRO-3 (FSDP2) adds: a module's gradients as backward makes them (whole: there is no
+    persistent buffer to add them into), then its reduce-scatter input, which FSDP2 keeps until
+    the next module reduces (one in flight). A layer's gradients are made op by op as its
     activations are freed: at its first op (the working set's peak) only that op's weight gradient
     exists, at its end all of them and the reduce-scatter's input, with the layer's activations
     gone (profiler traces of the engine, 2026-12-02)."""
-    working = layer.transient + layer.layer_input
+    if recomputed:
+        working = layer.saved + layer.backward_excess + layer.layer_input
+    else:
+        working = _kept_excess(layer, grid) + layer.layer_input
     freed = np.where(grid["recompute"] < layers, _kept_per_layer(layer, grid), layer.layer_input)
-    at_first_op = working + remade + layer.largest_weight
-    at_end = working + remade + 2 * layer_weights - freed
-    return np.where(grid["zero"] >= 3, np.maximum(at_first_op, at_end), working + remade)
+    at_first_op = working + layer.largest_weight
+    at_end = working + 2 * layer_weights - freed
+    return np.where(grid["zero"] >= 3, np.maximum(at_first_op, at_end), working)
 
 
-def _selective_remade(layer: LayerNumbers, grid: dict, layers: int):
-    """Bytes a layer's backward makes again under selective recomputation: the core attention's
-    backward over its remade insides (none where the layer is wholly recomputed)."""
-    selective = (grid["selective"] > 0) & (grid["recompute"] < layers)
-    core_remade = np.maximum(layer.transient, layer.selective_backward) - layer.transient
-    return np.where(selective, core_remade, 0.0)
+def _kept_excess(layer: LayerNumbers, grid: dict):
+    """Bytes a layer that is not recomputed holds in its backward above what it keeps: its peak
+    op's, under selective recomputation with the core attention's insides made again."""
+    return np.where(grid["selective"] > 0, layer.selective_backward_excess, layer.backward_excess)
 
 
 def _backward_start(
@@ -666,7 +691,6 @@ def _backward_start(
     ``last_edge_weights``: the head's gathered weights where the last stage shards them."""
     recompute = grid["recompute"]
     kept = _kept_per_layer(layer, grid)
-    selective_remade = _selective_remade(layer, grid, layers)
     # Offloaded layers (the first ones after the recomputed) come up when their backward begins,
     # the next one's prefetched: two layers' swap buffers (one where one is offloaded), held
     # once backward has freed this micro-batch's layers kept on the device (after them)
@@ -680,7 +704,7 @@ def _backward_start(
     # the last layer's backward, once the head's has run and freed what it kept for this
     # micro-batch (its fp32 logits and the final norm's tensors: in ``activations``)
     head_freed = layer.head_saved if last else 0.0
-    peak = _layer_backward_peak(layer, grid, layers, layer_weights, selective_remade)
+    peak = _layer_backward_peak(layer, grid, layers, layer_weights)
     kept_layer_peak = np.where(last_swapped, 0.0, peak - head_freed)
     start = activations + buffers + np.maximum(head, kept_layer_peak) + last_edge_weights
     # backward then reaches the offloaded layers, this micro-batch's kept ones (and its head's) freed
@@ -691,7 +715,7 @@ def _backward_start(
     # The fully recomputed layers are the stage's first: backward reaches them once this
     # micro-batch's other layers have freed what they kept (the recomputed ones kept their inputs;
     # the offloaded ones' copies are gone), and makes one layer's activations again
-    recomputing = others + buffers + _layer_backward_peak(layer, grid, layers, layer_weights, layer.saved)
+    recomputing = others + buffers + _layer_backward_peak(layer, grid, layers, layer_weights, recomputed=True)
     return np.where(recompute > 0, np.maximum(start, recomputing), start)
 
 
@@ -745,9 +769,15 @@ def _device_memory(
     static, sharded_grads = _static_bytes(mine, theirs, grad_accum)
     made = sharded_grads - mine["sharded_grads"] / layers if grad_accum == 1 else 0.0
     gathered = buffers - np.where(layers_zero3 | (offload_weights > 0), layer_weights, 0.0)
-    remade = np.where(recompute > 0, layer.saved, _selective_remade(layer, grid, layers))  # the first layer's
-    working = layer.transient + layer.layer_input
-    at_end = gathered + working + remade + made + np.where(layers_zero3, 2 * layer_weights, 0.0)
+    # the first layer's backward: its activations (kept or made again) at its peak op
+    first_layer = np.where(
+        recompute > 0,
+        layer.saved + layer.backward_excess,
+        _kept_per_layer(layer, grid) + _kept_excess(layer, grid),
+    )
+    at_end = (
+        gathered + first_layer + layer.layer_input + made + np.where(layers_zero3, 2 * layer_weights, 0.0)
+    )
     at_end = at_end + np.where(edge_zero3 & first, edge_weights, 0.0)
     backward = np.maximum(start, at_end) if grad_accum == 1 else start
     stepped_on_gpu = (1 - grid["offload_optimizer"]) * mine["opt_params"]

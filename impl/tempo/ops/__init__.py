@@ -5,7 +5,7 @@ outputs, so the fake-tensor memory estimator (measure/memory.py), which cannot s
 custom op, can add it: pass it as the estimator's ``op_workspace``. On CUDA (Triton kernels)
 that is what the kernels' wrappers allocate; on CPU it is the chunked PyTorch path's bound
 (chunks of CHUNK_ELEMS elements, at most cpu_bytes_per_chunk_elem(op) bytes of temporaries per
-element of a chunk; the attention core's, in numbers, in tempo.sizes).
+element of a chunk; the attention core's and SwiGLU's, in numbers, in tempo.sizes).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import math
 import torch
 
 from ..layernorm_rows import ROWS_PER_PROGRAM
-from ..sizes import CHUNK_ELEMS, attention_core_workspace_bytes
+from ..sizes import CHUNK_ELEMS, attention_core_workspace_bytes, swiglu_down_workspace_bytes
 
 # Upper bounds on the PyTorch path's live temporaries per element of a chunk, measured with the
 # profiler and checked in tests/measure/test_measure.py (largest: the GELU backward's Newton solve with
@@ -70,14 +70,10 @@ def workspace_bytes(op_name: str, args: tuple, kwargs: dict, target: str) -> int
         rows = first.numel() // max(d, 1)
         math_bytes = 8 if args[1].dtype == torch.float64 else 4
         return math.ceil(rows / ROWS_PER_PROGRAM) * d * math_bytes  # per-program dgamma partials
-    if op_name.startswith("tempo::swiglu_down"):  # not chunked: ffn-wide temporaries, gate = args[1] in bwd
-        gate = args[0] if op_name == "tempo::swiglu_down" else args[1]
-        ffn_bytes = gate.numel() * gate.element_size()
-        if not on_cuda:  # forward: silu(gate) and h; backward: dh and silu(gate) or dh * up
-            return 2 * ffn_bytes
-        # forward: h for the down projection; backward: h is dropped before dh exists and d_gate is
-        # written over dh, so nothing outlives what the outputs (d_gate, d_up) then occupy
-        return ffn_bytes if op_name == "tempo::swiglu_down" else 0
+    if op_name.startswith("tempo::swiglu_down"):  # gate = args[1] in backward
+        forward = op_name == "tempo::swiglu_down"
+        gate = args[0] if forward else args[1]
+        return swiglu_down_workspace_bytes(gate.numel() * gate.element_size(), target, forward)
     if on_cuda:
         return 0
     return _cpu_chunk_bytes(op_name, first.numel())
