@@ -155,6 +155,9 @@ class Tracer:
         weight = Sym((x.shape[-1], out_features), weight=True)
         kept = [x.shard or x] if keeps_input else []
         self.op(name, "gemm", 2 * x.numel * out_features, [x, weight], [y], kept)
+        # backward makes the weight's gradient, then adds it into the accumulated one (the
+        # engine's megatron-core has no fused accumulation without Apex or Transformer Engine)
+        self.ops[-1].working = self.ops[-1].working + weight.nbytes
         return y
 
     def dropout(self, name: str, x: Sym, enabled: bool) -> Sym:
@@ -233,6 +236,10 @@ class Tracer:
         if gated:  # SwiGLU: down(silu(gate(x)) * up(x))
             gate = self.linear("mlp-gate", x, f / t)
             up = self.linear("mlp-up", x, f / t)
+            # megatron-core runs the two as one linear (linear_fc1): its backward holds both
+            # outputs' gradients and both weights' at once, and the input's gradient once
+            self.ops[-2].working = self.ops[-2].working + self.ops[-1].working - x.nbytes
+            self.ops[-1].working = sp.S.Zero
             activated = Sym(gate.shape)
             # Fused, as Megatron-LM runs it (its default --bias-swiglu-fusion): one op keeps the
             # gate and up projections and recomputes silu(gate) in backward, so silu's output
@@ -243,10 +250,12 @@ class Tracer:
             # Tempo's SwiGLU: the product is recomputed from gate and up for the down projection
             y = self.linear("mlp-down", product, h, keeps_input=not self.tempo)
             if self.tempo:
-                # One fused op (tempo.ops.swiglu_down): its backward holds d_gate, d_up and dOut
-                # and its workspace; no gradient of silu(gate) or of the product beside them
+                # One fused op (tempo.ops.swiglu_down): its backward holds d_gate, d_up, dOut, the
+                # down weight's gradient and its workspace; no gradient of silu(gate) or of the
+                # product beside them
                 self.ops[-3].working = self.ops[-2].working = sp.S.Zero
-                self.ops[-1].working = gate.nbytes + up.nbytes + y.nbytes + swiglu_workspace
+                down_weight = h * f / t * HALF
+                self.ops[-1].working = gate.nbytes + up.nbytes + y.nbytes + down_weight + swiglu_workspace
         else:
             up = self.linear("mlp-gemm-1", x, f / t)
             activated = Sym(up.shape)

@@ -148,7 +148,6 @@ class LayerNumbers:
     core_fwd: float  # seconds of the core attention's forward (what selective recomputation repeats)
     layer_input: float  # bytes a recomputed layer keeps (its input)
     params: float  # per TP rank
-    largest_weight: float  # bytes of the layer's largest weight matrix on one TP rank
     tp_comm_fwd: float
     p2p_bytes: float  # activation sent to the next stage per micro-batch
     p2p: float  # seconds of that message (and of its gradient coming back)
@@ -234,7 +233,6 @@ def _layer_numbers(setting: Setting) -> LayerNumbers:
         ),
         layer_input=2.0 * tokens * model.hidden / (tp if setting.sequence_parallel else 1),
         params=float(traced["params"]),
-        largest_weight=2.0 * _largest_weight(model) / tp,
         tp_comm_fwd=float(tp_forward),
         p2p_bytes=p2p_bytes,
         p2p=setting.runtime.p2p(p2p_bytes, setting.cluster, inter_node=neighbours_across),
@@ -320,14 +318,6 @@ def _edge_times(setting: Setting) -> tuple[float, float, float, float]:
         head_bwd += float(collective("all_reduce", stream, tp, cluster))
     head_fwd += 3 * float(collective("all_reduce", 4.0 * micro_batch * model.seq, tp, cluster))
     return head_fwd, head_bwd, embed_fwd, embed_bwd
-
-
-def _largest_weight(model: ModelSpec) -> int:
-    """Elements of a layer's largest weight matrix: the MLP's (gated: the fused gate and up
-    projection) or attention's fused query/key/value projection."""
-    ffn = model.ffn_hidden
-    qkv = model.hidden * (model.heads + 2 * model.kv) * model.head_dim
-    return max(model.hidden * ffn * (2 if model.gated_mlp else 1), qkv)
 
 
 @functools.lru_cache(maxsize=512)
@@ -655,23 +645,24 @@ def _layer_backward_peak(
     What ZeRO-3 (FSDP2) adds: a module's gradients as backward makes them (whole: there is no
     persistent buffer to add them into), then its reduce-scatter input, which FSDP2 keeps until
     the next module reduces (one in flight). A layer's gradients are made op by op as its
-    activations are freed: at its first op (the working set's peak) only that op's weight gradient
-    exists, at its end all of them and the reduce-scatter's input, with the layer's activations
-    gone (profiler traces of the engine, 2026-12-02)."""
+    activations are freed: at its peak op only that op's weight gradient exists (in the op's
+    working set, as in every layer), at its end all of them and the reduce-scatter's input, with
+    the layer's activations gone (profiler traces of the engine, 2026-12-02)."""
     if recomputed:
         working = layer.saved + layer.backward_excess + layer.layer_input
     else:
-        working = _kept_excess(layer, grid) + layer.layer_input
+        working = _kept_excess(layer, grid, layers) + layer.layer_input
     freed = np.where(grid["recompute"] < layers, _kept_per_layer(layer, grid), layer.layer_input)
-    at_first_op = working + layer.largest_weight
     at_end = working + 2 * layer_weights - freed
-    return np.where(grid["zero"] >= 3, np.maximum(at_first_op, at_end), working)
+    return np.where(grid["zero"] >= 3, np.maximum(working, at_end), working)
 
 
-def _kept_excess(layer: LayerNumbers, grid: dict):
+def _kept_excess(layer: LayerNumbers, grid: dict, layers: int):
     """Bytes a layer that is not recomputed holds in its backward above what it keeps: its peak
-    op's, under selective recomputation with the core attention's insides made again."""
-    return np.where(grid["selective"] > 0, layer.selective_backward_excess, layer.backward_excess)
+    op's, under selective recomputation with the core attention's insides made again (where the
+    stage has such a layer)."""
+    selective = (grid["selective"] > 0) & (grid["recompute"] < layers)
+    return np.where(selective, layer.selective_backward_excess, layer.backward_excess)
 
 
 def _backward_start(
@@ -773,7 +764,7 @@ def _device_memory(
     first_layer = np.where(
         recompute > 0,
         layer.saved + layer.backward_excess,
-        _kept_per_layer(layer, grid) + _kept_excess(layer, grid),
+        _kept_per_layer(layer, grid) + _kept_excess(layer, grid, layers),
     )
     at_end = (
         gathered + first_layer + layer.layer_input + made + np.where(layers_zero3, 2 * layer_weights, 0.0)
