@@ -1158,3 +1158,39 @@ def test_selective_recomputation_keeps_less_and_repeats_the_core_attention(flash
     kept_less = (layers - r) * (ln.saved - ln.selective_saved)
     assert plain["per_flight"][0] - selective["per_flight"][0] == pytest.approx(kept_less)
     assert selective["compute"][0] - plain["compute"][0] == pytest.approx((layers - r) * ln.core_fwd)
+
+
+def test_a_layers_backward_is_priced_above_what_it_keeps():
+    """stage_cost's layer backward on stated numbers, one grid row per case: a kept layer adds
+    its peak op's excess over what it keeps (under selective recomputation the selective excess,
+    only where the stage keeps a layer), a recomputed one its activations made again too, and
+    the residual stream's gradient either way; under ZeRO-3 the end of the layer (its gradients
+    and the reduce-scatter input, what it kept freed) where that is larger. Controls: the
+    selective excess where every layer is recomputed, and the plain excess under selective
+    recomputation, give other numbers."""
+    from mist.tuning.stage_cost import LayerNumbers, _layer_backward_peak
+
+    numbers = {"saved": 1000.0, "selective_saved": 600.0, "backward_excess": 70.0}
+    layer = LayerNumbers(
+        fwd=1.0, bwd=2.0, selective_backward_excess=300.0, core_fwd=0.5, layer_input=10.0, params=50.0,
+        tp_comm_fwd=0.0, p2p_bytes=0.0, p2p=0.0, **numbers,
+    )  # fmt: skip
+
+    def grid(recompute, selective, zero):
+        return {
+            "recompute": np.array([recompute]),
+            "selective": np.array([selective]),
+            "zero": np.array([zero]),
+        }
+
+    def peak(recompute, selective, zero=0, recomputed=False, weights=0.0):
+        return float(_layer_backward_peak(layer, grid(recompute, selective, zero), 4, weights, recomputed)[0])
+
+    assert peak(0, 0) == 70 + 10
+    assert peak(1, 1) == 300 + 10 != 70 + 10
+    assert peak(4, 1) == 70 + 10 != 300 + 10  # no layer kept: no selective one
+    assert peak(1, 0, recomputed=True) == 1000 + 70 + 10
+    # ZeRO-3: 2 x 400 B of gradients at the end, the 1000 B it kept freed (600 under selective)
+    assert peak(0, 0, zero=3, weights=400.0) == 70 + 10
+    assert peak(0, 1, zero=3, weights=400.0) == 300 + 10 + 800 - 600
+    assert peak(0, 0, zero=3, weights=1000.0) == 70 + 10 + 2000 - 1000

@@ -159,6 +159,20 @@ def test_backward_peak_of_gpt3_without_flash_is_the_attention_context():
         assert peak < saved + 4 * as2b
 
 
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_gated_mlp_gate_and_up_backward_as_one_linear(sequence_parallel):
+    """megatron-core's gate and up projections are one linear (linear_fc1): its backward holds
+    the input's gradient once (the gathered input's under sequence parallelism), both outputs'
+    gradients and both weights' gradients, at one op; the second projection's op holds none.
+    A GELU MLP's first linear: the input's, the output's and its weight's gradients."""
+    ops = {op.name: op for op in trace_layer(model("llama-7b"), sequence_parallel)}
+    fc1 = 2 * b * s * h + 2 * (2 * b * s * f / t) + 2 * (2 * h * f / t)
+    assert sp.simplify(ops["mlp-gate"].working - fc1) == 0
+    assert ops["mlp-up"].working == 0
+    gelu = {op.name: op for op in trace_layer(model("gpt3-1.3b"), sequence_parallel)}
+    assert sp.simplify(gelu["mlp-gemm-1"].working - (2 * b * s * h + 2 * b * s * f / t + 2 * h * f / t)) == 0
+
+
 def test_tempo_attention_core_backward_is_one_op_with_its_workspace():
     """Tempo's attention core is one fused op: its backward holds dS (the scores' size), dV, dOut
     and its workspace (``attention_workspace``, a number per device), and no gradient of P or of

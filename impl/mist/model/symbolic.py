@@ -62,7 +62,9 @@ class Op:
     fwd_bytes: sp.Expr  # bytes read + written by the forward
     bwd_bytes: sp.Expr
     saved: list[Sym]
-    working: sp.Expr = sp.S.Zero  # activation bytes the op touches (inputs + outputs, no masks)
+    # bytes its backward holds besides what is kept: the gradients of its inputs and outputs (no
+    # masks), a linear's weight gradient, a fused op's workspace
+    working: sp.Expr = sp.S.Zero
     collective: str | None = None  # comm ops: all_reduce | all_gather | reduce_scatter
     message: sp.Expr = sp.S.Zero  # comm ops: bytes of the full (gathered) tensor
     # core attention's first op: its inputs, which checkpointing the core attention keeps
@@ -250,12 +252,13 @@ class Tracer:
             # Tempo's SwiGLU: the product is recomputed from gate and up for the down projection
             y = self.linear("mlp-down", product, h, keeps_input=not self.tempo)
             if self.tempo:
-                # One fused op (tempo.ops.swiglu_down): its backward holds d_gate, d_up, dOut, the
-                # down weight's gradient and its workspace; no gradient of silu(gate) or of the
-                # product beside them
+                # One fused op (tempo.ops.swiglu_down): its backward holds d_gate and d_up where
+                # the down projection's holds the product's gradient (dOut and the weight's
+                # gradient as in any linear), and its workspace; no gradient of silu(gate) or of
+                # the product beside them
                 self.ops[-3].working = self.ops[-2].working = sp.S.Zero
-                down_weight = h * f / t * HALF
-                self.ops[-1].working = gate.nbytes + up.nbytes + y.nbytes + down_weight + swiglu_workspace
+                down = self.ops[-1]
+                down.working = down.working - product.nbytes + gate.nbytes + up.nbytes + swiglu_workspace
         else:
             up = self.linear("mlp-gemm-1", x, f / t)
             activated = Sym(up.shape)
@@ -326,7 +329,7 @@ class LayerCosts:
     selective_saved_bytes: sp.Expr
     # the layer's backward at its peak op, the layer's own kept tensors included: what the ops up
     # to that one keep (backward has freed what the later ops kept), with that op's working set
-    # (the gradients of its inputs and outputs); the largest over its ops (_backward_peak)
+    # (Op.working); the largest over its ops (_backward_peak)
     backward_peak_bytes: sp.Expr
     # the same under selective recomputation: what the layer keeps then, and in the core
     # attention's backward its insides made again, up to the op running

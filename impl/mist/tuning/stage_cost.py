@@ -141,8 +141,8 @@ class LayerNumbers:
     bwd: float
     saved: float  # bytes kept for backward per micro-batch
     selective_saved: float  # the same with the core attention recomputed (selective recomputation)
-    # bytes a layer's backward holds above what the layer keeps, at its peak op (symbolic.
-    # LayerCosts.backward_peak_bytes less saved); and under selective recomputation
+    # bytes a layer's backward holds above what the layer keeps, at its peak op
+    # (symbolic.LayerCosts.backward_peak_bytes less saved); and under selective recomputation
     backward_excess: float
     selective_backward_excess: float
     core_fwd: float  # seconds of the core attention's forward (what selective recomputation repeats)
@@ -253,10 +253,12 @@ def tempo_attention_workspace(setting: Setting) -> float:
     model = setting.model
     if not model.tempo or model.flash:
         return 0.0
-    target = "cpu" if setting.cluster.gpu.name == "cpu" else "cuda"
     probs_shape = (setting.micro_batch, model.heads // setting.tp, model.seq, model.seq)
     # scores, P and V all in the training's half precision, as tempo.megatron runs them
-    return float(attention_core_workspace_bytes(probs_shape, HALF, model.dropout > 0, target, forward=False))
+    dropout = model.dropout > 0
+    return float(
+        attention_core_workspace_bytes(probs_shape, HALF, dropout, _tempo_target(setting), forward=False)
+    )
 
 
 def tempo_swiglu_workspace(setting: Setting) -> float:
@@ -266,9 +268,13 @@ def tempo_swiglu_workspace(setting: Setting) -> float:
     model = setting.model
     if not (model.tempo and model.gated_mlp):
         return 0.0
-    target = "cpu" if setting.cluster.gpu.name == "cpu" else "cuda"
     ffn_bytes = setting.micro_batch * model.seq * (model.ffn_hidden // setting.tp) * HALF
-    return float(swiglu_down_workspace_bytes(ffn_bytes, target, forward=False))
+    return float(swiglu_down_workspace_bytes(ffn_bytes, _tempo_target(setting), forward=False))
+
+
+def _tempo_target(setting: Setting) -> str:
+    """Which of Tempo's paths a plan's layers run: the PyTorch one on a CPU, the kernels on a GPU."""
+    return "cpu" if setting.cluster.gpu.name == "cpu" else "cuda"
 
 
 def _tp_collectives_s(setting: Setting, traced: dict) -> tuple[float, float]:
@@ -647,7 +653,11 @@ def _layer_backward_peak(
     the next module reduces (one in flight). A layer's gradients are made op by op as its
     activations are freed: at its peak op only that op's weight gradient exists (in the op's
     working set, as in every layer), at its end all of them and the reduce-scatter's input, with
-    the layer's activations gone (profiler traces of the engine, 2026-12-02)."""
+    the layer's activations gone (profiler traces of the engine, 2026-12-02). The end is priced
+    as the peak op's bytes with those 2 layers' weights added and what the layer keeps taken off
+    (``freed``: the kept activations, a recomputed layer's input where every layer is); that sum,
+    not a tighter count of what the end holds, is what the engine's ZeRO-3 tests measured within
+    -8% to +3% (docs/mist.md)."""
     if recomputed:
         working = layer.saved + layer.backward_excess + layer.layer_input
     else:
