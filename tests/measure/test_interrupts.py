@@ -24,7 +24,8 @@ try:
     print("ready", flush=True)  # inside: the first signal may come as soon as it is read
     time.sleep(60)
 except KeyboardInterrupt:
-    time.sleep(1.0)  # the cleanup: where the second signal arrives
+    print("cleaning", flush=True)  # the cleanup: the second signal arrives while it waits
+    sys.stdin.readline()  # for the parent, which has sent it (no sleep to time it against)
     print("cleaned up", flush=True)
 """
 
@@ -41,6 +42,7 @@ def _interrupted_twice(mode: str, second: signal.Signals) -> subprocess.Complete
         [sys.executable, "-c", _SCRIPT, mode],
         cwd=REPO,
         env={"PYTHONPATH": f"{REPO / 'impl'}"},
+        stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -49,9 +51,10 @@ def _interrupted_twice(mode: str, second: signal.Signals) -> subprocess.Complete
     try:
         assert proc.stdout.readline().strip() == "ready"
         proc.send_signal(signal.SIGINT)
-        time.sleep(0.3)  # inside the cleanup's sleep
+        assert proc.stdout.readline().strip() == "cleaning"
         proc.send_signal(second)
-        out, err = proc.communicate(timeout=30)
+        time.sleep(0.2)  # taken in the blocked read, before the line that ends the wait is written
+        out, err = proc.communicate(input="done\n", timeout=30)
     finally:
         proc.kill()  # a no-op once it has ended; never left running by a failed test
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
