@@ -55,9 +55,10 @@ def _reference(x, w1, w2) -> torch.Tensor:
 
 @pytest.mark.timeout(60)
 def test_the_reported_hang_raises_after_the_default_bound():
-    """The issue's reproduction, verbatim: a consumer whose producer never runs, no bound given.
-    It used to spin forever; now it raises after WAIT_TIMEOUT_S, naming the tile, and its second
-    tile gives up at once instead of waiting out the bound again."""
+    """The issue's reproduction: a consumer whose producer never runs, no bound given (after one
+    untimed launch whose counters are met). It used to spin forever; now it raises after
+    WAIT_TIMEOUT_S, naming the tile, and its second tile gives up at once instead of waiting out
+    the bound again."""
     # The launch is timed inside the child, after a launch whose counters are met (the
     # interpreter's first launch and the imports cost seconds on a loaded machine, which the
     # bound's test must not read as a second wait)
