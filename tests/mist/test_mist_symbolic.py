@@ -246,9 +246,13 @@ def test_tempo_swiglu_workspace_is_what_the_engine_call_declares(device):
     grad = torch.empty(seq, micro_batch, lean.hidden, dtype=torch.bfloat16, device="meta")
     weight = torch.empty(lean.hidden, lean.ffn_hidden // tp, dtype=torch.bfloat16, device="meta")
     call = (grad, gate, torch.empty_like(gate), weight)
-    declared = workspace_bytes("tempo::swiglu_down_bwd", call, {}, "cpu" if device == "cpu" else "cuda")
+    target = "cpu" if device == "cpu" else "cuda"
+    declared = workspace_bytes("tempo::swiglu_down_bwd", call, {}, target)
     assert tempo_swiglu_workspace(setting(lean)) == declared
     assert declared == (2 * gate.numel() * 2 if device == "cpu" else 0)
+    # the forward's, which the planner does not price (backward is the peak): h on a GPU
+    forward = workspace_bytes("tempo::swiglu_down", (gate, torch.empty_like(gate), weight, None), {}, target)
+    assert forward == (2 if device == "cpu" else 1) * gate.numel() * 2
     for other in (model("llama-7b", seq=seq), model("gpt3-1.3b", tempo=True, seq=seq)):
         assert tempo_swiglu_workspace(setting(other)) == 0
 
