@@ -658,13 +658,19 @@ def _layer_backward_peak(
     (``freed``: the kept activations, a recomputed layer's input where every layer is); that sum,
     not a tighter count of what the end holds, is what the engine's ZeRO-3 tests measured within
     -8% to +3% (docs/mist.md)."""
-    if recomputed:
-        working = layer.saved + layer.backward_excess + layer.layer_input
-    else:
-        working = _kept_excess(layer, grid, layers) + layer.layer_input
+    working = _peak_op_bytes(layer, grid, layers, recomputed)
     freed = np.where(grid["recompute"] < layers, _kept_per_layer(layer, grid), layer.layer_input)
     at_end = working + 2 * layer_weights - freed
     return np.where(grid["zero"] >= 3, np.maximum(working, at_end), working)
+
+
+def _peak_op_bytes(layer: LayerNumbers, grid: dict, layers: int, recomputed: bool):
+    """Bytes a layer's backward holds at its peak op above what the layer keeps: the op's excess
+    (a kept layer's, ``_kept_excess``; a ``recomputed`` layer's activations made again and the
+    plain excess) and the residual stream's gradient the layer's backward carries."""
+    if recomputed:
+        return layer.saved + layer.backward_excess + layer.layer_input
+    return _kept_excess(layer, grid, layers) + layer.layer_input
 
 
 def _kept_excess(layer: LayerNumbers, grid: dict, layers: int):
@@ -770,15 +776,13 @@ def _device_memory(
     static, sharded_grads = _static_bytes(mine, theirs, grad_accum)
     made = sharded_grads - mine["sharded_grads"] / layers if grad_accum == 1 else 0.0
     gathered = buffers - np.where(layers_zero3 | (offload_weights > 0), layer_weights, 0.0)
-    # the first layer's backward: its activations (kept or made again) at its peak op
+    # the first layer's backward at its peak op, with what it kept (a recomputed one: made again)
     first_layer = np.where(
         recompute > 0,
-        layer.saved + layer.backward_excess,
-        _kept_per_layer(layer, grid) + _kept_excess(layer, grid, layers),
+        _peak_op_bytes(layer, grid, layers, recomputed=True),
+        _kept_per_layer(layer, grid) + _peak_op_bytes(layer, grid, layers, recomputed=False),
     )
-    at_end = (
-        gathered + first_layer + layer.layer_input + made + np.where(layers_zero3, 2 * layer_weights, 0.0)
-    )
+    at_end = gathered + first_layer + made + np.where(layers_zero3, 2 * layer_weights, 0.0)
     at_end = at_end + np.where(edge_zero3 & first, edge_weights, 0.0)
     backward = np.maximum(start, at_end) if grad_accum == 1 else start
     stepped_on_gpu = (1 - grid["offload_optimizer"]) * mine["opt_params"]
