@@ -255,3 +255,128 @@ def test_max_compiled_unevaluated_equals_sympys_own(rng):
     largest = int(np.argmax(values.max(axis=1)))
     without = np.max(np.delete(values, largest, axis=0), axis=0)
     assert not np.array_equal(without, compiled["backward_peak_bytes"])
+
+
+def test_a_stage_takes_at_least_its_layers_forward_and_backward(rng):
+    """What the search's cuts stand on (``lower_bound_s``, ``most_layers_a_stage``): every strategy
+    of a stage of l layers takes at least l times a layer's forward and backward a micro-batch, at
+    every position, for every model family of CASES. Control: the fastest strategy of some middle
+    stage takes less than 1.5 times the bound, so it is no bound that holds by being loose."""
+    closest = np.inf
+    for case in CASES:
+        problem, candidates = _candidates(rng, 2, [case])
+        for candidate, (first, last) in itertools.product(
+            candidates, itertools.product((False, True), repeat=2)
+        ):
+            setting = candidate.setting(problem)
+            layer = layer_numbers(setting)
+            most = problem.model.layers - candidate.stages + 1
+            layers = int(rng.integers(1, most + 1))
+            _, values, _ = _stage_values(
+                setting, layer, layers, first, last, PlannerOptions().space, candidate.grad_accum
+            )
+            per_layer = layer.fwd + layer.bwd
+            assert np.all(values["steady"] >= layers * per_layer * (1 - 1e-12)), (case, layers, first, last)
+            if not first and not last:
+                closest = min(closest, values["steady"].min() / (layers * per_layer))
+    assert closest < 1.5, closest
+
+
+def test_most_layers_a_stage_is_the_largest_count_the_bound_allows(rng):
+    """most_layers_a_stage against counting: the largest l (at most L - S + 1, at least 0) with
+    (G - 1) l p + L q below the best, at random sizes and times; no cut without a plan found or
+    with one micro-batch."""
+    for _ in range(200):
+        layers = int(rng.integers(1, 97))
+        stages = int(rng.integers(1, layers + 1))
+        micro_batches = int(rng.integers(1, 257))
+        p = float(rng.uniform(1e-3, 1.0))
+        q = float(rng.uniform(0.5, 1.0)) * p
+        best = float(rng.uniform(0.0, 2.0)) * (micro_batches * p * layers / stages + layers * q)
+        expected = max(
+            [0]
+            + [
+                n
+                for n in range(1, layers - stages + 2)
+                if micro_batches == 1 or (micro_batches - 1) * n * p + layers * q < best * (1 + 1e-9)
+            ]
+        )
+        assert planner.most_layers_a_stage(layers, stages, micro_batches, p, best, q) == expected
+    assert planner.most_layers_a_stage(48, 8, 128, 0.06, float("inf")) == 41
+    assert planner.most_layers_a_stage(48, 8, 1, 0.06, 1.0) == 41
+
+
+def _uncut_search(problem, options):
+    """The search before its cuts: every candidate in the order ``settings`` gives, every stage
+    at every layer count it may take."""
+    best = None
+    for candidate in settings(problem, options):
+        plan = planner.tune_setting(problem, candidate, options, planner._best_time(best))
+        best = planner._better(problem, plan, best)
+    return best
+
+
+def test_the_cut_search_finds_what_the_uncut_one_finds(rng, monkeypatch):
+    """Trying candidates by their lower bounds, stopping at the first that cannot win, and
+    cutting each stage's layer counts by most_layers_a_stage change no result: the plan's
+    predicted iteration equals the uncut search's within the MILP's relative gap (each is that
+    close to the optimum), for a random case and memory. Control: the cut search evaluates
+    fewer stages (llama-7b on 8 L4s at 16 GiB: the cut is taken), and a cut one layer below the
+    winner's largest stage finds a slower plan."""
+    from mist.tuning.inter_stage import MIP_REL_GAP
+
+    options = PlannerOptions(micro_batches=(1, 2))
+    problem, _ = _candidates(rng, 0)
+    cut = planner._best_of_settings(problem, list(settings(problem, options)), options, [], None)
+    with monkeypatch.context() as patched:
+        patched.setattr(planner, "most_layers_a_stage", lambda layers, stages, *rest: layers - stages + 1)
+        whole = _uncut_search(problem, options)
+    assert (cut is None) == (whole is None)
+    if cut is not None:
+        ratio = cut.predicted_iteration_s / whole.predicted_iteration_s
+        assert abs(ratio - 1) <= MIP_REL_GAP, (problem.model.name, ratio)
+
+    evaluated = []
+    original = planner._stage_values
+    monkeypatch.setattr(planner, "_stage_values", lambda *a, **k: evaluated.append(a[2]) or original(*a, **k))
+    fixed = Problem.resolve(model("llama-7b"), cluster("l4", 8, gpu_memory=16 * GiB), 64, None, None)
+    fixed_cut = planner._best_of_settings(fixed, list(settings(fixed, options)), options, [], None)
+    cut_count = len(evaluated)
+    evaluated.clear()
+    monkeypatch.setattr(planner, "most_layers_a_stage", lambda layers, stages, *rest: layers - stages + 1)
+    fixed_whole = _uncut_search(fixed, options)
+    assert cut_count < len(evaluated), (cut_count, len(evaluated))
+    assert abs(fixed_cut.predicted_iteration_s / fixed_whole.predicted_iteration_s - 1) <= MIP_REL_GAP
+    below = max(stage.layers for stage in fixed_whole.stages) - 1  # the winner's largest stage, cut
+    monkeypatch.setattr(
+        planner, "most_layers_a_stage", lambda layers, stages, *rest: min(below, layers - stages + 1)
+    )
+    wrong = planner._best_of_settings(fixed, list(settings(fixed, options)), options, [], None)
+    assert wrong is None or wrong.predicted_iteration_s > fixed_whole.predicted_iteration_s * (
+        1 + MIP_REL_GAP
+    )
+
+
+def test_the_cut_stage_devices_search_finds_what_the_uncut_one_finds(rng, monkeypatch):
+    """The same cut where stages take their own devices (each device count's layers cut at its
+    shapes' fastest layer): the plan found equals the uncut search's within the MILP's relative
+    gap, for GPT-3 1.3B on 4 L4s at a random memory. Control: the cut evaluates fewer stages."""
+    from mist.tuning.inter_stage import MIP_REL_GAP
+
+    options = PlannerOptions(micro_batches=(1, 2), stage_devices=True)
+    problem, _ = _candidates(rng, 0, CASES[:1])
+    plain = planner._best_of_settings(problem, list(settings(problem, options)), options, [], None)
+    assert plain is not None  # a plan to cut against: 1.3B fits 4 L4s at 30% of 9 GiB
+    evaluated = []
+    original = planner._stage_values
+    monkeypatch.setattr(planner, "_stage_values", lambda *a, **k: evaluated.append(a[2]) or original(*a, **k))
+    cut = planner._best_with_stage_devices(problem, options, plain, [], None)
+    cut_count = len(evaluated)
+    evaluated.clear()
+    monkeypatch.setattr(planner, "most_layers_a_stage", lambda layers, stages, *rest: layers - stages + 1)
+    whole = planner._best_with_stage_devices(problem, options, plain, [], None)
+    assert (cut is None) == (whole is None)
+    if cut is not None:
+        ratio = cut.predicted_iteration_s / whole.predicted_iteration_s
+        assert abs(ratio - 1) <= MIP_REL_GAP, ratio
+    assert cut_count < len(evaluated), (cut_count, len(evaluated))
