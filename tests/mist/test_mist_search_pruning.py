@@ -4,6 +4,7 @@ symbolic costs compiled without sympy's proof of which term of a Max is largest.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 
 import numpy as np
@@ -14,7 +15,7 @@ from mist.model import symbolic
 from mist.tuning import planner, stage_cost
 from mist.tuning.inter_stage import MIP_REL_GAP, frontier_for
 from mist.tuning.planner import PlannerOptions, _Fits, _stage_values, settings
-from mist.tuning.problem import Problem
+from mist.tuning.problem import Candidate, Problem
 from mist.tuning.stage_cost import STRATEGY_FIELDS, fitting_rows, layer_numbers, strategy_grid
 
 GiB = 1 << 30
@@ -384,3 +385,58 @@ def test_the_cut_stage_devices_search_finds_what_the_uncut_one_finds(rng, monkey
         ratio = cut.predicted_iteration_s / whole.predicted_iteration_s
         assert abs(ratio - 1) <= GAP, ratio
     assert cut_count < len(evaluated), (cut_count, len(evaluated))
+
+
+def _balanced_bound(problem: Problem):
+    """The exhaustive searches' bound before uneven splits had their own: the planner's, as if
+    every split were balanced."""
+
+    @functools.cache
+    def of(tp: int, dp: int, micro_batch: int, stages: int, virtual: int) -> float:
+        return planner.lower_bound_s(
+            problem, Candidate(tp, stages, dp, micro_batch, problem.global_batch, virtual)
+        )
+
+    return lambda s: of(s.tp, s.dp, s.micro_batch, len(s.split), getattr(s, "virtual", 1))
+
+
+def test_an_uneven_splits_bound_holds_and_changes_no_exhaustive_search(rng, monkeypatch):
+    """The exhaustive searches' bound for an uneven split (G m p + (L - m) p / V, m its largest
+    stage) is at most the priced iteration of every plan of the setting, for random settings of
+    the Megatron-LM space (interleaved ones too) at random recompute counts; and searching with it
+    finds exactly the plan that searching with the balanced bound alone finds, for a random case
+    and memory. Controls: it exceeds the balanced bound for some setting, and the search with it
+    prices fewer plans."""
+    from mist.tuning import exhaustive
+    from mist.tuning.megatron_lm import MegatronLMSpace, recompute_counts, search_megatron_lm, setting_plan
+    from mist.tuning.megatron_lm import settings as megatron_settings
+
+    problem, _ = _candidates(rng, 0)
+    m, c, batch = problem.model, problem.cluster, problem.global_batch
+    space = MegatronLMSpace()
+    every = list(megatron_settings(m, c, batch, space))
+    bound, balanced = exhaustive.lower_bound(problem), _balanced_bound(problem)
+    raised = 0
+    for index in rng.choice(len(every), size=min(200, len(every)), replace=False):
+        setting = every[index]
+        counts = recompute_counts(setting, space)
+        plan = setting_plan(m, c, batch, setting, counts[rng.integers(len(counts))])
+        priced = planner.predict_for(problem, plan, simulate=False)
+        assert bound(setting) <= priced.predicted_iteration_s * (1 + 1e-12), setting
+        raised += bound(setting) > balanced(setting)
+    assert raised, "no uneven split's bound exceeded the balanced one"
+
+    priced, original = [], exhaustive.predict_for
+    monkeypatch.setattr(exhaustive, "predict_for", lambda *a, **k: priced.append(1) or original(*a, **k))
+    with_bound = search_megatron_lm(m, c, batch)
+    with_count = len(priced)
+    priced.clear()
+    monkeypatch.setattr(exhaustive, "lower_bound", _balanced_bound)
+    without = search_megatron_lm(m, c, batch)
+    assert with_bound.predicted_iteration_s == without.predicted_iteration_s
+    assert _shape(with_bound) == _shape(without)
+    assert with_count < len(priced), (with_count, len(priced))
+
+
+def _shape(plan) -> tuple:
+    return plan.tp, plan.dp, plan.micro_batch, plan.virtual_stages, plan.stages

@@ -24,9 +24,10 @@ from measure.units import format_bytes
 from ..model.interference import Interference
 from ..model.runtime import RuntimeModel
 from ..model.specs import ClusterSpec, ModelSpec
-from ..plan import Plan
+from ..plan import Plan, grad_accum
 from .planner import NoFeasiblePlan, StageMemo, lower_bound_s, predict_for, prime
 from .problem import Candidate, Problem
+from .stage_cost import layer_numbers
 
 S = TypeVar("S", bound="Sizes")
 # settings whose stages are evaluated together (``prime``): consecutive settings of a space share
@@ -71,16 +72,34 @@ class Sizes(Protocol):
 
 
 def lower_bound(problem: Problem) -> Callable[[Sizes], float]:
-    """The planner's lower bound on a setting's iteration (``planner.lower_bound_s``), once per
-    TP, DP, micro-batch and stage count."""
+    """A lower bound on a setting's iteration: the planner's (``planner.lower_bound_s``, a
+    balanced split), once per TP, DP, micro-batch and stage count, and where the split is uneven
+    G m p + (L - m) p / V, m its largest stage's layers. A stage of l layers takes at least l p a
+    micro-batch (p: a layer's forward and backward), and ``pipeline_objective`` is at least
+    G max T + (sum T - max T) / V >= (G - 1/V) max T + L p / V >= G m p + (L - m) p / V: the
+    Megatron-LM space's uneven splits, most of its settings, are priced only where they could
+    win."""
 
     @functools.cache
     def of(tp: int, dp: int, micro_batch: int, stages: int, virtual: int) -> float:
         return lower_bound_s(problem, Candidate(tp, stages, dp, micro_batch, problem.global_batch, virtual))
 
-    return lambda sizes: of(
-        sizes.tp, sizes.dp, sizes.micro_batch, len(sizes.split), getattr(sizes, "virtual", 1)
-    )
+    @functools.cache
+    def per_layer(tp: int, dp: int, micro_batch: int) -> float:
+        layer = layer_numbers(Candidate(tp, 1, dp, micro_batch, problem.global_batch).setting(problem))
+        return layer.fwd + layer.bwd
+
+    def bound(sizes: Sizes) -> float:
+        virtual = getattr(sizes, "virtual", 1)
+        balanced = of(sizes.tp, sizes.dp, sizes.micro_batch, len(sizes.split), virtual)
+        if len(set(sizes.split)) == 1:
+            return balanced
+        largest, p = max(sizes.split), per_layer(sizes.tp, sizes.dp, sizes.micro_batch)
+        micro_batches = grad_accum(problem.global_batch, sizes.dp, sizes.micro_batch)
+        layers = problem.model.layers
+        return max(balanced, micro_batches * largest * p + (layers - largest) * p / virtual)
+
+    return bound
 
 
 def fastest_fitting(
