@@ -1,5 +1,7 @@
-"""The search's shortcuts change no result: strategies priced only where they fit, and the layer's
-symbolic costs compiled without sympy's proof of which term of a Max is largest."""
+"""The searches' shortcuts change no result: strategies priced only where they fit, the layer's
+symbolic costs compiled without sympy's proof of which term of a Max is largest, candidates
+tried in the order of their lower bounds with each stage's layer counts cut at what a faster plan
+can hold, and the exhaustive searches' uneven splits bounded by their largest stage."""
 
 from __future__ import annotations
 
