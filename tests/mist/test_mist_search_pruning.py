@@ -405,7 +405,8 @@ def _balanced_bound(problem: Problem):
 def test_an_uneven_splits_bound_holds_and_changes_no_exhaustive_search(rng, monkeypatch):
     """The exhaustive searches' bound for an uneven split (G m p + (L - m) p / V, m its largest
     stage) is at most the priced iteration of every plan of the setting, for random settings of
-    the Megatron-LM space (interleaved ones too) at random recompute counts; and searching with it
+    the Megatron-LM space (interleaved ones too, whose splits are even) at random recompute
+    counts; and searching with it
     finds exactly the plan that searching with the balanced bound alone finds, for a random case
     and memory. Controls: it exceeds the balanced bound for some setting, and the search with it
     prices fewer plans."""
@@ -430,15 +431,26 @@ def test_an_uneven_splits_bound_holds_and_changes_no_exhaustive_search(rng, monk
 
     priced, original = [], exhaustive.predict_for
     monkeypatch.setattr(exhaustive, "predict_for", lambda *a, **k: priced.append(1) or original(*a, **k))
-    with_bound = search_megatron_lm(m, c, batch)
+    with_bound = _found(lambda: search_megatron_lm(m, c, batch))
+    assert with_bound is not None  # every case fits at 70% of its memory, the least drawn: a best to prune by
     with_count = len(priced)
     priced.clear()
     monkeypatch.setattr(exhaustive, "lower_bound", _balanced_bound)
-    without = search_megatron_lm(m, c, batch)
-    assert with_bound.predicted_iteration_s == without.predicted_iteration_s
+    without = _found(lambda: search_megatron_lm(m, c, batch))
     assert _shape(with_bound) == _shape(without)
     assert with_count < len(priced), (with_count, len(priced))
 
 
-def _shape(plan) -> tuple:
-    return plan.tp, plan.dp, plan.micro_batch, plan.virtual_stages, plan.stages
+def _found(search):
+    """The search's plan, or None where nothing fits (the same for both searches, then)."""
+    try:
+        return search()
+    except planner.NoFeasiblePlan:
+        return None
+
+
+def _shape(plan) -> tuple | None:
+    """What a search found: its time, sizes and every stage (layers, strategy, priced numbers)."""
+    if plan is None:
+        return None
+    return plan.predicted_iteration_s, plan.tp, plan.dp, plan.micro_batch, plan.virtual_stages, plan.stages
