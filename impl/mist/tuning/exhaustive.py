@@ -25,9 +25,8 @@ from ..model.interference import Interference
 from ..model.runtime import RuntimeModel
 from ..model.specs import ClusterSpec, ModelSpec
 from ..plan import Plan, grad_accum
-from .planner import NoFeasiblePlan, StageMemo, lower_bound_s, predict_for, prime
+from .planner import NoFeasiblePlan, StageMemo, layer_s, lower_bound_s, predict_for, prime
 from .problem import Candidate, Problem
-from .stage_cost import layer_numbers
 
 S = TypeVar("S", bound="Sizes")
 # settings whose stages are evaluated together (``prime``): consecutive settings of a space share
@@ -84,10 +83,7 @@ def lower_bound(problem: Problem) -> Callable[[Sizes], float]:
     def of(tp: int, dp: int, micro_batch: int, stages: int, virtual: int) -> float:
         return lower_bound_s(problem, Candidate(tp, stages, dp, micro_batch, problem.global_batch, virtual))
 
-    @functools.cache
-    def per_layer(tp: int, dp: int, micro_batch: int) -> float:
-        layer = layer_numbers(Candidate(tp, 1, dp, micro_batch, problem.global_batch).setting(problem))
-        return layer.fwd + layer.bwd
+    per_layer = functools.cache(functools.partial(layer_s, problem))
 
     def bound(sizes: Sizes) -> float:
         virtual = getattr(sizes, "virtual", 1)

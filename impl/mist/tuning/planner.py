@@ -443,9 +443,11 @@ def _stage_plan(values: dict, layers: int, tp: int | None = None, dp: int | None
     )
 
 
-def _layer_s(problem: Problem, tp: int, dp: int, micro_batch: int, stages: int) -> float:
-    """A layer's forward and backward on one (TP, DP, micro-batch) shape: the least time it takes."""
-    layer = layer_numbers(problem.setting(tp, dp, micro_batch, stages))
+def layer_s(problem: Problem, tp: int, dp: int, micro_batch: int) -> float:
+    """A layer's forward and backward on one (TP, DP, micro-batch) shape: the least time it takes
+    in any stage (the searches' bounds stand on it; a layer's numbers do not depend on the stage
+    count, so one stage is asked)."""
+    layer = layer_numbers(problem.setting(tp, dp, micro_batch, 1))
     return layer.fwd + layer.bwd
 
 
@@ -459,8 +461,8 @@ def _stage_devices_bound(problem: Problem, stages: int, micro_batches: int, shap
     p = w = float("inf")
     for devices, device_shapes in shapes.items():
         for tp, dp, micro_batch in device_shapes:
-            layer_s = _layer_s(problem, tp, dp, micro_batch, stages)
-            p, w = min(p, layer_s), min(w, devices * layer_s)
+            layer_seconds = layer_s(problem, tp, dp, micro_batch)
+            p, w = min(p, layer_seconds), min(w, devices * layer_seconds)
     return (G - 1) * max(L * p / stages, L * w / N) + L * p
 
 
@@ -531,7 +533,7 @@ def _stage_devices_frontiers(
     is solved, those took gigabytes)."""
     layers_in_model = problem.model.layers
     per_layer = {  # the least forward + backward a layer takes on each device count
-        devices: min(_layer_s(problem, tp, dp, micro_batch, stages) for tp, dp, micro_batch in device_shapes)
+        devices: min(layer_s(problem, tp, dp, micro_batch) for tp, dp, micro_batch in device_shapes)
         for devices, device_shapes in shapes.items()
     }
     frontiers: list[dict[tuple[int, int], Frontier]] = [dict() for _ in range(stages)]
