@@ -15,6 +15,9 @@ from mist.export import megatron_lm_arguments
 from mist.tuning.megatron_lm import search_megatron_lm
 
 CASES = [("gpt3-1.3b", "l4", 4, 32, 2048), ("llama-2.7b", "a100-40gb", 4, 32, 4096)]
+# and two of the comparison's cases (without FlashAttention) that Mist lost to the grid by 0.7-0.9%
+# while its MILP tried the optimizer's fraction in halves only: the grid's plans offload a quarter
+MIST_VS_GRID = [*CASES, ("gpt3-1.3b", "l4", 2, 32, 2048, False), ("llama-2.7b", "l4", 4, 64, 2048, False)]
 
 
 def test_grid_is_megatron_practice():
@@ -69,13 +72,13 @@ def test_stages_sharing_a_tp_dp_of_their_own_are_that_plan_lifted():
     assert any("TP/DP of their own that differ" in why for why in megatron_lm_arguments(differ, m)[1])
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", MIST_VS_GRID)
 def test_mist_is_never_slower_than_the_grid_without_interleaving(case):
     """Mist's space contains every grid configuration but the interleaved ones (Mist's paper runs
     plain 1F1B) and both are priced by one model, so the planner must match or beat the grid
     without them; the whole grid, a superset of that, is never slower than it."""
-    name, gpu, gpus, batch, seq = case
-    m, c = model(name, seq=seq), cluster(gpu, gpus)
+    name, gpu, gpus, batch, seq, *flash = case
+    m, c = model(name, seq=seq, **({"flash": flash[0]} if flash else {})), cluster(gpu, gpus)
     plain = search_megatron_lm(m, c, batch, dataclasses.replace(GRID, virtual_stages=()))
     ours, grid = search(m, c, batch), search_grid(m, c, batch)
     assert plain.virtual_stages == 1

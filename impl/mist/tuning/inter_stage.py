@@ -131,8 +131,8 @@ def frontier_for(
     keep: list[np.ndarray] = []
     for value in np.unique(wait[ok]):  # one or two (the gather in forward or not): a frontier each
         group = ok[wait[ok] == value]
-        steady, extra, step = (values[k][group] for k in ("steady", "extra", "step"))
-        group = group[pareto_frontier_3d(steady, extra - step, step)]
+        steady, sync, step = (values[k][group] for k in ("steady", "sync", "step"))
+        group = group[pareto_frontier_3d(steady, sync, step)]
         if keep:  # less a point that an earlier group (waiting less) matches or beats in all three
             group = group[~_dominated(values, group, np.concatenate(keep))]
         keep.append(group)
@@ -145,7 +145,7 @@ def frontier_for(
 def _dominated(values: dict[str, np.ndarray], points: np.ndarray, by: np.ndarray) -> np.ndarray:
     """Which of ``points`` one of ``by`` matches or beats in steady time, sync and step (both
     frontiers: small)."""
-    times = [values["steady"], values["extra"] - values["step"], values["step"]]
+    times = [values["steady"], values["sync"], values["step"]]
     return np.logical_and.reduce([t[by][None, :] <= t[points][:, None] for t in times]).any(axis=1)
 
 

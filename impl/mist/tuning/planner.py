@@ -208,10 +208,10 @@ def _stage_devices_settings(problem: Problem, options: PlannerOptions) -> list[t
 
 @dataclass(frozen=True)
 class _Fits:
-    """What a stage's frontiers will ask of its strategies: the fewest micro-batches in flight at
-    any position that shares the evaluation, and the device and host budgets."""
+    """What a stage's frontiers will ask of its strategies: the micro-batches in flight at each
+    position that shares the evaluation, and the device and host budgets."""
 
-    in_flight: float
+    flights: tuple[float, ...]
     budget: float
     host_budget: float
 
@@ -248,7 +248,7 @@ def _stage_values(
             last,
             space,
             grad_accum,
-            fits.in_flight,
+            fits.flights,
             fits.budget,
             fits.host_budget,
         )
@@ -381,15 +381,15 @@ def _setting_frontiers(
     devices = setting.tp * setting.dp
     budget = float(problem.gpu_budget)
     # a stage kind's strategies are evaluated once, for the stages of that kind: only those that
-    # fit with the fewest micro-batches in flight any of them holds
-    fewest: dict[tuple[bool, bool], float] = {}
+    # fit at the micro-batches in flight one of them holds
+    flights: dict[tuple[bool, bool], tuple[float, ...]] = {}
     for i in range(stage_count):
         kind = (i == 0, i == stage_count - 1)
-        fewest[kind] = min(fewest.get(kind, math.inf), candidate.in_flight(i))
+        flights[kind] = (*flights.get(kind, ()), candidate.in_flight(i))
     for i in range(stage_count):
         first, last = i == 0, i == stage_count - 1
         flight = candidate.in_flight(i)
-        fits = _Fits(fewest[first, last], budget, problem.host_budget)
+        fits = _Fits(flights[first, last], budget, problem.host_budget)
         for layers in range(least, most + 1):
             key = (layers, first, last)
             if key not in grids:
@@ -547,9 +547,9 @@ def _stage_devices_frontiers(
         )
         for layers in range(1, most + 1):
             for (first, last), stages_of_kind in positions.items():
-                fewest = min(in_flight(i, stages, micro_batches) for i in stages_of_kind)
+                flights = tuple(in_flight(i, stages, micro_batches) for i in stages_of_kind)
                 merged = _MergedStage.evaluate(
-                    problem, stages, micro_batches, device_shapes, layers, first, last, options, fewest
+                    problem, stages, micro_batches, device_shapes, layers, first, last, options, flights
                 )
                 by_flight: dict[float, tuple[Frontier, list]] = {}
                 for i in stages_of_kind:
@@ -567,7 +567,7 @@ def _stage_devices_frontiers(
 class _MergedStage:
     """A stage's strategies on one device count, every (TP, DP) shape's grid one after another:
     ``values`` concatenated, shape k's rows from ``starts[k]``; of each shape's grid the
-    strategies that fit with the fewest micro-batches in flight that its frontiers ask for."""
+    strategies that fit with the micro-batches in flight that its frontiers ask for."""
 
     shapes: list[tuple[int, int, int]]  # (tp, dp, micro-batch)
     grids: list[dict[str, np.ndarray]]  # each shape's strategies (those that fit)
@@ -586,9 +586,9 @@ class _MergedStage:
         first: bool,
         last: bool,
         options: PlannerOptions,
-        fewest: float,
+        flights: tuple[float, ...],
     ) -> _MergedStage:
-        fits = _Fits(fewest, float(problem.gpu_budget), problem.host_budget)
+        fits = _Fits(flights, float(problem.gpu_budget), problem.host_budget)
         evaluated = []
         for tp, dp, micro_batch in shapes:
             setting = problem.setting(tp, dp, micro_batch, stages, overlap_grad_reduce=True)
@@ -621,9 +621,9 @@ class _MergedStage:
 
 
 # the arrays of a stage's evaluation that its frontier reads
-_FRONTIER_KEYS = ("steady", "extra", "step", "wait", "memory", "host_memory", "host_per_flight")
+_FRONTIER_KEYS = ("steady", "extra", "sync", "step", "wait", "memory", "host_memory", "host_per_flight")
 # what a search that is not imbalance-aware does not see: the first and last micro-batch's extras
-BLIND_TO = ("extra", "step", "wait")
+BLIND_TO = ("extra", "sync", "step", "wait")
 
 
 def search(
@@ -654,14 +654,21 @@ def search(
             f"no parallel setting divides global batch {global_batch} over {cluster.gpus} GPUs "
             f"(DP must divide the global batch; micro-batches: {options.micro_batches or 'every divisor'})"
         )
-    best = _best_of_settings(problem, candidates, options, timed_out, progress)
+    found: list[Plan] = []  # each plan that was the best so far, in the order found
+    best = _best_of_settings(problem, candidates, options, timed_out, progress, found)
     if options.stage_devices:
-        best = _best_with_stage_devices(problem, options, best, timed_out, progress)
+        best = _best_with_stage_devices(problem, options, best, timed_out, progress, found)
     if best is None:
         raise _no_plan(problem, options, timed_out)
     if options.space.offload and options.refine_offload_step:
-        best = _refine(problem, best, options)
-        predict_for(problem, best)
+        # every plan that was the best so far, not the winner alone: the refinement is a local
+        # search, and a runner-up's start can end faster (GPT-3 13B on 32 A100s with
+        # FlashAttention: 29.14 s refined from the runner-up, 29.25 s from the winner). Newest
+        # first, so a tie keeps the search's own winner
+        refined = [_refine(problem, plan, options) for plan in reversed(found)]
+        for plan in refined:
+            predict_for(problem, plan)
+        best = min(refined, key=lambda plan: plan.predicted_iteration_s)
     best.tuning_s = time.perf_counter() - start
     return best
 
@@ -685,12 +692,14 @@ def _best_of_settings(
     options: PlannerOptions,
     timed_out: list[str],
     progress: Callable[[str], None] | None,
+    found: list[Plan] | None = None,
 ) -> Plan | None:
     """The fastest plan of ``candidates`` (every stage on the same devices), or None. Tried in
     the order of their lower bounds (``lower_bound_s``), up to the first that cannot beat the best
     so far: a fast plan found early cuts the later candidates' stages short
     (``most_layers_a_stage``; Llama 22B on 32 A100s without FlashAttention: 2.2 s, 3.5 s in the
-    order of their sizes, Intel Xeon VM)."""
+    order of their sizes, Intel Xeon VM). ``found``: where given, each plan that was the best so
+    far is appended to it, in the order found."""
     best = None
     ranked = sorted((lower_bound_s(problem, candidate), n) for n, candidate in enumerate(candidates))
     for n, (bound, index) in enumerate(ranked):
@@ -704,6 +713,8 @@ def _best_of_settings(
         candidate = candidates[index]
         plan = tune_setting(problem, candidate, options, _best_time(best), timed_out)
         best = _better(problem, plan, best)
+        if found is not None and plan is not None and best is plan:
+            found.append(plan)
         if progress:
             progress(
                 f"[{n + 1}/{len(candidates)}] tp {candidate.tp} pp {candidate.stages} dp {candidate.dp} "
@@ -718,9 +729,11 @@ def _best_with_stage_devices(
     best: Plan | None,
     timed_out: list[str],
     progress: Callable[[str], None] | None,
+    found: list[Plan] | None = None,
 ) -> Plan | None:
     """The fastest of ``best`` and the plans whose stages take their own devices, cheapest bound
-    first, up to the first whose bound cannot beat the best so far."""
+    first, up to the first whose bound cannot beat the best so far; ``found`` as in
+    ``_best_of_settings``."""
     pipelines = _stage_devices_settings(problem, options)
     for n, (bound, stages, micro_batches, shapes) in enumerate(pipelines):
         if bound >= _best_time(best):  # sorted by bound: no later one can win either
@@ -729,6 +742,8 @@ def _best_with_stage_devices(
             problem, stages, micro_batches, shapes, options, _best_time(best), timed_out
         )
         best = _better(problem, plan, best)
+        if found is not None and plan is not None and best is plan:
+            found.append(plan)
         if progress:
             progress(
                 f"[{n + 1}/{len(pipelines)}] pp {stages}, {micro_batches} micro-batches, stages "

@@ -71,6 +71,13 @@ def _some(values: object, ok) -> bool:
 class SearchSpace:
     zero_stages: tuple[int, ...] = (0, 1, 2, 3)
     offload_ratios: tuple[float, ...] = (0.0, 0.5, 1.0)
+    # The optimizer's fractions, in quarters as Megatron-LM's --optimizer-offload-fraction is
+    # searched by the grid (baselines/megatron/grid.py). In halves, four of the 60 comparison
+    # cases lost to the grid by 0.01-1.4% (predicted): the MILP placed layers and chose settings
+    # by plans whose optimizer needed half on the host where a quarter would have done, and the
+    # refinement to eighths cannot move a layer. It costs the search little: of one stage's
+    # optimizer fractions only the least that fits is kept (``fitting_rows``).
+    optimizer_offload_ratios: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0)
     offload: bool = True  # weights/grads/optimizer/activations offloading considered at all
     recompute: bool = True  # per-stage recompute counts (else none)
     selective: bool = True  # the other layers' core attention recomputed (Megatron's selective), or not
@@ -91,8 +98,9 @@ class SearchSpace:
             raise ValueError(
                 f"zero_stages: one or more of the ZeRO stages 0, 1, 2, 3; got {self.zero_stages!r}"
             )
-        if not _some(self.offload_ratios, lambda ratio: finite(ratio) and 0 <= ratio <= 1):
-            raise ValueError(f"offload_ratios: one or more fractions in [0, 1]; got {self.offload_ratios!r}")
+        for name in ("offload_ratios", "optimizer_offload_ratios"):
+            if not _some(getattr(self, name), lambda ratio: finite(ratio) and 0 <= ratio <= 1):
+                raise ValueError(f"{name}: one or more fractions in [0, 1]; got {getattr(self, name)!r}")
         if not _some(self.gather_in_forward, lambda gather: isinstance(gather, bool)):
             raise ValueError(f"gather_in_forward: one or both of False, True; got {self.gather_in_forward!r}")
         unknown = set(self.offloadable) - set(OFFLOADABLE)
@@ -104,6 +112,11 @@ class SearchSpace:
         that kind may not be offloaded."""
         allowed = self.offload and field.removeprefix("offload_") in self.offloadable
         return tuple(steps) if allowed else (0.0,)
+
+    def grid_steps(self, field: str) -> tuple[float, ...]:
+        """The fractions of ``field`` the MILP's strategy grid holds (``offload_steps``)."""
+        ratios = self.optimizer_offload_ratios if field == "offload_optimizer" else self.offload_ratios
+        return self.offload_steps(field, ratios)
 
 
 @dataclass(frozen=True)
@@ -331,7 +344,7 @@ def strategy_grid(layers: int, space: SearchSpace) -> dict[str, np.ndarray]:
     """Every (recompute, selective, zero, offload ratios, weights gathered in forward) combination
     for a stage of ``layers`` layers (read-only); the weights are gathered in forward only where a
     stage may (ZeRO-1/2, kept on the device), each combination once."""
-    offloads = [space.offload_steps(name, space.offload_ratios) for name in OFFLOAD_FIELDS]
+    offloads = [space.grid_steps(name) for name in OFFLOAD_FIELDS]
     recompute = range(layers + 1) if space.recompute else (0,)
     selective = (0, 1) if space.selective else (0,)
     combos = np.array(
@@ -608,25 +621,32 @@ def _sync_and_step(
     edge_zero,
     across: bool,
     parts: tuple,
-    d2h_bw: float,
-    h2d_bw: float,
 ) -> tuple:
     """(sync, step) seconds of the last micro-batch: the gradient sync and clipping's local norm
     (before the global barrier), then the optimizer step (after it). ``parts``: (state bytes,
     offloaded optimizer fraction) of the stage's layers and of its embedding/head."""
     cluster = setting.cluster
     sync, step = _gradient_sync(setting, stage_w_full, edge_w_full, zero, edge_zero, across)
-    gpu_step_bytes = (ADAM_BYTES_PER_PARAM + 4) * 2  # state, weights and gradients read and written
+    on_device, on_host = optimizer_step_s(setting)
     for state, offloaded in parts:
         params = state["opt_params"]
         # the norm reads the fp16 gradients this rank steps (offloaded ones priced as if on the GPU:
         # a few percent of the step either way)
         sync = sync + params * 2 / (cluster.gpu.hbm_bw * 0.7)
-        step = step + (1 - offloaded) * params * gpu_step_bytes / (cluster.gpu.hbm_bw * 0.7)
-        step = step + offloaded * params / cpu_adam_params_per_s(cluster)
-        # fp16 gradients down, fp16 weights up
-        step = step + offloaded * params * (2 / d2h_bw + 2 / h2d_bw)
+        step = step + params * ((1 - offloaded) * on_device + offloaded * on_host)
     return sync, step
+
+
+def optimizer_step_s(setting: Setting) -> tuple[float, float]:
+    """(on the device, on the host) seconds the optimizer step takes a parameter: mixed-precision
+    Adam reading and writing its state, weights and gradients at 70% of the GPU's memory
+    bandwidth, or the host's Adam with the fp16 gradient down and the fp16 weight up. The only
+    time the offloaded optimizer fraction changes, linearly (``fitting_rows`` relies on it)."""
+    cluster = setting.cluster
+    d2h_bw, h2d_bw = _host_rates(setting)
+    on_device = (ADAM_BYTES_PER_PARAM + 4) * 2 / (cluster.gpu.hbm_bw * 0.7)
+    on_host = 1 / cpu_adam_params_per_s(cluster) + 2 / d2h_bw + 2 / h2d_bw
+    return on_device, on_host
 
 
 def clip_barrier_s(setting: Setting) -> float:
@@ -878,9 +898,9 @@ def _last_micro_batch_s(
     edge_params: float,
     state: tuple[dict, dict],
 ) -> tuple:
-    """(extra, step, wait): seconds the last micro-batch adds on a stage, before clipping's global
-    barrier (clip_barrier_s) and after it (``step``), and what the next iteration's first forward
-    waits for its weights (on the fill path)."""
+    """(sync, step, wait): seconds the last micro-batch adds on a stage before clipping's global
+    barrier (clip_barrier_s) and after it, and what the next iteration's first forward waits for
+    its weights (on the fill path)."""
     zero, across = grid["zero"], _dp_leaves_node(setting)
     mine, theirs = state
     # (state bytes, offloaded optimizer fraction) of the stage's layers and of its embedding/head
@@ -893,7 +913,6 @@ def _last_micro_batch_s(
         edge["zero"],
         across,
         parts,
-        *_host_rates(setting),
     )
     sync = sync - _hidden_reduction_s(setting, layer, layers, grid["recompute"], zero, across)
     # a grid without the column gathers after the step
@@ -901,7 +920,7 @@ def _last_micro_batch_s(
         setting, layer, layers, grid.get("gather_in_forward", 0.0), zero, grid["offload_weights"], across
     )
     step = step - moved
-    return sync + step, step, wait
+    return sync, step, wait
 
 
 def _stage_memory(
@@ -1004,17 +1023,22 @@ def fitting_rows(
     last: bool,
     space: SearchSpace,
     grad_accum: int,
-    in_flight: float,
+    flights: tuple[float, ...],
     budget: float,
     host_budget: float,
 ) -> np.ndarray:
-    """Indices of ``strategy_grid(layers, space)``'s strategies whose stage fits ``budget`` device
-    bytes and ``host_budget`` host bytes with ``in_flight`` micro-batches held, by the rule
-    ``inter_stage.frontier_for`` applies to evaluate_stage's arrays (memory at one in flight plus
-    the others' activations), computed the same way: the memory alone, which is a third of a
-    stage's evaluation. Held bytes only grow with ``in_flight``, so a frontier at that many or
-    more keeps none of the other rows, and the searches price the times of these rows only (in
-    the largest cases a seventh of the grid fits).
+    """Indices of ``strategy_grid(layers, space)``'s strategies that a frontier of the stage at one
+    of ``flights`` (micro-batches held) can keep: those that fit ``budget`` device bytes and
+    ``host_budget`` host bytes there, by the rule ``inter_stage.frontier_for`` applies to
+    evaluate_stage's arrays (memory at one in flight plus the others' activations), computed the
+    same way: the memory alone, which is a third of a stage's evaluation. Held bytes only grow
+    with the count, so a frontier keeps none of the rows that do not fit at the fewest, and the
+    searches price the times of the rows kept only (in the largest cases a seventh of the grid
+    fits).
+
+    Of strategies that differ only in the offloaded optimizer fraction, only the fastest that fits
+    at some flight is kept (``_fastest_optimizer_fraction``): the others are equal in every time
+    but the step, and slower there, so no frontier keeps them.
 
     In two passes that keep the same rows as one: the rule applied to a lower bound of the memory
     (_memory_at_least) drops what cannot fit, and the exact memory is computed for the rest only
@@ -1025,6 +1049,7 @@ def fitting_rows(
     rows = np.arange(len(grid["recompute"]))
     if np.any(per_flight < 0) or np.any(host_per_flight < 0):  # never so: then held bytes could shrink
         return rows
+    in_flight = min(flights)
     # each combination's state bytes (a row's embedding/head shares its strategy here)
     _, combos = _stage_state(setting, layer, layers, first, last, states.columns, states.columns)
     least = _memory_at_least(layer, first, last, states, combos, grad_accum, per_flight)
@@ -1042,7 +1067,43 @@ def fitting_rows(
     )
     host_memory = _host_memory(state, host_per_flight, 1)
     _, fits = held_and_fits(memory, per_flight, host_memory, host_per_flight, in_flight, budget, host_budget)
-    return rows[np.broadcast_to(fits, rows.shape)]
+    fits = np.broadcast_to(fits, rows.shape)
+    held = (memory, per_flight, host_memory, host_per_flight)
+    held = tuple(np.broadcast_to(column, rows.shape)[fits] for column in held)
+    rows, strategies = rows[fits], {name: column[fits] for name, column in strategies.items()}
+    fastest = _fastest_optimizer_fraction(setting, strategies, held, flights, budget, host_budget)
+    return rows[fastest]
+
+
+def _fastest_optimizer_fraction(
+    setting: Setting,
+    strategies: dict[str, np.ndarray],
+    held: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray],
+    flights: tuple[float, ...],
+    budget: float,
+    host_budget: float,
+) -> np.ndarray:
+    """Which of ``strategies`` (rows; ``held``: their memory, per_flight, host_memory and
+    host_per_flight at one in flight) is, at one of ``flights``, the fastest that fits among those
+    that differ from it only in the offloaded optimizer fraction. The fraction changes nothing but
+    the step, linearly (``optimizer_step_s``): the least fraction that fits where the host's step
+    is the slower (every GPU preset), the largest where it is the faster. Ties keep the least."""
+    fraction = strategies["offload_optimizer"]
+    keep = np.zeros(len(fraction), bool)
+    if len(np.unique(fraction)) < 2:
+        keep[:] = True
+        return keep
+    on_device, on_host = optimizer_step_s(setting)
+    slower_first = fraction if on_host >= on_device else -fraction
+    others = np.stack([strategies[name] for name in STRATEGY_FIELDS if name != "offload_optimizer"], axis=1)
+    _, group = np.unique(others, axis=0, return_inverse=True)
+    group = group.reshape(-1)
+    for flight in sorted(set(flights)):
+        rows = np.flatnonzero(held_and_fits(*held, flight, budget, host_budget)[1])
+        rows = rows[np.lexsort((slower_first[rows], group[rows]))]  # by group, the fastest first
+        first_of_group = np.r_[True, group[rows][1:] != group[rows][:-1]] if len(rows) else rows.astype(bool)
+        keep[rows[first_of_group]] = True
+    return keep
 
 
 def evaluate_stage(
@@ -1068,13 +1129,16 @@ def evaluate_stage(
     steady, compute, g2g = _micro_batch_s(
         setting, layer, layers, grid, edge, first, last, (mine, theirs), grad_accum
     )
-    extra, step, wait = _last_micro_batch_s(setting, layer, layers, grid, edge, edge_params, (mine, theirs))
+    sync, step, wait = _last_micro_batch_s(setting, layer, layers, grid, edge, edge_params, (mine, theirs))
     memory, per_flight, host_per_flight = _stage_memory(
         layer, grid, edge, layers, in_flight, first, last, (mine, theirs), grad_accum
     )
     return {
         "steady": np.broadcast_to(steady, shape),
-        "extra": np.broadcast_to(extra, shape),
+        "extra": np.broadcast_to(sync + step, shape),
+        # the part of extra before the clipping barrier, as computed (extra - step may differ in
+        # the last bit, and two strategies with the same sync then neither dominate the other)
+        "sync": np.broadcast_to(sync, shape),
         "step": np.broadcast_to(step, shape),  # the part of extra after the clipping barrier
         # before the first forward of the next iteration: what it waits for its weights (on the fill path)
         "wait": np.broadcast_to(wait, shape),
