@@ -59,8 +59,9 @@ FLASH = {"cpu": (True, False), "paper": (True, False)}
 ACESO_MAX_PRICED = {"cpu": 2000, "paper": 12000}
 # What each step adds, in order: Mist's search over recomputed layers per stage, the layer split
 # (MILP) and the micro-batch, without offloading or ZeRO-2/3 and blind to the first/last
-# micro-batch's extra work; then offloading (the MILP's halves, refined to eighths for the winner,
-# with the embedding/head's own strategy) and ZeRO-2/3; then imbalance awareness (the full planner).
+# micro-batch's extra work; then offloading (the MILP's halves, the optimizer's quarters, refined to
+# eighths with the embedding/head's own strategy) and ZeRO-2/3; then imbalance awareness (the full
+# planner).
 ABLATION = (
     "megatron",
     "+recompute, layer split, micro-batch",

@@ -92,8 +92,8 @@ class PlannerOptions:
     micro_batches: tuple[int, ...] | None = None
     milp_time_limit: float = 5.0
     imbalance_aware: bool = True  # False: extras ignored when choosing (the ablation)
-    # The second phase (``refine``): offloaded fractions of the winning plan in steps of 1/this
-    # (the MILP's grid is SearchSpace.offload_ratios); None: no second phase. At most
+    # The second phase (``refine``): offloaded fractions of the best plans in steps of 1/this
+    # (the MILP's grid: SearchSpace.grid_steps); None: no second phase. At most
     # MAX_REFINE_OFFLOAD_STEP.
     refine_offload_step: int | None = 8
     # the engine the plans are for: how it accumulates gradients over micro-batches
@@ -780,8 +780,9 @@ def refine(
     interference: Interference,
     passes: int = 3,
 ) -> Plan:
-    """The search's second phase: the winning plan's offloaded fractions in steps of 1/k
-    (k = ``options.refine_offload_step``) where the MILP tried only SearchSpace.offload_ratios.
+    """The search's second phase: a plan's offloaded fractions in steps of 1/k
+    (k = ``options.refine_offload_step``) where the MILP tried only SearchSpace's grid (the search
+    refines each plan that was its best so far).
 
     Coordinate descent on the closed-form objective: each stage in turn gets the best of all
     (k+1)^4 combinations of its four fractions with the other stages fixed, then the embedding

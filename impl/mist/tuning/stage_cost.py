@@ -373,6 +373,18 @@ class GridStates:
 
 
 @functools.lru_cache(maxsize=512)
+def optimizer_groups(layers: int, space: SearchSpace) -> np.ndarray:
+    """Per row of ``strategy_grid(layers, space)``, the index of its strategy less the offloaded
+    optimizer fraction: rows with the same index differ only in that fraction (read-only)."""
+    grid = strategy_grid(layers, space)
+    others = np.stack([grid[name] for name in STRATEGY_FIELDS if name != "offload_optimizer"], axis=1)
+    _, group = np.unique(others, axis=0, return_inverse=True)
+    group = group.reshape(-1)
+    group.flags.writeable = False
+    return group
+
+
+@functools.lru_cache(maxsize=512)
 def grid_states(layers: int, space: SearchSpace) -> GridStates:
     """``strategy_grid(layers, space)``'s GridStates (read-only)."""
     grid = strategy_grid(layers, space)
@@ -1070,37 +1082,35 @@ def fitting_rows(
     fits = np.broadcast_to(fits, rows.shape)
     held = (memory, per_flight, host_memory, host_per_flight)
     held = tuple(np.broadcast_to(column, rows.shape)[fits] for column in held)
-    rows, strategies = rows[fits], {name: column[fits] for name, column in strategies.items()}
-    fastest = _fastest_optimizer_fraction(setting, strategies, held, flights, budget, host_budget)
+    rows = rows[fits]
+    if len(space.grid_steps("offload_optimizer")) < 2:
+        return rows
+    group = optimizer_groups(layers, space)[rows]
+    fraction = strategy_grid(layers, space)["offload_optimizer"][rows]
+    fastest = _fastest_optimizer_fraction(setting, fraction, group, held, flights, budget, host_budget)
     return rows[fastest]
 
 
 def _fastest_optimizer_fraction(
     setting: Setting,
-    strategies: dict[str, np.ndarray],
+    fraction: np.ndarray,
+    group: np.ndarray,
     held: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray],
     flights: tuple[float, ...],
     budget: float,
     host_budget: float,
 ) -> np.ndarray:
-    """Which of ``strategies`` (rows; ``held``: their memory, per_flight, host_memory and
-    host_per_flight at one in flight) is, at one of ``flights``, the fastest that fits among those
-    that differ from it only in the offloaded optimizer fraction. The fraction changes nothing but
-    the step, linearly (``optimizer_step_s``): the least fraction that fits where the host's step
-    is the slower (every GPU preset), the largest where it is the faster. Ties keep the least."""
-    fraction = strategies["offload_optimizer"]
+    """Which strategies (rows: their offloaded optimizer ``fraction``, ``group`` (rows that differ
+    only in it share one) and ``held``: memory, per_flight, host_memory and host_per_flight at one
+    in flight) are, at one of ``flights``, the fastest that fits of their group. The fraction
+    changes nothing but the step, linearly (``optimizer_step_s``): the least fraction that fits
+    where the host's step is the slower (every GPU preset), the largest where it is the faster.
+    Ties keep the least."""
     keep = np.zeros(len(fraction), bool)
-    if len(np.unique(fraction)) < 2:
-        keep[:] = True
-        return keep
     on_device, on_host = optimizer_step_s(setting)
-    slower_first = fraction if on_host >= on_device else -fraction
-    others = np.stack([strategies[name] for name in STRATEGY_FIELDS if name != "offload_optimizer"], axis=1)
-    _, group = np.unique(others, axis=0, return_inverse=True)
-    group = group.reshape(-1)
+    order = np.lexsort((fraction if on_host >= on_device else -fraction, group))  # by group, fastest first
     for flight in sorted(set(flights)):
-        rows = np.flatnonzero(held_and_fits(*held, flight, budget, host_budget)[1])
-        rows = rows[np.lexsort((slower_first[rows], group[rows]))]  # by group, the fastest first
+        rows = order[held_and_fits(*(column[order] for column in held), flight, budget, host_budget)[1]]
         first_of_group = np.r_[True, group[rows][1:] != group[rows][:-1]] if len(rows) else rows.astype(bool)
         keep[rows[first_of_group]] = True
     return keep
