@@ -106,12 +106,13 @@ def predicted_speedup(gpu: str, versus: str, stat: str) -> Callable[[Results], f
 
 def closed_form_not_slower(r: Results) -> float:
     """The worst closed-form speedup of Mist over the Megatron-LM grid among the cases whose grid
-    plan is in Mist's space (not interleaved)."""
+    plan is in Mist's space (not interleaved); 0 where Mist found no plan and the grid did."""
     ratios = [
         p.result["megatron"]["closed_form_s"] / p.result["mist"]["closed_form_s"]
-        for p in r
         if "closed_form_s" in p.result.get("mist", {})
-        and p.result.get("megatron", {}).get("virtual_stages") == 1
+        else 0.0
+        for p in r
+        if p.result.get("megatron", {}).get("virtual_stages") == 1
     ]
     if not ratios:
         raise Missing("megatron")

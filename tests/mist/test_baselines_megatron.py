@@ -10,7 +10,7 @@ import pytest
 from baselines.megatron.aceso import search_aceso
 from baselines.megatron.grid import GRID, grid_plans, search_grid
 from baselines.megatron.zero3 import search_zero3
-from mist import Plan, StagePlan, cluster, model, predict, search
+from mist import Plan, PlannerOptions, StagePlan, cluster, model, predict, search
 from mist.export import megatron_lm_arguments
 from mist.tuning.megatron_lm import search_megatron_lm
 
@@ -80,7 +80,8 @@ def test_mist_is_never_slower_than_the_grid_without_interleaving(case):
     name, gpu, gpus, batch, seq, *flash = case
     m, c = model(name, seq=seq, **({"flash": flash[0]} if flash else {})), cluster(gpu, gpus)
     plain = search_megatron_lm(m, c, batch, dataclasses.replace(GRID, virtual_stages=()))
-    ours, grid = search(m, c, batch), search_grid(m, c, batch)
+    # HiGHS given a minute: under a loaded machine's clock its default 5 s may stop above the gap
+    ours, grid = search(m, c, batch, PlannerOptions(milp_time_limit=60)), search_grid(m, c, batch)
     assert plain.virtual_stages == 1
     assert ours.predicted_iteration_s <= plain.predicted_iteration_s * (1 + 1e-9)
     assert grid.predicted_iteration_s <= plain.predicted_iteration_s * (1 + 1e-9)

@@ -235,8 +235,9 @@ def _stage_values(
     fits: _Fits | None = None,
 ):
     """(grid, evaluate_stage's arrays over it at one micro-batch in flight, per_flight). With
-    ``fits``, the grid holds only the strategies that fit it (``stage_cost.fitting_rows``): the
-    frontiers at that many in flight or more are the same, and found in a fraction of the time."""
+    ``fits``, the grid holds only the strategies a frontier at one of its in-flight counts can keep
+    (``stage_cost.fitting_rows``): the frontiers at those counts are the same (at others they may
+    not be), and found in a fraction of the time."""
     space = stage_space(setting, space)
     grid = strategy_grid(layers, space)
     if fits is not None:

@@ -75,8 +75,9 @@ class SearchSpace:
     # searched by the grid (baselines/megatron/grid.py). In halves, four of the 60 comparison
     # cases lost to the grid by 0.01-1.4% (predicted): the MILP placed layers and chose settings
     # by plans whose optimizer needed half on the host where a quarter would have done, and the
-    # refinement to eighths cannot move a layer. It costs the search little: of one stage's
-    # optimizer fractions only the least that fits is kept (``fitting_rows``).
+    # refinement to eighths cannot move a layer. It costs the search about a third more time: of
+    # one stage's optimizer fractions only the fastest that fits is priced (``fitting_rows``).
+    # offload_ratios are the other three kinds' fractions only.
     optimizer_offload_ratios: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0)
     offload: bool = True  # weights/grads/optimizer/activations offloading considered at all
     recompute: bool = True  # per-stage recompute counts (else none)
@@ -1050,7 +1051,10 @@ def fitting_rows(
 
     Of strategies that differ only in the offloaded optimizer fraction, only the fastest that fits
     at some flight is kept (``_fastest_optimizer_fraction``): the others are equal in every time
-    but the step, and slower there, so no frontier keeps them.
+    but the step, and slower there, so no frontier keeps them. (An imbalance-blind search, the
+    ablation's, ranks without the step: there all fractions that fit tie, and the frontier from
+    the whole grid keeps the least, this the fastest; the same on every GPU preset, where the
+    host's step is the slower, the larger on the CPU preset.)
 
     In two passes that keep the same rows as one: the rule applied to a lower bound of the memory
     (_memory_at_least) drops what cannot fit, and the exact memory is computed for the rest only
