@@ -674,13 +674,19 @@ def search(
     return best
 
 
-def _better(problem: Problem, plan: Plan | None, best: Plan | None) -> Plan | None:
-    """``plan`` priced (where there is one) if it beats ``best``, else ``best``."""
+def _better(
+    problem: Problem, plan: Plan | None, best: Plan | None, found: list[Plan] | None = None
+) -> Plan | None:
+    """``plan`` priced (where there is one) if it beats ``best``, else ``best``; a plan that beats
+    it is appended to ``found`` where given (each plan that was the best so far, in order)."""
     if plan is None:
         return best
     predict_for(problem, plan)
-    best_time = float("inf") if best is None else best.predicted_iteration_s
-    return plan if plan.predicted_iteration_s < best_time else best
+    if not plan.predicted_iteration_s < _best_time(best):  # (a NaN never beats it)
+        return best
+    if found is not None:
+        found.append(plan)
+    return plan
 
 
 def _best_time(best: Plan | None) -> float:
@@ -713,9 +719,7 @@ def _best_of_settings(
             break
         candidate = candidates[index]
         plan = tune_setting(problem, candidate, options, _best_time(best), timed_out)
-        best = _better(problem, plan, best)
-        if found is not None and plan is not None and best is plan:
-            found.append(plan)
+        best = _better(problem, plan, best, found)
         if progress:
             progress(
                 f"[{n + 1}/{len(candidates)}] tp {candidate.tp} pp {candidate.stages} dp {candidate.dp} "
@@ -742,9 +746,7 @@ def _best_with_stage_devices(
         plan = tune_stage_devices(
             problem, stages, micro_batches, shapes, options, _best_time(best), timed_out
         )
-        best = _better(problem, plan, best)
-        if found is not None and plan is not None and best is plan:
-            found.append(plan)
+        best = _better(problem, plan, best, found)
         if progress:
             progress(
                 f"[{n + 1}/{len(pipelines)}] pp {stages}, {micro_batches} micro-batches, stages "

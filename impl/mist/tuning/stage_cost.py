@@ -1115,7 +1115,8 @@ def _fastest_optimizer_fraction(
     order = np.lexsort((fraction if on_host >= on_device else -fraction, group))  # by group, fastest first
     for flight in sorted(set(flights)):
         rows = order[held_and_fits(*(column[order] for column in held), flight, budget, host_budget)[1]]
-        first_of_group = np.r_[True, group[rows][1:] != group[rows][:-1]] if len(rows) else rows.astype(bool)
+        first_of_group = np.ones(len(rows), bool)
+        first_of_group[1:] = group[rows][1:] != group[rows][:-1]
         keep[rows[first_of_group]] = True
     return keep
 
