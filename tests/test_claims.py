@@ -153,6 +153,45 @@ def test_the_worst_measured_speedup_leaves_out_ties_and_plans_outside_mists_sear
     assert worst(same, interleaved) == 1.0  # a plan Mist's search cannot make: not its loss
 
 
+def test_the_gpu_engine_loss_bound_compares_every_plan_with_the_one_that_changes_nothing():
+    """mist-gpu-engine-losses reads each GPU engine plan's losses against the plan with neither
+    recomputation nor offloading, wherever it is in the file: equal losses hold, a plan whose
+    losses moved by more than one bf16 rounding (a lost gradient) breaks the bound, and a file
+    without that plan says so rather than comparing with another."""
+    from artifacts.mist_vs_megatron.claims import BF16_ROUNDOFF, gpu_engine_loss_change
+    from artifacts.mist_vs_megatron.engine import GPU_ENGINE
+    from artifacts.verdicts import Missing
+
+    losses = [random.uniform(4, 8) for _ in range(8)]
+    moved = random.uniform(2, 10) * BF16_ROUNDOFF
+
+    def results(changed: str | None, *, plans=GPU_ENGINE.plans) -> Results:
+        points = [
+            Point(
+                {"setup": "gpu_engine", "plan": name},
+                {
+                    "plan": plan,
+                    "losses": [
+                        x * (1 + moved * (i == 3)) if name == changed else x for i, x in enumerate(losses)
+                    ],
+                },
+                {},
+            )
+            for name, plan in reversed(plans.items())  # the plain plan last
+        ]
+        return Results("gpu_engine.json", points)
+
+    assert gpu_engine_loss_change(results(None)) == 0.0
+    assert AtMost(BF16_ROUNDOFF).ok(gpu_engine_loss_change(results(None)))
+    broken = gpu_engine_loss_change(results("offload-weights-grads"))
+    assert broken == pytest.approx(moved) and not AtMost(BF16_ROUNDOFF).ok(broken)
+    # the plain plan's own losses moved: every other plan is then off by as much
+    assert gpu_engine_loss_change(results("recompute-0")) == pytest.approx(moved / (1 + moved))
+    without_plain = {k: v for k, v in GPU_ENGINE.plans.items() if k != "recompute-0"}
+    with pytest.raises(Missing, match="neither recomputes nor offloads"):
+        gpu_engine_loss_change(results(None, plans=without_plain))
+
+
 def test_bound_checks():
     bound = random.uniform(0, 1)
     assert AtMost(bound).ok(bound) and not AtMost(bound).ok(bound * 1.001 + 1e-12)

@@ -58,6 +58,19 @@ GPU_MEASURED = dict(
     gpu=True,
 )
 ENGINE = dict(MEASURED, file="engine.json", basis="this CPU: megatron-core on 2 gloo processes")
+GPU_ENGINE = dict(
+    GPU_MEASURED,
+    file="gpu_engine.json",
+    basis="one GPU (the GPU check's; its model is in the results' provenance): megatron-core, GPT-3 "
+    "1.3B, one launch each",
+)
+# A relative loss change below one rounding of the model's dtype (bf16's unit roundoff): what moving
+# tensors between device and host, or recomputing them, may leave of a GPU's run-to-run rounding
+# (the embedding gradient's atomic adds, the clipping norm's reduction order on device or host).
+# What a broken mechanism does, measured on this CPU (2026-12-06): gradient offloading that lost
+# the last of 4 micro-batches' gradients moved the losses of GPT-3 tiny (hidden 256) by 1.3% at
+# the second step and 6.6% at the fifth; done right, the losses equalled the plain plan's bit for bit
+BF16_ROUNDOFF = 2.0**-8
 DEVELOPMENT = dict(
     experiment=EXPERIMENT,
     file="validation.json",
@@ -202,17 +215,17 @@ def plain_plans_that_fit(r: Results) -> float:
     return sum("measured_step_s" in x["plain"] for x in _cases(r))  # ran, with a time
 
 
-def _engine_runs(r: Results) -> list[dict]:
-    """The engine part's plans (engine.json's CPU setup)."""
-    runs = [p.result for p in r.select(setup="engine")]
+def _engine_runs(r: Results, setup: str = "engine") -> list[dict]:
+    """The engine part's plans of ``setup`` (engine.json's CPU setup, gpu_engine.json's GPU one)."""
+    runs = [p.result for p in r.select(setup=setup)]
     if not runs:
-        raise Missing("engine")
+        raise Missing(setup)
     return runs
 
 
-def engine(field: str) -> Callable[[Results], float]:
+def engine(field: str, setup: str = "engine") -> Callable[[Results], float]:
     def value(r: Results) -> float:
-        runs = _engine_runs(r)
+        runs = _engine_runs(r, setup)
         if field == "memory_error":
             return max(abs(rank["memory_error"]) for x in runs for rank in x["ranks"])
         if field == "worst_time_error":
@@ -222,18 +235,30 @@ def engine(field: str) -> Callable[[Results], float]:
     return value
 
 
-def engine_noise(field: str) -> Callable[[Results], tuple[float, float]]:
+def engine_noise(field: str, setup: str = "engine") -> Callable[[Results], tuple[float, float]]:
     """``engine(field)``'s noise band (Bound.noise) over each plan's launches: the worst or the
     median |time error| were every plan's most favourable launch its median, and its least."""
 
     def value(r: Results) -> tuple[float, float]:
-        runs = _engine_runs(r)
+        runs = _engine_runs(r, setup)
         if field == "worst_time_error":
             return worst_noise(runs)
         bands = [launch_errors(x) for x in runs]
         return statistics.median(b for b, _ in bands), statistics.median(w for _, w in bands)
 
     return value
+
+
+def gpu_engine_loss_change(r: Results) -> float:
+    """The largest relative difference, over every step, of any GPU engine plan's losses from the
+    plan that neither recomputes nor offloads (the same model, seed and batches: recomputation
+    and offloading move tensors, not arithmetic)."""
+    runs = _engine_runs(r, "gpu_engine")
+    plain = [x for x in runs if all(not v for k, v in x["plan"]["stages"][0].items() if k != "layers")]
+    if not plain:
+        raise Missing("gpu_engine: the plan that neither recomputes nor offloads")
+    reference = plain[0]["losses"]
+    return max(abs(loss / ref - 1) for x in runs for loss, ref in zip(x["losses"], reference, strict=True))
 
 
 def development(source: str, field: str) -> Callable[[Results], float]:
@@ -460,6 +485,43 @@ CLAIMS = (
         check=AtMost(0.20),
         unit="%",
         why=TIME_TARGET,
+    ),
+    Bound(
+        id="mist-gpu-engine-memory",
+        system="Mist",
+        claim="plans run on megatron-core, memory as predicted, on a GPU",
+        measure="6 single-GPU plans (recomputation; optimizer, activation, weight and gradient "
+        "offloading): worst |predicted / measured memory - 1|",
+        source=Source(**GPU_ENGINE),
+        value=engine("memory_error", "gpu_engine"),
+        check=AtMost(0.10),
+        unit="%",
+        why="#12's target for the memory model on the device it prices",
+    ),
+    Bound(
+        id="mist-gpu-engine-time",
+        system="Mist",
+        claim="...and step time, on a GPU",
+        measure="the same plans: worst |predicted / measured step time - 1| (runtime model fitted to "
+        "the GPU's `mist profile`)",
+        source=Source(**GPU_ENGINE),
+        value=engine("worst_time_error", "gpu_engine"),
+        check=AtMost(0.20),
+        unit="%",
+        why=TIME_TARGET,
+    ),
+    Bound(
+        id="mist-gpu-engine-losses",
+        system="Mist",
+        claim="...and offloading and recomputation train the same model, on a GPU",
+        measure="the same plans: largest relative difference of any step's loss from the plan that "
+        "neither recomputes nor offloads",
+        source=Source(**GPU_ENGINE),
+        value=gpu_engine_loss_change,
+        check=AtMost(BF16_ROUNDOFF),
+        unit="%",
+        why="below one bf16 rounding; a lost micro-batch gradient moved the losses by 1.3-6.6% "
+        "(measured on the CPU)",
     ),
     Bound(
         id="mist-validate-l4-time",

@@ -13,8 +13,9 @@ where that was more than housekeeping: such a time is a busy machine's.
                 DP=2 + ZeRO-1, -2, -3); at the tiny preset's hidden 64 and seq 32 a micro-batch is
                 mostly Python dispatch and gloo latency, not the layer work a cost model prices
     GPU_ENGINE: GPT-3 1.3B on one GPU with no, half and full recomputation, and with half
-                recomputation plus the optimizer state, or half the other layers' activations,
-                offloaded to the host (nox -s gpu_check)
+                recomputation plus the optimizer state, half the other layers' activations, or
+                half of every layer's weights and gradients offloaded to the host (nox -s
+                gpu_check); every plan's losses against the first's (claim mist-gpu-engine-losses)
     (Offloading is not in the CPU setup: on a CPU host and device are one memory.)
 """
 
@@ -178,6 +179,9 @@ GPU_ENGINE = EngineSetup(
         **{f"recompute-{r}": _one_gpu(recompute=r) for r in (0, 12, 24)},
         "offload-optimizer": _one_gpu(recompute=12, offload_optimizer=1.0),
         "offload-activations": _one_gpu(recompute=12, offload_activations=0.5),
+        # offload.py's copy stream: half of each layer's weights up for its forward and backward,
+        # the next layer's prefetched, half of the gradients drained as backward makes them
+        "offload-weights-grads": _one_gpu(recompute=12, offload_weights=0.5, offload_grads=0.5),
     },
     profile={"micro_batches": [1, 2, 4], "tps": [1], "dtype": "bf16"},
     device="cuda",

@@ -142,8 +142,6 @@ GPU_MEASURED = MeasuredSetup(
     "gpu_measured",
     GPU_ENGINE,
     (MeasuredCase("gpt3", 1, 32 * 1024, size="1.3b"), MeasuredCase("gpt3", 1, 64 * 1024, size="2.7b")),
-    # mist.engine.run offloads weights and gradients on a CPU only so far: Mist plans without them
-    offloadable=("optimizer", "activations"),
     launches=2,  # a GPU's step time varies little between launches; the device time is short
 )
 

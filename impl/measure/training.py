@@ -47,10 +47,20 @@ class Precision:
         return torch.autocast(device_type, dtype=self.autocast_dtype)
 
 
+def gradient_to_step(p: torch.Tensor) -> torch.Tensor | None:
+    """The gradient an optimizer steps ``p`` by: ``p.host_grad`` where a runtime summed it in host
+    memory (the ``.grad`` of a parameter on a GPU cannot hold a host tensor; Megatron's
+    ``main_grad`` is the same idea), else ``p.grad``."""
+    host = getattr(p, "host_grad", None)
+    return p.grad if host is None else host
+
+
 class MasterWeightAdamW:
     """AdamW on float32 copies of half-precision parameters; the model keeps only half weights.
 
-    step(): half grads -> float32 master grads, AdamW on the masters, masters copied back.
+    step(): half grads (``gradient_to_step``: on the device or the host) -> float32 master grads on
+    the masters' device, AdamW on the masters, masters copied back (to the host where a weight
+    rests there).
     With ``loss_scale`` (fp16), grads are unscaled and a step with inf/NaN grads is skipped
     and the scale halved; the scale doubles after ``growth_interval`` clean steps.
     """
@@ -90,7 +100,8 @@ class MasterWeightAdamW:
     def step(self) -> bool:
         """Returns False when the step was skipped (fp16 overflow)."""
         for master, p in zip(self.master_params, self.model_params, strict=True):
-            master.grad = None if p.grad is None else p.grad.float()
+            grad = gradient_to_step(p)
+            master.grad = None if grad is None else grad.to(master.device, torch.float32)
         if self.dynamic:
             grads = [m.grad for m in self.master_params if m.grad is not None]
             found_inf = torch.zeros(1, device=grads[0].device)

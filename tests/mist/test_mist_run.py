@@ -776,9 +776,10 @@ def test_every_plan_of_the_committed_comparison_is_accepted():
     lifted to that TP/DP, 57 then, all 60 once stages whose TP/DP differ ran). The Megatron-LM
     target's too, where it has one (Falcon: Megatron-LM cannot build it, said so instead).
 
-    On a GPU the engine refuses exactly the plans that offload weights or gradients (offload.py has
-    no GPU path yet): counted here, so the gap is a number, not a footnote (28 of the 60 Mist plans
-    of the reference of 404c1a1)."""
+    On a GPU the engine refuses exactly the plans that offload gradients of a part with DP
+    replicas, or weights of a ZeRO-1/2/3 part with DP replicas (offload.py's GPU path does
+    neither yet): counted here, so the gap is a number, not a footnote (30 of the 60 Mist plans
+    of the reference of c0f2e50; every one of them offloads with ZeRO-1/2/3 over DP)."""
     from artifacts.mist_vs_megatron.run import SYSTEMS
 
     points = json.loads(COMPARISON.read_text())["points"]
@@ -794,8 +795,10 @@ def test_every_plan_of_the_committed_comparison_is_accepted():
             accepted[system] += not unsupported(plan)
             gpu_reasons = unsupported(plan, "cuda")
             on_gpu[system] += not gpu_reasons
-            parts = [*plan.stages, *([plan.pre_post] if plan.pre_post is not None else [])]
-            offloads = any(s.offload_weights or s.offload_grads for s in parts)
+            dp = [plan.stage_parallelism(i)[1] for i in range(len(plan.stages))]
+            held = [*zip(plan.stages, dp, strict=True)]
+            held += [(plan.pre_post, max(dp[0], dp[-1]))] if plan.pre_post is not None else []
+            offloads = any(d > 1 and (s.offload_grads or (s.offload_weights and s.zero)) for s, d in held)
             assert bool(gpu_reasons) == offloads, (point["key"], system, gpu_reasons)
     print(f"accepted of {len(points)} cases on the CPU engine:", accepted, "on a GPU:", on_gpu)
     assert accepted == made and made["mist"] == len(points), (accepted, made)
@@ -803,21 +806,67 @@ def test_every_plan_of_the_committed_comparison_is_accepted():
     assert all(on_gpu[s] == made[s] for s in SYSTEMS if s != "mist"), (on_gpu, made)
 
 
-def test_the_engine_refuses_weight_and_gradient_offloading_on_a_gpu_only():
-    """offload.py has no GPU path for weights and gradients: a GPU refuses them, in the layers'
-    stages and in the embedding/head's own strategy, and a CPU runs them; an unknown device is
-    one line. Control: a plain plan runs on both."""
+@pytest.mark.parametrize(
+    ("offload", "zero", "dp", "on_gpu"),
+    [
+        ({"offload_weights": 0.5}, 0, 1, True),
+        ({"offload_weights": 0.5}, 0, 2, True),  # ZeRO-0: the DP sum reads the gradients only
+        ({"offload_weights": 0.5}, 1, 1, True),  # one replica: nothing broadcast
+        ({"offload_weights": 0.5}, 1, 2, False),  # ZeRO-1's broadcasts read the weights
+        ({"offload_weights": 0.5}, 3, 2, False),  # FSDP2's gathers read the shards
+        ({"offload_grads": 1.0}, 0, 1, True),
+        ({"offload_grads": 1.0}, 2, 1, True),  # one replica: nothing reduced
+        ({"offload_grads": 1.0}, 0, 2, False),  # the DP sum would read host buffers
+        ({"offload_grads": 1.0}, 2, 2, False),  # so would ZeRO-2's reductions
+    ],
+)
+@pytest.mark.parametrize("on_pre_post", [False, True], ids=["stage", "pre_post"])
+def test_the_engine_refuses_what_offload_py_runs_on_a_cpu_only(offload, zero, dp, on_gpu, on_pre_post):
+    """offload.py's GPU path offloads weights where no ZeRO-1/2/3 collective reads them (ZeRO-0, or
+    one replica) and gradients where no collective does (one replica): a GPU refuses the rest,
+    in the layers' stages and in the embedding/head's own strategy, and a CPU runs them all; an
+    unknown device is one line. Control: a plain plan runs on both."""
     plain = _tiny_plan([StagePlan(4)])
     assert unsupported(plain, "cuda") == [] == unsupported(plain)
-    for offload in ({"offload_weights": 0.5}, {"offload_grads": 1.0}):
-        for on_pre_post in (False, True):
-            plan = _tiny_plan([StagePlan(4, **({} if on_pre_post else offload))])
-            if on_pre_post:
-                plan.pre_post = PrePostPlan(**offload)
-            assert unsupported(plan) == [], (offload, on_pre_post)
-            assert "on a GPU" in " ".join(unsupported(plan, "cuda")), (offload, on_pre_post)
+    plan = _tiny_plan([StagePlan(4, zero=zero, **({} if on_pre_post else offload))], dp=dp)
+    if on_pre_post:
+        plan.pre_post = PrePostPlan(zero=zero, **offload)
+    assert unsupported(plan) == [], (offload, on_pre_post)
+    reasons = " ".join(unsupported(plan, "cuda"))
+    assert (reasons == "") == on_gpu, reasons
+    assert on_gpu or "on a GPU" in reasons, reasons
     with pytest.raises(ValueError, match="'cpu' or 'cuda'"):
         unsupported(plain, "gpu")
+
+
+def test_every_plan_of_the_gpu_checks_engine_part_runs_on_a_gpu():
+    """The GPU check's engine plans (artifacts.mist_vs_megatron.engine.GPU_ENGINE), weight and
+    gradient offloading among them, are ones the engine accepts on a GPU, and one of them neither
+    recomputes nor offloads (claim mist-gpu-engine-losses compares every plan's losses with it)."""
+    from artifacts.mist_vs_megatron.engine import GPU_ENGINE
+
+    offloads = set()
+    for name, fields in GPU_ENGINE.plans.items():
+        plan = Plan.from_dict(
+            {
+                "model": GPU_ENGINE.model,
+                "gpu": GPU_ENGINE.gpu,
+                "gpus": GPU_ENGINE.processes,
+                "gpus_per_node": 8,
+                "global_batch": GPU_ENGINE.global_batch,
+                "micro_batch": GPU_ENGINE.micro_batch,
+                "sequence_parallel": False,
+                "model_overrides": GPU_ENGINE.model_overrides,
+                **fields,
+            }
+        )
+        assert unsupported(plan, "cuda") == [], (name, unsupported(plan, "cuda"))
+        offloads |= {f for f in ("offload_weights", "offload_grads") if getattr(plan.stages[0], f)}
+    assert offloads == {"offload_weights", "offload_grads"}, offloads
+    assert any(
+        set(f["stages"][0]) <= {"layers", "recompute"} and not f["stages"][0].get("recompute")
+        for f in GPU_ENGINE.plans.values()
+    )
 
 
 @pytest.mark.parametrize("setup", ["MEASURED", "GPU_MEASURED"])

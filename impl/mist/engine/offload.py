@@ -15,20 +15,24 @@
   fraction of the part's gradients (largest first; under ZeRO-2 of the rank's reduced share)
   accumulates on the host: each micro-batch's gradient is added into a host buffer as soon as
   backward makes it (ZeRO-2: once reduced to its owner) and freed on the device; the DP sum and
-  the optimizer step read the host buffer. CPU only so far.
+  the optimizer step read the host buffer. On a GPU with one DP replica (the DP sum and ZeRO-2's
+  reductions would meet host buffers, which NCCL cannot read).
 * Weights (``offload_weights``, WeightOffload): that fraction of each layer's weights (largest
   first; the embedding and head count as layers) lives on the host and comes up for the layer's
   forward and again for its backward, the next layer's prefetched (the two layers' buffers
   Mist's memory model prices), and is dropped from the device after the forward and once
-  backward has made the layer's gradients. CPU only so far.
+  backward has made the layer's gradients. On a GPU, where a part's ZeRO stage or DP is 1 or 0
+  (ZeRO-1/2's weight broadcasts and ZeRO-3's gathers read the device).
 * Under ZeRO-3 (FSDP2 gathers each layer's weights from the shards and reduce-scatters its
   gradients): that fraction of each module's weight shards rests on the host and is what FSDP2's
   all-gather reads (ShardedWeightOffload), and that fraction of its gradient shards is added
-  into host buffers as each reduce-scatter makes them (ShardedGradientOffload). CPU only so far.
+  into host buffers as each reduce-scatter makes them (ShardedGradientOffload). CPU only.
 
-On a CPU-only machine "host" and "device" are the same memory: offloaded tensors are counted as
-host bytes and a weight's trip up is a real copy, so the device peak shows what offloading saves
-as a GPU would (the copies are not overlapped there).
+On a GPU the copies of weights, gradients and activations run on a CUDA stream of their own
+(Transfers), overlapping compute as Mist's cost model prices them; mist.engine.run refuses what
+is CPU only here. On a CPU-only machine "host" and "device" are the same memory: offloaded tensors
+are counted as host bytes and a weight's trip up is a real copy, so the device peak shows what
+offloading saves as a GPU would (the copies are not overlapped there).
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from measure.training import MasterWeightAdamW
+from measure.training import MasterWeightAdamW, gradient_to_step
 
 # The profiler range of work done in host memory (the offloaded optimizer's step): on a CPU, where
 # host and device are one memory, the engine's device peak leaves its allocations out
@@ -49,6 +53,76 @@ def local(t: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+class Arriving:
+    """A tensor being copied up to the device (Transfers.up): ``take`` hands it to the compute
+    stream once the copy is done."""
+
+    __slots__ = ("done", "tensor")
+
+    def __init__(self, tensor: torch.Tensor, done) -> None:
+        self.tensor, self.done = tensor, done
+
+    def take(self) -> torch.Tensor:
+        """The tensor, usable on the current (compute) stream: that stream waits for the copy, and
+        the allocator keeps the copy's memory until the work queued on it is done, wherever the
+        tensor is freed."""
+        if self.done is not None:
+            compute = torch.cuda.current_stream(self.tensor.device)
+            compute.wait_event(self.done)
+            self.tensor.record_stream(compute)
+            self.done = None
+        return self.tensor
+
+
+class Transfers:
+    """The copies offloading makes between device and host memory. On a GPU they run on a CUDA
+    stream of their own, so they overlap the compute stream's work, as Mist's cost model prices
+    them (stage_cost overlaps the swaps and weight uploads with compute): a copy up is issued ahead
+    (a prefetch) and the compute stream waits for it only where the tensor is first used
+    (Arriving.take); a copy down waits for the compute that made its tensor and leaves the
+    compute stream free. Host memory is pinned there, which asynchronous copies need. On a CPU,
+    where host and device are one memory, each copy is made in line, a real copy all the same:
+    the device peak holds what a GPU's would."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def host_like(self, tensor: torch.Tensor) -> torch.Tensor:
+        """An empty host tensor shaped like ``tensor`` (pinned on a GPU machine)."""
+        return torch.empty(
+            tensor.size(), dtype=tensor.dtype, layout=tensor.layout, pin_memory=self.stream is not None
+        )
+
+    def up(self, host: torch.Tensor) -> Arriving:
+        """Begin copying ``host`` to the device."""
+        if self.stream is None:
+            return Arriving(host.clone(), None)
+        with torch.cuda.stream(self.stream):
+            tensor = host.to(self.device, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        return Arriving(tensor, done)
+
+    def down(self, tensor: torch.Tensor, host: torch.Tensor):
+        """Copy ``tensor`` (on the device) into ``host``; returns the event of the copy's end (None
+        on a CPU, where it is done). On a GPU the copy waits for the work queued so far on the
+        compute stream, and the allocator keeps ``tensor``'s memory until the copy is done. A
+        later ``up`` of ``host`` is ordered after it by the stream; the host reads it only after
+        the event."""
+        if self.stream is None:
+            with torch.profiler.record_function(HOST_WORK):
+                host.copy_(tensor)
+            return None
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            host.copy_(tensor, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        tensor.record_stream(self.stream)
+        return done
 
 
 def split_by_fraction(params: list[nn.Parameter], fraction: float) -> tuple[list, list]:
@@ -100,7 +174,8 @@ class OffloadedMasterAdamW:
             return
         with torch.profiler.record_function(HOST_WORK):
             for p, master in zip(self.host_params, self.host_master, strict=True):
-                master.grad = None if p.grad is None else local(p.grad).to("cpu", torch.float32)  # down
+                grad = gradient_to_step(p)
+                master.grad = None if grad is None else local(grad).to("cpu", torch.float32)  # down
             self.host_opt.step()
             for p, master in zip(self.host_params, self.host_master, strict=True):
                 local(p).copy_(master, non_blocking=True)  # up, cast to the model's dtype
@@ -135,19 +210,18 @@ def offload_layer_activations(model, recompute: int, fraction: float) -> int:
 
 
 class _Swapped:
-    """One saved tensor: its host copy and, once brought up for backward, its device copy."""
+    """One saved tensor: its host copy and, once brought up for backward, its device copy (on a CPU
+    a real copy too: the device peak holds it while backward uses it, as a GPU holds the copy it
+    brings up)."""
 
-    __slots__ = ("device", "host", "up")
+    __slots__ = ("host", "transfers", "up")
 
-    def __init__(self, device: torch.device, host: torch.Tensor) -> None:
-        self.device, self.host, self.up = device, host, None
+    def __init__(self, transfers: Transfers, host: torch.Tensor) -> None:
+        self.transfers, self.host, self.up = transfers, host, None
 
     def bring_up(self) -> None:
         if self.up is None:
-            # on a CPU a real copy too: the device peak holds it while backward uses it, as a GPU
-            # holds the copy it brings up
-            on_cpu = self.device.type == "cpu"
-            self.up = self.host.clone() if on_cpu else self.host.to(self.device, non_blocking=True)
+            self.up = self.transfers.up(self.host)
 
 
 class ActivationOffload:
@@ -159,11 +233,12 @@ class ActivationOffload:
     leaves the device once backward has used it. Micro-batches in flight (1F1B, gradient
     accumulation) run backward in the order of their forwards: each layer keeps a queue of its
     micro-batches' saved tensors (were that order broken, only when copies come up would change,
-    never a value: each saved tensor comes back from its own host copy). On a GPU the copies are
-    issued ahead on the compute stream (pinned host memory, non-blocking); a copy stream of their
-    own is not built yet."""
+    never a value: each saved tensor comes back from its own host copy). On a GPU the copies run
+    on a stream of their own (Transfers): down as each tensor is saved, up ahead of the backward
+    that reads it."""
 
     def __init__(self, layers: list[nn.Module]) -> None:
+        self.transfers = Transfers(next(layers[0].parameters()).device)
         self.queues: list[list[list[_Swapped]]] = [[] for _ in layers]  # layer -> micro-batch -> saved
         for i, layer in enumerate(layers):
             forward = layer.forward
@@ -173,7 +248,8 @@ class ActivationOffload:
                     return _forward(*args, **kwargs)
                 saved: list[_Swapped] = []
                 self.queues[_i].append(saved)
-                with torch.autograd.graph.saved_tensors_hooks(lambda t: _to_host(t, saved), _from_host):
+                to_host = lambda t: _to_host(t, saved, self.transfers)
+                with torch.autograd.graph.saved_tensors_hooks(to_host, _from_host):
                     return _forward(*args, **kwargs)
 
             layer.forward = wrapped
@@ -198,42 +274,42 @@ def _is_weight(tensor: torch.Tensor) -> bool:
     return isinstance(base, nn.Parameter) or (base.is_leaf and base.requires_grad)
 
 
-def _to_host(tensor: torch.Tensor, saved: list[_Swapped]) -> _Swapped | torch.Tensor:
-    """A saved tensor's copy in host memory (pinned on a GPU machine, for an asynchronous copy
-    back). On a CPU, where host and device are one memory, the copy is made as host work so the
-    device peak leaves it out, as a GPU's would (torch's save_on_cpu keeps it in the peak there).
-    Weights are not activations: they are kept as they are (swapping them would bring a copy of
-    the layer's weights up with its activations, 3 MiB a layer in the engine's test model, which
-    the memory model rightly does not price)."""
+def _to_host(tensor: torch.Tensor, saved: list[_Swapped], transfers: Transfers) -> _Swapped | torch.Tensor:
+    """A saved tensor's copy in host memory. On a CPU, where host and device are one memory, the
+    copy is made as host work so the device peak leaves it out, as a GPU's would (torch's
+    save_on_cpu keeps it in the peak there). Weights are not activations: they are kept as they
+    are (swapping them would bring a copy of the layer's weights up with its activations, 3 MiB a
+    layer in the engine's test model, which the memory model rightly does not price)."""
     if _is_weight(tensor):
         return tensor
-    pin = tensor.device.type == "cuda"
     with torch.profiler.record_function(HOST_WORK):
-        host = torch.empty(tensor.size(), dtype=tensor.dtype, layout=tensor.layout, pin_memory=pin)
-        host.copy_(tensor)
-    swapped = _Swapped(tensor.device, host)
+        host = transfers.host_like(tensor)
+    transfers.down(tensor, host)
+    swapped = _Swapped(transfers, host)
     saved.append(swapped)
     return swapped
 
 
 def _from_host(swapped: _Swapped | torch.Tensor) -> torch.Tensor:
-    """The saved tensor on its device for backward: the copy brought up (or made now, where no
+    """The saved tensor on its device for backward: the copy brought up (or begun now, where no
     hook brought it), handed to autograd, which frees it after the op's backward."""
     if isinstance(swapped, torch.Tensor):  # a weight, never swapped
         return swapped
     swapped.bring_up()
     up, swapped.up = swapped.up, None
-    return up
+    return up.take()
 
 
 class WeightOffload:
     """Weights of ``fraction`` of each of ``layers``' parameters at rest on the host (see the module
     docstring). The parameters keep their identity (optimizers and autograd hold them); only what
     ``.data`` points at changes: the host copy at rest, a copy of it while the layer runs. The
-    optimizer steps the host copy in place.
+    optimizer steps the host copy in place (on a GPU a copy down from the master weights).
 
-    CPU only for now: on a GPU the gradients, master weights and ZeRO's broadcasts would meet
-    host-resident ``.data`` (mist.engine.run refuses it there)."""
+    Built after the optimizers and gradient buffers, which are made where the weights are, the
+    device. On a GPU the gradients stay there (a view into ContiguousGrads, or as autograd made
+    them) while ``.data`` rests on the host: a ZeRO-1/2 broadcast or ZeRO-3 gather over DP would
+    read the host copy, which NCCL cannot (mist.engine.run refuses those)."""
 
     def __init__(self, layers: list[nn.Module], fraction: float, prefetch: bool = True) -> None:
         self.layers = layers
@@ -243,13 +319,16 @@ class WeightOffload:
         # layer -> offloaded gradients this backward has still to make (each makes each one once)
         self.pending = [0] * len(layers)
         self.up = [False] * len(layers)  # layer -> its offloaded weights are on the device
+        self.arriving: list[list[Arriving]] = [[] for _ in layers]  # layer -> copies not yet waited for
+        self.transfers = Transfers(next(p for m in layers for p in m.parameters()).device)
         for i, layer in enumerate(layers):
             params = [q for q in layer.parameters() if q.requires_grad]
             host, _ = split_by_fraction(params, fraction)
             self.offloaded.append(host)
             self.pending[i] = len(host)
             for q in host:
-                self.host[id(q)] = q.detach().to("cpu", copy=True)
+                self.host[id(q)] = self.transfers.host_like(q)
+                self.host[id(q)].copy_(q.detach())
                 q.data = self.host[id(q)]
                 q.register_post_accumulate_grad_hook(lambda _q, i=i: self._made_gradient(i))
             layer.register_forward_pre_hook(lambda _m, _a, i=i: self._before(i, step=1))
@@ -266,9 +345,13 @@ class WeightOffload:
         return sum(len(ps) for ps, up in zip(self.offloaded, self.up, strict=True) if up)
 
     def _before(self, i: int, step: int) -> None:
-        """Layer i is about to run (forward: step 1, backward: step -1): bring it up, and the next
-        one in that direction (the prefetch the memory model prices as a second layer's buffer)."""
+        """Layer i is about to run (forward: step 1, backward: step -1): bring it up and wait for
+        it, and begin bringing up the next one in that direction (the prefetch the memory model
+        prices as a second layer's buffer), which runs while layer i computes."""
         self._up(i)
+        for copy in self.arriving[i]:
+            copy.take()
+        self.arriving[i] = []
         if self.prefetch and 0 <= i + step < len(self.layers):
             self._up(i + step)
 
@@ -277,10 +360,13 @@ class WeightOffload:
             return
         self.up[i] = True
         for q in self.offloaded[i]:  # a real copy: the device buffer the memory model prices
-            q.data = self.host[id(q)].clone()
+            copy = self.transfers.up(self.host[id(q)])
+            q.data = copy.tensor  # not read before _before(i) has waited for it
+            self.arriving[i].append(copy)
 
     def _down(self, i: int) -> None:
         self.up[i] = False
+        self.arriving[i] = []  # a prefetch never waited for: its memory is the copy stream's
         for q in self.offloaded[i]:
             q.data = self.host[id(q)]  # the device copy is freed (weights change only in the step)
 
@@ -309,29 +395,60 @@ def flat_views(params: list[nn.Parameter], device: torch.device | str) -> tuple[
 class _HostGradients:
     """Gradients of ``params`` added into host buffers (``host``: one per parameter, like it) as
     backward makes them, and dropped on the device; ``attach`` puts the host sums where the
-    optimizer reads them. A ZeRO-3 parameter, its gradient and its buffer are DTensors: each
-    rank's shard is what is added."""
+    optimizer reads them (``p.host_grad``: measure.training.gradient_to_step). A ZeRO-3
+    parameter, its gradient and its buffer are DTensors: each rank's shard is what is added.
+
+    On a GPU a gradient goes down on the copy stream (Transfers) into a pinned staging buffer of
+    its parameter's, and is added on the host once that copy is done: when the next micro-batch
+    drains the same parameter (long done by then), or in ``attach``. On a CPU it is added in
+    place."""
 
     params: list[nn.Parameter]
     host: dict[int, torch.Tensor]
 
+    def _start_transfers(self, device: torch.device) -> None:
+        self.transfers = Transfers(device)
+        self.staging: dict[int, torch.Tensor] = {}  # GPU: parameter -> its gradient's pinned copy
+        self.copying: dict[int, object] = {}  # GPU: parameter -> the event of its copy's end
+
     def _drain(self, p: nn.Parameter) -> None:
-        with torch.profiler.record_function(HOST_WORK):  # down, added on the host
-            local(self.host[id(p)]).add_(local(p.grad))
-        p.grad = None  # freed on the device
+        grad, key = local(p.grad), id(p)
+        if self.transfers.stream is None:
+            with torch.profiler.record_function(HOST_WORK):  # down, added on the host
+                local(self.host[key]).add_(grad)
+        else:
+            self._add_copied(key)
+            if key not in self.staging:
+                self.staging[key] = self.transfers.host_like(grad)
+            self.copying[key] = self.transfers.down(grad, self.staging[key])
+        p.grad = None  # freed on the device (on a GPU once the copy is done)
+
+    def _add_copied(self, key: int) -> None:
+        done = self.copying.pop(key, None)
+        if done is not None:
+            done.synchronize()
+            with torch.profiler.record_function(HOST_WORK):
+                local(self.host[key]).add_(self.staging[key])
+
+    def finish(self) -> None:
+        """Every gradient drained so far added into the host sums."""
+        for key in list(self.copying):
+            self._add_copied(key)
 
     def attach(self) -> None:
         """The summed gradients where the optimizer reads them, for its step."""
+        self.finish()
         for p in self.params:
-            p.grad = self.host[id(p)]
+            p.host_grad = self.host[id(p)]
 
     def zero(self) -> None:
         for p in self.params:
-            p.grad = None
+            p.grad = p.host_grad = None
             local(self.host[id(p)]).zero_()
 
     def host_tensors(self) -> list[torch.Tensor]:
-        return [local(t) for t in self.host.values()]
+        """The host sums, and on a GPU their staging buffers."""
+        return [local(t) for t in self.host.values()] + list(self.staging.values())
 
 
 class GradientOffload(_HostGradients):
@@ -346,6 +463,7 @@ class GradientOffload(_HostGradients):
         candidates = [p for p in params if not getattr(p, "sequence_parallel", False)]
         self.params, _ = split_by_fraction(candidates, fraction)
         self.buffers, self.host = flat_views(self.params, "cpu")
+        self._start_transfers(params[0].device)
         for p in self.params:
             p.register_post_accumulate_grad_hook(self._drain)
 
@@ -353,6 +471,7 @@ class GradientOffload(_HostGradients):
         """The DP sum of the host buffers (gloo), averaged."""
         import torch.distributed as dist
 
+        self.finish()
         for flat in self.buffers:
             dist.all_reduce(flat, group=group)
             flat /= divide_by
@@ -403,6 +522,7 @@ class ShardedGradientOffload(_HostGradients):
                 q.register_post_accumulate_grad_hook(self._drain if id(q) in chosen else self._own_storage)
         # DTensors like the shards (same mesh and placements): the step reads them as gradients
         self.host = {id(p): torch.zeros_like(p) for p in self.params}
+        self._start_transfers(torch.device("cpu"))  # CPU only (mist.engine.run refuses it on a GPU)
 
     @staticmethod
     def _own_storage(p: nn.Parameter) -> None:

@@ -25,15 +25,15 @@ pipeline stages); around its modules the engine runs the plan's parts it has no 
 * stages with a TP and DP of their own (layout.py: megatron-core's state per stage, the pieces of
   each micro-batch's sequences sent between stages whose shapes differ).
 
-Refused at launch with a message: weight and gradient offloading on a GPU (CPU only so far); a
-Megatron-LM limit the engine does not build around (none now: ``unsupported``). ZeRO-1 shards
-fp32 master weights and Adam state over the DP replicas, ZeRO-2 the gradients too
-(ShardedMasterAdamW), ZeRO-3 the weights too (torch's FSDP2 around megatron-core's layers, the
-embedding and the head, each a group: of the whole stage, or of the part whose strategy it is).
-On a CPU it runs with gloo and the CUDA stand-ins of cpu_shim; on GPUs with NCCL. Each rank
-reports its losses, the times of its timed steps, and memory (exact tensor bytes held + the
-allocator peak of a steady step: the median and the worst of a few, profiled before the timed
-ones); rank 0 gathers them.
+Refused at launch with a message: on a GPU, gradient offloading over DP replicas, and weight
+offloading with ZeRO-1/2/3 over DP replicas (CPU only so far: ``_gpu_offload_limits``); a
+Megatron-LM limit the engine does not build around (none now: ``unsupported``). ZeRO-1 shards fp32
+master weights and Adam state over the DP replicas, ZeRO-2 the gradients too (ShardedMasterAdamW),
+ZeRO-3 the weights too (torch's FSDP2 around megatron-core's layers, the embedding and the head,
+each a group: of the whole stage, or of the part whose strategy it is). On a CPU it runs with gloo
+and the CUDA stand-ins of cpu_shim; on GPUs with NCCL. Each rank reports its losses, the times of
+its timed steps, and memory (exact tensor bytes held + the allocator peak of a steady step: the
+median and the worst of a few, profiled before the timed ones); rank 0 gathers them.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ from torch import nn
 from measure.cli import OneLineParser, check_writable_file
 from measure.launch import launch_env_problem
 from measure.parallel import die_with_launcher
-from measure.training import MasterWeightAdamW
+from measure.training import MasterWeightAdamW, gradient_to_step
 
 from ..plan import Plan, grad_bucket
 from .layers import block_spec
@@ -111,9 +111,29 @@ def unsupported(plan: Plan, device: str = "cpu") -> list[str]:
             "the embedding/head's own strategy (the engine interleaves Megatron-LM's plans: ZeRO "
             "0/1 and optimizer offload)"
         )
-    if device == "cuda" and any(s.offload_weights or s.offload_grads for s in parts):
+    if device == "cuda":
+        reasons += _gpu_offload_limits(plan)
+    return reasons
+
+
+def _gpu_offload_limits(plan: Plan) -> list[str]:
+    """What offload.py does on a CPU only: gradients offloaded where a part has DP replicas (their
+    DP sum and ZeRO-2/3's reductions would meet host buffers, which NCCL cannot read), and weights
+    offloaded where a ZeRO-1/2/3 part has DP replicas (its broadcasts and gathers read the
+    weights). The embedding/head's strategy (pre_post) is held by the first and the last stage."""
+    reasons = []
+    held = [(s, plan.stage_parallelism(i)[1]) for i, s in enumerate(plan.stages)]
+    if plan.pre_post is not None:
+        held.append((plan.pre_post, max(held[0][1], held[-1][1])))
+    if any(part.offload_grads and dp > 1 for part, dp in held):
         reasons.append(
-            "weight and gradient offloading on a GPU (offload.py runs them on the CPU engine only)"
+            "gradient offloading over DP replicas on a GPU (offload.py runs it on the CPU engine "
+            "only; on a GPU with one replica)"
+        )
+    if any(part.offload_weights and part.zero >= 1 and dp > 1 for part, dp in held):
+        reasons.append(
+            "weight offloading with ZeRO-1/2/3 over DP replicas on a GPU (offload.py runs it on "
+            "the CPU engine only; on a GPU with ZeRO-0 or one replica)"
         )
     return reasons
 
@@ -290,7 +310,7 @@ def clip_gradients(
         if isinstance(opt, ShardedMasterAdamW):
             pairs, sharded = opt.gradients_to_step(), True
         else:
-            pairs = [(p, local(p.grad)) for p in part.params if p.grad is not None]
+            pairs = [(p, local(g)) for p in part.params if (g := gradient_to_step(p)) is not None]
             sharded = part.zero >= 3 and dp > 1
         for p, g in pairs:
             grads.append(local(g))
@@ -304,7 +324,8 @@ def clip_gradients(
     norm = float(squares.sqrt())
     scale = max_norm / (norm + 1e-6)
     if scale < 1.0:
-        torch._foreach_mul_(grads, scale)
+        for where in {g.device for g in grads}:  # on a GPU some may be host sums (GradientOffload)
+            torch._foreach_mul_([g for g in grads if g.device == where], scale)
     return norm
 
 
@@ -843,8 +864,9 @@ def _sequence_parallel_report(model) -> dict:
 
 
 def _grad_norm(model) -> float:
-    """The L2 norm of this rank's .grad tensors (ZeRO-3: its shards)."""
-    norms = [local(p.grad).double().norm() for p in model.parameters() if p.grad is not None]
+    """The L2 norm of the gradients this rank steps by (gradient_to_step; ZeRO-3: its shards)."""
+    grads = [gradient_to_step(p) for p in model.parameters()]
+    norms = [local(g).double().norm().cpu() for g in grads if g is not None]
     return float(torch.stack(norms).norm()) if norms else 0.0
 
 

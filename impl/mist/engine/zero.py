@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from measure.training import gradient_to_step
+
 from .offload import HOST_WORK, flat_views
 from .pipeline import gpt_modules
 
@@ -188,14 +190,15 @@ class ShardedMasterAdamW:
 
     def gradients_to_step(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(parameter, gradient) of this rank's share as its step reads them (for clipping's norm):
-        under ZeRO-2 the reduced sums, averaged over DP and put on ``.grad`` once a step."""
+        under ZeRO-2 the reduced sums, averaged over DP and put on ``.grad`` once a step; under
+        ZeRO-1 each parameter's (GradientOffload's host sums where it drained them)."""
         if self.shard_grads and not self.averaged:
             for p in self.owned:
                 summed = self.host_grads.get(id(p))
                 summed = self.reduced.pop(id(p), None) if summed is None else summed
                 p.grad = None if summed is None else summed.div_(self.dp)
             self.averaged = True
-        return [(p, p.grad) for p in self.owned if p.grad is not None]
+        return [(p, g) for p in self.owned if (g := gradient_to_step(p)) is not None]
 
     def step(self) -> None:
         self.finish_gathers()  # (a forward has waited for them all)
