@@ -7,7 +7,7 @@ one call; the last two get what they leave, and a second call finishes them:
   kernels  90 / 120  the GPU tests and micro-benchmarks: tests/test_gpu.py, the OOM detector, Tempo's
                      kernels and op benchmarks (pytest-benchmark JSON), CTA-pipelining's kernels with
                      the concurrent chain and its negative control (the dry run leaves those
-                     multi-process tests to the suite)
+                     multi-process tests to the suite), Mist's offloading on its copy stream
   tempo   165 /  90  artifacts.tempo_bert.run throughput: BERT-Large/512, RoBERTa-large/512 and GPT-2
                      medium/1024 under an emulated 16 GB, HF eager/SDPA vs Tempo(+SDPA), each at its
                      measured max batch
@@ -112,6 +112,7 @@ TEST_FILES = (
     "tests/tempo/test_kernels.py",
     "tests/tempo/test_bench_ops.py",
     "tests/ctapipe/test_ctapipe_kernels.py",
+    "tests/mist/test_mist_offload_mechanisms.py",  # offload.py's copy stream (seconds)
 )
 # The dry run tests the command (pytest-benchmark's JSON, the JUnit report), not the kernels: the
 # suite runs every file above; here the GPU tests (skipped on a CPU) and the benchmarks only

@@ -1,0 +1,137 @@
+"""offload.py's mechanisms on a stack of plain layers, without megatron-core or a process group:
+weights at rest on the host (WeightOffload), gradients summed on the host (GradientOffload) and
+saved activations swapped out (ActivationOffload), trained over several micro-batches against the
+same stack without them. The engine's tests (test_mist_run.py) train them inside megatron-core on
+gloo; these isolate the mechanisms, in float32 so that every sum is the plain run's bit for bit.
+
+On a CPU the copies are made in line; on a GPU (``cuda``, run by the GPU check) they run on
+offload.py's copy stream, where a copy the compute stream did not wait for would read or leave
+stale values: the same exact equality then checks the stream's synchronisation, and the device
+peak checks that the weights left the device.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from measure.training import gradient_to_step
+from mist.engine.offload import ActivationOffload, GradientOffload, Transfers, WeightOffload
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+LAYERS, MICRO_BATCHES = 4, 3
+
+
+class Block(nn.Module):
+    """A residual MLP block: what it saves for backward is activations and its weights."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(nn.functional.gelu(self.up(x)))
+
+
+def _stack(width: int, device: str, seed: int) -> nn.ModuleList:
+    torch.manual_seed(seed)
+    return nn.ModuleList(Block(width) for _ in range(LAYERS)).to(device)
+
+
+def _train(layers: nn.ModuleList, batches: list[torch.Tensor], after_forward=lambda: None) -> list[float]:
+    """Forward and backward of every micro-batch, gradients accumulated; the losses."""
+    losses = []
+    for x in batches:
+        for layer in layers:
+            x = layer(x)
+        loss = x.square().mean()
+        after_forward()
+        loss.backward()
+        losses.append(loss.item())
+    return losses
+
+
+def _skip_without(device: str) -> None:
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA (nox -s gpu_check)")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_copy_up_and_down_round_trips(device):
+    """Transfers.up then down returns the tensor bit for bit, the up copy a new tensor on the
+    device (never the host one: the device peak must hold it)."""
+    _skip_without(device)
+    transfers = Transfers(torch.device(device))
+    host = transfers.host_like(torch.empty(257, 3))
+    host.copy_(torch.randn(257, 3))
+    arriving = transfers.up(host)
+    up = arriving.take()
+    assert up.device.type == device and up.data_ptr() != host.data_ptr()
+    back = transfers.host_like(up)
+    done = transfers.down(up * 2, back)
+    if done is not None:
+        done.synchronize()
+    assert torch.equal(back, host * 2)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    "mechanisms",
+    [("weights",), ("grads",), ("activations",), ("weights", "grads", "activations")],
+    ids=["weights", "grads", "activations", "all"],
+)
+def test_offloaded_stack_trains_as_the_plain_one(device, mechanisms):
+    """The same losses and the same summed gradients as the plain stack, bit for bit; offloaded
+    weights rest on the host between steps, offloaded gradients are host sums the optimizer reads
+    (gradient_to_step) while .grad holds none, and swapped activations were taken off the device
+    as saved. On a GPU the step's device peak is below the plain one's by at least the weights'
+    bytes where weights are offloaded (a weight that never left the device would fail it)."""
+    _skip_without(device)
+    width = 256 if device == "cuda" else 32
+    seed = int(torch.randint(0, 2**31, ()).item())
+    batches = [torch.randn(8, width, device=device) for _ in range(MICRO_BATCHES)]
+    peaks, runs = {}, {}
+    for offloaded in (False, True):
+        layers = _stack(width, device, seed)
+        params = [p for p in layers.parameters()]
+        grads = weights = activations = None
+        if offloaded and "activations" in mechanisms:
+            activations = ActivationOffload(list(layers))
+        if offloaded and "grads" in mechanisms:
+            grads = GradientOffload(params, 1.0)
+        if offloaded and "weights" in mechanisms:  # last, as the engine builds it
+            weights = WeightOffload(list(layers), 1.0)
+        if device == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        swapped = []  # activations waiting on the host after each forward
+
+        def count_swapped(activations=activations, swapped=swapped) -> None:
+            queued = activations.queues if activations is not None else []
+            swapped.append(sum(len(saved) for queue in queued for saved in queue))
+
+        losses = _train(layers, batches, count_swapped)
+        if grads is not None:
+            assert all(p.grad is None for p in grads.params)  # drained as made
+            grads.attach()
+        if device == "cuda":
+            torch.cuda.synchronize()
+            peaks[offloaded] = torch.cuda.max_memory_allocated()
+        runs[offloaded] = losses, [gradient_to_step(p).clone().cpu() for p in params]
+        if weights is not None:
+            assert weights.resident() == 0
+            assert all(p.device.type == "cpu" for p in params)  # at rest on the host
+        if activations is not None:
+            # each layer's input, the GELU's input and output: on the host after the forward
+            assert swapped == [3 * LAYERS] * MICRO_BATCHES, swapped
+            assert all(not q for q in activations.queues)  # every micro-batch's came back
+    (plain_losses, plain_grads), (losses, grads_seen) = runs[False], runs[True]
+    assert losses == plain_losses
+    for a, b in zip(grads_seen, plain_grads, strict=True):
+        assert torch.equal(a, b)
+    if device == "cuda":  # whatever is offloaded, the device holds less at its peak
+        assert peaks[True] < peaks[False], peaks
+    if device == "cuda" and "weights" in mechanisms:  # all but two layers' weights off the device
+        weight_bytes = sum(p.numel() * p.element_size() for p in params)
+        assert peaks[False] - peaks[True] >= weight_bytes * (1 - 2 / LAYERS), peaks
