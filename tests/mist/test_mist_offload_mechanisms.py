@@ -23,15 +23,31 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 LAYERS, MICRO_BATCHES = 4, 3
 
 
+class _KeepsACpuSeed(torch.autograd.Function):
+    """The identity, saving a CPU int64 scalar for backward as Tempo's dropout and attention save
+    their seed: it must come back on the CPU, also where the layer runs on a GPU."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(torch.tensor(7, dtype=torch.int64))
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        (seed,) = ctx.saved_tensors
+        assert seed.device.type == "cpu" and int(seed) == 7, seed
+        return grad
+
+
 class Block(nn.Module):
-    """A residual MLP block: what it saves for backward is activations and its weights."""
+    """A residual MLP block: what it saves for backward is activations, its weights and a seed."""
 
     def __init__(self, width: int) -> None:
         super().__init__()
         self.up, self.down = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(nn.functional.gelu(self.up(x)))
+        return x + self.down(nn.functional.gelu(self.up(_KeepsACpuSeed.apply(x))))
 
 
 def _stack(width: int, device: str, seed: int) -> nn.ModuleList:
@@ -123,8 +139,11 @@ def test_offloaded_stack_trains_as_the_plain_one(device, mechanisms):
             assert weights.resident() == 0
             assert all(p.device.type == "cpu" for p in params)  # at rest on the host
         if activations is not None:
-            # each layer's input, the GELU's input and output: on the host after the forward
-            assert swapped == [3 * LAYERS] * MICRO_BATCHES, swapped
+            # each layer's input, the GELU's input and output, and on a CPU (where it is on the
+            # device) the seed of every layer but the first (whose input takes no gradient: no
+            # node is recorded, nothing saved): on the host after the forward
+            seeds = LAYERS - 1 if device == "cpu" else 0
+            assert swapped == [3 * LAYERS + seeds] * MICRO_BATCHES, swapped
             assert all(not q for q in activations.queues)  # every micro-batch's came back
     (plain_losses, plain_grads), (losses, grads_seen) = runs[False], runs[True]
     assert losses == plain_losses

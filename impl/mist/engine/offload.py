@@ -279,8 +279,10 @@ def _to_host(tensor: torch.Tensor, saved: list[_Swapped], transfers: Transfers) 
     copy is made as host work so the device peak leaves it out, as a GPU's would (torch's
     save_on_cpu keeps it in the peak there). Weights are not activations: they are kept as they
     are (swapping them would bring a copy of the layer's weights up with its activations, 3 MiB a
-    layer in the engine's test model, which the memory model rightly does not price)."""
-    if _is_weight(tensor):
+    layer in the engine's test model, which the memory model rightly does not price). Neither are
+    tensors already off the device: Tempo's ops save their dropout seed, a CPU scalar, which must
+    come back to its op as it was (on a GPU it would come back on the device)."""
+    if _is_weight(tensor) or tensor.device != transfers.device:
         return tensor
     with torch.profiler.record_function(HOST_WORK):
         host = transfers.host_like(tensor)
@@ -366,7 +368,10 @@ class WeightOffload:
 
     def _down(self, i: int) -> None:
         self.up[i] = False
-        self.arriving[i] = []  # a prefetch never waited for: its memory is the copy stream's
+        for copy in self.arriving[i]:  # a prefetch never waited for: done before the step may
+            if copy.done is not None:  # write the host copy it reads (none is, in 1F1B's order)
+                copy.done.synchronize()
+        self.arriving[i] = []
         for q in self.offloaded[i]:
             q.data = self.host[id(q)]  # the device copy is freed (weights change only in the step)
 
@@ -377,13 +382,16 @@ class WeightOffload:
             self.pending[i] = len(self.offloaded[i])
 
 
-def flat_views(params: list[nn.Parameter], device: torch.device | str) -> tuple[list[torch.Tensor], dict]:
-    """One zeroed flat buffer per dtype on ``device`` (in the same order on every rank) and, by
-    parameter id, a view of it shaped like the parameter: what one collective per buffer sums."""
+def flat_views(
+    params: list[nn.Parameter], device: torch.device | str, pin: bool = False
+) -> tuple[list[torch.Tensor], dict]:
+    """One zeroed flat buffer per dtype on ``device`` (in the same order on every rank; ``pin``:
+    in pinned host memory) and, by parameter id, a view of it shaped like the parameter: what one
+    collective per buffer sums."""
     buffers, views = [], {}
     for dtype in sorted({p.dtype for p in params}, key=str):
         group = [p for p in params if p.dtype == dtype]
-        flat = torch.zeros(sum(p.numel() for p in group), dtype=dtype, device=device)
+        flat = torch.zeros(sum(p.numel() for p in group), dtype=dtype, device=device, pin_memory=pin)
         offset = 0
         for p in group:
             views[id(p)] = flat[offset : offset + p.numel()].view_as(p)
@@ -462,8 +470,9 @@ class GradientOffload(_HostGradients):
     def __init__(self, params: list[nn.Parameter], fraction: float) -> None:
         candidates = [p for p in params if not getattr(p, "sequence_parallel", False)]
         self.params, _ = split_by_fraction(candidates, fraction)
-        self.buffers, self.host = flat_views(self.params, "cpu")
         self._start_transfers(params[0].device)
+        # pinned on a GPU machine: the step's copy of a device-stepped part's sums up is then a DMA
+        self.buffers, self.host = flat_views(self.params, "cpu", pin=self.transfers.stream is not None)
         for p in self.params:
             p.register_post_accumulate_grad_hook(self._drain)
 
