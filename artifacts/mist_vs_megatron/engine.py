@@ -340,12 +340,7 @@ def engine_point(setup: EngineSetup, name: str, fit: dict, fits: RuntimeFits) ->
         raise RuntimeError(f"mist.engine.run refused {name}: {trained['refused']}")
     step_s, report = trained["step_s"], trained["report"]
     ranks = rank_memory(plan, report)
-    # where the time went (median over ranks and steady steps) next to the model's parts: the
-    # pipeline is G micro-batches of `steady` (+ the bubble), sync + optimizer is `extra`
-    phases = {
-        k: statistics.median(ph[k] for r in report["ranks"] for ph in r["phases"])
-        for k in ("pipeline_s", "grad_sync_s", "optimizer_s")
-    }
+    phases = measured_phases(report)
     return {
         "plan": setup.plans[name],
         "losses": next(r["losses"] for r in report["ranks"] if r["losses"] is not None),
@@ -365,6 +360,28 @@ def engine_point(setup: EngineSetup, name: str, fit: dict, fits: RuntimeFits) ->
         "runtime_model": fit["model"].source,
         "runtime_model_held_out_error": fit["mean_abs_error"],
     }
+
+
+def measured_phases(report: dict) -> dict[str, float]:
+    """Where a trained plan's step time went (the median over ranks and steady steps), to set
+    beside the model's parts: the pipeline is G micro-batches of a stage's ``steady_s`` (+ the
+    bubble), gradient sync + optimizer its ``extra_s``."""
+    return {
+        k: statistics.median(ph[k] for r in report["ranks"] for ph in r["phases"])
+        for k in ("pipeline_s", "grad_sync_s", "optimizer_s")
+    }
+
+
+def phases_line(result: dict, micro_batches: int) -> str:
+    """A trained plan's measured phases beside the model's parts of its slowest stage, as a line."""
+    ph = result["measured_phases_s"]
+    st = max(result["predicted_stages"], key=lambda x: x["steady_s"])
+    return (
+        f"measured: pipeline {ph['pipeline_s'] * 1e3:.1f} ms, gradient sync "
+        f"{ph['grad_sync_s'] * 1e3:.1f} ms, optimizer {ph['optimizer_s'] * 1e3:.1f} ms; predicted: "
+        f"{micro_batches} x {st['steady_s'] * 1e3:.1f} ms a micro-batch, "
+        f"{st['extra_s'] * 1e3:.1f} ms sync + optimizer"
+    )
 
 
 def engine_key(setup: EngineSetup, name: str) -> dict:
@@ -524,13 +541,7 @@ def print_engine(store: Results) -> None:
             f"rank {worst['memory_error']:+.1%}; step {measured:.1f} ms measured, {predicted:.1f} ms "
             f"predicted ({r['time_error']:+.0%})"
         )
-        ph, st = r["measured_phases_s"], max(r["predicted_stages"], key=lambda x: x["steady_s"])
-        print(
-            f"    measured: pipeline {ph['pipeline_s'] * 1e3:.1f} ms, gradient sync "
-            f"{ph['grad_sync_s'] * 1e3:.1f} ms, optimizer {ph['optimizer_s'] * 1e3:.1f} ms; predicted: "
-            f"{r['micro_batches']} x {st['steady_s'] * 1e3:.1f} ms a micro-batch, "
-            f"{st['extra_s'] * 1e3:.1f} ms sync + optimizer"
-        )
+        print(f"    {phases_line(r, r['micro_batches'])}")
         if note := busy_launches(r):
             print(f"    note: {note}")
         if drift := probe_line(r.get("fit_probe_s"), r.get("launches_probe_s", [])):

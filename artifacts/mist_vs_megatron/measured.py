@@ -51,6 +51,8 @@ from .engine import (
     EngineSetup,
     RuntimeFits,
     busy_launches,
+    measured_phases,
+    phases_line,
     probe_line,
     rank_memory,
     train_plan,
@@ -217,6 +219,10 @@ def _trained(plan, trained: dict) -> dict:
         "launches_probe_s": trained.get("launches_probe_s", []),  # the machine's speed before each
         "spread": (max(steps) - min(steps)) / trained["step_s"],  # launch to launch, of the median
         "time_error": plan.simulated_iteration_s / trained["step_s"] - 1,
+        # where the time went, beside the model's parts (what a time error is to be traced by)
+        "measured_phases_s": measured_phases(trained["report"]),
+        "predicted_stages": [{"steady_s": st.steady_s, "extra_s": st.extra_s} for st in plan.stages],
+        "micro_batches": plan.grad_accum,
         "losses": next(x["losses"] for x in trained["report"]["ranks"] if x["losses"] is not None),
     }
 
@@ -419,6 +425,8 @@ def print_measured(store: Results) -> None:
                 print(f"              note: {note}")
             if "plan" in s:
                 print(f"              {_plan_line(s['plan'])}")
+            if "measured_phases_s" in s and "same_plan_as" not in s:  # (results before 2026-12-06 lack it)
+                print(f"              {phases_line(s, s['micro_batches'])}")
     for versus in SYSTEMS[1:]:
         rows, alone = measured_speedups(store, versus), only_mist_ran(store, versus)
         if alone:
