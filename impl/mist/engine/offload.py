@@ -61,7 +61,7 @@ class Arriving:
 
     __slots__ = ("done", "tensor")
 
-    def __init__(self, tensor: torch.Tensor, done) -> None:
+    def __init__(self, tensor: torch.Tensor, done: torch.cuda.Event | None) -> None:
         self.tensor, self.done = tensor, done
 
     def take(self) -> torch.Tensor:
@@ -106,7 +106,7 @@ class Transfers:
             done.record(self.stream)
         return Arriving(tensor, done)
 
-    def down(self, tensor: torch.Tensor, host: torch.Tensor):
+    def down(self, tensor: torch.Tensor, host: torch.Tensor) -> torch.cuda.Event | None:
         """Copy ``tensor`` (on the device) into ``host``; returns the event of the copy's end (None
         on a CPU, where it is done). On a GPU the copy waits for the work queued so far on the
         compute stream, and the allocator keeps ``tensor``'s memory until the copy is done. A
@@ -417,7 +417,7 @@ class _HostGradients:
     def _start_transfers(self, device: torch.device) -> None:
         self.transfers = Transfers(device)
         self.staging: dict[int, torch.Tensor] = {}  # GPU: parameter -> its gradient's pinned copy
-        self.copying: dict[int, object] = {}  # GPU: parameter -> the event of its copy's end
+        self.copying: dict[int, torch.cuda.Event] = {}  # GPU: parameter -> its copy's end
 
     def _drain(self, p: nn.Parameter) -> None:
         grad, key = local(p.grad), id(p)
