@@ -15,7 +15,8 @@ where that was more than housekeeping: such a time is a busy machine's.
     GPU_ENGINE: GPT-3 1.3B on one GPU with no, half and full recomputation, and with half
                 recomputation plus the optimizer state, half the other layers' activations, or
                 half of every layer's weights and gradients offloaded to the host (nox -s
-                gpu_check); every plan's losses against the first's (claim mist-gpu-engine-losses)
+                gpu_check); every plan's losses against the plan that neither recomputes nor
+                offloads (claim mist-gpu-engine-losses)
     (Offloading is not in the CPU setup: on a CPU host and device are one memory.)
 """
 
