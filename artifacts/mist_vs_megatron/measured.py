@@ -122,8 +122,6 @@ class MeasuredSetup:
     base: EngineSetup  # the device, its cost-model preset, the models' overrides, the profile fitted
     cases: tuple[MeasuredCase, ...]
     launches: int = LAUNCHES  # each winner's fresh launches, the median one reported
-    # what Mist may offload: what the engine runs on the setup's device
-    offloadable: tuple[str, ...] = ("weights", "grads", "optimizer", "activations")
     tempo: bool = False  # Mist also plans with Tempo's layers (TEMPO), its winner trained as the others
 
     @property
@@ -172,12 +170,12 @@ def plan_systems(
     from baselines.megatron.zero3 import search_zero3
     from mist import NoFeasiblePlan, PlannerOptions, cluster, model, predict, search
     from mist.tuning.megatron_lm import search_megatron_lm
-    from mist.tuning.stage_cost import SearchSpace
 
     m = model(case.model, **setup.base.model_overrides)
     c = cluster(setup.base.gpu, case.processes, gpu_memory=case.planning_bytes)
     gb = case.global_batch
-    options = PlannerOptions(space=SearchSpace(offloadable=setup.offloadable))
+    # Mist's whole space: the engine runs every offload on a CPU, and on one GPU (one replica)
+    options = PlannerOptions()
     searches = {
         "mist": lambda: search(m, c, gb, options, runtime=runtime),
         "megatron": lambda: search_grid(m, c, gb, runtime),
