@@ -22,6 +22,7 @@ from measure.results import Results
 from mist.tuning.inter_stage import MIP_REL_GAP
 
 from ..verdicts import AtLeast, AtMost, Bound, Missing, Near, Paper, PaperClaim, Pin, Shown, Source, one
+from .engine import changes_nothing
 from .measured import SYSTEMS, measured_speedups, tempo_gains
 from .measured import TEMPO as TEMPO_SYSTEM  # TEMPO here is the predicted tempo part's source
 
@@ -254,7 +255,7 @@ def gpu_engine_loss_change(r: Results) -> float:
     plan that neither recomputes nor offloads (the same model, seed and batches: recomputation
     and offloading move tensors, not arithmetic)."""
     runs = _engine_runs(r, "gpu_engine")
-    plain = [x for x in runs if all(not v for k, v in x["plan"]["stages"][0].items() if k != "layers")]
+    plain = [x for x in runs if changes_nothing(x["plan"])]
     if not plain:
         raise Missing("gpu_engine: the plan that neither recomputes nor offloads")
     reference = plain[0]["losses"]

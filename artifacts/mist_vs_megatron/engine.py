@@ -321,8 +321,9 @@ def rank_memory(plan, report: dict) -> list[dict]:
     return ranks
 
 
-def engine_point(setup: EngineSetup, name: str, fit: dict, fits: RuntimeFits) -> dict:
-    from mist import Plan, cluster, predict
+def setup_plan(setup: EngineSetup, name: str):
+    """The setup's plan ``name`` (its fields over the setup's model, device and batch), unpriced."""
+    from mist import Plan
 
     base = {
         "model": setup.model,
@@ -334,7 +335,19 @@ def engine_point(setup: EngineSetup, name: str, fit: dict, fits: RuntimeFits) ->
         "sequence_parallel": False,
         "model_overrides": setup.model_overrides,
     }
-    plan = Plan.from_dict({**base, **setup.plans[name]})
+    return Plan.from_dict({**base, **setup.plans[name]})
+
+
+def changes_nothing(fields: dict) -> bool:
+    """Whether a one-stage plan's fields neither recompute nor offload nor shard anything: the
+    plan every other of a setup's trains the same model as (claim mist-gpu-engine-losses)."""
+    return all(not value for key, value in fields["stages"][0].items() if key != "layers")
+
+
+def engine_point(setup: EngineSetup, name: str, fit: dict, fits: RuntimeFits) -> dict:
+    from mist import cluster, predict
+
+    plan = setup_plan(setup, name)
     predict(plan, plan.model_spec(), cluster(setup.gpu, setup.processes), runtime=fit["model"])
     trained = train_plan(plan, setup.processes, setup.steps, setup.launches, fits.work, name, fits.probe)
     if "refused" in trained:  # the setup's plans are ones the engine runs: a refusal is a bug here

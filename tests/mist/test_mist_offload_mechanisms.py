@@ -19,6 +19,7 @@ from torch import nn
 from measure.training import gradient_to_step
 from mist.engine.offload import ActivationOffload, GradientOffload, Transfers, WeightOffload
 
+# the cuda cases are marked gpu: skipped without CUDA (tests/conftest.py), run by the GPU check
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 LAYERS, MICRO_BATCHES = 4, 3
 
@@ -68,16 +69,10 @@ def _train(layers: nn.ModuleList, batches: list[torch.Tensor], after_forward=lam
     return losses
 
 
-def _skip_without(device: str) -> None:
-    if device == "cuda" and not torch.cuda.is_available():
-        pytest.skip("needs CUDA (nox -s gpu_check)")
-
-
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_copy_up_and_down_round_trips(device):
     """Transfers.up then down returns the tensor bit for bit, the up copy a new tensor on the
     device (never the host one: the device peak must hold it)."""
-    _skip_without(device)
     transfers = Transfers(torch.device(device))
     host = transfers.host_like(torch.empty(257, 3))
     host.copy_(torch.randn(257, 3))
@@ -103,14 +98,13 @@ def test_offloaded_stack_trains_as_the_plain_one(device, mechanisms):
     (gradient_to_step) while .grad holds none, and swapped activations were taken off the device
     as saved. On a GPU the step's device peak is below the plain one's by at least the weights'
     bytes where weights are offloaded (a weight that never left the device would fail it)."""
-    _skip_without(device)
     width = 256 if device == "cuda" else 32
     seed = int(torch.randint(0, 2**31, ()).item())
     batches = [torch.randn(8, width, device=device) for _ in range(MICRO_BATCHES)]
     peaks, runs = {}, {}
     for offloaded in (False, True):
         layers = _stack(width, device, seed)
-        params = [p for p in layers.parameters()]
+        params = list(layers.parameters())
         grads = weights = activations = None
         if offloaded and "activations" in mechanisms:
             activations = ActivationOffload(list(layers))
