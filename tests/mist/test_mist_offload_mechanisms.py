@@ -1,8 +1,9 @@
-"""offload.py's mechanisms on a stack of plain layers, without megatron-core or a process group:
-weights at rest on the host (WeightOffload), gradients summed on the host (GradientOffload) and
-saved activations swapped out (ActivationOffload), trained over several micro-batches against the
-same stack without them. The engine's tests (test_mist_run.py) train them inside megatron-core on
-gloo; these isolate the mechanisms, in float32 so that every sum is the plain run's bit for bit.
+"""offload.py's mechanisms on a stack of plain layers, without megatron-core: weights at rest on
+the host (WeightOffload), gradients summed on the host (GradientOffload; under ZeRO-2, over a
+process group of one, ShardedMasterAdamW's) and saved activations swapped out
+(ActivationOffload), trained over several micro-batches against the same stack without them.
+The engine's tests (test_mist_run.py) train them inside megatron-core on gloo; these isolate the
+mechanisms, in float32 so that every sum is the plain run's bit for bit.
 
 On a CPU the copies are made in line; on a GPU (``cuda``, run by the GPU check) they run on
 offload.py's copy stream, where a copy the compute stream did not wait for would read or leave
@@ -148,3 +149,74 @@ def test_offloaded_stack_trains_as_the_plain_one(device, mechanisms):
     if device == "cuda" and "weights" in mechanisms:  # all but two layers' weights off the device
         weight_bytes = sum(p.numel() * p.element_size() for p in params)
         assert peaks[False] - peaks[True] >= weight_bytes * (1 - 2 / LAYERS), peaks
+
+
+@pytest.fixture
+def one_process_group(request):
+    """A process group of this process alone (NCCL for a GPU's tensors, gloo for the host's), torn
+    down after the test: ZeRO's collectives over one replica run the same code as over many."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.fail("a process group is already initialised in this test process")
+    backend = "cpu:gloo,cuda:nccl" if request.node.callspec.params["device"] == "cuda" else "gloo"
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(
+    ("device", "control"),
+    [("cpu", False), ("cpu", True), pytest.param("cuda", False, marks=pytest.mark.gpu)],
+    ids=["cpu", "cpu-control-lost-host-sums", "cuda"],
+)
+def test_zero2_with_offloaded_weights_and_gradients_steps_as_the_plain_one(
+    device, control, one_process_group, monkeypatch
+):
+    """ZeRO-2 (ShardedMasterAdamW) with half of each layer's weights at rest on the host
+    (WeightOffload) and half of its gradient share summed on the host, over 2 steps of 3
+    micro-batches: the same losses and weights as the plain stack under MasterWeightAdamW, bit for
+    bit. Its reduced gradients go down into host sums (HostSums: on a GPU the copy stream) that the
+    step reads through ``host_grad``; its broadcast of the updated weights copies those at rest on
+    the host through a message on the device (zero.flat_collective) and back. On a GPU these are
+    the lines ZeRO-2 runs over many replicas, where NCCL reads device memory only. Control: host
+    sums that never receive their gradients must change the result."""
+    from measure.training import MasterWeightAdamW
+    from mist.engine.offload import HostSums
+    from mist.engine.zero import ShardedMasterAdamW
+
+    if control:
+        monkeypatch.setattr(HostSums, "add", lambda self, key, tensor: None)
+    width = 256 if device == "cuda" else 32
+    seed = int(torch.randint(0, 2**31, ()).item())
+    batches = [torch.randn(8, width, device=device) for _ in range(MICRO_BATCHES)]
+    runs = {}
+    for offloaded in (False, True):
+        layers = _stack(width, device, seed)
+        params = list(layers.parameters())
+        if offloaded:
+            optimizer = ShardedMasterAdamW(
+                [list(layer.parameters()) for layer in layers],
+                one_process_group,
+                lr=1e-2,
+                shard_grads=True,
+                offload_grads=0.5,
+            )
+            assert optimizer.host_grads.host  # some gradients sum on the host
+            weights = WeightOffload(list(layers), 0.5)  # last, as the engine builds it
+        else:
+            optimizer = MasterWeightAdamW(params, lr=1e-2, fused=True)
+        losses = []
+        for _ in range(2):
+            losses += _train(layers, batches)
+            optimizer.step()
+            optimizer.zero_grad()
+        if offloaded:
+            assert weights.resident() == 0
+            assert any(p.device.type == "cpu" for p in params) and all(p.host_grad is None for p in params)
+        runs[offloaded] = losses, [p.detach().cpu().clone() for p in params]
+    (plain_losses, plain_weights), (losses, weights_seen) = runs[False], runs[True]
+    same = losses == plain_losses and all(
+        torch.equal(a, b) for a, b in zip(weights_seen, plain_weights, strict=True)
+    )
+    assert same != control, (losses, plain_losses)

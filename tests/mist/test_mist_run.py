@@ -776,10 +776,10 @@ def test_every_plan_of_the_committed_comparison_is_accepted():
     lifted to that TP/DP, 57 then, all 60 once stages whose TP/DP differ ran). The Megatron-LM
     target's too, where it has one (Falcon: Megatron-LM cannot build it, said so instead).
 
-    On a GPU the engine refuses exactly the plans that offload gradients of a part with DP
-    replicas, or weights of a ZeRO-1/2/3 part with DP replicas (offload.py's GPU path does
-    neither yet): counted here, so the gap is a number, not a footnote (30 of the 60 Mist plans
-    of the reference of c0f2e50; every one of them offloads with ZeRO-1/2/3 over DP)."""
+    On a GPU the engine refuses exactly the plans that offload weights or gradients of a ZeRO-3
+    part with DP replicas (offload.py's GPU path does not offload FSDP2's shards): counted here,
+    so the gap is a number, not a footnote (30 of the 60 Mist plans of the reference of c0f2e50
+    until ZeRO-1/2 offloaded weights and ZeRO-0/1/2 gradients over DP on a GPU too; none now)."""
     from artifacts.mist_vs_megatron.run import SYSTEMS
 
     points = json.loads(COMPARISON.read_text())["points"]
@@ -798,7 +798,7 @@ def test_every_plan_of_the_committed_comparison_is_accepted():
             dp = [plan.stage_parallelism(i)[1] for i in range(len(plan.stages))]
             held = [*zip(plan.stages, dp, strict=True)]
             held += [(plan.pre_post, max(dp[0], dp[-1]))] if plan.pre_post is not None else []
-            offloads = any(d > 1 and (s.offload_grads or (s.offload_weights and s.zero)) for s, d in held)
+            offloads = any(d > 1 and s.zero >= 3 and (s.offload_grads or s.offload_weights) for s, d in held)
             assert bool(gpu_reasons) == offloads, (point["key"], system, gpu_reasons)
     print(f"accepted of {len(points)} cases on the CPU engine:", accepted, "on a GPU:", on_gpu)
     assert accepted == made and made["mist"] == len(points), (accepted, made)
@@ -811,21 +811,22 @@ def test_every_plan_of_the_committed_comparison_is_accepted():
     [
         ({"offload_weights": 0.5}, 0, 1, True),
         ({"offload_weights": 0.5}, 0, 2, True),  # ZeRO-0: the DP sum reads the gradients only
-        ({"offload_weights": 0.5}, 1, 1, True),  # one replica: nothing broadcast
-        ({"offload_weights": 0.5}, 1, 2, False),  # ZeRO-1's broadcasts read the weights
-        ({"offload_weights": 0.5}, 3, 2, False),  # FSDP2's gathers read the shards
-        ({"offload_grads": 1.0}, 0, 1, True),
-        ({"offload_grads": 1.0}, 2, 1, True),  # one replica: nothing reduced
-        ({"offload_grads": 1.0}, 0, 2, False),  # the DP sum would read host buffers
-        ({"offload_grads": 1.0}, 2, 2, False),  # so would ZeRO-2's reductions
+        ({"offload_weights": 0.5}, 1, 2, True),  # ZeRO-1's broadcasts copy them through the device
+        ({"offload_weights": 0.5}, 2, 2, True),
+        ({"offload_weights": 0.5}, 3, 1, True),  # one replica: no FSDP2
+        ({"offload_weights": 0.5}, 3, 2, False),  # FSDP2's gathers would read host shards
+        ({"offload_grads": 1.0}, 0, 2, True),  # the DP sum on the DP group's gloo twin
+        ({"offload_grads": 1.0}, 2, 2, True),  # reduced on the device, summed on the host
+        ({"offload_grads": 1.0}, 3, 1, True),
+        ({"offload_grads": 1.0}, 3, 2, False),  # FSDP2's reduce-scatters would write host shards
     ],
 )
 @pytest.mark.parametrize("on_pre_post", [False, True], ids=["stage", "pre_post"])
 def test_the_engine_refuses_what_offload_py_runs_on_a_cpu_only(offload, zero, dp, on_gpu, on_pre_post):
-    """offload.py's GPU path offloads weights where no ZeRO-1/2/3 collective reads them (ZeRO-0, or
-    one replica) and gradients where no collective does (one replica): a GPU refuses the rest,
-    in the layers' stages and in the embedding/head's own strategy, and a CPU runs them all; an
-    unknown device is one line. Control: a plain plan runs on both."""
+    """offload.py's GPU path offloads weights and gradients under ZeRO-0/1/2 at any DP and under
+    ZeRO-3 with one replica; a GPU refuses ZeRO-3's over DP replicas (its host shards), in the
+    layers' stages and in the embedding/head's own strategy, and a CPU runs them all; an unknown
+    device is one line. Control: a plain plan runs on both."""
     plain = _tiny_plan([StagePlan(4)])
     assert unsupported(plain, "cuda") == [] == unsupported(plain)
     plan = _tiny_plan([StagePlan(4, zero=zero, **({} if on_pre_post else offload))], dp=dp)

@@ -1,4 +1,4 @@
-"""CPU offloading for mist.engine.run, around megatron-core's modules.
+"""Offloading for mist.engine.run, around megatron-core's modules.
 
 * Optimizer state (``offload_optimizer``, ZeRO-Offload, Ren et al. 2021): the fp32 master weights
   and Adam moments of that fraction of the parameters this rank steps (largest first; with ZeRO,
@@ -14,19 +14,20 @@
 * Gradients (``offload_grads``, GradientOffload; under ZeRO-2 ShardedMasterAdamW): that
   fraction of the part's gradients (largest first; under ZeRO-2 of the rank's reduced share)
   accumulates on the host: each micro-batch's gradient is added into a host buffer as soon as
-  backward makes it (ZeRO-2: once reduced to its owner) and freed on the device; the DP sum and
-  the optimizer step read the host buffer. On a GPU with one DP replica (the DP sum and ZeRO-2's
-  reductions would meet host buffers, which NCCL cannot read).
+  backward makes it (ZeRO-2: once reduced to its owner, on the device) and freed on the device
+  (HostSums); the DP sum (ZeRO-0/1: on the DP group's gloo twin, as NCCL reads device memory
+  only) and the optimizer step read the host buffer.
 * Weights (``offload_weights``, WeightOffload): that fraction of each layer's weights (largest
   first; the embedding and head count as layers) lives on the host and comes up for the layer's
   forward and again for its backward, the next layer's prefetched (the two layers' buffers
   Mist's memory model prices), and is dropped from the device after the forward and once
-  backward has made the layer's gradients. On a GPU, where a part's ZeRO stage or DP is 1 or 0
-  (ZeRO-1/2's weight broadcasts and ZeRO-3's gathers read the device).
+  backward has made the layer's gradients. ZeRO-1/2's broadcast of the updated weights copies
+  those at rest on the host up into its message and back down (zero.flat_collective).
 * Under ZeRO-3 (FSDP2 gathers each layer's weights from the shards and reduce-scatters its
   gradients): that fraction of each module's weight shards rests on the host and is what FSDP2's
   all-gather reads (ShardedWeightOffload), and that fraction of its gradient shards is added
-  into host buffers as each reduce-scatter makes them (ShardedGradientOffload). CPU only.
+  into host buffers as each reduce-scatter makes them (ShardedGradientOffload). CPU only: on a
+  GPU, FSDP2's collectives would read and write host shards, which NCCL cannot.
 
 On a GPU the copies of weights, gradients and activations run on a CUDA stream of their own
 (Transfers), overlapping compute as Mist's cost model prices them; mist.engine.run refuses what
@@ -310,8 +311,9 @@ class WeightOffload:
 
     Built after the optimizers and gradient buffers, which are made where the weights are, the
     device. On a GPU the gradients stay there (a view into ContiguousGrads, or as autograd made
-    them) while ``.data`` rests on the host: a ZeRO-1/2 broadcast or ZeRO-3 gather over DP would
-    read the host copy, which NCCL cannot (mist.engine.run refuses those)."""
+    them) while ``.data`` rests on the host: ZeRO-1/2's broadcast copies it through the device
+    (zero.flat_collective); a ZeRO-3 gather over DP would read it, which NCCL cannot (ZeRO-3
+    offloads its shards instead: ShardedWeightOffload, CPU only)."""
 
     def __init__(self, layers: list[nn.Module], fraction: float, prefetch: bool = True) -> None:
         self.layers = layers
@@ -400,36 +402,29 @@ def flat_views(
     return buffers, views
 
 
-class _HostGradients:
-    """Gradients of ``params`` added into host buffers (``host``: one per parameter, like it) as
-    backward makes them, and dropped on the device; ``attach`` puts the host sums where the
-    optimizer reads them (``p.host_grad``: measure.training.gradient_to_step). A ZeRO-3
-    parameter, its gradient and its buffer are DTensors: each rank's shard is what is added.
+class HostSums:
+    """Sums in host memory (``host``: key -> buffer) of tensors made on the device, one addend at a
+    time (``add``). On a GPU an addend goes down on the copy stream (Transfers) into a pinned
+    staging buffer of its key's and is added on the host once that copy is done: when the key's
+    next addend arrives (long done by then) or in ``finish``; meanwhile the compute stream runs
+    on. On a CPU it is added in place. A ZeRO-3 buffer is a DTensor: its local shard is added to."""
 
-    On a GPU a gradient goes down on the copy stream (Transfers) into a pinned staging buffer of
-    its parameter's, and is added on the host once that copy is done: when the next micro-batch
-    drains the same parameter (long done by then), or in ``attach``. On a CPU it is added in
-    place."""
-
-    params: list[nn.Parameter]
-    host: dict[int, torch.Tensor]
-
-    def _start_transfers(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, host: dict[int, torch.Tensor]) -> None:
+        self.host = host
         self.transfers = Transfers(device)
-        self.staging: dict[int, torch.Tensor] = {}  # GPU: parameter -> its gradient's pinned copy
-        self.copying: dict[int, torch.cuda.Event] = {}  # GPU: parameter -> its copy's end
+        self.staging: dict[int, torch.Tensor] = {}  # GPU: key -> its addend's pinned copy
+        self.copying: dict[int, torch.cuda.Event] = {}  # GPU: key -> that copy's end
 
-    def _drain(self, p: nn.Parameter) -> None:
-        grad, key = local(p.grad), id(p)
+    def add(self, key: int, tensor: torch.Tensor) -> None:
+        """Add ``tensor`` (on the device) into ``host[key]``; the caller may free it at once."""
         if self.transfers.stream is None:
             with torch.profiler.record_function(HOST_WORK):  # down, added on the host
-                local(self.host[key]).add_(grad)
-        else:
-            self._add_copied(key)
-            if key not in self.staging:
-                self.staging[key] = self.transfers.host_like(grad)
-            self.copying[key] = self.transfers.down(grad, self.staging[key])
-        p.grad = None  # freed on the device (on a GPU once the copy is done)
+                local(self.host[key]).add_(tensor)
+            return
+        self._add_copied(key)
+        if key not in self.staging:
+            self.staging[key] = self.transfers.host_like(tensor)
+        self.copying[key] = self.transfers.down(tensor, self.staging[key])
 
     def _add_copied(self, key: int) -> None:
         done = self.copying.pop(key, None)
@@ -439,24 +434,51 @@ class _HostGradients:
                 local(self.host[key]).add_(self.staging[key])
 
     def finish(self) -> None:
-        """Every gradient drained so far added into the host sums."""
+        """Every addend so far in its sum."""
         for key in list(self.copying):
             self._add_copied(key)
 
+    def zero(self) -> None:
+        for buffer in self.host.values():
+            local(buffer).zero_()
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The host sums, and on a GPU their staging buffers."""
+        return [local(t) for t in self.host.values()] + list(self.staging.values())
+
+
+class _HostGradients:
+    """Gradients of ``params`` added into host sums (``sums``: HostSums, by parameter id) as
+    backward makes them, and dropped on the device; ``attach`` puts the sums where the optimizer
+    reads them (``p.host_grad``: measure.training.gradient_to_step). A ZeRO-3 parameter, its
+    gradient and its buffer are DTensors: each rank's shard is what is added."""
+
+    params: list[nn.Parameter]
+    sums: HostSums
+
+    @property
+    def host(self) -> dict[int, torch.Tensor]:
+        """Parameter id -> its host sum."""
+        return self.sums.host
+
+    def _drain(self, p: nn.Parameter) -> None:
+        self.sums.add(id(p), local(p.grad))
+        p.grad = None  # freed on the device (on a GPU once its copy down is done)
+
     def attach(self) -> None:
         """The summed gradients where the optimizer reads them, for its step."""
-        self.finish()
+        self.sums.finish()
         for p in self.params:
             p.host_grad = self.host[id(p)]
 
     def zero(self) -> None:
         for p in self.params:
             p.grad = p.host_grad = None
-            local(self.host[id(p)]).zero_()
+        self.sums.zero()
 
     def host_tensors(self) -> list[torch.Tensor]:
         """The host sums, and on a GPU their staging buffers."""
-        return [local(t) for t in self.host.values()] + list(self.staging.values())
+        return self.sums.tensors()
 
 
 class GradientOffload(_HostGradients):
@@ -470,17 +492,19 @@ class GradientOffload(_HostGradients):
     def __init__(self, params: list[nn.Parameter], fraction: float) -> None:
         candidates = [p for p in params if not getattr(p, "sequence_parallel", False)]
         self.params, _ = split_by_fraction(candidates, fraction)
-        self._start_transfers(params[0].device)
+        device = params[0].device
         # pinned on a GPU machine: the step's copy of a device-stepped part's sums up is then a DMA
-        self.buffers, self.host = flat_views(self.params, "cpu", pin=self.transfers.stream is not None)
+        self.buffers, host = flat_views(self.params, "cpu", pin=device.type == "cuda")
+        self.sums = HostSums(device, host)
         for p in self.params:
             p.register_post_accumulate_grad_hook(self._drain)
 
     def all_reduce(self, group, divide_by: int) -> None:
-        """The DP sum of the host buffers (gloo), averaged."""
+        """The DP sum of the host buffers, averaged. ``group`` reads host memory: gloo's (on a GPU
+        machine the DP group's gloo twin, as NCCL reads device memory only)."""
         import torch.distributed as dist
 
-        self.finish()
+        self.sums.finish()
         for flat in self.buffers:
             dist.all_reduce(flat, group=group)
             flat /= divide_by
@@ -529,9 +553,9 @@ class ShardedGradientOffload(_HostGradients):
                 continue
             for q in group:
                 q.register_post_accumulate_grad_hook(self._drain if id(q) in chosen else self._own_storage)
-        # DTensors like the shards (same mesh and placements): the step reads them as gradients
-        self.host = {id(p): torch.zeros_like(p) for p in self.params}
-        self._start_transfers(torch.device("cpu"))  # CPU only (mist.engine.run refuses it on a GPU)
+        # DTensors like the shards (same mesh and placements): the step reads them as gradients.
+        # CPU only (mist.engine.run refuses it on a GPU): added in place
+        self.sums = HostSums(torch.device("cpu"), {id(p): torch.zeros_like(p) for p in self.params})
 
     @staticmethod
     def _own_storage(p: nn.Parameter) -> None:

@@ -25,9 +25,9 @@ pipeline stages); around its modules the engine runs the plan's parts it has no 
 * stages with a TP and DP of their own (layout.py: megatron-core's state per stage, the pieces of
   each micro-batch's sequences sent between stages whose shapes differ).
 
-Refused at launch with a message: on a GPU, gradient offloading over DP replicas, and weight
-offloading with ZeRO-1/2/3 over DP replicas (CPU only so far: ``_gpu_offload_limits``); a
-Megatron-LM limit the engine does not build around (none now: ``unsupported``). ZeRO-1 shards fp32
+Refused at launch with a message: on a GPU, weight and gradient offloading with ZeRO-3 over DP
+replicas (CPU only so far: ``_gpu_offload_limits``); a Megatron-LM limit the engine does not
+build around (none now: ``unsupported``). ZeRO-1 shards fp32
 master weights and Adam state over the DP replicas, ZeRO-2 the gradients too (ShardedMasterAdamW),
 ZeRO-3 the weights too (torch's FSDP2 around megatron-core's layers, the embedding and the head,
 each a group: of the whole stage, or of the part whose strategy it is). On a CPU it runs with gloo
@@ -117,25 +117,19 @@ def unsupported(plan: Plan, device: str = "cpu") -> list[str]:
 
 
 def _gpu_offload_limits(plan: Plan) -> list[str]:
-    """What offload.py does on a CPU only: gradients offloaded where a part has DP replicas (their
-    DP sum and ZeRO-2/3's reductions would meet host buffers, which NCCL cannot read), and weights
-    offloaded where a ZeRO-1/2/3 part has DP replicas (its broadcasts and gathers read the
-    weights). The embedding/head's strategy (pre_post) is held by the first and the last stage."""
-    reasons = []
+    """What offload.py does on a CPU only: weights or gradients offloaded where a ZeRO-3 part has
+    DP replicas (FSDP2's gathers and reduce-scatters would read and write the host shards, which
+    NCCL cannot; ShardedWeightOffload, ShardedGradientOffload). The embedding/head's strategy
+    (pre_post) is held by the first and the last stage."""
     held = [(s, plan.stage_parallelism(i)[1]) for i, s in enumerate(plan.stages)]
     if plan.pre_post is not None:
         held.append((plan.pre_post, max(held[0][1], held[-1][1])))
-    if any(part.offload_grads and dp > 1 for part, dp in held):
-        reasons.append(
-            "gradient offloading over DP replicas on a GPU (offload.py runs it on the CPU engine "
-            "only; on a GPU with one replica)"
-        )
-    if any(part.offload_weights and part.zero >= 1 and dp > 1 for part, dp in held):
-        reasons.append(
-            "weight offloading with ZeRO-1/2/3 over DP replicas on a GPU (offload.py runs it on "
-            "the CPU engine only; on a GPU with ZeRO-0 or one replica)"
-        )
-    return reasons
+    if any((part.offload_weights or part.offload_grads) and part.zero >= 3 and dp > 1 for part, dp in held):
+        return [
+            "weight or gradient offloading with ZeRO-3 over DP replicas on a GPU (offload.py runs "
+            "it on the CPU engine only; on a GPU with ZeRO-0/1/2, or one replica)"
+        ]
+    return []
 
 
 def _config(spec, plan: Plan, dtype: torch.dtype, tp: int | None = None, selective: bool = False):
@@ -394,13 +388,14 @@ class StageGradients:
         kept = [p for p in order if id(p) in kept]  # the model's order: backward runs it reversed
         self.buffer = ContiguousGrads(kept, overlap) if kept else None
 
-    def sync(self, dp_group) -> None:
-        """The DP averages, and the host sums where the optimizer reads them."""
+    def sync(self, dp_group, host_dp_group) -> None:
+        """The DP averages (the host sums' over ``host_dp_group``, the DP group's gloo twin: NCCL
+        reads device memory only), and the host sums where the optimizer reads them."""
         if self.buffer is not None and self.dp > 1:
             self.buffer.all_reduce(dp_group, divide_by=self.dp)
         for host in self.drained:
             if self.dp > 1:
-                host.all_reduce(dp_group, divide_by=self.dp)
+                host.all_reduce(host_dp_group, divide_by=self.dp)
             host.attach()
         for host in self.drained_shards:  # FSDP2 averaged them over DP
             host.attach()
@@ -761,7 +756,7 @@ class _Steps:
         self.in_backward.append(buffer.launched_in_backward if buffer is not None else 0)
         if b.tp > 1:
             _sum_sequence_parallel_grads(b.model, ps.get_tensor_model_parallel_group())
-        b.gradients.sync(ps.get_data_parallel_group())
+        b.gradients.sync(ps.get_data_parallel_group(), ps.get_data_parallel_group_gloo())
         if not self.first_grad_norm:  # the first step's, as the optimizer reads them
             self.first_grad_norm.append(_grad_norm(b.model))
         self.clipped_norms.append(

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from measure.training import gradient_to_step
 
-from .offload import HOST_WORK, flat_views
+from .offload import HostSums, flat_views
 from .pipeline import gpt_modules
 
 
@@ -66,6 +66,8 @@ class ShardedMasterAdamW:
 
         from .offload import OffloadedMasterAdamW, split_by_fraction
 
+        # where the collectives run (NCCL: the GPU); host-resident weights are copied through it
+        self.device = buckets[0][0].device
         self.buckets = [[p for p in bucket if p.requires_grad] for bucket in buckets]
         self.buckets = [b for b in self.buckets if b]
         self.params = [p for bucket in self.buckets for p in bucket]
@@ -93,7 +95,10 @@ class ShardedMasterAdamW:
                 "gradient offload of a ZeRO-1 part is GradientOffload's (its grads are all-reduced)"
             )
         on_host, _ = split_by_fraction(owned, offload_grads) if owned else ([], [])
-        self.host_grads = {id(p): torch.zeros_like(p, device="cpu") for p in on_host}
+        pin = self.device.type == "cuda"  # pinned host memory on a GPU: its copies down are DMAs
+        self.host_grads = HostSums(
+            self.device, {id(p): torch.zeros(p.shape, dtype=p.dtype, pin_memory=pin) for p in on_host}
+        )
         self.pending: dict[int, list[torch.Tensor]] = {}  # bucket -> gradients made this micro-batch
         self.shard_grads = shard_grads
         # ZeRO-2 with sequence parallelism: the gradients of weights marked sequence_parallel (the
@@ -181,21 +186,25 @@ class ShardedMasterAdamW:
         for q in bucket:
             summed = flat[offset : offset + q.numel()].view_as(q)
             offset += q.numel()
-            if id(q) in self.host_grads:  # down, added on the host; the message is freed
-                with torch.profiler.record_function(HOST_WORK):
-                    self.host_grads[id(q)].add_(summed)
+            if id(q) in self.host_grads.host:  # down, added on the host; the message is freed
+                self.host_grads.add(id(q), summed)
                 continue
             so_far = self.reduced.get(id(q))  # (views into this bucket's message: all of it is mine)
             self.reduced[id(q)] = summed if so_far is None else so_far.add_(summed)
 
     def gradients_to_step(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(parameter, gradient) of this rank's share as its step reads them (for clipping's norm):
-        under ZeRO-2 the reduced sums, averaged over DP and put on ``.grad`` once a step; under
-        ZeRO-1 each parameter's (GradientOffload's host sums where it drained them)."""
+        under ZeRO-2 the reduced sums, averaged over DP once a step and put on ``.grad``, or
+        ``.host_grad`` where summed on the host; under ZeRO-1 each parameter's (GradientOffload's
+        host sums where it drained them)."""
         if self.shard_grads and not self.averaged:
+            self.host_grads.finish()
             for p in self.owned:
-                summed = self.host_grads.get(id(p))
-                summed = self.reduced.pop(id(p), None) if summed is None else summed
+                on_host = self.host_grads.host.get(id(p))
+                if on_host is not None:
+                    p.host_grad = on_host.div_(self.dp)
+                    continue
+                summed = self.reduced.pop(id(p), None)
                 p.grad = None if summed is None else summed.div_(self.dp)
             self.averaged = True
         return [(p, g) for p in self.owned if (g := gradient_to_step(p)) is not None]
@@ -223,14 +232,15 @@ class ShardedMasterAdamW:
             ]
             if mine:
                 flat_collective(
-                    mine, lambda flat, src=owner: dist.broadcast(flat, src, self.group, async_op=True)
+                    mine,
+                    lambda flat, src=owner: dist.broadcast(flat, src, self.group, async_op=True),
+                    self.device,
                 )
 
     def zero_grad(self) -> None:
         for p in self.params:
-            p.grad = None
-        for buffer in self.host_grads.values():
-            buffer.zero_()
+            p.grad = p.host_grad = None
+        self.host_grads.zero()
 
     def state_tensors(self) -> list[torch.Tensor]:
         return self.inner.state_tensors() if self.inner is not None else []
@@ -240,7 +250,7 @@ class ShardedMasterAdamW:
         return self.inner.host_tensors() if hasattr(self.inner, "host_tensors") else []
 
     def host_gradient_tensors(self) -> list[torch.Tensor]:
-        return list(self.host_grads.values())
+        return self.host_grads.tensors()
 
 
 def layer_buckets(model) -> list[list[torch.Tensor]]:
@@ -389,14 +399,23 @@ def broadcast_async(tensors: list[torch.Tensor], src: int, group) -> list:
     return finishes
 
 
-def flat_collective(tensors: list[torch.Tensor], collective) -> None:
+def flat_collective(tensors: list[torch.Tensor], collective, device: torch.device | None = None) -> None:
     """Run ``collective(flat)`` (async, returns its work) once per dtype on a flat copy of
-    ``tensors``, then copy the result back: a collective per tensor pays its latency per tensor."""
+    ``tensors`` on ``device`` (None: the first tensor's), then copy the result back: a collective
+    per tensor pays its latency per tensor. A tensor elsewhere (a weight at rest on the host:
+    WeightOffload) is copied up into the flat copy and the result back down, so NCCL, which reads
+    device memory only, can carry it."""
     from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
     for dtype in sorted({t.dtype for t in tensors}, key=str):  # same order on every rank
         bucket = [t for t in tensors if t.dtype == dtype]
-        flat = _flatten_dense_tensors(bucket)
+        device = device or bucket[0].device
+        if all(t.device == device for t in bucket):
+            flat = _flatten_dense_tensors(bucket)  # (one contiguous tensor: itself, no copy)
+        else:  # copied up piece by piece, no device copy of each first
+            flat = torch.empty(sum(t.numel() for t in bucket), dtype=dtype, device=device)
+            for t, piece in zip(bucket, flat.split([t.numel() for t in bucket]), strict=True):
+                piece.copy_(t.reshape(-1))
         work = collective(flat)
         work.wait()
         del work  # the buffer is then freed by this thread, where the CPU memory profiler sees it
