@@ -8,7 +8,9 @@ mechanisms, in float32 so that every sum is the plain run's bit for bit.
 On a CPU the copies are made in line; on a GPU (``cuda``, run by the GPU check) they run on
 offload.py's copy stream, where a copy the compute stream did not wait for would read or leave
 stale values: the same exact equality then checks the stream's synchronisation, and the device
-peak checks that the weights left the device.
+peak checks that the weights left the device. ``cpu-deferred`` checks the same waits on a CPU:
+each copy is made only when waited for, the latest a stream may, its destination poisoned until
+then (offload.defer_copies); controls there drop a wait and must fail.
 """
 
 from __future__ import annotations
@@ -18,11 +20,20 @@ import torch
 from torch import nn
 
 from measure.training import gradient_to_step
+from mist.engine import offload
 from mist.engine.offload import ActivationOffload, GradientOffload, Transfers, WeightOffload
 
 # the cuda cases are marked gpu: skipped without CUDA (tests/conftest.py), run by the GPU check
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+DEVICES = ["cpu", "cpu-deferred", pytest.param("cuda", marks=pytest.mark.gpu)]
 LAYERS, MICRO_BATCHES = 4, 3
+
+
+@pytest.fixture
+def device(request, monkeypatch) -> str:
+    """The device of a case (``cpu-deferred``: the CPU, its copies deferred until waited for)."""
+    mode = request.param
+    monkeypatch.setattr(offload, "_DEFER_COPIES", mode == "cpu-deferred")
+    return mode.removesuffix("-deferred")
 
 
 class _KeepsACpuSeed(torch.autograd.Function):
@@ -70,7 +81,7 @@ def _train(layers: nn.ModuleList, batches: list[torch.Tensor], after_forward=lam
     return losses
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
 def test_a_copy_up_and_down_round_trips(device):
     """Transfers.up then down returns the tensor bit for bit, the up copy a new tensor on the
     device (never the host one: the device peak must hold it)."""
@@ -78,6 +89,8 @@ def test_a_copy_up_and_down_round_trips(device):
     host = transfers.host_like(torch.empty(257, 3))
     host.copy_(torch.randn(257, 3))
     arriving = transfers.up(host)
+    if transfers.deferred is not None:  # not made before it is waited for: poison until then
+        assert torch.isnan(arriving.tensor).all()
     up = arriving.take()
     assert up.device.type == device and up.data_ptr() != host.data_ptr()
     back = transfers.host_like(up)
@@ -87,18 +100,9 @@ def test_a_copy_up_and_down_round_trips(device):
     assert torch.equal(back, host * 2)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize(
-    "mechanisms",
-    [("weights",), ("grads",), ("activations",), ("weights", "grads", "activations")],
-    ids=["weights", "grads", "activations", "all"],
-)
-def test_offloaded_stack_trains_as_the_plain_one(device, mechanisms):
-    """The same losses and the same summed gradients as the plain stack, bit for bit; offloaded
-    weights rest on the host between steps, offloaded gradients are host sums the optimizer reads
-    (gradient_to_step) while .grad holds none, and swapped activations were taken off the device
-    as saved. On a GPU the step's device peak is below the plain one's by at least the weights'
-    bytes where weights are offloaded (a weight that never left the device would fail it)."""
+def _plain_and_offloaded(device: str, mechanisms: tuple[str, ...]) -> tuple[dict, dict]:
+    """({offloaded: (losses, summed gradients)}, {offloaded: the device peak, on a GPU}): the stack
+    trained without and with ``mechanisms``' offloading, from the same weights and batches."""
     width = 256 if device == "cuda" else 32
     seed = int(torch.randint(0, 2**31, ()).item())
     batches = [torch.randn(8, width, device=device) for _ in range(MICRO_BATCHES)]
@@ -140,15 +144,61 @@ def test_offloaded_stack_trains_as_the_plain_one(device, mechanisms):
             seeds = LAYERS - 1 if device == "cpu" else 0
             assert swapped == [3 * LAYERS + seeds] * MICRO_BATCHES, swapped
             assert all(not q for q in activations.queues)  # every micro-batch's came back
-    (plain_losses, plain_grads), (losses, grads_seen) = runs[False], runs[True]
-    assert losses == plain_losses
-    for a, b in zip(grads_seen, plain_grads, strict=True):
-        assert torch.equal(a, b)
+    return runs, peaks
+
+
+def _same(runs: dict) -> bool:
+    (plain_losses, plain_values), (losses, values) = runs[False], runs[True]
+    return losses == plain_losses and all(
+        torch.equal(a, b) for a, b in zip(values, plain_values, strict=True)
+    )
+
+
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
+@pytest.mark.parametrize(
+    "mechanisms",
+    [("weights",), ("grads",), ("activations",), ("weights", "grads", "activations")],
+    ids=["weights", "grads", "activations", "all"],
+)
+def test_offloaded_stack_trains_as_the_plain_one(device, mechanisms):
+    """The same losses and the same summed gradients as the plain stack, bit for bit; offloaded
+    weights rest on the host between steps, offloaded gradients are host sums the optimizer reads
+    (gradient_to_step) while .grad holds none, and swapped activations were taken off the device
+    as saved. On a GPU the step's device peak is below the plain one's by at least the weights'
+    bytes where weights are offloaded (a weight that never left the device would fail it)."""
+    runs, peaks = _plain_and_offloaded(device, mechanisms)
+    assert _same(runs), runs
     if device == "cuda":  # whatever is offloaded, the device holds less at its peak
         assert peaks[True] < peaks[False], peaks
     if device == "cuda" and "weights" in mechanisms:  # all but two layers' weights off the device
-        weight_bytes = sum(p.numel() * p.element_size() for p in params)
+        weight_bytes = sum(t.numel() * t.element_size() for t in runs[False][1])  # a gradient a weight
         assert peaks[False] - peaks[True] >= weight_bytes * (1 - 2 / LAYERS), peaks
+
+
+@pytest.mark.parametrize("device", ["cpu-deferred"], indirect=True)
+@pytest.mark.parametrize(
+    ("mechanisms", "dropped"),
+    [
+        (("weights",), "the compute stream's wait for a copy up"),
+        (("activations",), "the compute stream's wait for a copy up"),
+        (("grads",), "the host's wait for gradients' copies down"),
+    ],
+    ids=["weights-taken-without-wait", "activations-taken-without-wait", "host-sums-without-wait"],
+)
+def test_a_wait_dropped_fails_where_copies_are_deferred(device, mechanisms, dropped, monkeypatch):
+    """The negative controls of the deferred check: with a wait the GPU needs dropped, the values
+    trained change (a copy up read as poison, or host sums read before their last copy down), or
+    poison meets a check inside the run (the CPU seed saved for backward: _KeepsACpuSeed)."""
+    if dropped.startswith("the compute"):
+        monkeypatch.setattr(offload.DeferredCopy, "hand_to_compute", lambda self, tensor: None)
+    else:
+        monkeypatch.setattr(offload.HostSums, "finish", lambda self: None)
+    try:
+        runs, _ = _plain_and_offloaded(device, mechanisms)
+    except AssertionError as e:  # the seed's check: the poison of an int64, never a seed drawn here
+        assert str(torch.iinfo(torch.int64).max) in str(e), e
+        return
+    assert not _same(runs), dropped
 
 
 @pytest.fixture
@@ -167,8 +217,14 @@ def one_process_group(request):
 
 @pytest.mark.parametrize(
     ("device", "control"),
-    [("cpu", False), ("cpu", True), pytest.param("cuda", False, marks=pytest.mark.gpu)],
-    ids=["cpu", "cpu-control-lost-host-sums", "cuda"],
+    [
+        ("cpu", False),
+        ("cpu", True),
+        ("cpu-deferred", False),
+        pytest.param("cuda", False, marks=pytest.mark.gpu),
+    ],
+    ids=["cpu", "cpu-control-lost-host-sums", "cpu-deferred", "cuda"],
+    indirect=["device"],
 )
 def test_zero2_with_offloaded_weights_and_gradients_steps_as_the_plain_one(
     device, control, one_process_group, monkeypatch
@@ -215,8 +271,4 @@ def test_zero2_with_offloaded_weights_and_gradients_steps_as_the_plain_one(
             assert weights.resident() == 0
             assert any(p.device.type == "cpu" for p in params) and all(p.host_grad is None for p in params)
         runs[offloaded] = losses, [p.detach().cpu().clone() for p in params]
-    (plain_losses, plain_weights), (losses, weights_seen) = runs[False], runs[True]
-    same = losses == plain_losses and all(
-        torch.equal(a, b) for a, b in zip(weights_seen, plain_weights, strict=True)
-    )
-    assert same != control, (losses, plain_losses)
+    assert _same(runs) != control, runs

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import math
 import os
 import subprocess
 import sys
@@ -32,17 +33,18 @@ from mist.tuning.stage_cost import layer_numbers, offloaded_layers
 TOLERANCE = 0.10
 
 
-def _torchrun(plan: Plan, tmp_path: Path, steps: int = 1) -> dict:
-    """The engine's report for ``plan``; each distinct plan is launched once per test session
-    (several tests compare against the same plain plan). One timed step after the warm-up and
-    the memory steps: the tests judge losses and memory; step times are the experiments'."""
-    key = (json.dumps(plan.what_runs(), sort_keys=True), steps)
+def _torchrun(plan: Plan, tmp_path: Path, steps: int = 1, extra: tuple[str, ...] = ()) -> dict:
+    """The engine's report for ``plan`` (``extra``: more arguments of mist.engine.run); each
+    distinct plan is launched once per test session (several tests compare against the same
+    plain plan). One timed step after the warm-up and the memory steps: the tests judge losses
+    and memory; step times are the experiments'."""
+    key = (json.dumps(plan.what_runs(), sort_keys=True), steps, extra)
     if key in _REPORTS:
         return _REPORTS[key]
     tmp_path.mkdir(parents=True, exist_ok=True)
     path, out = tmp_path / "plan.yaml", tmp_path / "report.json"
     plan.save(path)
-    args = ["--plan", str(path), "--steps", str(steps), "--out", str(out)]
+    args = ["--plan", str(path), "--steps", str(steps), "--out", str(out), *extra]
     done = fork_launch.shared("mist.engine.run:preload").run(plan.gpus, "mist.engine.run", args, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     _REPORTS[key] = json.loads(out.read_text())
@@ -605,6 +607,37 @@ def test_gradient_offload_accumulates_on_the_host(tmp_path, dp, zero):
         if zero == 0:
             assert abs(stage.memory_bytes / r["memory_bytes"] - 1) < TOLERANCE, (r, stage.memory_bytes)
             assert abs(without.memory_bytes / r["memory_bytes"] - 1) > TOLERANCE, (r, without.memory_bytes)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    ("stages", "dp", "zero"),
+    [([4], 2, 0), ([4], 2, 2), ([2, 2], 1, 0)],
+    ids=["dp2", "dp2-zero2", "pp2"],
+)
+def test_offloading_waits_for_every_copy_it_reads(tmp_path, stages, dp, zero):
+    """``--defer-copies`` (offload.defer_copies) makes each of offloading's copies only when it is
+    waited for, the latest a GPU's copy stream may make it, its destination poisoned until then.
+    A plan offloading half of each layer's weights, every gradient, the activations of the layers
+    not recomputed (one of each stage's is) and half the optimizer state then trains to the same
+    losses and gradient norms, exactly, as without deferral: every value the engine reads through
+    a copy was waited for, as a GPU needs (over DP: ZeRO-0's host sums and ZeRO-2's; in a
+    pipeline, 1F1B's micro-batches in flight). Negative controls, a wait dropped:
+    test_mist_offload_mechanisms.py."""
+    offloads = {"offload_weights": 0.5, "offload_grads": 1.0, "offload_activations": 1.0}
+    plan = _tiny_plan(
+        [StagePlan(n, recompute=1, zero=zero, offload_optimizer=0.5, **offloads) for n in stages], dp=dp
+    )
+    assert not unsupported(plan) and not unsupported(plan, "cuda"), unsupported(plan, "cuda")
+    eager = _torchrun(plan, tmp_path / "eager", steps=2)
+    deferred = _torchrun(plan, tmp_path / "deferred", steps=2, extra=("--defer-copies",))
+    assert deferred["deferred_copies"] and not eager["deferred_copies"]
+    for a, b in zip(eager["ranks"], deferred["ranks"], strict=True):
+        assert (a["losses"], a["global_grad_norms"]) == (b["losses"], b["global_grad_norms"]), (a, b)
+        assert a["host_weight_bytes"] > 0 and a["host_gradient_bytes"] > 0, a
+        assert a["activation_offloaded_layers"] == stages[a["stage"]] - 1, a
+    assert all(math.isfinite(x) for r in deferred["ranks"] if r["losses"] for x in r["losses"])
 
 
 @pytest.mark.slow

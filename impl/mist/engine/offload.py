@@ -56,13 +56,81 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+class CudaCopy:
+    """The end of a copy on a GPU's copy stream (Transfers)."""
+
+    __slots__ = ("event",)
+
+    def __init__(self, stream: torch.cuda.Stream) -> None:
+        self.event = torch.cuda.Event()
+        self.event.record(stream)
+
+    def synchronize(self) -> None:
+        """Wait on the host until the copy is done."""
+        self.event.synchronize()
+
+    def hand_to_compute(self, tensor: torch.Tensor) -> None:
+        """The compute stream's later work waits for the copy, and the allocator keeps ``tensor``'s
+        memory until the work queued on that stream is done, wherever the tensor is freed."""
+        compute = torch.cuda.current_stream(tensor.device)
+        compute.wait_event(self.event)
+        tensor.record_stream(compute)
+
+
+class DeferredCopy:
+    """A copy in Transfers' deferred mode (a check of the waits, on a CPU: ``defer_copies``). It is
+    made only when waited for, or when a later copy of the same Transfers is (they are made in
+    order, as a stream makes them); until then its destination holds poison (NaN; an integer's
+    largest value), and its source is read when it is made, so a read that did not wait, or a
+    source changed before the copy was waited for, shows in the values trained."""
+
+    __slots__ = ("destination", "queue", "source")
+
+    def __init__(self, queue: list[DeferredCopy], source: torch.Tensor, destination: torch.Tensor) -> None:
+        self.queue, self.source, self.destination = queue, source, destination
+        _poison(destination)
+        queue.append(self)
+
+    def synchronize(self) -> None:
+        """Make every copy queued up to this one, in order."""
+        while self.source is not None:
+            first = self.queue.pop(0)
+            first.destination.copy_(first.source)
+            first.source = None
+
+    def hand_to_compute(self, tensor: torch.Tensor) -> None:
+        self.synchronize()
+
+
+def _poison(t: torch.Tensor) -> None:
+    if t.is_floating_point() or t.is_complex():
+        t.fill_(float("nan"))
+    else:
+        t.fill_(True if t.dtype == torch.bool else torch.iinfo(t.dtype).max)
+
+
+Copy = CudaCopy | DeferredCopy
+
+# Transfers made on a CPU while this is on defer their copies (``defer_copies``)
+_DEFER_COPIES = False
+
+
+def defer_copies(on: bool) -> None:
+    """Transfers made from now on, on a CPU, defer every copy until it is waited for (DeferredCopy):
+    the latest a GPU's copy stream may make it. A wait missing where a GPU needs one then reads
+    poison on the CPU too. A check, not a way to train: the copies' sources stay held until
+    made, so the device peak it reports is not offloading's."""
+    global _DEFER_COPIES
+    _DEFER_COPIES = on
+
+
 class Arriving:
     """A tensor being copied up to the device (Transfers.up): ``take`` hands it to the compute
     stream once the copy is done."""
 
     __slots__ = ("done", "tensor")
 
-    def __init__(self, tensor: torch.Tensor, done: torch.cuda.Event | None) -> None:
+    def __init__(self, tensor: torch.Tensor, done: Copy | None) -> None:
         self.tensor, self.done = tensor, done
 
     def take(self) -> torch.Tensor:
@@ -70,9 +138,7 @@ class Arriving:
         the allocator keeps the copy's memory until the work queued on it is done, wherever the
         tensor is freed."""
         if self.done is not None:
-            compute = torch.cuda.current_stream(self.tensor.device)
-            compute.wait_event(self.done)
-            self.tensor.record_stream(compute)
+            self.done.hand_to_compute(self.tensor)
             self.done = None
         return self.tensor
 
@@ -85,11 +151,18 @@ class Transfers:
     (Arriving.take); a copy down waits for the compute that made its tensor and leaves the
     compute stream free. Host memory is pinned there, which asynchronous copies need. On a CPU,
     where host and device are one memory, each copy is made in line, a real copy all the same:
-    the device peak holds what a GPU's would."""
+    the device peak holds what a GPU's would; or, to check the waits, as late as a stream may
+    (``defer_copies``)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.deferred: list[DeferredCopy] | None = [] if self.stream is None and _DEFER_COPIES else None
+
+    @property
+    def asynchronous(self) -> bool:
+        """A copy may be done after it is issued (on a GPU's stream, or deferred): it is waited for."""
+        return self.stream is not None or self.deferred is not None
 
     def host_like(self, tensor: torch.Tensor) -> torch.Tensor:
         """An empty host tensor shaped like ``tensor`` (pinned on a GPU machine)."""
@@ -99,20 +172,24 @@ class Transfers:
 
     def up(self, host: torch.Tensor) -> Arriving:
         """Begin copying ``host`` to the device."""
+        if self.deferred is not None:
+            tensor = torch.empty_like(host)
+            return Arriving(tensor, DeferredCopy(self.deferred, host, tensor))
         if self.stream is None:
             return Arriving(host.clone(), None)
         with torch.cuda.stream(self.stream):
             tensor = host.to(self.device, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(self.stream)
+            done = CudaCopy(self.stream)
         return Arriving(tensor, done)
 
-    def down(self, tensor: torch.Tensor, host: torch.Tensor) -> torch.cuda.Event | None:
-        """Copy ``tensor`` (on the device) into ``host``; returns the event of the copy's end (None
+    def down(self, tensor: torch.Tensor, host: torch.Tensor) -> Copy | None:
+        """Copy ``tensor`` (on the device) into ``host``; returns the copy's end, to wait for (None
         on a CPU, where it is done). On a GPU the copy waits for the work queued so far on the
         compute stream, and the allocator keeps ``tensor``'s memory until the copy is done. A
         later ``up`` of ``host`` is ordered after it by the stream; the host reads it only after
-        the event."""
+        waiting for it."""
+        if self.deferred is not None:
+            return DeferredCopy(self.deferred, tensor, host)
         if self.stream is None:
             with torch.profiler.record_function(HOST_WORK):
                 host.copy_(tensor)
@@ -120,8 +197,7 @@ class Transfers:
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
             host.copy_(tensor, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(self.stream)
+            done = CudaCopy(self.stream)
         tensor.record_stream(self.stream)
         return done
 
@@ -413,11 +489,11 @@ class HostSums:
         self.host = host
         self.transfers = Transfers(device)
         self.staging: dict[int, torch.Tensor] = {}  # GPU: key -> its addend's pinned copy
-        self.copying: dict[int, torch.cuda.Event] = {}  # GPU: key -> that copy's end
+        self.copying: dict[int, Copy] = {}  # GPU: key -> that copy's end
 
     def add(self, key: int, tensor: torch.Tensor) -> None:
         """Add ``tensor`` (on the device) into ``host[key]``; the caller may free it at once."""
-        if self.transfers.stream is None:
+        if not self.transfers.asynchronous:
             with torch.profiler.record_function(HOST_WORK):  # down, added on the host
                 local(self.host[key]).add_(tensor)
             return

@@ -68,6 +68,7 @@ from .offload import (
     ShardedGradientOffload,
     ShardedWeightOffload,
     WeightOffload,
+    defer_copies,
     local,
     offload_layer_activations,
 )
@@ -963,9 +964,18 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--steps", type=int, default=5, help="timed steps (after one warm-up and the memory steps)"
     )
     ap.add_argument("--out", help="write rank 0's gathered report (JSON)")
+    ap.add_argument(
+        "--defer-copies",
+        action="store_true",
+        help="a check, on a CPU: offloading's copies are made only when waited for, the latest a "
+        "GPU's copy stream may make them, their destinations poisoned until then (a missing wait "
+        "shows in the losses); the memory and times reported are then not offloading's",
+    )
     args = ap.parse_args(argv)
     if args.steps < 1:
         ap.error(f"--steps must be at least 1, got {args.steps}")
+    if args.defer_copies and torch.cuda.is_available():
+        ap.error("--defer-copies checks on a CPU what a GPU's copy stream does; on a GPU the stream runs")
     if (problem := launch_env_problem("mist.engine.run")) is not None:
         ap.error(problem)
     if args.out:  # before the training, not after it
@@ -1011,6 +1021,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         from .cpu_shim import gpu_standins
 
+        defer_copies(args.defer_copies)
         with gpu_standins():  # on a CPU: its stand-ins for a GPU's bf16 GEMMs and dropout, as the profiles'
             report = run(plan, args.steps)
     except (OSError, ValueError) as e:  # a plan file missing or unreadable; a plan it cannot run
@@ -1021,6 +1032,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.out:  # this rank's report of it (the others cannot gather: they wait in a collective)
             _write_out_of_memory_report(Path(args.out), plan)
         return 3
+    report["deferred_copies"] = args.defer_copies  # then its memory and times are not offloading's
     out_of_memory = report["ranks"][0]["out_of_memory"]  # the same on every rank
     if dist.get_rank() == 0:
         _print_report(report, args.out)
