@@ -9,7 +9,6 @@ from measure.checks import finite
 from .sizes import CHUNK_ELEMS
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-_BIT_WEIGHTS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
 
 
 def check_float(name: str, t: torch.Tensor) -> None:
@@ -50,15 +49,21 @@ def pack_bits(mask: torch.Tensor) -> torch.Tensor:
     pad = (-flat.numel()) % 8
     if pad:
         flat = torch.cat([flat, flat.new_zeros(pad)])
-    weights = _BIT_WEIGHTS.to(mask.device)
-    return (flat.view(-1, 8).to(torch.uint8) * weights).sum(dim=1, dtype=torch.uint8)
+    return (flat.view(-1, 8).to(torch.uint8) * _bit_weights(mask.device)).sum(dim=1, dtype=torch.uint8)
 
 
 def unpack_bits(packed: torch.Tensor, numel: int) -> torch.Tensor:
     """Inverse of pack_bits: a flat bool tensor of ``numel`` elements."""
-    weights = _BIT_WEIGHTS.to(packed.device)
-    bits = (packed.view(-1, 1) & weights) != 0
+    bits = (packed.view(-1, 1) & _bit_weights(packed.device)) != 0
     return bits.view(-1)[:numel]
+
+
+def _bit_weights(device: torch.device) -> torch.Tensor:
+    """Bit i's value, 2**i, for i < 8: made per call, under whatever mode is current. A tensor made
+    once at import was a FakeTensor forever where the first import ran under FakeTensorMode (a
+    memory estimate), and real calls then failed: in 10 of tests/measure's tests, by the order
+    xdist gave them."""
+    return torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=device)
 
 
 def packed_numel(numel: int) -> int:
