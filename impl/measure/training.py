@@ -48,11 +48,12 @@ class Precision:
 
 
 def gradient_to_step(p: torch.Tensor) -> torch.Tensor | None:
-    """The gradient an optimizer steps ``p`` by: ``p.host_grad`` where a runtime summed it in host
-    memory (the ``.grad`` of a parameter on a GPU cannot hold a host tensor; Megatron's
-    ``main_grad`` is the same idea), else ``p.grad``."""
-    host = getattr(p, "host_grad", None)
-    return p.grad if host is None else host
+    """The gradient an optimizer steps ``p`` by: ``p.step_grad`` where a runtime put it there
+    because ``.grad`` cannot hold it (a host sum of a parameter on a GPU, or a GPU sum of a weight
+    resting on the host: ``.grad`` must be on its parameter's device; Megatron's ``main_grad``
+    is the same idea), else ``p.grad``."""
+    kept_apart = getattr(p, "step_grad", None)
+    return p.grad if kept_apart is None else kept_apart
 
 
 class MasterWeightAdamW:

@@ -201,6 +201,41 @@ def test_a_wait_dropped_fails_where_copies_are_deferred(device, mechanisms, drop
     assert not _same(runs), dropped
 
 
+class _Done:
+    def wait(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("elsewhere", [False, True], ids=["on-its-device", "copied-through-it"])
+def test_a_flat_collective_carries_tensors_to_its_device_and_back(elsewhere, rng):
+    """zero.flat_collective runs one collective per dtype on a flat message on the collective's
+    device; tensors elsewhere (weights at rest on the host, under ZeRO-1/2's broadcast) are
+    copied up into it and the result back down. Here the "collective" doubles its message, and
+    the device named is ``cpu:0``, which no CPU tensor's device equals: the copies up and back
+    run as on a GPU. Every tensor, of either dtype, any shape, a transposed view among them,
+    comes back doubled (one that was not copied back would not be)."""
+    from mist.engine.zero import flat_collective
+
+    shapes = [tuple(int(x) for x in rng.integers(1, 6, size=int(rng.integers(1, 4)))) for _ in range(5)]
+    tensors = [
+        torch.from_numpy(rng.standard_normal(shape)).to([torch.float32, torch.bfloat16][i % 2])
+        for i, shape in enumerate(shapes)
+    ]
+    tensors.append(torch.from_numpy(rng.standard_normal((3, 4))).float().t())  # not contiguous
+    before = [t.clone() for t in tensors]
+    messages = []
+
+    def doubling(flat: torch.Tensor) -> _Done:
+        messages.append(flat.dtype)
+        flat.mul_(2)
+        return _Done()
+
+    flat_collective(tensors, doubling, torch.device("cpu", 0) if elsewhere else None)
+    assert sorted(messages, key=str) == [torch.bfloat16, torch.float32]  # one message a dtype
+    for t, was in zip(tensors, before, strict=True):
+        assert torch.equal(t, was * 2)
+
+
 @pytest.fixture
 def one_process_group(request):
     """A process group of this process alone (NCCL for a GPU's tensors, gloo for the host's), torn
@@ -230,13 +265,18 @@ def test_zero2_with_offloaded_weights_and_gradients_steps_as_the_plain_one(
     device, control, one_process_group, monkeypatch
 ):
     """ZeRO-2 (ShardedMasterAdamW) with half of each layer's weights at rest on the host
-    (WeightOffload) and half of its gradient share summed on the host, over 2 steps of 3
+    (WeightOffload: its first matrix and last bias) and 60% of its gradient share summed on the
+    host (largest first: the first two layers' matrices, every bias), over 2 steps of 3
     micro-batches: the same losses and weights as the plain stack under MasterWeightAdamW, bit for
-    bit. Its reduced gradients go down into host sums (HostSums: on a GPU the copy stream) that the
-    step reads through ``host_grad``; its broadcast of the updated weights copies those at rest on
-    the host through a message on the device (zero.flat_collective) and back. On a GPU these are
-    the lines ZeRO-2 runs over many replicas, where NCCL reads device memory only. Control: host
-    sums that never receive their gradients must change the result."""
+    bit. Its reduced gradients go down into host sums (HostSums: on a GPU the copy stream); the
+    step reads every sum through ``step_grad`` (``.grad`` cannot hold a GPU sum of a weight at
+    rest on the host, as the last two layers' first matrices are); its broadcast of the updated
+    weights copies those at rest on the host through a message on the device
+    (zero.flat_collective) and back. On a GPU these are
+    the lines ZeRO-2 runs over many replicas, where NCCL reads device memory only. A bucket (a
+    layer) whose gradients sum partly on the host keeps no view of its reduced message, which
+    would keep it whole. Control: host sums that never receive their gradients must change the
+    result."""
     from measure.training import MasterWeightAdamW
     from mist.engine.offload import HostSums
     from mist.engine.zero import ShardedMasterAdamW
@@ -256,19 +296,27 @@ def test_zero2_with_offloaded_weights_and_gradients_steps_as_the_plain_one(
                 one_process_group,
                 lr=1e-2,
                 shard_grads=True,
-                offload_grads=0.5,
+                offload_grads=0.6,
             )
-            assert optimizer.host_grads.host  # some gradients sum on the host
+            on_host = [[id(q) in optimizer.host_grads.host for q in layer.parameters()] for layer in layers]
+            assert any(any(h) and not all(h) for h in on_host), on_host  # a layer sums on both
             weights = WeightOffload(list(layers), 0.5)  # last, as the engine builds it
         else:
             optimizer = MasterWeightAdamW(params, lr=1e-2, fused=True)
         losses = []
         for _ in range(2):
             losses += _train(layers, batches)
+            if offloaded:  # a layer's sums on the device hold their own bytes, no more
+                for layer in layers:
+                    kept = [
+                        optimizer.reduced[id(q)] for q in layer.parameters() if id(q) in optimizer.reduced
+                    ]
+                    held = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in kept}
+                    assert sum(held.values()) == sum(t.numel() * t.element_size() for t in kept), held
             optimizer.step()
             optimizer.zero_grad()
         if offloaded:
             assert weights.resident() == 0
-            assert any(p.device.type == "cpu" for p in params) and all(p.host_grad is None for p in params)
+            assert any(p.device.type == "cpu" for p in params) and all(p.step_grad is None for p in params)
         runs[offloaded] = losses, [p.detach().cpu().clone() for p in params]
     assert _same(runs) != control, runs

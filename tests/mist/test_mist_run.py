@@ -522,7 +522,7 @@ def test_zero3_with_tensor_and_sequence_parallelism_trains_as_without_zero(tmp_p
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize(("dp", "zero"), [(1, 0), (2, 1)], ids=["dp1", "dp2-zero1"])
+@pytest.mark.parametrize(("dp", "zero"), [(1, 0), (2, 1), (2, 2)], ids=["dp1", "dp2-zero1", "dp2-zero2"])
 def test_weight_offload_trains_the_same_and_frees_the_device(tmp_path, dp, zero):
     """Every weight (the embedding and head too: they follow the stage) at rest on the host, up for
     its layer's forward and backward with the next layer's prefetched, the optimizer offloaded
@@ -531,9 +531,11 @@ def test_weight_offload_trains_the_same_and_frees_the_device(tmp_path, dp, zero)
     weights' bytes the model counts, no weight is left on the device after the step, and the
     device memory is within the tolerance of the prediction. Negative control: the memory
     predicted without weight offloading is outside it (a weight that never left the device would
-    match that one). Not ZeRO-2 here: at this size its memory comes out 20-33% under the
-    prediction with or without weight offloading (the model holds the gradient shards all step;
-    the engine frees them once reduced), a gap of the model's, not of this mechanism."""
+    match that one). ZeRO-2 without the memory checks: at this size its memory comes out 20-33%
+    under the prediction with or without weight offloading (the model holds the gradient shards
+    all step; the engine frees them once reduced), a gap of the model's, not of this mechanism;
+    its updated weights, at rest on the host, are broadcast through the device
+    (zero.flat_collective) and its sums stepped through ``step_grad``."""
     plain_plan, plain, plan, report = _offload_pair("offload_weights", dp, zero, tmp_path)
     a, b = (next(r["losses"] for r in rep["ranks"] if r["losses"] is not None) for rep in (plain, report))
     assert a == pytest.approx(b, rel=1e-6)
@@ -543,8 +545,9 @@ def test_weight_offload_trains_the_same_and_frees_the_device(tmp_path, dp, zero)
         moved = stage.host_memory_bytes - without.host_memory_bytes  # the weights' bf16 bytes
         assert r["host_weight_bytes"] == pytest.approx(moved, rel=0.02), (r, moved)
         assert r0["held_bytes"] - r["held_bytes"] == r["host_weight_bytes"], (r0, r)
-        assert abs(stage.memory_bytes / r["memory_bytes"] - 1) < TOLERANCE, (r, stage.memory_bytes)
-        assert abs(without.memory_bytes / r["memory_bytes"] - 1) > TOLERANCE, (r, without.memory_bytes)
+        if zero < 2:
+            assert abs(stage.memory_bytes / r["memory_bytes"] - 1) < TOLERANCE, (r, stage.memory_bytes)
+            assert abs(without.memory_bytes / r["memory_bytes"] - 1) > TOLERANCE, (r, without.memory_bytes)
 
 
 @pytest.mark.slow

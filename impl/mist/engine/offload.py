@@ -38,6 +38,8 @@ offloading saves as a GPU would (the copies are not overlapped there).
 
 from __future__ import annotations
 
+from collections import deque
+
 import torch
 from torch import nn
 
@@ -69,6 +71,10 @@ class CudaCopy:
         """Wait on the host until the copy is done."""
         self.event.synchronize()
 
+    def done(self) -> bool:
+        """Whether the copy is done (without waiting)."""
+        return self.event.query()
+
     def hand_to_compute(self, tensor: torch.Tensor) -> None:
         """The compute stream's later work waits for the copy, and the allocator keeps ``tensor``'s
         memory until the work queued on that stream is done, wherever the tensor is freed."""
@@ -90,6 +96,9 @@ class DeferredCopy:
         self.queue, self.source, self.destination = queue, source, destination
         _poison(destination)
         queue.append(self)
+
+    def done(self) -> bool:
+        return self.source is None
 
     def synchronize(self) -> None:
         """Make every copy queued up to this one, in order."""
@@ -481,15 +490,18 @@ def flat_views(
 class HostSums:
     """Sums in host memory (``host``: key -> buffer) of tensors made on the device, one addend at a
     time (``add``). On a GPU an addend goes down on the copy stream (Transfers) into a pinned
-    staging buffer of its key's and is added on the host once that copy is done: when the key's
-    next addend arrives (long done by then) or in ``finish``; meanwhile the compute stream runs
-    on. On a CPU it is added in place. A ZeRO-3 buffer is a DTensor: its local shard is added to."""
+    staging buffer and is added on the host once that copy is done, meanwhile the compute stream
+    runs on: the copies done are added at each ``add``, the rest in ``finish``, oldest first (a
+    stream makes them in order), so each sum adds its addends in the CPU's order, bit for bit.
+    A staging buffer added is reused (kept by shape and dtype): they hold what is in flight, not
+    a second copy of the sums. On a CPU an addend is added in place. A ZeRO-3 buffer is a
+    DTensor: its local shard is added to."""
 
     def __init__(self, device: torch.device, host: dict[int, torch.Tensor]) -> None:
         self.host = host
         self.transfers = Transfers(device)
-        self.staging: dict[int, torch.Tensor] = {}  # GPU: key -> its addend's pinned copy
-        self.copying: dict[int, Copy] = {}  # GPU: key -> that copy's end
+        self.in_flight: deque[tuple[int, torch.Tensor, Copy]] = deque()  # (key, staging, its copy)
+        self.free: dict[tuple, list[torch.Tensor]] = {}  # (shape, dtype) -> staging buffers added
 
     def add(self, key: int, tensor: torch.Tensor) -> None:
         """Add ``tensor`` (on the device) into ``host[key]``; the caller may free it at once."""
@@ -497,36 +509,38 @@ class HostSums:
             with torch.profiler.record_function(HOST_WORK):  # down, added on the host
                 local(self.host[key]).add_(tensor)
             return
-        self._add_copied(key)
-        if key not in self.staging:
-            self.staging[key] = self.transfers.host_like(tensor)
-        self.copying[key] = self.transfers.down(tensor, self.staging[key])
+        self._add_copied(wait=False)
+        free = self.free.get((tensor.shape, tensor.dtype))
+        staging = free.pop() if free else self.transfers.host_like(tensor)
+        self.in_flight.append((key, staging, self.transfers.down(tensor, staging)))
 
-    def _add_copied(self, key: int) -> None:
-        done = self.copying.pop(key, None)
-        if done is not None:
-            done.synchronize()
+    def _add_copied(self, wait: bool) -> None:
+        """Add the addends whose copies are done (``wait``: every one, waiting for them)."""
+        while self.in_flight and (wait or self.in_flight[0][2].done()):
+            key, staging, copy = self.in_flight.popleft()
+            copy.synchronize()
             with torch.profiler.record_function(HOST_WORK):
-                local(self.host[key]).add_(self.staging[key])
+                local(self.host[key]).add_(staging)
+            self.free.setdefault((staging.shape, staging.dtype), []).append(staging)
 
     def finish(self) -> None:
         """Every addend so far in its sum."""
-        for key in list(self.copying):
-            self._add_copied(key)
+        self._add_copied(wait=True)
 
     def zero(self) -> None:
         for buffer in self.host.values():
             local(buffer).zero_()
 
     def tensors(self) -> list[torch.Tensor]:
-        """The host sums, and on a GPU their staging buffers."""
-        return [local(t) for t in self.host.values()] + list(self.staging.values())
+        """The host sums, and on a GPU the staging buffers."""
+        staging = [t for _, t, _ in self.in_flight] + [t for ts in self.free.values() for t in ts]
+        return [local(t) for t in self.host.values()] + staging
 
 
 class _HostGradients:
     """Gradients of ``params`` added into host sums (``sums``: HostSums, by parameter id) as
     backward makes them, and dropped on the device; ``attach`` puts the sums where the optimizer
-    reads them (``p.host_grad``: measure.training.gradient_to_step). A ZeRO-3 parameter, its
+    reads them (``p.step_grad``: measure.training.gradient_to_step). A ZeRO-3 parameter, its
     gradient and its buffer are DTensors: each rank's shard is what is added."""
 
     params: list[nn.Parameter]
@@ -545,11 +559,11 @@ class _HostGradients:
         """The summed gradients where the optimizer reads them, for its step."""
         self.sums.finish()
         for p in self.params:
-            p.host_grad = self.host[id(p)]
+            p.step_grad = self.host[id(p)]
 
     def zero(self) -> None:
         for p in self.params:
-            p.grad = p.host_grad = None
+            p.grad = p.step_grad = None
         self.sums.zero()
 
     def host_tensors(self) -> list[torch.Tensor]:

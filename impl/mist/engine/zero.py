@@ -182,30 +182,34 @@ class ShardedMasterAdamW:
         dist.reduce(flat, dst=owner, group=self.group)
         if owner != dist.get_rank():
             return
+        # where some of the bucket sums on the host, a view kept of the rest would keep the whole
+        # message, the host's part included: the rest is copied out of it
+        mixed = any(id(q) in self.host_grads.host for q in bucket)
         offset = 0
         for q in bucket:
             summed = flat[offset : offset + q.numel()].view_as(q)
             offset += q.numel()
-            if id(q) in self.host_grads.host:  # down, added on the host; the message is freed
+            if id(q) in self.host_grads.host:  # down, added on the host
                 self.host_grads.add(id(q), summed)
                 continue
-            so_far = self.reduced.get(id(q))  # (views into this bucket's message: all of it is mine)
-            self.reduced[id(q)] = summed if so_far is None else so_far.add_(summed)
+            so_far = self.reduced.get(id(q))
+            if so_far is None:  # a view into this bucket's message: all of it is mine, or a copy
+                self.reduced[id(q)] = summed.clone() if mixed else summed
+            else:
+                so_far.add_(summed)
 
     def gradients_to_step(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(parameter, gradient) of this rank's share as its step reads them (for clipping's norm):
-        under ZeRO-2 the reduced sums, averaged over DP once a step and put on ``.grad``, or
-        ``.host_grad`` where summed on the host; under ZeRO-1 each parameter's (GradientOffload's
-        host sums where it drained them)."""
+        under ZeRO-2 the reduced sums (on the host or the device), averaged over DP once a step
+        and put on ``.step_grad`` (``.grad`` must be on the parameter's device, and a weight may
+        rest on the host: WeightOffload); under ZeRO-1 each parameter's (GradientOffload's host
+        sums where it drained them)."""
         if self.shard_grads and not self.averaged:
             self.host_grads.finish()
             for p in self.owned:
-                on_host = self.host_grads.host.get(id(p))
-                if on_host is not None:
-                    p.host_grad = on_host.div_(self.dp)
-                    continue
-                summed = self.reduced.pop(id(p), None)
-                p.grad = None if summed is None else summed.div_(self.dp)
+                summed = self.host_grads.host.get(id(p))
+                summed = self.reduced.pop(id(p), None) if summed is None else summed
+                p.step_grad = None if summed is None else summed.div_(self.dp)
             self.averaged = True
         return [(p, g) for p in self.owned if (g := gradient_to_step(p)) is not None]
 
@@ -239,7 +243,7 @@ class ShardedMasterAdamW:
 
     def zero_grad(self) -> None:
         for p in self.params:
-            p.grad = p.host_grad = None
+            p.grad = p.step_grad = None
         self.host_grads.zero()
 
     def state_tensors(self) -> list[torch.Tensor]:
@@ -409,11 +413,11 @@ def flat_collective(tensors: list[torch.Tensor], collective, device: torch.devic
 
     for dtype in sorted({t.dtype for t in tensors}, key=str):  # same order on every rank
         bucket = [t for t in tensors if t.dtype == dtype]
-        device = device or bucket[0].device
-        if all(t.device == device for t in bucket):
+        where = device or bucket[0].device
+        if all(t.device == where for t in bucket):
             flat = _flatten_dense_tensors(bucket)  # (one contiguous tensor: itself, no copy)
         else:  # copied up piece by piece, no device copy of each first
-            flat = torch.empty(sum(t.numel() for t in bucket), dtype=dtype, device=device)
+            flat = torch.empty(sum(t.numel() for t in bucket), dtype=dtype, device=where)
             for t, piece in zip(bucket, flat.split([t.numel() for t in bucket]), strict=True):
                 piece.copy_(t.reshape(-1))
         work = collective(flat)
