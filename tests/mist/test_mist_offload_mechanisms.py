@@ -8,9 +8,9 @@ mechanisms, in float32 so that every sum is the plain run's bit for bit.
 On a CPU the copies are made in line; on a GPU (``cuda``, run by the GPU check) they run on
 offload.py's copy stream, where a copy the compute stream did not wait for would read or leave
 stale values: the same exact equality then checks the stream's synchronisation, and the device
-peak checks that the weights left the device. ``cpu-deferred`` checks the same waits on a CPU:
-each copy is made only when waited for, the latest a stream may, its destination poisoned until
-then (offload.defer_copies); controls there drop a wait and must fail.
+peak checks that the weights left the device. ``cpu-latest`` and ``cpu-run-ahead`` check the same
+waits on a CPU: each copy is made as late, or as early, as a stream may, its destination
+poisoned until then (offload.CopyTiming); controls there drop a wait and must fail.
 """
 
 from __future__ import annotations
@@ -24,16 +24,17 @@ from mist.engine import offload
 from mist.engine.offload import ActivationOffload, GradientOffload, Transfers, WeightOffload
 
 # the cuda cases are marked gpu: skipped without CUDA (tests/conftest.py), run by the GPU check
-DEVICES = ["cpu", "cpu-deferred", pytest.param("cuda", marks=pytest.mark.gpu)]
+DEVICES = ["cpu", "cpu-latest", "cpu-run-ahead", pytest.param("cuda", marks=pytest.mark.gpu)]
 LAYERS, MICRO_BATCHES = 4, 3
 
 
 @pytest.fixture
 def device(request, monkeypatch) -> str:
-    """The device of a case (``cpu-deferred``: the CPU, its copies deferred until waited for)."""
-    mode = request.param
-    monkeypatch.setattr(offload, "_DEFER_COPIES", mode == "cpu-deferred")
-    return mode.removesuffix("-deferred")
+    """The device of a case (``cpu-latest``, ``cpu-run-ahead``: the CPU, its copies made at that
+    offload.CopyTiming)."""
+    device, _, timing = request.param.partition("-")
+    monkeypatch.setattr(offload, "_COPY_TIMING", offload.CopyTiming(timing or "in-line"))
+    return device
 
 
 class _KeepsACpuSeed(torch.autograd.Function):
@@ -175,28 +176,43 @@ def test_offloaded_stack_trains_as_the_plain_one(device, mechanisms):
         assert peaks[False] - peaks[True] >= weight_bytes * (1 - 2 / LAYERS), peaks
 
 
-@pytest.mark.parametrize("device", ["cpu-deferred"], indirect=True)
 @pytest.mark.parametrize(
-    ("mechanisms", "dropped"),
+    ("device", "mechanisms", "dropped"),
     [
-        (("weights",), "the compute stream's wait for a copy up"),
-        (("activations",), "the compute stream's wait for a copy up"),
-        (("grads",), "the host's wait for gradients' copies down"),
+        ("cpu-latest", ("weights",), "the compute stream's wait for a copy up"),
+        ("cpu-latest", ("activations",), "the compute stream's wait for a copy up"),
+        ("cpu-latest", ("grads",), "the host's wait for a gradient's copy down"),
+        ("cpu-run-ahead", ("grads",), "a staging buffer's wait for its add before reuse"),
     ],
-    ids=["weights-taken-without-wait", "activations-taken-without-wait", "host-sums-without-wait"],
+    ids=[
+        "weights-taken-without-wait",
+        "activations-taken-without-wait",
+        "host-add-without-wait",
+        "staging-reused-in-flight",
+    ],
+    indirect=["device"],
 )
 def test_a_wait_dropped_fails_where_copies_are_deferred(device, mechanisms, dropped, monkeypatch):
-    """The negative controls of the deferred check: with a wait the GPU needs dropped, the values
-    trained change (a copy up read as poison, or host sums read before their last copy down), or
-    poison meets a check inside the run (the CPU seed saved for backward: _KeepsACpuSeed)."""
+    """The negative controls of the deferred timings: with a wait the GPU needs dropped, the values
+    trained change (a copy up read as poison; a host sum adding its staging buffer before the copy
+    into it was made; one staging buffer a shape, reused while a copy into it is in flight, which
+    only a stream that runs ahead shows), or poison meets a check inside the run (the CPU seed
+    saved for backward: _KeepsACpuSeed)."""
     if dropped.startswith("the compute"):
         monkeypatch.setattr(offload.DeferredCopy, "hand_to_compute", lambda self, tensor: None)
+    elif dropped.startswith("the host"):
+        monkeypatch.setattr(offload.DeferredCopy, "synchronize", lambda self: None)
     else:
-        monkeypatch.setattr(offload.HostSums, "finish", lambda self: None)
+        shared: dict[tuple, torch.Tensor] = {}
+        monkeypatch.setattr(
+            offload.Transfers,
+            "host_like",
+            lambda self, t: shared.setdefault((t.shape, t.dtype), torch.empty(t.shape, dtype=t.dtype)),
+        )
     try:
         runs, _ = _plain_and_offloaded(device, mechanisms)
-    except AssertionError as e:  # the seed's check: the poison of an int64, never a seed drawn here
-        assert str(torch.iinfo(torch.int64).max) in str(e), e
+    except AssertionError as e:  # the seed's check: the poison of its int64, the inverse of 7
+        assert str(~7) in str(e), e
         return
     assert not _same(runs), dropped
 
@@ -255,10 +271,11 @@ def one_process_group(request):
     [
         ("cpu", False),
         ("cpu", True),
-        ("cpu-deferred", False),
+        ("cpu-latest", False),
+        ("cpu-run-ahead", False),
         pytest.param("cuda", False, marks=pytest.mark.gpu),
     ],
-    ids=["cpu", "cpu-control-lost-host-sums", "cpu-deferred", "cuda"],
+    ids=["cpu", "cpu-control-lost-host-sums", "cpu-latest", "cpu-run-ahead", "cuda"],
     indirect=["device"],
 )
 def test_zero2_with_offloaded_weights_and_gradients_steps_as_the_plain_one(
@@ -313,6 +330,11 @@ def test_zero2_with_offloaded_weights_and_gradients_steps_as_the_plain_one(
                     ]
                     held = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in kept}
                     assert sum(held.values()) == sum(t.numel() * t.element_size() for t in kept), held
+                # every sum where the step reads it, none on .grad (a GPU sum cannot go on the
+                # .grad of a weight resting on the host)
+                optimizer.gradients_to_step()
+                assert all(p.grad is None and p.step_grad is not None for p in params)
+                weights.settle()  # as the engine does before the step writes the host weights
             optimizer.step()
             optimizer.zero_grad()
         if offloaded:

@@ -614,30 +614,33 @@ def test_gradient_offload_accumulates_on_the_host(tmp_path, dp, zero):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("timing", ["latest", "run-ahead"])
 @pytest.mark.parametrize(
     ("stages", "dp", "zero"),
     [([4], 2, 0), ([4], 2, 2), ([2, 2], 1, 0)],
     ids=["dp2", "dp2-zero2", "pp2"],
 )
-def test_offloading_waits_for_every_copy_it_reads(tmp_path, stages, dp, zero):
-    """``--defer-copies`` (offload.defer_copies) makes each of offloading's copies only when it is
-    waited for, the latest a GPU's copy stream may make it, its destination poisoned until then.
-    A plan offloading half of each layer's weights, every gradient, the activations of the layers
-    not recomputed (one of each stage's is) and half the optimizer state then trains to the same
-    losses and gradient norms, exactly, as without deferral: every value the engine reads through
-    a copy was waited for, as a GPU needs (over DP: ZeRO-0's host sums and ZeRO-2's; in a
-    pipeline, 1F1B's micro-batches in flight). Negative controls, a wait dropped:
-    test_mist_offload_mechanisms.py."""
+def test_offloading_waits_for_every_copy_it_reads(tmp_path, stages, dp, zero, timing):
+    """``--copy-timing latest`` (offload.CopyTiming) makes each of offloading's copies only when it
+    is waited for, ``run-ahead`` every copy queued at the first wait after it: the latest and the
+    earliest a GPU's copy stream may make them, their destinations poisoned until then. A plan
+    offloading half of each layer's weights, every gradient, the activations of the layers not
+    recomputed (one of each stage's is) and half the optimizer state then trains to the same
+    losses, gradient norms and final weights, exactly, as with copies in line: every value the
+    engine reads through a copy was waited for, as a GPU needs (over DP: ZeRO-0's host sums and
+    ZeRO-2's; in a pipeline, 1F1B's micro-batches in flight). Negative controls, a wait dropped:
+    test_mist_offload_mechanisms.py (what neither timing can see: offload.CopyTiming)."""
     offloads = {"offload_weights": 0.5, "offload_grads": 1.0, "offload_activations": 1.0}
     plan = _tiny_plan(
         [StagePlan(n, recompute=1, zero=zero, offload_optimizer=0.5, **offloads) for n in stages], dp=dp
     )
     assert not unsupported(plan) and not unsupported(plan, "cuda"), unsupported(plan, "cuda")
-    eager = _torchrun(plan, tmp_path / "eager", steps=2)
-    deferred = _torchrun(plan, tmp_path / "deferred", steps=2, extra=("--defer-copies",))
-    assert deferred["deferred_copies"] and not eager["deferred_copies"]
-    for a, b in zip(eager["ranks"], deferred["ranks"], strict=True):
-        assert (a["losses"], a["global_grad_norms"]) == (b["losses"], b["global_grad_norms"]), (a, b)
+    in_line = _torchrun(plan, tmp_path / "in-line", steps=2)
+    deferred = _torchrun(plan, tmp_path / timing, steps=2, extra=("--copy-timing", timing))
+    assert (deferred["copy_timing"], in_line["copy_timing"]) == (timing, "in-line")
+    for a, b in zip(in_line["ranks"], deferred["ranks"], strict=True):
+        fields = ("losses", "global_grad_norms", "weight_sum")
+        assert [a[f] for f in fields] == [b[f] for f in fields], (a, b)
         assert a["host_weight_bytes"] > 0 and a["host_gradient_bytes"] > 0, a
         assert a["activation_offloaded_layers"] == stages[a["stage"]] - 1, a
     assert all(math.isfinite(x) for r in deferred["ranks"] if r["losses"] for x in r["losses"])

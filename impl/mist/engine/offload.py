@@ -38,6 +38,7 @@ offloading saves as a GPU would (the copies are not overlapped there).
 
 from __future__ import annotations
 
+import enum
 from collections import deque
 
 import torch
@@ -83,54 +84,80 @@ class CudaCopy:
         tensor.record_stream(compute)
 
 
+class CopyTiming(enum.Enum):
+    """When Transfers' copies are made on a CPU. ``IN_LINE``: as they are issued (training). The
+    deferred timings check the waits a GPU's copy stream needs (DeferredCopy: a copy's destination
+    holds poison until it is made, its source is read then):
+
+    * ``LATEST``: a copy is made only when it, or a later copy of its stream, is waited for: a
+      read that skipped its wait sees poison, a source changed after the copy was issued shows;
+    * ``RUN_AHEAD``: every copy queued is made at the first wait after it, a stream that ran
+      ahead: a later copy lands before the host used an earlier one's destination (a staging
+      buffer reused while in flight shows).
+
+    What neither can show: waits on the host and on the compute stream are alike on a CPU (a
+    host write that a GPU would order only through the compute stream), compute runs eagerly (a
+    copy down issued before the compute that makes its source), and a source stays referenced
+    until copied (a missing ``record_stream``)."""
+
+    IN_LINE = "in-line"
+    LATEST = "latest"
+    RUN_AHEAD = "run-ahead"
+
+
+class _DeferredStream:
+    """The copies a deferred Transfers has queued, made in order, as a stream makes them."""
+
+    def __init__(self, run_ahead: bool) -> None:
+        self.queue: deque[DeferredCopy] = deque()
+        self.run_ahead = run_ahead
+
+    def make_through(self, copy: DeferredCopy) -> None:
+        """Make ``copy`` and every copy before it (run ahead: every copy queued)."""
+        while copy.source is not None or (self.run_ahead and self.queue):
+            first = self.queue.popleft()
+            first.destination.copy_(first.source)
+            first.source = None
+
+
 class DeferredCopy:
-    """A copy in Transfers' deferred mode (a check of the waits, on a CPU: ``defer_copies``). It is
-    made only when waited for, or when a later copy of the same Transfers is (they are made in
-    order, as a stream makes them); until then its destination holds poison (NaN; an integer's
-    largest value), and its source is read when it is made, so a read that did not wait, or a
-    source changed before the copy was waited for, shows in the values trained."""
+    """A copy of Transfers' deferred timings (CopyTiming), made by its stream (_DeferredStream)
+    when waited for. Until then its destination holds poison: NaN, or the bitwise inverse of the
+    source for integers and booleans (each element wrong, whatever the values)."""
 
-    __slots__ = ("destination", "queue", "source")
+    __slots__ = ("destination", "source", "stream")
 
-    def __init__(self, queue: list[DeferredCopy], source: torch.Tensor, destination: torch.Tensor) -> None:
-        self.queue, self.source, self.destination = queue, source, destination
-        _poison(destination)
-        queue.append(self)
+    def __init__(self, stream: _DeferredStream, source: torch.Tensor, destination: torch.Tensor) -> None:
+        self.stream, self.source, self.destination = stream, source, destination
+        if destination.is_floating_point() or destination.is_complex():
+            destination.fill_(float("nan"))
+        else:  # the inverse of what it will hold: that of a copy into the source still queued
+            coming = next((c.source for c in reversed(stream.queue) if c.destination is source), source)
+            destination.copy_(coming).bitwise_not_()
+        stream.queue.append(self)
 
     def done(self) -> bool:
         return self.source is None
 
     def synchronize(self) -> None:
-        """Make every copy queued up to this one, in order."""
-        while self.source is not None:
-            first = self.queue.pop(0)
-            first.destination.copy_(first.source)
-            first.source = None
+        self.stream.make_through(self)
 
     def hand_to_compute(self, tensor: torch.Tensor) -> None:
-        self.synchronize()
-
-
-def _poison(t: torch.Tensor) -> None:
-    if t.is_floating_point() or t.is_complex():
-        t.fill_(float("nan"))
-    else:
-        t.fill_(True if t.dtype == torch.bool else torch.iinfo(t.dtype).max)
+        self.stream.make_through(self)
 
 
 Copy = CudaCopy | DeferredCopy
 
-# Transfers made on a CPU while this is on defer their copies (``defer_copies``)
-_DEFER_COPIES = False
+# when Transfers made from now on, on a CPU, make their copies (``set_copy_timing``)
+_COPY_TIMING = CopyTiming.IN_LINE
 
 
-def defer_copies(on: bool) -> None:
-    """Transfers made from now on, on a CPU, defer every copy until it is waited for (DeferredCopy):
-    the latest a GPU's copy stream may make it. A wait missing where a GPU needs one then reads
-    poison on the CPU too. A check, not a way to train: the copies' sources stay held until
-    made, so the device peak it reports is not offloading's."""
-    global _DEFER_COPIES
-    _DEFER_COPIES = on
+def set_copy_timing(timing: CopyTiming) -> None:
+    """When Transfers made from now on, on a CPU, make their copies (CopyTiming). The deferred
+    timings are checks, not a way to train: the copies' sources stay held until made, so the
+    device peak reported is not offloading's."""
+    global _COPY_TIMING
+    _COPY_TIMING = timing
 
 
 class Arriving:
@@ -160,18 +187,26 @@ class Transfers:
     (Arriving.take); a copy down waits for the compute that made its tensor and leaves the
     compute stream free. Host memory is pinned there, which asynchronous copies need. On a CPU,
     where host and device are one memory, each copy is made in line, a real copy all the same:
-    the device peak holds what a GPU's would; or, to check the waits, as late as a stream may
-    (``defer_copies``)."""
+    the device peak holds what a GPU's would; or, to check the waits, as late or as early as a
+    stream may (CopyTiming)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self.deferred: list[DeferredCopy] | None = [] if self.stream is None and _DEFER_COPIES else None
+        deferred = self.stream is None and _COPY_TIMING is not CopyTiming.IN_LINE
+        self.deferred = _DeferredStream(_COPY_TIMING is CopyTiming.RUN_AHEAD) if deferred else None
 
     @property
     def asynchronous(self) -> bool:
         """A copy may be done after it is issued (on a GPU's stream, or deferred): it is waited for."""
         return self.stream is not None or self.deferred is not None
+
+    def settle(self) -> None:
+        """Wait on the host until every copy issued so far is done."""
+        if self.stream is not None:
+            self.stream.synchronize()
+        elif self.deferred is not None and self.deferred.queue:
+            self.deferred.make_through(self.deferred.queue[-1])
 
     def host_like(self, tensor: torch.Tensor) -> torch.Tensor:
         """An empty host tensor shaped like ``tensor`` (pinned on a GPU machine)."""
@@ -429,6 +464,11 @@ class WeightOffload:
     def host_tensors(self) -> list[torch.Tensor]:
         return list(self.host.values())
 
+    def settle(self) -> None:
+        """Before the step writes the host copies: every copy up that reads them done (the
+        compute stream waited for each, the host may not have)."""
+        self.transfers.settle()
+
     def resident(self) -> int:
         """How many offloaded parameters are on the device now (none between steps)."""
         return sum(len(ps) for ps, up in zip(self.offloaded, self.up, strict=True) if up)
@@ -493,15 +533,18 @@ class HostSums:
     staging buffer and is added on the host once that copy is done, meanwhile the compute stream
     runs on: the copies done are added at each ``add``, the rest in ``finish``, oldest first (a
     stream makes them in order), so each sum adds its addends in the CPU's order, bit for bit.
-    A staging buffer added is reused (kept by shape and dtype): they hold what is in flight, not
-    a second copy of the sums. On a CPU an addend is added in place. A ZeRO-3 buffer is a
-    DTensor: its local shard is added to."""
+    A staging buffer added is reused (kept by shape and dtype), and the bytes in flight are at
+    most the sums' (the host waits for the oldest copy first): at most as much host memory again.
+    On a CPU an addend is added in place. A ZeRO-3 buffer is a DTensor: its local shard is added
+    to."""
 
     def __init__(self, device: torch.device, host: dict[int, torch.Tensor]) -> None:
         self.host = host
         self.transfers = Transfers(device)
         self.in_flight: deque[tuple[int, torch.Tensor, Copy]] = deque()  # (key, staging, its copy)
         self.free: dict[tuple, list[torch.Tensor]] = {}  # (shape, dtype) -> staging buffers added
+        self.limit = sum(local(t).numel() * local(t).element_size() for t in host.values())
+        self.in_flight_bytes = 0
 
     def add(self, key: int, tensor: torch.Tensor) -> None:
         """Add ``tensor`` (on the device) into ``host[key]``; the caller may free it at once."""
@@ -509,23 +552,27 @@ class HostSums:
             with torch.profiler.record_function(HOST_WORK):  # down, added on the host
                 local(self.host[key]).add_(tensor)
             return
-        self._add_copied(wait=False)
+        nbytes = tensor.numel() * tensor.element_size()
+        while self.in_flight and (self.in_flight[0][2].done() or self.in_flight_bytes + nbytes > self.limit):
+            self._add_oldest()
         free = self.free.get((tensor.shape, tensor.dtype))
         staging = free.pop() if free else self.transfers.host_like(tensor)
         self.in_flight.append((key, staging, self.transfers.down(tensor, staging)))
+        self.in_flight_bytes += nbytes
 
-    def _add_copied(self, wait: bool) -> None:
-        """Add the addends whose copies are done (``wait``: every one, waiting for them)."""
-        while self.in_flight and (wait or self.in_flight[0][2].done()):
-            key, staging, copy = self.in_flight.popleft()
-            copy.synchronize()
-            with torch.profiler.record_function(HOST_WORK):
-                local(self.host[key]).add_(staging)
-            self.free.setdefault((staging.shape, staging.dtype), []).append(staging)
+    def _add_oldest(self) -> None:
+        """The oldest addend in flight added, once its copy is done (waiting for it)."""
+        key, staging, copy = self.in_flight.popleft()
+        copy.synchronize()
+        with torch.profiler.record_function(HOST_WORK):
+            local(self.host[key]).add_(staging)
+        self.in_flight_bytes -= staging.numel() * staging.element_size()
+        self.free.setdefault((staging.shape, staging.dtype), []).append(staging)
 
     def finish(self) -> None:
         """Every addend so far in its sum."""
-        self._add_copied(wait=True)
+        while self.in_flight:
+            self._add_oldest()
 
     def zero(self) -> None:
         for buffer in self.host.values():
@@ -617,6 +664,9 @@ class ShardedWeightOffload:
 
     def host_tensors(self) -> list[torch.Tensor]:
         return [local(p) for p in self.offloaded]
+
+    def settle(self) -> None:
+        """Nothing to wait for: FSDP2's all-gather reads the shards (CPU only)."""
 
     def resident(self) -> int:
         """Offloaded weights on the device between steps: none (FSDP2 frees what it gathered)."""

@@ -63,14 +63,15 @@ from .layout import RankLayout, init_megatron_state
 from .megatron import megatron_limits, model_settings
 from .offload import (
     HOST_WORK,
+    CopyTiming,
     GradientOffload,
     OffloadedMasterAdamW,
     ShardedGradientOffload,
     ShardedWeightOffload,
     WeightOffload,
-    defer_copies,
     local,
     offload_layer_activations,
+    set_copy_timing,
 )
 from .pipeline import ModelChunks, Pipeline1F1B, PipelineInterleaved, gpt_modules
 from .zero import (
@@ -767,6 +768,8 @@ class _Steps:
             self.first_grad_norm.append(_grad_norm(b.model))  # and after clipping
         t2 = _now(device)
         self.in_forward.append(sum(o.gathered_in_forward for o in b.zero12))
+        for offload in b.weights:  # the step writes the host copies their copies up read
+            offload.settle()
         b.optimizer.step()
         b.gradients.zero()
         self.phases.append({"pipeline_s": t1 - t0, "grad_sync_s": t2 - t1, "optimizer_s": _now(device) - t2})
@@ -965,17 +968,20 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     ap.add_argument("--out", help="write rank 0's gathered report (JSON)")
     ap.add_argument(
-        "--defer-copies",
-        action="store_true",
-        help="a check, on a CPU: offloading's copies are made only when waited for, the latest a "
-        "GPU's copy stream may make them, their destinations poisoned until then (a missing wait "
-        "shows in the losses); the memory and times reported are then not offloading's",
+        "--copy-timing",
+        choices=[t.value for t in CopyTiming],
+        default=CopyTiming.IN_LINE.value,
+        help="when offloading's copies are made on a CPU: in line (training), or, to check the "
+        "waits a GPU's copy stream needs, as late or as early as a stream may, their destinations "
+        "poisoned until then (a missing wait shows in the losses; offload.CopyTiming); the memory "
+        "and times reported are then not offloading's",
     )
     args = ap.parse_args(argv)
     if args.steps < 1:
         ap.error(f"--steps must be at least 1, got {args.steps}")
-    if args.defer_copies and torch.cuda.is_available():
-        ap.error("--defer-copies checks on a CPU what a GPU's copy stream does; on a GPU the stream runs")
+    args.copy_timing = CopyTiming(args.copy_timing)
+    if args.copy_timing is not CopyTiming.IN_LINE and torch.cuda.is_available():
+        ap.error("--copy-timing checks on a CPU what a GPU's copy stream does; on a GPU the stream runs")
     if (problem := launch_env_problem("mist.engine.run")) is not None:
         ap.error(problem)
     if args.out:  # before the training, not after it
@@ -1021,7 +1027,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         from .cpu_shim import gpu_standins
 
-        defer_copies(args.defer_copies)
+        set_copy_timing(args.copy_timing)
         with gpu_standins():  # on a CPU: its stand-ins for a GPU's bf16 GEMMs and dropout, as the profiles'
             report = run(plan, args.steps)
     except (OSError, ValueError) as e:  # a plan file missing or unreadable; a plan it cannot run
@@ -1032,7 +1038,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.out:  # this rank's report of it (the others cannot gather: they wait in a collective)
             _write_out_of_memory_report(Path(args.out), plan)
         return 3
-    report["deferred_copies"] = args.defer_copies  # then its memory and times are not offloading's
+    report["copy_timing"] = args.copy_timing.value  # deferred: its memory and times are not offloading's
     out_of_memory = report["ranks"][0]["out_of_memory"]  # the same on every rank
     if dist.get_rank() == 0:
         _print_report(report, args.out)
