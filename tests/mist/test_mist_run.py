@@ -616,25 +616,29 @@ def test_gradient_offload_accumulates_on_the_host(tmp_path, dp, zero):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("timing", ["latest", "run-ahead"])
 @pytest.mark.parametrize(
-    ("stages", "dp", "zero"),
-    [([4], 2, 0), ([4], 2, 2), ([2, 2], 1, 0)],
-    ids=["dp2", "dp2-zero2", "pp2"],
+    ("stages", "dp", "zero", "edges"),
+    [([4], 2, 0, False), ([4], 2, 1, False), ([4], 2, 2, False), ([4], 2, 3, False), ([2, 2], 1, 0, True)],
+    ids=["dp2", "dp2-zero1", "dp2-zero2", "dp2-zero3", "pp2-edges"],
 )
-def test_offloading_waits_for_every_copy_it_reads(tmp_path, stages, dp, zero, timing):
+def test_offloading_waits_for_every_copy_it_reads(tmp_path, stages, dp, zero, edges, timing):
     """``--copy-timing latest`` (offload.CopyTiming) makes each of offloading's copies only when it
     is waited for, ``run-ahead`` every copy queued at the first wait after it: the latest and the
     earliest a GPU's copy stream may make them, their destinations poisoned until then. A plan
     offloading half of each layer's weights, every gradient, the activations of the layers not
     recomputed (one of each stage's is) and half the optimizer state then trains to the same
     losses, gradient norms and final weights, exactly, as with copies in line: every value the
-    engine reads through a copy was waited for, as a GPU needs (over DP: ZeRO-0's host sums and
-    ZeRO-2's; in a pipeline, 1F1B's micro-batches in flight). Negative controls, a wait dropped:
-    test_mist_offload_mechanisms.py (what neither timing can see: offload.CopyTiming)."""
+    engine reads through a copy was waited for, as a GPU needs (over DP: ZeRO-0/1's host sums,
+    ZeRO-2's and ZeRO-3's, a CPU-only path; in a pipeline, 1F1B's micro-batches in flight, and
+    the embedding and head offloading as their own part, ``pre_post``). Negative controls, a wait
+    dropped: test_mist_offload_mechanisms.py (what neither timing can see: offload.CopyTiming)."""
     offloads = {"offload_weights": 0.5, "offload_grads": 1.0, "offload_activations": 1.0}
     plan = _tiny_plan(
         [StagePlan(n, recompute=1, zero=zero, offload_optimizer=0.5, **offloads) for n in stages], dp=dp
     )
-    assert not unsupported(plan) and not unsupported(plan, "cuda"), unsupported(plan, "cuda")
+    if edges:
+        plan.pre_post = PrePostPlan(offload_weights=1.0, offload_grads=0.5)
+    assert not unsupported(plan), unsupported(plan)
+    assert bool(unsupported(plan, "cuda")) == (zero == 3), unsupported(plan, "cuda")  # ZeRO-3: CPU only
     in_line = _torchrun(plan, tmp_path / "in-line", steps=2)
     deferred = _torchrun(plan, tmp_path / timing, steps=2, extra=("--copy-timing", timing))
     assert (deferred["copy_timing"], in_line["copy_timing"]) == (timing, "in-line")

@@ -122,8 +122,8 @@ class _DeferredStream:
 
 class DeferredCopy:
     """A copy of Transfers' deferred timings (CopyTiming), made by its stream (_DeferredStream)
-    when waited for. Until then its destination holds poison: NaN, or the bitwise inverse of the
-    source for integers and booleans (each element wrong, whatever the values)."""
+    when waited for. Until then its destination holds poison: NaN, or for integers and booleans
+    the bitwise inverse of the value the copy will bring (each element wrong, whatever it is)."""
 
     __slots__ = ("destination", "source", "stream")
 
