@@ -328,6 +328,15 @@ class Plan:
         tp, dp = stage.tp or self.tp, stage.dp or self.dp
         return tp, dp, self.global_batch // (self.grad_accum * dp)
 
+    def strategies_with_dp(self) -> list[tuple[StagePlan | PrePostPlan, int]]:
+        """Every strategy the plan holds with the DP it runs over: each stage's, and the
+        embedding/head's (``pre_post``), held by the first and the last stage, over the larger
+        of their DPs."""
+        held = [(s, self.stage_parallelism(i)[1]) for i, s in enumerate(self.stages)]
+        if self.pre_post is not None:
+            held.append((self.pre_post, max(held[0][1], held[-1][1])))
+        return held
+
     def with_stage_parallelism_lifted(self) -> Plan:
         """This plan with its stages' TP and DP written at the plan's level, where every stage has
         the same (an Aceso-style search trades TP for DP stage by stage and may end with all of

@@ -838,9 +838,7 @@ def test_every_plan_of_the_committed_comparison_is_accepted():
             accepted[system] += not unsupported(plan)
             gpu_reasons = unsupported(plan, "cuda")
             on_gpu[system] += not gpu_reasons
-            dp = [plan.stage_parallelism(i)[1] for i in range(len(plan.stages))]
-            held = [*zip(plan.stages, dp, strict=True)]
-            held += [(plan.pre_post, max(dp[0], dp[-1]))] if plan.pre_post is not None else []
+            held = plan.strategies_with_dp()
             offloads = any(d > 1 and s.zero >= 3 and (s.offload_grads or s.offload_weights) for s, d in held)
             assert bool(gpu_reasons) == offloads, (point["key"], system, gpu_reasons)
     print(f"accepted of {len(points)} cases on the CPU engine:", accepted, "on a GPU:", on_gpu)

@@ -27,13 +27,13 @@ pipeline stages); around its modules the engine runs the plan's parts it has no 
 
 Refused at launch with a message: on a GPU, weight and gradient offloading with ZeRO-3 over DP
 replicas (CPU only so far: ``_gpu_offload_limits``); a Megatron-LM limit the engine does not
-build around (none now: ``unsupported``). ZeRO-1 shards fp32
-master weights and Adam state over the DP replicas, ZeRO-2 the gradients too (ShardedMasterAdamW),
-ZeRO-3 the weights too (torch's FSDP2 around megatron-core's layers, the embedding and the head,
-each a group: of the whole stage, or of the part whose strategy it is). On a CPU it runs with gloo
-and the CUDA stand-ins of cpu_shim; on GPUs with NCCL. Each rank reports its losses, the times of
-its timed steps, and memory (exact tensor bytes held + the allocator peak of a steady step: the
-median and the worst of a few, profiled before the timed ones); rank 0 gathers them.
+build around (none now: ``unsupported``). ZeRO-1 shards fp32 master weights and Adam state over
+the DP replicas, ZeRO-2 the gradients too (ShardedMasterAdamW), ZeRO-3 the weights too (torch's
+FSDP2 around megatron-core's layers, the embedding and the head, each a group: of the whole
+stage, or of the part whose strategy it is). On a CPU it runs with gloo and the CUDA stand-ins
+of cpu_shim; on GPUs with NCCL. Each rank reports its losses, the times of its timed steps, and
+memory (exact tensor bytes held + the allocator peak of a steady step: the median and the worst
+of a few, profiled before the timed ones); rank 0 gathers them.
 """
 
 from __future__ import annotations
@@ -121,11 +121,8 @@ def unsupported(plan: Plan, device: str = "cpu") -> list[str]:
 def _gpu_offload_limits(plan: Plan) -> list[str]:
     """What offload.py does on a CPU only: weights or gradients offloaded where a ZeRO-3 part has
     DP replicas (FSDP2's gathers and reduce-scatters would read and write the host shards, which
-    NCCL cannot; ShardedWeightOffload, ShardedGradientOffload). The embedding/head's strategy
-    (pre_post) is held by the first and the last stage."""
-    held = [(s, plan.stage_parallelism(i)[1]) for i, s in enumerate(plan.stages)]
-    if plan.pre_post is not None:
-        held.append((plan.pre_post, max(held[0][1], held[-1][1])))
+    NCCL cannot; ShardedWeightOffload, ShardedGradientOffload)."""
+    held = plan.strategies_with_dp()
     if any((part.offload_weights or part.offload_grads) and part.zero >= 3 and dp > 1 for part, dp in held):
         return [
             "weight or gradient offloading with ZeRO-3 over DP replicas on a GPU (offload.py runs "
