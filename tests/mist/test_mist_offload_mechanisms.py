@@ -21,7 +21,13 @@ from torch import nn
 
 from measure.training import gradient_to_step
 from mist.engine import offload
-from mist.engine.offload import ActivationOffload, GradientOffload, Transfers, WeightOffload
+from mist.engine.offload import (
+    ActivationOffload,
+    GradientOffload,
+    Transfers,
+    WeightOffload,
+    weights_at_rest_on_host,
+)
 
 # the cuda cases are marked gpu: skipped without CUDA (tests/conftest.py), run by the GPU check
 DEVICES = ["cpu", "cpu-latest", "cpu-run-ahead", pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -308,15 +314,20 @@ def test_zero2_with_offloaded_weights_and_gradients_steps_as_the_plain_one(
         layers = _stack(width, device, seed)
         params = list(layers.parameters())
         if offloaded:
+            at_rest = {id(q) for layer in weights_at_rest_on_host(list(layers), 0.5) for q in layer}
             optimizer = ShardedMasterAdamW(
                 [list(layer.parameters()) for layer in layers],
                 one_process_group,
                 lr=1e-2,
                 shard_grads=True,
                 offload_grads=0.6,
+                rest_on_host=frozenset(at_rest),
             )
             on_host = [[id(q) in optimizer.host_grads.host for q in layer.parameters()] for layer in layers]
             assert any(any(h) and not all(h) for h in on_host), on_host  # a layer sums on both
+            # the weight buffer keeps no slot for a weight at rest on the host
+            ((_, messages, _),) = optimizer.after_step
+            assert sum(m.numel() for m in messages) == sum(p.numel() for p in params if id(p) not in at_rest)
             weights = WeightOffload(list(layers), 0.5)  # last, as the engine builds it
         else:
             optimizer = MasterWeightAdamW(params, lr=1e-2, fused=True)
@@ -342,3 +353,73 @@ def test_zero2_with_offloaded_weights_and_gradients_steps_as_the_plain_one(
             assert any(p.device.type == "cpu" for p in params) and all(p.step_grad is None for p in params)
         runs[offloaded] = losses, [p.detach().cpu().clone() for p in params]
     assert _same(runs) != control, runs
+
+
+def _peak_bytes(fn, device: str) -> int:
+    """Bytes ``fn`` allocates at its peak above what was allocated as it began, on ``device``."""
+    if device != "cuda":
+        from measure.cpu_peak import cpu_peak_bytes
+
+        return cpu_peak_bytes(fn)[0]
+    torch.cuda.synchronize()
+    start = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - start
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("at_rest", [0.0, 0.5], ids=["all-on-the-device", "half-on-the-host"])
+def test_zero1_broadcasts_updated_weights_in_place(device, at_rest, one_process_group, rng):
+    """ZeRO-1/2's broadcast of the updated weights (ShardedMasterAdamW.broadcast_weights) runs on
+    the weights' own buffer: the weights on the device are views into one buffer per owner and
+    dtype, so it allocates nothing (a flat copy per owner would hold its whole share twice after
+    the step, which the memory model does not price). Weights at rest on the host (half of each
+    layer's, WeightOffload's choice, moved there as it moves them) go through a message on the
+    device a bucket (a layer) at a time: at most the largest bucket's host-resting bytes, which
+    is also the control that the measurement sees the broadcast's allocations; with none at
+    rest, flat copies of the weights are the control. Values survive the packing and the
+    broadcast bit for bit, and every weight of either dtype keeps its shape. On a GPU (NCCL) the
+    caching allocator rounds each block up to 512 bytes."""
+    import torch.distributed as dist
+
+    from mist.engine.zero import ShardedMasterAdamW, flat_collective
+
+    rounding = 512 if device == "cuda" else 1
+    layers = _stack(8, device, int(rng.integers(2**31)))
+    layers[1].half()  # two dtypes: one buffer each
+    for p in layers.parameters():
+        p.data = torch.from_numpy(rng.standard_normal(tuple(p.shape))).to(device, p.dtype)
+    before = [p.detach().cpu() for p in layers.parameters()]
+    resting = weights_at_rest_on_host(list(layers), at_rest)
+    optimizer = ShardedMasterAdamW(
+        [list(layer.parameters()) for layer in layers],
+        one_process_group,
+        lr=1e-2,
+        rest_on_host=frozenset(id(q) for layer in resting for q in layer),
+    )
+    for q in (q for layer in resting for q in layer):
+        q.data = q.data.cpu()  # as WeightOffload moves them (on a CPU: the same memory)
+    for p, was in zip(layers.parameters(), before, strict=True):
+        assert torch.equal(p.cpu(), was) and p.shape == was.shape
+    on_device = [p for p in layers.parameters() if all(p is not q for layer in resting for q in layer)]
+    assert len({p.untyped_storage().data_ptr() for p in on_device}) == 2  # one buffer a dtype
+    peak = _peak_bytes(optimizer.broadcast_weights, device)
+    largest = max(sum(q.numel() * q.element_size() for q in layer) for layer in resting)
+    if at_rest:
+        assert 0 < peak <= -(-largest // rounding) * rounding, (peak, largest)
+    else:
+        assert peak == 0, peak
+        # control: flat copies of the same weights (one message a dtype, not in place) allocate
+        # them all (the first dtype's is still held as the next is made): the measurement sees it
+
+        def flat_copy() -> None:
+            broadcast = lambda flat: dist.broadcast(flat, 0, one_process_group, async_op=True)
+            flat_collective([p.data for p in on_device], broadcast)
+
+        copied = _peak_bytes(flat_copy, device)
+        nbytes = sum(p.numel() * p.element_size() for p in on_device)
+        assert nbytes <= copied < nbytes + 2 * rounding, (copied, nbytes)
+    for p, was in zip(layers.parameters(), before, strict=True):
+        assert torch.equal(p.cpu(), was)

@@ -22,7 +22,9 @@
   forward and again for its backward, the next layer's prefetched (the two layers' buffers
   Mist's memory model prices), and is dropped from the device after the forward and once
   backward has made the layer's gradients. ZeRO-1/2's broadcast of the updated weights copies
-  those at rest on the host up into its message and back down (zero.flat_collective).
+  those at rest on the host up into a message of one bucket and back down (zero.flat_collective);
+  the others it broadcasts in place (ShardedMasterAdamW keeps them in one buffer per owner, the
+  host-resting ones left out: weights_at_rest_on_host).
 * Under ZeRO-3 (FSDP2 gathers each layer's weights from the shards and reduce-scatters its
   gradients): that fraction of each module's weight shards rests on the host and is what FSDP2's
   all-gather reads (ShardedWeightOffload), and that fraction of its gradient shards is added
@@ -423,6 +425,12 @@ def _from_host(swapped: _Swapped | torch.Tensor) -> torch.Tensor:
     return up.take()
 
 
+def weights_at_rest_on_host(layers: list[nn.Module], fraction: float) -> list[list[nn.Parameter]]:
+    """The weights WeightOffload keeps on the host: of each layer, ``fraction`` of its parameters,
+    largest first (known before it is built: ZeRO-1/2's weight buffers leave them out)."""
+    return [split_by_fraction([q for q in m.parameters() if q.requires_grad], fraction)[0] for m in layers]
+
+
 class WeightOffload:
     """Weights of ``fraction`` of each of ``layers``' parameters at rest on the host (see the module
     docstring). The parameters keep their identity (optimizers and autograd hold them); only what
@@ -445,9 +453,8 @@ class WeightOffload:
         self.up = [False] * len(layers)  # layer -> its offloaded weights are on the device
         self.arriving: list[list[Arriving]] = [[] for _ in layers]  # layer -> copies not yet waited for
         self.transfers = Transfers(next(p for m in layers for p in m.parameters()).device)
-        for i, layer in enumerate(layers):
-            params = [q for q in layer.parameters() if q.requires_grad]
-            host, _ = split_by_fraction(params, fraction)
+        at_rest = weights_at_rest_on_host(layers, fraction)
+        for i, (layer, host) in enumerate(zip(layers, at_rest, strict=True)):
             self.offloaded.append(host)
             self.pending[i] = len(host)
             for q in host:

@@ -72,6 +72,7 @@ from .offload import (
     local,
     offload_layer_activations,
     set_copy_timing,
+    weights_at_rest_on_host,
 )
 from .pipeline import ModelChunks, Pipeline1F1B, PipelineInterleaved, gpt_modules
 from .zero import (
@@ -240,6 +241,18 @@ def _weight_offloads(groups: list[ModuleGroup], dp: int) -> list:
     ]
 
 
+def _rest_on_host(groups: list[ModuleGroup], dp: int) -> frozenset[int]:
+    """Ids of the weights ``_weight_offloads`` will keep on the host whole (not ZeRO-3's shards),
+    known before the optimizers are built (ZeRO-1/2's weight buffers leave them out)."""
+    return frozenset(
+        id(p)
+        for g in groups
+        if g.offload_weights > 0 and not (g.zero == 3 and dp > 1)
+        for layer in weights_at_rest_on_host(g.modules, g.offload_weights)
+        for p in layer
+    )
+
+
 def _shard_zero3_groups(model, groups: list[ModuleGroup], mine, dp: int, device) -> list[ModuleGroup]:
     """ZeRO-3 (FSDP2 over the DP group) of the groups whose strategy has it, module by module; the
     final norm, in no group, follows the stage's. Returns those groups."""
@@ -323,11 +336,18 @@ def clip_gradients(
 
 
 def _optimizer(
-    part: Part, dp: int, model, lr: float, sequence_parallel: bool, gather_in_forward: tuple | None = None
+    part: Part,
+    dp: int,
+    model,
+    lr: float,
+    sequence_parallel: bool,
+    gather_in_forward: tuple | None = None,
+    rest_on_host: frozenset[int] = frozenset(),
 ):
     """One part's optimizer: ZeRO-1/2 sharded over the DP group (its share optionally offloaded;
-    ZeRO-2: its share's gradients too; ``gather_in_forward``: ShardedMasterAdamW's), else (ZeRO-3
-    shards included) the whole part, that fraction stepping on the host."""
+    ZeRO-2: its share's gradients too; ``gather_in_forward`` and ``rest_on_host``:
+    ShardedMasterAdamW's), else (ZeRO-3 shards included) the whole part, that fraction stepping on
+    the host."""
     from megatron.core import parallel_state as ps
 
     if part.zero in (1, 2) and dp > 1:
@@ -342,6 +362,7 @@ def _optimizer(
             sequence_parallel_group=ps.get_tensor_model_parallel_group() if sequence_parallel else None,
             offload_grads=part.offload_grads if part.zero == 2 else 0.0,
             gather_in_forward=gather_in_forward,
+            rest_on_host=rest_on_host,
         )
     if part.offload_optimizer > 0:  # of all the part's parameters, or with ZeRO-3 of this rank's shards
         return OffloadedMasterAdamW(part.params, part.offload_optimizer, lr)
@@ -699,7 +720,10 @@ def _build(plan: Plan, seed: int, lr: float) -> _BuiltStage:
     parts = _parameter_parts(model, plan, mine)  # after sharding: FSDP2 replaces the parameters
     sequence_parallel = plan.sequence_parallel and tp > 1
     gather = _gather_in_forward(plan, mine, dp, model, groups)
-    optimizer = PartOptimizers([_optimizer(part, dp, model, lr, sequence_parallel, gather) for part in parts])
+    rest_on_host = _rest_on_host(groups, dp)
+    optimizer = PartOptimizers(
+        [_optimizer(part, dp, model, lr, sequence_parallel, gather, rest_on_host) for part in parts]
+    )
     gradients = StageGradients(
         parts,
         sharded,

@@ -48,8 +48,11 @@ class ShardedMasterAdamW:
     consecutive buckets in the modules' (forward) order of at least that many parameters: as the
     first module of a group starts, its group's broadcasts are waited for (begun then if not yet)
     and the next group's begun, so they run beside this group's forward. Every DP replica runs the
-    same forward order, so the collectives match. Each group in flight is a flat copy (at most two
-    at a time; Megatron-LM gathers into its weight buffer in place)."""
+    same forward order, so the collectives match.
+
+    Every broadcast is in place: the weights on the device are views into one buffer per owner and
+    dtype (``_pack_weights``); ``rest_on_host``: ids of weights WeightOffload keeps on the host,
+    left out of it and broadcast through the device a bucket at a time."""
 
     def __init__(
         self,
@@ -61,6 +64,7 @@ class ShardedMasterAdamW:
         sequence_parallel_group=None,
         offload_grads: float = 0.0,
         gather_in_forward: tuple[list[torch.nn.Module], int] | None = None,
+        rest_on_host: frozenset[int] = frozenset(),
     ) -> None:
         from measure.training import MasterWeightAdamW
 
@@ -76,6 +80,9 @@ class ShardedMasterAdamW:
         self.owner, self.bucket_of = _assign_owners(self.buckets, ranks)
         me = dist.get_rank()
         self.dp = len(ranks)
+        self.gather_groups = [] if gather_in_forward is None else self._gather_groups(*gather_in_forward)
+        # before the optimizer's copies are made: packing holds an owner's weights twice meanwhile
+        self.after_step, self.gather_messages = self._pack_weights(rest_on_host)
         owned = [p for p in self.params if self.owner[id(p)] == me]
         # optimizer offload (ZeRO-Offload): that fraction of this rank's share steps on the host.
         # A part with fewer buckets than replicas (the head alone) leaves some rank nothing to step.
@@ -108,7 +115,6 @@ class ShardedMasterAdamW:
         if shard_grads:
             for p in self.params:
                 p.register_post_accumulate_grad_hook(self._collect)
-        self.gather_groups = [] if gather_in_forward is None else self._gather_groups(*gather_in_forward)
         self.stale: set[int] = set()  # gather groups whose broadcasts this step has not yet begun
         self.in_flight: dict[int, list] = {}  # group -> its broadcasts begun, not yet waited for
         self.gathered_in_forward = 0  # groups a forward waited for since the last step
@@ -134,13 +140,42 @@ class ShardedMasterAdamW:
             size += sum(p.numel() for i in mine for p in self.buckets[i])
         return groups
 
+    def _pack_weights(self, rest_on_host: frozenset[int]) -> tuple[list, dict]:
+        """Each owner's weights that rest on this device made views into one contiguous buffer per
+        dtype, so that a broadcast of updated weights reads and writes them in place, as
+        Megatron-LM's distributed optimizer gathers into its parameter buffer: a flat copy per
+        message held an owner's whole share twice after the step, which the memory model does not
+        price. In each buffer the buckets broadcast after the step come first (one message), then
+        each bucket a forward gathers (one message each, ``gather_groups``). Weights in
+        ``rest_on_host`` (ids: WeightOffload's) are left out: a slot kept for them would keep
+        their device bytes. Returns (after the step: [(owner, in-place messages, host-resting
+        weights by bucket)], {gathered bucket: in-place messages}); every rank builds the same
+        layout (the same buckets, owners and weights at rest)."""
+        gathered = [i for group in self.gather_groups for i in group]
+        after_step, gather_messages = [], {}
+        for owner in sorted(set(self.owner.values())):
+            mine = [i for i in range(len(self.buckets)) if self.owner[id(self.buckets[i][0])] == owner]
+            after = [i for i in mine if i not in gathered]
+            order = after + [i for i in gathered if i in mine]
+            buffers = _contiguous(
+                [[p for p in self.buckets[i] if id(p) not in rest_on_host] for i in order], self.device
+            )
+            for k, i in enumerate(order[len(after) :], start=len(after)):
+                gather_messages[i] = [
+                    b[ends[k] : ends[k + 1]] for b, ends in buffers if ends[k + 1] > ends[k]
+                ]
+            messages = [b[: ends[len(after)]] for b, ends in buffers if ends[len(after)] > 0]
+            host = [[p for p in self.buckets[i] if id(p) in rest_on_host] for i in after]
+            after_step.append((owner, messages, [b for b in host if b]))
+        return after_step, gather_messages
+
     def _begin_gather(self, g: int) -> None:
         self.stale.discard(g)
         works = []
         for i in self.gather_groups[g]:
-            tensors = [p.data for p in self.buckets[i]]
             owner = self.owner[id(self.buckets[i][0])]
-            works += broadcast_async(tensors, owner, self.group)
+            for flat in self.gather_messages[i]:
+                works.append(dist.broadcast(flat, owner, self.group, async_op=True).wait)
         self.in_flight[g] = works
 
     def _finish_gather(self, g: int) -> None:
@@ -224,19 +259,17 @@ class ShardedMasterAdamW:
         self.stale = set(range(len(self.gather_groups)))
 
     def broadcast_weights(self) -> None:
-        """Each owner's updated weights to the other replicas: one broadcast per owner, of all its
-        weights but those the next forward gathers (what Mist's model prices as the engine's
-        weight sync where `mist profile` measured it: RuntimeModel.zero_weight_sync)."""
-        in_forward = {i for group in self.gather_groups for i in group}
-        for owner in sorted(set(self.owner.values())):
-            mine = [
-                p.data
-                for p in self.params
-                if self.owner[id(p)] == owner and self.bucket_of[id(p)] not in in_forward
-            ]
-            if mine:
+        """Each owner's updated weights to the other replicas: one broadcast per owner and dtype, in
+        place, of all its weights on the device but those the next forward gathers (what Mist's
+        model prices as the engine's weight sync where `mist profile` measured it:
+        RuntimeModel.zero_weight_sync); then those at rest on the host, bucket by bucket, each
+        copied through the device (a message of one bucket at a time)."""
+        for owner, messages, host_buckets in self.after_step:
+            for work in [dist.broadcast(flat, owner, self.group, async_op=True) for flat in messages]:
+                work.wait()
+            for bucket in host_buckets:
                 flat_collective(
-                    mine,
+                    [p.data for p in bucket],
                     lambda flat, src=owner: dist.broadcast(flat, src, self.group, async_op=True),
                     self.device,
                 )
@@ -383,24 +416,27 @@ class ContiguousGrads:
             self.launched_in_backward = 0
 
 
-def broadcast_async(tensors: list[torch.Tensor], src: int, group) -> list:
-    """Begin broadcasting ``tensors`` from ``src`` over ``group``, one message per dtype (a flat
-    copy); returns a call per message that waits for it and copies the result back."""
-    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-
-    finishes = []
-    for dtype in sorted({t.dtype for t in tensors}, key=str):  # same order on every rank
-        bucket = [t for t in tensors if t.dtype == dtype]
-        flat = _flatten_dense_tensors(bucket)
-        work = dist.broadcast(flat, src, group, async_op=True)
-
-        def finish(work=work, flat=flat, bucket=bucket) -> None:
-            work.wait()
-            for t, synced in zip(bucket, _unflatten_dense_tensors(flat, bucket), strict=True):
-                t.copy_(synced)
-
-        finishes.append(finish)
-    return finishes
+def _contiguous(
+    groups: list[list[torch.Tensor]], device: torch.device
+) -> list[tuple[torch.Tensor, list[int]]]:
+    """Make the parameters of ``groups`` views into one new buffer per dtype on ``device``, group
+    after group, their values copied (each old storage is freed as its parameter moves). Returns
+    per dtype, in a fixed order, its buffer and where each group starts and the last ends: group
+    ``k``'s parameters of that dtype are ``buffer[ends[k] : ends[k + 1]]``."""
+    buffers = []
+    for dtype in sorted({p.dtype for group in groups for p in group}, key=str):
+        members = [[p for p in group if p.dtype == dtype] for group in groups]
+        buffer = torch.empty(sum(p.numel() for group in members for p in group), dtype=dtype, device=device)
+        offset, ends = 0, [0]
+        for group in members:
+            for p in group:
+                view = buffer[offset : offset + p.numel()].view_as(p)
+                view.copy_(p.data)
+                p.data = view
+                offset += p.numel()
+            ends.append(offset)
+        buffers.append((buffer, ends))
+    return buffers
 
 
 def flat_collective(tensors: list[torch.Tensor], collective, device: torch.device | None = None) -> None:
