@@ -113,6 +113,7 @@ TEST_FILES = (
     "tests/tempo/test_bench_ops.py",
     "tests/ctapipe/test_ctapipe_kernels.py",
     "tests/mist/test_mist_offload_mechanisms.py",  # offload.py's copy stream (seconds)
+    "tests/mist/test_mist_flat_host_grads.py",  # host gradients' DP sum through the GPU
 )
 # The dry run tests the command (pytest-benchmark's JSON, the JUnit report), not the kernels: the
 # suite runs every file above; here the GPU tests (skipped on a CPU) and the benchmarks only

@@ -853,7 +853,7 @@ def test_every_plan_of_the_committed_comparison_is_accepted():
         ({"offload_weights": 0.5}, 2, 2, True),
         ({"offload_weights": 0.5}, 3, 1, True),  # one replica: no FSDP2
         ({"offload_weights": 0.5}, 3, 2, False),  # FSDP2's gathers would read host shards
-        ({"offload_grads": 1.0}, 0, 2, True),  # the DP sum on the DP group's gloo twin
+        ({"offload_grads": 1.0}, 0, 2, True),  # the DP sum through the device, a gradient at a time
         ({"offload_grads": 1.0}, 2, 2, True),  # reduced on the device, summed on the host
         ({"offload_grads": 1.0}, 3, 1, True),
         ({"offload_grads": 1.0}, 3, 2, False),  # FSDP2's reduce-scatters would write host shards

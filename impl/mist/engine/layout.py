@@ -143,9 +143,7 @@ def init_megatron_state(layout: RankLayout, rank: int, seed: int) -> None:
     """megatron-core's per-process parallel state for ``rank``'s stage when stages differ (its own
     initialize_model_parallel takes one TP and DP for all): every stage's TP and DP groups, and
     pipeline "lanes" (one rank of each stage, in stage order: a rank's pipeline rank is its stage),
-    made by every rank in the same order; then this rank's are set as megatron-core's. Each DP
-    group has a gloo twin, as megatron-core's own makes: host buffers' DP sums run on it
-    (GradientOffload; NCCL reads device memory only)."""
+    made by every rank in the same order; then this rank's are set as megatron-core's."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
@@ -160,9 +158,9 @@ def init_megatron_state(layout: RankLayout, rank: int, seed: int) -> None:
                 mine["tp"] = ranks, group
         for tt in range(tp):
             ranks = [layout.rank(i, tt, dd) for dd in range(dp)]
-            group, gloo = dist.new_group(ranks), dist.new_group(ranks, backend="gloo")
+            group = dist.new_group(ranks)
             if rank in ranks:
-                mine["dp"], mine["dp_gloo"] = (ranks, group), gloo
+                mine["dp"] = ranks, group
     widths = [tp * dp for tp, dp in layout.shapes]
     for lane in range(max(widths)):
         ranks = [layout.first_rank(i) + lane % w for i, w in enumerate(widths)]
@@ -173,7 +171,6 @@ def init_megatron_state(layout: RankLayout, rank: int, seed: int) -> None:
     ps._DATA_PARALLEL_GLOBAL_RANKS, ps._DATA_PARALLEL_GROUP = mine["dp"]
     ps._DATA_PARALLEL_GLOBAL_RANKS_WITH_CP, ps._DATA_PARALLEL_GROUP_WITH_CP = mine["dp"]
     ps._INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP = mine["dp"][1]  # no partial data parallelism
-    ps._DATA_PARALLEL_GROUP_GLOO = ps._DATA_PARALLEL_GROUP_WITH_CP_GLOO = mine["dp_gloo"]
     ps._PIPELINE_GLOBAL_RANKS, ps._PIPELINE_MODEL_PARALLEL_GROUP = mine["pp"]
     ps._set_global_memory_buffer()
     model_parallel_cuda_manual_seed(seed, tp_rank=t, ep_rank=0, etp_rank=0)

@@ -15,8 +15,8 @@
   fraction of the part's gradients (largest first; under ZeRO-2 of the rank's reduced share)
   accumulates on the host: each micro-batch's gradient is added into a host buffer as soon as
   backward makes it (ZeRO-2: once reduced to its owner, on the device) and freed on the device
-  (HostSums); the DP sum (ZeRO-0/1: on the DP group's gloo twin, as NCCL reads device memory
-  only) and the optimizer step read the host buffer.
+  (HostSums); the DP sum (ZeRO-0/1: through the device a gradient's worth at a time, as NCCL
+  reads device memory only) and the optimizer step read the host buffer.
 * Weights (``offload_weights``, WeightOffload): that fraction of each layer's weights (largest
   first; the embedding and head count as layers) lives on the host and comes up for the layer's
   forward and again for its backward, the next layer's prefetched (the two layers' buffers
@@ -640,18 +640,37 @@ class GradientOffload(_HostGradients):
         # pinned on a GPU machine: the step's copy of a device-stepped part's sums up is then a DMA
         self.buffers, host = flat_views(self.params, "cpu", pin=device.type == "cuda")
         self.sums = HostSums(device, host)
+        # elements of the DP sum's staging on the device: the largest gradient, which backward
+        # held there as it made it
+        self.piece = max((p.numel() for p in self.params), default=0)
         for p in self.params:
             p.register_post_accumulate_grad_hook(self._drain)
 
-    def all_reduce(self, group, divide_by: int) -> None:
-        """The DP sum of the host buffers, averaged. ``group`` reads host memory: gloo's (on a GPU
-        machine the DP group's gloo twin, as NCCL reads device memory only)."""
+    def all_reduce(self, group, divide_by: int, device: torch.device) -> None:
+        """The DP sum of the host buffers over ``group``, averaged. Where the collective runs on
+        another ``device`` than the host (NCCL reads device memory only), each buffer goes
+        through it in pieces of at most the largest gradient, one staging buffer reused: up,
+        summed there, down; so the sum is a device all-reduce, as the cost model prices it. On a
+        CPU each buffer is summed in place, one all-reduce."""
         import torch.distributed as dist
 
         self.sums.finish()
         for flat in self.buffers:
-            dist.all_reduce(flat, group=group)
+            if flat.device == device:
+                dist.all_reduce(flat, group=group)
+            else:
+                self._sum_through(flat, group, device)  # its staging freed before the next's
             flat /= divide_by
+
+    def _sum_through(self, flat: torch.Tensor, group, device: torch.device) -> None:
+        import torch.distributed as dist
+
+        staging = torch.empty(min(self.piece, flat.numel()), dtype=flat.dtype, device=device)
+        for piece in flat.split(self.piece):
+            on_device = staging[: piece.numel()]
+            on_device.copy_(piece, non_blocking=True)  # from pinned memory: a DMA
+            dist.all_reduce(on_device, group=group)
+            piece.copy_(on_device)  # waits: the next piece reuses the staging
 
 
 class ShardedWeightOffload:

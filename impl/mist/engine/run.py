@@ -408,14 +408,14 @@ class StageGradients:
         kept = [p for p in order if id(p) in kept]  # the model's order: backward runs it reversed
         self.buffer = ContiguousGrads(kept, overlap) if kept else None
 
-    def sync(self, dp_group, host_dp_group) -> None:
-        """The DP averages (the host sums' over ``host_dp_group``, the DP group's gloo twin: NCCL
-        reads device memory only), and the host sums where the optimizer reads them."""
+    def sync(self, dp_group, device: torch.device) -> None:
+        """The DP averages (the host sums' through ``device``, where the DP group's collectives
+        run: GradientOffload.all_reduce), and the host sums where the optimizer reads them."""
         if self.buffer is not None and self.dp > 1:
             self.buffer.all_reduce(dp_group, divide_by=self.dp)
         for host in self.drained:
             if self.dp > 1:
-                host.all_reduce(host_dp_group, divide_by=self.dp)
+                host.all_reduce(dp_group, self.dp, device)
             host.attach()
         for host in self.drained_shards:  # FSDP2 averaged them over DP
             host.attach()
@@ -779,7 +779,7 @@ class _Steps:
         self.in_backward.append(buffer.launched_in_backward if buffer is not None else 0)
         if b.tp > 1:
             _sum_sequence_parallel_grads(b.model, ps.get_tensor_model_parallel_group())
-        b.gradients.sync(ps.get_data_parallel_group(), ps.get_data_parallel_group_gloo())
+        b.gradients.sync(ps.get_data_parallel_group(), device)
         if not self.first_grad_norm:  # the first step's, as the optimizer reads them
             self.first_grad_norm.append(_grad_norm(b.model))
         self.clipped_norms.append(

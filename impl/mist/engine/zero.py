@@ -444,20 +444,24 @@ def flat_collective(tensors: list[torch.Tensor], collective, device: torch.devic
     ``tensors`` on ``device`` (None: the first tensor's), then copy the result back: a collective
     per tensor pays its latency per tensor. A tensor elsewhere (a weight at rest on the host:
     WeightOffload) is copied up into the flat copy and the result back down, so NCCL, which reads
-    device memory only, can carry it."""
+    device memory only, can carry it. One dtype's copy at a time is held."""
+    for dtype in sorted({t.dtype for t in tensors}, key=str):  # same order on every rank
+        _flat_collective_of([t for t in tensors if t.dtype == dtype], collective, device)
+
+
+def _flat_collective_of(bucket: list[torch.Tensor], collective, device: torch.device | None) -> None:
+    """``flat_collective`` of tensors of one dtype (its copy freed on return)."""
     from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-    for dtype in sorted({t.dtype for t in tensors}, key=str):  # same order on every rank
-        bucket = [t for t in tensors if t.dtype == dtype]
-        where = device or bucket[0].device
-        if all(t.device == where for t in bucket):
-            flat = _flatten_dense_tensors(bucket)  # (one contiguous tensor: itself, no copy)
-        else:  # copied up piece by piece, no device copy of each first
-            flat = torch.empty(sum(t.numel() for t in bucket), dtype=dtype, device=where)
-            for t, piece in zip(bucket, flat.split([t.numel() for t in bucket]), strict=True):
-                piece.copy_(t.reshape(-1))
-        work = collective(flat)
-        work.wait()
-        del work  # the buffer is then freed by this thread, where the CPU memory profiler sees it
-        for t, synced in zip(bucket, _unflatten_dense_tensors(flat, bucket), strict=True):
-            t.copy_(synced)
+    where = device or bucket[0].device
+    if all(t.device == where for t in bucket):
+        flat = _flatten_dense_tensors(bucket)  # (one contiguous tensor: itself, no copy)
+    else:  # copied up piece by piece, no device copy of each first
+        flat = torch.empty(sum(t.numel() for t in bucket), dtype=bucket[0].dtype, device=where)
+        for t, piece in zip(bucket, flat.split([t.numel() for t in bucket]), strict=True):
+            piece.copy_(t.reshape(-1))
+    work = collective(flat)
+    work.wait()
+    del work  # the buffer is then freed by this thread, where the CPU memory profiler sees it
+    for t, synced in zip(bucket, _unflatten_dense_tensors(flat, bucket), strict=True):
+        t.copy_(synced)
