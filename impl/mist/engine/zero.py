@@ -167,6 +167,13 @@ class ShardedMasterAdamW:
             messages = [b[: ends[len(after)]] for b, ends in buffers if ends[len(after)] > 0]
             host = [[p for p in self.buckets[i] if id(p) in rest_on_host] for i in after]
             after_step.append((owner, messages, [b for b in host if b]))
+        # elements of the largest host-resting bucket's message, per dtype (broadcast_weights)
+        self.host_message_sizes: dict[torch.dtype, int] = {}
+        for _, _, host_buckets in after_step:
+            for bucket in host_buckets:
+                for dtype in {p.dtype for p in bucket}:
+                    n = sum(p.numel() for p in bucket if p.dtype == dtype)
+                    self.host_message_sizes[dtype] = max(n, self.host_message_sizes.get(dtype, 0))
         return after_step, gather_messages
 
     def _begin_gather(self, g: int) -> None:
@@ -264,6 +271,13 @@ class ShardedMasterAdamW:
         model prices as the engine's weight sync where `mist profile` measured it:
         RuntimeModel.zero_weight_sync); then those at rest on the host, bucket by bucket, each
         copied through the device (a message of one bucket at a time)."""
+        # one message buffer per dtype for every host-resting bucket, allocated once: a buffer
+        # per message would be freed by the collective's thread when it lets go, maybe after the
+        # next is made
+        staging = {
+            dtype: torch.empty(n, dtype=dtype, device=self.device)
+            for dtype, n in self.host_message_sizes.items()
+        }
         for owner, messages, host_buckets in self.after_step:
             for work in [dist.broadcast(flat, owner, self.group, async_op=True) for flat in messages]:
                 work.wait()
@@ -272,6 +286,7 @@ class ShardedMasterAdamW:
                     [p.data for p in bucket],
                     lambda flat, src=owner: dist.broadcast(flat, src, self.group, async_op=True),
                     self.device,
+                    staging,
                 )
 
     def zero_grad(self) -> None:
@@ -439,25 +454,35 @@ def _contiguous(
     return buffers
 
 
-def flat_collective(tensors: list[torch.Tensor], collective, device: torch.device | None = None) -> None:
+def flat_collective(
+    tensors: list[torch.Tensor],
+    collective,
+    device: torch.device | None = None,
+    staging: dict[torch.dtype, torch.Tensor] | None = None,
+) -> None:
     """Run ``collective(flat)`` (async, returns its work) once per dtype on a flat copy of
     ``tensors`` on ``device`` (None: the first tensor's), then copy the result back: a collective
     per tensor pays its latency per tensor. A tensor elsewhere (a weight at rest on the host:
     WeightOffload) is copied up into the flat copy and the result back down, so NCCL, which reads
-    device memory only, can carry it. One dtype's copy at a time is held."""
+    device memory only, can carry it. ``staging``: a buffer per dtype, at least that large, to
+    hold the copy in (else one is made per dtype)."""
     for dtype in sorted({t.dtype for t in tensors}, key=str):  # same order on every rank
-        _flat_collective_of([t for t in tensors if t.dtype == dtype], collective, device)
+        bucket = [t for t in tensors if t.dtype == dtype]
+        _flat_collective_of(bucket, collective, device, None if staging is None else staging[dtype])
 
 
-def _flat_collective_of(bucket: list[torch.Tensor], collective, device: torch.device | None) -> None:
-    """``flat_collective`` of tensors of one dtype (its copy freed on return)."""
+def _flat_collective_of(
+    bucket: list[torch.Tensor], collective, device: torch.device | None, staging: torch.Tensor | None
+) -> None:
+    """``flat_collective`` of tensors of one dtype (a copy it made is let go on return)."""
     from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
     where = device or bucket[0].device
-    if all(t.device == where for t in bucket):
+    numel = sum(t.numel() for t in bucket)
+    if staging is None and all(t.device == where for t in bucket):
         flat = _flatten_dense_tensors(bucket)  # (one contiguous tensor: itself, no copy)
     else:  # copied up piece by piece, no device copy of each first
-        flat = torch.empty(sum(t.numel() for t in bucket), dtype=bucket[0].dtype, device=where)
+        flat = torch.empty(numel, dtype=bucket[0].dtype, device=where) if staging is None else staging[:numel]
         for t, piece in zip(bucket, flat.split([t.numel() for t in bucket]), strict=True):
             piece.copy_(t.reshape(-1))
     work = collective(flat)
