@@ -15,6 +15,8 @@ poisoned until then (offload.CopyTiming); controls there drop a wait and must fa
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import pytest
 import torch
 from torch import nn
@@ -405,6 +407,19 @@ def test_zero1_broadcasts_updated_weights_in_place(device, at_rest, one_process_
         assert torch.equal(p.cpu(), was) and p.shape == was.shape
     on_device = [p for p in layers.parameters() if all(p is not q for layer in resting for q in layer)]
     assert len({p.untyped_storage().data_ptr() for p in on_device}) == 2  # one buffer a dtype
+    # the in-place messages cover every weight on the device, each once (over one replica a
+    # broadcast changes nothing, so this is what says none is left out)
+    ((_, messages, _),) = optimizer.after_step
+    assert sum(m.numel() for m in messages) == sum(p.numel() for p in on_device)
+    for p in on_device:
+        start, end = p.data_ptr(), p.data_ptr() + p.numel() * p.element_size()
+        inside = [
+            m
+            for m in messages
+            if m.data_ptr() <= start and end <= m.data_ptr() + m.numel() * m.element_size()
+        ]
+        assert len(inside) == 1, p.shape
+    optimizer.broadcast_weights()  # once before measuring: the communicator is made (NCCL)
     peak = _peak_bytes(optimizer.broadcast_weights, device)
     if at_rest:  # a message buffer per dtype, of its largest bucket, held through the call
         largest: dict[torch.dtype, int] = {}
@@ -430,3 +445,29 @@ def test_zero1_broadcasts_updated_weights_in_place(device, at_rest, one_process_
         assert max(by_dtype.values()) <= copied < sum(by_dtype.values()) + 2 * rounding, (copied, by_dtype)
     for p, was in zip(layers.parameters(), before, strict=True):
         assert torch.equal(p.cpu(), was)
+
+
+@pytest.mark.parametrize("device", ["cpu"])
+@pytest.mark.parametrize("resting", [0.5, 0.0], ids=["half-at-rest-refused", "control-none-at-rest"])
+def test_a_weight_gathered_in_the_forward_may_not_rest_on_the_host(device, resting, one_process_group):
+    """A bucket the next forward gathers is broadcast in place from the weights' buffer, which
+    leaves out the weights at rest on the host: such a weight would never reach the other
+    replicas, so ZeRO-1/2 refuses it at once (plan.gather_allowed keeps plans from asking).
+    Control: the same gather with every weight on the device is built."""
+    from mist.engine.zero import ShardedMasterAdamW
+
+    layers = _stack(8, device, 0)
+    at_rest = frozenset(id(q) for layer in weights_at_rest_on_host(list(layers), resting) for q in layer)
+    with (
+        pytest.raises(ValueError, match="gathered in the forward must rest on the device")
+        if resting
+        else nullcontext()
+    ):
+        optimizer = ShardedMasterAdamW(
+            [list(layer.parameters()) for layer in layers],
+            one_process_group,
+            lr=1e-2,
+            gather_in_forward=(list(layers), 1),
+            rest_on_host=at_rest,
+        )
+        assert optimizer.gather_groups

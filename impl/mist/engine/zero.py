@@ -70,6 +70,10 @@ class ShardedMasterAdamW:
 
         from .offload import OffloadedMasterAdamW, split_by_fraction
 
+        if offload_grads > 0 and not shard_grads:
+            raise ValueError(
+                "gradient offload of a ZeRO-1 part is GradientOffload's (its grads are all-reduced)"
+            )
         # where the collectives run (NCCL: the GPU); host-resident weights are copied through it
         self.device = buckets[0][0].device
         self.buckets = [[p for p in bucket if p.requires_grad] for bucket in buckets]
@@ -97,10 +101,6 @@ class ShardedMasterAdamW:
         self.reduced: dict[int, torch.Tensor] = {}  # owned parameters' summed gradients (ZeRO-2)
         self.averaged = False  # ZeRO-2: this step's sums are averaged and on .grad
         # gradient offload under ZeRO-2: that fraction of this rank's share sums on the host
-        if offload_grads > 0 and not shard_grads:
-            raise ValueError(
-                "gradient offload of a ZeRO-1 part is GradientOffload's (its grads are all-reduced)"
-            )
         on_host, _ = split_by_fraction(owned, offload_grads) if owned else ([], [])
         pin = self.device.type == "cuda"  # pinned host memory on a GPU: its copies down are DMAs
         self.host_grads = HostSums(
@@ -152,6 +152,9 @@ class ShardedMasterAdamW:
         weights by bucket)], {gathered bucket: in-place messages}); every rank builds the same
         layout (the same buckets, owners and weights at rest)."""
         gathered = [i for group in self.gather_groups for i in group]
+        if any(id(p) in rest_on_host for i in gathered for p in self.buckets[i]):
+            # (a weight at rest on the host would be in no in-place message: never broadcast)
+            raise ValueError("weights gathered in the forward must rest on the device (plan.gather_allowed)")
         after_step, gather_messages = [], {}
         for owner in sorted(set(self.owner.values())):
             mine = [i for i in range(len(self.buckets)) if self.owner[id(self.buckets[i][0])] == owner]
@@ -435,12 +438,18 @@ def _contiguous(
     groups: list[list[torch.Tensor]], device: torch.device
 ) -> list[tuple[torch.Tensor, list[int]]]:
     """Make the parameters of ``groups`` views into one new buffer per dtype on ``device``, group
-    after group, their values copied (each old storage is freed as its parameter moves). Returns
-    per dtype, in a fixed order, its buffer and where each group starts and the last ends: group
-    ``k``'s parameters of that dtype are ``buffer[ends[k] : ends[k + 1]]``."""
+    after group, their values copied. Off a CPU they wait on the host meanwhile, so the device
+    never holds them twice (under a plan's memory cap the build would otherwise need a share of
+    the weights more than training). Unpadded: each starts where the one before ends (real
+    shapes are multiples of 64 elements). Returns per dtype, in a fixed order, its buffer and
+    where each group starts and the last ends: group ``k``'s parameters of that dtype are
+    ``buffer[ends[k] : ends[k + 1]]``."""
     buffers = []
     for dtype in sorted({p.dtype for group in groups for p in group}, key=str):
         members = [[p for p in group if p.dtype == dtype] for group in groups]
+        if device.type != "cpu":
+            for p in (p for group in members for p in group):
+                p.data = p.data.cpu()  # the device copy freed
         buffer = torch.empty(sum(p.numel() for group in members for p in group), dtype=dtype, device=device)
         offset, ends = 0, [0]
         for group in members:
