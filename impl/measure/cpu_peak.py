@@ -83,3 +83,20 @@ def cpu_peak_bytes(fn: Callable[[], Any], exclude: Collection[str] = ()) -> tupl
             excluded_addresses.discard(address)
         peak = max(peak, e.extra_fields.total_allocated - excluded - start)
     return peak, result
+
+
+def device_peak_bytes(fn: Callable[[], Any], device, exclude: Collection[str] = ()) -> tuple[int, Any]:
+    """``cpu_peak_bytes`` on a CPU (``exclude`` as there); on a GPU (``device`` of type cuda) the
+    CUDA allocator's peak above what it held as the call began (every allocation counts: nothing
+    a GPU run does on the host is in it)."""
+    import torch
+
+    device = torch.device(device)
+    if device.type != "cuda":
+        return cpu_peak_bytes(fn, exclude=exclude)
+    torch.cuda.synchronize(device)
+    start = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    result = fn()
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - start, result

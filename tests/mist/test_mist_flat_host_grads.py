@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from measure.cpu_peak import cpu_peak_bytes
+from measure.cpu_peak import device_peak_bytes
 from mist.engine.offload import GradientOffload
 
 
@@ -62,18 +62,6 @@ def test_no_parameters_no_buffers():
     assert offload.params == [] and offload.buffers == [] and offload.host == {}
 
 
-def _peak_bytes(fn, device: str) -> int:
-    """Bytes ``fn`` allocates at its peak above what was allocated as it began, on ``device``."""
-    if device != "cuda":
-        return cpu_peak_bytes(fn)[0]
-    torch.cuda.synchronize()
-    start = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    fn()
-    torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated() - start
-
-
 @pytest.mark.parametrize(
     "device",
     ["cpu", "cpu:0", pytest.param("cuda", marks=pytest.mark.gpu)],
@@ -103,7 +91,7 @@ def test_the_dp_sum_goes_through_the_device_a_gradient_at_a_time(device, rng, mo
         tensor.add_(tensor)  # (a python scalar's operand would be an allocation of its own)
 
     monkeypatch.setattr(dist, "all_reduce", doubling)
-    peak = _peak_bytes(lambda: offload.all_reduce(None, 2, torch.device(device)), device)
+    peak = device_peak_bytes(lambda: offload.all_reduce(None, 2, torch.device(device)), device)[0]
     for p in params:  # doubled, then halved: exact
         assert torch.equal(offload.host[id(p)], values[id(p)])
     piece = max(p.numel() for p in params)

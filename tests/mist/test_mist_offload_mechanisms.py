@@ -21,6 +21,7 @@ import pytest
 import torch
 from torch import nn
 
+from measure.cpu_peak import device_peak_bytes
 from measure.training import gradient_to_step
 from mist.engine import offload
 from mist.engine.offload import (
@@ -357,20 +358,6 @@ def test_zero2_with_offloaded_weights_and_gradients_steps_as_the_plain_one(
     assert _same(runs) != control, runs
 
 
-def _peak_bytes(fn, device: str) -> int:
-    """Bytes ``fn`` allocates at its peak above what was allocated as it began, on ``device``."""
-    if device != "cuda":
-        from measure.cpu_peak import cpu_peak_bytes
-
-        return cpu_peak_bytes(fn)[0]
-    torch.cuda.synchronize()
-    start = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    fn()
-    torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated() - start
-
-
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("at_rest", [0.0, 0.5], ids=["all-on-the-device", "half-on-the-host"])
 def test_zero1_broadcasts_updated_weights_in_place(device, at_rest, one_process_group, rng):
@@ -420,7 +407,7 @@ def test_zero1_broadcasts_updated_weights_in_place(device, at_rest, one_process_
         ]
         assert len(inside) == 1, p.shape
     optimizer.broadcast_weights()  # once before measuring: the communicator is made (NCCL)
-    peak = _peak_bytes(optimizer.broadcast_weights, device)
+    peak = device_peak_bytes(optimizer.broadcast_weights, device)[0]
     if at_rest:  # a message buffer per dtype, of its largest bucket, held through the call
         largest: dict[torch.dtype, int] = {}
         for layer in resting:
@@ -438,7 +425,7 @@ def test_zero1_broadcasts_updated_weights_in_place(device, at_rest, one_process_
             broadcast = lambda flat: dist.broadcast(flat, 0, one_process_group, async_op=True)
             flat_collective([p.data for p in on_device], broadcast)
 
-        copied = _peak_bytes(flat_copy, device)
+        copied = device_peak_bytes(flat_copy, device)[0]
         by_dtype: dict[torch.dtype, int] = {}
         for p in on_device:
             by_dtype[p.dtype] = by_dtype.get(p.dtype, 0) + p.numel() * p.element_size()

@@ -664,6 +664,7 @@ class GradientOffload(_HostGradients):
             flat /= divide_by
 
     def _sum_through(self, flat: torch.Tensor, group, device: torch.device) -> None:
+        """``flat``'s DP sum through ``device``, a piece at a time (all_reduce)."""
         import torch.distributed as dist
 
         staging = torch.empty(min(self.piece, flat.numel()), dtype=flat.dtype, device=device)

@@ -229,12 +229,18 @@ def _module_groups(gpt, plan: Plan, mine) -> list[ModuleGroup]:
     return [g for g in groups if g.modules]
 
 
+def _sharded(g: ModuleGroup, dp: int) -> bool:
+    """Whether FSDP2 shards a group's weights (ZeRO-3 over DP replicas): its weight offload then
+    keeps shards on the host, not the weights themselves."""
+    return g.zero == 3 and dp > 1
+
+
 def _weight_offloads(groups: list[ModuleGroup], dp: int) -> list:
     """Weight offloading of each group with a fraction to offload: of its FSDP2 shards under ZeRO-3,
     else of the weights themselves."""
     return [
         ShardedWeightOffload(g.modules, g.offload_weights)
-        if g.zero == 3 and dp > 1
+        if _sharded(g, dp)
         else WeightOffload(g.modules, g.offload_weights, g.prefetch)
         for g in groups
         if g.offload_weights > 0
@@ -247,7 +253,7 @@ def _rest_on_host(groups: list[ModuleGroup], dp: int) -> frozenset[int]:
     return frozenset(
         id(p)
         for g in groups
-        if g.offload_weights > 0 and not (g.zero == 3 and dp > 1)
+        if g.offload_weights > 0 and not _sharded(g, dp)
         for layer in weights_at_rest_on_host(g.modules, g.offload_weights)
         for p in layer
     )
@@ -258,7 +264,7 @@ def _shard_zero3_groups(model, groups: list[ModuleGroup], mine, dp: int, device)
     final norm, in no group, follows the stage's. Returns those groups."""
     from megatron.core import parallel_state as ps
 
-    sharded = [g for g in groups if g.zero == 3 and dp > 1]
+    sharded = [g for g in groups if _sharded(g, dp)]
     if sharded:
         in_groups = {id(p) for g in groups for m in g.modules for p in m.parameters()}
         zero3 = {id(p) for g in sharded for m in g.modules for p in m.parameters()}
@@ -533,19 +539,13 @@ MEMORY_STEPS = 5  # profiled steady steps before the timed ones: the median and 
 
 
 def _step_peak(step, device: torch.device) -> tuple[int, float]:
-    """(peak bytes allocated above the level at the step's start, the step's loss)."""
-    if device.type != "cuda":
-        from measure.cpu_peak import cpu_peak_bytes
+    """(peak bytes allocated above the level at the step's start, the step's loss); on a CPU the
+    offloaded optimizer's host work and the bf16 GEMMs' float32 copies left out, as a GPU's."""
+    from measure.cpu_peak import device_peak_bytes
 
-        from .cpu_shim import GEMM_SCRATCH
+    from .cpu_shim import GEMM_SCRATCH
 
-        return cpu_peak_bytes(step, exclude=(HOST_WORK, GEMM_SCRATCH))
-    torch.cuda.synchronize(device)
-    start = torch.cuda.memory_allocated(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    loss = step()
-    torch.cuda.synchronize(device)
-    return torch.cuda.max_memory_allocated(device) - start, loss
+    return device_peak_bytes(step, device, exclude=(HOST_WORK, GEMM_SCRATCH))
 
 
 def _tensor_bytes(tensors) -> int:

@@ -85,8 +85,14 @@ class ShardedMasterAdamW:
         me = dist.get_rank()
         self.dp = len(ranks)
         self.gather_groups = [] if gather_in_forward is None else self._gather_groups(*gather_in_forward)
-        # before the optimizer's copies are made: packing holds an owner's weights twice meanwhile
+        # before the optimizer's copies are made: the device holds the less while it packs
         self.after_step, self.gather_messages = self._pack_weights(rest_on_host)
+        # broadcast_weights' message buffer per dtype: the largest host-resting bucket's elements
+        self.host_message_sizes: dict[torch.dtype, int] = {}
+        for bucket in (b for _, _, host_buckets in self.after_step for b in host_buckets):
+            for dtype in {p.dtype for p in bucket}:
+                n = sum(p.numel() for p in bucket if p.dtype == dtype)
+                self.host_message_sizes[dtype] = max(n, self.host_message_sizes.get(dtype, 0))
         owned = [p for p in self.params if self.owner[id(p)] == me]
         # optimizer offload (ZeRO-Offload): that fraction of this rank's share steps on the host.
         # A part with fewer buckets than replicas (the head alone) leaves some rank nothing to step.
@@ -170,13 +176,6 @@ class ShardedMasterAdamW:
             messages = [b[: ends[len(after)]] for b, ends in buffers if ends[len(after)] > 0]
             host = [[p for p in self.buckets[i] if id(p) in rest_on_host] for i in after]
             after_step.append((owner, messages, [b for b in host if b]))
-        # elements of the largest host-resting bucket's message, per dtype (broadcast_weights)
-        self.host_message_sizes: dict[torch.dtype, int] = {}
-        for _, _, host_buckets in after_step:
-            for bucket in host_buckets:
-                for dtype in {p.dtype for p in bucket}:
-                    n = sum(p.numel() for p in bucket if p.dtype == dtype)
-                    self.host_message_sizes[dtype] = max(n, self.host_message_sizes.get(dtype, 0))
         return after_step, gather_messages
 
     def _begin_gather(self, g: int) -> None:
