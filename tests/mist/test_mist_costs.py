@@ -561,6 +561,69 @@ def test_buffer_sum_and_weight_sync_priced_as_the_engine_issues_them(rng):
     assert not np.isclose(float(grad_sum(stage)), float(ddp[0]), rtol=1e-6)
 
 
+def test_the_step_crosses_the_host_link_where_a_tensor_is_not_where_it_steps(rng):
+    """optimizer_step_s: a parameter's step is the device's Adam or, the offloaded optimizer's
+    share, the host's, and each fp16 tensor not where its step runs crosses the host link once
+    (mist.engine.run's OffloadedMasterAdamW and MasterWeightAdamW): a host-stepped gradient made
+    on the device goes down, its weight living on the device comes up; a device-stepped gradient
+    summed on the host comes up, its weight resting on the host goes down. The three host shares
+    are nested (the engine takes the weights at rest on the host first: split_by_fraction), so at
+    random fractions it is a count over parameters whose host shares are prefixes of one order.
+    Controls: with everything on the host nothing crosses; Megatron-LM's optimizer offload alone
+    moves the gradient down and the weight up."""
+    from mist.model.budget import gpu_budget_bytes
+    from mist.model.runtime import cpu_adam_params_per_s
+    from mist.tuning.planner import cost_models
+    from mist.tuning.stage_cost import Setting, _host_rates, optimizer_step_s
+
+    c = cluster(str(rng.choice(["l4", "a100-40gb", "h100", "h200"])), 8)
+    st = Setting(model("gpt3-1.3b"), c, *cost_models(c), 1, 1, 1, gpu_budget_bytes(c), 2)
+    d2h, h2d = _host_rates(st)
+    on_device, on_host = optimizer_step_s(st, 0.0), 1 / cpu_adam_params_per_s(c)
+    assert optimizer_step_s(st, 1.0, 1.0, 1.0) == pytest.approx(on_host, rel=1e-12)
+    assert optimizer_step_s(st, 1.0) == pytest.approx(on_host + 2 / d2h + 2 / h2d, rel=1e-12)
+    assert optimizer_step_s(st, 0.0, 1.0, 1.0) == pytest.approx(on_device + 2 / d2h + 2 / h2d, rel=1e-12)
+
+    n = 4000  # parameters of one size: parameter i is in a host share of fraction f where i < f n
+    counts = [rng.integers(0, n + 1, 64) for _ in range(3)]
+    o, w, g = (k / n for k in counts)
+    i = np.arange(n)[:, None]
+    stepped, resting, summed = (i < k for k in counts)
+    down = (stepped & ~summed) | (~stepped & resting)
+    up = (stepped & ~resting) | (~stepped & summed)
+    counted = (
+        np.mean(np.where(stepped, on_host, on_device), axis=0)
+        + 2 * np.mean(down, axis=0) / d2h
+        + 2 * np.mean(up, axis=0) / h2d
+    )
+    np.testing.assert_allclose(optimizer_step_s(st, o, w, g), counted, rtol=1e-9)
+
+
+def test_zero01_host_gradients_go_through_the_device_for_the_dp_sum(rng):
+    """ZeRO-0/1's gradients summed on the host take a trip up to the device and back before the
+    clipping barrier, once a step (GradientOffload.all_reduce: NCCL reads device memory): 2
+    bytes a parameter each way. Not at one replica (no sum), nor under ZeRO-2/3 (reduced on the
+    device as made, then drained)."""
+    from mist.model.budget import gpu_budget_bytes
+    from mist.tuning.planner import cost_models
+    from mist.tuning.stage_cost import EDGE_FIELDS, Setting, _host_rates, _state_bytes, _sync_and_step
+
+    c = cluster(str(rng.choice(["l4", "a100-40gb", "h200"])), 8)
+    params, g = float(rng.uniform(1e7, 1e9)), float(rng.uniform(0.1, 1.0))
+    zero = np.array([0, 1, 2, 3])
+    for dp in (1, 2, 4):
+        st = Setting(model("gpt3-1.3b"), c, *cost_models(c), 1, dp, 1, gpu_budget_bytes(c), 2)
+        d2h, h2d = _host_rates(st)
+        syncs = []
+        for grads in (0.0, g):
+            strategy = dict.fromkeys(EDGE_FIELDS, np.zeros(4)) | {"zero": zero, "offload_grads": grads}
+            none = dict.fromkeys(EDGE_FIELDS, np.zeros(1)) | {"zero": np.zeros(1)}
+            parts = ((_state_bytes(params, strategy, dp), strategy), (_state_bytes(0.0, none, dp), none))
+            syncs.append(_sync_and_step(st, 2 * params, 0.0, zero, np.zeros(1), False, parts)[0])
+        trip = np.where((zero < 2) & (dp > 1), 2 * g * params * (1 / h2d + 1 / d2h), 0.0)
+        np.testing.assert_allclose(syncs[1] - syncs[0], trip, rtol=1e-9, atol=1e-15)
+
+
 def test_gradient_accumulation_priced_as_the_engine_adds(rng):
     """Each micro-batch adds its weight gradients into the accumulated ones: a memory-bound add of
     the stage's gradients (ZeRO-2/3: this rank's shard) at the fitted residual-add line; Mist's

@@ -90,24 +90,28 @@ def test_host_memory_travels_with_the_plan(tmp_path):
         cluster("l4", 8, host_memory=-1)
 
 
-@pytest.mark.parametrize("offloadable", [("optimizer", "activations"), ("optimizer",), ()])
-def test_search_offloads_only_what_the_space_allows(offloadable):
+@pytest.mark.parametrize(
+    "offloadable, gib", [(("optimizer", "activations"), 24), (("optimizer",), 24), ((), 32)]
+)
+def test_search_offloads_only_what_the_space_allows(offloadable, gib):
     """A runtime that offloads only some tensors (Megatron-LM: the optimizer; the engine on a GPU:
     optimizer and activations) gets plans that offload nothing else, the embedding/head's own
-    strategy included. GPT-3 1.3B on one 32 GiB GPU: with everything allowed Mist offloads weights
-    and gradients (the negative control), and a plan is found either way. Without selective
-    recomputation, which at this size makes offloading weights unnecessary."""
+    strategy included. GPT-3 1.3B on one GPU of ``gib`` GiB: with everything allowed Mist offloads
+    something the space leaves out (the negative control: at 24 GiB weights and gradients, at 32
+    activations, where nothing offloaded fits too), and a plan is found either way. Without
+    selective recomputation, which at this size makes offloading weights unnecessary."""
     from mist.tuning.planner import PlannerOptions, search
     from mist.tuning.stage_cost import SearchSpace
 
-    m, c = model("gpt3-1.3b", flash=False), cluster("h200", 1, gpu_memory=32 * GiB)
+    m, c = model("gpt3-1.3b", flash=False), cluster("h200", 1, gpu_memory=gib * GiB)
+    left_out = [kind for kind in ("weights", "grads", "optimizer", "activations") if kind not in offloadable]
     free = search(m, c, 8, PlannerOptions(space=SearchSpace(selective=False)))
-    assert any(s.offload_weights or s.offload_grads for s in free.stages)
+    free_parts = [*free.stages, *([free.pre_post] if free.pre_post is not None else [])]
+    assert any(getattr(p, f"offload_{kind}") for p in free_parts for kind in left_out), free
     plan = search(m, c, 8, PlannerOptions(space=SearchSpace(offloadable=offloadable, selective=False)))
     parts = [*plan.stages, *([plan.pre_post] if plan.pre_post is not None else [])]
-    for kind in ("weights", "grads", "optimizer", "activations"):
-        if kind not in offloadable:
-            assert all(getattr(p, f"offload_{kind}", 0.0) == 0.0 for p in parts), (kind, plan)
+    for kind in left_out:
+        assert all(getattr(p, f"offload_{kind}", 0.0) == 0.0 for p in parts), (kind, plan)
 
 
 def test_an_unknown_offloadable_kind_is_refused():

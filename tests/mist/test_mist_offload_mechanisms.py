@@ -27,8 +27,10 @@ from mist.engine import offload
 from mist.engine.offload import (
     ActivationOffload,
     GradientOffload,
+    OffloadedMasterAdamW,
     Transfers,
     WeightOffload,
+    split_by_fraction,
     weights_at_rest_on_host,
 )
 
@@ -224,6 +226,38 @@ def test_a_wait_dropped_fails_where_copies_are_deferred(device, mechanisms, drop
         assert str(~7) in str(e), e
         return
     assert not _same(runs), dropped
+
+
+def test_the_host_shares_take_the_weights_at_rest_there_first(rng):
+    """The offloaded optimizer's and gradients' shares take the weights at rest on the host first
+    (split_by_fraction's ``first``), so of two host shares the smaller is inside the larger, as
+    stage_cost.optimizer_step_s prices the step: where a share is at least the weights', it holds
+    every weight at rest on the host (none of them steps on the device; every gradient summed on
+    the host has its weight there), and a smaller share holds only weights at rest there but for
+    what fits after the first that did not (less than the largest left out). Control: largest
+    first alone (a Block's two weights tie in size and are taken layer by layer over the stack,
+    a layer's weights one per layer) splits them, leaving more than a parameter's worth at rest
+    on the host outside a share of the same fraction."""
+    layers = _stack(int(rng.integers(4, 17)), "cpu", int(rng.integers(2**31)))
+    params = list(layers.parameters())
+    size = {id(p): p.numel() for p in params}
+    eighths = [k / 8 for k in range(1, 9)]
+    weights = float(rng.choice(eighths[:-1]))
+    at_rest = frozenset(id(q) for layer in weights_at_rest_on_host(list(layers), weights) for q in layer)
+    for share in eighths:
+        stepped = OffloadedMasterAdamW(params, share, lr=1e-3, at_rest_on_host=at_rest).host_params
+        summed = GradientOffload(params, share, at_rest).params
+        for chosen in ({id(p) for p in stepped}, {id(p) for p in summed}):
+            if sum(size[i] for i in chosen) >= sum(size[i] for i in at_rest):
+                assert at_rest <= chosen, (weights, share)
+            else:
+                left_out = max(size[i] for i in at_rest - chosen)
+                assert sum(size[i] for i in chosen - at_rest) < left_out, (weights, share)
+    plain = {id(p) for p in split_by_fraction(params, 0.5)[0]}
+    at_half = frozenset(id(q) for layer in weights_at_rest_on_host(list(layers), 0.5) for q in layer)
+    assert sum(size[i] for i in at_half - plain) > max(size.values())
+    with_first = {id(p) for p in split_by_fraction(params, 0.5, at_half)[0]}
+    assert at_half <= with_first
 
 
 class _Done:

@@ -248,14 +248,22 @@ class Transfers:
         return done
 
 
-def split_by_fraction(params: list[nn.Parameter], fraction: float) -> tuple[list, list]:
+def split_by_fraction(
+    params: list[nn.Parameter], fraction: float, first: frozenset[int] = frozenset()
+) -> tuple[list, list]:
     """(host, device): the largest parameters go to the host until ``fraction`` of the elements
-    this rank holds (a ZeRO-3 parameter: its shard)."""
+    this rank holds (a ZeRO-3 parameter: its shard). Those whose ids are in ``first`` go before the
+    others: the weights at rest on the host, so that the optimizer's and the gradients' host
+    shares hold them first (then one share holds the other's parameters, the smaller in the
+    larger, and a step moves the least over the host link: the placement
+    stage_cost.optimizer_step_s prices). Largest first alone would not nest them: equal sizes
+    (an MLP's two weights) are taken layer by layer over a part, a weight per layer by the weight
+    offload."""
     if not 0.0 <= fraction <= 1.0:
         raise ValueError(f"the offloaded fraction must be in [0, 1], got {fraction}")
     total = sum(local(p).numel() for p in params)
     host, moved = [], 0
-    for p in sorted(params, key=lambda q: local(q).numel(), reverse=True):
+    for p in sorted(params, key=lambda q: (id(q) not in first, -local(q).numel())):
         if moved + local(p).numel() <= fraction * total + 0.5:
             host.append(p)
             moved += local(p).numel()
@@ -266,11 +274,19 @@ def split_by_fraction(params: list[nn.Parameter], fraction: float) -> tuple[list
 class OffloadedMasterAdamW:
     """Mixed-precision AdamW with the optimizer of a fraction of the parameters on the host. The
     parameters may be this rank's share under ZeRO-1/2 (ShardedMasterAdamW steps its share with
-    one) or ZeRO-3 DTensors (their local shards are stepped)."""
+    one) or ZeRO-3 DTensors (their local shards are stepped). ``at_rest_on_host``: ids of the
+    weights at rest on the host, stepped there first (split_by_fraction)."""
 
-    def __init__(self, params, fraction: float, lr: float, weight_decay: float = 0.01) -> None:
+    def __init__(
+        self,
+        params,
+        fraction: float,
+        lr: float,
+        weight_decay: float = 0.01,
+        at_rest_on_host: frozenset[int] = frozenset(),
+    ) -> None:
         self.model_params = [p for p in params if p.requires_grad]
-        host, device = split_by_fraction(self.model_params, fraction)
+        host, device = split_by_fraction(self.model_params, fraction, at_rest_on_host)
         self.device_opt = (
             MasterWeightAdamW(device, lr=lr, weight_decay=weight_decay, fused=True) if device else None
         )
@@ -426,8 +442,9 @@ def _from_host(swapped: _Swapped | torch.Tensor) -> torch.Tensor:
 
 
 def weights_at_rest_on_host(layers: list[nn.Module], fraction: float) -> list[list[nn.Parameter]]:
-    """The weights WeightOffload keeps on the host: of each layer, ``fraction`` of its parameters,
-    largest first (known before it is built: ZeRO-1/2's weight buffers leave them out)."""
+    """The weights WeightOffload keeps on the host (ShardedWeightOffload: the shards): of each
+    layer, ``fraction`` of its parameters, largest first (known before it is built: ZeRO-1/2's
+    weight buffers leave them out, the offloaded optimizer and gradients take them first)."""
     return [split_by_fraction([q for q in m.parameters() if q.requires_grad], fraction)[0] for m in layers]
 
 
@@ -631,11 +648,15 @@ class GradientOffload(_HostGradients):
     weights stay on the device: their TP sum reads ``.grad`` (they are a norm's few elements).
     The host buffers are views into one flat buffer per dtype, so the DP sum is one all-reduce,
     as on the device (zero.ContiguousGrads) and as the cost model prices it: one per parameter
-    paid gloo's latency per parameter (the 2-process Llama plan's sync took 2x the grid's)."""
+    paid gloo's latency per parameter (the 2-process Llama plan's sync took 2x the grid's).
+    ``at_rest_on_host``: ids of the weights at rest on the host, summed there first
+    (split_by_fraction)."""
 
-    def __init__(self, params: list[nn.Parameter], fraction: float) -> None:
+    def __init__(
+        self, params: list[nn.Parameter], fraction: float, at_rest_on_host: frozenset[int] = frozenset()
+    ) -> None:
         candidates = [p for p in params if not getattr(p, "sequence_parallel", False)]
-        self.params, _ = split_by_fraction(candidates, fraction)
+        self.params, _ = split_by_fraction(candidates, fraction, at_rest_on_host)
         device = params[0].device
         # pinned on a GPU machine: the step's copy of a device-stepped part's sums up is then a DMA
         self.buffers, host = flat_views(self.params, "cpu", pin=device.type == "cuda")
@@ -685,10 +706,7 @@ class ShardedWeightOffload:
     device ones, and a shard left out of ``host_tensors`` is counted on the device."""
 
     def __init__(self, modules: list[nn.Module], fraction: float) -> None:
-        self.offloaded: list[nn.Parameter] = []
-        for m in modules:
-            host, _ = split_by_fraction([q for q in m.parameters() if q.requires_grad], fraction)
-            self.offloaded += host
+        self.offloaded = [p for host in weights_at_rest_on_host(modules, fraction) for p in host]
 
     def host_tensors(self) -> list[torch.Tensor]:
         return [local(p) for p in self.offloaded]
@@ -709,12 +727,15 @@ class ShardedGradientOffload(_HostGradients):
     reduce-scatter output, which one shard left on the device would keep whole: in a group with
     some shards drained, those kept are copied out of it. Sequence-parallel weights (norms) stay
     on the device: their TP sum reads ``.grad``. ``attach`` puts the host sums where the
-    optimizer reads them."""
+    optimizer reads them. ``at_rest_on_host``: ids of the shards at rest on the host, summed
+    there first (split_by_fraction)."""
 
-    def __init__(self, modules: list[nn.Module], fraction: float) -> None:
+    def __init__(
+        self, modules: list[nn.Module], fraction: float, at_rest_on_host: frozenset[int] = frozenset()
+    ) -> None:
         groups = [[q for q in m.parameters() if q.requires_grad] for m in modules]
         candidates = [q for g in groups for q in g if not getattr(q, "sequence_parallel", False)]
-        self.params, _ = split_by_fraction(candidates, fraction)
+        self.params, _ = split_by_fraction(candidates, fraction, at_rest_on_host)
         chosen = {id(q) for q in self.params}
         for group in groups:
             if not any(id(q) in chosen for q in group):

@@ -247,13 +247,14 @@ def _weight_offloads(groups: list[ModuleGroup], dp: int) -> list:
     ]
 
 
-def _rest_on_host(groups: list[ModuleGroup], dp: int) -> frozenset[int]:
-    """Ids of the weights ``_weight_offloads`` will keep on the host whole (not ZeRO-3's shards),
-    known before the optimizers are built (ZeRO-1/2's weight buffers leave them out)."""
+def _rest_on_host(groups: list[ModuleGroup]) -> frozenset[int]:
+    """Ids of the weights ``_weight_offloads`` will keep on the host (ZeRO-3's: the FSDP2 shards,
+    so known once they are made), known before the optimizers are built: ZeRO-1/2's weight buffers
+    leave them out, the optimizer's and the gradients' offloaded shares take them first."""
     return frozenset(
         id(p)
         for g in groups
-        if g.offload_weights > 0 and not _sharded(g, dp)
+        if g.offload_weights > 0
         for layer in weights_at_rest_on_host(g.modules, g.offload_weights)
         for p in layer
     )
@@ -371,7 +372,7 @@ def _optimizer(
             rest_on_host=rest_on_host,
         )
     if part.offload_optimizer > 0:  # of all the part's parameters, or with ZeRO-3 of this rank's shards
-        return OffloadedMasterAdamW(part.params, part.offload_optimizer, lr)
+        return OffloadedMasterAdamW(part.params, part.offload_optimizer, lr, at_rest_on_host=rest_on_host)
     return MasterWeightAdamW(part.params, lr=lr, fused=True)
 
 
@@ -381,7 +382,8 @@ class StageGradients:
     ShardedMasterAdamW, ZeRO-3's in ShardedGradientOffload over FSDP2's shards); the rest are
     views into one contiguous buffer, all-reduced over DP after backward (``overlap``: bucket by
     bucket during the last micro-batch's backward, ContiguousGrads), less those accumulated on the
-    host (GradientOffload), all-reduced there. ``order``: the parameters in the model's order."""
+    host (GradientOffload), all-reduced there. ``order``: the parameters in the model's order;
+    ``rest_on_host``: ids of the weights at rest on the host, whose gradients sum there first."""
 
     def __init__(
         self,
@@ -391,17 +393,20 @@ class StageGradients:
         dp: int,
         order: list[nn.Parameter],
         overlap: tuple | None = None,
+        rest_on_host: frozenset[int] = frozenset(),
     ) -> None:
         self.dp, self.optimizer = dp, optimizer
         self.reduced_as_made = [part.zero >= 2 and dp > 1 for part in parts]
         self.drained = [
-            GradientOffload(part.params, part.offload_grads)
+            GradientOffload(part.params, part.offload_grads, rest_on_host)
             for part, made in zip(parts, self.reduced_as_made, strict=True)
             if part.offload_grads > 0 and not made
         ]
         # after sharding: FSDP2's shards are the parameters
         self.drained_shards = [
-            ShardedGradientOffload(g.modules, g.offload_grads) for g in sharded if g.offload_grads > 0
+            ShardedGradientOffload(g.modules, g.offload_grads, rest_on_host)
+            for g in sharded
+            if g.offload_grads > 0
         ]
         on_host = {id(p) for d in self.drained for p in d.params}
         kept = {
@@ -720,7 +725,7 @@ def _build(plan: Plan, seed: int, lr: float) -> _BuiltStage:
     parts = _parameter_parts(model, plan, mine)  # after sharding: FSDP2 replaces the parameters
     sequence_parallel = plan.sequence_parallel and tp > 1
     gather = _gather_in_forward(plan, mine, dp, model, groups)
-    rest_on_host = _rest_on_host(groups, dp)
+    rest_on_host = _rest_on_host(groups)  # after sharding: ZeRO-3's are its shards
     optimizer = PartOptimizers(
         [_optimizer(part, dp, model, lr, sequence_parallel, gather, rest_on_host) for part in parts]
     )
@@ -731,6 +736,7 @@ def _build(plan: Plan, seed: int, lr: float) -> _BuiltStage:
         dp,
         list(model.parameters()),
         _reduction_overlap(plan, dp, ps.get_data_parallel_group()),
+        rest_on_host,
     )
     tp_duplicates = {id(p) for n, p in model.named_parameters() if n in whole_on_tp}
     # after the optimizers and gradient buffers: they are made where the weights are, the device

@@ -52,7 +52,8 @@ class ShardedMasterAdamW:
 
     Every broadcast is in place: the weights on the device are views into one buffer per owner and
     dtype (``_pack_weights``); ``rest_on_host``: ids of weights WeightOffload keeps on the host,
-    left out of it and broadcast through the device a bucket at a time."""
+    left out of it and broadcast through the device a bucket at a time, and the first the
+    offloaded optimizer steps and the offloaded gradients sum on the host (split_by_fraction)."""
 
     def __init__(
         self,
@@ -100,14 +101,14 @@ class ShardedMasterAdamW:
         self.inner = (
             None
             if not owned
-            else OffloadedMasterAdamW(owned, offload_fraction, lr)
+            else OffloadedMasterAdamW(owned, offload_fraction, lr, at_rest_on_host=rest_on_host)
             if offload_fraction > 0
             else MasterWeightAdamW(owned, lr=lr, fused=True)
         )
         self.reduced: dict[int, torch.Tensor] = {}  # owned parameters' summed gradients (ZeRO-2)
         self.averaged = False  # ZeRO-2: this step's sums are averaged and on .grad
         # gradient offload under ZeRO-2: that fraction of this rank's share sums on the host
-        on_host, _ = split_by_fraction(owned, offload_grads) if owned else ([], [])
+        on_host, _ = split_by_fraction(owned, offload_grads, rest_on_host) if owned else ([], [])
         pin = self.device.type == "cuda"  # pinned host memory on a GPU: its copies down are DMAs
         self.host_grads = HostSums(
             self.device, {id(p): torch.zeros(p.shape, dtype=p.dtype, pin_memory=pin) for p in on_host}

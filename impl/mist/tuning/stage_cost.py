@@ -428,6 +428,9 @@ def _state_bytes(params: float, strategy: dict[str, np.ndarray], dp: int) -> dic
         "host": offload_weights * weights + offload_grads * grads + offload_optimizer * optimizer,
         "h2d": 2 * offload_weights * weights,  # offloaded weights come up for forward and backward
         "d2h": offload_grads * grads,  # offloaded gradients accumulate on the host
+        # ZeRO-0/1's DP sum of the host gradients: up to the device and back, once a step (NCCL
+        # reads device memory only; GradientOffload.all_reduce). ZeRO-2/3 reduce on the device first
+        "host_sum_trip": np.where((zero < 2) & (dp > 1), offload_grads * grads, 0.0),
         "opt_params": opt_params,
     }
 
@@ -637,29 +640,44 @@ def _sync_and_step(
 ) -> tuple:
     """(sync, step) seconds of the last micro-batch: the gradient sync and clipping's local norm
     (before the global barrier), then the optimizer step (after it). ``parts``: (state bytes,
-    offloaded optimizer fraction) of the stage's layers and of its embedding/head."""
+    offloaded fractions: EDGE_FIELDS) of the stage's layers and of its embedding/head."""
     cluster = setting.cluster
     sync, step = _gradient_sync(setting, stage_w_full, edge_w_full, zero, edge_zero, across)
-    on_device, on_host = optimizer_step_s(setting)
-    for state, offloaded in parts:
+    d2h_bw, h2d_bw = _host_rates(setting)
+    for state, strategy in parts:
         params = state["opt_params"]
         # the norm reads the fp16 gradients this rank steps (offloaded ones priced as if on the GPU:
         # a few percent of the step either way)
         sync = sync + params * 2 / (cluster.gpu.hbm_bw * 0.7)
-        step = step + params * ((1 - offloaded) * on_device + offloaded * on_host)
+        sync = sync + state["host_sum_trip"] * (1 / h2d_bw + 1 / d2h_bw)
+        step = step + params * optimizer_step_s(
+            setting, strategy["offload_optimizer"], strategy["offload_weights"], strategy["offload_grads"]
+        )
     return sync, step
 
 
-def optimizer_step_s(setting: Setting) -> tuple[float, float]:
-    """(on the device, on the host) seconds the optimizer step takes a parameter: mixed-precision
-    Adam reading and writing its state, weights and gradients at 70% of the GPU's memory
-    bandwidth, or the host's Adam with the fp16 gradient down and the fp16 weight up. The only
-    time the offloaded optimizer fraction changes, linearly (``fitting_rows`` relies on it)."""
+def optimizer_step_s(setting: Setting, offload_optimizer, offload_weights=0.0, offload_grads=0.0):
+    """Seconds the optimizer step takes a parameter this rank steps, with those fractions of the
+    optimizer stepped on the host, of the weights resting there and of the gradients summed there
+    (mist.engine.run's placement, each the largest parameters first, so two fractions share the
+    smaller of the two). Mixed-precision Adam reads and writes its state, weights and gradients
+    at 70% of the GPU's memory bandwidth, or the host's Adam steps; then each fp16 tensor that is
+    not where its step is crosses the host link once: a host-stepped gradient made on the device
+    goes down and its weight, where the weight lives on the device, comes up; a device-stepped
+    gradient summed on the host comes up and its weight, where it rests on the host, goes down
+    (OffloadedMasterAdamW, MasterWeightAdamW). Blocking: the step waits for them. Piecewise
+    linear in the optimizer's fraction (``_fastest_optimizer_fraction`` orders by it)."""
     cluster = setting.cluster
     d2h_bw, h2d_bw = _host_rates(setting)
     on_device = (ADAM_BYTES_PER_PARAM + 4) * 2 / (cluster.gpu.hbm_bw * 0.7)
-    on_host = 1 / cpu_adam_params_per_s(cluster) + 2 / d2h_bw + 2 / h2d_bw
-    return on_device, on_host
+    on_host = 1 / cpu_adam_params_per_s(cluster)
+    host_stepped, resting, summed = offload_optimizer, offload_weights, offload_grads
+    both_weights = np.minimum(host_stepped, resting)
+    both_grads = np.minimum(host_stepped, summed)
+    down = (host_stepped - both_grads) + (resting - both_weights)
+    up = (host_stepped - both_weights) + (summed - both_grads)
+    adam = (1 - host_stepped) * on_device + host_stepped * on_host
+    return adam + 2 * down / d2h_bw + 2 * up / h2d_bw
 
 
 def clip_barrier_s(setting: Setting) -> float:
@@ -916,8 +934,8 @@ def _last_micro_batch_s(
     its weights (on the fill path)."""
     zero, across = grid["zero"], _dp_leaves_node(setting)
     mine, theirs = state
-    # (state bytes, offloaded optimizer fraction) of the stage's layers and of its embedding/head
-    parts = ((mine, grid["offload_optimizer"]), (theirs, edge["offload_optimizer"]))
+    # (state bytes, strategy) of the stage's layers and of its embedding/head
+    parts = ((mine, grid), (theirs, edge))
     sync, step = _sync_and_step(
         setting,
         layers * (2.0 * layer.params),
@@ -1053,8 +1071,8 @@ def fitting_rows(
     at some flight is kept (``_fastest_optimizer_fraction``): the others are equal in every time
     but the step, and slower there, so no frontier keeps them. (An imbalance-blind search, the
     ablation's, ranks without the step: there all fractions that fit tie, and the frontier from
-    the whole grid keeps the least, this the fastest; the same on every GPU preset, where the
-    host's step is the slower, the larger on the CPU preset.)
+    the whole grid keeps the least, this the fastest: the same where the host's step is the
+    slower, as on every GPU preset.)
 
     In two passes that keep the same rows as one: the rule applied to a lower bound of the memory
     (_memory_at_least) drops what cannot fit, and the exact memory is computed for the rest only
@@ -1090,29 +1108,30 @@ def fitting_rows(
     if len(space.grid_steps("offload_optimizer")) < 2:
         return rows
     group = optimizer_groups(layers, space)[rows]
-    fraction = strategy_grid(layers, space)["offload_optimizer"][rows]
-    fastest = _fastest_optimizer_fraction(setting, fraction, group, held, flights, budget, host_budget)
+    placement = {name: grid[name][rows] for name in OFFLOAD_FIELDS}
+    fastest = _fastest_optimizer_fraction(setting, placement, group, held, flights, budget, host_budget)
     return rows[fastest]
 
 
 def _fastest_optimizer_fraction(
     setting: Setting,
-    fraction: np.ndarray,
+    placement: dict[str, np.ndarray],
     group: np.ndarray,
     held: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray],
     flights: tuple[float, ...],
     budget: float,
     host_budget: float,
 ) -> np.ndarray:
-    """Which strategies (rows: their offloaded optimizer ``fraction``, ``group`` (rows that differ
-    only in it share one) and ``held``: memory, per_flight, host_memory and host_per_flight at one
-    in flight) are, at one of ``flights``, the fastest that fits of their group. The fraction
-    changes nothing but the step, linearly (``optimizer_step_s``): the least fraction that fits
-    where the host's step is the slower (every GPU preset), the largest where it is the faster.
-    Ties keep the least."""
-    keep = np.zeros(len(fraction), bool)
-    on_device, on_host = optimizer_step_s(setting)
-    order = np.lexsort((fraction if on_host >= on_device else -fraction, group))  # by group, fastest first
+    """Which strategies (rows: their offloaded fractions ``placement``, ``group`` (rows that differ
+    only in the optimizer's share one) and ``held``: memory, per_flight, host_memory and
+    host_per_flight at one in flight) are, at one of ``flights``, the fastest that fits of their
+    group. The optimizer's fraction changes nothing but the step (``optimizer_step_s``, a
+    parameter's seconds; the stage's layers and its embedding/head share the row's strategy
+    here, so the step is that times the parameters stepped). Ties keep the least fraction."""
+    keep = np.zeros(len(group), bool)
+    fraction = placement["offload_optimizer"]
+    per_param = optimizer_step_s(setting, fraction, placement["offload_weights"], placement["offload_grads"])
+    order = np.lexsort((fraction, per_param, group))  # by group, fastest first
     for flight in sorted(set(flights)):
         rows = order[held_and_fits(*(column[order] for column in held), flight, budget, host_budget)[1]]
         first_of_group = np.ones(len(rows), bool)
