@@ -624,6 +624,35 @@ def test_zero01_host_gradients_go_through_the_device_for_the_dp_sum(rng):
         np.testing.assert_allclose(syncs[1] - syncs[0], trip, rtol=1e-9, atol=1e-15)
 
 
+def test_zero12_weights_at_rest_on_the_host_are_broadcast_through_the_device(rng):
+    """ZeRO-1/2's broadcast of the updated weights carries those at rest on the host through the
+    device (zero.broadcast_through): after the step, each rank copies its own share up and the
+    other owners' shares down, 2 bytes a parameter. Not at one replica (nothing to broadcast),
+    under ZeRO-0 (no owners) or ZeRO-3 (its shards are the weights: nothing broadcast)."""
+    from mist.model.budget import gpu_budget_bytes
+    from mist.tuning.planner import cost_models
+    from mist.tuning.stage_cost import EDGE_FIELDS, Setting, _host_rates, _state_bytes, _sync_and_step
+
+    c = cluster(str(rng.choice(["l4", "a100-40gb", "h200"])), 8)
+    params, w = float(rng.uniform(1e7, 1e9)), float(rng.uniform(0.1, 1.0))
+    zero = np.array([0, 1, 2, 3])
+    for dp in (1, 2, 4):
+        st = Setting(model("gpt3-1.3b"), c, *cost_models(c), 1, dp, 1, gpu_budget_bytes(c), 2)
+        d2h, h2d = _host_rates(st)
+        steps = []
+        for weights in (0.0, w):
+            strategy = dict.fromkeys(EDGE_FIELDS, np.zeros(4)) | {"zero": zero, "offload_weights": weights}
+            none = dict.fromkeys(EDGE_FIELDS, np.zeros(1)) | {"zero": np.zeros(1)}
+            parts = ((_state_bytes(params, strategy, dp), strategy), (_state_bytes(0.0, none, dp), none))
+            steps.append(_sync_and_step(st, 2 * params, 0.0, zero, np.zeros(1), False, parts)[1])
+        # the weights' copy down where they step on the device (optimizer_step_s), and the broadcast
+        opt_params = params * np.where(zero >= 1, 1 / dp, 1.0)
+        stepped = opt_params * 2 * w / d2h
+        owners = ((zero == 1) | (zero == 2)) & (dp > 1)
+        broadcast = np.where(owners, 2 * w * params * (1 / dp / h2d + (dp - 1) / dp / d2h), 0.0)
+        np.testing.assert_allclose(steps[1] - steps[0], stepped + broadcast, rtol=1e-9, atol=1e-15)
+
+
 def test_gradient_accumulation_priced_as_the_engine_adds(rng):
     """Each micro-batch adds its weight gradients into the accumulated ones: a memory-bound add of
     the stage's gradients (ZeRO-2/3: this rank's shard) at the fitted residual-add line; Mist's

@@ -265,14 +265,10 @@ class _Done:
         pass
 
 
-@pytest.mark.parametrize("elsewhere", [False, True], ids=["on-its-device", "copied-through-it"])
-def test_a_flat_collective_carries_tensors_to_its_device_and_back(elsewhere, rng):
-    """zero.flat_collective runs one collective per dtype on a flat message on the collective's
-    device; tensors elsewhere (weights at rest on the host, under ZeRO-1/2's broadcast) are
-    copied up into it and the result back down. Here the "collective" doubles its message, and
-    the device named is ``cpu:0``, which no CPU tensor's device equals: the copies up and back
-    run as on a GPU. Every tensor, of either dtype, any shape, a transposed view among them,
-    comes back doubled (one that was not copied back would not be)."""
+def test_a_flat_collective_runs_once_a_dtype_and_copies_back(rng):
+    """zero.flat_collective runs one collective per dtype on a flat message. Here the
+    "collective" doubles its message: every tensor, of either dtype, any shape, a transposed view
+    among them, comes back doubled (one that was not copied back would not be)."""
     from mist.engine.zero import flat_collective
 
     shapes = [tuple(int(x) for x in rng.integers(1, 6, size=int(rng.integers(1, 4)))) for _ in range(5)]
@@ -289,10 +285,56 @@ def test_a_flat_collective_carries_tensors_to_its_device_and_back(elsewhere, rng
         flat.mul_(2)
         return _Done()
 
-    flat_collective(tensors, doubling, torch.device("cpu", 0) if elsewhere else None)
+    flat_collective(tensors, doubling)
     assert sorted(messages, key=str) == [torch.bfloat16, torch.float32]  # one message a dtype
     for t, was in zip(tensors, before, strict=True):
         assert torch.equal(t, was * 2)
+
+
+def test_a_broadcast_through_the_device_copies_up_at_the_source_and_down_elsewhere(rng):
+    """zero.broadcast_through carries weights at rest on the host through a message on the device
+    (ZeRO-1/2's broadcast of them): the source copies its tensors up, the others copy the message
+    down, one message a dtype, and neither copies what it holds already (Mist's model prices the
+    source's share up and the rest down). Two ranks stood in for in one process: each message
+    starts poisoned (NaN); the source's stand-in broadcast reads the message and then scribbles on
+    it (a copy down at the source would show), the other's finds it still poisoned (a copy up
+    there would have written it) and writes the source's values in. Every tensor, of either
+    dtype, a transposed view among them, ends with the source's values bit for bit; the
+    source's are unchanged."""
+    from mist.engine.zero import broadcast_through
+
+    shapes = [tuple(int(x) for x in rng.integers(1, 6, size=int(rng.integers(1, 4)))) for _ in range(5)]
+    dtypes = [[torch.float32, torch.bfloat16][i % 2] for i in range(len(shapes))]
+
+    def weights() -> list[torch.Tensor]:
+        made = [
+            torch.from_numpy(rng.standard_normal(sh)).to(dt) for sh, dt in zip(shapes, dtypes, strict=True)
+        ]
+        return [*made, torch.from_numpy(rng.standard_normal((3, 4))).float().t()]  # not contiguous
+
+    source, other = weights(), weights()
+    sent = [t.clone() for t in source]
+    sizes = {dt: sum(t.numel() for t in source if t.dtype == dt) for dt in (torch.float32, torch.bfloat16)}
+    staging = {dt: torch.full((n + 3,), float("nan"), dtype=dt) for dt, n in sizes.items()}
+    messages: dict[torch.dtype, torch.Tensor] = {}
+
+    def at_source(flat: torch.Tensor) -> _Done:
+        messages[flat.dtype] = flat.clone()
+        flat.fill_(7)  # what a copy down at the source would bring back
+        return _Done()
+
+    def elsewhere(flat: torch.Tensor) -> _Done:
+        assert torch.isnan(flat).all(), "the others copied their stale tensors up"
+        flat.copy_(messages[flat.dtype])
+        return _Done()
+
+    broadcast_through(source, True, at_source, staging)
+    assert sorted(messages, key=str) == [torch.bfloat16, torch.float32]  # one message a dtype
+    for t in staging.values():
+        t.fill_(float("nan"))
+    broadcast_through(other, False, elsewhere, staging)
+    for s, o, was in zip(source, other, sent, strict=True):
+        assert torch.equal(s, was) and torch.equal(o, was)
 
 
 @pytest.fixture
@@ -332,7 +374,7 @@ def test_zero2_with_offloaded_weights_and_gradients_steps_as_the_plain_one(
     step reads every sum through ``step_grad`` (``.grad`` cannot hold a GPU sum of a weight at
     rest on the host, as the last two layers' first matrices are); its broadcast of the updated
     weights copies those at rest on the host through a message on the device
-    (zero.flat_collective) and back. On a GPU these are
+    (zero.broadcast_through) and back. On a GPU these are
     the lines ZeRO-2 runs over many replicas, where NCCL reads device memory only. A bucket (a
     layer) whose gradients sum partly on the host keeps no view of its reduced message, which
     would keep it whole. Control: host sums that never receive their gradients must change the

@@ -535,7 +535,7 @@ def test_weight_offload_trains_the_same_and_frees_the_device(tmp_path, dp, zero)
     under the prediction with or without weight offloading (the model holds the gradient shards
     all step; the engine frees them once reduced), a gap of the model's, not of this mechanism;
     its updated weights, at rest on the host, are broadcast through the device
-    (zero.flat_collective) and its sums stepped through ``step_grad``."""
+    (zero.broadcast_through) and its sums stepped through ``step_grad``."""
     plain_plan, plain, plan, report = _offload_pair("offload_weights", dp, zero, tmp_path)
     a, b = (next(r["losses"] for r in rep["ranks"] if r["losses"] is not None) for rep in (plain, report))
     assert a == pytest.approx(b, rel=1e-6)

@@ -21,10 +21,10 @@
   first; the embedding and head count as layers) lives on the host and comes up for the layer's
   forward and again for its backward, the next layer's prefetched (the two layers' buffers
   Mist's memory model prices), and is dropped from the device after the forward and once
-  backward has made the layer's gradients. ZeRO-1/2's broadcast of the updated weights copies
-  those at rest on the host up into a message of one bucket and back down (zero.flat_collective);
-  the others it broadcasts in place (ShardedMasterAdamW keeps them in one buffer per owner, the
-  host-resting ones left out: weights_at_rest_on_host).
+  backward has made the layer's gradients. ZeRO-1/2's broadcast of the updated weights carries
+  those at rest on the host through a message of one bucket (zero.broadcast_through: up at the
+  owner, down at the others); the others it broadcasts in place (ShardedMasterAdamW keeps them
+  in one buffer per owner, the host-resting ones left out: weights_at_rest_on_host).
 * Under ZeRO-3 (FSDP2 gathers each layer's weights from the shards and reduce-scatters its
   gradients): that fraction of each module's weight shards rests on the host and is what FSDP2's
   all-gather reads (ShardedWeightOffload), and that fraction of its gradient shards is added
@@ -457,7 +457,7 @@ class WeightOffload:
     Built after the optimizers and gradient buffers, which are made where the weights are, the
     device. On a GPU the gradients stay there (a view into ContiguousGrads, or as autograd made
     them) while ``.data`` rests on the host: ZeRO-1/2's broadcast copies it through the device
-    (zero.flat_collective); a ZeRO-3 gather over DP would read it, which NCCL cannot (ZeRO-3
+    (zero.broadcast_through); a ZeRO-3 gather over DP would read it, which NCCL cannot (ZeRO-3
     offloads its shards instead: ShardedWeightOffload, CPU only)."""
 
     def __init__(self, layers: list[nn.Module], fraction: float, prefetch: bool = True) -> None:

@@ -273,7 +273,7 @@ class ShardedMasterAdamW:
         place, of all its weights on the device but those the next forward gathers (what Mist's
         model prices as the engine's weight sync where `mist profile` measured it:
         RuntimeModel.zero_weight_sync); then those at rest on the host, bucket by bucket, each
-        copied through the device (a message of one bucket at a time)."""
+        through the device (a message of one bucket at a time: broadcast_through)."""
         # one message buffer per dtype for every host-resting bucket, allocated once: a buffer
         # per message would be freed by the collective's thread when it lets go, maybe after the
         # next is made
@@ -281,14 +281,15 @@ class ShardedMasterAdamW:
             dtype: torch.empty(n, dtype=dtype, device=self.device)
             for dtype, n in self.host_message_sizes.items()
         }
+        me = dist.get_rank()
         for owner, messages, host_buckets in self.after_step:
             for work in [dist.broadcast(flat, owner, self.group, async_op=True) for flat in messages]:
                 work.wait()
             for bucket in host_buckets:
-                flat_collective(
+                broadcast_through(
                     [p.data for p in bucket],
+                    me == owner,
                     lambda flat, src=owner: dist.broadcast(flat, src, self.group, async_op=True),
-                    self.device,
                     staging,
                 )
 
@@ -463,39 +464,44 @@ def _contiguous(
     return buffers
 
 
-def flat_collective(
+def broadcast_through(
     tensors: list[torch.Tensor],
-    collective,
-    device: torch.device | None = None,
-    staging: dict[torch.dtype, torch.Tensor] | None = None,
+    source: bool,
+    broadcast,
+    staging: dict[torch.dtype, torch.Tensor],
 ) -> None:
-    """Run ``collective(flat)`` (async, returns its work) once per dtype on a flat copy of
-    ``tensors`` on ``device`` (None: the first tensor's), then copy the result back: a collective
-    per tensor pays its latency per tensor. A tensor elsewhere (a weight at rest on the host:
-    WeightOffload) is copied up into the flat copy and the result back down, so NCCL, which reads
-    device memory only, can carry it. ``staging``: a buffer per dtype, at least that large, to
-    hold the copy in (else one is made per dtype)."""
+    """``broadcast(flat)`` (async, returns its work) of ``tensors`` at rest on the host, once per
+    dtype, through a message in ``staging`` (a buffer per dtype, at least that large, on the
+    device the collective reads): the ``source`` copies its tensors up into the message, the
+    others copy it down into theirs. Neither copies what it holds already: the others' values
+    are overwritten, the source's are the message (what Mist's model prices: each rank's share
+    up, the rest down)."""
     for dtype in sorted({t.dtype for t in tensors}, key=str):  # same order on every rank
         bucket = [t for t in tensors if t.dtype == dtype]
-        _flat_collective_of(bucket, collective, device, None if staging is None else staging[dtype])
+        flat = staging[dtype][: sum(t.numel() for t in bucket)]
+        pieces = flat.split([t.numel() for t in bucket])
+        if source:
+            for t, piece in zip(bucket, pieces, strict=True):
+                piece.copy_(t.reshape(-1))
+        work = broadcast(flat)
+        work.wait()
+        del work
+        if not source:
+            for t, piece in zip(bucket, pieces, strict=True):
+                t.copy_(piece.view_as(t))
 
 
-def _flat_collective_of(
-    bucket: list[torch.Tensor], collective, device: torch.device | None, staging: torch.Tensor | None
-) -> None:
-    """``flat_collective`` of tensors of one dtype (a copy it made is let go on return)."""
+def flat_collective(tensors: list[torch.Tensor], collective) -> None:
+    """Run ``collective(flat)`` (async, returns its work) once per dtype on a flat copy of
+    ``tensors`` (on their device), then copy the result back: a collective per tensor pays its
+    latency per tensor. (Weights at rest on the host go through the device: broadcast_through.)"""
     from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-    where = device or bucket[0].device
-    numel = sum(t.numel() for t in bucket)
-    if staging is None and all(t.device == where for t in bucket):
+    for dtype in sorted({t.dtype for t in tensors}, key=str):  # same order on every rank
+        bucket = [t for t in tensors if t.dtype == dtype]
         flat = _flatten_dense_tensors(bucket)  # (one contiguous tensor: itself, no copy)
-    else:  # copied up piece by piece, no device copy of each first
-        flat = torch.empty(numel, dtype=bucket[0].dtype, device=where) if staging is None else staging[:numel]
-        for t, piece in zip(bucket, flat.split([t.numel() for t in bucket]), strict=True):
-            piece.copy_(t.reshape(-1))
-    work = collective(flat)
-    work.wait()
-    del work  # the buffer is then freed by this thread, where the CPU memory profiler sees it
-    for t, synced in zip(bucket, _unflatten_dense_tensors(flat, bucket), strict=True):
-        t.copy_(synced)
+        work = collective(flat)
+        work.wait()
+        del work  # the copy is then freed by this thread, where the CPU memory profiler sees it
+        for t, synced in zip(bucket, _unflatten_dense_tensors(flat, bucket), strict=True):
+            t.copy_(synced)
