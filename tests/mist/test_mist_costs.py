@@ -599,29 +599,39 @@ def test_the_step_crosses_the_host_link_where_a_tensor_is_not_where_it_steps(rng
     np.testing.assert_allclose(optimizer_step_s(st, o, w, g), counted, rtol=1e-9)
 
 
+ZERO_STAGES = np.array([0, 1, 2, 3])
+
+
+def _added_by(gpu: str, dp: int, params: float, **fractions) -> tuple:
+    """(sync, step) seconds those offloaded fractions add to the last micro-batch of a stage of
+    ``params`` parameters (no embedding or head) at each of ZERO_STAGES over ``dp`` replicas on
+    ``gpu``'s preset, and that preset's (device-to-host, host-to-device) rates."""
+    from mist.model.budget import gpu_budget_bytes
+    from mist.tuning.planner import cost_models
+    from mist.tuning.stage_cost import EDGE_FIELDS, Setting, _host_rates, _state_bytes, _sync_and_step
+
+    c = cluster(gpu, 8)
+    st = Setting(model("gpt3-1.3b"), c, *cost_models(c), 1, dp, 1, gpu_budget_bytes(c), 2)
+    none = dict.fromkeys(EDGE_FIELDS, np.zeros(1))
+    priced = []
+    for offloaded in ({}, fractions):
+        strategy = dict.fromkeys(EDGE_FIELDS, np.zeros(4)) | {"zero": ZERO_STAGES, **offloaded}
+        parts = ((_state_bytes(params, strategy, dp), strategy), (_state_bytes(0.0, none, dp), none))
+        priced.append(_sync_and_step(st, 2 * params, 0.0, ZERO_STAGES, np.zeros(1), False, parts))
+    (sync, step), (sync_off, step_off) = priced
+    return sync_off - sync, step_off - step, _host_rates(st)
+
+
 def test_zero01_host_gradients_go_through_the_device_for_the_dp_sum(rng):
     """ZeRO-0/1's gradients summed on the host take a trip up to the device and back before the
     clipping barrier, once a step (GradientOffload.all_reduce: NCCL reads device memory): 2
     bytes a parameter each way. Not at one replica (no sum), nor under ZeRO-2/3 (reduced on the
     device as made, then drained)."""
-    from mist.model.budget import gpu_budget_bytes
-    from mist.tuning.planner import cost_models
-    from mist.tuning.stage_cost import EDGE_FIELDS, Setting, _host_rates, _state_bytes, _sync_and_step
-
-    c = cluster(str(rng.choice(["l4", "a100-40gb", "h200"])), 8)
-    params, g = float(rng.uniform(1e7, 1e9)), float(rng.uniform(0.1, 1.0))
-    zero = np.array([0, 1, 2, 3])
+    gpu, params, g = str(rng.choice(["l4", "a100-40gb", "h200"])), rng.uniform(1e7, 1e9), rng.uniform(0.1, 1)
     for dp in (1, 2, 4):
-        st = Setting(model("gpt3-1.3b"), c, *cost_models(c), 1, dp, 1, gpu_budget_bytes(c), 2)
-        d2h, h2d = _host_rates(st)
-        syncs = []
-        for grads in (0.0, g):
-            strategy = dict.fromkeys(EDGE_FIELDS, np.zeros(4)) | {"zero": zero, "offload_grads": grads}
-            none = dict.fromkeys(EDGE_FIELDS, np.zeros(1)) | {"zero": np.zeros(1)}
-            parts = ((_state_bytes(params, strategy, dp), strategy), (_state_bytes(0.0, none, dp), none))
-            syncs.append(_sync_and_step(st, 2 * params, 0.0, zero, np.zeros(1), False, parts)[0])
-        trip = np.where((zero < 2) & (dp > 1), 2 * g * params * (1 / h2d + 1 / d2h), 0.0)
-        np.testing.assert_allclose(syncs[1] - syncs[0], trip, rtol=1e-9, atol=1e-15)
+        sync, _, (d2h, h2d) = _added_by(gpu, dp, params, offload_grads=g)
+        trip = np.where((ZERO_STAGES < 2) & (dp > 1), 2 * g * params * (1 / h2d + 1 / d2h), 0.0)
+        np.testing.assert_allclose(sync, trip, rtol=1e-9, atol=1e-15)
 
 
 def test_zero12_weights_at_rest_on_the_host_are_broadcast_through_the_device(rng):
@@ -629,28 +639,14 @@ def test_zero12_weights_at_rest_on_the_host_are_broadcast_through_the_device(rng
     device (zero.broadcast_through): after the step, each rank copies its own share up and the
     other owners' shares down, 2 bytes a parameter. Not at one replica (nothing to broadcast),
     under ZeRO-0 (no owners) or ZeRO-3 (its shards are the weights: nothing broadcast)."""
-    from mist.model.budget import gpu_budget_bytes
-    from mist.tuning.planner import cost_models
-    from mist.tuning.stage_cost import EDGE_FIELDS, Setting, _host_rates, _state_bytes, _sync_and_step
-
-    c = cluster(str(rng.choice(["l4", "a100-40gb", "h200"])), 8)
-    params, w = float(rng.uniform(1e7, 1e9)), float(rng.uniform(0.1, 1.0))
-    zero = np.array([0, 1, 2, 3])
+    gpu, params, w = str(rng.choice(["l4", "a100-40gb", "h200"])), rng.uniform(1e7, 1e9), rng.uniform(0.1, 1)
     for dp in (1, 2, 4):
-        st = Setting(model("gpt3-1.3b"), c, *cost_models(c), 1, dp, 1, gpu_budget_bytes(c), 2)
-        d2h, h2d = _host_rates(st)
-        steps = []
-        for weights in (0.0, w):
-            strategy = dict.fromkeys(EDGE_FIELDS, np.zeros(4)) | {"zero": zero, "offload_weights": weights}
-            none = dict.fromkeys(EDGE_FIELDS, np.zeros(1)) | {"zero": np.zeros(1)}
-            parts = ((_state_bytes(params, strategy, dp), strategy), (_state_bytes(0.0, none, dp), none))
-            steps.append(_sync_and_step(st, 2 * params, 0.0, zero, np.zeros(1), False, parts)[1])
+        _, step, (d2h, h2d) = _added_by(gpu, dp, params, offload_weights=w)
         # the weights' copy down where they step on the device (optimizer_step_s), and the broadcast
-        opt_params = params * np.where(zero >= 1, 1 / dp, 1.0)
-        stepped = opt_params * 2 * w / d2h
-        owners = ((zero == 1) | (zero == 2)) & (dp > 1)
+        stepped = params * np.where(ZERO_STAGES >= 1, 1 / dp, 1.0) * 2 * w / d2h
+        owners = ((ZERO_STAGES == 1) | (ZERO_STAGES == 2)) & (dp > 1)
         broadcast = np.where(owners, 2 * w * params * (1 / dp / h2d + (dp - 1) / dp / d2h), 0.0)
-        np.testing.assert_allclose(steps[1] - steps[0], stepped + broadcast, rtol=1e-9, atol=1e-15)
+        np.testing.assert_allclose(step, stepped + broadcast, rtol=1e-9, atol=1e-15)
 
 
 def test_gradient_accumulation_priced_as_the_engine_adds(rng):
