@@ -56,6 +56,30 @@ def gradient_to_step(p: torch.Tensor) -> torch.Tensor | None:
     return p.grad if kept_apart is None else kept_apart
 
 
+def to_across(t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """``t.to(device, dtype)``, crossing between devices in the narrower of ``t``'s dtype and
+    ``dtype``: torch's copy between a GPU and the host converts on the host when blocking (and on
+    the GPU when not), so an fp16 gradient on the host bound for an fp32 master on the GPU would
+    otherwise cross as fp32, twice the bytes (copy_kernel_cuda; Mist's model prices 2 bytes)."""
+    if t.device == device:
+        return t.to(dtype)
+    if t.element_size() > dtype.itemsize:
+        return t.to(dtype).to(device)  # narrowed where it is
+    return t.to(device).to(dtype)  # widened where it lands
+
+
+def copy_across(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> None:
+    """``dst.copy_(src)``, crossing between devices in the narrower dtype (to_across): an fp32
+    master copied into an fp16 weight is narrowed where it is (into pinned memory where it was
+    pinned, so a non-blocking copy up stays a DMA), an fp16 source widened where it lands."""
+    if dst.device != src.device and src.element_size() > dst.element_size():
+        narrow = torch.empty_like(src, dtype=dst.dtype, pin_memory=src.is_pinned())
+        src = narrow.copy_(src)
+    elif dst.device != src.device and src.element_size() < dst.element_size():
+        src = src.to(dst.device, non_blocking=non_blocking)
+    dst.copy_(src, non_blocking=non_blocking)
+
+
 class MasterWeightAdamW:
     """AdamW on float32 copies of half-precision parameters; the model keeps only half weights.
 
@@ -102,7 +126,7 @@ class MasterWeightAdamW:
         """Returns False when the step was skipped (fp16 overflow)."""
         for master, p in zip(self.master_params, self.model_params, strict=True):
             grad = gradient_to_step(p)
-            master.grad = None if grad is None else grad.to(master.device, torch.float32)
+            master.grad = None if grad is None else to_across(grad, master.device, torch.float32)
         if self.dynamic:
             grads = [m.grad for m in self.master_params if m.grad is not None]
             found_inf = torch.zeros(1, device=grads[0].device)
@@ -121,7 +145,7 @@ class MasterWeightAdamW:
                 self.loss_scale *= 2.0
         self.inner.step()
         for master, p in zip(self.master_params, self.model_params, strict=True):
-            p.copy_(master)
+            copy_across(p, master)  # a weight resting on the host: fp16 down, not fp32
         self._drop_master_grads()
         return True
 

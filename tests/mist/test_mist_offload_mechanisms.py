@@ -260,6 +260,63 @@ def test_the_host_shares_take_the_weights_at_rest_there_first(rng):
     assert at_half <= with_first
 
 
+class _Crossings(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records, of each copy between two devices, (source dtype, destination dtype)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[tuple[torch.dtype, torch.dtype]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten._to_copy.default:
+            source, destination = args[0], out
+        elif func is torch.ops.aten.copy_.default:
+            destination, source = args[0], args[1]
+        else:
+            return out
+        if source.device != destination.device:
+            self.seen.append((source.dtype, destination.dtype))
+        return out
+
+
+@pytest.mark.parametrize("elsewhere", ["meta", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("host_dtype", [torch.float32, torch.bfloat16], ids=["fp32-host", "bf16-host"])
+def test_a_step_copy_crosses_in_the_narrower_dtype(elsewhere, host_dtype, rng):
+    """The step's copies between host and device (measure.training.to_across, copy_across: an
+    fp16 gradient summed on the host going up to an fp32 master, a master coming back into a
+    weight resting on the host or going up into one on the device) cross as the narrower dtype,
+    cast on whichever side holds the wider: torch's own copy converts on the host when blocking,
+    so a gradient would cross as fp32 (Mist's model prices 2 bytes). Each copy that moves between
+    devices is a pure move of bf16, both ways (``meta`` stands in for a GPU on a CPU machine: it
+    records the copies, not values); values survive where they can be read. Control: torch's
+    one-call conversions cross converting, which the recorder tells apart."""
+    from measure.training import copy_across, to_across
+
+    host = torch.from_numpy(rng.standard_normal((5, 3))).to(host_dtype)
+    wide, narrow = torch.float32, torch.bfloat16
+    other = wide if host_dtype == narrow else narrow
+    device = torch.device(elsewhere)
+    with _Crossings() as up:
+        on_device = to_across(host, device, other)
+        into = torch.empty((5, 3), dtype=other, device=device)
+        copy_across(into, host)
+    with _Crossings() as down:
+        back = torch.empty((5, 3), dtype=host_dtype)
+        if elsewhere != "meta":  # a meta tensor holds no values to copy out
+            copy_across(back, on_device)
+            assert torch.equal(back, host.to(other).to(host_dtype))
+            assert torch.equal(to_across(into, torch.device("cpu"), host_dtype), back)
+    for crossings in (up.seen, down.seen):
+        assert all(pair == (narrow, narrow) for pair in crossings), crossings
+    assert len(up.seen) == 2 and len(down.seen) == (0 if elsewhere == "meta" else 2)
+    assert on_device.dtype == other and on_device.device.type == device.type
+    with _Crossings() as plain:
+        host.to(device, other)
+        into.copy_(host)
+    assert plain.seen and all(pair[0] != pair[1] for pair in plain.seen), plain.seen
+
+
 class _Done:
     def wait(self) -> None:
         pass

@@ -46,11 +46,12 @@ from collections import deque
 import torch
 from torch import nn
 
-from measure.training import MasterWeightAdamW, gradient_to_step
+from measure.training import MasterWeightAdamW, copy_across, gradient_to_step, to_across
 
 # The profiler range of work done in host memory (the offloaded optimizer's step): on a CPU, where
 # host and device are one memory, the engine's device peak leaves its allocations out
 HOST_WORK = "mist.host_work"
+HOST = torch.device("cpu")
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -314,10 +315,10 @@ class OffloadedMasterAdamW:
         with torch.profiler.record_function(HOST_WORK):
             for p, master in zip(self.host_params, self.host_master, strict=True):
                 grad = gradient_to_step(p)
-                master.grad = None if grad is None else local(grad).to("cpu", torch.float32)  # down
+                master.grad = None if grad is None else to_across(local(grad), HOST, torch.float32)  # down
             self.host_opt.step()
             for p, master in zip(self.host_params, self.host_master, strict=True):
-                local(p).copy_(master, non_blocking=True)  # up, cast to the model's dtype
+                copy_across(local(p), master, non_blocking=True)  # up, in the model's dtype
                 master.grad = None
 
     def zero_grad(self) -> None:

@@ -666,14 +666,15 @@ def _sync_and_step(
 def optimizer_step_s(setting: Setting, offload_optimizer, offload_weights=0.0, offload_grads=0.0):
     """Seconds the optimizer step takes a parameter this rank steps, with those fractions of the
     optimizer stepped on the host, of the weights resting there and of the gradients summed there
-    (mist.engine.run's placement, each the largest parameters first, so two fractions share the
-    smaller of the two). Mixed-precision Adam reads and writes its state, weights and gradients
-    at 70% of the GPU's memory bandwidth, or the host's Adam steps; then each fp16 tensor that is
-    not where its step is crosses the host link once: a host-stepped gradient made on the device
-    goes down and its weight, where the weight lives on the device, comes up; a device-stepped
-    gradient summed on the host comes up and its weight, where it rests on the host, goes down
-    (OffloadedMasterAdamW, MasterWeightAdamW). Blocking: the step waits for them. Piecewise
-    linear in the optimizer's fraction (``_fastest_optimizer_fraction`` orders by it)."""
+    (mist.engine.run's placement: the weights at rest on the host first, then the largest, so
+    two fractions share the smaller of the two). Mixed-precision Adam reads and writes its
+    state, weights and gradients at 70% of the GPU's memory bandwidth, or the host's Adam steps;
+    then each fp16 tensor that is not where its step is crosses the host link once: a
+    host-stepped gradient made on the device goes down and its weight, where the weight lives on
+    the device, comes up; a device-stepped gradient summed on the host comes up and its weight,
+    where it rests on the host, goes down (OffloadedMasterAdamW, MasterWeightAdamW; as fp16 both
+    ways: measure.training.to_across). Blocking: the step waits for them. Piecewise linear in the
+    optimizer's fraction (``_fastest_optimizer_fraction`` orders by it)."""
     cluster = setting.cluster
     d2h_bw, h2d_bw = _host_rates(setting)
     on_device = (ADAM_BYTES_PER_PARAM + 4) * 2 / (cluster.gpu.hbm_bw * 0.7)
@@ -1078,8 +1079,10 @@ def fitting_rows(
     at some flight is kept (``_fastest_optimizer_fraction``): the others are equal in every time
     but the step, and slower there, so no frontier keeps them. (An imbalance-blind search, the
     ablation's, ranks without the step: there all fractions that fit tie, and the frontier from
-    the whole grid keeps the least, this the fastest: the same where the host's step is the
-    slower, as on every GPU preset.)
+    the whole grid keeps the least, this the fastest by the step: the same where the host's step
+    is the slower at every fraction, as with no weights or gradients on the host on every GPU
+    preset; where they rest there, a larger fraction can be the faster (L4: with both wholly on
+    the host, the whole optimizer), and the tie is broken toward it.)
 
     In two passes that keep the same rows as one: the rule applied to a lower bound of the memory
     (_memory_at_least) drops what cannot fit, and the exact memory is computed for the rest only
