@@ -72,10 +72,10 @@ def copy_across(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False
     """``dst.copy_(src)``, crossing between devices in the narrower dtype (to_across): an fp32
     master copied into an fp16 weight is narrowed where it is (into pinned memory where it was
     pinned, so a non-blocking copy up stays a DMA), an fp16 source widened where it lands."""
-    if dst.device != src.device and src.element_size() > dst.element_size():
-        narrow = torch.empty_like(src, dtype=dst.dtype, pin_memory=src.is_pinned())
-        src = narrow.copy_(src)
-    elif dst.device != src.device and src.element_size() < dst.element_size():
+    crossing = dst.device != src.device
+    if crossing and src.element_size() > dst.element_size():
+        src = torch.empty_like(src, dtype=dst.dtype, pin_memory=src.is_pinned()).copy_(src)
+    elif crossing and src.element_size() < dst.element_size():
         src = src.to(dst.device, non_blocking=non_blocking)
     dst.copy_(src, non_blocking=non_blocking)
 

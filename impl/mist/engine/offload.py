@@ -672,9 +672,9 @@ class GradientOffload(_HostGradients):
         """The DP sum of the host buffers over ``group``, averaged. Where the collective runs on
         another ``device`` than the host (NCCL reads device memory only), each buffer goes
         through it in pieces of at most the largest gradient, one staging buffer reused: up,
-        summed there, down; so the sum is a device all-reduce, as the cost model prices it (the
-        trip up and back, 2 bytes a parameter each way, it does not price). On a CPU each buffer
-        is summed in place, one all-reduce."""
+        summed there, down; so the sum is a device all-reduce, as the cost model prices it, with
+        the trip up and back (stage_cost's ``host_sum_trip``). On a CPU each buffer is summed in
+        place, one all-reduce."""
         import torch.distributed as dist
 
         self.sums.finish()

@@ -432,11 +432,8 @@ def _state_bytes(params: float, strategy: dict[str, np.ndarray], dp: int) -> dic
         # reads device memory only; GradientOffload.all_reduce). ZeRO-2/3 reduce on the device first
         "host_sum_trip": np.where((zero < 2) & (dp > 1), offload_grads * grads, 0.0),
         # ZeRO-1/2's broadcast of the updated weights at rest on the host, through the device
-        # (zero.broadcast_through): this rank's share up, the other owners' shares down
-        "sync_up": np.where(((zero == 1) | (zero == 2)) & (dp > 1), offload_weights * weights / dp, 0.0),
-        "sync_down": np.where(
-            ((zero == 1) | (zero == 2)) & (dp > 1), offload_weights * weights * (dp - 1) / dp, 0.0
-        ),
+        # (zero.broadcast_through): of these bytes this rank's share goes up, the others' down
+        "host_broadcast": np.where(((zero == 1) | (zero == 2)) & (dp > 1), offload_weights * weights, 0.0),
         "opt_params": opt_params,
     }
 
@@ -659,7 +656,8 @@ def _sync_and_step(
         step = step + params * optimizer_step_s(
             setting, strategy["offload_optimizer"], strategy["offload_weights"], strategy["offload_grads"]
         )
-        step = step + state["sync_up"] / h2d_bw + state["sync_down"] / d2h_bw
+        dp = setting.dp
+        step = step + state["host_broadcast"] * (1 / (dp * h2d_bw) + (dp - 1) / (dp * d2h_bw))
     return sync, step
 
 
