@@ -103,6 +103,7 @@ class MasterWeightAdamW:
     ) -> None:
         self.model_params = [p for p in params if p.requires_grad]
         self.master_params = [p.detach().float().clone().requires_grad_(True) for p in self.model_params]
+        self._master_of = {id(p): m for p, m in zip(self.model_params, self.master_params, strict=True)}
         # fused=True (as Megatron's fused Adam) steps without temporaries; foreach=False one tensor
         # at a time, holding a few temporaries of the largest tensor
         self.inner = torch.optim.AdamW(
@@ -148,6 +149,11 @@ class MasterWeightAdamW:
             copy_across(p, master)  # a weight resting on the host: fp16 down, not fp32
         self._drop_master_grads()
         return True
+
+    def master_on_device(self, p: nn.Parameter) -> torch.Tensor | None:
+        """``p``'s fp32 master, on the device the step runs on (None: ``p`` is not stepped here).
+        After a step it holds the values ``p`` was given, before their cast to ``p``'s dtype."""
+        return self._master_of.get(id(p))
 
     def _drop_master_grads(self) -> None:
         for master in self.master_params:

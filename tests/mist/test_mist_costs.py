@@ -605,10 +605,10 @@ ZERO_STAGES = np.array([0, 1, 2, 3])
 def _added_by(gpu: str, dp: int, params: float, **fractions) -> tuple:
     """(sync, step) seconds those offloaded fractions add to the last micro-batch of a stage of
     ``params`` parameters (no embedding or head) at each of ZERO_STAGES over ``dp`` replicas on
-    ``gpu``'s preset, and that preset's (device-to-host, host-to-device) rates."""
+    ``gpu``'s preset, and the Setting priced."""
     from mist.model.budget import gpu_budget_bytes
     from mist.tuning.planner import cost_models
-    from mist.tuning.stage_cost import EDGE_FIELDS, Setting, _host_rates, _state_bytes, _sync_and_step
+    from mist.tuning.stage_cost import EDGE_FIELDS, Setting, _state_bytes, _sync_and_step
 
     c = cluster(gpu, 8)
     st = Setting(model("gpt3-1.3b"), c, *cost_models(c), 1, dp, 1, gpu_budget_bytes(c), 2)
@@ -619,7 +619,7 @@ def _added_by(gpu: str, dp: int, params: float, **fractions) -> tuple:
         parts = ((_state_bytes(params, strategy, dp), strategy), (_state_bytes(0.0, none, dp), none))
         priced.append(_sync_and_step(st, 2 * params, 0.0, ZERO_STAGES, np.zeros(1), False, parts))
     (sync, step), (sync_off, step_off) = priced
-    return sync_off - sync, step_off - step, _host_rates(st)
+    return sync_off - sync, step_off - step, st
 
 
 def test_zero01_host_gradients_go_through_the_device_for_the_dp_sum(rng):
@@ -627,26 +627,36 @@ def test_zero01_host_gradients_go_through_the_device_for_the_dp_sum(rng):
     clipping barrier, once a step (GradientOffload.all_reduce: NCCL reads device memory): 2
     bytes a parameter each way. Not at one replica (no sum), nor under ZeRO-2/3 (reduced on the
     device as made, then drained)."""
+    from mist.tuning.stage_cost import _host_rates
+
     gpu, params, g = str(rng.choice(["l4", "a100-40gb", "h200"])), rng.uniform(1e7, 1e9), rng.uniform(0.1, 1)
     for dp in (1, 2, 4):
-        sync, _, (d2h, h2d) = _added_by(gpu, dp, params, offload_grads=g)
+        sync, _, st = _added_by(gpu, dp, params, offload_grads=g)
+        d2h, h2d = _host_rates(st)
         trip = np.where((ZERO_STAGES < 2) & (dp > 1), 2 * g * params * (1 / h2d + 1 / d2h), 0.0)
         np.testing.assert_allclose(sync, trip, rtol=1e-9, atol=1e-15)
 
 
-def test_zero12_weights_at_rest_on_the_host_are_broadcast_through_the_device(rng):
+@pytest.mark.parametrize("host_stepped", ["none", "some", "all"])
+def test_zero12_weights_at_rest_on_the_host_are_broadcast_through_the_device(rng, host_stepped):
     """ZeRO-1/2's broadcast of the updated weights carries those at rest on the host through the
-    device (zero.broadcast_through): after the step, each rank copies its own share up and the
-    other owners' shares down, 2 bytes a parameter. Not at one replica (nothing to broadcast),
-    under ZeRO-0 (no owners) or ZeRO-3 (its shards are the weights: nothing broadcast)."""
+    device (zero.broadcast_through), 2 bytes a parameter: each rank's own share of them up where
+    it stepped them on the host (those stepped on the device are cast into the message from their
+    master there), and the other owners' shares down. Not at one replica (nothing to broadcast),
+    under ZeRO-0 (no owners) or ZeRO-3 (its shards are the weights: nothing broadcast). The
+    step's own crossings are optimizer_step_s's, priced per parameter the rank steps."""
+    from mist.tuning.stage_cost import _host_rates, optimizer_step_s
+
     gpu, params, w = str(rng.choice(["l4", "a100-40gb", "h200"])), rng.uniform(1e7, 1e9), rng.uniform(0.1, 1)
+    o = {"none": 0.0, "some": rng.uniform(0.05, 0.95), "all": 1.0}[host_stepped]  # the optimizer's share
     for dp in (1, 2, 4):
-        _, step, (d2h, h2d) = _added_by(gpu, dp, params, offload_weights=w)
-        # the weights' copy down where they step on the device (optimizer_step_s), and the broadcast
-        stepped = params * np.where(ZERO_STAGES >= 1, 1 / dp, 1.0) * 2 * w / d2h
+        _, step, st = _added_by(gpu, dp, params, offload_weights=w, offload_optimizer=o)
+        d2h, h2d = _host_rates(st)
+        stepped = params * np.where(ZERO_STAGES >= 1, 1 / dp, 1.0)
+        own = stepped * (optimizer_step_s(st, o, w) - optimizer_step_s(st, 0.0))
         owners = ((ZERO_STAGES == 1) | (ZERO_STAGES == 2)) & (dp > 1)
-        broadcast = np.where(owners, 2 * w * params * (1 / dp / h2d + (dp - 1) / dp / d2h), 0.0)
-        np.testing.assert_allclose(step, stepped + broadcast, rtol=1e-9, atol=1e-15)
+        broadcast = np.where(owners, 2 * params * (min(o, w) / dp / h2d + w * (dp - 1) / dp / d2h), 0.0)
+        np.testing.assert_allclose(step, own + broadcast, rtol=1e-9, atol=1e-15)
 
 
 def test_gradient_accumulation_priced_as_the_engine_adds(rng):

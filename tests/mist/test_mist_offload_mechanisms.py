@@ -350,18 +350,20 @@ def test_a_flat_collective_runs_once_a_dtype_and_copies_back(rng):
 
 def test_a_broadcast_through_the_device_copies_up_at_the_source_and_down_elsewhere(rng):
     """zero.broadcast_through carries weights at rest on the host through a message on the device
-    (ZeRO-1/2's broadcast of them): the source copies its tensors up, the others copy the message
-    down, one message a dtype, and neither copies what it holds already (Mist's model prices the
-    source's share up and the rest down). Two ranks stood in for in one process: each message
-    starts poisoned (NaN); the source's stand-in broadcast reads the message and then scribbles on
-    it (a copy down at the source would show), the other's finds it still poisoned (a copy up
-    there would have written it) and writes the source's values in. Every tensor, of either
-    dtype, a transposed view among them, ends with the source's values bit for bit; the
-    source's are unchanged."""
+    (ZeRO-1/2's broadcast of them): the source copies what it sends into the message, the others
+    copy the message down, one message a dtype, and neither copies what it holds already (Mist's
+    model prices the source's host-stepped share up and the rest down). Two ranks stood in for in
+    one process: each message starts poisoned (NaN); the source's stand-in broadcast reads the
+    message and then scribbles on it (a copy down at the source would show), the other's finds it
+    still poisoned (a copy up there would have written it) and writes the source's values in.
+    The source sends some tensors from a wider copy (the fp32 master the step keeps on the
+    device), whose host tensor it must not read (poisoned here): the message holds that copy cast
+    to the tensor's dtype. Every tensor of the other, of either dtype, a transposed view among
+    them, ends with the values sent, bit for bit; the source's are unchanged."""
     from mist.engine.zero import broadcast_through
 
-    shapes = [tuple(int(x) for x in rng.integers(1, 6, size=int(rng.integers(1, 4)))) for _ in range(5)]
-    dtypes = [[torch.float32, torch.bfloat16][i % 2] for i in range(len(shapes))]
+    shapes = [tuple(int(x) for x in rng.integers(1, 6, size=int(rng.integers(1, 4)))) for _ in range(6)]
+    dtypes = [[torch.float16, torch.bfloat16][i % 2] for i in range(len(shapes))]
 
     def weights() -> list[torch.Tensor]:
         made = [
@@ -370,9 +372,23 @@ def test_a_broadcast_through_the_device_copies_up_at_the_source_and_down_elsewhe
         return [*made, torch.from_numpy(rng.standard_normal((3, 4))).float().t()]  # not contiguous
 
     source, other = weights(), weights()
-    sent = [t.clone() for t in source]
-    sizes = {dt: sum(t.numel() for t in source if t.dtype == dt) for dt in (torch.float32, torch.bfloat16)}
-    staging = {dt: torch.full((n + 3,), float("nan"), dtype=dt) for dt, n in sizes.items()}
+    # some of the half-precision ones, never all: both ways are used in every draw
+    masters = set(rng.choice(len(shapes), size=int(rng.integers(1, len(shapes))), replace=False).tolist())
+    from_master = [i in masters for i in range(len(source))]
+    sent = [
+        torch.from_numpy(rng.standard_normal(t.shape)).float() if master else t
+        for t, master in zip(source, from_master, strict=True)
+    ]
+    for t, master in zip(source, from_master, strict=True):
+        if master:
+            t.fill_(float("nan"))  # the step wrote it with the master's values: not read here
+    expected = [v.to(t.dtype) for v, t in zip(sent, source, strict=True)]
+    held = [t.clone() for t in source]
+    dts = {t.dtype for t in source}
+    staging = {
+        dt: torch.full((sum(t.numel() for t in source if t.dtype == dt) + 3,), float("nan"), dtype=dt)
+        for dt in dts
+    }
     messages: dict[torch.dtype, torch.Tensor] = {}
 
     def at_source(flat: torch.Tensor) -> _Done:
@@ -385,13 +401,14 @@ def test_a_broadcast_through_the_device_copies_up_at_the_source_and_down_elsewhe
         flat.copy_(messages[flat.dtype])
         return _Done()
 
-    broadcast_through(source, True, at_source, staging)
-    assert sorted(messages, key=str) == [torch.bfloat16, torch.float32]  # one message a dtype
+    broadcast_through(source, sent, at_source, staging)
+    assert sorted(messages, key=str) == sorted(dts, key=str)  # one message a dtype
     for t in staging.values():
         t.fill_(float("nan"))
-    broadcast_through(other, False, elsewhere, staging)
-    for s, o, was in zip(source, other, sent, strict=True):
-        assert torch.equal(s, was) and torch.equal(o, was)
+    broadcast_through(other, None, elsewhere, staging)
+    for s, o, was, want in zip(source, other, held, expected, strict=True):
+        assert torch.allclose(s, was, rtol=0, atol=0, equal_nan=True)
+        assert torch.equal(o, want)
 
 
 @pytest.fixture

@@ -22,8 +22,9 @@
   forward and again for its backward, the next layer's prefetched (the two layers' buffers
   Mist's memory model prices), and is dropped from the device after the forward and once
   backward has made the layer's gradients. ZeRO-1/2's broadcast of the updated weights carries
-  those at rest on the host through a message of one bucket (zero.broadcast_through: up at the
-  owner, down at the others); the others it broadcasts in place (ShardedMasterAdamW keeps them
+  those at rest on the host through a message of one bucket (zero.broadcast_through: cast into
+  it from the fp32 master where the owner steps on the device, else up from the host; down at
+  the others); the others it broadcasts in place (ShardedMasterAdamW keeps them
   in one buffer per owner, the host-resting ones left out: weights_at_rest_on_host).
 * Under ZeRO-3 (FSDP2 gathers each layer's weights from the shards and reduce-scatters its
   gradients): that fraction of each module's weight shards rests on the host and is what FSDP2's
@@ -320,6 +321,10 @@ class OffloadedMasterAdamW:
             for p, master in zip(self.host_params, self.host_master, strict=True):
                 copy_across(local(p), master, non_blocking=True)  # up, in the model's dtype
                 master.grad = None
+
+    def master_on_device(self, p: nn.Parameter) -> torch.Tensor | None:
+        """``p``'s fp32 master where its step runs on the device (None: on the host)."""
+        return None if self.device_opt is None else self.device_opt.master_on_device(p)
 
     def zero_grad(self) -> None:
         if self.device_opt is not None:

@@ -288,10 +288,18 @@ class ShardedMasterAdamW:
             for bucket in host_buckets:
                 broadcast_through(
                     [p.data for p in bucket],
-                    me == owner,
+                    [self._sent(p) for p in bucket] if me == owner else None,
                     lambda flat, src=owner: dist.broadcast(flat, src, self.group, async_op=True),
                     staging,
                 )
+
+    def _sent(self, p: torch.Tensor) -> torch.Tensor:
+        """What this owner broadcasts of ``p``, a weight at rest on the host: its fp32 master where
+        the step keeps that on the device (cast into the message there; the step has copied the
+        same values, cast alike, down into ``p``: measure.training.copy_across), so that only the
+        host-stepped share crosses up, else ``p`` on the host."""
+        master = self.inner.master_on_device(p) if self.inner is not None else None
+        return p.data if master is None else master
 
     def zero_grad(self) -> None:
         for p in self.params:
@@ -464,31 +472,33 @@ def _contiguous(
     return buffers
 
 
+@torch.no_grad()  # (a master sent is a leaf that requires grad)
 def broadcast_through(
     tensors: list[torch.Tensor],
-    source: bool,
+    sent: list[torch.Tensor] | None,
     broadcast,
     staging: dict[torch.dtype, torch.Tensor],
 ) -> None:
     """``broadcast(flat)`` (async, returns its work) of ``tensors`` at rest on the host, once per
     dtype, through a message in ``staging`` (a buffer per dtype, at least that large, on the
-    device the collective reads): the ``source`` copies its tensors up into the message, the
-    others copy it down into theirs. Neither copies what it holds already: the others' values
-    are overwritten, the source's are the message (what Mist's model prices: each rank's share
-    up, the rest down)."""
+    device the collective reads). ``sent``: at the source, each tensor's value to send (the tensor
+    itself, copied up, or a copy already on the device, cast into the message there: no trip up);
+    None elsewhere, where the message is copied down. Neither copies what it holds already: the
+    others' values are overwritten, the source's are the message (what Mist's model prices: the
+    source's share up where it is not on the device, the rest down)."""
     for dtype in sorted({t.dtype for t in tensors}, key=str):  # same order on every rank
-        bucket = [t for t in tensors if t.dtype == dtype]
-        flat = staging[dtype][: sum(t.numel() for t in bucket)]
-        pieces = flat.split([t.numel() for t in bucket])
-        if source:
-            for t, piece in zip(bucket, pieces, strict=True):
-                piece.copy_(t.reshape(-1))
+        mine = [i for i, t in enumerate(tensors) if t.dtype == dtype]
+        flat = staging[dtype][: sum(tensors[i].numel() for i in mine)]
+        pieces = flat.split([tensors[i].numel() for i in mine])
+        if sent is not None:
+            for i, piece in zip(mine, pieces, strict=True):
+                piece.copy_(sent[i].reshape(-1))
         work = broadcast(flat)
         work.wait()
         del work
-        if not source:
-            for t, piece in zip(bucket, pieces, strict=True):
-                t.copy_(piece.view_as(t))
+        if sent is None:
+            for i, piece in zip(mine, pieces, strict=True):
+                tensors[i].copy_(piece.view_as(tensors[i]))
 
 
 def flat_collective(tensors: list[torch.Tensor], collective) -> None:

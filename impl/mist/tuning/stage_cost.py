@@ -418,6 +418,7 @@ def _state_bytes(params: float, strategy: dict[str, np.ndarray], dp: int) -> dic
     grads = 2.0 * params * np.where(zero >= 2, 1.0 / dp, 1.0)
     opt_params = params * np.where(zero >= 1, 1.0 / dp, 1.0)
     optimizer = ADAM_BYTES_PER_PARAM * opt_params
+    owners = ((zero == 1) | (zero == 2)) & (dp > 1)  # each replica steps a share and broadcasts it
     return {
         "gpu": (1 - offload_weights) * weights
         + (1 - offload_grads) * grads
@@ -432,8 +433,13 @@ def _state_bytes(params: float, strategy: dict[str, np.ndarray], dp: int) -> dic
         # reads device memory only; GradientOffload.all_reduce). ZeRO-2/3 reduce on the device first
         "host_sum_trip": np.where((zero < 2) & (dp > 1), offload_grads * grads, 0.0),
         # ZeRO-1/2's broadcast of the updated weights at rest on the host, through the device
-        # (zero.broadcast_through): of these bytes this rank's share goes up, the others' down
-        "host_broadcast": np.where(((zero == 1) | (zero == 2)) & (dp > 1), offload_weights * weights, 0.0),
+        # (zero.broadcast_through): up, this rank's share of them stepped on the host (those
+        # stepped on the device are cast into the message from their master there); down, the
+        # other owners' shares
+        "broadcast_up": np.where(
+            owners, 2.0 * opt_params * np.minimum(offload_optimizer, offload_weights), 0.0
+        ),
+        "broadcast_down": np.where(owners, offload_weights * weights * (dp - 1) / dp, 0.0),
         "opt_params": opt_params,
     }
 
@@ -656,8 +662,7 @@ def _sync_and_step(
         step = step + params * optimizer_step_s(
             setting, strategy["offload_optimizer"], strategy["offload_weights"], strategy["offload_grads"]
         )
-        dp = setting.dp
-        step = step + state["host_broadcast"] * (1 / (dp * h2d_bw) + (dp - 1) / (dp * d2h_bw))
+        step = step + state["broadcast_up"] / h2d_bw + state["broadcast_down"] / d2h_bw
     return sync, step
 
 
