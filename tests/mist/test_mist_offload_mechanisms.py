@@ -260,6 +260,45 @@ def test_the_host_shares_take_the_weights_at_rest_there_first(rng):
     assert at_half <= with_first
 
 
+def test_each_zero1_replica_sums_its_fraction_of_the_gradients_it_steps(rng):
+    """Under ZeRO-1 each replica steps its own buckets (zero._assign_owners, as
+    ShardedMasterAdamW.shares groups them) and sums every gradient; GradientOffload given those
+    shares takes the fraction of each, so every replica's step finds that fraction of the
+    gradients it steps on the host, as stage_cost prices each stepped parameter alike: within
+    the share's largest parameter below (whole parameters move) and half an element above, here
+    over 4 layers of random width and an embedding as large as they are, at 2-4 replicas.
+    Control: taken over the whole part, largest first, at a half the embedding alone goes to the
+    host, and at 2 replicas the other steps 4 layers with none of their gradients there (the
+    bound above asks for more than a parameter's worth)."""
+    from mist.engine.zero import _assign_owners
+
+    layers = _stack(int(rng.integers(4, 17)), "cpu", int(rng.integers(2**31)))
+    buckets = [list(layer.parameters()) for layer in layers]
+    embedding = nn.Parameter(torch.zeros(sum(p.numel() for b in buckets for p in b)))
+    buckets.append([embedding])
+    params = [p for b in buckets for p in b]
+
+    def shares_at(dp: int) -> list[list[nn.Parameter]]:
+        owner, _ = _assign_owners(buckets, list(range(dp)))
+        return [[p for p in params if owner[id(p)] == rank] for rank in range(dp)]
+
+    def on_host(summed: set[int], share: list[nn.Parameter]) -> int:
+        return sum(p.numel() for p in share if id(p) in summed)
+
+    shares = shares_at(int(rng.integers(2, 5)))
+    for fraction in (rng.uniform(0.05, 0.95), 0.5):
+        summed = {id(p) for p in GradientOffload(params, fraction, shares=shares).params}
+        for share in shares:
+            held = sum(p.numel() for p in share)
+            largest = max(p.numel() for p in share)
+            assert fraction * held - largest < on_host(summed, share) <= fraction * held + 0.5
+    plain = {id(p) for p in GradientOffload(params, 0.5).params}
+    assert plain == {id(embedding)}
+    layers_share = next(share for share in shares_at(2) if all(p is not embedding for p in share))
+    assert 0.5 * sum(p.numel() for p in layers_share) - max(p.numel() for p in layers_share) > 0
+    assert on_host(plain, layers_share) == 0
+
+
 class _Crossings(torch.utils._python_dispatch.TorchDispatchMode):
     """Records, of each copy between two devices, (source dtype, destination dtype)."""
 

@@ -656,13 +656,29 @@ class GradientOffload(_HostGradients):
     as on the device (zero.ContiguousGrads) and as the cost model prices it: one per parameter
     paid gloo's latency per parameter (the 2-process Llama plan's sync took 2x the grid's).
     ``at_rest_on_host``: ids of the weights at rest on the host, summed there first
-    (split_by_fraction)."""
+    (split_by_fraction). ``shares``: ``params`` grouped by the replica that steps them (ZeRO-1's
+    owners: ShardedMasterAdamW.shares), the fraction taken of each, so that every replica's step
+    finds that fraction of its gradients on the host, as stage_cost prices each stepped
+    parameter (taken over the whole part, the largest first, one replica's share could be all on
+    the host and another's none); None: one share, the whole of ``params``."""
 
     def __init__(
-        self, params: list[nn.Parameter], fraction: float, at_rest_on_host: frozenset[int] = frozenset()
+        self,
+        params: list[nn.Parameter],
+        fraction: float,
+        at_rest_on_host: frozenset[int] = frozenset(),
+        shares: list[list[nn.Parameter]] | None = None,
     ) -> None:
-        candidates = [p for p in params if not getattr(p, "sequence_parallel", False)]
-        self.params, _ = split_by_fraction(candidates, fraction, at_rest_on_host)
+        mine = {id(p) for p in params}
+        self.params = [
+            p
+            for share in (shares if shares is not None else [params])
+            for p in split_by_fraction(
+                [q for q in share if id(q) in mine and not getattr(q, "sequence_parallel", False)],
+                fraction,
+                at_rest_on_host,
+            )[0]
+        ]
         device = params[0].device
         # pinned on a GPU machine: the step's copy of a device-stepped part's sums up is then a DMA
         self.buffers, host = flat_views(self.params, "cpu", pin=device.type == "cuda")

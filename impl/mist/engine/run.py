@@ -376,6 +376,12 @@ def _optimizer(
     return MasterWeightAdamW(part.params, lr=lr, fused=True)
 
 
+def _stepped_apart(stepper) -> list[list[nn.Parameter]] | None:
+    """A part's parameters grouped by the replica that steps them: ZeRO-1/2's owners' shares
+    (ShardedMasterAdamW), else None (every replica steps the whole part)."""
+    return stepper.shares() if isinstance(stepper, ShardedMasterAdamW) else None
+
+
 class StageGradients:
     """Where a stage's gradients go between backward and the step, part by part: ZeRO-2/3 reduce
     each (to its owner, or scattered) as backward makes it, so no full buffer (ZeRO-2's offload in
@@ -398,8 +404,8 @@ class StageGradients:
         self.dp, self.optimizer = dp, optimizer
         self.reduced_as_made = [part.zero >= 2 and dp > 1 for part in parts]
         self.drained = [
-            GradientOffload(part.params, part.offload_grads, rest_on_host)
-            for part, made in zip(parts, self.reduced_as_made, strict=True)
+            GradientOffload(part.params, part.offload_grads, rest_on_host, _stepped_apart(stepper))
+            for part, stepper, made in zip(parts, optimizer.parts, self.reduced_as_made, strict=True)
             if part.offload_grads > 0 and not made
         ]
         # after sharding: FSDP2's shards are the parameters

@@ -126,6 +126,11 @@ class ShardedMasterAdamW:
         self.in_flight: dict[int, list] = {}  # group -> its broadcasts begun, not yet waited for
         self.gathered_in_forward = 0  # groups a forward waited for since the last step
 
+    def shares(self) -> list[list[torch.Tensor]]:
+        """The parameters each replica steps (its buckets), by rank: the same on every rank."""
+        ranks = sorted(set(self.owner.values()))
+        return [[p for p in self.params if self.owner[id(p)] == rank] for rank in ranks]
+
     def _gather_groups(self, modules: list[torch.nn.Module], bucket_params: int) -> list[list[int]]:
         """Buckets in groups of at least ``bucket_params`` parameters, in the order ``modules`` run
         forward (each of its buckets in the first module holding one), each group's first module
