@@ -648,7 +648,8 @@ def test_zero12_weights_at_rest_on_the_host_are_broadcast_through_the_device(rng
     from mist.tuning.stage_cost import _host_rates, optimizer_step_s
 
     gpu, params, w = str(rng.choice(["l4", "a100-40gb", "h200"])), rng.uniform(1e7, 1e9), rng.uniform(0.1, 1)
-    o = {"none": 0.0, "some": rng.uniform(0.05, 0.95), "all": 1.0}[host_stepped]  # the optimizer's share
+    # the optimizer's share; "some": less than the weights', so that part of them steps on the device
+    o = {"none": 0.0, "some": w * rng.uniform(0.05, 0.95), "all": 1.0}[host_stepped]
     for dp in (1, 2, 4):
         _, step, st = _added_by(gpu, dp, params, offload_weights=w, offload_optimizer=o)
         d2h, h2d = _host_rates(st)

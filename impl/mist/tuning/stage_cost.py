@@ -418,7 +418,6 @@ def _state_bytes(params: float, strategy: dict[str, np.ndarray], dp: int) -> dic
     grads = 2.0 * params * np.where(zero >= 2, 1.0 / dp, 1.0)
     opt_params = params * np.where(zero >= 1, 1.0 / dp, 1.0)
     optimizer = ADAM_BYTES_PER_PARAM * opt_params
-    owners = ((zero == 1) | (zero == 2)) & (dp > 1)  # each replica steps a share and broadcasts it
     return {
         "gpu": (1 - offload_weights) * weights
         + (1 - offload_grads) * grads
@@ -433,13 +432,9 @@ def _state_bytes(params: float, strategy: dict[str, np.ndarray], dp: int) -> dic
         # reads device memory only; GradientOffload.all_reduce). ZeRO-2/3 reduce on the device first
         "host_sum_trip": np.where((zero < 2) & (dp > 1), offload_grads * grads, 0.0),
         # ZeRO-1/2's broadcast of the updated weights at rest on the host, through the device
-        # (zero.broadcast_through): up, this rank's share of them stepped on the host (those
-        # stepped on the device are cast into the message from their master there); down, the
-        # other owners' shares
-        "broadcast_up": np.where(
-            owners, 2.0 * opt_params * np.minimum(offload_optimizer, offload_weights), 0.0
-        ),
-        "broadcast_down": np.where(owners, offload_weights * weights * (dp - 1) / dp, 0.0),
+        # (zero.broadcast_through): the other owners' shares come down (this rank's own go up
+        # where it stepped them on the host: optimizer_step_s's ``broadcast``)
+        "broadcast_down": np.where(broadcasts(zero, dp), offload_weights * weights * (dp - 1) / dp, 0.0),
         "opt_params": opt_params,
     }
 
@@ -660,13 +655,25 @@ def _sync_and_step(
         sync = sync + params * 2 / (cluster.gpu.hbm_bw * 0.7)
         sync = sync + state["host_sum_trip"] * (1 / h2d_bw + 1 / d2h_bw)
         step = step + params * optimizer_step_s(
-            setting, strategy["offload_optimizer"], strategy["offload_weights"], strategy["offload_grads"]
+            setting,
+            strategy["offload_optimizer"],
+            strategy["offload_weights"],
+            strategy["offload_grads"],
+            broadcasts(strategy["zero"], setting.dp),
         )
-        step = step + state["broadcast_up"] / h2d_bw + state["broadcast_down"] / d2h_bw
+        step = step + state["broadcast_down"] / d2h_bw
     return sync, step
 
 
-def optimizer_step_s(setting: Setting, offload_optimizer, offload_weights=0.0, offload_grads=0.0):
+def broadcasts(zero, dp: int):
+    """Where each replica steps a share of the weights and broadcasts it after the step: ZeRO-1/2
+    over more than one replica (ShardedMasterAdamW)."""
+    return ((np.asarray(zero) == 1) | (np.asarray(zero) == 2)) & (dp > 1)
+
+
+def optimizer_step_s(
+    setting: Setting, offload_optimizer, offload_weights=0.0, offload_grads=0.0, broadcast=False
+):
     """Seconds the optimizer step takes a parameter this rank steps, with those fractions of the
     optimizer stepped on the host, of the weights resting there and of the gradients summed there
     (mist.engine.run's placement: the weights at rest on the host first, then the largest, so
@@ -676,8 +683,11 @@ def optimizer_step_s(setting: Setting, offload_optimizer, offload_weights=0.0, o
     host-stepped gradient made on the device goes down and its weight, where the weight lives on
     the device, comes up; a device-stepped gradient summed on the host comes up and its weight,
     where it rests on the host, goes down (OffloadedMasterAdamW, MasterWeightAdamW; as fp16 both
-    ways: measure.training.to_across). Blocking: the step waits for them. Piecewise linear in the
-    optimizer's fraction (``_fastest_optimizer_fraction`` orders by it)."""
+    ways: measure.training.to_across). Blocking: the step waits for them. With ``broadcast``
+    (where ``broadcasts``), a weight at rest on the host and stepped there goes up once more, into
+    the message of the broadcast of the updated weights (zero.broadcast_through; one stepped on
+    the device is cast into it from its master there). Piecewise linear in the optimizer's
+    fraction (``_fastest_optimizer_fraction`` orders by it)."""
     cluster = setting.cluster
     d2h_bw, h2d_bw = _host_rates(setting)
     on_device = (ADAM_BYTES_PER_PARAM + 4) * 2 / (cluster.gpu.hbm_bw * 0.7)
@@ -687,6 +697,7 @@ def optimizer_step_s(setting: Setting, offload_optimizer, offload_weights=0.0, o
     both_grads = np.minimum(host_stepped, summed)
     down = (host_stepped - both_grads) + (resting - both_weights)
     up = (host_stepped - both_weights) + (summed - both_grads)
+    up = up + np.where(broadcast, both_weights, 0.0)
     adam = (1 - host_stepped) * on_device + host_stepped * on_host
     return adam + 2 * down / d2h_bw + 2 * up / h2d_bw
 
@@ -1121,7 +1132,7 @@ def fitting_rows(
     if len(space.grid_steps("offload_optimizer")) < 2:
         return rows
     group = optimizer_groups(layers, space)[rows]
-    placement = {name: grid[name][rows] for name in OFFLOAD_FIELDS}
+    placement = {name: grid[name][rows] for name in ("zero", *OFFLOAD_FIELDS)}
     fastest = _fastest_optimizer_fraction(setting, placement, group, held, flights, budget, host_budget)
     return rows[fastest]
 
@@ -1135,15 +1146,21 @@ def _fastest_optimizer_fraction(
     budget: float,
     host_budget: float,
 ) -> np.ndarray:
-    """Which strategies (rows: their offloaded fractions ``placement``, ``group`` (rows that differ
-    only in the optimizer's share one) and ``held``: memory, per_flight, host_memory and
-    host_per_flight at one in flight) are, at one of ``flights``, the fastest that fits of their
-    group. The optimizer's fraction changes nothing but the step (``optimizer_step_s``, a
+    """Which strategies (rows: their ZeRO stages and offloaded fractions ``placement``, ``group``
+    (rows that differ only in the optimizer's share one) and ``held``: memory, per_flight,
+    host_memory and host_per_flight at one in flight) are, at one of ``flights``, the fastest
+    that fits of their group. The optimizer's fraction changes nothing but the step (``optimizer_step_s``, a
     parameter's seconds; the stage's layers and its embedding/head share the row's strategy
     here, so the step is that times the parameters stepped). Ties keep the least fraction."""
     keep = np.zeros(len(group), bool)
     fraction = placement["offload_optimizer"]
-    per_param = optimizer_step_s(setting, fraction, placement["offload_weights"], placement["offload_grads"])
+    per_param = optimizer_step_s(
+        setting,
+        fraction,
+        placement["offload_weights"],
+        placement["offload_grads"],
+        broadcasts(placement["zero"], setting.dp),
+    )
     order = np.lexsort((fraction, per_param, group))  # by group, fastest first
     for flight in sorted(set(flights)):
         rows = order[held_and_fits(*(column[order] for column in held), flight, budget, host_budget)[1]]
