@@ -397,7 +397,7 @@ def test_a_broadcast_through_the_device_copies_up_at_the_source_and_down_elsewhe
     still poisoned (a copy up there would have written it) and writes the source's values in.
     The source sends some tensors from a wider copy (the fp32 master the step keeps on the
     device), whose host tensor it must not read (poisoned here): the message holds that copy cast
-    to the tensor's dtype. Every tensor of the other, of either dtype, a transposed view among
+    to the tensor's dtype. Every tensor of the other, of any dtype, a transposed view among
     them, ends with the values sent, bit for bit; the source's are unchanged."""
     from mist.engine.zero import broadcast_through
 
@@ -621,6 +621,60 @@ def test_zero1_broadcasts_updated_weights_in_place(device, at_rest, one_process_
         assert max(by_dtype.values()) <= copied < sum(by_dtype.values()) + 2 * rounding, (copied, by_dtype)
     for p, was in zip(layers.parameters(), before, strict=True):
         assert torch.equal(p.cpu(), was)
+
+
+@pytest.mark.parametrize("device", ["cpu"])
+def test_an_owner_sends_the_weights_it_steps_on_the_device_from_their_masters(
+    device, one_process_group, monkeypatch, rng
+):
+    """ZeRO-1/2's owner fills the broadcast's message for a weight at rest on the host from what
+    its step keeps on the device where it stepped it there (the fp32 master, cast in the message:
+    no copy up), and from the host copy where it stepped it on the host (OffloadedMasterAdamW's
+    share, here a random part of the weights at rest). After the step, each device-stepped
+    weight's host copy, which the step wrote with the same values, is poisoned (NaN): no message
+    may hold a NaN, and each host-stepped weight is sent as it is. Control: at least one weight
+    of each kind in every draw; sending the host copies instead fails it."""
+    import torch.distributed as dist
+
+    from mist.engine import zero
+    from mist.engine.zero import ShardedMasterAdamW
+
+    layers = _stack(int(rng.integers(4, 17)), device, int(rng.integers(2**31)))
+    resting = [q for layer in weights_at_rest_on_host(list(layers), 0.5) for q in layer]
+    host_share = float(rng.uniform(0.1, 0.4))  # of the rank's share: less than what rests on the host
+    optimizer = ShardedMasterAdamW(
+        [list(layer.parameters()) for layer in layers],
+        one_process_group,
+        lr=1e-2,
+        offload_fraction=host_share,
+        rest_on_host=frozenset(id(q) for q in resting),
+    )
+    device_stepped = [q for q in resting if optimizer.inner.master_on_device(q) is not None]
+    host_stepped = [q for q in resting if optimizer.inner.master_on_device(q) is None]
+    assert device_stepped and host_stepped
+    for p in layers.parameters():
+        p.grad = torch.from_numpy(rng.standard_normal(tuple(p.shape))).to(p.dtype)
+    inner_step = optimizer.inner.step
+
+    def step_then_poison() -> None:
+        inner_step()
+        for q in device_stepped:
+            q.data.fill_(float("nan"))
+
+    monkeypatch.setattr(optimizer.inner, "step", step_then_poison)
+    messages: list[torch.Tensor] = []
+    broadcast = dist.broadcast
+
+    def recorded(flat: torch.Tensor, *args, **kwargs):
+        messages.append(flat.clone())
+        return broadcast(flat, *args, **kwargs)
+
+    monkeypatch.setattr(zero.dist, "broadcast", recorded)
+    optimizer.step()
+    sent = {x for m in messages for x in m.tolist()}
+    assert messages and not any(torch.isnan(m).any() for m in messages)
+    for q in host_stepped:
+        assert set(q.data.reshape(-1).tolist()) <= sent
 
 
 @pytest.mark.parametrize("device", ["cpu"])

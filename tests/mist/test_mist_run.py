@@ -610,6 +610,30 @@ def test_gradient_offload_accumulates_on_the_host(tmp_path, dp, zero):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+def test_zero1_offloads_a_fraction_of_each_owners_gradients(tmp_path):
+    """ZeRO-1 over 2 replicas with half the gradients summed on the host (GradientOffload: half
+    of each owner's share, ShardedMasterAdamW.shares), half the weights at rest there and a
+    quarter of each share's optimizer stepped there (part of the weights at rest stepped on the
+    host, part on the device and sent from their masters: zero.broadcast_through): the same
+    losses as the plan that offloads nothing (the same sums: 1e-6), and every rank holds the
+    same host gradient buffer (all of them sum every gradient, into one layout)."""
+    runs = []
+    for offloaded in (False, True):
+        fractions = {"offload_grads": 0.5, "offload_weights": 0.5, "offload_optimizer": 0.25}
+        stage = StagePlan(layers=4, recompute=2, zero=1, **(fractions if offloaded else {}))
+        plan = _tiny_plan([stage], dp=2)
+        assert not unsupported(plan), unsupported(plan)
+        predict(plan, plan.model_spec(), cluster("cpu", 2))
+        runs.append(_torchrun(plan, tmp_path / f"offloaded{offloaded}"))
+    plain, report = runs
+    a, b = (next(r["losses"] for r in rep["ranks"] if r["losses"] is not None) for rep in (plain, report))
+    assert a == pytest.approx(b, rel=1e-6)
+    held = {r["host_gradient_bytes"] for r in report["ranks"]}
+    assert len(held) == 1 and held != {0}, report["ranks"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("timing", ["latest", "run-ahead"])
 @pytest.mark.parametrize(
     ("stages", "dp", "zero", "edges"),

@@ -670,6 +670,8 @@ class GradientOffload(_HostGradients):
         shares: list[list[nn.Parameter]] | None = None,
     ) -> None:
         mine = {id(p) for p in params}
+        if shares is not None and sorted(id(p) for share in shares for p in share) != sorted(mine):
+            raise ValueError("the shares must hold each of the parameters once, and nothing else")
         self.params = [
             p
             for share in (shares if shares is not None else [params])

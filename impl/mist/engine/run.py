@@ -377,8 +377,9 @@ def _optimizer(
 
 
 def _stepped_apart(stepper) -> list[list[nn.Parameter]] | None:
-    """A part's parameters grouped by the replica that steps them: ZeRO-1/2's owners' shares
-    (ShardedMasterAdamW), else None (every replica steps the whole part)."""
+    """A part's parameters grouped by the replica that steps them: ZeRO-1's owners' shares
+    (ShardedMasterAdamW; only ZeRO-1 over replicas sums all gradients and steps a share), else
+    None (every replica steps the whole part)."""
     return stepper.shares() if isinstance(stepper, ShardedMasterAdamW) else None
 
 

@@ -127,7 +127,8 @@ class ShardedMasterAdamW:
         self.gathered_in_forward = 0  # groups a forward waited for since the last step
 
     def shares(self) -> list[list[torch.Tensor]]:
-        """The parameters each replica steps (its buckets), by rank: the same on every rank."""
+        """The parameters each replica steps (its buckets): one list per rank that owns any, in
+        rank order, the same on every rank."""
         ranks = sorted(set(self.owner.values()))
         return [[p for p in self.params if self.owner[id(p)] == rank] for rank in ranks]
 
@@ -491,6 +492,8 @@ def broadcast_through(
     None elsewhere, where the message is copied down. Neither copies what it holds already: the
     others' values are overwritten, the source's are the message (what Mist's model prices: the
     source's share up where it is not on the device, the rest down)."""
+    if sent is not None and len(sent) != len(tensors):
+        raise ValueError(f"{len(sent)} values to send for {len(tensors)} tensors")
     for dtype in sorted({t.dtype for t in tensors}, key=str):  # same order on every rank
         mine = [i for i, t in enumerate(tensors) if t.dtype == dtype]
         flat = staging[dtype][: sum(tensors[i].numel() for i in mine)]
