@@ -665,7 +665,7 @@ def _sync_and_step(
     return sync, step
 
 
-def broadcasts(zero, dp: int):
+def broadcasts(zero, dp: int) -> np.ndarray:
     """Where each replica steps a share of the weights and broadcasts it after the step: ZeRO-1/2
     over more than one replica (ShardedMasterAdamW)."""
     return ((np.asarray(zero) == 1) | (np.asarray(zero) == 2)) & (dp > 1)
@@ -1149,9 +1149,10 @@ def _fastest_optimizer_fraction(
     """Which strategies (rows: their ZeRO stages and offloaded fractions ``placement``, ``group``
     (rows that differ only in the optimizer's share one) and ``held``: memory, per_flight,
     host_memory and host_per_flight at one in flight) are, at one of ``flights``, the fastest
-    that fits of their group. The optimizer's fraction changes nothing but the step (``optimizer_step_s``, a
-    parameter's seconds; the stage's layers and its embedding/head share the row's strategy
-    here, so the step is that times the parameters stepped). Ties keep the least fraction."""
+    that fits of their group. The optimizer's fraction changes nothing but the step
+    (``optimizer_step_s``, a parameter's seconds; the stage's layers and its embedding/head share
+    the row's strategy here, so the step is that times the parameters stepped). Ties keep the
+    least fraction."""
     keep = np.zeros(len(group), bool)
     fraction = placement["offload_optimizer"]
     per_param = optimizer_step_s(
