@@ -669,16 +669,13 @@ class GradientOffload(_HostGradients):
         at_rest_on_host: frozenset[int] = frozenset(),
         shares: list[list[nn.Parameter]] | None = None,
     ) -> None:
-        mine = {id(p) for p in params}
-        if shares is not None and sorted(id(p) for share in shares for p in share) != sorted(mine):
+        if shares is not None and sorted(id(p) for share in shares for p in share) != sorted(map(id, params)):
             raise ValueError("the shares must hold each of the parameters once, and nothing else")
         self.params = [
             p
             for share in (shares if shares is not None else [params])
             for p in split_by_fraction(
-                [q for q in share if id(q) in mine and not getattr(q, "sequence_parallel", False)],
-                fraction,
-                at_rest_on_host,
+                [q for q in share if not getattr(q, "sequence_parallel", False)], fraction, at_rest_on_host
             )[0]
         ]
         device = params[0].device

@@ -303,8 +303,9 @@ class ShardedMasterAdamW:
         """What this owner broadcasts of ``p``, a weight at rest on the host: its fp32 master where
         the step keeps that on the device (cast into the message there; the step has copied the
         same values, cast alike, down into ``p``: measure.training.copy_across), so that only the
-        host-stepped share crosses up, else ``p`` on the host."""
-        master = self.inner.master_on_device(p) if self.inner is not None else None
+        host-stepped share crosses up, else ``p`` on the host. (An owner steps something: its
+        ``inner`` is set.)"""
+        master = self.inner.master_on_device(p)
         return p.data if master is None else master
 
     def zero_grad(self) -> None:
