@@ -106,7 +106,9 @@ def judge(claim: Claim, source: str) -> Row:
         return Row(claim, ours, broken)
     launches = format_value(band, claim.unit, signed=False)
     return Row(
-        claim, ours, f"{WITHIN_NOISE} (its launches give {launches}: not judged; rerun on a quieter machine)"
+        claim,
+        ours,
+        f"{WITHIN_NOISE} ({claim.noise_from} give {launches}: not judged; rerun on a quieter machine)",
     )
 
 
@@ -408,8 +410,8 @@ def main(argv: list[str] | None = None) -> int:
     noisy = [r.claim.id for r in rows if r.verdict.startswith(WITHIN_NOISE)]
     if noisy:  # not a failure, not a pass: said where the exit status cannot say it
         print(
-            f"\nnot judged, the launches straddle the bound: {', '.join(noisy)} (the machine was too "
-            "noisy for these; rerun the experiment on a quieter one)"
+            f"\nnot judged, the measurement's noise straddles the bound: {', '.join(noisy)} (the machine "
+            "was too noisy for these; rerun the experiment on a quieter one)"
         )
     return 1 if broken else 0
 

@@ -117,9 +117,10 @@ def speed_probe(setup: EngineSetup) -> float:
     moves by 10-20% within half an hour (docs/claims.md, 2026-12-05); the probe taken beside the
     fit and before each launch says by how much the machine moved between them, so a time error
     can be told apart from the machine's drift. It says nothing of what the model misses (the
-    same layer is in the profile); it is reported, never used to correct a prediction. It is a
-    coarse gauge: one layer alone for ~0.3 s, where the fit takes minutes and the launches run
-    several ranks (the fit's own two probes were 10% apart on 2026-12-05)."""
+    same layer is in the profile); it is reported, and a time bound's noise band spans each
+    launch as measured and at the fit's speed by it (claims.launch_errors), never used to correct
+    a prediction. It is a coarse gauge: one layer alone for ~0.3 s, where the fit takes minutes
+    and the launches run several ranks (the fit's own two probes were 10% apart on 2026-12-05)."""
     import torch
 
     from measure.training import DTYPES
