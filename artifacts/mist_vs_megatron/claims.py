@@ -22,8 +22,8 @@ from measure.results import Results
 from mist.tuning.inter_stage import MIP_REL_GAP
 
 from ..verdicts import AtLeast, AtMost, Bound, Missing, Near, Paper, PaperClaim, Pin, Shown, Source, one
-from .engine import changes_nothing
-from .measured import SYSTEMS, measured_speedups, tempo_gains
+from .engine import changes_nothing, speed_change
+from .measured import SYSTEMS, case_launch_probes, measured_speedups, tempo_gains
 from .measured import TEMPO as TEMPO_SYSTEM  # TEMPO here is the predicted tempo part's source
 
 EXPERIMENT = "mist_vs_megatron"
@@ -92,7 +92,7 @@ TEMPO = dict(
 )
 TIME_TARGET = "#12's and #24's target for a step time predicted by the model fitted to the device"
 # what a time bound's noise band spans (launch_errors)
-AT_FIT_SPEED = "its launches, as measured and at the fit's machine speed by its probe,"
+AT_FIT_SPEED = "its launches, as measured and at the fit's machine speed by the probe,"
 # mist validate's targets (tests/mist/test_mist_validate.py): on runs that guided the model, so a
 # check of its fit, tighter than a held-out prediction's
 VALIDATE_TARGET = (
@@ -176,11 +176,12 @@ def _cases(r: Results) -> list[dict]:
     return cases
 
 
-def _timed_winners(r: Results) -> list[tuple[dict, list[float] | None]]:
+def _timed_winners(r: Results) -> list[tuple[dict, float | None]]:
     """Every plan a system chose and trained to a time (none out of memory or refused), each with
-    the machine's speed probed beside its case's fit (None in results from before the probe)."""
+    how much slower the machine was at its case's launches than at their fit by the speed probe
+    (engine.speed_change; None in results from before the probe)."""
     return [
-        (x[s], x.get("runtime_fit_probe_s"))
+        (x[s], speed_change(x.get("runtime_fit_probe_s") or [], case_launch_probes(x)))
         for x in _cases(r)
         for s in SYSTEMS
         if "time_error" in x.get(s, {})
@@ -192,38 +193,37 @@ def measured_time_error(r: Results) -> float:
     return max(abs(x["time_error"]) for x, _ in _timed_winners(r))
 
 
-def launch_errors(run: dict, fit_probe_s: list[float] | None = None) -> tuple[float, float]:
+def launch_errors(run: dict, drift: float | None = None) -> tuple[float, float]:
     """The (smallest, largest) |predicted / measured step time - 1| of one trained plan over its
     launches: each launch's median step against the prediction (the engine part's
     ``predicted_step_s``; the measured comparison keeps ``time_error``, its median launch's, so
     there the prediction is (1 + time_error) x that launch's time).
 
-    With the machine's speed probed beside the fit (``fit_probe_s``) and before each launch (the
-    run's ``launches_probe_s``; engine.speed_probe), each launch also at the fit's speed: its time
-    x the fit's probe / its own. A fit prices launches made minutes later, and on this VM the probe
-    has moved 10-13% between them within one run (2026-12-06; docs/results.md), where the
-    prediction cannot follow: the band then spans the error as measured and as it would be at the
-    speed the model was fitted at, and a bound it straddles is not judged."""
+    With ``drift``, how much slower the machine was at the launches than at the fit that priced
+    them by the speed probe (engine.speed_change: the launches' median probe over the fit's; the
+    line the run prints), each launch also at the fit's speed: its time / (1 + drift). A fit prices
+    launches made minutes later, and on this VM the probe has moved 8-13% between them within one
+    run (2026-12-06; docs/claims.md), where the prediction cannot follow: the band then spans the
+    error as measured and as it would be at the speed the model was fitted at, and a bound it
+    straddles is not judged. The median over the launches, not each launch's own probe: one probe
+    is a coarse gauge (the fit's own two are up to 10% apart), the launches' spread is already in
+    the band."""
     launches, measured = run["launches_step_s"], run["measured_step_s"]
     if not any(math.isclose(t, measured, rel_tol=1e-12) for t in launches):
         raise ValueError(f"measured_step_s {measured} is none of its launches {launches}")
     predicted = run["predicted_step_s"] if "predicted_step_s" in run else (1 + run["time_error"]) * measured
-    times = list(launches)
-    probes = run.get("launches_probe_s")
-    if fit_probe_s and probes:
-        at_fit = statistics.fmean(fit_probe_s)
-        times += [t * at_fit / p for t, p in zip(launches, probes, strict=True)]
+    times = list(launches) + ([t / (1 + drift) for t in launches] if drift is not None else [])
     errors = [abs(predicted / t - 1) for t in times]
     return min(errors), max(errors)
 
 
-def worst_noise(runs: list[tuple[dict, list[float] | None]]) -> tuple[float, float]:
-    """The noise band (Bound.noise) of the worst |time error| over ``runs`` (each with its fit's
-    probes, ``launch_errors``): its value were every plan's most favourable launch its median, and
-    were every plan's least favourable one."""
+def worst_noise(runs: list[tuple[dict, float | None]]) -> tuple[float, float]:
+    """The noise band (Bound.noise) of the worst |time error| over ``runs`` (each with the
+    machine's drift since its fit, ``launch_errors``): its value were every plan's most favourable
+    launch its median, and were every plan's least favourable one."""
     if not runs:
         raise Missing("runs")
-    bands = [launch_errors(x, fit) for x, fit in runs]
+    bands = [launch_errors(x, drift) for x, drift in runs]
     return max(b for b, _ in bands), max(w for _, w in bands)
 
 
@@ -262,10 +262,13 @@ def engine_noise(field: str, setup: str = "engine") -> Callable[[Results], tuple
     median |time error| were every plan's most favourable launch its median, and its least."""
 
     def value(r: Results) -> tuple[float, float]:
-        runs = [(x, x.get("fit_probe_s")) for x in _engine_runs(r, setup)]
+        runs = [
+            (x, speed_change(x.get("fit_probe_s") or [], x.get("launches_probe_s") or []))
+            for x in _engine_runs(r, setup)
+        ]
         if field == "worst_time_error":
             return worst_noise(runs)
-        bands = [launch_errors(x, fit) for x, fit in runs]
+        bands = [launch_errors(x, drift) for x, drift in runs]
         return statistics.median(b for b, _ in bands), statistics.median(w for _, w in bands)
 
     return value
