@@ -104,12 +104,15 @@ def judge(claim: Claim, source: str) -> Row:
         return Row(claim, ours, HOLDS)
     if not any(ends):
         return Row(claim, ours, broken)
-    launches = format_value(band, claim.unit, signed=False)
-    return Row(
-        claim,
-        ours,
-        f"{WITHIN_NOISE} ({claim.noise_from} give {launches}: not judged; rerun on a quieter machine)",
-    )
+    spans = f"its launches give {format_value(band, claim.unit, signed=False)}"
+    measured = read(claim.noise_as_measured, results) if claim.noise_as_measured is not None else None
+    if measured is not None and measured != band:  # the band also spans the machine's drift: both said
+        spans = (
+            f"its launches give {format_value(measured, claim.unit, signed=False)} as measured, "
+            f"{format_value(band, claim.unit, signed=False)} with the machine's drift since the fit "
+            "by the probe"
+        )
+    return Row(claim, ours, f"{WITHIN_NOISE} ({spans}: not judged; rerun on a quieter machine)")
 
 
 def evaluate(chosen: tuple[Claim, ...] | None = None, source: str = "results") -> list[Row]:
@@ -411,7 +414,8 @@ def main(argv: list[str] | None = None) -> int:
     if noisy:  # not a failure, not a pass: said where the exit status cannot say it
         print(
             f"\nnot judged, the measurement's noise straddles the bound: {', '.join(noisy)} (the machine "
-            "was too noisy for these; rerun the experiment on a quieter one)"
+            "was too noisy for these, or drifted between a fit and its launches; rerun the experiment "
+            "on a quieter one)"
         )
     return 1 if broken else 0
 

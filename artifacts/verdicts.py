@@ -217,7 +217,9 @@ class Bound:
     does not fail). n independent launches' range holds their median's true value with
     probability 1 - 2^(1-n) (each falls on either side of it with even chance): 3/4 for the CPU's
     three launches, 1/2 for the GPU check's two; a straddle is a measurement too noisy to judge
-    by, not a verdict. ``noise_from``: what the band spans, as the verdict names it."""
+    by, not a verdict. ``noise_as_measured``: where ``noise`` also spans what the launches would
+    have taken at another speed of the machine (a predicted time's band: at the fit's speed), the
+    launches' band alone, shown beside it where the two differ."""
 
     id: str
     system: str
@@ -230,7 +232,7 @@ class Bound:
     unit: str = ""
     known_broken: str = ""
     noise: Band | None = None
-    noise_from: str = "its launches"
+    noise_as_measured: Band | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
