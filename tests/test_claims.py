@@ -544,12 +544,11 @@ def test_a_time_bound_broken_by_a_machine_that_slowed_after_the_fit_is_within_no
     """2026-12-06: four of six runs after 14:00 UTC broke mist-measured-time (22-28%), two of them
     with the speed probe 8-14% slower at the 2-process launches than at their fit. A time bound's
     band spans each launch as measured and at the fit's speed by the probe (its time over the
-    launches' median probe against the fit's): beyond the bound as measured but within it at the
-    fit's speed is not judged, and the verdict gives both bands; a probe that did not move, or
-    moved the other way, leaves it broken. In the engine part (a plan's drift) and the measured
-    comparison (a case's)."""
-    from artifacts.mist_vs_megatron.claims import launch_errors
-    from artifacts.mist_vs_megatron.engine import speed_change
+    launches' median probe against the fit's, where the fit's own probes resolve it): beyond the
+    bound as measured but within it at the fit's speed is not judged, and the verdict gives both
+    bands; a probe that did not move, or moved the other way, leaves it broken. In the engine
+    part (a plan's drift) and the measured comparison (a case's)."""
+    from artifacts.mist_vs_megatron.claims import drift_beyond_fit, launch_errors
     from artifacts.mist_vs_megatron.measured import SYSTEMS
 
     error = random.uniform(0.21, 0.4)  # every launch this far below its prediction
@@ -572,7 +571,8 @@ def test_a_time_bound_broken_by_a_machine_that_slowed_after_the_fit_is_within_no
             if p["key"]["plan"] == "dp2-zero3":
                 r = p["result"]
                 slow(r, r["predicted_step_s"])
-                r["launches_probe_s"] = [statistics.fmean(r["fit_probe_s"]) * drift] * 3
+                r["fit_probe_s"] = [statistics.fmean(r["fit_probe_s"])] * 2  # the drift all resolved
+                r["launches_probe_s"] = [r["fit_probe_s"][0] * drift] * 3
 
         _edit(results / "engine.json", edit)
 
@@ -588,8 +588,9 @@ def test_a_time_bound_broken_by_a_machine_that_slowed_after_the_fit_is_within_no
             if not first:
                 first.append(r := p["result"])
                 slow(r["mist"], (1 + r["mist"]["time_error"]) * r["mist"]["measured_step_s"])
+                r["runtime_fit_probe_s"] = [statistics.fmean(r["runtime_fit_probe_s"])] * 2
                 for system in (r[k] for k in SYSTEMS if "launches_probe_s" in r.get(k, {})):
-                    system["launches_probe_s"] = [statistics.fmean(r["runtime_fit_probe_s"]) * drift] * 3
+                    system["launches_probe_s"] = [r["runtime_fit_probe_s"][0] * drift] * 3
 
         _edit(results / "measured.json", edit)
 
@@ -616,12 +617,15 @@ def test_a_time_bound_broken_by_a_machine_that_slowed_after_the_fit_is_within_no
     assert launch_errors(run, drift) == pytest.approx(
         (min(as_measured + at_fit), max(as_measured + at_fit)), rel=1e-12
     )
-    # the drift is the launches' median probe over the fit's mean, as the run prints it
-    fit, probes = (
-        [random.uniform(0.01, 0.03) for _ in range(2)],
-        [random.uniform(0.01, 0.03) for _ in range(3)],
-    )
-    assert speed_change(fit, probes) == pytest.approx(statistics.median(probes) / statistics.fmean(fit) - 1)
+    # the drift: the launches' median probe against the nearer end of the fit's two probes, none
+    # inside them (what the probe cannot resolve)
+    fit = sorted(random.uniform(0.01, 0.03) for _ in range(2))
+    inside = [random.uniform(*fit) for _ in range(3)]
+    above = [fit[1] * random.uniform(1.01, 1.5) for _ in range(3)]
+    below = [fit[0] / random.uniform(1.01, 1.5) for _ in range(3)]
+    assert drift_beyond_fit(fit, inside) == 0.0 and drift_beyond_fit([], inside) is None
+    assert drift_beyond_fit(fit, above) == pytest.approx(statistics.median(above) / fit[1] - 1)
+    assert drift_beyond_fit(fit, below) == pytest.approx(statistics.median(below) / fit[0] - 1)
 
 
 def test_a_noise_band_is_judged_at_both_ends_whichever_way_the_bound_points(copied_artifacts):

@@ -22,7 +22,7 @@ from measure.results import Results
 from mist.tuning.inter_stage import MIP_REL_GAP
 
 from ..verdicts import AtLeast, AtMost, Bound, Missing, Near, Paper, PaperClaim, Pin, Shown, Source, one
-from .engine import changes_nothing, speed_change
+from .engine import changes_nothing
 from .measured import SYSTEMS, case_launch_probes, measured_speedups, tempo_gains
 from .measured import TEMPO as TEMPO_SYSTEM  # TEMPO here is the predicted tempo part's source
 
@@ -174,10 +174,26 @@ def _cases(r: Results) -> list[dict]:
     return cases
 
 
+def drift_beyond_fit(fit_probe_s: list[float], launches_probe_s: list[float]) -> float | None:
+    """How much slower the machine was at some launches than at the fit that priced them, by the
+    speed probe (engine.speed_probe), counting only what the probe resolves: the launches' median
+    probe against the nearer end of the range the fit's own probes (just before and after it)
+    spanned, 0 inside it (+ slower, - faster); None where either was not probed. The fit's two
+    probes differ by the machine's drift during the fit and the probe's own noise (up to 10% here),
+    and a change within them is not one the probe can tell (engine.speed_change, which the run
+    prints, is against their mean)."""
+    if not fit_probe_s or not launches_probe_s:
+        return None
+    at_launches = statistics.median(launches_probe_s)
+    low, high = min(fit_probe_s), max(fit_probe_s)
+    return (
+        at_launches / high - 1 if at_launches > high else at_launches / low - 1 if at_launches < low else 0.0
+    )
+
+
 def _case_drift(case: dict) -> float | None:
-    """How much slower the machine was at a measured case's launches than at their fit, by the
-    speed probe (engine.speed_change; None in results from before the probe)."""
-    return speed_change(case.get("runtime_fit_probe_s") or [], case_launch_probes(case))
+    """``drift_beyond_fit`` of a measured case's launches (None in results from before the probe)."""
+    return drift_beyond_fit(case.get("runtime_fit_probe_s") or [], case_launch_probes(case))
 
 
 def _timed_winners(r: Results, at_fit_speed: bool = True) -> list[tuple[dict, float | None]]:
@@ -203,14 +219,12 @@ def launch_errors(run: dict, drift: float | None = None) -> tuple[float, float]:
     there the prediction is (1 + time_error) x that launch's time).
 
     With ``drift``, how much slower the machine was at the launches than at the fit that priced
-    them by the speed probe (engine.speed_change: the launches' median probe over the fit's; the
-    line the run prints), each launch also at the fit's speed: its time / (1 + drift). A fit prices
-    launches made minutes later, and on this VM the probe has moved 8-14% between them within one
-    run (2026-12-06; docs/claims.md), where the prediction cannot follow: the band then spans the
-    error as measured and as it would be at the speed the model was fitted at, and a bound it
-    straddles is not judged. The median over the launches, not each launch's own probe: one probe
-    is a coarse gauge (the fit's own two are up to 10% apart), the launches' spread is already in
-    the band."""
+    them by the speed probe (``drift_beyond_fit``), each launch also at the fit's speed: its time /
+    (1 + drift). A fit prices launches made minutes later, and on this VM the probe has moved
+    8-14% between them within one run (2026-12-06; docs/claims.md), where the prediction cannot
+    follow: the band then spans the error as measured and as it would be at the speed the model
+    was fitted at, and a bound it straddles is not judged. The median over the launches, not each
+    launch's own probe: one probe is a coarse gauge, the launches' spread is already in the band."""
     launches, measured = run["launches_step_s"], run["measured_step_s"]
     if not any(math.isclose(t, measured, rel_tol=1e-12) for t in launches):
         raise ValueError(f"measured_step_s {measured} is none of its launches {launches}")
@@ -262,9 +276,8 @@ def engine(field: str, setup: str = "engine") -> Callable[[Results], float]:
 
 
 def _engine_drift(run: dict) -> float | None:
-    """How much slower the machine was at an engine plan's launches than at its fit, by the speed
-    probe (engine.speed_change; None in results from before the probe)."""
-    return speed_change(run.get("fit_probe_s") or [], run.get("launches_probe_s") or [])
+    """``drift_beyond_fit`` of an engine plan's launches (None in results from before the probe)."""
+    return drift_beyond_fit(run.get("fit_probe_s") or [], run.get("launches_probe_s") or [])
 
 
 def engine_noise(
