@@ -185,10 +185,8 @@ def drift_beyond_fit(fit_probe_s: list[float], launches_probe_s: list[float]) ->
     if not fit_probe_s or not launches_probe_s:
         return None
     at_launches = statistics.median(launches_probe_s)
-    low, high = min(fit_probe_s), max(fit_probe_s)
-    return (
-        at_launches / high - 1 if at_launches > high else at_launches / low - 1 if at_launches < low else 0.0
-    )
+    nearest = min(max(at_launches, min(fit_probe_s)), max(fit_probe_s))  # itself inside the range
+    return at_launches / nearest - 1
 
 
 def _case_drift(case: dict) -> float | None:

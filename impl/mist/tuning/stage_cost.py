@@ -668,7 +668,7 @@ def _sync_and_step(
 def broadcasts(zero, dp: int) -> np.ndarray:
     """Where each replica steps a share of the weights and broadcasts it after the step: ZeRO-1/2
     over more than one replica (ShardedMasterAdamW)."""
-    return ((np.asarray(zero) == 1) | (np.asarray(zero) == 2)) & (dp > 1)
+    return np.isin(zero, (1, 2)) & (dp > 1)
 
 
 def optimizer_step_s(
