@@ -157,7 +157,10 @@ import matplotlib.figure
 
 def held(*args, **kwargs):
     print("saving", flush=True)
-    time.sleep(60)
+    # a minute in short sleeps: a signal taken just before one long sleep began would leave it
+    # unbroken (tests/measure/test_interrupts.py); the handler runs as each short one returns
+    for _ in range(6000):
+        time.sleep(0.01)
 
 matplotlib.figure.Figure.savefig = held
 sys.path.insert(0, sys.argv[1].rsplit("/", 1)[0])  # _common beside the script, as for a file

@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -22,12 +21,20 @@ if sys.argv[1] == "installed":
     sigterm_as_interrupt()
 try:
     print("ready", flush=True)  # inside: the first signal may come as soon as it is read
-    time.sleep(60)
+    for _ in range(6000):  # a minute, in sleeps short enough that each return runs the handler
+        time.sleep(0.01)
+    print("not interrupted", flush=True)
 except KeyboardInterrupt:
     print("cleaning", flush=True)  # the cleanup: the second signal arrives while it waits
-    sys.stdin.readline()  # for the parent, which has sent it (no sleep to time it against)
+    sys.stdin.readline()  # the parent's line, written once it has sent the second signal
     print("cleaned up", flush=True)
 """
+
+# No wait here counts on a signal breaking a long system call: one taken just before the call
+# begins (after Python's last check for pending handlers) leaves it unbroken, and the child once
+# slept out a whole sleep(60) so (a CI run, stop 67). Python runs a pending handler as the next call
+# returns: the first wait is short sleeps; the second, a line the parent writes after its signal,
+# so the signal is taken before the read returns it: no sleep to time against.
 
 
 def as_from_a_terminal() -> None:
@@ -53,8 +60,7 @@ def _interrupted_twice(mode: str, second: signal.Signals) -> subprocess.Complete
         proc.send_signal(signal.SIGINT)
         assert proc.stdout.readline().strip() == "cleaning"
         proc.send_signal(second)
-        time.sleep(0.2)  # taken in the blocked read, before the line that ends the wait is written
-        out, err = proc.communicate(input="done\n", timeout=30)
+        out, err = proc.communicate(input="sent\n", timeout=30)
     finally:
         proc.kill()  # a no-op once it has ended; never left running by a failed test
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
