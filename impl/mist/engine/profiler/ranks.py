@@ -119,7 +119,9 @@ def run_ranks(worker: Callable, n: int, args: tuple, launches: int) -> list:
             start_method="forkserver",
         )
         try:
-            while not ranks.join():
+            # a second at a time: a signal taken just before an unbounded wait's system call
+            # began would leave it waiting for a rank to end before the interrupt ran
+            while not ranks.join(timeout=1.0):
                 pass
         except BaseException:  # a failed rank, or this run interrupted: the others go now, not at exit
             for rank in ranks.processes:
