@@ -20,6 +20,11 @@ from measure.checks import usable_cores
 from tests.measure.test_interrupts import as_from_a_terminal
 
 REPO = Path(__file__).resolve().parents[1]
+# How long what a killed run started may take to end: a child killed before it armed its guard
+# (die_with_parent, after its imports of torch and the like) ends only once it arms it, which on a
+# loaded 2-core machine took more than the seconds it takes alone. What is checked is that they
+# end, not how fast.
+ORPHAN_GRACE_S = 60
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 
 
@@ -92,7 +97,9 @@ def test_killed_run_leaves_no_process_and_resumes(tmp_path, run_tmp, sig):
     _until_workers(tag, proc)
     proc.send_signal(sig)
     proc.wait(timeout=60)
-    assert _wait_until(lambda: not _tagged(tag), 20), f"left behind after {sig.name}: {_tagged(tag)}"
+    assert _wait_until(lambda: not _tagged(tag), ORPHAN_GRACE_S), (
+        f"left behind after {sig.name}: {_tagged(tag)}"
+    )
     # pymp-: the pool's folder; mist_vs_megatron_: the run's own scratch
     assert _files_left(run_tmp, sig, its_own=("pymp-", "mist_vs_megatron_")) == []
     run = json.loads((results / "run.json").read_text())
@@ -106,7 +113,7 @@ def test_killed_run_leaves_no_process_and_resumes(tmp_path, run_tmp, sig):
     assert json.loads((results / "run.json").read_text())["run_id"] == run["run_id"]
     again.send_signal(signal.SIGTERM)
     again.wait(timeout=60)
-    assert _wait_until(lambda: not _tagged(tag), 20)
+    assert _wait_until(lambda: not _tagged(tag), ORPHAN_GRACE_S)
     assert _files_left(run_tmp, sig, its_own=("pymp-", "mist_vs_megatron_")) == []
 
 
@@ -152,7 +159,7 @@ def _kill_when_busy(
     none_at_exit: bool = False,
 ) -> subprocess.Popen:
     """Start ``command``, send it ``sig`` ``settle_s`` after ``busy(pids with their command lines)``
-    holds, and check that nothing it started is left 20 s later. ``tmp``: its temporary folder
+    holds, and check that nothing it started is left ORPHAN_GRACE_S later. ``tmp``: its temporary folder
     (TMPDIR, ``run_tmp``), for the caller to check what is left there; ``group``: the signal goes to
     its whole process group, as a terminal's Ctrl-C does (the command in a session of its own);
     ``none_at_exit``: nothing it started may be left even at the moment it exits."""
@@ -179,7 +186,7 @@ def _kill_when_busy(
         proc.wait(timeout=60)
         left = {p: _cmdline(p) for p in _tagged(tag)}
         assert not (none_at_exit and left), f"alive when it exited after {sig.name}: {left}"
-        assert _wait_until(lambda: not _tagged(tag), 20), f"left behind after {sig.name}: {left}"
+        assert _wait_until(lambda: not _tagged(tag), ORPHAN_GRACE_S), f"left behind after {sig.name}: {left}"
     finally:
         _kill_tagged(tag)
         if proc.poll() is None:
@@ -466,7 +473,8 @@ def bar_then_wait(*args):  # in the children (defined when they import this file
     with tqdm(total=1, file=sys.stdout) as bar:
         bar.update()
     Path(os.environ["TMPDIR"], f"bar-{os.getpid()}").touch()
-    time.sleep(600)
+    for _ in range(60000):  # short sleeps: a signal taken just before one long sleep began would
+        time.sleep(0.01)  # leave it unbroken for its ten minutes (tests/measure/test_interrupts.py)
 
 if sys.argv[1] == "copies":  # write_profiles' concurrent copies (spawn): each runs _write_profiles
     from mist.engine.profiler import layer

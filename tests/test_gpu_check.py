@@ -477,12 +477,13 @@ def test_an_install_past_the_budget_is_one_line_and_leaves_nothing(tmp_path, mon
     monkeypatch.setattr(gpu_check, "PIP", (sys.executable, "-c", SLOW_PIP_CODE, str(made)))
     monkeypatch.setattr(gpu_check, "sigterm_as_interrupt", lambda: None)  # pytest's handler stays
     out = tmp_path / "out"
-    args = ["--dry-run", "--out", str(out), "--parts", "llama", "--budget-s", "1"]
+    # 3 s: the installer has its Python started and its folder written down well within it
+    args = ["--dry-run", "--out", str(out), "--parts", "llama", "--budget-s", "3"]
     t0 = time.monotonic()
     code = gpu_check.main([*args, "--wheels", str(_slow_wheel(tmp_path))])
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1, err
-    assert "took over 1 s" in err and "give a larger --budget-s" in err, err
+    assert "took over 3 s" in err and "give a larger --budget-s" in err, err
     assert time.monotonic() - t0 < 30  # killed at the limit, not after its 60 s
     assert Path(made.read_text()).parent.parent.name.startswith("gpu_check_site_")  # pip's TMPDIR: ours
     assert sorted(p.name for p in tmp.iterdir()) == []

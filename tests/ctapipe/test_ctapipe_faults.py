@@ -253,14 +253,15 @@ def test_unchecked_calls_fail_fast_after_a_give_up_and_the_check_reports_it():
     """check=False (the GPU measurements' mode): a give-up costs one bound, later calls do not
     wait, the deferred check raises, and then the object works again."""
     m, d, f = 32, 24, 16
-    mlp = TicketMLP("gelu", T, programs=2, timeout_s=1.0, check=False)
+    bound_s = 2.0  # a call that waits takes at least this; one that does not, tens of ms
+    mlp = TicketMLP("gelu", T, programs=2, timeout_s=bound_s, check=False)
     _without_producers(mlp, m, d, f)
     t0 = time.monotonic()
     mlp(*_mlp(m, d, f))
-    assert time.monotonic() - t0 >= 1.0
+    assert time.monotonic() - t0 >= bound_s
     t0 = time.monotonic()
     mlp(*_mlp(m, d, f))
-    assert time.monotonic() - t0 < 0.9  # did not wait again
+    assert time.monotonic() - t0 < bound_s  # did not wait again
     with pytest.raises(StageTimeout, match=r"ticket 0 \(row block 0, column block 0\)") as e:
         mlp.raise_if_gave_up()
     assert e.value.gave_up == 2 * 2 * 2  # 2 calls x 2 row blocks x 2 column tiles of Y, none computed
@@ -280,13 +281,14 @@ def test_a_chain_rank_without_its_producer_raises_naming_the_rank():
     the deferred check raises with every give-up counted."""
     m, dims = 32, [16, 24, 16]  # 2 row blocks x 1 column tile
     buffers = shared_buffers(m, dims, torch.float32, T)
-    stage = ChainStage(1, 2, torch.randn(24, 16), "none", buffers[1], T, timeout_s=0.5)
+    bound_s = 1.0  # four passes that each waited would take 4 s; interpreted passes, tens of ms
+    stage = ChainStage(1, 2, torch.randn(24, 16), "none", buffers[1], T, timeout_s=bound_s)
     with pytest.raises(StageTimeout, match=r"chain rank 1 of 2: tile 0 \(row block 0, column block 0\)"):
         stage()
     t0 = time.monotonic()
     for _ in range(4):
         stage(check=False)
-    assert time.monotonic() - t0 < 0.5 + 1.0  # the first pass waited, the others did not (4 x 0.5 s)
+    assert time.monotonic() - t0 < 2.5 * bound_s  # the first pass waited, the others did not
     # named: pass 2's first tile (target 2 passes x 2 upstream tiles); counted: 4 passes x 2 tiles
     with pytest.raises(StageTimeout, match=r"saw 0, needed 4; 8 tile\(s\) gave up"):
         stage.raise_if_gave_up()
@@ -343,10 +345,12 @@ run_chain_processes(x, [w1, w2], ["gelu", "none"], INTERPRETER_TILING, delays=[1
 
 
 @pytest.mark.skipif(not LINUX, reason="reads /proc")
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(180)
 def test_no_rank_outlives_a_killed_parent():
     """SIGKILL the process that runs a chain (nothing of it can clean up): its ranks, one asleep,
-    one spinning on its wait, must be gone within a few seconds."""
+    one spinning on its wait, must end. An armed rank goes at once; one still importing torch and
+    triton when its parent died goes when it arms its guard, after them (seconds alone, more on a
+    loaded 2-core machine: a minute is allowed, what is checked is that they end)."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     wrapper = subprocess.Popen(
         [sys.executable, "-c", _WRAPPER],
@@ -371,11 +375,11 @@ def test_no_rank_outlives_a_killed_parent():
         assert all(_running(p) for p in ranks), "a rank ended before its parent was killed"
         wrapper.send_signal(signal.SIGKILL)
         wrapper.wait()
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 60
         while any(_running(p) for p in kids) and time.monotonic() < deadline:
             time.sleep(0.1)
         left = {p: _cmdline(p) for p in kids if _running(p)}
-        assert not left, f"still running 10 s after their parent died: {left}"
+        assert not left, f"still running 60 s after their parent died: {left}"
     finally:
         for p in [wrapper.pid, *kids]:  # only what this test started
             if _running(p):
