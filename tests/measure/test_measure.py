@@ -3,8 +3,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
 import math
+import weakref
 
 import pytest
 import torch
@@ -17,7 +20,7 @@ from measure.budget import GpuBudget
 from measure.cpu_peak import cpu_peak_bytes
 from measure.datasheets import DATASHEETS_FILE, datasheets, read_datasheets
 from measure.memory import DepthExtrapolatedEstimator, LiveMemoryTracker, StepMemoryEstimator
-from measure.saved import cuda_like_dropout, saved_bytes
+from measure.saved import SavedTensorsMeter, cuda_like_dropout, saved_bytes
 from measure.training import Precision, make_optimizer, optimizer_state_tensors, train_step
 from measure.units import GiB
 from tempo.ops import workspace_bytes
@@ -53,6 +56,65 @@ def test_saved_bytes_hand_counted():
     assert r.by_module_type == {"ReLU": 8 * 32 * 4, "M": 8 * 32 * 4}
     assert r.by_dtype == {"float32": 2 * 8 * 32 * 4}
     assert r.storages == 4  # x, the weight, r, h
+
+
+class _Sentinel:
+    """Held by an autograd node's ctx: alive exactly as long as the graph that node is in."""
+
+
+class _ExpKeepingItsOutput(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        y = x.exp()
+        ctx.save_for_backward(y)  # a saved output: the case that made a cycle
+        ctx.sentinel = _Sentinel()
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        (y,) = ctx.saved_tensors
+        return grad * y
+
+
+def _graph_alive_after_its_output_goes(hooks) -> bool:
+    x = torch.randn(5, 7, dtype=torch.float64, requires_grad=True)
+    with hooks:
+        y = _ExpKeepingItsOutput.apply(x)
+    sentinel = weakref.ref(y.grad_fn.sentinel)
+    del y
+    gc.collect()
+    return sentinel() is not None
+
+
+def test_a_measured_graph_is_freed_with_its_output():
+    """The meter's pack hook returned each saved tensor itself: a saved output then held its own
+    grad_fn, a cycle through autograd's C++ that Python's collector cannot see, so every graph
+    measured stayed alive with what its nodes held (megatron-core's process groups: 48 gloo
+    threads a layer measured, 12,834 in a seed-sweep worker). Control: hooks that return the
+    tensor itself keep the graph."""
+    meter = SavedTensorsMeter()
+    assert not _graph_alive_after_its_output_goes(meter)
+    assert meter.report().activation_bytes == 5 * 7 * 8  # still counted
+    itself = torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
+    assert _graph_alive_after_its_output_goes(itself)
+
+
+def test_a_measured_graph_gives_the_same_gradients(rng):
+    """Saved tensors packed detached (same storage and version counter) unpack to what autograd
+    saved: the gradients of a graph measured equal those of the same graph unmeasured."""
+    x = torch.from_numpy(rng.standard_normal((6, 5)))
+    model = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+    grads = []
+    for measured in (False, True):
+        model.zero_grad()
+        xi = x.clone().requires_grad_()
+        meter = SavedTensorsMeter(model, inputs=(xi,)) if measured else contextlib.nullcontext()
+        with meter:
+            y = _ExpKeepingItsOutput.apply(model(xi)).sum()
+        y.backward()
+        grads.append([xi.grad, *(p.grad for p in model.parameters())])
+    for plain, measured in zip(*grads, strict=True):
+        assert torch.equal(plain, measured)
 
 
 def test_cuda_like_dropout_keeps_a_bool_mask():
