@@ -114,7 +114,8 @@ def test_a_measured_graph_gives_the_same_gradients(rng):
         y.backward()
         grads.append([xi.grad, *(p.grad for p in model.parameters())])
     for plain, measured in zip(*grads, strict=True):
-        assert torch.equal(plain, measured)
+        # the same float64 ops on the same inputs: equal up to a BLAS's choice of path (a few ulps)
+        torch.testing.assert_close(measured, plain, rtol=1e-12, atol=1e-12)
 
 
 def test_cuda_like_dropout_keeps_a_bool_mask():
