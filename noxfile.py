@@ -139,7 +139,8 @@ def seed_sweep(session: nox.Session) -> None:
     """Every test that draws random inputs, under many seeds (not in CI; hours on 2 cores: docs/results.md).
     First the suite once, writing which tests draw random inputs (tests/sweep.py), then each of
     those under 200 seeds if it took under 1 s, else 20, one pytest worker a core (xdist; one
-    thread each). Rerun, it resumes where it stopped (for the same sources);
+    thread each). Rerun, it resumes where it stopped (for the same sources); every failure is
+    recorded as it happens, with its seed and replay command, in ``.sweep/<inventory>.failures``;
     ``-- --sweep-restart`` starts again with fresh seeds; other arguments go to the sweep's pytest
     (``-- --seeds 50 --slow-seeds 5``, ``-- tests/tempo``)."""
     SWEEP_DIR.mkdir(exist_ok=True)

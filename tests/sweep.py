@@ -15,10 +15,16 @@ A pytest plugin (``-p tests.sweep``), never loaded by the plain suite. Two runs 
 The sweep resumes: every instance that passes is appended to ``FILE.progress`` (a header line with
 the base and counts, then a node id a line), and a rerun with the same options skips what passed.
 ``--sweep-restart`` starts again with fresh seeds.
+
+Every instance that fails is appended to ``FILE.failures`` as it fails (a JSON object a line: the
+test, its seed, the sweep's base, the phase, the error's first line and the command that replays
+it), so a sweep stopped early, or a failure that passes when the sweep resumes (a failure by load,
+not by its seed), still names what failed. The file is never truncated: each line carries its base.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import hashlib
 import json
@@ -163,6 +169,7 @@ class Sweep:
         self.writes = writes  # the progress file: by one process (under xdist the controller)
         self.collected_at = _resident_bytes()
         self.failed: set[str] = set()
+        self.failures = progress.with_name(progress.name.removesuffix(".progress") + ".failures")
         self.functions = {nodeid.split("[", 1)[0] for nodeid in counts}
 
     @classmethod
@@ -201,6 +208,18 @@ class Sweep:
         if reporter is not None and self.writes:
             reporter.write_line(self._summary())
 
+    def _failures_before(self) -> int:
+        """Failures this sweep (its base) recorded in earlier runs."""
+        try:
+            lines = self.failures.read_text().splitlines()
+        except OSError:
+            return 0
+        count = 0
+        for line in lines:
+            with contextlib.suppress(ValueError, AttributeError):  # a torn last line
+                count += json.loads(line).get("base") == self.base
+        return count
+
     def _summary(self) -> str:
         tiers: dict[int, int] = {}
         for count in self.counts.values():
@@ -211,7 +230,8 @@ class Sweep:
         return (
             f"seed sweep: {' + '.join(f'{n} tests x {c} seeds' for c, n in sorted(tiers.items())[::-1])} = "
             f"{total} runs, {len(self.passed)} passed before; about {left:.0f} min of test time left at the "
-            f"inventory's speed; base {self.base} (--sweep-base {self.base} replays the sweep)"
+            f"inventory's speed; base {self.base} (--sweep-base {self.base} replays the sweep); "
+            f"{self._failures_before()} failures recorded before in {self.failures}"
         )
 
     @pytest.fixture
@@ -244,6 +264,9 @@ class Sweep:
                 and item.nodeid not in self.passed
             )
             (keep if wanted else drop).append(item)
+            if wanted:  # reports carry them (xdist too): what a failure's record names
+                item.user_properties.append(("sweep_seed", callspec.params["sweep_seed"]))
+                item.user_properties.append(("swept_test", self._inventory_id(item)))
         if drop:
             config.hook.pytest_deselected(items=drop)
             items[:] = keep
@@ -269,6 +292,35 @@ class Sweep:
             return
         if report.failed:
             self.failed.add(report.nodeid)
+            self._record_failure(report)
         elif report.when == "teardown" and report.nodeid not in self.failed:
             with open(self.progress, "a") as f:  # one short line: a torn write loses this instance only
                 f.write(report.nodeid + "\n")
+
+    def _record_failure(self, report: pytest.TestReport) -> None:
+        """Append the failed instance to the failures file now: a sweep stopped before pytest's
+        summary still names it."""
+        properties = dict(report.user_properties)
+        seed, test = properties.get("sweep_seed"), properties.get("swept_test", report.nodeid)
+        crash = getattr(report.longrepr, "reprcrash", None)  # the exception's line, where pytest has one
+        lines = [line for line in report.longreprtext.splitlines() if line.strip()]
+        error = crash.message if crash is not None else (lines[-1] if lines else "")
+        record = {
+            "test": test,
+            "seed": seed,
+            "base": self.base,
+            "phase": report.when,
+            "instance": report.nodeid,
+            "error": error.splitlines()[0][:300] if error else "",
+            "replay": f"TEST_SEED={seed} python -m pytest '{test}'" if seed is not None else None,
+            "at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        }
+        with open(self.failures, "a") as f:  # one line: a torn write loses this record only
+            f.write(json.dumps(record) + "\n")
+
+    def pytest_terminal_summary(self, terminalreporter) -> None:
+        if self.writes and self.failed:
+            terminalreporter.write_line(
+                f"seed sweep: {len(self.failed)} instances failed this run, recorded with the "
+                f"commands that replay them in {self.failures}"
+            )
