@@ -138,7 +138,7 @@ def _sources_digest() -> str:
 def seed_sweep(session: nox.Session) -> None:
     """Every test that draws random inputs, under many seeds (not in CI; hours on 2 cores: docs/results.md).
     First the suite once, writing which tests draw random inputs (tests/sweep.py), then each of
-    those under 200 seeds if it took under 1 s, else 20, one pytest worker a core (xdist; one
+    those under 200 seeds if it took under 1 s, else 20; both one pytest worker a core (xdist; one
     thread each). Rerun, it resumes where it stopped (for the same sources); every failure is
     recorded as it happens, with its seed and replay command, in ``.sweep/<inventory>.failures``;
     ``-- --sweep-restart`` starts again with fresh seeds; other arguments go to the sweep's pytest
@@ -146,10 +146,13 @@ def seed_sweep(session: nox.Session) -> None:
     SWEEP_DIR.mkdir(exist_ok=True)
     inventory = SWEEP_DIR / f"inventory-{_sources_digest()}.json"
     pytest = ("-m", "pytest", "-q", "-p", "tests.sweep", "-m", "not gpu")
-    if not inventory.exists():
-        _run(session, *pytest, f"--random-inventory={inventory}")
+    # the inventory's seconds (which tests count as fast) are taken as the sweep runs: a worker a core
     workers = ("-n", str(os.cpu_count() or 1))
-    _run(session, *pytest, *workers, f"--sweep={inventory}", *session.posargs, env={"OMP_NUM_THREADS": "1"})
+    one_thread = {"OMP_NUM_THREADS": "1"}
+    if not inventory.exists():
+        inventory_run = (*workers, "--dist", "worksteal", f"--random-inventory={inventory}")
+        _run(session, *pytest, *inventory_run, env=one_thread)
+    _run(session, *pytest, *workers, f"--sweep={inventory}", *session.posargs, env=one_thread)
 
 
 @nox.session
