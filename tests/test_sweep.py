@@ -24,10 +24,11 @@ def test_case(case, sweep_seed):
 """
 
 
-def _sweep(folder: Path, *extra: str) -> subprocess.CompletedProcess:
+def _sweep(folder: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    # under xdist, as nox -s seed_sweep runs it: the controller writes the records off workers' reports
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "tests.sweep"]
-    command += ["--sweep", "inventory.json", "--seeds", "3", "-n", "2", "test_cases.py", *extra]
+    command += ["--sweep", "inventory.json", "--seeds", "3", "-n", "1", "test_cases.py"]
     return subprocess.run(command, cwd=folder, env=env, capture_output=True, text=True, timeout=300)
 
 
