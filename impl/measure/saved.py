@@ -56,7 +56,7 @@ class SavedTensorsMeter:
         self._seen: dict[int, tuple[int, str, str, str]] = {}  # key -> (bytes, module, type, dtype)
         self._module_stack: list[tuple[str, str]] = [("<top>", "<top>")]
         self._handles: list = []
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._hooks: torch.autograd.graph.saved_tensors_hooks | None = None  # while entered
 
     # A tensor with no storage (e.g. a sparse or nested one) cannot be counted honestly.
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
@@ -79,11 +79,16 @@ class SavedTensorsMeter:
             for name, module in self._model.named_modules():
                 self._handles.append(module.register_forward_pre_hook(self._push(name or "<model>", module)))
                 self._handles.append(module.register_forward_hook(self._pop))
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
         self._hooks.__exit__(*exc)
+        # Dropped, not kept: it holds this meter's bound methods, a cycle (meter -> hooks -> meter)
+        # that kept the model alive until Python's cyclic collector ran, rarely in a large process
+        # (megatron-core's process groups with it: 6,000 gloo threads in a seed-sweep worker).
+        self._hooks = None
         for h in self._handles:
             h.remove()
         self._handles.clear()
