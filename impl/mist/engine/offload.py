@@ -49,6 +49,8 @@ from torch import nn
 
 from measure.training import MasterWeightAdamW, copy_across, gradient_to_step, to_across
 
+from .hooks import after_gradient_accumulated
+
 # The profiler range of work done in host memory (the offloaded optimizer's step): on a CPU, where
 # host and device are one memory, the engine's device peak leaves its allocations out
 HOST_WORK = "mist.host_work"
@@ -484,7 +486,7 @@ class WeightOffload:
                 self.host[id(q)] = self.transfers.host_like(q)
                 self.host[id(q)].copy_(q.detach())
                 q.data = self.host[id(q)]
-                q.register_post_accumulate_grad_hook(lambda _q, i=i: self._made_gradient(i))
+                after_gradient_accumulated(q, self._made_gradient, i)
             layer.register_forward_pre_hook(lambda _m, _a, i=i: self._before(i, step=1))
             layer.register_forward_hook(lambda _m, _a, _o, i=i: self._down(i))
             # before the layer's backward and so before a recomputed layer's second forward (the
@@ -532,7 +534,7 @@ class WeightOffload:
         for q in self.offloaded[i]:
             q.data = self.host[id(q)]  # the device copy is freed (weights change only in the step)
 
-    def _made_gradient(self, i: int) -> None:
+    def _made_gradient(self, _q: nn.Parameter, i: int) -> None:
         self.pending[i] -= 1
         if self.pending[i] == 0:  # this backward has made the layer's gradients: drop its weights
             self._down(i)
@@ -686,7 +688,7 @@ class GradientOffload(_HostGradients):
         # held there as it made it
         self.piece = max((p.numel() for p in self.params), default=0)
         for p in self.params:
-            p.register_post_accumulate_grad_hook(self._drain)
+            after_gradient_accumulated(p, self._drain)
 
     def all_reduce(self, group, divide_by: int, device: torch.device) -> None:
         """The DP sum of the host buffers over ``group``, averaged. Where the collective runs on
@@ -762,7 +764,10 @@ class ShardedGradientOffload(_HostGradients):
             if not any(id(q) in chosen for q in group):
                 continue
             for q in group:
-                q.register_post_accumulate_grad_hook(self._drain if id(q) in chosen else self._own_storage)
+                if id(q) in chosen:
+                    after_gradient_accumulated(q, self._drain)
+                else:  # a static method: it holds nothing
+                    q.register_post_accumulate_grad_hook(self._own_storage)
         # DTensors like the shards (same mesh and placements): the step reads them as gradients.
         # CPU only (mist.engine.run refuses it on a GPU): added in place
         self.sums = HostSums(torch.device("cpu"), {id(p): torch.zeros_like(p) for p in self.params})

@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from measure.training import gradient_to_step
 
+from .hooks import after_gradient_accumulated
 from .offload import HostSums, flat_views
 from .pipeline import gpt_modules
 
@@ -121,7 +122,7 @@ class ShardedMasterAdamW:
         self.sequence_parallel_group = sequence_parallel_group
         if shard_grads:
             for p in self.params:
-                p.register_post_accumulate_grad_hook(self._collect)
+                after_gradient_accumulated(p, self._collect)
         self.stale: set[int] = set()  # gather groups whose broadcasts this step has not yet begun
         self.in_flight: dict[int, list] = {}  # group -> its broadcasts begun, not yet waited for
         self.gathered_in_forward = 0  # groups a forward waited for since the last step
@@ -400,7 +401,7 @@ class ContiguousGrads:
             self.made = [0] * len(self.buckets)
             self.slices = [self._slices(bucket) for bucket in self.buckets]
             for p in params:
-                p.register_post_accumulate_grad_hook(self._accumulated)
+                after_gradient_accumulated(p, self._accumulated)
 
     def _slices(self, bucket: list[torch.Tensor]) -> list[torch.Tensor]:
         """A bucket's part of each dtype's buffer (its parameters are consecutive in each)."""
