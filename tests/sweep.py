@@ -35,7 +35,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -79,6 +78,8 @@ class Inventory:
             entry["draws_random"] = properties["draws_random"]
 
     def pytest_sessionfinish(self) -> None:
+        import torch  # here, not at import: a sweep of tests that never import torch need not
+
         tests = {
             nodeid: {**entry, "seconds": round(entry["seconds"], 3)}
             for nodeid, entry in self.tests.items()
