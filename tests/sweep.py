@@ -156,6 +156,7 @@ class Sweep:
         seeds: list[int],
         header: dict,
         progress: Path,
+        failures: Path,
         passed: list[str],
         writes: bool,
     ) -> None:
@@ -170,7 +171,7 @@ class Sweep:
         self.writes = writes  # the progress file: by one process (under xdist the controller)
         self.collected_at = _resident_bytes()
         self.failed: set[str] = set()
-        self.failures = progress.with_name(progress.name.removesuffix(".progress") + ".failures")
+        self.failures = failures
         self.functions = {nodeid.split("[", 1)[0] for nodeid in counts}
 
     @classmethod
@@ -186,7 +187,7 @@ class Sweep:
             "fast_under": fast_under,
             "base": config.getoption("sweep_base"),
         }
-        progress = path.with_name(path.name + ".progress")
+        progress, failures = path.with_name(path.name + ".progress"), path.with_name(path.name + ".failures")
         if _is_xdist_worker(config):  # the controller's sweep: same seeds, same instances left to run
             header, known = config.workerinput["seed_sweep_header"], config.workerinput["seed_sweep_passed"]
             # the controller's passed ids are the file's first lines (it only appends); a worker that
@@ -201,7 +202,9 @@ class Sweep:
                 counts[nodeid] = fast if is_fast else slow
                 seconds[nodeid] = entry["seconds"]
         seeds = [int(s) for s in np.random.SeedSequence(header["base"]).generate_state(max(fast, slow))]
-        return cls(counts, seconds, seeds, header, progress, passed, writes=not _is_xdist_worker(config))
+        return cls(
+            counts, seconds, seeds, header, progress, failures, passed, writes=not _is_xdist_worker(config)
+        )
 
     def pytest_sessionstart(self, session: pytest.Session) -> None:
         """What this sweep runs, printed even under -q (which hides pytest's header)."""
@@ -304,15 +307,14 @@ class Sweep:
         properties = dict(report.user_properties)
         seed, test = properties.get("sweep_seed"), properties.get("swept_test", report.nodeid)
         crash = getattr(report.longrepr, "reprcrash", None)  # the exception's line, where pytest has one
-        lines = [line for line in report.longreprtext.splitlines() if line.strip()]
-        error = crash.message if crash is not None else (lines[-1] if lines else "")
+        error = (crash.message if crash is not None else report.longreprtext).strip().splitlines()
         record = {
             "test": test,
             "seed": seed,
             "base": self.base,
             "phase": report.when,
             "instance": report.nodeid,
-            "error": error.splitlines()[0][:300] if error else "",
+            "error": error[0][:300] if error else "",
             "replay": f"TEST_SEED={seed} python -m pytest '{test}'" if seed is not None else None,
             "at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }

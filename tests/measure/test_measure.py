@@ -115,7 +115,7 @@ def _model_freed_by_reference_counting(measure) -> bool:
 
 
 def _measured(model: nn.Module) -> SavedTensorsMeter:
-    with SavedTensorsMeter(model, inputs=()) as meter:
+    with SavedTensorsMeter(model) as meter:
         model(torch.randn(2, 4)).sum()
     assert meter.report().activation_bytes > 0
     return meter

@@ -56,17 +56,6 @@ def test_only_bound_methods_are_taken():
         after_gradient_accumulated(nn.Linear(3, 2).weight, lambda t: None)
 
 
-@pytest.fixture
-def gloo_group():
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        pytest.fail("a process group is already initialised in this test process")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield dist.group.WORLD
-    dist.destroy_process_group()
-
-
 def _sharded_master_adamw(layers: nn.ModuleList, group):
     from mist.engine.zero import ShardedMasterAdamW
 
@@ -95,11 +84,11 @@ def _weight_offload(layers: nn.ModuleList, group):
 @pytest.mark.parametrize(
     "build", [_sharded_master_adamw, _contiguous_grads, _gradient_offload, _weight_offload]
 )
-def test_what_the_engine_hooks_on_gradients_is_freed_with_its_model(build, gloo_group):
+def test_what_the_engine_hooks_on_gradients_is_freed_with_its_model(build, one_process_group):
     """Each lives as long as the layers it works on (their module hooks hold it, which the
     collector sees), and no longer: freed with them, its process group then free to end."""
     layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
-    owner = build(layers, gloo_group)
+    owner = build(layers, one_process_group)
     x = torch.randn(4, 8)
     for layer in layers:
         x = layer(x)

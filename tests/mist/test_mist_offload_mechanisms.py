@@ -450,20 +450,6 @@ def test_a_broadcast_through_the_device_copies_up_at_the_source_and_down_elsewhe
         assert torch.equal(o, want)
 
 
-@pytest.fixture
-def one_process_group(request):
-    """A process group of this process alone (NCCL for a GPU's tensors, gloo for the host's), torn
-    down after the test: ZeRO's collectives over one replica run the same code as over many."""
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        pytest.fail("a process group is already initialised in this test process")
-    backend = "cpu:gloo,cuda:nccl" if request.node.callspec.params["device"] == "cuda" else "gloo"
-    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-    yield dist.group.WORLD
-    dist.destroy_process_group()
-
-
 @pytest.mark.parametrize(
     ("device", "control"),
     [
