@@ -1,5 +1,5 @@
-"""Sessions: tests, megatron_lm_args, seed_sweep, smoke, claims, lint, figures, gpu_check, compat, and
-one per experiment (mist_vs_megatron, cta_mlp, tempo_layer, tempo_llama, tempo_bert).
+"""Sessions: tests, isa_tests, megatron_lm_args, seed_sweep, smoke, claims, lint, figures, gpu_check,
+compat, and one per experiment (mist_vs_megatron, cta_mlp, tempo_layer, tempo_llama, tempo_bert).
 
 All sessions share one virtualenv (``.nox/shared``), installed from ``pyproject.toml`` and
 re-installed only when that file changes, so a second run starts in seconds.
@@ -22,6 +22,7 @@ import shutil
 import subprocess
 import sys
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 import nox
@@ -80,7 +81,11 @@ def tests(session: nox.Session) -> None:
     (at most 4; one thread each), the longest tests started first (tests/conftest.py).
     ``-- -m "not slow"``: the quick part (no processes started, no test over ~10 s); ``-- -n 0``:
     in this process, one test at a time."""
-    args = list(session.posargs)
+    _suite(session, list(session.posargs), {})
+
+
+def _suite(session: nox.Session, args: list[str], env: dict[str, str]) -> None:
+    """The CPU suite with the caller's pytest arguments, under ``env`` besides one thread a worker."""
     marks = "not gpu"
     if "-m" in args:  # combine with the caller's marker expression instead of replacing it
         i = args.index("-m")
@@ -92,8 +97,77 @@ def tests(session: nox.Session) -> None:
     # one thread a worker: two workers of two OpenMP threads on two cores spin against each other;
     # --durations: the slowest tests, for the suite's time budget
     _run(
-        session, "-m", "pytest", "-m", marks, *workers, "--durations=15", *args, env={"OMP_NUM_THREADS": "1"}
+        session,
+        "-m",
+        "pytest",
+        "-m",
+        marks,
+        *workers,
+        "--durations=15",
+        *args,
+        env={"OMP_NUM_THREADS": "1", **env},
     )
+
+
+@dataclass(frozen=True)
+class IsaLevel:
+    """A narrower x86 vector instruction set than this machine's, as another processor (CI's may lack
+    AVX-512) gives it: ``caps`` hold torch, oneDNN, MKL and numpy to it. A result that moves with the
+    vector width (a reduction's order, a vectorised exp) must stay inside a test's bound."""
+
+    caps: dict[str, str]
+    torch_reports: tuple[str, ...]  # torch's dispatch under the caps: the level, or an older CPU's less
+
+
+ISA_LEVELS = {
+    "avx2": IsaLevel(
+        {
+            "ATEN_CPU_CAPABILITY": "avx2",
+            "ONEDNN_MAX_CPU_ISA": "AVX2",
+            "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+            "NPY_DISABLE_CPU_FEATURES": "X86_V4 AVX512_ICL AVX512_SPR",
+        },
+        ("AVX2", "DEFAULT"),
+    ),
+    "baseline": IsaLevel(  # x86-64-v2: SSE4.2, no AVX
+        {
+            "ATEN_CPU_CAPABILITY": "default",
+            "ONEDNN_MAX_CPU_ISA": "SSE41",
+            "MKL_ENABLE_INSTRUCTIONS": "SSE4_2",
+            "NPY_DISABLE_CPU_FEATURES": "X86_V3 X86_V4 AVX512_ICL AVX512_SPR",
+        },
+        ("DEFAULT",),
+    ),
+}
+
+# Says what torch and numpy dispatch to under a level's caps, and stops if torch's kernels are wider
+# than the level: a cap that did not take would test nothing.
+_ISA_PROBE = """
+import sys, torch, numpy._core._multiarray_umath as m
+level, allowed, cap = sys.argv[1], sys.argv[2:], torch.backends.cpu.get_cpu_capability()
+print(f"isa {level}: torch {cap}, numpy", [f for f in m.__cpu_dispatch__ if m.__cpu_features__.get(f)])
+sys.exit(None if cap in allowed else f"isa {level}: torch dispatches to {cap}, wider than the level")
+"""
+
+
+@nox.session
+def isa_tests(session: nox.Session) -> None:
+    """The CPU suite with torch, oneDNN, MKL and numpy held to narrower vector instruction sets than
+    this CPU's, once a level (not in CI; ~13 min a level on 2 cores). ``-- --isa=avx2`` or
+    ``--isa=baseline`` (SSE4.2) picks one (default: both); other arguments go to pytest."""
+    args = [a for a in session.posargs if not a.startswith("--isa=")]
+    levels = [a.removeprefix("--isa=") for a in session.posargs if a.startswith("--isa=")] or list(ISA_LEVELS)
+    unknown = [name for name in levels if name not in ISA_LEVELS]
+    if unknown:
+        session.error(f"--isa={unknown[0]}: accepted levels are {', '.join(ISA_LEVELS)}")
+    python = _venv_python()
+    for name in levels:
+        level = ISA_LEVELS[name]
+        # Inductor's cache does not key on the instruction set: kernels another level compiled fail to
+        # build or run (measured: compile errors and segfaults), so each level has its own
+        env = {**level.caps, "TORCHINDUCTOR_CACHE_DIR": str(VENV.parent / f"inductor-{name}")}
+        session.run(python, "-c", _ISA_PROBE, name, *level.torch_reports, external=True, env=env)
+        _suite(session, args, env)
 
 
 @nox.session
