@@ -86,6 +86,7 @@ def tests(session: nox.Session) -> None:
 
 def _suite(session: nox.Session, args: list[str], env: dict[str, str]) -> None:
     """The CPU suite with the caller's pytest arguments, under ``env`` besides one thread a worker."""
+    args = list(args)  # the caller's list stays whole: isa_tests passes one list to every level
     marks = "not gpu"
     if "-m" in args:  # combine with the caller's marker expression instead of replacing it
         i = args.index("-m")
@@ -112,11 +113,12 @@ def _suite(session: nox.Session, args: list[str], env: dict[str, str]) -> None:
 @dataclass(frozen=True)
 class IsaLevel:
     """A narrower x86 vector instruction set than this machine's, as another processor (CI's may lack
-    AVX-512) gives it: ``caps`` hold torch, oneDNN, MKL and numpy to it. A result that moves with the
-    vector width (a reduction's order, a vectorised exp) must stay inside a test's bound."""
+    AVX-512) gives it: ``caps`` hold torch, oneDNN, MKL (on Intel processors only: Intel's MKL
+    ignores the cap elsewhere), numpy and numpy's OpenBLAS to it. A result that moves with the vector
+    width (a reduction's order, a vectorised exp) must stay inside a test's bound."""
 
     caps: dict[str, str]
-    torch_reports: tuple[str, ...]  # torch's dispatch under the caps: the level, or an older CPU's less
+    torch_accepts: tuple[str, ...]  # torch's dispatch under the caps: the level, or an older CPU's less
 
 
 ISA_LEVELS = {
@@ -126,54 +128,64 @@ ISA_LEVELS = {
             "ONEDNN_MAX_CPU_ISA": "AVX2",
             "MKL_ENABLE_INSTRUCTIONS": "AVX2",
             "NPY_DISABLE_CPU_FEATURES": "X86_V4 AVX512_ICL AVX512_SPR",
+            "OPENBLAS_CORETYPE": "Haswell",
         },
         ("AVX2", "DEFAULT"),
     ),
     "baseline": IsaLevel(  # x86-64-v2: SSE4.2, no AVX
         {
             "ATEN_CPU_CAPABILITY": "default",
-            "ONEDNN_MAX_CPU_ISA": "SSE41",
+            "ONEDNN_MAX_CPU_ISA": "SSE41",  # oneDNN's narrowest level; it has none at SSE4.2
             "MKL_ENABLE_INSTRUCTIONS": "SSE4_2",
             "NPY_DISABLE_CPU_FEATURES": "X86_V3 X86_V4 AVX512_ICL AVX512_SPR",
+            "OPENBLAS_CORETYPE": "Nehalem",
         },
         ("DEFAULT",),
     ),
 }
 
-# Says what torch and numpy dispatch to under a level's caps, and stops if torch's kernels are wider
-# than the level: a cap that did not take would test nothing.
+# Says what torch, numpy and its OpenBLAS dispatch to under a level's caps, and stops if torch's
+# kernels are wider than the level: a cap that did not take would test nothing. (oneDNN says its ISA
+# only when one of its kernels runs; MKL says it on Intel processors only.)
 _ISA_PROBE = """
-import sys, torch, numpy._core._multiarray_umath as m
+import ctypes, pathlib, sys, torch, numpy, numpy._core._multiarray_umath as m
 level, allowed, cap = sys.argv[1], sys.argv[2:], torch.backends.cpu.get_cpu_capability()
-print(f"isa {level}: torch {cap}, numpy", [f for f in m.__cpu_dispatch__ if m.__cpu_features__.get(f)])
+simd = [f for f in m.__cpu_dispatch__ if m.__cpu_features__.get(f)]
+blas = [ctypes.CDLL(str(p)) for p in pathlib.Path(numpy.__file__).parent.parent.glob("numpy.libs/*openblas*")]
+core = getattr(blas[0], "scipy_openblas_get_corename64_", None) if blas else None
+if core is not None:
+    core.restype = ctypes.c_char_p
+print(f"isa {level}: torch {cap}, numpy {simd}, OpenBLAS {core().decode() if core else 'not found'}")
 sys.exit(None if cap in allowed else f"isa {level}: torch dispatches to {cap}, wider than the level")
 """
 
 
 @nox.session
 def isa_tests(session: nox.Session) -> None:
-    """The CPU suite with torch, oneDNN, MKL and numpy held to narrower vector instruction sets than
-    this CPU's, once a level (not in CI; ~13 min a level on 2 cores). ``-- --isa=avx2`` or
-    ``--isa=baseline`` (SSE4.2) picks one (default: both); other arguments go to pytest."""
-    args = [a for a in session.posargs if not a.startswith("--isa=")]
-    levels = [a.removeprefix("--isa=") for a in session.posargs if a.startswith("--isa=")] or list(ISA_LEVELS)
+    """The CPU suite with torch, oneDNN, MKL, numpy and OpenBLAS held to narrower vector instruction
+    sets than this CPU's, once a level (not in CI). ``-- --isa=avx2`` or ``--isa=baseline`` (SSE4.2) picks one
+    (default: both); other arguments go to pytest."""
+    isa_args = [a for a in session.posargs if a == "--isa" or a.startswith("--isa=")]
+    args = [a for a in session.posargs if a not in isa_args]
+    levels = [a.removeprefix("--isa=") for a in isa_args] or list(ISA_LEVELS)
     unknown = [name for name in levels if name not in ISA_LEVELS]
     if unknown:
-        session.error(f"--isa={unknown[0]}: accepted levels are {', '.join(ISA_LEVELS)}")
+        session.error(f"{unknown[0]!r}: --isa=LEVEL takes one of {', '.join(ISA_LEVELS)}")
+    levels = list(dict.fromkeys(levels))  # a level named twice runs once
     python = _venv_python()
     for name in levels:
         level = ISA_LEVELS[name]
         # Inductor's cache does not key on the instruction set: kernels another level compiled fail to
         # build or run (measured: compile errors and segfaults), so each level has its own
         env = {**level.caps, "TORCHINDUCTOR_CACHE_DIR": str(VENV.parent / f"inductor-{name}")}
-        session.run(python, "-c", _ISA_PROBE, name, *level.torch_reports, external=True, env=env)
+        session.run(python, "-c", _ISA_PROBE, name, *level.torch_accepts, external=True, env=env)
         _suite(session, args, env)
 
 
 @nox.session
 def megatron_lm_args(session: nox.Session) -> None:
     """Megatron-LM's own parse_args/validate_args on every plan `mist export --to megatron-lm`
-    writes from the committed comparison and the grid (~1.5 min). Megatron-LM's training code is not
+    writes from the committed comparison and the grid (~2 min). Megatron-LM's training code is not
     on PyPI: ``-- PATH`` (or MEGATRON_LM) names a checkout at tag core_v0.16.1, e.g.
     ``git clone -b core_v0.16.1 --depth 1 https://github.com/NVIDIA/Megatron-LM``. Not in CI."""
     checkout = session.posargs[0] if session.posargs else os.environ.get("MEGATRON_LM")
