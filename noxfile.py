@@ -81,7 +81,7 @@ def tests(session: nox.Session) -> None:
     (at most 4; one thread each), the longest tests started first (tests/conftest.py).
     ``-- -m "not slow"``: the quick part (no processes started, no test over ~10 s); ``-- -n 0``:
     in this process, one test at a time."""
-    _suite(session, list(session.posargs), {})
+    _suite(session, session.posargs, {})
 
 
 def _suite(session: nox.Session, args: list[str], env: dict[str, str]) -> None:
@@ -163,8 +163,8 @@ sys.exit(None if cap in allowed else f"isa {level}: torch dispatches to {cap}, w
 @nox.session
 def isa_tests(session: nox.Session) -> None:
     """The CPU suite with torch, oneDNN, MKL, numpy and OpenBLAS held to narrower vector instruction
-    sets than this CPU's, once a level (not in CI). ``-- --isa=avx2`` or ``--isa=baseline`` (SSE4.2) picks one
-    (default: both); other arguments go to pytest."""
+    sets than this CPU's, once a level (not in CI). ``-- --isa=avx2`` or ``--isa=baseline``
+    (SSE4.2) picks one (default: both); other arguments go to pytest."""
     isa_args = [a for a in session.posargs if a == "--isa" or a.startswith("--isa=")]
     args = [a for a in session.posargs if a not in isa_args]
     levels = [a.removeprefix("--isa=") for a in isa_args] or list(ISA_LEVELS)
