@@ -160,26 +160,36 @@ sys.exit(None if cap in allowed else f"isa {level}: torch dispatches to {cap}, w
 """
 
 
+def _isa_levels(session: nox.Session) -> tuple[list[str], list[str]]:
+    """The levels ``--isa=LEVEL`` names in the session's arguments (in order, each once) and the other
+    arguments; an unknown or bare ``--isa`` ends the session with a one-line error."""
+    isa_args = [a for a in session.posargs if a == "--isa" or a.startswith("--isa=")]
+    levels = [a.removeprefix("--isa=") for a in isa_args]
+    unknown = [name for name in levels if name not in ISA_LEVELS]
+    if unknown:
+        session.error(f"{unknown[0]!r}: --isa=LEVEL takes one of {', '.join(ISA_LEVELS)}")
+    return list(dict.fromkeys(levels)), [a for a in session.posargs if a not in isa_args]
+
+
+def _isa_env(session: nox.Session, name: str) -> dict[str, str]:
+    """The environment that holds the libraries to level ``name``, once the probe has shown the caps
+    took."""
+    level = ISA_LEVELS[name]
+    # Inductor's cache does not key on the instruction set: kernels another level compiled fail to
+    # build or run (measured: compile errors and segfaults), so each level has its own
+    env = {**level.caps, "TORCHINDUCTOR_CACHE_DIR": str(VENV.parent / f"inductor-{name}")}
+    session.run(_venv_python(), "-c", _ISA_PROBE, name, *level.torch_accepts, external=True, env=env)
+    return env
+
+
 @nox.session
 def isa_tests(session: nox.Session) -> None:
     """The CPU suite with torch, oneDNN, MKL, numpy and OpenBLAS held to narrower vector instruction
     sets than this CPU's, once a level (not in CI). ``-- --isa=avx2`` or ``--isa=baseline``
     (SSE4.2) picks one (default: both); other arguments go to pytest."""
-    isa_args = [a for a in session.posargs if a == "--isa" or a.startswith("--isa=")]
-    args = [a for a in session.posargs if a not in isa_args]
-    levels = [a.removeprefix("--isa=") for a in isa_args] or list(ISA_LEVELS)
-    unknown = [name for name in levels if name not in ISA_LEVELS]
-    if unknown:
-        session.error(f"{unknown[0]!r}: --isa=LEVEL takes one of {', '.join(ISA_LEVELS)}")
-    levels = list(dict.fromkeys(levels))  # a level named twice runs once
-    python = _venv_python()
-    for name in levels:
-        level = ISA_LEVELS[name]
-        # Inductor's cache does not key on the instruction set: kernels another level compiled fail to
-        # build or run (measured: compile errors and segfaults), so each level has its own
-        env = {**level.caps, "TORCHINDUCTOR_CACHE_DIR": str(VENV.parent / f"inductor-{name}")}
-        session.run(python, "-c", _ISA_PROBE, name, *level.torch_accepts, external=True, env=env)
-        _suite(session, args, env)
+    levels, args = _isa_levels(session)
+    for name in levels or list(ISA_LEVELS):
+        _suite(session, args, _isa_env(session, name))
 
 
 @nox.session
@@ -227,18 +237,28 @@ def seed_sweep(session: nox.Session) -> None:
     those under 200 seeds if it took under 1 s, else 20; both one pytest worker a core (xdist; one
     thread each). Rerun, it resumes where it stopped (for the same sources); every failure is
     recorded as it happens, with its seed and replay command, in ``.sweep/<inventory>.failures``;
-    ``-- --sweep-restart`` starts again with fresh seeds; other arguments go to the sweep's pytest
-    (``-- --seeds 50 --slow-seeds 5``, ``-- tests/tempo``)."""
+    ``-- --sweep-restart`` starts again with fresh seeds; ``-- --isa=avx2`` sweeps with the libraries
+    held to a narrower instruction set (``isa_tests``; one level a sweep, with its own inventory);
+    other arguments go to the sweep's pytest (``-- --seeds 50 --slow-seeds 5``, ``-- tests/tempo``)."""
+    levels, args = _isa_levels(session)
+    if len(levels) > 1:
+        session.error(f"seed_sweep sweeps one --isa level at a time, not {len(levels)}: {', '.join(levels)}")
+    level_env = _isa_env(session, levels[0]) if levels else {}
     SWEEP_DIR.mkdir(exist_ok=True)
-    inventory = SWEEP_DIR / f"inventory-{_sources_digest()}.json"
+    # a level has its own inventory, and so its own progress and failures (tests/sweep.py names them)
+    level = f"-{levels[0]}" if levels else ""
+    inventory = SWEEP_DIR / f"inventory-{_sources_digest()}{level}.json"
     pytest = ("-m", "pytest", "-q", "-p", "tests.sweep", "-m", "not gpu")
     # the inventory's seconds (which tests count as fast) are taken as the sweep runs: a worker a core
     workers = ("-n", str(os.cpu_count() or 1))
-    one_thread = {"OMP_NUM_THREADS": "1"}
+    env = {"OMP_NUM_THREADS": "1", **level_env}
     if not inventory.exists():
         inventory_run = (*workers, "--dist", "worksteal", f"--random-inventory={inventory}")
-        _run(session, *pytest, *inventory_run, env=one_thread)
-    _run(session, *pytest, *workers, f"--sweep={inventory}", *session.posargs, env=one_thread)
+        _run(session, *pytest, *inventory_run, env=env)
+    replay_env = [
+        f"--replay-env={name}={value}" for name, value in level_env.items()
+    ]  # a failure replays under the caps
+    _run(session, *pytest, *workers, f"--sweep={inventory}", *replay_env, *args, env=env)
 
 
 @nox.session

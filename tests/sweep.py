@@ -24,11 +24,13 @@ not by its seed), still names what failed. The file is never truncated: each lin
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import gc
 import hashlib
 import json
 import os
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -48,6 +50,21 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
     group.addoption("--sweep-base", type=int, help="derive the seeds from this base (default: fresh)")
     group.addoption("--sweep-restart", action="store_true", help="forget a previous sweep's progress")
+    group.addoption(
+        "--replay-env",
+        action="append",
+        default=[],
+        type=_environment_setting,
+        metavar="NAME=VALUE",
+        help="set in each failure's replay command: what the sweep's environment holds (an ISA cap)",
+    )
+
+
+def _environment_setting(text: str) -> tuple[str, str]:
+    name, equals, value = text.partition("=")
+    if not equals or not name.isidentifier():
+        raise argparse.ArgumentTypeError(f"{text!r}: --replay-env takes NAME=VALUE")
+    return name, value
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -159,6 +176,7 @@ class Sweep:
         failures: Path,
         passed: list[str],
         writes: bool,
+        replay_env: tuple[tuple[str, str], ...] = (),
     ) -> None:
         self.counts = counts  # inventory node id -> seeds it runs under
         self.seconds = seconds  # inventory node id -> its seconds in the inventory's run
@@ -172,6 +190,7 @@ class Sweep:
         self.collected_at = _resident_bytes()
         self.failed: set[str] = set()
         self.failures = failures
+        self.replay_env = replay_env  # (name, value): what a failure's replay command sets first
         self.functions = {nodeid.split("[", 1)[0] for nodeid in counts}
 
     @classmethod
@@ -203,7 +222,15 @@ class Sweep:
                 seconds[nodeid] = entry["seconds"]
         seeds = [int(s) for s in np.random.SeedSequence(header["base"]).generate_state(max(fast, slow))]
         return cls(
-            counts, seconds, seeds, header, progress, failures, passed, writes=not _is_xdist_worker(config)
+            counts,
+            seconds,
+            seeds,
+            header,
+            progress,
+            failures,
+            passed,
+            writes=not _is_xdist_worker(config),
+            replay_env=tuple(config.getoption("replay_env")),
         )
 
     def pytest_sessionstart(self, session: pytest.Session) -> None:
@@ -301,6 +328,11 @@ class Sweep:
             with open(self.progress, "a") as f:  # one short line: a torn write loses this instance only
                 f.write(report.nodeid + "\n")
 
+    def _replay(self, seed: int, test: str) -> str:
+        """The shell command that runs ``test`` alone under ``seed``, in the sweep's environment."""
+        settings = [f"{name}={shlex.quote(value)}" for name, value in self.replay_env]
+        return " ".join([*settings, f"TEST_SEED={seed}", "python", "-m", "pytest", shlex.quote(test)])
+
     def _record_failure(self, report: pytest.TestReport) -> None:
         """Append the failed instance to the failures file now: a sweep stopped before pytest's
         summary still names it."""
@@ -315,7 +347,7 @@ class Sweep:
             "phase": report.when,
             "instance": report.nodeid,
             "error": error[0][:300] if error else "",
-            "replay": f"TEST_SEED={seed} python -m pytest '{test}'" if seed is not None else None,
+            "replay": self._replay(seed, test) if seed is not None else None,
             "at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }
         with open(self.failures, "a") as f:  # one line: a torn write loses this record only

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -24,21 +25,24 @@ def test_case(case, sweep_seed):
 """
 
 
-def _sweep(folder: Path) -> subprocess.CompletedProcess:
+def _sweep(folder: Path, *options: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     # under xdist, as nox -s seed_sweep runs it: the controller writes the records off workers' reports
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "tests.sweep"]
-    command += ["--sweep", "inventory.json", "--seeds", "3", "-n", "1", "test_cases.py"]
+    command += ["--sweep", "inventory.json", "--seeds", "3", "-n", "1", *options, "test_cases.py"]
     return subprocess.run(command, cwd=folder, env=env, capture_output=True, text=True, timeout=300)
+
+
+def _write_cases(folder: Path) -> None:
+    (folder / "test_cases.py").write_text(_TESTS)
+    entry = {"draws_random": True, "slow": False, "seconds": 0.01}
+    inventory = {"tests": {f"test_cases.py::test_case[{c}]": entry for c in ("good", "bad")}}
+    (folder / "inventory.json").write_text(json.dumps(inventory))
 
 
 @pytest.mark.slow
 def test_each_failure_is_recorded_with_its_seed_and_replay(tmp_path):
-    (tmp_path / "test_cases.py").write_text(_TESTS)
-    entry = {"draws_random": True, "slow": False, "seconds": 0.01}
-    inventory = {"tests": {f"test_cases.py::test_case[{c}]": entry for c in ("good", "bad")}}
-    (tmp_path / "inventory.json").write_text(json.dumps(inventory))
-
+    _write_cases(tmp_path)
     first = _sweep(tmp_path)
     assert first.returncode == 1, first.stdout + first.stderr
     assert "3 instances failed this run" in first.stdout
@@ -62,3 +66,27 @@ def test_each_failure_is_recorded_with_its_seed_and_replay(tmp_path):
     assert "3 failed" in second.stdout and "passed" not in second.stdout.splitlines()[-1]
     again = (tmp_path / "inventory.json.failures").read_text().splitlines()
     assert len(again) == 6 and [json.loads(line) for line in again[:3]] == records
+
+
+@pytest.mark.slow
+def test_a_failure_replays_in_the_environment_the_sweep_ran_in(tmp_path):
+    """A sweep under ISA caps (``nox -s seed_sweep -- --isa=avx2``) gives each failure's replay command
+    the caps, quoted for the shell: the same seed on the machine's own kernels may pass."""
+    _write_cases(tmp_path)
+    caps = {"ATEN_CPU_CAPABILITY": "avx2", "NPY_DISABLE_CPU_FEATURES": "X86_V4 AVX512_ICL"}
+    run = _sweep(tmp_path, "--seeds", "1", *(f"--replay-env={name}={value}" for name, value in caps.items()))
+    assert run.returncode == 1, run.stdout + run.stderr
+    [record] = [json.loads(line) for line in (tmp_path / "inventory.json.failures").read_text().splitlines()]
+    settings = [f"{name}={value}" for name, value in caps.items()]
+    command = ["python", "-m", "pytest", "test_cases.py::test_case[bad]"]
+    assert shlex.split(record["replay"]) == [*settings, f"TEST_SEED={record['seed']}", *command]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("setting", ["ATEN_CPU_CAPABILITY", "=avx2", "1X=avx2"])
+def test_a_bad_replay_setting_is_a_one_line_error(tmp_path, setting):
+    _write_cases(tmp_path)
+    run = _sweep(tmp_path, f"--replay-env={setting}")
+    assert run.returncode == 4, run.stdout + run.stderr  # pytest's usage error: nothing ran
+    assert f"{setting!r}: --replay-env takes NAME=VALUE" in run.stderr
+    assert not (tmp_path / "inventory.json.progress").exists()
