@@ -164,10 +164,10 @@ def _isa_levels(session: nox.Session) -> tuple[list[str], list[str]]:
     """The levels ``--isa=LEVEL`` names in the session's arguments (in order, each once) and the other
     arguments; an unknown or bare ``--isa`` ends the session with a one-line error."""
     isa_args = [a for a in session.posargs if a == "--isa" or a.startswith("--isa=")]
-    levels = [a.removeprefix("--isa=") for a in isa_args]
-    unknown = [name for name in levels if name not in ISA_LEVELS]
-    if unknown:
+    unknown = [a for a in isa_args if a.removeprefix("--isa=") not in ISA_LEVELS]
+    if unknown:  # named as given: a bare --isa, --isa= and --isa=foo each say which it was
         session.error(f"{unknown[0]!r}: --isa=LEVEL takes one of {', '.join(ISA_LEVELS)}")
+    levels = [a.removeprefix("--isa=") for a in isa_args]
     return list(dict.fromkeys(levels)), [a for a in session.posargs if a not in isa_args]
 
 
@@ -255,9 +255,8 @@ def seed_sweep(session: nox.Session) -> None:
     if not inventory.exists():
         inventory_run = (*workers, "--dist", "worksteal", f"--random-inventory={inventory}")
         _run(session, *pytest, *inventory_run, env=env)
-    replay_env = [
-        f"--replay-env={name}={value}" for name, value in level_env.items()
-    ]  # a failure replays under the caps
+    # a failure's replay command sets what the sweep ran under: the thread count and the caps
+    replay_env = [f"--replay-env={name}={value}" for name, value in env.items()]
     _run(session, *pytest, *workers, f"--sweep={inventory}", *replay_env, *args, env=env)
 
 

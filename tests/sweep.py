@@ -10,7 +10,8 @@ A pytest plugin (``-p tests.sweep``), never loaded by the plain suite. Two runs 
    if it is fast (not marked slow, and under ``--fast-under`` seconds in the inventory, default 1),
    else under ``--slow-seeds`` (default 20). The seeds are derived from one base (printed; give it
    with ``--sweep-base`` to replay a whole sweep), and a failing instance's id holds its seed:
-   ``TEST_SEED=<seed> pytest <id without the seed>`` replays it alone.
+   ``TEST_SEED=<seed> pytest <id without the seed>`` replays it alone (after the settings the sweep
+   ran under, ``--replay-env NAME=VALUE``: the thread count, a narrower instruction set's caps).
 
 The sweep resumes: every instance that passes is appended to ``FILE.progress`` (a header line with
 the base and counts, then a node id a line), and a rerun with the same options skips what passed.
@@ -30,6 +31,7 @@ import gc
 import hashlib
 import json
 import os
+import re
 import shlex
 import sys
 import time
@@ -56,13 +58,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default=[],
         type=_environment_setting,
         metavar="NAME=VALUE",
-        help="set in each failure's replay command: what the sweep's environment holds (an ISA cap)",
+        help="set first in each failure's replay command: what the sweep runs under (threads, ISA caps)",
     )
 
 
 def _environment_setting(text: str) -> tuple[str, str]:
     name, equals, value = text.partition("=")
-    if not equals or not name.isidentifier():
+    if not equals or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):  # a shell variable's name
         raise argparse.ArgumentTypeError(f"{text!r}: --replay-env takes NAME=VALUE")
     return name, value
 
