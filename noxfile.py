@@ -1,5 +1,5 @@
 """Sessions: tests, isa_tests, megatron_lm_args, seed_sweep, smoke, claims, lint, figures, gpu_check,
-compat, and one per experiment (mist_vs_megatron, cta_mlp, tempo_layer, tempo_llama, tempo_bert).
+gpu_wheels, compat, and one per experiment (mist_vs_megatron, cta_mlp, tempo_layer, tempo_llama, tempo_bert).
 
 All sessions share one virtualenv (``.nox/shared``), installed from ``pyproject.toml`` and
 re-installed only when that file changes, so a second run starts in seconds.
@@ -293,14 +293,22 @@ def figures(session: nox.Session) -> None:
 
 @nox.session
 def gpu_check(session: nox.Session) -> None:
-    """Every GPU test and micro-benchmark, then Tempo's measured max batch and throughput,
-    CTA-pipelining's single-GPU part and Mist's single-GPU engine check, in one run of at most 9
-    minutes (needs CUDA): ``python -m artifacts.gpu_check``, which this wraps (it also runs
-    without nox: the GPU machine has none). Parts in priority order, each with its own time budget
-    and a hard timeout; a status file records each part's outcome and a rerun does the parts not
-    yet passed. ``-- --dry-run``: the same on CPU at tiny sizes, results to a temp dir;
-    ``-- --parts tempo mist``, ``-- --redo``, ``-- --help``."""
+    """The GPU check (needs CUDA; docs/gpu-check.md): the GPU tests and micro-benchmarks, Mist's
+    single-GPU engine plans, Mist against the baselines measured on one GPU, torch.compile against
+    Tempo, Tempo's measured max batch and throughput, CTA-pipelining and Liger-Kernel's Llama row on
+    one GPU, in priority order, at most 9 minutes a call: ``python -m artifacts.gpu_check``, which
+    this wraps (it also runs without nox: the GPU machine has none). Each part has its own time
+    budget and a hard timeout; a status file records each part's outcome and a rerun does the parts
+    not yet passed. ``-- --dry-run``: the same on CPU at tiny sizes, results to a temp dir;
+    ``-- --parts mist compile``, ``-- --redo``, ``-- --help``."""
     _run(session, "-m", "artifacts.gpu_check", *session.posargs)
+
+
+@nox.session
+def gpu_wheels(session: nox.Session) -> None:
+    """The wheels the GPU machine lacks (megatron-core, highspy, liger-kernel; cp312 manylinux),
+    downloaded here into ``.whl/`` for the GPU check to carry: ``python -m artifacts.gpu_wheels``."""
+    _run(session, "-m", "artifacts.gpu_wheels", *session.posargs)
 
 
 # What the lent GPU machine has (artifacts/gpu_check.py's docstring): the tests run against these

@@ -1,6 +1,7 @@
 """The wheels of what the lent GPU machine lacks, fetched here for ``python3 -m artifacts.gpu_check``
-there (it has no network): ``python3 -m artifacts.gpu_wheels`` downloads them into ``.whl/``
-(git-ignored), cp312 manylinux x86_64, one version of each, at the versions pyproject.toml pins.
+there (it has no network): ``nox -s gpu_wheels`` (or ``python -m artifacts.gpu_wheels`` in the
+project's environment, ``.nox/shared``) downloads them into ``.whl/`` (git-ignored), cp312
+manylinux x86_64, one version of each, at the versions pyproject.toml pins.
 
 That machine's Python 3.12 has torch 2.11, triton 3.6, transformers 5.17 (with tokenizers), numpy,
 scipy, sympy, matplotlib, PyYAML, tqdm, pytest, pytest-benchmark, pytest-timeout and hypothesis,
@@ -58,9 +59,10 @@ def wheel_dist(path: Path) -> tuple[str, str]:
 
 
 def wheels_in(folder: Path) -> list[Path]:
-    """The wheels in ``folder`` (none if it does not exist); two versions of one distribution are
-    an error (pip would refuse the whole install)."""
-    wheels = sorted(folder.glob("*.whl")) if folder.is_dir() else []
+    """The wheels in ``folder`` (none if it does not exist; files only: the repository root holds the
+    folder ``.whl``); two versions of one distribution are an error (pip would refuse the whole
+    install)."""
+    wheels = sorted(p for p in folder.glob("*.whl") if p.is_file()) if folder.is_dir() else []
     seen: dict[str, Path] = {}
     for wheel in wheels:
         name, _ = wheel_dist(wheel)
@@ -105,7 +107,7 @@ def download(names: tuple[str, ...], dest: Path) -> list[Path]:
 
 def main(argv: list[str] | None = None) -> None:
     ap = OneLineParser(
-        prog="python3 -m artifacts.gpu_wheels",
+        prog="python -m artifacts.gpu_wheels",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -68,10 +68,14 @@ def _tagged(tag: str) -> list[int]:
         (["--wheels", "/nonexistent"], "--wheels /nonexistent: not a folder"),
         (["--wheels", "/etc/passwd"], "--wheels /etc/passwd: not a folder"),
         (["--wheels", "."], "--wheels .: holds no wheels"),
+        (["--wheels", "TMP"], "--wheels TMP: holds no wheels"),  # its only *.whl is a folder
     ],
 )
 def test_bad_input_one_line_before_any_work(tmp_path, capsys, args, expected):
     out = tmp_path / "out"
+    (tmp_path / "only-a-folder.whl").mkdir()  # named like a wheel, as the repository's .whl is: no wheel
+    args = [str(tmp_path) if a == "TMP" else a for a in args]
+    expected = expected.replace("TMP", str(tmp_path))
     with pytest.raises(SystemExit) as exit_:
         gpu_check.main(["--dry-run", "--out", str(out), *args])
     err = capsys.readouterr().err
