@@ -4,10 +4,11 @@ Parts, in priority order; each runs as its own process group with its own time b
 on the GPU, in the dry run) and is killed at it, or when this process dies. A session lent a GPU
 has 15 minutes of device time, the machine's start and the transfers included (about 11 minutes of
 calls), so not every part fits one session (1050 s of budgets): the open issues' parts come first
-(#24's kernels, mist and mist_measured, #27's compile), the first three in one call and
-mist_measured getting what they leave, resuming case by case in a second call on the still-warm
-machine; then the GPU claims the CPU cannot measure (tempo, cta, llama), in what time is left or
-a later session (``--parts tempo cta llama``):
+(#24's kernels, mist and mist_measured, #27's compile). A first call runs kernels and mist and
+gives mist_measured the rest (it fits the profile mist kept, and resumes case by case); a second
+call on the still-warm machine (``--parts mist_measured compile tempo cta llama``: a part that
+failed is not run again) finishes it and goes on with compile; the GPU claims the CPU cannot
+measure (tempo, cta, llama) mostly fall to a later session:
 
   kernels  90 / 120  the GPU tests and micro-benchmarks: tests/test_gpu.py, the OOM detector, Tempo's
                      kernels and op benchmarks (pytest-benchmark JSON), CTA-pipelining's kernels with
@@ -15,12 +16,13 @@ a later session (``--parts tempo cta llama``):
                      multi-process tests to the suite), Mist's offloading on its copy stream
   mist    135 / 150  artifacts.mist_vs_megatron.engine: `mist profile` on the device, then
                      single-GPU plans trained by megatron-core, measured against the prediction
+  mist_measured      artifacts.mist_vs_megatron.measured: Mist, the Megatron-LM grid, the Aceso-style
+          360 / 150  search and ZeRO-3 plan GPT-3 1.3B and 2.7B for one GPU under a memory cap (32 and
+                     64 GiB), every winner trained by megatron-core and measured; resumes case by case,
+                     the device's profile made once for it and mist (--profiles under --out)
   compile 150 /  90  artifacts.tempo_layer.run --compile-only --device cuda: the BERT-Large layer (seq
                      512, bf16) eager, compiled, compiled at Tempo's bytes, Tempo and Tempo compiled:
                      bytes kept and a training step's time each (issue #27's time at equal bytes)
-  mist_measured      artifacts.mist_vs_megatron.measured: Mist, the Megatron-LM grid, the Aceso-style
-          360 / 150  search and ZeRO-3 plan GPT-3 1.3B and 2.7B for one GPU under a memory cap (32 and
-                     64 GiB), every winner trained by megatron-core and measured; resumes case by case
   tempo   165 /  90  artifacts.tempo_bert.run throughput: BERT-Large/512, RoBERTa-large/512 and GPT-2
                      medium/1024 under an emulated 16 GB, HF eager/SDPA vs Tempo(+SDPA), each at its
                      measured max batch
@@ -32,7 +34,7 @@ a later session (``--parts tempo cta llama``):
 
 It runs as it is on the lent GPU machine (python3 with torch, no nox, no network): the repo's
 packages are put on the path (impl/ and the root, here and in every subprocess), and the wheels in
-``.whl/`` (``python3 -m artifacts.gpu_wheels`` fetches them here) of packages not installed are
+``.whl/`` (``nox -s gpu_wheels`` fetches them here) of packages not installed are
 installed into a temporary folder first, which the subprocesses also get on their path.
 
 Writes into ``--out`` (default artifacts/gpu_check/results/, git-ignored): ``status.json``, each
@@ -92,6 +94,7 @@ from measure.results import (  # noqa: E402
     git_state,
     lock_folder,
     tracked_files,
+    utc_now,
     write_json_atomic,
 )
 from measure.strict import read_json_file  # noqa: E402
@@ -182,17 +185,13 @@ class Part:
 PARTS = (
     Part("kernels", 90, 120, "tempo_layer"),
     Part("mist", 135, 150, "mist_vs_megatron"),
-    Part("compile", 150, 90, "tempo_layer"),
     Part("mist_measured", 360, 150, "mist_vs_megatron"),
+    Part("compile", 150, 90, "tempo_layer"),
     Part("tempo", 165, 90, "tempo_bert"),
     Part("cta", 120, 90, "cta_mlp"),
     Part("llama", 30, 30, "tempo_llama"),
 )
 BY_NAME = {p.name: p for p in PARTS}
-
-
-def _utc_now() -> str:
-    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
 
 
 def results_dir(part: Part, out: Path, dry: bool) -> Path:
@@ -273,7 +272,9 @@ def command(part: Part, out: Path, dry: bool) -> list[str]:
     dry_flag = ["--cpu-dry-run"] if dry else []
     module = {"mist": "engine", "mist_measured": "measured"}[part.name]
     script = f"artifacts.mist_vs_megatron.{module}"
-    return [sys.executable, "-m", script, *dry_flag, "--results", str(results)]
+    # one profile of the device for both Mist parts (and a second call): kept under --out
+    profiles = ["--profiles", str(out / "profiles")]
+    return [sys.executable, "-m", script, *dry_flag, "--results", str(results), *profiles]
 
 
 # ---------------------------------------------------------------- processes
@@ -663,9 +664,8 @@ def _check_wheels(args: argparse.Namespace) -> None:
         args.wheels = gpu_wheels.WHEELS_DIR
     elif not args.wheels.is_dir():
         raise ValueError(f"--wheels {args.wheels}: not a folder; give the folder gpu_wheels fetched into")
-    elif not any(args.wheels.glob("*.whl")):
-        raise ValueError(f"--wheels {args.wheels}: holds no wheels (*.whl); python3 -m artifacts.gpu_wheels")
-    gpu_wheels.wheels_in(args.wheels)
+    elif not gpu_wheels.wheels_in(args.wheels):
+        raise ValueError(f"--wheels {args.wheels}: holds no wheels (*.whl); nox -s gpu_wheels fetches them")
 
 
 def _check_archive_apart(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -722,7 +722,9 @@ def _probe_checked(env: dict[str, str], deadline: float, dry_run: bool) -> dict:
         raise SetupError("no CUDA device here (torch sees none); --dry-run: the same on CPU at tiny sizes")
     if found["missing"]:
         names = "; ".join(f"{k} ({v})" for k, v in found["missing"].items())
-        raise SetupError(f"missing here: {names}; python3 -m artifacts.gpu_wheels fetches the wheels")
+        raise SetupError(
+            f"missing here: {names}; nox -s gpu_wheels fetches the wheels (where there is a network)"
+        )
     return found
 
 
@@ -760,7 +762,7 @@ def main(argv: list[str] | None = None) -> int:
         env = _parts_env(args, site)
         found = _probe_checked(env, deadline, args.dry_run)
         provenance = {
-            "date_utc": _utc_now(),
+            "date_utc": utc_now(),
             "host": platform.node(),
             "python": sys.executable,
             "git": git_state(ROOT),
@@ -814,7 +816,7 @@ def _run_parts(args, todo, selected, status, status_path, out, env, deadline, pr
                 "command": cmd,
                 "log": f"logs/{part.name}.log",
                 "results": str(results_dir(part, out, dry)),
-                "started_utc": _utc_now(),
+                "started_utc": utc_now(),
                 "finished_utc": None,
                 "seconds": None,
                 "returncode": None,
@@ -846,7 +848,7 @@ def _run_parts(args, todo, selected, status, status_path, out, env, deadline, pr
                     outcome=outcome,
                     returncode=rc,
                     seconds=round(time.monotonic() - t0, 1),
-                    finished_utc=_utc_now(),
+                    finished_utc=utc_now(),
                 )
                 if part.name == "kernels":
                     record["tests"] = _junit_counts(out / "logs" / "kernels.xml")

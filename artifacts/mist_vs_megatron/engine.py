@@ -23,7 +23,10 @@ where that was more than housekeeping: such a time is a busy machine's.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
+import platform
+import shutil
 import statistics
 import subprocess
 import tempfile
@@ -36,7 +39,16 @@ from measure import fork_launch
 from measure.cli import OneLineParser
 from measure.contention import Contention, OtherWork
 from measure.launch import run_torchrun
-from measure.results import ResultFile, Results, Run
+from measure.results import (
+    ResultFile,
+    Results,
+    Run,
+    device_description,
+    git_state,
+    utc_now,
+    write_json_atomic,
+)
+from measure.strict import read_json_file
 
 from ..experiment import add_run_arguments, experiment_run
 from . import EXPERIMENT
@@ -366,6 +378,7 @@ def engine_point(setup: EngineSetup, name: str, fit: dict, fits: RuntimeFits) ->
         "fit_contention": fit["contention"],  # what the profile and benchmarks shared the cores with
         # the machine's speed (speed_probe) beside the fit and just before each launch
         "fit_probe_s": fit["probe_s"],
+        **({"fit_profile_kept": fit["profile_kept"]} if "profile_kept" in fit else {}),  # made when, where
         "launches_probe_s": trained["launches_probe_s"],
         "predicted_step_s": plan.predicted_iteration_s,
         "time_error": plan.predicted_iteration_s / step_s - 1,
@@ -418,24 +431,82 @@ def engine_key(setup: EngineSetup, name: str) -> dict:
     }
 
 
-def fit_runtime(setup: EngineSetup, work: Path) -> dict:
+def fit_runtime(setup: EngineSetup, work: Path, kept: Path | None = None) -> dict:
     """``mist profile`` of ``setup.device`` at the setup's model shape, as ``setup.processes`` ranks
     run it, into ``work``, and the runtime model fitted to it (``calibrate``'s result). With several
     processes, the collectives among them too, and the mechanisms as the engine runs them: its step
     collectives, and on a layer ZeRO-2, ZeRO-3 and TP over all processes (write_rank_benchmarks,
     as `mist profile --collectives`). With it, what else ran on the cores meanwhile
     (``contention``: measure.contention) and the machine's speed just before and after
-    (``probe_s``: speed_probe)."""
+    (``probe_s``: speed_probe).
+
+    ``kept``: a folder where the profile is kept, and where one made for the same setup, on the same
+    machine and device, at the same clean commit, is found and fitted again instead of profiling
+    (``profile_kept``: where it is and when it was made). The GPU check's two Mist parts run in two
+    processes on one GPU: one profile serves both, as one serves the CPU experiment's parts."""
     from mist.model.calibrate import calibrate
 
-    probed = [speed_probe(setup)]  # the machine's speed beside the fit: just before it and after
-    with OtherWork() as other:  # what else ran on the cores while the fit's inputs were timed
-        _write_fit_inputs(setup, work / setup.gpu)
-    probed.append(speed_probe(setup))
-    if other.result is not None and not other.result.quiet:
-        print(f"  {other.result.line(f'the profile for {setup.processes} process(es)')}", flush=True)
-    fit = next(iter(calibrate(work / setup.gpu).values()))
-    return {**fit, "contention": other.result and other.result.as_dict(), "probe_s": probed}
+    key = _profile_key(setup) if kept is not None else None
+    if kept is not None and key is None:
+        print(
+            f"  --profiles {kept}: the tree is not clean at a known commit; profiling in {work}", flush=True
+        )
+    folder = kept / _digest(key) if key is not None else work
+    record_path = folder / PROFILE_RECORD
+    record = _kept_profile(record_path, key)
+    if record is None:
+        shutil.rmtree(folder / setup.gpu, ignore_errors=True)  # an interrupted profile is made again
+        probed = [speed_probe(setup)]  # the machine's speed beside the fit: just before it and after
+        with OtherWork() as other:  # what else ran on the cores while the fit's inputs were timed
+            _write_fit_inputs(setup, folder / setup.gpu)
+        probed.append(speed_probe(setup))
+        if other.result is not None and not other.result.quiet:
+            print(f"  {other.result.line(f'the profile for {setup.processes} process(es)')}", flush=True)
+        contention = other.result and other.result.as_dict()
+        record = {"key": key, "made_utc": utc_now(), "contention": contention, "probe_s": probed}
+        if key is not None:  # written last: a folder without it holds no finished profile
+            write_json_atomic(record_path, record)
+    else:
+        print(f"  the profile for {setup.processes} process(es) made {record['made_utc']}, kept in {folder}")
+    fit = next(iter(calibrate(folder / setup.gpu).values()))
+    kept_at = {"profile_kept": {"folder": str(folder), "made_utc": record["made_utc"]}} if key else {}
+    return {**fit, "contention": record["contention"], "probe_s": record["probe_s"], **kept_at}
+
+
+PROFILE_RECORD = "profile.json"  # a kept profile's key, when it was made, and what ran beside it
+
+
+def _profile_key(setup: EngineSetup) -> dict | None:
+    """What a kept profile must have been made for to serve ``setup``: the setup's profile, the
+    machine and device, the code (a clean tree at a known commit; None where it is not: nothing is
+    kept or reused)."""
+    git = git_state()
+    if git["commit"] is None or git["dirty"]:  # dirty None: the GPU machine's tree, its commit given
+        return None
+    fields = ("model", "model_overrides", "gpu", "device", "processes", "profile")
+    key = {
+        **{f: getattr(setup, f) for f in fields},
+        "profile_rounds": PROFILE_ROUNDS,
+        "commit": git["commit"],
+        "host": platform.node(),
+        "machine": device_description(setup.device),
+    }
+    return json.loads(json.dumps(key))  # as a kept record reads back (tuples as lists)
+
+
+def _digest(key: dict) -> str:
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _kept_profile(path: Path, key: dict | None) -> dict | None:
+    """The record of a finished profile kept at ``path`` for ``key``; None where there is none."""
+    if key is None or not path.is_file():
+        return None
+    try:
+        record = read_json_file(path)
+    except (OSError, ValueError):
+        return None  # unreadable: profiled again, and the record rewritten
+    return record if isinstance(record, dict) and record.get("key") == key else None
 
 
 def _write_fit_inputs(setup: EngineSetup, profiles: Path) -> None:
@@ -503,22 +574,42 @@ def _progress(what: str) -> Callable[[str], None]:
 class RuntimeFits:
     """The runtime models fitted to ``base``'s device, one per process count, each made once (the
     engine part and the measured comparison share them): ``base`` at that many processes, TP up
-    to it, with ZeRO-2/3 and TP over all processes as the engine runs them where there are several."""
+    to it, with ZeRO-2/3 and TP over all processes as the engine runs them where there are several.
+    ``work``: the launches' scratch folder; ``kept``: where profiles are kept and found again
+    (fit_runtime), else they are made in ``work``."""
 
-    def __init__(self, work: Path, base: EngineSetup) -> None:
-        self.work, self.base, self.fits = work, base, {}
+    def __init__(self, work: Path, base: EngineSetup, kept: Path | None = None) -> None:
+        self.work, self.base, self.kept, self.fits = work, base, kept, {}
 
     def __call__(self, processes: int) -> dict:
         if processes not in self.fits:
             profile = {**self.base.profile, "tps": [t for t in (1, 2, 4, 8) if t <= processes]}
             setup = dataclasses.replace(self.base, processes=processes, profile=profile)
-            out = self.work / f"profiles-{processes}"
-            self.fits[processes] = fit_runtime(setup, out)
+            self.fits[processes] = fit_runtime(setup, self.work / f"profiles-{processes}", self.kept)
         return self.fits[processes]
 
     def probe(self) -> float:
         """The machine's speed now, probed as every fit and launch of these fits is (speed_probe)."""
         return speed_probe(self.base)
+
+
+def add_profiles_argument(ap: OneLineParser) -> None:
+    """``--profiles DIR`` of the GPU check's two Mist parts (engine, measured): fit_runtime's ``kept``."""
+    ap.add_argument(
+        "--profiles",
+        type=Path,
+        metavar="DIR",
+        help="keep the runtime fit's profile in DIR, and fit one kept there for the same setup, machine "
+        "and clean commit instead of profiling again (default: a temporary folder)",
+    )
+
+
+def profiles_folder(ap: OneLineParser, args) -> Path | None:
+    """``--profiles``' folder, refused in one line before any work where it cannot be one."""
+    folder = args.profiles
+    if folder is not None and folder.exists() and not folder.is_dir():
+        ap.error(f"--profiles {folder}: not a folder; give a folder (made if missing)")
+    return folder
 
 
 def run_engine(run: Run, setup: EngineSetup, fits: RuntimeFits) -> ResultFile:
@@ -569,7 +660,9 @@ def main(argv: list[str] | None = None) -> None:
     ap = OneLineParser(description=__doc__)
     ap.add_argument("--cpu-dry-run", action="store_true", help="the CPU setup instead (tests this script)")
     add_run_arguments(ap, EXPERIMENT)
+    add_profiles_argument(ap)
     args = ap.parse_args(argv)
+    kept = profiles_folder(ap, args)
     # The dry run tests this script within its part's budget (150 s; a fresh clone's took longer
     # with all six plans): one launch each of three plans (TP, PP and ZeRO-3: every benchmark the
     # fit takes is used), a profile without micro-batch 8 (only the measured comparison reaches
@@ -584,7 +677,7 @@ def main(argv: list[str] | None = None) -> None:
         experiment_run(args, EXPERIMENT) as run,
         tempfile.TemporaryDirectory(prefix="mist_vs_megatron_") as tmp,
     ):
-        store = run_engine(run, setup, RuntimeFits(Path(tmp), setup))
+        store = run_engine(run, setup, RuntimeFits(Path(tmp), setup, kept))
     print_engine(store.this_run())
 
 

@@ -50,10 +50,12 @@ from .engine import (
     LAUNCHES,
     EngineSetup,
     RuntimeFits,
+    add_profiles_argument,
     busy_launches,
     measured_phases,
     phases_line,
     probe_line,
+    profiles_folder,
     rank_memory,
     train_plan,
     train_plans,
@@ -244,6 +246,7 @@ def measured_point(case: MeasuredCase, setup: MeasuredSetup, fits: RuntimeFits) 
         "runtime_model_held_out_error": fit["mean_abs_error"],
         "runtime_fit_contention": fit["contention"],  # what the fit's profile shared its cores with
         "runtime_fit_probe_s": fit["probe_s"],  # the machine's speed just before and after the fit
+        **({"runtime_fit_profile_kept": fit["profile_kept"]} if "profile_kept" in fit else {}),
         "plain": {"plan": plan_summary(plain), **_trained(plain, plain_run)},
     }
     plans = plan_systems(case, runtime, setup=setup)
@@ -455,7 +458,9 @@ def main(argv: list[str] | None = None) -> None:
         help="this script on the CPU (tests it): one CPU case, one launch each",
     )
     add_run_arguments(ap, EXPERIMENT)
+    add_profiles_argument(ap)
     args = ap.parse_args(argv)
+    kept = profiles_folder(ap, args)
     # The dry run: the first CPU case (one process), one launch a plan, a profile without
     # micro-batch 8, within the gpu_check part's dry budget; the CPU comparison is the
     # `measured` part of `nox -s mist_vs_megatron`
@@ -469,7 +474,7 @@ def main(argv: list[str] | None = None) -> None:
         experiment_run(args, EXPERIMENT) as run,
         tempfile.TemporaryDirectory(prefix="mist_vs_megatron_") as tmp,
     ):
-        store = run_measured(run, RuntimeFits(Path(tmp), setup.base), setup)
+        store = run_measured(run, RuntimeFits(Path(tmp), setup.base, kept), setup)
     print_measured(store.this_run())
 
 

@@ -124,7 +124,8 @@ def package_versions() -> dict[str, str | None]:
     return versions
 
 
-def _utc_now() -> str:
+def utc_now() -> str:
+    """Now, in UTC, to the second (ISO 8601): when a run, point or file was made."""
     return _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
 
 
@@ -444,7 +445,7 @@ class Run:
         if self.resumed:
             self.run_id, started = previous["run_id"], previous["started_utc"]
         else:
-            self.run_id, started = f"{time.strftime('%Y%m%dT%H%M%S')}-{secrets.token_hex(3)}", _utc_now()
+            self.run_id, started = f"{time.strftime('%Y%m%dT%H%M%S')}-{secrets.token_hex(3)}", utc_now()
         self.manifest = {
             "run_id": self.run_id,
             "config": self.config,
@@ -487,7 +488,7 @@ class Run:
         return ResultFile(self.dir / name, self, device, config)
 
     def finish(self) -> None:
-        self.manifest["finished_utc"] = _utc_now()
+        self.manifest["finished_utc"] = utc_now()
         write_json_atomic(self.dir / RUN_MANIFEST, self.manifest)
         self.close()
 
@@ -534,7 +535,7 @@ class ResultFile(Results):
         key, result = _canonical(key, "key"), _canonical(result, "result")
         provenance = {
             **self.run.provenance(self.device),
-            "finished_utc": _utc_now(),
+            "finished_utc": utc_now(),
             "seconds": None if seconds is None else round(seconds, 3),
             "config": self.config,
         }
