@@ -473,7 +473,9 @@ def fit_runtime(setup: EngineSetup, work: Path, kept: Path | None = None) -> dic
     return {**fit, "contention": record["contention"], "probe_s": record["probe_s"], **kept_at}
 
 
-PROFILE_RECORD = "profile.json"  # a kept profile's key, when it was made, and what ran beside it
+# a kept profile's key, when it was made and what ran beside it, beside the profile's folder (which
+# holds the profile's own profile.json)
+PROFILE_RECORD = "kept.json"
 
 
 def _profile_key(setup: EngineSetup) -> dict | None:
