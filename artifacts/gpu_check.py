@@ -19,7 +19,7 @@ measure (tempo, cta, llama) mostly fall to a later session:
   mist_measured      artifacts.mist_vs_megatron.measured: Mist, the Megatron-LM grid, the Aceso-style
           360 / 150  search and ZeRO-3 plan GPT-3 1.3B and 2.7B for one GPU under a memory cap (32 and
                      64 GiB), every winner trained by megatron-core and measured; resumes case by case,
-                     the device's profile made once for it and mist (--profiles under --out)
+                     the device's profile made once for it and mist, its launches kept (--keep under --out)
   compile 150 /  90  artifacts.tempo_layer.run --compile-only --device cuda: the BERT-Large layer (seq
                      512, bf16) eager, compiled, compiled at Tempo's bytes, Tempo and Tempo compiled:
                      bytes kept and a training step's time each (issue #27's time at equal bytes)
@@ -272,9 +272,10 @@ def command(part: Part, out: Path, dry: bool) -> list[str]:
     dry_flag = ["--cpu-dry-run"] if dry else []
     module = {"mist": "engine", "mist_measured": "measured"}[part.name]
     script = f"artifacts.mist_vs_megatron.{module}"
-    # one profile of the device for both Mist parts (and a second call): kept under --out
-    profiles = ["--profiles", str(out / "profiles")]
-    return [sys.executable, "-m", script, *dry_flag, "--results", str(results), *profiles]
+    # kept under --out: one profile of the device for both Mist parts (and a second call), and the
+    # measured part's finished launches, so that a case its time budget cut resumes launch by launch
+    keep = ["--keep", str(out / "kept")]
+    return [sys.executable, "-m", script, *dry_flag, "--results", str(results), *keep]
 
 
 # ---------------------------------------------------------------- processes

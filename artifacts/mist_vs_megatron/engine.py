@@ -244,6 +244,7 @@ def train_plans(
     launches: int,
     work: Path,
     probe: Callable[[], float] | None = None,
+    journal: Path | None = None,
 ) -> tuple[dict[str, dict], list[list[str]]]:
     """Each of ``plans`` (name -> plan) trained by ``mist.engine.run`` from scratch in ``launches``
     launches of ``processes`` processes, interleaved: round by round, each plan still running
@@ -257,14 +258,18 @@ def train_plans(
     may crash is not one a user can take; it is not launched again); or, where the engine refuses
     the plan on this device, ``refused`` with its reason. And the rounds: the names launched in
     each, in order. With ``probe`` (speed_probe), the machine's speed is probed just before each
-    launch (``launches_probe_s``, in launch order)."""
+    launch (``launches_probe_s``, in launch order). With ``journal``, a folder, each finished launch
+    is kept there and one kept for the same plan, round and step count is taken instead of launching
+    again: a run killed at its time budget (the GPU check's) resumes launch by launch."""
     if not plans:  # every system of a case found no plan: nothing to launch
         return {}, []
-    args = {}
+    args, identities = {}, {}
     for name, plan in plans.items():
         path, out = work / f"{name}.yaml", work / f"{name}.json"
         plan.save(path)
         args[name] = (["--plan", str(path), "--steps", str(steps), "--out", str(out)], out)
+        # what a kept launch must have launched: the plan file as the engine reads it
+        identities[name] = {"plan": path.read_text(), "processes": processes, "steps": steps}
     timed: dict[str, list[dict]] = {name: [] for name in plans}
     ended: dict[str, dict] = {}  # refused or out of memory: not launched again
     names, rounds = list(plans), []
@@ -272,10 +277,18 @@ def train_plans(
         order = [n for n in names[r % len(names) :] + names[: r % len(names)] if n not in ended]
         rounds.append(order)
         for name in order:
-            probed = probe() if probe is not None else None
-            one = _launch_once(plans[name], processes, *args[name], name)
+            entry = journal / f"{name}-round{r}.json" if journal is not None else None
+            if kept := _kept_launch(entry, identities[name]):
+                one, made = kept
+                print(f"  {name}: launch {r + 1} kept from {made} (this run's, resumed)", flush=True)
+            else:
+                probed = probe() if probe is not None else None
+                one = _launch_once(plans[name], processes, *args[name], name)
+                if "step_s" in one:
+                    one["probe_s"] = probed
+                if entry is not None:
+                    _keep_launch(entry, identities[name], one)
             if "step_s" in one:
-                one["probe_s"] = probed
                 timed[name].append(one)
             else:
                 ended[name] = one
@@ -301,6 +314,33 @@ def train_plans(
     return trained, rounds
 
 
+def _keep_launch(entry: Path, identity: dict, one: dict) -> None:
+    """A finished launch (``_launch_once``'s result) kept at ``entry`` with what it launched."""
+    kept = dict(one)
+    if kept.get("contention") is not None:
+        kept["contention"] = kept["contention"].as_dict()
+    entry.parent.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(entry, {"identity": identity, "made_utc": utc_now(), "launch": kept})
+
+
+def _kept_launch(entry: Path | None, identity: dict) -> tuple[dict, str] | None:
+    """The launch kept at ``entry`` for ``identity`` (the plan file, processes, steps), as
+    ``_launch_once`` returned it, and when it was made; None where there is none (or another
+    plan's: then it is launched, and kept over it)."""
+    if entry is None or not entry.is_file():
+        return None
+    try:
+        kept = read_json_file(entry)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(kept, dict) or kept.get("identity") != identity:
+        return None
+    one = dict(kept["launch"])
+    if one.get("contention") is not None:
+        one["contention"] = Contention(**one["contention"])
+    return one, kept["made_utc"]
+
+
 def train_plan(
     plan,
     processes: int,
@@ -309,9 +349,10 @@ def train_plan(
     work: Path,
     name: str,
     probe: Callable[[], float] | None = None,
+    journal: Path | None = None,
 ) -> dict:
     """``plan`` alone trained as ``train_plans`` trains several (its launches back to back)."""
-    return train_plans({name: plan}, processes, steps, launches, work, probe)[0][name]
+    return train_plans({name: plan}, processes, steps, launches, work, probe, journal)[0][name]
 
 
 def rank_memory(plan, report: dict) -> list[dict]:
@@ -577,17 +618,23 @@ class RuntimeFits:
     """The runtime models fitted to ``base``'s device, one per process count, each made once (the
     engine part and the measured comparison share them): ``base`` at that many processes, TP up
     to it, with ZeRO-2/3 and TP over all processes as the engine runs them where there are several.
-    ``work``: the launches' scratch folder; ``kept``: where profiles are kept and found again
-    (fit_runtime), else they are made in ``work``."""
+    ``work``: the launches' scratch folder; ``keep`` (--keep): where profiles are kept and found
+    again (fit_runtime), and a run's finished launches (train_plans' journal); else nothing is kept."""
 
-    def __init__(self, work: Path, base: EngineSetup, kept: Path | None = None) -> None:
-        self.work, self.base, self.kept, self.fits = work, base, kept, {}
+    def __init__(self, work: Path, base: EngineSetup, keep: Path | None = None) -> None:
+        self.work, self.base, self.keep, self.fits = work, base, keep, {}
+
+    def launches_folder(self, run_id: str, point: dict) -> Path | None:
+        """Where run ``run_id`` keeps the finished launches of its point ``point`` (a key): a
+        resumed run, the same run, takes them; another run does not."""
+        return None if self.keep is None else self.keep / "launches" / run_id / _digest(point)
 
     def __call__(self, processes: int) -> dict:
         if processes not in self.fits:
             profile = {**self.base.profile, "tps": [t for t in (1, 2, 4, 8) if t <= processes]}
             setup = dataclasses.replace(self.base, processes=processes, profile=profile)
-            self.fits[processes] = fit_runtime(setup, self.work / f"profiles-{processes}", self.kept)
+            kept = None if self.keep is None else self.keep / "profiles"
+            self.fits[processes] = fit_runtime(setup, self.work / f"profiles-{processes}", kept)
         return self.fits[processes]
 
     def probe(self) -> float:
@@ -595,22 +642,23 @@ class RuntimeFits:
         return speed_probe(self.base)
 
 
-def add_profiles_argument(ap: OneLineParser) -> None:
-    """``--profiles DIR`` of the GPU check's two Mist parts (engine, measured): fit_runtime's ``kept``."""
+def add_keep_argument(ap: OneLineParser) -> None:
+    """``--keep DIR`` of the GPU check's two Mist parts (engine, measured): RuntimeFits' ``keep``."""
     ap.add_argument(
-        "--profiles",
+        "--keep",
         type=Path,
         metavar="DIR",
-        help="keep the runtime fit's profile in DIR, and fit one kept there for the same setup, machine "
-        "and clean commit instead of profiling again (default: a temporary folder)",
+        help="keep the device's profile and each finished launch in DIR: a later process fits a profile "
+        "kept there for the same setup, machine and clean commit instead of profiling again, and a "
+        "resumed run takes the launches it had finished (default: nothing kept)",
     )
 
 
-def profiles_folder(ap: OneLineParser, args) -> Path | None:
-    """``--profiles``' folder, refused in one line before any work where it cannot be one."""
-    folder = args.profiles
+def keep_folder(ap: OneLineParser, args) -> Path | None:
+    """``--keep``'s folder, refused in one line before any work where it cannot be one."""
+    folder = args.keep
     if folder is not None and folder.exists() and not folder.is_dir():
-        ap.error(f"--profiles {folder}: not a folder; give a folder (made if missing)")
+        ap.error(f"--keep {folder}: not a folder; give a folder (made if missing)")
     return folder
 
 
@@ -662,9 +710,9 @@ def main(argv: list[str] | None = None) -> None:
     ap = OneLineParser(description=__doc__)
     ap.add_argument("--cpu-dry-run", action="store_true", help="the CPU setup instead (tests this script)")
     add_run_arguments(ap, EXPERIMENT)
-    add_profiles_argument(ap)
+    add_keep_argument(ap)
     args = ap.parse_args(argv)
-    kept = profiles_folder(ap, args)
+    keep = keep_folder(ap, args)
     # The dry run tests this script within its part's budget (150 s; a fresh clone's took longer
     # with all six plans): one launch each of three plans (TP, PP and ZeRO-3: every benchmark the
     # fit takes is used), a profile without micro-batch 8 (only the measured comparison reaches
@@ -679,7 +727,7 @@ def main(argv: list[str] | None = None) -> None:
         experiment_run(args, EXPERIMENT) as run,
         tempfile.TemporaryDirectory(prefix="mist_vs_megatron_") as tmp,
     ):
-        store = run_engine(run, setup, RuntimeFits(Path(tmp), setup, kept))
+        store = run_engine(run, setup, RuntimeFits(Path(tmp), setup, keep))
     print_engine(store.this_run())
 
 

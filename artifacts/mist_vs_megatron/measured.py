@@ -50,12 +50,12 @@ from .engine import (
     LAUNCHES,
     EngineSetup,
     RuntimeFits,
-    add_profiles_argument,
+    add_keep_argument,
     busy_launches,
+    keep_folder,
     measured_phases,
     phases_line,
     probe_line,
-    profiles_folder,
     rank_memory,
     train_plan,
     train_plans,
@@ -227,7 +227,9 @@ def _trained(plan, trained: dict) -> dict:
     }
 
 
-def measured_point(case: MeasuredCase, setup: MeasuredSetup, fits: RuntimeFits) -> dict:
+def measured_point(
+    case: MeasuredCase, setup: MeasuredSetup, fits: RuntimeFits, launches: Path | None = None
+) -> dict:
     from mist import predict
 
     fit = fits(case.processes)  # the base engine setup's fit (its shape, profile, launches) at this size
@@ -238,7 +240,7 @@ def measured_point(case: MeasuredCase, setup: MeasuredSetup, fits: RuntimeFits) 
         raise ValueError(f"{case}: the plain plan fits the cap; it must not (memory would not bind)")
     # the plain plan once: the cap binds when measured too (its run stops before the timed steps)
     name = f"{case.model}-{case.processes}-plain"
-    plain_run = train_plan(plain, case.processes, setup.steps, 1, fits.work, name)
+    plain_run = train_plan(plain, case.processes, setup.steps, 1, fits.work, name, journal=launches)
     out: dict = {
         "family": case.family,
         "cap_bytes": case.cap_bytes,
@@ -263,6 +265,7 @@ def measured_point(case: MeasuredCase, setup: MeasuredSetup, fits: RuntimeFits) 
         setup.launches,
         fits.work,
         fits.probe,
+        journal=launches,
     )
     system_of = {name: system for system, name in names.items()}
     out["launch_rounds"] = [[system_of[name] for name in order] for order in rounds]  # interleaved
@@ -307,7 +310,9 @@ def run_measured(run: Run, fits: RuntimeFits, setup: MeasuredSetup = MEASURED) -
             f"  [{k}/{len(todo)}] {case.model} on {case.processes} process(es), cap {case.cap_mib} MiB",
             flush=True,
         )
-        store.compute(measured_key(case, setup), lambda c=case: measured_point(c, setup, fits))
+        key = measured_key(case, setup)
+        launches = fits.launches_folder(run.run_id, key)  # kept: a killed case resumes launch by launch
+        store.compute(key, lambda c=case, kept=launches: measured_point(c, setup, fits, kept))
     return store
 
 
@@ -458,9 +463,9 @@ def main(argv: list[str] | None = None) -> None:
         help="this script on the CPU (tests it): one CPU case, one launch each",
     )
     add_run_arguments(ap, EXPERIMENT)
-    add_profiles_argument(ap)
+    add_keep_argument(ap)
     args = ap.parse_args(argv)
-    kept = profiles_folder(ap, args)
+    keep = keep_folder(ap, args)
     # The dry run: the first CPU case (one process), one launch a plan, a profile without
     # micro-batch 8, within the gpu_check part's dry budget; the CPU comparison is the
     # `measured` part of `nox -s mist_vs_megatron`
@@ -474,7 +479,7 @@ def main(argv: list[str] | None = None) -> None:
         experiment_run(args, EXPERIMENT) as run,
         tempfile.TemporaryDirectory(prefix="mist_vs_megatron_") as tmp,
     ):
-        store = run_measured(run, RuntimeFits(Path(tmp), setup.base, kept), setup)
+        store = run_measured(run, RuntimeFits(Path(tmp), setup.base, keep), setup)
     print_measured(store.this_run())
 
 
