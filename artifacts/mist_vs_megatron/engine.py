@@ -268,8 +268,11 @@ def train_plans(
         path, out = work / f"{name}.yaml", work / f"{name}.json"
         plan.save(path)
         args[name] = (["--plan", str(path), "--steps", str(steps), "--out", str(out)], out)
-        # what a kept launch must have launched: the plan file as the engine reads it
-        identities[name] = {"plan": path.read_text(), "processes": processes, "steps": steps}
+        # what a kept launch must have launched: the plan as the engine runs it (not the search's
+        # predictions and wall time, which the file also holds)
+        if journal is not None:
+            runs = json.loads(json.dumps(plan.what_runs()))  # as a kept launch reads back
+            identities[name] = {"plan": runs, "processes": processes, "steps": steps}
     timed: dict[str, list[dict]] = {name: [] for name in plans}
     ended: dict[str, dict] = {}  # refused or out of memory: not launched again
     names, rounds = list(plans), []
@@ -278,7 +281,7 @@ def train_plans(
         rounds.append(order)
         for name in order:
             entry = journal / f"{name}-round{r}.json" if journal is not None else None
-            if kept := _kept_launch(entry, identities[name]):
+            if kept := _kept_launch(entry, identities.get(name)):
                 one, made = kept
                 print(f"  {name}: launch {r + 1} kept from {made} (this run's, resumed)", flush=True)
             else:
@@ -323,8 +326,8 @@ def _keep_launch(entry: Path, identity: dict, one: dict) -> None:
     write_json_atomic(entry, {"identity": identity, "made_utc": utc_now(), "launch": kept})
 
 
-def _kept_launch(entry: Path | None, identity: dict) -> tuple[dict, str] | None:
-    """The launch kept at ``entry`` for ``identity`` (the plan file, processes, steps), as
+def _kept_launch(entry: Path | None, identity: dict | None) -> tuple[dict, str] | None:
+    """The launch kept at ``entry`` for ``identity`` (the plan as it runs, processes, steps), as
     ``_launch_once`` returned it, and when it was made; None where there is none (or another
     plan's: then it is launched, and kept over it)."""
     if entry is None or not entry.is_file():

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import json
+import time
 
 import pytest
 
@@ -109,11 +110,14 @@ def test_keep_that_is_a_file_is_refused_before_any_work(tmp_path, capsys, script
 
 
 class StubPlan:
-    def __init__(self, text: str) -> None:
-        self.text = text
+    def __init__(self, text: str, tuning_s: float = 0.0) -> None:
+        self.text, self.tuning_s = text, tuning_s
 
     def save(self, path) -> None:
-        path.write_text(self.text)
+        path.write_text(f"{self.text}\ntuning_s: {self.tuning_s}")  # a file holds the search's time too
+
+    def what_runs(self) -> dict:
+        return {"fields": self.text}
 
 
 class Launches:
@@ -142,7 +146,8 @@ def _train(tmp_path, monkeypatch, launches, journal, plans=PLANS):
     monkeypatch.setattr(engine, "_launch_once", launches)
     work = tmp_path / "work"
     work.mkdir(parents=True, exist_ok=True)
-    stubs = {name: StubPlan(text) for name, text in plans.items()}
+    # each search takes its own time: no launch of a plan is kept for its file, only for what runs
+    stubs = {name: StubPlan(text, tuning_s=time.monotonic()) for name, text in plans.items()}
     return engine.train_plans(stubs, 1, 5, 3, work, journal=journal)
 
 
