@@ -34,7 +34,7 @@ from measure.results import (
 ARTIFACTS = Path(__file__).resolve().parent
 C = TypeVar("C")
 # Options that say where or how a run writes, not what it computes: a resumed run may differ in them.
-RUN_FLAGS = ("results", "fresh", "update_reference", "jobs")
+RUN_FLAGS = ("results", "fresh", "update_reference", "jobs", "keep")
 
 
 @dataclass(frozen=True)
@@ -150,12 +150,18 @@ def add_jobs_argument(ap: argparse.ArgumentParser) -> None:
 
 
 @contextlib.contextmanager
-def experiment_run(args: argparse.Namespace, experiment: Experiment) -> Iterator[Run]:
+def experiment_run(
+    args: argparse.Namespace, experiment: Experiment, command: str | None = None
+) -> Iterator[Run]:
     """The run of one command: resumed only if the same command was interrupted here; on success,
-    optionally promoted to the reference."""
+    optionally promoted to the reference. ``command``: which of an experiment's scripts that share
+    its results folder this is, where their options alone would not tell (the GPU check's two Mist
+    parts): another script's unfinished run is not this one's to resume."""
     config = {"experiment": experiment.name} | {
         k: v for k, v in sorted(vars(args).items()) if k not in RUN_FLAGS
     }
+    if command is not None:
+        config["command"] = command
     sigterm_as_interrupt()  # a killed run unwinds like Ctrl-C: workers stopped, resumable
     _refuse_a_reference(Path(args.results))
     try:

@@ -517,3 +517,12 @@ def test_an_interrupted_dry_run_says_which_out_resumes_it(tmp_path, monkeypatch,
         assert err.rstrip().endswith("; the same command runs the parts not yet passed"), err
     else:
         assert f"; the same command with --out {out.resolve()} runs the parts not yet passed" in err, err
+
+
+def test_the_mist_parts_keep_their_profile_and_launches_under_out(tmp_path):
+    """One profile of the device for both Mist parts and a second call, and mist_measured's launches
+    kept for resuming (artifacts.mist_vs_megatron.engine's --keep), under --out: the archive packs it."""
+    for name in ("mist", "mist_measured"):
+        for dry in (True, False):
+            cmd = gpu_check.command(gpu_check.BY_NAME[name], tmp_path, dry)
+            assert cmd[cmd.index("--keep") + 1] == str(tmp_path / "kept"), cmd

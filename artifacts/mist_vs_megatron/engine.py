@@ -43,8 +43,12 @@ from measure.results import (
     ResultFile,
     Results,
     Run,
+    RunLockedError,
     device_description,
     git_state,
+    lock_folder,
+    package_versions,
+    unlock_folder,
     utc_now,
     write_json_atomic,
 )
@@ -271,16 +275,17 @@ def train_plans(
         # what a kept launch must have launched: the plan as the engine runs it (not the search's
         # predictions and wall time, which the file also holds)
         if journal is not None:
-            runs = json.loads(json.dumps(plan.what_runs()))  # as a kept launch reads back
-            identities[name] = {"plan": runs, "processes": processes, "steps": steps}
+            identities[name] = json_plain({"plan": plan.what_runs(), "processes": processes, "steps": steps})
     timed: dict[str, list[dict]] = {name: [] for name in plans}
     ended: dict[str, dict] = {}  # refused or out of memory: not launched again
+    kept_utc: dict[str, list[str | None]] = {name: [] for name in plans}  # a kept launch's, else None
     names, rounds = list(plans), []
     for r in range(launches):
         order = [n for n in names[r % len(names) :] + names[: r % len(names)] if n not in ended]
         rounds.append(order)
         for name in order:
             entry = journal / f"{name}-round{r}.json" if journal is not None else None
+            made = None
             if kept := _kept_launch(entry, identities.get(name)):
                 one, made = kept
                 print(f"  {name}: launch {r + 1} kept from {made} (this run's, resumed)", flush=True)
@@ -291,6 +296,7 @@ def train_plans(
                     one["probe_s"] = probed
                 if entry is not None:
                     _keep_launch(entry, identities[name], one)
+            kept_utc[name].append(made)
             if "step_s" in one:
                 timed[name].append(one)
             else:
@@ -314,6 +320,8 @@ def train_plans(
             }
             if probe is not None:  # the machine's speed just before each launch
                 trained[name]["launches_probe_s"] = [x["probe_s"] for x in timed[name]]
+        if journal is not None:  # which launches an earlier call of this run made, and when
+            trained[name]["launches_kept_utc"] = kept_utc[name]
     return trained, rounds
 
 
@@ -336,7 +344,8 @@ def _kept_launch(entry: Path | None, identity: dict | None) -> tuple[dict, str] 
         kept = read_json_file(entry)
     except (OSError, ValueError):
         return None
-    if not isinstance(kept, dict) or kept.get("identity") != identity:
+    whole = isinstance(kept, dict) and isinstance(kept.get("launch"), dict) and "made_utc" in kept
+    if not whole or kept.get("identity") != identity:
         return None
     one = dict(kept["launch"])
     if one.get("contention") is not None:
@@ -484,60 +493,93 @@ def fit_runtime(setup: EngineSetup, work: Path, kept: Path | None = None) -> dic
     (``contention``: measure.contention) and the machine's speed just before and after
     (``probe_s``: speed_probe).
 
-    ``kept``: a folder where the profile is kept, and where one made for the same setup, on the same
-    machine and device, at the same clean commit, is found and fitted again instead of profiling
-    (``profile_kept``: where it is and when it was made). The GPU check's two Mist parts run in two
-    processes on one GPU: one profile serves both, as one serves the CPU experiment's parts."""
+    ``kept`` (--keep's profiles/): a folder where the profile is kept, and where one made for the
+    same setup, on the same machine and device, with the same code and packages, is found and
+    fitted again instead of profiling (``profile_kept``: where, when it was made, whether this call
+    reused it). The GPU check's two Mist parts run in two processes on one GPU: one profile serves
+    both, as one serves the CPU experiment's parts in one process."""
     from mist.model.calibrate import calibrate
 
-    key = _profile_key(setup) if kept is not None else None
-    if kept is not None and key is None:
-        print(
-            f"  --profiles {kept}: the tree is not clean at a known commit; profiling in {work}", flush=True
-        )
-    folder = kept / _digest(key) if key is not None else work
-    record_path = folder / PROFILE_RECORD
-    record = _kept_profile(record_path, key)
-    if record is None:
-        shutil.rmtree(folder / setup.gpu, ignore_errors=True)  # an interrupted profile is made again
-        probed = [speed_probe(setup)]  # the machine's speed beside the fit: just before it and after
-        with OtherWork() as other:  # what else ran on the cores while the fit's inputs were timed
-            _write_fit_inputs(setup, folder / setup.gpu)
-        probed.append(speed_probe(setup))
-        if other.result is not None and not other.result.quiet:
-            print(f"  {other.result.line(f'the profile for {setup.processes} process(es)')}", flush=True)
-        contention = other.result and other.result.as_dict()
-        record = {"key": key, "made_utc": utc_now(), "contention": contention, "probe_s": probed}
-        if key is not None:  # written last: a folder without it holds no finished profile
-            write_json_atomic(record_path, record)
-    else:
-        print(f"  the profile for {setup.processes} process(es) made {record['made_utc']}, kept in {folder}")
+    made_by = kept_identity(setup.device) if kept is not None else None
+    if kept is not None and made_by is None:
+        print(f"  --keep: the tree is not clean at a known commit; profiling in {work}, keeping nothing")
+    key = None if made_by is None else json_plain({**_profile_setup(setup), **made_by})
+    folder = work if key is None else kept / _digest(key)
+    folder.mkdir(parents=True, exist_ok=True)
+    lock = None
+    if key is not None:  # another process making this profile: waited for, then reused
+        try:
+            lock = lock_folder(folder, f"{folder}: another process is profiling", wait_s=PROFILE_WAIT_S)
+        except RunLockedError as e:
+            print(f"  {e} past {PROFILE_WAIT_S:.0f} s; profiling in {work}, keeping nothing", flush=True)
+            key, folder = None, work
+    try:
+        record = _kept_profile(folder / PROFILE_RECORD, key)
+        reused = record is not None
+        if record is None:
+            record = _profile(setup, folder)
+            if key is not None:  # written last: a folder without it holds no finished profile
+                write_json_atomic(folder / PROFILE_RECORD, {"key": key, **record})
+        else:
+            print(
+                f"  the profile for {setup.processes} process(es) made {record['made_utc']}, kept in {folder}"
+            )
+    finally:
+        if lock is not None:
+            unlock_folder(lock)
     fit = next(iter(calibrate(folder / setup.gpu).values()))
-    kept_at = {"profile_kept": {"folder": str(folder), "made_utc": record["made_utc"]}} if key else {}
-    return {**fit, "contention": record["contention"], "probe_s": record["probe_s"], **kept_at}
+    kept_at = {"folder": str(folder), "made_utc": record["made_utc"], "reused": reused}
+    return {
+        **fit,
+        "contention": record["contention"],
+        "probe_s": record["probe_s"],
+        **({"profile_kept": kept_at} if key is not None else {}),
+    }
 
 
 # a kept profile's key, when it was made and what ran beside it, beside the profile's folder (which
 # holds the profile's own profile.json)
 PROFILE_RECORD = "kept.json"
+PROFILE_WAIT_S = 900.0  # for another process making the same profile (a GPU's: minutes at most)
 
 
-def _profile_key(setup: EngineSetup) -> dict | None:
-    """What a kept profile must have been made for to serve ``setup``: the setup's profile, the
-    machine and device, the code (a clean tree at a known commit; None where it is not: nothing is
-    kept or reused)."""
+def _profile(setup: EngineSetup, folder: Path) -> dict:
+    """``fit_runtime``'s profile made into ``folder``: when, what ran beside it, the speed probes."""
+    shutil.rmtree(folder / setup.gpu, ignore_errors=True)  # an interrupted profile is made again
+    probed = [speed_probe(setup)]  # the machine's speed beside the fit: just before it and after
+    with OtherWork() as other:  # what else ran on the cores while the fit's inputs were timed
+        _write_fit_inputs(setup, folder / setup.gpu)
+    probed.append(speed_probe(setup))
+    if other.result is not None and not other.result.quiet:
+        print(f"  {other.result.line(f'the profile for {setup.processes} process(es)')}", flush=True)
+    return {"made_utc": utc_now(), "contention": other.result and other.result.as_dict(), "probe_s": probed}
+
+
+def _profile_setup(setup: EngineSetup) -> dict:
+    """What of ``setup`` its profile depends on (_write_fit_inputs, speed_probe)."""
+    fields = ("model", "model_overrides", "gpu", "device", "processes", "micro_batch", "launches", "profile")
+    return {**{f: getattr(setup, f) for f in fields}, "profile_rounds": PROFILE_ROUNDS}
+
+
+def kept_identity(device: str) -> dict | None:
+    """What kept work (a profile, a launch) was made with, which must match for it to be reused:
+    the code (a known commit, the tree not known to differ from it: on the GPU machine, which has
+    no git, the commit gpu_check's --commit names), the packages, the machine and its ``device``;
+    None where the tree differs from its commit or the commit is unknown: nothing is kept."""
     git = git_state()
-    if git["commit"] is None or git["dirty"]:  # dirty None: the GPU machine's tree, its commit given
+    if git["commit"] is None or git["dirty"]:
         return None
-    fields = ("model", "model_overrides", "gpu", "device", "processes", "profile")
-    key = {
-        **{f: getattr(setup, f) for f in fields},
-        "profile_rounds": PROFILE_ROUNDS,
+    return {
         "commit": git["commit"],
+        "packages": package_versions(),
         "host": platform.node(),
-        "machine": device_description(setup.device),
+        "machine": device_description(device),
     }
-    return json.loads(json.dumps(key))  # as a kept record reads back (tuples as lists)
+
+
+def json_plain(value: dict) -> dict:
+    """``value`` as a kept file reads back (tuples as lists): what a kept key is compared with."""
+    return json.loads(json.dumps(value))
 
 
 def _digest(key: dict) -> str:
@@ -545,14 +587,16 @@ def _digest(key: dict) -> str:
 
 
 def _kept_profile(path: Path, key: dict | None) -> dict | None:
-    """The record of a finished profile kept at ``path`` for ``key``; None where there is none."""
+    """The record of a finished profile kept at ``path`` for ``key``; None where there is none, or
+    one that is unreadable or not a whole record (profiled again, and the record rewritten)."""
     if key is None or not path.is_file():
         return None
     try:
         record = read_json_file(path)
     except (OSError, ValueError):
-        return None  # unreadable: profiled again, and the record rewritten
-    return record if isinstance(record, dict) and record.get("key") == key else None
+        return None
+    whole = isinstance(record, dict) and {"made_utc", "contention", "probe_s"} <= record.keys()
+    return record if whole and record.get("key") == key else None
 
 
 def _write_fit_inputs(setup: EngineSetup, profiles: Path) -> None:
@@ -628,9 +672,13 @@ class RuntimeFits:
         self.work, self.base, self.keep, self.fits = work, base, keep, {}
 
     def launches_folder(self, run_id: str, point: dict) -> Path | None:
-        """Where run ``run_id`` keeps the finished launches of its point ``point`` (a key): a
-        resumed run, the same run, takes them; another run does not."""
-        return None if self.keep is None else self.keep / "launches" / run_id / _digest(point)
+        """Where run ``run_id`` keeps the finished launches of its point ``point`` (a key), made with
+        this code on this machine (kept_identity): a resumed run, the same run, takes them; another
+        run, or the run carried to another machine or tree, does not. None: nothing is kept."""
+        made_by = None if self.keep is None else kept_identity(self.base.device)
+        if made_by is None:
+            return None
+        return self.keep / "launches" / run_id / _digest(json_plain({"point": point, **made_by}))
 
     def __call__(self, processes: int) -> dict:
         if processes not in self.fits:
@@ -727,7 +775,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     setup = dry if args.cpu_dry_run else GPU_ENGINE
     with (
-        experiment_run(args, EXPERIMENT) as run,
+        experiment_run(args, EXPERIMENT, "engine") as run,
         tempfile.TemporaryDirectory(prefix="mist_vs_megatron_") as tmp,
     ):
         store = run_engine(run, setup, RuntimeFits(Path(tmp), setup, keep))

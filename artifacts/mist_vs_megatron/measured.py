@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import shutil
 import statistics
 import tempfile
 from collections.abc import Iterator
@@ -210,13 +211,17 @@ def _trained(plan, trained: dict) -> dict:
         return {"refused": trained["refused"], "out_of_memory": False}
     r = {"out_of_memory": trained["out_of_memory"], "ranks": rank_memory(plan, trained["report"])}
     if trained["out_of_memory"]:
-        return r
+        return r | (
+            {"launches_kept_utc": trained["launches_kept_utc"]} if "launches_kept_utc" in trained else {}
+        )
     steps = trained["launches_step_s"]
     return r | {
         "measured_step_s": trained["step_s"],
         "launches_step_s": steps,  # each launch's median step
         "launches_contention": trained["launches_contention"],  # what each shared its cores with
         "launches_probe_s": trained.get("launches_probe_s", []),  # the machine's speed before each
+        # which launches an earlier call of this run made (when), kept and taken on resuming
+        **({"launches_kept_utc": trained["launches_kept_utc"]} if "launches_kept_utc" in trained else {}),
         "spread": (max(steps) - min(steps)) / trained["step_s"],  # launch to launch, of the median
         "time_error": plan.simulated_iteration_s / trained["step_s"] - 1,
         # where the time went, beside the model's parts (what a time error is to be traced by)
@@ -313,6 +318,8 @@ def run_measured(run: Run, fits: RuntimeFits, setup: MeasuredSetup = MEASURED) -
         key = measured_key(case, setup)
         launches = fits.launches_folder(run.run_id, key)  # kept: a killed case resumes launch by launch
         store.compute(key, lambda c=case, kept=launches: measured_point(c, setup, fits, kept))
+        if launches is not None:  # the point holds them now
+            shutil.rmtree(launches, ignore_errors=True)
     return store
 
 
@@ -476,7 +483,7 @@ def main(argv: list[str] | None = None) -> None:
     dry = MeasuredSetup("gpu_measured_dry_run", base, (MeasuredCase("gpt3", 1, 8),), launches=1)
     setup = dry if args.cpu_dry_run else GPU_MEASURED
     with (
-        experiment_run(args, EXPERIMENT) as run,
+        experiment_run(args, EXPERIMENT, "measured") as run,
         tempfile.TemporaryDirectory(prefix="mist_vs_megatron_") as tmp,
     ):
         store = run_measured(run, RuntimeFits(Path(tmp), setup.base, keep), setup)

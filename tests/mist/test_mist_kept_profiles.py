@@ -1,19 +1,22 @@
 """The GPU check's two Mist parts (artifacts.mist_vs_megatron.engine and .measured) run in two
 processes on one GPU, each call cut at its time budget; with ``--keep DIR`` the second fits the
 profile the first kept instead of profiling the device again (only one made for the same setup, on
-the same machine, at the same clean commit), and a measured case cut mid-way resumes launch by
+the same machine, with the same code and packages), and a measured case cut mid-way resumes launch by
 launch (only within the same run, only the same plan). The profile, the speed probe, the fit and
 the launches are stubbed: what is checked is when work is done again and when it is reused."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import importlib
 import json
+import tempfile
 import time
 
 import pytest
 
+from artifacts.experiment import Experiment, experiment_run
 from artifacts.mist_vs_megatron import engine
 from measure.contention import Contention
 
@@ -45,55 +48,75 @@ def _fit(tmp_path, keep, setup=engine.CPU_ENGINE, processes=1):
 
 
 def test_a_second_process_fits_the_kept_profile_instead_of_profiling(profiling, tmp_path):
-    kept = tmp_path / "profiles"
-    first = _fit(tmp_path, kept)
-    second = _fit(tmp_path, kept)  # a new RuntimeFits: another process, as the second part is
-    assert len(profiling) == 1 and profiling[0].is_relative_to(kept)
-    assert (
-        second["profile_kept"] == first["profile_kept"]
-        and second["probe_s"] == first["probe_s"] == [0.25] * 2
-    )
+    keep = tmp_path / "kept"
+    first = _fit(tmp_path, keep)
+    second = _fit(tmp_path, keep)  # a new RuntimeFits: another process, as the second part is
+    assert len(profiling) == 1 and profiling[0].is_relative_to(keep)
+    assert first["profile_kept"] == {**second["profile_kept"], "reused": False}  # each says which
+    assert second["profile_kept"]["reused"] and second["probe_s"] == first["probe_s"] == [0.25] * 2
     assert second["model"] == first["model"]
 
 
-@pytest.mark.parametrize(
-    "change",
-    [
-        lambda setup: ({"setup": dataclasses.replace(setup, model_overrides={"hidden": 128})}, {}),
-        lambda setup: ({"processes": 2}, {}),
-        lambda setup: ({}, {"git": {"commit": "b" * 40, "dirty": False}}),
-        lambda setup: ({}, {"host": "another-machine"}),
-    ],
-    ids=["model", "processes", "commit", "host"],
-)
-def test_a_profile_is_reused_only_for_the_same_setup_machine_and_commit(
-    profiling, tmp_path, monkeypatch, change
-):
-    kept = tmp_path / "profiles"
-    _fit(tmp_path, kept)
-    fit_args, world = change(engine.CPU_ENGINE)
+def _other_world(monkeypatch, world: dict) -> None:
     if "git" in world:
         monkeypatch.setattr(engine, "git_state", lambda: world["git"])
     if "host" in world:
         monkeypatch.setattr(engine.platform, "node", lambda: world["host"])
-    _fit(tmp_path, kept, **fit_args)
+    if "machine" in world:
+        monkeypatch.setattr(engine, "device_description", lambda device: world["machine"])
+    if "packages" in world:
+        monkeypatch.setattr(engine, "package_versions", lambda: world["packages"])
+
+
+SETUP = engine.CPU_ENGINE
+CHANGES = {  # what the second fit differs in: its arguments, the world it runs in
+    "model": ({"setup": dataclasses.replace(SETUP, model_overrides={"hidden": 128})}, {}),
+    "processes": ({"processes": 2}, {}),
+    "micro-batch": ({"setup": dataclasses.replace(SETUP, micro_batch=SETUP.micro_batch + 1)}, {}),
+    "launches": ({"setup": dataclasses.replace(SETUP, launches=SETUP.launches + 1)}, {}),
+    "profile": ({"setup": dataclasses.replace(SETUP, profile={**SETUP.profile, "micro_batches": [1]})}, {}),
+    "commit": ({}, {"git": {"commit": "b" * 40, "dirty": False}}),
+    "host": ({}, {"host": "another-machine"}),
+    "machine": ({}, {"machine": {"device": "cpu", "cpu": "another processor", "cpus": 64}}),
+    "packages": ({}, {"packages": {"torch": "0.0"}}),
+}
+
+
+@pytest.mark.parametrize("change", list(CHANGES))
+def test_a_profile_is_reused_only_for_the_same_setup_machine_and_code(
+    profiling, tmp_path, monkeypatch, change
+):
+    keep = tmp_path / "kept"
+    _fit(tmp_path, keep)
+    fit_args, world = CHANGES[change]
+    _other_world(monkeypatch, world)
+    _fit(tmp_path, keep, **fit_args)
     assert len(profiling) == 2  # profiled again, and kept beside the first
     assert len({p.parent for p in profiling}) == 2
 
 
 def test_a_dirty_tree_profiles_every_time_and_keeps_nothing(profiling, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(engine, "git_state", lambda: {"commit": "a" * 40, "dirty": True})
-    kept = tmp_path / "profiles"
-    fits = [_fit(tmp_path, kept) for _ in range(2)]
-    assert len(profiling) == 2 and not kept.exists() and all("profile_kept" not in f for f in fits)
+    keep = tmp_path / "kept"
+    fits = [_fit(tmp_path, keep) for _ in range(2)]
+    assert len(profiling) == 2 and not keep.exists() and all("profile_kept" not in f for f in fits)
     assert "not clean at a known commit" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("record", ["{not json", '{"key": null}', "[]"])
+def test_a_broken_profile_record_is_profiled_again(profiling, tmp_path, record):
+    keep = tmp_path / "kept"
+    _fit(tmp_path, keep)
+    (profiling[0].parent / engine.PROFILE_RECORD).write_text(record)
+    second = _fit(tmp_path, keep)
+    assert len(profiling) == 2 and not second["profile_kept"]["reused"]
+
+
 def test_an_interrupted_profile_is_made_again(profiling, tmp_path):
-    kept = tmp_path / "profiles"
-    _fit(tmp_path, kept)
+    keep = tmp_path / "kept"
+    _fit(tmp_path, keep)
     (profiling[0].parent / engine.PROFILE_RECORD).unlink()  # as a kill before the record leaves it
-    _fit(tmp_path, kept)
+    _fit(tmp_path, keep)
     assert len(profiling) == 2 and profiling[0] == profiling[1]  # the half-made folder replaced
 
 
@@ -160,6 +183,12 @@ def test_a_case_cut_mid_way_resumes_launch_by_launch_as_if_never_cut(tmp_path, m
     resumed = _train(tmp_path, monkeypatch, rest, journal)
     # the 4 launches the cut call finished are not made again; the other 3 are (oom ran once: ended)
     assert len(cut.made) == 4 and len(rest.made) == 7 - 4
+    # each plan says which of its launches an earlier call made (when), the others None
+    kept = {name: t.pop("launches_kept_utc") for name, t in resumed[0].items()}
+    assert sum(made is not None for plan in kept.values() for made in plan) == 4
+    # the rounds went mist, megatron, oom; megatron, mist; mist, megatron: cut after round 2's first
+    assert [made is None for made in kept["megatron"]] == [False, False, True]
+    assert [made is None for made in kept["mist"]] == [False, True, True]
     assert resumed == whole  # the same step times, reports, rounds and contention
 
 
@@ -171,6 +200,16 @@ def test_kept_launches_serve_only_the_same_plan(tmp_path, monkeypatch):
     assert again.made == ["mist"] * 3  # mist's plan changed: launched again; the others kept
 
 
+@pytest.mark.parametrize("entry", ["{not json", '{"identity": null}', '{"launch": [], "made_utc": "x"}'])
+def test_a_broken_kept_launch_is_launched_again(tmp_path, monkeypatch, entry):
+    journal = tmp_path / "kept" / "launches"
+    _train(tmp_path, monkeypatch, Launches(), journal)
+    (journal / "mist-round0.json").write_text(entry)
+    again = Launches()
+    _train(tmp_path, monkeypatch, again, journal)
+    assert again.made == ["mist"]
+
+
 def test_without_a_journal_nothing_is_kept(tmp_path, monkeypatch):
     _train(tmp_path, monkeypatch, Launches(), None)
     again = Launches()
@@ -178,10 +217,40 @@ def test_without_a_journal_nothing_is_kept(tmp_path, monkeypatch):
     assert len(again.made) == 7 and not (tmp_path / "kept").exists()
 
 
-def test_a_runs_launches_are_its_own(tmp_path):
-    fits = engine.RuntimeFits(tmp_path / "work", engine.CPU_ENGINE, tmp_path / "kept")
+def test_a_runs_launches_are_its_own(profiling, tmp_path, monkeypatch):
+    fits = engine.RuntimeFits(tmp_path / "work", SETUP, tmp_path / "kept")
     point = {"case": "gpt3", "cap": 1}
-    assert fits.launches_folder("run-a", point) == fits.launches_folder("run-a", dict(point))
-    assert fits.launches_folder("run-a", point) != fits.launches_folder("run-b", point)  # --fresh: a new run
-    assert fits.launches_folder("run-a", point) != fits.launches_folder("run-a", {**point, "cap": 2})
-    assert engine.RuntimeFits(tmp_path / "work", engine.CPU_ENGINE).launches_folder("run-a", point) is None
+    here = fits.launches_folder("run-a", point)
+    assert here == fits.launches_folder("run-a", dict(point))
+    assert here != fits.launches_folder("run-b", point)  # --fresh: a new run
+    assert here != fits.launches_folder("run-a", {**point, "cap": 2})
+    assert engine.RuntimeFits(tmp_path / "work", SETUP).launches_folder("run-a", point) is None
+    for change in ("host", "machine", "packages", "commit"):  # the run carried to another machine or code
+        with monkeypatch.context() as m:
+            _other_world(m, CHANGES[change][1])
+            assert fits.launches_folder("run-a", point) != here, change
+    monkeypatch.setattr(engine, "git_state", lambda: {"commit": "a" * 40, "dirty": True})
+    assert fits.launches_folder("run-a", point) is None  # a tree that differs from its commit keeps nothing
+
+
+def _interrupted_run(args, command: str) -> str:
+    with pytest.raises(SystemExit), experiment_run(args, Experiment("mist_vs_megatron"), command) as run:
+        raise KeyboardInterrupt  # the GPU check's budget, as SIGTERM unwinds
+    return run.run_id
+
+
+def test_the_two_mist_parts_never_resume_each_others_run(tmp_path, monkeypatch):
+    """They share the experiment's results folder and their options are the same (--cpu-dry-run,
+    --keep): a run of one is not the other's to resume, and a resumed run keeps its run_id (its
+    kept launches are found by it)."""
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr(tempfile, "tempdir", None)
+    args = argparse.Namespace(
+        results=tmp_path / "results", fresh=False, update_reference=False, cpu_dry_run=False, keep=None
+    )
+    measured = _interrupted_run(args, "measured")
+    with experiment_run(args, Experiment("mist_vs_megatron"), "measured") as run:
+        assert run.resumed and run.run_id == measured  # the second call's mist_measured
+    interrupted = _interrupted_run(args, "measured")
+    with experiment_run(args, Experiment("mist_vs_megatron"), "engine") as run:
+        assert not run.resumed and run.run_id != interrupted
