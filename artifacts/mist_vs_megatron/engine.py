@@ -338,13 +338,8 @@ def _kept_launch(entry: Path | None, identity: dict | None) -> tuple[dict, str] 
     """The launch kept at ``entry`` for ``identity`` (the plan as it runs, processes, steps), as
     ``_launch_once`` returned it, and when it was made; None where there is none (or another
     plan's: then it is launched, and kept over it)."""
-    if entry is None or not entry.is_file():
-        return None
-    try:
-        kept = read_json_file(entry)
-    except (OSError, ValueError):
-        return None
-    whole = isinstance(kept, dict) and isinstance(kept.get("launch"), dict) and "made_utc" in kept
+    kept = _read_kept(entry)
+    whole = kept is not None and isinstance(kept.get("launch"), dict) and "made_utc" in kept
     if not whole or kept.get("identity") != identity:
         return None
     one = dict(kept["launch"])
@@ -589,14 +584,21 @@ def _digest(key: dict) -> str:
 def _kept_profile(path: Path, key: dict | None) -> dict | None:
     """The record of a finished profile kept at ``path`` for ``key``; None where there is none, or
     one that is unreadable or not a whole record (profiled again, and the record rewritten)."""
-    if key is None or not path.is_file():
+    record = _read_kept(path) if key is not None else None
+    whole = record is not None and {"made_utc", "contention", "probe_s"} <= record.keys()
+    return record if whole and record.get("key") == key else None
+
+
+def _read_kept(path: Path | None) -> dict | None:
+    """A kept record (a profile's, a launch's) as a mapping; None where there is none or it cannot be
+    read as one (then the work is done again, and the record rewritten)."""
+    if path is None or not path.is_file():
         return None
     try:
         record = read_json_file(path)
     except (OSError, ValueError):
         return None
-    whole = isinstance(record, dict) and {"made_utc", "contention", "probe_s"} <= record.keys()
-    return record if whole and record.get("key") == key else None
+    return record if isinstance(record, dict) else None
 
 
 def _write_fit_inputs(setup: EngineSetup, profiles: Path) -> None:
