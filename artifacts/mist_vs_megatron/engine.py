@@ -46,13 +46,14 @@ from measure.results import (
     RunLockedError,
     device_description,
     git_state,
+    key_id,
     lock_folder,
     package_versions,
     unlock_folder,
     utc_now,
     write_json_atomic,
 )
-from measure.strict import read_json_file
+from measure.strict import json_data, read_json_file
 
 from ..experiment import add_run_arguments, experiment_run
 from . import EXPERIMENT
@@ -275,7 +276,7 @@ def train_plans(
         # what a kept launch must have launched: the plan as the engine runs it (not the search's
         # predictions and wall time, which the file also holds)
         if journal is not None:
-            identities[name] = json_plain({"plan": plan.what_runs(), "processes": processes, "steps": steps})
+            identities[name] = json_data({"plan": plan.what_runs(), "processes": processes, "steps": steps})
     timed: dict[str, list[dict]] = {name: [] for name in plans}
     ended: dict[str, dict] = {}  # refused or out of memory: not launched again
     kept_utc: dict[str, list[str | None]] = {name: [] for name in plans}  # a kept launch's, else None
@@ -285,17 +286,7 @@ def train_plans(
         rounds.append(order)
         for name in order:
             entry = journal / f"{name}-round{r}.json" if journal is not None else None
-            made = None
-            if kept := _kept_launch(entry, identities.get(name)):
-                one, made = kept
-                print(f"  {name}: launch {r + 1} kept from {made} (this run's, resumed)", flush=True)
-            else:
-                probed = probe() if probe is not None else None
-                one = _launch_once(plans[name], processes, *args[name], name)
-                if "step_s" in one:
-                    one["probe_s"] = probed
-                if entry is not None:
-                    _keep_launch(entry, identities[name], one)
+            one, made = _launch_or_kept(plans[name], processes, args[name], name, r, entry, identities, probe)
             kept_utc[name].append(made)
             if "step_s" in one:
                 timed[name].append(one)
@@ -303,26 +294,50 @@ def train_plans(
                 ended[name] = one
     trained = {}
     for name in names:
-        if "refused" in ended.get(name, {}):
-            trained[name] = {"refused": ended[name]["refused"], "out_of_memory": False}
-        elif name in ended:
-            trained[name] = {"out_of_memory": True, "step_s": None, "launches_step_s": [], **ended[name]}
-        else:
-            # the median launch, all of it (on a CPU gloo's latency settles into a mode for a launch's life)
-            median = sorted(timed[name], key=lambda x: x["step_s"])[(len(timed[name]) - 1) // 2]
-            trained[name] = {
-                "out_of_memory": False,
-                "step_s": median["step_s"],
-                "launches_step_s": [x["step_s"] for x in timed[name]],
-                # what each launch shared its cores with (None: not known here)
-                "launches_contention": [x["contention"] and x["contention"].as_dict() for x in timed[name]],
-                "report": median["report"],
-            }
-            if probe is not None:  # the machine's speed just before each launch
-                trained[name]["launches_probe_s"] = [x["probe_s"] for x in timed[name]]
+        trained[name] = _plan_result(timed[name], ended.get(name), probed=probe is not None)
         if journal is not None:  # which launches an earlier call of this run made, and when
             trained[name]["launches_kept_utc"] = kept_utc[name]
     return trained, rounds
+
+
+def _launch_or_kept(
+    plan, processes: int, args: tuple, name: str, r: int, entry: Path | None, identities: dict, probe
+) -> tuple[dict, str | None]:
+    """Round ``r``'s launch of ``plan`` (``_launch_once``'s result, the machine's speed probed just
+    before it) and None; or, where ``entry`` keeps it from an earlier call of this run, that launch
+    and when it was made."""
+    if kept := _kept_launch(entry, identities.get(name)):
+        print(f"  {name}: launch {r + 1} kept from {kept[1]} (this run's, resumed)", flush=True)
+        return kept
+    probed = probe() if probe is not None else None
+    one = _launch_once(plan, processes, *args, name)
+    if "step_s" in one:
+        one["probe_s"] = probed
+    if entry is not None:
+        _keep_launch(entry, identities[name], one)
+    return one, None
+
+
+def _plan_result(timed: list[dict], ended: dict | None, probed: bool) -> dict:
+    """One plan's result in train_plans from its launches: refused, out of memory, or the median
+    launch's report and step time with every launch's time, contention (and speed probe)."""
+    if ended is not None and "refused" in ended:
+        return {"refused": ended["refused"], "out_of_memory": False}
+    if ended is not None:
+        return {"out_of_memory": True, "step_s": None, "launches_step_s": [], **ended}
+    # the median launch, all of it (on a CPU gloo's latency settles into a mode for a launch's life)
+    median = sorted(timed, key=lambda x: x["step_s"])[(len(timed) - 1) // 2]
+    result = {
+        "out_of_memory": False,
+        "step_s": median["step_s"],
+        "launches_step_s": [x["step_s"] for x in timed],
+        # what each launch shared its cores with (None: not known here)
+        "launches_contention": [x["contention"] and x["contention"].as_dict() for x in timed],
+        "report": median["report"],
+    }
+    if probed:  # the machine's speed just before each launch
+        result["launches_probe_s"] = [x["probe_s"] for x in timed]
+    return result
 
 
 def _keep_launch(entry: Path, identity: dict, one: dict) -> None:
@@ -498,7 +513,7 @@ def fit_runtime(setup: EngineSetup, work: Path, kept: Path | None = None) -> dic
     made_by = kept_identity(setup.device) if kept is not None else None
     if kept is not None and made_by is None:
         print(f"  --keep: the tree is not clean at a known commit; profiling in {work}, keeping nothing")
-    key = None if made_by is None else json_plain({**_profile_setup(setup), **made_by})
+    key = None if made_by is None else json_data({**_profile_setup(setup), **made_by})
     folder = work if key is None else kept / _digest(key)
     folder.mkdir(parents=True, exist_ok=True)
     lock = None
@@ -572,13 +587,9 @@ def kept_identity(device: str) -> dict | None:
     }
 
 
-def json_plain(value: dict) -> dict:
-    """``value`` as a kept file reads back (tuples as lists): what a kept key is compared with."""
-    return json.loads(json.dumps(value))
-
-
 def _digest(key: dict) -> str:
-    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    """A kept folder's name: of ``key`` serialised as a result key is (measure.results.key_id)."""
+    return hashlib.sha256(key_id(key).encode()).hexdigest()[:16]
 
 
 def _kept_profile(path: Path, key: dict | None) -> dict | None:
@@ -680,7 +691,7 @@ class RuntimeFits:
         made_by = None if self.keep is None else kept_identity(self.base.device)
         if made_by is None:
             return None
-        return self.keep / "launches" / run_id / _digest(json_plain({"point": point, **made_by}))
+        return self.keep / "launches" / run_id / _digest(json_data({"point": point, **made_by}))
 
     def __call__(self, processes: int) -> dict:
         if processes not in self.fits:
