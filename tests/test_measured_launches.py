@@ -4,8 +4,11 @@ was refused is not launched again; the median launch is the one reported."""
 
 from __future__ import annotations
 
+import json
 import random
 import statistics
+
+import pytest
 
 from artifacts.mist_vs_megatron import engine
 from measure.contention import Contention
@@ -182,3 +185,33 @@ def test_a_cases_launch_probes_count_a_shared_plan_once():
     assert case_launch_probes(result) == own["mist"] + own["aceso"]
     old = {"mist": {"measured_step_s": 0.2}, "aceso": {"measured_step_s": 0.3}}  # before the probe
     assert case_launch_probes(old) == [] and engine.probe_line(None, []) == ""
+
+
+def _one_launch(monkeypatch, tmp_path, returncode: int, stderr: str, report: dict | None) -> dict:
+    """engine._launch_once over a launch that exits ``returncode`` with ``stderr``, having
+    written ``report`` (None: none)."""
+    import subprocess
+
+    out = tmp_path / "report.json"
+
+    def launch(plan, processes, args):
+        if report is not None:
+            out.write_text(json.dumps(report))
+        return subprocess.CompletedProcess(args, returncode, "", stderr)
+
+    monkeypatch.setattr(engine, "_launch", launch)
+    return engine._launch_once(_Plan(), 2, [], out, "a plan")
+
+
+def test_a_refusal_is_read_from_the_report_and_any_other_failure_raises(monkeypatch, tmp_path):
+    """A plan the engine refuses is known by its report (``{"refused": [reasons]}``, exit 2), not by
+    a line of stderr: a launch that failed mid-run with an ``error:`` line (a ValueError in a
+    step) was recorded as "refused by the engine here" (the negative control)."""
+    refused = {"refused": ["interleaved pipelines with ZeRO-2/3", "another part"]}
+    assert _one_launch(monkeypatch, tmp_path, 1, "error: mist.engine.run cannot ...\n", refused) == {
+        "refused": "interleaved pipelines with ZeRO-2/3; another part"
+    }
+    with pytest.raises(RuntimeError, match=r"mist\.engine\.run failed for a plan:\nerror: a bug mid-step"):
+        _one_launch(monkeypatch, tmp_path, 1, "error: a bug mid-step\n", None)
+    with pytest.raises(RuntimeError, match="failed for a plan"):  # no report, no line
+        _one_launch(monkeypatch, tmp_path, 1, "Traceback ...\n", None)

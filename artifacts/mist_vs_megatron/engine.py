@@ -219,19 +219,19 @@ def _launch(plan, processes: int, args: list[str]) -> subprocess.CompletedProces
 
 def _launch_once(plan, processes: int, args: list[str], out: Path, name: str) -> dict:
     """One launch of ``plan``: ``{"refused": why}`` where the engine refuses it on this device (its
-    exit status 2), ``{"out_of_memory": True, "report": ...}`` where its device peak went above the
-    plan's cap, else ``{"step_s": the median of its ranks' steady steps, "report": ...}``."""
+    report says so: ``{"refused": [reasons]}``), ``{"out_of_memory": True, "report": ...}`` where
+    its device peak went above the plan's cap, else ``{"step_s": the median of its ranks' steady
+    steps, "report": ...}``. Any other failure raises, with the launch's stderr."""
     out.unlink(missing_ok=True)  # a report is this launch's
     with OtherWork() as other:  # what else ran on the cores meanwhile
         done = _launch(plan, processes, args)
     if other.result is not None and not other.result.quiet:
         print(f"  {other.result.line(f'{name} (a launch)')}", flush=True)
-    # over the cap, the ranks write their report and exit 3 (torchrun then exits 1)
+    # refused before any work, or over the cap: rank 0 writes its report and exits 2 or 3
+    # (torchrun then exits 1); any other failure writes none
     report = json.loads(out.read_text()) if out.exists() else None
-    # refused before any work: a rank says "error: <why>" and exits 2 (torchrun then exits 1)
-    why = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
-    if done.returncode != 0 and report is None and why:
-        return {"refused": why[-1].removeprefix("error: ")}
+    if report is not None and "refused" in report:
+        return {"refused": "; ".join(report["refused"])}
     out_of_memory = report is not None and report["ranks"][0]["out_of_memory"]
     if (done.returncode != 0 and not out_of_memory) or report is None:
         raise RuntimeError(f"mist.engine.run failed for {name}:\n{done.stderr[-3000:]}")
@@ -428,6 +428,12 @@ def engine_point(setup: EngineSetup, name: str, fit: dict, fits: RuntimeFits) ->
     trained = train_plan(plan, setup.processes, setup.steps, setup.launches, fits.work, name, fits.probe)
     if "refused" in trained:  # the setup's plans are ones the engine runs: a refusal is a bug here
         raise RuntimeError(f"mist.engine.run refused {name}: {trained['refused']}")
+    if trained["out_of_memory"]:  # no cap: the device's own memory; the plans are priced to fit it
+        worst = max(r["worst_memory_bytes"] for r in trained["report"]["ranks"])
+        raise RuntimeError(
+            f"{name} ran out of memory on the engine ({worst / 2**30:.2f} GiB before the allocation "
+            f"that failed), priced at {max(st.memory_bytes for st in plan.stages) / 2**30:.2f} GiB"
+        )
     step_s, report = trained["step_s"], trained["report"]
     ranks = rank_memory(plan, report)
     phases = measured_phases(report)

@@ -11,11 +11,14 @@ import itertools
 import json
 import math
 import os
+import random
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 from artifacts.mist_vs_megatron.plans import summary_plan
 from measure import fork_launch
@@ -1403,6 +1406,65 @@ def test_engine_command_refuses_bad_launches_in_one_line(tmp_path, env, argv, me
     )
     err = [line for line in done.stderr.splitlines() if "warn" not in line.lower()]
     assert done.returncode in (1, 2) and len(err) == 1 and message in err[0], done.stderr[-2000:]
+
+
+def _engine_command(plan_file: Path, out: Path, world_size: int) -> subprocess.CompletedProcess:
+    """`python -m mist.engine.run` as rank 0 of ``world_size``, writing its report to ``out``."""
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": str(world_size), "LOCAL_RANK": "0", "MASTER_PORT": "1"}
+    return subprocess.run(
+        [sys.executable, "-m", "mist.engine.run", "--plan", str(plan_file), "--out", str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_a_refused_plan_is_said_in_one_line_and_in_its_report(tmp_path):
+    """A plan the engine cannot execute here (interleaved stages with ZeRO-2) is refused before any
+    process group, in one line and in rank 0's report (``{"refused": [reasons]}``), which is how
+    the experiments tell a refusal from a failure. A plan for other than the launch's processes is
+    refused in one line too, with no report: it is no refusal of the plan (the control)."""
+    plan = dataclasses.replace(
+        _tiny_plan([StagePlan(layers=2, zero=2), StagePlan(layers=2, zero=2)]), virtual_stages=2
+    )
+    plan.check()
+    reasons = unsupported(plan)
+    assert reasons, "the control plan must be one the engine refuses"
+    plan_file, out = tmp_path / "plan.yaml", tmp_path / "report.json"
+    plan.save(plan_file)
+    done = _engine_command(plan_file, out, world_size=plan.gpus)
+    err = [line for line in done.stderr.splitlines() if "warn" not in line.lower()]
+    assert done.returncode == 2 and len(err) == 1, done.stderr[-2000:]
+    assert "cannot execute this plan" in err[0]
+    assert json.loads(out.read_text()) == {"refused": reasons}
+    out.unlink()
+    done = _engine_command(plan_file, out, world_size=plan.gpus + 1)
+    err = [line for line in done.stderr.splitlines() if "warn" not in line.lower()]
+    assert done.returncode == 2 and len(err) == 1, done.stderr[-2000:]
+    assert f"the plan is for {plan.gpus} processes, this run has {plan.gpus + 1}" in err[0]
+    assert not out.exists()
+
+
+def test_a_gpu_cap_the_gpu_cannot_give_is_refused_not_clamped(monkeypatch):
+    """The plan's per-device cap becomes the allocator's fraction of the GPU less the CUDA
+    context's reserve; a cap above the GPU's memory, or within the reserve, was clamped to "no
+    cap" or to 0 without a word, and the run held to another cap than the plan's."""
+    from measure.budget import GpuBudget
+    from mist.engine import run as engine
+
+    total = 80 * 2**30
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(total_memory=total))
+    plan = _tiny_plan([StagePlan(layers=4)])
+    assert engine._allocator_fraction(plan) is None  # no cap
+    cap = random.randint(GpuBudget(1).context_bytes + 1, total)
+    fraction = engine._allocator_fraction(dataclasses.replace(plan, gpu_memory_bytes=cap))
+    assert fraction == (cap - GpuBudget(cap).context_bytes) / total and 0 < fraction < 1
+    with pytest.raises(ValueError, match=r"more than this GPU's 80\.00 GiB"):
+        engine._allocator_fraction(dataclasses.replace(plan, gpu_memory_bytes=total + 1))
+    with pytest.raises(ValueError, match="no more than the CUDA context's reserve"):
+        engine._allocator_fraction(dataclasses.replace(plan, gpu_memory_bytes=GpuBudget(1).context_bytes))
 
 
 @pytest.mark.slow

@@ -25,9 +25,10 @@ pipeline stages); around its modules the engine runs the plan's parts it has no 
 * stages with a TP and DP of their own (layout.py: megatron-core's state per stage, the pieces of
   each micro-batch's sequences sent between stages whose shapes differ).
 
-Refused at launch with a message: on a GPU, weight and gradient offloading with ZeRO-3 over DP
-replicas (CPU only so far: ``_gpu_offload_limits``); a Megatron-LM limit the engine does not
-build around (none now: ``unsupported``). ZeRO-1 shards fp32 master weights and Adam state over
+Refused at launch, in one line and in rank 0's report (``PlanRefused``): on a GPU, weight and
+gradient offloading with ZeRO-3 over DP replicas (CPU only so far: ``_gpu_offload_limits``);
+interleaved pipelines with what Megatron-LM does not interleave; a Megatron-LM limit the engine
+does not build around (none now: ``unsupported``). ZeRO-1 shards fp32 master weights and Adam state over
 the DP replicas, ZeRO-2 the gradients too (ShardedMasterAdamW), ZeRO-3 the weights too (torch's
 FSDP2 around megatron-core's layers, the embedding and the head, each a group: of the whole
 stage, or of the part whose strategy it is). On a CPU it runs with gloo and the CUDA stand-ins
@@ -55,6 +56,7 @@ from torch import nn
 from measure.cli import OneLineParser, check_writable_file
 from measure.launch import launch_env_problem
 from measure.parallel import die_with_launcher
+from measure.results import write_json_atomic
 from measure.training import MasterWeightAdamW, gradient_to_step
 
 from ..plan import Plan, grad_bucket
@@ -82,6 +84,57 @@ from .zero import (
     layer_buckets,
     shard_parameters,
 )
+
+
+class PlanRefused(ValueError):
+    """A plan this engine cannot execute on this device: ``reasons``, each one of its parts."""
+
+    def __init__(self, reasons: list[str]) -> None:
+        super().__init__("mist.engine.run cannot execute this plan yet: " + "; ".join(reasons))
+        self.reasons = reasons
+
+
+def runnable(plan: Plan, world_size: int | None = None) -> Plan:
+    """``plan`` checked before any work, in the form megatron-core builds: a ValueError where it is
+    not a plan (a plan built in code is checked as a loaded one is: micro-batches, ZeRO stages, its
+    stages' layers, TP dividing the heads), is for other than ``world_size`` processes, or caps a
+    GPU's memory at what this one cannot give; PlanRefused where this engine cannot execute it here."""
+    plan.check()
+    plan.check_model()
+    if world_size is not None and world_size != plan.gpus:
+        raise ValueError(f"the plan is for {plan.gpus} processes, this run has {world_size}")
+    plan = plan.with_stage_parallelism_lifted()
+    reasons = unsupported(plan, "cuda" if torch.cuda.is_available() else "cpu")
+    if reasons:
+        raise PlanRefused(reasons)
+    if torch.cuda.is_available():
+        _allocator_fraction(plan)
+    return plan
+
+
+def _allocator_fraction(plan: Plan) -> float | None:
+    """The fraction of this GPU the allocator may take under the plan's cap (None: no cap): the cap
+    less the CUDA context, which lives outside the allocator (the reserve the planner took off:
+    measure.budget). A cap this GPU cannot give, or one the context alone fills, is refused in one
+    line: clamped, the run would be held to another cap than the plan's and its out-of-memory
+    recorded under the plan's."""
+    if plan.gpu_memory_bytes is None:
+        return None
+    from measure.budget import GpuBudget
+
+    total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    context = GpuBudget(plan.gpu_memory_bytes).context_bytes
+    if plan.gpu_memory_bytes > total:
+        raise ValueError(
+            f"the plan caps each GPU at {plan.gpu_memory_bytes / 2**30:.2f} GiB, more than this GPU's "
+            f"{total / 2**30:.2f} GiB: plan with --gpu-mem at most that"
+        )
+    if plan.gpu_memory_bytes <= context:
+        raise ValueError(
+            f"the plan caps each GPU at {plan.gpu_memory_bytes / 2**30:.2f} GiB, no more than the CUDA "
+            f"context's reserve of {context / 2**30:.2f} GiB"
+        )
+    return (plan.gpu_memory_bytes - context) / total
 
 
 def unsupported(plan: Plan, device: str = "cpu") -> list[str]:
@@ -594,14 +647,8 @@ def _start(plan: Plan, seed: int) -> RankLayout:
         model_parallel_cuda_manual_seed(seed)
     else:  # stages whose TP/DP differ: megatron-core's state for this rank's stage
         init_megatron_state(layout, dist.get_rank(), seed)
-    if plan.gpu_memory_bytes is not None and torch.cuda.is_available():
-        # the allocator enforces the cap less the CUDA context, which lives outside it (the
-        # reserve the planner took off: measure.budget)
-        from measure.budget import GpuBudget
-
-        total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
-        allocator = plan.gpu_memory_bytes - GpuBudget(plan.gpu_memory_bytes).context_bytes
-        torch.cuda.set_per_process_memory_fraction(max(0.0, min(1.0, allocator / total)))
+    if torch.cuda.is_available() and (fraction := _allocator_fraction(plan)) is not None:
+        torch.cuda.set_per_process_memory_fraction(fraction)
     return layout
 
 
@@ -859,12 +906,7 @@ def _report(built: _BuiltStage, steps: _Steps, measured: dict) -> dict:
 
 def run(plan: Plan, steps: int = 5, seed: int = 0, lr: float = 1e-2) -> dict:
     """Train ``steps`` iterations of ``plan`` on this process group; the report of this rank."""
-    plan.check()  # a plan built in code is checked as a loaded one is (micro-batches, ZeRO stages)
-    plan.check_model()  # its stages hold the model's layers; TP divides its heads
-    plan = plan.with_stage_parallelism_lifted()  # the same plan, in the form megatron-core builds
-    reasons = unsupported(plan, "cuda" if torch.cuda.is_available() else "cpu")
-    if reasons:
-        raise ValueError("mist.engine.run cannot execute this plan yet: " + "; ".join(reasons))
+    plan = runnable(plan)
     from megatron.core import parallel_state as ps
 
     built = _build(plan, seed, lr)
@@ -959,8 +1001,6 @@ def _write_out_of_memory_report(path: Path, plan: Plan) -> None:
     plan needs) and no time (the form ``run``'s reports have)."""
     from megatron.core import parallel_state as ps
 
-    from measure.results import write_json_atomic
-
     peak = torch.cuda.max_memory_allocated()
     stage = ps.get_pipeline_model_parallel_rank() if ps.model_parallel_is_initialized() else 0
     rank = {
@@ -1049,26 +1089,35 @@ def _print_report(report: dict, out: str | None) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
     die_with_launcher()  # a rank never outlives its launcher (torchrun, or fork_launch's server)
-    try:
-        plan = Plan.load(args.plan)
-        if plan.model_spec().flash and int(os.environ.get("RANK", "0")) == 0:
-            # said, not changed: the plan is run as written
-            print(
-                "note: the engine runs megatron-core's unfused attention, which keeps the s x s scores; "
-                "this plan was priced with FlashAttention (model flash: true), which does not: its memory "
-                "is under-predicted by them (model_overrides flash: false prices what runs)",
-                file=sys.stderr,
-            )
-        from .cpu_shim import gpu_standins
-
-        set_copy_timing(args.copy_timing)
-        with gpu_standins():  # on a CPU: its stand-ins for a GPU's bf16 GEMMs and dropout, as the profiles'
-            report = run(plan, args.steps)
-    except (OSError, ValueError) as e:  # a plan file missing or unreadable; a plan it cannot run
+    rank = int(os.environ["RANK"])  # checked by _parse_args
+    try:  # before any work: what fails later is a failure, with its traceback
+        world_size = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None
+        plan = runnable(Plan.load(args.plan), world_size)
+    except PlanRefused as e:  # a plan, but not one this engine runs here: said in the report too
+        print(f"error: {e}", file=sys.stderr)
+        if args.out and rank == 0:  # so a caller need not read it back from the message
+            write_json_atomic(Path(args.out), {"refused": e.reasons})
+        return 2
+    except (OSError, ValueError) as e:  # a plan file missing or unreadable; not a plan; not for this launch
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if plan.model_spec().flash and rank == 0:
+        # said, not changed: the plan is run as written
+        print(
+            "note: the engine runs megatron-core's unfused attention, which keeps the s x s scores; "
+            "this plan was priced with FlashAttention (model flash: true), which does not: its memory "
+            "is under-predicted by them (model_overrides flash: false prices what runs)",
+            file=sys.stderr,
+        )
+    from .cpu_shim import gpu_standins
+
+    set_copy_timing(args.copy_timing)
+    try:
+        with gpu_standins():  # on a CPU: its stand-ins for a GPU's bf16 GEMMs and dropout, as the profiles'
+            report = run(plan, args.steps)
     except torch.cuda.OutOfMemoryError:  # the allocator's cap (the plan's); torchrun stops the others
-        print(f"error: out of memory under the plan's cap of {plan.gpu_memory_bytes} bytes", file=sys.stderr)
+        cap = "the GPU's memory" if plan.gpu_memory_bytes is None else f"{plan.gpu_memory_bytes} bytes"
+        print(f"error: out of memory under the plan's cap of {cap}", file=sys.stderr)
         if args.out:  # this rank's report of it (the others cannot gather: they wait in a collective)
             _write_out_of_memory_report(Path(args.out), plan)
         return 3
