@@ -199,12 +199,22 @@ def results_dir(part: Part, out: Path, dry: bool) -> Path:
     return out / part.experiment if dry else Experiment(part.experiment).results_dir
 
 
+def benchmarks_dir(part: Part, out: Path, dry: bool) -> Path:
+    """Where the kernels part's pytest-benchmark JSON goes: its format is not a result file's, so
+    in a subfolder of its own."""
+    return results_dir(part, out, dry) / "pytest-benchmark"
+
+
+def kernels_junit(out: Path) -> Path:
+    """The kernels part's JUnit report (its test counts)."""
+    return out / "logs" / "kernels.xml"
+
+
 def command(part: Part, out: Path, dry: bool) -> list[str]:
     """The part's command line (this interpreter)."""
     results = results_dir(part, out, dry)
     device = "cpu" if dry else "cuda"
     if part.name == "kernels":
-        # pytest-benchmark's format is not a result file's: in a subfolder of its own
         quick = (
             ["--benchmark-min-rounds=1", "--benchmark-max-time=0", "--benchmark-warmup=off", "-m", "not slow"]
             if dry
@@ -220,9 +230,9 @@ def command(part: Part, out: Path, dry: bool) -> list[str]:
             "no:cacheprovider",
             *files,
             "--benchmark-enable",
-            f"--benchmark-json={results / 'pytest-benchmark' / 'gpu.json'}",
+            f"--benchmark-json={benchmarks_dir(part, out, dry) / 'gpu.json'}",
             *quick,
-            f"--junitxml={out / 'logs' / 'kernels.xml'}",
+            f"--junitxml={kernels_junit(out)}",
         ]
     if part.name == "tempo":
         throughput = DRY_THROUGHPUT if dry else GPU_THROUGHPUT
@@ -334,7 +344,7 @@ def run_bounded(
                     sys.stdout.flush()
                 if finished:
                     _kill_group(proc)  # nothing it started outlives it
-                    return ("passed" if proc.returncode == 0 else "failed"), proc.returncode
+                    return (DONE if proc.returncode == 0 else "failed"), proc.returncode
                 if time.monotonic() - start > timeout_s:
                     _kill_group(proc)
                     return "timed_out", proc.returncode
@@ -663,6 +673,7 @@ def _check_wheels(args: argparse.Namespace) -> None:
     of one package (pip would refuse the install there, after the setup)."""
     if args.wheels is None:
         args.wheels = gpu_wheels.WHEELS_DIR
+        gpu_wheels.wheels_in(args.wheels)  # absent: none; two versions of one package: refused now
     elif not args.wheels.is_dir():
         raise ValueError(f"--wheels {args.wheels}: not a folder; give the folder gpu_wheels fetched into")
     elif not gpu_wheels.wheels_in(args.wheels):
@@ -709,7 +720,7 @@ def _parts_env(args: argparse.Namespace, site: str | None) -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join([*path, str(IMPL), str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
     env["PYTHONUNBUFFERED"] = "1"
     if args.commit:
-        os.environ[SOURCE_COMMIT_ENV] = env[SOURCE_COMMIT_ENV] = args.commit
+        env[SOURCE_COMMIT_ENV] = args.commit
     if args.dry_run:  # the CPU even where a GPU is (the parts then pick Triton's interpreter)
         env["CUDA_VISIBLE_DEVICES"] = ""
     return env
@@ -759,6 +770,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.archive:
                 write_archive(args.archive, out, [results_dir(p, out, args.dry_run) for p in selected])
             return _summary(status, selected, out)
+        if args.commit:  # this process's provenance too (git_state): the machine may have no git
+            os.environ[SOURCE_COMMIT_ENV] = args.commit
         site, installed = install_wheels(args.wheels, deadline)
         env = _parts_env(args, site)
         found = _probe_checked(env, deadline, args.dry_run)
@@ -837,8 +850,8 @@ def _run_parts(args, todo, selected, status, status_path, out, env, deadline, pr
             status["parts"][part.name] = record
             write_json_atomic(status_path, status)  # a killed call leaves "running": not done
             if part.name == "kernels":  # pytest-benchmark does not create its folder; no stale counts
-                (results_dir(part, out, dry) / "pytest-benchmark").mkdir(parents=True, exist_ok=True)
-                (out / "logs" / "kernels.xml").unlink(missing_ok=True)
+                benchmarks_dir(part, out, dry).mkdir(parents=True, exist_ok=True)
+                kernels_junit(out).unlink(missing_ok=True)
             print(f"[gpu_check] {part.name}: up to {timeout:.0f} s: {' '.join(cmd[1:])}", flush=True)
             t0 = time.monotonic()
             outcome, rc = "interrupted", None  # unless it returns
@@ -852,7 +865,7 @@ def _run_parts(args, todo, selected, status, status_path, out, env, deadline, pr
                     finished_utc=utc_now(),
                 )
                 if part.name == "kernels":
-                    record["tests"] = _junit_counts(out / "logs" / "kernels.xml")
+                    record["tests"] = _junit_counts(kernels_junit(out))
                 write_json_atomic(status_path, status)
                 if args.archive:
                     write_archive(args.archive, out, folders)

@@ -278,13 +278,19 @@ def test_no_gpu_is_the_one_line_whatever_else_is_missing(tmp_path, capsys, monke
     assert err.count("\n") == 1 and "no CUDA device here" in err and "missing" not in err, err
 
 
-def test_two_versions_of_a_wheel_are_refused_before_any_work(tmp_path, capsys):
+@pytest.mark.parametrize("given", [True, False])
+def test_two_versions_of_a_wheel_are_refused_before_any_work(tmp_path, capsys, monkeypatch, given):
+    """In a folder given with --wheels, or in the default one (which was not checked: the install
+    refused it after the setup, with a traceback)."""
     wheels = tmp_path / "whl"
     wheels.mkdir()
     for version in ("0.16.0", "0.16.1"):
         (wheels / f"megatron_core-{version}-cp312-cp312-manylinux_2_28_x86_64.whl").write_bytes(b"")
+    monkeypatch.setattr(gpu_wheels, "WHEELS_DIR", wheels)
     with pytest.raises(SystemExit) as exit_:
-        gpu_check.main(["--dry-run", "--out", str(tmp_path / "out"), "--wheels", str(wheels)])
+        gpu_check.main(
+            ["--dry-run", "--out", str(tmp_path / "out"), *(["--wheels", str(wheels)] if given else [])]
+        )
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and err.count("\n") == 1 and "two wheels of megatron-core" in err, err
     assert not (tmp_path / "out").exists()
