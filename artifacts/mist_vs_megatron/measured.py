@@ -47,6 +47,7 @@ from . import EXPERIMENT
 from .engine import (
     CPU_ENGINE,
     DRY_RUN_OVERRIDES,
+    DRY_RUN_PROFILE,
     GPU_ENGINE,
     LAUNCHES,
     EngineSetup,
@@ -476,8 +477,9 @@ def main(argv: list[str] | None = None) -> None:
     # The dry run: the first CPU case (one process), one launch a plan, a profile without
     # micro-batch 8, within the gpu_check part's dry budget; the CPU comparison is the
     # `measured` part of `nox -s mist_vs_megatron`
-    profile = {**CPU_ENGINE.profile, "micro_batches": [1, 2, 4], "tempo": False}  # GPU_MEASURED: no Tempo
-    base = dataclasses.replace(CPU_ENGINE, launches=1, profile=profile, model_overrides=DRY_RUN_OVERRIDES)
+    base = dataclasses.replace(
+        CPU_ENGINE, launches=1, profile=DRY_RUN_PROFILE, model_overrides=DRY_RUN_OVERRIDES
+    )
     # the first case at the dry run's shape, its cap at the same share of the plain plan (11.6 MiB
     # predicted there; 75 of 101.6 MiB at the full shape)
     dry = MeasuredSetup("gpu_measured_dry_run", base, (MeasuredCase("gpt3", 1, 8),), launches=1)

@@ -18,6 +18,9 @@ from torch._subclasses.fake_tensor import is_fake
 
 PRECISIONS = ("fp32", "fp16", "bf16", "amp-fp16", "amp-bf16")
 # the dtype each name on a command line stands for (every CLI's --dtype, and the precisions' parts)
+# AdamW's decoupled weight decay in every optimizer here, on the device and on the host alike
+# (Megatron-LM's --weight-decay default): one value, so an offloaded share decays as the rest does
+WEIGHT_DECAY = 0.01
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -94,7 +97,7 @@ class MasterWeightAdamW:
         self,
         params: Iterable[nn.Parameter],
         lr: float = 1e-4,
-        weight_decay: float = 0.01,
+        weight_decay: float = WEIGHT_DECAY,
         dynamic_loss_scale: bool = False,
         init_scale: float = 2.0**16,
         growth_interval: int = 1000,
@@ -173,7 +176,7 @@ class MasterWeightAdamW:
 def make_optimizer(model: nn.Module, precision: Precision, lr: float = 1e-4):
     if precision.master_weights:
         return MasterWeightAdamW(model.parameters(), lr=lr, dynamic_loss_scale=precision.name == "fp16")
-    return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=WEIGHT_DECAY)
 
 
 def optimizer_state_tensors(optimizer) -> list[torch.Tensor]:

@@ -40,6 +40,7 @@ import math
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
+import numpy as np
 import yaml
 
 from measure.checks import finite, whole
@@ -63,6 +64,14 @@ def grad_accum(global_batch: int, dp: int, micro_batch: int) -> int:
     """Micro-batches per iteration (G): the global batch over DP replicas of micro-batches (the one
     place this is computed; the plan and the search's candidates both ask here)."""
     return global_batch // (dp * micro_batch)
+
+
+def activation_offloaded_layers(fraction, not_recomputed):
+    """How many of a stage's ``not_recomputed`` layers keep their activations on the host
+    (``StagePlan.offload_activations``): ``fraction`` of them rounded to whole layers, half to
+    even; mist.engine.run offloads the first such layers (a recomputed layer's input stays on the
+    device). The one rule the cost model prices and the engine runs. Scalars or numpy arrays."""
+    return np.round(fraction * not_recomputed)
 
 
 def gather_allowed(zero, offload_weights):
@@ -156,7 +165,7 @@ class StagePlan:
     offload_grads: float = 0.0
     offload_optimizer: float = 0.0
     # of the layers not recomputed, whose activations wait on the host, rounded to whole layers
-    # (stage_cost.offloaded_layers)
+    # (activation_offloaded_layers)
     offload_activations: float = 0.0
     selective: bool = False  # the other layers recompute their core attention (Megatron's selective)
     # ZeRO-1/2: the layers' updated weights gathered in the next forward, not after the step

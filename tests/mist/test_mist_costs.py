@@ -276,7 +276,6 @@ def test_pipeline_messages_priced_from_the_measured_p2p_bandwidth():
     """The shipped presets price a stage-to-stage message from the artifact's p2p benchmark (A10G
     without NVLink or PCIe peer access: ~1.4 GB/s), and a stage pays two messages per neighbour
     per micro-batch (activation forward, its gradient backward)."""
-    from mist.model.budget import gpu_budget_bytes
     from mist.model.profile_data import read_p2p
     from mist.model.specs import GradAccumulation
     from mist.tuning.planner import cost_models
@@ -289,7 +288,7 @@ def test_pipeline_messages_priced_from_the_measured_p2p_bandwidth():
     m = model("gpt3-1.3b")
     # an engine without gradient accumulation cost: the edge stages' embedding/head gradients add nothing
     free = GradAccumulation("none", 0.0, True)
-    st = Setting(m, c, *cost_models(c), 1, 1, 2, gpu_budget_bytes(c), 4, grad_accumulation=free)
+    st = Setting(m, c, *cost_models(c), 1, 1, 2, 4, grad_accumulation=free)
     ln = layer_numbers(st)
     grid = strategy_grid(6, SearchSpace(offload=False, recompute=False, zero_stages=(0,)))
     middle = evaluate_stage(st, ln, 6, 2, False, False, grid, 8)["compute"][0]
@@ -493,7 +492,6 @@ def test_accumulation_priced_by_its_measured_add_where_profiled(rng):
     line, as before. Negative control: the same model without the curve prices the residual add's."""
     import dataclasses
 
-    from mist.model.budget import gpu_budget_bytes
     from mist.tuning.planner import cost_models
     from mist.tuning.stage_cost import SearchSpace, Setting, evaluate_stage, layer_numbers, strategy_grid
 
@@ -503,7 +501,7 @@ def test_accumulation_priced_by_its_measured_add_where_profiled(rng):
     measured = dataclasses.replace(runtime, curves={**runtime.curves, "accumulate": (add, add)})
     layers, g = int(rng.integers(1, 7)), int(rng.integers(2, 40))
     grid = strategy_grid(layers, SearchSpace(offload=False, recompute=False))
-    st = Setting(m, c, runtime, interference, 1, 1, 1, gpu_budget_bytes(c), 2)
+    st = Setting(m, c, runtime, interference, 1, 1, 1, 2)
     ln = layer_numbers(st)
     base = evaluate_stage(st, ln, layers, 1, False, False, grid, g)["compute"]
     moved = st.grad_accumulation.bytes_per_param * layers * ln.params
@@ -526,7 +524,6 @@ def test_buffer_sum_and_weight_sync_priced_as_the_engine_issues_them(rng):
     Megatron-LM collectives."""
     import dataclasses
 
-    from mist.model.budget import gpu_budget_bytes
     from mist.tuning.planner import cost_models
     from mist.tuning.stage_cost import Setting, _gradient_sync
 
@@ -552,7 +549,7 @@ def test_buffer_sum_and_weight_sync_priced_as_the_engine_issues_them(rng):
             runtime.collective("all_gather", stage, dp, c),
         ),
     ):
-        st = Setting(m, c, rt, interference, 1, dp, 1, gpu_budget_bytes(c), 2)
+        st = Setting(m, c, rt, interference, 1, dp, 1, 2)
         before, after = _gradient_sync(st, stage, edge, zero, edge_zero, False)
         expected = np.array([zero0, zero1, 0.0, 0.0]) + edge_sum
         np.testing.assert_allclose(before, expected, rtol=1e-12)
@@ -571,13 +568,12 @@ def test_the_step_crosses_the_host_link_where_a_tensor_is_not_where_it_steps(rng
     random fractions it is a count over parameters whose host shares are prefixes of one order.
     Controls: with everything on the host nothing crosses; Megatron-LM's optimizer offload alone
     moves the gradient down and the weight up."""
-    from mist.model.budget import gpu_budget_bytes
     from mist.model.runtime import cpu_adam_params_per_s
     from mist.tuning.planner import cost_models
     from mist.tuning.stage_cost import Setting, _host_rates, optimizer_step_s
 
     c = cluster(str(rng.choice(["l4", "a100-40gb", "h100", "h200"])), 8)
-    st = Setting(model("gpt3-1.3b"), c, *cost_models(c), 1, 1, 1, gpu_budget_bytes(c), 2)
+    st = Setting(model("gpt3-1.3b"), c, *cost_models(c), 1, 1, 1, 2)
     d2h, h2d = _host_rates(st)
     on_device, on_host = optimizer_step_s(st, 0.0), 1 / cpu_adam_params_per_s(c)
     assert optimizer_step_s(st, 1.0, 1.0, 1.0) == pytest.approx(on_host, rel=1e-12)
@@ -606,12 +602,11 @@ def _added_by(gpu: str, dp: int, params: float, **fractions) -> tuple:
     """(sync, step) seconds those offloaded fractions add to the last micro-batch of a stage of
     ``params`` parameters (no embedding or head) at each of ZERO_STAGES over ``dp`` replicas on
     ``gpu``'s preset, and the Setting priced."""
-    from mist.model.budget import gpu_budget_bytes
     from mist.tuning.planner import cost_models
     from mist.tuning.stage_cost import EDGE_FIELDS, Setting, _state_bytes, _sync_and_step
 
     c = cluster(gpu, 8)
-    st = Setting(model("gpt3-1.3b"), c, *cost_models(c), 1, dp, 1, gpu_budget_bytes(c), 2)
+    st = Setting(model("gpt3-1.3b"), c, *cost_models(c), 1, dp, 1, 2)
     none = dict.fromkeys(EDGE_FIELDS, np.zeros(1))
     priced = []
     for offloaded in ({}, fractions):
@@ -670,7 +665,6 @@ def test_gradient_accumulation_priced_as_the_engine_adds(rng):
     nothing more."""
     import dataclasses
 
-    from mist.model.budget import gpu_budget_bytes
     from mist.model.specs import GRAD_ACCUMULATION, GradAccumulation
     from mist.tuning.planner import cost_models
     from mist.tuning.stage_cost import SearchSpace, Setting, evaluate_stage, layer_numbers, strategy_grid
@@ -679,7 +673,7 @@ def test_gradient_accumulation_priced_as_the_engine_adds(rng):
     c, m = cluster(gpu, 8), model("gpt3-1.3b")
     dp, layers, g = int(rng.choice([1, 2, 4])), int(rng.integers(1, 7)), int(rng.integers(2, 40))
     free = GradAccumulation("none", 0.0, True)
-    st = Setting(m, c, *cost_models(c), 1, dp, 1, gpu_budget_bytes(c), 2, grad_accumulation=free)
+    st = Setting(m, c, *cost_models(c), 1, dp, 1, 2, grad_accumulation=free)
     ln = layer_numbers(st)
     grid = strategy_grid(layers, SearchSpace(offload=False, recompute=False))
     first, last = bool(rng.integers(2)), bool(rng.integers(2))
@@ -1039,7 +1033,6 @@ def test_zero_priced_by_the_measured_layer_where_profiled(stage, rng):
     before. Negative control: without the measured line nothing changes."""
     import dataclasses
 
-    from mist.model.budget import gpu_budget_bytes
     from mist.model.runtime import ZERO2_LAYER, ZERO3_LAYER, Line
     from mist.tuning.planner import cost_models
     from mist.tuning.stage_cost import SearchSpace, Setting, evaluate_stage, layer_numbers, strategy_grid
@@ -1047,7 +1040,7 @@ def test_zero_priced_by_the_measured_layer_where_profiled(stage, rng):
     gpu = str(rng.choice(["l4", "a10g", "a100-40gb"]))
     c, m = cluster(gpu, 8), model("gpt3-1.3b")
     dp, layers, g = int(rng.choice([2, 4])), int(rng.integers(1, 7)), int(rng.integers(2, 40))
-    st = Setting(m, c, *cost_models(c), 1, dp, 1, gpu_budget_bytes(c), 2)
+    st = Setting(m, c, *cost_models(c), 1, dp, 1, 2)
     ln = layer_numbers(st)
     grid = strategy_grid(layers, SearchSpace(offload=False, recompute=False))
     first, last = bool(rng.integers(2)), bool(rng.integers(2))
@@ -1122,7 +1115,6 @@ def test_tp_priced_by_the_measured_tp_layer_where_profiled(rng):
     lines measured for another TP size change nothing."""
     import dataclasses
 
-    from mist.model.budget import gpu_budget_bytes
     from mist.model.runtime import TP_LAYER, TP_LAYER_FORWARD
     from mist.tuning.planner import cost_models
     from mist.tuning.stage_cost import Setting, layer_numbers
@@ -1137,7 +1129,7 @@ def test_tp_priced_by_the_measured_tp_layer_where_profiled(rng):
         m = model(name)
         assert m.parallel_block == parallel_block
         for sp in (False, True):
-            st = Setting(m, c, *cost_models(c), tp, 1, b, gpu_budget_bytes(c), 2, sp=sp)
+            st = Setting(m, c, *cost_models(c), tp, 1, b, 2, sp=sp)
             base = layer_numbers(st)
 
             def priced(t: int, st=st):
@@ -1234,13 +1226,12 @@ def test_selective_recomputation_keeps_less_and_repeats_the_core_attention(flash
     FlashAttention, which keeps no scores, only its fp32 log-sum-exp (4 a s b). A stage keeps that
     much less per layer not fully recomputed and micro-batch in flight, and each such layer repeats
     its core attention's forward."""
-    from mist.model.budget import gpu_budget_bytes
     from mist.tuning.planner import cost_models
     from mist.tuning.stage_cost import Setting, evaluate_stage, layer_numbers
 
     m, c = model("gpt3-1.3b", flash=flash), cluster("l4", 8)
     b, s, a = 2, m.seq, m.heads
-    st = Setting(m, c, *cost_models(c), 1, 1, b, gpu_budget_bytes(c), 4)
+    st = Setting(m, c, *cost_models(c), 1, 1, b, 4)
     ln = layer_numbers(st)
     assert ln.saved - ln.selective_saved == (4 * a * s * b if flash else 5 * a * s * s * b)
     assert ln.core_fwd > 0

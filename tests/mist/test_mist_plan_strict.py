@@ -367,6 +367,41 @@ def test_a_search_the_milp_time_limit_stopped_says_so(monkeypatch):
         search(model("gpt3-13b"), cluster("l4", 1, host_memory=2**30), 8, options)
 
 
+def test_the_memory_a_search_that_fits_nothing_names_is_a_lower_bound():
+    """ "The leanest candidate needs at least X": no plan of the search fits in less. Planned with
+    one byte a GPU less than X usable, nothing fits; with ample memory, the plan found needs X or
+    more. (The bound had priced a last stage at the first stage's micro-batches in flight and one
+    micro-batch a step; here it is equal, and tight: in these cases a plan fits in X.)"""
+    from measure.budget import GpuBudget
+    from mist import NoFeasiblePlan
+    from mist.tuning.planner import min_memory_needed
+    from mist.tuning.problem import Problem
+
+    name, gpu, gpus, batch = random.choice(
+        [
+            ("gpt3-tiny", "cpu", 1, 8),
+            ("gpt3-tiny", "cpu", 2, 8),
+            ("gpt3-tiny", "cpu", 4, 8),
+            ("gpt3-1.3b", "l4", 2, 16),
+        ]
+    )
+    options = PlannerOptions(refine_offload_step=None)
+    m = model(name)
+    need = min_memory_needed(
+        Problem.resolve(m, cluster(gpu, gpus), batch, None, None, options.grad_accumulation), options
+    )
+    assert 0 < need < float("inf")
+    plan = search(m, cluster(gpu, gpus), batch, options)
+    assert max(st.memory_bytes for st in plan.stages) >= need
+    # usable = cap on the CPU "device"; on a GPU, (cap - context) x (1 - fragmentation): measure.budget
+    reserve = GpuBudget(1) if gpu != "cpu" else GpuBudget(1, context_bytes=0, fragmentation=0.0)
+    usable = int(need) - 1
+    cap = int(usable / (1 - reserve.fragmentation)) + reserve.context_bytes
+    assert GpuBudget(cap, reserve.context_bytes, reserve.fragmentation).usable_bytes < need
+    with pytest.raises(NoFeasiblePlan, match="the leanest candidate needs at least"):
+        search(m, cluster(gpu, gpus, gpu_memory=cap), batch, options)
+
+
 def test_the_inter_stage_program_has_a_solution_exactly_where_layers_and_devices_add_up():
     """What tells a MILP stopped by its time limit from one with no solution (stages that fit too
     few layers each, devices that cannot add up or would grow along the pipeline)."""

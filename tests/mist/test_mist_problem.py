@@ -109,5 +109,5 @@ def test_a_candidates_setting_is_the_problems():
     p = Problem.resolve(m, c, 32)
     st = Candidate(2, 2, 2, 1, 32).setting(p)
     assert (st.tp, st.stages, st.dp, st.micro_batch) == (2, 2, 2, 1)
-    assert st.memory_budget == p.gpu_budget and st.runtime is p.runtime and st.interference is p.interference
+    assert st.runtime is p.runtime and st.interference is p.interference
     assert st.sp is p.sequence_parallel and st.grad_accumulation is p.grad_accumulation

@@ -34,7 +34,7 @@ def test_embedding_strategy_equal_to_its_stage_changes_nothing(rng):
     """evaluate_stage with ``edge`` set to the stage's own strategy equals edge=None, for random
     strategies on a first+last stage (embedding and head both there)."""
     m, c = model("gpt3-1.3b"), cluster("l4", 8)
-    st = Setting(m, c, *_models(c), 1, 4, 1, gpu_budget_bytes(c), 1)
+    st = Setting(m, c, *_models(c), 1, 4, 1, 1)
     ln = layer_numbers(st)
     n = 32
     grid = {

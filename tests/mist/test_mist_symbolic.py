@@ -214,7 +214,7 @@ def test_tempo_attention_workspace_is_what_the_engine_call_declares(device, drop
     heads = lean.heads // tp
 
     def setting(m):  # the workspace needs the model, the device, TP and the micro-batch only
-        return Setting(m, cluster(device, tp), None, None, tp, 1, micro_batch, 0, 1)
+        return Setting(m, cluster(device, tp), None, None, tp, 1, micro_batch, 1)
 
     probs = torch.empty(micro_batch, heads, seq, seq, dtype=torch.bfloat16)
     value_ = torch.empty(micro_batch, heads, seq, lean.hidden // lean.heads, dtype=torch.bfloat16)
@@ -240,7 +240,7 @@ def test_tempo_swiglu_workspace_is_what_the_engine_call_declares(device):
     lean = model("llama-7b", tempo=True, seq=seq)
 
     def setting(m):
-        return Setting(m, cluster(device, tp), None, None, tp, 1, micro_batch, 0, 1)
+        return Setting(m, cluster(device, tp), None, None, tp, 1, micro_batch, 1)
 
     gate = torch.empty(seq, micro_batch, lean.ffn_hidden // tp, dtype=torch.bfloat16, device="meta")
     grad = torch.empty(seq, micro_batch, lean.hidden, dtype=torch.bfloat16, device="meta")

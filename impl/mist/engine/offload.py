@@ -47,8 +47,9 @@ from collections import deque
 import torch
 from torch import nn
 
-from measure.training import MasterWeightAdamW, copy_across, gradient_to_step, to_across
+from measure.training import WEIGHT_DECAY, MasterWeightAdamW, copy_across, gradient_to_step, to_across
 
+from ..plan import activation_offloaded_layers
 from .hooks import after_gradient_accumulated
 
 # The profiler range of work done in host memory (the offloaded optimizer's step): on a CPU, where
@@ -286,7 +287,7 @@ class OffloadedMasterAdamW:
         params,
         fraction: float,
         lr: float,
-        weight_decay: float = 0.01,
+        weight_decay: float = WEIGHT_DECAY,
         at_rest_on_host: frozenset[int] = frozenset(),
     ) -> None:
         self.model_params = [p for p in params if p.requires_grad]
@@ -306,8 +307,6 @@ class OffloadedMasterAdamW:
             if host
             else None
         )
-        held = sum(local(p).numel() for p in self.model_params)
-        self.host_fraction = sum(local(p).numel() for p in host) / max(1, held)
 
     @torch.no_grad()
     def step(self) -> None:
@@ -344,13 +343,13 @@ class OffloadedMasterAdamW:
 
 
 def offload_layer_activations(model, recompute: int, fraction: float) -> int:
-    """Wrap round(fraction x non-recomputed layers) layers (those after the recomputed ones) so
+    """Wrap ``plan.activation_offloaded_layers`` of the layers (those after the recomputed ones) so
     what they save for backward waits on the host (``ActivationOffload``); returns how many layers
     were wrapped."""
     if not 0.0 <= fraction <= 1.0:
         raise ValueError(f"offload_activations must be in [0, 1], got {fraction}")
     layers = list(model.decoder.layers)
-    count = round(fraction * (len(layers) - recompute))
+    count = int(activation_offloaded_layers(fraction, len(layers) - recompute))
     if count:
         ActivationOffload(layers[recompute : recompute + count])
     return count

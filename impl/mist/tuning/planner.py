@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-import numbers
 import operator
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -42,7 +41,7 @@ from ..plan import (
 )
 from .inter_stage import Frontier, frontier_for, solve_inter_stage
 from .pipeline_sim import in_flight, pipeline_objective, simulate_1f1b
-from .problem import Candidate, Problem, cost_models, load_interference
+from .problem import SEARCH_OVERLAPS_GRAD_REDUCE, Candidate, Problem, cost_models, load_interference
 from .stage_cost import (
     EDGE_FIELDS,
     OFFLOAD_FIELDS,
@@ -80,6 +79,9 @@ class NoFeasiblePlan(RuntimeError):
 # 3.1%, `mist validate`), and a stage tries (k + 1)^4 combinations of its four fractions: 1.2M at
 # 32 (GPT-3 1.3B on 2 L4s searched in 10 s at 32, 7 s at 8, 60 s at 64; at 10**6 it did not end).
 MAX_REFINE_OFFLOAD_STEP = 32
+# rounds of the refinement's coordinate descent at most; it stops at the first round that
+# improves no stage and not the embedding/head
+REFINE_PASSES = 3
 
 
 # Frozen: each option is checked once, where it is made, and a search takes it as checked (an
@@ -258,14 +260,24 @@ def _stage_values(
     return grid, one, one["per_flight"]
 
 
+def balanced_bound_s(
+    layers: int, stages: int, micro_batches: int, per_layer: float, virtual: int = 1
+) -> float:
+    """The iteration of a pipeline whose every layer takes ``per_layer`` a micro-batch, its layers
+    spread evenly: G micro-batches of the average stage, L p / S, plus the fill and drain of the
+    S - 1 others, each 1/V of a stage with V chunks a rank (pipeline_objective's symbols). A lower
+    bound where no layer is faster than ``per_layer`` (the slowest stage is at least the average)."""
+    per_stage = layers * per_layer / stages
+    return micro_batches * per_stage + (stages - 1) * per_stage / virtual  # (G - 1 + S) per_stage at V = 1
+
+
 def lower_bound_s(problem: Problem, candidate: Candidate) -> float:
     """No plan of ``candidate`` has a shorter iteration (closed form): each stage's micro-batch takes
     at least its layers' forward and backward, and the slowest stage at least the average."""
     layer = layer_numbers(candidate.setting(problem))
-    # L layers, S stages, G micro-batches, V chunks a rank (pipeline_objective's symbols)
-    L, S, G, V = problem.model.layers, candidate.stages, candidate.grad_accum, candidate.virtual
-    per_stage = L * (layer.fwd + layer.bwd) / S
-    return G * per_stage + (S - 1) * per_stage / V  # (G - 1 + S) per_stage at V = 1
+    return balanced_bound_s(
+        problem.model.layers, candidate.stages, candidate.grad_accum, layer.fwd + layer.bwd, candidate.virtual
+    )
 
 
 def most_layers_a_stage(
@@ -320,7 +332,7 @@ def tune_setting(
         for stage_frontiers in frontiers
         for (layers, _), frontier in stage_frontiers.items()
     )
-    if ((grad_accum - 1) / stage_count + 1) * layers_in_model * per_layer >= best_so_far:
+    if balanced_bound_s(layers_in_model, stage_count, grad_accum, per_layer) >= best_so_far:
         return None
     barrier = clip_barrier_s(setting)
     solution = solve_inter_stage(
@@ -514,7 +526,7 @@ def tune_stage_devices(
         micro_batch=problem.global_batch // (G * dp),
         stages=stage_plans,
         sequence_parallel=problem.sequence_parallel,
-        overlap_grad_reduce=True,
+        overlap_grad_reduce=SEARCH_OVERLAPS_GRAD_REDUCE,
     ).with_stage_parallelism_lifted()
 
 
@@ -592,7 +604,9 @@ class _MergedStage:
         fits = _Fits(flights, float(problem.gpu_budget), problem.host_budget)
         evaluated = []
         for tp, dp, micro_batch in shapes:
-            setting = problem.setting(tp, dp, micro_batch, stages, overlap_grad_reduce=True)
+            setting = problem.setting(
+                tp, dp, micro_batch, stages, overlap_grad_reduce=SEARCH_OVERLAPS_GRAD_REDUCE
+            )
             evaluated.append(
                 _stage_values(
                     setting, layer_numbers(setting), layers, first, last, options.space, micro_batches, fits
@@ -757,7 +771,7 @@ def _best_with_stage_devices(
 
 def _no_plan(problem: Problem, options: PlannerOptions, timed_out: list[str]) -> NoFeasiblePlan:
     """Why the search found no plan: the MILP's time limit where some tries fit in memory (the
-    time limit, not memory, is why), else the memory the leanest candidate needs."""
+    time limit, not memory, is why), else the least memory any candidate needs (a lower bound)."""
     model, cluster = problem.model, problem.cluster
     if timed_out:
         return NoFeasiblePlan(
@@ -769,7 +783,7 @@ def _no_plan(problem: Problem, options: PlannerOptions, timed_out: list[str]) ->
     need = min_memory_needed(problem, options)
     return NoFeasiblePlan(
         f"no plan for {model.name} on {cluster.gpus} x {cluster.gpu.name} fits: the leanest candidate "
-        f"needs {format_bytes(need)} per GPU, {format_bytes(problem.gpu_budget)} usable "
+        f"needs at least {format_bytes(need)} per GPU, {format_bytes(problem.gpu_budget)} usable "
         f"(offloading at most {format_bytes(problem.host_budget)} of host memory per GPU)"
     )
 
@@ -781,7 +795,7 @@ def refine(
     options: PlannerOptions,
     runtime: RuntimeModel,
     interference: Interference,
-    passes: int = 3,
+    passes: int = REFINE_PASSES,
 ) -> Plan:
     """The search's second phase: a plan's offloaded fractions in steps of 1/k
     (k = ``options.refine_offload_step``) where the MILP tried only SearchSpace's grid (the search
@@ -819,7 +833,7 @@ def _offload_candidates(strategy: dict, combos: np.ndarray) -> dict:
     return grid
 
 
-def _refine(problem: Problem, plan: Plan, options: PlannerOptions, passes: int = 3) -> Plan:
+def _refine(problem: Problem, plan: Plan, options: PlannerOptions, passes: int = REFINE_PASSES) -> Plan:
     """``refine`` for a resolved problem (the search's own, so nothing is resolved again)."""
     plan = dataclasses.replace(plan, stages=[dataclasses.replace(stage) for stage in plan.stages])
     refinement = _Refinement(_for_plan(problem, plan), plan, options)
@@ -871,7 +885,7 @@ class _Refinement:
 
     def ranked(self, evaluated: dict, key: str):
         """What the search ranks by: extras only when it is imbalance-aware."""
-        if key == "steady" or self.options.imbalance_aware:
+        if self.options.imbalance_aware or key not in BLIND_TO:
             return evaluated[key]
         return np.zeros_like(evaluated[key])
 
@@ -923,20 +937,39 @@ class _Refinement:
 
 
 def min_memory_needed(problem: Problem, options: PlannerOptions) -> float:
-    """The smallest per-GPU peak any candidate reaches within the host memory (for the
-    no-feasible-plan message)."""
+    """A lower bound of the per-GPU peak of any plan of the search's candidates (one TP and DP for
+    every stage) within the host memory, for the no-feasible-plan message. Of a candidate of S
+    stages: the stage that holds the most layers holds at least ceil(L / S), wherever it stands in
+    the pipeline (the least of a first, a middle and a last stage of that many, each at its
+    micro-batches in flight: a middle stage holds fewest one before the last), and the first stage
+    at least one with the embedding; the least over the candidates."""
     lowest = float("inf")
     for candidate in settings(problem, options):
-        setting = candidate.setting(problem)
-        layer = layer_numbers(setting)
-        layers = -(-problem.model.layers // candidate.stages)
-        only = candidate.stages == 1
-        _, values, per_flight = _stage_values(setting, layer, layers, only, True, options.space, 1)
-        flight = candidate.in_flight(0)  # the first stage holds the most
-        host = values["host_memory"] + (flight - 1) * values["host_per_flight"]
-        memory = values["memory"] + (flight - 1) * per_flight
-        lowest = min(lowest, float(np.min(np.where(host <= problem.host_budget, memory, np.inf))))
+        S = candidate.stages
+        most = -(-problem.model.layers // S)
+        bound = min(
+            _least_stage_memory(problem, options, candidate, most, i) for i in {0, max(0, S - 2), S - 1}
+        )
+        if S > 1:
+            bound = max(bound, _least_stage_memory(problem, options, candidate, 1, 0))
+        lowest = min(lowest, bound)
     return lowest
+
+
+def _least_stage_memory(
+    problem: Problem, options: PlannerOptions, candidate: Candidate, layers: int, stage: int
+) -> float:
+    """The least per-GPU memory stage ``stage`` of ``candidate`` needs holding ``layers`` layers, at
+    its micro-batches in flight, over the strategies within the host memory (inf: none)."""
+    setting = candidate.setting(problem)
+    first, last = stage == 0, stage == candidate.stages - 1
+    _, values, per_flight = _stage_values(
+        setting, layer_numbers(setting), layers, first, last, options.space, candidate.grad_accum
+    )
+    flight = candidate.in_flight(stage)
+    host = values["host_memory"] + (flight - 1) * values["host_per_flight"]
+    memory = values["memory"] + (flight - 1) * per_flight
+    return float(np.min(np.where(host <= problem.host_budget, memory, np.inf)))
 
 
 def predict(
@@ -1006,8 +1039,7 @@ def _check_inputs(model: ModelSpec, cluster: ClusterSpec, global_batch: int | No
         )
     if global_batch is None:
         return
-    whole = isinstance(global_batch, numbers.Integral) and not isinstance(global_batch, bool)
-    if not whole or not 1 <= global_batch <= MAX_GLOBAL_BATCH:
+    if not whole(global_batch, least=1) or global_batch > MAX_GLOBAL_BATCH:
         raise ValueError(
             f"global batch must be a whole number in [1, {MAX_GLOBAL_BATCH}] sequences, got {global_batch!r}"
         )
@@ -1143,10 +1175,9 @@ def _price(problem: Problem, plan: Plan, simulate: bool, memo: StageMemo | None 
         share = layer.fwd / (layer.fwd + layer.bwd)
         fwd.append(stage.steady_s * share)
         bwd.append(stage.steady_s * (1 - share))
-        if i == 0:
-            first_layer = layer
-    layer = first_layer
-    barrier = clip_barrier_s(problem.plan_setting(plan, 0))
+    first = problem.plan_setting(plan, 0)  # the breakdown's layer: the first stage's
+    layer = layer_numbers(first)
+    barrier = clip_barrier_s(first)
     plan.predicted_iteration_s = pipeline_objective(steady, extra, G, step, barrier, V, wait)
     plan.simulated_iteration_s = (
         simulate_1f1b(fwd, bwd, G, last=extra, step=step, barrier_s=barrier, virtual=V, wait=wait)

@@ -148,7 +148,6 @@ class Problem:
             tp,
             dp,
             micro_batch,
-            self.gpu_budget,
             stages,
             sp=self.sequence_parallel,
             grad_accumulation=self.grad_accumulation,
@@ -168,6 +167,11 @@ class Problem:
         )
 
 
+# the searches overlap the DP gradient reduction with backward, as the trainers they plan for do
+# (Megatron-LM with --overlap-grad-reduce, torch DDP and FSDP by default)
+SEARCH_OVERLAPS_GRAD_REDUCE = True
+
+
 @dataclass(frozen=True)
 class Candidate:
     """One point of the outer search: every stage has TP ``tp`` and DP ``dp``."""
@@ -178,9 +182,7 @@ class Candidate:
     micro_batch: int
     global_batch: int
     virtual: int = 1  # model chunks a pipeline rank (interleaved 1F1B)
-    # the searches overlap the DP gradient reduction with backward, as the trainers they plan for
-    # do (Megatron-LM with --overlap-grad-reduce, torch DDP and FSDP by default)
-    overlap_grad_reduce: bool = True
+    overlap_grad_reduce: bool = SEARCH_OVERLAPS_GRAD_REDUCE
     grad_bucket_params: int | None = None
 
     @classmethod

@@ -30,7 +30,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -41,7 +41,7 @@ from ..model.interference import Interference
 from ..model.runtime import RuntimeModel, cpu_adam_params_per_s
 from ..model.specs import GRAD_ACCUMULATION, ClusterSpec, GradAccumulation, ModelSpec
 from ..model.symbolic import CORE_ATTENTION_OPS, HALF, head_costs, layer_costs, value
-from ..plan import gather_allowed, grad_bucket
+from ..plan import activation_offloaded_layers, gather_allowed, grad_bucket
 from .inter_stage import held_and_fits
 
 # A stage's strategy, as StagePlan fields and strategy_grid columns
@@ -131,7 +131,6 @@ class Setting:
     tp: int
     dp: int
     micro_batch: int
-    memory_budget: int  # usable bytes per GPU
     stages: int
     sp: bool = True  # sequence parallelism with TP (Megatron's default with TP)
     # how the engine running the plan accumulates gradients over micro-batches
@@ -172,7 +171,6 @@ class LayerNumbers:
     head_saved: float = 0.0
     logits: float = 0.0  # the fp32 logits on this TP rank (their gradient: the loss's backward)
     embed_params: float = 0.0
-    extra: dict = field(default_factory=dict)
 
 
 _LAYER_NUMBERS: dict[tuple, tuple] = {}
@@ -245,7 +243,7 @@ def _layer_numbers(setting: Setting) -> LayerNumbers:
                 model, micro_batch, model.seq, tp, setting.sequence_parallel, only=CORE_ATTENTION_OPS
             )[0]
         ),
-        layer_input=2.0 * tokens * model.hidden / (tp if setting.sequence_parallel else 1),
+        layer_input=p2p_bytes,  # what a stage sends on is its next layer's input
         params=float(traced["params"]),
         tp_comm_fwd=float(tp_forward),
         p2p_bytes=p2p_bytes,
@@ -402,11 +400,8 @@ def _kept_per_layer(layer: LayerNumbers, grid: dict[str, np.ndarray]) -> np.ndar
 
 
 def offloaded_layers(grid: dict[str, np.ndarray], layers: int) -> np.ndarray:
-    """How many of a stage's layers have their activations offloaded: ``offload_activations`` of
-    the layers that are not recomputed, rounded to whole layers (half to even, as Python's
-    round), as mist.engine.run offloads them (the first such layers; a recomputed layer's input
-    stays on the device)."""
-    return np.round(grid["offload_activations"] * (layers - grid["recompute"]))
+    """How many of a stage's ``layers`` have their activations offloaded, at each grid point."""
+    return activation_offloaded_layers(grid["offload_activations"], layers - grid["recompute"])
 
 
 def _state_bytes(params: float, strategy: dict[str, np.ndarray], dp: int) -> dict[str, np.ndarray]:
@@ -833,7 +828,7 @@ def _device_memory(
     step. ``activations``: every in-flight micro-batch's; ``per_flight``: one's."""
     recompute, zero, offload_weights = grid["recompute"], grid["zero"], grid["offload_weights"]
     # a layer's full weights; the embedding's or the head's (one at a time: opposite ends)
-    layer_weights, edge_weights = layer_w_full, 2.0 * layer.embed_params if (first or last) else 0.0
+    layer_weights, edge_weights = layer_w_full, _edge_weight_bytes(layer, first, last)
     layers_zero3, edge_zero3 = zero >= 3, edge["zero"] >= 3
     buffers = _weight_buffers(grid, edge, layer_weights, edge_weights)
     last_edge_weights = np.where(edge_zero3 & last, edge_weights, 0.0)
@@ -919,7 +914,7 @@ def _micro_batch_s(
     and ``steady``, the channels overlapped. ``state``: the stage's layers' and its
     embedding/head's state bytes (_state_bytes)."""
     mine, theirs = state
-    edge_params = (layer.embed_params if first else 0.0) + (layer.embed_params if last else 0.0)
+    edge_params = _edge_params(layer, first, last)
     p2p_on_compute, p2p_beside = _p2p_s(setting, layer, first, last)
     compute = _compute_s(setting, layer, layers, grid, first, last, edge_params, edge["zero"], grad_accum)
     compute = compute + p2p_on_compute
@@ -1020,12 +1015,23 @@ def _per_flight(layer: LayerNumbers, grid: dict, layers: int, last: bool) -> tup
     return on_device + (layer.head_saved if last else 0.0), swapped * kept
 
 
+def _edge_params(layer: LayerNumbers, first: bool, last: bool) -> float:
+    """Parameters of the embedding (first stage) and the untied LM head (last stage) a stage holds."""
+    return (layer.embed_params if first else 0.0) + (layer.embed_params if last else 0.0)
+
+
+def _edge_weight_bytes(layer: LayerNumbers, first: bool, last: bool) -> float:
+    """Half-precision bytes of the embedding's or the head's full weights, the one a stage holding
+    either works on at a time (they are used at opposite ends of its step)."""
+    return 2.0 * layer.embed_params if (first or last) else 0.0
+
+
 def _stage_state(
     setting: Setting, layer: LayerNumbers, layers: int, first: bool, last: bool, grid: dict, edge: dict
 ) -> tuple[float, tuple[dict, dict]]:
     """(the embedding/head's parameters on the stage, (state bytes of the stage's layers, of its
     embedding/head)): _state_bytes under the grid's and the edge's strategies."""
-    edge_params = (layer.embed_params if first else 0.0) + (layer.embed_params if last else 0.0)
+    edge_params = _edge_params(layer, first, last)
     mine = _state_bytes(layers * layer.params, grid, setting.dp)
     theirs = _state_bytes(edge_params, edge, setting.dp)  # none on a middle stage
     return edge_params, (mine, theirs)
@@ -1061,7 +1067,7 @@ def _memory_at_least(
         return None
     mine, theirs = state
     static, _ = _static_bytes(mine, theirs, grad_accum)
-    edge_weights = 2.0 * layer.embed_params if (first or last) else 0.0
+    edge_weights = _edge_weight_bytes(layer, first, last)
     # a row's embedding/head shares its strategy here
     buffers = _weight_buffers(states.columns, states.columns, 2.0 * layer.params, edge_weights)
     of_row = states.of_row
