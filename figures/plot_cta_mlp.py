@@ -87,6 +87,8 @@ def plot_reduction(name: str = "sim") -> Path | None:
         ax.set_xticks(ns)
         ax.set_xlabel("GPUs (= layers of the chain)")
         ax.set_ylabel("latency reduction of CTA-pipelining (%)")
+        # the paper's numbers as artifacts/cta_mlp/claims.py's PAPER holds them (a figure script reads
+        # result files only: it runs from a copy of figures/ and the results, importing no experiment)
         ax.set_title(f"{gpu} (paper, 2 GPUs: up to 31.8% vs micro-batching, 29.6% vs TP)", fontsize=8)
         ax.legend(fontsize=6, ncol=2)
         ax.grid(alpha=0.3)

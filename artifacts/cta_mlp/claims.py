@@ -21,6 +21,7 @@ from ..verdicts import AtLeast, AtMost, Bound, Missing, Near, Paper, PaperClaim,
 EXPERIMENT = "cta_mlp"
 COMMAND = "nox -s cta_mlp"
 QUOTED = "CTA-pipelining, arXiv 2607.07862 (as quoted in issue #6; section not verified)"
+# the paper's gains at 2 GPUs ("up to"): what, as quoted, and the number (the one home of them)
 PAPER = {"microbatch": ("the best micro-batching", "up to 31.8%", 0.318), "tp": ("TP", "up to 29.6%", 0.296)}
 BAND = dict(
     experiment=EXPERIMENT,
@@ -133,7 +134,7 @@ CLAIMS = (
         id="cta-single-gpu",
         system="CTA-pipelining",
         claim="measured on one GPU (one GPU as the chain)",
-        measure="ticketed one-kernel MLP against cuBLAS back to back, H200, best over M",
+        measure="ticketed one-kernel MLP against cuBLAS back to back, on the GPU check's GPU, best over M",
         source=Source(
             experiment=EXPERIMENT,
             file="gpu_cuda.json",

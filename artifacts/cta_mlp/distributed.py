@@ -15,7 +15,6 @@ every rank then fails the run naming the ranks and tiles that gave up.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
@@ -24,12 +23,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from baselines.cta.microbatch import candidate_chunks, pipelined_chain
+from baselines.cta.microbatch import pipelined_chain
 from baselines.cta.tensor_parallel import shard_chain, tp_chain
 from ctapipe.reference import chain as reference_chain
+from ctapipe.sim import candidate_chunks
 from measure.cli import OneLineParser, check_writable_file
 from measure.launch import launch_env_problem
 from measure.parallel import die_with_launcher
+from measure.results import device_description, git_state, package_versions, utc_now, write_json_atomic
 from measure.training import DTYPES
 
 
@@ -162,8 +163,14 @@ def main(argv: list[str] | None = None) -> None:
     if dist.get_rank() == 0:
         for name, r in report["methods"].items():
             print(f"{name:>16}: {r['latency_s'] * 1e3:8.3f} ms  (max rel. error {r['error']:.1e})")
-        if args.out:
-            args.out.write_text(json.dumps(report, indent=1))
+        if args.out:  # whole or not at all; what ran where, as a result file's provenance says
+            provenance = {
+                "git": git_state(),
+                "packages": package_versions(),
+                "device": device_description("cuda" if torch.cuda.is_available() else "cpu"),
+                "finished_utc": utc_now(),
+            }
+            write_json_atomic(args.out, {**report, "provenance": provenance})
     dist.destroy_process_group()
 
 

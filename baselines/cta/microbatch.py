@@ -3,18 +3,16 @@
 Rank r receives a chunk of its input from rank r-1, computes act_r(chunk @ W_r) and sends it on
 while it receives the next chunk; ``chunk = M`` is plain back-to-back GEMMs (each rank waits for
 the whole previous layer). Smaller chunks overlap more but pay a kernel launch, a message and
-a less efficient GEMM per chunk, so the best chunk depends on M: ``best_chunk`` sweeps it.
+a less efficient GEMM per chunk, so the best chunk depends on M: the experiments time every chunk
+of ``ctapipe.sim.candidate_chunks``, the rule the latency model prices.
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
 from ctapipe.reference import activation
-from ctapipe.sim import candidate_chunks  # the one chunking rule (the latency model prices it)
 
 
 def pipelined_chain(
@@ -43,11 +41,3 @@ def pipelined_chain(
     for s in sends:
         s.wait()
     return out
-
-
-def best_chunk(
-    time_chunk: Callable[[int], float], m: int, smallest: int = 128
-) -> tuple[int, dict[int, float]]:
-    """The chunk with the lowest measured latency, and every chunk's latency."""
-    times = {c: time_chunk(c) for c in candidate_chunks(m, smallest)}
-    return min(times, key=times.get), times

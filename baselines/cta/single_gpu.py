@@ -19,7 +19,7 @@ class MicrobatchedMLP:
         if chunk < 1:
             raise ValueError(f"chunk must be >= 1, got {chunk}")
         self.chunk, self.act = chunk, act
-        self.streams = None
+        self.streams: dict[torch.device, tuple] = {}  # a device's two streams
 
     def __call__(self, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
         m = x.shape[0]
@@ -30,9 +30,9 @@ class MicrobatchedMLP:
             for s in range(0, m, self.chunk):
                 y[s : s + self.chunk] = activation(x[s : s + self.chunk] @ w1, self.act) @ w2
             return y
-        if self.streams is None:
-            self.streams = (torch.cuda.Stream(x.device), torch.cuda.Stream(x.device))
-        first, second = self.streams
+        if x.device not in self.streams:
+            self.streams[x.device] = (torch.cuda.Stream(x.device), torch.cuda.Stream(x.device))
+        first, second = self.streams[x.device]
         main = torch.cuda.current_stream(x.device)
         first.wait_stream(main)
         second.wait_stream(main)

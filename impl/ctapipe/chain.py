@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .gemm import launch_stage, new_status, raise_if_gave_up
+from .gemm import check_flags, launch_stage, new_status, raise_if_gave_up
 from .tiling import DEFAULT_TILING, Tiling
 
 
@@ -155,6 +155,7 @@ class ChainStage:
     ) -> torch.Tensor | None:
         """One pipelined pass: rank 0 takes ``x``; the last rank returns Y, the others None. Raises
         ``StageTimeout`` if a tile gave up waiting (after the pass's kernel finished; ``check``)."""
+        check_flags(wait=wait, check=check)  # None was taken as no wait
         b = self.buffers
         if (self.rank == 0) != (x is not None):
             raise ValueError("rank 0 takes the chain's input x; the other ranks read their inbox")

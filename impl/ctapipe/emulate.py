@@ -19,7 +19,7 @@ import torch.multiprocessing as mp
 from measure.parallel import die_with_parent
 
 from .chain import ChainStage, PeerBuffers, shared_buffers
-from .gemm import WAIT_TIMEOUT_S, StageTimeout
+from .gemm import WAIT_TIMEOUT_S, StageTimeout, check_operands
 from .tiling import Tiling
 
 _WATCHDOG_S = 0.2
@@ -114,6 +114,7 @@ def _chain_widths(
     """The chain's widths (X's, then each rank's output's), after checking ``run_chain_processes``'
     inputs: an activation a rank, weights that chain, ``producer_last`` only without the wait."""
     ranks = len(weights)
+    check_operands(x=x, **{f"w{r}": w for r, w in enumerate(weights)})  # here, not in each rank
     if producer_last and wait:
         raise ValueError("producer_last needs wait=False: a waiting consumer would wait forever")
     if len(acts) != ranks:
@@ -147,11 +148,14 @@ def run_chain_processes(
     outlives this process."""
     ranks = len(weights)
     dims = _chain_widths(x, weights, acts, wait, producer_last)
+    if not isinstance(tiling, Tiling):
+        raise ValueError(f"tiling must be a ctapipe.tiling.Tiling, got {tiling!r}")
     delays = delays or [0.0] * ranks
+    if len(delays) != ranks or not all(isinstance(d, int | float) and 0 <= d < timeout_s for d in delays):
+        raise ValueError(f"delays: one for each of the {ranks} ranks, each in [0, timeout_s), got {delays!r}")
     buffers = shared_buffers(x.shape[0], dims, x.dtype, tiling)
     y = torch.zeros(x.shape[0], dims[-1], dtype=x.dtype).share_memory_()
     reports = torch.zeros(ranks, len(_REPORT), dtype=torch.int64).share_memory_()
-    os.environ["TRITON_INTERPRET"] = "1"  # inherited by the spawned processes
     ctx = mp.get_context("spawn")
     barrier = ctx.Barrier(ranks)
     last_done = ctx.Event() if producer_last else None
@@ -179,6 +183,15 @@ def run_chain_processes(
         )
         for r in range(ranks)
     ]
-    _run_ranks(ctx, rank_args, timeout_s)
+    # the spawned ranks inherit it as they start; this process's own setting is left as it was
+    interpret = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        _run_ranks(ctx, rank_args, timeout_s)
+    finally:
+        if interpret is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = interpret
     _raise_on_give_up(reports, WAIT_TIMEOUT_S if wait_timeout_s is None else wait_timeout_s, max_spins)
     return y.clone(), [int(g) for g in reports[:, 0]]

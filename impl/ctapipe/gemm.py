@@ -73,11 +73,13 @@ def _timeout_us(timeout_s: float | None) -> int:
     return round(t * 1e6)
 
 
-def _check_flags(**flags: object) -> None:
-    """Each of ``flags`` True or False (None where it has a default): "no" would be taken as true."""
+def check_flags(optional: tuple[str, ...] = (), **flags: object) -> None:
+    """Each of ``flags`` True or False, or None for one of ``optional`` (it has a default): "no"
+    would be taken as true, and None as false where the flag reaches a kernel as it is."""
     for name, value in flags.items():
-        if value is not None and not isinstance(value, bool):
-            raise ValueError(f"{name} must be True or False, got {value!r}")
+        if not (isinstance(value, bool) or (value is None and name in optional)):
+            accepted = "True or False" + (" (or None: its default)" if name in optional else "")
+            raise ValueError(f"{name} must be {accepted}, got {value!r}")
 
 
 def _check_spins(max_spins: int) -> int:
@@ -177,8 +179,10 @@ def _check_matmul(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> None:
         )
     # the kernel stores C's tiles while later tiles still read A and B: C must be memory of its own
     # (measured: C over A's memory 11.8 relative error, C expanded from one row 1.45)
-    (inner, inner_size), *outer = sorted((st, sz) for st, sz in zip(c.stride(), c.shape, strict=True))
-    if (c.shape[0] > 1 and c.shape[1] > 1 and inner == 0) or (outer and outer[0][0] < inner * inner_size):
+    # (a dimension of size 1 never steps: its stride says nothing; expanded from one element, a
+    # column or a row was accepted)
+    steps = sorted((st, sz) for st, sz in zip(c.stride(), c.shape, strict=True) if sz > 1)
+    if any(st == 0 for st, _ in steps) or (len(steps) == 2 and steps[1][0] < steps[0][0] * steps[0][1]):
         raise ValueError(f"c must not overlap itself (strides {tuple(c.stride())}): give a fresh tensor")
     for name, t in (("a", a), ("b", b)):
         if _spans_overlap(c, t):
@@ -261,7 +265,7 @@ def launch_stage(
     ``status`` (``new_status``; a launch whose status already holds a give-up does not wait), and
     the caller checks it with ``raise_if_gave_up``."""
     _check_matmul(a, b, c)
-    _check_flags(check=check, wait=wait)
+    check_flags(("wait",), check=check, wait=wait)
     act_id = _check_act(act)
     timeout_us, max_spins = _timeout_us(timeout_s), _check_spins(max_spins)
     wait_target = _check_wait_target(wait_target)
@@ -354,6 +358,7 @@ class _Waits:
 
     def __init__(self, timeout_s: float | None, max_spins: int, check: bool) -> None:
         _timeout_us(timeout_s)  # refuse a bad bound when the object is made
+        check_flags(check=check)
         self.timeout_s, self.max_spins, self.check = timeout_s, _check_spins(max_spins), check
         self.status: torch.Tensor | None = None
 
@@ -404,6 +409,7 @@ class TicketMLP:
     def __call__(
         self, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, wait: bool = True
     ) -> torch.Tensor:
+        check_flags(wait=wait)  # the kernel's WAIT takes it as it is: None would be no wait
         _check_mlp(x, w1, w2)
         m, d = x.shape
         f = w1.shape[1]
@@ -483,7 +489,7 @@ class PartitionedMLP:
         self.act, self.tiling, self.share = act, _check_tiling(tiling), producer_share
         self.waits = _Waits(timeout_s, max_spins, check)
         self.ready = ReadyCounters()
-        self._streams = None
+        self._streams: dict[torch.device, tuple] = {}  # a device's two side streams (the counters' too)
 
     @property
     def status(self) -> torch.Tensor | None:
@@ -518,16 +524,17 @@ class PartitionedMLP:
             launch_stage(x, w1, h, **produce)
             launch_stage(h, w2, y, **consume)
         else:
-            if self._streams is None:
-                self._streams = (torch.cuda.Stream(x.device), torch.cuda.Stream(x.device))
+            if x.device not in self._streams:
+                self._streams[x.device] = (torch.cuda.Stream(x.device), torch.cuda.Stream(x.device))
+            streams = self._streams[x.device]
             main = torch.cuda.current_stream(x.device)
-            for s in self._streams:
+            for s in streams:
                 s.wait_stream(main)  # after the counters' reset
-            with torch.cuda.stream(self._streams[0]):  # the producer first: it never waits
+            with torch.cuda.stream(streams[0]):  # the producer first: it never waits
                 launch_stage(x, w1, h, **produce)
-            with torch.cuda.stream(self._streams[1]):
+            with torch.cuda.stream(streams[1]):
                 launch_stage(h, w2, y, **consume)
-            for s in self._streams:
+            for s in streams:
                 main.wait_stream(s)
         if self.waits.check:
             self.raise_if_gave_up()

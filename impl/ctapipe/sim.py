@@ -12,9 +12,10 @@ over the SMs (wave and tile quantisation included).
   chunk j-1 (one kernel per chunk, stream order); messages on a link queue. Best chunk swept.
 * tensor parallelism: every GPU holds 1/N of every layer (column- then row-parallel pairs, as
   Megatron), one all-reduce per pair (ring or NVLS, whichever is faster, as NCCL picks).
-* CTA-pipelining: one persistent kernel per GPU, launched together; an SM takes the next tile in
-  row-block order and spins until the upstream row block it reads is complete and visible
-  (its tiles' bytes through the link queue, then the flag latency).
+* CTA-pipelining: one kernel per GPU, launched together, one CTA a tile (as ``ChainStage``
+  launches it), dispatched in row-block order: an SM takes the next tile and spins until the
+  upstream row block it reads is complete and visible (its tiles' bytes through the link
+  queue, then the flag latency).
 * CTA + TP (N >= 4): N/2 pipeline stages of 2 GPUs; each stage holds a Megatron pair of layers
   sharded over its 2 GPUs and all-reduces each finished row block, which the next stage's
   tiles wait for.
@@ -172,7 +173,9 @@ def _check_rows(hw: str, name: str, rows: object, form: str, shape: bool = False
 HARDWARE_NAMES = ("h200", "b200")
 
 
-def _from_sheet(name: str) -> Hardware:
+def from_sheet(name: str) -> Hardware:
+    """The hardware of any data sheet that gives SMs and NVLink's bandwidth (the sweep's are
+    HARDWARE_NAMES; a GPU measured in the GPU check may be another)."""
     sheet = datasheets().get(name)
     if sheet is None or sheet.sms is None or sheet.nvlink_bw is None:  # else a KeyError, or no file named
         raise ValueError(
@@ -184,7 +187,7 @@ def _from_sheet(name: str) -> Hardware:
 @functools.cache
 def hardware_presets() -> dict[str, Hardware]:
     """The data-sheet hardware by name, built on first use (the data sheets are read then)."""
-    return {name: _from_sheet(name) for name in HARDWARE_NAMES}
+    return {name: from_sheet(name) for name in HARDWARE_NAMES}
 
 
 @dataclass(frozen=True)
@@ -318,7 +321,7 @@ def cta_pipelined(hw: Hardware, chain: Chain) -> float:
     d = chain.width
     ready = dict.fromkeys(range(chain.row_blocks), 0.0)  # layer 0 reads X: ready at once
     cta = chain.cta
-    tile = hw.cta_tile_s(d, cta, chain.m)  # one persistent kernel over all M rows
+    tile = hw.cta_tile_s(d, cta, chain.m)  # one kernel over all M rows
     tile_bytes = cta.block_m * cta.block_n * chain.dtype_bytes
     end = 0.0
     for _layer in range(chain.layers):

@@ -211,7 +211,9 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> None:
 
 
 def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
-    write_text_atomic(path, json.dumps(obj, indent=1, sort_keys=True, default=str) + "\n")
+    """``path`` holds ``obj`` as JSON (``strict.json_data``: a value that is not JSON data is a
+    TypeError naming where it is, never written as its str()) or what it held before."""
+    write_text_atomic(path, json.dumps(json_data(obj), indent=1, sort_keys=True) + "\n")
 
 
 @dataclass(frozen=True)

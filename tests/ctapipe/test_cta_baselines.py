@@ -7,10 +7,10 @@ import json
 import pytest
 import torch
 
-from baselines.cta.microbatch import candidate_chunks
 from baselines.cta.single_gpu import MicrobatchedMLP, back_to_back_mlp
 from baselines.cta.tensor_parallel import shard_chain
 from ctapipe.reference import activation, chain
+from ctapipe.sim import candidate_chunks
 from measure.launch import run_torchrun
 
 

@@ -187,8 +187,21 @@ def test_max_spins_still_bounds_polls_and_bad_bounds_are_refused():
         with pytest.raises(ValueError, match="timeout_s must be in"):
             launch_stage(a, b, torch.empty(16, 16), ready_in=ready, wait_target=1, timeout_s=bad, tiling=T)
     for flag in ("check", "wait"):
-        with pytest.raises(ValueError, match=f"{flag} must be True or False, got 'no'"):
+        with pytest.raises(ValueError, match=f"{flag} must be True or False.*, got 'no'"):
             launch_stage(a, b, torch.empty(16, 16), ready_in=ready, wait_target=1, tiling=T, **{flag: "no"})
+    # None reached TicketMLP's and ChainStage's kernels as "no wait", a race on a GPU; launch_stage's
+    # own default (wait where it has a counter) stays None (the control)
+    launch_stage(a, b, torch.empty(16, 16), tiling=T, wait=None)
+    with pytest.raises(ValueError, match="wait must be True or False, got None"):
+        TicketMLP("gelu", T)(a, b, b.T.contiguous(), wait=None)
+    stage = ChainStage(
+        1, 2, torch.randn(24, 16), "none", shared_buffers(32, [16, 24, 16], torch.float32, T)[1], T
+    )
+    with pytest.raises(ValueError, match="wait must be True or False, got None"):
+        stage(wait=None)
+    for make in (TicketMLP, PartitionedMLP):
+        with pytest.raises(ValueError, match="check must be True or False, got 'no'"):
+            make("gelu", T, check="no")
     with pytest.raises(ValueError, match="status must be a contiguous int32 buffer of 6"):
         raise_if_gave_up(torch.zeros(2), "stage", None, 0)  # was an unpacking error
     raise_if_gave_up(new_status("cpu"), "stage", None, 0)  # control: a fresh buffer holds no give-up
@@ -423,3 +436,44 @@ def test_the_interpreter_is_recorded_as_triton_reads_its_switch(monkeypatch, val
 
     monkeypatch.setenv("TRITON_INTERPRET", value)
     assert interpreting() is on
+
+
+@pytest.mark.parametrize(
+    ("name", "sheet"),
+    [
+        ("NVIDIA H100 80GB HBM3", "h100"),
+        ("NVIDIA H200", "h200"),
+        ("NVIDIA B200", "b200"),
+        ("NVIDIA H100 PCIe", None),  # another peak and no NVLink: not the SXM sheet
+        ("NVIDIA H100 NVL", None),
+        ("NVIDIA A100-SXM4-40GB", None),  # no SMs or NVLink numbers for the latency model
+    ],
+)
+def test_the_gpu_measured_is_modelled_on_its_own_data_sheet(name, sheet):
+    """Every GPU but a B200 was modelled, and labelled, as an H200: an H100 (a lent machine may be
+    one) gave "h200-measured". A GPU without a sheet is refused before any measuring."""
+    from artifacts.cta_mlp.gpu import sheet_of
+    from ctapipe import sim
+
+    if sheet is None:
+        with pytest.raises(ValueError, match=r"no data sheet for .* in the latency model"):
+            sheet_of(name)
+    else:
+        assert sheet_of(name) == sheet and sim.from_sheet(sheet).name == sheet
+
+
+def test_the_emulated_chain_leaves_this_process_interpreter_switch_as_it_was(monkeypatch):
+    """The ranks are spawned with TRITON_INTERPRET=1; this process's own setting was left at 1, so
+    a kernel defined later in it (the GPU check's part after the chain) would run interpreted."""
+    from ctapipe import emulate
+
+    seen = []
+    monkeypatch.setattr(emulate, "_run_ranks", lambda *a: seen.append(os.environ.get("TRITON_INTERPRET")))
+    for before in (None, "0"):
+        if before is None:
+            monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+        else:
+            monkeypatch.setenv("TRITON_INTERPRET", before)
+        x, w = torch.randn(8, 16), torch.randn(16, 16)
+        emulate.run_chain_processes(x, [w, w], ["none", "none"], T)
+        assert seen[-1] == "1" and os.environ.get("TRITON_INTERPRET") == before

@@ -182,6 +182,17 @@ def test_chain_across_processes_and_the_negative_control():
     assert not torch.allclose(y_bad, ref, atol=1e-3), "the missing wait went unnoticed"
     with pytest.raises(ValueError, match="producer_last needs wait=False"):
         run_chain_processes(x, [w1, w2], ["gelu", "none"], INTERPRETER_TILING, producer_last=True)
+    # in this process, before any rank starts (a float64 X failed in each rank; short delays an
+    # IndexError; a tiling that is none a rank's AttributeError)
+    for bad, says in (
+        (dict(x=x.double()), "must share one dtype of"),
+        (dict(delays=[1.0]), "delays: one for each of the 2 ranks"),
+        (dict(delays=[-1.0, 0.0]), "delays: one for each of the 2 ranks"),
+        (dict(tiling="x"), "tiling must be a ctapipe.tiling.Tiling"),
+    ):
+        args = {"x": x, "tiling": INTERPRETER_TILING, **bad}
+        with pytest.raises((TypeError, ValueError), match=says):
+            run_chain_processes(args.pop("x"), [w1, w2], ["gelu", "none"], args.pop("tiling"), **args)
 
 
 @pytest.mark.slow
@@ -237,6 +248,13 @@ def test_bad_input_is_refused_with_what_is_accepted():
         launch_stage(square, torch.randn(16, 16, device=DEVICE), square, tiling=TILING)
     with pytest.raises(ValueError, match="c must not overlap itself"):
         launch_stage(x, w1, torch.empty(1, 16, device=DEVICE).expand(8, 16), tiling=TILING)
+    # one element expanded to a column or a row (a size-1 dimension's stride hid the 0 stride)
+    for rows, cols in ((8, 1), (1, 16)):
+        with pytest.raises(ValueError, match="c must not overlap itself"):
+            launch_stage(
+                x[:rows], w1[:, :cols], torch.empty(1, 1, device=DEVICE).expand(rows, cols), tiling=TILING
+            )
+        launch_stage(x[:rows], w1[:, :cols], torch.empty(rows, cols, device=DEVICE), tiling=TILING)  # control
     launch_stage(x, w1, torch.empty(8, 32, device=DEVICE)[:, :16], tiling=TILING)  # strided, not overlapping
     with pytest.raises(ValueError, match="requires grad"):
         launch_stage(x.requires_grad_(), w1, c, tiling=TILING)

@@ -137,9 +137,6 @@ def test_the_model_prices_the_chunkings_the_baseline_runs():
     can run (divisors of M), and falls back to back-to-back below one row block."""
     import random
 
-    from baselines.cta import microbatch
-
-    assert microbatch.candidate_chunks is sim.candidate_chunks
     m = random.choice([96, 384, 1000, 3 * 1024, 4096])
     chunks = sim.candidate_chunks(m, 128)
     assert all(m % c == 0 and (c >= 128 or c == m) for c in chunks) and chunks[0] == m
@@ -296,10 +293,10 @@ def test_a_data_sheet_the_model_cannot_use_is_one_line(monkeypatch):
     """The latency model divides by SMs and NVLink: a data sheet without them (null, or no sheet) is
     one line naming the file, not Hardware's error naming none or a KeyError. Control: as shipped."""
     sheets = sim.datasheets()
-    assert sim._from_sheet("h200") == H200
+    assert sim.from_sheet("h200") == H200
     for changed in ({**sheets, "h200": dataclasses.replace(sheets["h200"], sms=None)}, {}):
         monkeypatch.setattr(sim, "datasheets", lambda changed=changed: changed)
         with pytest.raises(
             ValueError, match=r"datasheets.json: h200: the latency model needs its data sheet"
         ):
-            sim._from_sheet("h200")
+            sim.from_sheet("h200")
