@@ -77,12 +77,15 @@ def rng(fresh_seed: int) -> np.random.Generator:
     return np.random.default_rng(fresh_seed)
 
 
-def _start_order(item: pytest.Item) -> tuple[int, float]:
-    """Longest first: ``slow`` tests (processes, or > ~10 s), those allowed the longest timeout
-    first, then the rest, each group in collection order (the sort is stable)."""
+def _start_order(item: pytest.Item) -> tuple[int, int, float]:
+    """Where CUDA is, the ``gpu`` tests first: the GPU check runs its tests within a budget, and
+    the ones only a GPU can run must not be the ones it cuts. Then longest first: ``slow`` tests
+    (processes, or > ~10 s), those allowed the longest timeout first, then the rest, each group in
+    collection order (the sort is stable)."""
     timeout = item.get_closest_marker("timeout")
     allowed = float(timeout.args[0]) if timeout and timeout.args else 0.0
-    return (0 if "slow" in item.keywords else 1, -allowed)
+    gpu_first = 0 if HAS_CUDA and "gpu" in item.keywords else 1
+    return (gpu_first, 0 if "slow" in item.keywords else 1, -allowed)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

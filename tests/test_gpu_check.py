@@ -532,3 +532,30 @@ def test_the_mist_parts_keep_their_profile_and_launches_under_out(tmp_path):
         for dry in (True, False):
             cmd = gpu_check.command(gpu_check.BY_NAME[name], tmp_path, dry)
             assert cmd[cmd.index("--keep") + 1] == str(tmp_path / "kept"), cmd
+
+
+def test_the_kernels_part_runs_the_gpu_tests_first_and_no_cpu_only_slow_ones(monkeypatch):
+    """Its budget ends the pytest it runs; the slow tests (the CPU chain under Triton's interpreter,
+    the throughput path at a toy size) ran first there, then the rest by timeout, the GPU-only
+    tests last. Now not the slow ones, and where CUDA is, the ``gpu`` tests first."""
+    import pytest as pt
+
+    from tests import conftest
+
+    for dry in (True, False):
+        cmd = gpu_check.command(gpu_check.BY_NAME["kernels"], Path("/tmp/out"), dry)
+        assert ["-m", "not slow"] in [cmd[i : i + 2] for i in range(len(cmd))], cmd
+
+    class Item:
+        def __init__(self, name, *marks, timeout=None):
+            self.name, self.keywords = name, {m: True for m in marks}
+            self._timeout = pt.mark.timeout(timeout).mark if timeout else None
+
+        def get_closest_marker(self, name):
+            return self._timeout if name == "timeout" else None
+
+    items = [Item("cpu"), Item("long", timeout=300), Item("slow", "slow"), Item("gpu", "gpu")]
+    monkeypatch.setattr(conftest, "HAS_CUDA", True)
+    assert [i.name for i in sorted(items, key=conftest._start_order)] == ["gpu", "slow", "long", "cpu"]
+    monkeypatch.setattr(conftest, "HAS_CUDA", False)  # the CPU suite: longest first, as before
+    assert [i.name for i in sorted(items, key=conftest._start_order)] == ["slow", "long", "cpu", "gpu"]

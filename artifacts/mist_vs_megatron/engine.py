@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 import platform
 import shutil
 import statistics
@@ -198,13 +199,16 @@ GPU_ENGINE = EngineSetup(
     global_batch=8,
     micro_batch=2,
     model_overrides={"flash": False},  # as CPU_ENGINE's: the engine runs megatron-core's unfused attention
+    # trained in this order: the plan every other's losses are checked against, then offloading,
+    # which no GPU has run yet, before recomputation, so that a part its budget ends has run those
     plans={
-        **{f"recompute-{r}": _one_gpu(recompute=r) for r in (0, 12, 24)},
-        "offload-optimizer": _one_gpu(recompute=12, offload_optimizer=1.0),
-        "offload-activations": _one_gpu(recompute=12, offload_activations=0.5),
+        "recompute-0": _one_gpu(recompute=0),
         # offload.py's copy stream: half of each layer's weights up for its forward and backward,
         # the next layer's prefetched, half of the gradients drained as backward makes them
         "offload-weights-grads": _one_gpu(recompute=12, offload_weights=0.5, offload_grads=0.5),
+        "offload-activations": _one_gpu(recompute=12, offload_activations=0.5),
+        "offload-optimizer": _one_gpu(recompute=12, offload_optimizer=1.0),
+        **{f"recompute-{r}": _one_gpu(recompute=r) for r in (12, 24)},
     },
     profile={"micro_batches": [1, 2, 4], "tps": [1], "dtype": "bf16"},
     device="cuda",
@@ -217,7 +221,10 @@ def _launch(plan, processes: int, args: list[str]) -> subprocess.CompletedProces
     imported megatron-core (measure.fork_launch: the same ranks, ~5 s less start-up a launch on 2
     cores); on a GPU torchrun starts them, as a user would."""
     if plan.gpu != "cpu":
-        return run_torchrun(processes, "mist.engine.run", args, timeout=900)
+        # the host's cores shared by the ranks, as a GPU job has them: an offloaded optimizer
+        # steps on the host (one thread a rank is the CPU engine's, whose ranks are the compute)
+        threads = max(1, (os.cpu_count() or 1) // processes)
+        return run_torchrun(processes, "mist.engine.run", args, timeout=900, threads=threads)
     return fork_launch.shared("mist.engine.run:preload").run(processes, "mist.engine.run", args, timeout=900)
 
 

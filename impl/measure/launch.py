@@ -64,17 +64,20 @@ def agent_store_env(port: int) -> dict[str, str]:
     }
 
 
-def run_torchrun(nproc: int, module: str, args: list[str], timeout: float) -> subprocess.CompletedProcess:
-    """``torchrun --standalone --nproc-per-node N -m module args`` on this machine, one thread per
-    process (the processes share its cores), output captured, killed with the caller and after
-    ``timeout`` seconds (subprocess.TimeoutExpired). ``--standalone``: torchrun's agent serves the
-    rendezvous on a port it binds as the OS assigns it (see the module's docstring). Ranks that call
-    ``measure.parallel.die_with_launcher`` die with it. torchrun's log folder is one of this call's
-    own, removed when it returns: by default torchrun makes one in TMPDIR per launch and never
-    removes it (the suite left one a launch in /tmp). ``nproc`` is a whole number >= 1 and
-    ``timeout`` a finite number of seconds > 0, checked before anything starts (no wait here is
-    unbounded: torchrun's own refusal of a bad count came only after it had started, and ``str()``
-    let ``"2"`` and ``True`` through). Raises TypeError or ValueError, one line."""
+def run_torchrun(
+    nproc: int, module: str, args: list[str], timeout: float, threads: int = 1
+) -> subprocess.CompletedProcess:
+    """``torchrun --standalone --nproc-per-node N -m module args`` on this machine, ``threads``
+    threads a process (OMP_NUM_THREADS; default one: the processes share its cores), output
+    captured, killed with the caller and after ``timeout`` seconds (subprocess.TimeoutExpired).
+    ``--standalone``: torchrun's agent serves the rendezvous on a port it binds as the OS assigns
+    it (see the module's docstring). Ranks that call ``measure.parallel.die_with_launcher`` die
+    with it. torchrun's log folder is one of this call's own, removed when it returns: by default
+    torchrun makes one in TMPDIR per launch and never removes it (the suite left one a launch in
+    /tmp). ``nproc`` is a whole number >= 1 and ``timeout`` a finite number of seconds > 0
+    (``threads`` a whole number >= 1), checked before anything starts (no wait here is unbounded:
+    torchrun's own refusal of a bad count came only after it had started, and ``str()`` let ``"2"``
+    and ``True`` through). Raises TypeError or ValueError, one line."""
     if not whole(nproc):
         raise TypeError(f"run_torchrun: nproc is a whole number of processes >= 1, got {nproc!r}")
     if nproc < 1:
@@ -82,7 +85,9 @@ def run_torchrun(nproc: int, module: str, args: list[str], timeout: float) -> su
     if not finite(timeout) or timeout <= 0:
         wrong = ValueError if real(timeout) else TypeError  # None, a string: not a number at all
         raise wrong(f"run_torchrun: timeout is a finite number of seconds > 0, got {timeout!r}")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", LAUNCHER_PID_ENV: str(os.getpid())}
+    if not whole(threads, 1):
+        raise ValueError(f"run_torchrun: threads is a whole number >= 1, got {threads!r}")
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), LAUNCHER_PID_ENV: str(os.getpid())}
     with tempfile.TemporaryDirectory(prefix=TORCHRUN_LOGS_PREFIX) as logs:
         command = [
             sys.executable,

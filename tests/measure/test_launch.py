@@ -4,6 +4,7 @@ leaves nothing in TMPDIR (torchrun on its own leaves a log folder there per laun
 from __future__ import annotations
 
 import os
+import random
 import subprocess
 import sys
 import tempfile
@@ -73,3 +74,28 @@ def test_bad_counts_and_timeouts_are_refused_before_torchrun_starts(nproc, timeo
         run_torchrun(nproc, "json.tool", ["--help"], timeout)
     assert "\n" not in str(caught.value)
     assert started == []  # refused before anything was launched
+
+
+def test_each_rank_gets_the_threads_asked_for_and_bad_counts_are_refused(monkeypatch):
+    """One thread a rank by default (the CPU runs: the ranks share the cores); a GPU launch gives its
+    ranks the host's cores (an offloaded optimizer steps there). A count that is no thread count
+    is refused before torchrun starts."""
+    seen = []
+
+    class Started:  # what run_torchrun reads of a process that exits at once
+        def __init__(self, command, env, **kwargs):
+            seen.append(env["OMP_NUM_THREADS"])
+            self.returncode = 0
+
+        def communicate(self, timeout=None):
+            return "", ""
+
+    monkeypatch.setattr(subprocess, "Popen", Started)
+    threads = random.randint(2, 64)
+    for asked, expected in ((None, "1"), (threads, str(threads))):
+        done = run_torchrun(1, "json.tool", ["--help"], 10, **({} if asked is None else {"threads": asked}))
+        assert done.returncode == 0 and seen[-1] == expected
+    for bad in (0, 1.5, True, "4"):
+        with pytest.raises(ValueError, match=r"^run_torchrun: threads is a whole number >= 1"):
+            run_torchrun(1, "json.tool", ["--help"], 10, threads=bad)
+    assert len(seen) == 2

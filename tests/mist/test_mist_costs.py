@@ -31,6 +31,34 @@ def test_fit_line_recovers_a_known_line(rng):
         fit_line(work[:3], np.array([1.0, 0.0, 0.0]))
 
 
+def test_fit_line_holds_a_rate_to_the_data_sheet_peak(rng):
+    """A GPU's profile times memory-bound ops of a few microseconds, whose launch overheads can tilt a
+    line of two or three points above the bandwidth (simulated at H200's sizes: one seed in eight
+    ended the fit, and the GPU check's Mist parts with it, with RateAbovePeakError). With ``peak``,
+    where no op alone ran faster than the peak, the peak's slope with the least-squares intercept.
+    Within the peak it is the unbounded fit to the bit (the control: the vendored GPU fits do not
+    move), and so it is where an op alone did (a misread dtype: test_calibrate_holds_a_float32_...)."""
+    peak = rng.uniform(1e12, 5e12)
+    c0 = rng.uniform(2e-6, 2e-5)  # launch overhead, larger than the work's time at the peak
+    work = peak * c0 * rng.uniform(0.05, 0.5, rng.integers(2, 6))
+    slower = c0 + work / (peak * rng.uniform(0.5, 0.95))
+    assert fit_line(work, slower, peak) == fit_line(work, slower)
+    faster = c0 + work / (peak * rng.uniform(1.05, 1.45))  # no hardware does this: noise, a cache
+    assert fit_line(work, faster).rate > peak  # what check_rates refuses
+    held = fit_line(work, faster, peak)
+    assert held.rate == pytest.approx(peak, rel=1e-9) and held.rate <= peak * (1 + 1e-12)
+    assert (work / faster).max() <= peak  # no op alone faster than the peak: the slope is noise
+    # ops that alone ran faster than the peak (large work, a misread dtype or unit: 2x and more):
+    # no noise, left for check_rates to refuse
+    big = peak * c0 * rng.uniform(5, 50, work.size)
+    misread = c0 + big / (peak * rng.uniform(2.0, 16.0))
+    assert (big / misread).max() > peak and fit_line(big, misread, peak) == fit_line(big, misread)
+    # the intercept that minimises the relative error at the peak's slope (its derivative's zero)
+    assert held.c0 == pytest.approx(
+        ((faster - work / peak) / faster**2).sum() / (1 / faster**2).sum(), rel=1e-6
+    )
+
+
 def test_fit_line_never_fits_an_infinite_rate(rng):
     """Times that do not grow with the work (an overhead-bound op, as a CPU profile's framework
     excess) were fitted as a rate of +Infinity, which JSON cannot hold and no hardware reaches;
@@ -954,6 +982,54 @@ def test_memory_bound_classes_fitted_to_profiles_of_shapes_within_the_cache(rng)
     gpu_profiles = [LayerProfile(**{**p.__dict__, "gpu_dir": "l4"}) for p in profiles]
     on_gpu = fit_runtime_model(gpu_profiles, {}, "l4", "small shapes on a GPU")
     assert "dropout" not in on_gpu.curves
+
+
+def test_a_gpu_profile_that_times_ops_faster_than_the_data_sheet_is_fitted_within_it(rng, monkeypatch):
+    """`mist profile` on an H200 at the GPU check's shapes (GPT-3 1.3B, micro-batches 1, 2, 4): its
+    memory-bound ops take a few microseconds each, two or three of them beyond L2 per class. Where
+    their times say faster than the HBM's data-sheet bandwidth (noise, launch overhead), the fit
+    ended with RateAbovePeakError and took both Mist parts of the GPU check with it; now each
+    class is fitted within its peak. Control: the same profile's unbounded fit is refused."""
+    from mist.model import calibrate
+    from mist.model.calibrate import (
+        WHOLE_LAYER_CLASSES,
+        RateAbovePeakError,
+        _profile_op_work,
+        check_rates,
+        fit_runtime_model,
+    )
+    from mist.model.profile_data import LayerProfile
+    from mist.model.runtime import COMPUTE_KINDS, OP_CLASS
+    from mist.model.specs import gpus
+
+    spec, m = gpus()["h200"], model("gpt3-1.3b")
+    overhead = rng.uniform(1e-5, 2e-5)  # a launch and a synchronising timer's, the first ones slower
+    profiles = []
+    for mbs in (1, 2, 4):
+        p = LayerProfile("h200", "1.3b", mbs, 1, 0, {}, (m.hidden, m.layers, m.heads), m.seq, vocab=m.vocab)
+        ops = {}
+        for op, cls in OP_CLASS.items():
+            if cls in WHOLE_LAYER_CLASSES:
+                continue
+            fwd, bwd = _profile_op_work(p.model, op, mbs, m.seq, 1)
+            if cls in COMPUTE_KINDS:  # at 70% of the peak; a weight GEMM's backward is two GEMMs
+                ops[op] = (overhead + fwd / (0.7 * spec.flops), overhead + 2 * fwd / (0.7 * spec.flops))
+            else:  # each at 80-95% of the HBM, its overhead smaller the larger the micro-batch
+                slower = {1: 2.0, 2: 1.0, 4: 0.5}[mbs] * overhead
+                ops[op] = tuple(slower + w / (rng.uniform(0.8, 0.95) * spec.hbm_bw) for w in (fwd, bwd))
+        profiles.append(LayerProfile(**{**p.__dict__, "ops": ops}))
+    fitted = fit_runtime_model(profiles, {}, "h200", "faster than the data sheet", dtype="bf16")
+    assert "; held at the data-sheet peak (times steeper than it, none faster): " in fitted.source
+    for cls, lines in fitted.curves.items():
+        if cls not in WHOLE_LAYER_CLASSES and cls not in COMPUTE_KINDS and cls != "wgrad":
+            assert all(line.rate is not None and line.rate <= spec.hbm_bw * (1 + 1e-12) for line in lines), (
+                cls
+            )
+    monkeypatch.setattr(calibrate, "class_peak", lambda gpu, cls, dtype: None)  # the control: unbounded
+    unbounded = calibrate.RuntimeModel("h200", calibrate._fit_curves(profiles, "h200", "bf16"))
+    monkeypatch.undo()
+    with pytest.raises(RateAbovePeakError, match="above h200's data-sheet peak"):
+        check_rates(unbounded, "bf16")
 
 
 def test_cpu_profile_fits_each_tp_size_on_its_own(rng):

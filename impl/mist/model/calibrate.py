@@ -54,11 +54,19 @@ WHOLE_LAYER_CLASSES = ("framework", "tempo", "tempo_gated", "gated")
 FIXED_WORK_CLASSES = ("loss", "embedding", "accumulate")
 
 
-def fit_line(work: np.ndarray, seconds: np.ndarray) -> Line:
+def fit_line(work: np.ndarray, seconds: np.ndarray, peak: float | None = None) -> Line:
     """Least squares on relative error, c0 >= 0 and rate > 0. Where the time does not grow with
     the work in the measured range (an overhead-bound op), or grows too little for its rate to be a
     float, the line is a constant (rate None, ``Line``): never an infinite rate, which no hardware
-    reaches and JSON cannot hold."""
+    reaches and JSON cannot hold.
+
+    With ``peak`` (the data sheet's rate for this work), where the line is steeper than the peak
+    allows but no time is (each op's work over its time within the peak): the slope is the noise
+    of a few kernels of a few microseconds each (their launch overheads differ by more than the
+    work's time at the peak), not their speed, and the line is the best one at the peak's slope.
+    Where a time itself is faster than the peak, the unbounded line, which ``check_rates``
+    refuses: no hardware ran it, the data or its reading (a dtype, a unit) is wrong. A fit within
+    the peak is the unbounded one, to the bit."""
     from scipy.optimize import nnls
 
     work, seconds = np.asarray(work, float), np.asarray(seconds, float)
@@ -70,6 +78,10 @@ def fit_line(work: np.ndarray, seconds: np.ndarray) -> Line:
     work, seconds = work[keep], seconds[keep]
     a = np.stack([np.ones_like(work), work], axis=1) / seconds[:, None]
     (c0, inv_rate), _ = nnls(a, np.ones_like(work))
+    if peak is not None and inv_rate < 1.0 / peak and np.max(work / seconds) <= peak:
+        # inv_rate = 1/peak + extra, extra >= 0: the same least squares, the peak's share moved over
+        (c0, extra), _ = nnls(a, 1.0 - work / peak / seconds)
+        return Line(float(c0), 1.0 / (1.0 / peak + float(extra)))
     # 1 / a denormal slope overflows to inf (as a slope of 0 would divide by zero): both are constants
     rate = 1.0 / float(inv_rate) if inv_rate > 1.0 / np.finfo(float).max else None
     return Line(float(c0), rate)
@@ -119,22 +131,38 @@ def fit_runtime_model(
         f"{kind}/{n}": (_fit_or_constant if kind in MEASURED_LAYERS else fit_line)(*zip(*rows, strict=True))
         for (kind, n), rows in collectives.items()
     }
-    curves = _fit_curves(profiles, gpu)
+    curves = _fit_curves(profiles, gpu, dtype)
     tps = sorted({p.tp for p in profiles})
     by_tp = {}
     if gpu == "cpu" and len(tps) > 1:
         # a class with no points at one size keeps the curve through every size, never the data
         # sheet's roofline (one whose times there are too few positive ones is that size's constant)
-        by_tp = {tp: curves | _fit_curves([p for p in profiles if p.tp == tp], gpu) for tp in tps}
+        by_tp = {tp: curves | _fit_curves([p for p in profiles if p.tp == tp], gpu, dtype) for tp in tps}
     overall = _fit_gated(profiles, RuntimeModel(gpu, curves, lines, source, by_tp))
     for tp, tp_curves in by_tp.items():  # each size's own where it timed the layer, as the others
         tp_curves.update(
             _fit_gated([p for p in profiles if p.tp == tp], RuntimeModel(gpu, tp_curves)) or overall
         )
     curves.update(overall)
+    held = _held_at_peak(curves, gpu, dtype)
+    if held:  # said where the model is read (its source), not only here
+        source = (
+            f"{source}; held at the data-sheet peak (times steeper than it, none faster): {', '.join(held)}"
+        )
     model = RuntimeModel(gpu, curves, lines, source, by_tp)
     check_rates(model, dtype)
     return model
+
+
+def _held_at_peak(curves: dict[str, tuple[Line, Line]], gpu: str, dtype: str) -> list[str]:
+    """The curves ``fit_line`` held at their class's data-sheet peak ("class direction")."""
+    out = []
+    for cls, lines in sorted(curves.items()):
+        if (bounded := class_peak(gpu, cls, dtype)) is not None:
+            for direction, line in zip(("forward", "backward"), lines, strict=True):
+                if line.rate is not None and line.rate >= bounded[0] * (1 - 1e-12):
+                    out.append(f"{cls} {direction}")
+    return out
 
 
 def _fit_gated(profiles: list[LayerProfile], priced: RuntimeModel) -> dict[str, tuple[Line, Line]]:
@@ -156,9 +184,10 @@ def _fit_gated(profiles: list[LayerProfile], priced: RuntimeModel) -> dict[str, 
     return {"gated": tuple(_fit_or_constant(work[d], excess[d]) for d in (0, 1))}
 
 
-def _fit_curves(profiles: list[LayerProfile], gpu: str) -> dict[str, tuple[Line, Line]]:
+def _fit_curves(profiles: list[LayerProfile], gpu: str, dtype: str) -> dict[str, tuple[Line, Line]]:
     """Every op class's (forward, backward) curves fitted to ``profiles``, the weight gradient's and
-    those of the ops outside the layer (``_fit_outside_layer``) with them."""
+    those of the ops outside the layer (``_fit_outside_layer``) with them; on a GPU each within its
+    data-sheet peak in ``dtype`` (``class_peak``, ``fit_line``)."""
     # (class, direction) -> [(work, seconds, data fits in L2)]
     samples: dict[tuple[str, int], list[tuple[float, float, bool]]] = {}
     l2 = gpus()[gpu].l2 if gpu in gpus() else 0
@@ -181,12 +210,13 @@ def _fit_curves(profiles: list[LayerProfile], gpu: str) -> dict[str, tuple[Line,
     for cls in sorted({c for c, _ in samples}):
         fits = [_beyond_cache(samples[(cls, d)], small_shapes_only) for d in (0, 1)]
         if all(work for work, _ in fits):  # a class with nothing to fit keeps the data sheet's roofline
-            curves[cls] = tuple(_fit_or_constant(*f) for f in fits)
+            peak = class_peak(gpu, cls, dtype)
+            curves[cls] = tuple(_fit_or_constant(*f, peak=peak and peak[0]) for f in fits)
     if "gemm" in curves:  # the weight gradient: see the module docstring
         timed = any(p.weight_gradients for p in profiles)
         gemm_f, gemm_b = curves["gemm"]
         curves["wgrad"] = (gemm_f, gemm_b if timed else gemm_f)
-    curves.update(_fit_outside_layer(profiles, curves))
+    curves.update(_fit_outside_layer(profiles, curves, class_peak(gpu, "loss", dtype)))
     return curves
 
 
@@ -212,21 +242,29 @@ def peak_flops(gpu: str, dtype: str) -> float:
     raise ValueError(f"no data-sheet FLOP/s peak of {gpu} for dtype {dtype!r} (known: {known})")
 
 
+def class_peak(gpu: str, cls: str, dtype: str) -> tuple[float, str] | None:
+    """The data-sheet rate that bounds op class ``cls`` on ``gpu`` and its unit: FLOP/s in
+    ``dtype`` for the compute classes, the HBM bandwidth for the memory-bound ones; None where
+    there is none (the ``cpu`` device's nominal numbers, a class fitted to a layer's excess time)."""
+    spec = gpus().get(gpu)
+    if spec is None or gpu == "cpu" or cls in WHOLE_LAYER_CLASSES:
+        return None
+    if cls in COMPUTE_KINDS or cls == "wgrad":
+        return peak_flops(gpu, dtype), "FLOP/s"
+    return spec.hbm_bw, "B/s"
+
+
 def check_rates(model: RuntimeModel, dtype: str = "fp16") -> None:
     """Every fitted compute rate within the data-sheet FLOP/s peak of ``dtype`` (``peak_flops``),
     every memory-bound one within the HBM bandwidth; a curve of these that does not grow with its
     work (a constant: an infinite rate) is above both. The ``cpu`` device has nominal numbers only:
     its lines are checked finite and > 0 where they are made (``Line``), not against a peak."""
-    spec = gpus().get(model.gpu)
-    if spec is None or model.gpu == "cpu":
-        return
-    flops = peak_flops(model.gpu, dtype)
     for cls, lines in model.curves.items():
-        if cls in WHOLE_LAYER_CLASSES:  # excesses of a layer's time: no hardware rate to exceed
+        if (bounded := class_peak(model.gpu, cls, dtype)) is None:  # no hardware rate to exceed
             continue
-        flop_rate = cls in COMPUTE_KINDS or cls == "wgrad"
-        peak, unit = (flops, "FLOP/s") if flop_rate else (spec.hbm_bw, "B/s")
-        bound = f"{model.gpu}'s data-sheet peak {peak:.3g} {unit}" + (f" in {dtype}" if flop_rate else "")
+        peak, unit = bounded
+        in_dtype = f" in {dtype}" if unit == "FLOP/s" else ""
+        bound = f"{model.gpu}'s data-sheet peak {peak:.3g} {unit}{in_dtype}"
         for direction, line in zip(("forward", "backward"), lines, strict=True):
             if line.rate is None and cls not in FIXED_WORK_CLASSES:
                 raise RateAbovePeakError(
@@ -239,7 +277,9 @@ def check_rates(model: RuntimeModel, dtype: str = "fp16") -> None:
                 )
 
 
-def _fit_outside_layer(profiles: list[LayerProfile], curves: dict) -> dict[str, tuple[Line, Line]]:
+def _fit_outside_layer(
+    profiles: list[LayerProfile], curves: dict, bandwidth: tuple[float, str] | None = None
+) -> dict[str, tuple[Line, Line]]:
     """The "loss" and "embedding" curves from the profiles' post-process and embedding rows.
 
     Post-process is the LM head's GEMM and the cross-entropy over the vocabulary: the GEMM is
@@ -270,7 +310,8 @@ def _fit_outside_layer(profiles: list[LayerProfile], curves: dict) -> dict[str, 
     out = {}
     for name, (wf, sf, wb, sb) in (("loss", loss), ("embedding", embed)):
         if len(wf) >= 2:
-            out[name] = (_fit_or_constant(wf, sf), _fit_or_constant(wb, sb))
+            peak = bandwidth and bandwidth[0]  # both memory-bound (their work: bytes)
+            out[name] = (_fit_or_constant(wf, sf, peak=peak), _fit_or_constant(wb, sb, peak=peak))
     return out
 
 
@@ -288,11 +329,11 @@ def _beyond_cache(
     return [w for w, _ in beyond], [s for _, s in beyond]
 
 
-def _fit_or_constant(work, seconds) -> Line:
-    """A line, or a constant where fewer than two times are positive (e.g. a framework overhead
-    that rounds to zero on some micro-batches)."""
+def _fit_or_constant(work, seconds, peak: float | None = None) -> Line:
+    """A line (within ``peak``: ``fit_line``), or a constant where fewer than two times are positive
+    (e.g. a framework overhead that rounds to zero on some micro-batches)."""
     if sum(x > 0 for x in seconds) >= 2:
-        return fit_line(work, seconds)
+        return fit_line(work, seconds, peak)
     return Line(float(np.mean(np.maximum(seconds, 0.0))), None)
 
 
