@@ -215,3 +215,26 @@ def test_a_refusal_is_read_from_the_report_and_any_other_failure_raises(monkeypa
         _one_launch(monkeypatch, tmp_path, 1, "error: a bug mid-step\n", None)
     with pytest.raises(RuntimeError, match="failed for a plan"):  # no report, no line
         _one_launch(monkeypatch, tmp_path, 1, "Traceback ...\n", None)
+
+
+def test_a_gpu_case_is_planned_for_the_machine_it_runs_on(monkeypatch):
+    """On a GPU the measured cases were planned for the device preset's node (8 GPUs sharing a 2 TB
+    host), while the lent machine has one GPU and 128 GiB: what offloading may fill is this
+    machine's RAM, its processes one node. The CPU setup keeps the device preset's cluster."""
+    from artifacts.mist_vs_megatron import measured
+    from mist import cluster
+
+    ram = random.choice([64, 128, 256]) * 2**30
+    page = 4096
+    monkeypatch.setattr(measured.os, "sysconf", lambda name: page if name == "SC_PAGE_SIZE" else ram // page)
+    case = random.choice(measured.GPU_MEASURED.cases)
+    c = measured.case_cluster(measured.GPU_MEASURED.base, case, case.planning_bytes)
+    assert (c.gpus, c.gpus_per_node, c.host.memory, c.gpu.memory) == (
+        case.processes,
+        case.processes,
+        ram,
+        case.planning_bytes,
+    )
+    cpu_case = random.choice(measured.CASES)
+    on_cpu = measured.case_cluster(measured.CPU_ENGINE, cpu_case, cpu_case.cap_bytes)
+    assert on_cpu == cluster("cpu", cpu_case.processes, gpu_memory=cpu_case.cap_bytes)

@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import shutil
 import statistics
 import tempfile
@@ -150,13 +151,26 @@ GPU_MEASURED = MeasuredSetup(
 )
 
 
+def case_cluster(base: EngineSetup, case: MeasuredCase, gpu_memory: int):
+    """The cluster a case is planned and priced on, each device capped at ``gpu_memory``: on a GPU
+    this machine, its processes one node and its RAM the host's (the lent machines have 128 GiB,
+    not the 2 TB host of the device preset's node: what offloading may fill); on a CPU the device
+    preset's, whose host is this one."""
+    from mist import cluster
+
+    if base.device != "cuda":
+        return cluster(base.gpu, case.processes, gpu_memory=gpu_memory)
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return cluster(base.gpu, case.processes, case.processes, host_memory=ram, gpu_memory=gpu_memory)
+
+
 def plain_plan(case: MeasuredCase, base: EngineSetup = CPU_ENGINE):
     """What a user tries first: data parallelism over every process, one micro-batch a step (no
     gradient accumulation), nothing recomputed, offloaded or sharded."""
-    from mist import Plan, StagePlan, cluster, model
+    from mist import Plan, StagePlan, model
 
     m = model(case.model, **base.model_overrides)
-    c = cluster(base.gpu, case.processes, gpu_memory=case.cap_bytes)
+    c = case_cluster(base, case, case.cap_bytes)
     stages = [StagePlan(layers=m.layers)]
     micro_batch = case.global_batch // case.processes
     fields = {"global_batch": case.global_batch, "tp": 1, "dp": case.processes, "micro_batch": micro_batch}
@@ -172,11 +186,11 @@ def plan_systems(
     from baselines.megatron.aceso import search_aceso
     from baselines.megatron.grid import search_grid
     from baselines.megatron.zero3 import search_zero3
-    from mist import NoFeasiblePlan, PlannerOptions, cluster, model, predict, search
+    from mist import NoFeasiblePlan, PlannerOptions, model, predict, search
     from mist.tuning.megatron_lm import search_megatron_lm
 
     m = model(case.model, **setup.base.model_overrides)
-    c = cluster(setup.base.gpu, case.processes, gpu_memory=case.planning_bytes)
+    c = case_cluster(setup.base, case, case.planning_bytes)
     gb = case.global_batch
     # Mist's whole space: the engine runs every offload on a CPU, and on one GPU (one replica)
     options = PlannerOptions()
