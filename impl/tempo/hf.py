@@ -100,12 +100,13 @@ def _is_silu(module: nn.Module) -> bool:
     return any(type(module) is c for c in silu)
 
 
-def _additive_mask(module, query, key, attention_mask, is_causal) -> torch.Tensor | None:
-    """The additive (B, 1|H, Sq, Sk) mask the Tempo core takes, from whatever mask the model made.
+def _attention_mask(module, query, key, attention_mask, is_causal) -> torch.Tensor | None:
+    """The (B, 1|H, Sq, Sk) mask Tempo's attention takes (additive, or boolean: True attends, as
+    SDPA reads it), from whatever mask the model made.
 
     Only the patched modules run Tempo's core; the model keeps building masks for its own
-    implementation. SDPA's are boolean (True: attend), or None where SDPA would be told
-    ``is_causal`` instead; eager's are already additive.
+    implementation. SDPA's are boolean, or None where SDPA would be told ``is_causal`` instead
+    (made here, additive); eager's are additive.
     """
     if attention_mask is None:
         causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
@@ -120,19 +121,14 @@ def _additive_mask(module, query, key, attention_mask, is_causal) -> torch.Tenso
             f"implementations), got {type(attention_mask).__name__} "
             f"{list(getattr(attention_mask, 'shape', []))}"
         )
-    if attention_mask.dtype == torch.bool:  # as transformers' eager_mask converts SDPA's masks
-        zero = torch.zeros((), dtype=query.dtype, device=attention_mask.device)
-        return torch.where(attention_mask, zero, torch.finfo(query.dtype).min)
-    if not attention_mask.is_floating_point():
-        raise ValueError(f"Tempo's attention takes float or bool masks, got dtype {attention_mask.dtype}")
-    return attention_mask
+    return attention_mask  # a boolean one (True: attend) is made additive by the op, as SDPA reads it
 
 
 def _tempo_attention(
     module, query, key, value, attention_mask, scaling=None, dropout=0.0, is_causal=None, **kwargs
 ):
     """transformers AttentionInterface signature; returns (B, S, H, D) like eager."""
-    mask = _additive_mask(module, query, key, attention_mask, is_causal)
+    mask = _attention_mask(module, query, key, attention_mask, is_causal)
     out, probs = scaled_dot_product_attention(
         query, key, value, mask, scaling, dropout_p=dropout, training=module.training
     )
@@ -352,8 +348,7 @@ def _replace_dropout(child: nn.Module) -> nn.Module | None:
             "an nn.Dropout with p=1.0 (it zeroes every element), which Tempo's dropout does not take "
             "(p in [0, 1)): patch with dropout=False to keep HF's dropout modules"
         )
-    new = TempoDropout(child.p)
-    return new.train(child.training)
+    return TempoDropout(child.p)
 
 
 def _replace_rmsnorm(child: nn.Module) -> nn.Module | None:
@@ -363,7 +358,7 @@ def _replace_rmsnorm(child: nn.Module) -> nn.Module | None:
 def _replace_swiglu(child: nn.Module) -> nn.Module | None:
     if type(child).__name__ not in GATED_MLP_CLASSES or not _is_silu(child.act_fn):
         return None
-    return TempoSwiGLUMLP(child.gate_proj, child.up_proj, child.down_proj).train(child.training)
+    return TempoSwiGLUMLP(child.gate_proj, child.up_proj, child.down_proj)
 
 
 _Named = tuple[str, nn.Module]  # a module and its qualified name
@@ -432,6 +427,9 @@ def _plan_modules(model: nn.Module, switched_on: dict[str, bool], report: PatchR
                         + (" and attention=False (its attention core reads the same p)" if also else "")
                     ) from None
                 if new is not None:
+                    # in the mode of the module it stands in for (unpatch copies it back: a model
+                    # patched in eval mode came back with its norms and GELU in training mode)
+                    new.train(child.training)
                     lists[kind].append(qualified)
                     new_slots.append(_Slot(qualified, parent, child_name, child, new))
                     break

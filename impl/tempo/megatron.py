@@ -98,6 +98,11 @@ class TempoNorm:
     def __new__(
         cls, config, hidden_size: int, eps: float = 1e-5, normalization: str | None = None, **_unused
     ):
+        if getattr(config, "layernorm_zero_centered_gamma", False):  # weight + 1 in megatron's norms
+            raise ValueError(
+                "Tempo's norms take the weight as it is stored, not zero-centred: "
+                "layernorm_zero_centered_gamma must be False with the Tempo spec"
+            )
         if normalization is not None and normalization != config.normalization:
             raise ValueError(
                 f"the Tempo spec was made for {normalization}, the config says {config.normalization!r}"

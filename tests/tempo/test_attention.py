@@ -250,3 +250,19 @@ def test_negative_control_a_float32_core_computed_in_bfloat16_fails_the_float32_
     half_out, half_p = tempo.attention_core(scores.bfloat16(), value.bfloat16())
     assert not ((half_out.double() - exact_out).abs() <= err_out).all()
     assert not ((half_p.double() - exact_p).abs() <= err_p).all()
+
+
+def test_a_boolean_mask_attends_where_true_as_sdpa_reads_it():
+    """A boolean mask was added to the scores as 0/1 (no mask at all, silently); it is now read as
+    torch's SDPA reads it (True attends), and an integer mask is refused in one line. Control: the
+    same mask as its additive form gives the same output."""
+    q, k, v, _ = qkv(s=int(torch.randint(4, 24, ())))
+    s = q.shape[-2]
+    causal = torch.ones(s, s, dtype=torch.bool).tril()
+    out, _ = tempo.scaled_dot_product_attention(q, k, v, causal, dropout_p=0.0)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=causal)
+    torch.testing.assert_close(out, ref)  # float64: torch's own tolerances for it
+    additive = torch.zeros(s, s, dtype=q.dtype).masked_fill(~causal, torch.finfo(q.dtype).min)
+    torch.testing.assert_close(out, tempo.scaled_dot_product_attention(q, k, v, additive)[0], rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"attention_mask must be float .* or bool .*, got torch\.int64"):
+        tempo.scaled_dot_product_attention(q, k, v, causal.long())

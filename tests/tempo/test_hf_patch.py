@@ -180,6 +180,17 @@ def test_unpatch_restores_everything():
     torch.testing.assert_close(logits(model, ids, mask), before, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("training", [True, False])
+def test_the_modules_tempo_puts_in_are_in_the_models_mode_and_unpatch_keeps_it(training):
+    """TempoLayerNorm and TempoGELU were made in training mode whatever the model's, and unpatch
+    copied that back: a model patched in eval mode came back with its norms and GELU training."""
+    model = tiny("bert").train(training)
+    tempo.patch(model)
+    assert {m.training for m in model.modules() if type(m).__name__.startswith("Tempo")} == {training}
+    tempo.unpatch(model)
+    assert {m.training for m in model.modules()} == {training}
+
+
 def test_patch_twice_and_unpatch_unpatched_are_refused():
     model = tiny("gpt2")
     with pytest.raises(RuntimeError, match="not patched"):

@@ -788,3 +788,20 @@ def test_a_sub_module_without_its_config_is_refused_without_claiming_sub_modules
         tempo.patch(bert.bert.embeddings)
     assert "got BertEmbeddings (no HF config in it): patch the model or layer that holds it" in str(e.value)
     assert tempo.patch(bert.bert.encoder.layer[0]).layernorms  # control: a layer holds its config
+
+
+def test_float64_takes_the_pytorch_path_where_the_kernels_compute_float32():
+    """On CUDA, GELU's, LayerNorm's, dropout's and the attention core's kernels compute in float32:
+    float64 (the tests' reference precision) came back float32-rounded. It now takes their PyTorch
+    paths; RMSNorm's and SwiGLU's kernels compute float64 and keep it. (A stand-in for a CUDA
+    tensor: what use_triton reads of one.)"""
+    from tempo import _common
+    from tempo.kernels import TRITON_AVAILABLE
+
+    def cuda(dtype):
+        return types.SimpleNamespace(is_cuda=True, numel=lambda: 8, dtype=dtype)
+
+    assert _common.use_triton(cuda(torch.float64)) is False
+    assert _common.use_triton(cuda(torch.float32), cuda(torch.float64)) is False
+    assert _common.use_triton(cuda(torch.float64), float64=True) is TRITON_AVAILABLE
+    assert _common.use_triton(cuda(torch.bfloat16)) is TRITON_AVAILABLE  # the control

@@ -118,3 +118,7 @@ def test_a_norm_spec_for_one_normalization_refuses_a_config_of_another():
     config.params_dtype = torch.float32
     norm = TempoNorm(config, 8, normalization="RMSNorm")
     assert type(norm).__name__ == "TempoRMSNorm" and norm.weight.sequence_parallel is False
+    # megatron's norms compute with weight + 1 under this flag; Tempo's took the weight as stored
+    config.layernorm_zero_centered_gamma = True
+    with pytest.raises(ValueError, match="layernorm_zero_centered_gamma must be False"):
+        TempoNorm(config, 8, normalization="RMSNorm")

@@ -1,4 +1,4 @@
-"""Triton kernels for the lean attention core (see tempo/attention.py).
+"""Triton kernels for the lean attention core (see tempo/ops/attention.py).
 
 Row-wise kernels around two cuBLAS matmuls:
   forward:  P = softmax(S) (kept), D = P * keep / (1 - p) (transient)  ->  out = D @ V
@@ -21,7 +21,7 @@ import triton.language as tl
 def _softmax_dropout_fwd_kernel(
     s_ptr, p_ptr, d_ptr, Sk, p_drop, seed, HAS_DROPOUT: tl.constexpr, BLOCK: tl.constexpr
 ):
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)  # int64: an offset past 2^31 elements wraps in int32
     cols = tl.arange(0, BLOCK)
     inside = cols < Sk
     s = tl.load(s_ptr + row * Sk + cols, mask=inside, other=float("-inf")).to(tl.float32)
@@ -29,7 +29,7 @@ def _softmax_dropout_fwd_kernel(
     probs = e / tl.sum(e, axis=0)
     tl.store(p_ptr + row * Sk + cols, probs.to(p_ptr.dtype.element_ty), mask=inside)
     if HAS_DROPOUT:
-        keep = tl.rand(seed, row * Sk + cols) >= p_drop
+        keep = tl.rand(seed, (row * Sk + cols).to(tl.int32)) >= p_drop  # the Philox counter as before
         probs = tl.where(keep, probs / (1.0 - p_drop), 0.0)
         tl.store(d_ptr + row * Sk + cols, probs.to(d_ptr.dtype.element_ty), mask=inside)
 
@@ -48,14 +48,14 @@ def _softmax_dropout_bwd_kernel(
     HAS_GRAD_PROBS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)  # int64: an offset past 2^31 elements wraps in int32
     cols = tl.arange(0, BLOCK)
     inside = cols < Sk
     probs = tl.load(p_ptr + row * Sk + cols, mask=inside, other=0.0).to(tl.float32)
     grad = tl.load(dd_ptr + row * Sk + cols, mask=inside, other=0.0).to(tl.float32)
     dropped = probs
     if HAS_DROPOUT:
-        keep = tl.rand(seed, row * Sk + cols) >= p_drop
+        keep = tl.rand(seed, (row * Sk + cols).to(tl.int32)) >= p_drop  # the Philox counter as before
         grad = tl.where(keep, grad / (1.0 - p_drop), 0.0)
         dropped = tl.where(keep, probs / (1.0 - p_drop), 0.0)
     if HAS_GRAD_PROBS:

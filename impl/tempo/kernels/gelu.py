@@ -1,4 +1,4 @@
-"""Triton kernels for Tempo's in-place GELU (math in float32; see tempo/gelu.py for the method).
+"""Triton kernels for Tempo's in-place GELU (math in float32; see tempo/ops/gelu.py for the method).
 
 Forward: y = GELU(x) and one bit per element (x < x_min), 8 elements packed per byte.
 Backward: recover x from (y, bit) by the same Newton iteration as the PyTorch path and multiply
@@ -76,7 +76,7 @@ def _log_neg_gelu_and_derivative(x, TANH: tl.constexpr):
 def _gelu_fwd_kernel(
     x_ptr, y_ptr, bits_ptr, n, thr, INCLUSIVE: tl.constexpr, TANH: tl.constexpr, BLOCK: tl.constexpr
 ):
-    pid = tl.program_id(0)
+    pid = tl.program_id(0).to(tl.int64)  # int64: an offset past 2^31 elements wraps in int32
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     inside = offs < n
     x = tl.load(x_ptr + offs, mask=inside, other=0.0).to(tl.float32)
@@ -103,7 +103,7 @@ def _gelu_bwd_kernel(
     STEPS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    pid = tl.program_id(0)
+    pid = tl.program_id(0).to(tl.int64)  # int64: an offset past 2^31 elements wraps in int32
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     inside = offs < n
     y = tl.load(y_ptr + offs, mask=inside, other=0.0).to(tl.float32)

@@ -1,4 +1,4 @@
-"""Triton kernels for Tempo's in-place LayerNorm (see tempo/layernorm.py for the method).
+"""Triton kernels for Tempo's in-place LayerNorm (see tempo/ops/layernorm.py for the method).
 
 Forward: one program per row; writes y and rstd (float32). Backward: each program walks a
 group of rows, writes dx for each and accumulates its partial d_gamma / d_beta in registers;
@@ -20,7 +20,7 @@ from ..layernorm_rows import ROWS_PER_PROGRAM, _rows, gamma_floor
 
 @triton.jit
 def _ln_fwd_kernel(x_ptr, w_ptr, b_ptr, y_ptr, rstd_ptr, D, eps, BLOCK_D: tl.constexpr):
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)  # int64: an offset past 2^31 elements wraps in int32
     cols = tl.arange(0, BLOCK_D)
     inside = cols < D
     x = tl.load(x_ptr + row * D + cols, mask=inside, other=0.0).to(tl.float32)
@@ -51,7 +51,7 @@ def _ln_bwd_kernel(
     ROWS: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    pid = tl.program_id(0)
+    pid = tl.program_id(0).to(tl.int64)  # int64: an offset past 2^31 elements wraps in int32
     cols = tl.arange(0, BLOCK_D)
     inside = cols < D
     w = tl.load(w_ptr + cols, mask=inside, other=1.0).to(tl.float32)

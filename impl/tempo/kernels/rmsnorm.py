@@ -79,7 +79,7 @@ def _rms_bwd_kernel(
     ROWS: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    pid = tl.program_id(0)
+    pid = tl.program_id(0).to(tl.int64)  # int64: an offset past 2^31 elements wraps in int32
     cols = tl.arange(0, BLOCK_D)
     inside = cols < D
     f = dw_part_ptr.dtype.element_ty

@@ -246,6 +246,14 @@ def scaled_dot_product_attention(
                 f"attention_mask {list(attention_mask.shape)} must broadcast to the scores' "
                 f"{list(scores_shape)} (..., Sq, Sk)"
             ) from None
+        if attention_mask.dtype == torch.bool:  # torch's SDPA's convention: True attends
+            zero = torch.zeros((), dtype=query.dtype, device=attention_mask.device)
+            attention_mask = torch.where(attention_mask, zero, torch.finfo(query.dtype).min)
+        elif not attention_mask.is_floating_point():  # an integer mask added as 0/1 was no mask at all
+            raise ValueError(
+                f"attention_mask must be float (added to the scores) or bool (True: attend), "
+                f"got {attention_mask.dtype}"
+            )
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     scores = torch.matmul(query, key.transpose(-1, -2)) * scaling

@@ -77,7 +77,7 @@ def rms_norm_backward_torch(grad: Tensor, y: Tensor, rstd: Tensor, weight: Tenso
 @torch.library.custom_op("tempo::rms_norm_fwd", mutates_args=())
 def rms_norm_fwd(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     """RMSNorm over the last dim; returns (y, rstd[rows] in float32/64). ``x`` must be contiguous."""
-    if use_triton(x, weight):
+    if use_triton(x, weight, float64=True):
         from ..kernels.rmsnorm import rms_norm_fwd_triton
 
         return rms_norm_fwd_triton(x, weight, eps)
@@ -94,7 +94,7 @@ def _(x, weight, eps):
 @torch.library.custom_op("tempo::rms_norm_bwd", mutates_args=())
 def rms_norm_bwd(grad: Tensor, y: Tensor, rstd: Tensor, weight: Tensor) -> tuple[Tensor, Tensor]:
     grad = grad.contiguous()
-    if use_triton(grad, y, rstd, weight):
+    if use_triton(grad, y, rstd, weight, float64=True):
         from ..kernels.rmsnorm import rms_norm_bwd_triton
 
         return rms_norm_bwd_triton(grad, y, rstd, weight)

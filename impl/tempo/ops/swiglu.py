@@ -49,7 +49,7 @@ def swiglu_backward_torch(dh: Tensor, gate: Tensor, up: Tensor) -> tuple[Tensor,
 
 def swiglu_hidden(gate: Tensor, up: Tensor) -> Tensor:
     """h = silu(gate) * up: the Triton kernel on CUDA, else the PyTorch path."""
-    if use_triton(gate, up):
+    if use_triton(gate, up, float64=True):
         from ..kernels.swiglu import swiglu_fwd_triton
 
         return swiglu_fwd_triton(gate, up)
@@ -73,7 +73,7 @@ def swiglu_down_bwd(grad: Tensor, gate: Tensor, up: Tensor, weight: Tensor) -> t
     dweight = grad.reshape(-1, grad.shape[-1]).t().matmul(h.reshape(-1, h.shape[-1]))
     del h  # dead before dh exists: one ffn-wide tensor fewer at the backward's peak
     dh = grad.matmul(weight)  # the linear's input gradient
-    if use_triton(dh, gate, up):
+    if use_triton(dh, gate, up, float64=True):
         from ..kernels.swiglu import swiglu_bwd_triton
 
         dgate, dup = swiglu_bwd_triton(dh, gate, up, overwrite_dh=True)  # dh is ours, dead after
