@@ -225,8 +225,7 @@ def test_a_gpu_case_is_planned_for_the_machine_it_runs_on(monkeypatch):
     from mist import cluster
 
     ram = random.choice([64, 128, 256]) * 2**30
-    page = 4096
-    monkeypatch.setattr(measured.os, "sysconf", lambda name: page if name == "SC_PAGE_SIZE" else ram // page)
+    monkeypatch.setattr(measured, "machine_memory_bytes", lambda: ram)
     case = random.choice(measured.GPU_MEASURED.cases)
     c = measured.case_cluster(measured.GPU_MEASURED.base, case, case.planning_bytes)
     assert (c.gpus, c.gpus_per_node, c.host.memory, c.gpu.memory) == (

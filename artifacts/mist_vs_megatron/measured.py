@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import shutil
 import statistics
 import tempfile
@@ -40,6 +39,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from measure.checks import machine_memory_bytes
 from measure.cli import OneLineParser
 from measure.results import Point, ResultFile, Results, Run
 
@@ -160,8 +160,9 @@ def case_cluster(base: EngineSetup, case: MeasuredCase, gpu_memory: int):
 
     if base.device != "cuda":
         return cluster(base.gpu, case.processes, gpu_memory=gpu_memory)
-    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return cluster(base.gpu, case.processes, case.processes, host_memory=ram, gpu_memory=gpu_memory)
+    return cluster(
+        base.gpu, case.processes, case.processes, host_memory=machine_memory_bytes(), gpu_memory=gpu_memory
+    )
 
 
 def plain_plan(case: MeasuredCase, base: EngineSetup = CPU_ENGINE):

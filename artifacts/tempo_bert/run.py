@@ -50,6 +50,7 @@ from measure.cli import quiet_broken_pipe
 from measure.memory import PeakReport, search_max_batch
 from measure.parallel import map_points
 from measure.results import ResultFile, Results, Run
+from measure.timing import select_cuda_device
 from measure.units import GiB
 from tempo.maxbatch import (
     compile_kept_scale,
@@ -513,8 +514,8 @@ def main(argv: list[str] | None = None) -> None:
             ap.error(f"{', '.join(given)} apply to the throughput part only; add throughput to --parts")
     if not device_name(config.device):
         ap.error(f"--device must be cpu or cuda[:N], got {config.device!r}")
-    if config.device.startswith("cuda") and not torch.cuda.is_available():
-        ap.error(f"--device {config.device}: no CUDA device here (use --device cpu)")
+    if config.device.startswith("cuda") and (problem := select_cuda_device(config.device)) is not None:
+        ap.error(problem)
     setup = THROUGHPUT[config.scale]
     setup = replace(
         setup,

@@ -29,7 +29,7 @@ import tempo
 from measure.checks import device_name, machine_memory_bytes
 from measure.cli import quiet_broken_pipe
 from measure.saved import cuda_like_dropout, saved_bytes
-from measure.timing import time_fn
+from measure.timing import select_cuda_device, time_fn
 from measure.training import DTYPES
 from measure.units import format_bytes
 from tempo.ops import gelu as tempo_gelu
@@ -331,13 +331,8 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(f"--device must be cpu or cuda[:N], got {config.device!r}")
     on_gpu = config.device.startswith("cuda")
     only_compile = config.compile_only or on_gpu
-    if on_gpu:
-        index = torch.device(config.device).index or 0
-        if not torch.cuda.is_available() or index >= torch.cuda.device_count():
-            ap.error(
-                f"--device {config.device}: no such CUDA device here (the CPU runs every row: --device cpu)"
-            )
-        torch.cuda.set_device(index)  # the timing's events and synchronisation are the current device's
+    if on_gpu and (problem := select_cuda_device(config.device)) is not None:
+        ap.error(problem)
     if config.no_compile and only_compile:
         ap.error("--no-compile leaves out the only rows --compile-only and --device cuda run")
     if only_compile and config.dtype != TempoLayerConfig.dtype:

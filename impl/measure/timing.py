@@ -20,6 +20,18 @@ class Timing:
     repeats: int
 
 
+def select_cuda_device(device: str) -> str | None:
+    """Make ``device`` (``cuda`` or ``cuda:N``) the current CUDA device, or say in one line why it
+    cannot be (None: done). Timing's events and synchronisation, and Triton's launches, are the
+    current device's: with another's tensors they time the wrong GPU or read its memory from this
+    one's stream."""
+    index = torch.device(device).index or 0
+    if not torch.cuda.is_available() or index >= torch.cuda.device_count():
+        return f"--device {device}: no such CUDA device here (--device cpu runs on the CPU)"
+    torch.cuda.set_device(index)
+    return None
+
+
 def time_fn(fn: Callable[[], object], device: str = "cpu", warmup: int = 2, repeats: int = 5) -> Timing:
     for _ in range(warmup):
         fn()  # the first call may compile: a Ctrl-C swallowed there stops the timing here

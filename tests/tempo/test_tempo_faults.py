@@ -438,6 +438,13 @@ def test_maxbatch_interrupted_in_its_search_ends_in_one_line(sig):
         (["--device", "cudafoo"], "got 'cudafoo'"),
         (["--device", "cpu:abc"], "got 'cpu:abc'"),
         (["--cases", "bert-mini/16", "bert-mini/16"], "--cases: bert-mini/16 given twice"),  # F26
+        # a device index never checked (a traceback later) nor made current (Triton's kernels and
+        # the timing's events on device 0 with another's tensors): one line, as tempo_layer's
+        pytest.param(
+            ["--device", "cuda:7"],
+            "--device cuda:7: no such CUDA device here",
+            marks=pytest.mark.skipif(torch.cuda.device_count() > 7, reason="a cuda:7 is here"),
+        ),
     ],
 )
 def test_run_refuses_bad_cases_before_any_work(argv, message, capsys, monkeypatch, tmp_path):
