@@ -235,7 +235,7 @@ MAXBATCH_FIELDS = ("model", "head", "seq", "precision", "configuration")
 
 def maxbatch_key(model: str, head: str, seq: int, precision: str, configuration: str) -> dict:
     fields = dict(zip(MAXBATCH_FIELDS, (model, head, seq, precision, configuration), strict=True))
-    return {**fields, "optimizer": "AdamW", "reserve": "0.75 GiB + 5%"}
+    return {**fields, "optimizer": "AdamW", "reserve": GpuBudget(0).reserve}  # the default reserve
 
 
 def run_maxbatch(run: Run, cases, configs, precisions, jobs: int, scale: str) -> ResultFile:

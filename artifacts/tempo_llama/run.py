@@ -40,6 +40,7 @@ import torch
 from tqdm import tqdm
 from transformers.utils import logging as hf_logging
 
+from measure.budget import GpuBudget
 from measure.cli import quiet_broken_pipe
 from measure.memory import StepMemoryEstimator
 from measure.parallel import map_points
@@ -207,7 +208,7 @@ def maxbatch_key(model: str, seq: int, configuration: str) -> dict:
         "configuration": configuration,
         "precision": PRECISION,
         "optimizer": "AdamW",
-        "reserve": "0.75 GiB + 5%",
+        "reserve": GpuBudget(0).reserve,  # the default reserve
     }
 
 

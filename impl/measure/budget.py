@@ -29,6 +29,11 @@ class GpuBudget:
     def usable_bytes(self) -> int:
         return int((self.capacity_bytes - self.context_bytes) * (1.0 - self.fragmentation))
 
+    @property
+    def reserve(self) -> str:
+        """The reserve as the results name it in their keys, e.g. "0.75 GiB + 5%"."""
+        return f"{self.context_bytes / GiB:g} GiB + {self.fragmentation:.0%}"
+
     @classmethod
     def parse(cls, text: str, **kwargs) -> GpuBudget:
         """'16GB' / '16GiB' / '11g' (binary GiB, as GPUs are sold), '512MiB', or a byte count."""

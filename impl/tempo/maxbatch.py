@@ -195,9 +195,18 @@ def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, str, GpuBudget]:
         action="store_true",
         help="the model under torch.compile (default budget): its step keeping what compile keeps",
     )
-    ap.add_argument("--context-gb", type=_non_negative_float, default=0.75, help="reserve, GiB (>= 0)")
+    default = GpuBudget(0)  # the reserve's defaults, measure.budget's
     ap.add_argument(
-        "--fragmentation", type=_fraction, default=0.05, help="reserve, fraction of the rest, in [0, 1)"
+        "--context-gb",
+        type=_non_negative_float,
+        default=default.context_bytes / GiB,
+        help="reserve, GiB (>= 0)",
+    )
+    ap.add_argument(
+        "--fragmentation",
+        type=_fraction,
+        default=default.fragmentation,
+        help="reserve, fraction of the rest, in [0, 1)",
     )
     ap.add_argument("--no-verify", action="store_true", help="skip the full-depth estimate at the answer")
     args = ap.parse_args(argv)
