@@ -150,9 +150,9 @@ SXM_SHEETS = ("h100", "h200", "b200")
 def sheet_of(device_name: str) -> str:
     """The data sheet of the GPU torch names ``device_name``: ValueError, in one line naming those
     accepted, for any other (a model priced on another GPU's peak would be labelled as this one)."""
-    name = device_name.lower()
-    found = [sheet for sheet in SXM_SHEETS if sheet in name]
-    if len(found) != 1 or "pcie" in name or "nvl" in name:
+    words = device_name.lower().replace("-", " ").split()  # whole words: a GH200 is no H200
+    found = [sheet for sheet in SXM_SHEETS if sheet in words]
+    if len(found) != 1 or "pcie" in words or "nvl" in words:
         raise ValueError(
             f"no data sheet for {device_name!r} in the latency model: it has the SXM {', '.join(SXM_SHEETS)}"
         )

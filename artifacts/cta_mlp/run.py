@@ -253,6 +253,13 @@ def main(argv: list[str] | None = None) -> None:
         ap.error("the gpu part needs --device cuda (or --gpu-dry-run)")
     if config.gpu_dry_run and "gpu" not in config.parts:  # it would be ignored without a word
         ap.error("--gpu-dry-run applies to the gpu part only; add gpu to --parts")
+    if config.device == "cuda" and "gpu" in config.parts:  # the latency model's sheet, before any work
+        from .gpu import sheet_of
+
+        try:
+            sheet_of(torch.cuda.get_device_name())
+        except ValueError as e:
+            ap.error(str(e))
     with experiment_run(args, EXPERIMENT) as run:
         if "sim" in config.parts:
             part_sim(run)

@@ -25,7 +25,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
 import platform
 import shutil
 import statistics
@@ -37,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from measure import fork_launch
+from measure.checks import usable_cores
 from measure.cli import OneLineParser
 from measure.contention import Contention, OtherWork
 from measure.launch import run_torchrun
@@ -223,7 +223,7 @@ def _launch(plan, processes: int, args: list[str]) -> subprocess.CompletedProces
     if plan.gpu != "cpu":
         # the host's cores shared by the ranks, as a GPU job has them: an offloaded optimizer
         # steps on the host (one thread a rank is the CPU engine's, whose ranks are the compute)
-        threads = max(1, (os.cpu_count() or 1) // processes)
+        threads = max(1, usable_cores() // processes)
         return run_torchrun(processes, "mist.engine.run", args, timeout=900, threads=threads)
     return fork_launch.shared("mist.engine.run:preload").run(processes, "mist.engine.run", args, timeout=900)
 

@@ -39,9 +39,24 @@ def device_name(value: str) -> bool:
     return re.fullmatch(r"cpu|cuda(:[0-9]+)?", value) is not None
 
 
-def machine_memory_bytes() -> int:
-    """This machine's physical memory (what a shape or a state must fit in before any work)."""
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+# a container's memory limit: cgroup v2's, then v1's (which says "no limit" as a huge number)
+CGROUP_MEMORY_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
+
+
+def machine_memory_bytes(limits: tuple[str, ...] = CGROUP_MEMORY_LIMITS) -> int:
+    """The memory this process's machine gives it (what a shape or a state must fit in before any
+    work): the physical memory, or a container's limit where that is less (its node's physical
+    memory is what the page count says there)."""
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for path in limits:
+        try:
+            with open(path) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            return min(physical, int(text))
+    return physical
 
 
 def usable_cores() -> int:

@@ -447,6 +447,8 @@ def test_the_interpreter_is_recorded_as_triton_reads_its_switch(monkeypatch, val
         ("NVIDIA H100 PCIe", None),  # another peak and no NVLink: not the SXM sheet
         ("NVIDIA H100 NVL", None),
         ("NVIDIA A100-SXM4-40GB", None),  # no SMs or NVLink numbers for the latency model
+        ("NVIDIA GH200 480GB", None),  # a Hopper superchip: no sheet, and no H200 (whole words)
+        ("NVIDIA H100-SXM5-80GB", "h100"),
     ],
 )
 def test_the_gpu_measured_is_modelled_on_its_own_data_sheet(name, sheet):

@@ -7,6 +7,7 @@ import contextlib
 import gc
 import json
 import math
+import random
 import weakref
 
 import pytest
@@ -663,3 +664,22 @@ def test_the_shipped_data_sheets_read():
         assert [sheet.flops, sheet.fp32_flops, sheet.memory, sheet.sms] == [
             written[name][k] for k in ("dense_bf16_flop_per_s", "fp32_flop_per_s", "memory_bytes", "sms")
         ]
+
+
+def test_the_machines_memory_is_a_containers_limit_where_that_is_less(tmp_path):
+    """In a container the page count is the node's memory: a plan or a shape checked against it
+    could need more than the container may use. The cgroup's limit (v2's "max": none; v1's huge
+    number: none either way, as the smaller one is taken) where there is one."""
+    import os
+
+    from measure.checks import machine_memory_bytes
+
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    v2, v1 = tmp_path / "memory.max", tmp_path / "memory.limit_in_bytes"
+    limit = random.randint(2**30, physical - 1)
+    v2.write_text(f"{limit}\n")
+    assert machine_memory_bytes((str(v2), str(v1))) == limit
+    v2.write_text("max\n")  # no limit in v2: the next file, else the physical memory
+    assert machine_memory_bytes((str(v2), str(v1))) == physical
+    v1.write_text(f"{2**63 - 4096}\n")  # v1's "no limit"
+    assert machine_memory_bytes((str(tmp_path / "absent"), str(v1))) == physical

@@ -9,11 +9,11 @@ import shutil
 import numpy as np
 import pytest
 
-from mist.model.calibrate import fit_line
+from mist.model.calibrate import check_rates, fit_line
 from mist.model.interference import Interference
 from mist.model.profile_data import ARTIFACT_DATA
-from mist.model.runtime import Line, load_runtime_model, roofline_model
-from mist.model.specs import cluster, model
+from mist.model.runtime import Line, RuntimeModel, load_runtime_model, roofline_model
+from mist.model.specs import cluster, gpus, model
 
 DATA = ARTIFACT_DATA  # vendored in the repository: these tests never skip for missing data
 
@@ -46,7 +46,12 @@ def test_fit_line_holds_a_rate_to_the_data_sheet_peak(rng):
     faster = c0 + work / (peak * rng.uniform(1.05, 1.45))  # no hardware does this: noise, a cache
     assert fit_line(work, faster).rate > peak  # what check_rates refuses
     held = fit_line(work, faster, peak)
-    assert held.rate == pytest.approx(peak, rel=1e-9) and held.rate <= peak * (1 + 1e-12)
+    assert held.rate == pytest.approx(peak, rel=1e-9) and held.rate <= peak  # check_rates' test, exactly
+    # L4's half-precision peak, whose 1/(1/peak) rounds above it: what check_rates then refused
+    l4 = gpus()["l4"].flops
+    held_l4 = fit_line(work * l4 / peak, faster, l4)
+    assert held_l4.rate <= l4
+    check_rates(RuntimeModel("l4", {"attention": (held_l4, held_l4)}), "fp16")
     assert (work / faster).max() <= peak  # no op alone faster than the peak: the slope is noise
     # ops that alone ran faster than the peak (large work, a misread dtype or unit: 2x and more):
     # no noise, left for check_rates to refuse

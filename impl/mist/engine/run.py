@@ -122,7 +122,8 @@ def _allocator_fraction(plan: Plan) -> float | None:
         return None
     from measure.budget import GpuBudget
 
-    total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    # this rank's device (checked before _start makes it the current one)
+    total = torch.cuda.get_device_properties(int(os.environ.get("LOCAL_RANK", "0"))).total_memory
     context = GpuBudget(plan.gpu_memory_bytes).context_bytes
     if plan.gpu_memory_bytes > total:
         raise ValueError(
@@ -1095,7 +1096,9 @@ def main(argv: list[str] | None = None) -> int:
         plan = runnable(Plan.load(args.plan), world_size)
     except PlanRefused as e:  # a plan, but not one this engine runs here: said in the report too
         print(f"error: {e}", file=sys.stderr)
-        if args.out and rank == 0:  # so a caller need not read it back from the message
+        # so a caller need not read it back from the message; every rank refuses alike and any
+        # may be the first (torchrun stops the others then), so each writes it, whole
+        if args.out:
             write_json_atomic(Path(args.out), {"refused": e.reasons})
         return 2
     except (OSError, ValueError) as e:  # a plan file missing or unreadable; not a plan; not for this launch

@@ -81,7 +81,8 @@ def fit_line(work: np.ndarray, seconds: np.ndarray, peak: float | None = None) -
     if peak is not None and inv_rate < 1.0 / peak and np.max(work / seconds) <= peak:
         # inv_rate = 1/peak + extra, extra >= 0: the same least squares, the peak's share moved over
         (c0, extra), _ = nnls(a, 1.0 - work / peak / seconds)
-        return Line(float(c0), 1.0 / (1.0 / peak + float(extra)))
+        # the peak itself, not 1/(1/peak), which can round one step above it (L4's 1.21e14)
+        return Line(float(c0), peak if extra == 0 else min(peak, 1.0 / (1.0 / peak + float(extra))))
     # 1 / a denormal slope overflows to inf (as a slope of 0 would divide by zero): both are constants
     rate = 1.0 / float(inv_rate) if inv_rate > 1.0 / np.finfo(float).max else None
     return Line(float(c0), rate)

@@ -141,7 +141,9 @@ def attention_core_bwd(
     seed: Tensor,
     scores_dtype: torch.dtype,
 ) -> tuple[Tensor, Tensor]:
-    if use_triton(grad_out, probs, value):
+    # the forward's choice (use_triton(scores, value)): a float64 scores took the PyTorch path,
+    # whose dropout mask the kernel's would not regenerate
+    if use_triton(grad_out, probs, value) and scores_dtype != torch.float64:
         from ..kernels.attention import attention_core_bwd_triton
 
         return attention_core_bwd_triton(grad_out, grad_probs, probs, value, p, int(seed), scores_dtype)
