@@ -25,7 +25,7 @@ pipeline stages); around its modules the engine runs the plan's parts it has no 
 * stages with a TP and DP of their own (layout.py: megatron-core's state per stage, the pieces of
   each micro-batch's sequences sent between stages whose shapes differ).
 
-Refused at launch, in one line and in rank 0's report (``PlanRefused``): on a GPU, weight and
+Refused at launch, in one line and in the report (``--out``; ``PlanRefused``): on a GPU, weight and
 gradient offloading with ZeRO-3 over DP replicas (CPU only so far: ``_gpu_offload_limits``);
 interleaved pipelines with what Megatron-LM does not interleave; a Megatron-LM limit the engine
 does not build around (none now: ``unsupported``). ZeRO-1 shards fp32 master weights and Adam state over
