@@ -46,7 +46,7 @@ from measure.memory import StepMemoryEstimator
 from measure.parallel import map_points
 from measure.results import ResultFile, Results, Run
 from tempo.maxbatch import compile_kept_scale, kept_scale_json, kept_scale_text
-from tempo.models import ModelSpec, build_model, make_batch, models
+from tempo.models import CONFIGURATIONS, ModelSpec, build_model, make_batch, models
 from tempo.ops import workspace_bytes
 
 from ..experiment import config_from_command_line, experiment_run, option
@@ -269,7 +269,8 @@ def training_point(configuration: str, row_order: str, dtype: str) -> dict:
     loss_of = None
     if dtype == "fp64":
         model = model.double()  # AdamW follows the parameters' dtype
-        loss_of = None if configuration.endswith("+loss") else causal_lm_loss
+        # Tempo's lean loss computes the loss itself (its configuration says so, not its name)
+        loss_of = None if CONFIGURATIONS[configuration].tempo.get("loss") else causal_lm_loss
         for module in model.modules():  # HF's norms (Tempo's are no longer LlamaRMSNorm)
             if isinstance(module, LlamaRMSNorm):
                 module.forward = functools.partial(_rms_norm_in_its_dtype, module)

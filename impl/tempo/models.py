@@ -141,7 +141,7 @@ class Configuration:
     tempo: dict[str, bool] = field(default_factory=dict)  # tempo.patch switches; empty: unpatched
     checkpointing: bool = False
     families: tuple[str, ...] = FAMILIES  # the models it applies to
-    heads: tuple[str, ...] = ("pretraining", "classification", "qa")  # and the task heads
+    heads: tuple[str, ...] = HEADS  # and the task heads
 
 
 _ALL = dict(layernorm=True, gelu=True, attention=True, dropout=True, rmsnorm=True, swiglu=True)
