@@ -54,7 +54,12 @@ def _cases():
         x = _randn(B, S, H)
         ln = torch.nn.LayerNorm(H, device=DEVICE, dtype=DTYPE)
         with torch.no_grad():  # not the initial 1 and 0, so that the check sees them
-            ln.weight.copy_(1 + 0.3 * torch.randn(H))
+            # |weight| >= 0.5: Tempo's LayerNorm recovers the normalised input from its output,
+            # dividing by the weight, so a weight near 0 amplifies the output's rounding by
+            # 1/|weight| (1 + 0.3 randn drew 1.8e-4 at a seed of the baseline seed sweep: a 0.16
+            # weight-gradient error against TOL). That conditioning is bounded in
+            # test_layernorm.py; this test checks the benchmark's harness.
+            ln.weight.copy_(0.5 + torch.rand(H))
             ln.bias.copy_(0.3 * torch.randn(H))
         mod = tempo.TempoLayerNorm.from_layernorm(ln) if impl == "tempo" else ln
         inputs = (x, mod.weight, mod.bias)
