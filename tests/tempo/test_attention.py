@@ -266,3 +266,21 @@ def test_a_boolean_mask_attends_where_true_as_sdpa_reads_it():
     torch.testing.assert_close(out, tempo.scaled_dot_product_attention(q, k, v, additive)[0], rtol=0, atol=0)
     with pytest.raises(ValueError, match=r"attention_mask must be float .* or bool .*, got torch\.int64"):
         tempo.scaled_dot_product_attention(q, k, v, causal.long())
+
+
+def test_the_backward_takes_the_path_its_forward_took(monkeypatch):
+    """The forward decides on (scores, value), so float64 scores take the PyTorch path (torch.rand's
+    dropout mask); the backward decided on (grad, probs, value), which are value's dtype, and took
+    the kernel (Philox's mask): another mask, wrong gradients, with mixed dtypes on CUDA. Here
+    use_triton says yes as it would on a GPU, and the kernel may not be reached."""
+    import tempo.kernels.attention as kernels
+
+    monkeypatch.setattr(A, "use_triton", lambda *tensors, float64=False: True)
+    monkeypatch.setattr(kernels, "attention_core_bwd_triton", lambda *a: pytest.fail("the kernel's mask"))
+    probs = torch.softmax(torch.randn(2, 3, 5, 5), -1)
+    value, grad = torch.randn(2, 3, 5, 4), torch.randn(2, 3, 5, 4)
+    seed = torch.tensor(int(torch.randint(0, 2**31 - 1, ())))
+    grad_scores, _ = A.attention_core_bwd(grad, None, probs, value, 0.2, seed, torch.float64)
+    assert grad_scores.dtype == torch.float64
+    with pytest.raises(pytest.fail.Exception, match="the kernel's mask"):  # the control: float32 scores
+        A.attention_core_bwd(grad, None, probs, value, 0.2, seed, torch.float32)
