@@ -238,7 +238,7 @@ def _launch_once(plan, processes: int, args: list[str], out: Path, name: str) ->
         done = _launch(plan, processes, args)
     if other.result is not None and not other.result.quiet:
         print(f"  {other.result.line(f'{name} (a launch)')}", flush=True)
-    # refused before any work, or over the cap: rank 0 writes its report and exits 2 or 3
+    # refused before any work, or over the cap: a rank writes its report and exits 2 or 3
     # (torchrun then exits 1); any other failure writes none
     report = json.loads(out.read_text()) if out.exists() else None
     if report is not None and "refused" in report:

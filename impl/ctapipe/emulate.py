@@ -19,7 +19,7 @@ import torch.multiprocessing as mp
 from measure.parallel import die_with_parent
 
 from .chain import ChainStage, PeerBuffers, shared_buffers
-from .gemm import WAIT_TIMEOUT_S, StageTimeout, check_operands
+from .gemm import WAIT_TIMEOUT_S, StageTimeout, check_operands, check_tiling
 from .tiling import Tiling
 
 _WATCHDOG_S = 0.2
@@ -148,8 +148,7 @@ def run_chain_processes(
     outlives this process."""
     ranks = len(weights)
     dims = _chain_widths(x, weights, acts, wait, producer_last)
-    if not isinstance(tiling, Tiling):
-        raise ValueError(f"tiling must be a ctapipe.tiling.Tiling, got {tiling!r}")
+    check_tiling(tiling)
     delays = delays or [0.0] * ranks
     if len(delays) != ranks or not all(isinstance(d, int | float) and 0 <= d < timeout_s for d in delays):
         raise ValueError(f"delays: one for each of the {ranks} ranks, each in [0, timeout_s), got {delays!r}")

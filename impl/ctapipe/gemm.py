@@ -133,7 +133,7 @@ def _check_programs(programs: int | None) -> int | None:
     return programs
 
 
-def _check_tiling(tiling: Tiling) -> Tiling:
+def check_tiling(tiling: Tiling) -> Tiling:
     if not isinstance(tiling, Tiling):
         raise ValueError(f"tiling must be a ctapipe.tiling.Tiling, got {tiling!r}")
     return tiling
@@ -396,7 +396,7 @@ class TicketMLP:
         self.act = _check_act(act)
         if not whole(lag, 0):
             raise ValueError(f"lag must be a whole number of row blocks >= 0, got {lag!r}")
-        self.tiling, self.lag = _check_tiling(tiling), lag
+        self.tiling, self.lag = check_tiling(tiling), lag
         self.programs = _check_programs(programs)
         self.waits = _Waits(timeout_s, max_spins, check)
         self.ready = ReadyCounters(extra=1)  # + the ticket counter
@@ -486,7 +486,7 @@ class PartitionedMLP:
         if not 0 < producer_share < 1:
             raise ValueError(f"producer_share must be in (0, 1), got {producer_share}")
         _check_act(act)  # here, not at the first call
-        self.act, self.tiling, self.share = act, _check_tiling(tiling), producer_share
+        self.act, self.tiling, self.share = act, check_tiling(tiling), producer_share
         self.waits = _Waits(timeout_s, max_spins, check)
         self.ready = ReadyCounters()
         self._streams: dict[torch.device, tuple] = {}  # a device's two side streams (the counters' too)

@@ -217,7 +217,8 @@ def _fit_curves(profiles: list[LayerProfile], gpu: str, dtype: str) -> dict[str,
         timed = any(p.weight_gradients for p in profiles)
         gemm_f, gemm_b = curves["gemm"]
         curves["wgrad"] = (gemm_f, gemm_b if timed else gemm_f)
-    curves.update(_fit_outside_layer(profiles, curves, class_peak(gpu, "loss", dtype)))
+    bandwidth = class_peak(gpu, "loss", dtype)  # the loss's and the embedding's work: bytes
+    curves.update(_fit_outside_layer(profiles, curves, bandwidth and bandwidth[0]))
     return curves
 
 
@@ -279,7 +280,7 @@ def check_rates(model: RuntimeModel, dtype: str = "fp16") -> None:
 
 
 def _fit_outside_layer(
-    profiles: list[LayerProfile], curves: dict, bandwidth: tuple[float, str] | None = None
+    profiles: list[LayerProfile], curves: dict, bandwidth: float | None = None
 ) -> dict[str, tuple[Line, Line]]:
     """The "loss" and "embedding" curves from the profiles' post-process and embedding rows.
 
@@ -311,8 +312,7 @@ def _fit_outside_layer(
     out = {}
     for name, (wf, sf, wb, sb) in (("loss", loss), ("embedding", embed)):
         if len(wf) >= 2:
-            peak = bandwidth and bandwidth[0]  # both memory-bound (their work: bytes)
-            out[name] = (_fit_or_constant(wf, sf, peak=peak), _fit_or_constant(wb, sb, peak=peak))
+            out[name] = (_fit_or_constant(wf, sf, peak=bandwidth), _fit_or_constant(wb, sb, peak=bandwidth))
     return out
 
 
