@@ -42,23 +42,29 @@ def attention_core_workspace_bytes(
     target: str,
     forward: bool,
     scores_dtype_differs: bool = False,
+    value_copy_bytes: int = 0,
 ) -> int:
     """Transient bytes of the attention core's forward or backward besides its inputs and outputs,
     for probabilities of ``probs_shape`` (..., Sq, Sk) kept in ``itemsize`` bytes (V's dtype);
-    ``scores_dtype_differs``: the scores' dtype (and their gradient's) is not V's.
+    ``scores_dtype_differs``: the scores' dtype (and their gradient's) is not V's;
+    ``value_copy_bytes``: V's bytes where its leading dims do not flatten into one as a view (HF's
+    V, a transposed (B, S, H, D)), so the batched matrix products work on a copy; 0 where they do
+    (megatron-core's (S, B, H, D) permuted, as ``tempo.megatron`` passes it).
 
-    CUDA (tempo/kernels/attention.py): the dropped-out P for cuBLAS, with dropout only; backward
-    also dP_dropped where the scores' dtype differs (else dS is written over it). CPU: one chunk
-    of heads of the PyTorch path."""
+    CUDA (tempo/kernels/attention.py): the dropped-out P for cuBLAS, with dropout only, and in
+    forward V's copy, made by the P @ V product; backward also dP_dropped where the scores' dtype
+    differs (else dS is written over it), and not V's copy: it is freed with its product, before dV
+    (its size) exists. CPU: one chunk of heads of the PyTorch path, and V's copy, which its
+    reshape makes and holds through forward and backward."""
     numel = math.prod(probs_shape)
     if target == "cuda":
         dropped = numel * itemsize if dropout else 0
         if forward:
-            return dropped
+            return dropped + value_copy_bytes
         return dropped + (numel * itemsize if scores_dtype_differs else 0)
     sq, sk = probs_shape[-2:]
     chunk = min(numel, attention_heads_per_chunk(sq, sk) * sq * sk)
-    return chunk * ATTENTION_CPU_BYTES_PER_CHUNK_ELEM[(forward, dropout)]
+    return chunk * ATTENTION_CPU_BYTES_PER_CHUNK_ELEM[(forward, dropout)] + value_copy_bytes
 
 
 def swiglu_down_workspace_bytes(ffn_bytes: int, target: str, forward: bool) -> int:

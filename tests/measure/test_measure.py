@@ -425,16 +425,31 @@ def test_declared_cpu_workspace_bounds_the_real_one(op, dt):
     assert workspace <= bound, f"{op} {dt}: {workspace} B > {bound} B"
 
 
+def _value_in_layout(layout: str, dt: torch.dtype) -> torch.Tensor:
+    """V (4, 10, 128, 64) as each caller hands it to the attention core: contiguous; HF's, a
+    transposed (B, S, H, D), whose heads do not flatten into one batch as a view; megatron-core's
+    (S, B, H, D) permuted (tempo.megatron), whose heads do."""
+    b, h, s, d = 4, 10, 128, 64
+    if layout == "hf":
+        return torch.randn(b, s, h, d, dtype=dt).transpose(1, 2)
+    if layout == "megatron":
+        return torch.randn(s, b, h, d, dtype=dt).permute(1, 2, 0, 3)
+    return torch.randn(b, h, s, d, dtype=dt)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "hf", "megatron"])
 @pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("p", [0.0, 0.1])
-def test_declared_attention_workspace_is_the_real_one(p, dt):
+def test_declared_attention_workspace_is_the_real_one(p, dt, layout):
     """The attention core's CPU path, forward and backward (with and without the gradient of the
-    returned P), over 2.5 chunks of heads: what it holds besides inputs and outputs is at most what
-    workspace_bytes declares, and in bf16 (what Mist's planner prices) at least 3/4 of it."""
+    returned P), over 5 chunks of heads: what it holds besides inputs and outputs is at most what
+    workspace_bytes declares, and in bf16 (what Mist's planner prices) at least 3/4 of it. With
+    HF's V that includes V's copy; the control: declared without it, the bound fails."""
     from tempo.ops import attention as A
 
     seed = torch.tensor(1)
-    s, v = torch.randn(40, 128, 128, dtype=dt), torch.randn(40, 128, 64, dtype=dt)
+    v = _value_in_layout(layout, dt)
+    s = torch.randn(*v.shape[:-1], v.shape[-2], dtype=dt)
     out, probs = A.attention_core_op(s, v, p, seed)
     go, gp = torch.randn_like(out), torch.randn_like(probs)
     backward = ("tempo::attention_core_bwd", A.attention_core_bwd)
@@ -448,9 +463,14 @@ def test_declared_attention_workspace_is_the_real_one(p, dt):
         peak, result = cpu_peak_bytes(lambda op=op, args=args: op(*args))
         workspace = peak - sum(t.untyped_storage().nbytes() for t in result)
         declared = workspace_bytes(name, args, {}, "cpu")
-        assert workspace <= declared, f"{what} p={p} {dt}: {workspace} B > {declared} B"
+        assert workspace <= declared, f"{what} p={p} {dt} {layout}: {workspace} B > {declared} B"
         if dt == torch.bfloat16:
-            assert workspace >= 0.75 * declared, f"{what} p={p}: loose ({workspace} of {declared} B)"
+            assert workspace >= 0.75 * declared, f"{what} p={p} {layout}: loose ({workspace} of {declared} B)"
+        if layout == "hf":  # the control: V's copy is real, and the bound catches its omission
+            contiguous = tuple(v.contiguous() if a is v else a for a in args)
+            without_copy = workspace_bytes(name, contiguous, {}, "cpu")
+            assert without_copy + v.numel() * v.element_size() == declared
+            assert workspace > without_copy, f"{what} p={p} {dt}: V's copy not seen"
 
 
 @pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16])

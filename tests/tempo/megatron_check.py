@@ -119,6 +119,22 @@ def _run(layer, x, mask):
     return x, y, meter.report().total_bytes
 
 
+def _watch_value_layout() -> list[bool]:
+    """Whether each V the Tempo layer hands its attention core flattens into one batch as a view
+    (so Mist's planner is right to price no copy of it: tempo.sizes), filled as the layers run."""
+    import tempo.megatron
+    from tempo.ops import value_flattens
+
+    seen, core = [], tempo.megatron.attention_core
+
+    def watched(scores, value, *rest):
+        seen.append(value_flattens(value))
+        return core(scores, value, *rest)
+
+    tempo.megatron.attention_core = watched
+    return seen
+
+
 class _nothing:
     def __enter__(self):
         return self
@@ -146,7 +162,7 @@ def main(argv: list[str] | None = None) -> None:
     ps.initialize_model_parallel(tensor_model_parallel_size=dist.get_world_size())
     _seeded(args)
     x, g, direction, mask = _inputs(args)
-    result: dict = {}
+    result: dict = {"value_flattens": _watch_value_layout()}
 
     # no dropout: the Tempo layer is the plain one, output and gradients
     plain, tempo = _layers(args, dropout=0.0)

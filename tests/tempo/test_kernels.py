@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 
@@ -363,15 +365,18 @@ def test_ops_dispatch_to_the_rms_norm_and_swiglu_kernels(monkeypatch):
         torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("hf_value", [False, True], ids=["contiguous-v", "hf-v"])
 @pytest.mark.parametrize("p", [0.0, 0.2])
 @pytest.mark.parametrize("scores_dtype", [torch.float32, torch.float64])
-def test_attention_kernels_workspace_is_what_they_allocate(p, scores_dtype):
+def test_attention_kernels_workspace_is_what_they_allocate(p, scores_dtype, hf_value):
     """What the wrappers allocate besides their outputs is what the estimator and Mist's planner
     add (tempo.ops.workspace_bytes): the dropped-out P with dropout, none without; backward also
-    dD where dS cannot be written over it (the scores' dtype differs). dS from the shared buffer
-    equals dS from its own (float64 scores: a buffer of its own). Counted as the distinct
-    storages the wrappers' own allocations and matrix products make (the interpreter's copies of
-    each kernel's arguments are not the kernel's)."""
+    dD where dS cannot be written over it (the scores' dtype differs). HF's V (a transposed
+    (B, S, H, D)) is copied by each product with it: in forward that adds to the workspace; in
+    backward the copy is freed with its product, before dV (its size) is made, so the estimator
+    adds none. dS from the shared buffer equals dS from its own (float64 scores: a buffer of its
+    own). Counted as the peak of the live storages the wrappers' own allocations and matrix
+    products make (the interpreter's copies of each kernel's arguments are not the kernel's)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from tempo.ops import workspace_bytes
@@ -381,9 +386,12 @@ def test_attention_kernels_workspace_is_what_they_allocate(p, scores_dtype):
     allocating |= {aten.clone.default}
 
     class Made(TorchDispatchMode):
+        """The peak of the live bytes the wrapper's allocations hold (a storage is live while
+        anything refers to it: followed through a weak reference)."""
+
         def __init__(self):
             super().__init__()
-            self.storages = {}
+            self.live, self.peak = {}, 0
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
@@ -392,15 +400,17 @@ def test_attention_kernels_workspace_is_what_they_allocate(p, scores_dtype):
             for t in out if isinstance(out, tuple | list) else (out,):
                 if isinstance(t, torch.Tensor) and t.numel():
                     storage = t.untyped_storage()
-                    self.storages[storage.data_ptr()] = storage.nbytes()
+                    self.live[storage.data_ptr()] = (weakref.ref(storage), storage.nbytes())
+            self.live = {ptr: (ref, n) for ptr, (ref, n) in self.live.items() if ref() is not None}
+            self.peak = max(self.peak, sum(n for _, n in self.live.values()))
             return out
 
     def besides(mode: Made, outputs) -> int:
-        kept = {t.untyped_storage().data_ptr() for t in outputs}
-        return sum(n for ptr, n in mode.storages.items() if ptr not in kept)
+        return mode.peak - sum(t.untyped_storage().nbytes() for t in outputs)
 
     s = torch.randn(2, 3, 5, 33).to(DEVICE)
-    v, go = torch.randn(2, 3, 33, 8).to(DEVICE), torch.randn(2, 3, 5, 8).to(DEVICE)
+    v = torch.randn(2, 33, 3, 8).transpose(1, 2) if hf_value else torch.randn(2, 3, 33, 8)
+    v, go = v.to(DEVICE), torch.randn(2, 3, 5, 8).to(DEVICE)
     with Made() as mode:
         out, probs = attention_core_fwd_triton(s, v, p, 5)
     assert besides(mode, (out, probs)) == workspace_bytes("tempo::attention_core", (s, v, p, 5), {}, "cuda")

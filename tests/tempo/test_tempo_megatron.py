@@ -103,6 +103,7 @@ def test_tempo_megatron_layer_is_the_plain_layer_keeping_less(
     assert r["tempo_dropout_bytes"] == tempo_bytes(tp, sequence_parallel, mlp, dropout=True), r
     assert r["plain_bytes"] == plain_bytes(tp, sequence_parallel, mlp, normalization), r
     assert r["tempo_bytes"] < 0.75 * r["plain_bytes"], r
+    assert r["value_flattens"] and all(r["value_flattens"]), r  # no copy of V for the planner to price
 
 
 def test_a_norm_spec_for_one_normalization_refuses_a_config_of_another():

@@ -266,7 +266,8 @@ def tempo_attention_workspace(setting: Setting) -> float:
     if not model.tempo or model.flash:
         return 0.0
     probs_shape = (setting.micro_batch, model.heads // setting.tp, model.seq, model.seq)
-    # scores, P and V all in the training's half precision, as tempo.megatron runs them
+    # scores, P and V all in the training's half precision, as tempo.megatron runs them; its V,
+    # megatron-core's (S, B, H, D) permuted, flattens into one batch: no copy of it to price
     dropout = model.dropout > 0
     return float(
         attention_core_workspace_bytes(probs_shape, HALF, dropout, _tempo_target(setting), forward=False)

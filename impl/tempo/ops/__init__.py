@@ -10,6 +10,7 @@ element of a chunk; the attention core's and SwiGLU's, in numbers, in tempo.size
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -32,6 +33,14 @@ def _cpu_chunk_bytes(op_name: str, numel: int) -> int:
     return min(numel, CHUNK_ELEMS) * cpu_bytes_per_chunk_elem(op_name)
 
 
+def value_flattens(value: torch.Tensor) -> bool:
+    """Whether V (..., Sk, Dv) is one batch of matrices as a view: else torch.matmul, and the CPU
+    path's reshape, copy it first (HF's transposed V: (B, S, H, D) seen as (B, H, S, D))."""
+    # the rule of view(): each leading dim of more than one element steps over the next one's
+    leading = [(n, st) for n, st in zip(value.shape[:-2], value.stride()[:-2], strict=True) if n > 1]
+    return all(st == inner_st * inner_n for (_, st), (inner_n, inner_st) in itertools.pairwise(leading))
+
+
 def workspace_bytes(op_name: str, args: tuple, kwargs: dict, target: str) -> int:
     """Transient bytes of one call of ``op_name`` when it runs on ``target`` ('cuda' or 'cpu')."""
     if not op_name.startswith("tempo::"):  # another library's op: not ours to price
@@ -50,8 +59,9 @@ def workspace_bytes(op_name: str, args: tuple, kwargs: dict, target: str) -> int
         else:
             probs, value, p, scores_dtype = args[2], args[3], args[4], args[6]
         dropout, differs = float(p) > 0.0, scores_dtype != value.dtype
+        copied = 0 if value_flattens(value) else value.numel() * value.element_size()
         return attention_core_workspace_bytes(
-            tuple(probs.shape), value.element_size(), dropout, target, forward, differs
+            tuple(probs.shape), value.element_size(), dropout, target, forward, differs, copied
         )
     if op_name.startswith("tempo::linear_cross_entropy"):  # no kernel: chunk logits on either device
         forward = op_name == "tempo::linear_cross_entropy"
