@@ -66,7 +66,16 @@ from ..tempo_layer.run import COMPILED, aimed_budget
 from . import EXPERIMENT
 from .compile_check import compile_check_key, compile_check_point
 from .data import CORPORA
-from .summary import FLOAT64_LOSS, REVERSED, TRAIN, TRAIN_LR, TRAIN_RUNS, train_key, training_summary
+from .summary import (
+    DROPOUT_CANDIDATES,
+    FLOAT64_LOSS,
+    REVERSED,
+    TRAIN,
+    TRAIN_LR,
+    TRAIN_RUNS,
+    train_key,
+    training_summary,
+)
 from .throughput import ThroughputSetup, headline, run_throughput
 
 GPUS = {
@@ -286,7 +295,7 @@ def training_run(
     from .data import fingerprint
 
     _, losses = _train(model, configuration, dropout, dropout_seed, dtype, corpus, rows, loss)
-    kind = "wordpiece" if model.startswith("bert") else "bpe"
+    kind = "bpe" if TRAIN[model].causal_lm else "wordpiece"
     return {"losses": losses, **fingerprint(kind, source=corpus)}
 
 
@@ -307,9 +316,10 @@ def _train(
 
     from .data import bert_batches, gpt2_batches
 
-    steps, batch, seq = TRAIN[model]
-    make = bert_batches if model.startswith("bert") else gpt2_batches
-    batches = make(steps, batch, seq, seed=0, source=corpus)  # the same data for every run
+    trained = TRAIN[model]
+    make = gpt2_batches if trained.causal_lm else bert_batches
+    # the same data for every run
+    batches = make(trained.steps, trained.batch, trained.seq, seed=0, source=corpus)
     if rows == REVERSED:  # the rounding control: the same sequences, summed in another order
         batches = [{k: v.flip(0) for k, v in b.items()} for b in batches]
     torch.manual_seed(0)  # the same initial weights for every run (drawn in fp32, then cast)
@@ -318,7 +328,7 @@ def _train(
         m = m.double()  # AdamW follows the parameters' dtype
     loss_of = None
     if loss == FLOAT64_LOSS:
-        if dtype != "fp64" or model.startswith("bert"):
+        if dtype != "fp64" or not trained.causal_lm:
             raise ValueError(f"a float64 loss is for float64 causal LMs, not {model} in {dtype}")
         loss_of = causal_lm_loss
     precision = Precision("fp32")
@@ -336,7 +346,7 @@ def dropout_distribution_point(weights: str, draws: int, corpus: str) -> dict:
     dropout-off baseline's 150 steps)."""
     from .data import bert_batches
 
-    _, batch, seq = TRAIN["bert-mini"]
+    trained = TRAIN["bert-mini"]
     if weights == "trained":
         state = _train("bert-mini", "hf-eager", 0.0, 1, "fp32", corpus)[0].state_dict()
     else:
@@ -344,7 +354,7 @@ def dropout_distribution_point(weights: str, draws: int, corpus: str) -> dict:
         state = build_model("bert-mini", "pretraining", "hf-eager", dropout=0.0).state_dict()
     inputs = {
         k: v
-        for k, v in bert_batches(1, batch, seq, seed=0, source=corpus)[0].items()
+        for k, v in bert_batches(1, trained.batch, trained.seq, seed=0, source=corpus)[0].items()
         if k not in ("labels", "next_sentence_label")
     }
     seeds = [int.from_bytes(os.urandom(4), "little") for _ in DROPOUT_CANDIDATES]
@@ -369,15 +379,6 @@ def dropout_distribution_point(weights: str, draws: int, corpus: str) -> dict:
     return out
 
 
-# (name, configuration, dropout p); the first is the reference the others are compared with
-DROPOUT_CANDIDATES = [
-    ("reference", "hf-eager", 0.1),
-    ("hf-eager again", "hf-eager", 0.1),
-    ("tempo", "tempo", 0.1),
-    ("tempo again", "tempo", 0.1),
-    ("hf-eager p=0.08 (wrong)", "hf-eager", 0.08),
-    ("hf-eager p=0.12 (wrong)", "hf-eager", 0.12),
-]
 DISTRIBUTION_DRAWS = 400  # the HF-vs-HF null then stays within ~0.3% of 1: the 1% bound is ~4 sd
 
 

@@ -7,12 +7,24 @@ import itertools
 import math
 import statistics
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from measure.results import Results
 
-TRAIN = {  # model -> (steps, batch, seq)
-    "bert-mini": (150, 8, 64),
-    "gpt2-mini": (150, 8, 64),
+
+@dataclass(frozen=True)
+class TrainedModel:
+    """How one model is trained, with and without Tempo."""
+
+    steps: int
+    batch: int
+    seq: int
+    causal_lm: bool  # GPT-2's objective (BPE, next token); else BERT's (WordPiece, MLM + NSP)
+
+
+TRAIN = {
+    "bert-mini": TrainedModel(steps=150, batch=8, seq=64, causal_lm=False),
+    "gpt2-mini": TrainedModel(steps=150, batch=8, seq=64, causal_lm=True),
 }
 TRAIN_LR = 1e-3
 # (model, configuration, dropout, dropout seed, dtype[, rows, loss]). Dropout off must give the
@@ -31,11 +43,20 @@ DROPOUT_SEEDS = tuple(range(1, 11))
 LAST_STEPS = 50  # a run's loss: the mean over its last 50 steps
 REVERSED, FLOAT64_LOSS = "reversed", "fp64"
 
+# The dropout distribution check at fixed weights (run.dropout_distribution_point): (name in its
+# result, configuration, dropout p), each compared with the reference: HF again (the null),
+# Tempo twice, and HF at wrong rates (the negative controls it must catch).
+DROPOUT_REFERENCE = ("reference", "hf-eager", 0.1)
+DROPOUT_NULL = (("hf-eager again", "hf-eager", 0.1),)
+DROPOUT_TEMPO = (("tempo", "tempo", 0.1), ("tempo again", "tempo", 0.1))
+DROPOUT_WRONG = (("hf-eager p=0.08 (wrong)", "hf-eager", 0.08), ("hf-eager p=0.12 (wrong)", "hf-eager", 0.12))
+DROPOUT_CANDIDATES = (DROPOUT_REFERENCE, *DROPOUT_NULL, *DROPOUT_TEMPO, *DROPOUT_WRONG)
+
 
 def float64_loss(model: str) -> str | None:
     """How a float64 run computes its loss: a causal LM's in float64 from the logits (HF's would
     cast them to float32); BERT's own loss stays in its logits' dtype."""
-    return None if model.startswith("bert") else FLOAT64_LOSS
+    return FLOAT64_LOSS if TRAIN[model].causal_lm else None
 
 
 TRAIN_RUNS = [
@@ -66,7 +87,7 @@ def train_key(
     """A training run's key. ``rows`` ("reversed": each batch's rows reversed) and ``loss`` ("fp64":
     computed in float64 from the logits) are in the key only when given: points from before they
     existed had the rows as drawn and the model's own loss."""
-    steps, batch, seq = TRAIN[model]
+    trained = TRAIN[model]
     key = {
         "model": model,
         "configuration": configuration,
@@ -74,9 +95,9 @@ def train_key(
         "dropout_seed": seed,
         "dtype": dtype,
         "corpus": corpus,
-        "steps": steps,
-        "batch": batch,
-        "seq": seq,
+        "steps": trained.steps,
+        "batch": trained.batch,
+        "seq": trained.seq,
         "lr": TRAIN_LR,
     }
     if rows is not None:
@@ -176,17 +197,13 @@ def _dropout_check_summary(checks: list[dict]) -> dict[str, float]:
     if not checks:
         return {}
 
-    def worst(names):
-        return max(abs(r[n]["variance_ratio"] - 1) for r in checks for n in names)
+    def off(candidates) -> list[float]:
+        return [abs(r[name]["variance_ratio"] - 1) for r in checks for name, _, _ in candidates]
 
     return {
-        "dropout at fixed weights: |variance ratio - 1|, HF vs HF (null)": worst(["hf-eager again"]),
-        "dropout at fixed weights: |variance ratio - 1|, Tempo vs HF (worst)": worst(
-            ["tempo", "tempo again"]
-        ),
-        "dropout at fixed weights: |variance ratio - 1|, wrong rates vs HF (least)": min(
-            abs(r[n]["variance_ratio"] - 1) for r in checks for n in r if "wrong" in n
-        ),
+        "dropout at fixed weights: |variance ratio - 1|, HF vs HF (null)": max(off(DROPOUT_NULL)),
+        "dropout at fixed weights: |variance ratio - 1|, Tempo vs HF (worst)": max(off(DROPOUT_TEMPO)),
+        "dropout at fixed weights: |variance ratio - 1|, wrong rates vs HF (least)": min(off(DROPOUT_WRONG)),
     }
 
 
