@@ -60,10 +60,11 @@ def _mlp_methods(m: int, d: int, device: str, dtype: torch.dtype, tiling) -> dic
     }
     # the chunkings the latency model prices (and the distributed baseline times), but M itself:
     # that is back to back, timed above
-    chunks = [c for c in candidate_chunks(m, tiling.block_m) if c < m]
-    for c in chunks:
-        pipelined = MicrobatchedMLP(c, "gelu")
-        methods[f"microbatch_{c}"] = lambda mb=pipelined: mb(x, w1, w2)
+    microbatchings = {
+        f"microbatch_{c}": MicrobatchedMLP(c, "gelu") for c in candidate_chunks(m, tiling.block_m) if c < m
+    }
+    for name, pipelined in microbatchings.items():
+        methods[name] = lambda mb=pipelined: mb(x, w1, w2)
     out = {}
     repeats = 20 if device == "cuda" else 1
     for name, fn in methods.items():
@@ -78,7 +79,7 @@ def _mlp_methods(m: int, d: int, device: str, dtype: torch.dtype, tiling) -> dic
             e.add_note(f"measurement failed: single-GPU MLP, M={m}, width {d}, method {name}")
             raise
         out[name] = {"median_s": median_s, "rel_error": err}
-    micro = {k: v["median_s"] for k, v in out.items() if k.startswith("microbatch_")}
+    micro = {name: out[name]["median_s"] for name in microbatchings}
     best = min(micro, key=micro.get) if micro else None
     out["summary"] = {
         "best_microbatch": best,
