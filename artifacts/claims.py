@@ -32,13 +32,17 @@ from measure.results import ResultFileError, Results, write_text_atomic
 from .experiment import ARTIFACTS, given_once
 from .verdicts import (
     DEPENDS,
+    DIRECTION_ONLY,
+    NOT_REPRODUCED,
     NOT_RUN,
+    REPRODUCED,
     RULE,
     Bound,
     Claim,
     PaperClaim,
     Pin,
     Shown,
+    Verdict,
     band_verdict,
     format_value,
     paper_verdict,
@@ -51,6 +55,7 @@ SYSTEMS = ("Tempo", "Mist", "CTA-pipelining")
 SOURCES = ("reference", "results")
 HOLDS, BROKEN, KNOWN_BROKEN, SHOWN = "holds", "BROKEN", "BROKEN (known)", "shown, not judged"
 WITHIN_NOISE = "within noise"  # a bound the measurement's launches straddle (Bound.noise): not judged
+NOT_RUN_VERDICT = Verdict(NOT_RUN)
 
 
 def claims(experiments: tuple[str, ...] = EXPERIMENTS) -> tuple[Claim, ...]:
@@ -70,7 +75,7 @@ def _results(experiment: str, file: str, source: str) -> Results:
 class Row:
     claim: Claim
     value: float | tuple[float, float] | None  # ours, from the source judged
-    verdict: str
+    verdict: Verdict
 
 
 def judge(claim: Claim, source: str) -> Row:
@@ -79,29 +84,31 @@ def judge(claim: Claim, source: str) -> Row:
     if isinstance(claim, PaperClaim):
         if claim.band is not None:
             ours = read(claim.band, results)
-            verdict = NOT_RUN if ours is None else band_verdict(*ours, claim.paper.value, claim.neutral)
+            verdict = (
+                NOT_RUN_VERDICT if ours is None else band_verdict(*ours, claim.paper.value, claim.neutral)
+            )
         else:
             ours = read(claim.value, results)
             noise = read(claim.noise, results) if claim.noise is not None and ours is not None else None
             verdict = (
-                NOT_RUN
+                NOT_RUN_VERDICT
                 if ours is None
                 else paper_verdict(ours, claim.paper.value, claim.neutral, noise or 0.0, bool(claim.analogue))
             )
         return Row(claim, ours, verdict)
     ours = read(claim.value, results)
     if ours is None:
-        return Row(claim, None, NOT_RUN)
+        return Row(claim, None, NOT_RUN_VERDICT)
     if isinstance(claim, Shown):
-        return Row(claim, ours, SHOWN)
-    broken = KNOWN_BROKEN if claim.known_broken else BROKEN
+        return Row(claim, ours, Verdict(SHOWN))
+    broken = Verdict(KNOWN_BROKEN if claim.known_broken else BROKEN)
     band = read(claim.noise, results) if claim.noise is not None else None
     if band is None:  # no band, or none to read: the value alone is judged
-        return Row(claim, ours, HOLDS if claim.check.ok(ours) else broken)
+        return Row(claim, ours, Verdict(HOLDS) if claim.check.ok(ours) else broken)
     # the band's ends, whichever way the check points: it holds at both, fails at both, or straddles
     ends = [claim.check.ok(x) for x in band]
     if all(ends):
-        return Row(claim, ours, HOLDS)
+        return Row(claim, ours, Verdict(HOLDS))
     if not any(ends):
         return Row(claim, ours, broken)
     spans = f"its launches give {format_value(band, claim.unit, signed=False)}"
@@ -112,7 +119,11 @@ def judge(claim: Claim, source: str) -> Row:
             f"{format_value(band, claim.unit, signed=False)} with the machine's drift since the fit "
             "by the probe"
         )
-    return Row(claim, ours, f"{WITHIN_NOISE} ({spans}: not judged; rerun on a quieter machine)")
+    return Row(
+        claim,
+        ours,
+        Verdict(WITHIN_NOISE, f"{WITHIN_NOISE} ({spans}: not judged; rerun on a quieter machine)"),
+    )
 
 
 def evaluate(chosen: tuple[Claim, ...] | None = None, source: str = "results") -> list[Row]:
@@ -126,14 +137,14 @@ def summary(rows: list[Row], system: str) -> str:
     counts: dict[str, int] = {}
     for r in paper:
         counts[verdict_class(r.verdict)] = counts.get(verdict_class(r.verdict), 0) + 1
-    order = ("reproduced", "direction only", DEPENDS, "not reproduced", NOT_RUN)
+    order = (REPRODUCED, DIRECTION_ONLY, DEPENDS, NOT_REPRODUCED, NOT_RUN)
     judged = ", ".join(f"{counts[k]} {k}" for k in order if counts.get(k))
-    ran = [r for r in paper if r.verdict != NOT_RUN]
+    ran = [r for r in paper if r.verdict.kind != NOT_RUN]
     measured = sum(r.claim.source.evidence == "measured" for r in ran)
     bounds = [r for r in mine if isinstance(r.claim, Bound)]
-    held = sum(r.verdict == HOLDS for r in bounds)
-    broken = sum(r.verdict.startswith(BROKEN) for r in bounds)
-    noisy = sum(r.verdict.startswith(WITHIN_NOISE) for r in bounds)
+    held = sum(r.verdict.kind == HOLDS for r in bounds)
+    broken = sum(r.verdict.kind in (BROKEN, KNOWN_BROKEN) for r in bounds)
+    noisy = sum(r.verdict.kind == WITHIN_NOISE for r in bounds)
     within = f"{noisy} within noise, " if noisy else ""
     return (
         f"{system}: {len(paper)} paper claims ({judged or 'none'}; {measured} of those run measured, "
@@ -176,7 +187,7 @@ def print_table(rows: list[Row], file=None) -> None:
         print(f"  -> {summary(rows, system)}", file=file)
     print(f"\nrule for paper claims: {RULE}", file=file)
     for r in rows:
-        if r.verdict == KNOWN_BROKEN:
+        if r.verdict.kind == KNOWN_BROKEN:
             print(f"{r.claim.id}: broken, known: {r.claim.known_broken}", file=file)
 
 
@@ -206,7 +217,7 @@ def markdown(rows: list[Row] | None = None) -> str:
                 r.claim.paper.where,
                 ours(r),
                 _evidence(r.claim),
-                r.verdict,
+                str(r.verdict),
                 f"`{r.claim.source.command}`",
             ]
             for r in mine
@@ -219,7 +230,7 @@ def markdown(rows: list[Row] | None = None) -> str:
                 r.claim.check.describe(r.claim.unit),
                 r.claim.why,
                 _evidence(r.claim),
-                r.verdict + (f": {r.claim.known_broken}" if r.verdict == KNOWN_BROKEN else ""),
+                str(r.verdict) + (f": {r.claim.known_broken}" if r.verdict.kind == KNOWN_BROKEN else ""),
                 f"`{r.claim.source.command}`",
             ]
             for r in mine
@@ -407,10 +418,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print_table(rows)
-    broken = [r.claim.id for r in rows if r.verdict == BROKEN]
+    broken = [r.claim.id for r in rows if r.verdict.kind == BROKEN]
     if broken:
         print(f"\nbroken without a known cause: {', '.join(broken)}")
-    noisy = [r.claim.id for r in rows if r.verdict.startswith(WITHIN_NOISE)]
+    noisy = [r.claim.id for r in rows if r.verdict.kind == WITHIN_NOISE]
     if noisy:  # not a failure, not a pass: said where the exit status cannot say it
         print(
             f"\nnot judged, the measurement's noise straddles the bound: {', '.join(noisy)} (the machine "

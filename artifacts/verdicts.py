@@ -63,11 +63,27 @@ RULE = (
 REPRODUCED, NOT_REPRODUCED, NOT_RUN = "reproduced", "not reproduced", "not yet run"
 SMALLER, LARGER = "direction only, smaller", "direction only, larger"
 ANALOGUE = "direction only, an analogue"
+DEPENDS = "depends on the assumptions"
+DIRECTION_ONLY = "direction only"  # the summary's class of SMALLER, LARGER and ANALOGUE
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """A claim's verdict: its ``kind`` (one of the verdict names, here for paper claims and in
+    artifacts.claims for bounds), which the summaries count and the exit status reads, and its
+    ``text`` in full where that says more (the ratio of the effects, a band's ends, the launches'
+    spread), which the tables show."""
+
+    kind: str
+    text: str = ""
+
+    def __str__(self) -> str:
+        return self.text or self.kind
 
 
 def paper_verdict(
     ours: float, paper: float, neutral: float, noise: float = 0.0, analogue: bool = False
-) -> str:
+) -> Verdict:
     """The verdict of ``ours`` against ``paper`` (the module's ``RULE``): ``neutral`` is the value
     of no effect, ``noise`` the measurement's own spread (an effect within it is none);
     ``analogue``: ours is from an analogue of the paper's setting (the direction at most)."""
@@ -75,25 +91,24 @@ def paper_verdict(
         raise ValueError(f"the paper's number {paper} is the neutral value: there is no effect to reproduce")
     effect = ours - neutral
     if abs(effect) <= noise:
-        return f"{NOT_REPRODUCED} (within noise)"
+        return Verdict(NOT_REPRODUCED, f"{NOT_REPRODUCED} (within noise)")
     ratio = effect / (paper - neutral)
     if ratio <= 0:
-        return NOT_REPRODUCED
+        return Verdict(NOT_REPRODUCED)
     if analogue:
-        return f"{ANALOGUE} ({ratio:.2f}x the paper's effect)"
-    if ratio > REPRODUCED_FACTOR:
-        return f"{LARGER} ({ratio:.2f}x the paper's effect)"
-    if ratio < 1 / REPRODUCED_FACTOR:
-        return f"{SMALLER} ({ratio:.2f}x the paper's effect)"
-    return REPRODUCED
+        kind = ANALOGUE
+    elif ratio > REPRODUCED_FACTOR:
+        kind = LARGER
+    elif ratio < 1 / REPRODUCED_FACTOR:
+        kind = SMALLER
+    else:
+        return Verdict(REPRODUCED)
+    return Verdict(kind, f"{kind} ({ratio:.2f}x the paper's effect)")
 
 
-DEPENDS = "depends on the assumptions"
-
-
-def band_verdict(low: float, high: float, paper: float, neutral: float) -> str:
+def band_verdict(low: float, high: float, paper: float, neutral: float) -> Verdict:
     """A band of ours (a model's result over the range of its assumptions) against ``paper``: the
-    verdict of each end; when the ends' verdicts differ in kind, the verdict depends on the
+    verdict of each end; when the ends' verdicts differ in class, the verdict depends on the
     assumptions (and says how)."""
     if low > high:
         raise ValueError(f"band ({low}, {high}): low above high")
@@ -101,16 +116,17 @@ def band_verdict(low: float, high: float, paper: float, neutral: float) -> str:
     if ends[0] == ends[1]:
         return ends[0]
     if verdict_class(ends[0]) == verdict_class(ends[1]):
-        return f"{ends[0]} .. {ends[1]}"
-    return f"{DEPENDS}: {ends[0]} at the low end, {ends[1]} at the high end"
+        return Verdict(ends[0].kind, f"{ends[0]} .. {ends[1]}")
+    return Verdict(DEPENDS, f"{DEPENDS}: {ends[0]} at the low end, {ends[1]} at the high end")
 
 
-def verdict_class(verdict: str) -> str:
+def verdict_class(verdict: Verdict) -> str:
     """The summary's class of a paper claim's verdict."""
-    for cls in (REPRODUCED, SMALLER, LARGER, ANALOGUE, NOT_REPRODUCED, NOT_RUN, DEPENDS):
-        if verdict.startswith(cls):
-            return "direction only" if cls in (SMALLER, LARGER, ANALOGUE) else cls
-    raise ValueError(f"not a verdict: {verdict!r}")
+    if verdict.kind in (SMALLER, LARGER, ANALOGUE):
+        return DIRECTION_ONLY
+    if verdict.kind in (REPRODUCED, NOT_REPRODUCED, NOT_RUN, DEPENDS):
+        return verdict.kind
+    raise ValueError(f"not a paper claim's verdict: {verdict!r}")
 
 
 # ---------------------------------------------------------------- the kinds

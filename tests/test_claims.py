@@ -15,15 +15,20 @@ import pytest
 
 from artifacts import claims
 from artifacts.verdicts import (
+    ANALOGUE,
     DEPENDS,
+    DIRECTION_ONLY,
+    LARGER,
     NOT_REPRODUCED,
     REPRODUCED,
     REPRODUCED_FACTOR,
+    SMALLER,
     AtLeast,
     AtMost,
     Bound,
     Near,
     PaperClaim,
+    Verdict,
     band_verdict,
     paper_verdict,
     verdict_class,
@@ -64,14 +69,14 @@ def test_every_relative_link_in_the_docs_reaches_its_file_and_heading():
 
 def test_every_cpu_claim_has_a_reference_and_no_bound_is_broken_unexplained():
     rows = claims.evaluate(source="reference")
-    missing = [r.claim.id for r in rows if not r.claim.source.gpu and r.verdict == "not yet run"]
+    missing = [r.claim.id for r in rows if not r.claim.source.gpu and r.verdict.kind == "not yet run"]
     assert not missing, f"CPU claims without a committed reference result: {missing}"
-    assert not [r.claim.id for r in rows if r.verdict == claims.BROKEN]
+    assert not [r.claim.id for r in rows if r.verdict.kind == claims.BROKEN]
     # a reference is a run that judges its bounds: one whose launches straddle one is too noisy
-    assert not [r.claim.id for r in rows if r.verdict.startswith(claims.WITHIN_NOISE)]
+    assert not [r.claim.id for r in rows if r.verdict.kind == claims.WITHIN_NOISE]
     # a bound marked as known to be broken is: the mark goes when its cause is fixed
     marked = [r for r in rows if isinstance(r.claim, Bound) and r.claim.known_broken]
-    assert not [r.claim.id for r in marked if r.verdict != claims.KNOWN_BROKEN]
+    assert not [r.claim.id for r in marked if r.verdict.kind != claims.KNOWN_BROKEN]
     ids = [c.id for c in claims.claims()]
     assert len(set(ids)) == len(ids), "claim ids must be unique"
     pin_ids = [p.id for p in claims.pins()]
@@ -93,38 +98,41 @@ def test_paper_verdict_rule():
     effect = paper - 1
     assert paper_verdict(
         1 + effect * random.uniform(1 / REPRODUCED_FACTOR, REPRODUCED_FACTOR), paper, 1.0
-    ) == (REPRODUCED)
+    ) == Verdict(REPRODUCED)
     smaller = paper_verdict(1 + effect * random.uniform(0.01, 0.79), paper, 1.0)
     larger = paper_verdict(1 + effect * random.uniform(1.26, 5.0), paper, 1.0)
-    assert smaller.startswith("direction only, smaller") and verdict_class(smaller) == "direction only"
-    assert larger.startswith("direction only, larger") and verdict_class(larger) == "direction only"
-    assert paper_verdict(random.uniform(0.5, 1.0), paper, 1.0) == NOT_REPRODUCED  # slower or equal
+    assert smaller.kind == SMALLER and verdict_class(smaller) == DIRECTION_ONLY
+    assert str(smaller).startswith("direction only, smaller (0.")  # the ratio of the effects
+    assert larger.kind == LARGER and verdict_class(larger) == DIRECTION_ONLY
+    assert paper_verdict(random.uniform(0.5, 1.0), paper, 1.0) == Verdict(NOT_REPRODUCED)  # slower or equal
     # an effect within the measurement's noise is none, whatever its size against the paper's
     noise = random.uniform(0.05, 0.2)
-    assert paper_verdict(1 + noise * random.uniform(0, 1), paper, 1.0, noise).startswith(NOT_REPRODUCED)
+    within = paper_verdict(1 + noise * random.uniform(0, 1), paper, 1.0, noise)
+    assert within.kind == NOT_REPRODUCED and str(within) == "not reproduced (within noise)"
     # a saving (no effect at 0) judged the same way; the paper's neutral value has nothing to reproduce
-    assert paper_verdict(0.30, 0.318, 0.0) == REPRODUCED and paper_verdict(-0.1, 0.318, 0.0) == NOT_REPRODUCED
+    assert paper_verdict(0.30, 0.318, 0.0).kind == REPRODUCED
+    assert paper_verdict(-0.1, 0.318, 0.0).kind == NOT_REPRODUCED
     with pytest.raises(ValueError, match="neutral"):
         paper_verdict(1.2, 1.0, 1.0)
     # an analogue of the paper's setting reproduces the direction at most, whatever its effect's size
     for ours in (1 + effect, 1 + effect * random.uniform(0.01, 5.0)):
         analogue = paper_verdict(ours, paper, 1.0, analogue=True)
-        assert (
-            analogue.startswith("direction only, an analogue") and verdict_class(analogue) == "direction only"
-        )
-    assert paper_verdict(random.uniform(0.5, 1.0), paper, 1.0, analogue=True) == NOT_REPRODUCED
-    assert paper_verdict(1 + noise / 2, paper, 1.0, noise, analogue=True).startswith(NOT_REPRODUCED)
+        assert analogue.kind == ANALOGUE and verdict_class(analogue) == DIRECTION_ONLY
+    assert paper_verdict(random.uniform(0.5, 1.0), paper, 1.0, analogue=True).kind == NOT_REPRODUCED
+    assert paper_verdict(1 + noise / 2, paper, 1.0, noise, analogue=True).kind == NOT_REPRODUCED
 
 
 def test_band_verdict_rule():
     paper = random.uniform(0.2, 0.4)
-    assert band_verdict(paper * 0.9, paper * 1.1, paper, 0.0) == REPRODUCED
+    assert band_verdict(paper * 0.9, paper * 1.1, paper, 0.0) == Verdict(REPRODUCED)
     both_smaller = band_verdict(paper * 0.1, paper * 0.5, paper, 0.0)
-    assert verdict_class(both_smaller) == "direction only" and " .. " in both_smaller
+    assert verdict_class(both_smaller) == DIRECTION_ONLY and " .. " in str(both_smaller)
     spans = band_verdict(-0.2, paper, paper, 0.0)  # a loss at one end, the paper's number at the other
-    assert spans.startswith(DEPENDS) and verdict_class(spans) == DEPENDS
-    assert "not reproduced at the low end" in spans and "reproduced at the high end" in spans
-    assert band_verdict(-0.3, -0.1, paper, 0.0) == NOT_REPRODUCED
+    assert spans.kind == DEPENDS and verdict_class(spans) == DEPENDS
+    assert "not reproduced at the low end" in str(spans) and "reproduced at the high end" in str(spans)
+    assert band_verdict(-0.3, -0.1, paper, 0.0) == Verdict(NOT_REPRODUCED)
+    with pytest.raises(ValueError, match="not a paper claim's verdict"):
+        verdict_class(Verdict(claims.HOLDS))  # a bound's
     with pytest.raises(ValueError):
         band_verdict(0.3, 0.1, paper, 0.0)
 
@@ -263,14 +271,14 @@ def test_each_kind_fails_on_a_planted_bad_result(copied_artifacts, capsys):
     measured = copied_artifacts / "mist_vs_megatron" / "results" / "measured.json"
     claim = next(c for c in claims.claims() if c.id == "mist-measured-vs-aceso")
     ran = claims.judge(claim, "results").verdict
-    assert ran == claims.judge(claim, "reference").verdict and ran != NOT_REPRODUCED  # a copy of it
+    assert ran == claims.judge(claim, "reference").verdict and ran.kind != NOT_REPRODUCED  # a copy of it
 
     def slow_mist(p):
         if "measured_step_s" in p["result"]["mist"]:
             p["result"]["mist"]["measured_step_s"] *= 3.0
 
     _edit(measured, slow_mist)
-    assert claims.judge(claim, "results").verdict == NOT_REPRODUCED
+    assert claims.judge(claim, "results").verdict.kind == NOT_REPRODUCED
 
 
 def test_a_broken_result_file_is_one_line(copied_artifacts, capsys):
@@ -392,7 +400,10 @@ def test_a_nan_error_never_holds(copied_artifacts, capsys, experiment, file, fie
     """Probe 5 F1: ``cta-kernels ... 3.2e-07 holds`` and ``gelu-backward-fp32 ... holds`` with NaN
     errors in the result file (Python's max keeps a NaN only when it comes first). Now one line
     naming the file, the point and the field, exit 2; the bound is never judged to hold."""
-    assert claims.judge(next(c for c in claims.claims() if c.id == claim), "results").verdict == claims.HOLDS
+    assert (
+        claims.judge(next(c for c in claims.claims() if c.id == claim), "results").verdict.kind
+        == claims.HOLDS
+    )
     _nan_errors(experiment, file, field, which)
     assert claims.main([experiment]) == 2
     out, err = capsys.readouterr()
@@ -456,7 +467,7 @@ def test_an_infinity_a_claim_aggregates_never_holds(copied_artifacts):
     _edit(copied_artifacts / "mist_vs_megatron" / "results" / "tempo.json", infinite)
     with pytest.raises(claims.ResultFileError, match=r"holds result\.gain = inf, not a finite number"):
         claims.judge(claim, "results")
-    assert claims.judge(claim, "reference").verdict == claims.HOLDS  # control: the file untouched
+    assert claims.judge(claim, "reference").verdict.kind == claims.HOLDS  # control: the file untouched
 
 
 def test_a_run_whose_numbers_all_went_nan_fails_the_regression_check(copied_artifacts, capsys):
@@ -501,7 +512,7 @@ def test_a_bound_whose_launches_straddle_it_is_within_noise_not_judged(copied_ar
     does not, and is within noise (not judged, exit 0, said) between."""
     engine = copied_artifacts / "mist_vs_megatron" / "results" / "engine.json"
     claim = next(c for c in claims.claims() if c.id == "mist-engine-time-worst")
-    assert claims.judge(claim, "results").verdict == claims.HOLDS  # control: the reference's copy
+    assert claims.judge(claim, "results").verdict.kind == claims.HOLDS  # control: the reference's copy
 
     def slow_zero3(errors: list[float]) -> None:
         """The ZeRO-3 plan's launches measured at these |errors| below its prediction."""
@@ -523,7 +534,7 @@ def test_a_bound_whose_launches_straddle_it_is_within_noise_not_judged(copied_ar
     # straddling 20%: a launch within it and one beyond, whichever the median
     slow_zero3([random.uniform(0.02, 0.19), random.uniform(0.21, 0.4), random.uniform(0.02, 0.4)])
     verdict = claims.judge(claim, "results").verdict
-    assert verdict.startswith(claims.WITHIN_NOISE), verdict
+    assert verdict.kind == claims.WITHIN_NOISE, verdict
     assert claims.main(["mist_vs_megatron"]) == 0
     out = capsys.readouterr().out
     assert (
@@ -532,12 +543,12 @@ def test_a_bound_whose_launches_straddle_it_is_within_noise_not_judged(copied_ar
     assert "1 within noise" in out
     # every launch beyond: broken, whatever the others
     slow_zero3([random.uniform(0.21, 0.4) for _ in range(3)])
-    assert claims.judge(claim, "results").verdict == claims.BROKEN
+    assert claims.judge(claim, "results").verdict.kind == claims.BROKEN
     assert claims.main(["mist_vs_megatron"]) == 1
     assert "mist-engine-time-worst" in capsys.readouterr().out.split("broken without a known cause")[-1]
     # every launch within: holds
     slow_zero3([random.uniform(0.0, 0.19) for _ in range(3)])
-    assert claims.judge(claim, "results").verdict == claims.HOLDS
+    assert claims.judge(claim, "results").verdict.kind == claims.HOLDS
 
 
 def test_a_time_bound_broken_by_a_machine_that_slowed_after_the_fit_is_within_noise(copied_artifacts):
@@ -602,11 +613,11 @@ def test_a_time_bound_broken_by_a_machine_that_slowed_after_the_fit_is_within_no
         claim = next(c for c in claims.claims() if c.id == claim_id)
         launched(slower)
         verdict = claims.judge(claim, "results").verdict
-        assert verdict.startswith(claims.WITHIN_NOISE), (claim_id, verdict)
-        assert " as measured, " in verdict and "with the machine's drift since the fit" in verdict, verdict
+        assert verdict.kind == claims.WITHIN_NOISE, (claim_id, verdict)
+        assert " as measured, " in str(verdict) and "with the machine's drift since the fit" in str(verdict)
         for drift in (1.0, random.uniform(0.7, 0.99)):  # controls: as fast at the launches, or faster
             launched(drift)
-            assert claims.judge(claim, "results").verdict == claims.BROKEN, (claim_id, drift)
+            assert claims.judge(claim, "results").verdict.kind == claims.BROKEN, (claim_id, drift)
     # the arithmetic: each launch's error as measured and at the fit's speed (its time / (1 + drift))
     predicted, drift = random.uniform(0.1, 1), random.uniform(-0.3, 0.4)
     launches = [predicted * random.uniform(0.5, 2) for _ in range(3)]
@@ -656,15 +667,15 @@ def test_a_noise_band_is_judged_at_both_ends_whichever_way_the_bound_points(copi
     for check_type in (AtMost, AtLeast):
         inside = check_type(random.uniform(low, high))
         verdict = claims.judge(bound(inside, band), "results").verdict
-        assert verdict.startswith(claims.WITHIN_NOISE), (check_type, verdict)
-    assert claims.judge(bound(AtMost(high * 1.01), band), "results").verdict == claims.HOLDS
-    assert claims.judge(bound(AtLeast(low * 0.99), band), "results").verdict == claims.HOLDS
-    assert claims.judge(bound(AtMost(low * 0.99), band), "results").verdict == claims.BROKEN
-    assert claims.judge(bound(AtLeast(high * 1.01), band), "results").verdict == claims.BROKEN
+        assert verdict.kind == claims.WITHIN_NOISE, (check_type, verdict)
+    assert claims.judge(bound(AtMost(high * 1.01), band), "results").verdict.kind == claims.HOLDS
+    assert claims.judge(bound(AtLeast(low * 0.99), band), "results").verdict.kind == claims.HOLDS
+    assert claims.judge(bound(AtMost(low * 0.99), band), "results").verdict.kind == claims.BROKEN
+    assert claims.judge(bound(AtLeast(high * 1.01), band), "results").verdict.kind == claims.BROKEN
 
     def not_run(r):
         raise Missing("launches")
 
     # no band to read: the value alone (mid) is judged
-    assert claims.judge(bound(AtMost(mid * 1.01), not_run), "results").verdict == claims.HOLDS
-    assert claims.judge(bound(AtMost(mid * 0.99), not_run), "results").verdict == claims.BROKEN
+    assert claims.judge(bound(AtMost(mid * 1.01), not_run), "results").verdict.kind == claims.HOLDS
+    assert claims.judge(bound(AtMost(mid * 0.99), not_run), "results").verdict.kind == claims.BROKEN
