@@ -363,7 +363,8 @@ def cmd_calibrate(args) -> int:
     from measure.results import write_json_atomic
 
     from .model.calibrate import calibrate
-    from .model.interference import Interference, fit_interference
+    from .model.interference import Interference, bandwidth_file_gpu, fit_interference
+    from .model.profile_data import PROFILE_GPU
     from .model.runtime import PRESETS, RuntimeModel
 
     data = Path(args.data)
@@ -378,6 +379,17 @@ def cmd_calibrate(args) -> int:
         print(
             f"error: no GPU preset named {', '.join(unknown)} (profiles' --name); presets are written for "
             f"{', '.join(gpus())}",
+            file=sys.stderr,
+        )
+        return 2
+    # the planner's GPU of each gpu-bandwidth file, by the GPU the file names inside it
+    bandwidth = {
+        path: PROFILE_GPU.get(bandwidth_file_gpu(path)) for path in sorted(data.glob("gpu-bandwidth/*.json"))
+    }
+    if args.write and (unmapped := [path.name for path, gpu in bandwidth.items() if gpu is None]):
+        print(
+            f"error: {', '.join(unmapped)}: measured a GPU with no preset; gpu-bandwidth files are "
+            f"fitted for {', '.join(sorted(PROFILE_GPU))}",
             file=sys.stderr,
         )
         return 2
@@ -396,15 +408,14 @@ def cmd_calibrate(args) -> int:
             written[path] = _readable_preset(
                 name, r["model"].to_json(), RuntimeModel.from_json, path, r["gpu"]
             )
-    for path in sorted((data / "gpu-bandwidth").glob("*.json")):
-        gpu = {"l4": "l4", "a100": "a100-40gb"}.get(path.name.split("-")[0])
+    for path, gpu in bandwidth.items():
         inter, rep = fit_interference(path)
         print(
             f"{path.name}: overlapped runs {rep['runs']}, error without interference "
             f"{rep['no_interference_mean_abs_error']:.1%}, fitted {rep['fitted_mean_abs_error']:.1%} "
             f"(held out: {rep['held_out_mean_abs_error']:.1%})"
         )
-        if args.write and gpu:
+        if args.write:
             preset = PRESETS / f"interference_{gpu}.json"
             written[preset] = _readable_preset(path.name, inter.to_json(), Interference.from_json, preset)
     if args.write:

@@ -520,6 +520,28 @@ def test_calibrate_writes_no_preset_for_an_unknown_gpu(tmp_path, capsys, monkeyp
     assert "no GPU preset named tpu" in err and not presets.exists(), err
 
 
+def test_calibrate_maps_a_bandwidth_file_by_the_gpu_it_names(tmp_path, capsys, monkeypatch):
+    """A gpu-bandwidth file's preset is the GPU it names inside, not its file name's first word
+    (a file named otherwise was skipped without a word); one naming a GPU with no preset: --write
+    refused before any preset file is written."""
+    from mist.model import profile_data, runtime
+
+    presets = tmp_path / "presets"
+    monkeypatch.setattr(runtime, "PRESETS", presets)
+    data = tmp_path / "data"
+    shutil.copytree(profile_data.ARTIFACT_DATA / "gpu-op-profiles" / "l4", data / "gpu-op-profiles" / "l4")
+    (data / "gpu-bandwidth").mkdir()
+    runs = json.loads((profile_data.ARTIFACT_DATA / "gpu-bandwidth" / "l4-8gpu-per-node.json").read_text())
+    (data / "gpu-bandwidth" / "node-runs.json").write_text(json.dumps(runs))
+    assert main(["calibrate", str(data), "--write"]) == 0, capsys.readouterr().err
+    assert sorted(p.name for p in presets.iterdir()) == ["interference_l4.json", "runtime_l4.json"]
+    shutil.rmtree(presets)
+    (data / "gpu-bandwidth" / "l4-tpu.json").write_text(json.dumps({"tpu": runs["l4"]}))
+    assert main(["calibrate", str(data), "--write"]) == 2
+    err = capsys.readouterr().err
+    assert "l4-tpu.json: measured a GPU with no preset" in err and not presets.exists(), err
+
+
 def test_profile_host_refuses_more_parameters_than_memory(capsys, monkeypatch):
     """A state larger than memory ended in the allocator's traceback. The machine's memory is set
     to 8 GiB, so the test says the same on every runner; control: half of it is measured."""

@@ -158,9 +158,16 @@ def _run_number(path: Path, where: str, value: object, unit: str = "", above: bo
     return parsed
 
 
-def _runs(path: Path) -> list[dict]:
-    """The runs of a gpu-bandwidth file: one GPU's name mapping to its runs by name, each with the
-    fields above, read strictly; whatever is wrong is one line naming the file and the run."""
+def bandwidth_file_gpu(path: Path) -> str:
+    """The name of the GPU a gpu-bandwidth file measured (its one top-level key), checked as
+    ``fit_interference`` reads the file; ValueError, naming the file, where it is not one."""
+    return _runs(path)[0]
+
+
+def _runs(path: Path) -> tuple[str, list[dict]]:
+    """(the GPU's name, its runs) of a gpu-bandwidth file: one GPU's name mapping to its runs by
+    name, each with the fields above, read strictly; whatever is wrong is one line naming the file
+    and the run."""
     try:
         data = read_json_file(path)
     except (OSError, ValueError) as e:
@@ -170,7 +177,7 @@ def _runs(path: Path) -> list[dict]:
             f"{path}: a gpu-bandwidth file is a mapping of one GPU's name to its runs by name, "
             f"got {type(data).__name__} of {len(data) if isinstance(data, dict | list) else 0} entries"
         )
-    (entries,) = data.values()
+    ((gpu, entries),) = data.items()
     if not entries:
         raise ValueError(f"{path}: no runs (a gpu-bandwidth file maps one GPU's name to its runs)")
     out = []
@@ -194,7 +201,7 @@ def _runs(path: Path) -> list[dict]:
                 * 1e-3,
             }
         )
-    return out
+    return gpu, out
 
 
 def _host_rate(path: Path, name: str, line) -> float:
@@ -249,7 +256,7 @@ def fit_interference(path: Path) -> tuple[Interference, dict]:
 
     from .calibrate import fit_line
 
-    runs = _runs(path)
+    _, runs = _runs(path)
     solo = _solo_lines(runs, fit_line)
     usable = _overlapped_runs(runs, solo)
     params = [(c, m) for m in _MASKS for c in _members(m) if len(_members(m)) >= 2]

@@ -42,7 +42,7 @@ PROFILE_SEQ = {
     "a100-sxm4-40gb-larger-model": 4096,
     "v100-sxm2-32gb-seq2048": 2048,
 }
-# Which planner GPU preset a profile directory measures.
+# Which planner GPU preset a profile directory, or the GPU a gpu-bandwidth file names, measures.
 PROFILE_GPU = {
     "l4": "l4",
     "a10g": "a10g",
