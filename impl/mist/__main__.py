@@ -436,7 +436,8 @@ def _constant_lines(model) -> str:
         for direction, line in zip(("forward", "backward"), lines, strict=True)
         if line.rate is None
     ]
-    return ", ".join(curves + [key for key, line in model.collectives.items() if line.rate is None])
+    collectives = [f"{kind} over {n}" for (kind, n), line in model.collectives.items() if line.rate is None]
+    return ", ".join(curves + collectives)
 
 
 def _readable_preset(fitted: str, d: dict, reader, path: Path, *args) -> dict:

@@ -482,11 +482,11 @@ def test_collective_benchmark_feeds_the_runtime_model(tmp_path):
     measured = read_collectives(tmp_path)
     assert set(measured) == {(c, 2) for c in rows}
     rm = fit_runtime_model([], measured, "cpu", "test")
-    line = rm.collectives["all_reduce/2"]
+    line = rm.collectives["all_reduce", 2]
     assert float(rm.collective("all_reduce", 1 << 20, 2)) == pytest.approx(float(line(1 << 20)))
     # the pipeline message: written as the artifact's p2p file, priced by its own line
     assert (tmp_path / "p2p_intra_node.csv").exists()
-    assert rm.p2p(1 << 20, cluster("cpu", 2)) == pytest.approx(float(rm.collectives["send_recv/2"](1 << 20)))
+    assert rm.p2p(1 << 20, cluster("cpu", 2)) == pytest.approx(float(rm.collectives["send_recv", 2](1 << 20)))
     with pytest.raises(ValueError, match="at least 2"):
         profile_collectives(1, "cpu")
 
@@ -510,7 +510,7 @@ def test_zero_sync_benchmark_times_the_engines_own_collectives(tmp_path):
     assert all(len(rows) == 2 and all(sec > 0 for _, sec in rows) for rows in measured.values())
     rm = fit_runtime_model([], measured, "cpu", "test")
     for kind, price in (("zero_grad_sum", rm.zero_grad_sum), ("zero_weight_sync", rm.zero_weight_sync)):
-        assert float(price(1 << 20, 2)) == pytest.approx(float(rm.collectives[f"{kind}/2"](1 << 20)))
+        assert float(price(1 << 20, 2)) == pytest.approx(float(rm.collectives[kind, 2](1 << 20)))
         assert float(price(0.0, 2)) == 0.0  # no bytes, no collective
         assert price(1 << 20, 4) is None and price(1 << 20, 2, inter_node=True) is None  # not measured
     with pytest.raises(ValueError, match="at least 2 processes"):
@@ -567,7 +567,11 @@ def test_buffer_sum_and_weight_sync_priced_as_the_engine_issues_them(rng):
     weight_sync = Line(float(rng.uniform(1e-4, 1e-2)), float(rng.uniform(1e9, 1e11)))
     engine = dataclasses.replace(
         runtime,
-        collectives={**runtime.collectives, "zero_grad_sum/2": grad_sum, "zero_weight_sync/2": weight_sync},
+        collectives={
+            **runtime.collectives,
+            ("zero_grad_sum", 2): grad_sum,
+            ("zero_weight_sync", 2): weight_sync,
+        },
     )
     stage, edge = float(rng.uniform(1e6, 1e9)), float(rng.uniform(0.0, 1e8))
     zero = np.array([0, 1, 2, 3])
@@ -1127,7 +1131,7 @@ def test_zero_priced_by_the_measured_layer_where_profiled(stage, rng):
     first, last = bool(rng.integers(2)), bool(rng.integers(2))
     base = evaluate_stage(st, ln, layers, 1, first, last, grid, g)
     line = Line(float(rng.uniform(1e-4, 1e-2)), float(rng.uniform(1e9, 1e11)))
-    key = f"{ZERO2_LAYER if stage == 2 else ZERO3_LAYER}/{dp}"
+    key = (ZERO2_LAYER if stage == 2 else ZERO3_LAYER, dp)
     rt = dataclasses.replace(st.runtime, collectives={**st.runtime.collectives, key: line})
     priced = evaluate_stage(dataclasses.replace(st, runtime=rt), ln, layers, 1, first, last, grid, g)
     at_stage = grid["zero"] == stage  # the embedding/head take their stage's strategy here
@@ -1214,7 +1218,7 @@ def test_tp_priced_by_the_measured_tp_layer_where_profiled(rng):
             base = layer_numbers(st)
 
             def priced(t: int, st=st):
-                lines = {f"{TP_LAYER}/{t}": both, f"{TP_LAYER_FORWARD}/{t}": forward}
+                lines = {(TP_LAYER, t): both, (TP_LAYER_FORWARD, t): forward}
                 rt = dataclasses.replace(st.runtime, collectives={**st.runtime.collectives, **lines})
                 return layer_numbers(dataclasses.replace(st, runtime=rt)), rt
 

@@ -129,7 +129,7 @@ def fit_runtime_model(
     # a mechanism measured on a layer is a difference of two timings: at small sizes it can round
     # to nothing (written as 0), so it may be a constant rather than a line
     lines = {
-        f"{kind}/{n}": (_fit_or_constant if kind in MEASURED_LAYERS else fit_line)(*zip(*rows, strict=True))
+        (kind, n): (_fit_or_constant if kind in MEASURED_LAYERS else fit_line)(*zip(*rows, strict=True))
         for (kind, n), rows in collectives.items()
     }
     curves = _fit_curves(profiles, gpu, dtype)

@@ -162,7 +162,8 @@ def _at_its_tp(price):
 class RuntimeModel:
     gpu: str
     curves: dict[str, tuple[Line, Line]]  # class -> (forward, backward)
-    collectives: dict[str, Line] = field(default_factory=dict)  # "all_reduce/4" -> line
+    # (kind, GPUs) -> line, e.g. ("all_reduce", 4); a preset's JSON writes the key "all_reduce/4"
+    collectives: dict[tuple[str, int], Line] = field(default_factory=dict)
     source: str = "roofline"
     # TP size -> curves fitted to that size's profiles alone (a CPU's `mist profile`, where an
     # op at TP 2 is not its TP-1 line at half the work: ``calibrate.fit_runtime_model``); a TP
@@ -291,11 +292,12 @@ class RuntimeModel:
             return np.zeros_like(nbytes)
         if inter_node is None:
             inter_node = cluster is not None and n > cluster.gpus_per_node
-        key = f"{kind}/{n}"
-        if key in self.collectives and not inter_node:
-            seconds = self.collectives[key](nbytes)
+        if (kind, n) in self.collectives and not inter_node:
+            seconds = self.collectives[kind, n](nbytes)
         elif cluster is None:
-            raise ValueError(f"no fitted {key} for {self.gpu} and no cluster to estimate it from")
+            raise ValueError(
+                f"no fitted {kind} over {n} GPUs for {self.gpu} and no cluster to estimate it from"
+            )
         else:
             link = cluster.inter if inter_node else cluster.intra
             steps = 2 * (n - 1) if kind == "all_reduce" else (n - 1)
@@ -350,18 +352,17 @@ class RuntimeModel:
     def _measured_layer(
         self, mechanism: str, nbytes: float, gpus: int, inter_node: bool
     ) -> np.ndarray | None:
-        key = f"{mechanism}/{gpus}"
-        if gpus <= 1 or inter_node or key not in self.collectives:
+        if gpus <= 1 or inter_node or (mechanism, gpus) not in self.collectives:
             return None
-        return np.maximum(self.collectives[key](np.asarray(nbytes, float)), 0.0)
+        return np.maximum(self.collectives[mechanism, gpus](np.asarray(nbytes, float)), 0.0)
 
     def p2p(self, nbytes: float, cluster: ClusterSpec, inter_node: bool = False) -> float:
         """Seconds of one point-to-point message between neighbouring pipeline stages: the fitted
         send/recv line within a node where there is one, else the cluster's link."""
         if nbytes <= 0:
             return 0.0
-        if "send_recv/2" in self.collectives and not inter_node:
-            return float(self.collectives["send_recv/2"](nbytes))
+        if ("send_recv", 2) in self.collectives and not inter_node:
+            return float(self.collectives["send_recv", 2](nbytes))
         link = cluster.inter if inter_node else cluster.intra
         return link.latency + nbytes / link.bw
 
@@ -375,7 +376,7 @@ class RuntimeModel:
             "gpu": self.gpu,
             "source": self.source,
             "curves": lines(self.curves),
-            "collectives": {name: asdict(line) for name, line in self.collectives.items()},
+            "collectives": {f"{kind}/{n}": asdict(line) for (kind, n), line in self.collectives.items()},
         }
         if self.tp_curves:  # JSON's keys are strings
             out["tp_curves"] = {str(tp): lines(curves) for tp, curves in sorted(self.tp_curves.items())}
@@ -403,15 +404,16 @@ class RuntimeModel:
             raise ValueError(
                 f"{path}: collectives must be a mapping of {kinds} to lines, got {collectives!r}"
             )
-        for key in collectives:
+        lines = {}
+        for key, line in collectives.items():
             kind, _, gpus = key.partition("/")
-            fits = _whole_key(gpus, 2)
-            if kind not in COLLECTIVE_KINDS or not fits:
+            if kind not in COLLECTIVE_KINDS or not _whole_key(gpus, 2):
                 raise ValueError(f"{path}: collectives: {key!r} is not {kinds}")
+            lines[kind, int(gpus)] = _line(path, f"collectives.{key}", line)
         return cls(
             name,
             _curve_pairs(path, "curves", curves),
-            {key: _line(path, f"collectives.{key}", line) for key, line in collectives.items()},
+            lines,
             text(path, "source", preset["source"]),
             _tp_curves(path, preset.get("tp_curves", {})),
         )
