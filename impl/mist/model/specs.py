@@ -291,15 +291,16 @@ _DEVICE = (
 _NVLINK = "nvlink"  # an intra-node link's bytes_per_s: the data sheet's NVLink rate
 
 
-def _link(path: Path | str, where: str, d: object, nvlink: float | None) -> LinkSpec:
-    """A link: its bus bandwidth per GPU (bytes/s; "nvlink": the data sheet's) and latency."""
+def _link(path: Path | str, where: str, d: object, nvlink: float | None, intra: bool) -> LinkSpec:
+    """A link: its bus bandwidth per GPU (bytes/s; within a node, "nvlink": the data sheet's, where
+    ``nvlink`` is given) and latency."""
     check_fields(path, where, d, _LINK)
     text(path, f"{where}.source", d["source"])
     bw = d["bytes_per_s"]
     if bw == _NVLINK and nvlink is not None:
         bw = nvlink
     else:
-        also = ' (or "nvlink": the data sheet\'s, where it has one)' if where.endswith("intra") else ""
+        also = ' (or "nvlink": the data sheet\'s, where it has one)' if intra else ""
         bw = number(path, f"{where}.bytes_per_s", bw, above=True, or_else=also)
     return LinkSpec(bw, number(path, f"{where}.latency_s", d["latency_s"]))
 
@@ -379,8 +380,8 @@ def read_clusters(
             )
         nvlink = None if sheet is None else sheet.nvlink_bw
         node_links[name] = (
-            _link(path, f"{name}.intra", entry["intra"], nvlink),
-            _link(path, f"{name}.inter", entry["inter"], None),
+            _link(path, f"{name}.intra", entry["intra"], nvlink, intra=True),
+            _link(path, f"{name}.inter", entry["inter"], None, intra=False),
         )
         node_hosts[name] = _host(path, f"{name}.host", entry["host"])
     return devices, node_links, node_hosts
