@@ -54,8 +54,9 @@ def attention_core_workspace_bytes(
     CUDA (tempo/kernels/attention.py): the dropped-out P for cuBLAS, with dropout only, and in
     forward V's copy, made by the P @ V product; backward also dP_dropped where the scores' dtype
     differs (else dS is written over it), and not V's copy: it is freed with its product, before dV
-    (its size) exists. CPU: one chunk of heads of the PyTorch path, and V's copy, which its
-    reshape makes and holds through forward and backward."""
+    (its size) exists. CPU, the PyTorch path (which CUDA runs too for float64: give ``target``
+    'cpu' then): one chunk of heads, and V's copy, which its reshape makes and holds through
+    forward and backward."""
     numel = math.prod(probs_shape)
     if target == "cuda":
         dropped = numel * itemsize if dropout else 0

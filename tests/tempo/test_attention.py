@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import importlib
+import inspect
+
 import pytest
 import torch
 
@@ -284,3 +287,64 @@ def test_the_backward_takes_the_path_its_forward_took(monkeypatch):
     assert grad_scores.dtype == torch.float64
     with pytest.raises(pytest.fail.Exception, match="the kernel's mask"):  # the control: float32 scores
         A.attention_core_bwd(grad, None, probs, value, 0.2, seed, torch.float32)
+
+
+def test_value_flattens_is_whether_view_flattens_the_heads():
+    """tempo.ops.value_flattens (which prices V's copy) against view() itself, on V of random
+    shapes (sizes 0 and 1 included), random dim orders, strided slices and broadcast dims."""
+    from tempo.ops import value_flattens
+
+    def views(v: torch.Tensor) -> bool:
+        try:
+            v.view(-1 if v.numel() else 0, *v.shape[-2:])
+        except RuntimeError:
+            return False
+        return True
+
+    seen = set()
+    for _ in range(400):
+        dims = int(torch.randint(2, 6, ()))
+        shape = [
+            int(torch.randint(0, 4, ())) if torch.rand(()) < 0.2 else int(torch.randint(1, 5, ()))
+            for _ in range(dims)
+        ]
+        v = torch.empty(shape).permute(*torch.randperm(dims).tolist())
+        if dims > 2 and torch.rand(()) < 0.3:  # every other entry of a leading dim
+            v = v[::2]
+        if dims > 2 and torch.rand(()) < 0.3 and v.shape[0] == 1:  # a broadcast leading dim
+            v = v.expand(3, *v.shape[1:])
+        assert value_flattens(v) == views(v), (tuple(v.shape), v.stride())
+        seen.add(views(v))
+    assert seen == {True, False}  # both kinds drawn: the comparison meant something
+    hf = torch.empty(2, 16, 4, 8).transpose(1, 2)  # HF's V
+    megatron = torch.empty(16, 2, 4, 8).permute(1, 2, 0, 3)  # megatron-core's, as tempo.megatron passes it
+    assert not value_flattens(hf) and value_flattens(megatron)
+
+
+def test_float64_attention_on_cuda_is_priced_as_the_path_it_takes():
+    """On CUDA the attention core takes its PyTorch path for float64 (its kernels compute in
+    float32), so its workspace is that path's: the chunk of heads and V's copy held through
+    backward; RMSNorm's kernels compute in float64 and keep their own price."""
+    from tempo.ops import FLOAT64_KERNEL_OPS, workspace_bytes
+
+    v = torch.empty(2, 64, 4, 16, dtype=torch.float64).transpose(1, 2)
+    s, go = torch.empty(2, 4, 64, 64, dtype=torch.float64), torch.empty(2, 4, 64, 16, dtype=torch.float64)
+    seed = torch.tensor(1)
+    for name, args in (
+        ("tempo::attention_core", (s, v, 0.1, seed)),
+        ("tempo::attention_core_bwd", (go, None, s, v, 0.1, seed, torch.float64)),
+    ):
+        assert workspace_bytes(name, args, {}, "cuda") == workspace_bytes(name, args, {}, "cpu")
+    half = (s.float(), v.float(), 0.1, seed)  # the control: float32 takes the kernels, priced otherwise
+    assert workspace_bytes("tempo::attention_core", half, {}, "cuda") != workspace_bytes(
+        "tempo::attention_core", half, {}, "cpu"
+    )
+    x, w = torch.empty(8, 32, dtype=torch.float64), torch.empty(32, dtype=torch.float64)
+    rstd = torch.empty(8, 1, dtype=torch.float64)
+    # its kernel's own price: one program's float64 dgamma partials
+    assert workspace_bytes("tempo::rms_norm_bwd", (x, x, rstd, w), {}, "cuda") == 8 * 32
+    # the ops that run float64 kernels are the ones whose dispatch asks use_triton for float64
+    for module in ("attention", "dropout", "gelu", "layernorm", "linear_ce", "rmsnorm", "swiglu"):
+        source = inspect.getsource(importlib.import_module(f"tempo.ops.{module}"))
+        names = [n for n in FLOAT64_KERNEL_OPS if f'"{n}"' in source]
+        assert ("float64=True" in source) == bool(names), module

@@ -33,9 +33,33 @@ def _cpu_chunk_bytes(op_name: str, numel: int) -> int:
     return min(numel, CHUNK_ELEMS) * cpu_bytes_per_chunk_elem(op_name)
 
 
+# The ops whose kernels compute in float64 (their use_triton(..., float64=True)); on CUDA every
+# other op takes its PyTorch path for float64 tensors, and is priced as that path
+FLOAT64_KERNEL_OPS = (
+    "tempo::rms_norm_fwd",
+    "tempo::rms_norm_bwd",
+    "tempo::swiglu_down",
+    "tempo::swiglu_down_bwd",
+)
+
+
+def _path(op_name: str, args: tuple, target: str) -> str:
+    """The path a call of ``op_name`` takes on ``target``: 'cuda' (the kernels) or 'cpu' (the
+    PyTorch path, which CUDA takes too for float64, tensors or the attention core's scores' dtype,
+    where the op's kernels compute in float32)."""
+    if target != "cuda" or op_name in FLOAT64_KERNEL_OPS:
+        return target
+    float64 = any(
+        a is torch.float64 or (isinstance(a, torch.Tensor) and a.dtype == torch.float64) for a in args
+    )
+    return "cpu" if float64 else "cuda"
+
+
 def value_flattens(value: torch.Tensor) -> bool:
     """Whether V (..., Sk, Dv) is one batch of matrices as a view: else torch.matmul, and the CPU
     path's reshape, copy it first (HF's transposed V: (B, S, H, D) seen as (B, H, S, D))."""
+    if value.numel() == 0:  # any strides view as any shape
+        return True
     # the rule of view(): each leading dim of more than one element steps over the next one's
     leading = [(n, st) for n, st in zip(value.shape[:-2], value.stride()[:-2], strict=True) if n > 1]
     return all(st == inner_st * inner_n for (_, st), (inner_n, inner_st) in itertools.pairwise(leading))
@@ -49,6 +73,7 @@ def workspace_bytes(op_name: str, args: tuple, kwargs: dict, target: str) -> int
     if not tensors:
         return 0
     first = tensors[0]
+    target = _path(op_name, args, target)
     on_cuda = target == "cuda"
     if op_name.startswith("tempo::attention_core"):
         forward = op_name == "tempo::attention_core"
