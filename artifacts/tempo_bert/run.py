@@ -67,7 +67,8 @@ from . import EXPERIMENT
 from .compile_check import compile_check_key, compile_check_point
 from .data import CORPORA
 from .summary import (
-    DROPOUT_CANDIDATES,
+    DROPOUT_COMPARED,
+    DROPOUT_REFERENCE,
     FLOAT64_LOSS,
     REVERSED,
     TRAIN,
@@ -357,7 +358,7 @@ def dropout_distribution_point(weights: str, draws: int, corpus: str) -> dict:
         for k, v in bert_batches(1, trained.batch, trained.seq, seed=0, source=corpus)[0].items()
         if k not in ("labels", "next_sentence_label")
     }
-    seeds = [int.from_bytes(os.urandom(4), "little") for _ in DROPOUT_CANDIDATES]
+    seeds = [int.from_bytes(os.urandom(4), "little") for _ in (DROPOUT_REFERENCE, *DROPOUT_COMPARED)]
 
     def moments(configuration: str, p: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
         m = build_model("bert-mini", "pretraining", configuration, dropout=p).train()
@@ -367,9 +368,10 @@ def dropout_distribution_point(weights: str, draws: int, corpus: str) -> dict:
             outs = torch.stack([m.bert(**inputs).last_hidden_state.double().flatten() for _ in range(draws)])
         return outs.mean(0), outs.var(0)
 
-    ref_mean, ref_var = moments("hf-eager", 0.1, seeds[0])
+    _, configuration, p = DROPOUT_REFERENCE
+    ref_mean, ref_var = moments(configuration, p, seeds[0])
     out = {"draws": draws, "seeds": seeds}
-    for (name, configuration, p), seed in zip(DROPOUT_CANDIDATES[1:], seeds[1:], strict=True):
+    for (name, configuration, p), seed in zip(DROPOUT_COMPARED, seeds[1:], strict=True):
         mean, var = moments(configuration, p, seed)
         out[name] = {
             "variance_ratio": (var.sum() / ref_var.sum()).item(),

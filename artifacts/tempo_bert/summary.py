@@ -50,7 +50,7 @@ DROPOUT_REFERENCE = ("reference", "hf-eager", 0.1)
 DROPOUT_NULL = (("hf-eager again", "hf-eager", 0.1),)
 DROPOUT_TEMPO = (("tempo", "tempo", 0.1), ("tempo again", "tempo", 0.1))
 DROPOUT_WRONG = (("hf-eager p=0.08 (wrong)", "hf-eager", 0.08), ("hf-eager p=0.12 (wrong)", "hf-eager", 0.12))
-DROPOUT_CANDIDATES = (DROPOUT_REFERENCE, *DROPOUT_NULL, *DROPOUT_TEMPO, *DROPOUT_WRONG)
+DROPOUT_COMPARED = (*DROPOUT_NULL, *DROPOUT_TEMPO, *DROPOUT_WRONG)
 
 
 def float64_loss(model: str) -> str | None:
