@@ -115,14 +115,15 @@ def band_verdict(low: float, high: float, paper: float, neutral: float) -> Verdi
     ends = paper_verdict(low, paper, neutral), paper_verdict(high, paper, neutral)
     if ends[0] == ends[1]:
         return ends[0]
-    if verdict_class(ends[0]) == verdict_class(ends[1]):
-        return Verdict(ends[0].kind, f"{ends[0]} .. {ends[1]}")
+    if verdict_class(ends[0]) == verdict_class(ends[1]):  # one class (a kind of its own where they differ)
+        kind = ends[0].kind if ends[0].kind == ends[1].kind else verdict_class(ends[0])
+        return Verdict(kind, f"{ends[0]} .. {ends[1]}")
     return Verdict(DEPENDS, f"{DEPENDS}: {ends[0]} at the low end, {ends[1]} at the high end")
 
 
 def verdict_class(verdict: Verdict) -> str:
     """The summary's class of a paper claim's verdict."""
-    if verdict.kind in (SMALLER, LARGER, ANALOGUE):
+    if verdict.kind in (SMALLER, LARGER, ANALOGUE, DIRECTION_ONLY):
         return DIRECTION_ONLY
     if verdict.kind in (REPRODUCED, NOT_REPRODUCED, NOT_RUN, DEPENDS):
         return verdict.kind

@@ -127,6 +127,10 @@ def test_band_verdict_rule():
     assert band_verdict(paper * 0.9, paper * 1.1, paper, 0.0) == Verdict(REPRODUCED)
     both_smaller = band_verdict(paper * 0.1, paper * 0.5, paper, 0.0)
     assert verdict_class(both_smaller) == DIRECTION_ONLY and " .. " in str(both_smaller)
+    assert both_smaller.kind == SMALLER
+    # smaller at one end, larger at the other: direction only, but neither kind alone
+    across = band_verdict(paper * 0.5, paper * 1.5, paper, 0.0)
+    assert across.kind == DIRECTION_ONLY and "smaller" in str(across) and "larger" in str(across)
     spans = band_verdict(-0.2, paper, paper, 0.0)  # a loss at one end, the paper's number at the other
     assert spans.kind == DEPENDS and verdict_class(spans) == DEPENDS
     assert "not reproduced at the low end" in str(spans) and "reproduced at the high end" in str(spans)
