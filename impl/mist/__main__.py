@@ -363,7 +363,7 @@ def cmd_calibrate(args) -> int:
     from measure.results import write_json_atomic
 
     from .model.calibrate import calibrate
-    from .model.interference import Interference, bandwidth_file_gpu, fit_interference
+    from .model.interference import Interference, fit_interference
     from .model.profile_data import PROFILE_GPU
     from .model.runtime import PRESETS, RuntimeModel
 
@@ -382,14 +382,13 @@ def cmd_calibrate(args) -> int:
             file=sys.stderr,
         )
         return 2
-    # the planner's GPU of each gpu-bandwidth file, by the GPU the file names inside it
-    bandwidth = {
-        path: PROFILE_GPU.get(bandwidth_file_gpu(path)) for path in sorted(data.glob("gpu-bandwidth/*.json"))
-    }
-    if args.write and (unmapped := [path.name for path, gpu in bandwidth.items() if gpu is None]):
+    bandwidth = _bandwidth_files(data)
+    if args.write and (
+        unmapped := [f"{p.name} ({name!r})" for p, (name, gpu) in bandwidth.items() if gpu is None]
+    ):
         print(
             f"error: {', '.join(unmapped)}: measured a GPU with no preset; gpu-bandwidth files are "
-            f"fitted for {', '.join(sorted(PROFILE_GPU))}",
+            f"fitted for the GPUs named {', '.join(sorted(PROFILE_GPU))}",
             file=sys.stderr,
         )
         return 2
@@ -408,21 +407,33 @@ def cmd_calibrate(args) -> int:
             written[path] = _readable_preset(
                 name, r["model"].to_json(), RuntimeModel.from_json, path, r["gpu"]
             )
-    for path, gpu in bandwidth.items():
+    for path, (_, gpu) in bandwidth.items():
         inter, rep = fit_interference(path)
         print(
             f"{path.name}: overlapped runs {rep['runs']}, error without interference "
             f"{rep['no_interference_mean_abs_error']:.1%}, fitted {rep['fitted_mean_abs_error']:.1%} "
             f"(held out: {rep['held_out_mean_abs_error']:.1%})"
         )
-        if args.write:
-            preset = PRESETS / f"interference_{gpu}.json"
+        preset = PRESETS / f"interference_{gpu}.json"
+        if args.write and preset in written:  # the first file per GPU (sorted) is the preset, as above
+            print(f"{path.name}: not written: {preset.name} is fitted to an earlier file of {gpu}")
+        elif args.write:
             written[preset] = _readable_preset(path.name, inter.to_json(), Interference.from_json, preset)
     if args.write:
         for path, d in written.items():  # each whole or not at all: a kill never leaves half a preset
             write_json_atomic(path, d)
         print(f"presets written to {PRESETS}")
     return 0
+
+
+def _bandwidth_files(data: Path) -> dict[Path, tuple[str, str | None]]:
+    """Each gpu-bandwidth file under ``data`` (sorted) with the GPU it names inside and that GPU's
+    preset name (PROFILE_GPU; None where it has none)."""
+    from .model.interference import bandwidth_file_gpu
+    from .model.profile_data import PROFILE_GPU
+
+    named = {path: bandwidth_file_gpu(path) for path in sorted(data.glob("gpu-bandwidth/*.json"))}
+    return {path: (name, PROFILE_GPU.get(name)) for path, name in named.items()}
 
 
 def _constant_lines(model) -> str:

@@ -535,11 +535,20 @@ def test_calibrate_maps_a_bandwidth_file_by_the_gpu_it_names(tmp_path, capsys, m
     (data / "gpu-bandwidth" / "node-runs.json").write_text(json.dumps(runs))
     assert main(["calibrate", str(data), "--write"]) == 0, capsys.readouterr().err
     assert sorted(p.name for p in presets.iterdir()) == ["interference_l4.json", "runtime_l4.json"]
+    # a second file of the same GPU: the first (sorted) is the preset, the other said, not written over it
+    shutil.rmtree(presets)
+    fewer = dict(list(runs["l4"].items())[: len(runs["l4"]) // 2])
+    (data / "gpu-bandwidth" / "other-runs.json").write_text(json.dumps({"l4": fewer}))
+    assert main(["calibrate", str(data), "--write"]) == 0, capsys.readouterr().err
+    assert "other-runs.json: not written: interference_l4.json is fitted to an earlier file of l4" in (
+        capsys.readouterr().out
+    )
+    assert "node-runs.json" in json.loads((presets / "interference_l4.json").read_text())["source"]
     shutil.rmtree(presets)
     (data / "gpu-bandwidth" / "l4-tpu.json").write_text(json.dumps({"tpu": runs["l4"]}))
     assert main(["calibrate", str(data), "--write"]) == 2
     err = capsys.readouterr().err
-    assert "l4-tpu.json: measured a GPU with no preset" in err and not presets.exists(), err
+    assert "l4-tpu.json ('tpu'): measured a GPU with no preset" in err and not presets.exists(), err
 
 
 def test_profile_host_refuses_more_parameters_than_memory(capsys, monkeypatch):
