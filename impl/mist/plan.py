@@ -627,9 +627,11 @@ class Plan:
                 f"grads {e.offload_grads:.3g}, optimizer {e.offload_optimizer:.3g}"
             )
         if self.predicted_iteration_s is not None:
+            # the simulation is what predict --json's iteration_s and the claims report; the
+            # closed form is what the search ranked the plans by
             rows.append(
-                f"predicted iteration: {self.predicted_iteration_s:.3f} s (1F1B simulation: "
-                f"{_num(self.simulated_iteration_s, 3)} s)"
+                f"predicted iteration: {_num(self.simulated_iteration_s, 3)} s by the 1F1B simulation "
+                f"({self.predicted_iteration_s:.3f} s by the closed form the search ranks by)"
                 + (f"; tuned in {self.tuning_s:.1f} s" if self.tuning_s is not None else "")
             )
         return "\n".join(rows)
