@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import inspect
 import json
 import math
 import random
@@ -24,7 +25,7 @@ from measure.memory import DepthExtrapolatedEstimator, LiveMemoryTracker, StepMe
 from measure.saved import SavedTensorsMeter, cuda_like_dropout, saved_bytes
 from measure.training import Precision, make_optimizer, optimizer_state_tensors, train_step
 from measure.units import GiB
-from tempo.ops import workspace_bytes
+from tempo.ops import cpu_bytes_per_chunk_elem, workspace_bytes
 from tests.preset_copies import drop_field, refused_in_one_line, renamed_field, set_field
 
 hf_logging.set_verbosity_error()
@@ -471,6 +472,43 @@ def test_declared_attention_workspace_is_the_real_one(p, dt, layout):
             without_copy = workspace_bytes(name, contiguous, {}, "cpu")
             assert without_copy + v.numel() * v.element_size() == declared
             assert workspace > without_copy, f"{what} p={p} {dt}: V's copy not seen"
+
+
+def test_workspace_knows_every_tempo_op_by_its_exact_name():
+    """workspace_bytes prices ops by their exact names; an op renamed or added would fall to the
+    default (a chunk on a CPU, nothing on CUDA) without a word. The ops registered are the ones it
+    prices by name and the ones the default prices (their chunked PyTorch paths; kernels with no
+    workspace). Control: an unknown tempo op gets the default."""
+    import importlib
+
+    for module in ("attention", "dropout", "gelu", "layernorm", "linear_ce", "rmsnorm", "swiglu"):
+        importlib.import_module(f"tempo.ops.{module}")
+    registered = {f"tempo::{n}" for n in dir(torch.ops.tempo) if not n.startswith("_") and n != "name"}
+    by_name = {
+        "tempo::attention_core",
+        "tempo::attention_core_bwd",
+        "tempo::linear_cross_entropy",
+        "tempo::linear_cross_entropy_bwd",
+        "tempo::layer_norm_bwd",
+        "tempo::rms_norm_bwd",
+        "tempo::swiglu_down",
+        "tempo::swiglu_down_bwd",
+    }
+    by_default = {
+        "tempo::dropout",
+        "tempo::gelu_fwd",
+        "tempo::gelu_bwd",
+        "tempo::layer_norm_fwd",
+        "tempo::rms_norm_fwd",
+    }
+    assert registered == by_name | by_default, registered ^ (by_name | by_default)
+    source = inspect.getsource(workspace_bytes)
+    assert all(f'"{name}"' in source for name in by_name)
+    x = torch.empty(4, 8)
+    assert workspace_bytes("tempo::nothing", (x,), {}, "cpu") == 32 * cpu_bytes_per_chunk_elem(
+        "tempo::nothing"
+    )
+    assert workspace_bytes("tempo::nothing", (x,), {}, "cuda") == 0
 
 
 @pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16])

@@ -75,7 +75,7 @@ def workspace_bytes(op_name: str, args: tuple, kwargs: dict, target: str) -> int
     first = tensors[0]
     target = _path(op_name, args, target)
     on_cuda = target == "cuda"
-    if op_name.startswith("tempo::attention_core"):
+    if op_name in ("tempo::attention_core", "tempo::attention_core_bwd"):
         forward = op_name == "tempo::attention_core"
         # forward: (scores, value, p, seed); backward: (grad_out, grad_probs, probs, value, p, seed,
         # scores_dtype)
@@ -88,7 +88,7 @@ def workspace_bytes(op_name: str, args: tuple, kwargs: dict, target: str) -> int
         return attention_core_workspace_bytes(
             tuple(probs.shape), value.element_size(), dropout, target, forward, differs, copied
         )
-    if op_name.startswith("tempo::linear_cross_entropy"):  # no kernel: chunk logits on either device
+    if op_name in ("tempo::linear_cross_entropy", "tempo::linear_cross_entropy_bwd"):  # no kernel: chunks
         forward = op_name == "tempo::linear_cross_entropy"
         h, weight, rows_per_chunk = (args[0], args[1], args[3]) if forward else (args[1], args[2], args[4])
         chunk = min(h.shape[0], int(rows_per_chunk))
@@ -105,7 +105,7 @@ def workspace_bytes(op_name: str, args: tuple, kwargs: dict, target: str) -> int
         rows = first.numel() // max(d, 1)
         math_bytes = 8 if args[1].dtype == torch.float64 else 4
         return math.ceil(rows / ROWS_PER_PROGRAM) * d * math_bytes  # per-program dgamma partials
-    if op_name.startswith("tempo::swiglu_down"):  # gate = args[1] in backward
+    if op_name in ("tempo::swiglu_down", "tempo::swiglu_down_bwd"):  # gate = args[1] in backward
         forward = op_name == "tempo::swiglu_down"
         gate = args[0] if forward else args[1]
         return swiglu_down_workspace_bytes(gate.numel() * gate.element_size(), target, forward)
