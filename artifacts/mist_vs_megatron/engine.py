@@ -220,7 +220,9 @@ def _launch(plan, processes: int, args: list[str]) -> subprocess.CompletedProces
     """One launch of ``mist.engine.run``: on a CPU its ranks are forked from one process that has
     imported megatron-core (measure.fork_launch: the same ranks, ~5 s less start-up a launch on 2
     cores); on a GPU torchrun starts them, as a user would."""
-    if plan.gpu != "cpu":
+    from mist.model.specs import CPU_PRESET
+
+    if plan.gpu != CPU_PRESET:
         # the host's cores shared by the ranks, as a GPU job has them: an offloaded optimizer
         # steps on the host (one thread a rank is the CPU engine's, whose ranks are the compute)
         threads = max(1, usable_cores() // processes)

@@ -25,7 +25,7 @@ from measure.cli import OneLineParser, check_writable_file, reader_gone, repeate
 from measure.units import format_bytes
 
 from .model.profile_data import ARTIFACT_DATA, PRESET_NAME_RULE, is_preset_name
-from .model.specs import GRAD_ACCUMULATION, cluster, gpus, hosts, model, models
+from .model.specs import CPU_PRESET, GRAD_ACCUMULATION, cluster, gpus, hosts, model, models
 
 if TYPE_CHECKING:  # for the annotations only: each command imports what it uses when it runs
     from .plan import Plan
@@ -589,6 +589,11 @@ def cmd_profile(args) -> int:
     _check_collectives(args.collectives, args.device)
     if not is_preset_name(args.name):
         raise ValueError(f"--name {args.name!r}: {PRESET_NAME_RULE}")
+    if (args.name == CPU_PRESET) != (args.device == "cpu"):  # the preset decides how it is fitted and run
+        raise ValueError(
+            f"--name {args.name!r} with --device {args.device}: the preset {CPU_PRESET!r} is a CPU's, "
+            "profiled with --device cpu; a GPU's profile takes its GPU's preset name"
+        )
     if args.hidden % args.heads:
         raise ValueError(f"--hidden {args.hidden} must be a multiple of --heads {args.heads}")
     _check_profile_fits(args)

@@ -171,16 +171,18 @@ def test_outputs_are_checked_before_any_work(tmp_path, capsys):
             "the layer alone needs at least",
         ),  # was an allocator traceback
         (["--seq", "2000000"], "the layer alone needs at least"),  # the s^2 scores
-        (["--name", "a100-40gb.v2_x"], None),  # the control: a preset-like name, a layer that fits
+        # a name the rule takes, but a GPU's on the CPU: it would be fitted and planned as a GPU
+        (["--name", "a100-40gb.v2_x"], "--name 'a100-40gb.v2_x' with --device cpu: the preset 'cpu' is"),
+        (["--name", "cpu"], None),  # the control: the CPU's name, a layer that fits
     ],
 )
 def test_a_profile_that_cannot_be_made_is_refused_before_any_work(
     tmp_path, capsys, monkeypatch, change, said
 ):
-    """`mist profile` refuses a name that is not a preset's (it names a preset file) and a layer
-    larger than the machine's memory (a lower bound: weights, gradients, kept activations) before
-    it claims the folder; the control goes on to profile (stubbed here: what is checked is that
-    the refusals come before it)."""
+    """`mist profile` refuses a name that is not a preset's (it names a preset file), a GPU's name
+    for a CPU's profile, and a layer larger than the machine's memory (a lower bound: weights,
+    gradients, kept activations) before it claims the folder; the control goes on to profile
+    (stubbed here: what is checked is that the refusals come before it)."""
     import mist.__main__ as cli
 
     profiled = []

@@ -42,7 +42,7 @@ from .runtime import (
     residual_stream_bytes,
     tempo_work,
 )
-from .specs import GRAD_ACCUMULATION, ModelSpec, gpus
+from .specs import CPU_PRESET, GRAD_ACCUMULATION, ModelSpec, gpus
 from .symbolic import head_costs, layer_costs, value
 
 # curves fitted to a whole layer's time beyond something else (its ops; the plain layer)
@@ -135,7 +135,7 @@ def fit_runtime_model(
     curves = _fit_curves(profiles, gpu, dtype)
     tps = sorted({p.tp for p in profiles})
     by_tp = {}
-    if gpu == "cpu" and len(tps) > 1:
+    if gpu == CPU_PRESET and len(tps) > 1:
         # a class with no points at one size keeps the curve through every size, never the data
         # sheet's roofline (one whose times there are too few positive ones is that size's constant)
         by_tp = {tp: curves | _fit_curves([p for p in profiles if p.tp == tp], gpu, dtype) for tp in tps}
@@ -207,7 +207,7 @@ def _fit_curves(profiles: list[LayerProfile], gpu: str, dtype: str) -> dict[str,
                     continue
                 samples.setdefault((OP_CLASS[op], direction), []).append((work[direction], seconds, cached))
     curves = {}
-    small_shapes_only = gpu == "cpu"  # `mist profile` on a CPU: at the very shapes its plans run
+    small_shapes_only = gpu == CPU_PRESET  # `mist profile` on a CPU: at the very shapes its plans run
     for cls in sorted({c for c, _ in samples}):
         fits = [_beyond_cache(samples[(cls, d)], small_shapes_only) for d in (0, 1)]
         if all(work for work, _ in fits):  # a class with nothing to fit keeps the data sheet's roofline
@@ -249,7 +249,7 @@ def class_peak(gpu: str, cls: str, dtype: str) -> tuple[float, str] | None:
     ``dtype`` for the compute classes, the HBM bandwidth for the memory-bound ones; None where
     there is none (the ``cpu`` device's nominal numbers, a class fitted to a layer's excess time)."""
     spec = gpus().get(gpu)
-    if spec is None or gpu == "cpu" or cls in WHOLE_LAYER_CLASSES:
+    if spec is None or gpu == CPU_PRESET or cls in WHOLE_LAYER_CLASSES:
         return None
     if cls in COMPUTE_KINDS or cls == "wgrad":
         return peak_flops(gpu, dtype), "FLOP/s"

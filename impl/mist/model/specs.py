@@ -273,6 +273,10 @@ def _ddr(sockets: int, channels: int, mega_transfers: int) -> float:
     return sockets * channels * mega_transfers * 1e6 * 8
 
 
+# The preset of a CPU as Mist's device: `mist profile --device cpu` calibrates it, and plans on it
+# run on mist.engine.run's CPU engine (no CUDA context, gloo, its own interference and fit)
+CPU_PRESET = "cpu"
+
 # clusters.json's fields: per GPU preset its links and host, and a device's numbers where the GPU
 # has no data sheet (the nominal "cpu")
 _CLUSTER = ("intra", "inter", "host")
@@ -435,7 +439,7 @@ def cluster(
         host = replace(host, memory=int(host_memory))
     device = devices[gpu]
     if gpu_memory is not None:
-        if gpu != "cpu" and gpu_memory > device.memory:  # a cap, not more memory (cpu's is nominal)
+        if gpu != CPU_PRESET and gpu_memory > device.memory:  # a cap, not more memory (cpu's is nominal)
             raise ValueError(
                 f"device memory {gpu_memory / GiB:.1f} GiB is above the {gpu}'s {device.memory / GiB:.1f} GiB"
             )

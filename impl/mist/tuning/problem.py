@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from ..model.budget import gpu_budget_bytes, host_budget_bytes
 from ..model.interference import Interference, read_interference_preset
 from ..model.runtime import RuntimeModel, load_runtime_model
-from ..model.specs import GRAD_ACCUMULATION, ClusterSpec, GradAccumulation, ModelSpec
+from ..model.specs import CPU_PRESET, GRAD_ACCUMULATION, ClusterSpec, GradAccumulation, ModelSpec
 from ..plan import Plan, grad_accum
 from .pipeline_sim import in_flight
 from .stage_cost import Setting
@@ -41,7 +41,7 @@ def load_interference(gpu: str) -> Interference:
     path = PRESETS / f"interference_{gpu}.json"
     if path.exists():
         return read_interference_preset(path)
-    if gpu == "cpu":  # the CPU "device" of mist.engine.run's checks
+    if gpu == CPU_PRESET:  # the CPU "device" of mist.engine.run's checks
         return Interference.serial(
             "cpu: the same cores run compute and gloo's collectives, which mist.engine.run issues "
             "synchronously (ZeRO-2's reductions in backward hooks, FSDP's gathers): they take turns"

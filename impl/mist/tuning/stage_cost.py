@@ -39,7 +39,7 @@ from tempo.sizes import attention_core_workspace_bytes, swiglu_down_workspace_by
 
 from ..model.interference import Interference
 from ..model.runtime import RuntimeModel, cpu_adam_params_per_s
-from ..model.specs import GRAD_ACCUMULATION, ClusterSpec, GradAccumulation, ModelSpec
+from ..model.specs import CPU_PRESET, GRAD_ACCUMULATION, ClusterSpec, GradAccumulation, ModelSpec
 from ..model.symbolic import CORE_ATTENTION_OPS, HALF, head_costs, layer_costs, value
 from ..plan import activation_offloaded_layers, gather_allowed, grad_bucket
 from .inter_stage import held_and_fits
@@ -57,6 +57,7 @@ STRATEGY_FIELDS = (
 )
 OFFLOADABLE = ("weights", "grads", "optimizer", "activations")  # SearchSpace.offloadable's kinds
 OFFLOAD_FIELDS = tuple(f"offload_{kind}" for kind in OFFLOADABLE)  # their StagePlan fields
+OFFLOAD_KIND = dict(zip(OFFLOAD_FIELDS, OFFLOADABLE, strict=True))  # a field's kind
 ADAM_BYTES_PER_PARAM = 12  # fp32 master weight + two moments
 OPTIMIZER_STEP_BYTES_PER_PARAM = 4  # fp32 gradients during the step (fused Adam; torch's foreach
 # AdamW adds up to ~4 more for its temporaries)
@@ -111,7 +112,7 @@ class SearchSpace:
     def offload_steps(self, field: str, steps) -> tuple[float, ...]:
         """The fractions of ``field`` (offload_<kind>) the search tries: ``steps``, or only 0 where
         that kind may not be offloaded."""
-        allowed = self.offload and field.removeprefix("offload_") in self.offloadable
+        allowed = self.offload and OFFLOAD_KIND[field] in self.offloadable
         return tuple(steps) if allowed else (0.0,)
 
     def grid_steps(self, field: str) -> tuple[float, ...]:
@@ -287,7 +288,7 @@ def tempo_swiglu_workspace(setting: Setting) -> float:
 
 def _tempo_target(setting: Setting) -> str:
     """Which of Tempo's paths a plan's layers run: the PyTorch one on a CPU, the kernels on a GPU."""
-    return "cpu" if setting.cluster.gpu.name == "cpu" else "cuda"
+    return "cpu" if setting.cluster.gpu.name == CPU_PRESET else "cuda"
 
 
 def _tp_collectives_s(setting: Setting, traced: dict) -> tuple[float, float]:
