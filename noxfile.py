@@ -372,7 +372,7 @@ def compat(session: nox.Session) -> None:
         except OSError as e:
             session.warn(f"{TORCH_CPU_INDEX} not reachable ({e}): torch from PyPI (a CUDA build)")
             index = []
-        torch = next(r for r in requirements if r.startswith("torch=="))
+        torch = f"torch=={COMPAT_PINS['torch']}"  # first, alone: the index decides its build
         session.run(str(python), "-m", "pip", "install", "-q", *index, torch, external=True)
         session.run(str(python), "-m", "pip", "install", "-q", *requirements, external=True)
         stamp.write_text(digest)

@@ -11,6 +11,8 @@ from mist.tuning.stage_cost import STRATEGY_FIELDS
 # bytes, as the plan has it; reference points from before plan_format 2 have memory_gib and
 # host_memory_gib instead: readers take either, see stage_memory_bytes)
 STAGE_FIELDS = ("layers", *STRATEGY_FIELDS, "tp", "dp", "memory_bytes", "host_memory_bytes")
+# the predictions among them (with the older points' GiB), which a plan taken back leaves out
+PREDICTED_MEMORY_FIELDS = ("memory_bytes", "host_memory_bytes", "memory_gib", "host_memory_gib")
 
 
 def stage_memory_bytes(stage: dict) -> tuple[int, int]:
@@ -46,7 +48,7 @@ def summary_plan(key: dict, summary: dict):
     from mist.plan import PrePostPlan
 
     stages = [
-        StagePlan(**{k: v for k, v in st.items() if not k.endswith(("memory_bytes", "memory_gib"))})
+        StagePlan(**{k: v for k, v in st.items() if k not in PREDICTED_MEMORY_FIELDS})
         for st in summary["stages"]
     ]
     edge = summary["pre_post"]
