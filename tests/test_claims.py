@@ -146,23 +146,24 @@ def test_a_ratio_bound_is_shown_as_it_is_not_rounded():
     assert AtLeast(1.0).describe("x") == "≥ 1.00×" and AtMost(0.2).describe("%") == "≤ 20.0%"
 
 
-def test_the_worst_measured_speedup_leaves_out_ties_and_plans_outside_mists_search():
-    from artifacts.mist_vs_megatron.claims import measured_speedup
+def test_measured_losses_count_only_differing_plans_mists_search_makes():
+    from artifacts.mist_vs_megatron.claims import measured_losses
 
     def case(mist: float, other: dict) -> dict:
         run = {"plan": {"iteration_s": 1.0, "virtual_stages": 1}, "measured_step_s": mist, "spread": 0.01}
         return {"mist": run, "megatron": {**run, **other}}
 
-    def worst(*cases: dict) -> float:
+    def losses(*cases: dict) -> float:
         points = [Point({"model": f"m{i}", "processes": 2}, c, {}) for i, c in enumerate(cases)]
-        return measured_speedup("megatron", "worst")(Results("measured.json", points))
+        return measured_losses("megatron")(Results("measured.json", points))
 
-    same = case(1.0, {"same_plan_as": "mist", "spread": 0.04})
-    slower = case(1.1, {"measured_step_s": 1.0})  # Mist 10% slower: 0.909 + 0.01
+    same = case(1.1, {"same_plan_as": "mist", "spread": 0.04})  # one run: a tie whatever it took
+    slower = case(1.1, {"measured_step_s": 1.0})  # Mist 10% slower: 0.909 + 0.01 < 1
+    within = case(1.005, {"measured_step_s": 1.0})  # 0.995 + 0.01: within the spread
     interleaved = case(1.1, {"measured_step_s": 1.0, "plan": {"iteration_s": 1.0, "virtual_stages": 2}})
-    assert worst(same) == 1.0  # a tie by construction: one run, not 1.0 + its spread
-    assert worst(same, slower) == pytest.approx(1 / 1.1 + 0.01)
-    assert worst(same, interleaved) == 1.0  # a plan Mist's search cannot make: not its loss
+    assert losses(same) == 0 and losses(same, within) == 0
+    assert losses(same, slower) == 1 and losses(slower, slower, within) == 2
+    assert losses(same, interleaved) == 0  # a plan Mist's search cannot make: not its loss
 
 
 def test_the_gpu_engine_loss_bound_compares_every_plan_with_the_one_that_changes_nothing():

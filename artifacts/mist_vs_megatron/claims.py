@@ -135,19 +135,29 @@ def closed_form_not_slower(r: Results) -> float:
 
 def measured_speedup(versus: str, stat: str) -> Callable[[Results], float]:
     """Mist's measured speedup over ``versus`` (the cap-bound cases trained on one device): the
-    arithmetic ``mean`` or the ``max`` over cases, or the ``worst`` case with the launch-to-launch
-    spread of the two runs added (a case within it of 1.0 is a tie) over the cases where the two
-    chose different plans and ``versus``'s is one Mist's search prices too (not interleaved); 1.0,
-    a tie, where there is none (the same plan in every case: one run each)."""
+    arithmetic ``mean`` or the ``max`` over cases."""
 
     def value(r: Results) -> float:
         rows = measured_speedups(r, versus)
         if not rows:
             raise Missing(versus)
-        if stat == "worst":
-            differ = [x for x in rows if not x["same_plan"] and not x["versus_interleaved"]]
-            return min([x["measured"] + x["spread"] for x in differ] or [1.0])
         return STAT[stat](x["measured"] for x in rows)
+
+    return value
+
+
+def measured_losses(versus: str) -> Callable[[Results], float]:
+    """How many cases Mist's winner ran slower than ``versus``'s beyond the two runs'
+    launch-to-launch spread (its speedup plus the spread below 1.0), among the cases where the two
+    chose different plans and ``versus``'s is one Mist's search prices too (not interleaved): the
+    same plan is a tie by construction (one run), an interleaved one a plan Mist cannot make."""
+
+    def value(r: Results) -> float:
+        rows = measured_speedups(r, versus)
+        if not rows:
+            raise Missing(versus)
+        differ = [x for x in rows if not x["same_plan"] and not x["versus_interleaved"]]
+        return sum(x["measured"] + x["spread"] < 1.0 for x in differ)
 
     return value
 
@@ -432,12 +442,12 @@ CLAIMS = (
             system="Mist",
             claim="...and never loses when measured",
             measure=f"the same cases where the two plans differ and the baseline's is not interleaved: "
-            f"the worst measured speedup over {name.split(' (')[0]} plus the two runs' launch-to-launch "
-            "spread (1.00×: no such case)",
+            f"how many Mist's winner ran slower than {name.split(' (')[0]}'s beyond the two runs' "
+            "launch-to-launch spread",
             source=Source(**MEASURED),
-            value=measured_speedup(v, "worst"),
-            check=AtLeast(1.0),
-            unit="x",
+            value=measured_losses(v),
+            check=AtMost(0),
+            unit="int",
             why="the baseline's plan is one Mist's search prices too (not interleaved, which Mist's "
             "search, like its paper's, leaves out; the winners' optimizer offload, 1.0, is among Mist's "
             "fractions): Mist chose its own as faster, so measured slower beyond the noise is a wrong "
