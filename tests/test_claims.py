@@ -356,7 +356,7 @@ def test_the_dropout_bound_is_in_units_of_the_runs_own_seed_spread():
     from scipy import stats
 
     from artifacts.tempo_bert.claims import DROPOUT_T
-    from artifacts.tempo_bert.summary import LAST_STEPS, _dropout_on_summary
+    from artifacts.tempo_bert.summary import LAST_STEPS, WELCH_T_KEY, _dropout_on_summary
 
     critical = stats.t.ppf(0.9995, 9)
     assert critical - 0.005 <= DROPOUT_T <= critical  # rounded down: the chance stays at most 0.1%
@@ -371,9 +371,7 @@ def test_the_dropout_bound_is_in_units_of_the_runs_own_seed_spread():
             final = 7.19 + scale * (finals[conf][seed - 1] - 7.19) + (shift if conf == "tempo" else 0.0)
             return [8.0] * 100 + [final] * LAST_STEPS
 
-        return _dropout_on_summary(curve)[
-            "bert-mini dropout 0.1: last-50-step loss, Tempo - baseline, Welch t"
-        ]
+        return _dropout_on_summary(curve)[WELCH_T_KEY]
 
     sd = spread * statistics.stdev(pattern)
     shift = random.uniform(-2, 2) * sd

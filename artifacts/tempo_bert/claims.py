@@ -27,7 +27,15 @@ from ..verdicts import (
     Source,
     one,
 )
-from .summary import training_summary
+from .summary import (
+    PAIRWISE_KEY,
+    TEMPO_KEY,
+    WELCH_T_KEY,
+    WRONG_KEY,
+    dropout_off_key,
+    over_rounding_key,
+    training_summary,
+)
 
 EXPERIMENT = "tempo_bert"
 COMMAND = "nox -s tempo_bert"
@@ -184,7 +192,7 @@ CLAIMS = (
         measure="BERT (MLM + NSP), dropout off, weights, optimizer and loss in float64, 150 steps: max "
         "|loss difference| against HF eager",
         source=Source(**TRAINING),
-        value=training("bert-mini dropout off, float64 control: max |loss difference|"),
+        value=training(dropout_off_key("bert-mini", float64=True)),
         check=AtMost(1e-9),
         unit="e",
         why=FLOAT64_WHY,
@@ -196,7 +204,7 @@ CLAIMS = (
         measure="GPT-2 (LM), dropout off, weights, optimizer and loss in float64: max |loss difference|",
         source=Source(**TRAINING),
         unit="e",
-        value=training("gpt2-mini dropout off, float64 control: max |loss difference|"),
+        value=training(dropout_off_key("gpt2-mini", float64=True)),
         check=AtMost(1e-9),
         why=FLOAT64_WHY,
     ),
@@ -206,7 +214,7 @@ CLAIMS = (
         claim="Tempo trains BERT as HF in float32 (shown, not judged: see same-training-gpt2)",
         measure="BERT, fp32, 150 steps: max |loss difference| against HF eager",
         source=Source(**TRAINING),
-        value=training("bert-mini dropout off: max |loss difference|"),
+        value=training(dropout_off_key("bert-mini")),
         unit="e",
     ),
     Shown(
@@ -220,7 +228,7 @@ CLAIMS = (
         "reversed (the same sums in another order) against HF",
         source=Source(**TRAINING),
         unit="x",
-        value=training("gpt2-mini dropout off: max |loss difference| over the rounding control's"),
+        value=training(over_rounding_key("gpt2-mini")),
     ),
     Bound(
         id="same-training-dropout",
@@ -230,7 +238,7 @@ CLAIMS = (
         "standard error (Welch's t)",
         source=Source(**TRAINING),
         check=AtMost(DROPOUT_T),
-        value=training("bert-mini dropout 0.1: last-50-step loss, Tempo - baseline, Welch t"),
+        value=training(WELCH_T_KEY),
         why="the 0.1% two-sided critical value at 9 degrees of freedom, the fewest Welch's test has "
         "with 10 seeds each: a Tempo that trains as HF fails it at most once in 1,000 runs, one over "
         "~2.1 seed sds off fails it. Was a fixed 0.02 on the 90% interval's end (twice the ~0.01 sd "
@@ -245,10 +253,7 @@ CLAIMS = (
         source=Source(**TRAINING),
         check=AtMost(1.25),
         unit="x",
-        value=training(
-            "bert-mini dropout 0.1: median pairwise mean |loss difference|, Tempo-baseline over "
-            "baseline-baseline"
-        ),
+        value=training(PAIRWISE_KEY),
         why="equal in distribution gives 1.0; 1.25 allows the sampling spread of medians over 100 "
         "and 45 pairs",
     ),
@@ -261,7 +266,7 @@ CLAIMS = (
         source=Source(**TRAINING),
         check=AtMost(0.01),
         unit="%",
-        value=training("dropout at fixed weights: |variance ratio - 1|, Tempo vs HF (worst)"),
+        value=training(TEMPO_KEY),
         why="a drop rate off by 0.01 moves the variance ~2%; the null (HF against itself) is ~0.3%",
     ),
     Bound(
@@ -272,7 +277,7 @@ CLAIMS = (
         source=Source(**TRAINING),
         check=AtLeast(0.1),
         unit="%",
-        value=training("dropout at fixed weights: |variance ratio - 1|, wrong rates vs HF (least)"),
+        value=training(WRONG_KEY),
         why="a negative control: a rate 0.02 off must be caught, well beyond the 1% bound above",
     ),
     Shown(

@@ -115,6 +115,29 @@ def _max_gap(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) for x, y in zip(a, b, strict=True))
 
 
+# The training summary's keys (what it prints, and what the claims read): made here only.
+def dropout_off_key(model: str, float64: bool = False) -> str:
+    """A model's largest per-step loss difference without dropout (fp32, or the float64 pair)."""
+    return f"{model} dropout off{', float64 control' if float64 else ''}: max |loss difference|"
+
+
+def rounding_control_key(model: str) -> str:
+    return f"{model} dropout off, rounding control: max |loss difference|"
+
+
+def over_rounding_key(model: str) -> str:
+    return f"{model} dropout off: max |loss difference| over the rounding control's"
+
+
+DROPOUT_ON = "bert-mini dropout 0.1"
+LATE = f"{DROPOUT_ON}: last-{LAST_STEPS}-step loss"
+PAIRWISE_KEY = f"{DROPOUT_ON}: median pairwise mean |loss difference|, Tempo-baseline over baseline-baseline"
+WELCH_T_KEY = f"{LATE}, Tempo - baseline, Welch t"
+CHECK = "dropout at fixed weights: |variance ratio - 1|"
+NULL_KEY, TEMPO_KEY = f"{CHECK}, HF vs HF (null)", f"{CHECK}, Tempo vs HF (worst)"
+WRONG_KEY = f"{CHECK}, wrong rates vs HF (least)"
+
+
 def training_summary(tr: Results, corpus: str = "stdlib") -> dict[str, float]:
     """Dropout off: the largest per-step loss difference (and its float64 control). Dropout on:
     the mean per-step |loss difference| of every Tempo-baseline pair of dropout seeds, against the
@@ -137,21 +160,19 @@ def _dropout_off_summary(curve: Callable[..., list[float] | None]) -> dict[str, 
     rows). ``curve``: a run's losses (None: not run)."""
     out = {}
     for model in TRAIN:
-        for dtype, loss, label in (("fp32", None, ""), ("fp64", float64_loss(model), ", float64 control")):
+        for dtype, loss in (("fp32", None), ("fp64", float64_loss(model))):
             base, ours = (
                 curve(model, "hf-eager", dtype=dtype, loss=loss),
                 curve(model, "tempo", dtype=dtype, loss=loss),
             )
             if base is not None and ours is not None:
-                out[f"{model} dropout off{label}: max |loss difference|"] = _max_gap(ours, base)
+                out[dropout_off_key(model, float64=dtype == "fp64")] = _max_gap(ours, base)
         control = curve(model, "hf-eager", rows=REVERSED)
         base, ours = curve(model, "hf-eager"), curve(model, "tempo")
         if control is not None and base is not None and ours is not None:
             gap = _max_gap(control, base)
-            out[f"{model} dropout off, rounding control: max |loss difference|"] = gap
-            out[f"{model} dropout off: max |loss difference| over the rounding control's"] = (
-                _max_gap(ours, base) / gap
-            )
+            out[rounding_control_key(model)] = gap
+            out[over_rounding_key(model)] = _max_gap(ours, base) / gap
     return out
 
 
@@ -167,27 +188,24 @@ def _dropout_on_summary(curve: Callable[..., list[float] | None]) -> dict[str, f
     }
     base = [c for (conf, _), c in runs.items() if conf == "hf-eager"]
     ours = [c for (conf, _), c in runs.items() if conf == "tempo"]
-    prefix = "bert-mini dropout 0.1"
     out = {}
     if len(base) >= 2 and len(ours) >= 2:
         band = [_mean_gap(a, b) for a, b in itertools.combinations(base, 2)]
         cross = [_mean_gap(a, b) for a in ours for b in base]
-        out[f"{prefix}: median pairwise mean |loss difference|, Tempo-baseline over baseline-baseline"] = (
-            statistics.median(cross) / statistics.median(band)
-        )
+        out[PAIRWISE_KEY] = statistics.median(cross) / statistics.median(band)
         late_base = [statistics.fmean(c[-LAST_STEPS:]) for c in base]
         late_ours = [statistics.fmean(c[-LAST_STEPS:]) for c in ours]
         low, high = welch_interval(late_ours, late_base, 0.90)
-        out[f"{prefix}: last-50-step loss, baseline mean"] = statistics.fmean(late_base)
-        out[f"{prefix}: last-50-step loss, Tempo mean"] = statistics.fmean(late_ours)
-        out[f"{prefix}: last-50-step loss, baseline sd over seeds"] = statistics.stdev(late_base)
-        out[f"{prefix}: last-50-step loss, Tempo - baseline, 90% interval low"] = low
-        out[f"{prefix}: last-50-step loss, Tempo - baseline, 90% interval high"] = high
-        out[f"{prefix}: last-50-step loss, Tempo - baseline, 90% interval bound"] = max(abs(low), abs(high))
+        out[f"{LATE}, baseline mean"] = statistics.fmean(late_base)
+        out[f"{LATE}, Tempo mean"] = statistics.fmean(late_ours)
+        out[f"{LATE}, baseline sd over seeds"] = statistics.stdev(late_base)
+        out[f"{LATE}, Tempo - baseline, 90% interval low"] = low
+        out[f"{LATE}, Tempo - baseline, 90% interval high"] = high
+        out[f"{LATE}, Tempo - baseline, 90% interval bound"] = max(abs(low), abs(high))
         # the difference over its own standard error (Welch's t): how far it is from none in units
         # of what the seeds' spread makes of it, whatever that spread is in this run
         difference, error, _ = _welch(late_ours, late_base)
-        out[f"{prefix}: last-50-step loss, Tempo - baseline, Welch t"] = abs(difference) / error
+        out[WELCH_T_KEY] = abs(difference) / error
     return out
 
 
@@ -201,9 +219,9 @@ def _dropout_check_summary(checks: list[dict]) -> dict[str, float]:
         return [abs(r[name]["variance_ratio"] - 1) for r in checks for name, _, _ in candidates]
 
     return {
-        "dropout at fixed weights: |variance ratio - 1|, HF vs HF (null)": max(off(DROPOUT_NULL)),
-        "dropout at fixed weights: |variance ratio - 1|, Tempo vs HF (worst)": max(off(DROPOUT_TEMPO)),
-        "dropout at fixed weights: |variance ratio - 1|, wrong rates vs HF (least)": min(off(DROPOUT_WRONG)),
+        NULL_KEY: max(off(DROPOUT_NULL)),
+        TEMPO_KEY: max(off(DROPOUT_TEMPO)),
+        WRONG_KEY: min(off(DROPOUT_WRONG)),
     }
 
 

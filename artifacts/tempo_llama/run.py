@@ -53,7 +53,7 @@ from ..experiment import config_from_command_line, experiment_run, option
 from ..tempo_bert.run import activation_point, max_batch_per_gpu
 from ..tempo_layer.run import aimed_budget, budget_context
 from . import EXPERIMENT
-from .summary import TRAIN, TRAIN_RUNS, training_gaps, training_key
+from .summary import TRAIN, TRAIN_RUNS, run_name, training_gaps, training_key
 
 LAYER_MODELS = ("llama-3.2-1b", "llama-3-8b")
 PEER_MODELS = LAYER_MODELS[
@@ -418,8 +418,8 @@ def print_summary(
             f"\nSame training ({TRAIN['model']}, {TRAIN['steps']} steps), max |loss difference| "
             "against HF SDPA in the same dtype:"
         )
-        for name, gap in training_gaps(tr).items():
-            print(f"  {name:<32} {gap:.2e}")
+        for run, gap in training_gaps(tr).items():
+            print(f"  {run_name(*run):<32} {gap:.2e}")
 
 
 PARTS = ("layer", "compile", "maxbatch", "training", "peers")
