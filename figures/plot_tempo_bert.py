@@ -15,6 +15,8 @@ if __package__:  # python -m figures.<script> (from the repository root)
 else:  # python figures/<script>.py: its folder is on the path
     from _common import draw, finish, load, parse_source, plt
 
+from artifacts.tempo_bert.summary import float64_loss  # after _common, which puts the root on the path
+
 EXPERIMENT = "tempo_bert"
 MAIN = ["hf-eager", "hf-sdpa", "tempo", "tempo+sdpa", "checkpointing"]
 
@@ -160,11 +162,9 @@ def _plot_dropout_off(ax, model: str, title: str, losses) -> None:
     ax.plot(b, label="tempo", linewidth=1)
     twin = ax.twinx()
     twin.semilogy([max(abs(x - y), 1e-16) for x, y in zip(a, b, strict=True)], color="gray", linewidth=0.8)
-    # the judged pair: with the loss computed in float64 where the model has any such run (a causal
-    # LM's: summary.float64_loss), else its own loss; never the other pair in its place (earlier
-    # float64 runs with the model's own loss stay in the file)
-    by_loss = [losses(model, conf, dtype="fp64", loss="fp64") for conf in ("hf-eager", "tempo")]
-    loss64 = "fp64" if any(c is not None for c in by_loss) else None
+    # the judged pair, as the claims judge it (a causal LM's loss computed in float64); never the
+    # other float64 pair in its place (earlier runs with the model's own loss stay in the file)
+    loss64 = float64_loss(model)
     a64, b64 = (losses(model, conf, dtype="fp64", loss=loss64) for conf in ("hf-eager", "tempo"))
     if a64 is not None and b64 is not None:  # the float64 control: rounding alone parts the fp32 runs
         diff64 = [max(abs(x - y), 1e-16) for x, y in zip(a64, b64, strict=True)]

@@ -589,10 +589,12 @@ def cmd_profile(args) -> int:
     _check_collectives(args.collectives, args.device)
     if not is_preset_name(args.name):
         raise ValueError(f"--name {args.name!r}: {PRESET_NAME_RULE}")
-    if (args.name == CPU_PRESET) != (args.device == "cpu"):  # the preset decides how it is fitted and run
+    # the preset decides how the profile is fitted and its plans run: a CPU's, or a GPU's
+    if args.device == "cpu" and args.name != CPU_PRESET:
+        raise ValueError(f"--name {args.name!r} with --device cpu: a CPU's profile is --name {CPU_PRESET}")
+    if args.device != "cpu" and args.name == CPU_PRESET:
         raise ValueError(
-            f"--name {args.name!r} with --device {args.device}: the preset {CPU_PRESET!r} is a CPU's, "
-            "profiled with --device cpu; a GPU's profile takes its GPU's preset name"
+            f"--name {CPU_PRESET} with --device {args.device}: a GPU's profile takes its GPU's preset name"
         )
     if args.hidden % args.heads:
         raise ValueError(f"--hidden {args.hidden} must be a multiple of --heads {args.heads}")

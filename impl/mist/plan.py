@@ -629,11 +629,14 @@ class Plan:
         if self.predicted_iteration_s is not None:
             # the simulation is what predict --json's iteration_s and the claims report; the
             # closed form is what the search ranked the plans by
-            rows.append(
-                f"predicted iteration: {_num(self.simulated_iteration_s, 3)} s by the 1F1B simulation "
-                f"({self.predicted_iteration_s:.3f} s by the closed form the search ranks by)"
-                + (f"; tuned in {self.tuning_s:.1f} s" if self.tuning_s is not None else "")
+            closed = f"{self.predicted_iteration_s:.3f} s by the closed form the search ranks by"
+            simulated = self.simulated_iteration_s
+            head = "predicted iteration: " + (
+                f"{closed} (not simulated)"
+                if simulated is None
+                else f"{_num(simulated, 3)} s by the 1F1B simulation ({closed})"
             )
+            rows.append(head + (f"; tuned in {self.tuning_s:.1f} s" if self.tuning_s is not None else ""))
         return "\n".join(rows)
 
 

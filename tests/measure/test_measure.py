@@ -480,9 +480,12 @@ def test_workspace_knows_every_tempo_op_by_its_exact_name():
     prices by name and the ones the default prices (their chunked PyTorch paths; kernels with no
     workspace). Control: an unknown tempo op gets the default."""
     import importlib
+    import pkgutil
 
-    for module in ("attention", "dropout", "gelu", "layernorm", "linear_ce", "rmsnorm", "swiglu"):
-        importlib.import_module(f"tempo.ops.{module}")
+    import tempo.ops
+
+    for module in pkgutil.iter_modules(tempo.ops.__path__):  # every op module, one added too
+        importlib.import_module(f"tempo.ops.{module.name}")
     registered = {f"tempo::{n}" for n in dir(torch.ops.tempo) if not n.startswith("_") and n != "name"}
     by_name = {
         "tempo::attention_core",

@@ -172,7 +172,10 @@ def test_outputs_are_checked_before_any_work(tmp_path, capsys):
         ),  # was an allocator traceback
         (["--seq", "2000000"], "the layer alone needs at least"),  # the s^2 scores
         # a name the rule takes, but a GPU's on the CPU: it would be fitted and planned as a GPU
-        (["--name", "a100-40gb.v2_x"], "--name 'a100-40gb.v2_x' with --device cpu: the preset 'cpu' is"),
+        (
+            ["--name", "a100-40gb.v2_x"],
+            "--name 'a100-40gb.v2_x' with --device cpu: a CPU's profile is --name cpu",
+        ),
         (["--name", "cpu"], None),  # the control: the CPU's name, a layer that fits
     ],
 )
@@ -194,6 +197,20 @@ def test_a_profile_that_cannot_be_made_is_refused_before_any_work(
         return
     assert code == 2 and not profiled and not out.exists()
     _one_error_line(capsys, said)
+
+
+def test_a_gpu_profile_named_as_the_cpu_is_refused(tmp_path, capsys, monkeypatch):
+    """The CPU's preset on a GPU's profile would be fitted and planned as the CPU (its own memory
+    budget, interference, fit per TP size): refused in one line before any work, on a machine
+    that has the GPU (patched here)."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    out = tmp_path / "p"
+    argv = [*profile_argv(1), "--device", "cuda:1", "--out", str(out)]
+    assert argv.count("--name") == 1 and argv[argv.index("--name") + 1] == "cpu"
+    assert main(argv) == 2 and not out.exists()
+    _one_error_line(capsys, "--name cpu with --device cuda:1: a GPU's profile takes its GPU's preset name")
 
 
 def test_the_profile_memory_bound_is_a_ranks_share(tmp_path, capsys, monkeypatch):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import pkgutil
 
 import pytest
 import torch
@@ -335,6 +336,11 @@ def test_float64_attention_on_cuda_is_priced_as_the_path_it_takes():
         ("tempo::attention_core_bwd", (go, None, s, v, 0.1, seed, torch.float64)),
     ):
         assert workspace_bytes(name, args, {}, "cuda") == workspace_bytes(name, args, {}, "cpu")
+    # float32 tensors whose scores were float64: the backward's dispatch takes the PyTorch path too
+    mixed = (go.float(), None, s.float(), v.float(), 0.1, seed, torch.float64)
+    assert workspace_bytes("tempo::attention_core_bwd", mixed, {}, "cuda") == workspace_bytes(
+        "tempo::attention_core_bwd", mixed, {}, "cpu"
+    )
     half = (s.float(), v.float(), 0.1, seed)  # the control: float32 takes the kernels, priced otherwise
     assert workspace_bytes("tempo::attention_core", half, {}, "cuda") != workspace_bytes(
         "tempo::attention_core", half, {}, "cpu"
@@ -344,7 +350,9 @@ def test_float64_attention_on_cuda_is_priced_as_the_path_it_takes():
     # its kernel's own price: one program's float64 dgamma partials
     assert workspace_bytes("tempo::rms_norm_bwd", (x, x, rstd, w), {}, "cuda") == 8 * 32
     # the ops that run float64 kernels are the ones whose dispatch asks use_triton for float64
-    for module in ("attention", "dropout", "gelu", "layernorm", "linear_ce", "rmsnorm", "swiglu"):
-        source = inspect.getsource(importlib.import_module(f"tempo.ops.{module}"))
+    import tempo.ops
+
+    for module in pkgutil.iter_modules(tempo.ops.__path__):
+        source = inspect.getsource(importlib.import_module(f"tempo.ops.{module.name}"))
         names = [n for n in FLOAT64_KERNEL_OPS if f'"{n}"' in source]
         assert ("float64=True" in source) == bool(names), module

@@ -3,8 +3,8 @@
 Writes a profile directory in the Mist artifact's format (see model/profile_data.py), so ``mist
 calibrate`` fits a runtime model for this device exactly as for the shipped GPU data:
 
-    python -m mist profile --out profiles/mygpu --device cuda --hidden 2048 --heads 16 --seq 2048 \
-        --micro-batches 1 2 4 --tp 1 2
+    python -m mist profile --out profiles/h200 --name h200 --device cuda --hidden 2048 --heads 16 \
+        --seq 2048 --micro-batches 1 2 4 --tp 1 2
 
 TP is emulated on one device by giving the layer one rank's share (heads / t of the model's head
 size, ffn / t); its collectives are not included (they come from the collective benchmarks).
