@@ -330,12 +330,14 @@ def layer_buckets(model) -> list[list[torch.Tensor]]:
     the others grouped by the module that holds them (word and position embeddings, final norm,
     output layer)."""
     layers = [layer for gpt in gpt_modules(model) for layer in gpt.decoder.layers]
-    in_layers = {id(p) for layer in layers for p in layer.parameters()}
-    rest: dict[str, list[torch.Tensor]] = {}
-    for name, p in model.named_parameters():
-        if id(p) not in in_layers:
-            rest.setdefault(name.rsplit(".", 1)[0], []).append(p)
-    return [list(layer.parameters()) for layer in layers] + list(rest.values())
+    seen = {id(p) for layer in layers for p in layer.parameters()}
+    rest = []
+    for module in model.modules():  # each module's own parameters, once (a tied weight: its first)
+        own = [p for p in module.parameters(recurse=False) if id(p) not in seen]
+        seen.update(id(p) for p in own)
+        if own:
+            rest.append(own)
+    return [list(layer.parameters()) for layer in layers] + rest
 
 
 def shard_parameters(model, dp_group, device: torch.device, groups: list, whole: set) -> None:
