@@ -16,12 +16,23 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
-PRECISIONS = ("fp32", "fp16", "bf16", "amp-fp16", "amp-bf16")
-# the dtype each name on a command line stands for (every CLI's --dtype, and the precisions' parts)
 # AdamW's decoupled weight decay in every optimizer here, on the device and on the host alike
 # (Megatron-LM's --weight-decay default): one value, so an offloaded share decays as the rest does
 WEIGHT_DECAY = 0.01
+# the dtype each name on a command line stands for (every CLI's --dtype)
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+# Each precision's (model dtype, autocast dtype or None, float32 master weights, dynamic loss
+# scaling), as the module docstring says
+_PRECISION = {
+    "fp32": (torch.float32, None, False, False),
+    "fp16": (torch.float16, None, True, True),
+    "bf16": (torch.bfloat16, None, True, False),
+    "amp-fp16": (torch.float32, torch.float16, False, False),
+    "amp-bf16": (torch.float32, torch.bfloat16, False, False),
+}
+PRECISIONS = tuple(_PRECISION)
 
 
 @dataclass(frozen=True)
@@ -34,15 +45,20 @@ class Precision:
 
     @property
     def model_dtype(self) -> torch.dtype:
-        return DTYPES.get(self.name, torch.float32)  # amp: a float32 model
+        return _PRECISION[self.name][0]
 
     @property
     def autocast_dtype(self) -> torch.dtype | None:
-        return DTYPES[self.name.removeprefix("amp-")] if self.name.startswith("amp-") else None
+        return _PRECISION[self.name][1]
 
     @property
     def master_weights(self) -> bool:
-        return self.name in ("fp16", "bf16")
+        return _PRECISION[self.name][2]
+
+    @property
+    def loss_scaling(self) -> bool:
+        """Dynamic loss scaling: fp16's narrow exponent underflows small gradients without it."""
+        return _PRECISION[self.name][3]
 
     def autocast(self, device_type: str):
         if self.autocast_dtype is None:
@@ -175,7 +191,7 @@ class MasterWeightAdamW:
 
 def make_optimizer(model: nn.Module, precision: Precision, lr: float = 1e-4):
     if precision.master_weights:
-        return MasterWeightAdamW(model.parameters(), lr=lr, dynamic_loss_scale=precision.name == "fp16")
+        return MasterWeightAdamW(model.parameters(), lr=lr, dynamic_loss_scale=precision.loss_scaling)
     return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=WEIGHT_DECAY)
 
 
