@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from measure.results import Results
 from mist.tuning.inter_stage import MIP_REL_GAP
@@ -30,11 +31,23 @@ EXPERIMENT = "mist_vs_megatron"
 COMMAND = "nox -s mist_vs_megatron"
 GPU_CHECK = "nox -s gpu_check"
 ABSTRACT = "Mist, arXiv 2503.19050v1, abstract"
-VERSUS = {  # baseline -> (name, paper's mean, paper's max)
-    "megatron": ("the Megatron-LM grid", 1.28, 1.73),
-    "aceso": ("the Aceso-style search (2,000 plans priced)", 1.27, 2.04),
+
+
+@dataclass(frozen=True)
+class Versus:
+    """A baseline Mist is judged against, and the paper's speedups over it."""
+
+    name: str  # "the Megatron-LM grid"
+    full: str  # as the measures say it, with what it is
+    mean: float
+    top: float
+
+
+VERSUS = {
+    "megatron": Versus("the Megatron-LM grid", "the Megatron-LM grid", 1.28, 1.73),
+    "aceso": Versus("the Aceso-style search", "the Aceso-style search (2,000 plans priced)", 1.27, 2.04),
 }
-GPUS = {"l4": "L4", "a100-40gb": "A100-40GB"}
+GPUS = {"l4": ("L4", "l4"), "a100-40gb": ("A100-40GB", "a100")}  # preset -> (as written, in claim ids)
 PREDICTED = dict(
     experiment=EXPERIMENT,
     file="comparison.json",
@@ -390,15 +403,15 @@ ACESO_ANALOGUE = (
 
 def _measured_claims(prefix: str, source: dict, where: str, analogue: str) -> tuple[PaperClaim, ...]:
     out = []
-    for versus, (name, mean, top) in VERSUS.items():
-        for stat, paper, text in (("mean", mean, f"{mean}x mean"), ("max", top, f"up to {top}x")):
+    for versus, v in VERSUS.items():
+        for stat, paper, text in (("mean", v.mean, f"{v.mean}x mean"), ("max", v.top, f"up to {v.top}x")):
             out.append(
                 PaperClaim(
                     id=f"{prefix}-vs-{versus}" + ("-max" if stat == "max" else ""),
                     system="Mist",
-                    claim=f"beats {name.split(' (')[0]}, measured" + (f" {where}" if where else ""),
+                    claim=f"beats {v.name}, measured" + (f" {where}" if where else ""),
                     paper=Paper(text, paper, ABSTRACT),
-                    measure=f"measured speedup over {name}'s plan, {STAT_WORDS[stat]} the cases both fit, "
+                    measure=f"measured speedup over {v.full}'s plan, {STAT_WORDS[stat]} the cases both fit, "
                     "every winner trained under a per-rank memory cap that binds (an analogue: "
                     f"{analogue})",
                     source=Source(**source),
@@ -414,16 +427,16 @@ def _measured_claims(prefix: str, source: dict, where: str, analogue: str) -> tu
 
 def _predicted_claims() -> tuple[PaperClaim, ...]:
     out = []
-    for gpu, gpu_name in GPUS.items():
-        for versus, (name, mean, top) in VERSUS.items():
-            for stat, paper, text in (("mean", mean, f"{mean}x mean"), ("max", top, f"up to {top}x")):
+    for gpu, (gpu_name, in_ids) in GPUS.items():
+        for versus, v in VERSUS.items():
+            for stat, paper, text in (("mean", v.mean, f"{v.mean}x mean"), ("max", v.top, f"up to {v.top}x")):
                 out.append(
                     PaperClaim(
-                        id=f"mist-vs-{versus}-{gpu.split('-')[0]}" + ("-max" if stat == "max" else ""),
+                        id=f"mist-vs-{versus}-{in_ids}" + ("-max" if stat == "max" else ""),
                         system="Mist",
-                        claim=f"beats {name.split(' (')[0]}, predicted ({gpu_name} cases)",
+                        claim=f"beats {v.name}, predicted ({gpu_name} cases)",
                         paper=Paper(text, paper, ABSTRACT),
-                        measure=f"predicted speedup over {name}, {STAT_WORDS[stat]} the paper's {gpu_name} "
+                        measure=f"predicted speedup over {v.full}, {STAT_WORDS[stat]} the paper's {gpu_name} "
                         "cases (GPT-3, Llama, Falcon 1.3B-22B on 2-32 GPUs)",
                         source=Source(**PREDICTED),
                         neutral=1.0,
@@ -442,7 +455,7 @@ CLAIMS = (
             system="Mist",
             claim="...and never loses when measured",
             measure=f"the same cases where the two plans differ and the baseline's is not interleaved: "
-            f"how many Mist's winner ran slower than {name.split(' (')[0]}'s beyond the two runs' "
+            f"how many Mist's winner ran slower than {VERSUS[v].name}'s beyond the two runs' "
             "launch-to-launch spread",
             source=Source(**MEASURED),
             value=measured_losses(v),
@@ -453,7 +466,7 @@ CLAIMS = (
             "fractions): Mist chose its own as faster, so measured slower beyond the noise is a wrong "
             "prediction",
         )
-        for v, (name, _, _) in VERSUS.items()
+        for v in VERSUS
     ),
     Bound(
         id="mist-measured-time",
