@@ -82,8 +82,9 @@ def plot_maxbatch() -> Path | None:
     if data is None:
         return None
     first = next(iter(data))
-    gpu_mem = first.provenance["config"]["gpus"]  # name -> "16GB"; result files sort keys
-    gpus = sorted(gpu_mem, key=lambda g: float(gpu_mem[g].lower().removesuffix("gb")))
+    gpu_mem = first.provenance["config"]["gpus"]  # name -> "16GB", the tick labels
+    # by the memory each GPU leaves usable, as the point holds it (result files sort keys)
+    gpus = sorted(gpu_mem, key=lambda g: first.result[g]["usable_gib"])
     cases = sorted(
         {(p.key["model"], p.key["seq"], p.key["precision"]) for p in data.select(head="pretraining")}
     )
