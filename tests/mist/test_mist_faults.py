@@ -539,6 +539,28 @@ def test_calibrate_writes_no_preset_for_an_unknown_gpu(tmp_path, capsys, monkeyp
     assert "no GPU preset named tpu" in err and not presets.exists(), err
 
 
+@pytest.mark.parametrize(
+    ("name", "said"),
+    [
+        ("prim_gpt_local_all-reduce_2gpus.csv", "not a collective benchmark's name"),
+        ("gpt_1_3B_mbs1_tp1.csv", "not a layer profile's name"),
+    ],
+)
+def test_a_misnamed_profile_file_is_refused_not_left_out(tmp_path, capsys, name, said):
+    """A benchmark or layer profile whose name the reader does not take was left out of the fit
+    without a word (its collective then priced by the cluster's link): refused, naming it.
+    Control: the same profiles without it calibrate."""
+    from mist.model import profile_data
+
+    data = tmp_path / "data"
+    shutil.copytree(profile_data.ARTIFACT_DATA / "gpu-op-profiles" / "l4", data / "l4")
+    assert main(["calibrate", str(data)]) == 0, capsys.readouterr().err
+    capsys.readouterr()
+    (data / "l4" / name).write_text("data_size(MB),time(ms)\n1,1\n")
+    assert main(["calibrate", str(data)]) == 2
+    _one_error_line(capsys, name, said)
+
+
 def test_calibrate_maps_a_bandwidth_file_by_the_gpu_it_names(tmp_path, capsys, monkeypatch):
     """A gpu-bandwidth file's preset is the GPU it names inside, not its file name's first word
     (a file named otherwise was skipped without a word); one naming a GPU with no preset: --write

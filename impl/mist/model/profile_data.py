@@ -304,7 +304,9 @@ def read_layer_profiles(gpu_dir: Path) -> list[LayerProfile]:
     out = []
     for path in sorted(gpu_dir.glob("gpt_*.csv")):
         m = _LAYER_FILE.fullmatch(path.name)
-        if not meta or m is None or m["size"] not in meta["sizes"]:
+        if m is None:  # a layer profile misnamed would be left out of the fit without a word
+            raise ValueError(f"{path}: not a layer profile's name (gpt_<size>_mbs<b>_tp<t>_algo<a>.csv)")
+        if not meta or m["size"] not in meta["sizes"]:
             continue
         what = "not a layer profile (needs op_name, forward-compute, backward-compute in µs)"
         table = _csv_rows(path, what)  # a row with a field too few or too many: refused, naming its line
@@ -364,8 +366,10 @@ def read_collectives(gpu_dir: Path) -> dict[tuple[str, int], list[tuple[float, f
         out.setdefault(("send_recv", 2), []).append((size, size / rate))
     for path in sorted(gpu_dir.glob("prim_gpt_*.csv")):
         m = _PRIM_FILE.fullmatch(path.name)
-        if m is None:
-            continue
+        if m is None:  # a benchmark misnamed would be left out, its collective priced by the link
+            raise ValueError(
+                f"{path}: not a collective benchmark's name (prim_gpt_<size>_<kind>_<n>gpus.csv)"
+            )
         what = "not a collective benchmark (needs data_size(MB), time(ms))"
         table = _csv_rows(path, what)  # a row with a field too few or too many: refused, naming its line
         try:
