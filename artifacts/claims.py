@@ -76,6 +76,13 @@ class Row:
     claim: Claim
     value: float | tuple[float, float] | None  # ours, from the source judged
     verdict: Verdict
+    out_of: float | None = None  # a count's cases (Bound.out_of)
+
+    @property
+    def ours(self) -> str:
+        """Our value as the tables show it: a count with its cases, "k of n"."""
+        shown = format_value(self.value, self.claim.unit)
+        return shown if self.out_of is None else f"{shown} of {self.out_of:.0f}"
 
 
 def judge(claim: Claim, source: str) -> Row:
@@ -104,7 +111,8 @@ def judge(claim: Claim, source: str) -> Row:
     broken = Verdict(KNOWN_BROKEN if claim.known_broken else BROKEN)
     band = read(claim.noise, results) if claim.noise is not None else None
     if band is None:  # no band, or none to read: the value alone is judged
-        return Row(claim, ours, Verdict(HOLDS) if claim.check.ok(ours) else broken)
+        out_of = read(claim.out_of, results) if claim.out_of is not None else None
+        return Row(claim, ours, Verdict(HOLDS) if claim.check.ok(ours) else broken, out_of)
     # the band's ends, whichever way the check points: it holds at both, fails at both, or straddles
     ends = [claim.check.ok(x) for x in band]
     if all(ends):
@@ -167,7 +175,7 @@ def print_table(rows: list[Row], file=None) -> None:
         w = max(len(r.claim.id) for r in mine)
         for r in mine:
             c = r.claim
-            ours = format_value(r.value, c.unit)
+            ours = r.ours
             if isinstance(c, PaperClaim):
                 print(
                     f"  {c.id:<{w}}  paper {c.paper.text:<24} ours {ours:>16} "
@@ -208,7 +216,7 @@ def markdown(rows: list[Row] | None = None) -> str:
         out += [f"#### {system}", "", f"**{summary(rows, system)}.**", ""]
 
         def ours(r: Row) -> str:
-            return f"**{format_value(r.value, r.claim.unit)}** ({r.claim.measure})"
+            return f"**{r.ours}** ({r.claim.measure})"
 
         paper = [
             [

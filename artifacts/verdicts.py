@@ -236,7 +236,9 @@ class Bound:
     three launches, 1/2 for the GPU check's two; a straddle is a measurement too noisy to judge
     by, not a verdict. ``noise_as_measured``: where ``noise`` also spans what the launches would
     have taken at another speed of the machine (a predicted time's band: at the fit's speed), the
-    launches' band alone, shown beside it where the two differ."""
+    launches' band alone, shown beside it where the two differ. ``out_of``: for a count (``unit``
+    "int"), how many cases it counts among, shown as "k of n": a count of none among none holds
+    only vacuously, and the reader is told so."""
 
     id: str
     system: str
@@ -250,6 +252,11 @@ class Bound:
     known_broken: str = ""
     noise: Band | None = None
     noise_as_measured: Band | None = None
+    out_of: Value | None = None
+
+    def __post_init__(self) -> None:
+        if self.out_of is not None and (self.unit != "int" or self.noise is not None):
+            raise ValueError(f"{self.id}: out_of is for a count (unit 'int') without a noise band")
 
 
 @dataclass(frozen=True, kw_only=True)

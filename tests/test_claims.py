@@ -147,7 +147,7 @@ def test_a_ratio_bound_is_shown_as_it_is_not_rounded():
 
 
 def test_measured_losses_count_only_differing_plans_mists_search_makes():
-    from artifacts.mist_vs_megatron.claims import measured_losses
+    from artifacts.mist_vs_megatron.claims import measured_differing, measured_losses
 
     def case(mist: float, other: dict) -> dict:
         run = {"plan": {"iteration_s": 1.0, "virtual_stages": 1}, "measured_step_s": mist, "spread": 0.01}
@@ -157,6 +157,10 @@ def test_measured_losses_count_only_differing_plans_mists_search_makes():
         points = [Point({"model": f"m{i}", "processes": 2}, c, {}) for i, c in enumerate(cases)]
         return measured_losses("megatron")(Results("measured.json", points))
 
+    def among(*cases: dict) -> float:
+        points = [Point({"model": f"m{i}", "processes": 2}, c, {}) for i, c in enumerate(cases)]
+        return measured_differing("megatron")(Results("measured.json", points))
+
     # one plan, trained once: a tie by construction (given two times here, so the filter is tested)
     same = case(1.1, {"same_plan_as": "mist", "measured_step_s": 1.0})
     slower = case(1.1, {"measured_step_s": 1.0})  # Mist 10% slower: 0.909 + 0.01 < 1
@@ -165,6 +169,26 @@ def test_measured_losses_count_only_differing_plans_mists_search_makes():
     assert losses(same) == 0 and losses(same, within) == 0
     assert losses(same, slower) == 1 and losses(slower, slower, within) == 2
     assert losses(same, interleaved) == 0  # a plan Mist's search cannot make: not its loss
+    # what the count is among: the differing plans Mist's search makes, never the ties or the rest
+    assert among(same, interleaved) == 0 and among(same, slower, within, interleaved) == 2
+
+
+def test_a_count_is_shown_among_its_cases_and_none_among_none_says_so(copied_artifacts):
+    """A count bound shows "k of n": "0" alone read the same whether no case lost or there was no
+    case to lose (a bound that holds vacuously)."""
+    claim = next(c for c in claims.claims() if c.id == "mist-measured-not-slower-megatron")
+    row = claims.judge(claim, "results")
+    assert row.out_of is not None and row.ours == f"{row.value:.0f} of {row.out_of:.0f}"
+    measured = copied_artifacts / "mist_vs_megatron" / "results" / "measured.json"
+    data = json.loads(measured.read_text())
+    for point in data["points"]:  # the grid chose Mist's plan everywhere: nothing left to lose
+        if "megatron" in point["result"]:
+            point["result"]["megatron"]["same_plan_as"] = "mist"
+    measured.write_text(json.dumps(data))
+    row = claims.judge(claim, "results")
+    assert row.ours == "0 of 0" and f"**0 of 0** ({claim.measure})" in claims.markdown([row])
+    with pytest.raises(ValueError, match="out_of is for a count"):
+        Bound(**{**vars(claim), "unit": "x"})
 
 
 def test_the_gpu_engine_loss_bound_compares_every_plan_with_the_one_that_changes_nothing():

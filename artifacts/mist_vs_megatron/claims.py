@@ -163,20 +163,25 @@ def measured_speedup(versus: str, stat: str) -> Callable[[Results], float]:
     return value
 
 
+def _differing(r: Results, versus: str) -> list[dict]:
+    """The measured cases where Mist and ``versus`` chose different plans and ``versus``'s is one
+    Mist's search prices too (not interleaved): the same plan is a tie by construction (one run),
+    an interleaved one a plan Mist cannot make."""
+    rows = measured_speedups(r, versus)
+    if not rows:
+        raise Missing(versus)
+    return [x for x in rows if not x["same_plan"] and not x["versus_interleaved"]]
+
+
 def measured_losses(versus: str) -> Callable[[Results], float]:
-    """How many cases Mist's winner ran slower than ``versus``'s beyond the two runs'
-    launch-to-launch spread (its speedup plus the spread below 1.0), among the cases where the two
-    chose different plans and ``versus``'s is one Mist's search prices too (not interleaved): the
-    same plan is a tie by construction (one run), an interleaved one a plan Mist cannot make."""
+    """How many of ``_differing``'s cases Mist's winner ran slower than ``versus``'s beyond the two
+    runs' launch-to-launch spread (its speedup plus the spread below 1.0)."""
+    return lambda r: sum(x["measured"] + x["spread"] < 1.0 for x in _differing(r, versus))
 
-    def value(r: Results) -> float:
-        rows = measured_speedups(r, versus)
-        if not rows:
-            raise Missing(versus)
-        differ = [x for x in rows if not x["same_plan"] and not x["versus_interleaved"]]
-        return sum(x["measured"] + x["spread"] < 1.0 for x in differ)
 
-    return value
+def measured_differing(versus: str) -> Callable[[Results], float]:
+    """How many cases ``measured_losses`` counts among."""
+    return lambda r: len(_differing(r, versus))
 
 
 def measured_noise(versus: str, stat: str) -> Callable[[Results], float]:
@@ -278,6 +283,10 @@ def measured_time_noise(at_fit_speed: bool = True) -> Callable[[Results], tuple[
 def plain_plans_that_fit(r: Results) -> float:
     """The negative control: cases whose plain plan ran within the cap (each must not)."""
     return sum("measured_step_s" in x["plain"] for x in _cases(r))  # ran, with a time
+
+
+def measured_case_count(r: Results) -> float:
+    return len(_cases(r))
 
 
 def _engine_runs(r: Results, setup: str = "engine") -> list[dict]:
@@ -465,6 +474,7 @@ CLAIMS = (
             value=measured_losses(v),
             check=AtMost(0),
             unit="int",
+            out_of=measured_differing(v),
             why="the baseline's plan is one Mist's search prices too (not interleaved, which Mist's "
             "search, like its paper's, leaves out; the winners' optimizer offload, 1.0, is among Mist's "
             "fractions): Mist chose its own as faster, so measured slower beyond the noise is a wrong "
@@ -496,6 +506,7 @@ CLAIMS = (
         value=plain_plans_that_fit,
         check=AtMost(0),
         unit="int",
+        out_of=measured_case_count,
         why="a negative control: each plain plan must run out of memory",
     ),
     *_measured_claims("mist-gpu-measured", GPU_MEASURED, "on a GPU", GPU_ANALOGUE),
@@ -522,6 +533,7 @@ CLAIMS = (
         value=plain_plans_that_fit,
         check=AtMost(0),
         unit="int",
+        out_of=measured_case_count,
         why="a negative control: each plain plan must run out of memory",
     ),
     *_predicted_claims(),
