@@ -422,7 +422,8 @@ class Plan:
 
     def check_model(self, spec: ModelSpec | None = None) -> None:
         """Raises ValueError unless the stages hold ``spec``'s layers (default: the model the plan
-        names) and each stage's TP divides its heads and key/value heads."""
+        names), each stage's TP divides its heads and key/value heads, and, with sequence
+        parallelism, its sequence (each rank holds an equal slice of it)."""
         spec = spec or self.model_spec()
         if sum(s.layers for s in self.stages) != spec.layers:
             raise ValueError(
@@ -433,6 +434,10 @@ class Plan:
             if spec.heads % tp or spec.kv % tp:
                 raise ValueError(
                     f"stage {i}: TP {tp} must divide the heads ({spec.heads}) and key/value heads ({spec.kv})"
+                )
+            if self.sequence_parallel and tp > 1 and spec.seq % tp:
+                raise ValueError(
+                    f"stage {i}: sequence parallelism needs TP {tp} to divide the sequence ({spec.seq})"
                 )
 
     def _check_interleaving(self) -> None:

@@ -1353,6 +1353,17 @@ def test_offloaded_activations_leave_the_device_peak(tmp_path):
         (lambda p: dataclasses.replace(p, stages=[StagePlan(layers=4, recompute=9)]), "recompute must be in"),
         (lambda p: dataclasses.replace(p, stages=[StagePlan(layers=5)]), "the stages hold 5 layers"),
         (lambda p: dataclasses.replace(p, tp=3, gpus=3), "TP 3 must divide the heads"),
+        # review 2026-12-07: both passed every check and died in megatron-core's asserts, a traceback
+        (
+            lambda p: dataclasses.replace(p, tp=2, gpus=2, model_overrides={"flash": False, "vocab": 255}),
+            "a vocabulary of 255 over TP 2",
+        ),
+        (
+            lambda p: dataclasses.replace(
+                p, tp=2, gpus=2, sequence_parallel=True, model_overrides={"flash": False, "seq": 33}
+            ),
+            "sequence parallelism needs TP 2 to divide the sequence",
+        ),
     ],
 )
 def test_engine_refuses_a_plan_built_in_code_as_a_loaded_one_is(change, message, monkeypatch):

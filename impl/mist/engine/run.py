@@ -156,8 +156,12 @@ def unsupported(plan: Plan, device: str = "cpu") -> list[str]:
     spec = plan.model_spec()
     limits = megatron_limits(plan, spec)
     reasons = [why for name, why in limits.items() if name not in built_here]
-    if spec.tempo and spec.parallel_block:
-        reasons.append("Tempo's layers in the parallel block (the engine builds Tempo's sequential layer)")
+    head_tps = {plan.stage_parallelism(i)[0] for i in (0, len(plan.stages) - 1)}  # embedding, head
+    if any(spec.vocab % tp for tp in head_tps):
+        reasons.append(
+            f"a vocabulary of {spec.vocab} over TP {max(head_tps)} (megatron-core splits it evenly; "
+            "Megatron-LM pads it to a multiple of TP: plan the padded vocabulary)"
+        )
     parts = [*plan.stages, *([plan.pre_post] if plan.pre_post is not None else [])]
     beyond_megatron_lm = plan.pre_post is not None or any(
         s.zero >= 2 or s.offload_weights or s.offload_grads or s.offload_activations for s in parts
