@@ -475,10 +475,10 @@ def engine_point(setup: EngineSetup, name: str, fit: dict, fits: RuntimeFits) ->
 def measured_phases(report: dict) -> dict[str, float]:
     """Where a trained plan's step time went (the median over ranks and steady steps), to set
     beside the model's parts: the pipeline is G micro-batches of a stage's ``steady_s`` (+ the
-    bubble), gradient sync + optimizer its ``extra_s``."""
+    bubble), gradient sync, clipping and optimizer its ``extra_s``."""
     return {
         k: statistics.median(ph[k] for r in report["ranks"] for ph in r["phases"])
-        for k in ("pipeline_s", "grad_sync_s", "optimizer_s")
+        for k in ("pipeline_s", "grad_sync_s", "clip_s", "optimizer_s")
     }
 
 
@@ -486,11 +486,17 @@ def phases_line(result: dict, micro_batches: int) -> str:
     """A trained plan's measured phases beside the model's parts of its slowest stage, as a line."""
     ph = result["measured_phases_s"]
     st = max(result["predicted_stages"], key=lambda x: x["steady_s"])
+    # results before 2026-12-07 timed the clipping (and the wait for the other stages) as sync
+    sync = (
+        f"gradient sync {ph['grad_sync_s'] * 1e3:.1f} ms, clipping and waiting for the other ranks "
+        f"{ph['clip_s'] * 1e3:.1f} ms"
+        if "clip_s" in ph
+        else f"gradient sync and clipping {ph['grad_sync_s'] * 1e3:.1f} ms"
+    )
     return (
-        f"measured: pipeline {ph['pipeline_s'] * 1e3:.1f} ms, gradient sync "
-        f"{ph['grad_sync_s'] * 1e3:.1f} ms, optimizer {ph['optimizer_s'] * 1e3:.1f} ms; predicted: "
-        f"{micro_batches} x {st['steady_s'] * 1e3:.1f} ms a micro-batch, "
-        f"{st['extra_s'] * 1e3:.1f} ms sync + optimizer"
+        f"measured: pipeline {ph['pipeline_s'] * 1e3:.1f} ms, {sync}, optimizer "
+        f"{ph['optimizer_s'] * 1e3:.1f} ms; predicted: {micro_batches} x {st['steady_s'] * 1e3:.1f} ms "
+        f"a micro-batch, {st['extra_s'] * 1e3:.1f} ms sync, clipping and optimizer"
     )
 
 

@@ -173,17 +173,21 @@ def test_gradient_clipping_norm_is_the_whole_models_in_every_layout(tmp_path):
     2e-5). A pipeline's stages initialise their layers from their own random streams, so pipelines
     are compared with a pipeline of the same split. Negative control: the ranks' own norms added
     up (each replica's and TP-duplicated gradients counted again) are outside that tolerance. And
-    the gradients are scaled: on one process their norm after clipping is 1 (unscaled: 1.18)."""
+    the gradients are scaled: on one process their norm after clipping is 1 (unscaled: 1.18).
+    Under ZeRO each DP rank steps by its own share, so there the ranks' norms add up to the whole,
+    before clipping and after (review 2026-12-07: ZeRO-2's read 0 before clipping, its sums not yet
+    where the step reads them; ZeRO-1's after clipping mixed scaled and unscaled gradients)."""
     layouts = {  # name: (tp, dp, stages' layers, zero)
         "one": (1, 1, [4], 0),
         "tp2": (2, 1, [4], 0),
         "dp2": (1, 2, [4], 0),
+        "dp2-zero1": (1, 2, [4], 1),
         "dp2-zero2": (1, 2, [4], 2),
         "dp2-zero3": (1, 2, [4], 3),
         "pp2": (1, 1, [2, 2], 0),
         "tp2-pp2": (2, 1, [2, 2], 0),
     }
-    norms, naive = {}, {}
+    norms, naive, shares_clipped = {}, {}, {}
     for name, (tp, dp, layers, zero) in layouts.items():
         plan = _tiny_plan([StagePlan(layers=n, zero=zero) for n in layers], tp=tp, dp=dp)
         plan.model_overrides["dropout"] = 0.0
@@ -192,6 +196,7 @@ def test_gradient_clipping_norm_is_the_whole_models_in_every_layout(tmp_path):
         assert len(firsts) == 1, (name, firsts)  # every rank clips by the same norm
         norms[name] = firsts.pop()
         naive[name] = sum(r["first_grad_norm"] ** 2 for r in report["ranks"]) ** 0.5
+        shares_clipped[name] = sum(r["first_clipped_grad_norm"] ** 2 for r in report["ranks"]) ** 0.5
         if name == "one":
             clipped = report["ranks"][0]["first_clipped_grad_norm"]
     assert norms["one"] > 1.0 and norms["pp2"] > 1.0, norms
@@ -202,6 +207,9 @@ def test_gradient_clipping_norm_is_the_whole_models_in_every_layout(tmp_path):
         assert norm == pytest.approx(norms[same[name]], rel=1e-3), (name, norms)
     for name in ("tp2", "dp2", "tp2-pp2"):
         assert naive[name] != pytest.approx(norms[same[name]], rel=1e-3), (name, naive)
+    for name in ("dp2-zero1", "dp2-zero2", "dp2-zero3"):  # disjoint shares: their norms add up
+        assert naive[name] == pytest.approx(norms[name], rel=1e-3), (name, naive, norms)
+        assert shares_clipped[name] == pytest.approx(1.0, rel=2**-8), (name, shares_clipped)
 
 
 @pytest.mark.slow

@@ -171,18 +171,18 @@ class Arriving:
     """A tensor being copied up to the device (Transfers.up): ``take`` hands it to the compute
     stream once the copy is done."""
 
-    __slots__ = ("done", "tensor")
+    __slots__ = ("pending", "tensor")
 
-    def __init__(self, tensor: torch.Tensor, done: Copy | None) -> None:
-        self.tensor, self.done = tensor, done
+    def __init__(self, tensor: torch.Tensor, pending: Copy | None) -> None:
+        self.tensor, self.pending = tensor, pending  # pending: the copy not yet waited for
 
     def take(self) -> torch.Tensor:
         """The tensor, usable on the current (compute) stream: that stream waits for the copy, and
         the allocator keeps the copy's memory until the work queued on it is done, wherever the
         tensor is freed."""
-        if self.done is not None:
-            self.done.hand_to_compute(self.tensor)
-            self.done = None
+        if self.pending is not None:
+            self.pending.hand_to_compute(self.tensor)
+            self.pending = None
         return self.tensor
 
 
@@ -527,8 +527,8 @@ class WeightOffload:
     def _down(self, i: int) -> None:
         self.up[i] = False
         for copy in self.arriving[i]:  # a prefetch never waited for: done before the step may
-            if copy.done is not None:  # write the host copy it reads (none is, in 1F1B's order)
-                copy.done.synchronize()
+            if copy.pending is not None:  # write the host copy it reads (none is, in 1F1B's order)
+                copy.pending.synchronize()
         self.arriving[i] = []
         for q in self.offloaded[i]:
             q.data = self.host[id(q)]  # the device copy is freed (weights change only in the step)

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import statistics
 import sys
@@ -357,6 +356,24 @@ class PartOptimizers:
 CLIP_GRAD = 1.0
 
 
+def step_gradients(
+    optimizer: PartOptimizers, parts: list[Part], dp: int
+) -> list[tuple[torch.Tensor, torch.Tensor, bool]]:
+    """(parameter, gradient, sharded) of every gradient this rank's optimizers step by: a ZeRO-1/2
+    part's share (its reduced sums, put where its step reads them), else each parameter's
+    (``gradient_to_step``); sharded where each DP rank holds its own part of the gradients (a
+    ZeRO-1/2 share, FSDP2's shards of ZeRO-3 over DP > 1)."""
+    out = []
+    for part, opt in zip(parts, optimizer.parts, strict=True):
+        if isinstance(opt, ShardedMasterAdamW):
+            pairs, sharded = opt.gradients_to_step(), True
+        else:
+            pairs = [(p, g) for p in part.params if (g := gradient_to_step(p)) is not None]
+            sharded = part.zero >= 3 and dp > 1
+        out += [(p, local(g), sharded) for p, g in pairs]
+    return out
+
+
 def clip_gradients(
     optimizer: PartOptimizers,
     parts: list[Part],
@@ -376,17 +393,13 @@ def clip_gradients(
     from megatron.core import parallel_state as ps
 
     dp_rank, tp_rank = ps.get_data_parallel_rank(), ps.get_tensor_model_parallel_rank()
-    grads, counted = [], []
-    for part, opt in zip(parts, optimizer.parts, strict=True):
-        if isinstance(opt, ShardedMasterAdamW):
-            pairs, sharded = opt.gradients_to_step(), True
-        else:
-            pairs = [(p, local(g)) for p in part.params if (g := gradient_to_step(p)) is not None]
-            sharded = part.zero >= 3 and dp > 1
-        for p, g in pairs:
-            grads.append(local(g))
-            if (sharded or dp_rank == 0) and (id(p) not in tp_duplicates or tp_rank == 0):
-                counted.append(local(g))
+    steps_by = step_gradients(optimizer, parts, dp)
+    grads = [g for _, g, _ in steps_by]
+    counted = [
+        g
+        for p, g, sharded in steps_by
+        if (sharded or dp_rank == 0) and (id(p) not in tp_duplicates or tp_rank == 0)
+    ]
     squares = torch.zeros((), dtype=torch.float64, device=device)
     for g in counted:  # accumulated in fp32 per tensor (fp64 for fp64 runs), no full-size copy
         acc = torch.float64 if g.dtype == torch.float64 else torch.float32
@@ -529,18 +542,16 @@ def _reduction_overlap(plan: Plan, dp: int, dp_group) -> tuple | None:
     return dp_group, grad_bucket(plan.grad_bucket_params, dp), plan.grad_accum
 
 
-def _gather_in_forward(plan: Plan, mine, dp: int, model, groups: list[ModuleGroup]) -> tuple | None:
+def _gather_in_forward(plan: Plan, mine, dp: int, model) -> tuple | None:
     """ShardedMasterAdamW's ``gather_in_forward`` for the stage's ``gather_in_forward``
-    (Megatron-LM's --overlap-param-gather): the stage's transformer layers in forward order, less
-    those whose weights are offloaded, and the plan's bucket size; or None. The embedding, final
-    norm and head, and offloaded layers, are gathered after the step, as stage_cost prices them
-    (Megatron-LM gathers its embedding and head in forward too: a layer's bytes or two)."""
+    (Megatron-LM's --overlap-param-gather): the stage's transformer layers in forward order and
+    the plan's bucket size; or None. Its weights are on the device (StagePlan.check: no offloaded
+    weights gather in forward). The embedding, final norm and head are gathered after the step, as
+    stage_cost prices them (Megatron-LM gathers its embedding and head in forward too: a layer's
+    bytes or two)."""
     if not mine.gather_in_forward or dp == 1:
         return None
-    offloaded = {id(m) for g in groups if g.offload_weights > 0 for m in g.modules}
-    layers = [
-        layer for gpt in gpt_modules(model) for layer in gpt.decoder.layers if id(layer) not in offloaded
-    ]
+    layers = [layer for gpt in gpt_modules(model) for layer in gpt.decoder.layers]
     return layers, grad_bucket(plan.grad_bucket_params, dp)
 
 
@@ -606,6 +617,7 @@ def _now(device: torch.device) -> float:
 
 
 MEMORY_STEPS = 5  # profiled steady steps before the timed ones: the median and the worst are reported
+UNTIMED_STEPS = 1 + MEMORY_STEPS  # _measure's order: step 0 (it makes the state), the memory steps
 
 
 def _step_peak(step, device: torch.device) -> tuple[int, float]:
@@ -783,7 +795,7 @@ def _build(plan: Plan, seed: int, lr: float) -> _BuiltStage:
     sharded = _shard_zero3_groups(model, groups, mine, dp, device)
     parts = _parameter_parts(model, plan, mine)  # after sharding: FSDP2 replaces the parameters
     sequence_parallel = plan.sequence_parallel and tp > 1
-    gather = _gather_in_forward(plan, mine, dp, model, groups)
+    gather = _gather_in_forward(plan, mine, dp, model)
     rest_on_host = _rest_on_host(groups)  # after sharding: ZeRO-3's are its shards
     optimizer = PartOptimizers(
         [_optimizer(part, dp, model, lr, sequence_parallel, gather, rest_on_host) for part in parts]
@@ -846,20 +858,36 @@ class _Steps:
             _sum_sequence_parallel_grads(b.model, ps.get_tensor_model_parallel_group())
         b.gradients.sync(ps.get_data_parallel_group(), device)
         if not self.first_grad_norm:  # the first step's, as the optimizer reads them
-            self.first_grad_norm.append(_grad_norm(b.model))
+            self.first_grad_norm.append(self._grad_norm())
+        t_clip = _now(device)
         self.clipped_norms.append(
             clip_gradients(b.optimizer, b.parts, self.dp, b.tp_duplicates, CLIP_GRAD, device)
         )
         if len(self.first_grad_norm) == 1:
-            self.first_grad_norm.append(_grad_norm(b.model))  # and after clipping
+            self.first_grad_norm.append(self._grad_norm())  # and after clipping
         t2 = _now(device)
         self.in_forward.append(sum(o.gathered_in_forward for o in b.zero12))
         for offload in b.weights:  # the step writes the host copies their copies up read
             offload.settle()
         b.optimizer.step()
         b.gradients.zero()
-        self.phases.append({"pipeline_s": t1 - t0, "grad_sync_s": t2 - t1, "optimizer_s": _now(device) - t2})
+        self.phases.append(
+            {
+                "pipeline_s": t1 - t0,
+                "grad_sync_s": t_clip - t1,  # the TP and DP reductions
+                # the norm's all-reduce over every rank: where a stage also waits for the others
+                "clip_s": t2 - t_clip,
+                "optimizer_s": _now(device) - t2,
+            }
+        )
         return loss
+
+    def _grad_norm(self) -> float:
+        """The L2 norm of the gradients this rank steps by (step_gradients: ZeRO-1/2 its share,
+        ZeRO-3 its shards)."""
+        b = self.built
+        norms = [g.double().norm().cpu() for _, g, _ in step_gradients(b.optimizer, b.parts, self.dp)]
+        return float(torch.stack(norms).norm()) if norms else 0.0
 
     def held_bytes(self) -> int:
         b = self.built
@@ -880,7 +908,7 @@ def _report(built: _BuiltStage, steps: _Steps, measured: dict) -> dict:
         "dp_rank": ps.get_data_parallel_rank(),
         **measured,
         "losses": measured["losses"] if ps.is_pipeline_last_stage() else None,
-        "phases": steps.phases[MEMORY_STEPS + 1 :],  # the timed steps' only
+        "phases": steps.phases[UNTIMED_STEPS:],  # the timed steps' only
         # the .grad tensors on the device as backward ends, each storage whole (ZeRO-3: FSDP2's
         # gradient shards, less those offloaded; ZeRO-2 keeps its reduced share apart, uncounted)
         "device_grad_bytes": steps.grad_bytes[-1],
@@ -941,13 +969,6 @@ def _sequence_parallel_report(model) -> dict:
         "sequence_parallel_params": len(weights),
         "sequence_parallel_checksum": sum(local(p).double().sum().item() for p in weights),
     }
-
-
-def _grad_norm(model) -> float:
-    """The L2 norm of the gradients this rank steps by (gradient_to_step; ZeRO-3: its shards)."""
-    grads = [gradient_to_step(p) for p in model.parameters()]
-    norms = [local(g).double().norm().cpu() for g in grads if g is not None]
-    return float(torch.stack(norms).norm()) if norms else 0.0
 
 
 def _offload_report(optimizer: PartOptimizers, weights: list, gradients: StageGradients) -> dict:
@@ -1071,9 +1092,9 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def _print_report(report: dict, out: str | None) -> None:
-    """Rank 0's summary of the gathered ``report`` (losses, each rank's worst memory, an
-    out-of-memory error) and, with ``out``, the report written there."""
+def _print_report(report: dict) -> None:
+    """Rank 0's summary of the gathered ``report``: losses, each rank's worst memory, an
+    out-of-memory error."""
     losses = next(r["losses"] for r in report["ranks"] if r["losses"] is not None)
     print("losses:", " ".join(f"{x:.4f}" for x in losses))
     for r in report["ranks"]:
@@ -1087,8 +1108,6 @@ def _print_report(report: dict, out: str | None) -> None:
             f"error: out of memory: a device peak went above the plan's cap of {cap / 2**20:.2f} MiB",
             file=sys.stderr,
         )
-    if out:
-        Path(out).write_text(json.dumps(report, indent=1))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1131,7 +1150,9 @@ def main(argv: list[str] | None = None) -> int:
     report["copy_timing"] = args.copy_timing.value  # deferred: its memory and times are not offloading's
     out_of_memory = report["ranks"][0]["out_of_memory"]  # the same on every rank
     if dist.get_rank() == 0:
-        _print_report(report, args.out)
+        _print_report(report)
+        if args.out:  # whole or not at all, as the refused and out-of-memory reports
+            write_json_atomic(Path(args.out), report)
     dist.destroy_process_group()
     return 3 if out_of_memory else 0
 
