@@ -108,6 +108,39 @@ def test_a_gpu_curve_that_does_not_grow_is_above_the_peak():
             check_rates(replace(shipped, curves={**shipped.curves, cls: (fast, fast)}))
 
 
+def test_a_model_faster_than_the_hardware_is_refused_wherever_it_enters():
+    """Review 2026-12-07: check_rates ran only inside the fit, so a runtime model given to predict
+    or search (a preset file edited, a model built in code) priced a GEMM at 826x L4's peak, and
+    host copies at 31,000x its PCIe bandwidth, without a word. Refused before any work, naming the
+    rate and the bound; the shipped presets are the control, and the CPU's nominal numbers pass."""
+    from dataclasses import replace
+
+    from mist import Plan, StagePlan, predict
+    from mist.model.calibrate import RateAbovePeakError
+    from mist.tuning.problem import Problem, load_interference
+
+    m, c = model("gpt3-1.3b"), cluster("l4", 1)
+    plan = Plan.of(m, c, global_batch=8, tp=1, dp=1, micro_batch=1, stages=[StagePlan(layers=24)])
+    shipped, interference = load_runtime_model("l4"), load_interference("l4")
+    assert predict(plan, m, c, runtime=shipped, interference=interference).predicted_iteration_s > 0
+    peak = c.gpu.flops
+    fast_gemm = replace(
+        shipped, curves={**shipped.curves, "gemm": (Line(0.0, 10 * peak), shipped.curves["gemm"][1])}
+    )
+    with pytest.raises(RateAbovePeakError, match=r"gemm forward fitted at .* above l4's data-sheet peak"):
+        predict(plan, m, c, runtime=fast_gemm)
+    copies = Interference(
+        interference.factors, "doctored", {**interference.host_rates, "h2d": 2 * c.gpu.host_bw}
+    )
+    with pytest.raises(
+        RateAbovePeakError, match=r"doctored: host copies h2d at .* above l4's data-sheet PCIe"
+    ):
+        predict(plan, m, c, interference=copies)
+    on_cpu = cluster("cpu", 1)
+    cpu_copies = Interference(interference.factors, "cpu", {"h2d": 2 * on_cpu.gpu.host_bw})
+    Problem.resolve(model("gpt3-tiny"), on_cpu, 8, interference=cpu_copies)  # nominal: not a bound
+
+
 def test_calibrate_holds_a_float32_profile_to_the_float32_peak(tmp_path, capsys):
     """`mist profile` writes its dtype (fp32 by default) in profile.json, and a float32 GEMM runs on
     the CUDA cores, a quarter of the L4's half-precision peak: the L4's fp16 profiles said to be

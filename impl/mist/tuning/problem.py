@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..model.budget import gpu_budget_bytes, host_budget_bytes
+from ..model.calibrate import RateAbovePeakError, check_rates
 from ..model.interference import Interference, read_interference_preset
 from ..model.runtime import RuntimeModel, load_runtime_model
 from ..model.specs import CPU_PRESET, GRAD_ACCUMULATION, ClusterSpec, GradAccumulation, ModelSpec
@@ -26,11 +27,30 @@ from .stage_cost import Setting
 def cost_models(
     cluster: ClusterSpec, runtime: RuntimeModel | None = None, interference: Interference | None = None
 ) -> tuple[RuntimeModel, Interference]:
-    """The given runtime and interference models, or the shipped presets for the cluster's GPU."""
-    return (
-        runtime or load_runtime_model(cluster.gpu.name),
-        interference or load_interference(cluster.gpu.name),
-    )
+    """The given runtime and interference models, or the shipped presets for the cluster's GPU;
+    RateAbovePeakError where one prices faster than the hardware can go (``within_peaks``)."""
+    runtime = runtime or load_runtime_model(cluster.gpu.name)
+    interference = interference or load_interference(cluster.gpu.name)
+    within_peaks(cluster, runtime, interference)
+    return runtime, interference
+
+
+def within_peaks(cluster: ClusterSpec, runtime: RuntimeModel, interference: Interference) -> None:
+    """Raises RateAbovePeakError where a cost model prices faster than its GPU's data sheet allows:
+    a fitted compute rate above the half-precision FLOP/s peak or a memory-bound one above the HBM
+    bandwidth (``check_rates``, as the fit checks its own), or a host copy rate above the PCIe
+    bandwidth. Checked wherever a model enters a search or a prediction, a preset read from a file
+    or one built in code: the fit's check alone left both unchecked (review 2026-12-07: a GEMM at
+    826x L4's peak halved a prediction). The ``cpu`` device's numbers are nominal: not checked."""
+    check_rates(runtime, "bf16")
+    if cluster.gpu.name == CPU_PRESET:
+        return
+    for direction, rate in interference.host_rates.items():
+        if rate > cluster.gpu.host_bw:
+            raise RateAbovePeakError(
+                f"{interference.source}: host copies {direction} at {rate:.3g} B/s, above "
+                f"{cluster.gpu.name}'s data-sheet PCIe bandwidth {cluster.gpu.host_bw:.3g} B/s"
+            )
 
 
 def load_interference(gpu: str) -> Interference:
