@@ -24,8 +24,8 @@ from mist.model.interference import Interference
 from mist.model.runtime import RuntimeModel
 from mist.model.specs import ClusterSpec, ModelSpec
 from mist.plan import Plan, StagePlan
-from mist.tuning.exhaustive import powers_of_two
 from mist.tuning.planner import NoFeasiblePlan, cost_models, predict
+from mist.tuning.problem import powers_of_two
 
 
 def _key(plan: Plan) -> tuple:

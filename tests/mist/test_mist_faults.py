@@ -15,6 +15,7 @@ import pytest
 from mist import Plan, StagePlan, cluster, model, predict, search
 from mist.__main__ import main
 from mist.tuning.pipeline_sim import MAX_MICRO_BATCHES, simulate_1f1b
+from mist.tuning.stage_cost import SearchSpace
 
 from .cli_inputs import PLAN, one_error_line, profile_argv
 
@@ -379,6 +380,27 @@ def test_tempo_is_refused_where_it_cannot_be_built():
 _PLAN = dict(global_batch=8, tp=1, dp=2, micro_batch=1)
 
 
+def _refine(for_model, for_cluster, **options) -> Plan:
+    """mist's refine of a 2 x L4 gpt3-1.3b plan, for ``for_model`` on ``for_cluster``."""
+    from mist.tuning.planner import PlannerOptions, refine
+    from mist.tuning.problem import cost_models
+
+    plan = Plan.of(model("gpt3-1.3b"), cluster("l4", 2), stages=[StagePlan(layers=24)], **_PLAN)
+    runtime, interference = cost_models(cluster("l4", 2))
+    return refine(plan, for_model, for_cluster, PlannerOptions(**options), runtime, interference)
+
+
+def test_a_search_space_given_lists_searches_as_with_tuples():
+    """Review 2026-12-07: SearchSpace accepted lists, then the search's cache could not hash them (a
+    TypeError). Kept as tuples of what was given; the search runs."""
+    from mist.tuning.planner import PlannerOptions
+
+    space = SearchSpace(zero_stages=[0, 1], offload_ratios=[0.0, 1.0], offloadable=["optimizer"])
+    assert space.zero_stages == (0, 1) and space.offloadable == ("optimizer",)
+    plan = search(model("gpt3-tiny"), cluster("l4", 2), 4, PlannerOptions(space=space))
+    assert all(s.zero in (0, 1) and not s.offload_weights for s in plan.stages)
+
+
 @pytest.mark.parametrize(
     "call, expected",
     [
@@ -404,6 +426,18 @@ _PLAN = dict(global_batch=8, tp=1, dp=2, micro_batch=1)
             ),
             "model: a ModelSpec",
         ),
+        # review 2026-12-07: refine took any plan for any model (a 24-layer plan refined for a
+        # 32-layer model), and no refinement step was a TypeError deep inside
+        (
+            lambda: _refine(model("gpt3-2.7b"), cluster("l4", 2)),
+            "the stages hold 24 layers, the model has 32",
+        ),
+        (lambda: _refine(model("gpt3-1.3b"), cluster("l4", 4)), "the plan is for 2 x l4, the cluster has 4"),
+        (
+            lambda: _refine(model("gpt3-1.3b"), cluster("l4", 2), refine_offload_step=None),
+            "refine needs options.refine_offload_step",
+        ),
+        (lambda: SearchSpace(offloadable="optimizer"), "offloadable: a list of kinds"),
     ],
 )
 def test_library_functions_refuse_what_they_cannot_take_in_one_line(call, expected):

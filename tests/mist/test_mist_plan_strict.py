@@ -367,6 +367,21 @@ def test_a_search_the_milp_time_limit_stopped_says_so(monkeypatch):
         search(model("gpt3-13b"), cluster("l4", 1, host_memory=2**30), 8, options)
 
 
+def test_a_search_without_offloading_that_fits_nothing_does_not_name_host_memory():
+    """Review 2026-12-07: a search told not to offload said "(offloading at most 172.8 GiB of host
+    memory per GPU)". It says what it searched; the control offloads."""
+    from mist import NoFeasiblePlan
+    from mist.tuning.stage_cost import SearchSpace
+
+    for space, said in (
+        (SearchSpace(offload=False), "(no offloading searched)"),
+        (SearchSpace(), "offloading at most"),
+    ):
+        options = PlannerOptions(micro_batches=(1,), refine_offload_step=None, space=space)
+        with pytest.raises(NoFeasiblePlan, match=re.escape(said)):
+            search(model("gpt3-13b"), cluster("l4", 1, host_memory=2**30), 8, options)
+
+
 def test_the_memory_a_search_that_fits_nothing_names_is_a_lower_bound():
     """ "The leanest candidate needs at least X": no plan of the search fits in less. Planned with
     one byte a GPU less than X usable, nothing fits; with ample memory, the plan found needs X or

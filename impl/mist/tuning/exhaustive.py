@@ -35,10 +35,6 @@ S = TypeVar("S", bound="Sizes")
 BATCH = 256
 
 
-def powers_of_two(limit: int) -> list[int]:
-    return [1 << i for i in range(limit.bit_length()) if 1 << i <= limit]
-
-
 def layer_splits(layers: int, pp: int, uneven: int | None = None) -> list[tuple[int, ...]]:
     """Layers per stage as Megatron-LM can split them: even, or the first and last stage uneven
     (within ``uneven`` layers of the even share; None: any) with the middle stages even."""
@@ -54,10 +50,6 @@ def layer_splits(layers: int, pp: int, uneven: int | None = None) -> list[tuple[
         elif pp > 2 and middle > 0 and middle % (pp - 2) == 0:
             out.add((first, *[middle // (pp - 2)] * (pp - 2), last))
     return sorted(out, key=lambda split: (len(set(split)) > 1, split))
-
-
-def divisors(n: int) -> list[int]:
-    return [divisor for divisor in range(1, n + 1) if n % divisor == 0]
 
 
 class Sizes(Protocol):

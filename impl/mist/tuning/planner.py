@@ -41,7 +41,15 @@ from ..plan import (
 )
 from .inter_stage import Frontier, frontier_for, solve_inter_stage
 from .pipeline_sim import in_flight, pipeline_objective, simulate_1f1b
-from .problem import SEARCH_OVERLAPS_GRAD_REDUCE, Candidate, Problem, cost_models, load_interference
+from .problem import (
+    SEARCH_OVERLAPS_GRAD_REDUCE,
+    Candidate,
+    Problem,
+    cost_models,
+    divisors,
+    load_interference,
+    powers_of_two,
+)
 from .stage_cost import (
     EDGE_FIELDS,
     OFFLOAD_FIELDS,
@@ -140,20 +148,19 @@ class PlannerOptions:
 def settings(problem: Problem, options: PlannerOptions) -> Iterator[Candidate]:
     """Every candidate (tp, stages, dp, micro_batch) the search considers."""
     model, cluster, global_batch = problem.model, problem.cluster, problem.global_batch
-    tp = 1
-    while tp <= cluster.gpus_per_node:
-        if model.heads % tp == 0 and model.kv % tp == 0 and cluster.gpus % tp == 0:
-            for stages in range(1, min(model.layers, cluster.gpus // tp) + 1):
-                if (cluster.gpus // tp) % stages:
-                    continue
-                dp = cluster.gpus // (tp * stages)
-                if global_batch % dp:
-                    continue
-                per_replica = global_batch // dp
-                for micro_batch in options.micro_batches or range(1, per_replica + 1):
-                    if per_replica % micro_batch == 0:
-                        yield Candidate(tp, stages, dp, micro_batch, global_batch)
-        tp *= 2
+    for tp in powers_of_two(cluster.gpus_per_node):
+        if model.heads % tp or model.kv % tp or cluster.gpus % tp:
+            continue
+        for stages in range(1, min(model.layers, cluster.gpus // tp) + 1):
+            if (cluster.gpus // tp) % stages:
+                continue
+            dp = cluster.gpus // (tp * stages)
+            if global_batch % dp:
+                continue
+            per_replica = global_batch // dp
+            for micro_batch in options.micro_batches or range(1, per_replica + 1):
+                if per_replica % micro_batch == 0:
+                    yield Candidate(tp, stages, dp, micro_batch, global_batch)
 
 
 def stage_device_counts(cluster: ClusterSpec, stages: int) -> tuple[int, ...]:
@@ -163,9 +170,7 @@ def stage_device_counts(cluster: ClusterSpec, stages: int) -> tuple[int, ...]:
     order with counts that never grow along the pipeline (``solve_inter_stage``), each stage then
     lies in an aligned block: its TP groups inside one node, as the cost model prices them."""
     per_node, most = cluster.gpus_per_node, cluster.gpus - (stages - 1)
-    counts = [
-        count for count in (2**power for power in range(per_node.bit_length())) if per_node % count == 0
-    ]
+    counts = [count for count in powers_of_two(per_node) if per_node % count == 0]
     counts += [nodes * per_node for nodes in range(2, cluster.gpus // per_node + 1)]
     return tuple(count for count in counts if count <= most)
 
@@ -179,13 +184,11 @@ def stage_shapes(
     of a size in ``allowed`` (None: any)."""
     model, per = problem.model, problem.global_batch // micro_batches
     out = []
-    tp = 1
-    while tp <= min(devices, problem.cluster.gpus_per_node):
+    for tp in powers_of_two(min(devices, problem.cluster.gpus_per_node)):
         dp = devices // tp
         divides = devices % tp == 0 and model.heads % tp == 0 and model.kv % tp == 0 and per % dp == 0
         if divides and (allowed is None or per // dp in allowed):
             out.append((tp, dp, per // dp))
-        tp *= 2
     return out
 
 
@@ -197,7 +200,7 @@ def _stage_devices_settings(problem: Problem, options: PlannerOptions) -> list[t
     L, N, B = problem.model.layers, problem.cluster.gpus, problem.global_batch
     out = []
     for S in range(2, min(L, N) + 1):
-        for G in (count for count in range(1, B + 1) if B % count == 0):
+        for G in divisors(B):
             shapes = {
                 devices: stage_shapes(problem, devices, G, options.micro_batches)
                 for devices in stage_device_counts(problem.cluster, S)
@@ -781,10 +784,15 @@ def _no_plan(problem: Problem, options: PlannerOptions, timed_out: list[str]) ->
             f"({timed_out[0]}{', ...' if len(timed_out) > 1 else ''}); a longer limit may find one"
         )
     need = min_memory_needed(problem, options)
+    offloading = (
+        f"offloading at most {format_bytes(problem.host_budget)} of host memory per GPU"
+        if options.space.offload and options.space.offloadable
+        else "no offloading searched"
+    )
     return NoFeasiblePlan(
         f"no plan for {model.name} on {cluster.gpus} x {cluster.gpu.name} fits: the leanest candidate "
         f"needs at least {format_bytes(need)} per GPU, {format_bytes(problem.gpu_budget)} usable "
-        f"(offloading at most {format_bytes(problem.host_budget)} of host memory per GPU)"
+        f"({offloading})"
     )
 
 
@@ -808,7 +816,13 @@ def refine(
     host's memory. Ranked as the search ranks (extras only when ``options.imbalance_aware``).
     Layers, recomputation and ZeRO stages stay as the MILP placed them. Returns a new plan
     (never slower than ``plan``)."""
+    if not isinstance(plan, Plan):
+        raise ValueError(f"refine takes a mist Plan, got {type(plan).__name__}")
+    if options.refine_offload_step is None:
+        raise ValueError("refine needs options.refine_offload_step (None: the search has no refinement)")
+    _check_inputs(model, cluster)
     _check_cost_models(runtime, interference)
+    _check(plan, model, cluster)
     problem = Problem.of_plan(plan, model, cluster, runtime, interference, options.grad_accumulation)
     return _refine(problem, plan, options, passes)
 

@@ -69,6 +69,16 @@ def load_interference(gpu: str) -> Interference:
     return Interference()
 
 
+def powers_of_two(limit: int) -> list[int]:
+    """1, 2, 4, ... up to ``limit``: the TP sizes (and Megatron-LM's grid's stage counts) searched."""
+    return [1 << i for i in range(limit.bit_length()) if 1 << i <= limit]
+
+
+def divisors(n: int) -> list[int]:
+    """Every whole number dividing ``n``, ascending: the micro-batch sizes and counts searched."""
+    return [divisor for divisor in range(1, n + 1) if n % divisor == 0]
+
+
 @dataclass(frozen=True)
 class Problem:
     """Everything a search or a prediction is asked, resolved once (see the module's note)."""

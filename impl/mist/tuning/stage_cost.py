@@ -38,7 +38,7 @@ from measure.checks import finite, whole
 from tempo.sizes import attention_core_workspace_bytes, swiglu_down_workspace_bytes
 
 from ..model.interference import Interference
-from ..model.runtime import RuntimeModel, cpu_adam_params_per_s
+from ..model.runtime import DEFAULT_EFFICIENCY, RuntimeModel, cpu_adam_params_per_s
 from ..model.specs import CPU_PRESET, GRAD_ACCUMULATION, ClusterSpec, GradAccumulation, ModelSpec
 from ..model.symbolic import CORE_ATTENTION_OPS, HALF, head_costs, layer_costs, value
 from ..plan import activation_offloaded_layers, gather_allowed, grad_bucket
@@ -105,9 +105,23 @@ class SearchSpace:
                 raise ValueError(f"{name}: one or more fractions in [0, 1]; got {getattr(self, name)!r}")
         if not _some(self.gather_in_forward, lambda gather: isinstance(gather, bool)):
             raise ValueError(f"gather_in_forward: one or both of False, True; got {self.gather_in_forward!r}")
+        if not isinstance(self.offloadable, tuple | list):
+            raise ValueError(
+                f"offloadable: a list of kinds ({', '.join(OFFLOADABLE)}); got {self.offloadable!r}"
+            )
         unknown = set(self.offloadable) - set(OFFLOADABLE)
         if unknown:
             raise ValueError(f"offloadable: unknown {sorted(unknown)}; accepted: {', '.join(OFFLOADABLE)}")
+        # tuples of what was given: the search caches by the space (a list is unhashable there), and
+        # a list could be changed after the check
+        for name in (
+            "zero_stages",
+            "offload_ratios",
+            "optimizer_offload_ratios",
+            "offloadable",
+            "gather_in_forward",
+        ):
+            object.__setattr__(self, name, tuple(getattr(self, name)))
 
     def offload_steps(self, field: str, steps) -> tuple[float, ...]:
         """The fractions of ``field`` (offload_<kind>) the search tries: ``steps``, or only 0 where
@@ -649,7 +663,7 @@ def _sync_and_step(
         params = state["opt_params"]
         # the norm reads the fp16 gradients this rank steps (offloaded ones priced as if on the GPU:
         # a few percent of the step either way)
-        sync = sync + params * 2 / (cluster.gpu.hbm_bw * 0.7)
+        sync = sync + params * 2 / _memory_bound_rate(cluster)
         sync = sync + state["host_sum_trip"] * (1 / h2d_bw + 1 / d2h_bw)
         step = step + params * optimizer_step_s(
             setting,
@@ -660,6 +674,12 @@ def _sync_and_step(
         )
         step = step + state["broadcast_down"] / d2h_bw
     return sync, step
+
+
+def _memory_bound_rate(cluster: ClusterSpec) -> float:
+    """Bytes/s an unprofiled memory-bound kernel moves (the optimizer step, the clipping norm's
+    read): the roofline's share of the HBM bandwidth, as for every unprofiled op class."""
+    return cluster.gpu.hbm_bw * DEFAULT_EFFICIENCY["memory"]
 
 
 def broadcasts(zero, dp: int) -> np.ndarray:
@@ -687,7 +707,7 @@ def optimizer_step_s(
     fraction (``_fastest_optimizer_fraction`` orders by it)."""
     cluster = setting.cluster
     d2h_bw, h2d_bw = _host_rates(setting)
-    on_device = (ADAM_BYTES_PER_PARAM + 4) * 2 / (cluster.gpu.hbm_bw * 0.7)
+    on_device = (ADAM_BYTES_PER_PARAM + 4) * 2 / _memory_bound_rate(cluster)
     on_host = 1 / cpu_adam_params_per_s(cluster)
     host_stepped, resting, summed = offload_optimizer, offload_weights, offload_grads
     both_weights = np.minimum(host_stepped, resting)
@@ -759,13 +779,15 @@ def _backward_start(
     buffers,
     layers: int,
     layer_weights: float,
-    last_edge_weights,
+    last_edge_grads,
     last: bool,
 ):
     """A stage's peak bytes above its static state from backward's start through its layers: the
     last layer's (after the head's), the offloaded layers' swap-in, the recomputed layers' forward
     made again. ``buffers``: gathered copies of ZeRO-3's and offloaded weights;
-    ``last_edge_weights``: the head's gathered weights where the last stage shards them."""
+    ``last_edge_grads``: the head's whole gradients where the last stage shards it (ZeRO-3: made
+    first in backward, held as its reduce-scatter's input; its gathered weights are in
+    ``buffers``)."""
     recompute = grid["recompute"]
     kept = _kept_per_layer(layer, grid)
     # Offloaded layers (the first ones after the recomputed) come up when their backward begins,
@@ -783,7 +805,7 @@ def _backward_start(
     head_freed = layer.head_saved if last else 0.0
     peak = _layer_backward_peak(layer, grid, layers, layer_weights)
     kept_layer_peak = np.where(last_swapped, 0.0, peak - head_freed)
-    start = activations + buffers + np.maximum(head, kept_layer_peak) + last_edge_weights
+    start = activations + buffers + np.maximum(head, kept_layer_peak) + last_edge_grads
     # backward then reaches the offloaded layers, this micro-batch's kept ones (and its head's) freed
     remade_inputs = recompute * layer.layer_input
     others = activations - per_flight + remade_inputs  # the other micro-batches' and these inputs
@@ -833,9 +855,9 @@ def _device_memory(
     layer_weights, edge_weights = layer_w_full, _edge_weight_bytes(layer, first, last)
     layers_zero3, edge_zero3 = zero >= 3, edge["zero"] >= 3
     buffers = _weight_buffers(grid, edge, layer_weights, edge_weights)
-    last_edge_weights = np.where(edge_zero3 & last, edge_weights, 0.0)
+    last_edge_grads = np.where(edge_zero3 & last, edge_weights, 0.0)  # bf16: the weights' bytes
     start = _backward_start(
-        layer, grid, activations, per_flight, buffers, layers, layer_weights, last_edge_weights, last
+        layer, grid, activations, per_flight, buffers, layers, layer_weights, last_edge_grads, last
     )
     # Two peaks: backward and the optimizer step, where mixed-precision Adam holds an fp32 copy of
     # the gradients it steps on the GPU. With one micro-batch a step, ZeRO-2/3's gradient shards
@@ -1061,7 +1083,7 @@ def _memory_at_least(
     where a byte count it relies on is negative. On the device the static state plus the start
     of backward's first sum: the activations and the weight buffers, to which _backward_start
     adds the larger of the head's logits gradient and the last layer's backward (so at least the
-    former, >= 0) and the head's gathered weights (>= 0); every other branch (swapping,
+    former, >= 0) and the head's whole ZeRO-3 gradients (>= 0); every other branch (swapping,
     recomputing, the end of backward, the optimizer step) enters through a maximum with that
     start. On the host the offloaded state. Rounded addition is monotone, so the bound holds as
     computed, not only as written."""

@@ -19,7 +19,8 @@ from ..model.interference import Interference
 from ..model.runtime import RuntimeModel
 from ..model.specs import ClusterSpec, ModelSpec
 from ..plan import Plan, StagePlan
-from .exhaustive import divisors, fastest_fitting, layer_splits, powers_of_two
+from .exhaustive import fastest_fitting, layer_splits
+from .problem import divisors, powers_of_two
 
 
 @dataclass(frozen=True)
