@@ -86,8 +86,9 @@ def _engine_argument(p: argparse.ArgumentParser) -> None:
         "--engine",
         choices=list(GRAD_ACCUMULATION),
         default="megatron-core",
-        help="the engine that runs the plan, for how it accumulates gradients over micro-batches "
-        "(default: megatron-core, as mist.engine.run)",
+        help="the engine that runs the plan, for how it accumulates gradients over micro-batches and "
+        "in how many bytes (default: megatron-core's 16-bit buffer, as mist.engine.run and as `mist "
+        "export --to megatron-lm` runs Megatron-LM; megatron-lm: its bf16 default, fp32 main grads)",
     )
 
 

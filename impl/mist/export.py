@@ -181,6 +181,10 @@ def megatron_lm_arguments(plan: Plan, model: ModelSpec) -> tuple[list[str], list
         "--global-batch-size",
         str(plan.global_batch),
         "--bf16",
+        # the priced gradients: 16-bit, accumulated and summed over DP so (GRAD_ACCUMULATION's
+        # megatron-core, mist.engine.run's); Megatron-LM's bf16 default keeps fp32 main grads, 2
+        # bytes a parameter more and twice the DP traffic (priced by `mist plan --engine megatron-lm`)
+        "--grad-reduce-in-bf16",
     ]
     for field, flag in VALUE_FLAGS:
         args += [flag, str(settings[field])]

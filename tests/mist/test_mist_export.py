@@ -87,6 +87,8 @@ def test_every_setting_of_the_priced_model_is_a_flag():
     assert (
         flags["--untie-embeddings-and-output-weights"] and flags["--disable-bias-linear"] and flags["--bf16"]
     )
+    # the priced 16-bit gradients (Megatron-LM's bf16 default keeps fp32 main grads: review 2026-12-07)
+    assert flags["--grad-reduce-in-bf16"]
     assert flags["--micro-batch-size"] == "1" and flags["--global-batch-size"] == "64"
     plan.stages[0].tp = 4  # a stage with its own TP: refused in the words the engine's list uses
     shared = set(megatron_limits(plan, m).values())

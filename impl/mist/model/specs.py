@@ -502,6 +502,9 @@ class GradAccumulation:
     engine: str
     bytes_per_param: float  # read accumulated + read new + write sum
     first_micro_batch: bool  # the first micro-batch adds too (into a zeroed buffer), or writes
+    # bytes an accumulated gradient takes, a parameter: the device memory it holds and what the DP
+    # sum after backward sends (ZeRO-0/1; ZeRO-2/3's reductions in backward are 16-bit)
+    grad_bytes: int = 2
 
     def adds_per_micro_batch(self, grad_accum: int, sharded: bool = False) -> float:
         """Adds per micro-batch, averaged over the iteration's ``grad_accum`` micro-batches.
@@ -511,7 +514,8 @@ class GradAccumulation:
         return 1.0 if self.first_micro_batch and not sharded else (grad_accum - 1) / grad_accum
 
 
-# Half-precision gradients: 2 bytes each.
+# Half-precision gradients: 2 bytes each (mist export passes Megatron-LM --grad-reduce-in-bf16 so
+# that it keeps them so too).
 GRAD_ACCUMULATION = {
     # mist.engine.run: the gradients are views into one zeroed contiguous buffer (as megatron-core's
     # DDP), so autograd adds every micro-batch's gradient in place, the first one too.
@@ -519,7 +523,8 @@ GRAD_ACCUMULATION = {
     # Mist's runtime: a persistent 16-bit gradient buffer the first micro-batch writes and the
     # others add into (its cost model's (G-1)/G adds of the flattened parameters).
     "mist": GradAccumulation("mist", 3 * 2, False),
-    # Megatron-LM's LocalDDP: a hook adds each micro-batch's 16-bit gradient into an fp32 main_grad
-    # (read 4 + read 2 + write 4 bytes), every micro-batch.
-    "megatron-lm": GradAccumulation("megatron-lm", 4 + 2 + 4, True),
+    # Megatron-LM at its bf16 default (accumulate_allreduce_grads_in_fp32): a hook adds each
+    # micro-batch's 16-bit gradient into an fp32 main_grad (read 4 + read 2 + write 4 bytes), every
+    # micro-batch, and DP sums the fp32 main_grads.
+    "megatron-lm": GradAccumulation("megatron-lm", 4 + 2 + 4, True, grad_bytes=4),
 }

@@ -420,13 +420,16 @@ def offloaded_layers(grid: dict[str, np.ndarray], layers: int) -> np.ndarray:
     return activation_offloaded_layers(grid["offload_activations"], layers - grid["recompute"])
 
 
-def _state_bytes(params: float, strategy: dict[str, np.ndarray], dp: int) -> dict[str, np.ndarray]:
-    """Bytes per GPU of ``params`` parameters' weights, gradients and optimizer state (each on the
-    GPU or, the offloaded fraction, on the host), under ``strategy``'s ZeRO stage over ``dp``
-    replicas (its EDGE_FIELDS: a stage's grid or the embedding/head's own strategy)."""
+def _state_bytes(
+    params: float, strategy: dict[str, np.ndarray], dp: int, grad_bytes: int
+) -> dict[str, np.ndarray]:
+    """Bytes per GPU of ``params`` parameters' weights, gradients (``grad_bytes`` each: the engine's,
+    GradAccumulation) and optimizer state (each on the GPU or, the offloaded fraction, on the
+    host), under ``strategy``'s ZeRO stage over ``dp`` replicas (its EDGE_FIELDS: a stage's grid or
+    the embedding/head's own strategy)."""
     zero, offload_weights, offload_grads, offload_optimizer = (strategy[name] for name in EDGE_FIELDS)
     weights = 2.0 * params * np.where(zero >= 3, 1.0 / dp, 1.0)
-    grads = 2.0 * params * np.where(zero >= 2, 1.0 / dp, 1.0)
+    grads = float(grad_bytes) * params * np.where(zero >= 2, 1.0 / dp, 1.0)
     opt_params = params * np.where(zero >= 1, 1.0 / dp, 1.0)
     optimizer = ADAM_BYTES_PER_PARAM * opt_params
     return {
@@ -501,12 +504,14 @@ def _zero_per_micro_batch(
     return compute, g2g
 
 
-def _buffer_gradient_sum(setting: Setting, nbytes, across: bool, zero):
-    """Seconds of the DP gradient sum after backward on ``nbytes`` at ZeRO stage ``zero`` (0 or
-    1; an array broadcasts): where `mist profile` timed the engine's (mist.engine.run sums ZeRO-0's
-    and ZeRO-1's gradients alike, ContiguousGrads' in-place all-reduce of its buffer) that one
-    line prices both; else Megatron-LM's: DDP's all-reduce (ZeRO-0) and the distributed
-    optimizer's reduce-scatter (ZeRO-1)."""
+def _buffer_gradient_sum(setting: Setting, weight_bytes, across: bool, zero):
+    """Seconds of the DP gradient sum after backward at ZeRO stage ``zero`` (0 or 1; an array
+    broadcasts) of the gradients of parameters whose 16-bit weights take ``weight_bytes``, sent as
+    the engine keeps them (GradAccumulation.grad_bytes a parameter): where `mist profile` timed
+    the engine's (mist.engine.run sums ZeRO-0's and ZeRO-1's gradients alike, ContiguousGrads'
+    in-place all-reduce of its buffer) that one line prices both; else Megatron-LM's: DDP's
+    all-reduce (ZeRO-0) and the distributed optimizer's reduce-scatter (ZeRO-1)."""
+    nbytes = weight_bytes * setting.grad_accumulation.grad_bytes / 2
     measured = setting.runtime.zero_grad_sum(nbytes, setting.dp, across)
     if measured is not None:
         return measured
@@ -661,9 +666,9 @@ def _sync_and_step(
     d2h_bw, h2d_bw = _host_rates(setting)
     for state, strategy in parts:
         params = state["opt_params"]
-        # the norm reads the fp16 gradients this rank steps (offloaded ones priced as if on the GPU:
-        # a few percent of the step either way)
-        sync = sync + params * 2 / _memory_bound_rate(cluster)
+        # the norm reads the gradients this rank steps (offloaded ones priced as if on the GPU: a
+        # few percent of the step either way)
+        sync = sync + params * setting.grad_accumulation.grad_bytes / _memory_bound_rate(cluster)
         sync = sync + state["host_sum_trip"] * (1 / h2d_bw + 1 / d2h_bw)
         step = step + params * optimizer_step_s(
             setting,
@@ -1056,8 +1061,9 @@ def _stage_state(
     """(the embedding/head's parameters on the stage, (state bytes of the stage's layers, of its
     embedding/head)): _state_bytes under the grid's and the edge's strategies."""
     edge_params = _edge_params(layer, first, last)
-    mine = _state_bytes(layers * layer.params, grid, setting.dp)
-    theirs = _state_bytes(edge_params, edge, setting.dp)  # none on a middle stage
+    grad_bytes = setting.grad_accumulation.grad_bytes
+    mine = _state_bytes(layers * layer.params, grid, setting.dp, grad_bytes)
+    theirs = _state_bytes(edge_params, edge, setting.dp, grad_bytes)  # none on a middle stage
     return edge_params, (mine, theirs)
 
 
