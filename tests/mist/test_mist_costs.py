@@ -388,6 +388,26 @@ def test_an_engines_gradient_bytes_are_priced_in_memory_and_in_the_dp_sum():
     assert (sync[zero < 2] > 0).all()
 
 
+def test_the_lm_head_holds_no_position_table():
+    """Review 2026-12-07: the last stage's untied head was priced as the embedding, the learned
+    position table included (gpt3-1.3b: 4.19M parameters too many, ~67 MB of state at ZeRO-0). The
+    head is the token table's shape; the embedding keeps its position table where positions are
+    learned (GPT-3), and the two are equal where they are not (Llama's rotary)."""
+    from mist.tuning.planner import cost_models
+    from mist.tuning.stage_cost import Setting, _edge_params, _edge_weight_bytes, layer_numbers
+
+    c = cluster("l4", 8)
+    for name, positions in (("gpt3-1.3b", True), ("llama-1.3b", False)):
+        m = model(name)
+        ln = layer_numbers(Setting(m, c, *cost_models(c), 2, 1, 1, 2))  # TP 2: a half of each table
+        assert ln.head_params == m.vocab * m.hidden / 2
+        assert ln.embed_params - ln.head_params == (m.seq * m.hidden if positions else 0)
+        assert _edge_params(ln, False, True) == ln.head_params and _edge_params(ln, False, False) == 0
+        assert _edge_params(ln, True, True) == ln.embed_params + ln.head_params
+        assert _edge_weight_bytes(ln, False, True) == 2 * ln.head_params  # the head alone
+        assert _edge_weight_bytes(ln, True, True) == 2 * ln.embed_params  # the larger, one at a time
+
+
 def test_line_is_a_plain_record():
     assert Line(1.0, 2.0)(4.0) == 3.0
 
@@ -777,7 +797,7 @@ def test_gradient_accumulation_priced_as_the_engine_adds(rng):
     first, last = bool(rng.integers(2)), bool(rng.integers(2))
     base = evaluate_stage(st, ln, layers, 1, first, last, grid, g)["compute"]
     add = st.runtime.curve("dropout_add")[0]
-    edge = ln.embed_params * (first + last)
+    edge = ln.embed_params * first + ln.head_params * last  # the head has no position table
     for acc in GRAD_ACCUMULATION.values():
         priced_st = dataclasses.replace(st, grad_accumulation=acc)
         priced = evaluate_stage(priced_st, ln, layers, 1, first, last, grid, g)["compute"]

@@ -413,7 +413,10 @@ def head_costs(model: ModelSpec) -> dict[str, sp.Expr]:
     """Embedding (vocab-parallel) and the final norm + LM head with cross-entropy, per TP rank."""
     logits = b * s * v / t
     return {
+        # the token table and, learned, the position table (the first stage's); the untied LM
+        # head's weights (the last stage's) are the token table's shape alone
         "embed_params": v * h / t + (h * s if model.positions == "learned" else 0),
+        "head_params": v * h / t,
         "head_flops_fwd": 2 * b * s * h * v / t,
         # final-norm input, head input, fp32 logits for the loss (Megatron's vocab-parallel CE)
         "head_saved_bytes": 2 * b * s * h * HALF + logits * FP32,

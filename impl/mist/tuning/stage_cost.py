@@ -30,6 +30,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -185,7 +186,8 @@ class LayerNumbers:
     embed_bwd: float = 0.0
     head_saved: float = 0.0
     logits: float = 0.0  # the fp32 logits on this TP rank (their gradient: the loss's backward)
-    embed_params: float = 0.0
+    embed_params: float = 0.0  # the embedding's (first stage): tokens, and positions where learned
+    head_params: float = 0.0  # the untied LM head's (last stage)
 
 
 _LAYER_NUMBERS: dict[tuple, tuple] = {}
@@ -270,6 +272,7 @@ def _layer_numbers(setting: Setting) -> LayerNumbers:
         head_saved=head["head_saved_bytes"],
         logits=head["logits_fp32_bytes"],
         embed_params=head["embed_params"],
+        head_params=head["head_params"],
     )
 
 
@@ -457,8 +460,7 @@ def _zero_per_micro_batch(
     setting: Setting,
     layers: int,
     layer_w_full: float,
-    edges: int,
-    edge_w_each: float,
+    edge_w: tuple[float, ...],
     zero,
     edge_zero,
     across: bool,
@@ -466,9 +468,9 @@ def _zero_per_micro_batch(
     """(compute, GPU-to-GPU channel) seconds a micro-batch adds for ZeRO: ZeRO-3 gathers weights
     for forward and backward, ZeRO-2/3 reduce-scatter gradients. Where the engine's ZeRO-2 or -3
     was measured whole on a layer (collectives, copies, waits) that prices each unit the engine
-    shards alike, by its weight bytes: every layer, and the stage's ``edges`` modules of the
-    embedding/head (the embedding, the head, untied: ``edge_w_each`` bytes each; an FSDP2 unit
-    each at ZeRO-3, one more owner's bucket at ZeRO-2), the time it is exposed for, added
+    shards alike, by its weight bytes: every layer, and the stage's modules of the embedding/head
+    (the embedding, the head, untied: ``edge_w``, each one's bytes; an FSDP2 unit each at ZeRO-3,
+    one more owner's bucket at ZeRO-2), the time it is exposed for, added
     to compute rather than overlapped again. The embedding and head of the CPU's 4-layer GPT-3
     at ZeRO-3 (a few hundred KB) cost 7.3-8.5 ms a micro-batch measured on the engine (2 gloo
     processes, against the same plan with them unsharded): the mechanism's fixed costs, hooks,
@@ -479,10 +481,10 @@ def _zero_per_micro_batch(
     compute, g2g = 0.0, 0.0
     if dp == 1:
         return compute, g2g
-    # (units the measured line prices, each's bytes; collectives the channel prices, each's bytes)
-    for units, unit_bytes, count, full, its_zero in (
-        (layers, layer_w_full, layers, layer_w_full, zero),
-        (edges, edge_w_each, 1, edges * edge_w_each, edge_zero),
+    # (the units the measured line prices, by their bytes; collectives the channel prices, each's bytes)
+    for units, count, full, its_zero in (
+        ((layer_w_full,) * layers, layers, layer_w_full, zero),
+        (edge_w, 1, sum(edge_w), edge_zero),
     ):
         if not units or not full:  # no such unit here (a middle stage has no embedding/head)
             continue
@@ -490,18 +492,27 @@ def _zero_per_micro_batch(
         scatter = runtime.collective("reduce_scatter", full, dp, cluster, across)
         on_channel3 = its_zero >= 3  # ZeRO-3 priced on the GPU-to-GPU channel
         on_channel2 = its_zero == 2
-        zero3 = runtime.zero3_layer(unit_bytes, dp, across)
-        zero2 = runtime.zero2_layer(unit_bytes, dp, across)
+        zero3 = _over_units(runtime.zero3_layer, units, dp, across)
+        zero2 = _over_units(runtime.zero2_layer, units, dp, across)
         if zero3 is not None:
-            compute = compute + units * np.where(on_channel3, zero3, 0.0)
+            compute = compute + np.where(on_channel3, zero3, 0.0)
             on_channel3 = False
         if zero2 is not None:
-            compute = compute + units * np.where(on_channel2, zero2, 0.0)
+            compute = compute + np.where(on_channel2, zero2, 0.0)
             on_channel2 = False
         g2g = g2g + count * (
             np.where(on_channel3, 2 * gather + scatter, 0.0) + np.where(on_channel2, scatter, 0.0)
         )
     return compute, g2g
+
+
+def _over_units(line: Callable, units: tuple[float, ...], dp: int, across: bool) -> float | None:
+    """A measured ZeRO line's seconds summed over units of these weight bytes; None where the
+    engine's mechanism was not measured (the line is None)."""
+    each = {nbytes: line(nbytes, dp, across) for nbytes in set(units)}
+    if any(seconds is None for seconds in each.values()):
+        return None
+    return sum(each[nbytes] for nbytes in units)
 
 
 def _buffer_gradient_sum(setting: Setting, weight_bytes, across: bool, zero):
@@ -860,7 +871,7 @@ def _device_memory(
     layer_weights, edge_weights = layer_w_full, _edge_weight_bytes(layer, first, last)
     layers_zero3, edge_zero3 = zero >= 3, edge["zero"] >= 3
     buffers = _weight_buffers(grid, edge, layer_weights, edge_weights)
-    last_edge_grads = np.where(edge_zero3 & last, edge_weights, 0.0)  # bf16: the weights' bytes
+    last_edge_grads = np.where(edge_zero3 & last, 2.0 * layer.head_params, 0.0)  # bf16: its weights' bytes
     start = _backward_start(
         layer, grid, activations, per_flight, buffers, layers, layer_weights, last_edge_grads, last
     )
@@ -951,8 +962,7 @@ def _micro_batch_s(
         setting,
         layers,
         2.0 * layer.params,
-        int(first) + int(last),  # the embedding, the head: a module each
-        2.0 * layer.embed_params,
+        _edge_module_bytes(layer, first, last),
         grid["zero"],
         edge["zero"],
         _dp_leaves_node(setting),
@@ -1044,15 +1054,21 @@ def _per_flight(layer: LayerNumbers, grid: dict, layers: int, last: bool) -> tup
     return on_device + (layer.head_saved if last else 0.0), swapped * kept
 
 
+def _edge_module_bytes(layer: LayerNumbers, first: bool, last: bool) -> tuple[float, ...]:
+    """Half-precision bytes of the full weights of each embedding/head module a stage holds: the
+    embedding (first stage; its position table too where learned), the untied LM head (last)."""
+    return (2.0 * layer.embed_params,) * first + (2.0 * layer.head_params,) * last
+
+
 def _edge_params(layer: LayerNumbers, first: bool, last: bool) -> float:
     """Parameters of the embedding (first stage) and the untied LM head (last stage) a stage holds."""
-    return (layer.embed_params if first else 0.0) + (layer.embed_params if last else 0.0)
+    return sum(_edge_module_bytes(layer, first, last)) / 2.0
 
 
 def _edge_weight_bytes(layer: LayerNumbers, first: bool, last: bool) -> float:
-    """Half-precision bytes of the embedding's or the head's full weights, the one a stage holding
-    either works on at a time (they are used at opposite ends of its step)."""
-    return 2.0 * layer.embed_params if (first or last) else 0.0
+    """Half-precision bytes of the embedding's or the head's full weights, the larger where a stage
+    holds both: it works on one at a time (they are used at opposite ends of its step)."""
+    return max(_edge_module_bytes(layer, first, last), default=0.0)
 
 
 def _stage_state(
@@ -1093,7 +1109,9 @@ def _memory_at_least(
     recomputing, the end of backward, the optimizer step) enters through a maximum with that
     start. On the host the offloaded state. Rounded addition is monotone, so the bound holds as
     computed, not only as written."""
-    if min(layer.logits, layer.embed_params) < 0:  # the head's and embedding's terms: >= 0 as bytes
+    if (
+        min(layer.logits, layer.embed_params, layer.head_params) < 0
+    ):  # the head's and embedding's terms: >= 0 as bytes
         return None
     mine, theirs = state
     static, _ = _static_bytes(mine, theirs, grad_accum)
