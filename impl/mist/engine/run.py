@@ -912,8 +912,8 @@ def _report(built: _BuiltStage, steps: _Steps, measured: dict) -> dict:
         # the .grad tensors on the device as backward ends, each storage whole (ZeRO-3: FSDP2's
         # gradient shards, less those offloaded; ZeRO-2 keeps its reduced share apart, uncounted)
         "device_grad_bytes": steps.grad_bytes[-1],
-        # the L2 norm of this rank's .grad tensors in the first step, after the DP average (ZeRO-2/3
-        # parts hold theirs apart or sharded): equal across plans that train the same model
+        # the L2 norm of the gradients this rank steps by in the first step, after the DP average
+        # (ZeRO-1/2: its share, ZeRO-3: its shards, whose norms add up over the DP ranks)
         "first_grad_norm": steps.first_grad_norm[0],
         "first_clipped_grad_norm": steps.first_grad_norm[1],  # the same after clipping
         "global_grad_norms": steps.clipped_norms,  # every step's, before clipping (the same on every rank)
