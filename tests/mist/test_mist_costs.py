@@ -112,7 +112,8 @@ def test_a_model_faster_than_the_hardware_is_refused_wherever_it_enters():
     """Review 2026-12-07: check_rates ran only inside the fit, so a runtime model given to predict
     or search (a preset file edited, a model built in code) priced a GEMM at 826x L4's peak, and
     host copies at 31,000x its PCIe bandwidth, without a word. Refused before any work, naming the
-    rate and the bound; the shipped presets are the control, and the CPU's nominal numbers pass."""
+    rate and the bound, as is another GPU's model (checked against its own peaks, it passed); the
+    shipped presets are the control, and the CPU's nominal numbers pass."""
     from dataclasses import replace
 
     from mist import Plan, StagePlan, predict
@@ -136,6 +137,9 @@ def test_a_model_faster_than_the_hardware_is_refused_wherever_it_enters():
         RateAbovePeakError, match=r"doctored: host copies h2d at .* above l4's data-sheet PCIe"
     ):
         predict(plan, m, c, interference=copies)
+    # another GPU's model passed every peak check (its own GPU's): A100's rates priced L4 at 1.19 s, not 3.77
+    with pytest.raises(ValueError, match="a runtime model of a100-40gb for a cluster of l4"):
+        predict(plan, m, c, runtime=load_runtime_model("a100-40gb"))
     on_cpu = cluster("cpu", 1)
     cpu_copies = Interference(interference.factors, "cpu", {"h2d": 2 * on_cpu.gpu.host_bw})
     Problem.resolve(model("gpt3-tiny"), on_cpu, 8, interference=cpu_copies)  # nominal: not a bound
@@ -365,25 +369,44 @@ def test_pipeline_messages_priced_from_the_measured_p2p_bandwidth():
 
 
 def test_an_engines_gradient_bytes_are_priced_in_memory_and_in_the_dp_sum():
-    """Megatron-LM at its bf16 default keeps fp32 main grads and sums them over DP in fp32; the
-    model priced 2 bytes a parameter for every engine (review 2026-12-07: `--engine megatron-lm`
-    moved the time, not the memory: about 1.3 GiB a GPU missing for gpt3-1.3b's first stage).
-    A middle stage's memory differs by exactly 2 bytes a parameter, a ZeRO-2 shard's by half of
-    that over 2 replicas; the DP sum after backward (ZeRO-0/1) sends more, ZeRO-2's none."""
+    """Megatron-LM at its bf16 default keeps fp32 main grads, sums them over DP in fp32 and steps
+    them as they are (its .float() of an fp32 tensor is the tensor); the 16-bit engines' step makes
+    an fp32 copy. The model priced 2 bytes a parameter for every engine (review 2026-12-07:
+    `--engine megatron-lm` moved the time, not the memory: about 1.3 GiB a GPU missing for
+    gpt3-1.3b's first stage). The state: 2 bytes a parameter more (ZeRO-2: a shard's over 2
+    replicas), no step copy; where backward binds (no recomputation, two micro-batches in flight) a
+    middle stage's peak differs by exactly that; the DP sum after backward (ZeRO-0/1) sends more."""
     from mist.model.specs import GRAD_ACCUMULATION
     from mist.tuning.planner import cost_models
-    from mist.tuning.stage_cost import SearchSpace, Setting, evaluate_stage, layer_numbers, strategy_grid
+    from mist.tuning.stage_cost import (
+        EDGE_FIELDS,
+        OPTIMIZER_STEP_BYTES_PER_PARAM,
+        SearchSpace,
+        Setting,
+        _state_bytes,
+        evaluate_stage,
+        layer_numbers,
+        strategy_grid,
+    )
 
     m, c = model("gpt3-1.3b"), cluster("l4", 4)
     grid = strategy_grid(6, SearchSpace(offload=False, recompute=False, zero_stages=(0, 1, 2)))
-    priced = {}
+    zero = grid["zero"]
+    strategy = {name: grid[name] for name in EDGE_FIELDS}
+    priced, state = {}, {}
     for engine in ("megatron-core", "megatron-lm"):
-        st = Setting(m, c, *cost_models(c), 1, 2, 1, 2, grad_accumulation=GRAD_ACCUMULATION[engine])
+        accumulation = GRAD_ACCUMULATION[engine]
+        st = Setting(m, c, *cost_models(c), 1, 2, 1, 2, grad_accumulation=accumulation)
         priced[engine] = evaluate_stage(st, layer_numbers(st), 6, 2, False, False, grid, 8)
+        state[engine] = _state_bytes(1.0, strategy, 2, accumulation.grad_bytes)  # a parameter's
+    grads = np.where(zero >= 2, 1.0, 2.0)  # 2 bytes more a parameter, over 2 replicas at ZeRO-2
+    assert np.allclose(state["megatron-lm"]["gpu"] - state["megatron-core"]["gpu"], grads, rtol=1e-12)
+    opt_share = np.where(zero >= 1, 0.5, 1.0)
+    assert np.allclose(state["megatron-core"]["step_copy"], OPTIMIZER_STEP_BYTES_PER_PARAM * opt_share)
+    assert not state["megatron-lm"]["step_copy"].any()
     params = 6 * layer_numbers(st).params
     more = priced["megatron-lm"]["memory"] - priced["megatron-core"]["memory"]
-    zero = grid["zero"]
-    assert np.allclose(more, np.where(zero >= 2, params, 2 * params), rtol=1e-9)
+    assert np.allclose(more, grads * params, rtol=1e-9)
     sync = priced["megatron-lm"]["sync"] - priced["megatron-core"]["sync"]
     assert (sync[zero < 2] > 0).all()
 
@@ -1216,9 +1239,10 @@ def test_zero_priced_by_the_measured_layer_where_profiled(stage, rng):
     rt = dataclasses.replace(st.runtime, collectives={**st.runtime.collectives, key: line})
     priced = evaluate_stage(dataclasses.replace(st, runtime=rt), ln, layers, 1, first, last, grid, g)
     at_stage = grid["zero"] == stage  # the embedding/head take their stage's strategy here
-    edges = int(first) + int(last)  # the embedding, the head: a module each (none in a middle stage)
-    edge = 2.0 * ln.embed_params  # each one's weight bytes
-    units = [(layers, 2.0 * ln.params), (edges, edge)]
+    # the embedding, the head: a module each (none in a middle stage), each by its own weight bytes
+    # (the head has no position table)
+    edge_units = [2.0 * ln.embed_params] * first + [2.0 * ln.head_params] * last
+    units = [(layers, 2.0 * ln.params)] + [(1, full) for full in edge_units]
     np.testing.assert_allclose(
         priced["compute"] - base["compute"],
         np.where(at_stage, sum(n * float(line(full)) for n, full in units), 0.0),
@@ -1227,7 +1251,7 @@ def test_zero_priced_by_the_measured_layer_where_profiled(stage, rng):
     # ...and their collectives leave the overlappable channel (priced once, not twice): the
     # embedding's and head's as one, at their bytes together
     collectives = 0.0
-    for n, full in [(layers, 2.0 * ln.params)] + ([(1, edges * edge)] if edges else []):
+    for n, full in [(layers, 2.0 * ln.params)] + ([(1, sum(edge_units))] if edge_units else []):
         one = rt.collective("reduce_scatter", full, dp, c)
         if stage == 3:
             one = one + 2 * rt.collective("all_gather", full, dp, c)

@@ -28,9 +28,15 @@ def cost_models(
     cluster: ClusterSpec, runtime: RuntimeModel | None = None, interference: Interference | None = None
 ) -> tuple[RuntimeModel, Interference]:
     """The given runtime and interference models, or the shipped presets for the cluster's GPU;
-    RateAbovePeakError where one prices faster than the hardware can go (``within_peaks``)."""
+    a ValueError where the runtime model is another GPU's, RateAbovePeakError where one prices
+    faster than the hardware can go (``within_peaks``)."""
     runtime = runtime or load_runtime_model(cluster.gpu.name)
     interference = interference or load_interference(cluster.gpu.name)
+    if runtime.gpu != cluster.gpu.name:  # another GPU's rates, checked against its own peaks
+        raise ValueError(
+            f"{runtime.source}: a runtime model of {runtime.gpu} for a cluster of {cluster.gpu.name}: "
+            f"give one fitted to {cluster.gpu.name}'s profiles (mist calibrate), or none for its preset"
+        )
     within_peaks(cluster, runtime, interference)
     return runtime, interference
 

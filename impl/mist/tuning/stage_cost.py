@@ -61,7 +61,8 @@ OFFLOAD_FIELDS = tuple(f"offload_{kind}" for kind in OFFLOADABLE)  # their Stage
 OFFLOAD_KIND = dict(zip(OFFLOAD_FIELDS, OFFLOADABLE, strict=True))  # a field's kind
 ADAM_BYTES_PER_PARAM = 12  # fp32 master weight + two moments
 OPTIMIZER_STEP_BYTES_PER_PARAM = 4  # fp32 gradients during the step (fused Adam; torch's foreach
-# AdamW adds up to ~4 more for its temporaries)
+# AdamW adds up to ~4 more for its temporaries), where the gradients are narrower: fp32 ones (Megatron-LM's
+# main_grad) are stepped as they are (its .float() of an fp32 tensor is the tensor)
 
 
 def _some(values: object, ok) -> bool:
@@ -453,6 +454,10 @@ def _state_bytes(
         # where it stepped them on the host: optimizer_step_s's ``broadcast``)
         "broadcast_down": np.where(broadcasts(zero, dp), offload_weights * weights * (dp - 1) / dp, 0.0),
         "opt_params": opt_params,
+        # the step's fp32 copy of the gradients it steps on the GPU (none where they are fp32)
+        "step_copy": (OPTIMIZER_STEP_BYTES_PER_PARAM if grad_bytes < 4 else 0.0)
+        * (1 - offload_optimizer)
+        * opt_params,
     }
 
 
@@ -893,9 +898,7 @@ def _device_memory(
     at_end = gathered + first_layer + made + np.where(layers_zero3, 2 * layer_weights, 0.0)
     at_end = at_end + np.where(edge_zero3 & first, edge_weights, 0.0)
     backward = np.maximum(start, at_end) if grad_accum == 1 else start
-    stepped_on_gpu = (1 - grid["offload_optimizer"]) * mine["opt_params"]
-    stepped_on_gpu = stepped_on_gpu + (1 - edge["offload_optimizer"]) * theirs["opt_params"]
-    step_peak = OPTIMIZER_STEP_BYTES_PER_PARAM * stepped_on_gpu + sharded_grads
+    step_peak = mine["step_copy"] + theirs["step_copy"] + sharded_grads
     return static + np.maximum(backward, step_peak)
 
 
