@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from mist.model.interference import Interference
 from mist.model.runtime import RuntimeModel
 from mist.model.specs import ClusterSpec, ModelSpec
-from mist.plan import Plan, StagePlan
+from mist.plan import Plan, StagePlan, tp_splits
 from mist.tuning.planner import NoFeasiblePlan, cost_models, predict
 from mist.tuning.problem import powers_of_two
 
@@ -179,7 +179,7 @@ def search_aceso(
             continue
         per_stage = cluster.gpus // pp
         tp = min(per_stage, cluster.gpus_per_node)
-        while tp > 1 and (model.heads % tp or global_batch % (per_stage // tp)):
+        while tp > 1 and (not tp_splits(model, tp) or global_batch % (per_stage // tp)):
             tp //= 2
         dp = per_stage // tp
         if global_batch % dp:

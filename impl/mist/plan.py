@@ -80,6 +80,13 @@ def gather_allowed(zero, offload_weights):
     return ((zero == 1) | (zero == 2)) & (offload_weights == 0)
 
 
+def tp_splits(model: ModelSpec, tp: int, sequence_parallel: bool = True) -> bool:
+    """Whether a Megatron layer of ``model`` splits over TP ``tp``: the heads and key/value heads,
+    and with sequence parallelism the sequence (each rank holds an equal slice of it). The one rule
+    Plan.check_model and every search's TP sizes share."""
+    return not (model.heads % tp or model.kv % tp or (sequence_parallel and tp > 1 and model.seq % tp))
+
+
 def grad_bucket(bucket_params: int | None, dp: int) -> int:
     """Parameters a gradient bucket holds at least: ``bucket_params``, or Megatron-LM's DDP default
     (--ddp-bucket-size: max(40M, 1M x DP))."""
@@ -431,11 +438,11 @@ class Plan:
             )
         for i in range(len(self.stages)):
             tp = self.stage_parallelism(i)[0]
-            if spec.heads % tp or spec.kv % tp:
+            if not tp_splits(spec, tp, sequence_parallel=False):
                 raise ValueError(
                     f"stage {i}: TP {tp} must divide the heads ({spec.heads}) and key/value heads ({spec.kv})"
                 )
-            if self.sequence_parallel and tp > 1 and spec.seq % tp:
+            if not tp_splits(spec, tp, self.sequence_parallel):
                 raise ValueError(
                     f"stage {i}: sequence parallelism needs TP {tp} to divide the sequence ({spec.seq})"
                 )

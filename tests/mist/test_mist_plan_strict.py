@@ -367,6 +367,26 @@ def test_a_search_the_milp_time_limit_stopped_says_so(monkeypatch):
         search(model("gpt3-13b"), cluster("l4", 1, host_memory=2**30), 8, options)
 
 
+def test_searches_skip_a_tp_that_cannot_split_the_sequence_under_sequence_parallelism():
+    """Review 2026-12-07: Plan.check_model refuses sequence parallelism over a TP that does not
+    divide the sequence (megatron-core's assert), and the searches still tried those TPs: a 33-token
+    model raised mid-search. Every search's TP sizes now share the rule (plan.tp_splits); the
+    control, a 32-token model, may take TP 2."""
+    from mist.tuning.megatron_lm import search_megatron_lm
+    from mist.tuning.planner import settings
+    from mist.tuning.problem import Problem
+    from mist.tuning.torchtitan import search_torchtitan
+
+    for search_one in (search, search_megatron_lm):
+        plan = search_one(model("gpt3-tiny", seq=33), cluster("l4", 2), 4)
+        assert plan.tp == 1 and all((s.tp or plan.tp) == 1 for s in plan.stages)
+    assert search_torchtitan(model("llama-tiny", seq=33), cluster("l4", 2), 4).tp == 1
+    tps = {c.tp for c in settings(Problem.resolve(model("gpt3-tiny"), cluster("l4", 2), 4), PlannerOptions())}
+    assert tps == {1, 2}
+    with pytest.raises(ValueError, match="with sequence parallelism, the sequence of 33"):
+        search(model("gpt3-tiny", seq=33, layers=1), cluster("l4", 2), 1)
+
+
 def test_a_search_without_offloading_that_fits_nothing_does_not_name_host_memory():
     """Review 2026-12-07: a search told not to offload said "(offloading at most 172.8 GiB of host
     memory per GPU)". It says what it searched; the control offloads."""

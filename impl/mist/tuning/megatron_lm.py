@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from ..model.interference import Interference
 from ..model.runtime import RuntimeModel
 from ..model.specs import ClusterSpec, ModelSpec
-from ..plan import Plan, StagePlan
+from ..plan import Plan, StagePlan, tp_splits
 from .exhaustive import fastest_fitting, layer_splits
 from .problem import divisors, powers_of_two
 
@@ -92,7 +92,7 @@ def settings(
     only with it (at DP 1 it shards nothing, so ZeRO-0 there is the same plan)."""
     n = cluster.gpus
     for tp in powers_of_two(cluster.gpus_per_node):
-        if n % tp or model.heads % tp or model.kv % tp or model.vocab % tp:
+        if n % tp or not tp_splits(model, tp) or model.vocab % tp:
             continue
         stage_counts = powers_of_two(n // tp) if space.pipeline_powers_of_two else range(1, n // tp + 1)
         for pp in stage_counts:

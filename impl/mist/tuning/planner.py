@@ -38,6 +38,7 @@ from ..plan import (
     bytes_available,
     bytes_needed,
     gather_allowed,
+    tp_splits,
 )
 from .inter_stage import Frontier, frontier_for, solve_inter_stage
 from .pipeline_sim import in_flight, pipeline_objective, simulate_1f1b
@@ -149,7 +150,7 @@ def settings(problem: Problem, options: PlannerOptions) -> Iterator[Candidate]:
     """Every candidate (tp, stages, dp, micro_batch) the search considers."""
     model, cluster, global_batch = problem.model, problem.cluster, problem.global_batch
     for tp in powers_of_two(cluster.gpus_per_node):
-        if model.heads % tp or model.kv % tp or cluster.gpus % tp:
+        if not tp_splits(model, tp, problem.sequence_parallel) or cluster.gpus % tp:
             continue
         for stages in range(1, min(model.layers, cluster.gpus // tp) + 1):
             if (cluster.gpus // tp) % stages:
@@ -186,7 +187,7 @@ def stage_shapes(
     out = []
     for tp in powers_of_two(min(devices, problem.cluster.gpus_per_node)):
         dp = devices // tp
-        divides = devices % tp == 0 and model.heads % tp == 0 and model.kv % tp == 0 and per % dp == 0
+        divides = devices % tp == 0 and tp_splits(model, tp, problem.sequence_parallel) and per % dp == 0
         if divides and (allowed is None or per // dp in allowed):
             out.append((tp, dp, per // dp))
     return out
@@ -670,7 +671,9 @@ def search(
     if not candidates:
         raise ValueError(
             f"no parallel setting divides global batch {global_batch} over {cluster.gpus} GPUs "
-            f"(DP must divide the global batch; micro-batches: {options.micro_batches or 'every divisor'})"
+            f"(DP must divide the global batch; TP, a power of two within a node, the heads, key/value "
+            f"heads and, with sequence parallelism, the sequence of {model.seq}; micro-batches: "
+            f"{options.micro_batches or 'every divisor'})"
         )
     found: list[Plan] = []  # each plan that was the best so far, in the order found
     best = _best_of_settings(problem, candidates, options, timed_out, progress, found)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from ..model.interference import Interference
 from ..model.runtime import RuntimeModel
 from ..model.specs import ClusterSpec, ModelSpec
-from ..plan import Plan, StagePlan
+from ..plan import Plan, StagePlan, tp_splits
 from .exhaustive import fastest_fitting, layer_splits
 from .problem import divisors, powers_of_two
 
@@ -48,7 +48,7 @@ def check_model(model: ModelSpec) -> None:
 def settings(model: ModelSpec, cluster: ClusterSpec, global_batch: int) -> Iterator[TorchtitanSetting]:
     n = cluster.gpus
     for tp in powers_of_two(cluster.gpus_per_node):
-        if n % tp or model.heads % tp or model.kv % tp:
+        if n % tp or not tp_splits(model, tp):
             continue
         for pp in divisors(n // tp):
             dp = n // (tp * pp)
