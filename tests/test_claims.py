@@ -191,6 +191,24 @@ def test_a_count_is_shown_among_its_cases_and_none_among_none_says_so(copied_art
         Bound(**{**vars(claim), "unit": "x"})
 
 
+def test_the_cap_control_fails_on_a_plain_plan_that_fitted_or_was_refused(copied_artifacts):
+    """mist-measured-cap-binds: every case's plain plan must run out of memory under the cap. Review
+    2026-12-07: one the engine refused (it never ran) counted as out of memory. Planted: a refusal,
+    then a fit, each breaks the control; the reference holds it."""
+    claim = next(c for c in claims.claims() if c.id == "mist-measured-cap-binds")
+    assert claims.judge(claim, "results").verdict.kind == claims.HOLDS
+    measured = copied_artifacts / "mist_vs_megatron" / "results" / "measured.json"
+    data = json.loads(measured.read_text())
+    for plain in (
+        {"refused": ["a reason"], "out_of_memory": False},
+        {"out_of_memory": False, "measured_step_s": 1.0},
+    ):
+        data["points"][0]["result"]["plain"] = plain
+        measured.write_text(json.dumps(data))
+        row = claims.judge(claim, "results")
+        assert row.verdict.kind == claims.BROKEN and row.ours.startswith("1 of "), (plain, row)
+
+
 def test_the_gpu_engine_loss_bound_compares_every_plan_with_the_one_that_changes_nothing():
     """mist-gpu-engine-losses reads each GPU engine plan's losses against the plan with neither
     recomputation nor offloading, wherever it is in the file: equal losses hold, a plan whose
