@@ -37,7 +37,7 @@ from .profile_data import (
     TEMPO_GATED_OP,
     TEMPO_OP,
 )
-from .specs import ClusterSpec, ModelSpec, gpus
+from .specs import ClusterSpec, GpuSpec, ModelSpec, gpus
 from .symbolic import as_integers, b, head_costs, numeric, s, t, trace_layer, value
 
 PRESETS = Path(__file__).parent / "presets"
@@ -492,11 +492,14 @@ def _memory_class(kind: str) -> str:
     return {"add": "dropout_add", "norm": "norm", "softmax": "softmax", "dropout": "dropout"}.get(kind, "act")
 
 
+def memory_bound_rate(gpu: GpuSpec) -> float:
+    """Bytes/s an unprofiled memory-bound kernel moves on ``gpu``: the roofline's share of its HBM
+    bandwidth (also the optimizer step's and the clipping norm's, which no profile times)."""
+    return gpu.hbm_bw * DEFAULT_EFFICIENCY["memory"]
+
+
 def _roofline(gpu, cls: str) -> tuple[Line, Line]:
-    if cls in COMPUTE_KINDS:
-        rate = gpu.flops * DEFAULT_EFFICIENCY[cls]
-    else:
-        rate = gpu.hbm_bw * DEFAULT_EFFICIENCY["memory"]
+    rate = gpu.flops * DEFAULT_EFFICIENCY[cls] if cls in COMPUTE_KINDS else memory_bound_rate(gpu)
     line = Line(10e-6, rate)
     return line, line
 

@@ -39,7 +39,7 @@ from measure.checks import finite, whole
 from tempo.sizes import attention_core_workspace_bytes, swiglu_down_workspace_bytes
 
 from ..model.interference import Interference
-from ..model.runtime import DEFAULT_EFFICIENCY, RuntimeModel, cpu_adam_params_per_s
+from ..model.runtime import RuntimeModel, cpu_adam_params_per_s, memory_bound_rate
 from ..model.specs import CPU_PRESET, GRAD_ACCUMULATION, ClusterSpec, GradAccumulation, ModelSpec
 from ..model.symbolic import CORE_ATTENTION_OPS, HALF, head_costs, layer_costs, value
 from ..plan import activation_offloaded_layers, gather_allowed, grad_bucket
@@ -684,7 +684,7 @@ def _sync_and_step(
         params = state["opt_params"]
         # the norm reads the gradients this rank steps (offloaded ones priced as if on the GPU: a
         # few percent of the step either way)
-        sync = sync + params * setting.grad_accumulation.grad_bytes / _memory_bound_rate(cluster)
+        sync = sync + params * setting.grad_accumulation.grad_bytes / memory_bound_rate(cluster.gpu)
         sync = sync + state["host_sum_trip"] * (1 / h2d_bw + 1 / d2h_bw)
         step = step + params * optimizer_step_s(
             setting,
@@ -695,12 +695,6 @@ def _sync_and_step(
         )
         step = step + state["broadcast_down"] / d2h_bw
     return sync, step
-
-
-def _memory_bound_rate(cluster: ClusterSpec) -> float:
-    """Bytes/s an unprofiled memory-bound kernel moves (the optimizer step, the clipping norm's
-    read): the roofline's share of the HBM bandwidth, as for every unprofiled op class."""
-    return cluster.gpu.hbm_bw * DEFAULT_EFFICIENCY["memory"]
 
 
 def broadcasts(zero, dp: int) -> np.ndarray:
@@ -728,7 +722,7 @@ def optimizer_step_s(
     fraction (``_fastest_optimizer_fraction`` orders by it)."""
     cluster = setting.cluster
     d2h_bw, h2d_bw = _host_rates(setting)
-    on_device = (ADAM_BYTES_PER_PARAM + 4) * 2 / _memory_bound_rate(cluster)
+    on_device = (ADAM_BYTES_PER_PARAM + 4) * 2 / memory_bound_rate(cluster.gpu)
     on_host = 1 / cpu_adam_params_per_s(cluster)
     host_stepped, resting, summed = offload_optimizer, offload_weights, offload_grads
     both_weights = np.minimum(host_stepped, resting)
@@ -965,7 +959,7 @@ def _micro_batch_s(
         setting,
         layers,
         2.0 * layer.params,
-        _edge_module_bytes(layer, first, last),
+        tuple(2.0 * params for params in _edge_modules(layer, first, last)),  # each one's weight bytes
         grid["zero"],
         edge["zero"],
         _dp_leaves_node(setting),
@@ -1057,21 +1051,21 @@ def _per_flight(layer: LayerNumbers, grid: dict, layers: int, last: bool) -> tup
     return on_device + (layer.head_saved if last else 0.0), swapped * kept
 
 
-def _edge_module_bytes(layer: LayerNumbers, first: bool, last: bool) -> tuple[float, ...]:
-    """Half-precision bytes of the full weights of each embedding/head module a stage holds: the
-    embedding (first stage; its position table too where learned), the untied LM head (last)."""
-    return (2.0 * layer.embed_params,) * first + (2.0 * layer.head_params,) * last
+def _edge_modules(layer: LayerNumbers, first: bool, last: bool) -> tuple[float, ...]:
+    """Parameters of each embedding/head module a stage holds: the embedding (first stage; its
+    position table too where learned), the untied LM head (last stage)."""
+    return (layer.embed_params,) * first + (layer.head_params,) * last
 
 
 def _edge_params(layer: LayerNumbers, first: bool, last: bool) -> float:
     """Parameters of the embedding (first stage) and the untied LM head (last stage) a stage holds."""
-    return sum(_edge_module_bytes(layer, first, last)) / 2.0
+    return sum(_edge_modules(layer, first, last))
 
 
 def _edge_weight_bytes(layer: LayerNumbers, first: bool, last: bool) -> float:
     """Half-precision bytes of the embedding's or the head's full weights, the larger where a stage
     holds both: it works on one at a time (they are used at opposite ends of its step)."""
-    return max(_edge_module_bytes(layer, first, last), default=0.0)
+    return 2.0 * max(_edge_modules(layer, first, last), default=0.0)
 
 
 def _stage_state(
