@@ -308,7 +308,7 @@ def test_a_wheels_destination_that_is_no_folder_is_one_line_before_the_download(
 ):
     """Probe round 5 F37: said without errno, exit 2, before pip. Control: a new folder is made and
     handed to the download."""
-    if not Path(dest).parent.is_dir():
+    if not Path(dest).parent.is_dir():  # /sys and /proc are Linux's (CI's); elsewhere nothing to probe
         pytest.skip(f"no {Path(dest).parent} here")
     fetched = []
     monkeypatch.setattr(gpu_wheels, "download", lambda names, folder: fetched.append(folder) or [])

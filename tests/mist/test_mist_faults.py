@@ -117,6 +117,7 @@ def test_a_plan_out_that_cannot_be_written_is_one_line_before_the_search(
     and no search (the search is a failure here)."""
     from mist.tuning import planner
 
+    # /sys and /proc are Linux's (CI's); another OS has no such folder to probe, said as a skip
     if where.startswith(("/sys", "/proc")) and not Path(where).parent.is_dir():
         pytest.skip(f"no {Path(where).parent} here")
     monkeypatch.setattr(planner, "search", lambda *a, **kw: pytest.fail("the search started"))
