@@ -58,6 +58,12 @@ HOST_WORK = "mist.host_work"
 HOST = torch.device("cpu")
 
 
+def pins_host_memory(device: torch.device) -> bool:
+    """Whether host memory holding ``device``'s offloaded tensors is pinned: on a GPU, where a copy
+    between them is then a DMA (which an asynchronous copy needs); a CPU has nothing to pin for."""
+    return device.type == "cuda"
+
+
 def local(t: torch.Tensor) -> torch.Tensor:
     """This rank's part of ``t``: a ZeRO-3 (FSDP2) parameter or gradient is a DTensor, whose local
     shard is what this rank holds and steps (under no_grad, the very storage)."""
@@ -217,9 +223,8 @@ class Transfers:
 
     def host_like(self, tensor: torch.Tensor) -> torch.Tensor:
         """An empty host tensor shaped like ``tensor`` (pinned on a GPU machine)."""
-        return torch.empty(
-            tensor.size(), dtype=tensor.dtype, layout=tensor.layout, pin_memory=self.stream is not None
-        )
+        pin = pins_host_memory(self.device)
+        return torch.empty(tensor.size(), dtype=tensor.dtype, layout=tensor.layout, pin_memory=pin)
 
     def up(self, host: torch.Tensor) -> Arriving:
         """Begin copying ``host`` to the device."""
@@ -296,9 +301,8 @@ class OffloadedMasterAdamW:
             MasterWeightAdamW(device, lr=lr, weight_decay=weight_decay, fused=True) if device else None
         )
         self.host_params = host
-        pin = torch.cuda.is_available()
         self.host_master = [local(p).detach().to("cpu", torch.float32, copy=True) for p in host]
-        if pin:
+        if host and pins_host_memory(local(host[0]).device):
             self.host_master = [m.pin_memory() for m in self.host_master]
         for m in self.host_master:
             m.requires_grad_(True)
@@ -681,7 +685,7 @@ class GradientOffload(_HostGradients):
         ]
         device = params[0].device
         # pinned on a GPU machine: the step's copy of a device-stepped part's sums up is then a DMA
-        self.buffers, host = flat_views(self.params, "cpu", pin=device.type == "cuda")
+        self.buffers, host = flat_views(self.params, "cpu", pin=pins_host_memory(device))
         self.sums = HostSums(device, host)
         # elements of the DP sum's staging on the device: the largest gradient, which backward
         # held there as it made it

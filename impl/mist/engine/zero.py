@@ -12,7 +12,7 @@ import torch.distributed as dist
 from measure.training import gradient_to_step
 
 from .hooks import after_gradient_accumulated
-from .offload import HostSums, flat_views
+from .offload import HostSums, flat_views, pins_host_memory
 from .pipeline import gpt_modules
 
 
@@ -110,7 +110,7 @@ class ShardedMasterAdamW:
         self.averaged = False  # ZeRO-2: this step's sums are averaged and on .grad
         # gradient offload under ZeRO-2: that fraction of this rank's share sums on the host
         on_host, _ = split_by_fraction(owned, offload_grads, rest_on_host) if owned else ([], [])
-        pin = self.device.type == "cuda"  # pinned host memory on a GPU: its copies down are DMAs
+        pin = pins_host_memory(self.device)  # on a GPU: its copies down are DMAs
         self.host_grads = HostSums(
             self.device, {id(p): torch.zeros(p.shape, dtype=p.dtype, pin_memory=pin) for p in on_host}
         )
