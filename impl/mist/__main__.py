@@ -81,14 +81,20 @@ def _check_writable(path: Path) -> None:
         raise ValueError(f"--out {e}") from None
 
 
-def _engine_argument(p: argparse.ArgumentParser) -> None:
+def _engine_argument(p: argparse.ArgumentParser, default: str | None) -> None:
+    what = (
+        "megatron-core's 16-bit buffer, as mist.engine.run"
+        if default
+        else "the engine the plan was priced for, megatron-core's for a plan not priced yet"
+    )
     p.add_argument(
         "--engine",
         choices=list(GRAD_ACCUMULATION),
-        default="megatron-core",
+        default=default,
         help="the engine that runs the plan, for how it accumulates gradients over micro-batches and "
-        "in how many bytes (default: megatron-core's 16-bit buffer, as mist.engine.run and as `mist "
-        "export --to megatron-lm` runs Megatron-LM; megatron-lm: its bf16 default, fp32 main grads)",
+        f"in how many bytes, written into the plan (default: {what}; megatron-lm: its bf16 default, "
+        "fp32 main grads; `mist export --to megatron-lm` runs Megatron-LM with the gradients priced; "
+        "`--target megatron-lm` takes megatron-core or megatron-lm, `--target torchtitan` megatron-core)",
     )
 
 
@@ -126,8 +132,11 @@ def _search_target(args, m, c, progress) -> Plan:
     from .tuning import megatron_lm, torchtitan
     from .tuning.planner import predict
 
-    if args.engine != "megatron-core":
-        raise ValueError(f"--target {args.target}: it accumulates gradients as megatron-core does (--engine)")
+    engines = ("megatron-core", "megatron-lm") if args.target == "megatron-lm" else ("megatron-core",)
+    if args.engine not in engines:
+        raise ValueError(
+            f"--target {args.target}: it accumulates gradients as --engine {' or '.join(engines)} does"
+        )
     if args.no_imbalance:
         raise ValueError(f"--no-imbalance is an ablation of Mist's own search, not of --target {args.target}")
     if args.stage_devices:
@@ -143,7 +152,10 @@ def _search_target(args, m, c, progress) -> Plan:
         space = megatron_lm.MegatronLMSpace(recompute=not args.no_recompute)
         if args.no_offload:
             space = dataclasses.replace(space, offload_fractions=(0.0,))
-        plan = megatron_lm.search_megatron_lm(m, c, args.global_batch, space, progress=progress)
+        accumulation = GRAD_ACCUMULATION[args.engine]
+        plan = megatron_lm.search_megatron_lm(
+            m, c, args.global_batch, space, progress=progress, grad_accumulation=accumulation
+        )
     tuning_s = plan.tuning_s
     predict(plan, m, c)  # the 1F1B simulation beside the closed form the search ranked by
     plan.tuning_s = tuning_s
@@ -225,7 +237,8 @@ def cmd_predict(args) -> int:
 
     try:
         plan = Plan.load(args.plan)
-        predict(plan, plan.model_spec(), plan.cluster(), grad_accumulation=GRAD_ACCUMULATION[args.engine])
+        engine = None if args.engine is None else GRAD_ACCUMULATION[args.engine]
+        predict(plan, plan.model_spec(), plan.cluster(), grad_accumulation=engine)
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -752,7 +765,7 @@ def _plan_parser(sub) -> None:
     )
     p.add_argument("--no-offload", action="store_true", help="search without CPU offloading")
     p.add_argument("--no-recompute", action="store_true", help="search without activation recomputation")
-    _engine_argument(p)
+    _engine_argument(p, "megatron-core")
     p.add_argument(
         "--no-imbalance", action="store_true", help="ignore first/last micro-batch extras (ablation)"
     )
@@ -861,7 +874,7 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("predict", help="predict a plan's iteration time and memory")
     p.add_argument("plan")
     p.add_argument("--json", action="store_true", help="one JSON document (prediction_format 2)")
-    _engine_argument(p)
+    _engine_argument(p, None)
     p.set_defaults(fn=cmd_predict)
     _export_parser(sub)
     p = sub.add_parser("calibrate", help="refit the runtime and interference presets from measured data")

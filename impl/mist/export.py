@@ -14,7 +14,9 @@ plan, priced by ``stage_cost._hidden_reduction_s``), and with the distributed op
 weights' all-gather runs in the next forward (``--overlap-param-gather``) when the stages say so
 (``StagePlan.gather_in_forward``, priced by ``stage_cost._gather_in_forward_s``). What the
 command leaves at Megatron-LM's defaults, on purpose: Adam, and the softmax in the activations'
-precision (``engine.megatron.model_settings``).
+precision (``engine.megatron.model_settings``). The gradients are what the plan was priced for
+(``Plan.priced_engine``): 16-bit (``--grad-reduce-in-bf16``), or Megatron-LM's fp32 main grads,
+its default, for a plan priced with ``mist plan/predict --engine megatron-lm``.
 
 **torchtitan** (0.2.2, whose job config is a TOML file): the parallel degrees (FSDP2 for ZeRO-2/3,
 DDP for none, its all-reduce overlapped with backward in torch's own 25 MiB buckets where the plan
@@ -35,7 +37,7 @@ from dataclasses import dataclass
 from measure.checks import finite
 
 from .engine.megatron import megatron_limits, model_settings
-from .model.specs import ModelSpec
+from .model.specs import GRAD_ACCUMULATION, ModelSpec
 from .plan import Plan
 
 # megatron-core settings (engine.megatron.model_settings) and the Megatron-LM flag that takes each
@@ -181,11 +183,12 @@ def megatron_lm_arguments(plan: Plan, model: ModelSpec) -> tuple[list[str], list
         "--global-batch-size",
         str(plan.global_batch),
         "--bf16",
-        # the priced gradients: 16-bit, accumulated and summed over DP so (GRAD_ACCUMULATION's
-        # megatron-core, mist.engine.run's); Megatron-LM's bf16 default keeps fp32 main grads, 2
-        # bytes a parameter more and twice the DP traffic (priced by `mist plan --engine megatron-lm`)
-        "--grad-reduce-in-bf16",
     ]
+    # the gradients as priced: Megatron-LM's bf16 default keeps fp32 main grads (a plan priced for
+    # `--engine megatron-lm`); --grad-reduce-in-bf16 keeps, accumulates and sums them over DP in 16
+    # bits, as the other engines priced (megatron-core's, mist.engine.run's; a plan not priced yet)
+    if (plan.priced_engine or GRAD_ACCUMULATION["megatron-core"]).grad_bytes == 2:
+        args.append("--grad-reduce-in-bf16")
     for field, flag in VALUE_FLAGS:
         args += [flag, str(settings[field])]
     switches = {

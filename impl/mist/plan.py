@@ -21,7 +21,8 @@ are filled in by ``predict``: per stage ``steady_s``, ``extra_s`` and, of it, ``
 gradient-clipping barrier, ``wait_s`` before its first forward (seconds), ``memory_bytes``
 (per GPU) and ``host_memory_bytes`` (what each of its GPUs offloads to the host), and the
 plan's ``breakdown`` (``usable_memory_bytes``, ``usable_host_memory_bytes_per_gpu``,
-``layer_saved_bytes``, ``fits``, ...). Every amount of memory in format 2 is a whole number of
+``layer_saved_bytes``, ``fits``, ``engine``: the engine whose gradient accumulation it priced,
+``Plan.priced_engine``, ...). Every amount of memory in format 2 is a whole number of
 bytes: predicted needs round up (``bytes_needed``), capacities round down (``bytes_available``).
 
 Format 1 (files without ``plan_format`` are read as 1) held the same fields in floating GiB
@@ -47,7 +48,18 @@ from measure.checks import finite, whole
 from measure.results import write_text_atomic
 from measure.strict import StrictDataError, json_data, loads_json, loads_yaml, read_text_file
 
-from .model.specs import ClusterSpec, ModelSpec, cluster, gpus, hosts, model, models, preset_overrides
+from .model.specs import (
+    GRAD_ACCUMULATION,
+    ClusterSpec,
+    GradAccumulation,
+    ModelSpec,
+    cluster,
+    gpus,
+    hosts,
+    model,
+    models,
+    preset_overrides,
+)
 
 PLAN_FORMAT = 2  # what save() writes; from_dict() also reads 1 (memory in GiB)
 READABLE_FORMATS = (1, 2)
@@ -249,7 +261,7 @@ STAGE_PREDICTIONS = ("steady_s", "extra_s", "step_s", "wait_s", "memory_bytes", 
 PLAN_PREDICTIONS = ("predicted_iteration_s", "simulated_iteration_s", "tuning_s", "breakdown")
 # what predict() writes into a plan's breakdown (tuning.planner.predict), each field's kind:
 # bytes (a whole number, negative where nothing is left), a rate or time (a finite number >= 0),
-# true/false, or a name
+# true/false, a name, or the engine whose gradients it priced (a key of GRAD_ACCUMULATION)
 BREAKDOWN_FIELDS = {
     "usable_memory_bytes": "bytes",
     "fits": "bool",
@@ -262,6 +274,7 @@ BREAKDOWN_FIELDS = {
     "clip_barrier_ms": "amount",
     "runtime_model": "name",
     "interference_model": "name",
+    "engine": "engine",
 }
 
 
@@ -280,6 +293,10 @@ _BREAKDOWN_KINDS = {
     "amount": ("a finite number >= 0", lambda v: finite(v) and v >= 0),
     "bool": ("true or false", lambda v: isinstance(v, bool)),
     "name": ("a name (a string)", lambda v: isinstance(v, str)),
+    "engine": (
+        f"one of {', '.join(GRAD_ACCUMULATION)}",
+        lambda v: isinstance(v, str) and v in GRAD_ACCUMULATION,
+    ),
 }
 
 
@@ -336,6 +353,13 @@ class Plan:
     @property
     def grad_accum(self) -> int:
         return grad_accum(self.global_batch, self.dp, self.micro_batch)
+
+    @property
+    def priced_engine(self) -> GradAccumulation | None:
+        """How the engine this plan was priced for accumulates its gradients (``predict``'s
+        ``grad_accumulation``, kept in the breakdown); None for a plan not priced yet."""
+        name = self.breakdown.get("engine")
+        return None if name is None else GRAD_ACCUMULATION[name]
 
     def stage_parallelism(self, i: int) -> tuple[int, int, int]:
         """(tp, dp, micro-batch) of stage i. A stage with its own DP splits each of the G

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from mist.__main__ import main
-from mist.model.specs import cluster, model
+from mist.model.specs import GRAD_ACCUMULATION, cluster, model
 from mist.plan import Plan
 from mist.tuning.planner import predict
 
@@ -209,3 +211,82 @@ def test_plan_under_a_device_memory_cap(tmp_path, capsys):
         assert main([*base, "--gpu-mem", bad]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and "'16GB', '80GiB', '512MiB'" in err[0], err
+
+
+def test_a_plan_keeps_the_engine_it_was_priced_for(tmp_path, capsys):
+    """A plan made with --engine megatron-lm (fp32 main grads) was re-priced by `mist predict` for
+    16-bit gradients unless --engine was said again, and exported with --grad-reduce-in-bf16, so
+    Megatron-LM ran other gradients than the plan priced (review 2026-12-07)."""
+    import random
+
+    from mist.engine.run import priced_otherwise
+    from mist.export import megatron_lm_arguments
+
+    gpus = random.choice([2, 4])
+    plans = {}
+    for engine in ("megatron-core", "megatron-lm"):
+        out = tmp_path / f"{engine}.yaml"
+        argv = ["plan", "--model", "gpt3-1.3b", "--gpus", str(gpus), "--gpu", "l4", "--global-batch", "16"]
+        assert main([*argv, "--engine", engine, "--quiet", "--out", str(out)]) == 0
+        plans[engine] = Plan.load(out)
+        assert plans[engine].breakdown["engine"] == engine
+    capsys.readouterr()
+    fp32 = plans["megatron-lm"]
+    again = predict(Plan.load(tmp_path / "megatron-lm.yaml"), model("gpt3-1.3b"), cluster("l4", gpus))
+    assert [s.memory_bytes for s in again.stages] == [s.memory_bytes for s in fp32.stages]
+    assert again.predicted_iteration_s == pytest.approx(fp32.predicted_iteration_s, rel=1e-12)
+    # the same plan priced for 16-bit gradients: 2 bytes a parameter less on every stage
+    as_16_bit = predict(
+        Plan.load(tmp_path / "megatron-lm.yaml"),
+        model("gpt3-1.3b"),
+        cluster("l4", gpus),
+        grad_accumulation=GRAD_ACCUMULATION["megatron-core"],
+    )
+    assert all(
+        a < b
+        for a, b in zip(
+            (s.memory_bytes for s in as_16_bit.stages), (s.memory_bytes for s in fp32.stages), strict=True
+        )
+    )
+    assert as_16_bit.breakdown["engine"] == "megatron-core"
+    # the CLI re-prices for the plan's engine unless told another
+    for given, engine in (([], "megatron-lm"), (["--engine", "megatron-core"], "megatron-core")):
+        assert main(["predict", str(tmp_path / "megatron-lm.yaml"), "--json", *given]) == 0
+        stages = json.loads(capsys.readouterr().out)["stages"]
+        want = fp32 if engine == "megatron-lm" else as_16_bit
+        assert [s["memory_bytes"] for s in stages] == [s.memory_bytes for s in want.stages]
+    # exported with the gradients priced; the engine says it runs 16-bit ones
+    for engine, plan in plans.items():
+        args, _ = megatron_lm_arguments(plan, model("gpt3-1.3b"))
+        assert ("--grad-reduce-in-bf16" in args) == (engine == "megatron-core")
+        assert any("fp32" in n or "4-byte" in n for n in priced_otherwise(plan)) == (engine == "megatron-lm")
+    unpriced = Plan.from_dict({**plans["megatron-lm"].what_runs(), "plan_format": 2})
+    assert unpriced.priced_engine is None
+    assert "--grad-reduce-in-bf16" in megatron_lm_arguments(unpriced, model("gpt3-1.3b"))[0]
+    with pytest.raises(ValueError, match="breakdown: engine must be one of megatron-core, mist, megatron-lm"):
+        Plan.from_dict({**fp32.to_dict(), "breakdown": {**fp32.breakdown, "engine": "megatron_lm"}})
+
+
+def test_the_megatron_lm_target_plans_for_the_gradients_it_exports(tmp_path, capsys):
+    """`--target megatron-lm` searched for 16-bit gradients only; a Megatron-LM user keeping its
+    bf16 default (fp32 main grads) can plan for them, and the export then keeps that default."""
+    from mist.export import megatron_lm_arguments
+
+    base = ["plan", "--model", "gpt3-1.3b", "--gpus", "4", "--gpu", "l4", "--global-batch", "16", "--quiet"]
+    out = tmp_path / "plan.yaml"
+    assert main([*base, "--target", "megatron-lm", "--engine", "megatron-lm", "--out", str(out)]) == 0
+    plan = Plan.load(out)
+    assert plan.priced_engine == GRAD_ACCUMULATION["megatron-lm"]
+    assert "--grad-reduce-in-bf16" not in megatron_lm_arguments(plan, model("gpt3-1.3b"))[0]
+    as_16_bit = predict(
+        Plan.load(out),
+        model("gpt3-1.3b"),
+        cluster("l4", 4),
+        grad_accumulation=GRAD_ACCUMULATION["megatron-core"],
+    )
+    assert all(a.memory_bytes < b.memory_bytes for a, b in zip(as_16_bit.stages, plan.stages, strict=True))
+    capsys.readouterr()
+    for target, engine in (("megatron-lm", "mist"), ("torchtitan", "megatron-lm")):
+        assert main([*base, "--target", target, "--engine", engine]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"--target {target}: it accumulates gradients as --engine" in err[0], err

@@ -58,6 +58,7 @@ from measure.parallel import die_with_launcher
 from measure.results import write_json_atomic
 from measure.training import MasterWeightAdamW, gradient_to_step
 
+from ..model.specs import GRAD_ACCUMULATION
 from ..plan import Plan, grad_bucket
 from .layers import block_spec
 from .layout import RankLayout, init_megatron_state
@@ -1110,6 +1111,25 @@ def _print_report(report: dict) -> None:
         )
 
 
+def priced_otherwise(plan: Plan) -> list[str]:
+    """What the engine runs otherwise than ``plan`` was priced for, a line each."""
+    notes = []
+    if plan.model_spec().flash:
+        notes.append(
+            "the engine runs megatron-core's unfused attention, which keeps the s x s scores; "
+            "this plan was priced with FlashAttention (model flash: true), which does not: its memory "
+            "is under-predicted by them (model_overrides flash: false prices what runs)"
+        )
+    priced = plan.priced_engine
+    if priced is not None and priced != GRAD_ACCUMULATION["megatron-core"]:
+        notes.append(
+            f"the engine adds every micro-batch's gradients into one zeroed 16-bit buffer "
+            f"(megatron-core's); this plan was priced for {priced.engine}'s {priced.grad_bytes}-byte "
+            f"gradients (`mist predict PLAN --engine megatron-core` prices what runs)"
+        )
+    return notes
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
     die_with_launcher()  # a rank never outlives its launcher (torchrun, or fork_launch's server)
@@ -1127,14 +1147,9 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as e:  # a plan file missing or unreadable; not a plan; not for this launch
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if plan.model_spec().flash and rank == 0:
-        # said, not changed: the plan is run as written
-        print(
-            "note: the engine runs megatron-core's unfused attention, which keeps the s x s scores; "
-            "this plan was priced with FlashAttention (model flash: true), which does not: its memory "
-            "is under-predicted by them (model_overrides flash: false prices what runs)",
-            file=sys.stderr,
-        )
+    if rank == 0:
+        for note in priced_otherwise(plan):  # said, not changed: the plan is run as written
+            print(f"note: {note}", file=sys.stderr)
     from .cpu_shim import gpu_standins
 
     set_copy_timing(args.copy_timing)

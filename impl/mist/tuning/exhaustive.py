@@ -23,7 +23,7 @@ from measure.units import format_bytes
 
 from ..model.interference import Interference
 from ..model.runtime import RuntimeModel
-from ..model.specs import ClusterSpec, ModelSpec
+from ..model.specs import GRAD_ACCUMULATION, ClusterSpec, GradAccumulation, ModelSpec
 from ..plan import Plan, grad_accum
 from .planner import NoFeasiblePlan, StageMemo, layer_s, lower_bound_s, predict_for, prime
 from .problem import Candidate, Problem
@@ -102,6 +102,7 @@ def fastest_fitting(
     progress: Callable[[str], None] | None,
     what: str,
     variants: Callable[[S], list[S]] = lambda setting: [],
+    grad_accumulation: GradAccumulation = GRAD_ACCUMULATION["megatron-core"],
 ) -> Plan:
     """The fastest plan that fits over ``settings`` (searched in that order: put likely winners
     first), each with ``plan_of(setting, k)`` for k in ``counts(setting)`` (ascending recompute).
@@ -109,8 +110,9 @@ def fastest_fitting(
     stage count is no faster than the best so far. ``variants(setting)``: settings that differ
     from it only in time, never in memory (e.g. where the weights are gathered): each is priced
     at the count the setting needs, not searched again. Raises NoFeasiblePlan with ``what`` and
-    the memory the leanest plan needs."""
-    problem = Problem.resolve(model, cluster, global_batch, runtime, interference)
+    the memory the leanest plan needs. ``grad_accumulation``: how the trainer that runs the plans
+    accumulates gradients (as ``predict``'s)."""
+    problem = Problem.resolve(model, cluster, global_batch, runtime, interference, grad_accumulation)
     search = _FittingSearch(problem, settings, plan_of, counts, variants, progress)
     return cheapest_fitting(search.leanest_fitting(), problem, what, search.memo)
 

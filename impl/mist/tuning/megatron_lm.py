@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from ..model.interference import Interference
 from ..model.runtime import RuntimeModel
-from ..model.specs import ClusterSpec, ModelSpec
+from ..model.specs import GRAD_ACCUMULATION, ClusterSpec, GradAccumulation, ModelSpec
 from ..plan import Plan, StagePlan, tp_splits
 from .exhaustive import fastest_fitting, layer_splits
 from .problem import divisors, powers_of_two
@@ -194,11 +194,19 @@ def search_megatron_lm(
     runtime: RuntimeModel | None = None,
     interference: Interference | None = None,
     progress: Callable[[str], None] | None = None,
+    grad_accumulation: GradAccumulation = GRAD_ACCUMULATION["megatron-core"],
 ) -> Plan:
     """The fastest plan of ``space`` that fits, priced by the closed form (as Mist's search ranks);
     raises NoFeasiblePlan if none fits. The model is not checked (``check_model``): the grid baseline
     prices Falcon's parallel block as if Megatron-LM had it, so that every system is priced on the
-    same model, and ``mist.export`` refuses it."""
+    same model, and ``mist.export`` refuses it. ``grad_accumulation``: Megatron-LM's gradients as
+    the export runs them, 16-bit (megatron-core's, the default: ``--grad-reduce-in-bf16``) or its
+    bf16 default's fp32 main grads (``GRAD_ACCUMULATION["megatron-lm"]``)."""
+    if grad_accumulation.engine not in ("megatron-core", "megatron-lm"):
+        raise ValueError(
+            f"Megatron-LM accumulates gradients as megatron-core (16-bit) or megatron-lm (fp32 main "
+            f"grads), not as {grad_accumulation.engine}"
+        )
     space = space or MegatronLMSpace()
     # where the distributed optimizer gathers the weights changes time, not memory: the other
     # choice is priced at the recomputation the first needs (fastest_fitting's variants)
@@ -218,4 +226,5 @@ def search_megatron_lm(
         progress,
         what=f"no Megatron-LM configuration of {model.name} fits {cluster.gpus} x {cluster.gpu.name}",
         variants=lambda s: [dataclasses.replace(s, gather_in_forward=g) for g in others] if s.zero else [],
+        grad_accumulation=grad_accumulation,
     )

@@ -996,11 +996,12 @@ def predict(
     runtime: RuntimeModel | None = None,
     interference: Interference | None = None,
     simulate: bool = True,
-    grad_accumulation: GradAccumulation = GRAD_ACCUMULATION["megatron-core"],
+    grad_accumulation: GradAccumulation | None = None,
 ) -> Plan:
     """Fill in the plan's per-stage times and memory and its iteration time (closed form and,
     with ``simulate``, the 1F1B simulation; searches that price many plans skip it), for an
-    engine that accumulates gradients as ``grad_accumulation`` says."""
+    engine that accumulates gradients as ``grad_accumulation`` says (None: the engine the plan
+    was priced for, ``Plan.priced_engine``, or megatron-core's for a plan not priced yet)."""
     # the plan is checked against the model and cluster before any cost model is loaded for them
     if not isinstance(plan, Plan):
         raise ValueError(
@@ -1009,6 +1010,13 @@ def predict(
     _check_inputs(model, cluster)
     _check_cost_models(runtime, interference)
     _check(plan, model, cluster)
+    if grad_accumulation is None:
+        grad_accumulation = plan.priced_engine or GRAD_ACCUMULATION["megatron-core"]
+    elif not isinstance(grad_accumulation, GradAccumulation):
+        raise ValueError(
+            f"grad_accumulation must be None (the plan's own engine) or a GradAccumulation "
+            f"(mist.model.specs.GRAD_ACCUMULATION[name]), got {grad_accumulation!r:.60}"
+        )
     problem = Problem.of_plan(plan, model, cluster, runtime, interference, grad_accumulation)
     return _price(problem, plan, simulate)
 
@@ -1213,5 +1221,6 @@ def _price(problem: Problem, plan: Plan, simulate: bool, memo: StageMemo | None 
         "clip_barrier_ms": barrier * 1e3,
         "runtime_model": problem.runtime.source,
         "interference_model": problem.interference.source,
+        "engine": problem.grad_accumulation.engine,
     }
     return plan
