@@ -19,11 +19,12 @@ precision (``engine.megatron.model_settings``). The gradients are what the plan 
 its default, for a plan priced with ``mist plan/predict --engine megatron-lm``.
 
 **torchtitan** (0.2.2, whose job config is a TOML file): the parallel degrees (FSDP2 for ZeRO-2/3,
-DDP for none, its all-reduce overlapped with backward in torch's own 25 MiB buckets where the plan
-priced Megatron-LM's default buckets), the pipeline's stages as explicit module lists and its 1F1B
-schedule, activation checkpointing (none or every layer), micro and global batch, FSDP's CPU
-offload. torchtitan builds a registered model flavor (``--flavor``), Llama-style only; the export
-cannot see its shape, so it says which shape the plan was priced for.
+DDP for none, its all-reduce overlapped with backward in torchtitan's 100 MB buckets, 25M of its
+fp32 gradients, where the plan priced Megatron-LM's default buckets of 40M 16-bit ones), the
+pipeline's stages as explicit module lists and its 1F1B schedule, activation checkpointing (none
+or every layer), micro and global batch, FSDP's CPU offload. torchtitan builds a registered model
+flavor (``--flavor``), Llama-style only; the export cannot see its shape, so it says which shape
+the plan was priced for.
 """
 
 from __future__ import annotations
