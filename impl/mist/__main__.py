@@ -81,20 +81,23 @@ def _check_writable(path: Path) -> None:
         raise ValueError(f"--out {e}") from None
 
 
-def _engine_argument(p: argparse.ArgumentParser, default: str | None) -> None:
-    what = (
-        "megatron-core's 16-bit buffer, as mist.engine.run"
-        if default
-        else "the engine the plan was priced for, megatron-core's for a plan not priced yet"
-    )
+# the engines each `mist plan --target` prices for, its default first
+TARGET_ENGINES = {
+    "mist": tuple(GRAD_ACCUMULATION),
+    "megatron-lm": ("megatron-core", "megatron-lm"),
+    "torchtitan": ("torchtitan",),
+}
+
+
+def _engine_argument(p: argparse.ArgumentParser, default: str) -> None:
     p.add_argument(
         "--engine",
         choices=list(GRAD_ACCUMULATION),
-        default=default,
-        help="the engine that runs the plan, for how it accumulates gradients over micro-batches and "
-        f"in how many bytes, written into the plan (default: {what}; megatron-lm: its bf16 default, "
-        "fp32 main grads; `mist export --to megatron-lm` runs Megatron-LM with the gradients priced; "
-        "`--target megatron-lm` takes megatron-core or megatron-lm, `--target torchtitan` megatron-core)",
+        help="the engine that runs the plan, for how it accumulates and reduces gradients and in how "
+        f"many bytes, written into the plan (default: {default}; megatron-core: its 16-bit buffer, "
+        "as mist.engine.run and as `mist export --to megatron-lm` runs Megatron-LM; megatron-lm: "
+        "Megatron-LM's bf16 default, fp32 main grads, which the export then keeps; torchtitan: "
+        "fp32 reductions)",
     )
 
 
@@ -127,16 +130,24 @@ def gpu_memory_bytes(size: str | None) -> int | None:
     return GpuBudget.parse(size).capacity_bytes  # a bad size: one line saying what is accepted
 
 
+def plan_engine(args: argparse.Namespace) -> str:
+    """The engine ``mist plan`` prices for: ``--engine``, or its target's default; one the target
+    cannot run is refused."""
+    engines = TARGET_ENGINES[args.target]
+    if args.engine is None:
+        return engines[0]
+    if args.engine not in engines:
+        raise ValueError(
+            f"--target {args.target}: it accumulates gradients as --engine {' or '.join(engines)} does"
+        )
+    return args.engine
+
+
 def _search_target(args, m, c, progress) -> Plan:
     """``mist plan --target megatron-lm|torchtitan``: only what that trainer runs (every plan exports)."""
     from .tuning import megatron_lm, torchtitan
     from .tuning.planner import predict
 
-    engines = ("megatron-core", "megatron-lm") if args.target == "megatron-lm" else ("megatron-core",)
-    if args.engine not in engines:
-        raise ValueError(
-            f"--target {args.target}: it accumulates gradients as --engine {' or '.join(engines)} does"
-        )
     if args.no_imbalance:
         raise ValueError(f"--no-imbalance is an ablation of Mist's own search, not of --target {args.target}")
     if args.stage_devices:
@@ -152,7 +163,7 @@ def _search_target(args, m, c, progress) -> Plan:
         space = megatron_lm.MegatronLMSpace(recompute=not args.no_recompute)
         if args.no_offload:
             space = dataclasses.replace(space, offload_fractions=(0.0,))
-        accumulation = GRAD_ACCUMULATION[args.engine]
+        accumulation = GRAD_ACCUMULATION[plan_engine(args)]
         plan = megatron_lm.search_megatron_lm(
             m, c, args.global_batch, space, progress=progress, grad_accumulation=accumulation
         )
@@ -176,7 +187,7 @@ def cmd_plan(args) -> int:
     options = PlannerOptions(
         space=space,
         imbalance_aware=not args.no_imbalance,
-        grad_accumulation=GRAD_ACCUMULATION[args.engine],
+        grad_accumulation=GRAD_ACCUMULATION[plan_engine(args)],
         stage_devices=args.stage_devices,
     )
 
@@ -765,7 +776,7 @@ def _plan_parser(sub) -> None:
     )
     p.add_argument("--no-offload", action="store_true", help="search without CPU offloading")
     p.add_argument("--no-recompute", action="store_true", help="search without activation recomputation")
-    _engine_argument(p, "megatron-core")
+    _engine_argument(p, "megatron-core; torchtitan for --target torchtitan")
     p.add_argument(
         "--no-imbalance", action="store_true", help="ignore first/last micro-batch extras (ablation)"
     )
@@ -874,7 +885,7 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("predict", help="predict a plan's iteration time and memory")
     p.add_argument("plan")
     p.add_argument("--json", action="store_true", help="one JSON document (prediction_format 2)")
-    _engine_argument(p, None)
+    _engine_argument(p, "the engine the plan was priced for; megatron-core for a plan not priced yet")
     p.set_defaults(fn=cmd_predict)
     _export_parser(sub)
     p = sub.add_parser("calibrate", help="refit the runtime and interference presets from measured data")

@@ -259,7 +259,10 @@ def test_a_plan_keeps_the_engine_it_was_priced_for(tmp_path, capsys):
     for engine, plan in plans.items():
         args, _ = megatron_lm_arguments(plan, model("gpt3-1.3b"))
         assert ("--grad-reduce-in-bf16" in args) == (engine == "megatron-core")
-        assert any("fp32" in n or "4-byte" in n for n in priced_otherwise(plan)) == (engine == "megatron-lm")
+        notes = priced_otherwise(plan)
+        assert any("megatron-lm's 4-byte gradients reduced in 4 bytes" in n for n in notes) == (
+            engine == "megatron-lm"
+        )
     unpriced = Plan.from_dict({**plans["megatron-lm"].what_runs(), "plan_format": 2})
     assert unpriced.priced_engine is None
     assert "--grad-reduce-in-bf16" in megatron_lm_arguments(unpriced, model("gpt3-1.3b"))[0]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 import re
 import shutil
 
@@ -409,6 +410,58 @@ def test_an_engines_gradient_bytes_are_priced_in_memory_and_in_the_dp_sum():
     assert np.allclose(more, grads * params, rtol=1e-9)
     sync = priced["megatron-lm"]["sync"] - priced["megatron-core"]["sync"]
     assert (sync[zero < 2] > 0).all()
+
+
+def test_torchtitan_is_priced_for_its_fp32_reductions():
+    """torchtitan 0.2.2 reduces gradients in fp32 (FSDP2's only reduce dtype; DDP's gradients under
+    autocast are fp32), and `--target torchtitan` priced 16-bit reductions (docs/mist.md said so).
+    Its memory, fp32 weights, gradients and Adam moments, stays the 16 bytes a parameter priced;
+    the DP sum after backward (ZeRO-0) and ZeRO-2/3's reduce-scatters send twice the bytes: the
+    same collectives at twice the size, the weight gathers as they were."""
+    from mist.model.specs import GRAD_ACCUMULATION
+    from mist.tuning.planner import cost_models
+    from mist.tuning.stage_cost import (
+        EDGE_FIELDS,
+        SearchSpace,
+        Setting,
+        _buffer_gradient_sum,
+        _state_bytes,
+        _zero_per_micro_batch,
+        strategy_grid,
+    )
+
+    dp = random.choice([2, 4])
+    m, c = model("llama-1.3b"), cluster("l4", dp)
+    grid = strategy_grid(6, SearchSpace(offload=False, recompute=False, zero_stages=(0, 2, 3)))
+    zero = grid["zero"]
+    runtime, interference = cost_models(c)
+    core, titan = (
+        Setting(m, c, runtime, interference, 1, dp, 1, 1, grad_accumulation=GRAD_ACCUMULATION[engine])
+        for engine in ("megatron-core", "torchtitan")
+    )
+    strategy = {name: grid[name] for name in EDGE_FIELDS}
+    for name, value in _state_bytes(1.0, strategy, dp, titan.grad_accumulation.grad_bytes).items():
+        assert np.array_equal(value, _state_bytes(1.0, strategy, dp, 2)[name]), name
+    weight_bytes = random.uniform(1e6, 1e9)
+    assert _buffer_gradient_sum(titan, weight_bytes, False, 0) == pytest.approx(
+        runtime.collective("all_reduce", 2 * weight_bytes, dp, c, False), rel=1e-12
+    )
+    assert _buffer_gradient_sum(core, weight_bytes, False, 0) == pytest.approx(
+        runtime.collective("all_reduce", weight_bytes, dp, c, False), rel=1e-12
+    )
+    layers, edge = random.randint(1, 8), (weight_bytes / 7,)
+    _, g2g_core = _zero_per_micro_batch(core, layers, weight_bytes, edge, zero, zero, False)
+    _, g2g_titan = _zero_per_micro_batch(titan, layers, weight_bytes, edge, zero, zero, False)
+    more = sum(
+        count
+        * (
+            runtime.collective("reduce_scatter", 2 * w, dp, c, False)
+            - runtime.collective("reduce_scatter", w, dp, c, False)
+        )
+        for count, w in ((layers, weight_bytes), (1, edge[0]))
+    )
+    assert np.allclose(g2g_titan - g2g_core, np.where(zero >= 2, more, 0.0), rtol=1e-9)
+    assert (g2g_titan[zero >= 2] > g2g_core[zero >= 2]).all()
 
 
 def test_the_lm_head_holds_no_position_table():

@@ -20,6 +20,7 @@ from mist import Plan, StagePlan, cluster, model
 from mist.engine.megatron import megatron_limits, model_settings
 from mist.engine.run import unsupported
 from mist.export import CannotExport, JobInputs, megatron_lm_arguments, megatron_lm_command
+from mist.model.specs import GRAD_ACCUMULATION
 from mist.tuning.megatron_lm import recompute_counts, setting_plan, settings
 
 from .megatron_lm_check import megatron_lm_checkout, split_command, validate
@@ -343,11 +344,16 @@ def test_the_megatron_lm_target_finds_the_exhaustive_best_and_every_plan_exports
 
     m, c = model(name, layers=8), cluster("l4", gpus)  # 8 layers: the exhaustive pricing takes seconds
     space = MegatronLMSpace(offload_fractions=(0.0, 0.5, 1.0))
-    problem = Problem.resolve(m, c, batch)  # the presets, no memo: every plan priced afresh
+    # 16-bit gradients, or Megatron-LM's fp32 main grads (--engine megatron-lm); the presets, no
+    # memo: every plan priced afresh
+    grads = GRAD_ACCUMULATION[random.choice(["megatron-core", "megatron-lm"])]
+    problem = Problem.resolve(m, c, batch, grad_accumulation=grads)
     exhaustive = cheapest_fitting(space_plans(m, c, batch, space), problem, "none fits")
-    found = search_megatron_lm(m, c, batch, space)
+    found = search_megatron_lm(m, c, batch, space, grad_accumulation=grads)
     assert found.predicted_iteration_s == pytest.approx(exhaustive.predicted_iteration_s, rel=1e-12)
-    assert megatron_lm_arguments(found, m)[1] == []
+    assert found.priced_engine == grads
+    args, cannot = megatron_lm_arguments(found, m)
+    assert cannot == [] and ("--grad-reduce-in-bf16" in args) == (grads.grad_bytes == 2)
     assert (
         search_megatron_lm(m, c, batch).predicted_iteration_s
         <= search_grid(m, c, batch).predicted_iteration_s
@@ -507,13 +513,15 @@ def test_the_torchtitan_target_finds_the_exhaustive_best_and_its_plan_exports(gp
         model("llama-1.3b", layers=8),
         cluster("l4", gpus),
     )  # 8 layers: the exhaustive pricing takes seconds
-    problem = Problem.resolve(m, c, batch)  # the presets, no memo: every plan priced afresh
+    # the presets, no memo: every plan priced afresh, for torchtitan's fp32 reductions
+    problem = Problem.resolve(m, c, batch, grad_accumulation=GRAD_ACCUMULATION["torchtitan"])
     every = (
         torchtitan.setting_plan(m, c, batch, s, k) for s in torchtitan.settings(m, c, batch) for k in (0, 1)
     )
     exhaustive = cheapest_fitting(every, problem, "none fits")
     found = torchtitan.search_torchtitan(m, c, batch)
     assert found.predicted_iteration_s == pytest.approx(exhaustive.predicted_iteration_s, rel=1e-12)
+    assert found.priced_engine == GRAD_ACCUMULATION["torchtitan"]
     torchtitan_config(found, m, "my-flavor")  # raises CannotExport if a part does not export
     with pytest.raises(ValueError, match="Llama-style"):
         torchtitan.search_torchtitan(model("gpt3-1.3b"), c, batch)

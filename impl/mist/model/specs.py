@@ -502,9 +502,12 @@ class GradAccumulation:
     engine: str
     bytes_per_param: float  # read accumulated + read new + write sum
     first_micro_batch: bool  # the first micro-batch adds too (into a zeroed buffer), or writes
-    # bytes an accumulated gradient takes, a parameter: the device memory it holds and what the DP
-    # sum after backward sends (ZeRO-0/1; ZeRO-2/3's reductions in backward are 16-bit)
+    # bytes an accumulated gradient takes, a parameter: the device memory it holds, what clipping's
+    # norm reads, and whether the step needs an fp32 copy of it (under 4)
     grad_bytes: int = 2
+    # bytes a parameter's gradient sends in each DP reduction: the sum after backward (ZeRO-0/1)
+    # and ZeRO-2/3's reduce-scatters in backward
+    reduce_bytes: int = 2
 
     def adds_per_micro_batch(self, grad_accum: int, sharded: bool = False) -> float:
         """Adds per micro-batch, averaged over the iteration's ``grad_accum`` micro-batches.
@@ -514,8 +517,8 @@ class GradAccumulation:
         return 1.0 if self.first_micro_batch and not sharded else (grad_accum - 1) / grad_accum
 
 
-# Half-precision gradients: 2 bytes each (mist export passes Megatron-LM --grad-reduce-in-bf16 so
-# that it keeps them so too).
+# Half-precision gradients, 2 bytes each, unless an engine's entry says otherwise (mist export
+# passes Megatron-LM --grad-reduce-in-bf16 for them; Plan.priced_engine).
 GRAD_ACCUMULATION = {
     # mist.engine.run: the gradients are views into one zeroed contiguous buffer (as megatron-core's
     # DDP), so autograd adds every micro-batch's gradient in place, the first one too.
@@ -526,5 +529,12 @@ GRAD_ACCUMULATION = {
     # Megatron-LM at its bf16 default (accumulate_allreduce_grads_in_fp32): a hook adds each
     # micro-batch's 16-bit gradient into an fp32 main_grad (read 4 + read 2 + write 4 bytes), every
     # micro-batch, and DP sums the fp32 main_grads.
-    "megatron-lm": GradAccumulation("megatron-lm", 4 + 2 + 4, True, grad_bytes=4),
+    "megatron-lm": GradAccumulation("megatron-lm", 4 + 2 + 4, True, grad_bytes=4, reduce_bytes=4),
+    # torchtitan (0.2.2) reduces in fp32: FSDP2's reduce_dtype (mixed_precision_reduce takes only
+    # float32), DDP's all-reduce of the fp32 gradients autocast leaves. Its sharded (FSDP2) or
+    # replicated (DDP) fp32 weights, gradients and Adam moments, 16 bytes a parameter, are priced
+    # as the others' 16-bit weights and gradients and fp32 master and moments (2 + 2 + 12). Each
+    # micro-batch but the first adds its fp32 gradients (the first's are kept as autograd or the
+    # reduce-scatter made them).
+    "torchtitan": GradAccumulation("torchtitan", 3 * 4, False, reduce_bytes=4),
 }

@@ -494,7 +494,9 @@ def _zero_per_micro_batch(
         if not units or not full:  # no such unit here (a middle stage has no embedding/head)
             continue
         gather = runtime.collective("all_gather", full, dp, cluster, across)
-        scatter = runtime.collective("reduce_scatter", full, dp, cluster, across)
+        # the gradients as the engine reduces them (GradAccumulation.reduce_bytes a parameter)
+        reduced = full * setting.grad_accumulation.reduce_bytes / 2
+        scatter = runtime.collective("reduce_scatter", reduced, dp, cluster, across)
         on_channel3 = its_zero >= 3  # ZeRO-3 priced on the GPU-to-GPU channel
         on_channel2 = its_zero == 2
         zero3 = _over_units(runtime.zero3_layer, units, dp, across)
@@ -523,11 +525,11 @@ def _over_units(line: Callable, units: tuple[float, ...], dp: int, across: bool)
 def _buffer_gradient_sum(setting: Setting, weight_bytes, across: bool, zero):
     """Seconds of the DP gradient sum after backward at ZeRO stage ``zero`` (0 or 1; an array
     broadcasts) of the gradients of parameters whose 16-bit weights take ``weight_bytes``, sent as
-    the engine keeps them (GradAccumulation.grad_bytes a parameter): where `mist profile` timed
+    the engine reduces them (GradAccumulation.reduce_bytes a parameter): where `mist profile` timed
     the engine's (mist.engine.run sums ZeRO-0's and ZeRO-1's gradients alike, ContiguousGrads'
     in-place all-reduce of its buffer) that one line prices both; else Megatron-LM's: DDP's
     all-reduce (ZeRO-0) and the distributed optimizer's reduce-scatter (ZeRO-1)."""
-    nbytes = weight_bytes * setting.grad_accumulation.grad_bytes / 2
+    nbytes = weight_bytes * setting.grad_accumulation.reduce_bytes / 2
     measured = setting.runtime.zero_grad_sum(nbytes, setting.dp, across)
     if measured is not None:
         return measured

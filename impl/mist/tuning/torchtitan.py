@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from ..model.interference import Interference
 from ..model.runtime import RuntimeModel
-from ..model.specs import ClusterSpec, ModelSpec
+from ..model.specs import GRAD_ACCUMULATION, ClusterSpec, ModelSpec
 from ..plan import Plan, StagePlan, tp_splits
 from .exhaustive import fastest_fitting, layer_splits
 from .problem import divisors, powers_of_two
@@ -101,7 +101,8 @@ def search_torchtitan(
     interference: Interference | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> Plan:
-    """The fastest plan torchtitan can run that fits (NoFeasiblePlan if none does)."""
+    """The fastest plan torchtitan can run that fits (NoFeasiblePlan if none does), priced for its
+    fp32 gradient reductions (GRAD_ACCUMULATION["torchtitan"])."""
     check_model(model)
     return fastest_fitting(
         global_batch,
@@ -114,4 +115,5 @@ def search_torchtitan(
         interference,
         progress,
         what=f"no torchtitan configuration of {model.name} fits {cluster.gpus} x {cluster.gpu.name}",
+        grad_accumulation=GRAD_ACCUMULATION["torchtitan"],
     )
