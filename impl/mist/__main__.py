@@ -81,14 +81,6 @@ def _check_writable(path: Path) -> None:
         raise ValueError(f"--out {e}") from None
 
 
-# the engines each `mist plan --target` prices for, its default first
-TARGET_ENGINES = {
-    "mist": tuple(GRAD_ACCUMULATION),
-    "megatron-lm": ("megatron-core", "megatron-lm"),
-    "torchtitan": ("torchtitan",),
-}
-
-
 def _engine_argument(p: argparse.ArgumentParser, default: str) -> None:
     p.add_argument(
         "--engine",
@@ -133,7 +125,9 @@ def gpu_memory_bytes(size: str | None) -> int | None:
 def plan_engine(args: argparse.Namespace) -> str:
     """The engine ``mist plan`` prices for: ``--engine``, or its target's default; one the target
     cannot run is refused."""
-    engines = TARGET_ENGINES[args.target]
+    from .export import TARGET_ENGINES
+
+    engines = TARGET_ENGINES.get(args.target, tuple(GRAD_ACCUMULATION))  # mist: any
     if args.engine is None:
         return engines[0]
     if args.engine not in engines:
@@ -269,6 +263,7 @@ def cmd_export(args) -> int:
         JobInputs,
         megatron_lm_command,
         nodes_and_processes,
+        priced_otherwise_note,
         toml_text,
         torchtitan_config,
     )
@@ -303,6 +298,8 @@ def cmd_export(args) -> int:
         print(f"python -m mist export: error: {e}", file=sys.stderr)
         return 2
     print(text)
+    if (note := priced_otherwise_note(plan, args.to)) is not None:
+        print(f"# note: {note}", file=sys.stderr)
     if args.to == "torchtitan":
         nodes, per_node = nodes_and_processes(plan)
         print(

@@ -19,8 +19,8 @@ precision (``engine.megatron.model_settings``). The gradients are what the plan 
 its default, for a plan priced with ``mist plan/predict --engine megatron-lm``.
 
 **torchtitan** (0.2.2, whose job config is a TOML file): the parallel degrees (FSDP2 for ZeRO-2/3,
-DDP for none, its all-reduce overlapped with backward in torchtitan's 100 MB buckets, 25M of its
-fp32 gradients, where the plan priced Megatron-LM's default buckets of 40M 16-bit ones), the
+DDP for none, its all-reduce overlapped with backward in torchtitan's 100 MiB buckets, 26.2M of
+its fp32 gradients, where the plan priced Megatron-LM's default buckets of 40M 16-bit ones), the
 pipeline's stages as explicit module lists and its 1F1B schedule, activation checkpointing (none
 or every layer), micro and global batch, FSDP's CPU offload. torchtitan builds a registered model
 flavor (``--flavor``), Llama-style only; the export cannot see its shape, so it says which shape
@@ -172,6 +172,32 @@ def _optimizer_arguments(plan: Plan) -> tuple[list[str], list[str]]:
     return args, cannot
 
 
+# the engines (GRAD_ACCUMULATION's) each trainer runs gradients as, its default first: Megatron-LM
+# at 16 bits (--grad-reduce-in-bf16) or its bf16 default's fp32 main grads; torchtitan its own
+TARGET_ENGINES = {"megatron-lm": ("megatron-core", "megatron-lm"), "torchtitan": ("torchtitan",)}
+
+
+def engine_run_as(plan: Plan, target: str) -> str:
+    """The engine whose gradients ``target`` runs ``plan``'s as: Megatron-LM keeps fp32 main grads
+    for a plan priced with 4-byte ones, else 16-bit ones; torchtitan always reduces in fp32."""
+    if target == "torchtitan":
+        return "torchtitan"
+    priced = plan.priced_engine or GRAD_ACCUMULATION["megatron-core"]
+    return "megatron-lm" if priced.grad_bytes == 4 else "megatron-core"
+
+
+def priced_otherwise_note(plan: Plan, target: str) -> str | None:
+    """A line where ``target`` runs ``plan``'s gradients otherwise than they were priced; None
+    where it runs them as priced (or the plan was not priced)."""
+    priced, runs = plan.priced_engine, engine_run_as(plan, target)
+    if priced is None or priced.engine == runs:
+        return None
+    return (
+        f"the plan was priced for {priced.engine}'s gradients; {target} runs them as --engine {runs} "
+        f"prices (`mist predict PLAN --engine {runs}` prices what runs)"
+    )
+
+
 def megatron_lm_arguments(plan: Plan, model: ModelSpec) -> tuple[list[str], list[str]]:
     """Megatron-LM's arguments (an argv) for what ``plan`` and ``model`` decide: the model, parallel
     sizes, batch, recomputation, optimizer and precision; and one line per part it cannot express
@@ -188,7 +214,7 @@ def megatron_lm_arguments(plan: Plan, model: ModelSpec) -> tuple[list[str], list
     # the gradients as priced: Megatron-LM's bf16 default keeps fp32 main grads (a plan priced for
     # `--engine megatron-lm`); --grad-reduce-in-bf16 keeps, accumulates and sums them over DP in 16
     # bits, as the other engines priced (megatron-core's, mist.engine.run's; a plan not priced yet)
-    if (plan.priced_engine or GRAD_ACCUMULATION["megatron-core"]).grad_bytes == 2:
+    if engine_run_as(plan, "megatron-lm") == "megatron-core":
         args.append("--grad-reduce-in-bf16")
     for field, flag in VALUE_FLAGS:
         args += [flag, str(settings[field])]
@@ -356,6 +382,11 @@ def _torchtitan_parallel_limits(plan: Plan) -> list[str]:
         cannot.append("ZeRO-2/3 over one replica (torchtitan applies no FSDP there, nor its CPU offload)")
     if zero == {0} and plan.dp > 1 and not plan.overlap_grad_reduce:
         cannot.append("DDP's all-reduce after backward (torch's DDP always overlaps it with backward)")
+    if zero == {0} and plan.dp > 1 and plan.grad_accum > 1:
+        cannot.append(
+            f"DDP's gradients summed once over {plan.grad_accum} micro-batches (torchtitan's DDP "
+            "all-reduces every micro-batch's)"
+        )
     if plan.overlap_grad_reduce and plan.grad_bucket_params is not None:
         cannot.append(f"gradient buckets of {plan.grad_bucket_params} parameters (torchtitan has no option)")
     if any(s.zero == 2 and not s.gather_in_forward for s in stages) and plan.dp > 1:

@@ -530,7 +530,8 @@ class Plan:
 
     def what_runs(self) -> dict:
         """The plan's fields without what predict() and the searches fill in: two plans with the
-        same ``what_runs()`` are the same run."""
+        same ``what_runs()`` are the same run on mist.engine.run (which keeps 16-bit gradients
+        whatever engine a plan was priced for; an export follows ``priced_engine`` too)."""
         d = asdict(self)
         d["stages"] = [{k: v for k, v in st.items() if k not in STAGE_PREDICTIONS} for st in d["stages"]]
         return {k: v for k, v in d.items() if k not in PLAN_PREDICTIONS}

@@ -260,9 +260,7 @@ def test_a_plan_keeps_the_engine_it_was_priced_for(tmp_path, capsys):
         args, _ = megatron_lm_arguments(plan, model("gpt3-1.3b"))
         assert ("--grad-reduce-in-bf16" in args) == (engine == "megatron-core")
         notes = priced_otherwise(plan)
-        assert any("megatron-lm's 4-byte gradients reduced in 4 bytes" in n for n in notes) == (
-            engine == "megatron-lm"
-        )
+        assert any("priced for how megatron-lm accumulates" in n for n in notes) == (engine == "megatron-lm")
     unpriced = Plan.from_dict({**plans["megatron-lm"].what_runs(), "plan_format": 2})
     assert unpriced.priced_engine is None
     assert "--grad-reduce-in-bf16" in megatron_lm_arguments(unpriced, model("gpt3-1.3b"))[0]
@@ -293,3 +291,67 @@ def test_the_megatron_lm_target_plans_for_the_gradients_it_exports(tmp_path, cap
         assert main([*base, "--target", target, "--engine", engine]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and f"--target {target}: it accumulates gradients as --engine" in err[0], err
+
+
+def test_an_engine_other_than_the_priced_one_is_said_or_refused(tmp_path, capsys):
+    """Review 2026-12-07: a plan priced for torchtitan exported to Megatron-LM (16-bit reductions),
+    or one priced for megatron-core exported to torchtitan (fp32), ran other gradients than priced
+    without a word; predict took any GradAccumulation and wrote a name no plan file reads back;
+    refine ranked for its options' engine and kept the plan's."""
+    import dataclasses
+
+    from mist.export import TARGET_ENGINES, priced_otherwise_note
+    from mist.model.specs import GradAccumulation
+    from mist.tuning.planner import PlannerOptions, refine
+
+    m, c = model("gpt3-1.3b"), cluster("l4", 4)
+    out = tmp_path / "plan.yaml"
+    assert (
+        main(
+            [
+                "plan",
+                "--model",
+                "gpt3-1.3b",
+                "--gpus",
+                "4",
+                "--gpu",
+                "l4",
+                "--global-batch",
+                "16",
+                "--quiet",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
+    for engine, accumulation in GRAD_ACCUMULATION.items():
+        plan = predict(Plan.load(out), m, c, grad_accumulation=accumulation)
+        for target, runs in TARGET_ENGINES.items():
+            note = priced_otherwise_note(plan, target)
+            as_priced = engine in runs and (
+                target == "torchtitan" or (accumulation.grad_bytes == 4) == (engine == "megatron-lm")
+            )
+            assert (note is None) == as_priced, (engine, target, note)
+        plan.save(out.with_name(f"{engine}.yaml"))
+        capsys.readouterr()
+        assert main(["export", str(out.with_name(f"{engine}.yaml")), "--to", "megatron-lm"]) == 0
+        said = [line for line in capsys.readouterr().err.splitlines() if "priced for" in line]
+        assert bool(said) == (engine not in ("megatron-core", "megatron-lm")), (engine, said)
+    custom = GradAccumulation("mine", 6.0, True)
+    lookalike = dataclasses.replace(GRAD_ACCUMULATION["megatron-lm"], engine="megatron-core")
+    for bad in (custom, lookalike, "megatron-lm"):
+        with pytest.raises(
+            ValueError, match=r"must be one of mist\.model\.specs\.GRAD_ACCUMULATION's engines"
+        ) as e:
+            predict(Plan.load(out), m, c, grad_accumulation=bad)
+        assert "\n" not in str(e.value)
+        with pytest.raises(ValueError, match="GRAD_ACCUMULATION's engines"):
+            PlannerOptions(grad_accumulation=bad)
+    fp32 = Plan.load(out.with_name("megatron-lm.yaml"))
+    with pytest.raises(ValueError, match="this plan was priced for megatron-lm: pass PlannerOptions"):
+        refine(fp32, m, c, PlannerOptions(), None, None)
+    refined = refine(
+        fp32, m, c, PlannerOptions(grad_accumulation=GRAD_ACCUMULATION["megatron-lm"]), None, None
+    )
+    assert refined.priced_engine == GRAD_ACCUMULATION["megatron-lm"]

@@ -346,14 +346,15 @@ def test_the_megatron_lm_target_finds_the_exhaustive_best_and_every_plan_exports
     space = MegatronLMSpace(offload_fractions=(0.0, 0.5, 1.0))
     # 16-bit gradients, or Megatron-LM's fp32 main grads (--engine megatron-lm); the presets, no
     # memo: every plan priced afresh
-    grads = GRAD_ACCUMULATION[random.choice(["megatron-core", "megatron-lm"])]
-    problem = Problem.resolve(m, c, batch, grad_accumulation=grads)
-    exhaustive = cheapest_fitting(space_plans(m, c, batch, space), problem, "none fits")
-    found = search_megatron_lm(m, c, batch, space, grad_accumulation=grads)
-    assert found.predicted_iteration_s == pytest.approx(exhaustive.predicted_iteration_s, rel=1e-12)
-    assert found.priced_engine == grads
-    args, cannot = megatron_lm_arguments(found, m)
-    assert cannot == [] and ("--grad-reduce-in-bf16" in args) == (grads.grad_bytes == 2)
+    for engine in ("megatron-core", "megatron-lm"):
+        grads = GRAD_ACCUMULATION[engine]
+        problem = Problem.resolve(m, c, batch, grad_accumulation=grads)
+        exhaustive = cheapest_fitting(space_plans(m, c, batch, space), problem, "none fits")
+        found = search_megatron_lm(m, c, batch, space, grad_accumulation=grads)
+        assert found.predicted_iteration_s == pytest.approx(exhaustive.predicted_iteration_s, rel=1e-12)
+        assert found.priced_engine == grads
+        args, cannot = megatron_lm_arguments(found, m)
+        assert cannot == [] and ("--grad-reduce-in-bf16" in args) == (engine == "megatron-core")
     assert (
         search_megatron_lm(m, c, batch).predicted_iteration_s
         <= search_grid(m, c, batch).predicted_iteration_s
@@ -436,6 +437,8 @@ def test_torchtitan_loads_the_job_config_as_the_plan_says(tmp_path, tp, dp, laye
     per_stage = [dict(stage, recompute=n) if stage.get("recompute", 0) is None else stage for n in layers]
     plan = _llama_plan(tp, dp, layers)
     plan.stages = [StagePlan(layers=n, **s) for n, s in zip(layers, per_stage, strict=True)]
+    if stage["zero"] == 0:  # torchtitan's DDP sums every micro-batch: a plan without accumulation
+        plan.micro_batch = plan.global_batch // dp
     config = torchtitan_config(plan, plan.model_spec(), "8B", JobInputs(train_iters=11, lr=3e-4))
     path = tmp_path / "job.toml"
     path.write_text(toml_text(config))
@@ -490,6 +493,12 @@ def test_torchtitan_names_what_it_cannot_express():
     llama = _llama_plan(2, 2, [16, 16], zero=0)
     with pytest.raises(CannotExport, match="DDP is for DP alone"):
         torchtitan_config(llama, llama.model_spec(), "8B")
+    # DDP over micro-batches: torchtitan all-reduces each one's gradients, the plan priced one sum
+    ddp = _llama_plan(1, 4, [32], zero=0)
+    with pytest.raises(CannotExport, match="summed once over 8 micro-batches"):
+        torchtitan_config(ddp, ddp.model_spec(), "8B")
+    ddp.micro_batch = 16
+    torchtitan_config(ddp, ddp.model_spec(), "8B")
 
 
 def test_torchtitan_export_prints_the_toml_or_one_line_per_part(tmp_path):

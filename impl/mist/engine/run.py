@@ -1124,9 +1124,8 @@ def priced_otherwise(plan: Plan) -> list[str]:
     if priced is not None and priced != GRAD_ACCUMULATION["megatron-core"]:
         notes.append(
             f"the engine adds every micro-batch's gradients into one zeroed 16-bit buffer and reduces "
-            f"them in 16 bits (megatron-core's); this plan was priced for {priced.engine}'s "
-            f"{priced.grad_bytes}-byte gradients reduced in {priced.reduce_bytes} bytes (`mist predict "
-            f"PLAN --engine megatron-core` prices what runs)"
+            f"them in 16 bits (megatron-core's); this plan was priced for how {priced.engine} "
+            f"accumulates and reduces them (`mist predict PLAN --engine megatron-core` prices what runs)"
         )
     return notes
 

@@ -538,3 +538,14 @@ GRAD_ACCUMULATION = {
     # reduce-scatter made them).
     "torchtitan": GradAccumulation("torchtitan", 3 * 4, False, reduce_bytes=4),
 }
+
+
+def check_grad_accumulation(value: object) -> GradAccumulation:
+    """``value`` if it is one of GRAD_ACCUMULATION's engines (a priced plan records its engine by
+    name, Plan.priced_engine); else ValueError, in one line."""
+    if not any(value == known for known in GRAD_ACCUMULATION.values()):
+        raise ValueError(
+            f"grad_accumulation must be one of mist.model.specs.GRAD_ACCUMULATION's engines "
+            f"({', '.join(GRAD_ACCUMULATION)}), got {value!r:.80}"
+        )
+    return value

@@ -29,7 +29,7 @@ from measure.units import format_bytes
 
 from ..model.interference import Interference
 from ..model.runtime import RuntimeModel, cpu_adam_params_per_s
-from ..model.specs import GRAD_ACCUMULATION, ClusterSpec, GradAccumulation, ModelSpec
+from ..model.specs import GRAD_ACCUMULATION, ClusterSpec, GradAccumulation, ModelSpec, check_grad_accumulation
 from ..plan import (
     MAX_GLOBAL_BATCH,
     Plan,
@@ -142,8 +142,7 @@ class PlannerOptions:
                 f"refine_offload_step must be None or a whole number in [1, {MAX_REFINE_OFFLOAD_STEP}], "
                 f"got {step!r:.40}"
             )
-        if not isinstance(self.grad_accumulation, GradAccumulation):
-            raise ValueError(f"grad_accumulation must be a GradAccumulation, got {self.grad_accumulation!r}")
+        check_grad_accumulation(self.grad_accumulation)
 
 
 def settings(problem: Problem, options: PlannerOptions) -> Iterator[Candidate]:
@@ -826,6 +825,12 @@ def refine(
     _check_inputs(model, cluster)
     _check_cost_models(runtime, interference)
     _check(plan, model, cluster)
+    priced = plan.priced_engine
+    if priced is not None and priced != options.grad_accumulation:
+        raise ValueError(
+            f"refine ranks for options.grad_accumulation ({options.grad_accumulation.engine}); this plan "
+            f"was priced for {priced.engine}: pass PlannerOptions(grad_accumulation=plan.priced_engine)"
+        )
     problem = Problem.of_plan(plan, model, cluster, runtime, interference, options.grad_accumulation)
     return _refine(problem, plan, options, passes)
 
@@ -1010,13 +1015,8 @@ def predict(
     _check_inputs(model, cluster)
     _check_cost_models(runtime, interference)
     _check(plan, model, cluster)
-    if grad_accumulation is None:
+    if grad_accumulation is None:  # the plan's own engine (Problem.resolve checks a given one)
         grad_accumulation = plan.priced_engine or GRAD_ACCUMULATION["megatron-core"]
-    elif not isinstance(grad_accumulation, GradAccumulation):
-        raise ValueError(
-            f"grad_accumulation must be None (the plan's own engine) or a GradAccumulation "
-            f"(mist.model.specs.GRAD_ACCUMULATION[name]), got {grad_accumulation!r:.60}"
-        )
     problem = Problem.of_plan(plan, model, cluster, runtime, interference, grad_accumulation)
     return _price(problem, plan, simulate)
 

@@ -18,7 +18,14 @@ from ..model.budget import gpu_budget_bytes, host_budget_bytes
 from ..model.calibrate import RateAbovePeakError, check_rates
 from ..model.interference import Interference, read_interference_preset
 from ..model.runtime import RuntimeModel, load_runtime_model
-from ..model.specs import CPU_PRESET, GRAD_ACCUMULATION, ClusterSpec, GradAccumulation, ModelSpec
+from ..model.specs import (
+    CPU_PRESET,
+    GRAD_ACCUMULATION,
+    ClusterSpec,
+    GradAccumulation,
+    ModelSpec,
+    check_grad_accumulation,
+)
 from ..plan import Plan, grad_accum
 from .pipeline_sim import in_flight
 from .stage_cost import Setting
@@ -114,6 +121,7 @@ class Problem:
         sequence_parallel: bool = True,
     ) -> Problem:
         """The problem ``search`` is given (cost models None: the presets of the cluster's GPU)."""
+        check_grad_accumulation(grad_accumulation)
         runtime, interference = cost_models(cluster, runtime, interference)
         return cls(
             model=model,

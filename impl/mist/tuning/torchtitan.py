@@ -6,7 +6,9 @@ weights gathered from forward to the step) or replicates them with DDP (DP alone
 with TP or PP it trains in bf16 only through FSDP, so those need DP > 1;
 its TP always shards the sequence; it pipelines any split of the layers with 1F1B (searched here:
 even, or the first and last stage uneven); it checkpoints the activations of no layer or of every
-layer; and FSDP's CPU offload keeps all of the weights, gradients and optimizer on the host.
+layer; and FSDP's CPU offload keeps all of the weights, gradients and optimizer on the host. Its
+DDP all-reduces every micro-batch's gradients (its train step never skips the sync), which a plan
+prices once an iteration: DDP is searched without gradient accumulation only.
 """
 
 from __future__ import annotations
@@ -59,6 +61,8 @@ def settings(model: ModelSpec, cluster: ClusterSpec, global_batch: int) -> Itera
             zeros = [0] if dp == 1 else [2, 3] if tp > 1 or pp > 1 else [0, 2, 3]
             for split in layer_splits(model.layers, pp):
                 for mb, zero in itertools.product(divisors(global_batch // dp), zeros):
+                    if zero == 0 and dp > 1 and mb != global_batch // dp:
+                        continue  # DDP all-reduces every micro-batch's gradients (see _torchtitan_limits)
                     for cpu_offload in (False, True) if zero == 3 else (False,):
                         yield TorchtitanSetting(tp, dp, mb, split, zero, cpu_offload)
 
