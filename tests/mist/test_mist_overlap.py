@@ -153,7 +153,7 @@ def test_megatron_lm_flags_and_what_torchtitan_cannot_say():
         global_batch=8,
         tp=1,
         dp=4,
-        micro_batch=1,
+        micro_batch=2,  # no accumulation: torchtitan's DDP would sum every micro-batch
         stages=[StagePlan(layers=llama.layers)],
     )
     with pytest.raises(CannotExport, match="always overlaps"):

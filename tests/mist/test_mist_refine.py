@@ -131,3 +131,19 @@ def test_the_committed_comparison_reprices_to_its_numbers():
         assert plan.simulated_iteration_s == pytest.approx(r["iteration_s"], rel=1e-9), key
         stored = [stage_memory_bytes(s) for s in r["stages"]]
         assert [(s.memory_bytes, s.host_memory_bytes) for s in plan.stages] == stored, key
+
+
+def test_refine_returns_the_plan_priced_as_it_stands():
+    """refine changed the offloaded fractions and returned the input's predictions (its memory,
+    times and iteration): the refined plan carried the unrefined plan's numbers."""
+    import copy
+
+    m, c = model("gpt3-13b"), cluster("l4", 8)
+    coarse = search(m, c, 64, PlannerOptions(refine_offload_step=None))
+    refined = refine(copy.deepcopy(coarse), m, c, PlannerOptions(), *_models(c))
+    assert refined.what_runs() != coarse.what_runs()  # it refined something (else nothing is tested)
+    repriced = predict(copy.deepcopy(refined), m, c)
+    assert refined.predicted_iteration_s == pytest.approx(repriced.predicted_iteration_s, rel=1e-12)
+    assert refined.predicted_iteration_s < coarse.predicted_iteration_s
+    assert [s.memory_bytes for s in refined.stages] == [s.memory_bytes for s in repriced.stages]
+    assert refined.breakdown == repriced.breakdown

@@ -816,7 +816,7 @@ def refine(
     and head get their own strategy (``Plan.pre_post``: ZeRO stage and three fractions) if one
     beats treating them as their stages' parameters; every candidate within the GPU's and the
     host's memory. Ranked as the search ranks (extras only when ``options.imbalance_aware``).
-    Layers, recomputation and ZeRO stages stay as the MILP placed them. Returns a new plan
+    Layers, recomputation and ZeRO stages stay as the MILP placed them. Returns a new plan, priced
     (never slower than ``plan``)."""
     if not isinstance(plan, Plan):
         raise ValueError(f"refine takes a mist Plan, got {type(plan).__name__}")
@@ -832,7 +832,8 @@ def refine(
             f"was priced for {priced.engine}: pass PlannerOptions(grad_accumulation=plan.priced_engine)"
         )
     problem = Problem.of_plan(plan, model, cluster, runtime, interference, options.grad_accumulation)
-    return _refine(problem, plan, options, passes)
+    # priced as it now stands: the descent changes fractions, not the input's predictions
+    return predict_for(problem, _refine(problem, plan, options, passes))
 
 
 def _edge_combos(space: SearchSpace, steps: np.ndarray) -> np.ndarray:
