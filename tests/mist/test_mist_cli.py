@@ -306,25 +306,8 @@ def test_an_engine_other_than_the_priced_one_is_said_or_refused(tmp_path, capsys
 
     m, c = model("gpt3-1.3b"), cluster("l4", 4)
     out = tmp_path / "plan.yaml"
-    assert (
-        main(
-            [
-                "plan",
-                "--model",
-                "gpt3-1.3b",
-                "--gpus",
-                "4",
-                "--gpu",
-                "l4",
-                "--global-batch",
-                "16",
-                "--quiet",
-                "--out",
-                str(out),
-            ]
-        )
-        == 0
-    )
+    argv = ["plan", "--model", "gpt3-1.3b", "--gpus", "4", "--gpu", "l4", "--global-batch", "16"]
+    assert main([*argv, "--quiet", "--out", str(out)]) == 0
     for engine, accumulation in GRAD_ACCUMULATION.items():
         plan = predict(Plan.load(out), m, c, grad_accumulation=accumulation)
         for target, runs in TARGET_ENGINES.items():
