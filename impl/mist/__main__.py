@@ -25,7 +25,7 @@ from measure.cli import OneLineParser, check_writable_file, reader_gone, repeate
 from measure.units import format_bytes
 
 from .model.profile_data import ARTIFACT_DATA, PRESET_NAME_RULE, is_preset_name
-from .model.specs import CPU_PRESET, GRAD_ACCUMULATION, cluster, gpus, hosts, model, models
+from .model.specs import CPU_PRESET, GRAD_ACCUMULATION, TARGET_ENGINES, cluster, gpus, hosts, model, models
 
 if TYPE_CHECKING:  # for the annotations only: each command imports what it uses when it runs
     from .plan import Plan
@@ -125,8 +125,6 @@ def gpu_memory_bytes(size: str | None) -> int | None:
 def plan_engine(args: argparse.Namespace) -> str:
     """The engine ``mist plan`` prices for: ``--engine``, or its target's default; one the target
     cannot run is refused."""
-    from .export import TARGET_ENGINES
-
     engines = TARGET_ENGINES.get(args.target, tuple(GRAD_ACCUMULATION))  # mist: any
     if args.engine is None:
         return engines[0]

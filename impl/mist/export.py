@@ -172,11 +172,6 @@ def _optimizer_arguments(plan: Plan) -> tuple[list[str], list[str]]:
     return args, cannot
 
 
-# the engines (GRAD_ACCUMULATION's) each trainer runs gradients as, its default first: Megatron-LM
-# at 16 bits (--grad-reduce-in-bf16) or its bf16 default's fp32 main grads; torchtitan its own
-TARGET_ENGINES = {"megatron-lm": ("megatron-core", "megatron-lm"), "torchtitan": ("torchtitan",)}
-
-
 def engine_run_as(plan: Plan, target: str) -> str:
     """The engine whose gradients ``target`` runs ``plan``'s as: Megatron-LM keeps fp32 main grads
     for a plan priced with 4-byte ones, else 16-bit ones; torchtitan always reduces in fp32."""

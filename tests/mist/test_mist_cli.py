@@ -300,8 +300,8 @@ def test_an_engine_other_than_the_priced_one_is_said_or_refused(tmp_path, capsys
     refine ranked for its options' engine and kept the plan's."""
     import dataclasses
 
-    from mist.export import TARGET_ENGINES, priced_otherwise_note
-    from mist.model.specs import GradAccumulation
+    from mist.export import priced_otherwise_note
+    from mist.model.specs import TARGET_ENGINES, GradAccumulation
     from mist.tuning.planner import PlannerOptions, refine
 
     m, c = model("gpt3-1.3b"), cluster("l4", 4)

@@ -539,6 +539,11 @@ GRAD_ACCUMULATION = {
     "torchtitan": GradAccumulation("torchtitan", 3 * 4, False, reduce_bytes=4),
 }
 
+# the engines (GRAD_ACCUMULATION's) each trainer runs gradients as, its default first: Megatron-LM
+# at 16 bits (mist export's --grad-reduce-in-bf16) or its bf16 default's fp32 main grads;
+# torchtitan its own
+TARGET_ENGINES = {"megatron-lm": ("megatron-core", "megatron-lm"), "torchtitan": ("torchtitan",)}
+
 
 def check_grad_accumulation(value: object) -> GradAccumulation:
     """``value`` if it is one of GRAD_ACCUMULATION's engines (a priced plan records its engine by

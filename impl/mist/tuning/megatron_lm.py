@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from ..model.interference import Interference
 from ..model.runtime import RuntimeModel
-from ..model.specs import GRAD_ACCUMULATION, ClusterSpec, GradAccumulation, ModelSpec
+from ..model.specs import GRAD_ACCUMULATION, TARGET_ENGINES, ClusterSpec, GradAccumulation, ModelSpec
 from ..plan import Plan, StagePlan, tp_splits
 from .exhaustive import fastest_fitting, layer_splits
 from .problem import divisors, powers_of_two
@@ -202,7 +202,7 @@ def search_megatron_lm(
     same model, and ``mist.export`` refuses it. ``grad_accumulation``: Megatron-LM's gradients as
     the export runs them, 16-bit (megatron-core's, the default: ``--grad-reduce-in-bf16``) or its
     bf16 default's fp32 main grads (``GRAD_ACCUMULATION["megatron-lm"]``)."""
-    if grad_accumulation.engine not in ("megatron-core", "megatron-lm"):
+    if grad_accumulation.engine not in TARGET_ENGINES["megatron-lm"]:
         raise ValueError(
             f"Megatron-LM accumulates gradients as megatron-core (16-bit) or megatron-lm (fp32 main "
             f"grads), not as {grad_accumulation.engine}"
