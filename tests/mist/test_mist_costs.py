@@ -416,7 +416,8 @@ def test_torchtitan_is_priced_for_its_fp32_reductions():
     """torchtitan 0.2.2 reduces gradients in fp32 (FSDP2's only reduce dtype; DDP's gradients under
     autocast are fp32), and `--target torchtitan` priced 16-bit reductions (docs/mist.md said so).
     The DP sum after backward (ZeRO-0) and ZeRO-2/3's reduce-scatters send twice the bytes: the
-    same collectives at twice the size, the weight gathers as they were."""
+    same collectives at twice the size, the weight gathers as they were. Unsharded, torchtitan
+    keeps 2 bytes a parameter more than priced, and DDP 6 (review 2026-12-07)."""
     from mist.model.specs import GRAD_ACCUMULATION
     from mist.tuning.planner import cost_models
     from mist.tuning.stage_cost import (
@@ -424,6 +425,8 @@ def test_torchtitan_is_priced_for_its_fp32_reductions():
         Setting,
         _buffer_gradient_sum,
         _zero_per_micro_batch,
+        evaluate_stage,
+        layer_numbers,
         strategy_grid,
     )
 
@@ -456,6 +459,19 @@ def test_torchtitan_is_priced_for_its_fp32_reductions():
     )
     assert np.allclose(g2g_titan - g2g_core, np.where(zero >= 2, more, 0.0), rtol=1e-9)
     assert (g2g_titan[zero >= 2] > g2g_core[zero >= 2]).all()
+    # memory: FSDP2's fp32 shards are the 16 bytes a parameter priced; unsharded, autocast's fp32
+    # weights, their bf16 copies kept for backward, fp32 gradients and moments take 18, and DDP's
+    # bucket copies of the gradients 4 more (the model priced 16 for both)
+    for replicas, extra in ((1, 2.0), (dp, 6.0)):
+        memory = {}
+        for engine in ("megatron-core", "torchtitan"):
+            st = Setting(
+                m, c, runtime, interference, 1, replicas, 1, 2, grad_accumulation=GRAD_ACCUMULATION[engine]
+            )
+            memory[engine] = evaluate_stage(st, layer_numbers(st), layers, 2, False, False, grid, 8)["memory"]
+        params = layers * layer_numbers(core).params
+        more = memory["torchtitan"] - memory["megatron-core"]
+        assert np.allclose(more, np.where(zero == 0, extra * params, 0.0), rtol=1e-9, atol=1.0), replicas
 
 
 def test_the_lm_head_holds_no_position_table():

@@ -508,6 +508,9 @@ class GradAccumulation:
     # bytes a parameter's gradient sends in each DP reduction: the sum after backward (ZeRO-0/1)
     # and ZeRO-2/3's reduce-scatters in backward
     reduce_bytes: int = 2
+    # device bytes a parameter of an unsharded (ZeRO-0) stage keeps beyond the 16 priced (16-bit
+    # weights and gradients, fp32 master and Adam moments): over one replica, over several
+    replicated_extra_bytes: tuple[float, float] = (0.0, 0.0)
 
     def adds_per_micro_batch(self, grad_accum: int, sharded: bool = False) -> float:
         """Adds per micro-batch, averaged over the iteration's ``grad_accum`` micro-batches.
@@ -531,12 +534,16 @@ GRAD_ACCUMULATION = {
     # micro-batch, and DP sums the fp32 main_grads.
     "megatron-lm": GradAccumulation("megatron-lm", 4 + 2 + 4, True, grad_bytes=4, reduce_bytes=4),
     # torchtitan (0.2.2) reduces in fp32: FSDP2's reduce_dtype (mixed_precision_reduce takes only
-    # float32), DDP's all-reduce of the fp32 gradients autocast leaves. Its sharded (FSDP2) or
-    # replicated (DDP) fp32 weights, gradients and Adam moments, 16 bytes a parameter, are priced
-    # as the others' 16-bit weights and gradients and fp32 master and moments (2 + 2 + 12). Each
-    # micro-batch but the first adds its fp32 gradients (the first's are kept as autograd or the
-    # reduce-scatter made them).
-    "torchtitan": GradAccumulation("torchtitan", 3 * 4, False, reduce_bytes=4),
+    # float32), DDP's all-reduce of the fp32 gradients autocast leaves. FSDP2's fp32 shards of
+    # weights, gradients and Adam moments, 16 bytes a parameter, are priced as the others' 16-bit
+    # weights and gradients and fp32 master and moments (2 + 2 + 12). Unsharded, it trains under
+    # autocast: fp32 weights (4), their bf16 copies autograd keeps for backward (2), fp32
+    # gradients (4), Adam's moments (8): 18 bytes, 2 more; DDP (replicate, no bucket views) copies
+    # the gradients into its buckets, 4 more. Each micro-batch but the first adds its fp32
+    # gradients (the first's are kept as autograd or the reduce-scatter made them).
+    "torchtitan": GradAccumulation(
+        "torchtitan", 3 * 4, False, reduce_bytes=4, replicated_extra_bytes=(2.0, 6.0)
+    ),
 }
 
 # the engines (GRAD_ACCUMULATION's) each trainer runs gradients as, its default first: Megatron-LM

@@ -425,12 +425,13 @@ def offloaded_layers(grid: dict[str, np.ndarray], layers: int) -> np.ndarray:
 
 
 def _state_bytes(
-    params: float, strategy: dict[str, np.ndarray], dp: int, grad_bytes: int
+    params: float, strategy: dict[str, np.ndarray], dp: int, grad_bytes: int, replicated_extra: float = 0.0
 ) -> dict[str, np.ndarray]:
     """Bytes per GPU of ``params`` parameters' weights, gradients (``grad_bytes`` each: the engine's,
     GradAccumulation) and optimizer state (each on the GPU or, the offloaded fraction, on the
     host), under ``strategy``'s ZeRO stage over ``dp`` replicas (its EDGE_FIELDS: a stage's grid or
-    the embedding/head's own strategy)."""
+    the embedding/head's own strategy); ``replicated_extra``: the engine's device bytes a parameter
+    more where nothing is sharded (GradAccumulation.replicated_extra_bytes)."""
     zero, offload_weights, offload_grads, offload_optimizer = (strategy[name] for name in EDGE_FIELDS)
     weights = 2.0 * params * np.where(zero >= 3, 1.0 / dp, 1.0)
     grads = float(grad_bytes) * params * np.where(zero >= 2, 1.0 / dp, 1.0)
@@ -439,7 +440,8 @@ def _state_bytes(
     return {
         "gpu": (1 - offload_weights) * weights
         + (1 - offload_grads) * grads
-        + (1 - offload_optimizer) * optimizer,
+        + (1 - offload_optimizer) * optimizer
+        + np.where(zero == 0, replicated_extra * params, 0.0),
         # ZeRO-2/3's gradient shards on the device: made by backward's reduce-scatters, freed after
         # the step (no persistent buffer, unlike ZeRO-0/1's)
         "sharded_grads": np.where(zero >= 2, (1 - offload_grads) * grads, 0.0),
@@ -1076,9 +1078,11 @@ def _stage_state(
     """(the embedding/head's parameters on the stage, (state bytes of the stage's layers, of its
     embedding/head)): _state_bytes under the grid's and the edge's strategies."""
     edge_params = _edge_params(layer, first, last)
-    grad_bytes = setting.grad_accumulation.grad_bytes
-    mine = _state_bytes(layers * layer.params, grid, setting.dp, grad_bytes)
-    theirs = _state_bytes(edge_params, edge, setting.dp, grad_bytes)  # none on a middle stage
+    accumulation = setting.grad_accumulation
+    grad_bytes = accumulation.grad_bytes
+    extra = accumulation.replicated_extra_bytes[1 if setting.dp > 1 else 0]
+    mine = _state_bytes(layers * layer.params, grid, setting.dp, grad_bytes, extra)
+    theirs = _state_bytes(edge_params, edge, setting.dp, grad_bytes, extra)  # none on a middle stage
     return edge_params, (mine, theirs)
 
 
