@@ -28,6 +28,7 @@ from .model.profile_data import ARTIFACT_DATA, PRESET_NAME_RULE, is_preset_name
 from .model.specs import CPU_PRESET, GRAD_ACCUMULATION, TARGET_ENGINES, cluster, gpus, hosts, model, models
 
 if TYPE_CHECKING:  # for the annotations only: each command imports what it uses when it runs
+    from .model.specs import GradAccumulation
     from .plan import Plan
 
 # ModelSpec fields `mist plan` can set over the preset: (flag, type, help)
@@ -135,8 +136,9 @@ def plan_engine(args: argparse.Namespace) -> str:
     return args.engine
 
 
-def _search_target(args, m, c, progress) -> Plan:
-    """``mist plan --target megatron-lm|torchtitan``: only what that trainer runs (every plan exports)."""
+def _search_target(args, m, c, accumulation: GradAccumulation, progress) -> Plan:
+    """``mist plan --target megatron-lm|torchtitan``: only what that trainer runs (every plan exports),
+    priced for ``accumulation`` (plan_engine's)."""
     from .tuning import megatron_lm, torchtitan
     from .tuning.planner import predict
 
@@ -155,7 +157,6 @@ def _search_target(args, m, c, progress) -> Plan:
         space = megatron_lm.MegatronLMSpace(recompute=not args.no_recompute)
         if args.no_offload:
             space = dataclasses.replace(space, offload_fractions=(0.0,))
-        accumulation = GRAD_ACCUMULATION[plan_engine(args)]
         plan = megatron_lm.search_megatron_lm(
             m, c, args.global_batch, space, progress=progress, grad_accumulation=accumulation
         )
@@ -189,7 +190,7 @@ def cmd_plan(args) -> int:
 
     try:
         if args.target != "mist":
-            plan = _search_target(args, m, c, progress)
+            plan = _search_target(args, m, c, options.grad_accumulation, progress)
         else:
             plan = search(m, c, args.global_batch, options, progress=progress)
     except NoFeasiblePlan as e:
