@@ -183,9 +183,14 @@ def engine_run_as(plan: Plan, target: str) -> str:
 
 def priced_otherwise_note(plan: Plan, target: str) -> str | None:
     """A line where ``target`` runs ``plan``'s gradients otherwise than they were priced; None
-    where it runs them as priced (or the plan was not priced)."""
-    priced, runs = plan.priced_engine, engine_run_as(plan, target)
-    if priced is None or priced.engine == runs:
+    where it runs them as priced (or the plan was not priced). A priced plan that records no
+    engine (written before plans did, or by hand) was priced as `mist predict` prices it:
+    megatron-core's."""
+    if plan.predicted_iteration_s is None and plan.priced_engine is None:
+        return None
+    priced = plan.priced_engine or GRAD_ACCUMULATION["megatron-core"]
+    runs = engine_run_as(plan, target)
+    if priced.engine == runs:
         return None
     return (
         f"the plan was priced for {priced.engine}'s gradients; {target} runs them as --engine {runs} "

@@ -359,6 +359,8 @@ class Plan:
         """How the engine this plan was priced for accumulates its gradients (``predict``'s
         ``grad_accumulation``, kept in the breakdown); None for a plan not priced yet."""
         name = self.breakdown.get("engine")
+        if name is not None and name not in GRAD_ACCUMULATION:  # a breakdown changed after loading
+            raise ValueError(f"breakdown engine {name!r} is none of {sorted(GRAD_ACCUMULATION)}")
         return None if name is None else GRAD_ACCUMULATION[name]
 
     def stage_parallelism(self, i: int) -> tuple[int, int, int]:

@@ -321,6 +321,17 @@ def test_an_engine_other_than_the_priced_one_is_said_or_refused(tmp_path, capsys
         assert main(["export", str(out.with_name(f"{engine}.yaml")), "--to", "megatron-lm"]) == 0
         said = [line for line in capsys.readouterr().err.splitlines() if "priced for" in line]
         assert bool(said) == (engine not in ("megatron-core", "megatron-lm")), (engine, said)
+    # a priced plan that records no engine (older files, another tool's) was priced as megatron-core;
+    # not priced at all, it was priced for nothing (review 2026-12-08)
+    unrecorded = Plan.load(out)
+    unrecorded.breakdown = {}
+    assert "priced for megatron-core's" in priced_otherwise_note(unrecorded, "torchtitan")
+    assert priced_otherwise_note(unrecorded, "megatron-lm") is None
+    unrecorded.predicted_iteration_s = None
+    assert priced_otherwise_note(unrecorded, "torchtitan") is None
+    unrecorded.breakdown = {"engine": "bogus"}  # changed after loading (loading refuses it)
+    with pytest.raises(ValueError, match="breakdown engine 'bogus' is none of"):
+        unrecorded.priced_engine  # noqa: B018
     custom = GradAccumulation("mine", 6.0, True)
     lookalike = dataclasses.replace(GRAD_ACCUMULATION["megatron-lm"], engine="megatron-core")
     for bad in (custom, lookalike, "megatron-lm"):
