@@ -370,22 +370,36 @@ def _torchtitan_parallel_limits(plan: Plan) -> list[str]:
         cannot.append("TP without sequence parallelism (torchtitan's TP always shards the sequence)")
     stages = plan.stages
     zero = {s.zero for s in stages}
-    if len(zero) > 1 or zero == {1}:
-        cannot.append("ZeRO-1 or ZeRO per stage (torchtitan shards with FSDP2: gradients and weights too)")
-    elif zero == {0} and plan.dp > 1 and (plan.tp > 1 or len(stages) > 1):
+    pipelined = len(stages) > 1
+    ddp = zero == {0} and plan.dp > 1
+    if len(zero) > 1:
+        cannot.append("ZeRO per stage (torchtitan's FSDP2 shards every stage alike)")
+    elif zero == {1} and not pipelined:
+        cannot.append("ZeRO-1 without PP (torchtitan's FSDP2 shards the gradients too, and the weights)")
+    elif zero & {2, 3} and pipelined and plan.dp > 1:
+        cannot.append(
+            "ZeRO-2/3 in a pipeline (torch's pipeline stages keep FSDP2's gradients whole until the "
+            "last micro-batch: plan ZeRO-1, as mist plan --target torchtitan does)"
+        )
+    elif ddp and (plan.tp > 1 or pipelined):
         cannot.append("DP without sharding beside TP or PP (torchtitan's DDP is for DP alone)")
-    if plan.dp == 1 and (plan.tp > 1 or len(stages) > 1):
+    elif ddp and plan.grad_accum > 1:
+        cannot.append(
+            f"DDP's gradients summed once over {plan.grad_accum} micro-batches (torchtitan's DDP "
+            "all-reduces every micro-batch's)"
+        )
+    if plan.dp == 1 and (plan.tp > 1 or pipelined):
         cannot.append(
             "TP or PP without DP (torchtitan's mixed precision comes with FSDP: it would train in fp32)"
         )
     elif plan.dp == 1 and zero & {2, 3}:
         cannot.append("ZeRO-2/3 over one replica (torchtitan applies no FSDP there, nor its CPU offload)")
-    if zero == {0} and plan.dp > 1 and not plan.overlap_grad_reduce:
+    if ddp and not plan.overlap_grad_reduce:
         cannot.append("DDP's all-reduce after backward (torch's DDP always overlaps it with backward)")
-    if zero == {0} and plan.dp > 1 and plan.grad_accum > 1:
+    if zero == {1} and pipelined and plan.overlap_grad_reduce:
         cannot.append(
-            f"DDP's gradients summed once over {plan.grad_accum} micro-batches (torchtitan's DDP "
-            "all-reduces every micro-batch's)"
+            "the reduce-scatter overlapped with backward (a pipeline's FSDP2 reduce-scatters after the "
+            "last micro-batch's backward)"
         )
     if plan.overlap_grad_reduce and plan.grad_bucket_params is not None:
         cannot.append(f"gradient buckets of {plan.grad_bucket_params} parameters (torchtitan has no option)")
@@ -425,16 +439,16 @@ def _fsdp_cpu_offload(plan: Plan) -> bool:
 
 
 def _torchtitan_parallelism(plan: Plan) -> dict:
-    """[parallelism]: DP as FSDP2 shards (ZeRO-2/3) or DDP replicas, TP, and PP with each stage's
-    modules named (any split) under 1F1B."""
-    stages, sharded = plan.stages, {s.zero for s in plan.stages} & {2, 3}
+    """[parallelism]: DP as FSDP2 shards (ZeRO-2/3; ZeRO-1 in a pipeline) or DDP replicas, TP, and
+    PP with each stage's modules named (any split) under 1F1B."""
+    stages, sharded = plan.stages, {s.zero for s in plan.stages} & {1, 2, 3}
     parallelism = {
         "data_parallel_replicate_degree": 1 if sharded else plan.dp,
         "data_parallel_shard_degree": plan.dp if sharded else 1,
         "tensor_parallel_degree": plan.tp,
         "pipeline_parallel_degree": len(stages),
     }
-    if sharded:  # ZeRO-3 frees each layer's weights after forward; ZeRO-2 keeps them to the step
+    if sharded:  # ZeRO-3 frees each layer's weights after forward; ZeRO-1/2 keep them to the step
         parallelism["fsdp_reshard_after_forward"] = "always" if sharded == {3} else "never"
     if len(stages) > 1:
         first, names = 0, []

@@ -399,7 +399,7 @@ def test_an_engines_gradient_bytes_are_priced_in_memory_and_in_the_dp_sum():
         accumulation = GRAD_ACCUMULATION[engine]
         st = Setting(m, c, *cost_models(c), 1, 2, 1, 2, grad_accumulation=accumulation)
         priced[engine] = evaluate_stage(st, layer_numbers(st), 6, 2, False, False, grid, 8)
-        state[engine] = _state_bytes(1.0, strategy, 2, accumulation.grad_bytes)  # a parameter's
+        state[engine] = _state_bytes(1.0, strategy, 2, accumulation)  # a parameter's
     grads = np.where(zero >= 2, 1.0, 2.0)  # 2 bytes more a parameter, over 2 replicas at ZeRO-2
     assert np.allclose(state["megatron-lm"]["gpu"] - state["megatron-core"]["gpu"], grads, rtol=1e-12)
     opt_share = np.where(zero >= 1, 0.5, 1.0)
@@ -417,7 +417,8 @@ def test_torchtitan_is_priced_for_its_fp32_reductions():
     autocast are fp32), and `--target torchtitan` priced 16-bit reductions (docs/mist.md said so).
     The DP sum after backward (ZeRO-0) and ZeRO-2/3's reduce-scatters send twice the bytes: the
     same collectives at twice the size, the weight gathers as they were. Unsharded, torchtitan
-    keeps 2 bytes a parameter more than priced, and DDP 6 (review 2026-12-07)."""
+    keeps 2 bytes a parameter more than priced, and DDP 6 (review 2026-12-07); so does its ZeRO-1
+    (FSDP2 in a pipeline: whole fp32 gradients over the micro-batches), 2 (review 2026-12-08)."""
     from mist.model.specs import GRAD_ACCUMULATION
     from mist.tuning.planner import cost_models
     from mist.tuning.stage_cost import (
@@ -432,7 +433,7 @@ def test_torchtitan_is_priced_for_its_fp32_reductions():
 
     dp = random.choice([2, 4])
     m, c = model("llama-1.3b"), cluster("l4", dp)
-    grid = strategy_grid(6, SearchSpace(offload=False, recompute=False, zero_stages=(0, 2, 3)))
+    grid = strategy_grid(6, SearchSpace(offload=False, recompute=False, zero_stages=(0, 1, 2, 3)))
     zero = grid["zero"]
     runtime, interference = cost_models(c)
     core, titan = (
@@ -461,7 +462,8 @@ def test_torchtitan_is_priced_for_its_fp32_reductions():
     assert (g2g_titan[zero >= 2] > g2g_core[zero >= 2]).all()
     # memory: FSDP2's fp32 shards are the 16 bytes a parameter priced; unsharded, autocast's fp32
     # weights, their bf16 copies kept for backward, fp32 gradients and moments take 18, and DDP's
-    # bucket copies of the gradients 4 more (the model priced 16 for both)
+    # bucket copies of the gradients 4 more (the model priced 16 for both); in a pipeline (ZeRO-1)
+    # FSDP2's whole gradients are fp32, 2 more
     for replicas, extra in ((1, 2.0), (dp, 6.0)):
         memory = {}
         for engine in ("megatron-core", "torchtitan"):
@@ -471,7 +473,50 @@ def test_torchtitan_is_priced_for_its_fp32_reductions():
             memory[engine] = evaluate_stage(st, layer_numbers(st), layers, 2, False, False, grid, 8)["memory"]
         params = layers * layer_numbers(core).params
         more = memory["torchtitan"] - memory["megatron-core"]
-        assert np.allclose(more, np.where(zero == 0, extra * params, 0.0), rtol=1e-9, atol=1.0), replicas
+        expected = np.where(zero == 0, extra, 2.0) * params
+        # (ZeRO-2/3: FSDP2's fp32 reduce-scatter input, test_torchtitans_fsdp2_ends_a_layers_...)
+        unsharded = zero < 2
+        assert np.allclose(more[unsharded], expected[unsharded], rtol=1e-9, atol=1.0), replicas
+
+
+def test_torchtitans_fsdp2_ends_a_layers_backward_holding_fp32_reduce_input():
+    """Review 2026-12-08: FSDP2 reduce-scatters in torchtitan's reduce dtype (fp32), so a layer's
+    backward ends holding its bf16 gradients and an fp32 copy of them, 6 bytes a parameter, at
+    ZeRO-2 (FSDP2 without resharding) as at ZeRO-3; the model priced mist.engine.run's 4 at ZeRO-3
+    and nothing at ZeRO-2 for torchtitan too. The engines' own pricing is unchanged."""
+    from mist.model.specs import GRAD_ACCUMULATION
+    from mist.tuning.planner import cost_models
+    from mist.tuning.stage_cost import (
+        SearchSpace,
+        Setting,
+        _sharded_grads_end_bytes,
+        evaluate_stage,
+        layer_numbers,
+        strategy_grid,
+    )
+
+    zero = np.array([0, 1, 2, 3])
+    weights = random.uniform(1e6, 1e9)
+    core, titan = GRAD_ACCUMULATION["megatron-core"], GRAD_ACCUMULATION["torchtitan"]
+    assert list(_sharded_grads_end_bytes(core, zero, weights, own=2.0)) == [0, 0, 0, 2 * weights]
+    assert list(_sharded_grads_end_bytes(core, zero, weights, own=1.0)) == [0, 0, 0, weights]
+    for own in (1.0, 2.0):  # FSDP2's: the gradients (2 bytes) and the fp32 input (4), whatever the module
+        assert list(_sharded_grads_end_bytes(titan, zero, weights, own)) == [0, 0, 3 * weights, 3 * weights]
+    dp = random.choice([2, 4])
+    m, c = model("llama-1.3b"), cluster("l4", dp)
+    grid = strategy_grid(6, SearchSpace(offload=False, recompute=False, zero_stages=(2, 3)))
+    runtime, interference = cost_models(c)
+    memory = {}
+    for engine in ("megatron-core", "torchtitan"):
+        st = Setting(m, c, runtime, interference, 1, dp, 1, 1, grad_accumulation=GRAD_ACCUMULATION[engine])
+        layers = 6
+        memory[engine] = evaluate_stage(st, layer_numbers(st), layers, 2, False, False, grid, 8)["memory"]
+    layer_weights = 2.0 * layer_numbers(st).params
+    more = memory["torchtitan"] - memory["megatron-core"]
+    # the end's bytes enter through a maximum with the peak op's: at most what they grew by
+    grew = np.where(grid["zero"] == 2, 3.0, 1.0) * layer_weights
+    assert (more >= 0).all() and (more <= grew * (1 + 1e-9)).all(), (more, grew)
+    assert (more[grid["zero"] == 2] > 0).all()  # a Llama layer's end holds more than its peak op
 
 
 def test_the_lm_head_holds_no_position_table():
@@ -811,10 +856,9 @@ def _added_by(gpu: str, dp: int, params: float, **fractions) -> tuple:
     priced = []
     for offloaded in ({}, fractions):
         strategy = dict.fromkeys(EDGE_FIELDS, np.zeros(4)) | {"zero": ZERO_STAGES, **offloaded}
-        grads = st.grad_accumulation.grad_bytes
         parts = (
-            (_state_bytes(params, strategy, dp, grads), strategy),
-            (_state_bytes(0.0, none, dp, grads), none),
+            (_state_bytes(params, strategy, dp, st.grad_accumulation), strategy),
+            (_state_bytes(0.0, none, dp, st.grad_accumulation), none),
         )
         priced.append(_sync_and_step(st, 2 * params, 0.0, ZERO_STAGES, np.zeros(1), False, parts))
     (sync, step), (sync_off, step_off) = priced
@@ -1511,7 +1555,8 @@ def test_a_layers_backward_is_priced_above_what_it_keeps():
     and the reduce-scatter input, what it kept freed) where that is larger. Controls: the
     selective excess where every layer is recomputed, and the plain excess under selective
     recomputation, give other numbers."""
-    from mist.tuning.stage_cost import LayerNumbers, _layer_backward_peak
+    from mist.model.specs import GRAD_ACCUMULATION
+    from mist.tuning.stage_cost import LayerNumbers, _layer_backward_peak, _sharded_grads_end_bytes
 
     numbers = {"saved": 1000.0, "selective_saved": 600.0, "backward_excess": 70.0}
     layer = LayerNumbers(
@@ -1527,7 +1572,8 @@ def test_a_layers_backward_is_priced_above_what_it_keeps():
         }
 
     def peak(recompute, selective, zero=0, recomputed=False, weights=0.0):
-        return float(_layer_backward_peak(layer, grid(recompute, selective, zero), 4, weights, recomputed)[0])
+        end = _sharded_grads_end_bytes(GRAD_ACCUMULATION["megatron-core"], zero, weights, own=2.0)
+        return float(_layer_backward_peak(layer, grid(recompute, selective, zero), 4, end, recomputed)[0])
 
     assert peak(0, 0) == 70 + 10
     assert peak(1, 1) == 300 + 10 != 70 + 10

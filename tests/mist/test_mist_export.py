@@ -415,13 +415,13 @@ def _llama_plan(tp: int, dp: int, layers: list[int], **stage) -> Plan:
 @pytest.mark.parametrize(
     ("tp", "dp", "layers", "stage"),
     [
-        # PP + TP + FSDP without resharding (which gathers the weights in the next forward)
-        (2, 2, [15, 17], {"zero": 2, "recompute": None, "gather_in_forward": True}),
+        # PP + TP + FSDP, ZeRO-1 in a pipeline (its gradient sync held to the last micro-batch)
+        (2, 2, [15, 17], {"zero": 1, "recompute": None}),
         (1, 8, [32], {"zero": 3, "offload_weights": 1.0, "offload_grads": 1.0, "offload_optimizer": 1.0}),
         (1, 4, [32], {"zero": 0}),  # DDP alone
-        (2, 2, [8, 8, 8, 8], {"zero": 3, "recompute": None}),  # TP + PP + ZeRO-3, every layer recomputed
+        (2, 2, [8, 8, 8, 8], {"zero": 1}),  # TP + PP + FSDP, no layer recomputed
     ],
-    ids=["pp-tp-zero2", "zero3-offload", "ddp", "tp-pp-zero3"],
+    ids=["pp-tp-fsdp-recompute", "zero3-offload", "ddp", "tp-pp-fsdp"],
 )
 def test_torchtitan_loads_the_job_config_as_the_plan_says(tmp_path, tp, dp, layers, stage):
     """The TOML of ``mist export --to torchtitan`` through torchtitan's own ConfigManager (the
@@ -439,6 +439,7 @@ def test_torchtitan_loads_the_job_config_as_the_plan_says(tmp_path, tp, dp, laye
     plan.stages = [StagePlan(layers=n, **s) for n, s in zip(layers, per_stage, strict=True)]
     if stage["zero"] == 0:  # torchtitan's DDP sums every micro-batch: a plan without accumulation
         plan.micro_batch = plan.global_batch // dp
+    plan.overlap_grad_reduce = stage["zero"] != 1  # a pipeline's FSDP2 reduces after its backward
     config = torchtitan_config(plan, plan.model_spec(), "8B", JobInputs(train_iters=11, lr=3e-4))
     path = tmp_path / "job.toml"
     path.write_text(toml_text(config))
@@ -481,18 +482,26 @@ def test_torchtitan_loads_the_job_config_as_the_plan_says(tmp_path, tp, dp, laye
 def test_torchtitan_names_what_it_cannot_express():
     from mist.export import torchtitan_config
 
-    stages = [StagePlan(layers=12, recompute=3, zero=1), StagePlan(layers=12, zero=1)]
+    stages = [StagePlan(layers=12, recompute=3, zero=2), StagePlan(layers=12, zero=2)]
     gpt = Plan.of(
         model("gpt3-1.3b"), cluster("l4", 4), global_batch=16, tp=1, dp=2, micro_batch=1, stages=stages
     )
     with pytest.raises(CannotExport) as refused:
         torchtitan_config(gpt, gpt.model_spec(), "")
     text = " | ".join(refused.value.parts)
-    for reason in ("no model flavor", "Llama-style", "ZeRO-1", "recomputing some layers"):
+    for reason in ("no model flavor", "Llama-style", "ZeRO-2/3 in a pipeline", "recomputing some layers"):
         assert sum(reason in part for part in refused.value.parts) == 1, (reason, text)
+    # FSDP2 is ZeRO-1 in a pipeline only, and reduce-scatters there after the last backward
+    for layers, overlap, reason in (([32], False, "ZeRO-1 without PP"), ([16, 16], True, "overlapped")):
+        sharded = _llama_plan(2, 2, layers, zero=1)
+        sharded.overlap_grad_reduce = overlap
+        with pytest.raises(CannotExport) as refused:
+            torchtitan_config(sharded, sharded.model_spec(), "8B")
+        assert len(refused.value.parts) == 1 and reason in refused.value.parts[0], refused.value.parts
     llama = _llama_plan(2, 2, [16, 16], zero=0)
-    with pytest.raises(CannotExport, match="DDP is for DP alone"):
+    with pytest.raises(CannotExport) as refused:  # one line: DDP over micro-batches is not said too
         torchtitan_config(llama, llama.model_spec(), "8B")
+    assert len(refused.value.parts) == 1 and "DDP is for DP alone" in refused.value.parts[0]
     # DDP over micro-batches: torchtitan all-reduces each one's gradients, the plan priced one sum
     ddp = _llama_plan(1, 4, [32], zero=0)
     with pytest.raises(CannotExport, match="summed once over 8 micro-batches"):

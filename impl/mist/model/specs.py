@@ -511,6 +511,13 @@ class GradAccumulation:
     # device bytes a parameter of an unsharded (ZeRO-0) stage keeps beyond the 16 priced (16-bit
     # weights and gradients, fp32 master and Adam moments): over one replica, over several
     replicated_extra_bytes: tuple[float, float] = (0.0, 0.0)
+    # device bytes a parameter of a ZeRO-1 stage keeps beyond the same 16 (sharded optimizer,
+    # whole gradients)
+    zero1_extra_bytes: float = 0.0
+    # the ZeRO stage from which the engine shards gradients as FSDP2 does, each module's backward
+    # ending with its 16-bit gradients and their reduce-scatter input in the reduce dtype both
+    # held; None: mist.engine.run's own ZeRO-3 (stage_cost._sharded_grads_end_bytes)
+    fsdp2_from_zero: int | None = None
 
     def adds_per_micro_batch(self, grad_accum: int, sharded: bool = False) -> float:
         """Adds per micro-batch, averaged over the iteration's ``grad_accum`` micro-batches.
@@ -539,10 +546,20 @@ GRAD_ACCUMULATION = {
     # weights and gradients and fp32 master and moments (2 + 2 + 12). Unsharded, it trains under
     # autocast: fp32 weights (4), their bf16 copies autograd keeps for backward (2), fp32
     # gradients (4), Adam's moments (8): 18 bytes, 2 more; DDP (replicate, no bucket views) copies
-    # the gradients into its buckets, 4 more. Each micro-batch but the first adds its fp32
-    # gradients (the first's are kept as autograd or the reduce-scatter made them).
+    # the gradients into its buckets, 4 more. Its ZeRO-1 is FSDP2 in a pipeline: torch's pipeline
+    # stages (torch.distributed.pipelining) turn FSDP's gradient sync off for every micro-batch
+    # and reduce-scatter once after the last one's backward, so a stage keeps its gathered 16-bit
+    # weights and its whole gradients, accumulated in fp32 (FSDP2's reduce dtype): 2 bytes more.
+    # Each micro-batch but the first adds its fp32 gradients (the first's are kept as autograd
+    # or the reduce-scatter made them).
     "torchtitan": GradAccumulation(
-        "torchtitan", 3 * 4, False, reduce_bytes=4, replicated_extra_bytes=(2.0, 6.0)
+        "torchtitan",
+        3 * 4,
+        False,
+        reduce_bytes=4,
+        replicated_extra_bytes=(2.0, 6.0),
+        zero1_extra_bytes=2.0,
+        fsdp2_from_zero=2,  # its ZeRO-2 is FSDP2 without resharding
     ),
 }
 

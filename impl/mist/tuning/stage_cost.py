@@ -425,23 +425,26 @@ def offloaded_layers(grid: dict[str, np.ndarray], layers: int) -> np.ndarray:
 
 
 def _state_bytes(
-    params: float, strategy: dict[str, np.ndarray], dp: int, grad_bytes: int, replicated_extra: float = 0.0
+    params: float, strategy: dict[str, np.ndarray], dp: int, accumulation: GradAccumulation
 ) -> dict[str, np.ndarray]:
-    """Bytes per GPU of ``params`` parameters' weights, gradients (``grad_bytes`` each: the engine's,
-    GradAccumulation) and optimizer state (each on the GPU or, the offloaded fraction, on the
-    host), under ``strategy``'s ZeRO stage over ``dp`` replicas (its EDGE_FIELDS: a stage's grid or
-    the embedding/head's own strategy); ``replicated_extra``: the engine's device bytes a parameter
-    more where nothing is sharded (GradAccumulation.replicated_extra_bytes)."""
+    """Bytes per GPU of ``params`` parameters' weights, gradients (the engine's ``grad_bytes``
+    each) and optimizer state (each on the GPU or, the offloaded fraction, on the host), under
+    ``strategy``'s ZeRO stage over ``dp`` replicas (its EDGE_FIELDS: a stage's grid or the
+    embedding/head's own strategy), and the device bytes the engine keeps beyond them at ZeRO-0
+    and ZeRO-1 (``accumulation``'s replicated_extra_bytes, zero1_extra_bytes)."""
     zero, offload_weights, offload_grads, offload_optimizer = (strategy[name] for name in EDGE_FIELDS)
+    grad_bytes = accumulation.grad_bytes
     weights = 2.0 * params * np.where(zero >= 3, 1.0 / dp, 1.0)
     grads = float(grad_bytes) * params * np.where(zero >= 2, 1.0 / dp, 1.0)
     opt_params = params * np.where(zero >= 1, 1.0 / dp, 1.0)
     optimizer = ADAM_BYTES_PER_PARAM * opt_params
+    replicated_extra = accumulation.replicated_extra_bytes[1 if dp > 1 else 0]
+    extra = np.where(zero == 0, replicated_extra, np.where(zero == 1, accumulation.zero1_extra_bytes, 0.0))
     return {
         "gpu": (1 - offload_weights) * weights
         + (1 - offload_grads) * grads
         + (1 - offload_optimizer) * optimizer
-        + np.where(zero == 0, replicated_extra * params, 0.0),
+        + extra * params,
         # ZeRO-2/3's gradient shards on the device: made by backward's reduce-scatters, freed after
         # the step (no persistent buffer, unlike ZeRO-0/1's)
         "sharded_grads": np.where(zero >= 2, (1 - offload_grads) * grads, 0.0),
@@ -750,27 +753,37 @@ def clip_barrier_s(setting: Setting) -> float:
     )
 
 
-def _layer_backward_peak(
-    layer: LayerNumbers, grid: dict, layers: int, layer_weights: float, recomputed: bool = False
-):
+def _sharded_grads_end_bytes(accumulation: GradAccumulation, zero, weights, own: float):
+    """Bytes a module whose 16-bit weights take ``weights`` ends its backward holding where its
+    gradients are sharded (0.0 below): FSDP2's (from ZeRO ``accumulation.fsdp2_from_zero``), its
+    gradients as autograd makes them and their reduce-scatter input, ``reduce_bytes`` a
+    parameter; mist.engine.run's ZeRO-3, ``own`` times ``weights`` (a layer: its gradients and
+    the input, 2; the embedding or the head: the input alone, 1; as its tests measured)."""
+    zero = np.asarray(zero)
+    if accumulation.fsdp2_from_zero is None:
+        return np.where(zero >= 3, own * weights, 0.0)
+    return np.where(zero >= accumulation.fsdp2_from_zero, (1 + accumulation.reduce_bytes / 2) * weights, 0.0)
+
+
+def _layer_backward_peak(layer: LayerNumbers, grid: dict, layers: int, layer_end, recomputed: bool = False):
     """Bytes one layer's backward adds above what is held: above what it keeps, its peak op's
     (``LayerNumbers.backward_excess``) and the residual stream's gradient the layer's backward
     carries; a ``recomputed`` layer's activations made again as well.
 
-    What ZeRO-3 (FSDP2) adds: a module's gradients as backward makes them (whole: there is no
-    persistent buffer to add them into), then its reduce-scatter input, which FSDP2 keeps until
-    the next module reduces (one in flight). A layer's gradients are made op by op as its
-    activations are freed: at its peak op only that op's weight gradient exists (in the op's
-    working set, as in every layer), at its end all of them and the reduce-scatter's input, with
-    the layer's activations gone (profiler traces of the engine, 2026-12-02). The end is priced
-    as the peak op's bytes with those 2 layers' weights added and what the layer keeps taken off
-    (``freed``: the kept activations, a recomputed layer's input where every layer is); that sum,
-    not a tighter count of what the end holds, is what the engine's ZeRO-3 tests measured within
-    -8% to +3% (docs/mist.md)."""
+    What ZeRO-3 (FSDP2) adds, ``layer_end`` (_sharded_grads_end_bytes): a module's gradients as
+    backward makes them (whole: there is no persistent buffer to add them into), then its
+    reduce-scatter input, which FSDP2 keeps until the next module reduces (one in flight). A
+    layer's gradients are made op by op as its activations are freed: at its peak op only that
+    op's weight gradient exists (in the op's working set, as in every layer), at its end all of
+    them and the reduce-scatter's input, with the layer's activations gone (profiler traces of
+    the engine, 2026-12-02). The end is priced as the peak op's bytes with those added and what
+    the layer keeps taken off (``freed``: the kept activations, a recomputed layer's input where
+    every layer is); that sum, not a tighter count of what the end holds, is what the engine's
+    ZeRO-3 tests measured within -8% to +3% (docs/mist.md)."""
     working = _peak_op_bytes(layer, grid, layers, recomputed)
     freed = np.where(grid["recompute"] < layers, _kept_per_layer(layer, grid), layer.layer_input)
-    at_end = working + 2 * layer_weights - freed
-    return np.where(grid["zero"] >= 3, np.maximum(working, at_end), working)
+    at_end = working + layer_end - freed
+    return np.where(layer_end > 0, np.maximum(working, at_end), working)
 
 
 def _peak_op_bytes(layer: LayerNumbers, grid: dict, layers: int, recomputed: bool):
@@ -797,7 +810,7 @@ def _backward_start(
     per_flight,
     buffers,
     layers: int,
-    layer_weights: float,
+    layer_end,
     last_edge_grads,
     last: bool,
 ):
@@ -822,7 +835,7 @@ def _backward_start(
     # the last layer's backward, once the head's has run and freed what it kept for this
     # micro-batch (its fp32 logits and the final norm's tensors: in ``activations``)
     head_freed = layer.head_saved if last else 0.0
-    peak = _layer_backward_peak(layer, grid, layers, layer_weights)
+    peak = _layer_backward_peak(layer, grid, layers, layer_end)
     kept_layer_peak = np.where(last_swapped, 0.0, peak - head_freed)
     start = activations + buffers + np.maximum(head, kept_layer_peak) + last_edge_grads
     # backward then reaches the offloaded layers, this micro-batch's kept ones (and its head's) freed
@@ -833,7 +846,7 @@ def _backward_start(
     # The fully recomputed layers are the stage's first: backward reaches them once this
     # micro-batch's other layers have freed what they kept (the recomputed ones kept their inputs;
     # the offloaded ones' copies are gone), and makes one layer's activations again
-    recomputing = others + buffers + _layer_backward_peak(layer, grid, layers, layer_weights, recomputed=True)
+    recomputing = others + buffers + _layer_backward_peak(layer, grid, layers, layer_end, recomputed=True)
     return np.where(recompute > 0, np.maximum(start, recomputing), start)
 
 
@@ -865,18 +878,22 @@ def _device_memory(
     mine: dict,
     theirs: dict,
     grad_accum: int,
+    accumulation: GradAccumulation,
 ):
     """A stage's peak device bytes: its static state and the larger of two peaks, backward (its
     start, its recomputed layers, and with one micro-batch a step its end) and the optimizer
-    step. ``activations``: every in-flight micro-batch's; ``per_flight``: one's."""
+    step. ``activations``: every in-flight micro-batch's; ``per_flight``: one's; ``accumulation``:
+    how the engine shards gradients (_sharded_grads_end_bytes)."""
     recompute, zero, offload_weights = grid["recompute"], grid["zero"], grid["offload_weights"]
     # a layer's full weights; the embedding's or the head's (one at a time: opposite ends)
     layer_weights, edge_weights = layer_w_full, _edge_weight_bytes(layer, first, last)
-    layers_zero3, edge_zero3 = zero >= 3, edge["zero"] >= 3
+    layers_zero3 = zero >= 3
     buffers = _weight_buffers(grid, edge, layer_weights, edge_weights)
-    last_edge_grads = np.where(edge_zero3 & last, 2.0 * layer.head_params, 0.0)  # bf16: its weights' bytes
+    layer_end = _sharded_grads_end_bytes(accumulation, zero, layer_weights, own=2.0)
+    head_end = _sharded_grads_end_bytes(accumulation, edge["zero"], 2.0 * layer.head_params, own=1.0)
+    last_edge_grads = head_end if last else 0.0
     start = _backward_start(
-        layer, grid, activations, per_flight, buffers, layers, layer_weights, last_edge_grads, last
+        layer, grid, activations, per_flight, buffers, layers, layer_end, last_edge_grads, last
     )
     # Two peaks: backward and the optimizer step, where mixed-precision Adam holds an fp32 copy of
     # the gradients it steps on the GPU. With one micro-batch a step, ZeRO-2/3's gradient shards
@@ -893,8 +910,9 @@ def _device_memory(
         _peak_op_bytes(layer, grid, layers, recomputed=True),
         _kept_per_layer(layer, grid) + _peak_op_bytes(layer, grid, layers, recomputed=False),
     )
-    at_end = gathered + first_layer + made + np.where(layers_zero3, 2 * layer_weights, 0.0)
-    at_end = at_end + np.where(edge_zero3 & first, edge_weights, 0.0)
+    at_end = gathered + first_layer + made + layer_end
+    if first:  # the embedding's gradients, its backward's last
+        at_end = at_end + _sharded_grads_end_bytes(accumulation, edge["zero"], edge_weights, own=1.0)
     backward = np.maximum(start, at_end) if grad_accum == 1 else start
     step_peak = mine["step_copy"] + theirs["step_copy"] + sharded_grads
     return static + np.maximum(backward, step_peak)
@@ -1021,11 +1039,12 @@ def _stage_memory(
     last: bool,
     state: tuple[dict, dict],
     grad_accum: int,
+    accumulation: GradAccumulation,
 ) -> tuple:
     """(memory, per_flight, host_per_flight): a stage's peak device bytes with ``in_flight``
     micro-batches held, what one more adds, and what one more adds in host memory (its offloaded
     activations: host bytes are affine in in_flight too). ``state``: the stage's layers' and its
-    embedding/head's state bytes (_state_bytes)."""
+    embedding/head's state bytes (_state_bytes); ``accumulation``: the engine's gradients."""
     mine, theirs = state
     per_flight, host_per_flight = _per_flight(layer, grid, layers, last)
     memory = _device_memory(
@@ -1041,6 +1060,7 @@ def _stage_memory(
         mine,
         theirs,
         grad_accum,
+        accumulation,
     )
     return memory, per_flight, host_per_flight
 
@@ -1079,10 +1099,8 @@ def _stage_state(
     embedding/head)): _state_bytes under the grid's and the edge's strategies."""
     edge_params = _edge_params(layer, first, last)
     accumulation = setting.grad_accumulation
-    grad_bytes = accumulation.grad_bytes
-    extra = accumulation.replicated_extra_bytes[1 if setting.dp > 1 else 0]
-    mine = _state_bytes(layers * layer.params, grid, setting.dp, grad_bytes, extra)
-    theirs = _state_bytes(edge_params, edge, setting.dp, grad_bytes, extra)  # none on a middle stage
+    mine = _state_bytes(layers * layer.params, grid, setting.dp, accumulation)
+    theirs = _state_bytes(edge_params, edge, setting.dp, accumulation)  # none on a middle stage
     return edge_params, (mine, theirs)
 
 
@@ -1178,7 +1196,7 @@ def fitting_rows(
     state = tuple({key: bytes_[of_row] for key, bytes_ in part.items()} for part in combos)
     edge = {name: strategies[name] for name in EDGE_FIELDS}
     memory, per_flight, host_per_flight = _stage_memory(
-        layer, strategies, edge, layers, 1, first, last, state, grad_accum
+        layer, strategies, edge, layers, 1, first, last, state, grad_accum, setting.grad_accumulation
     )
     host_memory = _host_memory(state, host_per_flight, 1)
     _, fits = held_and_fits(memory, per_flight, host_memory, host_per_flight, in_flight, budget, host_budget)
@@ -1253,7 +1271,16 @@ def evaluate_stage(
     )
     sync, step, wait = _last_micro_batch_s(setting, layer, layers, grid, edge, edge_params, (mine, theirs))
     memory, per_flight, host_per_flight = _stage_memory(
-        layer, grid, edge, layers, in_flight, first, last, (mine, theirs), grad_accum
+        layer,
+        grid,
+        edge,
+        layers,
+        in_flight,
+        first,
+        last,
+        (mine, theirs),
+        grad_accum,
+        setting.grad_accumulation,
     )
     return {
         "steady": np.broadcast_to(steady, shape),

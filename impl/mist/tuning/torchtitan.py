@@ -3,7 +3,10 @@
 
 torchtitan (0.2.2) shards data-parallel replicas with FSDP2 (ZeRO-3; ZeRO-2 when it keeps the
 weights gathered from forward to the step) or replicates them with DDP (DP alone, no TP or PP);
-with TP or PP it trains in bf16 only through FSDP, so those need DP > 1;
+with TP or PP it trains in bf16 only through FSDP, so those need DP > 1. In a pipeline FSDP2 is
+ZeRO-1: torch's pipeline stages keep the gathered weights and the whole gradients (fp32) over the
+step's micro-batches and reduce-scatter them once, after the last backward, not overlapped with
+it (GRAD_ACCUMULATION["torchtitan"]);
 its TP always shards the sequence; it pipelines any split of the layers with 1F1B (searched here:
 even, or the first and last stage uneven); it checkpoints the activations of no layer or of every
 layer; and FSDP's CPU offload keeps all of the weights, gradients and optimizer on the host. Its
@@ -31,7 +34,7 @@ class TorchtitanSetting:
     dp: int
     micro_batch: int
     split: tuple[int, ...]  # layers per stage
-    zero: int  # 0: DDP (or no DP), 2 or 3: FSDP2
+    zero: int  # 0: DDP (or no DP); 1: FSDP2 in a pipeline; 2 or 3: FSDP2
     cpu_offload: bool  # FSDP's: all of the weights, gradients and optimizer on the host (ZeRO-3)
 
 
@@ -58,7 +61,7 @@ def settings(model: ModelSpec, cluster: ClusterSpec, global_batch: int) -> Itera
                 continue
             if dp == 1 and (tp > 1 or pp > 1):  # torchtitan's mixed precision needs FSDP there
                 continue
-            zeros = [0] if dp == 1 else [2, 3] if tp > 1 or pp > 1 else [0, 2, 3]
+            zeros = [0] if dp == 1 else [1] if pp > 1 else [2, 3] if tp > 1 else [0, 2, 3]
             for split in layer_splits(model.layers, pp):
                 for mb, zero in itertools.product(divisors(global_batch // dp), zeros):
                     if zero == 0 and dp > 1 and mb != global_batch // dp:
@@ -84,7 +87,8 @@ def setting_plan(
         )
         for n in setting.split
     ]
-    # torch's DDP overlaps its gradient all-reduce with backward (FSDP2 reduce-scatters by layer)
+    # torch's DDP overlaps its gradient all-reduce with backward and FSDP2 reduce-scatters by
+    # layer, but a pipeline's FSDP2 reduce-scatters after the last micro-batch's backward
     return Plan.of(
         model,
         cluster,
@@ -93,7 +97,7 @@ def setting_plan(
         dp=setting.dp,
         micro_batch=setting.micro_batch,
         stages=stages,
-        overlap_grad_reduce=True,
+        overlap_grad_reduce=setting.zero != 1,
     )
 
 
