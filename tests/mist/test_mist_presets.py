@@ -549,3 +549,69 @@ def test_a_whole_number_beyond_a_float_fails_the_number_check_in_one_line():
         ValueError, match=r"p.json: rate must be a finite number >= 0, at most 1e\+18, got 1000"
     ):
         number("p.json", "rate", 10**400)
+
+
+def _solo_all_gathers(name: str) -> list[tuple[int, float, float]]:
+    """(GPUs, full-tensor bytes, seconds) of gpu-bandwidth's NCCL all-gathers that ran alone
+    within one node (no GEMM, no host copies): a benchmark other than the prim_gpt rows the
+    presets' collective lines are fitted to."""
+    (runs,) = json.loads((ARTIFACT_DATA / "gpu-bandwidth" / name).read_text()).values()
+    return [
+        (
+            int(r["intra_group_size"]),
+            float(r["gpu_to_gpu_mbytes"]) * 2**20,
+            float(r["latency"].split()[0]) * 1e-3,
+        )
+        for r in runs.values()
+        if r["compute_n"] == r["cpu_to_gpu_mbytes"] == r["gpu_to_cpu_mbytes"] == "0"
+        and r["gpu_to_gpu_mbytes"] != "0"
+        and r["inter_group_size"] == "1"
+    ]
+
+
+@pytest.mark.parametrize(("gpu", "bandwidth"), [("a100-40gb", "a100-sxm4-40gb"), ("l4", "l4")])
+def test_the_all_gather_line_predicts_the_independent_solo_all_gathers(gpu, bandwidth):
+    """The artifact's prim_gpt all_gather rows give what each rank sends (Aceso's profiler sizes
+    its send tensor so; its output is n times it), and were read as the full tensor until
+    2026-12-08: the shipped lines priced an all-gather 2-8x too slow (A100 over 8 GPUs: 20 GB/s
+    of algorithm bandwidth against its reduce-scatter's 173). gpu-bandwidth's solo all-gathers,
+    sized by the full tensor and fitted to nothing here, check the line: within 2x both ways (the
+    two benchmarks call NCCL differently), where the old reading was 8-12x over 8 GPUs."""
+    model = read_runtime_preset(PRESETS / f"runtime_{gpu}.json", gpu)
+    runs = _solo_all_gathers(f"{bandwidth}-8gpu-per-node.json")
+    assert {n for n, _, _ in runs} == {2, 4, 8}
+    ratios = np.array([float(model.collective("all_gather", nbytes, n)) / t for n, nbytes, t in runs])
+    assert ((ratios > 0.5) & (ratios < 2.0)).all(), ratios
+    # a ring all-gather and reduce-scatter of one tensor move the same bytes
+    for n in (2, 4, 8):
+        nbytes = 256 * 2**20
+        same = model.collective("all_gather", nbytes, n) / model.collective("reduce_scatter", nbytes, n)
+        assert 0.5 < same < 2.0, (n, same)
+
+
+def test_the_artifacts_all_gather_rows_are_read_as_n_times_their_size(monkeypatch):
+    """read_collectives scales the artifact's all_gather rows by n (GATHER_ROWS_PER_RANK) and
+    leaves the other kinds and `mist profile`'s own rows as written; the size the profiler did
+    not run (1e9 ms) is left out. Control: read as written, an all-gather over 8 L4s would take
+    about 8 times its reduce-scatter of the same tensor."""
+    from mist.model import profile_data
+    from mist.model.calibrate import fit_line
+
+    l4 = ARTIFACT_DATA / "gpu-op-profiles" / "l4"
+    rows = profile_data.read_collectives(l4)
+    assert all(t < profile_data.NOT_RUN_S for kind_rows in rows.values() for _, t in kind_rows)
+
+    def ratio(collectives: dict) -> float:
+        gather = fit_line(*zip(*collectives["all_gather", 8], strict=True))
+        scatter = fit_line(*zip(*collectives["reduce_scatter", 8], strict=True))
+        nbytes = 256 * 2**20
+        return (gather.c0 + nbytes / gather.rate) / (scatter.c0 + nbytes / scatter.rate)
+
+    assert 0.5 < ratio(rows) < 2.0
+    monkeypatch.setattr(profile_data, "GATHER_ROWS_PER_RANK", frozenset())
+    as_written = profile_data.read_collectives(l4)
+    assert ratio(as_written) > 4.0
+    for key, kind_rows in as_written.items():
+        scale = 8 if key == ("all_gather", 8) else 1
+        if key[0] != "all_gather" or key == ("all_gather", 8):
+            assert [b * scale for b, _ in kind_rows] == [b for b, _ in rows[key]], key
