@@ -167,6 +167,9 @@ def _search_target(args, m, c, accumulation: GradAccumulation, progress) -> Plan
 
 
 def cmd_plan(args) -> int:
+    from measure.budget import GpuBudget
+
+    from .model.budget import gpu_budget_bytes
     from .tuning.planner import NoFeasiblePlan, PlannerOptions, search
     from .tuning.stage_cost import SearchSpace
 
@@ -176,6 +179,11 @@ def cmd_plan(args) -> int:
     host = host_memory_bytes(args.host_mem)  # GiB on the command line, bytes from here on
     device_cap = gpu_memory_bytes(args.gpu_mem)
     c = cluster(args.gpu, args.gpus, args.gpus_per_node, host_memory=host, gpu_memory=device_cap)
+    if device_cap is not None and gpu_budget_bytes(c) <= 0:  # before the search, not after it
+        raise ValueError(
+            f"--gpu-mem {args.gpu_mem}: {device_cap} bytes leave nothing to plan with once the reserve "
+            f"({GpuBudget(device_cap).reserve}) is taken; a size without a unit is bytes (e.g. 24GiB)"
+        )
     space = SearchSpace(offload=not args.no_offload, recompute=not args.no_recompute)
     options = PlannerOptions(
         space=space,
@@ -754,8 +762,8 @@ def _plan_parser(sub) -> None:
     p.add_argument(
         "--gpu-mem",
         metavar="SIZE",
-        help="memory each device may use, e.g. 24GiB or, for cpu, 3MiB (default: its data sheet's); "
-        "written into the plan, mist.engine.run enforces it",
+        help="memory each device may use, e.g. 24GiB or, for cpu, 3MiB (a number without a unit is "
+        "bytes; default: its data sheet's); written into the plan, mist.engine.run enforces it",
     )
     p.add_argument("--global-batch", type=int, required=True)
     p.add_argument("--out", help="write the plan (.yaml or .json)")

@@ -38,13 +38,13 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 import numpy as np
 import yaml
 
-from measure.checks import finite, whole
+from measure.checks import finite, real, whole
 from measure.results import write_text_atomic
 from measure.strict import StrictDataError, json_data, loads_json, loads_yaml, read_text_file
 
@@ -223,14 +223,13 @@ class StagePlan:
                 f"stage {i}: recompute must be in [0, layers={self.layers}], got {self.recompute}"
             )
         if self.zero not in (0, 1, 2, 3):
-            raise ValueError(f"stage {i}: zero must be 0, 1, 2 or 3, got {self.zero}")
+            raise ValueError(f"stage {i}: zero must be 0, 1, 2 or 3, got {self.zero!r}")
         for name in ("selective", "gather_in_forward"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"stage {i}: {name} must be true or false, got {getattr(self, name)!r}")
         for name in ("offload_weights", "offload_grads", "offload_optimizer", "offload_activations"):
-            value = getattr(self, name)
-            if not 0.0 <= value <= 1.0:
-                raise ValueError(f"stage {i}: {name} is a fraction in [0, 1], got {value}")
+            if not fraction(getattr(self, name)):
+                raise ValueError(f"stage {i}: {name} is a fraction in [0, 1], got {getattr(self, name)!r}")
         if self.gather_in_forward and not gather_allowed(self.zero, self.offload_weights):
             raise ValueError(
                 f"stage {i}: gather_in_forward is for ZeRO-1/2 weights kept on the device (got zero "
@@ -249,11 +248,11 @@ class PrePostPlan:
     offload_optimizer: float = 0.0
 
     def check(self) -> None:
-        if self.zero not in (0, 1, 2, 3):
-            raise ValueError(f"pre_post: zero must be 0, 1, 2 or 3, got {self.zero}")
+        if not whole(self.zero) or self.zero not in (0, 1, 2, 3):
+            raise ValueError(f"pre_post: zero must be 0, 1, 2 or 3, got {self.zero!r}")
         for name in ("offload_weights", "offload_grads", "offload_optimizer"):
-            if not 0.0 <= getattr(self, name) <= 1.0:
-                raise ValueError(f"pre_post: {name} is a fraction in [0, 1], got {getattr(self, name)}")
+            if not fraction(getattr(self, name)):
+                raise ValueError(f"pre_post: {name} is a fraction in [0, 1], got {getattr(self, name)!r}")
 
 
 # What predict() (and a search) fills in, per stage and per plan
@@ -311,10 +310,22 @@ def _check_breakdown(breakdown: dict) -> None:
             raise ValueError(f"breakdown: {name} must be {what}, got {value!r}")
 
 
+def fraction(value: object) -> bool:
+    """``value`` is a real number in [0, 1], never a bool (true is 1) nor a string."""
+    return real(value) and 0.0 <= value <= 1.0
+
+
 def _refuse_unknown_fields(where: str, given: dict, kind: type) -> None:
     """A key the plan format does not have, named with what it has (a misspelt field was a
-    dataclass's 'unexpected keyword argument')."""
+    dataclass's 'unexpected keyword argument'); one it must have, named with what it is."""
     known = [f.name for f in fields(kind) if f.init]
+    required = [
+        f.name for f in fields(kind) if f.init and f.default is MISSING and f.default_factory is MISSING
+    ]
+    if missing := [name for name in required if name not in given]:
+        raise ValueError(
+            f"{where}missing field(s) {', '.join(missing)}; a {kind.__name__} needs: {', '.join(required)}"
+        )
     # a YAML key may be null or a number (`null:`, `7:`): named as written, sorted as text
     unknown = sorted((k for k in given if k not in known), key=str)
     if unknown:

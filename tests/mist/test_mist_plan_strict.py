@@ -294,6 +294,34 @@ def test_a_plan_that_would_not_read_back_is_not_saved(tmp_path):
         ),
         (lambda t: t + "7: 1\n", "plan.yaml: unknown field(s) 7; a Plan has: model"),
         (lambda t: t + "pre_post: {null: 1}\n", "plan.yaml: pre_post: unknown field(s) None"),
+        # the probe round of 2026-12-08: "'<=' not supported between instances of 'float' and
+        # 'str'", true taken as 1.0, a dataclass's "missing 1 required keyword-only argument"
+        (
+            lambda t: t.replace(
+                "{layers: 12}, {layers: 12}", "{layers: 12, offload_weights: half}, {layers: 12}"
+            ),
+            "plan.yaml: stage 0: offload_weights is a fraction in [0, 1], got 'half'",
+        ),
+        (
+            lambda t: t.replace(
+                "{layers: 12}, {layers: 12}", "{layers: 12}, {layers: 12, offload_grads: [1]}"
+            ),
+            "plan.yaml: stage 1: offload_grads is a fraction in [0, 1], got [1]",
+        ),
+        (
+            lambda t: t.replace(
+                "{layers: 12}, {layers: 12}", "{layers: 12, offload_grads: true}, {layers: 12}"
+            ),
+            "stage 0: offload_grads is a fraction in [0, 1], got True",
+        ),
+        (lambda t: t + "pre_post: {offload_optimizer: null}\n", "pre_post: offload_optimizer is a fraction"),
+        (lambda t: t + "pre_post: {zero: '1'}\n", "pre_post: zero must be 0, 1, 2 or 3, got '1'"),
+        (lambda t: t + "pre_post: {zero: true}\n", "pre_post: zero must be 0, 1, 2 or 3, got True"),
+        (lambda t: t.replace("tp: 1\n", ""), "plan.yaml: missing field(s) tp; a Plan needs: model, gpu"),
+        (
+            lambda t: t.replace("{layers: 12}, {layers: 12}", "{layers: 12}, {recompute: 0}"),
+            "plan.yaml: stage 1: missing field(s) layers; a StagePlan needs: layers",
+        ),
     ],
     ids=[
         "pre_post string",
@@ -303,6 +331,14 @@ def test_a_plan_that_would_not_read_back_is_not_saved(tmp_path):
         "7 key",
         "top 7",
         "pre_post null",
+        "fraction string",
+        "fraction list",
+        "fraction true",
+        "pre_post fraction null",
+        "pre_post zero string",
+        "pre_post zero true",
+        "missing tp",
+        "missing layers",
     ],
 )
 def test_a_plan_file_field_of_the_wrong_kind_is_named_in_one_line(tmp_path, capsys, edit, expected):
@@ -515,3 +551,15 @@ def test_a_plan_file_amount_past_its_bound_is_one_line(tmp_path, capsys, edit, e
     path.write_text(edit(PLAN))
     assert main(["predict", str(path)]) == 2
     _one_error_line(capsys, "plan.yaml", expected)
+
+
+def test_a_gpu_memory_cap_the_reserve_fills_is_refused_before_the_search(capsys):
+    """The probe round of 2026-12-08: `--gpu-mem 24` (24 bytes) searched a 22B model on 32 A100s
+    for 19 s, then said no plan fits with -729.6 MiB usable."""
+    argv = ["plan", "--model", "gpt3-22b", "--gpus", "32", "--gpu", "a100-40gb", "--global-batch", "256"]
+    assert main([*argv, "--quiet", "--gpu-mem", "24"]) == 2
+    _one_error_line(capsys, "--gpu-mem 24: 24 bytes leave nothing", "a size without a unit is bytes")
+    # control: the CPU device has no reserve, a cap of a few MiB is planned with (and may not fit)
+    cpu = ["plan", "--model", "gpt3-1.3b", "--gpus", "1", "--gpu", "cpu", "--global-batch", "4"]
+    assert main([*cpu, "--quiet", "--gpu-mem", "3MiB"]) == 2
+    _one_error_line(capsys, "no plan for gpt3-1.3b on 1 x cpu fits", "3.0 MiB usable")
