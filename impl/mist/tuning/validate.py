@@ -39,8 +39,10 @@ MEASURED_RUNS = ARTIFACT_DATA / "measured-runs"
 OPS_PER_LAYER = 13  # Aceso's operators of one transformer layer
 # The measured records name GPUs their own way.
 GPU_NAMES = {"L4-24GB": "l4", "l4": "l4", "A10G": "a10g", "a10g": "a10g"}
-# The records' MLP kinds: gated (SwiGLU) or not.
+# The records' MLP kinds: gated (SwiGLU) or not; the activations each is priced as (GELU's
+# tanh approximation is GELU's cost; a ReLU MLP would be priced as GELU's).
 GATED = {"mlp": False, "swiglu": True}
+ACTIVATIONS = {"mlp": {"gelu", "gelu_fast"}, "swiglu": {"silu", "swiglu"}}
 
 
 @dataclass(frozen=True)
@@ -92,6 +94,47 @@ def _gpu(name: str, path: Path) -> str:
     return GPU_NAMES[name]
 
 
+def _field(record: dict, key: str, ok, accepted: str, where: str):
+    """``record[key]`` where ``ok(value)``; else a ValueError naming ``where`` (the file and the
+    record), the field and what it accepts, before the value is used (a list's length and its
+    items' kinds were found by zip's or unpacking's errors, or not at all)."""
+    value = record[key]
+    if not ok(value):
+        raise ValueError(f"{where}: {key} must be {accepted}, got {value!r:.60}")
+    return value
+
+
+def _list_of(item_ok, length: int | None = None):
+    """A check of a list of items that each pass ``item_ok`` (``length`` of them where given, else
+    at least one)."""
+    return lambda v: (
+        isinstance(v, list) and (len(v) == length if length is not None else bool(v)) and all(map(item_ok, v))
+    )
+
+
+def _flag(value: object) -> bool:
+    """A record's yes/no: true/false, or the 0/1 the strategy tuples write."""
+    return isinstance(value, bool) or (whole(value) and value in (0, 1))
+
+
+def _positive(value: object) -> bool:
+    return real(value) and 0 < value < math.inf
+
+
+# a strategy tuple: (micro_batch, dp, tp) whole, three ZeRO flags, four offloaded fractions
+# (the fractions' range is the rebuilt plan's check, which names the stage and field)
+_STRATEGY = (lambda v: whole(v, 1),) * 3 + (_flag,) * 3 + (real,) * 4
+_STRATEGY_ACCEPTED = "a list of (micro_batch, dp, tp) >= 1, three 0/1 ZeRO flags and four offloaded fractions"
+
+
+def _strategy(value: object) -> bool:
+    return (
+        isinstance(value, list)
+        and len(value) == len(_STRATEGY)
+        and all(ok(v) for ok, v in zip(_STRATEGY, value, strict=True))
+    )
+
+
 def _zero(strategy: list) -> int:
     """The ZeRO stage of a strategy tuple's (zero_weights, zero_grads, zero_opt) flags."""
     return 3 if strategy[3] else 2 if strategy[4] else 1 if strategy[5] else 0
@@ -99,18 +142,36 @@ def _zero(strategy: list) -> int:
 
 def _mist_stages(plan: dict, path: Path, name: str) -> tuple[int, int, int, list[StagePlan], PrePostPlan]:
     """(micro-batch, DP, TP, stages, embedding/head strategy) of a Mist artifact plan."""
-    strategies = plan["stage_strategies"]
+    where = f"{path}: {name}"
+    strategies = _field(
+        plan, "stage_strategies", _list_of(_strategy), f"{_STRATEGY_ACCEPTED}, per stage", where
+    )
+    count = f"a list of one whole number per stage ({len(strategies)})"
+    layers = _field(plan, "layers_per_stage", _list_of(lambda v: whole(v, 1), len(strategies)), count, where)
+    recomputed = _field(
+        plan, "checkpointed_layers_per_stage", _list_of(lambda v: whole(v, 0), len(strategies)), count, where
+    )
+    _field(plan, "pre_post", _strategy, _STRATEGY_ACCEPTED, where)
     micro, dp, tp = strategies[0][:3]
     if any(tuple(s[:3]) != (micro, dp, tp) for s in (*strategies, plan["pre_post"])):
         raise ValueError(f"{path}: {name}: stages with their own micro-batch/DP/TP are not read yet")
     stages = []
-    for layers, recompute, s in zip(
-        plan["layers_per_stage"], plan["checkpointed_layers_per_stage"], strategies, strict=True
-    ):
+    devices = _field(
+        plan,
+        "devices_per_stage_nodes_x_gpus",
+        _list_of(_list_of(lambda v: whole(v, 1), 2), len(strategies)),
+        f"a list of [nodes, gpus] per stage ({len(strategies)})",
+        where,
+    )
+    if any(n * g != dp * tp for n, g in devices):  # the strategies' DP x TP devices, each stage
+        raise ValueError(
+            f"{where}: devices_per_stage_nodes_x_gpus {devices} is not DP x TP = {dp * tp} a stage"
+        )
+    for n, recompute, s in zip(layers, recomputed, strategies, strict=True):
         weights, grads, optimizer, activations = map(float, s[6:10])
         stages.append(
             StagePlan(
-                layers,
+                n,
                 recompute,
                 _zero(s),
                 offload_weights=weights,
@@ -126,11 +187,24 @@ def _mist_stages(plan: dict, path: Path, name: str) -> tuple[int, int, int, list
 def _mist_model(case: dict, path: Path) -> ModelSpec:
     """The ModelSpec of a Mist artifact case (bias-free layers only)."""
     m = case["model"]
+    where = f"{path}: {case['case']}"
+    if not isinstance(m, dict):
+        raise ValueError(f"{where}: model must be a mapping of its shape, got {m!r:.60}")
+    for key in ("flash_attn", "bias"):
+        _field(m, key, lambda v: isinstance(v, bool), "true or false", where)
     if m["mlp"] not in GATED or m["bias"]:
         raise ValueError(
             f"{path}: {case['case']}: mlp {m['mlp']!r} (known: {', '.join(GATED)}) with bias {m['bias']} "
             "is not modelled (bias-free layers only)"
         )
+    accepted = ACTIVATIONS[m["mlp"]]
+    _field(
+        m,
+        "activation",
+        accepted.__contains__,
+        f"one of {', '.join(sorted(accepted))} for mlp {m['mlp']}",
+        where,
+    )
     return ModelSpec(
         f"gpt3-{case['case']}",
         m["hidden"],
@@ -244,13 +318,28 @@ def _mist_cases(data: dict, path: Path) -> list[MeasuredRun]:
 def _megatron_runs(data: dict, path: Path) -> list[MeasuredRun]:
     out = []
     for run in _records(data, "runs", "config", path):
-        gpu, stages_n = _gpu(run["gpu"], path), run["num_stages"]
+        where = f"{path}: {run['config']}"
+        gpu = _gpu(run["gpu"], path)
+        stages_n = _field(run, "num_stages", lambda v: whole(v, 1), "a whole number >= 1", where)
+        per_stage = f"a list of one {{}} per stage ({stages_n})"
+        for key in ("tp_first_op_per_stage", "dp_first_op_per_stage", "num_gpus", "ops_per_stage"):
+            _field(
+                run,
+                key,
+                _list_of(lambda v: whole(v, 1), stages_n),
+                per_stage.format("whole number >= 1"),
+                where,
+            )
+        checkpointed = _field(
+            run, "checkpoint_activations", _list_of(_flag, stages_n), per_stage.format("true or false"), where
+        )
+        _field(
+            run, "measured_iteration_ms", _list_of(_positive), "a non-empty list of times (ms) above 0", where
+        )
         if set(run["tp_first_op_per_stage"]) != {1} or set(run["dp_first_op_per_stage"]) != {1}:
-            raise ValueError(f"{path}: {run['config']}: TP/DP > 1 is not read yet")
+            raise ValueError(f"{where}: TP/DP > 1 is not read yet")
         stages = []
-        for i, (ops, ckpt) in enumerate(
-            zip(run["ops_per_stage"], run["checkpoint_activations"], strict=True)
-        ):
+        for i, (ops, ckpt) in enumerate(zip(run["ops_per_stage"], checkpointed, strict=True)):
             extra = (1 if i == 0 else 0) + (2 if i == stages_n - 1 else 0)  # embedding; final norm + head
             layers, rest = divmod(ops - extra, OPS_PER_LAYER)
             if rest:
