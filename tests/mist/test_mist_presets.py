@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 import shutil
 
 import numpy as np
@@ -572,8 +573,8 @@ def _solo_all_gathers(name: str) -> list[tuple[int, float, float]]:
 @pytest.mark.parametrize(("gpu", "bandwidth"), [("a100-40gb", "a100-sxm4-40gb"), ("l4", "l4")])
 def test_the_all_gather_line_predicts_the_independent_solo_all_gathers(gpu, bandwidth):
     """The artifact's prim_gpt all_gather rows give what each rank sends (Aceso's profiler sizes
-    its send tensor so; its output is n times it), and were read as the full tensor until
-    2026-12-08: the shipped lines priced an all-gather 2-8x too slow (A100 over 8 GPUs: 20 GB/s
+    its send tensor so; its output is n times it), and were read as the full tensor before
+    411de49: the shipped lines priced an all-gather 2-8x too slow (A100 over 8 GPUs: 20 GB/s
     of algorithm bandwidth against its reduce-scatter's 173). gpu-bandwidth's solo all-gathers,
     sized by the full tensor and fitted to nothing here, check the line: within 2x both ways (the
     two benchmarks call NCCL differently), where the old reading was 8-12x over 8 GPUs."""
@@ -615,3 +616,26 @@ def test_the_artifacts_all_gather_rows_are_read_as_n_times_their_size(monkeypatc
         scale = 8 if key == ("all_gather", 8) else 1
         if key[0] != "all_gather" or key == ("all_gather", 8):
             assert [b * scale for b, _ in kind_rows] == [b for b, _ in rows[key]], key
+
+
+def test_mist_profiles_all_gather_rows_are_read_as_written_in_any_folder(tmp_path):
+    """The file says who wrote it, not its folder (review 2026-12-07): `mist profile`'s
+    prim_gpt_local_* rows are the full tensor even in a folder named like the artifact's, and the
+    artifact's rows are each rank's even beside a profile.json. A collective none of whose sizes
+    ran is one line, not fit_line's traceback."""
+    from mist.model.profile_data import read_collectives
+
+    folder = tmp_path / "l4"
+    folder.mkdir()
+    (folder / "profile.json").write_text("{}")  # read_collectives does not read it
+    mib = random.randint(1, 64)
+    (folder / "prim_gpt_local_all_gather_2gpus.csv").write_text(f"data_size(MB),time(ms)\n{mib},1.5\n")
+    (folder / "prim_gpt_13B_all_gather_2gpus.csv").write_text(f"data_size(MB),time(ms)\n{mib},3.0\n")
+    rows = sorted(read_collectives(folder)["all_gather", 2], key=lambda r: r[1])
+    assert rows == [(mib * 2**20, 1.5e-3), (2 * mib * 2**20, 3e-3)]
+    (folder / "prim_gpt_13B_reduce_scatter_4gpus.csv").write_text(
+        "data_size(MB),time(ms)\n8,1000000000.000\n"
+    )
+    with pytest.raises(ValueError, match=r"no size of reduce_scatter over 4 GPUs ran") as e:
+        read_collectives(folder)
+    assert "\n" not in str(e.value)

@@ -145,8 +145,6 @@ def profile_meta(gpu_dir: Path) -> dict:
             # what bounds its fitted FLOP/s (``calibrate.peak_flops``); one that does not say is
             # held to the highest peak (half precision's), never refused for a rate it may reach
             "dtype": d.get("dtype", "fp16"),
-            # `mist profile` writes every collective's full tensor (profiler/collectives.py)
-            "gather_rows_per_rank": False,
             "complete": d["complete"],
         }
     if gpu_dir.name in PROFILE_GPU:
@@ -157,7 +155,6 @@ def profile_meta(gpu_dir: Path) -> dict:
             "tp_comm_inside": True,
             "vocab": ARTIFACT_VOCAB,
             "dtype": "fp16",  # Megatron's half precision (data/mist-artifact/README.md)
-            "gather_rows_per_rank": True,  # GATHER_ROWS_PER_RANK
             "complete": True,  # as published
         }
     return {}
@@ -360,13 +357,15 @@ def best_algo(profiles: list[LayerProfile]) -> list[LayerProfile]:
     return list(best.values())
 
 
-# The artifact's collective benchmarks (Aceso's communication profiler) give all_gather's size as
-# what each rank sends, 1/n of the full tensor the planner prices (RuntimeModel.collective);
-# all_reduce's and reduce_scatter's as the full tensor, all_to_all's as each rank's tensor (as
-# `mist profile` writes them). Read as the full tensor, an all-gather over 8 A100s came out at 17
-# GB/s of bus bandwidth against its reduce-scatter's 149, though a ring all-gather and
-# reduce-scatter of one tensor move the same bytes; the artifact's all-gather/reduce-scatter time
-# ratio at equal rows is close to n on every GPU (tests/mist/test_mist_presets.py).
+# The artifact's collective benchmarks (prim_gpt_<size>B_*: Aceso's communication profiler) give
+# all_gather's size as what each rank sends, 1/n of the full tensor the planner prices
+# (RuntimeModel.collective); all_reduce's and reduce_scatter's as the full tensor, all_to_all's
+# as each rank's tensor. `mist profile`'s own (prim_gpt_local_*) give every size as the full
+# tensor (profiler/collectives.py), whatever folder they are in. Read as the full tensor, an
+# all-gather over 8 A100s came out at 17 GB/s of bus bandwidth against its reduce-scatter's 149,
+# though a ring all-gather and reduce-scatter of one tensor move the same bytes; the artifact's
+# all-gather/reduce-scatter time ratio at equal rows is close to n on every GPU
+# (tests/mist/test_mist_presets.py).
 GATHER_ROWS_PER_RANK = frozenset({"all_gather"})
 # That profiler writes 1e9 ms for a size above its limit and 1e6 ms for one that failed: no time
 NOT_RUN_S = 1e3
@@ -374,10 +373,9 @@ NOT_RUN_S = 1e3
 
 def read_collectives(gpu_dir: Path) -> dict[tuple[str, int], list[tuple[float, float]]]:
     """(collective, gpus) -> [(bytes of the full tensor, seconds)], all profiled model sizes
-    pooled (GATHER_ROWS_PER_RANK); a size the benchmark did not run is left out (NOT_RUN_S).
-    Point-to-point messages within a node (``p2p_intra_node.csv``, or ``mist profile``'s
-    send_recv benchmark) are ("send_recv", 2)."""
-    per_rank = profile_meta(gpu_dir).get("gather_rows_per_rank", False)
+    pooled (GATHER_ROWS_PER_RANK); a size the benchmark did not run is left out (NOT_RUN_S), and
+    a collective none of whose sizes ran is refused. Point-to-point messages within a node
+    (``p2p_intra_node.csv``, or ``mist profile``'s send_recv benchmark) are ("send_recv", 2)."""
     out: dict[tuple[str, int], list[tuple[float, float]]] = {}
     for size, rate in read_p2p(gpu_dir).get("intra", []):
         out.setdefault(("send_recv", 2), []).append((size, size / rate))
@@ -402,8 +400,13 @@ def read_collectives(gpu_dir: Path) -> dict[tuple[str, int], list[tuple[float, f
                 f"{bad[0] / 2**20:g} MB in {bad[1] * 1e3:g} ms"
             )
         kind, n = m["coll"], int(m["n"])
-        scale = n if per_rank and kind in GATHER_ROWS_PER_RANK else 1
+        scale = n if m["size"] != "local" and kind in GATHER_ROWS_PER_RANK else 1
         out.setdefault((kind, n), []).extend((b * scale, t) for b, t in rows if t < NOT_RUN_S)
+    if none_ran := [f"{kind} over {n} GPUs" for (kind, n), rows in out.items() if not rows]:
+        raise ValueError(
+            f"{gpu_dir}: no size of {', '.join(none_ran)} ran (every time is the profiler's mark of "
+            f"one it did not run, {NOT_RUN_S:g} s or more)"
+        )
     return out
 
 

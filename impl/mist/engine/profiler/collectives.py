@@ -34,7 +34,8 @@ def _collective_worker(
     try:
         for nbytes in sizes:
             # data_size is the full tensor (all-reduce's, all-gather's output, reduce-scatter's input),
-            # as in the artifact's files and RuntimeModel.collective
+            # as RuntimeModel.collective prices it (the artifact's all-gather rows are each rank's
+            # input: profile_data.GATHER_ROWS_PER_RANK)
             full = torch.randn(nbytes // 2, dtype=torch.bfloat16, device=dev)
             shard = torch.empty(nbytes // 2 // n, dtype=torch.bfloat16, device=dev)
             calls[("all_reduce", nbytes)] = lambda full=full: dist.all_reduce(full)
