@@ -180,9 +180,11 @@ def cmd_plan(args) -> int:
     device_cap = gpu_memory_bytes(args.gpu_mem)
     c = cluster(args.gpu, args.gpus, args.gpus_per_node, host_memory=host, gpu_memory=device_cap)
     if device_cap is not None and gpu_budget_bytes(c) <= 0:  # before the search, not after it
+        no_unit = args.gpu_mem.strip().replace(".", "", 1).isdigit()  # bytes: say so
         raise ValueError(
             f"--gpu-mem {args.gpu_mem}: {device_cap} bytes leave nothing to plan with once the reserve "
-            f"({GpuBudget(device_cap).reserve}) is taken; a size without a unit is bytes (e.g. 24GiB)"
+            f"({GpuBudget(device_cap).reserve}) is taken"
+            + ("; a size without a unit is bytes (e.g. 24GiB)" if no_unit else "")
         )
     space = SearchSpace(offload=not args.no_offload, recompute=not args.no_recompute)
     options = PlannerOptions(

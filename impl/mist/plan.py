@@ -317,8 +317,14 @@ def fraction(value: object) -> bool:
 
 def _refuse_unknown_fields(where: str, given: dict, kind: type) -> None:
     """A key the plan format does not have, named with what it has (a misspelt field was a
-    dataclass's 'unexpected keyword argument'); one it must have, named with what it is."""
+    dataclass's 'unexpected keyword argument'); then one it must have, named with what it is (a
+    misspelt required field is named as written first)."""
     known = [f.name for f in fields(kind) if f.init]
+    # a YAML key may be null or a number (`null:`, `7:`): named as written, sorted as text
+    unknown = sorted((k for k in given if k not in known), key=str)
+    if unknown:
+        names = ", ".join(k if isinstance(k, str) else repr(k) for k in unknown)
+        raise ValueError(f"{where}unknown field(s) {names}; a {kind.__name__} has: {', '.join(known)}")
     required = [
         f.name for f in fields(kind) if f.init and f.default is MISSING and f.default_factory is MISSING
     ]
@@ -326,11 +332,6 @@ def _refuse_unknown_fields(where: str, given: dict, kind: type) -> None:
         raise ValueError(
             f"{where}missing field(s) {', '.join(missing)}; a {kind.__name__} needs: {', '.join(required)}"
         )
-    # a YAML key may be null or a number (`null:`, `7:`): named as written, sorted as text
-    unknown = sorted((k for k in given if k not in known), key=str)
-    if unknown:
-        names = ", ".join(k if isinstance(k, str) else repr(k) for k in unknown)
-        raise ValueError(f"{where}unknown field(s) {names}; a {kind.__name__} has: {', '.join(known)}")
 
 
 @dataclass(kw_only=True)  # built by keyword: eight numbers in a row are easy to misorder

@@ -294,7 +294,7 @@ def test_a_plan_that_would_not_read_back_is_not_saved(tmp_path):
         ),
         (lambda t: t + "7: 1\n", "plan.yaml: unknown field(s) 7; a Plan has: model"),
         (lambda t: t + "pre_post: {null: 1}\n", "plan.yaml: pre_post: unknown field(s) None"),
-        # the probe round of 2026-12-08: "'<=' not supported between instances of 'float' and
+        # the probe round of 2026-12-07: "'<=' not supported between instances of 'float' and
         # 'str'", true taken as 1.0, a dataclass's "missing 1 required keyword-only argument"
         (
             lambda t: t.replace(
@@ -554,7 +554,7 @@ def test_a_plan_file_amount_past_its_bound_is_one_line(tmp_path, capsys, edit, e
 
 
 def test_a_gpu_memory_cap_the_reserve_fills_is_refused_before_the_search(capsys):
-    """The probe round of 2026-12-08: `--gpu-mem 24` (24 bytes) searched a 22B model on 32 A100s
+    """The probe round of 2026-12-07: `--gpu-mem 24` (24 bytes) searched a 22B model on 32 A100s
     for 19 s, then said no plan fits with -729.6 MiB usable."""
     argv = ["plan", "--model", "gpt3-22b", "--gpus", "32", "--gpu", "a100-40gb", "--global-batch", "256"]
     assert main([*argv, "--quiet", "--gpu-mem", "24"]) == 2

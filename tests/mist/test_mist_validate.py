@@ -243,6 +243,15 @@ def _mist_plan_edit(case: dict, fault: str) -> str:
     if fault == "devices":
         plan["devices_per_stage_nodes_x_gpus"] = [[1, 2], [1, 1]]
         return "devices_per_stage_nodes_x_gpus [[1, 2], [1, 1]] is not DP x TP = 1 a stage"
+    if fault == "activation a list":
+        case["model"]["activation"] = ["gelu"]
+        return "activation must be one of gelu, gelu_fast for mlp mlp, got ['gelu']"
+    if fault == "mlp a list":
+        case["model"]["mlp"] = ["mlp"]
+        return "mlp must be one of mlp, swiglu, got ['mlp']"
+    if fault == "bias":
+        case["model"]["bias"] = True
+        return "bias true is not modelled (bias-free layers only)"
     case["model"]["activation"] = "relu"
     return "activation must be one of gelu, gelu_fast for mlp mlp, got 'relu'"
 
@@ -265,10 +274,13 @@ def _mist_plan_edit(case: dict, fault: str) -> str:
         "pre_post short",
         "devices",
         "relu",
+        "activation a list",
+        "mlp a list",
+        "bias",
     ],
 )
 def test_a_record_field_of_the_wrong_kind_is_one_line_naming_what_it_accepts(tmp_path, fault, capsys):
-    """The probe round of 2026-12-08: "fmean requires at least one data point", "zip() argument 2
+    """The probe round of 2026-12-07: "fmean requires at least one data point", "zip() argument 2
     is shorter than argument 1", "not enough values to unpack", "TP/DP > 1 is not read yet" for
     strings, `[true]` read as 1 ms (a 1,205,844% error), "yes" as a recomputed stage, ReLU priced as
     GELU, and a device layout that contradicted the strategies ignored."""

@@ -190,18 +190,16 @@ def _mist_model(case: dict, path: Path) -> ModelSpec:
     where = f"{path}: {case['case']}"
     if not isinstance(m, dict):
         raise ValueError(f"{where}: model must be a mapping of its shape, got {m!r:.60}")
+    _field(m, "mlp", lambda v: isinstance(v, str) and v in GATED, f"one of {', '.join(GATED)}", where)
     for key in ("flash_attn", "bias"):
         _field(m, key, lambda v: isinstance(v, bool), "true or false", where)
-    if m["mlp"] not in GATED or m["bias"]:
-        raise ValueError(
-            f"{path}: {case['case']}: mlp {m['mlp']!r} (known: {', '.join(GATED)}) with bias {m['bias']} "
-            "is not modelled (bias-free layers only)"
-        )
+    if m["bias"]:
+        raise ValueError(f"{where}: bias true is not modelled (bias-free layers only)")
     accepted = ACTIVATIONS[m["mlp"]]
     _field(
         m,
         "activation",
-        accepted.__contains__,
+        lambda v: isinstance(v, str) and v in accepted,
         f"one of {', '.join(sorted(accepted))} for mlp {m['mlp']}",
         where,
     )
