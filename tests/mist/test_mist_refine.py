@@ -138,10 +138,16 @@ def test_refine_returns_the_plan_priced_as_it_stands():
     times and iteration): the refined plan carried the unrefined plan's numbers."""
     import copy
 
-    m, c = model("gpt3-13b"), cluster("l4", 8)
-    coarse = search(m, c, 64, PlannerOptions(refine_offload_step=None))
-    refined = refine(copy.deepcopy(coarse), m, c, PlannerOptions(), *_models(c))
-    assert refined.what_runs() != coarse.what_runs()  # it refined something (else nothing is tested)
+    # the first case whose refine changes something (else nothing is tested): which one does moves
+    # with the presets (gpt3-13b on 8 L4 did until the all-gather rows were read right, 411de49)
+    for name, gpu in (("gpt3-13b", "a100-40gb"), ("llama-7b", "l4"), ("gpt3-13b", "l4")):
+        m, c = model(name), cluster(gpu, 8)
+        coarse = search(m, c, 64, PlannerOptions(refine_offload_step=None))
+        refined = refine(copy.deepcopy(coarse), m, c, PlannerOptions(), *_models(c))
+        if refined.what_runs() != coarse.what_runs():
+            break
+    else:
+        pytest.fail("refine changed none of the cases' plans: nothing here tests what it returns")
     repriced = predict(copy.deepcopy(refined), m, c)
     assert refined.predicted_iteration_s == pytest.approx(repriced.predicted_iteration_s, rel=1e-12)
     assert refined.predicted_iteration_s < coarse.predicted_iteration_s
