@@ -418,7 +418,7 @@ def test_torchtitan_is_priced_for_its_fp32_reductions():
     The DP sum after backward (ZeRO-0) and ZeRO-2/3's reduce-scatters send twice the bytes: the
     same collectives at twice the size, the weight gathers as they were. Unsharded, torchtitan
     keeps 2 bytes a parameter more than priced, and DDP 6 (review 2026-12-07); so does its ZeRO-1
-    (FSDP2 in a pipeline: whole fp32 gradients over the micro-batches), 2 (review 2026-12-08)."""
+    (FSDP2 in a pipeline: whole fp32 gradients over the micro-batches), 2 (review 2026-12-07)."""
     from mist.model.specs import GRAD_ACCUMULATION
     from mist.tuning.planner import cost_models
     from mist.tuning.stage_cost import (
@@ -480,7 +480,7 @@ def test_torchtitan_is_priced_for_its_fp32_reductions():
 
 
 def test_torchtitans_fsdp2_ends_a_layers_backward_holding_fp32_reduce_input():
-    """Review 2026-12-08: FSDP2 reduce-scatters in torchtitan's reduce dtype (fp32), so a layer's
+    """Review 2026-12-07: FSDP2 reduce-scatters in torchtitan's reduce dtype (fp32), so a layer's
     backward ends holding its bf16 gradients and an fp32 copy of them, 6 bytes a parameter, at
     ZeRO-2 (FSDP2 without resharding) as at ZeRO-3; the model priced mist.engine.run's 4 at ZeRO-3
     and nothing at ZeRO-2 for torchtitan too. The engines' own pricing is unchanged."""
