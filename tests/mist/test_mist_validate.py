@@ -200,30 +200,29 @@ def test_megatron_runs_listed_twice_or_none_are_refused(tmp_path, capsys):
     assert main(["validate", str(tmp_path)]) == 0
 
 
-def _megatron_edit(run: dict, fault: str) -> str:
-    """Edit the first Megatron-LM run as ``fault`` says; what the error must say."""
-    edits = {
-        "times empty": (
-            "measured_iteration_ms",
-            [],
-            "measured_iteration_ms must be a non-empty list of times",
-        ),
-        "time true": ("measured_iteration_ms", [True], "measured_iteration_ms must be a non-empty list"),
-        "times a string": ("measured_iteration_ms", "fast", "measured_iteration_ms must be a non-empty list"),
-        "checkpoint short": (
-            "checkpoint_activations",
-            [True],
-            "checkpoint_activations must be a list of one",
-        ),
-        "checkpoint yes": ("checkpoint_activations", ["yes", "no"], "checkpoint_activations must be a list"),
-        "checkpoint 2": ("checkpoint_activations", [2, 0], "checkpoint_activations must be a list"),
-        "tp strings": ("tp_first_op_per_stage", ["1", "1"], "tp_first_op_per_stage must be a list of one"),
-        "tp short": ("tp_first_op_per_stage", [0, 1], "tp_first_op_per_stage must be a list of one whole"),
-        "gpus negative": ("num_gpus", [-1, 1], "num_gpus must be a list of one whole number >= 1"),
-    }
-    key, value, said = edits[fault]
-    run[key] = value
-    return said
+# fault -> (the first Megatron-LM run's field, its value, what the error must say)
+_MEGATRON_EDITS = {
+    "times empty": ("measured_iteration_ms", [], "measured_iteration_ms must be a non-empty list of times"),
+    "time true": ("measured_iteration_ms", [True], "measured_iteration_ms must be a non-empty list"),
+    "times a string": ("measured_iteration_ms", "fast", "measured_iteration_ms must be a non-empty list"),
+    "checkpoint short": ("checkpoint_activations", [True], "checkpoint_activations must be a list of one"),
+    "checkpoint yes": ("checkpoint_activations", ["yes", "no"], "checkpoint_activations must be a list"),
+    "checkpoint 2": ("checkpoint_activations", [2, 0], "checkpoint_activations must be a list"),
+    "tp strings": ("tp_first_op_per_stage", ["1", "1"], "tp_first_op_per_stage must be a list of one"),
+    "tp short": ("tp_first_op_per_stage", [0, 1], "tp_first_op_per_stage must be a list of one whole"),
+    "gpus negative": ("num_gpus", [-1, 1], "num_gpus must be a list of one whole number >= 1"),
+}
+_MIST_FAULTS = (
+    "layers long",
+    "strategy empty",
+    "micro-batch 0",
+    "pre_post short",
+    "devices",
+    "relu",
+    "activation a list",
+    "mlp a list",
+    "bias",
+)
 
 
 def _mist_plan_edit(case: dict, fault: str) -> str:
@@ -256,53 +255,22 @@ def _mist_plan_edit(case: dict, fault: str) -> str:
     return "activation must be one of gelu, gelu_fast for mlp mlp, got 'relu'"
 
 
-@pytest.mark.parametrize(
-    "fault",
-    [
-        "times empty",
-        "time true",
-        "times a string",
-        "checkpoint short",
-        "checkpoint yes",
-        "checkpoint 2",
-        "tp strings",
-        "tp short",
-        "gpus negative",
-        "layers long",
-        "strategy empty",
-        "micro-batch 0",
-        "pre_post short",
-        "devices",
-        "relu",
-        "activation a list",
-        "mlp a list",
-        "bias",
-    ],
-)
+@pytest.mark.parametrize("fault", [*_MEGATRON_EDITS, *_MIST_FAULTS])
 def test_a_record_field_of_the_wrong_kind_is_one_line_naming_what_it_accepts(tmp_path, fault, capsys):
     """The probe round of 2026-12-07: "fmean requires at least one data point", "zip() argument 2
     is shorter than argument 1", "not enough values to unpack", "TP/DP > 1 is not read yet" for
     strings, `[true]` read as 1 ms (a 1,205,844% error), "yes" as a recomputed stage, ReLU priced as
     GELU, and a device layout that contradicted the strategies ignored."""
-    megatron = fault in _MEGATRON_FAULTS
+    megatron = fault in _MEGATRON_EDITS
     data, path = _copy(tmp_path) if megatron else _copy(tmp_path, "mist-l4.json")
     record = data["runs"][0] if megatron else data["cases"][0]
-    expected = _megatron_edit(record, fault) if megatron else _mist_plan_edit(record, fault)
+    if megatron:
+        key, value, expected = _MEGATRON_EDITS[fault]
+        record[key] = value
+    else:
+        expected = _mist_plan_edit(record, fault)
     path.write_text(json.dumps(data))
     assert main(["validate", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: {path}: ") and err.count("\n") == 1 and len(err) < 500, err
     assert expected in err and (record["config"] if megatron else record["case"]) in err, err
-
-
-_MEGATRON_FAULTS = (
-    "times empty",
-    "time true",
-    "times a string",
-    "checkpoint short",
-    "checkpoint yes",
-    "checkpoint 2",
-    "tp strings",
-    "tp short",
-    "gpus negative",
-)
