@@ -71,9 +71,26 @@ def die_with_launcher(launcher: int | None = None) -> None:
         _exit_when_gone(launcher)
 
 
+# The process die_with_launcher watches: (its pid, its pidfd or None where Linux has none)
+_watched: tuple[int, int | None] | None = None
+
+
+def launcher_gone() -> bool:
+    """Whether the process ``die_with_launcher`` watches has ended (its watchdog is about to exit
+    this one); False where none is watched. A killed process its parent has not reaped yet has
+    ended: its pidfd says so, where ``kill(pid, 0)`` still finds it."""
+    if _watched is None:
+        return False
+    pid, fd = _watched
+    if fd is not None:
+        return bool(select.select([fd], [], [], 0)[0])
+    return not _alive(pid)
+
+
 def _exit_when_gone(pid: int) -> None:
     """Exit as soon as process ``pid`` has ended (a daemon thread waits on its pidfd, which cannot
     name a later process that reuses the number; polled each second where Linux has no pidfd)."""
+    global _watched
     try:
         fd = os.pidfd_open(pid)
     except ProcessLookupError:
@@ -81,6 +98,7 @@ def _exit_when_gone(pid: int) -> None:
         os._exit(1)
     except (AttributeError, OSError):  # not Linux >= 5.3
         fd = None
+    _watched = (pid, fd)
 
     def watch() -> None:
         if fd is not None:

@@ -142,3 +142,31 @@ def test_an_interrupt_that_left_an_evaluated_string_keeps_the_exit_status(tmp_pa
     )
     assert proc.returncode == status, proc.stderr.decode()[-2000:]
     assert proc.stderr.decode().strip() == "interrupted: one line"
+
+
+@pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="pidfds are Linux's (>= 5.3)")
+def test_launcher_gone_sees_a_launcher_ended_but_not_yet_reaped(monkeypatch):
+    """A benchmark rank whose collective fails as a killed run's peers go exits quietly when its
+    launcher has ended (mist.engine.profiler.ranks). A killed launcher its parent has not reaped
+    is a zombie, which kill(pid, 0) still finds (the control); its pidfd says it has ended."""
+    import time
+
+    from measure import parallel
+
+    sleeper = subprocess.Popen(["sleep", "60"])
+    fd = os.pidfd_open(sleeper.pid)
+    try:
+        monkeypatch.setattr(parallel, "_watched", (sleeper.pid, fd))
+        assert not parallel.launcher_gone()
+        sleeper.kill()  # not waited for: a zombie until wait() below
+        deadline = time.monotonic() + 10
+        while not parallel.launcher_gone():
+            assert time.monotonic() < deadline, "the killed process never showed as ended"
+            time.sleep(0.01)
+        assert parallel._alive(sleeper.pid)  # the control: signal 0 still reaches the zombie
+        monkeypatch.setattr(parallel, "_watched", None)
+        assert not parallel.launcher_gone()  # nothing watched: nothing gone
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+        os.close(fd)

@@ -70,11 +70,20 @@ def _rank_main(rank: int, launcher: int, worker: Callable, *args) -> None:
     """A benchmark rank: dies with the server that forked it and with ``launcher``, the process
     that launched it (the server outlives ``launcher`` while its ranks live: they hold its
     liveness pipe), then ``worker(rank, *args)``."""
-    from measure.parallel import die_with_launcher, no_tqdm_semaphore
+    from measure.parallel import die_with_launcher, launcher_gone, no_tqdm_semaphore
 
     die_with_launcher(launcher)
     no_tqdm_semaphore()  # an interrupted run kills its ranks
-    worker(rank, *args)
+    try:
+        worker(rank, *args)
+    except BaseException:
+        # a peer gone with a killed run fails this rank's collective before its watchdog exits
+        # it: exit as that would, not through torch's start_processes, which writes the traceback
+        # to an error file that only the killed launcher would have removed (one was left in
+        # test_killed_benchmark_leaves_no_rank[SIGKILL], in a loaded suite)
+        if launcher_gone():
+            os._exit(1)
+        raise
 
 
 _RESULT_KEY = "rank0-result"
