@@ -24,6 +24,11 @@ def real(value: object) -> bool:
     return type(value) in (float, int) or (isinstance(value, numbers.Real) and not isinstance(value, bool))
 
 
+def fraction(value: object) -> bool:
+    """``value`` is a real number (``real``) in [0, 1]."""
+    return real(value) and 0.0 <= value <= 1.0
+
+
 def finite(value: object) -> bool:
     """``value`` is a real number (``real``) that is neither NaN nor infinite, nor a whole number
     beyond a float's range (every use converts it to a float: math.isfinite raised OverflowError)."""

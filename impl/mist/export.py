@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from measure.checks import finite
 
 from .engine.megatron import megatron_limits, model_settings
-from .model.specs import GRAD_ACCUMULATION, ModelSpec
+from .model.specs import ModelSpec
 from .plan import Plan
 
 # megatron-core settings (engine.megatron.model_settings) and the Megatron-LM flag that takes each
@@ -177,8 +177,7 @@ def engine_run_as(plan: Plan, target: str) -> str:
     for a plan priced with 4-byte ones, else 16-bit ones; torchtitan always reduces in fp32."""
     if target == "torchtitan":
         return "torchtitan"
-    priced = plan.priced_engine or GRAD_ACCUMULATION["megatron-core"]
-    return "megatron-lm" if priced.grad_bytes == 4 else "megatron-core"
+    return "megatron-lm" if plan.pricing_engine.grad_bytes == 4 else "megatron-core"
 
 
 def priced_otherwise_note(plan: Plan, target: str) -> str | None:
@@ -188,8 +187,7 @@ def priced_otherwise_note(plan: Plan, target: str) -> str | None:
     megatron-core's."""
     if plan.predicted_iteration_s is None and plan.priced_engine is None:
         return None
-    priced = plan.priced_engine or GRAD_ACCUMULATION["megatron-core"]
-    runs = engine_run_as(plan, target)
+    priced, runs = plan.pricing_engine, engine_run_as(plan, target)
     if priced.engine == runs:
         return None
     return (

@@ -44,7 +44,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from measure.checks import finite, real, whole
+from measure.checks import finite, fraction, whole
 from measure.results import write_text_atomic
 from measure.strict import StrictDataError, json_data, loads_json, loads_yaml, read_text_file
 
@@ -310,12 +310,7 @@ def _check_breakdown(breakdown: dict) -> None:
             raise ValueError(f"breakdown: {name} must be {what}, got {value!r}")
 
 
-def fraction(value: object) -> bool:
-    """``value`` is a real number in [0, 1], never a bool (true is 1) nor a string."""
-    return real(value) and 0.0 <= value <= 1.0
-
-
-def _refuse_unknown_fields(where: str, given: dict, kind: type) -> None:
+def _refuse_unknown_or_missing_fields(where: str, given: dict, kind: type) -> None:
     """A key the plan format does not have, named with what it has (a misspelt field was a
     dataclass's 'unexpected keyword argument'); then one it must have, named with what it is (a
     misspelt required field is named as written first)."""
@@ -374,6 +369,12 @@ class Plan:
         if name is not None and name not in GRAD_ACCUMULATION:  # a breakdown changed after loading
             raise ValueError(f"breakdown engine {name!r} is none of {sorted(GRAD_ACCUMULATION)}")
         return None if name is None else GRAD_ACCUMULATION[name]
+
+    @property
+    def pricing_engine(self) -> GradAccumulation:
+        """The engine ``predict`` prices this plan for unless told another: the one it was priced
+        for, else megatron-core's (a plan not priced yet, or priced before plans recorded it)."""
+        return self.priced_engine or GRAD_ACCUMULATION["megatron-core"]
 
     def stage_parallelism(self, i: int) -> tuple[int, int, int]:
         """(tp, dp, micro-batch) of stage i. A stage with its own DP splits each of the G
@@ -586,7 +587,7 @@ class Plan:
             *((f"stage {i}: ", s, StagePlan) for i, s in enumerate(d["stages"])),
             *((("pre_post: ", d["pre_post"], PrePostPlan),) if isinstance(d.get("pre_post"), dict) else ()),
         ):
-            _refuse_unknown_fields(where, given, kind)
+            _refuse_unknown_or_missing_fields(where, given, kind)
         d["stages"] = [StagePlan(**s) for s in d["stages"]]
         if d.get("pre_post") is not None:
             d["pre_post"] = PrePostPlan(**d["pre_post"])

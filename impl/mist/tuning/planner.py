@@ -1017,7 +1017,7 @@ def predict(
     _check_cost_models(runtime, interference)
     _check(plan, model, cluster)
     if grad_accumulation is None:  # the plan's own engine (Problem.resolve checks a given one)
-        grad_accumulation = plan.priced_engine or GRAD_ACCUMULATION["megatron-core"]
+        grad_accumulation = plan.pricing_engine
     problem = Problem.of_plan(plan, model, cluster, runtime, interference, grad_accumulation)
     return _price(problem, plan, simulate)
 
