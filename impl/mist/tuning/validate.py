@@ -63,7 +63,7 @@ class MeasuredRun:
         measured = [("iteration time", self.iteration_s)]
         measured += [(f"stage {i} peak memory", m) for i, m in enumerate(self.stage_memory_bytes or ())]
         for what, value in measured:
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < math.inf:
+            if not _positive(value):
                 raise ValueError(
                     f"run {self.name}: its measured {what} must be a positive number, got {value!r}"
                 )
