@@ -104,13 +104,26 @@ def _positive(text: str) -> int:
     return value
 
 
-def host_memory_bytes(gib: float | None) -> int | None:
-    """``--host-mem`` (GiB, as people type it) in bytes: the one conversion, since the cluster and
-    the plan file hold bytes; whole bytes down, as a capacity. inf or nan: refused in one line."""
-    if gib is None:
+def host_memory_bytes(size: str | None) -> int | None:
+    """``--host-mem`` in bytes: a bare number is GiB (as people give a node's DRAM), or a size with
+    a unit as ``--gpu-mem`` takes ('512GiB', '768GB'); the one conversion, since the cluster and the
+    plan file hold bytes; whole bytes down, as a capacity. inf, nan, 0: refused in one line."""
+    if size is None:
         return None
+    try:
+        gib = float(size)
+    except ValueError:  # a unit: the one parser of memory sizes
+        from measure.budget import GpuBudget
+
+        try:
+            return GpuBudget.parse(size).capacity_bytes
+        except ValueError:  # its message offers a byte count, which here would be GiB
+            raise ValueError(
+                f"--host-mem {size!r} not understood: use a number of GiB (e.g. 256) or a positive "
+                "size with a unit (e.g. '256GiB', '768GB')"
+            ) from None
     if not math.isfinite(gib) or gib <= 0:
-        raise ValueError(f"--host-mem must be a finite number of GiB above 0, got {gib}")
+        raise ValueError(f"--host-mem must be a finite number of GiB above 0, got {size}")
     return int(gib * 2**30)
 
 
@@ -176,7 +189,7 @@ def cmd_plan(args) -> int:
     m = _build_model(args)  # a bad value: main() reports it in one line
     if args.out:
         _check_writable(Path(args.out))
-    host = host_memory_bytes(args.host_mem)  # GiB on the command line, bytes from here on
+    host = host_memory_bytes(args.host_mem)  # bytes from here on
     device_cap = gpu_memory_bytes(args.gpu_mem)
     c = cluster(args.gpu, args.gpus, args.gpus_per_node, host_memory=host, gpu_memory=device_cap)
     if device_cap is not None and gpu_budget_bytes(c) <= 0:  # before the search, not after it
@@ -757,9 +770,9 @@ def _plan_parser(sub) -> None:
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument(
         "--host-mem",
-        type=float,
-        metavar="GIB",
-        help="DRAM per node; offloading may use 90%% (default: the GPU type's usual host, `mist list`)",
+        metavar="SIZE",
+        help="DRAM per node, in GiB (e.g. 256) or with a unit (e.g. 256GiB); offloading may use 90%% "
+        "(default: the GPU type's usual host, `mist list`)",
     )
     p.add_argument(
         "--gpu-mem",

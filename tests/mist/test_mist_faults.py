@@ -40,6 +40,8 @@ def _one_error_line(capsys, *expected: str) -> None:
         (["--host-mem", "-1"], "--host-mem must be a finite number of GiB above 0"),
         (["--host-mem", "inf"], "--host-mem must be a finite number of GiB"),
         (["--host-mem", "nan"], "--host-mem must be a finite number of GiB"),
+        (["--host-mem", "256XB"], "--host-mem '256XB' not understood: use a number of GiB"),
+        (["--host-mem", "0GiB"], "--host-mem '0GiB' not understood"),
     ],
 )
 def test_bad_plan_arguments(capsys, extra, expected):

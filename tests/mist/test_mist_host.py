@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from mist.__main__ import main
+from mist.__main__ import host_memory_bytes, main
 from mist.model.budget import HOST_USABLE_FRACTION
 from mist.model.runtime import HOST_STREAM_FRACTION, CpuAdam, cpu_adam_params_per_s, load_cpu_adam
 from mist.model.specs import GiB, cluster, model
@@ -119,3 +119,10 @@ def test_an_unknown_offloadable_kind_is_refused():
 
     with pytest.raises(ValueError, match="accepted: weights, grads, optimizer, activations"):
         SearchSpace(offloadable=("optimiser",))
+
+
+def test_host_memory_takes_gib_or_a_unit():
+    """A bare ``--host-mem`` is GiB, a unit is taken as ``--gpu-mem`` takes it (GB binary)."""
+    assert host_memory_bytes("128") == host_memory_bytes("128GiB") == host_memory_bytes("128 gb") == 128 * GiB
+    assert host_memory_bytes("0.5") == host_memory_bytes("512MiB") == GiB // 2
+    assert host_memory_bytes(None) is None
