@@ -17,6 +17,13 @@ from collections.abc import Sequence
 # as in the fused Triton kernels, which need none. A multiple of 8 (whole mask bytes).
 CHUNK_ELEMS = 1 << 17
 
+# The memory-lean loss sums a 16-bit dW over its row chunks in float32; each chunk's product is
+# made this many bytes (in 16 bits) at a time: a block of vocab rows, big enough for the GEMM's
+# speed. Adding it into the float32 sum makes a float32 copy of it on a CPU (measured), so a block
+# holds 6 bytes an element while it is added.
+DW_BLOCK_BYTES = 16 * 2**20
+DW_BLOCK_BYTES_PER_ELEM = 2 + 4
+
 # The attention core's PyTorch path, per element of a chunk of heads, by (forward, dropout): its
 # float32 softmax or dP, the float32 copy of P, and with dropout the keep mask and the dropped-out
 # P. Measured with the profiler, bf16: forward 8 and 14 B; backward 10 and 14 B, 12 without
@@ -28,6 +35,11 @@ ATTENTION_CPU_BYTES_PER_CHUNK_ELEM = {
     (False, False): 12,
     (False, True): 16,
 }
+
+
+def dw_block_rows(vocab: int, hidden: int) -> int:
+    """Vocab rows of a 16-bit loss chunk's dW product made at once (its transient: rows x hidden)."""
+    return max(1, min(vocab, DW_BLOCK_BYTES // (2 * max(hidden, 1))))
 
 
 def attention_heads_per_chunk(sq: int, sk: int) -> int:

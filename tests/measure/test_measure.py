@@ -515,13 +515,19 @@ def test_workspace_knows_every_tempo_op_by_its_exact_name():
 
 
 @pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16])
-def test_declared_linear_cross_entropy_workspace_bounds_the_real_one(dt):
+@pytest.mark.parametrize(
+    ("n", "hid", "vocab", "chunk"),
+    [(3 * 256 + 77, 64, 4096, 256), (100, 1024, 4096, 16)],
+    ids=["logits dominate", "dW dominates"],
+)
+def test_declared_linear_cross_entropy_workspace_bounds_the_real_one(dt, n, hid, vocab, chunk):
     """The chunked loss's forward and backward (profiler-measured, several chunks and a remainder)
-    hold no more besides inputs and outputs than workspace_bytes declares for the estimator."""
+    hold no more besides inputs and outputs than workspace_bytes declares for the estimator, and
+    at least half. Where dW dominates, a 16-bit dW's float32 sum over the chunks is real: the
+    control, declared without it, fails the bound."""
     from tempo.ops import linear_ce as C
     from tempo.ops import workspace_bytes
 
-    n, hid, vocab, chunk = 3 * 256 + 77, 64, 4096, 256
     h, w = torch.randn(n, hid, dtype=dt), torch.randn(vocab, hid, dtype=dt) * 0.1
     labels = torch.randint(0, vocab, (n,))
     grad = torch.tensor(1.0)
@@ -540,6 +546,9 @@ def test_declared_linear_cross_entropy_workspace_bounds_the_real_one(dt):
         declared = workspace_bytes(name, args, {}, "cpu")
         assert workspace <= declared, f"{name} {dt}: {workspace} B > {declared} B"
         assert workspace >= 0.5 * declared, f"{name} {dt}: the bound is loose ({workspace} of {declared} B)"
+        if name.endswith("_bwd") and dt == torch.bfloat16 and hid == 1024:
+            without_sum = declared - vocab * hid * 4
+            assert workspace > without_sum, f"the float32 dW sum not seen: {workspace} <= {without_sum} B"
 
 
 def test_cuda_like_attention_keeps_no_square_matrix():

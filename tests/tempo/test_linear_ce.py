@@ -57,6 +57,30 @@ def test_half_and_single_close_to_torch(dtype, tol):
         assert ((a.double() - r.double()).norm() / r.double().norm()).item() <= tol
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_16_bit_dw_is_rounded_once_over_many_chunks(dtype):
+    """dW is summed over the row chunks in float32 and rounded once, as one GEMM over all rows
+    rounds it. Inputs where every chunk's product is exact in 16 bits and their sum exact in
+    float32 (vocab 2, a zero head: d logits exactly +-1/(2n); h of 0s and 1s; 253-row chunks; n =
+    4096), so dW must equal the float64 dW rounded once, bit for bit. Control: summed in 16 bits
+    chunk by chunk (as before), the all-ones column rounds on the way and differs."""
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    n, hid, chunk = 4096, int(torch.randint(2, 33, (), generator=g)), 253
+    h = torch.randint(0, 2, (n, hid), generator=g).to(dtype)
+    h[:, 0] = 1
+    w = torch.zeros(2, hid, dtype=dtype)
+    labels = torch.full((n,), int(torch.randint(0, 2, (), generator=g)))
+    _, (_, dw) = _grads(lambda h, w, y: C.linear_cross_entropy(h, w, y, chunk), h, w, labels)
+    d = torch.full((n, 2), 0.5 / n, dtype=torch.float64)  # softmax 1/2 each, minus 1 at the label
+    d[torch.arange(n), labels] -= 1.0 / n
+    exact = d.t() @ h.double()
+    assert torch.equal(dw, exact.to(dtype))
+    in_16_bits = torch.zeros(2, hid, dtype=dtype)
+    for start in range(0, n, chunk):
+        in_16_bits.addmm_(d[start : start + chunk].t().to(dtype), h[start : start + chunk])
+    assert in_16_bits[:, 0].ne(exact[:, 0].to(dtype)).all(), "control: 16-bit sums did not round"
+
+
 def test_gradcheck():
     h = torch.randn(5, 3, dtype=torch.float64, requires_grad=True)
     w = torch.randn(7, 3, dtype=torch.float64, requires_grad=True)

@@ -16,7 +16,13 @@ import math
 import torch
 
 from ..layernorm_rows import ROWS_PER_PROGRAM
-from ..sizes import CHUNK_ELEMS, attention_core_workspace_bytes, swiglu_down_workspace_bytes
+from ..sizes import (
+    CHUNK_ELEMS,
+    DW_BLOCK_BYTES_PER_ELEM,
+    attention_core_workspace_bytes,
+    dw_block_rows,
+    swiglu_down_workspace_bytes,
+)
 
 # Upper bounds on the PyTorch path's live temporaries per element of a chunk, measured with the
 # profiler and checked in tests/measure/test_measure.py (largest: the GELU backward's Newton solve with
@@ -95,7 +101,14 @@ def workspace_bytes(op_name: str, args: tuple, kwargs: dict, target: str) -> int
         # a chunk's logits in h's dtype and in float32, and torch's log-softmax of them (float32);
         # backward also its copy in h's dtype for the matmuls (checked by tests/measure)
         per_logit = h.element_size() + 4 + 4 + (0 if forward else h.element_size())
-        return chunk * weight.shape[0] * per_logit
+        logits = chunk * weight.shape[0] * per_logit
+        if forward or weight.element_size() > 2:
+            return logits
+        # a 16-bit dW: its float32 sum over the chunks, and one block's product with its float32
+        # copy, made before the dW output exists (whose bytes the caller counts)
+        vocab, hidden = weight.shape
+        block = dw_block_rows(vocab, hidden) * hidden * DW_BLOCK_BYTES_PER_ELEM
+        return logits + vocab * hidden * 4 + max(0, block - vocab * hidden * weight.element_size())
     if op_name == "tempo::layer_norm_bwd" and on_cuda:
         d = args[3].numel()
         rows = first.numel() // max(d, 1)
