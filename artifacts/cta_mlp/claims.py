@@ -110,6 +110,26 @@ CLAIMS = (
         why="float32 accumulation over K <= 256 at unit scale: ~1e-7; 1e-5 catches a wrong tile",
     ),
     Bound(
+        id="cta-kernels-gpu",
+        system="CTA-pipelining",
+        claim="...and so on a GPU",
+        measure="stage and ticketed kernels in bf16 (4096 x 8192 x 8192, 1000 x 4096 x 11008) against "
+        "a float32 torch.matmul of the same inputs, max error over max|y|",
+        source=Source(
+            experiment=EXPERIMENT,
+            file="kernels_cuda.json",
+            evidence="measured",
+            basis="one GPU (the GPU check's; its model is in the results' provenance)",
+            command="nox -s gpu_check",
+            gpu=True,
+        ),
+        value=kernels,
+        check=AtMost(32 * 2**-7),
+        unit="e",
+        why="h and y rounded to bf16 over float32 sums: a few units of 2^-7 (the GPU check's own "
+        "bound, 32 eps); a tile not written or read before it was is off by O(1)",
+    ),
+    Bound(
         id="cta-wait",
         system="CTA-pipelining",
         claim="...and the wait is what makes them so",

@@ -11,6 +11,10 @@
 
 ``--device cpu`` (GPU_CHECK_DRY_RUN) runs the same code at toy sizes under the interpreter.
 
+Every method's output is checked against a float32 reference before it is timed: one off by more
+than ``wrong_result_bound`` fails the measurement (``WrongResult``), so a race or a missed wait
+on the GPU is never recorded as a speed-up.
+
 The CTA kernels' waits have the default bound (``ctapipe.WAIT_TIMEOUT_S``). Their give-ups are
 checked after each method's first call and after its timed calls (not inside them: a check waits
 for the GPU); after one give-up the object's later calls do not wait, so a lost signal costs one
@@ -20,6 +24,7 @@ bound, and the measurement fails with ``StageTimeout`` naming the stage, the til
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 
@@ -29,6 +34,19 @@ from measure.timing import time_fn
 
 GPU_ROWS = [1024, 4096, 16384]
 DRY_ROWS = [64]
+# A correct method rounds h and y to the dtype and sums in float32: its max error is a few units
+# of the dtype's rounding of max|y| (cuBLAS's bf16 8192-wide MLP: about 2 ** -7; the interpreter's
+# float32: 2 eps). A tile not written, or computed from an unwritten input, is off by O(max|y|).
+WRONG_RESULT_EPS = 32
+
+
+def wrong_result_bound(dtype: torch.dtype) -> float:
+    """The largest max|error| / max|y| a method's output may have against the float32 reference."""
+    return WRONG_RESULT_EPS * torch.finfo(dtype).eps
+
+
+class WrongResult(RuntimeError):
+    """A method's output is not the MLP's: the measurement fails rather than record its time."""
 
 
 def _mlp_methods(m: int, d: int, device: str, dtype: torch.dtype, tiling) -> dict:
@@ -67,18 +85,24 @@ def _mlp_methods(m: int, d: int, device: str, dtype: torch.dtype, tiling) -> dic
         methods[name] = lambda mb=pipelined: mb(x, w1, w2)
     out = {}
     repeats = 20 if device == "cuda" else 1
+    bound = wrong_result_bound(dtype)
     for name, fn in methods.items():
         check = gave_up.get(name, lambda: None)
         try:
             y_method = fn()
             check()  # before the error: the tiles that gave up wrote nothing
             err = float((y_method.float() - ref).abs().max() / ref.abs().max())
+            if not err <= bound:  # NaN too
+                raise WrongResult(
+                    f"{name}'s output is off by {err:.2e} of max|y| (bound {bound:.2e}, "
+                    f"{WRONG_RESULT_EPS} eps of {dtype}): not timed"
+                )
             median_s = time_fn(fn, device, warmup=3, repeats=repeats).median_s
             check()
-        except StageTimeout as e:
+        except (StageTimeout, WrongResult) as e:
             e.add_note(f"measurement failed: single-GPU MLP, M={m}, width {d}, method {name}")
             raise
-        out[name] = {"median_s": median_s, "rel_error": err}
+        out[name] = {"median_s": median_s, "rel_error": err, "rel_error_bound": bound}
     micro = {name: out[name]["median_s"] for name in microbatchings}
     best = min(micro, key=micro.get) if micro else None
     out["summary"] = {
@@ -130,6 +154,15 @@ def _efficiency_by_rows(d: int, device: str, dtype: torch.dtype, hw) -> list:
         out.append((rows, sim.kernel_s(at_peak, rows, d, d, sim.Chain(rows, d)) / seconds))
         rows *= 2
     return out
+
+
+def tile_efficiency(hw, n: int, tiling, seconds: float) -> float:
+    """The efficiency of ``tiling``'s tiles that makes the model's n x n x n stage kernel (its
+    waves of tiles over the SMs, as ``sim`` prices a CTA kernel) take the measured ``seconds``: the
+    waves counted here, not left in the efficiency, where the model would count them again."""
+    at_peak = dataclasses.replace(hw, cta_efficiency=(((tiling.block_m, tiling.block_n), 1.0),))
+    rows, cols = tiling.tiles(n, n)
+    return math.ceil(rows * cols / hw.sms) * at_peak.cta_tile_s(n, tiling, n) / seconds
 
 
 def _kernel_gap(device: str) -> float:
@@ -208,7 +241,8 @@ def part_gpu(run: Run, device: str = "cuda"):
         kernel_gap_s=gap,
         efficiency_by_rows=tuple((int(r), float(e)) for r, e in curve),
         cta_efficiency=tuple(
-            ((t.block_m, t.block_n), r["triton_tflops"] * 1e12 / base.flops) for t, r in shapes.items()
+            ((t.block_m, t.block_n), tile_efficiency(base, d, t, 2.0 * d**3 / (r["triton_tflops"] * 1e12)))
+            for t, r in shapes.items()
         ),
         source=f"{base.source}; GEMM efficiency by rows, the CTA kernel's by tile shape and kernel gap "
         f"measured on {name}",

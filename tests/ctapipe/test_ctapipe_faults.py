@@ -9,11 +9,13 @@ keep the bounds short, except the reported reproduction, which must use the defa
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import subprocess
 import sys
 import time
+import types
 
 import pytest
 import torch
@@ -424,6 +426,61 @@ def test_the_gpu_measurement_fails_clearly_on_a_give_up(monkeypatch):
     with pytest.raises(StageTimeout, match=r"PartitionedMLP consumer: tile 0 \(row block 0") as e:
         _mlp_methods(32, 16, "cpu", torch.float32, T)
     assert "method cta_sm_partitions" in "".join(e.value.__notes__)
+
+
+@pytest.mark.timeout(120)
+def test_the_gpu_measurement_times_no_wrong_result(monkeypatch):
+    """A method whose output is wrong (here the ticketed kernel's, zeros, as a race or a missed
+    wait could leave it) fails the measurement before it is timed, naming the method; the correct
+    methods' errors lie well inside the same bound (the control: it is not so loose as to pass
+    anything). Found by a review: the GPU run recorded the error and never looked at it."""
+    import artifacts.cta_mlp.gpu as gpu
+    import ctapipe
+
+    bound = gpu.wrong_result_bound(torch.float32)
+    r = gpu._mlp_methods(32, 16, "cpu", torch.float32, T)
+    assert max(v["rel_error"] for k, v in r.items() if k != "summary") < bound / 4
+    assert bound < 1e-4  # a zero tile is off by O(1); float32 roundings by about 1e-7
+
+    class Zeros(ctapipe.TicketMLP):
+        def __call__(self, x, w1, w2):
+            return torch.zeros(x.shape[0], w2.shape[1], dtype=x.dtype)
+
+    monkeypatch.setattr(ctapipe, "TicketMLP", Zeros)
+    timed = []
+
+    def time_fn(fn, *args, **kwargs):
+        timed.append(fn)
+        return types.SimpleNamespace(median_s=1.0)
+
+    monkeypatch.setattr(gpu, "time_fn", time_fn)
+    with pytest.raises(gpu.WrongResult, match=r"cta_ticketed's output is off by 1\.00e\+00 of max\|y\|") as e:
+        gpu._mlp_methods(32, 16, "cpu", torch.float32, T)
+    assert "method cta_ticketed" in "".join(e.value.__notes__)
+    assert len(timed) == 2  # cuBLAS's and Triton's back-to-back pairs, before it; not the ticketed one
+
+
+def test_the_measured_tile_efficiency_is_the_one_the_model_reproduces_the_time_with():
+    """A GPU that behaves exactly as the latency model, its CTA tiles at efficiency e: the stage
+    kernel's measured time gives back e (the review: throughput over peak gave 0.677 for 0.7, the
+    waves' rounding counted twice, and the model then priced the kernel 3.4% slow)."""
+    import dataclasses
+
+    from artifacts.cta_mlp.gpu import tile_efficiency
+    from ctapipe import Tiling, sim
+
+    e = float(torch.empty(()).uniform_(0.3, 0.95))
+    n = 8192
+    for tiling in (Tiling(), Tiling(128, 256, 64), T):
+        hw = dataclasses.replace(
+            sim.from_sheet("h200"), cta_efficiency=(((tiling.block_m, tiling.block_n), e),)
+        )
+        seconds = sim.cta_pipelined(hw, sim.Chain(n, n, layers=1, cta=tiling)) - hw.launch_s
+        assert tile_efficiency(hw, n, tiling, seconds) == pytest.approx(e, rel=1e-12)
+        # the old reading, throughput over peak, is e shrunk by the last wave's idle SMs
+        waves = (n // tiling.block_m) * (n // tiling.block_n) / hw.sms
+        old = 2.0 * n**3 / seconds / hw.flops
+        assert old == pytest.approx(e * waves / math.ceil(waves), rel=1e-12)
 
 
 @pytest.mark.parametrize(
