@@ -321,8 +321,11 @@ def ticket_schedule(tiles_m: int, tiles_n1: int, tiles_n2: int, lag: int = 1) ->
     tile depends only on earlier tickets, and a lag of one row block gives the producers of the
     block it reads time to finish before it is taken.
     """
-    if lag < 0:
-        raise ValueError(f"lag must be >= 0, got {lag}")
+    for name, value, least in (("tiles_m", tiles_m, 0), ("tiles_n1", tiles_n1, 0), ("tiles_n2", tiles_n2, 0)):
+        if not whole(value, least):
+            raise ValueError(f"{name} must be a whole number >= {least}, got {value!r}")
+    if not whole(lag, 0):
+        raise ValueError(f"lag must be a whole number >= 0, got {lag!r}")
     rows = []
     for i in range(tiles_m + lag):
         if i < tiles_m:
@@ -483,8 +486,8 @@ class PartitionedMLP:
         timeout_s: float | None = None,
         check: bool = True,
     ) -> None:
-        if not 0 < producer_share < 1:
-            raise ValueError(f"producer_share must be in (0, 1), got {producer_share}")
+        if not (real(producer_share) and 0 < producer_share < 1):
+            raise ValueError(f"producer_share must be a number in (0, 1), got {producer_share!r}")
         _check_act(act)  # here, not at the first call
         self.act, self.tiling, self.share = act, check_tiling(tiling), producer_share
         self.waits = _Waits(timeout_s, max_spins, check)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from measure.checks import finite
+from measure.checks import finite, real
 
 from .sizes import CHUNK_ELEMS
 
@@ -22,8 +22,9 @@ def check_float(name: str, t: torch.Tensor) -> None:
 
 
 def check_probability(p: float) -> None:
-    if not 0.0 <= p < 1.0:
-        raise ValueError(f"dropout probability must be in [0, 1), got {p}")
+    """A dropout probability: a number in [0, 1) (a string or None raised a TypeError from '<=')."""
+    if not (real(p) and 0.0 <= p < 1.0):
+        raise ValueError(f"dropout probability must be a number in [0, 1), got {p!r}")
 
 
 def check_eps(eps: float) -> None:

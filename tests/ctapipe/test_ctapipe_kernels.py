@@ -109,7 +109,7 @@ def test_persistent_stages_and_the_sm_partitioned_mlp(programs):
         torch.testing.assert_close(y, _act(x @ w1, "gelu") @ w2, atol=ATOL, rtol=ATOL)
     with pytest.raises(ValueError, match="programs must be a whole number >= 1"):
         launch_stage(x, w1, h, tiling=TILING, programs=0)
-    with pytest.raises(ValueError, match=r"producer_share must be in \(0, 1\)"):
+    with pytest.raises(ValueError, match=r"producer_share must be a number in \(0, 1\)"):
         PartitionedMLP(producer_share=1.0)
 
 
@@ -265,6 +265,9 @@ def test_bad_input_is_refused_with_what_is_accepted():
         (lambda: TicketMLP(lag=1.5), "lag must be a whole number of row blocks >= 0"),
         (lambda: TicketMLP(lag=-1), "lag must be a whole number of row blocks >= 0"),
         (lambda: PartitionedMLP(act="bogus"), "activation 'bogus' unknown"),
+        (lambda: PartitionedMLP(producer_share="0.5"), r"producer_share must be a number in \(0, 1\)"),
+        (lambda: ticket_schedule(2, 2, 2, lag=0.5), "lag must be a whole number >= 0, got 0.5"),
+        (lambda: ticket_schedule(-1, 2, 2), "tiles_m must be a whole number >= 0, got -1"),
     ):
         with pytest.raises(ValueError, match=says):
             make()

@@ -294,6 +294,38 @@ def test_attention_core_refuses_one_dim_inputs_clearly():
         tempo.attention_core(torch.randn(4), torch.randn(4, 2))
 
 
+@pytest.mark.parametrize(
+    ("call", "says"),
+    [
+        (lambda: tempo.dropout(torch.randn(4), "0.1"), r"must be a number in \[0, 1\), got '0.1'"),
+        (lambda: tempo.TempoDropout(None), r"probability must be a number in \[0, 1\), got None"),
+        (lambda: tempo.attention_core(torch.randn(2, 3), torch.randn(3, 4), True), "got True"),
+        (lambda: tempo.layer_norm(torch.randn(4, 8), 8), r"normalized_shape must be a tuple of ints"),
+        (
+            lambda: tempo.scaled_dot_product_attention(*[_qkv()] * 3, attention_mask=[[0.0]]),
+            "attention_mask must be a tensor or None, got list",
+        ),
+        (lambda: tempo.scaled_dot_product_attention(*[_qkv()] * 3, scaling="x"), "scaling must be a finite"),
+        (
+            lambda: tempo.linear_cross_entropy(torch.randn(5, 3), torch.randn(7, 3), [1, 2, 3, 4, 5]),
+            "labels must be a tensor of integers, got list",
+        ),
+        (
+            lambda: tempo.linear_cross_entropy(
+                torch.randn(5, 3), torch.randn(7, 3), torch.zeros(5, dtype=torch.long), rows_per_chunk=1.5
+            ),
+            "rows_per_chunk must be a whole number >= 1, got 1.5",
+        ),
+    ],
+    ids=["dropout str", "module None", "attention bool", "norm int", "mask", "scaling", "labels", "chunk"],
+)
+def test_a_public_op_refuses_a_wrong_kind_of_value_in_one_line(call, says):
+    """A string, None or list where a number or tensor belongs: a ValueError saying what is
+    accepted (a TypeError from inside the op before; 1.5 rows a chunk ran as 1). From a review."""
+    with pytest.raises(ValueError, match=says):
+        call()
+
+
 # ---------------------------------------------------------------- 4. in-place changes to outputs
 
 

@@ -19,6 +19,8 @@ import math
 import torch
 from torch import Tensor
 
+from measure.checks import finite
+
 from .._common import (
     check_float,
     check_probability,
@@ -238,6 +240,10 @@ def scaled_dot_product_attention(
             "query (..., Sq, D), key (..., Sk, D) and value (..., Sk, Dv) must agree on the leading "
             f"dims and D: got {list(query.shape)}, {list(key.shape)}, {list(value.shape)}"
         )
+    if attention_mask is not None and not isinstance(attention_mask, Tensor):
+        raise ValueError(f"attention_mask must be a tensor or None, got {type(attention_mask).__name__}")
+    if scaling is not None and not finite(scaling):
+        raise ValueError(f"scaling must be a finite number or None (1/sqrt(D)), got {scaling!r}")
     if attention_mask is not None:
         scores_shape = (*query.shape[:-1], key.shape[-2])
         try:

@@ -204,6 +204,8 @@ def layer_norm(
     """
     check_float("layer_norm input", x)
     check_eps(eps)
+    if not isinstance(normalized_shape, (tuple, list, torch.Size)):  # torch refuses an int here too
+        raise ValueError(f"normalized_shape must be a tuple of ints (as torch's), got {normalized_shape!r}")
     normalized_shape = tuple(normalized_shape)
     if not normalized_shape:
         raise ValueError("normalized_shape must name at least one trailing dim (as in torch), got ()")

@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from measure.checks import whole
+
 from .._common import check_float, opmath
 from ..sizes import dw_block_rows
 
@@ -133,13 +135,15 @@ def linear_cross_entropy(
         )
     if h.dtype != weight.dtype:
         raise ValueError(f"h and weight must share a dtype, got {h.dtype} and {weight.dtype}")
+    if not isinstance(labels, Tensor):
+        raise ValueError(f"labels must be a tensor of integers, got {type(labels).__name__}")
     if labels.dtype not in (torch.int64, torch.int32) or tuple(labels.shape) != tuple(h.shape[:-1]):
         raise ValueError(
             f"labels must be integers of h's leading shape {list(h.shape[:-1])}, "
             f"got {labels.dtype} {list(labels.shape)}"
         )
-    if rows_per_chunk < 1:
-        raise ValueError(f"rows_per_chunk must be >= 1, got {rows_per_chunk}")
+    if not whole(rows_per_chunk, 1):
+        raise ValueError(f"rows_per_chunk must be a whole number >= 1, got {rows_per_chunk!r}")
     if reduction not in ("mean", "sum"):
         raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
     if _has_values(labels):  # fake tensors (memory estimates) and compiled graphs have no values to read
@@ -148,5 +152,5 @@ def linear_cross_entropy(
             raise ValueError(f"labels must be in [0, {weight.shape[0]}) or {IGNORE_INDEX} (ignored)")
     flat = h.reshape(-1, h.shape[-1]).contiguous()
     return linear_cross_entropy_op(
-        flat, weight, labels.reshape(-1).long(), int(rows_per_chunk), reduction == "mean"
+        flat, weight, labels.reshape(-1).long(), rows_per_chunk, reduction == "mean"
     )
