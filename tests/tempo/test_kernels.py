@@ -13,8 +13,11 @@ from tempo.ops import gelu as G
 from tempo.ops import layernorm as L
 
 pytest.importorskip("triton")
+import triton
+import triton.language as tl
+
 from tempo.kernels.attention import attention_core_bwd_triton, attention_core_fwd_triton
-from tempo.kernels.dropout import dropout_triton
+from tempo.kernels.dropout import dropout_triton, keep_mask
 from tempo.kernels.gelu import gelu_bwd_triton, gelu_fwd_triton
 from tempo.kernels.layernorm import layer_norm_bwd_triton, layer_norm_fwd_triton
 
@@ -435,3 +438,32 @@ def test_attention_kernels_workspace_is_what_they_allocate(p, scores_dtype, hf_v
     if p == 0.0:  # the PyTorch path draws another dropout mask: compared without dropout only
         reference, _ = A.attention_core_bwd_torch(go, None, probs, v, p, torch.tensor(5), torch.float64)
         torch.testing.assert_close(own.cpu(), reference.cpu(), rtol=1e-5, atol=1e-6)
+
+
+@triton.jit
+def _masks_at(out_ptr, base, seed, p, BLOCK: tl.constexpr, WIDE: tl.constexpr):
+    """keep_mask at offsets base + i (WIDE), or the 32-bit counter the attention kernels used."""
+    offsets = base + tl.arange(0, BLOCK).to(tl.int64)
+    if WIDE:  # noqa: SIM108 (a constexpr branch: only one side is compiled)
+        keep = keep_mask(seed, offsets, p)
+    else:
+        keep = tl.rand(seed, offsets.to(tl.int32)) >= p
+    tl.store(out_ptr + tl.arange(0, BLOCK), keep.to(tl.int8))
+
+
+def test_the_dropout_mask_does_not_repeat_past_two_to_the_32_elements():
+    """keep_mask (the dropout and attention kernels' one mask) at element offsets 2^32 + i is not
+    its mask at i: a 32-bit counter, as the attention kernels had, wrapped there and repeated the
+    mask in every attention of b a s^2 >= 2^32 probabilities (seq 8192, 64 heads). Below 2^32 it
+    is the mask the 32-bit counter gave (the control: the same bits, so earlier runs' masks)."""
+    n, seed = 1024, int(torch.randint(0, 2**31 - 1, ()))
+
+    def mask(base: int, wide: bool) -> torch.Tensor:
+        out = torch.empty(n, dtype=torch.int8, device=DEVICE)
+        _masks_at[(1,)](out, base, seed, 0.5, BLOCK=n, WIDE=wide)
+        return out.cpu()
+
+    low = mask(0, True)
+    assert torch.equal(low, mask(0, False)) and torch.equal(mask(2**31, True), mask(2**31, False))
+    assert torch.equal(mask(2**32, False), low)  # the old counter's repeat
+    assert (mask(2**32, True) != low).float().mean() > 0.3  # independent masks differ in half

@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .dropout import keep_mask
+
 
 @triton.jit
 def _softmax_dropout_fwd_kernel(
@@ -29,7 +31,7 @@ def _softmax_dropout_fwd_kernel(
     probs = e / tl.sum(e, axis=0)
     tl.store(p_ptr + row * Sk + cols, probs.to(p_ptr.dtype.element_ty), mask=inside)
     if HAS_DROPOUT:
-        keep = tl.rand(seed, (row * Sk + cols).to(tl.int32)) >= p_drop  # the Philox counter as before
+        keep = keep_mask(seed, row * Sk + cols, p_drop)
         probs = tl.where(keep, probs / (1.0 - p_drop), 0.0)
         tl.store(d_ptr + row * Sk + cols, probs.to(d_ptr.dtype.element_ty), mask=inside)
 
@@ -55,7 +57,7 @@ def _softmax_dropout_bwd_kernel(
     grad = tl.load(dd_ptr + row * Sk + cols, mask=inside, other=0.0).to(tl.float32)
     dropped = probs
     if HAS_DROPOUT:
-        keep = tl.rand(seed, (row * Sk + cols).to(tl.int32)) >= p_drop  # the Philox counter as before
+        keep = keep_mask(seed, row * Sk + cols, p_drop)
         grad = tl.where(keep, grad / (1.0 - p_drop), 0.0)
         dropped = tl.where(keep, probs / (1.0 - p_drop), 0.0)
     if HAS_GRAD_PROBS:
