@@ -17,8 +17,8 @@ over the SMs (wave and tile quantisation included).
   upstream row block it reads is complete and visible (its tiles' bytes through the link
   queue, then the flag latency).
 * CTA + TP (N >= 4): N/2 pipeline stages of 2 GPUs; each stage holds a Megatron pair of layers
-  sharded over its 2 GPUs and all-reduces each finished row block, which the next stage's
-  tiles wait for.
+  sharded over its 2 GPUs and all-reduces each finished row block, then sends it to the next
+  stage (each GPU to its peer there, on its link queue), whose tiles wait for it.
 
 Parameters come from data sheets (SMs, peak FLOP/s, NVLink bandwidth) and stated
 micro-benchmark-level assumptions (GEMM efficiency, latencies) in ``Hardware``; none is fitted to
@@ -36,7 +36,7 @@ import itertools
 import math
 from dataclasses import asdict, dataclass, field
 
-from measure.checks import whole
+from measure.checks import finite, whole
 from measure.datasheets import DATASHEETS_FILE, datasheets
 
 from .tiling import DEFAULT_TILING, Tiling
@@ -141,7 +141,8 @@ class Hardware:
 
 
 def _positive(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < math.inf
+    """A finite number above 0 (measure.checks.finite: numpy's too, never a bool)."""
+    return finite(value) and value > 0
 
 
 def _check_rows(hw: str, name: str, rows: object, form: str, shape: bool = False) -> None:
@@ -336,7 +337,8 @@ def cta_pipelined(hw: Hardware, chain: Chain) -> float:
 
 def cta_with_tp(hw: Hardware, chain: Chain, tp: int = 2) -> float:
     """``layers / tp`` CTA-pipelined stages; each stage a Megatron pair of layers over ``tp`` GPUs
-    (column then row parallel), all-reducing each finished row block for the next stage."""
+    (column then row parallel), all-reducing each finished row block and sending it on to the
+    next stage's GPUs (the all-reduce leaves it on this stage's)."""
     d, b = chain.width, chain.dtype_bytes
     if tp != 2 or chain.layers % 2 or d % tp:
         raise ValueError(f"CTA + TP models pairs of layers on 2 GPUs; got tp={tp}, {chain.layers} layers")
@@ -345,7 +347,8 @@ def cta_with_tp(hw: Hardware, chain: Chain, tp: int = 2) -> float:
     row_tile = hw.cta_tile_s(d // tp, cta, chain.m)
     ready = dict.fromkeys(range(chain.row_blocks), 0.0)
     end = 0.0
-    for _stage in range(chain.layers // 2):
+    stages = chain.layers // 2
+    for stage in range(stages):
         gpu = _Gpu(hw.sms, hw.launch_s)  # both GPUs of the stage do the same work: simulate one
         col_done, out_done = {}, {}
         # ticket order: row block i's column tiles, then row block i-1's row tiles (local dependency)
@@ -355,10 +358,12 @@ def cta_with_tp(hw: Hardware, chain: Chain, tp: int = 2) -> float:
             if i >= 1:
                 r = i - 1
                 out_done[r] = max(gpu.run(col_done[r], row_tile) for _ in range(chain.cta_col_tiles(d)))
-        # each row block's partial sums all-reduced over the pair, as its tiles finish (link queue)
+        # each row block's partial sums all-reduced over the pair, as its tiles finish, then (but
+        # after the last stage) the block to the next stage's GPUs: one link queue
         link = 0.0
+        hop = hw.transfer_s(cta.block_m * d * b) if stage < stages - 1 else 0.0
         for r in sorted(out_done, key=out_done.get):
-            link = max(link, out_done[r]) + hw.all_reduce_s(cta.block_m * d * b, tp)
+            link = max(link, out_done[r]) + hw.all_reduce_s(cta.block_m * d * b, tp) + hop
             out_done[r] = link
         end = max(out_done.values())
         ready = {r: t + hw.flag_latency_s for r, t in out_done.items()}

@@ -104,6 +104,23 @@ def test_cta_with_tp_is_between_bounds():
         assert 0 < both < sim.microbatched(hw, chain, chain.m)
 
 
+def test_cta_with_tp_sends_each_stage_output_to_the_next_stage():
+    """One row block through two stages, every tile of a kind on its own SM: the stages' tiles,
+    all-reduces and flag in sequence, and the block's hop from the first pair to the second (the
+    all-reduce leaves it on the first pair's GPUs; a review found it missing, CTA + TP priced
+    without the link time CTA alone pays)."""
+    for hw in (H200, B200):
+        cta = sim.DEFAULT_TILING
+        chain = Chain(cta.block_m, 8192, layers=4)
+        d, b = chain.width, chain.dtype_bytes
+        assert max(chain.cta_col_tiles(d // 2), chain.cta_col_tiles(d)) <= hw.sms  # one wave each
+        pair = hw.cta_tile_s(d, cta, chain.m) + hw.cta_tile_s(d // 2, cta, chain.m)
+        pair += hw.all_reduce_s(cta.block_m * d * b, 2)
+        hop = hw.transfer_s(cta.block_m * d * b)
+        expected = hw.launch_s + 2 * pair + hop + hw.flag_latency_s
+        assert sim.cta_with_tp(hw, chain) == pytest.approx(expected, rel=1e-12)
+
+
 def test_bad_input():
     with pytest.raises(ValueError, match="m must be a whole number >= 1"):
         Chain(0)
