@@ -321,9 +321,9 @@ def ticket_schedule(tiles_m: int, tiles_n1: int, tiles_n2: int, lag: int = 1) ->
     tile depends only on earlier tickets, and a lag of one row block gives the producers of the
     block it reads time to finish before it is taken.
     """
-    for name, value, least in (("tiles_m", tiles_m, 0), ("tiles_n1", tiles_n1, 0), ("tiles_n2", tiles_n2, 0)):
-        if not whole(value, least):
-            raise ValueError(f"{name} must be a whole number >= {least}, got {value!r}")
+    for name, value in (("tiles_m", tiles_m), ("tiles_n1", tiles_n1), ("tiles_n2", tiles_n2)):
+        if not whole(value, 0):
+            raise ValueError(f"{name} must be a whole number >= 0, got {value!r}")
     if not whole(lag, 0):
         raise ValueError(f"lag must be a whole number >= 0, got {lag!r}")
     rows = []

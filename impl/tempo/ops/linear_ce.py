@@ -150,7 +150,5 @@ def linear_cross_entropy(
         bad = (labels != IGNORE_INDEX) & ((labels < 0) | (labels >= weight.shape[0]))
         if bool(bad.any()):
             raise ValueError(f"labels must be in [0, {weight.shape[0]}) or {IGNORE_INDEX} (ignored)")
-    flat = h.reshape(-1, h.shape[-1]).contiguous()
-    return linear_cross_entropy_op(
-        flat, weight, labels.reshape(-1).long(), rows_per_chunk, reduction == "mean"
-    )
+    flat, chunk = h.reshape(-1, h.shape[-1]).contiguous(), int(rows_per_chunk)  # numpy's: an int
+    return linear_cross_entropy_op(flat, weight, labels.reshape(-1).long(), chunk, reduction == "mean")
