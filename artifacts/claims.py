@@ -55,6 +55,7 @@ SYSTEMS = ("Tempo", "Mist", "CTA-pipelining")
 SOURCES = ("reference", "results")
 HOLDS, BROKEN, KNOWN_BROKEN, SHOWN = "holds", "BROKEN", "BROKEN (known)", "shown, not judged"
 WITHIN_NOISE = "within noise"  # a bound the measurement's launches straddle (Bound.noise): not judged
+BUSY = "busy machine"  # a time some of whose launches shared the cores with other work (Bound.busy)
 NOT_RUN_VERDICT = Verdict(NOT_RUN)
 
 
@@ -108,10 +109,14 @@ def judge(claim: Claim, source: str) -> Row:
         return Row(claim, None, NOT_RUN_VERDICT)
     if isinstance(claim, Shown):
         return Row(claim, ours, Verdict(SHOWN))
+    out_of = read(claim.out_of, results) if claim.out_of is not None else None
+    busy = read(claim.busy, results) if claim.busy is not None else None
+    if busy:  # before the band: a busy machine's launches are no evidence either way
+        why = f"timed while other work took up to {busy:.2f} of a core: not judged; rerun on a quiet machine"
+        return Row(claim, ours, Verdict(BUSY, f"{BUSY} ({why})"), out_of)
     broken = Verdict(KNOWN_BROKEN if claim.known_broken else BROKEN)
     band = read(claim.noise, results) if claim.noise is not None else None
     if band is None:  # no band, or none to read: the value alone is judged
-        out_of = read(claim.out_of, results) if claim.out_of is not None else None
         return Row(claim, ours, Verdict(HOLDS) if claim.check.ok(ours) else broken, out_of)
     # the band's ends, whichever way the check points: it holds at both, fails at both, or straddles
     ends = [claim.check.ok(x) for x in band]
@@ -153,11 +158,13 @@ def summary(rows: list[Row], system: str) -> str:
     held = sum(r.verdict.kind == HOLDS for r in bounds)
     broken = sum(r.verdict.kind in (BROKEN, KNOWN_BROKEN) for r in bounds)
     noisy = sum(r.verdict.kind == WITHIN_NOISE for r in bounds)
+    busy = sum(r.verdict.kind == BUSY for r in bounds)
     within = f"{noisy} within noise, " if noisy else ""
+    within += f"{busy} on a busy machine, " if busy else ""
     return (
         f"{system}: {len(paper)} paper claims ({judged or 'none'}; {measured} of those run measured, "
         f"{len(ran) - measured} predicted); {len(bounds)} bounds ({held} hold, {broken} broken, "
-        f"{within}{len(bounds) - held - broken - noisy} not yet run)"
+        f"{within}{len(bounds) - held - broken - noisy - busy} not yet run)"
     )
 
 
@@ -435,6 +442,12 @@ def main(argv: list[str] | None = None) -> int:
             f"\nnot judged, the measurement's noise straddles the bound: {', '.join(noisy)} (the machine "
             "was too noisy for these, or drifted between a fit and its launches; rerun the experiment "
             "on a quieter one)"
+        )
+    busy = [r.claim.id for r in rows if r.verdict.kind == BUSY]
+    if busy:
+        print(
+            f"\nnot judged, timed while other work shared the cores: {', '.join(busy)} (rerun the "
+            "experiment with nothing else running)"
         )
     return 1 if broken else 0
 

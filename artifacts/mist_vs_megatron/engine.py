@@ -38,7 +38,7 @@ from pathlib import Path
 from measure import fork_launch
 from measure.checks import usable_cores
 from measure.cli import OneLineParser
-from measure.contention import Contention, OtherWork
+from measure.contention import Contention, OtherWork, busiest
 from measure.launch import run_torchrun
 from measure.results import (
     ResultFile,
@@ -766,10 +766,11 @@ def busy_launches(result: dict) -> str:
     """A note where some launch of a trained plan (``result``: its point's) shared its cores with
     other work (measure.contention); "" where none did or nothing is known (results from before
     contention was recorded)."""
-    shared = [c for c in result.get("launches_contention") or [] if c and not Contention(**c).quiet]
+    records = result.get("launches_contention") or []
+    shared = [c for c in records if c and not Contention(**c).quiet]
     if not shared:
         return ""
-    most = max(c["other_cores"] + c["steal_cores"] for c in shared)
+    most = busiest(records)
     return (
         f"{len(shared)} of {len(result['launches_contention'])} launch(es) shared the cores with other "
         f"work (up to {most:.2f} of a core): not a quiet machine's time"

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -59,6 +60,13 @@ class Contention:
             f"{self.steal_cores:.2f} of its {self.cores} cores on average, beside its own "
             f"{self.own_cores:.2f}: a busy machine's time"
         )
+
+
+def busiest(records: Iterable[dict | None]) -> float:
+    """The most cores other work (processes and other machines) took beside any of ``records``
+    (``Contention.as_dict``s; None: nothing known) that was not quiet; 0.0 where every one was."""
+    shared = [r["other_cores"] + r["steal_cores"] for r in records if r and not Contention(**r).quiet]
+    return max(shared, default=0.0)
 
 
 def _now() -> float:
