@@ -30,6 +30,18 @@ BAND = dict(
     basis="the latency model (ctapipe.sim): data sheets, over the band of sim.BAND's assumptions",
     command=COMMAND,
 )
+# A wrong tile, not rounding: a kernel's max|error| / max|y| against a float32 reference may be
+# this many units of its dtype's rounding and as many of float32 sums over a sqrt(width) walk
+# (gpu.py checks every single-GPU method against it before timing it; the reasons are there).
+WRONG_RESULT_EPS = 8
+FLOAT32_EPS = 2**-23
+
+
+def wrong_result_bound(dtype_eps: float, width: int) -> float:
+    """The bound for a dtype whose rounding unit (torch.finfo(dtype).eps) is ``dtype_eps``."""
+    return WRONG_RESULT_EPS * (dtype_eps + width**0.5 * FLOAT32_EPS)
+
+
 KERNELS = dict(
     experiment=EXPERIMENT,
     file="kernels_cpu.json",
@@ -124,10 +136,11 @@ CLAIMS = (
             gpu=True,
         ),
         value=kernels,
-        check=AtMost(32 * 2**-7),
+        check=AtMost(wrong_result_bound(2**-7, 11008)),
         unit="e",
-        why="h and y rounded to bf16 over float32 sums: a few units of 2^-7 (the GPU check's own "
-        "bound, 32 eps); a tile not written or read before it was is off by O(1)",
+        why="h and y rounded to bf16 over float32 sums: under one unit of 2^-7 (a bf16 simulation: "
+        "0.4); the bound is 8 units (the GPU part's own, gpu.wrong_result_bound); one 128 x 128 "
+        "tile of h never written: 0.13",
     ),
     Bound(
         id="cta-wait",
