@@ -55,7 +55,7 @@ SYSTEMS = ("Tempo", "Mist", "CTA-pipelining")
 SOURCES = ("reference", "results")
 HOLDS, BROKEN, KNOWN_BROKEN, SHOWN = "holds", "BROKEN", "BROKEN (known)", "shown, not judged"
 WITHIN_NOISE = "within noise"  # a bound the measurement's launches straddle (Bound.noise): not judged
-BUSY = "busy machine"  # a time some of whose launches shared the cores with other work (Bound.busy)
+BUSY = "busy machine"  # a time broken only by points timed beside other work (Bound.quiet): not judged
 NOT_RUN_VERDICT = Verdict(NOT_RUN)
 
 
@@ -109,11 +109,28 @@ def judge(claim: Claim, source: str) -> Row:
         return Row(claim, None, NOT_RUN_VERDICT)
     if isinstance(claim, Shown):
         return Row(claim, ours, Verdict(SHOWN))
+    row = _judge_bound(claim, results, ours)
+    if claim.quiet is None or row.verdict.kind not in (BROKEN, KNOWN_BROKEN, WITHIN_NOISE):
+        return row
+    quiet = claim.quiet(results)
+    if len(quiet) == len(results):
+        return row
+    mine = read(claim.value, quiet) if len(quiet) else None
+    quiet_row = _judge_bound(claim, quiet, mine) if mine is not None else None
+    if quiet_row is not None and quiet_row.verdict.kind in (BROKEN, KNOWN_BROKEN):
+        return quiet_row  # broken where the machine was quiet: a busy one's points are not the cause
+    busy = len(results) - len(quiet)
+    rest = f"the quiet ones alone: {quiet_row.verdict.kind}" if quiet_row is not None else "none is quiet"
+    why = (
+        f"with {busy} of its {len(results)} points timed beside other work it is {row.verdict.kind}, "
+        f"{rest}: not judged; rerun on a quiet machine"
+    )
+    return Row(claim, ours, Verdict(BUSY, f"{BUSY} ({why})"), row.out_of)
+
+
+def _judge_bound(claim: Bound, results: Results, ours: float | tuple[float, float]) -> Row:
+    """A bound's verdict on ``results`` whose value is ``ours``: by its noise band where it has one."""
     out_of = read(claim.out_of, results) if claim.out_of is not None else None
-    busy = read(claim.busy, results) if claim.busy is not None else None
-    if busy:  # before the band: a busy machine's launches are no evidence either way
-        why = f"timed while other work took up to {busy:.2f} of a core: not judged; rerun on a quiet machine"
-        return Row(claim, ours, Verdict(BUSY, f"{BUSY} ({why})"), out_of)
     broken = Verdict(KNOWN_BROKEN if claim.known_broken else BROKEN)
     band = read(claim.noise, results) if claim.noise is not None else None
     if band is None:  # no band, or none to read: the value alone is judged

@@ -238,11 +238,12 @@ class Bound:
     have taken at another speed of the machine (a predicted time's band: at the fit's speed), the
     launches' band alone, shown beside it where the two differ. ``out_of``: for a count (``unit``
     "int"), how many cases it counts among, shown as "k of n": a count of none among none holds
-    only vacuously, and the reader is told so. ``busy``: for a time measured on a CPU, the most
-    cores other work took beside any timing the number rests on (a launch, or the profile its
-    prediction was fitted to) that was not quiet (measure.contention; 0 when every one was): a
-    busy machine's time is evidence neither way, so such a number is not judged, whatever it is
-    (the command names it and does not fail)."""
+    only vacuously, and the reader is told so. ``quiet``: for a time measured on a CPU, the
+    results without the points (plans, cases) any of whose timings (a launch, or the profile its
+    prediction was fitted to) shared the cores with other work (measure.contention; a timing with
+    no record counts as quiet). Where the number is broken or within noise with such points and
+    not broken without them, a busy machine's time decides it, and it is not judged (the command
+    names it and does not fail); a break among the quiet points stands."""
 
     id: str
     system: str
@@ -257,7 +258,7 @@ class Bound:
     noise: Band | None = None
     noise_as_measured: Band | None = None
     out_of: Value | None = None
-    busy: Value | None = None
+    quiet: Callable[[Results], Results] | None = None
 
     def __post_init__(self) -> None:
         if self.out_of is not None and (self.unit != "int" or self.noise is not None):
