@@ -17,8 +17,8 @@ BLOCK = 1024
 
 @triton.jit
 def keep_mask(seed, offsets, p):
-    """Which elements dropout keeps: Philox at (seed, the int64 element offsets), >= p. The one
-    home of the mask, which the attention kernels regenerate in backward too."""
+    """Which elements dropout keeps: Philox at (seed, the int64 element offsets), >= p. The Triton
+    kernels' one home of the mask (the PyTorch path draws its own: _common.dropout_keep_mask)."""
     return tl.rand(seed, offsets.to(tl.int64)) >= p
 
 
