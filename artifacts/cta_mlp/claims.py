@@ -42,6 +42,13 @@ def wrong_result_bound(dtype_eps: float, width: int) -> float:
     return WRONG_RESULT_EPS * (dtype_eps + width**0.5 * FLOAT32_EPS)
 
 
+ON_GPU = dict(  # a GPU part's file (kernels_cuda.json, gpu_cuda.json): the source without its file
+    experiment=EXPERIMENT,
+    evidence="measured",
+    basis="one GPU (the GPU check's; its model is in the results' provenance)",
+    command="nox -s gpu_check",
+    gpu=True,
+)
 KERNELS = dict(
     experiment=EXPERIMENT,
     file="kernels_cpu.json",
@@ -127,14 +134,7 @@ CLAIMS = (
         claim="...and so on a GPU",
         measure="stage and ticketed kernels in bf16 (4096 x 8192 x 8192, 1000 x 4096 x 11008) against "
         "a float32 torch.matmul of the same inputs, max error over max|y|",
-        source=Source(
-            experiment=EXPERIMENT,
-            file="kernels_cuda.json",
-            evidence="measured",
-            basis="one GPU (the GPU check's; its model is in the results' provenance)",
-            command="nox -s gpu_check",
-            gpu=True,
-        ),
+        source=Source(**ON_GPU, file="kernels_cuda.json"),
         value=kernels,
         check=AtMost(wrong_result_bound(2**-7, 11008)),
         unit="e",
@@ -168,14 +168,7 @@ CLAIMS = (
         system="CTA-pipelining",
         claim="measured on one GPU (one GPU as the chain)",
         measure="ticketed one-kernel MLP against cuBLAS back to back, on the GPU check's GPU, best over M",
-        source=Source(
-            experiment=EXPERIMENT,
-            file="gpu_cuda.json",
-            evidence="measured",
-            basis="one GPU (the GPU check's; its model is in the results' provenance)",
-            command="nox -s gpu_check",
-            gpu=True,
-        ),
+        source=Source(**ON_GPU, file="gpu_cuda.json"),
         value=single_gpu,
         unit="%",
     ),
