@@ -36,10 +36,12 @@ class GpuBudget:
 
     @classmethod
     def parse(cls, text: str, **kwargs) -> GpuBudget:
-        """'16GB' / '16GiB' / '11g' (binary GiB, as GPUs are sold), '512MiB', or a byte count."""
+        """'16GB' / '16GiB' / '11g' (binary GiB, as GPUs are sold), '512MiB', '2TB' / '2TiB' (a
+        host's memory; binary too), or a byte count."""
         s = text.strip().lower().replace(" ", "")
-        units = {"gib": GiB, "gb": GiB, "g": GiB, "mib": 2**20, "mb": 2**20, "m": 2**20}
-        accepted = "use e.g. '16GB', '80GiB', '512MiB' or a byte count"
+        units = {"tib": 2**40, "tb": 2**40, "t": 2**40, "gib": GiB, "gb": GiB, "g": GiB}
+        units |= {"mib": 2**20, "mb": 2**20, "m": 2**20}
+        accepted = "use e.g. '16GB', '80GiB', '512MiB', '2TB' or a byte count"
         size = None
         for suffix, unit in units.items():
             number = s.removesuffix(suffix)

@@ -120,7 +120,7 @@ def host_memory_bytes(size: str | None) -> int | None:
         except ValueError:  # its message offers a byte count, which here would be GiB
             raise ValueError(
                 f"--host-mem {size!r} not understood: use a number of GiB (e.g. 256) or a positive "
-                "size with a unit (e.g. '256GiB', '768GB')"
+                "size with a unit (e.g. '256GiB', '768GB', '2TB')"
             ) from None
     if not math.isfinite(gib) or gib <= 0:
         raise ValueError(f"--host-mem must be a finite number of GiB above 0, got {size}")

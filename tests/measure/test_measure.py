@@ -379,7 +379,8 @@ def test_gpu_budget_parsing():
     assert GpuBudget.parse("16GB").capacity_bytes == 16 * GiB
     assert GpuBudget.parse("80gib").usable_bytes < 80 * GiB
     assert GpuBudget.parse("512MiB").capacity_bytes == 512 * 2**20
-    for bad in ("lots", "GB", "1.5.0GB"):
+    assert GpuBudget.parse("2TB").capacity_bytes == GpuBudget.parse("2tib").capacity_bytes == 2048 * GiB
+    for bad in ("lots", "GB", "1.5.0GB", "2PB"):
         with pytest.raises(ValueError, match="not understood"):
             GpuBudget.parse(bad)
     # an amount that is not one: refused in one line, never an OverflowError or a zero budget

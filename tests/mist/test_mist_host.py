@@ -125,4 +125,5 @@ def test_host_memory_takes_gib_or_a_unit():
     """A bare ``--host-mem`` is GiB, a unit is taken as ``--gpu-mem`` takes it (GB binary)."""
     assert host_memory_bytes("128") == host_memory_bytes("128GiB") == host_memory_bytes("128 gb") == 128 * GiB
     assert host_memory_bytes("0.5") == host_memory_bytes("512MiB") == GiB // 2
+    assert host_memory_bytes("1.5TB") == host_memory_bytes("1536") == 1536 * GiB
     assert host_memory_bytes(None) is None
