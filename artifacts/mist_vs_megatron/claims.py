@@ -238,24 +238,26 @@ def _timed_winners(r: Results, at_fit_speed: bool = True) -> list[tuple[dict, fl
     ]
 
 
+def _quiet(r: Results, timings: Callable[[dict], list]) -> Results:
+    """``r`` without the points any of whose ``timings`` (contention records) was not quiet."""
+    return Results(r.path, [p for p in r if not busiest(timings(p.result))])
+
+
 def quiet_cases(r: Results) -> Results:
     """Bound.quiet of the measured comparison: the cases whose profile (the fit that priced their
     plans) and every winner's launches were quiet."""
-
-    def timings(case: dict) -> list:
-        launches = [c for s in SYSTEMS for c in case.get(s, {}).get("launches_contention") or []]
-        return [*launches, case.get("runtime_fit_contention")]
-
-    return Results(r.path, [p for p in r if not busiest(timings(p.result))])
+    return _quiet(
+        r,
+        lambda case: [
+            *(c for s in SYSTEMS for c in case.get(s, {}).get("launches_contention") or []),
+            case.get("runtime_fit_contention"),
+        ],
+    )
 
 
 def quiet_plans(r: Results) -> Results:
     """Bound.quiet of the engine part: the plans whose fit's profile and launches were quiet."""
-
-    def timings(run: dict) -> list:
-        return [*(run.get("launches_contention") or []), run.get("fit_contention")]
-
-    return Results(r.path, [p for p in r if not busiest(timings(p.result))])
+    return _quiet(r, lambda run: [*(run.get("launches_contention") or []), run.get("fit_contention")])
 
 
 def measured_time_error(r: Results) -> float:

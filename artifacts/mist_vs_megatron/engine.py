@@ -767,12 +767,12 @@ def busy_launches(result: dict) -> str:
     other work (measure.contention); "" where none did or nothing is known (results from before
     contention was recorded)."""
     records = result.get("launches_contention") or []
-    shared = [c for c in records if c and not Contention(**c).quiet]
-    if not shared:
+    most = busiest(records)  # 0.0: every launch quiet, or none recorded
+    if not most:
         return ""
-    most = busiest(records)
+    shared = sum(bool(c) and not Contention(**c).quiet for c in records)
     return (
-        f"{len(shared)} of {len(result['launches_contention'])} launch(es) shared the cores with other "
+        f"{shared} of {len(records)} launch(es) shared the cores with other "
         f"work (up to {most:.2f} of a core): not a quiet machine's time"
     )
 
